@@ -1,0 +1,36 @@
+# Two entry points: `make demo` and `make test`. Both create .venv from scratch if needed.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The one torch build the project is tested with (a CPU wheel available locally).
+TORCH_PIN := torch==2.13.0
+
+.PHONY: demo test check lint bench clean
+
+$(VENV)/.base:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base pyproject.toml
+	$(PIP) install -q $(TORCH_PIN) -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.base
+	$(VENV)/bin/trainguard demo
+
+test: $(VENV)/.test
+	$(VENV)/bin/ruff check trainguard tests benchmarks examples
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check trainguard tests benchmarks examples
+
+bench: $(VENV)/.test
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
