@@ -1,0 +1,5 @@
+"""Pure functions over a reader: alerts, non-finite origin, loss health, layer diagnosis."""
+
+from trainguard.analysis._findings import RULES, SEVERITIES, Finding, register_rule, sort_findings
+
+__all__ = ["RULES", "SEVERITIES", "Finding", "register_rule", "sort_findings"]

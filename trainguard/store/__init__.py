@@ -1,0 +1,24 @@
+"""The run-directory format: schema, background writer, reader."""
+
+from trainguard.store._codec import MODE_FIELDS, MODES, PHASES, SCHEMA_VERSION, dumps, loads, to_plain_json
+from trainguard.store._reader import Run, find_runs, open_run, short_op
+from trainguard.store._writer import ExecBatch, RunWriter, acquire_writer, is_user_file, release_writer
+
+__all__ = [
+    "MODES",
+    "MODE_FIELDS",
+    "PHASES",
+    "SCHEMA_VERSION",
+    "ExecBatch",
+    "Run",
+    "RunWriter",
+    "acquire_writer",
+    "dumps",
+    "find_runs",
+    "is_user_file",
+    "loads",
+    "open_run",
+    "release_writer",
+    "short_op",
+    "to_plain_json",
+]

@@ -1,0 +1,125 @@
+"""Encoding helpers shared by the writer and the reader.
+
+NaN and Inf are encoded explicitly: SQLite turns a NaN REAL into NULL, and JSON has no
+spelling for either, so numbers pass through :func:`encode_float` / :func:`dumps`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+SCHEMA_VERSION = 1
+DB_NAME = "run.sqlite"
+
+PHASES = ("forward", "backward", "optimizer", "other")
+PHASE_ID = {name: i for i, name in enumerate(PHASES)}
+
+# Health bit flags of an execution: which non-finite kinds its outputs hold.
+NAN, POS_INF, NEG_INF, UNKNOWN = 1, 2, 4, 8
+
+# Summary fields per tensor-summary mode, in storage order (float64 per field per output).
+# neg / pos count finite values only, as in tfdbg2's FULL_HEALTH.
+MODE_FIELDS: dict[str, tuple[str, ...]] = {
+    "no_tensor": (),
+    "shape": (),
+    "curt_health": ("nonfinite",),
+    "concise_health": ("size", "neg_inf", "pos_inf", "nan"),
+    "full_health": ("size", "neg", "zero", "pos", "neg_inf", "pos_inf", "nan"),
+    "full_tensor": ("size", "neg", "zero", "pos", "neg_inf", "pos_inf", "nan"),
+    "stats": ("size", "neg", "zero", "pos", "neg_inf", "pos_inf", "nan", "min", "max", "mean", "std"),
+}
+MODES = tuple(MODE_FIELDS)
+
+# Scalar flags: the column ``value`` is NULL unless the flag is FINITE.
+FINITE, F_NAN, F_POS_INF, F_NEG_INF = 0, 1, 2, 3
+
+
+def encode_float(x: float | None) -> tuple[float | None, int]:
+    """Split a float into (value, flag) for a SQLite row."""
+    if x is None:
+        return None, F_NAN
+    x = float(x)
+    if math.isfinite(x):
+        return x, FINITE
+    if math.isnan(x):
+        return None, F_NAN
+    return None, F_POS_INF if x > 0 else F_NEG_INF
+
+
+def decode_float(value: float | None, flag: int) -> float:
+    if flag == FINITE:
+        return float(value)
+    return {F_NAN: math.nan, F_POS_INF: math.inf, F_NEG_INF: -math.inf}[flag]
+
+
+def _encode_obj(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"$float": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
+    if isinstance(obj, dict):
+        return {str(k): _encode_obj(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode_obj(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 1) == 0:
+        return _encode_obj(obj.item())  # numpy / torch scalars
+    return obj
+
+
+def _decode_hook(d: dict) -> Any:
+    if len(d) == 1 and "$float" in d:
+        return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[d["$float"]]
+    return d
+
+
+def dumps(obj: Any) -> str:
+    """JSON with non-finite floats spelled as ``{"$float": "nan" | "inf" | "-inf"}``."""
+    return json.dumps(_encode_obj(obj), allow_nan=False, separators=(",", ":"))
+
+
+def loads(text: str | bytes | None) -> Any:
+    if text is None:
+        return None
+    return json.loads(text, object_hook=_decode_hook)
+
+
+def to_plain_json(obj: Any) -> Any:
+    """A JSON-safe copy for HTTP answers: non-finite floats become the strings "NaN", "Infinity"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
+    if isinstance(obj, dict):
+        return {str(k): to_plain_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain_json(v) for v in obj]
+    return obj
+
+
+def health_of(fields: tuple[str, ...], values: list[float]) -> int:
+    """Health flags of one output's summary (fields of the run's mode)."""
+    if not fields:
+        return 0
+    if fields[0] == "nonfinite":
+        return NAN if values[0] else 0  # curt_health cannot tell NaN from Inf
+    flags = 0
+    # concise/full/stats all carry neg_inf, pos_inf, nan at fixed names
+    i = fields.index("nan")
+    if values[i]:
+        flags |= NAN
+    if values[fields.index("pos_inf")]:
+        flags |= POS_INF
+    if values[fields.index("neg_inf")]:
+        flags |= NEG_INF
+    return flags
+
+
+def health_names(flags: int) -> list[str]:
+    out = []
+    if flags & NAN:
+        out.append("nan")
+    if flags & POS_INF:
+        out.append("+inf")
+    if flags & NEG_INF:
+        out.append("-inf")
+    if flags & UNKNOWN:
+        out.append("unknown")
+    return out

@@ -1,0 +1,71 @@
+"""The run database schema (SQLite, WAL). Bump SCHEMA_VERSION on any incompatible change."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from trainguard.store._codec import SCHEMA_VERSION
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS source_files (
+    id INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL, text TEXT, user INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS frames (
+    id INTEGER PRIMARY KEY, file_id INTEGER, filename TEXT NOT NULL, lineno INTEGER NOT NULL,
+    name TEXT NOT NULL, user INTEGER NOT NULL DEFAULT 0);
+-- A stack is stored once; ``frames`` is a JSON list of frame ids, outermost first.
+CREATE TABLE IF NOT EXISTS stacks (id INTEGER PRIMARY KEY, frames TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS op_types (id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL);
+CREATE TABLE IF NOT EXISTS modules (id INTEGER PRIMARY KEY, path TEXT NOT NULL, type TEXT);
+CREATE TABLE IF NOT EXISTS executions (
+    seq INTEGER PRIMARY KEY,      -- global order of execution
+    step INTEGER NOT NULL,
+    phase INTEGER NOT NULL,       -- 0 forward, 1 backward, 2 optimizer, 3 other
+    op_id INTEGER NOT NULL,
+    module_id INTEGER,
+    stack_id INTEGER,
+    fwd_seq INTEGER,              -- backward ops: the forward execution that made their autograd node
+    health INTEGER NOT NULL,      -- bit flags over outputs: 1 NaN, 2 +Inf, 4 -Inf
+    inputs TEXT,                  -- JSON [[kind, ref], ...]; kind: op, param, buffer, input
+    outputs TEXT,                 -- JSON [[dtype, shape, device], ...]
+    summary BLOB,                 -- float64, n_outputs x len(MODE_FIELDS[mode])
+    pinned INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS executions_step ON executions(step);
+CREATE INDEX IF NOT EXISTS executions_bad ON executions(health) WHERE health != 0;
+CREATE TABLE IF NOT EXISTS edges (producer INTEGER NOT NULL, consumer INTEGER NOT NULL, slot INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS edges_producer ON edges(producer);
+CREATE TABLE IF NOT EXISTS payloads (seq INTEGER NOT NULL, slot INTEGER NOT NULL, path TEXT NOT NULL,
+    PRIMARY KEY (seq, slot));
+-- Per-step scalars (loss, lr/0, grad_norm, ...): value is NULL unless flag = 0 (finite).
+CREATE TABLE IF NOT EXISTS scalars (step INTEGER NOT NULL, name TEXT NOT NULL, value REAL,
+    flag INTEGER NOT NULL, wall REAL);
+CREATE INDEX IF NOT EXISTS scalars_name ON scalars(name, step);
+-- Per-layer statistics, long format: kind is activation, gradient, weight or update.
+CREATE TABLE IF NOT EXISTS layer_stats (step INTEGER NOT NULL, layer TEXT NOT NULL, kind TEXT NOT NULL,
+    stat TEXT NOT NULL, value REAL, flag INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS layer_stats_layer ON layer_stats(layer, kind, stat, step);
+CREATE TABLE IF NOT EXISTS histograms (step INTEGER NOT NULL, layer TEXT NOT NULL, kind TEXT NOT NULL,
+    edges TEXT NOT NULL, counts TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS findings (id INTEGER PRIMARY KEY, source TEXT NOT NULL, kind TEXT NOT NULL,
+    severity TEXT NOT NULL, title TEXT NOT NULL, data TEXT NOT NULL, created REAL);
+-- Small named results: doctor reports (JSON), plots (PNG), ...
+CREATE TABLE IF NOT EXISTS artifacts (name TEXT PRIMARY KEY, media_type TEXT NOT NULL, data BLOB NOT NULL,
+    created REAL);
+"""
+
+
+def connect(path: Path, *, create: bool) -> sqlite3.Connection:
+    """Open the run database for writing, creating the schema when asked."""
+    con = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+    con.execute("PRAGMA journal_mode=WAL")
+    # NORMAL in WAL mode: a commit survives a process kill; only an OS crash may lose the last one.
+    con.execute("PRAGMA synchronous=NORMAL")
+    con.execute("PRAGMA busy_timeout=30000")
+    if create:
+        con.executescript(SCHEMA)
+        con.execute(
+            "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+        )
+    return con
