@@ -1,6 +1,7 @@
 """The run-directory format: schema, background writer, reader."""
 
 from trainguard.store._codec import MODE_FIELDS, MODES, PHASES, SCHEMA_VERSION, dumps, loads, to_plain_json
+from trainguard.store._findings import SEVERITIES, Finding, sort_findings
 from trainguard.store._reader import Run, find_runs, open_run, short_op
 from trainguard.store._writer import ExecBatch, RunWriter, acquire_writer, is_user_file, release_writer
 
@@ -9,7 +10,9 @@ __all__ = [
     "MODE_FIELDS",
     "PHASES",
     "SCHEMA_VERSION",
+    "SEVERITIES",
     "ExecBatch",
+    "Finding",
     "Run",
     "RunWriter",
     "acquire_writer",
@@ -20,5 +23,6 @@ __all__ = [
     "open_run",
     "release_writer",
     "short_op",
+    "sort_findings",
     "to_plain_json",
 ]

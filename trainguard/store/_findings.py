@@ -1,8 +1,11 @@
-"""Findings: what a diagnosis says, with evidence and a fix. Rules register themselves."""
+"""Findings: what a diagnosis says, with evidence and a fix.
+
+The record type lives in the store layer because the monitor (capture), the doctor and the
+analysis all produce findings and the run stores them; the rule registry is in ``analysis``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,20 +60,3 @@ class Finding:
 def sort_findings(findings: list[Finding]) -> list[Finding]:
     """Most severe first, then by first step."""
     return sorted(findings, key=lambda f: (-f.rank, f.steps[0] if f.steps else -1, f.kind))
-
-
-# ---------------------------------------------------------------------- rule registry
-Rule = Callable[..., "list[Finding]"]
-RULES: dict[str, Rule] = {}
-
-
-def register_rule(name: str) -> Callable[[Rule], Rule]:
-    """Register a diagnosis rule under ``name``; registering a name twice is an error."""
-
-    def deco(fn: Rule) -> Rule:
-        if name in RULES:
-            raise ValueError(f"diagnosis rule {name!r} is already registered")
-        RULES[name] = fn
-        return fn
-
-    return deco
