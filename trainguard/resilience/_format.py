@@ -1,0 +1,239 @@
+"""The on-disk checkpoint format: names, the manifest, verification and listing.
+
+A checkpoint directory holds ``step-<N>/`` folders (N zero-padded to at least 8 digits). Each
+is written as ``.tmp-step-<N>-<token>/`` beside it and renamed into place once complete, so a
+reader never takes a half-written save for a checkpoint. Inside: the tensor engine's data files
+and ``manifest.json``, written last, which lists every file with its size and SHA-256, holds the
+non-tensor state as JSON, and ends with a digest of its own content. A run directory may keep
+its checkpoints in a ``checkpoints/`` subfolder; :func:`list_checkpoints` looks there too.
+
+This module is light on purpose (no torch import): the CLI and the UI list checkpoints with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from trainguard._errors import CheckpointError
+
+MANIFEST = "manifest.json"
+FORMAT = "trainguard-checkpoint"
+FORMAT_VERSION = 1
+RUN_SUBDIR = "checkpoints"
+LOCK_FILE = ".trainguard-ckpt.lock"
+_COMMITTED = re.compile(r"^step-(\d{8,})$")
+_TEMPORARY = re.compile(r"^\.tmp-step-(\d{8,})-[0-9a-f]+$")
+_CHUNK = 8 << 20
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def temporary_name(step: int, token: str) -> str:
+    return f".tmp-{checkpoint_name(step)}-{token}"
+
+
+def is_temporary(name: str) -> bool:
+    return _TEMPORARY.match(name) is not None
+
+
+def open_for_write(path: Path) -> BinaryIO:
+    """Every checkpoint file is created through here (tests inject write failures at this seam)."""
+    return open(path, "wb")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def write_manifest(directory: Path, body: dict[str, Any]) -> None:
+    """Write ``manifest.json`` with a digest over its body, and fsync it."""
+    doc = dict(body)
+    doc["digest"] = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
+    data = json.dumps(doc, sort_keys=True, indent=1, allow_nan=False).encode()
+    with open_for_write(directory / MANIFEST) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Invalid(Exception):
+    """Why a checkpoint cannot be used; the message is the reason shown to the user."""
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest body, or :class:`Invalid` saying what is wrong with it."""
+    path = directory / MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise Invalid(f"{MANIFEST} is missing") from None
+    except OSError as exc:
+        raise Invalid(f"{MANIFEST} cannot be read: {exc.strerror or exc}") from None
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise Invalid(f"{MANIFEST} is not valid JSON (damaged or cut short)") from None
+    if not isinstance(doc, dict):
+        raise Invalid(f"{MANIFEST} is not a JSON object")
+    digest = doc.pop("digest", None)
+    if digest != "sha256:" + hashlib.sha256(_canonical(doc)).hexdigest():
+        raise Invalid(f"{MANIFEST} fails its own checksum (it was modified or damaged)")
+    if doc.get("format") != FORMAT:
+        raise Invalid(f"{MANIFEST} is not a trainguard checkpoint manifest")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise Invalid(f"checkpoint format version {doc.get('format_version')!r} is not supported "
+                      f"(this trainguard reads version {FORMAT_VERSION})")
+    return doc
+
+
+def check(directory: Path, *, full: bool) -> dict[str, Any]:
+    """The manifest of a whole, undamaged checkpoint, or :class:`Invalid`.
+
+    The quick check (``full=False``) reads only the manifest and the files' sizes; the full check
+    also recomputes every file's SHA-256.
+    """
+    manifest = read_manifest(directory)
+    m = _COMMITTED.match(directory.name)
+    if m is None or int(m.group(1)) != manifest.get("step"):
+        raise Invalid(f"the manifest says step {manifest.get('step')!r}, the directory is {directory.name}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise Invalid(f"{MANIFEST} lists no data files")
+    for name, meta in sorted(files.items()):
+        if Path(name).name != name or name.startswith(".") or name == MANIFEST:
+            raise Invalid(f"{MANIFEST} names an unsafe file {name!r}")
+        path = directory / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise Invalid(f"{name} is missing") from None
+        if size != meta.get("size"):
+            raise Invalid(f"{name} has {size} bytes, the manifest says {meta.get('size')} (truncated or replaced)")
+    if full:
+        for name, meta in sorted(files.items()):
+            if file_digest(directory / name) != meta.get("sha256"):
+                raise Invalid(f"{name} fails its SHA-256 checksum (its content was damaged)")
+    return manifest
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One entry of a checkpoint directory, as :func:`list_checkpoints` sees it.
+
+    ``valid`` is False with a ``reason`` for a damaged checkpoint and for ``complete=False``
+    entries: temporary directories that an interrupted save left behind, which no reader uses.
+    """
+
+    path: Path
+    step: int
+    time: float | None
+    size: int
+    valid: bool
+    reason: str | None = None
+    complete: bool = True
+    pinned: bool = False
+    epoch: int | None = None
+    world_size: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (for the UI)."""
+        d = asdict(self)
+        d["path"] = str(self.path)
+        d["name"] = self.name
+        return d
+
+
+def _dir_size(path: Path) -> int:
+    total = 0
+    try:
+        for entry in os.scandir(path):
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return total
+
+
+def info_for(path: Path, *, full: bool) -> CheckpointInfo:
+    """Inspect one committed ``step-N`` or temporary ``.tmp-step-N-*`` directory."""
+    size = _dir_size(path)
+    m = _TEMPORARY.match(path.name)
+    if m is not None:
+        return CheckpointInfo(path=path, step=int(m.group(1)), time=None, size=size, valid=False, complete=False,
+                              reason="incomplete: a temporary directory left by an interrupted save (ignored)")
+    m = _COMMITTED.match(path.name)
+    if m is None:
+        raise ValueError(f"not a checkpoint directory name: {path.name}")
+    step = int(m.group(1))
+    try:
+        manifest = check(path, full=full)
+    except Invalid as exc:
+        return CheckpointInfo(path=path, step=step, time=None, size=size, valid=False, reason=str(exc))
+    return CheckpointInfo(
+        path=path, step=step, time=manifest.get("time"), size=size, valid=True,
+        pinned=bool(manifest.get("pinned")), epoch=manifest.get("epoch"),
+        world_size=len(manifest.get("ranks", [])) or None, metadata=dict(manifest.get("metadata") or {}),
+    )
+
+
+def resolve_directory(directory: str | os.PathLike[str]) -> Path:
+    """The checkpoint directory for ``directory``, which may also be a run directory holding ``checkpoints/``.
+
+    Raises :class:`CheckpointError` when it does not exist or is not a directory.
+    """
+    path = Path(directory)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    sub = path / RUN_SUBDIR
+    if sub.is_dir() and not any(_is_entry(p.name) for p in path.iterdir()):
+        return sub
+    return path
+
+
+def _is_entry(name: str) -> bool:
+    return _COMMITTED.match(name) is not None or _TEMPORARY.match(name) is not None
+
+
+def list_checkpoints(directory: str | os.PathLike[str], *, verify: bool = False) -> list[CheckpointInfo]:
+    """Every checkpoint (and leftover temporary directory) in ``directory``, oldest step first.
+
+    Light by default: it reads each manifest and compares file sizes. ``verify=True`` also
+    recomputes every file's SHA-256, which reads all the data. Raises :class:`CheckpointError`
+    when ``directory`` does not exist; an existing directory without checkpoints gives ``[]``.
+    """
+    root = resolve_directory(directory)
+    entries = [p for p in root.iterdir() if _is_entry(p.name) and p.is_dir()]
+    infos = [info_for(p, full=verify) for p in entries]
+    # Among equal steps, a leftover temporary directory sorts before the committed checkpoint.
+    return sorted(infos, key=lambda i: (i.step, i.complete, i.name))

@@ -1,0 +1,254 @@
+"""A plain ``DataLoader`` made resumable in the middle of an epoch.
+
+A ``DataLoader`` decides an epoch when its iterator is created: it draws the workers' base seed
+from its generator (the global torch generator when it has none) and its sampler draws the
+shuffle order. :class:`ResumableLoader` does the same draws in the same order, so an
+uninterrupted run sees the batches and random streams the plain loader would give, and it
+remembers the generators' states at the start of the epoch. After a restore, the first
+``iter()`` replays those draws from the remembered states to rebuild the same order and the same
+worker seeds, skips the batches already handed out, and puts the generators back where the
+checkpoint left them; the next ``iter()`` starts the following epoch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from trainguard._errors import CheckpointError
+from trainguard.resilience import _rng
+
+_FAST_FORWARD = ("skip", "replay")
+_STATE_VERSION = 1
+_END = object()
+
+
+class _OneShotSampler:
+    """Hands the underlying loader an index stream that was already started (and maybe advanced)."""
+
+    def __init__(self, indices: Iterator[Any], length: int | None):
+        self._indices = indices
+        self._length = length
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._indices
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("length unknown")
+        return self._length
+
+
+class ResumableLoader:
+    """Wrap a ``torch.utils.data.DataLoader`` so that a checkpoint can resume mid-epoch.
+
+    Iterating gives the same batches in the same order, with the same worker seeding, as the
+    wrapped loader. ``state_dict()`` records the epoch, how many batches this epoch has handed
+    out, and the generator states the epoch was drawn from; after ``load_state_dict()`` the next
+    ``iter()`` continues the interrupted epoch with exactly the next batch.
+
+    ``fast_forward`` says how the batches already seen are passed over on resume:
+
+    * ``"skip"`` (default) skips their indices without loading them: cheap, and exact for the
+      order and the worker seeds. Random numbers a dataset draws *inside* worker processes
+      restart from the workers' seeds rather than from where the interrupted run left them.
+    * ``"replay"`` loads them through the workers and drops them, so worker-side randomness
+      (random augmentation) continues exactly too, at the cost of reading those batches again.
+
+    With ``num_workers=0`` the dataset draws from the process-wide generators, which the
+    checkpoint restores, so skipping is exact and is always used. An ``IterableDataset`` has no
+    indices to skip and is always replayed (in-process replays leave the generators untouched). Workers are started per
+    epoch (``persistent_workers`` is not kept), because an exact resume needs fresh seeds per epoch.
+
+    TrainState wraps a plain ``DataLoader`` in this class itself; ``state.loader`` returns it.
+    """
+
+    def __init__(self, loader: DataLoader, *, fast_forward: str = "skip"):
+        if not isinstance(loader, DataLoader):
+            raise TypeError(f"ResumableLoader wraps a torch.utils.data.DataLoader, got {type(loader).__name__}")
+        if fast_forward not in _FAST_FORWARD:
+            raise ValueError(f"fast_forward must be one of {_FAST_FORWARD}, got {fast_forward!r}")
+        gen = loader.generator
+        if gen is not None and gen.device.type != "cpu":
+            raise ValueError(f"the loader's generator must be a CPU generator, got one on {gen.device}")
+        if loader.persistent_workers:
+            warnings.warn(
+                "ResumableLoader starts workers once per epoch; persistent_workers=True is not kept",
+                stacklevel=2,
+            )
+        self.loader = loader
+        self.fast_forward = fast_forward
+        self._epoch = 0
+        self._yielded = 0
+        self._in_epoch = False
+        self._epoch_start: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+        self._token: object = object()
+
+    # -- the loader's face -------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet: avoid recursing during unpickling or a failed __init__
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    @property
+    def epoch(self) -> int:
+        """Epochs started so far (the current one included)."""
+        return self._epoch
+
+    @property
+    def batches_yielded(self) -> int:
+        """Batches handed out in the current epoch."""
+        return self._yielded
+
+    def __iter__(self) -> Iterator[Any]:
+        pending, self._pending = self._pending, None
+        return self._start_epoch(pending)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "in_epoch": self._in_epoch,
+            "yielded": self._yielded,
+            "epoch_start": self._epoch_start,
+            "generators": [_rng.capture_generator(g) for g in self._generators()],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            if state["version"] != _STATE_VERSION:
+                raise CheckpointError(f"unsupported ResumableLoader state version {state['version']!r}")
+            gens = self._generators()
+            if len(state["generators"]) != len(gens):
+                raise CheckpointError(
+                    f"the loader had {len(state['generators'])} generator(s) when saved, now {len(gens)}"
+                )
+            for gen, s in zip(gens, state["generators"], strict=True):
+                _rng.restore_generator(gen, s)
+            self._epoch = int(state["epoch"])
+            self._yielded = int(state["yielded"])
+            self._in_epoch = bool(state["in_epoch"])
+            self._epoch_start = state["epoch_start"]
+        except KeyError as exc:
+            raise CheckpointError(f"loader state lacks {exc}") from None
+        self._token = object()  # iterators made before the restore no longer count
+        self._pending = dict(state) if self._in_epoch else None
+        if self._in_epoch and self._epoch_start is None:
+            raise CheckpointError("loader state is mid-epoch but lacks the epoch's generator states")
+
+    # -- epochs ------------------------------------------------------------------------------
+
+    def _generators(self) -> list[torch.Generator]:
+        """Generators the loader and its samplers own, which the epoch's order is drawn from."""
+        loader = self.loader
+        found: list[torch.Generator] = []
+        candidates = [
+            loader.generator,
+            getattr(loader.sampler, "generator", None),
+            getattr(getattr(loader.batch_sampler, "sampler", None), "generator", None),
+        ]
+        for gen in candidates:
+            if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+                found.append(gen)
+        return found
+
+    def _start_epoch(self, resume: dict[str, Any] | None) -> Iterator[Any]:
+        loader = self.loader
+        gens = self._generators()
+        iterable = isinstance(loader.dataset, IterableDataset)
+        if resume is not None:
+            now = _rng.capture_all(gens)
+            _rng.restore_all(self._epoch_start or {}, gens)
+            skip = self._yielded
+        else:
+            skip = 0
+        start = _rng.capture_all(gens)
+        # The state the base seed is drawn from; the underlying loader draws it again from a
+        # private copy, so that its workers get the same seeds without touching the caller's RNG.
+        source = loader.generator
+        seed_gen = torch.Generator()
+        seed_gen.set_state(source.get_state() if source is not None else torch.get_rng_state())
+        torch.empty((), dtype=torch.int64).random_(generator=source)
+        if iterable:
+            indices: Iterator[Any] | None = None
+            length = None
+        else:
+            index_sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+            try:
+                length = len(index_sampler)
+            except TypeError:
+                length = None
+            it = iter(index_sampler)
+            first = next(it, _END)  # samplers draw their order lazily: make them draw now
+            indices = it if first is _END else itertools.chain([first], it)
+        if resume is not None:
+            _rng.restore_all(now, gens)
+        discard = skip
+        # Without workers the dataset draws from the process-wide generators, whose restored state
+        # already accounts for the batches handed out: skipping their indices is the exact way.
+        in_process = loader.num_workers == 0
+        if indices is not None and (self.fast_forward == "skip" or in_process) and skip:
+            consumed = sum(1 for _ in itertools.islice(indices, skip))
+            discard = 0
+            if length is not None:
+                length = max(length - consumed, 0)
+        underlying = self._underlying(indices, length, seed_gen)
+        if resume is None:
+            self._epoch += 1
+            self._yielded = 0
+            self._epoch_start = start
+        self._in_epoch = True
+        self._token = token = object()
+        return self._run(iter(underlying), token, discard, protect_rng=in_process)
+
+    def _underlying(self, indices: Iterator[Any] | None, length: int | None,
+                    seed_gen: torch.Generator) -> DataLoader:
+        loader = self.loader
+        kwargs: dict[str, Any] = {
+            "num_workers": loader.num_workers,
+            "collate_fn": loader.collate_fn,
+            "pin_memory": loader.pin_memory,
+            "timeout": loader.timeout,
+            "worker_init_fn": loader.worker_init_fn,
+            "multiprocessing_context": loader.multiprocessing_context,
+            "generator": seed_gen,
+            "pin_memory_device": loader.pin_memory_device,
+        }
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        if hasattr(loader, "in_order"):
+            kwargs["in_order"] = loader.in_order
+        if indices is None:  # IterableDataset: batching is the loader's own
+            return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
+        sampler = _OneShotSampler(indices, length)
+        if loader.batch_sampler is not None:
+            return DataLoader(loader.dataset, batch_sampler=sampler, **kwargs)  # type: ignore[arg-type]
+        return DataLoader(loader.dataset, batch_size=None, sampler=sampler, **kwargs)  # type: ignore[arg-type]
+
+    def _run(self, it: Iterator[Any], token: object, discard: int, *, protect_rng: bool) -> Iterator[Any]:
+        if discard:
+            # Replaying in this process would draw again what the restored RNG state already drew.
+            saved = _rng.capture_global() if protect_rng else None
+            for _ in range(discard):
+                if next(it, _END) is _END:
+                    break
+            if saved is not None:
+                _rng.restore_global(saved)
+        for batch in it:
+            if token is self._token:
+                self._yielded += 1
+            yield batch
+        if token is self._token:
+            self._in_epoch = False

@@ -1,0 +1,554 @@
+"""CheckpointManager: atomic, verified, retained checkpoints of a TrainState."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import math
+import shutil
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainguard._errors import CheckpointError
+from trainguard.resilience import _dist, _engine, _format
+from trainguard.resilience._codec import Encoder, decode, dtype_from_name, tensor_refs
+from trainguard.resilience._format import CheckpointInfo, Invalid
+from trainguard.resilience._state import RNG, TrainState
+
+if TYPE_CHECKING:
+    from trainguard.resilience._loop import ResumeLoop
+
+log = logging.getLogger("trainguard.resilience")
+
+_now = time.time  # one clock for save times, intervals and keep_every_hours (tests move it)
+_LOCK_WAIT_S = 30.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointPolicy:
+    """When to save and what to keep; validated on creation."""
+
+    keep: int = 3
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    keep_every_hours: float | None = None
+    async_save: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise ValueError(f"keep must be an int >= 1, got {self.keep!r}")
+        if self.every_steps is not None and (
+            isinstance(self.every_steps, bool) or not isinstance(self.every_steps, int) or self.every_steps < 1
+        ):
+            raise ValueError(f"every_steps must be an int >= 1 or None, got {self.every_steps!r}")
+        for name in ("every_seconds", "keep_every_hours"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
+            ):
+                raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
+
+
+@dataclass
+class _Job:
+    step: int
+    epoch: int
+    shared: dict[str, Any]
+    local: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, Any]
+    time: float
+
+
+def _root_cause(exc: BaseException) -> str:
+    """One line for an exception, unwrapping DCP's per-rank wrapper."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        inner = getattr(wrapped, "exc", wrapped)
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _acquire_lock(directory: Path) -> Any:
+    f = open(directory / _format.LOCK_FILE, "a+b")
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return f
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                f.close()
+                raise CheckpointError(f"another process has been saving into {directory} for "
+                                      f"{_LOCK_WAIT_S:.0f}s; two runs must not share a checkpoint directory") from None
+            time.sleep(0.05)
+
+
+def _release_lock(f: Any) -> None:
+    if f is not None:
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        f.close()
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Temporary and trash directories of saves that died; only called while holding the lock."""
+    for p in directory.iterdir():
+        if p.is_dir() and (_format.is_temporary(p.name) or p.name.startswith(".trash-step-")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _json_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        raise TypeError(f"metadata must be a dict with string keys, got {metadata!r}")
+    try:
+        return json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metadata must be plain JSON (no NaN): {exc}") from None
+
+
+class CheckpointManager:
+    """Save, keep and restore checkpoints of a :class:`TrainState` in one directory.
+
+    Mirrors ``tf.train.CheckpointManager``: ``save()`` writes ``step-<N>/`` atomically (temporary
+    directory, fsynced files, a manifest with a SHA-256 per file written last, rename, fsync of
+    the parent), then prunes to the ``keep`` newest valid checkpoints plus one every
+    ``keep_every_hours``. ``restore()`` loads the newest checkpoint that verifies, warning about
+    each newer one it skips and why. ``resume()`` is the loop form (Keras ``BackupAndRestore``).
+
+    ``every_steps`` / ``every_seconds`` drive the saves that :meth:`resume` makes. With
+    ``async_save=True`` ``save()`` returns once the state is copied to host memory and writes in
+    a background thread; a failure there is raised by the next ``save()``, ``wait()`` or
+    ``close()``.
+
+    Under ``torch.distributed`` every rank calls the same methods in the same order.
+
+    Example::
+
+        ckpt = tg.CheckpointManager("runs/exp1/checkpoints", keep=3, every_steps=500)
+        state = tg.TrainState(model=model, optimizer=opt, loader=loader)
+        for step in ckpt.resume(state, total_steps=10_000):
+            ...
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, every_steps: int | None = None,
+                 every_seconds: float | None = None, keep_every_hours: float | None = None,
+                 async_save: bool = False):
+        self.directory = Path(directory)
+        self.policy = CheckpointPolicy(keep=keep, every_steps=every_steps, every_seconds=every_seconds,
+                                       keep_every_hours=keep_every_hours, async_save=async_save)
+        self._groups = _dist.Groups()
+        self._stager = _engine.Stager()
+        self._thread: threading.Thread | None = None
+        self._failure: tuple[int, BaseException] | None = None
+        self._last: CheckpointInfo | None = None
+        self._created = _now()
+        self.last_save_time = self._created
+        self.last_saved_step: int | None = None
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.directory)!r}, {self.policy})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def list(self, *, verify: bool = False) -> list[CheckpointInfo]:
+        """All checkpoints, oldest first (see :func:`list_checkpoints`); ``[]`` before the first save."""
+        if not self.directory.exists():
+            return []
+        return _format.list_checkpoints(self.directory, verify=verify)
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest checkpoint that passes the quick check (manifest and sizes), or None."""
+        valid = [i for i in self.list() if i.valid]
+        return valid[-1] if valid else None
+
+    def due(self, step: int) -> bool:
+        """Whether the interval policy asks for a save after ``step`` completed steps."""
+        if self.last_saved_step == step:
+            return False
+        if self.policy.every_steps is not None and step % self.policy.every_steps == 0:
+            return True
+        return self.policy.every_seconds is not None and _now() - self.last_save_time >= self.policy.every_seconds
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def save(self, state: TrainState, step: int | None = None, *, metadata: dict[str, Any] | None = None,
+             blocking: bool | None = None) -> CheckpointInfo | None:
+        """Checkpoint ``state`` as ``step`` (default ``state.step``; ``state.step`` is set to it).
+
+        Returns the committed checkpoint's info, or None when the save went to the background
+        (``blocking=False``, or ``async_save=True`` and ``blocking`` left unset). The state is
+        snapshotted before this returns either way: later updates never reach the checkpoint.
+        ``metadata`` is a small JSON dict stored in the manifest (shown by ``ckpt list``).
+        Raises :class:`CheckpointError` when the save fails; earlier checkpoints stay intact.
+        """
+        self._join()
+        step = state.step if step is None else step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        meta = _json_metadata(metadata)
+        state.step = step
+        rank, _ = _dist.rank_world()
+        captured = state.capture()
+        enc = Encoder()
+        shared = {name: enc.encode(v, name) for name, v in captured.shared.items()}
+        local = {name: enc.encode(v, f"rank{rank}/{name}") for name, v in captured.local.items()}
+        background = self.policy.async_save if blocking is None else not blocking
+        tensors = self._stager.stage(enc.tensors) if background else dict(enc.tensors)
+        job = _Job(step=step, epoch=captured.epoch, shared=shared, local=local, tensors=tensors,
+                   metadata=meta, time=_now())
+        self.last_save_time = job.time
+        self.last_saved_step = step
+        if not background:
+            self._last = self._commit(job)
+            return self._last
+        self._thread = threading.Thread(target=self._background, args=(job,), name="trainguard-checkpoint")
+        self._thread.start()
+        return None
+
+    def wait(self) -> CheckpointInfo | None:
+        """Wait for a background save; return the last committed checkpoint, raise if it failed."""
+        self._join()
+        return self._last
+
+    def close(self) -> None:
+        """Finish a background save (raising its failure) and free the staging buffers."""
+        try:
+            self._join()
+        finally:
+            self._stager.release()
+
+    def _background(self, job: _Job) -> None:
+        try:
+            self._last = self._commit(job)
+        except BaseException as exc:  # kept for the caller's next save()/wait(); training goes on
+            self._failure = (job.step, exc)
+            log.error("background checkpoint save of step %d failed: %s", job.step, exc)
+
+    def _join(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            step, exc = failure
+            raise CheckpointError(f"the background save of step {step} failed: {exc}") from exc
+
+    def _commit(self, job: _Job) -> CheckpointInfo:
+        group = self._groups.io()
+        rank, world = _dist.rank_world()
+        name = _format.checkpoint_name(job.step)
+        token = _dist.broadcast_bytes(uuid.uuid4().hex[:12].encode() if rank == 0 else None, group).decode()
+        tmp = self.directory / _format.temporary_name(job.step, token)
+        lock = None
+        try:
+            problem = None
+            if rank == 0:
+                try:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                    lock = _acquire_lock(self.directory)
+                    _remove_leftovers(self.directory)
+                    tmp.mkdir()
+                except (OSError, CheckpointError) as exc:
+                    problem = exc
+            if _dist.all_max([problem is not None], group)[0]:
+                why = _root_cause(problem) if problem is not None else "rank 0 could not start the save"
+                raise CheckpointError(f"cannot save {name} into {self.directory}: {why}")
+            try:
+                engine_meta, written = _engine.save_tensors(job.tensors, tmp, group)
+                files = {p.name: {"size": p.stat().st_size, "sha256": _format.file_digest(p)} for p in written}
+                payload: dict[str, Any] = {"state": job.local, "files": files, "error": None}
+            except Exception as exc:
+                engine_meta, payload = None, {"error": _root_cause(exc)}
+            ranks = [json.loads(b) for b in _dist.all_gather_bytes(json.dumps(payload).encode(), group)]
+            errors = [f"rank {r}: {p['error']}" if world > 1 else p["error"]
+                      for r, p in enumerate(ranks) if p["error"]]
+            if errors:
+                raise CheckpointError(f"saving {name} into {self.directory} failed: {'; '.join(errors)}; "
+                                      "earlier checkpoints are untouched")
+            info, problem = None, None
+            if rank == 0:
+                try:
+                    info = self._publish(job, tmp, token, engine_meta, ranks, world)
+                except Exception as exc:
+                    problem = exc
+            if _dist.all_max([problem is not None], group)[0]:
+                why = _root_cause(problem) if problem is not None else "rank 0 could not commit it"
+                raise CheckpointError(f"saving {name} into {self.directory} failed: {why}; "
+                                      "earlier checkpoints are untouched")
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            _release_lock(lock)
+        if rank == 0:
+            self._prune()
+        return info if info is not None else _format.info_for(self.directory / name, full=False)
+
+    def _publish(self, job: _Job, tmp: Path, token: str, engine_meta: dict | None,
+                 ranks: list[dict[str, Any]], world: int) -> CheckpointInfo:
+        """Rank 0: write the manifest last, then rename the finished directory into place."""
+        from trainguard import __version__
+
+        files: dict[str, Any] = {}
+        for r in ranks:
+            files.update(r["files"])
+        body = {
+            "format": _format.FORMAT,
+            "format_version": _format.FORMAT_VERSION,
+            "step": job.step,
+            "epoch": job.epoch,
+            "time": job.time,
+            "pinned": self._pin(job.time),
+            "world_size": world,
+            "trainguard_version": __version__,
+            "torch_version": torch.__version__,
+            "metadata": job.metadata,
+            "files": files,
+            "engine": engine_meta,
+            "state": job.shared,
+            "ranks": [{"state": r["state"]} for r in ranks],
+        }
+        _format.write_manifest(tmp, body)
+        _format.fsync_dir(tmp)
+        final = self.directory / _format.checkpoint_name(job.step)
+        trash = None
+        if final.exists():  # the same step again, e.g. after falling back past a damaged one
+            trash = self.directory / f".trash-{final.name}-{token}"
+            final.rename(trash)
+        tmp.rename(final)
+        _format.fsync_dir(self.directory)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        return _format.info_for(final, full=False)
+
+    def _pin(self, now: float) -> bool:
+        hours = self.policy.keep_every_hours
+        if hours is None:
+            return False
+        pinned = [i.time for i in self.list() if i.valid and i.pinned and i.time is not None]
+        return now - max(pinned, default=self._created) >= hours * 3600
+
+    def _prune(self) -> None:
+        """Keep the ``keep`` newest valid checkpoints and the pinned ones; never the newest valid."""
+        try:
+            entries = [i for i in self.list() if i.complete]
+            valid = [i for i in entries if i.valid]
+            if not valid:
+                return
+            retained = {i.path for i in valid[-self.policy.keep:]} | {i.path for i in valid if i.pinned}
+            newest = valid[-1].step
+            for info in entries:
+                if info.path in retained or info.step >= newest:
+                    continue
+                if not info.valid:
+                    log.warning("removing damaged checkpoint %s (%s)", info.name, info.reason)
+                shutil.rmtree(info.path)
+        except OSError as exc:  # a failed cleanup must not fail a committed save
+            log.warning("pruning %s failed: %s", self.directory, exc)
+
+    def delete_all(self) -> None:
+        """Remove every checkpoint of this directory (rank 0; collective under torch.distributed)."""
+        self._join()
+        rank, _ = _dist.rank_world()
+        if rank == 0 and self.directory.exists():
+            for info in self.list():
+                shutil.rmtree(info.path, ignore_errors=True)
+            (self.directory / _format.LOCK_FILE).unlink(missing_ok=True)
+            try:
+                self.directory.rmdir()
+            except OSError:
+                pass  # other files live there
+        _dist.all_max([0], self._groups.io())
+
+    # -- restoring ---------------------------------------------------------------------------
+
+    def restore(self, state: TrainState, *, strict: bool = True) -> int | None:
+        """Load the newest valid checkpoint into ``state``; return its step, or None if there is none.
+
+        Each checkpoint is fully verified (every file's SHA-256) before it is used; a newer one
+        that fails is skipped with a warning naming it and the reason. Raises
+        :class:`CheckpointError` when checkpoints exist but none is valid, or when the state
+        does not fit (naming missing, unexpected and mis-shaped keys). ``strict=False`` lets the
+        state and the checkpoint hold different objects, or different world sizes (then only
+        the shared state is restored); mismatched keys inside an object always raise.
+        """
+        self._join()
+        group = self._groups.io()
+        rank, world = _dist.rank_world()
+        decision = None
+        if rank == 0:
+            decision = json.dumps(self._choose()).encode()
+        choice = json.loads(_dist.broadcast_bytes(decision, group))
+        if rank == 0:
+            for name, reason in choice["skipped"]:
+                warnings.warn(f"skipping checkpoint {name} in {self.directory}: {reason}",
+                              CheckpointFallbackWarning, stacklevel=2)
+        if choice["error"]:
+            raise CheckpointError(choice["error"])
+        if choice["name"] is None:
+            return None
+        path = self.directory / choice["name"]
+        try:
+            manifest = _format.read_manifest(path)
+        except Invalid as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+        self._load(state, path, manifest, strict=strict, group=group, rank=rank, world=world)
+        self.last_save_time = _now()
+        self.last_saved_step = int(manifest["step"])
+        return self.last_saved_step
+
+    def _choose(self) -> dict[str, Any]:
+        if not self.directory.exists():
+            return {"name": None, "skipped": [], "error": None}
+        entries = self.list()
+        skipped = [[i.name, i.reason] for i in entries if not i.complete]
+        committed = sorted((i for i in entries if i.complete), key=lambda i: i.step, reverse=True)
+        for info in committed:
+            reason = info.reason
+            if info.valid:
+                try:
+                    _format.check(info.path, full=True)
+                    return {"name": info.name, "skipped": skipped, "error": None}
+                except Invalid as exc:
+                    reason = str(exc)
+            skipped.append([info.name, reason])
+        error = None
+        if committed:
+            error = f"no valid checkpoint in {self.directory}: " + "; ".join(f"{n}: {r}" for n, r in skipped)
+        return {"name": None, "skipped": skipped, "error": error}
+
+    def _load(self, state: TrainState, path: Path, manifest: dict[str, Any], *, strict: bool, group: Any,
+              rank: int, world: int) -> None:
+        saved_shared: dict[str, Any] = manifest["state"]
+        saved_ranks: list[dict[str, Any]] = manifest["ranks"]
+        saved_local: dict[str, Any] | None = None
+        if len(saved_ranks) == world:
+            saved_local = saved_ranks[rank]["state"]
+        elif strict:
+            raise CheckpointError(
+                f"{path.name} was written by {len(saved_ranks)} rank(s), this run has {world}: per-rank state "
+                "(RNG, data position) cannot be mapped; restore(strict=False) restores the shared state only")
+        current = state.capture()
+        problems = _name_problems(current.shared, saved_shared, current.local, saved_local)
+        if problems and strict:
+            raise CheckpointError(f"{path.name} does not fit this TrainState: {'; '.join(problems)}")
+        if problems:
+            warnings.warn(f"restoring {path.name} partially: {'; '.join(problems)}", stacklevel=3)
+        shared_names = [n for n in current.shared if n in saved_shared]
+        local_names = [n for n in current.local if saved_local is not None and n in saved_local]
+        enc = Encoder()
+        current_trees = {n: enc.encode(current.shared[n], n) for n in shared_names}
+        current_trees.update({f"rank{rank}/{n}": enc.encode(current.local[n], f"rank{rank}/{n}")
+                              for n in local_names})
+        saved_trees = {n: saved_shared[n] for n in shared_names}
+        saved_trees.update({f"rank{rank}/{n}": saved_local[n] for n in local_names})  # type: ignore[index]
+        mismatch = []
+        for key, tree in saved_trees.items():
+            mismatch += _fit_problems(key, state, tree, current_trees[key], enc.tensors)
+        if mismatch:
+            raise CheckpointError(f"{path.name} does not fit: {'; '.join(mismatch)}")
+        engine_tensors = (manifest.get("engine") or {}).get("tensors", {})
+        targets: dict[str, torch.Tensor] = {}
+        for tree in saved_trees.values():
+            for ref in tensor_refs(tree):
+                key = ref["key"]
+                if key not in engine_tensors:
+                    raise CheckpointError(f"{path.name}: tensor {key!r} is in the manifest but not in the data")
+                cur = enc.tensors.get(key)
+                if cur is not None and _engine._is_dtensor(cur):
+                    targets[key] = torch.empty_like(cur.detach())
+                else:
+                    dtype = cur.dtype if cur is not None else dtype_from_name(ref["dtype"])
+                    targets[key] = torch.empty(ref["shape"], dtype=dtype)
+        try:
+            _engine.load_tensors(targets, path, manifest["engine"], group)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"reading tensors from {path} failed: {_root_cause(exc)}") from exc
+        shared = {n: decode(saved_shared[n], targets) for n in shared_names}
+        local = None
+        if saved_local is not None:
+            local = {n: decode(saved_local[n], targets) for n in local_names}
+        state.apply(shared, local, step=int(manifest["step"]), epoch=int(manifest.get("epoch", 0)))
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def resume(self, state: TrainState, *, total_steps: int | None = None, epochs: int | None = None,
+               delete_on_success: bool = False, handle_signals: bool = True) -> ResumeLoop:
+        """Restore now, then loop over the remaining steps or epochs; see :class:`ResumeLoop`."""
+        from trainguard.resilience._loop import ResumeLoop
+
+        return ResumeLoop(self, state, total_steps=total_steps, epochs=epochs,
+                          delete_on_success=delete_on_success, handle_signals=handle_signals)
+
+
+class CheckpointFallbackWarning(UserWarning):
+    """A newer checkpoint was skipped on restore because it is damaged or incomplete."""
+
+
+def _name_problems(cur_shared: dict, saved_shared: dict, cur_local: dict, saved_local: dict | None) -> list[str]:
+    problems = []
+    cur = set(cur_shared) | ({n for n in cur_local if n != RNG} if saved_local is not None else set())
+    saved = set(saved_shared) | ({n for n in saved_local if n != RNG} if saved_local is not None else set())
+    if cur - saved:
+        problems.append(f"no state saved for {', '.join(sorted(cur - saved))}")
+    if saved - cur:
+        problems.append(f"saved state for {', '.join(sorted(saved - cur))} has no object here")
+    return problems
+
+
+def _entries(tree: Any) -> dict[Any, Any] | None:
+    """The top-level entries of an encoded mapping, or None if it is not one."""
+    if isinstance(tree, dict) and tree.get("__tg__") in ("odict", "dict"):
+        return {_key(k): v for k, v in tree["v"]}
+    if isinstance(tree, dict) and "__tg__" not in tree:
+        return dict(tree)
+    return None
+
+
+def _key(k: Any) -> Any:
+    return json.dumps(k, sort_keys=True) if isinstance(k, (dict, list)) else k
+
+
+def _fit_problems(key: str, state: TrainState, saved: Any, current: Any, current_tensors: dict) -> list[str]:
+    """Missing, unexpected and mis-shaped keys of a module; mis-shaped tensors of anything else."""
+    name = key.split("/", 1)[-1]
+    obj = dict(state.items()).get(name)
+    problems: list[str] = []
+    if isinstance(obj, torch.nn.Module):
+        s, c = _entries(saved) or {}, _entries(current) or {}
+        missing = [k for k in c if k not in s]
+        unexpected = [k for k in s if k not in c]
+        if missing:
+            problems.append(f"{name!r} has keys the checkpoint lacks (missing): {', '.join(map(str, missing))}")
+        if unexpected:
+            problems.append(f"the checkpoint has keys {name!r} lacks (unexpected): {', '.join(map(str, unexpected))}")
+    saved_shapes = {r["key"]: r["shape"] for r in tensor_refs(saved)}
+    shaped = []
+    for ref in tensor_refs(current):
+        want = saved_shapes.get(ref["key"])
+        if want is not None and list(want) != list(ref["shape"]):
+            shaped.append(f"{ref['key'].split('/', 1)[-1]} (checkpoint {list(want)}, here {list(ref['shape'])})")
+    if shaped:
+        problems.append(f"mis-shaped in {name!r}: {', '.join(shaped)}")
+    return problems

@@ -1,0 +1,145 @@
+"""TrainState: everything a resumed run needs to continue exactly where the old one stopped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from trainguard._errors import CheckpointError
+from trainguard.resilience import _rng
+from trainguard.resilience._loader import ResumableLoader
+
+RNG = "rng"  # the per-rank entry holding the process-wide generators
+_RESERVED = frozenset({"step", "epoch", RNG})
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _is_stateful_dataloader(obj: Any) -> bool:
+    return isinstance(obj, DataLoader) and _stateful(obj)
+
+
+@dataclass
+class Captured:
+    """A state's content at one moment: ``shared`` is the same on every rank (model, optimizer,
+    scheduler...), ``local`` differs per rank (RNG, data position)."""
+
+    shared: dict[str, Any]
+    local: dict[str, Any]
+    step: int
+    epoch: int
+
+
+class TrainState:
+    """The whole training state, saved and restored by :class:`CheckpointManager`.
+
+    Pass every object with ``state_dict()`` / ``load_state_dict()`` by name: model, optimizer,
+    LR scheduler, ``GradScaler``, data loaders and samplers, your own objects; also any
+    ``torch.Generator`` you draw from. trainguard adds its own ``step`` and ``epoch`` counters and
+    every process-wide RNG: Python ``random``, NumPy's global generator, torch's CPU generator and
+    each initialised CUDA device's.
+
+    A plain ``DataLoader`` is wrapped in a :class:`ResumableLoader`; iterate ``state.<name>``
+    (not the original loader) so that a restore can continue mid-epoch. torchdata's
+    ``StatefulDataLoader`` is used as it is. Loaders, samplers and generators are saved per rank;
+    everything else once (replicated or sharded tensors go through the engine, which dedups).
+
+    Example::
+
+        state = tg.TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader)
+        for x, y in state.loader:
+            ...
+    """
+
+    def __init__(self, **stateful: Any):
+        objects: dict[str, Any] = {}
+        local: set[str] = set()
+        for name, obj in stateful.items():
+            if name.startswith("_") or name in _RESERVED or hasattr(TrainState, name):
+                raise ValueError(f"{name!r} is reserved in TrainState, choose another name")
+            if isinstance(obj, DataLoader) and not _stateful(obj):
+                obj = ResumableLoader(obj)
+            if isinstance(obj, (DataLoader, ResumableLoader, Sampler, torch.Generator)):
+                local.add(name)
+            if not (_stateful(obj) or isinstance(obj, torch.Generator)):
+                raise TypeError(
+                    f"TrainState({name}=...) needs an object with state_dict() and load_state_dict(), "
+                    f"got {type(obj).__name__}"
+                )
+            objects[name] = obj
+        self._objects = objects
+        self._local = frozenset(local)
+        self.step = 0
+        self.epoch = 0
+
+    def __getattr__(self, name: str) -> Any:
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"TrainState has no {name!r}; it holds {', '.join(objects) or 'nothing'}")
+
+    def __repr__(self) -> str:
+        return f"TrainState(step={self.step}, epoch={self.epoch}, objects={list(self._objects)})"
+
+    def names(self) -> list[str]:
+        """The names of the objects held, in the order given."""
+        return list(self._objects)
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return iter(self._objects.items())
+
+    def is_rank_local(self, name: str) -> bool:
+        """True for objects whose state differs per rank (loaders, samplers, generators)."""
+        return name in self._local
+
+    # -- used by CheckpointManager -----------------------------------------------------------
+
+    def capture(self) -> Captured:
+        shared: dict[str, Any] = {}
+        local: dict[str, Any] = {}
+        for name, obj in self._objects.items():
+            try:
+                value = _rng.capture_generator(obj) if isinstance(obj, torch.Generator) else obj.state_dict()
+            except Exception as exc:
+                raise CheckpointError(f"{name}.state_dict() failed: {type(exc).__name__}: {exc}") from exc
+            (local if name in self._local else shared)[name] = value
+        local[RNG] = _rng.capture_global()
+        return Captured(shared=shared, local=local, step=int(self.step), epoch=int(self.epoch))
+
+    def apply(self, shared: dict[str, Any], local: dict[str, Any] | None, *, step: int, epoch: int) -> None:
+        """Load restored state into the objects; the RNG is restored last, after anything that draws."""
+        for name, value in shared.items():
+            self._load(name, value)
+        for name, value in (local or {}).items():
+            if name != RNG:
+                self._load(name, value)
+        for name in local or {}:
+            obj = self._objects.get(name)
+            if _is_stateful_dataloader(obj):
+                # A StatefulDataLoader draws a base seed from the global generator when it makes
+                # the resumed iterator, which an uninterrupted run did not do at this point. Make
+                # that iterator now (state_dict() does, and iter() then reuses it) so that the RNG
+                # restore below erases the extra draw.
+                obj.state_dict()
+        self.step = int(step)
+        self.epoch = int(epoch)
+        if local is not None and RNG in local:
+            _rng.restore_global(local[RNG])
+
+    def _load(self, name: str, value: Any) -> None:
+        obj = self._objects[name]
+        try:
+            if isinstance(obj, torch.Generator):
+                _rng.restore_generator(obj, value)
+            else:
+                obj.load_state_dict(value)
+        except CheckpointError as exc:
+            raise CheckpointError(f"cannot restore {name!r}: {exc}") from exc
+        except Exception as exc:
+            raise CheckpointError(f"cannot restore {name!r}: {type(exc).__name__}: {exc}") from exc
