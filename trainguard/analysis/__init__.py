@@ -1,6 +1,20 @@
 """Pure functions over a reader: alerts, non-finite origin, loss health, layer diagnosis."""
 
+from trainguard.analysis._origin import Link, Origin, describe_summary, origin
+from trainguard.analysis._report import build_report, source_excerpt
 from trainguard.analysis._rules import RULES, register_rule
 from trainguard.store import SEVERITIES, Finding, sort_findings
 
-__all__ = ["RULES", "SEVERITIES", "Finding", "register_rule", "sort_findings"]
+__all__ = [
+    "RULES",
+    "SEVERITIES",
+    "Finding",
+    "Link",
+    "Origin",
+    "build_report",
+    "describe_summary",
+    "origin",
+    "register_rule",
+    "sort_findings",
+    "source_excerpt",
+]

@@ -1,0 +1,6 @@
+"""The hot path: the dispatch-mode recorder, module attribution, stacks, summaries."""
+
+from trainguard.capture._recorder import Recorder, check_numerics, disable, enable, record
+from trainguard.capture._steps import current_step, step
+
+__all__ = ["Recorder", "check_numerics", "current_step", "disable", "enable", "record", "step"]

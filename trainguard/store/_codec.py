@@ -98,16 +98,15 @@ def health_of(fields: tuple[str, ...], values: list[float]) -> int:
     """Health flags of one output's summary (fields of the run's mode)."""
     if not fields:
         return 0
+    # Counts are compared with "> 0": a NaN count means "unknown" (uninitialised memory).
     if fields[0] == "nonfinite":
-        return NAN if values[0] else 0  # curt_health cannot tell NaN from Inf
+        return NAN if values[0] > 0 else 0  # curt_health cannot tell NaN from Inf
     flags = 0
-    # concise/full/stats all carry neg_inf, pos_inf, nan at fixed names
-    i = fields.index("nan")
-    if values[i]:
+    if values[fields.index("nan")] > 0:
         flags |= NAN
-    if values[fields.index("pos_inf")]:
+    if values[fields.index("pos_inf")] > 0:
         flags |= POS_INF
-    if values[fields.index("neg_inf")]:
+    if values[fields.index("neg_inf")] > 0:
         flags |= NEG_INF
     return flags
 

@@ -7,6 +7,7 @@ with SIGKILL leaves a run that opens and shows everything up to the last commit.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -52,14 +53,25 @@ _NOT_USER_PREFIXES = tuple(
 )
 
 
+_EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples") + os.sep
+
+
 def is_user_file(filename: str) -> bool:
-    """A frame belongs to the user unless it is in trainguard, torch, the stdlib or site-packages."""
+    """A frame belongs to the user unless it is in trainguard, torch, the stdlib or site-packages.
+
+    trainguard's shipped examples count as user code: they stand for a user's script.
+    """
     if not filename or filename.startswith("<"):
         return False
+    path = os.path.abspath(filename)
+    if path.startswith(_EXAMPLES_DIR):
+        return True
     if "site-packages" in filename or "dist-packages" in filename:
         return False
-    path = os.path.abspath(filename)
     return not path.startswith(_NOT_USER_PREFIXES)
+
+
+_plain_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 @dataclass
@@ -355,32 +367,29 @@ class RunWriter:
 
     def _do_exec(self, batch: ExecBatch) -> None:
         fields = self.fields
-        nf = len(fields)
-        host = None
-        if batch.deferred is not None:
-            host_tensor, event, _ = batch.deferred
+        hosts: dict = {}
+        for dev, host_tensor, event in batch.deferred or ():
             if event is not None:
                 event.synchronize()  # waits on the writer thread, never on the training thread
-            host = host_tensor.tolist()
+            hosts[dev] = host_tensor.tolist()
         rows = []
         edges = []
         pins = []
         st = self._state
-        for i, rec in enumerate(batch.records):
+        for rec in batch.records:
             seq, step, phase, op, module_id, stack_id, fwd_seq, health, inputs, outputs, summary = rec
-            if host is not None and summary is None and nf:
-                first, count = batch.deferred[2][i]
-                summary = [host[r] for r in range(first, first + count)]
             blob = None
-            if summary is not None and nf:
+            if summary is not None and fields:
                 flat = array("d")
+                flags = 0
                 for values in summary:
+                    if values and isinstance(values[0], str):  # ("d", device, row): deferred
+                        values = hosts[values[1]][values[2]]
                     flat.extend(values)
+                    flags |= health_of(fields, values)
                 blob = flat.tobytes()
                 if health is None:
-                    health = 0
-                    for values in summary:
-                        health |= health_of(fields, values)
+                    health = flags
             if health is None:
                 health = 0
             for slot, (kind, ref) in enumerate(inputs):
@@ -399,8 +408,8 @@ class RunWriter:
                     stack_id,
                     fwd_seq,
                     health,
-                    dumps(inputs),
-                    dumps(outputs),
+                    _plain_dumps(inputs),  # ints, strings and None only: no NaN to encode
+                    _plain_dumps(outputs),
                     blob,
                     1 if health else 0,
                 )
@@ -414,6 +423,19 @@ class RunWriter:
         if pins:
             con.executemany("UPDATE executions SET pinned = 1 WHERE seq = ?", [(s,) for s in pins])
         st.rows_since_commit += len(rows)
+
+    def put_payload_tensor(self, seq: int, slot: int, tensor: Any) -> None:
+        """A full tensor (mode full_tensor), already copied to the host; saved by the writer thread."""
+        self._put(("payload_tensor", seq, slot, tensor), must_keep=True)
+
+    def _do_payload_tensor(self, seq: int, slot: int, tensor: Any) -> None:
+        import torch
+
+        rel = f"tensors/{seq}-{slot}.pt"
+        path = self.run_dir / rel
+        path.parent.mkdir(exist_ok=True)
+        torch.save(tensor, path)
+        self._do_payload(seq, slot, rel)
 
     def _do_payload(self, seq: int, slot: int, relpath: str) -> None:
         self._con.execute("INSERT OR REPLACE INTO payloads(seq, slot, path) VALUES (?, ?, ?)", (seq, slot, relpath))

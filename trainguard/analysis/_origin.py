@@ -1,0 +1,291 @@
+"""Where did the first NaN/Inf come from? Walk back through producers and explain.
+
+From a non-finite execution, follow the inputs that were already non-finite back to the
+execution that made a non-finite value out of finite inputs (the origin), then explain that
+op from its inputs' summaries: ``log of an input with 3 zeros -> -inf``, ``division by a zero
+denominator``, ``0 * inf -> NaN``. Pure functions over a reader; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trainguard.store import Run
+
+# Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
+_LOGS = {"log", "log2", "log10", "log_"}
+_DIVS = {"div", "div_", "reciprocal", "true_divide", "floor_divide", "remainder", "fmod"}
+_SQRTS = {"sqrt", "sqrt_"}
+_RSQRTS = {"rsqrt", "rsqrt_"}
+_EXPS = {"exp", "exp_", "exp2", "expm1", "sinh", "cosh", "pow", "square"}
+_ACCUM = {"mm", "addmm", "bmm", "matmul", "baddbmm", "sum", "mean", "linear", "conv2d", "convolution",
+          "cumsum", "dot", "mv", "einsum", "_softmax", "softmax", "_log_softmax", "log_softmax"}
+_MULS = {"mul", "mul_"}
+_ADDS = {"add", "add_", "sub", "sub_", "rsub", "addcmul", "addcdiv", "addcdiv_", "addcmul_", "lerp_", "lerp"}
+
+
+def op_base(op: str) -> str:
+    """``aten.log`` -> ``log``; ``aten.div.Tensor`` -> ``div``; ``aten._softmax`` -> ``_softmax``."""
+    parts = op.split(".")
+    if parts[0] in ("aten", "prims", "torch") and len(parts) > 1:
+        parts = parts[1:]
+    return parts[0]
+
+
+@dataclass
+class Link:
+    """One execution on the way back to the origin."""
+
+    seq: int
+    op: str
+    step: int
+    phase: str
+    module: str | None
+    health: list[str]
+    file: str | None
+    line: int | None
+    function: str | None
+    explanation: str
+    outputs: list[dict] = field(default_factory=list)
+    inputs: list[dict] = field(default_factory=list)
+    forward_op: dict | None = None  # backward ops: the forward op whose gradient this computes
+
+
+@dataclass
+class Origin:
+    """The chain from a non-finite execution back to the op that first made NaN/Inf."""
+
+    chain: list[Link]  # chain[0] is the execution asked about, chain[-1] the origin
+    summary: str
+    suggestion: str
+
+    @property
+    def origin(self) -> Link:
+        return self.chain[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary, "suggestion": self.suggestion, "origin": asdict(self.origin),
+                "chain": [asdict(link) for link in self.chain]}
+
+
+def _count(summary: dict | None, key: str) -> int:
+    if not summary:
+        return 0
+    v = summary.get(key)
+    return int(v) if isinstance(v, (int, float)) and v == v else 0
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def describe_summary(summary: dict | None) -> str:
+    """``1280 values: 3 zeros, 1277 positive`` from a stored summary (any mode)."""
+    if not summary:
+        return "no summary recorded"
+    if "nonfinite" in summary:
+        return "holds NaN or Inf" if summary["nonfinite"] else "finite"
+    parts = []
+    for key, word in (("nan", "NaN"), ("pos_inf", "+inf"), ("neg_inf", "-inf"), ("zero", "zero"),
+                      ("neg", "negative"), ("pos", "positive")):
+        n = _count(summary, key)
+        if n:
+            parts.append(_plural(n, word) if word == "zero" else f"{n} {word}")
+    size = _count(summary, "size")
+    text = f"{_plural(size, 'value')}" + (": " + ", ".join(parts) if parts else "")
+    if isinstance(summary.get("min"), float) and summary["min"] == summary["min"]:
+        text += f" (min {summary['min']:.4g}, max {summary['max']:.4g})"
+    return text
+
+
+def _is_bad(summary: dict | None) -> bool:
+    if not summary:
+        return False
+    if "nonfinite" in summary:
+        return bool(summary["nonfinite"])
+    return any(_count(summary, k) for k in ("nan", "pos_inf", "neg_inf"))
+
+
+def _input_info(run: Run, item: dict) -> dict:
+    info: dict[str, Any] = {"slot": item["slot"], "kind": item["kind"]}
+    prod = item.get("producer_digest")
+    if item["kind"] == "op" and prod:
+        fr = run.user_frame(prod["stack_id"])
+        summary = prod["outputs"][0]["summary"] if prod["outputs"] else None
+        info.update(
+            producer=prod["seq"], producer_op=prod["op"], summary=summary, description=describe_summary(summary),
+            file=fr["filename"] if fr else None, line=fr["lineno"] if fr else None,
+        )
+    elif item["kind"] == "op":
+        info.update(producer=item.get("producer"), description="its producer is no longer in the run (evicted)")
+    elif item["kind"] in ("param", "buffer"):
+        info.update(name=item.get("name"), description=f"{item['kind']} {item.get('name')}")
+    else:
+        info.update(description="a tensor not produced by a recorded op (user input or constant)")
+    return info
+
+
+def _link(run: Run, seq: int) -> Link:
+    e = run.execution(seq)
+    fr = run.user_frame(e["stack_id"])
+    inputs = [_input_info(run, i) for i in e["inputs"]]
+    fwd = None
+    if e["phase"] == "backward" and e.get("fwd_seq") is not None:
+        try:
+            f = run.execution(e["fwd_seq"])
+            ffr = run.user_frame(f["stack_id"])
+            fwd = {"seq": f["seq"], "op": f["op"], "file": ffr["filename"] if ffr else None,
+                   "line": ffr["lineno"] if ffr else None}
+        except KeyError:
+            fwd = {"seq": e["fwd_seq"], "op": None, "file": None, "line": None}
+    link = Link(
+        seq=e["seq"], op=e["op"], step=e["step"], phase=e["phase"], module=e["module"], health=e["health"],
+        file=fr["filename"] if fr else None, line=fr["lineno"] if fr else None,
+        function=fr["name"] if fr else None, explanation="",
+        outputs=[{"dtype": o["dtype"], "shape": o["shape"], "summary": o["summary"],
+                  "description": describe_summary(o["summary"])} for o in e["outputs"]],
+        inputs=inputs, forward_op=fwd,
+    )
+    link.explanation = explain(link)
+    return link
+
+
+def explain(link: Link) -> str:
+    """A plain-language reason why this op's output is non-finite, from its inputs' summaries."""
+    base = op_base(link.op)
+    ins = link.inputs
+    made = "/".join(link.health) or "a non-finite value"
+    bad_inputs = [i for i in ins if _is_bad(i.get("summary"))]
+    if bad_inputs:
+        i = bad_inputs[0]
+        others = [j for j in ins if j is not i]
+        if base in _MULS and any(_count(j.get("summary"), "zero") for j in others) and (
+                _count(i.get("summary"), "pos_inf") or _count(i.get("summary"), "neg_inf")):
+            return "0 * inf -> NaN: one input holds infinities and the other zeros"
+        if base in _ADDS and "nan" in link.health and not _count(i.get("summary"), "nan"):
+            return "inf - inf -> NaN: infinities of opposite sign meet"
+        src = i.get("producer_op") or i.get("name") or "an input"
+        return f"{base} passed on the non-finite values of input {i['slot']} ({src})"
+    if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
+        fbase = op_base(link.forward_op["op"])
+        return f"the gradient of {fbase} is {made} here: " + _forward_reason(fbase)
+    s0 = ins[0].get("summary") if ins else None
+    if base in _LOGS:
+        zeros, negs = _count(s0, "zero"), _count(s0, "neg")
+        if zeros or negs:
+            bits = []
+            if zeros:
+                bits.append(f"{_plural(zeros, 'zero')} -> -inf")
+            if negs:
+                bits.append(f"{negs} negative -> NaN")
+            return f"log of an input with {', '.join(bits)}"
+        return f"log made {made} (no summary of its input shows zeros)"
+    if base in _DIVS:
+        denom = ins[1].get("summary") if len(ins) > 1 else s0
+        zeros = _count(denom, "zero")
+        if base == "reciprocal":
+            return f"reciprocal of an input with {_plural(zeros, 'zero')} -> inf" if zeros else f"reciprocal made {made}"
+        if zeros:
+            tail = " (0/0 -> NaN where the numerator is zero too)" if _count(s0, "zero") and "nan" in link.health else ""
+            return f"division by a zero denominator: {_plural(zeros, 'zero')} in the denominator{tail}"
+        if len(ins) < 2 or ins[1]["kind"] != "op":
+            return "division by a zero denominator (a scalar or unrecorded tensor)"
+        return f"division made {made}: the quotient overflowed"
+    if base in _SQRTS:
+        negs = _count(s0, "neg")
+        return f"sqrt of {negs} negative values -> NaN" if negs else f"sqrt made {made}"
+    if base in _RSQRTS:
+        return f"rsqrt of an input with {_plural(_count(s0, 'zero'), 'zero')} and {_count(s0, 'neg')} negative values"
+    if base in _EXPS:
+        mx = (s0 or {}).get("max")
+        if isinstance(mx, float) and mx == mx:
+            return f"{base} overflow: input max {mx:.4g}"
+        return f"{base} overflow: an input value too large for the dtype (above about 88.7 for exp in float32)"
+    if base in _ACCUM:
+        return f"overflow in {base}: finite inputs accumulate past the dtype's largest value"
+    return f"{base} turned finite inputs into {made}"
+
+
+def _forward_reason(fbase: str) -> str:
+    if fbase in _SQRTS or fbase in ("norm", "linalg_vector_norm", "vector_norm"):
+        return f"d/dx {fbase}(x) divides by {fbase}(x), which is 0 at x = 0 (e.g. the norm of a zero vector)"
+    if fbase in _LOGS:
+        return "d/dx log(x) = 1/x is infinite at x = 0"
+    if fbase in _DIVS:
+        return "the gradient of a division divides by the squared denominator, which is 0 here"
+    if fbase == "pow":
+        return "the gradient of pow(x, p) with p < 1 is infinite at x = 0"
+    return "the backward formula of this op made it out of finite values"
+
+
+_SUGGESTIONS = {
+    "log": "clamp the input before the log, e.g. torch.log(p.clamp(min=1e-6)); for a softmax followed by log, "
+    "use torch.log_softmax or F.cross_entropy, which never take the log of 0",
+    "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
+    "sqrt": "add an epsilon inside the root, torch.sqrt(x + 1e-12), or clamp(min=0) a value that can dip below 0",
+    "exp": "subtract the maximum first (logsumexp / softmax do) or clamp the input, e.g. x.clamp(max=80)",
+    "accum": "values are overflowing: lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), "
+    "or compute this op in float32",
+    "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
+    "and the previous step",
+}
+
+
+def suggest(link: Link) -> str:
+    """A concrete fix for the origin op, naming a value where one applies."""
+    base = op_base(link.op)
+    if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
+        base = op_base(link.forward_op["op"])
+        if base in ("norm", "linalg_vector_norm"):
+            base = "sqrt"
+    if base in _LOGS:
+        return _SUGGESTIONS["log"]
+    if base in _DIVS:
+        return _SUGGESTIONS["div"]
+    if base in _SQRTS or base in _RSQRTS:
+        return _SUGGESTIONS["sqrt"]
+    if base in _EXPS:
+        return _SUGGESTIONS["exp"]
+    if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
+        return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
+    return _SUGGESTIONS["accum"]
+
+
+def origin(run: Run, seq: int | None = None, max_links: int = 64) -> Origin | None:
+    """The walk back from execution ``seq`` (default: the first non-finite one) to the origin.
+
+    Returns None when the run holds no non-finite execution.
+    """
+    if seq is None:
+        first = run.first_nonfinite()
+        if first is None:
+            return None
+        seq = first["seq"]
+    chain = [_link(run, seq)]
+    seen = {seq}
+    while len(chain) < max_links:
+        bad = [i for i in chain[-1].inputs if i["kind"] == "op" and _is_bad(i.get("summary")) and i.get("producer") is not None]
+        if not bad:
+            break
+        nxt = min(i["producer"] for i in bad)
+        if nxt in seen:
+            break
+        seen.add(nxt)
+        try:
+            chain.append(_link(run, nxt))
+        except KeyError:
+            break
+    o = chain[-1]
+    where = f" at {o.file}:{o.line}" if o.file else ""
+    what = "/".join(o.health) or "a non-finite value"
+    out = next((x for x in o.outputs if _is_bad(x["summary"])), o.outputs[0] if o.outputs else None)
+    detail = f" ({out['description']})" if out else ""
+    summary = (f"the first non-finite value came from {o.op}{where}, in step {o.step} ({o.phase} pass), "
+               f"with {what} in its output{detail}: {o.explanation}")
+    producers = [i for i in o.inputs if i.get("producer_op")]
+    if producers:
+        p = producers[0]
+        pwhere = f" at {p['file']}:{p['line']}" if p.get("file") else ""
+        summary += f". Its input {p['slot']} was produced by {p['producer_op']}{pwhere} and holds {p['description']}"
+    return Origin(chain=chain, summary=summary, suggestion=suggest(o))

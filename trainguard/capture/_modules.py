@@ -1,0 +1,117 @@
+"""Which ``nn.Module`` is running: global forward hooks keep a stack of interned module ids.
+
+Paths are relative to the outermost module that was called (``encoder.layers.2.attn``); the
+outermost module itself has the path "" and is shown by its type. Modules, parameters and
+buffers are held through weak references only.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class ModuleTracker:
+    """Maintains the innermost running module id per thread, and parameter names by tensor id."""
+
+    def __init__(self, on_new_module: Callable[[int, str, str], None] | None = None):
+        self._on_new = on_new_module
+        self._ids: weakref.WeakKeyDictionary[nn.Module, tuple[int, str]] = weakref.WeakKeyDictionary()
+        self._interned: dict[tuple[str, str], int] = {}
+        self._local = threading.local()
+        # id(tensor) -> (weakref, name, kind); kind is "param" or "buffer".
+        self.named_tensors: dict[int, tuple[weakref.ref, str, str]] = {}
+        self._handles: list = []
+        self.lock = threading.Lock()
+
+    # -------------------------------------------------------------- hooks
+    def install(self) -> None:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _stack(self) -> list:
+        s = getattr(self._local, "stack", None)
+        if s is None:
+            s = self._local.stack = []
+        return s
+
+    def _pre(self, module: nn.Module, args) -> None:
+        stack = self._stack()
+        entry = self._ids.get(module)
+        if entry is None:
+            entry = self._name(module, stack[-1][1] if stack else None)
+        stack.append((entry[0], module))
+
+    def _post(self, module: nn.Module, args, output) -> None:
+        stack = self._stack()
+        # Pop back to this module: a forward that raised may have left children on the stack.
+        while stack:
+            _, m = stack.pop()
+            if m is module:
+                break
+
+    def current(self) -> int | None:
+        """Interned id of the innermost module running on this thread (None outside modules)."""
+        s = getattr(self._local, "stack", None)
+        return s[-1][0] if s else None
+
+    # -------------------------------------------------------------- naming
+    def _name(self, module: nn.Module, parent: nn.Module | None) -> tuple[int, str]:
+        path = ""
+        if parent is not None:
+            parent_path = self._ids[parent][1]
+            child = None
+            for name, sub in parent.named_modules(remove_duplicate=False):
+                if sub is module and name:
+                    child = name
+                    break
+            if child is None:
+                # Called from inside a parent that does not own it: name it by its type.
+                path = f"{parent_path}.<{type(module).__name__}>" if parent_path else f"<{type(module).__name__}>"
+            else:
+                path = f"{parent_path}.{child}" if parent_path else child
+        entry = (self._intern(path, type(module).__name__), path)
+        with self.lock:
+            self._ids[module] = entry
+        self._name_tensors(module, path)
+        return entry
+
+    def _intern(self, path: str, type_name: str) -> int:
+        key = (path, type_name)
+        mid = self._interned.get(key)
+        if mid is None:
+            mid = self._interned[key] = len(self._interned) + 1
+            if self._on_new is not None:
+                self._on_new(mid, path, type_name)
+        return mid
+
+    def _name_tensors(self, module: nn.Module, path: str) -> None:
+        prefix = f"{path}." if path else ""
+        for kind, items in (("param", module.named_parameters(recurse=False)),
+                            ("buffer", module.named_buffers(recurse=False))):
+            for name, t in items:
+                if t is not None and id(t) not in self.named_tensors:
+                    self.named_tensors[id(t)] = (weakref.ref(t), prefix + name, kind)
+
+    def name_of(self, t: torch.Tensor) -> tuple[str, str] | None:
+        """(name, kind) of a parameter or buffer of a module that has run, else None."""
+        entry = self.named_tensors.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1], entry[2]
+        return None
+
+    def module_of_id(self) -> dict[int, tuple[str, str]]:
+        return {mid: key for key, mid in self._interned.items()}

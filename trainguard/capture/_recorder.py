@@ -1,0 +1,608 @@
+"""The recorder: a private ``TorchDispatchMode`` plus module hooks, installed by ``record``.
+
+Every aten op that runs eagerly reaches ``__torch_dispatch__`` — forward ops from user code,
+backward ops from the autograd engine, optimizer ops — and is recorded with its sequence
+number, step, phase, module, interned stack, input producers and output summaries. Records
+are batched and handed to the run writer's thread; nothing here waits on disk or on a device.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import re
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainguard._errors import NonFiniteError
+from trainguard.capture import _steps
+from trainguard.capture._modules import ModuleTracker
+from trainguard.capture._stacks import StackInterner
+from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS, summarize_deferred, summarize_immediate
+from trainguard.store import MODE_FIELDS, MODES, ExecBatch, acquire_writer, release_writer
+from trainguard.store._codec import NAN, NEG_INF, POS_INF, health_of
+
+_get_seq_nr = torch._C._autograd._get_sequence_nr
+_current_node = torch._C._current_autograd_node
+_Tensor = torch.Tensor
+
+# Records handed to the writer at once; also flushed at every step and at least every second.
+FLUSH_RECORDS = 256
+FLUSH_SECONDS = 0.5
+# Accelerator summaries stacked and copied to the host per batch of this many outputs.
+DEFERRED_BATCH = 128
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(dt).replace("torch.", "")
+    return name
+
+
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _device_name(dev: torch.device) -> str:
+    name = _DEVICE_NAMES.get(dev)
+    if name is None:
+        name = _DEVICE_NAMES[dev] = str(dev)
+    return name
+
+
+_ALL_DTYPES = {
+    _dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+
+
+def _validate(mode: str, buffer: int, ops: Any, dtypes: Any) -> tuple[re.Pattern | None, frozenset | None]:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or (buffer < 1 and buffer != -1):
+        raise ValueError(f"buffer must be -1 (keep all) or a positive int, got {buffer!r}")
+    pattern = None
+    if ops is not None:
+        if isinstance(ops, re.Pattern):
+            pattern = ops
+        else:
+            text = ops if isinstance(ops, str) else "|".join(f"(?:{o})" for o in ops)
+            try:
+                pattern = re.compile(text)
+            except re.error as exc:
+                raise ValueError(f"ops must be a valid regular expression, got {text!r}: {exc}") from None
+    wanted = None
+    if dtypes is not None:
+        if isinstance(dtypes, (str, torch.dtype)):
+            dtypes = [dtypes]
+        out = set()
+        for d in dtypes:
+            if isinstance(d, torch.dtype):
+                out.add(d)
+            elif isinstance(d, str) and d.replace("torch.", "") in _ALL_DTYPES:
+                out.add(_ALL_DTYPES[d.replace("torch.", "")])
+            else:
+                raise ValueError(
+                    f"dtypes must name torch dtypes, got {d!r}; allowed: {sorted(_ALL_DTYPES)}"
+                )
+        wanted = frozenset(out)
+    return pattern, wanted
+
+
+def _rank_dir(logdir: Path) -> Path:
+    """Under torchrun each rank writes ``logdir/rank-K``."""
+    rank = os.environ.get("RANK")
+    world = os.environ.get("WORLD_SIZE")
+    if rank is not None and world is not None and int(world) > 1:
+        return logdir / f"rank-{int(rank)}"
+    return logdir
+
+
+class _Producer:
+    """What the recorder remembers about a live tensor: who made it (held weakly)."""
+
+    __slots__ = ("ref", "seq", "op", "stack_id", "summary", "version")
+
+    def __init__(self, ref, seq, op, stack_id, summary, version):
+        self.ref = ref
+        self.seq = seq
+        self.op = op
+        self.stack_id = stack_id
+        self.summary = summary  # the immediate summary of its output, when there is one
+        self.version = version  # the tensor's version counter when that summary was taken
+
+
+class Recorder:
+    """State of one recording. Use :func:`trainguard.record` rather than this class."""
+
+    def __init__(
+        self,
+        logdir: str | os.PathLike | None,
+        *,
+        mode: str = "full_health",
+        buffer: int = 1000,
+        ops: Any = None,
+        dtypes: Any = None,
+        check_numerics: bool = False,
+        strategy: str = "auto",
+        overwrite: bool = False,
+    ):
+        self.ops_pattern, self.dtypes = _validate(mode, buffer, ops, dtypes)
+        if strategy not in ("auto", "immediate", "deferred"):
+            raise ValueError(f"strategy must be 'auto', 'immediate' or 'deferred', got {strategy!r}")
+        self.mode = mode
+        self.fields = MODE_FIELDS[mode]
+        self.nan_tail = (math.nan,) * (len(self.fields) - 1)
+        self.buffer = buffer
+        self.check = check_numerics
+        self.strategy = strategy
+        self.logdir = _rank_dir(Path(logdir)) if logdir is not None else None
+        self.overwrite = overwrite
+        self.writer = None
+        self.seq = 0
+        self.recorded = 0
+        self.last_nr = 0
+        self.op_info: dict[Any, tuple[str, bool, bool, bool]] = {}
+        self.producers: dict[int, _Producer] = {}
+        self.fwd_nodes: dict[int, tuple[int, int | None, int | None, int]] = {}
+        self.pending: list[tuple] = []
+        self.pending_bad = False
+        self.deferred: dict[torch.device, list[torch.Tensor]] = {}
+        self.deferred_bufs: list = []
+        self.last_flush = time.monotonic()
+        self.stacks = StackInterner(self._on_new_stack)
+        self.modules = ModuleTracker(self._on_new_module)
+        self._mode: _DispatchMode | None = None
+        self._lock = threading.RLock()
+        self.active = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> Recorder:
+        if self.active:
+            raise RuntimeError("this recorder is already active")
+        if self.logdir is not None:
+            self.writer = acquire_writer(
+                self.logdir,
+                mode=self.mode,
+                buffer=self.buffer,
+                overwrite=self.overwrite,
+                meta={
+                    "ops_filter": self.ops_pattern.pattern if self.ops_pattern else None,
+                    "dtypes_filter": sorted(_dtype_name(d) for d in self.dtypes) if self.dtypes else None,
+                    "check_numerics": self.check,
+                    "recording": True,
+                },
+            )
+        if _steps.clock.users == 0:
+            _steps.reset()
+        _steps.acquire()
+        _steps.clock.on_step.append(self._on_step)
+        self.modules.install()
+        self.last_nr = _get_seq_nr()
+        self._mode = _DispatchMode(self)
+        self._mode.__enter__()
+        self.active = True
+        return self
+
+    def stop(self, **final_meta: Any) -> None:
+        if not self.active:
+            return
+        self.active = False
+        try:
+            self._mode.__exit__(None, None, None)
+        finally:
+            self.modules.remove()
+            if self._on_step in _steps.clock.on_step:
+                _steps.clock.on_step.remove(self._on_step)
+            _steps.release()
+            self.flush()
+            if self.writer is not None:
+                release_writer(
+                    self.writer,
+                    executions=self.seq,
+                    recorded=self.recorded,
+                    recording=False,
+                    **final_meta,
+                )
+                self.writer = None
+
+    def __enter__(self) -> Recorder:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        meta = {}
+        if exc_type is not None and not issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
+            meta["error"] = f"{exc_type.__name__}: {exc}"
+        self.stop(**meta)
+
+    # ------------------------------------------------------------------ writer plumbing
+    def _on_new_stack(self, sid: int, frames: list) -> None:
+        if self.writer is not None:
+            self.writer.put_stack(sid, frames)
+
+    def _on_new_module(self, mid: int, path: str, type_name: str) -> None:
+        if self.writer is not None:
+            self.writer.put_module(mid, path, type_name)
+
+    def _on_step(self, step: int) -> None:
+        self.flush()
+        # Keep the forward-node table to the ops of the last two steps.
+        if len(self.fwd_nodes) > 4096:
+            self.fwd_nodes = {k: v for k, v in self.fwd_nodes.items() if v[3] >= step - 2}
+
+    def flush(self) -> None:
+        """Hand pending records to the writer (called per batch, per step and at stop)."""
+        with self._lock:
+            if not self.pending:
+                return
+            records, self.pending = self.pending, []
+            bad, self.pending_bad = self.pending_bad, False
+            deferred = self._ship_deferred()
+            self.last_flush = time.monotonic()
+        if self.writer is not None:
+            self.writer.put_executions(ExecBatch(records, deferred), must_keep=bad)
+
+    def _ship_deferred(self) -> list | None:
+        """Stack the accelerator summaries and start their copy to the host; no waiting here."""
+        if not self.deferred:
+            return None
+        out = []
+        for dev, tensors in self.deferred.items():
+            stacked = torch.stack(tensors)
+            event = None
+            if dev.type == "cuda":
+                host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+                host.copy_(stacked, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                host = stacked.to("cpu")
+            out.append((dev, host, event))
+        self.deferred = {}
+        return out
+
+    # ------------------------------------------------------------------ hot path helpers
+    def _info(self, func) -> tuple[str, bool, bool, bool]:
+        name = str(func)
+        # Only tensor ops: profiler markers (record_function) and other namespaces are not ops.
+        wanted = not name.startswith("profiler.") and (
+            self.ops_pattern is None or self.ops_pattern.search(name) is not None
+        )
+        info = (name, wanted, name in ALLOCATION_OPS, name in ALIAS_OPS)
+        self.op_info[func] = info
+        return info
+
+    def _forget(self, key: int, ref) -> None:
+        p = self.producers.get(key)
+        if p is not None and p.ref is ref:
+            del self.producers[key]
+
+    def input_ref(self, t: _Tensor) -> tuple:
+        named = self.modules.name_of(t)
+        if named is not None:
+            return (named[1], named[0])
+        p = self.producers.get(id(t))
+        if p is not None and p.ref() is t:
+            return ("op", p.seq)
+        return ("input", None)
+
+    def describe_input(self, t: _Tensor) -> str:
+        """One line for a NonFiniteError: who made this input and what it holds."""
+        named = self.modules.name_of(t)
+        p = self.producers.get(id(t))
+        if named is not None:
+            who = f"{named[1]} {named[0]!r}"
+        elif p is not None and p.ref() is t:
+            fr = _user_frame(self.stacks.frames(p.stack_id))
+            where = f" from {_short_path(fr[0])}:{fr[1]}" if fr else ""
+            who = f"{p.op.replace('aten.', '').replace('.default', '')} output{where}"
+        else:
+            who = "user input"
+        return f"{who}: {describe_values(t)}"
+
+
+def _short_path(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+def _user_frame(frames):
+    from trainguard.capture._stacks import user_frame
+
+    return user_frame(frames)
+
+
+def describe_values(t: _Tensor) -> str:
+    """``1000 values, 1 zero, 999 positive`` — a compact full-health description (syncs)."""
+    if not isinstance(t, _Tensor):
+        return repr(t)
+    s = summarize_immediate(t.detach().cpu() if t.device.type != "cpu" else t, "full_health")
+    n, neg, zero, pos, ninf, pinf, nan = (int(v) for v in s)
+    parts = [f"{n} value{'s' if n != 1 else ''}"]
+    for count, word in ((nan, "NaN"), (pinf, "+inf"), (ninf, "-inf"), (zero, "zero"), (neg, "negative"), (pos, "positive")):
+        if count:
+            plural = "s" if count != 1 and word in ("zero",) else ""
+            parts.append(f"{count} {word}{plural}")
+    parts.append(f"dtype {_dtype_name(t.dtype)}, shape {list(t.shape)}")
+    return ", ".join(parts)
+
+
+def _flatten(xs, out: list) -> list:
+    for x in xs:
+        if isinstance(x, _Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                if isinstance(y, _Tensor):
+                    out.append(y)
+    return out
+
+
+class _DispatchMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Otherwise the base class wraps __torch_dispatch__ in a dynamo-disable shim that costs
+        # microseconds per op; this mode never runs under torch.compile tracing.
+        return False
+
+    def __init__(self, rec: Recorder):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        r = self.rec
+        if kwargs is None:
+            kwargs = {}
+        info = r.op_info.get(func)
+        if info is None:
+            info = r._info(func)
+        node = _current_node()
+        nr = _get_seq_nr()
+        out = func(*args, **kwargs)
+        seq = r.seq
+        r.seq = seq + 1
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+
+        # Where and when: phase, module, stack (backward ops inherit them from their forward op).
+        fwd_seq = None
+        if node is not None:
+            phase = "backward"
+            fwd = r.fwd_nodes.get(node._sequence_nr())
+            if fwd is not None:
+                fwd_seq, module_id, stack_id = fwd[0], fwd[1], fwd[2]
+            else:
+                module_id = None
+                stack_id = r.stacks.capture(2)
+        else:
+            module_id = r.modules.current()
+            stack_id = r.stacks.capture(2)
+            if _steps.clock.in_optimizer:
+                phase = "optimizer"
+            elif module_id is not None or torch.is_grad_enabled():
+                phase = "forward"
+            else:
+                phase = "other"
+            if nr != r.last_nr:
+                # The autograd node of this op was numbered nr - 1 just before dispatch.
+                r.fwd_nodes[nr - 1] = (seq, module_id, stack_id, _steps.clock.step)
+        name = info[0]
+        producers = r.producers
+        if not info[1] or (r.dtypes is not None and not any(
+                isinstance(o, _Tensor) and o.dtype in r.dtypes for o in outs)):
+            for o in outs:  # not recorded, but consumers still learn who made their inputs
+                if isinstance(o, _Tensor):
+                    _register(r, producers, o, seq, name, stack_id, None)
+            r.last_nr = _get_seq_nr()
+            return out
+
+        tin = _flatten(args, [])
+        if kwargs:
+            _flatten(kwargs.values(), tin)
+        inputs = [r.input_ref(t) for t in tin]
+        metas = []
+        fields = r.fields
+        summaries = [] if fields else None
+        health = 0
+        immediate_only = True
+        alias = None
+        if info[3] and tin:
+            # A pure alias (view, t, detach, ...) holds the same values as its input: reuse that
+            # input's summary while the shared version counter says nothing wrote to it since.
+            p = producers.get(id(tin[0]))
+            if p is not None and p.ref() is tin[0] and p.summary is not None and p.version == tin[0]._version:
+                alias = p.summary
+        for o in outs:
+            if not isinstance(o, _Tensor):
+                continue
+            dev = o.device
+            metas.append((_dtype_name(o.dtype), list(o.shape), _device_name(dev)))
+            s = None
+            if summaries is not None:
+                if info[2]:  # uninitialised memory: no evidence
+                    s = (float(o.numel()),) + r.nan_tail if fields[0] == "size" else (0.0,)
+                elif alias is not None:
+                    s = alias
+                elif (dev.type == "cpu" and r.strategy != "deferred") or r.strategy == "immediate":
+                    s = summarize_immediate(o, r.mode)
+                else:
+                    immediate_only = False
+                    lst = r.deferred.setdefault(dev, [])
+                    summaries.append(("d", dev, len(lst)))
+                    lst.append(summarize_deferred(o, r.mode))
+                    if r.check and not bool(torch.isfinite(o).all()):
+                        # check_numerics may synchronise: it must stop at this op.
+                        health |= _health_sync(o)
+                if s is not None:
+                    health |= health_of(fields, s)
+                    summaries.append(s)
+            _register(r, producers, o, seq, name, stack_id, s)
+        if r.mode == "full_tensor":
+            _save_payloads(r, seq, outs)
+        if r.check and health:
+            r.flush()
+            raise NonFiniteError(_numerics_message(r, name, phase, module_id, stack_id, fwd_seq, args, outs, health),
+                                 execution={"seq": seq, "op": name, "phase": phase})
+        if r.writer is None:  # check_numerics without a run directory: nothing to keep
+            r.last_nr = _get_seq_nr()
+            return out
+        rec = (seq, _steps.clock.step, phase, name, module_id, stack_id, fwd_seq,
+               health if immediate_only else None, inputs, metas, summaries)
+        r.recorded += 1
+        r.pending.append(rec)
+        if health:
+            r.pending_bad = True
+        if len(r.pending) >= FLUSH_RECORDS or (
+            not r.pending_bad and len(r.pending) % 32 == 0 and time.monotonic() - r.last_flush > FLUSH_SECONDS
+        ):
+            r.flush()
+        r.last_nr = _get_seq_nr()
+        return out
+
+
+def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:
+    key = id(o)
+    p = producers.get(key)
+    if p is not None and p.ref() is o:
+        # An in-place op: o now holds this op's output.
+        p.seq, p.op, p.stack_id, p.summary, p.version = seq, name, stack_id, summary, o._version
+        return
+    ref = weakref.ref(o, lambda ref, key=key, r=r: r._forget(key, ref))
+    producers[key] = _Producer(ref, seq, name, stack_id, summary, o._version)
+
+
+def _health_sync(o: _Tensor) -> int:
+    flags = 0
+    if o.is_floating_point():
+        if bool(torch.isnan(o).any()):
+            flags |= NAN
+        if bool(torch.isposinf(o).any()):
+            flags |= POS_INF
+        if bool(torch.isneginf(o).any()):
+            flags |= NEG_INF
+    return flags
+
+
+def _save_payloads(r: Recorder, seq: int, outs) -> None:
+    if r.writer is None:
+        return
+    for slot, o in enumerate(x for x in outs if isinstance(x, _Tensor)):
+        # full_tensor mode copies values to the host by definition; the file is written by the writer.
+        r.writer.put_payload_tensor(seq, slot, o.detach().to("cpu", copy=True))
+
+
+def _numerics_message(r: Recorder, name, phase, module_id, stack_id, fwd_seq, args, outs, health) -> str:
+    from trainguard.store._codec import health_names
+
+    op = name.replace(".default", "")
+    what = "/".join(health_names(health))
+    lines = []
+    first = next((o for o in outs if isinstance(o, _Tensor) and o.is_floating_point()), None)
+    detail = f" ({describe_values(first)})" if first is not None else ""
+    lines.append(f"{op} produced {what} in step {_steps.clock.step}, {phase} pass{detail}")
+    mod = r.modules.module_of_id().get(module_id) if module_id is not None else None
+    if mod is not None:
+        lines.append(f"  module: {mod[0] or '(root)'} ({mod[1]})")
+    else:
+        lines.append("  module: outside any nn.Module")
+    fr = _user_frame(r.stacks.frames(stack_id))
+    if fr is not None:
+        src = _source_line(fr[0], fr[1])
+        lead = "  created by the forward op at" if phase == "backward" and fwd_seq is not None else "  at"
+        lines.append(f"{lead} {_short_path(fr[0])}:{fr[1]} in {fr[2]}" + (f": {src}" if src else ""))
+    for i, t in enumerate(_flatten(args, [])):
+        lines.append(f"  input {i} = {r.describe_input(t)}")
+    return "\n".join(lines)
+
+
+def _source_line(path: str, lineno: int) -> str:
+    import linecache
+
+    return linecache.getline(path, lineno).strip()
+
+
+# ---------------------------------------------------------------------- public entry points
+_global: Recorder | None = None
+_global_lock = threading.Lock()
+
+
+def record(
+    logdir: str | os.PathLike,
+    mode: str = "full_health",
+    buffer: int = 1000,
+    ops: str | Iterable[str] | re.Pattern | None = None,
+    dtypes: Iterable[torch.dtype | str] | None = None,
+    *,
+    overwrite: bool = False,
+    strategy: str = "auto",
+) -> Recorder:
+    """Record every aten op the program runs into the run directory ``logdir``.
+
+    Use as a context manager::
+
+        with trainguard.record("runs/exp1", mode="full_health"):
+            train()
+
+    ``mode`` picks the per-tensor summary (``no_tensor``, ``curt_health``, ``concise_health``,
+    ``full_health``, ``shape``, ``full_tensor``, ``stats``). ``buffer=N`` keeps the last N
+    executions (``-1`` keeps all); executions with a NaN/Inf output and their producers are
+    always kept. ``ops`` is a regular expression on the op name (``aten.log.default``) and
+    ``dtypes`` a list of output dtypes: only matching executions are recorded.
+    """
+    return Recorder(logdir, mode=mode, buffer=buffer, ops=ops, dtypes=dtypes, overwrite=overwrite, strategy=strategy)
+
+
+def check_numerics(logdir: str | os.PathLike | None = None, *, mode: str = "curt_health", buffer: int = 1000) -> Recorder:
+    """Raise :class:`trainguard.NonFiniteError` at the first op (forward or backward) whose output
+    holds NaN or Inf. The message names the op, the module, the user's ``file:line`` and each
+    input's summary with its producer. With ``logdir`` the ops are also recorded there.
+    """
+    return Recorder(logdir, mode=mode, buffer=buffer, check_numerics=True)
+
+
+def enable(logdir: str | os.PathLike, mode: str = "full_health", buffer: int = 1000, ops=None, dtypes=None,
+           **kwargs: Any) -> Recorder:
+    """Start recording for the rest of the program (``disable()`` or exit stops it).
+
+    The equivalent of ``tf.debugging.experimental.enable_dump_debug_info``: call it early.
+    """
+    global _global
+    with _global_lock:
+        if _global is not None and _global.active:
+            raise RuntimeError(f"trainguard is already recording to {_global.logdir}; call disable() first")
+        _global = Recorder(logdir, mode=mode, buffer=buffer, ops=ops, dtypes=dtypes, **kwargs).start()
+        return _global
+
+
+def disable() -> None:
+    """Stop the recording started by :func:`enable`; a no-op when none is active."""
+    global _global
+    with _global_lock:
+        if _global is not None:
+            _global.stop()
+            _global = None
+
+
+@atexit.register
+def _at_exit() -> None:
+    if _global is not None and _global.active:
+        try:
+            disable()
+        except Exception:  # pragma: no cover - best effort at interpreter exit
+            pass
+
+
+def current_step() -> int:
+    return _steps.clock.step
+

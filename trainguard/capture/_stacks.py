@@ -1,0 +1,115 @@
+"""Python stack capture and interning for the hot path.
+
+A stack is keyed by the (code object id, last instruction) pairs of its frames: a walk of
+``f_back`` pointers costs a few microseconds for 30 frames and needs no symbolisation (ids,
+because hashing a code object hashes its bytecode). The interner keeps every code object of a
+known stack alive, so an id in a known key can never be reused by another code object. Only a
+stack never seen before is symbolised (file, line, function) and handed to the writer once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import trainguard
+
+MAX_DEPTH = 64
+_TG_DIR = os.path.dirname(os.path.abspath(trainguard.__file__)) + os.sep
+# Frames of these modules are trainguard's own machinery, cut from the top of every stack.
+_OWN_PREFIX = ("trainguard.capture", "trainguard.store")
+
+
+class StackInterner:
+    def __init__(self, on_new_stack: Callable[[int, list[tuple[str, int, str]]], None] | None = None):
+        self._ids: dict[tuple, int] = {}
+        self._frames: dict[int, list[tuple[str, int, str]]] = {}
+        self._codes: list = []  # keeps the code objects of known keys alive (see module doc)
+        self._prefixes: dict[tuple, int] = {}
+        self._last_parent = None
+        self._last_prefix = 0
+        self._on_new = on_new_stack
+
+    def capture(self, skip: int = 1) -> int:
+        """Intern the caller's stack (minus ``skip`` frames) and return its id.
+
+        Consecutive ops usually come from one Python function (``F.linear`` runs ``t`` then
+        ``addmm``; an optimizer runs ten ops per parameter), so the stack above the innermost
+        frame is cached per parent activation: while a frame object is held here it cannot be
+        replaced by another one at the same address, and an activation's callers never change.
+        """
+        f = sys._getframe(skip)
+        parent = f.f_back
+        if parent is self._last_parent and parent is not None:
+            prefix = self._last_prefix
+        else:
+            prefix = self._prefix_id(parent)
+            self._last_parent = parent
+            self._last_prefix = prefix
+        k = (prefix, id(f.f_code), f.f_lasti)
+        sid = self._ids.get(k)
+        if sid is None:
+            sid = self._new(k, skip + 1)
+        return sid
+
+    def _prefix_id(self, f) -> int:
+        first = f
+        key = []
+        append = key.append
+        depth = 0
+        while f is not None and depth < MAX_DEPTH:
+            append(id(f.f_code))
+            append(f.f_lasti)
+            f = f.f_back
+            depth += 1
+        k = tuple(key)
+        pid = self._prefixes.get(k)
+        if pid is None:
+            pid = self._prefixes[k] = len(self._prefixes) + 1
+            g = first
+            while g is not None and depth > 0:
+                self._codes.append(g.f_code)
+                g = g.f_back
+                depth -= 1
+        return pid
+
+    def release_frames(self) -> None:
+        """Drop the cached parent frame (at the end of a recording)."""
+        self._last_parent = None
+
+    def _new(self, key: tuple, skip: int) -> int:
+        f = sys._getframe(skip)
+        frames = []
+        depth = 0
+        while f is not None and depth < MAX_DEPTH:
+            self._codes.append(f.f_code)
+            frames.append((f.f_code.co_filename, f.f_lineno or 0, f.f_code.co_name))
+            f = f.f_back
+            depth += 1
+        frames.reverse()  # outermost first
+        sid = len(self._ids) + 1
+        self._ids[key] = sid
+        self._frames[sid] = frames
+        if self._on_new is not None:
+            self._on_new(sid, frames)
+        return sid
+
+    def frames(self, sid: int | None) -> list[tuple[str, int, str]]:
+        return self._frames.get(sid, []) if sid is not None else []
+
+
+def is_own_frame(frame) -> bool:
+    """True when the frame that called into torch is trainguard's capture or store code."""
+    name = frame.f_globals.get("__name__", "")
+    return name.startswith(_OWN_PREFIX)
+
+
+def user_frame(frames: list[tuple[str, int, str]]) -> tuple[str, int, str] | None:
+    """The innermost frame outside torch, trainguard and the standard library."""
+    from trainguard.store import is_user_file
+
+    for fr in reversed(frames):
+        if is_user_file(fr[0]):
+            return fr
+    return None

@@ -1,0 +1,184 @@
+"""Tensor summaries per recording mode, computed where the tensor lives.
+
+Two strategies, both exact:
+
+* ``immediate`` (CPU tensors): reading a CPU scalar is no host-device sync, so the summary
+  branches: one summation proves a tensor finite (the common case), then NumPy comparisons
+  count signs on a zero-copy view, stopping after one pass when all values are positive. The
+  boolean-mask counts that also split NaN from +-Inf run only for a tensor that is not finite.
+* ``deferred`` (accelerators): every count is computed with device ops into one small float64
+  vector per output; vectors are stacked and copied to the host asynchronously in batches, and
+  the writer thread waits for them. The training thread never synchronises.
+
+Fields follow ``store.MODE_FIELDS``; ``neg``/``pos`` count finite values only (tfdbg2's FULL_HEALTH).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+_INF = math.inf
+# float32 sums of +-1 are exact while every partial sum stays below 2**24.
+_EXACT_F32 = 1 << 24
+
+# Ops whose outputs are uninitialised memory: a NaN there is not evidence of anything.
+ALLOCATION_OPS = frozenset(
+    {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
+     "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out"}
+)
+
+# Ops whose output holds exactly the values of their first input (same multiset of elements),
+# so its summary is the input's: views, transposes, detach, clone.
+ALIAS_OPS = frozenset(
+    {"aten.view.default", "aten._unsafe_view.default", "aten.t.default", "aten.transpose.int",
+     "aten.permute.default", "aten.detach.default", "aten.alias.default", "aten.unsqueeze.default",
+     "aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten._reshape_alias.default",
+     "aten.clone.default", "aten.lift_fresh.default", "aten.view_as.default", "aten.reshape.default",
+     "aten.flatten.using_ints", "aten.numpy_T.default", "aten.mT.default", "aten.adjoint.default"}
+)
+
+
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    if t.is_complex():
+        return torch.view_as_real(t)
+    return t
+
+
+def _exact_counts(t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """(neg, zero, pos, neg_inf, pos_inf, nan) with boolean masks: for the rare non-finite tensor."""
+    nan = int(torch.isnan(t).sum())
+    pinf = int(torch.isposinf(t).sum())
+    ninf = int(torch.isneginf(t).sum())
+    neg = int((t < 0).sum()) - ninf
+    zero = int((t == 0).sum())
+    pos = int((t > 0).sum()) - pinf
+    return neg, zero, pos, ninf, pinf, nan
+
+
+_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+                           torch.int64, torch.uint8})
+
+
+def _np(t: torch.Tensor):
+    """A zero-copy NumPy view of a CPU tensor, or None when NumPy cannot view it."""
+    if t.dtype not in _NUMPY_DTYPES or t.is_conj() or t.is_neg():
+        return None
+    try:
+        return t.numpy()
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _sign_counts(t: torch.Tensor, n: int) -> tuple[int, int, int]:
+    """(neg, zero, pos) of a tensor known to hold no NaN or Inf.
+
+    NumPy's comparisons with ``count_nonzero`` are the cheapest exact count on CPU here (about
+    4x faster than torch's boolean kernels); bfloat16, which NumPy lacks, goes through
+    float reductions of ``sign``.
+    """
+    a = _np(t)
+    if a is not None:
+        pos = int(np.count_nonzero(a > 0))
+        if pos == n:
+            return 0, 0, n
+        neg = int(np.count_nonzero(a < 0))
+        return neg, n - pos - neg, pos
+    sg = torch.sign(t).to(torch.float32 if n < _EXACT_F32 else torch.float64)
+    diff = int(sg.sum())  # pos - neg
+    nonzero = int(sg.abs().sum())  # pos + neg
+    pos = (nonzero + diff) // 2
+    return nonzero - pos, n - nonzero, pos
+
+
+def _is_finite_fast(t: torch.Tensor) -> bool:
+    """True when ``t`` holds no NaN/Inf; one summation (an overflowing sum is re-checked exactly)."""
+    total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item()
+    if math.isfinite(total):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def _moments(t: torch.Tensor) -> tuple[float, float, float, float]:
+    f = t if t.dtype == torch.float64 else t.to(torch.float32)
+    mn, mx = torch.aminmax(f)
+    mean = f.mean()
+    std = (f - mean).square().mean().sqrt()
+    return float(mn), float(mx), float(mean), float(std)
+
+
+def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
+    """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with)."""
+    t = _as_real(t.detach())
+    n = t.numel()
+    if mode == "curt_health":
+        if n == 0 or not t.is_floating_point():
+            return (0.0,)
+        return (0.0 if _is_finite_fast(t) else 1.0,)
+    if n == 0:
+        return _pack(mode, 0, 0, 0, 0, 0, 0, 0, math.nan, math.nan, math.nan, math.nan)
+    if t.dtype == torch.bool:
+        nz = int(torch.count_nonzero(t))
+        mn, mx = float(nz == n), float(nz > 0)
+        return _pack(mode, n, 0, n - nz, nz, 0, 0, 0, mn, mx, nz / n, math.sqrt(nz / n * (1 - nz / n)))
+    isfloat = t.is_floating_point()
+    finite = not isfloat or _is_finite_fast(t)
+    if mode == "concise_health":
+        if finite:
+            return (float(n), 0.0, 0.0, 0.0)
+        neg, zero, pos, ninf, pinf, nan = _exact_counts(t)
+        return (float(n), float(ninf), float(pinf), float(nan))
+    if finite:
+        neg, zero, pos = _sign_counts(t, n)
+        ninf = pinf = nan = 0
+    else:
+        neg, zero, pos, ninf, pinf, nan = _exact_counts(t)
+    mn = mx = mean = std = math.nan
+    if mode == "stats":
+        mn, mx, mean, std = _moments(t)
+    return _pack(mode, n, neg, zero, pos, ninf, pinf, nan, mn, mx, mean, std)
+
+
+def _pack(mode, n, neg, zero, pos, ninf, pinf, nan, mn, mx, mean, std) -> tuple[float, ...]:
+    if mode == "concise_health":
+        return (float(n), float(ninf), float(pinf), float(nan))
+    base = (float(n), float(neg), float(zero), float(pos), float(ninf), float(pinf), float(nan))
+    if mode == "stats":
+        return base + (float(mn), float(mx), float(mean), float(std))
+    return base
+
+
+def summarize_deferred(t: torch.Tensor, mode: str) -> torch.Tensor:
+    """The same summary as a float64 tensor on ``t``'s device, with no host synchronisation."""
+    t = _as_real(t.detach())
+    n = t.numel()
+    dev = t.device
+    if n == 0:
+        return torch.tensor(summarize_immediate(t, mode), dtype=torch.float64, device=dev)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    isfloat = t.is_floating_point()
+    if isfloat:
+        nan = torch.isnan(t).sum()
+        pinf = torch.isposinf(t).sum()
+        ninf = torch.isneginf(t).sum()
+    else:
+        nan = pinf = ninf = torch.zeros((), dtype=torch.int64, device=dev)
+    if mode == "curt_health":
+        return (nan + pinf + ninf).clamp(max=1).to(torch.float64).reshape(1)
+    size = torch.full((), float(n), dtype=torch.float64, device=dev)
+    if mode == "concise_health":
+        return torch.stack([size, ninf.double(), pinf.double(), nan.double()])
+    neg = (t < 0).sum() - ninf
+    zero = (t == 0).sum()
+    pos = (t > 0).sum() - pinf
+    parts = [size, neg.double(), zero.double(), pos.double(), ninf.double(), pinf.double(), nan.double()]
+    if mode == "stats":
+        f = t.to(torch.float64)
+        mn, mx = torch.aminmax(f)
+        mean = f.mean()
+        std = (f - mean).square().mean().sqrt()
+        parts += [mn, mx, mean, std]
+    return torch.stack(parts)

@@ -1,0 +1,1 @@
+"""Runnable examples shipped with trainguard (the reference NaN scenario and its data)."""
