@@ -3,9 +3,15 @@
 Record every op and trace the first NaN (``record``, ``check_numerics``), read a run back
 (``open``), diagnose training health (``Monitor``, ``doctor``), and checkpoint and resume
 exactly (``TrainState``, ``CheckpointManager``).
+
+Names that need torch are imported on first use, so ``import trainguard`` (and the reader,
+the report and the web UI) stay fast.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -17,6 +23,16 @@ from trainguard._errors import (
     SchemaTooNew,
     TrainguardError,
 )
+from trainguard.store import open_run as open  # noqa: A001 - ``trainguard.open(logdir)`` is the API
+
+# public name -> (module, attribute); attribute None means the module itself.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "record": ("trainguard.capture", "record"),
+    "enable": ("trainguard.capture", "enable"),
+    "disable": ("trainguard.capture", "disable"),
+    "step": ("trainguard.capture", "step"),
+    "check_numerics": ("trainguard.capture", "check_numerics"),
+}
 
 __all__ = [
     "CheckpointError",
@@ -26,4 +42,24 @@ __all__ = [
     "SchemaTooNew",
     "TrainguardError",
     "__version__",
+    "check_numerics",
+    "disable",
+    "enable",
+    "open",
+    "record",
+    "step",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
+    module = importlib.import_module(target[0])
+    value = module if target[1] is None else getattr(module, target[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
