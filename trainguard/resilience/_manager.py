@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 from trainguard._errors import CheckpointError
 from trainguard.resilience import _dist, _engine, _format
@@ -73,9 +74,10 @@ def _root_cause(exc: BaseException) -> str:
     """One line for an exception, unwrapping DCP's per-rank wrapper."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        rank, wrapped = sorted(failures.items())[0]
-        inner = getattr(wrapped, "exc", wrapped)
-        return f"rank {rank}: {type(inner).__name__}: {inner}"
+        rank, wrapped = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        text = str(inner).splitlines()[0] if str(inner) else ""
+        return f"{type(inner).__name__}: {text}" + (f" (rank {rank})" if _dist.is_distributed() else "")
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -275,7 +277,7 @@ class CheckpointManager:
                 engine_meta, written = _engine.save_tensors(job.tensors, tmp, group)
                 files = {p.name: {"size": p.stat().st_size, "sha256": _format.file_digest(p)} for p in written}
                 payload: dict[str, Any] = {"state": job.local, "files": files, "error": None}
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
                 engine_meta, payload = None, {"error": _root_cause(exc)}
             ranks = [json.loads(b) for b in _dist.all_gather_bytes(json.dumps(payload).encode(), group)]
             errors = [f"rank {r}: {p['error']}" if world > 1 else p["error"]
@@ -483,7 +485,7 @@ class CheckpointManager:
             _engine.load_tensors(targets, path, manifest["engine"], group)
         except CheckpointError:
             raise
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"reading tensors from {path} failed: {_root_cause(exc)}") from exc
         shared = {n: decode(saved_shared[n], targets) for n in shared_names}
         local = None

@@ -1,0 +1,81 @@
+"""Small training setups shared by the resilience tests."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainguard.resilience import CheckpointManager, TrainState
+
+
+def make_state(*, seed: int = 0, width: int = 8, num_workers: int = 0, extra_layer: bool = False) -> TrainState:
+    """A tiny regression model with dropout, Adam, a StepLR schedule and a shuffled loader."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    layers = [torch.nn.Linear(4, width), torch.nn.ReLU(), torch.nn.Dropout(0.25), torch.nn.Linear(width, 1)]
+    if extra_layer:
+        layers.append(torch.nn.Linear(1, 1))
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    g = torch.Generator().manual_seed(1234)  # the data itself does not depend on the global RNG
+    data = TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g))
+    loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=num_workers)
+    return TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader)
+
+
+def train_steps(state: TrainState, steps: int) -> list[float]:
+    """Run ``steps`` steps, continuing the loader (and its epoch) where the state stands."""
+    losses = []
+    it = iter(state.loader)
+    for _ in range(steps):
+        try:
+            x, y = next(it)
+        except StopIteration:
+            it = iter(state.loader)
+            x, y = next(it)
+        loss = torch.nn.functional.mse_loss(state.model(x), y)
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+        state.scheduler.step()
+        state.step += 1
+        losses.append(loss.item())
+    return losses
+
+
+def assert_same_training_state(a: TrainState, b: TrainState) -> None:
+    """Bitwise-equal parameters and optimizer state, equal scheduler state."""
+    for (ka, va), (kb, vb) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
+        assert ka == kb
+        assert torch.equal(va, vb), f"parameter {ka} differs"
+    oa, ob = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert oa["param_groups"] == ob["param_groups"]
+    assert oa["state"].keys() == ob["state"].keys()
+    for pid in oa["state"]:
+        for key, value in oa["state"][pid].items():
+            assert torch.equal(value, ob["state"][pid][key]), f"optimizer state {pid}/{key} differs"
+    assert a.scheduler.state_dict() == b.scheduler.state_dict()
+
+
+@pytest.fixture
+def state_factory() -> Callable[..., TrainState]:
+    return make_state
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    return tmp_path / "checkpoints"
+
+
+@pytest.fixture
+def manager(ckpt_dir):
+    m = CheckpointManager(ckpt_dir, keep=3)
+    yield m
+    m.close()

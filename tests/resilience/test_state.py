@@ -1,0 +1,55 @@
+"""TrainState: what it accepts, wraps and keeps per rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainguard import CheckpointError
+from trainguard.resilience import ResumableLoader, TrainState
+from trainguard.resilience._state import RNG
+
+
+def loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.arange(10.0)), batch_size=2, shuffle=True)
+
+
+def test_plain_loader_is_wrapped_and_objects_are_attributes():
+    model = torch.nn.Linear(2, 2)
+    gen = torch.Generator().manual_seed(0)
+    state = TrainState(model=model, loader=loader(), gen=gen)
+    assert state.model is model and state.gen is gen
+    assert isinstance(state.loader, ResumableLoader)
+    assert state.names() == ["model", "loader", "gen"]
+    assert state.is_rank_local("loader") and state.is_rank_local("gen") and not state.is_rank_local("model")
+    assert (state.step, state.epoch) == (0, 0)
+    with pytest.raises(AttributeError, match="holds model, loader, gen"):
+        _ = state.optimizer
+
+
+@pytest.mark.parametrize("name", ["step", "epoch", "rng", "_private", "capture", "names"])
+def test_reserved_names_are_refused(name):
+    with pytest.raises(ValueError, match="reserved"):
+        TrainState(**{name: torch.nn.Linear(1, 1)})
+
+
+def test_objects_without_state_dict_are_refused():
+    with pytest.raises(TypeError, match=r"TrainState\(lr=\.\.\.\) needs an object with state_dict"):
+        TrainState(lr=0.1)
+
+
+def test_capture_splits_shared_and_per_rank_state_and_apply_restores_rng_last():
+    state = TrainState(model=torch.nn.Linear(2, 2), loader=loader())
+    cap = state.capture()
+    assert set(cap.shared) == {"model"} and set(cap.local) == {"loader", RNG}
+    before = torch.rand(3)
+    state.apply({"model": cap.shared["model"]}, cap.local, step=5, epoch=2)
+    assert torch.equal(torch.rand(3), before)
+    assert (state.step, state.epoch) == (5, 2)
+
+
+def test_a_failing_load_names_the_object():
+    state = TrainState(model=torch.nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match="cannot restore 'model'"):
+        state.apply({"model": {"weight": torch.zeros(2, 2)}}, None, step=0, epoch=0)
