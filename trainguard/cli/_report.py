@@ -1,0 +1,203 @@
+"""``trainguard report RUN``: what went wrong, in the terminal (rich) or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from trainguard._errors import RunNotFound
+from trainguard.cli._render import console
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="print what went wrong in a recorded run",
+        description="Print the alerts, the origin of the first NaN/Inf with its source lines, the "
+        "monitor's findings and counts of a run directory.",
+    )
+    p.add_argument("run", help="the run directory (the --logdir of `trainguard run` or `record`)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--rank", type=int, default=None, help="which rank of a torchrun run (default: the first)")
+    p.set_defaults(func=_cmd)
+
+
+def load_report(path: str, rank: int | None = None) -> dict[str, Any]:
+    """Open a run and build its report; a folder holding several runs is a clear error."""
+    from trainguard.analysis import build_report
+    from trainguard.store import find_runs, open_run
+
+    try:
+        run = open_run(path, rank=rank)
+    except RunNotFound:
+        runs = find_runs(path) if Path(path).is_dir() else []
+        if len(runs) == 1:
+            run = open_run(runs[0], rank=rank)
+        elif len(runs) > 1:
+            names = ", ".join(str(r) for r in runs[:5]) + (" ..." if len(runs) > 5 else "")
+            raise RunNotFound(f"{path!r} holds {len(runs)} runs; name one: {names}") from None
+        else:
+            raise
+    with run:
+        return build_report(run, findings=run.findings())
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    report = load_report(args.run, args.rank)
+    if args.json:
+        from trainguard.store import to_plain_json
+
+        print(json.dumps(to_plain_json(report), indent=2))
+    else:
+        render_report(console, report)
+    return 0
+
+
+# ---------------------------------------------------------------------- rendering
+def _short(path: str | None) -> str:
+    if not path:
+        return "?"
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+def _where(link: dict) -> str:
+    return f"{_short(link.get('file'))}:{link.get('line')}" if link.get("file") else "(no user frame)"
+
+
+def _source_block(lines: list[dict]) -> Text:
+    out = Text()
+    for item in lines:
+        mark = ">" if item["current"] else " "
+        style = "bold yellow" if item["current"] else "dim"
+        out.append(f"  {mark} {item['line']:4d} | ", style="dim")
+        out.append(item["text"] + "\n", style=style)
+    return out
+
+
+def _header(report: dict) -> Panel:
+    meta = report["meta"]
+    counts = report["counts"]
+    created = meta.get("created")
+    when = dt.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S") if created else "?"
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("run", report["run"])
+    status = report["status"]
+    if status == "running":
+        status += " (still being written, or its process was killed: shows everything up to the last flush)"
+    t.add_row("status", status + (f" — {meta['error']}" if meta.get("error") else ""))
+    t.add_row("recorded", f"{when}, mode {meta.get('mode')}, buffer {meta.get('buffer')}")
+    t.add_row("executions", f"{counts['stored']:,} stored over {counts['steps']} steps "
+              f"(forward {counts['by_phase']['forward']:,}, backward {counts['by_phase']['backward']:,}, "
+              f"optimizer {counts['by_phase']['optimizer']:,}, other {counts['by_phase']['other']:,})")
+    if meta.get("executions") is not None and meta.get("recorded") is not None:
+        t.add_row("ops seen", f"{meta['executions']:,} ran, {meta['recorded']:,} matched the filters")
+    dropped = meta.get("dropped") or 0
+    t.add_row("dropped", Text(f"{dropped:,} records dropped under back-pressure", style="bold red") if dropped
+              else Text("none", style="green"))
+    if meta.get("writer_error"):
+        t.add_row("writer error", Text(str(meta["writer_error"]), style="red"))
+    return Panel(t, title="trainguard report", border_style="cyan")
+
+
+def _alerts(report: dict) -> Any:
+    alerts = report["alerts"]
+    if not alerts["total"]:
+        return Panel(Text("No NaN or Inf in any recorded output.", style="bold green"), title="alerts",
+                     border_style="green")
+    t = Table(title=f"{alerts['total']:,} NaN/Inf events", title_justify="left")
+    t.add_column("op")
+    t.add_column("events", justify="right")
+    t.add_column("first at #", justify="right")
+    for row in alerts["by_op"][:15]:
+        t.add_row(row["op"], f"{row['count']:,}", str(row["first_seq"]))
+    if len(alerts["by_op"]) > 15:
+        t.add_row(f"... {len(alerts['by_op']) - 15} more op types", "", "")
+    return t
+
+
+def _origin(report: dict) -> Any:
+    o = report["origin"]
+    if not o:
+        return None
+    link = o["origin"]
+    parts: list[Any] = []
+    head = Text()
+    head.append("First non-finite value: ", style="bold")
+    head.append(f"{link['op']}", style="bold red")
+    head.append(f" at {_where(link)}", style="bold")
+    head.append(f" in step {link['step']} ({link['phase']} pass, #{link['seq']})")
+    if link.get("module") is not None:
+        head.append(f", module {link['module'] or '(root)'}")
+    parts.append(head)
+    for out in link["outputs"]:
+        parts.append(Text(f"  output: {out['dtype']} {out['shape']}: {out['description']}"))
+    parts.append(Text(f"  why: {link['explanation']}", style="yellow"))
+    if link.get("forward_op") and link["forward_op"].get("file"):
+        f = link["forward_op"]
+        parts.append(Text(f"  backward of {f['op']} created at {_short(f['file'])}:{f['line']}"))
+    if link.get("source"):
+        parts.append(_source_block(link["source"]))
+    for inp in link["inputs"]:
+        line = Text(f"  input {inp['slot']}: ")
+        if inp.get("producer_op"):
+            line.append(f"{inp['producer_op']} output (#{inp['producer']})", style="bold")
+            if inp.get("file"):
+                line.append(f" from {_short(inp['file'])}:{inp['line']}")
+        line.append(f": {inp['description']}")
+        parts.append(line)
+        if inp.get("source"):
+            parts.append(_source_block(inp["source"]))
+    if len(o["chain"]) > 1:
+        parts.append(Text("How it spread, from the asked execution back to the origin:", style="bold"))
+        for c in o["chain"]:
+            parts.append(Text(f"  #{c['seq']} {c['op']} at {_where(c)}: {c['explanation']}"))
+    parts.append(Text(f"Fix: {o['suggestion']}", style="bold green"))
+    return Panel(Group(*parts), title="origin", border_style="red")
+
+
+def _findings(report: dict) -> Any:
+    findings = report.get("findings") or []
+    if not findings:
+        return None
+    try:
+        from trainguard.cli._findings_view import render_findings_table
+
+        return render_findings_table(findings)
+    except ImportError:
+        t = Table(title="findings", title_justify="left")
+        for col in ("severity", "kind", "title", "suggestion"):
+            t.add_column(col)
+        rank = {"critical": 3, "error": 2, "warning": 1, "info": 0}
+        for f in sorted(findings, key=lambda f: -rank.get(f.get("severity"), 0)):
+            t.add_row(f.get("severity", ""), f.get("kind", ""), f.get("title", ""), f.get("suggestion", ""))
+        return t
+
+
+def render_report(con: Console, report: dict) -> None:
+    con.print(_header(report))
+    con.print(_alerts(report))
+    o = _origin(report)
+    if o is not None:
+        con.print(o)
+    f = _findings(report)
+    if f is not None:
+        con.print(f)
+    top = report["counts"]["top_ops"]
+    if top:
+        con.print(Text("most frequent ops: ", style="bold") + Text(
+            ", ".join(f"{r['op']} ({r['count']:,})" for r in top[:6])))
