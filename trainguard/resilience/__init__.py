@@ -4,7 +4,8 @@
   every process-wide RNG.
 * :class:`CheckpointManager` writes atomic, verified checkpoints, keeps N, restores the newest
   valid one, and runs the resumable loop (:meth:`CheckpointManager.resume`).
-* :func:`list_checkpoints` is the light listing the CLI and the UI use.
+* :func:`list_checkpoints` is the light listing the CLI and the UI use; it needs no torch, and
+  the names that do are imported on first use.
 
 A checkpoint directory holds ``step-<N>/`` folders; a run directory may keep them in a
 ``checkpoints/`` subfolder, where ``trainguard ckpt`` and the UI look. See docs/checkpointing.md.
@@ -12,11 +13,21 @@ A checkpoint directory holds ``step-<N>/`` folders; a run directory may keep the
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from trainguard.resilience._format import CheckpointInfo, list_checkpoints
-from trainguard.resilience._loader import ResumableLoader
-from trainguard.resilience._loop import Preempted, ResumeLoop
-from trainguard.resilience._manager import CheckpointFallbackWarning, CheckpointManager, CheckpointPolicy
-from trainguard.resilience._state import TrainState
+
+# public name -> private module that defines it (these import torch)
+_LAZY = {
+    "CheckpointFallbackWarning": "_manager",
+    "CheckpointManager": "_manager",
+    "CheckpointPolicy": "_manager",
+    "Preempted": "_loop",
+    "ResumableLoader": "_loader",
+    "ResumeLoop": "_loop",
+    "TrainState": "_state",
+}
 
 __all__ = [
     "CheckpointFallbackWarning",
@@ -29,3 +40,16 @@ __all__ = [
     "TrainState",
     "list_checkpoints",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainguard.resilience' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"trainguard.resilience.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
