@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,3 +82,46 @@ def manager(ckpt_dir):
     m = CheckpointManager(ckpt_dir, keep=3)
     yield m
     m.close()
+
+
+# -- the subprocess training script ------------------------------------------------------------
+
+SCRIPT = Path(__file__).with_name("_train_script.py")
+
+
+def script_command(ckpt: Path, out: Path, *args: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--ckpt", str(ckpt), "--out", str(out), *args]
+
+
+def read_losses(out: Path) -> list[tuple[int, int, str]]:
+    """(pid, step, loss as float.hex()) per logged step; a line cut by SIGKILL is dropped."""
+    rows = []
+    for line in (out / "losses.txt").read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            rows.append((int(parts[0]), int(parts[1]), parts[2]))
+    return rows
+
+
+def read_final(out: Path) -> dict:
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def assert_same_final(a: dict, b: dict) -> None:
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), f"parameter {key} differs"
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    for pid, entry in a["optimizer"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, b["optimizer"]["state"][pid][key]), f"optimizer {pid}/{key} differs"
+    assert a["scheduler"] == b["scheduler"]
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory) -> tuple[dict[int, str], dict]:
+    """An uninterrupted run of the script: per-step losses and the final state."""
+    root = tmp_path_factory.mktemp("reference")
+    subprocess.run(script_command(root / "ckpt", root / "out"), check=True, timeout=120)
+    rows = read_losses(root / "out")
+    assert [s for _, s, _ in rows] == list(range(30))
+    return {s: loss for _, s, loss in rows}, read_final(root / "out")

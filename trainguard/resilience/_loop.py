@@ -68,7 +68,7 @@ class ResumeLoop:
         self.epochs = epochs
         self.delete_on_success = delete_on_success
         self.handle_signals = handle_signals
-        self.restored_step = manager.restore(state)
+        self.restored_step = manager.restore(state, _stacklevel=4)  # warn at the caller of resume()
         self.start_step = state.step
         self.start_epoch = state.epoch
         self._signal: int | None = None

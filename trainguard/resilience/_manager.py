@@ -383,7 +383,7 @@ class CheckpointManager:
 
     # -- restoring ---------------------------------------------------------------------------
 
-    def restore(self, state: TrainState, *, strict: bool = True) -> int | None:
+    def restore(self, state: TrainState, *, strict: bool = True, _stacklevel: int = 2) -> int | None:
         """Load the newest valid checkpoint into ``state``; return its step, or None if there is none.
 
         Each checkpoint is fully verified (every file's SHA-256) before it is used; a newer one
@@ -403,7 +403,7 @@ class CheckpointManager:
         if rank == 0:
             for name, reason in choice["skipped"]:
                 warnings.warn(f"skipping checkpoint {name} in {self.directory}: {reason}",
-                              CheckpointFallbackWarning, stacklevel=2)
+                              CheckpointFallbackWarning, stacklevel=_stacklevel)
         if choice["error"]:
             raise CheckpointError(choice["error"])
         if choice["name"] is None:
