@@ -304,10 +304,16 @@ class Recorder:
         elif p is not None and p.ref() is t:
             fr = _user_frame(self.stacks.frames(p.stack_id))
             where = f" from {_short_path(fr[0])}:{fr[1]}" if fr else ""
-            who = f"{p.op.replace('aten.', '').replace('.default', '')} output{where}"
+            who = f"{_op_display(p.op)} output{where}"
         else:
             who = "user input"
         return f"{who}: {describe_values(t)}"
+
+
+def _op_display(name: str) -> str:
+    """``aten._softmax.default`` -> ``softmax``: the op's name as a user knows it."""
+    base = name.split(".")[1] if name.startswith("aten.") else name.split(".")[0]
+    return base.lstrip("_") or base
 
 
 def _short_path(path: str) -> str:
@@ -376,12 +382,13 @@ class _DispatchMode(TorchDispatchMode):
         outs = out if isinstance(out, (tuple, list)) else (out,)
 
         # Where and when: phase, module, stack (backward ops inherit them from their forward op).
-        fwd_seq = None
+        fwd_seq = fwd_op = None
         if node is not None:
             phase = "backward"
             fwd = r.fwd_nodes.get(node._sequence_nr())
             if fwd is not None:
                 fwd_seq, module_id, stack_id = fwd[0], fwd[1], fwd[2]
+                fwd_op = fwd[4]
             else:
                 module_id = None
                 stack_id = r.stacks.capture(2)
@@ -396,7 +403,7 @@ class _DispatchMode(TorchDispatchMode):
                 phase = "other"
             if nr != r.last_nr:
                 # The autograd node of this op was numbered nr - 1 just before dispatch.
-                r.fwd_nodes[nr - 1] = (seq, module_id, stack_id, _steps.clock.step)
+                r.fwd_nodes[nr - 1] = (seq, module_id, stack_id, _steps.clock.step, info[0])
         name = info[0]
         producers = r.producers
         if not info[1] or (r.dtypes is not None and not any(
@@ -452,7 +459,11 @@ class _DispatchMode(TorchDispatchMode):
             _save_payloads(r, seq, outs)
         if r.check and health:
             r.flush()
-            raise NonFiniteError(_numerics_message(r, name, phase, module_id, stack_id, fwd_seq, args, outs, health),
+            health = 0
+            for o in outs:
+                if isinstance(o, _Tensor):
+                    health |= _health_sync(o)  # name NaN and +-Inf exactly, whatever the mode
+            raise NonFiniteError(_numerics_message(r, name, phase, module_id, stack_id, fwd_op, args, outs, health),
                                  execution={"seq": seq, "op": name, "phase": phase})
         if r.writer is None:  # check_numerics without a run directory: nothing to keep
             r.last_nr = _get_seq_nr()
@@ -502,7 +513,7 @@ def _save_payloads(r: Recorder, seq: int, outs) -> None:
         r.writer.put_payload_tensor(seq, slot, o.detach().to("cpu", copy=True))
 
 
-def _numerics_message(r: Recorder, name, phase, module_id, stack_id, fwd_seq, args, outs, health) -> str:
+def _numerics_message(r: Recorder, name, phase, module_id, stack_id, fwd_op, args, outs, health) -> str:
     from trainguard.store._codec import health_names
 
     op = name.replace(".default", "")
@@ -510,6 +521,8 @@ def _numerics_message(r: Recorder, name, phase, module_id, stack_id, fwd_seq, ar
     lines = []
     first = next((o for o in outs if isinstance(o, _Tensor) and o.is_floating_point()), None)
     detail = f" ({describe_values(first)})" if first is not None else ""
+    if fwd_op is not None:
+        op += f" (in the backward of {_op_display(fwd_op)})"
     lines.append(f"{op} produced {what} in step {_steps.clock.step}, {phase} pass{detail}")
     mod = r.modules.module_of_id().get(module_id) if module_id is not None else None
     if mod is not None:
@@ -519,7 +532,7 @@ def _numerics_message(r: Recorder, name, phase, module_id, stack_id, fwd_seq, ar
     fr = _user_frame(r.stacks.frames(stack_id))
     if fr is not None:
         src = _source_line(fr[0], fr[1])
-        lead = "  created by the forward op at" if phase == "backward" and fwd_seq is not None else "  at"
+        lead = "  created by the forward op at" if fwd_op is not None else "  at"
         lines.append(f"{lead} {_short_path(fr[0])}:{fr[1]} in {fr[2]}" + (f": {src}" if src else ""))
     for i, t in enumerate(_flatten(args, [])):
         lines.append(f"  input {i} = {r.describe_input(t)}")

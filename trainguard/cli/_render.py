@@ -13,7 +13,7 @@ err_console = Console(stderr=True)
 def error(message: str) -> None:
     """Print one clear line to stderr: no traceback for a bad input."""
     # The message is plain text; keep rich from interpreting square brackets.
-    err_console.print(f"trainguard: error: {message}", markup=False, highlight=False)
+    err_console.print(f"trainguard: error: {message}", markup=False, highlight=False, soft_wrap=True)
 
 
 def is_tty() -> bool:

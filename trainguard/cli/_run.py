@@ -96,7 +96,7 @@ def _cmd(args: argparse.Namespace) -> int:
                 if exc.code is not None and not isinstance(exc.code, int):
                     print(exc.code, file=sys.stderr)
             except NonFiniteError as exc:
-                err_console.print(f"trainguard: NonFiniteError: {exc}", markup=False, highlight=False)
+                err_console.print(f"trainguard: NonFiniteError: {exc}", markup=False, highlight=False, soft_wrap=True)
                 code = exc.exit_code
             except KeyboardInterrupt:
                 code = 130
@@ -113,7 +113,7 @@ def _cmd(args: argparse.Namespace) -> int:
             sys.path[0] = old_path0
         signal.signal(signal.SIGTERM, previous)
     err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {logdir}; "
-                      f"see `trainguard report {logdir}` or `trainguard ui {logdir}`", highlight=False)
+                      f"see `trainguard report {logdir}` or `trainguard ui {logdir}`", highlight=False, soft_wrap=True)
     return code
 
 

@@ -187,8 +187,9 @@ class Run:
                 clauses.append("e.step = ?")
                 params.append(int(step))
         if op:
-            clauses.append("(o.name = ? OR o.name = ? OR o.name LIKE ? OR o.name LIKE ?)")
-            params += [op, op + ".default", f"aten.{op}.%", f"{op}.%"]
+            # "log", "aten.log", "mul.Tensor", "aten.mul.Tensor" and the full overload name all match.
+            clauses.append("(o.name IN (?, ?, ?, ?) OR o.name LIKE ? OR o.name LIKE ?)")
+            params += [op, op + ".default", f"aten.{op}", f"aten.{op}.default", f"{op}.%", f"aten.{op}.%"]
         if module is not None:
             clauses.append("(m.path = ? OR m.path LIKE ?)")
             params += [module, module + ".%"]

@@ -1,0 +1,104 @@
+"""The walk back to the first NaN/Inf and its explanation."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard.analysis import origin
+from trainguard.examples import nan_digits
+from trainguard.store import open_run
+
+
+def line_in(module, text: str) -> int:
+    return next(i for i, t in enumerate(inspect.getsource(module).splitlines(), 1) if text in t)
+
+
+def record(tmp_path, fn, mode="full_health"):
+    with tg.record(tmp_path / "r", mode=mode, buffer=-1):
+        fn()
+    return open_run(tmp_path / "r")
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("digits") / "r"
+    with tg.record(d, buffer=-1):
+        history = nan_digits.train()
+    return open_run(d), history
+
+
+def test_reference_scenario_origin(digits_run):
+    run, history = digits_run
+    o = origin(run)
+    link = o.origin
+    assert link.op == "aten.log" and link.phase == "forward"
+    assert link.file == nan_digits.__file__ and link.line == line_in(nan_digits, "torch.log(probs)")
+    first_nan_step = next(h["step"] for h in history if h["loss"] != h["loss"])
+    assert link.step == first_nan_step
+    assert link.health == ["-inf"]
+    assert link.explanation.startswith("log of an input with") and "zeros -> -inf" in link.explanation
+    (inp,) = link.inputs
+    assert inp["producer_op"] == "aten._softmax"
+    assert inp["line"] == line_in(nan_digits, "torch.softmax(logits")
+    assert inp["summary"]["zero"] > 0
+    assert "log_softmax" in o.suggestion and "clamp" in o.suggestion
+    assert f"{nan_digits.__file__}:{link.line}" in o.summary and "holds" in o.summary
+
+
+def test_chain_from_a_later_op_explains_0_times_inf(digits_run):
+    run, _ = digits_run
+    first = run.first_nonfinite()["seq"]
+    mul = next(e for e in run.executions(op="mul.Tensor", health="nan") if e["seq"] > first)
+    o = origin(run, mul["seq"])
+    assert [c.op for c in o.chain] == ["aten.mul.Tensor", "aten.log"]
+    assert o.chain[0].explanation == "0 * inf -> NaN: one input holds infinities and the other zeros"
+    assert o.origin.seq == first
+
+
+def test_division_by_zero(tmp_path):
+    x = torch.tensor([1.0, 2.0])
+
+    def f():
+        d = x - x
+        return x / d
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.div.Tensor"
+    assert o.origin.explanation == "division by a zero denominator: 2 zeros in the denominator"
+    assert "1e-8" in o.suggestion
+
+
+def test_exp_overflow_with_and_without_stats(tmp_path):
+    x = torch.tensor([1.0, 812.3])
+    o = origin(record(tmp_path / "a", lambda: torch.exp(x * 1), mode="stats"))
+    assert o.origin.explanation == "exp overflow: input max 812.3"
+    o = origin(record(tmp_path / "b", lambda: torch.exp(x * 1)))
+    assert o.origin.explanation.startswith("exp overflow: an input value too large")
+
+
+def test_backward_sqrt_at_zero(tmp_path):
+    w = torch.zeros(3, requires_grad=True)
+
+    def f():
+        torch.sqrt(w * 1).sum().backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.phase == "backward"
+    assert o.origin.forward_op["op"] == "aten.sqrt"
+    assert o.origin.explanation.startswith("the gradient of sqrt is")
+    assert "sqrt(x + 1e-12)" in o.suggestion
+
+
+def test_nonfinite_input_data(tmp_path):
+    bad = torch.tensor([1.0, float("nan")])
+    o = origin(record(tmp_path, lambda: bad * 2))
+    assert o.origin.op == "aten.mul.Tensor"
+    assert "already held NaN" in o.suggestion
+
+
+def test_clean_run_has_no_origin(tmp_path):
+    assert origin(record(tmp_path, lambda: torch.ones(3).exp())) is None

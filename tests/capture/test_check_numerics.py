@@ -1,0 +1,79 @@
+"""check_numerics: raise at the first op that makes NaN/Inf, forward or backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.store import open_run
+
+HERE = __file__.rsplit("/", 1)[-1]
+
+
+def line_of(marker: str) -> int:
+    return next(i for i, t in enumerate(open(__file__).read().splitlines(), 1) if marker in t and "line_of" not in t)
+
+
+def test_forward_log_of_zero():
+    probs = torch.softmax(torch.tensor([[0.0, 200.0]]), dim=1)
+    with pytest.raises(tg.NonFiniteError) as info:
+        with tg.check_numerics():
+            torch.log(probs)  # MARK-LOG
+    msg = str(info.value)
+    assert msg.startswith("aten.log produced -inf")
+    assert f"{HERE}:{line_of('MARK-LOG')}" in msg
+    assert "module: outside any nn.Module" in msg
+    assert "input 0 = user input: 2 values, 1 zero, 1 positive" in msg
+    assert info.value.execution["op"] == "aten.log.default"
+
+
+class NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x) * 0
+        return torch.linalg.vector_norm(h, dim=1)  # MARK-NORM
+
+
+def test_backward_nan_traced_to_forward_line():
+    net = NormNet()
+    out = None
+    with pytest.raises(tg.NonFiniteError) as info:
+        with tg.check_numerics():
+            out = net(torch.randn(3, 4))
+            out.sum().backward()
+    msg = str(info.value)
+    assert out is not None and torch.isfinite(out).all()  # the forward pass was clean
+    assert "backward pass" in msg and "in the backward of" in msg
+    assert "created by the forward op at" in msg and f"{HERE}:{line_of('MARK-NORM')}" in msg
+    assert "module: (root) (NormNet)" in msg
+
+
+def test_producer_named_in_input_summary():
+    x = torch.tensor([1.0, 2.0, 3.0])
+    with pytest.raises(tg.NonFiniteError) as info:
+        with tg.check_numerics():
+            d = x - x  # MARK-SUB
+            x / d
+    msg = str(info.value)
+    assert msg.startswith("aten.div.Tensor produced +inf")
+    assert "input 1 = sub output from " in msg
+    assert f"{HERE}:{line_of('MARK-SUB')}: 3 values, 3 zeros" in msg
+
+
+def test_clean_code_does_not_raise_and_records_when_asked(tmp_path):
+    with tg.check_numerics(tmp_path / "r"):
+        y = torch.log(torch.tensor([1.0, 2.0]))
+    assert torch.isfinite(y).all()
+    assert open_run(tmp_path / "r").count(op="log") == 1
+
+
+def test_uninitialised_memory_is_not_evidence():
+    with tg.check_numerics():
+        e = torch.empty(1000)
+        e.fill_(1.0)
+    assert (e == 1).all()

@@ -1,0 +1,63 @@
+"""A process killed with SIGKILL while recording leaves a run that opens and shows what was flushed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from trainguard.store import open_run
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, trainguard as tg
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tg.record(sys.argv[1], buffer=-1):
+        for i in range(10**9):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+    """
+)
+
+
+def test_sigkill_while_recording(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir)])
+    try:
+        deadline = time.time() + 60
+        seen = 0
+        while time.time() < deadline:
+            time.sleep(0.5)
+            if (run_dir / "run.sqlite").exists():
+                try:
+                    with open_run(run_dir) as run:
+                        seen = run.count()
+                except Exception:
+                    seen = 0
+                if seen > 2000:
+                    break
+        assert seen > 2000, "the recording never flushed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    with open_run(run_dir) as run:
+        assert run.status == "running"  # never closed: the reader says so
+        n = run.count()
+        assert n >= seen
+        rows = run.executions(n - 50, n)
+        assert len(rows) == 50
+        # what is there is whole: every stored execution has its op, outputs and stack
+        last = run.execution(rows[-1]["seq"])
+        assert last["op"] and last["outputs"] is not None and last["stack"]
+        assert run.meta["last_flush"] > run.meta["created"]
+        steps = run.steps()
+        assert steps[-1]["step"] > 10

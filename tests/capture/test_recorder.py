@@ -1,0 +1,239 @@
+"""The recorder: what each execution carries, modes, buffer, filters, validation."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.store import MODE_FIELDS, open_run
+
+
+def test_records_forward_backward_optimizer_in_order(tmp_path, net, train):
+    with tg.record(tmp_path / "r", buffer=-1) as rec:
+        train(net, steps=2)
+    run = open_run(tmp_path / "r")
+    rows = run.executions()
+    assert len(rows) == run.count() == rec.recorded > 50
+    seqs = [r["seq"] for r in rows]
+    assert seqs == sorted(seqs)
+    phases = [r["phase"] for r in rows if r["step"] == 0]
+    # forward first, then backward, then the optimizer; the step advances with optimizer.step()
+    first = {p: phases.index(p) for p in ("forward", "backward", "optimizer")}
+    assert first["forward"] < first["backward"] < first["optimizer"]
+    assert {r["step"] for r in rows} == {0, 1}
+    assert run.meta["status"] == "finished"
+
+
+def test_module_paths_forward_and_backward(tmp_path, net, train):
+    with tg.record(tmp_path / "r", buffer=-1):
+        train(net, steps=1)
+    run = open_run(tmp_path / "r")
+    fwd = {r["module"] for r in run.executions(phase="forward") if r["module"] is not None}
+    assert {"encoder.0.proj", "encoder.1.act", "head"} <= fwd
+    bwd = run.executions(phase="backward", op="tanh_backward")
+    assert {r["module"] for r in bwd} == {"encoder.0.act", "encoder.1.act"}
+    assert all(r["fwd_seq"] is not None for r in bwd)
+    # a backward op inherits the stack of its forward op
+    for r in bwd:
+        assert r["stack_id"] == run.execution(r["fwd_seq"])["stack_id"]
+
+
+def test_stack_points_at_user_line_and_source_is_stored_once(tmp_path):
+    x = torch.ones(3)
+    with tg.record(tmp_path / "r", buffer=-1):
+        for _ in range(3):
+            y = torch.exp(x)  # the line to find
+    line = next(i for i, t in enumerate(open(__file__).read().splitlines(), 1) if "the line to find" in t)
+    run = open_run(tmp_path / "r")
+    exps = run.executions(op="exp")
+    assert len(exps) == 3 and len({e["stack_id"] for e in exps}) == 1
+    frame = run.user_frame(exps[0]["stack_id"])
+    assert frame["filename"] == __file__ and frame["lineno"] == line
+    paths = [f["path"] for f in run.source_files()]
+    assert paths.count(__file__) == 1
+    assert "the line to find" in run.source(__file__)
+    assert y.sum() > 0
+
+
+def test_producers_params_and_inputs(tmp_path):
+    lin = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with tg.record(tmp_path / "r", buffer=-1):
+        h = lin(x)
+        z = torch.relu(h)
+    run = open_run(tmp_path / "r")
+    relu = run.executions(op="relu")[0]
+    full = run.execution(relu["seq"])
+    (inp,) = full["inputs"]
+    assert inp["kind"] == "op" and inp["producer_digest"]["op"] == "aten.addmm"
+    addmm = run.execution(inp["producer"])
+    kinds = [(i["kind"], i.get("name")) for i in addmm["inputs"]]
+    assert ("param", "bias") in kinds and ("input", None) in kinds
+    assert [c["seq"] for c in run.consumers(addmm["seq"])] == [relu["seq"]]
+    assert [p["seq"] for p in run.producers(relu["seq"])] == [addmm["seq"]]
+    assert z.shape == (4, 2)
+
+
+class ScaledSquare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class UsesFunction(nn.Module):
+    def forward(self, x):
+        return ScaledSquare.apply(x)
+
+
+def test_custom_autograd_function(tmp_path):
+    x = torch.randn(5, requires_grad=True)
+    with tg.record(tmp_path / "r", buffer=-1):
+        UsesFunction()(x).sum().backward()
+    run = open_run(tmp_path / "r")
+    fwd_mul = run.executions(op="mul.Tensor", phase="forward")
+    bwd_mul = run.executions(op="mul.Tensor", phase="backward")
+    assert fwd_mul and len(bwd_mul) >= 2
+    # the backward ops of the custom Function map to the op that created its node
+    assert all(r["fwd_seq"] is not None for r in bwd_mul)
+    assert torch.allclose(x.grad, 2 * x.detach())
+
+
+@pytest.mark.parametrize("mode", list(MODE_FIELDS))
+def test_every_mode_records_its_fields(tmp_path, mode):
+    x = torch.tensor([[0.0, -1.0, 2.0]])
+    with tg.record(tmp_path / "r", mode=mode, buffer=-1):
+        y = x * 2
+    run = open_run(tmp_path / "r")
+    (e,) = run.executions(op="mul.Tensor")
+    out = e["outputs"][0]
+    assert out["dtype"] == "float32" and out["shape"] == [1, 3] and out["device"] == "cpu"
+    fields = MODE_FIELDS[mode]
+    if fields:
+        assert set(out["summary"]) == set(fields)
+    else:
+        assert out["summary"] is None
+    if "zero" in fields:
+        assert (out["summary"]["neg"], out["summary"]["zero"], out["summary"]["pos"]) == (1, 1, 1)
+    if mode == "stats":
+        assert out["summary"]["min"] == -2.0 and out["summary"]["max"] == 4.0
+    if mode == "full_tensor":
+        loaded = torch.load(run.payload_path(e["seq"], 0), weights_only=True)
+        assert torch.equal(loaded, y)
+
+
+def test_circular_buffer_keeps_last_n_plus_pinned_chain(tmp_path):
+    x = torch.ones(4)
+    zero = torch.zeros(4)
+    with tg.record(tmp_path / "r", buffer=10):
+        a = torch.softmax(x, 0) * 0  # producer of the zeros, long before the end
+        bad = torch.log(a)  # the first -inf
+        for _ in range(50):
+            x = x + 1  # finite ops that push everything else out of the buffer
+        _ = zero + 1
+    run = open_run(tmp_path / "r")
+    rows = run.executions()
+    pinned = [r for r in rows if r["health"]]
+    finite = [r for r in rows if not r["health"]]
+    assert [r["op"] for r in pinned] == ["aten.log"]
+    # the producer of the pinned log is kept, then exactly the last 10 executions
+    log = run.first_nonfinite()
+    assert log["inputs"][0]["producer_digest"]["op"] == "aten.mul.Tensor"
+    last = finite[-10:]
+    assert len(finite) == 11 and [r["seq"] for r in last] == list(range(last[0]["seq"], last[0]["seq"] + 10))
+    assert bad.isinf().all()
+
+
+def test_filters(tmp_path):
+    x = torch.randn(4)
+    with tg.record(tmp_path / "a", ops=r"aten\.(exp|log)\.", buffer=-1):
+        torch.log(torch.exp(x).abs() + 1)
+    assert {r["op"] for r in open_run(tmp_path / "a").executions()} == {"aten.exp", "aten.log"}
+    with tg.record(tmp_path / "b", dtypes=["int64"], buffer=-1):
+        (x > 0).long().sum()
+        x * 2
+    ops = {r["op"] for r in open_run(tmp_path / "b").executions()}
+    assert "aten._to_copy" in ops and "aten.mul.Tensor" not in ops
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"mode": "everything"}, "mode must be one of"),
+        ({"buffer": -2}, "buffer must be -1"),
+        ({"buffer": 0}, "buffer must be -1"),
+        ({"ops": "aten.(log"}, "ops must be a valid regular expression"),
+        ({"dtypes": ["float33"]}, "dtypes must name torch dtypes"),
+    ],
+)
+def test_bad_arguments(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        tg.record(tmp_path / "r", **kwargs)
+    bad = list(kwargs.values())[0]
+    assert repr(bad if not isinstance(bad, list) else bad[0]) in str(info.value)
+
+
+def test_existing_run_is_not_overwritten(tmp_path):
+    with tg.record(tmp_path / "r"):
+        torch.ones(2) + 1
+    with pytest.raises(tg.TrainguardError, match="already holds a run"):
+        tg.record(tmp_path / "r").start()
+    with tg.record(tmp_path / "r", overwrite=True):
+        torch.ones(2) * 3
+    assert [r["op"] for r in open_run(tmp_path / "r").executions()][-1] == "aten.mul.Tensor"
+
+
+def test_enable_disable(tmp_path):
+    tg.enable(tmp_path / "r", buffer=-1)
+    try:
+        torch.ones(3).exp()
+        with pytest.raises(RuntimeError, match="already recording"):
+            tg.enable(tmp_path / "other")
+    finally:
+        tg.disable()
+    torch.ones(3).sin()  # not recorded: disabled
+    ops = [r["op"] for r in open_run(tmp_path / "r").executions()]
+    assert "aten.exp" in ops and "aten.sin" not in ops
+    tg.disable()  # a second disable is a no-op
+
+
+def test_manual_step(tmp_path):
+    with tg.record(tmp_path / "r", buffer=-1):
+        for i in range(3):
+            tg.step(i * 10)
+            torch.ones(1).exp()
+    assert [r["step"] for r in open_run(tmp_path / "r").executions(op="exp")] == [0, 10, 20]
+    with pytest.raises(ValueError, match="non-negative int"):
+        tg.step(-1)
+
+
+def test_recording_keeps_no_tensor_alive(tmp_path):
+    import gc
+    import weakref
+
+    with tg.record(tmp_path / "r", buffer=-1):
+        t = torch.randn(100, 100) * 2
+        ref = weakref.ref(t)
+        del t
+        gc.collect()
+        assert ref() is None
+
+
+def test_own_module_frames_not_user(tmp_path):
+    with tg.record(tmp_path / "r", buffer=-1):
+        torch.ones(2).exp()
+    run = open_run(tmp_path / "r")
+    frames = run.stack(run.executions(op="exp")[0]["stack_id"])
+    assert frames[-1]["user"] and frames[-1]["filename"] == __file__
+    assert not any("trainguard/capture" in f["filename"] for f in frames)
+    assert sys.modules["trainguard.capture"]

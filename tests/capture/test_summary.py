@@ -1,0 +1,106 @@
+"""Tensor summaries against a NumPy reference, for both strategies and every mode."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from trainguard.capture._summary import summarize_deferred, summarize_immediate
+from trainguard.store import MODE_FIELDS
+
+MODES = ["curt_health", "concise_health", "full_health", "stats"]
+
+
+def reference(a: np.ndarray, mode: str) -> dict:
+    """What each field must be, computed the obvious way in float64."""
+    f = np.asarray(a).astype(np.float64)
+    n = f.size
+    nan = int(np.isnan(f).sum())
+    pinf = int(np.isposinf(f).sum())
+    ninf = int(np.isneginf(f).sum())
+    fin = f[np.isfinite(f)]
+    out = {
+        "size": n, "nan": nan, "pos_inf": pinf, "neg_inf": ninf,
+        "neg": int((fin < 0).sum()), "zero": int((fin == 0).sum()), "pos": int((fin > 0).sum()),
+        "nonfinite": 1 if (nan + pinf + ninf) else 0,
+    }
+    if n:
+        with np.errstate(all="ignore"):
+            out["min"], out["max"] = float(np.min(f)), float(np.max(f))
+            out["mean"] = float(np.mean(f))
+            out["std"] = float(np.sqrt(np.mean((f - np.mean(f)) ** 2)))
+    return out
+
+
+def check(t: torch.Tensor, a: np.ndarray, mode: str, values: tuple) -> None:
+    ref = reference(a, mode)
+    for name, v in zip(MODE_FIELDS[mode], values):
+        want = ref.get(name)
+        if name in ("min", "max", "mean", "std"):
+            if t.numel() == 0:
+                assert math.isnan(v)
+                continue
+            if not np.isfinite(a.astype(np.float64)).all():
+                continue  # NaN-propagating statistics: only their presence matters
+            tol = 1e-2 * max(1.0, abs(want)) if t.dtype in (torch.float16, torch.bfloat16) else 1e-4 * max(1.0, abs(want))
+            assert v == pytest.approx(want, abs=tol), (name, v, want)
+        else:
+            assert v == want, (mode, name, v, want, a)
+
+
+floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
+arrays = hnp.arrays(
+    dtype=st.sampled_from([np.float32, np.float64, np.float16]),
+    shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=6),
+    elements=st.one_of(floats, st.sampled_from([0.0, -0.0, 1.0, -1.0])),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(arrays, st.sampled_from(MODES), st.booleans())
+def test_float_summaries_match_numpy(a, mode, transpose):
+    t = torch.from_numpy(a.copy())
+    if transpose and t.dim() >= 2:
+        t = t.transpose(0, 1)  # non-contiguous view
+        a = np.ascontiguousarray(np.swapaxes(a, 0, 1))
+    check(t, a, mode, summarize_immediate(t, mode))
+    check(t, a, mode, tuple(summarize_deferred(t, mode).tolist()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(dtype=st.sampled_from([np.int64, np.int32, np.int8, np.uint8, np.bool_]),
+                  shape=hnp.array_shapes(min_dims=1, max_dims=2, min_side=0, max_side=7)),
+       st.sampled_from(MODES))
+def test_integer_and_bool_summaries(a, mode):
+    t = torch.from_numpy(a.copy())
+    check(t, a, mode, summarize_immediate(t, mode))
+    check(t, a, mode, tuple(summarize_deferred(t, mode).tolist()))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bfloat16_and_strided_views(mode):
+    base = torch.tensor([[0.0, -1.5, float("inf")], [2.0, float("nan"), 0.0], [-float("inf"), 3.0, -2.0]])
+    for t in (base.bfloat16(), base[:, ::2], base.t(), base.expand(2, 3, 3)):
+        a = t.float().numpy()
+        check(t, a, mode, summarize_immediate(t, mode))
+        check(t, a, mode, tuple(summarize_deferred(t, mode).tolist()))
+
+
+def test_large_finite_tensor_takes_the_fast_path_exactly():
+    t = torch.randn(300, 700)
+    t[t.abs() < 0.01] = 0.0
+    s = summarize_immediate(t, "full_health")
+    a = t.numpy()
+    assert s == (a.size, (a < 0).sum(), (a == 0).sum(), (a > 0).sum(), 0, 0, 0)
+
+
+def test_overflowing_sum_is_not_reported_as_nonfinite():
+    t = torch.full((10,), 3e38)  # finite values whose float32 sum overflows
+    assert summarize_immediate(t, "curt_health") == (0.0,)
+    assert summarize_immediate(t, "full_health") == (10, 0, 0, 10, 0, 0, 0)

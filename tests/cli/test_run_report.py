@@ -1,0 +1,160 @@
+"""End to end through the command line: run, report, demo, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from trainguard.cli import main
+from trainguard.examples import nan_digits
+
+EXAMPLE = nan_digits.__file__
+
+
+def line_in(text: str) -> int:
+    return next(i for i, t in enumerate(open(EXAMPLE).read().splitlines(), 1) if text in t)
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli") / "digits"
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--logdir", str(d), "--buffer", "-1",
+                           EXAMPLE, "--steps", "6"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "loss        nan" in proc.stdout  # the script's own output is untouched
+    assert "trainguard: recorded" in proc.stderr
+    return d
+
+
+def test_report_names_the_log_and_its_softmax_input(digits_run, capsys):
+    assert main(["report", str(digits_run)]) == 0
+    out = capsys.readouterr().out
+    assert "First non-finite value: aten.log" in out
+    assert f"nan_digits.py:{line_in('torch.log(probs)')}" in out
+    assert "aten._softmax output" in out and "zeros" in out
+    assert "torch.log(probs)" in out  # the source line itself is shown
+
+
+def test_report_json(digits_run, capsys):
+    assert main(["report", str(digits_run), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    link = rep["origin"]["origin"]
+    assert link["op"] == "aten.log" and link["line"] == line_in("torch.log(probs)") and link["health"] == ["-inf"]
+    assert link["step"] == 2
+    assert link["inputs"][0]["producer_op"] == "aten._softmax"
+    assert link["inputs"][0]["line"] == line_in("torch.softmax(logits")
+    assert link["inputs"][0]["summary"]["zero"] > 0
+    assert rep["alerts"]["total"] > 0 and rep["alerts"]["by_op"][0]["op"] == "aten.log"
+
+
+def test_fixed_script_gives_a_clean_report(tmp_path, capsys):
+    d = tmp_path / "fixed"
+    assert main(["run", "--logdir", str(d), EXAMPLE, "--fixed", "--steps", "6"]) == 0
+    capsys.readouterr()
+    assert main(["report", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "No NaN or Inf in any recorded output." in out and "origin" not in out
+
+
+def write(tmp_path, name, body):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return str(p)
+
+
+def test_script_exception_keeps_traceback_and_exit_code(tmp_path, capsys):
+    script = write(tmp_path, "boom.py", """
+        import torch
+        torch.ones(2).exp()
+        raise ValueError("the script's own error")
+    """)
+    assert main(["run", "--logdir", str(tmp_path / "r"), script]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ValueError: the script's own error" in err and "boom.py" in err
+    from trainguard.store import open_run
+
+    run = open_run(tmp_path / "r")
+    assert run.status == "finished" and run.count(op="exp") == 1
+
+
+def test_script_exit_code_and_argv(tmp_path, capsys):
+    script = write(tmp_path, "exits.py", """
+        import sys
+        print("args", sys.argv[1:])
+        sys.exit(7)
+    """)
+    assert main(["run", "--logdir", str(tmp_path / "r"), script, "a", "--b"]) == 7
+    assert "args ['a', '--b']" in capsys.readouterr().out
+
+
+def test_run_check_numerics(tmp_path, capsys):
+    assert main(["run", "--check-numerics", "--logdir", str(tmp_path / "r"), EXAMPLE, "--steps", "6"]) == 3
+    err = capsys.readouterr().err
+    assert "NonFiniteError: aten.log produced -inf" in err
+    assert f"nan_digits.py:{line_in('torch.log(probs)')}" in err
+    assert "input 0 = softmax output from" in err
+
+
+def test_demo(tmp_path, capsys):
+    assert main(["demo", "--logdir", str(tmp_path / "d"), "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "First non-finite value: aten.log" in out and "trainguard ui" in out
+
+
+def corrupt(path):
+    db = path / "run.sqlite"
+    db.write_bytes(db.read_bytes()[:2000])
+
+
+def newer(path):
+    con = sqlite3.connect(path / "run.sqlite")
+    con.execute("UPDATE meta SET value = '999' WHERE key = 'schema_version'")
+    con.commit()
+    con.close()
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "other", "truncated", "newer"])
+def test_report_bad_inputs_exit_2_in_one_line(tmp_path, case):
+    target = tmp_path / "x"
+    if case != "missing":
+        target.mkdir()
+    if case == "other":
+        (target / "README").write_text("not a run")
+    if case in ("truncated", "newer"):
+        assert main(["run", "--logdir", str(target), write(tmp_path, "s.py", "import torch\ntorch.ones(3).exp()\n")]) == 0
+        (corrupt if case == "truncated" else newer)(target)
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "report", str(target)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainguard: error: ") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "nope.py"], "no such script: 'nope.py'"),
+    (["run", "--buffer", "-5", "x.py"], "buffer must be -1"),
+    (["run", "--ops", "aten.(", "x.py"], "ops must be a valid regular expression"),
+    (["run"], "give a script to run"),
+])
+def test_run_bad_arguments(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("pass\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_version_and_help():
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("trainguard ")
+    script = os.path.join(os.path.dirname(sys.executable), "trainguard")  # the console script
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for cmd in ("run", "report", "demo"):
+        assert cmd in proc.stdout

@@ -1,0 +1,68 @@
+"""The writer and reader agree on every value, NaN and Inf included."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainguard.store import ExecBatch, Finding, RunWriter, dumps, loads, open_run
+
+values = st.floats(allow_nan=True, allow_infinity=True)
+
+
+@given(st.recursive(st.one_of(values, st.integers(), st.text(max_size=5), st.none()),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3),
+                    max_leaves=10))
+def test_json_codec_roundtrip(obj):
+    back = loads(dumps(obj))
+
+    def same(a, b):
+        if isinstance(a, float) and math.isnan(a):
+            return isinstance(b, float) and math.isnan(b)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return a == b
+
+    assert same(obj, back)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(values, min_size=1, max_size=20))
+def test_scalars_and_layer_stats_roundtrip(tmp_path_factory, xs):
+    d = tmp_path_factory.mktemp("run") / "r"
+    w = RunWriter(d)
+    for i, x in enumerate(xs):
+        w.add_scalars(i, {"loss": x})
+    w.add_layer_stats([(i, "fc1", "gradient", "norm", x) for i, x in enumerate(xs)])
+    w.close()
+    run = open_run(d)
+    got = [v for _, v in run.scalars("loss")["loss"]]
+    got2 = [r["value"] for r in run.layer_stats(layer="fc1")]
+    for a, b, c in zip(xs, got, got2):
+        assert (math.isnan(a) and math.isnan(b) and math.isnan(c)) or a == b == c
+
+
+def test_executions_findings_artifacts(tmp_path):
+    w = RunWriter(tmp_path / "r", mode="full_health")
+    w.put_stack(1, [(__file__, 3, "f")])
+    w.put_module(1, "fc", "Linear")
+    recs = [(i, 0, "forward", "aten.exp.default", 1, 1, None, None, [("input", None)],
+             [("float32", [2], "cpu")], [(2.0, 0.0, 0.0, 1.0, 0.0, float(i == 3), 0.0)]) for i in range(5)]
+    w.put_executions(ExecBatch(recs))
+    f = Finding(kind="loss_spike", severity="warning", title="spike", evidence={"ratio": math.inf}, steps=(3, 4))
+    w.add_findings("monitor", [f.to_dict()])
+    w.add_findings("monitor", [f.to_dict()], replace=True)
+    w.put_artifact("doctor/x.png", "image/png", b"\x89PNG")
+    w.close()
+    run = open_run(tmp_path / "r")
+    assert run.count() == 5 and run.count(health="inf") == 1
+    assert run.first_nonfinite()["seq"] == 3
+    assert run.executions(1, 3)[0]["seq"] == 1 and len(run.executions(1, 3)) == 2
+    (got,) = run.findings()
+    assert got["evidence"]["ratio"] == math.inf and got["steps"] == [3, 4]
+    assert run.artifact("doctor/x.png") == ("image/png", b"\x89PNG")
+    assert run.index_of(3) == 3 and run.index_of(3, health="nonfinite") == 0
