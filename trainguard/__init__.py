@@ -41,6 +41,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "ResumeLoop": ("trainguard.resilience", "ResumeLoop"),
     "TrainState": ("trainguard.resilience", "TrainState"),
     "list_checkpoints": ("trainguard.resilience", "list_checkpoints"),
+    "doctor": ("trainguard.doctor", None),
 }
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "__version__",
     "check_numerics",
     "disable",
+    "doctor",
     "enable",
     "list_checkpoints",
     "open",

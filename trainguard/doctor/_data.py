@@ -1,0 +1,603 @@
+"""Data validation: what is wrong with the data before a model ever sees it.
+
+:func:`validate_data` takes a training split (and optionally a test split) as tensors, NumPy
+arrays, ``(inputs, targets)`` pairs of them, ``Dataset``s or ``DataLoader``s, and returns a
+:class:`DataReport` whose findings are the same records the monitor produces: non-finite values,
+exact duplicates within a split and across splits (leakage), near duplicates, the label
+distribution and imbalance, inputs far from normalised (with the values to normalise with),
+constant features, and a single feature that predicts the label almost perfectly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from rich.table import Table
+
+from trainguard.doctor import _dedup
+from trainguard.doctor._results import CheckResult, finding, fmt
+from trainguard.doctor._state import DoctorInputError
+from trainguard.store import Finding
+
+# A share of duplicated samples above this is a warning (below it, an info): 1% of the data
+# seen twice is a mild reweighting; more starts to bias training and inflate metrics.
+DUPLICATE_WARN = 0.01
+# Label imbalance: most common class over least common class above this is a warning (the
+# lesson's 10:1; past it, plain accuracy and unweighted losses favour the big classes).
+IMBALANCE = 10.0
+# Inputs far from normalised: a feature (or channel) whose mean is further than MEAN_LIMIT from
+# 0, or whose std is outside [STD_LOW, STD_HIGH] ...
+MEAN_LIMIT = 3.0
+STD_HIGH = 10.0
+STD_LOW = 0.01
+# ... or features whose stds differ by more than this factor (one scale dominates the others).
+SCALE_SPREAD = 100.0
+# A feature predicts the label "almost perfectly" at this held-out accuracy (classification) or
+# absolute correlation (regression) ...
+LEAK_SCORE = 0.99
+# ... when always guessing the majority class does at least this much worse.
+LEAK_MARGIN = 0.2
+# Bins per feature for the single-feature predictor, and how many cells (features x samples) it
+# may look at: it subsamples rows beyond that, so the check stays fast on any dataset.
+LEAK_BINS = 32
+LEAK_CELLS = 4_000_000
+# Near duplicates are looked for in inputs with at least this many features: in a few dimensions
+# close neighbours are common and mean nothing.
+NEAR_MIN_FEATURES = 8
+# Targets with more distinct integer values than this are treated as regression.
+MAX_CLASSES = 10_000
+# How many example indices a finding carries.
+EXAMPLES = 10
+# Per-feature vectors in the report are cut to this length.
+MAX_VECTOR = 1024
+
+
+@dataclass
+class _Split:
+    name: str
+    x: np.ndarray  # (N, ...) samples
+    y: np.ndarray | None  # (N, ...) targets
+
+    @property
+    def n(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def flat(self) -> np.ndarray:
+        return self.x.reshape(self.n, -1)
+
+
+@dataclass(kw_only=True)
+class DataReport(CheckResult):
+    """Findings about the data, with the numbers they rest on (per-split counts, statistics)."""
+
+    check = "validate_data"
+    splits: dict[str, dict[str, Any]]
+    stats: dict[str, Any]
+    issues: list[Finding] = field(default_factory=list)
+    passed: bool = True
+
+    def __post_init__(self) -> None:
+        self.passed = not any(f.is_problem for f in self.issues)
+
+    def findings(self) -> list[Finding]:
+        return list(self.issues)
+
+    def by_kind(self, kind: str) -> list[Finding]:
+        return [f for f in self.issues if f.kind == kind]
+
+    @property
+    def summary(self) -> str:
+        sizes = ", ".join(f"{k} {v['samples']:,}" for k, v in self.splits.items())
+        problems = [f for f in self.issues if f.is_problem]
+        if not problems:
+            return f"no problems found ({sizes})"
+        kinds = sorted({f.kind for f in problems})
+        return f"{len(problems)} problem(s): {', '.join(kinds)} ({sizes})"
+
+    def _fields(self) -> dict[str, Any]:
+        return {"splits": self.splits, "stats": self.stats}
+
+    def _detail(self) -> Table:
+        t = Table(box=None, padding=(0, 2))
+        for col in ("split", "samples", "sample shape", "dtype", "labels"):
+            t.add_column(col)
+        for name, s in self.splits.items():
+            labels = s.get("label_counts")
+            lab = "-" if not labels else ", ".join(f"{k}: {v}" for k, v in list(labels.items())[:8])
+            if labels and len(labels) > 8:
+                lab += f" ... ({len(labels)} classes)"
+            t.add_row(name, f"{s['samples']:,}", str(s["shape"]), s["dtype"], lab)
+        return t
+
+
+# ---------------------------------------------------------------------- inputs
+def _to_numpy(obj: Any, what: str) -> np.ndarray:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()
+        return t.numpy()
+    if isinstance(obj, np.ndarray):
+        return obj
+    if isinstance(obj, (int, float, bool, np.generic)):
+        return np.asarray(obj)
+    raise DoctorInputError(f"{what} must be a tensor or a NumPy array, got {type(obj).__name__}")
+
+
+def _stack(items: list[Any], what: str) -> np.ndarray:
+    arrays = [_to_numpy(i, what) for i in items]
+    shapes = {a.shape for a in arrays}
+    if len(shapes) > 1:
+        raise DoctorInputError(f"{what} have different shapes across samples: {sorted(shapes)[:4]}")
+    return np.stack(arrays)
+
+
+def _is_array(obj: Any) -> bool:
+    return isinstance(obj, (torch.Tensor, np.ndarray))
+
+
+def _split(obj: Any, name: str) -> _Split:
+    """Inputs and targets of one split, whatever form they came in."""
+    from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+
+    x: Any
+    y: Any = None
+    if isinstance(obj, (tuple, list)) and len(obj) == 2 and all(_is_array(o) for o in obj):
+        x, y = obj
+    elif _is_array(obj):
+        x = obj
+    elif isinstance(obj, TensorDataset):
+        x = obj.tensors[0]
+        y = obj.tensors[1] if len(obj.tensors) > 1 else None
+    elif isinstance(obj, Subset) and isinstance(obj.dataset, TensorDataset):
+        idx = torch.as_tensor(list(obj.indices), dtype=torch.long)
+        x = obj.dataset.tensors[0][idx]
+        y = obj.dataset.tensors[1][idx] if len(obj.dataset.tensors) > 1 else None
+    elif isinstance(obj, DataLoader):
+        xs, ys = [], []
+        for batch in obj:
+            if isinstance(batch, (tuple, list)) and len(batch) == 2:
+                xs.append(_to_numpy(batch[0], f"{name} inputs"))
+                ys.append(_to_numpy(batch[1], f"{name} targets"))
+            else:
+                xs.append(_to_numpy(batch, f"{name} inputs"))
+        if not xs:
+            raise DoctorInputError(f"{name} data is empty (the loader yielded no batches)")
+        x = np.concatenate(xs)
+        y = np.concatenate(ys) if ys else None
+    elif isinstance(obj, Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+                                       and not isinstance(obj, (str, bytes, dict, tuple, list))):
+        n = len(obj)
+        if n == 0:
+            raise DoctorInputError(f"{name} data is empty (0 samples)")
+        items = [obj[i] for i in range(n)]
+        if all(isinstance(it, (tuple, list)) and len(it) == 2 for it in items):
+            x = _stack([it[0] for it in items], f"{name} inputs")
+            y = _stack([it[1] for it in items], f"{name} targets")
+        else:
+            x = _stack(items, f"{name} inputs")
+    else:
+        raise DoctorInputError(
+            f"{name} data must be a tensor, an array, an (inputs, targets) pair of them, a Dataset or a "
+            f"DataLoader; got {type(obj).__name__}"
+        )
+    x = _to_numpy(x, f"{name} inputs")
+    y = None if y is None else _to_numpy(y, f"{name} targets")
+    if x.ndim == 0:
+        raise DoctorInputError(f"{name} inputs must have a sample dimension, got a scalar")
+    if x.shape[0] == 0:
+        raise DoctorInputError(f"{name} data is empty (0 samples)")
+    if x.dtype == object or not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+        raise DoctorInputError(f"{name} inputs must be numeric, got dtype {x.dtype}")
+    if y is not None:
+        if y.ndim == 0 or y.shape[0] != x.shape[0]:
+            raise DoctorInputError(
+                f"{name} inputs have {x.shape[0]} samples but targets have "
+                f"{y.shape[0] if y.ndim else 'a scalar'}"
+            )
+        if y.dtype == object or not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
+            raise DoctorInputError(f"{name} targets must be numeric, got dtype {y.dtype}")
+    return _Split(name, x, y)
+
+
+def _is_classification(splits: list[_Split], task: str) -> bool:
+    if task != "auto":
+        return task == "classification"
+    ys = [s.y for s in splits if s.y is not None]
+    if not ys or any(y.ndim != 1 for y in ys):
+        return False
+    if not all(np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_ for y in ys):
+        return False
+    return len(np.unique(ys[0])) <= MAX_CLASSES
+
+
+# ---------------------------------------------------------------------- the checks
+def validate_data(
+    train: Any,
+    test: Any = None,
+    *,
+    task: str = "auto",
+    near_duplicates: bool = True,
+    leak_check: bool = True,
+) -> DataReport:
+    """Check a training split (and a test split) for the problems that silently spoil training.
+
+    ``train`` and ``test`` are each a tensor or array of inputs, an ``(inputs, targets)`` pair of
+    them, a ``Dataset`` (items ``(x, y)`` or ``x``) or a ``DataLoader``. ``task`` is "auto"
+    (integer 1-D targets are class labels), "classification" or "regression".
+
+    >>> report = validate_data((x_train, y_train), (x_test, y_test))
+    >>> [f.title for f in report.findings()]
+    """
+    if task not in ("auto", "classification", "regression"):
+        raise DoctorInputError(f"task must be auto, classification or regression, got {task!r}")
+    if train is None:
+        raise DoctorInputError("train data is required, got None")
+    tr = _split(train, "train")
+    splits = [tr]
+    if test is not None:
+        te = _split(test, "test")
+        if te.x.shape[1:] != tr.x.shape[1:]:
+            raise DoctorInputError(
+                f"train samples have shape {list(tr.x.shape[1:])} but test samples {list(te.x.shape[1:])}"
+            )
+        if (te.y is None) != (tr.y is None):
+            raise DoctorInputError("give targets for both splits or for neither")
+        if te.y is not None and te.y.shape[1:] != tr.y.shape[1:]:
+            raise DoctorInputError(
+                f"train targets have shape {list(tr.y.shape[1:])} but test targets {list(te.y.shape[1:])}"
+            )
+        splits.append(te)
+    classification = _is_classification(splits, task)
+    issues: list[Finding] = []
+    stats: dict[str, Any] = {}
+    for s in splits:
+        issues += _nonfinite(s)
+    issues += _duplicates(splits, classification)
+    if near_duplicates:
+        issues += _near_duplicates(splits)
+    label_info: dict[str, dict] = {}
+    if classification:
+        issues += _labels(splits, label_info)
+    norm_issues, norm_stats = _normalisation(tr)
+    issues += norm_issues
+    stats.update(norm_stats)
+    issues += _constant(tr)
+    if leak_check and tr.y is not None:
+        issues += _feature_leak(tr, classification)
+    split_info = {
+        s.name: {"samples": s.n, "shape": list(s.x.shape[1:]), "dtype": str(s.x.dtype),
+                 "targets": None if s.y is None else {"shape": list(s.y.shape[1:]), "dtype": str(s.y.dtype)},
+                 "label_counts": label_info.get(s.name)}
+        for s in splits
+    }
+    stats["task"] = "classification" if classification else ("regression" if tr.y is not None else "unlabelled")
+    return DataReport(splits=split_info, stats=stats, issues=issues)
+
+
+def _float_view(a: np.ndarray) -> np.ndarray | None:
+    return a if np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.complexfloating) else None
+
+
+def _nonfinite(s: _Split) -> list[Finding]:
+    out = []
+    for what, arr in (("inputs", s.x), ("targets", s.y)):
+        if arr is None or _float_view(arr) is None:
+            continue
+        flat = arr.reshape(arr.shape[0], -1)
+        nan = np.isnan(flat)
+        inf = np.isinf(flat)
+        n_nan, n_inf = int(nan.sum()), int(inf.sum())
+        if not (n_nan or n_inf):
+            continue
+        bad_rows = np.flatnonzero((nan | inf).any(axis=1))
+        per_feature = (nan | inf).sum(axis=0)
+        worst = np.argsort(-per_feature)[:EXAMPLES]
+        worst = [int(i) for i in worst if per_feature[i] > 0]
+        out.append(finding(
+            "data_nonfinite", "error",
+            f"{s.name} {what}: {n_nan:,} NaN and {n_inf:,} Inf values in {bad_rows.size:,} samples",
+            "Drop or impute these samples before training (a single NaN input makes the loss NaN); "
+            "check the loading and preprocessing code that produced them.",
+            split=s.name, part=what, nan=n_nan, inf=n_inf, samples=int(bad_rows.size),
+            examples=bad_rows[:EXAMPLES], features=worst))
+    return out
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both splits in one dtype, so equal values have equal bytes (and -0.0 equals 0.0)."""
+    dt = np.result_type(a.dtype, b.dtype)
+    a, b = a.astype(dt, copy=False), b.astype(dt, copy=False)
+    if np.issubdtype(dt, np.floating):
+        a, b = a + 0, b + 0  # -0.0 + 0 == +0.0: the two zeros hash alike
+    return a, b
+
+
+def _duplicates(splits: list[_Split], classification: bool) -> list[Finding]:
+    out: list[Finding] = []
+    tr = splits[0]
+    flats = [s.flat for s in splits]
+    if len(splits) > 1:
+        flats[0], flats[1] = _common(flats[0], flats[1])
+    elif np.issubdtype(flats[0].dtype, np.floating):
+        flats[0] = flats[0] + 0
+    hashes = [_dedup.row_hashes(f) for f in flats]
+    for s, f, h in zip(splits, flats, hashes):
+        groups = _dedup.duplicate_groups(f, h)
+        if not groups:
+            continue
+        extra = sum(len(g) - 1 for g in groups)
+        share = extra / s.n
+        examples = [g[:5] for g in groups[:EXAMPLES]]
+        out.append(finding(
+            "duplicate_samples", "warning" if share > DUPLICATE_WARN else "info",
+            f"{s.name}: {extra:,} duplicate samples ({share:.1%}) in {len(groups):,} groups of identical inputs",
+            "Remove the copies (keep one per group): duplicates weight some samples more than others and, "
+            "across a train/validation split, inflate the metrics.",
+            split=s.name, duplicates=extra, groups=len(groups), share=share, examples=examples))
+        if s.y is not None:
+            conflicts = [g for g in groups if not _all_equal(s.y[g])]
+            if conflicts:
+                out.append(finding(
+                    "conflicting_labels", "warning",
+                    f"{s.name}: {len(conflicts):,} groups of identical inputs carry different targets",
+                    "These are label errors (or inputs that lost the information that tells them apart); "
+                    "fix or drop them: no model can fit both.",
+                    split=s.name, groups=len(conflicts), examples=[g[:5] for g in conflicts[:EXAMPLES]]))
+    if len(splits) > 1:
+        te = splits[1]
+        pairs = _dedup.cross_duplicates(flats[0], flats[1], hashes[0], hashes[1])
+        if pairs:
+            out.append(finding(
+                "leaked_duplicates", "error",
+                f"{len(pairs):,} {te.name} samples ({len(pairs) / te.n:.1%}) also appear in {tr.name}: data leakage",
+                f"Remove these samples from {te.name} (or from {tr.name}): the model is evaluated on data it "
+                f"trained on, so {te.name} metrics overstate how it generalises. Split after de-duplicating.",
+                split=te.name, count=len(pairs), share=len(pairs) / te.n,
+                examples=[{te.name: i, tr.name: j} for i, j in pairs[:EXAMPLES]]))
+    return out
+
+
+def _all_equal(a: np.ndarray) -> bool:
+    """All targets of a group equal (NaN equal to NaN)."""
+    same = a == a[0]
+    if _float_view(a) is not None:
+        same |= np.isnan(a) & np.isnan(a[0])
+    return bool(np.all(same))
+
+
+def column_stats(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-column mean and std in float64, ignoring NaN/Inf (a column with none finite: NaN)."""
+    if data.dtype.kind not in "fc" or np.isfinite(data).all():
+        mean = data.mean(axis=0, dtype=np.float64)
+        std = data.std(axis=0, dtype=np.float64)
+        return mean, std
+    data = np.where(np.isfinite(data), data.astype(np.float64), np.nan)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: their mean is NaN, as wanted
+        return np.nanmean(data, axis=0), np.nanstd(data, axis=0)
+
+
+def _standardise(flat: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    z = (flat.astype(np.float32, copy=False) - mean.astype(np.float32)) / std.astype(np.float32)
+    return np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _near_duplicates(splits: list[_Split]) -> list[Finding]:
+    tr = splits[0]
+    if tr.flat.shape[1] < NEAR_MIN_FEATURES or tr.flat.dtype.kind not in "biuf":
+        return []
+    mean, std = column_stats(tr.flat)
+    mean = np.nan_to_num(mean)
+    std = np.where(np.isfinite(std) & (std > 0), std, 1.0)
+    zs = [_standardise(s.flat, mean, std) for s in splits]
+    z = np.concatenate(zs) if len(zs) > 1 else zs[0]
+    owner = np.concatenate([np.full(s.n, i) for i, s in enumerate(splits)])
+    offsets = np.cumsum([0] + [s.n for s in splits])
+    pairs = [(i, j, d) for i, j, d in _dedup.near_pairs(z, owner) if d > 0]
+    if not pairs:
+        return []
+    out = []
+    for a in range(len(splits)):
+        for b in range(a, len(splits)):
+            sel = [(i - offsets[a], j - offsets[b], d) for i, j, d in pairs if owner[i] == a and owner[j] == b]
+            if not sel:
+                continue
+            if a == b:
+                name = splits[a].name
+                out.append(finding(
+                    "near_duplicates", "info",
+                    f"{name}: at least {len(sel):,} pairs of near-identical samples (RMS difference <= "
+                    f"{_dedup.NEAR_TOL} std)",
+                    "Near copies (re-encoded, slightly shifted or noisy versions) count like duplicates; "
+                    "de-duplicate if they are not intended augmentation.",
+                    split=name, pairs=len(sel), examples=[[i, j] for i, j, _ in sel[:EXAMPLES]]))
+            else:
+                sa, sb = splits[a].name, splits[b].name
+                out.append(finding(
+                    "leaked_near_duplicates", "warning",
+                    f"at least {len(sel):,} {sb} samples are near copies of {sa} samples (RMS difference <= "
+                    f"{_dedup.NEAR_TOL} std)",
+                    f"Near copies across splits leak like exact ones: drop them from {sb} or split by source "
+                    "(patient, user, document) rather than by sample.",
+                    split=sb, pairs=len(sel), examples=[{sa: i, sb: j} for i, j, _ in sel[:EXAMPLES]]))
+    return out
+
+
+def _labels(splits: list[_Split], info: dict[str, dict]) -> list[Finding]:
+    out = []
+    counts = {}
+    for s in splits:
+        values, n = np.unique(s.y, return_counts=True)
+        counts[s.name] = dict(zip(values.tolist(), n.tolist()))
+        info[s.name] = {str(k): v for k, v in counts[s.name].items()}
+    tr = counts[splits[0].name]
+    if len(tr) == 1:
+        out.append(finding("single_class", "error", f"{splits[0].name}: every target is the same class "
+                           f"({next(iter(tr))})", "A classifier needs at least two classes; check the labels.",
+                           counts=info[splits[0].name]))
+        return out
+    big = max(tr, key=tr.get)
+    small = min(tr, key=tr.get)
+    ratio = tr[big] / tr[small]
+    if ratio > IMBALANCE:
+        total = sum(tr.values())
+        weights = {str(k): round(total / (len(tr) * v), 4) for k, v in tr.items()}
+        out.append(finding(
+            "label_imbalance", "warning",
+            f"{splits[0].name}: labels imbalanced {ratio:.0f}:1 (class {big}: {tr[big]:,}, class {small}: {tr[small]:,})",
+            "Weight the loss by class (weights N / (C * count): "
+            + ", ".join(f"{k}: {v}" for k, v in list(weights.items())[:10])
+            + "), resample with a WeightedRandomSampler, and judge with per-class metrics rather than accuracy.",
+            ratio=ratio, counts=info[splits[0].name], class_weights=weights))
+    for s in splits[1:]:
+        unseen = sorted(set(counts[s.name]) - set(tr))
+        if unseen:
+            out.append(finding(
+                "unseen_labels", "warning", f"{s.name} has labels never seen in training: {unseen[:EXAMPLES]}",
+                "The model cannot predict a class it never saw; re-split so every class is in training.",
+                split=s.name, labels=unseen))
+    return out
+
+
+def _channel_axis(x: np.ndarray) -> bool:
+    """Images and sequences (N, C, ...) are normalised per channel; tables per feature."""
+    return x.ndim >= 3
+
+
+def _normalisation(tr: _Split) -> tuple[list[Finding], dict[str, Any]]:
+    x = tr.x
+    if np.issubdtype(x.dtype, np.complexfloating) or x.dtype == np.bool_:
+        return [], {}
+    per_channel = _channel_axis(x)
+    mean, std = column_stats(np.moveaxis(x, 1, -1).reshape(-1, x.shape[1]) if per_channel else tr.flat)
+    unit = "channel" if per_channel else "feature"
+    stats = {"per": unit, "mean": mean[:MAX_VECTOR], "std": std[:MAX_VECTOR], "count": int(mean.size)}
+    live = np.isfinite(std) & (std > 0)
+    if not live.any():
+        return [], stats
+    m, sd = mean[live], std[live]
+    reasons = []
+    if np.abs(m).max() > MEAN_LIMIT:
+        reasons.append(f"|mean| up to {fmt(np.abs(m).max())}")
+    if sd.max() > STD_HIGH:
+        reasons.append(f"std up to {fmt(sd.max())}")
+    if sd.min() < STD_LOW:
+        reasons.append(f"std down to {fmt(sd.min())}")
+    if sd.max() / sd.min() > SCALE_SPREAD:
+        reasons.append(f"{unit} scales differ {sd.max() / sd.min():.0f}x")
+    if not reasons:
+        return [], stats
+    shown = min(mean.size, 8)
+    values = (f"mean={[float(f'{v:.4g}') for v in mean[:shown]]}, std={[float(f'{v:.4g}') for v in std[:shown]]}"
+              + (" ..." if mean.size > shown else ""))
+    how = (f"torchvision.transforms.Normalize({values})" if per_channel else f"(x - mean) / std per feature, with {values} (all values in the evidence)")
+    return [finding(
+        "inputs_not_normalised", "warning",
+        f"{tr.name} inputs are far from normalised ({'; '.join(reasons)})",
+        f"Standardise the inputs: {how}; compute the values on the training split only.",
+        per=unit, mean=mean[:MAX_VECTOR], std=std[:MAX_VECTOR], reasons=reasons)], stats
+
+
+def _constant(tr: _Split) -> list[Finding]:
+    flat = tr.flat
+    if flat.shape[0] < 2:
+        return []
+    same = np.all(flat == flat[0], axis=0)
+    if flat.dtype.kind in "fc":
+        same |= np.all(np.isnan(flat), axis=0)
+    k = int(same.sum())
+    if k == 0:
+        return []
+    idx = np.flatnonzero(same)
+    every = k == flat.shape[1]
+    return [finding(
+        "constant_features", "error" if every else "info",
+        f"{tr.name}: {'every input feature is constant' if every else f'{k:,} of {flat.shape[1]:,} input features are constant'}"
+        + ("" if every else f" (e.g. {idx[:EXAMPLES].tolist()})"),
+        "Constant inputs carry no information; drop them (per-feature standardisation divides by their zero std)."
+        if not every else "The inputs hold no information at all: check the loading code.",
+        count=k, features=idx[:MAX_VECTOR], total=int(flat.shape[1]))]
+
+
+def _feature_leak(tr: _Split, classification: bool) -> list[Finding]:
+    flat = tr.flat
+    y = tr.y
+    if flat.dtype.kind not in "biuf" or y is None:
+        return []
+    n, d = flat.shape
+    if n < 20 or d == 0:
+        return []
+    rng = np.random.default_rng(0)
+    rows = min(n, max(200, LEAK_CELLS // d))
+    pick = np.sort(rng.choice(n, size=rows, replace=False)) if rows < n else np.arange(n)
+    xs = flat[pick].astype(np.float64)
+    ok = np.isfinite(xs).all(axis=1)
+    xs, ys = xs[ok], y[pick][ok]
+    live = np.flatnonzero(xs.std(axis=0) > 0)
+    if xs.shape[0] < 20 or live.size == 0:
+        return []
+    xs = xs[:, live]
+    if classification:
+        scores, baseline = _bin_accuracy(xs, ys, rng)
+        best = int(np.argmax(scores))
+        score = float(scores[best])
+        if not (score >= LEAK_SCORE and score - baseline >= LEAK_MARGIN):
+            return []
+        what = f"predicts the class with {score:.1%} held-out accuracy (majority class: {baseline:.1%})"
+    else:
+        yv = ys.reshape(ys.shape[0], -1).astype(np.float64)
+        if yv.shape[1] != 1 or yv.std() == 0:
+            return []
+        yc = yv[:, 0] - yv[:, 0].mean()
+        xc = xs - xs.mean(axis=0)
+        corr = (xc * yc[:, None]).sum(axis=0) / (np.sqrt((xc ** 2).sum(axis=0) * (yc ** 2).sum()) + 1e-300)
+        best = int(np.argmax(np.abs(corr)))
+        score = float(abs(corr[best]))
+        if score < LEAK_SCORE:
+            return []
+        what = f"has correlation {corr[best]:+.4f} with the target"
+    feature = int(live[best])
+    return [finding(
+        "feature_leak", "warning", f"{tr.name}: input feature {feature} alone {what}",
+        "A single input that gives the answer away is usually derived from the label (an id ordered by "
+        "class, a field filled in after the outcome, a file path); drop it unless it is truly available "
+        "at prediction time.",
+        feature=feature, score=score, samples_used=int(xs.shape[0]))]
+
+
+def _bin_accuracy(xs: np.ndarray, ys: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, float]:
+    """Held-out accuracy, per feature, of predicting the majority class of the feature's bin.
+
+    Bins are rank quantiles of each feature; the majority per bin is learned on one half of the
+    rows and scored on the other, so a feature with a unique value per sample gains nothing.
+    """
+    n, d = xs.shape
+    classes, yi = np.unique(ys, return_inverse=True)
+    c = classes.size
+    bins = min(LEAK_BINS, n // 4)
+    if d * bins * c > 50_000_000:  # too many classes to tabulate cheaply
+        return np.zeros(d), 1.0
+    order = np.argsort(xs, axis=0, kind="stable")
+    # Equal values share a bin: the bin of a value is that of its first rank.
+    sorted_x = np.take_along_axis(xs, order, axis=0)
+    first = np.maximum.accumulate(np.where(np.r_[np.ones((1, d), bool), sorted_x[1:] != sorted_x[:-1]],
+                                           np.arange(n)[:, None], 0), axis=0)
+    bin_sorted = first * bins // n
+    b = np.empty_like(bin_sorted)
+    np.put_along_axis(b, order, bin_sorted, axis=0)
+    half = rng.permutation(n)
+    fit, held = half[: n // 2], half[n // 2:]
+    cols = np.arange(d)
+    idx = (cols[None, :] * bins + b[fit]) * c + yi[fit][:, None]
+    table = np.bincount(idx.ravel(), minlength=d * bins * c).reshape(d, bins, c)
+    majority = table.argmax(axis=2)  # (d, bins); empty bins predict class 0
+    pred = majority[cols[None, :], b[held]]
+    acc = (pred == yi[held][:, None]).mean(axis=0)
+    baseline = float(np.bincount(yi[held], minlength=c).max() / held.size)
+    return acc, baseline

@@ -1,0 +1,317 @@
+"""Gradient check: autograd's gradients against central finite differences, in float64.
+
+For a sample of entries of each parameter, the numerical derivative
+``(L(w + eps) - L(w - eps)) / (2 eps)`` is compared with the analytic one, and the relative
+difference ``|a - n| / max(|a|, |n|, floor)`` is banded:
+
+- below 1e-5: correct;
+- above 1e-3: a bug (a wrong ``backward``, a gradient that does not flow);
+- in between: suspicious. Kinks (ReLU at 0, max-pool ties), float64 round-off on tiny
+  gradients, or a real but small error; look at the parameter, re-run with another ``eps``.
+
+An entry within 10x of the pass band's edge or beyond is re-measured with ``eps`` 10x and 100x
+larger and keeps its best value: round-off shrinks with a larger step and truncation error stays far below the bands,
+while a wrong gradient is wrong at every step. The model runs in float64 (parameters, buffers,
+floating inputs and targets, and the default dtype) and is put back to its own dtypes afterwards.
+Each evaluation reseeds the RNG, so dropout draws the same mask every time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.table import Table
+from torch import nn
+
+from trainguard.doctor._results import CheckResult, finding, fmt
+from trainguard.doctor._state import (
+    DoctorInputError,
+    as_float,
+    check_loss_fn,
+    check_model,
+    check_positive,
+    map_tensors,
+    model_device,
+    preserved,
+    split_batch,
+    take,
+)
+from trainguard.store import Finding
+
+# Relative differences below this are correct (the lesson's band for float64 central differences).
+PASS_BAND = 1e-5
+# Relative differences above this are a bug.
+BUG_BAND = 1e-3
+# Denominator floor: entries whose gradients are both below this (in loss units per unit of the
+# parameter) are compared on an absolute scale, because at eps=1e-6 float64 round-off in the loss
+# alone is about 1e-10 * |loss|, i.e. up to 1e-5 relative on a 1e-5 gradient.
+FLOOR = 1e-7
+# The gradient check's own sample: few samples keep the 2 x entries forward passes cheap.
+MAX_SAMPLES = 8
+# Entries above this are measured again with larger steps (round-off shrinks as eps grows).
+RETRY_ABOVE = PASS_BAND / 10
+RETRY_FACTORS = (10.0, 100.0)
+
+
+@dataclass(kw_only=True)
+class ParamCheck:
+    """One parameter's comparison: the worst entry and how it was banded."""
+
+    name: str
+    shape: list[int]
+    checked: int
+    max_rel: float
+    status: str  # "ok", "suspicious", "wrong"
+    worst_index: list[int]
+    analytic: float
+    numeric: float
+    no_grad: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def band(rel: float) -> str:
+    """``ok`` below 1e-5, ``wrong`` above 1e-3 (or NaN), ``suspicious`` in between."""
+    if not rel <= BUG_BAND:  # NaN and Inf are wrong too
+        return "wrong"
+    return "ok" if rel < PASS_BAND else "suspicious"
+
+
+@dataclass(kw_only=True)
+class GradCheckResult(CheckResult):
+    """Per-parameter largest relative difference; ``bad_params`` names the wrong gradients."""
+
+    check = "gradient_check"
+    params: list[ParamCheck]
+    eps: float
+    loss: float
+    samples: int
+    passed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.passed = bool(self.params) and all(p.status == "ok" for p in self.params) and not self.notes
+
+    @property
+    def bad_params(self) -> list[str]:
+        return [p.name for p in self.params if p.status == "wrong"]
+
+    @property
+    def suspicious_params(self) -> list[str]:
+        return [p.name for p in self.params if p.status == "suspicious"]
+
+    @property
+    def max_rel(self) -> float:
+        return max((p.max_rel for p in self.params), default=math.nan)
+
+    @property
+    def summary(self) -> str:
+        if self.notes:
+            return "; ".join(self.notes)
+        n = len(self.params)
+        if self.bad_params:
+            return f"wrong gradient in {', '.join(self.bad_params)} (largest relative difference {fmt(self.max_rel)})"
+        if self.suspicious_params:
+            return f"{len(self.suspicious_params)} of {n} parameters suspicious (largest relative difference {fmt(self.max_rel)})"
+        return f"{n} parameters agree with finite differences (largest relative difference {fmt(self.max_rel)})"
+
+    def _fields(self) -> dict[str, Any]:
+        return {"eps": self.eps, "loss": self.loss, "samples": self.samples, "notes": self.notes,
+                "max_rel": self.max_rel, "bad_params": self.bad_params,
+                "suspicious_params": self.suspicious_params, "params": [p.to_dict() for p in self.params]}
+
+    def _detail(self) -> Table:
+        t = Table(box=None, padding=(0, 2))
+        for col in ("parameter", "entries", "max rel diff", "analytic", "numeric", "status"):
+            t.add_column(col)
+        style = {"ok": "green", "suspicious": "yellow", "wrong": "red"}
+        for p in self.params:
+            t.add_row(p.name, str(p.checked), fmt(p.max_rel), fmt(p.analytic, 6), fmt(p.numeric, 6),
+                      f"[{style[p.status]}]{p.status}[/]" + (" (no gradient)" if p.no_grad else ""))
+        return t
+
+    def findings(self) -> list[Finding]:
+        out: list[Finding] = []
+        if self.notes:
+            return [finding("gradient_check_failed", "error", "Gradient check: " + "; ".join(self.notes),
+                            "The loss must be finite and depend on the parameters for a gradient check.")]
+        for p in self.params:
+            if p.status == "ok":
+                continue
+            where = f"{p.name}{p.worst_index}"
+            if p.status == "wrong":
+                why = ("autograd gives no gradient but the loss depends on it"
+                       if p.no_grad else f"autograd says {fmt(p.analytic, 6)}, finite differences {fmt(p.numeric, 6)}")
+                out.append(finding(
+                    "wrong_gradient", "error", f"Gradient check: wrong gradient for {p.name} ({why} at {where})",
+                    "Check the backward of the code that uses this parameter: a custom autograd.Function's "
+                    "backward, a hand-written gradient, or a .detach()/in-place op on its path.",
+                    layers=[p.name], **p.to_dict(), eps=self.eps))
+            else:
+                out.append(finding(
+                    "suspicious_gradient", "warning",
+                    f"Gradient check: {p.name} differs from finite differences by {fmt(p.max_rel)} (at {where})",
+                    "Between 1e-5 and 1e-3: often a kink (ReLU at 0, max-pool ties) or round-off on a tiny "
+                    "gradient; re-run with another eps or on other samples before suspecting the backward.",
+                    layers=[p.name], **p.to_dict(), eps=self.eps))
+        if not out:
+            out.append(finding("gradient_check_ok", "info", f"Gradient check: {self.summary}",
+                               max_rel=self.max_rel, eps=self.eps))
+        return out
+
+
+def _select(model: nn.Module, params: Any) -> list[tuple[str, nn.Parameter]]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    if params is None:
+        return named
+    if isinstance(params, (str, nn.Parameter)) or not isinstance(params, Iterable):
+        params = [params]
+    by_name = dict(named)
+    by_id = {id(p): n for n, p in named}
+    chosen: list[tuple[str, nn.Parameter]] = []
+    for item in params:
+        if isinstance(item, str):
+            if item not in by_name:
+                raise DoctorInputError(f"no trainable parameter named {item!r}; parameters: {sorted(by_name)}")
+            chosen.append((item, by_name[item]))
+        elif isinstance(item, torch.Tensor) and id(item) in by_id:
+            chosen.append((by_id[id(item)], item))
+        else:
+            raise DoctorInputError(f"params must hold parameter names or parameters of the model, got {item!r}")
+    return chosen
+
+
+def _sample(numel: int, k: int, gen: torch.Generator) -> list[int]:
+    if numel <= k:
+        return list(range(numel))
+    return sorted(torch.randperm(numel, generator=gen)[:k].tolist())
+
+
+def gradient_check(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Any,
+    eps: float = 1e-6,
+    params: Any = None,
+    samples_per_param: int = 16,
+    *,
+    max_samples: int | None = MAX_SAMPLES,
+    seed: int = 0,
+) -> GradCheckResult:
+    """Compare autograd with float64 central differences on ``samples_per_param`` entries of each
+    parameter (all trainable ones, or ``params``: names or parameters).
+
+    ``max_samples`` samples of the batch are used (None: all). ``passed`` is True when every
+    relative difference is below 1e-5; ``bad_params`` names the parameters above 1e-3. The model's
+    dtypes, values, RNG and modes are restored afterwards.
+
+    >>> result = gradient_check(model, (x, y), nn.CrossEntropyLoss())
+    >>> result.passed, result.bad_params
+    """
+    check_model(model)
+    check_loss_fn(loss_fn)
+    check_positive("eps", eps)
+    check_positive("samples_per_param", samples_per_param, integer=True)
+    inputs, targets = split_batch(batch)
+    if max_samples is not None:
+        check_positive("max_samples", max_samples, integer=True)
+        inputs, targets = take(inputs, max_samples), take(targets, max_samples)
+    chosen = _select(model, params)
+    if not chosen:
+        raise DoctorInputError("the model has no trainable floating-point parameters to check")
+    device = model_device(model)
+    samples = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) else 0
+
+    def to64(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=torch.float64) if t.is_floating_point() else t.to(device)
+
+    inputs, targets = map_tensors(inputs, to64), map_tensors(targets, to64)
+    loss_module = loss_fn if isinstance(loss_fn, nn.Module) else nn.Module()
+    default_dtype = torch.get_default_dtype()
+    with preserved(model), preserved(loss_module):
+        try:
+            torch.set_default_dtype(torch.float64)
+            _to_float64(model)
+            _to_float64(loss_module)
+
+            def loss_at() -> torch.Tensor:
+                torch.manual_seed(seed)  # dropout draws the same mask in every evaluation
+                return as_float(loss_fn(model(inputs), targets))
+
+            for _, p in model.named_parameters():
+                p.grad = None
+            with torch.enable_grad():
+                loss = loss_at()
+                if not loss.requires_grad:
+                    raise DoctorInputError("the loss does not depend on any trainable parameter (no gradient path)")
+                loss.backward()
+            base = float(loss.detach())
+            if not math.isfinite(base):
+                return GradCheckResult(params=[], eps=eps, loss=base, samples=samples,
+                                       notes=[f"the loss is {fmt(base)} on this batch"])
+            analytic = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in chosen}
+            gen = torch.Generator().manual_seed(seed)
+            results = []
+            with torch.no_grad():
+                for name, p in chosen:
+                    results.append(_check_param(name, p, analytic[name], _sample(p.numel(), samples_per_param, gen),
+                                                loss_at, eps))
+        finally:
+            torch.set_default_dtype(default_dtype)
+    return GradCheckResult(params=results, eps=eps, loss=base, samples=samples)
+
+
+def _to_float64(module: nn.Module) -> None:
+    """Convert floating parameters (in place, keeping the objects) and buffers to float64."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(torch.float64)
+    for m in module.modules():
+        for k, b in m._buffers.items():
+            if b is not None and b.is_floating_point():
+                m._buffers[k] = b.to(torch.float64)
+
+
+def _check_param(name: str, p: nn.Parameter, grad: torch.Tensor | None, indices: list[int], loss_at: Any,
+                 eps: float) -> ParamCheck:
+    values = p.data
+    worst = (-1.0, 0, 0.0, 0.0)
+    for flat in indices:
+        idx = _unravel(flat, values.shape)
+        a = 0.0 if grad is None else float(grad[idx])
+        rel, n = _rel_at(values, idx, a, loss_at, eps)
+        if rel >= RETRY_ABOVE:
+            for factor in RETRY_FACTORS:  # round-off shrinks with a larger step; a wrong gradient does not
+                rel2, n2 = _rel_at(values, idx, a, loss_at, eps * factor)
+                if rel2 < rel:
+                    rel, n = rel2, n2
+        if rel > worst[0]:
+            worst = (rel, flat, a, n)
+    rel, flat, a, n = worst
+    return ParamCheck(name=name, shape=list(values.shape), checked=len(indices), max_rel=rel, status=band(rel),
+                      worst_index=list(_unravel(flat, values.shape)), analytic=a, numeric=n, no_grad=grad is None)
+
+
+def _rel_at(values: torch.Tensor, idx: tuple[int, ...], a: float, loss_at: Any, eps: float) -> tuple[float, float]:
+    orig = float(values[idx])
+    values[idx] = orig + eps
+    plus = float(loss_at())
+    values[idx] = orig - eps
+    minus = float(loss_at())
+    values[idx] = orig
+    n = (plus - minus) / (2 * eps)
+    rel = abs(a - n) / max(abs(a), abs(n), FLOOR)
+    return (rel if math.isfinite(rel) else math.inf), n
+
+
+def _unravel(flat: int, shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    idx = []
+    for size in reversed(tuple(shape)):
+        idx.append(flat % size)
+        flat //= size
+    return tuple(reversed(idx))

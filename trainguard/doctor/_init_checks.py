@@ -1,0 +1,278 @@
+"""Init and shape checks: one forward pass before any training.
+
+- the output has the batch's number of samples, and its shape fits the targets (an output of
+  ``[N, 1]`` against targets of ``[N]`` broadcasts to ``[N, N]`` inside an MSE and trains on
+  nonsense without an error);
+- class labels lie in ``[0, C)``;
+- the loss is a finite scalar that depends on the parameters;
+- the initial loss matches chance: ``ln C`` for a C-class cross-entropy (``ln 2`` for a binary
+  one), since freshly initialised logits are near zero and the softmax near uniform. Far above
+  means over-confident logits (an initialisation scale too large); far below means the model
+  already "knows" the labels, which points at a leak;
+- parameter count, trainable and frozen counts, per top-level module.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.table import Table
+from torch import nn
+
+from trainguard.doctor._results import CheckResult, finding, fmt
+from trainguard.doctor._state import (
+    DoctorInputError,
+    check_loss_fn,
+    check_model,
+    model_device,
+    preserved,
+    split_batch,
+    to_device,
+)
+from trainguard.store import Finding
+
+# The initial cross-entropy is judged against ln C: within [INIT_LOW, INIT_HIGH] times it is fine.
+# Default initialisations land within a few percent; 1.5x means logits already large at init.
+INIT_HIGH = 1.5
+# Below half of chance at init, the model predicts labels it has never been trained on.
+INIT_LOW = 0.5
+# CrossEntropyLoss's default ignore_index: targets equal to it are not class labels.
+IGNORE_INDEX = -100
+
+
+@dataclass(kw_only=True)
+class InitReport(CheckResult):
+    """Output shape, initial loss against chance, and parameter counts."""
+
+    check = "init_checks"
+    input_shape: list[int] | None
+    output_shape: list[int] | None
+    target_shape: list[int] | None
+    task: str
+    num_classes: int | None
+    initial_loss: float | None
+    expected_loss: float | None
+    expected_rule: str
+    parameters: int
+    trainable: int
+    frozen: int
+    by_module: dict[str, dict[str, int]]
+    training_mode: bool
+    issues: list[Finding] = field(default_factory=list)
+    passed: bool = True
+
+    def __post_init__(self) -> None:
+        self.passed = not any(f.is_problem for f in self.issues)
+
+    @property
+    def summary(self) -> str:
+        loss = f"initial loss {fmt(self.initial_loss)}"
+        if self.expected_loss is not None:
+            loss += f" (expected {fmt(self.expected_loss)}: {self.expected_rule})"
+        return f"output {self.output_shape}, {loss}, {self.trainable:,} of {self.parameters:,} parameters trainable"
+
+    def findings(self) -> list[Finding]:
+        return list(self.issues)
+
+    def _fields(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in (
+            "input_shape", "output_shape", "target_shape", "task", "num_classes", "initial_loss", "expected_loss",
+            "expected_rule", "parameters", "trainable", "frozen", "by_module", "training_mode")}
+
+    def _detail(self) -> Table:
+        t = Table(box=None, padding=(0, 2))
+        for col in ("module", "parameters", "trainable"):
+            t.add_column(col)
+        for name, c in self.by_module.items():
+            t.add_row(name, f"{c['parameters']:,}", f"{c['trainable']:,}")
+        t.add_row("[bold]total[/]", f"[bold]{self.parameters:,}[/]", f"[bold]{self.trainable:,}[/]")
+        return t
+
+
+def _counts(model: nn.Module) -> tuple[int, int, dict[str, dict[str, int]]]:
+    seen: set[int] = set()
+    total = trainable = 0
+    by_module: dict[str, dict[str, int]] = {}
+    children = list(model.named_children()) or [("(model)", model)]
+    owner = {}
+    for name, child in children:
+        for p in child.parameters():
+            owner.setdefault(id(p), name)
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+        c = by_module.setdefault(owner.get(id(p), "(own)"), {"parameters": 0, "trainable": 0})
+        c["parameters"] += n
+        c["trainable"] += n if p.requires_grad else 0
+    return total, trainable, by_module
+
+
+def _shape(obj: Any) -> list[int] | None:
+    return list(obj.shape) if isinstance(obj, torch.Tensor) else None
+
+
+def init_checks(model: nn.Module, batch: Any, loss_fn: Any, *, num_classes: int | None = None) -> InitReport:
+    """One forward pass on ``batch = (inputs, targets)``: shapes, initial loss against chance
+    (``ln C`` for cross-entropy; ``num_classes`` overrides C read off the output), parameter
+    counts. Runs in the model's current train/eval mode; all state is restored afterwards.
+
+    >>> init_checks(model, (x, y), nn.CrossEntropyLoss()).summary
+    """
+    check_model(model)
+    check_loss_fn(loss_fn)
+    if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
+                                    or num_classes < 2):
+        raise DoctorInputError(f"num_classes must be an integer >= 2, got {num_classes!r}")
+    inputs, targets = split_batch(batch)
+    device = model_device(model)
+    inputs, targets = to_device(inputs, device), to_device(targets, device)
+    total, trainable, by_module = _counts(model)
+    issues: list[Finding] = []
+    out_shape = t_shape = None
+    task, classes, value = "unknown", num_classes, None
+    with preserved(model), torch.enable_grad():
+        try:
+            outputs = model(inputs)
+        except Exception as exc:
+            outputs = None
+            issues.append(finding("forward_failed", "critical", f"model(inputs) raised {type(exc).__name__}: {exc}",
+                                  "Fix the forward pass for this batch (shapes, dtypes, devices) before anything else.",
+                                  error=f"{type(exc).__name__}: {exc}", input_shape=_shape(inputs)))
+        loss = None
+        if outputs is not None:
+            out_shape, t_shape = _shape(outputs), _shape(targets)
+            task, classes = _task(outputs, targets, loss_fn, num_classes)
+            issues += _shape_issues(inputs, outputs, targets, task, classes)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # a broadcast warning: reported above
+                    loss = loss_fn(outputs, targets)
+            except Exception as exc:
+                issues.append(finding(
+                    "loss_failed", "critical", f"loss_fn(outputs, targets) raised {type(exc).__name__}: {exc}",
+                    "Make the output and target shapes and dtypes what the loss expects (class indices as "
+                    "int64 for cross-entropy, float targets of the output's shape for MSE/BCE).",
+                    error=f"{type(exc).__name__}: {exc}", output_shape=out_shape, target_shape=t_shape))
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            raise DoctorInputError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+        if loss is None:
+            pass
+        elif loss.numel() != 1:
+            issues.append(finding(
+                "loss_not_scalar", "error", f"The loss is a tensor of shape {list(loss.shape)}, not a scalar",
+                "Reduce it (reduction='mean'): backward() needs a scalar, and the LR scale depends on the reduction.",
+                shape=list(loss.shape)))
+        else:
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                issues.append(finding("initial_loss_nonfinite", "critical", f"The initial loss is {fmt(value)}",
+                                      "Check the inputs for NaN/Inf (validate_data) and the loss for log(0).",
+                                      initial_loss=value))
+            if not loss.requires_grad:
+                issues.append(finding(
+                    "no_gradient_path", "critical", "The loss does not depend on any trainable parameter",
+                    "Something between the parameters and the loss cuts the graph (.detach(), .item(), "
+                    "torch.no_grad(), a NumPy round trip) or every parameter has requires_grad=False."))
+    expected, rule = _expected(task, classes)
+    if expected is not None and value is not None and math.isfinite(value):
+        ratio = value / expected
+        if ratio > INIT_HIGH:
+            issues.append(finding(
+                "initial_loss_high", "warning",
+                f"The initial loss {fmt(value)} is {ratio:.1f}x chance ({rule} = {fmt(expected)})",
+                "The logits are already large at initialisation: scale down the last layer's initial weights "
+                "(e.g. by 0.01), check the init scheme and any input scaling.",
+                initial_loss=value, expected=expected, ratio=ratio))
+        elif ratio < INIT_LOW:
+            issues.append(finding(
+                "initial_loss_low", "warning",
+                f"The initial loss {fmt(value)} is well below chance ({rule} = {fmt(expected)}) before any training",
+                "An untrained model should not know the labels: look for the target leaking into the inputs, "
+                "or a loss that is not the mean cross-entropy.",
+                initial_loss=value, expected=expected, ratio=ratio))
+    if trainable == 0:
+        issues.append(finding("no_trainable_parameters", "critical", "The model has no trainable parameters",
+                              "Set requires_grad=True on the parameters to train."))
+    if not model.training:
+        issues.append(finding("model_in_eval_mode", "info", "The model is in eval mode",
+                              "Call model.train() before training: dropout and batch norm behave differently."))
+    issues.append(finding(
+        "parameter_count", "info", f"{total:,} parameters, {trainable:,} trainable, {total - trainable:,} frozen",
+        parameters=total, trainable=trainable, frozen=total - trainable, by_module=by_module))
+    return InitReport(
+        input_shape=_shape(inputs), output_shape=out_shape, target_shape=t_shape, task=task, num_classes=classes,
+        initial_loss=value, expected_loss=expected, expected_rule=rule, parameters=total, trainable=trainable,
+        frozen=total - trainable, by_module=by_module, training_mode=model.training, issues=issues)
+
+
+def _task(outputs: Any, targets: Any, loss_fn: Any, num_classes: int | None) -> tuple[str, int | None]:
+    if not isinstance(outputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        return "unknown", num_classes
+    if isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss)):
+        return "binary", 2
+    if isinstance(loss_fn, (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss)):
+        return "regression", None
+    integer = not targets.is_floating_point() and not targets.is_complex() and targets.dtype != torch.bool
+    if integer and outputs.dim() == targets.dim() + 1 and outputs.dim() >= 2:
+        return "classification", num_classes or int(outputs.shape[1])
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and outputs.dim() >= 2:
+        return "classification", num_classes or int(outputs.shape[1])  # soft (probability) targets
+    return "regression", None
+
+
+def _expected(task: str, classes: int | None) -> tuple[float | None, str]:
+    if task == "classification" and classes and classes >= 2:
+        return math.log(classes), f"ln {classes}"
+    if task == "binary":
+        return math.log(2), "ln 2"
+    return None, "no chance level for this loss"
+
+
+def _shape_issues(inputs: Any, outputs: Any, targets: Any, task: str, classes: int | None) -> list[Finding]:
+    out: list[Finding] = []
+    if not isinstance(outputs, torch.Tensor):
+        return out
+    n_in = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() else None
+    if n_in is not None and (outputs.dim() == 0 or outputs.shape[0] != n_in):
+        out.append(finding(
+            "output_batch_mismatch", "error",
+            f"The output has shape {list(outputs.shape)} for a batch of {n_in} samples",
+            "The first output dimension must be the batch: look for a flatten/view that merges the batch "
+            "dimension (x.view(-1) instead of x.view(x.size(0), -1)).",
+            output_shape=list(outputs.shape), batch=n_in))
+        return out
+    if not isinstance(targets, torch.Tensor):
+        return out
+    if task == "classification" and not targets.is_floating_point():
+        valid = targets[targets != IGNORE_INDEX]
+        if valid.numel():
+            lo, hi = int(valid.min()), int(valid.max())
+            if lo < 0 or (classes is not None and hi >= classes):
+                out.append(finding(
+                    "labels_out_of_range", "error",
+                    f"Class labels span [{lo}, {hi}] but the output has {classes} classes",
+                    f"Labels must be in [0, {classes}): re-map them, or give the last layer {hi + 1} outputs.",
+                    min_label=lo, max_label=hi, classes=classes))
+    elif task in ("regression", "binary") and outputs.shape != targets.shape:
+        try:
+            broadcast = list(torch.broadcast_shapes(outputs.shape, targets.shape))
+        except RuntimeError:
+            broadcast = None
+        if broadcast is not None:
+            grown = broadcast != list(outputs.shape) and broadcast != list(targets.shape)
+            what = f"broadcast to {broadcast} in the loss" if grown else f"differ (broadcast to {broadcast})"
+            out.append(finding(
+                "output_target_shape", "error" if grown else "warning",
+                f"Output {list(outputs.shape)} and targets {list(targets.shape)} {what}",
+                "Make the shapes equal (e.g. output.squeeze(-1) or targets.unsqueeze(-1)): a broadcast loss "
+                "compares every output with every target and trains on nonsense without an error.",
+                output_shape=list(outputs.shape), target_shape=list(targets.shape), broadcast=broadcast))
+    return out

@@ -1,0 +1,304 @@
+"""Overfit one batch: a model that cannot memorise a handful of samples will not learn a dataset.
+
+The test trains on one small batch and passes when the loss gets near zero (and, for
+classification, every sample is classified right). When it fails it says which way, because
+each way has a different fix:
+
+- ``nan``: the loss became NaN/Inf (learning rate too high, log of 0, division by zero, overflow);
+- ``flat``: gradients do not reach (some) parameters, so nothing learns there;
+- ``unstable``: the loss jumps around or rises: the learning rate is too high;
+- ``slow``: the loss was still falling when the steps ran out: the learning rate is too low;
+- ``floor``: the loss settled above zero: too little capacity or a loss that cannot reach zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.table import Table
+from torch import nn
+
+from trainguard.doctor._results import CheckResult, finding, fmt
+from trainguard.doctor._state import (
+    DoctorInputError,
+    as_float,
+    batch_size,
+    check_loss_fn,
+    check_model,
+    check_positive,
+    make_optimizer,
+    model_device,
+    preserved,
+    split_batch,
+    take,
+    to_device,
+    trainable,
+)
+from trainguard.store import Finding
+
+# The lesson's 8-32 samples: few enough that any network worth training can memorise them.
+MAX_SAMPLES = 32
+# Adam at 3e-3 memorises 32 samples with a small network in well under 200 steps.
+DEFAULT_LR = 3e-3
+# "Near zero": two orders of magnitude below where the loss started ...
+NEAR_ZERO_REL = 0.01
+# ... or below this absolute value, for losses that start small.
+NEAR_ZERO_ABS = 1e-4
+# A gradient norm below this at the first step means nothing will move (vanished gradients).
+VANISHING_GRAD = 1e-10
+# Still falling: the last quarter of the steps made at least this share of the total progress.
+STILL_FALLING = 0.10
+# Unstable: it ended this share above where it started (it got worse) ...
+RISE = 0.05
+# ... or this share of its progress above its best loss (it rebounded) ...
+REBOUND = 0.25
+# ... or it spiked this share above where it started on the way ...
+SPIKE = 0.5
+# ... or it zig-zagged: the rises add up to this share of the net progress, and to more than
+# ZIGZAG_AMPLITUDE of the starting loss (not the last digits' jitter near a floor).
+ZIGZAG = 0.5
+ZIGZAG_AMPLITUDE = 0.05
+
+REASONS = ("nan", "flat", "unstable", "slow", "floor")
+
+
+def _adam(lr: float):
+    return lambda params: torch.optim.Adam(params, lr=lr)
+
+
+@dataclass(kw_only=True)
+class OverfitResult(CheckResult):
+    """The outcome of :func:`overfit_one_batch`; ``reason`` is None when it passed."""
+
+    check = "overfit_one_batch"
+    passed: bool
+    reason: str | None
+    losses: list[float]
+    initial_loss: float
+    final_loss: float
+    target_loss: float
+    accuracy: float | None
+    steps: int
+    samples: int
+    lr: float | None
+    optimizer: str
+    unreached: list[str] = field(default_factory=list)
+    nan_step: int | None = None
+    grad_norm_first: float | None = None
+    grad_norm_last: float | None = None
+
+    @property
+    def summary(self) -> str:
+        acc = "" if self.accuracy is None else f", accuracy {self.accuracy:.0%}"
+        head = f"loss {fmt(self.initial_loss)} -> {fmt(self.final_loss)} in {self.steps} steps on {self.samples} samples{acc}"
+        return head if self.passed else f"{head}: {self.reason}"
+
+    def _fields(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in (
+            "reason", "losses", "initial_loss", "final_loss", "target_loss", "accuracy", "steps", "samples", "lr",
+            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last")}
+
+    def _detail(self) -> Table:
+        t = Table(show_header=False, box=None, padding=(0, 2))
+        t.add_row("initial / final loss", f"{fmt(self.initial_loss)} / {fmt(self.final_loss)}")
+        t.add_row("target (near zero)", f"<= {fmt(self.target_loss)}")
+        if self.accuracy is not None:
+            t.add_row("accuracy", f"{self.accuracy:.1%}")
+        t.add_row("optimizer", f"{self.optimizer}, lr {fmt(self.lr)}")
+        return t
+
+    def findings(self) -> list[Finding]:
+        ev = {"initial_loss": self.initial_loss, "final_loss": self.final_loss, "target_loss": self.target_loss,
+              "accuracy": self.accuracy, "steps": self.steps, "samples": self.samples, "lr": self.lr,
+              "optimizer": self.optimizer}
+        out: list[Finding] = []
+        if self.passed:
+            out.append(finding("overfit_ok", "info", f"Overfit one batch: {self.summary}", **ev))
+        if self.unreached:
+            names = ", ".join(self.unreached[:8]) + (" ..." if len(self.unreached) > 8 else "")
+            out.append(finding(
+                "no_gradient", "error" if self.reason == "flat" else "warning",
+                f"{len(self.unreached)} trainable parameter(s) never receive a gradient: {names}",
+                "Look for .detach(), .data, .item(), a NumPy round trip or torch.no_grad() between these "
+                "parameters and the loss; if they are unused on purpose, set requires_grad=False.",
+                layers=self.unreached, unreached=self.unreached))
+        if self.passed:
+            return out
+        lr = self.lr
+        texts = {
+            "nan": (f"Overfit one batch: the loss became non-finite at step {self.nan_step}",
+                    "Lower the learning rate" + (f" (try {fmt(lr / 10)})" if lr else "")
+                    + "; check log/exp/division in the model and loss (a log of 0, exp overflow); "
+                    "trainguard.check_numerics names the first op that made the NaN."),
+            "flat": ("Overfit one batch: the loss is flat because gradients do not reach the parameters",
+                     "Gradients must flow from the loss to every layer: remove .detach()/.data/no_grad on the "
+                     "path, make sure the loss is computed from the model output, and check requires_grad."),
+            "unstable": ("Overfit one batch: the loss jumps around instead of falling: learning rate too high",
+                         "Lower the learning rate" + (f" (try {fmt(lr / 10)})" if lr else "")
+                         + ", or run lr_range_test to pick one."),
+            "slow": (f"Overfit one batch: the loss was still falling after {self.steps} steps: learning rate too low",
+                     "Raise the learning rate" + (f" (try {fmt(lr * 10)})" if lr else "")
+                     + " or give the test more steps; lr_range_test suggests a rate."),
+            "floor": (f"Overfit one batch: the loss is stuck at a floor of {fmt(self.final_loss)}",
+                      "The model cannot memorise a few samples: too little capacity (a bottleneck, a missing "
+                      "non-linearity) or a loss that cannot reach zero (wrong target format, probabilities "
+                      "passed where logits are expected, label smoothing)."),
+        }
+        title, suggestion = texts[self.reason or "floor"]
+        out.append(finding(f"overfit_{self.reason}", "error", title, suggestion, layers=self.unreached,
+                           reason=self.reason, nan_step=self.nan_step, unreached=self.unreached,
+                           grad_norm_first=self.grad_norm_first, grad_norm_last=self.grad_norm_last, **ev))
+        return out
+
+
+def _task(outputs: torch.Tensor, targets: Any, loss_fn: Any, task: str) -> str:
+    if task != "auto":
+        return task
+    if not isinstance(outputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        return "regression"
+    if isinstance(loss_fn, (nn.BCEWithLogitsLoss, nn.BCELoss)) and outputs.shape == targets.shape:
+        return "binary"
+    if (not targets.is_floating_point() and not targets.is_complex() and outputs.dim() == targets.dim() + 1
+            and outputs.shape[0] == targets.shape[0] and outputs.shape[2:] == targets.shape[1:]):
+        return "classification"
+    return "regression"
+
+
+def _accuracy(outputs: torch.Tensor, targets: torch.Tensor, task: str, loss_fn: Any) -> float | None:
+    if task == "classification":
+        return float((outputs.argmax(dim=1) == targets).float().mean())
+    if task == "binary":
+        threshold = 0.5 if isinstance(loss_fn, nn.BCELoss) else 0.0
+        return float(((outputs > threshold).float() == (targets > 0.5).float()).float().mean())
+    return None
+
+
+def _classify(losses: list[float]) -> str:
+    """Which way a finite run whose gradients reach every parameter failed: unstable, slow or floor."""
+    n = len(losses)
+    first, last, best = losses[0], losses[-1], min(losses)
+    rises = sum(max(0.0, b - a) for a, b in zip(losses, losses[1:]))
+    progress = first - last
+    if (last > first + RISE * abs(first) or last - best > REBOUND * (first - best)
+            or max(losses) > first + SPIKE * abs(first)
+            or (rises > ZIGZAG * max(progress, 0.0) and rises > ZIGZAG_AMPLITUDE * abs(first))):
+        return "unstable"
+    quarter = losses[int(0.75 * (n - 1))] - last
+    if progress <= 0 or quarter >= STILL_FALLING * progress:
+        return "slow"
+    return "floor"
+
+
+def overfit_one_batch(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Any,
+    steps: int = 200,
+    lr: float | None = None,
+    *,
+    optimizer_factory: Any = None,
+    max_samples: int | None = MAX_SAMPLES,
+    task: str = "auto",
+    disable_dropout: bool = True,
+) -> OverfitResult:
+    """Train on one batch of ``batch = (inputs, targets)`` and check the loss reaches near zero.
+
+    ``max_samples`` samples of the batch are used (None: all). The optimizer is Adam at ``lr``
+    (default 3e-3) unless ``optimizer_factory`` (``params -> Optimizer``, or an optimizer whose
+    state is restored afterwards) is given. Dropout is switched off during the test, since a
+    network with dropout cannot memorise exactly. ``task`` is "auto", "classification",
+    "binary" or "regression"; classification also requires 100% accuracy. The model, optimizer
+    and RNG states are restored afterwards.
+
+    >>> result = overfit_one_batch(model, next(iter(loader)), nn.CrossEntropyLoss())
+    >>> result.passed, result.reason
+    """
+    check_model(model)
+    check_loss_fn(loss_fn)
+    check_positive("steps", steps, integer=True)
+    if steps < 4:
+        raise DoctorInputError(f"steps must be at least 4 to judge a loss curve, got {steps}")
+    if lr is not None:
+        check_positive("lr", lr)
+    if task not in ("auto", "classification", "binary", "regression"):
+        raise DoctorInputError(f"task must be auto, classification, binary or regression, got {task!r}")
+    inputs, targets = split_batch(batch)
+    if max_samples is not None:
+        check_positive("max_samples", max_samples, integer=True)
+        inputs, targets = take(inputs, max_samples), take(targets, max_samples)
+    samples = batch_size(inputs) or 0
+    named = trainable(model)
+    if not named:
+        raise DoctorInputError("the model has no trainable parameters (all have requires_grad=False)")
+    given = optimizer_factory if isinstance(optimizer_factory, torch.optim.Optimizer) else None
+    device = model_device(model)
+    inputs, targets = to_device(inputs, device), to_device(targets, device)
+
+    with preserved(model, optimizer=given), torch.enable_grad():
+        model.train()
+        if disable_dropout:
+            for m in model.modules():
+                if isinstance(m, nn.modules.dropout._DropoutNd):
+                    m.eval()
+        opt, _ = make_optimizer(optimizer_factory, [p for _, p in named], _adam(lr or DEFAULT_LR))
+        if given is not None and lr is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        used_lr = float(opt.param_groups[0]["lr"]) if "lr" in opt.param_groups[0] else None
+        for _, p in named:
+            p.grad = None
+        reached = [torch.zeros((), dtype=torch.bool, device=p.device) for _, p in named]
+        losses: list[float] = []
+        nan_step = None
+        no_path = False
+        norms: list[torch.Tensor] = []
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = as_float(loss_fn(model(inputs), targets))
+            value = float(loss.detach())  # one host sync per step: the doctor is not the hot path
+            losses.append(value)
+            if not math.isfinite(value):
+                nan_step = step
+                break
+            if not loss.requires_grad:
+                no_path = True
+                break
+            loss.backward()
+            sq = []
+            for i, (_, p) in enumerate(named):
+                if p.grad is not None:
+                    reached[i] |= p.grad.detach().ne(0).any()
+                    sq.append(p.grad.detach().double().pow(2).sum())
+            norms.append(torch.stack(sq).sum().sqrt() if sq else torch.zeros((), dtype=torch.float64))
+            opt.step()
+        with torch.no_grad():
+            outputs = model(inputs)
+            final = float(as_float(loss_fn(outputs, targets)))
+            kind = _task(outputs, targets, loss_fn, task)
+            accuracy = _accuracy(outputs, targets, kind, loss_fn)
+
+    unreached = [] if nan_step is not None else [n for (n, _), r in zip(named, reached) if not bool(r)]
+    first_norm = float(norms[0]) if norms else None
+    last_norm = float(norms[-1]) if norms else None
+    initial = losses[0]
+    target = max(NEAR_ZERO_REL * abs(initial), NEAR_ZERO_ABS) if math.isfinite(initial) else NEAR_ZERO_ABS
+    passed = (nan_step is None and not no_path and math.isfinite(final) and final <= target
+              and (accuracy is None or accuracy >= 1.0))
+    reason = None
+    if not passed:
+        if nan_step is not None or not math.isfinite(final):
+            reason = "nan"
+            nan_step = len(losses) if nan_step is None else nan_step
+        elif no_path or unreached or (first_norm is not None and first_norm < VANISHING_GRAD):
+            reason = "flat"
+        else:
+            reason = _classify(losses + [final])
+    return OverfitResult(
+        passed=passed, reason=reason, losses=losses, initial_loss=initial, final_loss=final, target_loss=target,
+        accuracy=accuracy, steps=len(losses), samples=samples, lr=used_lr, optimizer=type(opt).__name__,
+        unreached=[n for n, _ in named] if no_path else unreached, nan_step=nan_step,
+        grad_norm_first=first_norm, grad_norm_last=last_norm,
+    )

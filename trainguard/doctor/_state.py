@@ -1,0 +1,246 @@
+"""Leaving the caller's state as it was, and the batch plumbing every check shares.
+
+Every doctor check trains, perturbs or converts the caller's model. :func:`preserved` takes a
+snapshot of everything a check may touch (parameter and buffer values, dtypes, devices and
+storages, gradients, ``requires_grad``, train/eval flags, an optimizer's state, every RNG, a data
+loader's generator, grad mode) and puts it back on exit, also when the check raises.
+Parameters are restored in place, so an optimizer that holds them keeps working.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainguard._errors import TrainguardError
+
+
+class DoctorInputError(TrainguardError, ValueError):
+    """A doctor check was given something it cannot use (empty data, wrong type, bad shape)."""
+
+
+# ---------------------------------------------------------------------- state snapshot
+class _Snapshot:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, data: Any) -> None:
+        self.modes = [(m, m.training) for m in model.modules()]
+        self.params = []
+        for p in model.parameters():  # unique parameters: shared ones appear once
+            grad = p.grad
+            self.params.append(
+                (p, p.data, p.detach().clone(), p.requires_grad, grad, None if grad is None else grad.detach().clone())
+            )
+        self.buffers = []
+        for m in model.modules():
+            self.buffers.append(
+                (m, dict(m._buffers), {k: (None if b is None else b.detach().clone()) for k, b in m._buffers.items()})
+            )
+        self.optimizer = optimizer
+        self.opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+        self.rng = _rng_state()
+        self.grad_enabled = torch.is_grad_enabled()
+        self.generators = [g for g in _data_generators(data)]
+        self.gen_states = [g.get_state() for g in self.generators]
+
+    def restore(self) -> None:
+        torch.set_grad_enabled(self.grad_enabled)
+        with torch.no_grad():
+            for p, data, saved, requires_grad, grad, saved_grad in self.params:
+                if p.data.data_ptr() != data.data_ptr() or p.dtype != data.dtype or p.shape != data.shape:
+                    p.data = data  # a check converted it (dtype, device): put the original storage back
+                p.copy_(saved)
+                p.requires_grad_(requires_grad)
+                if grad is None:
+                    p.grad = None
+                else:
+                    grad.copy_(saved_grad)
+                    p.grad = grad
+            for m, objects, values in self.buffers:
+                m._buffers.clear()
+                m._buffers.update(objects)
+                for k, b in objects.items():
+                    if b is not None:
+                        b.copy_(values[k])
+        for m, training in self.modes:
+            m.training = training
+        if self.optimizer is not None and self.opt_state is not None:
+            self.optimizer.load_state_dict(self.opt_state)
+        for g, state in zip(self.generators, self.gen_states):
+            g.set_state(state)
+        _set_rng_state(self.rng)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.random.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.random.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _data_generators(data: Any) -> Iterator[torch.Generator]:
+    """The torch generators a data loader draws its shuffling from, if it owns any."""
+    seen: set[int] = set()
+    for owner in (data, getattr(data, "sampler", None), getattr(data, "batch_sampler", None),
+                  getattr(getattr(data, "batch_sampler", None), "sampler", None)):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and id(g) not in seen:
+            seen.add(id(g))
+            yield g
+
+
+@contextmanager
+def preserved(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+              data: Any = None) -> Iterator[None]:
+    """Run a block, then put the model, optimizer, RNGs and loader generators back as they were."""
+    snap = _Snapshot(model, optimizer, data)
+    try:
+        yield
+    finally:
+        snap.restore()
+
+
+# ---------------------------------------------------------------------- argument checks
+def check_model(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise DoctorInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def check_loss_fn(loss_fn: Any) -> Callable:
+    if not callable(loss_fn):
+        raise DoctorInputError(f"loss_fn must be callable as loss_fn(outputs, targets), got {type(loss_fn).__name__}")
+    return loss_fn
+
+
+def check_positive(name: str, value: Any, *, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+        raise DoctorInputError(f"{name} must be a positive {'integer' if integer else 'number'}, got {value!r}")
+
+
+# ---------------------------------------------------------------------- batches
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` from a batch, with a clear error for anything else."""
+    if isinstance(batch, dict) or not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise DoctorInputError(
+            f"a batch must be a pair (inputs, targets), got {_describe(batch)}"
+        )
+    inputs, targets = batch
+    n_in, n_t = batch_size(inputs), batch_size(targets)
+    if n_in is None:
+        raise DoctorInputError(f"batch inputs hold no tensor, got {_describe(inputs)}")
+    if n_in == 0:
+        raise DoctorInputError("the batch is empty (0 samples)")
+    if n_t is not None and n_t != n_in:
+        raise DoctorInputError(f"batch inputs have {n_in} samples but targets have {n_t}")
+    return inputs, targets
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor of shape {list(obj.shape)}"
+    if isinstance(obj, (tuple, list)):
+        return f"a {type(obj).__name__} of {len(obj)} items"
+    return type(obj).__name__
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, list):
+        return [map_tensors(o, fn) for o in obj]
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, (tuple, list)):
+        items = obj
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    else:
+        return None
+    for o in items:
+        t = first_tensor(o)
+        if t is not None:
+            return t
+    return None
+
+
+def batch_size(obj: Any) -> int | None:
+    t = first_tensor(obj)
+    if t is None:
+        return None
+    return int(t.shape[0]) if t.dim() > 0 else 1
+
+
+def take(obj: Any, n: int) -> Any:
+    """The first ``n`` samples of a batch (tensors sliced along dim 0)."""
+    size = batch_size(obj)
+    return map_tensors(obj, lambda t: t[:n] if t.dim() > 0 and t.shape[0] == size else t)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    return map_tensors(obj, lambda t: t.to(device))
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def make_optimizer(spec: Any, params: list[nn.Parameter], default: Callable) -> tuple[torch.optim.Optimizer, bool]:
+    """``(optimizer, given)``: the caller's optimizer instance (``given``), or one built by a
+    factory (``params -> Optimizer``) or the default factory."""
+    if isinstance(spec, torch.optim.Optimizer):
+        return spec, True
+    factory = spec if spec is not None else default
+    if not callable(factory):
+        raise DoctorInputError(
+            f"optimizer_factory must be callable as factory(params) or an optimizer, got {type(factory).__name__}"
+        )
+    opt = factory(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise DoctorInputError(f"optimizer_factory returned {type(opt).__name__}, expected a torch.optim.Optimizer")
+    return opt, False
+
+
+def as_float(loss: Any) -> torch.Tensor:
+    """The loss as a scalar tensor, with a clear error when loss_fn returns something else."""
+    if not isinstance(loss, torch.Tensor):
+        raise DoctorInputError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise DoctorInputError(
+            f"loss_fn must return a scalar, got a tensor of shape {list(loss.shape)} (reduction='none'?)"
+        )
+    return loss.reshape(())
