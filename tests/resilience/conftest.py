@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainguard.resilience import CheckpointManager, TrainState
 
 
-def make_state(*, seed: int = 0, width: int = 8, num_workers: int = 0, extra_layer: bool = False) -> TrainState:
+def make_state(*, seed: int = 0, width: int = 8, num_workers: int = 0, extra_layer: bool = False,
+               stateful_loader: bool = False) -> TrainState:
     """A tiny regression model with dropout, Adam, a StepLR schedule and a shuffled loader."""
     torch.manual_seed(seed)
     random.seed(seed)
@@ -29,7 +30,12 @@ def make_state(*, seed: int = 0, width: int = 8, num_workers: int = 0, extra_lay
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     g = torch.Generator().manual_seed(1234)  # the data itself does not depend on the global RNG
     data = TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g))
-    loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=num_workers)
+    if stateful_loader:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(data, batch_size=8, shuffle=True, num_workers=num_workers)
+    else:
+        loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=num_workers)
     return TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader)
 
 

@@ -53,3 +53,24 @@ def test_a_failing_load_names_the_object():
     state = TrainState(model=torch.nn.Linear(2, 2))
     with pytest.raises(CheckpointError, match="cannot restore 'model'"):
         state.apply({"model": {"weight": torch.zeros(2, 2)}}, None, step=0, epoch=0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stateful_dataloader_is_used_as_is_and_resumes_exactly(tmp_path, num_workers):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from trainguard.resilience import CheckpointManager
+
+    from .conftest import assert_same_training_state, make_state, train_steps
+
+    reference = make_state(stateful_loader=True, num_workers=num_workers)
+    assert isinstance(reference.loader, StatefulDataLoader) and reference.is_rank_local("loader")
+    expected = train_steps(reference, 13)
+    first = make_state(stateful_loader=True, num_workers=num_workers)
+    losses = train_steps(first, 7)
+    CheckpointManager(tmp_path).save(first)
+    resumed = make_state(seed=5, stateful_loader=True, num_workers=num_workers)
+    assert CheckpointManager(tmp_path).restore(resumed) == 7
+    losses += train_steps(resumed, 6)
+    assert losses == expected
+    assert_same_training_state(reference, resumed)
