@@ -15,7 +15,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -364,7 +363,21 @@ class LiveServer:
             self.sock.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="session")
+def live_server():
+    """A factory: ``with live_server(logdir) as srv: srv.url``."""
+    return LiveServer
+
+
+@pytest.fixture(scope="session")
+def builders():
+    """The run builders, for tests that write their own runs."""
+
+    class B:
+        reference_like = staticmethod(build_reference_like)
+        training = staticmethod(build_training_run)
+        big = staticmethod(build_big_run)
+        script = SCRIPT
+        line = LINE
+
+    return B
