@@ -89,3 +89,16 @@ def test_missing_directory_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match="not a directory"):
         list_checkpoints(tmp_path / "file")
     assert list_checkpoints(tmp_path) == []
+
+
+def test_listing_needs_no_torch(tmp_path):
+    """The CLI and the UI list checkpoints without paying for a torch import."""
+    import subprocess
+    import sys
+
+    fake_checkpoint(tmp_path, 1)
+    code = ("import sys, trainguard, trainguard.resilience as r; "
+            f"infos = r.list_checkpoints({str(tmp_path)!r}); "
+            "assert [i.step for i in infos] == [1], infos; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
