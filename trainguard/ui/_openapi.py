@@ -39,6 +39,7 @@ _SCHEMAS: dict[str, Any] = {
         }
     ),
     "Health": _obj({"ok": {"type": "boolean"}, "version": {"type": "string"}}),
+    "OpenAPI": _obj({"openapi": {"type": "string"}, "paths": {"type": "object"}}),
     "RunItem": _obj(
         {
             "id": {"type": "string"},
@@ -302,6 +303,7 @@ def _get(
 
 _PATHS = {
     "/api/health": _get("Server is up; trainguard version", "Health", []),
+    "/api/openapi.json": _get("This description of the API (OpenAPI 3.1)", "OpenAPI", []),
     "/api/runs": _get("Runs found under the logdir (damaged ones say why)", "RunList", []),
     "/api/runs/{run}": _get(
         "One run: status, counts, what it holds, a revision for live polling", "RunSummary", [_RUN, _RANK]

@@ -12,7 +12,7 @@ from typing import Any
 from trainguard.store import to_plain_json
 from trainguard.ui._optional import call, jsonable
 from trainguard.ui._provider import CHECKPOINT_DIR, DOCTOR_DIR, cached, refresh
-from trainguard.ui._registry import BadRequest, Registry, RunHandle, safe_file
+from trainguard.ui._registry import Registry, RunHandle, safe_file
 
 # A scalar series longer than this is reduced to per-bucket min and max: a chart is a few
 # thousand pixels wide, and a 100k-step run must still draw at once.
@@ -67,7 +67,7 @@ def layer_stats(
         if kind is None or stat is None:
             kind, stat = _default_stat(available)
         if [kind, stat] not in available:
-            raise BadRequest(f"no layer statistic {kind}/{stat} in this run; available: {available}")
+            raise KeyError(f"no layer statistic {kind}/{stat} in this run; available: {available}")
         rows = h.run.layer_stats(kind=kind, stat=stat)
     steps = sorted({r["step"] for r in rows})
     col = {s: i for i, s in enumerate(steps)}
@@ -120,7 +120,8 @@ def findings(reg: Registry, rid: str, rank: int | None = None) -> dict[str, Any]
     with h.lock:
         refresh(h)
         stored = h.run.findings()
-        diag = call("trainguard.analysis", "diagnose", h.run)
+        # The diagnosis reads every scalar and layer statistic: once per revision of the run.
+        diag = cached(h, "diagnose", lambda: call("trainguard.analysis", "diagnose", h.run))
         has_scalars = bool(h.run.scalar_names())
     items = [dict(f, origin="stored") for f in jsonable(stored)]
     if diag["available"]:
@@ -157,9 +158,11 @@ def _verdict(items: list[dict], has_scalars: bool) -> dict[str, Any]:
             "text": f"{worst.get('title', worst.get('kind'))}{more}",
             "problems": len(problems),
         }
-    if items:
-        healthy = next((f for f in items if f.get("kind") == "healthy"), items[0])
-        return {"state": "healthy", "text": healthy.get("title", "no problem found"), "problems": 0}
+    healthy = next((f for f in items if f.get("kind") == "healthy"), None)
+    if healthy is not None:
+        return {"state": "healthy", "text": healthy.get("title") or "no problem found", "problems": 0}
+    if items:  # only notes, e.g. too few steps to judge: no verdict either way
+        return {"state": "unknown", "text": items[0].get("title") or items[0].get("kind", ""), "problems": 0}
     if has_scalars:
         return {"state": "unknown", "text": "no diagnosis stored in this run", "problems": 0}
     return {"state": "none", "text": "this run holds no training data", "problems": 0}
