@@ -1,0 +1,158 @@
+"""Recorder overhead: training steps plain, under each mode, and under detect_anomaly.
+
+Configurations are interleaved round by round in one process so that machine noise hits them
+alike; each cell is the median step time over the rounds divided by plain's. Peak memory is
+measured per configuration in a fresh subprocess (peak RSS growth over the process's size
+before training).
+
+    python benchmarks/bench_recorder.py                 # all models, all modes
+    python benchmarks/bench_recorder.py --models mlp --rounds 3 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+MODES = ["no_tensor", "curt_health", "concise_health", "full_health", "shape", "stats", "full_tensor"]
+
+
+def make_mlp():
+    """About 100 ops per step (forward, backward, Adam), ~5 ms on 2 CPU threads."""
+    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(256, 784), torch.randint(0, 10, (256,))
+    return model, opt, lambda: nn.functional.cross_entropy(model(x), y)
+
+
+def make_cnn():
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    return model, opt, lambda: nn.functional.cross_entropy(model(x), y)
+
+
+def make_transformer():
+    """One pre-norm transformer encoder block, >= 30 ms per step on 2 CPU threads."""
+    model = nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, batch_first=True,
+                                       norm_first=True, dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(16, 128, 256)
+    return model, opt, lambda: model(x).pow(2).mean()
+
+
+MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer}
+
+
+def context(config: str, tmp: str):
+    import trainguard as tg
+
+    if config == "plain":
+        return contextlib.nullcontext()
+    if config == "detect_anomaly":
+        return torch.autograd.detect_anomaly(check_nan=True)
+    return tg.record(os.path.join(tmp, f"{config}-{time.monotonic_ns()}"), mode=config, buffer=1000)
+
+
+def run_steps(opt, loss_fn, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def time_model(name: str, configs: list[str], rounds: int, steps: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model, opt, loss_fn = MODELS[name]()
+    run_steps(opt, loss_fn, 3)  # warm up allocator and kernels
+    per: dict[str, list[float]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(rounds):
+            for c in configs:
+                with context(c, tmp):
+                    run_steps(opt, loss_fn, 1)  # first step of a recording interns stacks
+                    per[c].extend(run_steps(opt, loss_fn, steps))
+    return {c: statistics.median(v) for c, v in per.items()}
+
+
+def peak_memory(name: str, config: str, steps: int) -> float:
+    """Peak RSS growth (MiB) of a fresh process training ``steps`` steps under ``config``."""
+    code = f"""
+import resource, sys, tempfile
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+import bench_recorder as b, torch
+torch.manual_seed(0)
+model, opt, loss_fn = b.MODELS[{name!r}]()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with tempfile.TemporaryDirectory() as tmp:
+    with b.context({config!r}, tmp):
+        b.run_steps(opt, loss_fn, {steps})
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1]) / 1024
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mlp,cnn,transformer")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration per round")
+    p.add_argument("--memory-steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    models = [m for m in args.models.split(",") if m]
+    configs = ["plain"] + [m for m in args.modes.split(",") if m] + ["detect_anomaly"]
+
+    results: dict = {"threads": args.threads, "models": {}}
+    for name in models:
+        t = time_model(name, configs, args.rounds, args.steps)
+        mem_plain = peak_memory(name, "plain", args.memory_steps)
+        mem_rec = peak_memory(name, "full_health", args.memory_steps)
+        results["models"][name] = {"step_ms": {c: t[c] * 1e3 for c in configs},
+                                   "ratio": {c: t[c] / t["plain"] for c in configs},
+                                   "peak_mib": {"plain": mem_plain, "full_health": mem_rec}}
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"recorder overhead: step time / plain step time (median of {args.rounds} "
+                        f"interleaved rounds x {args.steps} steps, {args.threads} threads)")
+    table.add_column("config")
+    for name in models:
+        table.add_column(f"{name}\n({results['models'][name]['step_ms']['plain']:.1f} ms plain)", justify="right")
+    for c in configs:
+        table.add_row(c, *[f"{results['models'][m]['ratio'][c]:.2f}x" for m in models])
+    table.add_row("peak RSS growth, plain", *[f"{results['models'][m]['peak_mib']['plain']:.1f} MiB" for m in models])
+    table.add_row("peak RSS growth, full_health",
+                  *[f"{results['models'][m]['peak_mib']['full_health']:.1f} MiB" for m in models])
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
