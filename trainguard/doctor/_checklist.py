@@ -139,7 +139,14 @@ class DoctorReport:
         return sort_findings([f for r in self.results for f in r.findings()])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "results": [r.to_dict() for r in self.results], "seconds": self.seconds,
+        lr = self.result("lr_range_test")
+        head: dict[str, Any] = {"passed": self.passed}
+        if isinstance(lr, LRRangeResult):
+            # Up front, so a reader finds the suggested rate without walking the results.
+            head["lr_range_test"] = {"suggestion": lr.suggestion, "min_loss_lr": lr.min_loss_lr,
+                                     "plot": ARTIFACT_PLOT, "csv": ARTIFACT_CSV}
+        return {**head, "verdicts": {r.check: r.verdict for r in self.results},
+                "results": [r.to_dict() for r in self.results], "seconds": self.seconds,
                 "logdir": self.logdir, "notes": self.notes}
 
     def __rich__(self) -> Group:

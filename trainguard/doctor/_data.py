@@ -41,9 +41,8 @@ SCALE_SPREAD = 100.0
 LEAK_SCORE = 0.99
 # ... when always guessing the majority class does at least this much worse.
 LEAK_MARGIN = 0.2
-# Bins per feature for the single-feature predictor, and how many cells (features x samples) it
-# may look at: it subsamples rows beyond that, so the check stays fast on any dataset.
-LEAK_BINS = 32
+# How many cells (features x samples) the single-feature predictor may look at: it subsamples
+# rows beyond that, so the check stays fast on any dataset.
 LEAK_CELLS = 4_000_000
 # Near duplicates are looked for in inputs with at least this many features: in a few dimensions
 # close neighbours are common and mean nothing.
@@ -544,7 +543,7 @@ def _feature_leak(tr: _Split, classification: bool) -> list[Finding]:
         return []
     xs = xs[:, live]
     if classification:
-        scores, baseline = _bin_accuracy(xs, ys, rng)
+        scores, baseline = _neighbour_accuracy(xs, ys, rng)
         best = int(np.argmax(scores))
         score = float(scores[best])
         if not (score >= LEAK_SCORE and score - baseline >= LEAK_MARGIN):
@@ -571,33 +570,32 @@ def _feature_leak(tr: _Split, classification: bool) -> list[Finding]:
         feature=feature, score=score, samples_used=int(xs.shape[0]))]
 
 
-def _bin_accuracy(xs: np.ndarray, ys: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, float]:
-    """Held-out accuracy, per feature, of predicting the majority class of the feature's bin.
+def _neighbour_accuracy(xs: np.ndarray, ys: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, float]:
+    """Held-out accuracy, per feature, of a one-feature nearest-neighbour classifier.
 
-    Bins are rank quantiles of each feature; the majority per bin is learned on one half of the
-    rows and scored on the other, so a feature with a unique value per sample gains nothing.
+    Half of the rows are the reference; each other row takes the label of the nearer of the
+    reference rows just below and just above it in that feature's sorted order. A feature that splits
+    the classes into clean intervals scores near 1 whatever their number; an unrelated one
+    scores about chance. All features at once, with sorts along the columns.
     """
     n, d = xs.shape
-    classes, yi = np.unique(ys, return_inverse=True)
-    c = classes.size
-    bins = min(LEAK_BINS, n // 4)
-    if d * bins * c > 50_000_000:  # too many classes to tabulate cheaply
-        return np.zeros(d), 1.0
+    _, yi = np.unique(ys, return_inverse=True)
+    yi = yi.ravel()
+    is_ref = np.zeros(n, bool)
+    is_ref[rng.permutation(n)[: n // 2]] = True
     order = np.argsort(xs, axis=0, kind="stable")
-    # Equal values share a bin: the bin of a value is that of its first rank.
-    sorted_x = np.take_along_axis(xs, order, axis=0)
-    first = np.maximum.accumulate(np.where(np.r_[np.ones((1, d), bool), sorted_x[1:] != sorted_x[:-1]],
-                                           np.arange(n)[:, None], 0), axis=0)
-    bin_sorted = first * bins // n
-    b = np.empty_like(bin_sorted)
-    np.put_along_axis(b, order, bin_sorted, axis=0)
-    half = rng.permutation(n)
-    fit, held = half[: n // 2], half[n // 2:]
-    cols = np.arange(d)
-    idx = (cols[None, :] * bins + b[fit]) * c + yi[fit][:, None]
-    table = np.bincount(idx.ravel(), minlength=d * bins * c).reshape(d, bins, c)
-    majority = table.argmax(axis=2)  # (d, bins); empty bins predict class 0
-    pred = majority[cols[None, :], b[held]]
-    acc = (pred == yi[held][:, None]).mean(axis=0)
-    baseline = float(np.bincount(yi[held], minlength=c).max() / held.size)
+    ref = is_ref[order]
+    labels = yi[order]
+    pos = np.arange(n)[:, None]
+    below = np.maximum.accumulate(np.where(ref, pos, -1), axis=0)
+    above = np.flip(np.minimum.accumulate(np.flip(np.where(ref, pos, n), axis=0), axis=0), axis=0)
+    values = np.take_along_axis(xs, order, axis=0)
+    gap_below = np.where(below >= 0, values - np.take_along_axis(values, np.maximum(below, 0), axis=0), np.inf)
+    gap_above = np.where(above < n, np.take_along_axis(values, np.minimum(above, n - 1), axis=0) - values, np.inf)
+    source = np.where(gap_below <= gap_above, np.maximum(below, 0), np.minimum(above, n - 1))
+    pred = np.take_along_axis(labels, source, axis=0)
+    held = ~ref
+    acc = ((pred == labels) & held).sum(axis=0) / max(int(held[:, 0].sum()), 1)
+    held_labels = yi[~is_ref]
+    baseline = float(np.bincount(held_labels).max() / held_labels.size)
     return acc, baseline

@@ -131,6 +131,13 @@ class LRRangeResult(CheckResult):
 
     def plot_png(self, *, width: float = 7.0, height: float = 4.2, dpi: int = 120) -> bytes:
         """The PNG bytes of the plot: loss against a log-scaled rate, the suggestion marked."""
+        fig = self.figure(width=width, height=height, dpi=dpi)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+
+    def figure(self, *, width: float = 7.0, height: float = 4.2, dpi: int = 120) -> Any:
+        """The plot as a matplotlib ``Figure`` (needs matplotlib, the ``plot`` extra)."""
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
@@ -175,9 +182,7 @@ class LRRangeResult(CheckResult):
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(loc="upper left", fontsize=8)
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
+        return fig
 
     def plot(self, path: str | os.PathLike, **kwargs: Any) -> str:
         """Write the plot as a PNG to ``path`` (needs matplotlib, the ``plot`` extra)."""

@@ -1,0 +1,294 @@
+"""validate_data: each problem found on data that has it, and none on data that does not."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+
+from trainguard import doctor
+from trainguard.doctor import _dedup
+from trainguard.store import Finding, dumps
+
+
+@pytest.fixture
+def clean():
+    """Standardised features, balanced labels, disjoint splits."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3000, 16)).astype(np.float32)
+    y = rng.integers(0, 5, 3000)
+    xt = rng.standard_normal((600, 16)).astype(np.float32)
+    yt = rng.integers(0, 5, 600)
+    return x, y, xt, yt
+
+
+def kinds(report) -> set[str]:
+    return {f.kind for f in report.findings()}
+
+
+def test_clean_data_passes(clean):
+    x, y, xt, yt = clean
+    r = doctor.validate_data((x, y), (xt, yt))
+    assert r.passed and r.verdict == "pass"
+    assert [f for f in r.findings() if f.is_problem] == []
+    assert r.splits["train"]["samples"] == 3000 and r.splits["test"]["samples"] == 600
+    assert r.stats["task"] == "classification"
+    assert all(isinstance(f, Finding) and f.source == "doctor" for f in r.findings())
+
+
+def test_leaked_duplicates_across_splits_are_found(clean):
+    x, y, xt, yt = clean
+    xt, yt = xt.copy(), yt.copy()
+    xt[[5, 77, 300]] = x[[10, 20, 30]]
+    r = doctor.validate_data((x, y), (xt, yt))
+    (f,) = r.by_kind("leaked_duplicates")
+    assert f.severity == "error" and not r.passed and r.verdict == "fail"
+    assert f.evidence["count"] == 3
+    assert f.evidence["examples"] == [{"test": 5, "train": 10}, {"test": 77, "train": 20}, {"test": 300, "train": 30}]
+
+
+def test_leak_found_across_dtypes_and_signed_zeros(clean):
+    x, y, xt, yt = clean
+    x = x.copy()
+    x[0] = 0.0
+    xt64 = xt.astype(np.float64)
+    xt64[1] = -0.0
+    r = doctor.validate_data((x, y), (xt64, yt))
+    assert r.by_kind("leaked_duplicates")[0].evidence["examples"] == [{"test": 1, "train": 0}]
+
+
+def test_duplicates_within_a_split_and_conflicting_labels(clean):
+    x, y, _, _ = clean
+    x, y = x.copy(), y.copy()
+    x[100:160] = x[0]  # 60 copies of sample 0: 2% of the data
+    y[100:160] = y[0]
+    x[200] = x[1]
+    y[200] = (y[1] + 1) % 5  # same input, different label
+    r = doctor.validate_data((x, y))
+    (dup,) = r.by_kind("duplicate_samples")
+    assert dup.evidence["duplicates"] == 61 and dup.evidence["groups"] == 2 and dup.severity == "warning"
+    (conflict,) = r.by_kind("conflicting_labels")
+    assert conflict.evidence["examples"] == [[1, 200]]
+
+
+def test_a_few_duplicates_are_only_info(clean):
+    x, y, _, _ = clean
+    x = x.copy()
+    x[1] = x[0]
+    y = y.copy()
+    y[1] = y[0]
+    r = doctor.validate_data((x, y))
+    assert r.by_kind("duplicate_samples")[0].severity == "info" and r.passed
+
+
+def test_near_duplicates_across_splits(clean):
+    x, y, xt, yt = clean
+    xt = xt.copy()
+    noise = np.random.default_rng(1).normal(0, 0.005, (4, 16)).astype(np.float32)
+    xt[[0, 1, 2, 3]] = x[[40, 41, 42, 43]] + noise
+    r = doctor.validate_data((x, y), (xt, yt))
+    (f,) = r.by_kind("leaked_near_duplicates")
+    assert f.evidence["pairs"] >= 3  # a cheap screen: most, not necessarily all
+    assert {"train": 40, "test": 0} in f.evidence["examples"] or {"train": 41, "test": 1} in f.evidence["examples"]
+    assert not r.by_kind("leaked_duplicates")
+
+
+def test_nan_and_inf_in_inputs_and_targets(clean):
+    x, y, _, _ = clean
+    x = x.copy()
+    x[3, 2] = np.nan
+    x[9, 2] = np.inf
+    yr = np.random.default_rng(0).standard_normal(3000)
+    yr[4] = np.nan
+    r = doctor.validate_data((x, yr))
+    inputs = next(f for f in r.by_kind("data_nonfinite") if f.evidence["part"] == "inputs")
+    assert (inputs.evidence["nan"], inputs.evidence["inf"], inputs.evidence["examples"]) == (1, 1, [3, 9])
+    assert inputs.evidence["features"] == [2]
+    targets = next(f for f in r.by_kind("data_nonfinite") if f.evidence["part"] == "targets")
+    assert targets.evidence["examples"] == [4]
+    assert r.stats["task"] == "regression"
+
+
+@pytest.mark.parametrize("ratio, flagged", [(9, False), (12, True)])
+def test_label_imbalance_over_ten_to_one(ratio, flagged):
+    rng = np.random.default_rng(0)
+    y = np.r_[np.zeros(100 * ratio, int), np.ones(100, int)]
+    x = rng.standard_normal((len(y), 8))
+    r = doctor.validate_data((x, y))
+    found = r.by_kind("label_imbalance")
+    assert bool(found) == flagged
+    if flagged:
+        assert found[0].evidence["ratio"] == pytest.approx(12)
+        assert found[0].evidence["class_weights"] == {"0": round(1300 / 2400, 4), "1": 6.5}
+
+
+def test_unseen_test_labels_and_single_class(clean):
+    x, y, xt, yt = clean
+    r = doctor.validate_data((x, y), (xt, np.where(yt == 0, 7, yt)))
+    assert r.by_kind("unseen_labels")[0].evidence["labels"] == [7]
+    assert r.by_kind("single_class") == [] and doctor.validate_data((x, np.zeros(3000, int))).by_kind("single_class")
+
+
+def test_unnormalised_inputs_give_the_values_to_normalise_with():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 255, (2000, 3, 8, 8)).astype(np.float32)  # raw pixels, channels first
+    x[:, 1] = x[:, 1] * 0.5
+    r = doctor.validate_data(x)
+    (f,) = r.by_kind("inputs_not_normalised")
+    assert f.evidence["per"] == "channel"
+    mean = x.transpose(1, 0, 2, 3).reshape(3, -1).mean(axis=1)
+    std = x.transpose(1, 0, 2, 3).reshape(3, -1).std(axis=1)
+    assert np.allclose(f.evidence["mean"], mean, rtol=1e-5) and np.allclose(f.evidence["std"], std, rtol=1e-5)
+    assert "Normalize(mean=[" in f.suggestion
+
+
+def test_features_on_different_scales():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1000, 4))
+    x[:, 2] *= 500  # std 500, far above the others
+    r = doctor.validate_data(x)
+    f = r.by_kind("inputs_not_normalised")[0]
+    assert f.evidence["per"] == "feature"
+    assert any("std up to" in reason for reason in f.evidence["reasons"])
+    assert f.evidence["std"][2] == pytest.approx(x[:, 2].std())
+
+
+def test_constant_features_are_named(clean):
+    x, y, _, _ = clean
+    x = x.copy()
+    x[:, [3, 11]] = 0.5
+    r = doctor.validate_data((x, y))
+    (f,) = r.by_kind("constant_features")
+    assert f.evidence["features"] == [3, 11] and f.evidence["count"] == 2
+    assert doctor.validate_data(np.ones((10, 3))).by_kind("constant_features")[0].severity == "error"
+
+
+def test_a_single_feature_that_gives_the_label_away(clean):
+    x, y, _, _ = clean
+    x = x.copy()
+    x[:, 6] = y * 10 + np.random.default_rng(0).uniform(0, 1, len(y))  # the label, thinly disguised
+    r = doctor.validate_data((x, y))
+    (f,) = r.by_kind("feature_leak")
+    assert f.evidence["feature"] == 6 and f.evidence["score"] >= 0.99
+
+
+def test_sample_id_sorted_by_class_is_a_leak(clean):
+    x, y, _, _ = clean
+    order = np.argsort(y, kind="stable")
+    x, y = x[order].copy(), y[order]
+    x[:, 0] = np.arange(len(y))  # an id column, and the file was sorted by label
+    assert doctor.validate_data((x, y)).by_kind("feature_leak")[0].evidence["feature"] == 0
+
+
+def test_regression_leak_by_correlation():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2000, 5))
+    y = 3 * x[:, 4] + 0.01 * rng.standard_normal(2000)
+    r = doctor.validate_data((x, y))
+    assert r.by_kind("feature_leak")[0].evidence["feature"] == 4
+
+
+def test_no_leak_from_an_honest_predictor(clean):
+    x, y, _, _ = clean
+    x = x.copy()
+    x[:, 0] = y + np.random.default_rng(0).normal(0, 1.0, len(y))  # informative, not a give-away
+    assert not doctor.validate_data((x, y)).by_kind("feature_leak")
+
+
+def test_input_forms_agree(clean):
+    x, y, xt, yt = clean
+    xt = xt.copy()
+    xt[0] = x[0]
+
+    class MapStyle(Dataset):
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+
+        def __len__(self):
+            return len(self.a)
+
+        def __getitem__(self, i):
+            return self.a[i], int(self.b[i])
+
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    forms = [
+        ((x, y), (xt, yt)),
+        ((tx, ty), (torch.from_numpy(xt), torch.from_numpy(yt))),
+        (TensorDataset(tx, ty), TensorDataset(torch.from_numpy(xt), torch.from_numpy(yt))),
+        (Subset(TensorDataset(tx, ty), range(3000)), MapStyle(xt, yt)),
+        (DataLoader(TensorDataset(tx, ty), batch_size=256), (xt, yt)),
+    ]
+    for train, test in forms:
+        r = doctor.validate_data(train, test)
+        assert r.splits["train"]["samples"] == 3000
+        assert r.by_kind("leaked_duplicates")[0].evidence["examples"] == [{"test": 0, "train": 0}]
+
+
+def test_unlabelled_inputs(clean):
+    x, _, xt, _ = clean
+    r = doctor.validate_data(x, xt)
+    assert r.stats["task"] == "unlabelled" and r.passed
+
+
+def test_report_serialises_and_renders(clean):
+    x, y, xt, yt = clean
+    r = doctor.validate_data((x, y), (xt, yt))
+    d = json.loads(dumps(r.to_dict()))
+    assert d["check"] == "validate_data" and d["splits"]["test"]["label_counts"]
+    buf = io.StringIO()
+    Console(file=buf, width=120).print(r)
+    assert "validate_data" in buf.getvalue()
+
+
+@pytest.mark.parametrize("train, test, match", [
+    (np.zeros((0, 4)), None, "empty"),
+    ((np.zeros((5, 4)), np.zeros(6)), None, "5 samples but targets have 6"),
+    (np.zeros((5, 4)), np.zeros((5, 3)), r"train samples have shape \[4\] but test samples \[3\]"),
+    ("a string", None, "must be a tensor"),
+    ({"x": 1}, None, "must be a tensor"),
+    (None, None, "required"),
+    (np.array(["a", "b"]), None, "numeric"),
+    ((np.zeros((5, 4)), np.zeros(5)), np.zeros((5, 4)), "both splits or for neither"),
+    (DataLoader(TensorDataset(torch.zeros(0, 3)), batch_size=2), None, "empty"),
+])
+def test_bad_inputs_are_value_errors(train, test, match):
+    with pytest.raises(ValueError, match=match):
+        doctor.validate_data(train, test)
+
+
+def test_bad_task_is_a_value_error(clean):
+    with pytest.raises(ValueError, match="task"):
+        doctor.validate_data(clean[0], task="clustering")
+
+
+def test_hashes_equal_for_equal_rows_and_spread_otherwise():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((1000, 7)).astype(np.float32)  # 28 bytes: padded to whole words
+    b = a.copy()
+    assert np.array_equal(_dedup.row_hashes(a), _dedup.row_hashes(b))
+    assert len(np.unique(_dedup.row_hashes(a))) == 1000
+    b[500, 3] = np.nextafter(b[500, 3], np.float32(10))  # one bit of one value
+    assert (_dedup.row_hashes(a) != _dedup.row_hashes(b)).sum() == 1
+
+
+def test_exact_duplicates_on_a_million_samples_are_fast():
+    """The claim in docs/doctor.md: hashing and grouping 1M samples takes about a second."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1_000_000, 16), dtype=np.float32)
+    x[999_999] = x[12]
+    test = rng.standard_normal((100_000, 16), dtype=np.float32)
+    test[7] = x[5]
+    t0 = time.perf_counter()
+    h = _dedup.row_hashes(x)
+    groups = _dedup.duplicate_groups(x, h)
+    pairs = _dedup.cross_duplicates(x, test, h)
+    elapsed = time.perf_counter() - t0
+    assert [g.tolist() for g in groups] == [[12, 999_999]]
+    assert pairs == [(7, 5)]
+    assert elapsed < 10.0  # measured ~0.6 s here; generous for a loaded CI machine

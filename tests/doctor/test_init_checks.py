@@ -1,0 +1,139 @@
+"""init_checks: shapes, initial loss against chance, parameter counts."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from trainguard import doctor
+from trainguard.store import dumps
+
+
+def kinds(r) -> set[str]:
+    return {f.kind for f in r.findings() if f.is_problem}
+
+
+def test_healthy_classifier(mlp, batch):
+    r = doctor.init_checks(mlp, batch, nn.CrossEntropyLoss())
+    assert r.passed and kinds(r) == set()
+    assert r.output_shape == [32, 10] and r.target_shape == [32] and r.input_shape == [32, 20]
+    assert r.task == "classification" and r.num_classes == 10
+    assert r.expected_loss == pytest.approx(math.log(10)) and r.expected_rule == "ln 10"
+    assert r.initial_loss == pytest.approx(math.log(10), rel=0.1)
+    # 20*64+64 + 64*64+64 + 64*10+10
+    assert (r.parameters, r.trainable, r.frozen) == (6154, 6154, 0)
+    assert r.by_module == {"0": {"parameters": 1344, "trainable": 1344}, "2": {"parameters": 4160, "trainable": 4160},
+                           "4": {"parameters": 650, "trainable": 650}}
+
+
+def test_over_confident_init_is_flagged(mlp, batch):
+    with torch.no_grad():
+        mlp[4].weight.mul_(50)
+    r = doctor.init_checks(mlp, batch, nn.CrossEntropyLoss())
+    assert kinds(r) == {"initial_loss_high"} and not r.passed
+    f = next(f for f in r.findings() if f.kind == "initial_loss_high")
+    assert f.evidence["ratio"] > 1.5
+
+
+def test_initial_loss_below_chance_is_flagged(batch):
+    x, y = batch
+
+    class Cheater(nn.Module):  # "knows" the labels before training: a leak
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(20, 10)
+
+        def forward(self, inp):
+            return self.fc(inp) + 10 * nn.functional.one_hot(y, 10)
+
+    assert "initial_loss_low" in kinds(doctor.init_checks(Cheater(), (x, y), nn.CrossEntropyLoss()))
+
+
+def test_broadcasting_regression_output_is_an_error(batch):
+    x, _ = batch
+    r = doctor.init_checks(nn.Linear(20, 1), (x, torch.randn(32)), nn.MSELoss())
+    f = next(f for f in r.findings() if f.kind == "output_target_shape")
+    assert f.severity == "error" and f.evidence["broadcast"] == [32, 32]
+    assert r.task == "regression" and r.expected_loss is None
+
+
+def test_binary_expects_ln2(batch):
+    x, _ = batch
+    r = doctor.init_checks(nn.Linear(20, 1), (x, (torch.rand(32, 1) > 0.5).float()), nn.BCEWithLogitsLoss())
+    assert r.expected_loss == pytest.approx(math.log(2)) and r.passed
+
+
+def test_labels_out_of_range(mlp, batch):
+    x, y = batch
+    r = doctor.init_checks(mlp, (x, y + 3), nn.CrossEntropyLoss())
+    f = next(f for f in r.findings() if f.kind == "labels_out_of_range")
+    assert f.evidence["max_label"] == int((y + 3).max()) and f.evidence["classes"] == 10
+    assert "loss_failed" in kinds(r)  # and the loss itself raised: reported, not thrown
+
+
+def test_forward_that_raises_is_reported(mlp, batch):
+    x, y = batch
+    r = doctor.init_checks(mlp, (x[:, :5], y), nn.CrossEntropyLoss())
+    assert kinds(r) == {"forward_failed"} and r.output_shape is None and r.verdict == "fail"
+
+
+def test_batch_dimension_lost(batch):
+    x, y = batch
+
+    class Flattens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(20, 10)
+
+        def forward(self, inp):
+            return self.fc(inp).view(-1)
+
+    assert "output_batch_mismatch" in kinds(doctor.init_checks(Flattens(), (x, y), nn.CrossEntropyLoss()))
+
+
+def test_no_gradient_path_and_frozen_counts(mlp, batch):
+    for p in mlp.parameters():
+        p.requires_grad_(False)
+    r = doctor.init_checks(mlp, batch, nn.CrossEntropyLoss())
+    assert {"no_gradient_path", "no_trainable_parameters"} <= kinds(r)
+    assert (r.trainable, r.frozen) == (0, 6154)
+
+
+def test_non_scalar_loss(mlp, batch):
+    assert "loss_not_scalar" in kinds(doctor.init_checks(mlp, batch, nn.CrossEntropyLoss(reduction="none")))
+
+
+def test_num_classes_override_and_eval_mode_note(mlp, batch):
+    mlp.eval()
+    r = doctor.init_checks(mlp, batch, nn.CrossEntropyLoss(), num_classes=12)
+    assert r.expected_rule == "ln 12"
+    assert any(f.kind == "model_in_eval_mode" for f in r.findings())
+    assert not mlp.training
+
+
+def test_report_serialises_and_renders(mlp, batch):
+    r = doctor.init_checks(mlp, batch, nn.CrossEntropyLoss())
+    d = json.loads(dumps(r.to_dict()))
+    assert d["parameters"] == 6154 and d["verdict"] == "pass"
+    buf = io.StringIO()
+    Console(file=buf, width=120).print(r)
+    assert "6,154" in buf.getvalue()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_classes=1), "num_classes"),
+    (dict(batch=[torch.zeros(3, 20)]), "pair"),
+    (dict(loss_fn="ce"), "callable"),
+    (dict(loss_fn=lambda o, t: 1.0), "must return a tensor"),
+])
+def test_bad_inputs_are_value_errors(kwargs, match, mlp, batch):
+    args = dict(model=mlp, batch=batch, loss_fn=nn.CrossEntropyLoss())
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        doctor.init_checks(**args)

@@ -1,0 +1,149 @@
+"""overfit_one_batch passes on a healthy model and names the way a broken one fails."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from trainguard import doctor
+from trainguard.store import dumps
+
+
+class Detached(nn.Module):
+    """A detached hidden layer: the encoder never receives a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(20, 64), nn.ReLU())
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).detach())
+
+
+class DetachedOutput(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x).detach()
+
+
+def test_healthy_model_memorises_the_batch(mlp, batch):
+    r = doctor.overfit_one_batch(mlp, batch, nn.CrossEntropyLoss())
+    assert r.passed and r.reason is None
+    assert r.accuracy == 1.0
+    assert r.final_loss <= r.target_loss == pytest.approx(0.01 * r.initial_loss)
+    assert r.initial_loss == pytest.approx(math.log(10), rel=0.1)
+    assert r.samples == 32 and r.steps == 200 and r.optimizer == "Adam"
+    assert r.verdict == "pass"
+
+
+def test_detached_layer_fails_flat_and_names_the_layer(batch):
+    torch.manual_seed(0)
+    r = doctor.overfit_one_batch(Detached(), batch, nn.CrossEntropyLoss())
+    assert not r.passed
+    assert r.reason == "flat"
+    assert r.unreached == ["encoder.0.weight", "encoder.0.bias"]
+    kinds = {f.kind for f in r.findings()}
+    assert {"overfit_flat", "no_gradient"} <= kinds
+
+
+def test_detached_output_fails_flat_without_training(mlp, batch):
+    r = doctor.overfit_one_batch(DetachedOutput(mlp), batch, nn.CrossEntropyLoss())
+    assert r.reason == "flat" and r.steps == 1
+    assert len(r.unreached) == 6
+
+
+def test_tiny_learning_rate_is_slow(mlp, batch):
+    r = doctor.overfit_one_batch(mlp, batch, nn.CrossEntropyLoss(), lr=1e-6)
+    assert r.reason == "slow"
+    assert not r.unreached
+    f = next(f for f in r.findings() if f.kind == "overfit_slow")
+    assert "1e-05" in f.suggestion  # names a value: ten times the rate used
+
+
+def test_huge_learning_rate_gives_nan(mlp, batch):
+    r = doctor.overfit_one_batch(mlp, batch, nn.CrossEntropyLoss(),
+                                 optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e4))
+    assert r.reason == "nan"
+    assert r.nan_step is not None and r.nan_step < 20
+
+
+def test_nan_from_the_loss(mlp, batch):
+    def log_of_zero(out, y):
+        probs = torch.softmax(out, 1) * 0  # a broken loss: log(0)
+        return -(torch.log(probs).gather(1, y[:, None])).mean()
+
+    r = doctor.overfit_one_batch(mlp, batch, log_of_zero)
+    assert r.reason == "nan" and r.nan_step == 0
+
+
+def test_large_learning_rate_is_unstable(mlp, batch):
+    r = doctor.overfit_one_batch(mlp, batch, nn.CrossEntropyLoss(), lr=1.0)
+    assert r.reason == "unstable"
+
+
+@pytest.mark.parametrize("case", ["softmax_as_logits", "label_smoothing"])
+def test_loss_that_cannot_reach_zero_is_a_floor(case, new_mlp, batch):
+    if case == "softmax_as_logits":
+        model, loss = nn.Sequential(new_mlp(), nn.Softmax(dim=1)), nn.CrossEntropyLoss()
+    else:
+        model, loss = new_mlp(), nn.CrossEntropyLoss(label_smoothing=0.5)
+    r = doctor.overfit_one_batch(model, batch, loss)
+    assert r.reason == "floor"
+    assert r.final_loss > 1.0
+
+
+def test_regression_and_binary(new_mlp):
+    torch.manual_seed(0)
+    x = torch.randn(32, 20)
+    reg = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 1))
+    r = doctor.overfit_one_batch(reg, (x, torch.randn(32, 1)), nn.MSELoss(), steps=300)
+    assert r.passed and r.accuracy is None
+    r = doctor.overfit_one_batch(reg, (x, (torch.rand(32, 1) > 0.5).float()), nn.BCEWithLogitsLoss(), steps=300)
+    assert r.passed and r.accuracy == 1.0
+
+
+def test_uses_at_most_max_samples(mlp, blobs):
+    x, y = blobs
+    r = doctor.overfit_one_batch(mlp, (x[:100], y[:100]), nn.CrossEntropyLoss(), steps=5, max_samples=16)
+    assert r.samples == 16
+
+
+def test_result_serialises_and_renders(mlp, batch):
+    r = doctor.overfit_one_batch(mlp, batch, nn.CrossEntropyLoss(), steps=10)
+    d = json.loads(dumps(r.to_dict()))
+    assert d["check"] == "overfit_one_batch" and d["reason"] == r.reason and len(d["losses"]) == 10
+    console = Console(record=True, width=100)
+    console.print(r)
+    text = console.export_text()
+    assert "overfit_one_batch" in text and r.verdict.upper() in text
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(batch=torch.zeros(4, 20)), "pair"),
+    (dict(batch=(torch.zeros(0, 20), torch.zeros(0, dtype=torch.long))), "empty"),
+    (dict(batch=(torch.zeros(4, 20), torch.zeros(5, dtype=torch.long))), "4 samples but targets have 5"),
+    (dict(steps=0), "steps"),
+    (dict(lr=-1.0), "lr"),
+    (dict(model="not a model"), "nn.Module"),
+    (dict(loss_fn=3), "callable"),
+    (dict(task="ranking"), "task"),
+])
+def test_bad_inputs_are_value_errors(bad, match, mlp, batch):
+    kwargs = dict(model=mlp, batch=batch, loss_fn=nn.CrossEntropyLoss(), steps=10)
+    kwargs.update(bad)
+    with pytest.raises(ValueError, match=match):
+        doctor.overfit_one_batch(**kwargs)
+
+
+def test_non_scalar_loss_is_a_value_error(mlp, batch):
+    with pytest.raises(ValueError, match="scalar"):
+        doctor.overfit_one_batch(mlp, batch, nn.CrossEntropyLoss(reduction="none"), steps=5)
