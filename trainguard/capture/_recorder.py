@@ -107,13 +107,21 @@ def _rank_dir(logdir: Path) -> Path:
     return logdir
 
 
-class _Producer:
-    """What the recorder remembers about a live tensor: who made it (held weakly)."""
+class _Producer(weakref.ref):
+    """A weak reference to a live output tensor that remembers who made it.
 
-    __slots__ = ("ref", "seq", "op", "stack_id", "summary", "version")
+    One object per output: the reference itself carries the producer's data, and its callback
+    (shared, no closure per tensor) drops the entry when the tensor dies.
+    """
 
-    def __init__(self, ref, seq, op, stack_id, summary, version):
-        self.ref = ref
+    __slots__ = ("key", "seq", "op", "stack_id", "summary", "version")
+
+    def __new__(cls, t, callback, key, seq, op, stack_id, summary, version):
+        return super().__new__(cls, t, callback)
+
+    def __init__(self, t, callback, key, seq, op, stack_id, summary, version):
+        super().__init__(t, callback)
+        self.key = key
         self.seq = seq
         self.op = op
         self.stack_id = stack_id
@@ -152,7 +160,7 @@ class Recorder:
         self.recorded = 0
         self.last_nr = 0
         self.op_info: dict[Any, tuple[str, bool, bool, bool]] = {}
-        self.producers: dict[int, _Producer] = {}
+        self.producers: dict[int, _Producer] = {}  # id(tensor) -> its producer, held weakly
         self.fwd_nodes: dict[int, tuple[int, int | None, int | None, int]] = {}
         self.pending: list[tuple] = []
         self.pending_bad = False
@@ -281,17 +289,16 @@ class Recorder:
         self.op_info[func] = info
         return info
 
-    def _forget(self, key: int, ref) -> None:
-        p = self.producers.get(key)
-        if p is not None and p.ref is ref:
-            del self.producers[key]
+    def _forget(self, ref: _Producer) -> None:
+        if self.producers.get(ref.key) is ref:
+            del self.producers[ref.key]
 
     def input_ref(self, t: _Tensor) -> tuple:
         named = self.modules.name_of(t)
         if named is not None:
             return (named[1], named[0])
         p = self.producers.get(id(t))
-        if p is not None and p.ref() is t:
+        if p is not None and p() is t:
             return ("op", p.seq)
         return ("input", None)
 
@@ -301,7 +308,7 @@ class Recorder:
         p = self.producers.get(id(t))
         if named is not None:
             who = f"{named[1]} {named[0]!r}"
-        elif p is not None and p.ref() is t:
+        elif p is not None and p() is t:
             fr = _user_frame(self.stacks.frames(p.stack_id))
             where = f" from {_short_path(fr[0])}:{fr[1]}" if fr else ""
             who = f"{_op_display(p.op)} output{where}"
@@ -428,7 +435,7 @@ class _DispatchMode(TorchDispatchMode):
             # A pure alias (view, t, detach, ...) holds the same values as its input: reuse that
             # input's summary while the shared version counter says nothing wrote to it since.
             p = producers.get(id(tin[0]))
-            if p is not None and p.ref() is tin[0] and p.summary is not None and p.version == tin[0]._version:
+            if p is not None and p() is tin[0] and p.summary is not None and p.version == tin[0]._version:
                 alias = p.summary
         for o in outs:
             if not isinstance(o, _Tensor):
@@ -485,12 +492,11 @@ class _DispatchMode(TorchDispatchMode):
 def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:
     key = id(o)
     p = producers.get(key)
-    if p is not None and p.ref() is o:
+    if p is not None and p() is o:
         # An in-place op: o now holds this op's output.
         p.seq, p.op, p.stack_id, p.summary, p.version = seq, name, stack_id, summary, o._version
         return
-    ref = weakref.ref(o, lambda ref, key=key, r=r: r._forget(key, ref))
-    producers[key] = _Producer(ref, seq, name, stack_id, summary, o._version)
+    producers[key] = _Producer(o, r._forget, key, seq, name, stack_id, summary, o._version)
 
 
 def _health_sync(o: _Tensor) -> int:
