@@ -30,7 +30,7 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff check trainguard tests benchmarks examples
 
 bench: $(VENV)/.test
-	$(PY) benchmarks/run_all.py
+	for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
