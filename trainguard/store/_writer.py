@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import socket
+import struct
 import sys
 import sysconfig
 import threading
@@ -367,6 +368,7 @@ class RunWriter:
 
     def _do_exec(self, batch: ExecBatch) -> None:
         fields = self.fields
+        pack = struct.Struct(f"={len(fields)}d").pack
         hosts: dict = {}
         for dev, host_tensor, event in batch.deferred or ():
             if event is not None:
@@ -379,17 +381,18 @@ class RunWriter:
         for rec in batch.records:
             seq, step, phase, op, module_id, stack_id, fwd_seq, health, inputs, outputs, summary = rec
             blob = None
-            if summary is not None and fields:
-                flat = array("d")
-                flags = 0
-                for values in summary:
-                    if values and isinstance(values[0], str):  # ("d", device, row): deferred
-                        values = hosts[values[1]][values[2]]
-                    flat.extend(values)
-                    flags |= health_of(fields, values)
-                blob = flat.tobytes()
-                if health is None:
-                    health = flags
+            if summary and fields:
+                if health is not None:  # immediate summaries: health already known
+                    blob = b"".join([pack(*values) for values in summary])
+                else:
+                    flat = array("d")
+                    health = 0
+                    for values in summary:
+                        if isinstance(values[0], str):  # ("d", device, row): deferred
+                            values = hosts[values[1]][values[2]]
+                        flat.extend(values)
+                        health |= health_of(fields, values)
+                    blob = flat.tobytes()
             if health is None:
                 health = 0
             for slot, (kind, ref) in enumerate(inputs):
