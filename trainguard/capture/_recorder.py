@@ -209,6 +209,7 @@ class Recorder:
             self._mode.__exit__(None, None, None)
         finally:
             self.modules.remove()
+            self.stacks.release_frames()
             if self._on_step in _steps.clock.on_step:
                 _steps.clock.on_step.remove(self._on_step)
             _steps.release()

@@ -31,7 +31,7 @@ class StackInterner:
         self._last_prefix = 0
         self._on_new = on_new_stack
 
-    def capture(self, skip: int = 1) -> int:
+    def capture(self, skip: int = 1) -> int | None:
         """Intern the caller's stack (minus ``skip`` frames) and return its id.
 
         Consecutive ops usually come from one Python function (``F.linear`` runs ``t`` then
@@ -39,7 +39,10 @@ class StackInterner:
         frame is cached per parent activation: while a frame object is held here it cannot be
         replaced by another one at the same address, and an activation's callers never change.
         """
-        f = sys._getframe(skip)
+        try:
+            f = sys._getframe(skip)
+        except ValueError:  # no Python caller: an op run by the autograd engine's device thread
+            return None
         parent = f.f_back
         if parent is self._last_parent and parent is not None:
             prefix = self._last_prefix
