@@ -1,0 +1,218 @@
+"""What the diagnosis rules read: a run's per-step scalars and layer statistics as NumPy series.
+
+Built once per diagnosis from the reader; rules only look things up here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainguard.analysis._thresholds import Thresholds
+
+# Module types whose weights are lookup tables, not transforms: gradient-flow ratios skip them.
+_TABLE_TYPES = ("Embedding", "EmbeddingBag")
+# Pass-through modules whose statistics repeat their input's.
+POOL_TYPES = ("MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
+              "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d", "Flatten", "Dropout")
+
+
+@dataclass
+class Series:
+    steps: np.ndarray
+    values: np.ndarray
+
+    @classmethod
+    def of(cls, pairs: list[tuple[int, float]] | None) -> Series:
+        pairs = pairs or []
+        return cls(np.array([p[0] for p in pairs], dtype=np.int64), np.array([p[1] for p in pairs], dtype=float))
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def finite(self) -> Series:
+        ok = np.isfinite(self.values)
+        return Series(self.steps[ok], self.values[ok])
+
+    def before(self, step: int) -> Series:
+        ok = self.steps < step
+        return Series(self.steps[ok], self.values[ok])
+
+    def tail(self, fraction: float = 0.5, minimum: int = 2) -> Series:
+        """The last ``fraction`` of the points (at least ``minimum``, at most all)."""
+        n = len(self)
+        k = min(n, max(minimum, int(math.ceil(n * fraction))))
+        return Series(self.steps[n - k :], self.values[n - k :])
+
+    def at(self, step: int) -> float | None:
+        hit = np.nonzero(self.steps == step)[0]
+        return float(self.values[hit[0]]) if len(hit) else None
+
+
+def median(values: np.ndarray) -> float:
+    v = values[np.isfinite(values)]
+    return float(np.median(v)) if len(v) else math.nan
+
+
+def rolling_median(values: np.ndarray, w: int) -> np.ndarray:
+    """Median of each window of ``w`` consecutive values (len - w + 1 results)."""
+    if len(values) < w:
+        return np.array([])
+    view = np.lib.stride_tricks.sliding_window_view(values, w)
+    return np.median(view, axis=1)
+
+
+def sig(x: float, digits: int = 2) -> float:
+    """Round to ``digits`` significant digits (for suggested values people type in)."""
+    if not math.isfinite(x) or x == 0:
+        return x
+    return float(f"{x:.{digits}g}")
+
+
+def fmt(x: Any) -> str:
+    """A number as a short human string: 3 significant digits, exponent when small or large."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return str(x)
+    if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) < 1e6):
+        return str(int(x))
+    if not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e5):
+        return f"{x:.2e}"
+    return f"{x:.3g}"
+
+
+class Context:
+    """A run's monitoring data, indexed for the rules."""
+
+    def __init__(self, run: Any, thresholds: Thresholds):
+        self.run = run
+        self.th = thresholds
+        self.meta: dict = run.meta.get("monitor") or {}
+        scalars = run.scalars()
+        self.loss = Series.of(scalars.get("loss"))
+        self.grad_norm = Series.of(scalars.get("grad_norm"))
+        self.lrs = {k: Series.of(v) for k, v in scalars.items() if k.startswith("lr/")}
+        grouped: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
+        for row in run.layer_stats():
+            grouped.setdefault((row["layer"], row["kind"], row["stat"]), []).append((row["step"], row["value"]))
+        self._stats = {k: Series.of(v) for k, v in grouped.items()}
+        layer_meta = {d["name"]: d for d in self.meta.get("layers", [])}
+        self.layer_type = {name: d.get("type", "") for name, d in layer_meta.items()}
+        self.params: dict[str, dict] = self.meta.get("params", {})
+        order = list(self.meta.get("order") or [])
+        seen = set(order)
+        for layer in run.layers():
+            if layer not in seen and (layer, "activation", "mean") in self._stats:
+                order.append(layer)
+                seen.add(layer)
+        self.layer_order = [la for la in order if (la, "activation", "mean") in self._stats]
+        self.recorded_steps = sorted({int(s) for ser in self._stats.values() for s in ser.steps})
+
+    # ------------------------------------------------------------------ lookups
+    def stat(self, layer: str, kind: str, stat: str) -> Series:
+        return self._stats.get((layer, kind, stat)) or Series.of(None)
+
+    def has(self, layer: str, kind: str, stat: str) -> bool:
+        return (layer, kind, stat) in self._stats
+
+    def layers_with(self, kind: str, stat: str) -> list[str]:
+        names = [la for (la, k, s) in self._stats if k == kind and s == stat]
+        return self.ordered(names)
+
+    def ordered(self, names: list[str]) -> list[str]:
+        """Layers in forward order; parameters by their layer's position, then their own order."""
+        pos = {la: i for i, la in enumerate(self.layer_order)}
+        pnames = list(self.params)
+
+        def key(n: str) -> tuple:
+            layer = self.params.get(n, {}).get("layer", n)
+            return (pos.get(layer, len(pos)), pnames.index(n) if n in pnames else 0, n)
+
+        return sorted(set(names), key=key)
+
+    def weight_matrices(self) -> list[str]:
+        """Parameters that transform (ndim >= 2, not embedding tables), in forward order."""
+        out = []
+        for name, info in self.params.items():
+            if len(info.get("shape", [])) >= 2 and info.get("module_type") not in _TABLE_TYPES:
+                out.append(name)
+        return self.ordered(out)
+
+    def window(self, series: Series) -> Series:
+        """The later half of the recordings: the state a layer ended up in."""
+        return series.tail(0.5, minimum=2)
+
+    def lr(self) -> float | None:
+        """The learning rate of the first parameter group (its median over the run)."""
+        s = self.lrs.get("lr/0")
+        if s is None or not len(s):
+            return None
+        m = median(s.values)
+        return m if math.isfinite(m) else None
+
+    def input_rms(self) -> float:
+        """RMS of the model's input (1 when unknown, e.g. token ids)."""
+        for layer in self.input_layers():
+            mean = median(self.stat(layer, "input", "mean").values)
+            std = median(self.stat(layer, "input", "std").values)
+            if math.isfinite(mean) and math.isfinite(std):
+                return max(math.hypot(mean, std), 1e-12)
+        return 1.0
+
+    def input_layers(self) -> list[str]:
+        return sorted({la for (la, k, _) in self._stats if k == "input"})
+
+    def relgrad(self, param: str) -> Series:
+        """Gradient norm divided by weight norm, at the steps where both were recorded."""
+        g = self.stat(param, "gradient", "norm")
+        w = self.stat(param, "weight", "norm")
+        wmap = dict(zip(w.steps.tolist(), w.values.tolist()))
+        pairs = [(s, v / wmap[s]) for s, v in zip(g.steps.tolist(), g.values.tolist()) if wmap.get(s)]
+        return Series.of(pairs)
+
+    def update_ratio_by_step(self) -> Series:
+        """Per recording step, the median update-to-weight ratio over weight matrices.
+
+        Matrices that started at zero (a zero-initialised residual branch) are left out: their
+        first update is their whole value.
+        """
+        per_step: dict[int, list[float]] = {}
+        for p in self.weight_matrices():
+            w = self.stat(p, "weight", "norm")
+            if len(w) and w.values[0] == 0:
+                continue
+            r = self.stat(p, "update", "ratio")
+            for s, v in zip(r.steps.tolist(), r.values.tolist()):
+                if math.isfinite(v):
+                    per_step.setdefault(s, []).append(v)
+        return Series.of([(s, float(np.median(v))) for s, v in sorted(per_step.items())])
+
+    def unit_count(self, layer: str) -> int | None:
+        """Output units of a layer from the shape of its weight (Linear/Conv: dim 0)."""
+        for info in self.params.values():
+            if info.get("layer") == layer and len(info.get("shape", [])) >= 2:
+                return int(info["shape"][0])
+        return None
+
+    def weight_init_check(self, param: str) -> dict | None:
+        """Weight RMS at the first recording against Kaiming (ReLU) and Xavier/Glorot (tanh) scales."""
+        info = self.params.get(param)
+        w = self.stat(param, "weight", "norm")
+        if not info or not len(w) or len(info.get("shape", [])) < 2:
+            return None
+        shape = info["shape"]
+        numel = math.prod(shape)
+        fan_in = numel // shape[0]
+        fan_out = numel // shape[1] if len(shape) >= 2 else shape[0]
+        rms = float(w.values[0]) / math.sqrt(numel)
+        return {
+            "param": param,
+            "rms": rms,
+            "kaiming": math.sqrt(2.0 / fan_in),
+            "xavier": math.sqrt(2.0 / (fan_in + fan_out)),
+            "fan_in": fan_in,
+        }

@@ -1,0 +1,117 @@
+"""``diagnose(run)``: every training-health rule over a run, plus an explicit verdict."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+# Importing the rule modules registers their rules.
+from trainguard.analysis import _layer_rules, _loss_rules, _param_rules  # noqa: F401
+from trainguard.analysis._context import Context, fmt, median
+from trainguard.analysis._rules import RULES
+from trainguard.analysis._thresholds import Thresholds
+from trainguard.store import Finding, sort_findings
+
+log = logging.getLogger("trainguard.analysis")
+
+# The monitor's rules, in the order they are run (the report sorts by severity anyway).
+MONITOR_RULES = (
+    "nonfinite_loss",
+    "nonfinite_gradient",
+    "loss_not_decreasing",
+    "loss_oscillating",
+    "loss_spike",
+    "lr_too_high",
+    "lr_too_low",
+    "dead_units",
+    "exploding_activations",
+    "collapsed_activations",
+    "saturated_activations",
+    "vanishing_gradient",
+    "exploding_gradient",
+    "inputs_not_normalized",
+    "param_no_gradient",
+    "param_zero_gradient",
+    "param_not_in_optimizer",
+    "param_not_updating",
+    "params_frozen",
+    "gradients_accumulating",
+    "eval_mode_in_training",
+    "train_mode_in_eval",
+)
+
+
+def diagnose(
+    run: Any,
+    thresholds: Thresholds | dict[str, float] | None = None,
+    rules: list[str] | tuple[str, ...] | None = None,
+) -> list[Finding]:
+    """Judge a run's training health from what the monitor recorded; most severe finding first.
+
+    ``run`` is a reader (``trainguard.open(path)``); ``thresholds`` overrides named thresholds
+    (see :class:`Thresholds`); ``rules`` picks rules by name (default: all of the monitor's).
+    The result always holds a verdict: either problems (warning and above), or one ``healthy``
+    finding, or ``insufficient_data`` when the run has too few steps to judge.
+    """
+    th = Thresholds.from_overrides(thresholds)
+    names = tuple(rules) if rules is not None else MONITOR_RULES
+    unknown = [n for n in names if n not in RULES]
+    if unknown:
+        raise ValueError(f"unknown rule(s) {unknown}; known: {', '.join(sorted(RULES))}")
+    ctx = Context(run, th)
+    findings: list[Finding] = []
+    for name in names:
+        try:
+            findings.extend(RULES[name](ctx))
+        except Exception as exc:  # one broken rule must not hide the others
+            log.exception("diagnosis rule %s failed", name)
+            findings.append(
+                Finding(kind="rule_error", severity="info", title=f"rule {name} failed: {type(exc).__name__}: {exc}",
+                        source="monitor")
+            )
+    if not any(f.is_problem for f in findings):
+        findings.append(_verdict(ctx))
+    return sort_findings(findings)
+
+
+def _verdict(ctx: Context) -> Finding:
+    n = len(ctx.loss)
+    if n < ctx.th.min_loss_points and not ctx.recorded_steps:
+        return Finding(
+            kind="insufficient_data",
+            severity="info",
+            title=f"Not enough monitoring data to judge training health ({n} loss values, no layer statistics)",
+            evidence={"loss_points": n, "needed": int(ctx.th.min_loss_points)},
+            suggestion="train under `trainguard.Monitor(model, logdir)` (or `trainguard monitor script.py`) for at "
+            f"least {int(ctx.th.min_loss_points)} steps",
+            source="monitor",
+        )
+    ev: dict = {"steps": n, "recordings": len(ctx.recorded_steps), "layers": len(ctx.layer_order)}
+    if n:
+        k = max(1, int(n * ctx.th.window_fraction))
+        ev["loss_start"] = median(ctx.loss.values[:k])
+        ev["loss_end"] = median(ctx.loss.values[-k:])
+    if len(ctx.grad_norm):
+        ev["grad_norm_median"] = median(ctx.grad_norm.values)
+    ratios = ctx.update_ratio_by_step()
+    if len(ratios):
+        ev["update_ratio_median"] = median(ratios.values)
+    dead = [median(ctx.window(ctx.stat(la, "activation", "dead_frac")).values)
+            for la in ctx.layers_with("activation", "dead_frac")]
+    dead = [d for d in dead if math.isfinite(d)]
+    if dead:
+        ev["max_dead_fraction"] = float(np.max(dead))
+    title = "Training looks healthy"
+    if "loss_start" in ev:
+        title += f": loss {fmt(ev['loss_start'])} -> {fmt(ev['loss_end'])} over {n} steps"
+    return Finding(
+        kind="healthy",
+        severity="info",
+        title=title + ", no rule found a problem",
+        evidence=ev,
+        steps=(int(ctx.loss.steps[0]), int(ctx.loss.steps[-1])) if n else None,
+        source="monitor",
+    )

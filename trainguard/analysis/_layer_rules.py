@@ -1,0 +1,387 @@
+"""Rules over per-layer statistics: dead, exploding, collapsed and saturated activations; vanishing
+and exploding gradients; unnormalised inputs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from trainguard.analysis._context import POOL_TYPES, Context, fmt, median
+from trainguard.analysis._rules import register_rule
+from trainguard.analysis._suggest import activation_family, clip_text, init_advice
+from trainguard.store import Finding
+
+SOURCE = "monitor"
+
+
+def _steps(ctx: Context) -> tuple[int, int] | None:
+    return (ctx.recorded_steps[0], ctx.recorded_steps[-1]) if ctx.recorded_steps else None
+
+
+def _feeding_params(ctx: Context, layer: str) -> list[str]:
+    """Weight matrices of the nearest layer with weights at or before ``layer`` in forward order."""
+    order = ctx.layer_order
+    if layer not in order:
+        return []
+    mats = set(ctx.weight_matrices())
+    for la in reversed(order[: order.index(layer) + 1]):
+        found = [p for p in ctx.params if ctx.params[p].get("layer") == la and p in mats]
+        if found:
+            return found
+    return []
+
+
+def fully_dead_layers(ctx: Context) -> list[str]:
+    """Layers whose every unit is silent in the later half of the run."""
+    out = []
+    for la in ctx.layers_with("activation", "dead_frac"):
+        if median(ctx.window(ctx.stat(la, "activation", "dead_frac")).values) >= 0.99:
+            out.append(la)
+    return out
+
+
+def gradient_blocked(ctx: Context) -> str | None:
+    """Why gradients cannot reach the weights, if they cannot: dead layers, collapse, vanishing."""
+    dead = fully_dead_layers(ctx)
+    if dead:
+        return f"layer {dead[0]} is dead"
+    if collapsed_activations(ctx):
+        return "activations collapsed"
+    flow = _gradient_flow(ctx)
+    if len(flow) >= 2:
+        names = list(flow)
+        if flow[names[0]] / flow[names[-1]] < ctx.th.vanish_ratio:
+            return "gradients vanish"
+    return None
+
+
+@register_rule("dead_units")
+def dead_units(ctx: Context) -> list[Finding]:
+    per_layer = {}
+    for la in ctx.layers_with("activation", "dead_frac"):
+        if ctx.layer_type.get(la) in POOL_TYPES:
+            continue  # repeats the dead units of the layer before it
+        series = ctx.stat(la, "activation", "dead_frac")
+        win = ctx.window(series)
+        if len(win) < 2:
+            continue
+        frac = median(win.values)
+        if frac < ctx.th.dead_units_warn:
+            continue
+        over = np.nonzero(series.values >= ctx.th.dead_units_warn)[0]
+        stay = median(ctx.window(ctx.stat(la, "activation", "dead_stay")).values)
+        per_layer[la] = {
+            "dead_fraction": frac,
+            "first_fraction": float(series.values[0]),
+            "since_step": int(series.steps[over[0]]) if len(over) else None,
+            "stay_dead": stay,
+            "units": ctx.unit_count(_upstream_layer(ctx, la)) or None,
+        }
+    if not per_layer:
+        return []
+    worst = max(v["dead_fraction"] for v in per_layer.values())
+    layers = ctx.ordered(list(per_layer))
+    first = layers[0]
+    grew = per_layer[first]["first_fraction"] < ctx.th.dead_units_warn
+    fixes = [
+        "`trainguard.fix.revive_dead_units(model, inputs)` re-initialises their incoming weights (Kaiming) "
+        "and reports how many it revived"
+    ]
+    params = _feeding_params(ctx, first)
+    init_rows, init_text = init_advice(ctx, params, "relu")
+    ev: dict = {"layers": per_layer}
+    bias = [p.replace(".weight", ".bias") for p in params if p.replace(".weight", ".bias") in ctx.params]
+    for b in bias:
+        w = ctx.stat(b, "weight", "norm")
+        shape = ctx.params[b].get("shape", [1])
+        if len(w):
+            rms = float(w.values[0]) / math.sqrt(max(1, math.prod(shape)))
+            ev.setdefault("bias_init_rms", {})[b] = rms
+            if rms > 0.5:
+                init_text += f"; {b} started with RMS {fmt(rms)}: initialise biases at 0"
+    if init_rows:
+        ev["init"] = init_rows
+    if grew:
+        fixes.append("the units died during training: lower the learning rate, or use LeakyReLU/GELU")
+    else:
+        fixes.append(f"they were dead from the first step: use {init_text}")
+    stays = [v["stay_dead"] for v in per_layer.values() if math.isfinite(v["stay_dead"])]
+    persist = f"; {min(stays):.0%}+ of them stay dead from one recording to the next" if stays else ""
+    return [
+        Finding(
+            kind="dead_units",
+            severity="error" if worst >= ctx.th.dead_units_error else "warning",
+            title=f"Dead units: {per_layer[first]['dead_fraction']:.0%} of {first}'s units output 0 for every sample"
+            + (f" ({len(layers)} layers affected)" if len(layers) > 1 else "")
+            + persist,
+            evidence=ev,
+            suggestion="; ".join(fixes),
+            steps=_steps(ctx),
+            layers=layers,
+            source=SOURCE,
+        )
+    ]
+
+
+def _upstream_layer(ctx: Context, layer: str) -> str:
+    order = ctx.layer_order
+    if layer not in order:
+        return layer
+    for la in reversed(order[: order.index(layer) + 1]):
+        if ctx.unit_count(la):
+            return la
+    return layer
+
+
+def _rms(ctx: Context, layer: str) -> float:
+    mean = ctx.window(ctx.stat(layer, "activation", "mean")).values
+    std = ctx.window(ctx.stat(layer, "activation", "std")).values
+    if not len(mean) or len(mean) != len(std):
+        return math.nan
+    return median(np.hypot(mean, std))
+
+
+@register_rule("exploding_activations")
+def exploding_activations(ctx: Context) -> list[Finding]:
+    scale = ctx.input_rms()
+    limit = ctx.th.act_explode_rms * max(1.0, scale)
+    depth = {la: _rms(ctx, la) for la in ctx.layer_order}
+    hot = [la for la, v in depth.items() if math.isfinite(v) and v > limit]
+    if not hot:
+        return []
+    first = hot[0]
+    worst = max(hot, key=lambda la: depth[la])
+    params = [p for p in ctx.weight_matrices()]
+    rows, init_text = init_advice(ctx, params, activation_family(ctx))
+    ev = {
+        "rms_by_layer": {la: depth[la] for la in ctx.layer_order if math.isfinite(depth[la])},
+        "input_rms": scale,
+        "limit": limit,
+    }
+    if rows:
+        ev["init"] = rows
+    return [
+        Finding(
+            kind="exploding_activations",
+            severity="warning",
+            title=f"Exploding activations: RMS {fmt(depth[first])} at {first}, {fmt(depth[worst])} at {worst} "
+            f"(input RMS {fmt(scale)})",
+            evidence=ev,
+            suggestion=f"each layer amplifies its input: use {init_text}; normalisation layers "
+            "(BatchNorm/LayerNorm) keep the scale in check",
+            steps=_steps(ctx),
+            layers=hot,
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("collapsed_activations")
+def collapsed_activations(ctx: Context) -> list[Finding]:
+    scale = ctx.input_rms()
+    limit = ctx.th.act_collapse_std * min(1.0, scale) if scale > 0 else ctx.th.act_collapse_std
+    dead = set(fully_dead_layers(ctx))
+    stds = {}
+    for la in ctx.layer_order:
+        if la in dead:
+            continue
+        s = ctx.window(ctx.stat(la, "activation", "std"))
+        if len(s) < 2:
+            continue
+        stds[la] = median(s.values)
+    cold = [la for la, v in stds.items() if math.isfinite(v) and v < limit]
+    if not cold:
+        return []
+    first = cold[0]
+    rows, init_text = init_advice(ctx, ctx.weight_matrices(), activation_family(ctx))
+    ev = {"std_by_layer": stds, "input_rms": scale, "limit": limit}
+    if rows:
+        ev["init"] = rows
+    return [
+        Finding(
+            kind="collapsed_activations",
+            severity="warning",
+            title=f"Collapsed activations: {first}'s outputs have std {fmt(stds[first])} "
+            f"(every sample looks the same){f'; {len(cold)} layers' if len(cold) > 1 else ''}",
+            evidence=ev,
+            suggestion=f"the signal shrinks layer by layer: use {init_text}",
+            steps=_steps(ctx),
+            layers=cold,
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("saturated_activations")
+def saturated_activations(ctx: Context) -> list[Finding]:
+    layers = ctx.layers_with("activation", "sat_frac")
+    if ctx.layer_order and layers and layers[-1] == ctx.layer_order[-1]:
+        layers = layers[:-1]  # an output sigmoid is meant to reach 0 and 1
+    sat = {}
+    for la in layers:
+        win = ctx.window(ctx.stat(la, "activation", "sat_frac"))
+        if len(win) >= 2 and median(win.values) >= ctx.th.saturation_warn:
+            sat[la] = median(win.values)
+    if not sat:
+        return []
+    first = next(iter(sat))
+    params = _feeding_params(ctx, first)
+    rows, init_text = init_advice(ctx, params, "tanh")
+    ev: dict = {"saturated_fraction": sat, "types": {la: ctx.layer_type.get(la) for la in sat}}
+    if rows:
+        ev["init"] = rows
+    return [
+        Finding(
+            kind="saturated_activations",
+            severity="warning",
+            title=f"Saturated activations: {sat[first]:.0%} of {first}'s outputs sit at the "
+            f"{ctx.layer_type.get(first, 'activation')} bounds, where the gradient is < 2% of its maximum",
+            evidence=ev,
+            suggestion=f"the pre-activations are too large: use {init_text}; normalise the inputs, or put a "
+            "LayerNorm before the activation",
+            steps=_steps(ctx),
+            layers=list(sat),
+            source=SOURCE,
+        )
+    ]
+
+
+def _gradient_flow(ctx: Context) -> dict[str, float]:
+    """Median relative gradient (||g|| / ||W||) per weight matrix, forward order, exact zeros left out."""
+    out = {}
+    for p in ctx.weight_matrices():
+        r = ctx.window(ctx.relgrad(p))
+        v = r.values[np.isfinite(r.values) & (r.values > 0)]
+        if len(v):
+            out[p] = float(np.median(v))
+    return out
+
+
+@register_rule("vanishing_gradient")
+def vanishing_gradient(ctx: Context) -> list[Finding]:
+    flow = _gradient_flow(ctx)
+    if len(flow) < 2:
+        return []
+    names = list(flow)
+    ratio = flow[names[0]] / flow[names[-1]]
+    if ratio >= ctx.th.vanish_ratio:
+        return []
+    weak = [p for p in names if flow[p] / flow[names[-1]] < ctx.th.vanish_ratio]
+    fam = activation_family(ctx)
+    _, init_text = init_advice(ctx, names, fam)
+    fix = (
+        "deep sigmoid/tanh stacks shrink the gradient at every layer: use ReLU/GELU with Kaiming init, add "
+        "normalisation layers or residual connections"
+        if fam == "tanh"
+        else f"use {init_text}; add normalisation layers or residual connections"
+    )
+    return [
+        Finding(
+            kind="vanishing_gradient",
+            severity="warning",
+            title=f"Vanishing gradients: the first layer's relative gradient is {fmt(ratio)} of the last layer's",
+            evidence={"relative_gradient_by_layer": flow, "first_last_ratio": ratio},
+            suggestion=fix,
+            steps=_steps(ctx),
+            layers=[ctx.params[p]["layer"] for p in weak if p in ctx.params],
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("exploding_gradient")
+def exploding_gradient(ctx: Context) -> list[Finding]:
+    reasons = []
+    ev: dict = {}
+    first_step = None
+    flow = _gradient_flow(ctx)
+    if len(flow) >= 2:
+        names = list(flow)
+        ratio = flow[names[0]] / flow[names[-1]]
+        if ratio > ctx.th.explode_ratio:
+            reasons.append(f"the first layer's relative gradient is {fmt(ratio)}x the last layer's")
+            ev["relative_gradient_by_layer"] = flow
+            ev["first_last_ratio"] = ratio
+    g = ctx.grad_norm
+    vals = g.values
+    n = len(vals)
+    w0 = max(5, int(n * ctx.th.window_fraction))
+    if n >= 2 * w0:
+        early = median(vals[:w0])
+        spikes = []
+        for i in range(w0, n):
+            v = vals[i]
+            if not math.isfinite(v):
+                continue
+            recent = median(vals[max(0, i - w0) : i])
+            if v > ctx.th.grad_spike_factor * recent and v > ctx.th.grad_spike_vs_start * early:
+                spikes.append((int(g.steps[i]), float(v), recent))
+        bad = np.nonzero(~np.isfinite(vals))[0]
+        overflow = int(g.steps[bad[0]]) if len(bad) else None
+        # One spike that training shrugs off is a bad batch (see loss_spike); an explosion recurs
+        # or ends in overflow.
+        if spikes and (len(spikes) >= 2 or (overflow is not None and overflow > spikes[0][0])):
+            first_step, v, recent = spikes[0]
+            ev["spikes"] = {"steps": [s for s, _, _ in spikes[:20]], "count": len(spikes), "first": first_step,
+                            "grad_norm": v, "recent_median": recent, "early_median": early}
+            reasons.append(
+                f"the gradient norm jumped to {fmt(v)} at step {first_step} ({v / recent:.0f}x its recent median)"
+                + (f" and overflowed at step {overflow}" if overflow is not None else "")
+            )
+        late = median(vals[-w0:])
+        if math.isfinite(late) and math.isfinite(early) and early > 0 and late > ctx.th.grad_growth * early:
+            ev["growth"] = {"early_median": early, "late_median": late}
+            reasons.append(f"the typical gradient norm grew from {fmt(early)} to {fmt(late)}")
+            first_step = first_step if first_step is not None else int(g.steps[-w0])
+        if reasons and overflow is not None:
+            ev["overflow_step"] = overflow
+    if not reasons:
+        return []
+    clip = clip_text(ctx, before_step=first_step)
+    return [
+        Finding(
+            kind="exploding_gradient",
+            severity="error",
+            title="Exploding gradients: " + reasons[0],
+            evidence=ev | {"reasons": reasons},
+            suggestion=(clip or "clip the gradient norm (`torch.nn.utils.clip_grad_norm_`)")
+            + "; lower the learning rate; for recurrent nets keep the recurrent weights' spectral radius <= 1",
+            steps=(first_step, int(g.steps[-1])) if first_step is not None and n else _steps(ctx),
+            layers=[ctx.params[p]["layer"] for p in list(flow)[:1] if p in ctx.params],
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("inputs_not_normalized")
+def inputs_not_normalized(ctx: Context) -> list[Finding]:
+    out = []
+    for la in ctx.input_layers():
+        m = {st: median(ctx.stat(la, "input", st).values) for st in
+             ("mean", "std", "min", "max", "feat_mean_absmax", "feat_std_max", "feat_std_min")}
+        big = max(abs(m["mean"]), m["std"], m.get("feat_mean_absmax", 0) or 0, m.get("feat_std_max", 0) or 0)
+        spread = (m["feat_std_max"] / m["feat_std_min"]) if m.get("feat_std_min") else math.nan
+        reasons = []
+        if math.isfinite(big) and big > ctx.th.input_scale_max:
+            reasons.append(f"inputs have mean {fmt(m['mean'])} and std {fmt(m['std'])} (range {fmt(m['min'])}..{fmt(m['max'])})")
+        if math.isfinite(spread) and spread > ctx.th.input_scale_spread:
+            reasons.append(f"feature scales differ {fmt(spread)}x (std {fmt(m['feat_std_min'])}..{fmt(m['feat_std_max'])})")
+        if not reasons:
+            continue
+        mean, std = m["mean"], m["std"] if m["std"] > 0 else 1.0
+        out.append(
+            Finding(
+                kind="inputs_not_normalized",
+                severity="warning",
+                title="Inputs are not normalised: " + "; ".join(reasons),
+                evidence={k: v for k, v in m.items() if math.isfinite(v)},
+                suggestion=f"normalise the inputs with the observed statistics: `x = (x - {fmt(mean)}) / {fmt(std)}` "
+                "(better: per feature or channel, with mean and std computed on the training set, e.g. "
+                "`torchvision.transforms.Normalize`)",
+                steps=_steps(ctx),
+                layers=[la],
+                source=SOURCE,
+            )
+        )
+    return out

@@ -1,0 +1,409 @@
+"""Rules over the per-step loss, gradient norm and learning rate."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from trainguard.analysis._context import Context, Series, fmt, median, rolling_median
+from trainguard.analysis._layer_rules import gradient_blocked
+from trainguard.analysis._rules import register_rule
+from trainguard.analysis._suggest import (
+    LR_RANGE_TEST,
+    clip_text,
+    lr_higher,
+    lr_lower,
+    op_fix,
+    origin_of,
+    where,
+)
+from trainguard.store import Finding
+
+SOURCE = "monitor"
+
+
+def _first_nonfinite(s: Series) -> int | None:
+    bad = np.nonzero(~np.isfinite(s.values))[0]
+    return int(s.steps[bad[0]]) if len(bad) else None
+
+
+def finite_loss(ctx: Context) -> Series:
+    """The loss up to its first non-finite value."""
+    first = _first_nonfinite(ctx.loss)
+    return ctx.loss if first is None else ctx.loss.before(first)
+
+
+def progress(ctx: Context) -> dict | None:
+    """How far the loss came down: start level, best smoothed level, end level, relative progress."""
+    loss = finite_loss(ctx)
+    n = len(loss)
+    if n < ctx.th.min_loss_points:
+        return None
+    w = max(3, int(n * ctx.th.window_fraction))
+    start = float(np.median(loss.values[:w]))
+    end = float(np.median(loss.values[-w:]))
+    best = float(np.min(rolling_median(loss.values, w)))
+    scale = max(abs(start), 1e-12)
+    return {
+        "start": start,
+        "best": best,
+        "end": end,
+        "progress": (start - best) / scale,
+        "window": w,
+        "steps": (int(loss.steps[0]), int(loss.steps[-1])),
+    }
+
+
+def diverged(ctx: Context) -> dict | None:
+    """Where the smoothed loss first rose above ``loss_diverge_ratio`` times its initial value."""
+    loss = finite_loss(ctx)  # a non-finite loss is reported on its own
+    if len(loss) < 6:
+        return None
+    vals = loss.values
+    init = vals[0]
+    if not math.isfinite(init) or init <= 0:
+        return None
+    smooth = rolling_median(vals[1:], 5)
+    over = np.nonzero(smooth > ctx.th.loss_diverge_ratio * init)[0]
+    if not len(over):
+        return None
+    i = int(over[0])
+    return {"initial_loss": float(init), "step": int(loss.steps[1 + i]), "smoothed_loss": float(smooth[i])}
+
+
+@register_rule("nonfinite_loss")
+def nonfinite_loss(ctx: Context) -> list[Finding]:
+    step = _first_nonfinite(ctx.loss)
+    if step is None:
+        return []
+    bad = ~np.isfinite(ctx.loss.values)
+    value = ctx.loss.at(step)
+    ev: dict = {
+        "first_step": step,
+        "value": value,
+        "nonfinite_steps": int(bad.sum()),
+        "steps": len(ctx.loss),
+    }
+    before = ctx.loss.before(step).finite()
+    if len(before):
+        ev["last_finite_loss"] = float(before.values[-1])
+        ev["initial_loss"] = float(before.values[0])
+    origin = origin_of(ctx.run, before_step=step)
+    fixes = []
+    if origin:
+        ev["origin"] = origin
+        fix = op_fix(origin.get("op"))
+        fixes.append(f"the first NaN/Inf came from {where(origin)}: {fix or 'guard that op against 0 and overflow'}")
+    grew = len(before) >= 2 and before.values[-1] > 10 * max(abs(before.values[0]), 1e-12)
+    if grew:
+        ev["loss_grew"] = f"{fmt(before.values[0])} -> {fmt(before.values[-1])} before turning {fmt(value)}"
+        _, text = lr_lower(ctx, None)
+        fixes.append(f"the loss grew before it broke (divergence): {text}")
+        clip = clip_text(ctx, before_step=step)
+        if clip:
+            fixes.append(clip)
+    if not fixes:
+        fixes.append(
+            "record the run (`trainguard.record(logdir)` or `trainguard run --monitor script.py`) to find the op "
+            "that made the first NaN/Inf; usual suspects: log of 0, division by 0, sqrt of a negative, exp overflow"
+        )
+    return [
+        Finding(
+            kind="nonfinite_loss",
+            severity="critical",
+            title=f"Loss became {fmt(value)} at step {step}" + (f" ({where(origin)})" if origin else ""),
+            evidence=ev,
+            suggestion="; ".join(fixes),
+            steps=(step, int(ctx.loss.steps[-1])),
+            layers=[origin["module"]] if origin and origin.get("module") else [],
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("nonfinite_gradient")
+def nonfinite_gradient(ctx: Context) -> list[Finding]:
+    step = _first_nonfinite(ctx.grad_norm)
+    layer_steps = []
+    for p in ctx.params:
+        s = ctx.stat(p, "gradient", "nonfinite")
+        hit = np.nonzero(s.values > 0)[0]
+        if len(hit):
+            layer_steps.append((int(s.steps[hit[0]]), p, float(s.values[hit[0]])))
+    if layer_steps:
+        first_layer_step = min(s for s, _, _ in layer_steps)
+        step = first_layer_step if step is None else min(step, first_layer_step)
+    if step is None:
+        return []
+    loss_bad = _first_nonfinite(ctx.loss)
+    if loss_bad is not None and loss_bad <= step:
+        return []  # a consequence of the non-finite loss, reported there
+    params = ctx.ordered([p for s, p, _ in layer_steps if s == min(x[0] for x in layer_steps)])
+    ev: dict = {"first_step": step, "loss_at_step": ctx.loss.at(step)}
+    if params:
+        ev["params_with_nonfinite_gradients"] = {p: c for s, p, c in layer_steps if p in params}
+    before = ctx.grad_norm.before(step).finite()
+    if len(before):
+        ev["grad_norm_before"] = {"median": median(before.values), "max": float(before.values.max())}
+    origin = origin_of(ctx.run, before_step=step)
+    if origin:
+        ev["origin"] = origin
+        fix = op_fix(origin.get("op")) or "guard that op against 0 and overflow"
+        suggestion = f"the first NaN/Inf came from {where(origin)} ({origin.get('phase')} pass): {fix}"
+    else:
+        suggestion = (
+            "the loss was finite, so the NaN/Inf arose in the backward pass: look for sqrt, norm or pow at 0 and "
+            "division by a value that can be 0 in the forward pass (add an epsilon: `torch.sqrt(x + 1e-12)`, "
+            "`F.normalize(x, eps=1e-12)`); `trainguard.record(logdir)` finds the op and line"
+        )
+    return [
+        Finding(
+            kind="nonfinite_gradient",
+            severity="critical",
+            title=f"Gradients became NaN/Inf at step {step} while the loss was finite",
+            evidence=ev,
+            suggestion=suggestion,
+            steps=(step, int(ctx.grad_norm.steps[-1]) if len(ctx.grad_norm) else step),
+            layers=params,
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("loss_not_decreasing")
+def loss_not_decreasing(ctx: Context) -> list[Finding]:
+    p = progress(ctx)
+    if p is None or p["progress"] >= ctx.th.loss_min_progress:
+        return []
+    ev = {
+        "start_loss": p["start"],
+        "best_loss": p["best"],
+        "end_loss": p["end"],
+        "relative_progress": p["progress"],
+        "window_steps": p["window"],
+    }
+    hints = []
+    units = _output_units(ctx)
+    if units and units > 1 and abs(p["end"] - math.log(units)) < 0.05 * math.log(units):
+        ev["chance_loss"] = f"ln({units}) = {math.log(units):.4f}"
+        hints.append(f"the loss sits at ln({units}), the cross-entropy of a uniform guess over {units} classes")
+    ratio = median(ctx.update_ratio_by_step().values)
+    if math.isfinite(ratio):
+        ev["update_ratio_median"] = ratio
+    rising = p["end"] > p["start"] * (1 + ctx.th.loss_min_progress)
+    if math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low:
+        hints.append(
+            f"the weights do move (update/weight ratio {fmt(ratio)} per step) but the loss does not follow: check "
+            "that targets match inputs (shuffle them together), that the loss compares the right tensors, and that "
+            "nothing detaches the output; `trainguard.doctor.overfit_one_batch` checks the model can learn at all"
+        )
+    elif math.isfinite(ratio):
+        hints.append("the weights barely move: see the learning-rate finding")
+    else:
+        hints.append(
+            "check the learning rate, that targets match inputs, and that gradients reach the parameters; "
+            "`trainguard.doctor.overfit_one_batch` checks the model can learn at all"
+        )
+    title = "Loss rose instead of decreasing" if rising else "Loss is not decreasing"
+    return [
+        Finding(
+            kind="loss_not_decreasing",
+            severity="warning",
+            title=f"{title}: {fmt(p['start'])} -> {fmt(p['end'])} (best {fmt(p['best'])}) over {p['steps'][1] - p['steps'][0] + 1} steps",
+            evidence=ev,
+            suggestion="; ".join(hints),
+            steps=p["steps"],
+            source=SOURCE,
+        )
+    ]
+
+
+def _output_units(ctx: Context) -> int | None:
+    mats = ctx.weight_matrices()
+    return ctx.unit_count(ctx.params[mats[-1]]["layer"]) if mats else None
+
+
+def _autocorr(r: np.ndarray, k: int) -> float:
+    a, b = r[:-k], r[k:]
+    den = math.sqrt(float(np.dot(a, a)) * float(np.dot(b, b)))
+    return float(np.dot(a, b)) / den if den > 0 else 0.0
+
+
+@register_rule("loss_oscillating")
+def loss_oscillating(ctx: Context) -> list[Finding]:
+    loss = finite_loss(ctx)
+    n = len(loss)
+    skip = int(n * ctx.th.window_fraction)  # the early transient is not an oscillation
+    vals = loss.values[skip:]
+    steps = loss.steps[skip:]
+    if len(vals) < max(40, ctx.th.min_loss_points):
+        return []
+    positive = bool(np.all(vals > 0))
+    y = np.log(vals) if positive else vals / max(float(np.median(np.abs(vals))), 1e-12)
+    t = np.arange(len(y), dtype=float)
+    r = y - np.polyval(np.polyfit(t, y, 2), t)
+    amplitude = float(np.std(r))
+    if amplitude < ctx.th.osc_min_amplitude:
+        return []
+    lags = range(1, len(r) // 6 + 1)  # at least three periods inside the window
+    rho = {k: _autocorr(r, k) for k in lags}
+    k = min(rho, key=rho.get)
+    if rho[k] > ctx.th.osc_autocorr:
+        return []
+    if 2 * k < len(r) and _autocorr(r, 2 * k) <= 0:
+        return []  # no repetition at the full period: a single bump, not an oscillation
+    ev = {
+        "period_steps": 2 * k,
+        "autocorrelation_at_half_period": rho[k],
+        "relative_amplitude": amplitude,
+        "window": (int(steps[0]), int(steps[-1])),
+    }
+    _, lr_text = lr_lower(ctx, None)
+    return [
+        Finding(
+            kind="loss_oscillating",
+            severity="warning",
+            title=f"Loss oscillates with a period of about {2 * k} steps (±{amplitude:.0%})",
+            evidence=ev,
+            suggestion=f"{lr_text}; with momentum, lower it (e.g. 0.9) so the updates stop overshooting",
+            steps=(int(steps[0]), int(steps[-1])),
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("loss_spike")
+def loss_spike(ctx: Context) -> list[Finding]:
+    loss = finite_loss(ctx)
+    n = len(loss)
+    if n < ctx.th.min_loss_points:
+        return []
+    vals = loss.values
+    w = max(10, int(n * ctx.th.window_fraction / 2))
+    scale = max(float(np.median(vals[:3])), 1e-12)  # the loss at initialisation sets the scale
+    spikes = []
+    for i in range(w, n):
+        prev = vals[i - w : i]
+        base = float(np.median(prev))
+        mad = 1.4826 * float(np.median(np.abs(prev - base))) + 1e-12
+        rise = vals[i] - base
+        if (
+            vals[i] > ctx.th.loss_spike_ratio * base
+            and rise > ctx.th.loss_spike_min_z * mad
+            and rise > ctx.th.loss_spike_min_rise * max(scale, base)
+        ):
+            spikes.append((int(loss.steps[i]), float(vals[i]), base))
+    if not spikes:
+        return []
+    first_step, top, base = max(spikes, key=lambda s: s[1] / s[2])
+    ev = {
+        "spike_steps": [s for s, _, _ in spikes[:20]],
+        "count": len(spikes),
+        "largest": {"step": first_step, "loss": top, "recent_median": base, "ratio": top / base},
+    }
+    gn = ctx.grad_norm.at(first_step)
+    if gn is not None:
+        ev["largest"]["grad_norm"] = gn
+        ev["grad_norm_median"] = median(ctx.grad_norm.values)
+    fixes = [f"inspect the batch of step {first_step} (a corrupted or mislabelled batch makes a one-step spike)"]
+    clip = clip_text(ctx)
+    if clip:
+        fixes.append(clip)
+    fixes.append("if spikes recur, lower the learning rate or add warmup")
+    return [
+        Finding(
+            kind="loss_spike",
+            severity="warning",
+            title=f"Loss spiked to {fmt(top)} at step {first_step} ({top / base:.0f}x its recent median)"
+            + (f", {len(spikes)} spikes in all" if len(spikes) > 1 else ""),
+            evidence=ev,
+            suggestion="; ".join(fixes),
+            steps=(spikes[0][0], spikes[-1][0]),
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("lr_too_high")
+def lr_too_high(ctx: Context) -> list[Finding]:
+    ratios = ctx.update_ratio_by_step()
+    r_max = float(ratios.values.max()) if len(ratios) else math.nan
+    div = diverged(ctx)
+    prog = progress(ctx)
+    bad_step = _first_nonfinite(ctx.loss)
+    reasons = []
+    ev: dict = {}
+    if math.isfinite(r_max):
+        ev["update_ratio_max"] = r_max
+        ev["update_ratio_median"] = median(ratios.values)
+    if div:
+        ev["divergence"] = div
+        reasons.append(
+            f"the smoothed loss rose to {fmt(div['smoothed_loss'])} by step {div['step']}, "
+            f"from {fmt(div['initial_loss'])} at initialisation"
+        )
+    high = math.isfinite(r_max) and r_max >= ctx.th.update_ratio_high
+    stuck = prog is not None and prog["progress"] < 0.5
+    if high and (stuck or div or bad_step is not None):
+        step = int(ratios.steps[int(np.argmax(ratios.values))])
+        reasons.append(f"one step moved the weight matrices by {r_max:.0%} of their norm (step {step})")
+    if bad_step is not None and not reasons:
+        before = ctx.loss.before(bad_step).finite()
+        if len(before) >= 2 and before.values[-1] > 10 * max(abs(before.values[0]), 1e-12):
+            reasons.append(f"the loss grew {fmt(before.values[-1] / before.values[0])}x before turning NaN/Inf")
+    if not reasons:
+        return []
+    new, text = lr_lower(ctx, r_max if math.isfinite(r_max) else None)
+    if new is not None:
+        ev["suggested_lr"] = new
+        ev["lr"] = ctx.lr()
+    clip = clip_text(ctx, before_step=div["step"] if div else bad_step)
+    steps = (int(ctx.loss.steps[0]), int(ctx.loss.steps[-1])) if len(ctx.loss) else None
+    return [
+        Finding(
+            kind="lr_too_high",
+            severity="error" if bad_step is not None else "warning",
+            title="Learning rate too high: " + reasons[0],
+            evidence=ev | {"reasons": reasons},
+            suggestion=text + (f"; {clip}" if clip else ""),
+            steps=steps,
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("lr_too_low")
+def lr_too_low(ctx: Context) -> list[Finding]:
+    prog = progress(ctx)
+    if prog is None or gradient_blocked(ctx):
+        return []  # with no gradient to scale, a larger step size is not the fix
+    # The layer that moves most: if even it barely moves, the step size is to blame.
+    per_layer = [median(ctx.stat(p, "update", "ratio").values) for p in ctx.weight_matrices()]
+    per_layer = [r for r in per_layer if math.isfinite(r)]
+    if not per_layer:
+        return []
+    r_med = max(per_layer)
+    if not (r_med < ctx.th.update_ratio_low and prog["progress"] < ctx.th.loss_slow_progress):
+        return []
+    new, text = lr_higher(ctx, r_med)
+    ev = {
+        "update_ratio_median": r_med,
+        "relative_progress": prog["progress"],
+        "start_loss": prog["start"],
+        "end_loss": prog["end"],
+        "lr": ctx.lr(),
+        "suggested_lr": new,
+    }
+    return [
+        Finding(
+            kind="lr_too_low",
+            severity="warning",
+            title=f"Learning rate too low: each step moves the weights by {fmt(r_med)} of their norm "
+            f"(the most-moved layer) and the loss improved {prog['progress']:.1%}",
+            evidence=ev,
+            suggestion=text if new is not None else f"raise the learning rate; {LR_RANGE_TEST}",
+            steps=prog["steps"],
+            source=SOURCE,
+        )
+    ]

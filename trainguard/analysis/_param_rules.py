@@ -1,0 +1,268 @@
+"""Rules about parameters and modes: no gradient, not in the optimizer, never updated, frozen,
+gradients accumulating (missing ``zero_grad``), train/eval mode mistakes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trainguard.analysis._context import Context
+from trainguard.analysis._layer_rules import fully_dead_layers
+from trainguard.analysis._rules import register_rule
+from trainguard.store import Finding
+
+SOURCE = "monitor"
+# A relative change below float32's resolution (2**-23 ~ 1.2e-7, with margin) rounds to no change.
+FLOAT32_RESOLUTION = 1e-6
+
+
+def _steps(ctx: Context) -> tuple[int, int] | None:
+    return (ctx.recorded_steps[0], ctx.recorded_steps[-1]) if ctx.recorded_steps else None
+
+
+def _layers(ctx: Context, params: list[str]) -> list[str]:
+    out = []
+    for p in params:
+        la = ctx.params.get(p, {}).get("layer", p)
+        if la not in out:
+            out.append(la)
+    return out
+
+
+def _names(params: list[str], limit: int = 6) -> str:
+    return ", ".join(params[:limit]) + (f" and {len(params) - limit} more" if len(params) > limit else "")
+
+
+def _trainable(ctx: Context) -> list[str]:
+    return [p for p, info in ctx.params.items() if info.get("requires_grad", True)]
+
+
+@register_rule("param_no_gradient")
+def param_no_gradient(ctx: Context) -> list[Finding]:
+    missing = []
+    for p in _trainable(ctx):
+        present = ctx.stat(p, "gradient", "present")
+        if len(present) >= 2 and np.all(present.values == 0):
+            missing.append(p)
+    if not missing or len(missing) == len(_trainable(ctx)):
+        return []  # no parameter at all with a gradient: nothing was trained under the monitor
+    missing = ctx.ordered(missing)
+    return [
+        Finding(
+            kind="param_no_gradient",
+            severity="warning",
+            title=f"{len(missing)} trainable parameter(s) never received a gradient: {_names(missing)}",
+            evidence={"params": missing, "recordings": len(ctx.recorded_steps)},
+            suggestion="no gradient reaches them: look for `.detach()`, `torch.no_grad()`, `.data` or `.item()` "
+            "between them and the loss, or a layer defined but not used in `forward`; if they are frozen on "
+            "purpose, set `requires_grad=False`",
+            steps=_steps(ctx),
+            layers=_layers(ctx, missing),
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("param_zero_gradient")
+def param_zero_gradient(ctx: Context) -> list[Finding]:
+    blocked = _behind_dead_layers(ctx)
+    zero = []
+    for p in _trainable(ctx):
+        norm = ctx.stat(p, "gradient", "norm")
+        if len(norm) < 2 or np.any(norm.values != 0):
+            continue
+        if ctx.params[p].get("layer") in blocked:
+            continue  # a dead layer blocks it: reported as dead units
+        zero.append(p)
+    if not zero:
+        return []
+    zero = ctx.ordered(zero)
+    return [
+        Finding(
+            kind="param_zero_gradient",
+            severity="warning",
+            title=f"{len(zero)} parameter(s) always get an all-zero gradient: {_names(zero)}",
+            evidence={"params": zero},
+            suggestion="the loss does not depend on them (multiplied by 0, masked out, or behind a constant "
+            "branch); remove them or fix the path to the loss",
+            steps=_steps(ctx),
+            layers=_layers(ctx, zero),
+            source=SOURCE,
+        )
+    ]
+
+
+def _behind_dead_layers(ctx: Context) -> set[str]:
+    """Layers whose weight gradient a fully dead layer zeroes: every layer before the last dead
+    one (no gradient flows back through it) and the first layer with weights after it (its
+    input is all zeros)."""
+    order = ctx.layer_order
+    dead = [order.index(la) for la in fully_dead_layers(ctx) if la in order]
+    if not dead:
+        return set()
+    last = max(dead)
+    out = set(order[: last + 1])
+    with_params = {info.get("layer") for info in ctx.params.values()}
+    for la in order[last + 1 :]:
+        if la in with_params:
+            out.add(la)
+            break
+    return out
+
+
+@register_rule("param_not_in_optimizer")
+def param_not_in_optimizer(ctx: Context) -> list[Finding]:
+    out = []
+    for p in _trainable(ctx):
+        flag = ctx.stat(p, "gradient", "in_optimizer")
+        present = ctx.stat(p, "gradient", "present")
+        if len(flag) >= 2 and np.all(flag.values == 0) and len(present) and present.values.mean() > 0.5:
+            out.append(p)
+    if not out:
+        return []
+    out = ctx.ordered(out)
+    return [
+        Finding(
+            kind="param_not_in_optimizer",
+            severity="warning",
+            title=f"{len(out)} parameter(s) get gradients but are in no optimizer: {_names(out)}",
+            evidence={"params": out},
+            suggestion="they are never updated: build the optimizer after the model is complete (a layer replaced "
+            "after `optim.X(model.parameters())` is not in it), or add them with "
+            "`optimizer.add_param_group({'params': [...]})`",
+            steps=_steps(ctx),
+            layers=_layers(ctx, out),
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("param_not_updating")
+def param_not_updating(ctx: Context) -> list[Finding]:
+    out = []
+    lr = ctx.lr()
+    for p in _trainable(ctx):
+        upd = ctx.stat(p, "update", "norm")
+        g = ctx.relgrad(p)
+        if len(upd) < 2 or np.any(upd.values != 0) or not len(g):
+            continue
+        biggest = float(np.nanmax(g.values))
+        if lr is not None and lr > 0 and lr * biggest < FLOAT32_RESOLUTION:
+            continue  # the gradient is too small to change a float32 weight: vanishing, not frozen
+        if biggest > 0:  # a real gradient, yet the optimizer leaves it alone
+            out.append(p)
+    if not out:
+        return []
+    out = ctx.ordered(out)
+    zero_lr = [k for k, s in ctx.lrs.items() if len(s) and np.all(s.values == 0)]
+    return [
+        Finding(
+            kind="param_not_updating",
+            severity="warning",
+            title=f"{len(out)} parameter(s) have gradients and an optimizer but never change: {_names(out)}",
+            evidence={"params": out, "zero_learning_rates": zero_lr},
+            suggestion="check their parameter group's learning rate"
+            + (f" ({', '.join(zero_lr)} is 0)" if zero_lr else "")
+            + " and any code that restores or masks them after `optimizer.step()`",
+            steps=_steps(ctx),
+            layers=_layers(ctx, out),
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("params_frozen")
+def params_frozen(ctx: Context) -> list[Finding]:
+    frozen = [p for p, info in ctx.params.items() if not info.get("requires_grad", True)]
+    if not frozen:
+        return []
+    return [
+        Finding(
+            kind="params_frozen",
+            severity="info",
+            title=f"{len(frozen)} of {len(ctx.params)} parameters are frozen (requires_grad=False)",
+            evidence={"params": frozen},
+            suggestion="expected when fine-tuning part of a model; otherwise set `requires_grad=True`",
+            layers=_layers(ctx, frozen),
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("gradients_accumulating")
+def gradients_accumulating(ctx: Context) -> list[Finding]:
+    per_step: dict[int, list[float]] = {}
+    for p in ctx.params:
+        s = ctx.stat(p, "gradient", "stale")
+        for step, v in zip(s.steps.tolist(), s.values.tolist()):
+            per_step.setdefault(step, []).append(v)
+    steps = sorted(per_step)[1:]  # the first recording has nothing before it
+    if len(steps) < 2:
+        return []
+    frac = {s: float(np.mean(per_step[s])) for s in steps}
+    stale = [s for s in steps if frac[s] >= ctx.th.stale_fraction]
+    if len(stale) < max(2, len(steps) / 2):
+        return []
+    ev = {"stale_fraction_by_step": frac, "recordings": len(steps)}
+    g = ctx.grad_norm.finite()
+    if len(g) >= 4:
+        k = max(1, len(g) // 5)
+        ev["grad_norm_early"] = float(np.median(g.values[:k]))
+        ev["grad_norm_late"] = float(np.median(g.values[-k:]))
+    return [
+        Finding(
+            kind="gradients_accumulating",
+            severity="error",
+            title=f"Gradients accumulate across steps: at {len(stale)} of {len(steps)} recordings the new "
+            "gradient was added to the previous step's",
+            evidence=ev,
+            suggestion="call `optimizer.zero_grad()` (or `model.zero_grad()`) once per step, before `backward()`; "
+            "for deliberate accumulation over k micro-batches, zero after each `optimizer.step()`",
+            steps=(stale[0], stale[-1]),
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("eval_mode_in_training")
+def eval_mode_in_training(ctx: Context) -> list[Finding]:
+    modes = ctx.meta.get("modes") or {}
+    n = int(modes.get("train_steps_in_eval") or 0)
+    total = len(ctx.loss) or len(ctx.grad_norm)
+    if n < 2 or (total and n < ctx.th.mode_min_fraction * total):
+        return []
+    first = modes.get("first_train_step_in_eval")
+    return [
+        Finding(
+            kind="eval_mode_in_training",
+            severity="warning",
+            title=f"The model trained in eval mode for {n} of {total} steps (from step {first}): dropout off, "
+            "batch norm frozen",
+            evidence={"train_steps_in_eval": n, "steps": total, "first_step": first},
+            suggestion="call `model.train()` after each evaluation, before the next training step",
+            steps=(int(first), int(first) + n - 1) if first is not None else None,
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("train_mode_in_eval")
+def train_mode_in_eval(ctx: Context) -> list[Finding]:
+    modes = ctx.meta.get("modes") or {}
+    n = int(modes.get("eval_forwards_in_train") or 0)
+    if n < 1:
+        return []
+    total = int(modes.get("eval_forwards") or n)
+    first = modes.get("first_eval_forward_in_train")
+    return [
+        Finding(
+            kind="train_mode_in_eval",
+            severity="warning",
+            title=f"{n} of {total} no-grad (evaluation) forward passes ran in train mode (first at step {first}): "
+            "dropout active, batch norm updating its statistics",
+            evidence={"eval_forwards_in_train_mode": n, "eval_forwards": total, "first_step": first},
+            suggestion="call `model.eval()` before evaluating and `model.train()` afterwards",
+            steps=(int(first), int(first)) if first is not None else None,
+            source=SOURCE,
+        )
+    ]
+

@@ -1,0 +1,166 @@
+"""Concrete fixes with values read off the run: clip norms, learning rates, epsilons, inits."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from trainguard.analysis._context import Context, fmt, sig
+
+LR_RANGE_TEST = (
+    "`trainguard.doctor.lr_range_test(model, data, loss_fn, optimizer_factory)` measures the best rate for this "
+    "model and data"
+)
+# Healthy update-to-weight ratios sit around 1e-3 (Karpathy's rule of thumb); aim new rates there.
+TARGET_UPDATE_RATIO = 1e-3
+
+
+def clip_norm(ctx: Context, before_step: int | None = None) -> float | None:
+    """A ``max_norm`` for ``clip_grad_norm_``: the 90th percentile of the finite gradient norms
+    seen while training was still healthy (before ``before_step``), so typical steps pass
+    untouched and only the outliers are cut."""
+    g = ctx.grad_norm.finite()
+    if before_step is not None:
+        g = g.before(before_step)
+    vals = g.values[g.values > 0]
+    if len(vals) < 3:
+        return None
+    return sig(float(np.percentile(vals, 90)))
+
+
+def clip_text(ctx: Context, before_step: int | None = None) -> str:
+    c = clip_norm(ctx, before_step)
+    if c is None:
+        return ""
+    g = ctx.grad_norm.finite()
+    if before_step is not None:
+        g = g.before(before_step)
+    med = float(np.median(g.values)) if len(g) else math.nan
+    return (
+        f"clip gradients with `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={fmt(c)})` "
+        f"(the 90th percentile of the observed gradient norms; median {fmt(med)})"
+    )
+
+
+def lr_lower(ctx: Context, ratio: float | None) -> tuple[float | None, str]:
+    """A lower learning rate: scaled so the update-to-weight ratio lands near 1e-3, at least 10x lower."""
+    lr = ctx.lr()
+    if lr is None:
+        return None, f"lower the learning rate about 10x; {LR_RANGE_TEST}"
+    factor = 0.1
+    if ratio is not None and math.isfinite(ratio) and ratio > 0:
+        factor = min(0.1, TARGET_UPDATE_RATIO / ratio)
+    new = sig(lr * factor, 1)
+    return new, f"lower the learning rate from {fmt(lr)} to about {fmt(new)}; {LR_RANGE_TEST}"
+
+
+def lr_higher(ctx: Context, ratio: float | None) -> tuple[float | None, str]:
+    lr = ctx.lr()
+    if lr is None:
+        return None, f"raise the learning rate; {LR_RANGE_TEST}"
+    factor = 100.0
+    if ratio is not None and math.isfinite(ratio) and ratio > 0:
+        factor = min(1000.0, max(10.0, TARGET_UPDATE_RATIO / ratio))
+    new = sig(lr * factor, 1)
+    return new, f"raise the learning rate from {fmt(lr)} to about {fmt(new)}; {LR_RANGE_TEST}"
+
+
+def init_advice(ctx: Context, params: list[str], act: str) -> tuple[dict, str]:
+    """Compare the initial weight scale of ``params`` with the scale their activation wants."""
+    rows = {}
+    off = []
+    for p in params:
+        c = ctx.weight_init_check(p)
+        if c is None:
+            continue
+        want = c["kaiming"] if act == "relu" else c["xavier"]
+        rows[p] = {"init_rms": c["rms"], "recommended_rms": want, "fan_in": c["fan_in"]}
+        if c["rms"] > 3 * want or c["rms"] < want / 3:
+            off.append(f"{p} started with RMS {fmt(c['rms'])} vs {fmt(want)}")
+    if act == "relu":
+        how = "Kaiming initialisation: `nn.init.kaiming_normal_(layer.weight, nonlinearity='relu')`, bias 0"
+    else:
+        how = "Xavier/Glorot initialisation: `nn.init.xavier_uniform_(layer.weight, gain=nn.init.calculate_gain('tanh'))`"
+    if off:
+        return rows, f"{how} ({'; '.join(off[:3])})"
+    return rows, how
+
+
+def activation_family(ctx: Context) -> str:
+    """'relu' when the watched layers are mostly ReLU-like, else 'tanh' (sigmoid and tanh stacks)."""
+    types = list(ctx.layer_type.values())
+    relu = sum(t in ("ReLU", "ReLU6", "LeakyReLU", "GELU", "SiLU", "ELU") for t in types)
+    squash = sum(t in ("Tanh", "Sigmoid", "Hardtanh", "Softsign") for t in types)
+    return "tanh" if squash > relu else "relu"
+
+
+# Op name (as short_op writes it) -> what to do about a non-finite value it produced.
+_OP_FIXES = (
+    (("log_softmax",), "compute log-probabilities with `F.log_softmax` / `F.cross_entropy` on the logits"),
+    (("log", "log2", "log10", "log1p"),
+     "the input reached 0 (or below): clamp it first, `torch.log(x.clamp_min(1e-6))`, or use `F.log_softmax` / "
+     "`F.cross_entropy` instead of log(softmax)"),
+    (("div", "reciprocal"), "a denominator reached 0: add an epsilon, `x / (d + 1e-6)`, or `d.clamp_min(1e-6)`"),
+    (("sqrt", "rsqrt"),
+     "sqrt/rsqrt of 0 (infinite gradient) or of a negative number: `torch.sqrt(x + 1e-12)` or `x.clamp_min(1e-12)`"),
+    (("norm", "linalg_vector_norm"), "the norm of a zero vector has no gradient: `x.norm(dim=-1).clamp_min(1e-12)` "
+                                     "or `F.normalize(x, eps=1e-12)`"),
+    (("pow",), "a fractional power of 0 or of a negative number: clamp the base, `x.clamp_min(1e-12) ** p`"),
+    (("exp",), "exp overflowed: subtract the maximum first (`torch.logsumexp`, `F.softmax`) or clamp the exponent"),
+)
+
+
+def op_fix(op: str | None) -> str | None:
+    if not op:
+        return None
+    base = op.split(".")[1] if op.startswith("aten.") and "." in op else op.split(".")[0]
+    for names, text in _OP_FIXES:
+        if base in names:
+            return text
+    return None
+
+
+def origin_of(run: Any, before_step: int | None = None) -> dict | None:
+    """The recorder's first non-finite execution (when the run was recorded), as finding evidence."""
+    try:
+        first = run.first_nonfinite()
+    except Exception:  # a run without a recording, or a damaged one: no origin
+        return None
+    if not first:
+        return None
+    if before_step is not None and first.get("step") is not None and first["step"] > before_step:
+        return None
+    out = {
+        "op": first.get("op"),
+        "step": first.get("step"),
+        "phase": first.get("phase"),
+        "module": first.get("module"),
+        "health": first.get("health"),
+    }
+    frame = None
+    try:
+        frame = run.user_frame(first.get("stack_id"))
+    except Exception:
+        frame = None
+    if frame:
+        out["file"] = frame.get("filename")
+        out["line"] = frame.get("lineno")
+        out["function"] = frame.get("name")
+    zeros = []
+    for inp in first.get("inputs", []) or []:
+        d = inp.get("producer_digest") or {}
+        for o in d.get("outputs", []) or []:
+            s = o.get("summary") or {}
+            if s.get("zero"):
+                zeros.append(f"input {inp.get('slot')} ({d.get('op')}) holds {s['zero']} zero(s)")
+    if zeros:
+        out["inputs"] = zeros
+    return out
+
+
+def where(origin: dict) -> str:
+    if origin.get("file"):
+        return f"{origin.get('op')} at {origin['file']}:{origin.get('line')}"
+    return str(origin.get("op"))

@@ -1,0 +1,100 @@
+"""The thresholds of the diagnosis rules: each a named value with the reason for it.
+
+Override any of them per call (``diagnose(run, thresholds={"dead_units_warn": 0.3})``) or from
+the command line (``trainguard diagnose RUN --set dead_units_warn=0.3``). Names are accepted in
+either case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+def _t(value: float, reason: str) -> Any:
+    return field(default=value, metadata={"reason": reason})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Thresholds:
+    """Every number a diagnosis rule compares against. ``Thresholds.reasons()`` explains each."""
+
+    # ---- how much data a judgement needs
+    min_loss_points: float = _t(20, "fewer per-step losses cannot separate a trend from minibatch noise")
+    window_fraction: float = _t(
+        0.2, "trend windows are a fifth of the run: long enough to average noise, short enough to see the end"
+    )
+    # ---- loss
+    loss_min_progress: float = _t(
+        0.05, "a run whose best loss is within 5% of its starting loss has learned nothing a healthy run would miss"
+    )
+    loss_slow_progress: float = _t(0.10, "under 10% improvement over a whole run is slow enough to blame the step size")
+    loss_diverge_ratio: float = _t(
+        2.0, "a smoothed loss above twice its value at initialisation means updates make the model worse"
+    )
+    loss_spike_ratio: float = _t(3.0, "a loss three times its recent median is far outside minibatch noise")
+    loss_spike_min_z: float = _t(6.0, "six robust standard deviations (MAD) above the recent median")
+    loss_spike_min_rise: float = _t(
+        0.25, "the jump must be a quarter of the starting loss: tiny losses near convergence are relatively noisy"
+    )
+    osc_autocorr: float = _t(
+        -0.4, "detrended i.i.d. noise has |autocorrelation| < 0.2 at 40+ points; -0.4 needs a real back-and-forth"
+    )
+    osc_min_amplitude: float = _t(0.05, "swings under 5% of the loss level are not worth acting on")
+    # ---- learning rate (update-to-weight ratio ||dW|| / ||W|| of weight matrices per step)
+    update_ratio_high: float = _t(
+        0.25, "one step that moves the weights by a quarter of their norm rewrites the layer (healthy: 1e-4..1e-2)"
+    )
+    update_ratio_low: float = _t(1e-5, "at this pace the weights need 100,000 steps to change by their own size")
+    # ---- activations
+    dead_units_warn: float = _t(0.5, "half of a layer's units silent for a whole batch halves its capacity")
+    dead_units_error: float = _t(0.9, "nine units in ten silent: the layer passes almost nothing on")
+    act_explode_rms: float = _t(
+        100.0, "activations 100x the input scale: each layer amplifies (healthy layers stay within ~10x)"
+    )
+    act_collapse_std: float = _t(
+        1e-4, "a layer whose outputs vary 10,000x less than the input carries almost no information"
+    )
+    saturation_warn: float = _t(0.4, "40% of tanh/sigmoid outputs within 1% of a bound, where the gradient is < 2%")
+    # ---- gradients
+    vanish_ratio: float = _t(
+        1e-3, "first-layer gradient (relative to its weights) 1000x below the last: one LR cannot suit both"
+    )
+    explode_ratio: float = _t(1e3, "first-layer gradient (relative to its weights) 1000x above the last")
+    grad_spike_factor: float = _t(100.0, "a gradient norm two orders of magnitude above its recent median")
+    grad_spike_vs_start: float = _t(
+        10.0, "and 10x above early training: a converged model's occasional large gradient stays below that"
+    )
+    grad_growth: float = _t(100.0, "the typical gradient norm grew 100x from the start of training to the end")
+    # ---- inputs
+    input_scale_max: float = _t(10.0, "inputs with mean or std above 10 push first-layer units far from their linear range")
+    input_scale_spread: float = _t(1e3, "features whose scales differ 1000x train at very different speeds")
+    # ---- parameters and modes
+    stale_fraction: float = _t(
+        0.5, "most parameters still holding the last step's gradient when the new one arrives: no zero_grad"
+    )
+    mode_min_fraction: float = _t(0.1, "eval mode during at least a tenth of the training steps is not a one-off")
+
+    @classmethod
+    def reasons(cls) -> dict[str, tuple[float, str]]:
+        return {f.name: (f.default, f.metadata["reason"]) for f in fields(cls)}
+
+    @classmethod
+    def from_overrides(cls, overrides: Thresholds | dict[str, Any] | None) -> Thresholds:
+        """Defaults with ``overrides`` applied; an unknown name or a non-number is a ValueError."""
+        if overrides is None:
+            return cls()
+        if isinstance(overrides, Thresholds):
+            return overrides
+        if not isinstance(overrides, dict):
+            raise ValueError(f"thresholds must be a dict or Thresholds, got {type(overrides).__name__}")
+        known = {f.name for f in fields(cls)}
+        clean: dict[str, float] = {}
+        for key, value in overrides.items():
+            name = str(key).lower()
+            if name not in known:
+                raise ValueError(f"unknown threshold {key!r}; known: {', '.join(sorted(known))}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"threshold {key!r} must be a number, got {value!r}")
+            clean[name] = float(value)
+        return replace(cls(), **clean)

@@ -1,0 +1,168 @@
+"""Per-layer statistics computed on the tensor's device, as small vectors to be fetched in one batch.
+
+Nothing here reads a value back to the host: every function returns tensors (and the names of
+their elements) that the monitor concatenates and copies once per recording step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Output of these modules is bounded; a unit is "saturated" when it sits within 1% of a bound,
+# where the local derivative is below ~2% of its maximum (tanh'(2.65) = 0.02).
+_TANH_LIKE = (nn.Tanh, nn.Hardtanh, nn.Softsign)
+_SIGMOID_LIKE = (nn.Sigmoid, nn.Hardsigmoid)
+SATURATION_MARGIN = 0.01
+
+# Modules whose output's unit (feature) axis is dim 1 (channels), not the last dim.
+_CHANNEL_FIRST = (
+    nn.modules.conv._ConvNd,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.GroupNorm,
+    nn.modules.pooling._MaxPoolNd,
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+)
+
+# Modules whose output does not change with train/eval mode are not "mode modules".
+MODE_MODULES = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
+
+ACTIVATION_STATS = ("mean", "std", "min", "max", "zero_frac", "dead_frac")
+INPUT_STATS = ("mean", "std", "min", "max", "feat_mean_absmax", "feat_std_max", "feat_std_min")
+
+
+def saturation_kind(module: nn.Module) -> str | None:
+    if isinstance(module, _SIGMOID_LIKE):
+        return "sigmoid"
+    if isinstance(module, _TANH_LIKE):
+        return "tanh"
+    return None
+
+
+def is_channel_first(module: nn.Module) -> bool:
+    return isinstance(module, _CHANNEL_FIRST)
+
+
+def is_mode_module(module: nn.Module) -> bool:
+    """Modules whose output depends on train/eval mode (dropout with p > 0, batch norm)."""
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+
+
+def first_tensor(value) -> torch.Tensor | None:
+    """The tensor a layer produced: the output itself, or the first tensor of a tuple (LSTM, attention)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                return v
+        return None
+    data = getattr(value, "data", None)  # PackedSequence
+    return data if isinstance(data, torch.Tensor) else None
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def activation_stats(
+    x: torch.Tensor, unit_dim: int, prev_dead: torch.Tensor | None, saturation: str | None
+) -> tuple[torch.Tensor, list[str], torch.Tensor | None]:
+    """Stats of one activation: a float32 vector, its element names, and this batch's dead-unit mask.
+
+    A unit (a feature, or a channel for convolutions) is dead when it is zero for every sample and
+    position of the batch. ``dead_stay`` is the fraction of the units dead at the previous recording
+    step that are still dead now.
+    """
+    x = _float(x.detach())
+    n = x.numel()
+    if n > 1:
+        std, mean = torch.std_mean(x)
+    else:
+        mean = x.reshape(()).clone()
+        std = torch.zeros((), dtype=x.dtype, device=x.device)
+    mn, mx = torch.aminmax(x)
+    nonzero = x.ne(0)
+    zero_frac = 1.0 - nonzero.sum(dtype=torch.float32) / n
+    values = [mean, std, mn, mx, zero_frac]
+    names = list(ACTIVATION_STATS[:5])
+    dead = None
+    if x.dim() >= 2:
+        dim = unit_dim % x.dim()
+        others = tuple(d for d in range(x.dim()) if d != dim)
+        dead = ~nonzero.any(dim=others)
+        units = dead.numel()
+        values.append(dead.sum(dtype=torch.float32) / units)
+        names.append("dead_frac")
+        if prev_dead is not None and prev_dead.shape == dead.shape:
+            still = (dead & prev_dead).sum(dtype=torch.float32)
+            values.append(still / prev_dead.sum(dtype=torch.float32).clamp_min(1.0))
+            names.append("dead_stay")
+    if saturation == "tanh":
+        # Bound of tanh-like outputs is 1 (Hardtanh's default); within 1% of it counts as saturated.
+        values.append(x.abs().gt(1.0 - SATURATION_MARGIN).sum(dtype=torch.float32) / n)
+        names.append("sat_frac")
+    elif saturation == "sigmoid":
+        values.append((x - 0.5).abs().gt(0.5 - SATURATION_MARGIN).sum(dtype=torch.float32) / n)
+        names.append("sat_frac")
+    vec = torch.stack([v.to(torch.float32) for v in values])
+    return vec, names, dead
+
+
+def input_stats(x: torch.Tensor) -> tuple[torch.Tensor, list[str]] | None:
+    """Scale of a model's input: overall and per feature (dim 1: features, or image channels)."""
+    if not x.is_floating_point() or x.numel() < 2:
+        return None
+    x = _float(x.detach())
+    std, mean = torch.std_mean(x)
+    mn, mx = torch.aminmax(x)
+    values = [mean, std, mn, mx]
+    names = list(INPUT_STATS[:4])
+    if x.dim() >= 2 and x.shape[0] > 1:
+        others = tuple(d for d in range(x.dim()) if d != 1)
+        fstd, fmean = torch.std_mean(x, dim=others)
+        values += [fmean.abs().max(), fstd.max(), fstd.min()]
+        names += list(INPUT_STATS[4:])
+    return torch.stack([v.to(torch.float32) for v in values]), names
+
+
+def histogram(x: torch.Tensor, bins: int) -> torch.Tensor:
+    """[min, max, count_0 .. count_{bins-1}] over the finite values, without a host sync.
+
+    ``torch.histc`` and ``bincount`` read their range or size back to the host on accelerators;
+    a scatter-add into fixed bins does not.
+    """
+    x = _float(x.detach()).reshape(-1)
+    finite = torch.isfinite(x)
+    big = torch.finfo(x.dtype).max
+    lo = torch.where(finite, x, torch.full_like(x, big)).min()
+    hi = torch.where(finite, x, torch.full_like(x, -big)).max()
+    width = (hi - lo).clamp_min(torch.finfo(x.dtype).tiny)
+    idx = ((x - lo) / width * bins).nan_to_num(0.0, 0.0, 0.0).clamp(0, bins - 1).long()
+    counts = torch.zeros(bins, dtype=torch.float32, device=x.device)
+    counts.index_add_(0, idx, finite.to(torch.float32))
+    return torch.cat([torch.stack([lo, hi]).to(torch.float32), counts])
+
+
+def grad_stats(grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[str]]:
+    """Per gradient: mean |g|, max |g|, L2 norm, NaN/Inf count, as an (n, 4) float32 matrix."""
+    l1 = torch._foreach_norm(grads, 1)
+    l2 = torch._foreach_norm(grads, 2)
+    linf = torch._foreach_norm(grads, float("inf"))
+    rows = []
+    for g, a, b, c in zip(grads, l1, l2, linf):
+        bad = g.numel() - torch.isfinite(g).sum(dtype=torch.float32)
+        rows.append(torch.stack([a.float() / max(g.numel(), 1), c.float(), b.float(), bad]))
+    return torch.stack(rows), ["mean_abs", "max_abs", "norm", "nonfinite"]
+
+
+def squared_norm_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared L2 norms (for the global gradient norm), on the first tensor's device."""
+    norms = torch._foreach_norm(tensors, 2)
+    dev = norms[0].device
+    return torch.stack([n.float().to(dev) for n in norms]).square().sum()

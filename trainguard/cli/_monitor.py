@@ -1,0 +1,166 @@
+"""``trainguard monitor script.py ARGS`` and ``trainguard diagnose RUN``.
+
+``monitor`` runs an unmodified training script under :class:`trainguard.Monitor` (attached to
+every top-level model the script calls), then diagnoses the run, stores the findings in it and
+prints them. ``diagnose`` judges an existing run again, optionally with other thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from trainguard._errors import TrainguardError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "monitor",
+        help="run a training script under the health monitor and print the diagnosis",
+        description="Run SCRIPT with ARGS under trainguard.Monitor, then diagnose the run and print the findings.",
+    )
+    p.add_argument("--logdir", default=None, help="run directory (default: runs/monitor-<date>-<time>)")
+    p.add_argument("--every", type=int, default=10, help="record layer statistics every N steps (default 10)")
+    p.add_argument("--histograms", action="store_true", help="also record histograms of every layer")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --logdir")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a threshold")
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=_cmd_monitor)
+
+    d = sub.add_parser(
+        "diagnose",
+        help="judge a run's training health and print the findings",
+        description="Run the diagnosis rules over RUN (per-step scalars and layer statistics).",
+    )
+    d.add_argument("run", help="run directory")
+    d.add_argument("--json", action="store_true", help="print the findings as JSON")
+    d.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a threshold")
+    d.add_argument("--list-thresholds", action="store_true", help="print the thresholds and their reasons")
+    d.set_defaults(func=_cmd_diagnose)
+
+
+def parse_overrides(items: list[str]) -> dict[str, float]:
+    """``["LOSS_SPIKE_RATIO=4", ...]`` -> ``{"LOSS_SPIKE_RATIO": 4.0}``; names are checked by diagnose."""
+    out: dict[str, float] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise TrainguardError(f"--set needs NAME=VALUE, got {item!r}")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise TrainguardError(f"--set {name.strip()}: value must be a number, got {value!r}") from None
+    return out
+
+
+def run_script(script: str, args: list[str]) -> tuple[int, str | None]:
+    """Run a Python script as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as Python would.
+
+    Returns (exit code, error text or None); the script's exceptions are reported, not raised.
+    """
+    path = Path(script)
+    if not path.is_file():
+        raise TrainguardError(f"no such script: {script!r}")
+    old_argv, old_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    sys.argv = [str(path)] + list(args)
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+        return 0, None
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0, None
+        return (code if isinstance(code, int) else 1), None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the script's own error: keep its traceback, still diagnose
+        traceback.print_exc()
+        return 1, f"{type(exc).__name__}: {exc}"
+    finally:
+        sys.argv = old_argv
+        if sys.path and sys.path[0] == str(path.resolve().parent):
+            sys.path.pop(0)
+        if old_path0 is not None and (not sys.path or sys.path[0] != old_path0):
+            sys.path.insert(0, old_path0)
+
+
+def monitor_script(
+    script: str,
+    args: list[str],
+    *,
+    logdir: str | os.PathLike | None = None,
+    every: int = 10,
+    histograms: bool = False,
+    thresholds: dict | None = None,
+    overwrite: bool = False,
+):
+    """Run ``script`` under a Monitor attached to whatever models it trains; return (exit code, Monitor)."""
+    from trainguard.capture._monitor import Monitor
+
+    if logdir is None:
+        logdir = Path("runs") / time.strftime("monitor-%Y%m%d-%H%M%S")
+    mon = Monitor(None, logdir, every, histograms=True if histograms else None, thresholds=thresholds,
+                  overwrite=overwrite)
+    try:
+        code, _ = run_script(script, args)
+    finally:
+        mon.close()
+    return code, mon
+
+
+def _print_findings(findings, as_json: bool, header: str | None = None) -> None:
+    from trainguard.cli._findings_view import findings_json, render_findings
+    from trainguard.cli._render import console
+
+    if as_json:
+        sys.stdout.write(json.dumps(findings_json(findings), indent=2) + "\n")
+        return
+    if header:
+        console.print(header, highlight=False)
+    render_findings(console, findings)
+
+
+def _cmd_monitor(args) -> int:
+    thresholds = parse_overrides(args.set) or None
+    if thresholds:
+        from trainguard.analysis import Thresholds
+
+        Thresholds.from_overrides(thresholds)  # reject a bad name before the script runs
+    code, mon = monitor_script(
+        args.script,
+        args.args,
+        logdir=args.logdir,
+        every=args.every,
+        histograms=args.histograms,
+        thresholds=thresholds,
+        overwrite=args.overwrite,
+    )
+    findings = mon.findings if mon.findings is not None else []
+    _print_findings(findings, args.json, header=None if args.json else f"[bold]run[/] {mon.logdir}")
+    return code
+
+
+def _cmd_diagnose(args) -> int:
+    from trainguard.analysis import Thresholds, diagnose
+    from trainguard.store import open_run
+
+    overrides = parse_overrides(args.set)
+    if args.list_thresholds:
+        from trainguard.cli._findings_view import render_thresholds
+        from trainguard.cli._render import console
+
+        render_thresholds(console, Thresholds.from_overrides(overrides))
+        return 0
+    with open_run(args.run) as run:
+        findings = diagnose(run, thresholds=overrides or None)
+    _print_findings(findings, args.json)
+    return 0
