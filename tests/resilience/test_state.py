@@ -55,6 +55,7 @@ def test_a_failing_load_names_the_object():
         state.apply({"model": {"weight": torch.zeros(2, 2)}}, None, step=0, epoch=0)
 
 
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata's own, not ours
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_stateful_dataloader_is_used_as_is_and_resumes_exactly(tmp_path, num_workers):
     from torchdata.stateful_dataloader import StatefulDataLoader

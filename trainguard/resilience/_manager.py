@@ -476,17 +476,22 @@ class CheckpointManager:
                 if key not in engine_tensors:
                     raise CheckpointError(f"{path.name}: tensor {key!r} is in the manifest but not in the data")
                 cur = enc.tensors.get(key)
+                saved_dtype = dtype_from_name(ref["dtype"])
                 if cur is not None and _engine._is_dtensor(cur):
                     targets[key] = torch.empty_like(cur.detach())
-                else:
-                    dtype = cur.dtype if cur is not None else dtype_from_name(ref["dtype"])
-                    targets[key] = torch.empty(ref["shape"], dtype=dtype)
+                elif cur is not None and list(cur.shape) == ref["shape"] and cur.dtype == saved_dtype:
+                    # Straight into the live tensor (a parameter, a moment buffer): no second copy of
+                    # the model in memory. Checksums were verified above, so a failure here is I/O.
+                    targets[key] = cur.detach()
+                else:  # e.g. optimizer moments that a fresh optimizer has not created yet
+                    targets[key] = torch.empty(ref["shape"], dtype=cur.dtype if cur is not None else saved_dtype)
         try:
             _engine.load_tensors(targets, path, manifest["engine"], group)
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"reading tensors from {path} failed: {_root_cause(exc)}") from exc
+            raise CheckpointError(f"reading tensors from {path} failed: {_root_cause(exc)}; the state may be "
+                                  "partly overwritten, restore again before training") from exc
         shared = {n: decode(saved_shared[n], targets) for n in shared_names}
         local = None
         if saved_local is not None:
