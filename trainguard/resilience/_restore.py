@@ -1,0 +1,157 @@
+"""Restoring: choosing the checkpoint to trust, checking the state fits it, loading it."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import CheckpointException
+
+from trainguard._errors import CheckpointError
+from trainguard.resilience import _dist, _engine, _format
+from trainguard.resilience._codec import Encoder, decode, dtype_from_name, tensor_refs
+from trainguard.resilience._format import CheckpointInfo, Invalid
+from trainguard.resilience._state import RNG, TrainState
+
+
+def root_cause(exc: BaseException) -> str:
+    """One line for an exception, unwrapping DCP's per-rank wrapper."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        text = str(inner).splitlines()[0] if str(inner) else ""
+        return f"{type(inner).__name__}: {text}" + (f" (rank {rank})" if _dist.is_distributed() else "")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def choose(directory: Path, entries: list[CheckpointInfo]) -> dict[str, Any]:
+    """Rank 0: the newest checkpoint that passes the full check, and what was skipped on the way."""
+    skipped = [[i.name, i.reason] for i in entries if not i.complete]
+    committed = sorted((i for i in entries if i.complete), key=lambda i: i.step, reverse=True)
+    for info in committed:
+        reason = info.reason
+        if info.valid:
+            try:
+                _format.check(info.path, full=True)
+                return {"name": info.name, "skipped": skipped, "error": None}
+            except Invalid as exc:
+                reason = str(exc)
+        skipped.append([info.name, reason])
+    error = None
+    if committed:
+        error = f"no valid checkpoint in {directory}: " + "; ".join(f"{n}: {r}" for n, r in skipped)
+    return {"name": None, "skipped": skipped, "error": error}
+
+
+def load_into(state: TrainState, path: Path, manifest: dict[str, Any], *, strict: bool, group: Any,
+              rank: int, world: int) -> None:
+    """Check that ``state`` fits the checkpoint at ``path``, read its tensors, load everything."""
+    saved_shared: dict[str, Any] = manifest["state"]
+    saved_ranks: list[dict[str, Any]] = manifest["ranks"]
+    saved_local: dict[str, Any] | None = None
+    if len(saved_ranks) == world:
+        saved_local = saved_ranks[rank]["state"]
+    elif strict:
+        raise CheckpointError(
+            f"{path.name} was written by {len(saved_ranks)} rank(s), this run has {world}: per-rank state "
+            "(RNG, data position) cannot be mapped; restore(strict=False) restores the shared state only")
+    current = state.capture()
+    problems = _name_problems(current.shared, saved_shared, current.local, saved_local)
+    if problems and strict:
+        raise CheckpointError(f"{path.name} does not fit this TrainState: {'; '.join(problems)}")
+    if problems:
+        warnings.warn(f"restoring {path.name} partially: {'; '.join(problems)}", stacklevel=3)
+    shared_names = [n for n in current.shared if n in saved_shared]
+    local_names = [n for n in current.local if saved_local is not None and n in saved_local]
+    enc = Encoder()
+    current_trees = {n: enc.encode(current.shared[n], n) for n in shared_names}
+    current_trees.update({f"rank{rank}/{n}": enc.encode(current.local[n], f"rank{rank}/{n}")
+                          for n in local_names})
+    saved_trees = {n: saved_shared[n] for n in shared_names}
+    saved_trees.update({f"rank{rank}/{n}": saved_local[n] for n in local_names})  # type: ignore[index]
+    mismatch = []
+    for key, tree in saved_trees.items():
+        mismatch += _fit_problems(key, state, tree, current_trees[key], enc.tensors)
+    if mismatch:
+        raise CheckpointError(f"{path.name} does not fit: {'; '.join(mismatch)}")
+    engine_tensors = (manifest.get("engine") or {}).get("tensors", {})
+    targets: dict[str, torch.Tensor] = {}
+    for tree in saved_trees.values():
+        for ref in tensor_refs(tree):
+            key = ref["key"]
+            if key not in engine_tensors:
+                raise CheckpointError(f"{path.name}: tensor {key!r} is in the manifest but not in the data")
+            cur = enc.tensors.get(key)
+            saved_dtype = dtype_from_name(ref["dtype"])
+            if cur is not None and _engine._is_dtensor(cur):
+                targets[key] = torch.empty_like(cur.detach())
+            elif cur is not None and list(cur.shape) == ref["shape"] and cur.dtype == saved_dtype:
+                # Straight into the live tensor (a parameter, a moment buffer): no second copy of
+                # the model in memory. Checksums were verified above, so a failure here is I/O.
+                targets[key] = cur.detach()
+            else:  # e.g. optimizer moments that a fresh optimizer has not created yet
+                targets[key] = torch.empty(ref["shape"], dtype=cur.dtype if cur is not None else saved_dtype)
+    try:
+        _engine.load_tensors(targets, path, manifest["engine"], group)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"reading tensors from {path} failed: {root_cause(exc)}; the state may be "
+                              "partly overwritten, restore again before training") from exc
+    shared = {n: decode(saved_shared[n], targets) for n in shared_names}
+    local = None
+    if saved_local is not None:
+        local = {n: decode(saved_local[n], targets) for n in local_names}
+    state.apply(shared, local, step=int(manifest["step"]), epoch=int(manifest.get("epoch", 0)))
+
+
+def _name_problems(cur_shared: dict, saved_shared: dict, cur_local: dict, saved_local: dict | None) -> list[str]:
+    problems = []
+    cur = set(cur_shared) | ({n for n in cur_local if n != RNG} if saved_local is not None else set())
+    saved = set(saved_shared) | ({n for n in saved_local if n != RNG} if saved_local is not None else set())
+    if cur - saved:
+        problems.append(f"no state saved for {', '.join(sorted(cur - saved))}")
+    if saved - cur:
+        problems.append(f"saved state for {', '.join(sorted(saved - cur))} has no object here")
+    return problems
+
+
+def _entries(tree: Any) -> dict[Any, Any] | None:
+    """The top-level entries of an encoded mapping, or None if it is not one."""
+    if isinstance(tree, dict) and tree.get("__tg__") in ("odict", "dict"):
+        return {_key(k): v for k, v in tree["v"]}
+    if isinstance(tree, dict) and "__tg__" not in tree:
+        return dict(tree)
+    return None
+
+
+def _key(k: Any) -> Any:
+    return json.dumps(k, sort_keys=True) if isinstance(k, (dict, list)) else k
+
+
+def _fit_problems(key: str, state: TrainState, saved: Any, current: Any, current_tensors: dict) -> list[str]:
+    """Missing, unexpected and mis-shaped keys of a module; mis-shaped tensors of anything else."""
+    name = key.split("/", 1)[-1]
+    obj = dict(state.items()).get(name)
+    problems: list[str] = []
+    if isinstance(obj, torch.nn.Module):
+        s, c = _entries(saved) or {}, _entries(current) or {}
+        missing = [k for k in c if k not in s]
+        unexpected = [k for k in s if k not in c]
+        if missing:
+            problems.append(f"{name!r} has keys the checkpoint lacks (missing): {', '.join(map(str, missing))}")
+        if unexpected:
+            problems.append(f"the checkpoint has keys {name!r} lacks (unexpected): {', '.join(map(str, unexpected))}")
+    saved_shapes = {r["key"]: r["shape"] for r in tensor_refs(saved)}
+    shaped = []
+    for ref in tensor_refs(current):
+        want = saved_shapes.get(ref["key"])
+        if want is not None and list(want) != list(ref["shape"]):
+            shaped.append(f"{ref['key'].split('/', 1)[-1]} (checkpoint {list(want)}, here {list(ref['shape'])})")
+    if shaped:
+        problems.append(f"mis-shaped in {name!r}: {', '.join(shaped)}")
+    return problems
