@@ -137,12 +137,16 @@ def near_pairs(z: np.ndarray, split: np.ndarray, *, tables: int = NEAR_TABLES,
         return []
     rng = np.random.default_rng(seed)
     found: dict[tuple[int, int], float] = {}
-    for _ in range(tables):
-        proj = rng.standard_normal((d, projections)).astype(z.dtype)
-        proj /= np.linalg.norm(proj, axis=0, keepdims=True)
-        offset = rng.uniform(0, cell, size=projections)
-        cells = np.floor((z @ proj + offset) / cell).astype(np.int64)
-        keys = row_hashes(cells)
+    # All tables' projections in one product: one large matrix multiply beats several thin ones.
+    proj = rng.standard_normal((d, tables * projections)).astype(z.dtype)
+    proj /= np.linalg.norm(proj, axis=0, keepdims=True)
+    offset = rng.uniform(0, cell, size=tables * projections).astype(z.dtype)
+    scaled = z @ (proj / cell)
+    scaled += offset / cell
+    all_cells = np.floor(scaled, out=scaled).astype(np.int32)
+    del scaled
+    for t in range(tables):
+        keys = row_hashes(all_cells[:, t * projections:(t + 1) * projections])
         order = np.argsort(keys, kind="stable")
         sk = keys[order]
         new = np.r_[True, sk[1:] != sk[:-1]]

@@ -240,7 +240,7 @@ def gradient_check(
             _to_float64(loss_module)
 
             def loss_at() -> torch.Tensor:
-                torch.manual_seed(seed)  # dropout draws the same mask in every evaluation
+                _seed(seed, device)  # dropout draws the same mask in every evaluation
                 return as_float(loss_fn(model(inputs), targets))
 
             for _, p in model.named_parameters():
@@ -264,6 +264,15 @@ def gradient_check(
         finally:
             torch.set_default_dtype(default_dtype)
     return GradCheckResult(params=results, eps=eps, loss=base, samples=samples)
+
+
+def _seed(seed: int, device: torch.device) -> None:
+    """Seed only the generators the model draws from: ``torch.manual_seed`` would also queue a
+    seed for every CUDA device, applied when CUDA starts later, outside the restored state."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
 
 
 def _to_float64(module: nn.Module) -> None:
