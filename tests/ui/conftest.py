@@ -15,6 +15,9 @@ import contextlib
 import json
 import math
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -381,3 +384,112 @@ def builders():
         line = LINE
 
     return B
+
+
+# ---------------------------------------------------------------------- browser tests
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
+                 "--no-first-run", "--disable-component-update", "--disable-sync"]
+
+
+@dataclass
+class BrowserRuns:
+    root: Path
+    reference: Path  # `trainguard demo`: the reference NaN scenario, recorded
+    monitored: Path  # the same scenario under `trainguard run --monitor`: loss, LR, layer statistics
+    synthetic: Path  # doctor results and real checkpoints, written by the test
+    big: Path
+    big_total: int
+    big_bad: list[int]
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainguard", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="session")
+def browser_runs(tmp_path_factory) -> BrowserRuns:
+    root = tmp_path_factory.mktemp("browser") / "logs"
+    root.mkdir()
+    # The two real recordings run side by side while the test writes the others.
+    jobs = [
+        _cli("demo", "--logdir", str(root / "reference"), "--quiet"),
+        _cli("run", "--monitor", "--every", "1", "--buffer", "-1", "--logdir", str(root / "reference-monitored"),
+             "-m", "trainguard.examples.nan_digits"),
+    ]
+    synthetic = build_training_run(root / "synthetic")
+    _add_checkpoints(synthetic)
+    n, every = 120_000, 10_007
+    big = build_big_run(root / "big", n, bad_every=every)
+    (root / "damaged").mkdir()
+    (root / "damaged" / "run.sqlite").write_bytes(b"not a database" * 100)
+    for job in jobs:
+        out, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, f"{job.args} failed:\n{out[-3000:]}"
+    return BrowserRuns(root, root / "reference", root / "reference-monitored", synthetic, big, n,
+                       [s for s in range(n) if s % every == every - 1])
+
+
+def _add_checkpoints(run_dir: Path) -> None:
+    import torch
+
+    import trainguard as tg
+
+    model = torch.nn.Linear(4, 2)
+    state = tg.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    mgr = tg.CheckpointManager(run_dir / "checkpoints", keep=3)
+    for step in (10, 20, 30):
+        mgr.save(state, step)
+
+
+@pytest.fixture(scope="session")
+def ui_server(browser_runs):
+    with LiveServer(browser_runs.root) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    exe = shutil.which("chromium") or "/usr/bin/chromium"
+    assert os.path.exists(exe), "the browser tests drive Debian's chromium: apt-get install chromium"
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def _page(browser, *, bypass_csp: bool):
+    context = browser.new_context(viewport={"width": 1600, "height": 1000}, bypass_csp=bypass_csp)
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.set_default_timeout(15_000)
+    yield pg
+    context.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh page; uncaught script errors fail the test. Playwright's wait_for_function
+    evaluates strings, which the app's Content-Security-Policy forbids, so these pages bypass it."""
+    yield from _page(browser, bypass_csp=True)
+
+
+@pytest.fixture
+def strict_page(browser):
+    """A page under the app's own Content-Security-Policy: the app must work within it."""
+    yield from _page(browser, bypass_csp=False)
+
+
+@pytest.fixture(scope="session")
+def screenshot_dir(tmp_path_factory) -> Path:
+    """Where the browser tests save their screenshots: TRAINGUARD_UI_SCREENSHOTS (e.g. docs), else a temp dir."""
+    target = os.environ.get("TRAINGUARD_UI_SCREENSHOTS")
+    if target:
+        path = Path(target)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp("screenshots")

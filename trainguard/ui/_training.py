@@ -60,8 +60,8 @@ def layer_stats(
     h = reg.handle(rid, rank)
     with h.lock:
         refresh(h)
-        available = cached(h, "layer_kinds", lambda: _layer_kinds(h))
         layers = cached(h, "layers", h.run.layers)
+        available = _layer_kinds(h, layers)
         if not available:
             return {"available": [], "kind": None, "stat": None, "layers": [], "steps": [], "values": []}
         if kind is None or stat is None:
@@ -90,11 +90,23 @@ def layer_stats(
     )
 
 
-def _layer_kinds(h: RunHandle) -> list[list[str]]:
+def _layer_kinds(h: RunHandle, layers: list[str]) -> list[list[str]]:
+    """(kind, stat) pairs recorded for any layer: inputs, activations and parameters differ.
+
+    Read once per set of layers rather than per revision: a monitor records the same statistics
+    at every step, so only a new layer can bring a new pair.
+    """
+    key = "layer_kinds:" + "\x00".join(layers)
+    hit = h.cache.get("layer_kinds")
+    if hit is not None and hit[0] == key:
+        return hit[1]
     seen: dict[tuple[str, str], None] = {}
-    for r in h.run.layer_stats(layer=h.run.layers()[0]) if h.run.layers() else []:
-        seen.setdefault((r["kind"], r["stat"]), None)
-    return [list(k) for k in seen]
+    for layer in layers:
+        for r in h.run.layer_stats(layer=layer):
+            seen.setdefault((r["kind"], r["stat"]), None)
+    value = [list(k) for k in seen]
+    h.cache["layer_kinds"] = (key, value)
+    return value
 
 
 # The statistic the heatmap opens on: gradient flow is what the lesson reads first.

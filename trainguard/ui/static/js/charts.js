@@ -64,7 +64,11 @@ export function lineChart(series, opts = {}) {
   if (x0 === x1) { x0 -= 1; x1 += 1; }
   let y0 = finite.length ? Math.min(...finite.map((p) => p[1])) : 0;
   let y1 = finite.length ? Math.max(...finite.map((p) => p[1])) : 1;
-  if (y0 === y1) { y0 = opts.logY ? y0 / 2 : y0 - 1; y1 = opts.logY ? y1 * 2 : y1 + 1; }
+  if (y0 === y1) {
+    const pad = Math.abs(y0) * 0.5 || 1; // a constant series sits mid-chart at its own scale
+    y0 = opts.logY ? y0 / 2 : y0 - pad;
+    y1 = opts.logY ? y1 * 2 : y1 + pad;
+  }
   if (!opts.logY) { const pad = (y1 - y0) * 0.06; y0 -= pad; y1 += pad; }
   const fx = opts.logX ? (x) => m.l + ((Math.log10(x) - Math.log10(x0)) / (Math.log10(x1) - Math.log10(x0))) * pw
     : (x) => m.l + ((x - x0) / (x1 - x0)) * pw;

@@ -15,7 +15,10 @@ function card(cls, title, ...extra) {
 
 /** Evidence values: numbers formatted (NaN/Inf included), anything else as written. */
 function showValue(val) {
-  if (val !== null && typeof val === "object") return JSON.stringify(val);
+  if (Array.isArray(val)) return val.map((v) => (v !== null && typeof v === "object" ? JSON.stringify(v) : showValue(v))).join(", ");
+  if (val !== null && typeof val === "object") {
+    return Object.entries(val).map(([k, v]) => `${k}: ${v !== null && typeof v === "object" ? JSON.stringify(v) : showValue(v)}`).join(" · ");
+  }
   if (typeof val === "number" || /^-?(NaN|Infinity)$/.test(String(val))) return fmt(val);
   return String(val);
 }
