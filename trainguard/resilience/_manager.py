@@ -198,6 +198,7 @@ class CheckpointManager:
         meta = _json_metadata(metadata)
         state.step = step
         rank, _ = _dist.rank_world()
+        self._groups.io()  # made here, not in the background thread: creating a group is a collective
         captured = state.capture()
         enc = Encoder()
         shared = {name: enc.encode(v, name) for name, v in captured.shared.items()}
