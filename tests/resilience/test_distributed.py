@@ -1,4 +1,5 @@
-"""Two ranks (gloo, separate processes) save and resume a DDP model exactly."""
+"""Two ranks (gloo, separate processes) save and resume a DDP model exactly, and stop together
+when only one of them is told to stop."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(phase: str, root: Path, total: int, stop: int) -> None:
-    subprocess.run([sys.executable, str(SCRIPT), phase, str(root), str(free_port()), str(total), str(stop)],
+def run(phase: str, root: Path, total: int, sigterm_at: int) -> None:
+    subprocess.run([sys.executable, str(SCRIPT), phase, str(root), str(free_port()), str(total), str(sigterm_at)],
                    check=True, timeout=240)
 
 
@@ -30,8 +31,10 @@ def losses(out: Path, rank: int) -> list[tuple[int, str]]:
 
 
 def test_two_ranks_save_and_resume_a_ddp_model_exactly(tmp_path):
-    run("first", tmp_path, 14, 5)  # stops mid-epoch: 6 batches per rank per epoch
+    run("first", tmp_path, 14, 4)  # SIGTERM to rank 1 during step 4: mid-epoch (6 batches per rank)
     ckpt = tmp_path / "ckpt"
+    for rank in (0, 1):  # both ranks saved step 5 (steps 0-4 done) and stopped with the SIGTERM code
+        assert (tmp_path / "out" / f"preempted-rank{rank}.txt").read_text() == "143 5"
     infos = list_checkpoints(ckpt, verify=True)
     assert [(i.step, i.valid, i.world_size) for i in infos][-1] == (5, True, 2)
     files = sorted(p.name for p in (ckpt / "step-00000005").iterdir())
