@@ -98,7 +98,7 @@ def fingerprint(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> d
     """Everything observable about the state: values, identities, storages, dtypes, modes, RNGs."""
     params = [
         (n, id(p), p.data_ptr(), p.dtype, p.device, p.requires_grad, p.detach().clone(),
-         None if p.grad is None else (id(p.grad), p.grad.clone()))
+         None if p.grad is None else (id(p.grad), p.grad.layout, p.grad.to_dense().clone()))
         for n, p in model.named_parameters()
     ]
     buffers = [(n, id(b), b.dtype, b.clone()) for n, b in model.named_buffers()]

@@ -292,3 +292,32 @@ def test_exact_duplicates_on_a_million_samples_are_fast():
     assert [g.tolist() for g in groups] == [[12, 999_999]]
     assert pairs == [(7, 5)]
     assert elapsed < 10.0  # measured ~0.6 s here; generous for a loaded CI machine
+
+
+def test_a_list_of_batches_and_an_unsized_loader(clean):
+    from torch.utils.data import IterableDataset
+
+    x, y, xt, yt = clean
+    xt = xt.copy()
+    xt[2] = x[9]
+    batches = [(torch.from_numpy(x[i:i + 500]), torch.from_numpy(y[i:i + 500])) for i in range(0, 3000, 500)]
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            while True:  # never ends: only the beginning is read
+                yield torch.zeros(16), 0
+
+    r = doctor.validate_data(batches, (xt, yt))
+    assert r.splits["train"]["samples"] == 3000
+    assert r.by_kind("leaked_duplicates")[0].evidence["examples"] == [{"test": 2, "train": 9}]
+    r = doctor.validate_data(DataLoader(Stream(), batch_size=4))
+    assert r.splits["train"]["samples"] == 4000
+    with pytest.raises(ValueError, match="IterableDataset"):
+        doctor.validate_data(Stream())
+
+
+def test_integer_ids_are_not_normalised():
+    tokens = np.random.default_rng(0).integers(0, 30000, (500, 12))
+    assert not doctor.validate_data(tokens).by_kind("inputs_not_normalised")
+    pixels = np.random.default_rng(0).integers(0, 256, (500, 1, 4, 4)).astype(np.uint8)
+    assert doctor.validate_data(pixels).by_kind("inputs_not_normalised")

@@ -75,12 +75,20 @@ def load_target(target: str) -> Any:
             sys.modules[name] = module
             try:
                 spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(name, None)
+                raise
             finally:
                 sys.path.remove(str(path.resolve().parent))
         else:
-            if os.getcwd() not in sys.path and "" not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(module_part)
+            added = os.getcwd() not in sys.path and "" not in sys.path
+            if added:
+                sys.path.insert(0, os.getcwd())  # `trainguard doctor mymodule:setup` from the project folder
+            try:
+                module = importlib.import_module(module_part)
+            finally:
+                if added:
+                    sys.path.remove(os.getcwd())
     except DoctorInputError:
         raise
     except ModuleNotFoundError as exc:

@@ -38,7 +38,7 @@ ARTIFACT_PLOT = "doctor/lr_range_test.png"
 ARTIFACT_CSV = "doctor/lr_range_test.csv"
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class CheckError(CheckResult):
     """A check that could not run: the exception it raised."""
 
@@ -215,7 +215,7 @@ def _for_validation(data: Any) -> Any:
     from torch.utils.data import DataLoader
 
     if isinstance(data, DataLoader):
-        return data.dataset
+        return data.dataset if hasattr(data.dataset, "__len__") else data
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(d, torch.Tensor) for d in data):
         return data
     if isinstance(data, (tuple, list)) and data and all(isinstance(b, (tuple, list)) and len(b) == 2 for b in data):

@@ -47,6 +47,8 @@ LEAK_CELLS = 4_000_000
 # Near duplicates are looked for in inputs with at least this many features: in a few dimensions
 # close neighbours are common and mean nothing.
 NEAR_MIN_FEATURES = 8
+# A DataLoader without a length (over a stream) is read for at most this many batches.
+UNSIZED_BATCHES = 1000
 # Targets with more distinct integer values than this are treated as regression.
 MAX_CLASSES = 10_000
 # How many example indices a finding carries.
@@ -70,7 +72,7 @@ class _Split:
         return self.x.reshape(self.n, -1)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class DataReport(CheckResult):
     """Findings about the data, with the numbers they rest on (per-split counts, statistics)."""
 
@@ -142,12 +144,17 @@ def _is_array(obj: Any) -> bool:
 
 def _split(obj: Any, name: str) -> _Split:
     """Inputs and targets of one split, whatever form they came in."""
-    from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+    from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
 
     x: Any
     y: Any = None
     if isinstance(obj, (tuple, list)) and len(obj) == 2 and all(_is_array(o) for o in obj):
         x, y = obj
+    elif (isinstance(obj, (tuple, list)) and obj
+          and all(isinstance(b, (tuple, list)) and len(b) == 2 and _is_array(b[0]) for b in obj)):
+        # A list of (inputs, targets) batches.
+        x = np.concatenate([_to_numpy(b[0], f"{name} inputs") for b in obj])
+        y = np.concatenate([_to_numpy(b[1], f"{name} targets") for b in obj])
     elif _is_array(obj):
         x = obj
     elif isinstance(obj, TensorDataset):
@@ -159,7 +166,10 @@ def _split(obj: Any, name: str) -> _Split:
         y = obj.dataset.tensors[1][idx] if len(obj.dataset.tensors) > 1 else None
     elif isinstance(obj, DataLoader):
         xs, ys = [], []
-        for batch in obj:
+        sized = hasattr(obj.dataset, "__len__")
+        for i, batch in enumerate(obj):
+            if not sized and i >= UNSIZED_BATCHES:
+                break  # a stream may never end: judge its beginning
             if isinstance(batch, (tuple, list)) and len(batch) == 2:
                 xs.append(_to_numpy(batch[0], f"{name} inputs"))
                 ys.append(_to_numpy(batch[1], f"{name} targets"))
@@ -169,6 +179,8 @@ def _split(obj: Any, name: str) -> _Split:
             raise DoctorInputError(f"{name} data is empty (the loader yielded no batches)")
         x = np.concatenate(xs)
         y = np.concatenate(ys) if ys else None
+    elif isinstance(obj, IterableDataset):
+        raise DoctorInputError(f"{name} data is an IterableDataset: pass a DataLoader over it, or arrays")
     elif isinstance(obj, Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
                                        and not isinstance(obj, (str, bytes, dict, tuple, list))):
         n = len(obj)
@@ -289,6 +301,8 @@ def _nonfinite(s: _Split) -> list[Finding]:
         if arr is None or _float_view(arr) is None:
             continue
         flat = arr.reshape(arr.shape[0], -1)
+        if np.isfinite(flat).all():
+            continue
         nan = np.isnan(flat)
         inf = np.isinf(flat)
         n_nan, n_inf = int(nan.sum()), int(inf.sum())
@@ -311,10 +325,19 @@ def _nonfinite(s: _Split) -> list[Finding]:
 def _common(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Both splits in one dtype, so equal values have equal bytes (and -0.0 equals 0.0)."""
     dt = np.result_type(a.dtype, b.dtype)
-    a, b = a.astype(dt, copy=False), b.astype(dt, copy=False)
-    if np.issubdtype(dt, np.floating):
-        a, b = a + 0, b + 0  # -0.0 + 0 == +0.0: the two zeros hash alike
-    return a, b
+    return _no_negative_zero(a.astype(dt, copy=False)), _no_negative_zero(b.astype(dt, copy=False))
+
+
+def _no_negative_zero(a: np.ndarray) -> np.ndarray:
+    """``a`` with -0.0 replaced by 0.0 (copied only when it holds any), so the zeros hash alike."""
+    if a.dtype.kind not in "fc":
+        return a
+    negative_zero = (a == 0) & np.signbit(a)
+    if not negative_zero.any():
+        return a
+    a = a.copy()
+    a[negative_zero] = 0
+    return a
 
 
 def _duplicates(splits: list[_Split], classification: bool) -> list[Finding]:
@@ -323,8 +346,8 @@ def _duplicates(splits: list[_Split], classification: bool) -> list[Finding]:
     flats = [s.flat for s in splits]
     if len(splits) > 1:
         flats[0], flats[1] = _common(flats[0], flats[1])
-    elif np.issubdtype(flats[0].dtype, np.floating):
-        flats[0] = flats[0] + 0
+    else:
+        flats[0] = _no_negative_zero(flats[0])
     hashes = [_dedup.row_hashes(f) for f in flats]
     for s, f, h in zip(splits, flats, hashes):
         groups = _dedup.duplicate_groups(f, h)
@@ -373,9 +396,18 @@ def _all_equal(a: np.ndarray) -> bool:
 def column_stats(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-column mean and std in float64, ignoring NaN/Inf (a column with none finite: NaN)."""
     if data.dtype.kind not in "fc" or np.isfinite(data).all():
-        mean = data.mean(axis=0, dtype=np.float64)
-        std = data.std(axis=0, dtype=np.float64)
-        return mean, std
+        # Two passes over row blocks in float64: no full-size float64 temporaries.
+        n = data.shape[0]
+        step = max(1, (1 << 21) // max(data.shape[1], 1))
+        total = np.zeros(data.shape[1])
+        for i in range(0, n, step):
+            total += data[i:i + step].sum(axis=0, dtype=np.float64)
+        mean = total / n
+        sq = np.zeros(data.shape[1])
+        for i in range(0, n, step):
+            block = data[i:i + step].astype(np.float64) - mean
+            sq += np.einsum("ij,ij->j", block, block)
+        return mean, np.sqrt(sq / n)
     data = np.where(np.isfinite(data), data.astype(np.float64), np.nan)
     with np.errstate(invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: their mean is NaN, as wanted
@@ -473,6 +505,8 @@ def _normalisation(tr: _Split) -> tuple[list[Finding], dict[str, Any]]:
     x = tr.x
     if np.issubdtype(x.dtype, np.complexfloating) or x.dtype == np.bool_:
         return [], {}
+    if np.issubdtype(x.dtype, np.integer) and x.dtype != np.uint8:
+        return [], {}  # integer inputs are ids or categories (tokens, indices): nothing to normalise
     per_channel = _channel_axis(x)
     mean, std = column_stats(np.moveaxis(x, 1, -1).reshape(-1, x.shape[1]) if per_channel else tr.flat)
     unit = "channel" if per_channel else "feature"

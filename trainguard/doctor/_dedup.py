@@ -76,7 +76,7 @@ def duplicate_groups(x: np.ndarray, hashes: np.ndarray | None = None) -> list[np
     """Groups (index arrays, two or more each) of byte-identical samples within one split."""
     if hashes is None:
         hashes = row_hashes(x)
-    order = np.argsort(hashes, kind="stable")
+    order = np.argsort(hashes)
     sh = hashes[order]
     same = np.flatnonzero(sh[1:] == sh[:-1])
     if same.size == 0:
@@ -105,7 +105,7 @@ def cross_duplicates(a: np.ndarray, b: np.ndarray, ha: np.ndarray | None = None,
     """Pairs ``(i_in_b, j_in_a)``: samples of ``b`` byte-identical to a sample of ``a``."""
     ha = row_hashes(a) if ha is None else ha
     hb = row_hashes(b) if hb is None else hb
-    order = np.argsort(ha, kind="stable")
+    order = np.argsort(ha)
     sa = ha[order]
     pos = np.minimum(np.searchsorted(sa, hb, side="left"), max(len(sa) - 1, 0))
     cand = np.flatnonzero(sa[pos] == hb) if len(sa) else np.empty(0, np.int64)
@@ -147,7 +147,7 @@ def near_pairs(z: np.ndarray, split: np.ndarray, *, tables: int = NEAR_TABLES,
     del scaled
     for t in range(tables):
         keys = row_hashes(all_cells[:, t * projections:(t + 1) * projections])
-        order = np.argsort(keys, kind="stable")
+        order = np.argsort(keys)
         sk = keys[order]
         new = np.r_[True, sk[1:] != sk[:-1]]
         # Each row is compared with the first row of its cell (a star, not all pairs: linear).

@@ -82,7 +82,7 @@ def band(rel: float) -> str:
     return "ok" if rel < PASS_BAND else "suspicious"
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class GradCheckResult(CheckResult):
     """Per-parameter largest relative difference; ``bad_params`` names the wrong gradients."""
 
@@ -187,9 +187,16 @@ def _select(model: nn.Module, params: Any) -> list[tuple[str, nn.Parameter]]:
 
 
 def _sample(numel: int, k: int, gen: torch.Generator) -> list[int]:
+    """``k`` distinct flat indices (all of them for a small tensor), without a full permutation."""
     if numel <= k:
         return list(range(numel))
-    return sorted(torch.randperm(numel, generator=gen)[:k].tolist())
+    if numel <= 8 * k:
+        return sorted(torch.randperm(numel, generator=gen)[:k].tolist())
+    drawn: dict[int, None] = {}  # distinct draws, in the order drawn
+    while len(drawn) < k:
+        for i in torch.randint(numel, (2 * k,), generator=gen).tolist():
+            drawn.setdefault(i, None)
+    return sorted(list(drawn)[:k])
 
 
 def gradient_check(
@@ -254,7 +261,7 @@ def gradient_check(
             if not math.isfinite(base):
                 return GradCheckResult(params=[], eps=eps, loss=base, samples=samples,
                                        notes=[f"the loss is {fmt(base)} on this batch"])
-            analytic = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in chosen}
+            analytic = {n: (None if p.grad is None else p.grad.detach().to_dense().clone()) for n, p in chosen}
             gen = torch.Generator().manual_seed(seed)
             results = []
             with torch.no_grad():

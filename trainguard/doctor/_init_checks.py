@@ -44,7 +44,7 @@ INIT_LOW = 0.5
 IGNORE_INDEX = -100
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class InitReport(CheckResult):
     """Output shape, initial loss against chance, and parameter counts."""
 

@@ -62,7 +62,7 @@ SKIP_START = 0.05
 MIN_DROP = 0.05
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class LRRangeResult(CheckResult):
     """The sweep: rates, raw and smoothed losses, where it stopped and the suggested rate."""
 

@@ -69,7 +69,7 @@ def _adam(lr: float):
     return lambda params: torch.optim.Adam(params, lr=lr)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class OverfitResult(CheckResult):
     """The outcome of :func:`overfit_one_batch`; ``reason`` is None when it passed."""
 
@@ -270,8 +270,10 @@ def overfit_one_batch(
             sq = []
             for i, (_, p) in enumerate(named):
                 if p.grad is not None:
-                    reached[i] |= p.grad.detach().ne(0).any()
-                    sq.append(p.grad.detach().double().pow(2).sum())
+                    g = p.grad.detach()
+                    g = g.coalesce().values() if g.is_sparse else g
+                    reached[i] |= g.ne(0).any()
+                    sq.append(g.double().pow(2).sum())
             norms.append(torch.stack(sq).sum().sqrt() if sq else torch.zeros((), dtype=torch.float64))
             opt.step()
         with torch.no_grad():
