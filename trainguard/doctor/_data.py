@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from rich.table import Table
 
 from trainguard.doctor import _dedup
+from trainguard.doctor._data_inputs import Split, is_classification, read_split
+from trainguard.doctor._data_leak import feature_leak
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import DoctorInputError
 from trainguard.store import Finding
@@ -36,40 +37,13 @@ STD_HIGH = 10.0
 STD_LOW = 0.01
 # ... or features whose stds differ by more than this factor (one scale dominates the others).
 SCALE_SPREAD = 100.0
-# A feature predicts the label "almost perfectly" at this held-out accuracy (classification) or
-# absolute correlation (regression) ...
-LEAK_SCORE = 0.99
-# ... when always guessing the majority class does at least this much worse.
-LEAK_MARGIN = 0.2
-# How many cells (features x samples) the single-feature predictor may look at: it subsamples
-# rows beyond that, so the check stays fast on any dataset.
-LEAK_CELLS = 4_000_000
 # Near duplicates are looked for in inputs with at least this many features: in a few dimensions
 # close neighbours are common and mean nothing.
 NEAR_MIN_FEATURES = 8
-# A DataLoader without a length (over a stream) is read for at most this many batches.
-UNSIZED_BATCHES = 1000
-# Targets with more distinct integer values than this are treated as regression.
-MAX_CLASSES = 10_000
 # How many example indices a finding carries.
 EXAMPLES = 10
 # Per-feature vectors in the report are cut to this length.
 MAX_VECTOR = 1024
-
-
-@dataclass
-class _Split:
-    name: str
-    x: np.ndarray  # (N, ...) samples
-    y: np.ndarray | None  # (N, ...) targets
-
-    @property
-    def n(self) -> int:
-        return int(self.x.shape[0])
-
-    @property
-    def flat(self) -> np.ndarray:
-        return self.x.reshape(self.n, -1)
 
 
 @dataclass(kw_only=True, repr=False)
@@ -116,117 +90,6 @@ class DataReport(CheckResult):
         return t
 
 
-# ---------------------------------------------------------------------- inputs
-def _to_numpy(obj: Any, what: str) -> np.ndarray:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu()
-        if t.dtype in (torch.bfloat16, torch.float16):
-            t = t.float()
-        return t.numpy()
-    if isinstance(obj, np.ndarray):
-        return obj
-    if isinstance(obj, (int, float, bool, np.generic)):
-        return np.asarray(obj)
-    raise DoctorInputError(f"{what} must be a tensor or a NumPy array, got {type(obj).__name__}")
-
-
-def _stack(items: list[Any], what: str) -> np.ndarray:
-    arrays = [_to_numpy(i, what) for i in items]
-    shapes = {a.shape for a in arrays}
-    if len(shapes) > 1:
-        raise DoctorInputError(f"{what} have different shapes across samples: {sorted(shapes)[:4]}")
-    return np.stack(arrays)
-
-
-def _is_array(obj: Any) -> bool:
-    return isinstance(obj, (torch.Tensor, np.ndarray))
-
-
-def _split(obj: Any, name: str) -> _Split:
-    """Inputs and targets of one split, whatever form they came in."""
-    from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
-
-    x: Any
-    y: Any = None
-    if isinstance(obj, (tuple, list)) and len(obj) == 2 and all(_is_array(o) for o in obj):
-        x, y = obj
-    elif (isinstance(obj, (tuple, list)) and obj
-          and all(isinstance(b, (tuple, list)) and len(b) == 2 and _is_array(b[0]) for b in obj)):
-        # A list of (inputs, targets) batches.
-        x = np.concatenate([_to_numpy(b[0], f"{name} inputs") for b in obj])
-        y = np.concatenate([_to_numpy(b[1], f"{name} targets") for b in obj])
-    elif _is_array(obj):
-        x = obj
-    elif isinstance(obj, TensorDataset):
-        x = obj.tensors[0]
-        y = obj.tensors[1] if len(obj.tensors) > 1 else None
-    elif isinstance(obj, Subset) and isinstance(obj.dataset, TensorDataset):
-        idx = torch.as_tensor(list(obj.indices), dtype=torch.long)
-        x = obj.dataset.tensors[0][idx]
-        y = obj.dataset.tensors[1][idx] if len(obj.dataset.tensors) > 1 else None
-    elif isinstance(obj, DataLoader):
-        xs, ys = [], []
-        sized = hasattr(obj.dataset, "__len__")
-        for i, batch in enumerate(obj):
-            if not sized and i >= UNSIZED_BATCHES:
-                break  # a stream may never end: judge its beginning
-            if isinstance(batch, (tuple, list)) and len(batch) == 2:
-                xs.append(_to_numpy(batch[0], f"{name} inputs"))
-                ys.append(_to_numpy(batch[1], f"{name} targets"))
-            else:
-                xs.append(_to_numpy(batch, f"{name} inputs"))
-        if not xs:
-            raise DoctorInputError(f"{name} data is empty (the loader yielded no batches)")
-        x = np.concatenate(xs)
-        y = np.concatenate(ys) if ys else None
-    elif isinstance(obj, IterableDataset):
-        raise DoctorInputError(f"{name} data is an IterableDataset: pass a DataLoader over it, or arrays")
-    elif isinstance(obj, Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
-                                       and not isinstance(obj, (str, bytes, dict, tuple, list))):
-        n = len(obj)
-        if n == 0:
-            raise DoctorInputError(f"{name} data is empty (0 samples)")
-        items = [obj[i] for i in range(n)]
-        if all(isinstance(it, (tuple, list)) and len(it) == 2 for it in items):
-            x = _stack([it[0] for it in items], f"{name} inputs")
-            y = _stack([it[1] for it in items], f"{name} targets")
-        else:
-            x = _stack(items, f"{name} inputs")
-    else:
-        raise DoctorInputError(
-            f"{name} data must be a tensor, an array, an (inputs, targets) pair of them, a Dataset or a "
-            f"DataLoader; got {type(obj).__name__}"
-        )
-    x = _to_numpy(x, f"{name} inputs")
-    y = None if y is None else _to_numpy(y, f"{name} targets")
-    if x.ndim == 0:
-        raise DoctorInputError(f"{name} inputs must have a sample dimension, got a scalar")
-    if x.shape[0] == 0:
-        raise DoctorInputError(f"{name} data is empty (0 samples)")
-    if x.dtype == object or not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
-        raise DoctorInputError(f"{name} inputs must be numeric, got dtype {x.dtype}")
-    if y is not None:
-        if y.ndim == 0 or y.shape[0] != x.shape[0]:
-            raise DoctorInputError(
-                f"{name} inputs have {x.shape[0]} samples but targets have "
-                f"{y.shape[0] if y.ndim else 'a scalar'}"
-            )
-        if y.dtype == object or not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
-            raise DoctorInputError(f"{name} targets must be numeric, got dtype {y.dtype}")
-    return _Split(name, x, y)
-
-
-def _is_classification(splits: list[_Split], task: str) -> bool:
-    if task != "auto":
-        return task == "classification"
-    ys = [s.y for s in splits if s.y is not None]
-    if not ys or any(y.ndim != 1 for y in ys):
-        return False
-    if not all(np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_ for y in ys):
-        return False
-    return len(np.unique(ys[0])) <= MAX_CLASSES
-
-
 # ---------------------------------------------------------------------- the checks
 def validate_data(
     train: Any,
@@ -249,10 +112,10 @@ def validate_data(
         raise DoctorInputError(f"task must be auto, classification or regression, got {task!r}")
     if train is None:
         raise DoctorInputError("train data is required, got None")
-    tr = _split(train, "train")
+    tr = read_split(train, "train")
     splits = [tr]
     if test is not None:
-        te = _split(test, "test")
+        te = read_split(test, "test")
         if te.x.shape[1:] != tr.x.shape[1:]:
             raise DoctorInputError(
                 f"train samples have shape {list(tr.x.shape[1:])} but test samples {list(te.x.shape[1:])}"
@@ -264,7 +127,7 @@ def validate_data(
                 f"train targets have shape {list(tr.y.shape[1:])} but test targets {list(te.y.shape[1:])}"
             )
         splits.append(te)
-    classification = _is_classification(splits, task)
+    classification = is_classification(splits, task)
     issues: list[Finding] = []
     stats: dict[str, Any] = {}
     for s in splits:
@@ -280,7 +143,7 @@ def validate_data(
     stats.update(norm_stats)
     issues += _constant(tr)
     if leak_check and tr.y is not None:
-        issues += _feature_leak(tr, classification)
+        issues += feature_leak(tr, classification)
     split_info = {
         s.name: {"samples": s.n, "shape": list(s.x.shape[1:]), "dtype": str(s.x.dtype),
                  "targets": None if s.y is None else {"shape": list(s.y.shape[1:]), "dtype": str(s.y.dtype)},
@@ -295,7 +158,7 @@ def _float_view(a: np.ndarray) -> np.ndarray | None:
     return a if np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.complexfloating) else None
 
 
-def _nonfinite(s: _Split) -> list[Finding]:
+def _nonfinite(s: Split) -> list[Finding]:
     out = []
     for what, arr in (("inputs", s.x), ("targets", s.y)):
         if arr is None or _float_view(arr) is None:
@@ -340,7 +203,7 @@ def _no_negative_zero(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _duplicates(splits: list[_Split], classification: bool) -> list[Finding]:
+def _duplicates(splits: list[Split], classification: bool) -> list[Finding]:
     out: list[Finding] = []
     tr = splits[0]
     flats = [s.flat for s in splits]
@@ -419,7 +282,7 @@ def _standardise(flat: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndar
     return np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _near_duplicates(splits: list[_Split]) -> list[Finding]:
+def _near_duplicates(splits: list[Split]) -> list[Finding]:
     tr = splits[0]
     if tr.flat.shape[1] < NEAR_MIN_FEATURES or tr.flat.dtype.kind not in "biuf":
         return []
@@ -460,7 +323,7 @@ def _near_duplicates(splits: list[_Split]) -> list[Finding]:
     return out
 
 
-def _labels(splits: list[_Split], info: dict[str, dict]) -> list[Finding]:
+def _labels(splits: list[Split], info: dict[str, dict]) -> list[Finding]:
     out = []
     counts = {}
     for s in splits:
@@ -501,7 +364,7 @@ def _channel_axis(x: np.ndarray) -> bool:
     return x.ndim >= 3
 
 
-def _normalisation(tr: _Split) -> tuple[list[Finding], dict[str, Any]]:
+def _normalisation(tr: Split) -> tuple[list[Finding], dict[str, Any]]:
     x = tr.x
     if np.issubdtype(x.dtype, np.complexfloating) or x.dtype == np.bool_:
         return [], {}
@@ -537,7 +400,7 @@ def _normalisation(tr: _Split) -> tuple[list[Finding], dict[str, Any]]:
         per=unit, mean=mean[:MAX_VECTOR], std=std[:MAX_VECTOR], reasons=reasons)], stats
 
 
-def _constant(tr: _Split) -> list[Finding]:
+def _constant(tr: Split) -> list[Finding]:
     flat = tr.flat
     if flat.shape[0] < 2:
         return []
@@ -556,80 +419,3 @@ def _constant(tr: _Split) -> list[Finding]:
         "Constant inputs carry no information; drop them (per-feature standardisation divides by their zero std)."
         if not every else "The inputs hold no information at all: check the loading code.",
         count=k, features=idx[:MAX_VECTOR], total=int(flat.shape[1]))]
-
-
-def _feature_leak(tr: _Split, classification: bool) -> list[Finding]:
-    flat = tr.flat
-    y = tr.y
-    if flat.dtype.kind not in "biuf" or y is None:
-        return []
-    n, d = flat.shape
-    if n < 20 or d == 0:
-        return []
-    rng = np.random.default_rng(0)
-    rows = min(n, max(200, LEAK_CELLS // d))
-    pick = np.sort(rng.choice(n, size=rows, replace=False)) if rows < n else np.arange(n)
-    xs = flat[pick].astype(np.float64)
-    ok = np.isfinite(xs).all(axis=1)
-    xs, ys = xs[ok], y[pick][ok]
-    live = np.flatnonzero(xs.std(axis=0) > 0)
-    if xs.shape[0] < 20 or live.size == 0:
-        return []
-    xs = xs[:, live]
-    if classification:
-        scores, baseline = _neighbour_accuracy(xs, ys, rng)
-        best = int(np.argmax(scores))
-        score = float(scores[best])
-        if not (score >= LEAK_SCORE and score - baseline >= LEAK_MARGIN):
-            return []
-        what = f"predicts the class with {score:.1%} held-out accuracy (majority class: {baseline:.1%})"
-    else:
-        yv = ys.reshape(ys.shape[0], -1).astype(np.float64)
-        if yv.shape[1] != 1 or yv.std() == 0:
-            return []
-        yc = yv[:, 0] - yv[:, 0].mean()
-        xc = xs - xs.mean(axis=0)
-        corr = (xc * yc[:, None]).sum(axis=0) / (np.sqrt((xc ** 2).sum(axis=0) * (yc ** 2).sum()) + 1e-300)
-        best = int(np.argmax(np.abs(corr)))
-        score = float(abs(corr[best]))
-        if score < LEAK_SCORE:
-            return []
-        what = f"has correlation {corr[best]:+.4f} with the target"
-    feature = int(live[best])
-    return [finding(
-        "feature_leak", "warning", f"{tr.name}: input feature {feature} alone {what}",
-        "A single input that gives the answer away is usually derived from the label (an id ordered by "
-        "class, a field filled in after the outcome, a file path); drop it unless it is truly available "
-        "at prediction time.",
-        feature=feature, score=score, samples_used=int(xs.shape[0]))]
-
-
-def _neighbour_accuracy(xs: np.ndarray, ys: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, float]:
-    """Held-out accuracy, per feature, of a one-feature nearest-neighbour classifier.
-
-    Half of the rows are the reference; each other row takes the label of the nearer of the
-    reference rows just below and just above it in that feature's sorted order. A feature that splits
-    the classes into clean intervals scores near 1 whatever their number; an unrelated one
-    scores about chance. All features at once, with sorts along the columns.
-    """
-    n, d = xs.shape
-    _, yi = np.unique(ys, return_inverse=True)
-    yi = yi.ravel()
-    is_ref = np.zeros(n, bool)
-    is_ref[rng.permutation(n)[: n // 2]] = True
-    order = np.argsort(xs, axis=0, kind="stable")
-    ref = is_ref[order]
-    labels = yi[order]
-    pos = np.arange(n)[:, None]
-    below = np.maximum.accumulate(np.where(ref, pos, -1), axis=0)
-    above = np.flip(np.minimum.accumulate(np.flip(np.where(ref, pos, n), axis=0), axis=0), axis=0)
-    values = np.take_along_axis(xs, order, axis=0)
-    gap_below = np.where(below >= 0, values - np.take_along_axis(values, np.maximum(below, 0), axis=0), np.inf)
-    gap_above = np.where(above < n, np.take_along_axis(values, np.minimum(above, n - 1), axis=0) - values, np.inf)
-    source = np.where(gap_below <= gap_above, np.maximum(below, 0), np.minimum(above, n - 1))
-    pred = np.take_along_axis(labels, source, axis=0)
-    held = ~ref
-    acc = ((pred == labels) & held).sum(axis=0) / max(int(held[:, 0].sum()), 1)
-    held_labels = yi[~is_ref]
-    baseline = float(np.bincount(held_labels).max() / held_labels.size)
-    return acc, baseline
