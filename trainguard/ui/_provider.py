@@ -7,6 +7,8 @@ the run's ``last_flush`` changes, so a run that is still being written stays cur
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -201,10 +203,38 @@ def executions(
         refresh(h)
         try:
             total = cached(h, "count:" + json.dumps(f, sort_keys=True), lambda: h.run.count(**f))
-            items = h.run.executions(begin, min(end, total), **f) if begin < total else []
+            end = min(end, total)
+            if begin >= total:
+                items = []
+            elif not f and _in_step_order(h):
+                items = _page_by_steps(h, begin, end)
+            else:
+                items = h.run.executions(begin, end, **f)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         return to_plain_json({"begin": begin, "end": begin + len(items), "total": total, "items": items})
+
+
+def _in_step_order(h: RunHandle) -> bool:
+    """Whether each step's executions are contiguous in sequence order (steps never go back)."""
+    steps = _steps(h)
+    return all(a["last"] < b["first"] for a, b in zip(steps, steps[1:]))
+
+
+def _page_by_steps(h: RunHandle, begin: int, end: int) -> list[dict]:
+    """Rows ``begin:end`` through the step index instead of an OFFSET walk over every row.
+
+    SQLite answers ``LIMIT n OFFSET k`` by stepping over k rows: ~40 ms at a million. The cached
+    per-step counts say which steps hold those rows, and the step index finds them directly.
+    """
+    steps = _steps(h)
+    starts = cached(h, "step_starts", lambda: list(itertools.accumulate((s["count"] for s in steps), initial=0)))
+    i = bisect.bisect_right(starts, begin) - 1
+    j = bisect.bisect_right(starts, end - 1) - 1
+    if i < 0 or j >= len(steps):
+        return h.run.executions(begin, end)
+    offset = begin - starts[i]
+    return h.run.executions(offset, offset + (end - begin), step=(steps[i]["step"], steps[j]["step"]))
 
 
 def position(reg: Registry, rid: str, seq: int, rank: int | None = None, **params: Any) -> dict[str, Any]:

@@ -64,6 +64,7 @@ export class DebuggerView {
     this.timeline.renderCells();
     this.timeline.draw();
     document.body.dataset.ready = "debugger";
+    performance.mark("trainguard:debugger-ready"); // read by benchmarks/bench_ui.py
     if (seq !== null && seq !== undefined) await this.select(seq);
     if (alertData.total) this.api.origin().then((o) => this.alerts.showOrigin(o), () => {});
   }

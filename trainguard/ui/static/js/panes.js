@@ -89,15 +89,16 @@ function nodeFor(d, { onSelect, label, self = false }) {
     title: self ? null : `Select #${d.seq}`,
     on: self ? {} : { click: () => onSelect(d.seq) },
   },
-  label ? h("div.sub", label) : null,
-  h("div.op", opName(d.op)),
-  h("div.sub", `#${d.seq} · step ${d.step} · ${d.phase}${d.module ? ` · ${d.module}` : ""}`),
-  h("div", h("span.badge.dtype", outputText(d)), summaryBadges((d.outputs[0] || {}).summary)));
+  h("div.head",
+    label ? h("div.sub", label) : null,
+    h("div.op", opName(d.op)),
+    h("div.sub", `#${d.seq} · step ${d.step} · ${d.phase}${d.module ? ` · ${d.module}` : ""}`),
+    h("div", h("span.badge.dtype", outputText(d)), summaryBadges((d.outputs[0] || {}).summary))));
 }
 
 function inputNode(inp, onSelect) {
   if (inp.kind === "op") {
-    if (inp.producer_digest) return nodeFor(inp.producer_digest, { onSelect, label: `input ${inp.slot} ← produced by` });
+    if (inp.producer_digest) return nodeFor(inp.producer_digest, { onSelect, label: `input ${inp.slot}, made by` });
     return h("div.node", h("div.sub", `input ${inp.slot}`), h("div.op", `#${inp.producer}`),
       h("div.sub", "producer evicted by the circular buffer"));
   }
@@ -126,13 +127,15 @@ export function renderGraph(body, d, { onSelect }) {
   }
   self.append(kv);
   clear(body,
-    h("div.g-label", `Inputs (${inputs.length})`),
-    h("div.g-row.graph-inputs", inputs.length ? inputs.map((i) => inputNode(i, onSelect)) : h("span.muted", "no tensor inputs")),
+    h("div.g-sec",
+      h("div.g-label", `Inputs (${inputs.length})`),
+      h("div.g-row.graph-inputs", inputs.length ? inputs.map((i) => inputNode(i, onSelect)) : h("span.muted", "no tensor inputs"))),
     h("div.g-arrow", "↓"),
-    self,
+    h("div.g-sec", h("div.g-label", "Op"), self),
     h("div.g-arrow", "↓"),
-    h("div.g-label", `Consumers (${consumers.length}${d.more_consumers ? "+" : ""})`),
-    h("div.g-row.graph-consumers", consumers.length
-      ? consumers.map((c) => nodeFor(c, { onSelect, label: "consumed by" }))
-      : h("span.muted", "no recorded op used this output")));
+    h("div.g-sec",
+      h("div.g-label", `Consumers (${consumers.length}${d.more_consumers ? "+" : ""})`),
+      h("div.g-row.graph-consumers", consumers.length
+        ? consumers.map((c) => nodeFor(c, { onSelect, label: "consumed by" }))
+        : h("span.muted", "no recorded op used this output"))));
 }

@@ -52,6 +52,7 @@ export class TrainingView {
     await Promise.all([this.loadScalars(), this.loadLayers(), this.loadFindings(), this.loadDoctor(), this.loadCheckpoints()]
       .map((p) => p.catch((err) => this.hooks.error(err))));
     document.body.dataset.ready = "training";
+    performance.mark("trainguard:training-ready"); // read by benchmarks/bench_ui.py
   }
 
   destroy() {
