@@ -42,6 +42,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "TrainState": ("trainguard.resilience", "TrainState"),
     "list_checkpoints": ("trainguard.resilience", "list_checkpoints"),
     "doctor": ("trainguard.doctor", None),
+    "Monitor": ("trainguard.capture._monitor", "Monitor"),
+    "fix": ("trainguard.fix", None),
 }
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointPolicy",
     "CorruptRun",
+    "Monitor",
     "NonFiniteError",
     "Preempted",
     "ResumableLoader",
@@ -64,6 +67,7 @@ __all__ = [
     "disable",
     "doctor",
     "enable",
+    "fix",
     "list_checkpoints",
     "open",
     "record",

@@ -80,8 +80,6 @@ def fmt(x: Any) -> str:
         return str(int(x))
     if not math.isfinite(x):
         return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e5):
-        return f"{x:.2e}"
     return f"{x:.3g}"
 
 

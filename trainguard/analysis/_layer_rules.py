@@ -112,7 +112,7 @@ def dead_units(ctx: Context) -> list[Finding]:
         Finding(
             kind="dead_units",
             severity="error" if worst >= ctx.th.dead_units_error else "warning",
-            title=f"Dead units: {per_layer[first]['dead_fraction']:.0%} of {first}'s units output 0 for every sample"
+            title=f"Dead units: {per_layer[first]['dead_fraction']:.0%} of layer {first}'s units output 0 for every sample"
             + (f" ({len(layers)} layers affected)" if len(layers) > 1 else "")
             + persist,
             evidence=ev,
@@ -202,7 +202,7 @@ def collapsed_activations(ctx: Context) -> list[Finding]:
         Finding(
             kind="collapsed_activations",
             severity="warning",
-            title=f"Collapsed activations: {first}'s outputs have std {fmt(stds[first])} "
+            title=f"Collapsed activations: layer {first}'s outputs have std {fmt(stds[first])} "
             f"(every sample looks the same){f'; {len(cold)} layers' if len(cold) > 1 else ''}",
             evidence=ev,
             suggestion=f"the signal shrinks layer by layer: use {init_text}",
@@ -235,7 +235,7 @@ def saturated_activations(ctx: Context) -> list[Finding]:
         Finding(
             kind="saturated_activations",
             severity="warning",
-            title=f"Saturated activations: {sat[first]:.0%} of {first}'s outputs sit at the "
+            title=f"Saturated activations: {sat[first]:.0%} of layer {first}'s outputs sit at the "
             f"{ctx.layer_type.get(first, 'activation')} bounds, where the gradient is < 2% of its maximum",
             evidence=ev,
             suggestion=f"the pre-activations are too large: use {init_text}; normalise the inputs, or put a "
@@ -309,13 +309,14 @@ def exploding_gradient(ctx: Context) -> list[Finding]:
     w0 = max(5, int(n * ctx.th.window_fraction))
     if n >= 2 * w0:
         early = median(vals[:w0])
+        start = median(vals[:10])  # the gradient scale of the first steps of training
         spikes = []
-        for i in range(w0, n):
+        for i in range(1, n):
             v = vals[i]
-            if not math.isfinite(v):
-                continue
             recent = median(vals[max(0, i - w0) : i])
-            if v > ctx.th.grad_spike_factor * recent and v > ctx.th.grad_spike_vs_start * early:
+            if not (math.isfinite(v) and math.isfinite(recent)):
+                continue
+            if v > ctx.th.grad_spike_factor * recent and v > ctx.th.grad_spike_vs_start * start:
                 spikes.append((int(g.steps[i]), float(v), recent))
         bad = np.nonzero(~np.isfinite(vals))[0]
         overflow = int(g.steps[bad[0]]) if len(bad) else None
@@ -324,7 +325,7 @@ def exploding_gradient(ctx: Context) -> list[Finding]:
         if spikes and (len(spikes) >= 2 or (overflow is not None and overflow > spikes[0][0])):
             first_step, v, recent = spikes[0]
             ev["spikes"] = {"steps": [s for s, _, _ in spikes[:20]], "count": len(spikes), "first": first_step,
-                            "grad_norm": v, "recent_median": recent, "early_median": early}
+                            "grad_norm": v, "recent_median": recent, "start_median": start}
             reasons.append(
                 f"the gradient norm jumped to {fmt(v)} at step {first_step} ({v / recent:.0f}x its recent median)"
                 + (f" and overflowed at step {overflow}" if overflow is not None else "")

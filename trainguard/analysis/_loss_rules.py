@@ -192,7 +192,10 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
     if math.isfinite(ratio):
         ev["update_ratio_median"] = ratio
     rising = p["end"] > p["start"] * (1 + ctx.th.loss_min_progress)
-    if math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low:
+    blocked = gradient_blocked(ctx)
+    if blocked:
+        hints.append(f"gradients do not reach the weights ({blocked}): fix that first (see its finding)")
+    elif math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low:
         hints.append(
             f"the weights do move (update/weight ratio {fmt(ratio)} per step) but the loss does not follow: check "
             "that targets match inputs (shuffle them together), that the loss compares the right tensors, and that "
@@ -290,6 +293,7 @@ def loss_spike(ctx: Context) -> list[Finding]:
         rise = vals[i] - base
         if (
             vals[i] > ctx.th.loss_spike_ratio * base
+            and vals[i] > ctx.th.loss_spike_over_max * float(prev.max())
             and rise > ctx.th.loss_spike_min_z * mad
             and rise > ctx.th.loss_spike_min_rise * max(scale, base)
         ):

@@ -34,6 +34,9 @@ class Thresholds:
     )
     loss_spike_ratio: float = _t(3.0, "a loss three times its recent median is far outside minibatch noise")
     loss_spike_min_z: float = _t(6.0, "six robust standard deviations (MAD) above the recent median")
+    loss_spike_over_max: float = _t(
+        1.5, "and half again above the recent maximum: heavy-tailed minibatch noise repeats its outliers"
+    )
     loss_spike_min_rise: float = _t(
         0.25, "the jump must be a quarter of the starting loss: tiny losses near convergence are relatively noisy"
     )
@@ -63,7 +66,7 @@ class Thresholds:
     explode_ratio: float = _t(1e3, "first-layer gradient (relative to its weights) 1000x above the last")
     grad_spike_factor: float = _t(100.0, "a gradient norm two orders of magnitude above its recent median")
     grad_spike_vs_start: float = _t(
-        10.0, "and 10x above early training: a converged model's occasional large gradient stays below that"
+        10.0, "and 10x above the first steps' norm: a converged model's occasional large gradient stays below that"
     )
     grad_growth: float = _t(100.0, "the typical gradient norm grew 100x from the start of training to the end")
     # ---- inputs
