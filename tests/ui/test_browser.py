@@ -131,8 +131,11 @@ def test_training_view_draws_the_loss_curve_and_the_verdict(page, ui_server, bro
     assert page.locator(".finding").count() == len(api["findings"])
     assert "No learning-rate range test" in page.inner_text(".c-lr")
     assert "No checkpoints" in page.inner_text(".c-ckpt")
-    page.wait_for_timeout(200)
-    page.screenshot(path=str(screenshot_dir / "ui-training.png"), full_page=True)
+    # the view scrolls inside the page: grow the window to show every card at once
+    height = page.evaluate("document.querySelector('.topbar').offsetHeight + document.getElementById('view').scrollHeight")
+    page.set_viewport_size({"width": 1600, "height": min(max(height, 1000), 2400)})
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(screenshot_dir / "ui-training.png"))
 
 
 def test_training_view_shows_doctor_results_and_checkpoints(page, ui_server):
@@ -140,7 +143,8 @@ def test_training_view_shows_doctor_results_and_checkpoints(page, ui_server):
     wait_ready(page, "training")
     assert page.locator("#lr-range-chart path.series").count() == 2
     assert "Suggested learning rate: 0.03" in page.inner_text(".c-lr")
-    page.wait_for_function("document.querySelector('img.lr-plot').naturalWidth > 0")
+    png = page.request.get(ui_server.url + page.locator("#lr-plot-link").get_attribute("href"))
+    assert png.headers["content-type"] == "image/png" and png.body().startswith(b"\x89PNG")
     rows = page.locator("#checkpoints tr")
     assert rows.count() == 4 and "valid" in rows.nth(3).inner_text() and rows.nth(1).locator("td").first.inner_text() == "10"
     labels = page.locator(".heat-labels").inner_text().split()

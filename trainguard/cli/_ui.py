@@ -47,12 +47,15 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     n = len(find_runs(logdir))
+    say = {"markup": False, "highlight": False, "soft_wrap": True}  # one line, even when piped
     console.print(
         f"trainguard ui: {n} run{'s' if n != 1 else ''} under {logdir} at http://{shown}:{port}/  (Ctrl+C stops)",
-        markup=False,
-        highlight=False,
+        **say,
     )
     if n == 0:
-        console.print("trainguard ui: no runs yet; new runs appear in the picker as they are written", markup=False)
+        console.print("trainguard ui: no runs yet; new runs appear in the picker as they are written", **say)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(f"trainguard ui: listening on {args.host}: anyone who can reach it can read these runs", **say)
+    console.file.flush()
     serve(logdir, host=args.host, port=port, sock=sock)
     return 0

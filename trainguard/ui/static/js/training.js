@@ -46,7 +46,8 @@ export class TrainingView {
     this.findings = card("c-findings", "Findings");
     this.lr = card("c-lr", "Learning-rate range test");
     this.ckpt = card("c-ckpt", "Checkpoints");
-    clear(this.root, h("div.training#training", this.verdict, this.loss, this.scalars, this.layers, this.findings, this.lr, this.ckpt));
+    clear(this.root, h("div.training#training", this.verdict, this.loss, this.scalars,
+      h("div.col-left", this.layers, this.lr, this.ckpt), this.findings));
     this.resize = new ResizeObserver(debounce(() => this.redraw(), 150));
     this.resize.observe(this.root);
     await Promise.all([this.loadScalars(), this.loadLayers(), this.loadFindings(), this.loadDoctor(), this.loadCheckpoints()]
@@ -176,7 +177,12 @@ export class TrainingView {
       chart.id = "lr-range-chart";
       parts.push(chart);
     }
-    if (d.lr_plot) parts.push(h("img.lr-plot", { src: this.api.artifactUrl(d.lr_plot), alt: "LR range test plot written by the doctor" }));
+    if (d.lr_plot && !d.lr_range) {
+      parts.push(h("img.lr-plot", { src: this.api.artifactUrl(d.lr_plot), alt: "LR range test plot written by the doctor" }));
+    } else if (d.lr_plot) {
+      parts.push(h("div.small", h("a.link#lr-plot-link", { href: this.api.artifactUrl(d.lr_plot), target: "_blank", rel: "noopener" },
+        "the doctor's plot (PNG)")));
+    }
     if (!parts.length) {
       parts.push(empty("No learning-rate range test in this run. `trainguard doctor module:function --logdir RUN` writes one."));
     } else if (d.lr_suggestion !== null) {
