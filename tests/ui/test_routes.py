@@ -351,3 +351,41 @@ def test_missing_logdir_is_refused(tmp_path):
 
     with pytest.raises(RunNotFound, match="no such logdir"):
         create_app(tmp_path / "absent")
+
+
+def test_ranks_of_a_multi_process_run(tmp_path, builders):
+    from starlette.testclient import TestClient
+
+    from trainguard.ui import create_app
+
+    for rank, steps in ((0, 1), (1, 3)):
+        builders.reference_like(tmp_path / "ddp" / f"rank-{rank}", tmp_path / f"src{rank}", steps=steps)
+    with TestClient(create_app(tmp_path)) as c:
+        (run,) = get(c, "/api/runs")["runs"]
+        assert run["id"] == "ddp" and run["ranks"] == [0, 1]
+        assert get(c, "/api/runs/ddp")["executions"] == 11  # the lowest rank by default
+        assert get(c, "/api/runs/ddp", rank=1)["executions"] == 33
+        assert get(c, "/api/runs/ddp/executions", begin=0, end=50, rank=1)["total"] == 33
+        assert get(c, "/api/runs/ddp", 404, rank=7)["error"]["type"] == "RunNotFound"
+
+
+def test_rows_found_through_the_step_index_match_the_readers_offsets(tmp_path, builders):
+    """The provider pages by step range when steps never go back; else it asks the reader."""
+    from starlette.testclient import TestClient
+
+    from trainguard.store import open_run
+    from trainguard.ui import create_app
+
+    builders.big(tmp_path / "ordered", 2_500, per_step=7)
+    w = RunWriter(tmp_path / "unordered", mode="no_tensor")  # an eval loop that resets the step
+    recs = [(s, [0, 1, 0, 2][s // 10], "forward", "aten.relu.default", None, None, None, None, [],
+             [["torch.float32", [1], "cpu"]], None) for s in range(40)]
+    w.put_executions(ExecBatch(recs))
+    w.close()
+    with TestClient(create_app(tmp_path)) as c:
+        for rid, n in (("ordered", 2_500), ("unordered", 40)):
+            with open_run(tmp_path / rid) as run:
+                for begin, end in ((0, 1), (0, 200), (3, 11), (n - 9, n), (n // 2, n // 2 + 37), (n - 1, n + 10)):
+                    want = [d["seq"] for d in run.executions(begin, min(end, n))]
+                    got = [d["seq"] for d in get(c, f"/api/runs/{rid}/executions", begin=begin, end=end)["items"]]
+                    assert got == want, (rid, begin, end)

@@ -218,7 +218,7 @@ def executions(
 def _in_step_order(h: RunHandle) -> bool:
     """Whether each step's executions are contiguous in sequence order (steps never go back)."""
     steps = _steps(h)
-    return all(a["last"] < b["first"] for a, b in zip(steps, steps[1:]))
+    return cached(h, "step_order", lambda: all(a["last"] < b["first"] for a, b in zip(steps, steps[1:])))
 
 
 def _page_by_steps(h: RunHandle, begin: int, end: int) -> list[dict]:
