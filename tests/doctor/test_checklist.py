@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from trainguard import TrainguardError, doctor
+from trainguard import doctor
 from trainguard.store import loads, open_run
 
 
@@ -63,11 +63,25 @@ def test_report_is_written_to_a_run_and_read_back(mlp, batches, tmp_path):
 def test_saving_again_replaces_the_doctor_findings(mlp, batches, tmp_path):
     r = doctor.run_checklist(mlp, batches, nn.CrossEntropyLoss(), checks=["init"])
     r.save(tmp_path / "run")
-    with pytest.raises(TrainguardError, match="already holds a run"):
-        r.save(tmp_path / "run")
+    r.save(tmp_path / "run")  # a second save adds to the run and replaces the doctor's findings
+    with open_run(tmp_path / "run") as run:
+        assert len(run.findings(source="doctor")) == len(r.findings())
     r.save(tmp_path / "run", overwrite=True)
     with open_run(tmp_path / "run") as run:
         assert len(run.findings(source="doctor")) == len(r.findings())
+
+
+def test_results_join_a_recorded_run(mlp, batches, tmp_path):
+    import trainguard as tg
+
+    with tg.record(tmp_path / "run", buffer=-1):
+        torch.ones(3).exp()
+    r = doctor.run_checklist(mlp, batches, nn.CrossEntropyLoss(), checks=["init"])
+    r.save(tmp_path / "run")
+    with open_run(tmp_path / "run") as run:
+        assert run.count(op="exp") == 1 and run.status == "finished"
+        assert len(run.findings(source="doctor")) == len(r.findings())
+        assert run.artifact("doctor/report.json")[0] == "application/json"
 
 
 def test_renders_a_verdict_table(mlp, batches):

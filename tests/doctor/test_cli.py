@@ -98,9 +98,12 @@ def test_bad_options_exit_2(capsys):
     assert main(["doctor", f"{EXAMPLES / 'blobs_mlp.py'}:setup", "--lr-steps", "2", "--no-save"]) == 2
 
 
-def test_existing_run_needs_overwrite(tmp_path, capsys):
+def test_existing_run_gets_the_results_added(tmp_path, capsys):
     args = ["doctor", f"{EXAMPLES / 'blobs_mlp.py'}:setup", "--checks", "init", "--logdir", str(tmp_path / "r")]
     assert main(args) == 0
-    assert main(args) == 2
-    assert "already holds a run" in capsys.readouterr().err
+    assert main(args) == 0
     assert main(args + ["--overwrite"]) == 0
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "run.sqlite").write_bytes(b"garbage" * 100)
+    assert main(args[:-1] + [str(tmp_path / "bad")]) == 2
+    assert "not a readable trainguard run" in capsys.readouterr().err

@@ -175,8 +175,8 @@ class DoctorReport:
         """Write findings (source "doctor", replacing earlier ones), the JSON report and the LR
         range test's plot and CSV into the run directory ``logdir``.
 
-        A run this process is writing to ``logdir`` (a recording) is joined; a run left there by
-        another process is an error unless ``overwrite`` replaces it."""
+        A run this process is writing to ``logdir`` (a recording) is joined; results are added to a
+        run another process left there (``overwrite`` replaces that run instead)."""
         self.logdir = os.fspath(logdir)
         lr = self.result("lr_range_test")
         artifacts: list[tuple[str, str, bytes]] = []
@@ -186,7 +186,7 @@ class DoctorReport:
                 artifacts.append((ARTIFACT_PLOT, "image/png", lr.plot_png()))
             except DoctorInputError as exc:  # matplotlib missing: keep everything else
                 self.notes.append(f"no LR plot: {exc}")
-        writer = acquire_writer(logdir, overwrite=overwrite, meta={"doctor": True})
+        writer = acquire_writer(logdir, overwrite=overwrite, append=not overwrite, meta={"doctor": True})
         try:
             writer.add_findings("doctor", [f.to_dict() for f in self.findings()], replace=True)
             writer.put_artifact(ARTIFACT_REPORT, "application/json", dumps(self.to_dict()).encode())

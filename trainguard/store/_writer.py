@@ -75,6 +75,27 @@ def is_user_file(filename: str) -> bool:
 _plain_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
+def _check_appendable(db: Path) -> None:
+    """An existing run may be appended to only if it is a trainguard run this version can write."""
+    import sqlite3
+
+    from trainguard._errors import CorruptRun, SchemaTooNew
+    from trainguard.store._codec import SCHEMA_VERSION
+
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as exc:
+        raise CorruptRun(f"{str(db)!r} is not a readable trainguard run: {exc}") from None
+    if row is None or not str(row[0]).isdigit():
+        raise CorruptRun(f"{str(db)!r} has no schema version: not a trainguard run, or damaged")
+    if int(row[0]) > SCHEMA_VERSION:
+        raise SchemaTooNew(f"{str(db)!r} was written with run format {row[0]}; this trainguard writes {SCHEMA_VERSION}")
+
+
 @dataclass
 class ExecBatch:
     """Executions captured on the hot path, handed over as one queue item.
@@ -109,6 +130,7 @@ class RunWriter:
         mode: str = "full_health",
         buffer: int = -1,
         overwrite: bool = False,
+        append: bool = False,
         queue_items: int = 512,
         flush_interval: float = 1.0,
         meta: dict[str, Any] | None = None,
@@ -128,13 +150,19 @@ class RunWriter:
         db = self.run_dir / DB_NAME
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise TrainguardError(f"logdir {str(self.run_dir)!r} exists and is not a directory")
+        # The writer that created the run owns its status; an appending writer adds to it.
+        self.owner = True
         if db.exists():
-            if not overwrite:
+            if append and not overwrite:
+                self.owner = False
+                _check_appendable(db)
+            elif not overwrite:
                 raise TrainguardError(
                     f"logdir {str(self.run_dir)!r} already holds a run; choose a new logdir or pass overwrite=True"
                 )
-            for suffix in ("", "-wal", "-shm"):
-                Path(str(db) + suffix).unlink(missing_ok=True)
+            else:
+                for suffix in ("", "-wal", "-shm"):
+                    Path(str(db) + suffix).unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._con = connect(db, create=True)
         base = {
@@ -157,7 +185,7 @@ class RunWriter:
 
         base["trainguard"] = __version__
         base.update(meta or {})
-        self._write_meta(base)
+        self._write_meta(base if self.owner else dict(meta or {}))
         self._thread = threading.Thread(target=self._loop, name="trainguard-writer", daemon=True)
         self._thread.start()
 
@@ -221,7 +249,7 @@ class RunWriter:
         """Flush, trim the circular buffer to exactly ``buffer``, mark the run finished."""
         if self._closed:
             return
-        meta = {"status": "finished", "ended": time.time()}
+        meta = {"status": "finished", "ended": time.time()} if self.owner else {}
         meta.update(final_meta)
         self._q.put(("meta", meta))
         done = threading.Event()
@@ -495,19 +523,21 @@ _shared_lock = threading.Lock()
 
 
 def acquire_writer(run_dir: str | os.PathLike, *, mode: str | None = None, buffer: int | None = None,
-                   overwrite: bool = False, meta: dict[str, Any] | None = None) -> RunWriter:
+                   overwrite: bool = False, append: bool = False, meta: dict[str, Any] | None = None) -> RunWriter:
     """The writer of ``run_dir`` shared by everything in this process that writes to it.
 
     The recorder and the monitor may write to the same run: the first to arrive creates the
     writer, later ones join it. ``mode``/``buffer`` given by a later caller reconfigure the writer
-    (the recorder passes them; the monitor does not). Pair with :func:`release_writer`.
+    (the recorder passes them; the monitor does not). ``append=True`` adds to a run another
+    process left in ``run_dir`` (the doctor's results) instead of refusing it. Pair with
+    :func:`release_writer`.
     """
     key = Path(run_dir).resolve()
     with _shared_lock:
         entry = _shared.get(key)
         if entry is None or entry[0]._closed:
             writer = RunWriter(run_dir, mode=mode or "no_tensor", buffer=-1 if buffer is None else buffer,
-                               overwrite=overwrite, meta=meta)
+                               overwrite=overwrite, append=append, meta=meta)
             _shared[key] = [writer, 1]
             return writer
         writer = entry[0]
