@@ -10,7 +10,6 @@ from trainguard.analysis._context import Context, Series, fmt, median, rolling_m
 from trainguard.analysis._layer_rules import gradient_blocked
 from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import (
-    LR_RANGE_TEST,
     clip_text,
     lr_higher,
     lr_lower,
@@ -251,9 +250,12 @@ def loss_oscillating(ctx: Context) -> list[Finding]:
         return []
     lags = range(1, len(r) // 6 + 1)  # at least three periods inside the window
     rho = {k: _autocorr(r, k) for k in lags}
-    k = min(rho, key=rho.get)
-    if rho[k] > ctx.th.osc_autocorr:
+    low = min(rho.values())
+    if low > ctx.th.osc_autocorr:
         return []
+    # The fundamental: the first lag nearly as anti-correlated as the deepest (odd multiples of a
+    # half period are anti-correlated too).
+    k = next(k for k in lags if rho[k] <= 0.9 * low)
     if 2 * k < len(r) and _autocorr(r, 2 * k) <= 0:
         return []  # no repetition at the full period: a single bump, not an oscillation
     ev = {
@@ -399,14 +401,19 @@ def lr_too_low(ctx: Context) -> list[Finding]:
         "lr": ctx.lr(),
         "suggested_lr": new,
     }
+    title = (
+        f"Learning rate too low: each step moves the weights by {fmt(r_med)} of their norm "
+        f"(the most-moved layer) and the loss improved {prog['progress']:.1%}"
+    )
+    if ctx.lr() == 0:
+        title = f"Learning rate is 0: the weights do not move and the loss improved {prog['progress']:.1%}"
     return [
         Finding(
             kind="lr_too_low",
             severity="warning",
-            title=f"Learning rate too low: each step moves the weights by {fmt(r_med)} of their norm "
-            f"(the most-moved layer) and the loss improved {prog['progress']:.1%}",
+            title=title,
             evidence=ev,
-            suggestion=text if new is not None else f"raise the learning rate; {LR_RANGE_TEST}",
+            suggestion=text,
             steps=prog["steps"],
             source=SOURCE,
         )

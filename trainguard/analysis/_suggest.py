@@ -60,6 +60,11 @@ def lr_higher(ctx: Context, ratio: float | None) -> tuple[float | None, str]:
     lr = ctx.lr()
     if lr is None:
         return None, f"raise the learning rate; {LR_RANGE_TEST}"
+    if lr == 0:
+        return None, (
+            "the learning rate is 0: check the scheduler (an integer division such as `step // warmup` gives 0) "
+            f"and the parameter groups; {LR_RANGE_TEST}"
+        )
     factor = 100.0
     if ratio is not None and math.isfinite(ratio) and ratio > 0:
         factor = min(1000.0, max(10.0, TARGET_UPDATE_RATIO / ratio))

@@ -249,7 +249,8 @@ class Monitor:
         s = self._backward_step if self._backward_step is not None else self._cur
         if loss is not None:
             if isinstance(loss, torch.Tensor):
-                loss = loss.detach().reshape(-1)[0] if loss.numel() else float("nan")
+                with self._no_record():
+                    loss = loss.detach().reshape(-1)[0] if loss.numel() else float("nan")
             if s < self._cur or s in self._scalars:
                 self._scalars.setdefault(s, {})["loss"] = loss  # the step is already finished
             else:
@@ -257,7 +258,8 @@ class Monitor:
             self._user_gives_loss = True
         self._backward_step = None
         if s == self._cur and (not self._saw_optimizer or _steps.clock.manual):
-            self._capture_grads(self._all_params(), in_optimizer=None)
+            with self._no_record():
+                self._capture_grads(self._all_params(), in_optimizer=None)
             _steps.step()
         return self._cur
 
@@ -265,8 +267,9 @@ class Monitor:
         """Send what is buffered to the run (one transfer) and wait until it is written."""
         if self._closed:
             return
-        self._ship(final=False, include_last=True)
-        self._resolve(wait=True)
+        with self._no_record():
+            self._ship(final=False, include_last=True)
+            self._resolve(wait=True)
         self._writer.flush()
 
     def close(self) -> None:
@@ -274,10 +277,11 @@ class Monitor:
         if self._closed:
             return
         try:
-            if self._backward_step == self._cur or self._auto_losses or self._grad_seen:
-                self._finish_step(self._cur)  # a last step whose optimizer never ran
-            self._ship(final=True, include_last=True)
-            self._resolve(wait=True)
+            with self._no_record():
+                if self._backward_step == self._cur or self._auto_losses or self._grad_seen:
+                    self._finish_step(self._cur)  # a last step whose optimizer never ran
+                self._ship(final=True, include_last=True)
+                self._resolve(wait=True)
         finally:
             self._closed = True
             self._detach_all()
@@ -422,11 +426,9 @@ class Monitor:
         self._writer.set_meta(monitor=meta)
 
     # ------------------------------------------------------------------ hooks
-    def _no_record(self):
-        # Keep trainguard.record (a dispatch mode) from recording the monitor's own reductions.
-        if torch._C._len_torch_dispatch_stack() > 0:
-            return torch._C._DisableTorchDispatch()
-        return contextlib.nullcontext()
+    @staticmethod
+    def _no_record():
+        return _monitor_tap.quiet()
 
     def _make_root_hook(self, root: _Root):
         def hook(module, args, kwargs):
@@ -435,6 +437,10 @@ class Monitor:
         return hook
 
     def _root_pre(self, root: _Root, module, args, kwargs) -> None:
+        with self._no_record():
+            self._root_pre_quiet(root, module, args, kwargs)
+
+    def _root_pre_quiet(self, root: _Root, module, args, kwargs) -> None:
         try:
             grad_on = torch.is_grad_enabled()
             if root.mode_modules:
@@ -495,6 +501,10 @@ class Monitor:
     def _on_layer(self, layer: _Layer, args, output) -> None:
         if not self._recording or not torch.is_grad_enabled() or layer.seen_step == self._cur:
             return
+        with self._no_record():
+            self._layer_stats(layer, args, output)
+
+    def _layer_stats(self, layer: _Layer, args, output) -> None:
         try:
             x = first_tensor(output)
             if x is None or not x.is_floating_point() or x.numel() == 0:
@@ -536,6 +546,10 @@ class Monitor:
         return hook
 
     def _on_param_grad(self, p: _Param) -> None:
+        with self._no_record():
+            self._on_param_grad_quiet(p)
+
+    def _on_param_grad_quiet(self, p: _Param) -> None:
         key = id(p)
         if key in self._stale_seen:
             return
@@ -571,6 +585,10 @@ class Monitor:
         return mine
 
     def _before_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        with self._no_record():
+            self._before_optimizer_quiet(opt)
+
+    def _before_optimizer_quiet(self, opt: torch.optim.Optimizer) -> None:
         try:
             params = self._params_in(opt)
             if not params:
@@ -595,6 +613,10 @@ class Monitor:
             log.exception("trainguard monitor: optimizer pre-hook failed")
 
     def _after_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        with self._no_record():
+            self._after_optimizer_quiet(opt)
+
+    def _after_optimizer_quiet(self, opt: torch.optim.Optimizer) -> None:
         try:
             params = self._params_in(opt)
             if not params:
@@ -661,7 +683,8 @@ class Monitor:
         if self._closed:
             return
         try:
-            self._finish_step(self._cur)
+            with self._no_record():
+                self._finish_step(self._cur)
         except Exception:
             log.exception("trainguard monitor: finishing step %s failed", self._cur)
         self._cur = new_step

@@ -8,6 +8,7 @@ and restores the original when the last one leaves. It keeps nothing but a detac
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 
@@ -22,13 +23,21 @@ def _backward(tensors, grad_tensors=None, *args, **kwargs):
     loss = None
     if isinstance(tensors, torch.Tensor) and grad_tensors is None and tensors.numel() == 1:
         if tensors.is_floating_point():
-            loss = tensors.detach().reshape(())
+            with quiet():
+                loss = tensors.detach().reshape(())
     for fn in list(_listeners):
         try:
             fn(loss)
         except Exception:  # observing training never kills training
             pass
     return _original(tensors, grad_tensors, *args, **kwargs)
+
+
+def quiet():
+    """Keep ``trainguard.record`` (a dispatch mode) from recording the monitor's own tensor ops."""
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return torch._C._DisableTorchDispatch()
+    return contextlib.nullcontext()
 
 
 def add_listener(fn: Callable[[torch.Tensor | None], None]) -> None:

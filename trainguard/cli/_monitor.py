@@ -48,7 +48,9 @@ def add_parser(sub) -> None:
 
 
 def parse_overrides(items: list[str]) -> dict[str, float]:
-    """``["LOSS_SPIKE_RATIO=4", ...]`` -> ``{"LOSS_SPIKE_RATIO": 4.0}``; names are checked by diagnose."""
+    """``["loss_spike_ratio=4", ...]`` -> ``{"loss_spike_ratio": 4.0}``, names checked against the thresholds."""
+    from trainguard.analysis import Thresholds
+
     out: dict[str, float] = {}
     for item in items:
         name, sep, value = item.partition("=")
@@ -58,6 +60,10 @@ def parse_overrides(items: list[str]) -> dict[str, float]:
             out[name.strip()] = float(value)
         except ValueError:
             raise TrainguardError(f"--set {name.strip()}: value must be a number, got {value!r}") from None
+    try:
+        Thresholds.from_overrides(out)
+    except ValueError as exc:
+        raise TrainguardError(str(exc)) from None
     return out
 
 
@@ -130,11 +136,7 @@ def _print_findings(findings, as_json: bool, header: str | None = None) -> None:
 
 
 def _cmd_monitor(args) -> int:
-    thresholds = parse_overrides(args.set) or None
-    if thresholds:
-        from trainguard.analysis import Thresholds
-
-        Thresholds.from_overrides(thresholds)  # reject a bad name before the script runs
+    thresholds = parse_overrides(args.set) or None  # a bad name fails before the script runs
     code, mon = monitor_script(
         args.script,
         args.args,

@@ -1,0 +1,206 @@
+"""Monitor overhead: training steps plain, under trainguard.Monitor (every=10 and every=1), and under
+a hook-based monitor that calls ``.item()`` per statistic per layer (the NetworkDebugger lesson's
+approach), at every step and every 10th.
+
+Configurations are interleaved round by round in one process so that machine noise hits them
+alike. A cell is the mean step time over a block of steps (so the one recording step in ten
+counts), median over rounds, divided by plain's.
+
+    python benchmarks/bench_monitor.py                      # mlp, cnn, transformer
+    python benchmarks/bench_monitor.py --models mlp --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+
+def make_mlp():
+    """About 100 ops per step (forward, backward, Adam), a few ms on 2 CPU threads."""
+    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(256, 784), torch.randint(0, 10, (256,))
+    return model, opt, lambda: nn.functional.cross_entropy(model(x), y)
+
+
+def make_cnn():
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    return model, opt, lambda: nn.functional.cross_entropy(model(x), y)
+
+
+def make_transformer():
+    """One pre-norm transformer encoder block, >= 30 ms per step on 2 CPU threads."""
+    model = nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, batch_first=True,
+                                       norm_first=True, dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(16, 128, 256)
+    return model, opt, lambda: model(x).pow(2).mean()
+
+
+MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer}
+
+
+class ItemHookMonitor:
+    """The lesson's approach: forward hooks and gradient hooks that read each statistic with ``.item()``.
+
+    Per leaf module: activation mean, std, min, max, fraction of zeros, fraction of dead units;
+    per parameter: gradient mean |g|, max |g|, norm. Every ``.item()`` is a host sync.
+    """
+
+    def __init__(self, model: nn.Module, every: int):
+        self.every = every
+        self.step = 0
+        self.stats: list[tuple[str, str, float]] = []
+        self.handles = []
+        for name, m in model.named_modules():
+            if list(m.children()):
+                continue
+            self.handles.append(m.register_forward_hook(self._forward(name)))
+        for name, p in model.named_parameters():
+            self.handles.append(p.register_hook(self._grad(name)))
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.opt_hook = register_optimizer_step_post_hook(self._stepped)
+
+    def _on(self) -> bool:
+        return self.step % self.every == 0
+
+    def _forward(self, name):
+        def hook(module, args, out):
+            if not self._on() or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+                return
+            x = out.detach()
+            self.stats += [
+                (name, "mean", x.mean().item()),
+                (name, "std", x.std().item()),
+                (name, "min", x.min().item()),
+                (name, "max", x.max().item()),
+                (name, "zero_frac", (x == 0).float().mean().item()),
+                (name, "dead_frac", (~(x != 0).any(0)).float().mean().item() if x.dim() > 1 else 0.0),
+            ]
+
+        return hook
+
+    def _grad(self, name):
+        def hook(g):
+            if self._on():
+                self.stats += [
+                    (name, "grad_mean_abs", g.abs().mean().item()),
+                    (name, "grad_max_abs", g.abs().max().item()),
+                    (name, "grad_norm", g.norm().item()),
+                ]
+
+        return hook
+
+    def _stepped(self, opt, args, kwargs):
+        self.step += 1
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.opt_hook.remove()
+
+
+@contextlib.contextmanager
+def configured(config: str, model: nn.Module, tmp: str):
+    if config == "plain":
+        yield
+        return
+    if config.startswith("item_hooks"):
+        mon = ItemHookMonitor(model, every=int(config.split("every=")[1]))
+        try:
+            yield
+        finally:
+            mon.close()
+        return
+    from trainguard import Monitor
+
+    every = int(config.split("every=")[1])
+    mon = Monitor(model, os.path.join(tmp, f"m-{time.monotonic_ns()}"), every=every, diagnose=False)
+    try:
+        yield
+    finally:
+        mon.close()
+
+
+def run_block(opt, loss_fn, n: int) -> float:
+    """Mean seconds per step over ``n`` steps."""
+    t = time.perf_counter()
+    for _ in range(n):
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+    return (time.perf_counter() - t) / n
+
+
+CONFIGS = ["plain", "monitor every=10", "monitor every=1", "item_hooks every=10", "item_hooks every=1"]
+
+
+def time_model(name: str, rounds: int, steps: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model, opt, loss_fn = MODELS[name]()
+    run_block(opt, loss_fn, 3)  # warm up allocator and kernels
+    per: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(rounds):
+            for c in CONFIGS:
+                with configured(c, model, tmp):
+                    run_block(opt, loss_fn, 1)  # the first step attaches (and records, step 0)
+                    per[c].append(run_block(opt, loss_fn, steps))
+    return {c: statistics.median(v) for c, v in per.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mlp,cnn,transformer")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration per round (multiple of 10)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    logging.getLogger("trainguard").setLevel(logging.ERROR)
+    results: dict = {"threads": args.threads, "rounds": args.rounds, "steps": args.steps, "models": {}}
+    for name in [m for m in args.models.split(",") if m]:
+        t = time_model(name, args.rounds, args.steps)
+        results["models"][name] = {
+            "step_ms": {c: t[c] * 1e3 for c in CONFIGS},
+            "ratio": {c: t[c] / t["plain"] for c in CONFIGS},
+        }
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"monitor overhead: step time / plain (median of {args.rounds} rounds of {args.steps} "
+                        f"steps, {args.threads} threads)")
+    table.add_column("model")
+    table.add_column("plain ms", justify="right")
+    for c in CONFIGS[1:]:
+        table.add_column(c, justify="right")
+    for name, r in results["models"].items():
+        table.add_row(name, f"{r['step_ms']['plain']:.2f}", *[f"{r['ratio'][c]:.2f}x" for c in CONFIGS[1:]])
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

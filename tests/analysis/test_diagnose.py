@@ -1,0 +1,225 @@
+"""The diagnosis rules on small synthetic runs written through the store's writer."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import trainguard as tg
+from trainguard.analysis import MONITOR_RULES, RULES, Thresholds, diagnose
+from trainguard.store import acquire_writer, open_run, release_writer
+
+LAYERS = [
+    {"name": "0", "type": "Linear"}, {"name": "1", "type": "ReLU"},
+    {"name": "2", "type": "Linear"}, {"name": "3", "type": "ReLU"}, {"name": "4", "type": "Linear"},
+]
+PARAMS = {
+    "0.weight": {"layer": "0", "module_type": "Linear", "shape": [64, 20], "requires_grad": True},
+    "2.weight": {"layer": "2", "module_type": "Linear", "shape": [64, 64], "requires_grad": True},
+    "4.weight": {"layer": "4", "module_type": "Linear", "shape": [5, 64], "requires_grad": True},
+}
+
+
+def healthy_loss(n: int = 100, seed: int = 0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    return list(1.6 * np.exp(-np.arange(n) / 30) + 0.2 + 0.03 * rng.standard_normal(n))
+
+
+def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=0.01, every=5):
+    w = acquire_writer(path)
+    loss = healthy_loss() if loss is None else loss
+    for s, v in enumerate(loss):
+        values = {"loss": v, "lr/0": lr}
+        if grad_norm is not None:
+            values["grad_norm"] = grad_norm[s]
+        w.add_scalars(s, values)
+    rows = list(layer_rows)
+    if not any(r[2] == "weight" for r in rows):
+        for s in range(0, len(loss), every):
+            for p in PARAMS:
+                rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                         (s, p, "gradient", "in_optimizer", 1), (s, p, "update", "norm", 0.01),
+                         (s, p, "update", "ratio", 2e-3)]
+    w.add_layer_stats(rows)
+    w.set_meta(monitor={"every": every, "layers": LAYERS, "params": PARAMS, "order": [la["name"] for la in LAYERS],
+                        "modes": modes or {}})
+    release_writer(w)
+    return open_run(path)
+
+
+def kinds(findings, problems_only=True):
+    return [f.kind for f in findings if f.is_problem or not problems_only]
+
+
+def test_healthy_run_gets_an_explicit_verdict(tmp_path):
+    fs = diagnose(write_run(tmp_path / "r"))
+    assert kinds(fs, problems_only=False) == ["healthy"]
+    assert fs[0].severity == "info" and fs[0].evidence["steps"] == 100
+
+
+def test_too_little_data(tmp_path):
+    w = acquire_writer(tmp_path / "r")
+    release_writer(w)
+    fs = diagnose(open_run(tmp_path / "r"))
+    assert [f.kind for f in fs] == ["insufficient_data"]
+
+
+def test_nonfinite_loss_names_the_first_step(tmp_path):
+    loss = healthy_loss()
+    loss[40:] = [math.nan] * 60
+    fs = diagnose(write_run(tmp_path / "r", loss))
+    f = fs[0]
+    assert f.kind == "nonfinite_loss" and f.severity == "critical" and f.steps == (40, 99)
+    assert f.evidence["first_step"] == 40 and f.evidence["nonfinite_steps"] == 60
+    assert "trainguard.record" in f.suggestion  # no recording: it says how to find the op
+
+
+def test_flat_loss_is_not_decreasing_and_names_chance_level(tmp_path):
+    rng = np.random.default_rng(1)
+    loss = list(math.log(5) + 0.02 * rng.standard_normal(100))
+    fs = diagnose(write_run(tmp_path / "r", loss))
+    assert kinds(fs) == ["loss_not_decreasing"]
+    assert fs[0].evidence["chance_loss"].startswith("ln(5)")
+
+
+def test_a_spike_is_found_at_its_step(tmp_path):
+    loss = healthy_loss()
+    loss[70] = 6.0
+    fs = diagnose(write_run(tmp_path / "r", loss, grad_norm=[1.0] * 100))
+    spike = [f for f in fs if f.kind == "loss_spike"]
+    assert spike and spike[0].evidence["largest"]["step"] == 70
+    assert "max_norm=1" in spike[0].suggestion
+
+
+@pytest.mark.parametrize("period", [2, 6, 12])
+def test_oscillation_and_its_period(tmp_path, period):
+    t = np.arange(120)
+    loss = list(np.exp(-t / 200) * (1 + 0.3 * np.cos(2 * math.pi * t / period)))
+    fs = diagnose(write_run(tmp_path / "r", loss))
+    osc = [f for f in fs if f.kind == "loss_oscillating"]
+    assert osc and osc[0].evidence["period_steps"] == period
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), noise=st.floats(0.01, 0.3))
+def test_noisy_decreasing_loss_is_not_an_oscillation_or_a_spike(tmp_path_factory, seed, noise):
+    rng = np.random.default_rng(seed)
+    t = np.arange(150)
+    loss = list((2 * np.exp(-t / 40) + 0.3) * np.exp(noise * rng.standard_normal(150)))
+    fs = diagnose(write_run(tmp_path_factory.mktemp("r") / "r", loss), rules=["loss_oscillating", "loss_spike"])
+    assert kinds(fs) == []
+
+
+def test_dead_units_severity_and_threshold_override(tmp_path):
+    rows = []
+    for s in range(0, 100, 5):
+        rows += [(s, "1", "activation", "dead_frac", 0.7), (s, "1", "activation", "dead_stay", 1.0),
+                 (s, "1", "activation", "mean", 0.1), (s, "1", "activation", "std", 0.2),
+                 (s, "3", "activation", "dead_frac", 0.0), (s, "3", "activation", "mean", 0.3),
+                 (s, "3", "activation", "std", 0.5)]
+    run = write_run(tmp_path / "r", layer_rows=rows)
+    fs = diagnose(run)
+    dead = [f for f in fs if f.kind == "dead_units"][0]
+    assert dead.severity == "warning" and dead.layers == ["1"]
+    assert dead.evidence["layers"]["1"]["stay_dead"] == 1.0
+    assert "revive_dead_units" in dead.suggestion
+    assert "dead_units" not in kinds(diagnose(run, thresholds={"DEAD_UNITS_WARN": 0.8}))
+    assert [f for f in diagnose(run, thresholds={"dead_units_error": 0.6}) if f.kind == "dead_units"][0].severity == "error"
+
+
+def test_vanishing_gradient_ratio(tmp_path):
+    rows = []
+    for s in range(0, 100, 5):
+        for p, g in (("0.weight", 1e-9), ("2.weight", 1e-5), ("4.weight", 0.1)):
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", g), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", 1e-3)]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows))
+    f = [f for f in fs if f.kind == "vanishing_gradient"][0]
+    assert f.evidence["first_last_ratio"] == pytest.approx(1e-8)
+    assert f.layers == ["0", "2"]
+
+
+def test_lr_too_low_suggests_a_larger_rate(tmp_path):
+    rows = []
+    for s in range(0, 100, 5):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", 1e-7)]
+    rng = np.random.default_rng(0)
+    loss = list(1.6 - 0.0002 * np.arange(100) + 0.01 * rng.standard_normal(100))
+    fs = diagnose(write_run(tmp_path / "r", loss, layer_rows=rows, lr=1e-5))
+    f = [f for f in fs if f.kind == "lr_too_low"][0]
+    assert f.evidence["suggested_lr"] == 0.01  # 1000x: the ratio 1e-7 is 10,000x below 1e-3; capped
+    assert "lr_range_test" in f.suggestion and "1e-05" in f.suggestion
+
+
+def test_lr_too_high_from_divergence(tmp_path):
+    loss = [1.6] + [8.0 + s * 0.1 for s in range(99)]
+    fs = diagnose(write_run(tmp_path / "r", loss, lr=0.5))
+    f = [f for f in fs if f.kind == "lr_too_high"][0]
+    assert f.evidence["divergence"]["initial_loss"] == 1.6
+    assert "from 0.5 to about" in f.suggestion
+
+
+def test_mode_mistakes(tmp_path):
+    run = write_run(tmp_path / "r", modes={"train_steps_in_eval": 60, "first_train_step_in_eval": 40,
+                                          "eval_forwards": 4, "eval_forwards_in_train": 4,
+                                          "first_eval_forward_in_train": 24})
+    fs = diagnose(run)
+    assert {"eval_mode_in_training", "train_mode_in_eval"} <= set(kinds(fs))
+
+
+def test_severity_order_and_every_rule_is_registered(tmp_path):
+    loss = healthy_loss()
+    loss[80:] = [math.inf] * 20
+    fs = diagnose(write_run(tmp_path / "r", loss, modes={"eval_forwards_in_train": 1, "eval_forwards": 1,
+                                                           "first_eval_forward_in_train": 3}))
+    ranks = [f.rank for f in fs]
+    assert ranks == sorted(ranks, reverse=True) and fs[0].kind == "nonfinite_loss"
+    assert set(MONITOR_RULES) <= set(RULES)
+
+
+def test_bad_thresholds_and_rules(tmp_path):
+    run = write_run(tmp_path / "r")
+    with pytest.raises(ValueError, match="unknown threshold 'nope'"):
+        diagnose(run, thresholds={"nope": 1})
+    with pytest.raises(ValueError, match="must be a number, got 'x'"):
+        diagnose(run, thresholds={"dead_units_warn": "x"})
+    with pytest.raises(ValueError, match="unknown rule"):
+        diagnose(run, rules=["no_such_rule"])
+    assert all(reason for _, reason in Thresholds.reasons().values())
+
+
+def test_origin_from_a_recording(tmp_path):
+    """With the recorder on, the non-finite loss finding names the op and the user's line."""
+    import torch
+    from torch import nn
+
+    def train():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(8, 4), torch.arange(8) % 3
+        for step in range(4):
+            opt.zero_grad()
+            probs = torch.softmax(model(x) * (1000.0 if step >= 2 else 1.0), dim=1)
+            loss = -(nn.functional.one_hot(y, 3) * torch.log(probs)).sum(1).mean()  # LOG LINE
+            loss.backward()
+            opt.step()
+
+    with tg.record(tmp_path / "r", mode="full_health", buffer=-1), tg.Monitor(None, tmp_path / "r", every=1) as mon:
+        train()
+    f = mon.findings[0]
+    assert f.kind == "nonfinite_loss" and f.evidence["first_step"] == 2
+    origin = f.evidence["origin"]
+    assert origin["op"] == "aten.log" and origin["file"] == __file__ and origin["step"] == 2
+    import inspect
+
+    lines = inspect.getsource(test_origin_from_a_recording).splitlines()
+    first = test_origin_from_a_recording.__code__.co_firstlineno
+    assert origin["line"] == first + next(i for i, t in enumerate(lines) if "# LOG LINE" in t)
+    assert "clamp" in f.suggestion and f"{__file__}:{origin['line']}" in f.title

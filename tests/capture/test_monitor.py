@@ -1,0 +1,385 @@
+"""The monitor's records: per-step scalars, layer statistics checked against a reference computed
+in the test, batching (no per-layer host reads), attachment, modes, and cleanup."""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard
+from trainguard.capture import _monitor_tap, _steps
+from trainguard.capture._monitor import Monitor
+from trainguard.store import open_run
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(step: int):
+    """A learnable task: the label is the largest of the first three features."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(32, 8, generator=g)
+    return x, x[:, :3].argmax(1)
+
+
+def stats_of(run, step: int, layer: str, kind: str) -> dict[str, float]:
+    return {r["stat"]: r["value"] for r in run.layer_stats(layer=layer, kind=kind) if r["step"] == step}
+
+
+def test_scalars_and_layer_stats_match_a_reference(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_losses, ref_norms, ref_acts, ref_grads, ref_updates = [], [], {}, {}, {}
+    seen = {}
+    handles = [model[i].register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o.detach().clone()))
+               for i in (1, 3)]
+    with Monitor(model, tmp_path / "run", every=5, diagnose=False):
+        for step in range(12):
+            x, y = batch(step)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            ref_losses.append(loss.item())
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            ref_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item())
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            opt.step()
+            if step % 5 == 0:
+                ref_acts[step] = dict(seen)
+                ref_grads[step] = grads
+                ref_updates[step] = {
+                    n: ((p.detach() - before[n]).norm() / p.detach().norm()).item() for n, p in model.named_parameters()
+                }
+    for h in handles:
+        h.remove()
+
+    run = open_run(tmp_path / "run")
+    scalars = run.scalars()
+    assert [s for s, _ in scalars["loss"]] == list(range(12))
+    assert [v for _, v in scalars["loss"]] == pytest.approx(ref_losses, rel=1e-6)
+    assert [v for _, v in scalars["grad_norm"]] == pytest.approx(ref_norms, rel=1e-5)
+    assert [v for _, v in scalars["lr/0"]] == [0.1] * 12
+
+    assert sorted({r["step"] for r in run.layer_stats()}) == [0, 5, 10]
+    for step in (0, 5, 10):
+        relu = ref_acts[step][1]
+        got = stats_of(run, step, "1", "activation")
+        assert got["mean"] == pytest.approx(relu.mean().item(), rel=1e-5)
+        assert got["std"] == pytest.approx(relu.std().item(), rel=1e-5)
+        assert got["min"] == relu.min().item() and got["max"] == relu.max().item()
+        assert got["zero_frac"] == pytest.approx((relu == 0).float().mean().item())
+        assert got["dead_frac"] == pytest.approx((relu == 0).all(0).float().mean().item())
+        tanh = stats_of(run, step, "3", "activation")
+        assert tanh["sat_frac"] == pytest.approx((ref_acts[step][3].abs() > 0.99).float().mean().item())
+        for name, g in ref_grads[step].items():
+            got = stats_of(run, step, name, "gradient")
+            assert got["mean_abs"] == pytest.approx(g.abs().mean().item(), rel=1e-5)
+            assert got["max_abs"] == pytest.approx(g.abs().max().item(), rel=1e-6)
+            assert got["norm"] == pytest.approx(g.norm().item(), rel=1e-5)
+            assert got["nonfinite"] == 0 and got["present"] == 1 and got["in_optimizer"] == 1
+            assert stats_of(run, step, name, "update")["ratio"] == pytest.approx(ref_updates[step][name], rel=1e-4)
+    inputs = stats_of(run, 5, "<input>", "input")
+    x5, _ = batch(5)
+    assert inputs["mean"] == pytest.approx(x5.mean().item(), rel=1e-5)
+    assert inputs["feat_std_max"] == pytest.approx(x5.std(0).max().item(), rel=1e-5)
+    meta = run.meta["monitor"]
+    assert meta["order"] == ["0", "1", "2", "3", "4"]
+    assert meta["params"]["2.weight"] == {"layer": "2", "module_type": "Linear", "shape": [16, 16], "requires_grad": True}
+
+
+def test_dead_units_are_counted_across_the_batch_and_their_persistence(tmp_path):
+    lin = nn.Linear(4, 10)
+    with torch.no_grad():
+        lin.weight.zero_()
+        lin.bias.copy_(torch.tensor([1.0] * 3 + [-1.0] * 7))  # 7 of 10 units always negative
+        lin.weight[:3] = 0.1
+    model = nn.Sequential(lin, nn.ReLU(), nn.Linear(10, 2))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.0)
+    with Monitor(model, tmp_path / "r", every=1, diagnose=False):
+        for step in range(3):
+            x, _ = batch(step)
+            opt.zero_grad()
+            model(x[:, :4]).sum().backward()
+            opt.step()
+    run = open_run(tmp_path / "r")
+    assert stats_of(run, 0, "1", "activation")["dead_frac"] == pytest.approx(0.7)
+    assert "dead_stay" not in stats_of(run, 0, "1", "activation")
+    assert stats_of(run, 2, "1", "activation")["dead_stay"] == 1.0
+
+
+def test_conv_units_are_channels(tmp_path):
+    conv = nn.Conv2d(1, 4, 3, padding=1)
+    with torch.no_grad():
+        conv.bias.copy_(torch.tensor([0.0, -50.0, 0.0, -50.0]))
+    model = nn.Sequential(conv, nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Monitor(model, tmp_path / "r", every=1, diagnose=False):
+        opt.zero_grad()
+        model(torch.randn(8, 1, 6, 6)).sum().backward()
+        opt.step()
+    run = open_run(tmp_path / "r")
+    assert stats_of(run, 0, "1", "activation")["dead_frac"] == 0.5  # channels, not positions
+
+
+def test_layer_statistics_reach_the_host_in_one_batch_per_recording_step(tmp_path, monkeypatch):
+    """No ``.item()``/``float()`` on a tensor anywhere in the monitor; one ``tolist`` per shipped batch."""
+    calls = {"item": 0, "float": 0, "bool": 0, "tolist": 0}
+    for name, attr in (("item", "item"), ("float", "__float__"), ("bool", "__bool__"), ("tolist", "tolist")):
+        original = getattr(torch.Tensor, attr)
+
+        def counting(self, *a, _o=original, _n=name, **k):
+            import sys
+
+            frame = sys._getframe(1)
+            if "trainguard" in frame.f_code.co_filename:
+                calls[_n] += 1
+            return _o(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, attr, counting)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = Monitor(model, tmp_path / "r", every=5, diagnose=False)
+    for step in range(20):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    shipped_before_close = calls["tolist"]
+    mon.close()
+    monkeypatch.undo()
+    assert calls["item"] == calls["float"] == calls["bool"] == 0
+    assert shipped_before_close == 4  # recording steps 0, 5, 10, 15: one transfer each
+    run = open_run(tmp_path / "r")
+    assert len(run.scalars("loss")["loss"]) == 20
+    assert len({(r["layer"], r["kind"]) for r in run.layer_stats() if r["step"] == 15}) > 10
+
+
+def test_manual_loop_without_optimizer(tmp_path):
+    model = mlp()
+    losses = []
+    with Monitor(model, tmp_path / "r", every=2, diagnose=False) as mon:
+        for step in range(6):
+            x, y = batch(step)
+            model.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+            losses.append(loss.item())
+            assert mon.step(loss) == step + 1
+    run = open_run(tmp_path / "r")
+    assert [v for _, v in run.scalars("loss")["loss"]] == pytest.approx(losses)
+    assert [s for s, _ in run.scalars("grad_norm")["grad_norm"]] == list(range(6))
+    assert "in_optimizer" not in stats_of(run, 2, "0.weight", "gradient")
+
+
+def test_step_loss_replaces_the_scaled_loss_seen_by_backward(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    with Monitor(model, tmp_path / "r", every=3, diagnose=False) as mon:
+        for step in range(5):
+            x, y = batch(step)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            (loss * 1024.0).backward()  # as under a GradScaler
+            opt.step()
+            mon.step(loss)
+            losses.append(loss.item())
+    rows = open_run(tmp_path / "r").scalars("loss")["loss"]
+    assert [s for s, _ in rows] == list(range(5))  # one row per step: no duplicates
+    assert [v for _, v in rows] == pytest.approx(losses)
+
+
+def test_attaches_to_unnamed_models_and_leaves_nothing_behind(tmp_path):
+    import torch.nn.modules.module as module_mod
+
+    original_backward = torch.autograd.backward
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = nn.CrossEntropyLoss()  # a top-level module without parameters: not a model
+    with Monitor(None, tmp_path / "r", every=2, diagnose=False) as mon:
+        for step in range(4):
+            x, y = batch(step)
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        assert mon.layers == ["0", "1", "2", "3", "4"]
+    assert torch.autograd.backward is original_backward
+    assert not _monitor_tap._listeners
+    assert not module_mod._global_forward_pre_hooks
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(not p._backward_hooks for p in model.parameters())
+    assert _steps.clock.users == 0
+    run = open_run(tmp_path / "r")
+    assert run.meta["monitor"]["status"] == "finished"
+    assert len(run.scalars("loss")["loss"]) == 4
+
+
+def test_two_models_get_prefixes(tmp_path):
+    g, d = mlp(), nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(list(g.parameters()) + list(d.parameters()), lr=0.1)
+    with Monitor({"gen": g, "disc": d}, tmp_path / "r", every=1, diagnose=False):
+        x, _ = batch(0)
+        opt.zero_grad()
+        d(g(x)).mean().backward()
+        opt.step()
+    layers = open_run(tmp_path / "r").layers()
+    assert "gen.<input>" in layers and "gen.1" in layers and "disc.1" in layers and "disc.2.weight" in layers
+
+
+def test_activations_are_not_kept_alive(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs = []
+    model[1].register_forward_hook(lambda m, a, o: refs.append(weakref.ref(o)))
+    with Monitor(model, tmp_path / "r", every=1, diagnose=False):
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            del loss
+        gc.collect()
+        assert refs and all(r() is None for r in refs)
+
+
+def test_histograms_on_request(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, tmp_path / "r", every=2, histograms=["1", "2.weight"], bins=8, diagnose=False):
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    run = open_run(tmp_path / "r")
+    hists = run.histograms()
+    assert {(h["layer"], h["kind"]) for h in hists} == {("1", "activation"), ("2.weight", "gradient"),
+                                                          ("2.weight", "weight")}
+    act = [h for h in hists if h["layer"] == "1" and h["step"] == 2][0]
+    assert sum(act["counts"]) == 32 * 16 and len(act["edges"]) == 9
+    s = stats_of(run, 2, "1", "activation")
+    assert act["edges"][0] == pytest.approx(s["min"]) and act["edges"][-1] == pytest.approx(s["max"])
+
+
+def test_stale_gradients_show_a_missing_zero_grad(tmp_path):
+    def run_loop(path, zero: bool, accumulate: int = 1):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with Monitor(model, path, every=2, diagnose=False):
+            for step in range(6):
+                if zero:
+                    opt.zero_grad()
+                for k in range(accumulate):
+                    x, y = batch(10 * step + k)
+                    nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        return [r["value"] for r in open_run(path).layer_stats(stat="stale") if r["step"] > 0]
+
+    assert set(run_loop(tmp_path / "a", zero=False)) == {1.0}
+    assert set(run_loop(tmp_path / "b", zero=True)) == {0.0}
+    assert set(run_loop(tmp_path / "c", zero=True, accumulate=3)) == {0.0}  # deliberate accumulation
+
+
+def test_mode_counters(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, tmp_path / "r", every=5, diagnose=False) as mon:
+        for step in range(4):
+            if step == 2:
+                model.eval()  # and never back to train()
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            with torch.no_grad():
+                model(x)
+    assert mon.modes["train_steps_in_eval"] == 2 and mon.modes["first_train_step_in_eval"] == 2
+    assert mon.modes["eval_forwards"] == 4 and mon.modes["eval_forwards_in_train"] == 2
+    assert open_run(tmp_path / "r").meta["monitor"]["modes"]["train_steps_in_eval"] == 2
+
+
+def test_parameters_missing_from_the_optimizer_are_flagged(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(list(model[0].parameters()) + list(model[2].parameters()), lr=0.1)
+    with Monitor(model, tmp_path / "r", every=1, diagnose=False):
+        for step in range(2):
+            x, y = batch(step)
+            opt.zero_grad()
+            model[4].zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    run = open_run(tmp_path / "r")
+    assert stats_of(run, 1, "4.weight", "gradient")["in_optimizer"] == 0
+    assert stats_of(run, 1, "0.weight", "gradient")["in_optimizer"] == 1
+    assert stats_of(run, 1, "4.weight", "gradient")["present"] == 1
+
+
+def test_findings_are_stored_at_close(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trainguard.Monitor(model, tmp_path / "r", every=5) as mon:
+        for step in range(30):
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    kinds = [f.kind for f in mon.findings]
+    assert kinds == ["healthy"]
+    stored = open_run(tmp_path / "r").findings(source="monitor")
+    assert [f["kind"] for f in stored] == kinds
+
+
+def test_with_the_recorder_the_monitor_ops_are_not_recorded(tmp_path):
+    def executions(with_monitor: bool, path):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = batch(0)
+        with trainguard.record(path, mode="no_tensor", buffer=-1):
+            mon = Monitor(model, path, every=1, diagnose=False) if with_monitor else None
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            if mon is not None:
+                mon.close()
+        run = open_run(path)
+        return run.count(), run
+
+    plain, _ = executions(False, tmp_path / "a")
+    monitored, run = executions(True, tmp_path / "b")
+    assert monitored == plain
+    assert len(run.scalars("loss")["loss"]) == 1 and run.layer_stats(layer="1")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"every": 0}, "every must be an int >= 1, got 0"), ({"bins": 1}, "bins must be an int >= 2, got 1"),
+     ({"histograms": "all"}, "histograms must be None, True or a list")],
+)
+def test_bad_arguments(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Monitor(mlp(), tmp_path / "r", **kwargs)
+    assert _steps.clock.users == 0
+
+
+def test_nonfinite_values_are_stored_explicitly(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, tmp_path / "r", every=1, diagnose=False):
+        x, y = batch(0)
+        opt.zero_grad()
+        (nn.functional.cross_entropy(model(x), y) * float("nan")).backward()
+        opt.step()
+    run = open_run(tmp_path / "r")
+    assert math.isnan(run.scalars("loss")["loss"][0][1])
+    assert stats_of(run, 0, "0.weight", "gradient")["nonfinite"] == 8 * 16

@@ -1,0 +1,137 @@
+"""``trainguard monitor``, ``trainguard diagnose``, ``trainguard export tensorboard`` and the
+findings view, end to end on a tiny real training script."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import textwrap
+
+import pytest
+from rich.console import Console
+
+from trainguard.cli import main
+from trainguard.cli._findings_view import findings_json, render_findings
+from trainguard.store import Finding, open_run
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        model[0].bias.fill_(-float(sys.argv[1]))  # a large negative bias kills the ReLU units
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    for step in range(60):
+        x = torch.randn(32, 6, generator=g)
+        y = x[:, :3].argmax(1)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_monitor_prints_findings_and_stores_them(script, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["monitor", "--logdir", str(run_dir), "--every", "5", "--histograms", str(script), "50"]) == 0
+    out = capsys.readouterr().out
+    assert "dead_units" in out and "fix:" in out and "revive_dead_units" in out
+    assert out.index("ERROR") < out.index("WARNING")  # most severe first
+    run = open_run(run_dir)
+    stored = [f["kind"] for f in run.findings(source="monitor")]
+    assert "dead_units" in stored
+    assert run.histograms(layer="1")
+
+
+def test_diagnose_json_and_threshold_overrides(script, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    main(["monitor", "--logdir", str(run_dir), "--every", "5", "--json", str(script), "0"])
+    healthy = json.loads(capsys.readouterr().out)
+    assert healthy["verdict"] == "healthy" and [f["kind"] for f in healthy["findings"]] == ["healthy"]
+
+    assert main(["diagnose", str(run_dir), "--json", "--set", "loss_min_progress=0.99"]) == 0
+    strict = json.loads(capsys.readouterr().out)
+    assert strict["verdict"] == "warning" and strict["findings"][0]["kind"] == "loss_not_decreasing"
+
+    assert main(["diagnose", str(run_dir), "--list-thresholds", "--set", "dead_units_warn=0.3"]) == 0
+    table = capsys.readouterr().out
+    assert "dead_units_warn" in table and "(default 0.5)" in table
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["diagnose", "{tmp}/missing"], "no such run directory"),
+        (["diagnose", "{run}", "--set", "bogus=1"], "unknown threshold 'bogus'"),
+        (["diagnose", "{run}", "--set", "dead_units_warn"], "--set needs NAME=VALUE"),
+        (["monitor", "--logdir", "{tmp}/x", "{tmp}/nope.py"], "no such script"),
+        (["export", "tensorboard", "{tmp}/missing", "{tmp}/out"], "no such run directory"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(script, tmp_path, capsys, argv, message):
+    run_dir = tmp_path / "run"
+    main(["monitor", "--logdir", str(run_dir), "--json", str(script), "0"])
+    capsys.readouterr()
+    argv = [a.format(tmp=tmp_path, run=run_dir) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2
+
+
+def test_export_tensorboard_is_read_back_by_tensorboard(script, tmp_path, capsys):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    run_dir, out_dir = tmp_path / "run", tmp_path / "tb"
+    main(["monitor", "--logdir", str(run_dir), "--every", "5", "--histograms", "--json", str(script), "3"])
+    capsys.readouterr()
+    assert main(["export", "tensorboard", str(run_dir), str(out_dir)]) == 0
+    assert "histograms" in capsys.readouterr().out
+
+    acc = ea.EventAccumulator(str(out_dir), size_guidance={ea.SCALARS: 0, ea.HISTOGRAMS: 0, ea.TENSORS: 0})
+    acc.Reload()
+    run = open_run(run_dir)
+    loss = run.scalars("loss")["loss"]
+    events = acc.Scalars("loss")
+    assert [e.step for e in events] == [s for s, _ in loss]
+    assert [e.value for e in events] == pytest.approx([v for _, v in loss], rel=1e-6)
+    dead = run.layer_stats(layer="1", kind="activation", stat="dead_frac")
+    assert [e.value for e in acc.Scalars("activation/1/dead_frac")] == pytest.approx([r["value"] for r in dead])
+    hist = run.histograms(layer="1", kind="activation")[0]
+    tb_hist = acc.Histograms("activation/1")[0]
+    assert tb_hist.step == hist["step"]
+    assert list(tb_hist.histogram_value.bucket) == pytest.approx(hist["counts"])
+    assert tb_hist.histogram_value.num == sum(hist["counts"])
+    text = acc.Tensors("trainguard/findings")[0].tensor_proto.string_val[0].decode()
+    assert "dead_units" in text
+
+
+def test_findings_view_orders_and_formats():
+    findings = [
+        Finding(kind="loss_spike", severity="warning", title="spike", evidence={"ratio": 12.345678}, steps=(3, 3)),
+        {"kind": "nonfinite_loss", "severity": "critical", "title": "nan at 7", "evidence": {"value": math.nan},
+         "suggestion": "clamp", "steps": [7, 9], "layers": ["fc1"], "id": 1, "created": 0.0, "source": "monitor"},
+        Finding(kind="params_frozen", severity="info", title="frozen", evidence={"params": [f"p{i}" for i in range(9)]}),
+    ]
+    buf = io.StringIO()
+    render_findings(Console(file=buf, width=200, color_system=None), findings)
+    text = buf.getvalue()
+    assert text.index("CRITICAL") < text.index("WARNING") < text.index("INFO")
+    assert "steps 7-9 · layers fc1" in text and "value: nan" in text and "ratio: 12.3" in text
+    assert "... and 3 more" in text and "fix: clamp" in text
+    data = findings_json(findings)
+    assert data["verdict"] == "critical" and data["counts"] == {"info": 1, "warning": 1, "error": 0, "critical": 1}
+    assert data["findings"][0]["evidence"]["value"] == "NaN"
+    json.dumps(data)
