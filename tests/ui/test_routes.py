@@ -108,6 +108,8 @@ def test_execution_filters(client, logdir, params, expect):
         {"phase": "sideways"},
         {"health": "purple"},
         {"rank": "first"},
+        {"step": str(2**63)},
+        {"begin": str(2**64)},
     ],
 )
 def test_bad_query_parameters_are_400_with_a_message(client, params):
@@ -131,6 +133,7 @@ def test_one_execution_in_full(client, logdir, builders):
     assert [f["user"] for f in d["stack"]] == [True, True, True]
     assert get(client, "/api/runs/ref/executions/999999", 404)["error"]["type"] == "NotFound"
     assert get(client, "/api/runs/ref/executions/abc", 400)["error"]["status"] == 400
+    assert "must be between" in get(client, f"/api/runs/ref/executions/{2**63}", 400)["error"]["message"]
 
 
 def test_backward_execution_links_its_forward_op(client, logdir):

@@ -263,13 +263,16 @@ def _p(name: str, where: str, schema: dict[str, Any], desc: str, required: bool 
     }
 
 
+# "/"-separated parts that do not start with a dot: no "." or "..", no backslash, "%" or NUL.
+_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9_. -]*(/[A-Za-z0-9_-][A-Za-z0-9_. -]*)*$"
+# SQLite integers are 64-bit; the server answers 400 beyond this.
+_UINT = {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}
 _RUN = _p("run", "path", {"type": "string", "minLength": 1}, "run id, as listed by /api/runs")
 _RANK = _p(
-    "rank", "query", {"type": "integer", "minimum": 0}, "rank of a multi-process run (default: lowest)"
+    "rank", "query", _UINT, "rank of a multi-process run (default: lowest)"
 )
-_UINT = {"type": "integer", "minimum": 0}
 _FILTERS = [
-    _p("step", "query", {"type": "string", "pattern": "^[0-9]+(:[0-9]+)?$"}, "one step N, or a range A:B"),
+    _p("step", "query", {"type": "string", "pattern": "^[0-9]{1,18}(:[0-9]{1,18})?$"}, "one step N, or a range A:B"),
     _p("op", "query", {"type": "string"}, "op name, e.g. log or aten.log.default"),
     _p("module", "query", {"type": "string"}, "module path; includes its children"),
     _p("phase", "query", {"type": "string", "enum": list(PHASES)}, "forward, backward, optimizer, other"),
@@ -355,7 +358,7 @@ _PATHS = {
     "/api/runs/{run}/scalars": _get(
         "Per-step scalars (loss, lr/N, grad_norm, ...); long series reduced to min/max per bucket",
         "Scalars",
-        [_RUN, _p("max_points", "query", {"type": "integer", "minimum": 10}, "points per series"), _RANK],
+        [_RUN, _p("max_points", "query", dict(_UINT, minimum=10), "points per series"), _RANK],
     ),
     "/api/runs/{run}/layer_stats": _get(
         "A layer x step matrix of one statistic, and the statistics the run has",
@@ -376,7 +379,7 @@ _PATHS = {
     "/api/runs/{run}/artifacts/{name}": _get(
         "One artifact's bytes (database first, then a plain file inside the run directory)",
         None,
-        [_RUN, _p("name", "path", {"type": "string"}, "artifact name, e.g. doctor/lr_range_test.png"), _RANK],
+        [_RUN, _p("name", "path", {"type": "string", "pattern": _NAME}, "artifact name, e.g. doctor/lr_range_test.png"), _RANK],
     ),
     "/api/runs/{run}/doctor": _get("Doctor report and LR range test curve", "Doctor", [_RUN, _RANK]),
     "/api/runs/{run}/checkpoints": _get(

@@ -182,12 +182,12 @@ def _filters(params: dict[str, Any]) -> dict[str, Any]:
 def _step_filter(value: Any) -> Any:
     text = str(value)
     try:
-        if ":" in text:
-            a, b = text.split(":", 1)
-            return (int(a), int(b))
-        return int(text)
+        parts = [int(x) for x in text.split(":", 1)]
     except ValueError:
         raise BadRequest(f"step must be an integer or a range A:B, got {text!r}") from None
+    if not all(0 <= x < 2**63 for x in parts):
+        raise BadRequest(f"step must be between 0 and {2**63 - 1}, got {text!r}")
+    return tuple(parts) if len(parts) == 2 else parts[0]
 
 
 def executions(

@@ -16,6 +16,8 @@ from trainguard.ui._openapi import openapi_schema
 from trainguard.ui._registry import BadRequest, Registry
 
 _FILTER_PARAMS = ("step", "op", "module", "phase", "health")
+# SQLite integers are 64-bit: a larger number can name nothing and must not reach the database.
+MAX_INT = 2**63 - 1
 
 
 def _int(request: Request, name: str, default: int | None = None, *, minimum: int | None = 0) -> int | None:
@@ -28,6 +30,8 @@ def _int(request: Request, name: str, default: int | None = None, *, minimum: in
         raise BadRequest(f"{name} must be an integer, got {raw!r}") from None
     if minimum is not None and value < minimum:
         raise BadRequest(f"{name} must be >= {minimum}, got {value}")
+    if value > MAX_INT:
+        raise BadRequest(f"{name} must be <= {MAX_INT}, got {value}")
     return value
 
 
@@ -37,8 +41,8 @@ def _path_int(request: Request, name: str) -> int:
         value = int(raw)
     except ValueError:
         raise BadRequest(f"{name} must be an integer, got {raw!r}") from None
-    if value < 0:
-        raise BadRequest(f"{name} must be >= 0, got {value}")
+    if not 0 <= value <= MAX_INT:
+        raise BadRequest(f"{name} must be between 0 and {MAX_INT}, got {value}")
     return value
 
 
