@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from trainguard.cli import main
-from trainguard.cli._findings_view import findings_json, render_findings
+from trainguard.cli._findings_view import findings_json, render_findings, render_findings_table
 from trainguard.store import Finding, open_run
 
 SCRIPT = textwrap.dedent(
@@ -62,9 +62,10 @@ def test_diagnose_json_and_threshold_overrides(script, tmp_path, capsys):
     healthy = json.loads(capsys.readouterr().out)
     assert healthy["verdict"] == "healthy" and [f["kind"] for f in healthy["findings"]] == ["healthy"]
 
-    assert main(["diagnose", str(run_dir), "--json", "--set", "loss_min_progress=0.99"]) == 0
+    assert main(["diagnose", str(run_dir), "--json", "--set", "loss_min_progress=0.99", "--write"]) == 0
     strict = json.loads(capsys.readouterr().out)
     assert strict["verdict"] == "warning" and strict["findings"][0]["kind"] == "loss_not_decreasing"
+    assert [f["kind"] for f in open_run(run_dir).findings(source="monitor")] == ["loss_not_decreasing"]
 
     assert main(["diagnose", str(run_dir), "--list-thresholds", "--set", "dead_units_warn=0.3"]) == 0
     table = capsys.readouterr().out
@@ -131,6 +132,9 @@ def test_findings_view_orders_and_formats():
     assert text.index("CRITICAL") < text.index("WARNING") < text.index("INFO")
     assert "steps 7-9 · layers fc1" in text and "value: nan" in text and "ratio: 12.3" in text
     assert "... and 3 more" in text and "fix: clamp" in text
+    panel = io.StringIO()
+    Console(file=panel, width=200, color_system=None).print(render_findings_table(findings))
+    assert "findings" in panel.getvalue().splitlines()[0] and "nan at 7" in panel.getvalue()
     data = findings_json(findings)
     assert data["verdict"] == "critical" and data["counts"] == {"info": 1, "warning": 1, "error": 0, "critical": 1}
     assert data["findings"][0]["evidence"]["value"] == "NaN"

@@ -1,7 +1,8 @@
 """Terminal and JSON rendering of findings: most severe first, with evidence and the fix.
 
-``render_findings(console, findings)`` is what ``trainguard report``, ``trainguard monitor`` and
-``trainguard diagnose`` print; ``findings_json(findings)`` is their ``--json`` form.
+``render_findings(console, findings)`` is what ``trainguard monitor`` and ``trainguard diagnose``
+print, ``render_findings_table(findings)`` the panel ``trainguard report`` shows, and
+``findings_json(findings)`` the ``--json`` form.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from rich.console import Console
-from rich.markup import escape
+from rich.console import Console, Group
+from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
 from trainguard.store import SEVERITIES, Finding, sort_findings, to_plain_json
 
@@ -57,33 +59,40 @@ def _value(v: Any, depth: int = 0) -> str:
     return _num(v)
 
 
-def render_findings(console: Console, findings: Iterable[Finding | dict], *, evidence: bool = True) -> None:
-    """Print findings most severe first: severity, kind, title, steps and layers, evidence, fix."""
+def findings_renderable(findings: Iterable[Finding | dict], *, evidence: bool = True) -> Group:
+    """Findings most severe first: severity, kind, title, steps and layers, evidence, fix."""
     items = as_findings(findings)
     if not items:
-        console.print("no findings", style="dim")
-        return
+        return Group(Text("no findings", style="dim"))
     counts = {s: sum(f.severity == s for f in items) for s in reversed(SEVERITIES)}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    console.print(f"[bold]{len(items)} finding(s)[/]: {summary}", highlight=False)
+    lines: list[Text] = [Text.assemble((f"{len(items)} finding(s)", "bold"), f": {summary}")]
     for f in items:
-        console.print()
-        console.print(
-            f"[{_STYLE[f.severity]}] {f.severity.upper()} [/] [bold]{escape(f.kind)}[/]  {escape(f.title)}",
-            highlight=False,
-        )
+        lines.append(Text())
+        lines.append(Text.assemble((f" {f.severity.upper()} ", _STYLE[f.severity]), " ", (f.kind, "bold"), "  ", f.title))
         where = []
         if f.steps:
             where.append(f"steps {f.steps[0]}-{f.steps[1]}" if f.steps[0] != f.steps[1] else f"step {f.steps[0]}")
         if f.layers:
             where.append("layers " + ", ".join(f.layers[:_MAX_ITEMS]) + (" ..." if len(f.layers) > _MAX_ITEMS else ""))
         if where:
-            console.print("    " + escape(" · ".join(where)), style="dim", highlight=False)
+            lines.append(Text("    " + " · ".join(where), style="dim"))
         if evidence and f.evidence:
             for key, val in f.evidence.items():
-                console.print(f"    [dim]{escape(str(key))}:[/] {escape(_value(val))}", highlight=False)
+                lines.append(Text.assemble("    ", (f"{key}:", "dim"), " ", _value(val)))
         if f.suggestion:
-            console.print(f"    [green]fix:[/] {escape(f.suggestion)}", highlight=False)
+            lines.append(Text.assemble("    ", ("fix:", "green"), " ", f.suggestion))
+    return Group(*lines)
+
+
+def render_findings(console: Console, findings: Iterable[Finding | dict], *, evidence: bool = True) -> None:
+    """Print findings most severe first (what ``trainguard monitor`` and ``diagnose`` show)."""
+    console.print(findings_renderable(findings, evidence=evidence))
+
+
+def render_findings_table(findings: Iterable[Finding | dict]) -> Panel:
+    """The findings as one panel for ``trainguard report``."""
+    return Panel(findings_renderable(findings), title="findings", title_align="left", border_style="yellow")
 
 
 def findings_json(findings: Iterable[Finding | dict]) -> dict:

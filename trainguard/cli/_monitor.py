@@ -43,6 +43,7 @@ def add_parser(sub) -> None:
     d.add_argument("run", help="run directory")
     d.add_argument("--json", action="store_true", help="print the findings as JSON")
     d.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a threshold")
+    d.add_argument("--write", action="store_true", help="store the findings in the run (replacing the monitor's)")
     d.add_argument("--list-thresholds", action="store_true", help="print the thresholds and their reasons")
     d.set_defaults(func=_cmd_diagnose)
 
@@ -164,5 +165,14 @@ def _cmd_diagnose(args) -> int:
         return 0
     with open_run(args.run) as run:
         findings = diagnose(run, thresholds=overrides or None)
+        path = run.path
+    if args.write:
+        from trainguard.store import acquire_writer, release_writer
+
+        writer = acquire_writer(path, append=True)
+        try:
+            writer.add_findings("monitor", [f.to_dict() for f in findings], replace=True)
+        finally:
+            release_writer(writer)
     _print_findings(findings, args.json)
     return 0
