@@ -1,0 +1,194 @@
+"""Gradients, weights, updates and learning rates, as the monitor sees them around ``optimizer.step()``.
+
+Every step: the squared norm of each optimizer's gradients (summed into the global norm). At
+recording steps also, per parameter: gradient statistics, whether it has a gradient and is in an
+optimizer, its weight norm, its update norm and update-to-weight ratio (from a copy taken just
+before the step), and whether its gradient was stale when the step's first gradient arrived
+(``zero_grad`` missing). All values stay on the device until the monitor ships them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainguard.capture._layer_stats import grad_stats, histogram, squared_norm_sum
+from trainguard.capture._monitor_model import Param
+from trainguard.capture._monitor_ship import Shipper
+
+
+class GradientWatch:
+    def __init__(self, out: Shipper, wants_hist: Callable[[str], bool], bins: int):
+        self.out = out
+        self.wants_hist = wants_hist
+        self.bins = bins
+        self.saw_optimizer = False
+        self._opt_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._opt_index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._opt_params: set[int] = set()  # ids of the parameters some optimizer owns
+        self._hooks: list = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._seen: set[int] = set()  # parameters whose gradient this step has been read
+        self._stale_seen: set[int] = set()
+        self._sq: list[torch.Tensor] = []
+        self._lrs: dict[str, Any] = {}
+        self._snap: dict[int, tuple[list[Param], list[torch.Tensor]]] = {}
+
+    def forget_optimizers(self) -> None:
+        """The watched parameters changed (a model was attached): recompute optimizer membership."""
+        self._opt_cache = weakref.WeakKeyDictionary()
+
+    def params_in(self, opt: torch.optim.Optimizer, params: list[Param]) -> list[Param]:
+        """The watched parameters ``opt`` updates (cached while its groups keep their sizes)."""
+        sig = tuple(len(g["params"]) for g in opt.param_groups)
+        hit = self._opt_cache.get(opt)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        self._opt_params |= ids
+        mine = [p for p in params if p.ref() is not None and id(p.ref()) in ids]
+        self._opt_cache[opt] = (sig, mine)
+        if opt not in self._opt_index:
+            self._opt_index[opt] = len(self._opt_index)
+        return mine
+
+    # ------------------------------------------------------------------ around optimizer.step()
+    def capture(self, params: list[Param], step: int, recording: bool, *, in_optimizer: bool | None) -> None:
+        """Read the gradients of ``params`` not read yet this step (``in_optimizer`` None: unknown)."""
+        grads, owners = [], []
+        for p in params:
+            key = id(p)
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            t = p.ref()
+            if t is None:
+                continue
+            g = t.grad
+            if recording:
+                if in_optimizer is not None:
+                    flag = 1.0 if (in_optimizer or id(t) in self._opt_params) else 0.0
+                    self.out.consts.append((step, p.name, "gradient", "in_optimizer", flag))
+                self.out.consts.append((step, p.name, "gradient", "present", 0.0 if g is None else 1.0))
+            if g is None or g.is_sparse:
+                continue
+            grads.append(g.detach())
+            owners.append(p)
+        if not grads:
+            return
+        with torch.no_grad():
+            self._sq.append(squared_norm_sum(grads))
+            if recording:
+                mat, names = grad_stats(grads)
+                names = tuple(names)
+                for p, g, row in zip(owners, grads, mat):
+                    self.out.stats.append((("l", p.name, "gradient", names, step), row))
+                    if self.wants_hist(p.name):
+                        self.out.stats.append((("h", p.name, "gradient", step), histogram(g, self.bins)))
+
+    def snapshot(self, opt: torch.optim.Optimizer, params: list[Param]) -> None:
+        """Copy the weights ``opt`` is about to change (recording steps): the update is new - old."""
+        live = [(p, p.ref()) for p in params]
+        live = [(p, t) for p, t in live if t is not None and not t.is_sparse]
+        if live:
+            with torch.no_grad():
+                copies = torch._foreach_mul([t.detach() for _, t in live], 1.0)
+            self._snap[id(opt)] = ([p for p, _ in live], copies)
+
+    def after(self, opt: torch.optim.Optimizer, step: int) -> None:
+        """After ``opt.step()``: its learning rates, and the updates against the snapshot."""
+        k = self._opt_index.get(opt, 0)
+        for gi, g in enumerate(opt.param_groups):
+            lr = g.get("lr")
+            if lr is None:
+                continue
+            if isinstance(lr, torch.Tensor):
+                lr = lr.detach().reshape(-1)[0].clone()
+            self._lrs[f"lr/{gi}" if k == 0 else f"lr/{k}.{gi}"] = lr
+        snap = self._snap.pop(id(opt), None)
+        if snap is None:
+            return
+        ps, old = snap
+        now = [p.ref() for p in ps]
+        if any(t is None for t in now):
+            return
+        with torch.no_grad():
+            new = [t.detach() for t in now]
+            un = torch._foreach_norm(torch._foreach_sub(new, old))
+            wn = torch._foreach_norm(new)
+            for p, u, w in zip(ps, un, wn):
+                vec = torch.stack([u.float(), (u / w).float()])
+                self.out.stats.append((("l", p.name, "update", ("norm", "ratio"), step), vec))
+
+    # ------------------------------------------------------------------ stale gradients
+    def hook_params(self, params: list[Param], step_of: Callable[[], int]) -> None:
+        """At recording steps: the first gradient to reach a parameter checks what .grad still holds."""
+        for p in params:
+            t = p.ref()
+            if t is not None and t.requires_grad:
+                self._hooks.append(t.register_hook(self._make_hook(p, step_of)))
+
+    def unhook_params(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _make_hook(self, p: Param, step_of: Callable[[], int]):
+        from trainguard.capture._monitor_tap import quiet
+
+        def hook(grad):
+            with quiet():
+                self._stale(p, step_of())
+
+        return hook
+
+    def _stale(self, p: Param, step: int) -> None:
+        key = id(p)
+        if key in self._stale_seen:
+            return
+        self._stale_seen.add(key)
+        t = p.ref()
+        if t is None:
+            return
+        prior = t.grad
+        if prior is None or prior.is_sparse:
+            self.out.consts.append((step, p.name, "gradient", "stale", 0.0))
+            return
+        flag = prior.ne(0).any().to(torch.float32).reshape(1)
+        self.out.stats.append((("l", p.name, "gradient", ("stale",), step), flag))
+
+    # ------------------------------------------------------------------ end of a step
+    def finish(self, params: list[Param], step: int, recording: bool) -> dict[str, Any]:
+        """The step's scalars (global gradient norm, learning rates); weight norms at recording steps."""
+        if self.saw_optimizer:
+            # Gradients no optimizer took: parameters missing from every optimizer.
+            rest = [p for p in params if id(p) not in self._seen]
+            if rest:
+                self.capture(rest, step, recording, in_optimizer=False)
+        values: dict[str, Any] = {}
+        if self._sq:
+            with torch.no_grad():
+                values["grad_norm"] = (self._sq[0] if len(self._sq) == 1 else torch.stack(self._sq).sum()).sqrt()
+        values.update(self._lrs)
+        if recording:
+            self._weights(params, step)
+        self._reset()
+        return values
+
+    def _weights(self, params: list[Param], step: int) -> None:
+        live = [(p, p.ref()) for p in params]
+        live = [(p, t) for p, t in live if t is not None and not t.is_sparse]
+        if not live:
+            return
+        with torch.no_grad():
+            norms = torch._foreach_norm([t.detach() for _, t in live])
+            for (p, t), n in zip(live, norms):
+                self.out.stats.append((("l", p.name, "weight", ("norm",), step), n.float().reshape(1)))
+                self.out.consts.append((step, p.name, "weight", "requires_grad", 1.0 if t.requires_grad else 0.0))
+                if self.wants_hist(p.name):
+                    self.out.stats.append((("h", p.name, "weight", step), histogram(t, self.bins)))

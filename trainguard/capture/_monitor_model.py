@@ -1,0 +1,110 @@
+"""What the monitor watches in a model: its layers and parameters, held through weak references."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from trainguard.capture._layer_stats import is_channel_first, is_mode_module, saturation_kind
+
+# Modules whose output is not a "layer" worth a row: containers and pass-through modules.
+_SKIP_TYPES = (nn.Identity, nn.modules.dropout._DropoutNd, nn.Flatten, nn.Unflatten)
+
+
+class Layer:
+    """A module whose output the monitor summarises (a leaf, or a module with its own parameters)."""
+
+    __slots__ = ("name", "type", "ref", "channel_first", "saturation", "prev_dead", "seen_step", "handle")
+
+    def __init__(self, name: str, module: nn.Module):
+        self.name = name
+        self.type = type(module).__name__
+        self.ref = weakref.ref(module)
+        self.channel_first = is_channel_first(module)
+        self.saturation = saturation_kind(module)
+        self.prev_dead: torch.Tensor | None = None  # this layer's dead-unit mask at the last recording
+        self.seen_step = -1
+        self.handle = None
+
+
+class Param:
+    __slots__ = ("name", "ref", "layer", "module_type", "shape")
+
+    def __init__(self, name: str, param: nn.Parameter, layer: str, module_type: str):
+        self.name = name
+        self.ref = weakref.ref(param)
+        self.layer = layer
+        self.module_type = module_type
+        self.shape = list(param.shape)
+
+
+class Root:
+    """A top-level model: its layers, parameters and the modules whose output depends on train/eval mode."""
+
+    __slots__ = ("ref", "prefix", "mode_modules", "handle", "layers", "params")
+
+    def __init__(self, module: nn.Module, prefix: str):
+        self.ref = weakref.ref(module)
+        self.prefix = prefix
+        self.mode_modules = [weakref.ref(m) for m in module.modules() if is_mode_module(m)]
+        self.handle = None
+        self.layers: list[Layer] = []
+        self.params: list[Param] = []
+
+
+def build_root(module: nn.Module, prefix: str) -> Root:
+    """List the layers and parameters of ``module``; names are its own, after ``prefix``."""
+    root = Root(module, prefix)
+    root_label = type(module).__name__.lower()
+    for name, m in module.named_modules():
+        if m is module and list(m.children()):
+            continue
+        if isinstance(m, _SKIP_TYPES):
+            continue
+        has_direct = any(True for _ in m.parameters(recurse=False))
+        if list(m.children()) and not has_direct:
+            continue
+        root.layers.append(Layer(prefix + (name or root_label), m))
+    owner = {}
+    for mname, m in module.named_modules():
+        for pname, _ in m.named_parameters(recurse=False):
+            owner[(mname + "." + pname) if mname else pname] = (prefix + (mname or root_label), type(m).__name__)
+    for pname, p in module.named_parameters():
+        layer, mtype = owner.get(pname, (prefix + pname.rsplit(".", 1)[0], ""))
+        root.params.append(Param(prefix + pname, p, layer, mtype))
+    return root
+
+
+def named_models(model: nn.Module | Iterable[nn.Module] | dict[str, nn.Module] | None) -> list[tuple[str, nn.Module]]:
+    """(prefix, module) pairs: no prefix for one model, ``name.`` for a dict, ``modelK.`` for a list."""
+    if model is None:
+        return []
+    if isinstance(model, nn.Module):
+        return [("", model)]
+    items = list(model.items()) if isinstance(model, dict) else [(f"model{i}", m) for i, m in enumerate(model)]
+    for name, m in items:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"model {name!r} must be an nn.Module, got {type(m).__name__}")
+    return [(f"{name}.", m) for name, m in items]
+
+
+def structure(roots: list[Root]) -> dict:
+    """The run metadata describing the watched layers and parameters (read by the diagnosis)."""
+    return {
+        "layers": [
+            {"name": la.name, "type": la.type, "saturation": la.saturation, "channel_first": la.channel_first}
+            for r in roots
+            for la in r.layers
+        ],
+        "params": {
+            p.name: {"layer": p.layer, "module_type": p.module_type, "shape": p.shape,
+                     "requires_grad": bool(p.ref() is not None and p.ref().requires_grad)}
+            for r in roots
+            for p in r.params
+        },
+        "roots": [{"prefix": r.prefix, "type": type(r.ref()).__name__ if r.ref() is not None else None,
+                   "mode_modules": len(r.mode_modules)} for r in roots],
+    }
