@@ -1,0 +1,113 @@
+"""The on-device layer statistics against a NumPy reference (hypothesis)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainguard.capture._layer_stats import activation_stats, grad_stats, histogram, input_stats
+
+shapes = st.lists(st.integers(1, 6), min_size=2, max_size=4)
+dtypes = st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16])
+
+
+@st.composite
+def tensors(draw, allow_nonfinite=False):
+    shape = draw(shapes)
+    dtype = draw(dtypes)
+    n = int(np.prod(shape))
+    pool = [0.0, 0.0, 1.0, -1.0, 0.5, 2.5, -3.0, 0.999, 100.0]
+    if allow_nonfinite:
+        pool += [math.nan, math.inf, -math.inf]
+    values = draw(st.lists(st.sampled_from(pool) | st.floats(-10, 10), min_size=n, max_size=n))
+    t = torch.tensor(values, dtype=torch.float64).reshape(shape).to(dtype)
+    if draw(st.booleans()) and t.dim() >= 2:
+        t = t.transpose(0, 1)  # a non-contiguous view
+    return t
+
+
+def names_values(vec, names):
+    return dict(zip(names, vec.tolist()))
+
+
+@settings(max_examples=150, deadline=None)
+@given(x=tensors(), channel_first=st.booleans(), sat=st.sampled_from([None, "tanh", "sigmoid"]))
+def test_activation_stats_match_numpy(x, channel_first, sat):
+    ref = x.to(torch.float64).numpy()
+    unit_dim = 1 if channel_first else -1
+    vec, names, dead = activation_stats(x, unit_dim, None, sat)
+    got = names_values(vec, names)
+    tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 1e-3
+    scale = max(1.0, float(np.abs(ref).max()))
+    assert got["mean"] == pytest.approx(ref.mean(), abs=tol * scale)
+    assert got["std"] == pytest.approx(ref.std(ddof=1) if ref.size > 1 else 0.0, abs=tol * scale * 10)
+    assert got["min"] == pytest.approx(ref.min()) and got["max"] == pytest.approx(ref.max())
+    assert got["zero_frac"] == pytest.approx((ref == 0).mean())
+    axis = tuple(d for d in range(ref.ndim) if d != unit_dim % ref.ndim)
+    ref_dead = (ref == 0).all(axis=axis)
+    assert got["dead_frac"] == pytest.approx(ref_dead.mean())
+    assert dead.tolist() == ref_dead.tolist()
+    if sat == "tanh":
+        assert got["sat_frac"] == pytest.approx((np.abs(ref) > 0.99).mean())
+    elif sat == "sigmoid":
+        assert got["sat_frac"] == pytest.approx((np.abs(ref - 0.5) > 0.49).mean())
+    else:
+        assert "sat_frac" not in got
+
+
+def test_dead_stay_is_relative_to_the_previous_mask():
+    prev = torch.tensor([True, True, False, True])
+    x = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 2.0, 0.0, 0.0]])
+    vec, names, dead = activation_stats(x, -1, prev, None)
+    got = names_values(vec, names)
+    assert dead.tolist() == [True, False, True, True]
+    assert got["dead_stay"] == pytest.approx(2 / 3)  # units 0 and 3 of the 3 previously dead
+
+
+@settings(max_examples=100, deadline=None)
+@given(gs=st.lists(tensors(allow_nonfinite=True), min_size=1, max_size=4))
+def test_grad_stats_match_numpy(gs):
+    gs = [g.contiguous() for g in gs]
+    mat, names = grad_stats(gs)
+    for g, row in zip(gs, mat):
+        got = names_values(row, names)
+        ref = g.to(torch.float64).numpy()
+        finite = np.isfinite(ref)
+        assert got["nonfinite"] == (~finite).sum()
+        if finite.all():
+            tol = 1e-5 if g.dtype in (torch.float32, torch.float64) else 1e-2
+            assert got["mean_abs"] == pytest.approx(np.abs(ref).mean(), rel=tol, abs=1e-6)
+            assert got["max_abs"] == pytest.approx(np.abs(ref).max(), rel=tol)
+            assert got["norm"] == pytest.approx(np.sqrt((ref ** 2).sum()), rel=tol, abs=1e-6)
+        else:
+            assert not math.isfinite(got["mean_abs"])
+
+
+@settings(max_examples=100, deadline=None)
+@given(x=tensors(allow_nonfinite=True), bins=st.integers(2, 12))
+def test_histogram_counts_every_finite_value_once(x, bins):
+    out = histogram(x, bins).tolist()
+    ref = x.to(torch.float64).numpy().ravel()
+    finite = ref[np.isfinite(ref)]
+    counts = out[2:]
+    assert len(counts) == bins and sum(counts) == finite.size
+    if finite.size:
+        assert out[0] == pytest.approx(finite.min()) and out[1] == pytest.approx(finite.max())
+        if finite.min() == finite.max():
+            assert counts[0] == finite.size
+        else:
+            assert counts[0] >= (finite == finite.min()).sum() and counts[-1] >= (finite == finite.max()).sum()
+
+
+def test_input_stats_per_feature():
+    x = torch.tensor([[1.0, 100.0], [3.0, 300.0], [5.0, 500.0]])
+    vec, names = input_stats(x)
+    got = names_values(vec, names)
+    assert got["feat_mean_absmax"] == pytest.approx(300.0)
+    assert got["feat_std_max"] == pytest.approx(200.0) and got["feat_std_min"] == pytest.approx(2.0)
+    assert input_stats(torch.arange(6).reshape(2, 3)) is None  # token ids: nothing to normalise
