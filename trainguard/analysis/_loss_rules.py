@@ -94,6 +94,13 @@ def nonfinite_loss(ctx: Context) -> list[Finding]:
         ev["origin"] = origin
         fix = op_fix(origin.get("op"))
         fixes.append(f"the first NaN/Inf came from {where(origin)}: {fix or 'guard that op against 0 and overflow'}")
+    grad_bad = _first_nonfinite(ctx.grad_norm)
+    if grad_bad is not None and grad_bad < step and not origin:
+        ev["after_nonfinite_gradients_at"] = grad_bad
+        fixes.append(
+            f"the NaN/Inf gradients of step {grad_bad} (finite loss) broke the weights: fix that first "
+            "(see nonfinite_gradient)"
+        )
     grew = len(before) >= 2 and before.values[-1] > 10 * max(abs(before.values[0]), 1e-12)
     if grew:
         ev["loss_grew"] = f"{fmt(before.values[0])} -> {fmt(before.values[-1])} before turning {fmt(value)}"
@@ -164,7 +171,7 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
             evidence=ev,
             suggestion=suggestion,
             steps=(step, int(ctx.grad_norm.steps[-1]) if len(ctx.grad_norm) else step),
-            layers=params,
+            layers=list(dict.fromkeys(ctx.params.get(p, {}).get("layer", p) for p in params)),
             source=SOURCE,
         )
     ]
