@@ -102,7 +102,8 @@ def _is_finite_fast(t: torch.Tensor) -> bool:
 
 
 def _moments(t: torch.Tensor) -> tuple[float, float, float, float]:
-    f = t if t.dtype == torch.float64 else t.to(torch.float32)
+    # float64: squares of float32 values above ~1.8e19 overflow float32 (stats mode only).
+    f = t.to(torch.float64)
     mn, mx = torch.aminmax(f)
     mean = f.mean()
     std = (f - mean).square().mean().sqrt()
