@@ -27,10 +27,11 @@ from trainguard.store._codec import (
 _HEALTH_FILTERS = {
     "nonfinite": "e.health != 0",
     "bad": "e.health != 0",
-    "nan": f"(e.health & {NAN}) != 0",
-    "inf": f"(e.health & {POS_INF | NEG_INF}) != 0",
-    "+inf": f"(e.health & {POS_INF}) != 0",
-    "-inf": f"(e.health & {NEG_INF}) != 0",
+    # "e.health != 0 AND" lets SQLite use the partial index of non-finite executions.
+    "nan": f"e.health != 0 AND (e.health & {NAN}) != 0",
+    "inf": f"e.health != 0 AND (e.health & {POS_INF | NEG_INF}) != 0",
+    "+inf": f"e.health != 0 AND (e.health & {POS_INF}) != 0",
+    "-inf": f"e.health != 0 AND (e.health & {NEG_INF}) != 0",
     "ok": "e.health = 0",
     "finite": "e.health = 0",
 }
@@ -235,7 +236,9 @@ class Run:
         where, params = self._where(
             filters.get("step"), filters.get("op"), filters.get("module"), filters.get("phase"), filters.get("health")
         )
-        where = (where + " AND e.seq < ?") if where else " WHERE e.seq < ?"
+        if not where:
+            return self._q("SELECT count(*) FROM executions WHERE seq < ?", (seq,))[0][0]
+        where = where + " AND e.seq < ?"
         sql = (
             "SELECT count(*) FROM executions e JOIN op_types o ON o.id = e.op_id "
             "LEFT JOIN modules m ON m.id = e.module_id" + where

@@ -33,7 +33,8 @@ CREATE TABLE IF NOT EXISTS executions (
     pinned INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS executions_step ON executions(step);
-CREATE INDEX IF NOT EXISTS executions_bad ON executions(health) WHERE health != 0;
+-- Non-finite executions in order: alerts, the first NaN, filtered pages over millions of rows.
+CREATE INDEX IF NOT EXISTS executions_bad_seq ON executions(seq) WHERE health != 0;
 CREATE TABLE IF NOT EXISTS edges (producer INTEGER NOT NULL, consumer INTEGER NOT NULL, slot INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS edges_producer ON edges(producer);
 CREATE TABLE IF NOT EXISTS payloads (seq INTEGER NOT NULL, slot INTEGER NOT NULL, path TEXT NOT NULL,
