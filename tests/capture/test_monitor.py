@@ -130,8 +130,9 @@ def test_conv_units_are_channels(tmp_path):
 
 def test_layer_statistics_reach_the_host_in_one_batch_per_recording_step(tmp_path, monkeypatch):
     """No ``.item()``/``float()`` on a tensor anywhere in the monitor; one ``tolist`` per shipped batch."""
-    calls = {"item": 0, "float": 0, "bool": 0, "tolist": 0}
-    for name, attr in (("item", "item"), ("float", "__float__"), ("bool", "__bool__"), ("tolist", "tolist")):
+    calls = {"item": 0, "float": 0, "bool": 0, "int": 0, "index": 0, "numpy": 0, "tolist": 0}
+    for name, attr in (("item", "item"), ("float", "__float__"), ("bool", "__bool__"), ("int", "__int__"),
+                       ("index", "__index__"), ("numpy", "numpy"), ("tolist", "tolist")):
         original = getattr(torch.Tensor, attr)
 
         def counting(self, *a, _o=original, _n=name, **k):
@@ -154,7 +155,7 @@ def test_layer_statistics_reach_the_host_in_one_batch_per_recording_step(tmp_pat
     shipped_before_close = calls["tolist"]
     mon.close()
     monkeypatch.undo()
-    assert calls["item"] == calls["float"] == calls["bool"] == 0
+    assert calls["item"] == calls["float"] == calls["bool"] == calls["int"] == calls["index"] == calls["numpy"] == 0
     assert shipped_before_close == 4  # recording steps 0, 5, 10, 15: one transfer each
     run = open_run(tmp_path / "r")
     assert len(run.scalars("loss")["loss"]) == 20

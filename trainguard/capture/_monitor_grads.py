@@ -38,6 +38,7 @@ class GradientWatch:
         self._sq: list[torch.Tensor] = []
         self._lrs: dict[str, Any] = {}
         self._snap: dict[int, tuple[list[Param], list[torch.Tensor]]] = {}
+        self._wnorm: dict[int, torch.Tensor] = {}
 
     def forget_optimizers(self) -> None:
         """The watched parameters changed (a model was attached): recompute optimizer membership."""
@@ -82,9 +83,11 @@ class GradientWatch:
         if not grads:
             return
         with torch.no_grad():
-            self._sq.append(squared_norm_sum(grads))
-            if recording:
-                mat, names = grad_stats(grads)
+            if not recording:
+                self._sq.append(squared_norm_sum(grads))
+            else:
+                mat, names, l2 = grad_stats(grads)
+                self._sq.append(squared_norm_sum(grads, l2))
                 names = tuple(names)
                 for p, g, row in zip(owners, grads, mat):
                     self.out.stats.append((("l", p.name, "gradient", names, step), row))
@@ -124,6 +127,7 @@ class GradientWatch:
             for p, u, w in zip(ps, un, wn):
                 vec = torch.stack([u.float(), (u / w).float()])
                 self.out.stats.append((("l", p.name, "update", ("norm", "ratio"), step), vec))
+                self._wnorm[id(p)] = w  # the step's final weight norm, unless another optimizer moves it
 
     # ------------------------------------------------------------------ stale gradients
     def hook_params(self, params: list[Param], step_of: Callable[[], int]) -> None:
@@ -186,7 +190,9 @@ class GradientWatch:
         if not live:
             return
         with torch.no_grad():
-            norms = torch._foreach_norm([t.detach() for _, t in live])
+            todo = [t.detach() for p, t in live if id(p) not in self._wnorm]
+            computed = iter(torch._foreach_norm(todo) if todo else [])
+            norms = [self._wnorm[id(p)] if id(p) in self._wnorm else next(computed) for p, _ in live]
             for (p, t), n in zip(live, norms):
                 self.out.stats.append((("l", p.name, "weight", ("norm",), step), n.float().reshape(1)))
                 self.out.consts.append((step, p.name, "weight", "requires_grad", 1.0 if t.requires_grad else 0.0))
