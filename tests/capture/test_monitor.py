@@ -384,3 +384,18 @@ def test_nonfinite_values_are_stored_explicitly(tmp_path):
     run = open_run(tmp_path / "r")
     assert math.isnan(run.scalars("loss")["loss"][0][1])
     assert stats_of(run, 0, "0.weight", "gradient")["nonfinite"] == 8 * 16
+
+
+def test_a_submodule_called_first_is_replaced_by_its_model(tmp_path):
+    model = nn.Sequential(mlp(), nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False) as mon:
+        x, _ = batch(0)
+        with torch.no_grad():
+            model[0](x)  # the inner network alone first (say, a warm-up or a probe)
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        assert mon.layers == ["0.0", "0.1", "0.2", "0.3", "0.4", "1"]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

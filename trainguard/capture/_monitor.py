@@ -45,6 +45,7 @@ from trainguard.store import acquire_writer, release_writer
 
 log = logging.getLogger("trainguard.monitor")
 
+
 def _validate(every: Any, bins: Any, histograms: Any) -> None:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be an int >= 1, got {every!r}")
@@ -118,6 +119,7 @@ class Monitor:
         self._closed = False
 
         self._roots: list[Root] = []
+        self._params: list[Param] = []
         self._known: weakref.WeakSet = weakref.WeakSet()  # modules inside attached roots
         self._no_params: weakref.WeakSet = weakref.WeakSet()  # top-level modules without parameters
         self._auto = model is None
@@ -254,6 +256,7 @@ class Monitor:
             self._known.add(m)
         root.handle = module.register_forward_pre_hook(self._make_root_hook(root), with_kwargs=True)
         self._roots.append(root)
+        self._params = [p for r in self._roots for p in r.params]
         if self._layer_hooks_on:
             for la in root.layers:
                 self._hook_layer(la)
@@ -271,6 +274,7 @@ class Monitor:
                 la.handle.remove()
                 la.handle = None
         self._roots.remove(root)
+        self._params = [p for r in self._roots for p in r.params]
 
     def _detach_all(self) -> None:
         for r in list(self._roots):
@@ -288,7 +292,8 @@ class Monitor:
             self._no_params.add(module)
             return
         prefix = ""
-        if self._roots:
+        outside = [r for r in self._roots if r.ref() is not None and all(r.ref() is not m for m in module.modules())]
+        if outside:  # a second model: name its layers apart
             base = type(module).__name__.lower()
             taken = {r.prefix for r in self._roots}
             prefix, k = base + ".", 1
@@ -309,7 +314,7 @@ class Monitor:
             self._discover_handle = None
 
     def _all_params(self) -> list[Param]:
-        return [p for r in self._roots for p in r.params]
+        return self._params
 
     def _write_structure(self) -> None:
         self._write_meta(**structure(self._roots))
