@@ -2,8 +2,8 @@
 a hook-based monitor that calls ``.item()`` per statistic per layer (the NetworkDebugger lesson's
 approach), at every step and every 10th.
 
-Configurations are interleaved round by round in one process so that machine noise hits them
-alike. A cell is the mean step time over a block of steps (so the one recording step in ten
+Configurations are interleaved round by round, in a shuffled order, in one process so that machine
+noise hits them alike. A cell is the mean step time over a block of steps (so the one recording step in ten
 counts), median over rounds, divided by plain's.
 
     python benchmarks/bench_monitor.py                      # mlp, cnn, transformer
@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -162,9 +164,13 @@ def time_model(name: str, rounds: int, steps: int) -> dict[str, dict[str, float]
     model, opt, loss_fn = MODELS[name]()
     run_block(opt, loss_fn, 3)  # warm up allocator and kernels
     per: dict[str, list[tuple[float, float]]] = {c: [] for c in CONFIGS}
+    order = list(CONFIGS)
+    shuffle = random.Random(0).shuffle
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
-            for c in CONFIGS:
+            shuffle(order)  # no configuration always runs right after another one's teardown
+            for c in order:
+                gc.collect()
                 with configured(c, model, tmp):
                     run_block(opt, loss_fn, 1)  # the first step attaches (and records, step 0)
                     per[c].append(run_block(opt, loss_fn, steps))

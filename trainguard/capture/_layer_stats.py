@@ -6,6 +6,9 @@ their elements) that the monitor concatenates and copies once per recording step
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -85,44 +88,64 @@ def _mean_std(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def activation_stats(
     x: torch.Tensor, unit_dim: int, prev_dead: torch.Tensor | None, saturation: str | None
-) -> tuple[torch.Tensor, list[str], torch.Tensor | None]:
-    """Stats of one activation: a float32 vector, its element names, and this batch's dead-unit mask.
+) -> tuple[torch.Tensor, list[str], torch.Tensor | None, Callable[[list[float]], list[float]]]:
+    """Stats of one activation, as raw sums to ship and the host-side step that finishes them.
 
-    A unit (a feature, or a channel for convolutions) is dead when it is zero for every sample and
-    position of the batch. ``dead_stay`` is the fraction of the units dead at the previous recording
-    step that are still dead now.
+    Returns (raw vector on the device, the names of the finished stats, this batch's dead-unit
+    mask, ``finish(raw_values) -> stat values``). Counts are divided on the host: fewer small ops
+    on the device, where each costs a dispatch. A unit (a feature, or a channel for convolutions)
+    is dead when it is zero for every sample and position of the batch; ``dead_stay`` is the
+    fraction of the units dead at the previous recording that are still dead now.
     """
     x = _float(x.detach())
     flat = x.reshape(-1)  # a view when contiguous
     n = flat.numel()
-    mean, std = _mean_std(flat)
+    dt = x.dtype
+    total = flat.sum()
+    c = flat - total / n
     mn, mx = torch.aminmax(flat)
     a = flat.abs()
     # sign(|x|) is 1 for every nonzero value: float passes, faster than counting a bool mask.
-    zero_frac = 1.0 - torch.sign(a).sum() / n
-    values = [mean, std, mn, mx, zero_frac]
+    raw = [total, torch.dot(c, c), mn, mx, torch.sign(a).sum()]
     names = list(ACTIVATION_STATS[:5])
     dead = None
+    units = 1
+    stay = False
     if x.dim() >= 2:
         dim = unit_dim % x.dim()
         others = tuple(d for d in range(x.dim()) if d != dim)
         dead = a.view(x.shape).amax(dim=others) == 0
         units = dead.numel()
-        values.append(dead.sum(dtype=torch.float32) / units)
+        raw.append(dead.sum(dtype=dt))
         names.append("dead_frac")
         if prev_dead is not None and prev_dead.shape == dead.shape:
-            still = (dead & prev_dead).sum(dtype=torch.float32)
-            values.append(still / prev_dead.sum(dtype=torch.float32).clamp_min(1.0))
+            raw += [(dead & prev_dead).sum(dtype=dt), prev_dead.sum(dtype=dt)]
             names.append("dead_stay")
+            stay = True
     if saturation == "tanh":
         # Bound of tanh-like outputs is 1 (Hardtanh's default); within 1% of it counts as saturated.
-        values.append(a.gt(1.0 - SATURATION_MARGIN).sum(dtype=torch.float32) / n)
+        raw.append(a.gt(1.0 - SATURATION_MARGIN).sum(dtype=dt))
         names.append("sat_frac")
     elif saturation == "sigmoid":
-        values.append((flat - 0.5).abs().gt(0.5 - SATURATION_MARGIN).sum(dtype=torch.float32) / n)
+        raw.append((flat - 0.5).abs().gt(0.5 - SATURATION_MARGIN).sum(dtype=dt))
         names.append("sat_frac")
-    vec = torch.stack([v.to(torch.float32) for v in values])
-    return vec, names, dead
+    has_dead = dead is not None
+    has_sat = saturation is not None
+
+    def finish(v: list[float]) -> list[float]:
+        out = [v[0] / n, math.sqrt(max(v[1], 0.0) / (n - 1)) if n > 1 else 0.0, v[2], v[3], 1.0 - v[4] / n]
+        i = 5
+        if has_dead:
+            out.append(v[i] / units)
+            i += 1
+            if stay:
+                out.append(v[i] / max(v[i + 1], 1.0))
+                i += 2
+        if has_sat:
+            out.append(v[i] / n)
+        return out
+
+    return torch.stack(raw), names, dead, finish
 
 
 def input_stats(x: torch.Tensor) -> tuple[torch.Tensor, list[str]] | None:
@@ -167,23 +190,33 @@ def histogram(x: torch.Tensor, bins: int) -> torch.Tensor:
 
 
 def grad_stats(grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[str], list[torch.Tensor]]:
-    """Per gradient: mean |g|, max |g|, L2 norm, NaN/Inf count, as an (n, 4) float32 matrix; and the
-    L2 norms themselves (for the global norm, so that it costs no second pass)."""
+    """Per gradient: L1 norm, max |g|, L2 norm and NaN/Inf count as an (n, 4) matrix (the host divides
+    the L1 norm by the size for mean |g|); and the L2 norms (the global norm needs no second pass)."""
     l1 = torch._foreach_norm(grads, 1)
     l2 = torch._foreach_norm(grads, 2)
     linf = torch._foreach_norm(grads, float("inf"))
-    rows = []
     # g - g is 0 for every finite value and NaN for NaN and +-Inf: one subtraction and a count,
     # several times faster than counting ~isfinite(g).
     bad = [torch.count_nonzero(d) for d in torch._foreach_sub(grads, grads)]
-    for g, a, b, c, k in zip(grads, l1, l2, linf, bad):
-        rows.append(torch.stack([a.float() / max(g.numel(), 1), c.float(), b.float(), k.float()]))
-    return torch.stack(rows), ["mean_abs", "max_abs", "norm", "nonfinite"], list(l2)
+    cols = [_stack32(l1), _stack32(linf), _stack32(l2), _stack32(bad)]
+    return torch.stack(cols, dim=1), ["mean_abs", "max_abs", "norm", "nonfinite"], list(l2)
+
+
+def _stack32(ts: list[torch.Tensor]) -> torch.Tensor:
+    if all(t.dtype == torch.float32 for t in ts):
+        return torch.stack(ts)
+    return torch.stack([t.to(torch.float32) for t in ts])
 
 
 def squared_norm_sum(tensors: list[torch.Tensor], norms: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Sum of squared L2 norms (for the global gradient norm), on the first tensor's device."""
+    """Sum of squared L2 norms (for the global gradient norm), on the first tensor's device.
+
+    Three small ops on the common path (one dtype, one device): it runs every step.
+    """
     if norms is None:
         norms = torch._foreach_norm(tensors, 2)
-    dev = norms[0].device
-    return torch.stack([n.float().to(dev) for n in norms]).square().sum()
+    first = norms[0]
+    if any(n.dtype != torch.float32 or n.device != first.device for n in norms):
+        norms = [n.float().to(first.device) for n in norms]
+    stacked = torch.stack(norms)
+    return torch.dot(stacked, stacked)

@@ -424,11 +424,12 @@ class Monitor:
                 if inherit:
                     self._chan_out[id(x)] = tuple(x.shape)
             with self._no_record():
-                vec, names, dead = activation_stats(x, unit_dim, layer.prev_dead, layer.saturation)
+                raw, names, dead, finish = activation_stats(x, unit_dim, layer.prev_dead, layer.saturation)
                 if self._wants_hist(layer.name):
                     self._out.stats.append((("h", layer.name, "activation", self._cur), histogram(x, self.bins)))
             layer.prev_dead = dead
-            self._out.stats.append((("l", layer.name, "activation", tuple(names), self._cur), vec))
+            desc = ("l", layer.name, "activation", tuple(names), self._cur, finish, raw.numel())
+            self._out.stats.append((desc, raw))
         except Exception:
             log.exception("trainguard monitor: layer hook failed on %s", layer.name)
 

@@ -9,6 +9,7 @@ before the step), and whether its gradient was stale when the step's first gradi
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,20 @@ import torch
 from trainguard.capture._layer_stats import grad_stats, histogram, squared_norm_sum
 from trainguard.capture._monitor_model import Param
 from trainguard.capture._monitor_ship import Shipper
+
+
+def _stack32(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([t if t.dtype == torch.float32 else t.float() for t in ts])
+
+
+def _ratio(row: int, v: list[float]) -> list[float]:
+    """(update norm, weight norm) -> (update norm, update / weight); a zero weight gives inf or nan."""
+    return _ratio1(v)
+
+
+def _ratio1(v: list[float]) -> list[float]:
+    u, w = v
+    return [u, u / w if w else (math.inf if u else math.nan)]
 
 
 class GradientWatch:
@@ -85,14 +100,24 @@ class GradientWatch:
         with torch.no_grad():
             if not recording:
                 self._sq.append(squared_norm_sum(grads))
-            else:
-                mat, names, l2 = grad_stats(grads)
-                self._sq.append(squared_norm_sum(grads, l2))
-                names = tuple(names)
-                for p, g, row in zip(owners, grads, mat):
-                    self.out.stats.append((("l", p.name, "gradient", names, step), row))
-                    if self.wants_hist(p.name):
-                        self.out.stats.append((("h", p.name, "gradient", step), histogram(g, self.bins)))
+                return
+            by_dev: dict[torch.device, list[int]] = {}
+            for i, g in enumerate(grads):
+                by_dev.setdefault(g.device, []).append(i)
+            for idx in by_dev.values():
+                gs = [grads[i] for i in idx]
+                mat, names, l2 = grad_stats(gs)
+                self._sq.append(squared_norm_sum(gs, l2))
+                sizes = [max(g.numel(), 1) for g in gs]
+
+                def finish(r: int, v: list[float], sizes=sizes) -> list[float]:
+                    return [v[0] / sizes[r], v[1], v[2], v[3]]  # L1 norm -> mean |g|
+
+                layers = [owners[i].name for i in idx]
+                self.out.stats.append((("m", layers, "gradient", tuple(names), step, finish), mat.reshape(-1)))
+            for p, g in zip(owners, grads):
+                if self.wants_hist(p.name):
+                    self.out.stats.append((("h", p.name, "gradient", step), histogram(g, self.bins)))
 
     def snapshot(self, opt: torch.optim.Optimizer, params: list[Param]) -> None:
         """Copy the weights ``opt`` is about to change (recording steps): the update is new - old."""
@@ -124,10 +149,15 @@ class GradientWatch:
             new = [t.detach() for t in now]
             un = torch._foreach_norm(torch._foreach_sub(new, old))
             wn = torch._foreach_norm(new)
-            for p, u, w in zip(ps, un, wn):
-                vec = torch.stack([u.float(), (u / w).float()])
-                self.out.stats.append((("l", p.name, "update", ("norm", "ratio"), step), vec))
+            for p, w in zip(ps, wn):
                 self._wnorm[id(p)] = w  # the step's final weight norm, unless another optimizer moves it
+            if len({u.device for u in un}) == 1:
+                mat = torch.stack([_stack32(un), _stack32(wn)], dim=1).reshape(-1)
+                self.out.stats.append((("m", [p.name for p in ps], "update", ("norm", "ratio"), step, _ratio), mat))
+            else:
+                for p, u, w in zip(ps, un, wn):
+                    vec = torch.stack([u.float(), w.float()])
+                    self.out.stats.append((("l", p.name, "update", ("norm", "ratio"), step, _ratio1, 2), vec))
 
     # ------------------------------------------------------------------ stale gradients
     def hook_params(self, params: list[Param], step_of: Callable[[], int]) -> None:
@@ -193,8 +223,13 @@ class GradientWatch:
             todo = [t.detach() for p, t in live if id(p) not in self._wnorm]
             computed = iter(torch._foreach_norm(todo) if todo else [])
             norms = [self._wnorm[id(p)] if id(p) in self._wnorm else next(computed) for p, _ in live]
-            for (p, t), n in zip(live, norms):
-                self.out.stats.append((("l", p.name, "weight", ("norm",), step), n.float().reshape(1)))
+            by_dev: dict[torch.device, list[int]] = {}
+            for i, n in enumerate(norms):
+                by_dev.setdefault(n.device, []).append(i)
+            for idx in by_dev.values():
+                vec = _stack32([norms[i] for i in idx])
+                self.out.stats.append((("m", [live[i][0].name for i in idx], "weight", ("norm",), step), vec))
+            for p, t in live:
                 self.out.consts.append((step, p.name, "weight", "requires_grad", 1.0 if t.requires_grad else 0.0))
                 if self.wants_hist(p.name):
                     self.out.stats.append((("h", p.name, "weight", step), histogram(t, self.bins)))

@@ -1,8 +1,10 @@
 """The monitor's way to the host: buffer small device tensors, then one copy per device per batch.
 
-Descriptors say what each element is: ``("s", step, name)`` a per-step scalar, ``("l", layer,
-kind, stat_names, step)`` a vector of layer statistics, ``("h", layer, kind, step)`` a histogram
-``[min, max, counts...]``. On CPU a batch is read back at once; on an accelerator the copy goes to
+Descriptors say what each element is: ``("s", step, name)`` a per-step scalar; ``("l", layer,
+kind, stat_names, step[, finish, n_raw])`` a vector of one layer's statistics; ``("m", layers, kind,
+stat_names, step[, finish])`` a (layers x stats) matrix, row-major; ``("h", layer, kind, step)`` a
+histogram ``[min, max, counts...]``. ``finish`` turns the raw values into the statistics on the
+host (divisions, square roots): ``finish(values)`` for a vector, ``finish(row, values)`` per row. On CPU a batch is read back at once; on an accelerator the copy goes to
 pinned memory without blocking and is written when its event has completed.
 """
 
@@ -92,9 +94,22 @@ class Shipper:
                     scalars.setdefault(desc[1], {})[desc[2]] = values[i]
                     i += 1
                 elif desc[0] == "l":
-                    _, layer, kind, names, step = desc
-                    rows.extend((step, layer, kind, name, values[i + j]) for j, name in enumerate(names))
-                    i += len(names)
+                    layer, kind, names, step = desc[1:5]
+                    finish, n_raw = desc[5:7] if len(desc) > 5 else (None, len(names))
+                    vals = values[i : i + n_raw]
+                    i += n_raw
+                    if finish is not None:
+                        vals = finish(vals)
+                    rows.extend((step, layer, kind, name, v) for name, v in zip(names, vals))
+                elif desc[0] == "m":
+                    layers, kind, names, step = desc[1:5]
+                    k = len(names)
+                    for r, layer in enumerate(layers):
+                        vals = values[i + r * k : i + (r + 1) * k]
+                        if len(desc) > 5:
+                            vals = desc[5](r, vals)
+                        rows.extend((step, layer, kind, name, v) for name, v in zip(names, vals))
+                    i += k * len(layers)
                 else:
                     _, layer, kind, step = desc
                     lo, hi = values[i], values[i + 1]
