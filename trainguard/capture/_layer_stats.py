@@ -33,6 +33,9 @@ _CHANNEL_FIRST = (
 # Modules whose output does not change with train/eval mode are not "mode modules".
 MODE_MODULES = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 
+# Activations up to this many elements (1 MB of float32) are summarised with full-size temporaries.
+_SMALL = 1 << 18
+
 ACTIVATION_STATS = ("mean", "std", "min", "max", "zero_frac", "dead_frac")
 INPUT_STATS = ("mean", "std", "min", "max", "feat_mean_absmax", "feat_std_max", "feat_std_min")
 
@@ -103,10 +106,16 @@ def activation_stats(
     dt = x.dtype
     total = flat.sum()
     c = flat - total / n
+    centred_sq = torch.dot(c, c)
+    del c
     mn, mx = torch.aminmax(flat)
-    a = flat.abs()
-    # sign(|x|) is 1 for every nonzero value: float passes, faster than counting a bool mask.
-    raw = [total, torch.dot(c, c), mn, mx, torch.sign(a).sum()]
+    # Small tensors: |x| and sign(|x|) (fast float passes) give the nonzero count and dead units.
+    # Large ones: no further full-size temporaries; on CPU a fresh buffer above ~1 MB is mapped
+    # page by page, which costs more than the slower count_nonzero and amax/amin reductions.
+    small = n <= _SMALL
+    a = flat.abs() if small else None
+    nonzero = torch.sign(a).sum() if small else torch.count_nonzero(flat).to(dt)
+    raw = [total, centred_sq, mn, mx, nonzero]
     names = list(ACTIVATION_STATS[:5])
     dead = None
     units = 1
@@ -114,7 +123,10 @@ def activation_stats(
     if x.dim() >= 2:
         dim = unit_dim % x.dim()
         others = tuple(d for d in range(x.dim()) if d != dim)
-        dead = a.view(x.shape).amax(dim=others) == 0
+        if small:
+            dead = a.view(x.shape).amax(dim=others) == 0
+        else:
+            dead = (x.amax(dim=others) == 0) & (x.amin(dim=others) == 0)
         units = dead.numel()
         raw.append(dead.sum(dtype=dt))
         names.append("dead_frac")
@@ -124,10 +136,11 @@ def activation_stats(
             stay = True
     if saturation == "tanh":
         # Bound of tanh-like outputs is 1 (Hardtanh's default); within 1% of it counts as saturated.
-        raw.append(a.gt(1.0 - SATURATION_MARGIN).sum(dtype=dt))
+        bound = 1.0 - SATURATION_MARGIN
+        raw.append((flat.gt(bound) | flat.lt(-bound)).sum(dtype=dt))
         names.append("sat_frac")
     elif saturation == "sigmoid":
-        raw.append((flat - 0.5).abs().gt(0.5 - SATURATION_MARGIN).sum(dtype=dt))
+        raw.append((flat.gt(1.0 - SATURATION_MARGIN) | flat.lt(SATURATION_MARGIN)).sum(dtype=dt))
         names.append("sat_frac")
     has_dead = dead is not None
     has_sat = saturation is not None
