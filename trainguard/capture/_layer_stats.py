@@ -212,13 +212,18 @@ def histogram(x: torch.Tensor, bins: int) -> torch.Tensor:
 
 def grad_stats(grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[str], list[torch.Tensor]]:
     """Per gradient: L1 norm, max |g|, L2 norm and NaN/Inf count as an (n, 4) matrix (the host divides
-    the L1 norm by the size for mean |g|); and the L2 norms (the global norm needs no second pass)."""
-    l1 = torch._foreach_norm(grads, 1)
+    the L1 norm by the size for mean |g|); and the L2 norms (the global norm needs no second pass).
+
+    One |g| copy serves the L1 norm, the maximum and the NaN/Inf count; on CPU this is several times
+    faster than ``_foreach_norm`` with ord 1 and inf.
+    """
+    absg = torch._foreach_abs(grads)
+    l1 = [a.sum() for a in absg]
+    linf = [a.amax() if a.numel() else a.new_zeros(()) for a in absg]
     l2 = torch._foreach_norm(grads, 2)
-    linf = torch._foreach_norm(grads, float("inf"))
-    # g - g is 0 for every finite value and NaN for NaN and +-Inf: one subtraction and a count,
-    # several times faster than counting ~isfinite(g).
-    bad = [torch.count_nonzero(d) for d in torch._foreach_sub(grads, grads)]
+    # |g| - |g| is 0 for every finite value and NaN for NaN and +-Inf: count what is left.
+    torch._foreach_sub_(absg, absg)
+    bad = [torch.count_nonzero(a) for a in absg]
     cols = [_stack32(l1), _stack32(linf), _stack32(l2), _stack32(bad)]
     return torch.stack(cols, dim=1), ["mean_abs", "max_abs", "norm", "nonfinite"], list(l2)
 

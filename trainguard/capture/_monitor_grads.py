@@ -147,7 +147,8 @@ class GradientWatch:
             return
         with torch.no_grad():
             new = [t.detach() for t in now]
-            un = torch._foreach_norm(torch._foreach_sub(new, old))
+            torch._foreach_sub_(old, new)  # the snapshot becomes -update: no second copy
+            un = torch._foreach_norm(old)
             wn = torch._foreach_norm(new)
             for p, w in zip(ps, wn):
                 self._wnorm[id(p)] = w  # the step's final weight norm, unless another optimizer moves it
