@@ -105,28 +105,34 @@ def activation_stats(
     n = flat.numel()
     dt = x.dtype
     total = flat.sum()
-    c = flat - total / n
-    centred_sq = torch.dot(c, c)
-    del c
+    mean = total / n
     mn, mx = torch.aminmax(flat)
-    # Small tensors: |x| and sign(|x|) (fast float passes) give the nonzero count and dead units.
-    # Large ones: no further full-size temporaries; on CPU a fresh buffer above ~1 MB is mapped
-    # page by page, which costs more than the slower count_nonzero and amax/amin reductions.
-    small = n <= _SMALL
-    a = flat.abs() if small else None
-    nonzero = torch.sign(a).sum() if small else torch.count_nonzero(flat).to(dt)
+    dim = unit_dim % x.dim() if x.dim() >= 2 else None
+    others = tuple(d for d in range(x.dim()) if d != dim)
+    # Centred squares, |x| and sign(|x|) are fast float passes, but each needs a temporary as large
+    # as its input, and on CPU a fresh buffer above ~1 MB is mapped page by page. Large activations
+    # are therefore summarised in slices of at most _SMALL elements along the batch dimension.
+    step = n if n <= _SMALL or dim == 0 else max(1, _SMALL // max(1, n // x.shape[0]))
+    centred_sq = nonzero = unit_max = None
+    for part in (x,) if step >= x.shape[0] or x.dim() < 2 else x.split(step, dim=0):
+        pf = part.reshape(-1)
+        c = pf - mean
+        sq = torch.dot(c, c)
+        a = pf.abs()
+        nz = torch.sign(a).sum()
+        centred_sq = sq if centred_sq is None else centred_sq + sq
+        nonzero = nz if nonzero is None else nonzero + nz
+        if dim is not None:
+            m = a.view(part.shape).amax(dim=others)
+            unit_max = m if unit_max is None else torch.maximum(unit_max, m)
+        del c, a
     raw = [total, centred_sq, mn, mx, nonzero]
     names = list(ACTIVATION_STATS[:5])
     dead = None
     units = 1
     stay = False
-    if x.dim() >= 2:
-        dim = unit_dim % x.dim()
-        others = tuple(d for d in range(x.dim()) if d != dim)
-        if small:
-            dead = a.view(x.shape).amax(dim=others) == 0
-        else:
-            dead = (x.amax(dim=others) == 0) & (x.amin(dim=others) == 0)
+    if dim is not None:
+        dead = unit_max == 0
         units = dead.numel()
         raw.append(dead.sum(dtype=dt))
         names.append("dead_frac")
