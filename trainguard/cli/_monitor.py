@@ -12,7 +12,6 @@ import json
 import os
 import runpy
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -76,7 +75,7 @@ def run_script(script: str, args: list[str]) -> tuple[int, str | None]:
     path = Path(script)
     if not path.is_file():
         raise TrainguardError(f"no such script: {script!r}")
-    old_argv, old_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(path)] + list(args)
     sys.path.insert(0, str(path.resolve().parent))
     try:
@@ -93,11 +92,8 @@ def run_script(script: str, args: list[str]) -> tuple[int, str | None]:
         traceback.print_exc()
         return 1, f"{type(exc).__name__}: {exc}"
     finally:
-        sys.argv = old_argv
-        if sys.path and sys.path[0] == str(path.resolve().parent):
-            sys.path.pop(0)
-        if old_path0 is not None and (not sys.path or sys.path[0] != old_path0):
-            sys.path.insert(0, old_path0)
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
 
 
 def monitor_script(
@@ -113,8 +109,6 @@ def monitor_script(
     """Run ``script`` under a Monitor attached to whatever models it trains; return (exit code, Monitor)."""
     from trainguard.capture._monitor import Monitor
 
-    if logdir is None:
-        logdir = Path("runs") / time.strftime("monitor-%Y%m%d-%H%M%S")
     mon = Monitor(None, logdir, every, histograms=True if histograms else None, thresholds=thresholds,
                   overwrite=overwrite)
     try:
