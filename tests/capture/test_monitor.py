@@ -399,3 +399,17 @@ def test_a_submodule_called_first_is_replaced_by_its_model(tmp_path):
             opt.step()
         assert mon.layers == ["0.0", "0.1", "0.2", "0.3", "0.4", "1"]
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_scalars_reach_the_run_between_distant_recordings(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, tmp_path / "r", every=1000, diagnose=False) as mon:
+        for step in range(80):
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        mon._writer.flush()
+        live = open_run(tmp_path / "r").scalars("loss")["loss"]
+        assert 50 <= len(live) < 80  # shipped once the buffer passed 50 steps, before the end

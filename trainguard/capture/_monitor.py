@@ -45,6 +45,10 @@ from trainguard.store import acquire_writer, release_writer
 
 log = logging.getLogger("trainguard.monitor")
 
+# With a large ``every``, per-step scalars still reach the run (for a live view) after this many
+# steps: one more batched, non-blocking copy, never one per step.
+MAX_BUFFERED_STEPS = 50
+
 
 def _validate(every: Any, bins: Any, histograms: Any) -> None:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -501,7 +505,7 @@ class Monitor:
         self._auto_losses = []
         self._chan_out = {}
         self._inputs_seen = set()
-        if self._recording:
+        if self._recording or len(self._out.scalars) > MAX_BUFFERED_STEPS:
             self._out.ship(keep=s)
         self._out.resolve(wait=False)
         if self.modes != self._modes_written:
