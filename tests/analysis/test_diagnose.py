@@ -165,6 +165,19 @@ def test_lr_too_high_from_divergence(tmp_path):
     assert "from 0.5 to about" in f.suggestion
 
 
+def test_a_symptom_with_a_known_cause_is_folded_into_info(tmp_path):
+    rng = np.random.default_rng(1)
+    loss = list(math.log(5) + 0.02 * rng.standard_normal(100))
+    rows = []
+    for s in range(0, 100, 5):
+        rows += [(s, "1", "activation", "dead_frac", 1.0), (s, "1", "activation", "mean", 0.0),
+                 (s, "1", "activation", "std", 0.0)]
+    fs = diagnose(write_run(tmp_path / "r", loss, layer_rows=rows))
+    assert kinds(fs) == ["dead_units"] and fs[0].severity == "error"
+    flat = [f for f in fs if f.kind == "loss_not_decreasing"][0]
+    assert flat.severity == "info" and flat.evidence["explained_by"] == ["dead_units"]
+
+
 def test_mode_mistakes(tmp_path):
     run = write_run(tmp_path / "r", modes={"train_steps_in_eval": 60, "first_train_step_in_eval": 40,
                                           "eval_forwards": 4, "eval_forwards_in_train": 4,

@@ -72,9 +72,32 @@ def diagnose(
                 Finding(kind="rule_error", severity="info", title=f"rule {name} failed: {type(exc).__name__}: {exc}",
                         source="monitor")
             )
+    _fold_symptoms(findings)
     if not any(f.is_problem for f in findings):
         findings.append(_verdict(ctx))
     return sort_findings(findings)
+
+
+# A symptom of the loss curve that another finding explains is kept, as info, pointing at its cause.
+SYMPTOM_CAUSES = {
+    "loss_not_decreasing": (
+        "dead_units", "vanishing_gradient", "collapsed_activations", "saturated_activations",
+        "exploding_activations", "lr_too_low", "lr_too_high", "param_not_updating", "param_no_gradient",
+        "gradients_accumulating", "exploding_gradient",
+    ),
+    "loss_spike": ("exploding_gradient",),
+    "loss_oscillating": ("lr_too_high",),
+}
+
+
+def _fold_symptoms(findings: list[Finding]) -> None:
+    present = {f.kind for f in findings if f.is_problem}
+    for f in findings:
+        causes = [c for c in SYMPTOM_CAUSES.get(f.kind, ()) if c in present]
+        if causes and f.is_problem:
+            f.severity = "info"
+            f.evidence["explained_by"] = causes
+            f.title += f" (explained by {', '.join(causes)})"
 
 
 def _verdict(ctx: Context) -> Finding:
