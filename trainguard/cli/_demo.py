@@ -27,11 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_demo(logdir: Path, *, fixed: bool = False, steps: int = 30) -> list[dict]:
-    """Record the reference scenario into ``logdir`` and return its per-step history."""
+    """Record and monitor the reference scenario into ``logdir``; return its per-step history."""
     import trainguard as tg
     from trainguard.examples.nan_digits import train
 
-    with tg.record(logdir, mode="full_health", buffer=-1):
+    # The recorder traces every op; the monitor adds the loss curve, layer statistics and findings.
+    with tg.record(logdir, mode="full_health", buffer=-1), tg.Monitor(None, logdir=logdir, every=1):
         return train(steps=steps, fixed=fixed)
 
 
