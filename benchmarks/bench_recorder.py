@@ -2,8 +2,7 @@
 
 Configurations are interleaved round by round in one process so that machine noise hits them
 alike; each cell is the median step time over the rounds divided by plain's. Peak memory is
-measured per configuration in a fresh subprocess (peak RSS growth over the process's size
-before training).
+measured per configuration in a fresh subprocess (peak RSS of the whole process).
 
     python benchmarks/bench_recorder.py                 # all models, all modes
     python benchmarks/bench_recorder.py --models mlp --rounds 3 --steps 5
@@ -94,18 +93,22 @@ def time_model(name: str, configs: list[str], rounds: int, steps: int) -> dict[s
 
 
 def peak_memory(name: str, config: str, steps: int) -> float:
-    """Peak RSS growth (MiB) of a fresh process training ``steps`` steps under ``config``."""
+    """Peak RSS (MiB) while training ``steps`` steps under ``config``, in a fresh process that
+    imports the same modules; the peak is reset after the imports (Linux ``clear_refs``), so
+    import-time spikes do not hide the training's own peak."""
     code = f"""
-import resource, sys, tempfile
+import re, sys, tempfile
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-import bench_recorder as b, torch
+import bench_recorder as b, torch, trainguard.capture
 torch.manual_seed(0)
 model, opt, loss_fn = b.MODELS[{name!r}]()
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 with tempfile.TemporaryDirectory() as tmp:
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # reset the peak (VmHWM) to the current RSS
     with b.context({config!r}, tmp):
         b.run_steps(opt, loss_fn, {steps})
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+    status = open("/proc/self/status").read()
+print(int(re.search(r"VmHWM:\\s+(\\d+)", status).group(1)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1]) / 1024
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
         mem_rec = peak_memory(name, "full_health", args.memory_steps)
         results["models"][name] = {"step_ms": {c: t[c] * 1e3 for c in configs},
                                    "ratio": {c: t[c] / t["plain"] for c in configs},
-                                   "peak_mib": {"plain": mem_plain, "full_health": mem_rec}}
+                                   "peak_mib": {"plain": mem_plain, "full_health": mem_rec,
+                                                "ratio": mem_rec / mem_plain}}
 
     from rich.console import Console
     from rich.table import Table
@@ -144,9 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_column(f"{name}\n({results['models'][name]['step_ms']['plain']:.1f} ms plain)", justify="right")
     for c in configs:
         table.add_row(c, *[f"{results['models'][m]['ratio'][c]:.2f}x" for m in models])
-    table.add_row("peak RSS growth, plain", *[f"{results['models'][m]['peak_mib']['plain']:.1f} MiB" for m in models])
-    table.add_row("peak RSS growth, full_health",
-                  *[f"{results['models'][m]['peak_mib']['full_health']:.1f} MiB" for m in models])
+    table.add_row("peak RSS plain", *[f"{results['models'][m]['peak_mib']['plain']:.0f} MiB" for m in models])
+    table.add_row("peak RSS full_health", *[
+        f"{results['models'][m]['peak_mib']['full_health']:.0f} MiB ({results['models'][m]['peak_mib']['ratio']:.2f}x)"
+        for m in models])
     Console().print(table)
     if args.json:
         with open(args.json, "w") as fh:
