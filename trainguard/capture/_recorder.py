@@ -33,6 +33,7 @@ from trainguard.store._codec import NAN, NEG_INF, POS_INF, health_of
 _get_seq_nr = torch._C._autograd._get_sequence_nr
 _current_node = torch._C._current_autograd_node
 _Tensor = torch.Tensor
+_weakref = weakref.ref
 
 # Records handed to the writer at once; also flushed at every step and at least every second.
 FLUSH_RECORDS = 256
@@ -107,26 +108,12 @@ def _rank_dir(logdir: Path) -> Path:
     return logdir
 
 
-class _Producer(weakref.ref):
-    """A weak reference to a live output tensor that remembers who made it.
-
-    One object per output: the reference itself carries the producer's data, and its callback
-    (shared, no closure per tensor) drops the entry when the tensor dies.
-    """
-
-    __slots__ = ("key", "seq", "op", "stack_id", "summary", "version")
-
-    def __new__(cls, t, callback, key, seq, op, stack_id, summary, version):
-        return super().__new__(cls, t, callback)
-
-    def __init__(self, t, callback, key, seq, op, stack_id, summary, version):
-        super().__init__(t, callback)
-        self.key = key
-        self.seq = seq
-        self.op = op
-        self.stack_id = stack_id
-        self.summary = summary  # the immediate summary of its output, when there is one
-        self.version = version  # the tensor's version counter when that summary was taken
+# A producer entry, per live output tensor, keyed by id(tensor):
+#   (weakref to the tensor, seq, op name, stack id, immediate summary or None, version counter)
+# The weak reference has no callback (a callback per tensor costs more than the op's own
+# bookkeeping); an entry whose tensor died is ignored on lookup, overwritten when the id is
+# reused, and swept out when the table doubles (see Recorder._sweep).
+_REF, _SEQ, _OP, _STACK, _SUMMARY, _VERSION = range(6)
 
 
 class Recorder:
@@ -160,7 +147,8 @@ class Recorder:
         self.recorded = 0
         self.last_nr = 0
         self.op_info: dict[Any, tuple[str, bool, bool, bool]] = {}
-        self.producers: dict[int, _Producer] = {}  # id(tensor) -> its producer, held weakly
+        self.producers: dict[int, tuple] = {}  # id(tensor) -> producer entry (see _REF ...)
+        self.sweep_at = 4096
         self.fwd_nodes: dict[int, tuple[int, int | None, int | None, int]] = {}
         self.pending: list[tuple] = []
         self.pending_bad = False
@@ -290,17 +278,18 @@ class Recorder:
         self.op_info[func] = info
         return info
 
-    def _forget(self, ref: _Producer) -> None:
-        if self.producers.get(ref.key) is ref:
-            del self.producers[ref.key]
+    def _sweep(self) -> None:
+        """Drop the entries of tensors that died; amortised O(1) per registration."""
+        self.producers = {k: p for k, p in self.producers.items() if p[0]() is not None}
+        self.sweep_at = max(4096, 2 * len(self.producers))
 
     def input_ref(self, t: _Tensor) -> tuple:
         named = self.modules.name_of(t)
         if named is not None:
             return (named[1], named[0])
         p = self.producers.get(id(t))
-        if p is not None and p() is t:
-            return ("op", p.seq)
+        if p is not None and p[0]() is t:
+            return ("op", p[1])
         return ("input", None)
 
     def describe_input(self, t: _Tensor) -> str:
@@ -309,10 +298,10 @@ class Recorder:
         p = self.producers.get(id(t))
         if named is not None:
             who = f"{named[1]} {named[0]!r}"
-        elif p is not None and p() is t:
-            fr = _user_frame(self.stacks.frames(p.stack_id))
+        elif p is not None and p[0]() is t:
+            fr = _user_frame(self.stacks.frames(p[_STACK]))
             where = f" from {_short_path(fr[0])}:{fr[1]}" if fr else ""
-            who = f"{_op_display(p.op)} output{where}"
+            who = f"{_op_display(p[_OP])} output{where}"
         else:
             who = "user input"
         return f"{who}: {describe_values(t)}"
@@ -436,8 +425,8 @@ class _DispatchMode(TorchDispatchMode):
             # A pure alias (view, t, detach, ...) holds the same values as its input: reuse that
             # input's summary while the shared version counter says nothing wrote to it since.
             p = producers.get(id(tin[0]))
-            if p is not None and p() is tin[0] and p.summary is not None and p.version == tin[0]._version:
-                alias = p.summary
+            if p is not None and p[0]() is tin[0] and p[4] is not None and p[5] == tin[0]._version:
+                alias = p[4]
         for o in outs:
             if not isinstance(o, _Tensor):
                 continue
@@ -493,11 +482,12 @@ class _DispatchMode(TorchDispatchMode):
 def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:
     key = id(o)
     p = producers.get(key)
-    if p is not None and p() is o:
-        # An in-place op: o now holds this op's output.
-        p.seq, p.op, p.stack_id, p.summary, p.version = seq, name, stack_id, summary, o._version
+    if p is not None and p[0]() is o:  # an in-place op: o now holds this op's output
+        producers[key] = (p[0], seq, name, stack_id, summary, o._version)
         return
-    producers[key] = _Producer(o, r._forget, key, seq, name, stack_id, summary, o._version)
+    producers[key] = (_weakref(o), seq, name, stack_id, summary, o._version)
+    if len(producers) > r.sweep_at:
+        r._sweep()
 
 
 def _health_sync(o: _Tensor) -> int:
