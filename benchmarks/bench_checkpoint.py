@@ -97,9 +97,9 @@ def main() -> None:
             # A new file per save, as a loop writing ckpt_<step>.pt does (rewriting one file in place
             # is faster on some file systems, and is not what keeps an older checkpoint safe).
             plain, durable = root / f"plain-{r}.pt", root / f"durable-{r}.pt"
-            record("torch.save", timed(lambda: torch_save(model, plain, fsync=False)))
-            record("torch.save + fsync", timed(lambda: torch_save(model, durable, fsync=True)))
-            record("torch.load", timed(lambda: torch_load(model, plain)))
+            record("torch.save", timed(lambda plain=plain: torch_save(model, plain, fsync=False)))
+            record("torch.save + fsync", timed(lambda durable=durable: torch_save(model, durable, fsync=True)))
+            record("torch.load", timed(lambda plain=plain: torch_load(model, plain)))
             plain.unlink()
             durable.unlink()
             record("trainguard sync save", timed(lambda s=step: sync.save(state, s)))

@@ -39,13 +39,15 @@ def test_deferred_matches_immediate(tmp_path):
 
 
 def test_back_pressure_is_counted_and_nonfinite_kept(tmp_path, monkeypatch):
-    slow = RunWriter._do_exec
+    from trainguard.store._sink import Sink
 
-    def slow_exec(self, batch):
+    slow = Sink._m_exec
+
+    def slow_exec(self, records):
         time.sleep(0.05)
-        slow(self, batch)
+        slow(self, records)
 
-    monkeypatch.setattr(RunWriter, "_do_exec", slow_exec)
+    monkeypatch.setattr(Sink, "_m_exec", slow_exec)
     w = RunWriter(tmp_path / "r", mode="full_health", queue_items=2)
     ok = (2.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0)
     bad = (2.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0)

@@ -171,6 +171,7 @@ class Recorder:
                 mode=self.mode,
                 buffer=self.buffer,
                 overwrite=self.overwrite,
+                process=True,
                 meta={
                     "ops_filter": self.ops_pattern.pattern if self.ops_pattern else None,
                     "dtypes_filter": sorted(_dtype_name(d) for d in self.dtypes) if self.dtypes else None,

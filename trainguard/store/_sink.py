@@ -1,0 +1,268 @@
+"""The SQLite side of the run writer: turns messages into rows and commits them.
+
+A sink runs either inside the writer thread or, for a recording, in a child process
+(``python -m trainguard.store._sink RUN_DIR``) fed through a pipe: turning a record into a
+row costs about as much Python as capturing it, and in another process that work does not
+compete with training for the GIL. Messages are tuples of plain values (marshal-able):
+
+    ("exec", records)            executions, summaries already resolved to floats
+    ("stack", id, frames)        an interned stack; source files are read here, once
+    ("sql", statement, rows)     any other rows, built by the writer thread
+    ("meta", {key: json})        metadata, values already JSON-encoded
+    ("config", mode, buffer)     the recorder's mode and circular buffer
+    ("flush",) / ("close",)      commit now (and, for close, trim the buffer); answered with b"A"
+
+The child ignores SIGINT and SIGTERM and exits when its input ends: a training process killed
+with SIGKILL closes the pipe, and the child commits what it received before exiting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import marshal
+import os
+import select
+import signal
+import struct
+import sys
+import time
+from array import array
+from pathlib import Path
+
+from trainguard.store._codec import DB_NAME, MODE_FIELDS, PHASE_ID, health_of
+from trainguard.store._schema import connect
+
+log = logging.getLogger("trainguard.store")
+
+# A recorded stack usually has few distinct files; cap what one source file may add to a run.
+MAX_SOURCE_BYTES = 2_000_000
+# Executions kept beyond ``buffer`` while the run is live, so that producers of a later
+# non-finite op are still there to pin; the final trim at close keeps exactly ``buffer``.
+EVICTION_SLACK = 10_000
+
+_plain_dumps = json.JSONEncoder(separators=(",", ":")).encode
+_HEADER = struct.Struct("<I")
+
+
+class Sink:
+    """Owns the run database connection. Not thread-safe: one thread (or process) feeds it."""
+
+    def __init__(self, run_dir: str | os.PathLike, mode: str = "no_tensor", buffer: int = -1,
+                 flush_interval: float = 1.0):
+        from trainguard.store._writer import is_user_file
+
+        self._is_user_file = is_user_file
+        self.run_dir = Path(run_dir)
+        self.configure(mode, buffer)
+        self.flush_interval = flush_interval
+        self.failed: str | None = None
+        self.op_ids: dict[str, int] = {}
+        self.file_ids: dict[str, int] = {}
+        self.frame_ids: dict[tuple, int] = {}
+        self.max_seq = -1
+        self.rows_since_commit = 0
+        self.con = connect(self.run_dir / DB_NAME, create=True)
+        self.con.execute("BEGIN")
+        self.last_commit = time.monotonic()
+
+    def configure(self, mode: str, buffer: int) -> None:
+        self.fields = MODE_FIELDS[mode]
+        self.pack = struct.Struct(f"={len(self.fields)}d").pack
+        self.buffer = buffer
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, msg: tuple) -> None:
+        """Apply one message; a failure is recorded in the run and never stops the sink."""
+        try:
+            getattr(self, "_m_" + msg[0])(*msg[1:])
+        except Exception as exc:  # observing training never kills training
+            if self.failed is None:
+                log.exception("trainguard writer failed on a %r message; recording continues", msg[0])
+            self.failed = f"{type(exc).__name__}: {exc}"
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last_commit >= self.flush_interval or self.rows_since_commit > 50_000
+
+    def commit(self, final: bool = False) -> None:
+        con = self.con
+        if self.buffer > 0 and self.max_seq >= 0:
+            self._evict(self.buffer if final else self.buffer + EVICTION_SLACK)
+        meta = {"last_flush": json.dumps(time.time())}
+        if self.failed:
+            meta["writer_error"] = json.dumps(self.failed)
+        self._m_meta(meta)
+        con.execute("COMMIT")
+        self.last_commit = time.monotonic()
+        self.rows_since_commit = 0
+        if final:
+            con.close()
+        else:
+            con.execute("BEGIN")
+
+    # ------------------------------------------------------------------ messages
+    def _m_config(self, mode: str, buffer: int) -> None:
+        self.configure(mode, buffer)
+
+    def _m_meta(self, values: dict[str, str]) -> None:
+        self.con.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", list(values.items()))
+
+    def _m_sql(self, statement: str, rows: list) -> None:
+        self.con.executemany(statement, rows)
+        self.rows_since_commit += len(rows)
+
+    def _m_flush(self) -> None:
+        self.commit()
+
+    def _op_id(self, name: str) -> int:
+        op_id = self.op_ids.get(name)
+        if op_id is None:
+            op_id = self.op_ids[name] = len(self.op_ids) + 1
+            self.con.execute("INSERT OR IGNORE INTO op_types(id, name) VALUES (?, ?)", (op_id, name))
+        return op_id
+
+    def _file_id(self, filename: str) -> int:
+        fid = self.file_ids.get(filename)
+        if fid is None:
+            text = None
+            try:
+                if not filename.startswith("<") and os.path.getsize(filename) <= MAX_SOURCE_BYTES:
+                    with open(filename, encoding="utf-8", errors="replace") as fh:
+                        text = fh.read()
+            except OSError:
+                text = None
+            cur = self.con.execute(
+                "INSERT INTO source_files(path, text, user) VALUES (?, ?, ?)",
+                (filename, text, int(self._is_user_file(filename))),
+            )
+            fid = self.file_ids[filename] = cur.lastrowid
+        return fid
+
+    def _m_stack(self, stack_id: int, frames: list) -> None:
+        ids = []
+        for frame in frames:
+            frame = tuple(frame)
+            fid = self.frame_ids.get(frame)
+            if fid is None:
+                filename, lineno, name = frame
+                cur = self.con.execute(
+                    "INSERT INTO frames(file_id, filename, lineno, name, user) VALUES (?, ?, ?, ?, ?)",
+                    (self._file_id(filename), filename, lineno, name, int(self._is_user_file(filename))),
+                )
+                fid = self.frame_ids[frame] = cur.lastrowid
+            ids.append(fid)
+        self.con.execute("INSERT OR REPLACE INTO stacks(id, frames) VALUES (?, ?)", (stack_id, _plain_dumps(ids)))
+
+    def _m_exec(self, records: list) -> None:
+        fields, pack = self.fields, self.pack
+        rows, edges, pins = [], [], []
+        op_id = self._op_id
+        max_seq = self.max_seq
+        for seq, step, phase, op, module_id, stack_id, fwd_seq, health, inputs, outputs, summary in records:
+            blob = None
+            if summary and fields:
+                if health is not None:  # immediate summaries: health already known
+                    blob = b"".join([pack(*values) for values in summary])
+                else:
+                    flat = array("d")
+                    health = 0
+                    for values in summary:
+                        flat.extend(values)
+                        health |= health_of(fields, values)
+                    blob = flat.tobytes()
+            if health is None:
+                health = 0
+            for slot, (kind, ref) in enumerate(inputs):
+                if kind == "op":
+                    edges.append((ref, seq, slot))
+            if health:
+                pins.append((seq,))
+                pins.extend((ref,) for kind, ref in inputs if kind == "op")
+            rows.append((seq, step, PHASE_ID[phase], op_id(op), module_id, stack_id, fwd_seq, health,
+                         _plain_dumps(inputs), _plain_dumps(outputs), blob, 1 if health else 0))
+            if seq > max_seq:
+                max_seq = seq
+        self.max_seq = max_seq
+        con = self.con
+        con.executemany("INSERT OR REPLACE INTO executions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+        if edges:
+            con.executemany("INSERT INTO edges(producer, consumer, slot) VALUES (?, ?, ?)", edges)
+        if pins:
+            con.executemany("UPDATE executions SET pinned = 1 WHERE seq = ?", pins)
+        self.rows_since_commit += len(rows)
+
+    def _evict(self, keep: int) -> None:
+        con = self.con
+        row = con.execute("SELECT seq FROM executions ORDER BY seq DESC LIMIT 1 OFFSET ?", (keep - 1,)).fetchone()
+        if row is None:
+            return
+        cutoff = row[0]
+        for (path,) in con.execute(
+            "SELECT p.path FROM payloads p JOIN executions e ON e.seq = p.seq WHERE e.seq < ? AND e.pinned = 0",
+            (cutoff,),
+        ).fetchall():
+            try:
+                (self.run_dir / path).unlink()
+            except OSError:
+                pass
+        stale = "SELECT seq FROM executions WHERE seq < ? AND pinned = 0"
+        con.execute(f"DELETE FROM payloads WHERE seq IN ({stale})", (cutoff,))
+        con.execute(f"DELETE FROM edges WHERE consumer IN ({stale})", (cutoff,))
+        con.execute("DELETE FROM executions WHERE seq < ? AND pinned = 0", (cutoff,))
+
+
+# ---------------------------------------------------------------------- the child process
+def write_frame(fd: int, msg: tuple) -> None:
+    data = marshal.dumps(msg)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def serve(run_dir: str, fd_in: int = 0, fd_out: int = 1) -> None:
+    """The child's loop: apply framed messages, commit on time, answer flush and close."""
+    sink = Sink(run_dir)
+    while True:
+        timeout = max(0.0, sink.last_commit + sink.flush_interval - time.monotonic())
+        ready, _, _ = select.select([fd_in], [], [], timeout)
+        if not ready:
+            sink.commit()
+            continue
+        header = _read_exactly(fd_in, _HEADER.size)
+        body = _read_exactly(fd_in, _HEADER.unpack(header)[0]) if header is not None else None
+        if body is None:  # the training process is gone: keep what it sent
+            sink.commit(final=False)
+            sink.con.close()
+            return
+        msg = marshal.loads(body)
+        if msg[0] == "close":
+            sink.commit(final=True)
+            os.write(fd_out, b"A")
+            return
+        if msg[0] == "flush":
+            sink.commit()
+            os.write(fd_out, b"A")
+            continue
+        sink.handle(msg)
+        if sink.due():
+            sink.commit()
+
+
+if __name__ == "__main__":
+    # Interrupts go to the training process, which closes the run; this process ends with its pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="trainguard writer: %(message)s")
+    serve(sys.argv[1])
