@@ -34,6 +34,9 @@ _get_seq_nr = torch._C._autograd._get_sequence_nr
 _current_node = torch._C._current_autograd_node
 _Tensor = torch.Tensor
 _weakref = weakref.ref
+_grad_enabled = torch.is_grad_enabled
+_monotonic = time.monotonic
+_clock = _steps.clock
 
 # Records handed to the writer at once; also flushed at every step and at least every second.
 FLUSH_RECORDS = 256
@@ -366,18 +369,25 @@ class _DispatchMode(TorchDispatchMode):
         self.rec = rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # The hot path: locals instead of attribute lookups, no helper calls for common cases.
         r = self.rec
-        if kwargs is None:
-            kwargs = {}
         info = r.op_info.get(func)
         if info is None:
             info = r._info(func)
         node = _current_node()
         nr = _get_seq_nr()
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if kwargs else func(*args)
         seq = r.seq
         r.seq = seq + 1
-        outs = out if isinstance(out, (tuple, list)) else (out,)
+        outs = out if type(out) in (tuple, list) else (out,)
+        producers = r.producers
+        name = info[0]
+        if not info[1]:  # filtered out: consumers still learn who made their inputs
+            for o in outs:
+                if isinstance(o, _Tensor):
+                    _register(r, producers, o, seq, name, None, None)
+            r.last_nr = _get_seq_nr()
+            return out
 
         # Where and when: phase, module, stack (backward ops inherit them from their forward op).
         fwd_seq = fwd_op = None
@@ -385,54 +395,69 @@ class _DispatchMode(TorchDispatchMode):
             phase = "backward"
             fwd = r.fwd_nodes.get(node._sequence_nr())
             if fwd is not None:
-                fwd_seq, module_id, stack_id = fwd[0], fwd[1], fwd[2]
-                fwd_op = fwd[4]
+                fwd_seq, module_id, stack_id, _, fwd_op = fwd
             else:
                 module_id = None
                 stack_id = r.stacks.capture(2)
         else:
             module_id = r.modules.current()
             stack_id = r.stacks.capture(2)
-            if _steps.clock.in_optimizer:
+            if _clock.in_optimizer:
                 phase = "optimizer"
-            elif module_id is not None or torch.is_grad_enabled():
+            elif module_id is not None or _grad_enabled():
                 phase = "forward"
             else:
                 phase = "other"
             if nr != r.last_nr:
                 # The autograd node of this op was numbered nr - 1 just before dispatch.
-                r.fwd_nodes[nr - 1] = (seq, module_id, stack_id, _steps.clock.step, info[0])
-        name = info[0]
-        producers = r.producers
-        if not info[1] or (r.dtypes is not None and not any(
-                isinstance(o, _Tensor) and o.dtype in r.dtypes for o in outs)):
-            for o in outs:  # not recorded, but consumers still learn who made their inputs
+                r.fwd_nodes[nr - 1] = (seq, module_id, stack_id, _clock.step, name)
+        if r.dtypes is not None and not any(isinstance(o, _Tensor) and o.dtype in r.dtypes for o in outs):
+            for o in outs:
                 if isinstance(o, _Tensor):
                     _register(r, producers, o, seq, name, stack_id, None)
             r.last_nr = _get_seq_nr()
             return out
 
-        tin = _flatten(args, [])
-        if kwargs:
-            _flatten(kwargs.values(), tin)
-        inputs = [r.input_ref(t) for t in tin]
-        metas = []
+        # Inputs: a parameter or buffer by name, else the recorded op that produced it.
+        named = r.modules.named_tensors
+        inputs = []
+        first = None
+        for a in (args if not kwargs else (*args, *kwargs.values())):
+            if isinstance(a, _Tensor):
+                group = (a,)
+            elif type(a) in (list, tuple) and a and isinstance(a[0], _Tensor):
+                group = a
+            else:
+                continue
+            for t in group:
+                if first is None:
+                    first = t
+                key = id(t)
+                e = named.get(key)
+                if e is not None and e[0]() is t:
+                    inputs.append((e[2], e[1]))
+                    continue
+                p = producers.get(key)
+                inputs.append(("op", p[1]) if p is not None and p[0]() is t else ("input", None))
+
         fields = r.fields
         summaries = [] if fields else None
+        metas = []
         health = 0
         immediate_only = True
         alias = None
-        if info[3] and tin:
+        if info[3] and first is not None and summaries is not None:
             # A pure alias (view, t, detach, ...) holds the same values as its input: reuse that
             # input's summary while the shared version counter says nothing wrote to it since.
-            p = producers.get(id(tin[0]))
-            if p is not None and p[0]() is tin[0] and p[4] is not None and p[5] == tin[0]._version:
+            p = producers.get(id(first))
+            if p is not None and p[4] is not None and p[0]() is first and p[5] == first._version:
                 alias = p[4]
         for o in outs:
             if not isinstance(o, _Tensor):
                 continue
             dev = o.device
-            metas.append((_dtype_name(o.dtype), list(o.shape), _device_name(dev)))
+            metas.append((_DTYPE_NAMES.get(o.dtype) or _dtype_name(o.dtype), list(o.shape),
+                          _DEVICE_NAMES.get(dev) or _device_name(dev)))
             s = None
             if summaries is not None:
                 if info[2]:  # uninitialised memory: no evidence
@@ -466,15 +491,14 @@ class _DispatchMode(TorchDispatchMode):
         if r.writer is None:  # check_numerics without a run directory: nothing to keep
             r.last_nr = _get_seq_nr()
             return out
-        rec = (seq, _steps.clock.step, phase, name, module_id, stack_id, fwd_seq,
-               health if immediate_only else None, inputs, metas, summaries)
+        pending = r.pending
+        pending.append((seq, _clock.step, phase, name, module_id, stack_id, fwd_seq,
+                        health if immediate_only else None, inputs, metas, summaries))
         r.recorded += 1
-        r.pending.append(rec)
         if health:
             r.pending_bad = True
-        if len(r.pending) >= FLUSH_RECORDS or (
-            not r.pending_bad and len(r.pending) % 32 == 0 and time.monotonic() - r.last_flush > FLUSH_SECONDS
-        ):
+        n = len(pending)
+        if n >= FLUSH_RECORDS or (n & 31 == 0 and not r.pending_bad and _monotonic() - r.last_flush > FLUSH_SECONDS):
             r.flush()
         r.last_nr = _get_seq_nr()
         return out
