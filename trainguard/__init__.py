@@ -42,7 +42,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "TrainState": ("trainguard.resilience", "TrainState"),
     "list_checkpoints": ("trainguard.resilience", "list_checkpoints"),
     "doctor": ("trainguard.doctor", None),
-    "Monitor": ("trainguard.capture._monitor", "Monitor"),
+    "Monitor": ("trainguard._wiring", "Monitor"),
     "fix": ("trainguard.fix", None),
 }
 

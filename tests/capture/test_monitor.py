@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import trainguard
+from trainguard import Monitor
 from trainguard.capture import _monitor_tap, _steps
-from trainguard.capture._monitor import Monitor
 from trainguard.store import open_run
 
 

@@ -516,12 +516,12 @@ class Monitor:
     def _store_findings(self) -> None:
         from trainguard.store import open_run
 
-        if callable(self.diagnose):
-            diagnose = self.diagnose
-        else:
-            # Training is over: the monitor hands the finished run to the analysis layer's pure
-            # rules (imported here, never on the hot path) and stores what they return.
-            from trainguard.analysis import diagnose
+        # Training is over: the monitor hands the finished run to the analysis layer's pure rules
+        # and stores what they return. The capture layer does not import the analysis layer: the
+        # public ``trainguard.Monitor`` installs ``analysis.diagnose`` as the default.
+        diagnose = self.diagnose if callable(self.diagnose) else DEFAULT_DIAGNOSE
+        if diagnose is None:
+            return
         try:
             self._writer.flush()
             with open_run(self.logdir) as run:
@@ -533,6 +533,9 @@ class Monitor:
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()
+
+# Set by trainguard._wiring (the public ``trainguard.Monitor``) to ``trainguard.analysis.diagnose``.
+DEFAULT_DIAGNOSE: Callable | None = None
 
 
 @atexit.register

@@ -107,7 +107,7 @@ def monitor_script(
     overwrite: bool = False,
 ):
     """Run ``script`` under a Monitor attached to whatever models it trains; return (exit code, Monitor)."""
-    from trainguard.capture._monitor import Monitor
+    from trainguard._wiring import Monitor
 
     mon = Monitor(None, logdir, every, histograms=True if histograms else None, thresholds=thresholds,
                   overwrite=overwrite)

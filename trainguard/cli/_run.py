@@ -119,7 +119,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def _start_monitor(logdir: Path, every: int):
     try:
-        from trainguard.capture._monitor import Monitor
+        from trainguard._wiring import Monitor
     except ImportError:
         raise TrainguardError("--monitor needs the monitor, which this installation lacks") from None
     return Monitor(None, logdir=logdir, every=every)
