@@ -287,15 +287,6 @@ class Recorder:
         self.producers = {k: p for k, p in self.producers.items() if p[0]() is not None}
         self.sweep_at = max(4096, 2 * len(self.producers))
 
-    def input_ref(self, t: _Tensor) -> tuple:
-        named = self.modules.name_of(t)
-        if named is not None:
-            return (named[1], named[0])
-        p = self.producers.get(id(t))
-        if p is not None and p[0]() is t:
-            return ("op", p[1])
-        return ("input", None)
-
     def describe_input(self, t: _Tensor) -> str:
         """One line for a NonFiniteError: who made this input and what it holds."""
         named = self.modules.name_of(t)
@@ -637,7 +628,4 @@ def _at_exit() -> None:
         except Exception:  # pragma: no cover - best effort at interpreter exit
             pass
 
-
-def current_step() -> int:
-    return _steps.clock.step
 
