@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from trainguard.capture import _kernels
 from trainguard.capture._summary import summarize_deferred, summarize_immediate
 from trainguard.store import MODE_FIELDS
 
@@ -35,6 +36,18 @@ def reference(a: np.ndarray, mode: str) -> dict:
             out["min"], out["max"] = float(np.min(f)), float(np.max(f))
             out["mean"] = float(np.mean(f))
             out["std"] = float(np.sqrt(np.mean((f - np.mean(f)) ** 2)))
+    return out
+
+
+def both_paths(t: torch.Tensor, mode: str) -> list[tuple]:
+    """The immediate summary with the compiled kernel (when installed) and without it."""
+    out = [summarize_immediate(t, mode)]
+    saved = _kernels._kernel
+    try:
+        _kernels._kernel = None
+        out.append(summarize_immediate(t, mode))
+    finally:
+        _kernels._kernel = saved
     return out
 
 
@@ -69,7 +82,8 @@ def test_float_summaries_match_numpy(a, mode, transpose):
     if transpose and t.dim() >= 2:
         t = t.transpose(0, 1)  # non-contiguous view
         a = np.ascontiguousarray(np.swapaxes(a, 0, 1))
-    check(t, a, mode, summarize_immediate(t, mode))
+    for values in both_paths(t, mode):
+        check(t, a, mode, values)
     check(t, a, mode, tuple(summarize_deferred(t, mode).tolist()))
 
 
@@ -79,7 +93,8 @@ def test_float_summaries_match_numpy(a, mode, transpose):
        st.sampled_from(MODES))
 def test_integer_and_bool_summaries(a, mode):
     t = torch.from_numpy(a.copy())
-    check(t, a, mode, summarize_immediate(t, mode))
+    for values in both_paths(t, mode):
+        check(t, a, mode, values)
     check(t, a, mode, tuple(summarize_deferred(t, mode).tolist()))
 
 
@@ -88,7 +103,8 @@ def test_bfloat16_and_strided_views(mode):
     base = torch.tensor([[0.0, -1.5, float("inf")], [2.0, float("nan"), 0.0], [-float("inf"), 3.0, -2.0]])
     for t in (base.bfloat16(), base[:, ::2], base.t(), base.expand(2, 3, 3)):
         a = t.float().numpy()
-        check(t, a, mode, summarize_immediate(t, mode))
+        for values in both_paths(t, mode):
+            check(t, a, mode, values)
         check(t, a, mode, tuple(summarize_deferred(t, mode).tolist()))
 
 
@@ -104,3 +120,41 @@ def test_overflowing_sum_is_not_reported_as_nonfinite():
     t = torch.full((10,), 3e38)  # finite values whose float32 sum overflows
     assert summarize_immediate(t, "curt_health") == (0.0,)
     assert summarize_immediate(t, "full_health") == (10, 0, 0, 10, 0, 0, 0)
+
+
+def _large_cases():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 300, generator=g)
+    x[x.abs() < 0.05] = 0.0
+    nan_inf = x.clone()
+    nan_inf[3, 4], nan_inf[5, 6], nan_inf[7, 8] = float("nan"), float("inf"), -float("inf")
+    only_inf = x.clone()
+    only_inf[0, 0] = float("inf")
+    return {
+        "mixed": x, "nonneg": x.relu(), "nonpos": -x.relu(), "positive": x.abs() + 1, "negative": -x.abs() - 1,
+        "zeros": torch.zeros(100, 100), "transposed": x.t(), "expanded": x[:1].expand(50, 300),
+        "bfloat16": x.bfloat16(), "float16": x.half(), "float64": x.double(), "nan_inf": nan_inf,
+        "only_inf": only_inf, "negative_zero": torch.full((80, 80), -0.0),
+    }
+
+
+@pytest.mark.parametrize("case", list(_large_cases()))
+@pytest.mark.parametrize("mode", ["curt_health", "full_health", "stats"])
+def test_large_tensors_and_views_are_exact(case, mode):
+    t = _large_cases()[case]
+    for values in both_paths(t, mode):
+        check(t, t.float().numpy(), mode, values)
+
+
+def test_the_compiled_kernel_is_installed_for_the_suite():
+    # The test extra installs numba: without this the kernel path above would go untested.
+    assert _kernels.available()
+
+
+def test_kernel_counts_exactly_across_chunks(monkeypatch):
+    monkeypatch.setattr(_kernels, "CHUNK", 1000)
+    a = np.random.default_rng(0).standard_normal(4321).astype(np.float32)
+    a[::7] = 0.0
+    assert _kernels.counts(a) == (True, int((a < 0).sum()), int((a > 0).sum()))
+    a[4000] = np.inf
+    assert _kernels.counts(a)[0] is False

@@ -3,9 +3,11 @@
 Two strategies, both exact:
 
 * ``immediate`` (CPU tensors): reading a CPU scalar is no host-device sync, so the summary
-  branches: one summation proves a tensor finite (the common case), then NumPy comparisons
-  count signs on a zero-copy view, stopping after one pass when all values are positive. The
-  boolean-mask counts that also split NaN from +-Inf run only for a tensor that is not finite.
+  branches. With the ``fast`` extra (numba), one compiled pass over a zero-copy view proves a
+  float tensor finite and counts its signs (see ``_kernels``). Without it, one summation proves
+  the tensor finite, then NumPy comparisons count signs, stopping after one pass when all
+  values are positive. The boolean-mask counts that also split NaN from +-Inf run only for a
+  tensor that is not finite.
 * ``deferred`` (accelerators): every count is computed with device ops into one small float64
   vector per output; vectors are stacked and copied to the host asynchronously in batches, and
   the writer thread waits for them. The training thread never synchronises.
@@ -19,6 +21,8 @@ import math
 
 import numpy as np
 import torch
+
+from trainguard.capture import _kernels
 
 _INF = math.inf
 # float32 sums of +-1 are exact while every partial sum stays below 2**24.
@@ -73,11 +77,10 @@ def _np(t: torch.Tensor):
 
 
 def _sign_counts(t: torch.Tensor, n: int) -> tuple[int, int, int]:
-    """(neg, zero, pos) of a tensor known to hold no NaN or Inf.
+    """(neg, zero, pos) of an integer tensor, or a float tensor known to hold no NaN or Inf.
 
-    NumPy's comparisons with ``count_nonzero`` are the cheapest exact count on CPU here (about
-    4x faster than torch's boolean kernels); bfloat16, which NumPy lacks, goes through
-    float reductions of ``sign``.
+    NumPy's comparisons with ``count_nonzero`` are exact and cheap per call; bfloat16, which
+    NumPy lacks, goes through float reductions of ``sign``.
     """
     a = _np(t)
     if a is not None:
@@ -93,31 +96,73 @@ def _sign_counts(t: torch.Tensor, n: int) -> tuple[int, int, int]:
     return nonzero - pos, n - nonzero, pos
 
 
+_F32 = torch.float32
+_F64 = torch.float64
+_KERNEL_DTYPES = (_F32, _F64)
+
+
+def _kernel_input(t: torch.Tensor) -> np.ndarray | None:
+    """The elements of a float CPU tensor as a 1-D contiguous array for the compiled kernel.
+
+    A view when the memory allows: summaries do not depend on element order, so a transposed
+    or permuted tensor is read in memory order instead of being gathered. None when the
+    kernel is not installed or cannot read this tensor.
+    """
+    if t.dtype not in _KERNEL_DTYPES or not _kernels.available():
+        return None
+    a = _np(t)
+    return None if a is None else a.ravel(order="K")
+
+
+def _float_counts(t: torch.Tensor, n: int) -> tuple[int, int, int] | None:
+    """(neg, zero, pos) of a floating tensor, or None when it holds a NaN or an Inf."""
+    a = _kernel_input(t)
+    if a is not None:
+        finite, neg, pos = _kernels.counts(a)
+        return (neg, n - neg - pos, pos) if finite else None
+    if not _is_finite_fast(t):
+        return None
+    return _sign_counts(t, n)
+
+
+def _is_finite(t: torch.Tensor) -> bool:
+    a = _kernel_input(t)
+    if a is not None:
+        return _kernels.counts(a)[0]
+    return _is_finite_fast(t)
+
+
 def _is_finite_fast(t: torch.Tensor) -> bool:
     """True when ``t`` holds no NaN/Inf; one summation (an overflowing sum is re-checked exactly)."""
-    total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item()
+    total = t.sum(dtype=_F64 if t.dtype == _F64 else _F32).item()
     if math.isfinite(total):
         return True
     return bool(torch.isfinite(t).all())
 
 
 def _moments(t: torch.Tensor) -> tuple[float, float, float, float]:
-    # float64: squares of float32 values above ~1.8e19 overflow float32 (stats mode only).
-    f = t.to(torch.float64)
-    mn, mx = torch.aminmax(f)
-    mean = f.mean()
-    std = (f - mean).square().mean().sqrt()
-    return float(mn), float(mx), float(mean), float(std)
+    mn, mx = torch.aminmax(t)
+    f = t if t.dtype == _F64 or t.dtype == _F32 else t.to(_F32)
+    std, mean = torch.std_mean(f, correction=0)
+    mean, std = float(mean), float(std)
+    if not (math.isfinite(mean) and math.isfinite(std)) and math.isfinite(float(mn)) and math.isfinite(float(mx)):
+        # float32 squares of values above ~1.8e19 overflow: redo it in float64.
+        std, mean = torch.std_mean(t.to(_F64), correction=0)
+        mean, std = float(mean), float(std)
+    return float(mn), float(mx), mean, std
 
 
 def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with)."""
-    t = _as_real(t.detach())
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
     n = t.numel()
     if mode == "curt_health":
         if n == 0 or not t.is_floating_point():
             return (0.0,)
-        return (0.0 if _is_finite_fast(t) else 1.0,)
+        return (0.0 if _is_finite(t) else 1.0,)
     if n == 0:
         return _pack(mode, 0, 0, 0, 0, 0, 0, 0, math.nan, math.nan, math.nan, math.nan)
     if t.dtype == torch.bool:
@@ -125,14 +170,14 @@ def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
         mn, mx = float(nz == n), float(nz > 0)
         return _pack(mode, n, 0, n - nz, nz, 0, 0, 0, mn, mx, nz / n, math.sqrt(nz / n * (1 - nz / n)))
     isfloat = t.is_floating_point()
-    finite = not isfloat or _is_finite_fast(t)
     if mode == "concise_health":
-        if finite:
+        if not isfloat or _is_finite(t):
             return (float(n), 0.0, 0.0, 0.0)
         neg, zero, pos, ninf, pinf, nan = _exact_counts(t)
         return (float(n), float(ninf), float(pinf), float(nan))
-    if finite:
-        neg, zero, pos = _sign_counts(t, n)
+    counts = _float_counts(t, n) if isfloat else _sign_counts(t, n)
+    if counts is not None:
+        neg, zero, pos = counts
         ninf = pinf = nan = 0
     else:
         neg, zero, pos, ninf, pinf, nan = _exact_counts(t)

@@ -18,6 +18,7 @@ with SIGKILL closes the pipe, and the child commits what it received before exit
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import marshal
@@ -27,7 +28,6 @@ import signal
 import struct
 import sys
 import time
-from array import array
 from pathlib import Path
 
 from trainguard.store._codec import DB_NAME, MODE_FIELDS, PHASE_ID, health_of
@@ -62,6 +62,10 @@ class Sink:
         self.frame_ids: dict[tuple, int] = {}
         self.max_seq = -1
         self.rows_since_commit = 0
+        self.ring: dict[int, tuple] = {}  # seq -> execution, the recent window (see _m_exec)
+        self.in_db: set[int] = set()  # seqs of the window that are rows
+        self.pinned: set[int] = set()
+        self.pin_updates: list[tuple[int]] = []
         self.con = connect(self.run_dir / DB_NAME, create=True)
         self.con.execute("BEGIN")
         self.last_commit = time.monotonic()
@@ -86,8 +90,7 @@ class Sink:
 
     def commit(self, final: bool = False) -> None:
         con = self.con
-        if self.buffer > 0 and self.max_seq >= 0:
-            self._evict(self.buffer if final else self.buffer + EVICTION_SLACK)
+        self._write_window(final)
         meta = {"last_flush": json.dumps(time.time())}
         if self.failed:
             meta["writer_error"] = json.dumps(self.failed)
@@ -154,61 +157,113 @@ class Sink:
         self.con.execute("INSERT OR REPLACE INTO stacks(id, frames) VALUES (?, ?)", (stack_id, _plain_dumps(ids)))
 
     def _m_exec(self, records: list) -> None:
+        """Keep executions in memory; :meth:`commit` writes those the circular buffer keeps.
+
+        With ``buffer=N`` most executions fall out of the window before the next commit: they
+        never become rows, which makes a recording's writer several times cheaper than writing
+        and deleting every op. Health is judged on arrival, so that a non-finite execution pins
+        itself and its producers while they are still in memory (or in the database).
+        """
+        fields = self.fields
+        ring = self.ring
+        for rec in records:
+            health = rec[7]
+            summary = rec[10]
+            if health is None:  # deferred summaries: judged here
+                health = 0
+                if summary and fields:
+                    for values in summary:
+                        health |= health_of(fields, values)
+                rec = rec[:7] + (health,) + rec[8:]
+            seq = rec[0]
+            ring[seq] = rec
+            if health:
+                self._pin(seq)
+                for kind, ref in rec[8]:
+                    if kind == "op":
+                        self._pin(ref)
+        self.rows_since_commit += len(records)
+
+    def _pin(self, seq: int) -> None:
+        if seq in self.pinned:
+            return
+        self.pinned.add(seq)
+        if seq in self.in_db or seq not in self.ring:
+            self.pin_updates.append((seq,))  # already a row (or gone): mark it there
+
+    def _write_window(self, final: bool) -> None:
+        """Write the executions the buffer keeps, evict the rest, trim the memory window."""
+        ring, in_db, pinned = self.ring, self.in_db, self.pinned
+        keep = self.buffer
+        cutoff = -1
+        if keep > 0 and len(ring) > keep:
+            cutoff = sorted(ring)[-keep]
         fields, pack = self.fields, self.pack
-        rows, edges, pins = [], [], []
+        rows, edges = [], []
         op_id = self._op_id
-        max_seq = self.max_seq
-        for seq, step, phase, op, module_id, stack_id, fwd_seq, health, inputs, outputs, summary in records:
+        for seq, rec in ring.items():
+            if seq in in_db or (seq < cutoff and seq not in pinned):
+                continue
+            _, step, phase, op, module_id, stack_id, fwd_seq, health, inputs, outputs, summary = rec
             blob = None
             if summary and fields:
-                if health is not None:  # immediate summaries: health already known
-                    blob = b"".join([pack(*values) for values in summary])
-                else:
-                    flat = array("d")
-                    health = 0
-                    for values in summary:
-                        flat.extend(values)
-                        health |= health_of(fields, values)
-                    blob = flat.tobytes()
-            if health is None:
-                health = 0
+                blob = b"".join([pack(*values) for values in summary])
             for slot, (kind, ref) in enumerate(inputs):
                 if kind == "op":
                     edges.append((ref, seq, slot))
-            if health:
-                pins.append((seq,))
-                pins.extend((ref,) for kind, ref in inputs if kind == "op")
             rows.append((seq, step, PHASE_ID[phase], op_id(op), module_id, stack_id, fwd_seq, health,
-                         _plain_dumps(inputs), _plain_dumps(outputs), blob, 1 if health else 0))
-            if seq > max_seq:
-                max_seq = seq
-        self.max_seq = max_seq
+                         _plain_dumps(inputs), _plain_dumps(outputs), blob, 1 if seq in pinned else 0))
+            in_db.add(seq)
+            if seq > self.max_seq:
+                self.max_seq = seq
         con = self.con
-        con.executemany("INSERT OR REPLACE INTO executions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+        if rows:
+            con.executemany("INSERT OR REPLACE INTO executions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
         if edges:
             con.executemany("INSERT INTO edges(producer, consumer, slot) VALUES (?, ?, ?)", edges)
-        if pins:
-            con.executemany("UPDATE executions SET pinned = 1 WHERE seq = ?", pins)
-        self.rows_since_commit += len(rows)
+        if self.pin_updates:
+            con.executemany("UPDATE executions SET pinned = 1 WHERE seq = ?", self.pin_updates)
+            self.pin_updates = []
+        if keep <= 0:  # keep all: everything is a row now
+            ring.clear()
+            in_db.clear()
+            return
+        # Executions older than the window stay in memory a while longer, so that a late
+        # non-finite consumer can still pin (and write) its producer.
+        excess = len(ring) - (keep if final else keep + EVICTION_SLACK)
+        if excess > 0:
+            for seq in list(itertools.islice(ring, excess)):
+                del ring[seq]
+        if self.max_seq >= 0:
+            cut = self._evict(keep, None if final or not ring else next(iter(ring)))
+            if cut is not None:
+                self.in_db = {s for s in in_db if s >= cut or s in pinned}
 
-    def _evict(self, keep: int) -> None:
+    def _evict(self, keep: int, oldest_in_memory: int | None) -> int | None:
+        """Delete the rows older than the newest ``keep`` that are not pinned; returns the cutoff.
+
+        Saved tensors (full_tensor) of executions still in memory are kept with them, so that a
+        late pin finds its payload.
+        """
         con = self.con
         row = con.execute("SELECT seq FROM executions ORDER BY seq DESC LIMIT 1 OFFSET ?", (keep - 1,)).fetchone()
         if row is None:
-            return
+            return None
         cutoff = row[0]
+        gone = cutoff if oldest_in_memory is None else min(cutoff, oldest_in_memory)
+        kept = "SELECT seq FROM executions WHERE pinned = 1"
         for (path,) in con.execute(
-            "SELECT p.path FROM payloads p JOIN executions e ON e.seq = p.seq WHERE e.seq < ? AND e.pinned = 0",
-            (cutoff,),
+            f"SELECT path FROM payloads WHERE seq < ? AND seq NOT IN ({kept})", (gone,)
         ).fetchall():
             try:
                 (self.run_dir / path).unlink()
             except OSError:
                 pass
+        con.execute(f"DELETE FROM payloads WHERE seq < ? AND seq NOT IN ({kept})", (gone,))
         stale = "SELECT seq FROM executions WHERE seq < ? AND pinned = 0"
-        con.execute(f"DELETE FROM payloads WHERE seq IN ({stale})", (cutoff,))
         con.execute(f"DELETE FROM edges WHERE consumer IN ({stale})", (cutoff,))
         con.execute("DELETE FROM executions WHERE seq < ? AND pinned = 0", (cutoff,))
+        return cutoff
 
 
 # ---------------------------------------------------------------------- the child process
