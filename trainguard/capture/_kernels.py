@@ -35,8 +35,7 @@ def _build():
     except ImportError:
         return None
 
-    @njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"})
-    def _probe_neg_pos(a):  # pragma: no cover - compiled
+    def probe_neg_pos(a):  # pragma: no cover - compiled
         probe = a.dtype.type(0)
         neg = np.float32(0)
         pos = np.float32(0)
@@ -47,10 +46,30 @@ def _build():
             pos += np.float32(1) if x > 0 else np.float32(0)
         return probe, neg, pos
 
-    return _probe_neg_pos
+    for cache in (True, False):  # no writable cache directory: compile in memory each run
+        try:
+            kernel = njit(nogil=True, cache=cache, fastmath={"reassoc", "nsz"})(probe_neg_pos)
+            for dtype in DTYPES:  # compile (or load from the cache) now, not at the first op
+                kernel(np.zeros(3, dtype))
+            return kernel
+        except Exception as exc:  # a broken numba must not break recording
+            log.debug("trainguard: numba kernel (cache=%s) unavailable: %s", cache, exc)
+    log.warning("trainguard: the numba summary kernel failed to build; using NumPy summaries")
+    return None
 
 
-_kernel = _build()
+_kernel = None
+_built = False
+
+
+def _load():
+    """Build on first use: importing numba and loading the kernel take a quarter of a second,
+    paid only when a recording needs counts."""
+    global _kernel, _built
+    if not _built:
+        _kernel = _build()
+        _built = True
+    return _kernel
 
 
 def counts(a: np.ndarray) -> tuple[bool, int, int] | None:
@@ -59,7 +78,7 @@ def counts(a: np.ndarray) -> tuple[bool, int, int] | None:
     ``neg``/``pos`` are exact for a finite array; for one holding NaN or Inf only ``finite``
     (False) is meaningful.
     """
-    if _kernel is None:
+    if (_kernel if _built else _load()) is None:
         return None
     n = a.size
     if n <= CHUNK:
@@ -75,4 +94,9 @@ def counts(a: np.ndarray) -> tuple[bool, int, int] | None:
 
 
 def available() -> bool:
-    return _kernel is not None
+    return (_kernel if _built else _load()) is not None
+
+
+def warm() -> None:
+    """Load the kernel before the first op (at the start of a recording)."""
+    _load()

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
-from trainguard.capture import _steps
+from trainguard.capture import _kernels, _steps
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._stacks import StackInterner
 from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS, summarize_deferred, summarize_immediate
@@ -43,6 +43,9 @@ FLUSH_RECORDS = 256
 FLUSH_SECONDS = 0.5
 # Accelerator summaries stacked and copied to the host per batch of this many outputs.
 DEFERRED_BATCH = 128
+
+# Modes whose summaries run the compiled counting kernel on CPU.
+_COUNTING_MODES = frozenset({"curt_health", "concise_health", "full_health", "stats"})
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -186,6 +189,8 @@ class Recorder:
             _steps.reset()
         _steps.acquire()
         _steps.clock.on_step.append(self._on_step)
+        if self.mode in _COUNTING_MODES:
+            _kernels.warm()
         self.modules.install()
         self.last_nr = _get_seq_nr()
         self._mode = _DispatchMode(self)

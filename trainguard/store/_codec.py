@@ -11,6 +11,10 @@ import math
 from typing import Any
 
 SCHEMA_VERSION = 1
+# Executions kept beyond ``buffer`` while a recording is live (by the writer and the sink), so
+# that the producers of a later non-finite op can still be pinned; the final trim at close
+# keeps exactly ``buffer``.
+EVICTION_SLACK = 10_000
 DB_NAME = "run.sqlite"
 
 PHASES = ("forward", "backward", "optimizer", "other")

@@ -10,6 +10,7 @@ compete with training for the GIL. Messages are tuples of plain values (marshal-
     ("sql", statement, rows)     any other rows, built by the writer thread
     ("meta", {key: json})        metadata, values already JSON-encoded
     ("config", mode, buffer)     the recorder's mode and circular buffer
+    ("commit",)                  commit now
     ("flush",) / ("close",)      commit now (and, for close, trim the buffer); answered with b"A"
 
 The child ignores SIGINT and SIGTERM and exits when its input ends: a training process killed
@@ -30,16 +31,13 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.store._codec import DB_NAME, MODE_FIELDS, PHASE_ID, health_of
+from trainguard.store._codec import DB_NAME, EVICTION_SLACK, MODE_FIELDS, PHASE_ID, health_of
 from trainguard.store._schema import connect
 
 log = logging.getLogger("trainguard.store")
 
 # A recorded stack usually has few distinct files; cap what one source file may add to a run.
 MAX_SOURCE_BYTES = 2_000_000
-# Executions kept beyond ``buffer`` while the run is live, so that producers of a later
-# non-finite op are still there to pin; the final trim at close keeps exactly ``buffer``.
-EVICTION_SLACK = 10_000
 
 _plain_dumps = json.JSONEncoder(separators=(",", ":")).encode
 _HEADER = struct.Struct("<I")
@@ -115,6 +113,9 @@ class Sink:
         self.rows_since_commit += len(rows)
 
     def _m_flush(self) -> None:
+        self.commit()
+
+    def _m_commit(self) -> None:  # a commit nobody waits for
         self.commit()
 
     def _op_id(self, name: str) -> int:

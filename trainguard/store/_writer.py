@@ -18,12 +18,13 @@ import sys
 import sysconfig
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainguard._errors import TrainguardError
-from trainguard.store._codec import DB_NAME, MODE_FIELDS, dumps, encode_float
+from trainguard.store._codec import DB_NAME, EVICTION_SLACK, MODE_FIELDS, dumps, encode_float
 from trainguard.store._schema import connect
 
 log = logging.getLogger("trainguard.store")
@@ -165,6 +166,12 @@ class RunWriter:
         self._proc = _start_child(self.run_dir) if process else None
         self.sink = None if self._proc is not None else _local_sink(self.run_dir, flush_interval)
         self._sent_dropped = 0
+        # The circular buffer's window, held here (see _hold): record lists, newest last.
+        self._window: deque[list] = deque()
+        self._window_n = 0
+        self._window_bad = False
+        self._sent_max = -1
+        self._last_send = time.monotonic()
         self._send(("config", mode, buffer))
         self._thread = threading.Thread(target=self._loop, name="trainguard-writer", daemon=True)
         self._thread.start()
@@ -190,7 +197,8 @@ class RunWriter:
                 self.dropped_items += 1
 
     def put_executions(self, batch: ExecBatch, *, must_keep: bool = False) -> None:
-        self._put(("exec", batch), must_keep=must_keep, n_exec=len(batch.records))
+        """Hand over executions; ``must_keep`` marks a batch holding a non-finite value."""
+        self._put(("exec", batch, must_keep), must_keep=must_keep, n_exec=len(batch.records))
 
     def put_stack(self, stack_id: int, frames: list[tuple[str, int, str]]) -> None:
         """Register an interned stack: frames (filename, lineno, function), outermost first."""
@@ -307,7 +315,8 @@ class RunWriter:
     def _loop(self) -> None:
         while True:
             try:
-                item = self._q.get(timeout=self.flush_interval)
+                timeout = SEND_INTERVAL if self._window_n else self.flush_interval
+                item = self._q.get(timeout=timeout)
             except queue.Empty:
                 item = None
             try:
@@ -316,17 +325,23 @@ class RunWriter:
                     self._sent_dropped = dropped
                     self._send(("meta", {"dropped": dumps(dropped)}))
                 if item is None:
+                    self._send_window()
                     if self._proc is None and self.sink.due():
                         self.sink.commit()
                     continue
                 kind = item[0]
                 if kind in ("flush", "close"):
+                    self._send_window()
                     self._request(kind)
                     item[1].set()
                     if kind == "close":
                         return
                 elif kind == "exec":
-                    self._send(("exec", _resolve(item[1])))
+                    records = _resolve(item[1])
+                    if self.buffer > 0:
+                        self._hold(records, item[2])
+                    else:
+                        self._send(("exec", records))
                 elif kind == "meta":
                     self._send(("meta", {k: dumps(v) for k, v in item[1].items()}))
                 elif kind == "payload_tensor":
@@ -342,6 +357,56 @@ class RunWriter:
                     if item[0] == "close":
                         return
 
+    # ------------------------------------------------------------------ the circular buffer
+    def _hold(self, records: list, bad: bool) -> None:
+        """Keep executions here and send the sink only those the circular buffer keeps.
+
+        A fast loop makes tens of thousands of executions per second, and with ``buffer=N``
+        all but the newest N are evicted anyway: sending every one of them to the sink costs
+        the training process several microseconds per op for rows that are deleted a second
+        later. So the newest N are sent every ``SEND_INTERVAL`` seconds; older ones stay here
+        (up to the eviction slack) and are sent only when a non-finite batch arrives, so that
+        the sink can pin the producers of a NaN that were made long before it.
+        """
+        if not records:
+            return
+        self._window.append(records)
+        self._window_n += len(records)
+        limit = self.buffer + EVICTION_SLACK
+        while self._window_n - len(self._window[0]) >= limit:
+            self._window_n -= len(self._window.popleft())
+        if bad:
+            self._window_bad = True
+        if bad or time.monotonic() - self._last_send >= SEND_INTERVAL:
+            self._send_window()
+
+    def _send_window(self) -> None:
+        """Send the newest ``buffer`` executions not sent yet (all held ones after a NaN), then commit."""
+        self._last_send = time.monotonic()
+        if not self._window_n:
+            return
+        sent = self._sent_max
+        if self._window_bad:
+            out = [r for records in self._window for r in records]  # the sink ignores repeats
+            self._window_bad = False
+        else:
+            chunks, need = [], self.buffer
+            for records in reversed(self._window):
+                fresh = records if records[0][0] > sent else [r for r in records if r[0] > sent]
+                if len(fresh) > need:
+                    fresh = fresh[-need:]
+                if fresh:
+                    chunks.append(fresh)
+                need -= len(fresh)
+                if need <= 0 or len(fresh) < len(records):
+                    break
+            out = [r for records in reversed(chunks) for r in records]
+        if not out:
+            return
+        self._sent_max = max(sent, max(r[0] for r in out))
+        self._send(("exec", out))
+        self._send(("commit",))
+
     def _save_tensor(self, seq: int, slot: int, tensor: Any) -> str:
         import torch
 
@@ -353,6 +418,8 @@ class RunWriter:
 
 
 _PAYLOAD_SQL = "INSERT OR REPLACE INTO payloads(seq, slot, path) VALUES (?, ?, ?)"
+# How often the newest executions of a buffered recording reach the sink, which commits them.
+SEND_INTERVAL = 0.5
 
 
 def _resolve(batch: ExecBatch) -> list:
