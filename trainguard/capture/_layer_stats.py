@@ -209,8 +209,11 @@ def histogram(x: torch.Tensor, bins: int) -> torch.Tensor:
     big = torch.finfo(x.dtype).max
     lo = torch.where(finite, x, torch.full_like(x, big)).min()
     hi = torch.where(finite, x, torch.full_like(x, -big)).max()
-    width = (hi - lo).clamp_min(torch.finfo(x.dtype).tiny)
-    idx = ((x - lo) / width * bins).nan_to_num(0.0, 0.0, 0.0).clamp(0, bins - 1).long()
+    tiny = torch.finfo(x.dtype).tiny
+    width = (hi - lo).clamp_min(tiny)
+    # A range below the smallest normal number (one value, or subnormal neighbours) is one bin.
+    spread = (hi - lo >= tiny).to(x.dtype)
+    idx = ((x - lo) / width * bins * spread).nan_to_num(0.0, 0.0, 0.0).clamp(0, bins - 1).long()
     counts = torch.zeros(bins, dtype=torch.float32, device=x.device)
     counts.index_add_(0, idx, finite.to(torch.float32))
     return torch.cat([torch.stack([lo, hi]).to(torch.float32), counts])
