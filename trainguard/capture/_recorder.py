@@ -31,6 +31,7 @@ from trainguard.store import MODE_FIELDS, MODES, ExecBatch, acquire_writer, rele
 from trainguard.store._codec import NAN, NEG_INF, POS_INF, health_of
 
 _get_seq_nr = torch._C._autograd._get_sequence_nr
+_OpOverload = torch._ops.OpOverload
 _current_node = torch._C._current_autograd_node
 _Tensor = torch.Tensor
 _weakref = weakref.ref
@@ -61,7 +62,7 @@ _DEVICE_NAMES: dict[torch.device, str] = {}
 
 
 def _device_name(dev: torch.device) -> str:
-    name = _DEVICE_NAMES.get(dev)
+    name = _DEVICE_NAMES.get(dev)  # "cpu" is spelled out on the hot path
     if name is None:
         name = _DEVICE_NAMES[dev] = str(dev)
     return name
@@ -152,7 +153,10 @@ class Recorder:
         self.seq = 0
         self.recorded = 0
         self.last_nr = 0
-        self.op_info: dict[Any, tuple[str, bool, bool, bool]] = {}
+        # id(op overload) -> (name, wanted, allocation op, alias op, callable, the overload).
+        # Keyed by id: an OpOverload hashes in Python, which costs more than the lookup; the
+        # overload itself is held in the entry, so its id cannot be reused.
+        self.op_info: dict[int, tuple] = {}
         self.producers: dict[int, tuple] = {}  # id(tensor) -> producer entry (see _REF ...)
         self.sweep_at = 4096
         self.fwd_nodes: dict[int, tuple[int, int | None, int | None, int]] = {}
@@ -277,14 +281,16 @@ class Recorder:
         return out
 
     # ------------------------------------------------------------------ hot path helpers
-    def _info(self, func) -> tuple[str, bool, bool, bool]:
+    def _info(self, func) -> tuple:
         name = str(func)
         # Only tensor ops: profiler markers (record_function) and other namespaces are not ops.
         wanted = not name.startswith("profiler.") and (
             self.ops_pattern is None or self.ops_pattern.search(name) is not None
         )
-        info = (name, wanted, name in ALLOCATION_OPS, name in ALIAS_OPS)
-        self.op_info[func] = info
+        # A plain OpOverload's __call__ only forwards to its C++ op: call that directly.
+        call = func._op if type(func) is _OpOverload else func
+        info = (name, wanted, name in ALLOCATION_OPS, name in ALIAS_OPS, call, func)
+        self.op_info[id(func)] = info
         return info
 
     def _sweep(self) -> None:
@@ -367,12 +373,12 @@ class _DispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # The hot path: locals instead of attribute lookups, no helper calls for common cases.
         r = self.rec
-        info = r.op_info.get(func)
+        info = r.op_info.get(id(func))
         if info is None:
             info = r._info(func)
         node = _current_node()
         nr = _get_seq_nr()
-        out = func(*args, **kwargs) if kwargs else func(*args)
+        out = info[4](*args, **kwargs) if kwargs else info[4](*args)
         seq = r.seq
         r.seq = seq + 1
         outs = out if type(out) in (tuple, list) else (out,)
@@ -451,19 +457,21 @@ class _DispatchMode(TorchDispatchMode):
         for o in outs:
             if not isinstance(o, _Tensor):
                 continue
-            dev = o.device
-            metas.append((_DTYPE_NAMES.get(o.dtype) or _dtype_name(o.dtype), list(o.shape),
-                          _DEVICE_NAMES.get(dev) or _device_name(dev)))
+            cpu = o.is_cpu
+            dt = o.dtype
+            metas.append((_DTYPE_NAMES.get(dt) or _dtype_name(dt), list(o.shape),
+                          "cpu" if cpu else _device_name(o.device)))
             s = None
             if summaries is not None:
                 if info[2]:  # uninitialised memory: no evidence
                     s = (float(o.numel()),) + r.nan_tail if fields[0] == "size" else (0.0,)
                 elif alias is not None:
                     s = alias
-                elif (dev.type == "cpu" and r.strategy != "deferred") or r.strategy == "immediate":
+                elif (cpu and r.strategy != "deferred") or r.strategy == "immediate":
                     s = summarize_immediate(o, r.mode)
                 else:
                     immediate_only = False
+                    dev = o.device
                     lst = r.deferred.setdefault(dev, [])
                     summaries.append(("d", dev, len(lst)))
                     lst.append(summarize_deferred(o, r.mode))
@@ -473,7 +481,15 @@ class _DispatchMode(TorchDispatchMode):
                 if s is not None:
                     health |= health_of(fields, s)
                     summaries.append(s)
-            _register(r, producers, o, seq, name, stack_id, s)
+            # Register o as made by this op (inline _register: this runs for every output).
+            key = id(o)
+            prev = producers.get(key)
+            if prev is not None and prev[0]() is o:  # an in-place op: o now holds this output
+                producers[key] = (prev[0], seq, name, stack_id, s, o._version)
+            else:
+                producers[key] = (_weakref(o), seq, name, stack_id, s, o._version)
+                if len(producers) > r.sweep_at:
+                    r._sweep()
         if r.mode == "full_tensor":
             _save_payloads(r, seq, outs)
         if r.check and health:
