@@ -14,6 +14,7 @@ sum stays below 2**24: the caller feeds at most ``CHUNK`` elements per call. No 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -69,6 +70,9 @@ def _load():
     if not _built:
         _kernel = _build()
         _built = True
+        # numba adds tens of thousands of objects; collect now, at the start of a recording,
+        # rather than in a full collection that their number would trigger during training.
+        gc.collect()
     return _kernel
 
 

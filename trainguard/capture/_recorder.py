@@ -245,6 +245,10 @@ class Recorder:
 
     def _on_step(self, step: int) -> None:
         self.flush()
+        # Drop the entries of the step's dead tensors now, while they are young: left to the
+        # size-based sweep they would live long enough to be promoted to the collector's oldest
+        # generation, whose full collections then traverse every object of the process.
+        self._sweep()
         # Keep the forward-node table to the ops of the last two steps.
         if len(self.fwd_nodes) > 4096:
             self.fwd_nodes = {k: v for k, v in self.fwd_nodes.items() if v[3] >= step - 2}
@@ -294,7 +298,7 @@ class Recorder:
         return info
 
     def _sweep(self) -> None:
-        """Drop the entries of tensors that died; amortised O(1) per registration."""
+        """Drop the entries of tensors that died (per step, and when the table doubles)."""
         self.producers = {k: p for k, p in self.producers.items() if p[0]() is not None}
         self.sweep_at = max(4096, 2 * len(self.producers))
 
@@ -459,7 +463,7 @@ class _DispatchMode(TorchDispatchMode):
                 continue
             cpu = o.is_cpu
             dt = o.dtype
-            metas.append((_DTYPE_NAMES.get(dt) or _dtype_name(dt), list(o.shape),
+            metas.append((_DTYPE_NAMES.get(dt) or _dtype_name(dt), tuple(o.shape),
                           "cpu" if cpu else _device_name(o.device)))
             s = None
             if summaries is not None:
@@ -503,9 +507,12 @@ class _DispatchMode(TorchDispatchMode):
         if r.writer is None:  # check_numerics without a run directory: nothing to keep
             r.last_nr = _get_seq_nr()
             return out
+        # A record is a tuple of atoms and tuples: the garbage collector untracks such tuples, so
+        # the thousands of records the writer holds never make its full collections slower.
         pending = r.pending
         pending.append((seq, _clock.step, phase, name, module_id, stack_id, fwd_seq,
-                        health if immediate_only else None, inputs, metas, summaries))
+                        health if immediate_only else None, tuple(inputs), tuple(metas),
+                        None if summaries is None else tuple(summaries)))
         r.recorded += 1
         if health:
             r.pending_bad = True

@@ -435,7 +435,7 @@ def _resolve(batch: ExecBatch) -> list:
     for rec in batch.records:
         summary = rec[10]
         if summary:
-            summary = [hosts[v[1]][v[2]] if isinstance(v[0], str) else v for v in summary]
+            summary = tuple(tuple(hosts[v[1]][v[2]]) if isinstance(v[0], str) else v for v in summary)
             rec = rec[:10] + (summary,)
         out.append(rec)
     return out
