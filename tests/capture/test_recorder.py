@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -237,3 +238,16 @@ def test_own_module_frames_not_user(tmp_path):
     assert frames[-1]["user"] and frames[-1]["filename"] == __file__
     assert not any("trainguard/capture" in f["filename"] for f in frames)
     assert sys.modules["trainguard.capture"]
+
+
+def test_ops_reach_disk_when_the_program_stops_making_ops(tmp_path):
+    """The writer's idle poll hands pending records over: nothing waits for the next op or step."""
+    with tg.record(tmp_path / "r", buffer=100):
+        torch.ones(3).exp()
+        deadline = time.time() + 10
+        seen = 0
+        while time.time() < deadline and not seen:
+            time.sleep(0.3)
+            with open_run(tmp_path / "r") as run:
+                seen = run.count()
+        assert seen >= 1

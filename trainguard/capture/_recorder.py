@@ -39,9 +39,11 @@ _grad_enabled = torch.is_grad_enabled
 _monotonic = time.monotonic
 _clock = _steps.clock
 
-# Records handed to the writer at once; also flushed at every step and at least every second.
-FLUSH_RECORDS = 256
-FLUSH_SECONDS = 0.5
+# Records are handed to the writer in batches: every FLUSH_SECONDS, at FLUSH_RECORDS, soon
+# after a non-finite value, and at stop. Each hand-over wakes the writer thread, which then
+# competes for the GIL, so a fast loop must not hand over every step.
+FLUSH_RECORDS = 4096
+FLUSH_SECONDS = 0.25
 # Accelerator summaries stacked and copied to the host per batch of this many outputs.
 DEFERRED_BATCH = 128
 
@@ -164,6 +166,7 @@ class Recorder:
         self.pending_bad = False
         self.deferred: dict[torch.device, list[torch.Tensor]] = {}
         self.deferred_bufs: list = []
+        self.deferred_used = False
         self.last_flush = time.monotonic()
         self.stacks = StackInterner(self._on_new_stack)
         self.modules = ModuleTracker(self._on_new_module)
@@ -193,6 +196,8 @@ class Recorder:
             _steps.reset()
         _steps.acquire()
         _steps.clock.on_step.append(self._on_step)
+        if self.writer is not None:
+            self.writer.idle_callbacks.append(self._flush_if_stale)
         if self.mode in _COUNTING_MODES:
             _kernels.warm()
         self.modules.install()
@@ -216,6 +221,8 @@ class Recorder:
             _steps.release()
             self.flush()
             if self.writer is not None:
+                if self._flush_if_stale in self.writer.idle_callbacks:
+                    self.writer.idle_callbacks.remove(self._flush_if_stale)
                 release_writer(
                     self.writer,
                     executions=self.seq,
@@ -244,7 +251,8 @@ class Recorder:
             self.writer.put_module(mid, path, type_name)
 
     def _on_step(self, step: int) -> None:
-        self.flush()
+        if self.pending_bad or time.monotonic() - self.last_flush > FLUSH_SECONDS:
+            self.flush()
         # Drop the entries of the step's dead tensors now, while they are young: left to the
         # size-based sweep they would live long enough to be promoted to the collector's oldest
         # generation, whose full collections then traverse every object of the process.
@@ -254,16 +262,30 @@ class Recorder:
             self.fwd_nodes = {k: v for k, v in self.fwd_nodes.items() if v[3] >= step - 2}
 
     def flush(self) -> None:
-        """Hand pending records to the writer (called per batch, per step and at stop)."""
+        """Hand pending records to the writer (by time, by count, after a NaN, and at stop)."""
         with self._lock:
-            if not self.pending:
+            pending = self.pending
+            n = len(pending)
+            if not n:
                 return
-            records, self.pending = self.pending, []
+            # Copy, then delete what was copied: the hot path appends to this same list without
+            # the lock, and an append between the two (atomic) steps stays for the next flush.
+            records = pending[:n]
+            del pending[:n]
             bad, self.pending_bad = self.pending_bad, False
             deferred = self._ship_deferred()
             self.last_flush = time.monotonic()
         if self.writer is not None:
             self.writer.put_executions(ExecBatch(records, deferred), must_keep=bad)
+
+    def _flush_if_stale(self) -> None:
+        """Called by the writer thread when idle: a loop that stopped making ops still reaches disk.
+
+        Not with accelerator summaries, whose batch the hot path indexes without the lock.
+        """
+        if (self.pending and not self.deferred_used and time.monotonic() - self.last_flush > 2 * FLUSH_SECONDS
+                and self.writer is not None and self.writer.queue_room() > 64):
+            self.flush()
 
     def _ship_deferred(self) -> list | None:
         """Stack the accelerator summaries and start their copy to the host; no waiting here."""
@@ -475,6 +497,7 @@ class _DispatchMode(TorchDispatchMode):
                     s = summarize_immediate(o, r.mode)
                 else:
                     immediate_only = False
+                    r.deferred_used = True
                     dev = o.device
                     lst = r.deferred.setdefault(dev, [])
                     summaries.append(("d", dev, len(lst)))
@@ -517,7 +540,7 @@ class _DispatchMode(TorchDispatchMode):
         if health:
             r.pending_bad = True
         n = len(pending)
-        if n >= FLUSH_RECORDS or (n & 31 == 0 and not r.pending_bad and _monotonic() - r.last_flush > FLUSH_SECONDS):
+        if n >= FLUSH_RECORDS or (n & 31 == 0 and (r.pending_bad or _monotonic() - r.last_flush > FLUSH_SECONDS)):
             r.flush()
         r.last_nr = _get_seq_nr()
         return out

@@ -166,6 +166,8 @@ class RunWriter:
         self._proc = _start_child(self.run_dir) if process else None
         self.sink = None if self._proc is not None else _local_sink(self.run_dir, flush_interval)
         self._sent_dropped = 0
+        # Called by the writer thread when no item arrived for a while (the recorder flushes).
+        self.idle_callbacks: list = []
         # The circular buffer's window, held here (see _hold): record lists, newest last.
         self._window: deque[list] = deque()
         self._window_n = 0
@@ -195,6 +197,10 @@ class RunWriter:
                 self.dropped += n_exec
             else:
                 self.dropped_items += 1
+
+    def queue_room(self) -> int:
+        """Free places in the queue (the writer thread must never block on its own queue)."""
+        return self._q.maxsize - self._q.qsize()
 
     def put_executions(self, batch: ExecBatch, *, must_keep: bool = False) -> None:
         """Hand over executions; ``must_keep`` marks a batch holding a non-finite value."""
@@ -325,6 +331,8 @@ class RunWriter:
                     self._sent_dropped = dropped
                     self._send(("meta", {"dropped": dumps(dropped)}))
                 if item is None:
+                    for callback in list(self.idle_callbacks):
+                        callback()
                     self._send_window()
                     if self._proc is None and self.sink.due():
                         self.sink.commit()
