@@ -135,6 +135,7 @@ def _large_cases():
         "zeros": torch.zeros(100, 100), "transposed": x.t(), "expanded": x[:1].expand(50, 300),
         "bfloat16": x.bfloat16(), "float16": x.half(), "float64": x.double(), "nan_inf": nan_inf,
         "only_inf": only_inf, "negative_zero": torch.full((80, 80), -0.0),
+        "far_from_zero": x * 1e-3 + 1e5,  # a small spread far from zero: the variance's precision
     }
 
 

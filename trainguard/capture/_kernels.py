@@ -47,12 +47,27 @@ def _build():
             pos += np.float32(1) if x > 0 else np.float32(0)
         return probe, neg, pos
 
+    def shifted_sums(a):  # pragma: no cover - compiled
+        # Sums of x - a[0] in float64: shifted by one of its own values, the variance keeps its
+        # precision however far the values lie from zero (a[0] is within sqrt(n) std of the mean).
+        shift = np.float64(a[0])
+        s1 = 0.0
+        s2 = 0.0
+        for i in range(a.size):
+            d = np.float64(a[i]) - shift
+            s1 += d
+            s2 += d * d
+        return s1, s2
+
     for cache in (True, False):  # no writable cache directory: compile in memory each run
         try:
             kernel = njit(nogil=True, cache=cache, fastmath={"reassoc", "nsz"})(probe_neg_pos)
+            # Only ever called on arrays the probe proved finite: every fast-math flag is safe.
+            moments_kernel = njit(nogil=True, cache=cache, fastmath=True)(shifted_sums)
             for dtype in DTYPES:  # compile (or load from the cache) now, not at the first op
                 kernel(np.zeros(3, dtype))
-            return kernel
+                moments_kernel(np.ones(3, dtype))
+            return kernel, moments_kernel
         except Exception as exc:  # a broken numba must not break recording
             log.debug("trainguard: numba kernel (cache=%s) unavailable: %s", cache, exc)
     log.warning("trainguard: the numba summary kernel failed to build; using NumPy summaries")
@@ -60,15 +75,16 @@ def _build():
 
 
 _kernel = None
+_moments_kernel = None
 _built = False
 
 
 def _load():
     """Build on first use: importing numba and loading the kernel take a quarter of a second,
     paid only when a recording needs counts."""
-    global _kernel, _built
+    global _kernel, _moments_kernel, _built
     if not _built:
-        _kernel = _build()
+        _kernel, _moments_kernel = _build() or (None, None)
         _built = True
         # numba adds tens of thousands of objects; collect now, at the start of a recording,
         # rather than in a full collection that their number would trigger during training.
@@ -95,6 +111,21 @@ def counts(a: np.ndarray) -> tuple[bool, int, int] | None:
         neg += int(k_neg)
         pos += int(k_pos)
     return finite, neg, pos
+
+
+def moments(a: np.ndarray) -> tuple[float, float, float, float] | None:
+    """(min, max, mean, population std) of a finite, non-empty 1-D contiguous array.
+
+    NumPy's vectorised min and max, and one compiled pass for both sums (numba does not
+    vectorise a min/max reduction).
+    """
+    if (_kernel if _built else _load()) is None or _moments_kernel is None:
+        return None
+    s1, s2 = _moments_kernel(a)
+    n = a.size
+    mean_shift = s1 / n
+    var = max(s2 / n - mean_shift * mean_shift, 0.0)
+    return float(a.min()), float(a.max()), float(a[0]) + mean_shift, var ** 0.5
 
 
 def available() -> bool:

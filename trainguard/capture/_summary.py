@@ -152,10 +152,38 @@ def _moments(t: torch.Tensor) -> tuple[float, float, float, float]:
     return float(mn), float(mx), mean, std
 
 
+def _kernel_summary(t: torch.Tensor, mode: str) -> tuple[float, ...] | None:
+    """The common case in few calls: a finite float32/float64 tensor and the compiled kernel."""
+    try:
+        a = t.numpy().ravel(order="K")
+    except (RuntimeError, TypeError):
+        return None
+    n = a.size
+    if n == 0:
+        return None
+    finite, neg, pos = _kernels.counts(a)
+    if not finite:
+        return None
+    if mode == "full_health":
+        return (float(n), float(neg), float(n - neg - pos), float(pos), 0.0, 0.0, 0.0)
+    if mode == "curt_health":
+        return (0.0,)
+    if mode == "concise_health":
+        return (float(n), 0.0, 0.0, 0.0)
+    m = _kernels.moments(a)
+    if m is None:
+        return None
+    return (float(n), float(neg), float(n - neg - pos), float(pos), 0.0, 0.0, 0.0) + m
+
+
 def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with)."""
     if t.requires_grad:
         t = t.detach()
+    if (t.dtype is _F32 or t.dtype is _F64) and _kernels.available() and not (t.is_conj() or t.is_neg()):
+        out = _kernel_summary(t, mode)
+        if out is not None:
+            return out
     if t.is_complex():
         t = torch.view_as_real(t)
     n = t.numel()
