@@ -94,12 +94,15 @@ def time_model(name: str, configs: list[str], rounds: int, steps: int) -> dict[s
 
 def peak_memory(name: str, config: str, steps: int) -> float:
     """Peak RSS (MiB) while training ``steps`` steps under ``config``, in a fresh process that
-    imports the same modules; the peak is reset after the imports (Linux ``clear_refs``), so
-    import-time spikes do not hide the training's own peak."""
+    imports the same modules (numba's summary kernel included, which a recording loads once);
+    the peak is reset after the imports (Linux ``clear_refs``), so import-time spikes do not
+    hide the training's own peak."""
     code = f"""
 import re, sys, tempfile
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import bench_recorder as b, torch, trainguard.capture
+from trainguard.capture import _kernels
+_kernels.warm()
 torch.manual_seed(0)
 model, opt, loss_fn = b.MODELS[{name!r}]()
 with tempfile.TemporaryDirectory() as tmp:
@@ -109,6 +112,21 @@ with tempfile.TemporaryDirectory() as tmp:
         b.run_steps(opt, loss_fn, {steps})
     status = open("/proc/self/status").read()
 print(int(re.search(r"VmHWM:\\s+(\\d+)", status).group(1)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1]) / 1024
+
+
+def kernel_rss() -> float:
+    """RSS (MiB) that loading the numba summary kernel adds to a process that imported torch."""
+    code = """
+import torch, trainguard.capture
+def rss():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
+before = rss()
+from trainguard.capture import _kernels
+_kernels.warm()
+print(rss() - before)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1]) / 1024
@@ -153,6 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"{results['models'][m]['peak_mib']['full_health']:.0f} MiB ({results['models'][m]['peak_mib']['ratio']:.2f}x)"
         for m in models])
     Console().print(table)
+    results["kernel_rss_mib"] = kernel_rss()
+    Console().print(f"Both peak-RSS processes load the numba summary kernel first; loading it adds "
+                    f"{results['kernel_rss_mib']:.0f} MiB once per process (the [fast] extra).")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)
