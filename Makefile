@@ -12,7 +12,7 @@ $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e .
+	$(PIP) install -q -e '.[fast]'
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml

@@ -15,7 +15,7 @@ from trainguard.capture import _kernels
 from trainguard.capture._summary import summarize_deferred, summarize_immediate
 from trainguard.store import MODE_FIELDS
 
-MODES = ["curt_health", "concise_health", "full_health", "stats"]
+MODES = ["curt_health", "concise_health", "full_health", "full_tensor", "stats"]
 
 
 def reference(a: np.ndarray, mode: str) -> dict:
@@ -53,6 +53,7 @@ def both_paths(t: torch.Tensor, mode: str) -> list[tuple]:
 
 def check(t: torch.Tensor, a: np.ndarray, mode: str, values: tuple) -> None:
     ref = reference(a, mode)
+    assert len(values) == len(MODE_FIELDS[mode]), (mode, values)
     for name, v in zip(MODE_FIELDS[mode], values):
         want = ref.get(name)
         if name in ("min", "max", "mean", "std"):

@@ -164,12 +164,12 @@ def _kernel_summary(t: torch.Tensor, mode: str) -> tuple[float, ...] | None:
     finite, neg, pos = _kernels.counts(a)
     if not finite:
         return None
-    if mode == "full_health":
-        return (float(n), float(neg), float(n - neg - pos), float(pos), 0.0, 0.0, 0.0)
     if mode == "curt_health":
         return (0.0,)
     if mode == "concise_health":
         return (float(n), 0.0, 0.0, 0.0)
+    if mode != "stats":  # full_health, full_tensor
+        return (float(n), float(neg), float(n - neg - pos), float(pos), 0.0, 0.0, 0.0)
     m = _kernels.moments(a)
     if m is None:
         return None
