@@ -208,7 +208,12 @@ class Sink:
             _, step, phase, op, module_id, stack_id, fwd_seq, health, inputs, outputs, summary = rec
             blob = None
             if summary and fields:
-                blob = b"".join([pack(*values) for values in summary])
+                try:
+                    blob = b"".join([pack(*values) for values in summary])
+                except (struct.error, TypeError) as exc:  # one malformed summary loses only itself
+                    if self.failed is None:
+                        log.error("trainguard writer: bad summary in execution %d: %s", seq, exc)
+                    self.failed = f"bad summary in execution {seq}: {exc}"
             for slot, (kind, ref) in enumerate(inputs):
                 if kind == "op":
                     edges.append((ref, seq, slot))
