@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     Console().print(table)
     results["kernel_rss_mib"] = kernel_rss()
     Console().print(f"Both peak-RSS processes load the numba summary kernel first; loading it adds "
-                    f"{results['kernel_rss_mib']:.0f} MiB once per process (the [fast] extra).")
+                    f"{results['kernel_rss_mib']:.0f} MiB once per process (the \\[fast] extra).")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

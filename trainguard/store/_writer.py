@@ -173,6 +173,7 @@ class RunWriter:
         self._window_n = 0
         self._window_bad = False
         self._sent_max = -1
+        self._sent_all = -1
         self._last_send = time.monotonic()
         self._send(("config", mode, buffer))
         self._thread = threading.Thread(target=self._loop, name="trainguard-writer", daemon=True)
@@ -395,8 +396,13 @@ class RunWriter:
             return
         sent = self._sent_max
         if self._window_bad:
-            out = [r for records in self._window for r in records]  # the sink ignores repeats
+            # Everything held and not sent in an earlier such round (the sink ignores repeats):
+            # during a NaN storm each execution is sent at most twice, not on every batch.
+            done = self._sent_all
+            out = [r for records in self._window for r in records if r[0] > done]
             self._window_bad = False
+            if out:
+                self._sent_all = max(r[0] for r in out)
         else:
             chunks, need = [], self.buffer
             for records in reversed(self._window):
