@@ -105,7 +105,10 @@ def test_oscillation_and_its_period(tmp_path, period):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 10_000), noise=st.floats(0.01, 0.3))
+# Log-normal noise up to sigma 0.2: a 3x excursion (the spike rule's ratio) is then a 5.5-sigma
+# event. At sigma 0.3 it is 3.7 sigma, which 150 points reach about once in 50 runs: a real
+# outlier by the rule's definition, and hypothesis found one.
+@given(seed=st.integers(0, 10_000), noise=st.floats(0.01, 0.2))
 def test_noisy_decreasing_loss_is_not_an_oscillation_or_a_spike(tmp_path_factory, seed, noise):
     rng = np.random.default_rng(seed)
     t = np.arange(150)

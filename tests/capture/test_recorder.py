@@ -251,3 +251,25 @@ def test_ops_reach_disk_when_the_program_stops_making_ops(tmp_path):
             with open_run(tmp_path / "r") as run:
                 seen = run.count()
         assert seen >= 1
+
+
+def test_nan_storm_keeps_the_first_nan_and_the_window(tmp_path):
+    """Once NaN is everywhere every batch is non-finite: the first NaN's chain stays pinned and
+    the finite window is still exactly the last N."""
+    x = torch.ones(4)
+    with tg.record(tmp_path / "r", buffer=20):
+        for _ in range(40):
+            x = x + 1  # finite history the buffer evicts
+        bad = torch.log(x * 0)  # the first -inf, from a product of zeros
+        for _ in range(300):
+            bad = bad * 2  # a storm of non-finite executions, many batches of them
+        for _ in range(30):
+            x = x + 1
+    run = open_run(tmp_path / "r")
+    first = run.first_nonfinite()
+    assert first["op"] == "aten.log"
+    assert first["inputs"][0]["producer_digest"]["op"] == "aten.mul.Tensor"
+    rows = run.executions()
+    finite = [r for r in rows if not r["health"]]
+    assert len(finite) == 21  # the last 20 plus the pinned producer of the first NaN
+    assert sum(1 for r in rows if r["health"]) == 301
