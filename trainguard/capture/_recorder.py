@@ -48,7 +48,7 @@ FLUSH_SECONDS = 0.25
 DEFERRED_BATCH = 128
 
 # Modes whose summaries run the compiled counting kernel on CPU.
-_COUNTING_MODES = frozenset({"curt_health", "concise_health", "full_health", "stats"})
+_COUNTING_MODES = frozenset({"curt_health", "concise_health", "full_health", "full_tensor", "stats"})
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
