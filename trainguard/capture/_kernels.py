@@ -113,14 +113,12 @@ def counts(a: np.ndarray) -> tuple[bool, int, int] | None:
     return finite, neg, pos
 
 
-def moments(a: np.ndarray) -> tuple[float, float, float, float] | None:
+def moments(a: np.ndarray) -> tuple[float, float, float, float]:
     """(min, max, mean, population std) of a finite, non-empty 1-D contiguous array.
 
     NumPy's vectorised min and max, and one compiled pass for both sums (numba does not
-    vectorise a min/max reduction).
+    vectorise a min/max reduction). Only when :func:`available`.
     """
-    if (_kernel if _built else _load()) is None or _moments_kernel is None:
-        return None
     s1, s2 = _moments_kernel(a)
     n = a.size
     mean_shift = s1 / n

@@ -140,7 +140,10 @@ def _is_finite_fast(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def _moments(t: torch.Tensor) -> tuple[float, float, float, float]:
+def _moments(t: torch.Tensor, finite: bool) -> tuple[float, float, float, float]:
+    a = _kernel_input(t) if finite else None
+    if a is not None:
+        return _kernels.moments(a)
     mn, mx = torch.aminmax(t)
     f = t if t.dtype == _F64 or t.dtype == _F32 else t.to(_F32)
     std, mean = torch.std_mean(f, correction=0)
@@ -152,38 +155,10 @@ def _moments(t: torch.Tensor) -> tuple[float, float, float, float]:
     return float(mn), float(mx), mean, std
 
 
-def _kernel_summary(t: torch.Tensor, mode: str) -> tuple[float, ...] | None:
-    """The common case in few calls: a finite float32/float64 tensor and the compiled kernel."""
-    try:
-        a = t.numpy().ravel(order="K")
-    except (RuntimeError, TypeError):
-        return None
-    n = a.size
-    if n == 0:
-        return None
-    finite, neg, pos = _kernels.counts(a)
-    if not finite:
-        return None
-    if mode == "curt_health":
-        return (0.0,)
-    if mode == "concise_health":
-        return (float(n), 0.0, 0.0, 0.0)
-    if mode != "stats":  # full_health, full_tensor
-        return (float(n), float(neg), float(n - neg - pos), float(pos), 0.0, 0.0, 0.0)
-    m = _kernels.moments(a)
-    if m is None:
-        return None
-    return (float(n), float(neg), float(n - neg - pos), float(pos), 0.0, 0.0, 0.0) + m
-
-
 def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with)."""
     if t.requires_grad:
         t = t.detach()
-    if (t.dtype is _F32 or t.dtype is _F64) and _kernels.available() and not (t.is_conj() or t.is_neg()):
-        out = _kernel_summary(t, mode)
-        if out is not None:
-            return out
     if t.is_complex():
         t = torch.view_as_real(t)
     n = t.numel()
@@ -211,7 +186,7 @@ def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
         neg, zero, pos, ninf, pinf, nan = _exact_counts(t)
     mn = mx = mean = std = math.nan
     if mode == "stats":
-        mn, mx, mean, std = _moments(t)
+        mn, mx, mean, std = _moments(t, finite=counts is not None)
     return _pack(mode, n, neg, zero, pos, ninf, pinf, nan, mn, mx, mean, std)
 
 
