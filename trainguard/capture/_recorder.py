@@ -64,7 +64,7 @@ _DEVICE_NAMES: dict[torch.device, str] = {}
 
 
 def _device_name(dev: torch.device) -> str:
-    name = _DEVICE_NAMES.get(dev)  # "cpu" is spelled out on the hot path
+    name = _DEVICE_NAMES.get(dev)
     if name is None:
         name = _DEVICE_NAMES[dev] = str(dev)
     return name
@@ -284,7 +284,7 @@ class Recorder:
         Not with accelerator summaries, whose batch the hot path indexes without the lock.
         """
         if (self.pending and not self.deferred_used and time.monotonic() - self.last_flush > 2 * FLUSH_SECONDS
-                and self.writer is not None and self.writer.queue_room() > 64):
+                and self.writer.queue_room() > 64):
             self.flush()
 
     def _ship_deferred(self) -> list | None:
@@ -508,15 +508,7 @@ class _DispatchMode(TorchDispatchMode):
                 if s is not None:
                     health |= health_of(fields, s)
                     summaries.append(s)
-            # Register o as made by this op (inline _register: this runs for every output).
-            key = id(o)
-            prev = producers.get(key)
-            if prev is not None and prev[0]() is o:  # an in-place op: o now holds this output
-                producers[key] = (prev[0], seq, name, stack_id, s, o._version)
-            else:
-                producers[key] = (_weakref(o), seq, name, stack_id, s, o._version)
-                if len(producers) > r.sweep_at:
-                    r._sweep()
+            _register(r, producers, o, seq, name, stack_id, s)
         if r.mode == "full_tensor":
             _save_payloads(r, seq, outs)
         if r.check and health:
