@@ -26,29 +26,38 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_sigkill_while_recording(tmp_path):
-    run_dir = tmp_path / "r"
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir), "-1"])
+def _kill_when(run_dir, buffer: int, progress, target: int) -> int:
+    """Record SCRIPT into run_dir, poll ``progress(run)`` until it passes ``target``, then SIGKILL.
+
+    Returns the last progress seen (the caller checks it passed the target).
+    """
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir), str(buffer)])
+    seen = 0
     try:
         deadline = time.time() + 60
-        seen = 0
-        while time.time() < deadline:
+        while time.time() < deadline and seen <= target:
             time.sleep(0.5)
             if (run_dir / "run.sqlite").exists():
                 try:
                     with open_run(run_dir) as run:
-                        seen = run.count()
+                        seen = progress(run)
                 except Exception:
                     seen = 0
-                if seen > 2000:
-                    break
-        assert seen > 2000, "the recording never flushed"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        if seen > target:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(10)
     assert proc.returncode == -signal.SIGKILL
+    return seen
+
+
+def test_sigkill_while_recording(tmp_path):
+    run_dir = tmp_path / "r"
+    seen = _kill_when(run_dir, -1, lambda run: run.count(), 2000)
+    assert seen > 2000, "the recording never flushed"
     with open_run(run_dir) as run:
         assert run.status == "running"  # never closed: the reader says so
         n = run.count()
@@ -66,26 +75,9 @@ def test_sigkill_while_recording(tmp_path):
 def test_sigkill_with_a_circular_buffer_keeps_the_last_window(tmp_path):
     """With buffer=N only the newest N reach the database; after SIGKILL they are all there."""
     run_dir = tmp_path / "r"
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir), "300"])
-    try:
-        deadline = time.time() + 60
-        steps = 0
-        while time.time() < deadline:
-            time.sleep(0.5)
-            if (run_dir / "run.sqlite").exists():
-                try:
-                    with open_run(run_dir) as run:
-                        steps = run.steps()[-1]["step"] if run.count() else 0
-                except Exception:
-                    steps = 0
-                if steps > 200:  # far more executions than the buffer holds
-                    break
-        assert steps > 200, "the recording never flushed"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # far more steps than the buffer holds executions
+    steps = _kill_when(run_dir, 300, lambda run: run.steps()[-1]["step"] if run.count() else 0, 200)
+    assert steps > 200, "the recording never flushed"
     with open_run(run_dir) as run:
         assert run.status == "running"
         rows = run.executions()
