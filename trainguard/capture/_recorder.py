@@ -44,8 +44,6 @@ _clock = _steps.clock
 # competes for the GIL, so a fast loop must not hand over every step.
 FLUSH_RECORDS = 4096
 FLUSH_SECONDS = 0.25
-# Accelerator summaries stacked and copied to the host per batch of this many outputs.
-DEFERRED_BATCH = 128
 
 # Modes whose summaries run the compiled counting kernel on CPU.
 _COUNTING_MODES = frozenset({"curt_health", "concise_health", "full_health", "full_tensor", "stats"})
@@ -121,8 +119,8 @@ def _rank_dir(logdir: Path) -> Path:
 #   (weakref to the tensor, seq, op name, stack id, immediate summary or None, version counter)
 # The weak reference has no callback (a callback per tensor costs more than the op's own
 # bookkeeping); an entry whose tensor died is ignored on lookup, overwritten when the id is
-# reused, and swept out when the table doubles (see Recorder._sweep).
-_REF, _SEQ, _OP, _STACK, _SUMMARY, _VERSION = range(6)
+# reused, and swept out every step and when the table doubles (see Recorder._sweep).
+_OP, _STACK = 2, 3  # positions in an entry, for the cold paths
 
 
 class Recorder:
@@ -165,7 +163,6 @@ class Recorder:
         self.pending: list[tuple] = []
         self.pending_bad = False
         self.deferred: dict[torch.device, list[torch.Tensor]] = {}
-        self.deferred_bufs: list = []
         self.deferred_used = False
         self.last_flush = time.monotonic()
         self.stacks = StackInterner(self._on_new_stack)
