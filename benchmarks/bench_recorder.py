@@ -1,7 +1,10 @@
 """Recorder overhead: training steps plain, under each mode, and under detect_anomaly.
 
-Configurations are interleaved round by round in one process so that machine noise hits them
-alike; each cell is the median step time over the rounds divided by plain's. Peak memory is
+Configurations are interleaved round by round in one process (in a rotated order each round)
+so that machine noise hits them alike. Each round gives a paired ratio, the configuration's
+median step time over plain's median in the same round; a cell is the median of those ratios
+with their range. ``dispatch_floor`` is a ``TorchDispatchMode`` that only calls the op: what
+any recorder built on Python dispatch pays before it records anything. Peak memory is
 measured per configuration in a fresh subprocess (peak RSS of the whole process).
 
     python benchmarks/bench_recorder.py                 # all models, all modes
@@ -19,9 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 MODES = ["no_tensor", "curt_health", "concise_health", "full_health", "shape", "stats", "full_tensor"]
 
@@ -57,12 +62,29 @@ def make_transformer():
 MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer}
 
 
+class _BareMode(TorchDispatchMode):
+    """Calls the op and nothing else: the floor of interception through Python dispatch."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func._op(*args, **kwargs) if kwargs else func._op(*args)
+
+
+FLOOR = "dispatch_floor"
+
+
 def context(config: str, tmp: str):
     import trainguard as tg
 
     if config == "plain":
         return contextlib.nullcontext()
+    if config == FLOOR:
+        return _BareMode()
     if config == "detect_anomaly":
+        warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
         return torch.autograd.detect_anomaly(check_nan=True)
     return tg.record(os.path.join(tmp, f"{config}-{time.monotonic_ns()}"), mode=config, buffer=1000)
 
@@ -89,20 +111,28 @@ def warm_up(opt, loss_fn, seconds: float) -> None:
         run_steps(opt, loss_fn, 1)
 
 
-def time_model(name: str, configs: list[str], rounds: int, steps: int) -> dict[str, float]:
+def time_model(name: str, configs: list[str], rounds: int, steps: int) -> tuple[dict, dict]:
+    """Median step time per config (s), and per config the paired ratio to plain of each round."""
     torch.manual_seed(0)
     model, opt, loss_fn = MODELS[name]()
     run_steps(opt, loss_fn, 3)  # warm up allocator and kernels
     per: dict[str, list[float]] = {c: [] for c in configs}
+    ratios: dict[str, list[float]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(rounds):
-            for c in configs:
+        for r in range(rounds):
+            order = configs[r % len(configs):] + configs[:r % len(configs)]
+            this: dict[str, float] = {}
+            for c in order:
                 with context(c, tmp):
                     # Steady state: the first steps of a recording intern stacks and overlap the
                     # start of the writer process (~0.2 s of CPU), a one-off cost per run.
                     warm_up(opt, loss_fn, WARMUP_SECONDS)
-                    per[c].extend(run_steps(opt, loss_fn, steps))
-    return {c: statistics.median(v) for c, v in per.items()}
+                    times = run_steps(opt, loss_fn, steps)
+                per[c].extend(times)
+                this[c] = statistics.median(times)
+            for c in configs:
+                ratios[c].append(this[c] / this["plain"])
+    return {c: statistics.median(v) for c, v in per.items()}, ratios
 
 
 def peak_memory(name: str, config: str, steps: int) -> float:
@@ -157,37 +187,42 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = [m for m in args.models.split(",") if m]
-    configs = ["plain"] + [m for m in args.modes.split(",") if m] + ["detect_anomaly"]
+    configs = ["plain", FLOOR] + [m for m in args.modes.split(",") if m] + ["detect_anomaly"]
 
     results: dict = {"threads": args.threads, "models": {}}
     for name in models:
         # full_tensor writes thousands of files whose write-back and deletion go on in the kernel
         # after its rounds end: timed in its own rounds beside plain, so it disturbs no other mode.
         heavy = [c for c in configs if c == "full_tensor"]
-        t = time_model(name, [c for c in configs if c not in heavy], args.rounds, args.steps)
-        ratio = {c: t[c] / t["plain"] for c in t}
+        t, rounds = time_model(name, [c for c in configs if c not in heavy], args.rounds, args.steps)
         if heavy:
-            t2 = time_model(name, ["plain"] + heavy, args.rounds, args.steps)
-            ratio.update({c: t2[c] / t2["plain"] for c in heavy})  # to its own plain rounds
+            t2, rounds2 = time_model(name, ["plain"] + heavy, args.rounds, args.steps)
+            rounds.update({c: rounds2[c] for c in heavy})  # paired with its own plain rounds
             t.update({c: t2[c] for c in heavy})
             t["plain (full_tensor rounds)"] = t2["plain"]
+        ratio = {c: statistics.median(v) for c, v in rounds.items()}
         mem_plain = peak_memory(name, "plain", args.memory_steps)
         mem_rec = peak_memory(name, "full_health", args.memory_steps)
         results["models"][name] = {"step_ms": {c: v * 1e3 for c, v in t.items()},
                                    "ratio": ratio,
+                                   "ratio_range": {c: [min(v), max(v)] for c, v in rounds.items()},
                                    "peak_mib": {"plain": mem_plain, "full_health": mem_rec,
                                                 "ratio": mem_rec / mem_plain}}
 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"recorder overhead: step time / plain step time (median of {args.rounds} "
-                        f"interleaved rounds x {args.steps} steps, {args.threads} threads)")
+    table = Table(title=f"recorder overhead: step time / plain step time in the same round (median "
+                        f"\\[range] of {args.rounds} interleaved rounds x {args.steps} steps, {args.threads} threads)")
     table.add_column("config")
     for name in models:
         table.add_column(f"{name}\n({results['models'][name]['step_ms']['plain']:.1f} ms plain)", justify="right")
     for c in configs:
-        table.add_row(c, *[f"{results['models'][m]['ratio'][c]:.2f}x" for m in models])
+        cells = []
+        for m in models:
+            lo, hi = results["models"][m]["ratio_range"][c]
+            cells.append(f"{results['models'][m]['ratio'][c]:.2f}x [{lo:.2f}-{hi:.2f}]")
+        table.add_row(c, *cells)
     table.add_row("peak RSS plain", *[f"{results['models'][m]['peak_mib']['plain']:.0f} MiB" for m in models])
     table.add_row("peak RSS full_health", *[
         f"{results['models'][m]['peak_mib']['full_health']:.0f} MiB ({results['models'][m]['peak_mib']['ratio']:.2f}x)"
