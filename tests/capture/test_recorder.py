@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import trainguard as tg
+from trainguard import CorruptRun
 from trainguard.store import MODE_FIELDS, open_run
 
 
@@ -131,6 +132,24 @@ def test_every_mode_records_its_fields(tmp_path, mode):
     if mode == "full_tensor":
         loaded = torch.load(run.payload_path(e["seq"], 0), weights_only=True)
         assert torch.equal(loaded, y)
+        assert torch.equal(run.tensor(e["seq"]), y)
+    else:
+        with pytest.raises(KeyError, match="no stored tensor"):
+            run.tensor(e["seq"])
+
+
+def test_stored_tensor_damaged_or_missing(tmp_path):
+    with tg.record(tmp_path / "r", mode="full_tensor", buffer=-1):
+        torch.ones(3) * 2
+    run = open_run(tmp_path / "r")
+    (e,) = run.executions(op="mul")
+    path = run.payload_path(e["seq"], 0)
+    path.write_bytes(path.read_bytes()[:20])  # truncated
+    with pytest.raises(CorruptRun, match="unreadable"):
+        run.tensor(e["seq"])
+    path.unlink()
+    with pytest.raises(CorruptRun, match="missing"):
+        run.tensor(e["seq"])
 
 
 def test_circular_buffer_keeps_last_n_plus_pinned_chain(tmp_path):

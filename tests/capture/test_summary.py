@@ -99,6 +99,35 @@ def test_integer_and_bool_summaries(a, mode):
     check(t, a, mode, tuple(summarize_deferred(t, mode).tolist()))
 
 
+@settings(max_examples=120, deadline=None)
+@given(hnp.arrays(dtype=st.sampled_from([np.float32, np.float64]),
+                  shape=hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=4),
+                  elements=st.one_of(floats, st.sampled_from([0.0, -0.0, 1.0, -1.0]))),
+       st.lists(st.integers(1, 5), min_size=3, max_size=3), st.sampled_from(MODES))
+def test_broadcast_views_match_numpy(a, sizes, mode):
+    """Stride-0 dimensions (expand, a broadcast scalar) are summarised once and counted again."""
+    t = torch.from_numpy(a.copy())
+    # Broadcast every dimension of size 1, and one new leading dimension, to a drawn size.
+    shape = [sizes[0]] + [sizes[1 + i % 2] if d == 1 else d for i, d in enumerate(t.shape)]
+    e = t.expand(*shape)
+    ref = np.broadcast_to(a, shape)
+    for values in both_paths(e, mode):
+        check(e, ref, mode, values)
+
+
+def test_broadcast_counts_scale_but_statistics_do_not():
+    e = torch.tensor([-1.0, 0.0, 3.0]).expand(1000, 3)
+    size, neg, zero, pos, ninf, pinf, nan, mn, mx, mean, std = summarize_immediate(e, "stats")
+    assert (size, neg, zero, pos, ninf, pinf, nan) == (3000, 1000, 1000, 1000, 0, 0, 0)
+    assert (mn, mx) == (-1.0, 3.0)
+    assert mean == pytest.approx(2 / 3) and std == pytest.approx(np.std([-1.0, 0.0, 3.0]))
+    assert summarize_immediate(torch.tensor(float("nan")).expand(4, 4), "concise_health") == (16, 0, 0, 16)
+    for t in (torch.tensor([[-2, 0, 5]]).expand(4, 3), torch.tensor([True, False]).expand(3, 2)):
+        for mode in MODES:
+            for values in both_paths(t, mode):
+                check(t, t.contiguous().numpy(), mode, values)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_bfloat16_and_strided_views(mode):
     base = torch.tensor([[0.0, -1.5, float("inf")], [2.0, float("nan"), 0.0], [-float("inf"), 3.0, -2.0]])

@@ -155,12 +155,37 @@ def _moments(t: torch.Tensor, finite: bool) -> tuple[float, float, float, float]
     return float(mn), float(mx), mean, std
 
 
+def _unbroadcast(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the distinct elements of ``t``, how often each repeats), for a non-empty tensor.
+
+    A dimension of stride 0 (``expand``, broadcasting) repeats the same memory: every element of
+    the view without those dimensions appears equally often, so its counts times the repeat are
+    ``t``'s counts, and its min, max, mean and std are ``t``'s. Reading it avoids gathering the
+    expanded copy (a scalar expanded to a full activation is common in backward passes).
+    """
+    strides = t.stride()
+    if 0 not in strides:
+        return t, 1
+    base = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in strides)]
+    return base, t.numel() // base.numel()
+
+
+# Positions of the count fields in each mode's summary (the others are unchanged by repetition).
+_COUNT_FIELDS = {"concise_health": 4, "full_health": 7, "full_tensor": 7, "stats": 7}
+
+
 def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with)."""
     if t.requires_grad:
         t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
+    if t.numel() > 1:
+        base, repeat = _unbroadcast(t)
+        if repeat > 1:
+            s = summarize_immediate(base, mode)
+            k = _COUNT_FIELDS.get(mode, 0)
+            return tuple(v * repeat for v in s[:k]) + s[k:]
     n = t.numel()
     if mode == "curt_health":
         if n == 0 or not t.is_floating_point():

@@ -477,3 +477,20 @@ class Run:
         if self.path.resolve() not in p.parents:
             raise CorruptRun(f"payload path {rows[0][0]!r} points outside the run")
         return p
+
+    def tensor(self, seq: int, slot: int = 0):
+        """The full tensor saved for an execution's output (mode full_tensor), on the CPU.
+
+        Read with ``torch.load(weights_only=True)``: a tampered file cannot run code. KeyError
+        when none was saved (another mode, or evicted by the buffer); CorruptRun when the file
+        is missing or unreadable.
+        """
+        import torch
+
+        p = self.payload_path(seq, slot)
+        try:
+            return torch.load(p, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise CorruptRun(f"the tensor file {p.name!r} of execution {seq} is missing") from None
+        except Exception as exc:  # truncated zip, unpickling refused, ...
+            raise CorruptRun(f"the tensor file {p.name!r} of execution {seq} is unreadable: {exc}") from None
