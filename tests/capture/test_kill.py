@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with tg.record(sys.argv[1], buffer=int(sys.argv[2])):
+    with tg.record(sys.argv[1], buffer=int(sys.argv[2]), mode=sys.argv[3]):
         for i in range(10**9):
             opt.zero_grad()
             model(torch.randn(4, 8)).pow(2).mean().backward()
@@ -26,12 +26,12 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _kill_when(run_dir, buffer: int, progress, target: int) -> int:
+def _kill_when(run_dir, buffer: int, progress, target: int, mode: str = "full_health") -> int:
     """Record SCRIPT into run_dir, poll ``progress(run)`` until it passes ``target``, then SIGKILL.
 
     Returns the last progress seen (the caller checks it passed the target).
     """
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir), str(buffer)])
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir), str(buffer), mode])
     seen = 0
     try:
         deadline = time.time() + 60
@@ -87,3 +87,17 @@ def test_sigkill_with_a_circular_buffer_keeps_the_last_window(tmp_path):
         # recorded, but numbered) leave gaps in the sequence numbers
         assert seqs == sorted(set(seqs)) and seqs[-1] - seqs[0] < 400
         assert run.steps()[-1]["step"] >= steps
+
+
+def test_sigkill_while_saving_full_tensors(tmp_path):
+    """Every tensor row a killed full_tensor recording committed points at whole bytes."""
+    run_dir = tmp_path / "r"
+    steps = _kill_when(run_dir, 200, lambda run: run.steps()[-1]["step"] if run.count() else 0, 30,
+                       mode="full_tensor")
+    assert steps > 30, "the recording never flushed"
+    with open_run(run_dir) as run:
+        rows = run._q("SELECT seq, slot, nbytes FROM payloads")
+        assert len(rows) >= 200
+        for seq, slot, nbytes in rows:
+            t = run.tensor(seq, slot)
+            assert t.numel() * t.element_size() == nbytes

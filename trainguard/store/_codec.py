@@ -10,7 +10,7 @@ import json
 import math
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: full tensors in segment files (payloads.byte_offset, nbytes, dtype, shape)
 # Executions kept beyond ``buffer`` while a recording is live (by the writer and the sink), so
 # that the producers of a later non-finite op can still be pinned; the final trim at close
 # keeps exactly ``buffer``.

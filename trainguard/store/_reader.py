@@ -468,29 +468,59 @@ class Run:
             raise KeyError(f"no artifact {name!r} in run {self.path.name!r}")
         return rows[0][0], bytes(rows[0][1])
 
-    def payload_path(self, seq: int, slot: int = 0) -> Path:
-        """The file holding a full tensor (mode full_tensor), checked to lie inside the run."""
-        rows = self._q("SELECT path FROM payloads WHERE seq = ? AND slot = ?", (int(seq), int(slot)))
+    def _payload(self, seq: int, slot: int) -> tuple:
+        if self.meta.get("schema_version", 1) >= 2:
+            rows = self._q("SELECT path, byte_offset, nbytes, dtype, shape FROM payloads WHERE seq = ? AND slot = ?",
+                           (int(seq), int(slot)))
+        else:  # format 1: one torch.save file per tensor
+            rows = [r + (None, None, None, None)
+                    for r in self._q("SELECT path FROM payloads WHERE seq = ? AND slot = ?", (int(seq), int(slot)))]
         if not rows:
             raise KeyError(f"no stored tensor for execution {seq} output {slot}")
-        p = (self.path / rows[0][0]).resolve()
+        return rows[0]
+
+    def payload_path(self, seq: int, slot: int = 0) -> Path:
+        """The file holding a full tensor (mode full_tensor), checked to lie inside the run.
+
+        Since run format 2 most tensors share segment files: read them with :meth:`tensor`.
+        """
+        rel = self._payload(seq, slot)[0]
+        p = (self.path / rel).resolve()
         if self.path.resolve() not in p.parents:
-            raise CorruptRun(f"payload path {rows[0][0]!r} points outside the run")
+            raise CorruptRun(f"payload path {rel!r} points outside the run")
         return p
 
     def tensor(self, seq: int, slot: int = 0):
         """The full tensor saved for an execution's output (mode full_tensor), on the CPU.
 
-        Read with ``torch.load(weights_only=True)``: a tampered file cannot run code. KeyError
-        when none was saved (another mode, or evicted by the buffer); CorruptRun when the file
-        is missing or unreadable.
+        Raw bytes are read from their segment, checked against the stored length; a tensor
+        stored as a file of its own is read with ``torch.load(weights_only=True)``. No pickled
+        code is ever run. KeyError when none was saved (another mode, or evicted by the
+        buffer); CorruptRun when the data is missing, short or unreadable.
         """
         import torch
 
+        _, offset, nbytes, dtype_name, shape = self._payload(seq, slot)
         p = self.payload_path(seq, slot)
         try:
-            return torch.load(p, map_location="cpu", weights_only=True)
+            if offset is None:
+                return torch.load(p, map_location="cpu", weights_only=True)
+            dtype = getattr(torch, str(dtype_name), None)
+            dims = loads(shape)
+            if not isinstance(dtype, torch.dtype) or not isinstance(dims, list):
+                raise CorruptRun(f"execution {seq} has a damaged tensor record ({dtype_name!r}, {shape!r})")
+            with open(p, "rb") as fh:
+                fh.seek(offset)
+                data = fh.read(nbytes)
+            if len(data) != nbytes:
+                raise CorruptRun(f"the tensor of execution {seq} is cut short in {p.name!r} "
+                                 f"({len(data)} of {nbytes} bytes)")
+            if nbytes == 0:
+                return torch.empty(dims, dtype=dtype)
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(dims)
         except FileNotFoundError:
             raise CorruptRun(f"the tensor file {p.name!r} of execution {seq} is missing") from None
-        except Exception as exc:  # truncated zip, unpickling refused, ...
+        except CorruptRun:
+            raise
+        except Exception as exc:  # truncated zip, unpickling refused, sizes that do not match, ...
             raise CorruptRun(f"the tensor file {p.name!r} of execution {seq} is unreadable: {exc}") from None

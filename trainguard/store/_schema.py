@@ -37,8 +37,11 @@ CREATE INDEX IF NOT EXISTS executions_step ON executions(step);
 CREATE INDEX IF NOT EXISTS executions_bad_seq ON executions(seq) WHERE health != 0;
 CREATE TABLE IF NOT EXISTS edges (producer INTEGER NOT NULL, consumer INTEGER NOT NULL, slot INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS edges_producer ON edges(producer);
+-- A full tensor (mode full_tensor): nbytes raw bytes at byte_offset in the segment file ``path``,
+-- or, when byte_offset is NULL, a file of its own read with torch.load(weights_only=True).
 CREATE TABLE IF NOT EXISTS payloads (seq INTEGER NOT NULL, slot INTEGER NOT NULL, path TEXT NOT NULL,
-    PRIMARY KEY (seq, slot));
+    byte_offset INTEGER, nbytes INTEGER, dtype TEXT, shape TEXT, PRIMARY KEY (seq, slot));
+CREATE INDEX IF NOT EXISTS payloads_path ON payloads(path);
 -- Per-step scalars (loss, lr/0, grad_norm, ...): value is NULL unless flag = 0 (finite).
 CREATE TABLE IF NOT EXISTS scalars (step INTEGER NOT NULL, name TEXT NOT NULL, value REAL,
     flag INTEGER NOT NULL, wall REAL);
@@ -66,7 +69,23 @@ def connect(path: Path, *, create: bool) -> sqlite3.Connection:
     con.execute("PRAGMA busy_timeout=30000")
     if create:
         con.executescript(SCHEMA)
+        _upgrade(con)
         con.execute(
             "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
     return con
+
+
+# Columns added since format 1, for appending to a run an older trainguard wrote.
+_ADDED_COLUMNS = {"payloads": (("byte_offset", "INTEGER"), ("nbytes", "INTEGER"), ("dtype", "TEXT"), ("shape", "TEXT"))}
+
+
+def _upgrade(con: sqlite3.Connection) -> None:
+    """Bring an older run's tables to this format (new nullable columns), then its version."""
+    for table, columns in _ADDED_COLUMNS.items():
+        have = {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
+        for name, decl in columns:
+            if name not in have:
+                con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+    con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version' AND CAST(value AS INTEGER) < ?",
+                (str(SCHEMA_VERSION), SCHEMA_VERSION))

@@ -8,6 +8,8 @@ compete with training for the GIL. Messages are tuples of plain values (marshal-
     ("exec", records)            executions, summaries already resolved to floats
     ("stack", id, frames)        an interned stack; source files are read here, once
     ("sql", statement, rows)     any other rows, built by the writer thread
+    ("payload", seq, slot, path, byte_offset, nbytes, dtype, shape)
+                                 a full tensor the writer thread stored (see RunWriter._save_tensor)
     ("meta", {key: json})        metadata, values already JSON-encoded
     ("config", mode, buffer)     the recorder's mode and circular buffer
     ("commit",)                  commit now
@@ -64,6 +66,9 @@ class Sink:
         self.in_db: set[int] = set()  # seqs of the window that are rows
         self.pinned: set[int] = set()
         self.pin_updates: list[tuple[int]] = []
+        # Segment files of full tensors this sink's writer made, and the one it appends to.
+        self.segments: set[str] = set()
+        self.open_segment: str | None = None
         self.con = connect(self.run_dir / DB_NAME, create=True)
         self.con.execute("BEGIN")
         self.last_commit = time.monotonic()
@@ -111,6 +116,15 @@ class Sink:
     def _m_sql(self, statement: str, rows: list) -> None:
         self.con.executemany(statement, rows)
         self.rows_since_commit += len(rows)
+
+    def _m_payload(self, seq: int, slot: int, path: str, byte_offset: int | None, nbytes: int | None,
+                   dtype: str, shape: str) -> None:
+        self.con.execute("INSERT OR REPLACE INTO payloads(seq, slot, path, byte_offset, nbytes, dtype, shape) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?)", (seq, slot, path, byte_offset, nbytes, dtype, shape))
+        self.rows_since_commit += 1
+        if byte_offset is not None:
+            self.segments.add(path)
+            self.open_segment = path  # the writer appends to one segment at a time, in order
 
     def _m_flush(self) -> None:
         self.commit()
@@ -241,11 +255,11 @@ class Sink:
             for seq in list(itertools.islice(ring, excess)):
                 del ring[seq]
         if self.max_seq >= 0:
-            cut = self._evict(keep, None if final or not ring else next(iter(ring)))
+            cut = self._evict(keep, None if final or not ring else next(iter(ring)), final)
             if cut is not None:
                 self.in_db = {s for s in in_db if s >= cut or s in pinned}
 
-    def _evict(self, keep: int, oldest_in_memory: int | None) -> int | None:
+    def _evict(self, keep: int, oldest_in_memory: int | None, final: bool = False) -> int | None:
         """Delete the rows older than the newest ``keep`` that are not pinned; returns the cutoff.
 
         Saved tensors (full_tensor) of executions still in memory are kept with them, so that a
@@ -259,17 +273,35 @@ class Sink:
         gone = cutoff if oldest_in_memory is None else min(cutoff, oldest_in_memory)
         kept = "SELECT seq FROM executions WHERE pinned = 1"
         for (path,) in con.execute(
-            f"SELECT path FROM payloads WHERE seq < ? AND seq NOT IN ({kept})", (gone,)
+            f"SELECT path FROM payloads WHERE seq < ? AND seq NOT IN ({kept}) AND byte_offset IS NULL", (gone,)
         ).fetchall():
             try:
                 (self.run_dir / path).unlink()
             except OSError:
                 pass
         con.execute(f"DELETE FROM payloads WHERE seq < ? AND seq NOT IN ({kept})", (gone,))
+        self._drop_unused_segments(final)
         stale = "SELECT seq FROM executions WHERE seq < ? AND pinned = 0"
         con.execute(f"DELETE FROM edges WHERE consumer IN ({stale})", (cutoff,))
         con.execute("DELETE FROM executions WHERE seq < ? AND pinned = 0", (cutoff,))
         return cutoff
+
+
+    def _drop_unused_segments(self, final: bool) -> None:
+        """Delete this writer's segment files that no payload row points into any more.
+
+        Not the segment being appended to, unless the run is closing: its next tensors would go
+        to a deleted file.
+        """
+        for path in list(self.segments):
+            if path == self.open_segment and not final:
+                continue
+            if self.con.execute("SELECT 1 FROM payloads WHERE path = ? LIMIT 1", (path,)).fetchone() is None:
+                try:
+                    (self.run_dir / path).unlink()
+                except OSError:
+                    pass
+                self.segments.discard(path)
 
 
 # ---------------------------------------------------------------------- the child process

@@ -9,9 +9,11 @@ rows does not compete with training for the GIL; other writers keep it in the th
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
+import secrets
 import socket
 import subprocess
 import sys
@@ -175,6 +177,12 @@ class RunWriter:
         self._sent_max = -1
         self._sent_all = -1
         self._last_send = time.monotonic()
+        # full_tensor payloads: the segment file being appended to (see _save_tensor).
+        self._seg = None
+        self._seg_rel = ""
+        self._seg_bytes = 0
+        self._seg_index = 0
+        self._seg_token = secrets.token_hex(4)
         self._send(("config", mode, buffer))
         self._thread = threading.Thread(target=self._loop, name="trainguard-writer", daemon=True)
         self._thread.start()
@@ -260,9 +268,6 @@ class RunWriter:
         self._put(("sql", "INSERT OR REPLACE INTO artifacts(name, media_type, data, created) VALUES (?,?,?,?)",
                    [(name, media_type, bytes(data), time.time())]), must_keep=True)
 
-    def put_payload(self, seq: int, slot: int, relpath: str) -> None:
-        self._put(("sql", _PAYLOAD_SQL, [(seq, slot, relpath)]), must_keep=True)
-
     def put_payload_tensor(self, seq: int, slot: int, tensor: Any) -> None:
         """A full tensor (mode full_tensor), already copied to the host; saved by the writer thread."""
         self._put(("payload_tensor", seq, slot, tensor), must_keep=True)
@@ -341,6 +346,8 @@ class RunWriter:
                 kind = item[0]
                 if kind in ("flush", "close"):
                     self._send_window()
+                    if kind == "close":
+                        self._close_segment()
                     self._request(kind)
                     item[1].set()
                     if kind == "close":
@@ -354,7 +361,7 @@ class RunWriter:
                 elif kind == "meta":
                     self._send(("meta", {k: dumps(v) for k, v in item[1].items()}))
                 elif kind == "payload_tensor":
-                    self._send(("sql", _PAYLOAD_SQL, [(item[1], item[2], self._save_tensor(*item[1:]))]))
+                    self._send(("payload", *self._save_tensor(*item[1:])))
                 else:
                     self._send(item)
             except Exception as exc:  # observing training never kills training
@@ -421,17 +428,64 @@ class RunWriter:
         self._send(("exec", out))
         self._send(("commit",))
 
-    def _save_tensor(self, seq: int, slot: int, tensor: Any) -> str:
+    def _save_tensor(self, seq: int, slot: int, tensor: Any) -> tuple:
+        """Store a full tensor (already a host copy); returns its payload row for the sink.
+
+        Its raw bytes are appended to the current segment file, unbuffered, so they are in the
+        file before the row that points at them can be committed: a killed process leaves no row
+        pointing past the end. A tensor without plain strided memory (sparse, quantized) gets a
+        file of its own, read back with ``torch.load(weights_only=True)``.
+        """
         import torch
 
-        rel = f"tensors/{seq}-{slot}.pt"
-        path = self.run_dir / rel
-        path.parent.mkdir(exist_ok=True)
-        torch.save(tensor, path)
-        return rel
+        dtype = str(tensor.dtype).replace("torch.", "")
+        shape = json.dumps(list(tensor.shape), separators=(",", ":"))
+        raw = _raw_bytes(tensor)
+        if raw is None:
+            rel = f"tensors/{seq}-{slot}.pt"
+            (self.run_dir / "tensors").mkdir(exist_ok=True)
+            torch.save(tensor, self.run_dir / rel)
+            return seq, slot, rel, None, None, dtype, shape
+        if self._seg is None or self._seg_bytes >= SEGMENT_BYTES:
+            self._roll_segment()
+        offset = self._seg_bytes
+        view = memoryview(raw).cast("B")
+        while view:
+            view = view[self._seg.write(view):]
+        self._seg_bytes += raw.nbytes
+        return seq, slot, self._seg_rel, offset, raw.nbytes, dtype, shape
+
+    def _roll_segment(self) -> None:
+        self._close_segment()
+        self._seg_index += 1
+        # A token per writer: several processes may append to one run.
+        self._seg_rel = f"tensors/seg-{self._seg_token}-{self._seg_index:06d}.bin"
+        (self.run_dir / "tensors").mkdir(exist_ok=True)
+        self._seg = open(self.run_dir / self._seg_rel, "xb", buffering=0)  # noqa: SIM115 - kept open
+        self._seg_bytes = 0
+
+    def _close_segment(self) -> None:
+        if self._seg is not None:
+            self._seg.close()
+            self._seg = None
 
 
-_PAYLOAD_SQL = "INSERT OR REPLACE INTO payloads(seq, slot, path) VALUES (?, ?, ?)"
+def _raw_bytes(tensor: Any):
+    """A contiguous host tensor's bytes as a flat uint8 NumPy array (no copy), or None."""
+    import numpy as np
+    import torch
+
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        return None
+    t = tensor.resolve_conj().resolve_neg().contiguous()
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+# Full tensors (mode full_tensor) are appended to segment files of about this size; the sink
+# deletes a segment once the circular buffer has evicted every tensor in it.
+SEGMENT_BYTES = 64 << 20
 # How often the newest executions of a buffered recording reach the sink, which commits them.
 SEND_INTERVAL = 0.5
 
