@@ -9,8 +9,7 @@ import torch
 
 import trainguard as tg
 from trainguard import CorruptRun
-from trainguard.store import SCHEMA_VERSION, open_run
-from trainguard.store import _writer
+from trainguard.store import SCHEMA_VERSION, _writer, open_run
 from trainguard.store._writer import RunWriter
 
 CASES = {

@@ -113,17 +113,14 @@ def counts(a: np.ndarray) -> tuple[bool, int, int] | None:
     return finite, neg, pos
 
 
-def moments(a: np.ndarray) -> tuple[float, float, float, float]:
-    """(min, max, mean, population std) of a finite, non-empty 1-D contiguous array.
-
-    NumPy's vectorised min and max, and one compiled pass for both sums (numba does not
-    vectorise a min/max reduction). Only when :func:`available`.
-    """
+def mean_std(a: np.ndarray) -> tuple[float, float]:
+    """(mean, population std) of a finite, non-empty 1-D contiguous array, in one compiled
+    pass (only when :func:`available`)."""
     s1, s2 = _moments_kernel(a)
     n = a.size
     mean_shift = s1 / n
     var = max(s2 / n - mean_shift * mean_shift, 0.0)
-    return float(a.min()), float(a.max()), float(a[0]) + mean_shift, var ** 0.5
+    return float(a[0]) + mean_shift, var ** 0.5
 
 
 def available() -> bool:

@@ -143,7 +143,9 @@ def _is_finite_fast(t: torch.Tensor) -> bool:
 def _moments(t: torch.Tensor, finite: bool) -> tuple[float, float, float, float]:
     a = _kernel_input(t) if finite else None
     if a is not None:
-        return _kernels.moments(a)
+        # torch's min-max is one (parallel) pass; numba does not vectorise that reduction.
+        mn, mx = torch.aminmax(t)
+        return (float(mn), float(mx), *_kernels.mean_std(a))
     mn, mx = torch.aminmax(t)
     f = t if t.dtype == _F64 or t.dtype == _F32 else t.to(_F32)
     std, mean = torch.std_mean(f, correction=0)
