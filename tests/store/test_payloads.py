@@ -120,3 +120,28 @@ def test_the_segment_being_appended_to_is_kept_until_the_run_closes(tmp_path):
     sink._drop_unused_segments(final=True)
     assert list((tmp_path / "tensors").iterdir()) == []
     sink.commit(final=True)
+
+
+def test_a_failed_write_starts_a_new_segment(tmp_path):
+    """Bytes a failed write left behind must not shift the offsets of later tensors."""
+    w = RunWriter(tmp_path / "r", mode="full_tensor")
+    w.put_payload_tensor(0, 0, torch.arange(4.0))
+    w.flush()
+    real, calls = w._seg.write, []
+
+    def half_then_fail(view):
+        calls.append(1)
+        if len(calls) == 1:
+            return real(view[: len(view) // 2])
+        raise OSError(28, "No space left on device")
+
+    w._seg.write = half_then_fail
+    w.put_payload_tensor(1, 0, torch.arange(8.0))  # lost: the writer logs it and goes on
+    w.put_payload_tensor(2, 0, torch.arange(3.0))
+    w.close()
+    with open_run(tmp_path / "r") as run:
+        assert torch.equal(run.tensor(0), torch.arange(4.0))
+        assert torch.equal(run.tensor(2), torch.arange(3.0))
+        with pytest.raises(KeyError):
+            run.tensor(1)
+        assert "No space left" in run.meta.get("writer_error", "")

@@ -286,7 +286,6 @@ class Sink:
         con.execute("DELETE FROM executions WHERE seq < ? AND pinned = 0", (cutoff,))
         return cutoff
 
-
     def _drop_unused_segments(self, final: bool) -> None:
         """Delete this writer's segment files that no payload row points into any more.
 

@@ -365,9 +365,15 @@ class RunWriter:
                 else:
                     self._send(item)
             except Exception as exc:  # observing training never kills training
-                if self.failed is None:
+                first = self.failed is None
+                if first:
                     log.exception("trainguard writer failed; recording continues without this item")
                 self.failed = f"{type(exc).__name__}: {exc}"
+                if first:  # the run says so too (the report shows it)
+                    try:
+                        self._send(("meta", {"writer_error": dumps(self.failed)}))
+                    except Exception:  # pragma: no cover - the sink itself is gone
+                        pass
                 if item is not None and item[0] in ("flush", "close"):
                     item[1].set()
                     if item[0] == "close":
@@ -450,8 +456,13 @@ class RunWriter:
             self._roll_segment()
         offset = self._seg_bytes
         view = memoryview(raw).cast("B")
-        while view:
-            view = view[self._seg.write(view):]
+        try:
+            while view:
+                view = view[self._seg.write(view):]
+        except BaseException:
+            # A partial write (disk full) would shift every later offset: start a new segment.
+            self._close_segment()
+            raise
         self._seg_bytes += raw.nbytes
         return seq, slot, self._seg_rel, offset, raw.nbytes, dtype, shape
 
