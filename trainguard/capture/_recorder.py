@@ -391,11 +391,14 @@ class _DispatchMode(TorchDispatchMode):
 
     def __init__(self, rec: Recorder):
         super().__init__()
-        self.rec = rec
+        self.rec: Recorder | None = rec
+        _live_modes.add(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # The hot path: locals instead of attribute lookups, no helper calls for common cases.
         r = self.rec
+        if r is None:  # a forked child (a DataLoader worker): not this recording's process
+            return func(*args, **(kwargs or {}))
         info = r.op_info.get(id(func))
         if info is None:
             info = r._info(func)
@@ -533,6 +536,20 @@ class _DispatchMode(TorchDispatchMode):
             r.flush()
         r.last_nr = _get_seq_nr()
         return out
+
+
+# A process forked while recording (DataLoader workers, by default on Linux) inherits the
+# active mode in its thread state, but not the writer's thread: its ops pass through unrecorded.
+_live_modes: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for mode in list(_live_modes):
+        mode.rec = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:

@@ -122,6 +122,7 @@ class RunWriter:
         self.dropped_items = 0  # other items dropped
         self.failed: str | None = None
         self._closed = False
+        self._pid = os.getpid()
         self._q: queue.Queue = queue.Queue(maxsize=queue_items)
 
         db = self.run_dir / DB_NAME
@@ -194,7 +195,7 @@ class RunWriter:
 
     # ------------------------------------------------------------------ producer side
     def _put(self, item: tuple, *, must_keep: bool = False, n_exec: int = 0) -> None:
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:  # a forked child has no writer thread
             return
         try:
             self._q.put_nowait(item)
@@ -282,7 +283,7 @@ class RunWriter:
 
     def close(self, **final_meta: Any) -> None:
         """Flush, trim the circular buffer to exactly ``buffer``, mark the run finished."""
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:  # only the process that started the writer
             return
         meta = {"status": "finished", "ended": time.time()} if self.owner else {}
         meta.update(final_meta)

@@ -1,0 +1,54 @@
+"""A process forked while recording (a DataLoader worker) passes its ops through, unrecorded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from trainguard.store import open_run
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, trainguard as tg
+    from torch.utils.data import DataLoader, TensorDataset
+    torch.manual_seed(0)
+    ds = TensorDataset(torch.randn(1024, 8), torch.randint(0, 2, (1024,)))
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    workers = int(sys.argv[3])
+    with tg.record(sys.argv[1], mode=sys.argv[2], buffer=-1):
+        loader = DataLoader(ds, batch_size=64, num_workers=workers,
+                            multiprocessing_context="fork" if workers else None)
+        for x, y in loader:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["full_health", "full_tensor"])
+def test_dataloader_workers_forked_while_recording(tmp_path, mode):
+    runs = {}
+    for workers in (0, 2):
+        run_dir = tmp_path / f"w{workers}"
+        # A worker used to record into its copy of the writer's queue, which no thread drains:
+        # with full_tensor it blocked there after 512 tensors (each worker indexes 512 samples).
+        proc = subprocess.run([sys.executable, "-c", SCRIPT, str(run_dir), mode, str(workers)],
+                              capture_output=True, text=True, timeout=90)
+        assert proc.returncode == 0, proc.stderr
+        runs[workers] = open_run(run_dir)
+    with_workers, in_process = runs[2], runs[0]
+    assert with_workers.status == "finished"
+    assert len(with_workers.steps()) == len(in_process.steps()) == 16
+    # default_collate stacks samples where the loader runs: in the training process only without workers.
+    assert in_process.count(op="aten.stack") >= 32
+    assert with_workers.count(op="aten.stack") == 0
+    for op in ("aten.addmm", "aten.mm", "aten._log_softmax", "aten.nll_loss_backward", "aten.add_.Tensor"):
+        assert with_workers.count(op=op) == in_process.count(op=op) == (32 if op == "aten.add_.Tensor" else 16)
+    if mode == "full_tensor":
+        (first,) = with_workers.executions(0, 1)
+        assert with_workers.tensor(first["seq"]).numel() >= 1
