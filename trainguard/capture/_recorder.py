@@ -9,6 +9,7 @@ are batched and handed to the run writer's thread; nothing here waits on disk or
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import os
 import re
@@ -30,10 +31,13 @@ from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS, summarize_def
 from trainguard.store import MODE_FIELDS, MODES, ExecBatch, acquire_writer, release_writer
 from trainguard.store._codec import NAN, NEG_INF, POS_INF, health_of
 
+log = logging.getLogger("trainguard.capture")
+
 _get_seq_nr = torch._C._autograd._get_sequence_nr
 _OpOverload = torch._ops.OpOverload
 _current_node = torch._C._current_autograd_node
 _Tensor = torch.Tensor
+_strided = torch.strided
 _weakref = weakref.ref
 _grad_enabled = torch.is_grad_enabled
 _monotonic = time.monotonic
@@ -152,6 +156,8 @@ class Recorder:
         self.writer = None
         self.seq = 0
         self.recorded = 0
+        self.failures = 0  # outputs that could not be recorded (see _record_failed)
+        self.failed_ops: set[str] = set()
         self.last_nr = 0
         # id(op overload) -> (name, wanted, allocation op, alias op, callable, the overload).
         # Keyed by id: an OpOverload hashes in Python, which costs more than the lookup; the
@@ -220,6 +226,8 @@ class Recorder:
             if self.writer is not None:
                 if self._flush_if_stale in self.writer.idle_callbacks:
                     self.writer.idle_callbacks.remove(self._flush_if_stale)
+                if self.failures:
+                    final_meta["record_errors"] = self.failures
                 release_writer(
                     self.writer,
                     executions=self.seq,
@@ -405,137 +413,156 @@ class _DispatchMode(TorchDispatchMode):
         node = _current_node()
         nr = _get_seq_nr()
         out = info[4](*args, **kwargs) if kwargs else info[4](*args)
-        seq = r.seq
-        r.seq = seq + 1
-        outs = out if type(out) in (tuple, list) else (out,)
-        producers = r.producers
-        name = info[0]
-        if not info[1]:  # filtered out: consumers still learn who made their inputs
-            for o in outs:
-                if isinstance(o, _Tensor):
-                    _register(r, producers, o, seq, name, None, None)
-            r.last_nr = _get_seq_nr()
-            return out
+        try:
+            seq = r.seq
+            r.seq = seq + 1
+            outs = out if type(out) in (tuple, list) else (out,)
+            producers = r.producers
+            name = info[0]
+            if not info[1]:  # filtered out: consumers still learn who made their inputs
+                for o in outs:
+                    if isinstance(o, _Tensor):
+                        _register(r, producers, o, seq, name, None, None)
+                r.last_nr = _get_seq_nr()
+                return out
 
-        # Where and when: phase, module, stack (backward ops inherit them from their forward op).
-        fwd_seq = fwd_op = None
-        if node is not None:
-            phase = "backward"
-            fwd = r.fwd_nodes.get(node._sequence_nr())
-            if fwd is not None:
-                fwd_seq, module_id, stack_id, _, fwd_op = fwd
-            else:
-                module_id = None
-                stack_id = r.stacks.capture(2)
-        else:
-            module_id = r.modules.current()
-            stack_id = r.stacks.capture(2)
-            if _clock.in_optimizer:
-                phase = "optimizer"
-            elif module_id is not None or _grad_enabled():
-                phase = "forward"
-            else:
-                phase = "other"
-            if nr != r.last_nr:
-                # The autograd node of this op was numbered nr - 1 just before dispatch.
-                r.fwd_nodes[nr - 1] = (seq, module_id, stack_id, _clock.step, name)
-        if r.dtypes is not None and not any(isinstance(o, _Tensor) and o.dtype in r.dtypes for o in outs):
-            for o in outs:
-                if isinstance(o, _Tensor):
-                    _register(r, producers, o, seq, name, stack_id, None)
-            r.last_nr = _get_seq_nr()
-            return out
-
-        # Inputs: a parameter or buffer by name, else the recorded op that produced it.
-        named = r.modules.named_tensors
-        inputs = []
-        first = None
-        for a in (args if not kwargs else (*args, *kwargs.values())):
-            if isinstance(a, _Tensor):
-                group = (a,)
-            elif type(a) in (list, tuple) and a and isinstance(a[0], _Tensor):
-                group = a
-            else:
-                continue
-            for t in group:
-                if first is None:
-                    first = t
-                key = id(t)
-                e = named.get(key)
-                if e is not None and e[0]() is t:
-                    inputs.append((e[2], e[1]))
-                    continue
-                p = producers.get(key)
-                inputs.append(("op", p[1]) if p is not None and p[0]() is t else ("input", None))
-
-        fields = r.fields
-        summaries = [] if fields else None
-        metas = []
-        health = 0
-        immediate_only = True
-        alias = None
-        if info[3] and first is not None and summaries is not None:
-            # A pure alias (view, t, detach, ...) holds the same values as its input: reuse that
-            # input's summary while the shared version counter says nothing wrote to it since.
-            p = producers.get(id(first))
-            if p is not None and p[4] is not None and p[0]() is first and p[5] == first._version:
-                alias = p[4]
-        for o in outs:
-            if not isinstance(o, _Tensor):
-                continue
-            cpu = o.is_cpu
-            dt = o.dtype
-            metas.append((_DTYPE_NAMES.get(dt) or _dtype_name(dt), tuple(o.shape),
-                          "cpu" if cpu else _device_name(o.device)))
-            s = None
-            if summaries is not None:
-                if info[2]:  # uninitialised memory: no evidence
-                    s = (float(o.numel()),) + r.nan_tail if fields[0] == "size" else (0.0,)
-                elif alias is not None:
-                    s = alias
-                elif (cpu and r.strategy != "deferred") or r.strategy == "immediate":
-                    s = summarize_immediate(o, r.mode)
+            # Where and when: phase, module, stack (backward ops inherit them from their forward op).
+            fwd_seq = fwd_op = None
+            if node is not None:
+                phase = "backward"
+                fwd = r.fwd_nodes.get(node._sequence_nr())
+                if fwd is not None:
+                    fwd_seq, module_id, stack_id, _, fwd_op = fwd
                 else:
-                    immediate_only = False
-                    r.deferred_used = True
-                    dev = o.device
-                    lst = r.deferred.setdefault(dev, [])
-                    summaries.append(("d", dev, len(lst)))
-                    lst.append(summarize_deferred(o, r.mode))
-                    if r.check and not bool(torch.isfinite(o).all()):
-                        # check_numerics may synchronise: it must stop at this op.
-                        health |= _health_sync(o)
-                if s is not None:
-                    health |= health_of(fields, s)
-                    summaries.append(s)
-            _register(r, producers, o, seq, name, stack_id, s)
-        if r.mode == "full_tensor":
-            _save_payloads(r, seq, outs)
-        if r.check and health:
-            r.flush()
+                    module_id = None
+                    stack_id = r.stacks.capture(2)
+            else:
+                module_id = r.modules.current()
+                stack_id = r.stacks.capture(2)
+                if _clock.in_optimizer:
+                    phase = "optimizer"
+                elif module_id is not None or _grad_enabled():
+                    phase = "forward"
+                else:
+                    phase = "other"
+                if nr != r.last_nr:
+                    # The autograd node of this op was numbered nr - 1 just before dispatch.
+                    r.fwd_nodes[nr - 1] = (seq, module_id, stack_id, _clock.step, name)
+            if r.dtypes is not None and not any(isinstance(o, _Tensor) and o.dtype in r.dtypes for o in outs):
+                for o in outs:
+                    if isinstance(o, _Tensor):
+                        _register(r, producers, o, seq, name, stack_id, None)
+                r.last_nr = _get_seq_nr()
+                return out
+
+            # Inputs: a parameter or buffer by name, else the recorded op that produced it.
+            named = r.modules.named_tensors
+            inputs = []
+            first = None
+            for a in (args if not kwargs else (*args, *kwargs.values())):
+                if isinstance(a, _Tensor):
+                    group = (a,)
+                elif type(a) in (list, tuple) and a and isinstance(a[0], _Tensor):
+                    group = a
+                else:
+                    continue
+                for t in group:
+                    if first is None:
+                        first = t
+                    key = id(t)
+                    e = named.get(key)
+                    if e is not None and e[0]() is t:
+                        inputs.append((e[2], e[1]))
+                        continue
+                    p = producers.get(key)
+                    inputs.append(("op", p[1]) if p is not None and p[0]() is t else ("input", None))
+
+            fields = r.fields
+            summaries = [] if fields else None
+            metas = []
             health = 0
+            immediate_only = True
+            alias = None
+            if info[3] and first is not None and summaries is not None:
+                # A pure alias (view, t, detach, ...) holds the same values as its input: reuse that
+                # input's summary while the shared version counter says nothing wrote to it since.
+                p = producers.get(id(first))
+                if (p is not None and p[4] is not None and p[0]() is first and p[5] is not None
+                        and p[5] == first._version):
+                    alias = p[4]
             for o in outs:
-                if isinstance(o, _Tensor):
-                    health |= _health_sync(o)  # name NaN and +-Inf exactly, whatever the mode
-            raise NonFiniteError(_numerics_message(r, name, phase, module_id, stack_id, fwd_op, args, outs, health),
-                                 execution={"seq": seq, "op": name, "phase": phase})
-        if r.writer is None:  # check_numerics without a run directory: nothing to keep
+                if not isinstance(o, _Tensor):
+                    continue
+                cpu = o.is_cpu
+                dt = o.dtype
+                metas.append((_DTYPE_NAMES.get(dt) or _dtype_name(dt), tuple(o.shape),
+                              "cpu" if cpu else _device_name(o.device)))
+                s = None
+                if summaries is not None:
+                    if info[2]:  # uninitialised memory: no evidence
+                        s = (float(o.numel()),) + r.nan_tail if fields[0] == "size" else (0.0,)
+                    elif alias is not None:
+                        s = alias
+                    elif (cpu and r.strategy != "deferred") or r.strategy == "immediate":
+                        s = summarize_immediate(o, r.mode)
+                    elif o.is_meta or o.layout is not _strided:  # no data, or sparse: rare, may sync
+                        s = summarize_immediate(o, r.mode)
+                    else:
+                        immediate_only = False
+                        r.deferred_used = True
+                        dev = o.device
+                        lst = r.deferred.setdefault(dev, [])
+                        summaries.append(("d", dev, len(lst)))
+                        lst.append(summarize_deferred(o, r.mode))
+                        if r.check and not bool(torch.isfinite(o).all()):
+                            # check_numerics may synchronise: it must stop at this op.
+                            health |= _health_sync(o)
+                    if s is not None:
+                        health |= health_of(fields, s)
+                        summaries.append(s)
+                _register(r, producers, o, seq, name, stack_id, s)
+            if r.mode == "full_tensor":
+                _save_payloads(r, seq, outs)
+            if r.check and health:
+                r.flush()
+                health = 0
+                for o in outs:
+                    if isinstance(o, _Tensor):
+                        health |= _health_sync(o)  # name NaN and +-Inf exactly, whatever the mode
+                raise NonFiniteError(_numerics_message(r, name, phase, module_id, stack_id, fwd_op, args, outs, health),
+                                     execution={"seq": seq, "op": name, "phase": phase})
+            if r.writer is None:  # check_numerics without a run directory: nothing to keep
+                r.last_nr = _get_seq_nr()
+                return out
+            # A record is a tuple of atoms and tuples: the garbage collector untracks such tuples, so
+            # the thousands of records the writer holds never make its full collections slower.
+            pending = r.pending
+            pending.append((seq, _clock.step, phase, name, module_id, stack_id, fwd_seq,
+                            health if immediate_only else None, tuple(inputs), tuple(metas),
+                            None if summaries is None else tuple(summaries)))
+            r.recorded += 1
+            if health:
+                r.pending_bad = True
+            n = len(pending)
+            if n >= FLUSH_RECORDS or (n & 31 == 0 and (r.pending_bad or _monotonic() - r.last_flush > FLUSH_SECONDS)):
+                r.flush()
             r.last_nr = _get_seq_nr()
             return out
-        # A record is a tuple of atoms and tuples: the garbage collector untracks such tuples, so
-        # the thousands of records the writer holds never make its full collections slower.
-        pending = r.pending
-        pending.append((seq, _clock.step, phase, name, module_id, stack_id, fwd_seq,
-                        health if immediate_only else None, tuple(inputs), tuple(metas),
-                        None if summaries is None else tuple(summaries)))
-        r.recorded += 1
-        if health:
-            r.pending_bad = True
-        n = len(pending)
-        if n >= FLUSH_RECORDS or (n & 31 == 0 and (r.pending_bad or _monotonic() - r.last_flush > FLUSH_SECONDS)):
-            r.flush()
-        r.last_nr = _get_seq_nr()
-        return out
+        except NonFiniteError:
+            raise
+        except Exception as exc:  # observing training never kills training
+            _record_failed(r, str(func), exc)
+            return out
+
+
+def _record_failed(r: Recorder, name: str, exc: Exception) -> None:
+    """An op's output could not be recorded: say so once per op type, keep training."""
+    r.failures += 1
+    if name not in r.failed_ops:
+        r.failed_ops.add(name)
+        log.warning("trainguard: could not record an output of %s (%s: %s); training goes on",
+                    name, type(exc).__name__, exc)
+    r.last_nr = _get_seq_nr()
 
 
 # A process forked while recording (DataLoader workers, by default on Linux) inherits the
@@ -554,11 +581,15 @@ if hasattr(os, "register_at_fork"):
 
 def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:
     key = id(o)
+    try:
+        version = o._version
+    except RuntimeError:  # an inference tensor (torch.inference_mode) has no version counter
+        version = None
     p = producers.get(key)
     if p is not None and p[0]() is o:  # an in-place op: o now holds this op's output
-        producers[key] = (p[0], seq, name, stack_id, summary, o._version)
+        producers[key] = (p[0], seq, name, stack_id, summary, version)
         return
-    producers[key] = (_weakref(o), seq, name, stack_id, summary, o._version)
+    producers[key] = (_weakref(o), seq, name, stack_id, summary, version)
     if len(producers) > r.sweep_at:
         r._sweep()
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from trainguard.capture import _kernels
+from trainguard.store import MODE_FIELDS
 
 _INF = math.inf
 # float32 sums of +-1 are exact while every partial sum stays below 2**24.
@@ -176,12 +177,47 @@ def _unbroadcast(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 _COUNT_FIELDS = {"concise_health": 4, "full_health": 7, "full_tensor": 7, "stats": 7}
 
 
+def unknown_summary(mode: str, n: int) -> tuple[float, ...]:
+    """The summary of values nobody can read (uninitialised memory, meta tensors): the size and
+    NaN for every count, so nothing claims a value was finite or not."""
+    fields = MODE_FIELDS[mode]
+    if not fields or fields[0] != "size":
+        return (0.0,) * len(fields)
+    return (float(n),) + (math.nan,) * (len(fields) - 1)
+
+
+def _sparse_summary(t: torch.Tensor, mode: str) -> tuple[float, ...]:
+    """A sparse tensor's summary from its stored values plus the zeros it does not store."""
+    values = t.coalesce()._values() if t.layout == torch.sparse_coo else t.values()
+    s = summarize_immediate(values, mode)
+    implicit = t.numel() - values.numel()
+    if not implicit or mode == "curt_health":
+        return s
+    if mode == "concise_health":
+        return (s[0] + implicit,) + s[1:]
+    size, neg, zero, pos, ninf, pinf, nan = s[:7]
+    base = (size + implicit, neg, zero + implicit, pos, ninf, pinf, nan)
+    if mode != "stats":
+        return base
+    n_v, n = values.numel(), t.numel()
+    if n_v == 0:
+        return base + (0.0, 0.0, 0.0, 0.0)
+    mn, mx, mean, std = s[7:]
+    mean_all = mean * n_v / n
+    var_all = n_v * (std * std + mean * mean) / n - mean_all * mean_all
+    return base + (min(mn, 0.0), max(mx, 0.0), mean_all, math.sqrt(max(var_all, 0.0)))
+
+
 def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with)."""
     if t.requires_grad:
         t = t.detach()
+    if t.layout != torch.strided:
+        return _sparse_summary(t, mode)
+    if t.is_meta:
+        return unknown_summary(mode, t.numel())
     if t.is_complex():
-        t = torch.view_as_real(t)
+        t = torch.view_as_real(t.resolve_conj())  # (a negative view reads fine through torch ops)
     if t.numel() > 1:
         base, repeat = _unbroadcast(t)
         if repeat > 1:
@@ -228,7 +264,12 @@ def _pack(mode, n, neg, zero, pos, ninf, pinf, nan, mn, mx, mean, std) -> tuple[
 
 def summarize_deferred(t: torch.Tensor, mode: str) -> torch.Tensor:
     """The same summary as a float64 tensor on ``t``'s device, with no host synchronisation."""
-    t = _as_real(t.detach())
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    t = _as_real(t)
     n = t.numel()
     dev = t.device
     if n == 0:

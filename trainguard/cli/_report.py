@@ -111,6 +111,9 @@ def _header(report: dict) -> Panel:
               else Text("none", style="green"))
     if meta.get("writer_error"):
         t.add_row("writer error", Text(str(meta["writer_error"]), style="red"))
+    if meta.get("record_errors"):
+        t.add_row("not recorded", Text(f"{meta['record_errors']:,} op outputs could not be recorded "
+                                       "(see the warnings the run printed)", style="red"))
     return Panel(t, title="trainguard report", border_style="cyan")
 
 
