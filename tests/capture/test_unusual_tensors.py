@@ -105,3 +105,50 @@ def test_an_output_the_recorder_cannot_handle_costs_its_record_not_the_training(
 
     assert main(["report", str(tmp_path / "r")]) == 0
     assert "3 op outputs could not be recorded" in " ".join(capsys.readouterr().out.split())
+
+
+def _checkpointed(reentrant: bool):
+    from torch.utils.checkpoint import checkpoint
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    x = torch.randn(4, 8, requires_grad=True)
+    return lambda: checkpoint(model, x, use_reentrant=reentrant).sum().backward()
+
+
+def _double_backward():
+    z = torch.randn(3, requires_grad=True)
+
+    def run():
+        (g,) = torch.autograd.grad((z ** 3).sum(), z, create_graph=True)
+        g.sum().backward()
+    return run
+
+
+def _autocast():
+    model = torch.nn.Linear(8, 2)
+    x = torch.randn(4, 8)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().sum().backward()
+    return run
+
+
+def _compiled():
+    model = torch.nn.Linear(8, 2)
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 8)
+    return lambda: compiled(x).sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("program", ["checkpoint", "checkpoint_reentrant", "double_backward", "autocast", "compile"])
+def test_training_features_record_forward_and_backward(tmp_path, program):
+    fn = {"checkpoint": lambda: _checkpointed(False), "checkpoint_reentrant": lambda: _checkpointed(True),
+          "double_backward": _double_backward, "autocast": _autocast, "compile": _compiled}[program]()
+    with tg.record(tmp_path / "r", buffer=-1):
+        fn()
+    run = open_run(tmp_path / "r")
+    assert run.meta.get("record_errors") is None
+    assert run.count(phase="forward") > 0 and run.count(phase="backward") > 0
+    assert run.first_nonfinite() is None
