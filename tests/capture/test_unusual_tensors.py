@@ -49,6 +49,16 @@ def test_conjugate_and_negative_views():
         assert summarize_immediate(view, "full_health") == summarize_immediate(resolved, "full_health")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_and_float8_summaries_are_those_of_their_values(mode):
+    x = torch.tensor([-1.5, 0.0, 0.25, 2.0, -0.0])
+    q = torch.quantize_per_tensor(x, 0.25, 0, torch.qint8)
+    f8 = x.to(torch.float8_e4m3fn)
+    assert summarize_immediate(q, mode) == summarize_immediate(q.dequantize(), mode)
+    assert summarize_immediate(f8, mode) == summarize_immediate(f8.float(), mode)
+    check(x, x.numpy(), mode, summarize_immediate(f8, mode))
+
+
 def test_meta_tensors_have_an_unknown_summary():
     s = summarize_immediate(torch.empty(3, 4, device="meta"), "full_health")
     assert s[0] == 12 and all(math.isnan(v) for v in s[1:])
@@ -67,6 +77,8 @@ def test_recording_inference_mode_complex_sparse_and_meta(tmp_path, strategy):
         s = torch.sparse_coo_tensor([[0, 2]], [1.0, -2.0], (5,))
         (s + s).to_dense()
         torch.empty(2, device="meta") + 1
+        torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8).int_repr()
+        torch.randn(4).to(torch.float8_e5m2).float()
     run = open_run(tmp_path / "r")
     assert run.meta.get("record_errors") is None
     sparse_add = [e for e in run.executions(op="aten.add.Tensor") if e["outputs"][0]["shape"] == [5]]

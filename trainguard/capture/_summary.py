@@ -186,6 +186,21 @@ def unknown_summary(mode: str, n: int) -> tuple[float, ...]:
     return (float(n),) + (math.nan,) * (len(fields) - 1)
 
 
+_STRIDED = torch.strided
+_FLOAT8 = frozenset(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))
+
+
+def _exotic_summary(t: torch.Tensor, mode: str) -> tuple[float, ...]:
+    """Tensors whose memory is not a plain array of their values."""
+    if t.is_meta:  # no data at all
+        return unknown_summary(mode, t.numel())
+    if t.layout is not _STRIDED:
+        return _sparse_summary(t, mode)
+    if t.is_quantized:  # the values it stands for
+        return summarize_immediate(t.dequantize(), mode)
+    return summarize_immediate(t.float(), mode)  # float8: exact in float32
+
+
 def _sparse_summary(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     """A sparse tensor's summary from its stored values plus the zeros it does not store."""
     values = t.coalesce()._values() if t.layout == torch.sparse_coo else t.values()
@@ -212,10 +227,8 @@ def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with)."""
     if t.requires_grad:
         t = t.detach()
-    if t.layout != torch.strided:
-        return _sparse_summary(t, mode)
-    if t.is_meta:
-        return unknown_summary(mode, t.numel())
+    if t.layout is not _STRIDED or t.is_meta or t.is_quantized or t.dtype in _FLOAT8:
+        return _exotic_summary(t, mode)
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())  # (a negative view reads fine through torch ops)
     if t.numel() > 1:
@@ -265,6 +278,10 @@ def _pack(mode, n, neg, zero, pos, ninf, pinf, nan, mn, mx, mean, std) -> tuple[
 def summarize_deferred(t: torch.Tensor, mode: str) -> torch.Tensor:
     """The same summary as a float64 tensor on ``t``'s device, with no host synchronisation."""
     t = t.detach()
+    if t.is_quantized:
+        t = t.dequantize()
+    elif t.dtype in _FLOAT8:
+        t = t.float()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
