@@ -159,7 +159,7 @@ def _moments(t: torch.Tensor, finite: bool) -> tuple[float, float, float, float]
 
 
 def _unbroadcast(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(the distinct elements of ``t``, how often each repeats), for a non-empty tensor.
+    """(the distinct elements of ``t``, how often each repeats), for a tensor with a stride 0.
 
     A dimension of stride 0 (``expand``, broadcasting) repeats the same memory: every element of
     the view without those dimensions appears equally often, so its counts times the repeat are
@@ -167,7 +167,7 @@ def _unbroadcast(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     expanded copy (a scalar expanded to a full activation is common in backward passes).
     """
     strides = t.stride()
-    if 0 not in strides:
+    if not t.numel():
         return t, 1
     base = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in strides)]
     return base, t.numel() // base.numel()
@@ -188,6 +188,9 @@ def unknown_summary(mode: str, n: int) -> tuple[float, ...]:
 
 _STRIDED = torch.strided
 _FLOAT8 = frozenset(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))
+_QUANTIZED = frozenset(getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(torch, name))
+_EXOTIC_DTYPES = _FLOAT8 | _QUANTIZED
 
 
 def _exotic_summary(t: torch.Tensor, mode: str) -> tuple[float, ...]:
@@ -227,11 +230,11 @@ def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with)."""
     if t.requires_grad:
         t = t.detach()
-    if t.layout is not _STRIDED or t.is_meta or t.is_quantized or t.dtype in _FLOAT8:
+    if t.dtype in _EXOTIC_DTYPES or t.layout is not _STRIDED or t.is_meta:
         return _exotic_summary(t, mode)
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())  # (a negative view reads fine through torch ops)
-    if t.numel() > 1:
+    if 0 in t.stride():
         base, repeat = _unbroadcast(t)
         if repeat > 1:
             s = summarize_immediate(base, mode)
