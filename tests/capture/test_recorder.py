@@ -291,3 +291,23 @@ def test_nan_storm_keeps_the_first_nan_and_the_window(tmp_path):
     finite = [r for r in rows if not r["health"]]
     assert len(finite) == 21  # the last 20 plus the pinned producer of the first NaN
     assert sum(1 for r in rows if r["health"]) == 301
+
+
+def test_a_loop_without_optimizer_step_keeps_memory_bounded(tmp_path, monkeypatch):
+    """Forward nodes are pruned per step; a hand-written update loop never makes one."""
+    from trainguard.capture import _recorder
+
+    monkeypatch.setattr(_recorder, "FWD_NODES_MAX", 50)
+    m = nn.Linear(8, 2)
+    x = torch.randn(4, 8)
+    with tg.record(tmp_path / "r", buffer=-1) as rec:
+        for _ in range(200):
+            m(x).pow(2).mean().backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+        assert len(rec.fwd_nodes) <= 50
+    run = open_run(tmp_path / "r")
+    last = [e for e in run.executions(phase="backward")[-8:] if e["op"] != "aten.detach"]  # not AccumulateGrad
+    assert last and all(e["fwd_seq"] is not None for e in last)  # the newest forward ops are still known

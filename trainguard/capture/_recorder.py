@@ -49,6 +49,11 @@ _clock = _steps.clock
 FLUSH_RECORDS = 4096
 FLUSH_SECONDS = 0.25
 
+# Forward ops remembered for the backward ops of their autograd nodes: each step keeps the last
+# two steps; a loop that never calls optimizer.step() (or trainguard.step()) keeps the newest
+# half once there are this many, so memory stays bounded.
+FWD_NODES_MAX = 200_000
+
 # Modes whose summaries run the compiled counting kernel on CPU.
 _COUNTING_MODES = frozenset({"curt_health", "concise_health", "full_health", "full_tensor", "stats"})
 
@@ -324,6 +329,10 @@ class Recorder:
         self.op_info[id(func)] = info
         return info
 
+    def _prune_fwd_nodes(self) -> None:
+        items = list(self.fwd_nodes.items())  # in the order the forward ops ran
+        self.fwd_nodes = dict(items[len(items) // 2:])
+
     def _sweep(self) -> None:
         """Drop the entries of tensors that died (per step, and when the table doubles)."""
         self.producers = {k: p for k, p in self.producers.items() if p[0]() is not None}
@@ -447,7 +456,10 @@ class _DispatchMode(TorchDispatchMode):
                     phase = "other"
                 if nr != r.last_nr:
                     # The autograd node of this op was numbered nr - 1 just before dispatch.
-                    r.fwd_nodes[nr - 1] = (seq, module_id, stack_id, _clock.step, name)
+                    fwd_nodes = r.fwd_nodes
+                    fwd_nodes[nr - 1] = (seq, module_id, stack_id, _clock.step, name)
+                    if len(fwd_nodes) > FWD_NODES_MAX:
+                        r._prune_fwd_nodes()
             if r.dtypes is not None and not any(isinstance(o, _Tensor) and o.dtype in r.dtypes for o in outs):
                 for o in outs:
                     if isinstance(o, _Tensor):
