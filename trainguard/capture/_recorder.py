@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import re
 import threading
@@ -27,7 +26,13 @@ from trainguard._errors import NonFiniteError
 from trainguard.capture import _kernels, _steps
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._stacks import StackInterner
-from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS, summarize_deferred, summarize_immediate
+from trainguard.capture._summary import (
+    ALIAS_OPS,
+    ALLOCATION_OPS,
+    summarize_deferred,
+    summarize_immediate,
+    unknown_summary,
+)
 from trainguard.store import MODE_FIELDS, MODES, ExecBatch, acquire_writer, release_writer
 from trainguard.store._codec import NAN, NEG_INF, POS_INF, health_of
 
@@ -152,7 +157,6 @@ class Recorder:
             raise ValueError(f"strategy must be 'auto', 'immediate' or 'deferred', got {strategy!r}")
         self.mode = mode
         self.fields = MODE_FIELDS[mode]
-        self.nan_tail = (math.nan,) * (len(self.fields) - 1)
         self.buffer = buffer
         self.check = check_numerics
         self.strategy = strategy
@@ -512,12 +516,11 @@ class _DispatchMode(TorchDispatchMode):
                 s = None
                 if summaries is not None:
                     if info[2]:  # uninitialised memory: no evidence
-                        s = (float(o.numel()),) + r.nan_tail if fields[0] == "size" else (0.0,)
+                        s = unknown_summary(r.mode, o.numel())
                     elif alias is not None:
                         s = alias
-                    elif (cpu and r.strategy != "deferred") or r.strategy == "immediate":
-                        s = summarize_immediate(o, r.mode)
-                    elif o.is_meta or o.layout is not _strided:  # no data, or sparse: rare, may sync
+                    elif ((cpu and r.strategy != "deferred") or r.strategy == "immediate"
+                          or o.is_meta or o.layout is not _strided):  # no data, or sparse: rare, may sync
                         s = summarize_immediate(o, r.mode)
                     else:
                         immediate_only = False

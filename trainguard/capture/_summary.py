@@ -46,9 +46,25 @@ ALIAS_OPS = frozenset(
 )
 
 
-def _as_real(t: torch.Tensor) -> torch.Tensor:
+_STRIDED = torch.strided
+_FLOAT8 = frozenset(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))
+_QUANTIZED = frozenset(getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(torch, name))
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
+# Dtypes whose memory is not a plain array of real values (see _plain_values).
+_NOT_PLAIN = _FLOAT8 | _QUANTIZED | _COMPLEX
+
+
+def _plain_values(t: torch.Tensor) -> torch.Tensor:
+    """The values of ``t`` as a real tensor torch and NumPy summarise directly: a quantized
+    tensor's dequantized values, float8 in float32 (exact), complex as (real, imaginary) pairs.
+    (A negative view reads fine through torch ops.)"""
+    if t.is_quantized:
+        return t.dequantize()
+    if t.dtype in _FLOAT8:
+        return t.float()
     if t.is_complex():
-        return torch.view_as_real(t)
+        return torch.view_as_real(t.resolve_conj())
     return t
 
 
@@ -142,12 +158,11 @@ def _is_finite_fast(t: torch.Tensor) -> bool:
 
 
 def _moments(t: torch.Tensor, finite: bool) -> tuple[float, float, float, float]:
+    # torch's min-max is one (parallel) pass; numba does not vectorise that reduction.
+    mn, mx = torch.aminmax(t)
     a = _kernel_input(t) if finite else None
     if a is not None:
-        # torch's min-max is one (parallel) pass; numba does not vectorise that reduction.
-        mn, mx = torch.aminmax(t)
         return (float(mn), float(mx), *_kernels.mean_std(a))
-    mn, mx = torch.aminmax(t)
     f = t if t.dtype == _F64 or t.dtype == _F32 else t.to(_F32)
     std, mean = torch.std_mean(f, correction=0)
     mean, std = float(mean), float(std)
@@ -186,24 +201,6 @@ def unknown_summary(mode: str, n: int) -> tuple[float, ...]:
     return (float(n),) + (math.nan,) * (len(fields) - 1)
 
 
-_STRIDED = torch.strided
-_FLOAT8 = frozenset(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))
-_QUANTIZED = frozenset(getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
-                       if hasattr(torch, name))
-_EXOTIC_DTYPES = _FLOAT8 | _QUANTIZED
-
-
-def _exotic_summary(t: torch.Tensor, mode: str) -> tuple[float, ...]:
-    """Tensors whose memory is not a plain array of their values."""
-    if t.is_meta:  # no data at all
-        return unknown_summary(mode, t.numel())
-    if t.layout is not _STRIDED:
-        return _sparse_summary(t, mode)
-    if t.is_quantized:  # the values it stands for
-        return summarize_immediate(t.dequantize(), mode)
-    return summarize_immediate(t.float(), mode)  # float8: exact in float32
-
-
 def _sparse_summary(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     """A sparse tensor's summary from its stored values plus the zeros it does not store."""
     values = t.coalesce()._values() if t.layout == torch.sparse_coo else t.values()
@@ -230,10 +227,12 @@ def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with)."""
     if t.requires_grad:
         t = t.detach()
-    if t.dtype in _EXOTIC_DTYPES or t.layout is not _STRIDED or t.is_meta:
-        return _exotic_summary(t, mode)
-    if t.is_complex():
-        t = torch.view_as_real(t.resolve_conj())  # (a negative view reads fine through torch ops)
+    if t.layout is not _STRIDED:
+        return _sparse_summary(t, mode)
+    if t.is_meta:  # no data at all
+        return unknown_summary(mode, t.numel())
+    if t.dtype in _NOT_PLAIN:
+        t = _plain_values(t)
     if 0 in t.stride():
         base, repeat = _unbroadcast(t)
         if repeat > 1:
@@ -280,16 +279,7 @@ def _pack(mode, n, neg, zero, pos, ninf, pinf, nan, mn, mx, mean, std) -> tuple[
 
 def summarize_deferred(t: torch.Tensor, mode: str) -> torch.Tensor:
     """The same summary as a float64 tensor on ``t``'s device, with no host synchronisation."""
-    t = t.detach()
-    if t.is_quantized:
-        t = t.dequantize()
-    elif t.dtype in _FLOAT8:
-        t = t.float()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    t = _as_real(t)
+    t = _plain_values(t.detach())
     n = t.numel()
     dev = t.device
     if n == 0:
