@@ -54,9 +54,9 @@ _clock = _steps.clock
 FLUSH_RECORDS = 4096
 FLUSH_SECONDS = 0.25
 
-# Forward ops remembered for the backward ops of their autograd nodes: each step keeps the last
-# two steps; a loop that never calls optimizer.step() (or trainguard.step()) keeps the newest
-# half once there are this many, so memory stays bounded.
+# Forward ops remembered for the backward ops of their autograd nodes: pruned to the last two
+# steps at each step, and when this many accumulate (a loop that never calls optimizer.step()
+# or trainguard.step()), so memory stays bounded (see Recorder._prune_fwd_nodes).
 FWD_NODES_MAX = 200_000
 
 # Modes whose summaries run the compiled counting kernel on CPU.
@@ -271,9 +271,8 @@ class Recorder:
         # size-based sweep they would live long enough to be promoted to the collector's oldest
         # generation, whose full collections then traverse every object of the process.
         self._sweep()
-        # Keep the forward-node table to the ops of the last two steps.
         if len(self.fwd_nodes) > 4096:
-            self.fwd_nodes = {k: v for k, v in self.fwd_nodes.items() if v[3] >= step - 2}
+            self._prune_fwd_nodes()
 
     def flush(self) -> None:
         """Hand pending records to the writer (by time, by count, after a NaN, and at stop)."""
@@ -334,8 +333,13 @@ class Recorder:
         return info
 
     def _prune_fwd_nodes(self) -> None:
-        items = list(self.fwd_nodes.items())  # in the order the forward ops ran
-        self.fwd_nodes = dict(items[len(items) // 2:])
+        """Keep the forward ops of the last two steps; if that is still over half the limit
+        (a loop that never calls optimizer.step()), the newest half of them."""
+        step = _clock.step
+        items = [(k, v) for k, v in self.fwd_nodes.items() if v[3] >= step - 2]  # in the order they ran
+        if len(items) > FWD_NODES_MAX // 2:
+            items = items[len(items) // 2:]
+        self.fwd_nodes = dict(items)
 
     def _sweep(self) -> None:
         """Drop the entries of tensors that died (per step, and when the table doubles)."""
