@@ -145,3 +145,22 @@ def test_a_failed_write_starts_a_new_segment(tmp_path):
         with pytest.raises(KeyError):
             run.tensor(1)
         assert "No space left" in run.meta.get("writer_error", "")
+
+
+def test_a_transposed_output_is_copied_once_and_reads_back(tmp_path, monkeypatch):
+    """The recorder hands the writer a contiguous copy, which the writer appends as it is."""
+    seen = []
+    real = _writer._raw_bytes
+
+    def spy(tensor):
+        seen.append(tensor.is_contiguous())
+        return real(tensor)
+
+    monkeypatch.setattr(_writer, "_raw_bytes", spy)
+    x = torch.randn(3, 5)
+    with tg.record(tmp_path / "r", mode="full_tensor", buffer=-1):
+        y = x.t()
+    assert seen == [True]
+    with open_run(tmp_path / "r") as run:
+        (e,) = run.executions(op="aten.t")
+        assert torch.equal(run.tensor(e["seq"]), y)

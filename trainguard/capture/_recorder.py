@@ -629,8 +629,12 @@ def _save_payloads(r: Recorder, seq: int, outs) -> None:
     if r.writer is None:
         return
     for slot, o in enumerate(x for x in outs if isinstance(x, _Tensor)):
-        # full_tensor mode copies values to the host by definition; the file is written by the writer.
-        r.writer.put_payload_tensor(seq, slot, o.detach().to("cpu", copy=True))
+        # full_tensor mode copies values to the host by definition; the file is written by the
+        # writer. One copy, already contiguous: the writer appends its memory as it is (a
+        # transposed output copied with its strides would be copied again there).
+        o = o.detach()
+        fmt = torch.contiguous_format if o.layout is _strided else torch.preserve_format
+        r.writer.put_payload_tensor(seq, slot, o.to("cpu", copy=True, memory_format=fmt))
 
 
 def _numerics_message(r: Recorder, name, phase, module_id, stack_id, fwd_op, args, outs, health) -> str:
