@@ -484,7 +484,9 @@ class Run:
 
         Since run format 2 most tensors share segment files: read them with :meth:`tensor`.
         """
-        rel = self._payload(seq, slot)[0]
+        return self._inside(self._payload(seq, slot)[0])
+
+    def _inside(self, rel: str) -> Path:
         p = (self.path / rel).resolve()
         if self.path.resolve() not in p.parents:
             raise CorruptRun(f"payload path {rel!r} points outside the run")
@@ -500,8 +502,8 @@ class Run:
         """
         import torch
 
-        _, offset, nbytes, dtype_name, shape = self._payload(seq, slot)
-        p = self.payload_path(seq, slot)
+        rel, offset, nbytes, dtype_name, shape = self._payload(seq, slot)
+        p = self._inside(rel)
         try:
             if offset is None:
                 return torch.load(p, map_location="cpu", weights_only=True)
