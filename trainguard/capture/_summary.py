@@ -79,17 +79,47 @@ def _exact_counts(t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     return neg, zero, pos, ninf, pinf, nan
 
 
-_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
-                           torch.int64, torch.uint8})
+# NumPy's type strings for the dtypes it can view (native byte order).
+_NUMPY_TYPESTR = {dt: np.dtype(name).str for dt, name in (
+    (torch.float16, "float16"), (torch.float32, "float32"), (torch.float64, "float64"), (torch.int8, "int8"),
+    (torch.int16, "int16"), (torch.int32, "int32"), (torch.int64, "int64"), (torch.uint8, "uint8"))}
+
+
+_compiling = torch.compiler.is_compiling
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # not wrapper subclasses (DTensor): their memory is not theirs
+
+
+class _View:
+    """Exposes a CPU tensor's memory to NumPy through the array interface, and keeps it alive.
+
+    ``Tensor.numpy()`` would mark the tensor's storage as not resizable for good (NumPy must not
+    see memory move), so a later ``resize_`` that grows it fails: ``torch.distributed.gather_object``
+    grows the byte tensor of a pickled object that way, and a recorder that summarised it made
+    the collective fail on one rank while the others waited for it. This view changes nothing.
+    """
+
+    __slots__ = ("__array_interface__", "tensor")
 
 
 def _np(t: torch.Tensor):
-    """A zero-copy NumPy view of a CPU tensor, or None when NumPy cannot view it."""
-    if t.dtype not in _NUMPY_DTYPES or t.is_conj() or t.is_neg():
+    """A zero-copy, read-only NumPy view of a CPU tensor, or None when NumPy cannot view it."""
+    typestr = _NUMPY_TYPESTR.get(t.dtype)
+    if typestr is None or t.is_conj() or t.is_neg() or t.layout is not _STRIDED or type(t) not in _PLAIN_TYPES:
         return None
     try:
-        return t.numpy()
-    except (RuntimeError, TypeError):
+        if _compiling():  # Dynamo, tracing through this, knows Tensor.numpy() but not the array interface
+            return t.numpy()
+        if not t.numel():
+            return np.empty(tuple(t.shape), dtype=typestr)
+        view = _View()
+        view.tensor = t
+        size = t.element_size()
+        view.__array_interface__ = {
+            "version": 3, "typestr": typestr, "data": (t.data_ptr(), True), "shape": tuple(t.shape),
+            "strides": None if t.is_contiguous() else tuple(s * size for s in t.stride()),
+        }
+        return np.asarray(view)
+    except (RuntimeError, TypeError, ValueError):
         return None
 
 
