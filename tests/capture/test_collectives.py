@@ -41,3 +41,53 @@ def test_recorded_outputs_can_still_grow(tmp_path):
         floats = torch.randn(3, 4).t()
         _grow(floats)
     assert bytes_.numel() == 28 and floats.numel() == 64
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of one gloo rank: collectives run for real, in this process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def test_what_a_collective_writes_is_never_read_and_becomes_its_output(tmp_path, one_rank):
+    dist = one_rank
+    inp = torch.arange(4.0)
+    gathered = torch.empty(4)
+    with tg.record(tmp_path / "r", buffer=-1):
+        reduced = torch.ones(3)
+        dist.all_reduce(reduced, async_op=True).wait()
+        # The values of an asynchronous collective arrive while another thread writes them:
+        # a summary taken when the op returns would be a race.
+        dist.all_gather_into_tensor(gathered, inp, async_op=True).wait()
+        (reduced * 2).sum()
+    run = tg.open(tmp_path / "r")
+    by_op = {e["op"]: e for e in run.executions()}
+    for op, shape in (("c10d.allreduce_", [3]), ("c10d._allgather_base_", [4])):
+        e = by_op[op]
+        out = e["outputs"][0]
+        assert out["shape"] == shape and e["health"] == []
+        assert out["summary"]["size"] == shape[0] and out["summary"]["pos"] != out["summary"]["pos"]  # unknown: NaN
+    consumer = run.execution(by_op["aten.mul.Tensor"]["seq"])
+    assert consumer["inputs"][0]["kind"] == "op"
+    assert consumer["inputs"][0]["producer"] == by_op["c10d.allreduce_"]["seq"]
+
+
+def test_dtensor_outputs_are_summarised_from_this_ranks_shard(tmp_path, one_rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    dt = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
+    with tg.record(tmp_path / "r", buffer=-1) as rec:
+        (dt * 2 - 4).relu()
+    assert rec.failures == 0
+    run = tg.open(tmp_path / "r")
+    relu = run.executions(op="relu")[0]["outputs"][0]
+    assert relu["shape"] == [3, 2]
+    assert (relu["summary"]["zero"], relu["summary"]["pos"]) == (3, 3)  # 2x - 4 for x in 0..5

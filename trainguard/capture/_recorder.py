@@ -328,7 +328,11 @@ class Recorder:
         )
         # A plain OpOverload's __call__ only forwards to its C++ op: call that directly.
         call = func._op if type(func) is _OpOverload else func
-        info = (name, wanted, name in ALLOCATION_OPS, name in ALIAS_OPS, call, func)
+        collective = _is_collective(name)
+        # Values nobody may read: uninitialised memory, and what a collective writes (it arrives
+        # later, from other ranks, while another thread fills it in).
+        unknown = name in ALLOCATION_OPS or collective
+        info = (name, wanted, unknown, name in ALIAS_OPS, call, func, collective)
         self.op_info[id(func)] = info
         return info
 
@@ -433,7 +437,10 @@ class _DispatchMode(TorchDispatchMode):
         try:
             seq = r.seq
             r.seq = seq + 1
-            outs = out if type(out) in (tuple, list) else (out,)
+            if info[6]:
+                outs = _written(info[0], args, out)
+            else:
+                outs = out if type(out) in (tuple, list) else (out,)
             producers = r.producers
             name = info[0]
             if not info[1]:  # filtered out: consumers still learn who made their inputs
@@ -513,41 +520,44 @@ class _DispatchMode(TorchDispatchMode):
             for o in outs:
                 if not isinstance(o, _Tensor):
                     continue
-                cpu = o.is_cpu
-                dt = o.dtype
-                metas.append((_DTYPE_NAMES.get(dt) or _dtype_name(dt), tuple(o.shape),
-                              "cpu" if cpu else _device_name(o.device)))
+                v = o if type(o) is _Tensor else _local(o)  # a DTensor: the shard this rank holds
+                cpu = v.is_cpu
+                dt = v.dtype
+                metas.append((_DTYPE_NAMES.get(dt) or _dtype_name(dt), tuple(v.shape),
+                              "cpu" if cpu else _device_name(v.device)))
                 s = None
                 if summaries is not None:
-                    if info[2]:  # uninitialised memory: no evidence
-                        s = unknown_summary(r.mode, o.numel())
+                    if info[2]:  # uninitialised memory, or a collective's: no evidence
+                        s = unknown_summary(r.mode, v.numel())
                     elif alias is not None:
                         s = alias
                     elif ((cpu and r.strategy != "deferred") or r.strategy == "immediate"
-                          or o.is_meta or o.layout is not _strided):  # no data, or sparse: rare, may sync
-                        s = summarize_immediate(o, r.mode)
+                          or v.is_meta or v.layout is not _strided):  # no data, or sparse: rare, may sync
+                        s = summarize_immediate(v, r.mode)
                     else:
                         immediate_only = False
                         r.deferred_used = True
-                        dev = o.device
+                        dev = v.device
                         lst = r.deferred.setdefault(dev, [])
                         summaries.append(("d", dev, len(lst)))
-                        lst.append(summarize_deferred(o, r.mode))
-                        if r.check and not bool(torch.isfinite(o).all()):
+                        lst.append(summarize_deferred(v, r.mode))
+                        if r.check and not bool(torch.isfinite(v).all()):
                             # check_numerics may synchronise: it must stop at this op.
-                            health |= _health_sync(o)
+                            health |= _health_sync(v)
                     if s is not None:
                         health |= health_of(fields, s)
                         summaries.append(s)
-                _register(r, producers, o, seq, name, stack_id, s)
-            if r.mode == "full_tensor":
+                # A collective's output must never lend its summary to a later view: its values
+                # arrive after this, without moving the version counter.
+                _register(r, producers, o, seq, name, stack_id, None if info[6] else s)
+            if r.mode == "full_tensor" and not info[6]:  # a collective's values are not there yet
                 _save_payloads(r, seq, outs)
             if r.check and health:
                 r.flush()
                 health = 0
                 for o in outs:
                     if isinstance(o, _Tensor):
-                        health |= _health_sync(o)  # name NaN and +-Inf exactly, whatever the mode
+                        health |= _health_sync(_local(o))  # name NaN and +-Inf exactly, whatever the mode
                 raise NonFiniteError(_numerics_message(r, name, phase, module_id, stack_id, fwd_op, args, outs, health),
                                      execution={"seq": seq, "op": name, "phase": phase})
             if r.writer is None:  # check_numerics without a run directory: nothing to keep
@@ -596,6 +606,40 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _is_collective(name: str) -> bool:
+    """A communication op: ``c10d.*`` (what ``torch.distributed`` and DDP call) and the functional
+    collectives, whose output is ready only after ``wait_tensor``."""
+    return name.startswith(("c10d.", "_c10d_functional.", "c10d_functional.")) and ".wait_tensor" not in name
+
+
+def _written(name: str, args: tuple, out: Any) -> list:
+    """The tensors a collective writes: what it returns (``allreduce_`` returns the tensors it
+    reduced in place, ``allgather_`` its output lists), or for ``recv_`` its buffers."""
+    outs = _tensors_in(out, [])
+    if not outs and ".recv" in name and args:
+        outs = _tensors_in(args[0], [])
+    return outs
+
+
+def _tensors_in(x: Any, out: list) -> list:
+    if isinstance(x, _Tensor):
+        out.append(x)
+    elif type(x) in (list, tuple):
+        for y in x:
+            _tensors_in(y, out)
+    return out
+
+
+def _local(t: _Tensor) -> _Tensor:
+    """The shard this rank holds of a distributed tensor (DTensor), the tensor itself otherwise.
+
+    Summarising a DTensor through its own ops would run collectives (a sum of a sharded tensor
+    is a partial value that an all-reduce completes): the recorder must issue none of its own.
+    """
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, _Tensor) else t
 
 
 def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:
