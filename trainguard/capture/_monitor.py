@@ -22,7 +22,6 @@ import atexit
 import contextlib
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,7 +40,7 @@ from trainguard.capture._layer_stats import (
 from trainguard.capture._monitor_grads import GradientWatch
 from trainguard.capture._monitor_model import Layer, Param, Root, build_root, named_models, structure
 from trainguard.capture._monitor_ship import Shipper
-from trainguard.store import acquire_writer, release_writer
+from trainguard.store import acquire_writer, default_name, rank_dir, release_writer
 
 log = logging.getLogger("trainguard.monitor")
 
@@ -62,7 +61,7 @@ def _validate(every: Any, bins: Any, histograms: Any) -> None:
 
 
 def _default_logdir() -> Path:
-    return Path("runs") / time.strftime("monitor-%Y%m%d-%H%M%S")
+    return Path("runs") / default_name("monitor")
 
 
 class Monitor:
@@ -118,7 +117,8 @@ class Monitor:
         self.diagnose = diagnose
         self.thresholds = thresholds
         self.findings: list | None = None
-        self.logdir = Path(logdir) if logdir is not None else _default_logdir()
+        # Under torch.distributed each rank watches its own replica (or shard) into logdir/rank-K.
+        self.logdir = rank_dir(logdir if logdir is not None else _default_logdir())
         self._writer = acquire_writer(self.logdir, overwrite=overwrite)
         self._closed = False
 

@@ -16,7 +16,6 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from trainguard.capture._summary import (
     summarize_immediate,
     unknown_summary,
 )
-from trainguard.store import MODE_FIELDS, MODES, ExecBatch, acquire_writer, release_writer
+from trainguard.store import MODE_FIELDS, MODES, ExecBatch, acquire_writer, rank_dir, release_writer
 from trainguard.store._codec import NAN, NEG_INF, POS_INF, health_of
 
 log = logging.getLogger("trainguard.capture")
@@ -120,15 +119,6 @@ def _validate(mode: str, buffer: int, ops: Any, dtypes: Any) -> tuple[re.Pattern
     return pattern, wanted
 
 
-def _rank_dir(logdir: Path) -> Path:
-    """Under torchrun each rank writes ``logdir/rank-K``."""
-    rank = os.environ.get("RANK")
-    world = os.environ.get("WORLD_SIZE")
-    if rank is not None and world is not None and int(world) > 1:
-        return logdir / f"rank-{int(rank)}"
-    return logdir
-
-
 # A producer entry, per live output tensor, keyed by id(tensor):
 #   (weakref to the tensor, seq, op name, stack id, immediate summary or None, version counter)
 # The weak reference has no callback (a callback per tensor costs more than the op's own
@@ -160,7 +150,7 @@ class Recorder:
         self.buffer = buffer
         self.check = check_numerics
         self.strategy = strategy
-        self.logdir = _rank_dir(Path(logdir)) if logdir is not None else None
+        self.logdir = rank_dir(logdir) if logdir is not None else None
         self.overwrite = overwrite
         self.writer = None
         self.seq = 0

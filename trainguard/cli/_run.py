@@ -2,6 +2,8 @@
 
 The script runs as ``__main__`` in this process under the recorder. Its own exit code and
 traceback are kept; the run directory is complete (closed and marked) even when it raises.
+With ``--nproc-per-node`` this process becomes torchrun's agent instead (see ``_launch``);
+under torchrun each rank records into ``LOGDIR/rank-K``.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ import os
 import runpy
 import signal
 import sys
-import time
 import traceback
 from pathlib import Path
 
 from trainguard._errors import NonFiniteError, TrainguardError
+from trainguard.cli import _launch
 from trainguard.cli._render import err_console
-from trainguard.store import MODES
+from trainguard.store import MODES, default_name
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,14 +41,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--every", type=int, default=10, help="with --monitor: layer statistics every N steps")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --logdir")
     p.add_argument("-m", dest="module", help="run a module as a script (like python -m)")
+    _launch.add_launch_arguments(p)
     p.add_argument("script", nargs="?", help="the script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
-    p.set_defaults(func=_cmd)
+    p.set_defaults(func=_cmd, parser=p)
 
 
 def _default_logdir(name: str) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{Path(name).stem or 'run'}-{stamp}"
+    # Under torchrun every rank must pick the same name: the agent's start time, not this process's.
+    return Path("runs") / default_name(Path(name).stem or "run")
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -61,6 +64,8 @@ def _cmd(args: argparse.Namespace) -> int:
         target = args.script
         script_args = list(args.args)
     logdir = Path(args.logdir) if args.logdir else _default_logdir(target.split(".")[-1])
+    if _launch.wants_launch(args):
+        return _launch.launch(args.parser, args, logdir.absolute())
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] if args.dtypes else None
 
     import trainguard as tg
@@ -112,7 +117,7 @@ def _cmd(args: argparse.Namespace) -> int:
         if old_path0 is not None and sys.path:
             sys.path[0] = old_path0
         signal.signal(signal.SIGTERM, previous)
-    err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {logdir}; "
+    err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {recorder.logdir}; "
                       f"see `trainguard report {logdir}` or `trainguard ui {logdir}`", highlight=False, soft_wrap=True)
     return code
 

@@ -2,6 +2,7 @@
 
 from trainguard.store._codec import MODE_FIELDS, MODES, PHASES, SCHEMA_VERSION, dumps, loads, to_plain_json
 from trainguard.store._findings import SEVERITIES, Finding, sort_findings
+from trainguard.store._ranks import default_name, process_rank, rank_dir
 from trainguard.store._reader import Run, find_runs, open_run, short_op
 from trainguard.store._writer import ExecBatch, RunWriter, acquire_writer, is_user_file, release_writer
 
@@ -16,11 +17,14 @@ __all__ = [
     "Run",
     "RunWriter",
     "acquire_writer",
+    "default_name",
     "dumps",
     "find_runs",
     "is_user_file",
     "loads",
     "open_run",
+    "process_rank",
+    "rank_dir",
     "release_writer",
     "short_op",
     "sort_findings",
