@@ -181,6 +181,7 @@ class CheckpointManager:
 
     # -- saving ------------------------------------------------------------------------------
 
+    @_dist.unobserved
     def save(self, state: TrainState, step: int | None = None, *, metadata: dict[str, Any] | None = None,
              blocking: bool | None = None) -> CheckpointInfo | None:
         """Checkpoint ``state`` as ``step`` (default ``state.step``; ``state.step`` is set to it).
@@ -358,6 +359,7 @@ class CheckpointManager:
         except OSError as exc:  # a failed cleanup must not fail a committed save
             log.warning("pruning %s failed: %s", self.directory, exc)
 
+    @_dist.unobserved
     def delete_all(self) -> None:
         """Remove every checkpoint of this directory (rank 0; collective under torch.distributed)."""
         self._join()
@@ -374,6 +376,7 @@ class CheckpointManager:
 
     # -- restoring ---------------------------------------------------------------------------
 
+    @_dist.unobserved
     def restore(self, state: TrainState, *, strict: bool = True, _stacklevel: int = 2) -> int | None:
         """Load the newest valid checkpoint into ``state``; return its step, or None if there is none.
 
