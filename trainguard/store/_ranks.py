@@ -37,9 +37,16 @@ def process_rank() -> tuple[int, int]:
 
 
 def rank_dir(logdir: str | os.PathLike) -> Path:
-    """The directory this process writes: ``logdir/rank-K`` when the job has several ranks."""
+    """The directory this process writes: ``logdir/rank-K`` when the job has several ranks.
+
+    A worker group torchrun restarted after a failure writes ``logdir-restart<N>/rank-K``: the
+    failed attempt's run is evidence, not something to overwrite or to refuse to start over.
+    """
     rank, world = process_rank()
     base = Path(logdir)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart.isdigit() and int(restart) > 0:
+        base = base.with_name(f"{base.name}-restart{int(restart)}")
     return base / f"{RANK_PREFIX}{rank}" if world > 1 else base
 
 
@@ -93,8 +100,5 @@ def _parent_start_time() -> float | None:
 
 
 def default_name(prefix: str) -> str:
-    """``<prefix>-<date>-<time>`` of :func:`launch_time`; a restarted torchrun worker group gets
-    ``-restart<N>`` so it does not find the failed attempt's run in its way."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(launch_time()))
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"{prefix}-{stamp}" + (f"-restart{restart}" if restart not in ("", "0") else "")
+    """``<prefix>-<date>-<time>`` of :func:`launch_time` (the same name on every rank)."""
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(launch_time()))}"
