@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainguard.store import Run
+from trainguard.store import Run, is_collective
 
 # Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
 _LOGS = {"log", "log2", "log10", "log_"}
@@ -167,6 +167,10 @@ def explain(link: Link) -> str:
             return "inf - inf -> NaN: infinities of opposite sign meet"
         src = i.get("producer_op") or i.get("name") or "an input"
         return f"{base} passed on the non-finite values of input {i['slot']} ({src})"
+    via = _received(link)
+    if via is not None:
+        return (f"{base} read what {via['producer_op']} (#{via['producer']}) wrote: the non-finite value came "
+                "from another rank")
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
         fbase = op_base(link.forward_op["op"])
         return f"the gradient of {fbase} is {made} here: " + _forward_reason(fbase)
@@ -229,11 +233,20 @@ _SUGGESTIONS = {
     "or compute this op in float32",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
     "and the previous step",
+    "received": "this rank only received the value from another rank: see the report of the rank that made it "
+    "(trainguard report RUN names it on its first line; --rank K details one rank)",
 }
+
+
+def _received(link: Link) -> dict | None:
+    """The input of ``link`` that a collective wrote (values from other ranks), if any."""
+    return next((i for i in link.inputs if i.get("kind") == "op" and is_collective(i.get("producer_op"))), None)
 
 
 def suggest(link: Link) -> str:
     """A concrete fix for the origin op, naming a value where one applies."""
+    if _received(link) is not None:
+        return _SUGGESTIONS["received"]
     base = op_base(link.op)
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
         base = op_base(link.forward_op["op"])

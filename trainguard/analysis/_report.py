@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainguard.analysis._origin import origin
+from trainguard.analysis._ranks import ranks_report
 from trainguard.store import Run
 
 # Lines of source shown around each frame of the origin.
@@ -24,8 +25,11 @@ def source_excerpt(run: Run, file: str | None, line: int | None, context: int = 
     return [{"line": n, "text": lines[n - 1], "current": n == line} for n in range(lo, hi + 1)]
 
 
-def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
-    """Everything ``trainguard report`` says about a run, as JSON-able data."""
+def build_report(run: Run, findings: list | None = None, ranks: dict | None = None) -> dict[str, Any]:
+    """Everything ``trainguard report`` says about a run, as JSON-able data.
+
+    For a run of several ranks the body is about ``run.rank``, and ``ranks`` (computed here
+    unless given: :func:`ranks_report`) puts every rank's alerts side by side."""
     meta = run.meta
     alerts = run.alerts()
     o = origin(run)
@@ -58,4 +62,6 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "origin": origin_data,
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "findings": [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])],
+        "rank": getattr(run, "rank", None),
+        "ranks": ranks if ranks is not None else ranks_report(run),
     }

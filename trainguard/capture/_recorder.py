@@ -32,7 +32,15 @@ from trainguard.capture._summary import (
     summarize_immediate,
     unknown_summary,
 )
-from trainguard.store import MODE_FIELDS, MODES, ExecBatch, acquire_writer, rank_dir, release_writer
+from trainguard.store import (
+    MODE_FIELDS,
+    MODES,
+    ExecBatch,
+    acquire_writer,
+    is_collective,
+    rank_dir,
+    release_writer,
+)
 from trainguard.store._codec import NAN, NEG_INF, POS_INF, health_of
 
 log = logging.getLogger("trainguard.capture")
@@ -318,7 +326,7 @@ class Recorder:
         )
         # A plain OpOverload's __call__ only forwards to its C++ op: call that directly.
         call = func._op if type(func) is _OpOverload else func
-        collective = _is_collective(name)
+        collective = is_collective(name)
         # Values nobody may read: uninitialised memory, and what a collective writes (it arrives
         # later, from other ranks, while another thread fills it in).
         unknown = name in ALLOCATION_OPS or collective
@@ -596,12 +604,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _is_collective(name: str) -> bool:
-    """A communication op: ``c10d.*`` (what ``torch.distributed`` and DDP call) and the functional
-    collectives, whose output is ready only after ``wait_tensor``."""
-    return name.startswith(("c10d.", "_c10d_functional.", "c10d_functional.")) and ".wait_tensor" not in name
 
 
 def _written(name: str, args: tuple, out: Any) -> list:

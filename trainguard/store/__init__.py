@@ -2,7 +2,8 @@
 
 from trainguard.store._codec import MODE_FIELDS, MODES, PHASES, SCHEMA_VERSION, dumps, loads, to_plain_json
 from trainguard.store._findings import SEVERITIES, Finding, sort_findings
-from trainguard.store._ranks import default_name, process_rank, rank_dir
+from trainguard.store._ranked import RankedRun
+from trainguard.store._ranks import default_name, is_collective, process_rank, rank_dir
 from trainguard.store._reader import Run, find_runs, open_run, short_op
 from trainguard.store._writer import ExecBatch, RunWriter, acquire_writer, is_user_file, release_writer
 
@@ -14,12 +15,14 @@ __all__ = [
     "SEVERITIES",
     "ExecBatch",
     "Finding",
+    "RankedRun",
     "Run",
     "RunWriter",
     "acquire_writer",
     "default_name",
     "dumps",
     "find_runs",
+    "is_collective",
     "is_user_file",
     "loads",
     "open_run",

@@ -19,6 +19,13 @@ from pathlib import Path
 from trainguard.store._codec import DB_NAME
 
 RANK_PREFIX = "rank-"
+# Namespaces of communication ops: what torch.distributed and DDP call, the functional collectives.
+COLLECTIVE_PREFIXES = ("c10d.", "_c10d_functional.", "c10d_functional.")
+
+
+def is_collective(op: str | None) -> bool:
+    """A communication op, whose output another rank writes (``wait_tensor`` only waits for one)."""
+    return bool(op) and op.startswith(COLLECTIVE_PREFIXES) and "wait_tensor" not in op
 
 
 def process_rank() -> tuple[int, int]:
