@@ -103,7 +103,7 @@ def _header(report: dict) -> Panel:
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("run", report["run"] + (f" (rank {report['rank']} of {', '.join(map(str, report['ranks']['ranks']))})"
+    t.add_row("run", report["run"] + (f" (rank {report['rank']} of {len(report['ranks']['ranks'])})"
                                       if report.get("ranks") else ""))
     status = report["status"]
     if status == "running":
@@ -205,7 +205,11 @@ def _ranks(report: dict) -> tuple[Text, Table] | None:
     ranks = report.get("ranks")
     if not ranks:
         return None
-    head = Text(f"{ranks['headline']}.", style="bold red") if ranks["headline"] else Text(
+    headline = ranks["headline"]
+    for p in ranks["per_rank"]:
+        if headline and p["first"] and p["first"].get("file"):
+            headline = headline.replace(p["first"]["file"], _short(p["first"]["file"]))
+    head = Text(f"{headline}.", style="bold red") if headline else Text(
         f"No NaN or Inf on any of the {len(ranks['ranks'])} ranks.", style="bold green")
     t = Table(title="alerts per rank", title_justify="left")
     t.add_column("rank", justify="right")
@@ -213,7 +217,7 @@ def _ranks(report: dict) -> tuple[Text, Table] | None:
     t.add_column("NaN/Inf", justify="right")
     t.add_column("step", justify="right")
     t.add_column("first non-finite value")
-    t.add_column("how")
+    t.add_column("how", no_wrap=True)
     for p in ranks["per_rank"]:
         f = p["first"]
         step, first, how = "", "", ""
