@@ -1,0 +1,50 @@
+"""Every trainguard option through torchrun, and the monitor under both launchers."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import trainguard as tg
+from trainguard.cli import _build_parser
+
+from .conftest import TRAIN, run, torchrun
+
+
+def _subcommand(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in _build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command", ["run", "monitor", "doctor"])
+def test_every_option_passes_torchruns_parser_after_a_double_dash(command):
+    from torch.distributed.run import get_args_parser
+
+    torchrun_parser = get_args_parser()
+    flags = [f for a in _subcommand(command)._actions for f in a.option_strings if f.startswith("--")]
+    assert "--monitor" in flags or command != "run"
+    for flag in flags:
+        args = torchrun_parser.parse_args(["--nproc-per-node", "2", "-m", "trainguard", "--", command, flag, "x.py"])
+        assert (args.training_script, args.training_script_args) == ("trainguard", [command, flag, "x.py"]), flag
+
+
+def test_trainguard_monitor_under_torchrun(tmp_path):
+    # (--monitor through trainguard's launcher: test_resume; through torchrun with the recorder: test_nan.)
+    code, log = run(torchrun("-m", "trainguard", "--", "monitor", "--every", 1, "--logdir", tmp_path / "monitored",
+                             TRAIN, "--out", tmp_path / "out", "--steps", 4), tmp_path / "log")
+    assert code == 0, log[-3000:]  # rank 1 used to fail: "logdir already holds a run"
+    with tg.open(tmp_path / "monitored") as r:
+        assert r.ranks == [0, 1]
+        for rank, rr in r.rank_runs().items():
+            assert rr.meta["rank"] == rank and rr.meta["monitor"]["status"] == "finished"
+            assert [s for s, _ in rr.scalars()["loss"]] == [0, 1, 2, 3]
+            assert {"module.0", "module.1", "module.3"} <= set(rr.layers())  # this rank's replica, layer by layer
+            assert [f["kind"] for f in rr.findings("monitor")] == ["healthy"]
+
+
+def test_launcher_errors_are_one_line(tmp_path, capsys):
+    from trainguard.cli import main
+
+    assert main(["run", "--nproc-per-node", "2", str(tmp_path / "missing.py")]) == 2
+    assert "no such script" in capsys.readouterr().err
