@@ -4,8 +4,8 @@ usage: _fsdp_script.py first|second ROOT PORT
 
 ``first``: train STEPS steps uninterrupted (ROOT/ref), then from scratch for SAVE_AT steps and
 save a checkpoint (ROOT/ckpt), as a job that is then killed. ``second``: new processes build the
-model and a fresh optimizer, restore, and train the remaining steps while recording
-(ROOT/run/rank-K). Each writes ROOT/<phase>-rank<r>.json: losses as hex, this rank's shards of
+model and a fresh optimizer, restore, and train the remaining steps while recording and
+monitoring (ROOT/run/rank-K). Each writes ROOT/<phase>-rank<r>.json: losses as hex, this rank's shards of
 the final parameters and Adam moments, and how many collectives the default group ran over
 the steps after SAVE_AT.
 """
@@ -83,10 +83,10 @@ def worker(rank: int, phase: str, root: str, port: int) -> None:
             state = tg.TrainState(model=model, optimizer=opt)
             restored = tg.CheckpointManager(base / "ckpt").restore(state)
             before = collectives()
-            with tg.record(base / "run", buffer=-1) as rec:
+            with tg.record(base / "run", buffer=-1) as rec, tg.Monitor(model, base / "run", every=1) as mon:
                 losses = train(model, opt, rank, restored, STEPS)
             result = {"losses": losses, "collectives": collectives() - before, "record_errors": rec.failures,
-                      **shards(model, opt)}
+                      "findings": [f.kind for f in mon.findings], **shards(model, opt)}
             (base / f"second-rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()

@@ -1,6 +1,6 @@
 """FSDP2 (``fully_shard``) on CPU/gloo: checkpointed through DCP, each rank writing its shards,
-restored into a fresh model and optimizer, resumed bitwise exactly, and recorded on the way
-without a collective of the recorder's own."""
+restored into a fresh model and optimizer, resumed bitwise exactly, and recorded and monitored
+on the way without a collective of trainguard's own."""
 
 from __future__ import annotations
 
@@ -34,9 +34,11 @@ def test_fsdp2_save_restore_resume_and_record(tmp_path):
         assert got["losses"] == ref["losses"][3:], f"rank {rank}: losses differ after the restore"
         assert got["params"] == ref["params"], f"rank {rank}: parameter shards differ"
         assert got["moments"] == ref["moments"] and got["moments"], f"rank {rank}: Adam moments differ"
-        # Recording added no collective: the default group ran as many over those steps.
+        # Recording and monitoring added no collective: the default group ran as many over those steps.
         assert got["collectives"] == ref["collectives"] > 0
         assert got["record_errors"] == 0
+        # Per rank, statistics of its own shards; rank 1's empty half of the size-1 bias is no "zero gradient".
+        assert got["findings"] == ["healthy"], f"rank {rank}: {got['findings']}"
     a, b = (json.loads((tmp_path / f"ref-rank{r}.json").read_text())["params"] for r in (0, 1))
     assert a != b  # each rank holds its own half
 
@@ -48,3 +50,4 @@ def test_fsdp2_save_restore_resume_and_record(tmp_path):
             # The optimizer updates this rank's shard of the first layer's weight: 16 x 6 split in two.
             shapes = {tuple(o["shape"]) for e in r.executions(phase="optimizer") for o in e["outputs"]}
             assert (8, 6) in shapes and (16, 6) not in shapes
+            assert len(r.scalars()["loss"]) == 3 and r.layers()  # the monitor saw the three resumed steps
