@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from trainguard.capture._layer_stats import grad_stats, histogram, squared_norm_sum
+from trainguard.capture._local import local
 from trainguard.capture._monitor_model import Param
 from trainguard.capture._monitor_ship import Shipper
 
@@ -86,12 +87,14 @@ class GradientWatch:
             if t is None:
                 continue
             g = t.grad
+            if g is not None:
+                g = local(g)  # FSDP2: this rank's shard (see _local)
             if recording:
                 if in_optimizer is not None:
                     flag = 1.0 if (in_optimizer or id(t) in self._opt_params) else 0.0
                     self.out.consts.append((step, p.name, "gradient", "in_optimizer", flag))
                 self.out.consts.append((step, p.name, "gradient", "present", 0.0 if g is None else 1.0))
-            if g is None or g.is_sparse:
+            if g is None or g.is_sparse or not g.numel():  # an empty shard says nothing about its parameter
                 continue
             grads.append(g.detach())
             owners.append(p)
@@ -122,10 +125,10 @@ class GradientWatch:
     def snapshot(self, opt: torch.optim.Optimizer, params: list[Param]) -> None:
         """Copy the weights ``opt`` is about to change (recording steps): the update is new - old."""
         live = [(p, p.ref()) for p in params]
-        live = [(p, t) for p, t in live if t is not None and not t.is_sparse]
+        live = [(p, t) for p, t in live if t is not None and not t.is_sparse and local(t).numel()]
         if live:
             with torch.no_grad():
-                copies = torch._foreach_mul([t.detach() for _, t in live], 1.0)
+                copies = torch._foreach_mul([local(t).detach() for _, t in live], 1.0)
             self._snap[id(opt)] = ([p for p, _ in live], copies)
 
     def after(self, opt: torch.optim.Optimizer, step: int) -> None:
@@ -146,7 +149,7 @@ class GradientWatch:
         if any(t is None for t in now):
             return
         with torch.no_grad():
-            new = [t.detach() for t in now]
+            new = [local(t).detach() for t in now]
             torch._foreach_sub_(old, new)  # the snapshot becomes -update: no second copy
             un = torch._foreach_norm(old)
             wn = torch._foreach_norm(new)
@@ -191,6 +194,8 @@ class GradientWatch:
         if t is None:
             return
         prior = t.grad
+        if prior is not None:
+            prior = local(prior)
         if prior is None or prior.is_sparse:
             self.out.consts.append((step, p.name, "gradient", "stale", 0.0))
             return
@@ -217,11 +222,11 @@ class GradientWatch:
 
     def _weights(self, params: list[Param], step: int) -> None:
         live = [(p, p.ref()) for p in params]
-        live = [(p, t) for p, t in live if t is not None and not t.is_sparse]
+        live = [(p, t) for p, t in live if t is not None and not t.is_sparse and local(t).numel()]
         if not live:
             return
         with torch.no_grad():
-            todo = [t.detach() for p, t in live if id(p) not in self._wnorm]
+            todo = [local(t).detach() for p, t in live if id(p) not in self._wnorm]
             computed = iter(torch._foreach_norm(todo) if todo else [])
             norms = [self._wnorm[id(p)] if id(p) in self._wnorm else next(computed) for p, _ in live]
             by_dev: dict[torch.device, list[int]] = {}
@@ -233,4 +238,4 @@ class GradientWatch:
             for p, t in live:
                 self.out.consts.append((step, p.name, "weight", "requires_grad", 1.0 if t.requires_grad else 0.0))
                 if self.wants_hist(p.name):
-                    self.out.stats.append((("h", p.name, "weight", step), histogram(t, self.bins)))
+                    self.out.stats.append((("h", p.name, "weight", step), histogram(local(t), self.bins)))

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _kernels, _steps
+from trainguard.capture._local import local as _local
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._stacks import StackInterner
 from trainguard.capture._summary import (
@@ -622,16 +623,6 @@ def _tensors_in(x: Any, out: list) -> list:
         for y in x:
             _tensors_in(y, out)
     return out
-
-
-def _local(t: _Tensor) -> _Tensor:
-    """The shard this rank holds of a distributed tensor (DTensor), the tensor itself otherwise.
-
-    Summarising a DTensor through its own ops would run collectives (a sum of a sharded tensor
-    is a partial value that an all-reduce completes): the recorder must issue none of its own.
-    """
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, _Tensor) else t
 
 
 def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:
