@@ -1,11 +1,5 @@
 """A run of two ranks read as one: ranks, the merged timeline, alerts side by side, and which rank
-made the first non-finite value and which only received it.
-
-The two ranks are recorded here, one after the other, in one process: the environment says
-which rank is recording (as torchrun's does), a one-rank gloo group runs the real collective, and
-rank 0 "receives" a NaN by having its all-reduced buffer written behind the recorder's back, as
-the other rank's contribution is. The end-to-end version under torchrun is in tests/distributed.
-"""
+made the first non-finite value and which only received it (the run: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,70 +7,26 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import trainguard as tg
 from trainguard.analysis import ranks_report
 from trainguard.cli import main
 
-LOG_LINE = "torch.log(x)"
-
-
-def _rank0() -> None:
-    w = torch.ones(4)
-    for _ in range(3):  # steps 0, 1, 2; from step 1 on the reduced buffer holds a NaN "from rank 1"
-        buf = (w * 0.5).clone()
-        dist.all_reduce(buf)
-        if tg.capture.current_step() >= 1:
-            buf.numpy()[2] = float("nan")  # arrived through the all-reduce: no op of this rank made it
-        (buf * 2).sum()
-        tg.step()
-
-
-def _rank1() -> None:
-    w = torch.ones(4)
-    for _ in range(3):
-        x = w - float(tg.capture.current_step() >= 1)  # zeros from step 1
-        torch.log(x).sum()  # -inf from step 1 on: made here
-        buf = (w * 0.5).clone()
-        dist.all_reduce(buf)
-        tg.step()
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ranks") / "job"
-    mp = pytest.MonkeyPatch()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        for rank, body in ((0, _rank0), (1, _rank1)):
-            mp.setenv("RANK", str(rank))
-            mp.setenv("WORLD_SIZE", "2")
-            mp.setattr(dist, "is_initialized", lambda: False)  # the rank comes from the environment
-            with tg.record(root, buffer=-1):
-                tg.step(0)
-                body()
-            mp.undo()
-    finally:
-        mp.undo()
-        dist.destroy_process_group()
-    return root
-
 
 def test_open_gives_every_rank_and_reads_as_the_first(two_ranks):
-    with tg.open(two_ranks) as run:
+    with tg.open(two_ranks.root) as run:
         assert run.ranks == [0, 1] and run.rank == 0
-        assert run.path == two_ranks / "rank-0" and run.name == "job"
-        assert run.rank_run(1).path == two_ranks / "rank-1"
+        assert run.path == two_ranks.root / "rank-0" and run.name == "job"
+        assert run.rank_run(1).path == two_ranks.root / "rank-1"
         assert run.meta["rank"] == 0 and run.rank_run(1).meta["world_size"] == 2
         with pytest.raises(tg.RunNotFound, match="no rank 2"):
             run.rank_run(2)
-    with tg.open(two_ranks, rank=1) as run:
+    with tg.open(two_ranks.root, rank=1) as run:
         assert run.rank == 1 and run.count() == run.rank_run(1).count()
 
 
 def test_the_timeline_merges_ranks_by_step_then_rank(two_ranks):
-    with tg.open(two_ranks) as run:
+    with tg.open(two_ranks.root) as run:
         total = run.rank_run(0).count() + run.rank_run(1).count()
         assert run.timeline_count() == total
         everything = run.timeline()
@@ -97,12 +47,12 @@ def test_the_timeline_merges_ranks_by_step_then_rank(two_ranks):
 
 
 def test_the_rank_that_made_it_and_the_rank_that_received_it(two_ranks):
-    with tg.open(two_ranks) as run:
+    with tg.open(two_ranks.root) as run:
         rr = ranks_report(run)
     assert rr["first_rank"] == 1 and rr["made"] == [1] and rr["received"] == [0]
     made, received = rr["per_rank"][1]["first"], rr["per_rank"][0]["first"]
     assert (made["op"], made["step"], made["received_via"]) == ("aten.log", 1, None)
-    assert made["line"] == _line(LOG_LINE) and made["file"].endswith("test_ranks.py")
+    assert (made["file"], made["line"]) == (two_ranks.log_file, two_ranks.log_line)
     via = received["received_via"]
     assert (via["op"], via["step"]) == ("c10d.allreduce_", 1)
     assert rr["headline"].startswith("rank 1 first made a -inf in step 1: aten.log at ")
@@ -110,18 +60,18 @@ def test_the_rank_that_made_it_and_the_rank_that_received_it(two_ranks):
 
 
 def test_report_leads_with_the_first_rank_and_shows_every_rank(two_ranks, capsys):
-    assert main(["report", str(two_ranks)]) == 0
+    assert main(["report", str(two_ranks.root)]) == 0
     out = capsys.readouterr().out
     first_line = out.splitlines()[0]
     assert first_line.startswith("rank 1 first made a -inf in step 1: aten.log at ")
     assert "rank 0 only received it" in first_line
     assert "(rank 1 of 2)" in out  # the details are those of the rank that made it
     assert "alerts per rank" in out and "received: c10d.allreduce_" in out and "made (first)" in out
-    assert main(["report", str(two_ranks), "--rank", "0"]) == 0
+    assert main(["report", str(two_ranks.root), "--rank", "0"]) == 0
     out = capsys.readouterr().out
     assert "(rank 0 of 2)" in out and out.splitlines()[0].startswith("rank 1 first made")
     assert "came from another rank" in " ".join(out.replace("│", " ").split())  # rank 0's own origin says so
-    assert main(["report", str(two_ranks), "--json"]) == 0
+    assert main(["report", str(two_ranks.root), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["rank"] == 1 and rep["ranks"]["first_rank"] == 1 and rep["origin"]["origin"]["op"] == "aten.log"
 
@@ -133,7 +83,3 @@ def test_a_single_process_run_has_no_ranks_section(tmp_path, capsys):
         assert ranks_report(run) is None and run.ranks == []
     assert main(["report", str(tmp_path / "one")]) == 0
     assert "alerts per rank" not in capsys.readouterr().out
-
-
-def _line(text: str) -> int:
-    return next(i for i, t in enumerate(open(__file__).read().splitlines(), 1) if text in t and "LOG_LINE" not in t)
