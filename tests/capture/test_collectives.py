@@ -91,3 +91,38 @@ def test_dtensor_outputs_are_summarised_from_this_ranks_shard(tmp_path, one_rank
     relu = run.executions(op="relu")[0]["outputs"][0]
     assert relu["shape"] == [3, 2]
     assert (relu["summary"]["zero"], relu["summary"]["pos"]) == (3, 3)  # 2x - 4 for x in 0..5
+
+
+def test_recorded_and_monitored_parameters_can_still_be_swapped(tmp_path):
+    # torch.utils.swap_tensors refuses a tensor with any weak reference; module.to_empty() and to()
+    # swap DTensor parameters (FSDP2's meta-device recipe), and every parameter under
+    # torch.__future__.set_swap_module_params_on_conversion(True). The recorder and the monitor
+    # hold tensors weakly: they must let go for the swap, and keep watching the same parameter.
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with tg.record(tmp_path / "r", buffer=-1), tg.Monitor(None, tmp_path / "r", every=1) as mon:
+            with torch.device("meta"):
+                model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+            model.to_empty(device="cpu")  # a swap of every parameter
+            for m in model:
+                m.reset_parameters()
+            weight = model[0].weight
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                model(torch.randn(5, 3)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            model.to(torch.float64)  # another swap, after the monitor attached
+            assert model[0].weight is weight  # swapping keeps the parameter object
+            model(torch.randn(5, 3, dtype=torch.float64)).sum().backward()
+            opt.step()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert torch.utils.swap_tensors.__module__ == "torch.utils"  # put back when recording ended
+    assert mon.findings is not None
+    with tg.open(tmp_path / "r") as run:
+        assert run.meta.get("record_errors") is None
+        norms = [r for r in run.layer_stats(layer="0", kind="gradient", stat="norm")]
+        assert [r["step"] for r in norms] == [0, 1, 2]  # the swapped parameter is still watched
+        addmm = run.execution(run.executions(op="addmm")[-1]["seq"])
+        assert [i["kind"] for i in addmm["inputs"]][:1] == ["param"]  # and still named
