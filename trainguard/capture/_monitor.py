@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainguard.capture import _monitor_tap, _steps
+from trainguard.capture import _monitor_tap, _steps, _swap
 from trainguard.capture._layer_stats import (
     activation_stats,
     first_tensor,
@@ -162,6 +162,7 @@ class Monitor:
         _steps.clock.before_optimizer_step.append(self._before_optimizer)
         _steps.clock.on_optimizer_step.append(self._after_optimizer)
         _monitor_tap.add_listener(self._on_backward)
+        _swap.hold(self._release)
         self._writer.set_meta(monitor={"every": every, "status": "running"})
 
         for prefix, module in models:
@@ -243,11 +244,27 @@ class Monitor:
                 _steps.clock.on_optimizer_step.remove(self._after_optimizer)
             _steps.release()
             _monitor_tap.remove_listener(self._on_backward)
+            _swap.unhold(self._release)
             _OPEN.discard(self)
         self._write_meta(status="finished", final_step=self._cur)
         if self.diagnose:
             self._store_findings()
         release_writer(self._writer)
+
+    def _release(self, t: torch.Tensor):
+        """torch is about to swap ``t`` (capture/_swap): let go of it, and watch it again after
+        the swap (a swapped parameter keeps its identity)."""
+        mine = [p for p in self._params if p.ref() is t]
+        if not mine:
+            return None
+        for p in mine:
+            p.ref = _gone
+
+        def restore() -> None:
+            for p in mine:
+                p.ref = weakref.ref(t)
+
+        return restore
 
     # ------------------------------------------------------------------ attaching
     def _attach(self, module: nn.Module, prefix: str) -> Root:
@@ -530,6 +547,11 @@ class Monitor:
             self._writer.add_findings("monitor", [f.to_dict() for f in findings], replace=True)
         except Exception:
             log.exception("trainguard monitor: diagnosis failed")
+
+
+def _gone() -> None:
+    """A Param's reference while torch swaps its tensor (see Monitor._release)."""
+    return None
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
-from trainguard.capture import _kernels, _steps
+from trainguard.capture import _kernels, _steps, _swap
 from trainguard.capture._local import local as _local
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._stacks import StackInterner
@@ -212,6 +212,7 @@ class Recorder:
         if self.mode in _COUNTING_MODES:
             _kernels.warm()
         self.modules.install()
+        _swap.hold(self._release)
         self.last_nr = _get_seq_nr()
         self._mode = _DispatchMode(self)
         self._mode.__enter__()
@@ -226,6 +227,7 @@ class Recorder:
             self._mode.__exit__(None, None, None)
         finally:
             self.modules.remove()
+            _swap.unhold(self._release)
             self.stacks.release_frames()
             if self._on_step in _steps.clock.on_step:
                 _steps.clock.on_step.remove(self._on_step)
@@ -253,6 +255,14 @@ class Recorder:
         if exc_type is not None and not issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
             meta["error"] = f"{exc_type.__name__}: {exc}"
         self.stop(**meta)
+
+    def _release(self, t: _Tensor):
+        """torch is about to swap ``t`` (capture/_swap): let go of it. Its producer no longer
+        describes what it will hold; a named parameter keeps its name."""
+        p = self.producers.get(id(t))
+        if p is not None and p[0]() is t:
+            del self.producers[id(t)]
+        return self.modules.release(t)
 
     # ------------------------------------------------------------------ writer plumbing
     def _on_new_stack(self, sid: int, frames: list) -> None:
