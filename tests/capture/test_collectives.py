@@ -122,7 +122,7 @@ def test_recorded_and_monitored_parameters_can_still_be_swapped(tmp_path):
     assert mon.findings is not None
     with tg.open(tmp_path / "r") as run:
         assert run.meta.get("record_errors") is None
-        norms = [r for r in run.layer_stats(layer="0", kind="gradient", stat="norm")]
+        norms = run.layer_stats(layer="0.weight", kind="gradient", stat="norm")
         assert [r["step"] for r in norms] == [0, 1, 2]  # the swapped parameter is still watched
         addmm = run.execution(run.executions(op="addmm")[-1]["seq"])
         assert [i["kind"] for i in addmm["inputs"]][:1] == ["param"]  # and still named

@@ -48,3 +48,16 @@ def test_launcher_errors_are_one_line(tmp_path, capsys):
 
     assert main(["run", "--nproc-per-node", "2", str(tmp_path / "missing.py")]) == 2
     assert "no such script" in capsys.readouterr().err
+
+
+def test_workers_get_every_option_but_the_launchers(tmp_path):
+    from trainguard.cli._launch import worker_argv
+
+    parser = _subcommand("run")
+    args = parser.parse_args(["--nproc-per-node", "2", "--max-restarts", "1", "--monitor", "--every", "3",
+                              "--mode", "stats", "--buffer", "-1", "--ops=-x|log", "train.py", "--lr", "0.1", "-v"])
+    assert worker_argv(parser, args, tmp_path) == [
+        f"--logdir={tmp_path}", "--mode=stats", "--buffer=-1", "--ops=-x|log", "--monitor", "--every=3",
+        "train.py", "--lr", "0.1", "-v"]
+    args = parser.parse_args(["--nproc-per-node", "2", "-m", "pkg.train", "data.csv", "--epochs", "1"])
+    assert worker_argv(parser, args, tmp_path) == [f"--logdir={tmp_path}", "-m", "pkg.train", "data.csv", "--epochs", "1"]

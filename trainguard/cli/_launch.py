@@ -108,7 +108,7 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace, logdir: Pa
         code = failure.exitcode
         from trainguard.cli._render import err_console
 
-        err_console.print(f"trainguard: rank {rank} failed first (exit code {code}); run in {logdir}",
+        err_console.print(f"trainguard: rank {rank} ended first, with exit code {code}; the job's run is {logdir}",
                           highlight=False, soft_wrap=True)
         return 128 - code if code < 0 else code  # a worker killed by signal N reports -N
     except SignalException as exc:  # the agent was told to stop: workers got the signal and saved
