@@ -102,7 +102,7 @@ class _View:
 
 
 def _np(t: torch.Tensor):
-    """A zero-copy, read-only NumPy view of a CPU tensor, or None when NumPy cannot view it."""
+    """A zero-copy NumPy view of a CPU tensor (for reading), or None when NumPy cannot view it."""
     typestr = _NUMPY_TYPESTR.get(t.dtype)
     if typestr is None or t.is_conj() or t.is_neg() or t.layout is not _STRIDED or type(t) not in _PLAIN_TYPES:
         return None
@@ -113,11 +113,12 @@ def _np(t: torch.Tensor):
             return np.empty(tuple(t.shape), dtype=typestr)
         view = _View()
         view.tensor = t
-        size = t.element_size()
-        view.__array_interface__ = {
-            "version": 3, "typestr": typestr, "data": (t.data_ptr(), True), "shape": tuple(t.shape),
-            "strides": None if t.is_contiguous() else tuple(s * size for s in t.stride()),
-        }
+        # Writable as far as NumPy knows (nothing writes): numba compiles a slower loop for read-only arrays.
+        face = {"version": 3, "typestr": typestr, "data": (t.data_ptr(), False), "shape": t.shape}
+        if not t.is_contiguous():
+            size = t.element_size()
+            face["strides"] = tuple(s * size for s in t.stride())
+        view.__array_interface__ = face
         return np.asarray(view)
     except (RuntimeError, TypeError, ValueError):
         return None
