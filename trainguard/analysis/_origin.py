@@ -167,7 +167,7 @@ def explain(link: Link) -> str:
             return "inf - inf -> NaN: infinities of opposite sign meet"
         src = i.get("producer_op") or i.get("name") or "an input"
         return f"{base} passed on the non-finite values of input {i['slot']} ({src})"
-    via = _received(link)
+    via = received_input(link)
     if via is not None:
         return (f"{base} read what {via['producer_op']} (#{via['producer']}) wrote: the non-finite value came "
                 "from another rank")
@@ -238,14 +238,14 @@ _SUGGESTIONS = {
 }
 
 
-def _received(link: Link) -> dict | None:
+def received_input(link: Link) -> dict | None:
     """The input of ``link`` that a collective wrote (values from other ranks), if any."""
     return next((i for i in link.inputs if i.get("kind") == "op" and is_collective(i.get("producer_op"))), None)
 
 
 def suggest(link: Link) -> str:
     """A concrete fix for the origin op, naming a value where one applies."""
-    if _received(link) is not None:
+    if received_input(link) is not None:
         return _SUGGESTIONS["received"]
     base = op_base(link.op)
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):

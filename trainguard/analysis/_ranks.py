@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.analysis._origin import _received, origin
+from trainguard.analysis._origin import origin, received_input
 from trainguard.store import RankedRun, Run, is_collective
 
 # What users call a collective, by the op's base name (``c10d.allreduce_`` -> ``allreduce_``).
@@ -39,7 +39,7 @@ def collective_words(op: str, phase: str | None) -> str:
 def _received_via(run: Run, link: Any) -> dict | None:
     """The collective that wrote an input of ``link``, the op where a rank's first harmful value
     appeared; None when the rank made the value itself."""
-    inp = _received(link)
+    inp = received_input(link)
     if inp is None:
         return None
     try:

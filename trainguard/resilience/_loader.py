@@ -144,7 +144,8 @@ class ResumableLoader:
             self._yielded = int(state["yielded"])
             self._in_epoch = bool(state["in_epoch"])
             self._epoch_start = state["epoch_start"]
-            self._sampler_epochs = [int(e) for e in state.get("sampler_epochs") or []]  # absent before 0.1
+            # Absent from states saved before samplers' epochs were kept: then set_epoch() decides.
+            self._sampler_epochs = [int(e) for e in state.get("sampler_epochs") or []]
         except KeyError as exc:
             raise CheckpointError(f"loader state lacks {exc}") from None
         self._token = object()  # iterators made before the restore no longer count

@@ -43,9 +43,9 @@ class TrainState:
     Pass every object with ``state_dict()`` / ``load_state_dict()`` by name: model, optimizer,
     LR scheduler, ``GradScaler``, data loaders and samplers, your own objects; also any
     ``torch.Generator`` you draw from, and samplers whose order follows ``set_epoch()``
-    (``DistributedSampler``; their epoch is saved and set again on restore). trainguard adds its own ``step`` and ``epoch`` counters and
-    every process-wide RNG: Python ``random``, NumPy's global generator, torch's CPU generator and
-    each initialised CUDA device's.
+    (``DistributedSampler``; their epoch is saved and set again on restore). trainguard adds its
+    own ``step`` and ``epoch`` counters and every process-wide RNG: Python ``random``, NumPy's
+    global generator, torch's CPU generator and each initialised CUDA device's.
 
     A plain ``DataLoader`` is wrapped in a :class:`ResumableLoader`; iterate ``state.<name>``
     (not the original loader) so that a restore can continue mid-epoch. torchdata's
