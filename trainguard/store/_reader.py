@@ -19,6 +19,10 @@ from trainguard.store._codec import (
     PHASES,
     POS_INF,
     SCHEMA_VERSION,
+    T_HARMFUL,
+    T_PENDING,
+    T_UNKNOWN,
+    TAINTS,
     decode_float,
     health_names,
     loads,
@@ -34,11 +38,18 @@ _HEALTH_FILTERS = {
     "-inf": f"e.health != 0 AND (e.health & {NEG_INF}) != 0",
     "ok": "e.health = 0",
     "finite": "e.health = 0",
+    # By taint (format 3; in older runs every non-finite execution is harmful, none pending).
+    "harmful": f"e.taint = {T_HARMFUL}",
+    "pending": f"e.taint = {T_PENDING}",
+    "unknown": f"e.taint = {T_UNKNOWN}",
 }
+# Before format 3 there is no taint column: what it would have held.
+_LEGACY_TAINT = f"(CASE WHEN e.health != 0 THEN {T_HARMFUL} ELSE 0 END)"
 
 _DIGEST_SQL = (
     "SELECT e.seq, e.step, e.phase, o.name, m.path, m.type, e.health, e.outputs, e.summary, e.stack_id,"
-    " e.fwd_seq FROM executions e JOIN op_types o ON o.id = e.op_id LEFT JOIN modules m ON m.id = e.module_id"
+    " e.fwd_seq, e.taint, e.origin FROM executions e JOIN op_types o ON o.id = e.op_id"
+    " LEFT JOIN modules m ON m.id = e.module_id"
 )
 
 
@@ -145,6 +156,10 @@ class Run:
         self._ops: dict[int, str] | None = None
         # Touch the main table so a truncated file fails here, not later.
         self._q("SELECT count(*) FROM executions WHERE seq >= (SELECT max(seq) FROM executions)")
+        # Format 3 stores a taint per execution; older runs read as if every non-finite one were harmful.
+        self.tainted = any(r[1] == "taint" for r in self._q("PRAGMA table_info(executions)"))
+        self._digest_sql = _DIGEST_SQL if self.tainted else _DIGEST_SQL.replace(
+            "e.taint, e.origin", f"{_LEGACY_TAINT}, CASE WHEN e.health != 0 THEN e.seq END")
 
     # ------------------------------------------------------------------ plumbing
     def _q(self, sql: str, params: tuple | list = ()) -> list[tuple]:
@@ -202,7 +217,10 @@ class Run:
         if health is not None:
             if health not in _HEALTH_FILTERS:
                 raise ValueError(f"health must be one of {sorted(_HEALTH_FILTERS)}, got {health!r}")
-            clauses.append(_HEALTH_FILTERS[health])
+            clause = _HEALTH_FILTERS[health]
+            if not self.tainted and "e.taint" in clause:
+                clause = clause.replace("e.taint", _LEGACY_TAINT)
+            clauses.append(clause)
         return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
 
     def count(self, *, step=None, op=None, module=None, phase=None, health=None) -> int:
@@ -225,10 +243,10 @@ class Run:
         limit = -1 if end is None else end - begin
         if not where:
             # Seek by rank through the primary key: fast paging over millions of rows.
-            sql = _DIGEST_SQL + " WHERE e.seq >= (SELECT seq FROM executions ORDER BY seq LIMIT 1 OFFSET ?)"
+            sql = self._digest_sql + " WHERE e.seq >= (SELECT seq FROM executions ORDER BY seq LIMIT 1 OFFSET ?)"
             sql += " ORDER BY e.seq LIMIT ?"
             return [self._digest(r) for r in self._q(sql, [begin, limit])]
-        sql = _DIGEST_SQL + where + " ORDER BY e.seq LIMIT ? OFFSET ?"
+        sql = self._digest_sql + where + " ORDER BY e.seq LIMIT ? OFFSET ?"
         return [self._digest(r) for r in self._q(sql, params + [limit, begin])]
 
     def index_of(self, seq: int, **filters: Any) -> int:
@@ -262,7 +280,7 @@ class Run:
         return out
 
     def _digest(self, row: tuple) -> dict:
-        seq, step, phase, op, mpath, mtype, health, outputs, blob, stack_id, fwd_seq = row
+        seq, step, phase, op, mpath, mtype, health, outputs, blob, stack_id, fwd_seq, taint, origin = row
         outs = loads(outputs) or []
         sums = self._summaries(blob, len(outs))
         return {
@@ -275,6 +293,8 @@ class Run:
             "health": health_names(health),
             "stack_id": stack_id,
             "fwd_seq": fwd_seq,
+            "taint": TAINTS[taint] if isinstance(taint, int) and 0 <= taint < len(TAINTS) else "finite",
+            "origin": origin,
             "outputs": [
                 {"dtype": o[0], "shape": o[1], "device": o[2], "summary": s} for o, s in zip(outs, sums)
             ],
@@ -282,7 +302,7 @@ class Run:
 
     def execution(self, seq: int) -> dict:
         """One execution in full: digest, stack frames, inputs with their producers, payloads."""
-        rows = self._q(_DIGEST_SQL + " WHERE e.seq = ?", (int(seq),))
+        rows = self._q(self._digest_sql + " WHERE e.seq = ?", (int(seq),))
         if not rows:
             raise KeyError(f"no execution {seq} in run {self.path.name!r} (evicted by the circular buffer?)")
         d = self._digest(rows[0])
@@ -298,7 +318,7 @@ class Run:
         item: dict[str, Any] = {"slot": slot, "kind": kind}
         if kind == "op":
             item["producer"] = ref
-            rows = self._q(_DIGEST_SQL + " WHERE e.seq = ?", (ref,))
+            rows = self._q(self._digest_sql + " WHERE e.seq = ?", (ref,))
             item["producer_digest"] = self._digest(rows[0]) if rows else None
             if not rows:
                 item["evicted"] = True
@@ -318,7 +338,7 @@ class Run:
 
     def consumers(self, seq: int, limit: int = 100) -> list[dict]:
         rows = self._q(
-            _DIGEST_SQL + " JOIN edges g ON g.consumer = e.seq WHERE g.producer = ? ORDER BY e.seq LIMIT ?",
+            self._digest_sql + " JOIN edges g ON g.consumer = e.seq WHERE g.producer = ? ORDER BY e.seq LIMIT ?",
             (int(seq), limit),
         )
         return [self._digest(r) for r in rows]
@@ -374,26 +394,78 @@ class Run:
         )
         return [{"op": short_op(n), "count": c} for n, c in rows]
 
+    def _counted(self) -> bool:
+        """True when the recorder counted every harmful execution (format 3 recordings): the
+        ``harmful`` table, not the rows the buffer kept, is then the count."""
+        return bool(self.meta.get("harm_counts")) and self.tainted
+
     def steps(self) -> list[dict]:
-        """Per step: first and last sequence number, execution count, non-finite count."""
+        """Per step: first and last sequence number, execution count, harmful count."""
+        harm = "health != 0" if not self.tainted else f"taint = {T_HARMFUL}"
         rows = self._q(
-            "SELECT step, min(seq), max(seq), count(*), sum(health != 0) FROM executions GROUP BY step ORDER BY step"
+            f"SELECT step, min(seq), max(seq), count(*), sum({harm}) FROM executions GROUP BY step ORDER BY step"
         )
-        return [{"step": s, "first": a, "last": b, "count": c, "nonfinite": n or 0} for s, a, b, c, n in rows]
+        out = [{"step": s, "first": a, "last": b, "count": c, "nonfinite": n or 0} for s, a, b, c, n in rows]
+        if self._counted():
+            counted = dict(self._q("SELECT step, sum(count) FROM harmful GROUP BY step"))
+            for d in out:
+                d["nonfinite"] = max(d["nonfinite"], counted.get(d["step"], 0))
+        return out
 
     def alerts(self) -> dict:
-        """Non-finite events counted by op type, with the first one of each and overall."""
-        rows = self._q(
-            "SELECT o.name, count(*), min(e.seq) FROM executions e JOIN op_types o ON o.id = e.op_id "
-            "WHERE e.health != 0 GROUP BY o.name ORDER BY min(e.seq)"
-        )
+        """Harmful events counted by op type, with the first one of each; ``first_seq`` is where
+        the first harmful value was made (its origin: what an alert leads to), ``harm_seq`` where
+        it became harmful. Intended infinities are only counted (``intended``), never alerts."""
+        if self._counted():
+            rows = self._q("SELECT op, sum(count), min(first_seq) FROM harmful GROUP BY op ORDER BY min(first_seq)")
+        else:
+            harm = "e.health != 0" if not self.tainted else f"e.taint = {T_HARMFUL}"
+            rows = self._q(
+                "SELECT o.name, count(*), min(e.seq) FROM executions e JOIN op_types o ON o.id = e.op_id "
+                f"WHERE {harm} GROUP BY o.name ORDER BY min(e.seq)"
+            )
         by_op = [{"op": short_op(n), "count": c, "first_seq": f} for n, c, f in rows]
-        first = self.first_nonfinite()
+        harm = self.first_harm()
         return {
             "total": sum(r["count"] for r in by_op),
             "by_op": by_op,
-            "first_seq": first["seq"] if first else None,
+            "first_seq": harm["origin"] if harm else None,
+            "harm_seq": harm["seq"] if harm else None,
+            "intended": self.intended(),
         }
+
+    def first_harm(self) -> dict | None:
+        """Where the first harmful value became harmful: {seq, origin, reason, op, step}, or None.
+
+        ``reason`` says how: ``nan`` (a NaN was made), ``loss`` (backward() was called on it),
+        ``gradient``, ``optimizer``, ``parameter`` (written into one), ``read`` (``.item()``,
+        ``.tolist()``, printing). Runs before format 3: the first non-finite execution.
+        """
+        h = self.meta.get("first_harm")
+        if isinstance(h, dict) and isinstance(h.get("seq"), int):
+            return h
+        if self.tainted:
+            rows = self._q(f"SELECT seq, coalesce(origin, seq) FROM executions WHERE taint = {T_HARMFUL} "
+                           "ORDER BY seq LIMIT 1")
+        else:
+            rows = self._q("SELECT seq, seq FROM executions WHERE health != 0 ORDER BY seq LIMIT 1")
+        return {"seq": rows[0][0], "origin": rows[0][1], "reason": None} if rows else None
+
+    def first_harmful(self) -> dict | None:
+        """The execution where the first harmful value became harmful, in full; None if none."""
+        h = self.first_harm()
+        if h is None:
+            return None
+        try:
+            return self.execution(h["seq"])
+        except KeyError:
+            return None
+
+    def intended(self) -> list[dict]:
+        """Infinities that were never harmful, counted by kind, the op that made them and the op
+        that absorbed them (``absorbed_by`` None: never absorbed nor harmful, e.g. unused)."""
+        groups = self.meta.get("intended")
+        return groups if isinstance(groups, list) else []
 
     def first_nonfinite(self) -> dict | None:
         """The first execution (in order) whose output holds NaN or Inf, in full; None if none."""
