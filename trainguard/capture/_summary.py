@@ -47,6 +47,7 @@ ALIAS_OPS = frozenset(
 
 
 _STRIDED = torch.strided
+_TensorBase = torch._C.TensorBase
 _FLOAT8 = frozenset(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))
 _QUANTIZED = frozenset(getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
                        if hasattr(torch, name))
@@ -93,7 +94,9 @@ def _np(t: torch.Tensor):
     if t.dtype not in _NUMPY_DTYPES or t.is_conj() or t.is_neg():
         return None
     try:
-        return t.numpy()
+        # The C method itself: while recording, Tensor.numpy is wrapped to see the program's
+        # reads (capture/_reads.py), and trainguard's own reads are not the program's.
+        return _TensorBase.numpy(t)
     except (RuntimeError, TypeError):
         return None
 

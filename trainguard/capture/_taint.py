@@ -19,7 +19,16 @@ own thread for accelerator records whose health arrives later.
 
 from __future__ import annotations
 
-from trainguard.store._codec import NAN, NEG_INF, NONFINITE, POS_INF, T_FINITE, T_HARMFUL, T_PENDING, T_UNKNOWN
+from trainguard.store._codec import (
+    NAN,
+    NEG_INF,
+    NONFINITE,
+    POS_INF,
+    T_FINITE,
+    T_HARMFUL,
+    T_PENDING,
+    T_UNKNOWN,
+)
 
 FINITE, UNKNOWN, PENDING, HARMFUL = T_FINITE, T_UNKNOWN, T_PENDING, T_HARMFUL
 
@@ -94,7 +103,7 @@ _DEFAULT_ROWS = {
     PENDING: ((FINITE, NONE), (PENDING, INPUT), (HARMFUL, INPUT)),
     HARMFUL: ((FINITE, NONE), (HARMFUL, INPUT), (HARMFUL, INPUT)),
 }
-_ALIAS_ROWS = dict(_DEFAULT_ROWS, **{UNKNOWN: ((UNKNOWN, NONE),) * 3})  # views and copies of garbage
+_ALIAS_ROWS = {**_DEFAULT_ROWS, UNKNOWN: ((UNKNOWN, NONE),) * 3}  # views and copies of garbage
 RULES: tuple[dict, ...] = (
     _DEFAULT_ROWS,  # DEFAULT
     _ALIAS_ROWS,  # VIEW
@@ -266,12 +275,16 @@ class Tracker:
             self.origins[origin] = o[:4] + (True,) + o[5:]
             if not o[1] == "nan":
                 self._group(o[1], o[0], o[3], -o[2], -1)
+        key = (step, op)
         if self.first is None:
             self.first = {"seq": seq, "origin": origin, "reason": reason, "op": op, "step": step}
+            self.seen.add(key)
             self.changed = self.urgent = True
             self._pin_chain(seq, origin, inputs, fwd_seq, retro)
             return
-        key = (step, op)
+        if retro and seq in self.records:  # the record was sent before it was harmful
+            rec = self.records[seq]
+            self.resend.append(rec[:11] + (HARMFUL, origin))
         if key not in self.seen and self.storm_pins < STORM_PINS:
             self.seen.add(key)
             self.storm_pins += 1

@@ -34,7 +34,15 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.store._codec import DB_NAME, EVICTION_SLACK, MODE_FIELDS, PHASE_ID, T_FINITE, T_HARMFUL, health_of
+from trainguard.store._codec import (
+    DB_NAME,
+    EVICTION_SLACK,
+    MODE_FIELDS,
+    PHASE_ID,
+    T_FINITE,
+    T_HARMFUL,
+    health_of,
+)
 from trainguard.store._schema import connect
 
 log = logging.getLogger("trainguard.store")
