@@ -24,6 +24,29 @@ def source_excerpt(run: Run, file: str | None, line: int | None, context: int = 
     return [{"line": n, "text": lines[n - 1], "current": n == line} for n in range(lo, hi + 1)]
 
 
+def _op_short(name: str | None) -> str:
+    if not name:
+        return "?"
+    base = name.split(".")[1] if name.startswith("aten.") and "." in name else name.split(".")[0]
+    return base.lstrip("_") or base
+
+
+def intended_lines(groups: list[dict]) -> list[str]:
+    """One quiet line per group of infinities that were never harmful: ``3,840 intended -inf
+    from masked_fill, absorbed by softmax``; never alerts, origins or findings."""
+    out = []
+    for g in groups:
+        values = g.get("values") or 0
+        n = f"{values:,}" if values else f"{g.get('executions', 0):,} tensors of"
+        made = _op_short(g.get("made_by"))
+        if g.get("absorbed_by"):
+            out.append(f"{n} intended {g.get('kind')} from {made}, absorbed by {_op_short(g['absorbed_by'])}")
+        else:
+            out.append(f"{n} {g.get('kind')} from {made} never reached the loss, a gradient, a parameter or a value "
+                       "the program read (not harmful)")
+    return out
+
+
 def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
     """Everything ``trainguard report`` says about a run, as JSON-able data."""
     meta = run.meta
@@ -44,7 +67,8 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "status": run.status,
         "meta": {k: meta.get(k) for k in ("mode", "buffer", "created", "ended", "argv", "torch", "trainguard",
                                            "exit_code", "error", "dropped", "writer_error", "record_errors", "ops_filter",
-                                           "dtypes_filter", "executions", "recorded")},
+                                           "dtypes_filter", "executions", "recorded", "check_numerics",
+                                           "check_numerics_stop")},
         "counts": {
             "stored": run.count(),
             "steps": len(steps),
@@ -56,6 +80,7 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         },
         "alerts": alerts,
         "origin": origin_data,
+        "intended": intended_lines(alerts.get("intended") or []),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "findings": [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])],
     }

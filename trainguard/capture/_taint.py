@@ -62,6 +62,15 @@ RENORM_OPS = frozenset(
      "aten._scaled_dot_product_attention_math.default"}
 )
 READ_OPS = frozenset({"aten._local_scalar_dense.default", "aten.item.default"})
+# Ops that only inspect values (a bool out): an inf they see is not consumed yet, so a later
+# op that absorbs it (the overwrite after ``isinf``) is named as its absorber instead.
+CHECK_OPS = frozenset(
+    {"aten.isinf.default", "aten.isnan.default", "aten.isfinite.default", "aten.isposinf.default",
+     "aten.isneginf.default", "aten.eq.Tensor", "aten.eq.Scalar", "aten.ne.Tensor", "aten.ne.Scalar",
+     "aten.lt.Tensor", "aten.lt.Scalar", "aten.le.Tensor", "aten.le.Scalar", "aten.gt.Tensor",
+     "aten.gt.Scalar", "aten.ge.Tensor", "aten.ge.Scalar", "aten.any.default", "aten.any.dim",
+     "aten.all.default", "aten.all.dim", "aten.isclose.default"}
+)
 # In-place ops that replace every value of their first input: its old state does not count.
 OVERWRITE_OPS = frozenset(
     {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default",
@@ -191,6 +200,8 @@ class Tracker:
         stack id, forward op name) for an origin check_numerics may name later.
         """
         taint, origin = propagate(cls, in_taint, in_origin, health, seq)
+        if cls == RENORM and in_taint == PENDING:  # softmax took the mask's -inf, whatever it made
+            self._absorbed(in_origin, op)
         reason = None
         if taint == PENDING and (phase == "backward" or phase == "optimizer" or param_write):
             taint = HARMFUL
@@ -198,7 +209,7 @@ class Tracker:
         elif taint == HARMFUL and in_taint != HARMFUL:
             reason = "read" if cls == READ else "nan"
         if taint == FINITE:
-            if in_taint == PENDING:
+            if in_taint == PENDING and cls != RENORM:
                 self._absorbed(in_origin, op)
             return FINITE, None
         if taint == UNKNOWN:
@@ -239,10 +250,10 @@ class Tracker:
     def _absorbed(self, origin: int | None, op: str) -> None:
         """A pending inf went into an op whose output is finite: intended, absorbed by ``op``."""
         o = self.origins.get(origin)
-        if o is None or o[3] is not None or o[4]:
+        if o is None or o[4] or (o[3] is not None and o[3] not in CHECK_OPS) or o[3] == op:
             return
         self.origins[origin] = o[:3] + (op,) + o[4:]
-        self._group(o[1], o[0], None, -o[2], -1)
+        self._group(o[1], o[0], o[3], -o[2], -1)
         self._group(o[1], o[0], op, o[2], 1)
 
     def keep(self, rec: tuple) -> None:
