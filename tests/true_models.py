@@ -118,9 +118,12 @@ class RMSNormNoEps(nn.Module):
 
 
 def train_rmsnorm(steps: int = 12, width: int = 64, depth: int = 6) -> list[float]:
-    """A padding token embeds to zeros (padding_idx), RMSNorm of that row has no gradient."""
+    """Token 0 embeds to a zero row: RMSNorm of it is finite (0 / 1e-8), its gradient is NaN
+    (sqrt at 0), and the NaN reaches the embedding table, then every parameter."""
     torch.manual_seed(0)
-    emb = nn.Embedding(VOCAB, width, padding_idx=PAD)
+    emb = nn.Embedding(VOCAB, width)
+    with torch.no_grad():
+        emb.weight[0] = 0.0
     layers = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
     norm = RMSNormNoEps()
     head = nn.Linear(width, VOCAB)
@@ -130,7 +133,7 @@ def train_rmsnorm(steps: int = 12, width: int = 64, depth: int = 6) -> list[floa
     losses = []
     for _ in range(steps):
         idx = torch.randint(0, VOCAB, (16,), generator=g)
-        idx[0] = PAD
+        idx[0] = 0
         h = norm(emb(idx))
         logits = head(layers(h))
         loss = F.cross_entropy(logits, torch.randint(0, VOCAB, (16,), generator=g))
