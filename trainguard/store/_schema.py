@@ -96,12 +96,15 @@ _BACKFILL = {("executions", "taint"): "UPDATE executions SET taint = 3, origin =
 
 def _upgrade(con: sqlite3.Connection) -> None:
     """Bring an older run's tables to this format (new nullable columns), then its version."""
+    added = []
     for table, columns in _ADDED_COLUMNS.items():
         have = {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
         for name, decl in columns:
             if name not in have:
                 con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
-                if (table, name) in _BACKFILL:
-                    con.execute(_BACKFILL[(table, name)])
+                added.append((table, name))
+    for key in added:  # once every new column exists
+        if key in _BACKFILL:
+            con.execute(_BACKFILL[key])
     con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version' AND CAST(value AS INTEGER) < ?",
                 (str(SCHEMA_VERSION), SCHEMA_VERSION))
