@@ -156,7 +156,8 @@ def origin(reg: Registry, rid: str, seq: int | None = None, rank: int | None = N
             return {"available": False, "reason": "no execution in this run holds a harmful NaN or Inf",
                     "result": None}
         target = seq if seq is not None else first["seq"]
-        ans = call("trainguard.analysis", "origin", h.run, target)
+        # seq None: the analysis starts where the first harmful value became harmful, and says how
+        ans = call("trainguard.analysis", "origin", h.run, seq)
         ans.setdefault("result", None)
         ans["seq"] = target
         return ans

@@ -74,7 +74,8 @@ export class AlertsPane {
         h("span.link", { on: { click: () => this.onSelect(o.seq) } }, `#${o.seq} ${opName(o.op)}`),
         o.file ? h("span.small.muted", `  ${basename(o.file)}:${o.line}${o.function ? ` in ${o.function}()` : ""}`) : null,
         h("div.small", `step ${o.step} · ${o.phase}${o.health && o.health.length ? ` · ${o.health.join(", ")}` : ""}`),
-        o.explanation ? h("div.why", o.explanation) : null));
+        o.explanation ? h("div.why", o.explanation) : null,
+        r.harm ? h("div.small.harm", `Then ${r.harm.replace(/(\S*\/)([^/\s]+:\d+)/g, "$2")}`) : null));
       for (const inp of o.inputs || []) {
         if (!inp.producer_op) continue;
         parts.push(h("div.small", `input ${inp.slot} from `,
