@@ -422,8 +422,10 @@ class Tracker:
 
     def intended(self) -> list[dict]:
         """Infinities never harmful: by kind, the op that made them and the one that absorbed them."""
+        # list(): one C-level copy, safe while the judging thread adds a group (flush may run on
+        # the writer's thread when the program stopped making ops)
         rows = [{"kind": k, "made_by": m, "absorbed_by": a, "values": v, "executions": n}
-                for (k, m, a), (v, n) in self.groups.items() if n > 0]
+                for (k, m, a), (v, n) in list(self.groups.items()) if n > 0]
         rows.sort(key=lambda r: (r["absorbed_by"] is None, -r["executions"], -r["values"]))
         return rows
 
