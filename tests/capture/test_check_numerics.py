@@ -25,7 +25,7 @@ def test_forward_log_of_zero_read_by_the_program():
             logp.sum().item()  # MARK-ITEM
     msg = str(info.value)
     assert msg.startswith("aten.log produced -inf in step 0, forward pass (2 values, 1 -inf, 1 zero")
-    assert "which was read by the program (aten._local_scalar_dense" in msg
+    assert "which was read by the program in aten._local_scalar_dense (.item()" in msg
     assert f"{HERE}:{line_of('MARK-ITEM')}" in msg.splitlines()[0]
     assert f"{HERE}:{line_of('MARK-LOG')} in test_" in msg  # the line that made the inf
     assert "module: outside any nn.Module" in msg

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainguard.store import Run
+from trainguard.store import REACHED, Run
 
 # Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
 _LOGS = {"log", "log2", "log10", "log_"}
@@ -33,15 +33,6 @@ _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
               "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math"}
 
-# How a value became harmful (the reader's first_harm reason), as the end of a sentence.
-REACHED = {
-    "nan": "became NaN in {op}",
-    "loss": "reached the loss: backward() was called on the output of {op}",
-    "gradient": "reached a gradient in {op} (backward pass)",
-    "optimizer": "reached the optimizer's update in {op}",
-    "parameter": "was written into a parameter by {op}",
-    "read": "was read by the program in {op} (.item(), .tolist() or printing)",
-}
 
 
 def op_base(op: str) -> str:

@@ -12,19 +12,10 @@ import torch
 
 from trainguard.capture import _steps
 from trainguard.capture._summary import summarize_immediate
-from trainguard.store._codec import NAN, NEG_INF, POS_INF, health_names
+from trainguard.store._codec import NAN, NEG_INF, POS_INF, REACHED, health_names
 
 _Tensor = torch.Tensor
 
-# How a value became harmful (Tracker reasons), as the end of a sentence about it.
-_REACHED = {
-    "nan": "became NaN in {op}",
-    "loss": "reached the loss: backward() was called on the output of {op}",
-    "gradient": "reached a gradient in {op}",
-    "optimizer": "reached the optimizer's update in {op}",
-    "parameter": "was written into a parameter by {op}",
-    "read": "was read by the program ({op}: .item(), .tolist() or printing)",
-}
 
 
 def op_display(name: str) -> str:
@@ -151,7 +142,7 @@ def message(r, name, phase, module_id, stack_id, fwd_op, args, outs, health, ori
     o_op, kind, _, _, _, o_step, o_phase, o_module, o_stack, o_fwd, detail = origin
     out_text, in_texts = detail if detail else ("", ())
     h_op, h_stack = harm_at if harm_at is not None else (name, stack_id)
-    how = _REACHED.get(reason or "nan", "became harmful in {op}").format(op=h_op.replace(".default", ""))
+    how = REACHED.get(reason or "nan", "became harmful in {op}").format(op=h_op.replace(".default", ""))
     head = o_op.replace(".default", "")
     if o_fwd is not None:
         head += f" (in the backward of {op_display(o_fwd)})"

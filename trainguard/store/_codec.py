@@ -32,6 +32,16 @@ NONFINITE = NAN | POS_INF | NEG_INF
 # non-finite (what format 2 meant).
 T_FINITE, T_UNKNOWN, T_PENDING, T_HARMFUL = 0, 1, 2, 3
 TAINTS = ("finite", "unknown", "pending", "harmful")
+# How a value became harmful (meta first_harm.reason), as the end of a sentence about it; the
+# report, the UI and check_numerics say it alike.
+REACHED = {
+    "nan": "became NaN in {op}",
+    "loss": "reached the loss: backward() was called on the output of {op}",
+    "gradient": "reached a gradient in {op} (backward pass)",
+    "optimizer": "reached the optimizer's update in {op}",
+    "parameter": "was written into a parameter by {op}",
+    "read": "was read by the program in {op} (.item(), .tolist() or printing)",
+}
 
 # Summary fields per tensor-summary mode, in storage order (float64 per field per output).
 # neg / pos count finite values only, as in tfdbg2's FULL_HEALTH.
