@@ -216,3 +216,42 @@ def test_exp_overflow_under_check_numerics(tmp_path):
     assert f"true_models.py:{M.line_of('EXP LINE')} in forward" in msg
     out = report_text(str(tmp_path / "r"))
     assert "First harmful value: aten.exp" in out and "check_numerics stopped the run" in out
+
+
+# ---------------------------------------------------------------------- every fault, every surface
+FAULTY = {
+    # name: (train, (origin op, marker of its line, step, phase))
+    "fully_masked_row": (lambda: M.train_gpt(4, padded=True, empty_at=2), ("aten._softmax", "SOFTMAX LINE", 2, "forward")),
+    "rmsnorm_backward": (M.train_rmsnorm, ("aten.div.Tensor", "SQRT LINE", 0, "backward")),
+    "exp_into_loss": (M.train_exp, ("aten.exp", "EXP LINE", 2, "forward")),
+}
+
+
+@pytest.fixture(scope="module")
+def faulty_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("faulty")
+    for name, (fn, _) in FAULTY.items():
+        with tg.record(base / name):
+            fn()
+    return base
+
+
+@pytest.mark.parametrize("name", list(FAULTY))
+def test_fault_in_report_json_and_ui(faulty_runs, name, capsys):
+    op, marker, step, phase = FAULTY[name][1]
+    line = M.line_of(marker)
+    out = report_text(str(faulty_runs / name))
+    assert f"First harmful value: {op} at tests/true_models.py:{line} in step {step} ({phase} pass" in out
+    assert main(["report", str(faulty_runs / name), "--json"]) == 0
+    link = json.loads(capsys.readouterr().out)["origin"]["origin"]
+    assert (link["op"], link["line"], link["step"], link["phase"]) == (op, line, step, phase)
+
+    from starlette.testclient import TestClient
+
+    from trainguard.ui import create_app
+
+    with TestClient(create_app(faulty_runs)) as client:
+        o = client.get(f"/api/runs/{name}/origin").json()["result"]["origin"]
+        a = client.get(f"/api/runs/{name}/alerts").json()
+    assert (o["op"], o["line"], o["step"], o["phase"]) == (op, line, step, phase)
+    assert a["first_seq"] == o["seq"]

@@ -209,3 +209,19 @@ def test_memory_stays_bounded(tmp_path, monkeypatch):
     assert run.count() <= 100 + 4 + 30
     by_step = {s["step"]: s["nonfinite"] for s in run.steps()}
     assert by_step[59] == 7  # counts for every step, stored or not
+
+
+def test_an_origin_older_than_the_window_is_sent_again_and_kept(tmp_path):
+    """The writer and its sink hold buffer + 10,000 executions; the recorder remembers pending
+    ones longer and sends them again when they turn harmful."""
+    x = torch.ones(1)
+    with tg.record(tmp_path / "r", buffer=10):
+        big = torch.tensor([100.0]).exp().mul(1e30)  # +inf, made first
+        for _ in range(12_000):
+            x = x + 1
+        big.add(1).item()  # read long after: harmful now
+    run = open_run(tmp_path / "r")
+    o = origin(run)
+    assert [c.op for c in o.chain] == ["aten._local_scalar_dense", "aten.add.Tensor", "aten.mul.Tensor", "aten.exp"]
+    assert o.origin.seq < run.executions(run.count() - 1)[0]["seq"] - 12_000
+    assert run.execution(o.origin.seq)["taint"] == "harmful"
