@@ -63,3 +63,26 @@ def test_a_format_2_run_reads_as_before_and_upgrades_when_appended_to(tmp_path):
     assert run.alerts()["total"] == 4
     assert {e["op"] for e in run.executions(health="harmful")} == {
         "aten.masked_fill.Scalar", "aten.log", "aten.mul.Tensor", "aten.sum"}
+
+
+def _rec(seq, taint=0, origin=None, health=0):
+    summary = (1.0, 0.0, 0.0, 0.0, 1.0 if health else 0.0, 0.0, 0.0)
+    return (seq, 0, "forward", "aten.exp.default", None, None, None, health, (("op", seq - 1),) if seq else (),
+            (("float32", (1,), "cpu"),), (summary,), taint, origin)
+
+
+def test_a_value_that_turns_harmful_later_is_pinned_and_updated(tmp_path):
+    """The recorder sends a pending record, then (much later, in a batch of its own) pins it and
+    sends it again as harmful: the circular buffer keeps it, with its new taint."""
+    from trainguard.store import ExecBatch
+
+    w = RunWriter(tmp_path / "r", mode="full_health", buffer=5)
+    w.put_executions(ExecBatch([_rec(s, 2, 3, 4) if s == 3 else _rec(s) for s in range(50)], pins=[]))
+    w.flush()
+    w.put_executions(ExecBatch([], pins=[3, 2], resend=[_rec(3, 3, 3, 4)]), must_keep=True)
+    w.put_executions(ExecBatch([_rec(s) for s in range(50, 100)], pins=[]))
+    w.close()
+    run = open_run(tmp_path / "r")
+    assert [e["seq"] for e in run.executions()] == [2, 3, 95, 96, 97, 98, 99]
+    assert run.execution(3)["taint"] == "harmful" and run.execution(3)["origin"] == 3
+    assert run.execution(2)["taint"] == "finite"

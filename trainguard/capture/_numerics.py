@@ -88,9 +88,11 @@ def describe_input(r, t: _Tensor) -> str:
     if named is not None:
         who = f"{named[1]} {named[0]!r}"
     elif p is not None and p[0]() is t:
-        fr = user_frame(r.stacks.frames(p[3]))
+        from trainguard.capture._recorder import _OP, _STACK
+
+        fr = user_frame(r.stacks.frames(p[_STACK]))
         where = f" from {short_path(fr[0])}:{fr[1]}" if fr else ""
-        who = f"{op_display(p[2])} output{where}"
+        who = f"{op_display(p[_OP])} output{where}"
     else:
         who = "user input"
     return f"{who}: {describe_values(t)}"

@@ -148,7 +148,7 @@ def _rank_dir(logdir: Path) -> Path:
 # The weak reference has no callback (a callback per tensor costs more than the op's own
 # bookkeeping); an entry whose tensor died is ignored on lookup, overwritten when the id is
 # reused, and swept out every step and when the table doubles (see Recorder._sweep).
-_OP, _STACK = 2, 3  # positions in an entry, for the cold paths
+_OP, _STACK = 2, 3  # positions in an entry, for the cold paths (capture/_numerics.py)
 
 
 class Recorder(HarmHooks):
@@ -394,6 +394,7 @@ class Recorder(HarmHooks):
         self.sweep_at = max(4096, 2 * len(self.producers))
         if self.judge_here and self.taint.states:
             self.taint.prune({p[1] for p in self.producers.values()})
+
 
 class _DispatchMode(TorchDispatchMode):
     @classmethod

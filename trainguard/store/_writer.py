@@ -227,7 +227,8 @@ class RunWriter:
         return self._q.maxsize - self._q.qsize()
 
     def put_executions(self, batch: ExecBatch, *, must_keep: bool = False) -> None:
-        """Hand over executions; ``must_keep`` marks a batch holding a non-finite value."""
+        """Hand over executions; ``must_keep`` marks a batch that must not be dropped under
+        back-pressure (it holds what the buffer must keep: a harmful value, its chain)."""
         self._put(("exec", batch, must_keep), must_keep=must_keep, n_exec=len(batch.records))
 
     def add_harm_counts(self, rows: list[tuple[int, str, int, int]]) -> None:
@@ -420,16 +421,17 @@ class RunWriter:
         all but the newest N are evicted anyway: sending every one of them to the sink costs
         the training process several microseconds per op for rows that are deleted a second
         later. So the newest N are sent every ``SEND_INTERVAL`` seconds; older ones stay here
-        (up to the eviction slack) and are sent only when a non-finite batch arrives, so that
-        the sink can pin the producers of a NaN that were made long before it.
+        (up to the eviction slack) and are sent when the recorder pins them (``pins``: the
+        chain of a harmful value may be older than the newest N). A batch without ``pins``
+        that is ``bad`` (another writer's non-finite batch) sends everything held, so that the
+        sink can pin the producers of a NaN that were made long before it.
         """
-        if not records:
-            return
-        self._window.append(records)
-        self._window_n += len(records)
-        limit = self.buffer + EVICTION_SLACK
-        while self._window_n - len(self._window[0]) >= limit:
-            self._window_n -= len(self._window.popleft())
+        if records:
+            self._window.append(records)
+            self._window_n += len(records)
+            limit = self.buffer + EVICTION_SLACK
+            while self._window_n - len(self._window[0]) >= limit:
+                self._window_n -= len(self._window.popleft())
         if pins is not None:
             # The recorder named what to keep: send those records now (they may be older than
             # the newest N that the next send takes), with the records sent again.
@@ -448,7 +450,10 @@ class RunWriter:
         for records in reversed(self._window):
             if records[0][0] <= seq:
                 i = bisect.bisect_left(records, seq, key=_seq_of)
-                return records[i] if i < len(records) and records[i][0] == seq else None
+                if i < len(records) and records[i][0] == seq:
+                    return records[i]
+                # ops recorded on several threads may interleave out of order: look through it
+                return next((r for r in records if r[0] == seq), None)
         return None
 
     def _send_window(self) -> None:
