@@ -13,7 +13,9 @@ by round in one process (in a rotated order each round):
   execution per op type and step, counts for the rest).
 
 Each cell is the median over rounds of the paired ratio (this round's median step time, or the
-run directory's size, over its partner's in the same round), with the range over rounds.
+run directory's size, over its partner's in the same round), with the range over rounds. Step
+time is measured twice: wall time, and the CPU time of this process (all its threads: training
+and writer), which a shared machine's load disturbs much less.
 
     python benchmarks/bench_origin.py
     python benchmarks/bench_origin.py --rounds 3 --steps 6 --pairs storm-mlp
@@ -108,8 +110,9 @@ def _size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def run_config(builder, poisoned: bool, tmp: str, warm: int, steps: int) -> tuple[float, int, int]:
-    """(median step time, run directory bytes, stored executions) of one fresh recording."""
+def run_config(builder, poisoned: bool, tmp: str, warm: int, steps: int) -> tuple[float, int, int, float]:
+    """(median step time, run directory bytes, stored executions, median step CPU time) of one
+    fresh recording."""
     import trainguard as tg
 
     model, opt, loss_fn = builder()
@@ -118,17 +121,18 @@ def run_config(builder, poisoned: bool, tmp: str, warm: int, steps: int) -> tupl
         loss_fn().backward()
         opt.step()
     d = os.path.join(tmp, f"r-{time.monotonic_ns()}")
-    times = []
+    times, cpu = [], []
     with tg.record(d, mode="full_health", buffer=1000):
         for i in range(warm + steps):
             if i == warm and poisoned:
                 _poison(model)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             opt.zero_grad()
             loss_fn().backward()
             opt.step()
             if i >= warm:
                 times.append(time.perf_counter() - t)
+                cpu.append(time.process_time() - c)
     with tg.open(d) as run:
         stored = run.count()
         if not hasattr(run, "first_harm"):  # a trainguard before format 3 (for a "before" figure)
@@ -137,12 +141,12 @@ def run_config(builder, poisoned: bool, tmp: str, warm: int, steps: int) -> tupl
             assert run.alerts()["total"] > 0, "the storm made no harmful value"
         else:
             assert run.alerts()["total"] == 0, "the healthy run has an alert"
-    return statistics.median(times), _size(d), stored
+    return statistics.median(times), _size(d), stored, statistics.median(cpu)
 
 
 def time_pair(pair: str, rounds: int, warm: int, steps: int) -> dict:
     a, b = PAIRS[pair]
-    t_ratio, s_ratio, seen = [], [], {a[0]: [], b[0]: []}
+    t_ratio, c_ratio, s_ratio, seen = [], [], [], {a[0]: [], b[0]: []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             this = {}
@@ -150,10 +154,12 @@ def time_pair(pair: str, rounds: int, warm: int, steps: int) -> dict:
                 this[name] = run_config(builder, poisoned, tmp, warm, steps)
                 seen[name].append(this[name])
             t_ratio.append(this[a[0]][0] / this[b[0]][0])
+            c_ratio.append(this[a[0]][3] / this[b[0]][3])
             s_ratio.append(this[a[0]][1] / this[b[0]][1])
     return {
         "a": a[0], "b": b[0],
         "time_ratio": statistics.median(t_ratio), "time_range": [min(t_ratio), max(t_ratio)],
+        "cpu_ratio": statistics.median(c_ratio), "cpu_range": [min(c_ratio), max(c_ratio)],
         "size_ratio": statistics.median(s_ratio), "size_range": [min(s_ratio), max(s_ratio)],
         "step_ms": {k: 1e3 * statistics.median(x[0] for x in v) for k, v in seen.items()},
         "size_kib": {k: statistics.median(x[1] for x in v) / 1024 for k, v in seen.items()},
@@ -172,15 +178,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = {"threads": args.threads, "load": os.getloadavg()[0], "pairs": {}}
-    print(f"{'pair':10} {'a / b':24} {'step time a/b [range]':26} {'run dir a/b [range]':24} "
-          f"{'step ms a, b':14} {'stored a, b'}")
+    print(f"{'pair':10} {'a / b':24} {'wall a/b [range]':20} {'cpu a/b [range]':20} {'run dir a/b [range]':20} "
+          f"{'wall ms a, b':16} {'stored a, b'}")
     for pair in [x for x in args.pairs.split(",") if x]:
         r = out["pairs"][pair] = time_pair(pair, args.rounds, args.warm, args.steps)
         ms = r["step_ms"]
-        print(f"{pair:10} {r['a'] + ' / ' + r['b']:24} "
-              f"{r['time_ratio']:.2f}x [{r['time_range'][0]:.2f}-{r['time_range'][1]:.2f}]{'':10} "
-              f"{r['size_ratio']:.2f}x [{r['size_range'][0]:.2f}-{r['size_range'][1]:.2f}]{'':8} "
-              f"{ms[r['a']]:.1f}, {ms[r['b']]:.1f}{'':5} {r['stored'][r['a']]:.0f}, {r['stored'][r['b']]:.0f}")
+        cells = [f"{r[k + '_ratio']:.2f}x [{r[k + '_range'][0]:.2f}-{r[k + '_range'][1]:.2f}]"
+                 for k in ("time", "cpu", "size")]
+        print(f"{pair:10} {r['a'] + ' / ' + r['b']:24} {cells[0]:20} {cells[1]:20} {cells[2]:20} "
+              f"{ms[r['a']] :.1f}, {ms[r['b']]:.1f}{'':6} {r['stored'][r['a']]:.0f}, {r['stored'][r['b']]:.0f}")
     print(f"(load average {out['load']:.2f} before the run; {args.rounds} rounds x {args.steps} timed steps)")
     if args.json:
         with open(args.json, "w") as fh:

@@ -53,6 +53,6 @@ def test_origin_benchmark_prints_its_pairs(tmp_path, capsys):
                              "--json", str(tmp_path / "o.json")])
     storm = out["pairs"]["storm-mlp"]
     assert (storm["a"], storm["b"]) == ("nan storm", "healthy")
-    assert storm["time_ratio"] > 0 and storm["size_ratio"] > 0
+    assert storm["time_ratio"] > 0 and storm["cpu_ratio"] > 0 and storm["size_ratio"] > 0
     assert set(out["pairs"]["mask"]["step_ms"]) == {"-inf", "finfo.min"}
     assert "nan storm / healthy" in capsys.readouterr().out and (tmp_path / "o.json").exists()
