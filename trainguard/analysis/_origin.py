@@ -34,7 +34,6 @@ _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
               "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math"}
 
 
-
 def op_base(op: str) -> str:
     """``aten.log`` -> ``log``; ``aten.div.Tensor`` -> ``div``; ``aten._softmax`` -> ``_softmax``."""
     parts = op.split(".")
@@ -239,7 +238,7 @@ def _masked_rows(link: Link) -> str | None:
             _count(s0, "neg_inf") or (s0 or {}).get("nonfinite")):
         what = "log_softmax" if "log" in base else "softmax"
         return (f"{what} over a row whose inputs are all -inf (a fully masked row) -> NaN: "
-                f"exp(-inf - max) with max = -inf is exp(NaN)")
+                "the row's max is -inf, and -inf - (-inf) is NaN")
     if base in _ATTENTION and not any(_count(i.get("summary"), "nan") for i in link.inputs):
         return "attention over a row whose positions are all masked -> NaN (no key left to attend to)"
     return None

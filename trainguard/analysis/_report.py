@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.analysis._origin import origin
+from trainguard.analysis._origin import op_base, origin
 from trainguard.store import Run
 
 # Lines of source shown around each frame of the origin.
@@ -25,9 +25,8 @@ def source_excerpt(run: Run, file: str | None, line: int | None, context: int = 
 
 
 def _op_short(name: str | None) -> str:
-    if not name:
-        return "?"
-    base = name.split(".")[1] if name.startswith("aten.") and "." in name else name.split(".")[0]
+    """``aten._softmax.default`` -> ``softmax``: an op as a user knows it."""
+    base = op_base(name or "?")
     return base.lstrip("_") or base
 
 
