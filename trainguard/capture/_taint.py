@@ -154,9 +154,6 @@ STATES_MAX = 65536
 # this many in a run, so that a run that keeps making NaN stays within 2x of its healthy size.
 STORM_PINS = 256
 
-# Why a value became harmful (meta first_harm.reason).
-REASONS = ("nan", "loss", "gradient", "optimizer", "parameter", "read")
-
 
 def kind_of(health: int) -> str:
     if health & NAN:
@@ -205,7 +202,7 @@ class Tracker:
         reason = None
         if taint == PENDING and (phase == "backward" or phase == "optimizer" or param_write):
             taint = HARMFUL
-            reason = "parameter" if param_write and phase != "optimizer" else phase if phase != "backward" else "gradient"
+            reason = "gradient" if phase == "backward" else "optimizer" if phase == "optimizer" else "parameter"
         elif taint == HARMFUL and in_taint != HARMFUL:
             reason = "read" if cls == READ else "nan"
         if taint == FINITE:
@@ -217,8 +214,11 @@ class Tracker:
             return UNKNOWN, None
         if origin == seq:
             self._born(seq, op, health, values, step, phase, where)
-        elif taint == PENDING and origin in self.records:
-            self.records[origin] = self.records.pop(origin)  # in use: keep it
+        elif taint == PENDING:  # derived from an origin still in use: keep it (least recently used goes)
+            if origin in self.records:
+                self.records[origin] = self.records.pop(origin)
+            if origin in self.origins:
+                self.origins[origin] = self.origins.pop(origin)
         self._state(seq, taint, origin)
         if taint == HARMFUL:
             self._harmful(seq, step, op, origin, reason, inputs, fwd_seq)
@@ -284,7 +284,7 @@ class Tracker:
         o = self.origins.get(origin)
         if o is not None and not o[4]:
             self.origins[origin] = o[:4] + (True,) + o[5:]
-            if not o[1] == "nan":
+            if o[1] != "nan":
                 self._group(o[1], o[0], o[3], -o[2], -1)
         key = (step, op)
         if self.first is None:
