@@ -44,10 +44,9 @@ from trainguard.capture._taint import (
     VIEW,
     Tracker,
     classify,
-    inf_values,
 )
 from trainguard.store import MODE_FIELDS, MODES, ExecBatch, acquire_writer, release_writer
-from trainguard.store._codec import NEG_INF, POS_INF, health_of
+from trainguard.store._codec import health_of
 
 log = logging.getLogger("trainguard.capture")
 
@@ -561,9 +560,7 @@ class _DispatchMode(TorchDispatchMode):
             elif health or in_taint or cls == ALLOC:
                 taint, origin = r.taint.settle(
                     seq, _clock.step, phase, name, cls, info[8] and bool(inputs) and inputs[0][0] == "param",
-                    in_taint, in_origin, health, inputs, fwd_seq,
-                    inf_values(fields, summaries) if health & (POS_INF | NEG_INF) else 0,
-                    (module_id, stack_id, fwd_op))
+                    in_taint, in_origin, health, inputs, fwd_seq, fields, summaries, (module_id, stack_id, fwd_op))
                 if r.check and origin == seq:
                     r._note_origin(seq, args, outs)
             stop = r.check and (taint == HARMFUL or (r.strict and health and taint != UNKNOWN))

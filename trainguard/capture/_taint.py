@@ -189,13 +189,20 @@ class Tracker:
 
     # ------------------------------------------------------------------ judging
     def settle(self, seq: int, step: int, phase: str, op: str, cls: int, param_write: bool, in_taint: int,
-               in_origin: int | None, health: int, inputs: tuple, fwd_seq: int | None, values: int,
-               where: tuple = (None, None, None)) -> tuple[int, int | None]:
+               in_origin: int | None, health: int, inputs: tuple, fwd_seq: int | None, fields: tuple,
+               summaries, where: tuple = (None, None, None)) -> tuple[int, int | None]:
         """The taint of execution ``seq``'s outputs; records the events it makes.
 
-        ``values`` counts the +-inf in its outputs (0 when unknown); ``where`` is (module id,
-        stack id, forward op name) for an origin check_numerics may name later.
+        ``fields`` and ``summaries`` (the run's summary fields, the outputs' summaries) count
+        the infinities an origin made; ``where`` is (module id, stack id, forward op name) for
+        an origin check_numerics may name later.
         """
+        if in_taint == HARMFUL and cls != ALLOC and (health or cls == READ):
+            # Passed on (a run that keeps making NaN does little else): the table's answer, and
+            # only the count and the storm's pins to keep.
+            self._state(seq, HARMFUL, in_origin)
+            self._harmful(seq, step, op, in_origin, None, inputs, fwd_seq)
+            return HARMFUL, in_origin
         taint, origin = propagate(cls, in_taint, in_origin, health, seq)
         if cls == RENORM and in_taint == PENDING:  # softmax took the mask's -inf, whatever it made
             self._absorbed(in_origin, op)
@@ -213,7 +220,8 @@ class Tracker:
             self._state(seq, UNKNOWN, None)
             return UNKNOWN, None
         if origin == seq:
-            self._born(seq, op, health, values, step, phase, where)
+            self._born(seq, op, health, inf_values(fields, summaries) if health & (POS_INF | NEG_INF) else 0,
+                       step, phase, where)
         elif taint == PENDING:  # derived from an origin still in use: keep it (least recently used goes)
             if origin in self.records:
                 self.records[origin] = self.records.pop(origin)
@@ -281,7 +289,7 @@ class Tracker:
 
     def _harmful(self, seq, step, op, origin, reason, inputs, fwd_seq, retro=False) -> None:
         self.counted.append((step, op, seq))
-        o = self.origins.get(origin)
+        o = self.origins.get(origin) if reason is not None else None  # passed on: already harmful
         if o is not None and not o[4]:
             self.origins[origin] = o[:4] + (True,) + o[5:]
             if o[1] != "nan":
@@ -378,7 +386,7 @@ class Tracker:
             taint, origin = FINITE, None
             if health or in_taint or cls == ALLOC:
                 taint, origin = self.settle(seq, step, phase, op, cls, param_write, in_taint, in_origin, health,
-                                            rec[8], rec[6], inf_values(fields, rec[10]), (rec[4], rec[5], None))
+                                            rec[8], rec[6], fields, rec[10], (rec[4], rec[5], None))
             rec = rec[:7] + (health,) + rec[8:11] + (taint, origin)
             if taint == PENDING:
                 self.keep(rec)
