@@ -140,14 +140,17 @@ def all_counts(a: np.ndarray) -> tuple[int, int, int, int, int, int]:
     neg and pos counting finite values only (only when :func:`available`). Meant for arrays
     known or expected to hold NaN or Inf: a finite one is proven faster by :func:`counts`."""
     n = a.size
-    neg = pos = ninf = pinf = nan = 0
-    for start in range(0, n, CHUNK):
-        k = _full_kernel(a[start:start + CHUNK])
-        neg += int(k[0])
-        pos += int(k[1])
-        ninf += int(k[2])
-        pinf += int(k[3])
-        nan += int(k[4])
+    if n <= CHUNK:  # the common case: one call, no slicing (a run that keeps making NaN calls this per op)
+        neg, pos, ninf, pinf, nan = map(int, _full_kernel(a))
+    else:
+        neg = pos = ninf = pinf = nan = 0
+        for start in range(0, n, CHUNK):
+            k = _full_kernel(a[start:start + CHUNK])
+            neg += int(k[0])
+            pos += int(k[1])
+            ninf += int(k[2])
+            pinf += int(k[3])
+            nan += int(k[4])
     return neg - ninf, n - neg - pos - nan, pos - pinf, ninf, pinf, nan
 
 
