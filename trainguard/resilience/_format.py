@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -47,6 +48,14 @@ def is_temporary(name: str) -> bool:
 def open_for_write(path: Path) -> BinaryIO:
     """Every checkpoint file is created through here (tests inject write failures at this seam)."""
     return open(path, "wb")
+
+
+def remove_entry(path: Path) -> None:
+    """Delete a checkpoint entry; a symbolic link is removed itself, never what it points to."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 def fsync_dir(path: Path) -> None:
@@ -138,6 +147,25 @@ def check(directory: Path, *, full: bool) -> dict[str, Any]:
             if file_digest(directory / name) != meta.get("sha256"):
                 raise Invalid(f"{name} fails its SHA-256 checksum (its content was damaged)")
     return manifest
+
+
+def signature(directory: Path) -> tuple | None:
+    """What identifies the exact content of a checkpoint's files without reading them.
+
+    Inode, size, modification and change time of the manifest and of every other entry: any
+    write, truncation, replacement or rename changes one of them (the change time cannot be set
+    back), so a checkpoint whose signature is unchanged since its full check is the one checked.
+    None when the directory cannot be listed.
+    """
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        out = []
+        for e in entries:
+            st = e.stat(follow_symlinks=False)
+            out.append((e.name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return tuple(out)
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
