@@ -140,6 +140,31 @@ def test_epoch_form_resumes_mid_epoch(tmp_path):
     assert_same_training_state(reference, resumed)
 
 
+def test_epoch_form_saves_each_step_once_when_the_interval_ends_an_epoch(tmp_path, monkeypatch):
+    reference = make_state()
+    expected = epoch_run(reference, CheckpointManager(tmp_path / "ref").resume(reference, epochs=3))
+    saved = []
+    real = CheckpointManager.save
+
+    def spy(self, state, step=None, **kwargs):
+        saved.append((state.step if step is None else step, state.epoch))
+        return real(self, state, step, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "save", spy)
+    state = make_state()
+    m = CheckpointManager(tmp_path / "ck", keep=10, every_steps=5)  # 5 batches an epoch
+    head = epoch_run(state, m.resume(state, epochs=3), crash_after_batches=12)
+    assert saved == [(5, 1), (10, 2)]  # once each, at the end of the epoch
+    assert [(i.step, i.epoch) for i in m.list()] == [(5, 1), (10, 2)]
+    m.close()
+    resumed = make_state(seed=11)
+    loop = CheckpointManager(tmp_path / "ck", every_steps=5).resume(resumed, epochs=3)
+    assert (loop.start_step, loop.start_epoch) == (10, 2)
+    tail = epoch_run(resumed, loop)
+    assert head[:10] + tail == expected
+    assert_same_training_state(reference, resumed)
+
+
 def test_epoch_form_without_step_calls_counts_epochs(ckpt_dir):
     state = make_state()
     m = CheckpointManager(ckpt_dir, keep=10)

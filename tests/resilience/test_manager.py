@@ -213,6 +213,56 @@ def test_saving_the_same_step_again_replaces_it(ckpt_dir):
     assert [(i.step, i.metadata) for i in m.list()] == [(5, {"try": 2})]
 
 
+class _Killed(BaseException):
+    """Stands for SIGKILL at a chosen instant (no except clause of the library catches it)."""
+
+
+def test_replacing_a_checkpoint_never_leaves_that_step_missing(ckpt_dir, monkeypatch):
+    m = CheckpointManager(ckpt_dir, keep=1)
+    state = make_state()
+    m.save(state, 5, metadata={"try": 1})
+    seen = []
+
+    def observed(fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)  # after each rename, a reader must find a valid step 5
+            seen.append([i.step for i in _format.list_checkpoints(ckpt_dir, verify=True) if i.valid])
+            return out
+        return wrapped
+
+    for owner, name in ((Path, "rename"), (Path, "replace"), (os, "rename"), (os, "replace")):
+        monkeypatch.setattr(owner, name, observed(getattr(owner, name)))
+    m.save(state, 5, metadata={"try": 2})
+    monkeypatch.undo()
+    assert seen and all(5 in steps for steps in seen), seen
+    assert [(i.step, i.metadata) for i in m.list(verify=True)] == [(5, {"try": 2})]
+    m.close()
+
+
+def test_without_an_atomic_exchange_a_replacement_cut_short_is_undone(ckpt_dir, monkeypatch):
+    m = CheckpointManager(ckpt_dir, keep=1)
+    state = make_state()
+    m.save(state, 5, metadata={"try": 1})
+    m.close()
+    # a file system without RENAME_EXCHANGE
+    monkeypatch.setattr(_format, "exchange", lambda a, b: False, raising=False)
+    real = Path.rename
+
+    def dies_after_moving_the_old_one_aside(self, target):
+        out = real(self, target)
+        if self.name == "step-00000005":
+            raise _Killed
+        return out
+
+    monkeypatch.setattr(Path, "rename", dies_after_moving_the_old_one_aside)
+    with pytest.raises(_Killed):
+        CheckpointManager(ckpt_dir, keep=1).save(state, 5, metadata={"try": 2})
+    monkeypatch.undo()
+    fresh = make_state(seed=9)
+    assert CheckpointManager(ckpt_dir).restore(fresh) == 5  # the old one is back, not a fresh start
+    assert [(i.step, i.valid, i.metadata) for i in _format.list_checkpoints(ckpt_dir)] == [(5, True, {"try": 1})]
+
+
 # -- failed writes ---------------------------------------------------------------------------
 
 
