@@ -12,6 +12,7 @@ This module is light on purpose (no torch import): the CLI and the UI list check
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -30,6 +31,9 @@ RUN_SUBDIR = "checkpoints"
 LOCK_FILE = ".trainguard-ckpt.lock"
 _COMMITTED = re.compile(r"^step-(\d{8,})$")
 _TEMPORARY = re.compile(r"^\.tmp-step-(\d{8,})-[0-9a-f]+$")
+# A checkpoint moved aside while a save of the same step replaces it (file systems without an
+# atomic exchange only): put back if the replacement never arrived, else deleted.
+_REPLACED = re.compile(r"^\.trash-(step-\d{8,})-[0-9a-f]+$")
 _CHUNK = 8 << 20
 
 
@@ -48,6 +52,75 @@ def is_temporary(name: str) -> bool:
 def open_for_write(path: Path) -> BinaryIO:
     """Every checkpoint file is created through here (tests inject write failures at this seam)."""
     return open(path, "wb")
+
+
+def _libc_renameat2() -> Any:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28, or not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+_renameat2 = _libc_renameat2()
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    False where the system or the file system does not offer it; other failures raise OSError.
+    """
+    if _renameat2 is None:
+        return False
+    import ctypes
+
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_directory(new: Path, final: Path, token: str) -> None:
+    """Put the finished directory ``new`` at ``final``; an existing ``final`` is replaced atomically.
+
+    A reader sees the old checkpoint or the new one, never neither: the two are exchanged in one
+    step and the old one, now at ``new``, is deleted. Where no atomic exchange exists, the old
+    one is moved aside first; if the process dies before the new one is in place,
+    :func:`recover_replaced` puts the old one back.
+    """
+    if not os.path.lexists(final):
+        new.rename(final)
+        return
+    if exchange(new, final):
+        fsync_dir(final.parent)
+        remove_entry(new)
+        return
+    aside = final.parent / f".trash-{final.name}-{token}"
+    final.rename(aside)
+    new.rename(final)
+    fsync_dir(final.parent)
+    remove_entry(aside)
+
+
+def recover_replaced(directory: Path) -> None:
+    """Undo a replacement cut short (see :func:`replace_directory`); call while owning the directory."""
+    for p in directory.iterdir():
+        m = _REPLACED.match(p.name)
+        if m is None:
+            continue
+        final = directory / m.group(1)
+        if os.path.lexists(final):
+            remove_entry(p)
+        else:
+            p.rename(final)
+            fsync_dir(directory)
 
 
 def remove_entry(path: Path) -> None:

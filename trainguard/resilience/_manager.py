@@ -95,10 +95,14 @@ def _release_lock(f: Any) -> None:
 
 
 def _remove_leftovers(directory: Path) -> None:
-    """Temporary and trash directories of saves that died; only called while holding the lock."""
+    """Temporary directories of saves that died, replacements cut short; only called while holding the lock."""
+    _format.recover_replaced(directory)
     for p in directory.iterdir():
-        if p.is_dir() and (_format.is_temporary(p.name) or p.name.startswith(".trash-step-")):
-            shutil.rmtree(p, ignore_errors=True)
+        if _format.is_temporary(p.name):
+            if p.is_symlink():
+                p.unlink()
+            else:
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def _json_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
@@ -327,16 +331,11 @@ class CheckpointManager:
         _format.write_manifest(tmp, body)
         _format.fsync_dir(tmp)
         final = self.directory / _format.checkpoint_name(job.step)
-        trash = None
-        if final.exists():  # the same step again, e.g. after falling back past a damaged one
-            trash = self.directory / f".trash-{final.name}-{token}"
-            final.rename(trash)
-        tmp.rename(final)
+        # The same step again (after falling back past a damaged one): replaced atomically.
+        _format.replace_directory(tmp, final, token)
         _format.fsync_dir(self.directory)
         # Every file's SHA-256 was computed from what was written: the new checkpoint is verified.
         self._remember_verified(final)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
         return _format.info_for(final, full=False)
 
     def _pin(self, now: float) -> bool:
@@ -436,6 +435,8 @@ class CheckpointManager:
         rank, world = _dist.rank_world()
         decision = None
         if rank == 0:
+            if self.directory.is_dir():
+                _format.recover_replaced(self.directory)
             entries = self.list()
             decision = json.dumps(choose(self.directory, entries)).encode()
         choice = json.loads(_dist.broadcast_bytes(decision, group))
