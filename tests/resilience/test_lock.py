@@ -1,0 +1,63 @@
+"""One owner per checkpoint directory, for the manager's life, named when a second one is refused."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from trainguard import CheckpointError
+from trainguard.resilience import CheckpointManager, list_checkpoints
+
+from .conftest import make_state, train_steps
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    import torch
+    from trainguard.resilience import CheckpointManager, TrainState
+    m = CheckpointManager(sys.argv[1])
+    loop = m.resume(TrainState(model=torch.nn.Linear(2, 2)), total_steps=5)
+    print("holding", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_second_manager_in_this_process_is_refused_until_the_first_closes(ckpt_dir):
+    state = make_state()
+    first = CheckpointManager(ckpt_dir)
+    first.resume(state, total_steps=3)  # restores: the directory is this manager's from now on
+    second = CheckpointManager(ckpt_dir)
+    holder = rf"pid {os.getpid()} on {socket.gethostname()}"
+    with pytest.raises(CheckpointError, match=rf"{ckpt_dir} is in use by another CheckpointManager \({holder}"):
+        second.resume(make_state(), total_steps=3)
+    with pytest.raises(CheckpointError, match=holder):
+        second.save(make_state(), 1)
+    assert second.list() == []  # listing needs no ownership
+    train_steps(state, 1)
+    first.save(state)  # the owner keeps saving
+    first.close()
+    assert second.restore(make_state()) == 1
+    second.close()
+
+
+def test_a_second_run_on_the_same_directory_is_stopped_naming_the_holder(ckpt_dir):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        m = CheckpointManager(ckpt_dir)
+        with pytest.raises(CheckpointError, match=rf"pid {holder.pid} on {socket.gethostname()}"):
+            m.resume(make_state(), total_steps=3)
+        assert not ckpt_dir.exists() or list_checkpoints(ckpt_dir) == []  # nothing was written
+    finally:
+        holder.kill()
+        holder.wait()
+    # a killed holder's lock goes with it
+    state = make_state()
+    with CheckpointManager(ckpt_dir) as m:
+        for _ in m.resume(state, total_steps=2):
+            pass
+    assert [i.step for i in list_checkpoints(ckpt_dir)] == [2]
