@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,12 +17,16 @@ from trainguard.resilience import CheckpointManager, list_checkpoints
 from .conftest import make_state, train_steps
 
 HOLDER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     import torch
     from trainguard.resilience import CheckpointManager, TrainState
     m = CheckpointManager(sys.argv[1])
     loop = m.resume(TrainState(model=torch.nn.Linear(2, 2)), total_steps=5)
-    print("holding", flush=True)
+    child = os.fork() if "--fork" in sys.argv else -1  # as a data-loader worker is forked
+    if child == 0:
+        time.sleep(120)
+        os._exit(0)
+    print("holding", child, flush=True)
     time.sleep(120)
 """)
 
@@ -47,7 +52,7 @@ def test_a_second_manager_in_this_process_is_refused_until_the_first_closes(ckpt
 def test_a_second_run_on_the_same_directory_is_stopped_naming_the_holder(ckpt_dir):
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt_dir)], stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "holding"
+        assert holder.stdout.readline().split()[0] == "holding"
         m = CheckpointManager(ckpt_dir)
         with pytest.raises(CheckpointError, match=rf"pid {holder.pid} on {socket.gethostname()}"):
             m.resume(make_state(), total_steps=3)
@@ -61,3 +66,23 @@ def test_a_second_run_on_the_same_directory_is_stopped_naming_the_holder(ckpt_di
         for _ in m.resume(state, total_steps=2):
             pass
     assert [i.step for i in list_checkpoints(ckpt_dir)] == [2]
+
+
+def test_a_process_forked_by_the_owner_does_not_keep_the_directory_after_the_owner_dies(ckpt_dir):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt_dir), "--fork"], stdout=subprocess.PIPE,
+                              text=True)
+    worker = None
+    try:
+        word, pid = holder.stdout.readline().split()
+        assert word == "holding"
+        worker = int(pid)
+        holder.kill()  # SIGKILL: its forked worker lives on for a while, as data-loader workers do
+        holder.wait()
+        os.kill(worker, 0)  # still alive
+        with CheckpointManager(ckpt_dir) as m:
+            assert m.restore(make_state()) is None  # owned at once, not refused
+    finally:
+        holder.kill()
+        holder.wait()
+        if worker is not None:
+            os.kill(worker, signal.SIGKILL)

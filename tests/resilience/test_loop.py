@@ -132,6 +132,7 @@ def test_epoch_form_resumes_mid_epoch(tmp_path):
     m = CheckpointManager(tmp_path / "ck", keep=10, every_steps=3)
     head = epoch_run(state, m.resume(state, epochs=3), crash_after_batches=8)  # a crash after step 8
     assert [i.step for i in m.list()] == [3, 5, 6]  # step interval, end of epoch 0 (step 5), interval
+    m.close()  # the crashed run is gone
     resumed = make_state(seed=11)
     loop = CheckpointManager(tmp_path / "ck", every_steps=3).resume(resumed, epochs=3)
     assert (loop.start_step, loop.start_epoch) == (6, 1)

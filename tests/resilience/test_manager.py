@@ -99,7 +99,8 @@ def _half_written_temporary(d: Path) -> str:
 
 @pytest.mark.parametrize("damage", [_truncate_largest, _flip_one_byte, _delete_manifest, _half_written_temporary])
 def test_damage_falls_back_with_a_warning_and_verify_reports_it(ckpt_dir, capsys, damage):
-    _, kept = _three_checkpoints(ckpt_dir)
+    m, kept = _three_checkpoints(ckpt_dir)
+    m.close()  # the run that wrote them is gone
     newest = ckpt_dir / "step-00000030"
     why = damage(newest)
     temporary = damage is _half_written_temporary
@@ -268,7 +269,8 @@ def test_without_an_atomic_exchange_a_replacement_cut_short_is_undone(ckpt_dir, 
 # -- failed writes ---------------------------------------------------------------------------
 
 
-def _assert_intact(ckpt_dir: Path, kept: dict) -> None:
+def _assert_intact(ckpt_dir: Path, kept: dict, m: CheckpointManager) -> None:
+    m.close()  # the run whose save failed is gone; the next one finds every earlier checkpoint
     infos = CheckpointManager(ckpt_dir).list(verify=True)
     assert [(i.step, i.valid) for i in infos] == [(10, True), (20, True), (30, True)]
     assert not [p for p in ckpt_dir.iterdir() if p.name.startswith(".tmp")]
@@ -295,7 +297,7 @@ def test_read_only_directory(ckpt_dir, monkeypatch):
             m.save(state, 40)
     finally:
         ckpt_dir.chmod(0o755)
-    _assert_intact(ckpt_dir, kept)
+    _assert_intact(ckpt_dir, kept, m)
 
 
 def test_injected_exception_midway(ckpt_dir, monkeypatch):
@@ -311,7 +313,7 @@ def test_injected_exception_midway(ckpt_dir, monkeypatch):
                                               "earlier checkpoints are untouched"):
         m.save(make_state(), 40)
     monkeypatch.undo()
-    _assert_intact(ckpt_dir, kept)
+    _assert_intact(ckpt_dir, kept, m)
 
 
 class _FullDisk:
@@ -349,7 +351,7 @@ def test_full_disk(ckpt_dir, monkeypatch, budget):
     with pytest.raises(CheckpointError, match="No space left on device"):
         m.save(make_state(), 40)
     monkeypatch.undo()
-    _assert_intact(ckpt_dir, kept)
+    _assert_intact(ckpt_dir, kept, m)
 
 
 # -- asynchronous saves ----------------------------------------------------------------------
@@ -379,10 +381,10 @@ def test_async_save_owns_a_snapshot(ckpt_dir, monkeypatch):
     release.set()
     info = m.wait()
     assert info is not None and info.step == 4 and info.valid
+    m.close()
     fresh = make_state(seed=8)
     assert CheckpointManager(ckpt_dir).restore(fresh) == 4
     assert_same_training_state(expected, fresh)
-    m.close()
 
 
 def test_async_failure_is_raised_by_the_next_call(ckpt_dir, monkeypatch):

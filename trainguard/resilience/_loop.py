@@ -144,6 +144,7 @@ class ResumeLoop:
                 m.save(self.state, blocking=True)
             else:
                 m.wait()  # this step is already being saved in the background
+            m.close()  # the run stops here: the next one may own the directory at once
             raise Preempted(signum, self.state.step, m.directory / _format.checkpoint_name(self.state.step))
         if due and in_epoch and not more and not force:
             # The epoch's last batch is out: the epoch boundary, next, saves this step once, with

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import math
@@ -23,6 +21,7 @@ from trainguard._errors import CheckpointError
 from trainguard.resilience import _dist, _engine, _format
 from trainguard.resilience._codec import Encoder
 from trainguard.resilience._format import CheckpointInfo, Invalid
+from trainguard.resilience._lock import DirectoryLock
 from trainguard.resilience._restore import choose, load_into, root_cause
 from trainguard.resilience._state import TrainState
 
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainguard.resilience")
 
 _now = time.time  # one clock for save times, intervals and keep_every_hours (tests move it)
-_LOCK_WAIT_S = 30.0
 # A full check is remembered only for files unchanged for this long (see _remember_verified).
 _RACY_NS = 2_000_000_000
 
@@ -71,27 +69,6 @@ class _Job:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any]
     time: float
-
-
-def _acquire_lock(directory: Path) -> Any:
-    f = open(directory / _format.LOCK_FILE, "a+b")
-    deadline = time.monotonic() + _LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return f
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
-                f.close()
-                raise CheckpointError(f"another process has been saving into {directory} for "
-                                      f"{_LOCK_WAIT_S:.0f}s; two runs must not share a checkpoint directory") from None
-            time.sleep(0.05)
-
-
-def _release_lock(f: Any) -> None:
-    if f is not None:
-        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-        f.close()
 
 
 def _remove_leftovers(directory: Path) -> None:
@@ -148,6 +125,8 @@ class CheckpointManager:
                                        keep_every_hours=keep_every_hours, async_save=async_save)
         self._groups = _dist.Groups()
         self._stager = _engine.Stager()
+        # Taken by rank 0 on the first restore, save or delete_all; held until close().
+        self._lock = DirectoryLock(self.directory)
         self._thread: threading.Thread | None = None
         self._failure: tuple[int, BaseException] | None = None
         self._last: CheckpointInfo | None = None
@@ -230,11 +209,12 @@ class CheckpointManager:
         return self._last
 
     def close(self) -> None:
-        """Finish a background save (raising its failure) and free the staging buffers."""
+        """Finish a background save (raising its failure), free the staging buffers, give up the directory."""
         try:
             self._join()
         finally:
             self._stager.release()
+            self._lock.release()
 
     def _background(self, job: _Job) -> None:
         try:
@@ -258,13 +238,11 @@ class CheckpointManager:
         name = _format.checkpoint_name(job.step)
         token = _dist.broadcast_bytes(uuid.uuid4().hex[:12].encode() if rank == 0 else None, group).decode()
         tmp = self.directory / _format.temporary_name(job.step, token)
-        lock = None
         try:
             problem = None
             if rank == 0:
                 try:
-                    self.directory.mkdir(parents=True, exist_ok=True)
-                    lock = _acquire_lock(self.directory)
+                    self._lock.acquire()
                     _remove_leftovers(self.directory)
                     tmp.mkdir()
                 except (OSError, CheckpointError) as exc:
@@ -298,8 +276,6 @@ class CheckpointManager:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        finally:
-            _release_lock(lock)
         if rank == 0:
             self._prune()
         return info if info is not None else _format.info_for(self.directory / name, full=False)
@@ -408,15 +384,22 @@ class CheckpointManager:
         """Remove every checkpoint of this directory (rank 0; collective under torch.distributed)."""
         self._join()
         rank, _ = _dist.rank_world()
+        problem = None
         if rank == 0 and self.directory.exists():
-            for info in self.list():
-                shutil.rmtree(info.path, ignore_errors=True)
-            (self.directory / _format.LOCK_FILE).unlink(missing_ok=True)
             try:
-                self.directory.rmdir()
-            except OSError:
-                pass  # other files live there
-        _dist.all_max([0], self._groups.io())
+                self._lock.acquire()  # never delete another run's checkpoints
+                for info in self.list():
+                    shutil.rmtree(info.path, ignore_errors=True)
+                (self.directory / _format.LOCK_FILE).unlink(missing_ok=True)
+                self._lock.release()
+                try:
+                    self.directory.rmdir()
+                except OSError:
+                    pass  # other files live there
+            except CheckpointError as exc:
+                problem = exc
+        if _dist.all_max([problem is not None], self._groups.io())[0]:
+            raise problem if problem is not None else CheckpointError("rank 0 could not delete the checkpoints")
 
     # -- restoring ---------------------------------------------------------------------------
 
@@ -431,19 +414,31 @@ class CheckpointManager:
         the shared state is restored); mismatched keys inside an object always raise.
         """
         self._join()
+        owned = self._lock.held
+        try:
+            return self._restore(state, strict=strict, stacklevel=_stacklevel + 1)
+        except BaseException:
+            if not owned:  # a manager that could not restore does not keep the directory
+                self._lock.release()
+            raise
+
+    def _restore(self, state: TrainState, *, strict: bool, stacklevel: int) -> int | None:
         group = self._groups.io()
         rank, world = _dist.rank_world()
         decision = None
         if rank == 0:
-            if self.directory.is_dir():
+            try:
+                self._lock.acquire()
                 _format.recover_replaced(self.directory)
-            entries = self.list()
-            decision = json.dumps(choose(self.directory, entries)).encode()
+                picked = choose(self.directory, self.list())
+            except CheckpointError as exc:  # every rank raises it, none waits for the others
+                picked = {"name": None, "skipped": [], "error": str(exc)}
+            decision = json.dumps(picked).encode()
         choice = json.loads(_dist.broadcast_bytes(decision, group))
         if rank == 0:
             for name, reason in choice["skipped"]:
                 warnings.warn(f"skipping checkpoint {name} in {self.directory}: {reason}",
-                              CheckpointFallbackWarning, stacklevel=_stacklevel)
+                              CheckpointFallbackWarning, stacklevel=stacklevel)
         if choice["error"]:
             raise CheckpointError(choice["error"])
         if choice["name"] is None:
