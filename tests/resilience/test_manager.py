@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import re
 import shutil
 import threading
 import warnings
@@ -15,7 +16,14 @@ import torch
 
 from trainguard import CheckpointError
 from trainguard.cli import main
-from trainguard.resilience import CheckpointFallbackWarning, CheckpointManager, TrainState, _engine, _format
+from trainguard.resilience import (
+    CheckpointFallbackWarning,
+    CheckpointManager,
+    TrainState,
+    _engine,
+    _format,
+    list_checkpoints,
+)
 from trainguard.resilience import _manager as manager_mod
 
 from .conftest import assert_same_training_state, make_state, train_steps
@@ -352,6 +360,34 @@ def test_full_disk(ckpt_dir, monkeypatch, budget):
         m.save(make_state(), 40)
     monkeypatch.undo()
     _assert_intact(ckpt_dir, kept, m)
+
+
+def test_a_full_disk_says_so_with_the_room_needed_and_free(small_disk, monkeypatch):
+    directory = small_disk.path / "checkpoints"
+    m = CheckpointManager(directory, keep=3)
+    state = make_state(width=20_000)  # about 0.5 MB of parameters, 1.5 MB with Adam's moments
+    train_steps(state, 2)
+    m.save(state)
+    kept = copy.deepcopy(state.model.state_dict())
+    small_disk.patch_writes(monkeypatch, _format, "open_for_write")
+    small_disk.leave_free(300_000)
+    train_steps(state, 1)
+    with pytest.raises(CheckpointError) as info:
+        m.save(state)
+    message = str(info.value)
+    target = re.escape(str(directory / "step-00000003"))
+    found = re.search(rf"no space left on device writing {target} \(needed about ([0-9.]+) MB, free ([0-9.]+) MB\)",
+                      message)
+    assert found, message
+    assert 1.3 < float(found.group(1)) < 3 and float(found.group(2)) < 0.5
+    assert "pos" not in message and "enforce fail" not in message  # no zip writer internals
+    small_disk.free_up()
+    m.close()
+    assert [(i.step, i.valid) for i in list_checkpoints(directory, verify=True)] == [(2, True)]
+    fresh = make_state(width=20_000, seed=3)
+    assert CheckpointManager(directory).restore(fresh) == 2
+    for key, value in fresh.model.state_dict().items():
+        assert torch.equal(value, kept[key])
 
 
 # -- asynchronous saves ----------------------------------------------------------------------
