@@ -22,7 +22,7 @@ from trainguard.resilience import _dist, _engine, _format
 from trainguard.resilience._codec import Encoder
 from trainguard.resilience._format import CheckpointInfo, Invalid
 from trainguard.resilience._lock import DirectoryLock
-from trainguard.resilience._restore import choose, load_into, root_cause
+from trainguard.resilience._restore import choose, load_into, no_space, root_cause
 from trainguard.resilience._state import TrainState
 
 if TYPE_CHECKING:
@@ -69,6 +69,25 @@ class _Job:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any]
     time: float
+
+
+class _OutOfSpace(Exception):
+    """A save ran out of room on some rank (see :func:`no_space`); reported once cleaned up."""
+
+
+def _no_space_message(final: Path, job: _Job) -> str:
+    needed = sum(t.numel() * t.element_size() for t in job.tensors.values())
+    needed += len(json.dumps([job.shared, job.local]))  # the manifest
+    try:
+        free = _mb(shutil.disk_usage(final.parent).free)
+    except OSError:
+        free = "?"
+    return (f"no space left on device writing {final} (needed about {_mb(needed)} MB, free {free} MB); "
+            "earlier checkpoints are untouched")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f}" if n >= 1e6 else f"{n / 1e6:.2f}"
 
 
 def _remove_leftovers(directory: Path) -> None:
@@ -247,7 +266,10 @@ class CheckpointManager:
                     tmp.mkdir()
                 except (OSError, CheckpointError) as exc:
                     problem = exc
-            if _dist.all_max([problem is not None], group)[0]:
+            failed, full = _dist.all_max([problem is not None, no_space(problem)], group)
+            if full:
+                raise _OutOfSpace
+            if failed:
                 why = root_cause(problem) if problem is not None else "rank 0 could not start the save"
                 raise CheckpointError(f"cannot save {name} into {self.directory}: {why}")
             try:
@@ -255,8 +277,10 @@ class CheckpointManager:
                 files = {p.name: {"size": p.stat().st_size, "sha256": _format.file_digest(p)} for p in written}
                 payload: dict[str, Any] = {"state": job.local, "files": files, "error": None}
             except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
-                engine_meta, payload = None, {"error": root_cause(exc)}
+                engine_meta, payload = None, {"error": root_cause(exc), "no_space": no_space(exc)}
             ranks = [json.loads(b) for b in _dist.all_gather_bytes(json.dumps(payload).encode(), group)]
+            if any(p.get("no_space") for p in ranks):
+                raise _OutOfSpace
             errors = [f"rank {r}: {p['error']}" if world > 1 else p["error"]
                       for r, p in enumerate(ranks) if p["error"]]
             if errors:
@@ -268,13 +292,18 @@ class CheckpointManager:
                     info = self._publish(job, tmp, token, engine_meta, ranks, world)
                 except Exception as exc:
                     problem = exc
-            if _dist.all_max([problem is not None], group)[0]:
+            failed, full = _dist.all_max([problem is not None, no_space(problem)], group)
+            if full:
+                raise _OutOfSpace
+            if failed:
                 why = root_cause(problem) if problem is not None else "rank 0 could not commit it"
                 raise CheckpointError(f"saving {name} into {self.directory} failed: {why}; "
                                       "earlier checkpoints are untouched")
-        except BaseException:
+        except BaseException as exc:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, _OutOfSpace):  # said after the clean-up, so that "free" is what is left
+                raise CheckpointError(_no_space_message(self.directory / name, job)) from None
             raise
         if rank == 0:
             self._prune()

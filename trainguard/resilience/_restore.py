@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import warnings
 from pathlib import Path
@@ -26,6 +27,26 @@ def root_cause(exc: BaseException) -> str:
         text = str(inner).splitlines()[0] if str(inner) else ""
         return f"{type(inner).__name__}: {text}" + (f" (rank {rank})" if _dist.is_distributed() else "")
     return f"{type(exc).__name__}: {exc}"
+
+
+# errno values of a file system that has run out of room: no space left, or over a quota.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space(exc: BaseException | None) -> bool:
+    """Whether a failure was the file system running out of room, wherever DCP wrapped it."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+            return True
+        failures = getattr(exc, "failures", None)  # DCP's per-rank wrapper
+        if isinstance(failures, dict):
+            for wrapped in failures.values():
+                if no_space(wrapped[0] if isinstance(wrapped, tuple) else wrapped):
+                    return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def choose(directory: Path, entries: list[CheckpointInfo]) -> dict[str, Any]:
