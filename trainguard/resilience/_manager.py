@@ -23,6 +23,7 @@ from trainguard.resilience._codec import Encoder
 from trainguard.resilience._format import CheckpointInfo, Invalid
 from trainguard.resilience._lock import DirectoryLock
 from trainguard.resilience._restore import choose, load_into, no_space, root_cause
+from trainguard.resilience._retention import Retention
 from trainguard.resilience._state import TrainState
 
 if TYPE_CHECKING:
@@ -31,8 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainguard.resilience")
 
 _now = time.time  # one clock for save times, intervals and keep_every_hours (tests move it)
-# A full check is remembered only for files unchanged for this long (see _remember_verified).
-_RACY_NS = 2_000_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,8 +148,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._failure: tuple[int, BaseException] | None = None
         self._last: CheckpointInfo | None = None
-        # checkpoint path -> file signature when this manager last saw it pass the full check
-        self._verified: dict[Path, tuple] = {}
+        self._retention = Retention()
         self._created = _now()
         self.last_save_time = self._created
         self.last_saved_step: int | None = None
@@ -340,7 +338,7 @@ class CheckpointManager:
         _format.replace_directory(tmp, final, token)
         _format.fsync_dir(self.directory)
         # Every file's SHA-256 was computed from what was written: the new checkpoint is verified.
-        self._remember_verified(final)
+        self._retention.remember(final)
         return _format.info_for(final, full=False)
 
     def _pin(self, now: float) -> bool:
@@ -350,62 +348,9 @@ class CheckpointManager:
         pinned = [i.time for i in self.list() if i.valid and i.pinned and i.time is not None]
         return now - max(pinned, default=self._created) >= hours * 3600
 
-    def _full_reason(self, info: CheckpointInfo) -> str | None:
-        """Why ``info`` fails the full check (None: it passes), remembered while its files are unchanged."""
-        if not info.valid:
-            return info.reason
-        sig = _format.signature(info.path)
-        if sig is not None and self._verified.get(info.path) == sig:
-            return None
-        try:
-            _format.check(info.path, full=True)
-        except Invalid as exc:
-            return str(exc)
-        self._remember_verified(info.path, sig)
-        return None
-
-    def _remember_verified(self, path: Path, sig: tuple | None = None) -> None:
-        sig = _format.signature(path) if sig is None else sig
-        # File times tick coarsely (a few ms): a change made in the same tick as the check would
-        # leave the signature as it was. Remember only files last changed well before now.
-        if sig is not None and all(e[-1] < time.time_ns() - _RACY_NS for e in sig):
-            self._verified[path] = sig
-
     def _prune(self) -> None:
-        """Keep the ``keep`` newest checkpoints that pass the full check, and the pinned ones.
-
-        Newest first, each checkpoint is fully verified (a result is remembered while its files
-        are unchanged) until ``keep`` good ones are found; only older ones are removed, so a
-        silently damaged checkpoint never counts as kept and the newest good one always stays.
-        Damaged checkpoints older than the newest good one are removed; newer damaged ones are
-        left alone (a save of that step replaces them).
-        """
         try:
-            committed = [i for i in self.list() if i.complete]
-            good: list[CheckpointInfo] = []
-            damaged: dict[Path, str] = {}
-            for info in reversed(committed):
-                if len(good) == self.policy.keep:
-                    break
-                reason = self._full_reason(info)
-                if reason is None:
-                    good.append(info)
-                else:
-                    damaged[info.path] = reason
-            if not good:
-                return
-            newest, oldest_kept = good[0].step, good[-1].step
-            kept = {i.path for i in good}
-            for info in committed:
-                if info.path in kept or info.step >= newest:
-                    continue
-                reason = damaged.get(info.path, None if info.valid else info.reason)
-                if reason is not None:
-                    log.warning("removing damaged checkpoint %s (%s)", info.name, reason)
-                elif info.step > oldest_kept or info.pinned:
-                    continue
-                _format.remove_entry(info.path)
-                self._verified.pop(info.path, None)
+            self._retention.prune(self.list(), self.policy.keep)
         except OSError as exc:  # a failed cleanup must not fail a committed save
             log.warning("pruning %s failed: %s", self.directory, exc)
 
@@ -478,7 +423,7 @@ class CheckpointManager:
         except Invalid as exc:
             raise CheckpointError(f"{path}: {exc}") from None
         if rank == 0:
-            self._remember_verified(path)  # choose() has just fully verified it
+            self._retention.remember(path)  # choose() has just fully verified it
         load_into(state, path, manifest, strict=strict, group=group, rank=rank, world=world)
         self.last_save_time = _now()
         self.last_saved_step = int(manifest["step"])
