@@ -124,6 +124,8 @@ def planted_pickle(d) -> str:
     f.write_bytes(pickle.dumps({"weights": _Plant()}))
     doc = manifest(d)
     doc["files"][f.name] = {"size": f.stat().st_size, "sha256": _format.file_digest(f)}
+    for entry in doc["engine"]["storage"]:  # every tensor is read from the pickle
+        entry["start"], entry["length"] = 0, f.stat().st_size
     rewrite(d, doc)
     return "cannot be read"
 
