@@ -83,7 +83,8 @@ class _FileSystem(FileSystem):
     def create_stream(self, path: str | Path, mode: str) -> Generator[io.IOBase, None, None]:
         path = Path(path)
         if "w" not in mode:
-            with path.open(mode) as stream:
+            # Only regular files, never through a symlink (checked again here, not only when verified).
+            with _format.open_regular(path) as stream:
                 yield stream  # type: ignore[misc]
             return
         self.written.append(path)

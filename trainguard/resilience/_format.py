@@ -23,8 +23,15 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from trainguard._errors import CheckpointError
+from trainguard.resilience._manifest import (
+    MANIFEST,
+    Invalid,
+    directory_problem,
+    entry_problem,
+    open_regular,
+    validate,
+)
 
-MANIFEST = "manifest.json"
 FORMAT = "trainguard-checkpoint"
 FORMAT_VERSION = 1
 RUN_SUBDIR = "checkpoints"
@@ -140,8 +147,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def file_digest(path: Path) -> str:
+    """SHA-256 of a regular file (Invalid for a symlink, FIFO or device: they may never end)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -162,15 +170,15 @@ def write_manifest(directory: Path, body: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-class Invalid(Exception):
-    """Why a checkpoint cannot be used; the message is the reason shown to the user."""
-
-
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest body, or :class:`Invalid` saying what is wrong with it."""
     path = directory / MANIFEST
+    problem = directory_problem(directory) or entry_problem(path)
+    if problem is not None:
+        raise Invalid(problem)
     try:
-        raw = path.read_bytes()
+        with open_regular(path) as f:
+            raw = f.read()
     except FileNotFoundError:
         raise Invalid(f"{MANIFEST} is missing") from None
     except OSError as exc:
@@ -189,6 +197,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if doc.get("format_version") != FORMAT_VERSION:
         raise Invalid(f"checkpoint format version {doc.get('format_version')!r} is not supported "
                       f"(this trainguard reads version {FORMAT_VERSION})")
+    validate(doc)
     return doc
 
 
@@ -202,22 +211,22 @@ def check(directory: Path, *, full: bool) -> dict[str, Any]:
     m = _COMMITTED.match(directory.name)
     if m is None or int(m.group(1)) != manifest.get("step"):
         raise Invalid(f"the manifest says step {manifest.get('step')!r}, the directory is {directory.name}")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        raise Invalid(f"{MANIFEST} lists no data files")
+    files = manifest["files"]
     for name, meta in sorted(files.items()):
-        if Path(name).name != name or name.startswith(".") or name == MANIFEST:
-            raise Invalid(f"{MANIFEST} names an unsafe file {name!r}")
         path = directory / name
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise Invalid(f"{name} is missing") from None
+        problem = entry_problem(path)
+        if problem is not None:
+            raise Invalid(problem)
+        size = path.lstat().st_size
         if size != meta.get("size"):
             raise Invalid(f"{name} has {size} bytes, the manifest says {meta.get('size')} (truncated or replaced)")
     if full:
         for name, meta in sorted(files.items()):
-            if file_digest(directory / name) != meta.get("sha256"):
+            try:
+                digest = file_digest(directory / name)
+            except OSError as exc:
+                raise Invalid(f"{name} cannot be read: {exc.strerror or exc}") from None
+            if digest != meta.get("sha256"):
                 raise Invalid(f"{name} fails its SHA-256 checksum (its content was damaged)")
     return manifest
 

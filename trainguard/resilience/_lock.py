@@ -70,6 +70,12 @@ class DirectoryLock:
             finally:
                 f.close()
 
+    def __del__(self) -> None:  # a manager dropped without close(): free the directory quietly
+        try:
+            self.release()
+        except Exception:
+            pass
+
     def _forget_in_child(self) -> None:
         # Close only this process's descriptor: unlocking would unlock the parent's lock too.
         f, self._file = self._file, None

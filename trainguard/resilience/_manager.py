@@ -22,7 +22,7 @@ from trainguard.resilience import _dist, _engine, _format
 from trainguard.resilience._codec import Encoder
 from trainguard.resilience._format import CheckpointInfo, Invalid
 from trainguard.resilience._lock import DirectoryLock
-from trainguard.resilience._restore import choose, load_into, no_space, root_cause
+from trainguard.resilience._restore import Unreadable, choose, load_into, no_space, root_cause
 from trainguard.resilience._retention import Retention
 from trainguard.resilience._state import TrainState
 
@@ -381,7 +381,8 @@ class CheckpointManager:
         """Load the newest valid checkpoint into ``state``; return its step, or None if there is none.
 
         Each checkpoint is fully verified (every file's SHA-256) before it is used; a newer one
-        that fails is skipped with a warning naming it and the reason. Raises
+        that fails, or whose tensor data cannot be loaded, is skipped with a warning naming it and
+        the reason. Raises
         :class:`CheckpointError` when checkpoints exist but none is valid, or when the state
         does not fit (naming missing, unexpected and mis-shaped keys). ``strict=False`` lets the
         state and the checkpoint hold different objects, or different world sizes (then only
@@ -399,32 +400,42 @@ class CheckpointManager:
     def _restore(self, state: TrainState, *, strict: bool, stacklevel: int) -> int | None:
         group = self._groups.io()
         rank, world = _dist.rank_world()
-        decision = None
-        if rank == 0:
+        failed: dict[str, str] = {}  # verified, but the engine refused their data
+        warned: set[str] = set()
+        while True:
+            decision = None
+            if rank == 0:
+                try:
+                    self._lock.acquire()
+                    _format.recover_replaced(self.directory)
+                    picked = choose(self.directory, self.list(), failed)
+                except CheckpointError as exc:  # every rank raises it, none waits for the others
+                    picked = {"name": None, "skipped": [], "error": str(exc)}
+                decision = json.dumps(picked).encode()
+            choice = json.loads(_dist.broadcast_bytes(decision, group))
+            if rank == 0:
+                for name, reason in choice["skipped"]:
+                    if name not in warned:
+                        warned.add(name)
+                        warnings.warn(f"skipping checkpoint {name} in {self.directory}: {reason}",
+                                      CheckpointFallbackWarning, stacklevel=stacklevel)
+            if choice["error"]:
+                raise CheckpointError(choice["error"])
+            if choice["name"] is None:
+                return None
+            path = self.directory / choice["name"]
             try:
-                self._lock.acquire()
-                _format.recover_replaced(self.directory)
-                picked = choose(self.directory, self.list())
-            except CheckpointError as exc:  # every rank raises it, none waits for the others
-                picked = {"name": None, "skipped": [], "error": str(exc)}
-            decision = json.dumps(picked).encode()
-        choice = json.loads(_dist.broadcast_bytes(decision, group))
-        if rank == 0:
-            for name, reason in choice["skipped"]:
-                warnings.warn(f"skipping checkpoint {name} in {self.directory}: {reason}",
-                              CheckpointFallbackWarning, stacklevel=stacklevel)
-        if choice["error"]:
-            raise CheckpointError(choice["error"])
-        if choice["name"] is None:
-            return None
-        path = self.directory / choice["name"]
-        try:
-            manifest = _format.read_manifest(path)
-        except Invalid as exc:
-            raise CheckpointError(f"{path}: {exc}") from None
-        if rank == 0:
-            self._retention.remember(path)  # choose() has just fully verified it
-        load_into(state, path, manifest, strict=strict, group=group, rank=rank, world=world)
+                manifest = _format.read_manifest(path)
+                if rank == 0:
+                    self._retention.remember(path)  # choose() has just fully verified it
+                load_into(state, path, manifest, strict=strict, group=group, rank=rank, world=world)
+                problem = None
+            except (Invalid, Unreadable) as exc:  # changed since choose() verified it, or data refused
+                problem = str(exc)
+            if not _dist.all_max([problem is not None], group)[0]:
+                break
+            # Fall back: the next checkpoint loads every tensor again, over whatever this one wrote.
+            failed[choice["name"]] = problem or "another rank could not read it"
         self.last_save_time = _now()
         self.last_saved_step = int(manifest["step"])
         return self.last_saved_step

@@ -49,11 +49,22 @@ def no_space(exc: BaseException | None) -> bool:
     return False
 
 
-def choose(directory: Path, entries: list[CheckpointInfo]) -> dict[str, Any]:
-    """Rank 0: the newest checkpoint that passes the full check, and what was skipped on the way."""
+class Unreadable(CheckpointError):
+    """A checkpoint that verified but whose tensor data the engine refused (a planted pickle...)."""
+
+
+def choose(directory: Path, entries: list[CheckpointInfo], failed: dict[str, str] | None = None) -> dict[str, Any]:
+    """Rank 0: the newest checkpoint that passes the full check, and what was skipped on the way.
+
+    ``failed`` names checkpoints that verified but could not be loaded, with why.
+    """
+    failed = failed or {}
     skipped = [[i.name, i.reason] for i in entries if not i.complete]
     committed = sorted((i for i in entries if i.complete), key=lambda i: i.step, reverse=True)
     for info in committed:
+        if info.name in failed:
+            skipped.append([info.name, failed[info.name]])
+            continue
         reason = info.reason
         if info.valid:
             try:
@@ -121,8 +132,7 @@ def load_into(state: TrainState, path: Path, manifest: dict[str, Any], *, strict
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"reading tensors from {path} failed: {root_cause(exc)}; the state may be "
-                              "partly overwritten, restore again before training") from exc
+        raise Unreadable(f"its tensor data cannot be read: {root_cause(exc)}") from exc
     shared = {n: decode(saved_shared[n], targets) for n in shared_names}
     local = None
     if saved_local is not None:
