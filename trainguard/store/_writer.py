@@ -68,9 +68,10 @@ def _check_appendable(db: Path) -> None:
 
     from trainguard._errors import CorruptRun, SchemaTooNew
     from trainguard.store._codec import SCHEMA_VERSION
+    from trainguard.store._sqlite import uri
 
     try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        con = sqlite3.connect(uri(db, mode="ro"), uri=True)
         try:
             row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         finally:
