@@ -55,6 +55,7 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
             "top_ops": run.op_counts()[:10],
         },
         "alerts": alerts,
+        "damaged": run.damaged,
         "origin": origin_data,
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "findings": [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])],

@@ -109,6 +109,9 @@ def _header(report: dict) -> Panel:
     dropped = meta.get("dropped") or 0
     t.add_row("dropped", Text(f"{dropped:,} records dropped under back-pressure", style="bold red") if dropped
               else Text("none", style="green"))
+    if report.get("damaged"):
+        t.add_row("damaged", Text("rows that cannot be decoded were skipped: " + ", ".join(
+            f"{n:,} in {table}" for table, n in report["damaged"].items()), style="red"))
     if meta.get("writer_error"):
         t.add_row("writer error", Text(str(meta["writer_error"]), style="red"))
     if meta.get("record_errors"):
