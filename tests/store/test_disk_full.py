@@ -34,11 +34,12 @@ def test_a_recording_on_a_full_disk_says_what_was_lost_and_why(small_disk, tmp_p
     script = tmp_path / "many_ops.py"
     script.write_text(SCRIPT)
     run = small_disk.path / "run"
+    # room for the run to start; the disk fills while the script runs
     if small_disk.real:
-        small_disk.leave_free(400_000)
+        small_disk.leave_free(1_500_000)
         limit = None
-    else:  # no tmpfs here: every file of the run may grow to 400 kB only
-        limit = _limit_file_size(400_000)
+    else:  # no tmpfs here: every file of the run may grow to 1.5 MB only
+        limit = _limit_file_size(1_500_000)
     done = subprocess.run([sys.executable, "-m", "trainguard", "run", "--buffer", "-1", "--logdir", str(run),
                            str(script)], capture_output=True, text=True, timeout=300, preexec_fn=limit)
     assert "script done" in done.stdout  # observing training never kills training
