@@ -43,7 +43,7 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "run": str(run.path),
         "status": run.status,
         "meta": {k: meta.get(k) for k in ("mode", "buffer", "created", "ended", "argv", "torch", "trainguard",
-                                           "exit_code", "error", "dropped", "writer_error", "record_errors", "ops_filter",
+                                           "exit_code", "error", "dropped", "writer_error", "lost", "record_errors", "ops_filter",
                                            "dtypes_filter", "executions", "recorded")},
         "counts": {
             "stored": run.count(),

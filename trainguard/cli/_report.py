@@ -97,7 +97,9 @@ def _header(report: dict) -> Panel:
     t.add_column()
     t.add_row("run", report["run"])
     status = report["status"]
-    if status == "running":
+    if status == "running" and meta.get("lost"):
+        status = "incomplete: its writer stopped storing it (see the writer error)"
+    elif status == "running":
         status += " (still being written, or its process was killed: shows everything up to the last flush)"
     t.add_row("status", status + (f" — {meta['error']}" if meta.get("error") else ""))
     t.add_row("recorded", f"{when}, mode {meta.get('mode')}, buffer {meta.get('buffer')}")
@@ -113,7 +115,8 @@ def _header(report: dict) -> Panel:
         t.add_row("damaged", Text("rows that cannot be decoded were skipped: " + ", ".join(
             f"{n:,} in {table}" for table, n in report["damaged"].items()), style="red"))
     if meta.get("writer_error"):
-        t.add_row("writer error", Text(str(meta["writer_error"]), style="red"))
+        lost = f"; {meta['lost']:,} executions were not stored" if meta.get("lost") else ""
+        t.add_row("writer error", Text(str(meta["writer_error"]) + lost, style="bold red"))
     if meta.get("record_errors"):
         t.add_row("not recorded", Text(f"{meta['record_errors']:,} op outputs could not be recorded "
                                        "(see the warnings the run printed)", style="red"))

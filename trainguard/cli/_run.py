@@ -112,9 +112,26 @@ def _cmd(args: argparse.Namespace) -> int:
         if old_path0 is not None and sys.path:
             sys.path[0] = old_path0
         signal.signal(signal.SIGTERM, previous)
-    err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {logdir}; "
+    err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {logdir}{_writer_failure(logdir)}; "
                       f"see `trainguard report {logdir}` or `trainguard ui {logdir}`", highlight=False, soft_wrap=True)
     return code
+
+
+def _writer_failure(logdir: Path) -> str:
+    """What the run says went wrong while storing it (a full disk), for the closing line."""
+    from trainguard.store import open_run
+    from trainguard.store._writer import writer_failure
+
+    try:
+        with open_run(logdir) as run:
+            error, lost = run.meta.get("writer_error"), run.meta.get("lost")
+    except TrainguardError as exc:
+        error, lost = f"the run cannot be read back: {exc}", None
+    if not error:  # the disk may have been too full for the run to say it
+        error, lost = writer_failure(logdir) or (None, None)
+    if not error:
+        return ""
+    return f", but {error}" + (f"; {lost:,} executions were not stored" if lost else "")
 
 
 def _start_monitor(logdir: Path, every: int):

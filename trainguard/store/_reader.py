@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sqlite3
 from array import array
@@ -18,6 +19,7 @@ from trainguard.store._codec import (
     PHASES,
     POS_INF,
     SCHEMA_VERSION,
+    WRITER_STATUS_PREFIX,
     health_names,
     loads,
 )
@@ -47,6 +49,25 @@ def short_op(name: str) -> str:
     return name[: -len(".default")] if name.endswith(".default") else name
 
 
+def _merge_writer_status(path: Path, meta: dict[str, Any]) -> None:
+    """Add what a sink that could no longer write the database left beside it (see the sink)."""
+    lost = 0
+    for p in sorted(path.glob(WRITER_STATUS_PREFIX + "*")):
+        try:
+            with open(p, "rb") as fh:
+                doc = json.loads(fh.read(65536).strip() or b"null")
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict):
+            continue  # reserved and never needed
+        if doc.get("writer_error") and not meta.get("writer_error"):
+            meta["writer_error"] = str(doc["writer_error"])
+        if isinstance(doc.get("lost"), int):
+            lost += doc["lost"]
+    if lost > (meta.get("lost") if isinstance(meta.get("lost"), int) else 0):
+        meta["lost"] = lost
+
+
 class _Damaged(Exception):
     """A row that cannot be decoded (garbage JSON or summary bytes)."""
 
@@ -71,6 +92,7 @@ class Run(RunData):
                 meta[k] = loads(v)
             except ValueError:
                 meta[k] = v
+        _merge_writer_status(path, meta)
         version = meta.get("schema_version")
         if not isinstance(version, int):
             raise CorruptRun(f"{str(db)!r} has no schema version: not a trainguard run, or damaged")
@@ -106,6 +128,7 @@ class Run(RunData):
         """Re-read the metadata (for a run that is still being written)."""
         for k, v in self._q("SELECT key, value FROM meta"):
             self.meta[k] = loads(v)
+        _merge_writer_status(self.path, self.meta)
         self._ops = None
 
     @property

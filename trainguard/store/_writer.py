@@ -15,6 +15,7 @@ import os
 import queue
 import secrets
 import socket
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -122,6 +123,7 @@ class RunWriter:
         self.dropped = 0  # executions dropped under back-pressure
         self.dropped_items = 0  # other items dropped
         self.failed: str | None = None
+        self.lost = 0  # executions the sink received but could not store (see Sink.stopped)
         self._closed = False
         self._pid = os.getpid()
         self._q: queue.Queue = queue.Queue(maxsize=queue_items)
@@ -294,6 +296,8 @@ class RunWriter:
         self._closed = True
         done.wait(120)
         self._thread.join(timeout=10)
+        if self.failed:
+            _failures[self.run_dir.resolve()] = (self.failed, self.lost)
 
     # ------------------------------------------------------------------ writer thread
     def _send(self, msg: tuple) -> None:
@@ -314,12 +318,16 @@ class RunWriter:
         """Commit (``flush``) or commit and close (``close``), waiting for the sink."""
         if self._proc is None:
             self.sink.commit(final=(kind == "close"))
+            if self.sink.stopped is not None:
+                self.failed, self.lost = self.sink.stopped, self.sink.lost
             return
         self._send((kind,))
         try:
-            self._proc.stdout.read(1)
-        except (OSError, ValueError):
-            pass
+            stopped = read_answer(self._proc.stdout)
+        except (OSError, ValueError, struct.error):
+            stopped = None
+        if stopped is not None:
+            self.failed, self.lost = stopped
         if kind == "close":
             try:
                 self._proc.wait(60)
@@ -547,6 +555,22 @@ def write_frame(fd: int, msg: tuple) -> None:
     from trainguard.store._sink import write_frame as _write
 
     _write(fd, msg)
+
+
+def read_answer(stream):
+    from trainguard.store._sink import read_answer as _read
+
+    return _read(stream)
+
+
+# run directory -> (why its writer failed, executions not stored), for the closing line of
+# `trainguard run` when the disk is too full for the run itself to say so
+_failures: dict[Path, tuple[str, int]] = {}
+
+
+def writer_failure(run_dir: str | os.PathLike) -> tuple[str, int] | None:
+    """Why the last writer of ``run_dir`` in this process failed, and how much it did not store."""
+    return _failures.get(Path(run_dir).resolve())
 
 
 # ---------------------------------------------------------------------- one writer per run per process
