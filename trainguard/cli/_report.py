@@ -198,6 +198,8 @@ def _findings(report: dict) -> Any:
 
 
 def render_report(con: Console, report: dict) -> None:
+    if report.get("crash"):  # first, before anything that could read as a finished run
+        con.print(Text(report["crash"]["text"], style="bold red"), soft_wrap=True)
     con.print(_header(report))
     con.print(_alerts(report))
     o = _origin(report)

@@ -14,6 +14,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from trainguard._errors import NonFiniteError, TrainguardError
 from trainguard.cli._render import err_console
@@ -79,34 +80,42 @@ def _cmd(args: argparse.Namespace) -> int:
     # A preempted job gets SIGTERM: turn it into SystemExit so the run is closed properly.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     code = 0
+    ending: dict[str, Any] = {}  # how the script ended, stored in the run when it closes
     try:
-        with recorder:
+        recorder.start()
+        try:
             if args.monitor:
                 monitor = _start_monitor(logdir, args.every)
-            try:
-                if args.module:
-                    sys.argv = [target] + script_args
-                    runpy.run_module(target, run_name="__main__", alter_sys=True)
-                else:
-                    sys.argv = [target] + script_args
-                    sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
-                    runpy.run_path(target, run_name="__main__")
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-                if exc.code is not None and not isinstance(exc.code, int):
-                    print(exc.code, file=sys.stderr)
-            except NonFiniteError as exc:
-                err_console.print(f"trainguard: NonFiniteError: {exc}", markup=False, highlight=False, soft_wrap=True)
-                code = exc.exit_code
-            except KeyboardInterrupt:
-                code = 130
-            except BaseException:
-                # The script's own traceback, as Python would print it, and Python's exit code.
-                traceback.print_exc()
-                code = 1
-            finally:
-                if monitor is not None:
-                    monitor.close()
+            if args.module:
+                sys.argv = [target] + script_args
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [target] + script_args
+                sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
+                runpy.run_path(target, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if exc.code is not None and not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)
+        except NonFiniteError as exc:
+            err_console.print(f"trainguard: NonFiniteError: {exc}", markup=False, highlight=False, soft_wrap=True)
+            code = exc.exit_code
+            ending = _crashed(exc)
+        except KeyboardInterrupt:
+            code = 130
+            ending = {"status": "interrupted"}
+        except BaseException as exc:
+            # The script's own traceback, as Python would print it, and Python's exit code.
+            traceback.print_exc()
+            code = 1
+            ending = _crashed(exc)
+        finally:
+            if monitor is not None:
+                monitor.close()
+            ending["exit_code"] = code
+            if code and "status" not in ending:
+                ending["status"] = "exited"
+            recorder.stop(**ending)
     finally:
         sys.argv = old_argv
         if old_path0 is not None and sys.path:
@@ -115,6 +124,15 @@ def _cmd(args: argparse.Namespace) -> int:
     err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {logdir}{_writer_failure(logdir)}; "
                       f"see `trainguard report {logdir}` or `trainguard ui {logdir}`", highlight=False, soft_wrap=True)
     return code
+
+
+def _crashed(exc: BaseException) -> dict[str, Any]:
+    """The run's record of an exception that ended the script: its type, message and step."""
+    from trainguard.capture import current_step
+
+    message = str(exc).splitlines()[0] if str(exc) else ""
+    return {"status": "crashed", "error": f"{type(exc).__name__}: {message}".rstrip(": "),
+            "crash_step": current_step()}
 
 
 def _writer_failure(logdir: Path) -> str:

@@ -144,6 +144,8 @@ def findings(reg: Registry, rid: str, rank: int | None = None) -> dict[str, Any]
         for f in result if isinstance(result, list) else []:
             if isinstance(f, dict) and (f.get("kind"), f.get("title")) not in seen:
                 items.append(dict(f, origin="diagnosis"))
+    if any(f.get("kind") == "script_crashed" for f in items):  # a crashed run is never healthy
+        items = [f for f in items if f.get("kind") != "healthy"]
     order = {"critical": 0, "error": 1, "warning": 2, "info": 3}
     items.sort(key=lambda f: (order.get(f.get("severity"), 4), _first_step(f)))
     return to_plain_json(
