@@ -15,6 +15,7 @@ import os
 import queue
 import secrets
 import socket
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -144,7 +145,11 @@ class RunWriter:
             else:
                 for suffix in ("", "-wal", "-shm"):
                     Path(str(db) + suffix).unlink(missing_ok=True)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrainguardError(f"cannot create the run directory {str(self.run_dir)!r}: "
+                                  f"{exc.strerror or exc}") from None
         base = {
             "created": time.time(),
             "pid": os.getpid(),
@@ -163,11 +168,14 @@ class RunWriter:
         base["trainguard"] = __version__
         base.update(meta or {})
         # The schema and the first metadata are written before anything else can fail later.
-        con = connect(db, create=True)
-        with con:
-            con.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
-                            [(k, dumps(v)) for k, v in (base if self.owner else dict(meta or {})).items()])
-        con.close()
+        try:
+            con = connect(db, create=True)
+            with con:
+                con.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                                [(k, dumps(v)) for k, v in (base if self.owner else dict(meta or {})).items()])
+            con.close()
+        except sqlite3.Error as exc:
+            raise TrainguardError(f"cannot write the run database {str(db)!r}: {exc}") from None
 
         self._proc = _start_child(self.run_dir) if process else None
         self.sink = None if self._proc is not None else _local_sink(self.run_dir, flush_interval)
