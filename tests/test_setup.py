@@ -24,7 +24,7 @@ def fake_bin(tmp_path: Path, *, uid: int, apt: bool) -> Path:
         log = tmp_path / "apt.log"
         tools["apt-get"] = (f"#!/bin/sh\necho \"$@\" >> {log}\n"
                             f"case \"$*\" in *install*chromium*) printf '#!/bin/sh\\n' > {bin_dir}/chromium;"
-                            f" chmod +x {bin_dir}/chromium;; esac\n")
+                            f" /bin/chmod +x {bin_dir}/chromium;; esac\n")
     for name, body in tools.items():
         p = bin_dir / name
         p.write_text(body)
