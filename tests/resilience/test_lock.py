@@ -86,3 +86,29 @@ def test_a_process_forked_by_the_owner_does_not_keep_the_directory_after_the_own
         holder.wait()
         if worker is not None:
             os.kill(worker, signal.SIGKILL)
+
+
+def test_restoring_from_a_directory_nobody_may_write_needs_no_ownership(ckpt_dir, tmp_path):
+    state = make_state()
+    train_steps(state, 3)
+    with CheckpointManager(ckpt_dir) as m:
+        m.save(state)
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "--bind", "-o", "ro", str(ckpt_dir), str(ro)],
+                                                   capture_output=True).returncode == 0
+    if mounted:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], capture_output=True)
+        target = ro
+    else:  # without mounting, a folder whose mode refuses writes (root would ignore it: mounted above)
+        target = ckpt_dir
+        ckpt_dir.chmod(0o555)
+    try:
+        before = sorted(p.name for p in target.iterdir())
+        with CheckpointManager(target) as m:
+            assert m.restore(make_state(seed=4)) == 3
+        assert sorted(p.name for p in target.iterdir()) == before
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(ro)], capture_output=True)
+        ckpt_dir.chmod(0o755)
