@@ -35,8 +35,12 @@ class DirectoryLock:
     def held(self) -> bool:
         return self._file is not None
 
-    def acquire(self) -> None:
-        """Own the directory (creating it), or raise :class:`CheckpointError` naming the owner."""
+    def acquire(self, *, to_write: bool = True) -> None:
+        """Own the directory (creating it), or raise :class:`CheckpointError` naming the owner.
+
+        ``to_write=False`` (a restore) goes on without ownership where the directory cannot be
+        written at all (read-only media, another user's): no run can save there either.
+        """
         if self._file is not None:
             return
         path = self.directory / LOCK_FILE
@@ -44,6 +48,8 @@ class DirectoryLock:
             self.directory.mkdir(parents=True, exist_ok=True)
             f = open(path, "a+b")  # noqa: SIM115 - held open for the manager's life
         except OSError as exc:
+            if not to_write and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                return
             raise CheckpointError(f"cannot own {self.directory}: {exc.strerror or exc}") from None
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

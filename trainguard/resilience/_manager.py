@@ -406,8 +406,9 @@ class CheckpointManager:
             decision = None
             if rank == 0:
                 try:
-                    self._lock.acquire()
-                    _format.recover_replaced(self.directory)
+                    self._lock.acquire(to_write=False)
+                    if self._lock.held:  # put back what a cut-short replacement moved aside
+                        _format.recover_replaced(self.directory)
                     picked = choose(self.directory, self.list(), failed)
                 except CheckpointError as exc:  # every rank raises it, none waits for the others
                     picked = {"name": None, "skipped": [], "error": str(exc)}
