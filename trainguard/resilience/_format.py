@@ -284,6 +284,8 @@ class CheckpointInfo:
 
 def _dir_size(path: Path) -> int:
     total = 0
+    if path.is_symlink():  # never look into what a link points at
+        return 0
     try:
         for entry in os.scandir(path):
             if entry.is_file(follow_symlinks=False):

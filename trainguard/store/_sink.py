@@ -164,7 +164,7 @@ class Sink:
             try:  # in place: the reserved blocks need no new room
                 os.pwrite(self._status[0], data, 0)
             except OSError as exc:
-                log.error("trainguard writer: cannot record the failure beside the run either: %s", exc)
+                log.error("cannot record the failure beside the run either: %s", exc)
 
     def release(self) -> None:
         """Give up the status file: removed unless it says the sink stopped."""

@@ -66,8 +66,6 @@ def is_user_file(filename: str) -> bool:
 
 def _check_appendable(db: Path) -> None:
     """An existing run may be appended to only if it is a trainguard run this version can write."""
-    import sqlite3
-
     from trainguard._errors import CorruptRun, SchemaTooNew
     from trainguard.store._codec import SCHEMA_VERSION
     from trainguard.store._sqlite import uri
