@@ -14,10 +14,11 @@ from trainguard.store import open_run
 from trainguard.store._codec import MODE_FIELDS
 from trainguard.store._sink import Sink
 
-SCRIPT = textwrap.dedent("""
+STEPS = 1500  # 30 executions a step: several MB of rows, more than the room left
+SCRIPT = textwrap.dedent(f"""
     import torch
     x = torch.ones(64)
-    for step in range(4000):
+    for step in range({STEPS}):
         for _ in range(10):
             x = (x * 1.0001).exp().log()
     print("script done", flush=True)
@@ -53,7 +54,7 @@ def test_a_recording_on_a_full_disk_says_what_was_lost_and_why(small_disk, tmp_p
         stored = r.count()
         error, lost = r.meta.get("writer_error"), r.meta.get("lost")
     assert error and ("full" in error or "disk" in error or "I/O" in error), error
-    assert lost and lost > 0 and stored + lost <= 4000 * 30 + 1
+    assert lost and lost > 0 and stored + lost <= STEPS * 30 + 1
     report = subprocess.run([sys.executable, "-m", "trainguard", "report", str(run), "--json"],
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
