@@ -125,6 +125,10 @@ class CheckpointManager:
     a background thread; a failure there is raised by the next ``save()``, ``wait()`` or
     ``close()``.
 
+    The manager owns its directory from its first restore, save or ``delete_all()`` until
+    ``close()``: a second manager on the same directory gets :class:`CheckpointError` naming the
+    owner's pid and host.
+
     Under ``torch.distributed`` every rank calls the same methods in the same order.
 
     Example::
