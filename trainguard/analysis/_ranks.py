@@ -2,7 +2,7 @@
 
 Under data-parallel training a NaN that one rank's batch makes reaches every other rank through
 the gradient all-reduce, within the same step. Each rank's own walk back (:func:`origin`) ends
-where its first harmful value appeared: on the rank that made it, at the op that made it; on a
+at the origin of its first harmful value: on the rank that made it, at the op that made it; on a
 rank that received it, at the first op that read what a collective wrote (the collective's own
 output is never read when it returns: its values arrive later). So a rank *received* its first
 harmful value when that op's input was written by a collective, and *made* it otherwise. The
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainguard.analysis._origin import origin, received_input
-from trainguard.store import RankedRun, Run, is_collective
+from trainguard.store import RankedRun, Run
 
 # What users call a collective, by the op's base name (``c10d.allreduce_`` -> ``allreduce_``).
 _COLLECTIVE_WORDS = {
@@ -50,35 +50,12 @@ def _received_via(run: Run, link: Any) -> dict | None:
             "words": collective_words(d["op"], d["phase"])}
 
 
-# Non-finite executions looked at, at most, past records that are not evidence (see _unwritten).
-MAX_CANDIDATES = 256
-
-
-def _unwritten(link: Any) -> bool:
-    """An origin that only read memory nobody had written (a view of ``empty``, DDP's gradient
-    buckets before their first all-reduce): its NaN is whatever the allocator left, no evidence."""
-    ins = [i for i in link.inputs if i.get("kind") == "op"]
-    return (bool(ins) and len(ins) == len(link.inputs) and all(_unknown(i.get("summary")) for i in ins)
-            and not any(is_collective(i.get("producer_op")) for i in ins))  # what a collective wrote arrived
-
-
-def _unknown(summary: dict | None) -> bool:
-    counts = [v for k, v in (summary or {}).items() if k != "size"]
-    return bool(counts) and all(v != v for v in counts)  # NaN counts: values nobody can read
-
-
 def _first(run: Run) -> dict | None:
-    """Where this rank's first harmful value appeared (its origin, and the collective it came through)."""
+    """Where this rank's first harmful value was made (the origin :func:`origin` walks back to,
+    and the collective it came through). Uninitialised memory, DDP's gradient buckets before
+    their first all-reduce, is unknown, never harmful: it can be no rank's first."""
     o = origin(run)
-    begin = 0
-    while o is not None and _unwritten(o.origin) and begin < MAX_CANDIDATES:
-        rows = run.executions(begin, begin + 64, health="nonfinite")
-        o = next((c for c in (origin(run, e["seq"]) for e in rows) if c is not None and not _unwritten(c.origin)),
-                 None)
-        if o is not None or len(rows) < 64:
-            break
-        begin += 64
-    if o is None or _unwritten(o.origin):
+    if o is None:
         return None
     link = o.origin
     return {"seq": link.seq, "step": link.step, "phase": link.phase, "op": link.op, "module": link.module,
