@@ -126,3 +126,29 @@ def test_recorded_and_monitored_parameters_can_still_be_swapped(tmp_path):
         assert [r["step"] for r in norms] == [0, 1, 2]  # the swapped parameter is still watched
         addmm = run.execution(run.executions(op="addmm")[-1]["seq"])
         assert [i["kind"] for i in addmm["inputs"]][:1] == ["param"]  # and still named
+
+
+def test_a_collective_passes_on_the_harm_it_sends_and_its_reader_judges_what_it_wrote(tmp_path, one_rank):
+    # A collective's outputs hold what the other ranks send, after it returns: what this rank
+    # sent harmful taints them (one origin, not a new one at the next reader); memory that was
+    # unknown before it (a DDP bucket, allocated, written through views) is not garbage after it.
+    dist = one_rank
+    with tg.record(tmp_path / "r", buffer=-1):
+        nan = torch.zeros(4) / torch.zeros(4)  # 0/0: the origin
+        dist.all_reduce(nan)
+        nan + 1
+        bucket = torch.empty(4)
+        bucket.narrow(0, 0, 4).copy_(torch.zeros(4))  # written through a view, as DDP fills its buckets
+        dist.all_reduce(bucket)
+        bucket.numpy()[1] = float("nan")  # "from another rank": no op of this one wrote it
+        bucket.clone()
+    run = tg.open(tmp_path / "r")
+    ops = [(e["op"], e["seq"]) for e in run.executions()]
+    (div,), (reduce1, reduce2), (add,), (clone,) = ([s for op, s in ops if op == name] for name in (
+        "aten.div.Tensor", "c10d.allreduce_", "aten.add.Tensor", "aten.clone"))
+    assert run.execution(reduce1)["taint"] == "harmful"
+    assert run.execution(add)["origin"] == div  # passed on: still the div's
+    assert run.execution(reduce2)["taint"] == "finite"
+    got = run.execution(clone)
+    assert got["taint"] == "harmful" and got["outputs"][0]["summary"]["nan"] == 1  # read for real, not unknown
+    assert got["origin"] == clone and got["inputs"][0]["producer"] == reduce2  # received: what the all-reduce wrote
