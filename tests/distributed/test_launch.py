@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
 
 import pytest
 
@@ -41,6 +44,20 @@ def test_trainguard_monitor_under_torchrun(tmp_path):
             assert [s for s, _ in rr.scalars()["loss"]] == [0, 1, 2, 3]
             assert {"module.0", "module.1", "module.3"} <= set(rr.layers())  # this rank's replica, layer by layer
             assert [f["kind"] for f in rr.findings("monitor")] == ["healthy"]
+
+
+def test_the_trainguard_script_under_torchrun_with_the_monitor(tmp_path):
+    # torchrun -- "$(which trainguard)" run --monitor ...: the console script as torchrun's training script.
+    script = shutil.which("trainguard", path=os.path.dirname(sys.executable))
+    assert script is not None
+    code, log = run(torchrun("--", script, "run", "--monitor", "--every", 1, "--logdir", tmp_path / "r", TRAIN,
+                             "--out", tmp_path / "out", "--steps", 2), tmp_path / "log")
+    assert code == 0, log[-3000:]
+    with tg.open(tmp_path / "r") as r:
+        assert r.ranks == [0, 1]
+        for rank, rr in r.rank_runs().items():  # recorded and monitored, each rank into its own directory
+            assert rr.meta["rank"] == rank and rr.count() > 0 and rr.meta["monitor"]["status"] == "finished"
+            assert [s for s, _ in rr.scalars()["loss"]] == [0, 1]
 
 
 def test_launcher_errors_are_one_line(tmp_path, capsys):
