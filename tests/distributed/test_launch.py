@@ -78,3 +78,18 @@ def test_workers_get_every_option_but_the_launchers(tmp_path):
         "train.py", "--lr", "0.1", "-v"]
     args = parser.parse_args(["--nproc-per-node", "2", "-m", "pkg.train", "data.csv", "--epochs", "1"])
     assert worker_argv(parser, args, tmp_path) == [f"--logdir={tmp_path}", "-m", "pkg.train", "data.csv", "--epochs", "1"]
+
+
+def test_the_rank_that_ended_first_is_read_from_the_runs_own_clocks(tmp_path, monkeypatch):
+    # torch's agent times a failure in whole seconds, when it polls: rank 1's NaN stop and the
+    # error rank 0 then gets from the all-reduce rank 1 left fall in the same second. Each
+    # worker's run says when its script ended; the launcher picks by that.
+    from trainguard.cli._launch import first_to_end
+
+    for rank, ended in ((0, 1000.25), (1, 1000.5), (2, 1000.125)):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "3")
+        tg.record(tmp_path / "job").start().stop(ended_at=ended)  # as trainguard run stops it
+    assert first_to_end(tmp_path / "job", {0: 1, 1: 3}, fallback=0) == 0
+    assert first_to_end(tmp_path / "job", {0: 1, 1: 3, 2: 1}, fallback=0) == 2
+    assert first_to_end(tmp_path / "job", {1: 3, 5: 1}, fallback=5) == 5  # rank 5 has no run: torch's pick

@@ -8,7 +8,7 @@ import json
 import trainguard as tg
 from trainguard.cli import main
 
-from .conftest import TRAIN, run, torchrun
+from .conftest import TRAIN, run, torchrun, trainguard
 
 PLANT = 'x[1, 3] = float("nan")'
 
@@ -41,3 +41,20 @@ def test_the_report_names_the_rank_that_made_the_nan(tmp_path, capsys):
     assert first.startswith(f"rank 1 first made a NaN in step 2: {made['op']} at ")
     assert f"_train.py:{line} (forward pass)" in first
     assert "rank 0 only received it, through the gradient all-reduce (c10d.allreduce_) in step 2" in first
+
+
+def test_check_numerics_stops_the_job_at_the_rank_that_made_the_nan(tmp_path, capsys):
+    # The guard under trainguard's launcher: rank 1 stops at its NaN (exit 3), the agent stops rank 0,
+    # which waits in the all-reduce rank 1 will never join; the launcher says which rank ended first.
+    logdir = tmp_path / "run"
+    code, log = run(trainguard("run", "--nproc-per-node", 2, "--shutdown-timeout", 5, "--check-numerics", "--logdir",
+                               logdir, TRAIN, "--out", tmp_path / "out", "--steps", 4, "--nan-at", "1:2"),
+                    tmp_path / "log")
+    assert code == 3, log[-3000:]
+    assert "rank 1 ended first, with exit code 3" in log
+    with tg.open(logdir, rank=1) as r:
+        stop = r.meta["check_numerics_stop"]
+        assert stop["op"] == r.execution(stop["seq"])["op"] and r.execution(stop["seq"])["step"] == 2
+    assert main(["report", str(logdir), "--json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    assert (ranks["first_rank"], ranks["made"]) == (1, [1])
