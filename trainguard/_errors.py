@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 
 class TrainguardError(Exception):
     """Base class of every error trainguard raises on purpose.
@@ -41,3 +43,7 @@ class NonFiniteError(TrainguardError, FloatingPointError):
     def __init__(self, message: str, *, execution: dict | None = None):
         super().__init__(message)
         self.execution = execution or {}
+        # When it was raised (time.time()): under torch.distributed the other ranks fail soon
+        # after, in collectives this rank left, and ``trainguard run --nproc-per-node`` names
+        # the rank that ended first by this.
+        self.raised_at = time.time()

@@ -86,10 +86,12 @@ def test_the_rank_that_ended_first_is_read_from_the_runs_own_clocks(tmp_path, mo
     # worker's run says when its script ended; the launcher picks by that.
     from trainguard.cli._launch import first_to_end
 
-    for rank, ended in ((0, 1000.25), (1, 1000.5), (2, 1000.125)):
+    # The agent may also SIGTERM a rank that is still closing its run after its script ended: the
+    # code is the run's own then.
+    for rank, ended, code in ((0, 1000.5, 1), (1, 1000.25, 3), (2, 1000.125, 1)):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", "3")
-        tg.record(tmp_path / "job").start().stop(ended_at=ended)  # as trainguard run stops it
-    assert first_to_end(tmp_path / "job", {0: 1, 1: 3}, fallback=0) == 0
-    assert first_to_end(tmp_path / "job", {0: 1, 1: 3, 2: 1}, fallback=0) == 2
-    assert first_to_end(tmp_path / "job", {1: 3, 5: 1}, fallback=5) == 5  # rank 5 has no run: torch's pick
+        tg.record(tmp_path / "job").start().stop(ended_at=ended, exit_code=code)  # as trainguard run stops it
+    assert first_to_end(tmp_path / "job", {0: 1, 1: -15}, fallback=0) == (1, 3)
+    assert first_to_end(tmp_path / "job", {0: 1, 1: 3, 2: 1}, fallback=0) == (2, 1)
+    assert first_to_end(tmp_path / "job", {1: 3, 5: -9}, fallback=5) == (5, -9)  # rank 5 has no run: torch's pick

@@ -104,8 +104,9 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace, logdir: Pa
     try:
         torchrun.run(targs)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        code = failure.exitcode
+        first, _ = exc.get_first_failure()
+        rank, code = first_to_end(_attempt_dir(logdir, args.max_restarts or 0), {
+            r: f.exitcode for r, f in exc.failures.items()}, fallback=first)
         from trainguard.cli._render import err_console
 
         err_console.print(f"trainguard: rank {rank} ended first, with exit code {code}; the job's run is {logdir}",
@@ -116,3 +117,42 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace, logdir: Pa
     except (ValueError, RuntimeError, AssertionError) as exc:  # e.g. an unusable rendezvous endpoint
         raise TrainguardError(f"cannot launch the workers: {exc}") from None
     return 0
+
+
+def _attempt_dir(logdir: Path, max_restarts: int) -> Path:
+    """The run directory of the worker group's last attempt (see store.rank_dir)."""
+    for n in range(max_restarts, 0, -1):
+        d = logdir.with_name(f"{logdir.name}-restart{n}")
+        if d.is_dir():
+            return d
+    return logdir
+
+
+def first_to_end(logdir: Path, failed: dict[int, int], fallback: int) -> tuple[int, int]:
+    """Of the ranks that failed (rank -> exit code as the agent saw it), the one whose script
+    ended first, and the exit code it ended with.
+
+    torch's agent times a failure in whole seconds, when it polls, so a rank that stopped at a
+    NaN and the rank whose all-reduce then broke because the first one left fall in the same
+    second. Each worker's run stores when its script ended (``ended_at``, its own clock: one
+    node, one clock) and with which code: the agent may have sent SIGTERM to a rank that was
+    still closing its run after its script ended. ``fallback`` (torch's pick) and the agent's
+    codes stand when a failed rank's run does not say.
+    """
+    from trainguard.store import open_run
+
+    ended: dict[int, tuple[float, int]] = {}
+    for rank, agent_code in failed.items():
+        try:
+            with open_run(logdir / f"rank-{rank}") as run:
+                when, code = run.meta.get("ended_at"), run.meta.get("exit_code")
+        except TrainguardError:
+            break
+        if not isinstance(when, (int, float)):
+            break
+        ended[rank] = (float(when), code if isinstance(code, int) and code else agent_code)
+    else:
+        if ended:
+            rank = min(ended, key=lambda r: (ended[r][0], r))
+            return rank, ended[rank][1]
+    return fallback, failed[fallback]

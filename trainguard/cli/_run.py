@@ -14,6 +14,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,7 @@ def _cmd(args: argparse.Namespace) -> int:
         except NonFiniteError as exc:
             err_console.print(f"trainguard: NonFiniteError: {exc}", markup=False, highlight=False, soft_wrap=True)
             code = exc.exit_code
-            ending = _crashed(exc)
+            ending = {**_crashed(exc), "raised_at": exc.raised_at}
         except KeyboardInterrupt:
             code = 130
             ending = {"status": "interrupted"}
@@ -125,6 +126,9 @@ def _cmd(args: argparse.Namespace) -> int:
             code = 1
             ending = _crashed(exc)
         finally:
+            # The launcher orders the ranks of a failed job by it: a NonFiniteError says when it
+            # was raised (the script's own finally blocks, destroy_process_group, run after it).
+            ending["ended_at"] = ending.pop("raised_at", None) or time.time()
             if monitor is not None:
                 monitor.close()
             ending["exit_code"] = code
