@@ -97,6 +97,7 @@ def _cmd(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     code = 0
     ending: dict[str, Any] = {}  # how the script ended, stored in the run when it closes
+    late: list[int] = []  # a SIGTERM that came while the run was closing
     try:
         recorder.start()
         try:
@@ -129,6 +130,9 @@ def _cmd(args: argparse.Namespace) -> int:
             # The launcher orders the ranks of a failed job by it: a NonFiniteError says when it
             # was raised (the script's own finally blocks, destroy_process_group, run after it).
             ending["ended_at"] = ending.pop("raised_at", None) or time.time()
+            # Closing the run is not cut short: a SIGTERM now (torchrun's agent stopping the other
+            # ranks of a failed job) waits until the run is closed; SIGKILL stays the agent's backstop.
+            signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
             if monitor is not None:
                 monitor.close()
             ending["exit_code"] = code
@@ -140,6 +144,8 @@ def _cmd(args: argparse.Namespace) -> int:
         if old_path0 is not None and sys.path:
             sys.path[0] = old_path0
         signal.signal(signal.SIGTERM, previous)
+    if late and not code:
+        code = 128 + signal.SIGTERM
     written = Path(recorder.logdir)  # this rank's directory under torch.distributed
     err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {written}{_writer_failure(written)}; "
                       f"see `trainguard report {logdir}` or `trainguard ui {logdir}`", highlight=False, soft_wrap=True)
