@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _kernels, _numerics, _reads, _steps, _swap
 from trainguard.capture._local import local as _local
+from trainguard.capture._local import written as _written
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._recorder_harm import HarmHooks
 from trainguard.capture._stacks import StackInterner
@@ -635,24 +636,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _written(name: str, args: tuple, out: Any) -> list:
-    """The tensors a collective writes: what it returns (``allreduce_`` returns the tensors it
-    reduced in place, ``allgather_`` its output lists), or for ``recv_`` its buffers."""
-    outs = _tensors_in(out, [])
-    if not outs and ".recv" in name and args:
-        outs = _tensors_in(args[0], [])
-    return outs
-
-
-def _tensors_in(x: Any, out: list) -> list:
-    if isinstance(x, _Tensor):
-        out.append(x)
-    elif type(x) in (list, tuple):
-        for y in x:
-            _tensors_in(y, out)
-    return out
 
 
 def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:
