@@ -95,7 +95,7 @@ def dead_units(ctx: Context) -> list[Finding]:
     for b in bias:
         w = ctx.stat(b, "weight", "norm")
         shape = ctx.params[b].get("shape", [1])
-        if len(w):
+        if len(w) and ctx.weights_initial:
             rms = float(w.values[0]) / math.sqrt(max(1, math.prod(shape)))
             ev.setdefault("bias_init_rms", {})[b] = rms
             if rms > 0.5:
@@ -104,8 +104,12 @@ def dead_units(ctx: Context) -> list[Finding]:
         ev["init"] = init_rows
     if grew:
         fixes.append("the units died during training: lower the learning rate, or use LeakyReLU/GELU")
-    else:
+    elif ctx.weights_initial:
         fixes.append(f"they were dead from the first step: use {init_text}")
+    else:
+        fixes.append(f"they were already dead when monitoring began (step {ctx.recorded_steps[0]}); "
+                     f"if they were dead from initialisation, use {init_text}; if they died in training, lower "
+                     "the learning rate or use LeakyReLU/GELU")
     stays = [v["stay_dead"] for v in per_layer.values() if math.isfinite(v["stay_dead"])]
     persist = f"; {min(stays):.0%}+ of them stay dead from one recording to the next" if stays else ""
     return [

@@ -73,16 +73,25 @@ def lr_higher(ctx: Context, ratio: float | None) -> tuple[float | None, str]:
 
 
 def init_advice(ctx: Context, params: list[str], act: str) -> tuple[dict, str]:
-    """Compare the initial weight scale of ``params`` with the scale their activation wants."""
+    """Compare the initial weight scale of ``params`` with the scale their activation wants.
+
+    Only a run whose first recording came before any update knows the initial scale; otherwise
+    (a resumed run, a monitor started mid-training) the rows say at which step the scale was
+    measured and the text makes no claim about how the weights started.
+    """
     rows = {}
     off = []
+    initial = ctx.weights_initial
     for p in params:
         c = ctx.weight_init_check(p)
         if c is None:
             continue
         want = c["kaiming"] if act == "relu" else c["xavier"]
-        rows[p] = {"init_rms": c["rms"], "recommended_rms": want, "fan_in": c["fan_in"]}
-        if c["rms"] > 3 * want or c["rms"] < want / 3:
+        if initial:
+            rows[p] = {"init_rms": c["rms"], "recommended_rms": want, "fan_in": c["fan_in"]}
+        else:
+            rows[p] = {"rms_at_step": c["rms"], "step": c["step"], "recommended_rms": want, "fan_in": c["fan_in"]}
+        if initial and (c["rms"] > 3 * want or c["rms"] < want / 3):
             off.append(f"{p} started with RMS {fmt(c['rms'])} vs {fmt(want)}")
     if act == "relu":
         how = "Kaiming initialisation: `nn.init.kaiming_normal_(layer.weight, nonlinearity='relu')`, bias 0"
@@ -127,10 +136,11 @@ def op_fix(op: str | None) -> str | None:
     return None
 
 
-def origin_of(run: Any, before_step: int | None = None) -> dict | None:
-    """The recorder's first non-finite execution (when the run was recorded), as finding evidence."""
+def origin_of(run: Any, before_step: int | None = None, since_step: int | None = None) -> dict | None:
+    """The recorder's first non-finite execution (when the run was recorded), as finding evidence;
+    ``since_step``: the first one in that step or later."""
     try:
-        first = run.first_nonfinite()
+        first = run.first_nonfinite() if since_step is None else run.first_nonfinite(since_step=since_step)
     except Exception:  # a run without a recording, or a damaged one: no origin
         return None
     if not first:

@@ -395,9 +395,16 @@ class Run:
             "first_seq": first["seq"] if first else None,
         }
 
-    def first_nonfinite(self) -> dict | None:
-        """The first execution (in order) whose output holds NaN or Inf, in full; None if none."""
-        rows = self._q("SELECT seq FROM executions WHERE health != 0 ORDER BY seq LIMIT 1")
+    def first_nonfinite(self, since_step: int | None = None) -> dict | None:
+        """The first execution (in order) whose output holds NaN or Inf, in full; None if none.
+
+        ``since_step``: the first one in that step or later.
+        """
+        if since_step is None:
+            rows = self._q("SELECT seq FROM executions WHERE health != 0 ORDER BY seq LIMIT 1")
+        else:
+            rows = self._q("SELECT seq FROM executions WHERE health != 0 AND step >= ? ORDER BY seq LIMIT 1",
+                           (int(since_step),))
         return self.execution(rows[0][0]) if rows else None
 
     # ------------------------------------------------------------------ training data
