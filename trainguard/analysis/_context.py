@@ -100,6 +100,7 @@ class Context:
         self.amp_skipped = Series.of(scalars.get("amp/skipped"))
         self.amp_scale = Series.of(scalars.get("amp/scale"))
         skipped = set(self.amp_skipped.steps[self.amp_skipped.values > 0.5].tolist())
+        self.skipped_steps = skipped
         self.grad_norm = Series.of([sv for sv in scalars.get("grad_norm") or [] if sv[0] not in skipped])
         # A run whose first recording came after updates (resumed, or watched from mid-training)
         # does not know its initial weights; older runs did not say and recorded from step 0.
@@ -107,6 +108,8 @@ class Context:
         self.lrs = {k: Series.of(v) for k, v in scalars.items() if k.startswith("lr/")}
         grouped: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
         for row in run.layer_stats():
+            if row["kind"] == "gradient" and row["step"] in skipped:
+                continue
             grouped.setdefault((row["layer"], row["kind"], row["stat"]), []).append((row["step"], row["value"]))
         self._stats = {k: Series.of(v) for k, v in grouped.items()}
         layer_meta = {d["name"]: d for d in self.meta.get("layers", [])}

@@ -5,8 +5,8 @@
   monitor stores the loss the user computed, not ``loss * 65536``.
 - ``step(optimizer)`` skips ``optimizer.step()`` when the unscaled gradients hold an Inf or NaN
   (it has already read that flag to the host). The wrapper tells whether the optimizer ran (the
-  clock's counter of ``optimizer.step()`` calls moved) and announces ``(optimizer, scaler,
-  ran)``: a skipped iteration still counts as a step, as it does for Lightning and the HF
+  clock's counter of ``optimizer.step()`` calls moved) and announces ``(optimizer, step, scale,
+  ran)`` (the step it belonged to, which a successful update has already ended): a skipped iteration still counts as a step, as it does for Lightning and the HF
   ``Trainer``, and the monitor records the scale and the skip.
 
 The methods are patched on the class while the step clock is held (subclasses that do not
@@ -59,14 +59,17 @@ def unscaled(t: torch.Tensor) -> torch.Tensor | None:
 def _step(self, optimizer, *args, **kwargs):
     from trainguard.capture import _steps
 
-    before = _steps.clock.optimizer_calls
+    before, step = _steps.clock.optimizer_calls, _steps.clock.step
+    scale = self._scale
+    if isinstance(scale, torch.Tensor):
+        scale = scale.detach().reshape(-1)[0].clone()  # update() halves or doubles it in place; no sync
     out = _originals["step"](self, optimizer, *args, **kwargs)
     if not self.is_enabled():
         return out
     ran = _steps.clock.optimizer_calls != before
     for fn in list(step_listeners):
         try:
-            fn(optimizer, self, ran)
+            fn(optimizer, step, scale, ran)
         except Exception:
             log.exception("trainguard: GradScaler step listener failed")
     if not ran:

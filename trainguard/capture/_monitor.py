@@ -252,7 +252,7 @@ class Monitor(HookMixin):
             params = self._grads.params_in(optimizer, self._params)
             if params:
                 with self._no_record():
-                    self._grads.read(params, self._cur, self._recording, replace=False)
+                    self._grads.read(params, self._cur, self._recording)
         except Exception:  # observing training never kills training
             log.exception("trainguard monitor: reading gradients failed")
 
@@ -328,19 +328,21 @@ class Monitor(HookMixin):
         if self._closed or not self._roots or self._grads.saw_optimizer:
             return  # with an optimizer, the gradients are read once, right before the update
         with self._no_record():
-            self._grads.read(self._params, self._cur, self._recording, replace=True,
-                             snapshot=self.updates)
+            self._grads.read(self._params, self._cur, self._recording, tentative=True, snapshot=self.updates)
             if _steps.clock.driver is None:
                 self._pending_end = pending_refs(self._params)
 
     def _on_clip(self, params: list) -> None:
-        if self._closed or not self._roots or not self._grads.saw_optimizer:
-            return  # no optimizer known: the reading after the last backward() is the complete one
-        ids = {id(t) for t in params}
-        mine = [p for p in self._params if p.ref() is not None and id(p.ref()) in ids]
+        if self._closed or not self._roots:
+            return
+        if self._grads.saw_optimizer:
+            ids = {id(t) for t in params}
+            mine = [p for p in self._params if p.ref() is not None and id(p.ref()) in ids]
+        else:
+            mine = self._params  # complete since the last backward, and unscaled by now (GradScaler.unscale_)
         if mine:
             with self._no_record():
-                self._grads.read(mine, self._cur, self._recording, replace=False)
+                self._grads.read(mine, self._cur, self._recording)
 
     def _maybe_end_manual_step(self) -> None:
         refs = self._pending_end
@@ -362,7 +364,7 @@ class Monitor(HookMixin):
             self._pending_end = None
             with self._no_record():
                 if not has_closure:  # a closure has not run the backward yet: read when it returns
-                    self._grads.read(params, self._cur, self._recording, replace=False)
+                    self._grads.read(params, self._cur, self._recording)
                 if self._recording and self.updates:
                     self._grads.snapshot(opt, params)
         except Exception:
@@ -384,14 +386,16 @@ class Monitor(HookMixin):
         except Exception:
             log.exception("trainguard monitor: optimizer post-hook failed")
 
-    def _on_scaler_step(self, opt: torch.optim.Optimizer, scaler: Any, ran: bool) -> None:
-        if not self._grads.params_in(opt, self._params):
+    def _on_scaler_step(self, opt: torch.optim.Optimizer, step: int, scale: Any, ran: bool) -> None:
+        if self._closed or not self._grads.params_in(opt, self._params):
             return
-        scale = getattr(scaler, "_scale", None)
-        if isinstance(scale, torch.Tensor):
-            with self._no_record(), torch.no_grad():
-                self._amp["amp/scale"] = scale.detach().reshape(-1)[0].clone()  # update() changes it in place
-        self._amp["amp/skipped"] = 0.0 if ran else 1.0
+        values = {"amp/skipped": 0.0 if ran else 1.0}
+        if scale is not None:
+            values["amp/scale"] = scale
+        if step == self._cur:
+            self._amp.update(values)
+        else:  # the update ended the step already; its scalars wait for late values (see Shipper.ship)
+            self._out.scalars.setdefault(step, {}).update(values)
 
     # ------------------------------------------------------------------ steps
     def _on_step(self, new_step: int) -> None:

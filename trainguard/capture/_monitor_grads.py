@@ -75,6 +75,7 @@ class GradientWatch:
         self._seen: set[int] = set()  # parameters whose gradient this step has been read
         self._stale_seen: set[int] = set()
         self._reading = _Reading()
+        self._tentative = False
         self._lrs: dict[str, Any] = {}
         self._snap: dict[int, tuple[list[Param], list[torch.Tensor]]] = {}
         self._manual_snap: tuple[list[Param], list[torch.Tensor]] | None = None
@@ -101,18 +102,22 @@ class GradientWatch:
         return mine
 
     # ------------------------------------------------------------------ reading gradients
-    def read(self, params: list[Param], step: int, recording: bool, *, replace: bool, snapshot: bool = False) -> None:
+    def read(self, params: list[Param], step: int, recording: bool, *, tentative: bool = False,
+             snapshot: bool = False) -> None:
         """Read the gradients of ``params``.
 
-        ``replace``: this reading supersedes every earlier one of the step (no optimizer known:
-        the gradients after the latest ``backward()``); ``snapshot`` then also copies the weights
-        at recording steps, to measure an update made by hand. Otherwise only parameters not read
-        yet this step are read.
+        ``tentative``: after a ``backward()`` with no optimizer known, the reading supersedes every
+        earlier one of the step (accumulation: the latest is the most complete) and is itself
+        superseded by the first reading at an optimizer (after ``GradScaler`` unscaled, say);
+        ``snapshot`` then also copies the weights at recording steps, to measure an update made
+        by hand. Otherwise only parameters not read yet this step are read.
         """
-        if replace:
+        if tentative or self._tentative:
             self._reading = _Reading()
             self._seen = set()
+        if tentative:
             self._manual_snap = None
+        self._tentative = tentative
         buf = self._reading
         grads, owners = [], []
         for p in params:
@@ -156,7 +161,7 @@ class GradientWatch:
             weights = [p.ref().detach() for p in owners]
             for p, n in zip(owners, torch._foreach_norm(weights)):
                 buf.wnorm[id(p)] = n  # before the update: the "initial" weights are the initial ones
-            if replace and snapshot:
+            if tentative and snapshot:
                 self._manual_snap = (owners, torch._foreach_mul(weights, 1.0))
 
     def snapshot(self, opt: torch.optim.Optimizer, params: list[Param]) -> None:
@@ -244,7 +249,7 @@ class GradientWatch:
             # Gradients no optimizer took: parameters missing from every optimizer.
             rest = [p for p in params if id(p) not in self._seen]
             if rest:
-                self.read(rest, step, recording, replace=False)
+                self.read(rest, step, recording)
         buf = self._reading
         values: dict[str, Any] = {}
         if buf.sq:
