@@ -131,6 +131,8 @@ class Monitor(HookMixin):
         self.logdir = Path(logdir) if logdir is not None else _default_logdir()
         self._writer = acquire_writer(self.logdir, overwrite=overwrite, append=append)
         self._closed = False
+        self._meta: dict = _existing_meta(self.logdir) if append else {}
+        self._meta.pop("error", None)
 
         self._roots: list[Root] = []
         self._params: list[Param] = []
@@ -156,7 +158,7 @@ class Monitor(HookMixin):
         self._amp: dict[str, Any] = {}
         # No optimizer: after a backward(), what the step's end is recognised by (see pending_refs).
         self._pending_end: list | None = None
-        self._initial_written = False
+        self._initial_written = "weights_initial" in self._meta  # a resumed run keeps what it knew
 
         # Shipping: tensors waiting for the next batched transfer, and copies in flight.
         self._out = Shipper(self._writer, bins)
@@ -168,6 +170,7 @@ class Monitor(HookMixin):
             "eval_forwards_in_train": 0,
             "first_eval_forward_in_train": None,
         }
+        self.modes.update({k: v for k, v in (self._meta.get("modes") or {}).items() if k in self.modes})
         self._modes_written: dict = {}
 
         if _steps.clock.users == 0:
@@ -202,6 +205,10 @@ class Monitor(HookMixin):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(error=exc)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def current_step(self) -> int:
@@ -256,6 +263,17 @@ class Monitor(HookMixin):
         except Exception:  # observing training never kills training
             log.exception("trainguard monitor: reading gradients failed")
 
+    def forward_started(self, model: nn.Module, inputs: Any) -> None:
+        """A training forward of ``model`` (an attached model) starts with ``inputs``.
+
+        For frameworks that run a model's training step without calling the model itself
+        (Lightning calls ``training_step``): train/eval mode and the input statistics are taken
+        here, as the model's forward pre-hook would.
+        """
+        root = next((r for r in self._roots if r.ref() is model), None)
+        if root is not None and not self._closed:
+            self._root_pre(root, model, (inputs,))
+
     def on_attach(self, fn: Callable[[Monitor, nn.Module], None]) -> None:
         """Call ``fn(monitor, module)`` whenever a model is attached (integrations find their framework)."""
         self._attach_listeners.append(fn)
@@ -304,7 +322,7 @@ class Monitor(HookMixin):
         return self._params
 
     def _write_meta(self, **values: Any) -> None:
-        meta = dict(getattr(self, "_meta", {}) or {})
+        meta = dict(self._meta)
         meta.update(values)
         meta["every"] = self.every
         meta.setdefault("status", "running")
@@ -467,6 +485,17 @@ class Monitor(HookMixin):
             self._writer.add_findings("monitor", [f.to_dict() for f in findings], replace=True)
         except Exception:
             log.exception("trainguard monitor: diagnosis failed")
+
+
+def _existing_meta(logdir: Path) -> dict:
+    """The monitor metadata of a run being continued (a resumed training job), or nothing."""
+    from trainguard.store import open_run
+
+    try:
+        with open_run(logdir) as run:
+            return dict(run.meta.get("monitor") or {})
+    except Exception:  # a new run, or one without a monitor
+        return {}
 
 
 def _ending(error: BaseException | str | None) -> dict[str, Any]:

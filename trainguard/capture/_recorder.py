@@ -151,6 +151,7 @@ class Recorder:
         check_numerics: bool = False,
         strategy: str = "auto",
         overwrite: bool = False,
+        rank_dir: bool = True,
     ):
         self.ops_pattern, self.dtypes = _validate(mode, buffer, ops, dtypes)
         if strategy not in ("auto", "immediate", "deferred"):
@@ -160,7 +161,8 @@ class Recorder:
         self.buffer = buffer
         self.check = check_numerics
         self.strategy = strategy
-        self.logdir = _rank_dir(Path(logdir)) if logdir is not None else None
+        # ``rank_dir=False``: the caller (a framework integration) already chose the rank's directory.
+        self.logdir = None if logdir is None else (_rank_dir(Path(logdir)) if rank_dir else Path(logdir))
         self.overwrite = overwrite
         self.writer = None
         self.seq = 0

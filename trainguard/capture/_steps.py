@@ -19,6 +19,7 @@ while at least one user holds them (:func:`acquire` / :func:`release`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -192,6 +193,24 @@ def drive(n: int) -> int:
         for fn in list(clock.on_step):
             fn(n)
     return n
+
+
+def before_next_optimizer_step(fn: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Call ``fn(optimizer)`` once, before the next ``optimizer.step()`` (while the clock is held)."""
+
+    def once(optimizer, has_closure):
+        with contextlib.suppress(ValueError):
+            clock.before_optimizer_step.remove(once)
+        fn(optimizer)
+
+    clock.before_optimizer_step.append(once)
+
+
+def release_drive() -> None:
+    """A framework integration hands the count back: optimizer steps count again from here."""
+    if clock.driver == "framework":
+        clock.driver = None
+        clock.primary = None
 
 
 def current_step() -> int:

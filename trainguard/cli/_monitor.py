@@ -108,13 +108,16 @@ def monitor_script(
 ):
     """Run ``script`` under a Monitor attached to whatever models it trains; return (exit code, Monitor)."""
     from trainguard._wiring import Monitor
+    from trainguard.integrations import watch_frameworks
 
     mon = Monitor(None, logdir, every, histograms=True if histograms else None, thresholds=thresholds,
                   overwrite=overwrite)
+    watch_frameworks(mon)  # Lightning / HF Trainer scripts: the framework's steps
+    error = None
     try:
-        code, _ = run_script(script, args)
+        code, error = run_script(script, args)
     finally:
-        mon.close()
+        mon.close(error=error)
     return code, mon
 
 

@@ -75,6 +75,7 @@ def _cmd(args: argparse.Namespace) -> int:
         raise TrainguardError(str(exc)) from None
 
     monitor = None
+    error: BaseException | None = None
     old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
     # A preempted job gets SIGTERM: turn it into SystemExit so the run is closed properly.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -95,18 +96,23 @@ def _cmd(args: argparse.Namespace) -> int:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
                 if exc.code is not None and not isinstance(exc.code, int):
                     print(exc.code, file=sys.stderr)
+                if code:
+                    error = exc
             except NonFiniteError as exc:
                 err_console.print(f"trainguard: NonFiniteError: {exc}", markup=False, highlight=False, soft_wrap=True)
                 code = exc.exit_code
-            except KeyboardInterrupt:
+                error = exc
+            except KeyboardInterrupt as exc:
                 code = 130
-            except BaseException:
+                error = exc
+            except BaseException as exc:
                 # The script's own traceback, as Python would print it, and Python's exit code.
                 traceback.print_exc()
                 code = 1
+                error = exc
             finally:
                 if monitor is not None:
-                    monitor.close()
+                    monitor.close(error=error)
     finally:
         sys.argv = old_argv
         if old_path0 is not None and sys.path:
@@ -122,4 +128,8 @@ def _start_monitor(logdir: Path, every: int):
         from trainguard._wiring import Monitor
     except ImportError:
         raise TrainguardError("--monitor needs the monitor, which this installation lacks") from None
-    return Monitor(None, logdir=logdir, every=every)
+    from trainguard.integrations import watch_frameworks
+
+    monitor = Monitor(None, logdir=logdir, every=every)
+    watch_frameworks(monitor)  # Lightning / HF Trainer scripts: the framework's steps
+    return monitor
