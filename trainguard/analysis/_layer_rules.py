@@ -262,6 +262,17 @@ def _gradient_flow(ctx: Context) -> dict[str, float]:
     return out
 
 
+def _update_flow(ctx: Context, names: list[str]) -> dict[str, float]:
+    """Median update-to-weight ratio per weight matrix (later half of the recordings)."""
+    out = {}
+    for p in names:
+        r = ctx.window(ctx.stat(p, "update", "ratio"))
+        v = r.values[np.isfinite(r.values) & (r.values > 0)]
+        if len(v):
+            out[p] = float(np.median(v))
+    return out
+
+
 @register_rule("vanishing_gradient")
 def vanishing_gradient(ctx: Context) -> list[Finding]:
     flow = _gradient_flow(ctx)
@@ -271,6 +282,16 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
     ratio = flow[names[0]] / flow[names[-1]]
     if ratio >= ctx.th.vanish_ratio:
         return []
+    ev: dict = {"relative_gradient_by_layer": flow, "first_last_ratio": ratio}
+    upd = _update_flow(ctx, [names[0], names[-1]])
+    if len(upd) == 2:
+        balance = upd[names[0]] / upd[names[-1]]
+        ev["first_last_update_ratio"] = balance
+        if balance >= ctx.th.vanish_update_balance:
+            # An adaptive optimizer (Adam) scales each parameter's step by its own gradient size:
+            # the first layer still moves, so the small gradient costs nothing (BERT's query and
+            # key projections at initialisation).
+            return []
     weak = [p for p in names if flow[p] / flow[names[-1]] < ctx.th.vanish_ratio]
     fam = activation_family(ctx)
     _, init_text = init_advice(ctx, names, fam)
@@ -285,7 +306,7 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
             kind="vanishing_gradient",
             severity="warning",
             title=f"Vanishing gradients: the first layer's relative gradient is {fmt(ratio)} of the last layer's",
-            evidence={"relative_gradient_by_layer": flow, "first_last_ratio": ratio},
+            evidence=ev,
             suggestion=fix,
             steps=_steps(ctx),
             layers=[ctx.params[p]["layer"] for p in weak if p in ctx.params],

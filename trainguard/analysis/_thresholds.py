@@ -63,6 +63,9 @@ class Thresholds:
     vanish_ratio: float = _t(
         1e-3, "first-layer gradient (relative to its weights) 1000x below the last: one LR cannot suit both"
     )
+    vanish_update_balance: float = _t(
+        0.1, "yet the first layer's updates are a tenth of the last's or more: the optimizer (Adam) makes up for it"
+    )
     explode_ratio: float = _t(1e3, "first-layer gradient (relative to its weights) 1000x above the last")
     grad_spike_factor: float = _t(100.0, "a gradient norm two orders of magnitude above its recent median")
     grad_spike_vs_start: float = _t(
