@@ -140,3 +140,16 @@ def test_findings_view_orders_and_formats():
     assert data["verdict"] == "critical" and data["counts"] == {"info": 1, "warning": 1, "error": 0, "critical": 1}
     assert data["findings"][0]["evidence"]["value"] == "NaN"
     json.dumps(data)
+
+
+def test_a_script_that_crashes_is_diagnosed_as_crashed(tmp_path, capsys):
+    crashing = tmp_path / "crash.py"
+    crashing.write_text(SCRIPT.replace("    opt.step()\n", "    opt.step()\n    if step == 40:\n"
+                                                          "        raise RuntimeError('disk full')\n"))
+    d = tmp_path / "run"
+    assert main(["monitor", "--logdir", str(d), "--json", str(crashing), "0"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["findings"][0]["kind"] == "run_crashed"
+    assert "step 41: RuntimeError: disk full" in out  # step 40 was complete["findings"][0]["title"]
+    assert out["verdict"] != "healthy"
+    assert open_run(d).meta["monitor"]["status"] == "crashed"
