@@ -150,6 +150,6 @@ def test_a_script_that_crashes_is_diagnosed_as_crashed(tmp_path, capsys):
     assert main(["monitor", "--logdir", str(d), "--json", str(crashing), "0"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["findings"][0]["kind"] == "run_crashed"
-    assert "step 41: RuntimeError: disk full" in out  # step 40 was complete["findings"][0]["title"]
+    assert "step 41: RuntimeError: disk full" in out["findings"][0]["title"]  # step 40 was complete
     assert out["verdict"] != "healthy"
     assert open_run(d).meta["monitor"]["status"] == "crashed"
