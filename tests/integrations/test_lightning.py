@@ -141,3 +141,20 @@ def test_options_are_checked(tmp_path):
         TrainguardCallback(tmp_path, mode="everything")
     with pytest.raises(TrainguardError, match="guard= needs trainguard.Guard"):
         TrainguardCallback(tmp_path, guard=object())
+
+
+def test_check_numerics_stops_at_the_log_and_marks_the_run_crashed(tmp_path):
+    from trainguard import NonFiniteError
+    from trainguard.integrations.lightning import TrainguardCallback
+
+    mod = script_module()
+    import lightning as L
+
+    trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False,
+                        callbacks=[TrainguardCallback(tmp_path / "run", check_numerics=True, every=5)])
+    with pytest.raises(NonFiniteError, match=rf"aten.log produced -inf in step 3, forward pass(?s:.*)lit_mlp.py:{LOG_LINE}"):
+        trainer.fit(mod.MLP(plant_at=3), mod.loader())
+    run = trainguard.open(tmp_path / "run")
+    assert run.meta["monitor"]["status"] == "crashed"
+    assert [f["kind"] for f in run.findings()][0] == "run_crashed"

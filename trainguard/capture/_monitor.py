@@ -318,9 +318,6 @@ class Monitor(HookMixin):
         release_writer(self._writer)
 
     # ------------------------------------------------------------------ metadata
-    def _all_params(self) -> list[Param]:
-        return self._params
-
     def _write_meta(self, **values: Any) -> None:
         meta = dict(self._meta)
         meta.update(values)

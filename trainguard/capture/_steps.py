@@ -49,11 +49,6 @@ class _Clock:
         # After each optimizer.step() with the optimizer (the monitor reads lr and updates).
         self.on_optimizer_step: list[Callable[[torch.optim.Optimizer], None]] = []
 
-    @property
-    def manual(self) -> bool:
-        """Someone other than the optimizer hooks owns the count (the user or a framework)."""
-        return self.driver is not None
-
 
 clock = _Clock()
 
