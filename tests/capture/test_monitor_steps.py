@@ -266,3 +266,19 @@ def test_resumed_weights_are_not_called_initial(tmp_path):
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     assert open_run(tmp_path / "r").meta["monitor"]["weights_initial"] is False
+
+
+def test_a_monitor_started_mid_training_can_start_at_the_loops_step(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, tmp_path / "r", every=5, diagnose=False, start_step=4000):
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    run = open_run(tmp_path / "r")
+    assert [s for s, _ in run.scalars("loss")["loss"]] == [4000, 4001, 4002]
+    assert run.meta["monitor"]["weights_initial"] is False
+    with pytest.raises(ValueError, match="start_step must be a non-negative int, got -1"):
+        Monitor(model, tmp_path / "bad", start_step=-1)

@@ -83,7 +83,8 @@ class Monitor(HookMixin):
     ``histograms``: True for every layer and parameter, or a list of layer/parameter names.
     Writes to ``logdir`` (shared with ``trainguard.record`` when both name the same directory);
     by default ``runs/monitor-<date>-<time>``; ``append=True`` continues a run already there (a
-    resumed training job). ``close()`` (or leaving the ``with`` block) ships what is pending,
+    resumed training job). ``start_step``: the step training is at (a monitor started mid-training;
+    counting stays automatic). ``close()`` (or leaving the ``with`` block) ships what is pending,
     diagnoses the run (:func:`trainguard.analysis.diagnose`, with ``thresholds``) and stores the
     findings in it and in ``monitor.findings`` (``diagnose=False`` skips that).
 
@@ -117,8 +118,12 @@ class Monitor(HookMixin):
         thresholds: Any = None,
         overwrite: bool = False,
         append: bool = False,
+        start_step: int | None = None,
     ):
         _validate(every, bins, histograms)
+        if start_step is not None and (isinstance(start_step, bool) or not isinstance(start_step, int)
+                                       or start_step < 0):
+            raise ValueError(f"start_step must be a non-negative int, got {start_step!r}")
         models = named_models(model)  # a bad model fails before anything is installed
         self.every = every
         self.bins = bins
@@ -174,8 +179,8 @@ class Monitor(HookMixin):
         self._modes_written: dict = {}
 
         if _steps.clock.users == 0:
-            _steps.reset()
-            self._cur = 0
+            _steps.reset(start_step or 0)
+            self._cur = start_step or 0
         _steps.acquire()
         _monitor_hooks.hide_hooks_from_pickle()
         c = _steps.clock

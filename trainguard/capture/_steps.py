@@ -145,9 +145,9 @@ def release() -> None:
             clock.closure_call = 0
 
 
-def reset() -> None:
-    """Start counting from step 0 again (a new recording with no other users)."""
-    clock.step = 0
+def reset(start: int = 0) -> None:
+    """Start counting from ``start`` again (a new recording with no other users)."""
+    clock.step = start
     clock.driver = None
     clock.primary = None
 
