@@ -282,3 +282,26 @@ def test_a_monitor_started_mid_training_can_start_at_the_loops_step(tmp_path):
     assert run.meta["monitor"]["weights_initial"] is False
     with pytest.raises(ValueError, match="start_step must be a non-negative int, got -1"):
         Monitor(model, tmp_path / "bad", start_step=-1)
+
+
+def test_a_step_the_framework_clock_jumped_over_records_no_weights(tmp_path):
+    # trainguard run --monitor on a resumed Lightning script: the monitor opens at step 0 (a
+    # recording step), then the framework's global_step (12) takes over before anything trained.
+    from trainguard.capture import drive_step, release_step
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with Monitor(model, tmp_path / "r", every=5, diagnose=False):
+            drive_step(12)
+            for step in range(12, 16):
+                x, y = batch(step)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                drive_step(step + 1)
+    finally:
+        release_step()
+    run = open_run(tmp_path / "r")
+    assert sorted({r["step"] for r in run.layer_stats()}) == [15]
+    assert run.meta["monitor"]["weights_initial"] is False
