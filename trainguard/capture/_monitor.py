@@ -439,6 +439,10 @@ class Monitor(HookMixin):
         self._set_discovery(self._auto and (self._recording or not self._roots))
 
     def _finish_step(self, s: int) -> None:
+        # A step in which nothing trained (a framework's clock jumped past it, evaluation only)
+        # records no weights: they would pass for that step's, or for the initial ones.
+        trained = self._backward_step == s or bool(self._auto_losses) or s in self._manual_loss or self._grads.active
+        recording = self._recording and trained
         values: dict[str, Any] = {}
         if s in self._manual_loss:
             values["loss"] = self._manual_loss.pop(s)
@@ -446,11 +450,11 @@ class Monitor(HookMixin):
             # Micro-batches of gradient accumulation each backward loss / k: the step's loss is their sum.
             ls = self._auto_losses
             values["loss"] = ls[0] if len(ls) == 1 else torch.stack([v.float() for v in ls]).sum()
-        values.update(self._grads.finish(self._params, s, self._recording))
+        values.update(self._grads.finish(self._params, s, recording))
         values.update(self._amp)
         if values:
             self._out.scalars[s] = values
-        if self._recording and not self._initial_written and self._params:
+        if recording and not self._initial_written and self._params:
             # Weights measured before the first update of a fresh run are the initial ones; after a
             # resume (or with optimizer state already there) they are not, and no rule may say so.
             self._initial_written = True

@@ -81,6 +81,11 @@ class GradientWatch:
         self._manual_snap: tuple[list[Param], list[torch.Tensor]] | None = None
         self._stepped = False  # a watched optimizer updated this step
 
+    @property
+    def active(self) -> bool:
+        """Something was read or updated this step."""
+        return bool(self._seen or self._stepped or self._snap)
+
     def forget_optimizers(self) -> None:
         """The watched parameters changed (a model was attached): recompute optimizer membership."""
         self._opt_cache = weakref.WeakKeyDictionary()
