@@ -92,5 +92,10 @@ def rearm(monitor: Any) -> None:
 
 
 def watch_frameworks(monitor: Any) -> None:
-    """Let ``monitor`` follow a Lightning or HF trainer that trains the models it attaches to."""
+    """Let ``monitor`` follow a Lightning or HF trainer that trains the models it attaches to.
+
+    Looked for when a model is attached, and at the first optimizer step (a model called before
+    ``fit`` was attached outside the trainer).
+    """
     monitor.on_attach(_attach)
+    rearm(monitor)
