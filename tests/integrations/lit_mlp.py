@@ -3,7 +3,7 @@
 (a LightningModule, a random dataset, a Trainer): an MLP learning which of three features is largest.
 
     python lit_mlp.py --steps 30 [--callback LOGDIR [--record]] [--plant 20] [--accumulate 2]
-                      [--ckpt-out PATH] [--ckpt-in PATH] [--norms OUT.json] [--precision bf16-mixed]
+                      [--ckpt-out PATH] [--ckpt-in PATH] [--norms OUT.json] [--precision bf16-mixed] [--touch]
 """
 
 import argparse
@@ -59,10 +59,13 @@ def main(argv=None):
     p.add_argument("--norms", default=None)
     p.add_argument("--precision", default="32-true")
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--touch", action="store_true", help="call the model once before fit")
     args = p.parse_args(argv)
 
     torch.manual_seed(0)
     model = MLP(plant_at=args.plant)
+    if args.touch:
+        model.net(torch.zeros(1, 8))  # outside the trainer: a monitor attaching here sees no Trainer
     callbacks = []
     if args.callback:
         from trainguard.integrations.lightning import TrainguardCallback
