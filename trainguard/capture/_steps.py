@@ -191,14 +191,16 @@ def drive(n: int) -> int:
 
 
 def before_next_optimizer_step(fn: Callable[[torch.optim.Optimizer], None]) -> None:
-    """Call ``fn(optimizer)`` once, before the next ``optimizer.step()`` (while the clock is held)."""
+    """Call ``fn(optimizer)`` once, before the next ``optimizer.step()`` (while the clock is held),
+    ahead of the other listeners: it may move the step (an integration taking the count), and the
+    monitor must then see this optimizer step in the new one."""
 
     def once(optimizer, has_closure):
         with contextlib.suppress(ValueError):
             clock.before_optimizer_step.remove(once)
         fn(optimizer)
 
-    clock.before_optimizer_step.append(once)
+    clock.before_optimizer_step.insert(0, once)
 
 
 def release_drive() -> None:
