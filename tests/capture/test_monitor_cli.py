@@ -149,7 +149,19 @@ def test_a_script_that_crashes_is_diagnosed_as_crashed(tmp_path, capsys):
     d = tmp_path / "run"
     assert main(["monitor", "--logdir", str(d), "--json", str(crashing), "0"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["findings"][0]["kind"] == "run_crashed"
+    assert out["findings"][0]["kind"] == "script_crashed"
     assert "step 41: RuntimeError: disk full" in out["findings"][0]["title"]  # step 40 was complete
     assert out["verdict"] != "healthy"
-    assert open_run(d).meta["monitor"]["status"] == "crashed"
+    run = open_run(d)
+    assert (run.status, run.meta["error"], run.meta["crash_step"]) == ("crashed", "RuntimeError: disk full", 41)
+
+
+def test_a_script_that_exits_non_zero_is_kept(tmp_path, capsys):
+    exits = tmp_path / "exits.py"
+    exits.write_text(SCRIPT + "raise SystemExit(3)\n")
+    d = tmp_path / "run"
+    assert main(["monitor", "--logdir", str(d), "--json", str(exits), "0"]) == 3
+    out = json.loads(capsys.readouterr().out)
+    assert out["findings"][0]["kind"] == "script_crashed" and "exited with code 3" in out["findings"][0]["title"]
+    run = open_run(d)
+    assert (run.status, run.meta["exit_code"]) == ("exited", 3)

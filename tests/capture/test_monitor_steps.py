@@ -247,9 +247,13 @@ def test_a_crashed_run_is_never_healthy(tmp_path):
                 opt.step()
             raise RuntimeError("out of data")
     kinds = [f.kind for f in mon.findings]
-    assert "healthy" not in kinds and kinds[0] == "run_crashed"
-    assert "step 40: RuntimeError: out of data" in mon.findings[0].title
-    assert open_run(tmp_path / "r").meta["monitor"]["status"] == "crashed"
+    assert "healthy" not in kinds and kinds[0] == "script_crashed"
+    assert mon.findings[0].severity == "error"
+    assert mon.findings[0].title == "The script crashed at step 40: RuntimeError: out of data"
+    run = open_run(tmp_path / "r")
+    # Stored as ``trainguard run`` stores a crash: one record, read by the report and the UI too.
+    assert (run.status, run.meta["error"], run.meta["crash_step"]) == ("crashed", "RuntimeError: out of data", 40)
+    assert run.meta["monitor"]["status"] == "crashed"
 
 
 def test_resumed_weights_are_not_called_initial(tmp_path):

@@ -158,5 +158,6 @@ def test_check_numerics_stops_at_the_log_and_marks_the_run_crashed(tmp_path):
     with pytest.raises(NonFiniteError, match=rf"aten.log produced -inf in step 3, forward pass(?s:.*)lit_mlp.py:{LOG_LINE}"):
         trainer.fit(mod.MLP(plant_at=3), mod.loader())
     run = trainguard.open(tmp_path / "run")
-    assert run.meta["monitor"]["status"] == "crashed"
-    assert [f["kind"] for f in run.findings()][0] == "run_crashed"
+    assert (run.status, run.meta["crash_step"]) == ("crashed", 3)
+    assert run.meta["error"].startswith("NonFiniteError: aten.log produced -inf in step 3")
+    assert [f["kind"] for f in run.findings()][0] == "script_crashed"

@@ -1,4 +1,8 @@
-"""Rules over how the run went as a whole: it crashed, or mixed precision kept overflowing."""
+"""Rules over how the run went as a whole: mixed precision kept overflowing.
+
+A crash is not a rule here: the run stores how it ended and :mod:`._outcome` makes it the
+``script_crashed`` error (one mechanism for ``trainguard run``, the monitor and the callbacks).
+"""
 
 from __future__ import annotations
 
@@ -17,27 +21,6 @@ BF16_TEXT = (
     "train in bfloat16, which has float32's range and needs no scaler: `torch.autocast(device, "
     "dtype=torch.bfloat16)` without a GradScaler (Lightning `precision='bf16-mixed'`, the HF Trainer `bf16=True`)"
 )
-
-
-@register_rule("run_crashed")
-def run_crashed(ctx: Context) -> list[Finding]:
-    if ctx.meta.get("status") != "crashed":
-        return []
-    step = ctx.meta.get("final_step")
-    error = ctx.meta.get("error") or "an exception"
-    n = len(ctx.loss)
-    return [
-        Finding(
-            kind="run_crashed",
-            severity="error",
-            title=f"Training stopped with an error at step {step}: {error}",
-            evidence={"error": error, "step": step, "steps_with_loss": n},
-            suggestion="the monitor's findings cover only the steps before the error; fix it and run again "
-            "(the script's traceback names the line)",
-            steps=(int(ctx.loss.steps[0]), int(step)) if n and isinstance(step, int) else None,
-            source=SOURCE,
-        )
-    ]
 
 
 def _longest_run(flags: np.ndarray) -> tuple[int, int]:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from trainguard.capture import _amp_tap, _monitor_hooks, _monitor_tap, _steps
+from trainguard.capture._ending import ending
 from trainguard.capture._monitor_grads import GradientWatch, pending_refs, used
 from trainguard.capture._monitor_hooks import HookMixin
 from trainguard.capture._monitor_model import Param, Root, named_models
@@ -295,8 +296,9 @@ class Monitor(HookMixin):
     def close(self, error: BaseException | str | None = None) -> None:
         """Ship what is pending, detach every hook, diagnose the run and store the findings.
 
-        ``error``: the exception (or its text) that ended training; the run is marked crashed
-        (interrupted for ``KeyboardInterrupt``) and the diagnosis says so instead of "healthy".
+        ``error``: the exception (or its text) that ended training; the run stores it as
+        ``trainguard run`` does (status ``crashed``, ``error``, ``crash_step``; ``interrupted`` for
+        ``KeyboardInterrupt``), so the diagnosis leads with a ``script_crashed`` error, never "healthy".
         """
         if self._closed:
             return
@@ -317,10 +319,13 @@ class Monitor(HookMixin):
             _steps.release()
             _monitor_hooks.release_pickle_hiding()
             _OPEN.discard(self)
-        self._write_meta(final_step=self._cur, **_ending(error))
+        ended = ending(error, self._cur)
+        self._write_meta(final_step=self._cur, status=ended.get("status", "finished"))
+        if ended:  # the run's own record of the crash, which the diagnosis reads (analysis._outcome)
+            self._writer.set_meta(**ended)
         if self.diagnose:
             self._store_findings()
-        release_writer(self._writer)
+        release_writer(self._writer, **ended)
 
     # ------------------------------------------------------------------ metadata
     def _write_meta(self, **values: Any) -> None:
@@ -502,17 +507,6 @@ def _existing_meta(logdir: Path) -> dict:
             return dict(run.meta.get("monitor") or {})
     except Exception:  # a new run, or one without a monitor
         return {}
-
-
-def _ending(error: BaseException | str | None) -> dict[str, Any]:
-    if error is None:
-        return {"status": "finished"}
-    if isinstance(error, KeyboardInterrupt):
-        return {"status": "interrupted"}
-    if isinstance(error, SystemExit) and error.code in (0, None):
-        return {"status": "finished"}
-    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return {"status": "crashed", "error": text[:500]}
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _kernels, _steps
+from trainguard.capture._ending import ending
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._stacks import StackInterner
 from trainguard.capture._summary import (
@@ -252,10 +253,7 @@ class Recorder:
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        meta = {}
-        if exc_type is not None and not issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
-            meta["error"] = f"{exc_type.__name__}: {exc}"
-        self.stop(**meta)
+        self.stop(**ending(exc))  # a block that raised is stored as crashed, as ``trainguard run`` stores it
 
     # ------------------------------------------------------------------ writer plumbing
     def _on_new_stack(self, sid: int, frames: list) -> None:

@@ -140,22 +140,21 @@ class Session:
                 rearm(self.monitor)
             return
         from trainguard.capture import release_step
+        from trainguard.capture._ending import ending
         from trainguard.store import release_writer
 
         rec, mon, writer = self.recorder, self.monitor, self._writer
         self.recorder = self.monitor = self._writer = None
         self.started = False
+        ended = ending(error)  # while the framework's step is still the clock's
         release_step()  # training goes on without the framework: optimizer steps count again
         try:
             if rec is not None:
-                meta = {}
-                if error is not None and not isinstance(error, (KeyboardInterrupt, SystemExit)):
-                    meta["error"] = f"{type(error).__name__}: {error}"
-                rec.stop(**meta)
+                rec.stop(**ended)
         finally:
             try:
                 if mon is not None:
                     mon.close(error=error)
             finally:
                 if writer is not None:
-                    release_writer(writer)
+                    release_writer(writer, **ended)
