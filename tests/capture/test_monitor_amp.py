@@ -23,8 +23,9 @@ def batch(step: int):
     return x, x[:, :3].argmax(1)
 
 
-def fp16_loop(model, steps, *, init_scale=2.0**24, poison=False):
-    """The AMP recipe of the PyTorch docs, on CPU: autocast(float16) + GradScaler."""
+def fp16_loop(model, steps, *, init_scale=2.0**24, poison=False, poison_from=0):
+    """The AMP recipe of the PyTorch docs, on CPU: autocast(float16) + GradScaler; ``poison``
+    from step ``poison_from`` on."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     losses, skipped = [], []
@@ -34,8 +35,8 @@ def fp16_loop(model, steps, *, init_scale=2.0**24, poison=False):
         with torch.autocast("cpu", dtype=torch.float16):
             out = model(x)
             loss = nn.functional.cross_entropy(out, y)
-            if poison:  # sqrt(|0|): a finite loss whose gradient is NaN at any scale
-                loss = loss + (out[:, :1].float() * 0).abs().sqrt().sum()
+            if poison and step >= poison_from:  # sqrt(|0|): a finite loss whose gradient is NaN at any scale
+                loss = loss + (out[:, :1].float() * 0).abs().sqrt().sum()  # POISON
         scale = scaler.get_scale()
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -95,6 +96,24 @@ def test_persistent_overflow_is_an_error_with_its_origin(tmp_path):
     assert "bfloat16" in f.suggestion and "test_monitor_amp.py" in f.suggestion  # the op's line
     assert f.evidence["origin"]["line"] > 0
     assert not any(f.kind == "nonfinite_gradient" for f in mon.findings)  # the scaler's rule judges these
+
+
+POISON_LINE = next(i for i, line in enumerate(open(__file__), 1) if line.rstrip().endswith("# POISON"))
+
+
+def test_the_origin_of_a_later_persistent_overflow_is_of_those_steps(tmp_path):
+    # The scale settles first (routine overflows in steps 0..k), then the poison makes every step
+    # from 30 on overflow: the fix must name the op of the persistent steps, not a settling one.
+    model = mlp()
+    with trainguard.record(tmp_path / "r", mode="full_health", buffer=100_000):
+        with Monitor(model, tmp_path / "r", every=10) as mon:
+            losses, skipped = fp16_loop(model, 45, poison=True, poison_from=30)
+    assert any(skipped[:10]) and not any(skipped[20:30]) and all(skipped[30:])
+    f = next(f for f in mon.findings if f.kind == "grad_scaler_skips")
+    assert f.severity == "error" and "from step 30" in f.title
+    origin = f.evidence["origin"]
+    assert origin["step"] >= 30 and origin["line"] == POISON_LINE, origin
+    assert f"test_monitor_amp.py:{POISON_LINE}" in f.suggestion
 
 
 def test_gradient_norm_is_read_unscaled_from_the_first_step(tmp_path):
