@@ -43,7 +43,7 @@ def test_trainguard_monitor_under_torchrun(tmp_path):
             assert rr.meta["rank"] == rank and rr.meta["monitor"]["status"] == "finished"
             assert [s for s, _ in rr.scalars()["loss"]] == [0, 1, 2, 3]
             assert {"module.0", "module.1", "module.3"} <= set(rr.layers())  # this rank's replica, layer by layer
-            assert [f["kind"] for f in rr.findings("monitor")] == ["healthy"]
+            assert [f["kind"] for f in rr.findings("monitor")] == ["insufficient_data"]  # no problem in 4 steps
 
 
 def test_the_trainguard_script_under_torchrun_with_the_monitor(tmp_path):

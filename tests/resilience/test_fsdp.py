@@ -37,8 +37,9 @@ def test_fsdp2_save_restore_resume_and_record(tmp_path):
         # Recording and monitoring added no collective: the default group ran as many over those steps.
         assert got["collectives"] == ref["collectives"] > 0
         assert got["record_errors"] == 0
-        # Per rank, statistics of its own shards; rank 1's empty half of the size-1 bias is no "zero gradient".
-        assert got["findings"] == ["healthy"], f"rank {rank}: {got['findings']}"
+        # Per rank, statistics of its own shards; rank 1's empty half of the size-1 bias is no "zero gradient":
+        # no problem at all, only the verdict that three steps are too few to call it healthy.
+        assert got["findings"] == ["insufficient_data"], f"rank {rank}: {got['findings']}"
     a, b = (json.loads((tmp_path / f"ref-rank{r}.json").read_text())["params"] for r in (0, 1))
     assert a != b  # each rank holds its own half
 

@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _kernels, _numerics, _reads, _steps, _swap
+from trainguard.capture._ending import ending
 from trainguard.capture._local import local as _local
 from trainguard.capture._local import written as _written
 from trainguard.capture._modules import ModuleTracker
@@ -52,9 +54,9 @@ from trainguard.store import (
     ExecBatch,
     acquire_writer,
     is_collective,
-    rank_dir,
     release_writer,
 )
+from trainguard.store import rank_dir as _rank_dir
 from trainguard.store._codec import health_of
 
 log = logging.getLogger("trainguard.capture")
@@ -165,6 +167,7 @@ class Recorder(HarmHooks):
         strict: bool = False,
         strategy: str = "auto",
         overwrite: bool = False,
+        rank_dir: bool = True,
     ):
         self.ops_pattern, self.dtypes = _validate(mode, buffer, ops, dtypes)
         if strategy not in ("auto", "immediate", "deferred"):
@@ -175,7 +178,8 @@ class Recorder(HarmHooks):
         self.check = check_numerics
         self.strict = strict
         self.strategy = strategy
-        self.logdir = rank_dir(logdir) if logdir is not None else None
+        # ``rank_dir=False``: the caller (a framework integration) already chose the rank's directory.
+        self.logdir = None if logdir is None else (_rank_dir(logdir) if rank_dir else Path(logdir))
         self.overwrite = overwrite
         self.writer = None
         self.seq = 0
@@ -279,10 +283,7 @@ class Recorder(HarmHooks):
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        meta = {}
-        if exc_type is not None and not issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
-            meta["error"] = f"{exc_type.__name__}: {exc}"
-        self.stop(**meta)
+        self.stop(**ending(exc))  # a block that raised is stored as crashed, as ``trainguard run`` stores it
 
     def _release(self, t: _Tensor):
         """torch is about to swap ``t`` (capture/_swap): let go of it. Its producer no longer
