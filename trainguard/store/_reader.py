@@ -47,19 +47,24 @@ def short_op(name: str) -> str:
     return name[: -len(".default")] if name.endswith(".default") else name
 
 
+# A run may hold runs of its own here: the guard records each replayed step as one.
+REPLAYS_DIR = "replays"
+
+
 def find_runs(root: str | os.PathLike, max_depth: int = 4) -> list[Path]:
-    """Run directories under ``root`` (itself included), sorted by path."""
+    """Run directories under ``root`` (itself included, and the runs in a run's ``replays/``),
+    sorted by path."""
     root = Path(root)
     found: list[Path] = []
     if not root.is_dir():
         return found
 
     def walk(d: Path, depth: int) -> None:
-        if (d / DB_NAME).is_file():
+        if (d / DB_NAME).is_file() or _rank_dirs(d):
             found.append(d)
-            return
-        if _rank_dirs(d):
-            found.append(d)
+            replays = d / REPLAYS_DIR
+            if replays.is_dir() and not replays.is_symlink() and depth < max_depth:
+                walk(replays, depth + 1)
             return
         if depth >= max_depth:
             return
