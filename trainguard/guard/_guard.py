@@ -416,6 +416,7 @@ class Guard:
         if policy == "lower_lr":
             event["lr_factor"] = LR_FACTOR
             event["lr"] = self._lower_lr(LR_FACTOR)
+            self._take_snapshot()  # a later rewind must keep the lowered rate
             self._finish_event(event, "lower_lr")
             return
         n = self.config.skip_batches if trigger == "spike" else 1
