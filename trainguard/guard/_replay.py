@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +68,16 @@ class StepRecording:
         # The recorder adds rank-K itself when torchrun's variables say so; otherwise say it here.
         logdir = self.top if _torchrun_rank() is not None else self.path
         self._recorder = Recorder(logdir, mode="full_health", buffer=-1)
-        self._stance = _eager()
-        self._stance.__enter__()
+        self._stance = contextlib.ExitStack()
+        self._stance.enter_context(_eager())
+        # torch warns that a compiled module called while the recorder's global module hooks are
+        # installed fires them twice: true, harmless here, and only for this one step.
+        self._stance.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
         try:
             self._recorder.start()
         except BaseException:
-            self._stance.__exit__(None, None, None)
+            self._stance.close()
             raise
 
     def stop(self) -> None:
@@ -82,7 +87,7 @@ class StepRecording:
         try:
             self._recorder.stop(guard_replay={"step": self.step})
         finally:
-            self._stance.__exit__(None, None, None)
+            self._stance.close()
 
     def origin(self) -> Origin | None:
         """The origin of the step's first harmful value, or None (a spike, or not reproduced)."""
