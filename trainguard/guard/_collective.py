@@ -28,7 +28,12 @@ def rank_world() -> tuple[int, int]:
 
 
 def encode(bad: tuple[int, set[str]] | None) -> list[int]:
-    """This rank's verdict: [BIG - step or 0, one flag per kind, one flag per rank]."""
+    """This rank's verdict: [BIG - step or 0, one flag per kind, one entry per rank].
+
+    A rank's entry is 2 when its own loss went wrong and 1 when only its gradients did: under
+    DDP a poisoned batch on one rank makes every rank's averaged gradients non-finite, and the
+    rank whose loss it was is the one whose recording shows the origin.
+    """
     rank, world = rank_world()
     flags = [0] * (1 + len(KINDS) + world)
     if bad is not None:
@@ -36,16 +41,20 @@ def encode(bad: tuple[int, set[str]] | None) -> list[int]:
         flags[0] = BIG - step
         for i, k in enumerate(KINDS):
             flags[1 + i] = int(k in kinds)
-        flags[1 + len(KINDS) + rank] = 1
+        flags[1 + len(KINDS) + rank] = 1 if kinds == {"nonfinite_grad"} else 2
     return flags
 
 
 def decode(flags: list[int]) -> tuple[int, list[str], list[int]] | None:
-    """The combined verdict: (earliest bad step, kinds, ranks that saw a fault), or None."""
+    """The combined verdict: (earliest bad step, kinds, ranks that saw a fault), or None.
+
+    The ranks whose loss went wrong come first (lowest rank first), then those that saw only
+    non-finite gradients."""
     if not flags or not flags[0]:
         return None
     kinds = [k for i, k in enumerate(KINDS) if flags[1 + i]]
-    ranks = [r for r, f in enumerate(flags[1 + len(KINDS):]) if f]
+    entries = flags[1 + len(KINDS):]
+    ranks = [r for r, f in enumerate(entries) if f == 2] + [r for r, f in enumerate(entries) if f == 1]
     return BIG - flags[0], kinds, ranks
 
 

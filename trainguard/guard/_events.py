@@ -34,7 +34,7 @@ def _num(v: float | None) -> str:
 def reason(trigger: str, loss: float | None, grad_norm: float | None, median: float | None,
            factor: float | None, ranks: list[int]) -> str:
     """``loss is nan``, ``gradient norm is inf``, ``loss 84.2 is 12x the median 6.8 of the last 100 steps``."""
-    on = f" on rank {', '.join(map(str, ranks))}" if ranks and (loss is None or math.isfinite(loss)) else ""
+    on = f" on rank {ranks[0]}" if ranks and (loss is None or math.isfinite(loss)) else ""
     if trigger == "nonfinite_loss":
         return f"loss is {_num(loss)}" if loss is not None and not math.isfinite(loss) else f"loss is non-finite{on}"
     if trigger == "nonfinite_grad":

@@ -199,7 +199,7 @@ class Guard:
         plan = self._plan
         if plan is not None and step == plan.fail and plan.recording is None:
             plan.batch = self._batch_info()
-            plan.recording = StepRecording(self._run.path, step)  # type: ignore[union-attr]
+            plan.recording = StepRecording(self.logdir, step)  # type: ignore[arg-type]
             plan.recording.start()
 
     def _end_step(self, step: int) -> None:
@@ -383,7 +383,8 @@ class Guard:
             "time": time.time(),
             "trigger": trigger,
             "kinds": kinds,
-            "ranks": ranks or plan.ranks,
+            "ranks": sorted(ranks or plan.ranks),  # where the fault was seen
+            "origin_rank": (ranks or plan.ranks or [0])[0],  # whose recording the origin comes from
             "loss": local.loss if local else None,
             "grad_norm": local.grad_norm if local else None,
             "reason": self._reason(trigger, local, plan.median, ranks or plan.ranks),
@@ -456,7 +457,7 @@ class Guard:
         previous = self.events[-1] if self.events else None
         event = {
             "n": len(self.events) + 1, "step": fail, "time": time.time(), "trigger": kinds[0], "kinds": kinds,
-            "ranks": ranks, "reason": self._reason(kinds[0], self._bad_local.get(fail), self._median(), ranks),
+            "ranks": sorted(ranks), "reason": self._reason(kinds[0], self._bad_local.get(fail), self._median(), ranks),
             "rewound_to": self._loop.state.step, "rewound_from": "memory", "replay": None,
             "origin": previous.get("origin") if previous else None, "skipped": [],
             "max_rewinds": self.config.max_rewinds, "rewinds": self.rewinds,

@@ -51,10 +51,10 @@ def _eager():
 class StepRecording:
     """One replayed step under full recording: :meth:`start` before its body, :meth:`stop` after."""
 
-    def __init__(self, guard_run: Path, step: int):
-        base = guard_run / REPLAYS_DIR
+    def __init__(self, logdir: Path, step: int):
+        base = logdir / REPLAYS_DIR
         name, n = f"step-{step}", 2
-        while (base / name).exists():  # the same step replayed again (e.g. after lower_lr)
+        while rank_dir(base / name).exists():  # the same step replayed again (e.g. after lower_lr)
             name, n = f"step-{step}-{n}", n + 1
         self.step = step
         self.relative = f"{REPLAYS_DIR}/{name}"
