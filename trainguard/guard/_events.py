@@ -5,7 +5,8 @@ Library code never prints. Each rewind is logged at WARNING on ``logging.getLogg
 last-resort handler prints warnings there), one that did gets it through its own handlers.
 
 Each event is stored in the guard's run as a finding with ``source="guard"`` (kind
-``guard_rewind``, or ``guard_stop`` when training stopped), its full record under ``event``;
+``guard_rewind``, or ``guard_stop`` when training stopped), its full record under ``event``,
+once it is complete (a skip event once the loop has drawn the batches it skips);
 the guard's settings and counters are the run's ``guard`` metadata. ``trainguard report`` and
 the UI's training view list them.
 """
@@ -51,9 +52,15 @@ def batch_label(item: dict) -> str:
     return f"{item['batch']:,}" if item.get("batch") is not None else f"{item.get('index', '?')} of epoch {item['epoch']}"
 
 
+def _other_batch(event: dict) -> str:
+    """`` (batch 61)`` when the failing step's batch number is not the step's (after a skip)."""
+    b = event.get("batch") or {}
+    return f" (batch {batch_label(b)})" if b and b.get("batch") is not None and b["batch"] != event["step"] else ""
+
+
 def message(event: dict) -> str:
     """The one line of an event: what failed, where the guard went, what it found and did."""
-    parts = [f"step {event['step']:,}: {event['reason']}"]
+    parts = [f"step {event['step']:,}{_other_batch(event)}: {event['reason']}"]
     if event.get("rewound_to") is not None:
         parts.append(f"rewound to step {event['rewound_to']:,}"
                      + (" (checkpoint)" if event.get("rewound_from") == "checkpoint" else ""))
@@ -96,31 +103,31 @@ def outcome(event: dict) -> str:
 
 
 class GuardRun:
-    """The guard's own run directory: its metadata and its events (one writer, shared)."""
+    """The guard's own run directory: its metadata and its events (one writer, shared).
+
+    A run already in the directory is appended to: rerunning the same command after a crash or
+    a preemption resumes the checkpoints and keeps the events of the earlier process.
+    """
 
     def __init__(self, path: Path, config: dict[str, Any]):
         self.path = path
-        self._writer = acquire_writer(path, meta={"guard": dict(config, status="running")})
+        self._writer = acquire_writer(path, append=True, meta={"guard": dict(config, status="running")})
         self._meta = dict(config, status="running")
 
     def update(self, **values: Any) -> None:
         self._meta.update(values)
         self._writer.set_meta(guard=dict(self._meta))
 
-    def write_events(self, events: list[dict]) -> None:
-        """Store every event (replacing what was stored: an event learns its skipped batches late)."""
-        findings = []
-        for e in events:
-            stopped = e["action"] in ("stop", "code_bug", "max_rewinds")
-            findings.append({
-                "kind": "guard_stop" if stopped else "guard_rewind",
-                "severity": "error" if stopped else "warning",
-                "title": e["message"],
-                "steps": [e["step"], e["step"]],
-                "suggestion": (e.get("origin") or {}).get("suggestion", ""),
-                "event": e,
-            })
-        self._writer.add_findings(SOURCE, findings, replace=True)
+    def add_event(self, e: dict) -> None:
+        stopped = e["action"] in ("stop", "code_bug", "max_rewinds")
+        self._writer.add_findings(SOURCE, [{
+            "kind": "guard_stop" if stopped else "guard_rewind",
+            "severity": "error" if stopped else "warning",
+            "title": e["message"],
+            "steps": [e["step"], e["step"]],
+            "suggestion": (e.get("origin") or {}).get("suggestion", ""),
+            "event": e,
+        }])
 
     def close(self, status: str) -> None:
         self.update(status=status, ended=time.time())

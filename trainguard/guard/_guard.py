@@ -121,6 +121,7 @@ class Guard:
         self._loop: Any = None
         self._run: _events.GuardRun | None = None
         self._installed_previous: Any = None
+        self._stored: set[int] = set()  # ids of the events written to the run
         self._reset()
 
     def __repr__(self) -> str:
@@ -187,6 +188,8 @@ class Guard:
             status = "finished" if done else ("diverged" if self._last_event and self._last_event["action"] in (
                 "stop", "code_bug", "max_rewinds") else "interrupted")
         if self._run is not None:
+            for event in self.events:
+                self._store(event)  # a skip whose batches the loop never drew (it stopped first)
             self._run.close(status)
             self._run = None
         self.snapshot.release()
@@ -220,7 +223,8 @@ class Guard:
         info = self._batch_info()
         if info not in event["skipped"]:
             event["skipped"].append(info)
-            self._store_events()
+        if len(event["skipped"]) >= event["skip_count"]:
+            self._store(event)
 
     def _batch_info(self) -> dict:
         """The batch handed out last: epoch, index in the epoch, overall number, sample indices."""
@@ -476,11 +480,13 @@ class Guard:
         self.events.append(event)
         self._last_event = event
         log.warning("trainguard: %s", event["message"])
-        self._store_events()
+        if action != "skip" or len(event["skipped"]) >= event["skip_count"]:
+            self._store(event)  # a skip is stored once the loop has drawn the batches it skips
 
-    def _store_events(self) -> None:
-        if self._run is not None:
-            self._run.write_events(self.events)
+    def _store(self, event: dict) -> None:
+        if self._run is not None and id(event) not in self._stored:
+            self._stored.add(id(event))
+            self._run.add_event(event)
             self._run.update(rewinds=self.rewinds, events=len(self.events))
 
     def _raise(self, event: dict) -> None:
