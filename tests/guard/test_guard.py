@@ -13,7 +13,7 @@ from torch import nn
 import trainguard as tg
 from trainguard.store import open_run
 
-from .conftest import BS, assert_bitwise, finite, line_of, make_data, make_state, params, train
+from .conftest import BS, PolyNet, assert_bitwise, finite, line_of, make_data, make_state, params, train
 
 THIS = Path(__file__).with_name("conftest.py").resolve()
 
@@ -264,3 +264,27 @@ def test_one_snapshot_at_a_time_and_its_size_is_reported(tmp_path):
     with open_run(tmp_path / "run") as run:
         assert run.meta["guard"]["snapshot_bytes"] == taken[-1][2]
         assert run.meta["guard"]["snapshot_step"] == 15
+
+
+class HiddenNoise(nn.Module):
+    """Draws noise from a generator of its own that the TrainState does not hold: a replay cannot
+    reproduce it, and the guard must say so rather than claim the replay was exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = PolyNet()
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, x):
+        return self.net(x + 0.01 * torch.randn(x.shape, generator=self.gen))
+
+
+def test_the_replay_check_reports_a_replay_that_differs(tmp_path):
+    state = make_state(make_data(30, poison_batch=15), model=HiddenNoise())
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10)
+    train(guard.batches(state, total_steps=30), state)
+    [event] = guard.events
+    rp = event["replay"]
+    assert rp["bitwise_equal"] is False and rp["compared"] == 5 and rp["mismatch"]["step"] == 10
+    assert rp["mismatch"]["original"]["loss"] != rp["mismatch"]["replayed"]["loss"]
+    assert "losses differ from step 10" in event["message"] and event["action"] == "skip"

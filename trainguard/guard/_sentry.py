@@ -19,8 +19,8 @@ import torch
 
 from trainguard.capture import StepWatch
 
-# Pinned host buffers the step vectors are copied into on accelerators; more steps in flight
-# than this wait for the oldest copy (the guard reads one step late, so two are in use).
+# Pinned host buffers the step vectors are copied into on accelerators, reused in turn (the
+# guard reads one step late, so two are in use at most).
 _RING = 4
 
 
@@ -136,11 +136,12 @@ class Sentry:
         if not self._ring:
             self._ring = [torch.empty(2, dtype=torch.float32, pin_memory=True) for _ in range(_RING)]
         if len(self._pending) >= _RING:
-            oldest = self._pending[0]
-            if oldest.event is not None:
-                oldest.event.synchronize()
-        buf = self._ring[self._ring_next][: vec.numel()]
-        self._ring_next = (self._ring_next + 1) % _RING
+            # Every ring buffer may still be unread (never with the one-step lag): a buffer of its own.
+            buf = torch.empty(vec.numel(), dtype=torch.float32, pin_memory=True)
+        else:
+            # The slot after the newest pending one was read already: at most _RING - 1 are pending.
+            buf = self._ring[self._ring_next][: vec.numel()]
+            self._ring_next = (self._ring_next + 1) % _RING
         buf.copy_(vec, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
