@@ -1,8 +1,17 @@
 """The run-directory format: schema, background writer, reader."""
 
-from trainguard.store._codec import MODE_FIELDS, MODES, PHASES, SCHEMA_VERSION, dumps, loads, to_plain_json
+from trainguard.store._codec import (
+    MODE_FIELDS,
+    MODES,
+    PHASES,
+    REPLAYS_DIR,
+    SCHEMA_VERSION,
+    dumps,
+    loads,
+    to_plain_json,
+)
 from trainguard.store._findings import SEVERITIES, Finding, sort_findings
-from trainguard.store._reader import REPLAYS_DIR, Run, find_runs, open_run, short_op
+from trainguard.store._reader import Run, find_runs, open_run, short_op
 from trainguard.store._writer import ExecBatch, RunWriter, acquire_writer, is_user_file, release_writer
 
 __all__ = [

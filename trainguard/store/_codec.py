@@ -16,6 +16,8 @@ SCHEMA_VERSION = 2  # 2: full tensors in segment files (payloads.byte_offset, nb
 # keeps exactly ``buffer``.
 EVICTION_SLACK = 10_000
 DB_NAME = "run.sqlite"
+# A run may hold runs of its own here: the guard records each replayed step as one.
+REPLAYS_DIR = "replays"
 
 PHASES = ("forward", "backward", "optimizer", "other")
 PHASE_ID = {name: i for i, name in enumerate(PHASES)}

@@ -18,6 +18,7 @@ from trainguard.store._codec import (
     PHASE_ID,
     PHASES,
     POS_INF,
+    REPLAYS_DIR,
     SCHEMA_VERSION,
     decode_float,
     health_names,
@@ -45,10 +46,6 @@ _DIGEST_SQL = (
 def short_op(name: str) -> str:
     """``aten.log.default`` -> ``aten.log``; other overloads keep their name (``aten.add.Tensor``)."""
     return name[: -len(".default")] if name.endswith(".default") else name
-
-
-# A run may hold runs of its own here: the guard records each replayed step as one.
-REPLAYS_DIR = "replays"
 
 
 def find_runs(root: str | os.PathLike, max_depth: int = 4) -> list[Path]:
