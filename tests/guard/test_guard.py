@@ -288,3 +288,20 @@ def test_the_replay_check_reports_a_replay_that_differs(tmp_path):
     assert rp["bitwise_equal"] is False and rp["compared"] == 5 and rp["mismatch"]["step"] == 10
     assert rp["mismatch"]["original"]["loss"] != rp["mismatch"]["replayed"]["loss"]
     assert "losses differ from step 10" in event["message"] and event["action"] == "skip"
+
+
+def test_an_installed_guard_watches_resume_without_guard_and_leaves_for_step_in_loop_alone(tmp_path, caplog):
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10).install()
+    try:
+        state = make_state(make_data(30, poison_batch=12))
+        train(tg.CheckpointManager(tmp_path / "a").resume(state, total_steps=30).batches(), state)
+        assert [e["step"] for e in guard.events] == [12] and finite(state)
+        plain = make_state(make_data(30))
+        with caplog.at_level(logging.WARNING):
+            steps = list(tg.CheckpointManager(tmp_path / "b").resume(plain, total_steps=3))
+        assert steps == [0, 1, 2] and "runs unguarded" in caplog.text
+    finally:
+        guard.uninstall()
+    state = make_state(make_data(30, poison_batch=12))
+    train(tg.CheckpointManager(tmp_path / "c").resume(state, total_steps=30).batches(), state)
+    assert len(guard.events) == 1 and not finite(state)  # uninstalled: nobody watched
