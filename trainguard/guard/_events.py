@@ -24,6 +24,8 @@ from trainguard.store import acquire_writer, release_writer
 log = logging.getLogger("trainguard.guard")
 
 SOURCE = "guard"
+# Event actions after which training does not go on.
+STOPPED = ("stop", "code_bug", "max_rewinds")
 
 
 def _num(v: float | None) -> str:
@@ -119,7 +121,7 @@ class GuardRun:
         self._writer.set_meta(guard=dict(self._meta))
 
     def add_event(self, e: dict) -> None:
-        stopped = e["action"] in ("stop", "code_bug", "max_rewinds")
+        stopped = e["action"] in STOPPED
         self._writer.add_findings(SOURCE, [{
             "kind": "guard_stop" if stopped else "guard_rewind",
             "severity": "error" if stopped else "warning",

@@ -39,6 +39,7 @@ from trainguard._errors import Diverged
 from trainguard.capture import align_step
 from trainguard.guard import _collective, _events
 from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
+from trainguard.guard._events import STOPPED
 from trainguard.guard._replay import StepRecording, origin_from_dict, origin_key, rank_dir
 from trainguard.guard._sentry import Sentry, StepValues
 from trainguard.resilience import MemorySnapshot, ResumeLoop, TrainState, set_default_guard
@@ -175,7 +176,7 @@ class Guard:
         self._sentry.start()
         self._take_snapshot()
 
-    def _detach(self, status: str | None = None) -> None:
+    def _detach(self) -> None:
         if self._loop is None:
             return
         plan, self._plan = self._plan, None
@@ -183,10 +184,12 @@ class Guard:
             plan.recording.stop()
         self._sentry.stop()
         loop, self._loop = self._loop, None
-        if status is None:
-            done = loop.state.step >= loop.total_steps
-            status = "finished" if done else ("diverged" if self._last_event and self._last_event["action"] in (
-                "stop", "code_bug", "max_rewinds") else "interrupted")
+        if loop.state.step >= loop.total_steps:
+            status = "finished"
+        elif self._last_event is not None and self._last_event["action"] in STOPPED:
+            status = "diverged"
+        else:
+            status = "interrupted"  # an exception in the loop body, a signal, a break
         if self._run is not None:
             for event in self.events:
                 self._store(event)  # a skip whose batches the loop never drew (it stopped first)
@@ -214,10 +217,11 @@ class Guard:
     def _discard_before(self, step: int) -> int:
         return self._skips.get(step, 0) if self._skips else 0
 
-    def _skipped_batch(self, state: TrainState, loader: Any) -> None:
-        """The loop discarded a batch before ``state.step``: the skip event learns which (a spike's
+    def _skipped_batch(self) -> None:
+        """The loop discarded a batch before this step: the skip event learns which (a spike's
         further batches are known only now; a later replay discards the same ones again)."""
-        event = next((e for e in reversed(self.events) if e["step"] == state.step and e["action"] == "skip"), None)
+        step = self._loop.state.step
+        event = next((e for e in reversed(self.events) if e["step"] == step and e["action"] == "skip"), None)
         if event is None or len(event["skipped"]) >= event["skip_count"]:
             return
         info = self._batch_info()
@@ -287,16 +291,16 @@ class Guard:
                 kinds.add("nonfinite_loss")
             if v.grad_norm is not None and not math.isfinite(v.grad_norm):
                 kinds.add("nonfinite_grad")
-            median = self._median()
-            if not kinds and self.config.spike_factor and v.loss is not None and median is not None \
-                    and v.loss > self.config.spike_factor * median:
+            factor = self.config.spike_factor
+            median = self._median() if factor and not kinds and v.loss is not None else None
+            if median is not None and v.loss > factor * median:  # type: ignore[operator]
                 kinds.add("spike")
             if plan is not None and v.step < plan.fail:
                 self._compare(plan, v)
             if kinds:
                 self._bad_local[v.step] = v
                 return v.step, kinds
-            if v.loss is not None:
+            if v.loss is not None and self.config.spike_factor:
                 self._window.append((v.step, v.loss))
             if plan is None:
                 self._history[v.step] = v
@@ -366,7 +370,7 @@ class Guard:
         self._restore(target)
         start = self._loop.state.step
         self._plan = _Plan(fail=fail, start=start, source=target, kinds=kinds, ranks=ranks,
-                           original=self._bad_local.get(fail), median=self._median())
+                           original=self._bad_local.get(fail), median=self._median() if "spike" in kinds else None)
         if start == fail and self.snapshot.step != fail:
             self._take_snapshot()  # rewound to a checkpoint at the failing step: the policy rewinds here
         return True

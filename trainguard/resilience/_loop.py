@@ -170,7 +170,7 @@ class ResumeLoop:
                         discard = g._discard_before(self.state.step) if g is not None else 0
                         batch, it = self._next_batch(loader, it)
                         for _ in range(discard):  # batches the guard skipped at this step
-                            g._skipped_batch(self.state, loader)
+                            g._skipped_batch()
                             batch, it = self._next_batch(loader, it)
                         if g is not None:
                             g._begin_step(self.state.step)
