@@ -4,7 +4,8 @@ same steps in a plain PyTorch loop and in ``loop.batches()`` without a guard.
 
 Configurations run in paired rounds, in a shuffled order per round, in one process: a round
 times one block of steps per configuration, and its ratios divide each block's mean step time by
-the plain block of the same round. The table shows the median ratio over rounds and its range.
+the plain block of the same round. The tables show the median ratio over rounds and its range,
+and the guard's own CPU time per step counted inside its hooks (steadier on a loaded machine).
 
     python benchmarks/bench_guard.py                        # mlp, transformer
     python benchmarks/bench_guard.py --models mlp --rounds 3 --steps 100
@@ -99,6 +100,43 @@ def block(config: str, model, opt, step_loss, batch, steps: int, tmp: str) -> tu
     return wall, cpu
 
 
+def hook_time(model, opt, step_loss, batch, steps: int, tmp: str) -> dict:
+    """The guard's own CPU time per step, measured inside its hooks (a direct count, steadier than
+    a ratio of two noisy step times): the sentry's loss and optimizer taps, the step hooks, and
+    the boundary (reading the vector one step late, the verdict, the snapshot every 50 steps)."""
+    from trainguard.guard._guard import Guard
+    from trainguard.guard._sentry import Sentry
+
+    spent = {"sentry": 0.0, "boundary": 0.0}
+    patched = []
+
+    def wrap(cls, name, bucket):
+        original = getattr(cls, name)
+
+        def timed(*args, **kwargs):
+            c = time.process_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[bucket] += time.process_time() - c
+
+        patched.append((cls, name, original))
+        setattr(cls, name, timed)
+
+    for name in ("_on_loss", "_before_optimizer"):
+        wrap(Sentry, name, "sentry")
+    for name in ("_begin_step", "_end_step"):
+        wrap(Guard, name, "sentry")
+    for name in ("_flags", "_decide"):
+        wrap(Guard, name, "boundary")
+    try:
+        block("guard", model, opt, step_loss, batch, steps, tmp)
+    finally:
+        for cls, name, original in patched:
+            setattr(cls, name, original)
+    return {k: v / steps for k, v in spent.items()}
+
+
 def time_model(name: str, rounds: int, steps: int) -> dict:
     model, opt, step_loss, batch = setup(name)
     for _ in range(3):
@@ -123,6 +161,11 @@ def time_model(name: str, rounds: int, steps: int) -> dict:
             "range": {c: [min(ratios[c]), max(ratios[c])] for c in CONFIGS},
             "guard_vs_loop": statistics.median(per["guard"][r][i] / per["loop"][r][i] for r in range(rounds)),
         }
+    with tempfile.TemporaryDirectory() as tmp:
+        hooks = [hook_time(model, opt, step_loss, batch, steps, tmp) for _ in range(3)]
+    plain_cpu = out["cpu"]["step_ms"]["plain"] / 1e3
+    out["hooks"] = {k: statistics.median(h[k] for h in hooks) * 1e6 for k in ("sentry", "boundary")}
+    out["hooks"]["share_of_plain_step"] = sum(out["hooks"].values()) / 1e6 / plain_cpu
     return out
 
 
@@ -158,6 +201,13 @@ def main(argv: list[str] | None = None) -> dict:
             cells = [f"{r['ratio'][c]:.3f}x [{r['range'][c][0]:.2f}-{r['range'][c][1]:.2f}]" for c in CONFIGS[1:]]
             table.add_row(name, f"{r['step_ms']['plain']:.2f}", *cells, f"{r['guard_vs_loop']:.3f}x")
         Console().print(table)
+    table = Table(title="the guard's own CPU time per step, measured in its hooks (median of 3 blocks)")
+    for col in ("model", "sentry µs", "boundary + snapshots µs", "share of the plain step"):
+        table.add_column(col, justify="right")
+    for name, r in results["models"].items():
+        hk = r["hooks"]
+        table.add_row(name, f"{hk['sentry']:.0f}", f"{hk['boundary']:.0f}", f"{hk['share_of_plain_step'] * 100:.2f}%")
+    Console().print(table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
