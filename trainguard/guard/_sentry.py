@@ -1,15 +1,18 @@
 """The sentry: each step's loss and global gradient norm, read on the host one step late.
 
 Per step it keeps the scalar ``backward()`` ran on (or the one given to ``loop.report``) and,
-before each ``optimizer.step()``, the norm of that optimizer's gradients, all as 0-d tensors on
-their device. When the step ends they are stacked into one small vector and, on an accelerator,
-copied into a pinned host buffer without waiting. The guard reads that vector when the *next*
-step ends, by which time the copy has long landed: no host-device sync per step. A few tiny
-device ops per step are the whole cost (``benchmarks/bench_guard.py``).
+before each ``optimizer.step()``, the norms of that optimizer's gradients (one fused
+``_foreach_norm``), all as 0-d tensors on their device. On an accelerator, when the step ends,
+they are reduced into one small vector copied into a pinned host buffer without waiting. The
+guard reads it when the *next* step ends, by which time the copy has long landed: no
+host-device sync per step. The pass over the gradients is the whole cost
+(``benchmarks/bench_guard.py``).
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -36,15 +39,25 @@ class StepValues:
 @dataclass
 class _Pending:
     step: int
-    values: torch.Tensor  # [loss?, grad_norm?] on the host once ``event`` completed
-    event: Any
-    has_loss: bool
-    has_grad: bool
-    host_loss: float | None  # a loss reported as a Python number
+    losses: list  # 0-d CPU tensors (their mean is the loss) or one Python float; [] when unseen
+    norms: list  # 0-d CPU tensors whose root-sum-square is the gradient norm; [] when unseen
+    host: torch.Tensor | None = None  # accelerators: [loss?, grad_norm?], copied to pinned memory
+    event: Any = None
+    has_loss: bool = False
+    has_grad: bool = False
+
+
+def _on_cpu(ts: list) -> bool:
+    return all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in ts)
 
 
 class Sentry:
-    """Watches the steps between :meth:`start` and :meth:`stop`; see the module docstring."""
+    """Watches the steps between :meth:`start` and :meth:`stop`; see the module docstring.
+
+    On CPU nothing is combined on the device: reading a CPU tensor is no sync, so the 0-d
+    tensors themselves wait for the next step and are combined on the host then. On an
+    accelerator they are reduced to one small vector and copied to pinned memory, not waited for.
+    """
 
     def __init__(self) -> None:
         self._watch = StepWatch(self._on_loss, self._before_optimizer)
@@ -86,15 +99,19 @@ class Sentry:
         if not grads:
             return
         with torch.no_grad():
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
-            for g in grads:
-                by_device.setdefault(g.device, []).append(g)
-            norms = []
             first = grads[0].device
-            for device, gs in by_device.items():
-                n = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)))
-                norms.append(n if device == first else n.to(first, non_blocking=True))
-            self._norms.append(norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms)))
+            if all(g.device == first for g in grads):
+                norms = torch._foreach_norm(grads)  # one fused pass: the cost of the sentry
+            else:  # model parallel: per device, gathered where the first gradient lives
+                by_device: dict[torch.device, list[torch.Tensor]] = {}
+                for g in grads:
+                    by_device.setdefault(g.device, []).append(g)
+                norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs))).to(first, non_blocking=True)
+                         for gs in by_device.values()]
+            if first.type == "cpu":
+                self._norms.extend(norms)
+            else:
+                self._norms.append(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
 
     def _params_of(self, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
         sig = tuple(len(g["params"]) for g in opt.param_groups)
@@ -107,32 +124,34 @@ class Sentry:
     # -- the step boundary -------------------------------------------------------------------
 
     def end_step(self, step: int) -> None:
-        """The step's body ended: stack what it showed and start the copy to the host."""
-        from trainguard.capture import unrecorded
-
+        """The step's body ended: keep what it showed; on an accelerator start the copy to the host."""
         reported, losses, norms = self._reported, self._losses, self._norms
         self._reported, self._losses, self._norms = None, [], []
-        host_loss = reported if isinstance(reported, float) else None
-        loss = reported if isinstance(reported, torch.Tensor) else None
-        if loss is None and host_loss is None and losses:
-            loss = losses[0] if len(losses) == 1 else torch.stack([v.float() for v in losses]).mean()
-        parts = []
+        if reported is not None:
+            losses = [reported]
+        p = _Pending(step, losses, norms, has_loss=bool(losses), has_grad=bool(norms))
+        if not (_on_cpu(losses) and _on_cpu(norms)):
+            self._to_device_vector(p)
+        self._pending.append(p)
+
+    def _to_device_vector(self, p: _Pending) -> None:
+        from trainguard.capture import unrecorded
+
         with torch.no_grad(), unrecorded():
-            if loss is not None:
+            parts = []
+            if p.losses:
+                ls = [v if isinstance(v, torch.Tensor) else torch.tensor(v) for v in p.losses]
+                loss = ls[0] if len(ls) == 1 else torch.stack([v.float() for v in ls]).mean()
                 parts.append(loss.float().reshape(()))
-            if norms:
-                gn = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-                parts.append(gn if not parts or gn.device == parts[0].device else gn.to(parts[0].device))
-            if not parts:
-                values, event = torch.empty(0), None
-            else:
-                vec = parts[0].reshape(1) if len(parts) == 1 else torch.stack(parts)
-                values, event = self._to_host(vec)
-        self._pending.append(_Pending(step, values, event, loss is not None, bool(norms), host_loss))
+            if p.norms:
+                gn = p.norms[0] if len(p.norms) == 1 else torch.linalg.vector_norm(torch.stack(p.norms))
+                parts.append(gn.float())
+            device = next(t.device for t in parts if t.device.type != "cpu")
+            vec = torch.stack([t.to(device, non_blocking=True) for t in parts])
+            p.host, p.event = self._to_host(vec)
+        p.losses, p.norms = [], []
 
     def _to_host(self, vec: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if vec.device.type == "cpu":
-            return vec, None
         if not self._ring:
             self._ring = [torch.empty(2, dtype=torch.float32, pin_memory=True) for _ in range(_RING)]
         if len(self._pending) >= _RING:
@@ -154,11 +173,14 @@ class Sentry:
         out = []
         while self._pending and (before is None or self._pending[0].step < before):
             p = self._pending.popleft()
-            if p.event is not None:
+            if p.host is not None:
                 p.event.synchronize()
-            vals = p.values.tolist()
-            loss = vals.pop(0) if p.has_loss else p.host_loss
-            grad = vals.pop(0) if p.has_grad else None
+                vals = p.host.tolist()
+                loss = vals.pop(0) if p.has_loss else None
+                grad = vals.pop(0) if p.has_grad else None
+            else:
+                loss = statistics.fmean(float(v) for v in p.losses) if p.losses else None
+                grad = math.sqrt(math.fsum(float(n) ** 2 for n in p.norms)) if p.norms else None
             out.append(StepValues(p.step, loss, grad))
         return out
 
