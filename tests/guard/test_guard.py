@@ -227,11 +227,12 @@ def test_loop_report_gives_the_loss(tmp_path):
 
 def test_for_step_in_loop_with_a_guard_is_refused(tmp_path):
     state = make_state(make_data(10))
-    loop = tg.CheckpointManager(tmp_path / "ckpt").resume(state, total_steps=5, guard=tg.Guard(tmp_path / "run"))
-    with pytest.raises(RuntimeError, match="loop.batches"):
-        iter(loop)
-    with pytest.raises(ValueError, match="step form"):
-        tg.CheckpointManager(tmp_path / "ckpt").resume(state, epochs=2, guard=tg.Guard(tmp_path / "run"))
+    with tg.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        loop = ckpt.resume(state, total_steps=5, guard=tg.Guard(tmp_path / "run"))
+        with pytest.raises(RuntimeError, match="loop.batches"):
+            iter(loop)
+        with pytest.raises(ValueError, match="step form"):
+            ckpt.resume(state, epochs=2, guard=tg.Guard(tmp_path / "run"))
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
