@@ -39,7 +39,8 @@ def test_a_checkpoint_never_holds_a_step_that_was_not_verified(tmp_path):
         return real_save(st, *args, **kwargs)
 
     ckpt.save = save
-    train(ckpt.resume(state, total_steps=40, guard=guard).batches(), state)
+    with ckpt:  # the manager holds its directory's lock until it is closed
+        train(ckpt.resume(state, total_steps=40, guard=guard).batches(), state)
     assert [e["step"] for e in guard.events] == [24]
     assert all(ok for _, ok in saved), saved  # the save due after step 24 waited for its verdict
     assert [s for s, _ in saved] == [5, 10, 15, 20, 25, 30, 35, 40]
@@ -52,15 +53,15 @@ def test_a_preempted_guarded_run_resumes_exactly(tmp_path):
     data = make_data(50, poison_sample=77)
     ref = make_state(data, dropout=0.2, shuffle=True)
     ref_guard = tg.Guard(tmp_path / "ref-run", snapshot_every=10)
-    train(tg.CheckpointManager(tmp_path / "ref-ckpt").resume(ref, total_steps=40, guard=ref_guard).batches(), ref)
+    with tg.CheckpointManager(tmp_path / "ref-ckpt") as ref_ckpt:
+        train(ref_ckpt.resume(ref, total_steps=40, guard=ref_guard).batches(), ref)
     bad = [e["step"] for e in ref_guard.events]
     assert len(bad) == 1
 
     first = make_state(data, dropout=0.2, shuffle=True)
     guard = tg.Guard(tmp_path / "run", snapshot_every=10)
-    with pytest.raises(tg.Preempted) as info:
-        for step, (x, y) in tg.CheckpointManager(tmp_path / "ckpt").resume(first, total_steps=40,
-                                                                            guard=guard).batches():
+    with pytest.raises(tg.Preempted) as info, tg.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        for step, (x, y) in ckpt.resume(first, total_steps=40, guard=guard).batches():
             loss = torch.nn.functional.mse_loss(first.model(x), y)
             first.optimizer.zero_grad()
             loss.backward()
@@ -72,8 +73,9 @@ def test_a_preempted_guarded_run_resumes_exactly(tmp_path):
     with tg.open(tmp_path / "run") as run:
         assert run.meta["guard"]["status"] == "interrupted"
     second = make_state(data, dropout=0.2, shuffle=True)
-    loop = tg.CheckpointManager(tmp_path / "ckpt").resume(second, total_steps=40, guard=tg.Guard(tmp_path / "run2"))
-    assert loop.restored_step == 31
-    train(loop.batches(), second)
+    with tg.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        loop = ckpt.resume(second, total_steps=40, guard=tg.Guard(tmp_path / "run2"))
+        assert loop.restored_step == 31
+        train(loop.batches(), second)
     assert_bitwise(params(ref), params(second))
     assert [i.step for i in list_checkpoints(tmp_path / "ckpt")][-1] == 40
