@@ -3,7 +3,8 @@
 ``torch.Tensor.backward`` calls ``torch.autograd.backward`` through the module attribute, so one
 wrapper there sees both spellings. The wrapper is installed while at least one monitor listens
 and restores the original when the last one leaves. It keeps nothing but a detached view of the
-0-d loss (no graph, no host sync).
+0-d loss (no graph, no host sync). The recorder listens to the tensors themselves (a *root*
+listener): the one backward() runs from is the loss, a sink for harmful values.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import torch
 
 _lock = threading.Lock()
 _listeners: list[Callable[[torch.Tensor | None], None]] = []
+_roots: list[Callable[[object], None]] = []
 _original: Callable | None = None
 
 
 def _backward(tensors, grad_tensors=None, *args, **kwargs):
+    # Not guarded like the monitors: check_numerics stops here, before the backward pass.
+    for fn in list(_roots):
+        fn(tensors)
     loss = None
     if isinstance(tensors, torch.Tensor) and grad_tensors is None and tensors.numel() == 1:
         if tensors.is_floating_point():
@@ -42,20 +47,37 @@ def quiet():
 
 def add_listener(fn: Callable[[torch.Tensor | None], None]) -> None:
     """Call ``fn(loss_or_None)`` before every ``backward``; ``loss`` is a detached 0-d tensor."""
-    global _original
-    with _lock:
-        if not _listeners:
-            _original = torch.autograd.backward
-            torch.autograd.backward = _backward
-        _listeners.append(fn)
+    _add(_listeners, fn)
 
 
 def remove_listener(fn: Callable) -> None:
+    _remove(_listeners, fn)
+
+
+def add_root_listener(fn: Callable[[object], None]) -> None:
+    """Call ``fn(tensors)`` with backward's own first argument (a tensor or a sequence of them)."""
+    _add(_roots, fn)
+
+
+def remove_root_listener(fn: Callable) -> None:
+    _remove(_roots, fn)
+
+
+def _add(group: list, fn: Callable) -> None:
     global _original
     with _lock:
-        if fn in _listeners:
-            _listeners.remove(fn)
-        if not _listeners and _original is not None:
+        if not _listeners and not _roots:
+            _original = torch.autograd.backward
+            torch.autograd.backward = _backward
+        group.append(fn)
+
+
+def _remove(group: list, fn: Callable) -> None:
+    global _original
+    with _lock:
+        if fn in group:
+            group.remove(fn)
+        if not _listeners and not _roots and _original is not None:
             if torch.autograd.backward is _backward:
                 torch.autograd.backward = _original
             _original = None
