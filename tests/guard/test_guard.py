@@ -4,6 +4,7 @@ policies, exactness of the replay and of a run without faults."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,42 @@ def test_a_bug_in_the_code_stops_with_diverged_naming_the_log_line(tmp_path):
     with open_run(tmp_path / "run") as run:
         assert [f["kind"] for f in run.findings(source="guard")] == ["guard_rewind", "guard_stop"]
         assert run.meta["guard"]["status"] == "diverged"
+
+
+class RMSNet(nn.Module):
+    """RMS normalisation without epsilon after a linear layer without bias: a zero input row is
+    finite forward (0 / 1e-8), but the gradient of sqrt at 0 is inf, and 0 * inf is NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8, bias=False)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.fc(x)
+        rms = torch.sqrt(h.pow(2).mean(-1, keepdim=True))  # SQRT_LINE
+        return self.out(h / (rms + 1e-8))
+
+
+def test_a_gradient_that_goes_nan_under_a_finite_loss_is_caught(tmp_path, caplog):
+    data = make_data(40)
+    data.tensors[0][30 * BS] = 0.0  # one zero row in batch 30
+    state = make_state(data, model=RMSNet())
+    losses = []
+    guard = tg.Guard(tmp_path / "run", snapshot_every=20)
+    with caplog.at_level(logging.WARNING, logger="trainguard.guard"):
+        train(guard.batches(state, total_steps=40), state, log=losses)
+    assert state.step == 40 and finite(state)
+    # the loss of step 30 was finite: only the gradients showed it (step 31, which ran before the
+    # one-step-late verdict, trained on the NaN parameters and was undone)
+    assert math.isfinite(next(v for s, v in losses if s == 30))
+    assert all(math.isfinite(v) for _, v in losses[-9:])
+    [event] = guard.events
+    assert event["trigger"] == "nonfinite_grad" and event["step"] == 30 and event["action"] == "skip"
+    assert [b["batch"] for b in event["skipped"]] == [30]
+    link = event["origin"]["origin"]
+    assert link["phase"] == "backward" and link["line"] == line_of("SQRT_LINE", RMSNet)
+    assert "gradient norm is nan" in caplog.records[-1].getMessage()
 
 
 def test_a_loss_spike_is_rewound_and_skipped(tmp_path):
