@@ -1,7 +1,9 @@
 """A cheap view of each training step for the guard's sentry: the loss and the optimizer steps.
 
 It uses the monitor's taps: the scalar ``backward()`` is called on (the wrapper of
-``torch.autograd.backward``) and a hook before every ``optimizer.step()``. Nothing here syncs or
+``torch.autograd.backward``, unscaled under a ``GradScaler``) and a hook before every
+``optimizer.step()`` (or, with a closure, when its first call returned: the gradients are
+complete only then). Nothing here syncs or
 allocates per op; what the callbacks do with the tensors is theirs.
 """
 
@@ -20,7 +22,7 @@ log = logging.getLogger("trainguard.capture")
 
 class StepWatch:
     """Call ``on_loss(loss)`` before every ``backward()`` on a scalar (a detached 0-d tensor) and
-    ``before_optimizer(optimizer)`` before every ``optimizer.step()``, between :meth:`start` and
+    ``before_optimizer(optimizer)`` once an ``optimizer.step()``'s gradients are complete, between :meth:`start` and
     :meth:`stop`. The callbacks run with recording suspended, and an exception in one is logged
     once and swallowed: observing training never kills training.
     """
@@ -38,22 +40,29 @@ class StepWatch:
         self._active = True
         _steps.acquire()
         _steps.clock.before_optimizer_step.append(self._optimizer)
-        _monitor_tap.add_listener(self._loss)
+        _steps.clock.grads_ready.append(self._grads_ready)
+        _monitor_tap.add_listener("backward", self._loss)
 
     def stop(self) -> None:
         if not self._active:
             return
         self._active = False
-        _monitor_tap.remove_listener(self._loss)
+        _monitor_tap.remove_listener("backward", self._loss)
         with contextlib.suppress(ValueError):
             _steps.clock.before_optimizer_step.remove(self._optimizer)
+        with contextlib.suppress(ValueError):
+            _steps.clock.grads_ready.remove(self._grads_ready)
         _steps.release()
 
     def _loss(self, loss: torch.Tensor | None) -> None:
         if loss is not None:
             self._call(self._on_loss, loss)
 
-    def _optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def _optimizer(self, optimizer: torch.optim.Optimizer, has_closure: bool = False) -> None:
+        if not has_closure:  # a closure has not run its backward yet: see _grads_ready
+            self._call(self._before_optimizer, optimizer)
+
+    def _grads_ready(self, optimizer: torch.optim.Optimizer) -> None:
         self._call(self._before_optimizer, optimizer)
 
     def _call(self, fn: Callable, arg) -> None:
