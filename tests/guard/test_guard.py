@@ -198,6 +198,24 @@ def test_a_loss_spike_is_rewound_and_skipped(tmp_path):
     assert state.step == 90 and finite(state)
 
 
+def test_under_a_grad_scaler_the_guard_sees_the_unscaled_loss(tmp_path):
+    state = make_state(make_data(90, spike_batch=60))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=25, spike_factor=20)
+    losses = {}
+    for step, (x, y) in guard.batches(state, total_steps=90):
+        loss = nn.functional.mse_loss(state.model(x), y)
+        losses.setdefault(step, loss.item())
+        state.optimizer.zero_grad()
+        scaler.scale(loss).backward()  # backward() runs on the loss times 65,536
+        scaler.step(state.optimizer)
+        scaler.update()
+    [event] = guard.events
+    assert event["trigger"] == "spike" and event["step"] == 60
+    assert event["loss"] == pytest.approx(losses[60], rel=1e-6)  # not 65,536 times it
+    assert state.step == 90 and finite(state)
+
+
 def test_without_spike_factor_a_spike_passes(tmp_path):
     state = make_state(make_data(90, spike_batch=60))
     guard = tg.Guard(tmp_path / "run", snapshot_every=25)
