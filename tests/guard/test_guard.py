@@ -165,14 +165,31 @@ class RMSNet(nn.Module):
         return self.out(h / (rms + 1e-8))
 
 
-def test_a_gradient_that_goes_nan_under_a_finite_loss_is_caught(tmp_path, caplog):
+def train_with_closure(batches, state, log):
+    """optimizer.step(closure): the forward and backward pass run inside the optimizer's step."""
+    for step, (x, y) in batches:
+        def closure(x=x, y=y):
+            state.optimizer.zero_grad()
+            loss = nn.functional.mse_loss(state.model(x), y)
+            loss.backward()
+            return loss
+
+        log.append((step, state.optimizer.step(closure).item()))
+        state.scheduler.step()
+
+
+@pytest.mark.parametrize("closure", [False, True], ids=["loop", "closure"])
+def test_a_gradient_that_goes_nan_under_a_finite_loss_is_caught(tmp_path, caplog, closure):
     data = make_data(40)
     data.tensors[0][30 * BS] = 0.0  # one zero row in batch 30
     state = make_state(data, model=RMSNet())
     losses = []
     guard = tg.Guard(tmp_path / "run", snapshot_every=20)
     with caplog.at_level(logging.WARNING, logger="trainguard.guard"):
-        train(guard.batches(state, total_steps=40), state, log=losses)
+        if closure:  # the gradients exist only once the closure has run: they are read then
+            train_with_closure(guard.batches(state, total_steps=40), state, losses)
+        else:
+            train(guard.batches(state, total_steps=40), state, log=losses)
     assert state.step == 40 and finite(state)
     # the loss of step 30 was finite: only the gradients showed it (step 31, which ran before the
     # one-step-late verdict, trained on the NaN parameters and was undone)
