@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
-from trainguard.capture import _kernels, _numerics, _reads, _steps
+from trainguard.capture import _kernels, _monitor_tap, _numerics, _reads, _steps
 from trainguard.capture._ending import ending
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._recorder_harm import HarmHooks
@@ -241,6 +241,7 @@ class Recorder(HarmHooks):
             _kernels.warm()
         self.modules.install()
         _reads.install(self)
+        _monitor_tap.add_listener("root", self.on_backward)
         self._thread = threading.get_ident()
         self.last_nr = _get_seq_nr()
         self._mode = _DispatchMode(self)
@@ -257,6 +258,7 @@ class Recorder(HarmHooks):
         finally:
             self.modules.remove()
             _reads.remove(self)
+            _monitor_tap.remove_listener("root", self.on_backward)
             self.stacks.release_frames()
             if self._on_step in _steps.clock.on_step:
                 _steps.clock.on_step.remove(self._on_step)
