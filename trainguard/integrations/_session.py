@@ -16,8 +16,9 @@ from typing import Any
 from trainguard._errors import TrainguardError
 
 GUARD_PENDING = (
-    "guard= needs trainguard.Guard, which this version of trainguard does not have yet; "
-    "leave guard=None (the callback records and monitors without it)"
+    "guard= is not supported inside a framework's own training loop yet: the Trainer owns its batches, "
+    "so trainguard.Guard cannot rewind and replay them; leave guard=None here, or guard a plain loop "
+    "with ckpt.resume(state, total_steps=N, guard=tg.Guard(...)).batches()"
 )
 
 
