@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _kernels, _monitor_tap, _numerics, _reads, _steps
-from trainguard.capture._ending import ending
+from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._recorder_harm import HarmHooks
 from trainguard.capture._stacks import StackInterner
@@ -702,6 +702,7 @@ def enable(logdir: str | os.PathLike, mode: str = "full_health", buffer: int = 1
         if _global is not None and _global.active:
             raise RuntimeError(f"trainguard is already recording to {_global.logdir}; call disable() first")
         _global = Recorder(logdir, mode=mode, buffer=buffer, ops=ops, dtypes=dtypes, **kwargs).start()
+        watch_uncaught()  # stopped at exit with the script's error, if one ends it
         return _global
 
 
@@ -716,9 +717,12 @@ def disable() -> None:
 
 @atexit.register
 def _at_exit() -> None:
+    global _global
     if _global is not None and _global.active:
         try:
-            disable()
+            with _global_lock:
+                rec, _global = _global, None
+            rec.stop(**ending(uncaught()))  # a script that died with enable() on is stored as crashed
         except Exception:  # pragma: no cover - best effort at interpreter exit
             pass
 
