@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from trainguard.capture import _amp_tap, _monitor_hooks, _monitor_tap, _steps, _swap
-from trainguard.capture._ending import ending
+from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._monitor_grads import GradientWatch, pending_refs, used
 from trainguard.capture._monitor_hooks import HookMixin
 from trainguard.capture._monitor_model import Param, Root, named_models
@@ -209,6 +209,7 @@ class Monitor(HookMixin):
             self._attach(module, prefix)
         self._begin_step(self._cur)
         _OPEN.add(self)
+        watch_uncaught()  # a monitor still open at exit is closed with the script's error
 
     # ------------------------------------------------------------------ public
     def __enter__(self) -> Monitor:
@@ -545,4 +546,4 @@ DEFAULT_DIAGNOSE: Callable | None = None
 def _close_at_exit() -> None:
     for mon in list(_OPEN):
         with contextlib.suppress(Exception):
-            mon.close()
+            mon.close(error=uncaught())

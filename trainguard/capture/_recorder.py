@@ -23,8 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
-from trainguard.capture import _kernels, _numerics, _reads, _steps, _swap
-from trainguard.capture._ending import ending
+from trainguard.capture import _kernels, _monitor_tap, _numerics, _reads, _steps, _swap
+from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._local import local as _local
 from trainguard.capture._local import written as _written
 from trainguard.capture._modules import ModuleTracker
@@ -243,6 +243,7 @@ class Recorder(HarmHooks):
         self.modules.install()
         _swap.hold(self._release)
         _reads.install(self)
+        _monitor_tap.add_listener("root", self.on_backward)
         self._thread = threading.get_ident()
         self.last_nr = _get_seq_nr()
         self._mode = _DispatchMode(self)
@@ -260,6 +261,7 @@ class Recorder(HarmHooks):
             self.modules.remove()
             _swap.unhold(self._release)
             _reads.remove(self)
+            _monitor_tap.remove_listener("root", self.on_backward)
             self.stacks.release_frames()
             if self._on_step in _steps.clock.on_step:
                 _steps.clock.on_step.remove(self._on_step)
@@ -721,6 +723,7 @@ def enable(logdir: str | os.PathLike, mode: str = "full_health", buffer: int = 1
         if _global is not None and _global.active:
             raise RuntimeError(f"trainguard is already recording to {_global.logdir}; call disable() first")
         _global = Recorder(logdir, mode=mode, buffer=buffer, ops=ops, dtypes=dtypes, **kwargs).start()
+        watch_uncaught()  # stopped at exit with the script's error, if one ends it
         return _global
 
 
@@ -735,9 +738,12 @@ def disable() -> None:
 
 @atexit.register
 def _at_exit() -> None:
+    global _global
     if _global is not None and _global.active:
         try:
-            disable()
+            with _global_lock:
+                rec, _global = _global, None
+            rec.stop(**ending(uncaught()))  # a script that died with enable() on is stored as crashed
         except Exception:  # pragma: no cover - best effort at interpreter exit
             pass
 
