@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 
 class TrainguardError(Exception):
     """Base class of every error trainguard raises on purpose.
@@ -41,6 +43,10 @@ class NonFiniteError(TrainguardError, FloatingPointError):
     def __init__(self, message: str, *, execution: dict | None = None):
         super().__init__(message)
         self.execution = execution or {}
+        # When it was raised (time.time()): under torch.distributed the other ranks fail soon
+        # after, in collectives this rank left, and ``trainguard run --nproc-per-node`` names
+        # the rank that ended first by this.
+        self.raised_at = time.time()
 
 
 class Diverged(TrainguardError):
@@ -59,3 +65,4 @@ class Diverged(TrainguardError):
         self.step = step
         self.origin = origin
         self.event = event or {}
+        self.raised_at = time.time()  # as NonFiniteError's: the launcher orders failed ranks by it

@@ -6,6 +6,7 @@ from typing import Any
 
 from trainguard.analysis._origin import op_base, origin
 from trainguard.analysis._outcome import script_outcome, with_outcome
+from trainguard.analysis._ranks import ranks_report
 from trainguard.store import Run
 
 # Lines of source shown around each frame of the origin.
@@ -47,8 +48,11 @@ def intended_lines(groups: list[dict]) -> list[str]:
     return out
 
 
-def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
-    """Everything ``trainguard report`` says about a run, as JSON-able data."""
+def build_report(run: Run, findings: list | None = None, ranks: dict | None = None) -> dict[str, Any]:
+    """Everything ``trainguard report`` says about a run, as JSON-able data.
+
+    For a run of several ranks the body is about ``run.rank``, and ``ranks`` (computed here
+    unless given: :func:`ranks_report`) puts every rank's alerts side by side."""
     meta = run.meta
     alerts = run.alerts()
     o = origin(run)
@@ -87,6 +91,8 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "crash": script_outcome(meta),
         "findings": with_outcome(meta, [f for f in findings if f.get("source") != GUARD_SOURCE]),
         "guard": guard_report(run),
+        "rank": getattr(run, "rank", None),
+        "ranks": ranks if ranks is not None else ranks_report(run),
     }
 
 

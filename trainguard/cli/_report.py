@@ -27,7 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run", help="the run directory (the --logdir of `trainguard run` or `record`)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--rank", type=int, default=None, help="which rank of a torchrun run (default: the first)")
+    p.add_argument("--rank", type=int, default=None,
+                   help="which rank of a torchrun run to detail (default: the one that made the first NaN/Inf, "
+                        "else the first)")
     p.set_defaults(func=_cmd)
 
 
@@ -47,8 +49,14 @@ def load_report(path: str, rank: int | None = None) -> dict[str, Any]:
             raise RunNotFound(f"{path!r} holds {len(runs)} runs; name one: {names}") from None
         else:
             raise
+    from trainguard.analysis import ranks_report
+
+    ranks = ranks_report(run)
+    if ranks is not None and rank is None and ranks["first_rank"] not in (None, run.rank):
+        run.close()  # detail the rank where it started
+        run = open_run(run.root, rank=ranks["first_rank"])
     with run:
-        return build_report(run, findings=run.findings())
+        return build_report(run, findings=run.findings(), ranks=ranks)
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -95,7 +103,8 @@ def _header(report: dict) -> Panel:
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("run", report["run"])
+    t.add_row("run", report["run"] + (f" (rank {report['rank']} of {len(report['ranks']['ranks'])})"
+                                      if report.get("ranks") else ""))
     status = report["status"]
     if status == "running" and meta.get("lost"):
         status = "incomplete: its writer stopped storing it (see the writer error)"
@@ -285,10 +294,46 @@ def _findings(report: dict) -> Any:
         return t
 
 
+def _ranks(report: dict) -> tuple[Text, Table] | None:
+    """The first line (which rank went non-finite first) and every rank's alerts side by side."""
+    ranks = report.get("ranks")
+    if not ranks:
+        return None
+    headline = ranks["headline"]
+    for p in ranks["per_rank"]:
+        if headline and p["first"] and p["first"].get("file"):
+            headline = headline.replace(p["first"]["file"], _short(p["first"]["file"]))
+    head = Text(f"{headline}.", style="bold red") if headline else Text(
+        f"No harmful NaN or Inf on any of the {len(ranks['ranks'])} ranks.", style="bold green")
+    t = Table(title="alerts per rank", title_justify="left")
+    t.add_column("rank", justify="right")
+    t.add_column("status")
+    t.add_column("NaN/Inf", justify="right")
+    t.add_column("step", justify="right")
+    t.add_column("first non-finite value")
+    t.add_column("how", no_wrap=True)
+    for p in ranks["per_rank"]:
+        f = p["first"]
+        step, first, how = "", "", ""
+        if f:
+            step = str(f["step"])
+            first = f"{f['op']} at {_short(f['file'])}:{f['line']}" if f.get("file") else f["op"]
+            via = f["received_via"]
+            how = f"received: {via['op']}" if via else ("made (first)" if p["rank"] == ranks["first_rank"] else "made")
+        t.add_row(str(p["rank"]), p["status"], f"{p['alerts']['total']:,}", step, first,
+                  Text(how, style="bold red" if how.startswith("made") else ""))
+    return head, t
+
+
 def render_report(con: Console, report: dict) -> None:
     if report.get("crash"):  # first, before anything that could read as a finished run
         con.print(Text(report["crash"]["text"], style="bold red"), soft_wrap=True)
+    ranks = _ranks(report)
+    if ranks is not None:
+        con.print(ranks[0], soft_wrap=True)
     con.print(_header(report))
+    if ranks is not None:
+        con.print(ranks[1])
     con.print(_alerts(report))
     o = _origin(report)
     if o is not None:

@@ -101,7 +101,7 @@ class Session:
         self._writer = acquire_writer(self.run_dir, append=resumed, process=recording)
         try:
             if self.want_monitor:
-                self.monitor = trainguard.Monitor(model, self.run_dir, self.every, append=resumed)
+                self.monitor = trainguard.Monitor(model, self.run_dir, self.every, append=resumed, rank_dir=False)
             if recording:
                 rec = Recorder(self.run_dir, mode=self.mode if self.record else "curt_health",
                                check_numerics=self.check_numerics, rank_dir=False)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from trainguard._errors import CheckpointError
 from trainguard.resilience import _rng
+from trainguard.resilience._epochs import has_epoch
 
 _FAST_FORWARD = ("skip", "replay")
 _STATE_VERSION = 1
@@ -88,6 +89,7 @@ class ResumableLoader:
         self._yielded = 0
         self._in_epoch = False
         self._epoch_start: dict[str, Any] | None = None
+        self._sampler_epochs: list[int] = []  # the epochs set_epoch() gave the samplers when this epoch was drawn
         self._pending: dict[str, Any] | None = None
         self._token: object = object()
         self._last_indices: list[Any] | None = None
@@ -137,6 +139,7 @@ class ResumableLoader:
             "yielded": self._yielded,
             "epoch_start": self._epoch_start,
             "generators": [_rng.capture_generator(g) for g in self._generators()],
+            "sampler_epochs": self._sampler_epochs,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -154,6 +157,8 @@ class ResumableLoader:
             self._yielded = int(state["yielded"])
             self._in_epoch = bool(state["in_epoch"])
             self._epoch_start = state["epoch_start"]
+            # Absent from states saved before samplers' epochs were kept: then set_epoch() decides.
+            self._sampler_epochs = [int(e) for e in state.get("sampler_epochs") or []]
         except KeyError as exc:
             raise CheckpointError(f"loader state lacks {exc}") from None
         self._token = object()  # iterators made before the restore no longer count
@@ -177,11 +182,25 @@ class ResumableLoader:
                 found.append(gen)
         return found
 
+    def _samplers(self) -> list[Any]:
+        """Samplers whose order follows ``set_epoch()`` (``DistributedSampler``)."""
+        loader = self.loader
+        found: list[Any] = []
+        for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+            if has_epoch(s) and all(s is not f for f in found):
+                found.append(s)
+        return found
+
     def _start_epoch(self, resume: dict[str, Any] | None) -> Iterator[Any]:
         loader = self.loader
         gens = self._generators()
+        samplers = self._samplers()
         iterable = isinstance(loader.dataset, IterableDataset)
         if resume is not None:
+            # The interrupted epoch's order was drawn at the epoch the samplers had then, whether
+            # or not the program calls set_epoch() again before continuing it.
+            for sampler, epoch in zip(samplers, self._sampler_epochs):
+                sampler.set_epoch(epoch)
             now = _rng.capture_all(gens)
             _rng.restore_all(self._epoch_start or {}, gens)
             skip = self._yielded
@@ -228,6 +247,7 @@ class ResumableLoader:
             self._epoch += 1
             self._yielded = 0
             self._epoch_start = start
+            self._sampler_epochs = [int(s.epoch) for s in samplers]
         self._in_epoch = True
         self._token = token = object()
         self._last_indices = None

@@ -99,6 +99,7 @@ _SCHEMAS: dict[str, Any] = {
         {"available": {"type": "boolean"}, "result": {}},
         {"reason": _STR_OR_NULL, "seq": _INT_OR_NULL},
     ),
+    "Ranks": _obj({"available": {"type": "boolean"}, "result": {}}, {"reason": _STR_OR_NULL}),
     "Timeline": _obj(
         {
             "total": {"type": "integer"},
@@ -333,6 +334,12 @@ _PATHS = {
     ),
     "/api/runs/{run}/alerts": _get(
         "Non-finite events counted by op type, with the first of each", "Alerts", [_RUN, _RANK]
+    ),
+    "/api/runs/{run}/ranks": _get(
+        "A run of several ranks: every rank's alerts, which rank made the first non-finite value and which "
+        "only received it (from trainguard.analysis)",
+        "Ranks",
+        [_RUN],
     ),
     "/api/runs/{run}/origin": _get(
         "How the first (or the given) non-finite value was made, from trainguard.analysis",

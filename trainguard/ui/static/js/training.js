@@ -65,7 +65,7 @@ export class TrainingView {
     this.runId = runId;
     this.summary = summary;
     this.hooks = hooks;
-    this.api = runApi(runId);
+    this.api = runApi(runId, hooks.rank);
     this.stat = null;
   }
 
