@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 # Importing the rule modules registers their rules.
-from trainguard.analysis import _layer_rules, _loss_rules, _param_rules  # noqa: F401
+from trainguard.analysis import _graph_rules, _layer_rules, _loss_rules, _param_rules  # noqa: F401
 from trainguard.analysis._context import Context, fmt, median
 from trainguard.analysis._outcome import outcome_finding
 from trainguard.analysis._rules import RULES
@@ -42,6 +42,12 @@ MONITOR_RULES = (
     "gradients_accumulating",
     "eval_mode_in_training",
     "train_mode_in_eval",
+    # loss misuse read off the op graph (analysis/_graph_rules.py)
+    "softmax_before_cross_entropy",
+    "sigmoid_before_bce_with_logits",
+    "nll_loss_on_probabilities",
+    "nll_loss_on_logits",
+    "cross_entropy_targets_not_probabilities",
 )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainguard.capture import _monitor_tap, _steps
+from trainguard.capture import _loss_watch, _monitor_tap, _steps
 from trainguard.capture._layer_stats import (
     activation_stats,
     first_tensor,
@@ -162,6 +162,8 @@ class Monitor:
         _steps.clock.before_optimizer_step.append(self._before_optimizer)
         _steps.clock.on_optimizer_step.append(self._after_optimizer)
         _monitor_tap.add_listener(self._on_backward)
+        self._loss_watch = _loss_watch.acquire(self._writer)
+        self._loss_watch.modules = self._probability_layers
         self._writer.set_meta(monitor={"every": every, "status": "running"})
 
         for prefix, module in models:
@@ -243,6 +245,7 @@ class Monitor:
                 _steps.clock.on_optimizer_step.remove(self._after_optimizer)
             _steps.release()
             _monitor_tap.remove_listener(self._on_backward)
+            _loss_watch.release(self._loss_watch)
             _OPEN.discard(self)
         self._write_meta(status="finished", final_step=self._cur)
         if self.diagnose:
@@ -319,6 +322,11 @@ class Monitor:
 
     def _all_params(self) -> list[Param]:
         return self._params
+
+    def _probability_layers(self) -> list[dict]:
+        """Layers that turn scores into probabilities (the loss-graph evidence names them)."""
+        return [{"name": la.name, "type": la.type} for r in self._roots for la in r.layers
+                if la.type in _loss_watch.PROBABILITY_MODULES]
 
     def _write_structure(self) -> None:
         self._write_meta(**structure(self._roots))

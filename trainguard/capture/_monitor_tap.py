@@ -16,6 +16,9 @@ import torch
 
 _lock = threading.Lock()
 _listeners: list[Callable[[torch.Tensor | None], None]] = []
+# Called with the loss itself, graph attached (the loss-graph watch and the live gradient check
+# read its autograd graph before the backward pass frees what it saved).
+_graph_listeners: list[Callable[[torch.Tensor], None]] = []
 _original: Callable | None = None
 
 
@@ -30,6 +33,12 @@ def _backward(tensors, grad_tensors=None, *args, **kwargs):
             fn(loss)
         except Exception:  # observing training never kills training
             pass
+    if loss is not None and tensors.grad_fn is not None:
+        for fn in list(_graph_listeners):
+            try:
+                fn(tensors)
+            except Exception:  # observing training never kills training
+                pass
     return _original(tensors, grad_tensors, *args, **kwargs)
 
 
@@ -40,14 +49,18 @@ def quiet():
     return contextlib.nullcontext()
 
 
-def add_listener(fn: Callable[[torch.Tensor | None], None]) -> None:
-    """Call ``fn(loss_or_None)`` before every ``backward``; ``loss`` is a detached 0-d tensor."""
+def add_listener(fn: Callable[[torch.Tensor | None], None], *, graph: bool = False) -> None:
+    """Call ``fn(loss_or_None)`` before every ``backward``; ``loss`` is a detached 0-d tensor.
+
+    With ``graph=True``, ``fn(loss)`` gets the scalar loss itself with its autograd graph (only
+    for a floating 0-d loss with a graph); it must not keep it.
+    """
     global _original
     with _lock:
-        if not _listeners:
+        if not _listeners and not _graph_listeners:
             _original = torch.autograd.backward
             torch.autograd.backward = _backward
-        _listeners.append(fn)
+        (_graph_listeners if graph else _listeners).append(fn)
 
 
 def remove_listener(fn: Callable) -> None:
@@ -55,7 +68,9 @@ def remove_listener(fn: Callable) -> None:
     with _lock:
         if fn in _listeners:
             _listeners.remove(fn)
-        if not _listeners and _original is not None:
+        if fn in _graph_listeners:
+            _graph_listeners.remove(fn)
+        if not _listeners and not _graph_listeners and _original is not None:
             if torch.autograd.backward is _backward:
                 torch.autograd.backward = _original
             _original = None
