@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,7 @@ from torch import nn
 
 import trainguard as tg
 from trainguard.analysis import diagnose
+from trainguard.cli import main
 from trainguard.store import open_run
 
 MISUSE = (
@@ -187,3 +191,20 @@ def test_healthy_losses_raise_nothing(tmp_path, loss_fn):
 def test_no_recording_and_no_monitor_data_raise_nothing(tmp_path):
     findings, _ = _recorded(tmp_path, _healthy_log_softmax_nll, mode="no_tensor")
     assert [f.kind for f in findings if f.kind in MISUSE] == []
+
+
+GALLERY = Path(__file__).resolve().parents[2] / "examples" / "broken"
+
+
+@pytest.mark.parametrize("kind", MISUSE)
+def test_trainguard_run_then_report_names_the_misuse(tmp_path, capsys, kind):
+    """``trainguard run`` records (no monitor, no stored findings); the report still says it."""
+    run = str(tmp_path / "run")
+    assert main(["run", "--logdir", run, str(GALLERY / f"{kind}.py"), "--quiet", "--steps", "8"]) == 0
+    capsys.readouterr()
+    assert main(["report", "--json", run]) == 0
+    report = json.loads(capsys.readouterr().out)
+    got = [f for f in report["findings"] if f["kind"] == kind]
+    assert got and got[0]["evidence"]["source"] == "recorded op graph"
+    assert str(GALLERY / f"{kind}.py") in got[0]["evidence"]["chain_text"]
+    assert [f["kind"] for f in report["findings"] if f["kind"] in MISUSE] == [kind]

@@ -19,8 +19,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from trainguard.analysis._context import Context
+from trainguard.analysis._context import Context, fmt
 from trainguard.analysis._rules import register_rule
+from trainguard.analysis._thresholds import Thresholds
 from trainguard.store import Finding
 
 SOURCE = "graph"
@@ -175,7 +176,8 @@ def recorded_heads(run: Any) -> list[dict]:
             other = 1 - mine[0]
             target, _ = _producer(run, ex, other)
             below = _recorded_chain(run, run.execution(d["seq"]))
-            head = {"loss": "soft_cross_entropy", "link": _link(run, d), "chain": [_link(run, d), *below],
+            head = {"loss": "soft_cross_entropy", "link": dict(_link(run, d), op="cross_entropy"),
+                    "chain": [_link(run, d), *below],
                     "target": _link(run, target) if target else None}
             head["facts"] = _facts_from_summary(_summary(ins[other].get("producer_digest")), target=True)
             heads.append(head)
@@ -216,7 +218,7 @@ def judge(head: dict, tol: float) -> tuple[str, list[dict]] | None:
             smax is not None and abs(smax - 1) > tol) or (smin is not None and abs(smin - 1) > tol)
         if bad:
             links = [head["target"]] if head.get("target") else []
-            return "cross_entropy_targets_not_probabilities", [*links, chain[0] if chain else end]
+            return "cross_entropy_targets_not_probabilities", [*links, end]
     return None
 
 
@@ -226,16 +228,31 @@ def _where(link: dict) -> str:
     return link["op"]
 
 
+def _detail(kind: str, facts: dict) -> str:
+    """The numbers behind a judgement, for the title."""
+    if kind == "cross_entropy_targets_not_probabilities" and "row_sum_max" in facts:
+        lo, hi = facts["row_sum_min"], facts["row_sum_max"]
+        sums = fmt(hi) if abs(hi - lo) < 1e-6 else f"{fmt(lo)} to {fmt(hi)}"
+        return f"target rows sum to {sums}, values in [{fmt(facts['target_min'])}, {fmt(facts['target_max'])}]"
+    if kind == "cross_entropy_targets_not_probabilities" and facts.get("target_min", 0) < 0:
+        return "targets hold negative values"
+    if kind == "nll_loss_on_logits" and "input_max" in facts and not facts.get("signs_only"):
+        return f"its input reaches {fmt(facts['input_max'])} (log-probabilities are <= 0)"
+    if kind == "nll_loss_on_logits" and facts.get("signs_only"):
+        return "its input holds positive values (log-probabilities are <= 0)"
+    return ""
+
+
 def _finding(kind: str, links: list[dict], head: dict, source: str, extra: dict) -> Finding:
     title, fix = KINDS[kind]
+    detail = _detail(kind, head.get("facts") or {})
+    if detail:
+        title = f"{title} ({detail})"
     ev: dict[str, Any] = {"source": source, "chain": links, "chain_text": " -> ".join(_where(lk) for lk in links)}
     ev.update({k: v for k, v in (head.get("facts") or {}).items() if k != "signs_only" and math.isfinite(v)})
     ev.update(extra)
     where = ""
-    ends = [lk for lk in (links[0], links[-1]) if lk.get("file")]
-    if ends:
-        where = " at " + " and ".join(dict.fromkeys(f"{lk['file']}:{lk['line']}" for lk in ends))
-    elif extra.get("backward_at"):
+    if not any(lk.get("file") for lk in links) and extra.get("backward_at"):
         b = extra["backward_at"]
         where = f" (the loss backpropagated at {b['file']}:{b['line']})"
     return Finding(kind=kind, severity="warning", title=f"{title}: {ev['chain_text']}{where}", evidence=ev,
@@ -264,6 +281,16 @@ def _module_matches(kind: str, type_name: str | None) -> bool:
     want = {"softmax_before_cross_entropy": ("Softmax",), "nll_loss_on_probabilities": ("Softmax",),
             "sigmoid_before_bce_with_logits": ("Sigmoid",)}.get(kind, ())
     return type_name in want
+
+
+def recording_findings(run: Any, findings: list[dict]) -> list[dict]:
+    """The loss-misuse findings of a recording that ``findings`` (those stored in it) lack:
+    ``trainguard run`` without ``--monitor`` stores none, and its report still names them."""
+    have = {f.get("kind") for f in findings}
+    if have & set(KINDS):
+        return []
+    ctx = Context(run, Thresholds())
+    return [f.to_dict() for f in graph_findings(ctx)]
 
 
 def graph_findings(ctx: Context) -> list[Finding]:
@@ -303,4 +330,4 @@ def _rule(kind: str):
 for _kind in KINDS:
     _rule(_kind)
 
-__all__ = ["KINDS", "graph_findings", "judge", "recorded_heads"]
+__all__ = ["KINDS", "graph_findings", "judge", "recorded_heads", "recording_findings"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainguard.analysis._graph_rules import recording_findings
 from trainguard.analysis._origin import op_base, origin
 from trainguard.analysis._outcome import script_outcome, with_outcome
 from trainguard.store import Run
@@ -84,5 +85,14 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "intended": intended_lines(alerts.get("intended") or []),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "crash": script_outcome(meta),
-        "findings": with_outcome(meta, [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])]),
+        "findings": with_outcome(meta, _with_graph(run, [f if isinstance(f, dict) else f.to_dict()
+                                                         for f in (findings or [])])),
     }
+
+
+def _with_graph(run: Run, findings: list[dict]) -> list[dict]:
+    """The stored findings, and the loss misuse a recording shows when none of them says it."""
+    try:
+        return findings + recording_findings(run, findings)
+    except Exception:  # a damaged recording must not hide the report
+        return findings
