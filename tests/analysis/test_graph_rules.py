@@ -208,3 +208,38 @@ def test_trainguard_run_then_report_names_the_misuse(tmp_path, capsys, kind):
     assert got and got[0]["evidence"]["source"] == "recorded op graph"
     assert str(GALLERY / f"{kind}.py") in got[0]["evidence"]["chain_text"]
     assert [f["kind"] for f in report["findings"] if f["kind"] in MISUSE] == [kind]
+
+
+def _hf_train(steps: int = 3) -> None:
+    """A tiny random-init GPT-2 of transformers (its own loss: upcast logits, cross_entropy)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                  bos_token_id=1, eos_token_id=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(3, 50, (3, 10), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        out = model(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+
+
+def _nanogpt_train() -> None:
+    from true_models import train_gpt  # derived from karpathy/nanoGPT's model.py
+
+    train_gpt(steps=4)
+
+
+@pytest.mark.parametrize("train", [_nanogpt_train, _hf_train], ids=["nanogpt", "hf_gpt2"])
+def test_real_language_models_raise_nothing(tmp_path, train):
+    """Attention's softmax is not before the loss; the LM head's logits go to cross_entropy."""
+    with tg.record(tmp_path / "rec"), tg.Monitor(None, tmp_path / "rec", every=2) as mon:
+        train()
+    assert [f.kind for f in mon.findings if f.kind in MISUSE] == []
+    with open_run(tmp_path / "rec") as run:
+        assert [f.kind for f in diagnose(run) if f.kind in MISUSE] == []
+        heads = [h for rec in run.meta["loss_graph"] for h in rec["heads"]]
+    assert heads and all(h["loss"] == "nll_loss" and h["chain"][0] == "log_softmax" for h in heads), heads
