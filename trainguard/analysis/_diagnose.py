@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 # Importing the rule modules registers their rules.
-from trainguard.analysis import _graph_rules, _layer_rules, _loss_rules, _param_rules  # noqa: F401
+from trainguard.analysis import _function_rules, _graph_rules, _layer_rules, _loss_rules, _param_rules  # noqa: F401
 from trainguard.analysis._context import Context, fmt, median
 from trainguard.analysis._outcome import outcome_finding
 from trainguard.analysis._rules import RULES
@@ -48,6 +48,8 @@ MONITOR_RULES = (
     "nll_loss_on_probabilities",
     "nll_loss_on_logits",
     "cross_entropy_targets_not_probabilities",
+    # custom autograd Functions checked live (analysis/_function_rules.py)
+    "custom_gradient_wrong",
 )
 
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from trainguard.capture import _loss_watch, _monitor_tap, _steps
+from trainguard.capture._gradcheck import LiveGradcheck
 from trainguard.capture._layer_stats import (
     activation_stats,
     first_tensor,
@@ -82,6 +83,11 @@ class Monitor:
     what is pending, diagnoses the run (:func:`trainguard.analysis.diagnose`, with ``thresholds``)
     and stores the findings in it and in ``monitor.findings`` (``diagnose=False`` skips that).
 
+    ``gradcheck`` (default True): the first time a custom ``torch.autograd.Function`` runs before
+    a backward pass, check its ``backward`` once against central differences in float64 on a few
+    rows of its inputs, on a background thread (at most 2 s per Function); a wrong gradient is an
+    ``error`` finding ``custom_gradient_wrong``.
+
     Example::
 
         with trainguard.Monitor(model, "runs/exp1", every=10) as mon:
@@ -107,6 +113,7 @@ class Monitor:
         diagnose: bool | Callable = True,
         thresholds: Any = None,
         overwrite: bool = False,
+        gradcheck: bool = True,
     ):
         _validate(every, bins, histograms)
         models = named_models(model)  # a bad model fails before anything is installed
@@ -164,6 +171,10 @@ class Monitor:
         _monitor_tap.add_listener(self._on_backward)
         self._loss_watch = _loss_watch.acquire(self._writer)
         self._loss_watch.modules = self._probability_layers
+        # The live gradient check of custom autograd Functions (capture/_gradcheck.py).
+        self._gradcheck = LiveGradcheck(self._writer) if gradcheck else None
+        if self._gradcheck is not None:
+            _monitor_tap.add_listener(self._gradcheck.on_backward, graph=True)
         self._writer.set_meta(monitor={"every": every, "status": "running"})
 
         for prefix, module in models:
@@ -246,6 +257,9 @@ class Monitor:
             _steps.release()
             _monitor_tap.remove_listener(self._on_backward)
             _loss_watch.release(self._loss_watch)
+            if self._gradcheck is not None:
+                _monitor_tap.remove_listener(self._gradcheck.on_backward)
+                self._gradcheck.close()
             _OPEN.discard(self)
         self._write_meta(status="finished", final_step=self._cur)
         if self.diagnose:

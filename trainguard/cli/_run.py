@@ -42,6 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--monitor", action="store_true",
                    help="also record per-layer statistics and diagnose training health")
     p.add_argument("--every", type=int, default=10, help="with --monitor: layer statistics every N steps")
+    p.add_argument("--no-gradcheck", action="store_true",
+                   help="with --monitor: do not check custom autograd Functions' gradients")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --logdir")
     p.add_argument("-m", dest="module", help="run a module as a script (like python -m)")
     p.add_argument("script", nargs="?", help="the script to run")
@@ -95,7 +97,7 @@ def _cmd(args: argparse.Namespace) -> int:
         recorder.start()
         try:
             if args.monitor:
-                monitor = _start_monitor(logdir, args.every)
+                monitor = _start_monitor(logdir, args.every, gradcheck=not args.no_gradcheck)
             if args.module:
                 sys.argv = [target] + script_args
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -207,9 +209,9 @@ def _writer_failure(logdir: Path) -> str:
     return f", but {error}" + (f"; {lost:,} executions were not stored" if lost else "")
 
 
-def _start_monitor(logdir: Path, every: int):
+def _start_monitor(logdir: Path, every: int, gradcheck: bool = True):
     try:
         from trainguard._wiring import Monitor
     except ImportError:
         raise TrainguardError("--monitor needs the monitor, which this installation lacks") from None
-    return Monitor(None, logdir=logdir, every=every)
+    return Monitor(None, logdir=logdir, every=every, gradcheck=gradcheck)
