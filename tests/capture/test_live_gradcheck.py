@@ -224,3 +224,26 @@ def test_cli_no_gradcheck(tmp_path, capsys):
                  "--steps", "5"]) == 0
     with open_run(tmp_path / "c") as run:
         assert not run.meta.get("gradcheck")
+
+
+def test_a_wrong_gradient_explains_the_symptoms(tmp_path):
+    """A flat loss with a wrong custom gradient: the gradient is the cause, the curve a symptom."""
+    import numpy as np
+
+    from trainguard.analysis import diagnose
+    from trainguard.store import acquire_writer, release_writer
+
+    w = acquire_writer(tmp_path / "r")
+    rng = np.random.default_rng(0)
+    for s in range(60):
+        w.add_scalars(s, {"loss": 1.6 + 0.01 * float(rng.standard_normal())})
+    w.set_meta(monitor={"every": 5, "layers": [], "params": {}, "order": []},
+               gradcheck=[{"function": "m.Swish", "name": "Swish", "file": "m.py", "line": 3, "status": "wrong",
+                           "inputs": [{"index": 0, "name": "x", "shape": [4, 8], "checked": 16, "max_rel": 1.26,
+                                       "analytic": 0.5, "numeric": 0.9, "worst_index": [0, 1], "status": "wrong"}]}])
+    release_writer(w)
+    with open_run(tmp_path / "r") as run:
+        fs = {f.kind: f for f in diagnose(run)}
+    assert fs["custom_gradient_wrong"].severity == "error"
+    assert fs["loss_not_decreasing"].severity == "info"
+    assert fs["loss_not_decreasing"].evidence["explained_by"] == ["custom_gradient_wrong"]

@@ -100,6 +100,12 @@ SYMPTOM_CAUSES = {
     "loss_spike": ("exploding_gradient",),
     "loss_oscillating": ("lr_too_high",),
 }
+# A wrong custom gradient and a misused loss function explain what the curves and layers show.
+_GRAPH_CAUSES = ("custom_gradient_wrong", "softmax_before_cross_entropy", "sigmoid_before_bce_with_logits",
+                 "nll_loss_on_probabilities", "nll_loss_on_logits", "cross_entropy_targets_not_probabilities")
+for _symptom in ("loss_not_decreasing", "loss_spike", "loss_oscillating", "lr_too_high", "lr_too_low",
+                 "exploding_activations", "exploding_gradient", "vanishing_gradient", "saturated_activations"):
+    SYMPTOM_CAUSES[_symptom] = SYMPTOM_CAUSES.get(_symptom, ()) + _GRAPH_CAUSES
 
 
 def _fold_symptoms(findings: list[Finding]) -> None:

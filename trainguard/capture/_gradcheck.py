@@ -40,7 +40,9 @@ log = logging.getLogger("trainguard.monitor")
 PASS_BAND = 1e-5
 # Relative differences above this are a bug.
 BUG_BAND = 1e-3
-# Denominator floor: gradients both below this are compared on an absolute scale (round-off).
+# Denominator floor: entries whose gradients are both below this (in loss units per unit of the
+# input) are compared on an absolute scale, because at eps=1e-6 float64 round-off in the loss
+# alone is about 1e-10 * |loss|, i.e. up to 1e-5 relative on a 1e-5 gradient.
 FLOOR = 1e-7
 # Entries above this are measured again with larger steps (round-off shrinks as eps grows).
 RETRY_ABOVE = PASS_BAND / 10
