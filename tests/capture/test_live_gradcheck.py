@@ -247,3 +247,15 @@ def test_a_wrong_gradient_explains_the_symptoms(tmp_path):
     assert fs["custom_gradient_wrong"].severity == "error"
     assert fs["loss_not_decreasing"].severity == "info"
     assert fs["loss_not_decreasing"].evidence["explained_by"] == ["custom_gradient_wrong"]
+
+
+def test_recorded_and_monitored_the_check_still_runs_and_its_copies_are_not_recorded(tmp_path, capsys):
+    script = str(GALLERY / "wrong_custom_backward.py")
+    assert main(["run", "--monitor", "--logdir", str(tmp_path / "r"), "--buffer", "-1", script, "--quiet",
+                 "--steps", "3"]) == 0
+    with open_run(tmp_path / "r") as run:
+        assert [c["status"] for c in run.meta["gradcheck"]] == ["wrong"]
+        assert any(f["kind"] == "custom_gradient_wrong" for f in run.findings())
+        # the kept input rows are copies made under the recorder's nose: no clone of 4 rows is recorded
+        four_rows = [e for e in run.executions(op="clone") if e["outputs"] and e["outputs"][0]["shape"][:1] == [4]]
+    assert four_rows == []

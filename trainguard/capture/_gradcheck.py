@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from trainguard.capture import _monitor_tap
+
 log = logging.getLogger("trainguard.monitor")
 
 # Relative differences below this are correct (float64 central differences).
@@ -363,8 +365,11 @@ _original_apply: Any = None
 def _apply(cls, *args, **kwargs):
     if _checkers and not torch.compiler.is_compiling():
         for c in list(_checkers):
+            if cls in c.seen:
+                continue
             try:
-                c.on_apply(cls, args, kwargs)
+                with _monitor_tap.quiet():  # the copies are trainguard's, not the program's ops
+                    c.on_apply(cls, args, kwargs)
             except Exception:  # observing training never kills training
                 log.exception("trainguard monitor: keeping the inputs of %s failed", getattr(cls, "__name__", cls))
     return _original_apply.__func__(cls, *args, **kwargs)
