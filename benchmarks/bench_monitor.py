@@ -4,9 +4,12 @@ approach), at every step and every 10th.
 
 Configurations are interleaved round by round, in a shuffled order, in one process so that machine
 noise hits them alike. A cell is the mean step time over a block of steps (so the one recording step in ten
-counts), median over rounds, divided by plain's.
+counts), median over rounds, divided by plain's. ``swish_mlp`` has a custom autograd Function, which
+the monitor's live gradient check checks once per monitor (here once per round, on its background
+thread): ``monitor every=10 no-gradcheck`` beside ``monitor every=10`` is that check's share, and
+the seconds each check took are printed below the tables.
 
-    python benchmarks/bench_monitor.py                      # mlp, cnn, transformer
+    python benchmarks/bench_monitor.py                      # mlp, cnn, transformer, swish_mlp
     python benchmarks/bench_monitor.py --models mlp --rounds 3
 """
 
@@ -232,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.getLogger("trainguard").setLevel(logging.ERROR)
+    GRADCHECK_SECONDS.clear()
     results: dict = {"threads": args.threads, "rounds": args.rounds, "steps": args.steps, "models": {}}
     for name in [m for m in args.models.split(",") if m]:
         t = time_model(name, args.rounds, args.steps)
