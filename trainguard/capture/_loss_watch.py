@@ -262,7 +262,7 @@ def acquire(writer: Any) -> LossWatch:
         w = _watches.get(id(writer))
         if w is None:
             w = _watches[id(writer)] = LossWatch(writer)
-            _monitor_tap.add_listener(w, graph=True)
+            _monitor_tap.add_listener("loss_graph", w)
         w.users += 1
         return w
 
@@ -273,4 +273,4 @@ def release(watch: LossWatch) -> None:
         watch.resolve()  # a run with fewer backward passes than INSPECTIONS
         if watch.users <= 0:
             _watches.pop(id(watch.writer), None)
-            _monitor_tap.remove_listener(watch)
+            _monitor_tap.remove_listener("loss_graph", watch)

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _kernels, _loss_watch, _monitor_tap, _numerics, _reads, _steps
+from trainguard.capture._ending import ending
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._recorder_harm import HarmHooks
 from trainguard.capture._stacks import StackInterner
@@ -169,6 +170,7 @@ class Recorder(HarmHooks):
         strict: bool = False,
         strategy: str = "auto",
         overwrite: bool = False,
+        rank_dir: bool = True,
     ):
         self.ops_pattern, self.dtypes = _validate(mode, buffer, ops, dtypes)
         if strategy not in ("auto", "immediate", "deferred"):
@@ -179,7 +181,8 @@ class Recorder(HarmHooks):
         self.check = check_numerics
         self.strict = strict
         self.strategy = strategy
-        self.logdir = _rank_dir(Path(logdir)) if logdir is not None else None
+        # ``rank_dir=False``: the caller (a framework integration) already chose the rank's directory.
+        self.logdir = None if logdir is None else (_rank_dir(Path(logdir)) if rank_dir else Path(logdir))
         self.overwrite = overwrite
         self.writer = None
         self.seq = 0
@@ -242,7 +245,7 @@ class Recorder(HarmHooks):
         if self.writer is not None:
             self.writer.idle_callbacks.append(self._flush_if_stale)
             self.loss_watch = _loss_watch.acquire(self.writer)
-            _monitor_tap.add_listener(self._pin_loss, graph=True)
+            _monitor_tap.add_listener("loss_graph", self._pin_loss)
         if self.mode in _COUNTING_MODES:
             _kernels.warm()
         self.modules.install()
@@ -267,7 +270,7 @@ class Recorder(HarmHooks):
             if self._on_step in _steps.clock.on_step:
                 _steps.clock.on_step.remove(self._on_step)
             _steps.release()
-            _monitor_tap.remove_listener(self._pin_loss)
+            _monitor_tap.remove_listener("loss_graph", self._pin_loss)
             if self.loss_watch is not None:
                 _loss_watch.release(self.loss_watch)
                 self.loss_watch = None
@@ -290,10 +293,7 @@ class Recorder(HarmHooks):
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        meta = {}
-        if exc_type is not None and not issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
-            meta["error"] = f"{exc_type.__name__}: {exc}"
-        self.stop(**meta)
+        self.stop(**ending(exc))  # a block that raised is stored as crashed, as ``trainguard run`` stores it
 
     # ------------------------------------------------------------------ writer plumbing
     def _on_new_stack(self, sid: int, frames: list) -> None:
