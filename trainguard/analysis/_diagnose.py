@@ -9,7 +9,14 @@ from typing import Any
 import numpy as np
 
 # Importing the rule modules registers their rules.
-from trainguard.analysis import _layer_rules, _loss_rules, _param_rules, _run_rules  # noqa: F401
+from trainguard.analysis import (  # noqa: F401
+    _function_rules,
+    _graph_rules,
+    _layer_rules,
+    _loss_rules,
+    _param_rules,
+    _run_rules,
+)
 from trainguard.analysis._context import Context, fmt, median
 from trainguard.analysis._outcome import outcome_finding
 from trainguard.analysis._rules import RULES
@@ -43,6 +50,14 @@ MONITOR_RULES = (
     "eval_mode_in_training",
     "train_mode_in_eval",
     "grad_scaler_skips",
+    # loss misuse read off the op graph (analysis/_graph_rules.py)
+    "softmax_before_cross_entropy",
+    "sigmoid_before_bce_with_logits",
+    "nll_loss_on_probabilities",
+    "nll_loss_on_logits",
+    "cross_entropy_targets_not_probabilities",
+    # custom autograd Functions checked live (analysis/_function_rules.py)
+    "custom_gradient_wrong",
 )
 
 
@@ -94,6 +109,12 @@ SYMPTOM_CAUSES = {
     "loss_spike": ("exploding_gradient",),
     "loss_oscillating": ("lr_too_high",),
 }
+# A wrong custom gradient and a misused loss function explain what the curves and layers show.
+_GRAPH_CAUSES = ("custom_gradient_wrong", "softmax_before_cross_entropy", "sigmoid_before_bce_with_logits",
+                 "nll_loss_on_probabilities", "nll_loss_on_logits", "cross_entropy_targets_not_probabilities")
+for _symptom in ("loss_not_decreasing", "loss_spike", "loss_oscillating", "lr_too_high", "lr_too_low",
+                 "exploding_activations", "exploding_gradient", "vanishing_gradient", "saturated_activations"):
+    SYMPTOM_CAUSES[_symptom] = SYMPTOM_CAUSES.get(_symptom, ()) + _GRAPH_CAUSES
 
 
 def _fold_symptoms(findings: list[Finding]) -> None:

@@ -94,6 +94,10 @@ class Thresholds:
         0.5, "most parameters still holding the last step's gradient when the new one arrives: no zero_grad"
     )
     mode_min_fraction: float = _t(0.1, "eval mode during at least a tenth of the training steps is not a one-off")
+    # ---- the loss's op graph (loss misuse)
+    prob_tolerance: float = _t(
+        1e-3, "probability rows sum to 1 and log-probabilities stay <= 0 within float32 round-off, far inside 1e-3"
+    )
 
     @classmethod
     def reasons(cls) -> dict[str, tuple[float, str]]:

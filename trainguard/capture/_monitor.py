@@ -38,8 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainguard.capture import _amp_tap, _monitor_hooks, _monitor_tap, _steps, _swap
+from trainguard.capture import _amp_tap, _loss_watch, _monitor_hooks, _monitor_tap, _steps, _swap
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
+from trainguard.capture._gradcheck import LiveGradcheck
 from trainguard.capture._monitor_grads import GradientWatch, pending_refs, used
 from trainguard.capture._monitor_hooks import HookMixin
 from trainguard.capture._monitor_model import Param, Root, named_models
@@ -93,6 +94,11 @@ class Monitor(HookMixin):
     ``copy.deepcopy`` see the model without trainguard's hooks, and ``torch.jit.trace`` traces
     the model's own graph.
 
+    ``gradcheck`` (default True): the first time a custom ``torch.autograd.Function`` runs before
+    a backward pass, check its ``backward`` once against central differences in float64 on a few
+    rows of its inputs, on a background thread (at most 2 s per Function); a wrong gradient is an
+    ``error`` finding ``custom_gradient_wrong``.
+
     Example::
 
         with trainguard.Monitor(model, "runs/exp1", every=10) as mon:
@@ -118,6 +124,7 @@ class Monitor(HookMixin):
         diagnose: bool | Callable = True,
         thresholds: Any = None,
         overwrite: bool = False,
+        gradcheck: bool = True,
         append: bool = False,
         start_step: int | None = None,
         rank_dir: bool = True,
@@ -204,6 +211,12 @@ class Monitor(HookMixin):
             _monitor_tap.add_listener(event, fn)
         _swap.hold(self._release)
         self._write_meta(status="running")
+        self._loss_watch = _loss_watch.acquire(self._writer)
+        self._loss_watch.modules = self._probability_layers
+        # The live gradient check of custom autograd Functions (capture/_gradcheck.py).
+        self._gradcheck = LiveGradcheck(self._writer) if gradcheck else None
+        if self._gradcheck is not None:
+            _monitor_tap.add_listener("loss_graph", self._gradcheck.on_backward)
 
         for prefix, module in models:
             self._attach(module, prefix)
@@ -325,6 +338,10 @@ class Monitor(HookMixin):
             _steps.release()
             _monitor_hooks.release_pickle_hiding()
             _swap.unhold(self._release)
+            _loss_watch.release(self._loss_watch)
+            if self._gradcheck is not None:
+                _monitor_tap.remove_listener("loss_graph", self._gradcheck.on_backward)
+                self._gradcheck.close()
             _OPEN.discard(self)
         ended = ending(error, self._cur)
         self._write_meta(final_step=self._cur, status=ended.get("status", "finished"))
@@ -348,6 +365,11 @@ class Monitor(HookMixin):
                 p.ref = weakref.ref(t)
 
         return restore
+
+    def _probability_layers(self) -> list[dict]:
+        """Layers that turn scores into probabilities (the loss-graph evidence names them)."""
+        return [{"name": la.name, "type": la.type} for r in self._roots for la in r.layers
+                if la.type in _loss_watch.PROBABILITY_MODULES]
 
     # ------------------------------------------------------------------ metadata
     def _write_meta(self, **values: Any) -> None:
