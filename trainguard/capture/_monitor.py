@@ -38,7 +38,9 @@ from trainguard.capture._layer_stats import (
     histogram,
     input_stats,
 )
+from trainguard.capture._monitor_eval import EvalWatch
 from trainguard.capture._monitor_grads import GradientWatch
+from trainguard.capture._monitor_leak import LeakWatch
 from trainguard.capture._monitor_model import Layer, Param, Root, build_root, named_models, structure
 from trainguard.capture._monitor_ship import Shipper
 from trainguard.store import acquire_writer, release_writer
@@ -77,6 +79,10 @@ class Monitor:
     the update: it ends the step.
 
     ``histograms``: True for every layer and parameter, or a list of layer/parameter names.
+    ``validation`` (default True) watches the evaluation passes the script runs (under
+    ``no_grad`` or in eval mode): the loss and argmax accuracy computed there become the scalars
+    ``val_loss`` / ``val_accuracy``, and sampled input rows are hashed to find validation samples
+    that copy training samples.
     Writes to ``logdir`` (shared with ``trainguard.record`` when both name the same directory);
     by default ``runs/monitor-<date>-<time>``. ``close()`` (or leaving the ``with`` block) ships
     what is pending, diagnoses the run (:func:`trainguard.analysis.diagnose`, with ``thresholds``)
@@ -107,6 +113,7 @@ class Monitor:
         diagnose: bool | Callable = True,
         thresholds: Any = None,
         overwrite: bool = False,
+        validation: bool = True,
     ):
         _validate(every, bins, histograms)
         models = named_models(model)  # a bad model fails before anything is installed
@@ -153,6 +160,10 @@ class Monitor:
             "first_eval_forward_in_train": None,
         }
         self._modes_written: dict = {}
+        # The validation pass (see _monitor_eval, _monitor_leak): its loss and accuracy per step,
+        # and signatures of sampled input rows in each mode.
+        self._eval = EvalWatch() if validation else None
+        self._leak = LeakWatch() if validation else None
 
         if _steps.clock.users == 0:
             _steps.reset()
@@ -230,6 +241,10 @@ class Monitor:
             with self._no_record():
                 if self._backward_step == self._cur or self._auto_losses:
                     self._finish_step(self._cur)  # a last step whose optimizer never ran
+                elif self._eval is not None:  # an evaluation after the last training step
+                    pending = self._eval.take()
+                    if pending:
+                        self._out.scalars.setdefault(self._cur, {}).update(pending)
                 self._out.ship()
                 self._out.resolve(wait=True)
         finally:
@@ -243,8 +258,10 @@ class Monitor:
                 _steps.clock.on_optimizer_step.remove(self._after_optimizer)
             _steps.release()
             _monitor_tap.remove_listener(self._on_backward)
+            if self._eval is not None:
+                self._eval.close()
             _OPEN.discard(self)
-        self._write_meta(status="finished", final_step=self._cur)
+        self._write_meta(status="finished", final_step=self._cur, **self._validation_meta())
         if self.diagnose:
             self._store_findings()
         release_writer(self._writer)
@@ -349,6 +366,9 @@ class Monitor:
     def _root_pre_quiet(self, root: Root, module, args, kwargs) -> None:
         try:
             grad_on = torch.is_grad_enabled()
+            if self._eval is not None:
+                self._eval.on_forward(grad_on, module.training)
+                self._leak.on_forward(_first_input(args, kwargs), not grad_on, self._cur)
             if root.mode_modules:
                 mods = [m() for m in root.mode_modules]
                 n_train = sum(1 for m in mods if m is not None and m.training)
@@ -365,11 +385,7 @@ class Monitor:
                 name = root.prefix + "<input>"
                 if name not in self._inputs_seen:
                     self._inputs_seen.add(name)
-                    x = None
-                    for v in (*args, *kwargs.values()):
-                        x = first_tensor(v)
-                        if x is not None:
-                            break
+                    x = _first_input(args, kwargs)
                     if x is not None and x.is_floating_point():
                         with self._no_record():
                             out = input_stats(x)
@@ -439,6 +455,8 @@ class Monitor:
 
     def _on_backward(self, loss: torch.Tensor | None) -> None:
         self._backward_step = self._cur
+        if self._eval is not None:
+            self._eval.on_backward()
         if loss is not None and self.capture_loss and not self._user_gives_loss and self._roots:
             self._auto_losses.append(loss)
 
@@ -500,6 +518,8 @@ class Monitor:
             ls = self._auto_losses
             values["loss"] = ls[0] if len(ls) == 1 else torch.stack([v.float() for v in ls]).mean()
         values.update(self._grads.finish(self._all_params(), s, self._recording))
+        if self._eval is not None:
+            values.update(self._eval.take())
         if values:
             self._out.scalars[s] = values
         self._auto_losses = []
@@ -511,6 +531,15 @@ class Monitor:
         if self.modes != self._modes_written:
             self._modes_written = dict(self.modes)
             self._write_meta(modes=dict(self.modes), order=list(self._order))
+
+    def _validation_meta(self) -> dict:
+        if self._eval is None:
+            return {}
+        try:
+            return {"validation": dict(self._eval.summary(), leak=self._leak.summary())}
+        except Exception:
+            log.exception("trainguard monitor: summarising the validation pass failed")
+            return {}
 
     # ------------------------------------------------------------------ findings
     def _store_findings(self) -> None:
@@ -530,6 +559,14 @@ class Monitor:
             self._writer.add_findings("monitor", [f.to_dict() for f in findings], replace=True)
         except Exception:
             log.exception("trainguard monitor: diagnosis failed")
+
+
+def _first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for v in (*args, *kwargs.values()):
+        x = first_tensor(v)
+        if x is not None:
+            return x
+    return None
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()
