@@ -22,7 +22,7 @@ import torch
 
 from trainguard.capture._monitor_tap import quiet
 
-ROWS_PER_FORWARD = 256
+ROWS_PER_FORWARD = 1024
 FEATURES = 256  # positions of a row that enter its signature
 DIMS = 32  # signature length
 TRAIN_ROWS = 32768
