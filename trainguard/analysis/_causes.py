@@ -87,3 +87,13 @@ def fold(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             out.append(f)
     return [dict(f, symptoms=nested[f["kind"]]) if f.get("kind") in nested else f for f in out]
+
+
+def unfold(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The inverse of :func:`fold`: every finding at the top level, symptoms after their cause."""
+    out: list[dict[str, Any]] = []
+    for f in findings:
+        symptoms = f.get("symptoms") or []
+        out.append({k: v for k, v in f.items() if k != "symptoms"})
+        out.extend(unfold(symptoms))
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainguard.analysis._causes import fold
 from trainguard.analysis._origin import op_base, origin
 from trainguard.analysis._outcome import script_outcome, with_outcome
 from trainguard.store import Run
@@ -84,5 +85,6 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "intended": intended_lines(alerts.get("intended") or []),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "crash": script_outcome(meta),
-        "findings": with_outcome(meta, [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])]),
+        # causes first, each with the findings it explains folded under it ("symptoms")
+        "findings": fold(with_outcome(meta, [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])])),
     }

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.store import to_plain_json
-from trainguard.ui._optional import call, jsonable
+from trainguard.ui._optional import call, jsonable, lookup
 from trainguard.ui._provider import CHECKPOINT_DIR, DOCTOR_DIR, cached, refresh
 from trainguard.ui._registry import Registry, RunHandle, safe_file
 
@@ -148,6 +148,9 @@ def findings(reg: Registry, rid: str, rank: int | None = None) -> dict[str, Any]
         items = [f for f in items if f.get("kind") != "healthy"]
     order = {"critical": 0, "error": 1, "warning": 2, "info": 3}
     items.sort(key=lambda f: (order.get(f.get("severity"), 4), _first_step(f)))
+    fold = lookup("trainguard.analysis._causes", "fold")
+    if fold is not None:
+        items = fold(items)  # causes first, the findings they explain nested under "symptoms"
     return to_plain_json(
         {
             "findings": items,
