@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 # Importing the rule modules registers their rules.
-from trainguard.analysis import _layer_rules, _loss_rules, _param_rules, _val_rules  # noqa: F401
+from trainguard.analysis import _layer_rules, _loss_rules, _param_rules, _time_rules, _val_rules  # noqa: F401
 from trainguard.analysis._causes import explain
 from trainguard.analysis._context import Context, fmt, median
 from trainguard.analysis._outcome import outcome_finding
@@ -46,6 +46,7 @@ MONITOR_RULES = (
     "overfitting",
     "labels_unrelated",
     "train_val_leakage",
+    "gradient_explodes_through_time",
 )
 
 

@@ -103,6 +103,13 @@ class Thresholds:
     leak_train_eval: float = _t(
         0.9, "an evaluation batch made of training rows (90% or more) is a pass over the training data, not leakage"
     )
+    # ---- gradients through a recurrent loop (a module called many times per forward)
+    tt_growth_per_call: float = _t(
+        1.1, "the gradient grows 10% per time step going back: over 50 steps that is 100x"
+    )
+    tt_explode_ratio: float = _t(
+        1e3, "the gradient reaching the first time step 1000x the last one's: early steps dominate every update"
+    )
 
     @classmethod
     def reasons(cls) -> dict[str, tuple[float, str]]:

@@ -43,6 +43,7 @@ from trainguard.capture._monitor_grads import GradientWatch
 from trainguard.capture._monitor_leak import LeakWatch
 from trainguard.capture._monitor_model import Layer, Param, Root, build_root, named_models, structure
 from trainguard.capture._monitor_ship import Shipper
+from trainguard.capture._monitor_time import TimeWatch
 from trainguard.store import acquire_writer, release_writer
 
 log = logging.getLogger("trainguard.monitor")
@@ -164,6 +165,7 @@ class Monitor:
         # and signatures of sampled input rows in each mode.
         self._eval = EvalWatch() if validation else None
         self._leak = LeakWatch() if validation else None
+        self._time = TimeWatch(self._out)  # gradients through a recurrent loop
 
         if _steps.clock.users == 0:
             _steps.reset()
@@ -381,6 +383,8 @@ class Monitor:
                         self.modes["eval_forwards_in_train"] += 1
                         if self.modes["first_eval_forward_in_train"] is None:
                             self.modes["first_eval_forward_in_train"] = self._cur
+            if self._recording and grad_on:
+                self._time.on_root_forward()
             if self._recording and grad_on and root.ref() is not None:
                 name = root.prefix + "<input>"
                 if name not in self._inputs_seen:
@@ -421,10 +425,12 @@ class Monitor:
         return bool(h) and (h is True or name in h)
 
     def _on_layer(self, layer: Layer, args, output) -> None:
-        if not self._recording or not torch.is_grad_enabled() or layer.seen_step == self._cur:
+        if not self._recording or not torch.is_grad_enabled():
             return
         with self._no_record():
-            self._layer_stats(layer, args, output)
+            summarise = self._time.on_call(layer.name, output)
+            if layer.seen_step != self._cur and summarise:
+                self._layer_stats(layer, args, output)
 
     def _layer_stats(self, layer: Layer, args, output) -> None:
         try:
@@ -522,6 +528,8 @@ class Monitor:
             values.update(self._eval.take())
         if values:
             self._out.scalars[s] = values
+        if self._recording:
+            self._time.finish(s)
         self._auto_losses = []
         self._chan_out = {}
         self._inputs_seen = set()
