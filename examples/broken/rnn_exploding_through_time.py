@@ -5,7 +5,7 @@ reaching early time steps is orders of magnitude larger than at the last one. Re
 parameters alone, that looks like a learning rate too high or vanishing/exploding gradients
 between layers; the gradient norm growing time step over time step through the loop is the cause.
 
-Expected finding: ``gradient_explodes_through_time``.
+Expected finding: ``gradient_explodes_through_time``, explaining ``lr_too_high`` and ``vanishing_gradient``.
 """
 
 import torch

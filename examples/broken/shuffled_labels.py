@@ -2,7 +2,7 @@
 the validation set is labelled correctly. The model memorises the 256 training pairs, and the
 validation loss never gets below chance, ln(5).
 
-Expected finding: ``labels_unrelated``.
+Expected finding: ``labels_unrelated``, explaining ``overfitting``.
 """
 
 import torch
