@@ -1,11 +1,12 @@
 """Broken: a hand-written RNN cell (``h = relu(W_x x_t + W_h h)`` in a Python loop over 30 time
 steps) with recurrent weights at 1.2x the identity and no gradient clipping. Back-
 propagation through time multiplies the gradient by ``W_h`` at every time step, so the gradient
-reaching early time steps is orders of magnitude larger than at the last one. Read off the
-parameters alone, that looks like a learning rate too high or vanishing/exploding gradients
-between layers; the gradient norm growing time step over time step through the loop is the cause.
+reaching early time steps is orders of magnitude larger than at the last one; the first update
+blows the input weights up. Read off the parameters alone, that looks like exploding activations,
+vanishing gradients between layers and (some seeds) a learning rate too high; the gradient norm
+growing time step over time step through the loop is the cause.
 
-Expected finding: ``gradient_explodes_through_time``, explaining ``lr_too_high`` and ``vanishing_gradient``.
+Expected finding: ``gradient_explodes_through_time``, explaining ``vanishing_gradient`` and ``exploding_activations``.
 """
 
 import torch

@@ -74,6 +74,23 @@ def test_labels_unrelated_explains_the_overfitting(tmp_path):
     assert over.severity == "info" and over.evidence["explained_by"] == ["labels_unrelated"]
 
 
+def test_chance_is_the_entropy_of_imbalanced_labels(tmp_path):
+    """Half the validation labels are class 0: guessing the priors scores loss 1.39 (not ln 5 =
+    1.61) and accuracy 0.5 (not 0.2); a validation pass stuck there learned nothing."""
+    counts = [500, 125, 125, 125, 125]
+    p = np.array(counts) / sum(counts)
+    entropy = float(-(p * np.log(p)).sum())
+    val = [(s, entropy + 0.002 * s) for s in range(20, 200, 20)]
+    acc = [(s, 0.5) for s in range(20, 200, 20)]
+    fs = diagnose(write_run(tmp_path / "r", train_curve(), val=val, acc=acc,
+                            validation={"classes": 5, "label_counts": counts}))
+    f = next(f for f in fs if f.kind == "labels_unrelated")
+    assert f.evidence["chance_accuracy"] == 0.5 and f.evidence["chance_loss"].endswith(f"{entropy:.4f}")
+    # without the counts, ln(5) and 1/5 make the same run look as if it learned something
+    fs = diagnose(write_run(tmp_path / "r2", train_curve(), val=val, acc=acc, validation={"classes": 5}))
+    assert "labels_unrelated" not in problems(fs)
+
+
 def test_no_labels_unrelated_when_validation_learned_something(tmp_path):
     val = [(s, math.log(5) * (0.8 if s == 40 else 1.05)) for s in range(20, 200, 20)]
     assert "labels_unrelated" not in problems(diagnose(write_run(tmp_path / "r", train_curve(), val=val)))

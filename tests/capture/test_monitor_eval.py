@@ -74,6 +74,7 @@ def test_validation_loss_and_accuracy_match_a_reference(tmp_path, style):
     with open_run(tmp_path / "run") as run:
         val = run.meta["monitor"]["validation"]
     assert val["loss_fn"] == "cross_entropy" and val["classes"] == 3 and val["batches"] == 9
+    assert val["label_counts"] == (3 * torch.bincount(yv, minlength=3)).tolist()
 
 
 def test_training_losses_are_not_validation(tmp_path):

@@ -88,11 +88,11 @@ class Thresholds:
     overfit_gap_growth: float = _t(0.1, "the validation-minus-training gap grew by a tenth of the best validation loss")
     overfit_train_drop: float = _t(0.05, "while the training loss kept falling, by 5% or more after the best point")
     chance_tolerance: float = _t(
-        0.1, "a validation loss within 10% of ln(classes) (or above) is a uniform guess: nothing generalised"
+        0.1, "a validation loss within 10% of chance (or above: the label entropy, ln(classes) if unknown) is a guess"
     )
-    chance_acc_margin: float = _t(0.03, "a validation accuracy within 3 points of 1/classes is chance on a few hundred rows")
+    chance_acc_margin: float = _t(0.03, "a validation accuracy within 3 points of the majority share (1/classes) is chance on a few hundred rows")
     memorise_fraction: float = _t(
-        0.7, "a training loss under 70% of ln(classes) while validation stays at chance is memorised"
+        0.7, "a training loss under 70% of the chance loss while validation stays at chance is memorised"
     )
     leak_near: float = _t(
         0.05, "a validation row within 5% of the typical row-to-row distance of a training row is a (near) copy"

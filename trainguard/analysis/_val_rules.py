@@ -89,31 +89,42 @@ def overfitting(ctx: Context) -> list[Finding]:
     ]
 
 
-def _classes(ctx: Context) -> int | None:
-    c = (ctx.meta.get("validation") or {}).get("classes")
-    return int(c) if isinstance(c, int) and c >= 2 else None
+def _chance(ctx: Context) -> tuple[int, float, float, str] | None:
+    """(classes, chance loss, chance accuracy, how): what always guessing the validation labels'
+    class priors scores (their entropy, the majority share); ln(C) and 1/C when the counts are
+    unknown."""
+    val = ctx.meta.get("validation") or {}
+    c = val.get("classes")
+    if not isinstance(c, int) or c < 2:
+        return None
+    counts = val.get("label_counts")
+    if isinstance(counts, list) and len(counts) == c and sum(counts) > 0:
+        p = np.array(counts, dtype=float) / sum(counts)
+        nz = p[p > 0]
+        return c, float(-(nz * np.log(nz)).sum()), float(p.max()), "the entropy of the validation labels"
+    return c, math.log(c), 1.0 / c, f"ln({c})"
 
 
 @register_rule("labels_unrelated")
 def labels_unrelated(ctx: Context) -> list[Finding]:
     th = ctx.th
-    classes = _classes(ctx)
+    level = _chance(ctx)
     val = _val(ctx, "val_loss")
     train = finite_loss(ctx)
-    if classes is None or len(val) < 3 or len(train) < th.min_loss_points:
+    if level is None or len(val) < 3 or len(train) < th.min_loss_points:
         return []
-    chance = math.log(classes)
+    classes, chance, chance_acc, how = level
     w = max(3, int(len(train) * th.window_fraction))
     start, end = float(np.median(train.values[:w])), float(np.median(train.values[-w:]))
     never_learned = float(val.values.min()) >= (1 - th.chance_tolerance) * chance
     memorised = end <= th.memorise_fraction * chance and start - end >= (1 - th.memorise_fraction) * chance / 2
     acc = _val(ctx, "val_accuracy")
-    at_chance_acc = not len(acc) or float(acc.values.max()) <= (1 + th.chance_tolerance) / classes + th.chance_acc_margin
+    at_chance_acc = not len(acc) or float(acc.values.max()) <= (1 + th.chance_tolerance) * chance_acc + th.chance_acc_margin
     if not (never_learned and memorised and at_chance_acc):
         return []
     ev: dict = {
         "classes": classes,
-        "chance_loss": f"ln({classes}) = {chance:.4f}",
+        "chance_loss": f"{how} = {chance:.4f}",
         "val_loss_min": float(val.values.min()),
         "val_loss_end": float(val.values[-1]),
         "train_loss_start": start,
@@ -121,13 +132,13 @@ def labels_unrelated(ctx: Context) -> list[Finding]:
     }
     if len(acc):
         ev["val_accuracy_max"] = float(acc.values.max())
-        ev["chance_accuracy"] = 1 / classes
+        ev["chance_accuracy"] = chance_acc
     return [
         Finding(
             kind="labels_unrelated",
             severity="warning",
             title=f"Labels look unrelated to the inputs: the training loss fell to {fmt(end)} (memorisation) while the "
-            f"validation loss never went below chance, ln({classes}) = {chance:.3g}",
+            f"validation loss never went below chance ({chance:.3g}, guessing among {classes} classes)",
             evidence=ev,
             suggestion="check that inputs and labels stay paired: shuffle them with one permutation "
             "(`idx = torch.randperm(n); x, y = x[idx], y[idx]`), not each on its own; check that the Dataset's "

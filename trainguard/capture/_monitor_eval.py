@@ -93,6 +93,9 @@ class EvalWatch:
         self.classes: int | None = None
         self.batches = 0
         self._by_mode = False
+        # Validation labels per class, for the chance level (the loss and accuracy of always
+        # guessing the class priors); summed on the device over the whole run.
+        self._label_counts: torch.Tensor | None = None
         self._reset()
         add_listener(self.on_loss)
 
@@ -145,6 +148,7 @@ class EvalWatch:
                     self.classes = int(pred.shape[1])
                     ignore = kwargs.get("ignore_index", -100)
                     valid = target != ignore
+                    self._count_labels(target, valid)
                     hit = ((pred.argmax(1) == target) & valid).sum()
                     cnt = valid.sum()
                     if self._correct is None:
@@ -152,6 +156,14 @@ class EvalWatch:
                     else:
                         self._correct = self._correct + hit
                         self._acc_n = self._acc_n + cnt
+
+    def _count_labels(self, target: torch.Tensor, valid: torch.Tensor) -> None:
+        c = self.classes
+        if self._label_counts is None or self._label_counts.numel() != c:
+            self._label_counts = torch.zeros(c, device=target.device)
+        # scatter_add, not bincount: bincount reads the largest label back to the host
+        idx = target.reshape(-1).clamp(0, c - 1).to(self._label_counts.device)
+        self._label_counts.scatter_add_(0, idx, valid.reshape(-1).float().to(self._label_counts.device))
 
     def take(self) -> dict[str, torch.Tensor]:
         """The step's ``val_loss`` and ``val_accuracy`` as 0-d device tensors (empty if none)."""
@@ -166,4 +178,8 @@ class EvalWatch:
 
     def summary(self) -> dict[str, Any]:
         """What the run's metadata says about the validation pass."""
-        return {"loss_fn": self.loss_fn, "classes": self.classes, "batches": self.batches}
+        counts = None
+        if self._label_counts is not None:
+            with quiet():
+                counts = [int(v) for v in self._label_counts.cpu().tolist()]  # once, when the monitor closes
+        return {"loss_fn": self.loss_fn, "classes": self.classes, "batches": self.batches, "label_counts": counts}
