@@ -191,3 +191,37 @@ def test_scalar_inputs_are_not_hashed():
     watch.on_forward(torch.randn(64, 1), evaluating=False, step=0)
     watch.on_forward(torch.randint(0, 5, (64,)), evaluating=True, step=0)
     assert watch.summary() is None
+
+
+def test_the_validation_watch_reads_nothing_back_before_close(tmp_path, monkeypatch):
+    """On an accelerator every read of a device value is a sync: the validation watch (losses,
+    accuracy, label counts, row signatures) adds none while training and evaluating; it reads its
+    sums once, when the monitor closes. Counted against the same loop with the watch off."""
+    reads = {"n": 0}
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"):
+        orig = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _orig=orig, **k):
+            reads["n"] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+    def loop(validation: bool) -> int:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        xv, yv = data(64, 3)
+        mon = Monitor(model, tmp_path / f"run-{validation}", every=5, diagnose=False, validation=validation)
+        reads["n"] = 0
+        for epoch in range(3):
+            train(model, opt, 10, seed=epoch)
+            model.eval()
+            with torch.no_grad():
+                F.cross_entropy(model(xv), yv)
+                nn.NLLLoss()(F.log_softmax(model(xv), 1), yv)
+            model.train()
+        n = reads["n"]
+        mon.close()
+        return n
+
+    assert loop(validation=True) == loop(validation=False)
