@@ -225,3 +225,37 @@ def test_the_validation_watch_reads_nothing_back_before_close(tmp_path, monkeypa
         return n
 
     assert loop(validation=True) == loop(validation=False)
+
+
+def test_a_target_network_under_no_grad_inside_a_training_step_is_not_validation(tmp_path):
+    """DQN-style: the target network runs under no_grad inside each training step, and the loss
+    that follows is a training loss; neither its value nor its input rows are validation."""
+    torch.manual_seed(0)
+    qnet, target = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), nn.Linear(8, 3)
+    opt = torch.optim.SGD(qnet.parameters(), lr=0.01)
+    states = torch.randn(64, 8)
+    with Monitor(None, tmp_path / "run", every=5, diagnose=False):
+        for step in range(12):
+            s, s_next = states[torch.randint(0, 64, (16,))], states[torch.randint(0, 64, (16,))]
+            q = qnet(s)
+            with torch.no_grad():
+                y = target(s_next)
+            opt.zero_grad()
+            F.mse_loss(q, y).backward()
+            opt.step()
+    assert scalars(tmp_path / "run", "val_loss") == []
+    with open_run(tmp_path / "run") as run:
+        assert run.meta["monitor"]["validation"]["leak"] is None
+
+
+def test_a_loss_computed_after_the_no_grad_block_is_validation(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xv, yv = data(50, 5)
+    with Monitor(model, tmp_path / "run", every=5, diagnose=False):
+        train(model, opt, 5)
+        with torch.no_grad():
+            out = model(xv)
+        want = F.cross_entropy(out, yv).item()
+        train(model, opt, 5)
+    assert scalars(tmp_path / "run", "val_loss") == [(5, pytest.approx(want, rel=1e-5))]
