@@ -369,8 +369,13 @@ class Monitor:
         try:
             grad_on = torch.is_grad_enabled()
             if self._eval is not None:
-                self._eval.on_forward(grad_on, module.training)
-                self._leak.on_forward(_first_input(args, kwargs), not grad_on, self._cur)
+                # A no-grad forward evaluates only a model that is being trained: a target,
+                # teacher or EMA network run under no_grad is part of the training step.
+                if grad_on:
+                    root.trained = True
+                if root.trained:
+                    self._eval.on_forward(grad_on, module.training)
+                    self._leak.on_forward(_first_input(args, kwargs), not grad_on, self._cur)
             if root.mode_modules:
                 mods = [m() for m in root.mode_modules]
                 n_train = sum(1 for m in mods if m is not None and m.training)

@@ -122,6 +122,8 @@ class EvalWatch:
     def on_loss(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         if not self.active or not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return
+        if out.requires_grad and not self._by_mode:
+            return  # a training loss after a no-grad forward (a target network's output as the target)
         if self.loss_fn is None:
             self.loss_fn = name
         elif name != self.loss_fn:
