@@ -235,7 +235,7 @@ def test_a_target_network_under_no_grad_inside_a_training_step_is_not_validation
     opt = torch.optim.SGD(qnet.parameters(), lr=0.01)
     states = torch.randn(64, 8)
     with Monitor(None, tmp_path / "run", every=5, diagnose=False):
-        for step in range(12):
+        for _ in range(12):
             s, s_next = states[torch.randint(0, 64, (16,))], states[torch.randint(0, 64, (16,))]
             q = qnet(s)
             with torch.no_grad():
