@@ -2,6 +2,10 @@
 a hook-based monitor that calls ``.item()`` per statistic per layer (the NetworkDebugger lesson's
 approach), at every step and every 10th.
 
+``monitor every=10 validation=off`` is the monitor without its validation watch (the wrapped
+losses and the signatures of sampled input rows, ``trainguard.capture._monitor_leak``): the
+difference to ``monitor every=10`` is what hashing the training inputs costs.
+
 Configurations are interleaved round by round, in a shuffled order, in one process so that machine
 noise hits them alike. A cell is the mean step time over a block of steps (so the one recording step in ten
 counts), median over rounds, divided by plain's. ``swish_mlp`` has a custom autograd Function, which
@@ -174,7 +178,8 @@ def configured(config: str, model: nn.Module, tmp: str):
 
     every = int(config.split("every=")[1].split()[0])
     mon = Monitor(model, os.path.join(tmp, f"m-{time.monotonic_ns()}"), every=every, diagnose=False,
-                  gradcheck="no-gradcheck" not in config)
+                  gradcheck="no-gradcheck" not in config,
+                  validation="validation=off" not in config)
     try:
         yield
     finally:
@@ -201,6 +206,8 @@ def run_block(opt, loss_fn, n: int) -> tuple[float, float]:
 CONFIGS = ["plain", "monitor every=10", "monitor every=1", "item_hooks every=10", "item_hooks every=1",
            # the live gradient check's share: each round's new monitor checks the custom Function once
            "monitor every=10 no-gradcheck"]
+# The validation pass's share (loss wrappers, input-row signatures): the monitor without it.
+CONFIGS.append("monitor every=10 validation=off")
 
 
 def time_model(name: str, rounds: int, steps: int) -> dict[str, dict[str, float]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainguard.analysis._causes import fold
 from trainguard.analysis._graph_rules import recording_findings
 from trainguard.analysis._origin import op_base, origin
 from trainguard.analysis._outcome import script_outcome, with_outcome
@@ -90,7 +91,8 @@ def build_report(run: Run, findings: list | None = None, ranks: dict | None = No
         "intended": intended_lines(alerts.get("intended") or []),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "crash": script_outcome(meta),
-        "findings": with_outcome(meta, _with_graph(run, [f for f in findings if f.get("source") != GUARD_SOURCE])),
+        # causes first, each with the findings it explains folded under it ("symptoms")
+        "findings": fold(with_outcome(meta, _with_graph(run, [f for f in findings if f.get("source") != GUARD_SOURCE]))),
         "guard": guard_report(run),
         "rank": getattr(run, "rank", None),
         "ranks": ranks if ranks is not None else ranks_report(run),

@@ -41,10 +41,13 @@ from torch import nn
 from trainguard.capture import _amp_tap, _loss_watch, _monitor_hooks, _monitor_tap, _steps, _swap
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._gradcheck import LiveGradcheck
+from trainguard.capture._monitor_eval import EvalWatch
 from trainguard.capture._monitor_grads import GradientWatch, pending_refs, used
 from trainguard.capture._monitor_hooks import HookMixin
+from trainguard.capture._monitor_leak import LeakWatch
 from trainguard.capture._monitor_model import Param, Root, named_models
 from trainguard.capture._monitor_ship import Shipper
+from trainguard.capture._monitor_time import TimeWatch
 from trainguard.store import acquire_writer, default_name, release_writer
 from trainguard.store import rank_dir as _rank_dir
 
@@ -83,6 +86,10 @@ class Monitor(HookMixin):
     made them), or what you pass to :meth:`step`.
 
     ``histograms``: True for every layer and parameter, or a list of layer/parameter names.
+    ``validation`` (default True) watches the evaluation passes the script runs (under
+    ``no_grad`` or in eval mode): the loss and argmax accuracy computed there become the scalars
+    ``val_loss`` / ``val_accuracy``, and sampled input rows are hashed to find validation samples
+    that copy training samples.
     Writes to ``logdir`` (shared with ``trainguard.record`` when both name the same directory);
     by default ``runs/monitor-<date>-<time>``; ``append=True`` continues a run already there (a
     resumed training job). ``start_step``: the step training is at (a monitor started mid-training;
@@ -128,6 +135,7 @@ class Monitor(HookMixin):
         append: bool = False,
         start_step: int | None = None,
         rank_dir: bool = True,
+        validation: bool = True,
     ):
         _validate(every, bins, histograms)
         if start_step is not None and (isinstance(start_step, bool) or not isinstance(start_step, int)
@@ -189,6 +197,11 @@ class Monitor(HookMixin):
         }
         self.modes.update({k: v for k, v in (self._meta.get("modes") or {}).items() if k in self.modes})
         self._modes_written: dict = {}
+        # The validation pass (see _monitor_eval, _monitor_leak): its loss and accuracy per step,
+        # and signatures of sampled input rows in each mode.
+        self._eval = EvalWatch() if validation else None
+        self._leak = LeakWatch() if validation else None
+        self._time = TimeWatch(self._out)  # gradients through a recurrent loop
 
         if _steps.clock.users == 0:
             _steps.reset(start_step or 0)
@@ -325,6 +338,10 @@ class Monitor(HookMixin):
             with self._no_record():
                 if self._backward_step == self._cur or self._auto_losses:
                     self._finish_step(self._cur)  # a last step whose optimizer never ran
+                elif self._eval is not None:  # an evaluation after the last training step
+                    pending = self._eval.take()
+                    if pending:
+                        self._out.scalars.setdefault(self._cur, {}).update(pending)
                 self._out.ship()
                 self._out.resolve(wait=True)
         finally:
@@ -342,9 +359,11 @@ class Monitor(HookMixin):
             if self._gradcheck is not None:
                 _monitor_tap.remove_listener("loss_graph", self._gradcheck.on_backward)
                 self._gradcheck.close()
+            if self._eval is not None:
+                self._eval.close()
             _OPEN.discard(self)
         ended = ending(error, self._cur)
-        self._write_meta(final_step=self._cur, status=ended.get("status", "finished"))
+        self._write_meta(final_step=self._cur, status=ended.get("status", "finished"), **self._validation_meta())
         if ended:  # the run's own record of the crash, which the diagnosis reads (analysis._outcome)
             self._writer.set_meta(**ended)
         if self.diagnose:
@@ -388,6 +407,8 @@ class Monitor(HookMixin):
     def _on_backward(self, loss: torch.Tensor | None) -> None:
         self._maybe_end_manual_step()  # a backward after a completed update starts the next step
         self._backward_step = self._cur
+        if self._eval is not None:
+            self._eval.on_backward()
         if _steps.clock.closure_call > 1:
             return  # a closure called again (LBFGS) evaluates the moved weights: not the step's loss
         if loss is not None and self.capture_loss and not self._user_gives_loss and self._roots:
@@ -501,6 +522,8 @@ class Monitor(HookMixin):
             values["loss"] = ls[0] if len(ls) == 1 else torch.stack([v.float() for v in ls]).sum()
         values.update(self._grads.finish(self._params, s, recording))
         values.update(self._amp)
+        if self._eval is not None:
+            values.update(self._eval.take())
         if values:
             self._out.scalars[s] = values
         if recording and not self._initial_written and self._params:
@@ -509,6 +532,8 @@ class Monitor(HookMixin):
             self._initial_written = True
             self._write_meta(weights_initial=bool(s == 0 and not self._grads.optimizer_had_state),
                              first_recording=s)
+        if self._recording:
+            self._time.finish(s)
         self._auto_losses = []
         self._amp = {}
         self._pending_end = None
@@ -521,6 +546,15 @@ class Monitor(HookMixin):
         if self.modes != self._modes_written:
             self._modes_written = dict(self.modes)
             self._write_meta(modes=dict(self.modes), order=list(self._order))
+
+    def _validation_meta(self) -> dict:
+        if self._eval is None:
+            return {}
+        try:
+            return {"validation": dict(self._eval.summary(), leak=self._leak.summary())}
+        except Exception:
+            log.exception("trainguard monitor: summarising the validation pass failed")
+            return {}
 
     # ------------------------------------------------------------------ findings
     def _store_findings(self) -> None:
