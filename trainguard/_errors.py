@@ -41,3 +41,21 @@ class NonFiniteError(TrainguardError, FloatingPointError):
     def __init__(self, message: str, *, execution: dict | None = None):
         super().__init__(message)
         self.execution = execution or {}
+
+
+class Diverged(TrainguardError):
+    """Raised by :class:`trainguard.Guard` when training cannot go on: the policy is ``"stop"``, a
+    fault follows the code rather than the data, or ``max_rewinds`` is spent.
+
+    ``step`` is the failing step, ``origin`` the :class:`trainguard.analysis.Origin` of its first
+    harmful value (None for a loss spike or when the replay did not reproduce it), ``event`` the
+    guard event as stored in the run. The train state is left at the last verified snapshot.
+    """
+
+    exit_code = 3
+
+    def __init__(self, message: str, *, step: int | None = None, origin: object = None, event: dict | None = None):
+        super().__init__(message)
+        self.step = step
+        self.origin = origin
+        self.event = event or {}

@@ -63,6 +63,7 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
                     inp["source"] = source_excerpt(run, inp["file"], inp["line"], context=0)
         origin_data["origin"] = origin_data["chain"][-1]
     steps = run.steps()
+    findings = [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])]
     return {
         "run": str(run.path),
         "status": run.status,
@@ -85,9 +86,22 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "intended": intended_lines(alerts.get("intended") or []),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "crash": script_outcome(meta),
-        "findings": with_outcome(meta, _with_graph(run, [f if isinstance(f, dict) else f.to_dict()
-                                                         for f in (findings or [])])),
+        "findings": with_outcome(meta, _with_graph(run, [f for f in findings if f.get("source") != GUARD_SOURCE])),
+        "guard": guard_report(run),
     }
+
+
+# The source of the findings the guard stores, one per event (see trainguard.guard).
+GUARD_SOURCE = "guard"
+
+
+def guard_report(run: Run) -> dict[str, Any] | None:
+    """The guard's settings and counters and its events, oldest first; None without a guard."""
+    meta = run.meta.get("guard")
+    events = [f["event"] for f in run.findings(source=GUARD_SOURCE) if isinstance(f.get("event"), dict)]
+    if meta is None and not events:
+        return None
+    return {"meta": meta, "events": events}
 
 
 def _with_graph(run: Run, findings: list[dict]) -> list[dict]:

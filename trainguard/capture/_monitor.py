@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from trainguard.capture import _amp_tap, _loss_watch, _monitor_hooks, _monitor_tap, _steps
-from trainguard.capture._ending import ending
+from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._gradcheck import LiveGradcheck
 from trainguard.capture._monitor_grads import GradientWatch, pending_refs, used
 from trainguard.capture._monitor_hooks import HookMixin
@@ -217,6 +217,7 @@ class Monitor(HookMixin):
             self._attach(module, prefix)
         self._begin_step(self._cur)
         _OPEN.add(self)
+        watch_uncaught()  # a monitor still open at exit is closed with the script's error
 
     # ------------------------------------------------------------------ public
     def __enter__(self) -> Monitor:
@@ -541,4 +542,4 @@ DEFAULT_DIAGNOSE: Callable | None = None
 def _close_at_exit() -> None:
     for mon in list(_OPEN):
         with contextlib.suppress(Exception):
-            mon.close()
+            mon.close(error=uncaught())

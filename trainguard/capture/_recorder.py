@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _kernels, _loss_watch, _monitor_tap, _numerics, _reads, _steps
-from trainguard.capture._ending import ending
+from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._recorder_harm import HarmHooks
 from trainguard.capture._stacks import StackInterner
@@ -250,6 +250,7 @@ class Recorder(HarmHooks):
             _kernels.warm()
         self.modules.install()
         _reads.install(self)
+        _monitor_tap.add_listener("root", self.on_backward)
         self._thread = threading.get_ident()
         self.last_nr = _get_seq_nr()
         self._mode = _DispatchMode(self)
@@ -266,6 +267,7 @@ class Recorder(HarmHooks):
         finally:
             self.modules.remove()
             _reads.remove(self)
+            _monitor_tap.remove_listener("root", self.on_backward)
             self.stacks.release_frames()
             if self._on_step in _steps.clock.on_step:
                 _steps.clock.on_step.remove(self._on_step)
@@ -726,6 +728,7 @@ def enable(logdir: str | os.PathLike, mode: str = "full_health", buffer: int = 1
         if _global is not None and _global.active:
             raise RuntimeError(f"trainguard is already recording to {_global.logdir}; call disable() first")
         _global = Recorder(logdir, mode=mode, buffer=buffer, ops=ops, dtypes=dtypes, **kwargs).start()
+        watch_uncaught()  # stopped at exit with the script's error, if one ends it
         return _global
 
 
@@ -740,9 +743,12 @@ def disable() -> None:
 
 @atexit.register
 def _at_exit() -> None:
+    global _global
     if _global is not None and _global.active:
         try:
-            disable()
+            with _global_lock:
+                rec, _global = _global, None
+            rec.stop(**ending(uncaught()))  # a script that died with enable() on is stored as crashed
         except Exception:  # pragma: no cover - best effort at interpreter exit
             pass
 

@@ -131,6 +131,9 @@ def _alerts(report: dict) -> Any:
         first = str(stop.get("message", "")).splitlines()[:1]
         quiet.insert(0, Text(f"check_numerics stopped the run at #{stop.get('seq')} {stop.get('op')}"
                              + (f": {first[0]}" if first else ""), style="bold"))
+    if not alerts["total"] and not report["counts"]["stored"] and report.get("guard"):
+        return Panel(Text("No op is recorded in this run itself: the guard records each replayed step in a "
+                          "run of its own (below)."), title="alerts", border_style="cyan")
     if not alerts["total"]:
         return Panel(Group(Text("No harmful NaN or Inf.", style="bold green"), *quiet), title="alerts",
                      border_style="green")
@@ -187,6 +190,73 @@ def _origin(report: dict) -> Any:
     return Panel(Group(*parts), title="origin", border_style="red")
 
 
+def _samples(samples: list | None, limit: int = 12) -> str:
+    if not samples:
+        return ""
+    head = ", ".join(str(i) for i in samples[:limit])
+    return f", samples {head}" + (f" ... ({len(samples)} in all)" if len(samples) > limit else "")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _guard(report: dict) -> Any:
+    g = report.get("guard")
+    if not g:
+        return None
+    meta = g.get("meta") or {}
+    events = g.get("events") or []
+    parts: list[Any] = []
+    head = Text()
+    head.append("guard: ", style="bold")
+    size = meta.get("snapshot_bytes")
+    head.append(f"policy {meta.get('policy', '?')}, a snapshot every {meta.get('snapshot_every', '?')} steps"
+                + (f" ({_size(size)} of host memory)" if size else "")
+                + (f", spike factor {meta['spike_factor']:g}" if meta.get("spike_factor") else "")
+                + f", {len(events)} event{'s' if len(events) != 1 else ''}, status {meta.get('status', '?')}")
+    parts.append(head)
+    for e in events:
+        style = "bold red" if e.get("action") in ("stop", "code_bug", "max_rewinds") else "bold yellow"
+        b = e.get("batch") or {}
+        batch = f" (batch {b['batch']:,})" if b.get("batch") is not None and b["batch"] != e["step"] else ""
+        parts.append(Text(f"#{e.get('n', '?')} step {e['step']:,}{batch}: {e.get('reason', '')}", style=style))
+        rp = e.get("replay") or {}
+        if e.get("rewound_to") is not None:
+            line = f"  rewound to step {e['rewound_to']:,} ({e.get('rewound_from', 'memory')})"
+            if rp and rp.get("steps"):
+                line += f", replayed {rp['steps']} step{'s' if rp['steps'] != 1 else ''}"
+                if rp.get("bitwise_equal") is not None:
+                    line += ", losses bitwise equal" if rp["bitwise_equal"] else \
+                        f", losses differ from step {rp['mismatch']['step']}"
+                if not rp.get("reproduced", True):
+                    line += ", the fault did not reproduce"
+            parts.append(Text(line))
+        o = e.get("origin")
+        if o:
+            link = o["origin"]
+            parts.append(Text(f"  origin: {link['op']} at {_where(link)} in step {link['step']} "
+                              f"({link['phase']} pass): {link['explanation']}"))
+            for c in o.get("chain", [])[:-1]:
+                parts.append(Text(f"    spread by #{c['seq']} {c['op']} at {_where(c)}: {c['explanation']}", style="dim"))
+            if o.get("suggestion"):
+                parts.append(Text(f"  fix: {o['suggestion']}", style="green"))
+        for b in e.get("skipped") or []:
+            where = f"epoch {b.get('epoch')}, index {b.get('index')}" if b.get("index") is not None else \
+                f"epoch {b.get('epoch')}"
+            parts.append(Text(f"  skipped batch {b.get('batch', '?')} ({where}{_samples(b.get('samples'))})"))
+        parts.append(Text(f"  -> {e.get('outcome', e.get('action', ''))}"))
+        if rp.get("run"):
+            path = Path(report["run"]).parent if Path(report["run"]).name.startswith("rank-") else Path(report["run"])
+            parts.append(Text(f"  the replayed step, recorded in full: trainguard report {path / rp['run']}", style="dim"))
+    worst = "red" if any(e.get("action") in ("stop", "code_bug", "max_rewinds") for e in events) else (
+        "yellow" if events else "green")
+    return Panel(Group(*parts), title="guard", border_style=worst)
+
+
 def _short_harm(text: str) -> str:
     """The harm sentence with its paths made relative, like every other path shown."""
     words = text.split(" ")
@@ -223,6 +293,9 @@ def render_report(con: Console, report: dict) -> None:
     o = _origin(report)
     if o is not None:
         con.print(o)
+    g = _guard(report)
+    if g is not None:
+        con.print(g)
     f = _findings(report)
     if f is not None:
         con.print(f)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +90,7 @@ class ResumableLoader:
         self._epoch_start: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
         self._token: object = object()
+        self._last_indices: list[Any] | None = None
 
     # -- the loader's face -------------------------------------------------------------------
 
@@ -114,6 +116,12 @@ class ResumableLoader:
     def batches_yielded(self) -> int:
         """Batches handed out in the current epoch."""
         return self._yielded
+
+    @property
+    def last_indices(self) -> list[Any] | None:
+        """The dataset indices of the samples in the batch handed out last (what the guard reports
+        for a skipped batch); None for an ``IterableDataset`` or an ``in_order=False`` loader."""
+        return self._last_indices
 
     def __iter__(self) -> Iterator[Any]:
         pending, self._pending = self._pending, None
@@ -209,6 +217,12 @@ class ResumableLoader:
             discard = 0
             if length is not None:
                 length = max(length - consumed, 0)
+        # The index lists in the order the sampler hands them out; batch k comes from the k-th
+        # (in-order loaders), however far the workers prefetch.
+        drawn: deque | None = None
+        if indices is not None and getattr(loader, "in_order", True):
+            drawn = deque()
+            indices = _noting(indices, drawn)
         underlying = self._underlying(indices, length, seed_gen)
         if resume is None:
             self._epoch += 1
@@ -216,7 +230,8 @@ class ResumableLoader:
             self._epoch_start = start
         self._in_epoch = True
         self._token = token = object()
-        return self._run(iter(underlying), token, discard, protect_rng=in_process)
+        self._last_indices = None
+        return self._run(iter(underlying), token, discard, protect_rng=in_process, drawn=drawn)
 
     def _underlying(self, indices: Iterator[Any] | None, length: int | None,
                     seed_gen: torch.Generator) -> DataLoader:
@@ -242,18 +257,30 @@ class ResumableLoader:
             return DataLoader(loader.dataset, batch_sampler=sampler, **kwargs)  # type: ignore[arg-type]
         return DataLoader(loader.dataset, batch_size=None, sampler=sampler, **kwargs)  # type: ignore[arg-type]
 
-    def _run(self, it: Iterator[Any], token: object, discard: int, *, protect_rng: bool) -> Iterator[Any]:
+    def _run(self, it: Iterator[Any], token: object, discard: int, *, protect_rng: bool,
+             drawn: deque | None) -> Iterator[Any]:
         if discard:
             # Replaying in this process would draw again what the restored RNG state already drew.
             saved = _rng.capture_global() if protect_rng else None
             for _ in range(discard):
                 if next(it, _END) is _END:
                     break
+                if drawn:
+                    drawn.popleft()
             if saved is not None:
                 _rng.restore_global(saved)
         for batch in it:
             if token is self._token:
                 self._yielded += 1
+                if drawn:
+                    idx = drawn.popleft()
+                    self._last_indices = list(idx) if isinstance(idx, (list, tuple)) else [idx]
             yield batch
         if token is self._token:
             self._in_epoch = False
+
+
+def _noting(indices: Iterator[Any], drawn: deque) -> Iterator[Any]:
+    for idx in indices:
+        drawn.append(idx)
+        yield idx

@@ -6,23 +6,24 @@ import os
 from pathlib import Path
 
 from trainguard._errors import RunNotFound
-from trainguard.store._codec import DB_NAME
+from trainguard.store._codec import DB_NAME, REPLAYS_DIR
 from trainguard.store._reader import Run
 
 
 def find_runs(root: str | os.PathLike, max_depth: int = 4) -> list[Path]:
-    """Run directories under ``root`` (itself included), sorted by path."""
+    """Run directories under ``root`` (itself included, and the runs in a run's ``replays/``),
+    sorted by path."""
     root = Path(root)
     found: list[Path] = []
     if not root.is_dir():
         return found
 
     def walk(d: Path, depth: int) -> None:
-        if (d / DB_NAME).is_file():
+        if (d / DB_NAME).is_file() or _rank_dirs(d):
             found.append(d)
-            return
-        if _rank_dirs(d):
-            found.append(d)
+            replays = d / REPLAYS_DIR
+            if replays.is_dir() and not replays.is_symlink() and depth < max_depth:
+                walk(replays, depth + 1)
             return
         if depth >= max_depth:
             return

@@ -254,6 +254,14 @@ _SCHEMAS: dict[str, Any] = {
     "Checkpoints": _obj(
         {"available": {"type": "boolean"}, "reason": _STR_OR_NULL, "checkpoints": _arr({"type": "object"})}
     ),
+    "Guard": _obj(
+        {
+            "available": {"type": "boolean"},
+            "meta": {"type": ["object", "null"]},
+            "events": _arr(_obj({"step": {"type": "integer"}, "action": {"type": "string"},
+                                 "message": {"type": "string"}, "replay_run_id": _STR_OR_NULL})),
+        }
+    ),
 }
 
 _ERRORS = {
@@ -396,6 +404,9 @@ _PATHS = {
     "/api/runs/{run}/doctor": _get("Doctor report and LR range test curve", "Doctor", [_RUN, _RANK]),
     "/api/runs/{run}/checkpoints": _get(
         "Checkpoints in the run's checkpoints/ folder", "Checkpoints", [_RUN, _RANK]
+    ),
+    "/api/runs/{run}/guard": _get(
+        "The guard's events: each rewind with its replay, origin chain and skipped batches", "Guard", [_RUN, _RANK]
     ),
 }
 

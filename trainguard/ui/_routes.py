@@ -175,6 +175,10 @@ def checkpoints(reg: Registry, request: Request) -> dict:
     return training.checkpoints(reg, _run(request), _rank(request))
 
 
+def guard(reg: Registry, request: Request) -> dict:
+    return training.guard(reg, _run(request), _rank(request))
+
+
 def openapi(reg: Registry, request: Request) -> dict:
     return openapi_schema()
 
@@ -201,4 +205,5 @@ ROUTES = [
     Route("/api/runs/{run}/artifacts/{name:path}", _json(artifact)),
     Route("/api/runs/{run}/doctor", _json(doctor)),
     Route("/api/runs/{run}/checkpoints", _json(checkpoints)),
+    Route("/api/runs/{run}/guard", _json(guard)),
 ]

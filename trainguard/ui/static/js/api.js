@@ -54,5 +54,6 @@ export function runApi(id) {
     artifactUrl: (name) => `${p}/artifacts/${name.split("/").map(encodeURIComponent).join("/")}`,
     doctor: () => api(`${p}/doctor`),
     checkpoints: () => api(`${p}/checkpoints`),
+    guard: () => api(`${p}/guard`),
   };
 }
