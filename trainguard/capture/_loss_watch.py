@@ -45,10 +45,10 @@ PROBABILITY_MODULES = ("Softmax", "Softmax2d", "LogSoftmax", "Softmin", "Sigmoid
 # Autograd nodes that only reshape or copy: the chain looks through them.
 _PASS = frozenset({
     "view", "reshape_alias", "unsafe_view", "transpose", "t", "permute", "squeeze", "unsqueeze", "expand",
-    "clone", "to_copy", "alias", "select", "slice", "contiguous", "flatten", "as_strided", "squeeze0",
+    "clone", "to_copy", "alias", "select", "slice", "contiguous", "flatten", "as_strided",
 })
 # A few node names that CamelCase -> snake_case gets wrong.
-_RENAME = {"nll_loss2_d": "nll_loss", "nll_loss_nd": "nll_loss", "t": "t"}
+_RENAME = {"nll_loss2_d": "nll_loss", "nll_loss_nd": "nll_loss"}
 
 
 def node_op(fn: Any) -> str:
