@@ -65,3 +65,4 @@ class Diverged(TrainguardError):
         self.step = step
         self.origin = origin
         self.event = event or {}
+        self.raised_at = time.time()  # as NonFiniteError's: the launcher orders failed ranks by it

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainguard.analysis._causes import fold
+from trainguard.analysis._graph_rules import recording_findings
 from trainguard.analysis._origin import op_base, origin
 from trainguard.analysis._outcome import script_outcome, with_outcome
 from trainguard.analysis._ranks import ranks_report
@@ -89,7 +91,8 @@ def build_report(run: Run, findings: list | None = None, ranks: dict | None = No
         "intended": intended_lines(alerts.get("intended") or []),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "crash": script_outcome(meta),
-        "findings": with_outcome(meta, [f for f in findings if f.get("source") != GUARD_SOURCE]),
+        # causes first, each with the findings it explains folded under it ("symptoms")
+        "findings": fold(with_outcome(meta, _with_graph(run, [f for f in findings if f.get("source") != GUARD_SOURCE]))),
         "guard": guard_report(run),
         "rank": getattr(run, "rank", None),
         "ranks": ranks if ranks is not None else ranks_report(run),
@@ -107,3 +110,11 @@ def guard_report(run: Run) -> dict[str, Any] | None:
     if meta is None and not events:
         return None
     return {"meta": meta, "events": events}
+
+
+def _with_graph(run: Run, findings: list[dict]) -> list[dict]:
+    """The stored findings, and the loss misuse a recording shows when none of them says it."""
+    try:
+        return findings + recording_findings(run, findings)
+    except Exception:  # a damaged recording must not hide the report
+        return findings

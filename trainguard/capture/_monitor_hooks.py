@@ -172,6 +172,15 @@ class HookMixin:
         grad_on = torch.is_grad_enabled()
         if grad_on:
             self._maybe_end_manual_step()  # a training forward starts the next step
+        if self._eval is not None:
+            # A no-grad forward evaluates only a model that is being trained: a target, teacher
+            # or EMA network run under no_grad is part of the training step.
+            if grad_on:
+                root.trained = True
+            if root.trained:
+                self._eval.on_forward(grad_on, module.training)
+                self._leak.on_forward(next((x for x in map(first_tensor, args) if x is not None), None),
+                                      not grad_on, self._cur)
         if root.mode_modules:
             mods = [m() for m in root.mode_modules]
             n_train = sum(1 for m in mods if m is not None and m.training)
@@ -185,6 +194,7 @@ class HookMixin:
                     if self.modes["first_eval_forward_in_train"] is None:
                         self.modes["first_eval_forward_in_train"] = self._cur
         if self._recording and grad_on:
+            self._time.on_root_forward()
             name = root.prefix + "<input>"
             if name not in self._inputs_seen:
                 x = None
@@ -230,9 +240,13 @@ class HookMixin:
         return bool(h) and (h is True or name in h)
 
     def _on_layer(self, layer: Layer, module, args, output) -> None:
-        if not self._recording or not torch.is_grad_enabled() or layer.seen_step == self._cur:
+        if not self._recording or not torch.is_grad_enabled():
             return
         with _monitor_tap.quiet():
+            # Every call of a layer called in a loop is followed (gradients through time); its
+            # statistics come from one call (see TimeWatch.on_call).
+            if not self._time.on_call(layer.name, output) or layer.seen_step == self._cur:
+                return
             if self._input_wanted:
                 name = self._input_wanted.pop(layer.prefix, None)
                 x = first_tensor(args) if name else None

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
-from trainguard.capture import _kernels, _monitor_tap, _numerics, _reads, _steps, _swap
+from trainguard.capture import _kernels, _loss_watch, _monitor_tap, _numerics, _reads, _steps, _swap
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._local import local as _local
 from trainguard.capture._local import written as _written
@@ -81,6 +81,10 @@ FLUSH_SECONDS = 0.25
 # steps at each step, and when this many accumulate (a loop that never calls optimizer.step()
 # or trainguard.step()), so memory stays bounded (see Recorder._prune_fwd_nodes).
 FWD_NODES_MAX = 200_000
+
+# The executions before each of the first backward passes' loss that the circular buffer keeps:
+# the loss function's op and the ops that made its input (analysis/_graph_rules.py reads them).
+LOSS_PIN_WINDOW = 48
 
 # Modes whose summaries run the compiled counting kernel on CPU.
 _COUNTING_MODES = frozenset({"curt_health", "concise_health", "full_health", "full_tensor", "stats"})
@@ -210,6 +214,9 @@ class Recorder(HarmHooks):
         self._mode: _DispatchMode | None = None
         self._lock = threading.RLock()
         self.active = False
+        self.loss_watch: _loss_watch.LossWatch | None = None
+        self.loss_pins: list[int] = []
+        self.losses_pinned = 0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Recorder:
@@ -238,6 +245,8 @@ class Recorder(HarmHooks):
         _steps.clock.on_step.append(self._on_step)
         if self.writer is not None:
             self.writer.idle_callbacks.append(self._flush_if_stale)
+            self.loss_watch = _loss_watch.acquire(self.writer)
+            _monitor_tap.add_listener("loss_graph", self._pin_loss)
         if self.mode in _COUNTING_MODES:
             _kernels.warm()
         self.modules.install()
@@ -266,6 +275,10 @@ class Recorder(HarmHooks):
             if self._on_step in _steps.clock.on_step:
                 _steps.clock.on_step.remove(self._on_step)
             _steps.release()
+            _monitor_tap.remove_listener("loss_graph", self._pin_loss)
+            if self.loss_watch is not None:
+                _loss_watch.release(self.loss_watch)
+                self.loss_watch = None
             self.flush()
             if self.writer is not None:
                 if self._flush_if_stale in self.writer.idle_callbacks:
@@ -321,6 +334,10 @@ class Recorder(HarmHooks):
             pending = self.pending
             n = len(pending)
             pins, resend, counts, urgent = self.taint.take() if self.judge_here else ([], [], [], False)
+            if self.loss_pins:
+                k = len(self.loss_pins)
+                pins = pins + self.loss_pins[:k]
+                del self.loss_pins[:k]
             meta = self.taint.meta() if self.judge_here else {}
             if not (n or pins or resend or counts or meta):
                 return
@@ -338,6 +355,15 @@ class Recorder(HarmHooks):
                              must_keep=urgent or bool(pins or resend))
             if meta:
                 w.set_meta(**meta)
+
+    def _pin_loss(self, loss: torch.Tensor) -> None:
+        """Before one of the first backward passes: keep the ops that made the loss (see LOSS_PIN_WINDOW)."""
+        if self.losses_pinned >= _loss_watch.INSPECTIONS or threading.get_ident() != self._thread:
+            return
+        self.losses_pinned += 1
+        p = self.producers.get(id(loss))
+        end = p[1] if p is not None and p[0]() is loss else self.seq - 1
+        self.loss_pins.extend(range(max(0, end - LOSS_PIN_WINDOW), end + 1))
 
     def _flush_if_stale(self) -> None:
         """Called by the writer thread when idle: a loop that stopped making ops still reaches disk.
