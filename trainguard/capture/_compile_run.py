@@ -1,0 +1,481 @@
+"""Calling a recorded graph: one record per aten op per call, in the eager recorder's format.
+
+The compiled code computes its summaries itself (see ``_compile_graph``); here, per call, the
+graph's inputs are linked to the eager ops, parameters or data that made them, the op records
+are built from the compile-time templates (sequence numbers, step, phase, module, stack), the
+summary matrix is handed to the writer like an accelerator summary batch (resolved on the
+writer thread, never waited for here), and the graph's outputs are registered as produced by
+their ops so that later eager ops and the backward graph link to them. While the compiled code
+runs, the dispatch mode lets its few Python-dispatched ops (extern kernels) pass unrecorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+
+import torch
+
+from trainguard._errors import NonFiniteError
+from trainguard.capture import _steps
+from trainguard.capture._compile_graph import GraphPlan
+from trainguard.capture._summary import summarize_deferred, summarize_immediate, unknown_summary
+from trainguard.store import MODE_FIELDS
+from trainguard.store._codec import health_names, health_of
+
+log = logging.getLogger("trainguard.capture")
+
+_Tensor = torch.Tensor
+_clock = _steps.clock
+_grad_enabled = torch.is_grad_enabled
+_get_seq_nr = torch._C._autograd._get_sequence_nr
+
+# The recorder compiled graphs report to (set by _compile.install, cleared by uninstall and in a
+# forked child).
+active = None
+
+
+class Pair:
+    """The forward and backward graphs of one compilation: the backward's records name the
+    forward ops their gradients come from (by autograd sequence number)."""
+
+    __slots__ = ("fw", "last_fw", "label", "names")
+
+    def __init__(self, label: str, names: list | None = None):
+        self.fw: GraphPlan | None = None
+        self.last_fw: tuple | None = None  # (base seq, module ids, stack ids) of the last forward call
+        self.label = label
+        self.names = names  # parameters and buffers among the Dynamo graph's inputs
+
+
+class RecordedGraph:
+    """A compiled graph with summary outputs: strips them, and records when a recording is on."""
+
+    _boxed_call = True
+
+    def __init__(self, compiled, plan: GraphPlan, pair: Pair):
+        self._boxed_call = True  # in the instance dict too: wrappers copy it from there
+        self.compiled = compiled
+        self.plan = plan
+        self.pair = pair
+        self.label = f"{pair.label} {plan.kind}"
+        self.mods: dict = {}  # current module id at the call -> module id per op
+        self.sids: dict = {}  # stack id at the call -> stack id per op
+        self.metas: dict = {}  # shape-symbol values -> outputs per op (dynamic shapes)
+        self.static_metas = None if plan.dynamic else tuple(t.outputs for t in plan.ops)
+        self.fwd_of: list | None = None  # backward: forward op index per op
+
+    def __call__(self, args):
+        r = active
+        if r is None:
+            out = self.compiled(args)
+            return out[:self.plan.n_outputs] if self.plan.extra else out
+        return record_call(self, r, args)
+
+    def __getattr__(self, name):  # the inner OutputCode's attributes (AOT autograd reads some)
+        if name == "compiled":
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
+
+
+def input_refs(r, args, names=(), prefix: str | None = None) -> list:
+    """Where each graph input comes from, as the eager recorder names inputs. Parameters and
+    buffers of a compiled module are named here: its modules never run eagerly."""
+    named = r.modules.named_tensors
+    producers = r.producers
+    refs = []
+    for i, a in enumerate(args):
+        if not isinstance(a, _Tensor):
+            refs.append(None)
+            continue
+        key = id(a)
+        e = named.get(key)
+        if e is not None and e[0]() is a:
+            refs.append((e[2], e[1]))
+            continue
+        n = names[i] if i < len(names) else None
+        if n is not None:
+            name = f"{prefix}.{n[1]}" if prefix else n[1]
+            named[key] = (weakref.ref(a), name, n[0])
+            refs.append((n[0], name))
+            continue
+        p = producers.get(key)
+        refs.append(("op", p[1]) if p is not None and p[0]() is a else ("input", None))
+    return refs
+
+
+def _module_path(r, mid: int | None) -> str | None:
+    if mid is None:
+        return None
+    entry = r.modules.module_of_id().get(mid)
+    return entry[0] if entry else None
+
+
+def _module_ids(g: RecordedGraph, r, cur: int | None) -> tuple:
+    mids = g.mods.get(cur)
+    if mids is None:
+        outer = r.modules.module_of_id().get(cur) if cur is not None else None
+        out = []
+        for t in g.plan.ops:
+            if t.module is None:
+                out.append(cur)
+                continue
+            rel, type_name = t.module
+            path = ".".join(p for p in ((outer[0] if outer else ""), rel) if p)
+            out.append(r.modules.intern(path, type_name or (outer[1] if outer else "")))
+        mids = g.mods[cur] = tuple(out)
+    return mids
+
+
+def _stack_ids(g: RecordedGraph, r, outer_sid: int | None) -> tuple:
+    sids = g.sids.get(outer_sid)
+    if sids is None:
+        outer = tuple(tuple(f) for f in r.stacks.frames(outer_sid))
+        out, cache = [], {}
+        for t in g.plan.ops:
+            if not t.frames:
+                out.append(outer_sid)
+                continue
+            sid = cache.get(t.frames)
+            if sid is None:
+                # The live stack holds the compiled function's own frame (at the call of the graph):
+                # the node's frames replace it from there on.
+                head = t.frames[0]
+                cut = len(outer)
+                for i in range(len(outer) - 1, -1, -1):
+                    if outer[i][0] == head[0] and outer[i][2] == head[2]:
+                        cut = i
+                        break
+                sid = cache[t.frames] = r.stacks.intern(outer[:cut] + t.frames)
+            out.append(sid)
+        sids = g.sids[outer_sid] = tuple(out)
+    return sids
+
+
+def _metas(g: RecordedGraph, args) -> tuple:
+    if g.static_metas is not None:
+        return g.static_metas
+    plan = g.plan
+    values = tuple(int(args[b[1]]) if b[0] == "arg" else int(args[b[1]].shape[b[2]]) for b in plan.symbols)
+    metas = g.metas.get(values)
+    if metas is None:
+        env = {b[-1]: v for b, v in zip(plan.symbols, values)}
+        out = []
+        for t in plan.ops:
+            out.append(tuple((dt, tuple(s if isinstance(s, int) else _eval(s, env) for s in shape), dev)
+                             for dt, shape, dev in t.outputs))
+        metas = g.metas[values] = tuple(out)
+    return metas
+
+
+def _eval(expr, env) -> int:
+    try:
+        return int(expr.xreplace(env))
+    except (TypeError, ValueError):  # a size the inputs do not determine (data-dependent)
+        return -1
+
+
+def record_call(g: RecordedGraph, r, args):
+    plan = g.plan
+    backward = plan.kind == "backward"
+    cur = outer_sid = None
+    if not backward:
+        cur = r.modules.current()
+        outer_sid = r.stacks.capture(3)
+    refs = input_refs(r, args, plan.input_names, _module_path(r, cur) if plan.input_names else None)
+    metas = _metas(g, args)
+    # The dispatch mode lets ops pass while this is set: the compiled code's own (extern kernels),
+    # and the few this recording makes (reading the flag, starting a copy).
+    r.in_graph += 1
+    try:
+        out = g.compiled(args)
+        n = plan.n_outputs
+        extra = out[n:] if plan.extra else ()
+        out = out[:n] if plan.extra else out
+        try:
+            _emit(g, r, refs, metas, cur, outer_sid, out, extra)
+        except NonFiniteError:
+            raise
+        except Exception as exc:  # observing training never kills training
+            from trainguard.capture._recorder import _record_failed
+
+            _record_failed(r, f"compiled graph {g.label}", exc)
+    finally:
+        r.in_graph -= 1
+    r.last_nr = _get_seq_nr()
+    return out
+
+
+def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
+    from trainguard.capture._recorder import FLUSH_RECORDS, FLUSH_SECONDS, _monotonic, _register
+
+    plan = g.plan
+    ops = plan.ops
+    base = r.seq
+    r.seq = base + len(ops)
+    step = _clock.step
+    backward = plan.kind == "backward"
+    if backward:
+        fw = g.pair.last_fw
+        if g.fwd_of is None:
+            index = g.pair.fw.fwd_index if g.pair.fw is not None else {}
+            g.fwd_of = [index.get(t.seq_nr) if t.seq_nr is not None else None for t in ops]
+        fwd_of = g.fwd_of
+        mids, sids = _backward_where(g, r, fw)
+    else:
+        mids = _module_ids(g, r, cur)
+        sids = _stack_ids(g, r, outer_sid)
+    fields = r.fields
+    key = bad = None
+    last = len(ops)
+    if extra:
+        matrix, flag = extra
+        key = ("graph", base)
+        if r.check or matrix.is_cpu:
+            bad = bool(flag)  # CPU: no device to wait for; check_numerics: may synchronise
+        if bad and r.check:
+            last = _first_bad(plan, matrix.tolist()) + 1
+        if fields:
+            _ship(r, key, matrix, plan.mode)
+        else:
+            key = None
+    pending = r.pending
+    in_opt = _clock.in_optimizer
+    grad = _grad_enabled()
+    unknown = {}
+    recorded = 0
+    for k in range(last):
+        t = ops[k]
+        if not t.wanted:
+            continue
+        mid = mids[k]
+        fwd_seq = None
+        if backward:
+            phase = "backward"
+            j = fwd_of[k]
+            if fw is not None and j is not None:
+                fwd_seq = fw[0] + j
+        elif in_opt:
+            phase = "optimizer"
+        else:
+            phase = "forward" if mid is not None or grad else "other"
+        inputs = tuple(("op", base + j) if kind == "n" else (refs[j] or ("input", None)) if kind == "p"
+                       else ("input", None) for kind, j in t.inputs)
+        summary = None
+        health = 0
+        if fields:
+            parts = []
+            for row, meta in zip(t.rows, metas[k]):
+                if row is not None and key is not None:
+                    parts.append(("d", key, row))
+                    health = None
+                else:
+                    n = math.prod(meta[1]) if all(s >= 0 for s in meta[1]) else -1
+                    u = unknown.get(n)
+                    if u is None:
+                        u = unknown[n] = unknown_summary(r.mode, n if n >= 0 else 0)
+                    parts.append(u)
+            summary = tuple(parts)
+        pending.append((base + k, step, phase, t.name, mid, sids[k], fwd_seq, health, inputs, metas[k], summary))
+        recorded += 1
+    r.recorded += recorded
+    if bad:
+        r.pending_bad = True
+    if bad and r.check:
+        k = last - 1
+        r.flush()
+        t = ops[k]
+        raise NonFiniteError(_numerics_message(g, r, k, matrix.tolist(), mids[k], sids[k], refs, base, fw if backward else None),
+                             execution={"seq": base + k, "op": t.name, "phase": "backward" if backward else "forward"})
+    producers = r.producers
+    for i, o in enumerate(out):
+        po = plan.out_ops[i]
+        if po is not None and isinstance(o, _Tensor):
+            k = po[0]
+            _register(r, producers, o, base + k, ops[k].name, sids[k], None)
+            if r.mode == "full_tensor" and r.writer is not None and ops[k].wanted:
+                r.writer.put_payload_tensor(base + k, po[1], o.detach().to("cpu", copy=True))
+    if backward is False:
+        g.pair.last_fw = (base, mids, sids)
+    if r.writer is None:
+        del pending[len(pending) - recorded:]  # check_numerics without a run directory keeps nothing
+        return
+    n = len(pending)
+    if n >= FLUSH_RECORDS or r.pending_bad or _monotonic() - r.last_flush > FLUSH_SECONDS:
+        r.flush()
+
+
+def _backward_where(g: RecordedGraph, r, fw) -> tuple[tuple, tuple]:
+    """Backward ops take the module and stack of the forward op they differentiate."""
+    ops = g.plan.ops
+    if fw is None:
+        return (None,) * len(ops), _stack_ids(g, r, None)
+    fwd_of = g.fwd_of
+    own = _stack_ids(g, r, None)
+    mids = tuple(fw[1][j] if j is not None else None for j in fwd_of)
+    sids = tuple(fw[2][j] if j is not None else own[k] for k, j in enumerate(fwd_of))
+    return mids, sids
+
+
+def _ship(r, key, matrix: torch.Tensor, mode: str) -> None:
+    """Hand the call's summary matrix to the next flush; an accelerator's copy starts now."""
+    if mode != r.mode:
+        matrix = convert(matrix, MODE_FIELDS[mode], r.fields)
+    event = None
+    if matrix.device.type == "cuda":
+        host = torch.empty(matrix.shape, dtype=matrix.dtype, pin_memory=True)
+        host.copy_(matrix, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        matrix = host
+    elif not matrix.is_cpu:
+        matrix = matrix.to("cpu")
+    r.deferred_used = True  # only the training thread flushes from now on (see Recorder._flush_if_stale)
+    r.graph_summaries.append((key, matrix, event))
+
+
+def convert(matrix: torch.Tensor, have: tuple[str, ...], want: tuple[str, ...]) -> torch.Tensor:
+    """Summary rows of one mode as another's: a graph compiled under one recording, run under
+    another; what the compiled code did not count is unknown (NaN)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        cols = []
+        for f in want:
+            if f in have:
+                cols.append(matrix[:, have.index(f)])
+            elif f == "nonfinite" and "nan" in have:
+                bad = sum(matrix[:, have.index(x)] for x in ("neg_inf", "pos_inf", "nan"))
+                cols.append((bad > 0).to(matrix.dtype))
+            else:
+                cols.append(torch.full_like(matrix[:, 0], math.nan))
+        return torch.stack(cols, dim=1) if cols else matrix[:, :0]
+
+
+def _first_bad(plan: GraphPlan, rows: list) -> int:
+    fields = MODE_FIELDS[plan.mode]
+    for k, t in enumerate(plan.ops):
+        if t.wanted and any(row is not None and health_of(fields, rows[row]) for row in t.rows):
+            return k
+    return len(plan.ops) - 1
+
+
+def describe_row(fields: tuple[str, ...], row: list[float]) -> str:
+    """``1280 values, 46 -inf, 1234 negative``: a summary row as check_numerics words it."""
+    if not fields:
+        return "no summary"
+    v = dict(zip(fields, row))
+    if "size" not in v:
+        return "holds NaN or Inf" if v.get("nonfinite") else "finite"
+    n = int(v["size"])
+    parts = [f"{n} value{'s' if n != 1 else ''}"]
+    for key, word in (("nan", "NaN"), ("pos_inf", "+inf"), ("neg_inf", "-inf"), ("zero", "zero"), ("neg", "negative"),
+                      ("pos", "positive")):
+        c = v.get(key)
+        if c is not None and c == c and c:
+            c = int(c)
+            parts.append(f"{c} {word}{'s' if word == 'zero' and c != 1 else ''}")
+    return ", ".join(parts)
+
+
+def _numerics_message(g: RecordedGraph, r, k: int, rows: list, mid, sid, refs, base, fw) -> str:
+    from trainguard.capture._recorder import _op_display, _short_path, _source_line, _user_frame
+
+    plan = g.plan
+    t = plan.ops[k]
+    fields = MODE_FIELDS[plan.mode]
+    health = 0
+    for row in t.rows:
+        if row is not None:
+            health |= health_of(fields, rows[row])
+    what = "/".join(health_names(health))
+    op = t.name.replace(".default", "")
+    backward = plan.kind == "backward"
+    j = g.fwd_of[k] if backward and g.fwd_of else None
+    fwd_op = g.pair.fw.ops[j].name if j is not None and g.pair.fw is not None else None
+    if fwd_op is not None:
+        op += f" (in the backward of {_op_display(fwd_op)})"
+    first = next((row for row in t.rows if row is not None), None)
+    detail = f" ({describe_row(fields, rows[first])})" if first is not None else ""
+    lines = [f"{op} produced {what} in step {_clock.step}, {'backward' if backward else 'forward'} pass, "
+             f"inside the compiled graph {g.label}{detail}"]
+    mod = r.modules.module_of_id().get(mid) if mid is not None else None
+    lines.append(f"  module: {mod[0] or '(root)'} ({mod[1]})" if mod else "  module: outside any nn.Module")
+    fr = _user_frame(r.stacks.frames(sid))
+    if fr is not None:
+        src = _source_line(fr[0], fr[1])
+        lead = "  created by the forward op at" if fwd_op is not None else "  at"
+        lines.append(f"{lead} {_short_path(fr[0])}:{fr[1]} in {fr[2]}" + (f": {src}" if src else ""))
+    for i, (kind, j) in enumerate(t.inputs):
+        if kind == "n":
+            src_op = plan.ops[j]
+            row = next((x for x in src_op.rows if x is not None), None)
+            where = _user_frame(list(src_op.frames))
+            at = f" from {_short_path(where[0])}:{where[1]}" if where else ""
+            vals = describe_row(fields, rows[row]) if row is not None else "no summary"
+            lines.append(f"  input {i} = {_op_display(src_op.name)} output{at}: {vals}")
+        elif kind == "p" and refs[j] is not None:
+            ref = refs[j]
+            who = f"{ref[0]} {ref[1]!r}" if ref[0] in ("param", "buffer") else (
+                f"output of execution #{ref[1]}" if ref[0] == "op" else "user input")
+            lines.append(f"  input {i} = {who} (a graph input)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- graphs compiled before recording
+def record_opaque(r, label: str, call, args):
+    """One record for a whole graph compiled before the recording started (or by a compiler
+    trainguard cannot instrument): its inputs and outputs, as if it were one op."""
+    refs = input_refs(r, args)
+    cur = r.modules.current()
+    sid = r.stacks.capture(3)
+    r.in_graph += 1
+    try:
+        out = call(args)
+        try:
+            _emit_opaque(r, label, refs, cur, sid, out)
+        except Exception as exc:  # observing training never kills training
+            from trainguard.capture._recorder import _record_failed
+
+            _record_failed(r, f"compiled graph {label}", exc)
+    finally:
+        r.in_graph -= 1
+    r.last_nr = _get_seq_nr()
+    return out
+
+
+def _emit_opaque(r, label: str, refs, cur, sid, out) -> None:
+    from trainguard.capture._recorder import _register
+
+    seq = r.seq
+    r.seq = seq + 1
+    r.opaque_graphs[label] = r.opaque_graphs.get(label, 0) + 1
+    name = f"compiled_graph.{label}"
+    tensors = [o for o in out if isinstance(o, _Tensor)]
+    metas, summaries, health, deferred = [], [] if r.fields else None, 0, False
+    for o in tensors:
+        metas.append((str(o.dtype).replace("torch.", ""), tuple(o.shape), str(o.device)))
+        if summaries is None:
+            continue
+        if o.is_cpu or o.is_meta or o.layout is not torch.strided:
+            s = summarize_immediate(o, r.mode)
+            health |= health_of(r.fields, s)
+            summaries.append(s)
+        else:
+            deferred = True
+            lst = r.deferred.setdefault(o.device, [])
+            summaries.append(("d", o.device, len(lst)))
+            lst.append(summarize_deferred(o, r.mode))
+            r.deferred_used = True
+    phase = "backward" if "backward" in label else ("forward" if cur is not None or _grad_enabled() else "other")
+    for o in tensors:
+        _register(r, r.producers, o, seq, name, sid, None)
+    if r.writer is None:
+        return
+    inputs = tuple(x for x in refs if x is not None)
+    r.pending.append((seq, _clock.step, phase, name, cur, sid, None, None if deferred else health, inputs, tuple(metas),
+                      None if summaries is None else tuple(summaries)))
+    r.recorded += 1
+    if health:
+        r.pending_bad = True
