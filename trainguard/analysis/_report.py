@@ -24,6 +24,23 @@ def source_excerpt(run: Run, file: str | None, line: int | None, context: int = 
     return [{"line": n, "text": lines[n - 1], "current": n == line} for n in range(lo, hi + 1)]
 
 
+def compiled_summary(run: Run) -> dict[str, Any] | None:
+    """torch.compile graphs in the run: recorded op by op, or whole (compiled before the
+    recording started: trainguard could not instrument them), with where they were called."""
+    meta = run.meta
+    inside = meta.get("compiled_graphs") or []
+    opaque = []
+    for g in meta.get("compiled_opaque") or []:
+        item = dict(g)
+        first = run.executions(0, 1, op=g.get("op")) if g.get("op") else []
+        fr = run.user_frame(first[0]["stack_id"]) if first else None
+        item["file"], item["line"] = (fr["filename"], fr["lineno"]) if fr else (None, None)
+        opaque.append(item)
+    if not inside and not opaque:
+        return None
+    return {"recorded_inside": inside, "opaque": opaque, "full_tensor": meta.get("full_tensor_compiled")}
+
+
 def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
     """Everything ``trainguard report`` says about a run, as JSON-able data."""
     meta = run.meta
@@ -44,7 +61,8 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "status": run.status,
         "meta": {k: meta.get(k) for k in ("mode", "buffer", "created", "ended", "argv", "torch", "trainguard",
                                            "exit_code", "error", "dropped", "writer_error", "record_errors", "ops_filter",
-                                           "dtypes_filter", "executions", "recorded")},
+                                           "dtypes_filter", "executions", "recorded", "compiled_graphs",
+                                           "full_tensor_compiled")},
         "counts": {
             "stored": run.count(),
             "steps": len(steps),
@@ -56,6 +74,7 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         },
         "alerts": alerts,
         "origin": origin_data,
+        "compiled": compiled_summary(run),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "findings": [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])],
     }

@@ -299,6 +299,19 @@ def uninstall(recorder) -> None:
             CompiledFxGraph.__call__ = _saved.pop("graph_call")
 
 
+def run_meta(recorder) -> dict:
+    """What the run's metadata says about compiled graphs (read by the report)."""
+    out: dict = {}
+    if recorder.compiled_graphs:
+        out["compiled_graphs"] = [{"graph": k, "ops": v[0], "calls": v[1]} for k, v in recorder.compiled_graphs.items()]
+        if recorder.mode == "full_tensor":
+            out["full_tensor_compiled"] = "graph outputs only"
+    if recorder.opaque_graphs:
+        out["compiled_opaque"] = [{"graph": k, "op": f"compiled_graph.{k}", "calls": v}
+                                  for k, v in recorder.opaque_graphs.items()]
+    return out
+
+
 def reset_after_fork() -> None:
     """A forked child records nothing (see the recorder's fork handler)."""
     _compile_run.active = None

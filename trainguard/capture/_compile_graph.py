@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from trainguard.capture._compile_summary import Builder, bad_flag, summarisable, summary_row
+from trainguard.capture._compile_summary import Builder, finish, summarisable, summary_row
 from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS
 from trainguard.store import MODE_FIELDS
 
@@ -261,8 +261,7 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
     plan.n_rows = len(rows)
     if rows:
         builder.cursor = output.prev
-        matrix = builder.stack(rows)
-        flag = bad_flag(builder, matrix, fields)
+        matrix, flag = finish(builder, rows, mode)
         output.args = (tuple(results) + (matrix, flag),)
         plan.extra = 2
         graph.lint()

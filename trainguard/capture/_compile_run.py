@@ -214,6 +214,14 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
     ops = plan.ops
     base = r.seq
     r.seq = base + len(ops)
+    seen = r.compiled_graphs.get(g.label)
+    if seen is None:
+        r.compiled_graphs[g.label] = [len(ops), 1]
+        if r.mode == "full_tensor" and len(r.compiled_graphs) == 1:
+            log.warning("trainguard: full_tensor inside compiled graphs stores the values of the graphs' outputs "
+                        "only; every op inside has its summary")
+    else:
+        seen[1] += 1
     step = _clock.step
     backward = plan.kind == "backward"
     if backward:
@@ -242,6 +250,8 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
             key = None
     pending = r.pending
     in_opt = _clock.in_optimizer
+    # A training graph runs inside an autograd.Function's forward, where grad mode is off.
+    training = plan.kind == "forward"
     grad = _grad_enabled()
     unknown = {}
     recorded = 0
@@ -259,7 +269,7 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
         elif in_opt:
             phase = "optimizer"
         else:
-            phase = "forward" if mid is not None or grad else "other"
+            phase = "forward" if training or mid is not None or grad else "other"
         inputs = tuple(("op", base + j) if kind == "n" else (refs[j] or ("input", None)) if kind == "p"
                        else ("input", None) for kind, j in t.inputs)
         summary = None
@@ -428,13 +438,14 @@ def record_opaque(r, label: str, call, args):
     """One record for a whole graph compiled before the recording started (or by a compiler
     trainguard cannot instrument): its inputs and outputs, as if it were one op."""
     refs = input_refs(r, args)
+    inputs = {id(a) for a in args if isinstance(a, _Tensor)}  # the call empties args
     cur = r.modules.current()
     sid = r.stacks.capture(3)
     r.in_graph += 1
     try:
         out = call(args)
         try:
-            _emit_opaque(r, label, refs, cur, sid, out)
+            _emit_opaque(r, label, refs, cur, sid, out, inputs)
         except Exception as exc:  # observing training never kills training
             from trainguard.capture._recorder import _record_failed
 
@@ -445,14 +456,20 @@ def record_opaque(r, label: str, call, args):
     return out
 
 
-def _emit_opaque(r, label: str, refs, cur, sid, out) -> None:
+def _emit_opaque(r, label: str, refs, cur, sid, out, inputs: set) -> None:
     from trainguard.capture._recorder import _register
 
     seq = r.seq
     r.seq = seq + 1
-    r.opaque_graphs[label] = r.opaque_graphs.get(label, 0) + 1
+    calls = r.opaque_graphs.get(label, 0)
+    r.opaque_graphs[label] = calls + 1
+    if not calls:
+        log.warning("trainguard: compiled graph %s was compiled before the recording started: it is recorded "
+                    "whole (inputs and outputs), not op by op", label)
     name = f"compiled_graph.{label}"
-    tensors = [o for o in out if isinstance(o, _Tensor)]
+    # A forward graph also returns what its backward needs, parameters among them: those are
+    # inputs passed through, not values it made.
+    tensors = [o for o in out if isinstance(o, _Tensor) and id(o) not in inputs]
     metas, summaries, health, deferred = [], [] if r.fields else None, 0, False
     for o in tensors:
         metas.append((str(o.dtype).replace("torch.", ""), tuple(o.shape), str(o.device)))

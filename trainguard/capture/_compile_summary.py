@@ -61,43 +61,33 @@ class Builder:
         return self.call(_convert, node, dtype)
 
 
-def _full_counts(b: Builder, x: fx.Node) -> list[fx.Node]:
-    """[size, neg, zero, pos, neg_inf, pos_inf, nan] as 0-d int64 nodes."""
+# The raw counts of one tensor, in this order; the mode's fields are derived from the stacked
+# rows once per graph (see finish), not per tensor.
+RAW = ("lt", "eq", "gt", "nan", "neg_inf", "pos_inf")
+
+
+def _raw_counts(b: Builder, x: fx.Node) -> fx.Node:
+    """[< 0, == 0, > 0, NaN, -inf, +inf] counts of ``x`` as one int64 [6] node. Each count is
+    a full reduction of a mask over ``x``'s own shape: Inductor fuses such reductions with
+    each other and with the kernel that makes ``x`` (stacking the masks first would make it
+    materialise them)."""
     val = x.meta["val"]
     if val.dtype == torch.bool:
-        pos = b.count(x)
-        zero = b.count(b.call(aten.logical_not.default, x))
-        size = b.call(aten.add.Tensor, pos, zero)
-        z = b.zero(x)
-        return [size, z, zero, pos, z, z, z]
-    lt = b.count(b.call(aten.lt.Scalar, x, 0))
-    eq = b.count(b.call(aten.eq.Scalar, x, 0))
-    gt = b.count(b.call(aten.gt.Scalar, x, 0))
-    if not val.is_floating_point():
-        size = b.call(aten.add.Tensor, b.call(aten.add.Tensor, lt, eq), gt)
-        z = b.zero(x)
-        return [size, lt, eq, gt, z, z, z]
-    nan = b.count(b.call(aten.isnan.default, x))
-    ninf = b.count(b.call(aten.eq.Scalar, x, -math.inf))
-    pinf = b.count(b.call(aten.eq.Scalar, x, math.inf))
-    # Every element is < 0, == 0, > 0 or NaN: the size needs no pass of its own.
-    size = b.call(aten.add.Tensor, b.call(aten.add.Tensor, lt, eq), b.call(aten.add.Tensor, gt, nan))
-    neg = b.call(aten.sub.Tensor, lt, ninf)
-    pos = b.call(aten.sub.Tensor, gt, pinf)
-    return [size, neg, eq, pos, ninf, pinf, nan]
-
-
-def _concise_counts(b: Builder, x: fx.Node) -> list[fx.Node]:
-    """[size, neg_inf, pos_inf, nan]."""
-    val = x.meta["val"]
-    same = b.count(b.call(aten.eq.Tensor, x, x))  # False only for NaN
-    if not val.is_floating_point():
-        z = b.zero(x)
-        return [same, z, z, z]
-    nan = b.count(b.call(aten.isnan.default, x))
-    ninf = b.count(b.call(aten.eq.Scalar, x, -math.inf))
-    pinf = b.count(b.call(aten.eq.Scalar, x, math.inf))
-    return [b.call(aten.add.Tensor, same, nan), ninf, pinf, nan]
+        counts = [None, b.count(b.call(aten.logical_not.default, x)), b.count(x)]
+    else:
+        counts = [b.count(b.call(aten.lt.Scalar, x, 0)), b.count(b.call(aten.eq.Scalar, x, 0)),
+                  b.count(b.call(aten.gt.Scalar, x, 0))]
+    if val.is_floating_point():
+        counts += [b.count(b.call(aten.isnan.default, x)), b.count(b.call(aten.eq.Scalar, x, -math.inf)),
+                   b.count(b.call(aten.eq.Scalar, x, math.inf))]
+    else:
+        counts += [None, None, None]
+    zero = None
+    for i, c in enumerate(counts):
+        if c is None:
+            zero = zero or b.zero(x)
+            counts[i] = zero
+    return b.stack(counts)
 
 
 def _moments(b: Builder, x: fx.Node) -> fx.Node:
@@ -114,28 +104,38 @@ def _moments(b: Builder, x: fx.Node) -> fx.Node:
     return b.stack([mn, mx, mean, std])
 
 
-def summary_row(b: Builder, x: fx.Node, mode: str) -> fx.Node:
-    """The float64 row of ``mode``'s fields for tensor node ``x`` (inserted after ``b.cursor``)."""
+def summary_row(b: Builder, x: fx.Node, mode: str) -> tuple[fx.Node, fx.Node | None]:
+    """The raw counts of tensor node ``x`` (a [1] nonfinite count for curt_health) and, for
+    ``stats``, its moments; inserted after ``b.cursor``."""
     val = x.meta["val"]
     if mode == "curt_health":
         if val.is_floating_point():
-            bad = b.count(b.call(aten.logical_or.default, b.call(aten.isnan.default, x), b.call(aten.isinf.default, x)))
-            flag = b.call(aten.gt.Scalar, bad, 0)
+            bad = b.call(aten.logical_or.default, b.call(aten.isnan.default, x), b.call(aten.isinf.default, x))
+            count = b.call(aten.sum.default, bad)
         else:
-            flag = b.call(aten.full.default, [], False, dtype=torch.bool, device=val.device)
-        return b.to(b.call(aten.unsqueeze.default, flag, 0), torch.float64)
-    counts = _concise_counts(b, x) if mode == "concise_health" else _full_counts(b, x)
-    row = b.to(b.stack(counts), torch.float64)
-    if mode == "stats":
-        row = b.call(aten.cat.default, [row, _moments(b, x)])
-    return row
+            count = b.call(aten.full.default, [], 0, dtype=torch.int64, device=val.device)
+        return b.call(aten.unsqueeze.default, count, 0), None
+    return _raw_counts(b, x), (_moments(b, x) if mode == "stats" else None)
 
 
-def bad_flag(b: Builder, matrix: fx.Node, fields: tuple[str, ...]) -> fx.Node:
-    """A 0-d bool: does any summarised tensor hold NaN or Inf (read without a sync on CPU)."""
-    if fields[0] == "nonfinite":
-        cols = matrix
+def finish(b: Builder, rows: list[tuple[fx.Node, fx.Node | None]], mode: str) -> tuple[fx.Node, fx.Node]:
+    """Stack the rows into the float64 [rows, fields] matrix of ``mode`` and the graph's
+    "anything non-finite" flag (a 0-d bool: read without a sync on CPU)."""
+    raw = b.stack([r for r, _ in rows])  # int64 [R, 6], or [R, 1] for curt_health
+    flag = b.call(aten.gt.Scalar, b.call(aten.sum.default, b.call(aten.slice.Tensor, raw, 1, 3, 6)
+                                          if mode != "curt_health" else raw), 0)
+    if mode == "curt_health":
+        return b.to(b.call(aten.gt.Scalar, raw, 0), torch.float64), flag
+    col = {name: b.call(aten.select.int, raw, 1, i) for i, name in enumerate(RAW)}
+    add, sub = aten.add.Tensor, aten.sub.Tensor
+    # Every element is < 0, == 0, > 0 or NaN; neg and pos count finite values only.
+    size = b.call(add, b.call(add, col["lt"], col["eq"]), b.call(add, col["gt"], col["nan"]))
+    if mode == "concise_health":
+        cols = [size, col["neg_inf"], col["pos_inf"], col["nan"]]
     else:
-        idx = [fields.index(f) for f in ("neg_inf", "pos_inf", "nan")]
-        cols = b.call(aten.slice.Tensor, matrix, 1, idx[0], idx[-1] + 1)
-    return b.call(aten.gt.Scalar, b.call(aten.sum.default, cols), 0)
+        cols = [size, b.call(sub, col["lt"], col["neg_inf"]), col["eq"], b.call(sub, col["gt"], col["pos_inf"]),
+                col["neg_inf"], col["pos_inf"], col["nan"]]
+    matrix = b.to(b.call(aten.cat.default, [b.call(aten.unsqueeze.default, c, 1) for c in cols], 1), torch.float64)
+    if mode == "stats":
+        matrix = b.call(aten.cat.default, [matrix, b.stack([m for _, m in rows])], 1)
+    return matrix, flag

@@ -133,8 +133,12 @@ class ModuleTracker:
 
     def _name_tensors(self, module: nn.Module, path: str) -> None:
         prefix = f"{path}." if path else ""
-        for kind, items in (("param", module.named_parameters(recurse=False)),
-                            ("buffer", module.named_buffers(recurse=False))):
+        # A compiled model's modules never run eagerly: name all its tensors through the wrapper.
+        recurse = _is_wrapper(module)
+        if recurse:
+            module = module._orig_mod
+        for kind, items in (("param", module.named_parameters(recurse=recurse)),
+                            ("buffer", module.named_buffers(recurse=recurse))):
             for name, t in items:
                 if t is not None and id(t) not in self.named_tensors:
                     self.named_tensors[id(t)] = (weakref.ref(t), prefix + name, kind)
@@ -148,3 +152,12 @@ class ModuleTracker:
 
     def module_of_id(self) -> dict[int, tuple[str, str]]:
         return {mid: key for key, mid in self._interned.items()}
+
+
+def _keep_dynamo_out() -> None:
+    from trainguard.capture._compile import keep_dynamo_out
+
+    keep_dynamo_out(ModuleTracker._pre, ModuleTracker._post)
+
+
+_keep_dynamo_out()

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainguard.capture import _monitor_tap, _steps
+from trainguard.capture import _compile_monitor, _monitor_tap, _steps
+from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import (
     activation_stats,
     first_tensor,
@@ -129,6 +130,7 @@ class Monitor:
         self._auto = model is None
         self._discover_handle = None
         self._layer_hooks_on = False
+        self._hooks_pinned = False  # once Dynamo compiles, layer hooks stay (see compiling)
         self._order: list[str] = []  # layers in the order their forward ran
 
         # Per-step state.
@@ -164,6 +166,7 @@ class Monitor:
         _monitor_tap.add_listener(self._on_backward)
         self._writer.set_meta(monitor={"every": every, "status": "running"})
 
+        self._taps: list[tuple] = []  # compiled code's hooks (see _compile_monitor)
         for prefix, module in models:
             self._attach(module, prefix)
         self._begin_step(self._cur)
@@ -243,6 +246,7 @@ class Monitor:
                 _steps.clock.on_optimizer_step.remove(self._after_optimizer)
             _steps.release()
             _monitor_tap.remove_listener(self._on_backward)
+            _compile_monitor.unwatch(self)
             _OPEN.discard(self)
         self._write_meta(status="finished", final_step=self._cur)
         if self.diagnose:
@@ -251,6 +255,8 @@ class Monitor:
 
     # ------------------------------------------------------------------ attaching
     def _attach(self, module: nn.Module, prefix: str) -> Root:
+        wrapper, module = module, getattr(module, "_orig_mod", module)  # torch.compile(model): the model
+        self._known.add(wrapper)
         # A module that contains roots attached earlier (called on its own first) replaces them.
         inner = [r for r in self._roots if r.ref() is not None and any(r.ref() is m for m in module.modules())]
         for r in inner:
@@ -259,6 +265,10 @@ class Monitor:
         for m in module.modules():
             self._known.add(m)
         root.handle = module.register_forward_pre_hook(self._make_root_hook(root), with_kwargs=True)
+        self._listen(module, lambda ts, grad: self._root_pre(root, root.ref(), (ts[0],) if ts else (), {}, grad))
+        for la in root.layers:
+            if la.ref() is not None:
+                self._listen(la.ref(), lambda ts, grad, la=la: self._on_layer(la, ts[1:], ts[0], grad))
         self._roots.append(root)
         self._params = [p for r in self._roots for p in r.params]
         if self._layer_hooks_on:
@@ -270,7 +280,16 @@ class Monitor:
         self._write_structure()
         return root
 
+    def _listen(self, module: nn.Module, fn: Callable) -> None:
+        tok = _compile_monitor.token(module)
+        _compile_monitor.listen(tok, fn)
+        self._taps.append((tok, fn, id(module)))
+
     def _detach_root(self, root: Root) -> None:
+        mods = {id(m) for m in (root.ref(), *(la.ref() for la in root.layers)) if m is not None}
+        for tap in [t for t in self._taps if t[2] in mods]:
+            _compile_monitor.unlisten(tap[0], tap[1])
+            self._taps.remove(tap)
         if root.handle is not None:
             root.handle.remove()
         for la in root.layers:
@@ -290,7 +309,7 @@ class Monitor:
 
     def _discover(self, module: nn.Module, args) -> None:
         # A global forward pre-hook (model=None): the outermost module with parameters is a root.
-        if module in self._known or module in self._no_params:
+        if torch.compiler.is_compiling() or module in self._known or module in self._no_params:
             return
         if not any(True for _ in module.parameters()):
             self._no_params.add(module)
@@ -337,18 +356,25 @@ class Monitor:
         return _monitor_tap.quiet()
 
     def _make_root_hook(self, root: Root):
+        tok = _compile_monitor.token(root.ref())
+
         def hook(module, args, kwargs):
+            if torch.compiler.is_compiling():  # traced: the compiled code calls back (see _compile_monitor)
+                x = next((t for t in map(first_tensor, (*args, *kwargs.values())) if t is not None), None)
+                _compile_monitor.tap([] if x is None else [x], tok, torch.is_grad_enabled())
+                return
             self._root_pre(root, module, args, kwargs)
 
+        keep_dynamo_out(hook)
         return hook
 
-    def _root_pre(self, root: Root, module, args, kwargs) -> None:
+    def _root_pre(self, root: Root, module, args, kwargs, grad: bool | None = None) -> None:
         with self._no_record():
-            self._root_pre_quiet(root, module, args, kwargs)
+            self._root_pre_quiet(root, module, args, kwargs, grad)
 
-    def _root_pre_quiet(self, root: Root, module, args, kwargs) -> None:
+    def _root_pre_quiet(self, root: Root, module, args, kwargs, grad: bool | None = None) -> None:
         try:
-            grad_on = torch.is_grad_enabled()
+            grad_on = torch.is_grad_enabled() if grad is None else grad
             if root.mode_modules:
                 mods = [m() for m in root.mode_modules]
                 n_train = sum(1 for m in mods if m is not None and m.training)
@@ -383,9 +409,17 @@ class Monitor:
         if m is None or layer.handle is not None:
             return
 
+        tok = _compile_monitor.token(m)
+
         def hook(module, args, output):
+            if torch.compiler.is_compiling():  # traced: the compiled code calls back (see _compile_monitor)
+                x, inp = first_tensor(output), first_tensor(args)
+                if x is not None:
+                    _compile_monitor.tap([x] if inp is None else [x, inp], tok, torch.is_grad_enabled())
+                return
             self._on_layer(layer, args, output)
 
+        keep_dynamo_out(hook)
         layer.handle = m.register_forward_hook(hook)
 
     def _set_layer_hooks(self, on: bool) -> None:
@@ -404,8 +438,16 @@ class Monitor:
         h = self.histograms
         return bool(h) and (h is True or name in h)
 
-    def _on_layer(self, layer: Layer, args, output) -> None:
-        if not self._recording or not torch.is_grad_enabled() or layer.seen_step == self._cur:
+    def compiling(self, on: bool) -> None:
+        """Dynamo starts (True) or ends a compilation. The layer hooks must be there to be traced,
+        and stay from then on: Dynamo guards on the number of hooks, so toggling them per step
+        (as in eager code) would recompile at every step."""
+        if on:
+            self._hooks_pinned = True
+            self._set_layer_hooks(True)
+
+    def _on_layer(self, layer: Layer, args, output, grad: bool | None = None) -> None:
+        if not self._recording or not (torch.is_grad_enabled() if grad is None else grad) or layer.seen_step == self._cur:
             return
         with self._no_record():
             self._layer_stats(layer, args, output)
@@ -484,8 +526,9 @@ class Monitor:
         self._begin_step(new_step)
 
     def _begin_step(self, step: int) -> None:
+        _compile_monitor.watch(self)  # a no-op until Dynamo is imported, then registers once
         self._recording = step % self.every == 0
-        self._set_layer_hooks(self._recording)
+        self._set_layer_hooks(self._recording or self._hooks_pinned)
         self._grads.unhook_params()
         if self._recording:
             self._grads.hook_params(self._all_params(), lambda: self._cur)
@@ -536,6 +579,9 @@ _OPEN: weakref.WeakSet = weakref.WeakSet()
 
 # Set by trainguard._wiring (the public ``trainguard.Monitor``) to ``trainguard.analysis.diagnose``.
 DEFAULT_DIAGNOSE: Callable | None = None
+
+
+keep_dynamo_out(Monitor._discover)
 
 
 @atexit.register

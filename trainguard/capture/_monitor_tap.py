@@ -43,6 +43,9 @@ def quiet():
 def add_listener(fn: Callable[[torch.Tensor | None], None]) -> None:
     """Call ``fn(loss_or_None)`` before every ``backward``; ``loss`` is a detached 0-d tensor."""
     global _original
+    from trainguard.capture._compile import keep_dynamo_out
+
+    keep_dynamo_out(_backward)
     with _lock:
         if not _listeners:
             _original = torch.autograd.backward

@@ -186,6 +186,7 @@ class Recorder:
         self.graph_summaries: list[tuple] = []
         self.in_graph = 0
         self.opaque_graphs: dict[str, int] = {}
+        self.compiled_graphs: dict[str, list[int]] = {}  # label -> [ops, calls]
         self.last_flush = time.monotonic()
         self.stacks = StackInterner(self._on_new_stack)
         self.modules = ModuleTracker(self._on_new_module)
@@ -246,8 +247,7 @@ class Recorder:
                     self.writer.idle_callbacks.remove(self._flush_if_stale)
                 if self.failures:
                     final_meta["record_errors"] = self.failures
-                if self.opaque_graphs:
-                    final_meta["compiled_opaque"] = [{"graph": k, "calls": v} for k, v in self.opaque_graphs.items()]
+                final_meta.update(_compile.run_meta(self))
                 release_writer(
                     self.writer,
                     executions=self.seq,

@@ -1,0 +1,159 @@
+"""Recording and monitoring compiled models: step time beside plain compiled and eager.
+
+Per model, one process holds four copies with the same weights: eager, compiled by plain
+Inductor, compiled with ``trainguard.compile_backend()`` (the summaries inside the compiled
+code), and compiled by plain Inductor for the monitor (whose taps are traced into it).
+Configurations are interleaved round by round in a rotated order so that machine noise hits
+them alike; a cell is the median over rounds of the configuration's median step time over its
+baseline's in the same round (eager rows over eager plain, compiled rows over compiled plain).
+Compilation happens before the rounds (Inductor's FX graph cache makes later runs faster).
+
+    python benchmarks/bench_compile.py                          # mlp and transformer
+    python benchmarks/bench_compile.py --models mlp --rounds 3 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_recorder  # noqa: E402  (the same models as the eager benchmark)
+
+MODELS = {"mlp": bench_recorder.make_mlp, "transformer": bench_recorder.make_transformer,
+          "cnn": bench_recorder.make_cnn}
+
+
+def _batch(name: str):
+    """The benchmark model's batch and loss, as a function of the module that runs it."""
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        x, y = torch.randn(256, 784, generator=g), torch.randint(0, 10, (256,), generator=g)
+        return lambda run: nn.functional.cross_entropy(run(x), y)
+    if name == "cnn":
+        x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+        return lambda run: nn.functional.cross_entropy(run(x), y)
+    x = torch.randn(16, 128, 256, generator=g)
+    return lambda run: run(x).pow(2).mean()
+
+
+# (config, which copy of the model runs, baseline config)
+CONFIGS = [
+    ("eager plain", "eager", "eager plain"),
+    ("eager full_health", "eager", "eager plain"),
+    ("compiled plain", "compiled", "compiled plain"),
+    ("compiled full_health", "recorded", "compiled plain"),
+    ("compiled monitor every=10", "monitored", "compiled plain"),
+]
+WARMUP_STEPS = 3
+
+
+def _copies(name: str) -> dict:
+    """The four copies of one model (same initial weights), each with its own optimizer."""
+    import trainguard as tg
+
+    torch.manual_seed(0)
+    model, opt, _ = MODELS[name]()
+    loss = _batch(name)
+    out = {}
+    for kind, backend in (("eager", None), ("compiled", "inductor"), ("recorded", tg.compile_backend()),
+                          ("monitored", "inductor")):
+        m = copy.deepcopy(model)
+        o = type(opt)(m.parameters(), **opt.defaults)
+        run = m if backend is None else torch.compile(m, backend=backend)
+        out[kind] = (m, o, lambda run=run: loss(run))
+    return out
+
+
+def context(config: str, model, tmp: str):
+    import trainguard as tg
+
+    if config.endswith("full_health"):
+        return tg.record(os.path.join(tmp, f"r-{time.monotonic_ns()}"), mode="full_health", buffer=1000)
+    if "monitor" in config:
+        return tg.Monitor(model, os.path.join(tmp, f"m-{time.monotonic_ns()}"), every=10, diagnose=False)
+    return contextlib.nullcontext()
+
+
+def time_model(name: str, rounds: int, steps: int) -> tuple[dict, dict]:
+    copies = _copies(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        for config, kind, _ in CONFIGS:  # compile (under each config's own context) and warm up
+            m, opt, loss_fn = copies[kind]
+            with context(config, m, tmp):
+                bench_recorder.run_steps(opt, loss_fn, WARMUP_STEPS)
+        per: dict[str, list[float]] = {c: [] for c, _, _ in CONFIGS}
+        ratios: dict[str, list[float]] = {c: [] for c, _, _ in CONFIGS}
+        for r in range(rounds):
+            order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+            this = {}
+            for config, kind, _ in order:
+                m, opt, loss_fn = copies[kind]
+                with context(config, m, tmp):
+                    bench_recorder.run_steps(opt, loss_fn, 2)
+                    times = bench_recorder.run_steps(opt, loss_fn, steps)
+                per[config].extend(times)
+                # The monitor's recording step (1 in 10) counts: the mean, not the median.
+                this[config] = statistics.fmean(times) if "monitor" in config else statistics.median(times)
+            for config, _, base in CONFIGS:
+                ratios[config].append(this[config] / this[base])
+    return {c: statistics.median(v) for c, v in per.items()}, ratios
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration per round")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    logging.getLogger("trainguard").setLevel(logging.ERROR)
+    load = os.getloadavg()[0]
+    results: dict = {"threads": args.threads, "load_before": load, "models": {}}
+    for name in [m for m in args.models.split(",") if m]:
+        t, rounds = time_model(name, args.rounds, args.steps)
+        results["models"][name] = {"step_ms": {c: v * 1e3 for c, v in t.items()},
+                                   "ratio": {c: statistics.median(v) for c, v in rounds.items()},
+                                   "ratio_range": {c: [min(v), max(v)] for c, v in rounds.items()}}
+    results["load_after"] = os.getloadavg()[0]
+
+    from rich.console import Console
+    from rich.table import Table
+
+    models = list(results["models"])
+    table = Table(title=f"compiled models: step time / baseline step time in the same round (median \\[range] of "
+                        f"{args.rounds} rounds x {args.steps} steps, {args.threads} threads, load "
+                        f"{results['load_before']:.1f} -> {results['load_after']:.1f})")
+    table.add_column("config")
+    table.add_column("baseline")
+    for name in models:
+        table.add_column(f"{name}\n({results['models'][name]['step_ms']['compiled plain']:.1f} ms compiled, "
+                         f"{results['models'][name]['step_ms']['eager plain']:.1f} ms eager)", justify="right")
+    for config, _, base in CONFIGS:
+        cells = []
+        for m in models:
+            lo, hi = results["models"][m]["ratio_range"][config]
+            cells.append(f"{results['models'][m]['ratio'][config]:.2f}x [{lo:.2f}-{hi:.2f}]")
+        table.add_row(config, base, *cells)
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
