@@ -45,13 +45,6 @@ class Builder:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
         return node
 
-    # A 0-d int64 zero on the tensor's device, for the counts an integer tensor cannot have.
-    def zero(self, like: fx.Node) -> fx.Node:
-        return self.call(aten.full.default, [], 0, dtype=torch.int64, device=like.meta["val"].device)
-
-    def count(self, mask: fx.Node) -> fx.Node:
-        return self.call(aten.sum.default, mask)
-
     # Only ops Inductor lowers directly: the graph it receives is already decomposed, and an op
     # with a decomposition but no lowering (stack, _to_copy, isfinite) is refused there.
     def stack(self, nodes: list[fx.Node]) -> fx.Node:
@@ -67,27 +60,41 @@ RAW = ("lt", "eq", "gt", "nan", "neg_inf", "pos_inf")
 
 
 def _raw_counts(b: Builder, x: fx.Node) -> fx.Node:
-    """[< 0, == 0, > 0, NaN, -inf, +inf] counts of ``x`` as one int64 [6] node. Each count is
-    a full reduction of a mask over ``x``'s own shape: Inductor fuses such reductions with
-    each other and with the kernel that makes ``x`` (stacking the masks first would make it
-    materialise them)."""
+    """[< 0, == 0, > 0, NaN, -inf, +inf] counts of ``x`` as one int64 [6] node.
+
+    Each count is a full reduction of a mask over ``x``'s own shape, which Inductor fuses with
+    the other counts and with the kernel that makes ``x`` (stacking the masks first would make it
+    materialise them). Counts accumulate in int32 below 2**31 elements (one vector lane per
+    element, as the float compare), and the NaN count of a static size is what the other three
+    sign classes leave (NaN compares false with 0), which saves a pass.
+    """
     val = x.meta["val"]
-    if val.dtype == torch.bool:
-        counts = [None, b.count(b.call(aten.logical_not.default, x)), b.count(x)]
-    else:
-        counts = [b.count(b.call(aten.lt.Scalar, x, 0)), b.count(b.call(aten.eq.Scalar, x, 0)),
-                  b.count(b.call(aten.gt.Scalar, x, 0))]
-    if val.is_floating_point():
-        counts += [b.count(b.call(aten.isnan.default, x)), b.count(b.call(aten.eq.Scalar, x, -math.inf)),
-                   b.count(b.call(aten.eq.Scalar, x, math.inf))]
-    else:
-        counts += [None, None, None]
+    n = val.numel()
+    static = isinstance(n, int)
+    acc = torch.int32 if static and n < 2**31 else torch.int64
+
+    def count(mask: fx.Node) -> fx.Node:
+        return b.call(aten.sum.default, mask, dtype=acc)
+
     zero = None
-    for i, c in enumerate(counts):
-        if c is None:
-            zero = zero or b.zero(x)
-            counts[i] = zero
-    return b.stack(counts)
+    if val.dtype == torch.bool:
+        zero = b.call(aten.full.default, [], 0, dtype=acc, device=val.device)
+        counts = [zero, count(b.call(aten.logical_not.default, x)), count(x)]
+    else:
+        counts = [count(b.call(aten.lt.Scalar, x, 0)), count(b.call(aten.eq.Scalar, x, 0)),
+                  count(b.call(aten.gt.Scalar, x, 0))]
+    if val.is_floating_point():
+        if static:
+            signed = b.call(aten.add.Tensor, b.call(aten.add.Tensor, counts[0], counts[1]), counts[2])
+            nan = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, signed, -1), n)
+        else:
+            nan = count(b.call(aten.ne.Tensor, x, x))  # vectorises; isnan does not on CPU
+        counts += [nan, count(b.call(aten.eq.Scalar, x, -math.inf)), count(b.call(aten.eq.Scalar, x, math.inf))]
+    else:
+        zero = zero or b.call(aten.full.default, [], 0, dtype=acc, device=val.device)
+        counts += [zero, zero, zero]
+    row = b.stack(counts)
+    return row if acc is torch.int64 else b.to(row, torch.int64)
 
 
 def _moments(b: Builder, x: fx.Node) -> fx.Node:
@@ -110,8 +117,9 @@ def summary_row(b: Builder, x: fx.Node, mode: str) -> tuple[fx.Node, fx.Node | N
     val = x.meta["val"]
     if mode == "curt_health":
         if val.is_floating_point():
-            bad = b.call(aten.logical_or.default, b.call(aten.isnan.default, x), b.call(aten.isinf.default, x))
-            count = b.call(aten.sum.default, bad)
+            # x - x is 0 for every finite value, NaN for NaN and +-inf (one vectorised compare).
+            diff = b.call(aten.sub.Tensor, x, x)
+            count = b.call(aten.sum.default, b.call(aten.ne.Scalar, diff, 0))
         else:
             count = b.call(aten.full.default, [], 0, dtype=torch.int64, device=val.device)
         return b.call(aten.unsqueeze.default, count, 0), None
