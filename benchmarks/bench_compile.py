@@ -31,21 +31,26 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_recorder  # noqa: E402  (the same models as the eager benchmark)
 
-MODELS = {"mlp": bench_recorder.make_mlp, "transformer": bench_recorder.make_transformer,
-          "cnn": bench_recorder.make_cnn}
+
+def _batch(x, y=None):
+    """The loss of the benchmark models, as a function of the module that runs the step."""
+    if y is None:
+        return lambda run: run(x).pow(2).mean()
+    return lambda run: nn.functional.cross_entropy(run(x), y)
 
 
-def _batch(name: str):
-    """The benchmark model's batch and loss, as a function of the module that runs it."""
+def _data(shape, classes=None):
     g = torch.Generator().manual_seed(1)
-    if name == "mlp":
-        x, y = torch.randn(256, 784, generator=g), torch.randint(0, 10, (256,), generator=g)
-        return lambda run: nn.functional.cross_entropy(run(x), y)
-    if name == "cnn":
-        x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
-        return lambda run: nn.functional.cross_entropy(run(x), y)
-    x = torch.randn(16, 128, 256, generator=g)
-    return lambda run: run(x).pow(2).mean()
+    x = torch.randn(*shape, generator=g)
+    return _batch(x, None if classes is None else torch.randint(0, classes, (shape[0],), generator=g))
+
+
+# name -> (model and optimizer, as the eager benchmark makes them; the batch's loss)
+MODELS = {
+    "mlp": (bench_recorder.make_mlp, lambda: _data((256, 784), 10)),
+    "transformer": (bench_recorder.make_transformer, lambda: _data((16, 128, 256))),
+    "cnn": (bench_recorder.make_cnn, lambda: _data((32, 3, 32, 32), 10)),
+}
 
 
 # (config, which copy of the model runs, baseline config)
@@ -64,8 +69,9 @@ def _copies(name: str) -> dict:
     import trainguard as tg
 
     torch.manual_seed(0)
-    model, opt, _ = MODELS[name]()
-    loss = _batch(name)
+    make, batch = MODELS[name]
+    model, opt, _ = make()
+    loss = batch()
     out = {}
     for kind, backend in (("eager", None), ("compiled", "inductor"), ("recorded", tg.compile_backend()),
                           ("monitored", "inductor")):

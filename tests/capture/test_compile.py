@@ -131,9 +131,14 @@ def _by_key(run, step=0):
 def test_summaries_inside_the_graph_equal_eager_recording(runs):
     with open_run(runs["compiled"]) as c, open_run(runs["eager"]) as e:
         compiled, eager = _by_key(c), _by_key(e)
-    common = [k for k in compiled if k in eager and k[1] in ("aten.addmm", "aten.mm", "aten.relu", "aten.convolution",
+    # Keys an op holds alone in both runs (the order of equal-looking ops, q/k/v bias gradients
+    # say, differs between the eager and the compiled backward).
+    common = [k for k in compiled if len(compiled[k]) == 1 and len(eager.get(k, ())) == 1 and k[1] in ("aten.addmm", "aten.mm", "aten.relu", "aten.convolution",
                                                             "aten.sum.dim_IntList", "aten.max_pool2d_with_indices",
                                                             "aten.mul.Tensor", "aten.add.Tensor")]
+    # The key projection's gradients are zero up to rounding (softmax ignores a shift of the
+    # keys): their signs are noise, different in every implementation.
+    common = [k for k in common if not (k[0] == "backward" and k[2] == "self_attn")]
     phases = {k[0] for k in common}
     assert {"forward", "backward"} <= phases, sorted(compiled)[:40]
     checked = 0
@@ -267,7 +272,7 @@ def test_a_model_compiled_before_recording_is_recorded_whole_and_the_report_says
         assert run.count(op="compiled_graph.0 backward", phase="backward") == 2
         assert {g["graph"] for g in run.meta["compiled_opaque"]} == {"0 forward", "0 backward"}
     assert main(["report", str(tmp_path / "r")]) == 0
-    out = " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the panel wraps lines
     assert "compiled before the recording started" in out and "graph 0 forward (2 calls" in out
     assert main(["report", str(tmp_path / "r"), "--json"]) == 0
     torch._dynamo.reset()
@@ -398,3 +403,47 @@ def test_module_paths_and_stack_traces_from_node_metadata():
             '  File "/a/model.py", line 3, in forward\n    return self.fc(x)\n           ^^^^\n')
     assert parse_stack_trace(text) == (("/a/train.py", 10, "step"), ("/a/model.py", 3, "forward"))
     assert parse_stack_trace(None) == ()
+
+
+SCRIPT = '''
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = torch.compile(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(5, 6)
+onehot = nn.functional.one_hot(torch.arange(5) % 3, 3).float()
+for step in range(2):
+    opt.zero_grad()
+    probs = torch.softmax(model(x) * (1.0 if step == 0 else 1e4), dim=1)
+    loss = -(onehot * torch.log(probs)).sum(dim=1).mean()
+    loss.backward()
+    opt.step()
+'''
+
+
+@pytest.mark.timeout(600)
+def test_trainguard_run_records_inside_an_unmodified_compiled_script(tmp_path, capsys):
+    import json
+
+    from trainguard.cli import main
+
+    torch._dynamo.reset()
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    assert main(["run", "--logdir", str(tmp_path / "r"), "--buffer", "-1", str(script)]) == 0
+    torch._dynamo.reset()
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "r"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    inside = {g["graph"].split()[-1] for g in rep["compiled"]["recorded_inside"]}
+    assert inside == {"forward", "backward"} and not rep["compiled"]["opaque"]
+    with open_run(tmp_path / "r") as run:
+        addmm = run.executions(0, None, op="addmm", phase="forward")
+        assert len(addmm) == 4 and {a["module"] for a in addmm} == {"0", "2"}
+        assert run.count(op="mm", phase="backward") >= 4
+    # The log is eager in this script; the NaN's origin is found across the compiled graph's output.
+    link = rep["origin"]["origin"]
+    assert link["op"] == "aten.log" and link["line"] == SCRIPT.splitlines().index(
+        "    loss = -(onehot * torch.log(probs)).sum(dim=1).mean()") + 1

@@ -148,7 +148,7 @@ def _summary_mode(forced: str | None) -> tuple[str, Any, Any]:
     r = _compile_run.active
     mode = forced or (r.mode if r is not None else "full_health")
     if r is not None and r.check and mode == "curt_health":
-        mode = "concise_health"  # check_numerics names NaN, +inf and -inf apart
+        mode = "full_health"  # check_numerics names NaN, +inf and -inf apart, and its inputs' zeros
     return mode, (r.ops_pattern if r is not None else None), (r.dtypes if r is not None else None)
 
 

@@ -20,9 +20,10 @@ import torch
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _steps
 from trainguard.capture._compile_graph import GraphPlan
+from trainguard.capture._compile_numerics import first_bad, numerics_message
 from trainguard.capture._summary import summarize_deferred, summarize_immediate, unknown_summary
 from trainguard.store import MODE_FIELDS
-from trainguard.store._codec import health_names, health_of
+from trainguard.store._codec import health_of
 
 log = logging.getLogger("trainguard.capture")
 
@@ -65,6 +66,7 @@ class RecordedGraph:
         self.metas: dict = {}  # shape-symbol values -> outputs per op (dynamic shapes)
         self.static_metas = None if plan.dynamic else tuple(t.outputs for t in plan.ops)
         self.fwd_of: list | None = None  # backward: forward op index per op
+        self.where: tuple | None = None  # backward: modules and stacks for the last forward's
 
     def __call__(self, args):
         r = active
@@ -243,11 +245,13 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
         if r.check or matrix.is_cpu:
             bad = bool(flag)  # CPU: no device to wait for; check_numerics: may synchronise
         if bad and r.check:
-            last = _first_bad(plan, matrix.tolist()) + 1
+            last = first_bad(plan, matrix.tolist()) + 1
         if fields:
             _ship(r, key, matrix, plan.mode)
         else:
             key = None
+    if r.writer is None:  # check_numerics without a run directory: nothing to keep
+        last = last if bad and r.check else 0
     pending = r.pending
     in_opt = _clock.in_optimizer
     # A training graph runs inside an autograd.Function's forward, where grad mode is off.
@@ -293,10 +297,10 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
     if bad:
         r.pending_bad = True
     if bad and r.check:
-        k = last - 1
+        k = first_bad(plan, matrix.tolist())
         r.flush()
         t = ops[k]
-        raise NonFiniteError(_numerics_message(g, r, k, matrix.tolist(), mids[k], sids[k], refs, base, fw if backward else None),
+        raise NonFiniteError(numerics_message(g, r, k, matrix.tolist(), mids[k], sids[k], refs, base, fw if backward else None),
                              execution={"seq": base + k, "op": t.name, "phase": "backward" if backward else "forward"})
     producers = r.producers
     for i, o in enumerate(out):
@@ -306,10 +310,9 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
             _register(r, producers, o, base + k, ops[k].name, sids[k], None)
             if r.mode == "full_tensor" and r.writer is not None and ops[k].wanted:
                 r.writer.put_payload_tensor(base + k, po[1], o.detach().to("cpu", copy=True))
-    if backward is False:
+    if not backward:
         g.pair.last_fw = (base, mids, sids)
     if r.writer is None:
-        del pending[len(pending) - recorded:]  # check_numerics without a run directory keeps nothing
         return
     n = len(pending)
     if n >= FLUSH_RECORDS or r.pending_bad or _monotonic() - r.last_flush > FLUSH_SECONDS:
@@ -321,10 +324,15 @@ def _backward_where(g: RecordedGraph, r, fw) -> tuple[tuple, tuple]:
     ops = g.plan.ops
     if fw is None:
         return (None,) * len(ops), _stack_ids(g, r, None)
+    # The forward's per-op tuples are cached objects (one per calling module and stack).
+    hit = g.where
+    if hit is not None and hit[0] is fw[1] and hit[1] is fw[2]:
+        return hit[2], hit[3]
     fwd_of = g.fwd_of
     own = _stack_ids(g, r, None)
     mids = tuple(fw[1][j] if j is not None else None for j in fwd_of)
     sids = tuple(fw[2][j] if j is not None else own[k] for k, j in enumerate(fwd_of))
+    g.where = (fw[1], fw[2], mids, sids)
     return mids, sids
 
 
@@ -361,76 +369,6 @@ def convert(matrix: torch.Tensor, have: tuple[str, ...], want: tuple[str, ...]) 
             else:
                 cols.append(torch.full_like(matrix[:, 0], math.nan))
         return torch.stack(cols, dim=1) if cols else matrix[:, :0]
-
-
-def _first_bad(plan: GraphPlan, rows: list) -> int:
-    fields = MODE_FIELDS[plan.mode]
-    for k, t in enumerate(plan.ops):
-        if t.wanted and any(row is not None and health_of(fields, rows[row]) for row in t.rows):
-            return k
-    return len(plan.ops) - 1
-
-
-def describe_row(fields: tuple[str, ...], row: list[float]) -> str:
-    """``1280 values, 46 -inf, 1234 negative``: a summary row as check_numerics words it."""
-    if not fields:
-        return "no summary"
-    v = dict(zip(fields, row))
-    if "size" not in v:
-        return "holds NaN or Inf" if v.get("nonfinite") else "finite"
-    n = int(v["size"])
-    parts = [f"{n} value{'s' if n != 1 else ''}"]
-    for key, word in (("nan", "NaN"), ("pos_inf", "+inf"), ("neg_inf", "-inf"), ("zero", "zero"), ("neg", "negative"),
-                      ("pos", "positive")):
-        c = v.get(key)
-        if c is not None and c == c and c:
-            c = int(c)
-            parts.append(f"{c} {word}{'s' if word == 'zero' and c != 1 else ''}")
-    return ", ".join(parts)
-
-
-def _numerics_message(g: RecordedGraph, r, k: int, rows: list, mid, sid, refs, base, fw) -> str:
-    from trainguard.capture._recorder import _op_display, _short_path, _source_line, _user_frame
-
-    plan = g.plan
-    t = plan.ops[k]
-    fields = MODE_FIELDS[plan.mode]
-    health = 0
-    for row in t.rows:
-        if row is not None:
-            health |= health_of(fields, rows[row])
-    what = "/".join(health_names(health))
-    op = t.name.replace(".default", "")
-    backward = plan.kind == "backward"
-    j = g.fwd_of[k] if backward and g.fwd_of else None
-    fwd_op = g.pair.fw.ops[j].name if j is not None and g.pair.fw is not None else None
-    if fwd_op is not None:
-        op += f" (in the backward of {_op_display(fwd_op)})"
-    first = next((row for row in t.rows if row is not None), None)
-    detail = f" ({describe_row(fields, rows[first])})" if first is not None else ""
-    lines = [f"{op} produced {what} in step {_clock.step}, {'backward' if backward else 'forward'} pass, "
-             f"inside the compiled graph {g.label}{detail}"]
-    mod = r.modules.module_of_id().get(mid) if mid is not None else None
-    lines.append(f"  module: {mod[0] or '(root)'} ({mod[1]})" if mod else "  module: outside any nn.Module")
-    fr = _user_frame(r.stacks.frames(sid))
-    if fr is not None:
-        src = _source_line(fr[0], fr[1])
-        lead = "  created by the forward op at" if fwd_op is not None else "  at"
-        lines.append(f"{lead} {_short_path(fr[0])}:{fr[1]} in {fr[2]}" + (f": {src}" if src else ""))
-    for i, (kind, j) in enumerate(t.inputs):
-        if kind == "n":
-            src_op = plan.ops[j]
-            row = next((x for x in src_op.rows if x is not None), None)
-            where = _user_frame(list(src_op.frames))
-            at = f" from {_short_path(where[0])}:{where[1]}" if where else ""
-            vals = describe_row(fields, rows[row]) if row is not None else "no summary"
-            lines.append(f"  input {i} = {_op_display(src_op.name)} output{at}: {vals}")
-        elif kind == "p" and refs[j] is not None:
-            ref = refs[j]
-            who = f"{ref[0]} {ref[1]!r}" if ref[0] in ("param", "buffer") else (
-                f"output of execution #{ref[1]}" if ref[0] == "op" else "user input")
-            lines.append(f"  input {i} = {who} (a graph input)")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- graphs compiled before recording

@@ -445,6 +445,7 @@ class Monitor:
         if on:
             self._hooks_pinned = True
             self._set_layer_hooks(True)
+            self._set_discovery(self._auto)
 
     def _on_layer(self, layer: Layer, args, output, grad: bool | None = None) -> None:
         if not self._recording or not (torch.is_grad_enabled() if grad is None else grad) or layer.seen_step == self._cur:
@@ -532,8 +533,9 @@ class Monitor:
         self._grads.unhook_params()
         if self._recording:
             self._grads.hook_params(self._all_params(), lambda: self._cur)
-        # Roots are looked for while none is known, and at recording steps (a model built later).
-        self._set_discovery(self._auto and (self._recording or not self._roots))
+        # Roots are looked for while none is known, and at recording steps (a model built later);
+        # once Dynamo compiles, always: it guards on whether global hooks exist.
+        self._set_discovery(self._auto and (self._recording or not self._roots or self._hooks_pinned))
 
     def _finish_step(self, s: int) -> None:
         values: dict[str, Any] = {}
