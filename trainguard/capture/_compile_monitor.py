@@ -80,25 +80,32 @@ def unlisten(tok: int, fn: Callable) -> None:
 
 # ---------------------------------------------------------------------- hooks present at compile time
 _monitors: weakref.WeakSet = weakref.WeakSet()
-_registered = False
 
 
-def watch(monitor) -> None:
+def watch(monitor) -> bool:
     """Around every Dynamo compilation, ``monitor.compiling(True/False)`` (installs its layer
-    hooks so that they are traced). Registered once Dynamo is imported: a program that never
-    compiles never imports it."""
-    global _registered
+    hooks so that they are traced). Registered once Dynamo is imported (a program that never
+    compiles never imports it), and again after ``torch._dynamo.reset()``, which clears it.
+    Returns whether Dynamo is imported: then the monitor keeps its hooks (a model compiled in
+    this step would otherwise be traced with hooks that the next step removes)."""
     _monitors.add(monitor)
-    if _registered or "torch._dynamo" not in sys.modules:
-        return
+    if "torch._dynamo" not in sys.modules:
+        return False
     from torch._dynamo.callback import callback_handler
 
     with _lock:
-        if _registered:
-            return
-        _registered = True
-        callback_handler.register_start_callback(lambda args: _each(True))
-        callback_handler.register_end_callback(lambda args: _each(False))
+        if _on_start not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(_on_start)
+            callback_handler.register_end_callback(_on_end)
+    return True
+
+
+def _on_start(args) -> None:
+    _each(True)
+
+
+def _on_end(args) -> None:
+    _each(False)
 
 
 def unwatch(monitor) -> None:

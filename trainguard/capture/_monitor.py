@@ -527,7 +527,8 @@ class Monitor:
         self._begin_step(new_step)
 
     def _begin_step(self, step: int) -> None:
-        _compile_monitor.watch(self)  # a no-op until Dynamo is imported, then registers once
+        if _compile_monitor.watch(self):  # Dynamo is imported: something may be compiled
+            self._hooks_pinned = True
         self._recording = step % self.every == 0
         self._set_layer_hooks(self._recording or self._hooks_pinned)
         self._grads.unhook_params()
