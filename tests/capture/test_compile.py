@@ -185,6 +185,23 @@ def test_ops_inside_graphs_have_lines_modules_and_producers(tmp_path):
         assert grad_producer["phase"] == "backward"
 
 
+def test_a_graph_recorded_again_by_a_second_recording(tmp_path):
+    torch._dynamo.reset()
+    model, x = _model("mlp")
+    compiled = torch.compile(model, backend=tg.compile_backend(inner="aot_eager"))
+    for name in ("first", "second"):
+        with tg.record(tmp_path / name, buffer=-1, mode="concise_health" if name == "second" else "full_health"):
+            _train(compiled, model.parameters(), x, steps=1)
+    with open_run(tmp_path / "second") as run:  # module and stack ids are this run's own
+        fwd = run.executions(0, None, op="addmm", phase="forward")
+        assert [d["module"] for d in fwd] == ["fc1", "fc2"]
+        assert run.user_frame(fwd[0]["stack_id"])["lineno"] == line_of("MARK-FC1")
+        assert set(fwd[0]["outputs"][0]["summary"]) == {"size", "neg_inf", "pos_inf", "nan"}  # converted
+        bwd = run.execution(run.executions(0, None, op="mm", phase="backward")[0]["seq"])
+        assert run.execution(bwd["fwd_seq"])["phase"] == "forward"
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------------- a NaN made inside a compiled graph
 def cross_entropy(logits, onehot):
     probs = torch.softmax(logits, dim=1)

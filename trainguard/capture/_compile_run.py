@@ -61,12 +61,20 @@ class RecordedGraph:
         self.plan = plan
         self.pair = pair
         self.label = f"{pair.label} {plan.kind}"
-        self.mods: dict = {}  # current module id at the call -> module id per op
-        self.sids: dict = {}  # stack id at the call -> stack id per op
         self.metas: dict = {}  # shape-symbol values -> outputs per op (dynamic shapes)
         self.static_metas = None if plan.dynamic else tuple(t.outputs for t in plan.ops)
         self.fwd_of: list | None = None  # backward: forward op index per op
+        self.bind(None)
+
+    def bind(self, recorder) -> None:
+        """Module and stack ids are the recording's own: a graph run under a new recording
+        forgets those of the last."""
+        self.owner = recorder
+        self.mods: dict = {}  # current module id at the call -> module id per op
+        self.sids: dict = {}  # stack id at the call -> stack id per op
         self.where: tuple | None = None  # backward: modules and stacks for the last forward's
+        if self.plan.kind != "backward":
+            self.pair.last_fw = None
 
     def __call__(self, args):
         r = active
@@ -81,12 +89,14 @@ class RecordedGraph:
         return getattr(self.compiled, name)
 
 
-def input_refs(r, args, names=(), prefix: str | None = None) -> list:
+def input_refs(r, args, names=(), cur: int | None = None) -> list:
     """Where each graph input comes from, as the eager recorder names inputs. Parameters and
-    buffers of a compiled module are named here: its modules never run eagerly."""
+    buffers of a compiled module are named here (relative to the module ``cur`` the graph was
+    called in): its modules never run eagerly."""
     named = r.modules.named_tensors
     producers = r.producers
     refs = []
+    prefix = False
     for i, a in enumerate(args):
         if not isinstance(a, _Tensor):
             refs.append(None)
@@ -98,6 +108,9 @@ def input_refs(r, args, names=(), prefix: str | None = None) -> list:
             continue
         n = names[i] if i < len(names) else None
         if n is not None:
+            if prefix is False:  # once per call that names something new
+                entry = r.modules.module_of_id().get(cur) if cur is not None else None
+                prefix = entry[0] if entry else ""
             name = f"{prefix}.{n[1]}" if prefix else n[1]
             named[key] = (weakref.ref(a), name, n[0])
             refs.append((n[0], name))
@@ -105,13 +118,6 @@ def input_refs(r, args, names=(), prefix: str | None = None) -> list:
         p = producers.get(key)
         refs.append(("op", p[1]) if p is not None and p[0]() is a else ("input", None))
     return refs
-
-
-def _module_path(r, mid: int | None) -> str | None:
-    if mid is None:
-        return None
-    entry = r.modules.module_of_id().get(mid)
-    return entry[0] if entry else None
 
 
 def _module_ids(g: RecordedGraph, r, cur: int | None) -> tuple:
@@ -185,7 +191,9 @@ def record_call(g: RecordedGraph, r, args):
     if not backward:
         cur = r.modules.current()
         outer_sid = r.stacks.capture(3)
-    refs = input_refs(r, args, plan.input_names, _module_path(r, cur) if plan.input_names else None)
+    if g.owner is not r:
+        g.bind(r)
+    refs = input_refs(r, args, plan.input_names, cur)
     metas = _metas(g, args)
     # The dispatch mode lets ops pass while this is set: the compiled code's own (extern kernels),
     # and the few this recording makes (reading the flag, starting a copy).
