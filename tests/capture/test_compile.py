@@ -343,6 +343,22 @@ def test_a_graph_break_in_user_code_stays_one(tmp_path):
     torch._dynamo.reset()
 
 
+@pytest.mark.timeout(600)
+def test_check_numerics_keeps_the_graph_and_passes_a_clean_step():
+    def steps(check: bool):
+        model, x = _model("mlp")
+        compiled = torch.compile(model)  # Inductor
+        if check:
+            with tg.check_numerics():
+                return _train(compiled, model.parameters(), x, steps=2)
+        return _train(compiled, model.parameters(), x, steps=2)
+
+    plain = _dynamo_counts(lambda: steps(False))
+    checked = _dynamo_counts(lambda: steps(True))
+    assert plain["stats"]["unique_graphs"] == 1 and checked == plain
+    torch._dynamo.reset()
+
+
 class Seq(nn.Module):
     def __init__(self):
         super().__init__()

@@ -80,7 +80,7 @@ def test_script_exception_keeps_traceback_and_exit_code(tmp_path, capsys):
     from trainguard.store import open_run
 
     run = open_run(tmp_path / "r")
-    assert run.status == "finished" and run.count(op="exp") == 1
+    assert run.status == "crashed" and run.count(op="exp") == 1
 
 
 def test_script_exit_code_and_argv(tmp_path, capsys):

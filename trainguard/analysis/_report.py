@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainguard.analysis._origin import origin
+from trainguard.analysis._outcome import script_outcome, with_outcome
 from trainguard.store import Run
 
 # Lines of source shown around each frame of the origin.
@@ -60,7 +61,7 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "run": str(run.path),
         "status": run.status,
         "meta": {k: meta.get(k) for k in ("mode", "buffer", "created", "ended", "argv", "torch", "trainguard",
-                                           "exit_code", "error", "dropped", "writer_error", "record_errors", "ops_filter",
+                                           "exit_code", "error", "crash_step", "dropped", "writer_error", "lost", "record_errors", "ops_filter",
                                            "dtypes_filter", "executions", "recorded", "compiled_graphs",
                                            "full_tensor_compiled")},
         "counts": {
@@ -73,8 +74,10 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
             "top_ops": run.op_counts()[:10],
         },
         "alerts": alerts,
+        "damaged": run.damaged,
         "origin": origin_data,
         "compiled": compiled_summary(run),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
-        "findings": [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])],
+        "crash": script_outcome(meta),
+        "findings": with_outcome(meta, [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])]),
     }

@@ -97,7 +97,9 @@ def _header(report: dict) -> Panel:
     t.add_column()
     t.add_row("run", report["run"])
     status = report["status"]
-    if status == "running":
+    if status == "running" and meta.get("lost"):
+        status = "incomplete: its writer stopped storing it (see the writer error)"
+    elif status == "running":
         status += " (still being written, or its process was killed: shows everything up to the last flush)"
     t.add_row("status", status + (f" — {meta['error']}" if meta.get("error") else ""))
     t.add_row("recorded", f"{when}, mode {meta.get('mode')}, buffer {meta.get('buffer')}")
@@ -109,8 +111,12 @@ def _header(report: dict) -> Panel:
     dropped = meta.get("dropped") or 0
     t.add_row("dropped", Text(f"{dropped:,} records dropped under back-pressure", style="bold red") if dropped
               else Text("none", style="green"))
+    if report.get("damaged"):
+        t.add_row("damaged", Text("rows that cannot be decoded were skipped: " + ", ".join(
+            f"{n:,} in {table}" for table, n in report["damaged"].items()), style="red"))
     if meta.get("writer_error"):
-        t.add_row("writer error", Text(str(meta["writer_error"]), style="red"))
+        lost = f"; {meta['lost']:,} executions were not stored" if meta.get("lost") else ""
+        t.add_row("writer error", Text(str(meta["writer_error"]) + lost, style="bold red"))
     compiled = report.get("compiled")
     if compiled:
         inside = compiled["recorded_inside"]
@@ -213,6 +219,8 @@ def _findings(report: dict) -> Any:
 
 
 def render_report(con: Console, report: dict) -> None:
+    if report.get("crash"):  # first, before anything that could read as a finished run
+        con.print(Text(report["crash"]["text"], style="bold red"), soft_wrap=True)
     con.print(_header(report))
     con.print(_alerts(report))
     o = _origin(report)

@@ -16,6 +16,9 @@ SCHEMA_VERSION = 2  # 2: full tensors in segment files (payloads.byte_offset, nb
 # keeps exactly ``buffer``.
 EVICTION_SLACK = 10_000
 DB_NAME = "run.sqlite"
+# Beside the database, one per sink: where a sink that can no longer write the database says
+# why and how much it did not store (reserved when the sink starts, so a full disk has room).
+WRITER_STATUS_PREFIX = DB_NAME + "-writer-"
 
 PHASES = ("forward", "backward", "optimizer", "other")
 PHASE_ID = {name: i for i, name in enumerate(PHASES)}

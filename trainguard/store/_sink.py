@@ -28,12 +28,20 @@ import marshal
 import os
 import select
 import signal
+import sqlite3
 import struct
 import sys
 import time
 from pathlib import Path
 
-from trainguard.store._codec import DB_NAME, EVICTION_SLACK, MODE_FIELDS, PHASE_ID, health_of
+from trainguard.store._codec import (
+    DB_NAME,
+    EVICTION_SLACK,
+    MODE_FIELDS,
+    PHASE_ID,
+    WRITER_STATUS_PREFIX,
+    health_of,
+)
 from trainguard.store._schema import connect
 
 log = logging.getLogger("trainguard.store")
@@ -43,6 +51,8 @@ MAX_SOURCE_BYTES = 2_000_000
 
 _plain_dumps = json.JSONEncoder(separators=(",", ":")).encode
 _HEADER = struct.Struct("<I")
+# Size of the status file a sink reserves beside the database (see WRITER_STATUS_PREFIX).
+_STATUS_BYTES = 4096
 
 
 class Sink:
@@ -57,6 +67,11 @@ class Sink:
         self.configure(mode, buffer)
         self.flush_interval = flush_interval
         self.failed: str | None = None
+        # Set once the database cannot be written (a full disk): nothing more is stored, and
+        # ``lost`` counts the executions received since the last commit that made it.
+        self.stopped: str | None = None
+        self.lost = 0
+        self._received = 0
         self.op_ids: dict[str, int] = {}
         self.file_ids: dict[str, int] = {}
         self.frame_ids: dict[tuple, int] = {}
@@ -69,6 +84,7 @@ class Sink:
         # Segment files of full tensors this sink's writer made, and the one it appends to.
         self.segments: set[str] = set()
         self.open_segment: str | None = None
+        self._status = _reserve_status(self.run_dir)
         self.con = connect(self.run_dir / DB_NAME, create=True)
         self.con.execute("BEGIN")
         self.last_commit = time.monotonic()
@@ -81,6 +97,10 @@ class Sink:
     # ------------------------------------------------------------------ dispatch
     def handle(self, msg: tuple) -> None:
         """Apply one message; a failure is recorded in the run and never stops the sink."""
+        if self.stopped is not None:
+            if msg[0] == "exec":
+                self.lost += len(msg[1])
+            return
         try:
             getattr(self, "_m_" + msg[0])(*msg[1:])
         except Exception as exc:  # observing training never kills training
@@ -92,19 +112,72 @@ class Sink:
         return time.monotonic() - self.last_commit >= self.flush_interval or self.rows_since_commit > 50_000
 
     def commit(self, final: bool = False) -> None:
+        """Commit what arrived; a database that cannot be written stops the sink, never training."""
         con = self.con
-        self._write_window(final)
-        meta = {"last_flush": json.dumps(time.time())}
-        if self.failed:
-            meta["writer_error"] = json.dumps(self.failed)
-        self._m_meta(meta)
-        con.execute("COMMIT")
         self.last_commit = time.monotonic()
+        if self.stopped is None:
+            try:
+                self._write_window(final)
+                meta = {"last_flush": json.dumps(time.time())}
+                if self.failed:
+                    meta["writer_error"] = json.dumps(self.failed)
+                self._m_meta(meta)
+                con.execute("COMMIT")
+                self._received = 0
+            except (sqlite3.Error, OSError) as exc:
+                self._stop(exc)
+        elif final:
+            self._record_stop()  # the final count of what was not stored
         self.rows_since_commit = 0
         if final:
             con.close()
-        else:
+            self.release()
+        elif self.stopped is None:
             con.execute("BEGIN")
+
+    def _stop(self, exc: BaseException) -> None:
+        self.stopped = f"the run database could not be written: {exc}"
+        self.lost += self._received
+        self._received = 0
+        log.error("the run database could not be written (%s); training goes on, the run keeps what was "
+                  "committed before", exc)
+        self._record_stop()
+
+    def _record_stop(self) -> None:
+        """Say why and how much in the run: its metadata if SQLite can still commit, and the status file."""
+        con = self.con
+        try:
+            if con.in_transaction:
+                con.execute("ROLLBACK")
+            con.execute("BEGIN")
+            self._m_meta({"writer_error": json.dumps(self.stopped), "lost": json.dumps(self.lost)})
+            con.execute("COMMIT")
+        except (sqlite3.Error, OSError):
+            try:
+                if con.in_transaction:
+                    con.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+        if self._status is not None:
+            doc = json.dumps({"writer_error": self.stopped, "lost": self.lost, "time": time.time()})
+            data = doc.encode()[:_STATUS_BYTES].ljust(_STATUS_BYTES)
+            try:  # in place: the reserved blocks need no new room
+                os.pwrite(self._status[0], data, 0)
+            except OSError as exc:
+                log.error("cannot record the failure beside the run either: %s", exc)
+
+    def release(self) -> None:
+        """Give up the status file: removed unless it says the sink stopped."""
+        if self._status is None:
+            return
+        fd, path = self._status
+        self._status = None
+        os.close(fd)
+        if self.stopped is None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ messages
     def _m_config(self, mode: str, buffer: int) -> None:
@@ -181,6 +254,7 @@ class Sink:
         """
         fields = self.fields
         ring = self.ring
+        self._received += len(records)
         for rec in records:
             health = rec[7]
             summary = rec[10]
@@ -303,6 +377,22 @@ class Sink:
                 self.segments.discard(path)
 
 
+def _reserve_status(run_dir: Path) -> tuple[int, Path] | None:
+    """Create this sink's status file at full size now, while there is room (None if that fails)."""
+    path = run_dir / f"{WRITER_STATUS_PREFIX}{os.getpid()}-{os.urandom(3).hex()}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:
+        return None
+    try:
+        os.write(fd, b" " * _STATUS_BYTES)
+    except OSError:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        return None
+    return fd, path
+
+
 # ---------------------------------------------------------------------- the child process
 def write_frame(fd: int, msg: tuple) -> None:
     data = marshal.dumps(msg)
@@ -310,6 +400,25 @@ def write_frame(fd: int, msg: tuple) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+def _answer(fd: int, sink: Sink) -> None:
+    """Acknowledge a flush or close: b"A", or b"S" and why the sink stopped (the disk may be too full to say it)."""
+    if sink.stopped is None:
+        os.write(fd, b"A")
+        return
+    body = json.dumps({"error": sink.stopped, "lost": sink.lost}).encode()
+    os.write(fd, b"S" + _HEADER.pack(len(body)) + body)
+
+
+def read_answer(stream) -> tuple[str, int] | None:
+    """The parent's side of :func:`_answer`: None when all is well, else (why, executions not stored)."""
+    tag = stream.read(1)
+    if tag != b"S":
+        return None
+    header = stream.read(_HEADER.size)
+    doc = json.loads(stream.read(_HEADER.unpack(header)[0]))
+    return str(doc["error"]), int(doc["lost"])
 
 
 def _read_exactly(fd: int, n: int) -> bytes | None:
@@ -337,15 +446,16 @@ def serve(run_dir: str, fd_in: int = 0, fd_out: int = 1) -> None:
         if body is None:  # the training process is gone: keep what it sent
             sink.commit(final=False)
             sink.con.close()
+            sink.release()
             return
         msg = marshal.loads(body)
         if msg[0] == "close":
             sink.commit(final=True)
-            os.write(fd_out, b"A")
+            _answer(fd_out, sink)
             return
         if msg[0] == "flush":
             sink.commit()
-            os.write(fd_out, b"A")
+            _answer(fd_out, sink)
             continue
         sink.handle(msg)
         if sink.due():

@@ -15,6 +15,8 @@ import os
 import queue
 import secrets
 import socket
+import sqlite3
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -64,13 +66,12 @@ def is_user_file(filename: str) -> bool:
 
 def _check_appendable(db: Path) -> None:
     """An existing run may be appended to only if it is a trainguard run this version can write."""
-    import sqlite3
-
     from trainguard._errors import CorruptRun, SchemaTooNew
     from trainguard.store._codec import SCHEMA_VERSION
+    from trainguard.store._sqlite import uri
 
     try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        con = sqlite3.connect(uri(db, mode="ro"), uri=True)
         try:
             row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         finally:
@@ -89,8 +90,10 @@ class ExecBatch:
 
     ``records`` rows: (seq, step, phase_name, op_name, module_id, stack_id, fwd_seq, health,
     inputs, outputs, summary). ``summary`` is a list of per-output float tuples, or None; an
-    entry ``("d", device, row)`` refers to row ``row`` of the summaries computed on ``device``,
-    and ``deferred`` lists (device, host_tensor, event) whose copy the writer thread waits for.
+    entry ``("d", key, row)`` refers to row ``row`` of a summary matrix computed on a device:
+    ``deferred`` lists (key, host_tensor, event) whose copy the writer thread waits for. The key
+    is the device for the eager recorder's stacked summaries, ``("graph", seq)`` for the matrix
+    of one compiled graph call.
     """
 
     records: list[tuple]
@@ -121,6 +124,7 @@ class RunWriter:
         self.dropped = 0  # executions dropped under back-pressure
         self.dropped_items = 0  # other items dropped
         self.failed: str | None = None
+        self.lost = 0  # executions the sink received but could not store (see Sink.stopped)
         self._closed = False
         self._pid = os.getpid()
         self._q: queue.Queue = queue.Queue(maxsize=queue_items)
@@ -141,7 +145,11 @@ class RunWriter:
             else:
                 for suffix in ("", "-wal", "-shm"):
                     Path(str(db) + suffix).unlink(missing_ok=True)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrainguardError(f"cannot create the run directory {str(self.run_dir)!r}: "
+                                  f"{exc.strerror or exc}") from None
         base = {
             "created": time.time(),
             "pid": os.getpid(),
@@ -160,11 +168,14 @@ class RunWriter:
         base["trainguard"] = __version__
         base.update(meta or {})
         # The schema and the first metadata are written before anything else can fail later.
-        con = connect(db, create=True)
-        with con:
-            con.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
-                            [(k, dumps(v)) for k, v in (base if self.owner else dict(meta or {})).items()])
-        con.close()
+        try:
+            con = connect(db, create=True)
+            with con:
+                con.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                                [(k, dumps(v)) for k, v in (base if self.owner else dict(meta or {})).items()])
+            con.close()
+        except sqlite3.Error as exc:
+            raise TrainguardError(f"cannot write the run database {str(db)!r}: {exc}") from None
 
         self._proc = _start_child(self.run_dir) if process else None
         self.sink = None if self._proc is not None else _local_sink(self.run_dir, flush_interval)
@@ -293,6 +304,8 @@ class RunWriter:
         self._closed = True
         done.wait(120)
         self._thread.join(timeout=10)
+        if self.failed:
+            _failures[self.run_dir.resolve()] = (self.failed, self.lost)
 
     # ------------------------------------------------------------------ writer thread
     def _send(self, msg: tuple) -> None:
@@ -313,12 +326,16 @@ class RunWriter:
         """Commit (``flush``) or commit and close (``close``), waiting for the sink."""
         if self._proc is None:
             self.sink.commit(final=(kind == "close"))
+            if self.sink.stopped is not None:
+                self.failed, self.lost = self.sink.stopped, self.sink.lost
             return
         self._send((kind,))
         try:
-            self._proc.stdout.read(1)
-        except (OSError, ValueError):
-            pass
+            stopped = read_answer(self._proc.stdout)
+        except (OSError, ValueError, struct.error):
+            stopped = None
+        if stopped is not None:
+            self.failed, self.lost = stopped
         if kind == "close":
             try:
                 self._proc.wait(60)
@@ -546,6 +563,22 @@ def write_frame(fd: int, msg: tuple) -> None:
     from trainguard.store._sink import write_frame as _write
 
     _write(fd, msg)
+
+
+def read_answer(stream):
+    from trainguard.store._sink import read_answer as _read
+
+    return _read(stream)
+
+
+# run directory -> (why its writer failed, executions not stored), for the closing line of
+# `trainguard run` when the disk is too full for the run itself to say so
+_failures: dict[Path, tuple[str, int]] = {}
+
+
+def writer_failure(run_dir: str | os.PathLike) -> tuple[str, int] | None:
+    """Why the last writer of ``run_dir`` in this process failed, and how much it did not store."""
+    return _failures.get(Path(run_dir).resolve())
 
 
 # ---------------------------------------------------------------------- one writer per run per process
