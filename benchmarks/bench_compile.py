@@ -26,6 +26,7 @@ import tempfile
 import time
 
 import torch
+import torch._dynamo
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -127,8 +128,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    import torch._dynamo
-
     # Four copies of one model share their code objects: each copy's graphs are another entry in
     # the same cache (a different backend, other parameters), which must not hit the limit.
     torch._dynamo.config.recompile_limit = 64
