@@ -239,6 +239,18 @@ def _autocorr(r: np.ndarray, k: int) -> float:
     return float(np.dot(a, b)) / den if den > 0 else 0.0
 
 
+def _fisher_p(r: np.ndarray) -> float:
+    """Fisher's g test: the chance that white noise puts this large a share of its power into one
+    frequency (the periodogram's largest ordinate over their sum)."""
+    power = np.abs(np.fft.rfft(r))[1:] ** 2
+    m = len(power)
+    total = float(power.sum())
+    if m < 2 or total <= 0:
+        return 1.0
+    g = float(power.max()) / total
+    return min(1.0, m * (1.0 - g) ** (m - 1))
+
+
 @register_rule("loss_oscillating")
 def loss_oscillating(ctx: Context) -> list[Finding]:
     loss = finite_loss(ctx)
@@ -255,6 +267,8 @@ def loss_oscillating(ctx: Context) -> list[Finding]:
     amplitude = float(np.std(r))
     if amplitude < ctx.th.osc_min_amplitude:
         return []
+    if _fisher_p(r) > ctx.th.osc_fisher_p:
+        return []  # no periodic component stands out of the noise
     lags = range(1, len(r) // 6 + 1)  # at least three periods inside the window
     rho = {k: _autocorr(r, k) for k in lags}
     low = min(rho.values())
