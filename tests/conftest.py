@@ -1,4 +1,5 @@
-"""Fixtures shared across packages."""
+"""Fixtures shared across packages; the small real models of ``true_models.py`` are importable
+from every test folder."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import errno
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 class SmallDisk:

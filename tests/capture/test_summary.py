@@ -29,7 +29,8 @@ def reference(a: np.ndarray, mode: str) -> dict:
     out = {
         "size": n, "nan": nan, "pos_inf": pinf, "neg_inf": ninf,
         "neg": int((fin < 0).sum()), "zero": int((fin == 0).sum()), "pos": int((fin > 0).sum()),
-        "nonfinite": 1 if (nan + pinf + ninf) else 0,
+        # curt_health holds the health bits: 1 NaN, 2 +inf, 4 -inf
+        "nonfinite": (1 if nan else 0) | (2 if pinf else 0) | (4 if ninf else 0),
     }
     if n:
         with np.errstate(all="ignore"):
@@ -189,3 +190,26 @@ def test_kernel_counts_exactly_across_chunks(monkeypatch):
     assert _kernels.counts(a) == (True, int((a < 0).sum()), int((a > 0).sum()))
     a[4000] = np.inf
     assert _kernels.counts(a)[0] is False
+
+
+def test_all_counts_kernel_exactly_across_chunks(monkeypatch):
+    monkeypatch.setattr(_kernels, "CHUNK", 1000)
+    a = np.random.default_rng(1).standard_normal(4321).astype(np.float32)
+    a[::7] = 0.0
+    a[::11] = np.nan
+    a[::13] = np.inf
+    a[5::17] = -np.inf
+    fin = a[np.isfinite(a)]
+    want = (int((fin < 0).sum()), int((fin == 0).sum()), int((fin > 0).sum()),
+            int(np.isneginf(a).sum()), int(np.isposinf(a).sum()), int(np.isnan(a).sum()))
+    assert _kernels.all_counts(a) == want
+    assert _kernels.all_counts(a.astype(np.float64)) == want
+
+
+def test_expected_nonfinite_summary_is_the_same_summary():
+    t = torch.randn(50, 40)
+    bad = t.clone()
+    bad[1, 2], bad[3, 4] = float("nan"), -float("inf")
+    for x in (t, bad, t.t(), bad[:1].expand(7, 40)):
+        for mode in ("curt_health", "concise_health", "full_health", "stats"):
+            assert repr(summarize_immediate(x, mode, expect_nonfinite=True)) == repr(summarize_immediate(x, mode))

@@ -92,8 +92,9 @@ def nonfinite_loss(ctx: Context) -> list[Finding]:
     fixes = []
     if origin:
         ev["origin"] = origin
-        fix = op_fix(origin.get("op"))
-        fixes.append(f"the first NaN/Inf came from {where(origin)}: {fix or 'guard that op against 0 and overflow'}")
+        fix = origin.get("fix") or op_fix(origin.get("op"))
+        fixes.append(f"the first harmful NaN/Inf came from {where(origin)}: "
+                     f"{fix or 'guard that op against 0 and overflow'}")
     grad_bad = _first_nonfinite(ctx.grad_norm)
     if grad_bad is not None and grad_bad < step and not origin:
         ev["after_nonfinite_gradients_at"] = grad_bad
@@ -155,8 +156,8 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
     origin = origin_of(ctx.run, before_step=step)
     if origin:
         ev["origin"] = origin
-        fix = op_fix(origin.get("op")) or "guard that op against 0 and overflow"
-        suggestion = f"the first NaN/Inf came from {where(origin)} ({origin.get('phase')} pass): {fix}"
+        fix = origin.get("fix") or op_fix(origin.get("op")) or "guard that op against 0 and overflow"
+        suggestion = f"the first harmful NaN/Inf came from {where(origin)} ({origin.get('phase')} pass): {fix}"
     else:
         suggestion = (
             "the loss was finite, so the NaN/Inf arose in the backward pass: look for sqrt, norm or pow at 0 and "

@@ -41,7 +41,10 @@ def describe_row(fields: tuple[str, ...], row: list[float]) -> str:
 
 
 def numerics_message(g, r, k: int, rows: list, mid, sid, refs, base, fw) -> str:
-    from trainguard.capture._recorder import _op_display, _short_path, _source_line, _user_frame
+    from trainguard.capture._numerics import op_display as _op_display
+    from trainguard.capture._numerics import short_path as _short_path
+    from trainguard.capture._numerics import source_line as _source_line
+    from trainguard.capture._numerics import user_frame as _user_frame
 
     plan = g.plan
     t = plan.ops[k]

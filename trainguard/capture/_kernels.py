@@ -47,6 +47,24 @@ def _build():
             pos += np.float32(1) if x > 0 else np.float32(0)
         return probe, neg, pos
 
+    def all_counts(a):  # pragma: no cover - compiled
+        # For a tensor that holds NaN or Inf: every count in one pass (NaN fails each
+        # comparison; neg and pos here include the infinities).
+        inf = a.dtype.type(np.inf)
+        neg = np.float32(0)
+        pos = np.float32(0)
+        ninf = np.float32(0)
+        pinf = np.float32(0)
+        nan = np.float32(0)
+        for i in range(a.size):
+            x = a[i]
+            neg += np.float32(1) if x < 0 else np.float32(0)
+            pos += np.float32(1) if x > 0 else np.float32(0)
+            ninf += np.float32(1) if x == -inf else np.float32(0)
+            pinf += np.float32(1) if x == inf else np.float32(0)
+            nan += np.float32(1) if x != x else np.float32(0)
+        return neg, pos, ninf, pinf, nan
+
     def shifted_sums(a):  # pragma: no cover - compiled
         # Sums of x - a[0] in float64: shifted by one of its own values, the variance keeps its
         # precision however far the values lie from zero (a[0] is within sqrt(n) std of the mean).
@@ -62,12 +80,15 @@ def _build():
     for cache in (True, False):  # no writable cache directory: compile in memory each run
         try:
             kernel = njit(nogil=True, cache=cache, fastmath={"reassoc", "nsz"})(probe_neg_pos)
+            # No nnan/ninf: the comparisons with NaN and inf must be evaluated as written.
+            full_kernel = njit(nogil=True, cache=cache, fastmath={"reassoc", "nsz"})(all_counts)
             # Only ever called on arrays the probe proved finite: every fast-math flag is safe.
             moments_kernel = njit(nogil=True, cache=cache, fastmath=True)(shifted_sums)
             for dtype in DTYPES:  # compile (or load from the cache) now, not at the first op
                 kernel(np.zeros(3, dtype))
+                full_kernel(np.zeros(3, dtype))
                 moments_kernel(np.ones(3, dtype))
-            return kernel, moments_kernel
+            return kernel, moments_kernel, full_kernel
         except Exception as exc:  # a broken numba must not break recording
             log.debug("trainguard: numba kernel (cache=%s) unavailable: %s", cache, exc)
     log.warning("trainguard: the numba summary kernel failed to build; using NumPy summaries")
@@ -76,15 +97,16 @@ def _build():
 
 _kernel = None
 _moments_kernel = None
+_full_kernel = None
 _built = False
 
 
 def _load():
     """Build on first use: importing numba and loading the kernel take a quarter of a second,
     paid only when a recording needs counts."""
-    global _kernel, _moments_kernel, _built
+    global _kernel, _moments_kernel, _full_kernel, _built
     if not _built:
-        _kernel, _moments_kernel = _build() or (None, None)
+        _kernel, _moments_kernel, _full_kernel = _build() or (None, None, None)
         _built = True
         # numba adds tens of thousands of objects; collect now, at the start of a recording,
         # rather than in a full collection that their number would trigger during training.
@@ -111,6 +133,25 @@ def counts(a: np.ndarray) -> tuple[bool, int, int] | None:
         neg += int(k_neg)
         pos += int(k_pos)
     return finite, neg, pos
+
+
+def all_counts(a: np.ndarray) -> tuple[int, int, int, int, int, int]:
+    """(neg, zero, pos, neg_inf, pos_inf, nan) of a 1-D contiguous array in one compiled pass,
+    neg and pos counting finite values only (only when :func:`available`). Meant for arrays
+    known or expected to hold NaN or Inf: a finite one is proven faster by :func:`counts`."""
+    n = a.size
+    if n <= CHUNK:  # the common case: one call, no slicing (a run that keeps making NaN calls this per op)
+        neg, pos, ninf, pinf, nan = map(int, _full_kernel(a))
+    else:
+        neg = pos = ninf = pinf = nan = 0
+        for start in range(0, n, CHUNK):
+            k = _full_kernel(a[start:start + CHUNK])
+            neg += int(k[0])
+            pos += int(k[1])
+            ninf += int(k[2])
+            pinf += int(k[3])
+            nan += int(k[4])
+    return neg - ninf, n - neg - pos - nan, pos - pinf, ninf, pinf, nan
 
 
 def mean_std(a: np.ndarray) -> tuple[float, float]:

@@ -47,6 +47,7 @@ ALIAS_OPS = frozenset(
 
 
 _STRIDED = torch.strided
+_TensorBase = torch._C.TensorBase
 _FLOAT8 = frozenset(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))
 _QUANTIZED = frozenset(getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
                        if hasattr(torch, name))
@@ -69,7 +70,12 @@ def _plain_values(t: torch.Tensor) -> torch.Tensor:
 
 
 def _exact_counts(t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
-    """(neg, zero, pos, neg_inf, pos_inf, nan) with boolean masks: for the rare non-finite tensor."""
+    """(neg, zero, pos, neg_inf, pos_inf, nan) of a tensor that holds NaN or Inf: one compiled
+    pass, or boolean masks without the kernel. (A run that keeps producing NaN summarises every
+    output this way: six passes with temporaries made such a run several times slower.)"""
+    a = _kernel_input(t)
+    if a is not None:
+        return _kernels.all_counts(a)
     nan = int(torch.isnan(t).sum())
     pinf = int(torch.isposinf(t).sum())
     ninf = int(torch.isneginf(t).sum())
@@ -88,7 +94,9 @@ def _np(t: torch.Tensor):
     if t.dtype not in _NUMPY_DTYPES or t.is_conj() or t.is_neg():
         return None
     try:
-        return t.numpy()
+        # The C method itself: while recording, Tensor.numpy is wrapped to see the program's
+        # reads (capture/_reads.py), and trainguard's own reads are not the program's.
+        return _TensorBase.numpy(t)
     except (RuntimeError, TypeError):
         return None
 
@@ -223,8 +231,18 @@ def _sparse_summary(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     return base + (min(mn, 0.0), max(mx, 0.0), mean_all, math.sqrt(max(var_all, 0.0)))
 
 
-def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
-    """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with)."""
+def _health_bits(t: torch.Tensor) -> float:
+    """curt_health's value for a tensor that is not finite: its health bits (1 NaN, 2 +inf, 4 -inf)."""
+    _, _, _, ninf, pinf, nan = _exact_counts(t)
+    return float((1 if nan else 0) | (2 if pinf else 0) | (4 if ninf else 0))
+
+
+def summarize_immediate(t: torch.Tensor, mode: str, expect_nonfinite: bool = False) -> tuple[float, ...]:
+    """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with).
+
+    ``expect_nonfinite`` (an input is already harmful) counts in the one pass that serves a
+    non-finite tensor, without first proving it finite.
+    """
     if t.requires_grad:
         t = t.detach()
     if t.layout is not _STRIDED:
@@ -236,14 +254,14 @@ def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     if 0 in t.stride():
         base, repeat = _unbroadcast(t)
         if repeat > 1:
-            s = summarize_immediate(base, mode)
+            s = summarize_immediate(base, mode, expect_nonfinite)
             k = _COUNT_FIELDS.get(mode, 0)
             return tuple(v * repeat for v in s[:k]) + s[k:]
     n = t.numel()
     if mode == "curt_health":
         if n == 0 or not t.is_floating_point():
             return (0.0,)
-        return (0.0 if _is_finite(t) else 1.0,)
+        return (0.0 if _is_finite(t) else _health_bits(t),)
     if n == 0:
         return _pack(mode, 0, 0, 0, 0, 0, 0, 0, math.nan, math.nan, math.nan, math.nan)
     if t.dtype == torch.bool:
@@ -256,7 +274,10 @@ def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
             return (float(n), 0.0, 0.0, 0.0)
         neg, zero, pos, ninf, pinf, nan = _exact_counts(t)
         return (float(n), float(ninf), float(pinf), float(nan))
-    counts = _float_counts(t, n) if isfloat else _sign_counts(t, n)
+    if expect_nonfinite and isfloat:
+        counts = None
+    else:
+        counts = _float_counts(t, n) if isfloat else _sign_counts(t, n)
     if counts is not None:
         neg, zero, pos = counts
         ninf = pinf = nan = 0
@@ -264,7 +285,7 @@ def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
         neg, zero, pos, ninf, pinf, nan = _exact_counts(t)
     mn = mx = mean = std = math.nan
     if mode == "stats":
-        mn, mx, mean, std = _moments(t, finite=counts is not None)
+        mn, mx, mean, std = _moments(t, finite=not (ninf or pinf or nan))
     return _pack(mode, n, neg, zero, pos, ninf, pinf, nan, mn, mx, mean, std)
 
 
@@ -293,8 +314,9 @@ def summarize_deferred(t: torch.Tensor, mode: str) -> torch.Tensor:
         ninf = torch.isneginf(t).sum()
     else:
         nan = pinf = ninf = torch.zeros((), dtype=torch.int64, device=dev)
-    if mode == "curt_health":
-        return (nan + pinf + ninf).clamp(max=1).to(torch.float64).reshape(1)
+    if mode == "curt_health":  # the health bits: 1 NaN, 2 +inf, 4 -inf
+        bits = (nan > 0).to(torch.int64) + 2 * (pinf > 0).to(torch.int64) + 4 * (ninf > 0).to(torch.int64)
+        return bits.to(torch.float64).reshape(1)
     size = torch.full((), float(n), dtype=torch.float64, device=dev)
     if mode == "concise_health":
         return torch.stack([size, ninf.double(), pinf.double(), nan.double()])

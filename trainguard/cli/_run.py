@@ -31,11 +31,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--logdir", help="run directory to write (default: runs/<script>-<time>)")
     p.add_argument("--mode", default="full_health", choices=MODES, help="tensor summary mode (default: full_health)")
     p.add_argument("--buffer", type=int, default=1000,
-                   help="keep the last N executions, -1 for all; NaN/Inf ones are always kept (default: 1000)")
+                   help="keep the last N executions, -1 for all; the first harmful NaN/Inf and its chain are "
+                   "always kept (default: 1000)")
     p.add_argument("--ops", help="record only ops whose name matches this regular expression")
     p.add_argument("--dtypes", help="record only executions with an output of these dtypes (comma separated)")
     p.add_argument("--check-numerics", action="store_true",
-                   help="stop with an error at the first op that produces NaN or Inf")
+                   help="stop with an error at the first harmful NaN or Inf, naming where it was made")
+    p.add_argument("--strict", action="store_true",
+                   help="with --check-numerics: stop at any non-finite output, intended -inf masks included")
     p.add_argument("--monitor", action="store_true",
                    help="also record per-layer statistics and diagnose training health")
     p.add_argument("--every", type=int, default=10, help="with --monitor: layer statistics every N steps")
@@ -75,7 +78,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
     try:
         if args.check_numerics:
-            recorder = tg.check_numerics(logdir, mode="full_health", buffer=args.buffer)
+            recorder = tg.check_numerics(logdir, mode="full_health", buffer=args.buffer, strict=args.strict)
         else:
             recorder = tg.record(logdir, mode=args.mode, buffer=args.buffer, ops=args.ops, dtypes=dtypes,
                                  overwrite=args.overwrite)

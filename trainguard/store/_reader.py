@@ -19,11 +19,16 @@ from trainguard.store._codec import (
     PHASES,
     POS_INF,
     SCHEMA_VERSION,
+    T_HARMFUL,
+    T_PENDING,
+    T_UNKNOWN,
+    TAINTS,
     WRITER_STATUS_PREFIX,
     health_names,
     loads,
 )
 from trainguard.store._reader_data import RunData
+from trainguard.store._reader_harm import RunHarm, short_op
 from trainguard.store._sqlite import connect_for_reading
 
 _HEALTH_FILTERS = {
@@ -36,17 +41,19 @@ _HEALTH_FILTERS = {
     "-inf": f"e.health != 0 AND (e.health & {NEG_INF}) != 0",
     "ok": "e.health = 0",
     "finite": "e.health = 0",
+    # By taint (format 3; in older runs every non-finite execution is harmful, none pending).
+    "harmful": f"e.taint = {T_HARMFUL}",
+    "pending": f"e.taint = {T_PENDING}",
+    "unknown": f"e.taint = {T_UNKNOWN}",
 }
+# Before format 3 there is no taint column: what it would have held.
+_LEGACY_TAINT = f"(CASE WHEN e.health != 0 THEN {T_HARMFUL} ELSE 0 END)"
 
 _DIGEST_SQL = (
     "SELECT e.seq, e.step, e.phase, o.name, m.path, m.type, e.health, e.outputs, e.summary, e.stack_id,"
-    " e.fwd_seq FROM executions e JOIN op_types o ON o.id = e.op_id LEFT JOIN modules m ON m.id = e.module_id"
+    " e.fwd_seq, e.taint, e.origin FROM executions e JOIN op_types o ON o.id = e.op_id"
+    " LEFT JOIN modules m ON m.id = e.module_id"
 )
-
-
-def short_op(name: str) -> str:
-    """``aten.log.default`` -> ``aten.log``; other overloads keep their name (``aten.add.Tensor``)."""
-    return name[: -len(".default")] if name.endswith(".default") else name
 
 
 def _merge_writer_status(path: Path, meta: dict[str, Any]) -> None:
@@ -72,7 +79,7 @@ class _Damaged(Exception):
     """A row that cannot be decoded (garbage JSON or summary bytes)."""
 
 
-class Run(RunData):
+class Run(RunHarm, RunData):
     """A recorded run. Lists return small digests (paged with begin/end); details are fetched by id."""
 
     def __init__(self, path: Path, ranks: list[int]):
@@ -107,6 +114,10 @@ class Run(RunData):
         self._ops: dict[int, str] | None = None
         # Touch the main table so a truncated file fails here, not later.
         self._q("SELECT count(*) FROM executions WHERE seq >= (SELECT max(seq) FROM executions)")
+        # Format 3 stores a taint per execution; older runs read as if every non-finite one were harmful.
+        self.tainted = any(r[1] == "taint" for r in self._q("PRAGMA table_info(executions)"))
+        self._digest_sql = _DIGEST_SQL if self.tainted else _DIGEST_SQL.replace(
+            "e.taint, e.origin", f"{_LEGACY_TAINT}, CASE WHEN e.health != 0 THEN e.seq END")
 
     # ------------------------------------------------------------------ plumbing
     def _q(self, sql: str, params: tuple | list = ()) -> list[tuple]:
@@ -165,7 +176,10 @@ class Run(RunData):
         if health is not None:
             if health not in _HEALTH_FILTERS:
                 raise ValueError(f"health must be one of {sorted(_HEALTH_FILTERS)}, got {health!r}")
-            clauses.append(_HEALTH_FILTERS[health])
+            clause = _HEALTH_FILTERS[health]
+            if not self.tainted and "e.taint" in clause:
+                clause = clause.replace("e.taint", _LEGACY_TAINT)
+            clauses.append(clause)
         return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
 
     def count(self, *, step=None, op=None, module=None, phase=None, health=None) -> int:
@@ -188,10 +202,10 @@ class Run(RunData):
         limit = -1 if end is None else end - begin
         if not where:
             # Seek by rank through the primary key: fast paging over millions of rows.
-            sql = _DIGEST_SQL + " WHERE e.seq >= (SELECT seq FROM executions ORDER BY seq LIMIT 1 OFFSET ?)"
+            sql = self._digest_sql + " WHERE e.seq >= (SELECT seq FROM executions ORDER BY seq LIMIT 1 OFFSET ?)"
             sql += " ORDER BY e.seq LIMIT ?"
             return self._digests(self._q(sql, [begin, limit]))
-        sql = _DIGEST_SQL + where + " ORDER BY e.seq LIMIT ? OFFSET ?"
+        sql = self._digest_sql + where + " ORDER BY e.seq LIMIT ? OFFSET ?"
         return self._digests(self._q(sql, params + [limit, begin]))
 
     def index_of(self, seq: int, **filters: Any) -> int:
@@ -228,7 +242,7 @@ class Run(RunData):
 
     def _digest(self, row: tuple) -> dict:
         """One execution's digest; :class:`_Damaged` when its row cannot be decoded."""
-        seq, step, phase, op, mpath, mtype, health, outputs, blob, stack_id, fwd_seq = row
+        seq, step, phase, op, mpath, mtype, health, outputs, blob, stack_id, fwd_seq, taint, origin = row
         try:
             outs = loads(outputs) or []
             sums = self._summaries(blob, len(outs))
@@ -248,6 +262,8 @@ class Run(RunData):
             "health": health_names(health),
             "stack_id": stack_id,
             "fwd_seq": fwd_seq,
+            "taint": TAINTS[taint] if isinstance(taint, int) and 0 <= taint < len(TAINTS) else "finite",
+            "origin": origin,
             "outputs": outputs_list,
         }
 
@@ -263,7 +279,7 @@ class Run(RunData):
 
     def execution(self, seq: int) -> dict:
         """One execution in full: digest, stack frames, inputs with their producers, payloads."""
-        rows = self._q(_DIGEST_SQL + " WHERE e.seq = ?", (int(seq),))
+        rows = self._q(self._digest_sql + " WHERE e.seq = ?", (int(seq),))
         if not rows:
             raise KeyError(f"no execution {seq} in run {self.path.name!r} (evicted by the circular buffer?)")
         try:
@@ -284,7 +300,7 @@ class Run(RunData):
         item: dict[str, Any] = {"slot": slot, "kind": kind}
         if kind == "op":
             item["producer"] = ref
-            rows = self._digests(self._q(_DIGEST_SQL + " WHERE e.seq = ?", (ref,)))
+            rows = self._digests(self._q(self._digest_sql + " WHERE e.seq = ?", (ref,)))
             item["producer_digest"] = rows[0] if rows else None
             if not rows:
                 item["evicted"] = True
@@ -304,7 +320,7 @@ class Run(RunData):
 
     def consumers(self, seq: int, limit: int = 100) -> list[dict]:
         rows = self._q(
-            _DIGEST_SQL + " JOIN edges g ON g.consumer = e.seq WHERE g.producer = ? ORDER BY e.seq LIMIT ?",
+            self._digest_sql + " JOIN edges g ON g.consumer = e.seq WHERE g.producer = ? ORDER BY e.seq LIMIT ?",
             (int(seq), limit),
         )
         return self._digests(rows)
@@ -362,27 +378,6 @@ class Run(RunData):
             "ORDER BY count(*) DESC"
         )
         return [{"op": short_op(n), "count": c} for n, c in rows]
-
-    def steps(self) -> list[dict]:
-        """Per step: first and last sequence number, execution count, non-finite count."""
-        rows = self._q(
-            "SELECT step, min(seq), max(seq), count(*), sum(health != 0) FROM executions GROUP BY step ORDER BY step"
-        )
-        return [{"step": s, "first": a, "last": b, "count": c, "nonfinite": n or 0} for s, a, b, c, n in rows]
-
-    def alerts(self) -> dict:
-        """Non-finite events counted by op type, with the first one of each and overall."""
-        rows = self._q(
-            "SELECT o.name, count(*), min(e.seq) FROM executions e JOIN op_types o ON o.id = e.op_id "
-            "WHERE e.health != 0 GROUP BY o.name ORDER BY min(e.seq)"
-        )
-        by_op = [{"op": short_op(n), "count": c, "first_seq": f} for n, c, f in rows]
-        first = self.first_nonfinite()
-        return {
-            "total": sum(r["count"] for r in by_op),
-            "by_op": by_op,
-            "first_seq": first["seq"] if first else None,
-        }
 
     def first_nonfinite(self) -> dict | None:
         """The first execution (in order) whose output holds NaN or Inf, in full; None if none."""

@@ -5,7 +5,8 @@ A sink runs either inside the writer thread or, for a recording, in a child proc
 row costs about as much Python as capturing it, and in another process that work does not
 compete with training for the GIL. Messages are tuples of plain values (marshal-able):
 
-    ("exec", records)            executions, summaries already resolved to floats
+    ("exec", records[, pins])    executions, summaries already resolved to floats; ``pins``: the
+                                 seqs the circular buffer must keep (None: judge by health)
     ("stack", id, frames)        an interned stack; source files are read here, once
     ("sql", statement, rows)     any other rows, built by the writer thread
     ("payload", seq, slot, path, byte_offset, nbytes, dtype, shape)
@@ -39,6 +40,8 @@ from trainguard.store._codec import (
     EVICTION_SLACK,
     MODE_FIELDS,
     PHASE_ID,
+    T_FINITE,
+    T_HARMFUL,
     WRITER_STATUS_PREFIX,
     health_of,
 )
@@ -81,6 +84,7 @@ class Sink:
         self.in_db: set[int] = set()  # seqs of the window that are rows
         self.pinned: set[int] = set()
         self.pin_updates: list[tuple[int]] = []
+        self.taint_updates: list[tuple[int, int | None, int]] = []  # rows that became harmful after writing
         # Segment files of full tensors this sink's writer made, and the one it appends to.
         self.segments: set[str] = set()
         self.open_segment: str | None = None
@@ -244,16 +248,22 @@ class Sink:
             ids.append(fid)
         self.con.execute("INSERT OR REPLACE INTO stacks(id, frames) VALUES (?, ?)", (stack_id, _plain_dumps(ids)))
 
-    def _m_exec(self, records: list) -> None:
+    def _m_exec(self, records: list, pins: list | None = None) -> None:
         """Keep executions in memory; :meth:`commit` writes those the circular buffer keeps.
 
         With ``buffer=N`` most executions fall out of the window before the next commit: they
         never become rows, which makes a recording's writer several times cheaper than writing
-        and deleting every op. Health is judged on arrival, so that a non-finite execution pins
-        itself and its producers while they are still in memory (or in the database).
+        and deleting every op. ``pins`` name the executions the buffer must keep (the recorder
+        decides: the first harmful chain, the first harmful execution of each op type and step,
+        see docs/recorder.md). A record sent again with a harmful taint (a value that became
+        harmful after it was sent) updates the one kept; a taint never goes back down.
+
+        Records without a taint (11 fields, written by other tools) and batches without
+        ``pins`` are judged here as format 2 did: a non-finite execution is harmful and pins
+        itself and its producers.
         """
         fields = self.fields
-        ring = self.ring
+        ring, in_db = self.ring, self.in_db
         self._received += len(records)
         for rec in records:
             health = rec[7]
@@ -265,12 +275,25 @@ class Sink:
                         health |= health_of(fields, values)
                 rec = rec[:7] + (health,) + rec[8:]
             seq = rec[0]
+            if len(rec) < 13:  # no taint: every non-finite execution is harmful
+                rec = rec[:11] + ((T_HARMFUL, seq) if health else (T_FINITE, None))
+                if health and pins is None:
+                    self._pin(seq)
+                    for kind, ref in rec[8]:
+                        if kind == "op":
+                            self._pin(ref)
+            old = ring.get(seq)
+            if seq in in_db or old is not None:
+                if rec[11] == T_HARMFUL and (old is None or old[11] != T_HARMFUL):
+                    if seq in in_db:
+                        self.taint_updates.append((T_HARMFUL, rec[12], seq))
+                    ring[seq] = rec
+                elif old is not None and seq not in in_db and old[11] != T_HARMFUL:
+                    ring[seq] = rec
+                continue
             ring[seq] = rec
-            if health:
-                self._pin(seq)
-                for kind, ref in rec[8]:
-                    if kind == "op":
-                        self._pin(ref)
+        for seq in pins or ():
+            self._pin(seq)
         self.rows_since_commit += len(records)
 
     def _pin(self, seq: int) -> None:
@@ -293,7 +316,7 @@ class Sink:
         for seq, rec in ring.items():
             if seq in in_db or (seq < cutoff and seq not in pinned):
                 continue
-            _, step, phase, op, module_id, stack_id, fwd_seq, health, inputs, outputs, summary = rec
+            _, step, phase, op, module_id, stack_id, fwd_seq, health, inputs, outputs, summary, taint, origin = rec
             blob = None
             if summary and fields:
                 try:
@@ -306,18 +329,23 @@ class Sink:
                 if kind == "op":
                     edges.append((ref, seq, slot))
             rows.append((seq, step, PHASE_ID[phase], op_id(op), module_id, stack_id, fwd_seq, health,
-                         _plain_dumps(inputs), _plain_dumps(outputs), blob, 1 if seq in pinned else 0))
+                         _plain_dumps(inputs), _plain_dumps(outputs), blob, 1 if seq in pinned else 0, taint, origin))
             in_db.add(seq)
             if seq > self.max_seq:
                 self.max_seq = seq
         con = self.con
         if rows:
-            con.executemany("INSERT OR REPLACE INTO executions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            con.executemany("INSERT OR REPLACE INTO executions(seq, step, phase, op_id, module_id, stack_id, fwd_seq, "
+                            "health, inputs, outputs, summary, pinned, taint, origin) "
+                            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
         if edges:
             con.executemany("INSERT INTO edges(producer, consumer, slot) VALUES (?, ?, ?)", edges)
         if self.pin_updates:
             con.executemany("UPDATE executions SET pinned = 1 WHERE seq = ?", self.pin_updates)
             self.pin_updates = []
+        if self.taint_updates:
+            con.executemany("UPDATE executions SET taint = ?, origin = ? WHERE seq = ?", self.taint_updates)
+            self.taint_updates = []
         if keep <= 0:  # keep all: everything is a row now
             ring.clear()
             in_db.clear()
