@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from trainguard.capture import _compile_run
+from trainguard.capture import _compile_opaque, _compile_run
 from trainguard.capture._compile_graph import input_names, instrument
 from trainguard.capture._compile_run import Pair, RecordedGraph
 
@@ -242,7 +242,7 @@ def _opaque_call(self, inputs):
     kw = getattr(self, "fx_kwargs", None) or {}
     kind = "backward" if kw.get("is_backward") else ("inference" if kw.get("is_inference") else "forward")
     label = f"{kw.get('graph_id', '?')} {kind}"
-    return _compile_run.record_opaque(r, label, functools.partial(_saved["graph_call"], self), inputs)
+    return _compile_opaque.record_opaque(r, label, functools.partial(_saved["graph_call"], self), inputs)
 
 
 def _wrapper_call(self, model_, inputs_, *args, **kwargs):

@@ -20,6 +20,7 @@ from torch import fx
 
 from trainguard.capture._compile_summary import Builder, finish, summarisable, summary_row
 from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS
+from trainguard.capture._taint import DEFAULT, OVERWRITE_OPS, classify
 from trainguard.store import MODE_FIELDS
 
 # An alias op's output holds the values of this argument (0 unless listed).
@@ -96,6 +97,11 @@ class OpTemplate:
     module: tuple[str, str | None] | None  # (path relative to the graph's root, type name)
     frames: tuple[tuple[str, int, str], ...]
     seq_nr: int | None  # autograd sequence number (pairs backward nodes with forward ones)
+    # How its outputs' taint follows from its inputs' (capture/_taint): its class, whether it
+    # overwrites its first input, whether it writes into it.
+    cls: int = DEFAULT
+    overwrite: bool = False
+    inplace: bool = False
 
 
 @dataclass
@@ -246,10 +252,12 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
                     row_of[tnode] = r
             out_rows.append(r)
         seq_nr = node.meta.get("seq_nr")
+        is_view, inplace = _aliasing(node.target)
         plan.ops.append(OpTemplate(
             name=name, wanted=wanted, inputs=tuple(inputs), outputs=tuple(metas), rows=tuple(out_rows),
             module=_module(node, mod_key), frames=parse_stack_trace(node.meta.get("stack_trace")),
             seq_nr=seq_nr if isinstance(seq_nr, int) else None,
+            cls=classify(name, is_view), overwrite=name in OVERWRITE_OPS, inplace=inplace,
         ))
         if kind != "backward" and isinstance(seq_nr, int) and seq_nr not in plan.fwd_index:
             plan.fwd_index[seq_nr] = k  # the first op of a sequence number made its autograd node
@@ -267,6 +275,16 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
         graph.lint()
         gm.recompile()
     return plan
+
+
+def _aliasing(target) -> tuple[bool, bool]:
+    """(is a view, writes into its first input) from an op's schema, as the eager recorder reads it."""
+    try:
+        schema = target._schema
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        return bool(target.is_view), first is not None and first.is_write
+    except Exception:  # not an OpOverload with a schema
+        return False, False
 
 
 def _input_name(ph: fx.Node, names: list | None):

@@ -1,25 +1,19 @@
 """check_numerics on a compiled graph: which op of the graph went non-finite, in words.
 
 The graph has run to its end when its summary matrix is read (one synchronisation per graph
-call, not per op); the first op in graph order with a non-finite output is the one named, with
-its module, the user's line and its inputs' summaries (intermediate tensors of a compiled graph
-do not exist outside it: their summary rows describe them).
+call, not per op); the first op in graph order whose output is harmful (``capture/_taint``; with
+``strict``, not finite) is the one named, with its module, the user's line and its inputs'
+summaries (intermediate tensors of a compiled graph do not exist outside it: their summary rows
+describe them), and, when the value was made earlier (an inf), the op that made it.
 """
 
 from __future__ import annotations
 
 from trainguard.capture import _steps
 from trainguard.capture._compile_graph import GraphPlan
+from trainguard.capture._numerics import op_display, short_path, source_line, user_frame
 from trainguard.store import MODE_FIELDS
 from trainguard.store._codec import health_names, health_of
-
-
-def first_bad(plan: GraphPlan, rows: list) -> int:
-    fields = MODE_FIELDS[plan.mode]
-    for k, t in enumerate(plan.ops):
-        if t.wanted and any(row is not None and health_of(fields, rows[row]) for row in t.rows):
-            return k
-    return len(plan.ops) - 1
 
 
 def describe_row(fields: tuple[str, ...], row: list[float]) -> str:
@@ -40,18 +34,44 @@ def describe_row(fields: tuple[str, ...], row: list[float]) -> str:
     return ", ".join(parts)
 
 
-def numerics_message(g, r, k: int, rows: list, mid, sid, refs, base, fw) -> str:
-    from trainguard.capture._numerics import op_display as _op_display
-    from trainguard.capture._numerics import short_path as _short_path
-    from trainguard.capture._numerics import source_line as _source_line
-    from trainguard.capture._numerics import user_frame as _user_frame
+def _input_texts(r, plan: GraphPlan, k: int, rows: list | None, refs) -> list[str]:
+    """Who made each input of op ``k`` and what it holds: an op of the graph by its summary
+    row (its tensor does not exist outside the compiled code), a graph input by name."""
+    fields = MODE_FIELDS[plan.mode]
+    out = []
+    for kind, j in plan.ops[k].inputs:
+        if kind == "n":
+            src_op = plan.ops[j]
+            row = next((x for x in src_op.rows if x is not None), None)
+            where = user_frame(list(src_op.frames))
+            at = f" from {short_path(where[0])}:{where[1]}" if where else ""
+            vals = describe_row(fields, rows[row]) if row is not None and rows is not None else "no summary"
+            out.append(f"{op_display(src_op.name)} output{at}: {vals}")
+        elif kind == "p" and refs[j] is not None:
+            ref = refs[j]
+            who = f"{ref[0]} {ref[1]!r}" if ref[0] in ("param", "buffer") else (
+                f"output of execution #{ref[1]}" if ref[0] == "op" else "user input")
+            out.append(f"{who} (a graph input)")
+    return out
 
+
+def origin_detail(g, r, k: int, rows: list | None, refs) -> tuple[str, tuple[str, ...]]:
+    """What op ``k`` of the graph held when it made an inf, for the check_numerics message that
+    names it if the inf becomes harmful later (as ``_numerics.origin_detail`` for eager ops)."""
+    plan = g.plan
+    first = next((row for row in plan.ops[k].rows if row is not None), None)
+    out = describe_row(MODE_FIELDS[plan.mode], rows[first]) if first is not None and rows is not None else ""
+    return out, tuple(_input_texts(r, plan, k, rows, refs))
+
+
+def numerics_message(g, r, k: int, rows: list | None, mid, sid, refs, fw) -> str:
+    """The NonFiniteError text for op ``k`` of a compiled graph that made the harmful value itself."""
     plan = g.plan
     t = plan.ops[k]
     fields = MODE_FIELDS[plan.mode]
     health = 0
     for row in t.rows:
-        if row is not None:
+        if row is not None and rows is not None:
             health |= health_of(fields, rows[row])
     what = "/".join(health_names(health))
     op = t.name.replace(".default", "")
@@ -59,29 +79,17 @@ def numerics_message(g, r, k: int, rows: list, mid, sid, refs, base, fw) -> str:
     j = g.fwd_of[k] if backward and g.fwd_of else None
     fwd_op = g.pair.fw.ops[j].name if j is not None and g.pair.fw is not None else None
     if fwd_op is not None:
-        op += f" (in the backward of {_op_display(fwd_op)})"
+        op += f" (in the backward of {op_display(fwd_op)})"
     first = next((row for row in t.rows if row is not None), None)
-    detail = f" ({describe_row(fields, rows[first])})" if first is not None else ""
+    detail = f" ({describe_row(fields, rows[first])})" if first is not None and rows is not None else ""
     lines = [f"{op} produced {what} in step {_steps.clock.step}, {'backward' if backward else 'forward'} pass, "
              f"inside the compiled graph {g.label}{detail}"]
     mod = r.modules.module_of_id().get(mid) if mid is not None else None
     lines.append(f"  module: {mod[0] or '(root)'} ({mod[1]})" if mod else "  module: outside any nn.Module")
-    fr = _user_frame(r.stacks.frames(sid))
+    fr = user_frame(r.stacks.frames(sid))
     if fr is not None:
-        src = _source_line(fr[0], fr[1])
+        src = source_line(fr[0], fr[1])
         lead = "  created by the forward op at" if fwd_op is not None else "  at"
-        lines.append(f"{lead} {_short_path(fr[0])}:{fr[1]} in {fr[2]}" + (f": {src}" if src else ""))
-    for i, (kind, j) in enumerate(t.inputs):
-        if kind == "n":
-            src_op = plan.ops[j]
-            row = next((x for x in src_op.rows if x is not None), None)
-            where = _user_frame(list(src_op.frames))
-            at = f" from {_short_path(where[0])}:{where[1]}" if where else ""
-            vals = describe_row(fields, rows[row]) if row is not None else "no summary"
-            lines.append(f"  input {i} = {_op_display(src_op.name)} output{at}: {vals}")
-        elif kind == "p" and refs[j] is not None:
-            ref = refs[j]
-            who = f"{ref[0]} {ref[1]!r}" if ref[0] in ("param", "buffer") else (
-                f"output of execution #{ref[1]}" if ref[0] == "op" else "user input")
-            lines.append(f"  input {i} = {who} (a graph input)")
+        lines.append(f"{lead} {short_path(fr[0])}:{fr[1]} in {fr[2]}" + (f": {src}" if src else ""))
+    lines += [f"  input {i} = {text}" for i, text in enumerate(_input_texts(r, plan, k, rows, refs))]
     return "\n".join(lines)

@@ -18,10 +18,11 @@ import weakref
 import torch
 
 from trainguard._errors import NonFiniteError
-from trainguard.capture import _steps
+from trainguard.capture import _numerics, _steps
 from trainguard.capture._compile_graph import GraphPlan
-from trainguard.capture._compile_numerics import first_bad, numerics_message
-from trainguard.capture._summary import summarize_deferred, summarize_immediate, unknown_summary
+from trainguard.capture._compile_numerics import numerics_message, origin_detail
+from trainguard.capture._summary import unknown_summary
+from trainguard.capture._taint import ALLOC, HARMFUL, PENDING, UNKNOWN
 from trainguard.store import MODE_FIELDS
 from trainguard.store._codec import health_of
 
@@ -75,6 +76,10 @@ class RecordedGraph:
         self.where: tuple | None = None  # backward: modules and stacks for the last forward's
         if self.plan.kind != "backward":
             self.pair.last_fw = None
+        if recorder is not None:  # the writer's thread judges by op class when it judges (accelerators)
+            classes = recorder.taint.op_classes
+            for t in self.plan.ops:
+                classes.setdefault(t.name, (t.cls, t.overwrite, t.inplace))
 
     def __call__(self, args):
         r = active
@@ -234,6 +239,7 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
         seen[1] += 1
     step = _clock.step
     backward = plan.kind == "backward"
+    fw = None
     if backward:
         fw = g.pair.last_fw
         if g.fwd_of is None:
@@ -242,35 +248,51 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
         fwd_of = g.fwd_of
         mids, sids = _backward_where(g, r, fw)
     else:
+        r.in_backward = False
         mids = _module_ids(g, r, cur)
         sids = _stack_ids(g, r, outer_sid)
     fields = r.fields
-    key = bad = None
-    last = len(ops)
+    key = matrix = None
+    bad = False
+    # Harmful, intended, unknown (capture/_taint): judged here, op by op in graph order, where
+    # the graph's summaries are at hand (CPU, or check_numerics, which may synchronise); else by
+    # the writer's thread once the summary matrix reaches the host, as eager accelerator ops.
+    local = r.judge_here
     if extra:
         matrix, flag = extra
         key = ("graph", base)
-        if r.check or matrix.is_cpu:
+        local = local and (r.check or matrix.is_cpu)
+        if local:
             bad = bool(flag)  # CPU: no device to wait for; check_numerics: may synchronise
-        if bad and r.check:
-            last = first_bad(plan, matrix.tolist()) + 1
         if fields:
             _ship(r, key, matrix, plan.mode)
         else:
             key = None
-    if r.writer is None:  # check_numerics without a run directory: nothing to keep
-        last = last if bad and r.check else 0
+    if not local and r.judge_here:
+        r._judge_in_writer()
+    # Every op's health and taint follow when something inside is non-finite or a graph input
+    # carries a taint; otherwise every output is finite (the flag says so) and finite it stays.
+    walk = local and (bad or _tainted(r, refs))
+    if backward and not r.in_backward:  # the first graph of a backward pass: it runs from the loss
+        r.in_backward = True
+        if local and fw is not None:
+            _loss_reached(g, r, fw)
+    rows = matrix.tolist() if walk and matrix is not None else None
+    pfields = MODE_FIELDS[plan.mode]
     pending = r.pending
     in_opt = _clock.in_optimizer
     # A training graph runs inside an autograd.Function's forward, where grad mode is off.
     training = plan.kind == "forward"
     grad = _grad_enabled()
+    states = r.taint.states
     unknown = {}
     recorded = 0
-    for k in range(last):
+    writer = r.writer is not None
+    for k in range(len(ops) if writer or walk else 0):
         t = ops[k]
         if not t.wanted:
             continue
+        seq = base + k
         mid = mids[k]
         fwd_seq = None
         if backward:
@@ -284,14 +306,30 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
             phase = "forward" if training or mid is not None or grad else "other"
         inputs = tuple(("op", base + j) if kind == "n" else (refs[j] or ("input", None)) if kind == "p"
                        else ("input", None) for kind, j in t.inputs)
+        health = taint = 0 if local else None
+        origin = None
+        if walk:
+            health = op_health(pfields, rows, t.rows) if rows is not None else 0
+            in_taint, in_origin = _in_taint(states, inputs, t.overwrite)
+            if health or in_taint or t.cls == ALLOC:
+                fwd_op = _fwd_op(g, k) if backward else None
+                taint, origin = r.taint.settle(
+                    seq, step, phase, t.name, t.cls, t.inplace and bool(inputs) and inputs[0][0] == "param",
+                    in_taint, in_origin, health, inputs, fwd_seq, pfields,
+                    tuple(tuple(rows[i]) for i in t.rows if i is not None) if rows is not None else None,
+                    (mid, sids[k], fwd_op))
+                if r.check and origin == seq and seq in r.taint.origins:
+                    o = r.taint.origins[seq]
+                    r.taint.origins[seq] = o[:-1] + (origin_detail(g, r, k, rows, refs),)
+        stop = r.check and (taint == HARMFUL or (r.strict and health and taint != UNKNOWN))
+        if not writer and not stop:
+            continue
         summary = None
-        health = 0
         if fields:
             parts = []
             for row, meta in zip(t.rows, metas[k]):
                 if row is not None and key is not None:
                     parts.append(("d", key, row))
-                    health = None
                 else:
                     n = math.prod(meta[1]) if all(s >= 0 for s in meta[1]) else -1
                     u = unknown.get(n)
@@ -299,32 +337,98 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
                         u = unknown[n] = unknown_summary(r.mode, n if n >= 0 else 0)
                     parts.append(u)
             summary = tuple(parts)
-        pending.append((base + k, step, phase, t.name, mid, sids[k], fwd_seq, health, inputs, metas[k], summary))
+        rec = (seq, step, phase, t.name, mid, sids[k], fwd_seq, health, inputs, metas[k], summary, taint, origin)
+        if taint == PENDING:
+            r.taint.keep(rec)
+        if stop:
+            r.recorded += recorded
+            _stop_at(g, r, k, rows, rec, refs, fw)
+        pending.append(rec)
         recorded += 1
     r.recorded += recorded
-    if bad:
-        r.pending_bad = True
-    if bad and r.check:
-        k = first_bad(plan, matrix.tolist())
-        r.flush()
-        t = ops[k]
-        raise NonFiniteError(numerics_message(g, r, k, matrix.tolist(), mids[k], sids[k], refs, base, fw if backward else None),
-                             execution={"seq": base + k, "op": t.name, "phase": "backward" if backward else "forward"})
     producers = r.producers
     for i, o in enumerate(out):
         po = plan.out_ops[i]
         if po is not None and isinstance(o, _Tensor):
             k = po[0]
             _register(r, producers, o, base + k, ops[k].name, sids[k], None)
-            if r.mode == "full_tensor" and r.writer is not None and ops[k].wanted:
+            if r.mode == "full_tensor" and writer and ops[k].wanted:
                 r.writer.put_payload_tensor(base + k, po[1], o.detach().to("cpu", copy=True))
     if not backward:
         g.pair.last_fw = (base, mids, sids)
-    if r.writer is None:
+    if not writer:
         return
-    n = len(pending)
-    if n >= FLUSH_RECORDS or r.pending_bad or _monotonic() - r.last_flush > FLUSH_SECONDS:
+    if len(pending) >= FLUSH_RECORDS or r.taint.urgent or _monotonic() - r.last_flush > FLUSH_SECONDS:
         r.flush()
+
+
+def op_health(fields: tuple, rows: list, op_rows: tuple) -> int:
+    """The health bits of one op's outputs from its rows of the graph's summary matrix."""
+    health = 0
+    for i in op_rows:
+        if i is not None:
+            health |= health_of(fields, rows[i])
+    return health
+
+
+def _tainted(r, refs) -> bool:
+    """Whether a graph input was made by an op whose output is not finite (a taint is kept)."""
+    states = r.taint.states
+    if not states:
+        return False
+    return any(ref is not None and ref[0] == "op" and ref[1] in states for ref in refs)
+
+
+def _in_taint(states: dict, inputs: tuple, overwrite: bool) -> tuple[int, int | None]:
+    """The highest taint among an op's inputs, with its origin (the earliest on a tie), as the
+    eager recorder takes it; an overwrite does not count its first input's old values."""
+    in_taint, in_origin = 0, None
+    for i, (kind, ref) in enumerate(inputs):
+        if kind != "op" or (i == 0 and overwrite):
+            continue
+        st = states.get(ref)
+        if st is not None and (st[0] > in_taint or (st[0] == in_taint and st[1] is not None
+                                                    and (in_origin is None or st[1] < in_origin))):
+            in_taint, in_origin = st
+    return in_taint, in_origin
+
+
+def _fwd_op(g: RecordedGraph, k: int) -> str | None:
+    j = g.fwd_of[k] if g.fwd_of else None
+    return g.pair.fw.ops[j].name if j is not None and g.pair.fw is not None else None
+
+
+def _loss_reached(g: RecordedGraph, r, fw) -> None:
+    """A backward pass starts in a compiled graph: the forward graph computed the loss. Its
+    scalar outputs are the candidates (which one backward() ran from is not visible here); a
+    pending infinity among them reached the loss, as in eager recording."""
+    plan = g.pair.fw
+    if plan is None or not r.taint.states:
+        return
+    for po in plan.out_ops:
+        if po is not None and plan.ops[po[0]].outputs[po[1]][1] == ():
+            r.backward_starts(fw[0] + po[0])
+
+
+def _stop_at(g: RecordedGraph, r, k: int, rows, rec: tuple, refs, fw) -> None:
+    """check_numerics stops inside a compiled graph: at the op whose output is harmful (or,
+    strict, not finite), named with its line; the op that made the value first, if earlier."""
+    seq, phase, name, health, taint, origin = rec[0], rec[2], rec[3], rec[7], rec[11], rec[12]
+    if r.writer is not None:
+        r.pending.append(rec)
+        r.recorded += 1
+        if taint != HARMFUL:  # strict: not harmful, yet what it stopped at is kept
+            r.taint.pins += [seq] + [ref for kind, ref in rec[8] if kind == "op"]
+    o = r.taint.origins.get(origin) if origin is not None and origin != seq else None
+    if o is None:
+        msg = numerics_message(g, r, k, rows, rec[4], rec[5], refs, fw)
+    else:
+        first = r.taint.first
+        msg = _numerics.message(r, name, phase, rec[4], rec[5], _fwd_op(g, k) if phase == "backward" else None,
+                                (), (), health, origin=o,
+                                reason=first["reason"] if first and first["seq"] == seq else None)
+        msg += f"\n  inside the compiled graph {g.label}"
+    r._stop_with(msg, seq, name, phase)
 
 
 def _backward_where(g: RecordedGraph, r, fw) -> tuple[tuple, tuple]:
@@ -371,74 +475,10 @@ def convert(matrix: torch.Tensor, have: tuple[str, ...], want: tuple[str, ...]) 
         for f in want:
             if f in have:
                 cols.append(matrix[:, have.index(f)])
-            elif f == "nonfinite" and "nan" in have:
-                bad = sum(matrix[:, have.index(x)] for x in ("neg_inf", "pos_inf", "nan"))
-                cols.append((bad > 0).to(matrix.dtype))
+            elif f == "nonfinite" and "nan" in have:  # curt_health: the health bits
+                bits = sum(w * (matrix[:, have.index(x)] > 0).to(matrix.dtype)
+                           for w, x in ((1, "nan"), (2, "pos_inf"), (4, "neg_inf")))
+                cols.append(bits)
             else:
                 cols.append(torch.full_like(matrix[:, 0], math.nan))
         return torch.stack(cols, dim=1) if cols else matrix[:, :0]
-
-
-# ---------------------------------------------------------------------- graphs compiled before recording
-def record_opaque(r, label: str, call, args):
-    """One record for a whole graph compiled before the recording started (or by a compiler
-    trainguard cannot instrument): its inputs and outputs, as if it were one op."""
-    refs = input_refs(r, args)
-    inputs = {id(a) for a in args if isinstance(a, _Tensor)}  # the call empties args
-    cur = r.modules.current()
-    sid = r.stacks.capture(3)
-    r.in_graph += 1
-    try:
-        out = call(args)
-        try:
-            _emit_opaque(r, label, refs, cur, sid, out, inputs)
-        except Exception as exc:  # observing training never kills training
-            from trainguard.capture._recorder import _record_failed
-
-            _record_failed(r, f"compiled graph {label}", exc)
-    finally:
-        r.in_graph -= 1
-    r.last_nr = _get_seq_nr()
-    return out
-
-
-def _emit_opaque(r, label: str, refs, cur, sid, out, inputs: set) -> None:
-    from trainguard.capture._recorder import _register
-
-    seq = r.seq
-    r.seq = seq + 1
-    calls = r.opaque_graphs.get(label, 0)
-    r.opaque_graphs[label] = calls + 1
-    if not calls:
-        log.warning("trainguard: compiled graph %s was compiled before the recording started: it is recorded "
-                    "whole (inputs and outputs), not op by op", label)
-    name = f"compiled_graph.{label}"
-    # A forward graph also returns what its backward needs, parameters among them: those are
-    # inputs passed through, not values it made.
-    tensors = [o for o in out if isinstance(o, _Tensor) and id(o) not in inputs]
-    metas, summaries, health, deferred = [], [] if r.fields else None, 0, False
-    for o in tensors:
-        metas.append((str(o.dtype).replace("torch.", ""), tuple(o.shape), str(o.device)))
-        if summaries is None:
-            continue
-        if o.is_cpu or o.is_meta or o.layout is not torch.strided:
-            s = summarize_immediate(o, r.mode)
-            health |= health_of(r.fields, s)
-            summaries.append(s)
-        else:
-            deferred = True
-            lst = r.deferred.setdefault(o.device, [])
-            summaries.append(("d", o.device, len(lst)))
-            lst.append(summarize_deferred(o, r.mode))
-            r.deferred_used = True
-    phase = "backward" if "backward" in label else ("forward" if cur is not None or _grad_enabled() else "other")
-    for o in tensors:
-        _register(r, r.producers, o, seq, name, sid, None)
-    if r.writer is None:
-        return
-    inputs = tuple(x for x in refs if x is not None)
-    r.pending.append((seq, _clock.step, phase, name, cur, sid, None, None if deferred else health, inputs, tuple(metas),
-                      None if summaries is None else tuple(summaries)))
-    r.recorded += 1
-    if health:
-        r.pending_bad = True

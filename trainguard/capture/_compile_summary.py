@@ -112,28 +112,35 @@ def _moments(b: Builder, x: fx.Node) -> fx.Node:
 
 
 def summary_row(b: Builder, x: fx.Node, mode: str) -> tuple[fx.Node, fx.Node | None]:
-    """The raw counts of tensor node ``x`` (a [1] nonfinite count for curt_health) and, for
+    """The raw counts of tensor node ``x`` ([NaN, +inf, -inf] for curt_health) and, for
     ``stats``, its moments; inserted after ``b.cursor``."""
     val = x.meta["val"]
     if mode == "curt_health":
+        # [NaN, +inf, -inf] counts: the stored value is the health bits (1 NaN, 2 +inf, 4 -inf),
+        # which tell a NaN from a masked -inf (docs/recorder.md, "Harmful, intended, unknown").
         if val.is_floating_point():
-            # x - x is 0 for every finite value, NaN for NaN and +-inf (one vectorised compare).
-            diff = b.call(aten.sub.Tensor, x, x)
-            count = b.call(aten.sum.default, b.call(aten.ne.Scalar, diff, 0))
+            counts = [b.call(aten.sum.default, b.call(aten.ne.Tensor, x, x)),  # vectorises; isnan does not
+                      b.call(aten.sum.default, b.call(aten.eq.Scalar, x, math.inf)),
+                      b.call(aten.sum.default, b.call(aten.eq.Scalar, x, -math.inf))]
         else:
-            count = b.call(aten.full.default, [], 0, dtype=torch.int64, device=val.device)
-        return b.call(aten.unsqueeze.default, count, 0), None
+            counts = [b.call(aten.full.default, [], 0, dtype=torch.int64, device=val.device)] * 3
+        return b.stack(counts), None
     return _raw_counts(b, x), (_moments(b, x) if mode == "stats" else None)
 
 
 def finish(b: Builder, rows: list[tuple[fx.Node, fx.Node | None]], mode: str) -> tuple[fx.Node, fx.Node]:
     """Stack the rows into the float64 [rows, fields] matrix of ``mode`` and the graph's
     "anything non-finite" flag (a 0-d bool: read without a sync on CPU)."""
-    raw = b.stack([r for r, _ in rows])  # int64 [R, 6], or [R, 1] for curt_health
+    raw = b.stack([r for r, _ in rows])  # int64 [R, 6], or [R, 3] (NaN, +inf, -inf) for curt_health
     flag = b.call(aten.gt.Scalar, b.call(aten.sum.default, b.call(aten.slice.Tensor, raw, 1, 3, 6)
                                           if mode != "curt_health" else raw), 0)
     if mode == "curt_health":
-        return b.to(b.call(aten.gt.Scalar, raw, 0), torch.float64), flag
+        bits = b.call(aten.gt.Scalar, raw, 0)  # [R, 3] bool -> 1 NaN + 2 +inf + 4 -inf
+        value = b.call(aten.add.Tensor,
+                       b.call(aten.add.Tensor, b.to(b.call(aten.select.int, bits, 1, 0), torch.float64),
+                              b.call(aten.mul.Tensor, b.to(b.call(aten.select.int, bits, 1, 1), torch.float64), 2.0)),
+                       b.call(aten.mul.Tensor, b.to(b.call(aten.select.int, bits, 1, 2), torch.float64), 4.0))
+        return b.call(aten.unsqueeze.default, value, 1), flag
     col = {name: b.call(aten.select.int, raw, 1, i) for i, name in enumerate(RAW)}
     add, sub = aten.add.Tensor, aten.sub.Tensor
     # Every element is < 0, == 0, > 0 or NaN; neg and pos count finite values only.
