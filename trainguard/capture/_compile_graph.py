@@ -20,7 +20,7 @@ from torch import fx
 
 from trainguard.capture._compile_summary import Builder, finish, summarisable, summary_row
 from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS
-from trainguard.capture._taint import DEFAULT, OVERWRITE_OPS, classify
+from trainguard.capture._taint import DEFAULT, OVERWRITE_OPS, RENORM, RENORM_OPS, classify
 from trainguard.store import MODE_FIELDS
 
 # An alias op's output holds the values of this argument (0 unless listed).
@@ -102,6 +102,12 @@ class OpTemplate:
     cls: int = DEFAULT
     overwrite: bool = False
     inplace: bool = False
+    # The op it was decomposed from (``original_aten``: Inductor's graphs hold softmax as amax,
+    # sub, exp, sum, div), which names it in origins and intended counts; None when not decomposed.
+    shown: str | None = None
+    renorm_part: bool = False  # part of a decomposed softmax-like op: a NaN it makes is its own
+    const: bool = False  # a decomposition's constant (masked_fill's -inf as full): the op's scalar argument
+    recompute: bool = False  # a forward op the partitioner recomputes in the backward graph
 
 
 @dataclass
@@ -253,11 +259,17 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
             out_rows.append(r)
         seq_nr = node.meta.get("seq_nr")
         is_view, inplace = _aliasing(node.target)
+        original = node.meta.get("original_aten")
+        shown = str(original) if original is not None and str(original) != name else None
+        cls = classify(name, is_view)
         plan.ops.append(OpTemplate(
             name=name, wanted=wanted, inputs=tuple(inputs), outputs=tuple(metas), rows=tuple(out_rows),
             module=_module(node, mod_key), frames=parse_stack_trace(node.meta.get("stack_trace")),
             seq_nr=seq_nr if isinstance(seq_nr, int) else None,
-            cls=classify(name, is_view), overwrite=name in OVERWRITE_OPS, inplace=inplace,
+            cls=cls, overwrite=name in OVERWRITE_OPS, inplace=inplace, shown=shown,
+            renorm_part=shown is not None and cls != RENORM and shown in RENORM_OPS,
+            const=shown is not None and not inputs,
+            recompute=kind == "backward" and node.meta.get("partitioner_tag") == "is_forward",
         ))
         if kind != "backward" and isinstance(seq_nr, int) and seq_nr not in plan.fwd_index:
             plan.fwd_index[seq_nr] = k  # the first op of a sequence number made its autograd node

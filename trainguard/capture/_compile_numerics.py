@@ -75,6 +75,8 @@ def numerics_message(g, r, k: int, rows: list | None, mid, sid, refs, fw) -> str
             health |= health_of(fields, rows[row])
     what = "/".join(health_names(health))
     op = t.name.replace(".default", "")
+    if t.shown is not None:
+        op += f" (from {op_display(t.shown)})"
     backward = plan.kind == "backward"
     j = g.fwd_of[k] if backward and g.fwd_of else None
     fwd_op = g.pair.fw.ops[j].name if j is not None and g.pair.fw is not None else None

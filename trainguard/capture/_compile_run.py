@@ -22,9 +22,9 @@ from trainguard.capture import _numerics, _steps
 from trainguard.capture._compile_graph import GraphPlan
 from trainguard.capture._compile_numerics import numerics_message, origin_detail
 from trainguard.capture._summary import unknown_summary
-from trainguard.capture._taint import ALLOC, HARMFUL, PENDING, UNKNOWN
+from trainguard.capture._taint import ALLOC, DEFAULT, HARMFUL, PENDING, RENORM, UNKNOWN
 from trainguard.store import MODE_FIELDS
-from trainguard.store._codec import health_of
+from trainguard.store._codec import NAN, health_of
 
 log = logging.getLogger("trainguard.capture")
 
@@ -311,13 +311,17 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
         if walk:
             health = op_health(pfields, rows, t.rows) if rows is not None else 0
             in_taint, in_origin = _in_taint(states, inputs, t.overwrite)
-            if health or in_taint or t.cls == ALLOC:
+            if (health or in_taint or t.cls == ALLOC) and not t.const:
+                # A decomposed softmax's parts pass a -inf on or absorb it; a NaN they make is
+                # theirs, as softmax's own. A recomputed forward op is judged as the forward.
+                cls = (RENORM if health & NAN else DEFAULT) if t.renorm_part else t.cls
                 fwd_op = _fwd_op(g, k) if backward else None
                 taint, origin = r.taint.settle(
-                    seq, step, phase, t.name, t.cls, t.inplace and bool(inputs) and inputs[0][0] == "param",
-                    in_taint, in_origin, health, inputs, fwd_seq, pfields,
+                    seq, step, "forward" if t.recompute else phase, t.name, cls,
+                    t.inplace and bool(inputs) and inputs[0][0] == "param", in_taint, in_origin, health, inputs,
+                    fwd_seq, pfields,
                     tuple(tuple(rows[i]) for i in t.rows if i is not None) if rows is not None else None,
-                    (mid, sids[k], fwd_op))
+                    (mid, sids[k], fwd_op), t.shown)
                 if r.check and origin == seq and seq in r.taint.origins:
                     o = r.taint.origins[seq]
                     r.taint.origins[seq] = o[:-1] + (origin_detail(g, r, k, rows, refs),)
