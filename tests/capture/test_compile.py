@@ -8,6 +8,8 @@ Inductor itself use the ``aot_eager`` inner compiler.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch._dynamo
@@ -15,6 +17,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import trainguard as tg
+from trainguard.analysis import origin
 from trainguard.capture._compile_graph import module_path, parse_stack_trace
 from trainguard.capture._compile_run import convert
 from trainguard.store import MODE_FIELDS, open_run
@@ -293,8 +296,35 @@ def test_a_model_compiled_before_recording_is_recorded_whole_and_the_report_says
     assert main(["report", str(tmp_path / "r")]) == 0
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the panel wraps lines
     assert "compiled before the recording started" in out and "graph 0 forward (2 calls" in out
+    assert "Seen: each call as one execution" in out and "Not seen: the ops inside" in out
     assert main(["report", str(tmp_path / "r"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["compiled"]["opaque_note"].startswith("Seen:") and rep["compiled"]["opaque"][0]["calls"] == 2
     torch._dynamo.reset()
+
+
+@pytest.mark.timeout(600)
+def test_a_nan_from_a_graph_compiled_before_recording_is_found_at_its_call(tmp_path, capsys):
+    from trainguard.cli import main
+
+    torch._dynamo.reset()
+    loss = torch.compile(cross_entropy)
+    ok = torch.randn(8, 4).requires_grad_()
+    onehot = _zero_prob_batch()[1]
+    loss(ok, onehot).backward()  # compiled here, before the recording, on healthy logits
+    with tg.record(tmp_path / "r", buffer=-1):
+        loss(*_zero_prob_batch()).backward()  # MARK-OPAQUE-CALL
+    torch._dynamo.reset()
+    with open_run(tmp_path / "r") as run:
+        link = origin(run).origin
+        assert link.op.startswith("compiled_graph.") and link.op.endswith("forward"), link.op
+        # at the compiled function (its def: nothing finer is known) called from the marked line
+        assert (link.file, link.line) == (HERE, line_of("def cross_entropy("))
+        frames = [(f["filename"], f["lineno"]) for f in run.stack(run.execution(link.seq)["stack_id"])]
+        assert (HERE, line_of("MARK-OPAQUE-CALL")) in frames
+    assert main(["report", str(tmp_path / "r")]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "First harmful value: compiled_graph." in out and "Not seen: the ops inside" in out
 
 
 # ---------------------------------------------------------------------- Dynamo's view of the program

@@ -39,7 +39,17 @@ def compiled_summary(run: Run) -> dict[str, Any] | None:
         opaque.append(item)
     if not inside and not opaque:
         return None
-    return {"recorded_inside": inside, "opaque": opaque, "full_tensor": meta.get("full_tensor_compiled")}
+    return {"recorded_inside": inside, "opaque": opaque, "full_tensor": meta.get("full_tensor_compiled"),
+            "opaque_note": OPAQUE_NOTE if opaque else None}
+
+
+# What a run holds of a graph compiled before the recording started (said by the report, --json
+# and the UI alike).
+OPAQUE_NOTE = ("Seen: each call as one execution (compiled_graph.<graph>) with the graph's inputs, where they came "
+               "from, and the summaries of the outputs it made, so a NaN or Inf it returns is found at the compiled function "
+               "that returned it. Not seen: the ops inside, their modules and lines, and infinities made and absorbed "
+               "inside (a mask). Compile after the recording starts (or call torch._dynamo.reset() first) to "
+               "record them op by op.")
 
 
 def _op_short(name: str | None) -> str:

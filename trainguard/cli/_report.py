@@ -133,8 +133,7 @@ def _header(report: dict) -> Panel:
             t.add_row("not seen inside", Text(
                 f"{n} torch.compile graph{'s' if n != 1 else ''} compiled before the recording started "
                 f"{'are' if n != 1 else 'is'} recorded whole (inputs and outputs), not op by op: {graphs}. "
-                "Compile after the recording starts (or call torch._dynamo.reset()) to see inside.",
-                style="yellow"))
+                + compiled["opaque_note"], style="yellow"))
         if compiled.get("full_tensor"):
             t.add_row("full_tensor", Text("inside compiled graphs only the graphs' outputs have their values stored; "
                                           "every op has its summary", style="yellow"))
