@@ -5,8 +5,9 @@ Inductor, compiled with ``trainguard.compile_backend()`` (the summaries inside t
 code), and compiled by plain Inductor for the monitor (whose taps are traced into it).
 Configurations are interleaved round by round in a rotated order so that machine noise hits
 them alike; a cell is the median over rounds of the configuration's median step time over its
-baseline's in the same round (eager rows over eager plain, compiled rows over compiled plain).
-Compilation happens before the rounds (Inductor's FX graph cache makes later runs faster).
+baseline's in the same round (eager rows over eager plain, compiled rows over compiled plain);
+"cpu" is the same ratio of the process's CPU time per step (median over rounds), which other
+processes' load disturbs less than wall time. Compilation happens before the rounds (Inductor's FX graph cache makes later runs faster).
 
     python benchmarks/bench_compile.py                          # mlp and transformer
     python benchmarks/bench_compile.py --models mlp --rounds 3 --steps 5
@@ -103,20 +104,26 @@ def time_model(name: str, rounds: int, steps: int) -> tuple[dict, dict]:
                 bench_recorder.run_steps(opt, loss_fn, WARMUP_STEPS)
         per: dict[str, list[float]] = {c: [] for c, _, _ in CONFIGS}
         ratios: dict[str, list[float]] = {c: [] for c, _, _ in CONFIGS}
+        cpu_ratios: dict[str, list[float]] = {c: [] for c, _, _ in CONFIGS}
         for r in range(rounds):
             order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
-            this = {}
+            this, cpu = {}, {}
             for config, kind, _ in order:
                 m, opt, loss_fn = copies[kind]
                 with context(config, m, tmp):
                     bench_recorder.run_steps(opt, loss_fn, 2)
+                    c0 = time.process_time()
                     times = bench_recorder.run_steps(opt, loss_fn, steps)
+                    # The process's CPU time (every thread, the writer's too): on a shared machine
+                    # other processes' load disturbs it less than wall time.
+                    cpu[config] = (time.process_time() - c0) / steps
                 per[config].extend(times)
                 # The monitor's recording step (1 in 10) counts: the mean, not the median.
                 this[config] = statistics.fmean(times) if "monitor" in config else statistics.median(times)
             for config, _, base in CONFIGS:
                 ratios[config].append(this[config] / this[base])
-    return {c: statistics.median(v) for c, v in per.items()}, ratios
+                cpu_ratios[config].append(cpu[config] / cpu[base])
+    return {c: statistics.median(v) for c, v in per.items()}, ratios, cpu_ratios
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -136,10 +143,11 @@ def main(argv: list[str] | None = None) -> dict:
     load = os.getloadavg()[0]
     results: dict = {"threads": args.threads, "load_before": load, "models": {}}
     for name in [m for m in args.models.split(",") if m]:
-        t, rounds = time_model(name, args.rounds, args.steps)
+        t, rounds, cpu_rounds = time_model(name, args.rounds, args.steps)
         results["models"][name] = {"step_ms": {c: v * 1e3 for c, v in t.items()},
                                    "ratio": {c: statistics.median(v) for c, v in rounds.items()},
-                                   "ratio_range": {c: [min(v), max(v)] for c, v in rounds.items()}}
+                                   "ratio_range": {c: [min(v), max(v)] for c, v in rounds.items()},
+                                   "cpu_ratio": {c: statistics.median(v) for c, v in cpu_rounds.items()}}
     results["load_after"] = os.getloadavg()[0]
 
     from rich.console import Console
@@ -158,7 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
         cells = []
         for m in models:
             lo, hi = results["models"][m]["ratio_range"][config]
-            cells.append(f"{results['models'][m]['ratio'][config]:.2f}x [{lo:.2f}-{hi:.2f}]")
+            cells.append(f"{results['models'][m]['ratio'][config]:.2f}x [{lo:.2f}-{hi:.2f}]"
+                         f" cpu {results['models'][m]['cpu_ratio'][config]:.2f}x")
         table.add_row(config, base, *cells)
     Console().print(table)
     if args.json:

@@ -62,6 +62,7 @@ def test_compile_benchmark_prints_its_table(tmp_path, capsys, monkeypatch):
     assert tiny_row["ratio"]["compiled plain"] == 1.0 and tiny_row["ratio"]["eager plain"] == 1.0
     lo, hi = tiny_row["ratio_range"]["compiled full_health"]
     assert 0 < lo <= tiny_row["ratio"]["compiled full_health"] <= hi
+    assert tiny_row["cpu_ratio"]["compiled plain"] == 1.0 and tiny_row["cpu_ratio"]["compiled full_health"] > 0
     printed = capsys.readouterr().out
     assert "compiled monitor every=10" in printed and "load" in printed
     assert (tmp_path / "c.json").exists()
