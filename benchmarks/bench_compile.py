@@ -78,8 +78,9 @@ def _copies(name: str) -> dict:
     out = {}
     for kind, backend in (("eager", None), ("compiled", "inductor"), ("recorded", tg.compile_backend()),
                           ("monitored", "inductor")):
-        m = copy.deepcopy(model)
-        o = type(opt)(m.parameters(), **opt.defaults)
+        # One deepcopy of both: the optimizer's copy holds the model copy's parameters (its
+        # defaults cannot always be passed back to its constructor: AdamW's).
+        m, o = copy.deepcopy((model, opt))
         run = m if backend is None else torch.compile(m, backend=backend)
         out[kind] = (m, o, lambda run=run: loss(run))
     return out
