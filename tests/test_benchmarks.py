@@ -79,3 +79,15 @@ def test_origin_benchmark_prints_its_pairs(tmp_path, capsys):
     assert storm["time_ratio"] > 0 and storm["cpu_ratio"] > 0 and storm["size_ratio"] > 0
     assert set(out["pairs"]["mask"]["step_ms"]) == {"-inf", "finfo.min"}
     assert "nan storm / healthy" in capsys.readouterr().out and (tmp_path / "o.json").exists()
+
+
+@pytest.mark.timeout(240)
+def test_monitor_benchmark_measures_the_live_gradient_check(tmp_path, capsys):
+    import bench_monitor
+
+    out = bench_monitor.main(["--models", "swish_mlp", "--rounds", "1", "--steps", "1"])
+    ratios = out["models"]["swish_mlp"]["cpu"]["ratio"]
+    assert ratios["plain"] == 1.0 and ratios["monitor every=10"] > 0 and ratios["monitor every=10 no-gradcheck"] > 0
+    # one check per monitor with the check on (every=10 and every=1), each timed
+    assert len(out["gradcheck_seconds"]["SwishMLP"]) == 2
+    assert "live gradient check of SwishMLP" in capsys.readouterr().out

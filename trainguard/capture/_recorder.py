@@ -23,7 +23,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
-from trainguard.capture import _compile, _kernels, _numerics, _reads, _steps
+from trainguard.capture import _compile, _kernels, _loss_watch, _monitor_tap, _numerics, _reads, _steps, _swap
+from trainguard.capture._ending import ending, uncaught, watch_uncaught
+from trainguard.capture._local import local as _local
+from trainguard.capture._local import written as _written
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._recorder_harm import HarmHooks
 from trainguard.capture._stacks import StackInterner
@@ -45,7 +48,15 @@ from trainguard.capture._taint import (
     Tracker,
     classify,
 )
-from trainguard.store import MODE_FIELDS, MODES, ExecBatch, acquire_writer, release_writer
+from trainguard.store import (
+    MODE_FIELDS,
+    MODES,
+    ExecBatch,
+    acquire_writer,
+    is_collective,
+    release_writer,
+)
+from trainguard.store import rank_dir as _rank_dir
 from trainguard.store._codec import health_of
 
 log = logging.getLogger("trainguard.capture")
@@ -71,6 +82,10 @@ FLUSH_SECONDS = 0.25
 # steps at each step, and when this many accumulate (a loop that never calls optimizer.step()
 # or trainguard.step()), so memory stays bounded (see Recorder._prune_fwd_nodes).
 FWD_NODES_MAX = 200_000
+
+# The executions before each of the first backward passes' loss that the circular buffer keeps:
+# the loss function's op and the ops that made its input (analysis/_graph_rules.py reads them).
+LOSS_PIN_WINDOW = 48
 
 # Modes whose summaries run the compiled counting kernel on CPU.
 _COUNTING_MODES = frozenset({"curt_health", "concise_health", "full_health", "full_tensor", "stats"})
@@ -133,15 +148,6 @@ def _validate(mode: str, buffer: int, ops: Any, dtypes: Any) -> tuple[re.Pattern
     return pattern, wanted
 
 
-def _rank_dir(logdir: Path) -> Path:
-    """Under torchrun each rank writes ``logdir/rank-K``."""
-    rank = os.environ.get("RANK")
-    world = os.environ.get("WORLD_SIZE")
-    if rank is not None and world is not None and int(world) > 1:
-        return logdir / f"rank-{int(rank)}"
-    return logdir
-
-
 # A producer entry, per live output tensor, keyed by id(tensor) (its taint is kept by seq, in
 # the recorder's Tracker):
 #   (weakref to the tensor, seq, op name, stack id, immediate summary or None, version counter)
@@ -166,6 +172,7 @@ class Recorder(HarmHooks):
         strict: bool = False,
         strategy: str = "auto",
         overwrite: bool = False,
+        rank_dir: bool = True,
     ):
         self.ops_pattern, self.dtypes = _validate(mode, buffer, ops, dtypes)
         if strategy not in ("auto", "immediate", "deferred"):
@@ -176,7 +183,8 @@ class Recorder(HarmHooks):
         self.check = check_numerics
         self.strict = strict
         self.strategy = strategy
-        self.logdir = _rank_dir(Path(logdir)) if logdir is not None else None
+        # ``rank_dir=False``: the caller (a framework integration) already chose the rank's directory.
+        self.logdir = None if logdir is None else (_rank_dir(logdir) if rank_dir else Path(logdir))
         self.overwrite = overwrite
         self.writer = None
         self.seq = 0
@@ -214,6 +222,9 @@ class Recorder(HarmHooks):
         self._mode: _DispatchMode | None = None
         self._lock = threading.RLock()
         self.active = False
+        self.loss_watch: _loss_watch.LossWatch | None = None
+        self.loss_pins: list[int] = []
+        self.losses_pinned = 0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Recorder:
@@ -242,10 +253,14 @@ class Recorder(HarmHooks):
         _steps.clock.on_step.append(self._on_step)
         if self.writer is not None:
             self.writer.idle_callbacks.append(self._flush_if_stale)
+            self.loss_watch = _loss_watch.acquire(self.writer)
+            _monitor_tap.add_listener("loss_graph", self._pin_loss)
         if self.mode in _COUNTING_MODES:
             _kernels.warm()
         self.modules.install()
+        _swap.hold(self._release)
         _reads.install(self)
+        _monitor_tap.add_listener("root", self.on_backward)
         self._thread = threading.get_ident()
         self.last_nr = _get_seq_nr()
         self._mode = _DispatchMode(self)
@@ -263,11 +278,17 @@ class Recorder(HarmHooks):
             self._mode.__exit__(None, None, None)
         finally:
             self.modules.remove()
+            _swap.unhold(self._release)
             _reads.remove(self)
+            _monitor_tap.remove_listener("root", self.on_backward)
             self.stacks.release_frames()
             if self._on_step in _steps.clock.on_step:
                 _steps.clock.on_step.remove(self._on_step)
             _steps.release()
+            _monitor_tap.remove_listener("loss_graph", self._pin_loss)
+            if self.loss_watch is not None:
+                _loss_watch.release(self.loss_watch)
+                self.loss_watch = None
             self.flush()
             if self.writer is not None:
                 if self._flush_if_stale in self.writer.idle_callbacks:
@@ -288,10 +309,15 @@ class Recorder(HarmHooks):
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        meta = {}
-        if exc_type is not None and not issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
-            meta["error"] = f"{exc_type.__name__}: {exc}"
-        self.stop(**meta)
+        self.stop(**ending(exc))  # a block that raised is stored as crashed, as ``trainguard run`` stores it
+
+    def _release(self, t: _Tensor):
+        """torch is about to swap ``t`` (capture/_swap): let go of it. Its producer no longer
+        describes what it will hold; a named parameter keeps its name."""
+        p = self.producers.get(id(t))
+        if p is not None and p[0]() is t:
+            del self.producers[id(t)]
+        return self.modules.release(t)
 
     # ------------------------------------------------------------------ writer plumbing
     def _on_new_stack(self, sid: int, frames: list) -> None:
@@ -319,6 +345,10 @@ class Recorder(HarmHooks):
             pending = self.pending
             n = len(pending)
             pins, resend, counts, urgent = self.taint.take() if self.judge_here else ([], [], [], False)
+            if self.loss_pins:
+                k = len(self.loss_pins)
+                pins = pins + self.loss_pins[:k]
+                del self.loss_pins[:k]
             meta = self.taint.meta() if self.judge_here else {}
             if not (n or pins or resend or counts or meta):
                 return
@@ -336,6 +366,15 @@ class Recorder(HarmHooks):
                              must_keep=urgent or bool(pins or resend))
             if meta:
                 w.set_meta(**meta)
+
+    def _pin_loss(self, loss: torch.Tensor) -> None:
+        """Before one of the first backward passes: keep the ops that made the loss (see LOSS_PIN_WINDOW)."""
+        if self.losses_pinned >= _loss_watch.INSPECTIONS or threading.get_ident() != self._thread:
+            return
+        self.losses_pinned += 1
+        p = self.producers.get(id(loss))
+        end = p[1] if p is not None and p[0]() is loss else self.seq - 1
+        self.loss_pins.extend(range(max(0, end - LOSS_PIN_WINDOW), end + 1))
 
     def _flush_if_stale(self) -> None:
         """Called by the writer thread when idle: a loop that stopped making ops still reaches disk.
@@ -385,7 +424,11 @@ class Recorder(HarmHooks):
         cls = classify(name, is_view)
         overwrite = name in OVERWRITE_OPS
         self.taint.op_classes[name] = (cls, overwrite, inplace)
-        info = (name, wanted, name in ALLOCATION_OPS, name in ALIAS_OPS, call, func, cls, overwrite, inplace)
+        collective = is_collective(name)
+        # Values nobody may read yet: uninitialised memory, and what a collective writes (it
+        # arrives later, from other ranks, while another thread fills it in).
+        unknown = name in ALLOCATION_OPS or collective
+        info = (name, wanted, unknown, name in ALIAS_OPS, call, func, cls, overwrite, inplace, collective)
         self.op_info[id(func)] = info
         return info
 
@@ -442,6 +485,8 @@ class _DispatchMode(TorchDispatchMode):
                 return out
             seq = r.seq
             r.seq = seq + 1
+            if info[9]:
+                outs = _written(info[0], args, out)
             producers = r.producers
             name = info[0]
             if not info[1]:  # filtered out: consumers still learn who made their inputs
@@ -540,34 +585,37 @@ class _DispatchMode(TorchDispatchMode):
             for o in outs:
                 if not isinstance(o, _Tensor):
                     continue
-                cpu = o.is_cpu
-                dt = o.dtype
-                metas.append((_DTYPE_NAMES.get(dt) or _dtype_name(dt), tuple(o.shape),
-                              "cpu" if cpu else _device_name(o.device)))
+                v = o if type(o) is _Tensor else _local(o)  # a DTensor: the shard this rank holds
+                cpu = v.is_cpu
+                dt = v.dtype
+                metas.append((_DTYPE_NAMES.get(dt) or _dtype_name(dt), tuple(v.shape),
+                              "cpu" if cpu else _device_name(v.device)))
                 s = None
                 if summaries is not None:
-                    if info[2] or garbage:  # uninitialised memory: no evidence
-                        s = unknown_summary(r.mode, o.numel())
+                    if info[2] or garbage:  # uninitialised memory, or a collective's: no evidence
+                        s = unknown_summary(r.mode, v.numel())
                     elif alias is not None:
                         s = alias
                     elif ((cpu and r.strategy != "deferred") or r.strategy == "immediate"
-                          or o.is_meta or o.layout is not _strided):  # no data, or sparse: rare, may sync
-                        s = summarize_immediate(o, r.mode, in_taint == HARMFUL)
+                          or v.is_meta or v.layout is not _strided):  # no data, or sparse: rare, may sync
+                        s = summarize_immediate(v, r.mode, in_taint == HARMFUL)
                     else:
                         immediate_only = False
                         r.deferred_used = True
-                        dev = o.device
+                        dev = v.device
                         lst = r.deferred.setdefault(dev, [])
                         summaries.append(("d", dev, len(lst)))
-                        lst.append(summarize_deferred(o, r.mode))
-                        if r.check and not bool(torch.isfinite(o).all()):
+                        lst.append(summarize_deferred(v, r.mode))
+                        if r.check and not bool(torch.isfinite(v).all()):
                             # check_numerics may synchronise: it must stop at this op.
-                            health |= _numerics.health_sync(o)
+                            health |= _numerics.health_sync(v)
                     if s is not None:
                         health |= health_of(fields, s)
                         summaries.append(s)
-                _register(r, producers, o, seq, name, stack_id, s)
-            if r.mode == "full_tensor":
+                # A collective's output must never lend its summary to a later view: its values
+                # arrive after this, without moving the version counter.
+                _register(r, producers, o, seq, name, stack_id, None if info[9] else s)
+            if r.mode == "full_tensor" and not info[9]:  # a collective's values are not there yet
                 _save_payloads(r, seq, outs)
 
             # The taint of the outputs, where their health is known now (see _taint.Tracker).
@@ -724,6 +772,7 @@ def enable(logdir: str | os.PathLike, mode: str = "full_health", buffer: int = 1
         if _global is not None and _global.active:
             raise RuntimeError(f"trainguard is already recording to {_global.logdir}; call disable() first")
         _global = Recorder(logdir, mode=mode, buffer=buffer, ops=ops, dtypes=dtypes, **kwargs).start()
+        watch_uncaught()  # stopped at exit with the script's error, if one ends it
         return _global
 
 
@@ -738,9 +787,12 @@ def disable() -> None:
 
 @atexit.register
 def _at_exit() -> None:
+    global _global
     if _global is not None and _global.active:
         try:
-            disable()
+            with _global_lock:
+                rec, _global = _global, None
+            rec.stop(**ending(uncaught()))  # a script that died with enable() on is stored as crashed
         except Exception:  # pragma: no cover - best effort at interpreter exit
             pass
 

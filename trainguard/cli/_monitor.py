@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --logdir")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a threshold")
+    p.add_argument("--no-gradcheck", action="store_true",
+                   help="do not check custom autograd Functions' gradients against finite differences")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_cmd_monitor)
@@ -67,10 +69,11 @@ def parse_overrides(items: list[str]) -> dict[str, float]:
     return out
 
 
-def run_script(script: str, args: list[str]) -> tuple[int, str | None]:
+def run_script(script: str, args: list[str]) -> tuple[int, BaseException | None]:
     """Run a Python script as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as Python would.
 
-    Returns (exit code, error text or None); the script's exceptions are reported, not raised.
+    Returns (exit code, the exception that ended it or None); the script's exceptions are
+    reported, not raised.
     """
     path = Path(script)
     if not path.is_file():
@@ -85,12 +88,12 @@ def run_script(script: str, args: list[str]) -> tuple[int, str | None]:
         code = exc.code
         if code is None:
             return 0, None
-        return (code if isinstance(code, int) else 1), None
+        return (code if isinstance(code, int) else 1), exc
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # the script's own error: keep its traceback, still diagnose
         traceback.print_exc()
-        return 1, f"{type(exc).__name__}: {exc}"
+        return 1, exc
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
@@ -105,16 +108,20 @@ def monitor_script(
     histograms: bool = False,
     thresholds: dict | None = None,
     overwrite: bool = False,
+    gradcheck: bool = True,
 ):
     """Run ``script`` under a Monitor attached to whatever models it trains; return (exit code, Monitor)."""
     from trainguard._wiring import Monitor
+    from trainguard.integrations import watch_frameworks
 
     mon = Monitor(None, logdir, every, histograms=True if histograms else None, thresholds=thresholds,
-                  overwrite=overwrite)
+                  overwrite=overwrite, gradcheck=gradcheck)
+    watch_frameworks(mon)  # Lightning / HF Trainer scripts: the framework's steps
+    error = None
     try:
-        code, _ = run_script(script, args)
+        code, error = run_script(script, args)
     finally:
-        mon.close()
+        mon.close(error=error)
     return code, mon
 
 
@@ -140,6 +147,7 @@ def _cmd_monitor(args) -> int:
         histograms=args.histograms,
         thresholds=thresholds,
         overwrite=args.overwrite,
+        gradcheck=not args.no_gradcheck,
     )
     findings = mon.findings if mon.findings is not None else []
     _print_findings(findings, args.json, header=None if args.json else f"[bold]run[/] {mon.logdir}")
