@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_compile  # noqa: E402
 import bench_recorder  # noqa: E402
 
 
@@ -43,6 +44,28 @@ def test_main_prints_the_table(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "dispatch_floor" in printed and "[range]" in printed
     assert (tmp_path / "r.json").exists()
+
+
+@pytest.mark.timeout(600)
+def test_compile_benchmark_prints_its_table(tmp_path, capsys, monkeypatch):
+    """bench_compile's rounds and table, on a tiny model (its compiles are the slow part)."""
+    import torch
+
+    def tiny():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), None
+
+    monkeypatch.setattr(bench_compile, "MODELS", {"tiny": (tiny, lambda: bench_compile._data((3, 4), 2))})
+    monkeypatch.setattr(bench_compile, "WARMUP_STEPS", 1)
+    out = bench_compile.main(["--models", "tiny", "--rounds", "2", "--steps", "1", "--json", str(tmp_path / "c.json")])
+    tiny_row = out["models"]["tiny"]
+    assert tiny_row["ratio"]["compiled plain"] == 1.0 and tiny_row["ratio"]["eager plain"] == 1.0
+    lo, hi = tiny_row["ratio_range"]["compiled full_health"]
+    assert 0 < lo <= tiny_row["ratio"]["compiled full_health"] <= hi
+    assert tiny_row["cpu_ratio"]["compiled plain"] == 1.0 and tiny_row["cpu_ratio"]["compiled full_health"] > 0
+    printed = capsys.readouterr().out
+    assert "compiled monitor every=10" in printed and "load" in printed
+    assert (tmp_path / "c.json").exists()
 
 
 @pytest.mark.timeout(240)

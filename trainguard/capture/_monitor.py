@@ -38,7 +38,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainguard.capture import _amp_tap, _loss_watch, _monitor_hooks, _monitor_tap, _steps, _swap
+from trainguard.capture import (
+    _amp_tap,
+    _compile_monitor,
+    _loss_watch,
+    _monitor_hooks,
+    _monitor_tap,
+    _steps,
+    _swap,
+)
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._gradcheck import LiveGradcheck
 from trainguard.capture._monitor_eval import EvalWatch
@@ -166,6 +174,7 @@ class Monitor(HookMixin):
         self._auto = model is None
         self._discover_handle = None
         self._layer_hooks_on = False
+        self._hooks_pinned = False  # once Dynamo compiles, layer hooks stay (see compiling)
         self._order: list[str] = []  # layers in the order their forward ran
         self._attach_listeners: list[Callable] = []
 
@@ -231,6 +240,7 @@ class Monitor(HookMixin):
         if self._gradcheck is not None:
             _monitor_tap.add_listener("loss_graph", self._gradcheck.on_backward)
 
+        self._compiled_taps: list[tuple] = []  # compiled code's hooks (see _compile_monitor)
         for prefix, module in models:
             self._attach(module, prefix)
         self._begin_step(self._cur)
@@ -353,6 +363,7 @@ class Monitor(HookMixin):
             for event, fn in self._taps:
                 _monitor_tap.remove_listener(event, fn)
             _steps.release()
+            _compile_monitor.unwatch(self)
             _monitor_hooks.release_pickle_hiding()
             _swap.unhold(self._release)
             _loss_watch.release(self._loss_watch)
@@ -500,13 +511,16 @@ class Monitor(HookMixin):
         self._begin_step(new_step)
 
     def _begin_step(self, step: int) -> None:
+        if _compile_monitor.watch(self):  # Dynamo is imported: something may be compiled
+            self._hooks_pinned = True
         self._recording = step % self.every == 0
-        self._set_layer_hooks(self._recording)
+        self._set_layer_hooks(self._recording or self._hooks_pinned)
         self._grads.unhook_params()
         if self._recording:
             self._grads.hook_params(self._params, lambda: self._cur)
-        # Roots are looked for while none is known, and at recording steps (a model built later).
-        self._set_discovery(self._auto and (self._recording or not self._roots))
+        # Roots are looked for while none is known, and at recording steps (a model built later);
+        # once Dynamo compiles, always: it guards on whether global hooks exist.
+        self._set_discovery(self._auto and (self._recording or not self._roots or self._hooks_pinned))
 
     def _finish_step(self, s: int) -> None:
         # A step in which nothing trained (a framework's clock jumped past it, evaluation only)

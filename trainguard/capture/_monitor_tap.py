@@ -104,6 +104,10 @@ def quiet():
 
 
 def _install() -> None:
+    from trainguard.capture._compile import keep_dynamo_out
+
+    # Dynamo must not trace trainguard's wrappers as frames of a compiled training step.
+    keep_dynamo_out(_backward, *_WRAPPERS.values())
     _originals["backward"] = torch.autograd.backward
     torch.autograd.backward = _backward
     for name, wrapper in _WRAPPERS.items():

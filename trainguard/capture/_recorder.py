@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
-from trainguard.capture import _kernels, _loss_watch, _monitor_tap, _numerics, _reads, _steps, _swap
+from trainguard.capture import _compile, _kernels, _loss_watch, _monitor_tap, _numerics, _reads, _steps, _swap
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._local import local as _local
 from trainguard.capture._local import written as _written
@@ -65,6 +65,7 @@ _get_seq_nr = torch._C._autograd._get_sequence_nr
 _OpOverload = torch._ops.OpOverload
 _current_node = torch._C._current_autograd_node
 _Tensor = torch.Tensor
+_FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 _strided = torch.strided
 _weakref = weakref.ref
 _grad_enabled = torch.is_grad_enabled
@@ -208,6 +209,13 @@ class Recorder(HarmHooks):
         self._thread = threading.get_ident()
         self.deferred: dict[torch.device, list[torch.Tensor]] = {}
         self.deferred_used = False
+        # Compiled graphs (see _compile_run): their summary matrices waiting for the next flush,
+        # a count of compiled code running now (its few dispatched ops pass unrecorded), and the
+        # calls of graphs compiled before the recording, which are recorded whole.
+        self.graph_summaries: list[tuple] = []
+        self.in_graph = 0
+        self.opaque_graphs: dict[str, int] = {}
+        self.compiled_graphs: dict[str, list[int]] = {}  # label -> [ops, calls]
         self.last_flush = time.monotonic()
         self.stacks = StackInterner(self._on_new_stack)
         self.modules = ModuleTracker(self._on_new_module)
@@ -257,6 +265,7 @@ class Recorder(HarmHooks):
         self.last_nr = _get_seq_nr()
         self._mode = _DispatchMode(self)
         self._mode.__enter__()
+        _compile.install(self)
         self.active = True
         return self
 
@@ -265,6 +274,7 @@ class Recorder(HarmHooks):
             return
         self.active = False
         try:
+            _compile.uninstall(self)
             self._mode.__exit__(None, None, None)
         finally:
             self.modules.remove()
@@ -285,6 +295,7 @@ class Recorder(HarmHooks):
                     self.writer.idle_callbacks.remove(self._flush_if_stale)
                 if self.failures:
                     final_meta["record_errors"] = self.failures
+                final_meta.update(_compile.run_meta(self))
                 release_writer(
                     self.writer,
                     executions=self.seq,
@@ -376,9 +387,10 @@ class Recorder(HarmHooks):
 
     def _ship_deferred(self) -> list | None:
         """Stack the accelerator summaries and start their copy to the host; no waiting here."""
+        out = self.graph_summaries  # compiled graphs' matrices: copies started at each call
+        self.graph_summaries = []
         if not self.deferred:
-            return None
-        out = []
+            return out or None
         for dev, tensors in self.deferred.items():
             stacked = torch.stack(tensors)
             event = None
@@ -442,8 +454,14 @@ class _DispatchMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # Otherwise the base class wraps __torch_dispatch__ in a dynamo-disable shim that costs
-        # microseconds per op; this mode never runs under torch.compile tracing.
+        # microseconds per op; keep_dynamo_out (below the class) marks its code instead.
         return False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile compiles while this mode is active (with the mode off) instead of falling
+        # back to eager; compiled graphs record their own ops (see _compile).
+        return True
 
     def __init__(self, rec: Recorder):
         super().__init__()
@@ -453,7 +471,7 @@ class _DispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # The hot path: locals instead of attribute lookups, no helper calls for common cases.
         r = self.rec
-        if r is None:  # a forked child (a DataLoader worker): not this recording's process
+        if r is None or r.in_graph:  # a forked child (a DataLoader worker), or compiled code running
             return func(*args, **(kwargs or {}))
         info = r.op_info.get(id(func))
         if info is None:
@@ -462,12 +480,13 @@ class _DispatchMode(TorchDispatchMode):
         nr = _get_seq_nr()
         out = info[4](*args, **kwargs) if kwargs else info[4](*args)
         try:
+            outs = out if type(out) in (tuple, list) else (out,)
+            if outs and type(outs[0]) is _FakeTensor:  # a compiler tracing (a lazy backward compile)
+                return out
             seq = r.seq
             r.seq = seq + 1
             if info[9]:
                 outs = _written(info[0], args, out)
-            else:
-                outs = out if type(out) in (tuple, list) else (out,)
             producers = r.producers
             name = info[0]
             if not info[1]:  # filtered out: consumers still learn who made their inputs
@@ -661,10 +680,14 @@ _live_modes: weakref.WeakSet = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for mode in list(_live_modes):
         mode.rec = None
+    _compile.reset_after_fork()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_compile.keep_dynamo_out(_DispatchMode.__torch_dispatch__)
 
 
 def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:
