@@ -126,3 +126,20 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 12
             correct += int((out.argmax(1) == y[i : i + batch]).sum())
     model.train()
     return total / len(x), correct / len(x)
+
+
+def fit_with_validation(model: nn.Module, opt: torch.optim.Optimizer, train: tuple, val: tuple, args,
+                        gen: torch.Generator, batch: int = 64) -> None:
+    """``args.steps`` epochs of cross-entropy training on ``train``, evaluating on ``val`` at each
+    epoch's end (and once after the last), as most scripts with a validation set do."""
+    last = 0
+    for epoch, x, y in epochs(*train, batch, args.steps, gen):
+        if epoch != last:
+            val_loss, val_acc = evaluate(model, *val)
+            if not args.quiet:
+                print(f"epoch {last}  val loss {val_loss:.4f}  accuracy {val_acc:.3f}")
+            last = epoch
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    evaluate(model, *val)

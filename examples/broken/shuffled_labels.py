@@ -6,8 +6,7 @@ Expected finding: ``labels_unrelated``, explaining ``overfitting``.
 """
 
 import torch
-import torch.nn.functional as F
-from _common import Teacher, epochs, evaluate, mlp, parse_args
+from _common import Teacher, fit_with_validation, mlp, parse_args
 
 
 def main(argv=None):
@@ -20,17 +19,7 @@ def main(argv=None):
     x_val, y_val = task.batch(512, gen)
     model = mlp([task.dim, 256, 256, task.classes])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    last = 0
-    for epoch, x, y in epochs(x_train, y_train, 64, args.steps, gen):
-        if epoch != last:
-            val_loss, val_acc = evaluate(model, x_val, y_val)
-            if not args.quiet:
-                print(f"epoch {last}  val loss {val_loss:.4f}  accuracy {val_acc:.3f}")
-            last = epoch
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    evaluate(model, x_val, y_val)
+    fit_with_validation(model, opt, (x_train, y_train), (x_val, y_val), args, gen)
 
 
 if __name__ == "__main__":
