@@ -143,7 +143,7 @@ def test_a_disabled_scaler_passes_through(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    with Monitor(model, tmp_path / "m", every=1) as mon:
+    with Monitor(model, tmp_path / "m", every=1):
         for step in range(3):
             x, y = batch(step)
             loss = nn.functional.cross_entropy(model(x), y)
