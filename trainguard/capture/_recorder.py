@@ -253,6 +253,7 @@ class Recorder(HarmHooks):
         _steps.clock.on_step.append(self._on_step)
         if self.writer is not None:
             self.writer.idle_callbacks.append(self._flush_if_stale)
+            self.writer.sources.append(self.flush)
             self.loss_watch = _loss_watch.acquire(self.writer)
             _monitor_tap.add_listener("loss_graph", self._pin_loss)
         if self.mode in _COUNTING_MODES:
@@ -293,6 +294,8 @@ class Recorder(HarmHooks):
             if self.writer is not None:
                 if self._flush_if_stale in self.writer.idle_callbacks:
                     self.writer.idle_callbacks.remove(self._flush_if_stale)
+                if self.flush in self.writer.sources:
+                    self.writer.sources.remove(self.flush)
                 if self.failures:
                     final_meta["record_errors"] = self.failures
                 final_meta.update(_compile.run_meta(self))

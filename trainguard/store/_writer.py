@@ -202,6 +202,9 @@ class RunWriter:
         self._sent_dropped = 0
         # Called by the writer thread when no item arrived for a while (the recorder flushes).
         self.idle_callbacks: list = []
+        # What sharers still buffer on their side (the recorder's pending records), handed over at
+        # the start of every flush: a reader after flush() sees the whole run so far.
+        self.sources: list = []
         # Set by the recorder: judges the taint of records whose health the hot path did not
         # know (accelerator summaries), on this thread; called as judge(records) -> (records,
         # pins, resend, counts, meta).
@@ -314,9 +317,14 @@ class RunWriter:
         self._put(("payload_tensor", seq, slot, tensor), must_keep=True)
 
     def flush(self, timeout: float | None = 30.0) -> bool:
-        """Block until everything queued before this call is committed."""
+        """Block until everything queued before this call, or buffered by a source, is committed."""
         if self._closed or not self._thread.is_alive():
             return False
+        for source in list(self.sources):
+            try:
+                source()
+            except Exception:  # one sharer's failure must not stop the others' data
+                log.exception("trainguard: a writer source failed to hand over its data")
         done = threading.Event()
         self._q.put(("flush", done))
         return done.wait(timeout)
