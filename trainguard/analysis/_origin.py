@@ -307,13 +307,15 @@ def suggest(link: Link) -> str:
     return _SUGGESTIONS["accum"]
 
 
-def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: int | None = None) -> Origin | None:
+def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: int | None = None,
+           handled: bool = False) -> Origin | None:
     """The walk back from execution ``seq`` (default: where the first harmful value became
     harmful, in step ``since_step`` or later when given) to the origin. Returns None when the
-    run holds no harmful value."""
+    run holds no harmful value. ``handled``: also in the gradients of steps a GradScaler skipped
+    (passed over otherwise: they never reached the weights)."""
     reason = None
     if seq is None:
-        first = run.first_harm() if since_step is None else run.first_harm(since_step=since_step)
+        first = run.first_harm(since_step=since_step, handled=handled)
         if first is None:
             return None
         seq, reason = first["seq"], first.get("reason")

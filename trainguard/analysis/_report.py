@@ -77,6 +77,23 @@ def intended_lines(groups: list[dict]) -> list[str]:
     return out
 
 
+def _steps_text(ranges: list) -> str:
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges[:6]]
+    return ", ".join(parts) + (f" and {len(ranges) - 6} more ranges" if len(ranges) > 6 else "")
+
+
+def scaler_line(scaler: dict | None) -> str | None:
+    """One quiet line for the Inf/NaN gradients of steps a GradScaler skipped: routine overflow,
+    never alerts (the monitor's ``grad_scaler_skips`` rule says when skipping is not routine)."""
+    if not scaler or not scaler.get("events"):
+        return None
+    n = scaler["skipped_steps"]
+    ops = ", ".join(_op_short(r["op"]) for r in scaler["by_op"][:3])
+    return (f"{scaler['events']:,} Inf/NaN events in the gradients of {n:,} step{'s' if n != 1 else ''} a GradScaler "
+            f"skipped (steps {_steps_text(scaler['ranges'])}; first #{scaler['first_seq']}, {ops}): discarded "
+            "with the update, never reached the weights")
+
+
 def build_report(run: Run, findings: list | None = None, ranks: dict | None = None) -> dict[str, Any]:
     """Everything ``trainguard report`` says about a run, as JSON-able data.
 
@@ -118,6 +135,7 @@ def build_report(run: Run, findings: list | None = None, ranks: dict | None = No
         "origin": origin_data,
         "compiled": compiled_summary(run),
         "intended": intended_lines(alerts.get("intended") or []),
+        "scaler": scaler_line(alerts.get("scaler")),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "crash": script_outcome(meta),
         # causes first, each with the findings it explains folded under it ("symptoms")

@@ -95,7 +95,7 @@ def grad_scaler_skips(ctx: Context) -> list[Finding]:
         return [Finding(kind="grad_scaler_skips", severity="info", title=text, evidence=ev, suggestion=fix,
                         steps=(int(steps[0]), int(steps[-1])), source=SOURCE)]
     fixes = []
-    origin = origin_of(ctx.run, since_step=since)
+    origin = origin_of(ctx.run, since_step=since, handled=True)  # the skipped steps' own values
     if origin:
         ev["origin"] = origin
         fixes.append(f"the first Inf/NaN of those steps came from {where(origin)} ({origin.get('phase')} pass): "

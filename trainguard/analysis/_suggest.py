@@ -136,15 +136,16 @@ def op_fix(op: str | None) -> str | None:
     return None
 
 
-def origin_of(run: Any, before_step: int | None = None, since_step: int | None = None) -> dict | None:
+def origin_of(run: Any, before_step: int | None = None, since_step: int | None = None,
+              handled: bool = False) -> dict | None:
     """Where the recorder's first harmful value was made (when the run was recorded), as
     finding evidence: the origin of the analysis' walk back, not the first non-finite output
     (an intended -inf mask is never the cause). ``since_step``: of the first harmful value in
-    that step or later."""
+    that step or later; ``handled``: also among the gradients a GradScaler discarded."""
     from trainguard.analysis._origin import origin
 
     try:
-        o = origin(run, since_step=since_step)
+        o = origin(run, since_step=since_step, handled=handled)
     except Exception:  # a run without a recording, or a damaged one: no origin
         return None
     if o is None:

@@ -29,6 +29,7 @@ from trainguard.capture._local import local as _local
 from trainguard.capture._local import written as _written
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._recorder_harm import HarmHooks
+from trainguard.capture._scaler_verdict import ScalerVerdicts
 from trainguard.capture._stacks import StackInterner
 from trainguard.capture._summary import (
     ALIAS_OPS,
@@ -225,6 +226,7 @@ class Recorder(HarmHooks):
         self.loss_watch: _loss_watch.LossWatch | None = None
         self.loss_pins: list[int] = []
         self.losses_pinned = 0
+        self.scaler_verdicts: ScalerVerdicts | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Recorder:
@@ -254,6 +256,7 @@ class Recorder(HarmHooks):
         if self.writer is not None:
             self.writer.idle_callbacks.append(self._flush_if_stale)
             self.writer.sources.append(self.flush)
+            self.scaler_verdicts = ScalerVerdicts(self.writer)
             self.loss_watch = _loss_watch.acquire(self.writer)
             _monitor_tap.add_listener("loss_graph", self._pin_loss)
         if self.mode in _COUNTING_MODES:
@@ -291,6 +294,9 @@ class Recorder(HarmHooks):
                 _loss_watch.release(self.loss_watch)
                 self.loss_watch = None
             self.flush()
+            if self.scaler_verdicts is not None:
+                self.scaler_verdicts.close()
+                self.scaler_verdicts = None
             if self.writer is not None:
                 if self._flush_if_stale in self.writer.idle_callbacks:
                     self.writer.idle_callbacks.remove(self._flush_if_stale)

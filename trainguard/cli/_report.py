@@ -155,6 +155,8 @@ def _header(report: dict) -> Panel:
 def _alerts(report: dict) -> Any:
     alerts = report["alerts"]
     quiet = [Text(line, style="dim") for line in report.get("intended") or []]
+    if report.get("scaler"):
+        quiet.append(Text(report["scaler"], style="dim"))
     stop = (report["meta"].get("check_numerics_stop") or {}) if report.get("meta") else {}
     if stop:
         first = str(stop.get("message", "")).splitlines()[:1]

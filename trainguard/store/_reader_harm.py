@@ -8,6 +8,7 @@ execution harmful, the first one the origin.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -30,13 +31,40 @@ class RunHarm:
         ``harmful`` table, not the rows the buffer kept, is then the count."""
         return bool(self.meta.get("harm_counts")) and self.tainted
 
+    def scaler_skipped(self) -> list[tuple[int, int]]:
+        """The ``(first, last)`` step ranges whose update a GradScaler skipped (Inf/NaN gradients):
+        their harmful values never reached the weights (capture/_scaler_verdict.py)."""
+        raw = self.meta.get("scaler_skipped")
+        if not isinstance(raw, list):
+            return []
+        return [(int(r[0]), int(r[1])) for r in raw
+                if isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) for v in r)]
+
+    def _handled_test(self) -> Callable[[int | None, int | None], bool]:
+        """``handled(step, phase)``: a value made after the forward pass of a step whose update a
+        GradScaler skipped (its gradients, the scaler's own checks). A forward value of such a step
+        (a NaN loss) stays harmful: the program used it."""
+        ranges = self.scaler_skipped()
+        starts = [a for a, _ in ranges]
+
+        def handled(step: int | None, phase: int | None = None) -> bool:
+            if step is None or not ranges or phase == 0:
+                return False
+            i = bisect.bisect_right(starts, step) - 1
+            return i >= 0 and step <= ranges[i][1]
+
+        return handled
+
     def steps(self) -> list[dict]:
-        """Per step: first and last sequence number, execution count, harmful count."""
+        """Per step: first and last sequence number, execution count, harmful count, and
+        ``scaler_skipped`` when a GradScaler skipped its update."""
         harm = "health != 0" if not self.tainted else f"taint = {T_HARMFUL}"
         rows = self._q(
             f"SELECT step, min(seq), max(seq), count(*), sum({harm}) FROM executions GROUP BY step ORDER BY step"
         )
-        out = [{"step": s, "first": a, "last": b, "count": c, "nonfinite": n or 0} for s, a, b, c, n in rows]
+        in_skipped = self._handled_test()
+        out = [{"step": s, "first": a, "last": b, "count": c, "nonfinite": n or 0, "scaler_skipped": in_skipped(s)}
+               for s, a, b, c, n in rows]
         if self._counted():
             counted = dict(self._q("SELECT step, sum(count) FROM harmful GROUP BY step"))
             for d in out:
@@ -46,26 +74,42 @@ class RunHarm:
     def alerts(self) -> dict:
         """Harmful events counted by op type, with the first one of each; ``first_seq`` is where
         the first harmful value was made (its origin: what an alert leads to), ``harm_seq`` where
-        it became harmful. Intended infinities are only counted (``intended``), never alerts."""
-        if self._counted():
-            rows = self._q("SELECT op, sum(count), min(first_seq) FROM harmful GROUP BY op ORDER BY min(first_seq)")
+        it became harmful. Intended infinities are only counted (``intended``), never alerts.
+        Harmful values of steps a GradScaler skipped are counted apart (``scaler``), not alerts."""
+        if self._counted():  # the phase of an op type's first harmful execution in the step stands for all
+            rows = self._q("SELECT h.op, h.step, h.count, h.first_seq, e.phase FROM harmful h "
+                           "LEFT JOIN executions e ON e.seq = h.first_seq")
         else:
             harm = "e.health != 0" if not self.tainted else f"e.taint = {T_HARMFUL}"
             rows = self._q(
-                "SELECT o.name, count(*), min(e.seq) FROM executions e JOIN op_types o ON o.id = e.op_id "
-                f"WHERE {harm} GROUP BY o.name ORDER BY min(e.seq)"
+                "SELECT o.name, e.step, count(*), min(e.seq), e.phase FROM executions e "
+                f"JOIN op_types o ON o.id = e.op_id WHERE {harm} GROUP BY o.name, e.step, e.phase"
             )
-        by_op = [{"op": short_op(n), "count": c, "first_seq": f} for n, c, f in rows]
+        handled = self._handled_test()
+        groups: tuple[dict, dict] = ({}, {})  # op -> [count, first seq]: (alerts, GradScaler-skipped)
+        for name, step, count, first, phase in rows:
+            g = groups[handled(step, phase)].setdefault(short_op(name), [0, first])
+            g[0] += count
+            g[1] = min(g[1], first)
+        by_op, skipped = ([{"op": op, "count": c, "first_seq": f}
+                           for op, (c, f) in sorted(g.items(), key=lambda x: x[1][1])] for g in groups)
         harm = self.first_harm()
-        return {
+        out = {
             "total": sum(r["count"] for r in by_op),
             "by_op": by_op,
             "first_seq": harm["origin"] if harm else None,
             "harm_seq": harm["seq"] if harm else None,
             "intended": self.intended(),
         }
+        ranges = self.scaler_skipped()
+        if ranges:
+            first = min(skipped, key=lambda r: r["first_seq"]) if skipped else None
+            out["scaler"] = {"skipped_steps": sum(b - a + 1 for a, b in ranges), "ranges": [list(r) for r in ranges],
+                             "events": sum(r["count"] for r in skipped), "by_op": skipped,
+                             "first_seq": first["first_seq"] if first else None}
+        return out
 
-    def first_harm(self, since_step: int | None = None) -> dict | None:
+    def first_harm(self, since_step: int | None = None, handled: bool = False) -> dict | None:
         """Where the first harmful value became harmful: {seq, origin, reason, op, step}, or None.
 
         ``reason`` says how: ``nan`` (a NaN was made), ``loss`` (backward() was called on it),
@@ -73,20 +117,27 @@ class RunHarm:
         ``.tolist()``, printing). Runs before format 3: the first non-finite execution.
         ``since_step``: the first one in that step or later (a GradScaler's overflowing steps,
         long after a routine overflow while its scale settled); ``reason`` may then be None.
+        Gradients of steps a GradScaler skipped are passed over unless ``handled`` (the scaler's
+        own rule looks there): their update never ran.
         """
+        skipped = (lambda step, phase: False) if handled else self._handled_test()
         h = self.meta.get("first_harm")
         if isinstance(h, dict) and isinstance(h.get("seq"), int):
             step = h.get("step")
-            if since_step is None or (isinstance(step, int) and step >= since_step):
+            # in a skipped step its phase decides (below: the stored row has it)
+            if (since_step is None or (isinstance(step, int) and step >= since_step)) and not skipped(step, None):
                 return h
         if self.tainted:
-            sql = f"SELECT seq, coalesce(origin, seq) FROM executions WHERE taint = {T_HARMFUL}"
+            sql = f"SELECT seq, coalesce(origin, seq), step, phase FROM executions WHERE taint = {T_HARMFUL}"
         else:
-            sql = "SELECT seq, seq FROM executions WHERE health != 0"
+            sql = "SELECT seq, seq, step, phase FROM executions WHERE health != 0"
         params: tuple = ()
         if since_step is not None:
             sql, params = sql + " AND step >= ?", (int(since_step),)
-        rows = self._q(sql + " ORDER BY seq LIMIT 1", params)
+        if handled or not self.scaler_skipped():
+            rows = self._q(sql + " ORDER BY seq LIMIT 1", params)
+        else:  # harmful rows are few (a storm is counted, not stored): filter the skipped steps here
+            rows = [r for r in self._q(sql + " ORDER BY seq", params) if not skipped(r[2], r[3])][:1]
         return {"seq": rows[0][0], "origin": rows[0][1], "reason": None} if rows else None
 
     def first_harmful(self) -> dict | None:

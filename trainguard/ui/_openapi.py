@@ -93,6 +93,13 @@ _SCHEMAS: dict[str, Any] = {
                      "values": {"type": "integer"}, "executions": {"type": "integer"}}
                 )
             ),
+            # The gradients of steps a GradScaler skipped (fp16 overflow): counted apart, never alerts.
+            "scaler": _obj(
+                {"skipped_steps": {"type": "integer"}, "ranges": _arr(_arr({"type": "integer"})),
+                 "events": {"type": "integer"}, "first_seq": _INT_OR_NULL,
+                 "by_op": _arr(_obj({"op": {"type": "string"}, "count": {"type": "integer"},
+                                     "first_seq": {"type": "integer"}}))}
+            ),
         },
     ),
     "Origin": _obj(

@@ -21,6 +21,15 @@ function intendedText(g) {
     : `${n} ${g.kind} from ${made} never reached the loss, a gradient, a parameter or a read value (not harmful)`;
 }
 
+/** The gradients of steps a GradScaler skipped: routine fp16 overflow, never alerts (as the report says). */
+function scalerText(sc) {
+  const r = sc.ranges.slice(0, 6).map(([a, b]) => (a === b ? `${a}` : `${a}-${b}`)).join(", ");
+  const more = sc.ranges.length > 6 ? ` and ${sc.ranges.length - 6} more ranges` : "";
+  const n = sc.skipped_steps;
+  return `${fmt(sc.events)} Inf/NaN events in the gradients of ${fmt(n)} step${n === 1 ? "" : "s"} a GradScaler ` +
+    `skipped (steps ${r}${more}; first #${sc.first_seq}): discarded with the update, never reached the weights`;
+}
+
 export class AlertsPane {
   constructor(pane, { onSelect }) {
     this.head = pane.querySelector("h2");
@@ -34,6 +43,7 @@ export class AlertsPane {
     clear(this.head, "Alerts", h("span.grow"), h("span.count", alerts.total ? fmt(alerts.total) : "0"));
     // Intended infinities (masks absorbed by softmax, sentinels) are a count, never an alert.
     const quiet = (alerts.intended || []).map((g) => h("div.small.muted.intended", intendedText(g)));
+    if (alerts.scaler && alerts.scaler.events) quiet.push(h("div.small.muted.scaler", scalerText(alerts.scaler)));
     if (!alerts.total) {
       clear(this.body, this.ranksBox || null, h("div.alert-ok", "No harmful NaN or Inf."), quiet, this.originBox);
       return;
