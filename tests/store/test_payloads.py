@@ -9,7 +9,7 @@ import torch
 
 import trainguard as tg
 from trainguard import CorruptRun
-from trainguard.store import SCHEMA_VERSION, _writer, open_run
+from trainguard.store import SCHEMA_VERSION, _segments, open_run
 from trainguard.store._writer import RunWriter
 
 CASES = {
@@ -48,7 +48,7 @@ def test_every_kind_of_tensor_comes_back_equal(tmp_path):
 
 
 def test_buffer_deletes_segments_it_no_longer_needs(tmp_path, monkeypatch):
-    monkeypatch.setattr(_writer, "SEGMENT_BYTES", 4096)
+    monkeypatch.setattr(_segments, "SEGMENT_BYTES", 4096)
     x = torch.zeros(256)  # 1 KiB per output: a segment every 4 outputs
     with tg.record(tmp_path / "r", mode="full_tensor", buffer=8):
         bad = torch.log(x)  # -inf: harmful once read, then pinned with its payload
@@ -151,13 +151,13 @@ def test_a_failed_write_starts_a_new_segment(tmp_path):
 def test_a_transposed_output_is_copied_once_and_reads_back(tmp_path, monkeypatch):
     """The recorder hands the writer a contiguous copy, which the writer appends as it is."""
     seen = []
-    real = _writer._raw_bytes
+    real = _segments._raw_bytes
 
     def spy(tensor):
         seen.append(tensor.is_contiguous())
         return real(tensor)
 
-    monkeypatch.setattr(_writer, "_raw_bytes", spy)
+    monkeypatch.setattr(_segments, "_raw_bytes", spy)
     x = torch.randn(3, 5)
     with tg.record(tmp_path / "r", mode="full_tensor", buffer=-1):
         y = x.t()

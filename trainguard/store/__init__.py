@@ -17,7 +17,9 @@ from trainguard.store._ranked import RankedRun
 from trainguard.store._ranks import default_name, is_collective, process_rank, rank_dir
 from trainguard.store._reader import Run, short_op
 from trainguard.store._runs import find_runs, open_run
-from trainguard.store._writer import ExecBatch, RunWriter, acquire_writer, is_user_file, release_writer
+from trainguard.store._shared import acquire_writer, release_writer
+from trainguard.store._userfiles import is_user_file
+from trainguard.store._writer import ExecBatch, RunWriter
 
 __all__ = [
     "MODES",

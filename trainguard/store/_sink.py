@@ -63,7 +63,7 @@ class Sink:
 
     def __init__(self, run_dir: str | os.PathLike, mode: str = "no_tensor", buffer: int = -1,
                  flush_interval: float = 1.0):
-        from trainguard.store._writer import is_user_file
+        from trainguard.store._userfiles import is_user_file
 
         self._is_user_file = is_user_file
         self.run_dir = Path(run_dir)

@@ -9,8 +9,6 @@ rows does not compete with training for the GIL; other writers keep it in the th
 
 from __future__ import annotations
 
-import bisect
-import json
 import logging
 import os
 import queue
@@ -20,7 +18,6 @@ import sqlite3
 import struct
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 from collections import deque
@@ -29,42 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from trainguard._errors import TrainguardError
-from trainguard.store._codec import DB_NAME, EVICTION_SLACK, MODE_FIELDS, dumps, encode_float
+from trainguard.store._codec import DB_NAME, MODE_FIELDS, dumps, encode_float
 from trainguard.store._ranks import process_rank, rank_of_dir, remove_stale_ranks
 from trainguard.store._schema import connect
+from trainguard.store._segments import SegmentFiles
+from trainguard.store._window import SEND_INTERVAL, BufferWindow
 
 log = logging.getLogger("trainguard.store")
-
-_NOT_USER_PREFIXES = tuple(
-    p
-    for p in {
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # trainguard itself
-        sysconfig.get_paths().get("stdlib", ""),
-        sysconfig.get_paths().get("platstdlib", ""),
-        sysconfig.get_paths().get("purelib", ""),
-        sysconfig.get_paths().get("platlib", ""),
-    }
-    if p
-)
-
-
-_EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples") + os.sep
-
-
-def is_user_file(filename: str) -> bool:
-    """A frame belongs to the user unless it is in trainguard, torch, the stdlib or site-packages.
-
-    trainguard's shipped examples count as user code: they stand for a user's script.
-    """
-    if not filename or filename.startswith("<"):
-        return False
-    path = os.path.abspath(filename)
-    if path.startswith(_EXAMPLES_DIR):
-        return True
-    if "site-packages" in filename or "dist-packages" in filename:
-        return False
-    return not path.startswith(_NOT_USER_PREFIXES)
-
 
 def _check_appendable(db: Path) -> None:
     """An existing run may be appended to only if it is a trainguard run this version can write."""
@@ -111,7 +79,7 @@ class ExecBatch:
     resend: list[tuple] | None = None
 
 
-class RunWriter:
+class RunWriter(BufferWindow, SegmentFiles):
     """Writes one run directory. Create one per run; ``close()`` at the end (also at exit)."""
 
     def __init__(
@@ -448,146 +416,6 @@ class RunWriter:
         else:
             self._send(("exec", (resend or []) + records, pins))
 
-    # ------------------------------------------------------------------ the circular buffer
-    def _hold(self, records: list, bad: bool, pins: list | None = None, resend: list | None = None) -> None:
-        """Keep executions here and send the sink only those the circular buffer keeps.
-
-        A fast loop makes tens of thousands of executions per second, and with ``buffer=N``
-        all but the newest N are evicted anyway: sending every one of them to the sink costs
-        the training process several microseconds per op for rows that are deleted a second
-        later. So the newest N are sent every ``SEND_INTERVAL`` seconds; older ones stay here
-        (up to the eviction slack) and are sent when the recorder pins them (``pins``: the
-        chain of a harmful value may be older than the newest N). A batch without ``pins``
-        that is ``bad`` (another writer's non-finite batch) sends everything held, so that the
-        sink can pin the producers of a NaN that were made long before it.
-        """
-        if records:
-            self._window.append(records)
-            self._window_n += len(records)
-            limit = self.buffer + EVICTION_SLACK
-            while self._window_n - len(self._window[0]) >= limit:
-                self._window_n -= len(self._window.popleft())
-        if pins is not None:
-            # The recorder named what to keep: send those records now (they may be older than
-            # the newest N that the next send takes), with the records sent again.
-            if pins or resend:
-                out = list(resend or [])
-                out += [r for r in (self._held(seq) for seq in pins) if r is not None]
-                self._send(("exec", out, pins))
-                self._send(("commit",))
-        elif bad:
-            self._window_bad = True
-        if (bad and pins is None) or time.monotonic() - self._last_send >= SEND_INTERVAL:
-            self._send_window()
-
-    def _held(self, seq: int) -> tuple | None:
-        """The record ``seq`` if the window holds it (lists in order, each sorted by seq)."""
-        for records in reversed(self._window):
-            if records[0][0] <= seq:
-                i = bisect.bisect_left(records, seq, key=_seq_of)
-                if i < len(records) and records[i][0] == seq:
-                    return records[i]
-                # ops recorded on several threads may interleave out of order: look through it
-                return next((r for r in records if r[0] == seq), None)
-        return None
-
-    def _send_window(self) -> None:
-        """Send the newest ``buffer`` executions not sent yet (all held ones after a NaN), then commit."""
-        self._last_send = time.monotonic()
-        if not self._window_n:
-            return
-        sent = self._sent_max
-        if self._window_bad:
-            # Everything held and not sent in an earlier such round (the sink ignores repeats):
-            # during a NaN storm each execution is sent at most twice, not on every batch.
-            done = self._sent_all
-            out = [r for records in self._window for r in records if r[0] > done]
-            self._window_bad = False
-            if out:
-                self._sent_all = max(r[0] for r in out)
-        else:
-            chunks, need = [], self.buffer
-            for records in reversed(self._window):
-                fresh = records if records[0][0] > sent else [r for r in records if r[0] > sent]
-                if len(fresh) > need:
-                    fresh = fresh[-need:]
-                if fresh:
-                    chunks.append(fresh)
-                need -= len(fresh)
-                if need <= 0 or len(fresh) < len(records):
-                    break
-            out = [r for records in reversed(chunks) for r in records]
-        if not out:
-            return
-        self._sent_max = max(sent, max(r[0] for r in out))
-        self._send(("exec", out))
-        self._send(("commit",))
-
-    def _save_tensor(self, seq: int, slot: int, tensor: Any) -> tuple:
-        """Store a full tensor (already a host copy); returns its payload row for the sink.
-
-        Its raw bytes are appended to the current segment file, unbuffered, so they are in the
-        file before the row that points at them can be committed: a killed process leaves no row
-        pointing past the end. A tensor without plain strided memory (sparse, quantized) gets a
-        file of its own, read back with ``torch.load(weights_only=True)``.
-        """
-        import torch
-
-        dtype = str(tensor.dtype).replace("torch.", "")
-        shape = json.dumps(list(tensor.shape), separators=(",", ":"))
-        raw = _raw_bytes(tensor)
-        if raw is None:
-            rel = f"tensors/{seq}-{slot}.pt"
-            (self.run_dir / "tensors").mkdir(exist_ok=True)
-            torch.save(tensor, self.run_dir / rel)
-            return seq, slot, rel, None, None, dtype, shape
-        if self._seg is None or self._seg_bytes >= SEGMENT_BYTES:
-            self._roll_segment()
-        offset = self._seg_bytes
-        view = memoryview(raw).cast("B")
-        try:
-            while view:
-                view = view[self._seg.write(view):]
-        except BaseException:
-            # A partial write (disk full) would shift every later offset: start a new segment.
-            self._close_segment()
-            raise
-        self._seg_bytes += raw.nbytes
-        return seq, slot, self._seg_rel, offset, raw.nbytes, dtype, shape
-
-    def _roll_segment(self) -> None:
-        self._close_segment()
-        self._seg_index += 1
-        # A token per writer: several processes may append to one run.
-        self._seg_rel = f"tensors/seg-{self._seg_token}-{self._seg_index:06d}.bin"
-        (self.run_dir / "tensors").mkdir(exist_ok=True)
-        self._seg = open(self.run_dir / self._seg_rel, "xb", buffering=0)  # noqa: SIM115 - kept open
-        self._seg_bytes = 0
-
-    def _close_segment(self) -> None:
-        if self._seg is not None:
-            self._seg.close()
-            self._seg = None
-
-
-def _raw_bytes(tensor: Any):
-    """A contiguous host tensor's bytes as a flat uint8 NumPy array (no copy), or None."""
-    import numpy as np
-    import torch
-
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        return None
-    t = tensor.resolve_conj().resolve_neg().contiguous()
-    if t.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-# Full tensors (mode full_tensor) are appended to segment files of about this size; the sink
-# deletes a segment once the circular buffer has evicted every tensor in it.
-SEGMENT_BYTES = 64 << 20
-# How often the newest executions of a buffered recording reach the sink, which commits them.
-SEND_INTERVAL = 0.5
 
 
 def _resolve(batch: ExecBatch) -> list:
@@ -607,10 +435,6 @@ def _resolve(batch: ExecBatch) -> list:
             rec = rec[:10] + (summary,) + rec[11:]
         out.append(rec)
     return out
-
-
-def _seq_of(rec: tuple) -> int:
-    return rec[0]
 
 
 _HARM_UPSERT = ("INSERT INTO harmful(step, op, count, first_seq) VALUES (?, ?, ?, ?) ON CONFLICT(step, op) "
@@ -660,51 +484,3 @@ def writer_failure(run_dir: str | os.PathLike) -> tuple[str, int] | None:
     return _failures.get(Path(run_dir).resolve())
 
 
-# ---------------------------------------------------------------------- one writer per run per process
-_shared: dict[Path, list] = {}
-_shared_lock = threading.Lock()
-
-
-def acquire_writer(run_dir: str | os.PathLike, *, mode: str | None = None, buffer: int | None = None,
-                   overwrite: bool = False, append: bool = False, process: bool = False,
-                   meta: dict[str, Any] | None = None) -> RunWriter:
-    """The writer of ``run_dir`` shared by everything in this process that writes to it.
-
-    The recorder and the monitor may write to the same run: the first to arrive creates the
-    writer, later ones join it. ``mode``/``buffer`` given by a later caller reconfigure the writer
-    (the recorder passes them; the monitor does not). ``append=True`` adds to a run another
-    process left in ``run_dir`` (the doctor's results) instead of refusing it. ``process=True``
-    (the recorder) builds rows in a child process when this call creates the writer. Pair with
-    :func:`release_writer`.
-    """
-    key = Path(run_dir).resolve()
-    with _shared_lock:
-        entry = _shared.get(key)
-        if entry is None or entry[0]._closed:
-            writer = RunWriter(run_dir, mode=mode or "no_tensor", buffer=-1 if buffer is None else buffer,
-                               overwrite=overwrite, append=append, process=process, meta=meta)
-            _shared[key] = [writer, 1]
-            return writer
-        writer = entry[0]
-        entry[1] += 1
-        if (mode is not None and mode != writer.mode) or (buffer is not None and buffer != writer.buffer):
-            writer.configure(mode=mode, buffer=buffer)
-        if meta:
-            writer.set_meta(**meta)
-        return writer
-
-
-def release_writer(writer: RunWriter, **final_meta: Any) -> None:
-    """Drop one reference; the last one closes the writer (flush, trim, mark finished)."""
-    key = writer.run_dir.resolve()
-    with _shared_lock:
-        entry = _shared.get(key)
-        if entry is not None and entry[0] is writer:
-            entry[1] -= 1
-            if entry[1] > 0:
-                if final_meta:
-                    writer.set_meta(**final_meta)
-                writer.flush()
-                return
-            del _shared[key]
-    writer.close(**final_meta)
