@@ -83,14 +83,16 @@ def _model(name):
 @pytest.fixture(scope="module", params=list(MODELS))
 def runs(request, tmp_path_factory):
     """Per model: Dynamo's counters compiled plain and compiled under record (Inductor, the model
-    compiled after the recording started), and the same steps recorded eagerly."""
+    compiled after the recording started), and the same steps recorded eagerly. The plain run
+    compiles with ``aot_eager``: Dynamo's graphs, breaks, frames and recompiles do not depend on
+    the backend, and one Inductor compilation per model less keeps the suite fast."""
     name = request.param
     tmp = tmp_path_factory.mktemp(f"compile-{name}")
     out = {"name": name}
     torch._dynamo.reset()
     counters.clear()
     model, x = _model(name)
-    out["loss_plain"] = _train(torch.compile(model), model.parameters(), x)
+    out["loss_plain"] = _train(torch.compile(model, backend="aot_eager"), model.parameters(), x)
     out["plain"] = _counts()
 
     torch._dynamo.reset()
@@ -379,7 +381,7 @@ def test_a_graph_break_in_user_code_stays_one(tmp_path):
 def test_check_numerics_keeps_the_graph_and_passes_a_clean_step():
     def steps(check: bool):
         model, x = _model("mlp")
-        compiled = torch.compile(model)  # Inductor
+        compiled = torch.compile(model, backend="inductor" if check else "aot_eager")  # checked: Inductor, instrumented
         if check:
             with tg.check_numerics():
                 return _train(compiled, model.parameters(), x, steps=2)
@@ -405,7 +407,9 @@ def test_dynamic_shapes_two_sequence_lengths(tmp_path):
     def steps(record: bool):
         torch.manual_seed(0)
         model = Seq()
-        compiled = torch.compile(model)  # Inductor; the second length makes the sequence dim dynamic
+        # Inductor under the recording (plain: aot_eager, the same Dynamo decisions); the second
+        # length makes the sequence dim dynamic.
+        compiled = torch.compile(model, backend="inductor" if record else "aot_eager")
         batches = [torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 9, 4)]
         ctx = tg.record(tmp_path / "r", buffer=-1) if record else None
         if ctx:
