@@ -22,7 +22,7 @@ from trainguard.store import open_run
 
 def train_compiled(steps: int, empty_at: int | None = None, backend=None) -> list[float]:
     torch.manual_seed(0)
-    model = M.TinyGPT(layers=1)  # one block: Inductor compiles the instrumented graphs in half the time
+    model = M.TinyGPT(layers=1)  # one block: half the graph for Inductor to compile (the suite's slowest fixture)
     compiled = torch.compile(model, **({"backend": backend} if backend is not None else {}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
