@@ -63,11 +63,11 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, flash: bool = False, dropout: float = 0.0):
+    def __init__(self, flash: bool = False, dropout: float = 0.0, layers: int = LAYERS):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, EMBD)
         self.wpe = nn.Embedding(BLOCK, EMBD)
-        self.h = nn.ModuleList([Block(flash, dropout) for _ in range(LAYERS)])
+        self.h = nn.ModuleList([Block(flash, dropout) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(EMBD)
         self.lm_head = nn.Linear(EMBD, VOCAB, bias=False)
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo
@@ -61,7 +63,7 @@ def inductor_runs(tmp_path_factory):
     counters.clear()
     torch.manual_seed(0)
     model = Net()
-    _steps(torch.compile(model), model)
+    _steps(torch.compile(model, backend="aot_eager"), model)  # Dynamo's counts do not depend on the backend
     plain = _counts()
     monitored = _monitored(tmp / "compiled", "inductor")
     torch.manual_seed(0)
@@ -134,3 +136,62 @@ def test_record_and_monitor_together_keep_the_graph(tmp_path):
         assert run.count(op="tanh", phase="forward") == 3
         assert {r["layer"] for r in run.layer_stats(kind="activation")} == LAYERS
     torch._dynamo.reset()
+
+
+class LossInForward(nn.Module):
+    """A model that computes its own loss, as karpathy/nanoGPT's GPT.forward(idx, targets) does:
+    the monitor's wrapped functional loss is traced into the compiled graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(10, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x, targets=None):
+        logits = self.fc2(torch.tanh(self.fc1(x)))
+        loss = None if targets is None else nn.functional.cross_entropy(logits, targets)
+        return logits, loss
+
+
+def _train_and_evaluate(run_model, model, steps=4):
+    """Training steps with a no-grad evaluation (model.eval(), as nanoGPT's estimate_loss) after
+    every second one."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+    xv, yv = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(steps):
+        opt.zero_grad()
+        run_model(x, y)[1].backward()
+        opt.step()
+        if s % 2 == 1:
+            model.eval()
+            with torch.no_grad():
+                run_model(xv, yv)
+            model.train()
+
+
+def _loss_in_forward_run(tmp, compiled: bool, monitor: bool):
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = LossInForward()
+    run_model = torch.compile(model, backend="aot_eager") if compiled else model
+    with tg.Monitor(run_model, tmp, every=2, diagnose=False) if monitor else contextlib.nullcontext():
+        _train_and_evaluate(run_model, model)
+    return _counts()
+
+
+def test_a_loss_computed_inside_a_compiled_forward_keeps_the_graphs_and_its_validation_loss(tmp_path):
+    plain = _loss_in_forward_run(None, compiled=True, monitor=False)
+    monitored = _loss_in_forward_run(tmp_path / "compiled", compiled=True, monitor=True)
+    _loss_in_forward_run(tmp_path / "eager", compiled=False, monitor=True)
+    torch._dynamo.reset()
+    assert monitored == plain
+    with open_run(tmp_path / "compiled") as c, open_run(tmp_path / "eager") as e:
+        want = e.scalars("val_loss").get("val_loss", [])
+        got = c.scalars("val_loss").get("val_loss", [])
+        assert len(want) == 2
+        assert [s for s, _ in got] == [s for s, _ in want]
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
+        assert len(c.scalars("loss")["loss"]) == len(e.scalars("loss")["loss"]) == 4

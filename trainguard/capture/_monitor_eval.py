@@ -11,6 +11,13 @@ shipped with the other scalars: no host sync.
 
 The wrappers are installed while at least one monitor listens, as ``_monitor_tap`` does for
 ``backward``; a training loss costs one Python call and a flag test.
+
+A loss computed inside a compiled model (nanoGPT's ``forward(idx, targets)``) is traced by
+Dynamo with its wrapper: there the wrapper only emits ``trainguard::loss_tap`` (the loss, its
+prediction and target, the keyword constants on_loss reads), a side-effect op the compiled code
+calls at every run, whose kernel calls the listeners as the eager wrapper does. Tracing the
+listeners themselves would bake their Python state into the graph (graph breaks, and a
+recompile whenever an evaluation flips it).
 """
 
 from __future__ import annotations
@@ -38,10 +45,48 @@ _listeners: list[Callable[[str, tuple, dict, Any], None]] = []
 _originals: dict[str, Callable] = {}
 
 
+_lib = torch.library.Library("trainguard", "FRAGMENT")
+_lib.define("loss_tap(Tensor[] tensors, str name, str reduction, int ignore_index, bool grad) -> ()")
+
+
+def _loss_tap(tensors, name, reduction, ignore_index, grad) -> None:
+    """Run time of a loss traced into compiled code: ``tensors`` are the loss, its prediction and
+    target; ``grad`` whether grad mode was on where it was traced (a training loss: inside the
+    compiled forward nothing requires grad)."""
+    out, pred, target = tensors
+    kwargs = {"reduction": reduction, "ignore_index": ignore_index}
+    for listener in list(_listeners):
+        try:
+            listener(name, (pred, target), kwargs, out, requires_grad=grad)
+        except Exception:  # observing training never kills training
+            pass
+
+
+def _loss_tap_meta(tensors, name, reduction, ignore_index, grad) -> None:
+    return None
+
+
+_lib.impl("loss_tap", _loss_tap, "CompositeExplicitAutograd")
+_lib.impl("loss_tap", _loss_tap_meta, "Meta")
+_tap = torch.ops.trainguard.loss_tap.default
+torch.fx.node.has_side_effect(_tap)
+
+
+def _trace(name: str, args: tuple, kwargs: dict, out: Any) -> None:
+    """Under Dynamo: the loss becomes a tap in the graph, when on_loss could use it."""
+    pred, target = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "target")
+    reduction, ignore = kwargs.get("reduction", "mean"), kwargs.get("ignore_index", -100)
+    if (isinstance(out, torch.Tensor) and isinstance(pred, torch.Tensor) and isinstance(target, torch.Tensor)
+            and isinstance(reduction, str) and isinstance(ignore, int)):
+        _tap([out, pred, target], name, reduction, ignore, torch.is_grad_enabled())
+
+
 def _wrap(name: str, fn: Callable) -> Callable:
     def loss(*args, **kwargs):
         out = fn(*args, **kwargs)
-        if _listeners:
+        if torch.compiler.is_compiling():
+            _trace(name, args, kwargs, out)
+        elif _listeners:
             for listener in list(_listeners):
                 try:
                     listener(name, args, kwargs, out)
@@ -119,10 +164,11 @@ class EvalWatch:
             self._reset()
             self.active = self._by_mode = False
 
-    def on_loss(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+    def on_loss(self, name: str, args: tuple, kwargs: dict, out: Any, requires_grad: bool | None = None) -> None:
+        """``requires_grad``: a loss computed inside compiled code (see ``_loss_tap``)."""
         if not self.active or not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return
-        if out.requires_grad and not self._by_mode:
+        if (out.requires_grad if requires_grad is None else requires_grad) and not self._by_mode:
             return  # a training loss after a no-grad forward (a target network's output as the target)
         if self.loss_fn is None:
             self.loss_fn = name
