@@ -311,3 +311,25 @@ def test_a_loop_without_optimizer_step_keeps_memory_bounded(tmp_path, monkeypatc
     run = open_run(tmp_path / "r")
     last = [e for e in run.executions(phase="backward")[-8:] if e["op"] != "aten.detach"]  # not AccumulateGrad
     assert last and all(e["fwd_seq"] is not None for e in last)  # the newest forward ops are still known
+
+
+def _exp_of(t):
+    return torch.exp(t)
+
+
+def _two_calls(x):
+    a = _exp_of(x)  # first call
+    b = _exp_of(x)  # second call
+    return a, b
+
+
+def test_stack_of_a_helper_called_twice_from_one_frame_names_each_call_line(tmp_path):
+    # The stack cache is per calling activation; the caller's line moves between the two calls.
+    with tg.record(tmp_path / "r", buffer=-1):
+        _two_calls(torch.ones(2))
+    src = open(__file__).read().splitlines()
+    first = next(i for i, t in enumerate(src, 1) if "# first call" in t)
+    run = open_run(tmp_path / "r")
+    exps = run.executions(op="exp")
+    callers = [run.stack(e["stack_id"])[-2]["lineno"] for e in exps]
+    assert callers == [first, first + 1]
