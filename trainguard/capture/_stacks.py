@@ -28,6 +28,7 @@ class StackInterner:
         self._codes: list = []  # keeps the code objects of known keys alive (see module doc)
         self._prefixes: dict[tuple, int] = {}
         self._last_parent = None
+        self._last_lasti = -1
         self._last_prefix = 0
         self._on_new = on_new_stack
 
@@ -37,18 +38,21 @@ class StackInterner:
         Consecutive ops usually come from one Python function (``F.linear`` runs ``t`` then
         ``addmm``; an optimizer runs ten ops per parameter), so the stack above the innermost
         frame is cached per parent activation: while a frame object is held here it cannot be
-        replaced by another one at the same address, and an activation's callers never change.
+        replaced by another one at the same address, and an activation's callers never change
+        while it waits in one call (the cache holds the caller's instruction too: the same caller
+        calling again from another line is another stack).
         """
         try:
             f = sys._getframe(skip)
         except ValueError:  # no Python caller: an op run by the autograd engine's device thread
             return None
         parent = f.f_back
-        if parent is self._last_parent and parent is not None:
+        if parent is self._last_parent and parent is not None and parent.f_lasti == self._last_lasti:
             prefix = self._last_prefix
         else:
             prefix = self._prefix_id(parent)
             self._last_parent = parent
+            self._last_lasti = parent.f_lasti if parent is not None else -1
             self._last_prefix = prefix
         k = (prefix, id(f.f_code), f.f_lasti)
         sid = self._ids.get(k)
