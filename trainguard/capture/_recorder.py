@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainguard._errors import NonFiniteError
-from trainguard.capture import _kernels, _steps
+from trainguard._errors import NonFiniteError, TrainguardError
+from trainguard.capture import _steps
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._stacks import StackInterner
 from trainguard.capture._summary import (
@@ -59,8 +59,38 @@ FLUSH_SECONDS = 0.25
 # or trainguard.step()), so memory stays bounded (see Recorder._prune_fwd_nodes).
 FWD_NODES_MAX = 200_000
 
-# Modes whose summaries run the compiled counting kernel on CPU.
-_COUNTING_MODES = frozenset({"curt_health", "concise_health", "full_health", "full_tensor", "stats"})
+BACKENDS = ("auto", "native", "python")
+
+
+def _choose_backend(rec: Recorder):
+    """The native core's module for this recording, or None for the Python dispatch mode.
+
+    ``auto`` takes the native core unless the recording must raise at the op (check_numerics)
+    or the core cannot be built here (then one warning says how to get it); ``native`` insists.
+    The core's summary kernel serves the Python backend's CPU summaries too, when built.
+    """
+    from trainguard.capture import _native
+
+    module = _native.load()
+    if rec.requested_backend == "python" or rec.check or rec.logdir is None:
+        return None
+    if module is None:
+        if rec.requested_backend == "native":
+            raise TrainguardError(f"the native recorder core is not available: {_native.error()}")
+        _warn_no_native(_native.error())
+    return module
+
+
+_warned_no_native = False
+
+
+def _warn_no_native(reason: str | None) -> None:
+    global _warned_no_native
+    if not _warned_no_native:
+        _warned_no_native = True
+        log.warning("trainguard: recording with the Python dispatch mode, which is slower, because the native "
+                    "core could not be built (%s); install a C++ compiler (g++) and ninja (pip install ninja) "
+                    "for the fast path", reason)
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -151,10 +181,18 @@ class Recorder:
         check_numerics: bool = False,
         strategy: str = "auto",
         overwrite: bool = False,
+        backend: str = "auto",
     ):
         self.ops_pattern, self.dtypes = _validate(mode, buffer, ops, dtypes)
         if strategy not in ("auto", "immediate", "deferred"):
             raise ValueError(f"strategy must be 'auto', 'immediate' or 'deferred', got {strategy!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+        if backend == "native" and (check_numerics or logdir is None):
+            raise ValueError("backend='native' cannot raise at the failing op: check_numerics runs on the Python backend")
+        self.requested_backend = backend
+        self.backend: str | None = None  # which one ran: "native" or "python" (set by start)
+        self._native = None
         self.mode = mode
         self.fields = MODE_FIELDS[mode]
         self.buffer = buffer
@@ -190,6 +228,8 @@ class Recorder:
     def start(self) -> Recorder:
         if self.active:
             raise RuntimeError("this recorder is already active")
+        native = _choose_backend(self)
+        self.backend = "native" if native is not None else "python"
         if self.logdir is not None:
             self.writer = acquire_writer(
                 self.logdir,
@@ -202,6 +242,7 @@ class Recorder:
                     "dtypes_filter": sorted(_dtype_name(d) for d in self.dtypes) if self.dtypes else None,
                     "check_numerics": self.check,
                     "recording": True,
+                    "backend": self.backend,
                 },
             )
         if _steps.clock.users == 0:
@@ -210,12 +251,16 @@ class Recorder:
         _steps.clock.on_step.append(self._on_step)
         if self.writer is not None:
             self.writer.idle_callbacks.append(self._flush_if_stale)
-        if self.mode in _COUNTING_MODES:
-            _kernels.warm()
         self.modules.install()
         self.last_nr = _get_seq_nr()
-        self._mode = _DispatchMode(self)
-        self._mode.__enter__()
+        if native is not None:
+            from trainguard.capture._native._backend import NativeBackend
+
+            self._native = NativeBackend(self, native)
+            self._native.start()
+        else:
+            self._mode = _DispatchMode(self)
+            self._mode.__enter__()
         self.active = True
         return self
 
@@ -224,7 +269,10 @@ class Recorder:
             return
         self.active = False
         try:
-            self._mode.__exit__(None, None, None)
+            if self._native is not None:
+                self._native.stop()
+            else:
+                self._mode.__exit__(None, None, None)
         finally:
             self.modules.remove()
             self.stacks.release_frames()
@@ -235,6 +283,12 @@ class Recorder:
             if self.writer is not None:
                 if self._flush_if_stale in self.writer.idle_callbacks:
                     self.writer.idle_callbacks.remove(self._flush_if_stale)
+                if self._native is not None:
+                    counts = self._native.counts()
+                    self.seq, self.recorded = counts["seq"], counts["recorded"]
+                    self.failures += counts["failures"]
+                    if counts["unsure"]:
+                        final_meta["native_unsure"] = counts["unsure"]
                 if self.failures:
                     final_meta["record_errors"] = self.failures
                 release_writer(
@@ -265,6 +319,11 @@ class Recorder:
             self.writer.put_module(mid, path, type_name)
 
     def _on_step(self, step: int) -> None:
+        if self._native is not None:
+            self._native.on_step(step)
+            if self._native.core.pending() and time.monotonic() - self.last_flush > FLUSH_SECONDS:
+                self.flush()
+            return
         if self.pending_bad or time.monotonic() - self.last_flush > FLUSH_SECONDS:
             self.flush()
         # Drop the entries of the step's dead tensors now, while they are young: left to the
@@ -276,6 +335,9 @@ class Recorder:
 
     def flush(self) -> None:
         """Hand pending records to the writer (by time, by count, after a NaN, and at stop)."""
+        if self._native is not None:
+            self._flush_native()
+            return
         with self._lock:
             pending = self.pending
             n = len(pending)
@@ -291,11 +353,26 @@ class Recorder:
         if self.writer is not None:
             self.writer.put_executions(ExecBatch(records, deferred), must_keep=bad)
 
+    def _flush_native(self) -> None:
+        from trainguard.capture._native._backend import paused
+
+        with self._lock, paused():  # stacking the device summaries is trainguard's own work
+            records, deferred, bad = self._native.drain()
+            if not records:
+                return
+            self.deferred = deferred or {}
+            deferred = self._ship_deferred()
+            self.last_flush = time.monotonic()
+        if self.writer is not None:
+            self.writer.put_executions(ExecBatch(records, deferred), must_keep=bad)
+
     def _flush_if_stale(self) -> None:
         """Called by the writer thread when idle: a loop that stopped making ops still reaches disk.
 
         Not with accelerator summaries, whose batch the hot path indexes without the lock.
         """
+        if self._native is not None:
+            return  # the native core's drain thread hands records over
         if (self.pending and not self.deferred_used and time.monotonic() - self.last_flush > 2 * FLUSH_SECONDS
                 and self.writer.queue_room() > 64):
             self.flush()
@@ -322,13 +399,13 @@ class Recorder:
     # ------------------------------------------------------------------ hot path helpers
     def _info(self, func) -> tuple:
         name = str(func)
-        # Only tensor ops: profiler markers (record_function) and other namespaces are not ops.
-        wanted = not name.startswith("profiler.") and (
-            self.ops_pattern is None or self.ops_pattern.search(name) is not None
-        )
+        # Profiler markers (record_function) are not tensor ops: passed through and not numbered,
+        # as RecordFunction does not observe them (the native core never sees them).
+        marker = name.startswith("profiler.")
+        wanted = self.ops_pattern is None or self.ops_pattern.search(name) is not None
         # A plain OpOverload's __call__ only forwards to its C++ op: call that directly.
         call = func._op if type(func) is _OpOverload else func
-        info = (name, wanted, name in ALLOCATION_OPS, name in ALIAS_OPS, call, func)
+        info = (name, wanted, name in ALLOCATION_OPS, name in ALIAS_OPS, call, func, marker)
         self.op_info[id(func)] = info
         return info
 
@@ -427,6 +504,8 @@ class _DispatchMode(TorchDispatchMode):
         info = r.op_info.get(id(func))
         if info is None:
             info = r._info(func)
+        if info[6]:
+            return info[4](*args, **kwargs) if kwargs else info[4](*args)
         node = _current_node()
         nr = _get_seq_nr()
         out = info[4](*args, **kwargs) if kwargs else info[4](*args)
@@ -683,6 +762,7 @@ def record(
     *,
     overwrite: bool = False,
     strategy: str = "auto",
+    backend: str = "auto",
 ) -> Recorder:
     """Record every aten op the program runs into the run directory ``logdir``.
 
@@ -695,9 +775,13 @@ def record(
     ``full_health``, ``shape``, ``full_tensor``, ``stats``). ``buffer=N`` keeps the last N
     executions (``-1`` keeps all); executions with a NaN/Inf output and their producers are
     always kept. ``ops`` is a regular expression on the op name (``aten.log.default``) and
-    ``dtypes`` a list of output dtypes: only matching executions are recorded.
+    ``dtypes`` a list of output dtypes: only matching executions are recorded. ``backend`` picks
+    the recorder: ``native`` (the C++ core on ``at::RecordFunction``), ``python`` (a
+    ``TorchDispatchMode``), or ``auto`` (native when it can be built here); the run's metadata
+    says which ran.
     """
-    return Recorder(logdir, mode=mode, buffer=buffer, ops=ops, dtypes=dtypes, overwrite=overwrite, strategy=strategy)
+    return Recorder(logdir, mode=mode, buffer=buffer, ops=ops, dtypes=dtypes, overwrite=overwrite, strategy=strategy,
+                    backend=backend)
 
 
 def check_numerics(logdir: str | os.PathLike | None = None, *, mode: str = "curt_health", buffer: int = 1000) -> Recorder:

@@ -76,10 +76,7 @@ OpInfo* lookup_op(const at::RecordFunction& fn) {
       info->kind = OP_NEVER;
     } else {
       auto op = c10::Dispatcher::singleton().findOp(*on);
-      if (op && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
-          !op->hasKernelForDispatchKey(c10::DispatchKey::Autograd) &&
-          !op->hasKernelForDispatchKey(c10::DispatchKey::AutogradCPU) &&
-          !op->hasKernelForDispatchKey(c10::DispatchKey::AutogradCUDA))
+      if (op && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
         info->kind = OP_COMPOSITE;
     }
     g_ops.emplace(key, info);
