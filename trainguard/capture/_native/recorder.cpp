@@ -219,6 +219,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       auto inputs = fn.inputs();
       std::lock_guard<std::mutex> g(c->mu);
       auto add = [&](const at::Tensor& t) {
+        // A Python number passed where a tensor is expected reaches a dispatch mode as the number.
+        if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
         if (is_unsure_tensor(t)) throw Unsure{};
         if (!ctx->first) ctx->first = t.getIntrusivePtr();
         ctx->inputs.push_back(input_of(c, t));

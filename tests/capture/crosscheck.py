@@ -1,0 +1,137 @@
+"""Run one program under both recorder backends and compare their records field by field.
+
+The records compared are the tuples handed to the writer (``RunWriter.put_executions``), with
+device summaries resolved. Ops only one backend sees are allowed where the dispatch mode itself
+changes what autograd runs (DESIGN.md: with any dispatch mode active every tensor counts as a
+subclass): the mode's extra ``detach`` of each output autograd saves, and its out-of-place
+gradient accumulation (``add`` where plain autograd runs ``add_``). Everything else must match:
+the same ops in the same order, steps, phases, modules, stacks (as frames), forward ops of
+backward ops, input producers, output dtypes, shapes, devices and summaries.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+
+import torch
+
+import trainguard as tg
+from trainguard.store import _writer
+
+# (python op, native op): what the dispatch mode runs instead of plain autograd.
+MODE_ONLY = {"aten.detach.default"}
+MODE_REPLACES = {("aten.add.Tensor", "aten.add_.Tensor")}
+PLAIN_ONLY = {"aten.empty.memory_format"}  # an allocation plain autograd makes in SDPA's backward
+
+
+def capture(make_program, tmp_path, backend: str, mode: str, seed: int = 0, **kw):
+    """(records, stacks {id: frames}, modules {id: path}, the recorder) of ``make_program()()``,
+    a fresh program built after seeding, so that both backends run the same one."""
+    got = {"records": [], "stacks": {}, "modules": {}}
+    orig_exec, orig_stack, orig_module = (_writer.RunWriter.put_executions, _writer.RunWriter.put_stack,
+                                          _writer.RunWriter.put_module)
+
+    def put_executions(self, batch, must_keep=False):
+        got["records"].extend(_writer._resolve(batch))
+        return orig_exec(self, batch, must_keep=must_keep)
+
+    def put_stack(self, sid, frames):
+        got["stacks"][sid] = [tuple(f) for f in frames]
+        return orig_stack(self, sid, frames)
+
+    def put_module(self, mid, path, type_name):
+        got["modules"][mid] = (path, type_name)
+        return orig_module(self, mid, path, type_name)
+
+    _writer.RunWriter.put_executions, _writer.RunWriter.put_stack, _writer.RunWriter.put_module = (
+        put_executions, put_stack, put_module)
+    try:
+        torch.manual_seed(seed)
+        program = make_program()
+        with tg.record(tmp_path / f"{backend}-{mode}", mode=mode, buffer=-1, backend=backend, **kw) as rec:
+            program()
+    finally:
+        _writer.RunWriter.put_executions, _writer.RunWriter.put_stack, _writer.RunWriter.put_module = (
+            orig_exec, orig_stack, orig_module)
+    assert rec.backend == backend
+    got["records"].sort(key=lambda r: r[0])
+    return got, rec
+
+
+def _same_float(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def _same_summary(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return len(a) == len(b) and all(len(x) == len(y) and all(map(_same_float, x, y)) for x, y in zip(a, b))
+
+
+def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
+    """(differences that are not the dispatch mode's own, counts of the mode's own)."""
+    pr, nr = py["records"], nat["records"]
+    pops, nops = [r[3] for r in pr], [r[3] for r in nr]
+    sm = difflib.SequenceMatcher(a=pops, b=nops, autojunk=False)
+    seq_map: dict[int, int] = {}  # python seq -> native seq
+    mode_seqs: set[int] = set()
+    problems: list[str] = []
+    artefacts = {"mode_only": 0, "replaced": 0, "plain_only": 0}
+    pairs = []
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag == "equal":
+            pairs += list(zip(range(i1, i2), range(j1, j2)))
+            continue
+        a, b = pops[i1:i2], nops[j1:j2]
+        if tag == "replace" and len(a) == len(b) and all((x, y) in MODE_REPLACES for x, y in zip(a, b)):
+            pairs += list(zip(range(i1, i2), range(j1, j2)))
+            artefacts["replaced"] += len(a)
+            continue
+        rest_a = [x for x in a if x not in MODE_ONLY]
+        rest_b = [y for y in b if y not in PLAIN_ONLY]
+        mode_seqs.update(pr[i][0] for i in range(i1, i2) if pops[i] in MODE_ONLY)
+        artefacts["mode_only"] += len(a) - len(rest_a)
+        artefacts["plain_only"] += len(b) - len(rest_b)
+        if rest_a or rest_b:
+            problems.append(f"ops differ at python #{i1} / native #{j1}: {a} vs {b}")
+    for i, j in pairs:
+        seq_map[pr[i][0]] = nr[j][0]
+
+    def frames(got, sid):
+        return got["stacks"].get(sid) if sid is not None else None
+
+    for i, j in pairs:
+        p, n = pr[i], nr[j]
+        where = f"python seq {p[0]} / native seq {n[0]} ({p[3]})"
+        if pops[i] != nops[j] and (pops[i], nops[j]) in MODE_REPLACES:
+            continue  # the replaced op's inputs and outputs are the mode's own
+        for k, name in ((1, "step"), (2, "phase"), (7, "health"), (9, "outputs")):
+            if p[k] != n[k]:
+                problems.append(f"{where}: {name} {p[k]!r} vs {n[k]!r}")
+        if py["modules"].get(p[4]) != nat["modules"].get(n[4]):
+            problems.append(f"{where}: module {py['modules'].get(p[4])} vs {nat['modules'].get(n[4])}")
+        if frames(py, p[5]) != frames(nat, n[5]):
+            problems.append(f"{where}: stack {frames(py, p[5])} vs {frames(nat, n[5])}")
+        if (seq_map.get(p[6]) if p[6] is not None else None) != n[6]:
+            problems.append(f"{where}: fwd_seq {p[6]} (-> {seq_map.get(p[6])}) vs {n[6]}")
+        if len(p[8]) != len(n[8]):
+            problems.append(f"{where}: inputs {p[8]} vs {n[8]}")
+        else:
+            for a, b in zip(p[8], n[8]):
+                if a[0] == "op" and a[1] in mode_seqs:
+                    continue  # made by the mode's own detach
+                want = ("op", seq_map.get(a[1])) if a[0] == "op" else a
+                if want != b:
+                    problems.append(f"{where}: input {a} (-> {want}) vs {b}")
+        if not _same_summary(p[10], n[10]):
+            problems.append(f"{where}: summaries {p[10]} vs {n[10]}")
+    return problems, artefacts
+
+
+def crosscheck(make_program, tmp_path, mode: str = "full_health", **kw):
+    """Both backends on a fresh ``make_program()`` each (seeded alike); returns
+    (problems, artefacts, python's capture, native's capture)."""
+    py, nat = (capture(make_program, tmp_path, backend, mode, **kw)[0] for backend in ("python", "native"))
+    problems, artefacts = compare(py, nat)
+    return problems, artefacts, py, nat
