@@ -73,7 +73,10 @@ def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
     """(differences that are not the dispatch mode's own, counts of the mode's own)."""
     pr, nr = py["records"], nat["records"]
     pops, nops = [r[3] for r in pr], [r[3] for r in nr]
-    sm = difflib.SequenceMatcher(a=pops, b=nops, autojunk=False)
+    # Aligned on (op, phase, module): the mode's own detaches sit among the plain ones.
+    pkeys = [(r[3], r[2], py["modules"].get(r[4])) for r in pr]
+    nkeys = [(r[3], r[2], nat["modules"].get(r[4])) for r in nr]
+    sm = difflib.SequenceMatcher(a=pkeys, b=nkeys, autojunk=False)
     seq_map: dict[int, int] = {}  # python seq -> native seq
     mode_seqs: set[int] = set()
     problems: list[str] = []
@@ -84,7 +87,9 @@ def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
             pairs += list(zip(range(i1, i2), range(j1, j2)))
             continue
         a, b = pops[i1:i2], nops[j1:j2]
-        if tag == "replace" and len(a) == len(b) and all((x, y) in MODE_REPLACES for x, y in zip(a, b)):
+        if tag == "replace" and len(a) == len(b) and all(
+                (x, y) in MODE_REPLACES and pkeys[i][1:] == nkeys[j][1:]
+                for x, y, i, j in zip(a, b, range(i1, i2), range(j1, j2))):
             pairs += list(zip(range(i1, i2), range(j1, j2)))
             artefacts["replaced"] += len(a)
             continue

@@ -95,7 +95,8 @@ struct Ctx : at::ObserverContext {
   Core* core = nullptr;  // the core that began it (a slot may hold another one by its end)
   OpInfo* op = nullptr;
   bool seen = false;
-  int64_t node_nr = -1;  // the autograd node running this call (backward), or -1
+  bool in_node = false;  // run by the autograd engine (the backward pass)
+  uint64_t node_nr = 0;  // that node's sequence number (AccumulateGrad's is UINT64_MAX)
   std::vector<Input> inputs;
   c10::intrusive_ptr<c10::TensorImpl> first;  // the first tensor input (alias summaries)
 };
@@ -215,7 +216,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     try {
       if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) throw Unsure{};
       auto node = torch::autograd::get_current_node();
-      ctx->node_nr = node ? (int64_t)node->sequence_nr() : -1;
+      ctx->in_node = node != nullptr;
+      ctx->node_nr = node ? node->sequence_nr() : 0;
       auto inputs = fn.inputs();
       std::lock_guard<std::mutex> g(c->mu);
       auto add = [&](const at::Tensor& t) {
@@ -298,9 +300,9 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   r.fwd_seq = -1;
   r.module = 0;
   r.stack = 0;
-  if (ctx->node_nr >= 0) {
+  if (ctx->in_node) {
     r.phase = 1;
-    auto it = c->fwd_nodes.find((uint64_t)ctx->node_nr);
+    auto it = c->fwd_nodes.find(ctx->node_nr);
     if (it != c->fwd_nodes.end()) {
       r.fwd_seq = it->second.seq;
       r.module = it->second.module;
