@@ -19,10 +19,14 @@ import torch
 import trainguard as tg
 from trainguard.store import _writer
 
-# (python op, native op): what the dispatch mode runs instead of plain autograd.
-MODE_ONLY = {"aten.detach.default"}
+# (python op, native op): what the dispatch mode runs instead of plain autograd: a detach of each
+# output autograd saves; a copy (new_empty_strided + copy_) of a gradient AccumulateGrad steals,
+# where plain autograd detaches it.
+MODE_ONLY = {"aten.detach.default", "aten.new_empty_strided.default", "aten.copy_.default"}
 MODE_REPLACES = {("aten.add.Tensor", "aten.add_.Tensor")}
-PLAIN_ONLY = {"aten.empty.memory_format"}  # an allocation plain autograd makes in SDPA's backward
+# What plain PyTorch runs and the dispatch mode cannot see: an allocation of SDPA's backward, and
+# the detach inside nn.Parameter() (torch stashes every dispatch mode around it).
+PLAIN_ONLY = {"aten.empty.memory_format", "aten.detach.default"}
 
 
 def capture(make_program, tmp_path, backend: str, mode: str, seed: int = 0, **kw):
@@ -73,12 +77,13 @@ def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
     """(differences that are not the dispatch mode's own, counts of the mode's own)."""
     pr, nr = py["records"], nat["records"]
     pops, nops = [r[3] for r in pr], [r[3] for r in nr]
-    # Aligned on (op, phase, module): the mode's own detaches sit among the plain ones.
-    pkeys = [(r[3], r[2], py["modules"].get(r[4])) for r in pr]
-    nkeys = [(r[3], r[2], nat["modules"].get(r[4])) for r in nr]
+    # Aligned on (op, phase, module, outputs): the mode's own detaches sit among the plain ones.
+    pkeys = [(r[3], r[2], py["modules"].get(r[4]), r[9]) for r in pr]
+    nkeys = [(r[3], r[2], nat["modules"].get(r[4]), r[9]) for r in nr]
     sm = difflib.SequenceMatcher(a=pkeys, b=nkeys, autojunk=False)
     seq_map: dict[int, int] = {}  # python seq -> native seq
     mode_seqs: set[int] = set()
+    plain_seqs: set[int] = set()
     problems: list[str] = []
     artefacts = {"mode_only": 0, "replaced": 0, "plain_only": 0}
     pairs = []
@@ -96,12 +101,22 @@ def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
         rest_a = [x for x in a if x not in MODE_ONLY]
         rest_b = [y for y in b if y not in PLAIN_ONLY]
         mode_seqs.update(pr[i][0] for i in range(i1, i2) if pops[i] in MODE_ONLY)
+        plain_seqs.update(nr[j][0] for j in range(j1, j2) if nops[j] in PLAIN_ONLY)
         artefacts["mode_only"] += len(a) - len(rest_a)
         artefacts["plain_only"] += len(b) - len(rest_b)
         if rest_a or rest_b:
             problems.append(f"ops differ at python #{i1} / native #{j1}: {a} vs {b}")
     for i, j in pairs:
         seq_map[pr[i][0]] = nr[j][0]
+    anchors = sorted(seq_map.items())
+
+    def mapped(seq):
+        """A recorded op's native number; for one filtered out, by the offset of the last recorded
+        op before it (both backends number every op)."""
+        if seq in seq_map:
+            return seq_map[seq]
+        before = [n - p for p, n in anchors if p < seq]
+        return seq + (before[-1] if before else 0)
 
     def frames(got, sid):
         return got["stacks"].get(sid) if sid is not None else None
@@ -126,7 +141,9 @@ def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
             for a, b in zip(p[8], n[8]):
                 if a[0] == "op" and a[1] in mode_seqs:
                     continue  # made by the mode's own detach
-                want = ("op", seq_map.get(a[1])) if a[0] == "op" else a
+                want = ("op", mapped(a[1])) if a[0] == "op" else a
+                if a == ("input", None) and b[0] == "op" and b[1] in plain_seqs:
+                    continue  # made by an op the mode cannot see
                 if want != b:
                     problems.append(f"{where}: input {a} (-> {want}) vs {b}")
         if not _same_summary(p[10], n[10]):

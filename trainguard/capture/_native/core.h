@@ -34,6 +34,7 @@ struct OpInfo {
   OpKind kind;
   bool alloc;          // uninitialised outputs (trainguard.capture._summary.ALLOCATION_OPS)
   bool alias;          // outputs hold the first input's values (ALIAS_OPS)
+  bool autocast_cpu, autocast_cuda;  // has an autocast kernel (a wrapper that calls the op again)
 };
 
 struct Input {

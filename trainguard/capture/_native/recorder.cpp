@@ -3,13 +3,15 @@
 // A TorchDispatchMode sees an operator call when it reaches the Python dispatch key, which lies
 // below autograd and above the kernels. RecordFunction fires at every dispatcher call, so the
 // rule keeps exactly the calls that would reach that key:
-//   * a CompositeImplicitAutograd operator (linear, matmul, reshape, ...) is decomposed above it:
-//     not seen itself, its calls are;
-//   * calls made by a seen operator's kernel run below autograd (the thread-local excluded set
-//     then holds autograd or ADInplaceOrView keys): not seen; calls made before its autograd
-//     kernel redispatches (autocast's casts) are;
+//   * a CompositeImplicitAutograd operator (linear, matmul, reshape, ...) is decomposed above it
+//     by autograd's layer: not seen itself, its calls are (with that layer off, in inference
+//     mode, it is seen whole);
+//   * calls made by a seen operator run below the Python key (its kernel, a factory's backend):
+//     not seen, except where autocast wraps it: an operator with an autocast kernel, autocast
+//     on, casts its inputs (seen: the dispatch mode sees those casts) and calls itself again,
+//     which is the call seen, not the outer one; in autocast's own calls below autograd (the
+//     thread-local excluded set holds autograd or ADInplaceOrView) nothing is seen;
 //   * calls made with the Python key excluded (torch.tensor's internal allocation) are not;
-//   * a wrapper layer (autocast) calls the same operator again: the outer call is not seen;
 //   * operators that autograd handles without redispatching (detach_, requires_grad_) never are.
 // Records are taken at the end of each call, in the order a dispatch mode would have finished
 // them, and numbered then (seq), as the Python recorder numbers them.
@@ -71,6 +73,7 @@ OpInfo* lookup_op(const at::RecordFunction& fn) {
     info->py_name = PyUnicode_InternFromString(info->name.c_str());
     info->alloc = g_alloc.count(info->name) > 0;
     info->alias = g_alias.count(info->name) > 0;
+    info->autocast_cpu = info->autocast_cuda = false;
     info->kind = OP_SEEN;
     if (g_never.count(base) || base.rfind("profiler::", 0) == 0) {
       info->kind = OP_NEVER;
@@ -78,6 +81,10 @@ OpInfo* lookup_op(const at::RecordFunction& fn) {
       auto op = c10::Dispatcher::singleton().findOp(*on);
       if (op && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
         info->kind = OP_COMPOSITE;
+      if (op) {
+        info->autocast_cpu = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU);
+        info->autocast_cuda = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA);
+      }
     }
     g_ops.emplace(key, info);
     g_op_list.push_back(info);
@@ -95,6 +102,7 @@ struct Ctx : at::ObserverContext {
   Core* core = nullptr;  // the core that began it (a slot may hold another one by its end)
   OpInfo* op = nullptr;
   bool seen = false;
+  bool wrapper = false;  // autocast may run around this call (see the rule above)
   bool in_node = false;  // run by the autograd engine (the backward pass)
   uint64_t node_nr = 0;  // that node's sequence number (AccumulateGrad's is UINT64_MAX)
   std::vector<Input> inputs;
@@ -206,11 +214,16 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     }
   auto ex = c10::impl::tls_local_dispatch_key_set().excluded_;
   bool below = ex.has(c10::DispatchKey::ADInplaceOrView) || ex.has(c10::DispatchKey::AutogradFunctionality);
-  bool hidden = ex.has(c10::DispatchKey::Python) || (in_seen && below) || at::in_parallel_region();
+  bool hidden = ex.has(c10::DispatchKey::Python) || (in_seen && (below || !seen_parent->wrapper)) ||
+                at::in_parallel_region();
   auto ctx = std::make_unique<Ctx>();
   ctx->core = c;
   ctx->op = op;
-  ctx->seen = !hidden && op->kind == OP_SEEN;
+  // A composite is decomposed above the Python key by autograd's layer; with that layer off
+  // (inference mode, or below autograd) it reaches the key whole.
+  ctx->seen = !hidden && (op->kind == OP_SEEN || (op->kind == OP_COMPOSITE && below));
+  ctx->wrapper = ctx->seen && ((op->autocast_cpu && !ex.has(c10::DispatchKey::AutocastCPU)) ||
+                               (op->autocast_cuda && !ex.has(c10::DispatchKey::AutocastCUDA)));
   if (ctx->seen && seen_parent != nullptr && seen_parent->op == op) seen_parent->seen = false;  // a wrapper
   if (ctx->seen) {
     try {
@@ -342,17 +355,22 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   r.inputs = std::move(ctx->inputs);
   r.step = g_step.load(std::memory_order_relaxed);
   // A pure alias holds its input's values: reuse that summary while nothing wrote to it since.
-  const Summary* alias = nullptr;
+  bool have_alias = false;
+  Summary alias;
   if (op->alias && ctx->first && nfields) {
     auto it = c->producers.find(ctx->first.get());
     if (it != c->producers.end() && !it->second.ref.expired() && it->second.has_summary &&
-        it->second.version >= 0 && it->second.version == version_of(ctx->first.get()))
-      alias = &it->second.s;
+        it->second.version >= 0 && it->second.version == version_of(ctx->first.get())) {
+      have_alias = true;
+      alias = it->second.s;
+    }
   }
-  Summary alias_copy;
-  if (alias) alias_copy = *alias;
+  // Summaries first, without the lock; then everything the drain takes, in one locked section
+  // (a drain between a device summary and its record would split them).
+  g.unlock();
   int health = 0;
   bool immediate_only = true;
+  std::vector<at::Tensor> device_rows;
   r.outputs.reserve(outs.size());
   for (auto& o : outs) {
     Output m;
@@ -361,31 +379,20 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     m.device = o.device();
     if (nfields) {
       bool cpu = m.device.is_cpu();
+      m.summary = 1;
       if (op->alloc) {
-        m.summary = 1;
         m.s = unknown_summary(c->mode, o.numel());
-      } else if (alias) {
-        m.summary = 1;
-        m.s = alias_copy;
+      } else if (have_alias) {
+        m.s = alias;
       } else if ((cpu && c->strategy != 2) || c->strategy == 1 || o.is_meta() || o.layout() != at::kStrided) {
-        g.unlock();  // the pass over the values needs no lock
         m.s = summarize(o, c->mode);
-        g.lock();
-        m.summary = 1;
       } else {
         immediate_only = false;
-        at::Tensor d = summarize_deferred(o, c->mode);
-        auto dit = c->deferred.begin();
-        for (; dit != c->deferred.end(); ++dit)
-          if (dit->first == m.device) break;
-        if (dit == c->deferred.end()) dit = c->deferred.insert(c->deferred.end(), {m.device, {}});
         m.summary = 2;
-        m.row = (int64_t)dit->second.size();
-        dit->second.push_back(std::move(d));
+        device_rows.push_back(summarize_deferred(o, c->mode));
       }
       if (m.summary == 1) health |= health_of(c->mode, m.s);
     }
-    register_output(c, o, seq, r.stack, m.summary == 1 ? &m.s : nullptr);
     r.outputs.push_back(std::move(m));
   }
   if (c->mode == FULL_TENSOR) {
@@ -395,6 +402,20 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
       auto fmt = o.layout() == at::kStrided ? c10::MemoryFormat::Contiguous : c10::MemoryFormat::Preserve;
       r.payloads.push_back(d.to(at::TensorOptions().device(c10::kCPU), false, true, fmt));
     }
+  }
+  g.lock();
+  size_t k = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    Output& m = r.outputs[i];
+    if (m.summary == 2) {
+      auto dit = c->deferred.begin();
+      for (; dit != c->deferred.end(); ++dit)
+        if (dit->first == m.device) break;
+      if (dit == c->deferred.end()) dit = c->deferred.insert(c->deferred.end(), {m.device, {}});
+      m.row = (int64_t)dit->second.size();
+      dit->second.push_back(std::move(device_rows[k++]));
+    }
+    register_output(c, outs[i], seq, r.stack, m.summary == 1 ? &m.s : nullptr);
   }
   r.health = immediate_only ? health : -1;
   c->records.push_back(std::move(r));

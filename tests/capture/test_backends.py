@@ -1,0 +1,191 @@
+"""Both recorder backends on the same programs: the same records, field for field.
+
+See crosscheck.py for what may differ (only what the dispatch mode itself makes autograd run).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests_capture_crosscheck import crosscheck  # noqa: I001 - see conftest (path of this folder)
+
+
+def _mlp_adam(**opt_kw):
+    def make():
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 3))
+        opt = torch.optim.Adam(model.parameters(), **opt_kw)
+        x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+
+        def program():
+            for _ in range(2):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        return program
+    return make
+
+
+def _digits():
+    from trainguard.examples import nan_digits
+
+    return lambda: nan_digits.train(steps=3)
+
+
+def _backward_only_nan():
+    # sqrt at 0 is finite forward; its gradient divides by it: +inf, made only in backward.
+    w = torch.zeros(3, requires_grad=True)
+
+    def program():
+        torch.sqrt(w * w).sum().backward()
+    return program
+
+
+class _Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+
+def _custom_function():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    return lambda: _Cube.apply(lin(x)).sum().backward()
+
+
+def _checkpoint(reentrant):
+    def make():
+        from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        x = torch.randn(4, 8, requires_grad=True)
+
+        def program():
+            # Early stop ends the recomputation once the saved tensors are back, and the mode
+            # saves more (its detaches): recompute all of it under both.
+            with set_checkpoint_early_stop(False):
+                checkpoint(model, x, use_reentrant=reentrant).sum().backward()
+        return program
+    return make
+
+
+def _inference():
+    lin = nn.Linear(5, 3)
+    x = torch.randn(2, 5)
+
+    def program():
+        with torch.inference_mode():
+            y = lin(x).relu()
+            (y * 2).sum()
+        with torch.no_grad():
+            lin(x).exp()
+    return program
+
+
+def _autocast():
+    lin = nn.Linear(8, 2)
+    x = torch.randn(4, 8)
+
+    def program():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lin(x).float().sum().backward()
+    return program
+
+
+def _transformer():
+    block = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0, norm_first=True)
+    opt = torch.optim.AdamW(block.parameters(), foreach=True)
+    x = torch.randn(2, 5, 16)
+
+    def program():
+        opt.zero_grad()
+        block(x).pow(2).mean().backward()
+        opt.step()
+    return program
+
+
+def _odd_tensors():
+    def program():
+        a = torch.arange(12).reshape(3, 4)
+        b = a[:, ::2].float().cumsum(0)
+        c = torch.randn(4, 4, dtype=torch.float64).t().contiguous()
+        d = torch.tensor([True, False]).logical_not()
+        e = torch.randn(3, dtype=torch.complex64).abs()
+        f = torch.cat([b.flatten(), c.flatten().float()]).split(5)
+        torch.stack(list(f[:2])).half().sum()
+        return d, e
+    return program
+
+
+PROGRAMS = {
+    "mlp_adam": _mlp_adam(), "mlp_adam_foreach": _mlp_adam(foreach=True), "mlp_adam_fused": _mlp_adam(fused=True),
+    "nan_digits": _digits, "backward_only_nan": _backward_only_nan, "custom_function": _custom_function,
+    "checkpoint": _checkpoint(False), "checkpoint_reentrant": _checkpoint(True), "inference": _inference,
+    "autocast": _autocast, "transformer_foreach": _transformer, "odd_tensors": _odd_tensors,
+}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_same_records_in_full_health(tmp_path, name):
+    problems, artefacts, py, nat = crosscheck(PROGRAMS[name], tmp_path, "full_health")
+    assert len(nat["records"]) > 5
+    assert problems == [], "\n".join(problems[:20])
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["no_tensor", "curt_health", "concise_health", "shape", "stats", "full_tensor"])
+def test_same_records_in_every_mode(tmp_path, mode):
+    problems, _, py, nat = crosscheck(PROGRAMS["nan_digits"], tmp_path, mode)
+    assert problems == [], "\n".join(problems[:20])
+    if mode != "no_tensor" and mode != "shape":
+        assert any(r[7] for r in nat["records"])  # the NaN is there, in both
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_same_records_with_deferred_summaries(tmp_path):
+    # The accelerator path (device summaries stacked and copied per batch), run on CPU tensors.
+    problems, _, py, nat = crosscheck(PROGRAMS["nan_digits"], tmp_path, "stats", strategy="deferred")
+    assert problems == [], "\n".join(problems[:20])
+    assert any(r[7] is None for r in nat["records"])  # health not known on the training thread
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_same_records_with_filters(tmp_path):
+    # Without autograd (the mode's own detaches would shift the numbers of unrecorded producers).
+    def make():
+        lin = nn.Linear(4, 4)
+        x = torch.randn(3, 4)
+
+        def program():
+            with torch.no_grad():
+                torch.relu(lin(x)).long().float().mm(torch.ones(4, 2)).sum()
+        return program
+    problems, _, py, nat = crosscheck(make, tmp_path, "full_health", ops=["addmm", "relu", "mm", "_to_copy"],
+                                      dtypes=["float32"])
+    assert problems == [], "\n".join(problems[:20])
+    assert [r[3] for r in nat["records"]] == ["aten.addmm.default", "aten.relu.default", "aten._to_copy.default",
+                                              "aten.mm.default"]
+    assert py["records"] == nat["records"]
+
+
+def test_forward_only_program_is_identical_tuple_for_tuple(tmp_path):
+    # No autograd graph, so nothing the dispatch mode changes: every tuple, seq included, is equal.
+    def make():
+        x = torch.randn(6, 6)
+
+        def program():
+            with torch.no_grad():
+                y = torch.softmax(x @ x.t(), dim=1)
+                torch.log(y * 0).sum()
+        return program
+    problems, artefacts, py, nat = crosscheck(make, tmp_path, "full_health")
+    assert artefacts == {"mode_only": 0, "replaced": 0, "plain_only": 0}
+    assert py["records"] == nat["records"] and py["stacks"] == nat["stacks"]
