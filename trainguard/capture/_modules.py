@@ -15,6 +15,9 @@ import torch
 from torch import nn
 
 
+_compiling = torch.compiler.is_dynamo_compiling
+
+
 class ModuleTracker:
     """Maintains the innermost running module id per thread, and parameter names by tensor id."""
 
@@ -53,6 +56,8 @@ class ModuleTracker:
         return s
 
     def _pre(self, module: nn.Module, args) -> None:
+        if _compiling():  # Dynamo traces global hooks: trainguard's own code is never traced
+            return
         stack = self._stack()
         entry = self._ids.get(module)
         if entry is None:
@@ -62,6 +67,8 @@ class ModuleTracker:
             self.on_change(entry[0])
 
     def _post(self, module: nn.Module, args, output) -> None:
+        if _compiling():
+            return
         stack = self._stack()
         # Pop back to this module: a forward that raised may have left children on the stack.
         while stack:

@@ -34,10 +34,15 @@ def _backward(tensors, grad_tensors=None, *args, **kwargs):
 
 
 def quiet():
-    """Keep ``trainguard.record`` (a dispatch mode) from recording the monitor's own tensor ops."""
+    """Keep ``trainguard.record`` (either backend) from recording the monitor's own tensor ops."""
+    from trainguard.capture._native._backend import paused
+
     if torch._C._len_torch_dispatch_stack() > 0:
-        return torch._C._DisableTorchDispatch()
-    return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._C._DisableTorchDispatch())
+        stack.enter_context(paused())
+        return stack
+    return paused()
 
 
 def add_listener(fn: Callable[[torch.Tensor | None], None]) -> None:

@@ -364,7 +364,9 @@ class Recorder:
             deferred = self._ship_deferred()
             self.last_flush = time.monotonic()
         if self.writer is not None:
-            self.writer.put_executions(ExecBatch(records, deferred), must_keep=bad)
+            # Off the training thread the drain may wait for room: nothing is dropped there.
+            keep = bad or threading.current_thread() is self._native.thread
+            self.writer.put_executions(ExecBatch(records, deferred), must_keep=keep)
 
     def _flush_if_stale(self) -> None:
         """Called by the writer thread when idle: a loop that stopped making ops still reaches disk.

@@ -29,7 +29,7 @@ class NativeBackend:
         self.unsure_warned: set[str] = set()
         self.unsure = 0
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -42,15 +42,15 @@ class NativeBackend:
         _steps.clock.on_optimizer_step.append(self._optimizer_moved)
         rec.modules.on_change = self.core.set_module
         rec.modules.on_named = self.core.name_tensor
-        self._thread = threading.Thread(target=self._drain_loop, name="trainguard-native-drain", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._drain_loop, name="trainguard-native-drain", daemon=True)
+        self.thread.start()
 
     def stop(self) -> None:
         self.core.stop()
         self._stop.set()
         self.core.wake()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
         for hooks in (_steps.clock.before_optimizer_step, _steps.clock.on_optimizer_step):
             if self._optimizer_moved in hooks:
                 hooks.remove(self._optimizer_moved)
