@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+
+import pytest
 import time
 
 from trainguard.store import open_run
@@ -24,6 +26,13 @@ SCRIPT = textwrap.dedent(
             opt.step()
     """
 )
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def backend(request, monkeypatch):
+    """Every test here on both recorder backends (the child process reads TRAINGUARD_BACKEND)."""
+    monkeypatch.setenv("TRAINGUARD_BACKEND", request.param)
+    return request.param
 
 
 def _kill_when(run_dir, buffer: int, progress, target: int, mode: str = "full_health") -> int:

@@ -44,7 +44,8 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "status": run.status,
         "meta": {k: meta.get(k) for k in ("mode", "buffer", "created", "ended", "argv", "torch", "trainguard",
                                            "exit_code", "error", "dropped", "writer_error", "record_errors", "ops_filter",
-                                           "dtypes_filter", "executions", "recorded")},
+                                           "dtypes_filter", "executions", "recorded", "backend",
+                                           "native_unsure")},
         "counts": {
             "stored": run.count(),
             "steps": len(steps),

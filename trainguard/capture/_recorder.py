@@ -72,6 +72,8 @@ def _choose_backend(rec: Recorder):
     from trainguard.capture import _native
 
     module = _native.load()
+    if rec.requested_backend == "auto" and os.environ.get("TRAINGUARD_BACKEND") in ("native", "python"):
+        rec.requested_backend = os.environ["TRAINGUARD_BACKEND"]  # e.g. to run a suite on one backend
     if rec.requested_backend == "python" or rec.check or rec.logdir is None:
         return None
     if module is None:
