@@ -45,7 +45,7 @@ def test_native_is_the_default_and_the_run_says_so(tmp_path, capsys):
     from trainguard.cli import main
 
     assert main(["report", str(tmp_path / "r")]) == 0
-    assert "by the native core" in " ".join(capsys.readouterr().out.split())
+    assert "by the native core" in " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert main(["report", str(tmp_path / "r"), "--json"]) == 0
     assert '"backend": "native"' in capsys.readouterr().out
 
