@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from tests_capture_crosscheck import crosscheck  # noqa: I001 - see conftest (path of this folder)
+from torch import nn
 
 
 def _mlp_adam(**opt_kw):

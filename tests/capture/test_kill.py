@@ -7,9 +7,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
-import time
 
 from trainguard.store import open_run
 

@@ -14,7 +14,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-
 _compiling = torch.compiler.is_dynamo_compiling
 
 
