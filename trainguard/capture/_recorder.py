@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainguard._errors import NonFiniteError, TrainguardError
+from trainguard._errors import NonFiniteError
 from trainguard.capture import _steps
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._stacks import StackInterner
@@ -61,38 +61,6 @@ FWD_NODES_MAX = 200_000
 
 BACKENDS = ("auto", "native", "python")
 
-
-def _choose_backend(rec: Recorder):
-    """The native core's module for this recording, or None for the Python dispatch mode.
-
-    ``auto`` takes the native core unless the recording must raise at the op (check_numerics)
-    or the core cannot be built here (then one warning says how to get it); ``native`` insists.
-    The core's summary kernel serves the Python backend's CPU summaries too, when built.
-    """
-    from trainguard.capture import _native
-
-    module = _native.load()
-    if rec.requested_backend == "auto" and os.environ.get("TRAINGUARD_BACKEND") in ("native", "python"):
-        rec.requested_backend = os.environ["TRAINGUARD_BACKEND"]  # e.g. to run a suite on one backend
-    if rec.requested_backend == "python" or rec.check or rec.logdir is None:
-        return None
-    if module is None:
-        if rec.requested_backend == "native":
-            raise TrainguardError(f"the native recorder core is not available: {_native.error()}")
-        _warn_no_native(_native.error())
-    return module
-
-
-_warned_no_native = False
-
-
-def _warn_no_native(reason: str | None) -> None:
-    global _warned_no_native
-    if not _warned_no_native:
-        _warned_no_native = True
-        log.warning("trainguard: recording with the Python dispatch mode, which is slower, because the native "
-                    "core could not be built (%s); install a C++ compiler (g++) and ninja (pip install ninja) "
-                    "for the fast path", reason)
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -230,7 +198,9 @@ class Recorder:
     def start(self) -> Recorder:
         if self.active:
             raise RuntimeError("this recorder is already active")
-        native = _choose_backend(self)
+        from trainguard.capture._native._backend import choose_backend
+
+        native = choose_backend(self)
         self.backend = "native" if native is not None else "python"
         if self.logdir is not None:
             self.writer = acquire_writer(

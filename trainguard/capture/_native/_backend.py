@@ -4,8 +4,10 @@ turns its drained records into the writer's batches (the same tuples the dispatc
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
+from trainguard._errors import TrainguardError
 from trainguard.capture import _steps
 
 log = logging.getLogger("trainguard.capture")
@@ -14,6 +16,39 @@ log = logging.getLogger("trainguard.capture")
 MODE_CODE = {"no_tensor": 0, "curt_health": 1, "concise_health": 2, "full_health": 3, "shape": 4,
              "full_tensor": 5, "stats": 6}
 STRATEGY_CODE = {"auto": 0, "immediate": 1, "deferred": 2}
+
+
+def choose_backend(rec):
+    """The native core's module for this recording, or None for the Python dispatch mode.
+
+    ``auto`` takes the native core unless the recording must raise at the op (check_numerics)
+    or the core cannot be built here (then one warning says how to get it); ``native`` insists.
+    The core's summary kernel serves the Python backend's CPU summaries too, when built.
+    """
+    from trainguard.capture import _native
+
+    module = _native.load()
+    if rec.requested_backend == "auto" and os.environ.get("TRAINGUARD_BACKEND") in ("native", "python"):
+        rec.requested_backend = os.environ["TRAINGUARD_BACKEND"]  # e.g. to run a suite on one backend
+    if rec.requested_backend == "python" or rec.check or rec.logdir is None:
+        return None
+    if module is None:
+        if rec.requested_backend == "native":
+            raise TrainguardError(f"the native recorder core is not available: {_native.error()}")
+        _warn_no_native(_native.error())
+    return module
+
+
+_warned_no_native = False
+
+
+def _warn_no_native(reason: str | None) -> None:
+    global _warned_no_native
+    if not _warned_no_native:
+        _warned_no_native = True
+        log.warning("trainguard: recording with the Python dispatch mode, which is slower, because the native "
+                    "core could not be built (%s); install a C++ compiler (g++) and ninja (pip install ninja) "
+                    "for the fast path", reason)
 
 
 class NativeBackend:

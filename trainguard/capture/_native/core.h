@@ -102,6 +102,8 @@ struct Core {
   int64_t seq = 0, recorded = 0, failures = 0, unsure = 0;
   int64_t last_nr = 0;
   std::vector<Record> records;
+  size_t payload_bytes = 0;  // full_tensor host copies waiting in records
+  std::condition_variable drained;
   bool bad = false;
   std::unordered_map<c10::TensorImpl*, Producer> producers;
   size_t sweep_at = 4096;
@@ -127,6 +129,11 @@ extern thread_local bool tl_paused;
 
 // Every FLUSH_RECORDS records (or soon after a non-finite value) the drain thread is woken.
 constexpr size_t FLUSH_RECORDS = 4096;
+// Back-pressure: past this many waiting records, or bytes of full_tensor copies, the recording
+// thread waits for the drain (as the dispatch mode waits on the writer's queue), so memory stays
+// bounded when the writer cannot keep up.
+constexpr size_t MAX_PENDING_RECORDS = 1 << 17;
+constexpr size_t MAX_PENDING_BYTES = size_t(256) << 20;
 // trainguard.capture._recorder.FWD_NODES_MAX
 constexpr size_t FWD_NODES_MAX = 200000;
 

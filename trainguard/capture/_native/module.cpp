@@ -170,6 +170,8 @@ struct PyCore {
       unsure.swap(core->unsure_ops);
       bad = core->bad;
       core->bad = false;
+      core->payload_bytes = 0;
+      core->drained.notify_all();
     }
     // Threads other than the recording one (autograd's device threads) may append out of order.
     if (!std::is_sorted(recs.begin(), recs.end(), [](auto& a, auto& b) { return a.seq < b.seq; }))
@@ -209,6 +211,7 @@ struct PyCore {
   void wake() {
     std::lock_guard<std::mutex> g(core->mu);
     core->cv.notify_all();
+    core->drained.notify_all();
   }
 
   py::dict counts() {

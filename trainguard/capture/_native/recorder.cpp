@@ -29,6 +29,8 @@
 
 #include <pthread.h>
 
+#include <chrono>
+
 namespace tg {
 
 std::atomic<int64_t> g_step{0};
@@ -418,11 +420,18 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     register_output(c, outs[i], seq, r.stack, m.summary == 1 ? &m.s : nullptr);
   }
   r.health = immediate_only ? health : -1;
+  for (auto& p : r.payloads) c->payload_bytes += p.nbytes();
   c->records.push_back(std::move(r));
   c->recorded++;
   c->last_nr = nr;
   if (health) c->bad = true;
-  if (c->records.size() >= FLUSH_RECORDS || health) c->cv.notify_all();
+  bool over = c->records.size() > MAX_PENDING_RECORDS || c->payload_bytes > MAX_PENDING_BYTES;
+  if (c->records.size() >= FLUSH_RECORDS || health || over) c->cv.notify_all();
+  // Wait for the drain when far behind; never while holding the GIL (the drain needs it).
+  if (over && !PyGILState_Check())
+    c->drained.wait_for(g, std::chrono::seconds(30), [&] {
+      return !c->active.load() || (c->records.size() <= MAX_PENDING_RECORDS / 2 && c->payload_bytes <= MAX_PENDING_BYTES / 2);
+    });
 }
 
 template <int K>

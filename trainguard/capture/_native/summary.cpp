@@ -62,16 +62,15 @@ inline void fast_block(const U* p, int64_t n, Counts& c) {
   while (n > 0) {
     // 32-bit lanes stay exact: at most 2**30 elements per chunk.
     int64_t m = std::min<int64_t>(n, int64_t(1) << 30);
-    uint32_t neg = 0, pos = 0;
-    U bad = 0;
+    uint32_t neg = 0, pos = 0, bad = 0;
+    // As unsigned bit patterns: negative non-zero is above the sign bit alone, positive non-zero
+    // is below it; a NaN or infinity has every exponent bit set.
+#pragma omp simd reduction(+ : neg, pos) reduction(| : bad)
     for (int64_t i = 0; i < m; ++i) {
       U b = p[i];
-      U a = b & B::abs;
-      bad |= (U)((a & B::exp) == B::exp);
-      uint32_t nz = a != 0;
-      uint32_t s = (b & B::sign) != 0;
-      neg += nz & s;
-      pos += nz & (s ^ 1u);
+      bad |= (uint32_t)((b & B::exp) == B::exp);
+      neg += (uint32_t)(b > B::sign);
+      pos += (uint32_t)((U)(b - 1) < (U)(B::sign - 1));
     }
     c.neg += neg;
     c.pos += pos;
@@ -114,20 +113,31 @@ inline void moments_block(const T* p, int64_t n, Counts& c) {
     c.have_shift = true;
     c.mn = c.mx = c.shift;
   }
-  double mn = c.mn, mx = c.mx, s1 = 0, s2 = 0, sum = 0;
-  bool nan = std::isnan(mn);
-  for (int64_t i = 0; i < n; ++i) {
-    double x = as_double(p[i]);
-    if (x != x) nan = true;
-    mn = x < mn ? x : mn;
-    mx = x > mx ? x : mx;
-    double d = x - c.shift;
-    s1 += d;
-    s2 += d * d;
-    sum += x;
+  double mn = c.mn, mx = c.mx, s1 = 0, s2 = 0, sum = 0, shift = c.shift;
+  if (c.finite) {  // the common case: no NaN to propagate, a loop the compiler vectorises
+#pragma omp simd reduction(min : mn) reduction(max : mx) reduction(+ : s1, s2)
+    for (int64_t i = 0; i < n; ++i) {
+      double x = as_double(p[i]);
+      mn = std::min(mn, x);
+      mx = std::max(mx, x);
+      double d = x - shift;
+      s1 += d;
+      s2 += d * d;
+    }
+    sum = s1 + shift * n;
+  } else {
+    bool nan = std::isnan(mn);
+    for (int64_t i = 0; i < n; ++i) {
+      double x = as_double(p[i]);
+      if (x != x) nan = true;
+      mn = x < mn ? x : mn;
+      mx = x > mx ? x : mx;
+      sum += x;
+    }
+    if (nan) mn = mx = NaN;
   }
-  c.mn = nan ? NaN : mn;
-  c.mx = nan ? NaN : mx;
+  c.mn = mn;
+  c.mx = mx;
   c.s1 += s1;
   c.s2 += s2;
   c.sum += sum;
@@ -136,6 +146,7 @@ inline void moments_block(const T* p, int64_t n, Counts& c) {
 template <typename T>
 inline void int_block(const T* p, int64_t n, Counts& c) {
   int64_t neg = 0, pos = 0;
+#pragma omp simd reduction(+ : neg, pos)
   for (int64_t i = 0; i < n; ++i) {
     neg += p[i] < 0;
     pos += p[i] > 0;
