@@ -292,9 +292,7 @@ class Recorder:
 
     def _on_step(self, step: int) -> None:
         if self._native is not None:
-            self._native.on_step(step)
-            if self._native.core.pending() and time.monotonic() - self.last_flush > FLUSH_SECONDS:
-                self.flush()
+            self._native.on_step(step)  # its drain thread hands records over
             return
         if self.pending_bad or time.monotonic() - self.last_flush > FLUSH_SECONDS:
             self.flush()
@@ -336,9 +334,9 @@ class Recorder:
             deferred = self._ship_deferred()
             self.last_flush = time.monotonic()
         if self.writer is not None:
-            # Off the training thread the drain may wait for room: nothing is dropped there.
-            keep = bad or threading.current_thread() is self._native.thread
-            self.writer.put_executions(ExecBatch(records, deferred), must_keep=keep)
+            # The drain thread (and stop) may wait for room: the native core drops nothing, its
+            # recording thread waits instead when far behind (see core.h, back-pressure).
+            self.writer.put_executions(ExecBatch(records, deferred), must_keep=True)
 
     def _flush_if_stale(self) -> None:
         """Called by the writer thread when idle: a loop that stopped making ops still reaches disk.
