@@ -22,7 +22,9 @@ $(VENV)/.test: $(VENV)/.base pyproject.toml
 demo: $(VENV)/.base
 	$(VENV)/bin/trainguard demo
 
+# The browser tests need Debian's chromium: installed here when missing and allowed, else one line.
 test: $(VENV)/.test
+	@sh .ci/ensure-chromium
 	$(VENV)/bin/ruff check trainguard tests benchmarks examples
 	$(PY) -m trainguard.capture._native   # builds the native recorder core (cached), or says why not
 	$(PY) -m pytest -q

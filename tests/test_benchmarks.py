@@ -61,3 +61,16 @@ def test_main_prints_the_table(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "dispatch_floor" in printed and "[range]" in printed
     assert (tmp_path / "r.json").exists()
+
+
+@pytest.mark.timeout(240)
+def test_origin_benchmark_prints_its_pairs(tmp_path, capsys):
+    import bench_origin
+
+    out = bench_origin.main(["--pairs", "storm-mlp,mask", "--rounds", "1", "--warm", "1", "--steps", "1",
+                             "--json", str(tmp_path / "o.json")])
+    storm = out["pairs"]["storm-mlp"]
+    assert (storm["a"], storm["b"]) == ("nan storm", "healthy")
+    assert storm["time_ratio"] > 0 and storm["cpu_ratio"] > 0 and storm["size_ratio"] > 0
+    assert set(out["pairs"]["mask"]["step_ms"]) == {"-inf", "finfo.min"}
+    assert "nan storm / healthy" in capsys.readouterr().out and (tmp_path / "o.json").exists()

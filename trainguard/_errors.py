@@ -34,7 +34,7 @@ class CheckpointError(TrainguardError):
 
 
 class NonFiniteError(TrainguardError, FloatingPointError):
-    """Raised by ``check_numerics`` at the first op whose output holds NaN or Inf."""
+    """Raised by ``check_numerics`` at the first harmful NaN or Inf (``strict=True``: any)."""
 
     exit_code = 3
 

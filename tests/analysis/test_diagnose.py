@@ -117,6 +117,16 @@ def test_noisy_decreasing_loss_is_not_an_oscillation_or_a_spike(tmp_path_factory
     assert kinds(fs) == []
 
 
+@pytest.mark.parametrize(("seed", "noise"), [(4931, 0.071), (1360, 0.087)])
+def test_noise_whose_autocorrelation_dips_by_chance_is_not_an_oscillation(tmp_path, seed, noise):
+    # Two draws of the property above that hypothesis can reach (2 in 1,500): one deep chance dip
+    # of the autocorrelation, with no frequency standing out of the noise.
+    rng = np.random.default_rng(seed)
+    t = np.arange(150)
+    loss = list((2 * np.exp(-t / 40) + 0.3) * np.exp(noise * rng.standard_normal(150)))
+    assert kinds(diagnose(write_run(tmp_path / "r", loss), rules=["loss_oscillating"])) == []
+
+
 def test_dead_units_severity_and_threshold_override(tmp_path):
     rows = []
     for s in range(0, 100, 5):

@@ -64,9 +64,11 @@ def test_division_by_zero(tmp_path):
 
     def f():
         d = x - x
-        return x / d
+        return (x / d).sum().item()  # the program reads the +inf: harmful
 
     o = origin(record(tmp_path, f))
+    assert [c.op for c in o.chain] == ["aten._local_scalar_dense", "aten.sum", "aten.div.Tensor"]
+    assert o.reason == "read"
     assert o.origin.op == "aten.div.Tensor"
     assert o.origin.explanation == "division by a zero denominator: 2 zeros in the denominator"
     assert "1e-8" in o.suggestion
@@ -74,9 +76,9 @@ def test_division_by_zero(tmp_path):
 
 def test_exp_overflow_with_and_without_stats(tmp_path):
     x = torch.tensor([1.0, 812.3])
-    o = origin(record(tmp_path / "a", lambda: torch.exp(x * 1), mode="stats"))
+    o = origin(record(tmp_path / "a", lambda: torch.exp(x * 1).sum().item(), mode="stats"))
     assert o.origin.explanation == "exp overflow: input max 812.3"
-    o = origin(record(tmp_path / "b", lambda: torch.exp(x * 1)))
+    o = origin(record(tmp_path / "b", lambda: torch.exp(x * 1).sum().item()))
     assert o.origin.explanation.startswith("exp overflow: an input value too large")
 
 

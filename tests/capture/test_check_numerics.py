@@ -1,4 +1,5 @@
-"""check_numerics: raise at the first op that makes NaN/Inf, forward or backward."""
+"""check_numerics: raise at the first harmful value (a NaN, or an inf that reaches a sink),
+naming where it was made; strict=True raises at any non-finite output."""
 
 from __future__ import annotations
 
@@ -16,15 +17,32 @@ def line_of(marker: str) -> int:
     return next(i for i, t in enumerate(open(__file__).read().splitlines(), 1) if marker in t and "line_of" not in t)
 
 
-def test_forward_log_of_zero():
+def test_forward_log_of_zero_read_by_the_program():
     probs = torch.softmax(torch.tensor([[0.0, 200.0]]), dim=1)
     with pytest.raises(tg.NonFiniteError) as info:
         with tg.check_numerics():
-            torch.log(probs)  # MARK-LOG
+            logp = torch.log(probs)  # MARK-LOG
+            logp.sum().item()  # MARK-ITEM
+    msg = str(info.value)
+    assert msg.startswith("aten.log produced -inf in step 0, forward pass (2 values, 1 -inf, 1 zero")
+    assert "which was read by the program in aten._local_scalar_dense (.item()" in msg
+    assert f"{HERE}:{line_of('MARK-ITEM')}" in msg.splitlines()[0]
+    assert f"{HERE}:{line_of('MARK-LOG')} in test_" in msg  # the line that made the inf
+    assert "module: outside any nn.Module" in msg
+    assert "input 0 = user input: 2 values, 1 zero, 1 positive" in msg  # the log's input
+    assert info.value.execution["op"] == "aten._local_scalar_dense.default"
+
+
+def test_an_unused_inf_is_not_harmful_but_strict_raises():
+    probs = torch.softmax(torch.tensor([[0.0, 200.0]]), dim=1)
+    with tg.check_numerics():
+        torch.log(probs)
+    with pytest.raises(tg.NonFiniteError) as info:
+        with tg.check_numerics(strict=True):
+            torch.log(probs)  # MARK-STRICT
     msg = str(info.value)
     assert msg.startswith("aten.log produced -inf")
-    assert f"{HERE}:{line_of('MARK-LOG')}" in msg
-    assert "module: outside any nn.Module" in msg
+    assert f"{HERE}:{line_of('MARK-STRICT')}" in msg
     assert "input 0 = user input: 2 values, 1 zero, 1 positive" in msg
     assert info.value.execution["op"] == "aten.log.default"
 
@@ -56,7 +74,7 @@ def test_backward_nan_traced_to_forward_line():
 def test_producer_named_in_input_summary():
     x = torch.tensor([1.0, 2.0, 3.0])
     with pytest.raises(tg.NonFiniteError) as info:
-        with tg.check_numerics():
+        with tg.check_numerics(strict=True):
             d = x - x  # MARK-SUB
             x / d
     msg = str(info.value)

@@ -156,21 +156,39 @@ def test_circular_buffer_keeps_last_n_plus_pinned_chain(tmp_path):
     zero = torch.zeros(4)
     with tg.record(tmp_path / "r", buffer=10):
         a = torch.softmax(x, 0) * 0  # producer of the zeros, long before the end
-        bad = torch.log(a)  # the first -inf
+        bad = torch.log(a)  # the first -inf: pending until the program reads it
         for _ in range(50):
             x = x + 1  # finite ops that push everything else out of the buffer
+        total = bad.sum()
+        for _ in range(50):
+            x = x + 1
+        total.item()  # the read makes the -inf harmful
         _ = zero + 1
     run = open_run(tmp_path / "r")
     rows = run.executions()
-    pinned = [r for r in rows if r["health"]]
-    finite = [r for r in rows if not r["health"]]
-    assert [r["op"] for r in pinned] == ["aten.log"]
+    pinned = [r for r in rows if r["taint"] == "harmful"]
+    assert [r["op"] for r in pinned] == ["aten.log", "aten.sum", "aten._local_scalar_dense"]
+    assert all(r["origin"] == pinned[0]["seq"] for r in pinned)
     # the producer of the pinned log is kept, then exactly the last 10 executions
-    log = run.first_nonfinite()
+    log = run.execution(pinned[0]["seq"])
     assert log["inputs"][0]["producer_digest"]["op"] == "aten.mul.Tensor"
-    last = finite[-10:]
-    assert len(finite) == 11 and [r["seq"] for r in last] == list(range(last[0]["seq"], last[0]["seq"] + 10))
+    last = rows[-10:]  # the window, which holds the read itself
+    assert [r["seq"] for r in last] == list(range(last[0]["seq"], last[0]["seq"] + 10))
+    assert [r["op"] for r in rows[:-10] if r["taint"] == "finite"] == ["aten.mul.Tensor"]
+    assert run.first_harm()["seq"] == pinned[-1]["seq"] and run.first_harm()["reason"] == "read"
     assert bad.isinf().all()
+
+
+def test_an_inf_nobody_uses_is_not_pinned(tmp_path):
+    x = torch.ones(4)
+    with tg.record(tmp_path / "r", buffer=10):
+        torch.log(x * 0)  # -inf, never reaching a sink
+        for _ in range(50):
+            x = x + 1
+    run = open_run(tmp_path / "r")
+    assert run.count() == 10 and run.first_harm() is None and run.alerts()["total"] == 0
+    assert run.intended() == [{"kind": "-inf", "made_by": "aten.log.default", "absorbed_by": None,
+                               "values": 4, "executions": 1}]
 
 
 def test_filters(tmp_path):
@@ -272,25 +290,29 @@ def test_ops_reach_disk_when_the_program_stops_making_ops(tmp_path):
 
 
 def test_nan_storm_keeps_the_first_nan_and_the_window(tmp_path):
-    """Once NaN is everywhere every batch is non-finite: the first NaN's chain stays pinned and
-    the finite window is still exactly the last N."""
+    """Once NaN is everywhere every execution is harmful: the first NaN's chain stays pinned,
+    the rest is counted, and the finite window is still exactly the last N."""
     x = torch.ones(4)
     with tg.record(tmp_path / "r", buffer=20):
         for _ in range(40):
             x = x + 1  # finite history the buffer evicts
-        bad = torch.log(x * 0)  # the first -inf, from a product of zeros
+        bad = torch.log(x * 0) * 0  # the first NaN: 0 * -inf, the -inf from a product of zeros
         for _ in range(300):
-            bad = bad * 2  # a storm of non-finite executions, many batches of them
+            bad = bad * 2  # a storm of harmful executions, many batches of them
         for _ in range(30):
             x = x + 1
     run = open_run(tmp_path / "r")
-    first = run.first_nonfinite()
-    assert first["op"] == "aten.log"
-    assert first["inputs"][0]["producer_digest"]["op"] == "aten.mul.Tensor"
+    harm = run.first_harmful()
+    assert harm["op"] == "aten.mul.Tensor" and harm["taint"] == "harmful"
+    log = run.execution(harm["origin"])
+    assert log["op"] == "aten.log" and log["inputs"][0]["producer_digest"]["op"] == "aten.mul.Tensor"
     rows = run.executions()
-    finite = [r for r in rows if not r["health"]]
-    assert len(finite) == 21  # the last 20 plus the pinned producer of the first NaN
-    assert sum(1 for r in rows if r["health"]) == 301
+    finite = [r for r in rows if r["taint"] == "finite"]
+    assert len(finite) == 21  # the last 20 plus the pinned producer of the -inf
+    assert [r["op"] for r in rows if r["taint"] == "harmful"] == ["aten.log", "aten.mul.Tensor"]
+    alerts = run.alerts()
+    assert alerts["total"] == 302 and alerts["first_seq"] == log["seq"] and alerts["harm_seq"] == harm["seq"]
+    assert {a["op"]: a["count"] for a in alerts["by_op"]} == {"aten.log": 1, "aten.mul.Tensor": 301}
 
 
 def test_a_loop_without_optimizer_step_keeps_memory_bounded(tmp_path, monkeypatch):

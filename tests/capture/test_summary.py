@@ -29,7 +29,8 @@ def reference(a: np.ndarray, mode: str) -> dict:
     out = {
         "size": n, "nan": nan, "pos_inf": pinf, "neg_inf": ninf,
         "neg": int((fin < 0).sum()), "zero": int((fin == 0).sum()), "pos": int((fin > 0).sum()),
-        "nonfinite": 1 if (nan + pinf + ninf) else 0,
+        # curt_health holds the health bits: 1 NaN, 2 +inf, 4 -inf
+        "nonfinite": (1 if nan else 0) | (2 if pinf else 0) | (4 if ninf else 0),
     }
     if n:
         with np.errstate(all="ignore"):
@@ -190,3 +191,14 @@ def test_native_kernel_counts_past_the_32_bit_lanes_of_a_chunk():
     t[0] = -1.0
     t[2, ::3] = 2.0
     assert _native.load().summarize(t[:, ::2], _MODE_CODE["full_health"]) == (7500, 2500, 4166, 834, 0, 0, 0)
+
+
+def test_expected_nonfinite_summary_is_the_same_summary():
+    # The hint skips the finite proof; the summary must not change, on either kernel.
+    t = torch.randn(50, 40)
+    bad = t.clone()
+    bad[1, 2], bad[3, 4] = float("nan"), -float("inf")
+    for x in (t, bad, t.t(), bad[:1].expand(7, 40), bad.half()):
+        for mode in ("curt_health", "concise_health", "full_health", "stats"):
+            assert repr(summarize_numpy(x, mode, expect_nonfinite=True)) == repr(summarize_numpy(x, mode))
+            assert repr(summarize_immediate(x, mode, expect_nonfinite=True)) == repr(summarize_immediate(x, mode))

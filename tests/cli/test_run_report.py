@@ -35,7 +35,7 @@ def digits_run(tmp_path_factory):
 def test_report_names_the_log_and_its_softmax_input(digits_run, capsys):
     assert main(["report", str(digits_run)]) == 0
     out = capsys.readouterr().out
-    assert "First non-finite value: aten.log" in out
+    assert "First harmful value: aten.log" in out
     assert f"nan_digits.py:{line_in('torch.log(probs)')}" in out
     assert "aten._softmax output" in out and "zeros" in out
     assert "torch.log(probs)" in out  # the source line itself is shown
@@ -59,7 +59,7 @@ def test_fixed_script_gives_a_clean_report(tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", str(d)]) == 0
     out = capsys.readouterr().out
-    assert "No NaN or Inf in any recorded output." in out and "origin" not in out
+    assert "No harmful NaN or Inf." in out and "origin" not in out
 
 
 def write(tmp_path, name, body):
@@ -80,7 +80,7 @@ def test_script_exception_keeps_traceback_and_exit_code(tmp_path, capsys):
     from trainguard.store import open_run
 
     run = open_run(tmp_path / "r")
-    assert run.status == "finished" and run.count(op="exp") == 1
+    assert run.status == "crashed" and run.count(op="exp") == 1
 
 
 def test_script_exit_code_and_argv(tmp_path, capsys):
@@ -96,15 +96,27 @@ def test_script_exit_code_and_argv(tmp_path, capsys):
 def test_run_check_numerics(tmp_path, capsys):
     assert main(["run", "--check-numerics", "--logdir", str(tmp_path / "r"), EXAMPLE, "--steps", "6"]) == 3
     err = capsys.readouterr().err
-    assert "NonFiniteError: aten.log produced -inf" in err
+    assert "NonFiniteError: aten.log produced -inf in step 2, forward pass" in err
+    assert "which became NaN in aten.mul.Tensor" in err
     assert f"nan_digits.py:{line_in('torch.log(probs)')}" in err
     assert "input 0 = softmax output from" in err
+    # the op that raised, its inputs and its chain are in the run: the report shows them
+    assert main(["report", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "No harmful NaN or Inf" not in out
+    assert "First harmful value: aten.log" in out and "became NaN in aten.mul.Tensor" in out
+    assert "check_numerics stopped the run at #" in out and "aten.mul.Tensor" in out
+    assert main(["report", str(tmp_path / "r"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["origin"]["origin"]["op"] == "aten.log" and rep["origin"]["chain"][0]["op"] == "aten.mul.Tensor"
+    assert rep["origin"]["origin"]["line"] == line_in("torch.log(probs)") and rep["origin"]["origin"]["step"] == 2
+    assert rep["meta"]["check_numerics_stop"]["op"] == "aten.mul.Tensor"
 
 
 def test_demo(tmp_path, capsys):
     assert main(["demo", "--logdir", str(tmp_path / "d"), "--steps", "4"]) == 0
     out = capsys.readouterr().out
-    assert "First non-finite value: aten.log" in out and "trainguard ui" in out
+    assert "First harmful value: aten.log" in out and "trainguard ui" in out
 
 
 def corrupt(path):

@@ -16,7 +16,8 @@ def fake_checkpoint(root, step: int, payload: bytes = b"tensor bytes", **extra):
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(payload)
     body = {"format": _format.FORMAT, "format_version": _format.FORMAT_VERSION, "step": step, "epoch": 0,
-            "time": 1000.0 + step, "ranks": [{"state": {}}], "metadata": {"loss": 0.5},
+            "time": 1000.0 + step, "ranks": [{"state": {}}], "metadata": {"loss": 0.5}, "state": {},
+            "engine": {"version": None, "tensors": {}, "storage": []},
             "files": {"__0_0.distcp": {"size": len(payload), "sha256": _format.file_digest(d / "__0_0.distcp")}}}
     body.update(extra)
     _format.write_manifest(d, body)

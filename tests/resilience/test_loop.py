@@ -132,11 +132,37 @@ def test_epoch_form_resumes_mid_epoch(tmp_path):
     m = CheckpointManager(tmp_path / "ck", keep=10, every_steps=3)
     head = epoch_run(state, m.resume(state, epochs=3), crash_after_batches=8)  # a crash after step 8
     assert [i.step for i in m.list()] == [3, 5, 6]  # step interval, end of epoch 0 (step 5), interval
+    m.close()  # the crashed run is gone
     resumed = make_state(seed=11)
     loop = CheckpointManager(tmp_path / "ck", every_steps=3).resume(resumed, epochs=3)
     assert (loop.start_step, loop.start_epoch) == (6, 1)
     tail = epoch_run(resumed, loop)
     assert head[:6] + tail == expected
+    assert_same_training_state(reference, resumed)
+
+
+def test_epoch_form_saves_each_step_once_when_the_interval_ends_an_epoch(tmp_path, monkeypatch):
+    reference = make_state()
+    expected = epoch_run(reference, CheckpointManager(tmp_path / "ref").resume(reference, epochs=3))
+    saved = []
+    real = CheckpointManager.save
+
+    def spy(self, state, step=None, **kwargs):
+        saved.append((state.step if step is None else step, state.epoch))
+        return real(self, state, step, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "save", spy)
+    state = make_state()
+    m = CheckpointManager(tmp_path / "ck", keep=10, every_steps=5)  # 5 batches an epoch
+    head = epoch_run(state, m.resume(state, epochs=3), crash_after_batches=12)
+    assert saved == [(5, 1), (10, 2)]  # once each, at the end of the epoch
+    assert [(i.step, i.epoch) for i in m.list()] == [(5, 1), (10, 2)]
+    m.close()
+    resumed = make_state(seed=11)
+    loop = CheckpointManager(tmp_path / "ck", every_steps=5).resume(resumed, epochs=3)
+    assert (loop.start_step, loop.start_epoch) == (10, 2)
+    tail = epoch_run(resumed, loop)
+    assert head[:10] + tail == expected
     assert_same_training_state(reference, resumed)
 
 

@@ -452,8 +452,8 @@ def ui_server(browser_runs):
 def browser():
     from playwright.sync_api import sync_playwright
 
-    exe = shutil.which("chromium") or "/usr/bin/chromium"
-    assert os.path.exists(exe), "the browser tests drive Debian's chromium: apt-get install chromium"
+    exe = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+    assert os.path.exists(exe), "the browser tests drive Debian's chromium: apt-get install chromium (make test does)"
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
         yield b

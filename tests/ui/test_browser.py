@@ -245,3 +245,24 @@ def test_a_run_still_being_written_updates_without_a_reload(page, live_server, t
             page.wait_for_function("document.querySelector('#run-status').innerText.startsWith('finished')", timeout=10_000)
     finally:
         w.close()
+
+
+def test_a_zero_passed_as_text_renders(page, ui_server, browser_runs):
+    """The element helper once took a numeric 0 for "no attributes" and dropped it: every op of
+    step 0 showed a blank step, execution #0 a blank number."""
+    with open_run(browser_runs.reference) as run:
+        first = run.executions(0, 1)[0]
+    assert (first["seq"], first["step"]) == (0, 0)
+    page.goto(f"{ui_server.url}/#/run/reference/debugger")
+    wait_ready(page, "debugger")
+    row = page.locator(".vl-row[data-seq='0']")
+    row.wait_for()
+    cells = row.locator(":scope > span")
+    assert cells.nth(0).inner_text() == "0"  # the sequence number
+    assert cells.nth(1).inner_text() == "0"  # the step
+    texts = page.evaluate("""async () => {
+        const { h } = await import('/static/js/util.js');
+        return [h('td', 0), h('td', NaN), h('td', 0, 1), h('td', { title: 'x' }, 0), h('td', '')]
+            .map((n) => [n.textContent, n.getAttribute('title')]);
+    }""")
+    assert texts == [["0", None], ["NaN", None], ["01", None], ["0", "x"], ["", None]]

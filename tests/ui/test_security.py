@@ -194,3 +194,46 @@ def test_port_in_use_is_one_clear_error():
             bind(port=first.getsockname()[1])
     finally:
         first.close()
+
+
+@pytest.fixture(scope="module")
+def hostile_artifacts(tmp_path_factory):
+    """A run whose artifacts claim media types a browser would run or render."""
+    from trainguard.store import RunWriter
+    from trainguard.ui import create_app
+
+    root = tmp_path_factory.mktemp("artifacts")
+    w = RunWriter(root / "evil", mode="no_tensor")
+    w.put_artifact("page", "text/html", b"<script>alert(1)</script>")
+    w.put_artifact("page2", "text/html; charset=utf-8", b"<script>alert(1)</script>")
+    w.put_artifact("code", "application/javascript", b"alert(1)")
+    w.put_artifact("image.svg", "image/svg+xml", b"<svg onload='alert(1)'/>")
+    w.put_artifact("doctor/report.json", "application/json", b'{"ok": true}')
+    w.put_artifact("doctor/lr.csv", "text/csv", b"lr,loss\n0.1,1.0\n")
+    w.put_artifact("doctor/plot.png", "image/png", b"\x89PNG\r\n\x1a\nrest")
+    w.close()
+    (root / "evil" / "doctor").mkdir()
+    (root / "evil" / "doctor" / "file.html").write_text("<script>alert(1)</script>")
+    from starlette.testclient import TestClient
+
+    with TestClient(create_app(root)) as c:
+        yield c
+
+
+@pytest.mark.parametrize("name, media, inline", [
+    ("page", "application/octet-stream", False),
+    ("page2", "application/octet-stream", False),
+    ("code", "application/octet-stream", False),
+    ("image.svg", "application/octet-stream", False),
+    ("doctor/file.html", "application/octet-stream", False),
+    ("doctor/report.json", "application/json", False),
+    ("doctor/lr.csv", "text/csv", False),
+    ("doctor/plot.png", "image/png", True),
+])
+def test_artifacts_are_served_only_as_types_the_ui_writes(hostile_artifacts, name, media, inline):
+    r = hostile_artifacts.get(f"/api/runs/evil/artifacts/{name}")
+    assert r.status_code == 200
+    assert r.headers["content-type"].split(";")[0] == media
+    assert r.headers["x-content-type-options"] == "nosniff"
+    disposition = r.headers["content-disposition"]
+    assert disposition.startswith("inline" if inline else "attachment"), disposition

@@ -11,6 +11,7 @@ import numpy as np
 # Importing the rule modules registers their rules.
 from trainguard.analysis import _layer_rules, _loss_rules, _param_rules  # noqa: F401
 from trainguard.analysis._context import Context, fmt, median
+from trainguard.analysis._outcome import outcome_finding
 from trainguard.analysis._rules import RULES
 from trainguard.analysis._thresholds import Thresholds
 from trainguard.store import Finding, sort_findings
@@ -73,6 +74,9 @@ def diagnose(
                         source="monitor")
             )
     _fold_symptoms(findings)
+    crash = outcome_finding(getattr(run, "meta", None) or {})
+    if crash is not None:  # a script that raised is never healthy
+        findings.append(crash)
     if not any(f.is_problem for f in findings):
         findings.append(_verdict(ctx))
     return sort_findings(findings)

@@ -92,8 +92,9 @@ def nonfinite_loss(ctx: Context) -> list[Finding]:
     fixes = []
     if origin:
         ev["origin"] = origin
-        fix = op_fix(origin.get("op"))
-        fixes.append(f"the first NaN/Inf came from {where(origin)}: {fix or 'guard that op against 0 and overflow'}")
+        fix = origin.get("fix") or op_fix(origin.get("op"))
+        fixes.append(f"the first harmful NaN/Inf came from {where(origin)}: "
+                     f"{fix or 'guard that op against 0 and overflow'}")
     grad_bad = _first_nonfinite(ctx.grad_norm)
     if grad_bad is not None and grad_bad < step and not origin:
         ev["after_nonfinite_gradients_at"] = grad_bad
@@ -155,8 +156,8 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
     origin = origin_of(ctx.run, before_step=step)
     if origin:
         ev["origin"] = origin
-        fix = op_fix(origin.get("op")) or "guard that op against 0 and overflow"
-        suggestion = f"the first NaN/Inf came from {where(origin)} ({origin.get('phase')} pass): {fix}"
+        fix = origin.get("fix") or op_fix(origin.get("op")) or "guard that op against 0 and overflow"
+        suggestion = f"the first harmful NaN/Inf came from {where(origin)} ({origin.get('phase')} pass): {fix}"
     else:
         suggestion = (
             "the loss was finite, so the NaN/Inf arose in the backward pass: look for sqrt, norm or pow at 0 and "
@@ -239,6 +240,18 @@ def _autocorr(r: np.ndarray, k: int) -> float:
     return float(np.dot(a, b)) / den if den > 0 else 0.0
 
 
+def _fisher_p(r: np.ndarray) -> float:
+    """Fisher's g test: the chance that white noise puts this large a share of its power into one
+    frequency (the periodogram's largest ordinate over their sum)."""
+    power = np.abs(np.fft.rfft(r))[1:] ** 2
+    m = len(power)
+    total = float(power.sum())
+    if m < 2 or total <= 0:
+        return 1.0
+    g = float(power.max()) / total
+    return min(1.0, m * (1.0 - g) ** (m - 1))
+
+
 @register_rule("loss_oscillating")
 def loss_oscillating(ctx: Context) -> list[Finding]:
     loss = finite_loss(ctx)
@@ -255,6 +268,8 @@ def loss_oscillating(ctx: Context) -> list[Finding]:
     amplitude = float(np.std(r))
     if amplitude < ctx.th.osc_min_amplitude:
         return []
+    if _fisher_p(r) > ctx.th.osc_fisher_p:
+        return []  # no periodic component stands out of the noise
     lags = range(1, len(r) // 6 + 1)  # at least three periods inside the window
     rho = {k: _autocorr(r, k) for k in lags}
     low = min(rho.values())

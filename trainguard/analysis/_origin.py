@@ -1,9 +1,14 @@
-"""Where did the first NaN/Inf come from? Walk back through producers and explain.
+"""Where did the first harmful value come from? Walk back through producers and explain.
 
-From a non-finite execution, follow the inputs that were already non-finite back to the
-execution that made a non-finite value out of finite inputs (the origin), then explain that
-op from its inputs' summaries: ``log of an input with 3 zeros -> -inf``, ``division by a zero
-denominator``, ``0 * inf -> NaN``. Pure functions over a reader; nothing here imports torch.
+From the execution where the first harmful value became harmful (a NaN was made, or an inf
+reached the loss, a gradient, a parameter or a value the program read; see docs/recorder.md),
+follow the inputs on its way back to the origin, the op that made the value (or the inf it
+came from) out of finite or intended inputs. Format-3 runs store each execution's origin, so
+the walk follows it (and stops at a softmax that made NaN of a fully masked row, whose -inf
+inputs were intended); older runs are walked through the inputs that were already non-finite.
+Then the origin is explained from its inputs' summaries: ``log of an input with 3 zeros ->
+-inf``, ``division by a zero denominator``, ``0 * inf -> NaN``. Pure functions over a reader;
+nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainguard.store import Run
+from trainguard.store import REACHED, Run
 
 # Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
 _LOGS = {"log", "log2", "log10", "log_"}
@@ -23,6 +28,10 @@ _ACCUM = {"mm", "addmm", "bmm", "matmul", "baddbmm", "sum", "mean", "linear", "c
           "cumsum", "dot", "mv", "einsum", "_softmax", "softmax", "_log_softmax", "log_softmax"}
 _MULS = {"mul", "mul_"}
 _ADDS = {"add", "add_", "sub", "sub_", "rsub", "addcmul", "addcdiv", "addcdiv_", "addcmul_", "lerp_", "lerp"}
+_SOFTMAXES = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"}
+_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+              "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math"}
 
 
 def op_base(op: str) -> str:
@@ -50,6 +59,8 @@ class Link:
     outputs: list[dict] = field(default_factory=list)
     inputs: list[dict] = field(default_factory=list)
     forward_op: dict | None = None  # backward ops: the forward op whose gradient this computes
+    taint: str = "finite"  # finite, unknown, pending, harmful (docs/recorder.md)
+    origin_seq: int | None = None  # the execution that made this value (pending/harmful)
 
 
 @dataclass
@@ -59,14 +70,18 @@ class Origin:
     chain: list[Link]  # chain[0] is the execution asked about, chain[-1] the origin
     summary: str
     suggestion: str
+    # How the value became harmful at chain[0] (nan, loss, gradient, optimizer, parameter, read),
+    # when the run says so; ``harm`` is that sentence.
+    reason: str | None = None
+    harm: str | None = None
 
     @property
     def origin(self) -> Link:
         return self.chain[-1]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"summary": self.summary, "suggestion": self.suggestion, "origin": asdict(self.origin),
-                "chain": [asdict(link) for link in self.chain]}
+        return {"summary": self.summary, "suggestion": self.suggestion, "reason": self.reason, "harm": self.harm,
+                "origin": asdict(self.origin), "chain": [asdict(link) for link in self.chain]}
 
 
 def _count(summary: dict | None, key: str) -> int:
@@ -116,6 +131,7 @@ def _input_info(run: Run, item: dict) -> dict:
         info.update(
             producer=prod["seq"], producer_op=prod["op"], summary=summary, description=describe_summary(summary),
             file=fr["filename"] if fr else None, line=fr["lineno"] if fr else None,
+            taint=prod.get("taint"), origin_seq=prod.get("origin"),
         )
     elif item["kind"] == "op":
         info.update(producer=item.get("producer"), description="its producer is no longer in the run (evicted)")
@@ -145,7 +161,7 @@ def _link(run: Run, seq: int) -> Link:
         function=fr["name"] if fr else None, explanation="",
         outputs=[{"dtype": o["dtype"], "shape": o["shape"], "summary": o["summary"],
                   "description": describe_summary(o["summary"])} for o in e["outputs"]],
-        inputs=inputs, forward_op=fwd,
+        inputs=inputs, forward_op=fwd, taint=e.get("taint", "finite"), origin_seq=e.get("origin"),
     )
     link.explanation = explain(link)
     return link
@@ -157,6 +173,11 @@ def explain(link: Link) -> str:
     ins = link.inputs
     made = "/".join(link.health) or "a non-finite value"
     bad_inputs = [i for i in ins if _is_bad(i.get("summary"))]
+    masked = _masked_rows(link)
+    if masked:
+        return masked
+    if bad_inputs and link.origin_seq is not None and link.origin_seq == link.seq and link.taint != "finite":
+        bad_inputs = []  # the run says the value was made here: its inputs' infinities were intended
     if bad_inputs:
         i = bad_inputs[0]
         others = [j for j in ins if j is not i]
@@ -207,6 +228,22 @@ def explain(link: Link) -> str:
     return f"{base} turned finite inputs into {made}"
 
 
+def _masked_rows(link: Link) -> str | None:
+    """softmax (or attention) NaN from -inf inputs: a row with every position masked."""
+    base = op_base(link.op)
+    if "nan" not in link.health or not link.inputs:
+        return None
+    s0 = link.inputs[0].get("summary")
+    if base in _SOFTMAXES and not _count(s0, "nan") and not _count(s0, "pos_inf") and (
+            _count(s0, "neg_inf") or (s0 or {}).get("nonfinite")):
+        what = "log_softmax" if "log" in base else "softmax"
+        return (f"{what} over a row whose inputs are all -inf (a fully masked row) -> NaN: "
+                "the row's max is -inf, and -inf - (-inf) is NaN")
+    if base in _ATTENTION and not any(_count(i.get("summary"), "nan") for i in link.inputs):
+        return "attention over a row whose positions are all masked -> NaN (no key left to attend to)"
+    return None
+
+
 def _forward_reason(fbase: str) -> str:
     if fbase in _SQRTS or fbase in ("norm", "linalg_vector_norm", "vector_norm"):
         return f"d/dx {fbase}(x) divides by {fbase}(x), which is 0 at x = 0 (e.g. the norm of a zero vector)"
@@ -220,6 +257,9 @@ def _forward_reason(fbase: str) -> str:
 
 
 _SUGGESTIONS = {
+    "masked": "every row needs at least one unmasked position: check the padding or attention mask (a "
+    "sequence of length 0 masks its whole row), handle empty sequences before attention, or fill the masked "
+    "scores with a large finite negative, torch.finfo(scores.dtype).min, instead of -inf",
     "log": "clamp the input before the log, e.g. torch.log(p.clamp(min=1e-6)); for a softmax followed by log, "
     "use torch.log_softmax or F.cross_entropy, which never take the log of 0",
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
@@ -234,6 +274,8 @@ _SUGGESTIONS = {
 
 def suggest(link: Link) -> str:
     """A concrete fix for the origin op, naming a value where one applies."""
+    if _masked_rows(link):
+        return _SUGGESTIONS["masked"]
     base = op_base(link.op)
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
         base = op_base(link.forward_op["op"])
@@ -253,23 +295,33 @@ def suggest(link: Link) -> str:
 
 
 def origin(run: Run, seq: int | None = None, max_links: int = 64) -> Origin | None:
-    """The walk back from execution ``seq`` (default: the first non-finite one) to the origin.
-
-    Returns None when the run holds no non-finite execution.
-    """
+    """The walk back from execution ``seq`` (default: where the first harmful value became
+    harmful) to the origin. Returns None when the run holds no harmful value."""
+    reason = None
     if seq is None:
-        first = run.first_nonfinite()
+        first = run.first_harm()
         if first is None:
             return None
-        seq = first["seq"]
+        seq, reason = first["seq"], first.get("reason")
+        try:
+            run.execution(seq)
+        except KeyError:  # evicted (it cannot be: it is pinned), or a damaged run: start at the origin
+            seq, reason = first["origin"], None
     chain = [_link(run, seq)]
     seen = {seq}
+    target = chain[0].origin_seq
     while len(chain) < max_links:
-        bad = [i for i in chain[-1].inputs if i["kind"] == "op" and _is_bad(i.get("summary")) and i.get("producer") is not None]
-        if not bad:
+        cur = chain[-1]
+        if target is not None and cur.seq == target:
             break
-        nxt = min(i["producer"] for i in bad)
-        if nxt in seen:
+        ops = [i for i in cur.inputs if i["kind"] == "op" and i.get("producer") is not None]
+        on_way = [i for i in ops if target is not None and i.get("origin_seq") == target]
+        if not on_way and target is None:
+            on_way = [i for i in ops if _is_bad(i.get("summary"))]  # runs before format 3
+        nxt = min((i["producer"] for i in on_way), default=None)
+        if nxt is None and target is not None and target not in seen:
+            nxt = target  # the links between are gone: jump to the origin, which is kept
+        if nxt is None or nxt in seen:
             break
         seen.add(nxt)
         try:
@@ -281,11 +333,20 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64) -> Origin | No
     what = "/".join(o.health) or "a non-finite value"
     out = next((x for x in o.outputs if _is_bad(x["summary"])), o.outputs[0] if o.outputs else None)
     detail = f" ({out['description']})" if out else ""
-    summary = (f"the first non-finite value came from {o.op}{where}, in step {o.step} ({o.phase} pass), "
+    summary = (f"the first harmful value came from {o.op}{where}, in step {o.step} ({o.phase} pass), "
                f"with {what} in its output{detail}: {o.explanation}")
+    harm = None
+    if reason in REACHED or len(chain) > 1:
+        h = chain[0]
+        hwhere = f" at {h.file}:{h.line}" if h.file else ""
+        harm = "it " + REACHED.get(reason or "nan", "became harmful in {op}").format(op=h.op) + hwhere
+        if h.step != o.step:
+            harm += f" in step {h.step}"
+        if h is not o or reason != "nan":
+            summary += f". Then {harm}"
     producers = [i for i in o.inputs if i.get("producer_op")]
     if producers:
         p = producers[0]
         pwhere = f" at {p['file']}:{p['line']}" if p.get("file") else ""
         summary += f". Its input {p['slot']} was produced by {p['producer_op']}{pwhere} and holds {p['description']}"
-    return Origin(chain=chain, summary=summary, suggestion=suggest(o))
+    return Origin(chain=chain, summary=summary, suggestion=suggest(o), reason=reason, harm=harm)

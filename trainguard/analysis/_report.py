@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.analysis._origin import origin
+from trainguard.analysis._origin import op_base, origin
+from trainguard.analysis._outcome import script_outcome, with_outcome
 from trainguard.store import Run
 
 # Lines of source shown around each frame of the origin.
@@ -22,6 +23,28 @@ def source_excerpt(run: Run, file: str | None, line: int | None, context: int = 
     lines = text.splitlines()
     lo, hi = max(1, line - context), min(len(lines), line + context)
     return [{"line": n, "text": lines[n - 1], "current": n == line} for n in range(lo, hi + 1)]
+
+
+def _op_short(name: str | None) -> str:
+    """``aten._softmax.default`` -> ``softmax``: an op as a user knows it."""
+    base = op_base(name or "?")
+    return base.lstrip("_") or base
+
+
+def intended_lines(groups: list[dict]) -> list[str]:
+    """One quiet line per group of infinities that were never harmful: ``3,840 intended -inf
+    from masked_fill, absorbed by softmax``; never alerts, origins or findings."""
+    out = []
+    for g in groups:
+        values = g.get("values") or 0
+        n = f"{values:,}" if values else f"{g.get('executions', 0):,} tensors of"
+        made = _op_short(g.get("made_by"))
+        if g.get("absorbed_by"):
+            out.append(f"{n} intended {g.get('kind')} from {made}, absorbed by {_op_short(g['absorbed_by'])}")
+        else:
+            out.append(f"{n} {g.get('kind')} from {made} never reached the loss, a gradient, a parameter or a value "
+                       "the program read (not harmful)")
+    return out
 
 
 def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
@@ -43,9 +66,9 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "run": str(run.path),
         "status": run.status,
         "meta": {k: meta.get(k) for k in ("mode", "buffer", "created", "ended", "argv", "torch", "trainguard",
-                                           "exit_code", "error", "dropped", "writer_error", "record_errors", "ops_filter",
-                                           "dtypes_filter", "executions", "recorded", "backend",
-                                           "native_unsure")},
+                                           "exit_code", "error", "crash_step", "dropped", "writer_error", "lost",
+                                           "record_errors", "ops_filter", "dtypes_filter", "executions", "recorded",
+                                           "check_numerics", "check_numerics_stop", "backend", "native_unsure")},
         "counts": {
             "stored": run.count(),
             "steps": len(steps),
@@ -56,7 +79,10 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
             "top_ops": run.op_counts()[:10],
         },
         "alerts": alerts,
+        "damaged": run.damaged,
         "origin": origin_data,
+        "intended": intended_lines(alerts.get("intended") or []),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
-        "findings": [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])],
+        "crash": script_outcome(meta),
+        "findings": with_outcome(meta, [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])]),
     }

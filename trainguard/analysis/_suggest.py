@@ -128,38 +128,30 @@ def op_fix(op: str | None) -> str | None:
 
 
 def origin_of(run: Any, before_step: int | None = None) -> dict | None:
-    """The recorder's first non-finite execution (when the run was recorded), as finding evidence."""
+    """Where the recorder's first harmful value was made (when the run was recorded), as
+    finding evidence: the origin of the analysis' walk back, not the first non-finite output
+    (an intended -inf mask is never the cause)."""
+    from trainguard.analysis._origin import origin
+
     try:
-        first = run.first_nonfinite()
+        o = origin(run)
     except Exception:  # a run without a recording, or a damaged one: no origin
         return None
-    if not first:
+    if o is None:
         return None
-    if before_step is not None and first.get("step") is not None and first["step"] > before_step:
+    link = o.origin
+    if before_step is not None and link.step is not None and link.step > before_step:
         return None
-    out = {
-        "op": first.get("op"),
-        "step": first.get("step"),
-        "phase": first.get("phase"),
-        "module": first.get("module"),
-        "health": first.get("health"),
-    }
-    frame = None
-    try:
-        frame = run.user_frame(first.get("stack_id"))
-    except Exception:
-        frame = None
-    if frame:
-        out["file"] = frame.get("filename")
-        out["line"] = frame.get("lineno")
-        out["function"] = frame.get("name")
-    zeros = []
-    for inp in first.get("inputs", []) or []:
-        d = inp.get("producer_digest") or {}
-        for o in d.get("outputs", []) or []:
-            s = o.get("summary") or {}
-            if s.get("zero"):
-                zeros.append(f"input {inp.get('slot')} ({d.get('op')}) holds {s['zero']} zero(s)")
+    out = {"op": link.op, "step": link.step, "phase": link.phase, "module": link.module, "health": link.health}
+    if link.file:
+        out["file"] = link.file
+        out["line"] = link.line
+        out["function"] = link.function
+    if o.harm:
+        out["harm"] = o.harm
+    out["fix"] = o.suggestion
+    zeros = [f"input {i['slot']} ({i.get('producer_op')}) holds {i['summary']['zero']} zero(s)"
+             for i in link.inputs if (i.get("summary") or {}).get("zero")]
     if zeros:
         out["inputs"] = zeros
     return out

@@ -43,6 +43,9 @@ class Thresholds:
     osc_autocorr: float = _t(
         -0.4, "detrended i.i.d. noise has |autocorrelation| < 0.2 at 40+ points; -0.4 needs a real back-and-forth"
     )
+    osc_fisher_p: float = _t(
+        1e-3, "Fisher's g test: white noise concentrates this much power in one frequency once in 1,000 runs"
+    )
     osc_min_amplitude: float = _t(0.05, "swings under 5% of the loss level are not worth acting on")
     # ---- learning rate (update-to-weight ratio ||dW|| / ||W|| of weight matrices per step)
     update_ratio_high: float = _t(

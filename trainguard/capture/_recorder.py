@@ -23,8 +23,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard._errors import NonFiniteError
-from trainguard.capture import _steps
+from trainguard.capture import _numerics, _reads, _steps
 from trainguard.capture._modules import ModuleTracker
+from trainguard.capture._recorder_harm import HarmHooks
 from trainguard.capture._stacks import StackInterner
 from trainguard.capture._summary import (
     ALIAS_OPS,
@@ -33,8 +34,19 @@ from trainguard.capture._summary import (
     summarize_immediate,
     unknown_summary,
 )
+from trainguard.capture._taint import (
+    ALLOC,
+    COPY,
+    HARMFUL,
+    OVERWRITE_OPS,
+    PENDING,
+    UNKNOWN,
+    VIEW,
+    Tracker,
+    classify,
+)
 from trainguard.store import MODE_FIELDS, MODES, ExecBatch, acquire_writer, release_writer
-from trainguard.store._codec import NAN, NEG_INF, POS_INF, health_of
+from trainguard.store._codec import health_of
 
 log = logging.getLogger("trainguard.capture")
 
@@ -129,15 +141,16 @@ def _rank_dir(logdir: Path) -> Path:
     return logdir
 
 
-# A producer entry, per live output tensor, keyed by id(tensor):
+# A producer entry, per live output tensor, keyed by id(tensor) (its taint is kept by seq, in
+# the recorder's Tracker):
 #   (weakref to the tensor, seq, op name, stack id, immediate summary or None, version counter)
 # The weak reference has no callback (a callback per tensor costs more than the op's own
 # bookkeeping); an entry whose tensor died is ignored on lookup, overwritten when the id is
 # reused, and swept out every step and when the table doubles (see Recorder._sweep).
-_OP, _STACK = 2, 3  # positions in an entry, for the cold paths
+_OP, _STACK = 2, 3  # positions in an entry, for the cold paths (capture/_numerics.py)
 
 
-class Recorder:
+class Recorder(HarmHooks):
     """State of one recording. Use :func:`trainguard.record` rather than this class."""
 
     def __init__(
@@ -149,6 +162,7 @@ class Recorder:
         ops: Any = None,
         dtypes: Any = None,
         check_numerics: bool = False,
+        strict: bool = False,
         strategy: str = "auto",
         overwrite: bool = False,
         backend: str = "auto",
@@ -167,6 +181,7 @@ class Recorder:
         self.fields = MODE_FIELDS[mode]
         self.buffer = buffer
         self.check = check_numerics
+        self.strict = strict
         self.strategy = strategy
         self.logdir = _rank_dir(Path(logdir)) if logdir is not None else None
         self.overwrite = overwrite
@@ -184,7 +199,13 @@ class Recorder:
         self.sweep_at = 4096
         self.fwd_nodes: dict[int, tuple[int, int | None, int | None, int]] = {}
         self.pending: list[tuple] = []
-        self.pending_bad = False
+        # Harmful, intended, unknown (docs/recorder.md): judged here while the health of each
+        # output is known on this thread; by the writer's thread once accelerator summaries
+        # arrive later than their op (judge_here False).
+        self.taint = Tracker()
+        self.judge_here = True
+        self.in_backward = False
+        self._thread = threading.get_ident()
         self.deferred: dict[torch.device, list[torch.Tensor]] = {}
         self.deferred_used = False
         self.last_flush = time.monotonic()
@@ -212,11 +233,14 @@ class Recorder:
                 meta={
                     "ops_filter": self.ops_pattern.pattern if self.ops_pattern else None,
                     "dtypes_filter": sorted(_dtype_name(d) for d in self.dtypes) if self.dtypes else None,
-                    "check_numerics": self.check,
+                    "check_numerics": ("strict" if self.strict else True) if self.check else False,
                     "recording": True,
                     "backend": self.backend,
+                    # Every harmful execution is counted in the harmful table (format 3).
+                    "harm_counts": True,
                 },
             )
+        self.taint.keep_records = self.writer is not None or self.check
         if _steps.clock.users == 0:
             _steps.reset()
         _steps.acquire()
@@ -224,6 +248,8 @@ class Recorder:
         if self.writer is not None:
             self.writer.idle_callbacks.append(self._flush_if_stale)
         self.modules.install()
+        _reads.install(self)
+        self._thread = threading.get_ident()
         self.last_nr = _get_seq_nr()
         if native is not None:
             from trainguard.capture._native._backend import NativeBackend
@@ -247,6 +273,7 @@ class Recorder:
                 self._mode.__exit__(None, None, None)
         finally:
             self.modules.remove()
+            _reads.remove(self)
             self.stacks.release_frames()
             if self._on_step in _steps.clock.on_step:
                 _steps.clock.on_step.remove(self._on_step)
@@ -294,7 +321,7 @@ class Recorder:
         if self._native is not None:
             self._native.on_step(step)  # its drain thread hands records over
             return
-        if self.pending_bad or time.monotonic() - self.last_flush > FLUSH_SECONDS:
+        if self.taint.urgent or time.monotonic() - self.last_flush > FLUSH_SECONDS:
             self.flush()
         # Drop the entries of the step's dead tensors now, while they are young: left to the
         # size-based sweep they would live long enough to be promoted to the collector's oldest
@@ -304,24 +331,32 @@ class Recorder:
             self._prune_fwd_nodes()
 
     def flush(self) -> None:
-        """Hand pending records to the writer (by time, by count, after a NaN, and at stop)."""
+        """Hand pending records to the writer (by time, by count, after a NaN, and at stop),
+        with what the taint tracker wants kept: pins, records sent again, counts, metadata."""
         if self._native is not None:
             self._flush_native()
             return
         with self._lock:
             pending = self.pending
             n = len(pending)
-            if not n:
+            pins, resend, counts, urgent = self.taint.take() if self.judge_here else ([], [], [], False)
+            meta = self.taint.meta() if self.judge_here else {}
+            if not (n or pins or resend or counts or meta):
                 return
             # Copy, then delete what was copied: the hot path appends to this same list without
             # the lock, and an append between the two (atomic) steps stays for the next flush.
             records = pending[:n]
             del pending[:n]
-            bad, self.pending_bad = self.pending_bad, False
             deferred = self._ship_deferred()
             self.last_flush = time.monotonic()
-        if self.writer is not None:
-            self.writer.put_executions(ExecBatch(records, deferred), must_keep=bad)
+        w = self.writer
+        if w is not None:
+            if counts:
+                w.add_harm_counts(counts)
+            w.put_executions(ExecBatch(records, deferred, pins=pins, resend=resend),
+                             must_keep=urgent or bool(pins or resend))
+            if meta:
+                w.set_meta(**meta)
 
     def _flush_native(self) -> None:
         from trainguard.capture._native._backend import paused
@@ -377,7 +412,17 @@ class Recorder:
         wanted = self.ops_pattern is None or self.ops_pattern.search(name) is not None
         # A plain OpOverload's __call__ only forwards to its C++ op: call that directly.
         call = func._op if type(func) is _OpOverload else func
-        info = (name, wanted, name in ALLOCATION_OPS, name in ALIAS_OPS, call, func, marker)
+        try:
+            schema = func._schema
+            first = schema.arguments[0].alias_info if schema.arguments else None
+            inplace = first is not None and first.is_write
+            is_view = bool(func.is_view)
+        except Exception:  # not an OpOverload with a schema (a HigherOrderOperator, ...)
+            inplace = is_view = False
+        cls = classify(name, is_view)
+        overwrite = name in OVERWRITE_OPS
+        self.taint.op_classes[name] = (cls, overwrite, inplace)
+        info = (name, wanted, name in ALLOCATION_OPS, name in ALIAS_OPS, call, func, cls, overwrite, inplace, marker)
         self.op_info[id(func)] = info
         return info
 
@@ -391,69 +436,12 @@ class Recorder:
         self.fwd_nodes = dict(items)
 
     def _sweep(self) -> None:
-        """Drop the entries of tensors that died (per step, and when the table doubles)."""
+        """Drop the entries of tensors that died (per step, and when the table doubles), and
+        the taint states of the tensors that died with them."""
         self.producers = {k: p for k, p in self.producers.items() if p[0]() is not None}
         self.sweep_at = max(4096, 2 * len(self.producers))
-
-    def describe_input(self, t: _Tensor) -> str:
-        """One line for a NonFiniteError: who made this input and what it holds."""
-        named = self.modules.name_of(t)
-        p = self.producers.get(id(t))
-        if named is not None:
-            who = f"{named[1]} {named[0]!r}"
-        elif p is not None and p[0]() is t:
-            fr = _user_frame(self.stacks.frames(p[_STACK]))
-            where = f" from {_short_path(fr[0])}:{fr[1]}" if fr else ""
-            who = f"{_op_display(p[_OP])} output{where}"
-        else:
-            who = "user input"
-        return f"{who}: {describe_values(t)}"
-
-
-def _op_display(name: str) -> str:
-    """``aten._softmax.default`` -> ``softmax``: the op's name as a user knows it."""
-    base = name.split(".")[1] if name.startswith("aten.") else name.split(".")[0]
-    return base.lstrip("_") or base
-
-
-def _short_path(path: str) -> str:
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return rel if not rel.startswith("..") else path
-
-
-def _user_frame(frames):
-    from trainguard.capture._stacks import user_frame
-
-    return user_frame(frames)
-
-
-def describe_values(t: _Tensor) -> str:
-    """``1000 values, 1 zero, 999 positive`` — a compact full-health description (syncs)."""
-    if not isinstance(t, _Tensor):
-        return repr(t)
-    s = summarize_immediate(t.detach().cpu() if t.device.type != "cpu" else t, "full_health")
-    n, neg, zero, pos, ninf, pinf, nan = (int(v) for v in s)
-    parts = [f"{n} value{'s' if n != 1 else ''}"]
-    for count, word in ((nan, "NaN"), (pinf, "+inf"), (ninf, "-inf"), (zero, "zero"), (neg, "negative"), (pos, "positive")):
-        if count:
-            plural = "s" if count != 1 and word in ("zero",) else ""
-            parts.append(f"{count} {word}{plural}")
-    parts.append(f"dtype {_dtype_name(t.dtype)}, shape {list(t.shape)}")
-    return ", ".join(parts)
-
-
-def _flatten(xs, out: list) -> list:
-    for x in xs:
-        if isinstance(x, _Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                if isinstance(y, _Tensor):
-                    out.append(y)
-    return out
+        if self.judge_here and self.taint.states:
+            self.taint.prune({p[1] for p in self.producers.values()})
 
 
 class _DispatchMode(TorchDispatchMode):
@@ -476,7 +464,7 @@ class _DispatchMode(TorchDispatchMode):
         info = r.op_info.get(id(func))
         if info is None:
             info = r._info(func)
-        if info[6]:
+        if info[9]:
             return info[4](*args, **kwargs) if kwargs else info[4](*args)
         node = _current_node()
         nr = _get_seq_nr()
@@ -504,7 +492,11 @@ class _DispatchMode(TorchDispatchMode):
                 else:
                     module_id = None
                     stack_id = r.stacks.capture(2)
+                if not r.in_backward:  # the first op of a backward pass: it runs from the loss
+                    r.in_backward = True
+                    r.backward_starts(fwd_seq)
             else:
+                r.in_backward = False
                 module_id = r.modules.current()
                 stack_id = r.stacks.capture(2)
                 if _clock.in_optimizer:
@@ -526,8 +518,12 @@ class _DispatchMode(TorchDispatchMode):
                 r.last_nr = _get_seq_nr()
                 return out
 
-            # Inputs: a parameter or buffer by name, else the recorded op that produced it.
+            # Inputs: a parameter or buffer by name, else the recorded op that produced it; and
+            # the highest taint among them (see _taint: FINITE < UNKNOWN < PENDING < HARMFUL).
             named = r.modules.named_tensors
+            states = r.taint.states if r.judge_here else None
+            in_taint = 0
+            in_origin = None
             inputs = []
             first = None
             for a in (args if not kwargs else (*args, *kwargs.values())):
@@ -538,22 +534,33 @@ class _DispatchMode(TorchDispatchMode):
                 else:
                     continue
                 for t in group:
-                    if first is None:
-                        first = t
                     key = id(t)
                     e = named.get(key)
                     if e is not None and e[0]() is t:
                         inputs.append((e[2], e[1]))
-                        continue
-                    p = producers.get(key)
-                    inputs.append(("op", p[1]) if p is not None and p[0]() is t else ("input", None))
+                    else:
+                        p = producers.get(key)
+                        if p is not None and p[0]() is t:
+                            inputs.append(("op", p[1]))
+                            # (an overwrite, copy_ or fill_, does not count its first input's old values)
+                            if states and not (info[7] and first is None):
+                                st = states.get(p[1])
+                                if st is not None and (st[0] > in_taint or (
+                                        st[0] == in_taint and st[1] is not None and st[1] < in_origin)):
+                                    in_taint, in_origin = st
+                        else:
+                            inputs.append(("input", None))
+                    if first is None:
+                        first = t
 
+            cls = info[6]
             fields = r.fields
             summaries = [] if fields else None
             metas = []
             health = 0
             immediate_only = True
             alias = None
+            garbage = in_taint == UNKNOWN and (cls == VIEW or cls == COPY)  # a view or copy of uninitialised memory
             if info[3] and first is not None and summaries is not None:
                 # A pure alias (view, t, detach, ...) holds the same values as its input: reuse that
                 # input's summary while the shared version counter says nothing wrote to it since.
@@ -570,13 +577,13 @@ class _DispatchMode(TorchDispatchMode):
                               "cpu" if cpu else _device_name(o.device)))
                 s = None
                 if summaries is not None:
-                    if info[2]:  # uninitialised memory: no evidence
+                    if info[2] or garbage:  # uninitialised memory: no evidence
                         s = unknown_summary(r.mode, o.numel())
                     elif alias is not None:
                         s = alias
                     elif ((cpu and r.strategy != "deferred") or r.strategy == "immediate"
                           or o.is_meta or o.layout is not _strided):  # no data, or sparse: rare, may sync
-                        s = summarize_immediate(o, r.mode)
+                        s = summarize_immediate(o, r.mode, in_taint == HARMFUL)
                     else:
                         immediate_only = False
                         r.deferred_used = True
@@ -586,35 +593,48 @@ class _DispatchMode(TorchDispatchMode):
                         lst.append(summarize_deferred(o, r.mode))
                         if r.check and not bool(torch.isfinite(o).all()):
                             # check_numerics may synchronise: it must stop at this op.
-                            health |= _health_sync(o)
+                            health |= _numerics.health_sync(o)
                     if s is not None:
                         health |= health_of(fields, s)
                         summaries.append(s)
                 _register(r, producers, o, seq, name, stack_id, s)
             if r.mode == "full_tensor":
                 _save_payloads(r, seq, outs)
-            if r.check and health:
-                r.flush()
-                health = 0
-                for o in outs:
-                    if isinstance(o, _Tensor):
-                        health |= _health_sync(o)  # name NaN and +-Inf exactly, whatever the mode
-                raise NonFiniteError(_numerics_message(r, name, phase, module_id, stack_id, fwd_op, args, outs, health),
-                                     execution={"seq": seq, "op": name, "phase": phase})
-            if r.writer is None:  # check_numerics without a run directory: nothing to keep
+
+            # The taint of the outputs, where their health is known now (see _taint.Tracker).
+            taint = 0
+            origin = None
+            if not r.judge_here or not (immediate_only or r.check):
+                if r.judge_here:
+                    r._judge_in_writer()
+                taint = None
+            elif health or in_taint or cls == ALLOC:
+                taint, origin = r.taint.settle(
+                    seq, _clock.step, phase, name, cls, info[8] and bool(inputs) and inputs[0][0] == "param",
+                    in_taint, in_origin, health, inputs, fwd_seq, fields, summaries, (module_id, stack_id, fwd_op))
+                if r.check and origin == seq:
+                    r._note_origin(seq, args, outs)
+            stop = r.check and (taint == HARMFUL or (r.strict and health and taint != UNKNOWN))
+            if r.writer is None and not taint:  # check_numerics without a run directory, finite
                 r.last_nr = _get_seq_nr()
                 return out
             # A record is a tuple of atoms and tuples: the garbage collector untracks such tuples, so
             # the thousands of records the writer holds never make its full collections slower.
+            rec = (seq, _clock.step, phase, name, module_id, stack_id, fwd_seq,
+                   health if immediate_only or r.check else None, tuple(inputs), tuple(metas),
+                   None if summaries is None else tuple(summaries), taint, origin)
+            if taint == PENDING:
+                r.taint.keep(rec)
+            if stop:
+                r._stop_at(rec, args, outs, health, fwd_op)
+            if r.writer is None:
+                r.last_nr = _get_seq_nr()
+                return out
             pending = r.pending
-            pending.append((seq, _clock.step, phase, name, module_id, stack_id, fwd_seq,
-                            health if immediate_only else None, tuple(inputs), tuple(metas),
-                            None if summaries is None else tuple(summaries)))
+            pending.append(rec)
             r.recorded += 1
-            if health:
-                r.pending_bad = True
             n = len(pending)
-            if n >= FLUSH_RECORDS or (n & 31 == 0 and (r.pending_bad or _monotonic() - r.last_flush > FLUSH_SECONDS)):
+            if n >= FLUSH_RECORDS or (n & 31 == 0 and (r.taint.urgent or _monotonic() - r.last_flush > FLUSH_SECONDS)):
                 r.flush()
             r.last_nr = _get_seq_nr()
             return out
@@ -664,18 +684,6 @@ def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, sta
         r._sweep()
 
 
-def _health_sync(o: _Tensor) -> int:
-    flags = 0
-    if o.is_floating_point():
-        if bool(torch.isnan(o).any()):
-            flags |= NAN
-        if bool(torch.isposinf(o).any()):
-            flags |= POS_INF
-        if bool(torch.isneginf(o).any()):
-            flags |= NEG_INF
-    return flags
-
-
 def _save_payloads(r: Recorder, seq: int, outs) -> None:
     if r.writer is None:
         return
@@ -686,38 +694,6 @@ def _save_payloads(r: Recorder, seq: int, outs) -> None:
         o = o.detach()
         fmt = torch.contiguous_format if o.layout is _strided else torch.preserve_format
         r.writer.put_payload_tensor(seq, slot, o.to("cpu", copy=True, memory_format=fmt))
-
-
-def _numerics_message(r: Recorder, name, phase, module_id, stack_id, fwd_op, args, outs, health) -> str:
-    from trainguard.store._codec import health_names
-
-    op = name.replace(".default", "")
-    what = "/".join(health_names(health))
-    lines = []
-    first = next((o for o in outs if isinstance(o, _Tensor) and o.is_floating_point()), None)
-    detail = f" ({describe_values(first)})" if first is not None else ""
-    if fwd_op is not None:
-        op += f" (in the backward of {_op_display(fwd_op)})"
-    lines.append(f"{op} produced {what} in step {_steps.clock.step}, {phase} pass{detail}")
-    mod = r.modules.module_of_id().get(module_id) if module_id is not None else None
-    if mod is not None:
-        lines.append(f"  module: {mod[0] or '(root)'} ({mod[1]})")
-    else:
-        lines.append("  module: outside any nn.Module")
-    fr = _user_frame(r.stacks.frames(stack_id))
-    if fr is not None:
-        src = _source_line(fr[0], fr[1])
-        lead = "  created by the forward op at" if fwd_op is not None else "  at"
-        lines.append(f"{lead} {_short_path(fr[0])}:{fr[1]} in {fr[2]}" + (f": {src}" if src else ""))
-    for i, t in enumerate(_flatten(args, [])):
-        lines.append(f"  input {i} = {r.describe_input(t)}")
-    return "\n".join(lines)
-
-
-def _source_line(path: str, lineno: int) -> str:
-    import linecache
-
-    return linecache.getline(path, lineno).strip()
 
 
 # ---------------------------------------------------------------------- public entry points
@@ -745,23 +721,28 @@ def record(
 
     ``mode`` picks the per-tensor summary (``no_tensor``, ``curt_health``, ``concise_health``,
     ``full_health``, ``shape``, ``full_tensor``, ``stats``). ``buffer=N`` keeps the last N
-    executions (``-1`` keeps all); executions with a NaN/Inf output and their producers are
-    always kept. ``ops`` is a regular expression on the op name (``aten.log.default``) and
-    ``dtypes`` a list of output dtypes: only matching executions are recorded. ``backend`` picks
-    the recorder: ``native`` (the C++ core on ``at::RecordFunction``), ``python`` (a
-    ``TorchDispatchMode``), or ``auto`` (native when it can be built here); the run's metadata
-    says which ran.
+    executions (``-1`` keeps all); the first harmful value's chain back to its origin, and the
+    first harmful execution of each op type and step, are always kept. ``ops`` is a regular
+    expression on the op name (``aten.log.default``) and ``dtypes`` a list of output dtypes: only
+    matching executions are recorded. ``backend`` picks the recorder: ``native`` (the C++ core on
+    ``at::RecordFunction``), ``python`` (a ``TorchDispatchMode``), or ``auto`` (native when it can
+    be built here); the run's metadata says which ran.
     """
     return Recorder(logdir, mode=mode, buffer=buffer, ops=ops, dtypes=dtypes, overwrite=overwrite, strategy=strategy,
                     backend=backend)
 
 
-def check_numerics(logdir: str | os.PathLike | None = None, *, mode: str = "curt_health", buffer: int = 1000) -> Recorder:
-    """Raise :class:`trainguard.NonFiniteError` at the first op (forward or backward) whose output
-    holds NaN or Inf. The message names the op, the module, the user's ``file:line`` and each
-    input's summary with its producer. With ``logdir`` the ops are also recorded there.
+def check_numerics(logdir: str | os.PathLike | None = None, *, mode: str = "curt_health", buffer: int = 1000,
+                   strict: bool = False) -> Recorder:
+    """Raise :class:`trainguard.NonFiniteError` at the first op (forward or backward) that makes
+    a harmful value: a NaN, or a +-inf that reaches the loss, a gradient, a parameter, optimizer
+    state or a value the program reads. The message names where that value was made (the op
+    that first made the inf, with its module, the user's ``file:line`` and its inputs) and
+    where it became harmful. Intended infinities (masks absorbed by softmax, sentinels) pass.
+    ``strict=True`` raises at any non-finite output instead. With ``logdir`` the ops are also
+    recorded there, with the op that raised and its chain.
     """
-    return Recorder(logdir, mode=mode, buffer=buffer, check_numerics=True)
+    return Recorder(logdir, mode=mode, buffer=buffer, check_numerics=True, strict=strict)
 
 
 def enable(logdir: str | os.PathLike, mode: str = "full_health", buffer: int = 1000, ops=None, dtypes=None,

@@ -47,6 +47,7 @@ ALIAS_OPS = frozenset(
 
 
 _STRIDED = torch.strided
+_TensorBase = torch._C.TensorBase
 _FLOAT8 = frozenset(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))
 _QUANTIZED = frozenset(getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
                        if hasattr(torch, name))
@@ -88,7 +89,9 @@ def _np(t: torch.Tensor):
     if t.dtype not in _NUMPY_DTYPES or t.is_conj() or t.is_neg():
         return None
     try:
-        return t.numpy()
+        # The C method itself: while recording, Tensor.numpy is wrapped to see the program's
+        # reads (capture/_reads.py), and trainguard's own reads are not the program's.
+        return _TensorBase.numpy(t)
     except (RuntimeError, TypeError):
         return None
 
@@ -199,19 +202,27 @@ _MODE_CODE = {"no_tensor": 0, "curt_health": 1, "concise_health": 2, "full_healt
               "full_tensor": 5, "stats": 6}
 
 
-def summarize_immediate(t: torch.Tensor, mode: str) -> tuple[float, ...]:
+def _health_bits(t: torch.Tensor) -> float:
+    """curt_health's value for a tensor that is not finite: its health bits (1 NaN, 2 +inf, 4 -inf)."""
+    _, _, _, ninf, pinf, nan = _exact_counts(t)
+    return float((1 if nan else 0) | (2 if pinf else 0) | (4 if ninf else 0))
+
+
+def summarize_immediate(t: torch.Tensor, mode: str, expect_nonfinite: bool = False) -> tuple[float, ...]:
     """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with).
 
     The native core's kernel when it is built (``_native.load()``, at the start of a
-    recording), else torch and NumPy (:func:`summarize_numpy`).
+    recording), else torch and NumPy (:func:`summarize_numpy`). ``expect_nonfinite`` (an input
+    is already harmful) counts in the one pass that serves a non-finite tensor, without first
+    proving it finite.
     """
     native = _native._module
     if native is not None and t.device.type == "cpu":
-        return native.summarize(t, _MODE_CODE[mode])
-    return summarize_numpy(t, mode)
+        return native.summarize(t, _MODE_CODE[mode], expect_nonfinite)
+    return summarize_numpy(t, mode, expect_nonfinite)
 
 
-def summarize_numpy(t: torch.Tensor, mode: str) -> tuple[float, ...]:
+def summarize_numpy(t: torch.Tensor, mode: str, expect_nonfinite: bool = False) -> tuple[float, ...]:
     """The immediate summary without the native kernel."""
     if t.requires_grad:
         t = t.detach()
@@ -224,14 +235,14 @@ def summarize_numpy(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     if 0 in t.stride():
         base, repeat = _unbroadcast(t)
         if repeat > 1:
-            s = summarize_numpy(base, mode)
+            s = summarize_numpy(base, mode, expect_nonfinite)
             k = _COUNT_FIELDS.get(mode, 0)
             return tuple(v * repeat for v in s[:k]) + s[k:]
     n = t.numel()
     if mode == "curt_health":
         if n == 0 or not t.is_floating_point():
             return (0.0,)
-        return (0.0 if _is_finite(t) else 1.0,)
+        return (0.0 if _is_finite(t) else _health_bits(t),)
     if n == 0:
         return _pack(mode, 0, 0, 0, 0, 0, 0, 0, math.nan, math.nan, math.nan, math.nan)
     if t.dtype == torch.bool:
@@ -244,7 +255,10 @@ def summarize_numpy(t: torch.Tensor, mode: str) -> tuple[float, ...]:
             return (float(n), 0.0, 0.0, 0.0)
         neg, zero, pos, ninf, pinf, nan = _exact_counts(t)
         return (float(n), float(ninf), float(pinf), float(nan))
-    counts = _float_counts(t, n) if isfloat else _sign_counts(t, n)
+    if expect_nonfinite and isfloat:
+        counts = None
+    else:
+        counts = _float_counts(t, n) if isfloat else _sign_counts(t, n)
     if counts is not None:
         neg, zero, pos = counts
         ninf = pinf = nan = 0
@@ -281,8 +295,9 @@ def summarize_deferred(t: torch.Tensor, mode: str) -> torch.Tensor:
         ninf = torch.isneginf(t).sum()
     else:
         nan = pinf = ninf = torch.zeros((), dtype=torch.int64, device=dev)
-    if mode == "curt_health":
-        return (nan + pinf + ninf).clamp(max=1).to(torch.float64).reshape(1)
+    if mode == "curt_health":  # the health bits: 1 NaN, 2 +inf, 4 -inf
+        bits = (nan > 0).to(torch.int64) + 2 * (pinf > 0).to(torch.int64) + 4 * (ninf > 0).to(torch.int64)
+        return bits.to(torch.float64).reshape(1)
     size = torch.full((), float(n), dtype=torch.float64, device=dev)
     if mode == "concise_health":
         return torch.stack([size, ninf.double(), pinf.double(), nan.double()])

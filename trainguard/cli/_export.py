@@ -45,7 +45,10 @@ def export_tensorboard(run: Any, out: str | Path) -> dict[str, int]:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise TrainguardError(f"output {str(out)!r} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TrainguardError(f"cannot create the output directory {str(out)!r}: {exc.strerror or exc}") from None
     wall0 = float(run.meta.get("created") or time.time())
     writer = EventFileWriter(str(out))
     counts = {"scalars": 0, "layer_stats": 0, "histograms": 0, "findings": 0}

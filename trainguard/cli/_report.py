@@ -97,7 +97,9 @@ def _header(report: dict) -> Panel:
     t.add_column()
     t.add_row("run", report["run"])
     status = report["status"]
-    if status == "running":
+    if status == "running" and meta.get("lost"):
+        status = "incomplete: its writer stopped storing it (see the writer error)"
+    elif status == "running":
         status += " (still being written, or its process was killed: shows everything up to the last flush)"
     t.add_row("status", status + (f" — {meta['error']}" if meta.get("error") else ""))
     backend = {"native": "the native core", "python": "the Python dispatch mode"}.get(meta.get("backend"))
@@ -114,8 +116,12 @@ def _header(report: dict) -> Panel:
     dropped = meta.get("dropped") or 0
     t.add_row("dropped", Text(f"{dropped:,} records dropped under back-pressure", style="bold red") if dropped
               else Text("none", style="green"))
+    if report.get("damaged"):
+        t.add_row("damaged", Text("rows that cannot be decoded were skipped: " + ", ".join(
+            f"{n:,} in {table}" for table, n in report["damaged"].items()), style="red"))
     if meta.get("writer_error"):
-        t.add_row("writer error", Text(str(meta["writer_error"]), style="red"))
+        lost = f"; {meta['lost']:,} executions were not stored" if meta.get("lost") else ""
+        t.add_row("writer error", Text(str(meta["writer_error"]) + lost, style="bold red"))
     if meta.get("record_errors"):
         t.add_row("not recorded", Text(f"{meta['record_errors']:,} op outputs could not be recorded "
                                        "(see the warnings the run printed)", style="red"))
@@ -124,10 +130,16 @@ def _header(report: dict) -> Panel:
 
 def _alerts(report: dict) -> Any:
     alerts = report["alerts"]
+    quiet = [Text(line, style="dim") for line in report.get("intended") or []]
+    stop = (report["meta"].get("check_numerics_stop") or {}) if report.get("meta") else {}
+    if stop:
+        first = str(stop.get("message", "")).splitlines()[:1]
+        quiet.insert(0, Text(f"check_numerics stopped the run at #{stop.get('seq')} {stop.get('op')}"
+                             + (f": {first[0]}" if first else ""), style="bold"))
     if not alerts["total"]:
-        return Panel(Text("No NaN or Inf in any recorded output.", style="bold green"), title="alerts",
+        return Panel(Group(Text("No harmful NaN or Inf.", style="bold green"), *quiet), title="alerts",
                      border_style="green")
-    t = Table(title=f"{alerts['total']:,} NaN/Inf events", title_justify="left")
+    t = Table(title=f"{alerts['total']:,} harmful NaN/Inf events", title_justify="left")
     t.add_column("op")
     t.add_column("events", justify="right")
     t.add_column("first at #", justify="right")
@@ -135,7 +147,7 @@ def _alerts(report: dict) -> Any:
         t.add_row(row["op"], f"{row['count']:,}", str(row["first_seq"]))
     if len(alerts["by_op"]) > 15:
         t.add_row(f"... {len(alerts['by_op']) - 15} more op types", "", "")
-    return t
+    return Group(t, *quiet) if quiet else t
 
 
 def _origin(report: dict) -> Any:
@@ -145,7 +157,7 @@ def _origin(report: dict) -> Any:
     link = o["origin"]
     parts: list[Any] = []
     head = Text()
-    head.append("First non-finite value: ", style="bold")
+    head.append("First harmful value: ", style="bold")
     head.append(f"{link['op']}", style="bold red")
     head.append(f" at {_where(link)}", style="bold")
     head.append(f" in step {link['step']} ({link['phase']} pass, #{link['seq']})")
@@ -155,6 +167,8 @@ def _origin(report: dict) -> Any:
     for out in link["outputs"]:
         parts.append(Text(f"  output: {out['dtype']} {out['shape']}: {out['description']}"))
     parts.append(Text(f"  why: {link['explanation']}", style="yellow"))
+    if o.get("harm"):
+        parts.append(Text(f"  then: {_short_harm(o['harm'])}", style="yellow"))
     if link.get("forward_op") and link["forward_op"].get("file"):
         f = link["forward_op"]
         parts.append(Text(f"  backward of {f['op']} created at {_short(f['file'])}:{f['line']}"))
@@ -171,11 +185,21 @@ def _origin(report: dict) -> Any:
         if inp.get("source"):
             parts.append(_source_block(inp["source"]))
     if len(o["chain"]) > 1:
-        parts.append(Text("How it spread, from the asked execution back to the origin:", style="bold"))
+        parts.append(Text("How it spread, from where it became harmful back to the origin:", style="bold"))
         for c in o["chain"]:
             parts.append(Text(f"  #{c['seq']} {c['op']} at {_where(c)}: {c['explanation']}"))
     parts.append(Text(f"Fix: {o['suggestion']}", style="bold green"))
     return Panel(Group(*parts), title="origin", border_style="red")
+
+
+def _short_harm(text: str) -> str:
+    """The harm sentence with its paths made relative, like every other path shown."""
+    words = text.split(" ")
+    for i, w in enumerate(words):
+        if ":" in w and os.sep in w:
+            path, _, line = w.rpartition(":")
+            words[i] = f"{_short(path)}:{line}"
+    return " ".join(words)
 
 
 def _findings(report: dict) -> Any:
@@ -197,6 +221,8 @@ def _findings(report: dict) -> Any:
 
 
 def render_report(con: Console, report: dict) -> None:
+    if report.get("crash"):  # first, before anything that could read as a finished run
+        con.print(Text(report["crash"]["text"], style="bold red"), soft_wrap=True)
     con.print(_header(report))
     con.print(_alerts(report))
     o = _origin(report)

@@ -7,6 +7,7 @@ traceback are kept; the run directory is complete (closed and marked) even when 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import signal
@@ -14,6 +15,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from trainguard._errors import NonFiniteError, TrainguardError
 from trainguard.cli._render import err_console
@@ -29,11 +31,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--logdir", help="run directory to write (default: runs/<script>-<time>)")
     p.add_argument("--mode", default="full_health", choices=MODES, help="tensor summary mode (default: full_health)")
     p.add_argument("--buffer", type=int, default=1000,
-                   help="keep the last N executions, -1 for all; NaN/Inf ones are always kept (default: 1000)")
+                   help="keep the last N executions, -1 for all; the first harmful NaN/Inf and its chain are "
+                   "always kept (default: 1000)")
     p.add_argument("--ops", help="record only ops whose name matches this regular expression")
     p.add_argument("--dtypes", help="record only executions with an output of these dtypes (comma separated)")
     p.add_argument("--check-numerics", action="store_true",
-                   help="stop with an error at the first op that produces NaN or Inf")
+                   help="stop with an error at the first harmful NaN or Inf, naming where it was made")
+    p.add_argument("--strict", action="store_true",
+                   help="with --check-numerics: stop at any non-finite output, intended -inf masks included")
     p.add_argument("--monitor", action="store_true",
                    help="also record per-layer statistics and diagnose training health")
     p.add_argument("--every", type=int, default=10, help="with --monitor: layer statistics every N steps")
@@ -62,12 +67,18 @@ def _cmd(args: argparse.Namespace) -> int:
         script_args = list(args.args)
     logdir = Path(args.logdir) if args.logdir else _default_logdir(target.split(".")[-1])
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] if args.dtypes else None
+    if args.every < 1:
+        raise TrainguardError(f"--every must be an int >= 1, got {args.every}")
+    # What cannot run is refused before the run directory exists: no empty run is left behind.
+    source = _module_file(target) if args.module else target
+    if source is not None and _syntax_error(source):
+        return 1
 
     import trainguard as tg
 
     try:
         if args.check_numerics:
-            recorder = tg.check_numerics(logdir, mode="full_health", buffer=args.buffer)
+            recorder = tg.check_numerics(logdir, mode="full_health", buffer=args.buffer, strict=args.strict)
         else:
             recorder = tg.record(logdir, mode=args.mode, buffer=args.buffer, ops=args.ops, dtypes=dtypes,
                                  overwrite=args.overwrite)
@@ -79,42 +90,121 @@ def _cmd(args: argparse.Namespace) -> int:
     # A preempted job gets SIGTERM: turn it into SystemExit so the run is closed properly.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     code = 0
+    ending: dict[str, Any] = {}  # how the script ended, stored in the run when it closes
     try:
-        with recorder:
+        recorder.start()
+        try:
             if args.monitor:
                 monitor = _start_monitor(logdir, args.every)
-            try:
-                if args.module:
-                    sys.argv = [target] + script_args
-                    runpy.run_module(target, run_name="__main__", alter_sys=True)
-                else:
-                    sys.argv = [target] + script_args
-                    sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
-                    runpy.run_path(target, run_name="__main__")
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-                if exc.code is not None and not isinstance(exc.code, int):
-                    print(exc.code, file=sys.stderr)
-            except NonFiniteError as exc:
-                err_console.print(f"trainguard: NonFiniteError: {exc}", markup=False, highlight=False, soft_wrap=True)
-                code = exc.exit_code
-            except KeyboardInterrupt:
-                code = 130
-            except BaseException:
-                # The script's own traceback, as Python would print it, and Python's exit code.
-                traceback.print_exc()
-                code = 1
-            finally:
-                if monitor is not None:
-                    monitor.close()
+            if args.module:
+                sys.argv = [target] + script_args
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [target] + script_args
+                sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
+                runpy.run_path(os.path.abspath(target), run_name="__main__")  # python names it absolutely too
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if exc.code is not None and not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)
+        except NonFiniteError as exc:
+            err_console.print(f"trainguard: NonFiniteError: {exc}", markup=False, highlight=False, soft_wrap=True)
+            code = exc.exit_code
+            ending = _crashed(exc)
+        except KeyboardInterrupt:
+            code = 130
+            ending = {"status": "interrupted"}
+        except BaseException as exc:
+            # The script's own traceback, as Python would print it, and Python's exit code.
+            _print_traceback(exc)
+            code = 1
+            ending = _crashed(exc)
+        finally:
+            if monitor is not None:
+                monitor.close()
+            ending["exit_code"] = code
+            if code and "status" not in ending:
+                ending["status"] = "exited"
+            recorder.stop(**ending)
     finally:
         sys.argv = old_argv
         if old_path0 is not None and sys.path:
             sys.path[0] = old_path0
         signal.signal(signal.SIGTERM, previous)
-    err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {logdir}; "
+    err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {logdir}{_writer_failure(logdir)}; "
                       f"see `trainguard report {logdir}` or `trainguard ui {logdir}`", highlight=False, soft_wrap=True)
     return code
+
+
+def _module_file(name: str) -> str | None:
+    """The source file ``-m name`` would run (None when it has none); TrainguardError if there is no such module."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise TrainguardError(f"no module named {name!r}")
+    if spec.submodule_search_locations is not None:  # a package runs its __main__
+        try:
+            spec = importlib.util.find_spec(f"{name}.__main__")
+        except ImportError:
+            spec = None
+        if spec is None:
+            raise TrainguardError(f"{name!r} is a package and cannot be run directly (it has no __main__)")
+    origin = spec.origin
+    return origin if origin and origin.endswith(".py") and os.path.isfile(origin) else None
+
+
+def _syntax_error(path: str) -> bool:
+    """Print a syntax error in ``path`` as ``python path`` would, and say whether there was one."""
+    try:
+        with open(path, "rb") as fh:
+            compile(fh.read(), os.path.abspath(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc)))
+        return True
+    except (OSError, ValueError):
+        return False  # runpy reports it, as python would
+    return False
+
+
+# Frames of the runner itself (this module, runpy) that come before the script's own.
+_RUNNER_FILES = (os.path.abspath(__file__), "<frozen runpy>", os.path.abspath(runpy.__file__))
+
+
+def _print_traceback(exc: BaseException) -> None:
+    """The script's traceback as ``python script.py`` prints it: its own frames, not the runner's."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename in _RUNNER_FILES
+                              or os.path.abspath(tb.tb_frame.f_code.co_filename) in _RUNNER_FILES):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb if tb is not None else exc.__traceback__)
+
+
+def _crashed(exc: BaseException) -> dict[str, Any]:
+    """The run's record of an exception that ended the script: its type, message and step."""
+    from trainguard.capture import current_step
+
+    message = str(exc).splitlines()[0] if str(exc) else ""
+    return {"status": "crashed", "error": f"{type(exc).__name__}: {message}".rstrip(": "),
+            "crash_step": current_step()}
+
+
+def _writer_failure(logdir: Path) -> str:
+    """What the run says went wrong while storing it (a full disk), for the closing line."""
+    from trainguard.store import open_run
+    from trainguard.store._writer import writer_failure
+
+    try:
+        with open_run(logdir) as run:
+            error, lost = run.meta.get("writer_error"), run.meta.get("lost")
+    except TrainguardError as exc:
+        error, lost = f"the run cannot be read back: {exc}", None
+    if not error:  # the disk may have been too full for the run to say it
+        error, lost = writer_failure(logdir) or (None, None)
+    if not error:
+        return ""
+    return f", but {error}" + (f"; {lost:,} executions were not stored" if lost else "")
 
 
 def _start_monitor(logdir: Path, every: int):

@@ -11,6 +11,7 @@ shards by their owners). Two things are changed around it:
 
 from __future__ import annotations
 
+import errno
 import io
 import warnings
 from collections.abc import Generator
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -41,23 +43,53 @@ except ImportError:  # pragma: no cover - a torch that moved them: use the publi
     _save_state_dict = _load_state_dict = None
 
 
+class _NoteNoSpace:
+    """A written stream that notes a failure for lack of room before passing it on.
+
+    torch's zip writer turns an exception from ``write`` into "unexpected pos ..." and the errno
+    is lost; this keeps it for :func:`save_tensors` to report.
+    """
+
+    def __init__(self, stream: Any, fs: _FileSystem, path: Path):
+        self._stream, self._fs, self._path = stream, fs, path
+
+    def _noting(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self._fs.no_space is None:
+                self._fs.no_space = OSError(exc.errno, exc.strerror, str(self._path))
+            raise
+
+    def write(self, data: Any) -> Any:
+        return self._noting(self._stream.write, data)
+
+    def flush(self) -> None:
+        self._noting(self._stream.flush)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 class _FileSystem(FileSystem):
     """DCP's file system, creating files through :func:`_format.open_for_write` and noting them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.written: list[Path] = []
+        self.no_space: OSError | None = None
 
     @contextmanager
     def create_stream(self, path: str | Path, mode: str) -> Generator[io.IOBase, None, None]:
         path = Path(path)
         if "w" not in mode:
-            with path.open(mode) as stream:
+            # Only regular files, never through a symlink (checked again here, not only when verified).
+            with _format.open_regular(path) as stream:
                 yield stream  # type: ignore[misc]
             return
         self.written.append(path)
         with _format.open_for_write(path) as stream:
-            yield stream  # type: ignore[misc]
+            yield _NoteNoSpace(stream, self, path)  # type: ignore[misc]
 
 
 class _Writer(dcp.FileSystemWriter):
@@ -165,12 +197,17 @@ def save_tensors(tensors: dict[str, torch.Tensor], directory: Path, group: Any) 
     this rank wrote.
     """
     writer = _Writer(directory)
-    if group is None and _save_state_dict is not None:
-        # One process is a supported case, not a degraded one: DCP's warning about it is noise.
-        _save_state_dict(state_dict=dict(tensors), storage_writer=writer, no_dist=True)
-    else:
-        with _quiet_single_process(group):
-            dcp.save(dict(tensors), storage_writer=writer, process_group=group, no_dist=_no_dist(group))
+    try:
+        if group is None and _save_state_dict is not None:
+            # One process is a supported case, not a degraded one: DCP's warning about it is noise.
+            _save_state_dict(state_dict=dict(tensors), storage_writer=writer, no_dist=True)
+        else:
+            with _quiet_single_process(group):
+                dcp.save(dict(tensors), storage_writer=writer, process_group=group, no_dist=_no_dist(group))
+    except (Exception, CheckpointException) as exc:
+        if writer.fs.no_space is not None:
+            raise writer.fs.no_space from exc
+        raise
     meta = metadata_to_json(writer.metadata) if writer.metadata is not None else None
     return meta, list(writer.fs.written)
 

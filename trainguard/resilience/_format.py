@@ -12,23 +12,35 @@ This module is light on purpose (no torch import): the CLI and the UI list check
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from trainguard._errors import CheckpointError
+from trainguard.resilience._manifest import (
+    MANIFEST,
+    Invalid,
+    directory_problem,
+    entry_problem,
+    open_regular,
+    validate,
+)
 
-MANIFEST = "manifest.json"
 FORMAT = "trainguard-checkpoint"
 FORMAT_VERSION = 1
 RUN_SUBDIR = "checkpoints"
 LOCK_FILE = ".trainguard-ckpt.lock"
 _COMMITTED = re.compile(r"^step-(\d{8,})$")
 _TEMPORARY = re.compile(r"^\.tmp-step-(\d{8,})-[0-9a-f]+$")
+# A checkpoint moved aside while a save of the same step replaces it (file systems without an
+# atomic exchange only): put back if the replacement never arrived, else deleted.
+_REPLACED = re.compile(r"^\.trash-(step-\d{8,})-[0-9a-f]+$")
 _CHUNK = 8 << 20
 
 
@@ -49,6 +61,83 @@ def open_for_write(path: Path) -> BinaryIO:
     return open(path, "wb")
 
 
+def _libc_renameat2() -> Any:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28, or not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+_renameat2 = _libc_renameat2()
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    False where the system or the file system does not offer it; other failures raise OSError.
+    """
+    if _renameat2 is None:
+        return False
+    import ctypes
+
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_directory(new: Path, final: Path, token: str) -> None:
+    """Put the finished directory ``new`` at ``final``; an existing ``final`` is replaced atomically.
+
+    A reader sees the old checkpoint or the new one, never neither: the two are exchanged in one
+    step and the old one, now at ``new``, is deleted. Where no atomic exchange exists, the old
+    one is moved aside first; if the process dies before the new one is in place,
+    :func:`recover_replaced` puts the old one back.
+    """
+    if not os.path.lexists(final):
+        new.rename(final)
+        return
+    if exchange(new, final):
+        fsync_dir(final.parent)
+        remove_entry(new)
+        return
+    aside = final.parent / f".trash-{final.name}-{token}"
+    final.rename(aside)
+    new.rename(final)
+    fsync_dir(final.parent)
+    remove_entry(aside)
+
+
+def recover_replaced(directory: Path) -> None:
+    """Undo a replacement cut short (see :func:`replace_directory`); call while owning the directory."""
+    for p in directory.iterdir():
+        m = _REPLACED.match(p.name)
+        if m is None:
+            continue
+        final = directory / m.group(1)
+        if os.path.lexists(final):
+            remove_entry(p)
+        else:
+            p.rename(final)
+            fsync_dir(directory)
+
+
+def remove_entry(path: Path) -> None:
+    """Delete a checkpoint entry; a symbolic link is removed itself, never what it points to."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -58,8 +147,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def file_digest(path: Path) -> str:
+    """SHA-256 of a regular file (Invalid for a symlink, FIFO or device: they may never end)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -80,15 +170,15 @@ def write_manifest(directory: Path, body: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-class Invalid(Exception):
-    """Why a checkpoint cannot be used; the message is the reason shown to the user."""
-
-
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest body, or :class:`Invalid` saying what is wrong with it."""
     path = directory / MANIFEST
+    problem = directory_problem(directory) or entry_problem(path)
+    if problem is not None:
+        raise Invalid(problem)
     try:
-        raw = path.read_bytes()
+        with open_regular(path) as f:
+            raw = f.read()
     except FileNotFoundError:
         raise Invalid(f"{MANIFEST} is missing") from None
     except OSError as exc:
@@ -107,6 +197,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if doc.get("format_version") != FORMAT_VERSION:
         raise Invalid(f"checkpoint format version {doc.get('format_version')!r} is not supported "
                       f"(this trainguard reads version {FORMAT_VERSION})")
+    validate(doc)
     return doc
 
 
@@ -120,24 +211,43 @@ def check(directory: Path, *, full: bool) -> dict[str, Any]:
     m = _COMMITTED.match(directory.name)
     if m is None or int(m.group(1)) != manifest.get("step"):
         raise Invalid(f"the manifest says step {manifest.get('step')!r}, the directory is {directory.name}")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        raise Invalid(f"{MANIFEST} lists no data files")
+    files = manifest["files"]
     for name, meta in sorted(files.items()):
-        if Path(name).name != name or name.startswith(".") or name == MANIFEST:
-            raise Invalid(f"{MANIFEST} names an unsafe file {name!r}")
         path = directory / name
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise Invalid(f"{name} is missing") from None
+        problem = entry_problem(path)
+        if problem is not None:
+            raise Invalid(problem)
+        size = path.lstat().st_size
         if size != meta.get("size"):
             raise Invalid(f"{name} has {size} bytes, the manifest says {meta.get('size')} (truncated or replaced)")
     if full:
         for name, meta in sorted(files.items()):
-            if file_digest(directory / name) != meta.get("sha256"):
+            try:
+                digest = file_digest(directory / name)
+            except OSError as exc:
+                raise Invalid(f"{name} cannot be read: {exc.strerror or exc}") from None
+            if digest != meta.get("sha256"):
                 raise Invalid(f"{name} fails its SHA-256 checksum (its content was damaged)")
     return manifest
+
+
+def signature(directory: Path) -> tuple | None:
+    """What identifies the exact content of a checkpoint's files without reading them.
+
+    Inode, size, modification and change time of the manifest and of every other entry: any
+    write, truncation, replacement or rename changes one of them (the change time cannot be set
+    back), so a checkpoint whose signature is unchanged since its full check is the one checked.
+    None when the directory cannot be listed.
+    """
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        out = []
+        for e in entries:
+            st = e.stat(follow_symlinks=False)
+            out.append((e.name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return tuple(out)
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -174,6 +284,8 @@ class CheckpointInfo:
 
 def _dir_size(path: Path) -> int:
     total = 0
+    if path.is_symlink():  # never look into what a link points at
+        return 0
     try:
         for entry in os.scandir(path):
             if entry.is_file(follow_symlinks=False):

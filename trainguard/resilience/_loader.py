@@ -106,6 +106,11 @@ class ResumableLoader:
         return self._epoch
 
     @property
+    def in_epoch(self) -> bool:
+        """Whether an epoch is under way: started, and its iterator not run to the end yet."""
+        return self._in_epoch
+
+    @property
     def batches_yielded(self) -> int:
         """Batches handed out in the current epoch."""
         return self._yielded

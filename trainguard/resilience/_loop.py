@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.resilience import _dist, _format
+from trainguard.resilience._loader import ResumableLoader
 from trainguard.resilience._state import TrainState
 
 if TYPE_CHECKING:
@@ -37,6 +38,24 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return f"stopped by {signal.Signals(self.signal).name} after step {self.step}; saved {self.path}"
+
+
+def _last_batch_out(state: TrainState) -> bool:
+    """Whether every epoch under way in the state's loaders has handed out its last batch.
+
+    Known only for :class:`ResumableLoader` (their length and position); False when unknown.
+    """
+    found = False
+    for _, obj in state.items():
+        if isinstance(obj, ResumableLoader) and obj.in_epoch:
+            try:
+                n = len(obj)
+            except TypeError:
+                return False
+            if obj.batches_yielded < n:
+                return False
+            found = True
+    return found
 
 
 class ResumeLoop:
@@ -73,6 +92,7 @@ class ResumeLoop:
         self.start_epoch = state.epoch
         self._signal: int | None = None
         self._steps_in_epoch = 0
+        self._deferred = False
         self._started = False
 
     def __iter__(self) -> Iterator[int]:
@@ -87,7 +107,8 @@ class ResumeLoop:
             raise RuntimeError("in the step form the loop counts steps itself; step() is for the epoch form")
         self._steps_in_epoch += 1
         self.state.step += 1
-        self._boundary(force=False)
+        # A save left to the epoch's end that did not come (the epoch went on): save now.
+        self._boundary(force=self._deferred, in_epoch=True)
 
     def _step_form(self) -> Iterator[int]:
         assert self.total_steps is not None
@@ -110,19 +131,27 @@ class ResumeLoop:
                 self._boundary(force=True)
             self._finish()
 
-    def _boundary(self, *, force: bool) -> None:
+    def _boundary(self, *, force: bool, in_epoch: bool = False) -> None:
         m = self.manager
-        flags = [self._signal or 0, int(force or m.due(self.state.step))]
+        more = int(in_epoch and not _last_batch_out(self.state))
+        flags = [self._signal or 0, int(force or m.due(self.state.step)), more]
         if _dist.is_distributed():
             # Every rank must take the same decision at the same step, or the save's collectives hang.
             flags = _dist.all_max(flags, m._groups.ctl())
-        signum, due = flags
+        signum, due, more = flags
         if signum:
             if force or due or m.last_saved_step != self.state.step:
                 m.save(self.state, blocking=True)
             else:
                 m.wait()  # this step is already being saved in the background
+            m.close()  # the run stops here: the next one may own the directory at once
             raise Preempted(signum, self.state.step, m.directory / _format.checkpoint_name(self.state.step))
+        if due and in_epoch and not more and not force:
+            # The epoch's last batch is out: the epoch boundary, next, saves this step once, with
+            # the epoch's end in it (a second save of the same step would only replace this one).
+            self._deferred = True
+            return
+        self._deferred = False
         if due:
             m.save(self.state)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import math
@@ -23,7 +21,9 @@ from trainguard._errors import CheckpointError
 from trainguard.resilience import _dist, _engine, _format
 from trainguard.resilience._codec import Encoder
 from trainguard.resilience._format import CheckpointInfo, Invalid
-from trainguard.resilience._restore import choose, load_into, root_cause
+from trainguard.resilience._lock import DirectoryLock
+from trainguard.resilience._restore import Unreadable, choose, load_into, no_space, root_cause
+from trainguard.resilience._retention import Retention
 from trainguard.resilience._state import TrainState
 
 if TYPE_CHECKING:
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainguard.resilience")
 
 _now = time.time  # one clock for save times, intervals and keep_every_hours (tests move it)
-_LOCK_WAIT_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,32 +70,34 @@ class _Job:
     time: float
 
 
-def _acquire_lock(directory: Path) -> Any:
-    f = open(directory / _format.LOCK_FILE, "a+b")
-    deadline = time.monotonic() + _LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return f
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
-                f.close()
-                raise CheckpointError(f"another process has been saving into {directory} for "
-                                      f"{_LOCK_WAIT_S:.0f}s; two runs must not share a checkpoint directory") from None
-            time.sleep(0.05)
+class _OutOfSpace(Exception):
+    """A save ran out of room on some rank (see :func:`no_space`); reported once cleaned up."""
 
 
-def _release_lock(f: Any) -> None:
-    if f is not None:
-        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-        f.close()
+def _no_space_message(final: Path, job: _Job) -> str:
+    needed = sum(t.numel() * t.element_size() for t in job.tensors.values())
+    needed += len(json.dumps([job.shared, job.local]))  # the manifest
+    try:
+        free = _mb(shutil.disk_usage(final.parent).free)
+    except OSError:
+        free = "?"
+    return (f"no space left on device writing {final} (needed about {_mb(needed)} MB, free {free} MB); "
+            "earlier checkpoints are untouched")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f}" if n >= 1e6 else f"{n / 1e6:.2f}"
 
 
 def _remove_leftovers(directory: Path) -> None:
-    """Temporary and trash directories of saves that died; only called while holding the lock."""
+    """Temporary directories of saves that died, replacements cut short; only called while holding the lock."""
+    _format.recover_replaced(directory)
     for p in directory.iterdir():
-        if p.is_dir() and (_format.is_temporary(p.name) or p.name.startswith(".trash-step-")):
-            shutil.rmtree(p, ignore_errors=True)
+        if _format.is_temporary(p.name):
+            if p.is_symlink():
+                p.unlink()
+            else:
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def _json_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
@@ -124,6 +125,10 @@ class CheckpointManager:
     a background thread; a failure there is raised by the next ``save()``, ``wait()`` or
     ``close()``.
 
+    The manager owns its directory from its first restore, save or ``delete_all()`` until
+    ``close()``: a second manager on the same directory gets :class:`CheckpointError` naming the
+    owner's pid and host.
+
     Under ``torch.distributed`` every rank calls the same methods in the same order.
 
     Example::
@@ -142,9 +147,12 @@ class CheckpointManager:
                                        keep_every_hours=keep_every_hours, async_save=async_save)
         self._groups = _dist.Groups()
         self._stager = _engine.Stager()
+        # Taken by rank 0 on the first restore, save or delete_all; held until close().
+        self._lock = DirectoryLock(self.directory)
         self._thread: threading.Thread | None = None
         self._failure: tuple[int, BaseException] | None = None
         self._last: CheckpointInfo | None = None
+        self._retention = Retention()
         self._created = _now()
         self.last_save_time = self._created
         self.last_saved_step: int | None = None
@@ -222,11 +230,12 @@ class CheckpointManager:
         return self._last
 
     def close(self) -> None:
-        """Finish a background save (raising its failure) and free the staging buffers."""
+        """Finish a background save (raising its failure), free the staging buffers, give up the directory."""
         try:
             self._join()
         finally:
             self._stager.release()
+            self._lock.release()
 
     def _background(self, job: _Job) -> None:
         try:
@@ -250,18 +259,19 @@ class CheckpointManager:
         name = _format.checkpoint_name(job.step)
         token = _dist.broadcast_bytes(uuid.uuid4().hex[:12].encode() if rank == 0 else None, group).decode()
         tmp = self.directory / _format.temporary_name(job.step, token)
-        lock = None
         try:
             problem = None
             if rank == 0:
                 try:
-                    self.directory.mkdir(parents=True, exist_ok=True)
-                    lock = _acquire_lock(self.directory)
+                    self._lock.acquire()
                     _remove_leftovers(self.directory)
                     tmp.mkdir()
                 except (OSError, CheckpointError) as exc:
                     problem = exc
-            if _dist.all_max([problem is not None], group)[0]:
+            failed, full = _dist.all_max([problem is not None, no_space(problem)], group)
+            if full:
+                raise _OutOfSpace
+            if failed:
                 why = root_cause(problem) if problem is not None else "rank 0 could not start the save"
                 raise CheckpointError(f"cannot save {name} into {self.directory}: {why}")
             try:
@@ -269,8 +279,10 @@ class CheckpointManager:
                 files = {p.name: {"size": p.stat().st_size, "sha256": _format.file_digest(p)} for p in written}
                 payload: dict[str, Any] = {"state": job.local, "files": files, "error": None}
             except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
-                engine_meta, payload = None, {"error": root_cause(exc)}
+                engine_meta, payload = None, {"error": root_cause(exc), "no_space": no_space(exc)}
             ranks = [json.loads(b) for b in _dist.all_gather_bytes(json.dumps(payload).encode(), group)]
+            if any(p.get("no_space") for p in ranks):
+                raise _OutOfSpace
             errors = [f"rank {r}: {p['error']}" if world > 1 else p["error"]
                       for r, p in enumerate(ranks) if p["error"]]
             if errors:
@@ -282,16 +294,19 @@ class CheckpointManager:
                     info = self._publish(job, tmp, token, engine_meta, ranks, world)
                 except Exception as exc:
                     problem = exc
-            if _dist.all_max([problem is not None], group)[0]:
+            failed, full = _dist.all_max([problem is not None, no_space(problem)], group)
+            if full:
+                raise _OutOfSpace
+            if failed:
                 why = root_cause(problem) if problem is not None else "rank 0 could not commit it"
                 raise CheckpointError(f"saving {name} into {self.directory} failed: {why}; "
                                       "earlier checkpoints are untouched")
-        except BaseException:
+        except BaseException as exc:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, _OutOfSpace):  # said after the clean-up, so that "free" is what is left
+                raise CheckpointError(_no_space_message(self.directory / name, job)) from None
             raise
-        finally:
-            _release_lock(lock)
         if rank == 0:
             self._prune()
         return info if info is not None else _format.info_for(self.directory / name, full=False)
@@ -323,14 +338,11 @@ class CheckpointManager:
         _format.write_manifest(tmp, body)
         _format.fsync_dir(tmp)
         final = self.directory / _format.checkpoint_name(job.step)
-        trash = None
-        if final.exists():  # the same step again, e.g. after falling back past a damaged one
-            trash = self.directory / f".trash-{final.name}-{token}"
-            final.rename(trash)
-        tmp.rename(final)
+        # The same step again (after falling back past a damaged one): replaced atomically.
+        _format.replace_directory(tmp, final, token)
         _format.fsync_dir(self.directory)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        # Every file's SHA-256 was computed from what was written: the new checkpoint is verified.
+        self._retention.remember(final)
         return _format.info_for(final, full=False)
 
     def _pin(self, now: float) -> bool:
@@ -341,20 +353,8 @@ class CheckpointManager:
         return now - max(pinned, default=self._created) >= hours * 3600
 
     def _prune(self) -> None:
-        """Keep the ``keep`` newest valid checkpoints and the pinned ones; never the newest valid."""
         try:
-            entries = [i for i in self.list() if i.complete]
-            valid = [i for i in entries if i.valid]
-            if not valid:
-                return
-            retained = {i.path for i in valid[-self.policy.keep:]} | {i.path for i in valid if i.pinned}
-            newest = valid[-1].step
-            for info in entries:
-                if info.path in retained or info.step >= newest:
-                    continue
-                if not info.valid:
-                    log.warning("removing damaged checkpoint %s (%s)", info.name, info.reason)
-                shutil.rmtree(info.path)
+            self._retention.prune(self.list(), self.policy.keep)
         except OSError as exc:  # a failed cleanup must not fail a committed save
             log.warning("pruning %s failed: %s", self.directory, exc)
 
@@ -362,15 +362,22 @@ class CheckpointManager:
         """Remove every checkpoint of this directory (rank 0; collective under torch.distributed)."""
         self._join()
         rank, _ = _dist.rank_world()
+        problem = None
         if rank == 0 and self.directory.exists():
-            for info in self.list():
-                shutil.rmtree(info.path, ignore_errors=True)
-            (self.directory / _format.LOCK_FILE).unlink(missing_ok=True)
             try:
-                self.directory.rmdir()
-            except OSError:
-                pass  # other files live there
-        _dist.all_max([0], self._groups.io())
+                self._lock.acquire()  # never delete another run's checkpoints
+                for info in self.list():
+                    shutil.rmtree(info.path, ignore_errors=True)
+                (self.directory / _format.LOCK_FILE).unlink(missing_ok=True)
+                self._lock.release()
+                try:
+                    self.directory.rmdir()
+                except OSError:
+                    pass  # other files live there
+            except CheckpointError as exc:
+                problem = exc
+        if _dist.all_max([problem is not None], self._groups.io())[0]:
+            raise problem if problem is not None else CheckpointError("rank 0 could not delete the checkpoints")
 
     # -- restoring ---------------------------------------------------------------------------
 
@@ -378,34 +385,62 @@ class CheckpointManager:
         """Load the newest valid checkpoint into ``state``; return its step, or None if there is none.
 
         Each checkpoint is fully verified (every file's SHA-256) before it is used; a newer one
-        that fails is skipped with a warning naming it and the reason. Raises
+        that fails, or whose tensor data cannot be loaded, is skipped with a warning naming it and
+        the reason. Raises
         :class:`CheckpointError` when checkpoints exist but none is valid, or when the state
         does not fit (naming missing, unexpected and mis-shaped keys). ``strict=False`` lets the
         state and the checkpoint hold different objects, or different world sizes (then only
         the shared state is restored); mismatched keys inside an object always raise.
         """
         self._join()
+        owned = self._lock.held
+        try:
+            return self._restore(state, strict=strict, stacklevel=_stacklevel + 1)
+        except BaseException:
+            if not owned:  # a manager that could not restore does not keep the directory
+                self._lock.release()
+            raise
+
+    def _restore(self, state: TrainState, *, strict: bool, stacklevel: int) -> int | None:
         group = self._groups.io()
         rank, world = _dist.rank_world()
-        decision = None
-        if rank == 0:
-            entries = self.list()
-            decision = json.dumps(choose(self.directory, entries)).encode()
-        choice = json.loads(_dist.broadcast_bytes(decision, group))
-        if rank == 0:
-            for name, reason in choice["skipped"]:
-                warnings.warn(f"skipping checkpoint {name} in {self.directory}: {reason}",
-                              CheckpointFallbackWarning, stacklevel=_stacklevel)
-        if choice["error"]:
-            raise CheckpointError(choice["error"])
-        if choice["name"] is None:
-            return None
-        path = self.directory / choice["name"]
-        try:
-            manifest = _format.read_manifest(path)
-        except Invalid as exc:
-            raise CheckpointError(f"{path}: {exc}") from None
-        load_into(state, path, manifest, strict=strict, group=group, rank=rank, world=world)
+        failed: dict[str, str] = {}  # verified, but the engine refused their data
+        warned: set[str] = set()
+        while True:
+            decision = None
+            if rank == 0:
+                try:
+                    self._lock.acquire(to_write=False)
+                    if self._lock.held:  # put back what a cut-short replacement moved aside
+                        _format.recover_replaced(self.directory)
+                    picked = choose(self.directory, self.list(), failed)
+                except CheckpointError as exc:  # every rank raises it, none waits for the others
+                    picked = {"name": None, "skipped": [], "error": str(exc)}
+                decision = json.dumps(picked).encode()
+            choice = json.loads(_dist.broadcast_bytes(decision, group))
+            if rank == 0:
+                for name, reason in choice["skipped"]:
+                    if name not in warned:
+                        warned.add(name)
+                        warnings.warn(f"skipping checkpoint {name} in {self.directory}: {reason}",
+                                      CheckpointFallbackWarning, stacklevel=stacklevel)
+            if choice["error"]:
+                raise CheckpointError(choice["error"])
+            if choice["name"] is None:
+                return None
+            path = self.directory / choice["name"]
+            try:
+                manifest = _format.read_manifest(path)
+                if rank == 0:
+                    self._retention.remember(path)  # choose() has just fully verified it
+                load_into(state, path, manifest, strict=strict, group=group, rank=rank, world=world)
+                problem = None
+            except (Invalid, Unreadable) as exc:  # changed since choose() verified it, or data refused
+                problem = str(exc)
+            if not _dist.all_max([problem is not None], group)[0]:
+                break
+            # Fall back: the next checkpoint loads every tensor again, over whatever this one wrote.
+            failed[choice["name"]] = problem or "another rank could not read it"
         self.last_save_time = _now()
         self.last_saved_step = int(manifest["step"])
         return self.last_saved_step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import warnings
 from pathlib import Path
@@ -28,11 +29,42 @@ def root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def choose(directory: Path, entries: list[CheckpointInfo]) -> dict[str, Any]:
-    """Rank 0: the newest checkpoint that passes the full check, and what was skipped on the way."""
+# errno values of a file system that has run out of room: no space left, or over a quota.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space(exc: BaseException | None) -> bool:
+    """Whether a failure was the file system running out of room, wherever DCP wrapped it."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+            return True
+        failures = getattr(exc, "failures", None)  # DCP's per-rank wrapper
+        if isinstance(failures, dict):
+            for wrapped in failures.values():
+                if no_space(wrapped[0] if isinstance(wrapped, tuple) else wrapped):
+                    return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class Unreadable(CheckpointError):
+    """A checkpoint that verified but whose tensor data the engine refused (a planted pickle...)."""
+
+
+def choose(directory: Path, entries: list[CheckpointInfo], failed: dict[str, str] | None = None) -> dict[str, Any]:
+    """Rank 0: the newest checkpoint that passes the full check, and what was skipped on the way.
+
+    ``failed`` names checkpoints that verified but could not be loaded, with why.
+    """
+    failed = failed or {}
     skipped = [[i.name, i.reason] for i in entries if not i.complete]
     committed = sorted((i for i in entries if i.complete), key=lambda i: i.step, reverse=True)
     for info in committed:
+        if info.name in failed:
+            skipped.append([info.name, failed[info.name]])
+            continue
         reason = info.reason
         if info.valid:
             try:
@@ -100,8 +132,7 @@ def load_into(state: TrainState, path: Path, manifest: dict[str, Any], *, strict
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"reading tensors from {path} failed: {root_cause(exc)}; the state may be "
-                              "partly overwritten, restore again before training") from exc
+        raise Unreadable(f"its tensor data cannot be read: {root_cause(exc)}") from exc
     shared = {n: decode(saved_shared[n], targets) for n in shared_names}
     local = None
     if saved_local is not None:

@@ -1,16 +1,29 @@
 """The run-directory format: schema, background writer, reader."""
 
-from trainguard.store._codec import MODE_FIELDS, MODES, PHASES, SCHEMA_VERSION, dumps, loads, to_plain_json
+from trainguard.store._codec import (
+    MODE_FIELDS,
+    MODES,
+    PHASES,
+    REACHED,
+    SCHEMA_VERSION,
+    TAINTS,
+    dumps,
+    loads,
+    to_plain_json,
+)
 from trainguard.store._findings import SEVERITIES, Finding, sort_findings
-from trainguard.store._reader import Run, find_runs, open_run, short_op
+from trainguard.store._reader import Run, short_op
+from trainguard.store._runs import find_runs, open_run
 from trainguard.store._writer import ExecBatch, RunWriter, acquire_writer, is_user_file, release_writer
 
 __all__ = [
     "MODES",
     "MODE_FIELDS",
     "PHASES",
+    "REACHED",
     "SCHEMA_VERSION",
     "SEVERITIES",
+    "TAINTS",
     "ExecBatch",
     "Finding",
     "Run",

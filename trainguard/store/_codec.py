@@ -10,18 +10,41 @@ import json
 import math
 from typing import Any
 
-SCHEMA_VERSION = 2  # 2: full tensors in segment files (payloads.byte_offset, nbytes, dtype, shape)
+# 2: full tensors in segment files (payloads.byte_offset, nbytes, dtype, shape)
+# 3: the taint of every execution (executions.taint, .origin) and harmful counts per step and op
+SCHEMA_VERSION = 3
 # Executions kept beyond ``buffer`` while a recording is live (by the writer and the sink), so
 # that the producers of a later non-finite op can still be pinned; the final trim at close
 # keeps exactly ``buffer``.
 EVICTION_SLACK = 10_000
 DB_NAME = "run.sqlite"
+# Beside the database, one per sink: where a sink that can no longer write the database says
+# why and how much it did not store (reserved when the sink starts, so a full disk has room).
+WRITER_STATUS_PREFIX = DB_NAME + "-writer-"
 
 PHASES = ("forward", "backward", "optimizer", "other")
 PHASE_ID = {name: i for i, name in enumerate(PHASES)}
 
 # Health bit flags of an execution: which non-finite kinds its outputs hold.
 NAN, POS_INF, NEG_INF, UNKNOWN = 1, 2, 4, 8
+NONFINITE = NAN | POS_INF | NEG_INF
+
+# The taint of an execution's outputs (docs/recorder.md, "Harmful, intended, unknown"), ordered
+# by rank: an op's inputs count by the highest. ``origin`` is the seq of the op that made the
+# value (for pending and harmful). Records written without a taint read as harmful when
+# non-finite (what format 2 meant).
+T_FINITE, T_UNKNOWN, T_PENDING, T_HARMFUL = 0, 1, 2, 3
+TAINTS = ("finite", "unknown", "pending", "harmful")
+# How a value became harmful (meta first_harm.reason), as the end of a sentence about it; the
+# report, the UI and check_numerics say it alike.
+REACHED = {
+    "nan": "became NaN in {op}",
+    "loss": "reached the loss: backward() was called on the output of {op}",
+    "gradient": "reached a gradient in {op} (backward pass)",
+    "optimizer": "reached the optimizer's update in {op}",
+    "parameter": "was written into a parameter by {op}",
+    "read": "was read by the program in {op} (.item(), .tolist() or printing)",
+}
 
 # Summary fields per tensor-summary mode, in storage order (float64 per field per output).
 # neg / pos count finite values only, as in tfdbg2's FULL_HEALTH.
@@ -104,7 +127,10 @@ def health_of(fields: tuple[str, ...], values: list[float]) -> int:
         return 0
     # Counts are compared with "> 0": a NaN count means "unknown" (uninitialised memory).
     if fields[0] == "nonfinite":
-        return NAN if values[0] > 0 else 0  # curt_health cannot tell NaN from Inf
+        # Since format 3 the value is the health bits themselves; format 2 wrote 1.0 for any
+        # non-finite tensor, which reads as NaN (it could not tell NaN from Inf).
+        v = values[0]
+        return int(v) & NONFINITE if v > 0 else 0
     flags = 0
     if values[fields.index("nan")] > 0:
         flags |= NAN

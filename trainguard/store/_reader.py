@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
-import os
 import sqlite3
 from array import array
 from pathlib import Path
 from typing import Any
 
-from trainguard._errors import CorruptRun, RunNotFound, SchemaTooNew
+from trainguard._errors import CorruptRun, SchemaTooNew
 from trainguard.store._codec import (
     DB_NAME,
     MODE_FIELDS,
@@ -19,10 +19,17 @@ from trainguard.store._codec import (
     PHASES,
     POS_INF,
     SCHEMA_VERSION,
-    decode_float,
+    T_HARMFUL,
+    T_PENDING,
+    T_UNKNOWN,
+    TAINTS,
+    WRITER_STATUS_PREFIX,
     health_names,
     loads,
 )
+from trainguard.store._reader_data import RunData
+from trainguard.store._reader_harm import RunHarm, short_op
+from trainguard.store._sqlite import connect_for_reading
 
 _HEALTH_FILTERS = {
     "nonfinite": "e.health != 0",
@@ -34,82 +41,45 @@ _HEALTH_FILTERS = {
     "-inf": f"e.health != 0 AND (e.health & {NEG_INF}) != 0",
     "ok": "e.health = 0",
     "finite": "e.health = 0",
+    # By taint (format 3; in older runs every non-finite execution is harmful, none pending).
+    "harmful": f"e.taint = {T_HARMFUL}",
+    "pending": f"e.taint = {T_PENDING}",
+    "unknown": f"e.taint = {T_UNKNOWN}",
 }
+# Before format 3 there is no taint column: what it would have held.
+_LEGACY_TAINT = f"(CASE WHEN e.health != 0 THEN {T_HARMFUL} ELSE 0 END)"
 
 _DIGEST_SQL = (
     "SELECT e.seq, e.step, e.phase, o.name, m.path, m.type, e.health, e.outputs, e.summary, e.stack_id,"
-    " e.fwd_seq FROM executions e JOIN op_types o ON o.id = e.op_id LEFT JOIN modules m ON m.id = e.module_id"
+    " e.fwd_seq, e.taint, e.origin FROM executions e JOIN op_types o ON o.id = e.op_id"
+    " LEFT JOIN modules m ON m.id = e.module_id"
 )
 
 
-def short_op(name: str) -> str:
-    """``aten.log.default`` -> ``aten.log``; other overloads keep their name (``aten.add.Tensor``)."""
-    return name[: -len(".default")] if name.endswith(".default") else name
-
-
-def find_runs(root: str | os.PathLike, max_depth: int = 4) -> list[Path]:
-    """Run directories under ``root`` (itself included), sorted by path."""
-    root = Path(root)
-    found: list[Path] = []
-    if not root.is_dir():
-        return found
-
-    def walk(d: Path, depth: int) -> None:
-        if (d / DB_NAME).is_file():
-            found.append(d)
-            return
-        if _rank_dirs(d):
-            found.append(d)
-            return
-        if depth >= max_depth:
-            return
+def _merge_writer_status(path: Path, meta: dict[str, Any]) -> None:
+    """Add what a sink that could no longer write the database left beside it (see the sink)."""
+    lost = 0
+    for p in sorted(path.glob(WRITER_STATUS_PREFIX + "*")):
         try:
-            children = sorted(p for p in d.iterdir() if p.is_dir() and not p.is_symlink())
-        except OSError:
-            return
-        for child in children:
-            walk(child, depth + 1)
-
-    walk(root, 0)
-    return found
-
-
-def _rank_dirs(d: Path) -> list[Path]:
-    try:
-        ranks = [p for p in d.iterdir() if p.name.startswith("rank-") and (p / DB_NAME).is_file()]
-    except OSError:
-        return []
-    return sorted(ranks, key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else 1 << 30)
+            with open(p, "rb") as fh:
+                doc = json.loads(fh.read(65536).strip() or b"null")
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict):
+            continue  # reserved and never needed
+        if doc.get("writer_error") and not meta.get("writer_error"):
+            meta["writer_error"] = str(doc["writer_error"])
+        if isinstance(doc.get("lost"), int):
+            lost += doc["lost"]
+    if lost > (meta.get("lost") if isinstance(meta.get("lost"), int) else 0):
+        meta["lost"] = lost
 
 
-def open_run(logdir: str | os.PathLike, rank: int | None = None) -> Run:
-    """Open a recorded run for reading. Raises RunNotFound, CorruptRun or SchemaTooNew."""
-    path = Path(logdir)
-    if not path.exists():
-        raise RunNotFound(f"no such run directory: {str(path)!r}")
-    if path.is_file():
-        if path.name == DB_NAME:
-            path = path.parent
-        else:
-            raise RunNotFound(f"{str(path)!r} is a file, not a run directory")
-    ranks = _rank_dirs(path)
-    if (path / DB_NAME).is_file():
-        return Run(path, ranks=[])
-    if ranks:
-        names = [int(p.name[5:]) for p in ranks if p.name[5:].isdigit()]
-        want = names[0] if rank is None else rank
-        if want not in names:
-            raise RunNotFound(f"run {str(path)!r} has no rank {want}; ranks: {names}")
-        return Run(path / f"rank-{want}", ranks=names)
-    try:
-        empty = not any(path.iterdir())
-    except OSError as exc:
-        raise RunNotFound(f"cannot read {str(path)!r}: {exc.strerror}") from None
-    what = "is empty" if empty else f"holds no trainguard run (no {DB_NAME})"
-    raise RunNotFound(f"{str(path)!r} {what}")
+class _Damaged(Exception):
+    """A row that cannot be decoded (garbage JSON or summary bytes)."""
 
 
-class Run:
+class Run(RunHarm, RunData):
     """A recorded run. Lists return small digests (paged with begin/end); details are fetched by id."""
 
     def __init__(self, path: Path, ranks: list[int]):
@@ -117,11 +87,9 @@ class Run:
         self.ranks = ranks
         db = path / DB_NAME
         try:
-            # Read-write open of a WAL database lets SQLite recover a run left by a killed
-            # process; the reader itself never writes.
-            self._con = sqlite3.connect(f"file:{db}?mode=rw", uri=True, check_same_thread=False, timeout=10)
-            self._con.execute("PRAGMA query_only=1")
-            self._con.execute("PRAGMA busy_timeout=10000")
+            # Read-write where allowed lets SQLite recover a run left by a killed process; the
+            # reader itself never writes (query_only), and creates no file where it may not write.
+            self._con, self.access = connect_for_reading(db)
             rows = self._con.execute("SELECT key, value FROM meta").fetchall()
         except sqlite3.DatabaseError as exc:
             raise CorruptRun(f"{str(db)!r} is not a readable trainguard run: {exc}") from None
@@ -131,6 +99,7 @@ class Run:
                 meta[k] = loads(v)
             except ValueError:
                 meta[k] = v
+        _merge_writer_status(path, meta)
         version = meta.get("schema_version")
         if not isinstance(version, int):
             raise CorruptRun(f"{str(db)!r} has no schema version: not a trainguard run, or damaged")
@@ -145,6 +114,10 @@ class Run:
         self._ops: dict[int, str] | None = None
         # Touch the main table so a truncated file fails here, not later.
         self._q("SELECT count(*) FROM executions WHERE seq >= (SELECT max(seq) FROM executions)")
+        # Format 3 stores a taint per execution; older runs read as if every non-finite one were harmful.
+        self.tainted = any(r[1] == "taint" for r in self._q("PRAGMA table_info(executions)"))
+        self._digest_sql = _DIGEST_SQL if self.tainted else _DIGEST_SQL.replace(
+            "e.taint, e.origin", f"{_LEGACY_TAINT}, CASE WHEN e.health != 0 THEN e.seq END")
 
     # ------------------------------------------------------------------ plumbing
     def _q(self, sql: str, params: tuple | list = ()) -> list[tuple]:
@@ -166,6 +139,7 @@ class Run:
         """Re-read the metadata (for a run that is still being written)."""
         for k, v in self._q("SELECT key, value FROM meta"):
             self.meta[k] = loads(v)
+        _merge_writer_status(self.path, self.meta)
         self._ops = None
 
     @property
@@ -202,7 +176,10 @@ class Run:
         if health is not None:
             if health not in _HEALTH_FILTERS:
                 raise ValueError(f"health must be one of {sorted(_HEALTH_FILTERS)}, got {health!r}")
-            clauses.append(_HEALTH_FILTERS[health])
+            clause = _HEALTH_FILTERS[health]
+            if not self.tainted and "e.taint" in clause:
+                clause = clause.replace("e.taint", _LEGACY_TAINT)
+            clauses.append(clause)
         return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
 
     def count(self, *, step=None, op=None, module=None, phase=None, health=None) -> int:
@@ -225,11 +202,11 @@ class Run:
         limit = -1 if end is None else end - begin
         if not where:
             # Seek by rank through the primary key: fast paging over millions of rows.
-            sql = _DIGEST_SQL + " WHERE e.seq >= (SELECT seq FROM executions ORDER BY seq LIMIT 1 OFFSET ?)"
+            sql = self._digest_sql + " WHERE e.seq >= (SELECT seq FROM executions ORDER BY seq LIMIT 1 OFFSET ?)"
             sql += " ORDER BY e.seq LIMIT ?"
-            return [self._digest(r) for r in self._q(sql, [begin, limit])]
-        sql = _DIGEST_SQL + where + " ORDER BY e.seq LIMIT ? OFFSET ?"
-        return [self._digest(r) for r in self._q(sql, params + [limit, begin])]
+            return self._digests(self._q(sql, [begin, limit]))
+        sql = self._digest_sql + where + " ORDER BY e.seq LIMIT ? OFFSET ?"
+        return self._digests(self._q(sql, params + [limit, begin]))
 
     def index_of(self, seq: int, **filters: Any) -> int:
         """Row offset of execution ``seq`` among the executions matching ``filters``."""
@@ -250,7 +227,9 @@ class Run:
         if blob is None or not nf:
             return [None] * n_outputs
         flat = array("d")
-        flat.frombytes(blob)
+        flat.frombytes(blob)  # ValueError for a length that is not whole float64s
+        if len(flat) % nf:
+            raise ValueError(f"a summary of {len(flat)} values, not a multiple of {nf}")
         out = []
         for i in range(len(flat) // nf):
             vals = flat[i * nf : (i + 1) * nf]
@@ -262,32 +241,55 @@ class Run:
         return out
 
     def _digest(self, row: tuple) -> dict:
-        seq, step, phase, op, mpath, mtype, health, outputs, blob, stack_id, fwd_seq = row
-        outs = loads(outputs) or []
-        sums = self._summaries(blob, len(outs))
+        """One execution's digest; :class:`_Damaged` when its row cannot be decoded."""
+        seq, step, phase, op, mpath, mtype, health, outputs, blob, stack_id, fwd_seq, taint, origin = row
+        try:
+            outs = loads(outputs) or []
+            sums = self._summaries(blob, len(outs))
+            outputs_list = [
+                {"dtype": o[0], "shape": o[1], "device": o[2], "summary": s} for o, s in zip(outs, sums)
+            ]
+            phase_name = PHASES[phase]
+        except (ValueError, TypeError, IndexError, KeyError) as exc:
+            raise _Damaged(f"execution {seq} is damaged: {exc}") from None
         return {
             "seq": seq,
             "step": step,
-            "phase": PHASES[phase],
+            "phase": phase_name,
             "op": short_op(op),
             "module": mpath,
             "module_type": mtype,
             "health": health_names(health),
             "stack_id": stack_id,
             "fwd_seq": fwd_seq,
-            "outputs": [
-                {"dtype": o[0], "shape": o[1], "device": o[2], "summary": s} for o, s in zip(outs, sums)
-            ],
+            "taint": TAINTS[taint] if isinstance(taint, int) and 0 <= taint < len(TAINTS) else "finite",
+            "origin": origin,
+            "outputs": outputs_list,
         }
+
+    def _digests(self, rows: list[tuple]) -> list[dict]:
+        """Digests of the rows that decode; damaged ones are left out (``damaged`` counts them)."""
+        out = []
+        for r in rows:
+            try:
+                out.append(self._digest(r))
+            except _Damaged:
+                continue
+        return out
 
     def execution(self, seq: int) -> dict:
         """One execution in full: digest, stack frames, inputs with their producers, payloads."""
-        rows = self._q(_DIGEST_SQL + " WHERE e.seq = ?", (int(seq),))
+        rows = self._q(self._digest_sql + " WHERE e.seq = ?", (int(seq),))
         if not rows:
             raise KeyError(f"no execution {seq} in run {self.path.name!r} (evicted by the circular buffer?)")
-        d = self._digest(rows[0])
-        inputs = loads(self._q("SELECT inputs FROM executions WHERE seq = ?", (int(seq),))[0][0]) or []
-        d["inputs"] = [self._input(slot, kind, ref) for slot, (kind, ref) in enumerate(inputs)]
+        try:
+            d = self._digest(rows[0])
+            inputs = loads(self._q("SELECT inputs FROM executions WHERE seq = ?", (int(seq),))[0][0]) or []
+            d["inputs"] = [self._input(slot, kind, ref) for slot, (kind, ref) in enumerate(inputs)]
+        except _Damaged as exc:
+            raise CorruptRun(str(exc)) from None
+        except (ValueError, TypeError) as exc:
+            raise CorruptRun(f"execution {seq} is damaged: its inputs: {exc}") from None
         d["stack"] = self.stack(d["stack_id"]) if d["stack_id"] is not None else []
         d["payloads"] = {
             slot: path for slot, path in self._q("SELECT slot, path FROM payloads WHERE seq = ?", (int(seq),))
@@ -298,8 +300,8 @@ class Run:
         item: dict[str, Any] = {"slot": slot, "kind": kind}
         if kind == "op":
             item["producer"] = ref
-            rows = self._q(_DIGEST_SQL + " WHERE e.seq = ?", (ref,))
-            item["producer_digest"] = self._digest(rows[0]) if rows else None
+            rows = self._digests(self._q(self._digest_sql + " WHERE e.seq = ?", (ref,)))
+            item["producer_digest"] = rows[0] if rows else None
             if not rows:
                 item["evicted"] = True
         elif kind in ("param", "buffer"):
@@ -318,18 +320,21 @@ class Run:
 
     def consumers(self, seq: int, limit: int = 100) -> list[dict]:
         rows = self._q(
-            _DIGEST_SQL + " JOIN edges g ON g.consumer = e.seq WHERE g.producer = ? ORDER BY e.seq LIMIT ?",
+            self._digest_sql + " JOIN edges g ON g.consumer = e.seq WHERE g.producer = ? ORDER BY e.seq LIMIT ?",
             (int(seq), limit),
         )
-        return [self._digest(r) for r in rows]
+        return self._digests(rows)
 
     def stack(self, stack_id: int) -> list[dict]:
-        """Frames of an interned stack, outermost first."""
+        """Frames of an interned stack, outermost first (none for a damaged stack row)."""
         rows = self._q("SELECT frames FROM stacks WHERE id = ?", (int(stack_id),))
         if not rows:
             return []
-        ids = loads(rows[0][0])
-        if not ids:
+        try:
+            ids = loads(rows[0][0])
+        except ValueError:
+            return []
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids) or not ids:
             return []
         marks = ",".join("?" * len(ids))
         by_id = {
@@ -374,155 +379,33 @@ class Run:
         )
         return [{"op": short_op(n), "count": c} for n, c in rows]
 
-    def steps(self) -> list[dict]:
-        """Per step: first and last sequence number, execution count, non-finite count."""
-        rows = self._q(
-            "SELECT step, min(seq), max(seq), count(*), sum(health != 0) FROM executions GROUP BY step ORDER BY step"
-        )
-        return [{"step": s, "first": a, "last": b, "count": c, "nonfinite": n or 0} for s, a, b, c, n in rows]
-
-    def alerts(self) -> dict:
-        """Non-finite events counted by op type, with the first one of each and overall."""
-        rows = self._q(
-            "SELECT o.name, count(*), min(e.seq) FROM executions e JOIN op_types o ON o.id = e.op_id "
-            "WHERE e.health != 0 GROUP BY o.name ORDER BY min(e.seq)"
-        )
-        by_op = [{"op": short_op(n), "count": c, "first_seq": f} for n, c, f in rows]
-        first = self.first_nonfinite()
-        return {
-            "total": sum(r["count"] for r in by_op),
-            "by_op": by_op,
-            "first_seq": first["seq"] if first else None,
-        }
-
     def first_nonfinite(self) -> dict | None:
         """The first execution (in order) whose output holds NaN or Inf, in full; None if none."""
-        rows = self._q("SELECT seq FROM executions WHERE health != 0 ORDER BY seq LIMIT 1")
-        return self.execution(rows[0][0]) if rows else None
+        for (seq,) in self._q("SELECT seq FROM executions WHERE health != 0 ORDER BY seq LIMIT 100"):
+            try:
+                return self.execution(seq)
+            except CorruptRun:  # a damaged row: the next one that reads
+                continue
+        return None
 
-    # ------------------------------------------------------------------ training data
-    def scalar_names(self) -> list[str]:
-        return [r[0] for r in self._q("SELECT DISTINCT name FROM scalars ORDER BY name")]
-
-    def scalars(self, name: str | None = None) -> dict[str, list[tuple[int, float]]]:
-        """Per-step scalars: {name: [(step, value), ...]} with NaN and Inf restored."""
-        if name is None:
-            rows = self._q("SELECT name, step, value, flag FROM scalars ORDER BY name, step, rowid")
-        else:
-            rows = self._q("SELECT name, step, value, flag FROM scalars WHERE name = ? ORDER BY step, rowid", (name,))
-        out: dict[str, list[tuple[int, float]]] = {}
-        for n, step, value, flag in rows:
-            out.setdefault(n, []).append((step, decode_float(value, flag)))
+    @property
+    def damaged(self) -> dict[str, int]:
+        """Rows that cannot be decoded, by table (only those with any); readers skip them."""
+        nf = len(self.fields)
+        bad_summary = f"(summary IS NOT NULL AND length(summary) % {8 * nf} != 0)" if nf else "0"
+        checks = {
+            "executions": "SELECT count(*) FROM executions WHERE NOT json_valid(outputs) "
+                          "OR json_type(outputs) != 'array' "
+                          "OR EXISTS (SELECT 1 FROM json_each(outputs) WHERE type != 'array') "
+                          f"OR (inputs IS NOT NULL AND NOT json_valid(inputs)) OR {bad_summary}",
+            "stacks": "SELECT count(*) FROM stacks WHERE NOT json_valid(frames) OR json_type(frames) != 'array'",
+        }
+        out = {}
+        for table, sql in checks.items():
+            try:
+                n = self._con.execute(sql).fetchone()[0]
+            except sqlite3.OperationalError:  # a SQLite without JSON functions: not known
+                continue
+            if n:
+                out[table] = n
         return out
-
-    def layer_stats(self, *, layer: str | None = None, kind: str | None = None, stat: str | None = None) -> list[dict]:
-        clauses, params = [], []
-        for col, val in (("layer", layer), ("kind", kind), ("stat", stat)):
-            if val is not None:
-                clauses.append(f"{col} = ?")
-                params.append(val)
-        where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
-        rows = self._q(
-            "SELECT step, layer, kind, stat, value, flag FROM layer_stats" + where + " ORDER BY step, rowid", params
-        )
-        return [
-            {"step": s, "layer": la, "kind": k, "stat": st, "value": decode_float(v, f)} for s, la, k, st, v, f in rows
-        ]
-
-    def layers(self) -> list[str]:
-        """Layer names in the order they were first recorded."""
-        return [r[0] for r in self._q("SELECT layer FROM layer_stats GROUP BY layer ORDER BY min(rowid)")]
-
-    def histograms(self, *, layer: str | None = None, kind: str | None = None) -> list[dict]:
-        clauses, params = [], []
-        for col, val in (("layer", layer), ("kind", kind)):
-            if val is not None:
-                clauses.append(f"{col} = ?")
-                params.append(val)
-        where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
-        rows = self._q("SELECT step, layer, kind, edges, counts FROM histograms" + where + " ORDER BY step", params)
-        return [{"step": s, "layer": la, "kind": k, "edges": loads(e), "counts": loads(c)} for s, la, k, e, c in rows]
-
-    def findings(self, source: str | None = None) -> list[dict]:
-        sql = "SELECT id, source, kind, severity, title, data, created FROM findings"
-        params: tuple = ()
-        if source is not None:
-            sql += " WHERE source = ?"
-            params = (source,)
-        out = []
-        for fid, src, kind, sev, title, data, created in self._q(sql + " ORDER BY id", params):
-            d = {"id": fid, "source": src, "kind": kind, "severity": sev, "title": title, "created": created}
-            d.update(loads(data) or {})
-            out.append(d)
-        return out
-
-    def artifacts(self) -> list[dict]:
-        return [
-            {"name": n, "media_type": m, "size": s, "created": c}
-            for n, m, s, c in self._q("SELECT name, media_type, length(data), created FROM artifacts ORDER BY name")
-        ]
-
-    def artifact(self, name: str) -> tuple[str, bytes]:
-        rows = self._q("SELECT media_type, data FROM artifacts WHERE name = ?", (name,))
-        if not rows:
-            raise KeyError(f"no artifact {name!r} in run {self.path.name!r}")
-        return rows[0][0], bytes(rows[0][1])
-
-    def _payload(self, seq: int, slot: int) -> tuple:
-        if self.meta.get("schema_version", 1) >= 2:
-            rows = self._q("SELECT path, byte_offset, nbytes, dtype, shape FROM payloads WHERE seq = ? AND slot = ?",
-                           (int(seq), int(slot)))
-        else:  # format 1: one torch.save file per tensor
-            rows = [r + (None, None, None, None)
-                    for r in self._q("SELECT path FROM payloads WHERE seq = ? AND slot = ?", (int(seq), int(slot)))]
-        if not rows:
-            raise KeyError(f"no stored tensor for execution {seq} output {slot}")
-        return rows[0]
-
-    def payload_path(self, seq: int, slot: int = 0) -> Path:
-        """The file holding a full tensor (mode full_tensor), checked to lie inside the run.
-
-        Since run format 2 most tensors share segment files: read them with :meth:`tensor`.
-        """
-        return self._inside(self._payload(seq, slot)[0])
-
-    def _inside(self, rel: str) -> Path:
-        p = (self.path / rel).resolve()
-        if self.path.resolve() not in p.parents:
-            raise CorruptRun(f"payload path {rel!r} points outside the run")
-        return p
-
-    def tensor(self, seq: int, slot: int = 0):
-        """The full tensor saved for an execution's output (mode full_tensor), on the CPU.
-
-        Raw bytes are read from their segment, checked against the stored length; a tensor
-        stored as a file of its own is read with ``torch.load(weights_only=True)``. No pickled
-        code is ever run. KeyError when none was saved (another mode, or evicted by the
-        buffer); CorruptRun when the data is missing, short or unreadable.
-        """
-        import torch
-
-        rel, offset, nbytes, dtype_name, shape = self._payload(seq, slot)
-        p = self._inside(rel)
-        try:
-            if offset is None:
-                return torch.load(p, map_location="cpu", weights_only=True)
-            dtype = getattr(torch, str(dtype_name), None)
-            dims = loads(shape)
-            if not isinstance(dtype, torch.dtype) or not isinstance(dims, list):
-                raise CorruptRun(f"execution {seq} has a damaged tensor record ({dtype_name!r}, {shape!r})")
-            with open(p, "rb") as fh:
-                fh.seek(offset)
-                data = fh.read(nbytes)
-            if len(data) != nbytes:
-                raise CorruptRun(f"the tensor of execution {seq} is cut short in {p.name!r} "
-                                 f"({len(data)} of {nbytes} bytes)")
-            if nbytes == 0:
-                return torch.empty(dims, dtype=dtype)
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(dims)
-        except FileNotFoundError:
-            raise CorruptRun(f"the tensor file {p.name!r} of execution {seq} is missing") from None
-        except CorruptRun:
-            raise
-        except Exception as exc:  # truncated zip, unpickling refused, sizes that do not match, ...
-            raise CorruptRun(f"the tensor file {p.name!r} of execution {seq} is unreadable: {exc}") from None

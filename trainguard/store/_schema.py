@@ -30,11 +30,17 @@ CREATE TABLE IF NOT EXISTS executions (
     inputs TEXT,                  -- JSON [[kind, ref], ...]; kind: op, param, buffer, input
     outputs TEXT,                 -- JSON [[dtype, shape, device], ...]
     summary BLOB,                 -- float64, n_outputs x len(MODE_FIELDS[mode])
-    pinned INTEGER NOT NULL DEFAULT 0
+    pinned INTEGER NOT NULL DEFAULT 0,
+    taint INTEGER NOT NULL DEFAULT 0,  -- 0 finite, 1 unknown, 2 pending (+-inf, not harmful yet), 3 harmful
+    origin INTEGER                -- pending/harmful: the seq of the op that made the value
 );
 CREATE INDEX IF NOT EXISTS executions_step ON executions(step);
 -- Non-finite executions in order: alerts, the first NaN, filtered pages over millions of rows.
 CREATE INDEX IF NOT EXISTS executions_bad_seq ON executions(seq) WHERE health != 0;
+-- Harmful executions counted per step and op type, all of them (the run stores only the first
+-- harmful chain, the first of each op type and step, and the circular buffer's window).
+CREATE TABLE IF NOT EXISTS harmful (step INTEGER NOT NULL, op TEXT NOT NULL, count INTEGER NOT NULL,
+    first_seq INTEGER NOT NULL, PRIMARY KEY (step, op));
 CREATE TABLE IF NOT EXISTS edges (producer INTEGER NOT NULL, consumer INTEGER NOT NULL, slot INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS edges_producer ON edges(producer);
 -- A full tensor (mode full_tensor): nbytes raw bytes at byte_offset in the segment file ``path``,
@@ -70,6 +76,8 @@ def connect(path: Path, *, create: bool) -> sqlite3.Connection:
     if create:
         con.executescript(SCHEMA)
         _upgrade(con)
+        # After the upgrade: an older run's table has no taint column before it.
+        con.execute("CREATE INDEX IF NOT EXISTS executions_harmful ON executions(seq) WHERE taint = 3")
         con.execute(
             "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
@@ -77,15 +85,26 @@ def connect(path: Path, *, create: bool) -> sqlite3.Connection:
 
 
 # Columns added since format 1, for appending to a run an older trainguard wrote.
-_ADDED_COLUMNS = {"payloads": (("byte_offset", "INTEGER"), ("nbytes", "INTEGER"), ("dtype", "TEXT"), ("shape", "TEXT"))}
+_ADDED_COLUMNS = {
+    "payloads": (("byte_offset", "INTEGER"), ("nbytes", "INTEGER"), ("dtype", "TEXT"), ("shape", "TEXT")),
+    "executions": (("taint", "INTEGER NOT NULL DEFAULT 0"), ("origin", "INTEGER")),
+}
+# What an added column holds for the rows written before it existed: before format 3 every
+# non-finite execution counted as harmful.
+_BACKFILL = {("executions", "taint"): "UPDATE executions SET taint = 3, origin = seq WHERE health != 0"}
 
 
 def _upgrade(con: sqlite3.Connection) -> None:
     """Bring an older run's tables to this format (new nullable columns), then its version."""
+    added = []
     for table, columns in _ADDED_COLUMNS.items():
         have = {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
         for name, decl in columns:
             if name not in have:
                 con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+                added.append((table, name))
+    for key in added:  # once every new column exists
+        if key in _BACKFILL:
+            con.execute(_BACKFILL[key])
     con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version' AND CAST(value AS INTEGER) < ?",
                 (str(SCHEMA_VERSION), SCHEMA_VERSION))

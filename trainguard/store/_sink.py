@@ -5,7 +5,8 @@ A sink runs either inside the writer thread or, for a recording, in a child proc
 row costs about as much Python as capturing it, and in another process that work does not
 compete with training for the GIL. Messages are tuples of plain values (marshal-able):
 
-    ("exec", records)            executions, summaries already resolved to floats
+    ("exec", records[, pins])    executions, summaries already resolved to floats; ``pins``: the
+                                 seqs the circular buffer must keep (None: judge by health)
     ("stack", id, frames)        an interned stack; source files are read here, once
     ("sql", statement, rows)     any other rows, built by the writer thread
     ("payload", seq, slot, path, byte_offset, nbytes, dtype, shape)
@@ -28,12 +29,22 @@ import marshal
 import os
 import select
 import signal
+import sqlite3
 import struct
 import sys
 import time
 from pathlib import Path
 
-from trainguard.store._codec import DB_NAME, EVICTION_SLACK, MODE_FIELDS, PHASE_ID, health_of
+from trainguard.store._codec import (
+    DB_NAME,
+    EVICTION_SLACK,
+    MODE_FIELDS,
+    PHASE_ID,
+    T_FINITE,
+    T_HARMFUL,
+    WRITER_STATUS_PREFIX,
+    health_of,
+)
 from trainguard.store._schema import connect
 
 log = logging.getLogger("trainguard.store")
@@ -43,6 +54,8 @@ MAX_SOURCE_BYTES = 2_000_000
 
 _plain_dumps = json.JSONEncoder(separators=(",", ":")).encode
 _HEADER = struct.Struct("<I")
+# Size of the status file a sink reserves beside the database (see WRITER_STATUS_PREFIX).
+_STATUS_BYTES = 4096
 
 
 class Sink:
@@ -57,6 +70,11 @@ class Sink:
         self.configure(mode, buffer)
         self.flush_interval = flush_interval
         self.failed: str | None = None
+        # Set once the database cannot be written (a full disk): nothing more is stored, and
+        # ``lost`` counts the executions received since the last commit that made it.
+        self.stopped: str | None = None
+        self.lost = 0
+        self._received = 0
         self.op_ids: dict[str, int] = {}
         self.file_ids: dict[str, int] = {}
         self.frame_ids: dict[tuple, int] = {}
@@ -66,9 +84,11 @@ class Sink:
         self.in_db: set[int] = set()  # seqs of the window that are rows
         self.pinned: set[int] = set()
         self.pin_updates: list[tuple[int]] = []
+        self.taint_updates: list[tuple[int, int | None, int]] = []  # rows that became harmful after writing
         # Segment files of full tensors this sink's writer made, and the one it appends to.
         self.segments: set[str] = set()
         self.open_segment: str | None = None
+        self._status = _reserve_status(self.run_dir)
         self.con = connect(self.run_dir / DB_NAME, create=True)
         self.con.execute("BEGIN")
         self.last_commit = time.monotonic()
@@ -81,6 +101,10 @@ class Sink:
     # ------------------------------------------------------------------ dispatch
     def handle(self, msg: tuple) -> None:
         """Apply one message; a failure is recorded in the run and never stops the sink."""
+        if self.stopped is not None:
+            if msg[0] == "exec":
+                self.lost += len(msg[1])
+            return
         try:
             getattr(self, "_m_" + msg[0])(*msg[1:])
         except Exception as exc:  # observing training never kills training
@@ -92,19 +116,72 @@ class Sink:
         return time.monotonic() - self.last_commit >= self.flush_interval or self.rows_since_commit > 50_000
 
     def commit(self, final: bool = False) -> None:
+        """Commit what arrived; a database that cannot be written stops the sink, never training."""
         con = self.con
-        self._write_window(final)
-        meta = {"last_flush": json.dumps(time.time())}
-        if self.failed:
-            meta["writer_error"] = json.dumps(self.failed)
-        self._m_meta(meta)
-        con.execute("COMMIT")
         self.last_commit = time.monotonic()
+        if self.stopped is None:
+            try:
+                self._write_window(final)
+                meta = {"last_flush": json.dumps(time.time())}
+                if self.failed:
+                    meta["writer_error"] = json.dumps(self.failed)
+                self._m_meta(meta)
+                con.execute("COMMIT")
+                self._received = 0
+            except (sqlite3.Error, OSError) as exc:
+                self._stop(exc)
+        elif final:
+            self._record_stop()  # the final count of what was not stored
         self.rows_since_commit = 0
         if final:
             con.close()
-        else:
+            self.release()
+        elif self.stopped is None:
             con.execute("BEGIN")
+
+    def _stop(self, exc: BaseException) -> None:
+        self.stopped = f"the run database could not be written: {exc}"
+        self.lost += self._received
+        self._received = 0
+        log.error("the run database could not be written (%s); training goes on, the run keeps what was "
+                  "committed before", exc)
+        self._record_stop()
+
+    def _record_stop(self) -> None:
+        """Say why and how much in the run: its metadata if SQLite can still commit, and the status file."""
+        con = self.con
+        try:
+            if con.in_transaction:
+                con.execute("ROLLBACK")
+            con.execute("BEGIN")
+            self._m_meta({"writer_error": json.dumps(self.stopped), "lost": json.dumps(self.lost)})
+            con.execute("COMMIT")
+        except (sqlite3.Error, OSError):
+            try:
+                if con.in_transaction:
+                    con.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+        if self._status is not None:
+            doc = json.dumps({"writer_error": self.stopped, "lost": self.lost, "time": time.time()})
+            data = doc.encode()[:_STATUS_BYTES].ljust(_STATUS_BYTES)
+            try:  # in place: the reserved blocks need no new room
+                os.pwrite(self._status[0], data, 0)
+            except OSError as exc:
+                log.error("cannot record the failure beside the run either: %s", exc)
+
+    def release(self) -> None:
+        """Give up the status file: removed unless it says the sink stopped."""
+        if self._status is None:
+            return
+        fd, path = self._status
+        self._status = None
+        os.close(fd)
+        if self.stopped is None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ messages
     def _m_config(self, mode: str, buffer: int) -> None:
@@ -171,16 +248,23 @@ class Sink:
             ids.append(fid)
         self.con.execute("INSERT OR REPLACE INTO stacks(id, frames) VALUES (?, ?)", (stack_id, _plain_dumps(ids)))
 
-    def _m_exec(self, records: list) -> None:
+    def _m_exec(self, records: list, pins: list | None = None) -> None:
         """Keep executions in memory; :meth:`commit` writes those the circular buffer keeps.
 
         With ``buffer=N`` most executions fall out of the window before the next commit: they
         never become rows, which makes a recording's writer several times cheaper than writing
-        and deleting every op. Health is judged on arrival, so that a non-finite execution pins
-        itself and its producers while they are still in memory (or in the database).
+        and deleting every op. ``pins`` name the executions the buffer must keep (the recorder
+        decides: the first harmful chain, the first harmful execution of each op type and step,
+        see docs/recorder.md). A record sent again with a harmful taint (a value that became
+        harmful after it was sent) updates the one kept; a taint never goes back down.
+
+        Records without a taint (11 fields, written by other tools) and batches without
+        ``pins`` are judged here as format 2 did: a non-finite execution is harmful and pins
+        itself and its producers.
         """
         fields = self.fields
-        ring = self.ring
+        ring, in_db = self.ring, self.in_db
+        self._received += len(records)
         for rec in records:
             health = rec[7]
             summary = rec[10]
@@ -191,12 +275,25 @@ class Sink:
                         health |= health_of(fields, values)
                 rec = rec[:7] + (health,) + rec[8:]
             seq = rec[0]
+            if len(rec) < 13:  # no taint: every non-finite execution is harmful
+                rec = rec[:11] + ((T_HARMFUL, seq) if health else (T_FINITE, None))
+                if health and pins is None:
+                    self._pin(seq)
+                    for kind, ref in rec[8]:
+                        if kind == "op":
+                            self._pin(ref)
+            old = ring.get(seq)
+            if seq in in_db or old is not None:
+                if rec[11] == T_HARMFUL and (old is None or old[11] != T_HARMFUL):
+                    if seq in in_db:
+                        self.taint_updates.append((T_HARMFUL, rec[12], seq))
+                    ring[seq] = rec
+                elif old is not None and seq not in in_db and old[11] != T_HARMFUL:
+                    ring[seq] = rec
+                continue
             ring[seq] = rec
-            if health:
-                self._pin(seq)
-                for kind, ref in rec[8]:
-                    if kind == "op":
-                        self._pin(ref)
+        for seq in pins or ():
+            self._pin(seq)
         self.rows_since_commit += len(records)
 
     def _pin(self, seq: int) -> None:
@@ -219,7 +316,7 @@ class Sink:
         for seq, rec in ring.items():
             if seq in in_db or (seq < cutoff and seq not in pinned):
                 continue
-            _, step, phase, op, module_id, stack_id, fwd_seq, health, inputs, outputs, summary = rec
+            _, step, phase, op, module_id, stack_id, fwd_seq, health, inputs, outputs, summary, taint, origin = rec
             blob = None
             if summary and fields:
                 try:
@@ -232,18 +329,23 @@ class Sink:
                 if kind == "op":
                     edges.append((ref, seq, slot))
             rows.append((seq, step, PHASE_ID[phase], op_id(op), module_id, stack_id, fwd_seq, health,
-                         _plain_dumps(inputs), _plain_dumps(outputs), blob, 1 if seq in pinned else 0))
+                         _plain_dumps(inputs), _plain_dumps(outputs), blob, 1 if seq in pinned else 0, taint, origin))
             in_db.add(seq)
             if seq > self.max_seq:
                 self.max_seq = seq
         con = self.con
         if rows:
-            con.executemany("INSERT OR REPLACE INTO executions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            con.executemany("INSERT OR REPLACE INTO executions(seq, step, phase, op_id, module_id, stack_id, fwd_seq, "
+                            "health, inputs, outputs, summary, pinned, taint, origin) "
+                            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
         if edges:
             con.executemany("INSERT INTO edges(producer, consumer, slot) VALUES (?, ?, ?)", edges)
         if self.pin_updates:
             con.executemany("UPDATE executions SET pinned = 1 WHERE seq = ?", self.pin_updates)
             self.pin_updates = []
+        if self.taint_updates:
+            con.executemany("UPDATE executions SET taint = ?, origin = ? WHERE seq = ?", self.taint_updates)
+            self.taint_updates = []
         if keep <= 0:  # keep all: everything is a row now
             ring.clear()
             in_db.clear()
@@ -303,6 +405,22 @@ class Sink:
                 self.segments.discard(path)
 
 
+def _reserve_status(run_dir: Path) -> tuple[int, Path] | None:
+    """Create this sink's status file at full size now, while there is room (None if that fails)."""
+    path = run_dir / f"{WRITER_STATUS_PREFIX}{os.getpid()}-{os.urandom(3).hex()}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:
+        return None
+    try:
+        os.write(fd, b" " * _STATUS_BYTES)
+    except OSError:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        return None
+    return fd, path
+
+
 # ---------------------------------------------------------------------- the child process
 def write_frame(fd: int, msg: tuple) -> None:
     data = marshal.dumps(msg)
@@ -310,6 +428,25 @@ def write_frame(fd: int, msg: tuple) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+def _answer(fd: int, sink: Sink) -> None:
+    """Acknowledge a flush or close: b"A", or b"S" and why the sink stopped (the disk may be too full to say it)."""
+    if sink.stopped is None:
+        os.write(fd, b"A")
+        return
+    body = json.dumps({"error": sink.stopped, "lost": sink.lost}).encode()
+    os.write(fd, b"S" + _HEADER.pack(len(body)) + body)
+
+
+def read_answer(stream) -> tuple[str, int] | None:
+    """The parent's side of :func:`_answer`: None when all is well, else (why, executions not stored)."""
+    tag = stream.read(1)
+    if tag != b"S":
+        return None
+    header = stream.read(_HEADER.size)
+    doc = json.loads(stream.read(_HEADER.unpack(header)[0]))
+    return str(doc["error"]), int(doc["lost"])
 
 
 def _read_exactly(fd: int, n: int) -> bytes | None:
@@ -337,15 +474,16 @@ def serve(run_dir: str, fd_in: int = 0, fd_out: int = 1) -> None:
         if body is None:  # the training process is gone: keep what it sent
             sink.commit(final=False)
             sink.con.close()
+            sink.release()
             return
         msg = marshal.loads(body)
         if msg[0] == "close":
             sink.commit(final=True)
-            os.write(fd_out, b"A")
+            _answer(fd_out, sink)
             return
         if msg[0] == "flush":
             sink.commit()
-            os.write(fd_out, b"A")
+            _answer(fd_out, sink)
             continue
         sink.handle(msg)
         if sink.due():

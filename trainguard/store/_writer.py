@@ -9,12 +9,15 @@ rows does not compete with training for the GIL; other writers keep it in the th
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
 import queue
 import secrets
 import socket
+import sqlite3
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -64,13 +67,12 @@ def is_user_file(filename: str) -> bool:
 
 def _check_appendable(db: Path) -> None:
     """An existing run may be appended to only if it is a trainguard run this version can write."""
-    import sqlite3
-
     from trainguard._errors import CorruptRun, SchemaTooNew
     from trainguard.store._codec import SCHEMA_VERSION
+    from trainguard.store._sqlite import uri
 
     try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        con = sqlite3.connect(uri(db, mode="ro"), uri=True)
         try:
             row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         finally:
@@ -88,13 +90,22 @@ class ExecBatch:
     """Executions captured on the hot path, handed over as one queue item.
 
     ``records`` rows: (seq, step, phase_name, op_name, module_id, stack_id, fwd_seq, health,
-    inputs, outputs, summary). ``summary`` is a list of per-output float tuples, or None; an
-    entry ``("d", device, row)`` refers to row ``row`` of the summaries computed on ``device``,
-    and ``deferred`` lists (device, host_tensor, event) whose copy the writer thread waits for.
+    inputs, outputs, summary, taint, origin). ``summary`` is a list of per-output float tuples,
+    or None; an entry ``("d", device, row)`` refers to row ``row`` of the summaries computed on
+    ``device``, and ``deferred`` lists (device, host_tensor, event) whose copy the writer thread
+    waits for. ``taint`` (see ``store._codec``) is None when the writer's ``judge`` decides it
+    (accelerator summaries, whose health the hot path does not know); records of 11 fields
+    (no taint) are judged as format 2 did (every non-finite execution harmful).
+
+    ``pins`` are the seqs the circular buffer must keep (None: judged by health in the sink);
+    ``resend`` holds older records sent again because they became harmful (their taint is
+    harmful now) or because the chain of a harmful value needs them.
     """
 
     records: list[tuple]
     deferred: list | None = None
+    pins: list[int] | None = None
+    resend: list[tuple] | None = None
 
 
 class RunWriter:
@@ -121,6 +132,7 @@ class RunWriter:
         self.dropped = 0  # executions dropped under back-pressure
         self.dropped_items = 0  # other items dropped
         self.failed: str | None = None
+        self.lost = 0  # executions the sink received but could not store (see Sink.stopped)
         self._closed = False
         self._pid = os.getpid()
         self._q: queue.Queue = queue.Queue(maxsize=queue_items)
@@ -141,7 +153,11 @@ class RunWriter:
             else:
                 for suffix in ("", "-wal", "-shm"):
                     Path(str(db) + suffix).unlink(missing_ok=True)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrainguardError(f"cannot create the run directory {str(self.run_dir)!r}: "
+                                  f"{exc.strerror or exc}") from None
         base = {
             "created": time.time(),
             "pid": os.getpid(),
@@ -160,17 +176,24 @@ class RunWriter:
         base["trainguard"] = __version__
         base.update(meta or {})
         # The schema and the first metadata are written before anything else can fail later.
-        con = connect(db, create=True)
-        with con:
-            con.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
-                            [(k, dumps(v)) for k, v in (base if self.owner else dict(meta or {})).items()])
-        con.close()
+        try:
+            con = connect(db, create=True)
+            with con:
+                con.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                                [(k, dumps(v)) for k, v in (base if self.owner else dict(meta or {})).items()])
+            con.close()
+        except sqlite3.Error as exc:
+            raise TrainguardError(f"cannot write the run database {str(db)!r}: {exc}") from None
 
         self._proc = _start_child(self.run_dir) if process else None
         self.sink = None if self._proc is not None else _local_sink(self.run_dir, flush_interval)
         self._sent_dropped = 0
         # Called by the writer thread when no item arrived for a while (the recorder flushes).
         self.idle_callbacks: list = []
+        # Set by the recorder: judges the taint of records whose health the hot path did not
+        # know (accelerator summaries), on this thread; called as judge(records) -> (records,
+        # pins, resend, counts, meta).
+        self.judge = None
         # The circular buffer's window, held here (see _hold): record lists, newest last.
         self._window: deque[list] = deque()
         self._window_n = 0
@@ -213,8 +236,13 @@ class RunWriter:
         return self._q.maxsize - self._q.qsize()
 
     def put_executions(self, batch: ExecBatch, *, must_keep: bool = False) -> None:
-        """Hand over executions; ``must_keep`` marks a batch holding a non-finite value."""
+        """Hand over executions; ``must_keep`` marks a batch that must not be dropped under
+        back-pressure (it holds what the buffer must keep: a harmful value, its chain)."""
         self._put(("exec", batch, must_keep), must_keep=must_keep, n_exec=len(batch.records))
+
+    def add_harm_counts(self, rows: list[tuple[int, str, int, int]]) -> None:
+        """Harmful executions counted by (step, op, count, first seq), added to the run's totals."""
+        self._put(("sql", _HARM_UPSERT, rows), must_keep=True)
 
     def put_stack(self, stack_id: int, frames: list[tuple[str, int, str]]) -> None:
         """Register an interned stack: frames (filename, lineno, function), outermost first."""
@@ -293,6 +321,8 @@ class RunWriter:
         self._closed = True
         done.wait(120)
         self._thread.join(timeout=10)
+        if self.failed:
+            _failures[self.run_dir.resolve()] = (self.failed, self.lost)
 
     # ------------------------------------------------------------------ writer thread
     def _send(self, msg: tuple) -> None:
@@ -313,12 +343,16 @@ class RunWriter:
         """Commit (``flush``) or commit and close (``close``), waiting for the sink."""
         if self._proc is None:
             self.sink.commit(final=(kind == "close"))
+            if self.sink.stopped is not None:
+                self.failed, self.lost = self.sink.stopped, self.sink.lost
             return
         self._send((kind,))
         try:
-            self._proc.stdout.read(1)
-        except (OSError, ValueError):
-            pass
+            stopped = read_answer(self._proc.stdout)
+        except (OSError, ValueError, struct.error):
+            stopped = None
+        if stopped is not None:
+            self.failed, self.lost = stopped
         if kind == "close":
             try:
                 self._proc.wait(60)
@@ -354,11 +388,7 @@ class RunWriter:
                     if kind == "close":
                         return
                 elif kind == "exec":
-                    records = _resolve(item[1])
-                    if self.buffer > 0:
-                        self._hold(records, item[2])
-                    else:
-                        self._send(("exec", records))
+                    self._exec(item[1], item[2])
                 elif kind == "meta":
                     self._send(("meta", {k: dumps(v) for k, v in item[1].items()}))
                 elif kind == "payload_tensor":
@@ -380,28 +410,66 @@ class RunWriter:
                     if item[0] == "close":
                         return
 
+    def _exec(self, batch: ExecBatch, must_keep: bool) -> None:
+        records = _resolve(batch)
+        pins, resend = batch.pins, batch.resend
+        if self.judge is not None and records and len(records[0]) > 11 and any(r[11] is None for r in records):
+            records, more_pins, more_resend, counts, meta = self.judge(records)
+            pins = (pins or []) + more_pins
+            resend = (resend or []) + more_resend
+            if counts:
+                self._send(("sql", _HARM_UPSERT, counts))
+            if meta:
+                self._send(("meta", {k: dumps(v) for k, v in meta.items()}))
+        if self.buffer > 0:
+            self._hold(records, must_keep, pins, resend)
+        elif pins is None:
+            self._send(("exec", records))
+        else:
+            self._send(("exec", (resend or []) + records, pins))
+
     # ------------------------------------------------------------------ the circular buffer
-    def _hold(self, records: list, bad: bool) -> None:
+    def _hold(self, records: list, bad: bool, pins: list | None = None, resend: list | None = None) -> None:
         """Keep executions here and send the sink only those the circular buffer keeps.
 
         A fast loop makes tens of thousands of executions per second, and with ``buffer=N``
         all but the newest N are evicted anyway: sending every one of them to the sink costs
         the training process several microseconds per op for rows that are deleted a second
         later. So the newest N are sent every ``SEND_INTERVAL`` seconds; older ones stay here
-        (up to the eviction slack) and are sent only when a non-finite batch arrives, so that
-        the sink can pin the producers of a NaN that were made long before it.
+        (up to the eviction slack) and are sent when the recorder pins them (``pins``: the
+        chain of a harmful value may be older than the newest N). A batch without ``pins``
+        that is ``bad`` (another writer's non-finite batch) sends everything held, so that the
+        sink can pin the producers of a NaN that were made long before it.
         """
-        if not records:
-            return
-        self._window.append(records)
-        self._window_n += len(records)
-        limit = self.buffer + EVICTION_SLACK
-        while self._window_n - len(self._window[0]) >= limit:
-            self._window_n -= len(self._window.popleft())
-        if bad:
+        if records:
+            self._window.append(records)
+            self._window_n += len(records)
+            limit = self.buffer + EVICTION_SLACK
+            while self._window_n - len(self._window[0]) >= limit:
+                self._window_n -= len(self._window.popleft())
+        if pins is not None:
+            # The recorder named what to keep: send those records now (they may be older than
+            # the newest N that the next send takes), with the records sent again.
+            if pins or resend:
+                out = list(resend or [])
+                out += [r for r in (self._held(seq) for seq in pins) if r is not None]
+                self._send(("exec", out, pins))
+                self._send(("commit",))
+        elif bad:
             self._window_bad = True
-        if bad or time.monotonic() - self._last_send >= SEND_INTERVAL:
+        if (bad and pins is None) or time.monotonic() - self._last_send >= SEND_INTERVAL:
             self._send_window()
+
+    def _held(self, seq: int) -> tuple | None:
+        """The record ``seq`` if the window holds it (lists in order, each sorted by seq)."""
+        for records in reversed(self._window):
+            if records[0][0] <= seq:
+                i = bisect.bisect_left(records, seq, key=_seq_of)
+                if i < len(records) and records[i][0] == seq:
+                    return records[i]
+                # ops recorded on several threads may interleave out of order: look through it
+                return next((r for r in records if r[0] == seq), None)
+        return None
 
     def _send_window(self) -> None:
         """Send the newest ``buffer`` executions not sent yet (all held ones after a NaN), then commit."""
@@ -516,9 +584,17 @@ def _resolve(batch: ExecBatch) -> list:
         summary = rec[10]
         if summary:
             summary = tuple(tuple(hosts[v[1]][v[2]]) if isinstance(v[0], str) else v for v in summary)
-            rec = rec[:10] + (summary,)
+            rec = rec[:10] + (summary,) + rec[11:]
         out.append(rec)
     return out
+
+
+def _seq_of(rec: tuple) -> int:
+    return rec[0]
+
+
+_HARM_UPSERT = ("INSERT INTO harmful(step, op, count, first_seq) VALUES (?, ?, ?, ?) ON CONFLICT(step, op) "
+                "DO UPDATE SET count = count + excluded.count, first_seq = min(first_seq, excluded.first_seq)")
 
 
 def _local_sink(run_dir: Path, flush_interval: float):
@@ -546,6 +622,22 @@ def write_frame(fd: int, msg: tuple) -> None:
     from trainguard.store._sink import write_frame as _write
 
     _write(fd, msg)
+
+
+def read_answer(stream):
+    from trainguard.store._sink import read_answer as _read
+
+    return _read(stream)
+
+
+# run directory -> (why its writer failed, executions not stored), for the closing line of
+# `trainguard run` when the disk is too full for the run itself to say so
+_failures: dict[Path, tuple[str, int]] = {}
+
+
+def writer_failure(run_dir: str | os.PathLike) -> tuple[str, int] | None:
+    """Why the last writer of ``run_dir`` in this process failed, and how much it did not store."""
+    return _failures.get(Path(run_dir).resolve())
 
 
 # ---------------------------------------------------------------------- one writer per run per process

@@ -83,7 +83,17 @@ _SCHEMAS: dict[str, Any] = {
                     {"op": {"type": "string"}, "count": {"type": "integer"}, "first_seq": {"type": "integer"}}
                 )
             ),
-        }
+        },
+        {
+            "harm_seq": _INT_OR_NULL,
+            # Infinities never harmful (masks, sentinels): counted, never alerts.
+            "intended": _arr(
+                _obj(
+                    {"kind": {"type": "string"}, "made_by": _STR_OR_NULL, "absorbed_by": _STR_OR_NULL,
+                     "values": {"type": "integer"}, "executions": {"type": "integer"}}
+                )
+            ),
+        },
     ),
     "Origin": _obj(
         {"available": {"type": "boolean"}, "result": {}},
@@ -109,7 +119,8 @@ _SCHEMAS: dict[str, Any] = {
             "health": _arr({"type": "string"}),
             "stack_id": _INT_OR_NULL,
             "outputs": _arr(_ref("Output")),
-        }
+        },
+        {"taint": {"type": "string", "enum": ["finite", "unknown", "pending", "harmful"]}, "origin": _INT_OR_NULL},
     ),
     "ExecutionPage": _obj(
         {
@@ -279,8 +290,9 @@ _FILTERS = [
     _p(
         "health",
         "query",
-        {"type": "string", "enum": ["nonfinite", "bad", "nan", "inf", "+inf", "-inf", "ok", "finite"]},
-        "keep executions by output health",
+        {"type": "string", "enum": ["nonfinite", "bad", "nan", "inf", "+inf", "-inf", "ok", "finite", "harmful",
+                                    "pending", "unknown"]},
+        "keep executions by output health, or by taint (harmful, pending, unknown)",
     ),
 ]
 

@@ -67,7 +67,7 @@ def list_runs(reg: Registry) -> dict[str, Any]:
                     ended=m.get("ended"),
                     ranks=h.run.ranks,
                     executions=h.run.count(),
-                    nonfinite=h.run.count(health="nonfinite"),
+                    nonfinite=h.run.alerts()["total"],
                     scalars=len(h.run.scalar_names()),
                 )
         except Exception as exc:  # one damaged run must not hide the others
@@ -146,15 +146,18 @@ def alerts(reg: Registry, rid: str, rank: int | None = None) -> dict[str, Any]:
 
 
 def origin(reg: Registry, rid: str, seq: int | None = None, rank: int | None = None) -> dict[str, Any]:
-    """The walk back from a non-finite execution to where it was made (from the analysis)."""
+    """The walk back from where the first harmful value became harmful (or from ``seq``) to
+    where it was made (from the analysis)."""
     h = reg.handle(rid, rank)
     with h.lock:
         refresh(h)
-        first = h.run.first_nonfinite() if seq is None else None
+        first = h.run.first_harm() if seq is None else None
         if seq is None and first is None:
-            return {"available": False, "reason": "no execution in this run holds NaN or Inf", "result": None}
+            return {"available": False, "reason": "no execution in this run holds a harmful NaN or Inf",
+                    "result": None}
         target = seq if seq is not None else first["seq"]
-        ans = call("trainguard.analysis", "origin", h.run, target)
+        # seq None: the analysis starts where the first harmful value became harmful, and says how
+        ans = call("trainguard.analysis", "origin", h.run, seq)
         ans.setdefault("result", None)
         ans["seq"] = target
         return ans

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -148,9 +149,22 @@ def artifacts(reg: Registry, request: Request) -> dict:
     return training.artifacts(reg, _run(request), _rank(request))
 
 
+# The media types the UI itself writes and shows, and how each is served. A run may hold an
+# artifact of any type (stored with it, or a file beside the database): anything else is served
+# as bytes to save, never as something the browser renders or runs in the app's origin.
+_SERVED_AS = {"image/png": "inline", "text/plain": "inline", "application/json": "attachment", "text/csv": "attachment"}
+
+
 def artifact(reg: Registry, request: Request) -> Response:
-    media, body = training.artifact(reg, _run(request), request.path_params["name"], _rank(request))
-    return Response(body, media_type=media, headers={"Content-Disposition": "inline"})
+    name = request.path_params["name"]
+    media, body = training.artifact(reg, _run(request), name, _rank(request))
+    media = media.split(";")[0].strip().lower()
+    disposition = _SERVED_AS.get(media)
+    if disposition is None:
+        media, disposition = "application/octet-stream", "attachment"
+    filename = re.sub(r"[^A-Za-z0-9._-]", "_", name.rsplit("/", 1)[-1]) or "artifact"
+    return Response(body, media_type=media, headers={"Content-Disposition": f'{disposition}; filename="{filename}"',
+                                                     "X-Content-Type-Options": "nosniff"})
 
 
 def doctor(reg: Registry, request: Request) -> dict:

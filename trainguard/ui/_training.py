@@ -144,6 +144,8 @@ def findings(reg: Registry, rid: str, rank: int | None = None) -> dict[str, Any]
         for f in result if isinstance(result, list) else []:
             if isinstance(f, dict) and (f.get("kind"), f.get("title")) not in seen:
                 items.append(dict(f, origin="diagnosis"))
+    if any(f.get("kind") == "script_crashed" for f in items):  # a crashed run is never healthy
+        items = [f for f in items if f.get("kind") != "healthy"]
     order = {"critical": 0, "error": 1, "warning": 2, "info": 3}
     items.sort(key=lambda f: (order.get(f.get("severity"), 4), _first_step(f)))
     return to_plain_json(
@@ -210,16 +212,8 @@ def _doctor_files(run_dir: Path) -> list[tuple[str, int]]:
     return out
 
 
-_MEDIA = {
-    ".png": "image/png",
-    ".json": "application/json",
-    ".csv": "text/csv",
-    ".txt": "text/plain",
-    ".svg": "image/svg+xml",
-    ".jpg": "image/jpeg",
-    ".jpeg": "image/jpeg",
-    ".html": "text/plain",
-}
+# Files beside the database: the types the doctor writes (the routes serve anything else as bytes).
+_MEDIA = {".png": "image/png", ".json": "application/json", ".csv": "text/csv", ".txt": "text/plain"}
 
 
 def _media_type(name: str) -> str:
@@ -237,10 +231,7 @@ def artifact(reg: Registry, rid: str, name: str, rank: int | None = None) -> tup
     path = safe_file(h.path, name)  # PathRefused for traversal and symlinks
     if path.name.startswith("run.sqlite"):
         raise KeyError(f"no artifact {name!r} in this run")
-    media = _media_type(name)
-    if media == "image/svg+xml":  # scripts in an SVG would run in the app's origin
-        media = "text/plain"
-    return media, path.read_bytes()
+    return _media_type(name), path.read_bytes()
 
 
 def doctor(reg: Registry, rid: str, rank: int | None = None) -> dict[str, Any]:

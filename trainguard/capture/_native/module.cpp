@@ -249,19 +249,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
     set_op_names({alloc.begin(), alloc.end()}, {alias.begin(), alias.end()});
   });
-  m.def("summarize", [](const at::Tensor& t, int mode) {
+  m.def("summarize", [](const at::Tensor& t, int mode, bool expect_nonfinite) {
     bool old = tl_paused;
     tl_paused = true;
     Summary s;
     try {
-      s = summarize(t.detach(), mode);
+      s = summarize(t.detach(), mode, expect_nonfinite);
     } catch (...) {
       tl_paused = old;
       throw;
     }
     tl_paused = old;
     return py::reinterpret_steal<py::tuple>(floats(s));
-  });
+  }, py::arg("t"), py::arg("mode"), py::arg("expect_nonfinite") = false);
   m.def("set_paused", [](bool p) {
     bool old = tl_paused;
     tl_paused = p;

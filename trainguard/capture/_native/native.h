@@ -18,7 +18,7 @@ struct Summary {
 };
 
 // The exact summary of a tensor's values (CPU, or any device for sparse/meta bookkeeping).
-Summary summarize(const at::Tensor& t, int mode);
+Summary summarize(const at::Tensor& t, int mode, bool expect_nonfinite = false);
 Summary unknown_summary(int mode, int64_t n);
 int health_of(int mode, const Summary& s);  // bit flags 1 NaN, 2 +inf, 4 -inf
 // The summary as a float64 tensor on the tensor's device, computed with device ops (no sync).

@@ -195,13 +195,16 @@ void for_each_run(const at::Tensor& t, F&& f) {
 }
 
 template <typename T, typename U, typename B>
-Counts float_counts(const at::Tensor& t, bool moments) {
+Counts float_counts(const at::Tensor& t, bool moments, bool expect_nonfinite) {
   Counts c;
-  for_each_run<T>(t, [&](const T* p, int64_t n) { fast_block<U, B>(reinterpret_cast<const U*>(p), n, c); });
+  // Expected not finite (an input is already harmful: a NaN storm's every op): the exact pass only.
+  if (expect_nonfinite) c.finite = false;
+  else for_each_run<T>(t, [&](const T* p, int64_t n) { fast_block<U, B>(reinterpret_cast<const U*>(p), n, c); });
   if (!c.finite) {
     Counts e;
     e.finite = false;
     for_each_run<T>(t, [&](const T* p, int64_t n) { exact_block<U, B>(reinterpret_cast<const U*>(p), n, e); });
+    e.finite = !(e.nan || e.pinf || e.ninf);
     c = e;
   } else {
     c.zero = t.numel() - c.neg - c.pos;
@@ -220,12 +223,12 @@ Counts integer_counts(const at::Tensor& t, bool moments) {
   return c;
 }
 
-bool counts_of(const at::Tensor& t, bool moments, Counts& c) {
+bool counts_of(const at::Tensor& t, bool moments, Counts& c, bool expect_nonfinite = false) {
   switch (t.scalar_type()) {
-    case at::kFloat: c = float_counts<float, uint32_t, Bits<uint32_t>>(t, moments); return true;
-    case at::kDouble: c = float_counts<double, uint64_t, Bits<uint64_t>>(t, moments); return true;
-    case at::kHalf: c = float_counts<c10::Half, uint16_t, Bits<uint16_t>>(t, moments); return true;
-    case at::kBFloat16: c = float_counts<c10::BFloat16, uint16_t, BF16Bits>(t, moments); return true;
+    case at::kFloat: c = float_counts<float, uint32_t, Bits<uint32_t>>(t, moments, expect_nonfinite); return true;
+    case at::kDouble: c = float_counts<double, uint64_t, Bits<uint64_t>>(t, moments, expect_nonfinite); return true;
+    case at::kHalf: c = float_counts<c10::Half, uint16_t, Bits<uint16_t>>(t, moments, expect_nonfinite); return true;
+    case at::kBFloat16: c = float_counts<c10::BFloat16, uint16_t, BF16Bits>(t, moments, expect_nonfinite); return true;
     case at::kByte: c = integer_counts<uint8_t>(t, moments); return true;
     case at::kChar: c = integer_counts<int8_t>(t, moments); return true;
     case at::kShort: c = integer_counts<int16_t>(t, moments); return true;
@@ -304,7 +307,7 @@ Summary unknown_summary(int mode, int64_t n) {
 
 int health_of(int mode, const Summary& s) {
   if (s.n == 0) return 0;
-  if (mode == CURT) return s.v[0] > 0 ? 1 : 0;
+  if (mode == CURT) return s.v[0] > 0 ? ((int)s.v[0] & 7) : 0;  // curt_health holds the health bits
   int nan_i = mode == CONCISE ? 3 : 6, pinf_i = mode == CONCISE ? 2 : 5, ninf_i = mode == CONCISE ? 1 : 4;
   int flags = 0;
   if (s.v[nan_i] > 0) flags |= 1;
@@ -313,7 +316,7 @@ int health_of(int mode, const Summary& s) {
   return flags;
 }
 
-Summary summarize(const at::Tensor& t0, int mode) {
+Summary summarize(const at::Tensor& t0, int mode, bool expect_nonfinite) {
   if (mode_fields(mode) == 0) return Summary{};
   if (t0.layout() != at::kStrided) return sparse_summary(t0, mode);
   if (t0.is_meta()) return unknown_summary(mode, t0.numel());
@@ -327,7 +330,7 @@ Summary summarize(const at::Tensor& t0, int mode) {
     for (int64_t d = 0; d < t.dim(); ++d)
       if (t.stride(d) == 0) base = base.narrow(d, 0, 1);
     int64_t repeat = t.numel() / base.numel();
-    Summary s = summarize(base, mode);
+    Summary s = summarize(base, mode, expect_nonfinite);
     int k = mode == CONCISE ? 4 : (mode == CURT ? 0 : 7);
     for (int i = 0; i < k; ++i) s.v[i] *= repeat;
     return s;
@@ -339,8 +342,9 @@ Summary summarize(const at::Tensor& t0, int mode) {
     s.n = 1;
     if (n == 0 || !isfloat) return s;
     Counts c;
-    counts_of(t, false, c);
-    s.v[0] = c.finite ? 0.0 : 1.0;
+    counts_of(t, false, c, expect_nonfinite);
+    // the health bits: 1 NaN, 2 +inf, 4 -inf
+    s.v[0] = c.finite ? 0.0 : (double)((c.nan ? 1 : 0) | (c.pinf ? 2 : 0) | (c.ninf ? 4 : 0));
     return s;
   }
   if (n == 0) return pack(mode, 0, 0, 0, 0, 0, 0, 0, NaN, NaN, NaN, NaN);
@@ -350,7 +354,7 @@ Summary summarize(const at::Tensor& t0, int mode) {
     return pack(mode, n, 0, n - nz, nz, 0, 0, 0, nz == n, nz > 0, p, std::sqrt(p * (1 - p)));
   }
   Counts c;
-  if (!counts_of(t.device().is_cpu() ? t : t.cpu(), mode == STATS, c))
+  if (!counts_of(t.device().is_cpu() ? t : t.cpu(), mode == STATS, c, expect_nonfinite))
     TORCH_CHECK(false, "trainguard: no summary kernel for dtype ", t.scalar_type());
   double mean = NaN, sd = NaN;
   if (mode == STATS) {
@@ -385,7 +389,9 @@ at::Tensor summarize_deferred(const at::Tensor& t0, int mode) {
   } else {
     nan = pinf = ninf = at::zeros({}, at::TensorOptions().dtype(at::kLong).device(dev));
   }
-  if (mode == CURT) return (nan + pinf + ninf).clamp_max(1).to(at::kDouble).reshape({1});
+  if (mode == CURT)  // the health bits: 1 NaN, 2 +inf, 4 -inf
+    return (nan.gt(0).to(at::kLong) + 2 * pinf.gt(0).to(at::kLong) + 4 * ninf.gt(0).to(at::kLong))
+        .to(at::kDouble).reshape({1});
   at::Tensor size = at::full({}, (double)n, f64);
   if (mode == CONCISE) return at::stack({size, ninf.to(at::kDouble), pinf.to(at::kDouble), nan.to(at::kDouble)});
   at::Tensor neg = t.lt(0).sum() - ninf, zero = t.eq(0).sum(), pos = t.gt(0).sum() - pinf;

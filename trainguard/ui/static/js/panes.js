@@ -2,6 +2,16 @@
 
 import { h, clear, fmt, opName, basename, healthClass, summaryBadges, outputText } from "./util.js";
 
+/** "3,840 intended -inf from masked_fill, absorbed by softmax" (the report says the same). */
+function intendedText(g) {
+  const n = g.values ? fmt(g.values) : `${fmt(g.executions)} tensors of`;
+  const short = (op) => opName(op).replace(/\.default$/, "");
+  const made = short(g.made_by || "?");
+  return g.absorbed_by
+    ? `${n} intended ${g.kind} from ${made}, absorbed by ${short(g.absorbed_by)}`
+    : `${n} ${g.kind} from ${made} never reached the loss, a gradient, a parameter or a read value (not harmful)`;
+}
+
 export class AlertsPane {
   constructor(pane, { onSelect }) {
     this.head = pane.querySelector("h2");
@@ -13,13 +23,15 @@ export class AlertsPane {
   show(alerts) {
     this.alerts = alerts;
     clear(this.head, "Alerts", h("span.grow"), h("span.count", alerts.total ? fmt(alerts.total) : "0"));
+    // Intended infinities (masks absorbed by softmax, sentinels) are a count, never an alert.
+    const quiet = (alerts.intended || []).map((g) => h("div.small.muted.intended", intendedText(g)));
     if (!alerts.total) {
-      clear(this.body, h("div.alert-ok", "No NaN or Inf in any recorded output."), this.originBox);
+      clear(this.body, h("div.alert-ok", "No harmful NaN or Inf."), quiet, this.originBox);
       return;
     }
     const total = h("div.alert-total#alert-nonfinite", {
       role: "button", tabindex: "0",
-      title: "Select the first execution whose output holds NaN or Inf",
+      title: "Select where the first harmful NaN or Inf was made",
       on: { click: () => this.pick(total, alerts.first_seq),
             keydown: (e) => { if (e.key === "Enter") this.pick(total, alerts.first_seq); } },
     }, h("span", "NaN / ∞"), h("span.n", `${fmt(alerts.total)} events`));
@@ -29,7 +41,7 @@ export class AlertsPane {
       h("span", opName(a.op)), h("span.n", `×${fmt(a.count)}`));
       return row;
     });
-    clear(this.body, total, this.originBox, h("div.g-label", "by op type (first one first)"), byOp);
+    clear(this.body, total, this.originBox, h("div.g-label", "by op type (first one first)"), byOp, quiet);
   }
 
   pick(node, seq) {
@@ -62,7 +74,8 @@ export class AlertsPane {
         h("span.link", { on: { click: () => this.onSelect(o.seq) } }, `#${o.seq} ${opName(o.op)}`),
         o.file ? h("span.small.muted", `  ${basename(o.file)}:${o.line}${o.function ? ` in ${o.function}()` : ""}`) : null,
         h("div.small", `step ${o.step} · ${o.phase}${o.health && o.health.length ? ` · ${o.health.join(", ")}` : ""}`),
-        o.explanation ? h("div.why", o.explanation) : null));
+        o.explanation ? h("div.why", o.explanation) : null,
+        r.harm ? h("div.small.harm", `Then ${r.harm.replace(/(\S*\/)([^/\s]+:\d+)/g, "$2")}`) : null));
       for (const inp of o.inputs || []) {
         if (!inp.producer_op) continue;
         parts.push(h("div.small", `input ${inp.slot} from `,

@@ -1,6 +1,8 @@
 // Small DOM and formatting helpers shared by the views.
 
-/** h("div.cls#id", {attrs, on: {click}}, ...children): build an element. Text is never parsed as HTML. */
+/** h("div.cls#id", {attrs, on: {click}}, ...children): build an element. Text is never parsed as HTML.
+ *  The attributes may be left out: a second argument that is not a plain object is the first
+ *  child, whatever its value (0, NaN and "" render as text too). */
 export function h(spec, attrs, ...children) {
   const m = /^([a-z0-9]+)?((?:[.#][\w-]+)*)$/i.exec(spec);
   const node = document.createElement((m && m[1]) || "div");
@@ -10,7 +12,7 @@ export function h(spec, attrs, ...children) {
       else node.id = part.slice(1);
     }
   }
-  if (attrs && (typeof attrs !== "object" || attrs instanceof Node || Array.isArray(attrs))) {
+  if (attrs !== null && attrs !== undefined && (typeof attrs !== "object" || attrs instanceof Node || Array.isArray(attrs))) {
     children.unshift(attrs);
     attrs = null;
   }

@@ -1,0 +1,227 @@
+"""Harmful, intended, unknown: the rule table, the sinks, bounded memory, both judging threads."""
+
+from __future__ import annotations
+
+import io
+import math
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.analysis import origin
+from trainguard.capture import _taint
+from trainguard.capture._taint import (
+    ALLOC,
+    COPY,
+    DEFAULT,
+    FINITE,
+    HARMFUL,
+    PENDING,
+    READ,
+    RENORM,
+    UNKNOWN,
+    VIEW,
+    propagate,
+)
+from trainguard.store import open_run
+from trainguard.store._codec import NAN, NEG_INF, POS_INF
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize(
+    ("cls", "in_taint", "health", "want"),
+    [
+        (DEFAULT, FINITE, 0, (FINITE, None)),
+        (DEFAULT, FINITE, POS_INF, (PENDING, 9)),  # born here
+        (DEFAULT, FINITE, NAN, (HARMFUL, 9)),  # a NaN is harmful at birth
+        (DEFAULT, PENDING, NAN, (HARMFUL, 3)),  # 0 * inf: the inf's origin
+        (DEFAULT, PENDING, NEG_INF, (PENDING, 3)),  # passed on
+        (DEFAULT, PENDING, 0, (FINITE, None)),  # absorbed
+        (DEFAULT, HARMFUL, POS_INF, (HARMFUL, 3)),
+        (DEFAULT, UNKNOWN, NAN, (HARMFUL, 9)),  # computing on garbage is a fault
+        (VIEW, UNKNOWN, NAN, (UNKNOWN, None)),  # a view of garbage is not evidence
+        (COPY, UNKNOWN, NAN, (UNKNOWN, None)),
+        (VIEW, PENDING, NEG_INF, (PENDING, 3)),
+        (ALLOC, FINITE, NAN, (UNKNOWN, None)),
+        (RENORM, PENDING, NAN, (HARMFUL, 9)),  # softmax of a fully masked row
+        (RENORM, PENDING, 0, (FINITE, None)),
+        (RENORM, HARMFUL, NAN, (HARMFUL, 3)),
+        (READ, PENDING, 0, (HARMFUL, 3)),  # the program reads the inf
+        (READ, FINITE, 0, (FINITE, None)),
+    ],
+)
+def test_rule_table(cls, in_taint, health, want):
+    assert propagate(cls, in_taint, 3 if in_taint in (PENDING, HARMFUL) else None, health, 9) == want
+
+
+def test_every_class_and_state_has_a_rule():
+    for cls in range(len(_taint.CLASS_NAMES)):
+        for t in (FINITE, UNKNOWN, PENDING, HARMFUL):
+            assert len(_taint.RULES[cls][t]) == 3
+
+
+def record(tmp_path, fn, **kw):
+    with tg.record(tmp_path / "r", buffer=-1, **kw):
+        fn()
+    return open_run(tmp_path / "r")
+
+
+def taints(run, op):
+    return [e["taint"] for e in run.executions(op=op)]
+
+
+def test_uninitialised_memory_and_its_views_are_unknown(tmp_path):
+    def f():
+        bucket = torch.empty(1000)
+        view = bucket.as_strided((10, 10), (10, 1), 100)  # what DDP does with its gradient buckets
+        view.copy_(torch.ones(10, 10))  # written: from now on real values
+        view.mul(2)
+        torch.empty(8).copy_(torch.empty(8))  # a copy of garbage is garbage
+
+    run = record(tmp_path, f)
+    assert taints(run, "empty.memory_format") == ["unknown"] * 3
+    assert taints(run, "as_strided") == ["unknown"]
+    assert taints(run, "copy_") == ["finite", "unknown"]
+    assert taints(run, "mul.Tensor") == ["finite"]
+    (view,) = run.executions(op="as_strided")
+    assert all(math.isnan(view["outputs"][0]["summary"][k]) for k in ("nan", "pos_inf", "zero"))
+    assert run.alerts()["total"] == 0
+
+
+@pytest.mark.parametrize("how", ["tolist", "numpy", "print", "item", "format"])
+def test_reading_an_inf_makes_it_harmful(tmp_path, how):
+    def f():
+        big = torch.tensor([1.0, 100.0]).exp() * 1e-30  # +inf, nobody has read it yet
+        with redirect_stdout(io.StringIO()):
+            {"tolist": lambda: big.tolist(), "numpy": lambda: big.numpy(), "print": lambda: print(big),
+             "item": lambda: big[1].item(), "format": lambda: f"{big[1]:.3f}"}[how]()
+
+    run = record(tmp_path, f)
+    o = origin(run)
+    assert o is not None and o.origin.op == "aten.exp" and o.reason == "read"
+    with pytest.raises(tg.NonFiniteError, match="aten.exp produced \\+inf .* which was read by the program"):
+        with tg.check_numerics():
+            f()
+
+
+def test_unread_inf_is_not_harmful_and_strict_sees_it(tmp_path):
+    def f():
+        torch.tensor([1.0, 100.0]).exp().sum()
+
+    run = record(tmp_path, f)
+    assert run.alerts()["total"] == 0 and origin(run) is None
+    assert [g["absorbed_by"] for g in run.intended()] == [None]
+    with tg.check_numerics():
+        f()
+    with pytest.raises(tg.NonFiniteError, match="aten.exp produced \\+inf"):
+        with tg.check_numerics(strict=True):
+            f()
+
+
+def test_inf_written_into_a_parameter_is_harmful(tmp_path):
+    m = nn.Linear(2, 2)
+
+    def f():
+        m(torch.ones(1, 2))  # parameters are known by name once their module has run
+        update = torch.tensor([[0.0, 1.0], [2.0, 3.0]]).reciprocal()  # +inf at [0, 0]
+        with torch.no_grad():
+            m.weight.add_(update)  # a hand-written update, outside optimizer.step()
+
+    o = origin(record(tmp_path, f))
+    assert o.reason == "parameter" and o.origin.op == "aten.reciprocal" and o.chain[0].op == "aten.add_.Tensor"
+
+
+def test_inf_in_the_optimizer_update_is_harmful(tmp_path):
+    m = nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=1e38)
+
+    def f():
+        m(torch.ones(1, 2)).sum().backward()
+        with torch.no_grad():
+            m.weight.grad.mul_(10.0)  # finite, but lr * grad overflows inside step()
+        opt.step()
+
+    o = origin(record(tmp_path, f))
+    assert o.reason == "optimizer" and o.origin.phase == "optimizer"
+
+
+def test_masks_in_the_forward_pass_stay_intended_through_backward(tmp_path):
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def f():
+        scores = x.masked_fill(torch.tensor([[False, True, False, True]] * 2), -INF)
+        torch.softmax(scores, -1).pow(2).sum().backward()
+        scores.amax(-1)  # max of a row with -inf: finite here
+
+    run = record(tmp_path, f)
+    assert run.alerts()["total"] == 0
+    (g,) = run.intended()
+    assert g["made_by"] == "aten.masked_fill.Scalar" and g["absorbed_by"] == "aten._softmax.default"
+    assert g["values"] == 4 and x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_writer_judges_accelerator_style_records_the_same(tmp_path):
+    """With deferred summaries the hot path does not know health: the writer's thread judges."""
+    import true_models as M
+
+    runs = {}
+    for strategy in ("immediate", "deferred"):
+        d = tmp_path / strategy
+        with tg.record(d, strategy=strategy):
+            M.train_exp()
+        runs[strategy] = open_run(d)
+    a, b = (origin(runs[s]) for s in ("immediate", "deferred"))
+    assert [c.op for c in a.chain] == [c.op for c in b.chain] == [
+        "aten.mean", "aten.pow.Tensor_Scalar", "aten.sub.Tensor", "aten.exp"]
+    assert a.reason == b.reason == "loss" and a.origin.line == b.origin.line
+    for strategy in ("immediate", "deferred"):
+        d = tmp_path / f"mask-{strategy}"
+        with tg.record(d, strategy=strategy):
+            M.train_gpt(2)
+        run = open_run(d)
+        assert run.alerts()["total"] == 0
+        assert [(g["made_by"], g["absorbed_by"], g["values"]) for g in run.intended()] == [
+            ("aten.masked_fill.Scalar", "aten._softmax.default", 4 * 4 * 2 * 28)]
+
+
+def test_memory_stays_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(_taint, "RECORDS_MAX", 50)
+    monkeypatch.setattr(_taint, "ORIGINS_MAX", 40)
+    monkeypatch.setattr(_taint, "STORM_PINS", 30)
+    x = torch.ones(8)
+    with tg.record(tmp_path / "r", buffer=100) as rec:
+        for step in range(60):
+            tg.step(step)
+            held = x.masked_fill(x > 0, -INF)  # a new pending origin each step, held past the step
+            torch.softmax(held, 0)  # a fully masked row: NaN, harmful
+            nan = held * 0
+            for _ in range(5):
+                nan = nan + 1  # harmful executions: the first of each op type and step is pinned
+        assert len(rec.taint.records) <= 50 and len(rec.taint.origins) <= 40
+        assert len(rec.taint.states) < 20  # the dead tensors' states are dropped each step
+    run = open_run(tmp_path / "r")
+    assert run.alerts()["total"] == 60 * 7
+    # the buffer, the first chain (4) and at most 30 storm pins
+    assert run.count() <= 100 + 4 + 30
+    by_step = {s["step"]: s["nonfinite"] for s in run.steps()}
+    assert by_step[59] == 7  # counts for every step, stored or not
+
+
+def test_an_origin_older_than_the_window_is_sent_again_and_kept(tmp_path):
+    """The writer and its sink hold buffer + 10,000 executions; the recorder remembers pending
+    ones longer and sends them again when they turn harmful."""
+    x = torch.ones(1)
+    with tg.record(tmp_path / "r", buffer=10):
+        big = torch.tensor([100.0]).exp().mul(1e30)  # +inf, made first
+        for _ in range(12_000):
+            x = x + 1
+        big.add(1).item()  # read long after: harmful now
+    run = open_run(tmp_path / "r")
+    o = origin(run)
+    assert [c.op for c in o.chain] == ["aten._local_scalar_dense", "aten.add.Tensor", "aten.mul.Tensor", "aten.exp"]
+    assert o.origin.seq < run.executions(run.count() - 1)[0]["seq"] - 12_000
+    assert run.execution(o.origin.seq)["taint"] == "harmful"

@@ -1,0 +1,84 @@
+"""A script that raises or exits non-zero is never reported as finished or healthy: the run keeps
+its exit code, the exception's type and message, and the step it died in."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from trainguard.cli import main
+from trainguard.store import open_run
+
+TRAIN_THEN_RAISE = textwrap.dedent("""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    for step in range(40):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    raise ValueError("the data loader ran dry")
+""")
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    d = tmp_path_factory.mktemp("crash")
+    script = d / "train.py"
+    script.write_text(TRAIN_THEN_RAISE)
+    assert main(["run", "--monitor", "--every", "5", "--logdir", str(d / "run"), str(script)]) == 1
+    return d / "run"
+
+
+def test_the_run_keeps_the_exit_code_the_exception_and_the_step(crashed):
+    with open_run(crashed) as run:
+        assert run.status == "crashed"
+        assert run.meta["exit_code"] == 1
+        assert run.meta["error"] == "ValueError: the data loader ran dry"
+        assert run.meta["crash_step"] == 40
+
+
+def test_the_report_says_so_in_its_first_lines_and_never_healthy(crashed, capsys):
+    capsys.readouterr()
+    assert main(["report", str(crashed)]) == 0
+    out = capsys.readouterr().out
+    head = "\n".join(out.splitlines()[:3])
+    assert "the script crashed at step 40: ValueError: the data loader ran dry" in head, out
+    assert "healthy" not in out.lower()
+    assert main(["report", str(crashed), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["status"] == "crashed" and rep["crash"] == {
+        "step": 40, "exit_code": 1, "error": "ValueError: the data loader ran dry",
+        "text": "the script crashed at step 40: ValueError: the data loader ran dry"}
+    assert "healthy" not in {f["kind"] for f in rep["findings"]}
+
+
+def test_diagnose_and_the_ui_never_call_it_healthy(crashed, capsys):
+    capsys.readouterr()
+    assert main(["diagnose", str(crashed), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] != "healthy"
+    from starlette.testclient import TestClient
+
+    from trainguard.ui import create_app
+
+    with TestClient(create_app(crashed.parent)) as client:
+        runs = client.get("/api/runs").json()["runs"]
+        (rid,) = [r["id"] for r in runs]
+        verdict = client.get(f"/api/runs/{rid}/findings").json()["verdict"]
+    assert verdict["state"] != "healthy" and "crashed" in verdict["text"]
+
+
+def test_a_non_zero_exit_is_kept(tmp_path, capsys):
+    script = tmp_path / "exits.py"
+    script.write_text("import sys, torch\ntorch.ones(2).exp()\nsys.exit(7)\n")
+    assert main(["run", "--logdir", str(tmp_path / "run"), str(script)]) == 7
+    with open_run(tmp_path / "run") as run:
+        assert run.meta["exit_code"] == 7 and run.status == "exited"
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "run")]) == 0
+    assert "the script exited with code 7" in "\n".join(capsys.readouterr().out.splitlines()[:3])

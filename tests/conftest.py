@@ -1,0 +1,111 @@
+"""Fixtures shared across packages; the small real models of ``true_models.py`` are importable
+from every test folder."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+class SmallDisk:
+    """A directory on a file system that can be filled: :meth:`leave_free` leaves ``n`` bytes.
+
+    ``real`` is True on a 16 MiB tmpfs mounted for the test (root, where mounting is allowed);
+    otherwise the test falls back to :meth:`patch_writes`, which makes the writes that go
+    through a given ``open`` seam fail with ENOSPC once ``n`` bytes are spent.
+    """
+
+    SIZE = 16 << 20
+
+    def __init__(self, path: Path, real: bool):
+        self.path = path
+        self.real = real
+        self._budget: list[int] | None = None
+
+    def leave_free(self, n: int) -> None:
+        if self.real:
+            filler = self.path / f".filler-{uuid.uuid4().hex[:6]}"
+            free = shutil.disk_usage(self.path).free
+            with open(filler, "wb") as f:
+                f.write(b"\0" * max(free - n, 0))
+        else:
+            self._budget = [n]
+
+    def free_up(self) -> None:
+        for p in self.path.glob(".filler-*"):
+            p.unlink()
+        self._budget = None
+
+    def patch_writes(self, monkeypatch, owner, name: str) -> None:
+        """The fallback: files made by ``owner.name(path)`` fill the budget; disk_usage reports it."""
+        if self.real:
+            return
+        monkeypatch.setattr(owner, name, self.opener(getattr(owner, name)))
+        real_usage = shutil.disk_usage
+
+        def usage(path):
+            u = real_usage(path)
+            if self._budget is None:
+                return u
+            return type(u)(u.total, u.total - self._budget[0], self._budget[0])
+
+        monkeypatch.setattr(shutil, "disk_usage", usage)
+
+    def opener(self, real_open):
+        """Wrap a ``path -> file`` function so that, in the fallback, its files fill the budget."""
+        disk = self
+
+        class _Limited:
+            def __init__(self, path):
+                self._f = real_open(path)
+
+            def write(self, data):
+                budget = disk._budget
+                if budget is not None:
+                    n = len(memoryview(data).cast("B"))
+                    if n > budget[0]:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    budget[0] -= n
+                return self._f.write(data)
+
+            def __getattr__(self, name):
+                return getattr(self._f, name)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self._f.close()
+
+        return _Limited
+
+
+def _mount_tmpfs(where: Path, size: int) -> bool:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    where = tmp_path / "small-disk"
+    # TRAINGUARD_TEST_NO_TMPFS=1 runs the fallback on a machine that could mount (to test it).
+    real = not os.environ.get("TRAINGUARD_TEST_NO_TMPFS") and _mount_tmpfs(where, SmallDisk.SIZE)
+    where.mkdir(exist_ok=True)
+    try:
+        yield SmallDisk(where, real)
+    finally:
+        if real:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)

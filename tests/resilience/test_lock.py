@@ -1,0 +1,114 @@
+"""One owner per checkpoint directory, for the manager's life, named when a second one is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from trainguard import CheckpointError
+from trainguard.resilience import CheckpointManager, list_checkpoints
+
+from .conftest import make_state, train_steps
+
+HOLDER = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    from trainguard.resilience import CheckpointManager, TrainState
+    m = CheckpointManager(sys.argv[1])
+    loop = m.resume(TrainState(model=torch.nn.Linear(2, 2)), total_steps=5)
+    child = os.fork() if "--fork" in sys.argv else -1  # as a data-loader worker is forked
+    if child == 0:
+        time.sleep(120)
+        os._exit(0)
+    print("holding", child, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_second_manager_in_this_process_is_refused_until_the_first_closes(ckpt_dir):
+    state = make_state()
+    first = CheckpointManager(ckpt_dir)
+    first.resume(state, total_steps=3)  # restores: the directory is this manager's from now on
+    second = CheckpointManager(ckpt_dir)
+    holder = rf"pid {os.getpid()} on {socket.gethostname()}"
+    with pytest.raises(CheckpointError, match=rf"{ckpt_dir} is in use by another CheckpointManager \({holder}"):
+        second.resume(make_state(), total_steps=3)
+    with pytest.raises(CheckpointError, match=holder):
+        second.save(make_state(), 1)
+    assert second.list() == []  # listing needs no ownership
+    train_steps(state, 1)
+    first.save(state)  # the owner keeps saving
+    first.close()
+    assert second.restore(make_state()) == 1
+    second.close()
+
+
+def test_a_second_run_on_the_same_directory_is_stopped_naming_the_holder(ckpt_dir):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().split()[0] == "holding"
+        m = CheckpointManager(ckpt_dir)
+        with pytest.raises(CheckpointError, match=rf"pid {holder.pid} on {socket.gethostname()}"):
+            m.resume(make_state(), total_steps=3)
+        assert not ckpt_dir.exists() or list_checkpoints(ckpt_dir) == []  # nothing was written
+    finally:
+        holder.kill()
+        holder.wait()
+    # a killed holder's lock goes with it
+    state = make_state()
+    with CheckpointManager(ckpt_dir) as m:
+        for _ in m.resume(state, total_steps=2):
+            pass
+    assert [i.step for i in list_checkpoints(ckpt_dir)] == [2]
+
+
+def test_a_process_forked_by_the_owner_does_not_keep_the_directory_after_the_owner_dies(ckpt_dir):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt_dir), "--fork"], stdout=subprocess.PIPE,
+                              text=True)
+    worker = None
+    try:
+        word, pid = holder.stdout.readline().split()
+        assert word == "holding"
+        worker = int(pid)
+        holder.kill()  # SIGKILL: its forked worker lives on for a while, as data-loader workers do
+        holder.wait()
+        os.kill(worker, 0)  # still alive
+        with CheckpointManager(ckpt_dir) as m:
+            assert m.restore(make_state()) is None  # owned at once, not refused
+    finally:
+        holder.kill()
+        holder.wait()
+        if worker is not None:
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_restoring_from_a_directory_nobody_may_write_needs_no_ownership(ckpt_dir, tmp_path):
+    state = make_state()
+    train_steps(state, 3)
+    with CheckpointManager(ckpt_dir) as m:
+        m.save(state)
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "--bind", "-o", "ro", str(ckpt_dir), str(ro)],
+                                                   capture_output=True).returncode == 0
+    if mounted:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], capture_output=True)
+        target = ro
+    else:  # without mounting, a folder whose mode refuses writes (root would ignore it: mounted above)
+        target = ckpt_dir
+        ckpt_dir.chmod(0o555)
+    try:
+        before = sorted(p.name for p in target.iterdir())
+        with CheckpointManager(target) as m:
+            assert m.restore(make_state(seed=4)) == 3
+        assert sorted(p.name for p in target.iterdir()) == before
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(ro)], capture_output=True)
+        ckpt_dir.chmod(0o755)

@@ -1,0 +1,45 @@
+"""How the recorded script ended: a crash or a non-zero exit is said first and outranks "healthy"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainguard.store import Finding
+
+
+def script_outcome(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """``{step, exit_code, error, text}`` when the script raised or exited non-zero, else None.
+
+    ``trainguard run`` stores ``exit_code``, ``error`` (the exception's type and message) and
+    ``crash_step``; a ``with tg.record(...)`` block that raised stores ``error``.
+    """
+    error, code, step = meta.get("error"), meta.get("exit_code"), meta.get("crash_step")
+    step = step if isinstance(step, int) else None
+    if error:
+        where = f" at step {step}" if step is not None else ""
+        return {"step": step, "exit_code": code, "error": str(error), "text": f"the script crashed{where}: {error}"}
+    if isinstance(code, int) and code != 0 and meta.get("status") != "interrupted":
+        return {"step": step, "exit_code": code, "error": None, "text": f"the script exited with code {code}"}
+    return None
+
+
+def outcome_finding(meta: dict[str, Any]) -> Finding | None:
+    """The crash as a finding (severity error), so that no verdict calls the run healthy."""
+    outcome = script_outcome(meta)
+    if outcome is None:
+        return None
+    text = outcome["text"]
+    return Finding(kind="script_crashed", severity="error", title=text[0].upper() + text[1:],
+                   evidence={k: v for k, v in outcome.items() if k != "text" and v is not None},
+                   suggestion="the statistics stop where the script did: fix the error it raised (its traceback "
+                   "was printed when it ran), then judge training health on a run that finishes",
+                   source="run")
+
+
+def with_outcome(meta: dict[str, Any], findings: list[dict]) -> list[dict]:
+    """``findings`` with the crash first and any "healthy" verdict taken out, when the script crashed."""
+    crash = outcome_finding(meta)
+    if crash is None:
+        return findings
+    rest = [f for f in findings if f.get("kind") not in ("healthy", "script_crashed")]
+    return [crash.to_dict(), *rest]

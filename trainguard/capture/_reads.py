@@ -1,0 +1,55 @@
+"""Values the program reads that no aten op shows: ``.tolist()``, ``.numpy()``, printing.
+
+``.item()`` and ``float(t)`` dispatch ``aten._local_scalar_dense`` and are seen by the recorder
+like any op; ``tolist``, ``numpy`` and ``repr`` read the memory directly (a dispatch mode never
+sees them). While a recording is active these methods of ``torch.Tensor`` are wrapped so that
+reading a pending inf makes it harmful (docs/recorder.md, "Harmful, intended, unknown").
+Installed once for all active recorders and restored when the last one stops.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_METHODS = ("tolist", "numpy", "__repr__", "__format__", "__array__")
+_active: list = []  # recorders, each with an ``on_read(tensor)`` method
+_saved: dict[str, object] = {}
+_lock = threading.Lock()
+_MISSING = object()
+
+
+def _wrap(name: str, original):
+    def read(self, *args, **kwargs):
+        for rec in _active:
+            rec.on_read(self)
+        return original(self, *args, **kwargs)
+
+    read.__name__ = name
+    read.__qualname__ = f"Tensor.{name}"
+    read.__doc__ = getattr(original, "__doc__", None)
+    read.__wrapped__ = original
+    return read
+
+
+def install(recorder) -> None:
+    with _lock:
+        if not _active:
+            for name in _METHODS:
+                _saved[name] = torch.Tensor.__dict__.get(name, _MISSING)
+                setattr(torch.Tensor, name, _wrap(name, getattr(torch.Tensor, name)))
+        _active.append(recorder)
+
+
+def remove(recorder) -> None:
+    with _lock:
+        if recorder in _active:
+            _active.remove(recorder)
+        if not _active and _saved:
+            for name, original in _saved.items():
+                if original is _MISSING:
+                    delattr(torch.Tensor, name)
+                else:
+                    setattr(torch.Tensor, name, original)
+            _saved.clear()

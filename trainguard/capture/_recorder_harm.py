@@ -1,0 +1,85 @@
+"""The recorder's side of harmful values that is not the hot path: sinks seen outside an op
+(the start of a backward pass, the program reading a tensor), check_numerics stopping, and
+handing the judging to the writer's thread (docs/recorder.md, "Harmful, intended, unknown").
+
+A mixin of :class:`trainguard.capture._recorder.Recorder`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from trainguard._errors import NonFiniteError
+from trainguard.capture import _numerics, _steps
+from trainguard.capture._taint import HARMFUL
+
+_clock = _steps.clock
+
+
+class HarmHooks:
+    # ------------------------------------------------------------------ taint plumbing
+    def _judge_in_writer(self) -> None:
+        """Accelerator summaries reach the host on the writer's thread: from now on their
+        taint is judged there, by the same tracker (this thread no longer touches it)."""
+        self.judge_here = False
+        tracker, fields = self.taint, self.fields
+        tracker.bounded = True
+        if self.writer is not None:
+            self.writer.judge = lambda records: tracker.judge(records, fields)
+
+    def _note_origin(self, seq: int, args, outs) -> None:
+        """check_numerics: describe an op that made an inf while its tensors are at hand, for
+        the message that names it if the inf becomes harmful later."""
+        o = self.taint.origins.get(seq)
+        if o is not None:
+            self.taint.origins[seq] = o[:-1] + (_numerics.origin_detail(args, outs, self),)
+
+    def _stop_at(self, rec: tuple, args, outs, health: int, fwd_op) -> None:
+        """check_numerics: the op ``rec`` made a harmful value (or, strict, any non-finite one)."""
+        seq, phase, name, module_id, stack_id = rec[0], rec[2], rec[3], rec[4], rec[5]
+        taint, origin = rec[11], rec[12]
+        if self.writer is not None:
+            self.pending.append(rec)
+            self.recorded += 1
+            if taint != HARMFUL:  # strict: not harmful, yet what it stopped at is kept
+                self.taint.pins += [seq] + [ref for kind, ref in rec[8] if kind == "op"]
+        first = self.taint.first
+        o = self.taint.origins.get(origin) if origin is not None and origin != seq else None
+        msg = _numerics.message(self, name, phase, module_id, stack_id, fwd_op, args, outs, health, origin=o,
+                                reason=first["reason"] if first and first["seq"] == seq else None)
+        self._stop_with(msg, seq, name, phase)
+
+    # ------------------------------------------------------------------ harm seen outside an op
+    def backward_starts(self, fwd_seq: int | None) -> None:
+        """A backward pass runs from the output of execution ``fwd_seq``: that is the loss."""
+        if self.judge_here and self.taint.states:
+            self._reached(self.taint.backward_starts(fwd_seq, _clock.step), fwd_seq)
+
+    def on_read(self, t: torch.Tensor) -> None:
+        """The program reads ``t`` (``.tolist()``, ``.numpy()``, printing): a sink."""
+        if not self.active or not self.judge_here or threading.get_ident() != self._thread:
+            return
+        p = self.producers.get(id(t))
+        if p is not None and p[0]() is t and self.taint.states:
+            self._reached(self.taint.reached(p[1], _clock.step, "read"), p[1])
+
+    def _reached(self, state: tuple, seq: int | None) -> None:
+        if self.taint.urgent:
+            self.flush()
+        if not self.check or state[0] != HARMFUL or self.taint.first is None or self.taint.first["seq"] != seq:
+            return
+        rec = self.taint.records.get(seq)
+        harm_at = (rec[3], rec[5]) if rec is not None else ("?", None)
+        o = self.taint.origins.get(state[1])
+        msg = _numerics.message(self, harm_at[0], "forward", None, harm_at[1], None, (), (), 0, origin=o,
+                                reason=self.taint.first["reason"], harm_at=harm_at)
+        self._stop_with(msg, seq, harm_at[0])
+
+    def _stop_with(self, msg: str, seq: int, op: str, phase: str | None = None) -> None:
+        """check_numerics: write what it stopped at into the run, then raise."""
+        if self.writer is not None:
+            self.writer.set_meta(check_numerics_stop={"seq": seq, "op": op, "message": msg})
+        self.flush()
+        raise NonFiniteError(msg, execution={"seq": seq, "op": op, "phase": phase})

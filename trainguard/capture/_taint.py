@@ -1,0 +1,454 @@
+"""Harmful, intended, unknown: the taint of every recorded output, judged online.
+
+A non-finite value is harmful when it is a NaN, or when a +-inf (or a value computed from it)
+reaches a sink: the loss (the tensor backward() runs from), a gradient (any backward-pass
+output), a parameter or optimizer state (optimizer-phase outputs, in-place writes into a
+parameter) or a value the program reads (``.item()``, ``.tolist()``, printing). A +-inf that is
+absorbed first is intended. Allocation outputs, and views and copies of them until written,
+are unknown: never evidence. See docs/recorder.md, "Harmful, intended, unknown".
+
+The state of a tensor is kept by the seq of the execution that produced it (a record's inputs
+name their producers by seq; an in-place op makes its output the tensor's new producer), only
+for outputs that are not finite: ``states[seq] = (taint, origin)``. The rule that turns an op's
+inputs into its output's taint is :func:`propagate`, a lookup in ``RULES`` by the op's class,
+the highest input taint and the output's health; the native recorder ports that table as is.
+:class:`Tracker` adds what needs memory: the sinks, the first harmful chain to pin, counts.
+Pure Python without torch: the recorder calls it on the training thread, the run writer on its
+own thread for accelerator records whose health arrives later.
+"""
+
+from __future__ import annotations
+
+from trainguard.store._codec import (
+    NAN,
+    NEG_INF,
+    NONFINITE,
+    POS_INF,
+    T_FINITE,
+    T_HARMFUL,
+    T_PENDING,
+    T_UNKNOWN,
+)
+
+FINITE, UNKNOWN, PENDING, HARMFUL = T_FINITE, T_UNKNOWN, T_PENDING, T_HARMFUL
+
+# ---------------------------------------------------------------------- op classes
+# DEFAULT: computes new values from its inputs. VIEW: aliases its input (schema says so). COPY:
+# copies its input's values. ALLOC: uninitialised memory. RENORM: softmax-like ops built to
+# absorb -inf masks: what non-finite value they output is theirs (a fully masked row).
+# READ: hands a value to the program (no tensor output).
+DEFAULT, VIEW, COPY, ALLOC, RENORM, READ = range(6)
+CLASS_NAMES = ("default", "view", "copy", "alloc", "renorm", "read")
+
+ALLOC_OPS = frozenset(
+    {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
+     "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out",
+     "aten.empty_permuted.default", "aten.resize_.default"}
+)
+COPY_OPS = frozenset(
+    {"aten.clone.default", "aten._to_copy.default", "aten.copy_.default", "aten.copy.default",
+     "aten._copy_from.default", "aten._copy_from_and_resize.default", "aten.lift_fresh.default",
+     "aten.lift_fresh_copy.default", "aten.contiguous.default", "aten.to.dtype", "aten.to.device",
+     "aten.to.dtype_layout", "aten._to_copy.out", "aten.clone.out"}
+)
+RENORM_OPS = frozenset(
+    {"aten._softmax.default", "aten._log_softmax.default", "aten._safe_softmax.default",
+     "aten.softmax.int", "aten.log_softmax.int", "aten.logsumexp.default",
+     "aten._scaled_dot_product_flash_attention_for_cpu.default",
+     "aten._scaled_dot_product_flash_attention.default",
+     "aten._scaled_dot_product_efficient_attention.default",
+     "aten._scaled_dot_product_cudnn_attention.default",
+     "aten._scaled_dot_product_fused_attention_overrideable.default",
+     "aten._scaled_dot_product_attention_math.default"}
+)
+READ_OPS = frozenset({"aten._local_scalar_dense.default", "aten.item.default"})
+# Ops that only inspect values (a bool out): an inf they see is not consumed yet, so a later
+# op that absorbs it (the overwrite after ``isinf``) is named as its absorber instead.
+CHECK_OPS = frozenset(
+    {"aten.isinf.default", "aten.isnan.default", "aten.isfinite.default", "aten.isposinf.default",
+     "aten.isneginf.default", "aten.eq.Tensor", "aten.eq.Scalar", "aten.ne.Tensor", "aten.ne.Scalar",
+     "aten.lt.Tensor", "aten.lt.Scalar", "aten.le.Tensor", "aten.le.Scalar", "aten.gt.Tensor",
+     "aten.gt.Scalar", "aten.ge.Tensor", "aten.ge.Scalar", "aten.any.default", "aten.any.dim",
+     "aten.all.default", "aten.all.dim", "aten.isclose.default"}
+)
+# In-place ops that replace every value of their first input: its old state does not count.
+OVERWRITE_OPS = frozenset(
+    {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default",
+     "aten.normal_.default", "aten.uniform_.default", "aten.bernoulli_.float", "aten.bernoulli_.Tensor",
+     "aten.random_.default", "aten.random_.from", "aten.random_.to", "aten.exponential_.default",
+     "aten.geometric_.default", "aten.cauchy_.default", "aten.log_normal_.default",
+     "aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset", "aten.set_.source_Tensor",
+     "aten._copy_from.default"}
+)
+
+
+def classify(name: str, is_view: bool) -> int:
+    """The class of an op by its overload name (``aten.copy_.default``) and its schema."""
+    if name in ALLOC_OPS:
+        return ALLOC
+    if name in READ_OPS:
+        return READ
+    if name in RENORM_OPS:
+        return RENORM
+    if name in COPY_OPS:
+        return COPY
+    return VIEW if is_view else DEFAULT
+
+
+# ---------------------------------------------------------------------- the rule
+# Where an output's origin comes from: none, the highest-ranked input's, or this execution.
+NONE, INPUT, SELF = 0, 1, 2
+_F, _I, _N = 0, 1, 2  # the output holds: only finite values, +-inf (no NaN), NaN
+
+# RULES[class][input taint][output] = (output taint, origin source). The input taint is the
+# highest among the op's inputs (FINITE < UNKNOWN < PENDING < HARMFUL). Read a row as: "a
+# DEFAULT op whose inputs hold a pending inf and whose output holds NaN makes a harmful value
+# whose origin is the inf's" (0 * inf). A finite output is finite whatever came in: that is
+# absorption (softmax of -inf, where, masked selection, clamp, nan_to_num, max, comparisons,
+# an overwrite). Sinks are applied after the table (Tracker.settle).
+_DEFAULT_ROWS = {
+    FINITE: ((FINITE, NONE), (PENDING, SELF), (HARMFUL, SELF)),
+    UNKNOWN: ((FINITE, NONE), (PENDING, SELF), (HARMFUL, SELF)),  # computing on garbage is a fault
+    PENDING: ((FINITE, NONE), (PENDING, INPUT), (HARMFUL, INPUT)),
+    HARMFUL: ((FINITE, NONE), (HARMFUL, INPUT), (HARMFUL, INPUT)),
+}
+_ALIAS_ROWS = {**_DEFAULT_ROWS, UNKNOWN: ((UNKNOWN, NONE),) * 3}  # views and copies of garbage
+RULES: tuple[dict, ...] = (
+    _DEFAULT_ROWS,  # DEFAULT
+    _ALIAS_ROWS,  # VIEW
+    _ALIAS_ROWS,  # COPY
+    {t: ((UNKNOWN, NONE),) * 3 for t in (FINITE, UNKNOWN, PENDING, HARMFUL)},  # ALLOC
+    {  # RENORM: a -inf it receives is absorbed by design; what it makes non-finite is its own
+        FINITE: ((FINITE, NONE), (PENDING, SELF), (HARMFUL, SELF)),
+        UNKNOWN: ((FINITE, NONE), (PENDING, SELF), (HARMFUL, SELF)),
+        PENDING: ((FINITE, NONE), (PENDING, SELF), (HARMFUL, SELF)),
+        HARMFUL: ((FINITE, NONE), (HARMFUL, INPUT), (HARMFUL, INPUT)),
+    },
+    {  # READ: the program receives the value; reading an inf is the sink
+        FINITE: ((FINITE, NONE),) * 3,
+        UNKNOWN: ((FINITE, NONE),) * 3,
+        PENDING: ((HARMFUL, INPUT),) * 3,
+        HARMFUL: ((HARMFUL, INPUT),) * 3,
+    },
+)
+
+
+def propagate(cls: int, in_taint: int, in_origin: int | None, health: int, seq: int) -> tuple[int, int | None]:
+    """(taint, origin) of an op's output from its class, its highest input taint (with that
+    input's origin) and its output's health bits."""
+    out = _N if health & NAN else (_I if health & NONFINITE else _F)
+    taint, src = RULES[cls][in_taint][out]
+    return taint, (seq if src == SELF else in_origin if src == INPUT else None)
+
+
+# ---------------------------------------------------------------------- memory bounds
+# Records kept for the chain of a value that may turn harmful later (pending outputs), most
+# recently used last: an origin every step derives from (a mask buffer) stays.
+RECORDS_MAX = 4096
+# Origins of infinities remembered for the counts of intended ones and for check_numerics.
+ORIGINS_MAX = 4096
+# States kept by the writer's judge, which cannot see which tensors died (the recorder drops
+# the states of dead tensors each step).
+STATES_MAX = 65536
+# Harmful executions pinned after the first chain: the first of each op type and step, up to
+# this many in a run, so that a run that keeps making NaN stays within 2x of its healthy size.
+STORM_PINS = 256
+
+
+def kind_of(health: int) -> str:
+    if health & NAN:
+        return "nan"
+    both = health & (POS_INF | NEG_INF)
+    return "±inf" if both == POS_INF | NEG_INF else ("+inf" if both == POS_INF else "-inf")
+
+
+class Tracker:
+    """The taint state of one recording (see the module docstring). Not thread-safe: one thread
+    judges (the training thread, or the writer's); :meth:`take` may run on another."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, tuple[int, int | None]] = {}
+        self.records: dict[int, tuple] = {}
+        # origin seq -> (op, kind, values, absorbed_by or None, harmful, step, phase, module_id,
+        #                stack_id, fwd_op, detail): tuples, which the garbage collector untracks.
+        self.origins: dict[int, tuple] = {}
+        # (kind, made_by, absorbed_by) -> [values, origins]: infinities never harmful so far.
+        self.groups: dict[tuple, list] = {}
+        self.first: dict | None = None  # where the first harmful value became harmful
+        self.pins: list[int] = []
+        self.resend: list[tuple] = []
+        self.counted: list[tuple[int, str, int]] = []  # (step, op, seq) of harmful executions
+        self.seen: set[tuple[int, str]] = set()  # (step, op) whose first harmful execution is pinned
+        self.storm_pins = 0
+        self.urgent = False
+        self.changed = False  # first/groups changed since take()
+        self.bounded = False  # the writer's judge: no liveness, bound the states by size
+        self.keep_records = True  # False without a run directory: nothing to resend
+        self.op_classes: dict[str, tuple[int, bool, bool]] = {}  # name -> (class, overwrite, inplace)
+        self._last_phase = None
+
+    # ------------------------------------------------------------------ judging
+    def settle(self, seq: int, step: int, phase: str, op: str, cls: int, param_write: bool, in_taint: int,
+               in_origin: int | None, health: int, inputs: tuple, fwd_seq: int | None, fields: tuple,
+               summaries, where: tuple = (None, None, None)) -> tuple[int, int | None]:
+        """The taint of execution ``seq``'s outputs; records the events it makes.
+
+        ``fields`` and ``summaries`` (the run's summary fields, the outputs' summaries) count
+        the infinities an origin made; ``where`` is (module id, stack id, forward op name) for
+        an origin check_numerics may name later.
+        """
+        if in_taint == HARMFUL and cls != ALLOC and (health or cls == READ):
+            # Passed on (a run that keeps making NaN does little else): the table's answer, and
+            # only the count and the storm's pins to keep.
+            self._state(seq, HARMFUL, in_origin)
+            self._harmful(seq, step, op, in_origin, None, inputs, fwd_seq)
+            return HARMFUL, in_origin
+        taint, origin = propagate(cls, in_taint, in_origin, health, seq)
+        if cls == RENORM and in_taint == PENDING:  # softmax took the mask's -inf, whatever it made
+            self._absorbed(in_origin, op)
+        reason = None
+        if taint == PENDING and (phase == "backward" or phase == "optimizer" or param_write):
+            taint = HARMFUL
+            reason = "gradient" if phase == "backward" else "optimizer" if phase == "optimizer" else "parameter"
+        elif taint == HARMFUL and in_taint != HARMFUL:
+            reason = "read" if cls == READ else "nan"
+        if taint == FINITE:
+            if in_taint == PENDING and cls != RENORM:
+                self._absorbed(in_origin, op)
+            return FINITE, None
+        if taint == UNKNOWN:
+            self._state(seq, UNKNOWN, None)
+            return UNKNOWN, None
+        if origin == seq:
+            self._born(seq, op, health, inf_values(fields, summaries) if health & (POS_INF | NEG_INF) else 0,
+                       step, phase, where)
+        elif taint == PENDING:  # derived from an origin still in use: keep it (least recently used goes)
+            if origin in self.records:
+                self.records[origin] = self.records.pop(origin)
+            if origin in self.origins:
+                self.origins[origin] = self.origins.pop(origin)
+        self._state(seq, taint, origin)
+        if taint == HARMFUL:
+            self._harmful(seq, step, op, origin, reason, inputs, fwd_seq)
+        return taint, origin
+
+    def _state(self, seq: int, taint: int, origin: int | None) -> None:
+        states = self.states
+        states[seq] = (taint, origin)
+        if self.bounded and len(states) > STATES_MAX:
+            del states[next(iter(states))]
+
+    def _born(self, seq, op, health, values, step, phase, where) -> None:
+        kind = kind_of(health)
+        origins = self.origins
+        origins[seq] = (op, kind, values, None, health & NAN != 0, step, phase, *where, None)
+        if not health & NAN:
+            self._group(kind, op, None, values, 1)
+        if len(origins) > ORIGINS_MAX:
+            del origins[next(iter(origins))]
+
+    def _group(self, kind, made_by, absorbed_by, values, n) -> None:
+        g = self.groups.get((kind, made_by, absorbed_by))
+        if g is None:
+            g = self.groups[(kind, made_by, absorbed_by)] = [0, 0]
+        g[0] += values
+        g[1] += n
+        self.changed = True
+
+    def _absorbed(self, origin: int | None, op: str) -> None:
+        """A pending inf went into an op whose output is finite: intended, absorbed by ``op``."""
+        o = self.origins.get(origin)
+        if o is None or o[4] or (o[3] is not None and o[3] not in CHECK_OPS) or o[3] == op:
+            return
+        self.origins[origin] = o[:3] + (op,) + o[4:]
+        self._group(o[1], o[0], o[3], -o[2], -1)
+        self._group(o[1], o[0], op, o[2], 1)
+
+    def keep(self, rec: tuple) -> None:
+        """Remember a pending record: its value may turn harmful later, and then the run needs it."""
+        if not self.keep_records:
+            return
+        records = self.records
+        records[rec[0]] = rec
+        if len(records) > RECORDS_MAX:
+            del records[next(iter(records))]
+
+    # ------------------------------------------------------------------ sinks seen from outside the op
+    def reached(self, seq: int, step: int, reason: str) -> tuple[int, int | None]:
+        """The output of execution ``seq`` reached a sink after it was made (backward() was
+        called on it, or the program read it): a pending value there becomes harmful."""
+        st = self.states.get(seq)
+        if st is None or st[0] != PENDING:
+            return (st or (FINITE, None))
+        origin = st[1]
+        self.states[seq] = (HARMFUL, origin)
+        rec = self.records.get(seq)
+        self._harmful(seq, rec[1] if rec else step, rec[3] if rec else "?", origin, reason,
+                      rec[8] if rec else (), rec[6] if rec else None, retro=True)
+        return HARMFUL, origin
+
+    def _harmful(self, seq, step, op, origin, reason, inputs, fwd_seq, retro=False) -> None:
+        self.counted.append((step, op, seq))
+        o = self.origins.get(origin) if reason is not None else None  # passed on: already harmful
+        if o is not None and not o[4]:
+            self.origins[origin] = o[:4] + (True,) + o[5:]
+            if o[1] != "nan":
+                self._group(o[1], o[0], o[3], -o[2], -1)
+        key = (step, op)
+        if self.first is None:
+            self.first = {"seq": seq, "origin": origin, "reason": reason, "op": op, "step": step}
+            self.seen.add(key)
+            self.changed = self.urgent = True
+            self._pin_chain(seq, origin, inputs, fwd_seq, retro)
+            return
+        if retro and seq in self.records:  # the record was sent before it was harmful
+            rec = self.records[seq]
+            self.resend.append(rec[:11] + (HARMFUL, origin))
+        if key not in self.seen and self.storm_pins < STORM_PINS:
+            self.seen.add(key)
+            self.storm_pins += 1
+            self.pins.append(seq)
+            if fwd_seq is not None:
+                self.pins.append(fwd_seq)
+
+    def _pin_chain(self, seq, origin, inputs, fwd_seq, retro) -> None:
+        """Pin the first harmful value's execution, its producers and forward op, and every
+        pending execution on its way back to the origin (sent again, now harmful)."""
+        pins = self.pins
+        pins.append(seq)
+        if fwd_seq is not None:
+            pins.append(fwd_seq)
+        todo = [ref for kind, ref in inputs if kind == "op"]
+        pins += todo
+        if retro and seq in self.records:
+            todo.append(seq)
+        records, states = self.records, self.states
+        done = set()
+        while todo:
+            s = todo.pop()
+            if s in done:
+                continue
+            done.add(s)
+            rec = records.get(s)
+            if rec is None or rec[12] != origin or rec[11] == HARMFUL:
+                continue
+            rec = rec[:11] + (HARMFUL, origin)
+            records[s] = rec
+            self.resend.append(rec)
+            if s in states:
+                states[s] = (HARMFUL, origin)
+            if s != seq:
+                self.counted.append((rec[1], rec[3], s))
+            producers = [ref for kind, ref in rec[8] if kind == "op"]
+            pins.append(s)
+            pins += producers
+            if rec[6] is not None:
+                pins.append(rec[6])
+            if s != origin:
+                todo += producers
+
+    def backward_starts(self, fwd_seq: int | None, step: int) -> tuple[int, int | None]:
+        """A backward pass starts at the autograd node of execution ``fwd_seq``: its output is
+        the loss."""
+        if fwd_seq is None:
+            return FINITE, None
+        return self.reached(fwd_seq, step, "loss")
+
+    # ------------------------------------------------------------------ the writer's judge
+    def judge(self, records: list, fields: tuple) -> tuple[list, list, list, list, dict]:
+        """Taint the records the hot path could not (their health arrived with the batch)."""
+        from trainguard.store._codec import health_of
+
+        out = []
+        for rec in records:
+            if len(rec) < 13 or rec[11] is not None:
+                out.append(rec)
+                self._last_phase = rec[2]
+                continue
+            seq, step, phase, op = rec[0], rec[1], rec[2], rec[3]
+            if phase == "backward" and self._last_phase != "backward":
+                self.backward_starts(rec[6], step)
+            self._last_phase = phase
+            health = 0
+            if rec[10] and fields:
+                for values in rec[10]:
+                    health |= health_of(fields, values)
+            cls, overwrite, inplace = self.op_classes.get(op, (DEFAULT, False, False))
+            in_taint, in_origin = FINITE, None
+            for i, (kind, ref) in enumerate(rec[8]):
+                if kind != "op" or (i == 0 and overwrite):
+                    continue
+                st = self.states.get(ref)
+                if st is not None and (st[0] > in_taint or (st[0] == in_taint and st[1] is not None
+                                                            and (in_origin is None or st[1] < in_origin))):
+                    in_taint, in_origin = st
+            param_write = inplace and bool(rec[8]) and rec[8][0][0] == "param"
+            taint, origin = FINITE, None
+            if health or in_taint or cls == ALLOC:
+                taint, origin = self.settle(seq, step, phase, op, cls, param_write, in_taint, in_origin, health,
+                                            rec[8], rec[6], fields, rec[10], (rec[4], rec[5], None))
+            rec = rec[:7] + (health,) + rec[8:11] + (taint, origin)
+            if taint == PENDING:
+                self.keep(rec)
+            out.append(rec)
+        pins, resend, counts, _ = self.take()
+        return out, pins, resend, counts, self.meta()
+
+    # ------------------------------------------------------------------ hand-over
+    def take(self) -> tuple[list, list, list, bool]:
+        """(pins, records to resend, harmful counts as (step, op, count, first seq), urgent)
+        gathered since the last call. Safe against appends from the judging thread."""
+        n = len(self.pins)
+        pins = self.pins[:n]
+        del self.pins[:n]
+        n = len(self.resend)
+        resend = self.resend[:n]
+        del self.resend[:n]
+        n = len(self.counted)
+        counted = self.counted[:n]
+        del self.counted[:n]
+        agg: dict[tuple[int, str], list] = {}
+        for step, op, seq in counted:
+            a = agg.get((step, op))
+            if a is None:
+                agg[(step, op)] = [1, seq]
+            else:
+                a[0] += 1
+                a[1] = min(a[1], seq)
+        urgent, self.urgent = self.urgent, False
+        return pins, resend, [(s, op, n, f) for (s, op), (n, f) in agg.items()], urgent
+
+    def meta(self) -> dict:
+        """The run metadata that changed since the last call: first_harm, intended."""
+        if not self.changed:
+            return {}
+        self.changed = False
+        out = {"intended": self.intended()}
+        if self.first is not None:
+            out["first_harm"] = dict(self.first)
+        return out
+
+    def intended(self) -> list[dict]:
+        """Infinities never harmful: by kind, the op that made them and the one that absorbed them."""
+        # list(): one C-level copy, safe while the judging thread adds a group (flush may run on
+        # the writer's thread when the program stopped making ops)
+        rows = [{"kind": k, "made_by": m, "absorbed_by": a, "values": v, "executions": n}
+                for (k, m, a), (v, n) in list(self.groups.items()) if n > 0]
+        rows.sort(key=lambda r: (r["absorbed_by"] is None, -r["executions"], -r["values"]))
+        return rows
+
+    def prune(self, live: set[int]) -> None:
+        """Forget the states of tensors that died (the recorder calls this each step)."""
+        self.states = {k: v for k, v in self.states.items() if k in live}
+
+
+def inf_values(fields: tuple, summaries) -> int:
+    """How many +-inf the outputs hold, from their summaries (0 when the mode does not count)."""
+    if not summaries or not fields or "pos_inf" not in fields:
+        return 0
+    i, j = fields.index("neg_inf"), fields.index("pos_inf")
+    total = 0
+    for s in summaries:
+        if isinstance(s, tuple) and len(s) > j and s[i] == s[i] and s[j] == s[j]:
+            total += int(s[i]) + int(s[j])
+    return total
