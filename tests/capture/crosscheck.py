@@ -6,7 +6,10 @@ changes what autograd runs (DESIGN.md: with any dispatch mode active every tenso
 subclass): the mode's extra ``detach`` of each output autograd saves, and its out-of-place
 gradient accumulation (``add`` where plain autograd runs ``add_``). Everything else must match:
 the same ops in the same order, steps, phases, modules, stacks (as frames), forward ops of
-backward ops, input producers, output dtypes, shapes, devices and summaries.
+backward ops, input producers, output dtypes, shapes, devices, summaries, and the taint and
+origin of each execution (as finally stored: records sent again when they turned harmful count
+in their last form). Then the stored runs: each execution's taint and origin, the first harmful
+value, the intended infinities and the harmful counts per step and op (the mode's own ops aside).
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ import math
 import torch
 
 import trainguard as tg
-from trainguard.store import _writer
+from trainguard.store import _writer, open_run
 
 # (python op, native op): what the dispatch mode runs instead of plain autograd: a detach of each
 # output autograd saves; a copy (new_empty_strided + copy_) of a gradient AccumulateGrad steals,
 # where plain autograd detaches it.
 MODE_ONLY = {"aten.detach.default", "aten.new_empty_strided.default", "aten.copy_.default"}
-MODE_REPLACES = {("aten.add.Tensor", "aten.add_.Tensor")}
+MODE_REPLACES = {("aten.add.Tensor", "aten.add_.Tensor"), ("aten.view.default", "aten._reshape_alias.default")}
 # What plain PyTorch runs and the dispatch mode cannot see: an allocation of SDPA's backward, and
 # the detach inside nn.Parameter() (torch stashes every dispatch mode around it).
 PLAIN_ONLY = {"aten.empty.memory_format", "aten.detach.default"}
@@ -32,12 +35,16 @@ PLAIN_ONLY = {"aten.empty.memory_format", "aten.detach.default"}
 def capture(make_program, tmp_path, backend: str, mode: str, seed: int = 0, **kw):
     """(records, stacks {id: frames}, modules {id: path}, the recorder) of ``make_program()()``,
     a fresh program built after seeding, so that both backends run the same one."""
-    got = {"records": [], "stacks": {}, "modules": {}}
+    got = {"records": [], "stacks": {}, "modules": {}, "run": None}
+    by_seq: dict[int, tuple] = {}
     orig_exec, orig_stack, orig_module = (_writer.RunWriter.put_executions, _writer.RunWriter.put_stack,
                                           _writer.RunWriter.put_module)
 
     def put_executions(self, batch, must_keep=False):
-        got["records"].extend(_writer._resolve(batch))
+        for r in _writer._resolve(batch):
+            by_seq[r[0]] = r
+        for r in batch.resend or ():  # sent again, harmful now: its last form is the record's
+            by_seq[r[0]] = r
         return orig_exec(self, batch, must_keep=must_keep)
 
     def put_stack(self, sid, frames):
@@ -59,7 +66,8 @@ def capture(make_program, tmp_path, backend: str, mode: str, seed: int = 0, **kw
         _writer.RunWriter.put_executions, _writer.RunWriter.put_stack, _writer.RunWriter.put_module = (
             orig_exec, orig_stack, orig_module)
     assert rec.backend == backend
-    got["records"].sort(key=lambda r: r[0])
+    got["records"] = sorted(by_seq.values(), key=lambda r: r[0])
+    got["run"] = open_run(tmp_path / f"{backend}-{mode}")
     return got, rec
 
 
@@ -109,6 +117,10 @@ def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
     for i, j in pairs:
         seq_map[pr[i][0]] = nr[j][0]
     anchors = sorted(seq_map.items())
+    # The mode's detach of an output autograd saves stands for that output in the backward ops
+    # that read it (the native core finds the output itself, by its storage).
+    detached = {r[0]: r[8][0][1] for r in pr if r[0] in mode_seqs and r[3] == "aten.detach.default"
+                and r[8] and r[8][0][0] == "op"}
 
     def mapped(seq):
         """A recorded op's native number; for one filtered out, by the offset of the last recorded
@@ -139,8 +151,13 @@ def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
             problems.append(f"{where}: inputs {p[8]} vs {n[8]}")
         else:
             for a, b in zip(p[8], n[8]):
-                if a[0] == "op" and a[1] in mode_seqs:
-                    continue  # made by the mode's own detach
+                if a[0] == "op":
+                    src = a[1]
+                    while src in detached:
+                        src = detached[src]
+                    if src in mode_seqs:
+                        continue  # made by the mode's own ops (AccumulateGrad's copy)
+                    a = ("op", src)
                 want = ("op", mapped(a[1])) if a[0] == "op" else a
                 if a == ("input", None) and b[0] == "op" and b[1] in plain_seqs:
                     continue  # made by an op the mode cannot see
@@ -148,7 +165,41 @@ def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
                     problems.append(f"{where}: input {a} (-> {want}) vs {b}")
         if not _same_summary(p[10], n[10]):
             problems.append(f"{where}: summaries {p[10]} vs {n[10]}")
+        if p[11] != n[11]:
+            problems.append(f"{where}: taint {p[11]!r} vs {n[11]!r}")
+        if (mapped(p[12]) if p[12] is not None else None) != n[12]:
+            problems.append(f"{where}: origin {p[12]} (-> {seq_map.get(p[12])}) vs {n[12]}")
+    problems += _compare_runs(py["run"], nat["run"], pairs, pr, nr, mapped)
     return problems, artefacts
+
+
+_OWN_OPS = MODE_ONLY | PLAIN_ONLY | {op for pair in MODE_REPLACES for op in pair}
+
+
+def _compare_runs(prun, nrun, pairs, pr, nr, mapped) -> list[str]:
+    """The stored runs: each paired execution's taint and origin, the first harm, the intended
+    infinities, the harmful counts (ops only one backend runs left out)."""
+    problems = []
+    for i, j in pairs:
+        pe, ne = prun.execution(pr[i][0]), nrun.execution(nr[j][0])
+        if pe["taint"] != ne["taint"] or (mapped(pe["origin"]) if pe["origin"] is not None else None) != ne["origin"]:
+            problems.append(f"stored python seq {pe['seq']} / native {ne['seq']} ({pe['op']}): "
+                            f"{pe['taint']}/{pe['origin']} vs {ne['taint']}/{ne['origin']}")
+    pf, nf = prun.first_harm(), nrun.first_harm()
+    if (pf is None) != (nf is None) or (pf and (
+            {k: pf[k] for k in ("reason", "op", "step")} != {k: nf[k] for k in ("reason", "op", "step")}
+            or mapped(pf["seq"]) != nf["seq"] or (mapped(pf["origin"]) if pf["origin"] is not None else None)
+            != nf["origin"])):
+        problems.append(f"first harm {pf} vs {nf}")
+    if prun.intended() != nrun.intended():
+        problems.append(f"intended {prun.intended()} vs {nrun.intended()}")
+
+    def counts(run):
+        return {(step, op): n for step, op, n in run._q("SELECT step, op, count FROM harmful") if op not in _OWN_OPS}
+    pc, nc = counts(prun), counts(nrun)
+    if pc != nc:
+        problems.append(f"harmful counts {sorted(pc.items())} vs {sorted(nc.items())}")
+    return problems
 
 
 def crosscheck(make_program, tmp_path, mode: str = "full_health", **kw):

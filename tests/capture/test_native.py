@@ -53,7 +53,7 @@ def test_native_is_the_default_and_the_run_says_so(tmp_path, capsys):
 def test_check_numerics_runs_on_the_python_backend():
     with pytest.raises(tg.NonFiniteError, match="aten.log"):
         with tg.check_numerics() as rec:
-            torch.log(torch.zeros(2))
+            torch.log(-torch.ones(2))  # NaN: harmful where made (an unread -inf would pass)
     assert rec.backend == "python"
     with pytest.raises(ValueError, match="check_numerics"):
         from trainguard.capture import Recorder

@@ -361,17 +361,25 @@ class Recorder(HarmHooks):
     def _flush_native(self) -> None:
         from trainguard.capture._native._backend import paused
 
+        # The whole hand-over under the lock: the drain thread and a read on the training thread
+        # (on_read) both flush, and their batches must reach the writer in the order judged.
         with self._lock, paused():  # stacking the device summaries is trainguard's own work
-            records, deferred, bad = self._native.drain()
-            if not records:
+            records, deferred, pins, resend, counts, meta = self._native.drain()
+            if not (records or pins or resend or counts or meta):
                 return
             self.deferred = deferred or {}
             deferred = self._ship_deferred()
             self.last_flush = time.monotonic()
-        if self.writer is not None:
+            w = self.writer
+            if w is None:
+                return
+            if counts:
+                w.add_harm_counts(counts)
             # The drain thread (and stop) may wait for room: the native core drops nothing, its
             # recording thread waits instead when far behind (see core.h, back-pressure).
-            self.writer.put_executions(ExecBatch(records, deferred), must_keep=True)
+            w.put_executions(ExecBatch(records, deferred, pins=pins, resend=resend), must_keep=True)
+            if meta:
+                w.set_meta(**meta)
 
     def _flush_if_stale(self) -> None:
         """Called by the writer thread when idle: a loop that stopped making ops still reaches disk.
@@ -412,16 +420,7 @@ class Recorder(HarmHooks):
         wanted = self.ops_pattern is None or self.ops_pattern.search(name) is not None
         # A plain OpOverload's __call__ only forwards to its C++ op: call that directly.
         call = func._op if type(func) is _OpOverload else func
-        try:
-            schema = func._schema
-            first = schema.arguments[0].alias_info if schema.arguments else None
-            inplace = first is not None and first.is_write
-            is_view = bool(func.is_view)
-        except Exception:  # not an OpOverload with a schema (a HigherOrderOperator, ...)
-            inplace = is_view = False
-        cls = classify(name, is_view)
-        overwrite = name in OVERWRITE_OPS
-        self.taint.op_classes[name] = (cls, overwrite, inplace)
+        cls, overwrite, inplace = self.taint.op_classes[name] = op_facts(func, name)
         info = (name, wanted, name in ALLOCATION_OPS, name in ALIAS_OPS, call, func, cls, overwrite, inplace, marker)
         self.op_info[id(func)] = info
         return info
@@ -442,6 +441,31 @@ class Recorder(HarmHooks):
         self.sweep_at = max(4096, 2 * len(self.producers))
         if self.judge_here and self.taint.states:
             self.taint.prune({p[1] for p in self.producers.values()})
+
+
+def op_facts(func, name: str) -> tuple[int, bool, bool]:
+    """What the taint rule needs of an op overload: (class, overwrites its first input, writes
+    in place), from its name and schema (see _taint.classify)."""
+    try:
+        schema = func._schema
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        inplace = first is not None and first.is_write
+        is_view = bool(func.is_view)
+    except Exception:  # not an OpOverload with a schema (a HigherOrderOperator, ...)
+        inplace = is_view = False
+    return classify(name, is_view), name in OVERWRITE_OPS, inplace
+
+
+def op_facts_by_name(name: str) -> tuple[int, bool, bool]:
+    """:func:`op_facts` of the overload named ``aten.add_.Tensor`` (the native core's records
+    name their ops; the dispatch mode holds the overload)."""
+    ns, _, rest = name.partition(".")
+    op, _, overload = rest.rpartition(".")
+    try:
+        func = getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except Exception:  # not a registered overload: classified by name alone
+        func = None
+    return op_facts(func, name)
 
 
 class _DispatchMode(TorchDispatchMode):

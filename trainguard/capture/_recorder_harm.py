@@ -61,6 +61,9 @@ class HarmHooks:
         """The program reads ``t`` (``.tolist()``, ``.numpy()``, printing): a sink."""
         if not self.active or not self.judge_here or threading.get_ident() != self._thread:
             return
+        if self._native is not None:
+            self._native.on_read(t)
+            return
         p = self.producers.get(id(t))
         if p is not None and p[0]() is t and self.taint.states:
             self._reached(self.taint.reached(p[1], _clock.step, "read"), p[1])

@@ -185,6 +185,8 @@ class Tracker:
         self.bounded = False  # the writer's judge: no liveness, bound the states by size
         self.keep_records = True  # False without a run directory: nothing to resend
         self.op_classes: dict[str, tuple[int, bool, bool]] = {}  # name -> (class, overwrite, inplace)
+        # name -> op_classes entry, for an op judge() meets first (the native core's records)
+        self.resolve_op = None
         self._last_phase = None
 
     # ------------------------------------------------------------------ judging
@@ -373,7 +375,11 @@ class Tracker:
             if rec[10] and fields:
                 for values in rec[10]:
                     health |= health_of(fields, values)
-            cls, overwrite, inplace = self.op_classes.get(op, (DEFAULT, False, False))
+            facts = self.op_classes.get(op)
+            if facts is None:
+                facts = self.resolve_op(op) if self.resolve_op is not None else (DEFAULT, False, False)
+                self.op_classes[op] = facts
+            cls, overwrite, inplace = facts
             in_taint, in_origin = FINITE, None
             for i, (kind, ref) in enumerate(rec[8]):
                 if kind != "op" or (i == 0 and overwrite):
@@ -383,6 +389,11 @@ class Tracker:
                                                             and (in_origin is None or st[1] < in_origin))):
                     in_taint, in_origin = st
             param_write = inplace and bool(rec[8]) and rec[8][0][0] == "param"
+            if in_taint == UNKNOWN and (cls == VIEW or cls == COPY) and rec[10]:
+                # A view or copy of uninitialised memory: no evidence, whatever its bytes hold (as
+                # the hot path summarises it; a native or accelerator summary read the bytes).
+                rec = rec[:10] + (tuple(unknown_values(fields, m[1]) for m in rec[9]),) + rec[11:]
+                health = 0
             taint, origin = FINITE, None
             if health or in_taint or cls == ALLOC:
                 taint, origin = self.settle(seq, step, phase, op, cls, param_write, in_taint, in_origin, health,
@@ -440,6 +451,16 @@ class Tracker:
     def prune(self, live: set[int]) -> None:
         """Forget the states of tensors that died (the recorder calls this each step)."""
         self.states = {k: v for k, v in self.states.items() if k in live}
+
+
+def unknown_values(fields: tuple, shape) -> tuple[float, ...]:
+    """The summary of ``shape``'s values nobody can read (``capture._summary.unknown_summary``)."""
+    if not fields or fields[0] != "size":
+        return (0.0,) * len(fields)
+    n = 1
+    for d in shape:
+        n *= d
+    return (float(n),) + (float("nan"),) * (len(fields) - 1)
 
 
 def inf_values(fields: tuple, summaries) -> int:

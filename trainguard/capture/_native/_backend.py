@@ -10,6 +10,8 @@ import threading
 from trainguard._errors import TrainguardError
 from trainguard.capture import _steps
 
+_clock = _steps.clock
+
 log = logging.getLogger("trainguard.capture")
 
 # Summary modes as the C++ core numbers them (native.h).
@@ -63,6 +65,14 @@ class NativeBackend:
                                 sorted(rec.dtypes, key=str) if rec.dtypes else [], rec._on_new_stack)
         self.unsure_warned: set[str] = set()
         self.unsure = 0
+        # Taint (capture/_taint.py): the core's records are judged in Python as they are drained,
+        # by the recorder's Tracker and its rule, in seq order; records whose health reaches the
+        # host later (device summaries) by the writer's thread, as the dispatch mode hands them on.
+        from trainguard.capture._recorder import op_facts_by_name
+
+        rec.taint.resolve_op = op_facts_by_name
+        self._pruned_step: int | None = None
+        self._prune_at = 4096
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -115,10 +125,16 @@ class NativeBackend:
 
     # ------------------------------------------------------------------ drain
     def drain(self):
-        """(records, deferred {device: [summaries]}, bad) since the last drain; payloads and
-        failures are handed on here."""
-        records, deferred, payloads, bad, failures, unsure = self.core.drain()
+        """(records, deferred {device: [summaries]}, pins, resend, harm counts, meta) since the
+        last drain, the records judged (taint, origin); payloads and failures are handed on here.
+        Called with the recorder's lock held."""
         rec = self.rec
+        tracker = rec.taint
+        # The states of dead tensors go once per step (as the dispatch mode drops them), by the
+        # producers alive when the batch was taken: a later record names only those as inputs.
+        want_live = rec.judge_here and bool(tracker.states) and (
+            self._pruned_step != _clock.step or len(tracker.states) > self._prune_at)
+        records, deferred, payloads, bad, failures, unsure, live = self.core.drain(want_live)
         if payloads and rec.writer is not None:
             for seq, slot, tensor in payloads:
                 rec.writer.put_payload_tensor(seq, slot, tensor)
@@ -131,7 +147,34 @@ class NativeBackend:
                 self.unsure_warned.add(name)
                 log.warning("trainguard: the native recorder does not record %s on tensor subclasses or under "
                             "another dispatch mode; record with backend='python' to see those ops", name)
-        return records, deferred, bad
+        if not rec.judge_here:  # the writer's thread judges (device summaries came before)
+            return records, deferred, None, None, None, None
+        # Judged here up to the first record whose health is not on the host yet; from it on, by
+        # the writer's thread, which waits for those summaries (Recorder._judge_in_writer).
+        cut = next((i for i, r in enumerate(records) if r[7] is None), len(records))
+        later = records[cut:]
+        records, pins, resend, counts, meta = tracker.judge(records[:cut] if later else records, rec.fields)
+        if live is not None:
+            tracker.prune(set(live))
+            self._pruned_step = _clock.step
+            self._prune_at = max(4096, 2 * len(tracker.states))
+        if later:
+            rec._judge_in_writer()
+            records += later
+        return records, deferred, pins, resend, counts, meta
+
+    def on_read(self, t) -> None:
+        """The program reads ``t`` (capture/_reads.py): a sink for a pending inf it holds."""
+        p = self.core.producer_of(t)
+        if p is None or p[1] == 0:
+            return  # not made by a recorded op, or finite: never pending (see _taint.RULES)
+        rec = self.rec
+        with rec._lock:
+            rec.flush()  # everything recorded before the read is judged first
+            if not rec.judge_here or not rec.taint.states:
+                return
+            state = rec.taint.reached(p[0], _clock.step, "read")
+        rec._reached(state, p[0])
 
     def counts(self) -> dict:
         return self.core.counts()

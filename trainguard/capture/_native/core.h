@@ -34,6 +34,7 @@ struct OpInfo {
   OpKind kind;
   bool alloc;          // uninitialised outputs (trainguard.capture._summary.ALLOCATION_OPS)
   bool alias;          // outputs hold the first input's values (ALIAS_OPS)
+  bool view;           // its schema returns an alias of an input (a view, or an in-place op's self)
   bool autocast_cpu, autocast_cuda;  // has an autocast kernel (a wrapper that calls the op again)
 };
 
@@ -71,6 +72,19 @@ struct Producer {
   bool has_summary;
   Summary s;
   int64_t version;  // -1: none (inference tensor)
+  int health;       // the producing op's health bits over all its outputs; -1 not known on the host
+};
+
+// An output autograd may save for its own backward: such a tensor is saved as a new TensorImpl
+// over the same storage (SavedVariable's tensor_data()), which the dispatch mode sees as its
+// own detach of the output. The backward op that reads it is given the output's producer,
+// found by storage and geometry.
+struct Saved {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  int64_t offset;
+  int8_t dtype;
+  std::vector<int64_t> sizes, strides;
+  int64_t seq;
 };
 
 struct Named {
@@ -107,6 +121,8 @@ struct Core {
   bool bad = false;
   std::unordered_map<c10::TensorImpl*, Producer> producers;
   size_t sweep_at = 4096;
+  std::unordered_map<uint64_t, Saved> saved;  // by storage and geometry (see Saved)
+  size_t saved_sweep_at = 4096;
   std::unordered_map<c10::TensorImpl*, Named> named;
   std::unordered_map<uint64_t, FwdNode> fwd_nodes;
   int64_t fwd_order = 0;

@@ -136,7 +136,7 @@ struct PyCore {
     PyObject* mod = r.module ? steal(PyLong_FromLongLong(r.module)) : (Py_INCREF(Py_None), Py_None);
     PyObject* stack = r.stack ? steal(PyLong_FromLongLong(r.stack)) : (Py_INCREF(Py_None), Py_None);
     PyObject* fwd = r.fwd_seq >= 0 ? steal(PyLong_FromLongLong(r.fwd_seq)) : (Py_INCREF(Py_None), Py_None);
-    PyObject* t = steal(PyTuple_New(11));
+    PyObject* t = steal(PyTuple_New(13));
     PyTuple_SET_ITEM(t, 0, steal(PyLong_FromLongLong(r.seq)));
     PyTuple_SET_ITEM(t, 1, steal(PyLong_FromLongLong(r.step)));
     Py_INCREF(g_phase_names[r.phase]);
@@ -151,19 +151,33 @@ struct PyCore {
     PyTuple_SET_ITEM(t, 9, metas);
     if (sums) PyTuple_SET_ITEM(t, 10, sums);
     else { Py_INCREF(Py_None); PyTuple_SET_ITEM(t, 10, Py_None); }
+    // taint, origin: judged in Python (capture/_taint.Tracker) when the batch is drained
+    Py_INCREF(Py_None);
+    PyTuple_SET_ITEM(t, 11, Py_None);
+    Py_INCREF(Py_None);
+    PyTuple_SET_ITEM(t, 12, Py_None);
     return t;
   }
 
   // (records, deferred {device: [tensors]} or None, payloads [(seq, slot, tensor)], bad,
-  //  failures [(op, message)], unsure [op]) — everything since the last drain.
-  py::tuple drain() {
+  //  failures [(op, message)], unsure [op], live) — everything since the last drain. With
+  //  ``live``, the seqs of the producers of live tensors at the moment of the drain (a later
+  //  record can only name those as inputs), else None.
+  py::tuple drain(bool want_live) {
     std::vector<Record> recs;
     std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> deferred;
     std::vector<std::pair<std::string, std::string>> failed;
     std::vector<std::string> unsure;
+    std::vector<int64_t> live;
     bool bad;
     {
       std::lock_guard<std::mutex> g(core->mu);
+      if (want_live) {
+        core->sweep();
+        live.reserve(core->producers.size() + core->saved.size());
+        for (auto& kv : core->producers) live.push_back(kv.second.seq);
+        for (auto& kv : core->saved) live.push_back(kv.second.seq);  // held by autograd (see Saved)
+      }
       recs.swap(core->records);
       deferred.swap(core->deferred);
       failed.swap(core->failed);
@@ -191,7 +205,17 @@ struct PyCore {
     }
     py::list fl;
     for (auto& f : failed) fl.append(py::make_tuple(f.first, f.second));
-    return py::make_tuple(out, dd, payloads, bad, fl, py::cast(unsure));
+    py::object lv = want_live ? py::cast(live) : py::none();
+    return py::make_tuple(out, dd, payloads, bad, fl, py::cast(unsure), lv);
+  }
+
+  // (seq, health) of the op that made ``t``'s current values, or None (not made by a recorded
+  // op): the program reads ``t`` (capture/_reads.py).
+  py::object producer_of(const at::Tensor& t) {
+    std::lock_guard<std::mutex> g(core->mu);
+    auto it = core->producers.find(t.unsafeGetTensorImpl());
+    if (it == core->producers.end() || it->second.ref.expired()) return py::none();
+    return py::make_tuple(it->second.seq, it->second.health);
   }
 
   size_t pending() {
@@ -280,7 +304,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_module", &PyCore::set_module)
       .def("name_tensor", &PyCore::name_tensor)
       .def("on_step", &PyCore::on_step)
-      .def("drain", &PyCore::drain)
+      .def("drain", &PyCore::drain, py::arg("live") = false)
+      .def("producer_of", &PyCore::producer_of)
       .def("pending", &PyCore::pending)
       .def("wait", &PyCore::wait)
       .def("wake", &PyCore::wake)

@@ -76,6 +76,7 @@ OpInfo* lookup_op(const at::RecordFunction& fn) {
     info->alloc = g_alloc.count(info->name) > 0;
     info->alias = g_alias.count(info->name) > 0;
     info->autocast_cpu = info->autocast_cuda = false;
+    info->view = false;
     info->kind = OP_SEEN;
     if (g_never.count(base) || base.rfind("profiler::", 0) == 0) {
       info->kind = OP_NEVER;
@@ -86,6 +87,10 @@ OpInfo* lookup_op(const at::RecordFunction& fn) {
       if (op) {
         info->autocast_cpu = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU);
         info->autocast_cuda = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA);
+        if (op->hasSchema()) {
+          const auto& rets = op->schema().returns();
+          info->view = !rets.empty() && rets[0].alias_info() != nullptr && !rets[0].alias_info()->isWrite();
+        }
       }
     }
     g_ops.emplace(key, info);
@@ -131,17 +136,56 @@ int64_t version_of(c10::TensorImpl* impl) {
   return impl->is_inference() ? -1 : (int64_t)impl->version_counter().current_version();
 }
 
-Input input_of(Core* c, const at::Tensor& t) {
+bool has_plain_storage(const at::Tensor& t) {
+  return t.layout() == at::kStrided && t.unsafeGetTensorImpl()->has_storage();
+}
+
+uint64_t geometry_key(const at::Tensor& t) {
+  uint64_t h = (uint64_t)(uintptr_t)t.storage().unsafeGetStorageImpl();
+  auto mix = [&h](uint64_t v) { h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
+  mix((uint64_t)t.storage_offset());
+  mix((uint64_t)t.scalar_type());
+  for (int64_t d : t.sizes()) mix((uint64_t)d);
+  for (int64_t s : t.strides()) mix((uint64_t)s);
+  return h;
+}
+
+bool same_geometry(const Saved& s, const at::Tensor& t) {
+  return !s.storage.expired() && s.storage._unsafe_get_target() == t.storage().unsafeGetStorageImpl() &&
+         s.offset == t.storage_offset() && s.dtype == (int8_t)t.scalar_type() && t.sizes().equals(s.sizes) &&
+         t.strides().equals(s.strides);
+}
+
+Input input_of(Core* c, const at::Tensor& t, bool in_node) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   auto nit = c->named.find(impl);
   if (nit != c->named.end() && !nit->second.ref.expired() && nit->second.ref._unsafe_get_target() == impl)
     return Input{2, 0, nit->second.name, nit->second.what};
   auto pit = c->producers.find(impl);
   if (pit != c->producers.end() && !pit->second.ref.expired()) return Input{0, pit->second.seq};
+  if (in_node && !c->saved.empty() && has_plain_storage(t)) {  // a saved output, unpacked (see Saved)
+    auto sit = c->saved.find(geometry_key(t));
+    if (sit != c->saved.end() && same_geometry(sit->second, t)) return Input{0, sit->second.seq};
+  }
   return Input{1, 0};
 }
 
-void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, const Summary* s) {
+void remember_saved(Core* c, const at::Tensor& o, int64_t seq, int64_t view_of) {
+  uint64_t key = geometry_key(o);
+  if (view_of >= 0) {  // a view of that output with its geometry (expand to the same shape) stays behind it
+    auto it = c->saved.find(key);
+    if (it != c->saved.end() && it->second.seq == view_of && same_geometry(it->second, o)) return;
+  }
+  Saved s{o.storage().getWeakStorageImpl(), o.storage_offset(), (int8_t)o.scalar_type(), o.sizes().vec(),
+          o.strides().vec(), seq};
+  c->saved.insert_or_assign(key, std::move(s));
+  if (c->saved.size() > c->saved_sweep_at) c->sweep();
+}
+
+// ``view_of``: for a view op, the producer of its first input (-1 none): the view must not hide
+// that output among the saved ones (expand to the same shape has the same geometry; see Saved).
+void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, const Summary* s, int64_t view_of,
+                     int health = 0) {
   c10::TensorImpl* impl = o.unsafeGetTensorImpl();
   auto it = c->producers.find(impl);
   if (it != c->producers.end() && !it->second.ref.expired()) {
@@ -150,10 +194,14 @@ void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, c
     it->second.has_summary = s != nullptr;
     if (s) it->second.s = *s;
     it->second.version = version_of(impl);
+    it->second.health = health;
+    if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of);
     return;
   }
+  // An output that requires grad may be saved for backward under another TensorImpl.
+  if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of);
   Producer p{c10::weak_intrusive_ptr<c10::TensorImpl>(o.getIntrusivePtr()), seq, stack, s != nullptr,
-             s ? *s : Summary{}, version_of(impl)};
+             s ? *s : Summary{}, version_of(impl), health};
   c->producers.insert_or_assign(impl, std::move(p));
   if (c->producers.size() > c->sweep_at) c->sweep();
 }
@@ -240,7 +288,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
         if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
         if (is_unsure_tensor(t)) throw Unsure{};
         if (!ctx->first) ctx->first = t.getIntrusivePtr();
-        ctx->inputs.push_back(input_of(c, t));
+        ctx->inputs.push_back(input_of(c, t, ctx->in_node));
       };
       for (const c10::IValue& v : inputs) {
         if (v.isTensor()) {
@@ -302,10 +350,13 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   int nfields = mode_fields(c->mode);
   bool keep = wanted(c, op);
 
+  int64_t view_of = -1;
+  if (op->view && !ctx->inputs.empty() && ctx->inputs[0].kind == 0) view_of = ctx->inputs[0].ref;
+
   std::unique_lock<std::mutex> g(c->mu);
   int64_t seq = c->seq++;
   if (!keep) {  // filtered out: consumers still learn who made their inputs
-    for (auto& o : outs) register_output(c, o, seq, 0, nullptr);
+    for (auto& o : outs) register_output(c, o, seq, 0, nullptr, view_of);
     c->last_nr = nr;
     return;
   }
@@ -349,7 +400,7 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     bool any = false;
     for (auto& o : outs) any = any || c->dtypes.count((int)o.scalar_type());
     if (!any) {
-      for (auto& o : outs) register_output(c, o, seq, r.stack, nullptr);
+      for (auto& o : outs) register_output(c, o, seq, r.stack, nullptr, view_of);
       c->last_nr = nr;
       return;
     }
@@ -417,9 +468,11 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
       m.row = (int64_t)dit->second.size();
       dit->second.push_back(std::move(device_rows[k++]));
     }
-    register_output(c, outs[i], seq, r.stack, m.summary == 1 ? &m.s : nullptr);
   }
   r.health = immediate_only ? health : -1;
+  for (size_t i = 0; i < outs.size(); ++i)
+    register_output(c, outs[i], seq, r.stack, r.outputs[i].summary == 1 ? &r.outputs[i].s : nullptr, view_of,
+                    r.health);
   for (auto& p : r.payloads) c->payload_bytes += p.nbytes();
   c->records.push_back(std::move(r));
   c->recorded++;
@@ -456,6 +509,9 @@ void Core::sweep() {
   for (auto it = producers.begin(); it != producers.end();)
     it = it->second.ref.expired() ? producers.erase(it) : std::next(it);
   sweep_at = std::max<size_t>(4096, 2 * producers.size());
+  for (auto it = saved.begin(); it != saved.end();)
+    it = it->second.storage.expired() ? saved.erase(it) : std::next(it);
+  saved_sweep_at = std::max<size_t>(4096, 2 * saved.size());
 }
 
 void Core::prune_fwd_nodes(int64_t step) {
