@@ -355,3 +355,24 @@ def test_stack_of_a_helper_called_twice_from_one_frame_names_each_call_line(tmp_
     exps = run.executions(op="exp")
     callers = [run.stack(e["stack_id"])[-2]["lineno"] for e in exps]
     assert callers == [first, first + 1]
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_shipping_device_summaries_at_a_step_is_not_recorded(tmp_path, monkeypatch, backend):
+    """A flush at a step boundary stacks the device summaries (torch.stack) while the recording
+    is active: trainguard's own ops must not be recorded, or they add a row to the batch being
+    shipped and the next batch's rows no longer match its records (an IndexError in the writer,
+    seen intermittently: the step's flush is due only after FLUSH_SECONDS)."""
+    from trainguard.capture import _recorder
+
+    monkeypatch.setattr(_recorder, "FLUSH_SECONDS", 0.0)  # every step flushes
+    x = torch.ones(4)
+    with tg.record(tmp_path / "r", mode="stats", buffer=-1, strategy="deferred", backend=backend):
+        for step in range(4):
+            tg.step(step)
+            x = x * 2
+    run = open_run(tmp_path / "r")
+    assert run.meta.get("writer_error") is None
+    ops = [e["op"] for e in run.executions(0, 100)]
+    assert ops == ["aten.mul.Tensor"] * 4
+    assert [e["outputs"][0]["summary"]["max"] for e in run.executions(0, 100)] == [2.0, 4.0, 8.0, 16.0]
