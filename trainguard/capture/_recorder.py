@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _numerics, _reads, _steps
@@ -396,6 +396,13 @@ class Recorder(HarmHooks):
         """Stack the accelerator summaries and start their copy to the host; no waiting here."""
         if not self.deferred:
             return None
+        # Not recorded: a step's flush runs while the dispatch mode is active, and its own stack
+        # would add a row to the very batch being shipped (the next batch's rows would then no
+        # longer match its records). The native core is paused by its caller.
+        with _disable_current_modes():
+            return self._ship_deferred_now()
+
+    def _ship_deferred_now(self) -> list:
         out = []
         for dev, tensors in self.deferred.items():
             stacked = torch.stack(tensors)
