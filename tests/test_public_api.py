@@ -37,3 +37,15 @@ def test_import_and_reader_do_not_import_torch():
     code = "import sys, trainguard, trainguard.store, trainguard.analysis; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_import_never_imports_a_framework():
+    # The integrations package, the monitor and the CLI's modules load no framework until a
+    # script uses one (the callbacks' own modules import theirs).
+    code = (
+        "import sys, trainguard, trainguard.integrations, trainguard.cli, trainguard.cli._run, "
+        "trainguard.cli._monitor; trainguard.Monitor; "
+        "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

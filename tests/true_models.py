@@ -197,6 +197,38 @@ def train_exp(steps: int = 4, blow_at: int = 2) -> list[float]:
     return losses
 
 
+class ProbHead(nn.Module):
+    """A classifier that takes the log of its softmax probabilities by hand (the common
+    ``torch.log(probs)`` mistake): a probability that underflows to exactly 0 gives -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        probs = self.fc(x).softmax(-1)
+        logp = torch.log(probs)  # LOG LINE
+        return -logp.gather(1, y[:, None]).mean()  # NLL LINE
+
+
+def train_log_zero(steps: int = 4, blow_at: int = 2) -> list[float]:
+    torch.manual_seed(0)
+    model = ProbHead()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for step in range(steps):
+        # from blow_at on, inputs so large that some class probabilities underflow to 0
+        x = torch.randn(8, 4, generator=g) * (1e4 if step >= blow_at else 1.0)
+        y = torch.randint(0, 3, (8,), generator=g)
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def line_of(marker: str) -> int:
     with open(__file__) as fh:
         return next(i for i, t in enumerate(fh.read().splitlines(), 1) if f"# {marker}" in t)

@@ -218,12 +218,28 @@ def test_exp_overflow_under_check_numerics(tmp_path):
     assert "First harmful value: aten.exp" in out and "check_numerics stopped the run" in out
 
 
+def test_log_of_a_zero_probability_names_the_log_and_its_fix(tmp_path):
+    with tg.record(tmp_path / "r"):
+        M.train_log_zero()
+    o = origin(open_run(tmp_path / "r"))
+    assert o.reason == "loss" and o.origin.op == "aten.log"
+    assert o.chain[0].line == M.line_of("NLL LINE")
+    assert "log_softmax" in o.suggestion
+    with pytest.raises(tg.NonFiniteError) as info:
+        with tg.check_numerics():
+            M.train_log_zero()
+    msg = str(info.value)
+    assert msg.startswith("aten.log produced -inf in step 2, forward pass")
+    assert f"true_models.py:{M.line_of('LOG LINE')} in forward" in msg
+
+
 # ---------------------------------------------------------------------- every fault, every surface
 FAULTY = {
     # name: (train, (origin op, marker of its line, step, phase))
     "fully_masked_row": (lambda: M.train_gpt(4, padded=True, empty_at=2), ("aten._softmax", "SOFTMAX LINE", 2, "forward")),
     "rmsnorm_backward": (M.train_rmsnorm, ("aten.div.Tensor", "SQRT LINE", 0, "backward")),
     "exp_into_loss": (M.train_exp, ("aten.exp", "EXP LINE", 2, "forward")),
+    "log_of_zero_probability": (M.train_log_zero, ("aten.log", "LOG LINE", 2, "forward")),
 }
 
 

@@ -123,11 +123,33 @@ def _odd_tensors():
     return program
 
 
+def _closure():
+    # optimizer.step(closure), as Lightning and LBFGS call it: the closure's forward and backward
+    # are not the optimizer phase, the update is.
+    def make():
+        lin = nn.Linear(4, 2)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(3, 4)
+
+        def closure():
+            opt.zero_grad()
+            loss = lin(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        def program():
+            for _ in range(2):
+                opt.step(closure)
+        return program
+    return make
+
+
 PROGRAMS = {
     "mlp_adam": _mlp_adam(), "mlp_adam_foreach": _mlp_adam(foreach=True), "mlp_adam_fused": _mlp_adam(fused=True),
     "nan_digits": _digits, "backward_only_nan": _backward_only_nan, "custom_function": _custom_function,
     "checkpoint": _checkpoint(False), "checkpoint_reentrant": _checkpoint(True), "inference": _inference,
     "autocast": _autocast, "transformer_foreach": _transformer, "odd_tensors": _odd_tensors,
+    "closure": _closure(),
 }
 
 
@@ -137,6 +159,14 @@ def test_same_records_in_full_health(tmp_path, name):
     problems, artefacts, py, nat = crosscheck(PROGRAMS[name], tmp_path, "full_health")
     assert len(nat["records"]) > 5
     assert problems == [], "\n".join(problems[:20])
+
+
+def test_closure_ops_are_forward_and_backward_under_both(tmp_path):
+    _, _, py, nat = crosscheck(PROGRAMS["closure"], tmp_path, "full_health")
+    for got in (py, nat):
+        phases = [r[2] for r in got["records"]]
+        assert {"forward", "backward", "optimizer"} <= set(phases)
+        assert all(r[2] == "optimizer" for r in got["records"] if r[3] == "aten.add_.Tensor" and r[2] != "backward")
 
 
 @pytest.mark.filterwarnings("ignore")

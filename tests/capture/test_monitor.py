@@ -3,9 +3,11 @@ in the test, batching (no per-layer host reads), attachment, modes, and cleanup.
 
 from __future__ import annotations
 
+import copyreg
 import gc
 import math
 import weakref
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -55,7 +57,7 @@ def test_scalars_and_layer_stats_match_a_reference(tmp_path):
                 ref_acts[step] = dict(seen)
                 ref_grads[step] = grads
                 ref_updates[step] = {
-                    n: ((p.detach() - before[n]).norm() / p.detach().norm()).item() for n, p in model.named_parameters()
+                    n: ((p.detach() - before[n]).norm() / before[n].norm()).item() for n, p in model.named_parameters()
                 }
     for h in handles:
         h.remove()
@@ -204,6 +206,8 @@ def test_attaches_to_unnamed_models_and_leaves_nothing_behind(tmp_path):
     import torch.nn.modules.module as module_mod
 
     original_backward = torch.autograd.backward
+    original_clip = torch.nn.utils.clip_grad_norm_
+    original_scaler_step = torch.amp.GradScaler.step
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.CrossEntropyLoss()  # a top-level module without parameters: not a model
@@ -215,7 +219,10 @@ def test_attaches_to_unnamed_models_and_leaves_nothing_behind(tmp_path):
             opt.step()
         assert mon.layers == ["0", "1", "2", "3", "4"]
     assert torch.autograd.backward is original_backward
-    assert not _monitor_tap._listeners
+    assert torch.nn.utils.clip_grad_norm_ is original_clip
+    assert torch.amp.GradScaler.step is original_scaler_step
+    assert not any(_monitor_tap._listeners.values())
+    assert copyreg.dispatch_table.get(OrderedDict) is None
     assert not module_mod._global_forward_pre_hooks
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert all(not p._backward_hooks for p in model.parameters())

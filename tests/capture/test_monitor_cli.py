@@ -140,3 +140,28 @@ def test_findings_view_orders_and_formats():
     assert data["verdict"] == "critical" and data["counts"] == {"info": 1, "warning": 1, "error": 0, "critical": 1}
     assert data["findings"][0]["evidence"]["value"] == "NaN"
     json.dumps(data)
+
+
+def test_a_script_that_crashes_is_diagnosed_as_crashed(tmp_path, capsys):
+    crashing = tmp_path / "crash.py"
+    crashing.write_text(SCRIPT.replace("    opt.step()\n", "    opt.step()\n    if step == 40:\n"
+                                                          "        raise RuntimeError('disk full')\n"))
+    d = tmp_path / "run"
+    assert main(["monitor", "--logdir", str(d), "--json", str(crashing), "0"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["findings"][0]["kind"] == "script_crashed"
+    assert "step 41: RuntimeError: disk full" in out["findings"][0]["title"]  # step 40 was complete
+    assert out["verdict"] != "healthy"
+    run = open_run(d)
+    assert (run.status, run.meta["error"], run.meta["crash_step"]) == ("crashed", "RuntimeError: disk full", 41)
+
+
+def test_a_script_that_exits_non_zero_is_kept(tmp_path, capsys):
+    exits = tmp_path / "exits.py"
+    exits.write_text(SCRIPT + "raise SystemExit(3)\n")
+    d = tmp_path / "run"
+    assert main(["monitor", "--logdir", str(d), "--json", str(exits), "0"]) == 3
+    out = json.loads(capsys.readouterr().out)
+    assert out["findings"][0]["kind"] == "script_crashed" and "exited with code 3" in out["findings"][0]["title"]
+    run = open_run(d)
+    assert (run.status, run.meta["exit_code"]) == ("exited", 3)

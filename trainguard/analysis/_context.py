@@ -28,6 +28,9 @@ class Series:
     @classmethod
     def of(cls, pairs: list[tuple[int, float]] | None) -> Series:
         pairs = pairs or []
+        if any(a[0] >= b[0] for a, b in zip(pairs, pairs[1:])):
+            # A resumed run wrote some steps again: the last value of each step is the one kept.
+            pairs = sorted({s: v for s, v in pairs}.items())
         return cls(np.array([p[0] for p in pairs], dtype=np.int64), np.array([p[1] for p in pairs], dtype=float))
 
     def __len__(self) -> int:
@@ -92,10 +95,21 @@ class Context:
         self.meta: dict = run.meta.get("monitor") or {}
         scalars = run.scalars()
         self.loss = Series.of(scalars.get("loss"))
-        self.grad_norm = Series.of(scalars.get("grad_norm"))
+        # Steps a GradScaler skipped: their gradients overflowed in float16 by design (the scaler's
+        # own rule judges those), so the gradient-norm rules never see them.
+        self.amp_skipped = Series.of(scalars.get("amp/skipped"))
+        self.amp_scale = Series.of(scalars.get("amp/scale"))
+        skipped = set(self.amp_skipped.steps[self.amp_skipped.values > 0.5].tolist())
+        self.skipped_steps = skipped
+        self.grad_norm = Series.of([sv for sv in scalars.get("grad_norm") or [] if sv[0] not in skipped])
+        # A run whose first recording came after updates (resumed, or watched from mid-training)
+        # does not know its initial weights; older runs did not say and recorded from step 0.
+        self.weights_initial = bool(self.meta.get("weights_initial", True))
         self.lrs = {k: Series.of(v) for k, v in scalars.items() if k.startswith("lr/")}
         grouped: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
         for row in run.layer_stats():
+            if row["kind"] == "gradient" and row["step"] in skipped:
+                continue
             grouped.setdefault((row["layer"], row["kind"], row["stat"]), []).append((row["step"], row["value"]))
         self._stats = {k: Series.of(v) for k, v in grouped.items()}
         layer_meta = {d["name"]: d for d in self.meta.get("layers", [])}
@@ -213,4 +227,5 @@ class Context:
             "kaiming": math.sqrt(2.0 / fan_in),
             "xavier": math.sqrt(2.0 / (fan_in + fan_out)),
             "fan_in": fan_in,
+            "step": int(w.steps[0]),
         }

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 # Importing the rule modules registers their rules.
-from trainguard.analysis import _layer_rules, _loss_rules, _param_rules  # noqa: F401
+from trainguard.analysis import _layer_rules, _loss_rules, _param_rules, _run_rules  # noqa: F401
 from trainguard.analysis._context import Context, fmt, median
 from trainguard.analysis._outcome import outcome_finding
 from trainguard.analysis._rules import RULES
@@ -42,6 +42,7 @@ MONITOR_RULES = (
     "gradients_accumulating",
     "eval_mode_in_training",
     "train_mode_in_eval",
+    "grad_scaler_skips",
 )
 
 
@@ -55,7 +56,8 @@ def diagnose(
     ``run`` is a reader (``trainguard.open(path)``); ``thresholds`` overrides named thresholds
     (see :class:`Thresholds`); ``rules`` picks rules by name (default: all of the monitor's).
     The result always holds a verdict: either problems (warning and above), or one ``healthy``
-    finding, or ``insufficient_data`` when the run has too few steps to judge.
+    finding, or ``insufficient_data`` when the run has fewer than ``min_loss_points`` steps with a
+    loss (a crashed run is a problem, never healthy).
     """
     th = Thresholds.from_overrides(thresholds)
     names = tuple(rules) if rules is not None else MONITOR_RULES
@@ -106,12 +108,16 @@ def _fold_symptoms(findings: list[Finding]) -> None:
 
 def _verdict(ctx: Context) -> Finding:
     n = len(ctx.loss)
-    if n < ctx.th.min_loss_points and not ctx.recorded_steps:
+    if n < ctx.th.min_loss_points:
+        # A few steps cannot tell a trend from minibatch noise: "loss 0.0247 -> 0.0432 over 3 steps"
+        # is no evidence of health, whatever the layer statistics say.
         return Finding(
             kind="insufficient_data",
             severity="info",
-            title=f"Not enough monitoring data to judge training health ({n} loss values, no layer statistics)",
-            evidence={"loss_points": n, "needed": int(ctx.th.min_loss_points)},
+            title=f"Not enough data to judge training health: {n} step(s) with a loss, "
+            f"{int(ctx.th.min_loss_points)} needed",
+            evidence={"loss_points": n, "needed": int(ctx.th.min_loss_points),
+                      "recordings": len(ctx.recorded_steps)},
             suggestion="train under `trainguard.Monitor(model, logdir)` (or `trainguard monitor script.py`) for at "
             f"least {int(ctx.th.min_loss_points)} steps",
             source="monitor",

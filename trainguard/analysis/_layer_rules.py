@@ -95,7 +95,7 @@ def dead_units(ctx: Context) -> list[Finding]:
     for b in bias:
         w = ctx.stat(b, "weight", "norm")
         shape = ctx.params[b].get("shape", [1])
-        if len(w):
+        if len(w) and ctx.weights_initial:
             rms = float(w.values[0]) / math.sqrt(max(1, math.prod(shape)))
             ev.setdefault("bias_init_rms", {})[b] = rms
             if rms > 0.5:
@@ -104,8 +104,12 @@ def dead_units(ctx: Context) -> list[Finding]:
         ev["init"] = init_rows
     if grew:
         fixes.append("the units died during training: lower the learning rate, or use LeakyReLU/GELU")
-    else:
+    elif ctx.weights_initial:
         fixes.append(f"they were dead from the first step: use {init_text}")
+    else:
+        fixes.append(f"they were already dead when monitoring began (step {ctx.recorded_steps[0]}); "
+                     f"if they were dead from initialisation, use {init_text}; if they died in training, lower "
+                     "the learning rate or use LeakyReLU/GELU")
     stays = [v["stay_dead"] for v in per_layer.values() if math.isfinite(v["stay_dead"])]
     persist = f"; {min(stays):.0%}+ of them stay dead from one recording to the next" if stays else ""
     return [
@@ -258,6 +262,17 @@ def _gradient_flow(ctx: Context) -> dict[str, float]:
     return out
 
 
+def _update_flow(ctx: Context, names: list[str]) -> dict[str, float]:
+    """Median update-to-weight ratio per weight matrix (later half of the recordings)."""
+    out = {}
+    for p in names:
+        r = ctx.window(ctx.stat(p, "update", "ratio"))
+        v = r.values[np.isfinite(r.values) & (r.values > 0)]
+        if len(v):
+            out[p] = float(np.median(v))
+    return out
+
+
 @register_rule("vanishing_gradient")
 def vanishing_gradient(ctx: Context) -> list[Finding]:
     flow = _gradient_flow(ctx)
@@ -267,6 +282,16 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
     ratio = flow[names[0]] / flow[names[-1]]
     if ratio >= ctx.th.vanish_ratio:
         return []
+    ev: dict = {"relative_gradient_by_layer": flow, "first_last_ratio": ratio}
+    upd = _update_flow(ctx, [names[0], names[-1]])
+    if len(upd) == 2:
+        balance = upd[names[0]] / upd[names[-1]]
+        ev["first_last_update_ratio"] = balance
+        if balance >= ctx.th.vanish_update_balance:
+            # An adaptive optimizer (Adam) scales each parameter's step by its own gradient size:
+            # the first layer still moves, so the small gradient costs nothing (BERT's query and
+            # key projections at initialisation).
+            return []
     weak = [p for p in names if flow[p] / flow[names[-1]] < ctx.th.vanish_ratio]
     fam = activation_family(ctx)
     _, init_text = init_advice(ctx, names, fam)
@@ -281,7 +306,7 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
             kind="vanishing_gradient",
             severity="warning",
             title=f"Vanishing gradients: the first layer's relative gradient is {fmt(ratio)} of the last layer's",
-            evidence={"relative_gradient_by_layer": flow, "first_last_ratio": ratio},
+            evidence=ev,
             suggestion=fix,
             steps=_steps(ctx),
             layers=[ctx.params[p]["layer"] for p in weak if p in ctx.params],

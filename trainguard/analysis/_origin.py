@@ -294,12 +294,13 @@ def suggest(link: Link) -> str:
     return _SUGGESTIONS["accum"]
 
 
-def origin(run: Run, seq: int | None = None, max_links: int = 64) -> Origin | None:
+def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: int | None = None) -> Origin | None:
     """The walk back from execution ``seq`` (default: where the first harmful value became
-    harmful) to the origin. Returns None when the run holds no harmful value."""
+    harmful, in step ``since_step`` or later when given) to the origin. Returns None when the
+    run holds no harmful value."""
     reason = None
     if seq is None:
-        first = run.first_harm()
+        first = run.first_harm() if since_step is None else run.first_harm(since_step=since_step)
         if first is None:
             return None
         seq, reason = first["seq"], first.get("reason")

@@ -11,7 +11,8 @@ def script_outcome(meta: dict[str, Any]) -> dict[str, Any] | None:
     """``{step, exit_code, error, text}`` when the script raised or exited non-zero, else None.
 
     ``trainguard run`` stores ``exit_code``, ``error`` (the exception's type and message) and
-    ``crash_step``; a ``with tg.record(...)`` block that raised stores ``error``.
+    ``crash_step``; a ``with tg.record(...)`` block, a monitor closed by an error and the
+    framework callbacks store the same (``trainguard.capture._ending``).
     """
     error, code, step = meta.get("error"), meta.get("exit_code"), meta.get("crash_step")
     step = step if isinstance(step, int) else None

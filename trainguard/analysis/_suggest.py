@@ -73,16 +73,25 @@ def lr_higher(ctx: Context, ratio: float | None) -> tuple[float | None, str]:
 
 
 def init_advice(ctx: Context, params: list[str], act: str) -> tuple[dict, str]:
-    """Compare the initial weight scale of ``params`` with the scale their activation wants."""
+    """Compare the initial weight scale of ``params`` with the scale their activation wants.
+
+    Only a run whose first recording came before any update knows the initial scale; otherwise
+    (a resumed run, a monitor started mid-training) the rows say at which step the scale was
+    measured and the text makes no claim about how the weights started.
+    """
     rows = {}
     off = []
+    initial = ctx.weights_initial
     for p in params:
         c = ctx.weight_init_check(p)
         if c is None:
             continue
         want = c["kaiming"] if act == "relu" else c["xavier"]
-        rows[p] = {"init_rms": c["rms"], "recommended_rms": want, "fan_in": c["fan_in"]}
-        if c["rms"] > 3 * want or c["rms"] < want / 3:
+        if initial:
+            rows[p] = {"init_rms": c["rms"], "recommended_rms": want, "fan_in": c["fan_in"]}
+        else:
+            rows[p] = {"rms_at_step": c["rms"], "step": c["step"], "recommended_rms": want, "fan_in": c["fan_in"]}
+        if initial and (c["rms"] > 3 * want or c["rms"] < want / 3):
             off.append(f"{p} started with RMS {fmt(c['rms'])} vs {fmt(want)}")
     if act == "relu":
         how = "Kaiming initialisation: `nn.init.kaiming_normal_(layer.weight, nonlinearity='relu')`, bias 0"
@@ -127,14 +136,15 @@ def op_fix(op: str | None) -> str | None:
     return None
 
 
-def origin_of(run: Any, before_step: int | None = None) -> dict | None:
+def origin_of(run: Any, before_step: int | None = None, since_step: int | None = None) -> dict | None:
     """Where the recorder's first harmful value was made (when the run was recorded), as
     finding evidence: the origin of the analysis' walk back, not the first non-finite output
-    (an intended -inf mask is never the cause)."""
+    (an intended -inf mask is never the cause). ``since_step``: of the first harmful value in
+    that step or later."""
     from trainguard.analysis._origin import origin
 
     try:
-        o = origin(run)
+        o = origin(run, since_step=since_step)
     except Exception:  # a run without a recording, or a damaged one: no origin
         return None
     if o is None:

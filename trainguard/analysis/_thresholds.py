@@ -66,6 +66,9 @@ class Thresholds:
     vanish_ratio: float = _t(
         1e-3, "first-layer gradient (relative to its weights) 1000x below the last: one LR cannot suit both"
     )
+    vanish_update_balance: float = _t(
+        0.1, "yet the first layer's updates are a tenth of the last's or more: the optimizer (Adam) makes up for it"
+    )
     explode_ratio: float = _t(1e3, "first-layer gradient (relative to its weights) 1000x above the last")
     grad_spike_factor: float = _t(100.0, "a gradient norm two orders of magnitude above its recent median")
     grad_spike_vs_start: float = _t(
@@ -75,6 +78,17 @@ class Thresholds:
     # ---- inputs
     input_scale_max: float = _t(10.0, "inputs with mean or std above 10 push first-layer units far from their linear range")
     input_scale_spread: float = _t(1e3, "features whose scales differ 1000x train at very different speeds")
+    # ---- mixed precision (GradScaler)
+    amp_skip_run: float = _t(
+        5, "after the scale settled, more than 5 skipped steps in a row: halving the scale is not fixing it"
+    )
+    amp_skip_fraction: float = _t(
+        0.1, "more than 10% of a window of steps skipped once settled (a growth attempt skips 1 step in 2000)"
+    )
+    amp_skip_window: float = _t(100, "the window the skip fraction is measured over, in steps")
+    amp_min_scale: float = _t(
+        1.0, "a scale below 1 still overflowing: the values are Inf/NaN unscaled, so scaling is not the cause"
+    )
     # ---- parameters and modes
     stale_fraction: float = _t(
         0.5, "most parameters still holding the last step's gradient when the new one arrives: no zero_grad"

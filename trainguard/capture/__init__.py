@@ -1,6 +1,19 @@
 """The hot path: the dispatch-mode recorder, module attribution, stacks, summaries."""
 
 from trainguard.capture._recorder import Recorder, check_numerics, disable, enable, record
-from trainguard.capture._steps import current_step, step
+from trainguard.capture._steps import before_next_optimizer_step, current_step, step
+from trainguard.capture._steps import drive as drive_step
+from trainguard.capture._steps import release_drive as release_step
 
-__all__ = ["Recorder", "check_numerics", "current_step", "disable", "enable", "record", "step"]
+__all__ = [
+    "Recorder",
+    "before_next_optimizer_step",
+    "check_numerics",
+    "current_step",
+    "disable",
+    "drive_step",
+    "enable",
+    "record",
+    "release_step",
+    "step",
+]

@@ -13,7 +13,15 @@ How it stays cheap:
   hook and never kept.
 
 Step numbers come from the shared clock (:mod:`trainguard.capture._steps`), so the monitor and the
-recorder agree: step ``s`` is the work before the ``s``-th ``optimizer.step()`` (counting from 0).
+recorder agree: step ``s`` is the work before the ``s``-th ``optimizer.step()`` (counting from 0),
+or the framework's ``global_step`` when an integration drives the clock. In a loop with no
+optimizer a step ends at the next training forward or ``backward()`` after a ``backward()``
+whose gradients were then used (cleared, replaced, or the parameters changed in place), so
+hand-written updates count one step each and gradient accumulation still counts once.
+
+The hooks this puts on a model are in :mod:`._monitor_hooks` (they never reach its pickle); the
+gradient readings in :mod:`._monitor_grads`; the taps on ``backward``, clipping and
+``GradScaler`` in :mod:`._monitor_tap` and :mod:`._amp_tap`.
 """
 
 from __future__ import annotations
@@ -31,15 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainguard.capture import _monitor_tap, _steps
-from trainguard.capture._layer_stats import (
-    activation_stats,
-    first_tensor,
-    histogram,
-    input_stats,
-)
-from trainguard.capture._monitor_grads import GradientWatch
-from trainguard.capture._monitor_model import Layer, Param, Root, build_root, named_models, structure
+from trainguard.capture import _amp_tap, _monitor_hooks, _monitor_tap, _steps
+from trainguard.capture._ending import ending
+from trainguard.capture._monitor_grads import GradientWatch, pending_refs, used
+from trainguard.capture._monitor_hooks import HookMixin
+from trainguard.capture._monitor_model import Param, Root, named_models
 from trainguard.capture._monitor_ship import Shipper
 from trainguard.store import acquire_writer, release_writer
 
@@ -65,22 +69,29 @@ def _default_logdir() -> Path:
     return Path("runs") / time.strftime("monitor-%Y%m%d-%H%M%S")
 
 
-class Monitor:
+class Monitor(HookMixin):
     """Watch training health: per step loss, learning rate and global gradient norm; every
     ``every`` steps, per layer, activation, gradient, weight and update statistics.
 
     ``model`` is an ``nn.Module``, a list or dict of them (a GAN's two networks), or None: then the
     monitor attaches to every module with parameters that is called at the top level (how
     ``trainguard monitor script.py`` watches an unmodified script). Steps end automatically when
-    ``optimizer.step()`` runs; the loss is the scalar ``backward()`` is called on, or what you pass
-    to :meth:`step`. In a loop with no ``torch.optim`` optimizer, call ``monitor.step(loss)`` after
-    the update: it ends the step.
+    ``optimizer.step()`` runs (or a ``GradScaler`` skips it); in a loop with no ``torch.optim``
+    optimizer, after each ``backward()`` whose gradients the loop then applies. The loss is the
+    sum of the scalars ``backward()`` is called on in the step (unscaled when ``GradScaler.scale``
+    made them), or what you pass to :meth:`step`.
 
     ``histograms``: True for every layer and parameter, or a list of layer/parameter names.
     Writes to ``logdir`` (shared with ``trainguard.record`` when both name the same directory);
-    by default ``runs/monitor-<date>-<time>``. ``close()`` (or leaving the ``with`` block) ships
-    what is pending, diagnoses the run (:func:`trainguard.analysis.diagnose`, with ``thresholds``)
-    and stores the findings in it and in ``monitor.findings`` (``diagnose=False`` skips that).
+    by default ``runs/monitor-<date>-<time>``; ``append=True`` continues a run already there (a
+    resumed training job). ``start_step``: the step training is at (a monitor started mid-training;
+    counting stays automatic). ``close()`` (or leaving the ``with`` block) ships what is pending,
+    diagnoses the run (:func:`trainguard.analysis.diagnose`, with ``thresholds``) and stores the
+    findings in it and in ``monitor.findings`` (``diagnose=False`` skips that).
+
+    The monitor changes nothing a model can do: ``torch.save(model)``, ``pickle`` and
+    ``copy.deepcopy`` see the model without trainguard's hooks, and ``torch.jit.trace`` traces
+    the model's own graph.
 
     Example::
 
@@ -107,8 +118,13 @@ class Monitor:
         diagnose: bool | Callable = True,
         thresholds: Any = None,
         overwrite: bool = False,
+        append: bool = False,
+        start_step: int | None = None,
     ):
         _validate(every, bins, histograms)
+        if start_step is not None and (isinstance(start_step, bool) or not isinstance(start_step, int)
+                                       or start_step < 0):
+            raise ValueError(f"start_step must be a non-negative int, got {start_step!r}")
         models = named_models(model)  # a bad model fails before anything is installed
         self.every = every
         self.bins = bins
@@ -119,8 +135,10 @@ class Monitor:
         self.thresholds = thresholds
         self.findings: list | None = None
         self.logdir = Path(logdir) if logdir is not None else _default_logdir()
-        self._writer = acquire_writer(self.logdir, overwrite=overwrite)
+        self._writer = acquire_writer(self.logdir, overwrite=overwrite, append=append)
         self._closed = False
+        self._meta: dict = _existing_meta(self.logdir) if append else {}
+        self._meta.pop("error", None)
 
         self._roots: list[Root] = []
         self._params: list[Param] = []
@@ -130,6 +148,7 @@ class Monitor:
         self._discover_handle = None
         self._layer_hooks_on = False
         self._order: list[str] = []  # layers in the order their forward ran
+        self._attach_listeners: list[Callable] = []
 
         # Per-step state.
         self._cur = _steps.clock.step
@@ -140,7 +159,12 @@ class Monitor:
         self._backward_step: int | None = None
         self._chan_out: dict[int, tuple] = {}
         self._inputs_seen: set[str] = set()
+        self._input_wanted: dict[str, str] = {}
         self._last_train_fwd: tuple[int, int, bool] | None = None
+        self._amp: dict[str, Any] = {}
+        # No optimizer: after a backward(), what the step's end is recognised by (see pending_refs).
+        self._pending_end: list | None = None
+        self._initial_written = "weights_initial" in self._meta  # a resumed run keeps what it knew
 
         # Shipping: tensors waiting for the next batched transfer, and copies in flight.
         self._out = Shipper(self._writer, bins)
@@ -152,17 +176,29 @@ class Monitor:
             "eval_forwards_in_train": 0,
             "first_eval_forward_in_train": None,
         }
+        self.modes.update({k: v for k, v in (self._meta.get("modes") or {}).items() if k in self.modes})
         self._modes_written: dict = {}
 
         if _steps.clock.users == 0:
-            _steps.reset()
-            self._cur = 0
+            _steps.reset(start_step or 0)
+            self._cur = start_step or 0
         _steps.acquire()
-        _steps.clock.on_step.append(self._on_step)
-        _steps.clock.before_optimizer_step.append(self._before_optimizer)
-        _steps.clock.on_optimizer_step.append(self._after_optimizer)
-        _monitor_tap.add_listener(self._on_backward)
-        self._writer.set_meta(monitor={"every": every, "status": "running"})
+        _monitor_hooks.hide_hooks_from_pickle()
+        c = _steps.clock
+        self._subscriptions = [
+            (c.on_step, self._on_step),
+            (c.before_optimizer_step, self._before_optimizer),
+            (c.grads_ready, self.gradients_ready),
+            (c.on_optimizer_step, self._after_optimizer),
+            (_amp_tap.step_listeners, self._on_scaler_step),
+        ]
+        for registry, fn in self._subscriptions:
+            registry.append(fn)
+        self._taps = [("backward", self._on_backward), ("after_backward", self._after_backward),
+                      ("clip", self._on_clip)]
+        for event, fn in self._taps:
+            _monitor_tap.add_listener(event, fn)
+        self._write_meta(status="running")
 
         for prefix, module in models:
             self._attach(module, prefix)
@@ -174,7 +210,11 @@ class Monitor:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close()
+        self.close(error=exc)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def current_step(self) -> int:
@@ -190,9 +230,8 @@ class Monitor:
     def step(self, loss: Any = None) -> int:
         """Give the loss of the step whose ``backward()`` ran last; end the step if no optimizer does.
 
-        Call it after ``optimizer.step()``. Once called with a loss, that loss replaces the one
-        seen through ``backward()`` (pass it when the backward runs on a scaled loss, as with AMP's
-        ``GradScaler``). Returns the current step.
+        Call it after ``optimizer.step()`` (or the update made by hand). Once called with a loss,
+        that loss replaces the one seen through ``backward()``. Returns the current step.
         """
         if self._closed:
             raise RuntimeError("this monitor is closed")
@@ -207,11 +246,43 @@ class Monitor:
                 self._manual_loss[s] = loss
             self._user_gives_loss = True
         self._backward_step = None
-        if s == self._cur and (not self._grads.saw_optimizer or _steps.clock.manual):
-            with self._no_record():
-                self._grads.capture(self._all_params(), self._cur, self._recording, in_optimizer=None)
+        self._pending_end = None
+        if s == self._cur and _steps.clock.driver != "framework" and (
+            not self._grads.saw_optimizer or _steps.clock.driver == "user"
+        ):
             _steps.step()
         return self._cur
+
+    def gradients_ready(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients ``optimizer`` will apply are complete (before clipping and the update).
+
+        Frameworks' "before optimizer step" callbacks call this; the monitor also finds the moment
+        itself (clipping, a closure's return, ``optimizer.step()``). Reading twice is harmless.
+        """
+        if self._closed:
+            return
+        try:
+            params = self._grads.params_in(optimizer, self._params)
+            if params:
+                with self._no_record():
+                    self._grads.read(params, self._cur, self._recording)
+        except Exception:  # observing training never kills training
+            log.exception("trainguard monitor: reading gradients failed")
+
+    def forward_started(self, model: nn.Module, inputs: Any) -> None:
+        """A training forward of ``model`` (an attached model) starts with ``inputs``.
+
+        For frameworks that run a model's training step without calling the model itself
+        (Lightning calls ``training_step``): train/eval mode and the input statistics are taken
+        here, as the model's forward pre-hook would.
+        """
+        root = next((r for r in self._roots if r.ref() is model), None)
+        if root is not None and not self._closed:
+            self._root_pre(root, model, (inputs,))
+
+    def on_attach(self, fn: Callable[[Monitor, nn.Module], None]) -> None:
+        """Call ``fn(monitor, module)`` whenever a model is attached (integrations find their framework)."""
+        self._attach_listeners.append(fn)
 
     def flush(self) -> None:
         """Send what is buffered to the run (one transfer) and wait until it is written."""
@@ -222,8 +293,13 @@ class Monitor:
             self._out.resolve(wait=True)
         self._writer.flush()
 
-    def close(self) -> None:
-        """Ship what is pending, detach every hook, diagnose the run and store the findings."""
+    def close(self, error: BaseException | str | None = None) -> None:
+        """Ship what is pending, detach every hook, diagnose the run and store the findings.
+
+        ``error``: the exception (or its text) that ended training; the run stores it as
+        ``trainguard run`` does (status ``crashed``, ``error``, ``crash_step``; ``interrupted`` for
+        ``KeyboardInterrupt``), so the diagnosis leads with a ``script_crashed`` error, never "healthy".
+        """
         if self._closed:
             return
         try:
@@ -235,220 +311,94 @@ class Monitor:
         finally:
             self._closed = True
             self._detach_all()
-            with contextlib.suppress(ValueError):
-                _steps.clock.on_step.remove(self._on_step)
-            with contextlib.suppress(ValueError):
-                _steps.clock.before_optimizer_step.remove(self._before_optimizer)
-            with contextlib.suppress(ValueError):
-                _steps.clock.on_optimizer_step.remove(self._after_optimizer)
+            for registry, fn in self._subscriptions:
+                with contextlib.suppress(ValueError):
+                    registry.remove(fn)
+            for event, fn in self._taps:
+                _monitor_tap.remove_listener(event, fn)
             _steps.release()
-            _monitor_tap.remove_listener(self._on_backward)
+            _monitor_hooks.release_pickle_hiding()
             _OPEN.discard(self)
-        self._write_meta(status="finished", final_step=self._cur)
+        ended = ending(error, self._cur)
+        self._write_meta(final_step=self._cur, status=ended.get("status", "finished"))
+        if ended:  # the run's own record of the crash, which the diagnosis reads (analysis._outcome)
+            self._writer.set_meta(**ended)
         if self.diagnose:
             self._store_findings()
-        release_writer(self._writer)
+        release_writer(self._writer, **ended)
 
-    # ------------------------------------------------------------------ attaching
-    def _attach(self, module: nn.Module, prefix: str) -> Root:
-        # A module that contains roots attached earlier (called on its own first) replaces them.
-        inner = [r for r in self._roots if r.ref() is not None and any(r.ref() is m for m in module.modules())]
-        for r in inner:
-            self._detach_root(r)
-        root = build_root(module, prefix)
-        for m in module.modules():
-            self._known.add(m)
-        root.handle = module.register_forward_pre_hook(self._make_root_hook(root), with_kwargs=True)
-        self._roots.append(root)
-        self._params = [p for r in self._roots for p in r.params]
-        if self._layer_hooks_on:
-            for la in root.layers:
-                self._hook_layer(la)
-        if self._recording:
-            self._grads.hook_params(root.params, lambda: self._cur)
-        self._grads.forget_optimizers()
-        self._write_structure()
-        return root
-
-    def _detach_root(self, root: Root) -> None:
-        if root.handle is not None:
-            root.handle.remove()
-        for la in root.layers:
-            if la.handle is not None:
-                la.handle.remove()
-                la.handle = None
-        self._roots.remove(root)
-        self._params = [p for r in self._roots for p in r.params]
-
-    def _detach_all(self) -> None:
-        for r in list(self._roots):
-            self._detach_root(r)
-        self._grads.unhook_params()
-        if self._discover_handle is not None:
-            self._discover_handle.remove()
-            self._discover_handle = None
-
-    def _discover(self, module: nn.Module, args) -> None:
-        # A global forward pre-hook (model=None): the outermost module with parameters is a root.
-        if module in self._known or module in self._no_params:
-            return
-        if not any(True for _ in module.parameters()):
-            self._no_params.add(module)
-            return
-        prefix = ""
-        outside = [r for r in self._roots if r.ref() is not None and all(r.ref() is not m for m in module.modules())]
-        if outside:  # a second model: name its layers apart
-            base = type(module).__name__.lower()
-            taken = {r.prefix for r in self._roots}
-            prefix, k = base + ".", 1
-            while prefix in taken:
-                k += 1
-                prefix = f"{base}{k}."
-        root = self._attach(module, prefix)
-        # This call's pre-hooks were collected before the root hook existed: run it now.
-        self._root_pre(root, module, args, {})
-
-    def _set_discovery(self, on: bool) -> None:
-        if on and self._discover_handle is None:
-            from torch.nn.modules.module import register_module_forward_pre_hook
-
-            self._discover_handle = register_module_forward_pre_hook(self._discover)
-        elif not on and self._discover_handle is not None:
-            self._discover_handle.remove()
-            self._discover_handle = None
-
-    def _all_params(self) -> list[Param]:
-        return self._params
-
-    def _write_structure(self) -> None:
-        self._write_meta(**structure(self._roots))
-
+    # ------------------------------------------------------------------ metadata
     def _write_meta(self, **values: Any) -> None:
-        meta = dict(getattr(self, "_meta", {}) or {})
+        meta = dict(self._meta)
         meta.update(values)
         meta["every"] = self.every
         meta.setdefault("status", "running")
         self._meta = meta
         self._writer.set_meta(monitor=meta)
 
-    # ------------------------------------------------------------------ hooks
     @staticmethod
     def _no_record():
         return _monitor_tap.quiet()
 
-    def _make_root_hook(self, root: Root):
-        def hook(module, args, kwargs):
-            self._root_pre(root, module, args, kwargs)
-
-        return hook
-
-    def _root_pre(self, root: Root, module, args, kwargs) -> None:
-        with self._no_record():
-            self._root_pre_quiet(root, module, args, kwargs)
-
-    def _root_pre_quiet(self, root: Root, module, args, kwargs) -> None:
-        try:
-            grad_on = torch.is_grad_enabled()
-            if root.mode_modules:
-                mods = [m() for m in root.mode_modules]
-                n_train = sum(1 for m in mods if m is not None and m.training)
-                if grad_on:
-                    # A whole model put in eval mode, not single layers frozen on purpose (frozen BN).
-                    self._last_train_fwd = (n_train, len(mods), module.training)
-                else:
-                    self.modes["eval_forwards"] += 1
-                    if n_train:
-                        self.modes["eval_forwards_in_train"] += 1
-                        if self.modes["first_eval_forward_in_train"] is None:
-                            self.modes["first_eval_forward_in_train"] = self._cur
-            if self._recording and grad_on and root.ref() is not None:
-                name = root.prefix + "<input>"
-                if name not in self._inputs_seen:
-                    self._inputs_seen.add(name)
-                    x = None
-                    for v in (*args, *kwargs.values()):
-                        x = first_tensor(v)
-                        if x is not None:
-                            break
-                    if x is not None and x.is_floating_point():
-                        with self._no_record():
-                            out = input_stats(x)
-                        if out is not None:
-                            self._out.stats.append((("l", name, "input", tuple(out[1]), self._cur), out[0]))
-        except Exception:  # observing training never kills training
-            log.exception("trainguard monitor: root hook failed")
-
-    def _hook_layer(self, layer: Layer) -> None:
-        m = layer.ref()
-        if m is None or layer.handle is not None:
-            return
-
-        def hook(module, args, output):
-            self._on_layer(layer, args, output)
-
-        layer.handle = m.register_forward_hook(hook)
-
-    def _set_layer_hooks(self, on: bool) -> None:
-        if on == self._layer_hooks_on:
-            return
-        self._layer_hooks_on = on
-        for r in self._roots:
-            for la in r.layers:
-                if on:
-                    self._hook_layer(la)
-                elif la.handle is not None:
-                    la.handle.remove()
-                    la.handle = None
-
-    def _wants_hist(self, name: str) -> bool:
-        h = self.histograms
-        return bool(h) and (h is True or name in h)
-
-    def _on_layer(self, layer: Layer, args, output) -> None:
-        if not self._recording or not torch.is_grad_enabled() or layer.seen_step == self._cur:
-            return
-        with self._no_record():
-            self._layer_stats(layer, args, output)
-
-    def _layer_stats(self, layer: Layer, args, output) -> None:
-        try:
-            x = first_tensor(output)
-            if x is None or not x.is_floating_point() or x.numel() == 0:
-                return
-            layer.seen_step = self._cur
-            if layer.name not in self._order:
-                self._order.append(layer.name)
-            if layer.channel_first:
-                unit_dim = 1
-                self._chan_out[id(x)] = tuple(x.shape)
-            else:
-                inp = first_tensor(args)
-                inherit = inp is not None and self._chan_out.get(id(inp)) == tuple(inp.shape)
-                unit_dim = 1 if inherit and x.dim() >= 3 else -1
-                if inherit:
-                    self._chan_out[id(x)] = tuple(x.shape)
-            with self._no_record():
-                raw, names, dead, finish = activation_stats(x, unit_dim, layer.prev_dead, layer.saturation)
-                if self._wants_hist(layer.name):
-                    self._out.stats.append((("h", layer.name, "activation", self._cur), histogram(x, self.bins)))
-            layer.prev_dead = dead
-            desc = ("l", layer.name, "activation", tuple(names), self._cur, finish, raw.numel())
-            self._out.stats.append((desc, raw))
-        except Exception:
-            log.exception("trainguard monitor: layer hook failed on %s", layer.name)
-
+    # ------------------------------------------------------------------ backward and clipping
     def _on_backward(self, loss: torch.Tensor | None) -> None:
+        self._maybe_end_manual_step()  # a backward after a completed update starts the next step
         self._backward_step = self._cur
+        if _steps.clock.closure_call > 1:
+            return  # a closure called again (LBFGS) evaluates the moved weights: not the step's loss
         if loss is not None and self.capture_loss and not self._user_gives_loss and self._roots:
             self._auto_losses.append(loss)
 
+    def _after_backward(self) -> None:
+        if self._closed or not self._roots or self._grads.saw_optimizer:
+            return  # with an optimizer, the gradients are read once, right before the update
+        with self._no_record():
+            self._grads.read(self._params, self._cur, self._recording, tentative=True, snapshot=self.updates)
+            if _steps.clock.driver is None:
+                self._pending_end = pending_refs(self._params)
+
+    def _on_clip(self, params: list) -> None:
+        if self._closed or not self._roots:
+            return
+        if self._grads.saw_optimizer:
+            ids = {id(t) for t in params}
+            mine = [p for p in self._params if p.ref() is not None and id(p.ref()) in ids]
+        else:
+            mine = self._params  # complete since the last backward, and unscaled by now (GradScaler.unscale_)
+        if mine:
+            with self._no_record():
+                self._grads.read(mine, self._cur, self._recording)
+
+    def _maybe_end_manual_step(self) -> None:
+        refs = self._pending_end
+        if refs is None:
+            return
+        if self._grads.saw_optimizer or _steps.clock.driver is not None:
+            self._pending_end = None
+        elif used(refs):
+            self._pending_end = None
+            _steps.advance()
+
     # ------------------------------------------------------------------ optimizer
-    def _before_optimizer(self, opt: torch.optim.Optimizer) -> None:
+    def _before_optimizer(self, opt: torch.optim.Optimizer, has_closure: bool) -> None:
         try:
-            params = self._grads.params_in(opt, self._all_params())
+            params = self._grads.params_in(opt, self._params)
             if not params:
                 return
             self._grads.saw_optimizer = True
+            self._pending_end = None
+            with self._no_record():
+                if not has_closure:  # a closure has not run the backward yet: read when it returns
+                    self._grads.read(params, self._cur, self._recording)
+                if self._recording and self.updates:
+                    self._grads.snapshot(opt, params)
+        except Exception:
+            log.exception("trainguard monitor: optimizer pre-hook failed")
+
+    def _after_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        try:
+            if not self._grads.params_in(opt, self._params):
+                return
             if self._last_train_fwd is not None:
                 n_train, n_total, root_training = self._last_train_fwd
                 if n_total and not n_train and not root_training:
@@ -457,19 +407,20 @@ class Monitor:
                         self.modes["first_train_step_in_eval"] = self._cur
                 self._last_train_fwd = None
             with self._no_record():
-                self._grads.capture(params, self._cur, self._recording, in_optimizer=True)
-                if self._recording and self.updates:
-                    self._grads.snapshot(opt, params)
-        except Exception:
-            log.exception("trainguard monitor: optimizer pre-hook failed")
-
-    def _after_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        try:
-            if self._grads.params_in(opt, self._all_params()):
-                with self._no_record():
-                    self._grads.after(opt, self._cur)
+                self._grads.after(opt, self._cur)
         except Exception:
             log.exception("trainguard monitor: optimizer post-hook failed")
+
+    def _on_scaler_step(self, opt: torch.optim.Optimizer, step: int, scale: Any, ran: bool) -> None:
+        if self._closed or not self._grads.params_in(opt, self._params):
+            return
+        values = {"amp/skipped": 0.0 if ran else 1.0}
+        if scale is not None:
+            values["amp/scale"] = scale
+        if step == self._cur:
+            self._amp.update(values)
+        else:  # the update ended the step already; its scalars wait for late values (see Shipper.ship)
+            self._out.scalars.setdefault(step, {}).update(values)
 
     # ------------------------------------------------------------------ steps
     def _on_step(self, new_step: int) -> None:
@@ -488,23 +439,38 @@ class Monitor:
         self._set_layer_hooks(self._recording)
         self._grads.unhook_params()
         if self._recording:
-            self._grads.hook_params(self._all_params(), lambda: self._cur)
+            self._grads.hook_params(self._params, lambda: self._cur)
         # Roots are looked for while none is known, and at recording steps (a model built later).
         self._set_discovery(self._auto and (self._recording or not self._roots))
 
     def _finish_step(self, s: int) -> None:
+        # A step in which nothing trained (a framework's clock jumped past it, evaluation only)
+        # records no weights: they would pass for that step's, or for the initial ones.
+        trained = self._backward_step == s or bool(self._auto_losses) or s in self._manual_loss or self._grads.active
+        recording = self._recording and trained
         values: dict[str, Any] = {}
         if s in self._manual_loss:
             values["loss"] = self._manual_loss.pop(s)
         elif self._auto_losses:
+            # Micro-batches of gradient accumulation each backward loss / k: the step's loss is their sum.
             ls = self._auto_losses
-            values["loss"] = ls[0] if len(ls) == 1 else torch.stack([v.float() for v in ls]).mean()
-        values.update(self._grads.finish(self._all_params(), s, self._recording))
+            values["loss"] = ls[0] if len(ls) == 1 else torch.stack([v.float() for v in ls]).sum()
+        values.update(self._grads.finish(self._params, s, recording))
+        values.update(self._amp)
         if values:
             self._out.scalars[s] = values
+        if recording and not self._initial_written and self._params:
+            # Weights measured before the first update of a fresh run are the initial ones; after a
+            # resume (or with optimizer state already there) they are not, and no rule may say so.
+            self._initial_written = True
+            self._write_meta(weights_initial=bool(s == 0 and not self._grads.optimizer_had_state),
+                             first_recording=s)
         self._auto_losses = []
+        self._amp = {}
+        self._pending_end = None
         self._chan_out = {}
         self._inputs_seen = set()
+        self._input_wanted = {}
         if self._recording or len(self._out.scalars) > MAX_BUFFERED_STEPS:
             self._out.ship(keep=s)
         self._out.resolve(wait=False)
@@ -530,6 +496,17 @@ class Monitor:
             self._writer.add_findings("monitor", [f.to_dict() for f in findings], replace=True)
         except Exception:
             log.exception("trainguard monitor: diagnosis failed")
+
+
+def _existing_meta(logdir: Path) -> dict:
+    """The monitor metadata of a run being continued (a resumed training job), or nothing."""
+    from trainguard.store import open_run
+
+    try:
+        with open_run(logdir) as run:
+            return dict(run.meta.get("monitor") or {})
+    except Exception:  # a new run, or one without a monitor
+        return {}
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()

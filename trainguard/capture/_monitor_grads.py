@@ -1,10 +1,21 @@
-"""Gradients, weights, updates and learning rates, as the monitor sees them around ``optimizer.step()``.
+"""Gradients, weights, updates and learning rates, as the monitor reads them around the update.
 
-Every step: the squared norm of each optimizer's gradients (summed into the global norm). At
-recording steps also, per parameter: gradient statistics, whether it has a gradient and is in an
-optimizer, its weight norm, its update norm and update-to-weight ratio (from a copy taken just
-before the step), and whether its gradient was stale when the step's first gradient arrived
-(``zero_grad`` missing). All values stay on the device until the monitor ships them.
+When the gradients are read (always after the last ``backward()`` of the step, before the
+update and before clipping, so the norm is the one frameworks log):
+
+- with an optimizer: at the first of ``clip_grad_norm_``/``clip_grad_value_``, the end of the
+  first call of a closure passed to ``optimizer.step(closure)``, a framework's "before optimizer
+  step" callback, or ``optimizer.step()`` itself. Each parameter is read once per step (a GAN's
+  two optimizers each read theirs).
+- with no optimizer known yet (the first step of any loop, or a loop that updates by hand):
+  after every ``backward()``, each reading replacing the last, so gradient accumulation ends up
+  with the complete gradients.
+
+Every step: the squared norm of the gradients read (summed into the global norm). At recording
+steps also, per parameter: gradient statistics, whether it has a gradient and is in an optimizer,
+its weight norm before the update, its update norm and update-to-weight ratio (from a copy taken
+just before the update), and whether its gradient was stale when the step's first gradient
+arrived (``zero_grad`` missing). All values stay on the device until the monitor ships them.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ def _stack32(ts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _ratio(row: int, v: list[float]) -> list[float]:
-    """(update norm, weight norm) -> (update norm, update / weight); a zero weight gives inf or nan."""
+    """(update norm, weight norm before it) -> (update norm, update / weight); a zero weight gives inf or nan."""
     return _ratio1(v)
 
 
@@ -35,12 +46,25 @@ def _ratio1(v: list[float]) -> list[float]:
     return [u, u / w if w else (math.inf if u else math.nan)]
 
 
+class _Reading:
+    """What one step's gradient readings produced, committed to the shipper when the step ends."""
+
+    __slots__ = ("sq", "stats", "consts", "wnorm")
+
+    def __init__(self) -> None:
+        self.sq: list[torch.Tensor] = []
+        self.stats: list[tuple] = []
+        self.consts: list[tuple] = []
+        self.wnorm: dict[int, torch.Tensor] = {}  # id(Param) -> weight norm before the update
+
+
 class GradientWatch:
     def __init__(self, out: Shipper, wants_hist: Callable[[str], bool], bins: int):
         self.out = out
         self.wants_hist = wants_hist
         self.bins = bins
         self.saw_optimizer = False
+        self.optimizer_had_state = False  # the first optimizer step found momentum/Adam state: not a fresh run
         self._opt_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._opt_index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._opt_params: set[int] = set()  # ids of the parameters some optimizer owns
@@ -50,10 +74,17 @@ class GradientWatch:
     def _reset(self) -> None:
         self._seen: set[int] = set()  # parameters whose gradient this step has been read
         self._stale_seen: set[int] = set()
-        self._sq: list[torch.Tensor] = []
+        self._reading = _Reading()
+        self._tentative = False
         self._lrs: dict[str, Any] = {}
         self._snap: dict[int, tuple[list[Param], list[torch.Tensor]]] = {}
-        self._wnorm: dict[int, torch.Tensor] = {}
+        self._manual_snap: tuple[list[Param], list[torch.Tensor]] | None = None
+        self._stepped = False  # a watched optimizer updated this step
+
+    @property
+    def active(self) -> bool:
+        """Something was read or updated this step."""
+        return bool(self._seen or self._stepped or self._snap)
 
     def forget_optimizers(self) -> None:
         """The watched parameters changed (a model was attached): recompute optimizer membership."""
@@ -70,12 +101,29 @@ class GradientWatch:
         mine = [p for p in params if p.ref() is not None and id(p.ref()) in ids]
         self._opt_cache[opt] = (sig, mine)
         if opt not in self._opt_index:
+            if not self._opt_index:  # asked before its first update: state means a trained model
+                self.optimizer_had_state = any(len(s) for s in opt.state.values())
             self._opt_index[opt] = len(self._opt_index)
         return mine
 
-    # ------------------------------------------------------------------ around optimizer.step()
-    def capture(self, params: list[Param], step: int, recording: bool, *, in_optimizer: bool | None) -> None:
-        """Read the gradients of ``params`` not read yet this step (``in_optimizer`` None: unknown)."""
+    # ------------------------------------------------------------------ reading gradients
+    def read(self, params: list[Param], step: int, recording: bool, *, tentative: bool = False,
+             snapshot: bool = False) -> None:
+        """Read the gradients of ``params``.
+
+        ``tentative``: after a ``backward()`` with no optimizer known, the reading supersedes every
+        earlier one of the step (accumulation: the latest is the most complete) and is itself
+        superseded by the first reading at an optimizer (after ``GradScaler`` unscaled, say);
+        ``snapshot`` then also copies the weights at recording steps, to measure an update made
+        by hand. Otherwise only parameters not read yet this step are read.
+        """
+        if tentative or self._tentative:
+            self._reading = _Reading()
+            self._seen = set()
+        if tentative:
+            self._manual_snap = None
+        self._tentative = tentative
+        buf = self._reading
         grads, owners = [], []
         for p in params:
             key = id(p)
@@ -87,10 +135,7 @@ class GradientWatch:
                 continue
             g = t.grad
             if recording:
-                if in_optimizer is not None:
-                    flag = 1.0 if (in_optimizer or id(t) in self._opt_params) else 0.0
-                    self.out.consts.append((step, p.name, "gradient", "in_optimizer", flag))
-                self.out.consts.append((step, p.name, "gradient", "present", 0.0 if g is None else 1.0))
+                buf.consts.append((step, p.name, "gradient", "present", 0.0 if g is None else 1.0))
             if g is None or g.is_sparse:
                 continue
             grads.append(g.detach())
@@ -99,7 +144,7 @@ class GradientWatch:
             return
         with torch.no_grad():
             if not recording:
-                self._sq.append(squared_norm_sum(grads))
+                buf.sq.append(squared_norm_sum(grads))
                 return
             by_dev: dict[torch.device, list[int]] = {}
             for i, g in enumerate(grads):
@@ -107,17 +152,22 @@ class GradientWatch:
             for idx in by_dev.values():
                 gs = [grads[i] for i in idx]
                 mat, names, l2 = grad_stats(gs)
-                self._sq.append(squared_norm_sum(gs, l2))
+                buf.sq.append(squared_norm_sum(gs, l2))
                 sizes = [max(g.numel(), 1) for g in gs]
 
                 def finish(r: int, v: list[float], sizes=sizes) -> list[float]:
                     return [v[0] / sizes[r], v[1], v[2], v[3]]  # L1 norm -> mean |g|
 
                 layers = [owners[i].name for i in idx]
-                self.out.stats.append((("m", layers, "gradient", tuple(names), step, finish), mat.reshape(-1)))
+                buf.stats.append((("m", layers, "gradient", tuple(names), step, finish), mat.reshape(-1)))
             for p, g in zip(owners, grads):
                 if self.wants_hist(p.name):
-                    self.out.stats.append((("h", p.name, "gradient", step), histogram(g, self.bins)))
+                    buf.stats.append((("h", p.name, "gradient", step), histogram(g, self.bins)))
+            weights = [p.ref().detach() for p in owners]
+            for p, n in zip(owners, torch._foreach_norm(weights)):
+                buf.wnorm[id(p)] = n  # before the update: the "initial" weights are the initial ones
+            if tentative and snapshot:
+                self._manual_snap = (owners, torch._foreach_mul(weights, 1.0))
 
     def snapshot(self, opt: torch.optim.Optimizer, params: list[Param]) -> None:
         """Copy the weights ``opt`` is about to change (recording steps): the update is new - old."""
@@ -130,6 +180,7 @@ class GradientWatch:
 
     def after(self, opt: torch.optim.Optimizer, step: int) -> None:
         """After ``opt.step()``: its learning rates, and the updates against the snapshot."""
+        self._stepped = True
         k = self._opt_index.get(opt, 0)
         for gi, g in enumerate(opt.param_groups):
             lr = g.get("lr")
@@ -139,19 +190,18 @@ class GradientWatch:
                 lr = lr.detach().reshape(-1)[0].clone()
             self._lrs[f"lr/{gi}" if k == 0 else f"lr/{k}.{gi}"] = lr
         snap = self._snap.pop(id(opt), None)
-        if snap is None:
-            return
+        if snap is not None:
+            self._updates(snap, step)
+
+    def _updates(self, snap: tuple[list[Param], list[torch.Tensor]], step: int) -> None:
         ps, old = snap
         now = [p.ref() for p in ps]
         if any(t is None for t in now):
             return
         with torch.no_grad():
-            new = [t.detach() for t in now]
-            torch._foreach_sub_(old, new)  # the snapshot becomes -update: no second copy
+            wn = torch._foreach_norm(old)
+            torch._foreach_sub_(old, [t.detach() for t in now])  # the snapshot becomes -update: no second copy
             un = torch._foreach_norm(old)
-            wn = torch._foreach_norm(new)
-            for p, w in zip(ps, wn):
-                self._wnorm[id(p)] = w  # the step's final weight norm, unless another optimizer moves it
             if len({u.device for u in un}) == 1:
                 mat = torch.stack([_stack32(un), _stack32(wn)], dim=1).reshape(-1)
                 self.out.stats.append((("m", [p.name for p in ps], "update", ("norm", "ratio"), step, _ratio), mat))
@@ -199,31 +249,42 @@ class GradientWatch:
 
     # ------------------------------------------------------------------ end of a step
     def finish(self, params: list[Param], step: int, recording: bool) -> dict[str, Any]:
-        """The step's scalars (global gradient norm, learning rates); weight norms at recording steps."""
+        """The step's scalars (global gradient norm, learning rates); weights and updates at recording steps."""
         if self.saw_optimizer:
             # Gradients no optimizer took: parameters missing from every optimizer.
             rest = [p for p in params if id(p) not in self._seen]
             if rest:
-                self.capture(rest, step, recording, in_optimizer=False)
+                self.read(rest, step, recording)
+        buf = self._reading
         values: dict[str, Any] = {}
-        if self._sq:
+        if buf.sq:
             with torch.no_grad():
-                values["grad_norm"] = (self._sq[0] if len(self._sq) == 1 else torch.stack(self._sq).sum()).sqrt()
+                values["grad_norm"] = (buf.sq[0] if len(buf.sq) == 1 else torch.stack(buf.sq).sum()).sqrt()
+        self.out.stats.extend(buf.stats)
+        self.out.consts.extend(buf.consts)
         values.update(self._lrs)
         if recording:
-            self._weights(params, step)
+            if self.saw_optimizer:
+                for p in params:
+                    t = p.ref()
+                    if t is not None:
+                        flag = 1.0 if id(t) in self._opt_params else 0.0
+                        self.out.consts.append((step, p.name, "gradient", "in_optimizer", flag))
+            self._weights(params, step, buf.wnorm)
+            if self._manual_snap is not None and not self._stepped:
+                self._updates(self._manual_snap, step)  # an update made by hand (no optimizer)
         self._reset()
         return values
 
-    def _weights(self, params: list[Param], step: int) -> None:
+    def _weights(self, params: list[Param], step: int, known: dict[int, torch.Tensor]) -> None:
         live = [(p, p.ref()) for p in params]
         live = [(p, t) for p, t in live if t is not None and not t.is_sparse]
         if not live:
             return
         with torch.no_grad():
-            todo = [t.detach() for p, t in live if id(p) not in self._wnorm]
+            todo = [t.detach() for p, t in live if id(p) not in known]
             computed = iter(torch._foreach_norm(todo) if todo else [])
-            norms = [self._wnorm[id(p)] if id(p) in self._wnorm else next(computed) for p, _ in live]
+            norms = [known[id(p)] if id(p) in known else next(computed) for p, _ in live]
             by_dev: dict[torch.device, list[int]] = {}
             for i, n in enumerate(norms):
                 by_dev.setdefault(n.device, []).append(i)
@@ -234,3 +295,35 @@ class GradientWatch:
                 self.out.consts.append((step, p.name, "weight", "requires_grad", 1.0 if t.requires_grad else 0.0))
                 if self.wants_hist(p.name):
                     self.out.stats.append((("h", p.name, "weight", step), histogram(t, self.bins)))
+
+
+# How many parameters' gradients tell that a hand-written loop moved on to its next step.
+_PENDING_REFS = 4
+
+
+def pending_refs(params: list[Param]) -> list | None:
+    """What the end of a step without an optimizer is recognised by: a few parameters with a gradient,
+    the gradient object, and both version counters (host-side attributes, no device read)."""
+    refs = []
+    for p in params:
+        t = p.ref()
+        g = t.grad if t is not None else None
+        if g is not None:
+            refs.append((p.ref, weakref.ref(g), t._version, g._version))
+            if len(refs) >= _PENDING_REFS:
+                break
+    return refs or None
+
+
+def used(refs: list) -> bool:
+    """The gradients read after the last backward() were applied: cleared (``zero_grad``), replaced,
+    zeroed or clipped in place, or the parameter changed in place. A loop that accumulates over
+    several backward() calls touches none of these in between."""
+    for pref, gref, pver, gver in refs:
+        t = pref()
+        if t is None:
+            continue
+        g = t.grad
+        if g is None or g is not gref() or t._version != pver or g._version != gver:
+            return True
+    return False

@@ -17,10 +17,11 @@ _SKIP_TYPES = (nn.Identity, nn.modules.dropout._DropoutNd, nn.Flatten, nn.Unflat
 class Layer:
     """A module whose output the monitor summarises (a leaf, or a module with its own parameters)."""
 
-    __slots__ = ("name", "type", "ref", "channel_first", "saturation", "prev_dead", "seen_step", "handle")
+    __slots__ = ("name", "prefix", "type", "ref", "channel_first", "saturation", "prev_dead", "seen_step", "handle")
 
-    def __init__(self, name: str, module: nn.Module):
+    def __init__(self, name: str, module: nn.Module, prefix: str = ""):
         self.name = name
+        self.prefix = prefix  # the root's
         self.type = type(module).__name__
         self.ref = weakref.ref(module)
         self.channel_first = is_channel_first(module)
@@ -67,7 +68,7 @@ def build_root(module: nn.Module, prefix: str) -> Root:
         has_direct = any(True for _ in m.parameters(recurse=False))
         if list(m.children()) and not has_direct:
             continue
-        root.layers.append(Layer(prefix + (name or root_label), m))
+        root.layers.append(Layer(prefix + (name or root_label), m, prefix))
     owner = {}
     for mname, m in module.named_modules():
         for pname, _ in m.named_parameters(recurse=False):

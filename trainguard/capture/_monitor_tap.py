@@ -1,36 +1,89 @@
-"""See the loss of an unmodified training loop: the scalar that ``backward()`` is called on.
+"""See what an unmodified training loop does around its gradients, by wrapping three torch functions.
 
-``torch.Tensor.backward`` calls ``torch.autograd.backward`` through the module attribute, so one
-wrapper there sees both spellings. The wrapper is installed while at least one monitor listens
-and restores the original when the last one leaves. It keeps nothing but a detached view of the
-0-d loss (no graph, no host sync).
+- ``torch.autograd.backward`` (``Tensor.backward`` calls it through the module attribute, so one
+  wrapper sees both spellings): the scalar ``backward()`` is called on (unscaled when it came
+  from ``GradScaler.scale``, see :mod:`._amp_tap`), before the pass (``"backward"``), and the end
+  of the pass (``"after_backward"``). Only outermost calls are announced: gradient
+  checkpointing runs nested ``backward`` calls inside the outer pass.
+- ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (``"clip"``, with the parameters,
+  before they are clipped): frameworks clip right before the update and log the norm before
+  clipping, so the gradients are complete and not yet changed here. Code that imported the
+  function by name before the monitor started is not seen; the optimizer hook still is.
+
+The wrappers are installed while at least one listener listens and the originals are restored
+when the last one leaves. They keep nothing but a detached view of the 0-d loss (no graph, no
+host sync), and a listener's failure never reaches the training loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable
 
 import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+
+from trainguard.capture import _amp_tap
+
+log = logging.getLogger("trainguard.monitor")
 
 _lock = threading.Lock()
-_listeners: list[Callable[[torch.Tensor | None], None]] = []
-_original: Callable | None = None
+_EVENTS = ("backward", "after_backward", "clip")
+_listeners: dict[str, list[Callable]] = {e: [] for e in _EVENTS}
+_originals: dict[str, Callable] = {}
+# True while an announced backward pass runs: checkpointed segments call backward inside it, on
+# the autograd engine's threads for accelerators, so this is not thread-local.
+_in_backward = False
+
+
+def _announce(event: str, *args) -> None:
+    for fn in list(_listeners[event]):
+        try:
+            fn(*args)
+        except Exception:  # observing training never kills training
+            log.exception("trainguard monitor: %s listener failed", event)
 
 
 def _backward(tensors, grad_tensors=None, *args, **kwargs):
+    global _in_backward
+    if _in_backward:
+        return _originals["backward"](tensors, grad_tensors, *args, **kwargs)
     loss = None
     if isinstance(tensors, torch.Tensor) and grad_tensors is None and tensors.numel() == 1:
         if tensors.is_floating_point():
             with quiet():
-                loss = tensors.detach().reshape(())
-    for fn in list(_listeners):
-        try:
-            fn(loss)
-        except Exception:  # observing training never kills training
-            pass
-    return _original(tensors, grad_tensors, *args, **kwargs)
+                loss = _amp_tap.unscaled(tensors)
+                loss = (tensors if loss is None else loss).detach().reshape(())
+    _announce("backward", loss)
+    _in_backward = True
+    try:
+        out = _originals["backward"](tensors, grad_tensors, *args, **kwargs)
+    finally:
+        _in_backward = False
+    _announce("after_backward")
+    return out
+
+
+def _as_list(parameters) -> list:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def _clip_norm(parameters, *args, **kwargs):
+    params = _as_list(parameters)  # a generator can be read once: the original gets the list
+    _announce("clip", params)
+    return _originals["clip_grad_norm_"](params, *args, **kwargs)
+
+
+def _clip_value(parameters, *args, **kwargs):
+    params = _as_list(parameters)
+    _announce("clip", params)
+    return _originals["clip_grad_value_"](params, *args, **kwargs)
+
+
+_WRAPPERS = {"clip_grad_norm_": _clip_norm, "clip_grad_value_": _clip_value}
 
 
 def quiet():
@@ -45,22 +98,40 @@ def quiet():
     return paused()
 
 
-def add_listener(fn: Callable[[torch.Tensor | None], None]) -> None:
-    """Call ``fn(loss_or_None)`` before every ``backward``; ``loss`` is a detached 0-d tensor."""
-    global _original
-    with _lock:
-        if not _listeners:
-            _original = torch.autograd.backward
-            torch.autograd.backward = _backward
-        _listeners.append(fn)
+def _install() -> None:
+    _originals["backward"] = torch.autograd.backward
+    torch.autograd.backward = _backward
+    for name, wrapper in _WRAPPERS.items():
+        _originals[name] = getattr(torch.nn.utils.clip_grad, name)
+        for mod in (torch.nn.utils, torch.nn.utils.clip_grad):
+            setattr(mod, name, wrapper)
 
 
-def remove_listener(fn: Callable) -> None:
-    global _original
+def _uninstall() -> None:
+    if torch.autograd.backward is _backward:
+        torch.autograd.backward = _originals["backward"]
+    for name, wrapper in _WRAPPERS.items():
+        for mod in (torch.nn.utils, torch.nn.utils.clip_grad):
+            if getattr(mod, name) is wrapper:
+                setattr(mod, name, _originals[name])
+    _originals.clear()
+
+
+def add_listener(event: str, fn: Callable) -> None:
+    """``"backward"``: ``fn(loss_or_None)`` before an outermost backward (``loss`` a detached 0-d
+    tensor, unscaled); ``"after_backward"``: ``fn()`` when it returned; ``"clip"``: ``fn(params)``
+    before gradients are clipped."""
+    if event not in _listeners:
+        raise ValueError(f"event must be one of {_EVENTS}, got {event!r}")
     with _lock:
-        if fn in _listeners:
-            _listeners.remove(fn)
-        if not _listeners and _original is not None:
-            if torch.autograd.backward is _backward:
-                torch.autograd.backward = _original
-            _original = None
+        if not any(_listeners.values()):
+            _install()
+        _listeners[event].append(fn)
+
+
+def remove_listener(event: str, fn: Callable) -> None:
+    with _lock:
+        if fn in _listeners.get(event, ()):
+            _listeners[event].remove(fn)
+        if not any(_listeners.values()) and _originals:
+            _uninstall()

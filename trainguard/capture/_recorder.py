@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _numerics, _reads, _steps
+from trainguard.capture._ending import ending
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._recorder_harm import HarmHooks
 from trainguard.capture._stacks import StackInterner
@@ -166,6 +167,7 @@ class Recorder(HarmHooks):
         strategy: str = "auto",
         overwrite: bool = False,
         backend: str = "auto",
+        rank_dir: bool = True,
     ):
         self.ops_pattern, self.dtypes = _validate(mode, buffer, ops, dtypes)
         if strategy not in ("auto", "immediate", "deferred"):
@@ -183,7 +185,8 @@ class Recorder(HarmHooks):
         self.check = check_numerics
         self.strict = strict
         self.strategy = strategy
-        self.logdir = _rank_dir(Path(logdir)) if logdir is not None else None
+        # ``rank_dir=False``: the caller (a framework integration) already chose the rank's directory.
+        self.logdir = None if logdir is None else (_rank_dir(Path(logdir)) if rank_dir else Path(logdir))
         self.overwrite = overwrite
         self.writer = None
         self.seq = 0
@@ -303,10 +306,7 @@ class Recorder(HarmHooks):
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        meta = {}
-        if exc_type is not None and not issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
-            meta["error"] = f"{exc_type.__name__}: {exc}"
-        self.stop(**meta)
+        self.stop(**ending(exc))  # a block that raised is stored as crashed, as ``trainguard run`` stores it
 
     # ------------------------------------------------------------------ writer plumbing
     def _on_new_stack(self, sid: int, frames: list) -> None:

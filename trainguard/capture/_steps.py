@@ -1,13 +1,25 @@
 """The training step and phase, shared by the recorder and the monitor.
 
-The step counts ``optimizer.step()`` calls (of the first optimizer that steps, so a GAN's two
-optimizers do not double it) until the user calls :func:`step`, after which the user owns it.
-While any optimizer's ``step`` runs, the phase is "optimizer". Hooks are global and installed
+Who counts the steps (``clock.driver``):
+
+- ``None`` (automatic): one step per ``optimizer.step()`` of the first optimizer that steps (a
+  GAN's two optimizers do not double it), and per iteration a ``GradScaler`` skipped (frameworks
+  count those too). The monitor also ends a step in a loop with no optimizer at all
+  (:func:`advance`, see ``Monitor``).
+- ``"user"``: :func:`step` was called; from then on the user owns the count.
+- ``"framework"``: an integration (Lightning, the Hugging Face ``Trainer``) sets the framework's
+  own ``global_step`` with :func:`drive`, so step numbers survive the framework's resume.
+
+While an optimizer's own update runs, the phase is "optimizer". A closure passed to
+``optimizer.step(closure)`` (Lightning, LBFGS) is not: it runs the forward and backward pass, so
+it is wrapped to run outside the optimizer phase, and the gradients it produced are announced
+(``grads_ready``) when its first call returns, before the update. Hooks are global and installed
 while at least one user holds them (:func:`acquire` / :func:`release`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -19,67 +31,148 @@ _lock = threading.Lock()
 
 class _Clock:
     def __init__(self) -> None:
+        # Called with the new value whenever in_optimizer changes (the native recorder core keeps
+        # its own copy: it cannot read this object per op).
+        self.on_in_optimizer: list[Callable[[int], None]] = []
+        self._in_optimizer = 0
         self.step = 0
-        self.manual = False
-        self.in_optimizer = 0
+        self.driver: str | None = None
+        # 0 outside a closure; k while the k-th call of the current optimizer.step's closure runs.
+        self.closure_call = 0
+        self.optimizer_calls = 0  # optimizer.step() calls that ran (a GradScaler skip runs none)
         self.primary: weakref.ref | None = None
         self.users = 0
         self.handles: list = []
-        # Called after each automatic or manual step change, with the new step.
+        # Called after each step change, with the new step.
         self.on_step: list[Callable[[int], None]] = []
-        # Called after each optimizer.step() with the optimizer (the monitor reads lr and updates).
+        # Before optimizer.step(): (optimizer, whether a closure will produce the gradients).
+        self.before_optimizer_step: list[Callable[[torch.optim.Optimizer, bool], None]] = []
+        # The gradients an optimizer is about to use are complete (a closure has returned).
+        self.grads_ready: list[Callable[[torch.optim.Optimizer], None]] = []
+        # After each optimizer.step() with the optimizer (the monitor reads lr and updates).
         self.on_optimizer_step: list[Callable[[torch.optim.Optimizer], None]] = []
-        self.before_optimizer_step: list[Callable[[torch.optim.Optimizer], None]] = []
+
+
+    @property
+    def in_optimizer(self) -> int:
+        """How many optimizer updates are running now (0: not the optimizer phase)."""
+        return self._in_optimizer
+
+    @in_optimizer.setter
+    def in_optimizer(self, n: int) -> None:
+        self._in_optimizer = n
+        for fn in self.on_in_optimizer:
+            fn(n)
 
 
 clock = _Clock()
 
 
-def _pre(optimizer, args, kwargs) -> None:
+def _closure_of(args: tuple, kwargs: dict) -> tuple[Callable | None, bool]:
+    """The closure passed to ``optimizer.step`` (args include the optimizer) and whether it was a keyword."""
+    c = kwargs.get("closure")
+    if callable(c):
+        return c, True
+    if len(args) > 1 and callable(args[1]):
+        return args[1], False
+    return None, False
+
+
+def _wrap_closure(optimizer, closure: Callable) -> Callable:
+    calls = [0]
+
+    def closure_outside_the_optimizer_phase(*a, **k):
+        calls[0] += 1
+        saved_opt, saved_call = clock.in_optimizer, clock.closure_call
+        clock.in_optimizer = max(0, saved_opt - 1)
+        clock.closure_call = calls[0]
+        try:
+            out = closure(*a, **k)
+        finally:
+            clock.in_optimizer, clock.closure_call = saved_opt, saved_call
+        if calls[0] == 1:  # later calls (LBFGS line search) evaluate moved weights
+            for fn in list(clock.grads_ready):
+                fn(optimizer)
+        return out
+
+    return closure_outside_the_optimizer_phase
+
+
+def _pre(optimizer, args, kwargs):
     clock.in_optimizer += 1
+    closure, as_kw = _closure_of(args, kwargs)
     for fn in list(clock.before_optimizer_step):
-        fn(optimizer)
+        fn(optimizer, closure is not None)
+    if closure is None:
+        return None
+    wrapped = _wrap_closure(optimizer, closure)
+    if as_kw:
+        return args, {**kwargs, "closure": wrapped}
+    return (args[0], wrapped, *args[2:]), kwargs
 
 
 def _post(optimizer, args, kwargs) -> None:
     clock.in_optimizer = max(0, clock.in_optimizer - 1)
+    clock.optimizer_calls += 1
     for fn in list(clock.on_optimizer_step):
         fn(optimizer)
-    if clock.manual:
+    _count(optimizer)
+
+
+def _count(optimizer) -> None:
+    if clock.driver is not None:
         return
     if clock.primary is None or clock.primary() is None:
         clock.primary = weakref.ref(optimizer)
     if clock.primary() is optimizer:
-        clock.step += 1
-        for fn in list(clock.on_step):
-            fn(clock.step)
+        advance()
+
+
+def skipped(optimizer) -> None:
+    """A ``GradScaler`` skipped ``optimizer.step()`` (non-finite gradients): the iteration still counts."""
+    _count(optimizer)
 
 
 def acquire() -> None:
     """Install the global optimizer hooks (reference counted)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+    from trainguard.capture import _amp_tap
+
     with _lock:
         clock.users += 1
         if clock.users == 1:
             clock.handles = [register_optimizer_step_pre_hook(_pre), register_optimizer_step_post_hook(_post)]
+            _amp_tap.install()
 
 
 def release() -> None:
+    from trainguard.capture import _amp_tap
+
     with _lock:
         clock.users = max(0, clock.users - 1)
         if clock.users == 0:
+            _amp_tap.uninstall()
             for h in clock.handles:
                 h.remove()
             clock.handles = []
             clock.in_optimizer = 0
+            clock.closure_call = 0
 
 
-def reset() -> None:
-    """Start counting from step 0 again (a new recording with no other users)."""
-    clock.step = 0
-    clock.manual = False
+def reset(start: int = 0) -> None:
+    """Start counting from ``start`` again (a new recording with no other users)."""
+    clock.step = start
+    clock.driver = None
     clock.primary = None
+
+
+def advance() -> int:
+    """End the current step (automatic counting); the driver, if any, is left alone."""
+    clock.step += 1
+    for fn in list(clock.on_step):
+        fn(clock.step)
+    return clock.step
 
 
 def step(n: int | None = None) -> int:
@@ -88,13 +181,48 @@ def step(n: int | None = None) -> int:
     Returns the new step. Use it when a loop has no optimizer, several, or steps the optimizer
     less often than it wants steps counted (gradient accumulation).
     """
-    if n is not None and (not isinstance(n, int) or n < 0):
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
         raise ValueError(f"step must be a non-negative int, got {n!r}")
-    clock.manual = True
+    clock.driver = "user"
     clock.step = clock.step + 1 if n is None else n
     for fn in list(clock.on_step):
         fn(clock.step)
     return clock.step
+
+
+def drive(n: int) -> int:
+    """A framework integration sets the step to the framework's ``global_step`` (no-op when unchanged).
+
+    From then on the optimizer hooks no longer count: the framework does.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"step must be a non-negative int, got {n!r}")
+    clock.driver = "framework"
+    if n != clock.step:
+        clock.step = n
+        for fn in list(clock.on_step):
+            fn(n)
+    return n
+
+
+def before_next_optimizer_step(fn: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Call ``fn(optimizer)`` once, before the next ``optimizer.step()`` (while the clock is held),
+    ahead of the other listeners: it may move the step (an integration taking the count), and the
+    monitor must then see this optimizer step in the new one."""
+
+    def once(optimizer, has_closure):
+        with contextlib.suppress(ValueError):
+            clock.before_optimizer_step.remove(once)
+        fn(optimizer)
+
+    clock.before_optimizer_step.insert(0, once)
+
+
+def release_drive() -> None:
+    """A framework integration hands the count back: optimizer steps count again from here."""
+    if clock.driver == "framework":
+        clock.driver = None
+        clock.primary = None
 
 
 def current_step() -> int:

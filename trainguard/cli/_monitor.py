@@ -67,10 +67,11 @@ def parse_overrides(items: list[str]) -> dict[str, float]:
     return out
 
 
-def run_script(script: str, args: list[str]) -> tuple[int, str | None]:
+def run_script(script: str, args: list[str]) -> tuple[int, BaseException | None]:
     """Run a Python script as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as Python would.
 
-    Returns (exit code, error text or None); the script's exceptions are reported, not raised.
+    Returns (exit code, the exception that ended it or None); the script's exceptions are
+    reported, not raised.
     """
     path = Path(script)
     if not path.is_file():
@@ -85,12 +86,12 @@ def run_script(script: str, args: list[str]) -> tuple[int, str | None]:
         code = exc.code
         if code is None:
             return 0, None
-        return (code if isinstance(code, int) else 1), None
+        return (code if isinstance(code, int) else 1), exc
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # the script's own error: keep its traceback, still diagnose
         traceback.print_exc()
-        return 1, f"{type(exc).__name__}: {exc}"
+        return 1, exc
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
@@ -108,13 +109,16 @@ def monitor_script(
 ):
     """Run ``script`` under a Monitor attached to whatever models it trains; return (exit code, Monitor)."""
     from trainguard._wiring import Monitor
+    from trainguard.integrations import watch_frameworks
 
     mon = Monitor(None, logdir, every, histograms=True if histograms else None, thresholds=thresholds,
                   overwrite=overwrite)
+    watch_frameworks(mon)  # Lightning / HF Trainer scripts: the framework's steps
+    error = None
     try:
-        code, _ = run_script(script, args)
+        code, error = run_script(script, args)
     finally:
-        mon.close()
+        mon.close(error=error)
     return code, mon
 
 

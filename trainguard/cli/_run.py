@@ -15,7 +15,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 from trainguard._errors import NonFiniteError, TrainguardError
 from trainguard.cli._render import err_console
@@ -75,6 +74,7 @@ def _cmd(args: argparse.Namespace) -> int:
         return 1
 
     import trainguard as tg
+    from trainguard.capture._ending import ending as run_ending
 
     try:
         if args.check_numerics:
@@ -90,7 +90,7 @@ def _cmd(args: argparse.Namespace) -> int:
     # A preempted job gets SIGTERM: turn it into SystemExit so the run is closed properly.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     code = 0
-    ending: dict[str, Any] = {}  # how the script ended, stored in the run when it closes
+    error: BaseException | None = None  # what ended the script, stored in the run when it closes
     try:
         recorder.start()
         try:
@@ -107,21 +107,23 @@ def _cmd(args: argparse.Namespace) -> int:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             if exc.code is not None and not isinstance(exc.code, int):
                 print(exc.code, file=sys.stderr)
+            error = exc
         except NonFiniteError as exc:
             err_console.print(f"trainguard: NonFiniteError: {exc}", markup=False, highlight=False, soft_wrap=True)
             code = exc.exit_code
-            ending = _crashed(exc)
-        except KeyboardInterrupt:
+            error = exc
+        except KeyboardInterrupt as exc:
             code = 130
-            ending = {"status": "interrupted"}
+            error = exc
         except BaseException as exc:
             # The script's own traceback, as Python would print it, and Python's exit code.
             _print_traceback(exc)
             code = 1
-            ending = _crashed(exc)
+            error = exc
         finally:
+            ending = run_ending(error)  # before the monitor lets go of the step clock
             if monitor is not None:
-                monitor.close()
+                monitor.close(error=error)  # its diagnosis sees the crash
             ending["exit_code"] = code
             if code and "status" not in ending:
                 ending["status"] = "exited"
@@ -181,15 +183,6 @@ def _print_traceback(exc: BaseException) -> None:
     traceback.print_exception(type(exc), exc, tb if tb is not None else exc.__traceback__)
 
 
-def _crashed(exc: BaseException) -> dict[str, Any]:
-    """The run's record of an exception that ended the script: its type, message and step."""
-    from trainguard.capture import current_step
-
-    message = str(exc).splitlines()[0] if str(exc) else ""
-    return {"status": "crashed", "error": f"{type(exc).__name__}: {message}".rstrip(": "),
-            "crash_step": current_step()}
-
-
 def _writer_failure(logdir: Path) -> str:
     """What the run says went wrong while storing it (a full disk), for the closing line."""
     from trainguard.store import open_run
@@ -212,4 +205,8 @@ def _start_monitor(logdir: Path, every: int):
         from trainguard._wiring import Monitor
     except ImportError:
         raise TrainguardError("--monitor needs the monitor, which this installation lacks") from None
-    return Monitor(None, logdir=logdir, every=every)
+    from trainguard.integrations import watch_frameworks
+
+    monitor = Monitor(None, logdir=logdir, every=every)
+    watch_frameworks(monitor)  # Lightning / HF Trainer scripts: the framework's steps
+    return monitor

@@ -65,21 +65,28 @@ class RunHarm:
             "intended": self.intended(),
         }
 
-    def first_harm(self) -> dict | None:
+    def first_harm(self, since_step: int | None = None) -> dict | None:
         """Where the first harmful value became harmful: {seq, origin, reason, op, step}, or None.
 
         ``reason`` says how: ``nan`` (a NaN was made), ``loss`` (backward() was called on it),
         ``gradient``, ``optimizer``, ``parameter`` (written into one), ``read`` (``.item()``,
         ``.tolist()``, printing). Runs before format 3: the first non-finite execution.
+        ``since_step``: the first one in that step or later (a GradScaler's overflowing steps,
+        long after a routine overflow while its scale settled); ``reason`` may then be None.
         """
         h = self.meta.get("first_harm")
         if isinstance(h, dict) and isinstance(h.get("seq"), int):
-            return h
+            step = h.get("step")
+            if since_step is None or (isinstance(step, int) and step >= since_step):
+                return h
         if self.tainted:
-            rows = self._q(f"SELECT seq, coalesce(origin, seq) FROM executions WHERE taint = {T_HARMFUL} "
-                           "ORDER BY seq LIMIT 1")
+            sql = f"SELECT seq, coalesce(origin, seq) FROM executions WHERE taint = {T_HARMFUL}"
         else:
-            rows = self._q("SELECT seq, seq FROM executions WHERE health != 0 ORDER BY seq LIMIT 1")
+            sql = "SELECT seq, seq FROM executions WHERE health != 0"
+        params: tuple = ()
+        if since_step is not None:
+            sql, params = sql + " AND step >= ?", (int(since_step),)
+        rows = self._q(sql + " ORDER BY seq LIMIT 1", params)
         return {"seq": rows[0][0], "origin": rows[0][1], "reason": None} if rows else None
 
     def first_harmful(self) -> dict | None:

@@ -83,8 +83,7 @@ class NativeBackend:
             raise RuntimeError("too many native recordings at once")
         self.mod.set_step(_steps.clock.step)
         self.mod.set_in_optimizer(_steps.clock.in_optimizer)
-        _steps.clock.before_optimizer_step.append(self._optimizer_moved)
-        _steps.clock.on_optimizer_step.append(self._optimizer_moved)
+        _steps.clock.on_in_optimizer.append(self.mod.set_in_optimizer)
         rec.modules.on_change = self.core.set_module
         rec.modules.on_named = self.core.name_tensor
         self.thread = threading.Thread(target=self._drain_loop, name="trainguard-native-drain", daemon=True)
@@ -96,14 +95,10 @@ class NativeBackend:
         self.core.wake()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
-        for hooks in (_steps.clock.before_optimizer_step, _steps.clock.on_optimizer_step):
-            if self._optimizer_moved in hooks:
-                hooks.remove(self._optimizer_moved)
+        if self.mod.set_in_optimizer in _steps.clock.on_in_optimizer:
+            _steps.clock.on_in_optimizer.remove(self.mod.set_in_optimizer)
         self.rec.modules.on_change = None
         self.rec.modules.on_named = None
-
-    def _optimizer_moved(self, optimizer) -> None:
-        self.mod.set_in_optimizer(_steps.clock.in_optimizer)
 
     def on_step(self, step: int) -> None:
         self.mod.set_step(step)

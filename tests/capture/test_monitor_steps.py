@@ -1,0 +1,311 @@
+"""When the monitor reads gradients and where its steps end: closures (Lightning, LBFGS), gradient
+accumulation, clipping, updates written by hand (no torch.optim), and the first recording's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard
+from trainguard import Monitor
+from trainguard.store import open_run
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(32, 8, generator=g)
+    return x, x[:, :3].argmax(1)
+
+
+def total_norm(model) -> float:
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+
+
+def scalars(path, name):
+    return open_run(path).scalars(name)[name]
+
+
+def test_closure_gradients_belong_to_their_own_step(tmp_path):
+    # Lightning's automatic optimisation runs training_step and backward inside optimizer.step(closure):
+    # the gradients must be read when the closure returns, not before it runs (one step late).
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_loss, ref_norm = [], []
+    with Monitor(model, tmp_path / "r", every=5, diagnose=False):
+        for step in range(7):
+            x, y = batch(step)
+
+            def closure(x=x, y=y):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                ref_loss.append(loss.item())
+                ref_norm.append(total_norm(model))
+                return loss
+
+            opt.step(closure)
+    norms = scalars(tmp_path / "r", "grad_norm")
+    assert [s for s, _ in norms] == list(range(7))
+    assert [v for _, v in norms] == pytest.approx(ref_norm, rel=1e-5)
+    assert [v for _, v in scalars(tmp_path / "r", "loss")] == pytest.approx(ref_loss, rel=1e-6)
+
+
+def test_closure_ops_are_forward_and_backward_not_optimizer(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trainguard.record(tmp_path / "r", mode="no_tensor", buffer=-1):
+        for step in range(2):
+            x, y = batch(step)
+
+            def closure(x=x, y=y):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    run = open_run(tmp_path / "r")
+    execs = run.executions(begin=0, end=run.count())
+    by_phase = {}
+    for e in execs:
+        by_phase.setdefault(e["phase"], set()).add(e["op"])
+    assert any("addmm" in op for op in by_phase["forward"])
+    assert any("mm" in op for op in by_phase["backward"])
+    assert not any("addmm" in op or "log_softmax" in op for op in by_phase.get("optimizer", ()))
+    assert any("add_" in op for op in by_phase["optimizer"])  # SGD's own update
+    assert {e["step"] for e in execs if e["phase"] == "forward"} == {0, 1}
+
+
+def test_lbfgs_counts_one_step_and_the_first_closure_loss(tmp_path):
+    model = mlp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    first_losses = []
+    with Monitor(model, tmp_path / "r", every=1, diagnose=False):
+        for step in range(3):
+            x, y = batch(step)
+            calls = []
+
+            def closure(x=x, y=y, calls=calls):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                calls.append(loss.item())
+                return loss
+
+            opt.step(closure)
+            assert len(calls) > 1  # LBFGS evaluated the moved weights again
+            first_losses.append(calls[0])
+    losses = scalars(tmp_path / "r", "loss")
+    assert [s for s, _ in losses] == [0, 1, 2]
+    assert [v for _, v in losses] == pytest.approx(first_losses, rel=1e-6)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_accumulation_sums_the_micro_losses_and_reads_complete_gradients(tmp_path, clip):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_loss, ref_norm = [], []
+    with Monitor(model, tmp_path / "r", every=2, diagnose=False):
+        for step in range(5):
+            opt.zero_grad()
+            total = 0.0
+            for micro in range(2):
+                x, y = batch(10 * step + micro)
+                loss = nn.functional.cross_entropy(model(x), y) / 2
+                loss.backward()
+                total += loss.item()
+            ref_loss.append(total)
+            ref_norm.append(total_norm(model))
+            if clip:
+                got = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                assert got.item() == pytest.approx(ref_norm[-1], rel=1e-6)
+            opt.step()
+    # The norm before clipping (what clip_grad_norm_ returns and frameworks log), also at step 0,
+    # where the monitor does not know yet that an optimizer will step.
+    assert [v for _, v in scalars(tmp_path / "r", "grad_norm")] == pytest.approx(ref_norm, rel=1e-5)
+    assert [v for _, v in scalars(tmp_path / "r", "loss")] == pytest.approx(ref_loss, rel=1e-6)
+
+
+# ------------------------------------------------------------------ updates written by hand
+class RNNModel(nn.Module):
+    """pytorch/examples word_language_model/model.py (RNNModel, LSTM), shrunk: embedding, LSTM,
+    dropout, linear decoder, log_softmax."""
+
+    def __init__(self, ntoken, ninp, nhid, nlayers, dropout=0.2):
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(ntoken, ninp)
+        self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout)
+        self.decoder = nn.Linear(nhid, ntoken)
+        self.nhid, self.nlayers, self.ntoken = nhid, nlayers, ntoken
+        initrange = 0.1
+        nn.init.uniform_(self.encoder.weight, -initrange, initrange)
+        nn.init.zeros_(self.decoder.bias)
+        nn.init.uniform_(self.decoder.weight, -initrange, initrange)
+
+    def forward(self, x, hidden):
+        emb = self.drop(self.encoder(x))
+        output, hidden = self.rnn(emb, hidden)
+        output = self.drop(output)
+        decoded = self.decoder(output).view(-1, self.ntoken)
+        return nn.functional.log_softmax(decoded, dim=1), hidden
+
+    def init_hidden(self, bsz):
+        w = next(self.parameters())
+        return (w.new_zeros(self.nlayers, bsz, self.nhid), w.new_zeros(self.nlayers, bsz, self.nhid))
+
+
+def word_lm_train(batches: int, lr: float = 20.0, clip: float = 0.25, seed: int = 0):
+    """word_language_model/main.py's train(): model.zero_grad(), backward, clip, p.data.add_(p.grad, alpha=-lr)."""
+    torch.manual_seed(seed)
+    ntokens, bptt, bsz = 40, 8, 4
+    # A corpus with structure to learn: each column repeats a short random phrase.
+    phrase = torch.randint(0, ntokens, (7,))
+    data = phrase.repeat(batches * bptt // 7 + 2)[: batches * bptt + 1 + bsz].unfold(0, bsz, 1)[: batches * bptt + 1]
+    model = RNNModel(ntokens, 16, 16, 2)
+    criterion = nn.NLLLoss()
+    initial = {n: p.detach().norm().item() for n, p in model.named_parameters()}
+    model.train()
+    hidden = model.init_hidden(bsz)
+    losses, norms = [], []
+    for i in range(0, batches * bptt, bptt):
+        x, target = data[i:i + bptt], data[i + 1:i + 1 + bptt].reshape(-1)
+        model.zero_grad()
+        hidden = tuple(h.detach() for h in hidden)
+        output, hidden = model(x, hidden)
+        loss = criterion(output, target)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-lr)
+        losses.append(loss.item())
+    return model, initial, losses, norms
+
+
+def test_hand_written_sgd_counts_every_update(tmp_path):
+    with Monitor(None, tmp_path / "r", every=10) as mon:
+        model, initial, losses, norms = word_lm_train(85)
+    loss = scalars(tmp_path / "r", "loss")
+    assert [s for s, _ in loss] == list(range(85))
+    assert [v for _, v in loss] == pytest.approx(losses, rel=1e-5)
+    assert [v for _, v in scalars(tmp_path / "r", "grad_norm")] == pytest.approx(norms, rel=1e-5)
+    run = open_run(tmp_path / "r")
+    # Weight norms are taken before the update: step 0's are the initial weights (lr=20 moves the
+    # LSTM's weights far in one step, which made "started with RMS 19" claims before).
+    w0 = {r["layer"]: r["value"] for r in run.layer_stats(kind="weight", stat="norm") if r["step"] == 0}
+    assert w0 == pytest.approx(initial, rel=1e-5)
+    assert run.meta["monitor"]["weights_initial"] is True
+    upd = {r["layer"]: r["value"] for r in run.layer_stats(kind="update", stat="norm") if r["step"] == 10}
+    assert upd["decoder.weight"] > 0  # the hand-written update is measured too
+    assert mon.current_step == 84  # the last step, closed with the monitor
+    assert [f.kind for f in mon.findings] == ["healthy"]  # the phrase is learnt
+    assert "over 85 steps" in mon.findings[0].title
+
+
+def test_hand_written_accumulation_is_one_step(tmp_path):
+    model = mlp()
+    with Monitor(model, tmp_path / "r", every=1, diagnose=False):
+        for step in range(4):
+            for micro in range(3):
+                x, y = batch(10 * step + micro)
+                nn.functional.cross_entropy(model(x), y).div(3).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+    assert [s for s, _ in scalars(tmp_path / "r", "loss")] == [0, 1, 2, 3]
+
+
+def test_few_steps_are_insufficient_data_even_with_layer_statistics(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, tmp_path / "r", every=1) as mon:
+        for step in range(7):
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert [f.kind for f in mon.findings] == ["insufficient_data"]
+    assert "7 step(s) with a loss, 20 needed" in mon.findings[0].title
+
+
+def test_a_crashed_run_is_never_healthy(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="out of data"):
+        with Monitor(model, tmp_path / "r", every=5) as mon:
+            for step in range(40):
+                x, y = batch(step)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            raise RuntimeError("out of data")
+    kinds = [f.kind for f in mon.findings]
+    assert "healthy" not in kinds and kinds[0] == "script_crashed"
+    assert mon.findings[0].severity == "error"
+    assert mon.findings[0].title == "The script crashed at step 40: RuntimeError: out of data"
+    run = open_run(tmp_path / "r")
+    # Stored as ``trainguard run`` stores a crash: one record, read by the report and the UI too.
+    assert (run.status, run.meta["error"], run.meta["crash_step"]) == ("crashed", "RuntimeError: out of data", 40)
+    assert run.meta["monitor"]["status"] == "crashed"
+
+
+def test_resumed_weights_are_not_called_initial(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):  # trained before the monitor starts: the optimizer holds momentum
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    with Monitor(model, tmp_path / "r", every=5, diagnose=False):
+        x, y = batch(9)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert open_run(tmp_path / "r").meta["monitor"]["weights_initial"] is False
+
+
+def test_a_monitor_started_mid_training_can_start_at_the_loops_step(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, tmp_path / "r", every=5, diagnose=False, start_step=4000):
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    run = open_run(tmp_path / "r")
+    assert [s for s, _ in run.scalars("loss")["loss"]] == [4000, 4001, 4002]
+    assert run.meta["monitor"]["weights_initial"] is False
+    with pytest.raises(ValueError, match="start_step must be a non-negative int, got -1"):
+        Monitor(model, tmp_path / "bad", start_step=-1)
+
+
+def test_a_step_the_framework_clock_jumped_over_records_no_weights(tmp_path):
+    # trainguard run --monitor on a resumed Lightning script: the monitor opens at step 0 (a
+    # recording step), then the framework's global_step (12) takes over before anything trained.
+    from trainguard.capture import drive_step, release_step
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with Monitor(model, tmp_path / "r", every=5, diagnose=False):
+            drive_step(12)
+            for step in range(12, 16):
+                x, y = batch(step)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                drive_step(step + 1)
+    finally:
+        release_step()
+    run = open_run(tmp_path / "r")
+    assert sorted({r["step"] for r in run.layer_stats()}) == [15]
+    assert run.meta["monitor"]["weights_initial"] is False

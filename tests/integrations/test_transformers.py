@@ -1,0 +1,71 @@
+"""TrainguardCallback for the Hugging Face Trainer, and the same script unmodified under
+``trainguard run --monitor``: loss and gradient norm equal to the Trainer's own logs with
+gradient accumulation and clipping, its global_step across a resume, tiny GPT-2 and BERT."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: models come from configs
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import trainguard  # noqa: E402
+from trainguard.cli import main as cli  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("hf_train.py")
+
+
+def script_module():
+    spec = importlib.util.spec_from_file_location("hf_train", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def hf_logs(path) -> dict[int, dict]:
+    """The Trainer's per-step logs, keyed by trainguard's step (HF logs step s as global_step s + 1)."""
+    return {e["step"] - 1: e for e in json.loads(Path(path).read_text()) if "loss" in e}
+
+
+@pytest.mark.parametrize("how", ["callback", "unmodified"])
+def test_gpt2_accumulation_and_clipping_match_the_trainers_logs(tmp_path, how):
+    args = [str(tmp_path / "out"), "--model", "gpt2", "--steps", "8", "--accumulate", "2", "--max-grad-norm", "1.0",
+            "--history", str(tmp_path / "h.json")]
+    logdir = tmp_path / "run"
+    if how == "callback":
+        script_module().main([*args, "--callback", str(logdir)])
+    else:
+        assert cli(["run", "--monitor", "--every", "5", "--logdir", str(logdir), str(SCRIPT), *args]) == 0
+    logs = hf_logs(tmp_path / "h.json")
+    s = trainguard.open(logdir).scalars()
+    assert sorted(logs) == list(range(8)) == [st for st, _ in s["loss"]]
+    # The loss the Trainer logs (the sum of the two micro-batches' losses) and its grad_norm, taken
+    # before max_grad_norm clipped it: above 1.0 here, so a reading after clipping would differ.
+    assert [v for _, v in s["loss"]] == pytest.approx([logs[k]["loss"] for k in range(8)], rel=1e-6)
+    assert [v for _, v in s["grad_norm"]] == pytest.approx([logs[k]["grad_norm"] for k in range(8)], rel=1e-5)
+    assert max(logs[k]["grad_norm"] for k in range(8)) > 1.0
+    assert [v for _, v in s["lr/0"]] == pytest.approx([logs[k]["learning_rate"] for k in range(8)], rel=1e-6)
+
+
+def test_bert_resumed_from_a_trainer_checkpoint_continues_the_steps(tmp_path):
+    mod = script_module()
+    logdir, out = tmp_path / "run", tmp_path / "out"
+    mod.main([str(out), "--model", "bert", "--steps", "6", "--save-steps", "6", "--callback", str(logdir)])
+    trainer = mod.main([str(out), "--model", "bert", "--steps", "12", "--resume", str(out / "checkpoint-6"),
+                        "--callback", str(logdir), "--history", str(tmp_path / "h.json")])
+    assert trainer.state.global_step == 12
+    run = trainguard.open(logdir)
+    assert [st for st, _ in run.scalars("loss")["loss"]] == list(range(12))
+    logs = hf_logs(tmp_path / "h.json")
+    got = dict(run.scalars("loss")["loss"])
+    assert [got[k] for k in range(6, 12)] == pytest.approx([logs[k]["loss"] for k in range(6, 12)], rel=1e-6)
+    assert sorted({r["step"] for r in run.layer_stats()}) == [0, 5, 10]
+    assert run.meta["monitor"]["status"] == "finished"
+    assert any(r["layer"].startswith("bert.encoder.layer.1") for r in run.layer_stats(kind="activation"))

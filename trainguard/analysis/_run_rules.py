@@ -1,0 +1,123 @@
+"""Rules over how the run went as a whole: mixed precision kept overflowing.
+
+A crash is not a rule here: the run stores how it ended and :mod:`._outcome` makes it the
+``script_crashed`` error (one mechanism for ``trainguard run``, the monitor and the callbacks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from trainguard.analysis._context import Context, fmt
+from trainguard.analysis._rules import register_rule
+from trainguard.analysis._suggest import origin_of, where
+from trainguard.store import Finding
+
+SOURCE = "monitor"
+
+BF16_TEXT = (
+    "train in bfloat16, which has float32's range and needs no scaler: `torch.autocast(device, "
+    "dtype=torch.bfloat16)` without a GradScaler (Lightning `precision='bf16-mixed'`, the HF Trainer `bf16=True`)"
+)
+
+
+def _longest_run(flags: np.ndarray) -> tuple[int, int]:
+    """(length, start index) of the longest run of True values."""
+    best, start, cur, cur_start = 0, 0, 0, 0
+    for i, f in enumerate(flags):
+        if f:
+            if cur == 0:
+                cur_start = i
+            cur += 1
+            if cur > best:
+                best, start = cur, cur_start
+        else:
+            cur = 0
+    return best, start
+
+
+def _log2(x: float) -> str:
+    if not (math.isfinite(x) and x > 0):
+        return fmt(x)
+    k = math.log2(x)
+    return f"2**{int(k)}" if k == int(k) else fmt(x)
+
+
+@register_rule("grad_scaler_skips")
+def grad_scaler_skips(ctx: Context) -> list[Finding]:
+    sk = ctx.amp_skipped
+    if not len(sk):
+        return []
+    skipped = sk.values > 0.5
+    if not skipped.any():
+        return []
+    steps = sk.steps
+    scale_at = dict(zip(ctx.amp_scale.steps.tolist(), ctx.amp_scale.values.tolist()))
+    ok = np.nonzero(~skipped)[0]
+    settle = int(ok[0]) if len(ok) else len(skipped)  # the scale halves at each skip until a step succeeds
+    later = skipped[settle:]
+    th = ctx.th
+    ev: dict = {"skipped_steps": int(skipped.sum()), "steps": len(skipped), "settling_skips": settle}
+    first_scale = scale_at.get(int(steps[0]))
+    if first_scale is not None:
+        ev["initial_scale"] = first_scale
+    reasons, since = [], None
+    if not len(ok):
+        low = min((scale_at.get(int(s), math.inf) for s in steps), default=math.inf)
+        ev["lowest_scale"] = low
+        if low < th.amp_min_scale:
+            reasons.append(f"every one of the {len(skipped)} steps was skipped and the scale fell to {fmt(low)}")
+            since = int(steps[0])
+    else:
+        ev["settled_scale"] = scale_at.get(int(steps[settle]))
+        run, at = _longest_run(later)
+        if run > th.amp_skip_run:
+            reasons.append(f"{run} steps in a row were skipped from step {int(steps[settle + at])}")
+            since = int(steps[settle + at])
+        w = min(int(th.amp_skip_window), len(later))
+        if w >= th.min_loss_points:
+            frac = np.convolve(later.astype(float), np.ones(w), "valid") / w
+            i = int(np.argmax(frac))
+            if frac[i] > th.amp_skip_fraction:
+                reasons.append(f"{frac[i]:.0%} of {w} steps were skipped (from step {int(steps[settle + i])})")
+                since = int(steps[settle + i]) if since is None else since
+    if not reasons:
+        settled = ev.get("settled_scale")
+        text = f"The GradScaler skipped {ev['skipped_steps']} step(s)"
+        if settle:
+            text += " while its scale settled" + (f" from {_log2(first_scale)} to {_log2(settled)}" if
+                                                   first_scale and settled else "")
+        fix = "routine: the scaler halves its scale at each overflow until the gradients fit float16"
+        if settle and settled:
+            fix += f"; `GradScaler(init_scale={_log2(settled)})` starts there and skips none"
+        return [Finding(kind="grad_scaler_skips", severity="info", title=text, evidence=ev, suggestion=fix,
+                        steps=(int(steps[0]), int(steps[-1])), source=SOURCE)]
+    fixes = []
+    origin = origin_of(ctx.run, since_step=since)
+    if origin:
+        ev["origin"] = origin
+        fixes.append(f"the first Inf/NaN of those steps came from {where(origin)} ({origin.get('phase')} pass): "
+                     "compute it in float32 (`with torch.autocast(device, enabled=False):` around it, inputs "
+                     "`.float()`) or keep its values in float16's range (max 65504)")
+    else:
+        fixes.append("record a skipped step (`trainguard run --monitor script.py`, or `trainguard.record`) to find the "
+                     "op that overflows in float16 (max 65504)")
+    fixes.append(BF16_TEXT)
+    lowest = ev.get("lowest_scale")
+    if lowest is not None and lowest < th.amp_min_scale:
+        fixes.append("the scale is below 1, so scaling is not the cause: the gradients (or the loss) are Inf/NaN "
+                     "at any scale")
+    return [
+        Finding(
+            kind="grad_scaler_skips",
+            severity="error",
+            title="Mixed precision keeps overflowing: " + reasons[0] + "; those steps did not train",
+            evidence=ev | {"reasons": reasons},
+            suggestion="; ".join(fixes),
+            steps=(since, int(steps[-1])) if since is not None else None,
+            layers=[origin["module"]] if origin and origin.get("module") else [],
+            source=SOURCE,
+        )
+    ]

@@ -1,0 +1,267 @@
+"""What the monitor attaches to a user's model, and how that stays invisible to the model's pickle.
+
+A module keeps its hooks in ``OrderedDict``s that ``torch.save(model)``, ``pickle`` and
+``copy.deepcopy`` copy with it. A closure there makes pickling fail ("Can't pickle local object")
+and a reference to trainguard would make the file need trainguard to load (``torch.load`` with
+``weights_only`` refuses unknown globals). So trainguard's module hooks are :class:`ModuleHook`
+objects, and while a monitor is open ``copyreg`` reduces an ``OrderedDict`` holding one to a plain
+``OrderedDict`` without it: the saved or copied model is exactly what it would be unwatched.
+(Tensor hooks are never serialised by torch; global module hooks live outside the model.)
+
+:class:`HookMixin` is the part of :class:`~trainguard.capture._monitor.Monitor` that attaches:
+roots (a forward pre-hook each: train/eval mode, the model's input, the end of a step in a loop
+without an optimizer), layers (forward hooks at recording steps only) and discovery (a global
+forward pre-hook while no model is known, ``Monitor(None)``).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from trainguard.capture import _monitor_tap
+from trainguard.capture._layer_stats import activation_stats, first_tensor, histogram, input_stats
+from trainguard.capture._monitor_model import Layer, Root, build_root, structure
+
+log = logging.getLogger("trainguard.monitor")
+_tracing_state = torch._C._get_tracing_state
+
+
+class ModuleHook:
+    """A hook trainguard put on a module: ``fn(arg, *hook_args)``; left out when the module is pickled."""
+
+    __slots__ = ("fn", "arg")
+
+    def __init__(self, fn: Callable, arg=None):
+        self.fn = fn
+        self.arg = arg
+
+    def __call__(self, *args):
+        if _tracing_state() is not None:  # torch.jit.trace: the traced graph is the model's alone
+            return None
+        return self.fn(self.arg, *args)
+
+
+_lock = threading.Lock()
+_users = 0
+_previous_reducer = None
+
+
+def _reduce_ordered_dict(d: OrderedDict):
+    if any(type(v) is ModuleHook for v in d.values()):
+        kept = [(k, v) for k, v in d.items() if type(v) is not ModuleHook]
+        return (OrderedDict, (), None, None, iter(kept))
+    if _previous_reducer is not None:
+        return _previous_reducer(d)
+    return d.__reduce__()
+
+
+def hide_hooks_from_pickle() -> None:
+    """While held (reference counted), pickles and deep copies of modules leave trainguard's hooks out."""
+    global _users, _previous_reducer
+    with _lock:
+        _users += 1
+        if _users == 1:
+            _previous_reducer = copyreg.dispatch_table.get(OrderedDict)
+            copyreg.dispatch_table[OrderedDict] = _reduce_ordered_dict
+
+
+def release_pickle_hiding() -> None:
+    global _users, _previous_reducer
+    with _lock:
+        _users = max(0, _users - 1)
+        if _users == 0 and copyreg.dispatch_table.get(OrderedDict) is _reduce_ordered_dict:
+            if _previous_reducer is None:
+                del copyreg.dispatch_table[OrderedDict]
+            else:
+                copyreg.dispatch_table[OrderedDict] = _previous_reducer
+            _previous_reducer = None
+
+
+class HookMixin:
+    """Attaching to models and the hooks that run in their forward pass (state lives on the Monitor)."""
+
+    # ------------------------------------------------------------------ attaching
+    def _attach(self, module: nn.Module, prefix: str) -> Root:
+        # A module that contains roots attached earlier (called on its own first) replaces them.
+        inner = [r for r in self._roots if r.ref() is not None and any(r.ref() is m for m in module.modules())]
+        for r in inner:
+            self._detach_root(r)
+        root = build_root(module, prefix)
+        for m in module.modules():
+            self._known.add(m)
+        root.handle = module.register_forward_pre_hook(ModuleHook(self._root_pre, root))
+        self._roots.append(root)
+        self._params = [p for r in self._roots for p in r.params]
+        if self._layer_hooks_on:
+            for la in root.layers:
+                self._hook_layer(la)
+        if self._recording:
+            self._grads.hook_params(root.params, lambda: self._cur)
+        self._grads.forget_optimizers()
+        self._write_meta(**structure(self._roots))
+        for fn in list(self._attach_listeners):
+            try:
+                fn(self, module)
+            except Exception:  # observing training never kills training
+                log.exception("trainguard monitor: attach listener failed")
+        return root
+
+    def _detach_root(self, root: Root) -> None:
+        if root.handle is not None:
+            root.handle.remove()
+        for la in root.layers:
+            if la.handle is not None:
+                la.handle.remove()
+                la.handle = None
+        self._roots.remove(root)
+        self._params = [p for r in self._roots for p in r.params]
+
+    def _detach_all(self) -> None:
+        for r in list(self._roots):
+            self._detach_root(r)
+        self._grads.unhook_params()
+        self._set_discovery(False)
+
+    def _discover(self, module: nn.Module, args) -> None:
+        # A global forward pre-hook (model=None): the outermost module with parameters is a root.
+        if module in self._known or module in self._no_params or _tracing_state() is not None:
+            return
+        if not any(True for _ in module.parameters()):
+            self._no_params.add(module)
+            return
+        prefix = ""
+        outside = [r for r in self._roots if r.ref() is not None and all(r.ref() is not m for m in module.modules())]
+        if outside:  # a second model: name its layers apart
+            base = type(module).__name__.lower()
+            taken = {r.prefix for r in self._roots}
+            prefix, k = base + ".", 1
+            while prefix in taken:
+                k += 1
+                prefix = f"{base}{k}."
+        root = self._attach(module, prefix)
+        # This call's pre-hooks were collected before the root hook existed: run it now.
+        self._root_pre(root, module, args)
+
+    def _set_discovery(self, on: bool) -> None:
+        if on and self._discover_handle is None:
+            from torch.nn.modules.module import register_module_forward_pre_hook
+
+            self._discover_handle = register_module_forward_pre_hook(self._discover)
+        elif not on and self._discover_handle is not None:
+            self._discover_handle.remove()
+            self._discover_handle = None
+
+    # ------------------------------------------------------------------ root hook
+    def _root_pre(self, root: Root, module, args) -> None:
+        if root.ref() is not module:  # a shallow copy shares the hook dict
+            return
+        with _monitor_tap.quiet():
+            try:
+                self._root_pre_quiet(root, module, args)
+            except Exception:  # observing training never kills training
+                log.exception("trainguard monitor: root hook failed")
+
+    def _root_pre_quiet(self, root: Root, module, args) -> None:
+        grad_on = torch.is_grad_enabled()
+        if grad_on:
+            self._maybe_end_manual_step()  # a training forward starts the next step
+        if root.mode_modules:
+            mods = [m() for m in root.mode_modules]
+            n_train = sum(1 for m in mods if m is not None and m.training)
+            if grad_on:
+                # A whole model put in eval mode, not single layers frozen on purpose (frozen BN).
+                self._last_train_fwd = (n_train, len(mods), module.training)
+            else:
+                self.modes["eval_forwards"] += 1
+                if n_train:
+                    self.modes["eval_forwards_in_train"] += 1
+                    if self.modes["first_eval_forward_in_train"] is None:
+                        self.modes["first_eval_forward_in_train"] = self._cur
+        if self._recording and grad_on:
+            name = root.prefix + "<input>"
+            if name not in self._inputs_seen:
+                x = None
+                for v in args:
+                    x = first_tensor(v)
+                    if x is not None:
+                        break
+                if x is None:
+                    # Called with keywords only (pre-hooks see no kwargs without keeping their id in
+                    # the module): the first layer that runs takes its input as the model's.
+                    self._input_wanted[root.prefix] = name
+                else:
+                    self._take_input(name, x)
+
+    def _take_input(self, name: str, x: torch.Tensor) -> None:
+        self._inputs_seen.add(name)
+        if x.is_floating_point():
+            out = input_stats(x)
+            if out is not None:
+                self._out.stats.append((("l", name, "input", tuple(out[1]), self._cur), out[0]))
+
+    # ------------------------------------------------------------------ layer hooks
+    def _hook_layer(self, layer: Layer) -> None:
+        m = layer.ref()
+        if m is None or layer.handle is not None:
+            return
+        layer.handle = m.register_forward_hook(ModuleHook(self._on_layer, layer))
+
+    def _set_layer_hooks(self, on: bool) -> None:
+        if on == self._layer_hooks_on:
+            return
+        self._layer_hooks_on = on
+        for r in self._roots:
+            for la in r.layers:
+                if on:
+                    self._hook_layer(la)
+                elif la.handle is not None:
+                    la.handle.remove()
+                    la.handle = None
+
+    def _wants_hist(self, name: str) -> bool:
+        h = self.histograms
+        return bool(h) and (h is True or name in h)
+
+    def _on_layer(self, layer: Layer, module, args, output) -> None:
+        if not self._recording or not torch.is_grad_enabled() or layer.seen_step == self._cur:
+            return
+        with _monitor_tap.quiet():
+            if self._input_wanted:
+                name = self._input_wanted.pop(layer.prefix, None)
+                x = first_tensor(args) if name else None
+                if x is not None:
+                    self._take_input(name, x)
+            self._layer_stats(layer, args, output)
+
+    def _layer_stats(self, layer: Layer, args, output) -> None:
+        try:
+            x = first_tensor(output)
+            if x is None or not x.is_floating_point() or x.numel() == 0:
+                return
+            layer.seen_step = self._cur
+            if layer.name not in self._order:
+                self._order.append(layer.name)
+            if layer.channel_first:
+                unit_dim = 1
+                self._chan_out[id(x)] = tuple(x.shape)
+            else:
+                inp = first_tensor(args)
+                inherit = inp is not None and self._chan_out.get(id(inp)) == tuple(inp.shape)
+                unit_dim = 1 if inherit and x.dim() >= 3 else -1
+                if inherit:
+                    self._chan_out[id(x)] = tuple(x.shape)
+            raw, names, dead, finish = activation_stats(x, unit_dim, layer.prev_dead, layer.saturation)
+            if self._wants_hist(layer.name):
+                self._out.stats.append((("h", layer.name, "activation", self._cur), histogram(x, self.bins)))
+            layer.prev_dead = dead
+            desc = ("l", layer.name, "activation", tuple(names), self._cur, finish, raw.numel())
+            self._out.stats.append((desc, raw))
+        except Exception:
+            log.exception("trainguard monitor: layer hook failed on %s", layer.name)

@@ -1,0 +1,160 @@
+"""What a framework callback drives: one training run's recorder and monitor, and the step clock.
+
+Framework-agnostic: the Lightning and Hugging Face callbacks translate their hooks into
+:meth:`Session.start`, :meth:`Session.step`, :meth:`Session.gradients_ready` and
+:meth:`Session.close`. A session either owns its recorder and monitor (the user's
+``TrainguardCallback``) or drives a monitor someone else opened (``trainguard run --monitor`` on
+an unmodified script, see :mod:`._auto`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from trainguard._errors import TrainguardError
+
+GUARD_PENDING = (
+    "guard= needs trainguard.Guard, which this version of trainguard does not have yet; "
+    "leave guard=None (the callback records and monitors without it)"
+)
+
+
+def _check_options(logdir: Any, record: Any, mode: Any, monitor: Any, every: Any, guard: Any,
+                   check_numerics: Any) -> None:
+    from trainguard.store import MODES
+
+    if not isinstance(logdir, (str, os.PathLike)) or not str(logdir):
+        raise TrainguardError(f"logdir must be a path, got {logdir!r}")
+    for name, value in (("record", record), ("monitor", monitor), ("check_numerics", check_numerics)):
+        if not isinstance(value, bool):
+            raise TrainguardError(f"{name} must be True or False, got {value!r}")
+    if mode not in MODES:
+        raise TrainguardError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise TrainguardError(f"every must be an int >= 1, got {every!r}")
+    if guard is not None:
+        raise TrainguardError(GUARD_PENDING)
+    if not (record or monitor or check_numerics):
+        raise TrainguardError("nothing to do: record, monitor and check_numerics are all off")
+
+
+def rank_dir(logdir: Path, rank: int, world_size: int) -> Path:
+    """Each rank of a distributed run writes ``logdir/rank-K`` (readers merge ranks)."""
+    return logdir / f"rank-{int(rank)}" if int(world_size) > 1 else logdir
+
+
+def _next_seq(run_dir: Path) -> int:
+    """The first execution number free in a run being resumed (the recorder counts from 0)."""
+    from trainguard.store import open_run
+
+    try:
+        with open_run(run_dir) as run:
+            n = run.count()
+            return run.executions(n - 1, n)[0]["seq"] + 1 if n else 0
+    except Exception:  # no recording there yet
+        return 0
+
+
+class Session:
+    """One run's trainguard objects. ``owner=False``: drive ``monitor`` only, open and close nothing."""
+
+    def __init__(self, logdir: str | os.PathLike | None = None, *, record: bool = False, mode: str = "full_health",
+                 monitor: bool = True, every: int = 10, guard: Any = None, check_numerics: bool = False,
+                 attached: Any = None):
+        self.owner = attached is None
+        if self.owner:
+            _check_options(logdir, record, mode, monitor, every, guard, check_numerics)
+        self.logdir = Path(logdir) if logdir is not None else None
+        self.record, self.mode, self.every = record, mode, every
+        self.want_monitor, self.check_numerics = monitor, check_numerics
+        self.monitor = attached
+        self.recorder = None
+        self.run_dir: Path | None = None
+        self._writer = None
+        self.started = not self.owner
+
+    def __getstate__(self) -> dict:
+        # Spawned ranks (ddp_spawn) receive the callback before training starts: options only.
+        state = dict(self.__dict__)
+        state.update(monitor=None, recorder=None, _writer=None, started=False)
+        return state
+
+    def start(self, model: Any, *, step: int, rank: int = 0, world_size: int = 1, resumed: bool = False) -> None:
+        """Open the run (``append`` when the framework resumed its checkpoint) and take the step clock."""
+        if self.started:
+            self.step(step)
+            return
+        import trainguard
+        from trainguard.capture import Recorder, drive_step
+        from trainguard.store import acquire_writer
+
+        self.run_dir = rank_dir(self.logdir, rank, world_size)
+        recording = self.record or self.check_numerics
+        # The session holds the run's writer, so that the monitor and the recorder join one run,
+        # appended to when the framework resumed.
+        self._writer = acquire_writer(self.run_dir, append=resumed, process=recording)
+        try:
+            if self.want_monitor:
+                self.monitor = trainguard.Monitor(model, self.run_dir, self.every, append=resumed)
+            if recording:
+                rec = Recorder(self.run_dir, mode=self.mode if self.record else "curt_health",
+                               check_numerics=self.check_numerics, rank_dir=False)
+                if resumed:
+                    rec.seq = _next_seq(self.run_dir)  # executions of the earlier run keep their numbers
+                self.recorder = rec.start()
+        except BaseException:
+            self.close()
+            raise
+        self.started = True
+        drive_step(int(step))
+
+    def step(self, step: int) -> None:
+        """The framework's ``global_step`` now (a no-op while it has not moved)."""
+        if self.started and (self.monitor is not None or self.recorder is not None):
+            from trainguard.capture import drive_step
+
+            drive_step(int(step))
+
+    def gradients_ready(self, optimizer: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.gradients_ready(optimizer)
+
+    def forward_started(self, model: Any, inputs: Any) -> None:
+        if self.monitor is not None and self.owner:
+            self.monitor.forward_started(model, inputs)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop recording and close the monitor (which diagnoses the run); ``error`` ended training.
+
+        A driving session (``owner=False``) hands the step count back and looks for the next
+        trainer (a second ``fit`` in the same script).
+        """
+        if not self.owner:
+            if self.monitor is not None:
+                from trainguard.capture import release_step
+                from trainguard.integrations._auto import rearm
+
+                release_step()
+                rearm(self.monitor)
+            return
+        from trainguard.capture import release_step
+        from trainguard.capture._ending import ending
+        from trainguard.store import release_writer
+
+        rec, mon, writer = self.recorder, self.monitor, self._writer
+        self.recorder = self.monitor = self._writer = None
+        self.started = False
+        ended = ending(error)  # while the framework's step is still the clock's
+        release_step()  # training goes on without the framework: optimizer steps count again
+        try:
+            if rec is not None:
+                rec.stop(**ended)
+        finally:
+            try:
+                if mon is not None:
+                    mon.close(error=error)
+            finally:
+                if writer is not None:
+                    release_writer(writer, **ended)
