@@ -9,11 +9,12 @@ import trainguard
 
 ROOT = Path(trainguard.__file__).parent
 # Highest first; a layer may import the ones after it (and the shared _errors module).
-LAYERS = ["cli", "ui", "integrations", "analysis", "doctor", "capture", "resilience", "store"]
+LAYERS = ["cli", "ui", "integrations", "guard", "analysis", "doctor", "capture", "resilience", "store"]
 ALLOWED = {
     "cli": set(LAYERS) | {"_wiring", "examples"},
-    "ui": {"analysis", "doctor", "capture", "resilience", "store"},
-    "integrations": {"analysis", "doctor", "capture", "resilience", "store"},
+    "ui": {"guard", "analysis", "doctor", "capture", "resilience", "store"},
+    "integrations": {"guard", "analysis", "doctor", "capture", "resilience", "store"},
+    "guard": {"analysis", "doctor", "capture", "resilience", "store"},
     "analysis": {"store"},
     "doctor": {"capture", "resilience", "store"},
     "capture": {"resilience", "store"},

@@ -9,7 +9,7 @@ import trainguard
 
 PUBLIC = [
     "CheckpointError", "CheckpointFallbackWarning", "CheckpointInfo", "CheckpointManager", "CheckpointPolicy",
-    "CorruptRun", "Monitor", "NonFiniteError", "Preempted", "ResumableLoader", "ResumeLoop", "RunNotFound",
+    "CorruptRun", "Diverged", "Guard", "Monitor", "NonFiniteError", "Preempted", "ResumableLoader", "ResumeLoop", "RunNotFound",
     "SchemaTooNew", "TrainState", "TrainguardError", "__version__", "check_numerics", "disable", "doctor",
     "enable", "fix", "list_checkpoints", "open", "record", "step",
 ]

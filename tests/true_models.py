@@ -21,8 +21,9 @@ PAD = 0
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, flash: bool):
+    def __init__(self, flash: bool, dropout: float = 0.0):
         super().__init__()
+        self.dropout = dropout
         self.c_attn = nn.Linear(EMBD, 3 * EMBD)
         self.c_proj = nn.Linear(EMBD, EMBD)
         self.flash = flash
@@ -35,7 +36,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, HEADS, C // HEADS).transpose(1, 2)
         v = v.view(B, T, HEADS, C // HEADS).transpose(1, 2)
         if self.flash:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))  # CAUSAL MASK
@@ -48,10 +50,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, flash: bool):
+    def __init__(self, flash: bool, dropout: float = 0.0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(EMBD)
-        self.attn = CausalSelfAttention(flash)
+        self.attn = CausalSelfAttention(flash, dropout)
         self.ln_2 = nn.LayerNorm(EMBD)
         self.mlp = nn.Sequential(nn.Linear(EMBD, 4 * EMBD), nn.GELU(), nn.Linear(4 * EMBD, EMBD))
 
@@ -61,11 +63,11 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, flash: bool = False):
+    def __init__(self, flash: bool = False, dropout: float = 0.0):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, EMBD)
         self.wpe = nn.Embedding(BLOCK, EMBD)
-        self.h = nn.ModuleList([Block(flash) for _ in range(LAYERS)])
+        self.h = nn.ModuleList([Block(flash, dropout) for _ in range(LAYERS)])
         self.ln_f = nn.LayerNorm(EMBD)
         self.lm_head = nn.Linear(EMBD, VOCAB, bias=False)
 

@@ -2,7 +2,8 @@
 
 Record every op and trace the first NaN (``record``, ``check_numerics``), read a run back
 (``open``), diagnose training health (``Monitor``, ``doctor``), and checkpoint and resume
-exactly (``TrainState``, ``CheckpointManager``).
+exactly (``TrainState``, ``CheckpointManager``), and guard a run against NaNs and loss spikes
+(``Guard``).
 
 Names that need torch are imported on first use, so ``import trainguard`` (and the reader,
 the report and the web UI) stay fast.
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 from trainguard._errors import (
     CheckpointError,
     CorruptRun,
+    Diverged,
     NonFiniteError,
     RunNotFound,
     SchemaTooNew,
@@ -43,6 +45,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "list_checkpoints": ("trainguard.resilience", "list_checkpoints"),
     "doctor": ("trainguard.doctor", None),
     "Monitor": ("trainguard._wiring", "Monitor"),
+    "Guard": ("trainguard.guard", "Guard"),
     "fix": ("trainguard.fix", None),
 }
 
@@ -53,6 +56,8 @@ __all__ = [
     "CheckpointManager",
     "CheckpointPolicy",
     "CorruptRun",
+    "Diverged",
+    "Guard",
     "Monitor",
     "NonFiniteError",
     "Preempted",

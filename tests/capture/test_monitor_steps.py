@@ -256,6 +256,44 @@ def test_a_crashed_run_is_never_healthy(tmp_path):
     assert run.meta["monitor"]["status"] == "crashed"
 
 
+DIES_OPEN = """
+import sys
+import torch
+from torch import nn
+import trainguard
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+if sys.argv[2] == "monitor":
+    trainguard.Monitor(model, sys.argv[1], every=5)  # no with-block, no close()
+else:
+    trainguard.enable(sys.argv[1])
+for step in range(30):
+    x = torch.randn(16, 8)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), x[:, :3].argmax(1)).backward()
+    opt.step()
+    if step == 24:
+        raise RuntimeError("out of data")
+"""
+
+
+@pytest.mark.parametrize("opened", ["monitor", "enable"])
+def test_a_script_that_dies_with_trainguard_open_is_stored_as_crashed(tmp_path, opened):
+    # Closed at interpreter exit, not by the script: the exit handlers must still see the error.
+    import subprocess
+    import sys
+
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_OPEN)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "r"), opened], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1 and "RuntimeError: out of data" in proc.stderr  # the traceback still shows
+    run = open_run(tmp_path / "r")
+    assert (run.status, run.meta["error"], run.meta["crash_step"]) == ("crashed", "RuntimeError: out of data", 25)
+
+
 def test_resumed_weights_are_not_called_initial(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -149,6 +149,24 @@ def test_inf_in_the_optimizer_update_is_harmful(tmp_path):
     assert o.reason == "optimizer" and o.origin.phase == "optimizer"
 
 
+def test_the_tensor_backward_runs_from_is_the_loss_whatever_its_first_backward_op(tmp_path):
+    """The +inf reaches the loss through a branch without gradient: no backward op belongs to it,
+    the first one is mse_loss's (finite); the loss itself is still the sink."""
+    m = nn.Linear(2, 1)
+
+    def f():
+        penalty = torch.log(torch.zeros(()))  # -inf; no gradient flows back to it
+        loss = nn.functional.mse_loss(m(torch.ones(1, 2)), torch.zeros(1, 1)) - penalty  # +inf
+        loss.backward()  # every gradient is finite
+
+    o = origin(record(tmp_path, f))
+    assert o is not None and o.reason == "loss" and o.origin.op == "aten.log"
+    assert o.chain[0].op == "aten.sub.Tensor"
+    with pytest.raises(tg.NonFiniteError, match="aten.log"):
+        with tg.check_numerics():
+            f()
+
+
 def test_masks_in_the_forward_pass_stay_intended_through_backward(tmp_path):
     x = torch.randn(2, 4, requires_grad=True)
 

@@ -82,3 +82,31 @@ def test_a_non_zero_exit_is_kept(tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", str(tmp_path / "run")]) == 0
     assert "the script exited with code 7" in "\n".join(capsys.readouterr().out.splitlines()[:3])
+
+
+def test_a_sigterm_while_the_run_closes_waits_until_it_is_closed(tmp_path, monkeypatch):
+    # torchrun's agent SIGTERMs every other rank once one failed: a rank whose script has just
+    # ended is then closing its run, which must not be cut short (its exit code and crash would
+    # be lost, and with them which rank ended first).
+    import os
+    import signal
+
+    from trainguard.capture._recorder import Recorder
+
+    stop = Recorder.stop
+
+    def stop_under_sigterm(self, **meta):
+        if self.active:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stop(self, **meta)
+
+    monkeypatch.setattr(Recorder, "stop", stop_under_sigterm)
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit(3)\n")
+    assert main(["run", "--logdir", str(tmp_path / "run"), str(script)]) == 3
+    with open_run(tmp_path / "run") as run:
+        assert (run.meta["exit_code"], run.meta["status"], run.meta["recording"]) == (3, "exited", False)
+    script.write_text("pass\n")
+    assert main(["run", "--overwrite", "--logdir", str(tmp_path / "run"), str(script)]) == 128 + signal.SIGTERM
+    with open_run(tmp_path / "run") as run:
+        assert run.meta["recording"] is False

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,41 @@ def test_bert_resumed_from_a_trainer_checkpoint_continues_the_steps(tmp_path):
     assert sorted({r["step"] for r in run.layer_stats()}) == [0, 5, 10]
     assert run.meta["monitor"]["status"] == "finished"
     assert any(r["layer"].startswith("bert.encoder.layer.1") for r in run.layer_stats(kind="activation"))
+
+
+CRASHING = '''
+import sys
+sys.path.insert(0, {here!r})
+import hf_train
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from trainguard.integrations.transformers import TrainguardCallback
+
+
+class Planted(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 25:
+            raise RuntimeError("the data loader ran dry")
+
+
+model, task = hf_train.build("gpt2")
+targs = TrainingArguments(output_dir={out!r}, max_steps=40, per_device_train_batch_size=4, logging_steps=1,
+                          report_to=[], use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no")
+Trainer(model=model, args=targs, train_dataset=hf_train.Phrases(256, task),
+        callbacks=[TrainguardCallback({logdir!r}, every=5), Planted()]).train()
+'''
+
+
+def test_a_trainer_that_crashes_is_stored_as_crashed(tmp_path):
+    # The Trainer has no exception callback: the run is closed when the interpreter exits, and
+    # must then say that the script crashed, never "finished" with a healthy verdict.
+    logdir = tmp_path / "run"
+    script = tmp_path / "crashing.py"
+    script.write_text(CRASHING.format(here=str(SCRIPT.parent), out=str(tmp_path / "out"), logdir=str(logdir)))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"PYTHONPATH": str(SCRIPT.parent)})
+    assert proc.returncode == 1 and "the data loader ran dry" in proc.stderr
+    run = trainguard.open(logdir)
+    assert (run.status, run.meta["error"], run.meta["crash_step"]) == ("crashed", "RuntimeError: the data loader ran dry", 25)
+    findings = run.findings()
+    assert findings[0]["kind"] == "script_crashed" and "step 25" in findings[0]["title"]
+    assert not any(f["kind"] == "healthy" for f in findings)

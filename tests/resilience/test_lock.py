@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -10,9 +11,10 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from trainguard import CheckpointError
-from trainguard.resilience import CheckpointManager, list_checkpoints
+from trainguard.resilience import CheckpointManager, TrainState, list_checkpoints
 
 from .conftest import make_state, train_steps
 
@@ -112,3 +114,37 @@ def test_restoring_from_a_directory_nobody_may_write_needs_no_ownership(ckpt_dir
         if mounted:
             subprocess.run(["umount", "-l", str(ro)], capture_output=True)
         ckpt_dir.chmod(0o755)
+
+
+def _two_ranks(ckpt_dir, out, phase: str) -> list[dict]:
+    out.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = os.path.join(os.path.dirname(__file__), "_lock_script.py")
+    # Bounded: a rank waiting for another in a collective would hang for gloo's 30 minutes.
+    subprocess.run([sys.executable, script, phase, str(ckpt_dir), str(out), str(port)], check=True, timeout=200)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_a_two_rank_job_has_one_owner_rank_0_and_is_refused_together_naming_the_holder(ckpt_dir, tmp_path):
+    holder = CheckpointManager(ckpt_dir)
+    holder.save(make_state(), step=0)  # this process owns the directory
+    try:
+        ranks = _two_ranks(ckpt_dir, tmp_path / "held", "held")
+    finally:
+        holder.close()
+    me = f"pid {os.getpid()}"
+    for r in ranks:  # every call failed on every rank (none waited for the other), each naming the owner
+        for call in ("save", "restore", "save2"):
+            assert "in use by another CheckpointManager" in r[call] and me in r[call], (call, r)
+        assert r["held"] is False
+    assert [i.step for i in list_checkpoints(ckpt_dir)] == [0]  # nothing of the refused job
+
+    ranks = _two_ranks(ckpt_dir, tmp_path / "free", "free")
+    assert [(r["save"], r["restore"], r["save2"]) for r in ranks] == [("ok", "ok", "ok")] * 2
+    assert [r["held"] for r in ranks] == [True, False]  # one owner: rank 0
+    last = list_checkpoints(ckpt_dir, verify=True)[-1]
+    assert (last.step, last.valid, last.world_size) == (2, True, 2)
+    with CheckpointManager(ckpt_dir) as again:  # the job's processes are gone: so is their lock
+        assert again.restore(TrainState(model=torch.nn.Linear(3, 2)), strict=False) == 2

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainguard.store import REACHED, Run
+from trainguard.store import REACHED, Run, is_collective
 
 # Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
 _LOGS = {"log", "log2", "log10", "log_"}
@@ -188,6 +188,10 @@ def explain(link: Link) -> str:
             return "inf - inf -> NaN: infinities of opposite sign meet"
         src = i.get("producer_op") or i.get("name") or "an input"
         return f"{base} passed on the non-finite values of input {i['slot']} ({src})"
+    via = received_input(link)
+    if via is not None:
+        return (f"{base} read what {via['producer_op']} (#{via['producer']}) wrote: the non-finite value came "
+                "from another rank")
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
         fbase = op_base(link.forward_op["op"])
         return f"the gradient of {fbase} is {made} here: " + _forward_reason(fbase)
@@ -269,11 +273,20 @@ _SUGGESTIONS = {
     "or compute this op in float32",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
     "and the previous step",
+    "received": "this rank only received the value from another rank: see the report of the rank that made it "
+    "(trainguard report RUN names it on its first line; --rank K details one rank)",
 }
+
+
+def received_input(link: Link) -> dict | None:
+    """The input of ``link`` that a collective wrote (values from other ranks), if any."""
+    return next((i for i in link.inputs if i.get("kind") == "op" and is_collective(i.get("producer_op"))), None)
 
 
 def suggest(link: Link) -> str:
     """A concrete fix for the origin op, naming a value where one applies."""
+    if received_input(link) is not None:
+        return _SUGGESTIONS["received"]
     if _masked_rows(link):
         return _SUGGESTIONS["masked"]
     base = op_base(link.op)

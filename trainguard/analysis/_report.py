@@ -6,6 +6,7 @@ from typing import Any
 
 from trainguard.analysis._origin import op_base, origin
 from trainguard.analysis._outcome import script_outcome, with_outcome
+from trainguard.analysis._ranks import ranks_report
 from trainguard.store import Run
 
 # Lines of source shown around each frame of the origin.
@@ -47,8 +48,11 @@ def intended_lines(groups: list[dict]) -> list[str]:
     return out
 
 
-def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
-    """Everything ``trainguard report`` says about a run, as JSON-able data."""
+def build_report(run: Run, findings: list | None = None, ranks: dict | None = None) -> dict[str, Any]:
+    """Everything ``trainguard report`` says about a run, as JSON-able data.
+
+    For a run of several ranks the body is about ``run.rank``, and ``ranks`` (computed here
+    unless given: :func:`ranks_report`) puts every rank's alerts side by side."""
     meta = run.meta
     alerts = run.alerts()
     o = origin(run)
@@ -62,6 +66,7 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
                     inp["source"] = source_excerpt(run, inp["file"], inp["line"], context=0)
         origin_data["origin"] = origin_data["chain"][-1]
     steps = run.steps()
+    findings = [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])]
     return {
         "run": str(run.path),
         "status": run.status,
@@ -84,5 +89,21 @@ def build_report(run: Run, findings: list | None = None) -> dict[str, Any]:
         "intended": intended_lines(alerts.get("intended") or []),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "crash": script_outcome(meta),
-        "findings": with_outcome(meta, [f if isinstance(f, dict) else f.to_dict() for f in (findings or [])]),
+        "findings": with_outcome(meta, [f for f in findings if f.get("source") != GUARD_SOURCE]),
+        "guard": guard_report(run),
+        "rank": getattr(run, "rank", None),
+        "ranks": ranks if ranks is not None else ranks_report(run),
     }
+
+
+# The source of the findings the guard stores, one per event (see trainguard.guard).
+GUARD_SOURCE = "guard"
+
+
+def guard_report(run: Run) -> dict[str, Any] | None:
+    """The guard's settings and counters and its events, oldest first; None without a guard."""
+    meta = run.meta.get("guard")
+    events = [f["event"] for f in run.findings(source=GUARD_SOURCE) if isinstance(f.get("event"), dict)]
+    if meta is None and not events:
+        return None
+    return {"meta": meta, "events": events}

@@ -3,6 +3,7 @@ and the framework callbacks, read by :mod:`trainguard.analysis._outcome` (a cras
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -30,3 +31,29 @@ def ending(error: BaseException | str | None, step: int | None = None) -> dict[s
         message = str(error).splitlines()[0] if str(error) else ""
         text = f"{type(error).__name__}: {message}".rstrip(": ")
     return {"status": "crashed", "error": text[:500], "crash_step": int(step)}
+
+
+# The exception that ended the program, seen by sys.excepthook: what a monitor, a recorder or a
+# framework session still open at interpreter exit (the HF Trainer has no exception callback) was
+# ended by. sys.last_value is not used: a notebook sets it for every failed cell.
+_uncaught: BaseException | None = None
+_chained: Any = None
+
+
+def watch_uncaught() -> None:
+    """Remember an uncaught exception from now on (chained before the current ``sys.excepthook``)."""
+    global _chained
+    if _chained is None:
+        _chained = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def _excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+    global _uncaught
+    _uncaught = value
+    (_chained or sys.__excepthook__)(tp, value, tb)
+
+
+def uncaught() -> BaseException | None:
+    """The exception that is ending the program (called at exit), or None."""
+    return _uncaught

@@ -205,6 +205,8 @@ def histogram(x: torch.Tensor, bins: int) -> torch.Tensor:
     a scatter-add into fixed bins does not.
     """
     x = _float(x.detach()).reshape(-1)
+    if not x.numel():  # an empty shard (FSDP2 splits a size-1 bias over two ranks): no range, no counts
+        return torch.cat([torch.full((2,), math.nan, device=x.device), torch.zeros(bins, device=x.device)])
     finite = torch.isfinite(x)
     big = torch.finfo(x.dtype).max
     lo = torch.where(finite, x, torch.full_like(x, big)).min()

@@ -122,6 +122,20 @@ class ModuleTracker:
                     if self.on_named is not None:
                         self.on_named(t, prefix + name, kind)
 
+    def release(self, t: torch.Tensor):
+        """Drop the weak reference to a named tensor torch is about to swap; return how to take it
+        back (a swapped parameter keeps its identity and its name). See capture/_swap."""
+        entry = self.named_tensors.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        _, name, kind = self.named_tensors.pop(id(t))  # keep nothing that holds the old weak reference
+        del entry
+
+        def restore() -> None:
+            self.named_tensors[id(t)] = (weakref.ref(t), name, kind)
+
+        return restore
+
     def name_of(self, t: torch.Tensor) -> tuple[str, str] | None:
         """(name, kind) of a parameter or buffer of a module that has run, else None."""
         entry = self.named_tensors.get(id(t))

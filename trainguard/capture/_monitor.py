@@ -30,7 +30,6 @@ import atexit
 import contextlib
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -39,13 +38,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainguard.capture import _amp_tap, _monitor_hooks, _monitor_tap, _steps
-from trainguard.capture._ending import ending
+from trainguard.capture import _amp_tap, _monitor_hooks, _monitor_tap, _steps, _swap
+from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._monitor_grads import GradientWatch, pending_refs, used
 from trainguard.capture._monitor_hooks import HookMixin
 from trainguard.capture._monitor_model import Param, Root, named_models
 from trainguard.capture._monitor_ship import Shipper
-from trainguard.store import acquire_writer, release_writer
+from trainguard.store import acquire_writer, default_name, release_writer
+from trainguard.store import rank_dir as _rank_dir
 
 log = logging.getLogger("trainguard.monitor")
 
@@ -66,7 +66,7 @@ def _validate(every: Any, bins: Any, histograms: Any) -> None:
 
 
 def _default_logdir() -> Path:
-    return Path("runs") / time.strftime("monitor-%Y%m%d-%H%M%S")
+    return Path("runs") / default_name("monitor")
 
 
 class Monitor(HookMixin):
@@ -120,6 +120,7 @@ class Monitor(HookMixin):
         overwrite: bool = False,
         append: bool = False,
         start_step: int | None = None,
+        rank_dir: bool = True,
     ):
         _validate(every, bins, histograms)
         if start_step is not None and (isinstance(start_step, bool) or not isinstance(start_step, int)
@@ -134,7 +135,10 @@ class Monitor(HookMixin):
         self.diagnose = diagnose
         self.thresholds = thresholds
         self.findings: list | None = None
-        self.logdir = Path(logdir) if logdir is not None else _default_logdir()
+        # Under torch.distributed each rank watches its own replica (or shard) into logdir/rank-K;
+        # ``rank_dir=False``: the caller (a framework integration) already chose the rank's directory.
+        logdir = Path(logdir) if logdir is not None else _default_logdir()
+        self.logdir = _rank_dir(logdir) if rank_dir else logdir
         self._writer = acquire_writer(self.logdir, overwrite=overwrite, append=append)
         self._closed = False
         self._meta: dict = _existing_meta(self.logdir) if append else {}
@@ -198,12 +202,14 @@ class Monitor(HookMixin):
                       ("clip", self._on_clip)]
         for event, fn in self._taps:
             _monitor_tap.add_listener(event, fn)
+        _swap.hold(self._release)
         self._write_meta(status="running")
 
         for prefix, module in models:
             self._attach(module, prefix)
         self._begin_step(self._cur)
         _OPEN.add(self)
+        watch_uncaught()  # a monitor still open at exit is closed with the script's error
 
     # ------------------------------------------------------------------ public
     def __enter__(self) -> Monitor:
@@ -318,6 +324,7 @@ class Monitor(HookMixin):
                 _monitor_tap.remove_listener(event, fn)
             _steps.release()
             _monitor_hooks.release_pickle_hiding()
+            _swap.unhold(self._release)
             _OPEN.discard(self)
         ended = ending(error, self._cur)
         self._write_meta(final_step=self._cur, status=ended.get("status", "finished"))
@@ -326,6 +333,21 @@ class Monitor(HookMixin):
         if self.diagnose:
             self._store_findings()
         release_writer(self._writer, **ended)
+
+    def _release(self, t: torch.Tensor):
+        """torch is about to swap ``t`` (capture/_swap): let go of it, and watch it again after
+        the swap (a swapped parameter keeps its identity)."""
+        mine = [p for p in self._params if p.ref() is t]
+        if not mine:
+            return None
+        for p in mine:
+            p.ref = _gone
+
+        def restore() -> None:
+            for p in mine:
+                p.ref = weakref.ref(t)
+
+        return restore
 
     # ------------------------------------------------------------------ metadata
     def _write_meta(self, **values: Any) -> None:
@@ -498,6 +520,11 @@ class Monitor(HookMixin):
             log.exception("trainguard monitor: diagnosis failed")
 
 
+def _gone() -> None:
+    """A Param's reference while torch swaps its tensor (see Monitor._release)."""
+    return None
+
+
 def _existing_meta(logdir: Path) -> dict:
     """The monitor metadata of a run being continued (a resumed training job), or nothing."""
     from trainguard.store import open_run
@@ -519,4 +546,4 @@ DEFAULT_DIAGNOSE: Callable | None = None
 def _close_at_exit() -> None:
     for mon in list(_OPEN):
         with contextlib.suppress(Exception):
-            mon.close()
+            mon.close(error=uncaught())

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from trainguard.capture._layer_stats import grad_stats, histogram, squared_norm_sum
+from trainguard.capture._local import local
 from trainguard.capture._monitor_model import Param
 from trainguard.capture._monitor_ship import Shipper
 
@@ -134,9 +135,11 @@ class GradientWatch:
             if t is None:
                 continue
             g = t.grad
+            if g is not None:
+                g = local(g)  # FSDP2: this rank's shard (see _local)
             if recording:
                 buf.consts.append((step, p.name, "gradient", "present", 0.0 if g is None else 1.0))
-            if g is None or g.is_sparse:
+            if g is None or g.is_sparse or not g.numel():  # an empty shard says nothing about its parameter
                 continue
             grads.append(g.detach())
             owners.append(p)
@@ -163,7 +166,7 @@ class GradientWatch:
             for p, g in zip(owners, grads):
                 if self.wants_hist(p.name):
                     buf.stats.append((("h", p.name, "gradient", step), histogram(g, self.bins)))
-            weights = [p.ref().detach() for p in owners]
+            weights = [local(p.ref()).detach() for p in owners]
             for p, n in zip(owners, torch._foreach_norm(weights)):
                 buf.wnorm[id(p)] = n  # before the update: the "initial" weights are the initial ones
             if tentative and snapshot:
@@ -172,10 +175,10 @@ class GradientWatch:
     def snapshot(self, opt: torch.optim.Optimizer, params: list[Param]) -> None:
         """Copy the weights ``opt`` is about to change (recording steps): the update is new - old."""
         live = [(p, p.ref()) for p in params]
-        live = [(p, t) for p, t in live if t is not None and not t.is_sparse]
+        live = [(p, t) for p, t in live if t is not None and not t.is_sparse and local(t).numel()]
         if live:
             with torch.no_grad():
-                copies = torch._foreach_mul([t.detach() for _, t in live], 1.0)
+                copies = torch._foreach_mul([local(t).detach() for _, t in live], 1.0)
             self._snap[id(opt)] = ([p for p, _ in live], copies)
 
     def after(self, opt: torch.optim.Optimizer, step: int) -> None:
@@ -200,7 +203,7 @@ class GradientWatch:
             return
         with torch.no_grad():
             wn = torch._foreach_norm(old)
-            torch._foreach_sub_(old, [t.detach() for t in now])  # the snapshot becomes -update: no second copy
+            torch._foreach_sub_(old, [local(t).detach() for t in now])  # the snapshot becomes -update: no second copy
             un = torch._foreach_norm(old)
             if len({u.device for u in un}) == 1:
                 mat = torch.stack([_stack32(un), _stack32(wn)], dim=1).reshape(-1)
@@ -241,6 +244,8 @@ class GradientWatch:
         if t is None:
             return
         prior = t.grad
+        if prior is not None:
+            prior = local(prior)
         if prior is None or prior.is_sparse:
             self.out.consts.append((step, p.name, "gradient", "stale", 0.0))
             return
@@ -278,11 +283,11 @@ class GradientWatch:
 
     def _weights(self, params: list[Param], step: int, known: dict[int, torch.Tensor]) -> None:
         live = [(p, p.ref()) for p in params]
-        live = [(p, t) for p, t in live if t is not None and not t.is_sparse]
+        live = [(p, t) for p, t in live if t is not None and not t.is_sparse and local(t).numel()]
         if not live:
             return
         with torch.no_grad():
-            todo = [t.detach() for p, t in live if id(p) not in known]
+            todo = [local(t).detach() for p, t in live if id(p) not in known]
             computed = iter(torch._foreach_norm(todo) if todo else [])
             norms = [known[id(p)] if id(p) in known else next(computed) for p, _ in live]
             by_dev: dict[torch.device, list[int]] = {}
@@ -294,7 +299,7 @@ class GradientWatch:
             for p, t in live:
                 self.out.consts.append((step, p.name, "weight", "requires_grad", 1.0 if t.requires_grad else 0.0))
                 if self.wants_hist(p.name):
-                    self.out.stats.append((("h", p.name, "weight", step), histogram(t, self.bins)))
+                    self.out.stats.append((("h", p.name, "weight", step), histogram(local(t), self.bins)))
 
 
 # How many parameters' gradients tell that a hand-written loop moved on to its next step.

@@ -10,6 +10,10 @@
   clipping, so the gradients are complete and not yet changed here. Code that imported the
   function by name before the monitor started is not seen; the optimizer hook still is.
 
+The recorder listens to ``"root"``: backward's own first argument, before an outermost pass —
+the tensor backward() runs from is the loss, a sink for harmful values. Its listeners are not
+guarded: check_numerics stops the program there, before the pass.
+
 The wrappers are installed while at least one listener listens and the originals are restored
 when the last one leaves. They keep nothing but a detached view of the 0-d loss (no graph, no
 host sync), and a listener's failure never reaches the training loop.
@@ -31,7 +35,7 @@ from trainguard.capture import _amp_tap
 log = logging.getLogger("trainguard.monitor")
 
 _lock = threading.Lock()
-_EVENTS = ("backward", "after_backward", "clip")
+_EVENTS = ("root", "backward", "after_backward", "clip")
 _listeners: dict[str, list[Callable]] = {e: [] for e in _EVENTS}
 _originals: dict[str, Callable] = {}
 # True while an announced backward pass runs: checkpointed segments call backward inside it, on
@@ -51,6 +55,8 @@ def _backward(tensors, grad_tensors=None, *args, **kwargs):
     global _in_backward
     if _in_backward:
         return _originals["backward"](tensors, grad_tensors, *args, **kwargs)
+    for fn in list(_listeners["root"]):
+        fn(tensors)
     loss = None
     if isinstance(tensors, torch.Tensor) and grad_tensors is None and tensors.numel() == 1:
         if tensors.is_floating_point():
@@ -118,8 +124,9 @@ def _uninstall() -> None:
 
 
 def add_listener(event: str, fn: Callable) -> None:
-    """``"backward"``: ``fn(loss_or_None)`` before an outermost backward (``loss`` a detached 0-d
-    tensor, unscaled); ``"after_backward"``: ``fn()`` when it returned; ``"clip"``: ``fn(params)``
+    """``"root"``: ``fn(tensors)`` with backward's first argument (a tensor or a sequence of
+    them) before an outermost backward, unguarded; ``"backward"``: ``fn(loss_or_None)`` before
+    it (``loss`` a detached 0-d tensor, unscaled); ``"after_backward"``: ``fn()`` when it returned; ``"clip"``: ``fn(params)``
     before gradients are clipped."""
     if event not in _listeners:
         raise ValueError(f"event must be one of {_EVENTS}, got {event!r}")

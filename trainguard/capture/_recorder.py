@@ -23,8 +23,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from trainguard._errors import NonFiniteError
-from trainguard.capture import _numerics, _reads, _steps
-from trainguard.capture._ending import ending
+from trainguard.capture import _monitor_tap, _numerics, _reads, _steps, _swap
+from trainguard.capture._ending import ending, uncaught, watch_uncaught
+from trainguard.capture._local import local as _local
+from trainguard.capture._local import written as _written
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._recorder_harm import HarmHooks
 from trainguard.capture._stacks import StackInterner
@@ -46,7 +48,15 @@ from trainguard.capture._taint import (
     Tracker,
     classify,
 )
-from trainguard.store import MODE_FIELDS, MODES, ExecBatch, acquire_writer, release_writer
+from trainguard.store import (
+    MODE_FIELDS,
+    MODES,
+    ExecBatch,
+    acquire_writer,
+    is_collective,
+    release_writer,
+)
+from trainguard.store import rank_dir as _rank_dir
 from trainguard.store._codec import health_of
 
 log = logging.getLogger("trainguard.capture")
@@ -133,15 +143,6 @@ def _validate(mode: str, buffer: int, ops: Any, dtypes: Any) -> tuple[re.Pattern
     return pattern, wanted
 
 
-def _rank_dir(logdir: Path) -> Path:
-    """Under torchrun each rank writes ``logdir/rank-K``."""
-    rank = os.environ.get("RANK")
-    world = os.environ.get("WORLD_SIZE")
-    if rank is not None and world is not None and int(world) > 1:
-        return logdir / f"rank-{int(rank)}"
-    return logdir
-
-
 # A producer entry, per live output tensor, keyed by id(tensor) (its taint is kept by seq, in
 # the recorder's Tracker):
 #   (weakref to the tensor, seq, op name, stack id, immediate summary or None, version counter)
@@ -186,7 +187,7 @@ class Recorder(HarmHooks):
         self.strict = strict
         self.strategy = strategy
         # ``rank_dir=False``: the caller (a framework integration) already chose the rank's directory.
-        self.logdir = None if logdir is None else (_rank_dir(Path(logdir)) if rank_dir else Path(logdir))
+        self.logdir = None if logdir is None else (_rank_dir(logdir) if rank_dir else Path(logdir))
         self.overwrite = overwrite
         self.writer = None
         self.seq = 0
@@ -251,7 +252,9 @@ class Recorder(HarmHooks):
         if self.writer is not None:
             self.writer.idle_callbacks.append(self._flush_if_stale)
         self.modules.install()
+        _swap.hold(self._release)
         _reads.install(self)
+        _monitor_tap.add_listener("root", self.on_backward)
         self._thread = threading.get_ident()
         self.last_nr = _get_seq_nr()
         if native is not None:
@@ -276,7 +279,9 @@ class Recorder(HarmHooks):
                 self._mode.__exit__(None, None, None)
         finally:
             self.modules.remove()
+            _swap.unhold(self._release)
             _reads.remove(self)
+            _monitor_tap.remove_listener("root", self.on_backward)
             self.stacks.release_frames()
             if self._on_step in _steps.clock.on_step:
                 _steps.clock.on_step.remove(self._on_step)
@@ -307,6 +312,14 @@ class Recorder(HarmHooks):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.stop(**ending(exc))  # a block that raised is stored as crashed, as ``trainguard run`` stores it
+
+    def _release(self, t: _Tensor):
+        """torch is about to swap ``t`` (capture/_swap): let go of it. Its producer no longer
+        describes what it will hold; a named parameter keeps its name."""
+        p = self.producers.get(id(t))
+        if p is not None and p[0]() is t:
+            del self.producers[id(t)]
+        return self.modules.release(t)
 
     # ------------------------------------------------------------------ writer plumbing
     def _on_new_stack(self, sid: int, frames: list) -> None:
@@ -428,7 +441,11 @@ class Recorder(HarmHooks):
         # A plain OpOverload's __call__ only forwards to its C++ op: call that directly.
         call = func._op if type(func) is _OpOverload else func
         cls, overwrite, inplace = self.taint.op_classes[name] = op_facts(func, name)
-        info = (name, wanted, name in ALLOCATION_OPS, name in ALIAS_OPS, call, func, cls, overwrite, inplace, marker)
+        collective = is_collective(name)
+        # Values nobody may read yet: uninitialised memory, and what a collective writes (it
+        # arrives later, from other ranks, while another thread fills it in).
+        unknown = name in ALLOCATION_OPS or collective
+        info = (name, wanted, unknown, name in ALIAS_OPS, call, func, cls, overwrite, inplace, collective, marker)
         self.op_info[id(func)] = info
         return info
 
@@ -495,7 +512,7 @@ class _DispatchMode(TorchDispatchMode):
         info = r.op_info.get(id(func))
         if info is None:
             info = r._info(func)
-        if info[9]:
+        if info[10]:
             return info[4](*args, **kwargs) if kwargs else info[4](*args)
         node = _current_node()
         nr = _get_seq_nr()
@@ -503,7 +520,10 @@ class _DispatchMode(TorchDispatchMode):
         try:
             seq = r.seq
             r.seq = seq + 1
-            outs = out if type(out) in (tuple, list) else (out,)
+            if info[9]:
+                outs = _written(info[0], args, out)
+            else:
+                outs = out if type(out) in (tuple, list) else (out,)
             producers = r.producers
             name = info[0]
             if not info[1]:  # filtered out: consumers still learn who made their inputs
@@ -602,34 +622,37 @@ class _DispatchMode(TorchDispatchMode):
             for o in outs:
                 if not isinstance(o, _Tensor):
                     continue
-                cpu = o.is_cpu
-                dt = o.dtype
-                metas.append((_DTYPE_NAMES.get(dt) or _dtype_name(dt), tuple(o.shape),
-                              "cpu" if cpu else _device_name(o.device)))
+                v = o if type(o) is _Tensor else _local(o)  # a DTensor: the shard this rank holds
+                cpu = v.is_cpu
+                dt = v.dtype
+                metas.append((_DTYPE_NAMES.get(dt) or _dtype_name(dt), tuple(v.shape),
+                              "cpu" if cpu else _device_name(v.device)))
                 s = None
                 if summaries is not None:
-                    if info[2] or garbage:  # uninitialised memory: no evidence
-                        s = unknown_summary(r.mode, o.numel())
+                    if info[2] or garbage:  # uninitialised memory, or a collective's: no evidence
+                        s = unknown_summary(r.mode, v.numel())
                     elif alias is not None:
                         s = alias
                     elif ((cpu and r.strategy != "deferred") or r.strategy == "immediate"
-                          or o.is_meta or o.layout is not _strided):  # no data, or sparse: rare, may sync
-                        s = summarize_immediate(o, r.mode, in_taint == HARMFUL)
+                          or v.is_meta or v.layout is not _strided):  # no data, or sparse: rare, may sync
+                        s = summarize_immediate(v, r.mode, in_taint == HARMFUL)
                     else:
                         immediate_only = False
                         r.deferred_used = True
-                        dev = o.device
+                        dev = v.device
                         lst = r.deferred.setdefault(dev, [])
                         summaries.append(("d", dev, len(lst)))
-                        lst.append(summarize_deferred(o, r.mode))
-                        if r.check and not bool(torch.isfinite(o).all()):
+                        lst.append(summarize_deferred(v, r.mode))
+                        if r.check and not bool(torch.isfinite(v).all()):
                             # check_numerics may synchronise: it must stop at this op.
-                            health |= _numerics.health_sync(o)
+                            health |= _numerics.health_sync(v)
                     if s is not None:
                         health |= health_of(fields, s)
                         summaries.append(s)
-                _register(r, producers, o, seq, name, stack_id, s)
-            if r.mode == "full_tensor":
+                # A collective's output must never lend its summary to a later view: its values
+                # arrive after this, without moving the version counter.
+                _register(r, producers, o, seq, name, stack_id, None if info[9] else s)
+            if r.mode == "full_tensor" and not info[9]:  # a collective's values are not there yet
                 _save_payloads(r, seq, outs)
 
             # The taint of the outputs, where their health is known now (see _taint.Tracker).
@@ -787,6 +810,7 @@ def enable(logdir: str | os.PathLike, mode: str = "full_health", buffer: int = 1
         if _global is not None and _global.active:
             raise RuntimeError(f"trainguard is already recording to {_global.logdir}; call disable() first")
         _global = Recorder(logdir, mode=mode, buffer=buffer, ops=ops, dtypes=dtypes, **kwargs).start()
+        watch_uncaught()  # stopped at exit with the script's error, if one ends it
         return _global
 
 
@@ -801,9 +825,12 @@ def disable() -> None:
 
 @atexit.register
 def _at_exit() -> None:
+    global _global
     if _global is not None and _global.active:
         try:
-            disable()
+            with _global_lock:
+                rec, _global = _global, None
+            rec.stop(**ending(uncaught()))  # a script that died with enable() on is stored as crashed
         except Exception:  # pragma: no cover - best effort at interpreter exit
             pass
 

@@ -57,12 +57,29 @@ class HarmHooks:
         if self.judge_here and self.taint.states:
             self._reached(self.taint.backward_starts(fwd_seq, _clock.step), fwd_seq)
 
+    def on_backward(self, tensors: object) -> None:
+        """``backward()`` runs from ``tensors``: each is a loss, a sink. The first backward op
+        (:meth:`backward_starts`) may belong to another tensor: a loss that is a sum or
+        difference runs no op of its own, and a term without gradient runs none at all."""
+        if not self.active or not self.judge_here or threading.get_ident() != self._thread:
+            return
+        for t in (tensors,) if isinstance(tensors, torch.Tensor) else tensors if isinstance(tensors, (tuple, list)) else ():
+            if self._native is not None:
+                if isinstance(t, torch.Tensor):
+                    self._native.on_sink(t, "loss")
+                continue
+            if not self.taint.states:
+                return
+            p = self.producers.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if p is not None and p[0]() is t:
+                self._reached(self.taint.reached(p[1], _clock.step, "loss"), p[1])
+
     def on_read(self, t: torch.Tensor) -> None:
         """The program reads ``t`` (``.tolist()``, ``.numpy()``, printing): a sink."""
         if not self.active or not self.judge_here or threading.get_ident() != self._thread:
             return
         if self._native is not None:
-            self._native.on_read(t)
+            self._native.on_sink(t, "read")
             return
         p = self.producers.get(id(t))
         if p is not None and p[0]() is t and self.taint.states:

@@ -227,3 +227,15 @@ def release_drive() -> None:
 
 def current_step() -> int:
     return clock.step
+
+
+def align(n: int) -> None:
+    """Set the step counter to ``n`` without taking it over (automatic counting goes on).
+
+    The guard keeps it equal to its training step, so that a replayed step is recorded under
+    its own number and a monitor's steps match the loop's after a resume or a rewind.
+    """
+    if clock.step != n:
+        clock.step = n
+        for fn in list(clock.on_step):
+            fn(n)

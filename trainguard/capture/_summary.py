@@ -80,19 +80,50 @@ def _exact_counts(t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     return neg, zero, pos, ninf, pinf, nan
 
 
-_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
-                           torch.int64, torch.uint8})
+# NumPy's type strings for the dtypes it can view (native byte order).
+_NUMPY_TYPESTR = {dt: np.dtype(name).str for dt, name in (
+    (torch.float16, "float16"), (torch.float32, "float32"), (torch.float64, "float64"), (torch.int8, "int8"),
+    (torch.int16, "int16"), (torch.int32, "int32"), (torch.int64, "int64"), (torch.uint8, "uint8"))}
+
+
+_compiling = torch.compiler.is_compiling
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # not wrapper subclasses (DTensor): their memory is not theirs
+
+
+class _View:
+    """Exposes a CPU tensor's memory to NumPy through the array interface, and keeps it alive.
+
+    ``Tensor.numpy()`` would mark the tensor's storage as not resizable for good (NumPy must not
+    see memory move), so a later ``resize_`` that grows it fails: ``torch.distributed.gather_object``
+    grows the byte tensor of a pickled object that way, and a recorder that summarised it made
+    the collective fail on one rank while the others waited for it. This view changes nothing.
+    """
+
+    __slots__ = ("__array_interface__", "tensor")
 
 
 def _np(t: torch.Tensor):
-    """A zero-copy NumPy view of a CPU tensor, or None when NumPy cannot view it."""
-    if t.dtype not in _NUMPY_DTYPES or t.is_conj() or t.is_neg():
+    """A zero-copy NumPy view of a CPU tensor (for reading), or None when NumPy cannot view it."""
+    typestr = _NUMPY_TYPESTR.get(t.dtype)
+    if typestr is None or t.is_conj() or t.is_neg() or t.layout is not _STRIDED or type(t) not in _PLAIN_TYPES:
         return None
     try:
-        # The C method itself: while recording, Tensor.numpy is wrapped to see the program's
-        # reads (capture/_reads.py), and trainguard's own reads are not the program's.
-        return _TensorBase.numpy(t)
-    except (RuntimeError, TypeError):
+        if _compiling():  # Dynamo, tracing through this, knows Tensor.numpy() but not the array interface
+            # The C method itself: while recording, Tensor.numpy is wrapped to see the program's
+            # reads (capture/_reads.py), and trainguard's own reads are not the program's.
+            return _TensorBase.numpy(t)
+        if not t.numel():
+            return np.empty(tuple(t.shape), dtype=typestr)
+        view = _View()
+        view.tensor = t
+        # Writable as far as NumPy knows (nothing writes): numba compiles a slower loop for read-only arrays.
+        face = {"version": 3, "typestr": typestr, "data": (t.data_ptr(), False), "shape": t.shape}
+        if not t.is_contiguous():
+            size = t.element_size()
+            face["strides"] = tuple(s * size for s in t.stride())
+        view.__array_interface__ = face
+        return np.asarray(view)
+    except (RuntimeError, TypeError, ValueError):
         return None
 
 

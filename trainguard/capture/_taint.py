@@ -30,6 +30,7 @@ from trainguard.store._codec import (
     T_PENDING,
     T_UNKNOWN,
 )
+from trainguard.store._ranks import is_collective
 
 FINITE, UNKNOWN, PENDING, HARMFUL = T_FINITE, T_UNKNOWN, T_PENDING, T_HARMFUL
 
@@ -37,9 +38,11 @@ FINITE, UNKNOWN, PENDING, HARMFUL = T_FINITE, T_UNKNOWN, T_PENDING, T_HARMFUL
 # DEFAULT: computes new values from its inputs. VIEW: aliases its input (schema says so). COPY:
 # copies its input's values. ALLOC: uninitialised memory. RENORM: softmax-like ops built to
 # absorb -inf masks: what non-finite value they output is theirs (a fully masked row).
-# READ: hands a value to the program (no tensor output).
-DEFAULT, VIEW, COPY, ALLOC, RENORM, READ = range(6)
-CLASS_NAMES = ("default", "view", "copy", "alloc", "renorm", "read")
+# READ: hands a value to the program (no tensor output). COLLECTIVE: sends this rank's values
+# and writes what the other ranks send, later (torch.distributed): what it writes is judged by
+# the op that reads it, and what this rank sent passes on its harm.
+DEFAULT, VIEW, COPY, ALLOC, RENORM, READ, COLLECTIVE = range(7)
+CLASS_NAMES = ("default", "view", "copy", "alloc", "renorm", "read", "collective")
 
 ALLOC_OPS = frozenset(
     {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
@@ -87,6 +90,8 @@ def classify(name: str, is_view: bool) -> int:
     """The class of an op by its overload name (``aten.copy_.default``) and its schema."""
     if name in ALLOC_OPS:
         return ALLOC
+    if is_collective(name):
+        return COLLECTIVE
     if name in READ_OPS:
         return READ
     if name in RENORM_OPS:
@@ -129,6 +134,13 @@ RULES: tuple[dict, ...] = (
         FINITE: ((FINITE, NONE),) * 3,
         UNKNOWN: ((FINITE, NONE),) * 3,
         PENDING: ((HARMFUL, INPUT),) * 3,
+        HARMFUL: ((HARMFUL, INPUT),) * 3,
+    },
+    {  # COLLECTIVE: its outputs' values are not there when it returns (health unknown); a harmful
+        # or pending value it sends taints them, what other ranks send is the reader's to judge
+        FINITE: ((FINITE, NONE),) * 3,
+        UNKNOWN: ((FINITE, NONE),) * 3,  # a DDP bucket is written through views: not garbage
+        PENDING: ((PENDING, INPUT),) * 3,
         HARMFUL: ((HARMFUL, INPUT),) * 3,
     },
 )

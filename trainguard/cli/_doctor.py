@@ -12,7 +12,6 @@ target (cannot import, no such function, wrong return value).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib
 import importlib.util
 import json
@@ -140,7 +139,9 @@ def _cmd(args: argparse.Namespace) -> int:
         console=None if args.json else console,
     )
     if not args.no_save:
-        logdir = args.logdir or os.path.join("runs", "doctor-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+        from trainguard.store import default_name
+
+        logdir = args.logdir or os.path.join("runs", default_name("doctor"))
         report.save(logdir, overwrite=args.overwrite)
     if args.json:
         from trainguard.store import to_plain_json

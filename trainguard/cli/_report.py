@@ -27,7 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run", help="the run directory (the --logdir of `trainguard run` or `record`)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--rank", type=int, default=None, help="which rank of a torchrun run (default: the first)")
+    p.add_argument("--rank", type=int, default=None,
+                   help="which rank of a torchrun run to detail (default: the one that made the first NaN/Inf, "
+                        "else the first)")
     p.set_defaults(func=_cmd)
 
 
@@ -47,8 +49,14 @@ def load_report(path: str, rank: int | None = None) -> dict[str, Any]:
             raise RunNotFound(f"{path!r} holds {len(runs)} runs; name one: {names}") from None
         else:
             raise
+    from trainguard.analysis import ranks_report
+
+    ranks = ranks_report(run)
+    if ranks is not None and rank is None and ranks["first_rank"] not in (None, run.rank):
+        run.close()  # detail the rank where it started
+        run = open_run(run.root, rank=ranks["first_rank"])
     with run:
-        return build_report(run, findings=run.findings())
+        return build_report(run, findings=run.findings(), ranks=ranks)
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -95,7 +103,8 @@ def _header(report: dict) -> Panel:
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("run", report["run"])
+    t.add_row("run", report["run"] + (f" (rank {report['rank']} of {len(report['ranks']['ranks'])})"
+                                      if report.get("ranks") else ""))
     status = report["status"]
     if status == "running" and meta.get("lost"):
         status = "incomplete: its writer stopped storing it (see the writer error)"
@@ -136,6 +145,9 @@ def _alerts(report: dict) -> Any:
         first = str(stop.get("message", "")).splitlines()[:1]
         quiet.insert(0, Text(f"check_numerics stopped the run at #{stop.get('seq')} {stop.get('op')}"
                              + (f": {first[0]}" if first else ""), style="bold"))
+    if not alerts["total"] and not report["counts"]["stored"] and report.get("guard"):
+        return Panel(Text("No op is recorded in this run itself: the guard records each replayed step in a "
+                          "run of its own (below)."), title="alerts", border_style="cyan")
     if not alerts["total"]:
         return Panel(Group(Text("No harmful NaN or Inf.", style="bold green"), *quiet), title="alerts",
                      border_style="green")
@@ -192,6 +204,73 @@ def _origin(report: dict) -> Any:
     return Panel(Group(*parts), title="origin", border_style="red")
 
 
+def _samples(samples: list | None, limit: int = 12) -> str:
+    if not samples:
+        return ""
+    head = ", ".join(str(i) for i in samples[:limit])
+    return f", samples {head}" + (f" ... ({len(samples)} in all)" if len(samples) > limit else "")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _guard(report: dict) -> Any:
+    g = report.get("guard")
+    if not g:
+        return None
+    meta = g.get("meta") or {}
+    events = g.get("events") or []
+    parts: list[Any] = []
+    head = Text()
+    head.append("guard: ", style="bold")
+    size = meta.get("snapshot_bytes")
+    head.append(f"policy {meta.get('policy', '?')}, a snapshot every {meta.get('snapshot_every', '?')} steps"
+                + (f" ({_size(size)} of host memory)" if size else "")
+                + (f", spike factor {meta['spike_factor']:g}" if meta.get("spike_factor") else "")
+                + f", {len(events)} event{'s' if len(events) != 1 else ''}, status {meta.get('status', '?')}")
+    parts.append(head)
+    for e in events:
+        style = "bold red" if e.get("action") in ("stop", "code_bug", "max_rewinds") else "bold yellow"
+        b = e.get("batch") or {}
+        batch = f" (batch {b['batch']:,})" if b.get("batch") is not None and b["batch"] != e["step"] else ""
+        parts.append(Text(f"#{e.get('n', '?')} step {e['step']:,}{batch}: {e.get('reason', '')}", style=style))
+        rp = e.get("replay") or {}
+        if e.get("rewound_to") is not None:
+            line = f"  rewound to step {e['rewound_to']:,} ({e.get('rewound_from', 'memory')})"
+            if rp and rp.get("steps"):
+                line += f", replayed {rp['steps']} step{'s' if rp['steps'] != 1 else ''}"
+                if rp.get("bitwise_equal") is not None:
+                    line += ", losses bitwise equal" if rp["bitwise_equal"] else \
+                        f", losses differ from step {rp['mismatch']['step']}"
+                if not rp.get("reproduced", True):
+                    line += ", the fault did not reproduce"
+            parts.append(Text(line))
+        o = e.get("origin")
+        if o:
+            link = o["origin"]
+            parts.append(Text(f"  origin: {link['op']} at {_where(link)} in step {link['step']} "
+                              f"({link['phase']} pass): {link['explanation']}"))
+            for c in o.get("chain", [])[:-1]:
+                parts.append(Text(f"    spread by #{c['seq']} {c['op']} at {_where(c)}: {c['explanation']}", style="dim"))
+            if o.get("suggestion"):
+                parts.append(Text(f"  fix: {o['suggestion']}", style="green"))
+        for b in e.get("skipped") or []:
+            where = f"epoch {b.get('epoch')}, index {b.get('index')}" if b.get("index") is not None else \
+                f"epoch {b.get('epoch')}"
+            parts.append(Text(f"  skipped batch {b.get('batch', '?')} ({where}{_samples(b.get('samples'))})"))
+        parts.append(Text(f"  -> {e.get('outcome', e.get('action', ''))}"))
+        if rp.get("run"):
+            path = Path(report["run"]).parent if Path(report["run"]).name.startswith("rank-") else Path(report["run"])
+            parts.append(Text(f"  the replayed step, recorded in full: trainguard report {path / rp['run']}", style="dim"))
+    worst = "red" if any(e.get("action") in ("stop", "code_bug", "max_rewinds") for e in events) else (
+        "yellow" if events else "green")
+    return Panel(Group(*parts), title="guard", border_style=worst)
+
+
 def _short_harm(text: str) -> str:
     """The harm sentence with its paths made relative, like every other path shown."""
     words = text.split(" ")
@@ -220,14 +299,53 @@ def _findings(report: dict) -> Any:
         return t
 
 
+def _ranks(report: dict) -> tuple[Text, Table] | None:
+    """The first line (which rank went non-finite first) and every rank's alerts side by side."""
+    ranks = report.get("ranks")
+    if not ranks:
+        return None
+    headline = ranks["headline"]
+    for p in ranks["per_rank"]:
+        if headline and p["first"] and p["first"].get("file"):
+            headline = headline.replace(p["first"]["file"], _short(p["first"]["file"]))
+    head = Text(f"{headline}.", style="bold red") if headline else Text(
+        f"No harmful NaN or Inf on any of the {len(ranks['ranks'])} ranks.", style="bold green")
+    t = Table(title="alerts per rank", title_justify="left")
+    t.add_column("rank", justify="right")
+    t.add_column("status")
+    t.add_column("NaN/Inf", justify="right")
+    t.add_column("step", justify="right")
+    t.add_column("first non-finite value")
+    t.add_column("how", no_wrap=True)
+    for p in ranks["per_rank"]:
+        f = p["first"]
+        step, first, how = "", "", ""
+        if f:
+            step = str(f["step"])
+            first = f"{f['op']} at {_short(f['file'])}:{f['line']}" if f.get("file") else f["op"]
+            via = f["received_via"]
+            how = f"received: {via['op']}" if via else ("made (first)" if p["rank"] == ranks["first_rank"] else "made")
+        t.add_row(str(p["rank"]), p["status"], f"{p['alerts']['total']:,}", step, first,
+                  Text(how, style="bold red" if how.startswith("made") else ""))
+    return head, t
+
+
 def render_report(con: Console, report: dict) -> None:
     if report.get("crash"):  # first, before anything that could read as a finished run
         con.print(Text(report["crash"]["text"], style="bold red"), soft_wrap=True)
+    ranks = _ranks(report)
+    if ranks is not None:
+        con.print(ranks[0], soft_wrap=True)
     con.print(_header(report))
+    if ranks is not None:
+        con.print(ranks[1])
     con.print(_alerts(report))
     o = _origin(report)
     if o is not None:
         con.print(o)
+    g = _guard(report)
+    if g is not None:
+        con.print(g)
     f = _findings(report)
     if f is not None:
         con.print(f)

@@ -2,6 +2,10 @@
 
 The script runs as ``__main__`` in this process under the recorder. Its own exit code and
 traceback are kept; the run directory is complete (closed and marked) even when it raises.
+With ``--guard`` nothing is recorded up front: a :class:`trainguard.Guard` watches every
+``ckpt.resume(...)`` loop the script iterates with ``loop.batches()``.
+With ``--nproc-per-node`` this process becomes torchrun's agent instead (see ``_launch``);
+under torchrun each rank records into ``LOGDIR/rank-K``.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import time
 import traceback
 from pathlib import Path
 
-from trainguard._errors import NonFiniteError, TrainguardError
+from trainguard._errors import Diverged, NonFiniteError, TrainguardError
+from trainguard.cli import _launch
 from trainguard.cli._render import err_console
-from trainguard.store import MODES
+from trainguard.store import MODES, default_name
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,16 +46,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--monitor", action="store_true",
                    help="also record per-layer statistics and diagnose training health")
     p.add_argument("--every", type=int, default=10, help="with --monitor: layer statistics every N steps")
+    p.add_argument("--guard", action="store_true",
+                   help="instead of recording every op, guard the script's ckpt.resume() loops: rewind, replay "
+                   "and record a step whose loss or gradients go NaN/Inf (or spike), then go on by --policy")
+    p.add_argument("--policy", choices=("skip", "lower_lr", "stop"), default="skip",
+                   help="with --guard: skip the batch, halve the learning rate, or stop (default: skip)")
+    p.add_argument("--spike-factor", type=float, default=None,
+                   help="with --guard: also treat a loss above this multiple of the recent median as a fault")
+    p.add_argument("--snapshot-every", type=int, default=50, help="with --guard: steps between snapshots (default: 50)")
+    p.add_argument("--max-rewinds", type=int, default=5, help="with --guard: rewinds allowed in all (default: 5)")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --logdir")
     p.add_argument("-m", dest="module", help="run a module as a script (like python -m)")
+    _launch.add_launch_arguments(p)
     p.add_argument("script", nargs="?", help="the script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
-    p.set_defaults(func=_cmd)
+    p.set_defaults(func=_cmd, parser=p)
+
+
+_GUARD_DEFAULTS = {"policy": "skip", "spike_factor": None, "snapshot_every": 50, "max_rewinds": 5}
 
 
 def _default_logdir(name: str) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{Path(name).stem or 'run'}-{stamp}"
+    # Under torchrun every rank must pick the same name: the agent's start time, not this process's.
+    return Path("runs") / default_name(Path(name).stem or "run")
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -65,6 +83,8 @@ def _cmd(args: argparse.Namespace) -> int:
         target = args.script
         script_args = list(args.args)
     logdir = Path(args.logdir) if args.logdir else _default_logdir(target.split(".")[-1])
+    if _launch.wants_launch(args):
+        return _launch.launch(args.parser, args, logdir.absolute())
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] if args.dtypes else None
     if args.every < 1:
         raise TrainguardError(f"--every must be an int >= 1, got {args.every}")
@@ -76,8 +96,17 @@ def _cmd(args: argparse.Namespace) -> int:
     import trainguard as tg
     from trainguard.capture._ending import ending as run_ending
 
+    if not args.guard and any(getattr(args, k) != v for k, v in _GUARD_DEFAULTS.items()):
+        raise TrainguardError("--policy, --spike-factor, --snapshot-every and --max-rewinds need --guard")
+    if args.guard and args.check_numerics:
+        raise TrainguardError("choose one of --guard and --check-numerics")
+    guard = None
     try:
-        if args.check_numerics:
+        if args.guard:
+            guard = tg.Guard(logdir, policy=args.policy, spike_factor=args.spike_factor,
+                             snapshot_every=args.snapshot_every, max_rewinds=args.max_rewinds)
+            recorder = None
+        elif args.check_numerics:
             recorder = tg.check_numerics(logdir, mode="full_health", buffer=args.buffer, strict=args.strict)
         else:
             recorder = tg.record(logdir, mode=args.mode, buffer=args.buffer, ops=args.ops, dtypes=dtypes,
@@ -91,8 +120,12 @@ def _cmd(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     code = 0
     error: BaseException | None = None  # what ended the script, stored in the run when it closes
+    late: list[int] = []  # a SIGTERM that came while the run was closing
+    if guard is not None:
+        guard.install()
     try:
-        recorder.start()
+        if recorder is not None:
+            recorder.start()
         try:
             if args.monitor:
                 monitor = _start_monitor(logdir, args.every)
@@ -112,6 +145,11 @@ def _cmd(args: argparse.Namespace) -> int:
             err_console.print(f"trainguard: NonFiniteError: {exc}", markup=False, highlight=False, soft_wrap=True)
             code = exc.exit_code
             error = exc
+        except Diverged as exc:  # its line was logged at the rewind (and stored); this says how it ended
+            err_console.print(f"trainguard: Diverged at step {exc.step}: training stopped", markup=False,
+                              highlight=False, soft_wrap=True)
+            code = exc.exit_code
+            error = exc
         except KeyboardInterrupt as exc:
             code = 130
             error = exc
@@ -122,18 +160,38 @@ def _cmd(args: argparse.Namespace) -> int:
             error = exc
         finally:
             ending = run_ending(error)  # before the monitor lets go of the step clock
+            # The launcher orders the ranks of a failed job by it: a NonFiniteError says when it
+            # was raised (the script's own finally blocks, destroy_process_group, run after it).
+            ending["ended_at"] = getattr(error, "raised_at", None) or time.time()
+            # Closing the run is not cut short: a SIGTERM now (torchrun's agent stopping the other
+            # ranks of a failed job) waits until the run is closed; SIGKILL stays the agent's backstop.
+            signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
             if monitor is not None:
                 monitor.close(error=error)  # its diagnosis sees the crash
             ending["exit_code"] = code
             if code and "status" not in ending:
                 ending["status"] = "exited"
-            recorder.stop(**ending)
+            if recorder is not None:
+                recorder.stop(**ending)
     finally:
+        if guard is not None:
+            guard.uninstall()
         sys.argv = old_argv
         if old_path0 is not None and sys.path:
             sys.path[0] = old_path0
         signal.signal(signal.SIGTERM, previous)
-    err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {logdir}{_writer_failure(logdir)}; "
+    if late and not code:
+        code = 128 + signal.SIGTERM
+    if guard is not None:
+        if not (logdir / "run.sqlite").exists() and not any(logdir.glob("rank-*")):
+            err_console.print("trainguard: the script iterated no `loop.batches()` of ckpt.resume(); nothing was "
+                              "guarded", highlight=False, soft_wrap=True)
+        else:
+            err_console.print(f"trainguard: the guard rewound {guard.rewinds} time(s); see `trainguard report {logdir}`",
+                              highlight=False, soft_wrap=True)
+        return code
+    written = Path(recorder.logdir)  # this rank's directory under torch.distributed
+    err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {written}{_writer_failure(written)}; "
                       f"see `trainguard report {logdir}` or `trainguard ui {logdir}`", highlight=False, soft_wrap=True)
     return code
 

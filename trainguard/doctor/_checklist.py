@@ -29,7 +29,7 @@ from trainguard.doctor._lr_range import LRRangeResult, lr_range_test
 from trainguard.doctor._overfit import overfit_one_batch
 from trainguard.doctor._results import VERDICT_STYLE, CheckResult, finding, findings_table
 from trainguard.doctor._state import DoctorInputError, split_batch
-from trainguard.store import Finding, acquire_writer, dumps, release_writer, sort_findings
+from trainguard.store import Finding, acquire_writer, dumps, rank_dir, release_writer, sort_findings
 
 CHECKS = ("data", "init", "overfit", "gradcheck", "lr")
 
@@ -176,8 +176,9 @@ class DoctorReport:
         range test's plot and CSV into the run directory ``logdir``.
 
         A run this process is writing to ``logdir`` (a recording) is joined; results are added to a
-        run another process left there (``overwrite`` replaces that run instead)."""
-        self.logdir = os.fspath(logdir)
+        run another process left there (``overwrite`` replaces that run instead). Under
+        ``torch.distributed`` each rank writes ``logdir/rank-K``."""
+        self.logdir = os.fspath(rank_dir(logdir))
         lr = self.result("lr_range_test")
         artifacts: list[tuple[str, str, bytes]] = []
         if isinstance(lr, LRRangeResult):
@@ -186,7 +187,7 @@ class DoctorReport:
                 artifacts.append((ARTIFACT_PLOT, "image/png", lr.plot_png()))
             except DoctorInputError as exc:  # matplotlib missing: keep everything else
                 self.notes.append(f"no LR plot: {exc}")
-        writer = acquire_writer(logdir, overwrite=overwrite, append=not overwrite, meta={"doctor": True})
+        writer = acquire_writer(self.logdir, overwrite=overwrite, append=not overwrite, meta={"doctor": True})
         try:
             writer.add_findings("doctor", [f.to_dict() for f in self.findings()], replace=True)
             writer.put_artifact(ARTIFACT_REPORT, "application/json", dumps(self.to_dict()).encode())

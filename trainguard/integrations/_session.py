@@ -9,15 +9,19 @@ an unmodified script, see :mod:`._auto`).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
 from trainguard._errors import TrainguardError
 
 GUARD_PENDING = (
-    "guard= needs trainguard.Guard, which this version of trainguard does not have yet; "
-    "leave guard=None (the callback records and monitors without it)"
+    "guard= is not supported inside a framework's own training loop yet: the Trainer owns its batches, "
+    "so trainguard.Guard cannot rewind and replay them; leave guard=None here, or guard a plain loop "
+    "with ckpt.resume(state, total_steps=N, guard=tg.Guard(...)).batches()"
 )
 
 
@@ -97,7 +101,7 @@ class Session:
         self._writer = acquire_writer(self.run_dir, append=resumed, process=recording)
         try:
             if self.want_monitor:
-                self.monitor = trainguard.Monitor(model, self.run_dir, self.every, append=resumed)
+                self.monitor = trainguard.Monitor(model, self.run_dir, self.every, append=resumed, rank_dir=False)
             if recording:
                 rec = Recorder(self.run_dir, mode=self.mode if self.record else "curt_health",
                                check_numerics=self.check_numerics, rank_dir=False)
@@ -108,6 +112,10 @@ class Session:
             self.close()
             raise
         self.started = True
+        _OPEN.add(self)
+        from trainguard.capture._ending import watch_uncaught
+
+        watch_uncaught()  # the HF Trainer has no exception callback: closed at exit with the error
         drive_step(int(step))
 
     def step(self, step: int) -> None:
@@ -146,6 +154,7 @@ class Session:
         rec, mon, writer = self.recorder, self.monitor, self._writer
         self.recorder = self.monitor = self._writer = None
         self.started = False
+        _OPEN.discard(self)
         ended = ending(error)  # while the framework's step is still the clock's
         release_step()  # training goes on without the framework: optimizer steps count again
         try:
@@ -158,3 +167,15 @@ class Session:
             finally:
                 if writer is not None:
                     release_writer(writer, **ended)
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    from trainguard.capture._ending import uncaught
+
+    for session in list(_OPEN):
+        with contextlib.suppress(Exception):
+            session.close(error=uncaught())

@@ -4,6 +4,7 @@
   every process-wide RNG.
 * :class:`CheckpointManager` writes atomic, verified checkpoints, keeps N, restores the newest
   valid one, and runs the resumable loop (:meth:`CheckpointManager.resume`).
+* :class:`MemorySnapshot` keeps the same state in host memory (what the guard rewinds to).
 * :func:`list_checkpoints` is the light listing the CLI and the UI use; it needs no torch, and
   the names that do are imported on first use.
 
@@ -23,10 +24,12 @@ _LAZY = {
     "CheckpointFallbackWarning": "_manager",
     "CheckpointManager": "_manager",
     "CheckpointPolicy": "_manager",
+    "MemorySnapshot": "_memory",
     "Preempted": "_loop",
     "ResumableLoader": "_loader",
     "ResumeLoop": "_loop",
     "TrainState": "_state",
+    "set_default_guard": "_loop",
 }
 
 __all__ = [
@@ -34,11 +37,13 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointPolicy",
+    "MemorySnapshot",
     "Preempted",
     "ResumableLoader",
     "ResumeLoop",
     "TrainState",
     "list_checkpoints",
+    "set_default_guard",
 ]
 
 

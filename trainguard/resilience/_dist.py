@@ -2,16 +2,38 @@
 
 Checkpoint traffic runs on gloo groups of its own: an asynchronous save talks from a background
 thread, and collectives from two threads on one group would interleave differently per rank.
-Payloads travel as byte tensors, never as pickled objects.
+Payloads travel as byte tensors, never as pickled objects. Checkpoint work runs
+:func:`unobserved`: outside any ``TorchDispatchMode`` such as the recorder's.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def unobserved(fn: _F) -> _F:
+    """Run ``fn`` with every ``TorchDispatchMode`` of this thread set aside.
+
+    Saving and restoring are trainguard's own work, not the program's: a recording must not
+    show them, and nothing a mode does to an op may make one rank's collectives differ from
+    another's (a recorder that changed a tensor once made DCP fail on one rank and hang the rest).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def is_distributed() -> bool:
@@ -79,6 +101,7 @@ def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
     return [b[: int(s.item())].numpy().tobytes() for b, s in zip(bufs, sizes, strict=True)]
 
 
+@unobserved
 def all_max(values: list[int], group: Any) -> list[int]:
     """Element-wise maximum over ranks (used for 'any rank got a signal' and 'any rank failed')."""
     if group is None:

@@ -235,8 +235,13 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._event: Any = None
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def stage(self, tensors: dict[str, torch.Tensor], *, wait: bool = True) -> dict[str, torch.Tensor]:
+        """Copy ``tensors`` into the host buffers; with ``wait=False`` the device-to-host copies may
+        still be in flight when this returns (the guard's snapshots): call :meth:`wait` before
+        reading the buffers. Later device work on the same stream cannot overtake the copies."""
+        self.wait()
         out: dict[str, torch.Tensor] = {}
         device_copies = False
         for key, t in tensors.items():
@@ -252,11 +257,21 @@ class Stager:
             buf.copy_(t, non_blocking=t.device.type == "cuda")
             device_copies = device_copies or t.device.type == "cuda"
             out[key] = buf
-        if device_copies:
+        if device_copies and wait:
             torch.cuda.synchronize()  # the snapshot must be complete before save() returns
+        elif device_copies:
+            self._event = torch.cuda.Event()
+            self._event.record()
         for key in set(self._buffers) - set(tensors):
             del self._buffers[key]
         return out
 
+    def wait(self) -> None:
+        """Block until the copies of a ``stage(wait=False)`` have landed in host memory."""
+        event, self._event = self._event, None
+        if event is not None:
+            event.synchronize()
+
     def release(self) -> None:
+        self.wait()
         self._buffers.clear()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from trainguard._errors import CheckpointError
 from trainguard.resilience import _rng
+from trainguard.resilience._epochs import has_epoch
 
 _FAST_FORWARD = ("skip", "replay")
 _STATE_VERSION = 1
@@ -87,8 +89,10 @@ class ResumableLoader:
         self._yielded = 0
         self._in_epoch = False
         self._epoch_start: dict[str, Any] | None = None
+        self._sampler_epochs: list[int] = []  # the epochs set_epoch() gave the samplers when this epoch was drawn
         self._pending: dict[str, Any] | None = None
         self._token: object = object()
+        self._last_indices: list[Any] | None = None
 
     # -- the loader's face -------------------------------------------------------------------
 
@@ -115,6 +119,12 @@ class ResumableLoader:
         """Batches handed out in the current epoch."""
         return self._yielded
 
+    @property
+    def last_indices(self) -> list[Any] | None:
+        """The dataset indices of the samples in the batch handed out last (what the guard reports
+        for a skipped batch); None for an ``IterableDataset`` or an ``in_order=False`` loader."""
+        return self._last_indices
+
     def __iter__(self) -> Iterator[Any]:
         pending, self._pending = self._pending, None
         return self._start_epoch(pending)
@@ -129,6 +139,7 @@ class ResumableLoader:
             "yielded": self._yielded,
             "epoch_start": self._epoch_start,
             "generators": [_rng.capture_generator(g) for g in self._generators()],
+            "sampler_epochs": self._sampler_epochs,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -146,6 +157,8 @@ class ResumableLoader:
             self._yielded = int(state["yielded"])
             self._in_epoch = bool(state["in_epoch"])
             self._epoch_start = state["epoch_start"]
+            # Absent from states saved before samplers' epochs were kept: then set_epoch() decides.
+            self._sampler_epochs = [int(e) for e in state.get("sampler_epochs") or []]
         except KeyError as exc:
             raise CheckpointError(f"loader state lacks {exc}") from None
         self._token = object()  # iterators made before the restore no longer count
@@ -169,11 +182,25 @@ class ResumableLoader:
                 found.append(gen)
         return found
 
+    def _samplers(self) -> list[Any]:
+        """Samplers whose order follows ``set_epoch()`` (``DistributedSampler``)."""
+        loader = self.loader
+        found: list[Any] = []
+        for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+            if has_epoch(s) and all(s is not f for f in found):
+                found.append(s)
+        return found
+
     def _start_epoch(self, resume: dict[str, Any] | None) -> Iterator[Any]:
         loader = self.loader
         gens = self._generators()
+        samplers = self._samplers()
         iterable = isinstance(loader.dataset, IterableDataset)
         if resume is not None:
+            # The interrupted epoch's order was drawn at the epoch the samplers had then, whether
+            # or not the program calls set_epoch() again before continuing it.
+            for sampler, epoch in zip(samplers, self._sampler_epochs):
+                sampler.set_epoch(epoch)
             now = _rng.capture_all(gens)
             _rng.restore_all(self._epoch_start or {}, gens)
             skip = self._yielded
@@ -209,14 +236,22 @@ class ResumableLoader:
             discard = 0
             if length is not None:
                 length = max(length - consumed, 0)
+        # The index lists in the order the sampler hands them out; batch k comes from the k-th
+        # (in-order loaders), however far the workers prefetch.
+        drawn: deque | None = None
+        if indices is not None and getattr(loader, "in_order", True):
+            drawn = deque()
+            indices = _noting(indices, drawn)
         underlying = self._underlying(indices, length, seed_gen)
         if resume is None:
             self._epoch += 1
             self._yielded = 0
             self._epoch_start = start
+            self._sampler_epochs = [int(s.epoch) for s in samplers]
         self._in_epoch = True
         self._token = token = object()
-        return self._run(iter(underlying), token, discard, protect_rng=in_process)
+        self._last_indices = None
+        return self._run(iter(underlying), token, discard, protect_rng=in_process, drawn=drawn)
 
     def _underlying(self, indices: Iterator[Any] | None, length: int | None,
                     seed_gen: torch.Generator) -> DataLoader:
@@ -242,18 +277,30 @@ class ResumableLoader:
             return DataLoader(loader.dataset, batch_sampler=sampler, **kwargs)  # type: ignore[arg-type]
         return DataLoader(loader.dataset, batch_size=None, sampler=sampler, **kwargs)  # type: ignore[arg-type]
 
-    def _run(self, it: Iterator[Any], token: object, discard: int, *, protect_rng: bool) -> Iterator[Any]:
+    def _run(self, it: Iterator[Any], token: object, discard: int, *, protect_rng: bool,
+             drawn: deque | None) -> Iterator[Any]:
         if discard:
             # Replaying in this process would draw again what the restored RNG state already drew.
             saved = _rng.capture_global() if protect_rng else None
             for _ in range(discard):
                 if next(it, _END) is _END:
                     break
+                if drawn:
+                    drawn.popleft()
             if saved is not None:
                 _rng.restore_global(saved)
         for batch in it:
             if token is self._token:
                 self._yielded += 1
+                if drawn:
+                    idx = drawn.popleft()
+                    self._last_indices = list(idx) if isinstance(idx, (list, tuple)) else [idx]
             yield batch
         if token is self._token:
             self._in_epoch = False
+
+
+def _noting(indices: Iterator[Any], drawn: deque) -> Iterator[Any]:
+    for idx in indices:
+        drawn.append(idx)
+        yield idx

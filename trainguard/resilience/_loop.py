@@ -20,6 +20,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainguard.resilience")
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_END = object()
+
+# The guard every resume() uses when it is given none (``trainguard run --guard`` sets it).
+_default_guard: Any = None
+
+
+def set_default_guard(guard: Any) -> Any:
+    """Make ``guard`` the one every :meth:`CheckpointManager.resume` without ``guard=`` uses (None
+    removes it); returns the previous one. ``trainguard run --guard`` installs one this way."""
+    global _default_guard
+    previous, _default_guard = _default_guard, guard
+    return previous
 
 
 class Preempted(SystemExit):
@@ -72,10 +84,15 @@ class ResumeLoop:
 
     After the last step or epoch it saves a final checkpoint, or with ``delete_on_success=True``
     removes the checkpoints instead. A second Ctrl-C while a save is pending stops at once.
+
+    :meth:`batches` is the step form with the data in it: it yields ``(step, batch)`` from
+    ``state.loader`` and rolls epochs over itself. A ``guard`` (:class:`trainguard.Guard`) watches
+    it: it rewinds, replays and skips through the same generator, so it needs :meth:`batches`.
+    With ``manager=None`` the loop keeps no checkpoints (the guard's in-memory form).
     """
 
-    def __init__(self, manager: CheckpointManager, state: TrainState, *, total_steps: int | None,
-                 epochs: int | None, delete_on_success: bool, handle_signals: bool):
+    def __init__(self, manager: CheckpointManager | None, state: TrainState, *, total_steps: int | None,
+                 epochs: int | None, delete_on_success: bool, handle_signals: bool, guard: Any = None):
         if (total_steps is None) == (epochs is None):
             raise ValueError("pass exactly one of total_steps and epochs")
         for name, value in (("total_steps", total_steps), ("epochs", epochs)):
@@ -87,19 +104,57 @@ class ResumeLoop:
         self.epochs = epochs
         self.delete_on_success = delete_on_success
         self.handle_signals = handle_signals
-        self.restored_step = manager.restore(state, _stacklevel=4)  # warn at the caller of resume()
+        self.restored_step = manager.restore(state, _stacklevel=4) if manager is not None else None
         self.start_step = state.step
         self.start_epoch = state.epoch
         self._signal: int | None = None
         self._steps_in_epoch = 0
         self._deferred = False
         self._started = False
+        self._explicit_guard = guard is not None
+        self.guard = guard if guard is not None else _default_guard
+        if self.guard is not None and epochs is not None:
+            if self._explicit_guard:
+                raise ValueError("a guard needs the step form: resume(state, total_steps=N, guard=guard)")
+            self.guard = None
+        self._groups = _dist.Groups() if manager is None else manager._groups
+        self._active_guard: Any = None  # the guard while batches() runs
 
     def __iter__(self) -> Iterator[int]:
+        self._start()
+        if self.guard is not None:
+            if self._explicit_guard:
+                raise RuntimeError("a guard replays the same batches, so it needs the loop to hand them out: "
+                                   "write `for step, batch in loop.batches():` instead of `for step in loop:`")
+            log.warning("trainguard: the guard needs `for step, batch in loop.batches():`; this loop "
+                        "(`for step in loop:`) runs unguarded")
+        return self._step_form() if self.total_steps is not None else self._epoch_form()
+
+    def _start(self) -> None:
         if self._started:
             raise RuntimeError("a ResumeLoop can be iterated once; call resume() again for a new loop")
         self._started = True
-        return self._step_form() if self.total_steps is not None else self._epoch_form()
+
+    def batches(self) -> Iterator[tuple[int, Any]]:
+        """Step form: yield ``(step, batch)`` for the steps still to run, batches from ``state.loader``.
+
+        Epochs roll over by themselves (``state.epoch`` counts them; a sampler with
+        ``set_epoch``, such as ``DistributedSampler``, is told the epoch before each pass). After
+        a restore the interrupted epoch continues with exactly the next batch. Each step ends when
+        the loop body ends, as in ``for step in loop``.
+        """
+        if self.total_steps is None:
+            raise RuntimeError("batches() is the step form: resume(state, total_steps=N)")
+        if "loader" not in self.state.names():
+            raise RuntimeError("batches() hands out the batches of state.loader: pass loader=... to TrainState")
+        self._start()
+        return self._batch_form(self.state.loader)
+
+    def report(self, loss: Any) -> None:
+        """Give the guard this step's loss (e.g. the unscaled one, with a ``GradScaler``); it then
+        replaces the one seen through ``backward()``. Without a guard it does nothing."""
+        if self._active_guard is not None:
+            self._active_guard._report(loss)
 
     def step(self) -> None:
         """Epoch form only: one training step finished."""
@@ -119,6 +174,56 @@ class ResumeLoop:
                 self._boundary(force=False)
             self._finish()
 
+    def _batch_form(self, loader: Any) -> Iterator[tuple[int, Any]]:
+        g = self.guard
+        with self._signals():
+            if g is not None:
+                g._attach(self)
+                self._active_guard = g
+            try:
+                it: Iterator[Any] | None = None
+                restores = -1
+                while True:
+                    while self.state.step < self.total_steps:  # type: ignore[operator]
+                        if it is None or (g is not None and g._restores != restores):
+                            it = self._epoch_iter(loader)  # after a rewind: from the restored position
+                            restores = g._restores if g is not None else 0
+                        discard = g._discard_before(self.state.step) if g is not None else 0
+                        batch, it = self._next_batch(loader, it)
+                        for _ in range(discard):  # batches the guard skipped at this step
+                            g._skipped_batch()
+                            batch, it = self._next_batch(loader, it)
+                        if g is not None:
+                            g._begin_step(self.state.step)
+                        yield self.state.step, batch
+                        if g is not None:
+                            g._end_step(self.state.step)
+                        self.state.step += 1
+                        self._boundary(force=False)
+                    if g is None or not g._verify_last():  # the last steps' flags are read before the end
+                        break
+                self._finish()
+            finally:
+                if g is not None:
+                    self._active_guard = None
+                    g._detach()
+
+    def _epoch_iter(self, loader: Any) -> Iterator[Any]:
+        sampler = getattr(loader, "sampler", None)
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(self.state.epoch)
+        return iter(loader)
+
+    def _next_batch(self, loader: Any, it: Iterator[Any]) -> tuple[Any, Iterator[Any]]:
+        batch = next(it, _END)
+        if batch is _END:  # the epoch is over: the next one starts
+            self.state.epoch += 1
+            it = self._epoch_iter(loader)
+            batch = next(it, _END)
+            if batch is _END:
+                raise RuntimeError("state.loader yields no batches")
+        return batch, it
+
     def _epoch_form(self) -> Iterator[int]:
         assert self.epochs is not None
         with self._signals():
@@ -132,13 +237,22 @@ class ResumeLoop:
             self._finish()
 
     def _boundary(self, *, force: bool, in_epoch: bool = False) -> None:
-        m = self.manager
+        m, g = self.manager, self._active_guard
         more = int(in_epoch and not _last_batch_out(self.state))
-        flags = [self._signal or 0, int(force or m.due(self.state.step)), more]
+        flags = [self._signal or 0, int(force or (m is not None and m.due(self.state.step))), more]
+        if g is not None:  # the guard's verdict on the last steps rides on the same collective
+            flags += g._flags(self.state.step, saving=force or _steps_due(m, self.state.step))
         if _dist.is_distributed():
             # Every rank must take the same decision at the same step, or the save's collectives hang.
-            flags = _dist.all_max(flags, m._groups.ctl())
-        signum, due, more = flags
+            flags = _dist.all_max(flags, self._groups.ctl())
+        signum, due, more = flags[0], flags[1], flags[2]
+        if g is not None:
+            if g._decide(flags[3:]):
+                due = 0  # rewound: nothing new to save
+            elif (signum or due) and g._verify_last():
+                due = 0  # a checkpoint only ever holds verified steps
+        if m is None:  # the guard's in-memory loop: nothing to save, no signals handled
+            return
         if signum:
             if force or due or m.last_saved_step != self.state.step:
                 m.save(self.state, blocking=True)
@@ -157,6 +271,8 @@ class ResumeLoop:
 
     def _finish(self) -> None:
         m = self.manager
+        if m is None:
+            return
         m.wait()
         if self.delete_on_success:
             m.delete_all()
@@ -182,3 +298,9 @@ class ResumeLoop:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+
+
+def _steps_due(m: CheckpointManager | None, step: int) -> bool:
+    """A save on the step interval (the same on every rank, unlike ``every_seconds``)."""
+    every = m.policy.every_steps if m is not None else None
+    return every is not None and step % every == 0 and m.last_saved_step != step  # type: ignore[union-attr]

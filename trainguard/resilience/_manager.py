@@ -111,6 +111,19 @@ def _json_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
         raise TypeError(f"metadata must be plain JSON (no NaN): {exc}") from None
 
 
+def _rank0_problem(problem: BaseException | None, rank: int, group: Any, *,
+                   plain: bool = False) -> tuple[str | None, bool]:
+    """What went wrong on rank 0 (the only rank that touches the directory itself), said on
+    every rank: (one line or None, out of space). One collective, on every rank alike; the
+    other ranks then raise the owner's words (who holds the directory), not a bare 'rank 0 failed'."""
+    data = None
+    if rank == 0:
+        why = None if problem is None else str(problem) if plain else root_cause(problem)
+        data = json.dumps({"why": why, "full": no_space(problem)}).encode()
+    said = json.loads(_dist.broadcast_bytes(data, group))
+    return said["why"], bool(said["full"])
+
+
 class CheckpointManager:
     """Save, keep and restore checkpoints of a :class:`TrainState` in one directory.
 
@@ -189,6 +202,7 @@ class CheckpointManager:
 
     # -- saving ------------------------------------------------------------------------------
 
+    @_dist.unobserved
     def save(self, state: TrainState, step: int | None = None, *, metadata: dict[str, Any] | None = None,
              blocking: bool | None = None) -> CheckpointInfo | None:
         """Checkpoint ``state`` as ``step`` (default ``state.step``; ``state.step`` is set to it).
@@ -268,11 +282,10 @@ class CheckpointManager:
                     tmp.mkdir()
                 except (OSError, CheckpointError) as exc:
                     problem = exc
-            failed, full = _dist.all_max([problem is not None, no_space(problem)], group)
+            why, full = _rank0_problem(problem, rank, group)
             if full:
                 raise _OutOfSpace
-            if failed:
-                why = root_cause(problem) if problem is not None else "rank 0 could not start the save"
+            if why is not None:
                 raise CheckpointError(f"cannot save {name} into {self.directory}: {why}")
             try:
                 engine_meta, written = _engine.save_tensors(job.tensors, tmp, group)
@@ -294,11 +307,10 @@ class CheckpointManager:
                     info = self._publish(job, tmp, token, engine_meta, ranks, world)
                 except Exception as exc:
                     problem = exc
-            failed, full = _dist.all_max([problem is not None, no_space(problem)], group)
+            why, full = _rank0_problem(problem, rank, group)
             if full:
                 raise _OutOfSpace
-            if failed:
-                why = root_cause(problem) if problem is not None else "rank 0 could not commit it"
+            if why is not None:
                 raise CheckpointError(f"saving {name} into {self.directory} failed: {why}; "
                                       "earlier checkpoints are untouched")
         except BaseException as exc:
@@ -358,6 +370,7 @@ class CheckpointManager:
         except OSError as exc:  # a failed cleanup must not fail a committed save
             log.warning("pruning %s failed: %s", self.directory, exc)
 
+    @_dist.unobserved
     def delete_all(self) -> None:
         """Remove every checkpoint of this directory (rank 0; collective under torch.distributed)."""
         self._join()
@@ -376,11 +389,13 @@ class CheckpointManager:
                     pass  # other files live there
             except CheckpointError as exc:
                 problem = exc
-        if _dist.all_max([problem is not None], self._groups.io())[0]:
-            raise problem if problem is not None else CheckpointError("rank 0 could not delete the checkpoints")
+        why, _ = _rank0_problem(problem, rank, self._groups.io(), plain=True)
+        if why is not None:
+            raise problem if problem is not None else CheckpointError(why)
 
     # -- restoring ---------------------------------------------------------------------------
 
+    @_dist.unobserved
     def restore(self, state: TrainState, *, strict: bool = True, _stacklevel: int = 2) -> int | None:
         """Load the newest valid checkpoint into ``state``; return its step, or None if there is none.
 
@@ -448,12 +463,16 @@ class CheckpointManager:
     # -- the loop ----------------------------------------------------------------------------
 
     def resume(self, state: TrainState, *, total_steps: int | None = None, epochs: int | None = None,
-               delete_on_success: bool = False, handle_signals: bool = True) -> ResumeLoop:
-        """Restore now, then loop over the remaining steps or epochs; see :class:`ResumeLoop`."""
+               delete_on_success: bool = False, handle_signals: bool = True, guard: Any = None) -> ResumeLoop:
+        """Restore now, then loop over the remaining steps or epochs; see :class:`ResumeLoop`.
+
+        ``guard`` (a :class:`trainguard.Guard`, step form and :meth:`ResumeLoop.batches` only)
+        rewinds and replays a step whose loss or gradients go non-finite or spike.
+        """
         from trainguard.resilience._loop import ResumeLoop
 
         return ResumeLoop(self, state, total_steps=total_steps, epochs=epochs,
-                          delete_on_success=delete_on_success, handle_signals=handle_signals)
+                          delete_on_success=delete_on_success, handle_signals=handle_signals, guard=guard)
 
 
 class CheckpointFallbackWarning(UserWarning):

@@ -15,6 +15,7 @@ from trainguard._errors import CheckpointError
 from trainguard.resilience import _dist, _engine, _format
 from trainguard.resilience._codec import Encoder, decode, dtype_from_name, tensor_refs
 from trainguard.resilience._format import CheckpointInfo, Invalid
+from trainguard.resilience._sharded import sharded_target
 from trainguard.resilience._state import RNG, TrainState
 
 
@@ -126,7 +127,9 @@ def load_into(state: TrainState, path: Path, manifest: dict[str, Any], *, strict
                 # the model in memory. Checksums were verified above, so a failure here is I/O.
                 targets[key] = cur.detach()
             else:  # e.g. optimizer moments that a fresh optimizer has not created yet
-                targets[key] = torch.empty(ref["shape"], dtype=cur.dtype if cur is not None else saved_dtype)
+                sharded = sharded_target(dict(state.items()), key, ref["shape"], saved_dtype) if cur is None else None
+                targets[key] = sharded if sharded is not None else torch.empty(
+                    ref["shape"], dtype=cur.dtype if cur is not None else saved_dtype)
     try:
         _engine.load_tensors(targets, path, manifest["engine"], group)
     except CheckpointError:

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from trainguard._errors import CheckpointError
 from trainguard.resilience import _rng
+from trainguard.resilience._epochs import SamplerEpoch, has_epoch
 from trainguard.resilience._loader import ResumableLoader
 
 RNG = "rng"  # the per-rank entry holding the process-wide generators
@@ -41,9 +42,10 @@ class TrainState:
 
     Pass every object with ``state_dict()`` / ``load_state_dict()`` by name: model, optimizer,
     LR scheduler, ``GradScaler``, data loaders and samplers, your own objects; also any
-    ``torch.Generator`` you draw from. trainguard adds its own ``step`` and ``epoch`` counters and
-    every process-wide RNG: Python ``random``, NumPy's global generator, torch's CPU generator and
-    each initialised CUDA device's.
+    ``torch.Generator`` you draw from, and samplers whose order follows ``set_epoch()``
+    (``DistributedSampler``; their epoch is saved and set again on restore). trainguard adds its
+    own ``step`` and ``epoch`` counters and every process-wide RNG: Python ``random``, NumPy's
+    global generator, torch's CPU generator and each initialised CUDA device's.
 
     A plain ``DataLoader`` is wrapped in a :class:`ResumableLoader`; iterate ``state.<name>``
     (not the original loader) so that a restore can continue mid-epoch. torchdata's
@@ -65,12 +67,14 @@ class TrainState:
                 raise ValueError(f"{name!r} is reserved in TrainState, choose another name")
             if isinstance(obj, DataLoader) and not _stateful(obj):
                 obj = ResumableLoader(obj)
-            if isinstance(obj, (DataLoader, ResumableLoader, Sampler, torch.Generator)):
+            elif not _stateful(obj) and has_epoch(obj):
+                obj = SamplerEpoch(obj)
+            if isinstance(obj, (DataLoader, ResumableLoader, Sampler, SamplerEpoch, torch.Generator)):
                 local.add(name)
             if not (_stateful(obj) or isinstance(obj, torch.Generator)):
                 raise TypeError(
                     f"TrainState({name}=...) needs an object with state_dict() and load_state_dict(), "
-                    f"got {type(obj).__name__}"
+                    f"or a sampler with set_epoch() and an epoch, got {type(obj).__name__}"
                 )
             objects[name] = obj
         self._objects = objects
@@ -81,7 +85,8 @@ class TrainState:
     def __getattr__(self, name: str) -> Any:
         objects = self.__dict__.get("_objects", {})
         if name in objects:
-            return objects[name]
+            obj = objects[name]
+            return obj.sampler if isinstance(obj, SamplerEpoch) else obj
         raise AttributeError(f"TrainState has no {name!r}; it holds {', '.join(objects) or 'nothing'}")
 
     def __repr__(self) -> str:

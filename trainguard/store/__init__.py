@@ -5,6 +5,7 @@ from trainguard.store._codec import (
     MODES,
     PHASES,
     REACHED,
+    REPLAYS_DIR,
     SCHEMA_VERSION,
     TAINTS,
     dumps,
@@ -12,6 +13,8 @@ from trainguard.store._codec import (
     to_plain_json,
 )
 from trainguard.store._findings import SEVERITIES, Finding, sort_findings
+from trainguard.store._ranked import RankedRun
+from trainguard.store._ranks import default_name, is_collective, process_rank, rank_dir
 from trainguard.store._reader import Run, short_op
 from trainguard.store._runs import find_runs, open_run
 from trainguard.store._writer import ExecBatch, RunWriter, acquire_writer, is_user_file, release_writer
@@ -21,19 +24,25 @@ __all__ = [
     "MODE_FIELDS",
     "PHASES",
     "REACHED",
+    "REPLAYS_DIR",
     "SCHEMA_VERSION",
     "SEVERITIES",
     "TAINTS",
     "ExecBatch",
     "Finding",
+    "RankedRun",
     "Run",
     "RunWriter",
     "acquire_writer",
+    "default_name",
     "dumps",
     "find_runs",
+    "is_collective",
     "is_user_file",
     "loads",
     "open_run",
+    "process_rank",
+    "rank_dir",
     "release_writer",
     "short_op",
     "sort_findings",

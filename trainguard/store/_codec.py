@@ -18,6 +18,8 @@ SCHEMA_VERSION = 3
 # keeps exactly ``buffer``.
 EVICTION_SLACK = 10_000
 DB_NAME = "run.sqlite"
+# A run may hold runs of its own here: the guard records each replayed step as one.
+REPLAYS_DIR = "replays"
 # Beside the database, one per sink: where a sink that can no longer write the database says
 # why and how much it did not store (reserved when the sink starts, so a full disk has room).
 WRITER_STATUS_PREFIX = DB_NAME + "-writer-"

@@ -6,23 +6,25 @@ import os
 from pathlib import Path
 
 from trainguard._errors import RunNotFound
-from trainguard.store._codec import DB_NAME
+from trainguard.store._codec import DB_NAME, REPLAYS_DIR
+from trainguard.store._ranked import RankedRun
 from trainguard.store._reader import Run
 
 
 def find_runs(root: str | os.PathLike, max_depth: int = 4) -> list[Path]:
-    """Run directories under ``root`` (itself included), sorted by path."""
+    """Run directories under ``root`` (itself included, and the runs in a run's ``replays/``),
+    sorted by path."""
     root = Path(root)
     found: list[Path] = []
     if not root.is_dir():
         return found
 
     def walk(d: Path, depth: int) -> None:
-        if (d / DB_NAME).is_file():
+        if (d / DB_NAME).is_file() or _rank_dirs(d):
             found.append(d)
-            return
-        if _rank_dirs(d):
-            found.append(d)
+            replays = d / REPLAYS_DIR
+            if replays.is_dir() and not replays.is_symlink() and depth < max_depth:
+                walk(replays, depth + 1)
             return
         if depth >= max_depth:
             return
@@ -46,7 +48,10 @@ def _rank_dirs(d: Path) -> list[Path]:
 
 
 def open_run(logdir: str | os.PathLike, rank: int | None = None) -> Run:
-    """Open a recorded run for reading. Raises RunNotFound, CorruptRun or SchemaTooNew."""
+    """Open a recorded run for reading. Raises RunNotFound, CorruptRun or SchemaTooNew.
+
+    A run written by several ranks (``logdir/rank-K``) opens as a :class:`RankedRun` that reads
+    as rank ``rank`` (default: the first) and merges the others."""
     path = Path(logdir)
     if not path.exists():
         raise RunNotFound(f"no such run directory: {str(path)!r}")
@@ -63,7 +68,7 @@ def open_run(logdir: str | os.PathLike, rank: int | None = None) -> Run:
         want = names[0] if rank is None else rank
         if want not in names:
             raise RunNotFound(f"run {str(path)!r} has no rank {want}; ranks: {names}")
-        return Run(path / f"rank-{want}", ranks=names)
+        return RankedRun(path, names, want)
     try:
         empty = not any(path.iterdir())
     except OSError as exc:

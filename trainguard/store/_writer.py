@@ -30,6 +30,7 @@ from typing import Any
 
 from trainguard._errors import TrainguardError
 from trainguard.store._codec import DB_NAME, EVICTION_SLACK, MODE_FIELDS, dumps, encode_float
+from trainguard.store._ranks import process_rank, rank_of_dir, remove_stale_ranks
 from trainguard.store._schema import connect
 
 log = logging.getLogger("trainguard.store")
@@ -153,6 +154,12 @@ class RunWriter:
             else:
                 for suffix in ("", "-wal", "-shm"):
                     Path(str(db) + suffix).unlink(missing_ok=True)
+        if rank_of_dir(self.run_dir) is not None and (self.run_dir.parent / DB_NAME).exists() and not overwrite:
+            # A single-process run there would hide the ranks from every reader.
+            raise TrainguardError(f"logdir {str(self.run_dir.parent)!r} already holds a run; choose a new "
+                                  "logdir or pass overwrite=True")
+        if overwrite and rank_of_dir(self.run_dir) == 0:
+            remove_stale_ranks(self.run_dir.parent)  # a larger job's rank-K must not join this run
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -168,6 +175,9 @@ class RunWriter:
             "buffer": buffer,
             "status": "running",
         }
+        rank, world = process_rank()
+        if world > 1:
+            base.update(rank=rank, world_size=world)
         torch = sys.modules.get("torch")
         if torch is not None:
             base["torch"] = torch.__version__

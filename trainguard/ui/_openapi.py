@@ -99,6 +99,7 @@ _SCHEMAS: dict[str, Any] = {
         {"available": {"type": "boolean"}, "result": {}},
         {"reason": _STR_OR_NULL, "seq": _INT_OR_NULL},
     ),
+    "Ranks": _obj({"available": {"type": "boolean"}, "result": {}}, {"reason": _STR_OR_NULL}),
     "Timeline": _obj(
         {
             "total": {"type": "integer"},
@@ -254,6 +255,14 @@ _SCHEMAS: dict[str, Any] = {
     "Checkpoints": _obj(
         {"available": {"type": "boolean"}, "reason": _STR_OR_NULL, "checkpoints": _arr({"type": "object"})}
     ),
+    "Guard": _obj(
+        {
+            "available": {"type": "boolean"},
+            "meta": {"type": ["object", "null"]},
+            "events": _arr(_obj({"step": {"type": "integer"}, "action": {"type": "string"},
+                                 "message": {"type": "string"}, "replay_run_id": _STR_OR_NULL})),
+        }
+    ),
 }
 
 _ERRORS = {
@@ -326,6 +335,12 @@ _PATHS = {
     "/api/runs/{run}/alerts": _get(
         "Non-finite events counted by op type, with the first of each", "Alerts", [_RUN, _RANK]
     ),
+    "/api/runs/{run}/ranks": _get(
+        "A run of several ranks: every rank's alerts, which rank made the first non-finite value and which "
+        "only received it (from trainguard.analysis)",
+        "Ranks",
+        [_RUN],
+    ),
     "/api/runs/{run}/origin": _get(
         "How the first (or the given) non-finite value was made, from trainguard.analysis",
         "Origin",
@@ -396,6 +411,9 @@ _PATHS = {
     "/api/runs/{run}/doctor": _get("Doctor report and LR range test curve", "Doctor", [_RUN, _RANK]),
     "/api/runs/{run}/checkpoints": _get(
         "Checkpoints in the run's checkpoints/ folder", "Checkpoints", [_RUN, _RANK]
+    ),
+    "/api/runs/{run}/guard": _get(
+        "The guard's events: each rewind with its replay, origin chain and skipped batches", "Guard", [_RUN, _RANK]
     ),
 }
 

@@ -145,6 +145,17 @@ def alerts(reg: Registry, rid: str, rank: int | None = None) -> dict[str, Any]:
         return to_plain_json(cached(h, "alerts", h.run.alerts))
 
 
+def ranks(reg: Registry, rid: str) -> dict[str, Any]:
+    """Every rank's alerts side by side and which rank made the first non-finite value (from the
+    analysis); unavailable, saying why, for a run of one process."""
+    h = reg.handle(rid)
+    with h.lock:
+        refresh(h)
+        if len(h.run.ranks) < 2:
+            return {"available": False, "reason": "this run was written by one process", "result": None}
+        return cached(h, "ranks", lambda: call("trainguard.analysis", "ranks_report", h.run))
+
+
 def origin(reg: Registry, rid: str, seq: int | None = None, rank: int | None = None) -> dict[str, Any]:
     """The walk back from where the first harmful value became harmful (or from ``seq``) to
     where it was made (from the analysis)."""

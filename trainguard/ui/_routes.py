@@ -91,6 +91,10 @@ def alerts(reg: Registry, request: Request) -> dict:
     return data.alerts(reg, _run(request), _rank(request))
 
 
+def ranks(reg: Registry, request: Request) -> dict:
+    return data.ranks(reg, _run(request))
+
+
 def origin(reg: Registry, request: Request) -> dict:
     return data.origin(reg, _run(request), _int(request, "seq"), _rank(request))
 
@@ -175,6 +179,10 @@ def checkpoints(reg: Registry, request: Request) -> dict:
     return training.checkpoints(reg, _run(request), _rank(request))
 
 
+def guard(reg: Registry, request: Request) -> dict:
+    return training.guard(reg, _run(request), _rank(request))
+
+
 def openapi(reg: Registry, request: Request) -> dict:
     return openapi_schema()
 
@@ -185,6 +193,7 @@ ROUTES = [
     Route("/api/runs", _json(runs)),
     Route("/api/runs/{run}", _json(run_summary)),
     Route("/api/runs/{run}/alerts", _json(alerts)),
+    Route("/api/runs/{run}/ranks", _json(ranks)),
     Route("/api/runs/{run}/origin", _json(origin)),
     Route("/api/runs/{run}/timeline", _json(timeline)),
     Route("/api/runs/{run}/executions", _json(executions)),
@@ -201,4 +210,5 @@ ROUTES = [
     Route("/api/runs/{run}/artifacts/{name:path}", _json(artifact)),
     Route("/api/runs/{run}/doctor", _json(doctor)),
     Route("/api/runs/{run}/checkpoints", _json(checkpoints)),
+    Route("/api/runs/{run}/guard", _json(guard)),
 ]

@@ -9,10 +9,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from trainguard.store import to_plain_json
+from trainguard.store import REPLAYS_DIR, to_plain_json
 from trainguard.ui._optional import call, jsonable
 from trainguard.ui._provider import CHECKPOINT_DIR, DOCTOR_DIR, cached, refresh
 from trainguard.ui._registry import Registry, RunHandle, safe_file
+
+# The source of the findings the guard stores, one per event (see trainguard.guard).
+GUARD_SOURCE = "guard"
 
 # A scalar series longer than this is reduced to per-bucket min and max: a chart is a few
 # thousand pixels wide, and a 100k-step run must still draw at once.
@@ -136,6 +139,9 @@ def findings(reg: Registry, rid: str, rank: int | None = None) -> dict[str, Any]
         diag = cached(h, "diagnose", lambda: call("trainguard.analysis", "diagnose", h.run))
         has_scalars = bool(h.run.scalar_names())
     items = [dict(f, origin="stored") for f in jsonable(stored)]
+    # The guard's events have a card of their own; they still count for the verdict.
+    guard_items = [f for f in items if f.get("source") == GUARD_SOURCE]
+    items = [f for f in items if f.get("source") != GUARD_SOURCE]
     if diag["available"]:
         result = diag["result"]
         if isinstance(result, dict):
@@ -148,10 +154,11 @@ def findings(reg: Registry, rid: str, rank: int | None = None) -> dict[str, Any]
         items = [f for f in items if f.get("kind") != "healthy"]
     order = {"critical": 0, "error": 1, "warning": 2, "info": 3}
     items.sort(key=lambda f: (order.get(f.get("severity"), 4), _first_step(f)))
+    judged = sorted(items + guard_items, key=lambda f: (order.get(f.get("severity"), 4), _first_step(f)))
     return to_plain_json(
         {
             "findings": items,
-            "verdict": _verdict(items, has_scalars),
+            "verdict": _verdict(judged, has_scalars),
             "diagnosis": {"available": diag["available"], "reason": diag.get("reason")},
         }
     )
@@ -311,3 +318,19 @@ def checkpoints(reg: Registry, rid: str, rank: int | None = None) -> dict[str, A
         return {"available": False, "reason": ans["reason"], "checkpoints": []}
     items = ans["result"] if isinstance(ans["result"], list) else []
     return to_plain_json({"available": True, "reason": None, "checkpoints": items})
+
+
+def guard(reg: Registry, rid: str, rank: int | None = None) -> dict[str, Any]:
+    """The guard's settings and events, each with the id of the run that recorded its replay."""
+    h = reg.handle(rid, rank)
+    with h.lock:
+        refresh(h)
+        meta = h.run.meta.get("guard")
+        events = [f["event"] for f in h.run.findings(source=GUARD_SOURCE) if isinstance(f.get("event"), dict)]
+    ids = {path.resolve(): i for i, path in reg.scan().items()}
+    for e in events:
+        rel = (e.get("replay") or {}).get("run")
+        e["replay_run_id"] = None
+        if isinstance(rel, str) and rel.split("/", 1)[0] == REPLAYS_DIR and ".." not in rel.split("/"):
+            e["replay_run_id"] = ids.get((h.path / rel).resolve())
+    return to_plain_json({"available": meta is not None or bool(events), "meta": meta, "events": events})

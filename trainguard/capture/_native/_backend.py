@@ -158,8 +158,10 @@ class NativeBackend:
             records += later
         return records, deferred, pins, resend, counts, meta
 
-    def on_read(self, t) -> None:
-        """The program reads ``t`` (capture/_reads.py): a sink for a pending inf it holds."""
+    def on_sink(self, t, reason: str) -> None:
+        """``t`` reached a sink from outside an op: the program reads it (``read``,
+        capture/_reads.py) or ``backward()`` runs from it (``loss``): a pending inf it holds
+        becomes harmful."""
         p = self.core.producer_of(t)
         if p is None or p[1] == 0:
             return  # not made by a recorded op, or finite: never pending (see _taint.RULES)
@@ -168,7 +170,7 @@ class NativeBackend:
             rec.flush()  # everything recorded before the read is judged first
             if not rec.judge_here or not rec.taint.states:
                 return
-            state = rec.taint.reached(p[0], _clock.step, "read")
+            state = rec.taint.reached(p[0], _clock.step, reason)
         rec._reached(state, p[0])
 
     def counts(self) -> dict:

@@ -35,24 +35,29 @@ export async function api(path, params = {}) {
 /** URL-safe run id: ids never contain "/", but may contain spaces or ":". */
 export const runPath = (id) => `/api/runs/${encodeURIComponent(id)}`;
 
-export function runApi(id) {
+/** The API of one run; ``rank`` picks one rank of a multi-rank run (null: the server's default). */
+export function runApi(id, rank = null) {
   const p = runPath(id);
+  const r = rank === null || rank === undefined ? {} : { rank };
+  const q = r.rank !== undefined ? `?rank=${r.rank}` : "";
   return {
-    summary: () => api(p),
-    alerts: () => api(`${p}/alerts`),
-    origin: (seq) => api(`${p}/origin`, { seq }),
-    timeline: () => api(`${p}/timeline`),
-    executions: (begin, end, filters = {}) => api(`${p}/executions`, { begin, end, ...filters }),
-    execution: (seq) => api(`${p}/executions/${seq}`),
-    position: (seq, filters = {}) => api(`${p}/executions/${seq}/position`, filters),
-    source: (fileId) => api(`${p}/sources/${fileId}`),
-    ops: () => api(`${p}/ops`),
-    scalars: () => api(`${p}/scalars`),
-    layerStats: (kind, stat) => api(`${p}/layer_stats`, { kind, stat }),
-    findings: () => api(`${p}/findings`),
-    artifacts: () => api(`${p}/artifacts`),
-    artifactUrl: (name) => `${p}/artifacts/${name.split("/").map(encodeURIComponent).join("/")}`,
-    doctor: () => api(`${p}/doctor`),
-    checkpoints: () => api(`${p}/checkpoints`),
+    summary: () => api(p, r),
+    alerts: () => api(`${p}/alerts`, r),
+    ranks: () => api(`${p}/ranks`),
+    origin: (seq) => api(`${p}/origin`, { seq, ...r }),
+    timeline: () => api(`${p}/timeline`, r),
+    executions: (begin, end, filters = {}) => api(`${p}/executions`, { begin, end, ...filters, ...r }),
+    execution: (seq) => api(`${p}/executions/${seq}`, r),
+    position: (seq, filters = {}) => api(`${p}/executions/${seq}/position`, { ...filters, ...r }),
+    source: (fileId) => api(`${p}/sources/${fileId}`, r),
+    ops: () => api(`${p}/ops`, r),
+    scalars: () => api(`${p}/scalars`, r),
+    layerStats: (kind, stat) => api(`${p}/layer_stats`, { kind, stat, ...r }),
+    findings: () => api(`${p}/findings`, r),
+    artifacts: () => api(`${p}/artifacts`, r),
+    artifactUrl: (name) => `${p}/artifacts/${name.split("/").map(encodeURIComponent).join("/")}${q}`,
+    doctor: () => api(`${p}/doctor`, r),
+    checkpoints: () => api(`${p}/checkpoints`, r),
+    guard: () => api(`${p}/guard`),
   };
 }

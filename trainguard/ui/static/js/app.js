@@ -1,4 +1,5 @@
-// Entry point: the hash router (#/, #/run/ID/debugger[/SEQ], #/run/ID/training), the run picker,
+// Entry point: the hash router (#/, #/run/ID/debugger[/SEQ], #/run/ID/training, each with ?rank=K
+// for one rank of a multi-rank run), the run picker,
 // live polling of a run that is still being written, and the pages for missing or damaged runs.
 
 import { api, runApi } from "./api.js";
@@ -22,16 +23,20 @@ const el = {
 const state = { runs: [], route: null, view: null, summary: null, poll: null, opening: null };
 
 function parseHash() {
-  const parts = window.location.hash.replace(/^#\/?/, "").split("/");
+  const [path, query] = window.location.hash.replace(/^#\/?/, "").split("?");
+  const parts = path.split("/");
+  const rankText = new URLSearchParams(query || "").get("rank");
+  const rank = rankText !== null && /^\d+$/.test(rankText) ? Number(rankText) : null;
   if (parts[0] === "run" && parts[1]) {
     const seq = parts[3] !== undefined && parts[3] !== "" ? Number(parts[3]) : null;
-    return { runId: decodeURIComponent(parts[1]), view: parts[2] === "training" ? "training" : "debugger", seq };
+    return { runId: decodeURIComponent(parts[1]), view: parts[2] === "training" ? "training" : "debugger", seq, rank };
   }
-  return { runId: null, view: "runs", seq: null };
+  return { runId: null, view: "runs", seq: null, rank: null };
 }
 
-function hashFor(runId, view, seq) {
-  return `#/run/${encodeURIComponent(runId)}/${view}${seq !== null && seq !== undefined ? `/${seq}` : ""}`;
+function hashFor(runId, view, seq, rank = null) {
+  const tail = seq !== null && seq !== undefined ? `/${seq}` : "";
+  return `#/run/${encodeURIComponent(runId)}/${view}${tail}${rank !== null && rank !== undefined ? `?rank=${rank}` : ""}`;
 }
 
 function setStatus(text, cls) {
@@ -62,7 +67,8 @@ function renderPicker() {
   const current = state.route && state.route.runId;
   const options = [h("option", { value: "" }, state.runs.length ? "— all runs —" : "— no runs —")];
   for (const r of state.runs) {
-    const label = `${r.path || r.name}${r.ok ? (r.status !== "finished" ? ` (${r.status})` : "") : " (damaged)"}`;
+    const ranks = r.ok && r.ranks && r.ranks.length > 1 ? ` (${r.ranks.length} ranks)` : "";
+    const label = `${r.path || r.name}${ranks}${r.ok ? (r.status !== "finished" ? ` (${r.status})` : "") : " (damaged)"}`;
     options.push(h("option", { value: r.id, selected: r.id === current }, label));
   }
   if (current && !state.runs.some((r) => r.id === current)) options.push(h("option", { value: current, selected: true }, `${current} (not found)`));
@@ -80,7 +86,7 @@ function renderTabs() {
   for (const [name, a] of Object.entries(el.tabs)) {
     a.classList.toggle("active", r.view === name);
     a.classList.toggle("disabled", !r.runId);
-    if (r.runId) a.href = hashFor(r.runId, name);
+    if (r.runId) a.href = hashFor(r.runId, name, null, r.rank);
     else a.removeAttribute("href");
   }
 }
@@ -132,7 +138,7 @@ async function poll() {
   const runId = state.route && state.route.runId;
   if (!view || !runId) return;
   try {
-    const s = await runApi(runId).summary();
+    const s = await runApi(runId, state.route.rank).summary();
     if (view !== state.view) return;
     if (s.revision !== state.summary.revision) {
       state.summary = s;
@@ -156,7 +162,7 @@ async function route() {
   state.route = r;
   renderTabs();
   renderPicker();
-  if (r.view !== "runs" && prev && state.view && prev.runId === r.runId && prev.view === r.view) {
+  if (r.view !== "runs" && prev && state.view && prev.runId === r.runId && prev.view === r.view && prev.rank === r.rank) {
     if (r.seq !== null && state.view.select && r.seq !== state.view.seq) state.view.select(r.seq);
     return;
   }
@@ -174,7 +180,7 @@ async function route() {
   clear(el.view, h("div.empty", "Opening the run…"));
   let summary;
   try {
-    summary = await runApi(r.runId).summary();
+    summary = await runApi(r.runId, r.rank).summary();
   } catch (err) {
     runErrorPage(r.runId, err);
     return;
@@ -184,8 +190,19 @@ async function route() {
   renderStatus(summary);
   const View = r.view === "training" ? TrainingView : DebuggerView;
   const view = new View(el.view, r.runId, summary, {
-    onSelect: (seq) => window.history.replaceState(null, "", hashFor(r.runId, r.view, seq)),
+    onSelect: (seq) => window.history.replaceState(null, "", hashFor(r.runId, r.view, seq, r.rank)),
     error: showError,
+    rank: r.rank,
+    // Another rank of the same run (replace: the default rank is a choice the page made, not the user).
+    goRank: (rank, replace) => {
+      const target = hashFor(r.runId, r.view, null, rank);
+      if (!replace) {
+        window.location.hash = target;
+        return;
+      }
+      window.history.replaceState(null, "", target);
+      route();
+    },
   });
   state.view = view;
   try {

@@ -18,7 +18,7 @@ export class DebuggerView {
     this.runId = runId;
     this.summary = summary;
     this.hooks = hooks;
-    this.api = runApi(runId);
+    this.api = runApi(runId, hooks.rank);
     this.seq = null;
     this.filters = {};
   }
@@ -57,6 +57,7 @@ export class DebuggerView {
       this.api.alerts(), this.api.timeline(), this.api.executions(0, 200),
     ]);
     this.alerts.show(alertData);
+    if ((this.summary.ranks || []).length > 1 && (await this.showRanks())) return; // went to another rank
     this.timeline.setSteps(tl);
     this.list.pages.set(0, { begin: 0, items: first.items });
     this.list.setTotal(first.total);
@@ -67,6 +68,28 @@ export class DebuggerView {
     performance.mark("trainguard:debugger-ready"); // read by benchmarks/bench_ui.py
     if (seq !== null && seq !== undefined) await this.select(seq);
     if (alertData.total) this.api.origin().then((o) => this.alerts.showOrigin(o), () => {});
+  }
+
+  /** Every rank's alerts above this rank's; true when the page moves on to the rank that made the
+   *  first non-finite value (opened without a rank, like `trainguard report`). */
+  async showRanks() {
+    let ans;
+    try {
+      ans = await this.api.ranks();
+    } catch (err) {
+      this.hooks.error(err);
+      return false;
+    }
+    const report = ans && ans.available ? ans.result : null;
+    if (!report) return false;
+    const current = this.hooks.rank !== null && this.hooks.rank !== undefined ? this.hooks.rank : this.summary.ranks[0];
+    if ((this.hooks.rank === null || this.hooks.rank === undefined) && report.first_rank !== null
+        && report.first_rank !== current) {
+      this.hooks.goRank(report.first_rank, true);
+      return true;
+    }
+    this.alerts.showRanks(report, current, (rank) => this.hooks.goRank(rank, false));
+    return false;
   }
 
   filterBar() {

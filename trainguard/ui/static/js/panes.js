@@ -2,6 +2,15 @@
 
 import { h, clear, fmt, opName, basename, healthClass, summaryBadges, outputText } from "./util.js";
 
+/** The headline with each file named by its base name, as the panes show files. */
+function shortPaths(report) {
+  let text = report.headline;
+  for (const p of report.per_rank) {
+    if (p.first && p.first.file) text = text.split(p.first.file).join(basename(p.first.file));
+  }
+  return text;
+}
+
 /** "3,840 intended -inf from masked_fill, absorbed by softmax" (the report says the same). */
 function intendedText(g) {
   const n = g.values ? fmt(g.values) : `${fmt(g.executions)} tensors of`;
@@ -26,7 +35,7 @@ export class AlertsPane {
     // Intended infinities (masks absorbed by softmax, sentinels) are a count, never an alert.
     const quiet = (alerts.intended || []).map((g) => h("div.small.muted.intended", intendedText(g)));
     if (!alerts.total) {
-      clear(this.body, h("div.alert-ok", "No harmful NaN or Inf."), quiet, this.originBox);
+      clear(this.body, this.ranksBox || null, h("div.alert-ok", "No harmful NaN or Inf."), quiet, this.originBox);
       return;
     }
     const total = h("div.alert-total#alert-nonfinite", {
@@ -41,7 +50,27 @@ export class AlertsPane {
       h("span", opName(a.op)), h("span.n", `×${fmt(a.count)}`));
       return row;
     });
-    clear(this.body, total, this.originBox, h("div.g-label", "by op type (first one first)"), byOp, quiet);
+    clear(this.body, this.ranksBox || null, total, this.originBox, h("div.g-label", "by op type (first one first)"), byOp, quiet);
+  }
+
+  /** A multi-rank run: the first line (which rank made it, which received it) and a row per rank. */
+  showRanks(report, current, onRank) {
+    const rows = report.per_rank.map((p) => {
+      const f = p.first;
+      const how = !f ? "" : f.received_via ? "received" : p.rank === report.first_rank ? "made · first" : "made";
+      const via = f && f.received_via ? ` · through ${opName(f.received_via.op)}` : "";
+      return h(`div.rank-row${p.rank === current ? ".active" : ""}`, {
+        role: "button", tabindex: "0", dataset: { rank: p.rank },
+        title: f ? `step ${f.step}: ${f.op}${f.file ? ` at ${basename(f.file)}:${f.line}` : ""}` : "no NaN or Inf",
+        on: { click: () => onRank(p.rank), keydown: (e) => { if (e.key === "Enter") onRank(p.rank); } },
+      }, h("span.r", `rank ${p.rank}`), h("span.n", p.alerts.total ? `${fmt(p.alerts.total)} NaN/∞` : "clean"),
+      h("span.small.how", how),
+      f ? h("span.small.first", `step ${f.step} · ${opName(f.op)}${f.file ? ` · ${basename(f.file)}:${f.line}` : ""}${via}`) : null);
+    });
+    this.ranksBox = h("div.ranks#ranks",
+      h("div.rank-headline#rank-headline", report.headline ? `${shortPaths(report)}.` : `No harmful NaN or Inf on any of the ${report.ranks.length} ranks.`),
+      rows);
+    this.body.prepend(this.ranksBox);
   }
 
   pick(node, seq) {

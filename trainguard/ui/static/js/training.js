@@ -1,6 +1,6 @@
-// The training view: loss curve and verdict, other per-step scalars, the per-layer heatmap,
-// findings, the doctor's LR range test and the checkpoints. Each card says plainly when the run
-// holds nothing for it.
+// The training view: loss curve and verdict, the guard's rewinds, other per-step scalars, the
+// per-layer heatmap, findings, the doctor's LR range test and the checkpoints. Each card says
+// plainly when the run holds nothing for it.
 
 import { h, clear, fmt, fmtBytes, fmtTime, num, debounce } from "./util.js";
 import { runApi } from "./api.js";
@@ -27,13 +27,45 @@ function empty(text) {
   return h("div.empty", text);
 }
 
+const STOPPED = new Set(["stop", "code_bug", "max_rewinds"]);
+
+function where(link) {
+  return link.file ? `${link.file.split("/").slice(-2).join("/")}:${link.line}` : "(no user frame)";
+}
+
+/** One rewind: what failed, the replay, the origin chain, the skipped batches, what followed. */
+function guardEvent(e) {
+  const rp = e.replay || {};
+  const replay = [`rewound to step ${fmt(e.rewound_to)} (${e.rewound_from})`];
+  if (rp.steps) replay.push(`replayed ${rp.steps} step${rp.steps === 1 ? "" : "s"}`);
+  if (rp.bitwise_equal === true) replay.push("losses bitwise equal");
+  if (rp.bitwise_equal === false) replay.push(`losses differ from step ${rp.mismatch.step}`);
+  if (rp.reproduced === false) replay.push("the fault did not reproduce");
+  const o = e.origin;
+  const skipped = e.skipped || [];
+  return h("div.guard-event", { dataset: { step: e.step, action: e.action } },
+    h("div", h("span.sev", { class: STOPPED.has(e.action) ? "error" : "warning" }, STOPPED.has(e.action) ? "stopped" : e.action),
+      h("span.title", `step ${fmt(e.step)}: ${e.reason}`)),
+    e.replay ? h("div.where", replay.join(" · "),
+      e.replay_run_id ? [" · ", h("a.link.replay-link", { href: `#/run/${encodeURIComponent(e.replay_run_id)}/debugger` },
+        "open the replayed step in the debugger")] : null) : null,
+    o ? h("div.origin", h("b", "origin: "), h("code", `${o.origin.op} at ${where(o.origin)}`), ` — ${o.origin.explanation}`) : null,
+    o && o.chain.length > 1 ? h("ol.chain", o.chain.map((c) => h("li", h("code", `#${c.seq} ${c.op} at ${where(c)}`), ` ${c.explanation}`))) : null,
+    skipped.length ? h("table.grid.skipped",
+      h("tr", h("th", "skipped batch"), h("th", "epoch"), h("th", "index"), h("th", "samples")),
+      skipped.map((b) => h("tr", h("td", fmt(b.batch)), h("td", fmt(b.epoch)), h("td", fmt(b.index)),
+        h("td.wrap", b.samples ? b.samples.join(", ") : "the loader does not say")))) : null,
+    h("div.outcome", e.outcome),
+    o && o.suggestion ? h("div.fix", h("b", "Suggested fix: "), o.suggestion) : null);
+}
+
 export class TrainingView {
   constructor(root, runId, summary, hooks) {
     this.root = root;
     this.runId = runId;
     this.summary = summary;
     this.hooks = hooks;
-    this.api = runApi(runId);
+    this.api = runApi(runId, hooks.rank);
     this.stat = null;
   }
 
@@ -46,11 +78,13 @@ export class TrainingView {
     this.findings = card("c-findings", "Findings");
     this.lr = card("c-lr", "Learning-rate range test");
     this.ckpt = card("c-ckpt", "Checkpoints");
-    clear(this.root, h("div.training#training", this.verdict, this.loss, this.scalars,
+    this.guard = card("c-guard", "Guard: rewinds and replays");
+    clear(this.root, h("div.training#training", this.verdict, this.guard, this.loss, this.scalars,
       h("div.col-left", this.layers, this.lr, this.ckpt), this.findings));
     this.resize = new ResizeObserver(debounce(() => this.redraw(), 150));
     this.resize.observe(this.root);
-    await Promise.all([this.loadScalars(), this.loadLayers(), this.loadFindings(), this.loadDoctor(), this.loadCheckpoints()]
+    await Promise.all([this.loadScalars(), this.loadLayers(), this.loadFindings(), this.loadDoctor(), this.loadCheckpoints(),
+      this.loadGuard()]
       .map((p) => p.catch((err) => this.hooks.error(err))));
     document.body.dataset.ready = "training";
     performance.mark("trainguard:training-ready"); // read by benchmarks/bench_ui.py
@@ -62,7 +96,7 @@ export class TrainingView {
 
   async refresh(summary) {
     this.summary = summary;
-    await Promise.all([this.loadScalars(), this.loadLayers(this.stat), this.loadFindings(), this.loadCheckpoints()]
+    await Promise.all([this.loadScalars(), this.loadLayers(this.stat), this.loadFindings(), this.loadCheckpoints(), this.loadGuard()]
       .map((p) => p.catch((err) => this.hooks.error(err))));
   }
 
@@ -189,6 +223,23 @@ export class TrainingView {
       parts.unshift(h("div", "Suggested learning rate: ", h("b", fmt(d.lr_suggestion))));
     }
     clear(this.lr.content, parts);
+  }
+
+  async loadGuard() {
+    const d = await this.api.guard();
+    if (!d.available) {
+      clear(this.guard.content, empty("No guard watched this run. tg.Guard(logdir) with ckpt.resume(..., guard=guard) and loop.batches(), or `trainguard run --guard script.py`, rewinds and replays a step that goes NaN."));
+      return;
+    }
+    const m = d.meta || {};
+    const head = h("div.small.muted", [`policy ${m.policy}`, `a snapshot every ${m.snapshot_every} steps`,
+      m.snapshot_bytes ? `${fmtBytes(m.snapshot_bytes)} of host memory` : null,
+      m.spike_factor ? `spike factor ${m.spike_factor}` : null, `status ${m.status}`].filter(Boolean).join(" · "));
+    if (!d.events.length) {
+      clear(this.guard.content, head, empty("The guard saw no NaN, Inf or spike: nothing was rewound."));
+      return;
+    }
+    clear(this.guard.content, head, d.events.map((e) => guardEvent(e)));
   }
 
   async loadCheckpoints() {

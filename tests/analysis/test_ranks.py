@@ -1,0 +1,85 @@
+"""A run of two ranks read as one: ranks, the merged timeline, alerts side by side, and which rank
+made the first non-finite value and which only received it (the run: tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard.analysis import ranks_report
+from trainguard.cli import main
+
+
+def test_open_gives_every_rank_and_reads_as_the_first(two_ranks):
+    with tg.open(two_ranks.root) as run:
+        assert run.ranks == [0, 1] and run.rank == 0
+        assert run.path == two_ranks.root / "rank-0" and run.name == "job"
+        assert run.rank_run(1).path == two_ranks.root / "rank-1"
+        assert run.meta["rank"] == 0 and run.rank_run(1).meta["world_size"] == 2
+        with pytest.raises(tg.RunNotFound, match="no rank 2"):
+            run.rank_run(2)
+    with tg.open(two_ranks.root, rank=1) as run:
+        assert run.rank == 1 and run.count() == run.rank_run(1).count()
+
+
+def test_the_timeline_merges_ranks_by_step_then_rank(two_ranks):
+    with tg.open(two_ranks.root) as run:
+        total = run.rank_run(0).count() + run.rank_run(1).count()
+        assert run.timeline_count() == total
+        everything = run.timeline()
+        assert len(everything) == total
+        keys = [(e["step"], e["rank"], e["seq"]) for e in everything]
+        assert keys == sorted(keys)
+        assert [k[:2] for k in keys][0] == (0, 0) and {k[:2] for k in keys} == {(s, r) for s in range(3) for r in (0, 1)}
+        # Pages are slices of the whole, wherever they cut a (step, rank) block.
+        def ids(rows):
+            return [(e["step"], e["rank"], e["seq"]) for e in rows]
+
+        assert [ids(run.timeline(b, b + 7)) for b in range(0, total, 7)] == [keys[b:b + 7] for b in range(0, total, 7)]
+        bad = run.timeline(health="nonfinite")
+        assert bad and all(e["health"] for e in bad) and run.timeline_count(health="nonfinite") == len(bad)
+        assert [e["rank"] for e in run.timeline(step=1, op="log")] == [1]
+        alerts = run.alerts_by_rank()
+        assert alerts[0]["total"] > 0 and alerts[1]["total"] > 0
+
+
+def test_the_rank_that_made_it_and_the_rank_that_received_it(two_ranks):
+    with tg.open(two_ranks.root) as run:
+        rr = ranks_report(run)
+    assert rr["first_rank"] == 1 and rr["made"] == [1] and rr["received"] == [0]
+    made, received = rr["per_rank"][1]["first"], rr["per_rank"][0]["first"]
+    assert (made["op"], made["step"], made["received_via"]) == ("aten.log", 1, None)
+    assert (made["file"], made["line"]) == (two_ranks.log_file, two_ranks.log_line)
+    via = received["received_via"]
+    assert (via["op"], via["step"]) == ("c10d.allreduce_", 1)
+    assert rr["headline"].startswith("rank 1 first made a -inf in step 1: aten.log at ")
+    assert "rank 0 only received it, through an all-reduce (c10d.allreduce_) in step 1" in rr["headline"]
+
+
+def test_report_leads_with_the_first_rank_and_shows_every_rank(two_ranks, capsys):
+    assert main(["report", str(two_ranks.root)]) == 0
+    out = capsys.readouterr().out
+    first_line = out.splitlines()[0]
+    assert first_line.startswith("rank 1 first made a -inf in step 1: aten.log at ")
+    assert "rank 0 only received it" in first_line
+    assert "(rank 1 of 2)" in out  # the details are those of the rank that made it
+    assert "alerts per rank" in out and "received: c10d.allreduce_" in out and "made (first)" in out
+    assert main(["report", str(two_ranks.root), "--rank", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "(rank 0 of 2)" in out and out.splitlines()[0].startswith("rank 1 first made")
+    assert "came from another rank" in " ".join(out.replace("│", " ").split())  # rank 0's own origin says so
+    assert main(["report", str(two_ranks.root), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["rank"] == 1 and rep["ranks"]["first_rank"] == 1 and rep["origin"]["origin"]["op"] == "aten.log"
+
+
+def test_a_single_process_run_has_no_ranks_section(tmp_path, capsys):
+    with tg.record(tmp_path / "one"):
+        torch.log(torch.zeros(2))
+    with tg.open(tmp_path / "one") as run:
+        assert ranks_report(run) is None and run.ranks == []
+    assert main(["report", str(tmp_path / "one")]) == 0
+    assert "alerts per rank" not in capsys.readouterr().out

@@ -1,0 +1,108 @@
+"""``trainguard run --guard`` on an unmodified script that uses ckpt.resume(); the report lists the
+guard's events with their origin and skipped batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent('''
+    import sys
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    import trainguard as tg
+
+    BUG = "--bug" in sys.argv
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.fc(torch.cat([x, x.pow(2)], dim=-1))  # POW
+
+    torch.manual_seed(0)
+    x, y = torch.randn(160, 4), torch.randn(160, 1)
+    x[120:124] = 1e20  # batch 30
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=4))
+    loop = tg.CheckpointManager(sys.argv[1], every_steps=20).resume(state, total_steps=40)
+    for step, (xb, yb) in loop.batches():
+        out = model(xb)
+        loss = torch.nn.functional.mse_loss(out, yb)
+        if BUG and step >= 10:
+            loss = loss - torch.log(torch.zeros(()))  # LOG
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print("done", state.step, bool(all(torch.isfinite(p).all() for p in model.parameters())))
+''')
+
+
+def trainguard(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="200")  # rich wraps at the terminal's width
+    return subprocess.run([sys.executable, "-m", "trainguard", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=240, env=env)
+
+
+def line_of(marker: str) -> int:
+    return next(i for i, text in enumerate(SCRIPT.splitlines(), 1) if marker in text)
+
+
+@pytest.mark.timeout(300)
+def test_run_guard_skips_a_poisoned_batch_of_an_unmodified_script(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    r = trainguard("run", "--guard", "--logdir", "runs/g", "train.py", "ckpt", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "done 40 True" in r.stdout and "Traceback" not in r.stderr
+    [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("trainguard: step 30:")]
+    assert "loss is nan; rewound to step 20 (checkpoint); replayed 10 steps (losses bitwise equal)" in line
+    assert f"at train.py:{line_of('POW')} — " in line and line.endswith("skipped batch 30")
+    assert "the guard rewound 1 time(s)" in r.stderr
+
+    rep = trainguard("report", "runs/g", cwd=tmp_path)
+    assert rep.returncode == 0, rep.stderr
+    assert "#1 step 30: loss is nan" in rep.stdout
+    assert "skipped batch 30 (epoch 0, index 30, samples 120, 121, 122, 123)" in rep.stdout
+    assert "trainguard report runs/g/replays/step-30" in rep.stdout
+
+    data = json.loads(trainguard("report", "runs/g", "--json", cwd=tmp_path).stdout)
+    [event] = data["guard"]["events"]
+    assert event["origin"]["origin"]["line"] == line_of("POW") and event["skipped"][0]["samples"] == [120, 121, 122, 123]
+    assert data["guard"]["meta"]["status"] == "finished" and data["findings"] == []
+
+    replay = json.loads(trainguard("report", "runs/g/replays/step-30", "--json", cwd=tmp_path).stdout)
+    assert replay["origin"]["origin"]["op"].startswith("aten.pow") and replay["origin"]["origin"]["step"] == 30
+
+
+@pytest.mark.timeout(300)
+def test_run_guard_stops_a_bug_in_the_code_with_one_line_and_exit_3(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    r = trainguard("run", "--guard", "--logdir", "runs/b", "train.py", "ckpt", "--bug", cwd=tmp_path)
+    assert r.returncode == 3, r.stderr
+    assert "Traceback" not in r.stderr and "done" not in r.stdout
+    assert "trainguard: Diverged at step 10: training stopped" in r.stderr
+    assert f"origin: aten.log at train.py:{line_of('LOG')} — " in r.stderr
+    assert "follows the code, not the data" in r.stderr
+    rep = trainguard("report", "runs/b", cwd=tmp_path)
+    assert "#2 step 10" in rep.stdout and "status diverged" in rep.stdout
+
+
+def test_guard_options_need_guard_and_exclude_check_numerics(tmp_path):
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    r = trainguard("run", "--policy", "stop", "train.py", cwd=tmp_path)
+    assert r.returncode == 2 and "need --guard" in r.stderr and "Traceback" not in r.stderr
+    r = trainguard("run", "--guard", "--check-numerics", "train.py", cwd=tmp_path)
+    assert r.returncode == 2 and "choose one of --guard and --check-numerics" in r.stderr
+    r = trainguard("run", "--guard", "--snapshot-every", "0", "train.py", cwd=tmp_path)
+    assert r.returncode == 2 and "snapshot_every must be" in r.stderr
+    r = trainguard("run", "--guard", "--logdir", "runs/x", "train.py", cwd=tmp_path)
+    assert r.returncode == 0 and "nothing was guarded" in r.stderr

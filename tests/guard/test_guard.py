@@ -1,0 +1,380 @@
+"""The guard end to end on a tiny model: a poisoned batch, a bug in the code, a loss spike, the
+policies, exactness of the replay and of a run without faults."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.store import open_run
+
+from .conftest import BS, PolyNet, assert_bitwise, finite, line_of, make_data, make_state, params, train
+
+THIS = Path(__file__).with_name("conftest.py").resolve()
+
+
+def test_a_poisoned_batch_is_replayed_named_and_skipped(tmp_path, caplog):
+    state = make_state(make_data(120, poison_batch=60))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=50)
+    with caplog.at_level(logging.WARNING, logger="trainguard.guard"):
+        seen = train(guard.batches(state, total_steps=120), state)
+    assert state.step == 120 and finite(state)
+    # read one step late: step 61 ran before the rewind to 50; steps 50-59 replayed, 60 recorded,
+    # then step 60 again with the next batch
+    assert seen == list(range(62)) + list(range(50, 61)) + list(range(60, 120))
+    [event] = guard.events
+    assert event["action"] == "skip" and event["trigger"] == "nonfinite_loss" and event["step"] == 60
+    assert event["skipped"] == [{"epoch": 0, "index": 60, "batch": 60, "samples": list(range(60 * BS, 61 * BS))}]
+    assert event["rewound_to"] == 50 and event["replay"]["steps"] == 10
+    assert event["replay"]["bitwise_equal"] is True and event["replay"]["compared"] == 10
+    link = event["origin"]["origin"]
+    assert link["op"].startswith("aten.pow") and Path(link["file"]).resolve() == THIS
+    assert link["line"] == line_of("POW_LINE") and link["step"] == 60 and link["phase"] == "forward"
+    # the one line a user sees
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert line.startswith("trainguard: step 60: loss is nan; rewound to step 50; replayed 10 steps")
+    assert f"origin: {link['op']} at " in line and f":{line_of('POW_LINE')} — " in line
+    assert line.endswith("skipped batch 60")
+    # the run: the event with its origin, and the replayed step recorded in full
+    with open_run(tmp_path / "run") as run:
+        [stored] = run.findings(source="guard")
+        assert stored["kind"] == "guard_rewind" and stored["severity"] == "warning"
+        assert stored["event"]["skipped"][0]["samples"] == list(range(240, 244))
+        assert run.meta["guard"]["status"] == "finished" and run.meta["guard"]["rewinds"] == 1
+        assert run.meta["guard"]["snapshot_bytes"] > 0
+    with open_run(tmp_path / "run" / "replays" / "step-60") as replay:
+        assert replay.meta["mode"] == "full_health"
+        assert {s["step"] for s in replay.steps()} == {60}
+        assert replay.count(phase="forward") and replay.count(phase="backward") and replay.count(phase="optimizer")
+
+
+def test_the_same_run_unguarded_goes_nan():
+    from trainguard.resilience import ResumeLoop
+
+    state = make_state(make_data(120, poison_batch=60))
+
+    train(ResumeLoop(None, state, total_steps=120, epochs=None, delete_on_success=False,
+                     handle_signals=False).batches(), state)
+    assert state.step == 120 and not finite(state)
+
+
+def skip_reference(data, total_steps: int, bad, **kw):
+    """The unguarded loop that leaves out the batches ``bad(x)`` picks, by hand."""
+    state = make_state(data, **kw)
+    it, done = None, 0
+    while done < total_steps:
+        if it is None:
+            it = iter(state.loader)
+        try:
+            x, y = next(it)
+        except StopIteration:
+            state.epoch += 1
+            it = iter(state.loader)
+            x, y = next(it)
+        if bad(x):
+            continue
+        loss = nn.functional.mse_loss(state.model(x), y)
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+        state.scheduler.step()
+        done += 1
+    return state
+
+
+@pytest.mark.timeout(240)
+def test_replay_is_exact_with_dropout_and_a_shuffled_two_worker_loader(tmp_path):
+    data = make_data(44, poison_sample=77)
+    kw = {"dropout": 0.3, "shuffle": True, "num_workers": 2}
+    state = make_state(data, **kw)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=8)
+    train(guard.batches(state, total_steps=40), state)
+    [event] = guard.events
+    assert event["replay"]["bitwise_equal"] is True and event["replay"]["compared"] >= 1
+    assert 77 in event["skipped"][0]["samples"]
+    # the guarded run equals, bitwise, the plain run that never trained on that batch
+    ref = skip_reference(data, 40, lambda x: bool((x.abs() > 1e19).any()), **kw)
+    assert_bitwise(params(ref), params(state))
+
+
+def test_a_run_without_faults_is_bitwise_equal_to_the_unguarded_run(tmp_path):
+    from trainguard.resilience import ResumeLoop
+
+    data = make_data(30)
+    plain = make_state(data, dropout=0.3, shuffle=True)
+    log_plain: list = []
+    train(ResumeLoop(None, plain, total_steps=70, epochs=None, delete_on_success=False,
+                     handle_signals=False).batches(), plain, log=log_plain)
+    rng_plain = torch.get_rng_state()
+    guarded = make_state(data, dropout=0.3, shuffle=True)
+    log_guarded: list = []
+    guard = tg.Guard(tmp_path / "run", snapshot_every=7, spike_factor=50)
+    train(guard.batches(guarded, total_steps=70), guarded, log=log_guarded)
+    assert guard.events == [] and guard.snapshot_bytes == 0  # released at the end
+    assert log_plain == log_guarded
+    assert_bitwise(params(plain), params(guarded))
+    assert plain.optimizer.state_dict()["state"][0]["exp_avg"].equal(guarded.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert torch.get_rng_state().equal(rng_plain)  # the guard drew no random numbers
+
+
+def masked_probs_bug(out, y, step):
+    """A classifier loss with a bug from step 30 on: a mask meant for the logits is applied to the
+    probabilities, so one class's probability is an exact 0 and its log -inf, on every batch."""
+    probs = torch.softmax(torch.cat([out, -out], dim=1), dim=1)
+    if step >= 30:
+        probs = probs * torch.tensor([1.0, 0.0])
+    onehot = nn.functional.one_hot((y[:, 0] > 0).long(), 2).float()
+    return -(onehot * torch.log(probs)).sum(dim=1).mean()  # LOG_LINE
+
+
+def test_a_bug_in_the_code_stops_with_diverged_naming_the_log_line(tmp_path):
+    state = make_state(make_data(120))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=50)
+    with pytest.raises(tg.Diverged) as info:
+        train(guard.batches(state, total_steps=120), state, loss_fn=masked_probs_bug)
+    err = info.value
+    assert guard.rewinds <= 2 and err.step == 30
+    assert err.origin.origin.op.startswith("aten.log")
+    assert err.origin.origin.line == line_of("LOG_LINE", masked_probs_bug)
+    assert "follows the code, not the data" in str(err)
+    assert [e["action"] for e in guard.events] == ["skip", "code_bug"]
+    assert state.step == 30 and finite(state)  # left at the verified snapshot before the failing step
+    with open_run(tmp_path / "run") as run:
+        assert [f["kind"] for f in run.findings(source="guard")] == ["guard_rewind", "guard_stop"]
+        assert run.meta["guard"]["status"] == "diverged"
+
+
+class RMSNet(nn.Module):
+    """RMS normalisation without epsilon after a linear layer without bias: a zero input row is
+    finite forward (0 / 1e-8), but the gradient of sqrt at 0 is inf, and 0 * inf is NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8, bias=False)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.fc(x)
+        rms = torch.sqrt(h.pow(2).mean(-1, keepdim=True))  # SQRT_LINE
+        return self.out(h / (rms + 1e-8))
+
+
+def train_with_closure(batches, state, log):
+    """optimizer.step(closure): the forward and backward pass run inside the optimizer's step."""
+    for step, (x, y) in batches:
+        def closure(x=x, y=y):
+            state.optimizer.zero_grad()
+            loss = nn.functional.mse_loss(state.model(x), y)
+            loss.backward()
+            return loss
+
+        log.append((step, state.optimizer.step(closure).item()))
+        state.scheduler.step()
+
+
+@pytest.mark.parametrize("closure", [False, True], ids=["loop", "closure"])
+def test_a_gradient_that_goes_nan_under_a_finite_loss_is_caught(tmp_path, caplog, closure):
+    data = make_data(40)
+    data.tensors[0][30 * BS] = 0.0  # one zero row in batch 30
+    state = make_state(data, model=RMSNet())
+    losses = []
+    guard = tg.Guard(tmp_path / "run", snapshot_every=20)
+    with caplog.at_level(logging.WARNING, logger="trainguard.guard"):
+        if closure:  # the gradients exist only once the closure has run: they are read then
+            train_with_closure(guard.batches(state, total_steps=40), state, losses)
+        else:
+            train(guard.batches(state, total_steps=40), state, log=losses)
+    assert state.step == 40 and finite(state)
+    # the loss of step 30 was finite: only the gradients showed it (step 31, which ran before the
+    # one-step-late verdict, trained on the NaN parameters and was undone)
+    assert math.isfinite(next(v for s, v in losses if s == 30))
+    assert all(math.isfinite(v) for _, v in losses[-9:])
+    [event] = guard.events
+    assert event["trigger"] == "nonfinite_grad" and event["step"] == 30 and event["action"] == "skip"
+    assert [b["batch"] for b in event["skipped"]] == [30]
+    link = event["origin"]["origin"]
+    assert link["phase"] == "backward" and link["line"] == line_of("SQRT_LINE", RMSNet)
+    assert "gradient norm is nan" in caplog.records[-1].getMessage()
+
+
+def test_a_loss_spike_is_rewound_and_skipped(tmp_path):
+    state = make_state(make_data(90, spike_batch=60))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=25, spike_factor=20, skip_batches=2)
+    train(guard.batches(state, total_steps=90), state)
+    [event] = guard.events
+    assert event["trigger"] == "spike" and event["step"] == 60 and event["origin"] is None
+    assert "is a spike" in event["reason"]
+    assert [s["batch"] for s in event["skipped"]] == [60, 61] and event["skip_count"] == 2
+    assert event["replay"]["reproduced"] is True and event["replay"]["bitwise_equal"] is True
+    assert state.step == 90 and finite(state)
+
+
+def test_under_a_grad_scaler_the_guard_sees_the_unscaled_loss(tmp_path):
+    state = make_state(make_data(90, spike_batch=60))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=25, spike_factor=20)
+    losses = {}
+    for step, (x, y) in guard.batches(state, total_steps=90):
+        loss = nn.functional.mse_loss(state.model(x), y)
+        losses.setdefault(step, loss.item())
+        state.optimizer.zero_grad()
+        scaler.scale(loss).backward()  # backward() runs on the loss times 65,536
+        scaler.step(state.optimizer)
+        scaler.update()
+    [event] = guard.events
+    assert event["trigger"] == "spike" and event["step"] == 60
+    assert event["loss"] == pytest.approx(losses[60], rel=1e-6)  # not 65,536 times it
+    assert state.step == 90 and finite(state)
+
+
+def test_without_spike_factor_a_spike_passes(tmp_path):
+    state = make_state(make_data(90, spike_batch=60))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=25)
+    train(guard.batches(state, total_steps=90), state)
+    assert guard.events == []
+
+
+def test_lower_lr_halves_every_learning_rate_and_keeps_the_batch(tmp_path):
+    state = make_state(make_data(60, poison_batch=20))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10, policy="lower_lr", max_rewinds=2)
+    with pytest.raises(tg.Diverged) as info:  # a poisoned batch stays poisoned at any learning rate
+        train(guard.batches(state, total_steps=60), state)
+    assert [e["action"] for e in guard.events] == ["lower_lr", "lower_lr", "max_rewinds"]
+    assert guard.events[0]["lr"] == [pytest.approx(5e-3)] and guard.events[1]["lr"] == [pytest.approx(2.5e-3)]
+    assert state.scheduler.base_lrs == [pytest.approx(2.5e-3)]
+    assert info.value.step == 20 and info.value.origin is not None and finite(state)
+
+
+def test_stop_raises_diverged_with_the_origin_and_leaves_the_state_before_the_step(tmp_path):
+    state = make_state(make_data(60, poison_batch=20))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10, policy="stop")
+    with pytest.raises(tg.Diverged) as info:
+        train(guard.batches(state, total_steps=60), state)
+    assert info.value.origin.origin.line == line_of("POW_LINE")
+    assert info.value.event["action"] == "stop" and state.step == 20 and finite(state)
+    assert isinstance(info.value, tg.TrainguardError) and info.value.exit_code == 3
+
+
+def test_max_rewinds_zero_stops_at_the_first_fault(tmp_path):
+    state = make_state(make_data(40, poison_batch=12))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10, max_rewinds=0)
+    with pytest.raises(tg.Diverged, match="max_rewinds=0 spent"):
+        train(guard.batches(state, total_steps=40), state)
+    assert state.step == 10 and finite(state)
+
+
+def test_a_fault_right_after_a_snapshot_and_one_in_the_last_step(tmp_path):
+    state = make_state(make_data(30, poison_batch=10))
+    data = state.loader.dataset
+    data.tensors[0][29 * BS:] = 1e20  # the last batch too: found by the final check
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10)
+    seen = train(guard.batches(state, total_steps=29), state)
+    assert [e["step"] for e in guard.events] == [10, 28]
+    assert guard.events[0]["replay"]["steps"] == 0  # the snapshot was at the failing step itself
+    assert state.step == 29 and finite(state) and seen[-1] == 28
+
+
+def test_loop_report_gives_the_loss(tmp_path):
+    """A loss given with loop.report() is checked (here backward runs on a finite surrogate)."""
+    data = make_data(30)
+    data.tensors[0][15 * BS] = 7777.0  # a marked sample: its real loss is infinite, say
+    state = make_state(data)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10)
+    loop = tg.CheckpointManager(tmp_path / "ckpt").resume(state, total_steps=30, guard=guard)
+    for _step, (x, y) in loop.batches():
+        loss = nn.functional.mse_loss(state.model(x), y)
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+        loop.report(float("inf") if bool((x == 7777.0).any()) else loss)
+    assert [(e["step"], e["trigger"], e["replay"]["reproduced"]) for e in guard.events] == [
+        (15, "nonfinite_loss", True)]
+
+
+def test_for_step_in_loop_with_a_guard_is_refused(tmp_path):
+    state = make_state(make_data(10))
+    with tg.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        loop = ckpt.resume(state, total_steps=5, guard=tg.Guard(tmp_path / "run"))
+        with pytest.raises(RuntimeError, match="loop.batches"):
+            iter(loop)
+        with pytest.raises(ValueError, match="step form"):
+            ckpt.resume(state, epochs=2, guard=tg.Guard(tmp_path / "run"))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"policy": "retry"}, "policy must be one of"), ({"snapshot_every": 0}, "snapshot_every must be"),
+    ({"spike_factor": 0.5}, "spike_factor must be"), ({"skip_batches": 0}, "skip_batches must be"),
+    ({"max_rewinds": -1}, "max_rewinds must be"),
+])
+def test_bad_settings_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tg.Guard(**kwargs)
+
+
+def test_one_snapshot_at_a_time_and_its_size_is_reported(tmp_path):
+    state = make_state(make_data(20, poison_batch=12))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=5)
+    taken = []
+    orig = guard._take_snapshot
+
+    def take():
+        orig()
+        taken.append((state.step, guard.snapshot.step, guard.snapshot.nbytes))
+
+    guard._take_snapshot = take
+    train(guard.batches(state, total_steps=20), state)
+    assert [s for s, _, _ in taken] == [0, 5, 10, 12, 15]  # 12: moved before the failing step
+    assert all(s == snap for s, snap, _ in taken)
+    n = sum(p.numel() for p in state.model.parameters())
+    assert taken[0][2] == n * 4  # step 0: the weights; Adam has no moments yet
+    assert n * 12 <= taken[-1][2] <= n * 12 + 64  # weights, exp_avg, exp_avg_sq and Adam's step counters
+    with open_run(tmp_path / "run") as run:
+        assert run.meta["guard"]["snapshot_bytes"] == taken[-1][2]
+        assert run.meta["guard"]["snapshot_step"] == 15
+
+
+class HiddenNoise(nn.Module):
+    """Draws noise from a generator of its own that the TrainState does not hold: a replay cannot
+    reproduce it, and the guard must say so rather than claim the replay was exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = PolyNet()
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, x):
+        return self.net(x + 0.01 * torch.randn(x.shape, generator=self.gen))
+
+
+def test_the_replay_check_reports_a_replay_that_differs(tmp_path):
+    state = make_state(make_data(30, poison_batch=15), model=HiddenNoise())
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10)
+    train(guard.batches(state, total_steps=30), state)
+    [event] = guard.events
+    rp = event["replay"]
+    assert rp["bitwise_equal"] is False and rp["compared"] == 5 and rp["mismatch"]["step"] == 10
+    assert rp["mismatch"]["original"]["loss"] != rp["mismatch"]["replayed"]["loss"]
+    assert "losses differ from step 10" in event["message"] and event["action"] == "skip"
+
+
+def test_an_installed_guard_watches_resume_without_guard_and_leaves_for_step_in_loop_alone(tmp_path, caplog):
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10).install()
+    try:
+        state = make_state(make_data(30, poison_batch=12))
+        train(tg.CheckpointManager(tmp_path / "a").resume(state, total_steps=30).batches(), state)
+        assert [e["step"] for e in guard.events] == [12] and finite(state)
+        plain = make_state(make_data(30))
+        with caplog.at_level(logging.WARNING):
+            steps = list(tg.CheckpointManager(tmp_path / "b").resume(plain, total_steps=3))
+        assert steps == [0, 1, 2] and "runs unguarded" in caplog.text
+    finally:
+        guard.uninstall()
+    state = make_state(make_data(30, poison_batch=12))
+    train(tg.CheckpointManager(tmp_path / "c").resume(state, total_steps=30).batches(), state)
+    assert len(guard.events) == 1 and not finite(state)  # uninstalled: nobody watched

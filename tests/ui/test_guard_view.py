@@ -1,0 +1,87 @@
+"""The guard's events in the UI: the JSON API and the training view, on a real guarded run whose
+poisoned batch was replayed, recorded and skipped."""
+
+from __future__ import annotations
+
+from urllib.parse import unquote
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import trainguard as tg
+
+
+class Poly(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.fc(torch.cat([x, x.pow(2)], dim=-1))  # POW
+
+
+def guarded_run(root):
+    torch.manual_seed(0)
+    x, y = torch.randn(80, 4), torch.randn(80, 1)
+    x[48:52] = 1e20  # batch 12
+    model = Poly()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=4))
+    guard = tg.Guard(root / "g", snapshot_every=10)
+    for _, (xb, yb) in guard.batches(state, total_steps=20):
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return guard
+
+
+@pytest.fixture(scope="module")
+def guard_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("guarded")
+    guarded_run(root)
+    tg.Monitor(None, root / "plain", diagnose=False).close()  # a run no guard watched
+    return root
+
+
+def test_guard_api_lists_events_with_the_replay_run(guard_root):
+    from starlette.testclient import TestClient
+
+    from trainguard.ui import create_app
+
+    with TestClient(create_app(guard_root)) as c:
+        runs = {r["id"] for r in c.get("/api/runs").json()["runs"]}
+        assert {"g", "g:replays:step-12", "plain"} <= runs
+        d = c.get("/api/runs/g/guard").json()
+        assert d["available"] is True and d["meta"]["policy"] == "skip" and d["meta"]["status"] == "finished"
+        [e] = d["events"]
+        assert e["step"] == 12 and e["action"] == "skip" and e["replay_run_id"] == "g:replays:step-12"
+        assert e["skipped"][0]["samples"] == [48, 49, 50, 51]
+        assert e["origin"]["origin"]["op"].startswith("aten.pow")
+        # the replay's own run, opened by that id, shows the same origin in the debugger's API
+        o = c.get("/api/runs/g:replays:step-12/origin").json()
+        assert o["available"] and o["result"]["origin"]["op"].startswith("aten.pow")
+        assert o["result"]["origin"]["step"] == 12
+        # the findings list leaves the guard's events to their card; the verdict still counts them
+        f = c.get("/api/runs/g/findings").json()
+        assert all(x.get("source") != "guard" for x in f["findings"]) and f["verdict"]["state"] == "warning"
+        assert c.get("/api/runs/plain/guard").json() == {"available": False, "meta": None, "events": []}
+
+
+def test_training_view_shows_the_rewind_and_links_the_replayed_step(page, live_server, guard_root):
+    with live_server(guard_root) as srv:
+        page.goto(f"{srv.url}/#/run/g/training")
+        page.wait_for_selector("body[data-ready=training]")
+        page.wait_for_selector(".guard-event")
+        card = page.inner_text(".c-guard")
+        assert "step 12: loss is nan" in card and "losses bitwise equal" in card
+        assert "origin:" in card and "aten.pow" in card and "skipped batch 12" in card
+        assert page.inner_text(".guard-event table.skipped").count("48, 49, 50, 51") == 1
+        page.click(".replay-link")
+        page.wait_for_selector("body[data-ready=debugger]")
+        assert unquote(page.url).endswith("#/run/g:replays:step-12/debugger")
+        page.wait_for_function("() => document.body.innerText.includes('pow.Tensor_Scalar')")  # its alert, the origin
+        page.goto(f"{srv.url}/#/run/plain/training")
+        page.wait_for_selector("body[data-ready=training]")
+        page.wait_for_function("() => document.querySelector('.c-guard').innerText.includes('No guard watched')")

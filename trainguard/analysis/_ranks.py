@@ -1,0 +1,119 @@
+"""Which rank made the first harmful non-finite value, and which ranks only received it.
+
+Under data-parallel training a NaN that one rank's batch makes reaches every other rank through
+the gradient all-reduce, within the same step. Each rank's own walk back (:func:`origin`) ends
+at the origin of its first harmful value: on the rank that made it, at the op that made it; on a
+rank that received it, at the first op that read what a collective wrote (the collective's own
+output is never read when it returns: its values arrive later). So a rank *received* its first
+harmful value when that op's input was written by a collective, and *made* it otherwise. The
+first rank is the one that made it earliest: by step, then rank (ranks share no clock, the
+steps are the order they agree on). Pure functions over a reader.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainguard.analysis._origin import origin, received_input
+from trainguard.store import RankedRun, Run
+
+# What users call a collective, by the op's base name (``c10d.allreduce_`` -> ``allreduce_``).
+_COLLECTIVE_WORDS = {
+    "allreduce": "all-reduce", "all_reduce": "all-reduce", "broadcast": "broadcast",
+    "allgather": "all-gather", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+    "alltoall": "all-to-all", "all_to_all": "all-to-all", "recv": "receive", "scatter": "scatter",
+    "gather": "gather", "reduce": "reduce",
+}
+
+
+def collective_words(op: str, phase: str | None) -> str:
+    """``c10d.allreduce_`` in the backward pass -> ``the gradient all-reduce``."""
+    base = op.split(".")[1] if "." in op else op
+    base = base.strip("_").replace("_into_tensor", "").replace("_coalesced", "").replace("_base", "")
+    word = next((w for key, w in _COLLECTIVE_WORDS.items() if base.startswith(key)), base)
+    if phase == "backward" and word in ("all-reduce", "reduce-scatter"):
+        return f"the gradient {word}"
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def _received_via(run: Run, link: Any) -> dict | None:
+    """The collective that wrote an input of ``link``, the op where a rank's first harmful value
+    appeared; None when the rank made the value itself."""
+    inp = received_input(link)
+    if inp is None:
+        return None
+    try:
+        d = run.execution(inp["producer"])
+    except KeyError:  # evicted by the circular buffer
+        d = {"seq": inp["producer"], "op": inp["producer_op"], "step": None, "phase": None}
+    return {"op": d["op"], "seq": d["seq"], "step": d["step"], "phase": d["phase"],
+            "words": collective_words(d["op"], d["phase"])}
+
+
+def _first(run: Run) -> dict | None:
+    """Where this rank's first harmful value was made (the origin :func:`origin` walks back to,
+    and the collective it came through). Uninitialised memory, DDP's gradient buckets before
+    their first all-reduce, is unknown, never harmful: it can be no rank's first."""
+    o = origin(run)
+    if o is None:
+        return None
+    link = o.origin
+    return {"seq": link.seq, "step": link.step, "phase": link.phase, "op": link.op, "module": link.module,
+            "file": link.file, "line": link.line, "health": list(link.health),
+            "received_via": _received_via(run, link), "summary": o.summary}
+
+
+def _what(health: list[str]) -> str:
+    names = {"nan": "NaN", "+inf": "+inf", "-inf": "-inf", "inf": "inf"}
+    return "/".join(names.get(h, h) for h in health) or "non-finite value"
+
+
+def ranks_report(run: Run) -> dict | None:
+    """Per-rank alerts side by side and which rank went non-finite first; None for one rank.
+
+    ``first_rank`` made the first harmful value (``made``: every rank that made one itself),
+    ``received``: the ranks whose first harmful value came to them through a collective;
+    ``headline`` says it in one sentence.
+    """
+    if not isinstance(run, RankedRun) or len(run.ranks) < 2:
+        return None
+    per_rank = []
+    for k, r in run.rank_runs().items():
+        alerts = r.alerts()
+        per_rank.append({"rank": k, "status": r.status, "executions": r.count(), "alerts": alerts,
+                         "first": _first(r) if alerts["total"] else None})
+    made = sorted((p for p in per_rank if p["first"] and not p["first"]["received_via"]),
+                  key=lambda p: (p["first"]["step"], p["rank"]))
+    received = [p for p in per_rank if p["first"] and p["first"]["received_via"]]
+    return {
+        "ranks": list(run.ranks),
+        "per_rank": per_rank,
+        "first_rank": made[0]["rank"] if made else None,
+        "made": [p["rank"] for p in made],
+        "received": [p["rank"] for p in received],
+        "headline": _headline(made, received),
+    }
+
+
+def _headline(made: list[dict], received: list[dict]) -> str | None:
+    if not made and not received:
+        return None
+    parts = []
+    if made:
+        f = made[0]["first"]
+        where = f" at {f['file']}:{f['line']}" if f.get("file") else ""
+        parts.append(f"rank {made[0]['rank']} first made a {_what(f['health'])} in step {f['step']}: "
+                     f"{f['op']}{where} ({f['phase']} pass)")
+        for p in made[1:]:
+            parts.append(f"rank {p['rank']} also made one, in step {p['first']['step']}")
+    else:
+        parts.append("no recorded rank made the first non-finite value (it came from outside the recording)")
+    if received:
+        vias = {(p["first"]["received_via"]["words"], p["first"]["received_via"]["op"]) for p in received}
+        how = "; ".join(f"{w} ({op})" for w, op in sorted(vias))
+        ranks = ", ".join(str(p["rank"]) for p in received)
+        steps = sorted({p["first"]["received_via"]["step"] for p in received if p["first"]["received_via"]["step"]
+                        is not None})
+        when = f" in step {steps[0]}" if len(steps) == 1 else ""
+        parts.append(f"rank{'s' if len(received) > 1 else ''} {ranks} only received it, through {how}{when}")
+    return "; ".join(parts)

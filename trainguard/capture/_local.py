@@ -1,0 +1,45 @@
+"""What this rank holds of distributed values: a DTensor's shard, a collective's outputs.
+
+A DTensor (FSDP2's parameters, their gradients and optimizer state) answers its own ops through
+collectives: the norm of a sharded gradient is a partial value that an all-reduce completes, a
+``cat`` with a plain tensor is refused. The recorder and the monitor must issue no collective of
+their own (every rank would have to run it, in the same order as the program's), so they read
+``t._local_tensor``: per rank, statistics of its own shard.
+
+A collective (``c10d.allreduce_``, ...) writes tensors that it may return or only take: the
+recorder makes it the producer of what it wrote (:func:`written`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_Tensor = torch.Tensor
+
+
+def local(t: _Tensor) -> _Tensor:
+    """``t``'s local shard if it is a DTensor, else ``t``."""
+    if type(t) is _Tensor:
+        return t
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, _Tensor) else t
+
+
+def written(name: str, args: tuple, out: Any) -> list:
+    """The tensors a collective writes: what it returns (``allreduce_`` returns the tensors it
+    reduced in place, ``allgather_`` its output lists), or for ``recv_`` its buffers."""
+    outs = _tensors_in(out, [])
+    if not outs and ".recv" in name and args:
+        outs = _tensors_in(args[0], [])
+    return outs
+
+
+def _tensors_in(x: Any, out: list) -> list:
+    if isinstance(x, _Tensor):
+        out.append(x)
+    elif type(x) in (list, tuple):
+        for y in x:
+            _tensors_in(y, out)
+    return out

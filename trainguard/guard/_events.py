@@ -1,0 +1,136 @@
+"""What the guard tells: one line per event on the ``trainguard.guard`` logger, and the run.
+
+Library code never prints. Each rewind is logged at WARNING on ``logging.getLogger(
+"trainguard.guard")``; a program that configured no logging still sees it on stderr (Python's
+last-resort handler prints warnings there), one that did gets it through its own handlers.
+
+Each event is stored in the guard's run as a finding with ``source="guard"`` (kind
+``guard_rewind``, or ``guard_stop`` when training stopped), its full record under ``event``,
+once it is complete (a skip event once the loop has drawn the batches it skips);
+the guard's settings and counters are the run's ``guard`` metadata. ``trainguard report`` and
+the UI's training view list them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from trainguard.store import acquire_writer, release_writer
+
+log = logging.getLogger("trainguard.guard")
+
+SOURCE = "guard"
+# Event actions after which training does not go on.
+STOPPED = ("stop", "code_bug", "max_rewinds")
+
+
+def _num(v: float | None) -> str:
+    if v is None:
+        return "?"
+    return "nan" if math.isnan(v) else ("inf" if v == math.inf else ("-inf" if v == -math.inf else f"{v:.4g}"))
+
+
+def reason(trigger: str, loss: float | None, grad_norm: float | None, median: float | None,
+           factor: float | None, ranks: list[int]) -> str:
+    """``loss is nan``, ``gradient norm is inf``, ``loss 84.2 is 12x the median 6.8 of the last 100 steps``."""
+    on = f" on rank {ranks[0]}" if ranks and (loss is None or math.isfinite(loss)) else ""
+    if trigger == "nonfinite_loss":
+        return f"loss is {_num(loss)}" if loss is not None and not math.isfinite(loss) else f"loss is non-finite{on}"
+    if trigger == "nonfinite_grad":
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            return f"gradient norm is {_num(grad_norm)}"
+        return f"gradient norm is non-finite{on}"
+    if loss is not None and median:
+        return (f"loss {_num(loss)} is a spike ({loss / median:.3g}x the median {_num(median)} of the last steps, "
+                f"above spike_factor {factor:g})")
+    return f"loss spike{on}"
+
+
+def batch_label(item: dict) -> str:
+    return f"{item['batch']:,}" if item.get("batch") is not None else f"{item.get('index', '?')} of epoch {item['epoch']}"
+
+
+def _other_batch(event: dict) -> str:
+    """`` (batch 61)`` when the failing step's batch number is not the step's (after a skip)."""
+    b = event.get("batch") or {}
+    return f" (batch {batch_label(b)})" if b and b.get("batch") is not None and b["batch"] != event["step"] else ""
+
+
+def message(event: dict) -> str:
+    """The one line of an event: what failed, where the guard went, what it found and did."""
+    parts = [f"step {event['step']:,}{_other_batch(event)}: {event['reason']}"]
+    if event.get("rewound_to") is not None:
+        parts.append(f"rewound to step {event['rewound_to']:,}"
+                     + (" (checkpoint)" if event.get("rewound_from") == "checkpoint" else ""))
+    rp = event.get("replay") or {}
+    if rp:
+        text = "replayed"
+        if rp.get("steps"):
+            text += f" {rp['steps']} step{'s' if rp['steps'] != 1 else ''}"
+            if rp.get("bitwise_equal") is True:
+                text += " (losses bitwise equal)"
+            elif rp.get("bitwise_equal") is False:
+                text += f" (losses differ from step {rp['mismatch']['step']:,})"
+        parts.append(text)
+    if event.get("origin") is not None:
+        from trainguard.guard._replay import origin_line
+
+        parts.append(f"origin: {origin_line(event['origin'])}")
+    parts.append(event["outcome"])
+    return "; ".join(parts)
+
+
+def outcome(event: dict) -> str:
+    action = event["action"]
+    if action == "skip":
+        skipped = event.get("skipped") or []
+        n = event.get("skip_count", len(skipped)) or 1
+        first = batch_label(skipped[0]) if skipped else "?"
+        return f"skipped batch {first}" if n == 1 else f"skipped {n} batches from batch {first}"
+    if action == "lower_lr":
+        lrs = ", ".join(f"{v:.3g}" for v in event.get("lr") or [])
+        return f"lowered the learning rate x{event.get('lr_factor', 0.5)} (now {lrs})"
+    if action == "continue":
+        return "it did not reproduce in the replay (a transient fault?); training goes on"
+    if action == "code_bug":
+        return ("stopped: the next batch fails the same way, so the fault follows the code, not the data "
+                "(trainguard.Diverged)")
+    if action == "max_rewinds":
+        return f"stopped: max_rewinds={event.get('max_rewinds')} spent (trainguard.Diverged)"
+    return "stopped (policy 'stop', trainguard.Diverged)"
+
+
+class GuardRun:
+    """The guard's own run directory: its metadata and its events (one writer, shared).
+
+    A run already in the directory is appended to: rerunning the same command after a crash or
+    a preemption resumes the checkpoints and keeps the events of the earlier process.
+    """
+
+    def __init__(self, path: Path, config: dict[str, Any]):
+        self.path = path
+        self._writer = acquire_writer(path, append=True, meta={"guard": dict(config, status="running")})
+        self._meta = dict(config, status="running")
+
+    def update(self, **values: Any) -> None:
+        self._meta.update(values)
+        self._writer.set_meta(guard=dict(self._meta))
+
+    def add_event(self, e: dict) -> None:
+        stopped = e["action"] in STOPPED
+        self._writer.add_findings(SOURCE, [{
+            "kind": "guard_stop" if stopped else "guard_rewind",
+            "severity": "error" if stopped else "warning",
+            "title": e["message"],
+            "steps": [e["step"], e["step"]],
+            "suggestion": (e.get("origin") or {}).get("suggestion", ""),
+            "event": e,
+        }])
+
+    def close(self, status: str) -> None:
+        self.update(status=status, ended=time.time())
+        release_writer(self._writer)

@@ -1,0 +1,498 @@
+"""trainguard.Guard: always on, it rewinds, replays and records a failing step, then goes on by policy.
+
+How a step goes (see docs/guard.md):
+
+1. The sentry reads each step's loss and gradient norm one step late (no host-device sync),
+   checks them for NaN/Inf and, with ``spike_factor``, against the median of the last steps.
+   Every ``snapshot_every`` steps, once the steps before are verified, the whole train state is
+   copied into host memory (one snapshot at a time).
+2. A bad step ``f`` rewinds the state to the newest of that snapshot and the manager's newest
+   checkpoint. The loop hands out the same batches again with the same RNG; each replayed loss
+   is compared bitwise with the original. Before step ``f`` the snapshot moves there.
+3. Step ``f`` runs eagerly under full recording into ``<logdir>/replays/step-<f>``; its origin
+   comes from :func:`trainguard.analysis.origin`.
+4. The policy: ``skip`` rewinds to ``f`` and discards the batch (``skip_batches`` of them for a
+   spike); ``lower_lr`` rewinds to ``f`` with every learning rate halved; ``stop`` rewinds to
+   ``f`` and raises :class:`~trainguard.Diverged`. When the batch after a skipped one fails the
+   same way (same op and line), the fault follows the code: :class:`~trainguard.Diverged`.
+
+The loop (:class:`~trainguard.resilience.ResumeLoop`) calls the ``_``-prefixed hooks below; under
+torch.distributed every rank calls them at the same steps and takes the same decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import struct
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainguard._errors import Diverged
+from trainguard.capture import align_step
+from trainguard.guard import _collective, _events
+from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
+from trainguard.guard._events import STOPPED
+from trainguard.guard._replay import StepRecording, origin_from_dict, origin_key, rank_dir
+from trainguard.guard._sentry import Sentry, StepValues
+from trainguard.resilience import MemorySnapshot, ResumeLoop, TrainState, set_default_guard
+
+log = logging.getLogger("trainguard.guard")
+
+
+def _default_logdir() -> Path:
+    return Path("runs") / time.strftime("guard-%Y%m%d-%H%M%S")
+
+
+def _bits(x: float | None) -> bytes | None:
+    return None if x is None else struct.pack("<d", x)
+
+
+@dataclass
+class _Plan:
+    """A rewind in progress: replay ``start`` .. ``fail - 1``, then record ``fail``."""
+
+    fail: int
+    start: int
+    source: str
+    kinds: list[str]
+    ranks: list[int]
+    original: StepValues | None
+    median: float | None
+    recording: StepRecording | None = None
+    compared: int = 0
+    mismatch: dict | None = None
+    batch: dict | None = None  # the failing step's batch, as the loader tells it
+
+
+@dataclass
+class _Probation:
+    """The step after a skip: failing again the same way there means a bug in the code."""
+
+    step: int
+    kinds: list[str]
+    key: tuple | None
+    event: dict = field(default_factory=dict)
+
+
+class Guard:
+    """Catch a NaN, an Inf or a loss spike, rewind, replay the bad step under full recording, go on.
+
+    Use it through the resumable loop::
+
+        guard = tg.Guard(logdir="runs/exp1")
+        loop = ckpt.resume(state, total_steps=N, guard=guard)
+        for step, batch in loop.batches():
+            loss = loss_fn(model(batch[0]), batch[1])
+            opt.zero_grad(); loss.backward(); opt.step()
+
+    or on its own, with in-memory snapshots only (no checkpoint directory)::
+
+        for step, batch in guard.batches(state, total_steps=N):
+            ...
+
+    ``policy``: ``"skip"`` the offending batch, ``"lower_lr"`` (every learning rate x0.5) or
+    ``"stop"`` (raise :class:`trainguard.Diverged` carrying the origin). ``snapshot_every``: steps
+    between host-memory snapshots of the whole state. ``max_rewinds``: rewinds allowed in all,
+    then :class:`~trainguard.Diverged`. ``spike_factor``: also treat a loss above this multiple of
+    the median of the last 100 steps as a fault. ``skip_batches``: batches a spike skips, the
+    failing one first (a NaN or Inf skips exactly the failing batch).
+
+    Each event is logged on ``trainguard.guard`` (a WARNING: stderr when logging is not
+    configured), kept in :attr:`events` and stored in the run at ``logdir`` (default
+    ``runs/guard-<date>-<time>``), with the replayed step's recording in ``logdir/replays/``.
+    """
+
+    def __init__(self, logdir: str | os.PathLike | None = None, *, policy: str = "skip", snapshot_every: int = 50,
+                 max_rewinds: int = 5, spike_factor: float | None = None, skip_batches: int = 1):
+        self.config = GuardConfig(policy=policy, snapshot_every=snapshot_every, max_rewinds=max_rewinds,
+                                  spike_factor=spike_factor, skip_batches=skip_batches)
+        self.logdir: Path | None = Path(logdir) if logdir is not None else None
+        self.events: list[dict] = []
+        self.rewinds = 0
+        self.snapshot = MemorySnapshot()
+        self._sentry = Sentry()
+        self._loop: Any = None
+        self._run: _events.GuardRun | None = None
+        self._installed_previous: Any = None
+        self._stored: set[int] = set()  # ids of the events written to the run
+        self._reset()
+
+    def __repr__(self) -> str:
+        return f"Guard({str(self.logdir) if self.logdir else None!r}, {self.config})"
+
+    def _reset(self) -> None:
+        self._restores = 0  # the loop re-creates its data iterator when this moves
+        self._skips: dict[int, int] = {}  # step -> batches discarded before it runs
+        self._window: deque[tuple[int, float]] = deque(maxlen=SPIKE_WINDOW)
+        self._history: dict[int, StepValues] = {}
+        self._plan: _Plan | None = None
+        self._probation: _Probation | None = None
+        self._bad_local: dict[int, StepValues] = {}
+        self._last_event: dict | None = None
+
+    # ------------------------------------------------------------------ public
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host memory the snapshot holds (0 before the first)."""
+        return self.snapshot.nbytes
+
+    def batches(self, state: TrainState, *, total_steps: int):
+        """The guard without a CheckpointManager: yield ``(step, batch)`` from ``state.loader``
+        from ``state.step`` to ``total_steps``, with in-memory snapshots only. Nothing is saved
+        to disk but the guard's run; signals are left to the program."""
+        loop = ResumeLoop(None, state, total_steps=total_steps, epochs=None, delete_on_success=False,
+                          handle_signals=False, guard=self)
+        return loop.batches()
+
+    def install(self) -> Guard:
+        """Guard every ``CheckpointManager.resume()`` of this process that gets no ``guard=``
+        (what ``trainguard run --guard`` does); :meth:`uninstall` undoes it."""
+        self._installed_previous = set_default_guard(self)
+        return self
+
+    def uninstall(self) -> None:
+        set_default_guard(self._installed_previous)
+        self._installed_previous = None
+
+    # ------------------------------------------------------------------ the loop's hooks
+    def _attach(self, loop: Any) -> None:
+        if self._loop is not None:
+            raise RuntimeError("this guard already watches a loop")
+        self._loop = loop
+        self._reset()
+        if self.logdir is None:
+            self.logdir = _default_logdir()
+        run_dir = rank_dir(self.logdir)  # type: ignore[arg-type]
+        self._run = _events.GuardRun(run_dir, {**asdict(self.config), "rewinds": self.rewinds,
+                                               "events": len(self.events)})
+        self._sentry.start()
+        self._take_snapshot()
+
+    def _detach(self) -> None:
+        if self._loop is None:
+            return
+        plan, self._plan = self._plan, None
+        if plan is not None and plan.recording is not None:
+            plan.recording.stop()
+        self._sentry.stop()
+        loop, self._loop = self._loop, None
+        if loop.state.step >= loop.total_steps:
+            status = "finished"
+        elif self._last_event is not None and self._last_event["action"] in STOPPED:
+            status = "diverged"
+        else:
+            status = "interrupted"  # an exception in the loop body, a signal, a break
+        if self._run is not None:
+            for event in self.events:
+                self._store(event)  # a skip whose batches the loop never drew (it stopped first)
+            self._run.close(status)
+            self._run = None
+        self.snapshot.release()
+
+    def _report(self, loss: Any) -> None:
+        self._sentry.report(loss)
+
+    def _begin_step(self, step: int) -> None:
+        align_step(step)
+        plan = self._plan
+        if plan is not None and step == plan.fail and plan.recording is None:
+            plan.batch = self._batch_info()
+            plan.recording = StepRecording(self.logdir, step)  # type: ignore[arg-type]
+            plan.recording.start()
+
+    def _end_step(self, step: int) -> None:
+        plan = self._plan
+        if plan is not None and plan.recording is not None and step == plan.fail:
+            plan.recording.stop()
+        self._sentry.end_step(step)
+
+    def _discard_before(self, step: int) -> int:
+        return self._skips.get(step, 0) if self._skips else 0
+
+    def _skipped_batch(self) -> None:
+        """The loop discarded a batch before this step: the skip event learns which (a spike's
+        further batches are known only now; a later replay discards the same ones again)."""
+        step = self._loop.state.step
+        event = next((e for e in reversed(self.events) if e["step"] == step and e["action"] == "skip"), None)
+        if event is None or len(event["skipped"]) >= event["skip_count"]:
+            return
+        info = self._batch_info()
+        if info not in event["skipped"]:
+            event["skipped"].append(info)
+        if len(event["skipped"]) >= event["skip_count"]:
+            self._store(event)
+
+    def _batch_info(self) -> dict:
+        """The batch handed out last: epoch, index in the epoch, overall number, sample indices."""
+        state, loader = self._loop.state, self._loop.state.loader
+        index = getattr(loader, "batches_yielded", None)
+        index = index - 1 if isinstance(index, int) else None
+        try:
+            per_epoch = len(loader)
+        except TypeError:
+            per_epoch = None
+        samples = getattr(loader, "last_indices", None)
+        return {
+            "epoch": state.epoch,
+            "index": index,
+            "batch": state.epoch * per_epoch + index if index is not None and per_epoch else index,
+            "samples": [int(i) if hasattr(i, "__index__") else i for i in samples] if samples is not None else None,
+        }
+
+    def _flags(self, step: int, *, saving: bool) -> list[int]:
+        """At the boundary after ``step`` steps: read what may be read, return this rank's verdict."""
+        plan = self._plan
+        force = saving or plan is not None or step % self.config.snapshot_every == 0
+        values = self._sentry.read(before=None if force else step - 1)
+        return _collective.encode(self._judge(values))
+
+    def _verify_last(self) -> bool:
+        """Read every step not read yet (a sync), agree over ranks, act; True when it rewound."""
+        if not self._sentry.unread:
+            return False
+        flags = _collective.encode(self._judge(self._sentry.read(before=None)))
+        if _collective.rank_world()[1] > 1:
+            flags = _collective.all_max(flags, self._loop._groups.ctl())
+        return self._decide(flags)
+
+    def _decide(self, flags: list[int]) -> bool:
+        """Act on the combined verdict; True when the state was rewound."""
+        verdict = _collective.decode(flags)
+        step = self._loop.state.step
+        if verdict is not None:
+            return self._on_fault(*verdict)
+        plan = self._plan
+        if plan is not None:
+            if plan.recording is not None and plan.recording.done:
+                self._conclude(plan, reproduced=False)
+            elif step == plan.fail and self.snapshot.step != step:
+                self._take_snapshot()  # the replay reached the failing step: rewind here from now on
+            return False
+        if (step % self.config.snapshot_every == 0 and self.snapshot.step != step and not self._sentry.unread
+                and step < self._loop.total_steps):
+            self._take_snapshot()
+        return False
+
+    # ------------------------------------------------------------------ judging steps
+    def _judge(self, values: list[StepValues]) -> tuple[int, set[str]] | None:
+        """Check the steps read, oldest first; the first bad one (step, kinds), or None."""
+        plan = self._plan
+        for v in values:
+            kinds: set[str] = set()
+            if v.loss is not None and not math.isfinite(v.loss):
+                kinds.add("nonfinite_loss")
+            if v.grad_norm is not None and not math.isfinite(v.grad_norm):
+                kinds.add("nonfinite_grad")
+            factor = self.config.spike_factor
+            median = self._median() if factor and not kinds and v.loss is not None else None
+            if median is not None and v.loss > factor * median:  # type: ignore[operator]
+                kinds.add("spike")
+            if plan is not None and v.step < plan.fail:
+                self._compare(plan, v)
+            if kinds:
+                self._bad_local[v.step] = v
+                return v.step, kinds
+            if v.loss is not None and self.config.spike_factor:
+                self._window.append((v.step, v.loss))
+            if plan is None:
+                self._history[v.step] = v
+            if self._probation is not None and v.step == self._probation.step:
+                self._probation = None  # the batch after the skipped one trained fine
+        return None
+
+    def _median(self) -> float | None:
+        if len(self._window) < SPIKE_MIN_HISTORY:
+            return None
+        m = statistics.median(loss for _, loss in self._window)
+        return m if m > 0 else None  # a spike is a multiple of a positive typical loss
+
+    def _compare(self, plan: _Plan, v: StepValues) -> None:
+        """A replayed step against the original: bitwise, loss and gradient norm."""
+        original = self._history.get(v.step)
+        if original is None:
+            return
+        plan.compared += 1
+        if plan.mismatch is None and (_bits(v.loss) != _bits(original.loss)
+                                      or _bits(v.grad_norm) != _bits(original.grad_norm)):
+            plan.mismatch = {"step": v.step, "original": {"loss": original.loss, "grad_norm": original.grad_norm},
+                             "replayed": {"loss": v.loss, "grad_norm": v.grad_norm}}
+
+    # ------------------------------------------------------------------ rewinding
+    def _take_snapshot(self) -> None:
+        state = self._loop.state
+        first = not self.snapshot.taken
+        self.snapshot.take(state, wait=False)
+        self._history = {s: v for s, v in self._history.items() if s >= state.step}
+        if first:
+            log.info("trainguard: the guard's snapshots hold %.1f MB of host memory", self.snapshot.nbytes / 2**20)
+        if self._run is not None:
+            self._run.update(snapshot_bytes=self.snapshot.nbytes, snapshot_step=state.step)
+
+    def _restore(self, target: str) -> None:
+        state = self._loop.state
+        if target == "checkpoint":
+            self._loop.manager.restore(state)
+        else:
+            self.snapshot.restore(state)
+        self._restores += 1
+        self._sentry.clear()
+        while self._window and self._window[-1][0] >= state.step:
+            self._window.pop()
+
+    def _rewind_target(self, fail: int) -> str:
+        m = self._loop.manager
+        if m is not None:
+            m.wait()
+            latest = m.latest()
+            if latest is not None and (self.snapshot.step or 0) < latest.step <= fail:
+                return "checkpoint"
+        return "memory"
+
+    def _on_fault(self, fail: int, kinds: list[str], ranks: list[int]) -> bool:
+        plan = self._plan
+        if plan is not None and plan.recording is not None and plan.recording.done and fail == plan.fail:
+            self._conclude(plan, reproduced=True, kinds=kinds, ranks=ranks)
+            return True
+        if self.rewinds >= self.config.max_rewinds:
+            self._give_up(fail, kinds, ranks)
+        self.rewinds += 1
+        if plan is not None and plan.recording is not None:
+            plan.recording.stop()
+        target = self._rewind_target(fail)
+        self._restore(target)
+        start = self._loop.state.step
+        self._plan = _Plan(fail=fail, start=start, source=target, kinds=kinds, ranks=ranks,
+                           original=self._bad_local.get(fail), median=self._median() if "spike" in kinds else None)
+        if start == fail and self.snapshot.step != fail:
+            self._take_snapshot()  # rewound to a checkpoint at the failing step: the policy rewinds here
+        return True
+
+    def _conclude(self, plan: _Plan, *, reproduced: bool, kinds: list[str] | None = None,
+                  ranks: list[int] | None = None) -> None:
+        """The failing step was replayed under recording: find its origin and apply the policy."""
+        self._plan = None
+        rec = plan.recording
+        assert rec is not None
+        origin = self._shared_origin(rec, ranks or plan.ranks) if reproduced else None
+        kinds = kinds or plan.kinds
+        trigger = kinds[0] if kinds else plan.kinds[0]
+        local = plan.original or self._bad_local.get(plan.fail)
+        event: dict[str, Any] = {
+            "n": len(self.events) + 1,
+            "step": plan.fail,
+            "time": time.time(),
+            "trigger": trigger,
+            "kinds": kinds,
+            "ranks": sorted(ranks or plan.ranks),  # where the fault was seen
+            "origin_rank": (ranks or plan.ranks or [0])[0],  # whose recording the origin comes from
+            "loss": local.loss if local else None,
+            "grad_norm": local.grad_norm if local else None,
+            "reason": self._reason(trigger, local, plan.median, ranks or plan.ranks),
+            "rewound_to": plan.start,
+            "rewound_from": plan.source,
+            "replay": {"steps": plan.fail - plan.start, "compared": plan.compared,
+                       "bitwise_equal": None if not plan.compared else plan.mismatch is None,
+                       "mismatch": plan.mismatch, "reproduced": reproduced, "run": rec.relative,
+                       "eager": True},
+            "origin": origin,
+            "batch": plan.batch,
+            "skipped": [],
+            "rewinds": self.rewinds,
+        }
+        if not reproduced:
+            self._finish_event(event, "continue")
+            return
+        probation, self._probation = self._probation, None
+        if (probation is not None and probation.step == plan.fail and set(probation.kinds) & set(kinds)
+                and "spike" not in kinds and probation.key == origin_key(origin)):
+            self._restore("memory")
+            event["first_event"] = probation.event.get("n")
+            self._finish_event(event, "code_bug")
+            self._raise(event)
+        policy = self.config.policy
+        self._restore("memory")  # the snapshot sits right before the failing step
+        if policy == "stop":
+            self._finish_event(event, "stop")
+            self._raise(event)
+        if policy == "lower_lr":
+            event["lr_factor"] = LR_FACTOR
+            event["lr"] = self._lower_lr(LR_FACTOR)
+            self._take_snapshot()  # a later rewind must keep the lowered rate
+            self._finish_event(event, "lower_lr")
+            return
+        n = self.config.skip_batches if trigger == "spike" else 1
+        self._skips[plan.fail] = self._skips.get(plan.fail, 0) + n
+        event["skip_count"] = n
+        if plan.batch is not None:
+            event["skipped"] = [plan.batch]
+        if "spike" not in kinds:
+            self._probation = _Probation(step=plan.fail, kinds=kinds, key=origin_key(origin), event=event)
+        self._finish_event(event, "skip")
+
+    def _shared_origin(self, rec: StepRecording, ranks: list[int]) -> dict | None:
+        """The origin found by the first rank that saw the fault, on every rank."""
+        o = rec.origin()
+        data = o.to_dict() if o is not None else None
+        if _collective.rank_world()[1] > 1:
+            data = _collective.broadcast_json(data, ranks[0] if ranks else 0, self._loop._groups.ctl())
+        return data
+
+    def _lower_lr(self, factor: float) -> list[float]:
+        lrs = []
+        for _, obj in self._loop.state.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                for g in obj.param_groups:
+                    for key in ("lr", "initial_lr"):
+                        if key in g:
+                            g[key] = g[key].mul_(factor) if isinstance(g[key], torch.Tensor) else g[key] * factor
+                    lrs.append(float(g["lr"]))
+            elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                obj.base_lrs = [lr * factor for lr in obj.base_lrs]
+                if getattr(obj, "_last_lr", None) is not None:
+                    obj._last_lr = [lr * factor for lr in obj._last_lr]
+        return lrs
+
+    def _give_up(self, fail: int, kinds: list[str], ranks: list[int]) -> None:
+        self._restore("memory")
+        previous = self.events[-1] if self.events else None
+        event = {
+            "n": len(self.events) + 1, "step": fail, "time": time.time(), "trigger": kinds[0], "kinds": kinds,
+            "ranks": sorted(ranks), "reason": self._reason(kinds[0], self._bad_local.get(fail), self._median(), ranks),
+            "rewound_to": self._loop.state.step, "rewound_from": "memory", "replay": None,
+            "origin": previous.get("origin") if previous else None, "skipped": [],
+            "max_rewinds": self.config.max_rewinds, "rewinds": self.rewinds,
+        }
+        self._finish_event(event, "max_rewinds")
+        self._raise(event)
+
+    def _reason(self, trigger: str, values: StepValues | None, median: float | None, ranks: list[int]) -> str:
+        return _events.reason(trigger, values.loss if values else None, values.grad_norm if values else None,
+                              median, self.config.spike_factor, ranks)
+
+    def _finish_event(self, event: dict, action: str) -> None:
+        event["action"] = action
+        event["outcome"] = _events.outcome(event)
+        event["message"] = _events.message(event)
+        self.events.append(event)
+        self._last_event = event
+        log.warning("trainguard: %s", event["message"])
+        if action != "skip" or len(event["skipped"]) >= event["skip_count"]:
+            self._store(event)  # a skip is stored once the loop has drawn the batches it skips
+
+    def _store(self, event: dict) -> None:
+        if self._run is not None and id(event) not in self._stored:
+            self._stored.add(id(event))
+            self._run.add_event(event)
+            self._run.update(rewinds=self.rewinds, events=len(self.events))
+
+    def _raise(self, event: dict) -> None:
+        raise Diverged(f"trainguard: {event['message']}", step=event["step"],
+                       origin=origin_from_dict(event.get("origin")), event=event)

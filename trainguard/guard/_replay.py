@@ -1,0 +1,133 @@
+"""Recording the failing step in full, and reading its origin back.
+
+The replayed failing step runs under ``trainguard.record`` (``full_health``, every execution
+kept: stacks, modules, producers) into a run of its own inside the guard's run,
+``<logdir>/replays/step-<N>``, so that each replay's origin is found by the analysis layer's own
+rules (:func:`trainguard.analysis.origin`) on that run alone. Compiled code runs eagerly during
+that step (``torch.compiler.set_stance("force_eager")``) so the recorder sees every op with its
+source line; training goes back to the compiled code right after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainguard.analysis import Link, Origin, origin
+from trainguard.capture import Recorder
+from trainguard.store import REPLAYS_DIR, open_run
+
+log = logging.getLogger("trainguard.guard")
+
+
+def _torchrun_rank() -> int | None:
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    return int(rank) if rank is not None and world is not None and int(world) > 1 else None
+
+
+def rank_dir(path: Path) -> Path:
+    """Where one rank writes under ``path`` (``rank-K`` when several ranks run), as the recorder does."""
+    rank = _torchrun_rank()
+    if rank is not None:
+        return path / f"rank-{rank}"
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return path / f"rank-{dist.get_rank()}"
+    return path
+
+
+def _eager():
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+class StepRecording:
+    """One replayed step under full recording: :meth:`start` before its body, :meth:`stop` after."""
+
+    def __init__(self, logdir: Path, step: int):
+        base = logdir / REPLAYS_DIR
+        name, n = f"step-{step}", 2
+        while rank_dir(base / name).exists():  # the same step replayed again (e.g. after lower_lr)
+            name, n = f"step-{step}-{n}", n + 1
+        self.step = step
+        self.relative = f"{REPLAYS_DIR}/{name}"
+        self.top = base / name  # the replay's run (rank runs below it under torch.distributed)
+        self.path = rank_dir(self.top)
+        self._recorder: Recorder | None = None
+        self._stance: Any = None
+        self.done = False
+
+    def start(self) -> None:
+        # The recorder adds rank-K itself when torchrun's variables say so; otherwise say it here.
+        logdir = self.top if _torchrun_rank() is not None else self.path
+        self._recorder = Recorder(logdir, mode="full_health", buffer=-1)
+        self._stance = contextlib.ExitStack()
+        self._stance.enter_context(_eager())
+        # torch warns that a compiled module called while the recorder's global module hooks are
+        # installed fires them twice: true, harmless here, and only for this one step.
+        self._stance.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
+        try:
+            self._recorder.start()
+        except BaseException:
+            self._stance.close()
+            raise
+
+    def stop(self) -> None:
+        if self._recorder is None or self.done:
+            return
+        self.done = True
+        try:
+            self._recorder.stop(guard_replay={"step": self.step})
+        finally:
+            self._stance.close()
+
+    def origin(self) -> Origin | None:
+        """The origin of the step's first harmful value, or None (a spike, or not reproduced)."""
+        try:
+            with open_run(self.path) as run:
+                return origin(run)
+        except Exception as exc:  # the guard goes on without an origin rather than die here
+            log.warning("trainguard: could not read the origin from %s: %s", self.path, exc)
+            return None
+
+
+def origin_from_dict(d: dict | None) -> Origin | None:
+    """An :class:`Origin` rebuilt from ``Origin.to_dict()`` (as ranks exchange it)."""
+    if not d:
+        return None
+    return Origin(chain=[Link(**link) for link in d["chain"]], summary=d["summary"], suggestion=d["suggestion"])
+
+
+def short_path(path: str | None) -> str:
+    if not path:
+        return "?"
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+def origin_line(o: dict | None) -> str:
+    """``aten.log at model.py:88 — log of an input with 12 zeros``."""
+    if not o:
+        return "none recorded"
+    link = o["origin"]
+    where = f" at {short_path(link.get('file'))}:{link.get('line')}" if link.get("file") else ""
+    return f"{link['op']}{where} — {link['explanation']}"
+
+
+def origin_key(o: dict | None) -> tuple | None:
+    """What makes two origins the same fault: the op and its source line."""
+    if not o:
+        return None
+    link = o["origin"]
+    return (link["op"], link.get("file"), link.get("line"))
