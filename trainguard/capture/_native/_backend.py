@@ -34,11 +34,21 @@ def choose_backend(rec):
         rec.requested_backend = os.environ["TRAINGUARD_BACKEND"]  # e.g. to run a suite on one backend
     if rec.requested_backend == "python" or rec.check or rec.logdir is None:
         return None
+    if rec.requested_backend == "auto" and _distributed():
+        # Collectives (their outputs unknown, the producers of what they write) and DTensor shards
+        # are the dispatch mode's for now (docs/recorder.md, "Limits").
+        return None
     if module is None:
         if rec.requested_backend == "native":
             raise TrainguardError(f"the native recorder core is not available: {_native.error()}")
         _warn_no_native(_native.error())
     return module
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 _warned_no_native = False
