@@ -2,11 +2,18 @@
 a hook-based monitor that calls ``.item()`` per statistic per layer (the NetworkDebugger lesson's
 approach), at every step and every 10th.
 
+``monitor every=10 validation=off`` is the monitor without its validation watch (the wrapped
+losses and the signatures of sampled input rows, ``trainguard.capture._monitor_leak``): the
+difference to ``monitor every=10`` is what hashing the training inputs costs.
+
 Configurations are interleaved round by round, in a shuffled order, in one process so that machine
 noise hits them alike. A cell is the mean step time over a block of steps (so the one recording step in ten
-counts), median over rounds, divided by plain's.
+counts), median over rounds, divided by plain's. ``swish_mlp`` has a custom autograd Function, which
+the monitor's live gradient check checks once per monitor (here once per round, on its background
+thread): ``monitor every=10 no-gradcheck`` beside ``monitor every=10`` is that check's share, and
+the seconds each check took are printed below the tables.
 
-    python benchmarks/bench_monitor.py                      # mlp, cnn, transformer
+    python benchmarks/bench_monitor.py                      # mlp, cnn, transformer, swish_mlp
     python benchmarks/bench_monitor.py --models mlp --rounds 3
 """
 
@@ -55,7 +62,43 @@ def make_transformer():
     return model, opt, lambda: model(x).pow(2).mean()
 
 
-MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer}
+class Swish(torch.autograd.Function):
+    """A custom autograd Function (correct backward): what the live gradient check checks."""
+
+    @staticmethod
+    def forward(ctx, x):
+        s = torch.sigmoid(x)
+        ctx.save_for_backward(x, s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, s = ctx.saved_tensors
+        return grad * (s + x * s * (1 - s))
+
+
+class SwishMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(784, 512), nn.Linear(512, 256), nn.Linear(256, 10)])
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = Swish.apply(layer(x))
+        return self.layers[-1](x)
+
+
+def make_swish_mlp():
+    """The mlp with a custom autograd Function as its activation (checked once per monitor)."""
+    model = SwishMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(256, 784), torch.randint(0, 10, (256,))
+    return model, opt, lambda: nn.functional.cross_entropy(model(x), y)
+
+
+MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer, "swish_mlp": make_swish_mlp}
+# Seconds each live gradient check took (on the monitor's background thread), per model.
+GRADCHECK_SECONDS: dict[str, list[float]] = {}
 
 
 class ItemHookMonitor:
@@ -133,12 +176,17 @@ def configured(config: str, model: nn.Module, tmp: str):
         return
     from trainguard import Monitor
 
-    every = int(config.split("every=")[1])
-    mon = Monitor(model, os.path.join(tmp, f"m-{time.monotonic_ns()}"), every=every, diagnose=False)
+    every = int(config.split("every=")[1].split()[0])
+    mon = Monitor(model, os.path.join(tmp, f"m-{time.monotonic_ns()}"), every=every, diagnose=False,
+                  gradcheck="no-gradcheck" not in config,
+                  validation="validation=off" not in config)
     try:
         yield
     finally:
         mon.close()
+        if mon._gradcheck is not None:
+            GRADCHECK_SECONDS.setdefault(type(model).__name__, []).extend(
+                r["seconds"] for r in mon._gradcheck.results)
 
 
 def run_block(opt, loss_fn, n: int) -> tuple[float, float]:
@@ -155,7 +203,11 @@ def run_block(opt, loss_fn, n: int) -> tuple[float, float]:
     return (time.perf_counter() - t) / n, (time.process_time() - c) / n
 
 
-CONFIGS = ["plain", "monitor every=10", "monitor every=1", "item_hooks every=10", "item_hooks every=1"]
+CONFIGS = ["plain", "monitor every=10", "monitor every=1", "item_hooks every=10", "item_hooks every=1",
+           # the live gradient check's share: each round's new monitor checks the custom Function once
+           "monitor every=10 no-gradcheck"]
+# The validation pass's share (loss wrappers, input-row signatures): the monitor without it.
+CONFIGS.append("monitor every=10 validation=off")
 
 
 def time_model(name: str, rounds: int, steps: int) -> dict[str, dict[str, float]]:
@@ -182,7 +234,7 @@ def time_model(name: str, rounds: int, steps: int) -> dict[str, dict[str, float]
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="mlp,cnn,transformer")
+    p.add_argument("--models", default="mlp,cnn,transformer,swish_mlp")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration per round (multiple of 10)")
     p.add_argument("--threads", type=int, default=2)
@@ -190,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.getLogger("trainguard").setLevel(logging.ERROR)
+    GRADCHECK_SECONDS.clear()
     results: dict = {"threads": args.threads, "rounds": args.rounds, "steps": args.steps, "models": {}}
     for name in [m for m in args.models.split(",") if m]:
         t = time_model(name, args.rounds, args.steps)
@@ -212,6 +265,12 @@ def main(argv: list[str] | None = None) -> dict:
             r = r[clock]
             table.add_row(name, f"{r['step_ms']['plain']:.2f}", *[f"{r['ratio'][c]:.2f}x" for c in CONFIGS[1:]])
         Console().print(table)
+    checks = {name: sorted(v) for name, v in GRADCHECK_SECONDS.items() if v}
+    results["gradcheck_seconds"] = checks
+    for name, v in checks.items():
+        Console().print(f"live gradient check of {name}'s custom Functions: {len(v)} checks, median "
+                        f"{statistics.median(v) * 1e3:.1f} ms, max {max(v) * 1e3:.1f} ms on the background thread "
+                        f"(one check per monitor, i.e. per round of {args.steps} steps here)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

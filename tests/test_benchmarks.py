@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_compile  # noqa: E402
 import bench_recorder  # noqa: E402
 
 
@@ -63,6 +64,28 @@ def test_main_prints_the_table(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "r.json").exists()
 
 
+@pytest.mark.timeout(600)
+def test_compile_benchmark_prints_its_table(tmp_path, capsys, monkeypatch):
+    """bench_compile's rounds and table, on a tiny model (its compiles are the slow part)."""
+    import torch
+
+    def tiny():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), None
+
+    monkeypatch.setattr(bench_compile, "MODELS", {"tiny": (tiny, lambda: bench_compile._data((3, 4), 2))})
+    monkeypatch.setattr(bench_compile, "WARMUP_STEPS", 1)
+    out = bench_compile.main(["--models", "tiny", "--rounds", "2", "--steps", "1", "--json", str(tmp_path / "c.json")])
+    tiny_row = out["models"]["tiny"]
+    assert tiny_row["ratio"]["compiled plain"] == 1.0 and tiny_row["ratio"]["eager plain"] == 1.0
+    lo, hi = tiny_row["ratio_range"]["compiled full_health"]
+    assert 0 < lo <= tiny_row["ratio"]["compiled full_health"] <= hi
+    assert tiny_row["cpu_ratio"]["compiled plain"] == 1.0 and tiny_row["cpu_ratio"]["compiled full_health"] > 0
+    printed = capsys.readouterr().out
+    assert "compiled monitor every=10" in printed and "load" in printed
+    assert (tmp_path / "c.json").exists()
+
+
 @pytest.mark.timeout(240)
 def test_origin_benchmark_prints_its_pairs(tmp_path, capsys):
     import bench_origin
@@ -74,3 +97,16 @@ def test_origin_benchmark_prints_its_pairs(tmp_path, capsys):
     assert storm["time_ratio"] > 0 and storm["cpu_ratio"] > 0 and storm["size_ratio"] > 0
     assert set(out["pairs"]["mask"]["step_ms"]) == {"-inf", "finfo.min"}
     assert "nan storm / healthy" in capsys.readouterr().out and (tmp_path / "o.json").exists()
+
+
+@pytest.mark.timeout(240)
+def test_monitor_benchmark_measures_the_live_gradient_check(tmp_path, capsys):
+    import bench_monitor
+
+    out = bench_monitor.main(["--models", "swish_mlp", "--rounds", "1", "--steps", "1"])
+    ratios = out["models"]["swish_mlp"]["cpu"]["ratio"]
+    assert ratios["plain"] == 1.0 and ratios["monitor every=10"] > 0 and ratios["monitor every=10 no-gradcheck"] > 0
+    # one check per monitor with the check on (every config with a monitor but "no-gradcheck"), each timed
+    checked = [c for c in bench_monitor.CONFIGS if c.startswith("monitor") and "no-gradcheck" not in c]
+    assert len(out["gradcheck_seconds"]["SwishMLP"]) == len(checked) == 3
+    assert "live gradient check of SwishMLP" in capsys.readouterr().out

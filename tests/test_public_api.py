@@ -10,7 +10,8 @@ import trainguard
 PUBLIC = [
     "CheckpointError", "CheckpointFallbackWarning", "CheckpointInfo", "CheckpointManager", "CheckpointPolicy",
     "CorruptRun", "Diverged", "Guard", "Monitor", "NonFiniteError", "Preempted", "ResumableLoader", "ResumeLoop", "RunNotFound",
-    "SchemaTooNew", "TrainState", "TrainguardError", "__version__", "check_numerics", "disable", "doctor",
+    "SchemaTooNew", "TrainState", "TrainguardError", "__version__", "check_numerics", "compile_backend", "disable",
+    "doctor",
     "enable", "fix", "list_checkpoints", "open", "record", "step",
 ]
 

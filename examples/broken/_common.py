@@ -103,3 +103,43 @@ def mlp(dims: list[int], act: type[nn.Module] = nn.ReLU, dropout: float = 0.0) -
             if dropout:
                 layers.append(nn.Dropout(dropout))
     return nn.Sequential(*layers)
+
+
+def epochs(x: torch.Tensor, y: torch.Tensor, batch: int, n_epochs: int, gen: torch.Generator):
+    """Minibatches of a fixed data set, reshuffled each epoch: yields (epoch, x, y)."""
+    for epoch in range(n_epochs):
+        order = torch.randperm(len(x), generator=gen)
+        for i in range(0, len(x), batch):
+            idx = order[i : i + batch]
+            yield epoch, x[idx], y[idx]
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 128) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy over (x, y), in eval mode under no_grad (the usual way)."""
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    model.eval()
+    total, correct = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            out = model(x[i : i + batch])
+            total += loss_fn(out, y[i : i + batch]).item()
+            correct += int((out.argmax(1) == y[i : i + batch]).sum())
+    model.train()
+    return total / len(x), correct / len(x)
+
+
+def fit_with_validation(model: nn.Module, opt: torch.optim.Optimizer, train: tuple, val: tuple, args,
+                        gen: torch.Generator, batch: int = 64) -> None:
+    """``args.steps`` epochs of cross-entropy training on ``train``, evaluating on ``val`` at each
+    epoch's end (and once after the last), as most scripts with a validation set do."""
+    last = 0
+    for epoch, x, y in epochs(*train, batch, args.steps, gen):
+        if epoch != last:
+            val_loss, val_acc = evaluate(model, *val)
+            if not args.quiet:
+                print(f"epoch {last}  val loss {val_loss:.4f}  accuracy {val_acc:.3f}")
+            last = epoch
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    evaluate(model, *val)

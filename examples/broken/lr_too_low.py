@@ -1,6 +1,8 @@
-"""Broken: plain SGD with a learning rate of 1e-5: the weights barely move.
+"""Broken: plain SGD with a learning rate of 1e-5: each step moves the weights by about 2e-6 of
+their norm, so the loss stays where it started. The flat loss is the symptom; the
+update-to-weight ratio says why.
 
-Expected finding: ``lr_too_low``.
+Expected finding: ``lr_too_low``, explaining ``loss_not_decreasing``.
 """
 
 import torch

@@ -135,3 +135,21 @@ def test_gradient_norm_is_read_unscaled_from_the_first_step(tmp_path):
     s = open_run(tmp_path / "r").scalars()
     assert not any(v for _, v in s["amp/skipped"])
     assert [v for _, v in s["grad_norm"]] == pytest.approx(ref, rel=1e-5)
+
+
+def test_a_disabled_scaler_passes_through(tmp_path):
+    # karpathy/nanoGPT's train.py on CPU/float32: GradScaler(enabled=False), whose step() must
+    # simply run the optimizer (a disabled scaler has no _scale; the tap crashed the script).
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with Monitor(model, tmp_path / "m", every=1):
+        for step in range(3):
+            x, y = batch(step)
+            loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    with open_run(tmp_path / "m") as run:
+        assert [s for s, _ in run.scalars("loss")["loss"]] == [0, 1, 2]

@@ -49,8 +49,8 @@ def test_monitor_prints_findings_and_stores_them(script, tmp_path, capsys):
     assert main(["monitor", "--logdir", str(run_dir), "--every", "5", "--histograms", str(script), "50"]) == 0
     out = capsys.readouterr().out
     assert "dead_units" in out and "fix:" in out and "revive_dead_units" in out
-    assert out.index("ERROR") < out.index("INFO")  # most severe first
-    assert "(explained by dead_units)" in out  # the flat loss is a symptom, kept as info
+    # the flat loss is a symptom, kept as info and shown under its cause
+    assert out.index("ERROR") < out.index("explains:") < out.index("(explained by dead_units)")
     run = open_run(run_dir)
     stored = [f["kind"] for f in run.findings(source="monitor")]
     assert "dead_units" in stored

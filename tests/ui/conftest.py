@@ -209,6 +209,13 @@ def build_training_run(run_dir: Path, steps: int = 60) -> Path:
                 "steps": [0, 55],
                 "layers": ["fc3"],
             },
+            {  # a symptom the vanishing gradient explains: shown folded under it
+                "kind": "loss_not_decreasing",
+                "severity": "info",
+                "title": "Loss is not decreasing (explained by vanishing_gradient)",
+                "evidence": {"explained_by": ["vanishing_gradient"]},
+                "steps": [0, 59],
+            },
             {
                 "kind": "dead_units",
                 "severity": "info",

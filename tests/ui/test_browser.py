@@ -152,6 +152,9 @@ def test_training_view_shows_doctor_results_and_checkpoints(page, ui_server):
     page.select_option(".c-layers select", "activation/mean")
     page.wait_for_function("document.querySelector('.heat-legend').innerText.includes('linear')")
     assert page.locator(".finding[data-kind='vanishing_gradient'] .fix").inner_text().startswith("Suggested fix")
+    symptom = page.locator(".finding[data-kind='vanishing_gradient'] .symptom[data-kind='loss_not_decreasing']")
+    assert "Loss is not decreasing" in symptom.inner_text()
+    assert page.locator(".finding[data-kind='loss_not_decreasing']").count() == 0
 
 
 def test_navigating_a_run_of_120k_executions(page, ui_server, browser_runs):

@@ -215,6 +215,8 @@ def test_findings_and_verdict(client):
     d = get(client, "/api/runs/train/findings")
     stored = [f for f in d["findings"] if f["origin"] == "stored"]
     assert [f["kind"] for f in stored] == ["vanishing_gradient", "dead_units"]
+    # the symptom it explains is folded under the cause, not listed on its own
+    assert [f["kind"] for f in stored[0]["symptoms"]] == ["loss_not_decreasing"]
     assert stored[0]["suggestion"] == "use Kaiming initialisation"
     assert stored[0]["evidence"] == {"first_last_ratio": 10000.0, "layer": "fc3"}
     # the analysis' own diagnosis of the stored scalars joins them; most severe first

@@ -9,7 +9,17 @@ from typing import Any
 import numpy as np
 
 # Importing the rule modules registers their rules.
-from trainguard.analysis import _layer_rules, _loss_rules, _param_rules, _run_rules  # noqa: F401
+from trainguard.analysis import (  # noqa: F401
+    _function_rules,
+    _graph_rules,
+    _layer_rules,
+    _loss_rules,
+    _param_rules,
+    _run_rules,
+    _time_rules,
+    _val_rules,
+)
+from trainguard.analysis._causes import explain
 from trainguard.analysis._context import Context, fmt, median
 from trainguard.analysis._outcome import outcome_finding
 from trainguard.analysis._rules import RULES
@@ -43,6 +53,18 @@ MONITOR_RULES = (
     "eval_mode_in_training",
     "train_mode_in_eval",
     "grad_scaler_skips",
+    # loss misuse read off the op graph (analysis/_graph_rules.py)
+    "softmax_before_cross_entropy",
+    "sigmoid_before_bce_with_logits",
+    "nll_loss_on_probabilities",
+    "nll_loss_on_logits",
+    "cross_entropy_targets_not_probabilities",
+    # custom autograd Functions checked live (analysis/_function_rules.py)
+    "custom_gradient_wrong",
+    "overfitting",
+    "labels_unrelated",
+    "train_val_leakage",
+    "gradient_explodes_through_time",
 )
 
 
@@ -75,35 +97,13 @@ def diagnose(
                 Finding(kind="rule_error", severity="info", title=f"rule {name} failed: {type(exc).__name__}: {exc}",
                         source="monitor")
             )
-    _fold_symptoms(findings)
+    explain(findings)  # causes over symptoms
     crash = outcome_finding(getattr(run, "meta", None) or {})
     if crash is not None:  # a script that raised is never healthy
         findings.append(crash)
     if not any(f.is_problem for f in findings):
         findings.append(_verdict(ctx))
     return sort_findings(findings)
-
-
-# A symptom of the loss curve that another finding explains is kept, as info, pointing at its cause.
-SYMPTOM_CAUSES = {
-    "loss_not_decreasing": (
-        "dead_units", "vanishing_gradient", "collapsed_activations", "saturated_activations",
-        "exploding_activations", "lr_too_low", "lr_too_high", "param_not_updating", "param_no_gradient",
-        "gradients_accumulating", "exploding_gradient",
-    ),
-    "loss_spike": ("exploding_gradient",),
-    "loss_oscillating": ("lr_too_high",),
-}
-
-
-def _fold_symptoms(findings: list[Finding]) -> None:
-    present = {f.kind for f in findings if f.is_problem}
-    for f in findings:
-        causes = [c for c in SYMPTOM_CAUSES.get(f.kind, ()) if c in present]
-        if causes and f.is_problem:
-            f.severity = "info"
-            f.evidence["explained_by"] = causes
-            f.title += f" (explained by {', '.join(causes)})"
 
 
 def _verdict(ctx: Context) -> Finding:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainguard.analysis._causes import fold
+from trainguard.analysis._graph_rules import recording_findings
 from trainguard.analysis._origin import op_base, origin
 from trainguard.analysis._outcome import script_outcome, with_outcome
 from trainguard.analysis._ranks import ranks_report
@@ -24,6 +26,33 @@ def source_excerpt(run: Run, file: str | None, line: int | None, context: int = 
     lines = text.splitlines()
     lo, hi = max(1, line - context), min(len(lines), line + context)
     return [{"line": n, "text": lines[n - 1], "current": n == line} for n in range(lo, hi + 1)]
+
+
+def compiled_summary(run: Run) -> dict[str, Any] | None:
+    """torch.compile graphs in the run: recorded op by op, or whole (compiled before the
+    recording started: trainguard could not instrument them), with where they were called."""
+    meta = run.meta
+    inside = meta.get("compiled_graphs") or []
+    opaque = []
+    for g in meta.get("compiled_opaque") or []:
+        item = dict(g)
+        first = run.executions(0, 1, op=g.get("op")) if g.get("op") else []
+        fr = run.user_frame(first[0]["stack_id"]) if first else None
+        item["file"], item["line"] = (fr["filename"], fr["lineno"]) if fr else (None, None)
+        opaque.append(item)
+    if not inside and not opaque:
+        return None
+    return {"recorded_inside": inside, "opaque": opaque, "full_tensor": meta.get("full_tensor_compiled"),
+            "opaque_note": OPAQUE_NOTE if opaque else None}
+
+
+# What a run holds of a graph compiled before the recording started (said by the report, --json
+# and the UI alike).
+OPAQUE_NOTE = ("Seen: each call as one execution (compiled_graph.<graph>) with the graph's inputs, where they came "
+               "from, and the summaries of the outputs it made, so a NaN or Inf it returns is found at the compiled function "
+               "that returned it. Not seen: the ops inside, their modules and lines, and infinities made and absorbed "
+               "inside (a mask). Compile after the recording starts (or call torch._dynamo.reset() first) to "
+               "record them op by op.")
 
 
 def _op_short(name: str | None) -> str:
@@ -73,7 +102,8 @@ def build_report(run: Run, findings: list | None = None, ranks: dict | None = No
         "meta": {k: meta.get(k) for k in ("mode", "buffer", "created", "ended", "argv", "torch", "trainguard",
                                            "exit_code", "error", "crash_step", "dropped", "writer_error", "lost",
                                            "record_errors", "ops_filter", "dtypes_filter", "executions", "recorded",
-                                           "check_numerics", "check_numerics_stop", "backend", "native_unsure")},
+                                           "check_numerics", "check_numerics_stop", "compiled_graphs",
+                                           "full_tensor_compiled", "backend", "native_unsure")},
         "counts": {
             "stored": run.count(),
             "steps": len(steps),
@@ -86,10 +116,12 @@ def build_report(run: Run, findings: list | None = None, ranks: dict | None = No
         "alerts": alerts,
         "damaged": run.damaged,
         "origin": origin_data,
+        "compiled": compiled_summary(run),
         "intended": intended_lines(alerts.get("intended") or []),
         "scalars": {name: series[-1] for name, series in run.scalars().items()},
         "crash": script_outcome(meta),
-        "findings": with_outcome(meta, [f for f in findings if f.get("source") != GUARD_SOURCE]),
+        # causes first, each with the findings it explains folded under it ("symptoms")
+        "findings": fold(with_outcome(meta, _with_graph(run, [f for f in findings if f.get("source") != GUARD_SOURCE]))),
         "guard": guard_report(run),
         "rank": getattr(run, "rank", None),
         "ranks": ranks if ranks is not None else ranks_report(run),
@@ -107,3 +139,11 @@ def guard_report(run: Run) -> dict[str, Any] | None:
     if meta is None and not events:
         return None
     return {"meta": meta, "events": events}
+
+
+def _with_graph(run: Run, findings: list[dict]) -> list[dict]:
+    """The stored findings, and the loss misuse a recording shows when none of them says it."""
+    try:
+        return findings + recording_findings(run, findings)
+    except Exception:  # a damaged recording must not hide the report
+        return findings

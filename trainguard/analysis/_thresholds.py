@@ -94,6 +94,40 @@ class Thresholds:
         0.5, "most parameters still holding the last step's gradient when the new one arrives: no zero_grad"
     )
     mode_min_fraction: float = _t(0.1, "eval mode during at least a tenth of the training steps is not a one-off")
+    # ---- the loss's op graph (loss misuse)
+    prob_tolerance: float = _t(
+        1e-3, "probability rows sum to 1 and log-probabilities stay <= 0 within float32 round-off, far inside 1e-3"
+    )
+    # ---- the validation pass
+    overfit_min_points: float = _t(4, "four evaluations: a best point and a sustained rise after it, not one noisy pass")
+    overfit_val_rise: float = _t(
+        0.1, "the validation loss 10% above its minimum, at the end and over most evaluations after it"
+    )
+    overfit_gap_growth: float = _t(0.1, "the validation-minus-training gap grew by a tenth of the best validation loss")
+    overfit_train_drop: float = _t(0.05, "while the training loss kept falling, by 5% or more after the best point")
+    chance_tolerance: float = _t(
+        0.1, "a validation loss within 10% of chance (or above: the label entropy, ln(classes) if unknown) is a guess"
+    )
+    chance_acc_margin: float = _t(0.03, "a validation accuracy within 3 points of the majority share (1/classes) is chance on a few hundred rows")
+    memorise_fraction: float = _t(
+        0.7, "a training loss under 70% of the chance loss while validation stays at chance is memorised"
+    )
+    leak_near: float = _t(
+        0.05, "a validation row within 5% of the typical row-to-row distance of a training row is a (near) copy"
+    )
+    leak_exact: float = _t(1e-6, "at this relative distance the signatures coincide: an exact copy")
+    leak_min_rows: float = _t(3, "one or two coincidences can be chance (repeated samples in real data)")
+    leak_min_fraction: float = _t(0.01, "one validation row in a hundred copied from training biases the validation loss")
+    leak_train_eval: float = _t(
+        0.9, "an evaluation batch made of training rows (90% or more) is a pass over the training data, not leakage"
+    )
+    # ---- gradients through a recurrent loop (a module called many times per forward)
+    tt_growth_per_call: float = _t(
+        1.1, "the gradient grows 10% per time step going back: over 50 steps that is 100x"
+    )
+    tt_explode_ratio: float = _t(
+        1e3, "the gradient reaching the first time step 1000x the last one's: early steps dominate every update"
+    )
 
     @classmethod
     def reasons(cls) -> dict[str, tuple[float, str]]:

@@ -1,5 +1,6 @@
 """The hot path: the dispatch-mode recorder, module attribution, stacks, summaries."""
 
+from trainguard.capture._compile import compile_backend
 from trainguard.capture._recorder import Recorder, check_numerics, disable, enable, record
 from trainguard.capture._steps import align as align_step
 from trainguard.capture._steps import before_next_optimizer_step, current_step, step
@@ -13,6 +14,7 @@ __all__ = [
     "align_step",
     "before_next_optimizer_step",
     "check_numerics",
+    "compile_backend",
     "current_step",
     "disable",
     "drive_step",

@@ -59,13 +59,13 @@ def unscaled(t: torch.Tensor) -> torch.Tensor | None:
 def _step(self, optimizer, *args, **kwargs):
     from trainguard.capture import _steps
 
+    if not self.is_enabled():  # a disabled scaler (nanoGPT's float32 recipe) has no scale: it just steps
+        return _originals["step"](self, optimizer, *args, **kwargs)
     before, step = _steps.clock.optimizer_calls, _steps.clock.step
-    scale = self._scale
+    scale = getattr(self, "_scale", None)  # None before the first scale() (lazily made)
     if isinstance(scale, torch.Tensor):
         scale = scale.detach().reshape(-1)[0].clone()  # update() halves or doubles it in place; no sync
     out = _originals["step"](self, optimizer, *args, **kwargs)
-    if not self.is_enabled():
-        return out
     ran = _steps.clock.optimizer_calls != before
     for fn in list(step_listeners):
         try:

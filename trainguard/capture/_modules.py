@@ -14,7 +14,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-_compiling = torch.compiler.is_dynamo_compiling
+_is_compiling = torch.compiler.is_compiling
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    """torch.compile(model) returns an OptimizedModule holding the model as ``_orig_mod``."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
+def _type_name(module: nn.Module) -> str:
+    return type(module._orig_mod).__name__ if _is_wrapper(module) else type(module).__name__
 
 
 class ModuleTracker:
@@ -55,18 +64,23 @@ class ModuleTracker:
         return s
 
     def _pre(self, module: nn.Module, args) -> None:
-        if _compiling():  # Dynamo traces global hooks: trainguard's own code is never traced
+        if _is_compiling():  # traced by Dynamo: compiled graphs carry nn_module_stack instead
             return
         stack = self._stack()
         entry = self._ids.get(module)
         if entry is None:
+            if isinstance(module, torch.fx.GraphModule):
+                # A compiled graph run as a module (the eager and aot_eager backends): its ops
+                # belong to the module that called it.
+                stack.append((stack[-1][0] if stack else None, module))
+                return
             entry = self._name(module, stack[-1][1] if stack else None)
         stack.append((entry[0], module))
         if self.on_change is not None:
             self.on_change(entry[0])
 
     def _post(self, module: nn.Module, args, output) -> None:
-        if _compiling():
+        if _is_compiling():
             return
         stack = self._stack()
         # Pop back to this module: a forward that raised may have left children on the stack.
@@ -75,7 +89,8 @@ class ModuleTracker:
             if m is module:
                 break
         if self.on_change is not None:
-            self.on_change(stack[-1][0] if stack else 0)
+            # A compiled graph's entry carries its caller's id, None outside any module.
+            self.on_change((stack[-1][0] if stack else None) or 0)
 
     def current(self) -> int | None:
         """Interned id of the innermost module running on this thread (None outside modules)."""
@@ -85,6 +100,8 @@ class ModuleTracker:
     # -------------------------------------------------------------- naming
     def _name(self, module: nn.Module, parent: nn.Module | None) -> tuple[int, str]:
         path = ""
+        if parent is not None and parent not in self._ids:
+            parent = None  # called from inside a compiled graph run as a module
         if parent is not None:
             parent_path = self._ids[parent][1]
             child = None
@@ -92,18 +109,29 @@ class ModuleTracker:
                 if sub is module and name:
                     child = name
                     break
+            if child is not None and _is_wrapper(parent):
+                # torch.compile's wrapper is not a level of the model: its _orig_mod is the
+                # model itself (the same path), _orig_mod.x is x.
+                child = child.split(".", 1)[1] if "." in child else None
+                if child is None:
+                    entry = (self.intern(parent_path, _type_name(module)), parent_path)
+                    with self.lock:
+                        self._ids[module] = entry
+                    self._name_tensors(module, parent_path)
+                    return entry
             if child is None:
                 # Called from inside a parent that does not own it: name it by its type.
                 path = f"{parent_path}.<{type(module).__name__}>" if parent_path else f"<{type(module).__name__}>"
             else:
                 path = f"{parent_path}.{child}" if parent_path else child
-        entry = (self._intern(path, type(module).__name__), path)
+        entry = (self.intern(path, _type_name(module)), path)
         with self.lock:
             self._ids[module] = entry
         self._name_tensors(module, path)
         return entry
 
-    def _intern(self, path: str, type_name: str) -> int:
+    def intern(self, path: str, type_name: str) -> int:
+        """The id of module ``path`` of type ``type_name`` (announced once to the writer)."""
         key = (path, type_name)
         mid = self._interned.get(key)
         if mid is None:
@@ -114,8 +142,12 @@ class ModuleTracker:
 
     def _name_tensors(self, module: nn.Module, path: str) -> None:
         prefix = f"{path}." if path else ""
-        for kind, items in (("param", module.named_parameters(recurse=False)),
-                            ("buffer", module.named_buffers(recurse=False))):
+        # A compiled model's modules never run eagerly: name all its tensors through the wrapper.
+        recurse = _is_wrapper(module)
+        if recurse:
+            module = module._orig_mod
+        for kind, items in (("param", module.named_parameters(recurse=recurse)),
+                            ("buffer", module.named_buffers(recurse=recurse))):
             for name, t in items:
                 if t is not None and id(t) not in self.named_tensors:
                     self.named_tensors[id(t)] = (weakref.ref(t), prefix + name, kind)
@@ -145,3 +177,12 @@ class ModuleTracker:
 
     def module_of_id(self) -> dict[int, tuple[str, str]]:
         return {mid: key for key, mid in self._interned.items()}
+
+
+def _keep_dynamo_out() -> None:
+    from trainguard.capture._compile import keep_dynamo_out
+
+    keep_dynamo_out(ModuleTracker._pre, ModuleTracker._post)
+
+
+_keep_dynamo_out()

@@ -38,12 +38,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainguard.capture import _amp_tap, _monitor_hooks, _monitor_tap, _steps, _swap
+from trainguard.capture import (
+    _amp_tap,
+    _compile_monitor,
+    _loss_watch,
+    _monitor_hooks,
+    _monitor_tap,
+    _steps,
+    _swap,
+)
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
+from trainguard.capture._gradcheck import LiveGradcheck
+from trainguard.capture._monitor_eval import EvalWatch
 from trainguard.capture._monitor_grads import GradientWatch, pending_refs, used
 from trainguard.capture._monitor_hooks import HookMixin
+from trainguard.capture._monitor_leak import LeakWatch
 from trainguard.capture._monitor_model import Param, Root, named_models
 from trainguard.capture._monitor_ship import Shipper
+from trainguard.capture._monitor_time import TimeWatch
 from trainguard.store import acquire_writer, default_name, release_writer
 from trainguard.store import rank_dir as _rank_dir
 
@@ -82,6 +94,10 @@ class Monitor(HookMixin):
     made them), or what you pass to :meth:`step`.
 
     ``histograms``: True for every layer and parameter, or a list of layer/parameter names.
+    ``validation`` (default True) watches the evaluation passes the script runs (under
+    ``no_grad`` or in eval mode): the loss and argmax accuracy computed there become the scalars
+    ``val_loss`` / ``val_accuracy``, and sampled input rows are hashed to find validation samples
+    that copy training samples.
     Writes to ``logdir`` (shared with ``trainguard.record`` when both name the same directory);
     by default ``runs/monitor-<date>-<time>``; ``append=True`` continues a run already there (a
     resumed training job). ``start_step``: the step training is at (a monitor started mid-training;
@@ -92,6 +108,11 @@ class Monitor(HookMixin):
     The monitor changes nothing a model can do: ``torch.save(model)``, ``pickle`` and
     ``copy.deepcopy`` see the model without trainguard's hooks, and ``torch.jit.trace`` traces
     the model's own graph.
+
+    ``gradcheck`` (default True): the first time a custom ``torch.autograd.Function`` runs before
+    a backward pass, check its ``backward`` once against central differences in float64 on a few
+    rows of its inputs, on a background thread (at most 2 s per Function); a wrong gradient is an
+    ``error`` finding ``custom_gradient_wrong``.
 
     Example::
 
@@ -118,9 +139,11 @@ class Monitor(HookMixin):
         diagnose: bool | Callable = True,
         thresholds: Any = None,
         overwrite: bool = False,
+        gradcheck: bool = True,
         append: bool = False,
         start_step: int | None = None,
         rank_dir: bool = True,
+        validation: bool = True,
     ):
         _validate(every, bins, histograms)
         if start_step is not None and (isinstance(start_step, bool) or not isinstance(start_step, int)
@@ -151,6 +174,7 @@ class Monitor(HookMixin):
         self._auto = model is None
         self._discover_handle = None
         self._layer_hooks_on = False
+        self._hooks_pinned = False  # once Dynamo compiles, layer hooks stay (see compiling)
         self._order: list[str] = []  # layers in the order their forward ran
         self._attach_listeners: list[Callable] = []
 
@@ -182,6 +206,11 @@ class Monitor(HookMixin):
         }
         self.modes.update({k: v for k, v in (self._meta.get("modes") or {}).items() if k in self.modes})
         self._modes_written: dict = {}
+        # The validation pass (see _monitor_eval, _monitor_leak): its loss and accuracy per step,
+        # and signatures of sampled input rows in each mode.
+        self._eval = EvalWatch() if validation else None
+        self._leak = LeakWatch() if validation else None
+        self._time = TimeWatch(self._out)  # gradients through a recurrent loop
 
         if _steps.clock.users == 0:
             _steps.reset(start_step or 0)
@@ -204,7 +233,14 @@ class Monitor(HookMixin):
             _monitor_tap.add_listener(event, fn)
         _swap.hold(self._release)
         self._write_meta(status="running")
+        self._loss_watch = _loss_watch.acquire(self._writer)
+        self._loss_watch.modules = self._probability_layers
+        # The live gradient check of custom autograd Functions (capture/_gradcheck.py).
+        self._gradcheck = LiveGradcheck(self._writer) if gradcheck else None
+        if self._gradcheck is not None:
+            _monitor_tap.add_listener("loss_graph", self._gradcheck.on_backward)
 
+        self._compiled_taps: list[tuple] = []  # compiled code's hooks (see _compile_monitor)
         for prefix, module in models:
             self._attach(module, prefix)
         self._begin_step(self._cur)
@@ -312,6 +348,10 @@ class Monitor(HookMixin):
             with self._no_record():
                 if self._backward_step == self._cur or self._auto_losses:
                     self._finish_step(self._cur)  # a last step whose optimizer never ran
+                elif self._eval is not None:  # an evaluation after the last training step
+                    pending = self._eval.take()
+                    if pending:
+                        self._out.scalars.setdefault(self._cur, {}).update(pending)
                 self._out.ship()
                 self._out.resolve(wait=True)
         finally:
@@ -323,11 +363,18 @@ class Monitor(HookMixin):
             for event, fn in self._taps:
                 _monitor_tap.remove_listener(event, fn)
             _steps.release()
+            _compile_monitor.unwatch(self)
             _monitor_hooks.release_pickle_hiding()
             _swap.unhold(self._release)
+            _loss_watch.release(self._loss_watch)
+            if self._gradcheck is not None:
+                _monitor_tap.remove_listener("loss_graph", self._gradcheck.on_backward)
+                self._gradcheck.close()
+            if self._eval is not None:
+                self._eval.close()
             _OPEN.discard(self)
         ended = ending(error, self._cur)
-        self._write_meta(final_step=self._cur, status=ended.get("status", "finished"))
+        self._write_meta(final_step=self._cur, status=ended.get("status", "finished"), **self._validation_meta())
         if ended:  # the run's own record of the crash, which the diagnosis reads (analysis._outcome)
             self._writer.set_meta(**ended)
         if self.diagnose:
@@ -349,6 +396,11 @@ class Monitor(HookMixin):
 
         return restore
 
+    def _probability_layers(self) -> list[dict]:
+        """Layers that turn scores into probabilities (the loss-graph evidence names them)."""
+        return [{"name": la.name, "type": la.type} for r in self._roots for la in r.layers
+                if la.type in _loss_watch.PROBABILITY_MODULES]
+
     # ------------------------------------------------------------------ metadata
     def _write_meta(self, **values: Any) -> None:
         meta = dict(self._meta)
@@ -366,6 +418,8 @@ class Monitor(HookMixin):
     def _on_backward(self, loss: torch.Tensor | None) -> None:
         self._maybe_end_manual_step()  # a backward after a completed update starts the next step
         self._backward_step = self._cur
+        if self._eval is not None:
+            self._eval.on_backward()
         if _steps.clock.closure_call > 1:
             return  # a closure called again (LBFGS) evaluates the moved weights: not the step's loss
         if loss is not None and self.capture_loss and not self._user_gives_loss and self._roots:
@@ -457,13 +511,16 @@ class Monitor(HookMixin):
         self._begin_step(new_step)
 
     def _begin_step(self, step: int) -> None:
+        if _compile_monitor.watch(self):  # Dynamo is imported: something may be compiled
+            self._hooks_pinned = True
         self._recording = step % self.every == 0
-        self._set_layer_hooks(self._recording)
+        self._set_layer_hooks(self._recording or self._hooks_pinned)
         self._grads.unhook_params()
         if self._recording:
             self._grads.hook_params(self._params, lambda: self._cur)
-        # Roots are looked for while none is known, and at recording steps (a model built later).
-        self._set_discovery(self._auto and (self._recording or not self._roots))
+        # Roots are looked for while none is known, and at recording steps (a model built later);
+        # once Dynamo compiles, always: it guards on whether global hooks exist.
+        self._set_discovery(self._auto and (self._recording or not self._roots or self._hooks_pinned))
 
     def _finish_step(self, s: int) -> None:
         # A step in which nothing trained (a framework's clock jumped past it, evaluation only)
@@ -479,6 +536,8 @@ class Monitor(HookMixin):
             values["loss"] = ls[0] if len(ls) == 1 else torch.stack([v.float() for v in ls]).sum()
         values.update(self._grads.finish(self._params, s, recording))
         values.update(self._amp)
+        if self._eval is not None:
+            values.update(self._eval.take())
         if values:
             self._out.scalars[s] = values
         if recording and not self._initial_written and self._params:
@@ -487,6 +546,8 @@ class Monitor(HookMixin):
             self._initial_written = True
             self._write_meta(weights_initial=bool(s == 0 and not self._grads.optimizer_had_state),
                              first_recording=s)
+        if self._recording:
+            self._time.finish(s)
         self._auto_losses = []
         self._amp = {}
         self._pending_end = None
@@ -499,6 +560,15 @@ class Monitor(HookMixin):
         if self.modes != self._modes_written:
             self._modes_written = dict(self.modes)
             self._write_meta(modes=dict(self.modes), order=list(self._order))
+
+    def _validation_meta(self) -> dict:
+        if self._eval is None:
+            return {}
+        try:
+            return {"validation": dict(self._eval.summary(), leak=self._leak.summary())}
+        except Exception:
+            log.exception("trainguard monitor: summarising the validation pass failed")
+            return {}
 
     # ------------------------------------------------------------------ findings
     def _store_findings(self) -> None:

@@ -227,12 +227,14 @@ class GradientWatch:
         self._hooks = []
 
     def _make_hook(self, p: Param, step_of: Callable[[], int]):
+        from trainguard.capture._compile import keep_dynamo_out
         from trainguard.capture._monitor_tap import quiet
 
         def hook(grad):
             with quiet():
                 self._stale(p, step_of())
 
+        keep_dynamo_out(hook)
         return hook
 
     def _stale(self, p: Param, step: int) -> None:

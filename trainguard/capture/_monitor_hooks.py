@@ -11,7 +11,9 @@ objects, and while a monitor is open ``copyreg`` reduces an ``OrderedDict`` hold
 :class:`HookMixin` is the part of :class:`~trainguard.capture._monitor.Monitor` that attaches:
 roots (a forward pre-hook each: train/eval mode, the model's input, the end of a step in a loop
 without an optimizer), layers (forward hooks at recording steps only) and discovery (a global
-forward pre-hook while no model is known, ``Monitor(None)``).
+forward pre-hook while no model is known, ``Monitor(None)``). Inside code that ``torch.compile``
+traces, the hooks only emit ``trainguard::tap`` and the compiled code calls the monitor back at
+run time (see ``_compile_monitor``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trainguard.capture import _monitor_tap
+from trainguard.capture import _compile_monitor, _monitor_tap
+from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import activation_stats, first_tensor, histogram, input_stats
 from trainguard.capture._monitor_model import Layer, Root, build_root, structure
 
@@ -34,18 +37,38 @@ _tracing_state = torch._C._get_tracing_state
 
 
 class ModuleHook:
-    """A hook trainguard put on a module: ``fn(arg, *hook_args)``; left out when the module is pickled."""
+    """A hook trainguard put on a module: ``fn(arg, *hook_args)``; left out when the module is pickled.
 
-    __slots__ = ("fn", "arg")
+    ``token`` (see ``_compile_monitor``): while Dynamo traces the hook, it emits a tap of the
+    module's tensors instead, through which the compiled code calls the monitor back."""
 
-    def __init__(self, fn: Callable, arg=None):
+    __slots__ = ("fn", "arg", "token")
+
+    def __init__(self, fn: Callable, arg=None, token: int | None = None):
         self.fn = fn
         self.arg = arg
+        self.token = token
 
     def __call__(self, *args):
+        if torch.compiler.is_compiling():  # traced into a graph: run there as a tap, never as Python
+            if self.token is not None:
+                _trace_tap(self.token, *args)
+            return None
         if _tracing_state() is not None:  # torch.jit.trace: the traced graph is the model's alone
             return None
         return self.fn(self.arg, *args)
+
+
+def _trace_tap(token: int, module, args, *output) -> None:
+    # A root's pre-hook (no output): the model's first tensor input; a layer's forward hook: its
+    # output, then its first input. ``grad``: the compiled forward itself runs with grad off.
+    if not output:
+        x = next((t for t in map(first_tensor, args) if t is not None), None)
+        _compile_monitor.tap([] if x is None else [x], token, torch.is_grad_enabled())
+        return
+    x, inp = first_tensor(output[0]), first_tensor(args)
+    if x is not None:
+        _compile_monitor.tap([x] if inp is None else [x, inp], token, torch.is_grad_enabled())
 
 
 _lock = threading.Lock()
@@ -89,6 +112,8 @@ class HookMixin:
 
     # ------------------------------------------------------------------ attaching
     def _attach(self, module: nn.Module, prefix: str) -> Root:
+        wrapper, module = module, getattr(module, "_orig_mod", module)  # torch.compile(model): the model
+        self._known.add(wrapper)
         # A module that contains roots attached earlier (called on its own first) replaces them.
         inner = [r for r in self._roots if r.ref() is not None and any(r.ref() is m for m in module.modules())]
         for r in inner:
@@ -96,7 +121,11 @@ class HookMixin:
         root = build_root(module, prefix)
         for m in module.modules():
             self._known.add(m)
-        root.handle = module.register_forward_pre_hook(ModuleHook(self._root_pre, root))
+        root.handle = module.register_forward_pre_hook(ModuleHook(self._root_pre, root, _compile_monitor.token(module)))
+        self._listen(module, lambda ts, grad: self._root_pre(root, root.ref(), (ts[0],) if ts else (), grad))
+        for la in root.layers:
+            if la.ref() is not None:
+                self._listen(la.ref(), lambda ts, grad, la=la: self._on_layer(la, la.ref(), ts[1:], ts[0], grad))
         self._roots.append(root)
         self._params = [p for r in self._roots for p in r.params]
         if self._layer_hooks_on:
@@ -113,7 +142,17 @@ class HookMixin:
                 log.exception("trainguard monitor: attach listener failed")
         return root
 
+    def _listen(self, module: nn.Module, fn: Callable) -> None:
+        # What the compiled code's taps of this module call (see _compile_monitor).
+        tok = _compile_monitor.token(module)
+        _compile_monitor.listen(tok, fn)
+        self._compiled_taps.append((tok, fn, id(module)))
+
     def _detach_root(self, root: Root) -> None:
+        mods = {id(m) for m in (root.ref(), *(la.ref() for la in root.layers)) if m is not None}
+        for tap in [t for t in self._compiled_taps if t[2] in mods]:
+            _compile_monitor.unlisten(tap[0], tap[1])
+            self._compiled_taps.remove(tap)
         if root.handle is not None:
             root.handle.remove()
         for la in root.layers:
@@ -131,7 +170,8 @@ class HookMixin:
 
     def _discover(self, module: nn.Module, args) -> None:
         # A global forward pre-hook (model=None): the outermost module with parameters is a root.
-        if module in self._known or module in self._no_params or _tracing_state() is not None:
+        if (torch.compiler.is_compiling() or module in self._known or module in self._no_params
+                or _tracing_state() is not None):
             return
         if not any(True for _ in module.parameters()):
             self._no_params.add(module)
@@ -159,19 +199,29 @@ class HookMixin:
             self._discover_handle = None
 
     # ------------------------------------------------------------------ root hook
-    def _root_pre(self, root: Root, module, args) -> None:
-        if root.ref() is not module:  # a shallow copy shares the hook dict
+    def _root_pre(self, root: Root, module, args, grad: bool | None = None) -> None:
+        # ``grad``: whether grad mode was on where a compiled model's hook was traced (see _trace_tap).
+        if module is None or root.ref() is not module:  # a shallow copy shares the hook dict
             return
         with _monitor_tap.quiet():
             try:
-                self._root_pre_quiet(root, module, args)
+                self._root_pre_quiet(root, module, args, grad)
             except Exception:  # observing training never kills training
                 log.exception("trainguard monitor: root hook failed")
 
-    def _root_pre_quiet(self, root: Root, module, args) -> None:
-        grad_on = torch.is_grad_enabled()
+    def _root_pre_quiet(self, root: Root, module, args, grad: bool | None = None) -> None:
+        grad_on = torch.is_grad_enabled() if grad is None else grad
         if grad_on:
             self._maybe_end_manual_step()  # a training forward starts the next step
+        if self._eval is not None:
+            # A no-grad forward evaluates only a model that is being trained: a target, teacher
+            # or EMA network run under no_grad is part of the training step.
+            if grad_on:
+                root.trained = True
+            if root.trained:
+                self._eval.on_forward(grad_on, module.training)
+                self._leak.on_forward(next((x for x in map(first_tensor, args) if x is not None), None),
+                                      not grad_on, self._cur)
         if root.mode_modules:
             mods = [m() for m in root.mode_modules]
             n_train = sum(1 for m in mods if m is not None and m.training)
@@ -185,6 +235,7 @@ class HookMixin:
                     if self.modes["first_eval_forward_in_train"] is None:
                         self.modes["first_eval_forward_in_train"] = self._cur
         if self._recording and grad_on:
+            self._time.on_root_forward()
             name = root.prefix + "<input>"
             if name not in self._inputs_seen:
                 x = None
@@ -211,7 +262,7 @@ class HookMixin:
         m = layer.ref()
         if m is None or layer.handle is not None:
             return
-        layer.handle = m.register_forward_hook(ModuleHook(self._on_layer, layer))
+        layer.handle = m.register_forward_hook(ModuleHook(self._on_layer, layer, _compile_monitor.token(m)))
 
     def _set_layer_hooks(self, on: bool) -> None:
         if on == self._layer_hooks_on:
@@ -229,10 +280,23 @@ class HookMixin:
         h = self.histograms
         return bool(h) and (h is True or name in h)
 
-    def _on_layer(self, layer: Layer, module, args, output) -> None:
-        if not self._recording or not torch.is_grad_enabled() or layer.seen_step == self._cur:
+    def compiling(self, on: bool) -> None:
+        """Dynamo starts (True) or ends a compilation. The layer hooks must be there to be traced,
+        and stay from then on: Dynamo guards on the number of hooks, so toggling them per step
+        (as in eager code) would recompile at every step."""
+        if on:
+            self._hooks_pinned = True
+            self._set_layer_hooks(True)
+            self._set_discovery(self._auto)
+
+    def _on_layer(self, layer: Layer, module, args, output, grad: bool | None = None) -> None:
+        if not self._recording or not (torch.is_grad_enabled() if grad is None else grad):
             return
         with _monitor_tap.quiet():
+            # Every call of a layer called in a loop is followed (gradients through time); its
+            # statistics come from one call (see TimeWatch.on_call).
+            if not self._time.on_call(layer.name, output) or layer.seen_step == self._cur:
+                return
             if self._input_wanted:
                 name = self._input_wanted.pop(layer.prefix, None)
                 x = first_tensor(args) if name else None
@@ -265,3 +329,7 @@ class HookMixin:
             self._out.stats.append((desc, raw))
         except Exception:
             log.exception("trainguard monitor: layer hook failed on %s", layer.name)
+
+
+# Called between compiled graphs (after a graph break), Dynamo would compile these frames themselves.
+keep_dynamo_out(ModuleHook.__call__, HookMixin._discover, HookMixin._root_pre, HookMixin._on_layer)

@@ -45,7 +45,7 @@ class Param:
 class Root:
     """A top-level model: its layers, parameters and the modules whose output depends on train/eval mode."""
 
-    __slots__ = ("ref", "prefix", "mode_modules", "handle", "layers", "params")
+    __slots__ = ("ref", "prefix", "mode_modules", "handle", "layers", "params", "trained")
 
     def __init__(self, module: nn.Module, prefix: str):
         self.ref = weakref.ref(module)
@@ -54,6 +54,7 @@ class Root:
         self.handle = None
         self.layers: list[Layer] = []
         self.params: list[Param] = []
+        self.trained = False  # a forward with gradients enabled has run (see the validation pass)
 
 
 def build_root(module: nn.Module, prefix: str) -> Root:

@@ -4,7 +4,9 @@
   wrapper sees both spellings): the scalar ``backward()`` is called on (unscaled when it came
   from ``GradScaler.scale``, see :mod:`._amp_tap`), before the pass (``"backward"``), and the end
   of the pass (``"after_backward"``). Only outermost calls are announced: gradient
-  checkpointing runs nested ``backward`` calls inside the outer pass.
+  checkpointing runs nested ``backward`` calls inside the outer pass. ``"loss_graph"`` gets the
+  scalar loss itself, graph attached, before the pass frees what it saved (the loss-graph watch
+  and the live gradient check read it; a listener must not keep it).
 - ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (``"clip"``, with the parameters,
   before they are clipped): frameworks clip right before the update and log the norm before
   clipping, so the gradients are complete and not yet changed here. Code that imported the
@@ -35,7 +37,7 @@ from trainguard.capture import _amp_tap
 log = logging.getLogger("trainguard.monitor")
 
 _lock = threading.Lock()
-_EVENTS = ("root", "backward", "after_backward", "clip")
+_EVENTS = ("root", "backward", "after_backward", "clip", "loss_graph")
 _listeners: dict[str, list[Callable]] = {e: [] for e in _EVENTS}
 _originals: dict[str, Callable] = {}
 # True while an announced backward pass runs: checkpointed segments call backward inside it, on
@@ -64,6 +66,8 @@ def _backward(tensors, grad_tensors=None, *args, **kwargs):
                 loss = _amp_tap.unscaled(tensors)
                 loss = (tensors if loss is None else loss).detach().reshape(())
     _announce("backward", loss)
+    if loss is not None and tensors.grad_fn is not None:
+        _announce("loss_graph", tensors)
     _in_backward = True
     try:
         out = _originals["backward"](tensors, grad_tensors, *args, **kwargs)
@@ -105,6 +109,10 @@ def quiet():
 
 
 def _install() -> None:
+    from trainguard.capture._compile import keep_dynamo_out
+
+    # Dynamo must not trace trainguard's wrappers as frames of a compiled training step.
+    keep_dynamo_out(_backward, *_WRAPPERS.values())
     _originals["backward"] = torch.autograd.backward
     torch.autograd.backward = _backward
     for name, wrapper in _WRAPPERS.items():
@@ -127,7 +135,8 @@ def add_listener(event: str, fn: Callable) -> None:
     """``"root"``: ``fn(tensors)`` with backward's first argument (a tensor or a sequence of
     them) before an outermost backward, unguarded; ``"backward"``: ``fn(loss_or_None)`` before
     it (``loss`` a detached 0-d tensor, unscaled); ``"after_backward"``: ``fn()`` when it returned; ``"clip"``: ``fn(params)``
-    before gradients are clipped."""
+    before gradients are clipped; ``"loss_graph"``: ``fn(loss)`` before that backward, with the
+    floating 0-d loss itself (as given to ``backward``, scaled under AMP), graph attached."""
     if event not in _listeners:
         raise ValueError(f"event must be one of {_EVENTS}, got {event!r}")
     with _lock:

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from trainguard._errors import NonFiniteError
-from trainguard.capture import _monitor_tap, _numerics, _reads, _steps, _swap
+from trainguard.capture import _compile, _loss_watch, _monitor_tap, _numerics, _reads, _steps, _swap
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._local import local as _local
 from trainguard.capture._local import written as _written
@@ -65,6 +65,7 @@ _get_seq_nr = torch._C._autograd._get_sequence_nr
 _OpOverload = torch._ops.OpOverload
 _current_node = torch._C._current_autograd_node
 _Tensor = torch.Tensor
+_FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 _strided = torch.strided
 _weakref = weakref.ref
 _grad_enabled = torch.is_grad_enabled
@@ -83,6 +84,10 @@ FLUSH_SECONDS = 0.25
 FWD_NODES_MAX = 200_000
 
 BACKENDS = ("auto", "native", "python")
+
+# The executions before each of the first backward passes' loss that the circular buffer keeps:
+# the loss function's op and the ops that made its input (analysis/_graph_rules.py reads them).
+LOSS_PIN_WINDOW = 48
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -212,12 +217,22 @@ class Recorder(HarmHooks):
         self._thread = threading.get_ident()
         self.deferred: dict[torch.device, list[torch.Tensor]] = {}
         self.deferred_used = False
+        # Compiled graphs (see _compile_run): their summary matrices waiting for the next flush,
+        # a count of compiled code running now (its few dispatched ops pass unrecorded), and the
+        # calls of graphs compiled before the recording, which are recorded whole.
+        self.graph_summaries: list[tuple] = []
+        self.in_graph = 0
+        self.opaque_graphs: dict[str, int] = {}
+        self.compiled_graphs: dict[str, list[int]] = {}  # label -> [ops, calls]
         self.last_flush = time.monotonic()
         self.stacks = StackInterner(self._on_new_stack)
         self.modules = ModuleTracker(self._on_new_module)
         self._mode: _DispatchMode | None = None
         self._lock = threading.RLock()
         self.active = False
+        self.loss_watch: _loss_watch.LossWatch | None = None
+        self.loss_pins: list[int] = []
+        self.losses_pinned = 0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Recorder:
@@ -251,6 +266,8 @@ class Recorder(HarmHooks):
         _steps.clock.on_step.append(self._on_step)
         if self.writer is not None:
             self.writer.idle_callbacks.append(self._flush_if_stale)
+            self.loss_watch = _loss_watch.acquire(self.writer)
+            _monitor_tap.add_listener("loss_graph", self._pin_loss)
         self.modules.install()
         _swap.hold(self._release)
         _reads.install(self)
@@ -265,6 +282,7 @@ class Recorder(HarmHooks):
         else:
             self._mode = _DispatchMode(self)
             self._mode.__enter__()
+        _compile.install(self)
         self.active = True
         return self
 
@@ -273,6 +291,7 @@ class Recorder(HarmHooks):
             return
         self.active = False
         try:
+            _compile.uninstall(self)
             if self._native is not None:
                 self._native.stop()
             else:
@@ -286,6 +305,10 @@ class Recorder(HarmHooks):
             if self._on_step in _steps.clock.on_step:
                 _steps.clock.on_step.remove(self._on_step)
             _steps.release()
+            _monitor_tap.remove_listener("loss_graph", self._pin_loss)
+            if self.loss_watch is not None:
+                _loss_watch.release(self.loss_watch)
+                self.loss_watch = None
             self.flush()
             if self.writer is not None:
                 if self._flush_if_stale in self.writer.idle_callbacks:
@@ -298,6 +321,7 @@ class Recorder(HarmHooks):
                         final_meta["native_unsure"] = counts["unsure"]
                 if self.failures:
                     final_meta["record_errors"] = self.failures
+                final_meta.update(_compile.run_meta(self))
                 release_writer(
                     self.writer,
                     executions=self.seq,
@@ -353,6 +377,10 @@ class Recorder(HarmHooks):
             pending = self.pending
             n = len(pending)
             pins, resend, counts, urgent = self.taint.take() if self.judge_here else ([], [], [], False)
+            if self.loss_pins:
+                k = len(self.loss_pins)
+                pins = pins + self.loss_pins[:k]
+                del self.loss_pins[:k]
             meta = self.taint.meta() if self.judge_here else {}
             if not (n or pins or resend or counts or meta):
                 return
@@ -394,6 +422,15 @@ class Recorder(HarmHooks):
             if meta:
                 w.set_meta(**meta)
 
+    def _pin_loss(self, loss: torch.Tensor) -> None:
+        """Before one of the first backward passes: keep the ops that made the loss (see LOSS_PIN_WINDOW)."""
+        if self.losses_pinned >= _loss_watch.INSPECTIONS or threading.get_ident() != self._thread:
+            return
+        self.losses_pinned += 1
+        p = self.producers.get(id(loss))
+        end = p[1] if p is not None and p[0]() is loss else self.seq - 1
+        self.loss_pins.extend(range(max(0, end - LOSS_PIN_WINDOW), end + 1))
+
     def _flush_if_stale(self) -> None:
         """Called by the writer thread when idle: a loop that stopped making ops still reaches disk.
 
@@ -407,16 +444,17 @@ class Recorder(HarmHooks):
 
     def _ship_deferred(self) -> list | None:
         """Stack the accelerator summaries and start their copy to the host; no waiting here."""
+        out = self.graph_summaries  # compiled graphs' matrices: copies started at each call
+        self.graph_summaries = []
         if not self.deferred:
-            return None
+            return out or None
         # Not recorded: a step's flush runs while the dispatch mode is active, and its own stack
         # would add a row to the very batch being shipped (the next batch's rows would then no
         # longer match its records). The native core is paused by its caller.
         with _disable_current_modes():
-            return self._ship_deferred_now()
+            return self._ship_deferred_now(out)
 
-    def _ship_deferred_now(self) -> list:
-        out = []
+    def _ship_deferred_now(self, out: list) -> list:
         for dev, tensors in self.deferred.items():
             stacked = torch.stack(tensors)
             event = None
@@ -496,8 +534,14 @@ class _DispatchMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # Otherwise the base class wraps __torch_dispatch__ in a dynamo-disable shim that costs
-        # microseconds per op; this mode never runs under torch.compile tracing.
+        # microseconds per op; keep_dynamo_out (below the class) marks its code instead.
         return False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile compiles while this mode is active (with the mode off) instead of falling
+        # back to eager; compiled graphs record their own ops (see _compile).
+        return True
 
     def __init__(self, rec: Recorder):
         super().__init__()
@@ -507,7 +551,7 @@ class _DispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # The hot path: locals instead of attribute lookups, no helper calls for common cases.
         r = self.rec
-        if r is None:  # a forked child (a DataLoader worker): not this recording's process
+        if r is None or r.in_graph:  # a forked child (a DataLoader worker), or compiled code running
             return func(*args, **(kwargs or {}))
         info = r.op_info.get(id(func))
         if info is None:
@@ -518,12 +562,13 @@ class _DispatchMode(TorchDispatchMode):
         nr = _get_seq_nr()
         out = info[4](*args, **kwargs) if kwargs else info[4](*args)
         try:
+            outs = out if type(out) in (tuple, list) else (out,)
+            if outs and type(outs[0]) is _FakeTensor:  # a compiler tracing (a lazy backward compile)
+                return out
             seq = r.seq
             r.seq = seq + 1
             if info[9]:
                 outs = _written(info[0], args, out)
-            else:
-                outs = out if type(out) in (tuple, list) else (out,)
             producers = r.producers
             name = info[0]
             if not info[1]:  # filtered out: consumers still learn who made their inputs
@@ -717,10 +762,14 @@ _live_modes: weakref.WeakSet = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for mode in list(_live_modes):
         mode.rec = None
+    _compile.reset_after_fork()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_compile.keep_dynamo_out(_DispatchMode.__torch_dispatch__)
 
 
 def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:

@@ -31,6 +31,7 @@ class StackInterner:
         self._last_lasti = -1
         self._last_prefix = 0
         self._on_new = on_new_stack
+        self._symbolic: dict[tuple, int] = {}  # frames -> id, for stacks known only as text
 
     def capture(self, skip: int = 1) -> int | None:
         """Intern the caller's stack (minus ``skip`` frames) and return its id.
@@ -85,6 +86,17 @@ class StackInterner:
         """Drop the cached parent frame (at the end of a recording)."""
         self._last_parent = None
 
+    def intern(self, frames: tuple[tuple[str, int, str], ...]) -> int:
+        """The id of a stack given as frames (file, line, function), outermost first: the stacks
+        of compiled graph nodes, parsed from their ``stack_trace``."""
+        sid = self._symbolic.get(frames)
+        if sid is None:
+            sid = self._symbolic[frames] = len(self._ids) + len(self._symbolic) + 1
+            self._frames[sid] = list(frames)
+            if self._on_new is not None:
+                self._on_new(sid, list(frames))
+        return sid
+
     def _new(self, key: tuple, skip: int) -> int:
         f = sys._getframe(skip)
         frames = []
@@ -95,7 +107,7 @@ class StackInterner:
             f = f.f_back
             depth += 1
         frames.reverse()  # outermost first
-        sid = len(self._ids) + 1
+        sid = len(self._ids) + len(self._symbolic) + 1
         self._ids[key] = sid
         self._frames[sid] = frames
         if self._on_new is not None:

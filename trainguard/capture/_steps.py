@@ -133,12 +133,20 @@ def skipped(optimizer) -> None:
     _count(optimizer)
 
 
+def _keep_dynamo_out() -> None:
+    # The optimizer hooks run trainguard's per-step work; Dynamo must not compile them as frames.
+    from trainguard.capture._compile import keep_dynamo_out
+
+    keep_dynamo_out(_pre, _post)
+
+
 def acquire() -> None:
     """Install the global optimizer hooks (reference counted)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     from trainguard.capture import _amp_tap
 
+    _keep_dynamo_out()
     with _lock:
         clock.users += 1
         if clock.users == 1:

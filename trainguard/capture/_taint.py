@@ -205,12 +205,14 @@ class Tracker:
     # ------------------------------------------------------------------ judging
     def settle(self, seq: int, step: int, phase: str, op: str, cls: int, param_write: bool, in_taint: int,
                in_origin: int | None, health: int, inputs: tuple, fwd_seq: int | None, fields: tuple,
-               summaries, where: tuple = (None, None, None)) -> tuple[int, int | None]:
+               summaries, where: tuple = (None, None, None), shown: str | None = None) -> tuple[int, int | None]:
         """The taint of execution ``seq``'s outputs; records the events it makes.
 
         ``fields`` and ``summaries`` (the run's summary fields, the outputs' summaries) count
         the infinities an origin made; ``where`` is (module id, stack id, forward op name) for
-        an origin check_numerics may name later.
+        an origin check_numerics may name later; ``shown`` names the op in origins and intended
+        counts when that is not ``op`` (an op of a compiled graph by the op it was decomposed
+        from: ``aten.where.self`` as ``aten.masked_fill.Scalar``).
         """
         if in_taint == HARMFUL and cls != ALLOC and (health or cls == READ):
             # Passed on (a run that keeps making NaN does little else): the table's answer, and
@@ -219,8 +221,9 @@ class Tracker:
             self._harmful(seq, step, op, in_origin, None, inputs, fwd_seq)
             return HARMFUL, in_origin
         taint, origin = propagate(cls, in_taint, in_origin, health, seq)
+        name = shown or op
         if cls == RENORM and in_taint == PENDING:  # softmax took the mask's -inf, whatever it made
-            self._absorbed(in_origin, op)
+            self._absorbed(in_origin, name)
         reason = None
         if taint == PENDING and (phase == "backward" or phase == "optimizer" or param_write):
             taint = HARMFUL
@@ -229,13 +232,13 @@ class Tracker:
             reason = "read" if cls == READ else "nan"
         if taint == FINITE:
             if in_taint == PENDING and cls != RENORM:
-                self._absorbed(in_origin, op)
+                self._absorbed(in_origin, name)
             return FINITE, None
         if taint == UNKNOWN:
             self._state(seq, UNKNOWN, None)
             return UNKNOWN, None
         if origin == seq:
-            self._born(seq, op, health, inf_values(fields, summaries) if health & (POS_INF | NEG_INF) else 0,
+            self._born(seq, name, health, inf_values(fields, summaries) if health & (POS_INF | NEG_INF) else 0,
                        step, phase, where)
         elif taint == PENDING:  # derived from an origin still in use: keep it (least recently used goes)
             if origin in self.records:

@@ -2,7 +2,8 @@
 
 ``render_findings(console, findings)`` is what ``trainguard monitor`` and ``trainguard diagnose``
 print, ``render_findings_table(findings)`` the panel ``trainguard report`` shows, and
-``findings_json(findings)`` the ``--json`` form.
+``findings_json(findings)`` the ``--json`` form. A finding another one explains is shown under
+its cause (``explains:`` in the terminal, ``symptoms`` in JSON; see ``analysis._causes``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from trainguard.analysis._causes import fold, unfold
 from trainguard.store import SEVERITIES, Finding, sort_findings, to_plain_json
 
 _STYLE = {"critical": "bold white on red", "error": "bold red", "warning": "bold yellow", "info": "cyan"}
@@ -23,10 +25,11 @@ _MAX_ITEMS = 6  # list/dict entries shown per evidence line before "... and N mo
 
 
 def as_findings(items: Iterable[Finding | dict]) -> list[Finding]:
-    """Findings from Finding objects or stored dicts (``run.findings()``), most severe first."""
+    """Findings from Finding objects or stored dicts (``run.findings()``, or a report's, with
+    symptoms folded under their cause), most severe first."""
     out = []
-    for item in items:
-        out.append(item if isinstance(item, Finding) else Finding.from_dict(item))
+    for item in unfold([i.to_dict() if isinstance(i, Finding) else i for i in items]):
+        out.append(Finding.from_dict(item))
     return sort_findings(out)
 
 
@@ -67,7 +70,8 @@ def findings_renderable(findings: Iterable[Finding | dict], *, evidence: bool = 
     counts = {s: sum(f.severity == s for f in items) for s in reversed(SEVERITIES)}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     lines: list[Text] = [Text.assemble((f"{len(items)} finding(s)", "bold"), f": {summary}")]
-    for f in items:
+    for d in fold([f.to_dict() for f in items]):
+        f = Finding.from_dict(d)
         lines.append(Text())
         lines.append(Text.assemble((f" {f.severity.upper()} ", _STYLE[f.severity]), " ", (f.kind, "bold"), "  ", f.title))
         where = []
@@ -82,6 +86,11 @@ def findings_renderable(findings: Iterable[Finding | dict], *, evidence: bool = 
                 lines.append(Text.assemble("    ", (f"{key}:", "dim"), " ", _value(val)))
         if f.suggestion:
             lines.append(Text.assemble("    ", ("fix:", "green"), " ", f.suggestion))
+        symptoms = unfold(d.get("symptoms") or [])
+        if symptoms:  # the findings this cause explains, folded under it
+            lines.append(Text("    explains:", style="dim"))
+            for s in symptoms:
+                lines.append(Text.assemble("      ", ("↳ ", "dim"), (s["kind"], "bold"), "  ", s.get("title", "")))
     return Group(*lines)
 
 
@@ -108,7 +117,7 @@ def findings_json(findings: Iterable[Finding | dict]) -> dict:
     return {
         "verdict": verdict,
         "counts": {s: sum(f.severity == s for f in items) for s in SEVERITIES},
-        "findings": [to_plain_json(f.to_dict()) for f in items],
+        "findings": [to_plain_json(f) for f in fold([f.to_dict() for f in items])],
     }
 
 

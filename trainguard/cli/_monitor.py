@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --logdir")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a threshold")
+    p.add_argument("--no-gradcheck", action="store_true",
+                   help="do not check custom autograd Functions' gradients against finite differences")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_cmd_monitor)
@@ -106,13 +108,14 @@ def monitor_script(
     histograms: bool = False,
     thresholds: dict | None = None,
     overwrite: bool = False,
+    gradcheck: bool = True,
 ):
     """Run ``script`` under a Monitor attached to whatever models it trains; return (exit code, Monitor)."""
     from trainguard._wiring import Monitor
     from trainguard.integrations import watch_frameworks
 
     mon = Monitor(None, logdir, every, histograms=True if histograms else None, thresholds=thresholds,
-                  overwrite=overwrite)
+                  overwrite=overwrite, gradcheck=gradcheck)
     watch_frameworks(mon)  # Lightning / HF Trainer scripts: the framework's steps
     error = None
     try:
@@ -144,6 +147,7 @@ def _cmd_monitor(args) -> int:
         histograms=args.histograms,
         thresholds=thresholds,
         overwrite=args.overwrite,
+        gradcheck=not args.no_gradcheck,
     )
     findings = mon.findings if mon.findings is not None else []
     _print_findings(findings, args.json, header=None if args.json else f"[bold]run[/] {mon.logdir}")

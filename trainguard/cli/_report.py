@@ -131,6 +131,26 @@ def _header(report: dict) -> Panel:
     if meta.get("writer_error"):
         lost = f"; {meta['lost']:,} executions were not stored" if meta.get("lost") else ""
         t.add_row("writer error", Text(str(meta["writer_error"]) + lost, style="bold red"))
+    compiled = report.get("compiled")
+    if compiled:
+        inside = compiled["recorded_inside"]
+        if inside:
+            names = ", ".join(g["graph"] for g in inside[:6]) + (" ..." if len(inside) > 6 else "")
+            t.add_row("compiled", f"{len(inside)} torch.compile graph{'s' if len(inside) != 1 else ''} recorded "
+                      f"op by op ({names})")
+        opaque = compiled["opaque"]
+        if opaque:
+            graphs = "; ".join(f"graph {g['graph']} ({g['calls']:,} calls" +
+                               (f", called at {_short(g['file'])}:{g['line']})" if g.get("file") else ")")
+                               for g in opaque)
+            n = len(opaque)
+            t.add_row("not seen inside", Text(
+                f"{n} torch.compile graph{'s' if n != 1 else ''} compiled before the recording started "
+                f"{'are' if n != 1 else 'is'} recorded whole (inputs and outputs), not op by op: {graphs}. "
+                + compiled["opaque_note"], style="yellow"))
+        if compiled.get("full_tensor"):
+            t.add_row("full_tensor", Text("inside compiled graphs only the graphs' outputs have their values stored; "
+                                          "every op has its summary", style="yellow"))
     if meta.get("record_errors"):
         t.add_row("not recorded", Text(f"{meta['record_errors']:,} op outputs could not be recorded "
                                        "(see the warnings the run printed)", style="red"))

@@ -55,6 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --guard: also treat a loss above this multiple of the recent median as a fault")
     p.add_argument("--snapshot-every", type=int, default=50, help="with --guard: steps between snapshots (default: 50)")
     p.add_argument("--max-rewinds", type=int, default=5, help="with --guard: rewinds allowed in all (default: 5)")
+    p.add_argument("--no-gradcheck", action="store_true",
+                   help="with --monitor: do not check custom autograd Functions' gradients")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --logdir")
     p.add_argument("-m", dest="module", help="run a module as a script (like python -m)")
     _launch.add_launch_arguments(p)
@@ -128,7 +130,7 @@ def _cmd(args: argparse.Namespace) -> int:
             recorder.start()
         try:
             if args.monitor:
-                monitor = _start_monitor(logdir, args.every)
+                monitor = _start_monitor(logdir, args.every, gradcheck=not args.no_gradcheck)
             if args.module:
                 sys.argv = [target] + script_args
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -258,13 +260,13 @@ def _writer_failure(logdir: Path) -> str:
     return f", but {error}" + (f"; {lost:,} executions were not stored" if lost else "")
 
 
-def _start_monitor(logdir: Path, every: int):
+def _start_monitor(logdir: Path, every: int, gradcheck: bool = True):
     try:
         from trainguard._wiring import Monitor
     except ImportError:
         raise TrainguardError("--monitor needs the monitor, which this installation lacks") from None
     from trainguard.integrations import watch_frameworks
 
-    monitor = Monitor(None, logdir=logdir, every=every)
+    monitor = Monitor(None, logdir=logdir, every=every, gradcheck=gradcheck)
     watch_frameworks(monitor)  # Lightning / HF Trainer scripts: the framework's steps
     return monitor

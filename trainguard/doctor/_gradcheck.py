@@ -27,6 +27,14 @@ import torch
 from rich.table import Table
 from torch import nn
 
+from trainguard.capture._gradcheck import (  # noqa: F401 - the bands are the doctor's API too
+    BUG_BAND,
+    FLOOR,
+    PASS_BAND,
+    RETRY_ABOVE,
+    RETRY_FACTORS,
+    band,
+)
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
     DoctorInputError,
@@ -42,19 +50,10 @@ from trainguard.doctor._state import (
 )
 from trainguard.store import Finding
 
-# Relative differences below this are correct (the lesson's band for float64 central differences).
-PASS_BAND = 1e-5
-# Relative differences above this are a bug.
-BUG_BAND = 1e-3
-# Denominator floor: entries whose gradients are both below this (in loss units per unit of the
-# parameter) are compared on an absolute scale, because at eps=1e-6 float64 round-off in the loss
-# alone is about 1e-10 * |loss|, i.e. up to 1e-5 relative on a 1e-5 gradient.
-FLOOR = 1e-7
+# The bands, the denominator floor and the retries are shared with the monitor's live check of
+# custom autograd Functions (capture/_gradcheck.py), so both judge a gradient the same way.
 # The gradient check's own sample: few samples keep the 2 x entries forward passes cheap.
 MAX_SAMPLES = 8
-# Entries above this are measured again with larger steps (round-off shrinks as eps grows).
-RETRY_ABOVE = PASS_BAND / 10
-RETRY_FACTORS = (10.0, 100.0)
 
 
 @dataclass(kw_only=True)
@@ -73,13 +72,6 @@ class ParamCheck:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-def band(rel: float) -> str:
-    """``ok`` below 1e-5, ``wrong`` above 1e-3 (or NaN), ``suspicious`` in between."""
-    if not rel <= BUG_BAND:  # NaN and Inf are wrong too
-        return "wrong"
-    return "ok" if rel < PASS_BAND else "suspicious"
 
 
 @dataclass(kw_only=True, repr=False)

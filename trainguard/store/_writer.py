@@ -92,11 +92,13 @@ class ExecBatch:
 
     ``records`` rows: (seq, step, phase_name, op_name, module_id, stack_id, fwd_seq, health,
     inputs, outputs, summary, taint, origin). ``summary`` is a list of per-output float tuples,
-    or None; an entry ``("d", device, row)`` refers to row ``row`` of the summaries computed on
-    ``device``, and ``deferred`` lists (device, host_tensor, event) whose copy the writer thread
-    waits for. ``taint`` (see ``store._codec``) is None when the writer's ``judge`` decides it
-    (accelerator summaries, whose health the hot path does not know); records of 11 fields
-    (no taint) are judged as format 2 did (every non-finite execution harmful).
+    or None; an entry ``("d", key, row)`` refers to row ``row`` of a summary matrix computed on
+    a device, and ``deferred`` lists (key, host_tensor, event) whose copy the writer thread
+    waits for. The key is the device for the eager recorder's stacked summaries,
+    ``("graph", seq)`` for the matrix of one compiled graph call. ``taint`` (see
+    ``store._codec``) is None when the writer's ``judge`` decides it (accelerator summaries,
+    whose health the hot path does not know); records of 11 fields (no taint) are judged as
+    format 2 did (every non-finite execution harmful).
 
     ``pins`` are the seqs the circular buffer must keep (None: judged by health in the sink);
     ``resend`` holds older records sent again because they became harmful (their taint is

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.store import REPLAYS_DIR, to_plain_json
-from trainguard.ui._optional import call, jsonable
+from trainguard.ui._optional import call, jsonable, lookup
 from trainguard.ui._provider import CHECKPOINT_DIR, DOCTOR_DIR, cached, refresh
 from trainguard.ui._registry import Registry, RunHandle, safe_file
 
@@ -155,6 +155,9 @@ def findings(reg: Registry, rid: str, rank: int | None = None) -> dict[str, Any]
     order = {"critical": 0, "error": 1, "warning": 2, "info": 3}
     items.sort(key=lambda f: (order.get(f.get("severity"), 4), _first_step(f)))
     judged = sorted(items + guard_items, key=lambda f: (order.get(f.get("severity"), 4), _first_step(f)))
+    fold = lookup("trainguard.analysis._causes", "fold")
+    if fold is not None:
+        items = fold(items)  # causes first, the findings they explain nested under "symptoms"
     return to_plain_json(
         {
             "findings": items,

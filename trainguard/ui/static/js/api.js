@@ -58,6 +58,6 @@ export function runApi(id, rank = null) {
     artifactUrl: (name) => `${p}/artifacts/${name.split("/").map(encodeURIComponent).join("/")}${q}`,
     doctor: () => api(`${p}/doctor`, r),
     checkpoints: () => api(`${p}/checkpoints`, r),
-    guard: () => api(`${p}/guard`),
+    guard: () => api(`${p}/guard`, r),
   };
 }

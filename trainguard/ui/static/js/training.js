@@ -192,7 +192,11 @@ export class TrainingView {
         h("div", h("span.sev", { class: f.severity }, f.severity), h("span.title", f.title || f.kind)),
         h("div.where", [f.kind, steps, layers, f.source].filter(Boolean).join(" · ")),
         ev.length ? h("dl.kv", ev.flatMap(([k, val]) => [h("dt", k), h("dd", showValue(val))])) : null,
-        f.suggestion ? h("div.fix", h("b", "Suggested fix: "), f.suggestion) : null);
+        f.suggestion ? h("div.fix", h("b", "Suggested fix: "), f.suggestion) : null,
+        // the findings this one explains (causes over symptoms), folded under it
+        Array.isArray(f.symptoms) && f.symptoms.length ? h("div.symptoms", h("div.small.muted", "Explains:"),
+          f.symptoms.map((s) => h("div.symptom", { dataset: { kind: s.kind } },
+            h("span.sev", { class: s.severity }, s.severity), h("span.title", s.title || s.kind)))) : null);
     }));
   }
 

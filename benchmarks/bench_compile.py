@@ -1,0 +1,181 @@
+"""Recording and monitoring compiled models: step time beside plain compiled and eager.
+
+Per model, one process holds four copies with the same weights: eager, compiled by plain
+Inductor, compiled with ``trainguard.compile_backend()`` (the summaries inside the compiled
+code), and compiled by plain Inductor for the monitor (whose taps are traced into it).
+Configurations are interleaved round by round in a rotated order so that machine noise hits
+them alike; a cell is the median over rounds of the configuration's median step time over its
+baseline's in the same round (eager rows over eager plain, compiled rows over compiled plain);
+"cpu" is the same ratio of the process's CPU time per step (median over rounds), which other
+processes' load disturbs less than wall time. Compilation happens before the rounds (Inductor's FX graph cache makes later runs faster).
+
+    python benchmarks/bench_compile.py                          # mlp and transformer
+    python benchmarks/bench_compile.py --models mlp --rounds 3 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch._dynamo
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_recorder  # noqa: E402  (the same models as the eager benchmark)
+
+
+def _batch(x, y=None):
+    """The loss of the benchmark models, as a function of the module that runs the step."""
+    if y is None:
+        return lambda run: run(x).pow(2).mean()
+    return lambda run: nn.functional.cross_entropy(run(x), y)
+
+
+def _data(shape, classes=None):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=g)
+    return _batch(x, None if classes is None else torch.randint(0, classes, (shape[0],), generator=g))
+
+
+# name -> (model and optimizer, as the eager benchmark makes them; the batch's loss)
+MODELS = {
+    "mlp": (bench_recorder.make_mlp, lambda: _data((256, 784), 10)),
+    "transformer": (bench_recorder.make_transformer, lambda: _data((16, 128, 256))),
+    "cnn": (bench_recorder.make_cnn, lambda: _data((32, 3, 32, 32), 10)),
+}
+
+
+# (config, which copy of the model runs, baseline config)
+CONFIGS = [
+    ("eager plain", "eager", "eager plain"),
+    ("eager full_health", "eager", "eager plain"),
+    ("compiled plain", "compiled", "compiled plain"),
+    ("compiled, summaries only", "recorded", "compiled plain"),  # the same graphs, no recording
+    ("compiled full_health", "recorded", "compiled plain"),
+    ("compiled monitor every=10", "monitored", "compiled plain"),
+]
+WARMUP_STEPS = 3
+
+
+def _copies(name: str) -> dict:
+    """The four copies of one model (same initial weights), each with its own optimizer."""
+    import trainguard as tg
+
+    torch.manual_seed(0)
+    make, batch = MODELS[name]
+    model, opt, _ = make()
+    loss = batch()
+    out = {}
+    for kind, backend in (("eager", None), ("compiled", "inductor"), ("recorded", tg.compile_backend()),
+                          ("monitored", "inductor")):
+        # One deepcopy of both: the optimizer's copy holds the model copy's parameters (its
+        # defaults cannot always be passed back to its constructor: AdamW's).
+        m, o = copy.deepcopy((model, opt))
+        run = m if backend is None else torch.compile(m, backend=backend)
+        out[kind] = (m, o, lambda run=run: loss(run))
+    return out
+
+
+def context(config: str, model, tmp: str):
+    import trainguard as tg
+
+    if config.endswith("full_health"):
+        return tg.record(os.path.join(tmp, f"r-{time.monotonic_ns()}"), mode="full_health", buffer=1000)
+    if "monitor" in config:
+        return tg.Monitor(model, os.path.join(tmp, f"m-{time.monotonic_ns()}"), every=10, diagnose=False)
+    return contextlib.nullcontext()
+
+
+def time_model(name: str, rounds: int, steps: int) -> tuple[dict, dict]:
+    copies = _copies(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        for config, kind, _ in CONFIGS:  # compile (under each config's own context) and warm up
+            m, opt, loss_fn = copies[kind]
+            with context(config, m, tmp):
+                bench_recorder.run_steps(opt, loss_fn, WARMUP_STEPS)
+        per: dict[str, list[float]] = {c: [] for c, _, _ in CONFIGS}
+        ratios: dict[str, list[float]] = {c: [] for c, _, _ in CONFIGS}
+        cpu_ratios: dict[str, list[float]] = {c: [] for c, _, _ in CONFIGS}
+        for r in range(rounds):
+            order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+            this, cpu = {}, {}
+            for config, kind, _ in order:
+                m, opt, loss_fn = copies[kind]
+                with context(config, m, tmp):
+                    bench_recorder.run_steps(opt, loss_fn, 2)
+                    c0 = time.process_time()
+                    times = bench_recorder.run_steps(opt, loss_fn, steps)
+                    # The process's CPU time (every thread, the writer's too): on a shared machine
+                    # other processes' load disturbs it less than wall time.
+                    cpu[config] = (time.process_time() - c0) / steps
+                per[config].extend(times)
+                # The monitor's recording step (1 in 10) counts: the mean, not the median.
+                this[config] = statistics.fmean(times) if "monitor" in config else statistics.median(times)
+            for config, _, base in CONFIGS:
+                ratios[config].append(this[config] / this[base])
+                cpu_ratios[config].append(cpu[config] / cpu[base])
+    return {c: statistics.median(v) for c, v in per.items()}, ratios, cpu_ratios
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration per round")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    # Four copies of one model share their code objects: each copy's graphs are another entry in
+    # the same cache (a different backend, other parameters), which must not hit the limit.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    logging.getLogger("trainguard").setLevel(logging.ERROR)
+    load = os.getloadavg()[0]
+    results: dict = {"threads": args.threads, "load_before": load, "models": {}}
+    for name in [m for m in args.models.split(",") if m]:
+        t, rounds, cpu_rounds = time_model(name, args.rounds, args.steps)
+        results["models"][name] = {"step_ms": {c: v * 1e3 for c, v in t.items()},
+                                   "ratio": {c: statistics.median(v) for c, v in rounds.items()},
+                                   "ratio_range": {c: [min(v), max(v)] for c, v in rounds.items()},
+                                   "cpu_ratio": {c: statistics.median(v) for c, v in cpu_rounds.items()}}
+    results["load_after"] = os.getloadavg()[0]
+
+    from rich.console import Console
+    from rich.table import Table
+
+    models = list(results["models"])
+    table = Table(title=f"compiled models: step time / baseline step time in the same round (median \\[range] of "
+                        f"{args.rounds} rounds x {args.steps} steps, {args.threads} threads, load "
+                        f"{results['load_before']:.1f} -> {results['load_after']:.1f})")
+    table.add_column("config")
+    table.add_column("baseline")
+    for name in models:
+        table.add_column(f"{name}\n({results['models'][name]['step_ms']['compiled plain']:.1f} ms compiled, "
+                         f"{results['models'][name]['step_ms']['eager plain']:.1f} ms eager)", justify="right")
+    for config, _, base in CONFIGS:
+        cells = []
+        for m in models:
+            lo, hi = results["models"][m]["ratio_range"][config]
+            cells.append(f"{results['models'][m]['ratio'][config]:.2f}x [{lo:.2f}-{hi:.2f}]"
+                         f" cpu {results['models'][m]['cpu_ratio'][config]:.2f}x")
+        table.add_row(config, base, *cells)
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

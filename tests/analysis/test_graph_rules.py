@@ -1,0 +1,245 @@
+"""Loss misuse read off the op graph: from a recording (the recorded producer chain, with
+``file:line`` of both ends) and from the monitor alone (the loss's autograd graph)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import trainguard as tg
+from trainguard.analysis import diagnose
+from trainguard.cli import main
+from trainguard.store import open_run
+
+MISUSE = (
+    "softmax_before_cross_entropy",
+    "sigmoid_before_bce_with_logits",
+    "nll_loss_on_probabilities",
+    "nll_loss_on_logits",
+    "cross_entropy_targets_not_probabilities",
+)
+C = 5
+
+
+def _softmax_ce(logits, y):
+    probs = torch.softmax(logits, dim=1)
+    return F.cross_entropy(probs, y)
+
+
+def _sigmoid_bce(logits, y):
+    return F.binary_cross_entropy_with_logits(torch.sigmoid(logits), F.one_hot(y, C).float())
+
+
+def _nll_probs(logits, y):
+    return F.nll_loss(F.softmax(logits, dim=1), y)
+
+
+def _nll_logits(logits, y):
+    return nn.NLLLoss()(logits, y)
+
+
+def _ce_scaled_onehot(logits, y):
+    return F.cross_entropy(logits, 2.0 * F.one_hot(y, C).float())
+
+
+def _ce_bad_smoothing(logits, y):
+    # label smoothing by hand, forgetting to take the mass off the true class: rows sum to 1.5
+    return nn.CrossEntropyLoss()(logits, F.one_hot(y, C).float() + 0.1)
+
+
+def _healthy_log_softmax_nll(logits, y):
+    return F.nll_loss(F.log_softmax(logits, dim=1), y)
+
+
+def _healthy_smoothed_probs(logits, y):
+    eps = 0.1
+    target = F.one_hot(y, C).float() * (1 - eps) + eps / C
+    return F.cross_entropy(logits, target)
+
+
+def _healthy_label_smoothing(logits, y):
+    return F.cross_entropy(logits, y, label_smoothing=0.1)
+
+
+def _healthy_onehot_probs(logits, y):
+    return F.cross_entropy(logits, F.one_hot(y, C).float())
+
+
+def _healthy_bce_logits(logits, y):
+    return F.binary_cross_entropy_with_logits(logits, F.one_hot(y, C).float())
+
+
+def _healthy_bce_sigmoid(logits, y):
+    return F.binary_cross_entropy(torch.sigmoid(logits), F.one_hot(y, C).float())
+
+
+def _healthy_distillation(logits, y):
+    teacher = torch.softmax(torch.randn_like(logits) * 2, dim=1)
+    return F.cross_entropy(logits, teacher) + F.cross_entropy(logits, y)
+
+
+BROKEN = {
+    "softmax_before_cross_entropy": _softmax_ce,
+    "sigmoid_before_bce_with_logits": _sigmoid_bce,
+    "nll_loss_on_probabilities": _nll_probs,
+    "nll_loss_on_logits": _nll_logits,
+    "cross_entropy_targets_not_probabilities": _ce_scaled_onehot,
+}
+HEALTHY = [_healthy_log_softmax_nll, _healthy_smoothed_probs, _healthy_label_smoothing, _healthy_onehot_probs,
+           _healthy_bce_logits, _healthy_bce_sigmoid, _healthy_distillation]
+
+
+def _train(loss_fn, steps=6, metric_ops=0):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, C))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        x = torch.randn(32, 8)
+        y = torch.randint(0, C, (32,))
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        total = torch.zeros(())
+        for _ in range(metric_ops):  # bookkeeping after the step (metrics, logging)
+            total = total + 1
+
+
+def _monitored(tmp_path, loss_fn):
+    with tg.Monitor(None, tmp_path / "mon", every=2) as mon:
+        _train(loss_fn)
+    return mon.findings
+
+
+def _recorded(tmp_path, loss_fn, **kw):
+    with tg.record(tmp_path / "rec", **kw):
+        _train(loss_fn)
+    with open_run(tmp_path / "rec") as run:
+        return diagnose(run), run.meta
+
+
+def _only(findings, kind):
+    got = [f for f in findings if f.kind in MISUSE and f.is_problem]
+    assert [f.kind for f in got] == [kind], [(f.kind, f.title) for f in findings]
+    return got[0]
+
+
+@pytest.mark.parametrize("kind", MISUSE)
+def test_monitor_alone_names_the_misuse_from_the_autograd_graph(tmp_path, kind):
+    f = _only(_monitored(tmp_path, BROKEN[kind]), kind)
+    assert f.severity == "warning"
+    assert f.suggestion and f.evidence["chain"]
+    assert f.evidence["source"] == "autograd graph"
+    # where the loss was backpropagated from: this file
+    assert f.evidence["backward_at"]["file"].endswith("test_graph_rules.py")
+
+
+@pytest.mark.parametrize("kind", MISUSE)
+def test_a_recording_names_the_misuse_with_file_and_line_of_both_ends(tmp_path, kind):
+    findings, _ = _recorded(tmp_path, BROKEN[kind])
+    f = _only(findings, kind)
+    assert f.evidence["source"] == "recorded op graph"
+    chain = f.evidence["chain"]
+    assert len(chain) >= 2
+    for end in (chain[0], chain[-1]):
+        assert end["file"].endswith("test_graph_rules.py") and end["line"] > 0, chain
+    assert " -> " in f.evidence["chain_text"]
+
+
+def test_the_evidence_reads_softmax_log_softmax_nll_loss(tmp_path):
+    findings, _ = _recorded(tmp_path, _softmax_ce)
+    f = _only(findings, "softmax_before_cross_entropy")
+    ops = [link["op"] for link in f.evidence["chain"]]
+    assert ops == ["softmax", "log_softmax", "nll_loss"]
+    assert "remove the softmax" in f.suggestion.lower()
+    import inspect
+
+    src, start = inspect.getsourcelines(_softmax_ce)
+    softmax_line = start + next(i for i, s in enumerate(src) if "torch.softmax" in s)
+    assert f.evidence["chain"][0]["line"] == softmax_line
+
+
+def test_recording_with_a_small_buffer_keeps_the_first_loss_chain(tmp_path):
+    # Each step ends with 100 bookkeeping ops: every loss falls out of a 50-execution buffer but
+    # the loss chains of the first backward passes, which the recorder pins.
+    with tg.record(tmp_path / "rec", buffer=50):
+        _train(_nll_probs, steps=20, metric_ops=100)
+    with open_run(tmp_path / "rec") as run:
+        f = _only(diagnose(run), "nll_loss_on_probabilities")
+    assert f.evidence["source"] == "recorded op graph"
+
+
+def test_scaled_and_badly_smoothed_targets_are_both_not_probabilities(tmp_path):
+    f = _only(_monitored(tmp_path, _ce_bad_smoothing), "cross_entropy_targets_not_probabilities")
+    assert f.evidence["row_sum_max"] == pytest.approx(1.5, rel=1e-3)
+
+
+@pytest.mark.parametrize("loss_fn", HEALTHY, ids=lambda f: f.__name__)
+def test_healthy_losses_raise_nothing(tmp_path, loss_fn):
+    got = [f.kind for f in _monitored(tmp_path, loss_fn) if f.kind in MISUSE]
+    assert got == []
+    findings, meta = _recorded(tmp_path, loss_fn)
+    assert [f.kind for f in findings if f.kind in MISUSE] == []
+    assert meta.get("loss_graph"), "the loss graph was inspected"
+
+
+def test_no_recording_and_no_monitor_data_raise_nothing(tmp_path):
+    findings, _ = _recorded(tmp_path, _healthy_log_softmax_nll, mode="no_tensor")
+    assert [f.kind for f in findings if f.kind in MISUSE] == []
+
+
+GALLERY = Path(__file__).resolve().parents[2] / "examples" / "broken"
+
+
+@pytest.mark.parametrize("kind", MISUSE)
+def test_trainguard_run_then_report_names_the_misuse(tmp_path, capsys, kind):
+    """``trainguard run`` records (no monitor, no stored findings); the report still says it."""
+    run = str(tmp_path / "run")
+    assert main(["run", "--logdir", run, str(GALLERY / f"{kind}.py"), "--quiet", "--steps", "8"]) == 0
+    capsys.readouterr()
+    assert main(["report", "--json", run]) == 0
+    report = json.loads(capsys.readouterr().out)
+    got = [f for f in report["findings"] if f["kind"] == kind]
+    assert got and got[0]["evidence"]["source"] == "recorded op graph"
+    assert str(GALLERY / f"{kind}.py") in got[0]["evidence"]["chain_text"]
+    assert [f["kind"] for f in report["findings"] if f["kind"] in MISUSE] == [kind]
+
+
+def _hf_train(steps: int = 3) -> None:
+    """A tiny random-init GPT-2 of transformers (its own loss: upcast logits, cross_entropy)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                  bos_token_id=1, eos_token_id=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(3, 50, (3, 10), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        out = model(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+
+
+def _nanogpt_train() -> None:
+    from true_models import train_gpt  # derived from karpathy/nanoGPT's model.py
+
+    train_gpt(steps=4)
+
+
+@pytest.mark.parametrize("train", [_nanogpt_train, _hf_train], ids=["nanogpt", "hf_gpt2"])
+def test_real_language_models_raise_nothing(tmp_path, train):
+    """Attention's softmax is not before the loss; the LM head's logits go to cross_entropy."""
+    with tg.record(tmp_path / "rec"), tg.Monitor(None, tmp_path / "rec", every=2) as mon:
+        train()
+    assert [f.kind for f in mon.findings if f.kind in MISUSE] == []
+    with open_run(tmp_path / "rec") as run:
+        assert [f.kind for f in diagnose(run) if f.kind in MISUSE] == []
+        heads = [h for rec in run.meta["loss_graph"] for h in rec["heads"]]
+    assert heads and all(h["loss"] == "nll_loss" and h["chain"][0] == "log_softmax" for h in heads), heads

@@ -1,0 +1,165 @@
+"""The validation-pass rules (overfitting, labels unrelated to inputs, leakage) and causes over
+symptoms, on small synthetic runs written through the store's writer."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from trainguard.analysis import diagnose
+from trainguard.analysis._causes import EXPLAINS, explain, fold
+from trainguard.store import Finding, acquire_writer, open_run, release_writer
+
+PARAMS = {"0.weight": {"layer": "0", "module_type": "Linear", "shape": [5, 20], "requires_grad": True}}
+
+
+def write_run(path, loss, val=(), acc=(), validation=None):
+    w = acquire_writer(path)
+    for s, v in enumerate(loss):
+        w.add_scalars(s, {"loss": v, "lr/0": 1e-3})
+    for s, v in val:
+        w.add_scalars(s, {"val_loss": v})
+    for s, v in acc:
+        w.add_scalars(s, {"val_accuracy": v})
+    w.set_meta(monitor={"every": 5, "layers": [{"name": "0", "type": "Linear"}], "params": PARAMS, "order": ["0"],
+                        "validation": validation or {"classes": 5}})
+    release_writer(w)
+    return open_run(path)
+
+
+def train_curve(n=200, end=0.05, seed=0):
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    return list(end + (1.6 - end) * np.exp(-t / 40) + 0.01 * rng.standard_normal(n))
+
+
+def problems(fs):
+    return [f.kind for f in fs if f.is_problem]
+
+
+def test_overfitting_when_the_gap_grows_while_training_loss_falls(tmp_path):
+    val = [(s, 1.2 * math.exp(-s / 40) + 0.5 + (0.006 * (s - 60) if s > 60 else 0)) for s in range(20, 200, 20)]
+    fs = diagnose(write_run(tmp_path / "r", train_curve(), val=val))
+    assert problems(fs) == ["overfitting"]
+    f = fs[0]
+    assert f.evidence["best_val_step"] == 60 and f.evidence["gap_end"] > f.evidence["gap_at_best"]
+    assert "step 60" in f.suggestion and "weight decay" in f.suggestion
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_overfitting_while_validation_follows_training(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    val = [(s, 1.4 * math.exp(-s / 40) + 0.15 + 0.02 * rng.standard_normal()) for s in range(20, 200, 20)]
+    fs = diagnose(write_run(tmp_path / "r", train_curve(seed=seed), val=val))
+    assert problems(fs) == []
+
+
+def test_no_overfitting_when_validation_rises_but_training_does_not_fall(tmp_path):
+    flat = [0.3 + 0.01 * math.sin(s) for s in range(200)]
+    val = [(s, 0.5 + 0.003 * s) for s in range(20, 200, 20)]
+    assert "overfitting" not in problems(diagnose(write_run(tmp_path / "r", flat, val=val)))
+
+
+def test_labels_unrelated_explains_the_overfitting(tmp_path):
+    chance = math.log(5)
+    val = [(s, chance + 0.004 * s) for s in range(20, 200, 20)]
+    acc = [(s, 0.2 + 0.005 * (-1) ** (s // 20)) for s in range(20, 200, 20)]
+    fs = diagnose(write_run(tmp_path / "r", train_curve(), val=val, acc=acc))
+    assert problems(fs) == ["labels_unrelated"]
+    f = fs[0]
+    assert f.evidence["classes"] == 5 and f.evidence["explains"] == ["overfitting"]
+    over = next(g for g in fs if g.kind == "overfitting")
+    assert over.severity == "info" and over.evidence["explained_by"] == ["labels_unrelated"]
+
+
+def test_chance_is_the_entropy_of_imbalanced_labels(tmp_path):
+    """Half the validation labels are class 0: guessing the priors scores loss 1.39 (not ln 5 =
+    1.61) and accuracy 0.5 (not 0.2); a validation pass stuck there learned nothing."""
+    counts = [500, 125, 125, 125, 125]
+    p = np.array(counts) / sum(counts)
+    entropy = float(-(p * np.log(p)).sum())
+    val = [(s, entropy + 0.002 * s) for s in range(20, 200, 20)]
+    acc = [(s, 0.5) for s in range(20, 200, 20)]
+    fs = diagnose(write_run(tmp_path / "r", train_curve(), val=val, acc=acc,
+                            validation={"classes": 5, "label_counts": counts}))
+    f = next(f for f in fs if f.kind == "labels_unrelated")
+    assert f.evidence["chance_accuracy"] == 0.5 and f.evidence["chance_loss"].endswith(f"{entropy:.4f}")
+    # without the counts, ln(5) and 1/5 make the same run look as if it learned something
+    fs = diagnose(write_run(tmp_path / "r2", train_curve(), val=val, acc=acc, validation={"classes": 5}))
+    assert "labels_unrelated" not in problems(fs)
+
+
+def test_no_labels_unrelated_when_validation_learned_something(tmp_path):
+    val = [(s, math.log(5) * (0.8 if s == 40 else 1.05)) for s in range(20, 200, 20)]
+    assert "labels_unrelated" not in problems(diagnose(write_run(tmp_path / "r", train_curve(), val=val)))
+
+
+def test_no_labels_unrelated_without_a_class_count(tmp_path):
+    val = [(s, math.log(5) + 0.004 * s) for s in range(20, 200, 20)]
+    run = write_run(tmp_path / "r", train_curve(), val=val, validation={"classes": None})
+    assert "labels_unrelated" not in problems(diagnose(run))
+
+
+def leak(batches, train_rows=2048):
+    return {"classes": 5, "leak": {"train_rows": train_rows, "eval_rows": sum(b["rows"] for b in batches),
+                                   "batches": batches}}
+
+
+def test_leakage_from_copied_rows(tmp_path):
+    batches = [{"pass": 1, "step": 50, "rows": 128, "close": [0.0] * 20 + [0.01] * 5 + [0.15] * 3}] * 4
+    run = write_run(tmp_path / "r", train_curve(), validation=leak(batches))
+    fs = diagnose(run)
+    assert problems(fs) == ["train_val_leakage"]
+    ev = fs[0].evidence
+    assert (ev["copies_of_training_rows"], ev["exact_copies"], ev["near_copies"], ev["eval_rows_sampled"]) == (100, 80, 20, 512)
+
+
+def test_a_pass_over_the_training_data_is_not_leakage(tmp_path):
+    train_pass = [{"pass": 1, "step": 50, "rows": 128, "close": [0.0] * 128}] * 4
+    val_pass = [{"pass": 1, "step": 50, "rows": 128, "close": [0.17]}] * 2
+    run = write_run(tmp_path / "r", train_curve(), validation=leak(train_pass + val_pass))
+    assert problems(diagnose(run)) == []
+
+
+def test_a_coincidence_is_not_leakage(tmp_path):
+    batches = [{"pass": 1, "step": 50, "rows": 128, "close": [0.0] * 2}] + [{"pass": 1, "step": 50, "rows": 128,
+                                                                               "close": []}] * 3
+    assert problems(diagnose(write_run(tmp_path / "r", train_curve(), validation=leak(batches)))) == []
+
+
+def finding(kind, severity="warning"):
+    return Finding(kind=kind, severity=severity, title=kind, source="monitor")
+
+
+def test_explain_folds_a_chain_under_its_root_cause_and_puts_it_first():
+    fs = [finding("lr_too_high", "error"), finding("loss_oscillating"), finding("vanishing_gradient"),
+          finding("gradient_explodes_through_time"), finding("dead_units")]
+    explain(fs)
+    sev = {f.kind: f.severity for f in fs}
+    assert sev == {"lr_too_high": "info", "loss_oscillating": "info", "vanishing_gradient": "info",
+                   "gradient_explodes_through_time": "error", "dead_units": "warning"}
+    root = fs[3]
+    assert sorted(root.evidence["explains"]) == ["loss_oscillating", "lr_too_high", "vanishing_gradient"]
+    assert fs[1].evidence["explained_by"] == ["gradient_explodes_through_time", "lr_too_high"]
+    folded = fold([f.to_dict() for f in sorted(fs, key=lambda f: -f.rank)])
+    assert [f["kind"] for f in folded] == ["gradient_explodes_through_time", "dead_units"]
+    assert [s["kind"] for s in folded[0]["symptoms"]] == ["lr_too_high", "loss_oscillating", "vanishing_gradient"]
+
+
+def test_explain_leaves_unrelated_findings_alone():
+    fs = [finding("dead_units"), finding("overfitting")]
+    explain(fs)
+    assert [f.severity for f in fs] == ["warning", "warning"] and all("explains" not in f.evidence for f in fs)
+    assert fold([f.to_dict() for f in fs]) == [f.to_dict() for f in fs]
+
+
+def test_the_explanation_table_has_no_cycle():
+    def reach(kind, seen):
+        for k in EXPLAINS.get(kind, ()):
+            assert k not in seen, (kind, k)
+            reach(k, seen | {k})
+
+    for cause in EXPLAINS:
+        reach(cause, {cause})

@@ -1,0 +1,514 @@
+"""Recording inside torch.compile graphs: compiled code stays compiled, every op of its forward
+and backward graphs is recorded like an eager op, with summaries computed in the compiled code.
+
+Compiling on CPU with Inductor is slow (seconds per graph, more on a loaded machine): each model
+is compiled once per configuration in a module-scoped fixture, and tests that do not need
+Inductor itself use the ``aot_eager`` inner compiler.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+import trainguard as tg
+from trainguard.analysis import origin
+from trainguard.capture._compile_graph import module_path, parse_stack_trace
+from trainguard.capture._compile_run import convert
+from trainguard.store import MODE_FIELDS, open_run
+
+HERE = __file__
+
+
+def line_of(marker: str) -> int:
+    return next(i for i, t in enumerate(open(__file__).read().splitlines(), 1) if marker in t and "line_of" not in t)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(12, 16)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.act(self.fc1(x))  # MARK-FC1
+        return self.fc2(h)  # MARK-FC2
+
+
+def _cnn():
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(4 * 3 * 3, 3))
+
+
+def _block():
+    return nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True, norm_first=True,
+                                      dropout=0.0)
+
+
+MODELS = {
+    "mlp": (MLP, lambda: torch.randn(6, 12)),
+    "cnn": (_cnn, lambda: torch.randn(2, 3, 6, 6)),
+    "transformer": (_block, lambda: torch.randn(2, 5, 8)),
+}
+
+
+def _train(run_model, params, x, steps=2):
+    opt = torch.optim.SGD(params, lr=0.05)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = run_model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+    return float(loss)
+
+
+def _counts() -> dict:
+    return {k: dict(counters[k]) for k in ("stats", "graph_break", "frames", "recompiles")}
+
+
+def _model(name):
+    build, data = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    torch.manual_seed(1)
+    return model, data()
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def runs(request, tmp_path_factory):
+    """Per model: Dynamo's counters compiled plain and compiled under record (Inductor, the model
+    compiled after the recording started), and the same steps recorded eagerly."""
+    name = request.param
+    tmp = tmp_path_factory.mktemp(f"compile-{name}")
+    out = {"name": name}
+    torch._dynamo.reset()
+    counters.clear()
+    model, x = _model(name)
+    out["loss_plain"] = _train(torch.compile(model), model.parameters(), x)
+    out["plain"] = _counts()
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, x = _model(name)
+    with tg.record(tmp / "compiled", buffer=-1):
+        out["loss_rec"] = _train(torch.compile(model), model.parameters(), x)
+    out["recorded"] = _counts()
+    out["compiled"] = tmp / "compiled"
+
+    model, x = _model(name)
+    with tg.record(tmp / "eager", buffer=-1):
+        _train(model, model.parameters(), x)
+    out["eager"] = tmp / "eager"
+    torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_graphs_breaks_and_recompiles_are_unchanged_by_recording(runs):
+    assert runs["plain"]["stats"]["unique_graphs"] == 1
+    assert runs["recorded"] == runs["plain"]
+    assert runs["loss_rec"] == pytest.approx(runs["loss_plain"], rel=1e-5)  # the same training
+    with open_run(runs["compiled"]) as run:
+        assert run.meta.get("record_errors") is None and run.meta.get("writer_error") is None
+        kinds = {g["graph"].split()[-1] for g in run.meta["compiled_graphs"]}
+        assert kinds == {"forward", "backward"}
+        assert not run.meta.get("compiled_opaque")
+
+
+def _by_key(run, step=0):
+    """Executions of ``step`` keyed by (phase, op, module, output shapes), in order."""
+    out: dict = {}
+    for d in run.executions(0, None, step=step):
+        key = (d["phase"], d["op"], d["module"], tuple(tuple(o["shape"]) for o in d["outputs"]))
+        out.setdefault(key, []).append(d)
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_summaries_inside_the_graph_equal_eager_recording(runs):
+    with open_run(runs["compiled"]) as c, open_run(runs["eager"]) as e:
+        compiled, eager = _by_key(c), _by_key(e)
+    # Keys an op holds alone in both runs (the order of equal-looking ops, q/k/v bias gradients
+    # say, differs between the eager and the compiled backward).
+    common = [k for k in compiled if len(compiled[k]) == 1 and len(eager.get(k, ())) == 1 and k[1] in ("aten.addmm", "aten.mm", "aten.relu", "aten.convolution",
+                                                            "aten.sum.dim_IntList", "aten.max_pool2d_with_indices",
+                                                            "aten.mul.Tensor", "aten.add.Tensor")]
+    # The key projection's gradients are zero up to rounding (softmax ignores a shift of the
+    # keys): their signs are noise, different in every implementation.
+    common = [k for k in common if not (k[0] == "backward" and k[2] == "self_attn")]
+    phases = {k[0] for k in common}
+    assert {"forward", "backward"} <= phases, sorted(compiled)[:40]
+    checked = 0
+    for key in common:
+        for dc, de in zip(compiled[key], eager[key]):
+            for oc, oe in zip(dc["outputs"], de["outputs"]):
+                sc, se = oc["summary"], oe["summary"]
+                assert sc["size"] == se["size"] and sc["nan"] == se["nan"] == 0, key
+                assert sc["pos_inf"] == se["pos_inf"] and sc["neg_inf"] == se["neg_inf"], key
+                # Fused kernels may round a value near zero differently: counts within 2%.
+                for f in ("neg", "zero", "pos"):
+                    assert abs(sc[f] - se[f]) <= max(1, 0.02 * sc["size"]), (key, f, sc, se)
+                checked += 1
+    assert checked >= 4
+
+
+def test_ops_inside_graphs_have_lines_modules_and_producers(tmp_path):
+    torch._dynamo.reset()
+    model, x = _model("mlp")
+    compiled = torch.compile(model, backend=tg.compile_backend(inner="aot_eager"))
+    with tg.record(tmp_path / "r", buffer=-1):
+        _train(lambda t: compiled(t * 2.0), model.parameters(), x, steps=1)  # the graph's input made eagerly
+    with open_run(tmp_path / "r") as run:
+        fwd = [run.execution(d["seq"]) for d in run.executions(0, None, op="addmm", phase="forward")]
+        assert [d["module"] for d in fwd] == ["fc1", "fc2"]
+        assert [run.user_frame(d["stack_id"])["lineno"] for d in fwd] == [line_of("MARK-FC1"), line_of("MARK-FC2")]
+        assert fwd[0]["inputs"][0] == {"slot": 0, "kind": "param", "name": "fc1.bias"}
+        # fc2's input is relu's output, an edge of the graph
+        relu = run.executions(0, None, op="relu", phase="forward")[0]
+        assert any(i.get("producer") == relu["seq"] for i in fwd[1]["inputs"])
+        # the graph's input is linked to the eager op that made it
+        mul = run.executions(0, None, op="mul.Tensor", phase="forward")[0]
+        assert fwd[0]["inputs"][1]["kind"] == "op" and fwd[0]["inputs"][1]["producer"] == mul["seq"]
+        bwd = [run.execution(d["seq"]) for d in run.executions(0, None, op="mm", phase="backward")]
+        assert bwd and all(d["fwd_seq"] is not None for d in bwd)
+        for d in bwd:
+            f = run.execution(d["fwd_seq"])
+            assert f["phase"] == "forward" and d["module"] == f["module"]
+            assert run.user_frame(d["stack_id"])["lineno"] == run.user_frame(f["stack_id"])["lineno"]
+        assert {d["module"] for d in bwd} == {"fc1", "fc2"}
+        # the optimizer's eager ops link to the gradients the compiled backward made
+        opt = run.execution(run.executions(0, None, phase="optimizer")[0]["seq"])
+        grad_producer = run.execution(opt["inputs"][1]["producer"])
+        assert grad_producer["phase"] == "backward"
+
+
+def test_a_graph_recorded_again_by_a_second_recording(tmp_path):
+    torch._dynamo.reset()
+    model, x = _model("mlp")
+    compiled = torch.compile(model, backend=tg.compile_backend(inner="aot_eager"))
+    for name in ("first", "second"):
+        with tg.record(tmp_path / name, buffer=-1, mode="concise_health" if name == "second" else "full_health"):
+            _train(compiled, model.parameters(), x, steps=1)
+    with open_run(tmp_path / "second") as run:  # module and stack ids are this run's own
+        fwd = run.executions(0, None, op="addmm", phase="forward")
+        assert [d["module"] for d in fwd] == ["fc1", "fc2"]
+        assert run.user_frame(fwd[0]["stack_id"])["lineno"] == line_of("MARK-FC1")
+        assert set(fwd[0]["outputs"][0]["summary"]) == {"size", "neg_inf", "pos_inf", "nan"}  # converted
+        bwd = run.execution(run.executions(0, None, op="mm", phase="backward")[0]["seq"])
+        assert run.execution(bwd["fwd_seq"])["phase"] == "forward"
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------- a NaN made inside a compiled graph
+def cross_entropy(logits, onehot):
+    probs = torch.softmax(logits, dim=1)
+    return -(onehot * torch.log(probs)).sum(dim=1).mean()  # MARK-LOG
+
+
+def _zero_prob_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 4) * 1e4  # softmax underflows to exact zeros
+    onehot = nn.functional.one_hot(torch.arange(8) % 4, 4).float()
+    return logits.requires_grad_(), onehot
+
+
+@pytest.mark.timeout(600)
+def test_check_numerics_names_the_log_inside_a_compiled_loss():
+    torch._dynamo.reset()
+    logits, onehot = _zero_prob_batch()
+    with pytest.raises(tg.NonFiniteError) as info:
+        with tg.check_numerics():
+            torch.compile(cross_entropy)(logits, onehot)  # Inductor, instrumented: compiled after the start
+    msg = str(info.value)
+    assert msg.startswith("aten.log produced -inf"), msg
+    assert "inside the compiled graph" in msg
+    assert f"test_compile.py:{line_of('MARK-LOG')}" in msg and "torch.log(probs)" in msg
+    assert "input 0 = div output from" in msg and "zeros" in msg  # softmax, decomposed by Inductor
+    # log's -inf is harmful where onehot * -inf makes NaN: check_numerics stops there, naming both
+    assert "which became NaN in aten.mul.Tensor" in msg, msg
+    assert info.value.execution["op"] == "aten.mul.Tensor"
+    torch._dynamo.reset()
+
+
+@pytest.mark.timeout(600)
+def test_report_traces_a_nan_inside_a_compiled_loss_to_its_line(tmp_path, capsys):
+    from trainguard.cli import main
+
+    torch._dynamo.reset()
+    logits, onehot = _zero_prob_batch()
+    with tg.record(tmp_path / "r", buffer=-1):
+        torch.compile(cross_entropy)(logits, onehot).backward()
+    torch._dynamo.reset()
+    assert main(["report", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "First harmful value: aten.log" in out
+    assert f"test_compile.py:{line_of('MARK-LOG')}" in out
+    assert "torch.log(probs)" in out and "log of an input with" in out
+    assert "recorded op by op" in out
+
+
+def test_stats_mode_summaries_inside_the_graph(tmp_path):
+    torch._dynamo.reset()
+    x = torch.tensor([[-2.0, 0.0, 3.0, 1.0]])
+
+    def f(x):
+        return torch.exp(x) - 1  # MARK-EXP
+
+    with tg.record(tmp_path / "r", mode="stats", buffer=-1):
+        torch.compile(f, backend=tg.compile_backend(inner="aot_eager"))(x)
+    with open_run(tmp_path / "r") as run:
+        exp = run.executions(0, None, op="exp")[0]["outputs"][0]["summary"]
+    want = torch.exp(x)
+    assert exp["size"] == 4 and exp["pos"] == 4 and exp["nan"] == 0
+    assert exp["min"] == pytest.approx(float(want.min())) and exp["max"] == pytest.approx(float(want.max()))
+    assert exp["mean"] == pytest.approx(float(want.mean()))
+    assert exp["std"] == pytest.approx(float(want.std(correction=0)))
+
+
+# ---------------------------------------------------------------------- compiled before the recording
+@pytest.mark.timeout(600)
+def test_a_model_compiled_before_recording_is_recorded_whole_and_the_report_says_so(tmp_path, capsys):
+    from trainguard.cli import main
+
+    torch._dynamo.reset()
+    model, x = _model("mlp")
+    compiled = torch.compile(model)
+    _train(compiled, model.parameters(), x, steps=1)  # compiled here, with plain Inductor
+    counters.clear()
+    with tg.record(tmp_path / "r", buffer=-1):
+        _train(compiled, model.parameters(), x, steps=2)
+    assert not counters["stats"].get("unique_graphs")  # nothing recompiled
+    with open_run(tmp_path / "r") as run:
+        whole = run.executions(0, None, op="compiled_graph.0 forward")
+        assert len(whole) == 2 and run.count(op="addmm") == 0  # not seen inside
+        e = run.execution(whole[0]["seq"])
+        assert [i.get("name") for i in e["inputs"] if i["kind"] == "param"] == ["fc1.weight", "fc1.bias",
+                                                                                 "fc2.weight", "fc2.bias"]
+        assert e["outputs"][0]["summary"]["size"] == 6 * 3
+        assert run.count(op="compiled_graph.0 backward", phase="backward") == 2
+        assert {g["graph"] for g in run.meta["compiled_opaque"]} == {"0 forward", "0 backward"}
+    assert main(["report", str(tmp_path / "r")]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the panel wraps lines
+    assert "compiled before the recording started" in out and "graph 0 forward (2 calls" in out
+    assert "Seen: each call as one execution" in out and "Not seen: the ops inside" in out
+    assert main(["report", str(tmp_path / "r"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["compiled"]["opaque_note"].startswith("Seen:") and rep["compiled"]["opaque"][0]["calls"] == 2
+    torch._dynamo.reset()
+
+
+@pytest.mark.timeout(600)
+def test_a_nan_from_a_graph_compiled_before_recording_is_found_at_its_call(tmp_path, capsys):
+    from trainguard.cli import main
+
+    torch._dynamo.reset()
+    loss = torch.compile(cross_entropy)
+    ok = torch.randn(8, 4).requires_grad_()
+    onehot = _zero_prob_batch()[1]
+    loss(ok, onehot).backward()  # compiled here, before the recording, on healthy logits
+    with tg.record(tmp_path / "r", buffer=-1):
+        loss(*_zero_prob_batch()).backward()  # MARK-OPAQUE-CALL
+    torch._dynamo.reset()
+    with open_run(tmp_path / "r") as run:
+        link = origin(run).origin
+        assert link.op.startswith("compiled_graph.") and link.op.endswith("forward"), link.op
+        # at the compiled function (its def: nothing finer is known) called from the marked line
+        assert (link.file, link.line) == (HERE, line_of("def cross_entropy("))
+        frames = [(f["filename"], f["lineno"]) for f in run.stack(run.execution(link.seq)["stack_id"])]
+        assert (HERE, line_of("MARK-OPAQUE-CALL")) in frames
+    assert main(["report", str(tmp_path / "r")]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "First harmful value: compiled_graph." in out and "Not seen: the ops inside" in out
+
+
+# ---------------------------------------------------------------------- Dynamo's view of the program
+class Breaking(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()  # the user's own graph break
+        return self.b(h.relu())  # MARK-B
+
+
+def _dynamo_counts(fn) -> dict:
+    torch._dynamo.reset()
+    counters.clear()
+    fn()
+    return _counts()
+
+
+def test_a_graph_break_in_user_code_stays_one(tmp_path):
+    def steps(record: bool):
+        torch.manual_seed(0)
+        model = Breaking()
+        compiled = torch.compile(model, backend=tg.compile_backend(inner="aot_eager"))
+        x = torch.randn(3, 4)
+        if record:
+            with tg.record(tmp_path / "r", buffer=-1), tg.Monitor(model, tmp_path / "r", every=1, diagnose=False):
+                _train(compiled, model.parameters(), x, steps=3)
+        else:
+            _train(compiled, model.parameters(), x, steps=3)
+
+    plain = _dynamo_counts(lambda: steps(False))
+    recorded = _dynamo_counts(lambda: steps(True))
+    assert plain["stats"]["unique_graphs"] == 2 and sum(plain["graph_break"].values()) == 1
+    # The monitor's taps are ops in the graphs (calls_captured counts them): graphs, breaks,
+    # frames and recompiles are the same.
+    plain["stats"].pop("calls_captured")
+    assert recorded["stats"].pop("calls_captured") > 0
+    assert recorded == plain
+    with open_run(tmp_path / "r") as run:
+        b = run.executions(0, None, op="addmm", module="b", phase="forward")
+        assert len(b) == 3 and run.user_frame(b[0]["stack_id"])["lineno"] == line_of("MARK-B")
+        assert len(run.meta["compiled_graphs"]) == 4  # two graphs, forward and backward each
+        assert {r["layer"] for r in run.layer_stats(kind="activation", stat="mean")} == {"a", "b"}
+    torch._dynamo.reset()
+
+
+@pytest.mark.timeout(600)
+def test_check_numerics_keeps_the_graph_and_passes_a_clean_step():
+    def steps(check: bool):
+        model, x = _model("mlp")
+        compiled = torch.compile(model)  # Inductor
+        if check:
+            with tg.check_numerics():
+                return _train(compiled, model.parameters(), x, steps=2)
+        return _train(compiled, model.parameters(), x, steps=2)
+
+    plain = _dynamo_counts(lambda: steps(False))
+    checked = _dynamo_counts(lambda: steps(True))
+    assert plain["stats"]["unique_graphs"] == 1 and checked == plain
+    torch._dynamo.reset()
+
+
+class Seq(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x)).cumsum(dim=1)
+
+
+@pytest.mark.timeout(600)
+def test_dynamic_shapes_two_sequence_lengths(tmp_path):
+    def steps(record: bool):
+        torch.manual_seed(0)
+        model = Seq()
+        compiled = torch.compile(model)  # Inductor; the second length makes the sequence dim dynamic
+        batches = [torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 9, 4)]
+        ctx = tg.record(tmp_path / "r", buffer=-1) if record else None
+        if ctx:
+            ctx.start()
+        for x in batches:
+            compiled(x).sum().backward()
+        if ctx:
+            ctx.stop()
+
+    plain = _dynamo_counts(lambda: steps(False))
+    recorded = _dynamo_counts(lambda: steps(True))
+    assert plain["stats"]["unique_graphs"] == 2  # static, then dynamic
+    assert recorded == plain
+    with open_run(tmp_path / "r") as run:
+        tanh = run.executions(0, None, op="tanh", phase="forward")
+        assert [o["outputs"][0]["shape"] for o in tanh] == [[2, 5, 4], [2, 7, 4], [2, 9, 4]]
+        assert [o["outputs"][0]["summary"]["size"] for o in tanh] == [40, 56, 72]
+        grads = run.executions(0, None, op="mm", phase="backward")
+        assert grads and run.meta.get("record_errors") is None
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------- the backend on its own
+def test_backend_without_recording_returns_what_plain_compile_returns():
+    torch._dynamo.reset()
+    model, x = _model("mlp")
+    ref = model(x)
+    ref.sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    out = torch.compile(model, backend=tg.compile_backend(inner="aot_eager"))(x)
+    assert isinstance(out, torch.Tensor) and torch.allclose(out, ref)  # the summary outputs are stripped
+    out.sum().backward()
+    assert all(torch.allclose(p.grad, g) for p, g in zip(model.parameters(), want))
+    torch._dynamo.reset()
+
+
+def test_backend_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        tg.compile_backend(mode="everything")
+    with pytest.raises(ValueError, match="inner must be"):
+        tg.compile_backend(inner="tvm")
+
+
+def test_summary_rows_convert_between_modes():
+    full = MODE_FIELDS["full_health"]
+    m = torch.tensor([[4.0, 1, 1, 1, 0, 0, 1], [3.0, 0, 0, 3, 0, 0, 0]], dtype=torch.float64)
+    assert convert(m, full, MODE_FIELDS["curt_health"]).tolist() == [[1.0], [0.0]]
+    assert convert(m, full, MODE_FIELDS["concise_health"]).tolist() == [[4.0, 0, 0, 1], [3.0, 0, 0, 0]]
+    stats = convert(m, full, MODE_FIELDS["stats"])
+    assert stats[:, :7].tolist() == m.tolist() and torch.isnan(stats[:, 7:]).all()
+
+
+def test_module_paths_and_stack_traces_from_node_metadata():
+    assert module_path("L['self'].layers.0.fc") == "layers.0.fc"
+    assert module_path("L['self']._modules['enc']._modules['1']") == "enc.1"
+    assert module_path("getattr(L['self'].layers, '0').fc") == "layers.0.fc"
+    assert module_path("G['model']") == ""
+    text = ('  File "/a/train.py", line 10, in step\n    loss = model(x)\n'
+            '  File "/a/model.py", line 3, in forward\n    return self.fc(x)\n           ^^^^\n')
+    assert parse_stack_trace(text) == (("/a/train.py", 10, "step"), ("/a/model.py", 3, "forward"))
+    assert parse_stack_trace(None) == ()
+
+
+SCRIPT = '''
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = torch.compile(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(5, 6)
+onehot = nn.functional.one_hot(torch.arange(5) % 3, 3).float()
+for step in range(2):
+    opt.zero_grad()
+    probs = torch.softmax(model(x) * (1.0 if step == 0 else 1e4), dim=1)
+    loss = -(onehot * torch.log(probs)).sum(dim=1).mean()
+    loss.backward()
+    opt.step()
+'''
+
+
+@pytest.mark.timeout(600)
+def test_trainguard_run_records_inside_an_unmodified_compiled_script(tmp_path, capsys):
+    import json
+
+    from trainguard.cli import main
+
+    torch._dynamo.reset()
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    assert main(["run", "--logdir", str(tmp_path / "r"), "--buffer", "-1", str(script)]) == 0
+    torch._dynamo.reset()
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "r"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    inside = {g["graph"].split()[-1] for g in rep["compiled"]["recorded_inside"]}
+    assert inside == {"forward", "backward"} and not rep["compiled"]["opaque"]
+    with open_run(tmp_path / "r") as run:
+        addmm = run.executions(0, None, op="addmm", phase="forward")
+        assert len(addmm) == 4 and {a["module"] for a in addmm} == {"0", "2"}
+        assert run.count(op="mm", phase="backward") >= 4
+    # The log is eager in this script; the NaN's origin is found across the compiled graph's output.
+    link = rep["origin"]["origin"]
+    assert link["op"] == "aten.log" and link["line"] == SCRIPT.splitlines().index(
+        "    loss = -(onehot * torch.log(probs)).sum(dim=1).mean()") + 1

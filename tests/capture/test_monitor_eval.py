@@ -1,0 +1,261 @@
+"""The validation pass under the monitor: its loss and accuracy per step, the mode it is seen in,
+and the signatures of sampled input rows that find validation copies of training samples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainguard import Monitor
+from trainguard.capture import _monitor_eval, _monitor_leak
+from trainguard.store import open_run
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
+
+
+def data(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return x, x[:, :3].argmax(1)
+
+
+def train(model, opt, steps: int, seed: int = 0):
+    for s in range(steps):
+        x, y = data(32, 1000 * seed + s)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def scalars(path, name):
+    with open_run(path) as run:
+        return run.scalars(name).get(name, [])
+
+
+@pytest.mark.parametrize("style", ["functional", "module", "sum", "none"])
+def test_validation_loss_and_accuracy_match_a_reference(tmp_path, style):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xv, yv = data(100, 99)
+    ref = {}
+    with Monitor(model, tmp_path / "run", every=5, diagnose=False):
+        for epoch in range(3):
+            train(model, opt, 10, seed=epoch)
+            model.eval()
+            with torch.no_grad():
+                total, correct = 0.0, 0
+                for i in range(0, 100, 40):  # batches of 40, 40, 20: the mean is per sample
+                    out = model(xv[i : i + 40])
+                    t = yv[i : i + 40]
+                    if style == "functional":
+                        total += F.cross_entropy(out, t).item() * len(t)
+                    elif style == "module":
+                        total += nn.CrossEntropyLoss()(out, t).item() * len(t)
+                    elif style == "sum":
+                        total += F.cross_entropy(out, t, reduction="sum").item()
+                    else:
+                        total += F.cross_entropy(out, t, reduction="none").sum().item()
+                    correct += int((out.argmax(1) == t).sum())
+            model.train()
+            ref[10 * (epoch + 1)] = (total / 100, correct / 100)
+    loss = dict(scalars(tmp_path / "run", "val_loss"))
+    acc = dict(scalars(tmp_path / "run", "val_accuracy"))
+    assert sorted(loss) == sorted(ref) == sorted(acc)
+    for step, (want_loss, want_acc) in ref.items():
+        assert loss[step] == pytest.approx(want_loss, rel=1e-5)
+        assert acc[step] == pytest.approx(want_acc, abs=1e-6)
+    with open_run(tmp_path / "run") as run:
+        val = run.meta["monitor"]["validation"]
+    assert val["loss_fn"] == "cross_entropy" and val["classes"] == 3 and val["batches"] == 9
+    assert val["label_counts"] == (3 * torch.bincount(yv, minlength=3)).tolist()
+
+
+def test_training_losses_are_not_validation(tmp_path):
+    """Training in eval mode (the eval_mode_training bug) is training: its backward says so."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, tmp_path / "run", every=5, diagnose=False):
+        model.eval()
+        train(model, opt, 12)
+    assert scalars(tmp_path / "run", "val_loss") == []
+    assert scalars(tmp_path / "run", "loss")
+
+
+def test_eval_mode_without_no_grad_is_validation(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xv, yv = data(50, 5)
+    with Monitor(model, tmp_path / "run", every=5, diagnose=False):
+        train(model, opt, 5)
+        model.eval()
+        want = F.cross_entropy(model(xv), yv).item()
+        model.train()
+        train(model, opt, 5)
+    assert scalars(tmp_path / "run", "val_loss") == [(5, pytest.approx(want, rel=1e-5))]
+
+
+def test_an_evaluation_after_the_last_step_is_kept(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xv, yv = data(50, 5)
+    with Monitor(model, tmp_path / "run", every=5, diagnose=False):
+        train(model, opt, 7)
+        with torch.no_grad():
+            want = F.nll_loss(F.log_softmax(model(xv), 1), yv).item()
+    assert scalars(tmp_path / "run", "val_loss") == [(7, pytest.approx(want, rel=1e-5))]
+
+
+def test_losses_are_unwrapped_when_the_last_monitor_closes(tmp_path):
+    before = F.cross_entropy
+    with Monitor(mlp(), tmp_path / "a", diagnose=False):
+        assert F.cross_entropy is not before and F.cross_entropy.__wrapped__ is before
+        with Monitor(mlp(), tmp_path / "b", diagnose=False):
+            pass
+        assert F.cross_entropy is not before
+    assert F.cross_entropy is before and not _monitor_eval._listeners
+
+
+def test_validation_off(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = F.cross_entropy
+    with Monitor(model, tmp_path / "run", every=5, diagnose=False, validation=False):
+        assert F.cross_entropy is before
+        train(model, opt, 5)
+        with torch.no_grad():
+            F.cross_entropy(model(data(10, 1)[0]), data(10, 1)[1])
+    assert scalars(tmp_path / "run", "val_loss") == []
+
+
+def leak_summary(tmp_path, copies: int, train_eval: bool = False):
+    """Train on a fixed set of 512 rows; validate on 256 rows of which ``copies`` are training rows."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    xt, yt = data(512, 1)
+    xv, yv = data(256, 2)
+    xv[:copies] = xt[torch.randperm(512)[:copies]]
+    with Monitor(model, tmp_path / "run", every=5, diagnose=False):
+        for _ in range(2):
+            for i in range(0, 512, 64):
+                opt.zero_grad()
+                F.cross_entropy(model(xt[i : i + 64]), yt[i : i + 64]).backward()
+                opt.step()
+            with torch.no_grad():
+                if train_eval:
+                    for i in range(0, 512, 128):
+                        model(xt[i : i + 128])
+                for i in range(0, 256, 128):
+                    model(xv[i : i + 128])
+    with open_run(tmp_path / "run") as run:
+        return run.meta["monitor"]["validation"]["leak"]
+
+
+def test_leak_hashing_finds_the_copied_rows(tmp_path):
+    leak = leak_summary(tmp_path, copies=40)
+    assert leak["train_rows"] == 1024 and leak["eval_rows"] == 512
+    close = [d for b in leak["batches"] for d in b["close"] if d < 0.05]
+    assert len(close) == 80 and max(close) == 0  # 40 copies, seen in each of the two passes
+    assert [b["pass"] for b in leak["batches"]] == [1, 1, 2, 2]
+
+
+def test_leak_hashing_finds_no_copies_in_fresh_data(tmp_path):
+    leak = leak_summary(tmp_path, copies=0)
+    # in 8 dimensions some unrelated rows are neighbours (about 0.2 of the typical distance)
+    assert min((d for b in leak["batches"] for d in b["close"]), default=1) > 0.1
+
+
+def test_leak_hashing_is_bounded(tmp_path):
+    watch = _monitor_leak.LeakWatch()
+    x = torch.randn(1000, 20)
+    for step in range(200):
+        watch.on_forward(x, evaluating=False, step=step)
+        watch.on_forward(x, evaluating=True, step=step)
+    (sk,) = watch._sketches.values()
+    assert sk.n_train == _monitor_leak.TRAIN_ROWS and sk.n_eval == _monitor_leak.EVAL_ROWS
+    assert sum(b[3] for b in sk.batches) == _monitor_leak.EVAL_ROWS
+    summary = watch.summary()
+    # every evaluated row is one of the first 256 rows, all of which were trained on
+    assert all(len(b["close"]) == b["rows"] for b in summary["batches"])
+    assert all(math.isfinite(d) for b in summary["batches"] for d in b["close"])
+
+
+def test_scalar_inputs_are_not_hashed():
+    watch = _monitor_leak.LeakWatch()
+    watch.on_forward(torch.randn(64, 1), evaluating=False, step=0)
+    watch.on_forward(torch.randint(0, 5, (64,)), evaluating=True, step=0)
+    assert watch.summary() is None
+
+
+def test_the_validation_watch_reads_nothing_back_before_close(tmp_path, monkeypatch):
+    """On an accelerator every read of a device value is a sync: the validation watch (losses,
+    accuracy, label counts, row signatures) adds none while training and evaluating; it reads its
+    sums once, when the monitor closes. Counted against the same loop with the watch off."""
+    reads = {"n": 0}
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"):
+        orig = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _orig=orig, **k):
+            reads["n"] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+    def loop(validation: bool) -> int:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        xv, yv = data(64, 3)
+        mon = Monitor(model, tmp_path / f"run-{validation}", every=5, diagnose=False, validation=validation)
+        reads["n"] = 0
+        for epoch in range(3):
+            train(model, opt, 10, seed=epoch)
+            model.eval()
+            with torch.no_grad():
+                F.cross_entropy(model(xv), yv)
+                nn.NLLLoss()(F.log_softmax(model(xv), 1), yv)
+            model.train()
+        n = reads["n"]
+        mon.close()
+        return n
+
+    assert loop(validation=True) == loop(validation=False)
+
+
+def test_a_target_network_under_no_grad_inside_a_training_step_is_not_validation(tmp_path):
+    """DQN-style: the target network runs under no_grad inside each training step, and the loss
+    that follows is a training loss; neither its value nor its input rows are validation."""
+    torch.manual_seed(0)
+    qnet, target = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), nn.Linear(8, 3)
+    opt = torch.optim.SGD(qnet.parameters(), lr=0.01)
+    states = torch.randn(64, 8)
+    with Monitor(None, tmp_path / "run", every=5, diagnose=False):
+        for _ in range(12):
+            s, s_next = states[torch.randint(0, 64, (16,))], states[torch.randint(0, 64, (16,))]
+            q = qnet(s)
+            with torch.no_grad():
+                y = target(s_next)
+            opt.zero_grad()
+            F.mse_loss(q, y).backward()
+            opt.step()
+    assert scalars(tmp_path / "run", "val_loss") == []
+    with open_run(tmp_path / "run") as run:
+        assert run.meta["monitor"]["validation"]["leak"] is None
+
+
+def test_a_loss_computed_after_the_no_grad_block_is_validation(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xv, yv = data(50, 5)
+    with Monitor(model, tmp_path / "run", every=5, diagnose=False):
+        train(model, opt, 5)
+        with torch.no_grad():
+            out = model(xv)
+        want = F.cross_entropy(out, yv).item()
+        train(model, opt, 5)
+    assert scalars(tmp_path / "run", "val_loss") == [(5, pytest.approx(want, rel=1e-5))]

@@ -1,0 +1,106 @@
+"""Causes over symptoms: when several rules fire, the finding that explains the others comes first.
+
+``EXPLAINS`` says which findings a cause explains: a learning rate far too low (update ratio
+1e-7) explains a loss that does not decrease; gradients growing through the time steps of a
+recurrent loop explain a "learning rate too high", "vanishing" or "exploding" verdict read off
+the parameters. :func:`explain` (run by ``diagnose``) lowers each explained finding to ``info``,
+with ``evidence["explained_by"]``, and gives its root cause ``evidence["explains"]`` and the
+highest severity among the findings it explains, so the cause sorts first. :func:`fold` nests
+the explained findings under their root cause (``"symptoms"``): what the terminal report,
+``--json`` and the UI show.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainguard.store import SEVERITIES, Finding
+
+# cause -> the findings it explains. Acyclic: a chain (A explains B explains C) folds C and B
+# under A.
+EXPLAINS: dict[str, tuple[str, ...]] = {
+    "gradient_explodes_through_time": (
+        "exploding_gradient", "lr_too_high", "vanishing_gradient", "loss_spike", "loss_oscillating",
+        "loss_not_decreasing", "exploding_activations",
+    ),
+    "labels_unrelated": ("overfitting", "loss_not_decreasing"),
+    "dead_units": ("loss_not_decreasing",),
+    "vanishing_gradient": ("loss_not_decreasing",),
+    "collapsed_activations": ("loss_not_decreasing",),
+    "saturated_activations": ("loss_not_decreasing",),
+    "exploding_activations": ("loss_not_decreasing",),
+    "lr_too_low": ("loss_not_decreasing",),
+    "lr_too_high": ("loss_not_decreasing", "loss_oscillating"),
+    "param_not_updating": ("loss_not_decreasing",),
+    "param_no_gradient": ("loss_not_decreasing",),
+    "gradients_accumulating": ("loss_not_decreasing",),
+    "exploding_gradient": ("loss_not_decreasing", "loss_spike"),
+}
+# A wrong custom gradient and a misused loss function explain what the curves and layers show
+# (analysis/_function_rules.py, _graph_rules.py): they are read off the graph, not the numbers.
+_GRAPH_SYMPTOMS = ("loss_not_decreasing", "loss_spike", "loss_oscillating", "lr_too_high", "lr_too_low",
+                   "exploding_activations", "exploding_gradient", "vanishing_gradient", "saturated_activations")
+for _cause in ("custom_gradient_wrong", "softmax_before_cross_entropy", "sigmoid_before_bce_with_logits",
+               "nll_loss_on_probabilities", "nll_loss_on_logits", "cross_entropy_targets_not_probabilities"):
+    EXPLAINS[_cause] = _GRAPH_SYMPTOMS
+
+_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+
+
+def explain(findings: list[Finding]) -> None:
+    """Mark, in place, which problems explain which (see the module docstring)."""
+    problems = {f.kind: f for f in findings if f.is_problem}
+    causes = {
+        kind: [c for c, explained in EXPLAINS.items() if kind in explained and c in problems and c != kind]
+        for kind in problems
+    }
+    original = {kind: f.severity for kind, f in problems.items()}
+    for kind, f in problems.items():
+        if not causes[kind]:
+            continue
+        root = _root(kind, causes)
+        f.severity = "info"
+        f.evidence["explained_by"] = causes[kind]
+        f.title += f" (explained by {', '.join(causes[kind])})"
+        cause = problems[root]
+        cause.evidence.setdefault("explains", []).append(kind)
+        if _RANK[original[kind]] > _RANK[cause.severity]:
+            cause.severity = original[kind]
+
+
+def _root(kind: str, causes: dict[str, list[str]]) -> str:
+    seen = {kind}
+    while causes.get(kind):
+        nxt = causes[kind][0]
+        if nxt in seen:  # EXPLAINS is acyclic; stay safe if a caller's table is not
+            break
+        seen.add(nxt)
+        kind = nxt
+    return kind
+
+
+def fold(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Findings (dicts, in display order) with each explained one nested under its root cause's
+    ``"symptoms"``; a finding whose cause is absent stays where it is."""
+    by_kind = {f.get("kind"): f for f in findings}
+    causes = {f.get("kind"): [c for c in ((f.get("evidence") or {}).get("explained_by") or []) if c in by_kind]
+              for f in findings}
+    out: list[dict[str, Any]] = []
+    nested: dict[str, list[dict]] = {}
+    for f in findings:
+        kind = f.get("kind")
+        if causes.get(kind):
+            nested.setdefault(_root(kind, causes), []).append(f)
+        else:
+            out.append(f)
+    return [dict(f, symptoms=nested[f["kind"]]) if f.get("kind") in nested else f for f in out]
+
+
+def unfold(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The inverse of :func:`fold`: every finding at the top level, symptoms after their cause."""
+    out: list[dict[str, Any]] = []
+    for f in findings:
+        symptoms = f.get("symptoms") or []
+        out.append({k: v for k, v in f.items() if k != "symptoms"})
+        out.extend(unfold(symptoms))
+    return out

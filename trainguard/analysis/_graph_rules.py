@@ -1,0 +1,333 @@
+"""Loss misuse read off the op graph: what made the loss function's input.
+
+Two sources, one judgement:
+
+- a **recording** stores every op with the ops that produced its inputs and the user's
+  ``file:line``: the chain ``softmax -> log_softmax -> nll_loss`` is read from the stored
+  executions (the recorder pins the loss chains of the first backward passes, so a small
+  circular buffer keeps them), with the output summaries as value evidence;
+- the **monitor alone** (no recording) reads the loss's autograd graph before the first backward
+  passes (``capture/_loss_watch.py``, run meta ``loss_graph``): the same chain as autograd node
+  names, and facts computed on the tensors the loss function saved (the range of
+  ``nll_loss``'s input, the row sums of soft targets).
+
+Each misuse is its own rule (its own finding kind) with the exact fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from trainguard.analysis._context import Context, fmt
+from trainguard.analysis._rules import register_rule
+from trainguard.analysis._thresholds import Thresholds
+from trainguard.store import Finding
+
+SOURCE = "graph"
+
+# Recorded loss executions read per loss op (the first ones: the recorder pins their chains).
+MAX_HEADS = 4
+# Recorded ops that only reshape or copy: the chain looks through them.
+_PASS = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "squeeze", "unsqueeze",
+    "expand", "clone", "_to_copy", "alias", "detach", "select", "slice", "contiguous", "flatten", "as_strided",
+})
+_RECORDED_LOSSES = {
+    "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss",
+    "binary_cross_entropy_with_logits": "binary_cross_entropy_with_logits",
+}
+# Producers that make log-probabilities: nll_loss is right on their output.
+_LOG_PROB_OPS = ("log_softmax", "log", "log_sigmoid", "log_sigmoid_forward")
+# Producers that make raw scores (logits) out of a layer.
+_SCORE_OPS = ("addmm", "mm", "bmm", "matmul", "linear", "convolution", "add", "baddbmm")
+
+KINDS = {
+    "softmax_before_cross_entropy": (
+        "cross_entropy is applied to softmax outputs: it takes logits and applies log_softmax itself",
+        "remove the softmax before the loss: pass the logits to `F.cross_entropy` / `nn.CrossEntropyLoss` "
+        "(softmax twice squashes the scores, gradients shrink and training crawls); apply `softmax` only "
+        "where probabilities are needed, e.g. at inference",
+    ),
+    "sigmoid_before_bce_with_logits": (
+        "binary_cross_entropy_with_logits is applied to sigmoid outputs: it takes logits and applies the sigmoid itself",
+        "remove the sigmoid before the loss: pass the logits to `F.binary_cross_entropy_with_logits` / "
+        "`nn.BCEWithLogitsLoss` (or keep the sigmoid and use `nn.BCELoss`, which is less stable)",
+    ),
+    "nll_loss_on_probabilities": (
+        "nll_loss is applied to probabilities: it expects log-probabilities",
+        "use `F.log_softmax(logits, dim=1)` instead of `softmax` before `nll_loss`, or pass the logits to "
+        "`F.cross_entropy` (log_softmax + nll_loss in one, numerically stable); on probabilities nll_loss "
+        "minimises -p instead of -log p",
+    ),
+    "nll_loss_on_logits": (
+        "nll_loss is applied to raw scores (logits): it expects log-probabilities",
+        "apply `F.log_softmax(logits, dim=1)` before `nll_loss`, or use `F.cross_entropy(logits, target)` "
+        "(on raw scores nll_loss just pushes the true class's score up without bound: the loss goes to -inf)",
+    ),
+    "cross_entropy_targets_not_probabilities": (
+        "cross_entropy gets float (one-hot or soft) targets that are not probabilities",
+        "pass class indices (`target.argmax(1)` or the integer labels) to `F.cross_entropy`, or targets whose "
+        "rows are probabilities (each in [0, 1], summing to 1: for label smoothing use "
+        "`F.cross_entropy(logits, labels, label_smoothing=0.1)`); multi-label targets (several 1s per row) "
+        "need `nn.BCEWithLogitsLoss`",
+    ),
+}
+
+
+# ---------------------------------------------------------------------- the recorded op graph
+def _op(name: str | None) -> str:
+    """``aten._log_softmax.default`` -> ``log_softmax``; ``aten.nll_loss_forward`` -> ``nll_loss``."""
+    parts = (name or "?").split(".")
+    if parts[0] in ("aten", "prims") and len(parts) > 1:
+        parts = parts[1:]
+    base = parts[0]
+    base = _RECORDED_LOSSES.get(base, base)
+    return base.lstrip("_") if base not in _PASS else base
+
+
+def _link(run: Any, digest: dict) -> dict:
+    frame = run.user_frame(digest.get("stack_id"))
+    return {"op": _op(digest.get("op")), "seq": digest.get("seq"), "module": digest.get("module"),
+            "file": frame["filename"] if frame else None, "line": frame["lineno"] if frame else None}
+
+
+def _producer(run: Any, ex: dict, slot: int = 0) -> tuple[dict | None, str | None]:
+    """(digest of the op that made input ``slot`` through views and copies, or the input's kind)."""
+    inputs = ex.get("inputs") or []
+    for _ in range(16):
+        if slot >= len(inputs):
+            return None, None
+        inp = inputs[slot]
+        d = inp.get("producer_digest")
+        if inp.get("kind") != "op" or d is None:
+            return None, inp.get("kind")
+        base = (d.get("op") or "").split(".")
+        base = base[1] if base[0] == "aten" and len(base) > 1 else base[0]
+        if base not in _PASS:
+            return d, None
+        ex, slot = run.execution(d["seq"]), 0
+        inputs = ex.get("inputs") or []
+    return None, None
+
+
+def _recorded_chain(run: Any, ex: dict, slot: int = 0) -> list[dict]:
+    """The links below input ``slot`` of ``ex``, nearest first, up to three ops."""
+    out = []
+    for _ in range(3):
+        d, kind = _producer(run, ex, slot)
+        if d is None:
+            if kind in ("param", "buffer", "input"):
+                out.append({"op": "parameter" if kind != "input" else "input"})
+            break
+        out.append(_link(run, d))
+        ex, slot = run.execution(d["seq"]), 0
+    return out
+
+
+def _summary(digest: dict | None) -> dict:
+    outs = (digest or {}).get("outputs") or []
+    return (outs[0].get("summary") or {}) if outs else {}
+
+
+def _facts_from_summary(s: dict, target: bool = False) -> dict:
+    """Sign evidence from a full_health summary (min/max too in ``stats`` mode)."""
+    facts: dict[str, float] = {}
+    if "min" in s and "max" in s and isinstance(s["min"], (int, float)):
+        facts["target_min" if target else "input_min"] = float(s["min"])
+        facts["target_max" if target else "input_max"] = float(s["max"])
+    elif "neg" in s and "pos" in s:
+        key = "target_min" if target else "input_min"
+        facts[key] = -1.0 if s["neg"] else 0.0
+        if not target:
+            facts["input_max"] = 1.0 if s["pos"] else 0.0
+            facts["signs_only"] = 1.0
+    return facts
+
+
+def recorded_heads(run: Any) -> list[dict]:
+    """Loss heads of the recording, each with the chain of its input (far end first) and facts."""
+    try:
+        if not run.count():
+            return []
+    except Exception:
+        return []
+    heads: list[dict] = []
+    for rec_op, loss in _RECORDED_LOSSES.items():
+        for d in run.executions(0, MAX_HEADS, op=rec_op):
+            ex = run.execution(d["seq"])
+            chain = _recorded_chain(run, ex)
+            head = {"loss": loss, "link": _link(run, d), "chain": chain}
+            near = next((c for c in chain if "seq" in c), None)
+            if near is not None:
+                head["facts"] = _facts_from_summary(_summary(run.execution(near["seq"])))
+            heads.append(head)
+    for d in run.executions(0, MAX_HEADS, op="_log_softmax"):
+        for c in run.consumers(d["seq"], limit=8):
+            if _op(c.get("op")) != "mul":
+                continue
+            ex = run.execution(c["seq"])
+            ins = ex.get("inputs") or []
+            mine = [i for i, inp in enumerate(ins) if inp.get("producer") == d["seq"]]
+            if len(ins) != 2 or len(mine) != 1:
+                continue
+            if not any(_op(s.get("op")) == "sum" for s in run.consumers(c["seq"], limit=4)):
+                continue
+            other = 1 - mine[0]
+            target, _ = _producer(run, ex, other)
+            below = _recorded_chain(run, run.execution(d["seq"]))
+            head = {"loss": "soft_cross_entropy", "link": dict(_link(run, d), op="cross_entropy"),
+                    "chain": [_link(run, d), *below],
+                    "target": _link(run, target) if target else None}
+            head["facts"] = _facts_from_summary(_summary(ins[other].get("producer_digest")), target=True)
+            heads.append(head)
+    return heads
+
+
+# ---------------------------------------------------------------------- judging a head
+def judge(head: dict, tol: float) -> tuple[str, list[dict]] | None:
+    """(kind, the links that show it, far end first) for a misused loss head; None when it is fine."""
+    loss = head["loss"]
+    chain = head.get("chain") or []
+    ops = [c["op"] for c in chain]
+    facts = head.get("facts") or {}
+    end = head.get("link") or {"op": loss}
+    if loss in ("nll_loss", "soft_cross_entropy") and ops[:2] == ["log_softmax", "softmax"]:
+        if loss == "soft_cross_entropy":
+            return "softmax_before_cross_entropy", [chain[1], chain[0]]
+        return "softmax_before_cross_entropy", [chain[1], chain[0], end]
+    if loss == "binary_cross_entropy_with_logits" and ops[:1] == ["sigmoid"]:
+        return "sigmoid_before_bce_with_logits", [chain[0], end]
+    if loss == "nll_loss" and ops and ops[0] not in _LOG_PROB_OPS:
+        lo, hi = facts.get("input_min"), facts.get("input_max")
+        rows = facts.get("row_sum_dev")
+        probs = ops[0] == "softmax" or (
+            lo is not None and lo >= -tol and hi is not None and hi > 0 and (rows is None or rows <= tol))
+        if probs:
+            return "nll_loss_on_probabilities", [chain[0], end]
+        lse = facts.get("logsumexp_dev")
+        if hi is not None:
+            if hi > tol and (lse is None or lse > tol):
+                return "nll_loss_on_logits", [chain[0], end]
+        elif ops[0] in _SCORE_OPS:
+            return "nll_loss_on_logits", [chain[0], end]
+    if loss == "soft_cross_entropy" and facts:
+        lo, hi = facts.get("target_min"), facts.get("target_max")
+        smax, smin = facts.get("row_sum_max"), facts.get("row_sum_min")
+        bad = (lo is not None and lo < -tol) or (hi is not None and hi > 1 + tol) or (
+            smax is not None and abs(smax - 1) > tol) or (smin is not None and abs(smin - 1) > tol)
+        if bad:
+            links = [head["target"]] if head.get("target") else []
+            return "cross_entropy_targets_not_probabilities", [*links, end]
+    return None
+
+
+def _where(link: dict) -> str:
+    if link.get("file"):
+        return f"{link['op']} ({link['file']}:{link['line']})"
+    return link["op"]
+
+
+def _detail(kind: str, facts: dict) -> str:
+    """The numbers behind a judgement, for the title."""
+    if kind == "cross_entropy_targets_not_probabilities" and "row_sum_max" in facts:
+        lo, hi = facts["row_sum_min"], facts["row_sum_max"]
+        sums = fmt(hi) if abs(hi - lo) < 1e-6 else f"{fmt(lo)} to {fmt(hi)}"
+        return f"target rows sum to {sums}, values in [{fmt(facts['target_min'])}, {fmt(facts['target_max'])}]"
+    if kind == "cross_entropy_targets_not_probabilities" and facts.get("target_min", 0) < 0:
+        return "targets hold negative values"
+    if kind == "nll_loss_on_logits" and "input_max" in facts and not facts.get("signs_only"):
+        return f"its input reaches {fmt(facts['input_max'])} (log-probabilities are <= 0)"
+    if kind == "nll_loss_on_logits" and facts.get("signs_only"):
+        return "its input holds positive values (log-probabilities are <= 0)"
+    return ""
+
+
+def _finding(kind: str, links: list[dict], head: dict, source: str, extra: dict) -> Finding:
+    title, fix = KINDS[kind]
+    detail = _detail(kind, head.get("facts") or {})
+    if detail:
+        title = f"{title} ({detail})"
+    ev: dict[str, Any] = {"source": source, "chain": links, "chain_text": " -> ".join(_where(lk) for lk in links)}
+    ev.update({k: v for k, v in (head.get("facts") or {}).items() if k != "signs_only" and math.isfinite(v)})
+    ev.update(extra)
+    where = ""
+    if not any(lk.get("file") for lk in links) and extra.get("backward_at"):
+        b = extra["backward_at"]
+        where = f" (the loss backpropagated at {b['file']}:{b['line']})"
+    return Finding(kind=kind, severity="warning", title=f"{title}: {ev['chain_text']}{where}", evidence=ev,
+                   suggestion=fix, source=SOURCE)
+
+
+def _monitor_findings(ctx: Context, tol: float) -> list[Finding]:
+    out = []
+    for rec in ctx.run.meta.get("loss_graph") or []:
+        for head in rec.get("heads") or []:
+            head = dict(head, chain=[{"op": op} for op in head.get("chain") or []],
+                        link={"op": "cross_entropy" if head["loss"] == "soft_cross_entropy" else head["loss"]})
+            got = judge(head, tol)
+            if got is None:
+                continue
+            kind, links = got
+            extra: dict[str, Any] = {"backward_at": rec.get("backward_at")}
+            mods = [m for m in rec.get("modules") or [] if _module_matches(kind, m.get("type"))]
+            if mods:
+                extra["modules"] = mods
+            out.append(_finding(kind, links, head, "autograd graph", extra))
+    return out
+
+
+def _module_matches(kind: str, type_name: str | None) -> bool:
+    want = {"softmax_before_cross_entropy": ("Softmax",), "nll_loss_on_probabilities": ("Softmax",),
+            "sigmoid_before_bce_with_logits": ("Sigmoid",)}.get(kind, ())
+    return type_name in want
+
+
+def recording_findings(run: Any, findings: list[dict]) -> list[dict]:
+    """The loss-misuse findings of a recording that ``findings`` (those stored in it) lack:
+    ``trainguard run`` without ``--monitor`` stores none, and its report still names them."""
+    have = {f.get("kind") for f in findings}
+    if have & set(KINDS):
+        return []
+    ctx = Context(run, Thresholds())
+    return [f.to_dict() for f in graph_findings(ctx)]
+
+
+def graph_findings(ctx: Context) -> list[Finding]:
+    """Every loss misuse in the run, one finding per kind (the recording's evidence first)."""
+    cached = getattr(ctx, "_graph_findings", None)
+    if cached is not None:
+        return cached
+    tol = ctx.th.prob_tolerance
+    found: list[Finding] = []
+    meta_heads = [h for rec in ctx.run.meta.get("loss_graph") or [] for h in rec.get("heads") or []]
+    for head in recorded_heads(ctx.run):
+        # The loss graph read in the same run knows values a summary cannot (row sums).
+        same = next((h for h in meta_heads if h["loss"] == head["loss"]
+                     and (h.get("chain") or [None])[:1] == [c["op"] for c in head["chain"]][:1]), None)
+        if same is not None and same.get("facts"):
+            head["facts"] = same["facts"]
+        got = judge(head, tol)
+        if got is not None:
+            found.append(_finding(got[0], got[1], head, "recorded op graph", {}))
+    found += _monitor_findings(ctx, tol)
+    by_kind: dict[str, Finding] = {}
+    for f in found:
+        by_kind.setdefault(f.kind, f)
+    ctx._graph_findings = list(by_kind.values())
+    return ctx._graph_findings
+
+
+def _rule(kind: str):
+    def rule(ctx: Context) -> list[Finding]:
+        return [f for f in graph_findings(ctx) if f.kind == kind]
+
+    rule.__name__ = kind
+    rule.__doc__ = f"{KINDS[kind][0]} (from the recorded op graph or the loss's autograd graph)."
+    return register_rule(kind)(rule)
+
+
+for _kind in KINDS:
+    _rule(_kind)
+
+__all__ = ["KINDS", "graph_findings", "judge", "recorded_heads", "recording_findings"]

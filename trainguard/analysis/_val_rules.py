@@ -1,0 +1,199 @@
+"""Rules over the validation pass: overfitting, labels unrelated to the inputs, train/val leakage.
+
+They read the per-step scalars ``val_loss`` / ``val_accuracy`` and the ``validation`` summary the
+monitor stores (:mod:`trainguard.capture._monitor_eval`, :mod:`trainguard.capture._monitor_leak`);
+a run without evaluation passes gets none of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from trainguard.analysis._context import Context, Series, fmt
+from trainguard.analysis._loss_rules import finite_loss
+from trainguard.analysis._rules import register_rule
+from trainguard.store import Finding
+
+SOURCE = "monitor"
+
+
+def _val(ctx: Context, name: str) -> Series:
+    return Series.of(ctx.run.scalars(name).get(name)).finite()
+
+
+def _train_at(train: Series, val: Series) -> np.ndarray:
+    """The training loss around each validation point: the median since the previous one."""
+    out = []
+    prev = -1
+    for s in val.steps.tolist():
+        window = train.values[(train.steps > prev) & (train.steps <= s)]
+        if not len(window):  # evaluated twice with no training between: the last level stands
+            window = train.values[train.steps <= s][-3:]
+        out.append(float(np.median(window)) if len(window) else math.nan)
+        prev = s
+    return np.array(out)
+
+
+@register_rule("overfitting")
+def overfitting(ctx: Context) -> list[Finding]:
+    th = ctx.th
+    val = _val(ctx, "val_loss")
+    train = finite_loss(ctx)
+    if len(val) < th.overfit_min_points or not len(train):
+        return []
+    tr = _train_at(train, val)
+    b = int(np.argmin(val.values))
+    if b >= len(val) - 1 or not math.isfinite(tr[b]) or not math.isfinite(tr[-1]):
+        return []
+    best, end = float(val.values[b]), float(val.values[-1])
+    after = val.values[b + 1 :]
+    floor = best * (1 + th.overfit_val_rise) if best > 0 else best + th.overfit_val_rise
+    gap_best, gap_end = best - tr[b], end - tr[-1]
+    if not (
+        end >= floor
+        and float(np.median(after)) >= floor
+        and gap_end - gap_best >= th.overfit_gap_growth * max(abs(best), 1e-12)
+        and tr[-1] <= tr[b] * (1 - th.overfit_train_drop)
+    ):
+        return []
+    best_step = int(val.steps[b])
+    ev: dict = {
+        "best_val_step": best_step,
+        "val_loss_best": best,
+        "val_loss_end": end,
+        "train_loss_at_best": float(tr[b]),
+        "train_loss_end": float(tr[-1]),
+        "gap_at_best": float(gap_best),
+        "gap_end": float(gap_end),
+        "val_points": len(val),
+    }
+    acc = _val(ctx, "val_accuracy")
+    if len(acc):
+        ev["val_accuracy_best"] = float(acc.values.max())
+        ev["val_accuracy_end"] = float(acc.values[-1])
+    return [
+        Finding(
+            kind="overfitting",
+            severity="warning",
+            title=f"Overfitting: validation loss rose from {fmt(best)} (step {best_step}) to {fmt(end)} while the "
+            f"training loss fell from {fmt(tr[b])} to {fmt(tr[-1])}",
+            evidence=ev,
+            suggestion=f"keep the weights of step {best_step}, where the validation loss was lowest (early stopping: "
+            "checkpoint on the validation loss); then regularise: weight decay (e.g. AdamW weight_decay=0.01), "
+            "dropout, data augmentation, a smaller model or more training data",
+            steps=(best_step, int(val.steps[-1])),
+            source=SOURCE,
+        )
+    ]
+
+
+def _chance(ctx: Context) -> tuple[int, float, float, str] | None:
+    """(classes, chance loss, chance accuracy, how): what always guessing the validation labels'
+    class priors scores (their entropy, the majority share); ln(C) and 1/C when the counts are
+    unknown."""
+    val = ctx.meta.get("validation") or {}
+    c = val.get("classes")
+    if not isinstance(c, int) or c < 2:
+        return None
+    counts = val.get("label_counts")
+    if isinstance(counts, list) and len(counts) == c and sum(counts) > 0:
+        p = np.array(counts, dtype=float) / sum(counts)
+        nz = p[p > 0]
+        return c, float(-(nz * np.log(nz)).sum()), float(p.max()), "the entropy of the validation labels"
+    return c, math.log(c), 1.0 / c, f"ln({c})"
+
+
+@register_rule("labels_unrelated")
+def labels_unrelated(ctx: Context) -> list[Finding]:
+    th = ctx.th
+    level = _chance(ctx)
+    val = _val(ctx, "val_loss")
+    train = finite_loss(ctx)
+    if level is None or len(val) < 3 or len(train) < th.min_loss_points:
+        return []
+    classes, chance, chance_acc, how = level
+    w = max(3, int(len(train) * th.window_fraction))
+    start, end = float(np.median(train.values[:w])), float(np.median(train.values[-w:]))
+    never_learned = float(val.values.min()) >= (1 - th.chance_tolerance) * chance
+    memorised = end <= th.memorise_fraction * chance and start - end >= (1 - th.memorise_fraction) * chance / 2
+    acc = _val(ctx, "val_accuracy")
+    at_chance_acc = not len(acc) or float(acc.values.max()) <= (1 + th.chance_tolerance) * chance_acc + th.chance_acc_margin
+    if not (never_learned and memorised and at_chance_acc):
+        return []
+    ev: dict = {
+        "classes": classes,
+        "chance_loss": f"{how} = {chance:.4f}",
+        "val_loss_min": float(val.values.min()),
+        "val_loss_end": float(val.values[-1]),
+        "train_loss_start": start,
+        "train_loss_end": end,
+    }
+    if len(acc):
+        ev["val_accuracy_max"] = float(acc.values.max())
+        ev["chance_accuracy"] = chance_acc
+    return [
+        Finding(
+            kind="labels_unrelated",
+            severity="warning",
+            title=f"Labels look unrelated to the inputs: the training loss fell to {fmt(end)} (memorisation) while the "
+            f"validation loss never went below chance ({chance:.3g}, guessing among {classes} classes)",
+            evidence=ev,
+            suggestion="check that inputs and labels stay paired: shuffle them with one permutation "
+            "(`idx = torch.randperm(n); x, y = x[idx], y[idx]`), not each on its own; check that the Dataset's "
+            "`__getitem__` returns the label of the same sample and that the label encoding is the same in both "
+            "splits; `trainguard.doctor.validate_data((x_train, y_train), (x_val, y_val))` checks the data",
+            steps=(int(val.steps[0]), int(val.steps[-1])),
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("train_val_leakage")
+def train_val_leakage(ctx: Context) -> list[Finding]:
+    th = ctx.th
+    leak = (ctx.meta.get("validation") or {}).get("leak") or {}
+    batches = leak.get("batches") or []
+    rows = near = exact = train_like = 0
+    first = None
+    for b in batches:
+        close = [d for d in b.get("close", []) if d <= th.leak_near]
+        n = int(b.get("rows", 0))
+        if n and len(close) >= th.leak_train_eval * n:
+            train_like += n  # a pass over the training data (a training-accuracy evaluation)
+            continue
+        rows += n
+        near += len(close)
+        exact += sum(1 for d in close if d <= th.leak_exact)
+        if close and first is None:
+            first = int(b.get("step", 0))
+    if not rows or near < th.leak_min_rows or near < th.leak_min_fraction * rows:
+        return []
+    ev = {
+        "eval_rows_sampled": rows,
+        "copies_of_training_rows": near,
+        "exact_copies": exact,
+        "near_copies": near - exact,
+        "fraction": near / rows,
+        "train_rows_sampled": int(leak.get("train_rows", 0)),
+        "near_threshold": f"distance <= {fmt(th.leak_near)} x the typical distance between rows",
+    }
+    if train_like:
+        ev["rows_of_training_data_passes_left_out"] = train_like
+    return [
+        Finding(
+            kind="train_val_leakage",
+            severity="warning",
+            title=f"Validation samples leak from the training data: {near} of {rows} sampled validation rows "
+            f"({near / rows:.1%}) are copies of training rows ({exact} exact, {near - exact} near)",
+            evidence=ev,
+            suggestion="split the data before augmenting or oversampling it and remove duplicates across the split "
+            "(hash each sample, drop validation samples whose hash is in the training set); "
+            "`trainguard.doctor.validate_data((x_train, y_train), (x_val, y_val))` lists the duplicated rows. "
+            "The validation loss of this run is optimistic.",
+            steps=(first, first) if first is not None else None,
+            source=SOURCE,
+        )
+    ]
+

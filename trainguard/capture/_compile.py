@@ -1,0 +1,317 @@
+"""Recording inside ``torch.compile``: the backend, and how a recording switches it on.
+
+``compile_backend(inner="inductor")`` is a ``torch.compile`` backend. For Inductor it is
+Inductor's own ``compile_fx`` (its decompositions, partitioner and passes) with an inner
+compiler that instruments each forward, backward and inference graph AOT autograd hands it
+(``_compile_graph``) before Inductor compiles it; for any other inner compiler it is
+``aot_autograd(fw_compiler=..., bw_compiler=...)`` around it. The compiled function returned
+is a ``RecordedGraph`` (``_compile_run``).
+
+While a recording is active, models compiled by the default backend are instrumented without
+any change to the user's script: ``torch.compile``'s Inductor wrapper and ``compile_fx`` are
+patched for the recording's duration. Graphs Inductor compiled before the recording started
+cannot be seen inside; their calls are recorded as one execution each ("graph granularity").
+
+Dynamo must never trace trainguard: the dispatch mode declares ``ignore_compile_internals``
+(so compilation proceeds while it is active, with the mode off), module hooks return at once
+under ``torch.compiler.is_compiling()``, and :func:`keep_dynamo_out` marks trainguard's entry
+points so that the eval-frame callback skips them and everything they call at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainguard.capture import _compile_opaque, _compile_run
+from trainguard.capture._compile_graph import input_names, instrument
+from trainguard.capture._compile_run import Pair, RecordedGraph
+
+log = logging.getLogger("trainguard.capture")
+
+_lock = threading.Lock()
+_users: list = []  # active recorders, oldest first
+_saved: dict[str, Any] = {}  # original torch attributes while patched
+
+
+# ---------------------------------------------------------------------- keeping Dynamo out
+def keep_dynamo_out(*functions: Callable) -> None:
+    """Make Dynamo's frame callback skip these functions and every frame they call.
+
+    Without it, a trainguard hook or the dispatch mode's ``__torch_dispatch__`` run between two
+    compiled graphs (after a graph break) is itself compiled by Dynamo: extra graphs, recompiles
+    per tensor id and, worst, the hook's ``is_compiling()`` branch baked into its code. The
+    strategy lives on the code object and costs nothing per call.
+    """
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # pragma: no cover - a torch without Dynamo
+        return
+    skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+    for fn in functions:
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is not None:
+            set_code_exec_strategy(code, skip)
+
+
+# ---------------------------------------------------------------------- the backend
+def compile_backend(inner: str | Callable = "inductor", *, mode: str | None = None, **options: Any):
+    """A ``torch.compile`` backend that records every aten op of the compiled graphs.
+
+    ``torch.compile(model, backend=trainguard.compile_backend())`` compiles with Inductor and
+    adds, inside the compiled code, the summaries of each op's outputs; while a recording
+    (``trainguard.record``, ``check_numerics``) is active, each call of a graph writes one
+    execution per op (forward and backward) with its module, source line, producers and summary.
+    Without a recording the graphs run with their summaries computed and dropped.
+
+    ``inner``: ``"inductor"`` (``options`` are Inductor config patches, as
+    ``torch.compile(options=...)``), ``"aot_eager"``, or a compiler ``fn(gm, example_inputs)``
+    used for the forward and backward graphs. ``mode`` fixes the summary mode; by default it is
+    the active recording's (``full_health`` when none is active).
+    """
+    from trainguard.store import MODES
+
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    if not (inner in ("inductor", "aot_eager") or callable(inner)):
+        raise ValueError(f"inner must be 'inductor', 'aot_eager' or a compiler function, got {inner!r}")
+    return _Backend(inner, mode, options)
+
+
+class _Backend:
+    def __init__(self, inner, mode, options):
+        self.inner, self.mode, self.options = inner, mode, options
+
+    def __repr__(self) -> str:
+        return f"trainguard.compile_backend(inner={self.inner!r})"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        pair = Pair(_compile_label(), input_names(gm))
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            compile_fx = _saved.get("compile_fx") or _inductor_compile_fx()
+            with _no_autograd_cache():
+                return compile_fx(gm, example_inputs, inner_compile=_instrumenting(compile_fx_inner, pair, self.mode),
+                                  config_patches=self.options or None)
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        base = self.inner if callable(self.inner) else (lambda g, _: make_boxed_func(g.forward))
+
+        def fw(g, ex):
+            return _instrumented(base, g, ex, pair, self.mode, "forward")
+
+        def bw(g, ex):
+            return _instrumented(base, g, ex, pair, self.mode, "backward")
+
+        def inference(g, ex):
+            return _instrumented(base, g, ex, pair, self.mode, "inference")
+
+        with _no_autograd_cache():
+            return aot_autograd(fw_compiler=fw, bw_compiler=bw, inference_compiler=inference)(gm, example_inputs)
+
+
+def _compile_label() -> str:
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    return str(cid) if cid is not None else "?"
+
+
+def _inductor_compile_fx():
+    from torch._inductor import compile_fx
+
+    return compile_fx.compile_fx
+
+
+@contextlib.contextmanager
+def _no_autograd_cache():
+    # A hit in AOT autograd's cache would return a graph compiled without (or with other)
+    # summaries and skip the inner compiler. Inductor's own FX graph cache, keyed by the
+    # instrumented graph, still saves recompiling it.
+    from torch._functorch import config
+
+    with config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _summary_mode(forced: str | None) -> tuple[str, Any, Any]:
+    r = _compile_run.active
+    mode = forced or (r.mode if r is not None else "full_health")
+    if r is not None and r.check and mode == "curt_health":
+        mode = "full_health"  # check_numerics names NaN, +inf and -inf apart, and its inputs' zeros
+    return mode, (r.ops_pattern if r is not None else None), (r.dtypes if r is not None else None)
+
+
+def _instrumented(base, gm, example_inputs, pair: Pair, forced: str | None, kind: str):
+    if getattr(gm, "_trainguard_plan", None) is not None:  # already instrumented by an outer wrapper
+        return base(gm, example_inputs)
+    with _compiling():
+        mode, ops, dtypes = _summary_mode(forced)
+        plan = instrument(gm, kind, mode, ops, dtypes, pair.names)
+        gm._trainguard_plan = plan
+        if kind != "backward":
+            pair.fw = plan
+        compiled = base(gm, example_inputs)
+    return RecordedGraph(compiled, plan, pair)
+
+
+@contextlib.contextmanager
+def _compiling():
+    """AOT autograd compiles a backward graph lazily, at its first call, inside the autograd
+    engine, where the recording's dispatch mode is active: let the compiler's ops pass."""
+    r = _compile_run.active
+    if r is None:
+        yield
+        return
+    r.in_graph += 1
+    try:
+        yield
+    finally:
+        r.in_graph -= 1
+
+
+def _instrumenting(inner_compile, pair: Pair, forced: str | None):
+    """Inductor's inner compiler with each graph instrumented first."""
+
+    def inner(gm, example_inputs, **kwargs):
+        if getattr(gm, "_trainguard_plan", None) is not None:
+            return inner_compile(gm, example_inputs, **kwargs)
+        kind = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
+        with _compiling():
+            mode, ops, dtypes = _summary_mode(forced)
+            plan = instrument(gm, kind, mode, ops, dtypes, pair.names)
+            gm._trainguard_plan = plan
+            if kind != "backward":
+                pair.fw = plan
+            compiled = inner_compile(gm, example_inputs, **kwargs)
+        # Inductor reported the strides of every output, the summaries' too; AOT autograd slices
+        # that list from its end (saved tensors, symbolic sizes): it must hold the real outputs only.
+        ctx = torch._guards.TracingContext.try_get()
+        if plan.extra and ctx is not None and ctx.output_strides:
+            del ctx.output_strides[plan.n_outputs:]
+        with contextlib.suppress(AttributeError):
+            compiled._trainguard = True
+        return RecordedGraph(compiled, plan, pair)
+
+    inner._trainguard = True
+    return inner
+
+
+def _is_ours(fn) -> bool:
+    for _ in range(16):
+        if getattr(fn, "_trainguard", False):
+            return True
+        nxt = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__wrapped__", None)
+        if nxt is None:
+            return False
+        fn = nxt
+    return False
+
+
+# ---------------------------------------------------------------------- switched on by a recording
+def _recording_compile_fx(model_, example_inputs_, *args, **kwargs):
+    """``compile_fx`` while recording: the same compilation, each graph instrumented."""
+    original = _saved["compile_fx"]
+    inner = kwargs.pop("inner_compile", None)
+    if inner is None and args:
+        inner, args = args[0], args[1:]
+    if inner is None:
+        from torch._inductor.compile_fx import compile_fx_inner as inner
+    if _compile_run.active is None or _is_ours(inner):
+        return original(model_, example_inputs_, inner, *args, **kwargs)
+    with _no_autograd_cache():
+        pair = Pair(_compile_label(), input_names(model_) if isinstance(model_, torch.fx.GraphModule) else None)
+        return original(model_, example_inputs_, _instrumenting(inner, pair, None), *args, **kwargs)
+
+
+def _opaque_call(self, inputs):
+    """CompiledFxGraph.__call__ while recording: a graph compiled before it is one execution."""
+    r = _compile_run.active
+    if r is None or self.__dict__.get("_trainguard"):
+        return _saved["graph_call"](self, inputs)
+    kw = getattr(self, "fx_kwargs", None) or {}
+    kind = "backward" if kw.get("is_backward") else ("inference" if kw.get("is_inference") else "forward")
+    label = f"{kw.get('graph_id', '?')} {kind}"
+    return _compile_opaque.record_opaque(r, label, functools.partial(_saved["graph_call"], self), inputs)
+
+
+def _wrapper_call(self, model_, inputs_, *args, **kwargs):
+    """torch.compile's Inductor wrapper: Inductor is imported by now; patch it before it runs."""
+    _patch_inductor()
+    return _saved["wrapper_call"](self, model_, inputs_, *args, **kwargs)
+
+
+def _patch_inductor() -> None:
+    with _lock:
+        if "compile_fx" in _saved or not _users:
+            return
+        from torch._inductor import compile_fx as cfx
+        from torch._inductor.output_code import CompiledFxGraph
+
+        _saved["compile_fx"] = cfx.compile_fx
+        cfx.compile_fx = _recording_compile_fx
+        _saved["graph_call"] = CompiledFxGraph.__call__
+        CompiledFxGraph.__call__ = _opaque_call
+
+
+def install(recorder) -> None:
+    """Called when a recording starts: compiled graphs report to it."""
+    with _lock:
+        _users.append(recorder)
+        _compile_run.active = recorder
+        if len(_users) > 1:
+            return
+        wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+        if wrapper is not None:
+            _saved["wrapper_call"] = wrapper.__call__
+            wrapper.__call__ = _wrapper_call
+    # The module hooks trigger this warning from every torch.compile(module) call; they are
+    # trainguard's, not the user's, and the extra firing for OptimizedModule is accounted for.
+    warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+    if "torch._inductor.output_code" in sys.modules:
+        _patch_inductor()  # graphs compiled before now exist: record their calls at graph granularity
+
+
+def uninstall(recorder) -> None:
+    with _lock:
+        if recorder in _users:
+            _users.remove(recorder)
+        _compile_run.active = _users[-1] if _users else None
+        if _users:
+            return
+        if "wrapper_call" in _saved:
+            torch._TorchCompileInductorWrapper.__call__ = _saved.pop("wrapper_call")
+        if "compile_fx" in _saved:
+            from torch._inductor import compile_fx as cfx
+            from torch._inductor.output_code import CompiledFxGraph
+
+            cfx.compile_fx = _saved.pop("compile_fx")
+            CompiledFxGraph.__call__ = _saved.pop("graph_call")
+
+
+def run_meta(recorder) -> dict:
+    """What the run's metadata says about compiled graphs (read by the report)."""
+    out: dict = {}
+    if recorder.compiled_graphs:
+        out["compiled_graphs"] = [{"graph": k, "ops": v[0], "calls": v[1]} for k, v in recorder.compiled_graphs.items()]
+        if recorder.mode == "full_tensor":
+            out["full_tensor_compiled"] = "graph outputs only"
+    if recorder.opaque_graphs:
+        out["compiled_opaque"] = [{"graph": k, "op": f"compiled_graph.{k}", "calls": v}
+                                  for k, v in recorder.opaque_graphs.items()]
+    return out
+
+
+def reset_after_fork() -> None:
+    """A forked child records nothing (see the recorder's fork handler)."""
+    _compile_run.active = None

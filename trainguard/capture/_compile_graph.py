@@ -1,0 +1,321 @@
+"""Instrument one AOT autograd graph (forward, backward or inference) for recording.
+
+At compile time every aten op node becomes a record template: its op name, its outputs'
+dtype/shape/device, where its inputs come from (another op of the graph, or graph input ``i``),
+the module path from ``nn_module_stack`` and the user's frames from ``stack_trace``. Summary
+rows for its tensor outputs are added to the graph (``_compile_summary``) and returned as two
+extra outputs, the summary matrix and a "something is non-finite" flag, which the runtime
+wrapper (``_compile_run``) strips before the caller sees the outputs.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from trainguard.capture._compile_summary import Builder, finish, summarisable, summary_row
+from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS
+from trainguard.capture._taint import DEFAULT, OVERWRITE_OPS, RENORM, RENORM_OPS, classify
+from trainguard.store import MODE_FIELDS
+
+# An alias op's output holds the values of this argument (0 unless listed).
+_ALIAS_ARG = {"aten.copy_.default": 1, "aten.copy.default": 1}
+_ALIASES = ALIAS_OPS | set(_ALIAS_ARG)
+
+_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+), in (?P<name>.+)$')
+_ROOT = re.compile(r"^(?:[LG]\[['\"][^'\"]+['\"]\])")
+_GETATTR = re.compile(r"getattr\(([^()]+?), ['\"]([^'\"]+)['\"]\)")
+_PART = re.compile(r"\.(\w+)|\[['\"]([^'\"]*)['\"]\]|\[(\d+)\]")
+
+
+def parse_stack_trace(text: str | None) -> tuple[tuple[str, int, str], ...]:
+    """``File "x.py", line 3, in f`` lines of a node's ``stack_trace`` as frames, outermost first."""
+    if not text:
+        return ()
+    out = []
+    for line in text.splitlines():
+        m = _FRAME.match(line)
+        if m:
+            out.append((m["file"], int(m["line"]), m["name"].strip()))
+    return tuple(out)
+
+
+def module_path(fqn: str) -> str:
+    """``L['self'].layers.0.fc`` -> ``layers.0.fc``; ``G['model']`` -> ``""`` (relative to the
+    module the compiled code was called on, as the eager recorder names modules)."""
+    while "getattr(" in fqn:  # getattr(L['self'].layers, '0') -> L['self'].layers.0
+        new = _GETATTR.sub(r"\1.\2", fqn)
+        if new == fqn:
+            break
+        fqn = new
+    m = _ROOT.match(fqn)
+    rest = fqn[m.end():] if m else fqn
+    parts = []
+    for attr, key, index in _PART.findall(rest):
+        name = attr or key or index
+        if name not in ("_modules", "_parameters", "_buffers"):
+            parts.append(name)
+    return ".".join(parts)
+
+
+def input_names(dynamo_gm: fx.GraphModule) -> list[tuple[str, str] | None]:
+    """(kind, name) of each input of a Dynamo graph that is a parameter or buffer, from its source
+    (``L['self']._modules['fc']._parameters['weight']`` -> ``("param", "fc.weight")``)."""
+    out: list[tuple[str, str] | None] = []
+    for node in dynamo_gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        arg = node.meta.get("grapharg")
+        source = getattr(getattr(arg, "source", None), "name", None)
+        if callable(source):
+            source = source()
+        if not isinstance(source, str):
+            out.append(None)
+        elif "._parameters[" in source:
+            out.append(("param", module_path(source)))
+        elif "._buffers[" in source:
+            out.append(("buffer", module_path(source)))
+        else:
+            out.append(None)
+    return out
+
+
+@dataclass
+class OpTemplate:
+    """What stays the same for one op node across calls of its graph."""
+
+    name: str  # the overload, as the eager recorder names it: aten.addmm.default
+    wanted: bool  # passes the recording's op and dtype filters
+    inputs: tuple  # per tensor input: ("n", op index) | ("p", graph input index) | ("input", None)
+    outputs: tuple  # per tensor output: (dtype name, shape (ints or sympy expressions), device)
+    rows: tuple  # per tensor output: row of the summary matrix, or None (no values: unknown)
+    module: tuple[str, str | None] | None  # (path relative to the graph's root, type name)
+    frames: tuple[tuple[str, int, str], ...]
+    seq_nr: int | None  # autograd sequence number (pairs backward nodes with forward ones)
+    # How its outputs' taint follows from its inputs' (capture/_taint): its class, whether it
+    # overwrites its first input, whether it writes into it.
+    cls: int = DEFAULT
+    overwrite: bool = False
+    inplace: bool = False
+    # The op it was decomposed from (``original_aten``: Inductor's graphs hold softmax as amax,
+    # sub, exp, sum, div), which names it in origins and intended counts; None when not decomposed.
+    shown: str | None = None
+    renorm_part: bool = False  # part of a decomposed softmax-like op: a NaN it makes is its own
+    const: bool = False  # a decomposition's constant (masked_fill's -inf as full): the op's scalar argument
+    recompute: bool = False  # a forward op the partitioner recomputes in the backward graph
+
+
+@dataclass
+class GraphPlan:
+    kind: str  # forward, backward, inference
+    mode: str
+    ops: list[OpTemplate] = field(default_factory=list)
+    n_outputs: int = 0  # outputs the caller sees
+    extra: int = 0  # summary outputs appended after them (0 or 2)
+    out_ops: tuple = ()  # per caller-visible output: (op index, output slot) or None
+    n_rows: int = 0
+    symbols: tuple = ()  # how to bind shape symbols from the inputs: ("arg", i, sym) | ("dim", i, d, sym)
+    dynamic: bool = False
+    fwd_index: dict[int, int] = field(default_factory=dict)  # seq_nr -> op index (forward graphs)
+    input_names: tuple = ()  # per graph input: (kind, name) of a parameter or buffer, else None
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _shape(val: torch.Tensor) -> tuple[tuple, bool]:
+    out, dynamic = [], False
+    for s in val.shape:
+        if isinstance(s, torch.SymInt):
+            expr = s.node.expr
+            if expr.is_number:
+                out.append(int(expr))
+            else:
+                out.append(expr)
+                dynamic = True
+        else:
+            out.append(int(s))
+    return tuple(out), dynamic
+
+
+def _tensors(val) -> list[tuple[int, Any]]:
+    if isinstance(val, torch.Tensor):
+        return [(-1, val)]
+    if isinstance(val, (tuple, list)):
+        return [(i, v) for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _module(node: fx.Node, key: str) -> tuple[str, str | None] | None:
+    stack = node.meta.get(key)
+    if not stack:
+        return None
+    fqn, cls = list(stack.values())[-1]
+    name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].rstrip("'>")
+    return module_path(fqn), name
+
+
+def _fake_mode(graph: fx.Graph):
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+
+def _bind_symbols(placeholders: list[fx.Node]) -> tuple:
+    out, seen = [], set()
+    for i, ph in enumerate(placeholders):
+        val = ph.meta.get("val")
+        if isinstance(val, torch.SymInt) and val.node.expr.is_symbol and val.node.expr not in seen:
+            seen.add(val.node.expr)
+            out.append(("arg", i, val.node.expr))
+        elif isinstance(val, torch.Tensor):
+            for d, s in enumerate(val.shape):
+                if isinstance(s, torch.SymInt) and s.node.expr.is_symbol and s.node.expr not in seen:
+                    seen.add(s.node.expr)
+                    out.append(("dim", i, d, s.node.expr))
+    return tuple(out)
+
+
+def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtypes=None,
+               names: list | None = None) -> GraphPlan:
+    """Build the plan of ``gm`` and, unless the mode has no fields, add its summary outputs.
+
+    ``names``: the parameters and buffers among the Dynamo graph's inputs (:func:`input_names`),
+    which AOT autograd's inputs refer to by index."""
+    graph = gm.graph
+    plan = GraphPlan(kind=kind, mode=mode)
+    fields = MODE_FIELDS[mode]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    ph_index = {n: i for i, n in enumerate(placeholders)}
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    producer: dict[fx.Node, tuple[int, int]] = {}  # node -> (op index, output slot)
+    row_of: dict[fx.Node, int] = {}  # tensor node -> summary row
+    rows: list[fx.Node] = []
+    builder = Builder(graph, _fake_mode(graph)) if fields else None
+    plan.input_names = tuple(_input_name(ph, names) for ph in placeholders)
+    mod_key = "fwd_nn_module_stack" if kind == "backward" else "nn_module_stack"
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        outs = _tensors(node.meta.get("val"))
+        if not outs:
+            continue  # symbolic-size arithmetic, asserts: not tensor ops
+        name = str(node.target)
+        k = len(plan.ops)
+        wanted = not name.startswith("profiler.") and (ops_pattern is None or ops_pattern.search(name) is not None)
+        if dtypes is not None and not any(v.dtype in dtypes for _, v in outs):
+            wanted = False
+        # Each tensor output as a node: the node itself, or its getitem (made when missing).
+        out_nodes = []
+        getitems = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        for slot, (index, val) in enumerate(outs):
+            if index < 0:
+                tnode = node
+            else:
+                tnode = getitems.get(index)
+                if tnode is None and builder is not None and wanted:
+                    builder.cursor = node
+                    tnode = builder.call(operator.getitem, node, index)
+            if tnode is not None:
+                producer[tnode] = (k, slot)
+            out_nodes.append((tnode, val))
+        inputs = []
+        for a in _flat_nodes((*node.args, *node.kwargs.values())):
+            if not isinstance(a.meta.get("val"), torch.Tensor):
+                continue
+            if a in ph_index:
+                inputs.append(("p", ph_index[a]))
+            elif a in producer:
+                inputs.append(("n", producer[a][0]))
+            else:
+                inputs.append(("input", None))
+        metas, dyn = [], False
+        for _, val in out_nodes:
+            shape, d = _shape(val)
+            dyn = dyn or d
+            metas.append((_dtype_name(val.dtype), shape, str(val.device)))
+        plan.dynamic = plan.dynamic or dyn
+        out_rows = []
+        for tnode, val in out_nodes:
+            r = None
+            if builder is not None and wanted and tnode is not None and name not in ALLOCATION_OPS:
+                src = _alias_source(node, name)
+                if src is not None and src in row_of and src.meta["val"].dtype == val.dtype:
+                    r = row_of[src]  # an alias holds its input's values: no second pass
+                elif summarisable(val):
+                    builder.cursor = tnode  # right after it is made, where Inductor can fuse the pass
+                    rows.append(summary_row(builder, tnode, mode))
+                    r = len(rows) - 1
+                if r is not None:
+                    row_of[tnode] = r
+            out_rows.append(r)
+        seq_nr = node.meta.get("seq_nr")
+        is_view, inplace = _aliasing(node.target)
+        original = node.meta.get("original_aten")
+        shown = str(original) if original is not None and str(original) != name else None
+        cls = classify(name, is_view)
+        plan.ops.append(OpTemplate(
+            name=name, wanted=wanted, inputs=tuple(inputs), outputs=tuple(metas), rows=tuple(out_rows),
+            module=_module(node, mod_key), frames=parse_stack_trace(node.meta.get("stack_trace")),
+            seq_nr=seq_nr if isinstance(seq_nr, int) else None,
+            cls=cls, overwrite=name in OVERWRITE_OPS, inplace=inplace, shown=shown,
+            renorm_part=shown is not None and cls != RENORM and shown in RENORM_OPS,
+            const=shown is not None and not inputs,
+            recompute=kind == "backward" and node.meta.get("partitioner_tag") == "is_forward",
+        ))
+        if kind != "backward" and isinstance(seq_nr, int) and seq_nr not in plan.fwd_index:
+            plan.fwd_index[seq_nr] = k  # the first op of a sequence number made its autograd node
+
+    results = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    plan.n_outputs = len(results)
+    plan.out_ops = tuple(producer.get(r) if isinstance(r, fx.Node) else None for r in results)
+    plan.symbols = _bind_symbols(placeholders) if plan.dynamic else ()
+    plan.n_rows = len(rows)
+    if rows:
+        builder.cursor = output.prev
+        matrix, flag = finish(builder, rows, mode)
+        output.args = (tuple(results) + (matrix, flag),)
+        plan.extra = 2
+        graph.lint()
+        gm.recompile()
+    return plan
+
+
+def _aliasing(target) -> tuple[bool, bool]:
+    """(is a view, writes into its first input) from an op's schema, as the eager recorder reads it."""
+    try:
+        schema = target._schema
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        return bool(target.is_view), first is not None and first.is_write
+    except Exception:  # not an OpOverload with a schema
+        return False, False
+
+
+def _input_name(ph: fx.Node, names: list | None):
+    desc = ph.meta.get("desc")
+    idx = getattr(desc, "idx", None) if type(desc).__name__ == "PlainAOTInput" else None
+    if names is None or not isinstance(idx, int) or not 0 <= idx < len(names):
+        return None
+    return names[idx]
+
+
+def _flat_nodes(args) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(args, out.append)
+    return out
+
+
+def _alias_source(node: fx.Node, name: str) -> fx.Node | None:
+    if name not in _ALIASES:
+        return None
+    i = _ALIAS_ARG.get(name, 0)
+    src = node.args[i] if len(node.args) > i else None
+    return src if isinstance(src, fx.Node) else None

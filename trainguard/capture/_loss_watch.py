@@ -1,0 +1,276 @@
+"""What the loss is made of: its autograd graph read once, before the first backward passes.
+
+The diagnosis judges loss misuse (a softmax before ``cross_entropy``, ``nll_loss`` on raw
+logits, ...) from the op graph. A recording stores that graph with ``file:line``; without one
+(the monitor alone) the loss's autograd graph still holds it: the loss function's node
+(``NllLossBackward0``), the nodes that made its input (``LogSoftmaxBackward0`` <-
+``SoftmaxBackward0``), and the tensors they saved (the input of ``nll_loss``, the targets of a
+soft-target cross entropy). This module writes those *facts* into the run (meta ``loss_graph``);
+the rules in ``analysis/_graph_rules.py`` judge them.
+
+Cost: the graph is walked for the first :data:`INSPECTIONS` backward passes only, a few nodes
+deep; the facts of the loss heads are reduced on the device and read to the host together, once,
+after the last inspection (or when the run ends first).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainguard.capture import _monitor_tap
+from trainguard.store import is_user_file
+
+log = logging.getLogger("trainguard.capture")
+
+# Backward passes whose loss graph is read (a GAN's two losses, a first step that differs).
+INSPECTIONS = 3
+# How far below the loss a loss function's node may sit (mean, division for accumulation, sums
+# of several losses), and how many nodes one inspection looks at in all.
+HEAD_DEPTH = 8
+MAX_NODES = 96
+# Non-view producers named below a loss head (softmax <- addmm is two).
+CHAIN_LENGTH = 3
+# Rows of a saved tensor the facts are computed on (one reduction, one host copy).
+FACT_ROWS = 512
+
+# Module types that make probabilities out of scores (named in the evidence).
+PROBABILITY_MODULES = ("Softmax", "Softmax2d", "LogSoftmax", "Softmin", "Sigmoid")
+# Autograd nodes that only reshape or copy: the chain looks through them.
+_PASS = frozenset({
+    "view", "reshape_alias", "unsafe_view", "transpose", "t", "permute", "squeeze", "unsqueeze", "expand",
+    "clone", "to_copy", "alias", "select", "slice", "contiguous", "flatten", "as_strided",
+})
+# A few node names that CamelCase -> snake_case gets wrong.
+_RENAME = {"nll_loss2_d": "nll_loss", "nll_loss_nd": "nll_loss"}
+
+
+def node_op(fn: Any) -> str:
+    """``NllLossBackward0`` -> ``nll_loss``: an autograd node as the op that made it."""
+    name = re.sub(r"Backward\d*$", "", type(fn).__name__)
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+    return _RENAME.get(snake, snake)
+
+
+def _next(fn: Any) -> list[Any]:
+    return [nf for nf, _ in getattr(fn, "next_functions", ()) if nf is not None]
+
+
+def _through(fn: Any) -> Any:
+    """The first node at or below ``fn`` that is not a view or copy."""
+    for _ in range(16):
+        if fn is None or node_op(fn) not in _PASS:
+            return fn
+        nxt = _next(fn)
+        fn = nxt[0] if nxt else None
+    return fn
+
+
+def _chain(fn: Any) -> list[str]:
+    out: list[str] = []
+    fn = _through(fn)
+    while fn is not None and len(out) < CHAIN_LENGTH:
+        op = node_op(fn)
+        if op == "accumulate_grad":
+            out.append("parameter")
+            break
+        out.append(op)
+        nxt = _next(fn)
+        fn = _through(nxt[0]) if nxt else None
+    return out
+
+
+def _saved(fn: Any, name: str) -> torch.Tensor | None:
+    try:
+        t = getattr(fn, name)
+    except (AttributeError, RuntimeError):  # not saved by this node, or already freed
+        return None
+    return t if isinstance(t, torch.Tensor) else None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()[:FACT_ROWS].double()
+
+
+def _class_dim(t: torch.Tensor) -> int:
+    return 1 if t.dim() >= 2 else 0
+
+
+# Facts are reduced on the tensor's device into (names, 1-d tensor) and read to the host together,
+# once, after the last inspection (see LossWatch.resolve): no host sync per backward pass.
+Facts = tuple[tuple[str, ...], torch.Tensor]
+
+
+def _facts_nll_input(x: torch.Tensor) -> Facts:
+    """Log-probabilities are <= 0 with rows whose exp sums to 1; probabilities are in [0, 1] with rows summing to 1."""
+    x = _rows(x)
+    d = _class_dim(x)
+    return (("input_max", "input_min", "logsumexp_dev", "row_sum_dev"),
+            torch.stack([x.max(), x.min(), x.logsumexp(d).abs().max(), (x.sum(d) - 1).abs().max()]))
+
+
+def _facts_range(x: torch.Tensor) -> Facts:
+    x = _rows(x)
+    return ("input_max", "input_min"), torch.stack([x.max(), x.min()])
+
+
+def _facts_targets(t: torch.Tensor, dim: int) -> Facts:
+    t = _rows(t)
+    s = t.sum(dim if t.dim() > 1 else 0)
+    return ("target_max", "target_min", "row_sum_max", "row_sum_min"), torch.stack([t.max(), t.min(), s.max(), s.min()])
+
+
+def resolve_facts(heads: list[dict]) -> None:
+    """Replace each head's device facts by a dict of floats (one host copy for all of them)."""
+    pending = [h for h in heads if isinstance(h.get("facts"), tuple)]
+    if not pending:
+        return
+    values = torch.cat([h["facts"][1].reshape(-1).cpu() for h in pending]).tolist()
+    i = 0
+    for h in pending:
+        names = h["facts"][0]
+        h["facts"] = dict(zip(names, values[i:i + len(names)]))
+        i += len(names)
+
+
+def _soft_ce(fn: Any) -> tuple[Any, torch.Tensor, int] | None:
+    """A ``mul(log_softmax(x), target)`` node (cross entropy on probability targets)."""
+    nxt = getattr(fn, "next_functions", ())
+    if len(nxt) != 2:
+        return None
+    heads = [(i, _through(nf)) for i, (nf, _) in enumerate(nxt) if nf is not None]
+    if len(heads) != 1 or heads[0][1] is None or node_op(heads[0][1]) != "log_softmax":
+        return None
+    target = _saved(fn, "_saved_other" if heads[0][0] == 0 else "_saved_self")
+    if target is None or target.requires_grad or not target.is_floating_point():
+        return None
+    result = _saved(heads[0][1], "_saved_result")
+    if result is not None and tuple(result.shape) != tuple(target.shape):  # a weight or mask, not targets
+        return None
+    dim = getattr(heads[0][1], "_saved_dim", 1)
+    return heads[0][1], target, int(dim) if isinstance(dim, int) else 1
+
+
+def inspect_loss(loss: torch.Tensor) -> list[dict]:
+    """The loss heads below ``loss``: which loss function, the ops that made its input, facts."""
+    heads: list[dict] = []
+    seen: set[int] = set()
+    todo = [(loss.grad_fn, 0)]
+    visited = 0
+    while todo and visited < MAX_NODES:
+        fn, depth = todo.pop(0)
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        visited += 1
+        op = node_op(fn)
+        head: dict | None = None
+        if op == "nll_loss":
+            nxt = _next(fn)
+            head = {"loss": "nll_loss", "chain": _chain(nxt[0]) if nxt else []}
+            x = _saved(fn, "_saved_self")
+            if x is not None and x.is_floating_point() and x.numel():
+                head["facts"] = _facts_nll_input(x)
+        elif op in ("binary_cross_entropy_with_logits", "binary_cross_entropy"):
+            nxt = _next(fn)
+            head = {"loss": op, "chain": _chain(nxt[0]) if nxt else []}
+            x = _saved(fn, "_saved_self")
+            if x is not None and x.numel():
+                head["facts"] = _facts_range(x)
+        elif op == "mul":
+            soft = _soft_ce(fn)
+            if soft is not None:
+                lsm, target, dim = soft
+                head = {"loss": "soft_cross_entropy", "chain": _chain(lsm)}
+                if target.numel():
+                    head["facts"] = _facts_targets(target, dim)
+        if head is not None:
+            heads.append(head)
+            continue
+        if depth < HEAD_DEPTH:
+            todo.extend((nf, depth + 1) for nf in _next(fn))
+    return heads
+
+
+def user_frame() -> dict | None:
+    """The user's line that called ``backward`` (the frame outside torch and trainguard)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if is_user_file(f.f_code.co_filename):
+            return {"file": f.f_code.co_filename, "line": f.f_lineno, "function": f.f_code.co_name}
+        f = f.f_back
+    return None
+
+
+class LossWatch:
+    """Reads the loss graph of the first :data:`INSPECTIONS` backward passes into ``writer``'s meta.
+
+    One per run directory (the recorder and the monitor share it, see :func:`acquire`).
+    ``modules`` names the watched model's probability layers (``nn.Softmax`` at ``head.2``).
+    """
+
+    def __init__(self, writer: Any):
+        self.writer = writer
+        self.users = 0
+        self.seen = 0
+        self.records: list[dict] = []
+        self.written = 0
+        self.modules: Callable[[], list[dict]] | None = None
+
+    def __call__(self, loss: torch.Tensor) -> None:
+        if self.seen >= INSPECTIONS:
+            return
+        self.seen += 1
+        try:
+            with _monitor_tap.quiet(), torch.no_grad():
+                heads = inspect_loss(loss)
+            rec: dict[str, Any] = {"heads": heads, "backward_at": user_frame()}
+            if self.modules is not None:
+                rec["modules"] = self.modules()
+            self.records.append(rec)
+        except Exception:  # observing training never kills training
+            log.exception("trainguard: reading the loss graph failed")
+        if self.seen == INSPECTIONS:
+            self.resolve()
+
+    def resolve(self) -> None:
+        """Read the facts to the host (once) and write the records into the run."""
+        if not self.records or self.written == len(self.records):
+            return
+        try:
+            with _monitor_tap.quiet(), torch.no_grad():
+                resolve_facts([h for rec in self.records for h in rec["heads"]])
+            self.writer.set_meta(loss_graph=list(self.records))
+            self.written = len(self.records)
+        except Exception:
+            log.exception("trainguard: reading the loss graph failed")
+
+
+_watches: dict[int, LossWatch] = {}
+_watch_lock = threading.Lock()
+
+
+def acquire(writer: Any) -> LossWatch:
+    """The run's loss watch, installed on the backward tap while any user holds it."""
+    with _watch_lock:
+        w = _watches.get(id(writer))
+        if w is None:
+            w = _watches[id(writer)] = LossWatch(writer)
+            _monitor_tap.add_listener("loss_graph", w)
+        w.users += 1
+        return w
+
+
+def release(watch: LossWatch) -> None:
+    with _watch_lock:
+        watch.users -= 1
+        watch.resolve()  # a run with fewer backward passes than INSPECTIONS
+        if watch.users <= 0:
+            _watches.pop(id(watch.writer), None)
+            _monitor_tap.remove_listener("loss_graph", watch)

@@ -1,0 +1,130 @@
+"""Train/validation leakage, watched live: signatures of sampled input rows in each mode.
+
+Every forward of a watched model hashes up to ``ROWS_PER_FORWARD`` rows of its first tensor input
+into a signature: ``FEATURES`` fixed positions of the flattened row, projected on ``DIMS`` random
+directions (a Johnson-Lindenstrauss sketch: rows far apart stay far apart, copies coincide). The
+signatures go into preallocated buffers on the input's device (training and evaluation rows
+apart, ``TRAIN_ROWS`` and ``EVAL_ROWS`` at most), so a forward costs a gather, a small matmul and
+a copy, with no host sync; once a buffer is full that mode costs nothing more.
+
+When the monitor closes, :func:`LeakWatch.summary` finds each evaluation row's nearest training
+row (on the buffers' device, in chunks) and stores the distances that are small relative to the
+typical distance between rows: exact copies have a relative distance near 0, near copies (a
+re-encoded or slightly noised sample) a few percent, unrelated rows about 1. The diagnosis
+(``train_val_leakage``) judges them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainguard.capture._monitor_tap import quiet
+
+ROWS_PER_FORWARD = 1024
+FEATURES = 256  # positions of a row that enter its signature
+DIMS = 32  # signature length
+TRAIN_ROWS = 32768
+EVAL_ROWS = 4096
+MIN_FEATURES = 4  # rows of fewer values (a scalar regression input) repeat by chance
+MAX_SHAPES = 4  # distinct row lengths hashed (variable-length inputs: the first few)
+KEEP_BELOW = 0.2  # relative distances stored for the diagnosis (unrelated rows are near 1)
+_CHUNK = 512
+
+
+class _Sketch:
+    """The projection and buffers for one row length on one device."""
+
+    def __init__(self, width: int, device: torch.device):
+        g = torch.Generator().manual_seed(0x7E57 + width)
+        k = min(width, FEATURES)
+        self.idx = torch.randperm(width, generator=g)[:k].sort().values.to(device)
+        self.proj = (torch.randn(k, DIMS, generator=g) / k**0.5).to(device)
+        self.train = torch.empty(TRAIN_ROWS, DIMS, device=device)
+        self.eval = torch.empty(EVAL_ROWS, DIMS, device=device)
+        self.n_train = 0
+        self.n_eval = 0
+        self.batches: list[tuple[int, int, int, int]] = []  # (pass, step, first row, rows) of eval forwards
+
+    def sign(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        flat = x[:rows].reshape(rows, -1)
+        return flat.index_select(1, self.idx).float() @ self.proj
+
+
+class LeakWatch:
+    def __init__(self) -> None:
+        self._sketches: dict[tuple[int, str], _Sketch] = {}
+        self._pass = 0
+        self._train_since_eval = True
+
+    def on_forward(self, x: Any, evaluating: bool, step: int) -> None:
+        """Hash sampled rows of ``x`` (the input of a watched model's forward)."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] == 0 or x.is_complex():
+            return
+        if x.layout != torch.strided or x.is_meta:
+            return
+        width = x[:1].numel()
+        if width < MIN_FEATURES:
+            return
+        key = (width, str(x.device))
+        sk = self._sketches.get(key)
+        if sk is None:
+            if len(self._sketches) >= MAX_SHAPES:
+                return
+            with quiet(), torch.no_grad():
+                sk = self._sketches[key] = _Sketch(width, x.device)
+        if evaluating:
+            if self._train_since_eval:
+                self._pass += 1
+                self._train_since_eval = False
+            room = EVAL_ROWS - sk.n_eval
+        else:
+            self._train_since_eval = True
+            room = TRAIN_ROWS - sk.n_train
+        rows = min(int(x.shape[0]), ROWS_PER_FORWARD, room)
+        if rows <= 0:
+            return
+        with quiet(), torch.no_grad():
+            sig = sk.sign(x.detach(), rows)
+            if evaluating:
+                sk.eval[sk.n_eval : sk.n_eval + rows].copy_(sig)
+                sk.batches.append((self._pass, step, sk.n_eval, rows))
+                sk.n_eval += rows
+            else:
+                sk.train[sk.n_train : sk.n_train + rows].copy_(sig)
+                sk.n_train += rows
+
+    def summary(self) -> dict[str, Any] | None:
+        """Per evaluation batch, the relative distances of its rows to their nearest training row
+        (only those below ``KEEP_BELOW``); None when nothing was evaluated."""
+        out = {"train_rows": 0, "eval_rows": 0, "batches": [], "keep_below": KEEP_BELOW}
+        with quiet(), torch.no_grad():
+            for sk in self._sketches.values():
+                out["train_rows"] += sk.n_train
+                out["eval_rows"] += sk.n_eval
+                if not sk.n_eval or not sk.n_train:
+                    continue
+                rel = _relative_nearest(sk.train[: sk.n_train], sk.eval[: sk.n_eval]).cpu().tolist()
+                for p, step, first, rows in sk.batches:
+                    close = [round(d, 4) for d in rel[first : first + rows] if d < KEEP_BELOW]
+                    out["batches"].append({"pass": p, "step": step, "rows": rows, "close": close})
+        return out if out["eval_rows"] else None
+
+
+def _relative_nearest(train: torch.Tensor, ev: torch.Tensor) -> torch.Tensor:
+    """Distance of each evaluation row to its nearest training row, over the typical distance
+    between an evaluation row and a training row (the median over pseudo-random pairs)."""
+    nearest = torch.empty(len(ev), device=ev.device)
+    for i in range(0, len(ev), _CHUNK):
+        chunk = ev[i : i + _CHUNK]
+        # The matmul form finds the neighbour fast; its distance is recomputed exactly (the
+        # matmul form loses the digits that tell a copy, distance 0, from a near copy).
+        j = torch.cdist(chunk, train).argmin(1)
+        nearest[i : i + _CHUNK] = (chunk - train[j]).norm(dim=1)
+    pair = torch.arange(len(ev), device=ev.device) * 7919 % len(train)
+    typical = (ev - train[pair]).norm(dim=1)
+    typical = typical[torch.isfinite(typical)]
+    scale = typical.median() if typical.numel() else torch.tensor(float("nan"), device=ev.device)
+    rel = nearest / scale.clamp(min=1e-30)
+    return torch.nan_to_num(rel, nan=float("inf"))
