@@ -8,7 +8,8 @@ gradient accumulation (``add`` where plain autograd runs ``add_``). Everything e
 the same ops in the same order, steps, phases, modules, stacks (as frames), forward ops of
 backward ops, input producers, output dtypes, shapes, devices, summaries, and the taint and
 origin of each execution (as finally stored: records sent again when they turned harmful count
-in their last form). Then the stored runs: each execution's taint and origin, the first harmful
+in their last form), and the loss chains pinned before the first backward passes (the same loss
+op, its window of executions in the batches' pins). Then the stored runs: each execution's taint and origin, the first harmful
 value, the intended infinities and the harmful counts per step and op (the mode's own ops aside).
 """
 
@@ -20,6 +21,7 @@ import math
 import torch
 
 import trainguard as tg
+from trainguard.capture import _recorder
 from trainguard.store import _writer, open_run
 
 # (python op, native op): what the dispatch mode runs instead of plain autograd: a detach of each
@@ -35,14 +37,16 @@ PLAIN_ONLY = {"aten.empty.memory_format", "aten.detach.default"}
 def capture(make_program, tmp_path, backend: str, mode: str, seed: int = 0, **kw):
     """(records, stacks {id: frames}, modules {id: path}, the recorder) of ``make_program()()``,
     a fresh program built after seeding, so that both backends run the same one."""
-    got = {"records": [], "stacks": {}, "modules": {}, "run": None}
+    got = {"records": [], "stacks": {}, "modules": {}, "run": None, "pins": set(), "loss_ends": []}
     by_seq: dict[int, tuple] = {}
     orig_exec, orig_stack, orig_module = (_writer.RunWriter.put_executions, _writer.RunWriter.put_stack,
                                           _writer.RunWriter.put_module)
+    orig_loss_end = _recorder.Recorder._loss_end
 
     def put_executions(self, batch, must_keep=False):
         for r in _writer._resolve(batch):
             by_seq[r[0]] = r
+        got["pins"].update(batch.pins or ())
         for r in batch.resend or ():  # sent again, harmful now: its last form is the record's
             by_seq[r[0]] = r
         return orig_exec(self, batch, must_keep=must_keep)
@@ -55,8 +59,14 @@ def capture(make_program, tmp_path, backend: str, mode: str, seed: int = 0, **kw
         got["modules"][mid] = (path, type_name)
         return orig_module(self, mid, path, type_name)
 
+    def loss_end(self, loss):  # the loss-chain pins (LOSS_PIN_WINDOW executions up to the loss's op)
+        end = orig_loss_end(self, loss)
+        got["loss_ends"].append(end)
+        return end
+
     _writer.RunWriter.put_executions, _writer.RunWriter.put_stack, _writer.RunWriter.put_module = (
         put_executions, put_stack, put_module)
+    _recorder.Recorder._loss_end = loss_end
     try:
         torch.manual_seed(seed)
         program = make_program()
@@ -65,6 +75,7 @@ def capture(make_program, tmp_path, backend: str, mode: str, seed: int = 0, **kw
     finally:
         _writer.RunWriter.put_executions, _writer.RunWriter.put_stack, _writer.RunWriter.put_module = (
             orig_exec, orig_stack, orig_module)
+        _recorder.Recorder._loss_end = orig_loss_end
     assert rec.backend == backend
     got["records"] = sorted(by_seq.values(), key=lambda r: r[0])
     got["run"] = open_run(tmp_path / f"{backend}-{mode}")
@@ -169,8 +180,24 @@ def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
             problems.append(f"{where}: taint {p[11]!r} vs {n[11]!r}")
         if (mapped(p[12]) if p[12] is not None else None) != n[12]:
             problems.append(f"{where}: origin {p[12]} (-> {seq_map.get(p[12])}) vs {n[12]}")
+    problems += _compare_loss_pins(py, nat, mapped)
     problems += _compare_runs(py["run"], nat["run"], pairs, pr, nr, mapped)
     return problems, artefacts
+
+
+def _compare_loss_pins(py: dict, nat: dict, mapped) -> list[str]:
+    """The loss chains of the first backward passes: the same loss op under both, and its window
+    of executions pinned in the batches handed to the writer."""
+    problems = []
+    want = [mapped(e) for e in py["loss_ends"]]
+    if want != nat["loss_ends"]:
+        problems.append(f"loss-chain ends {py['loss_ends']} (-> {want}) vs {nat['loss_ends']}")
+    for name, got in (("python", py), ("native", nat)):
+        for end in got["loss_ends"]:
+            missing = set(range(max(0, end - _recorder.LOSS_PIN_WINDOW), end + 1)) - got["pins"]
+            if missing:
+                problems.append(f"{name}: loss chain up to seq {end} not pinned: {sorted(missing)[:10]}")
+    return problems
 
 
 _OWN_OPS = MODE_ONLY | PLAIN_ONLY | {op for pair in MODE_REPLACES for op in pair}

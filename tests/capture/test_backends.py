@@ -161,6 +161,16 @@ def test_same_records_in_full_health(tmp_path, name):
     assert problems == [], "\n".join(problems[:20])
 
 
+def test_same_loss_chains_pinned(tmp_path):
+    # Issue 15's loss-chain pins (the circular buffer keeps the loss op and what made its input
+    # for the first backward passes): the same loss op under both backends, its window pinned.
+    problems, _, py, nat = crosscheck(PROGRAMS["mlp_adam"], tmp_path, "full_health")
+    assert problems == [], "\n".join(problems[:20])
+    assert len(nat["loss_ends"]) == 2 and all(e > 0 for e in nat["loss_ends"])
+    loss_ops = {r[0]: r[3] for r in nat["records"]}
+    assert [loss_ops[e] for e in nat["loss_ends"]] == ["aten.nll_loss_forward.default"] * 2
+
+
 def test_closure_ops_are_forward_and_backward_under_both(tmp_path):
     _, _, py, nat = crosscheck(PROGRAMS["closure"], tmp_path, "full_health")
     for got in (py, nat):

@@ -427,9 +427,13 @@ class Recorder(HarmHooks):
         if self.losses_pinned >= _loss_watch.INSPECTIONS or threading.get_ident() != self._thread:
             return
         self.losses_pinned += 1
-        p = self.producers.get(id(loss))
-        end = p[1] if p is not None and p[0]() is loss else self.seq - 1
+        end = self._loss_end(loss)
         self.loss_pins.extend(range(max(0, end - LOSS_PIN_WINDOW), end + 1))
+
+    def _loss_end(self, loss: torch.Tensor) -> int:
+        """The seq of the op that made ``loss``, or of the last op recorded when none did."""
+        p = self.producers.get(id(loss))
+        return p[1] if p is not None and p[0]() is loss else self.seq - 1
 
     def _flush_if_stale(self) -> None:
         """Called by the writer thread when idle: a loop that stopped making ops still reaches disk.
