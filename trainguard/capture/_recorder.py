@@ -378,9 +378,7 @@ class Recorder(HarmHooks):
             n = len(pending)
             pins, resend, counts, urgent = self.taint.take() if self.judge_here else ([], [], [], False)
             if self.loss_pins:
-                k = len(self.loss_pins)
-                pins = pins + self.loss_pins[:k]
-                del self.loss_pins[:k]
+                pins = pins + self._take_loss_pins()
             meta = self.taint.meta() if self.judge_here else {}
             if not (n or pins or resend or counts or meta):
                 return
@@ -406,6 +404,8 @@ class Recorder(HarmHooks):
         # (on_read) both flush, and their batches must reach the writer in the order judged.
         with self._lock, paused():  # stacking the device summaries is trainguard's own work
             records, deferred, pins, resend, counts, meta = self._native.drain()
+            if self.loss_pins:
+                pins = (pins or []) + self._take_loss_pins()
             if not (records or pins or resend or counts or meta):
                 return
             self.deferred = deferred or {}
@@ -432,8 +432,17 @@ class Recorder(HarmHooks):
 
     def _loss_end(self, loss: torch.Tensor) -> int:
         """The seq of the op that made ``loss``, or of the last op recorded when none did."""
+        if self._native is not None:
+            return self._native.loss_end(loss)
         p = self.producers.get(id(loss))
         return p[1] if p is not None and p[0]() is loss else self.seq - 1
+
+    def _take_loss_pins(self) -> list[int]:
+        # Copy, then delete what was copied: the training thread extends the list without the lock.
+        k = len(self.loss_pins)
+        pins = self.loss_pins[:k]
+        del self.loss_pins[:k]
+        return pins
 
     def _flush_if_stale(self) -> None:
         """Called by the writer thread when idle: a loop that stopped making ops still reaches disk.

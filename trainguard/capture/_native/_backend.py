@@ -183,6 +183,12 @@ class NativeBackend:
             state = rec.taint.reached(p[0], _clock.step, reason)
         rec._reached(state, p[0])
 
+    def loss_end(self, t) -> int:
+        """The seq of the op that made ``t`` (the loss backward() runs from), or of the last op
+        recorded when no recorded op did (see Recorder._pin_loss)."""
+        p = self.core.producer_of(t)
+        return p[0] if p is not None else self.core.counts()["seq"] - 1
+
     def counts(self) -> dict:
         return self.core.counts()
 
