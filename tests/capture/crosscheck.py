@@ -37,7 +37,7 @@ PLAIN_ONLY = {"aten.empty.memory_format", "aten.detach.default"}
 def capture(make_program, tmp_path, backend: str, mode: str, seed: int = 0, **kw):
     """(records, stacks {id: frames}, modules {id: path}, the recorder) of ``make_program()()``,
     a fresh program built after seeding, so that both backends run the same one."""
-    got = {"records": [], "stacks": {}, "modules": {}, "run": None, "pins": set(), "loss_ends": []}
+    got = {"records": [], "stacks": {}, "modules": {}, "run": None, "pins": set(), "loss_ends": [], "sent": 0}
     by_seq: dict[int, tuple] = {}
     orig_exec, orig_stack, orig_module = (_writer.RunWriter.put_executions, _writer.RunWriter.put_stack,
                                           _writer.RunWriter.put_module)
@@ -46,6 +46,7 @@ def capture(make_program, tmp_path, backend: str, mode: str, seed: int = 0, **kw
     def put_executions(self, batch, must_keep=False):
         for r in _writer._resolve(batch):
             by_seq[r[0]] = r
+            got["sent"] += 1
         got["pins"].update(batch.pins or ())
         for r in batch.resend or ():  # sent again, harmful now: its last form is the record's
             by_seq[r[0]] = r

@@ -279,6 +279,7 @@ class Recorder(HarmHooks):
 
             self._native = NativeBackend(self, native)
             self._native.start()
+            self.stacks.id_base = NativeBackend.PYTHON_STACK_IDS
         else:
             self._mode = _DispatchMode(self)
             self._mode.__enter__()
@@ -315,7 +316,8 @@ class Recorder(HarmHooks):
                     self.writer.idle_callbacks.remove(self._flush_if_stale)
                 if self._native is not None:
                     counts = self._native.counts()
-                    self.seq, self.recorded = counts["seq"], counts["recorded"]
+                    # Compiled graphs' records are numbered by the core and counted here.
+                    self.seq, self.recorded = counts["seq"], counts["recorded"] + self.recorded
                     self.failures += counts["failures"]
                     if counts["unsure"]:
                         final_meta["native_unsure"] = counts["unsure"]
@@ -404,11 +406,20 @@ class Recorder(HarmHooks):
         # (on_read) both flush, and their batches must reach the writer in the order judged.
         with self._lock, paused():  # stacking the device summaries is trainguard's own work
             records, deferred, pins, resend, counts, meta = self._native.drain()
+            if self.pending:
+                # Compiled graphs' records (capture/_compile_run), judged when made: the core was
+                # drained before their graph ran and paused while it did, so they precede these.
+                k = len(self.pending)
+                records = self.pending[:k] + records
+                del self.pending[:k]
             if self.loss_pins:
                 pins = (pins or []) + self._take_loss_pins()
             if not (records or pins or resend or counts or meta):
                 return
-            self.deferred = deferred or {}
+            if deferred:
+                # The core's device summaries; a compiled graph's own (recorded whole, its rows
+                # in self.deferred) were shipped by the flush that ended its call.
+                self.deferred = deferred
             deferred = self._ship_deferred()
             self.last_flush = time.monotonic()
             w = self.writer
@@ -429,6 +440,14 @@ class Recorder(HarmHooks):
         self.losses_pinned += 1
         end = self._loss_end(loss)
         self.loss_pins.extend(range(max(0, end - LOSS_PIN_WINDOW), end + 1))
+
+    def _reserve(self, n: int) -> int:
+        """The first of ``n`` seqs for records made in Python outside the hot path (compiled graphs)."""
+        if self._native is not None:
+            return self._native.core.reserve(n)
+        seq = self.seq
+        self.seq = seq + n
+        return seq
 
     def _loss_end(self, loss: torch.Tensor) -> int:
         """The seq of the op that made ``loss``, or of the last op recorded when none did."""

@@ -31,6 +31,9 @@ class StackInterner:
         self._last_lasti = -1
         self._last_prefix = 0
         self._on_new = on_new_stack
+        # The first id - 1: under the native core, whose own stack table numbers from 1, the
+        # stacks interned here (compiled graphs' records) take ids of their own.
+        self.id_base = 0
         self._symbolic: dict[tuple, int] = {}  # frames -> id, for stacks known only as text
 
     def capture(self, skip: int = 1) -> int | None:
@@ -91,7 +94,7 @@ class StackInterner:
         of compiled graph nodes, parsed from their ``stack_trace``."""
         sid = self._symbolic.get(frames)
         if sid is None:
-            sid = self._symbolic[frames] = len(self._ids) + len(self._symbolic) + 1
+            sid = self._symbolic[frames] = self.id_base + len(self._ids) + len(self._symbolic) + 1
             self._frames[sid] = list(frames)
             if self._on_new is not None:
                 self._on_new(sid, list(frames))
@@ -107,7 +110,7 @@ class StackInterner:
             f = f.f_back
             depth += 1
         frames.reverse()  # outermost first
-        sid = len(self._ids) + len(self._symbolic) + 1
+        sid = self.id_base + len(self._ids) + len(self._symbolic) + 1
         self._ids[key] = sid
         self._frames[sid] = frames
         if self._on_new is not None:

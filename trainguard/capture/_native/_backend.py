@@ -3,6 +3,7 @@ turns its drained records into the writer's batches (the same tuples the dispatc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -65,6 +66,9 @@ def _warn_no_native(reason: str | None) -> None:
 
 class NativeBackend:
     """The C++ core of one recording, with the hooks that keep it informed."""
+
+    # Stack ids interned in Python (compiled graphs' records) start above the core's own.
+    PYTHON_STACK_IDS = 1 << 32
 
     def __init__(self, rec, module) -> None:
         self.rec = rec
@@ -182,6 +186,27 @@ class NativeBackend:
                 return
             state = rec.taint.reached(p[0], _clock.step, reason)
         rec._reached(state, p[0])
+
+    @contextlib.contextmanager
+    def python_records(self):
+        """Around a compiled graph's call, whose records are made in Python (capture/_compile_run):
+        the core records none of the ops it dispatches, and its records are numbered and judged
+        after everything recorded before it, handed over in order with the lock held."""
+        rec = self.rec
+        with rec._lock, paused():
+            rec.flush()
+            # Where a backward pass starts: the judge follows it by phase over the core's records
+            # (Tracker.judge), the compiled graphs by in_backward (capture/_compile_run).
+            rec.in_backward = rec.taint._last_phase == "backward"
+            try:
+                yield
+            finally:
+                rec.taint._last_phase = "backward" if rec.in_backward else "forward"
+                rec.flush()
+
+    def producer_seq(self, t) -> int | None:
+        p = self.core.producer_of(t)
+        return None if p is None else p[0]
 
     def loss_end(self, t) -> int:
         """The seq of the op that made ``t`` (the loss backward() runs from), or of the last op

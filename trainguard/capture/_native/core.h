@@ -155,6 +155,9 @@ constexpr size_t FWD_NODES_MAX = 200000;
 
 bool install(Core* core);
 void uninstall(Core* core);
+// ``t`` now holds the values of record ``seq`` made in Python (a compiled graph's output);
+// called with the core's lock held.
+void set_producer(Core* core, const at::Tensor& t, int64_t seq, int64_t stack);
 void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias);
 OpInfo* op_by_index(int index);
 

@@ -1,6 +1,7 @@
 // Python bindings of the native core: the Core object, the drain into record tuples, summaries.
 #include "core.h"
 
+#include <ATen/SequenceNumber.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/utils/pybind.h>
@@ -218,6 +219,22 @@ struct PyCore {
     return py::make_tuple(it->second.seq, it->second.health);
   }
 
+  // Records made in Python (compiled graphs, capture/_compile_run.py) between the core's: ``n``
+  // seqs after every op recorded so far, returned as the first. The autograd nodes made until now
+  // belong to them (as the Python recorder sets last_nr after a graph call).
+  int64_t reserve(int64_t n) {
+    std::lock_guard<std::mutex> g(core->mu);
+    int64_t base = core->seq;
+    core->seq += n;
+    core->last_nr = at::sequence_number::peek();
+    return base;
+  }
+
+  void set_producer(const at::Tensor& t, int64_t seq, int64_t stack) {
+    std::lock_guard<std::mutex> g(core->mu);
+    tg::set_producer(core.get(), t, seq, stack);
+  }
+
   size_t pending() {
     std::lock_guard<std::mutex> g(core->mu);
     return core->records.size();
@@ -306,6 +323,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("on_step", &PyCore::on_step)
       .def("drain", &PyCore::drain, py::arg("live") = false)
       .def("producer_of", &PyCore::producer_of)
+      .def("reserve", &PyCore::reserve)
+      .def("set_producer", &PyCore::set_producer)
       .def("pending", &PyCore::pending)
       .def("wait", &PyCore::wait)
       .def("wake", &PyCore::wake)

@@ -126,6 +126,7 @@ struct Pause {
 };
 
 struct Unsure {};  // a call under another dispatch mode, or on a tensor subclass
+struct Tracing {};  // a call a compiler makes on fake tensors
 
 bool is_unsure_tensor(const at::Tensor& t) {
   auto ks = t.key_set();
@@ -277,7 +278,13 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (ctx->seen && seen_parent != nullptr && seen_parent->op == op) seen_parent->seen = false;  // a wrapper
   if (ctx->seen) {
     try {
-      if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) throw Unsure{};
+      if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+        // A compiler tracing on fake tensors (AOT autograd's lazy backward compile, outside
+        // Dynamo's compile lock): the dispatch mode drops these calls too, uncounted.
+        if (c10::impl::TorchDispatchModeTLS::get_mode(c10::impl::TorchDispatchModeKey::FAKE).has_value())
+          throw Tracing{};
+        throw Unsure{};
+      }
       auto node = torch::autograd::get_current_node();
       ctx->in_node = node != nullptr;
       ctx->node_nr = node ? node->sequence_nr() : 0;
@@ -304,6 +311,9 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
           }
         }
       }
+    } catch (const Tracing&) {
+      ctx->seen = false;
+      ctx->inputs.clear();
     } catch (const Unsure&) {
       // Not something a RecordFunction observer can record faithfully: count it, and keep the
       // call out of the record (it is judged by a dispatch mode's rules no longer).
@@ -524,6 +534,10 @@ void Core::prune_fwd_nodes(int64_t step) {
   size_t from = items.size() > FWD_NODES_MAX / 2 ? items.size() / 2 : 0;
   fwd_nodes.clear();
   for (size_t i = from; i < items.size(); ++i) fwd_nodes.emplace(items[i]);
+}
+
+void set_producer(Core* c, const at::Tensor& t, int64_t seq, int64_t stack) {
+  register_output(c, t, seq, stack, nullptr, -1, -1);  // health: not known here (-1)
 }
 
 void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias) {
