@@ -342,6 +342,8 @@ class Recorder(HarmHooks):
     def _release(self, t: _Tensor):
         """torch is about to swap ``t`` (capture/_swap): let go of it. Its producer no longer
         describes what it will hold; a named parameter keeps its name."""
+        if self._native is not None:
+            return self._native.release(t, self.modules.release(t))
         p = self.producers.get(id(t))
         if p is not None and p[0]() is t:
             del self.producers[id(t)]

@@ -47,9 +47,16 @@ def choose_backend(rec):
 
 
 def _distributed() -> bool:
+    """A distributed job: a process group is up, or a launcher (torchrun) says there are several
+    ranks; a recording may start before ``init_process_group``, and its collectives are the
+    dispatch mode's still."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized()
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world = 1
+    return world > 1 or (dist.is_available() and dist.is_initialized())
 
 
 _warned_no_native = False
@@ -207,6 +214,20 @@ class NativeBackend:
     def producer_seq(self, t) -> int | None:
         p = self.core.producer_of(t)
         return None if p is None else p[0]
+
+    def release(self, t, restore_name):
+        """torch is about to swap ``t`` (capture/_swap): the core lets go of it (swap_tensors
+        refuses a tensor with C++ weak references too); a named parameter is named again after."""
+        named = self.core.release(t)
+        if named is None:
+            return restore_name
+
+        def restore() -> None:
+            if restore_name is not None:
+                restore_name()
+            self.core.name_tensor(t, *named)
+
+        return restore
 
     def loss_end(self, t) -> int:
         """The seq of the op that made ``t`` (the loss backward() runs from), or of the last op

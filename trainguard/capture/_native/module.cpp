@@ -235,6 +235,21 @@ struct PyCore {
     tg::set_producer(core.get(), t, seq, stack);
   }
 
+  // torch is about to swap ``t`` (torch.utils.swap_tensors refuses a TensorImpl with weak
+  // references): drop the core's. Returns (name, kind) when ``t`` was named, for the caller to
+  // name it again after the swap (a parameter keeps its identity), else None.
+  py::object release(const at::Tensor& t) {
+    std::lock_guard<std::mutex> g(core->mu);
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    core->producers.erase(impl);
+    auto it = core->named.find(impl);
+    if (it == core->named.end()) return py::none();
+    py::object out = py::make_tuple(py::reinterpret_steal<py::object>(it->second.name),
+                                    py::reinterpret_steal<py::object>(it->second.what));
+    core->named.erase(it);
+    return out;
+  }
+
   size_t pending() {
     std::lock_guard<std::mutex> g(core->mu);
     return core->records.size();
@@ -325,6 +340,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("producer_of", &PyCore::producer_of)
       .def("reserve", &PyCore::reserve)
       .def("set_producer", &PyCore::set_producer)
+      .def("release", &PyCore::release)
       .def("pending", &PyCore::pending)
       .def("wait", &PyCore::wait)
       .def("wake", &PyCore::wake)
