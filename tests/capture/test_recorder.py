@@ -317,9 +317,9 @@ def test_nan_storm_keeps_the_first_nan_and_the_window(tmp_path):
 
 def test_a_loop_without_optimizer_step_keeps_memory_bounded(tmp_path, monkeypatch):
     """Forward nodes are pruned per step; a hand-written update loop never makes one."""
-    from trainguard.capture import _recorder
+    from trainguard.capture import _recorder_mode
 
-    monkeypatch.setattr(_recorder, "FWD_NODES_MAX", 50)
+    monkeypatch.setattr(_recorder_mode, "FWD_NODES_MAX", 50)
     m = nn.Linear(8, 2)
     x = torch.randn(4, 8)
     with tg.record(tmp_path / "r", buffer=-1) as rec:
@@ -363,9 +363,9 @@ def test_shipping_device_summaries_at_a_step_is_not_recorded(tmp_path, monkeypat
     is active: trainguard's own ops must not be recorded, or they add a row to the batch being
     shipped and the next batch's rows no longer match its records (an IndexError in the writer,
     seen intermittently: the step's flush is due only after FLUSH_SECONDS)."""
-    from trainguard.capture import _recorder
+    from trainguard.capture import _recorder_mode
 
-    monkeypatch.setattr(_recorder, "FLUSH_SECONDS", 0.0)  # every step flushes
+    monkeypatch.setattr(_recorder_mode, "FLUSH_SECONDS", 0.0)  # every step flushes
     x = torch.ones(4)
     with tg.record(tmp_path / "r", mode="stats", buffer=-1, strategy="deferred", backend=backend):
         for step in range(4):

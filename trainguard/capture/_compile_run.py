@@ -255,7 +255,7 @@ def _call(g: RecordedGraph, r, args, cur, outer_sid):
 
 
 def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
-    from trainguard.capture._recorder import FLUSH_RECORDS, FLUSH_SECONDS, _monotonic
+    from trainguard.capture._recorder_mode import FLUSH_RECORDS, FLUSH_SECONDS, _monotonic
 
     plan = g.plan
     ops = plan.ops

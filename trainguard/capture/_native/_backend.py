@@ -128,7 +128,7 @@ class NativeBackend:
     def _drain_loop(self) -> None:
         """Hands records over every FLUSH_SECONDS, at FLUSH_RECORDS and soon after a NaN, from
         this thread (the training thread only appends to the C++ buffer)."""
-        from trainguard.capture._recorder import FLUSH_SECONDS
+        from trainguard.capture._recorder_mode import FLUSH_SECONDS
 
         while not self._stop.is_set():
             self.core.wait(FLUSH_SECONDS)
