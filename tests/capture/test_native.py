@@ -173,3 +173,19 @@ def test_the_build_is_cached_per_torch_python_and_platform():
 def test_bad_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="backend must be one of"):
         tg.record("unused", backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_numbering_goes_on_from_an_earlier_runs_executions(tmp_path, backend):
+    # A framework run resumed into its run directory sets the recorder's seq before it starts
+    # (integrations/_session.py): the earlier run's executions keep their numbers.
+    from trainguard.capture._recorder import Recorder
+    from trainguard.store import open_run
+
+    rec = Recorder(tmp_path / "r", buffer=-1, backend=backend)
+    rec.seq = 100
+    with rec:
+        torch.ones(3).neg().exp()
+        assert rec.executions == 103  # ones, neg, exp
+    with open_run(tmp_path / "r") as run:
+        assert [e["seq"] for e in run.executions()] == [100, 101, 102]

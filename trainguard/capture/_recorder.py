@@ -223,6 +223,8 @@ class Recorder(FlushHooks, HarmHooks):
             from trainguard.capture._native._backend import NativeBackend
 
             self._native = NativeBackend(self, native)
+            if self.seq:  # numbering goes on from an earlier run's (a resumed framework run)
+                self._native.core.reserve(self.seq)
             self._native.start()
             self.stacks.id_base = NativeBackend.PYTHON_STACK_IDS
         else:
@@ -277,6 +279,11 @@ class Recorder(FlushHooks, HarmHooks):
                     **final_meta,
                 )
                 self.writer = None
+
+    @property
+    def executions(self) -> int:
+        """Executions numbered so far, under either backend (the native core keeps its own count)."""
+        return self._native.core.counts()["seq"] if self._native is not None and self.active else self.seq
 
     def __enter__(self) -> Recorder:
         return self.start()
