@@ -22,7 +22,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def unobserved(fn: _F) -> _F:
-    """Run ``fn`` with every ``TorchDispatchMode`` of this thread set aside.
+    """Run ``fn`` with every ``TorchDispatchMode`` of this thread set aside and RecordFunction off.
 
     Saving and restoring are trainguard's own work, not the program's: a recording must not
     show them, and nothing a mode does to an op may make one rank's collectives differ from
