@@ -332,7 +332,7 @@ def install(recorder) -> None:
         _patch_dynamo()
         if "compile_lock" not in _saved:  # Dynamo not imported yet: torch.compile will
             _saved["compile"] = torch.compile
-            torch.compile = _recording_compile
+            torch.compile = functools.wraps(torch.compile)(_recording_compile)
     # The module hooks trigger this warning from every torch.compile(module) call; they are
     # trainguard's, not the user's, and the extra firing for OptimizedModule is accounted for.
     warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
@@ -350,7 +350,7 @@ def uninstall(recorder) -> None:
         if "wrapper_call" in _saved:
             torch._TorchCompileInductorWrapper.__call__ = _saved.pop("wrapper_call")
         if "compile" in _saved:
-            if torch.compile is _recording_compile:  # unless someone wrapped it after us
+            if getattr(torch.compile, "__wrapped__", None) is _saved["compile"]:  # unless wrapped after us
                 torch.compile = _saved["compile"]
             del _saved["compile"]
         if "compile_lock" in _saved:
