@@ -12,7 +12,7 @@ $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[fast]'
+	$(PIP) install -q -e .
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml
@@ -26,6 +26,7 @@ demo: $(VENV)/.base
 test: $(VENV)/.test
 	@sh .ci/ensure-chromium
 	$(VENV)/bin/ruff check trainguard tests benchmarks examples
+	$(PY) -m trainguard.capture._native   # builds the native recorder core (cached), or says why not
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.test

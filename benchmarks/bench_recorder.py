@@ -1,14 +1,15 @@
 """Recorder overhead: training steps plain, under each mode, and under detect_anomaly.
 
 Configurations are interleaved round by round in one process (in a rotated order each round)
-so that machine noise hits them alike. Each round gives a paired ratio, the configuration's
+so that machine noise hits them alike. Each recording mode runs on both backends: ``native:MODE``
+(the C++ core on RecordFunction) and ``python:MODE`` (the dispatch mode). Each round gives a paired ratio, the configuration's
 median step time over plain's median in the same round; a cell is the median of those ratios
 with their range. ``dispatch_floor`` is a ``TorchDispatchMode`` that only calls the op: what
 any recorder built on Python dispatch pays before it records anything. Peak memory is
 measured per configuration in a fresh subprocess (peak RSS of the whole process).
 
     python benchmarks/bench_recorder.py                 # all models, all modes
-    python benchmarks/bench_recorder.py --models mlp --rounds 3 --steps 5
+    python benchmarks/bench_recorder.py --models mlp --rounds 3 --steps 5 --backends native
 """
 
 from __future__ import annotations
@@ -59,7 +60,12 @@ def make_transformer():
     return model, opt, lambda: model(x).pow(2).mean()
 
 
-MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _programs import make_nanogpt, make_vae  # noqa: E402
+
+MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer, "nanogpt": make_nanogpt,
+          "vae": make_vae}
+BACKENDS = ["native", "python"]
 
 
 class _BareMode(TorchDispatchMode):
@@ -86,17 +92,25 @@ def context(config: str, tmp: str):
     if config == "detect_anomaly":
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
         return torch.autograd.detect_anomaly(check_nan=True)
-    return tg.record(os.path.join(tmp, f"{config}-{time.monotonic_ns()}"), mode=config, buffer=1000)
+    backend, mode = config.split(":") if ":" in config else ("auto", config)
+    return tg.record(os.path.join(tmp, f"{backend}-{mode}-{time.monotonic_ns()}"), mode=mode, buffer=1000,
+                     backend=backend)
+
+
+# What a step costs: wall time, or (--clock cpu) the CPU time of every thread of this process,
+# which the load of other processes on a shared machine disturbs much less (the run writer's
+# child process is not counted, for any configuration).
+_step_clock = time.perf_counter
 
 
 def run_steps(opt, loss_fn, n: int) -> list[float]:
     times = []
     for _ in range(n):
-        t = time.perf_counter()
+        t = _step_clock()
         opt.zero_grad()
         loss_fn().backward()
         opt.step()
-        times.append(time.perf_counter() - t)
+        times.append(_step_clock() - t)
     return times
 
 
@@ -137,15 +151,15 @@ def time_model(name: str, configs: list[str], rounds: int, steps: int) -> tuple[
 
 def peak_memory(name: str, config: str, steps: int) -> float:
     """Peak RSS (MiB) while training ``steps`` steps under ``config``, in a fresh process that
-    imports the same modules (numba's summary kernel included, which a recording loads once);
+    imports the same modules (the native core included, which a recording loads once);
     the peak is reset after the imports (Linux ``clear_refs``), so import-time spikes do not
     hide the training's own peak."""
     code = f"""
 import re, sys, tempfile
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import bench_recorder as b, torch, trainguard.capture
-from trainguard.capture import _kernels
-_kernels.warm()
+from trainguard.capture import _native
+_native.load()
 torch.manual_seed(0)
 model, opt, loss_fn = b.MODELS[{name!r}]()
 with tempfile.TemporaryDirectory() as tmp:
@@ -161,14 +175,14 @@ print(int(re.search(r"VmHWM:\\s+(\\d+)", status).group(1)))
 
 
 def kernel_rss() -> float:
-    """RSS (MiB) that loading the numba summary kernel adds to a process that imported torch."""
+    """RSS (MiB) that loading the native core adds to a process that imported torch."""
     code = """
 import torch, trainguard.capture
 def rss():
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
 before = rss()
-from trainguard.capture import _kernels
-_kernels.warm()
+from trainguard.capture import _native
+assert _native.load() is not None
 print(rss() - before)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -177,23 +191,30 @@ print(rss() - before)
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="mlp,cnn,transformer")
+    p.add_argument("--models", default="mlp,cnn,transformer,nanogpt,vae")
+    p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration per round")
     p.add_argument("--memory-steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="time steps by wall clock or by the process's CPU time (all its threads)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
+    global _step_clock
+    _step_clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     models = [m for m in args.models.split(",") if m]
-    configs = ["plain", FLOOR] + [m for m in args.modes.split(",") if m] + ["detect_anomaly"]
+    backends = [b for b in args.backends.split(",") if b]
+    configs = (["plain", FLOOR] + [f"{b}:{m}" for m in args.modes.split(",") if m for b in backends]
+               + ["detect_anomaly"])
 
-    results: dict = {"threads": args.threads, "models": {}}
+    results: dict = {"threads": args.threads, "clock": args.clock, "models": {}}
     for name in models:
         # full_tensor writes thousands of files whose write-back and deletion go on in the kernel
         # after its rounds end: timed in its own rounds beside plain, so it disturbs no other mode.
-        heavy = [c for c in configs if c == "full_tensor"]
+        heavy = [c for c in configs if c.endswith("full_tensor")]
         t, rounds = time_model(name, [c for c in configs if c not in heavy], args.rounds, args.steps)
         if heavy:
             t2, rounds2 = time_model(name, ["plain"] + heavy, args.rounds, args.steps)
@@ -202,17 +223,20 @@ def main(argv: list[str] | None = None) -> dict:
             t["plain (full_tensor rounds)"] = t2["plain"]
         ratio = {c: statistics.median(v) for c, v in rounds.items()}
         mem_plain = peak_memory(name, "plain", args.memory_steps)
-        mem_rec = peak_memory(name, "full_health", args.memory_steps)
+        peak = {"plain": mem_plain}
+        for b in backends:
+            peak[b] = peak_memory(name, f"{b}:full_health", args.memory_steps)
+            peak[f"{b}_ratio"] = peak[b] / mem_plain
         results["models"][name] = {"step_ms": {c: v * 1e3 for c, v in t.items()},
                                    "ratio": ratio,
                                    "ratio_range": {c: [min(v), max(v)] for c, v in rounds.items()},
-                                   "peak_mib": {"plain": mem_plain, "full_health": mem_rec,
-                                                "ratio": mem_rec / mem_plain}}
+                                   "peak_mib": peak}
 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"recorder overhead: step time / plain step time in the same round (median "
+    what = "CPU time" if args.clock == "cpu" else "step time"
+    table = Table(title=f"recorder overhead: {what} / plain {what} in the same round (median "
                         f"\\[range] of {args.rounds} interleaved rounds x {args.steps} steps, {args.threads} threads)")
     table.add_column("config")
     for name in models:
@@ -224,13 +248,14 @@ def main(argv: list[str] | None = None) -> dict:
             cells.append(f"{results['models'][m]['ratio'][c]:.2f}x [{lo:.2f}-{hi:.2f}]")
         table.add_row(c, *cells)
     table.add_row("peak RSS plain", *[f"{results['models'][m]['peak_mib']['plain']:.0f} MiB" for m in models])
-    table.add_row("peak RSS full_health", *[
-        f"{results['models'][m]['peak_mib']['full_health']:.0f} MiB ({results['models'][m]['peak_mib']['ratio']:.2f}x)"
-        for m in models])
+    for b in backends:
+        table.add_row(f"peak RSS {b}:full_health", *[
+            f"{results['models'][m]['peak_mib'][b]:.0f} MiB ({results['models'][m]['peak_mib'][b + '_ratio']:.2f}x)"
+            for m in models])
     Console().print(table)
     results["kernel_rss_mib"] = kernel_rss()
-    Console().print(f"Both peak-RSS processes load the numba summary kernel first; loading it adds "
-                    f"{results['kernel_rss_mib']:.0f} MiB once per process (the \\[fast] extra).")
+    Console().print(f"Every peak-RSS process loads the native core first; loading it adds "
+                    f"{results['kernel_rss_mib']:.1f} MiB once per process.")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

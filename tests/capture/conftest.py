@@ -50,3 +50,14 @@ def train_steps(model, steps=2, lr=0.1):
         loss.backward()
         opt.step()
     return loss
+
+
+# The backend cross-check helper, importable by the tests of this folder under importlib mode.
+import importlib.util as _ilu  # noqa: E402
+import sys as _sys  # noqa: E402
+from pathlib import Path as _Path  # noqa: E402
+
+_spec = _ilu.spec_from_file_location("tests_capture_crosscheck", _Path(__file__).with_name("crosscheck.py"))
+_mod = _ilu.module_from_spec(_spec)
+_sys.modules["tests_capture_crosscheck"] = _mod
+_spec.loader.exec_module(_mod)

@@ -30,8 +30,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("backend", ["native", "python"])
 @pytest.mark.parametrize("mode", ["full_health", "full_tensor"])
-def test_dataloader_workers_forked_while_recording(tmp_path, mode):
+def test_dataloader_workers_forked_while_recording(tmp_path, mode, backend, monkeypatch):
+    monkeypatch.setenv("TRAINGUARD_BACKEND", backend)
     runs = {}
     for workers in (0, 2):
         run_dir = tmp_path / f"w{workers}"
@@ -43,6 +45,7 @@ def test_dataloader_workers_forked_while_recording(tmp_path, mode):
         runs[workers] = open_run(run_dir)
     with_workers, in_process = runs[2], runs[0]
     assert with_workers.status == "finished"
+    assert with_workers.meta["backend"] == in_process.meta["backend"] == backend
     assert len(with_workers.steps()) == len(in_process.steps()) == 16
     # default_collate stacks samples where the loader runs: in the training process only without workers.
     assert in_process.count(op="aten.stack") >= 32

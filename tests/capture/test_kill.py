@@ -9,6 +9,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from trainguard.capture._loss_watch import INSPECTIONS
 from trainguard.capture._recorder import LOSS_PIN_WINDOW
 from trainguard.store import open_run
@@ -26,6 +28,13 @@ SCRIPT = textwrap.dedent(
             opt.step()
     """
 )
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def backend(request, monkeypatch):
+    """Every test here on both recorder backends (the child process reads TRAINGUARD_BACKEND)."""
+    monkeypatch.setenv("TRAINGUARD_BACKEND", request.param)
+    return request.param
 
 
 def _kill_when(run_dir, buffer: int, progress, target: int, mode: str = "full_health") -> int:

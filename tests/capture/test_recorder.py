@@ -317,9 +317,9 @@ def test_nan_storm_keeps_the_first_nan_and_the_window(tmp_path):
 
 def test_a_loop_without_optimizer_step_keeps_memory_bounded(tmp_path, monkeypatch):
     """Forward nodes are pruned per step; a hand-written update loop never makes one."""
-    from trainguard.capture import _recorder
+    from trainguard.capture import _recorder_mode
 
-    monkeypatch.setattr(_recorder, "FWD_NODES_MAX", 50)
+    monkeypatch.setattr(_recorder_mode, "FWD_NODES_MAX", 50)
     m = nn.Linear(8, 2)
     x = torch.randn(4, 8)
     with tg.record(tmp_path / "r", buffer=-1) as rec:
@@ -333,3 +333,46 @@ def test_a_loop_without_optimizer_step_keeps_memory_bounded(tmp_path, monkeypatc
     run = open_run(tmp_path / "r")
     last = [e for e in run.executions(phase="backward")[-8:] if e["op"] != "aten.detach"]  # not AccumulateGrad
     assert last and all(e["fwd_seq"] is not None for e in last)  # the newest forward ops are still known
+
+
+def _exp_of(t):
+    return torch.exp(t)
+
+
+def _two_calls(x):
+    a = _exp_of(x)  # first call
+    b = _exp_of(x)  # second call
+    return a, b
+
+
+def test_stack_of_a_helper_called_twice_from_one_frame_names_each_call_line(tmp_path):
+    # The stack cache is per calling activation; the caller's line moves between the two calls.
+    with tg.record(tmp_path / "r", buffer=-1):
+        _two_calls(torch.ones(2))
+    src = open(__file__).read().splitlines()
+    first = next(i for i, t in enumerate(src, 1) if "# first call" in t)
+    run = open_run(tmp_path / "r")
+    exps = run.executions(op="exp")
+    callers = [run.stack(e["stack_id"])[-2]["lineno"] for e in exps]
+    assert callers == [first, first + 1]
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_shipping_device_summaries_at_a_step_is_not_recorded(tmp_path, monkeypatch, backend):
+    """A flush at a step boundary stacks the device summaries (torch.stack) while the recording
+    is active: trainguard's own ops must not be recorded, or they add a row to the batch being
+    shipped and the next batch's rows no longer match its records (an IndexError in the writer,
+    seen intermittently: the step's flush is due only after FLUSH_SECONDS)."""
+    from trainguard.capture import _recorder_mode
+
+    monkeypatch.setattr(_recorder_mode, "FLUSH_SECONDS", 0.0)  # every step flushes
+    x = torch.ones(4)
+    with tg.record(tmp_path / "r", mode="stats", buffer=-1, strategy="deferred", backend=backend):
+        for step in range(4):
+            tg.step(step)
+            x = x * 2
+    run = open_run(tmp_path / "r")
+    assert run.meta.get("writer_error") is None
+    ops = [e["op"] for e in run.executions(0, 100)]
+    assert ops == ["aten.mul.Tensor"] * 4
+    assert [e["outputs"][0]["summary"]["max"] for e in run.executions(0, 100)] == [2.0, 4.0, 8.0, 16.0]

@@ -3,6 +3,7 @@ back-pressure drops are counted, and evidence of NaN/Inf is never dropped."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -34,7 +35,8 @@ def test_deferred_matches_immediate(tmp_path):
             if sx is None or "empty" in x["op"]:
                 continue
             for k in ("size", "neg", "zero", "pos", "neg_inf", "pos_inf", "nan"):
-                assert sx[k] == sy[k], (x["op"], k)
+                # NaN counts: unknown in both (a view of uninitialised memory, nn.Parameter's detach)
+                assert sx[k] == sy[k] or (math.isnan(sx[k]) and math.isnan(sy[k])), (x["op"], k)
     assert a.first_nonfinite()["op"] == b.first_nonfinite()["op"] == "aten.log"
 
 

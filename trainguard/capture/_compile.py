@@ -175,7 +175,13 @@ def _compiling():
         return
     r.in_graph += 1
     try:
-        yield
+        if r._native is not None:  # the native core: its records of the compiler's own ops
+            from trainguard.capture._native._backend import paused
+
+            with paused():
+                yield
+        else:
+            yield
     finally:
         r.in_graph -= 1
 
@@ -264,6 +270,54 @@ def _patch_inductor() -> None:
         CompiledFxGraph.__call__ = _opaque_call
 
 
+class _PausingLock:
+    """Dynamo's compile lock, held around each compilation with every dispatch mode disabled
+    (``with compile_lock, _disable_current_modes()``): the native core is paused there too, so
+    neither backend records the compiler's own ops (the fakeified inputs' detaches, traced ops)."""
+
+    def __init__(self, lock) -> None:
+        self.lock = lock
+        self.local = threading.local()
+
+    def __enter__(self):
+        from trainguard.capture import _native
+
+        self.lock.__enter__()
+        mod = _native._module
+        stack = self.local.__dict__.setdefault("old", [])
+        stack.append(mod.set_paused(True) if mod is not None else None)
+        return self
+
+    def __exit__(self, *exc):
+        from trainguard.capture import _native
+
+        old = self.local.old.pop()
+        if old is not None and _native._module is not None:
+            _native._module.set_paused(old)
+        return self.lock.__exit__(*exc)
+
+    def __getattr__(self, name):  # acquire, release, ...
+        return getattr(self.lock, name)
+
+
+def _patch_dynamo() -> None:
+    """Called with _lock held, once Dynamo is imported."""
+    if "compile_lock" in _saved or not _users or "torch._dynamo.convert_frame" not in sys.modules:
+        return
+    from torch._dynamo import convert_frame
+
+    _saved["compile_lock"] = convert_frame.compile_lock
+    convert_frame.compile_lock = _PausingLock(convert_frame.compile_lock)
+
+
+def _recording_compile(*args, **kwargs):
+    """``torch.compile`` while recording: it imports Dynamo, whose compile lock is then patched."""
+    out = _saved["compile"](*args, **kwargs)
+    with _lock:
+        _patch_dynamo()
+    return out
+
+
 def install(recorder) -> None:
     """Called when a recording starts: compiled graphs report to it."""
     with _lock:
@@ -275,6 +329,10 @@ def install(recorder) -> None:
         if wrapper is not None:
             _saved["wrapper_call"] = wrapper.__call__
             wrapper.__call__ = _wrapper_call
+        _patch_dynamo()
+        if "compile_lock" not in _saved:  # Dynamo not imported yet: torch.compile will
+            _saved["compile"] = torch.compile
+            torch.compile = functools.wraps(torch.compile)(_recording_compile)
     # The module hooks trigger this warning from every torch.compile(module) call; they are
     # trainguard's, not the user's, and the extra firing for OptimizedModule is accounted for.
     warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
@@ -291,6 +349,16 @@ def uninstall(recorder) -> None:
             return
         if "wrapper_call" in _saved:
             torch._TorchCompileInductorWrapper.__call__ = _saved.pop("wrapper_call")
+        if "compile" in _saved:
+            if getattr(torch.compile, "__wrapped__", None) is _saved["compile"]:  # unless wrapped after us
+                torch.compile = _saved["compile"]
+            del _saved["compile"]
+        if "compile_lock" in _saved:
+            from torch._dynamo import convert_frame
+
+            if isinstance(convert_frame.compile_lock, _PausingLock):
+                convert_frame.compile_lock = _saved["compile_lock"]
+            del _saved["compile_lock"]
         if "compile_fx" in _saved:
             from torch._inductor import compile_fx as cfx
             from torch._inductor.output_code import CompiledFxGraph

@@ -11,7 +11,7 @@ import logging
 import torch
 
 from trainguard.capture import _steps
-from trainguard.capture._compile_run import _in_taint, input_refs
+from trainguard.capture._compile_run import _in_taint, input_refs, produced, python_records
 from trainguard.capture._summary import summarize_deferred, summarize_immediate
 from trainguard.capture._taint import DEFAULT, HARMFUL, PENDING, UNKNOWN
 from trainguard.store._codec import health_of
@@ -26,22 +26,23 @@ _get_seq_nr = torch._C._autograd._get_sequence_nr
 
 def record_opaque(r, label: str, call, args):
     """One record for a whole graph: its inputs and outputs, as if it were one op."""
-    refs = input_refs(r, args)
-    inputs = {id(a) for a in args if isinstance(a, _Tensor)}  # the call empties args
     cur = r.modules.current()
     sid = r.stacks.capture(3)
     r.in_graph += 1
     try:
-        out = call(args)
-        try:
-            _emit_opaque(r, label, refs, cur, sid, out, inputs)
-        except Exception as exc:  # observing training never kills training (check_numerics aside)
-            from trainguard._errors import NonFiniteError
-            from trainguard.capture._recorder import _record_failed
+        with python_records(r):
+            refs = input_refs(r, args)
+            inputs = {id(a) for a in args if isinstance(a, _Tensor)}  # the call empties args
+            out = call(args)
+            try:
+                _emit_opaque(r, label, refs, cur, sid, out, inputs)
+            except Exception as exc:  # observing training never kills training (check_numerics aside)
+                from trainguard._errors import NonFiniteError
+                from trainguard.capture._recorder import _record_failed
 
-            if isinstance(exc, NonFiniteError):
-                raise
-            _record_failed(r, f"compiled graph {label}", exc)
+                if isinstance(exc, NonFiniteError):
+                    raise
+                _record_failed(r, f"compiled graph {label}", exc)
     finally:
         r.in_graph -= 1
     r.last_nr = _get_seq_nr()
@@ -49,10 +50,7 @@ def record_opaque(r, label: str, call, args):
 
 
 def _emit_opaque(r, label: str, refs, cur, sid, out, inputs: set) -> None:
-    from trainguard.capture._recorder import _register
-
-    seq = r.seq
-    r.seq = seq + 1
+    seq = r._reserve(1)
     calls = r.opaque_graphs.get(label, 0)
     r.opaque_graphs[label] = calls + 1
     if not calls:
@@ -95,7 +93,7 @@ def _emit_opaque(r, label: str, refs, cur, sid, out, inputs: set) -> None:
             taint, origin = r.taint.settle(seq, _clock.step, phase, name, DEFAULT, False, in_taint, in_origin, health,
                                            ins, None, r.fields, summaries, (cur, sid, None))
     for o in tensors:
-        _register(r, r.producers, o, seq, name, sid, None)
+        produced(r, o, seq, name, sid)
     rec = (seq, _clock.step, phase, name, cur, sid, None, None if deferred else health, ins, tuple(metas),
            None if summaries is None else tuple(summaries), taint, origin)
     if taint == PENDING:

@@ -11,6 +11,7 @@ runs, the dispatch mode lets its few Python-dispatched ops (extern kernels) pass
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
@@ -100,6 +101,7 @@ def input_refs(r, args, names=(), cur: int | None = None) -> list:
     called in): its modules never run eagerly."""
     named = r.modules.named_tensors
     producers = r.producers
+    native = r._native
     refs = []
     prefix = False
     for i, a in enumerate(args):
@@ -118,11 +120,33 @@ def input_refs(r, args, names=(), cur: int | None = None) -> list:
                 prefix = entry[0] if entry else ""
             name = f"{prefix}.{n[1]}" if prefix else n[1]
             named[key] = (weakref.ref(a), name, n[0])
+            if r.modules.on_named is not None:  # the native core names eager ops' inputs itself
+                r.modules.on_named(a, name, n[0])
             refs.append((n[0], name))
+            continue
+        if native is not None:
+            seq = native.producer_seq(a)
+            refs.append(("op", seq) if seq is not None else ("input", None))
             continue
         p = producers.get(key)
         refs.append(("op", p[1]) if p is not None and p[0]() is a else ("input", None))
     return refs
+
+
+def produced(r, o: _Tensor, seq: int, name: str, sid) -> None:
+    """``o`` holds the values of record ``seq`` (a graph's output): later ops name it as input."""
+    if r._native is not None:
+        r._native.core.set_producer(o, seq, sid or 0)
+    else:
+        from trainguard.capture._recorder import _register
+
+        _register(r, r.producers, o, seq, name, sid, None)
+
+
+def python_records(r):
+    """Around a graph's call and its records: under the native core, see
+    NativeBackend.python_records; the dispatch mode lets its ops pass by ``in_graph``."""
+    return r._native.python_records() if r._native is not None else contextlib.nullcontext()
 
 
 def _module_ids(g: RecordedGraph, r, cur: int | None) -> tuple:
@@ -198,37 +222,44 @@ def record_call(g: RecordedGraph, r, args):
         outer_sid = r.stacks.capture(3)
     if g.owner is not r:
         g.bind(r)
-    refs = input_refs(r, args, plan.input_names, cur)
-    metas = _metas(g, args)
     # The dispatch mode lets ops pass while this is set: the compiled code's own (extern kernels),
-    # and the few this recording makes (reading the flag, starting a copy).
+    # and the few this recording makes (reading the flag, starting a copy); the native core is
+    # paused for as long.
     r.in_graph += 1
     try:
-        out = g.compiled(args)
-        n = plan.n_outputs
-        extra = out[n:] if plan.extra else ()
-        out = out[:n] if plan.extra else out
-        try:
-            _emit(g, r, refs, metas, cur, outer_sid, out, extra)
-        except NonFiniteError:
-            raise
-        except Exception as exc:  # observing training never kills training
-            from trainguard.capture._recorder import _record_failed
-
-            _record_failed(r, f"compiled graph {g.label}", exc)
+        with python_records(r):
+            out = _call(g, r, args, cur, outer_sid)
     finally:
         r.in_graph -= 1
     r.last_nr = _get_seq_nr()
     return out
 
 
+def _call(g: RecordedGraph, r, args, cur, outer_sid):
+    plan = g.plan
+    refs = input_refs(r, args, plan.input_names, cur)
+    metas = _metas(g, args)
+    out = g.compiled(args)
+    n = plan.n_outputs
+    extra = out[n:] if plan.extra else ()
+    out = out[:n] if plan.extra else out
+    try:
+        _emit(g, r, refs, metas, cur, outer_sid, out, extra)
+    except NonFiniteError:
+        raise
+    except Exception as exc:  # observing training never kills training
+        from trainguard.capture._recorder import _record_failed
+
+        _record_failed(r, f"compiled graph {g.label}", exc)
+    return out
+
+
 def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
-    from trainguard.capture._recorder import FLUSH_RECORDS, FLUSH_SECONDS, _monotonic, _register
+    from trainguard.capture._recorder_mode import FLUSH_RECORDS, FLUSH_SECONDS, _monotonic
 
     plan = g.plan
     ops = plan.ops
-    base = r.seq
-    r.seq = base + len(ops)
+    base = r._reserve(len(ops))
     seen = r.compiled_graphs.get(g.label)
     if seen is None:
         r.compiled_graphs[g.label] = [len(ops), 1]
@@ -350,12 +381,11 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
         pending.append(rec)
         recorded += 1
     r.recorded += recorded
-    producers = r.producers
     for i, o in enumerate(out):
         po = plan.out_ops[i]
         if po is not None and isinstance(o, _Tensor):
             k = po[0]
-            _register(r, producers, o, base + k, ops[k].name, sids[k], None)
+            produced(r, o, base + k, ops[k].name, sids[k])
             if r.mode == "full_tensor" and writer and ops[k].wanted:
                 r.writer.put_payload_tensor(base + k, po[1], o.detach().to("cpu", copy=True))
     if not backward:

@@ -38,6 +38,10 @@ class ModuleTracker:
         self.named_tensors: dict[int, tuple[weakref.ref, str, str]] = {}
         self._handles: list = []
         self.lock = threading.Lock()
+        # The native recorder's hooks: the innermost module id of this thread (0 outside any),
+        # and each parameter or buffer named (tensor, name, kind).
+        self.on_change: Callable[[int], None] | None = None
+        self.on_named: Callable[[torch.Tensor, str, str], None] | None = None
 
     # -------------------------------------------------------------- hooks
     def install(self) -> None:
@@ -72,6 +76,8 @@ class ModuleTracker:
                 return
             entry = self._name(module, stack[-1][1] if stack else None)
         stack.append((entry[0], module))
+        if self.on_change is not None:
+            self.on_change(entry[0])
 
     def _post(self, module: nn.Module, args, output) -> None:
         if _is_compiling():
@@ -82,6 +88,9 @@ class ModuleTracker:
             _, m = stack.pop()
             if m is module:
                 break
+        if self.on_change is not None:
+            # A compiled graph's entry carries its caller's id, None outside any module.
+            self.on_change((stack[-1][0] if stack else None) or 0)
 
     def current(self) -> int | None:
         """Interned id of the innermost module running on this thread (None outside modules)."""
@@ -142,6 +151,8 @@ class ModuleTracker:
             for name, t in items:
                 if t is not None and id(t) not in self.named_tensors:
                     self.named_tensors[id(t)] = (weakref.ref(t), prefix + name, kind)
+                    if self.on_named is not None:
+                        self.on_named(t, prefix + name, kind)
 
     def release(self, t: torch.Tensor):
         """Drop the weak reference to a named tensor torch is about to swap; return how to take it

@@ -97,10 +97,15 @@ _WRAPPERS = {"clip_grad_norm_": _clip_norm, "clip_grad_value_": _clip_value}
 
 
 def quiet():
-    """Keep ``trainguard.record`` (a dispatch mode) from recording the monitor's own tensor ops."""
+    """Keep ``trainguard.record`` (either backend) from recording the monitor's own tensor ops."""
+    from trainguard.capture._native._backend import paused
+
     if torch._C._len_torch_dispatch_stack() > 0:
-        return torch._C._DisableTorchDispatch()
-    return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._C._DisableTorchDispatch())
+        stack.enter_context(paused())
+        return stack
+    return paused()
 
 
 def _install() -> None:

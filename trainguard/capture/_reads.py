@@ -21,9 +21,18 @@ _MISSING = object()
 
 
 def _wrap(name: str, original):
+    # torch prints a tensor with every dispatch mode disabled (torch._tensor_str): the ops that
+    # printing runs are not the program's, and the native core does not record them either.
+    quiet = name == "__repr__"
+
     def read(self, *args, **kwargs):
         for rec in _active:
             rec.on_read(self)
+        if quiet:
+            from trainguard.capture._native._backend import paused
+
+            with paused():
+                return original(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
     read.__name__ = name

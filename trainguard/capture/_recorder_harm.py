@@ -61,9 +61,15 @@ class HarmHooks:
         """``backward()`` runs from ``tensors``: each is a loss, a sink. The first backward op
         (:meth:`backward_starts`) may belong to another tensor: a loss that is a sum or
         difference runs no op of its own, and a term without gradient runs none at all."""
-        if not self.active or not self.judge_here or threading.get_ident() != self._thread or not self.taint.states:
+        if not self.active or not self.judge_here or threading.get_ident() != self._thread:
             return
         for t in (tensors,) if isinstance(tensors, torch.Tensor) else tensors if isinstance(tensors, (tuple, list)) else ():
+            if self._native is not None:
+                if isinstance(t, torch.Tensor):
+                    self._native.on_sink(t, "loss")
+                continue
+            if not self.taint.states:
+                return
             p = self.producers.get(id(t)) if isinstance(t, torch.Tensor) else None
             if p is not None and p[0]() is t:
                 self._reached(self.taint.reached(p[1], _clock.step, "loss"), p[1])
@@ -71,6 +77,9 @@ class HarmHooks:
     def on_read(self, t: torch.Tensor) -> None:
         """The program reads ``t`` (``.tolist()``, ``.numpy()``, printing): a sink."""
         if not self.active or not self.judge_here or threading.get_ident() != self._thread:
+            return
+        if self._native is not None:
+            self._native.on_sink(t, "read")
             return
         p = self.producers.get(id(t))
         if p is not None and p[0]() is t and self.taint.states:

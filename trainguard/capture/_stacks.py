@@ -28,8 +28,12 @@ class StackInterner:
         self._codes: list = []  # keeps the code objects of known keys alive (see module doc)
         self._prefixes: dict[tuple, int] = {}
         self._last_parent = None
+        self._last_lasti = -1
         self._last_prefix = 0
         self._on_new = on_new_stack
+        # The first id - 1: under the native core, whose own stack table numbers from 1, the
+        # stacks interned here (compiled graphs' records) take ids of their own.
+        self.id_base = 0
         self._symbolic: dict[tuple, int] = {}  # frames -> id, for stacks known only as text
 
     def capture(self, skip: int = 1) -> int | None:
@@ -38,18 +42,21 @@ class StackInterner:
         Consecutive ops usually come from one Python function (``F.linear`` runs ``t`` then
         ``addmm``; an optimizer runs ten ops per parameter), so the stack above the innermost
         frame is cached per parent activation: while a frame object is held here it cannot be
-        replaced by another one at the same address, and an activation's callers never change.
+        replaced by another one at the same address, and an activation's callers never change
+        while it waits in one call (the cache holds the caller's instruction too: the same caller
+        calling again from another line is another stack).
         """
         try:
             f = sys._getframe(skip)
         except ValueError:  # no Python caller: an op run by the autograd engine's device thread
             return None
         parent = f.f_back
-        if parent is self._last_parent and parent is not None:
+        if parent is self._last_parent and parent is not None and parent.f_lasti == self._last_lasti:
             prefix = self._last_prefix
         else:
             prefix = self._prefix_id(parent)
             self._last_parent = parent
+            self._last_lasti = parent.f_lasti if parent is not None else -1
             self._last_prefix = prefix
         k = (prefix, id(f.f_code), f.f_lasti)
         sid = self._ids.get(k)
@@ -87,7 +94,7 @@ class StackInterner:
         of compiled graph nodes, parsed from their ``stack_trace``."""
         sid = self._symbolic.get(frames)
         if sid is None:
-            sid = self._symbolic[frames] = len(self._ids) + len(self._symbolic) + 1
+            sid = self._symbolic[frames] = self.id_base + len(self._ids) + len(self._symbolic) + 1
             self._frames[sid] = list(frames)
             if self._on_new is not None:
                 self._on_new(sid, list(frames))
@@ -103,7 +110,7 @@ class StackInterner:
             f = f.f_back
             depth += 1
         frames.reverse()  # outermost first
-        sid = len(self._ids) + len(self._symbolic) + 1
+        sid = self.id_base + len(self._ids) + len(self._symbolic) + 1
         self._ids[key] = sid
         self._frames[sid] = frames
         if self._on_new is not None:

@@ -31,9 +31,12 @@ _lock = threading.Lock()
 
 class _Clock:
     def __init__(self) -> None:
+        # Called with the new value whenever in_optimizer changes (the native recorder core keeps
+        # its own copy: it cannot read this object per op).
+        self.on_in_optimizer: list[Callable[[int], None]] = []
+        self._in_optimizer = 0
         self.step = 0
         self.driver: str | None = None
-        self.in_optimizer = 0
         # 0 outside a closure; k while the k-th call of the current optimizer.step's closure runs.
         self.closure_call = 0
         self.optimizer_calls = 0  # optimizer.step() calls that ran (a GradScaler skip runs none)
@@ -48,6 +51,18 @@ class _Clock:
         self.grads_ready: list[Callable[[torch.optim.Optimizer], None]] = []
         # After each optimizer.step() with the optimizer (the monitor reads lr and updates).
         self.on_optimizer_step: list[Callable[[torch.optim.Optimizer], None]] = []
+
+
+    @property
+    def in_optimizer(self) -> int:
+        """How many optimizer updates are running now (0: not the optimizer phase)."""
+        return self._in_optimizer
+
+    @in_optimizer.setter
+    def in_optimizer(self, n: int) -> None:
+        self._in_optimizer = n
+        for fn in self.on_in_optimizer:
+            fn(n)
 
 
 clock = _Clock()

@@ -3,11 +3,11 @@
 Two strategies, both exact:
 
 * ``immediate`` (CPU tensors): reading a CPU scalar is no host-device sync, so the summary
-  branches. With the ``fast`` extra (numba), one compiled pass over a zero-copy view proves a
-  float tensor finite and counts its signs (see ``_kernels``). Without it, one summation proves
-  the tensor finite, then NumPy comparisons count signs, stopping after one pass when all
-  values are positive. The boolean-mask counts that also split NaN from +-Inf run only for a
-  tensor that is not finite.
+  branches. Where the native core is built (``capture/_native``), its C++ kernel makes one
+  pass over the tensor's memory that proves a float tensor finite and counts its signs, for
+  both recorder backends. Without it, one summation proves the tensor finite, then NumPy
+  comparisons count signs, stopping after one pass when all values are positive. The
+  boolean-mask counts that also split NaN from +-Inf run only for a tensor that is not finite.
 * ``deferred`` (accelerators): every count is computed with device ops into one small float64
   vector per output; vectors are stacked and copied to the host asynchronously in batches, and
   the writer thread waits for them. The training thread never synchronises.
@@ -22,7 +22,7 @@ import math
 import numpy as np
 import torch
 
-from trainguard.capture import _kernels
+from trainguard.capture import _native
 from trainguard.store import MODE_FIELDS
 
 _INF = math.inf
@@ -70,12 +70,7 @@ def _plain_values(t: torch.Tensor) -> torch.Tensor:
 
 
 def _exact_counts(t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
-    """(neg, zero, pos, neg_inf, pos_inf, nan) of a tensor that holds NaN or Inf: one compiled
-    pass, or boolean masks without the kernel. (A run that keeps producing NaN summarises every
-    output this way: six passes with temporaries made such a run several times slower.)"""
-    a = _kernel_input(t)
-    if a is not None:
-        return _kernels.all_counts(a)
+    """(neg, zero, pos, neg_inf, pos_inf, nan) with boolean masks: for the rare non-finite tensor."""
     nan = int(torch.isnan(t).sum())
     pinf = int(torch.isposinf(t).sum())
     ninf = int(torch.isneginf(t).sum())
@@ -154,41 +149,16 @@ def _sign_counts(t: torch.Tensor, n: int) -> tuple[int, int, int]:
 
 _F32 = torch.float32
 _F64 = torch.float64
-_KERNEL_DTYPES = (_F32, _F64)
-
-
-def _kernel_input(t: torch.Tensor) -> np.ndarray | None:
-    """The elements of a float CPU tensor as a 1-D contiguous array for the compiled kernel.
-
-    A view when the memory allows: summaries do not depend on element order, so a transposed
-    or permuted tensor is read in memory order instead of being gathered. None when the
-    kernel is not installed or cannot read this tensor.
-    """
-    if t.dtype not in _KERNEL_DTYPES or not _kernels.available():
-        return None
-    a = _np(t)
-    return None if a is None else a.ravel(order="K")
 
 
 def _float_counts(t: torch.Tensor, n: int) -> tuple[int, int, int] | None:
     """(neg, zero, pos) of a floating tensor, or None when it holds a NaN or an Inf."""
-    a = _kernel_input(t)
-    if a is not None:
-        finite, neg, pos = _kernels.counts(a)
-        return (neg, n - neg - pos, pos) if finite else None
-    if not _is_finite_fast(t):
+    if not _is_finite(t):
         return None
     return _sign_counts(t, n)
 
 
 def _is_finite(t: torch.Tensor) -> bool:
-    a = _kernel_input(t)
-    if a is not None:
-        return _kernels.counts(a)[0]
-    return _is_finite_fast(t)
-
-
-def _is_finite_fast(t: torch.Tensor) -> bool:
     """True when ``t`` holds no NaN/Inf; one summation (an overflowing sum is re-checked exactly)."""
     total = t.sum(dtype=_F64 if t.dtype == _F64 else _F32).item()
     if math.isfinite(total):
@@ -196,12 +166,8 @@ def _is_finite_fast(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def _moments(t: torch.Tensor, finite: bool) -> tuple[float, float, float, float]:
-    # torch's min-max is one (parallel) pass; numba does not vectorise that reduction.
+def _moments(t: torch.Tensor) -> tuple[float, float, float, float]:
     mn, mx = torch.aminmax(t)
-    a = _kernel_input(t) if finite else None
-    if a is not None:
-        return (float(mn), float(mx), *_kernels.mean_std(a))
     f = t if t.dtype == _F64 or t.dtype == _F32 else t.to(_F32)
     std, mean = torch.std_mean(f, correction=0)
     mean, std = float(mean), float(std)
@@ -243,7 +209,7 @@ def unknown_summary(mode: str, n: int) -> tuple[float, ...]:
 def _sparse_summary(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     """A sparse tensor's summary from its stored values plus the zeros it does not store."""
     values = t.coalesce()._values() if t.layout == torch.sparse_coo else t.values()
-    s = summarize_immediate(values, mode)
+    s = summarize_numpy(values, mode)
     implicit = t.numel() - values.numel()
     if not implicit or mode == "curt_health":
         return s
@@ -262,6 +228,11 @@ def _sparse_summary(t: torch.Tensor, mode: str) -> tuple[float, ...]:
     return base + (min(mn, 0.0), max(mx, 0.0), mean_all, math.sqrt(max(var_all, 0.0)))
 
 
+# Summary modes as the native core numbers them (native.h).
+_MODE_CODE = {"no_tensor": 0, "curt_health": 1, "concise_health": 2, "full_health": 3, "shape": 4,
+              "full_tensor": 5, "stats": 6}
+
+
 def _health_bits(t: torch.Tensor) -> float:
     """curt_health's value for a tensor that is not finite: its health bits (1 NaN, 2 +inf, 4 -inf)."""
     _, _, _, ninf, pinf, nan = _exact_counts(t)
@@ -271,9 +242,19 @@ def _health_bits(t: torch.Tensor) -> float:
 def summarize_immediate(t: torch.Tensor, mode: str, expect_nonfinite: bool = False) -> tuple[float, ...]:
     """Exact summary of ``t`` as Python floats (for CPU tensors: no device to sync with).
 
-    ``expect_nonfinite`` (an input is already harmful) counts in the one pass that serves a
-    non-finite tensor, without first proving it finite.
+    The native core's kernel when it is built (``_native.load()``, at the start of a
+    recording), else torch and NumPy (:func:`summarize_numpy`). ``expect_nonfinite`` (an input
+    is already harmful) counts in the one pass that serves a non-finite tensor, without first
+    proving it finite.
     """
+    native = _native._module
+    if native is not None and t.device.type == "cpu":
+        return native.summarize(t, _MODE_CODE[mode], expect_nonfinite)
+    return summarize_numpy(t, mode, expect_nonfinite)
+
+
+def summarize_numpy(t: torch.Tensor, mode: str, expect_nonfinite: bool = False) -> tuple[float, ...]:
+    """The immediate summary without the native kernel."""
     if t.requires_grad:
         t = t.detach()
     if t.layout is not _STRIDED:
@@ -285,7 +266,7 @@ def summarize_immediate(t: torch.Tensor, mode: str, expect_nonfinite: bool = Fal
     if 0 in t.stride():
         base, repeat = _unbroadcast(t)
         if repeat > 1:
-            s = summarize_immediate(base, mode, expect_nonfinite)
+            s = summarize_numpy(base, mode, expect_nonfinite)
             k = _COUNT_FIELDS.get(mode, 0)
             return tuple(v * repeat for v in s[:k]) + s[k:]
     n = t.numel()
@@ -316,7 +297,7 @@ def summarize_immediate(t: torch.Tensor, mode: str, expect_nonfinite: bool = Fal
         neg, zero, pos, ninf, pinf, nan = _exact_counts(t)
     mn = mx = mean = std = math.nan
     if mode == "stats":
-        mn, mx, mean, std = _moments(t, finite=not (ninf or pinf or nan))
+        mn, mx, mean, std = _moments(t)
     return _pack(mode, n, neg, zero, pos, ninf, pinf, nan, mn, mx, mean, std)
 
 

@@ -11,7 +11,8 @@ The state of a tensor is kept by the seq of the execution that produced it (a re
 name their producers by seq; an in-place op makes its output the tensor's new producer), only
 for outputs that are not finite: ``states[seq] = (taint, origin)``. The rule that turns an op's
 inputs into its output's taint is :func:`propagate`, a lookup in ``RULES`` by the op's class,
-the highest input taint and the output's health; the native recorder ports that table as is.
+the highest input taint and the output's health; the native recorder's records are judged by
+this same code as they are drained (:meth:`Tracker.judge`).
 :class:`Tracker` adds what needs memory: the sinks, the first harmful chain to pin, counts.
 Pure Python without torch: the recorder calls it on the training thread, the run writer on its
 own thread for accelerator records whose health arrives later.
@@ -197,6 +198,8 @@ class Tracker:
         self.bounded = False  # the writer's judge: no liveness, bound the states by size
         self.keep_records = True  # False without a run directory: nothing to resend
         self.op_classes: dict[str, tuple[int, bool, bool]] = {}  # name -> (class, overwrite, inplace)
+        # name -> op_classes entry, for an op judge() meets first (the native core's records)
+        self.resolve_op = None
         self._last_phase = None
 
     # ------------------------------------------------------------------ judging
@@ -371,10 +374,12 @@ class Tracker:
 
     # ------------------------------------------------------------------ the writer's judge
     def judge(self, records: list, fields: tuple) -> tuple[list, list, list, list, dict]:
-        """Taint the records the hot path could not (their health arrived with the batch)."""
+        """Taint the records the hot path did not: accelerator records on the writer's thread
+        (their health arrived with the batch), the native core's as they are drained."""
         from trainguard.store._codec import health_of
 
         out = []
+        states = self.states
         for rec in records:
             if len(rec) < 13 or rec[11] is not None:
                 out.append(rec)
@@ -384,20 +389,31 @@ class Tracker:
             if phase == "backward" and self._last_phase != "backward":
                 self.backward_starts(rec[6], step)
             self._last_phase = phase
-            health = 0
-            if rec[10] and fields:
-                for values in rec[10]:
-                    health |= health_of(fields, values)
-            cls, overwrite, inplace = self.op_classes.get(op, (DEFAULT, False, False))
+            health = rec[7]
+            if health is None:  # device summaries: their health is known now
+                health = 0
+                if rec[10] and fields:
+                    for values in rec[10]:
+                        health |= health_of(fields, values)
+            facts = self.op_classes.get(op)
+            if facts is None:
+                facts = self.resolve_op(op) if self.resolve_op is not None else (DEFAULT, False, False)
+                self.op_classes[op] = facts
+            cls, overwrite, inplace = facts
             in_taint, in_origin = FINITE, None
-            for i, (kind, ref) in enumerate(rec[8]):
+            for i, (kind, ref) in enumerate(rec[8] if states else ()):
                 if kind != "op" or (i == 0 and overwrite):
                     continue
-                st = self.states.get(ref)
+                st = states.get(ref)
                 if st is not None and (st[0] > in_taint or (st[0] == in_taint and st[1] is not None
                                                             and (in_origin is None or st[1] < in_origin))):
                     in_taint, in_origin = st
             param_write = inplace and bool(rec[8]) and rec[8][0][0] == "param"
+            if in_taint == UNKNOWN and (cls == VIEW or cls == COPY) and rec[10]:
+                # A view or copy of uninitialised memory: no evidence, whatever its bytes hold (as
+                # the hot path summarises it; a native or accelerator summary read the bytes).
+                rec = rec[:10] + (tuple(unknown_values(fields, m[1]) for m in rec[9]),) + rec[11:]
+                health = 0
             taint, origin = FINITE, None
             if health or in_taint or cls == ALLOC:
                 taint, origin = self.settle(seq, step, phase, op, cls, param_write, in_taint, in_origin, health,
@@ -455,6 +471,16 @@ class Tracker:
     def prune(self, live: set[int]) -> None:
         """Forget the states of tensors that died (the recorder calls this each step)."""
         self.states = {k: v for k, v in self.states.items() if k in live}
+
+
+def unknown_values(fields: tuple, shape) -> tuple[float, ...]:
+    """The summary of ``shape``'s values nobody can read (``capture._summary.unknown_summary``)."""
+    if not fields or fields[0] != "size":
+        return (0.0,) * len(fields)
+    n = 1
+    for d in shape:
+        n *= d
+    return (float(n),) + (float("nan"),) * (len(fields) - 1)
 
 
 def inf_values(fields: tuple, summaries) -> int:

@@ -111,7 +111,12 @@ def _header(report: dict) -> Panel:
     elif status == "running":
         status += " (still being written, or its process was killed: shows everything up to the last flush)"
     t.add_row("status", status + (f" — {meta['error']}" if meta.get("error") else ""))
-    t.add_row("recorded", f"{when}, mode {meta.get('mode')}, buffer {meta.get('buffer')}")
+    backend = {"native": "the native core", "python": "the Python dispatch mode"}.get(meta.get("backend"))
+    t.add_row("recorded", f"{when}, mode {meta.get('mode')}, buffer {meta.get('buffer')}"
+              + (f", by {backend}" if backend else ""))
+    if meta.get("native_unsure"):
+        t.add_row("not recorded", f"{meta['native_unsure']:,} ops on tensor subclasses or under another dispatch "
+                  "mode (record with backend='python' to see them)")
     t.add_row("executions", f"{counts['stored']:,} stored over {counts['steps']} steps "
               f"(forward {counts['by_phase']['forward']:,}, backward {counts['by_phase']['backward']:,}, "
               f"optimizer {counts['by_phase']['optimizer']:,}, other {counts['by_phase']['other']:,})")

@@ -3,7 +3,8 @@
 Checkpoint traffic runs on gloo groups of its own: an asynchronous save talks from a background
 thread, and collectives from two threads on one group would interleave differently per rank.
 Payloads travel as byte tensors, never as pickled objects. Checkpoint work runs
-:func:`unobserved`: outside any ``TorchDispatchMode`` such as the recorder's.
+:func:`unobserved`: outside any ``TorchDispatchMode`` such as the recorder's, and with
+RecordFunction's callbacks (the native recorder core) off.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def unobserved(fn: _F) -> _F:
-    """Run ``fn`` with every ``TorchDispatchMode`` of this thread set aside.
+    """Run ``fn`` with every ``TorchDispatchMode`` of this thread set aside and RecordFunction off.
 
     Saving and restoring are trainguard's own work, not the program's: a recording must not
     show them, and nothing a mode does to an op may make one rank's collectives differ from
@@ -30,10 +31,26 @@ def unobserved(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _disable_current_modes():
-            return fn(*args, **kwargs)
+        # RecordFunction's callbacks too (the native recorder core, which is not a mode), on
+        # this thread, outermost call only; it is on unless someone turned it off, as torch has it.
+        depth = getattr(_unobserved, "depth", 0)
+        _unobserved.depth = depth + 1
+        try:
+            with _disable_current_modes():
+                if depth == 0:
+                    torch.autograd._enable_record_function(False)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    if depth == 0:
+                        torch.autograd._enable_record_function(True)
+        finally:
+            _unobserved.depth = depth
 
     return wrapper  # type: ignore[return-value]
+
+
+_unobserved = threading.local()
 
 
 def is_distributed() -> bool:

@@ -1,0 +1,142 @@
+"""Both recorder backends judge alike: harmful, intended, unknown (capture/_taint.py).
+
+The programs are issue 11's (``tests/true_models.py``) and the small cases of
+``test_taint.py``: every execution's taint and origin, the first harmful value, the intended
+infinities and the harmful counts must be the same under the native core and the dispatch
+mode (see crosscheck.py). Each program is also checked to hold what it is about, so that a
+comparison of two empty answers cannot pass.
+"""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+import true_models as M
+from tests_capture_crosscheck import crosscheck  # noqa: I001 - see conftest (path of this folder)
+from torch import nn
+
+from trainguard.store._codec import T_UNKNOWN
+
+INF = float("inf")
+
+
+def _exp_into_loss():
+    return lambda: M.train_exp(4)
+
+
+def _masked_gpt():
+    return lambda: M.train_gpt(2, padded=True)
+
+
+def _fully_masked_row():
+    return lambda: M.train_gpt(3, padded=True, empty_at=1)
+
+
+def _rmsnorm_backward():
+    return lambda: M.train_rmsnorm(steps=2, width=8, depth=2)
+
+
+def _gcn():
+    return lambda: M.train_gcn(2)
+
+
+def _read_pending_inf():
+    def program():
+        big = torch.tensor([1.0, 100.0]).exp() * 1e-30  # +inf, pending until read
+        unread = torch.tensor([100.0]).exp()  # never read: intended, absorbed by nothing
+        with redirect_stdout(io.StringIO()):
+            print(big)
+        big.add(1).tolist()
+        unread.neg()
+    return program
+
+
+def _garbage():
+    def program():
+        bucket = torch.empty(1000)
+        view = bucket.as_strided((10, 10), (10, 1), 100)  # DDP's gradient buckets
+        view.copy_(torch.ones(10, 10))
+        view.mul(2)
+        torch.empty(8).copy_(torch.empty(8)).view(2, 4).t()
+    return program
+
+
+def _param_and_optimizer():
+    def make():
+        lin = nn.Linear(3, 2)
+        opt = torch.optim.SGD(lin.parameters(), lr=1e30)  # the update overflows: optimizer-phase inf
+        x = torch.full((4, 3), 1e10)
+
+        def program():
+            lin(x).pow(2).sum().backward()
+            opt.step()
+            with torch.no_grad():
+                lin.bias.add_(torch.tensor([INF, 0.0]))  # an inf written into a parameter
+        return program
+    return make
+
+
+PROGRAMS = {
+    # name: (make_program, what the run must hold: "harmful", "intended" or both)
+    "exp_into_loss": (_exp_into_loss, {"harmful"}),
+    "masked_gpt": (_masked_gpt, {"intended"}),
+    "fully_masked_row": (_fully_masked_row, {"harmful", "intended"}),
+    "rmsnorm_backward": (_rmsnorm_backward, {"harmful"}),
+    "gcn_reciprocal": (_gcn, {"intended"}),
+    "read_pending_inf": (_read_pending_inf, {"harmful", "intended"}),
+    "garbage": (_garbage, {"unknown"}),
+    "param_and_optimizer": (_param_and_optimizer(), {"harmful"}),
+}
+
+
+def _holds(got) -> set[str]:
+    run = got["run"]
+    out = set()
+    if run.first_harm() is not None:
+        out.add("harmful")
+    if run.intended():
+        out.add("intended")
+    if any(r[11] == T_UNKNOWN for r in got["records"]):
+        out.add("unknown")
+    return out
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_same_taint_and_origin(tmp_path, name):
+    make, holds = PROGRAMS[name]
+    problems, _, py, nat = crosscheck(make, tmp_path, "full_health")
+    assert problems == [], "\n".join(problems[:20])
+    assert holds <= _holds(nat) and holds <= _holds(py)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("mode", ["curt_health", "concise_health", "stats"])
+def test_same_taint_in_other_modes(tmp_path, mode):
+    problems, _, py, nat = crosscheck(_fully_masked_row, tmp_path, mode)
+    assert problems == [], "\n".join(problems[:20])
+    assert nat["run"].first_harm()["op"] == "aten._softmax.default"
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_same_taint_with_deferred_summaries(tmp_path):
+    # Judged by the writer's thread under both backends (the health arrives with the batch).
+    problems, _, py, nat = crosscheck(_exp_into_loss, tmp_path, "full_health", strategy="deferred")
+    assert problems == [], "\n".join(problems[:20])
+    assert any(r[11] is None for r in nat["records"])  # handed to the writer's judge
+    assert nat["run"].first_harm()["reason"] == "loss"
+
+
+def test_native_records_say_which_backend_judged(tmp_path):
+    import trainguard as tg
+    from trainguard.store import open_run
+
+    with tg.record(tmp_path / "r", backend="native") as rec:
+        M.train_exp(4)
+    assert rec.backend == "native"
+    run = open_run(tmp_path / "r")
+    assert run.meta["backend"] == "native"
+    assert run.first_harm()["reason"] == "loss" and run.execution(run.first_harm()["origin"])["op"] == "aten.exp"

@@ -1,0 +1,191 @@
+"""The native recorder core: what only it does, and how the Python backend stands in for it."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.capture import _native
+from trainguard.store import open_run
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_autograd_op_sequence_under_each_backend(tmp_path, backend):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        h = torch.tanh(x)
+        (model(h).sum() + h.pow(2).sum()).backward()  # h's gradient is the sum of two
+    run = open_run(tmp_path / "r")
+    bwd = [e["op"] for e in run.executions(phase="backward")]
+    if backend == "native":
+        # The native core leaves autograd alone: the engine sums the gradients in place.
+        assert bwd.count("aten.add_.Tensor") == 1 and "aten.add.Tensor" not in bwd
+        assert run.count(op="aten.detach", phase="backward") == 3  # AccumulateGrad's, one per leaf
+    else:
+        # With any dispatch mode every tensor is subclass-like: out of place, and more detaches.
+        assert bwd.count("aten.add.Tensor") == 1 and "aten.add_.Tensor" not in bwd
+        assert run.count(op="aten.detach", phase="backward") == 4
+
+
+def test_native_is_the_default_and_the_run_says_so(tmp_path, capsys):
+    with tg.record(tmp_path / "r") as rec:
+        torch.exp(torch.ones(3))
+    assert rec.backend == "native"
+    assert open_run(tmp_path / "r").meta["backend"] == "native"
+    from trainguard.cli import main
+
+    assert main(["report", str(tmp_path / "r")]) == 0
+    assert "by the native core" in " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert main(["report", str(tmp_path / "r"), "--json"]) == 0
+    assert '"backend": "native"' in capsys.readouterr().out
+
+
+def test_check_numerics_runs_on_the_python_backend():
+    with pytest.raises(tg.NonFiniteError, match="aten.log"):
+        with tg.check_numerics() as rec:
+            torch.log(-torch.ones(2))  # NaN: harmful where made (an unread -inf would pass)
+    assert rec.backend == "python"
+    with pytest.raises(ValueError, match="check_numerics"):
+        from trainguard.capture import Recorder
+
+        Recorder(None, check_numerics=True, backend="native")
+
+
+def test_install_and_remove_fifty_times_in_one_process(tmp_path):
+    x = torch.randn(8, 8)
+    for i in range(50):
+        with tg.record(tmp_path / f"r{i}", buffer=-1, backend="native") as rec:
+            torch.relu(x @ x).sum()
+        assert rec.recorded == 3, i
+    # The callbacks are gone: ops outside a recording reach no core (a new one numbers from 0).
+    torch.relu(x)
+    with tg.record(tmp_path / "last", buffer=-1, backend="native"):
+        torch.exp(x)
+    (e,) = open_run(tmp_path / "last").executions()
+    assert e["seq"] == 0 and e["op"] == "aten.exp"
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_a_second_thread_records_only_what_it_records_itself(tmp_path, backend):
+    # A recording belongs to the thread that starts it (and the autograd work it launches), as a
+    # dispatch mode does: another thread's ops are not in it, and that thread can record its own.
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def other():
+        try:
+            barrier.wait()
+            for _ in range(20):
+                torch.sigmoid(torch.ones(3))  # not recorded: this thread is not recording
+            with tg.record(tmp_path / "other", buffer=-1, backend=backend):
+                lin = nn.Linear(3, 3)
+                lin(torch.ones(2, 3)).sum().backward()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=other)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+    with tg.record(tmp_path / "main", buffer=-1, backend=backend):
+        t.start()
+        barrier.wait()
+        for _ in range(20):
+            model(torch.ones(2, 3)).sum().backward()
+        t.join()
+    assert not errors
+    main, other_run = open_run(tmp_path / "main"), open_run(tmp_path / "other")
+    assert main.count(op="aten.sigmoid") == 0 and other_run.count(op="aten.sigmoid") == 0
+    assert main.count(op="aten.tanh") == 20 and other_run.count(op="aten.tanh") == 0
+    assert other_run.count(op="aten.addmm") == 1 and main.count(op="aten.addmm") == 20
+    assert {e["module"] for e in main.executions(op="aten.tanh")} == {"1"}
+    assert other_run.count(phase="backward") > 0
+
+
+def test_tensor_subclasses_are_left_to_the_python_backend(tmp_path, caplog):
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    with caplog.at_level(logging.WARNING, logger="trainguard.capture"):
+        with tg.record(tmp_path / "r", buffer=-1, backend="native"):
+            (nt * 2).values().sum()
+            torch.exp(torch.ones(2))
+    run = open_run(tmp_path / "r")
+    assert run.meta["native_unsure"] > 0
+    assert run.count(op="aten.exp") == 1
+    assert any("backend='python'" in m for m in caplog.messages)
+
+
+def test_pausing_keeps_trainguards_own_work_out(tmp_path):
+    from trainguard.capture._native._backend import paused
+
+    with tg.record(tmp_path / "r", buffer=-1, backend="native"):
+        with paused():
+            torch.exp(torch.ones(2))
+        torch.log(torch.ones(2))
+    assert [e["op"] for e in open_run(tmp_path / "r").executions()] == ["aten.ones", "aten.log"]
+
+
+FALLBACK = textwrap.dedent(
+    """
+    import sys, torch, trainguard as tg
+    with tg.record(sys.argv[1], buffer=-1) as rec:
+        torch.exp(torch.ones(2))
+    with tg.record(sys.argv[1] + "-2", buffer=-1) as rec2:
+        torch.exp(torch.ones(2))
+    print(rec.backend, rec2.backend)
+    try:
+        tg.record(sys.argv[1] + "-3", backend="native").start()
+    except tg.TrainguardError as exc:
+        print("native:", exc)
+    """
+)
+
+
+def test_without_the_native_core_one_warning_and_the_python_backend(tmp_path):
+    import os
+
+    env = dict(os.environ, TRAINGUARD_NO_NATIVE="1")
+    env.pop("TRAINGUARD_BACKEND", None)
+    out = subprocess.run([sys.executable, "-c", FALLBACK, str(tmp_path / "r")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "python python"
+    assert lines[1].startswith("native: the native recorder core is not available: TRAINGUARD_NO_NATIVE")
+    assert out.stderr.count("install a C++ compiler (g++) and ninja") == 1
+    assert open_run(tmp_path / "r").meta["backend"] == "python"
+
+
+def test_the_build_is_cached_per_torch_python_and_platform():
+    key = _native.build_key()
+    assert torch.__version__.replace("+", "_") in key and f"cp{sys.version_info[0]}{sys.version_info[1]}" in key
+    assert (_native.build_dir() / "built").exists()
+    assert _native.load().__file__.startswith(str(_native.build_dir()))
+
+
+def test_bad_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        tg.record("unused", backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_numbering_goes_on_from_an_earlier_runs_executions(tmp_path, backend):
+    # A framework run resumed into its run directory sets the recorder's seq before it starts
+    # (integrations/_session.py): the earlier run's executions keep their numbers.
+    from trainguard.capture._recorder import Recorder
+    from trainguard.store import open_run
+
+    rec = Recorder(tmp_path / "r", buffer=-1, backend=backend)
+    rec.seq = 100
+    with rec:
+        torch.ones(3).neg().exp()
+        assert rec.executions == 103  # ones, neg, exp
+    with open_run(tmp_path / "r") as run:
+        assert [e["seq"] for e in run.executions()] == [100, 101, 102]

@@ -1,0 +1,164 @@
+// The native recorder's state: one Core per recording (at most MAX_CORES at once).
+#pragma once
+#include "native.h"
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace tg {
+
+constexpr int MAX_CORES = 8;
+
+// What an operator is to a dispatch mode, fixed per operator for the process.
+enum OpKind : int8_t {
+  OP_SEEN = 0,         // reaches the Python dispatch key: a dispatch mode records it
+  OP_COMPOSITE = 1,    // decomposed above the Python key (CompositeImplicitAutograd): its calls are
+  OP_NEVER = 2,        // handled entirely by autograd (detach_, requires_grad_, ...) or a profiler marker
+};
+
+struct OpInfo {
+  int index;
+  std::string name;    // "aten.addmm.default"
+  PyObject* py_name;   // the same, as a str (owned; never freed)
+  OpKind kind;
+  bool alloc;          // uninitialised outputs (trainguard.capture._summary.ALLOCATION_OPS)
+  bool alias;          // outputs hold the first input's values (ALIAS_OPS)
+  bool view;           // its schema returns an alias of an input (a view, or an in-place op's self)
+  bool autocast_cpu, autocast_cuda;  // has an autocast kernel (a wrapper that calls the op again)
+};
+
+struct Input {
+  int8_t kind;   // 0 op, 1 input, 2 named (param/buffer)
+  int64_t ref;   // producer seq (kind 0)
+  PyObject* name = nullptr;  // kind 2: borrowed from the Core's named table
+  PyObject* what = nullptr;  // kind 2: "param" or "buffer"
+};
+
+struct Output {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  c10::Device device{c10::kCPU};
+  int8_t summary = 0;  // 0 none, 1 immediate values, 2 deferred row
+  Summary s;
+  int64_t row = 0;
+};
+
+struct Record {
+  int64_t seq, step;
+  int8_t phase;        // 0 forward, 1 backward, 2 optimizer, 3 other
+  OpInfo* op;
+  int64_t module, stack, fwd_seq;  // 0 / 0 / -1: none
+  int health;          // -1: not known on the host yet (deferred summaries)
+  std::vector<Input> inputs;
+  std::vector<Output> outputs;
+  std::vector<at::Tensor> payloads;  // full_tensor: host copies
+};
+
+struct Producer {
+  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+  int64_t seq;
+  int64_t stack;
+  bool has_summary;
+  Summary s;
+  int64_t version;  // -1: none (inference tensor)
+  int health;       // the producing op's health bits over all its outputs; -1 not known on the host
+};
+
+// An output autograd may save for its own backward: such a tensor is saved as a new TensorImpl
+// over the same storage (SavedVariable's tensor_data()), which the dispatch mode sees as its
+// own detach of the output. The backward op that reads it is given the output's producer,
+// found by storage and geometry.
+struct Saved {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  int64_t offset;
+  int8_t dtype;
+  std::vector<int64_t> sizes, strides;
+  int64_t seq;
+};
+
+struct Named {
+  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+  PyObject* name;
+  PyObject* what;
+};
+
+struct FwdNode {
+  int64_t seq, module, stack, step, order;
+};
+
+struct Core {
+  int slot = -1;
+  int mode = FULL;
+  int strategy = 0;  // 0 auto, 1 immediate, 2 deferred
+  bool has_dtypes = false;
+  std::unordered_set<int> dtypes;  // ScalarType values
+  PyObject* wanted_fn = nullptr;   // callable(name) -> bool, for ops=...
+  std::mutex wanted_mu;
+  std::vector<int8_t> wanted;      // per OpInfo index: -1 unknown
+  StackTable* stacks = nullptr;
+  std::atomic<bool> active{false};
+  uint64_t handle = 0;
+  uint64_t owner_thread = 0;
+
+  std::mutex mu;  // everything below
+  std::condition_variable cv;
+  int64_t seq = 0, recorded = 0, failures = 0, unsure = 0;
+  int64_t last_nr = 0;
+  std::vector<Record> records;
+  size_t payload_bytes = 0;  // full_tensor host copies waiting in records
+  std::condition_variable drained;
+  bool bad = false;
+  std::unordered_map<c10::TensorImpl*, Producer> producers;
+  size_t sweep_at = 4096;
+  std::unordered_map<uint64_t, Saved> saved;  // by storage and geometry (see Saved)
+  size_t saved_sweep_at = 4096;
+  std::unordered_map<c10::TensorImpl*, Named> named;
+  std::unordered_map<uint64_t, FwdNode> fwd_nodes;
+  int64_t fwd_order = 0;
+  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> deferred;
+  std::vector<std::pair<std::string, std::string>> failed;  // (op, message), first per op
+  std::unordered_set<std::string> failed_ops;
+  std::vector<std::string> unsure_ops;
+  std::unordered_set<std::string> unsure_seen;
+
+  void sweep();
+  void prune_fwd_nodes(int64_t step);
+};
+
+// Process-wide state shared with Python's hooks.
+extern std::atomic<int64_t> g_step;
+extern std::atomic<int> g_in_optimizer;
+extern std::atomic<bool> g_forked;
+extern thread_local int64_t tl_module[MAX_CORES];
+extern thread_local bool tl_paused;
+
+// Every FLUSH_RECORDS records (or soon after a non-finite value) the drain thread is woken.
+constexpr size_t FLUSH_RECORDS = 4096;
+// Back-pressure: past this many waiting records, or bytes of full_tensor copies, the recording
+// thread waits for the drain (as the dispatch mode waits on the writer's queue), so memory stays
+// bounded when the writer cannot keep up.
+constexpr size_t MAX_PENDING_RECORDS = 1 << 17;
+constexpr size_t MAX_PENDING_BYTES = size_t(256) << 20;
+// trainguard.capture._recorder.FWD_NODES_MAX
+constexpr size_t FWD_NODES_MAX = 200000;
+
+bool install(Core* core);
+void uninstall(Core* core);
+// ``t`` now holds the values of record ``seq`` made in Python (a compiled graph's output);
+// called with the core's lock held.
+void set_producer(Core* core, const at::Tensor& t, int64_t seq, int64_t stack);
+void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias);
+OpInfo* op_by_index(int index);
+
+}  // namespace tg

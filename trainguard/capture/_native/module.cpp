@@ -1,0 +1,348 @@
+// Python bindings of the native core: the Core object, the drain into record tuples, summaries.
+#include "core.h"
+
+#include <ATen/SequenceNumber.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <chrono>
+
+namespace py = pybind11;
+using namespace tg;
+
+namespace {
+
+PyObject* g_dtype_names[256] = {nullptr};  // ScalarType -> "float32"
+PyObject* g_phase_names[4] = {nullptr};
+PyObject *g_op = nullptr, *g_input = nullptr, *g_d = nullptr, *g_cpu = nullptr;
+
+PyObject* steal(PyObject* o) {
+  if (o == nullptr) throw py::error_already_set();
+  return o;
+}
+
+PyObject* floats(const Summary& s) {
+  PyObject* t = steal(PyTuple_New(s.n));
+  for (int i = 0; i < s.n; ++i) PyTuple_SET_ITEM(t, i, steal(PyFloat_FromDouble(s.v[i])));
+  return t;
+}
+
+struct PyCore {
+  std::unique_ptr<Core> core;
+  std::unordered_map<std::string, PyObject*> devices;  // str(device) for the records
+  std::unordered_map<std::string, py::object> device_objs;  // torch.device for deferred rows
+
+  PyCore(int mode, int strategy, py::object wanted_fn, py::list dtypes, py::object on_new_stack) {
+    core = std::make_unique<Core>();
+    core->mode = mode;
+    core->strategy = strategy;
+    if (!wanted_fn.is_none()) {
+      core->wanted_fn = wanted_fn.ptr();
+      Py_INCREF(core->wanted_fn);
+    }
+    if (!dtypes.is_none() && py::len(dtypes) > 0) {
+      core->has_dtypes = true;
+      for (auto d : dtypes) core->dtypes.insert((int)reinterpret_cast<THPDtype*>(d.ptr())->scalar_type);
+    }
+    core->stacks = stacks_new(on_new_stack.is_none() ? nullptr : on_new_stack.ptr());
+  }
+
+  ~PyCore() {
+    uninstall(core.get());
+    for (auto& kv : core->named) {
+      Py_XDECREF(kv.second.name);
+      Py_XDECREF(kv.second.what);
+    }
+    Py_XDECREF(core->wanted_fn);
+    stacks_free(core->stacks);
+    for (auto& kv : devices) Py_DECREF(kv.second);
+  }
+
+  bool start() { return install(core.get()); }
+  void stop() { uninstall(core.get()); }
+  int slot() const { return core->slot; }
+
+  void set_module(int64_t mid) {
+    if (core->slot >= 0) tl_module[core->slot] = mid;
+  }
+
+  void name_tensor(const at::Tensor& t, py::str name, py::str what) {
+    std::lock_guard<std::mutex> g(core->mu);
+    auto* impl = t.unsafeGetTensorImpl();
+    if (core->named.count(impl)) return;  // the first name stays, as in ModuleTracker
+    Py_INCREF(name.ptr());
+    Py_INCREF(what.ptr());
+    core->named.emplace(impl, Named{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), name.ptr(), what.ptr()});
+  }
+
+  void on_step(int64_t step) {
+    std::lock_guard<std::mutex> g(core->mu);
+    core->sweep();
+    if (core->fwd_nodes.size() > 4096) core->prune_fwd_nodes(step);
+  }
+
+  PyObject* device_str(const c10::Device& d) {
+    if (d.is_cpu()) return g_cpu;
+    std::string k = d.str();
+    auto it = devices.find(k);
+    if (it != devices.end()) return it->second;
+    PyObject* s = steal(PyUnicode_FromString(k.c_str()));
+    devices.emplace(k, s);
+    return s;
+  }
+
+  py::object device_obj(const c10::Device& d) {
+    std::string k = d.str();
+    auto it = device_objs.find(k);
+    if (it != device_objs.end()) return it->second;
+    py::object o = py::reinterpret_steal<py::object>(THPDevice_New(d));
+    device_objs.emplace(k, o);
+    return o;
+  }
+
+  PyObject* record_tuple(const Record& r, int nfields) {
+    PyObject* ins = steal(PyTuple_New((Py_ssize_t)r.inputs.size()));
+    for (size_t i = 0; i < r.inputs.size(); ++i) {
+      const Input& in = r.inputs[i];
+      PyObject* e;
+      if (in.kind == 0) e = Py_BuildValue("(OL)", g_op, (long long)in.ref);
+      else if (in.kind == 2) e = Py_BuildValue("(OO)", in.what, in.name);
+      else e = Py_BuildValue("(OO)", g_input, Py_None);
+      PyTuple_SET_ITEM(ins, i, steal(e));
+    }
+    PyObject* metas = steal(PyTuple_New((Py_ssize_t)r.outputs.size()));
+    PyObject* sums = nfields ? steal(PyTuple_New((Py_ssize_t)r.outputs.size())) : nullptr;
+    for (size_t i = 0; i < r.outputs.size(); ++i) {
+      const Output& o = r.outputs[i];
+      PyObject* shape = steal(PyTuple_New((Py_ssize_t)o.shape.size()));
+      for (size_t k = 0; k < o.shape.size(); ++k) PyTuple_SET_ITEM(shape, k, steal(PyLong_FromLongLong(o.shape[k])));
+      PyObject* dt = g_dtype_names[(int)o.dtype];
+      PyObject* m = steal(PyTuple_Pack(3, dt ? dt : Py_None, shape, device_str(o.device)));
+      Py_DECREF(shape);
+      PyTuple_SET_ITEM(metas, i, m);
+      if (sums) {
+        PyObject* s;
+        if (o.summary == 2) {
+          py::object dev = device_obj(o.device);
+          s = Py_BuildValue("(OOL)", g_d, dev.ptr(), (long long)o.row);
+        } else {
+          s = floats(o.s);
+        }
+        PyTuple_SET_ITEM(sums, i, steal(s));
+      }
+    }
+    PyObject* health = r.health < 0 ? (Py_INCREF(Py_None), Py_None) : steal(PyLong_FromLong(r.health));
+    PyObject* mod = r.module ? steal(PyLong_FromLongLong(r.module)) : (Py_INCREF(Py_None), Py_None);
+    PyObject* stack = r.stack ? steal(PyLong_FromLongLong(r.stack)) : (Py_INCREF(Py_None), Py_None);
+    PyObject* fwd = r.fwd_seq >= 0 ? steal(PyLong_FromLongLong(r.fwd_seq)) : (Py_INCREF(Py_None), Py_None);
+    PyObject* t = steal(PyTuple_New(13));
+    PyTuple_SET_ITEM(t, 0, steal(PyLong_FromLongLong(r.seq)));
+    PyTuple_SET_ITEM(t, 1, steal(PyLong_FromLongLong(r.step)));
+    Py_INCREF(g_phase_names[r.phase]);
+    PyTuple_SET_ITEM(t, 2, g_phase_names[r.phase]);
+    Py_INCREF(r.op->py_name);
+    PyTuple_SET_ITEM(t, 3, r.op->py_name);
+    PyTuple_SET_ITEM(t, 4, mod);
+    PyTuple_SET_ITEM(t, 5, stack);
+    PyTuple_SET_ITEM(t, 6, fwd);
+    PyTuple_SET_ITEM(t, 7, health);
+    PyTuple_SET_ITEM(t, 8, ins);
+    PyTuple_SET_ITEM(t, 9, metas);
+    if (sums) PyTuple_SET_ITEM(t, 10, sums);
+    else { Py_INCREF(Py_None); PyTuple_SET_ITEM(t, 10, Py_None); }
+    // taint, origin: judged in Python (capture/_taint.Tracker) when the batch is drained
+    Py_INCREF(Py_None);
+    PyTuple_SET_ITEM(t, 11, Py_None);
+    Py_INCREF(Py_None);
+    PyTuple_SET_ITEM(t, 12, Py_None);
+    return t;
+  }
+
+  // (records, deferred {device: [tensors]} or None, payloads [(seq, slot, tensor)], bad,
+  //  failures [(op, message)], unsure [op], live) — everything since the last drain. With
+  //  ``live``, the seqs of the producers of live tensors at the moment of the drain (a later
+  //  record can only name those as inputs), else None.
+  py::tuple drain(bool want_live) {
+    std::vector<Record> recs;
+    std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> deferred;
+    std::vector<std::pair<std::string, std::string>> failed;
+    std::vector<std::string> unsure;
+    std::vector<int64_t> live;
+    bool bad;
+    {
+      std::lock_guard<std::mutex> g(core->mu);
+      if (want_live) {
+        core->sweep();
+        live.reserve(core->producers.size() + core->saved.size());
+        for (auto& kv : core->producers) live.push_back(kv.second.seq);
+        for (auto& kv : core->saved) live.push_back(kv.second.seq);  // held by autograd (see Saved)
+      }
+      recs.swap(core->records);
+      deferred.swap(core->deferred);
+      failed.swap(core->failed);
+      unsure.swap(core->unsure_ops);
+      bad = core->bad;
+      core->bad = false;
+      core->payload_bytes = 0;
+      core->drained.notify_all();
+    }
+    // Threads other than the recording one (autograd's device threads) may append out of order.
+    if (!std::is_sorted(recs.begin(), recs.end(), [](auto& a, auto& b) { return a.seq < b.seq; }))
+      std::sort(recs.begin(), recs.end(), [](auto& a, auto& b) { return a.seq < b.seq; });
+    int nfields = mode_fields(core->mode);
+    py::list out;
+    py::list payloads;
+    for (auto& r : recs) {
+      out.append(py::reinterpret_steal<py::object>(record_tuple(r, nfields)));
+      for (size_t k = 0; k < r.payloads.size(); ++k) payloads.append(py::make_tuple(r.seq, k, r.payloads[k]));
+    }
+    py::object dd = py::none();
+    if (!deferred.empty()) {
+      py::dict d;
+      for (auto& kv : deferred) d[device_obj(kv.first)] = py::cast(kv.second);
+      dd = d;
+    }
+    py::list fl;
+    for (auto& f : failed) fl.append(py::make_tuple(f.first, f.second));
+    py::object lv = want_live ? py::cast(live) : py::none();
+    return py::make_tuple(out, dd, payloads, bad, fl, py::cast(unsure), lv);
+  }
+
+  // (seq, health) of the op that made ``t``'s current values, or None (not made by a recorded
+  // op): the program reads ``t`` (capture/_reads.py).
+  py::object producer_of(const at::Tensor& t) {
+    std::lock_guard<std::mutex> g(core->mu);
+    auto it = core->producers.find(t.unsafeGetTensorImpl());
+    if (it == core->producers.end() || it->second.ref.expired()) return py::none();
+    return py::make_tuple(it->second.seq, it->second.health);
+  }
+
+  // Records made in Python (compiled graphs, capture/_compile_run.py) between the core's: ``n``
+  // seqs after every op recorded so far, returned as the first. The autograd nodes made until now
+  // belong to them (as the Python recorder sets last_nr after a graph call).
+  int64_t reserve(int64_t n) {
+    std::lock_guard<std::mutex> g(core->mu);
+    int64_t base = core->seq;
+    core->seq += n;
+    core->last_nr = at::sequence_number::peek();
+    return base;
+  }
+
+  void set_producer(const at::Tensor& t, int64_t seq, int64_t stack) {
+    std::lock_guard<std::mutex> g(core->mu);
+    tg::set_producer(core.get(), t, seq, stack);
+  }
+
+  // torch is about to swap ``t`` (torch.utils.swap_tensors refuses a TensorImpl with weak
+  // references): drop the core's. Returns (name, kind) when ``t`` was named, for the caller to
+  // name it again after the swap (a parameter keeps its identity), else None.
+  py::object release(const at::Tensor& t) {
+    std::lock_guard<std::mutex> g(core->mu);
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    core->producers.erase(impl);
+    auto it = core->named.find(impl);
+    if (it == core->named.end()) return py::none();
+    py::object out = py::make_tuple(py::reinterpret_steal<py::object>(it->second.name),
+                                    py::reinterpret_steal<py::object>(it->second.what));
+    core->named.erase(it);
+    return out;
+  }
+
+  size_t pending() {
+    std::lock_guard<std::mutex> g(core->mu);
+    return core->records.size();
+  }
+
+  // Wait (without the GIL) until FLUSH_RECORDS are pending, a non-finite value was recorded, or
+  // the timeout passed; True when a drain is due now.
+  bool wait(double timeout) {
+    py::gil_scoped_release nogil;
+    std::unique_lock<std::mutex> g(core->mu);
+    return core->cv.wait_for(g, std::chrono::duration<double>(timeout),
+                             [&] { return core->bad || core->records.size() >= FLUSH_RECORDS || !core->active; });
+  }
+
+  void wake() {
+    std::lock_guard<std::mutex> g(core->mu);
+    core->cv.notify_all();
+    core->drained.notify_all();
+  }
+
+  py::dict counts() {
+    std::lock_guard<std::mutex> g(core->mu);
+    py::dict d;
+    d["seq"] = core->seq;
+    d["recorded"] = core->recorded;
+    d["failures"] = core->failures;
+    d["unsure"] = core->unsure;
+    d["producers"] = core->producers.size();
+    d["fwd_nodes"] = core->fwd_nodes.size();
+    return d;
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "trainguard's native recorder core (RecordFunction callbacks, summaries, stacks)";
+  g_op = PyUnicode_InternFromString("op");
+  g_input = PyUnicode_InternFromString("input");
+  g_d = PyUnicode_InternFromString("d");
+  g_cpu = PyUnicode_InternFromString("cpu");
+  const char* phases[4] = {"forward", "backward", "optimizer", "other"};
+  for (int i = 0; i < 4; ++i) g_phase_names[i] = PyUnicode_InternFromString(phases[i]);
+
+  m.def("configure", [](py::list dtype_names, std::vector<std::string> alloc, std::vector<std::string> alias) {
+    for (auto item : dtype_names) {
+      auto pair = item.cast<py::tuple>();
+      int st = (int)reinterpret_cast<THPDtype*>(pair[0].ptr())->scalar_type;
+      if (st >= 0 && st < 256 && g_dtype_names[st] == nullptr) {
+        g_dtype_names[st] = pair[1].ptr();
+        Py_INCREF(g_dtype_names[st]);
+      }
+    }
+    set_op_names({alloc.begin(), alloc.end()}, {alias.begin(), alias.end()});
+  });
+  m.def("summarize", [](const at::Tensor& t, int mode, bool expect_nonfinite) {
+    bool old = tl_paused;
+    tl_paused = true;
+    Summary s;
+    try {
+      s = summarize(t.detach(), mode, expect_nonfinite);
+    } catch (...) {
+      tl_paused = old;
+      throw;
+    }
+    tl_paused = old;
+    return py::reinterpret_steal<py::tuple>(floats(s));
+  }, py::arg("t"), py::arg("mode"), py::arg("expect_nonfinite") = false);
+  m.def("set_paused", [](bool p) {
+    bool old = tl_paused;
+    tl_paused = p;
+    return old;
+  }, "Pause (True) or resume recording of this thread's ops; returns the previous state.");
+  m.def("set_step", [](int64_t s) { g_step.store(s); });
+  m.def("set_in_optimizer", [](int n) { g_in_optimizer.store(n); });
+  m.def("forked", []() { return g_forked.load(); });
+
+  py::class_<PyCore>(m, "Core")
+      .def(py::init<int, int, py::object, py::list, py::object>(), py::arg("mode"), py::arg("strategy"),
+           py::arg("wanted"), py::arg("dtypes"), py::arg("on_new_stack"))
+      .def("start", &PyCore::start)
+      .def("stop", &PyCore::stop)
+      .def_property_readonly("slot", &PyCore::slot)
+      .def("set_module", &PyCore::set_module)
+      .def("name_tensor", &PyCore::name_tensor)
+      .def("on_step", &PyCore::on_step)
+      .def("drain", &PyCore::drain, py::arg("live") = false)
+      .def("producer_of", &PyCore::producer_of)
+      .def("reserve", &PyCore::reserve)
+      .def("set_producer", &PyCore::set_producer)
+      .def("release", &PyCore::release)
+      .def("pending", &PyCore::pending)
+      .def("wait", &PyCore::wait)
+      .def("wake", &PyCore::wake)
+      .def("counts", &PyCore::counts);
+}

@@ -1,0 +1,33 @@
+// Shared declarations of trainguard's native recorder core (see __init__.py and docs/recorder.md).
+#pragma once
+#include <Python.h>
+#include <ATen/core/Tensor.h>
+#include <array>
+#include <cstdint>
+#include <vector>
+
+namespace tg {
+
+// Summary modes, in the order of trainguard.store.MODES.
+enum Mode : int { NO_TENSOR = 0, CURT = 1, CONCISE = 2, FULL = 3, SHAPE = 4, FULL_TENSOR = 5, STATS = 6 };
+int mode_fields(int mode);
+
+struct Summary {
+  int n = 0;  // number of fields
+  std::array<double, 11> v{};
+};
+
+// The exact summary of a tensor's values (CPU, or any device for sparse/meta bookkeeping).
+Summary summarize(const at::Tensor& t, int mode, bool expect_nonfinite = false);
+Summary unknown_summary(int mode, int64_t n);
+int health_of(int mode, const Summary& s);  // bit flags 1 NaN, 2 +inf, 4 -inf
+// The summary as a float64 tensor on the tensor's device, computed with device ops (no sync).
+at::Tensor summarize_deferred(const at::Tensor& t, int mode);
+
+// Stacks: the calling Python thread's frames, interned. 0 = no Python caller.
+struct StackTable;
+StackTable* stacks_new(PyObject* on_new_stack);
+void stacks_free(StackTable*);
+int64_t stacks_capture(StackTable*);
+
+}  // namespace tg

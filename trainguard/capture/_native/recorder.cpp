@@ -1,0 +1,590 @@
+// The RecordFunction callbacks: which calls a dispatch mode would see, and their records.
+//
+// A TorchDispatchMode sees an operator call when it reaches the Python dispatch key, which lies
+// below autograd and above the kernels. RecordFunction fires at every dispatcher call, so the
+// rule keeps exactly the calls that would reach that key:
+//   * a CompositeImplicitAutograd operator (linear, matmul, reshape, ...) is decomposed above it
+//     by autograd's layer: not seen itself, its calls are (with that layer off, in inference
+//     mode, it is seen whole);
+//   * calls made by a seen operator run below the Python key (its kernel, a factory's backend):
+//     not seen, except where autocast wraps it: an operator with an autocast kernel, autocast
+//     on, casts its inputs (seen: the dispatch mode sees those casts) and calls itself again,
+//     which is the call seen, not the outer one; in autocast's own calls below autograd (the
+//     thread-local excluded set holds autograd or ADInplaceOrView) nothing is seen;
+//   * calls made with the Python key excluded (torch.tensor's internal allocation) are not;
+//   * operators that autograd handles without redispatching (detach_, requires_grad_) never are.
+// Records are taken at the end of each call, in the order a dispatch mode would have finished
+// them, and numbered then (seq), as the Python recorder numbers them.
+#include "core.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/SequenceNumber.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <pthread.h>
+
+#include <chrono>
+
+namespace tg {
+
+std::atomic<int64_t> g_step{0};
+std::atomic<int> g_in_optimizer{0};
+std::atomic<bool> g_forked{false};
+thread_local int64_t tl_module[MAX_CORES] = {0};
+thread_local bool tl_paused = false;
+
+namespace {
+
+// ------------------------------------------------------------------ operators
+std::mutex g_ops_mu;
+std::unordered_map<const char*, OpInfo*> g_ops;  // keyed by the schema's name (stable per operator)
+std::vector<OpInfo*> g_op_list;
+std::unordered_set<std::string> g_alloc, g_alias;
+const std::unordered_set<std::string> g_never = {
+    "aten::detach_", "aten::requires_grad_", "aten::retain_grad", "aten::set_data", "aten::data",
+    "aten::_fw_primal", "aten::_make_dual", "aten::is_leaf", "aten::output_nr", "aten::_version",
+    "aten::retains_grad"};
+
+OpInfo* lookup_op(const at::RecordFunction& fn) {
+  const char* key = fn.name();
+  thread_local std::unordered_map<const char*, OpInfo*> cache;
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  auto on = fn.operator_name();
+  if (!on) return nullptr;  // a RecordFunction that is not an operator call: not cached
+  // The GIL before the lock, never the other way round (a thread holding the GIL may wait here).
+  PyGILState_STATE gs = PyGILState_Ensure();
+  std::lock_guard<std::mutex> g(g_ops_mu);
+  auto git = g_ops.find(key);
+  OpInfo* info;
+  if (git != g_ops.end()) {
+    info = git->second;
+  } else {
+    info = new OpInfo();
+    info->index = (int)g_op_list.size();
+    std::string base = on->name;  // "aten::addmm"
+    auto sep = base.find("::");
+    info->name = base.substr(0, sep) + "." + base.substr(sep + 2) + "." +
+                 (on->overload_name.empty() ? std::string("default") : on->overload_name);
+    info->py_name = PyUnicode_InternFromString(info->name.c_str());
+    info->alloc = g_alloc.count(info->name) > 0;
+    info->alias = g_alias.count(info->name) > 0;
+    info->autocast_cpu = info->autocast_cuda = false;
+    info->view = false;
+    info->kind = OP_SEEN;
+    if (g_never.count(base) || base.rfind("profiler::", 0) == 0) {
+      info->kind = OP_NEVER;
+    } else {
+      auto op = c10::Dispatcher::singleton().findOp(*on);
+      if (op && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
+        info->kind = OP_COMPOSITE;
+      if (op) {
+        info->autocast_cpu = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU);
+        info->autocast_cuda = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA);
+        if (op->hasSchema()) {
+          const auto& rets = op->schema().returns();
+          info->view = !rets.empty() && rets[0].alias_info() != nullptr && !rets[0].alias_info()->isWrite();
+        }
+      }
+    }
+    g_ops.emplace(key, info);
+    g_op_list.push_back(info);
+  }
+  PyGILState_Release(gs);
+  cache.emplace(key, info);
+  return info;
+}
+
+// ------------------------------------------------------------------ cores and their slots
+Core* g_cores[MAX_CORES] = {nullptr};
+std::mutex g_cores_mu;
+
+struct Ctx : at::ObserverContext {
+  Core* core = nullptr;  // the core that began it (a slot may hold another one by its end)
+  OpInfo* op = nullptr;
+  bool seen = false;
+  bool wrapper = false;  // autocast may run around this call (see the rule above)
+  bool in_node = false;  // run by the autograd engine (the backward pass)
+  uint64_t node_nr = 0;  // that node's sequence number (AccumulateGrad's is UINT64_MAX)
+  std::vector<Input> inputs;
+  c10::intrusive_ptr<c10::TensorImpl> first;  // the first tensor input (alias summaries)
+};
+
+// This thread's open calls per core, innermost last.
+thread_local std::vector<Ctx*> tl_open[MAX_CORES];
+
+struct Pause {
+  bool old;
+  Pause() : old(tl_paused) { tl_paused = true; }
+  ~Pause() { tl_paused = old; }
+};
+
+struct Unsure {};  // a call under another dispatch mode, or on a tensor subclass
+struct Tracing {};  // a call a compiler makes on fake tensors
+
+bool is_unsure_tensor(const at::Tensor& t) {
+  auto ks = t.key_set();
+  return ks.has(c10::DispatchKey::Python) || t.is_nested() || ks.has(c10::DispatchKey::Functionalize);
+}
+
+int64_t version_of(c10::TensorImpl* impl) {
+  return impl->is_inference() ? -1 : (int64_t)impl->version_counter().current_version();
+}
+
+bool has_plain_storage(const at::Tensor& t) {
+  return t.layout() == at::kStrided && t.unsafeGetTensorImpl()->has_storage();
+}
+
+uint64_t geometry_key(const at::Tensor& t) {
+  uint64_t h = (uint64_t)(uintptr_t)t.storage().unsafeGetStorageImpl();
+  auto mix = [&h](uint64_t v) { h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
+  mix((uint64_t)t.storage_offset());
+  mix((uint64_t)t.scalar_type());
+  for (int64_t d : t.sizes()) mix((uint64_t)d);
+  for (int64_t s : t.strides()) mix((uint64_t)s);
+  return h;
+}
+
+bool same_geometry(const Saved& s, const at::Tensor& t) {
+  return !s.storage.expired() && s.storage._unsafe_get_target() == t.storage().unsafeGetStorageImpl() &&
+         s.offset == t.storage_offset() && s.dtype == (int8_t)t.scalar_type() && t.sizes().equals(s.sizes) &&
+         t.strides().equals(s.strides);
+}
+
+Input input_of(Core* c, const at::Tensor& t, bool in_node) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  auto nit = c->named.find(impl);
+  if (nit != c->named.end() && !nit->second.ref.expired() && nit->second.ref._unsafe_get_target() == impl)
+    return Input{2, 0, nit->second.name, nit->second.what};
+  auto pit = c->producers.find(impl);
+  if (pit != c->producers.end() && !pit->second.ref.expired()) return Input{0, pit->second.seq};
+  if (in_node && !c->saved.empty() && has_plain_storage(t)) {  // a saved output, unpacked (see Saved)
+    auto sit = c->saved.find(geometry_key(t));
+    if (sit != c->saved.end() && same_geometry(sit->second, t)) return Input{0, sit->second.seq};
+  }
+  return Input{1, 0};
+}
+
+void remember_saved(Core* c, const at::Tensor& o, int64_t seq, int64_t view_of) {
+  uint64_t key = geometry_key(o);
+  if (view_of >= 0) {  // a view of that output with its geometry (expand to the same shape) stays behind it
+    auto it = c->saved.find(key);
+    if (it != c->saved.end() && it->second.seq == view_of && same_geometry(it->second, o)) return;
+  }
+  Saved s{o.storage().getWeakStorageImpl(), o.storage_offset(), (int8_t)o.scalar_type(), o.sizes().vec(),
+          o.strides().vec(), seq};
+  c->saved.insert_or_assign(key, std::move(s));
+  if (c->saved.size() > c->saved_sweep_at) c->sweep();
+}
+
+// ``view_of``: for a view op, the producer of its first input (-1 none): the view must not hide
+// that output among the saved ones (expand to the same shape has the same geometry; see Saved).
+void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, const Summary* s, int64_t view_of,
+                     int health = 0) {
+  c10::TensorImpl* impl = o.unsafeGetTensorImpl();
+  auto it = c->producers.find(impl);
+  if (it != c->producers.end() && !it->second.ref.expired()) {
+    it->second.seq = seq;  // an in-place op: the tensor now holds this op's output
+    it->second.stack = stack;
+    it->second.has_summary = s != nullptr;
+    if (s) it->second.s = *s;
+    it->second.version = version_of(impl);
+    it->second.health = health;
+    if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of);
+    return;
+  }
+  // An output that requires grad may be saved for backward under another TensorImpl.
+  if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of);
+  Producer p{c10::weak_intrusive_ptr<c10::TensorImpl>(o.getIntrusivePtr()), seq, stack, s != nullptr,
+             s ? *s : Summary{}, version_of(impl), health};
+  c->producers.insert_or_assign(impl, std::move(p));
+  if (c->producers.size() > c->sweep_at) c->sweep();
+}
+
+// Tensors among an op's results, as the Python recorder sees them: a single list result is
+// its elements; otherwise each tensor result (lists inside tuples are not looked into).
+void output_tensors(const std::vector<c10::IValue>& outs, std::vector<at::Tensor>& out) {
+  if (outs.size() == 1 && outs[0].isTensorList()) {
+    for (const at::Tensor& t : outs[0].toTensorList())
+      if (t.defined()) out.push_back(t);
+    return;
+  }
+  for (const auto& v : outs)
+    if (v.isTensor() && v.toTensor().defined()) out.push_back(v.toTensor());
+}
+
+// Whether ops= keeps this op; asked of Python once per op (called without the core's lock).
+bool wanted(Core* c, OpInfo* op) {
+  {
+    std::lock_guard<std::mutex> g(c->wanted_mu);
+    if ((int)c->wanted.size() > op->index && c->wanted[op->index] >= 0) return c->wanted[op->index] == 1;
+  }
+  int8_t w = 1;
+  if (c->wanted_fn != nullptr) {
+    PyGILState_STATE gs = PyGILState_Ensure();
+    PyObject* r = PyObject_CallFunctionObjArgs(c->wanted_fn, op->py_name, nullptr);
+    w = (r != nullptr && PyObject_IsTrue(r) == 1) ? 1 : 0;
+    if (r == nullptr) PyErr_Clear();
+    Py_XDECREF(r);
+    PyGILState_Release(gs);
+  }
+  std::lock_guard<std::mutex> g(c->wanted_mu);
+  if ((int)c->wanted.size() <= op->index) c->wanted.resize(op->index + 1, -1);
+  c->wanted[op->index] = w;
+  return w == 1;
+}
+
+void fail(Core* c, OpInfo* op, const char* what) {
+  std::lock_guard<std::mutex> g(c->mu);
+  c->failures++;
+  if (c->failed_ops.insert(op->name).second) c->failed.emplace_back(op->name, what);
+}
+
+// ------------------------------------------------------------------ the callbacks
+template <int K>
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  if (tl_paused || g_forked.load(std::memory_order_relaxed)) return nullptr;
+  Core* c = g_cores[K];
+  if (c == nullptr || !c->active.load(std::memory_order_relaxed)) return nullptr;
+  OpInfo* op = lookup_op(fn);
+  if (op == nullptr) return nullptr;  // not an operator: its calls are judged by what encloses it
+  auto& open = tl_open[K];
+  bool in_seen = false;
+  Ctx* seen_parent = nullptr;
+  for (auto it = open.rbegin(); it != open.rend(); ++it)
+    if ((*it)->seen) {
+      in_seen = true;
+      seen_parent = *it;
+      break;
+    }
+  auto ex = c10::impl::tls_local_dispatch_key_set().excluded_;
+  bool below = ex.has(c10::DispatchKey::ADInplaceOrView) || ex.has(c10::DispatchKey::AutogradFunctionality);
+  bool hidden = ex.has(c10::DispatchKey::Python) || (in_seen && (below || !seen_parent->wrapper)) ||
+                at::in_parallel_region();
+  auto ctx = std::make_unique<Ctx>();
+  ctx->core = c;
+  ctx->op = op;
+  // A composite is decomposed above the Python key by autograd's layer; with that layer off
+  // (inference mode, or below autograd) it reaches the key whole.
+  ctx->seen = !hidden && (op->kind == OP_SEEN || (op->kind == OP_COMPOSITE && below));
+  ctx->wrapper = ctx->seen && ((op->autocast_cpu && !ex.has(c10::DispatchKey::AutocastCPU)) ||
+                               (op->autocast_cuda && !ex.has(c10::DispatchKey::AutocastCUDA)));
+  if (ctx->seen && seen_parent != nullptr && seen_parent->op == op) seen_parent->seen = false;  // a wrapper
+  if (ctx->seen) {
+    try {
+      if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+        // A compiler tracing on fake tensors (AOT autograd's lazy backward compile, outside
+        // Dynamo's compile lock): the dispatch mode drops these calls too, uncounted.
+        if (c10::impl::TorchDispatchModeTLS::get_mode(c10::impl::TorchDispatchModeKey::FAKE).has_value())
+          throw Tracing{};
+        throw Unsure{};
+      }
+      auto node = torch::autograd::get_current_node();
+      ctx->in_node = node != nullptr;
+      ctx->node_nr = node ? node->sequence_nr() : 0;
+      auto inputs = fn.inputs();
+      std::lock_guard<std::mutex> g(c->mu);
+      auto add = [&](const at::Tensor& t) {
+        // A Python number passed where a tensor is expected reaches a dispatch mode as the number.
+        if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
+        if (is_unsure_tensor(t)) throw Unsure{};
+        if (!ctx->first) ctx->first = t.getIntrusivePtr();
+        ctx->inputs.push_back(input_of(c, t, ctx->in_node));
+      };
+      for (const c10::IValue& v : inputs) {
+        if (v.isTensor()) {
+          if (v.toTensor().defined()) add(v.toTensor());
+        } else if (v.isTensorList()) {
+          for (const at::Tensor& t : v.toTensorList()) add(t);
+        } else if (v.isList()) {
+          auto l = v.toListRef();
+          if (l.empty() || !l[0].isTensor()) continue;
+          for (const c10::IValue& e : l) {
+            if (e.isTensor() && e.toTensor().defined()) add(e.toTensor());
+            else ctx->inputs.push_back(Input{1, 0});  // a None inside a list of tensors
+          }
+        }
+      }
+    } catch (const Tracing&) {
+      ctx->seen = false;
+      ctx->inputs.clear();
+    } catch (const Unsure&) {
+      // Not something a RecordFunction observer can record faithfully: count it, and keep the
+      // call out of the record (it is judged by a dispatch mode's rules no longer).
+      std::lock_guard<std::mutex> g(c->mu);
+      c->unsure++;
+      if (c->unsure_seen.insert(op->name).second) c->unsure_ops.push_back(op->name);
+      ctx->seen = false;
+      ctx->inputs.clear();
+    }
+  }
+  open.push_back(ctx.get());
+  return ctx;
+}
+
+void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn);
+
+template <int K>
+void on_end(const at::RecordFunction& fn, at::ObserverContext* base) {
+  if (base == nullptr) return;  // began before this core was installed, or while paused
+  auto* ctx = static_cast<Ctx*>(base);
+  auto& open = tl_open[K];
+  for (auto it = open.rbegin(); it != open.rend(); ++it)
+    if (*it == ctx) {
+      open.erase(std::next(it).base());
+      break;
+    }
+  Core* c = g_cores[K];
+  if (!ctx->seen || c != ctx->core || !c->active.load(std::memory_order_relaxed) || tl_paused ||
+      g_forked.load(std::memory_order_relaxed))
+    return;
+  Pause pause;  // our own tensor work below is not recorded
+  try {
+    end_record(c, ctx, fn);
+  } catch (const std::exception& e) {
+    fail(c, ctx->op, e.what());
+  }
+}
+
+void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
+  OpInfo* op = ctx->op;
+  std::vector<at::Tensor> outs;
+  output_tensors(fn.outputs(), outs);
+  int64_t nr = at::sequence_number::peek();
+  int nfields = mode_fields(c->mode);
+  bool keep = wanted(c, op);
+
+  int64_t view_of = -1;
+  if (op->view && !ctx->inputs.empty() && ctx->inputs[0].kind == 0) view_of = ctx->inputs[0].ref;
+
+  std::unique_lock<std::mutex> g(c->mu);
+  int64_t seq = c->seq++;
+  if (!keep) {  // filtered out: consumers still learn who made their inputs
+    for (auto& o : outs) register_output(c, o, seq, 0, nullptr, view_of);
+    c->last_nr = nr;
+    return;
+  }
+  Record r;
+  r.seq = seq;
+  r.op = op;
+  r.fwd_seq = -1;
+  r.module = 0;
+  r.stack = 0;
+  if (ctx->in_node) {
+    r.phase = 1;
+    auto it = c->fwd_nodes.find(ctx->node_nr);
+    if (it != c->fwd_nodes.end()) {
+      r.fwd_seq = it->second.seq;
+      r.module = it->second.module;
+      r.stack = it->second.stack;
+    } else {
+      g.unlock();
+      r.stack = stacks_capture(c->stacks);
+      g.lock();
+    }
+  } else {
+    r.module = tl_module[c->slot];
+    g.unlock();
+    r.stack = stacks_capture(c->stacks);
+    g.lock();
+    if (g_in_optimizer.load(std::memory_order_relaxed) > 0) r.phase = 2;
+    else if (r.module != 0 || c10::GradMode::is_enabled()) r.phase = 0;
+    else r.phase = 3;
+    if (nr != c->last_nr) {
+      // This call made the autograd node numbered nr - 1 (or the custom Function around it did).
+      int64_t step = g_step.load(std::memory_order_relaxed);
+      auto key = (uint64_t)(nr - 1);
+      auto it = c->fwd_nodes.find(key);
+      if (it != c->fwd_nodes.end()) it->second = FwdNode{seq, r.module, r.stack, step, it->second.order};
+      else c->fwd_nodes.emplace(key, FwdNode{seq, r.module, r.stack, step, c->fwd_order++});
+      if (c->fwd_nodes.size() > FWD_NODES_MAX) c->prune_fwd_nodes(-1);
+    }
+  }
+  if (c->has_dtypes) {
+    bool any = false;
+    for (auto& o : outs) any = any || c->dtypes.count((int)o.scalar_type());
+    if (!any) {
+      for (auto& o : outs) register_output(c, o, seq, r.stack, nullptr, view_of);
+      c->last_nr = nr;
+      return;
+    }
+  }
+  r.inputs = std::move(ctx->inputs);
+  r.step = g_step.load(std::memory_order_relaxed);
+  // A pure alias holds its input's values: reuse that summary while nothing wrote to it since.
+  bool have_alias = false;
+  Summary alias;
+  if (op->alias && ctx->first && nfields) {
+    auto it = c->producers.find(ctx->first.get());
+    if (it != c->producers.end() && !it->second.ref.expired() && it->second.has_summary &&
+        it->second.version >= 0 && it->second.version == version_of(ctx->first.get())) {
+      have_alias = true;
+      alias = it->second.s;
+    }
+  }
+  // Summaries first, without the lock; then everything the drain takes, in one locked section
+  // (a drain between a device summary and its record would split them).
+  g.unlock();
+  int health = 0;
+  bool immediate_only = true;
+  std::vector<at::Tensor> device_rows;
+  r.outputs.reserve(outs.size());
+  for (auto& o : outs) {
+    Output m;
+    m.dtype = o.scalar_type();
+    m.shape = o.sizes().vec();
+    m.device = o.device();
+    if (nfields) {
+      bool cpu = m.device.is_cpu();
+      m.summary = 1;
+      if (op->alloc) {
+        m.s = unknown_summary(c->mode, o.numel());
+      } else if (have_alias) {
+        m.s = alias;
+      } else if ((cpu && c->strategy != 2) || c->strategy == 1 || o.is_meta() || o.layout() != at::kStrided) {
+        m.s = summarize(o, c->mode);
+      } else {
+        immediate_only = false;
+        m.summary = 2;
+        device_rows.push_back(summarize_deferred(o, c->mode));
+      }
+      if (m.summary == 1) health |= health_of(c->mode, m.s);
+    }
+    r.outputs.push_back(std::move(m));
+  }
+  if (c->mode == FULL_TENSOR) {
+    // full_tensor copies values to the host by definition (a device sync there).
+    for (auto& o : outs) {
+      at::Tensor d = o.detach();
+      auto fmt = o.layout() == at::kStrided ? c10::MemoryFormat::Contiguous : c10::MemoryFormat::Preserve;
+      r.payloads.push_back(d.to(at::TensorOptions().device(c10::kCPU), false, true, fmt));
+    }
+  }
+  g.lock();
+  size_t k = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    Output& m = r.outputs[i];
+    if (m.summary == 2) {
+      auto dit = c->deferred.begin();
+      for (; dit != c->deferred.end(); ++dit)
+        if (dit->first == m.device) break;
+      if (dit == c->deferred.end()) dit = c->deferred.insert(c->deferred.end(), {m.device, {}});
+      m.row = (int64_t)dit->second.size();
+      dit->second.push_back(std::move(device_rows[k++]));
+    }
+  }
+  r.health = immediate_only ? health : -1;
+  for (size_t i = 0; i < outs.size(); ++i)
+    register_output(c, outs[i], seq, r.stack, r.outputs[i].summary == 1 ? &r.outputs[i].s : nullptr, view_of,
+                    r.health);
+  for (auto& p : r.payloads) c->payload_bytes += p.nbytes();
+  c->records.push_back(std::move(r));
+  c->recorded++;
+  c->last_nr = nr;
+  if (health) c->bad = true;
+  bool over = c->records.size() > MAX_PENDING_RECORDS || c->payload_bytes > MAX_PENDING_BYTES;
+  if (c->records.size() >= FLUSH_RECORDS || health || over) c->cv.notify_all();
+  // Wait for the drain when far behind; never while holding the GIL (the drain needs it).
+  if (over && !PyGILState_Check())
+    c->drained.wait_for(g, std::chrono::seconds(30), [&] {
+      return !c->active.load() || (c->records.size() <= MAX_PENDING_RECORDS / 2 && c->payload_bytes <= MAX_PENDING_BYTES / 2);
+    });
+}
+
+template <int K>
+bool install_slot(Core* c) {
+  c->handle = at::addThreadLocalCallback(at::RecordFunctionCallback(&on_start<K>, &on_end<K>)
+                                             .needsInputs(true)
+                                             .needsOutputs(true)
+                                             .scopes({at::RecordScope::FUNCTION}));
+  return true;
+}
+
+using Installer = bool (*)(Core*);
+const Installer g_installers[MAX_CORES] = {&install_slot<0>, &install_slot<1>, &install_slot<2>, &install_slot<3>,
+                                           &install_slot<4>, &install_slot<5>, &install_slot<6>, &install_slot<7>};
+// A slot whose callback could not be removed (stopped from another thread) stays taken.
+bool g_slot_taken[MAX_CORES] = {false};
+
+void after_fork_child() { g_forked.store(true); }
+}  // namespace
+
+void Core::sweep() {
+  for (auto it = producers.begin(); it != producers.end();)
+    it = it->second.ref.expired() ? producers.erase(it) : std::next(it);
+  sweep_at = std::max<size_t>(4096, 2 * producers.size());
+  for (auto it = saved.begin(); it != saved.end();)
+    it = it->second.storage.expired() ? saved.erase(it) : std::next(it);
+  saved_sweep_at = std::max<size_t>(4096, 2 * saved.size());
+}
+
+void Core::prune_fwd_nodes(int64_t step) {
+  // As Recorder._prune_fwd_nodes: the last two steps, then the newest half past half the limit.
+  if (step < 0) step = g_step.load();
+  std::vector<std::pair<uint64_t, FwdNode>> items;
+  for (auto& kv : fwd_nodes)
+    if (kv.second.step >= step - 2) items.push_back(kv);
+  std::sort(items.begin(), items.end(), [](auto& a, auto& b) { return a.second.order < b.second.order; });
+  size_t from = items.size() > FWD_NODES_MAX / 2 ? items.size() / 2 : 0;
+  fwd_nodes.clear();
+  for (size_t i = from; i < items.size(); ++i) fwd_nodes.emplace(items[i]);
+}
+
+void set_producer(Core* c, const at::Tensor& t, int64_t seq, int64_t stack) {
+  register_output(c, t, seq, stack, nullptr, -1, -1);  // health: not known here (-1)
+}
+
+void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias) {
+  std::lock_guard<std::mutex> g(g_ops_mu);
+  g_alloc = std::move(alloc);
+  g_alias = std::move(alias);
+}
+
+OpInfo* op_by_index(int index) {
+  std::lock_guard<std::mutex> g(g_ops_mu);
+  return g_op_list.at(index);
+}
+
+bool install(Core* c) {
+  static std::once_flag fork_once;
+  std::call_once(fork_once, [] { pthread_atfork(nullptr, nullptr, &after_fork_child); });
+  std::lock_guard<std::mutex> g(g_cores_mu);
+  for (int k = 0; k < MAX_CORES; ++k) {
+    if (g_slot_taken[k]) continue;
+    g_slot_taken[k] = true;
+    c->slot = k;
+    c->owner_thread = (uint64_t)pthread_self();
+    c->last_nr = at::sequence_number::peek();
+    tl_module[k] = 0;
+    tl_open[k].clear();
+    g_cores[k] = c;
+    c->active.store(true);
+    g_installers[k](c);
+    return true;
+  }
+  return false;
+}
+
+void uninstall(Core* c) {
+  std::lock_guard<std::mutex> g(g_cores_mu);
+  c->active.store(false);
+  if (c->slot < 0) return;
+  if ((uint64_t)pthread_self() == c->owner_thread) {
+    // A thread-local callback can only be removed on its own thread; an end callback may still
+    // arrive for a call that began before (its context carries what it needs, and the slot's core
+    // is checked before use).
+    at::removeCallback(c->handle);
+    g_slot_taken[c->slot] = false;
+    tl_open[c->slot].clear();
+  }
+  g_cores[c->slot] = nullptr;
+  c->slot = -1;
+}
+
+}  // namespace tg
