@@ -166,18 +166,20 @@ struct PyCore {
     PyTuple_SET_ITEM(t, 9, metas);
     if (sums) PyTuple_SET_ITEM(t, 10, sums);
     else { Py_INCREF(Py_None); PyTuple_SET_ITEM(t, 10, Py_None); }
-    // taint, origin: judged in Python (capture/_taint.Tracker) when the batch is drained
-    Py_INCREF(Py_None);
-    PyTuple_SET_ITEM(t, 11, Py_None);
+    // taint, origin: finite where the core's fast path judged it (Core::last_seq), else judged
+    // in Python (capture/_taint.Tracker) when the batch is drained
+    PyTuple_SET_ITEM(t, 11, r.taint == 0 ? steal(PyLong_FromLong(0)) : (Py_INCREF(Py_None), Py_None));
     Py_INCREF(Py_None);
     PyTuple_SET_ITEM(t, 12, Py_None);
     return untracked(t);
   }
 
   // (records, deferred {device: [tensors]} or None, payloads [(seq, slot, tensor)], bad,
-  //  failures [(op, message)], unsure [op], live) — everything since the last drain. With
-  //  ``live``, the seqs of the producers of live tensors at the moment of the drain (a later
-  //  record can only name those as inputs), else None.
+  //  failures [(op, message)], unsure [op], live, judge, cut) — everything since the last drain.
+  //  With ``live``, the seqs of the producers of live tensors at the moment of the drain (a later
+  //  record can only name those as inputs), else None. ``judge``: the indices of the records
+  //  the Python judge must see (taint None), ``cut`` the index of the first record whose health
+  //  is not known on the host yet (len(records) if none).
   py::tuple drain(bool want_live) {
     std::vector<Record> recs;
     std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> deferred;
@@ -208,7 +210,12 @@ struct PyCore {
     int nfields = mode_fields(core->mode);
     py::list out;
     py::list payloads;
-    for (auto& r : recs) {
+    py::list judge;
+    size_t cut = recs.size();
+    for (size_t i = 0; i < recs.size(); ++i) {
+      const Record& r = recs[i];
+      if (r.taint != 0) judge.append(py::int_(i));
+      if (r.health < 0 && cut == recs.size()) cut = i;
       out.append(py::reinterpret_steal<py::object>(record_tuple(r, nfields)));
       for (size_t k = 0; k < r.payloads.size(); ++k) payloads.append(py::make_tuple(r.seq, k, r.payloads[k]));
     }
@@ -221,7 +228,7 @@ struct PyCore {
     py::list fl;
     for (auto& f : failed) fl.append(py::make_tuple(f.first, f.second));
     py::object lv = want_live ? py::cast(live) : py::none();
-    return py::make_tuple(out, dd, payloads, bad, fl, py::cast(unsure), lv);
+    return py::make_tuple(out, dd, payloads, bad, fl, py::cast(unsure), lv, judge, cut);
   }
 
   // (seq, health) of the op that made ``t``'s current values, or None (not made by a recorded
@@ -306,6 +313,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     tl_paused = p;
     return old;
   }, "Pause (True) or resume recording of this thread's ops; returns the previous state.");
+  m.def("set_op_classes", [](py::object resolver) { set_op_classes(resolver.ptr()); },
+        "The taint facts of an op by name: callable(name) -> (class, overwrites, in place).");
   m.def("set_step", [](int64_t s) { g_step.store(s); });
   m.def("set_in_optimizer", [](int n) { g_in_optimizer.store(n); });
   m.def("forked", []() { return g_forked.load(); });
