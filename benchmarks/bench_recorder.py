@@ -197,13 +197,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration per round")
     p.add_argument("--memory-steps", type=int, default=20)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's intra-op threads (default 2; 1 with --clock cpu: on a loaded machine an "
+                        "OpenMP worker spin-waits for a descheduled partner, and that CPU time is noise "
+                        "of the load, not the recorder's: measured 0.11x-10x ranges with 2)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="time steps by wall clock or by the process's CPU time (all its threads)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     global _step_clock
     _step_clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.threads is None:
+        args.threads = 1 if args.clock == "cpu" else 2
     torch.set_num_threads(args.threads)
     models = [m for m in args.models.split(",") if m]
     backends = [b for b in args.backends.split(",") if b]

@@ -146,6 +146,24 @@ def test_overflowing_sum_is_not_reported_as_nonfinite():
     assert summarize_immediate(t, "full_health") == (10, 0, 0, 10, 0, 0, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_edge_bit_patterns_in_every_lane(dtype):
+    # The vector pass tests IEEE bits (signed compares, the largest magnitude): -0.0, subnormals,
+    # the largest finite values, and one non-finite value in each lane of the vector and the tail.
+    info = torch.finfo(dtype)
+    edge = [0.0, -0.0, info.tiny, -info.tiny, info.smallest_normal / 4, -info.smallest_normal / 4,
+            info.max, -info.max, 1.0, -1.0]
+    base = torch.tensor(edge * 53, dtype=torch.float64).to(dtype)  # 530: vectors and a tail
+    for values in both_paths(base, "full_health"):
+        check(base, base.double().numpy(), "full_health", values)
+    for i in list(range(40)) + [base.numel() - 1]:
+        for bad in (float("inf"), -float("inf"), float("nan")):
+            t = base.clone()
+            t[i] = bad
+            for values in both_paths(t, "full_health"):
+                check(t, t.double().numpy(), "full_health", values)
+
+
 def _large_cases():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 300, generator=g)

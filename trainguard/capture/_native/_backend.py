@@ -92,6 +92,7 @@ class NativeBackend:
         from trainguard.capture._recorder import op_facts_by_name
 
         rec.taint.resolve_op = op_facts_by_name
+        module.set_op_classes(op_facts_by_name)  # the core's fast path: records it judges finite
         self._pruned_step: int | None = None
         self._prune_at = 4096
         self._stop = threading.Event()
@@ -150,7 +151,7 @@ class NativeBackend:
         # producers alive when the batch was taken: a later record names only those as inputs.
         want_live = rec.judge_here and bool(tracker.states) and (
             self._pruned_step != _clock.step or len(tracker.states) > self._prune_at)
-        records, deferred, payloads, bad, failures, unsure, live = self.core.drain(want_live)
+        records, deferred, payloads, bad, failures, unsure, live, judge, cut = self.core.drain(want_live)
         if payloads and rec.writer is not None:
             for seq, slot, tensor in payloads:
                 rec.writer.put_payload_tensor(seq, slot, tensor)
@@ -165,18 +166,24 @@ class NativeBackend:
                             "another dispatch mode; record with backend='python' to see those ops", name)
         if not rec.judge_here:  # the writer's thread judges (device summaries came before)
             return records, deferred, None, None, None, None
-        # Judged here up to the first record whose health is not on the host yet; from it on, by
-        # the writer's thread, which waits for those summaries (Recorder._judge_in_writer).
-        cut = next((i for i, r in enumerate(records) if r[7] is None), len(records))
-        later = records[cut:]
-        records, pins, resend, counts, meta = tracker.judge(records[:cut] if later else records, rec.fields)
+        # Judged here up to the first record whose health is not on the host yet (cut); from it
+        # on, by the writer's thread, which waits for those summaries (Recorder._judge_in_writer).
+        # The judge sees only the records the core did not judge finite itself (see core.h,
+        # Core::last_seq), in seq order.
+        if cut < len(records):
+            judge = [i for i in judge if i < cut]
+        if len(judge) == len(records):
+            records, pins, resend, counts, meta = tracker.judge(records, rec.fields)
+        else:
+            judged, pins, resend, counts, meta = tracker.judge([records[i] for i in judge], rec.fields)
+            for i, r in zip(judge, judged):
+                records[i] = r
         if live is not None:
             tracker.prune(set(live))
             self._pruned_step = _clock.step
             self._prune_at = max(4096, 2 * len(tracker.states))
-        if later:
+        if cut < len(records):
             rec._judge_in_writer()
-            records += later
         return records, deferred, pins, resend, counts, meta
 
     def on_sink(self, t, reason: str) -> None:

@@ -36,13 +36,22 @@ struct OpInfo {
   bool alias;          // outputs hold the first input's values (ALIAS_OPS)
   bool view;           // its schema returns an alias of an input (a view, or an in-place op's self)
   bool autocast_cpu, autocast_cuda;  // has an autocast kernel (a wrapper that calls the op again)
+  // Its class for the taint rule (capture/_taint.py: DEFAULT 0, VIEW 1, COPY 2, ALLOC 3, RENORM 4,
+  // READ 5, COLLECTIVE 6; -1 not known) and whether it overwrites its first input.
+  int8_t taint_cls = -1;
+  bool overwrite = false;
 };
+
+// The taint classes of capture/_taint.py that the core's fast path needs.
+enum TaintClass : int8_t { T_DEFAULT = 0, T_VIEW = 1, T_COPY = 2, T_ALLOC = 3, T_RENORM = 4, T_READ = 5,
+                           T_COLLECTIVE = 6 };
 
 struct Input {
   int8_t kind;   // 0 op, 1 input, 2 named (param/buffer)
   int64_t ref;   // producer seq (kind 0)
   PyObject* name = nullptr;  // kind 2: borrowed from the Core's named table
   PyObject* what = nullptr;  // kind 2: "param" or "buffer"
+  bool maybe = false;        // kind 0: its producer may hold a taint state (see Producer)
 };
 
 struct Output {
@@ -60,6 +69,7 @@ struct Record {
   OpInfo* op;
   int64_t module, stack, fwd_seq;  // 0 / 0 / -1: none
   int health;          // -1: not known on the host yet (deferred summaries)
+  int8_t taint = -1;   // 0: finite, judged here (see Core::last_seq); -1: the Python judge decides
   std::vector<Input> inputs;
   std::vector<Output> outputs;
   std::vector<at::Tensor> payloads;  // full_tensor: host copies
@@ -73,6 +83,9 @@ struct Producer {
   Summary s;
   int64_t version;  // -1: none (inference tensor)
   int health;       // the producing op's health bits over all its outputs; -1 not known on the host
+  // Whether the Python judge (capture/_taint.Tracker) may hold a state for this seq: false only
+  // when its record was certainly judged finite (see Core::last_seq).
+  bool maybe;
 };
 
 // An output autograd may save for its own backward: such a tensor is saved as a new TensorImpl
@@ -85,6 +98,7 @@ struct Saved {
   int8_t dtype;
   std::vector<int64_t> sizes, strides;
   int64_t seq;
+  bool maybe;  // as Producer::maybe
 };
 
 struct Named {
@@ -116,6 +130,18 @@ struct Core {
   int64_t seq = 0, recorded = 0, failures = 0, unsure = 0;
   int64_t last_nr = 0;
   std::vector<Record> records;
+  // The taint fast path. Tracker.judge keeps a state only for outputs that are not finite
+  // (unknown, pending, harmful), and a record's taint is finite with no effect on the tracker
+  // when its outputs are finite (health 0), its op allocates nothing (not ALLOC) and none of its
+  // inputs' producers holds a state: such a record is judged here (taint 0) and the Python judge
+  // never sees it. Which producers may hold a state follows the rule's table: ALLOC, any
+  // non-finite or not yet known health, and views, copies, reads and collectives of such inputs
+  // (a finite output of any other class is finite whatever came in). The judge also notices the
+  // start of each backward pass by the phase of consecutive records, so a record whose phase
+  // differs from the record before it (seq - 1; a gap or another thread's record in between
+  // counts as different) always goes to the judge.
+  int64_t last_seq = -1;
+  int8_t last_phase = -1;
   size_t payload_bytes = 0;  // full_tensor host copies waiting in records
   std::condition_variable drained;
   bool bad = false;
@@ -159,6 +185,8 @@ void uninstall(Core* core);
 // called with the core's lock held.
 void set_producer(Core* core, const at::Tensor& t, int64_t seq, int64_t stack);
 void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias);
+// callable(op name) -> (taint class, overwrites its first input, in place): _recorder.op_facts_by_name
+void set_op_classes(PyObject* resolver);
 OpInfo* op_by_index(int index);
 
 }  // namespace tg

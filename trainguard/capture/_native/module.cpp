@@ -23,10 +23,21 @@ PyObject* steal(PyObject* o) {
   return o;
 }
 
+// The drain's tuples hold only numbers, strings, None, devices and other such tuples: they can
+// never be part of a reference cycle, so they are taken off the garbage collector's lists at
+// once. Tracked, tens of thousands of them per second made the collector run on the drain
+// thread again and again and, once the writer's window promoted them, traverse every object of
+// the process in full collections (MLP step, no_tensor: the collector was ~4% of the process's
+// CPU time, 60% of the drain thread's).
+PyObject* untracked(PyObject* o) {
+  PyObject_GC_UnTrack(o);
+  return o;
+}
+
 PyObject* floats(const Summary& s) {
   PyObject* t = steal(PyTuple_New(s.n));
   for (int i = 0; i < s.n; ++i) PyTuple_SET_ITEM(t, i, steal(PyFloat_FromDouble(s.v[i])));
-  return t;
+  return untracked(t);
 }
 
 struct PyCore {
@@ -110,8 +121,9 @@ struct PyCore {
       if (in.kind == 0) e = Py_BuildValue("(OL)", g_op, (long long)in.ref);
       else if (in.kind == 2) e = Py_BuildValue("(OO)", in.what, in.name);
       else e = Py_BuildValue("(OO)", g_input, Py_None);
-      PyTuple_SET_ITEM(ins, i, steal(e));
+      PyTuple_SET_ITEM(ins, i, untracked(steal(e)));
     }
+    untracked(ins);
     PyObject* metas = steal(PyTuple_New((Py_ssize_t)r.outputs.size()));
     PyObject* sums = nfields ? steal(PyTuple_New((Py_ssize_t)r.outputs.size())) : nullptr;
     for (size_t i = 0; i < r.outputs.size(); ++i) {
@@ -119,20 +131,23 @@ struct PyCore {
       PyObject* shape = steal(PyTuple_New((Py_ssize_t)o.shape.size()));
       for (size_t k = 0; k < o.shape.size(); ++k) PyTuple_SET_ITEM(shape, k, steal(PyLong_FromLongLong(o.shape[k])));
       PyObject* dt = g_dtype_names[(int)o.dtype];
-      PyObject* m = steal(PyTuple_Pack(3, dt ? dt : Py_None, shape, device_str(o.device)));
+      untracked(shape);
+      PyObject* m = untracked(steal(PyTuple_Pack(3, dt ? dt : Py_None, shape, device_str(o.device))));
       Py_DECREF(shape);
       PyTuple_SET_ITEM(metas, i, m);
       if (sums) {
         PyObject* s;
         if (o.summary == 2) {
           py::object dev = device_obj(o.device);
-          s = Py_BuildValue("(OOL)", g_d, dev.ptr(), (long long)o.row);
+          s = untracked(steal(Py_BuildValue("(OOL)", g_d, dev.ptr(), (long long)o.row)));
         } else {
           s = floats(o.s);
         }
-        PyTuple_SET_ITEM(sums, i, steal(s));
+        PyTuple_SET_ITEM(sums, i, s);
       }
     }
+    untracked(metas);
+    if (sums) untracked(sums);
     PyObject* health = r.health < 0 ? (Py_INCREF(Py_None), Py_None) : steal(PyLong_FromLong(r.health));
     PyObject* mod = r.module ? steal(PyLong_FromLongLong(r.module)) : (Py_INCREF(Py_None), Py_None);
     PyObject* stack = r.stack ? steal(PyLong_FromLongLong(r.stack)) : (Py_INCREF(Py_None), Py_None);
@@ -152,18 +167,20 @@ struct PyCore {
     PyTuple_SET_ITEM(t, 9, metas);
     if (sums) PyTuple_SET_ITEM(t, 10, sums);
     else { Py_INCREF(Py_None); PyTuple_SET_ITEM(t, 10, Py_None); }
-    // taint, origin: judged in Python (capture/_taint.Tracker) when the batch is drained
-    Py_INCREF(Py_None);
-    PyTuple_SET_ITEM(t, 11, Py_None);
+    // taint, origin: finite where the core's fast path judged it (Core::last_seq), else judged
+    // in Python (capture/_taint.Tracker) when the batch is drained
+    PyTuple_SET_ITEM(t, 11, r.taint == 0 ? steal(PyLong_FromLong(0)) : (Py_INCREF(Py_None), Py_None));
     Py_INCREF(Py_None);
     PyTuple_SET_ITEM(t, 12, Py_None);
-    return t;
+    return untracked(t);
   }
 
   // (records, deferred {device: [tensors]} or None, payloads [(seq, slot, tensor)], bad,
-  //  failures [(op, message)], unsure [op], live) — everything since the last drain. With
-  //  ``live``, the seqs of the producers of live tensors at the moment of the drain (a later
-  //  record can only name those as inputs), else None.
+  //  failures [(op, message)], unsure [op], live, judge, cut) — everything since the last drain.
+  //  With ``live``, the seqs of the producers of live tensors at the moment of the drain (a later
+  //  record can only name those as inputs), else None. ``judge``: the indices of the records
+  //  the Python judge must see (taint None), ``cut`` the index of the first record whose health
+  //  is not known on the host yet (len(records) if none).
   py::tuple drain(bool want_live) {
     std::vector<Record> recs;
     std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> deferred;
@@ -194,7 +211,12 @@ struct PyCore {
     int nfields = mode_fields(core->mode);
     py::list out;
     py::list payloads;
-    for (auto& r : recs) {
+    py::list judge;
+    size_t cut = recs.size();
+    for (size_t i = 0; i < recs.size(); ++i) {
+      const Record& r = recs[i];
+      if (r.taint != 0) judge.append(py::int_(i));
+      if (r.health < 0 && cut == recs.size()) cut = i;
       out.append(py::reinterpret_steal<py::object>(record_tuple(r, nfields)));
       for (size_t k = 0; k < r.payloads.size(); ++k) payloads.append(py::make_tuple(r.seq, k, r.payloads[k]));
     }
@@ -207,7 +229,7 @@ struct PyCore {
     py::list fl;
     for (auto& f : failed) fl.append(py::make_tuple(f.first, f.second));
     py::object lv = want_live ? py::cast(live) : py::none();
-    return py::make_tuple(out, dd, payloads, bad, fl, py::cast(unsure), lv);
+    return py::make_tuple(out, dd, payloads, bad, fl, py::cast(unsure), lv, judge, cut);
   }
 
   // (seq, health) of the op that made ``t``'s current values, or None (not made by a recorded
@@ -323,6 +345,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     tl_paused = p;
     return old;
   }, "Pause (True) or resume recording of this thread's ops; returns the previous state.");
+  m.def("set_op_classes", [](py::object resolver) { set_op_classes(resolver.ptr()); },
+        "The taint facts of an op by name: callable(name) -> (class, overwrites, in place).");
   m.def("set_step", [](int64_t s) { g_step.store(s); });
   m.def("set_in_optimizer", [](int n) { g_in_optimizer.store(n); });
   m.def("forked", []() { return g_forked.load(); });

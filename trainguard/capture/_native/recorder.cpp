@@ -46,6 +46,7 @@ std::mutex g_ops_mu;
 std::unordered_map<const char*, OpInfo*> g_ops;  // keyed by the schema's name (stable per operator)
 std::vector<OpInfo*> g_op_list;
 std::unordered_set<std::string> g_alloc, g_alias;
+PyObject* g_op_classes = nullptr;  // see set_op_classes
 const std::unordered_set<std::string> g_never = {
     "aten::detach_", "aten::requires_grad_", "aten::retain_grad", "aten::set_data", "aten::data",
     "aten::_fw_primal", "aten::_make_dual", "aten::is_leaf", "aten::output_nr", "aten::_version",
@@ -92,6 +93,26 @@ OpInfo* lookup_op(const at::RecordFunction& fn) {
           info->view = !rets.empty() && rets[0].alias_info() != nullptr && !rets[0].alias_info()->isWrite();
         }
       }
+    }
+    if (g_op_classes != nullptr) {
+      // Python code runs here with g_ops_mu held: any op it made would come back to this lock.
+      bool paused = tl_paused;
+      tl_paused = true;
+      PyObject* r = PyObject_CallFunctionObjArgs(g_op_classes, info->py_name, nullptr);
+      tl_paused = paused;
+      int cls = -1, ow = 0;
+      if (r != nullptr && PyTuple_Check(r) && PyTuple_GET_SIZE(r) >= 2) {
+        cls = (int)PyLong_AsLong(PyTuple_GET_ITEM(r, 0));
+        ow = PyObject_IsTrue(PyTuple_GET_ITEM(r, 1));
+      }
+      if (PyErr_Occurred()) {  // not known: every record of it goes to the Python judge
+        PyErr_Clear();
+        cls = -1;
+        ow = 0;
+      }
+      Py_XDECREF(r);
+      info->taint_cls = (int8_t)cls;
+      info->overwrite = ow == 1;
     }
     g_ops.emplace(key, info);
     g_op_list.push_back(info);
@@ -163,22 +184,30 @@ Input input_of(Core* c, const at::Tensor& t, bool in_node) {
   if (nit != c->named.end() && !nit->second.ref.expired() && nit->second.ref._unsafe_get_target() == impl)
     return Input{2, 0, nit->second.name, nit->second.what};
   auto pit = c->producers.find(impl);
-  if (pit != c->producers.end() && !pit->second.ref.expired()) return Input{0, pit->second.seq};
+  if (pit != c->producers.end() && !pit->second.ref.expired()) {
+    Input in{0, pit->second.seq};
+    in.maybe = pit->second.maybe;
+    return in;
+  }
   if (in_node && !c->saved.empty() && has_plain_storage(t)) {  // a saved output, unpacked (see Saved)
     auto sit = c->saved.find(geometry_key(t));
-    if (sit != c->saved.end() && same_geometry(sit->second, t)) return Input{0, sit->second.seq};
+    if (sit != c->saved.end() && same_geometry(sit->second, t)) {
+      Input in{0, sit->second.seq};
+      in.maybe = sit->second.maybe;
+      return in;
+    }
   }
   return Input{1, 0};
 }
 
-void remember_saved(Core* c, const at::Tensor& o, int64_t seq, int64_t view_of) {
+void remember_saved(Core* c, const at::Tensor& o, int64_t seq, int64_t view_of, bool maybe) {
   uint64_t key = geometry_key(o);
   if (view_of >= 0) {  // a view of that output with its geometry (expand to the same shape) stays behind it
     auto it = c->saved.find(key);
     if (it != c->saved.end() && it->second.seq == view_of && same_geometry(it->second, o)) return;
   }
   Saved s{o.storage().getWeakStorageImpl(), o.storage_offset(), (int8_t)o.scalar_type(), o.sizes().vec(),
-          o.strides().vec(), seq};
+          o.strides().vec(), seq, maybe};
   c->saved.insert_or_assign(key, std::move(s));
   if (c->saved.size() > c->saved_sweep_at) c->sweep();
 }
@@ -186,7 +215,7 @@ void remember_saved(Core* c, const at::Tensor& o, int64_t seq, int64_t view_of) 
 // ``view_of``: for a view op, the producer of its first input (-1 none): the view must not hide
 // that output among the saved ones (expand to the same shape has the same geometry; see Saved).
 void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, const Summary* s, int64_t view_of,
-                     int health = 0) {
+                     int health = 0, bool maybe = false) {
   c10::TensorImpl* impl = o.unsafeGetTensorImpl();
   auto it = c->producers.find(impl);
   if (it != c->producers.end() && !it->second.ref.expired()) {
@@ -196,13 +225,14 @@ void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, c
     if (s) it->second.s = *s;
     it->second.version = version_of(impl);
     it->second.health = health;
-    if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of);
+    it->second.maybe = maybe;
+    if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of, maybe);
     return;
   }
   // An output that requires grad may be saved for backward under another TensorImpl.
-  if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of);
+  if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of, maybe);
   Producer p{c10::weak_intrusive_ptr<c10::TensorImpl>(o.getIntrusivePtr()), seq, stack, s != nullptr,
-             s ? *s : Summary{}, version_of(impl), health};
+             s ? *s : Summary{}, version_of(impl), health, maybe};
   c->producers.insert_or_assign(impl, std::move(p));
   if (c->producers.size() > c->sweep_at) c->sweep();
 }
@@ -480,9 +510,23 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     }
   }
   r.health = immediate_only ? health : -1;
+  // The taint fast path (see Core::last_seq).
+  int cls = op->taint_cls;
+  bool in_maybe = false;
+  for (size_t i = (op->overwrite ? 1 : 0); i < r.inputs.size(); ++i)
+    in_maybe = in_maybe || (r.inputs[i].kind == 0 && r.inputs[i].maybe);
+  bool maybe = cls < 0 || cls == T_ALLOC || r.health != 0 ||
+               (in_maybe && (cls == T_VIEW || cls == T_COPY || cls == T_READ || cls == T_COLLECTIVE));
+  if (cls >= 0 && cls != T_ALLOC && r.health == 0 && !in_maybe && seq == c->last_seq + 1 &&
+      r.phase == c->last_phase)
+    r.taint = 0;
+  if (seq > c->last_seq) {
+    c->last_seq = seq;
+    c->last_phase = r.phase;
+  }
   for (size_t i = 0; i < outs.size(); ++i)
     register_output(c, outs[i], seq, r.stack, r.outputs[i].summary == 1 ? &r.outputs[i].s : nullptr, view_of,
-                    r.health);
+                    r.health, maybe);
   for (auto& p : r.payloads) c->payload_bytes += p.nbytes();
   c->records.push_back(std::move(r));
   c->recorded++;
@@ -537,7 +581,16 @@ void Core::prune_fwd_nodes(int64_t step) {
 }
 
 void set_producer(Core* c, const at::Tensor& t, int64_t seq, int64_t stack) {
-  register_output(c, t, seq, stack, nullptr, -1, -1);  // health: not known here (-1)
+  // A compiled graph's output, judged in Python: its health is not known here (-1), and it may
+  // hold a taint state, so its consumers go to the Python judge (the fast path must not skip them).
+  register_output(c, t, seq, stack, nullptr, -1, -1, true);
+}
+
+void set_op_classes(PyObject* resolver) {
+  std::lock_guard<std::mutex> g(g_ops_mu);
+  Py_XINCREF(resolver);
+  Py_XDECREF(g_op_classes);  // with the GIL (called from Python)
+  g_op_classes = resolver;
 }
 
 void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias) {
