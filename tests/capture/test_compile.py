@@ -273,6 +273,29 @@ def test_stats_mode_summaries_inside_the_graph(tmp_path):
     assert exp["std"] == pytest.approx(float(want.std(correction=0)))
 
 
+@pytest.mark.parametrize("mode", ["full_health", "stats"])
+def test_constant_fills_are_summarised_at_compile_time_as_eager_records_them(tmp_path, mode):
+    # A full's row is built from its fill value when the graph is compiled (no pass over it):
+    # the records must say what eager recording measures, NaN/inf fills and float32 rounding too.
+    x = torch.tensor([[-2.0, 0.0, 3.0, 1.0]])
+
+    def f(x):
+        fills = [torch.full((3, 4), v) for v in (0.0, -2.5, 0.1, float("-inf"), float("inf"), float("nan"))]
+        ints = torch.full((2,), 7, dtype=torch.int64)
+        return sum(x * t for t in fills), ints
+
+    for name, run_f in (("eager", f), ("compiled", torch.compile(f, backend=tg.compile_backend(inner="aot_eager")))):
+        torch._dynamo.reset()
+        with tg.record(tmp_path / name, mode=mode, buffer=-1):
+            run_f(x)
+    got = {}
+    for name in ("eager", "compiled"):
+        with open_run(tmp_path / name) as run:
+            got[name] = [d["outputs"][0]["summary"] for d in run.executions(0, None, op="aten.full")]
+    assert len(got["eager"]) == 7
+    assert json.dumps(got["compiled"]) == json.dumps(got["eager"])  # NaN moments compare too
+
+
 # ---------------------------------------------------------------------- compiled before the recording
 @pytest.mark.timeout(600)
 def test_a_model_compiled_before_recording_is_recorded_whole_and_the_report_says_so(tmp_path, capsys):

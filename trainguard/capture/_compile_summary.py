@@ -111,10 +111,55 @@ def _moments(b: Builder, x: fx.Node) -> fx.Node:
     return b.stack([mn, mx, mean, std])
 
 
+# Ops whose output is one constant everywhere: (the fill value's argument index or keyword, or
+# the value itself). Inductor's decompositions make zeros/ones/new_zeros/zeros_like into these.
+_FILLS = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,
+          aten.scalar_tensor.default: 0}
+
+
+def _fill_value(x: fx.Node):
+    """The value every element of ``x`` holds, known at compile time, or None."""
+    at = _FILLS.get(x.target)
+    if at is None or x.op != "call_function":
+        return None
+    v = x.args[at] if len(x.args) > at else x.kwargs.get("fill_value", x.kwargs.get("s"))
+    val = x.meta["val"]
+    if not isinstance(v, (bool, int, float)) or not isinstance(val.numel(), int):
+        return None
+    return torch.tensor(v).to(val.dtype).item()  # the value as the dtype holds it (0.1 in float32)
+
+
+def _constant_row(b: Builder, x: fx.Node, v, mode: str) -> tuple[fx.Node, fx.Node | None]:
+    """The summary row of a tensor filled with ``v``, computed here: no pass over the tensor
+    (select_backward's zeros, a masked_fill's -inf are as big as the tensors they fill)."""
+    val = x.meta["val"]
+    n = val.numel()
+    nan, pinf, ninf = (n, 0, 0) if v != v else (0, n, 0) if v == math.inf else (0, 0, n) if v == -math.inf \
+        else (0, 0, 0)
+    if mode == "curt_health":
+        counts = [nan, pinf, ninf] if val.is_floating_point() else [0, 0, 0]
+    else:
+        sign = (0, 0, 0) if v != v else (n, 0, 0) if v < 0 else (0, n, 0) if v == 0 else (0, 0, n)
+        counts = [*sign, nan, ninf, pinf]
+
+    def const(c, dtype):
+        return b.call(aten.full.default, [], c, dtype=dtype, device=val.device)
+
+    row = b.stack([const(c, torch.int64) for c in counts])
+    if mode != "stats":
+        return row, None
+    f = float(v)
+    moments = [math.nan] * 4 if n == 0 else [f, f, f, 0.0 if math.isfinite(f) else math.nan]
+    return row, b.stack([const(m, torch.float64) for m in moments])
+
+
 def summary_row(b: Builder, x: fx.Node, mode: str) -> tuple[fx.Node, fx.Node | None]:
     """The raw counts of tensor node ``x`` ([NaN, +inf, -inf] for curt_health) and, for
     ``stats``, its moments; inserted after ``b.cursor``."""
     val = x.meta["val"]
+    fill = _fill_value(x)
+    if fill is not None:
+        return _constant_row(b, x, fill, mode)
     if mode == "curt_health":
         # [NaN, +inf, -inf] counts: the stored value is the health bits (1 NaN, 2 +inf, 4 -inf),
         # which tell a NaN from a masked -inf (docs/recorder.md, "Harmful, intended, unknown").
