@@ -296,6 +296,34 @@ def test_constant_fills_are_summarised_at_compile_time_as_eager_records_them(tmp
     assert json.dumps(got["compiled"]) == json.dumps(got["eager"])  # NaN moments compare too
 
 
+@pytest.mark.parametrize("mode,inner", [("full_health", "inductor"), ("concise_health", "aot_eager"),
+                                        ("curt_health", "aot_eager")])
+def test_selects_covering_a_tensor_are_summarised_in_one_pass_as_eager_records_them(tmp_path, mode, inner):
+    # q, k and v of a packed projection (nn.MultiheadAttention's _in_projection_packed): their
+    # rows come from one segmented pass over the packed tensor, and must equal eager's.
+    x = torch.tensor([[-2.0, 0.0, 3.0, 1.0, 0.5, -0.1]]).repeat(4, 1)
+    w = torch.randn(6, 15, generator=torch.Generator().manual_seed(0))
+    w[0, :5] = 0.0
+    w[:, 5] = float("inf")  # k gets -inf and +inf (and NaN from inf * 0)
+
+    def f(x, w):
+        p = (x @ w).unflatten(-1, (3, 5)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+        q, k, v = p[0], p[1], p[-1]
+        return q * 2, k + 1, v - 1
+
+    for name, run_f in (("eager", f), ("compiled", torch.compile(f, backend=tg.compile_backend(inner=inner)))):
+        torch._dynamo.reset()
+        with tg.record(tmp_path / name, mode=mode, buffer=-1):
+            run_f(x, w)
+    got = {}
+    for name in ("eager", "compiled"):
+        with open_run(tmp_path / name) as run:
+            got[name] = [d["outputs"][0]["summary"] for d in run.executions(0, None, op="aten.select")]
+    assert len(got["eager"]) == 3
+    assert got["compiled"] == got["eager"]
+    assert any(s != got["eager"][0] for s in got["eager"][1:])  # the three rows differ
+
+
 # ---------------------------------------------------------------------- compiled before the recording
 @pytest.mark.timeout(600)
 def test_a_model_compiled_before_recording_is_recorded_whole_and_the_report_says_so(tmp_path, capsys):

@@ -97,6 +97,32 @@ def _raw_counts(b: Builder, x: fx.Node) -> fx.Node:
     return row if acc is torch.int64 else b.to(row, torch.int64)
 
 
+def segment_counts(b: Builder, x: fx.Node, dim: int, mode: str) -> fx.Node:
+    """The raw counts (curt_health's three for that mode) of every index of ``x`` along ``dim``,
+    as one int64 [size, fields] node: one pass over ``x`` for all its selects (q, k and v of an
+    attention's packed projection), instead of one pass per select. Static shapes only."""
+    val = x.meta["val"]
+    dims = [d for d in range(val.dim()) if d != dim]
+    n = val.numel() // val.shape[dim]
+    acc = torch.int32 if n < 2**31 else torch.int64
+
+    def count(mask: fx.Node) -> fx.Node:
+        return b.call(aten.sum.dim_IntList, mask, dims, dtype=acc) if dims else b.to(mask, acc)
+
+    if mode == "curt_health":
+        counts = [count(b.call(aten.ne.Tensor, x, x)), count(b.call(aten.eq.Scalar, x, math.inf)),
+                  count(b.call(aten.eq.Scalar, x, -math.inf))]
+    else:
+        counts = [count(b.call(aten.lt.Scalar, x, 0)), count(b.call(aten.eq.Scalar, x, 0)),
+                  count(b.call(aten.gt.Scalar, x, 0))]
+        add = aten.add.Tensor
+        signed = b.call(add, b.call(add, counts[0], counts[1]), counts[2])
+        counts += [b.call(aten.add.Tensor, b.call(aten.mul.Tensor, signed, -1), n),
+                   count(b.call(aten.eq.Scalar, x, -math.inf)), count(b.call(aten.eq.Scalar, x, math.inf))]
+    seg = b.call(aten.cat.default, [b.call(aten.unsqueeze.default, c, 1) for c in counts], 1)
+    return seg if acc is torch.int64 else b.to(seg, torch.int64)
+
+
 def _moments(b: Builder, x: fx.Node) -> fx.Node:
     """[min, max, mean, std] in float64 (population std, two passes like the deferred summary)."""
     val = x.meta["val"]
