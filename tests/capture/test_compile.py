@@ -324,6 +324,34 @@ def test_selects_covering_a_tensor_are_summarised_in_one_pass_as_eager_records_t
     assert any(s != got["eager"][0] for s in got["eager"][1:])  # the three rows differ
 
 
+@pytest.mark.parametrize("mode", ["full_health", "curt_health"])
+def test_select_backward_rows_derived_from_their_gradient_equal_eager_recording(tmp_path, mode):
+    # Inductor decomposes select_backward into select_scatter(zeros, grad): its row is the
+    # gradient's plus the zeros around it, with no pass; eager records select_backward itself.
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(4, 5, generator=g) for _ in range(3))
+    a[0] = 0.0
+    b[1, 1] = float("inf")
+    c[2, 2] = float("-inf")
+    x0 = torch.randn(3, 4, 5, generator=g)
+
+    def f(x):
+        q, k, v = x[0], x[1], x[2]
+        return (q * a).sum() + (k * b).sum() + (v * c).sum()
+
+    for name, run_f in (("eager", f), ("compiled", torch.compile(f, backend=tg.compile_backend()))):
+        torch._dynamo.reset()
+        x = x0.clone().requires_grad_()
+        with tg.record(tmp_path / name, mode=mode, buffer=-1):
+            run_f(x).backward()
+    got = {}
+    for name, op in (("eager", "aten.select_backward"), ("compiled", "aten.select_scatter")):
+        with open_run(tmp_path / name) as run:
+            got[name] = sorted(json.dumps(d["outputs"][0]["summary"]) for d in run.executions(0, None, op=op))
+    assert len(got["eager"]) == 3 and len(set(got["eager"])) == 3
+    assert got["compiled"] == got["eager"]
+
+
 # ---------------------------------------------------------------------- compiled before the recording
 @pytest.mark.timeout(600)
 def test_a_model_compiled_before_recording_is_recorded_whole_and_the_report_says_so(tmp_path, capsys):

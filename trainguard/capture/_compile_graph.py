@@ -18,7 +18,14 @@ from typing import Any
 import torch
 from torch import fx
 
-from trainguard.capture._compile_summary import Builder, finish, segment_counts, summarisable, summary_row
+from trainguard.capture._compile_summary import (
+    Builder,
+    finish,
+    scatter_row,
+    segment_counts,
+    summarisable,
+    summary_row,
+)
 from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS
 from trainguard.capture._taint import DEFAULT, OVERWRITE_OPS, RENORM, RENORM_OPS, classify
 from trainguard.store import MODE_FIELDS
@@ -262,7 +269,9 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
                     r = len(rows) - 1
                 elif summarisable(val):
                     builder.cursor = tnode  # right after it is made, where Inductor can fuse the pass
-                    rows.append(summary_row(builder, tnode, mode))
+                    src = node.args[1] if name == "aten.select_scatter.default" else None
+                    derived = scatter_row(builder, node, rows[row_of[src]][0], mode) if src in row_of else None
+                    rows.append((derived, None) if derived is not None else summary_row(builder, tnode, mode))
                     r = len(rows) - 1
                 if r is not None:
                     row_of[tnode] = r

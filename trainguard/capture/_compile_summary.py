@@ -155,11 +155,25 @@ def _fill_value(x: fx.Node):
     return torch.tensor(v).to(val.dtype).item()  # the value as the dtype holds it (0.1 in float32)
 
 
-def _constant_row(b: Builder, x: fx.Node, v, mode: str) -> tuple[fx.Node, fx.Node | None]:
-    """The summary row of a tensor filled with ``v``, computed here: no pass over the tensor
-    (select_backward's zeros, a masked_fill's -inf are as big as the tensors they fill)."""
+def scatter_row(b: Builder, x: fx.Node, src_row: fx.Node, mode: str) -> fx.Node | None:
+    """The raw counts of ``select_scatter(full(v), src, ...)`` (select_backward decomposed) as
+    ``src``'s counts plus those of the fill around it: no pass. None where that does not hold."""
+    if mode == "stats" or x.target is not aten.select_scatter.default:
+        return None
+    base, src = x.args[0], x.args[1]
+    v = _fill_value(base) if isinstance(base, fx.Node) else None
+    if v is None or not isinstance(src.meta["val"].numel(), int) or src.meta["val"].dtype != x.meta["val"].dtype:
+        return None
+    fill, _ = _constant_row(b, x, v, mode, n=x.meta["val"].numel() - src.meta["val"].numel())
+    return b.call(aten.add.Tensor, src_row, fill)
+
+
+def _constant_row(b: Builder, x: fx.Node, v, mode: str, n: int | None = None) -> tuple[fx.Node, fx.Node | None]:
+    """The summary row of a tensor filled with ``v`` (``n`` of its elements where given),
+    computed here: no pass over the tensor (select_backward's zeros, a masked_fill's -inf are as
+    big as the tensors they fill)."""
     val = x.meta["val"]
-    n = val.numel()
+    n = val.numel() if n is None else n
     nan, pinf, ninf = (n, 0, 0) if v != v else (0, n, 0) if v == math.inf else (0, 0, n) if v == -math.inf \
         else (0, 0, 0)
     if mode == "curt_health":
