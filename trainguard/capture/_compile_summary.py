@@ -137,8 +137,8 @@ def _moments(b: Builder, x: fx.Node) -> fx.Node:
     return b.stack([mn, mx, mean, std])
 
 
-# Ops whose output is one constant everywhere: (the fill value's argument index or keyword, or
-# the value itself). Inductor's decompositions make zeros/ones/new_zeros/zeros_like into these.
+# Ops whose output is one constant everywhere -> the fill value's positional index (else the
+# keyword fill_value / s). Inductor's decompositions make zeros/ones/new_zeros/zeros_like these.
 _FILLS = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,
           aten.scalar_tensor.default: 0}
 
