@@ -11,6 +11,11 @@ processes' load disturbs less than wall time. Compilation happens before the rou
 
     python benchmarks/bench_compile.py                          # mlp and transformer
     python benchmarks/bench_compile.py --models mlp --rounds 3 --steps 5
+    python benchmarks/bench_compile.py --compile-step   # the optimizer step compiled too
+
+``--compile-step`` also compiles each compiled copy's optimizer step with the copy's backend
+(``torch.compile`` of a function calling ``opt.step()``, as PyTorch's "compiling the optimizer"
+recipe does); without it the step runs eagerly and a recording records it op by op.
 """
 
 from __future__ import annotations
@@ -67,7 +72,15 @@ CONFIGS = [
 WARMUP_STEPS = 3
 
 
-def _copies(name: str) -> dict:
+class _CompiledStep:
+    """An optimizer whose ``step`` runs compiled by ``backend`` (what ``run_steps`` calls)."""
+
+    def __init__(self, opt, backend):
+        self.zero_grad = opt.zero_grad
+        self.step = torch.compile(lambda: opt.step(), backend=backend)
+
+
+def _copies(name: str, compile_step: bool = False) -> dict:
     """The four copies of one model (same initial weights), each with its own optimizer."""
     import trainguard as tg
 
@@ -82,6 +95,8 @@ def _copies(name: str) -> dict:
         # defaults cannot always be passed back to its constructor: AdamW's).
         m, o = copy.deepcopy((model, opt))
         run = m if backend is None else torch.compile(m, backend=backend)
+        if compile_step and backend is not None:
+            o = _CompiledStep(o, backend)
         out[kind] = (m, o, lambda run=run: loss(run))
     return out
 
@@ -96,8 +111,8 @@ def context(config: str, model, tmp: str):
     return contextlib.nullcontext()
 
 
-def time_model(name: str, rounds: int, steps: int) -> tuple[dict, dict]:
-    copies = _copies(name)
+def time_model(name: str, rounds: int, steps: int, compile_step: bool = False) -> tuple[dict, dict]:
+    copies = _copies(name, compile_step)
     with tempfile.TemporaryDirectory() as tmp:
         for config, kind, _ in CONFIGS:  # compile (under each config's own context) and warm up
             m, opt, loss_fn = copies[kind]
@@ -133,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration per round")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compile-step", action="store_true",
+                   help="compile the optimizer step too (with each compiled copy's backend)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -142,9 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch._dynamo.config.accumulated_recompile_limit = 1024
     logging.getLogger("trainguard").setLevel(logging.ERROR)
     load = os.getloadavg()[0]
-    results: dict = {"threads": args.threads, "load_before": load, "models": {}}
+    results: dict = {"threads": args.threads, "compile_step": args.compile_step, "load_before": load, "models": {}}
     for name in [m for m in args.models.split(",") if m]:
-        t, rounds, cpu_rounds = time_model(name, args.rounds, args.steps)
+        t, rounds, cpu_rounds = time_model(name, args.rounds, args.steps, args.compile_step)
         results["models"][name] = {"step_ms": {c: v * 1e3 for c, v in t.items()},
                                    "ratio": {c: statistics.median(v) for c, v in rounds.items()},
                                    "ratio_range": {c: [min(v), max(v)] for c, v in rounds.items()},
@@ -156,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     models = list(results["models"])
     table = Table(title=f"compiled models: step time / baseline step time in the same round (median \\[range] of "
-                        f"{args.rounds} rounds x {args.steps} steps, {args.threads} threads, load "
+                        f"{args.rounds} rounds x {args.steps} steps, {args.threads} threads, "
+                        f"optimizer step {'compiled' if args.compile_step else 'eager'}, load "
                         f"{results['load_before']:.1f} -> {results['load_after']:.1f})")
     table.add_column("config")
     table.add_column("baseline")

@@ -273,6 +273,85 @@ def test_stats_mode_summaries_inside_the_graph(tmp_path):
     assert exp["std"] == pytest.approx(float(want.std(correction=0)))
 
 
+@pytest.mark.parametrize("mode", ["full_health", "stats"])
+def test_constant_fills_are_summarised_at_compile_time_as_eager_records_them(tmp_path, mode):
+    # A full's row is built from its fill value when the graph is compiled (no pass over it):
+    # the records must say what eager recording measures, NaN/inf fills and float32 rounding too.
+    x = torch.tensor([[-2.0, 0.0, 3.0, 1.0]])
+
+    def f(x):
+        fills = [torch.full((3, 4), v) for v in (0.0, -2.5, 0.1, float("-inf"), float("inf"), float("nan"))]
+        ints = torch.full((2,), 7, dtype=torch.int64)
+        return sum(x * t for t in fills), ints
+
+    for name, run_f in (("eager", f), ("compiled", torch.compile(f, backend=tg.compile_backend(inner="aot_eager")))):
+        torch._dynamo.reset()
+        with tg.record(tmp_path / name, mode=mode, buffer=-1):
+            run_f(x)
+    got = {}
+    for name in ("eager", "compiled"):
+        with open_run(tmp_path / name) as run:
+            got[name] = [d["outputs"][0]["summary"] for d in run.executions(0, None, op="aten.full")]
+    assert len(got["eager"]) == 7
+    assert json.dumps(got["compiled"]) == json.dumps(got["eager"])  # NaN moments compare too
+
+
+@pytest.mark.parametrize("mode,inner", [("full_health", "inductor"), ("concise_health", "aot_eager"),
+                                        ("curt_health", "aot_eager")])
+def test_selects_covering_a_tensor_are_summarised_in_one_pass_as_eager_records_them(tmp_path, mode, inner):
+    # q, k and v of a packed projection (nn.MultiheadAttention's _in_projection_packed): their
+    # rows come from one segmented pass over the packed tensor, and must equal eager's.
+    x = torch.tensor([[-2.0, 0.0, 3.0, 1.0, 0.5, -0.1]]).repeat(4, 1)
+    w = torch.randn(6, 15, generator=torch.Generator().manual_seed(0))
+    w[0, :5] = 0.0
+    w[:, 5] = float("inf")  # k gets -inf and +inf (and NaN from inf * 0)
+
+    def f(x, w):
+        p = (x @ w).unflatten(-1, (3, 5)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+        q, k, v = p[0], p[1], p[-1]
+        return q * 2, k + 1, v - 1
+
+    for name, run_f in (("eager", f), ("compiled", torch.compile(f, backend=tg.compile_backend(inner=inner)))):
+        torch._dynamo.reset()
+        with tg.record(tmp_path / name, mode=mode, buffer=-1):
+            run_f(x, w)
+    got = {}
+    for name in ("eager", "compiled"):
+        with open_run(tmp_path / name) as run:
+            got[name] = [d["outputs"][0]["summary"] for d in run.executions(0, None, op="aten.select")]
+    assert len(got["eager"]) == 3
+    assert got["compiled"] == got["eager"]
+    assert any(s != got["eager"][0] for s in got["eager"][1:])  # the three rows differ
+
+
+@pytest.mark.parametrize("mode", ["full_health", "curt_health"])
+def test_select_backward_rows_derived_from_their_gradient_equal_eager_recording(tmp_path, mode):
+    # Inductor decomposes select_backward into select_scatter(zeros, grad): its row is the
+    # gradient's plus the zeros around it, with no pass; eager records select_backward itself.
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(4, 5, generator=g) for _ in range(3))
+    a[0] = 0.0
+    b[1, 1] = float("inf")
+    c[2, 2] = float("-inf")
+    x0 = torch.randn(3, 4, 5, generator=g)
+
+    def f(x):
+        q, k, v = x[0], x[1], x[2]
+        return (q * a).sum() + (k * b).sum() + (v * c).sum()
+
+    for name, run_f in (("eager", f), ("compiled", torch.compile(f, backend=tg.compile_backend()))):
+        torch._dynamo.reset()
+        x = x0.clone().requires_grad_()
+        with tg.record(tmp_path / name, mode=mode, buffer=-1):
+            run_f(x).backward()
+    got = {}
+    for name, op in (("eager", "aten.select_backward"), ("compiled", "aten.select_scatter")):
+        with open_run(tmp_path / name) as run:
+            got[name] = sorted(json.dumps(d["outputs"][0]["summary"]) for d in run.executions(0, None, op=op))
+    assert len(got["eager"]) == 3 and len(set(got["eager"])) == 3
+    assert got["compiled"] == got["eager"]
+
+
 # ---------------------------------------------------------------------- compiled before the recording
 @pytest.mark.timeout(600)
 def test_a_model_compiled_before_recording_is_recorded_whole_and_the_report_says_so(tmp_path, capsys):

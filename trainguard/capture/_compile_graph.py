@@ -18,7 +18,14 @@ from typing import Any
 import torch
 from torch import fx
 
-from trainguard.capture._compile_summary import Builder, finish, summarisable, summary_row
+from trainguard.capture._compile_summary import (
+    Builder,
+    finish,
+    scatter_row,
+    segment_counts,
+    summarisable,
+    summary_row,
+)
 from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS
 from trainguard.capture._taint import DEFAULT, OVERWRITE_OPS, RENORM, RENORM_OPS, classify
 from trainguard.store import MODE_FIELDS
@@ -201,6 +208,8 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
     builder = Builder(graph, _fake_mode(graph)) if fields else None
     plan.input_names = tuple(_input_name(ph, names) for ph in placeholders)
     mod_key = "fwd_nn_module_stack" if kind == "backward" else "nn_module_stack"
+    segmented = _full_selects(graph, mode) if fields else set()
+    segments: dict[tuple[fx.Node, int], fx.Node] = {}  # (tensor, dim) -> its counts per index
 
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is operator.getitem:
@@ -250,9 +259,19 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
                 src = _alias_source(node, name)
                 if src is not None and src in row_of and src.meta["val"].dtype == val.dtype:
                     r = row_of[src]  # an alias holds its input's values: no second pass
+                elif node in segmented:
+                    key = (node.args[0], _norm_dim(node))
+                    builder.cursor = tnode  # the first select of the tensor: its segmented pass here
+                    if key not in segments:
+                        segments[key] = segment_counts(builder, key[0], key[1], mode)
+                    index = node.args[2] % key[0].meta["val"].shape[key[1]]
+                    rows.append((builder.call(torch.ops.aten.select.int, segments[key], 0, index), None))
+                    r = len(rows) - 1
                 elif summarisable(val):
                     builder.cursor = tnode  # right after it is made, where Inductor can fuse the pass
-                    rows.append(summary_row(builder, tnode, mode))
+                    src = node.args[1] if name == "aten.select_scatter.default" else None
+                    derived = scatter_row(builder, node, rows[row_of[src]][0], mode) if src in row_of else None
+                    rows.append((derived, None) if derived is not None else summary_row(builder, tnode, mode))
                     r = len(rows) - 1
                 if r is not None:
                     row_of[tnode] = r
@@ -287,6 +306,35 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
         graph.lint()
         gm.recompile()
     return plan
+
+
+def _norm_dim(node: fx.Node) -> int:
+    return node.args[1] % node.args[0].meta["val"].dim()
+
+
+def _full_selects(graph: fx.Graph, mode: str) -> set[fx.Node]:
+    """``select.int`` nodes whose selects of one tensor along one dim cover every index (q, k and v
+    of a packed projection): their rows come from one segmented pass over that tensor. Floating
+    tensors of static shape; not for ``stats`` (its moments stay one pass per select)."""
+    if mode == "stats":
+        return set()
+    groups: dict[tuple[fx.Node, int], list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.select.int:
+            continue
+        src = node.args[0]
+        val = src.meta.get("val") if isinstance(src, fx.Node) else None
+        if (not isinstance(val, torch.Tensor) or not val.is_floating_point() or not summarisable(val)
+                or not all(isinstance(d, int) for d in val.shape) or not isinstance(node.args[2], int)
+                or node.meta["val"].dtype != val.dtype):
+            continue
+        groups.setdefault((src, _norm_dim(node)), []).append(node)
+    out: set[fx.Node] = set()
+    for (src, dim), nodes in groups.items():
+        size = src.meta["val"].shape[dim]
+        if size > 1 and {n.args[2] % size for n in nodes} == set(range(size)):
+            out.update(nodes)
+    return out
 
 
 def _aliasing(target) -> tuple[bool, bool]:

@@ -97,6 +97,32 @@ def _raw_counts(b: Builder, x: fx.Node) -> fx.Node:
     return row if acc is torch.int64 else b.to(row, torch.int64)
 
 
+def segment_counts(b: Builder, x: fx.Node, dim: int, mode: str) -> fx.Node:
+    """The raw counts (curt_health's three for that mode) of every index of ``x`` along ``dim``,
+    as one int64 [size, fields] node: one pass over ``x`` for all its selects (q, k and v of an
+    attention's packed projection), instead of one pass per select. Static shapes only."""
+    val = x.meta["val"]
+    dims = [d for d in range(val.dim()) if d != dim]
+    n = val.numel() // val.shape[dim]
+    acc = torch.int32 if n < 2**31 else torch.int64
+
+    def count(mask: fx.Node) -> fx.Node:
+        return b.call(aten.sum.dim_IntList, mask, dims, dtype=acc) if dims else b.to(mask, acc)
+
+    if mode == "curt_health":
+        counts = [count(b.call(aten.ne.Tensor, x, x)), count(b.call(aten.eq.Scalar, x, math.inf)),
+                  count(b.call(aten.eq.Scalar, x, -math.inf))]
+    else:
+        counts = [count(b.call(aten.lt.Scalar, x, 0)), count(b.call(aten.eq.Scalar, x, 0)),
+                  count(b.call(aten.gt.Scalar, x, 0))]
+        add = aten.add.Tensor
+        signed = b.call(add, b.call(add, counts[0], counts[1]), counts[2])
+        counts += [b.call(aten.add.Tensor, b.call(aten.mul.Tensor, signed, -1), n),
+                   count(b.call(aten.eq.Scalar, x, -math.inf)), count(b.call(aten.eq.Scalar, x, math.inf))]
+    seg = b.call(aten.cat.default, [b.call(aten.unsqueeze.default, c, 1) for c in counts], 1)
+    return seg if acc is torch.int64 else b.to(seg, torch.int64)
+
+
 def _moments(b: Builder, x: fx.Node) -> fx.Node:
     """[min, max, mean, std] in float64 (population std, two passes like the deferred summary)."""
     val = x.meta["val"]
@@ -111,10 +137,69 @@ def _moments(b: Builder, x: fx.Node) -> fx.Node:
     return b.stack([mn, mx, mean, std])
 
 
+# Ops whose output is one constant everywhere -> the fill value's positional index (else the
+# keyword fill_value / s). Inductor's decompositions make zeros/ones/new_zeros/zeros_like these.
+_FILLS = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,
+          aten.scalar_tensor.default: 0}
+
+
+def _fill_value(x: fx.Node):
+    """The value every element of ``x`` holds, known at compile time, or None."""
+    at = _FILLS.get(x.target)
+    if at is None or x.op != "call_function":
+        return None
+    v = x.args[at] if len(x.args) > at else x.kwargs.get("fill_value", x.kwargs.get("s"))
+    val = x.meta["val"]
+    if not isinstance(v, (bool, int, float)) or not isinstance(val.numel(), int):
+        return None
+    return torch.tensor(v).to(val.dtype).item()  # the value as the dtype holds it (0.1 in float32)
+
+
+def scatter_row(b: Builder, x: fx.Node, src_row: fx.Node, mode: str) -> fx.Node | None:
+    """The raw counts of ``select_scatter(full(v), src, ...)`` (select_backward decomposed) as
+    ``src``'s counts plus those of the fill around it: no pass. None where that does not hold."""
+    if mode == "stats" or x.target is not aten.select_scatter.default:
+        return None
+    base, src = x.args[0], x.args[1]
+    v = _fill_value(base) if isinstance(base, fx.Node) else None
+    if v is None or not isinstance(src.meta["val"].numel(), int) or src.meta["val"].dtype != x.meta["val"].dtype:
+        return None
+    fill, _ = _constant_row(b, x, v, mode, n=x.meta["val"].numel() - src.meta["val"].numel())
+    return b.call(aten.add.Tensor, src_row, fill)
+
+
+def _constant_row(b: Builder, x: fx.Node, v, mode: str, n: int | None = None) -> tuple[fx.Node, fx.Node | None]:
+    """The summary row of a tensor filled with ``v`` (``n`` of its elements where given),
+    computed here: no pass over the tensor (select_backward's zeros, a masked_fill's -inf are as
+    big as the tensors they fill)."""
+    val = x.meta["val"]
+    n = val.numel() if n is None else n
+    nan, pinf, ninf = (n, 0, 0) if v != v else (0, n, 0) if v == math.inf else (0, 0, n) if v == -math.inf \
+        else (0, 0, 0)
+    if mode == "curt_health":
+        counts = [nan, pinf, ninf] if val.is_floating_point() else [0, 0, 0]
+    else:
+        sign = (0, 0, 0) if v != v else (n, 0, 0) if v < 0 else (0, n, 0) if v == 0 else (0, 0, n)
+        counts = [*sign, nan, ninf, pinf]
+
+    def const(c, dtype):
+        return b.call(aten.full.default, [], c, dtype=dtype, device=val.device)
+
+    row = b.stack([const(c, torch.int64) for c in counts])
+    if mode != "stats":
+        return row, None
+    f = float(v)
+    moments = [math.nan] * 4 if n == 0 else [f, f, f, 0.0 if math.isfinite(f) else math.nan]
+    return row, b.stack([const(m, torch.float64) for m in moments])
+
+
 def summary_row(b: Builder, x: fx.Node, mode: str) -> tuple[fx.Node, fx.Node | None]:
     """The raw counts of tensor node ``x`` ([NaN, +inf, -inf] for curt_health) and, for
     ``stats``, its moments; inserted after ``b.cursor``."""
     val = x.meta["val"]
+    fill = _fill_value(x)
+    if fill is not None:
+        return _constant_row(b, x, fill, mode)
     if mode == "curt_health":
         # [NaN, +inf, -inf] counts: the stored value is the health bits (1 NaN, 2 +inf, 4 -inf),
         # which tell a NaN from a masked -inf (docs/recorder.md, "Harmful, intended, unknown").
