@@ -302,6 +302,7 @@ class Monitor(EventsMixin, HookMixin):
         try:
             params = self._grads.params_in(optimizer, self._params)
             if params:
+                self._grads.saw_optimizer = True  # an optimizer updates this model (found after its pre-hook)
                 with self._no_record():
                     self._grads.read(params, self._cur, self._recording)
         except Exception:  # observing training never kills training

@@ -45,6 +45,11 @@ class EventsMixin:
     def _after_backward(self) -> None:
         if self._closed or not self._roots or self._grads.saw_optimizer:
             return  # with an optimizer, the gradients are read once, right before the update
+        if _steps.clock.closure_call:
+            # Inside optimizer.step(closure) whose pre-hook ran before the model was found (model=None,
+            # first forward in the closure): that optimizer reads the gradients when the closure
+            # returns and ends the step; LBFGS's further closure calls must not end steps.
+            return
         with self._no_record():
             self._grads.read(self._params, self._cur, self._recording, tentative=True, snapshot=self.updates)
             if _steps.clock.driver is None:
