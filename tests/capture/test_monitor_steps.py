@@ -135,6 +135,39 @@ def test_lbfgs_counts_one_step_when_the_model_is_found_inside_the_first_closure(
     assert [s for s, _ in scalars(tmp_path / "r", "grad_norm")] == [0, 1, 2]
 
 
+def test_a_gan_step_ends_after_the_generator_update_not_between_the_two(tmp_path):
+    # pytorch/examples' dcgan: per iteration optimizerD.step() then optimizerG.step(). From the
+    # second iteration on a step is one iteration, D's update and G's (not G's of the previous
+    # iteration with D's of this one): the first iteration is split, steps 0 and 1.
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 1), nn.Sigmoid(), nn.Flatten(0))
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+    opt_g = torch.optim.Adam(gen.parameters(), lr=2e-3)
+    bce = nn.BCELoss()
+    losses = []
+    with Monitor({"gen": gen, "disc": disc}, tmp_path / "r", every=1, diagnose=False) as mon:
+        for it in range(5):
+            real = torch.randn(16, 8)
+            disc.zero_grad()
+            err_real = bce(disc(real), torch.ones(16))
+            err_real.backward()
+            fake = gen(torch.randn(16, 4))
+            err_fake = bce(disc(fake.detach()), torch.zeros(16))
+            err_fake.backward()
+            opt_d.step()
+            gen.zero_grad()
+            err_g = bce(disc(fake), torch.ones(16))
+            err_g.backward()
+            opt_g.step()
+            losses.append((err_real + err_fake + err_g).item())
+        assert mon.current_step == 5
+    lrs = open_run(tmp_path / "r").scalars()
+    lr_d, lr_g = ([s for s, v in lrs[k] if v == lr] for k, lr in (("lr/0", 1e-3), ("lr/1.0", 2e-3)))
+    assert lr_d == [0, 1, 2, 3, 4] and lr_g == [1, 2, 3, 4]
+    loss = dict(scalars(tmp_path / "r", "loss"))
+    assert [loss[s] for s in (2, 3, 4)] == pytest.approx(losses[2:], rel=1e-5)
+
+
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_accumulation_sums_the_micro_losses_and_reads_complete_gradients(tmp_path, clip):
     model = mlp()
