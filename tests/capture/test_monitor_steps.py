@@ -168,6 +168,27 @@ def test_a_gan_step_ends_after_the_generator_update_not_between_the_two(tmp_path
     assert [loss[s] for s in (2, 3, 4)] == pytest.approx(losses[2:], rel=1e-5)
 
 
+def test_layers_trained_one_after_another_by_their_own_optimizers_keep_counting_steps(tmp_path):
+    # pytorch/examples' mnist_forward_forward: each layer has its own Adam and trains for its
+    # epochs before the next layer starts. When the first optimizer stops, the next one ends steps
+    # (from its second update: its first shares a step with it).
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Linear(8, 8)]
+    opts = [torch.optim.Adam(la.parameters(), lr=1e-2) for la in layers]
+    x = torch.randn(16, 8)
+    with Monitor({"l0": layers[0], "l1": layers[1]}, tmp_path / "r", every=1, diagnose=False) as mon:
+        h = x
+        for layer, opt in zip(layers, opts):
+            for _ in range(3):
+                loss = layer(h).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            h = layer(h).detach()
+        assert mon.current_step == 5
+    assert [s for s, _ in scalars(tmp_path / "r", "loss")] == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_accumulation_sums_the_micro_losses_and_reads_complete_gradients(tmp_path, clip):
     model = mlp()
