@@ -54,7 +54,7 @@ from trainguard.capture._monitor_events import EventsMixin
 from trainguard.capture._monitor_grads import GradientWatch
 from trainguard.capture._monitor_hooks import HookMixin
 from trainguard.capture._monitor_leak import LeakWatch
-from trainguard.capture._monitor_model import Param, Root, named_models
+from trainguard.capture._monitor_model import Param, Root, named_models, structure
 from trainguard.capture._monitor_ship import Shipper
 from trainguard.capture._monitor_time import TimeWatch
 from trainguard.store import acquire_writer, default_name, release_writer
@@ -341,6 +341,8 @@ class Monitor(EventsMixin, HookMixin):
         """
         if self._closed:
             return
+        # Which parameters trained is known now (see structure); the roots go with the hooks.
+        params = {"params": structure(self._roots, self._grads.trainable)["params"]} if self._roots else {}
         try:
             with self._no_record():
                 if self._backward_step == self._cur or self._auto_losses:
@@ -371,7 +373,8 @@ class Monitor(EventsMixin, HookMixin):
                 self._eval.close()
             _OPEN.discard(self)
         ended = ending(error, self._cur)
-        self._write_meta(final_step=self._cur, status=ended.get("status", "finished"), **self._validation_meta())
+        self._write_meta(final_step=self._cur, status=ended.get("status", "finished"), **self._validation_meta(),
+                         **params)
         if ended:  # the run's own record of the crash, which the diagnosis reads (analysis._outcome)
             self._writer.set_meta(**ended)
         if self.diagnose:

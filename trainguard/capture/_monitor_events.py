@@ -85,6 +85,8 @@ class EventsMixin:
                 return
             self._grads.saw_optimizer = True
             self._pending_end = None
+            if len(self._grads.trainable) < len(self._params):
+                self._grads.trainable.update(id(p) for p in params if (t := p.ref()) is not None and t.requires_grad)
             with self._no_record():
                 if not has_closure:  # a closure has not run the backward yet: read when it returns
                     self._grads.read(params, self._cur, self._recording)
