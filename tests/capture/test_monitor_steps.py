@@ -430,3 +430,42 @@ def test_a_step_the_framework_clock_jumped_over_records_no_weights(tmp_path):
     run = open_run(tmp_path / "r")
     assert sorted({r["step"] for r in run.layer_stats()}) == [15]
     assert run.meta["monitor"]["weights_initial"] is False
+
+
+def test_a_gans_summed_losses_are_not_judged_as_one_loss(tmp_path):
+    # A step of a GAN loop holds the discriminator's losses and the generator's, each followed by
+    # its own optimizer's update: their sum is no loss to fit, and its rise is no divergence (on
+    # main this loop got "Learning rate too high: the smoothed loss rose to 2.65 by step 1").
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 1), nn.Flatten(0))
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+    with trainguard.Monitor({"gen": gen, "disc": disc}, tmp_path / "r", every=5) as mon:
+        for _ in range(30):
+            g_loss = disc(gen(torch.randn(16, 4))).sub(1).pow(2).mean()
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+            d_loss = disc(torch.randn(16, 8)).sub(1).pow(2).mean() + disc(gen(torch.randn(16, 4)).detach()).pow(2).mean()
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+    kinds = {f.kind for f in mon.findings}
+    assert "losses_summed" in kinds
+    assert not kinds & {"lr_too_high", "loss_not_decreasing", "loss_oscillating", "loss_spike"}, kinds
+
+
+def test_accumulated_micro_batches_with_two_optimizers_are_one_loss(tmp_path):
+    # Two optimizers over parameter groups after accumulated backward passes: one objective.
+    model = mlp()
+    opts = [torch.optim.SGD(list(model.parameters())[:2], lr=0.1), torch.optim.Adam(list(model.parameters())[2:])]
+    with trainguard.Monitor(model, tmp_path / "r", every=5) as mon:
+        for step in range(25):
+            for o in opts:
+                o.zero_grad()
+            for micro in range(2):
+                x, y = batch(10 * step + micro)
+                (nn.functional.cross_entropy(model(x), y) / 2).backward()
+            for o in opts:
+                o.step()
+    assert "losses_summed" not in {f.kind for f in mon.findings}
