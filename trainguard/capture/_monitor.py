@@ -178,6 +178,8 @@ class Monitor(EventsMixin, HookMixin):
         self._cur = _steps.clock.step
         self._recording = False
         self._auto_losses: list[torch.Tensor] = []
+        self._losses_at_update = 0  # the step's losses before the last update of a watched model
+        self._separate_losses = bool(self._meta.get("separate_losses"))
         self._manual_loss: dict[int, Any] = {}
         self._user_gives_loss = False
         self._backward_step: int | None = None

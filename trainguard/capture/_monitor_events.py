@@ -40,6 +40,11 @@ class EventsMixin:
         if _steps.clock.closure_call > 1:
             return  # a closure called again (LBFGS) evaluates the moved weights: not the step's loss
         if loss is not None and self.capture_loss and not self._user_gives_loss and self._roots:
+            if self._losses_at_update and not self._separate_losses:
+                # A backward after an optimizer's update in the same step, when a loss came before
+                # that update: separate objectives, each with its optimizer (a GAN's), not one loss.
+                self._separate_losses = True
+                self._write_meta(separate_losses=True)
             self._auto_losses.append(loss)
 
     def _after_backward(self) -> None:
@@ -106,6 +111,7 @@ class EventsMixin:
                     if self.modes["first_train_step_in_eval"] is None:
                         self.modes["first_train_step_in_eval"] = self._cur
                 self._last_train_fwd = None
+            self._losses_at_update = len(self._auto_losses)
             with self._no_record():
                 self._grads.after(opt, self._cur)
         except Exception:
@@ -173,6 +179,7 @@ class EventsMixin:
         if self._recording:
             self._time.finish(s)
         self._auto_losses = []
+        self._losses_at_update = 0
         self._amp = {}
         self._pending_end = None
         self._chan_out = {}
