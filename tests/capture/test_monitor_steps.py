@@ -146,7 +146,7 @@ def test_a_gan_step_ends_after_the_generator_update_not_between_the_two(tmp_path
     bce = nn.BCELoss()
     losses = []
     with Monitor({"gen": gen, "disc": disc}, tmp_path / "r", every=1, diagnose=False) as mon:
-        for it in range(5):
+        for _ in range(5):
             real = torch.randn(16, 8)
             disc.zero_grad()
             err_real = bce(disc(real), torch.ones(16))
