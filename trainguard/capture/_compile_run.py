@@ -239,12 +239,15 @@ def _call(g: RecordedGraph, r, args, cur, outer_sid):
     plan = g.plan
     refs = input_refs(r, args, plan.input_names, cur)
     metas = _metas(g, args)
+    # The clock as the graph's ops see it: an optimizer step traced into the graph moves it while
+    # the graph runs (its ops' stage says which side of the step they are on).
+    before = (_clock.step, _clock.in_optimizer)
     out = g.compiled(args)
     n = plan.n_outputs
     extra = out[n:] if plan.extra else ()
     out = out[:n] if plan.extra else out
     try:
-        _emit(g, r, refs, metas, cur, outer_sid, out, extra)
+        _emit(g, r, refs, metas, cur, outer_sid, out, extra, before)
     except NonFiniteError:
         raise
     except Exception as exc:  # observing training never kills training
@@ -254,7 +257,7 @@ def _call(g: RecordedGraph, r, args, cur, outer_sid):
     return out
 
 
-def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
+def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before) -> None:
     from trainguard.capture._recorder_mode import FLUSH_RECORDS, FLUSH_SECONDS, _monotonic
 
     plan = g.plan
@@ -268,7 +271,8 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
                         "only; every op inside has its summary")
     else:
         seen[1] += 1
-    step = _clock.step
+    step, in_opt = before
+    after = (_clock.step, _clock.in_optimizer)  # for ops after an optimizer step in the graph
     backward = plan.kind == "backward"
     fw = None
     if backward:
@@ -311,7 +315,6 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
     rows = matrix.tolist() if walk and matrix is not None else None
     pfields = MODE_FIELDS[plan.mode]
     pending = r.pending
-    in_opt = _clock.in_optimizer
     # A training graph runs inside an autograd.Function's forward, where grad mode is off.
     training = plan.kind == "forward"
     grad = _grad_enabled()
@@ -326,12 +329,14 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
         seq = base + k
         mid = mids[k]
         fwd_seq = None
+        stage = t.stage
+        st, opt = after if stage == 2 else (step, in_opt)
         if backward:
             phase = "backward"
             j = fwd_of[k]
             if fw is not None and j is not None:
                 fwd_seq = fw[0] + j
-        elif in_opt:
+        elif stage == 1 or opt:
             phase = "optimizer"
         else:
             phase = "forward" if training or mid is not None or grad else "other"
@@ -348,7 +353,7 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
                 cls = (RENORM if health & NAN else DEFAULT) if t.renorm_part else t.cls
                 fwd_op = _fwd_op(g, k) if backward else None
                 taint, origin = r.taint.settle(
-                    seq, step, "forward" if t.recompute else phase, t.name, cls,
+                    seq, st, "forward" if t.recompute else phase, t.name, cls,
                     t.inplace and bool(inputs) and inputs[0][0] == "param", in_taint, in_origin, health, inputs,
                     fwd_seq, pfields,
                     tuple(tuple(rows[i]) for i in t.rows if i is not None) if rows is not None else None,
@@ -372,7 +377,7 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
                         u = unknown[n] = unknown_summary(r.mode, n if n >= 0 else 0)
                     parts.append(u)
             summary = tuple(parts)
-        rec = (seq, step, phase, t.name, mid, sids[k], fwd_seq, health, inputs, metas[k], summary, taint, origin)
+        rec = (seq, st, phase, t.name, mid, sids[k], fwd_seq, health, inputs, metas[k], summary, taint, origin)
         if taint == PENDING:
             r.taint.keep(rec)
         if stop:
