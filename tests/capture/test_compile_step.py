@@ -134,3 +134,60 @@ def test_a_compiled_optimizer_step_under_the_monitor_keeps_its_graph_and_its_sta
             for key, v in want.items():
                 assert got[key] == pytest.approx(v, rel=1e-4, abs=1e-7), (kind, key)
     torch._dynamo.reset()
+
+
+class PlainSGD(torch.optim.Optimizer):
+    """An optimizer whose step does not break the graph (torch's own break around the update):
+    the hooks' taps and the update are traced into one graph."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def _fit_plain_sgd(model, backend):
+    opt = PlainSGD(model.parameters())
+    step = opt.step if backend is None else torch.compile(lambda: opt.step(), backend=backend)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        step()
+
+
+@pytest.mark.timeout(600)
+def test_an_update_traced_with_the_hooks_is_recorded_between_them_and_the_monitor_reads_it(tmp_path):
+    """Inductor: the pre tap runs before the update and the post tap after the parameters hold
+    the new values; the update and its write-back into the parameters are the optimizer's."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = _net()
+    with tg.record(tmp_path / "r", buffer=-1):
+        _fit_plain_sgd(model, tg.compile_backend())
+        assert _steps.current_step() == STEPS
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    with open_run(tmp_path / "r") as run:
+        [graph] = run.meta["compiled_graphs"]
+        assert [run.count(step=s, phase="optimizer") for s in range(STEPS)] == [graph["ops"]] * STEPS
+        assert run.count(phase="other") == 0
+        ops = {d["op"] for d in run.executions(0, None, phase="optimizer")}
+        assert "aten.add.Tensor" in ops and "aten.copy_" in ops  # the update and its write-back
+    for name, backend in (("compiled", "inductor"), ("eager", None)):
+        torch._dynamo.reset()
+        model = _net()
+        with tg.Monitor(model, tmp_path / name, every=1, diagnose=False):
+            _fit_plain_sgd(model, backend)
+    with open_run(tmp_path / "compiled") as c, open_run(tmp_path / "eager") as e:
+        got = {(r["layer"], r["step"]): r["value"] for r in c.layer_stats(kind="update", stat="norm")}
+        want = {(r["layer"], r["step"]): r["value"] for r in e.layer_stats(kind="update", stat="norm")}
+        assert set(got) == set(want) and {s for _, s in want} == set(range(STEPS))
+        for key, v in want.items():
+            assert v > 0 and got[key] == pytest.approx(v, rel=1e-4), key
+    torch._dynamo.reset()
