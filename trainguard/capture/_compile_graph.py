@@ -215,6 +215,7 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
     segmented = _full_selects(graph, mode) if fields else set()
     segments: dict[tuple[fx.Node, int], fx.Node] = {}  # (tensor, dim) -> its counts per index
     stage = 0
+    stage_of: dict[fx.Node, int] = {}
 
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is operator.getitem:
@@ -298,8 +299,9 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
             renorm_part=shown is not None and cls != RENORM and shown in RENORM_OPS,
             const=shown is not None and not inputs,
             recompute=kind == "backward" and node.meta.get("partitioner_tag") == "is_forward",
-            stage=stage,
+            stage=_stage(node, stage, ph_index, stage_of),
         ))
+        stage_of[node] = plan.ops[-1].stage
         if kind != "backward" and isinstance(seq_nr, int) and seq_nr not in plan.fwd_index:
             plan.fwd_index[seq_nr] = k  # the first op of a sequence number made its autograd node
 
@@ -316,6 +318,17 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
         graph.lint()
         gm.recompile()
     return plan
+
+
+def _stage(node: fx.Node, stage: int, ph_index: dict, stage_of: dict) -> int:
+    """An op's stage against an optimizer step in the graph; the copy of a mutated graph input's
+    new values into it (functionalization's write-back, at the graph's end, after the post tap)
+    belongs where its values were made: the update's write-back into the parameters is the
+    optimizer's."""
+    if (node.target is torch.ops.aten.copy_.default and node.args and node.args[0] in ph_index
+            and len(node.args) > 1 and node.args[1] in stage_of):
+        return stage_of[node.args[1]]
+    return stage
 
 
 def _norm_dim(node: fx.Node) -> int:
