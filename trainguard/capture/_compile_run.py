@@ -4,11 +4,12 @@ The compiled code computes its summaries itself (see ``_compile_graph``); here, 
 graph's inputs are linked to the eager ops, parameters or data that made them
 (``_compile_where``), the summary matrix is handed to the writer like an accelerator summary
 batch (resolved on the writer thread, never waited for here), the op records are built from the
-compile-time templates (sequence numbers, step, phase, module, stack): on the writer's thread
-from one object per call (``_compile_records.GraphCall``) unless something must be judged op by
-op on this one (a non-finite value, a tainted input, check_numerics), and the graph's outputs are registered as produced by
-their ops so that later eager ops and the backward graph link to them. While the compiled code
-runs, the dispatch mode lets its few Python-dispatched ops (extern kernels) pass unrecorded.
+compile-time templates (sequence numbers, step, phase, module, stack), and the graph's outputs
+are registered as produced by their ops so that later eager ops and the backward graph link to
+them. A call with nothing to judge op by op here (no non-finite value, no tainted input, no
+check_numerics) is handed over as one object, whose records the writer's thread makes
+(``_compile_records.GraphCall``). While the compiled code runs, the dispatch mode lets its few
+Python-dispatched ops (extern kernels) pass unrecorded.
 """
 
 from __future__ import annotations
