@@ -147,6 +147,7 @@ def _leave(optimizer) -> None:
 # (A closure passed to a compiled step is traced with the step: its ops count as the optimizer's.)
 PRE, POST = 0, 1
 step_tap = None  # the op, defined with the hooks (see _define_tap)
+_lib = None  # its library fragment, kept alive with it
 _optimizers: dict[int, weakref.ref] = {}  # token -> optimizer
 _tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> token
 
