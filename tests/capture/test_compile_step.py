@@ -4,7 +4,8 @@ function calling ``opt.step()``) under trainguard: Dynamo makes the same graphs 
 at their step, steps are counted, and the monitor's optimizer hooks run at every step.
 
 The model runs eagerly and only the step is compiled (one small graph, ``aot_eager``: Dynamo's
-counters do not depend on the backend), so each test compiles one Adam step.
+counters do not depend on the backend); the last test compiles a plain SGD step with Inductor,
+whose ordering of the taps around the update it checks.
 """
 
 from __future__ import annotations
