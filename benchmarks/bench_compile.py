@@ -34,6 +34,7 @@ import time
 import torch
 import torch._dynamo
 from torch import nn
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_recorder  # noqa: E402  (the same models as the eager benchmark)
@@ -161,8 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
     load = os.getloadavg()[0]
     results: dict = {"threads": args.threads, "compile_step": args.compile_step, "load_before": load, "models": {}}
     for name in [m for m in args.models.split(",") if m]:
+        counters.clear()
         t, rounds, cpu_rounds = time_model(name, args.rounds, args.steps, args.compile_step)
         results["models"][name] = {"step_ms": {c: v * 1e3 for c, v in t.items()},
+                                   # Dynamo's graph breaks in this model's copies by reason's first
+                                   # line (trainguard's hooks must add none: compiled stays compiled).
+                                   "graph_breaks": {k.splitlines()[0]: v for k, v in counters["graph_break"].items()},
                                    "ratio": {c: statistics.median(v) for c, v in rounds.items()},
                                    "ratio_range": {c: [min(v), max(v)] for c, v in rounds.items()},
                                    "cpu_ratio": {c: statistics.median(v) for c, v in cpu_rounds.items()}}

@@ -86,6 +86,26 @@ def test_compile_benchmark_prints_its_table(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "c.json").exists()
 
 
+@pytest.mark.timeout(600)
+def test_compile_benchmark_with_the_optimizer_step_compiled(tmp_path, capsys, monkeypatch):
+    """``--compile-step``: every compiled copy's optimizer step is compiled too, with no graph
+    break but torch's own around the update (trainguard's optimizer hooks are not traced), on a
+    tiny model, one round of one step."""
+    import torch
+
+    def tiny():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), None
+
+    monkeypatch.setattr(bench_compile, "MODELS", {"tiny": (tiny, lambda: bench_compile._data((3, 4), 2))})
+    monkeypatch.setattr(bench_compile, "WARMUP_STEPS", 1)
+    out = bench_compile.main(["--models", "tiny", "--rounds", "1", "--steps", "1", "--compile-step"])
+    assert out["compile_step"] is True
+    assert set(out["models"]["tiny"]["graph_breaks"]) == {"Call to `torch._dynamo.graph_break()`"}
+    assert out["models"]["tiny"]["cpu_ratio"]["compiled full_health"] > 0
+    assert "optimizer step compiled" in capsys.readouterr().out
+
+
 @pytest.mark.timeout(240)
 def test_origin_benchmark_prints_its_pairs(tmp_path, capsys):
     import bench_origin

@@ -13,9 +13,10 @@ patched for the recording's duration. Graphs Inductor compiled before the record
 cannot be seen inside; their calls are recorded as one execution each ("graph granularity").
 
 Dynamo must never trace trainguard: the dispatch mode declares ``ignore_compile_internals``
-(so compilation proceeds while it is active, with the mode off), module hooks return at once
-under ``torch.compiler.is_compiling()``, and :func:`keep_dynamo_out` marks trainguard's entry
-points so that the eval-frame callback skips them and everything they call at run time.
+(so compilation proceeds while it is active, with the mode off), module and optimizer hooks
+only emit a side-effect op under ``torch.compiler.is_compiling()`` (``_compile_monitor``,
+``_steps.step_tap``), and :func:`keep_dynamo_out` marks trainguard's entry points so that the
+eval-frame callback skips them and everything they call at run time.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from trainguard.capture import _steps
 from trainguard.capture._compile_summary import (
     Builder,
     finish,
@@ -115,6 +116,9 @@ class OpTemplate:
     renorm_part: bool = False  # part of a decomposed softmax-like op: a NaN it makes is its own
     const: bool = False  # a decomposition's constant (masked_fill's -inf as full): the op's scalar argument
     recompute: bool = False  # a forward op the partitioner recomputes in the backward graph
+    # Where it lies against an optimizer step traced into the graph (torch.compile(opt.step), see
+    # _steps.step_tap): 0 before it (or none in the graph), 1 inside it, 2 after it.
+    stage: int = 0
 
 
 @dataclass
@@ -210,9 +214,15 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
     mod_key = "fwd_nn_module_stack" if kind == "backward" else "nn_module_stack"
     segmented = _full_selects(graph, mode) if fields else set()
     segments: dict[tuple[fx.Node, int], fx.Node] = {}  # (tensor, dim) -> its counts per index
+    stage = 0
+    stage_of: dict[fx.Node, int] = {}
 
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        if node.target is _steps.step_tap:  # the optimizer hooks' taps: between them, its update
+            which = node.args[2] if len(node.args) > 2 else node.kwargs["which"]
+            stage = 1 if which == _steps.PRE else 2
             continue
         outs = _tensors(node.meta.get("val"))
         if not outs:
@@ -289,7 +299,9 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
             renorm_part=shown is not None and cls != RENORM and shown in RENORM_OPS,
             const=shown is not None and not inputs,
             recompute=kind == "backward" and node.meta.get("partitioner_tag") == "is_forward",
+            stage=_stage(node, stage, ph_index, stage_of),
         ))
+        stage_of[node] = plan.ops[-1].stage
         if kind != "backward" and isinstance(seq_nr, int) and seq_nr not in plan.fwd_index:
             plan.fwd_index[seq_nr] = k  # the first op of a sequence number made its autograd node
 
@@ -306,6 +318,17 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
         graph.lint()
         gm.recompile()
     return plan
+
+
+def _stage(node: fx.Node, stage: int, ph_index: dict, stage_of: dict) -> int:
+    """An op's stage against an optimizer step in the graph; the copy of a mutated graph input's
+    new values into it (functionalization's write-back, at the graph's end, after the post tap)
+    belongs where its values were made: the update's write-back into the parameters is the
+    optimizer's."""
+    if (node.target is torch.ops.aten.copy_.default and node.args and node.args[0] in ph_index
+            and len(node.args) > 1 and node.args[1] in stage_of):
+        return stage_of[node.args[1]]
+    return stage
 
 
 def _norm_dim(node: fx.Node) -> int:

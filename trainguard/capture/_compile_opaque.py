@@ -11,7 +11,8 @@ import logging
 import torch
 
 from trainguard.capture import _steps
-from trainguard.capture._compile_run import _in_taint, input_refs, produced, python_records
+from trainguard.capture._compile_run import _in_taint
+from trainguard.capture._compile_where import input_refs, produced, python_records
 from trainguard.capture._summary import summarize_deferred, summarize_immediate
 from trainguard.capture._taint import DEFAULT, HARMFUL, PENDING, UNKNOWN
 from trainguard.store._codec import health_of

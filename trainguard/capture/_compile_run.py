@@ -1,20 +1,21 @@
 """Calling a recorded graph: one record per aten op per call, in the eager recorder's format.
 
 The compiled code computes its summaries itself (see ``_compile_graph``); here, per call, the
-graph's inputs are linked to the eager ops, parameters or data that made them, the op records
-are built from the compile-time templates (sequence numbers, step, phase, module, stack), the
-summary matrix is handed to the writer like an accelerator summary batch (resolved on the
-writer thread, never waited for here), and the graph's outputs are registered as produced by
-their ops so that later eager ops and the backward graph link to them. While the compiled code
-runs, the dispatch mode lets its few Python-dispatched ops (extern kernels) pass unrecorded.
+graph's inputs are linked to the eager ops, parameters or data that made them
+(``_compile_where``), the summary matrix is handed to the writer like an accelerator summary
+batch (resolved on the writer thread, never waited for here), the op records are built from the
+compile-time templates (sequence numbers, step, phase, module, stack), and the graph's outputs
+are registered as produced by their ops so that later eager ops and the backward graph link to
+them. A call with nothing to judge op by op here (no non-finite value, no tainted input, no
+check_numerics) is handed over as one object, whose records the writer's thread makes
+(``_compile_records.GraphCall``). While the compiled code runs, the dispatch mode lets its few
+Python-dispatched ops (extern kernels) pass unrecorded.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import weakref
 
 import torch
 
@@ -22,7 +23,16 @@ from trainguard._errors import NonFiniteError
 from trainguard.capture import _numerics, _steps
 from trainguard.capture._compile_graph import GraphPlan
 from trainguard.capture._compile_numerics import numerics_message, origin_detail
-from trainguard.capture._summary import unknown_summary
+from trainguard.capture._compile_records import GraphCall, op_inputs, op_phase, unknown_parts
+from trainguard.capture._compile_where import (
+    backward_where,
+    input_refs,
+    metas_of,
+    module_ids,
+    produced,
+    python_records,
+    stack_ids,
+)
 from trainguard.capture._taint import ALLOC, DEFAULT, HARMFUL, PENDING, RENORM, UNKNOWN
 from trainguard.store import MODE_FIELDS
 from trainguard.store._codec import NAN, health_of
@@ -66,6 +76,7 @@ class RecordedGraph:
         self.metas: dict = {}  # shape-symbol values -> outputs per op (dynamic shapes)
         self.static_metas = None if plan.dynamic else tuple(t.outputs for t in plan.ops)
         self.fwd_of: list | None = None  # backward: forward op index per op
+        self.n_wanted = sum(1 for t in plan.ops if t.wanted)  # records per call
         self.bind(None)
 
     def bind(self, recorder) -> None:
@@ -95,124 +106,6 @@ class RecordedGraph:
         return getattr(self.compiled, name)
 
 
-def input_refs(r, args, names=(), cur: int | None = None) -> list:
-    """Where each graph input comes from, as the eager recorder names inputs. Parameters and
-    buffers of a compiled module are named here (relative to the module ``cur`` the graph was
-    called in): its modules never run eagerly."""
-    named = r.modules.named_tensors
-    producers = r.producers
-    native = r._native
-    refs = []
-    prefix = False
-    for i, a in enumerate(args):
-        if not isinstance(a, _Tensor):
-            refs.append(None)
-            continue
-        key = id(a)
-        e = named.get(key)
-        if e is not None and e[0]() is a:
-            refs.append((e[2], e[1]))
-            continue
-        n = names[i] if i < len(names) else None
-        if n is not None:
-            if prefix is False:  # once per call that names something new
-                entry = r.modules.module_of_id().get(cur) if cur is not None else None
-                prefix = entry[0] if entry else ""
-            name = f"{prefix}.{n[1]}" if prefix else n[1]
-            named[key] = (weakref.ref(a), name, n[0])
-            if r.modules.on_named is not None:  # the native core names eager ops' inputs itself
-                r.modules.on_named(a, name, n[0])
-            refs.append((n[0], name))
-            continue
-        if native is not None:
-            seq = native.producer_seq(a)
-            refs.append(("op", seq) if seq is not None else ("input", None))
-            continue
-        p = producers.get(key)
-        refs.append(("op", p[1]) if p is not None and p[0]() is a else ("input", None))
-    return refs
-
-
-def produced(r, o: _Tensor, seq: int, name: str, sid) -> None:
-    """``o`` holds the values of record ``seq`` (a graph's output): later ops name it as input."""
-    if r._native is not None:
-        r._native.core.set_producer(o, seq, sid or 0)
-    else:
-        from trainguard.capture._recorder import _register
-
-        _register(r, r.producers, o, seq, name, sid, None)
-
-
-def python_records(r):
-    """Around a graph's call and its records: under the native core, see
-    NativeBackend.python_records; the dispatch mode lets its ops pass by ``in_graph``."""
-    return r._native.python_records() if r._native is not None else contextlib.nullcontext()
-
-
-def _module_ids(g: RecordedGraph, r, cur: int | None) -> tuple:
-    mids = g.mods.get(cur)
-    if mids is None:
-        outer = r.modules.module_of_id().get(cur) if cur is not None else None
-        out = []
-        for t in g.plan.ops:
-            if t.module is None:
-                out.append(cur)
-                continue
-            rel, type_name = t.module
-            path = ".".join(p for p in ((outer[0] if outer else ""), rel) if p)
-            out.append(r.modules.intern(path, type_name or (outer[1] if outer else "")))
-        mids = g.mods[cur] = tuple(out)
-    return mids
-
-
-def _stack_ids(g: RecordedGraph, r, outer_sid: int | None) -> tuple:
-    sids = g.sids.get(outer_sid)
-    if sids is None:
-        outer = tuple(tuple(f) for f in r.stacks.frames(outer_sid))
-        out, cache = [], {}
-        for t in g.plan.ops:
-            if not t.frames:
-                out.append(outer_sid)
-                continue
-            sid = cache.get(t.frames)
-            if sid is None:
-                # The live stack holds the compiled function's own frame (at the call of the graph):
-                # the node's frames replace it from there on.
-                head = t.frames[0]
-                cut = len(outer)
-                for i in range(len(outer) - 1, -1, -1):
-                    if outer[i][0] == head[0] and outer[i][2] == head[2]:
-                        cut = i
-                        break
-                sid = cache[t.frames] = r.stacks.intern(outer[:cut] + t.frames)
-            out.append(sid)
-        sids = g.sids[outer_sid] = tuple(out)
-    return sids
-
-
-def _metas(g: RecordedGraph, args) -> tuple:
-    if g.static_metas is not None:
-        return g.static_metas
-    plan = g.plan
-    values = tuple(int(args[b[1]]) if b[0] == "arg" else int(args[b[1]].shape[b[2]]) for b in plan.symbols)
-    metas = g.metas.get(values)
-    if metas is None:
-        env = {b[-1]: v for b, v in zip(plan.symbols, values)}
-        out = []
-        for t in plan.ops:
-            out.append(tuple((dt, tuple(s if isinstance(s, int) else _eval(s, env) for s in shape), dev)
-                             for dt, shape, dev in t.outputs))
-        metas = g.metas[values] = tuple(out)
-    return metas
-
-
-def _eval(expr, env) -> int:
-    try:
-        return int(expr.xreplace(env))
-    except (TypeError, ValueError):  # a size the inputs do not determine (data-dependent)
-        return -1
-
-
 def record_call(g: RecordedGraph, r, args):
     plan = g.plan
     backward = plan.kind == "backward"
@@ -238,13 +131,16 @@ def record_call(g: RecordedGraph, r, args):
 def _call(g: RecordedGraph, r, args, cur, outer_sid):
     plan = g.plan
     refs = input_refs(r, args, plan.input_names, cur)
-    metas = _metas(g, args)
+    metas = metas_of(g, args)
+    # The clock as the graph's ops see it: an optimizer step traced into the graph moves it while
+    # the graph runs (its ops' stage says which side of the step they are on).
+    before = (_clock.step, _clock.in_optimizer)
     out = g.compiled(args)
     n = plan.n_outputs
     extra = out[n:] if plan.extra else ()
     out = out[:n] if plan.extra else out
     try:
-        _emit(g, r, refs, metas, cur, outer_sid, out, extra)
+        _emit(g, r, refs, metas, cur, outer_sid, out, extra, before)
     except NonFiniteError:
         raise
     except Exception as exc:  # observing training never kills training
@@ -254,7 +150,7 @@ def _call(g: RecordedGraph, r, args, cur, outer_sid):
     return out
 
 
-def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
+def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before) -> None:
     from trainguard.capture._recorder_mode import FLUSH_RECORDS, FLUSH_SECONDS, _monotonic
 
     plan = g.plan
@@ -268,7 +164,8 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
                         "only; every op inside has its summary")
     else:
         seen[1] += 1
-    step = _clock.step
+    step, in_opt = before
+    after = (_clock.step, _clock.in_optimizer)  # for ops after an optimizer step in the graph
     backward = plan.kind == "backward"
     fw = None
     if backward:
@@ -277,11 +174,11 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
             index = g.pair.fw.fwd_index if g.pair.fw is not None else {}
             g.fwd_of = [index.get(t.seq_nr) if t.seq_nr is not None else None for t in ops]
         fwd_of = g.fwd_of
-        mids, sids = _backward_where(g, r, fw)
+        mids, sids = backward_where(g, r, fw)
     else:
         r.in_backward = False
-        mids = _module_ids(g, r, cur)
-        sids = _stack_ids(g, r, outer_sid)
+        mids = module_ids(g, r, cur)
+        sids = stack_ids(g, r, outer_sid)
     fields = r.fields
     key = matrix = None
     bad = False
@@ -308,35 +205,68 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
         r.in_backward = True
         if local and fw is not None:
             _loss_reached(g, r, fw)
-    rows = matrix.tolist() if walk and matrix is not None else None
-    pfields = MODE_FIELDS[plan.mode]
-    pending = r.pending
-    in_opt = _clock.in_optimizer
     # A training graph runs inside an autograd.Function's forward, where grad mode is off.
     training = plan.kind == "forward"
     grad = _grad_enabled()
+    writer = r.writer is not None
+    if writer and not walk and not r.check and key is not None:
+        # Nothing to judge op by op here: one object for the whole call, expanded into its
+        # records on the writer's thread (capture/_compile_records).
+        r.pending.append(GraphCall(ops, base, (step, in_opt), after, backward, training, grad, mids, sids,
+                                   fw[0] if backward and fw is not None else None, fwd_of if backward else None,
+                                   refs, metas, key, r.mode, 0 if local else None, g.n_wanted))
+        recorded = g.n_wanted
+    elif writer or walk:
+        recorded = _judged(g, r, base, (step, in_opt), after, backward, training, grad, mids, sids, fw,
+                           refs, metas, key, matrix, local, walk)
+    else:
+        recorded = 0
+    r.recorded += recorded
+    for i, o in enumerate(out):
+        po = plan.out_ops[i]
+        if po is not None and isinstance(o, _Tensor):
+            k = po[0]
+            produced(r, o, base + k, ops[k].name, sids[k])
+            if r.mode == "full_tensor" and writer and ops[k].wanted:
+                r.writer.put_payload_tensor(base + k, po[1], o.detach().to("cpu", copy=True))
+    if not backward:
+        g.pair.last_fw = (base, mids, sids)
+    if not writer:
+        return
+    if len(r.pending) >= FLUSH_RECORDS or r.taint.urgent or _monotonic() - r.last_flush > FLUSH_SECONDS:
+        r.flush()
+
+
+def _judged(g: RecordedGraph, r, base, before, after, backward, training, grad, mids, sids, fw, refs, metas,
+            key, matrix, local, walk) -> int:
+    """The call's records built here, op by op in graph order: judged where something inside is
+    not finite or an input is tainted (``walk``), stopping where check_numerics must. Returns how
+    many were recorded."""
+    plan = g.plan
+    ops = plan.ops
+    rows = matrix.tolist() if walk and matrix is not None else None
+    pfields = MODE_FIELDS[plan.mode]
+    pending = r.pending
     states = r.taint.states
-    unknown = {}
+    fwd_of = g.fwd_of
+    fw_base = fw[0] if backward and fw is not None else None
+    unknown: dict = {}
     recorded = 0
     writer = r.writer is not None
-    for k in range(len(ops) if writer or walk else 0):
-        t = ops[k]
+    fields = r.fields
+    for k, t in enumerate(ops):
         if not t.wanted:
             continue
         seq = base + k
         mid = mids[k]
+        step, in_opt = after if t.stage == 2 else before
+        phase = op_phase(t, mid, backward, training, grad, in_opt)
         fwd_seq = None
         if backward:
-            phase = "backward"
             j = fwd_of[k]
-            if fw is not None and j is not None:
-                fwd_seq = fw[0] + j
-        elif in_opt:
-            phase = "optimizer"
-        else:
-            phase = "forward" if training or mid is not None or grad else "other"
-        inputs = tuple(("op", base + j) if kind == "n" else (refs[j] or ("input", None)) if kind == "p"
-                       else ("input", None) for kind, j in t.inputs)
+            if fw_base is not None and j is not None:
+                fwd_seq = fw_base + j
+        inputs = op_inputs(t, base, refs)
         health = taint = 0 if local else None
         origin = None
         if walk:
@@ -361,17 +291,8 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
             continue
         summary = None
         if fields:
-            parts = []
-            for row, meta in zip(t.rows, metas[k]):
-                if row is not None and key is not None:
-                    parts.append(("d", key, row))
-                else:
-                    n = math.prod(meta[1]) if all(s >= 0 for s in meta[1]) else -1
-                    u = unknown.get(n)
-                    if u is None:
-                        u = unknown[n] = unknown_summary(r.mode, n if n >= 0 else 0)
-                    parts.append(u)
-            summary = tuple(parts)
+            summary = tuple(("d", key, row) if row is not None and key is not None
+                            else unknown_parts(r.mode, meta, unknown) for row, meta in zip(t.rows, metas[k]))
         rec = (seq, step, phase, t.name, mid, sids[k], fwd_seq, health, inputs, metas[k], summary, taint, origin)
         if taint == PENDING:
             r.taint.keep(rec)
@@ -380,20 +301,7 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra) -> None:
             _stop_at(g, r, k, rows, rec, refs, fw)
         pending.append(rec)
         recorded += 1
-    r.recorded += recorded
-    for i, o in enumerate(out):
-        po = plan.out_ops[i]
-        if po is not None and isinstance(o, _Tensor):
-            k = po[0]
-            produced(r, o, base + k, ops[k].name, sids[k])
-            if r.mode == "full_tensor" and writer and ops[k].wanted:
-                r.writer.put_payload_tensor(base + k, po[1], o.detach().to("cpu", copy=True))
-    if not backward:
-        g.pair.last_fw = (base, mids, sids)
-    if not writer:
-        return
-    if len(pending) >= FLUSH_RECORDS or r.taint.urgent or _monotonic() - r.last_flush > FLUSH_SECONDS:
-        r.flush()
+    return recorded
 
 
 def op_health(fields: tuple, rows: list, op_rows: tuple) -> int:
@@ -463,23 +371,6 @@ def _stop_at(g: RecordedGraph, r, k: int, rows, rec: tuple, refs, fw) -> None:
                                 reason=first["reason"] if first and first["seq"] == seq else None)
         msg += f"\n  inside the compiled graph {g.label}"
     r._stop_with(msg, seq, name, phase)
-
-
-def _backward_where(g: RecordedGraph, r, fw) -> tuple[tuple, tuple]:
-    """Backward ops take the module and stack of the forward op they differentiate."""
-    ops = g.plan.ops
-    if fw is None:
-        return (None,) * len(ops), _stack_ids(g, r, None)
-    # The forward's per-op tuples are cached objects (one per calling module and stack).
-    hit = g.where
-    if hit is not None and hit[0] is fw[1] and hit[1] is fw[2]:
-        return hit[2], hit[3]
-    fwd_of = g.fwd_of
-    own = _stack_ids(g, r, None)
-    mids = tuple(fw[1][j] if j is not None else None for j in fwd_of)
-    sids = tuple(fw[2][j] if j is not None else own[k] for k, j in enumerate(fwd_of))
-    g.where = (fw[1], fw[2], mids, sids)
-    return mids, sids
 
 
 def _ship(r, key, matrix: torch.Tensor, mode: str) -> None:

@@ -103,10 +103,11 @@ def _wrap_closure(optimizer, closure: Callable) -> Callable:
 
 
 def _pre(optimizer, args, kwargs):
-    clock.in_optimizer += 1
+    if torch.compiler.is_compiling():
+        _trace_tap(optimizer, PRE)
+        return None
     closure, as_kw = _closure_of(args, kwargs)
-    for fn in list(clock.before_optimizer_step):
-        fn(optimizer, closure is not None)
+    _enter(optimizer, closure is not None)
     if closure is None:
         return None
     wrapped = _wrap_closure(optimizer, closure)
@@ -116,11 +117,91 @@ def _pre(optimizer, args, kwargs):
 
 
 def _post(optimizer, args, kwargs) -> None:
+    if torch.compiler.is_compiling():
+        _trace_tap(optimizer, POST)
+        return
+    _leave(optimizer)
+
+
+def _enter(optimizer, has_closure: bool) -> None:
+    clock.in_optimizer += 1
+    for fn in list(clock.before_optimizer_step):
+        fn(optimizer, has_closure)
+
+
+def _leave(optimizer) -> None:
     clock.in_optimizer = max(0, clock.in_optimizer - 1)
     clock.optimizer_calls += 1
     for fn in list(clock.on_optimizer_step):
         fn(optimizer)
     _count(optimizer)
+
+
+# ---------------------------------------------------------------------- a compiled optimizer step
+# Under torch.compile(opt.step) Dynamo inlines the global hooks into the traced step: run there,
+# their Python (the clock, the listeners, the native core's setter) would break the graph or be
+# frozen at trace time. There they only emit trainguard::step_tap(params, token, which), an op
+# with a side effect that the compiled code calls at every step; its kernel does at run time what
+# the eager hook does. The pre tap reads the parameters as they are before the update and the
+# post tap as they are after it, so that the compiled code orders them around the update.
+# (A closure passed to a compiled step is traced with the step: its ops count as the optimizer's.)
+PRE, POST = 0, 1
+step_tap = None  # the op, defined with the hooks (see _define_tap)
+_lib = None  # its library fragment, kept alive with it
+_optimizers: dict[int, weakref.ref] = {}  # token -> optimizer
+_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> token
+
+
+def _step_tap(params, token, which) -> None:
+    if clock.users == 0:  # a graph traced while the hooks were installed, run after they went
+        return
+    ref = _optimizers.get(token)
+    optimizer = ref() if ref is not None else None
+    if optimizer is None:
+        return
+    if which == PRE:
+        _enter(optimizer, False)
+    else:
+        _leave(optimizer)
+
+
+def _step_tap_meta(params, token, which) -> None:
+    return None
+
+
+def _define_tap() -> None:
+    """Define ``trainguard::step_tap`` once (with the hooks: importing trainguard defines no op)."""
+    global step_tap, _lib
+    if step_tap is not None:
+        return
+    _lib = torch.library.Library("trainguard", "FRAGMENT")
+    _lib.define("step_tap(Tensor[] params, int token, int which) -> ()")
+    _lib.impl("step_tap", _step_tap, "CompositeExplicitAutograd")
+    _lib.impl("step_tap", _step_tap_meta, "Meta")
+    op = torch.ops.trainguard.step_tap.default
+    torch.fx.node.has_side_effect(op)
+    step_tap = op
+
+
+def _token(optimizer) -> int:
+    """The optimizer's token, called by Dynamo while it traces (the result is a constant of the
+    graph, guarded on the optimizer's identity)."""
+    with _lock:
+        t = _tokens.get(optimizer)
+        if t is None:
+            t = _tokens[optimizer] = len(_optimizers) + 1
+            _optimizers[t] = weakref.ref(optimizer)
+        return t
+
+
+# What torch.compiler.assume_constant_result sets, set here without importing Dynamo: Dynamo
+# calls the function at trace time with the real optimizer instead of tracing it.
+_token._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _trace_tap(optimizer, which: int) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    step_tap(params, _token(optimizer), which)
 
 
 def _count(optimizer) -> None:
@@ -162,10 +243,13 @@ def skipped(optimizer) -> None:
 
 
 def _keep_dynamo_out() -> None:
-    # The optimizer hooks run trainguard's per-step work; Dynamo must not compile them as frames.
+    # The optimizer hooks run trainguard's per-step work; Dynamo must not compile them as frames
+    # (and where it inlines them into a compiled step, they emit the tap).
     from trainguard.capture._compile import keep_dynamo_out
 
     keep_dynamo_out(_pre, _post)
+    with _lock:
+        _define_tap()
 
 
 def acquire() -> None:

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,10 @@ class ExecBatch:
     whose health the hot path does not know); records of 11 fields (no taint) are judged as
     format 2 did (every non-finite execution harmful).
 
+    An entry of ``records`` that is not a tuple stands for all the records of one compiled graph
+    call (``capture._compile_records.GraphCall``): its ``expand(hosts)`` makes them here, on the
+    writer's thread, with their summaries from the call's matrix in ``deferred``.
+
     ``pins`` are the seqs the circular buffer must keep (None: judged by health in the sink);
     ``resend`` holds older records sent again because they became harmful (their taint is
     harmful now) or because the chain of a harmful value needs them.
@@ -77,6 +82,10 @@ class ExecBatch:
     deferred: list | None = None
     pins: list[int] | None = None
     resend: list[tuple] | None = None
+
+    def count(self) -> int:
+        """How many executions it holds (counted only when it is dropped)."""
+        return sum(1 if type(r) is tuple else r.n for r in self.records)
 
 
 class RunWriter(BufferWindow, SegmentFiles):
@@ -200,7 +209,7 @@ class RunWriter(BufferWindow, SegmentFiles):
         return self._proc is None
 
     # ------------------------------------------------------------------ producer side
-    def _put(self, item: tuple, *, must_keep: bool = False, n_exec: int = 0) -> None:
+    def _put(self, item: tuple, *, must_keep: bool = False, n_exec: int | Callable[[], int] = 0) -> None:
         if self._closed or os.getpid() != self._pid:  # a forked child has no writer thread
             return
         try:
@@ -210,7 +219,7 @@ class RunWriter(BufferWindow, SegmentFiles):
                 # Evidence of a non-finite value is never dropped: wait for room.
                 self._q.put(item)
             elif n_exec:
-                self.dropped += n_exec
+                self.dropped += n_exec() if callable(n_exec) else n_exec
             else:
                 self.dropped_items += 1
 
@@ -221,7 +230,7 @@ class RunWriter(BufferWindow, SegmentFiles):
     def put_executions(self, batch: ExecBatch, *, must_keep: bool = False) -> None:
         """Hand over executions; ``must_keep`` marks a batch that must not be dropped under
         back-pressure (it holds what the buffer must keep: a harmful value, its chain)."""
-        self._put(("exec", batch, must_keep), must_keep=must_keep, n_exec=len(batch.records))
+        self._put(("exec", batch, must_keep), must_keep=must_keep, n_exec=batch.count)
 
     def add_harm_counts(self, rows: list[tuple[int, str, int, int]]) -> None:
         """Harmful executions counted by (step, op, count, first seq), added to the run's totals."""
@@ -429,6 +438,9 @@ def _resolve(batch: ExecBatch) -> list:
         hosts[dev] = host_tensor.tolist()
     out = []
     for rec in batch.records:
+        if type(rec) is not tuple:  # a compiled graph call's records, made here (see ExecBatch)
+            out.extend(rec.expand(hosts))
+            continue
         summary = rec[10]
         if summary:
             summary = tuple(tuple(hosts[v[1]][v[2]]) if isinstance(v[0], str) else v for v in summary)
