@@ -54,11 +54,16 @@ struct Input {
   bool maybe = false;        // kind 0: its producer may hold a taint state (see Producer)
 };
 
+// A record's inputs, outputs and output sizes live in the Core's flat buffers (Core::inputs,
+// outputs, dims), appended per record and swapped out whole by the drain: no allocation per
+// record on the training thread (a record with vectors of its own made four to six, each freed
+// later on the drain thread).
 struct Output {
   at::ScalarType dtype;
-  std::vector<int64_t> shape;
-  c10::Device device{c10::kCPU};
   int8_t summary = 0;  // 0 none, 1 immediate values, 2 deferred row
+  c10::Device device{c10::kCPU};
+  uint32_t ndim = 0;
+  size_t dims = 0;     // its sizes: Core::dims[dims, dims + ndim)
   Summary s;
   int64_t row = 0;
 };
@@ -66,12 +71,12 @@ struct Output {
 struct Record {
   int64_t seq, step;
   int8_t phase;        // 0 forward, 1 backward, 2 optimizer, 3 other
+  int8_t taint = -1;   // 0: finite, judged here (see Core::last_seq); -1: the Python judge decides
+  int health;          // -1: not known on the host yet (deferred summaries)
   OpInfo* op;
   int64_t module, stack, fwd_seq;  // 0 / 0 / -1: none
-  int health;          // -1: not known on the host yet (deferred summaries)
-  int8_t taint = -1;   // 0: finite, judged here (see Core::last_seq); -1: the Python judge decides
-  std::vector<Input> inputs;
-  std::vector<Output> outputs;
+  uint32_t nin = 0, nout = 0;
+  size_t in0 = 0, out0 = 0;        // Core::inputs[in0, in0 + nin), Core::outputs[out0, out0 + nout)
   std::vector<at::Tensor> payloads;  // full_tensor: host copies
 };
 
@@ -129,7 +134,10 @@ struct Core {
   std::condition_variable cv;
   int64_t seq = 0, recorded = 0, failures = 0, unsure = 0;
   int64_t last_nr = 0;
-  std::vector<Record> records;
+  std::vector<Record> records;  // and their inputs, outputs and sizes (see Output):
+  std::vector<Input> inputs;
+  std::vector<Output> outputs;
+  std::vector<int64_t> dims;
   // The taint fast path. Tracker.judge keeps a state only for outputs that are not finite
   // (unknown, pending, harmful), and a record's taint is finite with no effect on the tracker
   // when its outputs are finite (health 0), its op allocates nothing (not ALLOC) and none of its

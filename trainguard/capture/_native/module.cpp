@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 
 namespace py = pybind11;
 using namespace tg;
@@ -44,6 +45,9 @@ struct PyCore {
   std::unique_ptr<Core> core;
   std::unordered_map<std::string, PyObject*> devices;  // str(device) for the records
   std::unordered_map<std::string, py::object> device_objs;  // torch.device for deferred rows
+  // The sizes of the last batch drained (see drain), at most MAX_RESERVE records' worth.
+  static constexpr size_t MAX_RESERVE = 2 * FLUSH_RECORDS;
+  size_t last_records = 0, last_inputs = 0, last_outputs = 0, last_dims = 0;
 
   PyCore(int mode, int strategy, py::object wanted_fn, py::list dtypes, py::object on_new_stack) {
     core = std::make_unique<Core>();
@@ -69,6 +73,9 @@ struct PyCore {
     Py_XDECREF(core->wanted_fn);
     stacks_free(core->stacks);
     for (auto& kv : devices) Py_DECREF(kv.second);
+    clear_meta_tuples();
+    for (auto& kv : named_refs) Py_DECREF(kv.second);
+    Py_XDECREF(input_none);
   }
 
   bool start() { return install(core.get()); }
@@ -113,28 +120,86 @@ struct PyCore {
     return o;
   }
 
-  PyObject* record_tuple(const Record& r, int nfields) {
-    PyObject* ins = steal(PyTuple_New((Py_ssize_t)r.inputs.size()));
-    for (size_t i = 0; i < r.inputs.size(); ++i) {
-      const Input& in = r.inputs[i];
-      PyObject* e;
-      if (in.kind == 0) e = Py_BuildValue("(OL)", g_op, (long long)in.ref);
-      else if (in.kind == 2) e = Py_BuildValue("(OO)", in.what, in.name);
-      else e = Py_BuildValue("(OO)", g_input, Py_None);
-      PyTuple_SET_ITEM(ins, i, untracked(steal(e)));
+  // Parts of the record tuples that repeat are made once and shared by the records (tuples
+  // are immutable): ("input", None), ("param"|"buffer", name), and (dtype, shape, device).
+  PyObject* input_none = nullptr;
+  std::map<std::pair<PyObject*, PyObject*>, PyObject*> named_refs;  // each tuple holds its key
+  struct DimsHash {
+    size_t operator()(const std::vector<int64_t>& v) const {
+      size_t h = 1469598103934665603ull;
+      for (int64_t x : v) h = (h ^ (size_t)x) * 1099511628211ull;
+      return h;
     }
-    untracked(ins);
-    PyObject* metas = steal(PyTuple_New((Py_ssize_t)r.outputs.size()));
-    PyObject* sums = nfields ? steal(PyTuple_New((Py_ssize_t)r.outputs.size())) : nullptr;
-    for (size_t i = 0; i < r.outputs.size(); ++i) {
-      const Output& o = r.outputs[i];
-      PyObject* shape = steal(PyTuple_New((Py_ssize_t)o.shape.size()));
-      for (size_t k = 0; k < o.shape.size(); ++k) PyTuple_SET_ITEM(shape, k, steal(PyLong_FromLongLong(o.shape[k])));
-      PyObject* dt = g_dtype_names[(int)o.dtype];
+  };
+  std::unordered_map<std::vector<int64_t>, PyObject*, DimsHash> meta_tuples;  // (dtype, device, sizes...)
+  std::vector<int64_t> meta_key;
+  static constexpr size_t META_TUPLES_MAX = 1 << 14;
+
+  PyObject* input_ref() {
+    if (input_none == nullptr) input_none = untracked(steal(PyTuple_Pack(2, g_input, Py_None)));
+    Py_INCREF(input_none);
+    return input_none;
+  }
+
+  PyObject* named_ref(PyObject* what, PyObject* name) {
+    auto key = std::make_pair(what, name);
+    auto it = named_refs.find(key);
+    if (it == named_refs.end())
+      it = named_refs.emplace(key, untracked(steal(PyTuple_Pack(2, what, name)))).first;
+    Py_INCREF(it->second);
+    return it->second;
+  }
+
+  PyObject* meta_tuple(const Output& o, const int64_t* dims) {
+    meta_key.clear();
+    meta_key.push_back((int64_t)o.dtype);
+    meta_key.push_back(((int64_t)o.device.type() << 16) | (int64_t)(uint16_t)o.device.index());
+    meta_key.insert(meta_key.end(), dims + o.dims, dims + o.dims + o.ndim);
+    auto it = meta_tuples.find(meta_key);
+    if (it == meta_tuples.end()) {
+      if (meta_tuples.size() >= META_TUPLES_MAX) clear_meta_tuples();
+      PyObject* shape = steal(PyTuple_New((Py_ssize_t)o.ndim));
+      for (size_t k = 0; k < o.ndim; ++k) PyTuple_SET_ITEM(shape, k, steal(PyLong_FromLongLong(dims[o.dims + k])));
       untracked(shape);
+      PyObject* dt = g_dtype_names[(int)o.dtype];
       PyObject* m = untracked(steal(PyTuple_Pack(3, dt ? dt : Py_None, shape, device_str(o.device))));
       Py_DECREF(shape);
-      PyTuple_SET_ITEM(metas, i, m);
+      it = meta_tuples.emplace(meta_key, m).first;
+    }
+    Py_INCREF(it->second);
+    return it->second;
+  }
+
+  void clear_meta_tuples() {
+    for (auto& kv : meta_tuples) Py_DECREF(kv.second);
+    meta_tuples.clear();
+  }
+
+  PyObject* record_tuple(const Record& r, const Input* inputs, const Output* outputs, const int64_t* dims,
+                         int nfields) {
+    PyObject* ins = steal(PyTuple_New((Py_ssize_t)r.nin));
+    for (size_t i = 0; i < r.nin; ++i) {
+      const Input& in = inputs[r.in0 + i];
+      PyObject* e;
+      if (in.kind == 0) {
+        e = steal(PyTuple_New(2));
+        Py_INCREF(g_op);
+        PyTuple_SET_ITEM(e, 0, g_op);
+        PyTuple_SET_ITEM(e, 1, steal(PyLong_FromLongLong(in.ref)));
+        untracked(e);
+      } else if (in.kind == 2) {
+        e = named_ref(in.what, in.name);
+      } else {
+        e = input_ref();
+      }
+      PyTuple_SET_ITEM(ins, i, e);
+    }
+    untracked(ins);
+    PyObject* metas = steal(PyTuple_New((Py_ssize_t)r.nout));
+    PyObject* sums = nfields ? steal(PyTuple_New((Py_ssize_t)r.nout)) : nullptr;
+    for (size_t i = 0; i < r.nout; ++i) {
+      const Output& o = outputs[r.out0 + i];
+      PyTuple_SET_ITEM(metas, i, meta_tuple(o, dims));
       if (sums) {
         PyObject* s;
         if (o.summary == 2) {
@@ -182,7 +247,16 @@ struct PyCore {
   //  the Python judge must see (taint None), ``cut`` the index of the first record whose health
   //  is not known on the host yet (len(records) if none).
   py::tuple drain(bool want_live) {
+    // The buffers the recording thread appends to next, allocated here, on the drain's thread,
+    // as large as the last batch's (so that the training thread does not grow them again).
     std::vector<Record> recs;
+    std::vector<Input> ins;
+    std::vector<Output> outs;
+    std::vector<int64_t> dims;
+    recs.reserve(std::min(last_records, MAX_RESERVE));
+    ins.reserve(std::min(last_inputs, 4 * MAX_RESERVE));
+    outs.reserve(std::min(last_outputs, 2 * MAX_RESERVE));
+    dims.reserve(std::min(last_dims, 8 * MAX_RESERVE));
     std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> deferred;
     std::vector<std::pair<std::string, std::string>> failed;
     std::vector<std::string> unsure;
@@ -196,7 +270,12 @@ struct PyCore {
         for (auto& kv : core->producers) live.push_back(kv.second.seq);
         for (auto& kv : core->saved) live.push_back(kv.second.seq);  // held by autograd (see Saved)
       }
-      recs.swap(core->records);
+      if (!core->records.empty()) {  // else the core keeps its (reserved) buffers
+        recs.swap(core->records);
+        ins.swap(core->inputs);
+        outs.swap(core->outputs);
+        dims.swap(core->dims);
+      }
       deferred.swap(core->deferred);
       failed.swap(core->failed);
       unsure.swap(core->unsure_ops);
@@ -208,6 +287,12 @@ struct PyCore {
     // Threads other than the recording one (autograd's device threads) may append out of order.
     if (!std::is_sorted(recs.begin(), recs.end(), [](auto& a, auto& b) { return a.seq < b.seq; }))
       std::sort(recs.begin(), recs.end(), [](auto& a, auto& b) { return a.seq < b.seq; });
+    if (!recs.empty()) {
+      last_records = recs.size();
+      last_inputs = ins.size();
+      last_outputs = outs.size();
+      last_dims = dims.size();
+    }
     int nfields = mode_fields(core->mode);
     py::list out;
     py::list payloads;
@@ -217,7 +302,7 @@ struct PyCore {
       const Record& r = recs[i];
       if (r.taint != 0) judge.append(py::int_(i));
       if (r.health < 0 && cut == recs.size()) cut = i;
-      out.append(py::reinterpret_steal<py::object>(record_tuple(r, nfields)));
+      out.append(py::reinterpret_steal<py::object>(record_tuple(r, ins.data(), outs.data(), dims.data(), nfields)));
       for (size_t k = 0; k < r.payloads.size(); ++k) payloads.append(py::make_tuple(r.seq, k, r.payloads[k]));
     }
     py::object dd = py::none();

@@ -25,6 +25,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <pthread.h>
@@ -52,74 +53,125 @@ const std::unordered_set<std::string> g_never = {
     "aten::_fw_primal", "aten::_make_dual", "aten::is_leaf", "aten::output_nr", "aten::_version",
     "aten::retains_grad"};
 
-OpInfo* lookup_op(const at::RecordFunction& fn) {
+// Per thread, a direct-mapped cache of operators by the schema's name pointer in front of the
+// shared table: plain arrays of pointers, so that reading them needs no thread_local guard
+// and no hashing beyond a shift (every dispatcher call asks, recorded or not).
+constexpr size_t OP_CACHE = 1024;
+thread_local const char* tl_op_keys[OP_CACHE] = {nullptr};
+thread_local OpInfo* tl_op_infos[OP_CACHE] = {nullptr};
+
+size_t op_slot(const char* key) {
+  auto h = (uintptr_t)key;
+  return (size_t)((h >> 4) ^ (h >> 14)) & (OP_CACHE - 1);
+}
+
+OpInfo* lookup_op_slow(const at::RecordFunction& fn, const char* key);
+
+inline OpInfo* lookup_op(const at::RecordFunction& fn) {
   const char* key = fn.name();
-  thread_local std::unordered_map<const char*, OpInfo*> cache;
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  auto on = fn.operator_name();
-  if (!on) return nullptr;  // a RecordFunction that is not an operator call: not cached
-  // The GIL before the lock, never the other way round (a thread holding the GIL may wait here).
+  size_t k = op_slot(key);
+  if (C10_LIKELY(tl_op_keys[k] == key)) return tl_op_infos[k];
+  return lookup_op_slow(fn, key);
+}
+
+OpInfo* make_op(const c10::OperatorName& on, const char* key);
+
+OpInfo* lookup_op_slow(const at::RecordFunction& fn, const char* key) {
+  OpInfo* info = nullptr;
+  {
+    // Known to another thread, or evicted from this thread's cache: the lock alone (nothing
+    // is waited for while it is held).
+    std::lock_guard<std::mutex> g(g_ops_mu);
+    auto git = g_ops.find(key);
+    if (git != g_ops.end()) info = git->second;
+  }
+  if (info == nullptr) {
+    auto on = fn.operator_name();
+    if (!on) return nullptr;  // a RecordFunction that is not an operator call: not cached
+    info = make_op(*on, key);
+  }
+  size_t k = op_slot(key);
+  tl_op_keys[k] = key;
+  tl_op_infos[k] = info;
+  return info;
+}
+
+OpInfo* make_op(const c10::OperatorName& on, const char* key) {
+  // Built with the GIL (its taint facts come from Python) but without g_ops_mu, which is
+  // never held while anything is waited for: Python code may let another thread take the
+  // GIL, and that thread may be waiting for the lock in lookup_op_slow.
   PyGILState_STATE gs = PyGILState_Ensure();
-  std::lock_guard<std::mutex> g(g_ops_mu);
-  auto git = g_ops.find(key);
-  OpInfo* info;
-  if (git != g_ops.end()) {
-    info = git->second;
+  auto* info = new OpInfo();
+  std::string base = on.name;  // "aten::addmm"
+  auto sep = base.find("::");
+  info->name = base.substr(0, sep) + "." + base.substr(sep + 2) + "." +
+               (on.overload_name.empty() ? std::string("default") : on.overload_name);
+  info->py_name = PyUnicode_InternFromString(info->name.c_str());
+  info->autocast_cpu = info->autocast_cuda = false;
+  info->view = false;
+  info->kind = OP_SEEN;
+  if (g_never.count(base) || base.rfind("profiler::", 0) == 0) {
+    info->kind = OP_NEVER;
   } else {
-    info = new OpInfo();
-    info->index = (int)g_op_list.size();
-    std::string base = on->name;  // "aten::addmm"
-    auto sep = base.find("::");
-    info->name = base.substr(0, sep) + "." + base.substr(sep + 2) + "." +
-                 (on->overload_name.empty() ? std::string("default") : on->overload_name);
-    info->py_name = PyUnicode_InternFromString(info->name.c_str());
+    auto op = c10::Dispatcher::singleton().findOp(on);
+    if (op && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
+      info->kind = OP_COMPOSITE;
+    if (op) {
+      info->autocast_cpu = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU);
+      info->autocast_cuda = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA);
+      if (op->hasSchema()) {
+        const auto& rets = op->schema().returns();
+        info->view = !rets.empty() && rets[0].alias_info() != nullptr && !rets[0].alias_info()->isWrite();
+      }
+    }
+  }
+  PyObject* classes;
+  {
+    std::lock_guard<std::mutex> g(g_ops_mu);
     info->alloc = g_alloc.count(info->name) > 0;
     info->alias = g_alias.count(info->name) > 0;
-    info->autocast_cpu = info->autocast_cuda = false;
-    info->view = false;
-    info->kind = OP_SEEN;
-    if (g_never.count(base) || base.rfind("profiler::", 0) == 0) {
-      info->kind = OP_NEVER;
+    classes = g_op_classes;
+    Py_XINCREF(classes);
+  }
+  if (classes != nullptr) {
+    bool paused = tl_paused;
+    tl_paused = true;  // ops the resolver runs are not recorded
+    PyObject* r = PyObject_CallFunctionObjArgs(classes, info->py_name, nullptr);
+    tl_paused = paused;
+    int cls = -1, ow = 0;
+    if (r != nullptr && PyTuple_Check(r) && PyTuple_GET_SIZE(r) >= 2) {
+      cls = (int)PyLong_AsLong(PyTuple_GET_ITEM(r, 0));
+      ow = PyObject_IsTrue(PyTuple_GET_ITEM(r, 1));
+    }
+    if (PyErr_Occurred()) {  // not known: every record of it goes to the Python judge
+      PyErr_Clear();
+      cls = -1;
+      ow = 0;
+    }
+    Py_XDECREF(r);
+    Py_DECREF(classes);
+    info->taint_cls = (int8_t)cls;
+    info->overwrite = ow == 1;
+  }
+  OpInfo* out;
+  {
+    std::lock_guard<std::mutex> g(g_ops_mu);
+    auto git = g_ops.find(key);
+    if (git != g_ops.end()) {
+      out = git->second;  // another thread made it meanwhile
     } else {
-      auto op = c10::Dispatcher::singleton().findOp(*on);
-      if (op && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
-        info->kind = OP_COMPOSITE;
-      if (op) {
-        info->autocast_cpu = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU);
-        info->autocast_cuda = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA);
-        if (op->hasSchema()) {
-          const auto& rets = op->schema().returns();
-          info->view = !rets.empty() && rets[0].alias_info() != nullptr && !rets[0].alias_info()->isWrite();
-        }
-      }
+      info->index = (int)g_op_list.size();
+      g_ops.emplace(key, info);
+      g_op_list.push_back(info);
+      out = info;
     }
-    if (g_op_classes != nullptr) {
-      // Python code runs here with g_ops_mu held: any op it made would come back to this lock.
-      bool paused = tl_paused;
-      tl_paused = true;
-      PyObject* r = PyObject_CallFunctionObjArgs(g_op_classes, info->py_name, nullptr);
-      tl_paused = paused;
-      int cls = -1, ow = 0;
-      if (r != nullptr && PyTuple_Check(r) && PyTuple_GET_SIZE(r) >= 2) {
-        cls = (int)PyLong_AsLong(PyTuple_GET_ITEM(r, 0));
-        ow = PyObject_IsTrue(PyTuple_GET_ITEM(r, 1));
-      }
-      if (PyErr_Occurred()) {  // not known: every record of it goes to the Python judge
-        PyErr_Clear();
-        cls = -1;
-        ow = 0;
-      }
-      Py_XDECREF(r);
-      info->taint_cls = (int8_t)cls;
-      info->overwrite = ow == 1;
-    }
-    g_ops.emplace(key, info);
-    g_op_list.push_back(info);
+  }
+  if (out != info) {
+    Py_DECREF(info->py_name);
+    delete info;
   }
   PyGILState_Release(gs);
-  cache.emplace(key, info);
-  return info;
+  return out;
 }
 
 // ------------------------------------------------------------------ cores and their slots
@@ -133,11 +185,12 @@ struct Ctx : at::ObserverContext {
   bool wrapper = false;  // autocast may run around this call (see the rule above)
   bool in_node = false;  // run by the autograd engine (the backward pass)
   uint64_t node_nr = 0;  // that node's sequence number (AccumulateGrad's is UINT64_MAX)
-  std::vector<Input> inputs;
+  c10::SmallVector<Input, 6> inputs;
   c10::intrusive_ptr<c10::TensorImpl> first;  // the first tensor input (alias summaries)
 };
 
-// This thread's open calls per core, innermost last.
+// This thread's open recorded calls per core, innermost last. A call that is not recorded gets
+// no context at all: only recorded calls decide whether an inner call is (see on_start).
 thread_local std::vector<Ctx*> tl_open[MAX_CORES];
 
 struct Pause {
@@ -239,7 +292,8 @@ void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, c
 
 // Tensors among an op's results, as the Python recorder sees them: a single list result is
 // its elements; otherwise each tensor result (lists inside tuples are not looked into).
-void output_tensors(const std::vector<c10::IValue>& outs, std::vector<at::Tensor>& out) {
+using Tensors = c10::SmallVector<at::Tensor, 4>;
+void output_tensors(const std::vector<c10::IValue>& outs, Tensors& out) {
   if (outs.size() == 1 && outs[0].isTensorList()) {
     for (const at::Tensor& t : outs[0].toTensorList())
       if (t.defined()) out.push_back(t);
@@ -251,6 +305,7 @@ void output_tensors(const std::vector<c10::IValue>& outs, std::vector<at::Tensor
 
 // Whether ops= keeps this op; asked of Python once per op (called without the core's lock).
 bool wanted(Core* c, OpInfo* op) {
+  if (c->wanted_fn == nullptr) return true;  // no ops= filter
   {
     std::lock_guard<std::mutex> g(c->wanted_mu);
     if ((int)c->wanted.size() > op->index && c->wanted[op->index] >= 0) return c->wanted[op->index] == 1;
@@ -297,62 +352,59 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   bool below = ex.has(c10::DispatchKey::ADInplaceOrView) || ex.has(c10::DispatchKey::AutogradFunctionality);
   bool hidden = ex.has(c10::DispatchKey::Python) || (in_seen && (below || !seen_parent->wrapper)) ||
                 at::in_parallel_region();
+  // A composite is decomposed above the Python key by autograd's layer; with that layer off
+  // (inference mode, or below autograd) it reaches the key whole.
+  if (hidden || !(op->kind == OP_SEEN || (op->kind == OP_COMPOSITE && below))) return nullptr;
   auto ctx = std::make_unique<Ctx>();
   ctx->core = c;
   ctx->op = op;
-  // A composite is decomposed above the Python key by autograd's layer; with that layer off
-  // (inference mode, or below autograd) it reaches the key whole.
-  ctx->seen = !hidden && (op->kind == OP_SEEN || (op->kind == OP_COMPOSITE && below));
-  ctx->wrapper = ctx->seen && ((op->autocast_cpu && !ex.has(c10::DispatchKey::AutocastCPU)) ||
-                               (op->autocast_cuda && !ex.has(c10::DispatchKey::AutocastCUDA)));
-  if (ctx->seen && seen_parent != nullptr && seen_parent->op == op) seen_parent->seen = false;  // a wrapper
-  if (ctx->seen) {
-    try {
-      if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-        // A compiler tracing on fake tensors (AOT autograd's lazy backward compile, outside
-        // Dynamo's compile lock): the dispatch mode drops these calls too, uncounted.
-        if (c10::impl::TorchDispatchModeTLS::get_mode(c10::impl::TorchDispatchModeKey::FAKE).has_value())
-          throw Tracing{};
-        throw Unsure{};
-      }
-      auto node = torch::autograd::get_current_node();
-      ctx->in_node = node != nullptr;
-      ctx->node_nr = node ? node->sequence_nr() : 0;
-      auto inputs = fn.inputs();
-      std::lock_guard<std::mutex> g(c->mu);
-      auto add = [&](const at::Tensor& t) {
-        // A Python number passed where a tensor is expected reaches a dispatch mode as the number.
-        if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
-        if (is_unsure_tensor(t)) throw Unsure{};
-        if (!ctx->first) ctx->first = t.getIntrusivePtr();
-        ctx->inputs.push_back(input_of(c, t, ctx->in_node));
-      };
-      for (const c10::IValue& v : inputs) {
-        if (v.isTensor()) {
-          if (v.toTensor().defined()) add(v.toTensor());
-        } else if (v.isTensorList()) {
-          for (const at::Tensor& t : v.toTensorList()) add(t);
-        } else if (v.isList()) {
-          auto l = v.toListRef();
-          if (l.empty() || !l[0].isTensor()) continue;
-          for (const c10::IValue& e : l) {
-            if (e.isTensor() && e.toTensor().defined()) add(e.toTensor());
-            else ctx->inputs.push_back(Input{1, 0});  // a None inside a list of tensors
-          }
+  ctx->seen = true;
+  ctx->wrapper = (op->autocast_cpu && !ex.has(c10::DispatchKey::AutocastCPU)) ||
+                 (op->autocast_cuda && !ex.has(c10::DispatchKey::AutocastCUDA));
+  if (seen_parent != nullptr && seen_parent->op == op) seen_parent->seen = false;  // a wrapper
+  try {
+    if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+      // A compiler tracing on fake tensors (AOT autograd's lazy backward compile, outside
+      // Dynamo's compile lock): the dispatch mode drops these calls too, uncounted.
+      if (c10::impl::TorchDispatchModeTLS::get_mode(c10::impl::TorchDispatchModeKey::FAKE).has_value())
+        throw Tracing{};
+      throw Unsure{};
+    }
+    auto node = torch::autograd::get_current_node();
+    ctx->in_node = node != nullptr;
+    ctx->node_nr = node ? node->sequence_nr() : 0;
+    auto inputs = fn.inputs();
+    std::lock_guard<std::mutex> g(c->mu);
+    auto add = [&](const at::Tensor& t) {
+      // A Python number passed where a tensor is expected reaches a dispatch mode as the number.
+      if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
+      if (is_unsure_tensor(t)) throw Unsure{};
+      if (!ctx->first) ctx->first = t.getIntrusivePtr();
+      ctx->inputs.push_back(input_of(c, t, ctx->in_node));
+    };
+    for (const c10::IValue& v : inputs) {
+      if (v.isTensor()) {
+        if (v.toTensor().defined()) add(v.toTensor());
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList()) add(t);
+      } else if (v.isList()) {
+        auto l = v.toListRef();
+        if (l.empty() || !l[0].isTensor()) continue;
+        for (const c10::IValue& e : l) {
+          if (e.isTensor() && e.toTensor().defined()) add(e.toTensor());
+          else ctx->inputs.push_back(Input{1, 0});  // a None inside a list of tensors
         }
       }
-    } catch (const Tracing&) {
-      ctx->seen = false;
-      ctx->inputs.clear();
-    } catch (const Unsure&) {
-      // Not something a RecordFunction observer can record faithfully: count it, and keep the
-      // call out of the record (it is judged by a dispatch mode's rules no longer).
-      std::lock_guard<std::mutex> g(c->mu);
-      c->unsure++;
-      if (c->unsure_seen.insert(op->name).second) c->unsure_ops.push_back(op->name);
-      ctx->seen = false;
-      ctx->inputs.clear();
     }
+  } catch (const Tracing&) {
+    return nullptr;
+  } catch (const Unsure&) {
+    // Not something a RecordFunction observer can record faithfully: count it, and keep the
+    // call out of the record (it is judged by a dispatch mode's rules no longer).
+    std::lock_guard<std::mutex> g(c->mu);
+    c->unsure++;
+    if (c->unsure_seen.insert(op->name).second) c->unsure_ops.push_back(op->name);
+    return nullptr;
   }
   open.push_back(ctx.get());
   return ctx;
@@ -384,7 +436,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* base) {
 
 void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   OpInfo* op = ctx->op;
-  std::vector<at::Tensor> outs;
+  Tensors outs;
   output_tensors(fn.outputs(), outs);
   int64_t nr = at::sequence_number::peek();
   int nfields = mode_fields(c->mode);
@@ -392,6 +444,8 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
 
   int64_t view_of = -1;
   if (op->view && !ctx->inputs.empty() && ctx->inputs[0].kind == 0) view_of = ctx->inputs[0].ref;
+  // A forward op's stack, read before the lock is taken (a stack never seen before takes the GIL).
+  int64_t fwd_stack = keep && !ctx->in_node ? stacks_capture(c->stacks) : 0;
 
   std::unique_lock<std::mutex> g(c->mu);
   int64_t seq = c->seq++;
@@ -420,9 +474,7 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     }
   } else {
     r.module = tl_module[c->slot];
-    g.unlock();
-    r.stack = stacks_capture(c->stacks);
-    g.lock();
+    r.stack = fwd_stack;
     if (g_in_optimizer.load(std::memory_order_relaxed) > 0) r.phase = 2;
     else if (r.module != 0 || c10::GradMode::is_enabled()) r.phase = 0;
     else r.phase = 3;
@@ -445,7 +497,6 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
       return;
     }
   }
-  r.inputs = std::move(ctx->inputs);
   r.step = g_step.load(std::memory_order_relaxed);
   // A pure alias holds its input's values: reuse that summary while nothing wrote to it since.
   bool have_alias = false;
@@ -458,17 +509,18 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
       alias = it->second.s;
     }
   }
-  // Summaries first, without the lock; then everything the drain takes, in one locked section
-  // (a drain between a device summary and its record would split them).
-  g.unlock();
+  // Summaries first, without the lock (no_tensor makes none: the lock stays); then everything
+  // the drain takes, in one locked section (a drain between a device summary and its record
+  // would split them).
+  bool work = nfields != 0 || c->mode == FULL_TENSOR;
+  if (work) g.unlock();
   int health = 0;
   bool immediate_only = true;
-  std::vector<at::Tensor> device_rows;
-  r.outputs.reserve(outs.size());
+  c10::SmallVector<Output, 2> metas;
+  Tensors device_rows;
   for (auto& o : outs) {
     Output m;
     m.dtype = o.scalar_type();
-    m.shape = o.sizes().vec();
     m.device = o.device();
     if (nfields) {
       bool cpu = m.device.is_cpu();
@@ -486,7 +538,7 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
       }
       if (m.summary == 1) health |= health_of(c->mode, m.s);
     }
-    r.outputs.push_back(std::move(m));
+    metas.push_back(m);
   }
   if (c->mode == FULL_TENSOR) {
     // full_tensor copies values to the host by definition (a device sync there).
@@ -496,10 +548,15 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
       r.payloads.push_back(d.to(at::TensorOptions().device(c10::kCPU), false, true, fmt));
     }
   }
-  g.lock();
+  if (work) g.lock();
+  r.in0 = c->inputs.size();
+  r.nin = (uint32_t)ctx->inputs.size();
+  c->inputs.insert(c->inputs.end(), ctx->inputs.begin(), ctx->inputs.end());
+  r.out0 = c->outputs.size();
+  r.nout = (uint32_t)metas.size();
   size_t k = 0;
   for (size_t i = 0; i < outs.size(); ++i) {
-    Output& m = r.outputs[i];
+    Output& m = metas[i];
     if (m.summary == 2) {
       auto dit = c->deferred.begin();
       for (; dit != c->deferred.end(); ++dit)
@@ -508,13 +565,18 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
       m.row = (int64_t)dit->second.size();
       dit->second.push_back(std::move(device_rows[k++]));
     }
+    auto sizes = outs[i].sizes();
+    m.dims = c->dims.size();
+    m.ndim = (uint32_t)sizes.size();
+    c->dims.insert(c->dims.end(), sizes.begin(), sizes.end());
+    c->outputs.push_back(m);
   }
   r.health = immediate_only ? health : -1;
   // The taint fast path (see Core::last_seq).
   int cls = op->taint_cls;
   bool in_maybe = false;
-  for (size_t i = (op->overwrite ? 1 : 0); i < r.inputs.size(); ++i)
-    in_maybe = in_maybe || (r.inputs[i].kind == 0 && r.inputs[i].maybe);
+  for (size_t i = (op->overwrite ? 1 : 0); i < ctx->inputs.size(); ++i)
+    in_maybe = in_maybe || (ctx->inputs[i].kind == 0 && ctx->inputs[i].maybe);
   bool maybe = cls < 0 || cls == T_ALLOC || r.health != 0 ||
                (in_maybe && (cls == T_VIEW || cls == T_COPY || cls == T_READ || cls == T_COLLECTIVE));
   if (cls >= 0 && cls != T_ALLOC && r.health == 0 && !in_maybe && seq == c->last_seq + 1 &&
@@ -525,8 +587,8 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     c->last_phase = r.phase;
   }
   for (size_t i = 0; i < outs.size(); ++i)
-    register_output(c, outs[i], seq, r.stack, r.outputs[i].summary == 1 ? &r.outputs[i].s : nullptr, view_of,
-                    r.health, maybe);
+    register_output(c, outs[i], seq, r.stack, metas[i].summary == 1 ? &metas[i].s : nullptr, view_of, r.health,
+                    maybe);
   for (auto& p : r.payloads) c->payload_bytes += p.nbytes();
   c->records.push_back(std::move(r));
   c->recorded++;

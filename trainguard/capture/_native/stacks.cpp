@@ -15,6 +15,8 @@
 #include <internal/pycore_frame.h>
 #undef Py_BUILD_CORE
 
+#include <array>
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -39,14 +41,40 @@ _PyInterpreterFrame* complete(_PyInterpreterFrame* f) {
 }  // namespace
 
 struct StackTable {
+  uint64_t uid = 0;  // never reused: a thread's cached entries of a freed table never match
   PyObject* on_new = nullptr;
   std::mutex mu;
   std::unordered_map<Key, int64_t, KeyHash> ids;
   std::vector<PyObject*> codes;
 };
 
+namespace {
+std::atomic<uint64_t> g_table_uid{0};
+
+// Per thread, the stacks it met last, direct-mapped by hash, in front of the table's map and
+// its lock (an op's stack is usually one this thread met just before: a loop's next op).
+struct Recent {
+  uint64_t table = 0;
+  size_t hash = 0;
+  int64_t id = 0;
+  std::vector<std::pair<const void*, int>> frames;
+};
+constexpr size_t RECENT = 64;
+thread_local std::array<Recent, RECENT> tl_recent;
+
+int64_t remember(const StackTable* table, const Key& key, int64_t id) {
+  Recent& e = tl_recent[key.hash & (RECENT - 1)];
+  e.table = table->uid;
+  e.hash = key.hash;
+  e.id = id;
+  e.frames = key.frames;
+  return id;
+}
+}  // namespace
+
 StackTable* stacks_new(PyObject* on_new_stack) {
   auto* t = new StackTable();
+  t->uid = ++g_table_uid;
   Py_XINCREF(on_new_stack);
   t->on_new = on_new_stack;
   return t;
@@ -77,9 +105,13 @@ int64_t stacks_capture(StackTable* table) {
   }
   key.hash = h;
   {
+    const Recent& e = tl_recent[h & (RECENT - 1)];
+    if (e.table == table->uid && e.hash == h && e.frames == key.frames) return e.id;
+  }
+  {
     std::lock_guard<std::mutex> g(table->mu);
     auto it = table->ids.find(key);
-    if (it != table->ids.end()) return it->second;
+    if (it != table->ids.end()) return remember(table, key, it->second);
   }
   // A new stack: symbolise it with the GIL (never while holding the table's lock).
   PyGILState_STATE gs = PyGILState_Ensure();
