@@ -197,6 +197,9 @@ struct PyCore {
         for (auto& kv : core->saved) live.push_back(kv.second.seq);  // held by autograd (see Saved)
       }
       recs.swap(core->records);
+      // Room for as many again, allocated here (the drain thread's arena): the recording thread
+      // then appends without growing a buffer between the program's tensors on its own heap.
+      core->records.reserve(std::min<size_t>(recs.size(), MAX_PENDING_RECORDS));
       deferred.swap(core->deferred);
       failed.swap(core->failed);
       unsure.swap(core->unsure_ops);
