@@ -30,15 +30,6 @@ from trainguard.capture import _recorder_mode
 from trainguard.capture._native import _backend
 
 
-def _native_available() -> bool:
-    from trainguard.capture import _native
-
-    return _native.load() is not None
-
-
-pytestmark = pytest.mark.skipif(not _native_available(), reason="the native core cannot be built here")
-
-
 class _CoreSpy:
     """The core with every drain taking ``live`` (logged with the highest seq drained so far);
     it is handed on to the backend when asked for, or at every drain with ``prune_always``."""
