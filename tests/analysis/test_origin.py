@@ -100,6 +100,22 @@ def test_nonfinite_input_data(tmp_path):
     o = origin(record(tmp_path, lambda: bad * 2))
     assert o.origin.op == "aten.mul.Tensor"
     assert "already held NaN" in o.suggestion
+    # its input was made before the recording: its values were never summarised, not "finite"
+    assert "finite inputs" not in o.origin.explanation
+    assert "input 0" in o.origin.explanation and "outside the recording" in o.origin.explanation
+
+
+def test_a_nan_written_from_python_is_named_a_constant(tmp_path):
+    # Found on pytorch/examples' dcgan with a dataset item holding ``x[0, 0, 0] = float('nan')``:
+    # the origin is the op that turns the Python float into a tensor, which made nothing itself.
+    def fn():
+        x = torch.rand(2, 3)
+        x[0, 1] = float("nan")
+        (x * 2).sum()
+
+    link = origin(record(tmp_path, fn)).origin
+    assert "lift_fresh" in link.op
+    assert "finite inputs" not in link.explanation and "Python constant" in link.explanation
 
 
 def test_clean_run_has_no_origin(tmp_path):

@@ -424,3 +424,36 @@ def test_scalars_reach_the_run_between_distant_recordings(tmp_path):
         mon._writer.flush()
         live = open_run(tmp_path / "r").scalars("loss")["loss"]
         assert 50 <= len(live) < 80  # shipped once the buffer passed 50 steps, before the end
+
+
+
+def test_parameters_switched_off_around_the_other_optimizers_update_are_not_frozen(tmp_path):
+    # Lightning's GAN example (domain_templates/generative_adversarial_net.py) calls
+    # toggle_optimizer(opt_g) before the generator's update: every parameter outside opt_g has
+    # requires_grad=False until untoggle_optimizer. The monitor attached the discriminator at its
+    # first forward, inside that window, and called it frozen. A parameter an optimizer updated
+    # with requires_grad=True is trainable; one never trained stays frozen.
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 1), nn.Flatten(0))
+    gen.append(nn.Linear(8, 8).requires_grad_(False))  # frozen for real
+    opt_g = torch.optim.Adam([p for p in gen.parameters() if p.requires_grad], lr=1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+
+    def toggled(params, on):
+        for p in params:
+            p.requires_grad_(on)
+
+    with Monitor(None, tmp_path / "r", every=2) as mon:
+        for _ in range(6):
+            toggled(disc.parameters(), False)  # toggle_optimizer(opt_g)
+            g_loss = disc(gen(torch.randn(16, 4))).sub(1).pow(2).mean()
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+            toggled(disc.parameters(), True)  # untoggle_optimizer(opt_g)
+            d_loss = disc(torch.randn(16, 8)).sub(1).pow(2).mean() + disc(gen(torch.randn(16, 4)).detach()).pow(2).mean()
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+    (frozen,) = [f for f in mon.findings if f.kind == "params_frozen"]
+    assert sorted(frozen.evidence["params"]) == ["2.bias", "2.weight"], frozen.evidence  # gen is the first root

@@ -106,6 +106,89 @@ def test_lbfgs_counts_one_step_and_the_first_closure_loss(tmp_path):
     assert [v for _, v in losses] == pytest.approx(first_losses, rel=1e-6)
 
 
+def test_lbfgs_counts_one_step_when_the_model_is_found_inside_the_first_closure(tmp_path):
+    # ``trainguard monitor script.py`` (model=None) finds the model at its first forward; with LBFGS
+    # (pytorch/examples time_sequence_prediction) that forward runs inside optimizer.step(closure),
+    # after the optimizer's pre-hook: the closure's repeated backward passes must not end steps.
+    model = mlp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    first_losses = []
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False) as mon:
+        for step in range(3):
+            x, y = batch(step)
+            calls = []
+
+            def closure(x=x, y=y, calls=calls):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                calls.append(loss.item())
+                return loss
+
+            opt.step(closure)
+            assert len(calls) > 1
+            first_losses.append(calls[0])
+        assert mon.current_step == 3
+    losses = scalars(tmp_path / "r", "loss")
+    assert [s for s, _ in losses] == [0, 1, 2]
+    assert [v for _, v in losses] == pytest.approx(first_losses, rel=1e-6)
+    assert [s for s, _ in scalars(tmp_path / "r", "grad_norm")] == [0, 1, 2]
+
+
+def test_a_gan_step_ends_after_the_generator_update_not_between_the_two(tmp_path):
+    # pytorch/examples' dcgan: per iteration optimizerD.step() then optimizerG.step(). From the
+    # second iteration on a step is one iteration, D's update and G's (not G's of the previous
+    # iteration with D's of this one): the first iteration is split, steps 0 and 1.
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 1), nn.Sigmoid(), nn.Flatten(0))
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+    opt_g = torch.optim.Adam(gen.parameters(), lr=2e-3)
+    bce = nn.BCELoss()
+    losses = []
+    with Monitor({"gen": gen, "disc": disc}, tmp_path / "r", every=1, diagnose=False) as mon:
+        for _ in range(5):
+            real = torch.randn(16, 8)
+            disc.zero_grad()
+            err_real = bce(disc(real), torch.ones(16))
+            err_real.backward()
+            fake = gen(torch.randn(16, 4))
+            err_fake = bce(disc(fake.detach()), torch.zeros(16))
+            err_fake.backward()
+            opt_d.step()
+            gen.zero_grad()
+            err_g = bce(disc(fake), torch.ones(16))
+            err_g.backward()
+            opt_g.step()
+            losses.append((err_real + err_fake + err_g).item())
+        assert mon.current_step == 5
+    lrs = open_run(tmp_path / "r").scalars()
+    lr_d, lr_g = ([s for s, v in lrs[k] if v == lr] for k, lr in (("lr/0", 1e-3), ("lr/1.0", 2e-3)))
+    assert lr_d == [0, 1, 2, 3, 4] and lr_g == [1, 2, 3, 4]
+    loss = dict(scalars(tmp_path / "r", "loss"))
+    assert [loss[s] for s in (2, 3, 4)] == pytest.approx(losses[2:], rel=1e-5)
+
+
+def test_layers_trained_one_after_another_by_their_own_optimizers_keep_counting_steps(tmp_path):
+    # pytorch/examples' mnist_forward_forward: each layer has its own Adam and trains for its
+    # epochs before the next layer starts. When the first optimizer stops, the next one ends steps
+    # (from its second update: its first shares a step with it).
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Linear(8, 8)]
+    opts = [torch.optim.Adam(la.parameters(), lr=1e-2) for la in layers]
+    x = torch.randn(16, 8)
+    with Monitor({"l0": layers[0], "l1": layers[1]}, tmp_path / "r", every=1, diagnose=False) as mon:
+        h = x
+        for layer, opt in zip(layers, opts):
+            for _ in range(3):
+                loss = layer(h).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            h = layer(h).detach()
+        assert mon.current_step == 5
+    assert [s for s, _ in scalars(tmp_path / "r", "loss")] == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_accumulation_sums_the_micro_losses_and_reads_complete_gradients(tmp_path, clip):
     model = mlp()
@@ -347,3 +430,42 @@ def test_a_step_the_framework_clock_jumped_over_records_no_weights(tmp_path):
     run = open_run(tmp_path / "r")
     assert sorted({r["step"] for r in run.layer_stats()}) == [15]
     assert run.meta["monitor"]["weights_initial"] is False
+
+
+def test_a_gans_summed_losses_are_not_judged_as_one_loss(tmp_path):
+    # A step of a GAN loop holds the discriminator's losses and the generator's, each followed by
+    # its own optimizer's update: their sum is no loss to fit, and its rise is no divergence (on
+    # main this loop got "Learning rate too high: the smoothed loss rose to 2.65 by step 1").
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 1), nn.Flatten(0))
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+    with trainguard.Monitor({"gen": gen, "disc": disc}, tmp_path / "r", every=5) as mon:
+        for _ in range(30):
+            g_loss = disc(gen(torch.randn(16, 4))).sub(1).pow(2).mean()
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+            d_loss = disc(torch.randn(16, 8)).sub(1).pow(2).mean() + disc(gen(torch.randn(16, 4)).detach()).pow(2).mean()
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+    kinds = {f.kind for f in mon.findings}
+    assert "losses_summed" in kinds
+    assert not kinds & {"lr_too_high", "loss_not_decreasing", "loss_oscillating", "loss_spike"}, kinds
+
+
+def test_accumulated_micro_batches_with_two_optimizers_are_one_loss(tmp_path):
+    # Two optimizers over parameter groups after accumulated backward passes: one objective.
+    model = mlp()
+    opts = [torch.optim.SGD(list(model.parameters())[:2], lr=0.1), torch.optim.Adam(list(model.parameters())[2:])]
+    with trainguard.Monitor(model, tmp_path / "r", every=5) as mon:
+        for step in range(25):
+            for o in opts:
+                o.zero_grad()
+            for micro in range(2):
+                x, y = batch(10 * step + micro)
+                (nn.functional.cross_entropy(model(x), y) / 2).backward()
+            for o in opts:
+                o.step()
+    assert "losses_summed" not in {f.kind for f in mon.findings}

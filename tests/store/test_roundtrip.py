@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainguard.store import ExecBatch, Finding, RunWriter, dumps, loads, open_run
@@ -12,6 +12,8 @@ from trainguard.store import ExecBatch, Finding, RunWriter, dumps, loads, open_r
 values = st.floats(allow_nan=True, allow_infinity=True)
 
 
+# No deadline and no too_slow check: on a loaded 2-core machine one example can take over 200 ms.
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.recursive(st.one_of(values, st.integers(), st.text(max_size=5), st.none()),
                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3),
                     max_leaves=10))

@@ -95,6 +95,9 @@ class Context:
         self.meta: dict = run.meta.get("monitor") or {}
         scalars = run.scalars()
         self.loss = Series.of(scalars.get("loss"))
+        # The loss of a step sums separate objectives, each before its own optimizer's update (a
+        # GAN's discriminator and generator losses): no trend of it means anything.
+        self.losses_summed = bool(self.meta.get("separate_losses"))
         # Steps a GradScaler skipped: their gradients overflowed in float16 by design (the scaler's
         # own rule judges those), so the gradient-norm rules never see them.
         self.amp_skipped = Series.of(scalars.get("amp/skipped"))

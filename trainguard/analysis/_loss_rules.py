@@ -28,7 +28,10 @@ def _first_nonfinite(s: Series) -> int | None:
 
 
 def finite_loss(ctx: Context) -> Series:
-    """The loss up to its first non-finite value."""
+    """The loss up to its first non-finite value; nothing when it sums separate objectives (the
+    trend rules then judge nothing: see ``losses_summed``)."""
+    if ctx.losses_summed:
+        return Series.of([])
     first = _first_nonfinite(ctx.loss)
     return ctx.loss if first is None else ctx.loss.before(first)
 
@@ -69,6 +72,24 @@ def diverged(ctx: Context) -> dict | None:
         return None
     i = int(over[0])
     return {"initial_loss": float(init), "step": int(loss.steps[1 + i]), "smoothed_loss": float(smooth[i])}
+
+
+@register_rule("losses_summed")
+def losses_summed(ctx: Context) -> list[Finding]:
+    if not ctx.losses_summed:
+        return []
+    return [
+        Finding(
+            kind="losses_summed",
+            severity="info",
+            title="The loss of each step sums separate objectives (a backward after another optimizer's update, "
+            "as in a GAN): its trend is not judged",
+            evidence={"loss_points": len(ctx.loss)},
+            suggestion="pass the loss to judge to `monitor.step(loss)` after the step's last update (a GAN's "
+            "generator loss, say); the gradient, activation and update rules still apply",
+            source=SOURCE,
+        )
+    ]
 
 
 @register_rule("nonfinite_loss")

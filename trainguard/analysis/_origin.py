@@ -229,6 +229,14 @@ def explain(link: Link) -> str:
         return f"{base} overflow: an input value too large for the dtype (above about 88.7 for exp in float32)"
     if base in _ACCUM:
         return f"overflow in {base}: finite inputs accumulate past the dtype's largest value"
+    unseen = [i for i in ins if i["kind"] not in ("op", "param", "buffer")]
+    if base in ("lift_fresh", "lift_fresh_copy"):
+        return (f"a Python constant holding {made} became a tensor here (`x[...] = float('nan')`, "
+                "`torch.tensor(...)`): no recorded op made the value")
+    if unseen:
+        return (f"{base} made {made} from input {unseen[0]['slot']}, which came from outside the recording "
+                "(the data, or a tensor made before recording started): its values were never summarised and "
+                f"may have held {made} already")
     return f"{base} turned finite inputs into {made}"
 
 

@@ -190,6 +190,10 @@ def params_frozen(ctx: Context) -> list[Finding]:
 
 @register_rule("gradients_accumulating")
 def gradients_accumulating(ctx: Context) -> list[Finding]:
+    if ctx.losses_summed:
+        # A GAN's generator loss reaches the discriminator, whose gradient its own optimizer
+        # clears only later (before the discriminator's backward): stale there, and harmless.
+        return []
     per_step: dict[int, list[float]] = {}
     for p in ctx.params:
         s = ctx.stat(p, "gradient", "stale")

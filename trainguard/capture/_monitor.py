@@ -19,8 +19,8 @@ optimizer a step ends at the next training forward or ``backward()`` after a ``b
 whose gradients were then used (cleared, replaced, or the parameters changed in place), so
 hand-written updates count one step each and gradient accumulation still counts once.
 
-The hooks this puts on a model are in :mod:`._monitor_hooks` (they never reach its pickle); the
-gradient readings in :mod:`._monitor_grads`; the taps on ``backward``, clipping and
+The hooks this puts on a model are in :mod:`._monitor_hooks` (they never reach its pickle); what it
+does on ``backward``, clipping and the optimizer's hooks in :mod:`._monitor_events`; the gradient readings in :mod:`._monitor_grads`; the taps on ``backward``, clipping and
 ``GradScaler`` in :mod:`._monitor_tap` and :mod:`._amp_tap`.
 """
 
@@ -50,21 +50,17 @@ from trainguard.capture import (
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._gradcheck import LiveGradcheck
 from trainguard.capture._monitor_eval import EvalWatch
-from trainguard.capture._monitor_grads import GradientWatch, pending_refs, used
+from trainguard.capture._monitor_events import EventsMixin
+from trainguard.capture._monitor_grads import GradientWatch
 from trainguard.capture._monitor_hooks import HookMixin
 from trainguard.capture._monitor_leak import LeakWatch
-from trainguard.capture._monitor_model import Param, Root, named_models
+from trainguard.capture._monitor_model import Param, Root, named_models, structure
 from trainguard.capture._monitor_ship import Shipper
 from trainguard.capture._monitor_time import TimeWatch
 from trainguard.store import acquire_writer, default_name, release_writer
 from trainguard.store import rank_dir as _rank_dir
 
 log = logging.getLogger("trainguard.monitor")
-
-# With a large ``every``, per-step scalars still reach the run (for a live view) after this many
-# steps: one more batched, non-blocking copy, never one per step.
-MAX_BUFFERED_STEPS = 50
-
 
 def _validate(every: Any, bins: Any, histograms: Any) -> None:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -81,7 +77,7 @@ def _default_logdir() -> Path:
     return Path("runs") / default_name("monitor")
 
 
-class Monitor(HookMixin):
+class Monitor(EventsMixin, HookMixin):
     """Watch training health: per step loss, learning rate and global gradient norm; every
     ``every`` steps, per layer, activation, gradient, weight and update statistics.
 
@@ -182,6 +178,8 @@ class Monitor(HookMixin):
         self._cur = _steps.clock.step
         self._recording = False
         self._auto_losses: list[torch.Tensor] = []
+        self._losses_at_update = 0  # the step's losses before the last update of a watched model
+        self._separate_losses = bool(self._meta.get("separate_losses"))
         self._manual_loss: dict[int, Any] = {}
         self._user_gives_loss = False
         self._backward_step: int | None = None
@@ -306,6 +304,7 @@ class Monitor(HookMixin):
         try:
             params = self._grads.params_in(optimizer, self._params)
             if params:
+                self._grads.saw_optimizer = True  # an optimizer updates this model (found after its pre-hook)
                 with self._no_record():
                     self._grads.read(params, self._cur, self._recording)
         except Exception:  # observing training never kills training
@@ -344,6 +343,8 @@ class Monitor(HookMixin):
         """
         if self._closed:
             return
+        # Which parameters trained is known now (see structure); the roots go with the hooks.
+        params = {"params": structure(self._roots, self._grads.trainable)["params"]} if self._roots else {}
         try:
             with self._no_record():
                 if self._backward_step == self._cur or self._auto_losses:
@@ -374,7 +375,8 @@ class Monitor(HookMixin):
                 self._eval.close()
             _OPEN.discard(self)
         ended = ending(error, self._cur)
-        self._write_meta(final_step=self._cur, status=ended.get("status", "finished"), **self._validation_meta())
+        self._write_meta(final_step=self._cur, status=ended.get("status", "finished"), **self._validation_meta(),
+                         **params)
         if ended:  # the run's own record of the crash, which the diagnosis reads (analysis._outcome)
             self._writer.set_meta(**ended)
         if self.diagnose:
@@ -409,157 +411,6 @@ class Monitor(HookMixin):
         meta.setdefault("status", "running")
         self._meta = meta
         self._writer.set_meta(monitor=meta)
-
-    @staticmethod
-    def _no_record():
-        return _monitor_tap.quiet()
-
-    # ------------------------------------------------------------------ backward and clipping
-    def _on_backward(self, loss: torch.Tensor | None) -> None:
-        self._maybe_end_manual_step()  # a backward after a completed update starts the next step
-        self._backward_step = self._cur
-        if self._eval is not None:
-            self._eval.on_backward()
-        if _steps.clock.closure_call > 1:
-            return  # a closure called again (LBFGS) evaluates the moved weights: not the step's loss
-        if loss is not None and self.capture_loss and not self._user_gives_loss and self._roots:
-            self._auto_losses.append(loss)
-
-    def _after_backward(self) -> None:
-        if self._closed or not self._roots or self._grads.saw_optimizer:
-            return  # with an optimizer, the gradients are read once, right before the update
-        with self._no_record():
-            self._grads.read(self._params, self._cur, self._recording, tentative=True, snapshot=self.updates)
-            if _steps.clock.driver is None:
-                self._pending_end = pending_refs(self._params)
-
-    def _on_clip(self, params: list) -> None:
-        if self._closed or not self._roots:
-            return
-        if self._grads.saw_optimizer:
-            ids = {id(t) for t in params}
-            mine = [p for p in self._params if p.ref() is not None and id(p.ref()) in ids]
-        else:
-            mine = self._params  # complete since the last backward, and unscaled by now (GradScaler.unscale_)
-        if mine:
-            with self._no_record():
-                self._grads.read(mine, self._cur, self._recording)
-
-    def _maybe_end_manual_step(self) -> None:
-        refs = self._pending_end
-        if refs is None:
-            return
-        if self._grads.saw_optimizer or _steps.clock.driver is not None:
-            self._pending_end = None
-        elif used(refs):
-            self._pending_end = None
-            _steps.advance()
-
-    # ------------------------------------------------------------------ optimizer
-    def _before_optimizer(self, opt: torch.optim.Optimizer, has_closure: bool) -> None:
-        try:
-            params = self._grads.params_in(opt, self._params)
-            if not params:
-                return
-            self._grads.saw_optimizer = True
-            self._pending_end = None
-            with self._no_record():
-                if not has_closure:  # a closure has not run the backward yet: read when it returns
-                    self._grads.read(params, self._cur, self._recording)
-                if self._recording and self.updates:
-                    self._grads.snapshot(opt, params)
-        except Exception:
-            log.exception("trainguard monitor: optimizer pre-hook failed")
-
-    def _after_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        try:
-            if not self._grads.params_in(opt, self._params):
-                return
-            if self._last_train_fwd is not None:
-                n_train, n_total, root_training = self._last_train_fwd
-                if n_total and not n_train and not root_training:
-                    self.modes["train_steps_in_eval"] += 1
-                    if self.modes["first_train_step_in_eval"] is None:
-                        self.modes["first_train_step_in_eval"] = self._cur
-                self._last_train_fwd = None
-            with self._no_record():
-                self._grads.after(opt, self._cur)
-        except Exception:
-            log.exception("trainguard monitor: optimizer post-hook failed")
-
-    def _on_scaler_step(self, opt: torch.optim.Optimizer, step: int, scale: Any, ran: bool) -> None:
-        if self._closed or not self._grads.params_in(opt, self._params):
-            return
-        values = {"amp/skipped": 0.0 if ran else 1.0}
-        if scale is not None:
-            values["amp/scale"] = scale
-        if step == self._cur:
-            self._amp.update(values)
-        else:  # the update ended the step already; its scalars wait for late values (see Shipper.ship)
-            self._out.scalars.setdefault(step, {}).update(values)
-
-    # ------------------------------------------------------------------ steps
-    def _on_step(self, new_step: int) -> None:
-        if self._closed:
-            return
-        try:
-            with self._no_record():
-                self._finish_step(self._cur)
-        except Exception:
-            log.exception("trainguard monitor: finishing step %s failed", self._cur)
-        self._cur = new_step
-        self._begin_step(new_step)
-
-    def _begin_step(self, step: int) -> None:
-        if _compile_monitor.watch(self):  # Dynamo is imported: something may be compiled
-            self._hooks_pinned = True
-        self._recording = step % self.every == 0
-        self._set_layer_hooks(self._recording or self._hooks_pinned)
-        self._grads.unhook_params()
-        if self._recording:
-            self._grads.hook_params(self._params, lambda: self._cur)
-        # Roots are looked for while none is known, and at recording steps (a model built later);
-        # once Dynamo compiles, always: it guards on whether global hooks exist.
-        self._set_discovery(self._auto and (self._recording or not self._roots or self._hooks_pinned))
-
-    def _finish_step(self, s: int) -> None:
-        # A step in which nothing trained (a framework's clock jumped past it, evaluation only)
-        # records no weights: they would pass for that step's, or for the initial ones.
-        trained = self._backward_step == s or bool(self._auto_losses) or s in self._manual_loss or self._grads.active
-        recording = self._recording and trained
-        values: dict[str, Any] = {}
-        if s in self._manual_loss:
-            values["loss"] = self._manual_loss.pop(s)
-        elif self._auto_losses:
-            # Micro-batches of gradient accumulation each backward loss / k: the step's loss is their sum.
-            ls = self._auto_losses
-            values["loss"] = ls[0] if len(ls) == 1 else torch.stack([v.float() for v in ls]).sum()
-        values.update(self._grads.finish(self._params, s, recording))
-        values.update(self._amp)
-        if self._eval is not None:
-            values.update(self._eval.take())
-        if values:
-            self._out.scalars[s] = values
-        if recording and not self._initial_written and self._params:
-            # Weights measured before the first update of a fresh run are the initial ones; after a
-            # resume (or with optimizer state already there) they are not, and no rule may say so.
-            self._initial_written = True
-            self._write_meta(weights_initial=bool(s == 0 and not self._grads.optimizer_had_state),
-                             first_recording=s)
-        if self._recording:
-            self._time.finish(s)
-        self._auto_losses = []
-        self._amp = {}
-        self._pending_end = None
-        self._chan_out = {}
-        self._inputs_seen = set()
-        self._input_wanted = {}
-        if self._recording or len(self._out.scalars) > MAX_BUFFERED_STEPS:
-            self._out.ship(keep=s)
-        self._out.resolve(wait=False)
-        if self.modes != self._modes_written:
-            self._modes_written = dict(self.modes)
-            self._write_meta(modes=dict(self.modes), order=list(self._order))
 
     def _validation_meta(self) -> dict:
         if self._eval is None:

@@ -69,6 +69,7 @@ class GradientWatch:
         self._opt_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._opt_index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._opt_params: set[int] = set()  # ids of the parameters some optimizer owns
+        self.trainable: set[int] = set()  # ids of the Params an optimizer updated while they required grad
         self._hooks: list = []
         self._reset()
 

@@ -93,8 +93,14 @@ def named_models(model: nn.Module | Iterable[nn.Module] | dict[str, nn.Module] |
     return [(f"{name}.", m) for name, m in items]
 
 
-def structure(roots: list[Root]) -> dict:
-    """The run metadata describing the watched layers and parameters (read by the diagnosis)."""
+def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset()) -> dict:
+    """The run metadata describing the watched layers and parameters (read by the diagnosis).
+
+    ``trainable``: ids of the Params an optimizer updated while they required grad. A parameter
+    is frozen when it does not require grad now and never did at an update: Lightning's
+    ``toggle_optimizer`` switches off every parameter outside the optimizer about to step, and
+    the model may be attached (or the run closed) inside that window.
+    """
     return {
         "layers": [
             {"name": la.name, "type": la.type, "saturation": la.saturation, "channel_first": la.channel_first}
@@ -103,7 +109,7 @@ def structure(roots: list[Root]) -> dict:
         ],
         "params": {
             p.name: {"layer": p.layer, "module_type": p.module_type, "shape": p.shape,
-                     "requires_grad": bool(p.ref() is not None and p.ref().requires_grad)}
+                     "requires_grad": bool(p.ref() is not None and p.ref().requires_grad) or id(p) in trainable}
             for r in roots
             for p in r.params
         },

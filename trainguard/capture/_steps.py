@@ -40,7 +40,11 @@ class _Clock:
         # 0 outside a closure; k while the k-th call of the current optimizer.step's closure runs.
         self.closure_call = 0
         self.optimizer_calls = 0  # optimizer.step() calls that ran (a GradScaler skip runs none)
+        # The optimizer whose update ends a step: the first that steps, until its second update
+        # shows whether another one steps in between (see _count).
         self.primary: weakref.ref | None = None
+        self.cycle_known = False
+        self.others: list[weakref.ref] = []  # other optimizers that stepped since its last update
         self.users = 0
         self.handles: list = []
         # Called after each step change, with the new step.
@@ -120,12 +124,36 @@ def _post(optimizer, args, kwargs) -> None:
 
 
 def _count(optimizer) -> None:
+    """One optimizer update ran (or a GradScaler skipped it): end the step if it is the last of an
+    iteration.
+
+    With one optimizer every update ends a step. With several stepping in turn (a GAN's
+    discriminator, then its generator; two optimizers over parameter groups), an iteration ends
+    with the last of them: that is known at the first optimizer's second update, so the first
+    iteration is split (step 0 holds the first optimizer's update, step 1 the rest of that iteration
+    and the whole second one) and every later step is one iteration. The choice is made once: an
+    optimizer that steps only now and then (every 100 iterations) does not lengthen the steps. An
+    optimizer that updates twice while the one that ends steps does not has taken over (layers
+    trained one after another, each by its own optimizer): from then on its updates end steps.
+    """
     if clock.driver is not None:
         return
-    if clock.primary is None or clock.primary() is None:
-        clock.primary = weakref.ref(optimizer)
-    if clock.primary() is optimizer:
-        advance()
+    primary = clock.primary() if clock.primary is not None else None
+    if primary is None:  # the first update seen, or the optimizer that ended steps is gone
+        clock.primary, clock.cycle_known, clock.others = weakref.ref(optimizer), False, []
+    elif optimizer is not primary:
+        if not any(r() is optimizer for r in clock.others):
+            clock.others.append(weakref.ref(optimizer))
+            return
+        clock.primary, clock.cycle_known = weakref.ref(optimizer), True
+    elif not clock.cycle_known:
+        clock.cycle_known = True
+        last = clock.others[-1]() if clock.others else None
+        if last is not None:
+            clock.primary, clock.others = weakref.ref(last), []
+            return  # this update, and the other optimizer's next, belong to the current step
+    clock.others = []
+    advance()
 
 
 def skipped(optimizer) -> None:
@@ -173,6 +201,7 @@ def reset(start: int = 0) -> None:
     clock.step = start
     clock.driver = None
     clock.primary = None
+    clock.cycle_known, clock.others = False, []
 
 
 def advance() -> int:
