@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,6 +169,36 @@ def test_the_build_is_cached_per_torch_python_and_platform():
     assert torch.__version__.replace("+", "_") in key and f"cp{sys.version_info[0]}{sys.version_info[1]}" in key
     assert (_native.build_dir() / "built").exists()
     assert _native.load().__file__.startswith(str(_native.build_dir()))
+
+
+def test_the_build_compiles_a_snapshot_of_the_sources_its_key_names(tmp_path, monkeypatch):
+    # The key is the sources' digest, and a cached build is trusted for ever: the compiler must
+    # read exactly the bytes the key was made from. Compiled in place, a source edited during the
+    # build (a patch applied or reverted while ninja ran) made a build whose recorder.cpp and
+    # module.cpp saw two layouts of the core's tables (issue 16: ``live`` read the wrong fields).
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TRAINGUARD_NATIVE_CACHE", str(tmp_path / "cache"))
+    seen = {}
+
+    def fake_load(name, sources, extra_include_paths, build_directory, **kw):
+        seen["sources"] = sources
+        seen["includes"] = extra_include_paths
+        seen["dir"] = build_directory
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert _native.build() == "module"
+    key_dir = _native.build_dir()
+    assert seen["dir"] == str(key_dir)
+    for src in seen["sources"]:
+        path = Path(src)
+        assert path.is_relative_to(key_dir), src  # a copy in the build's own folder
+        assert path.read_bytes() == (_native._DIR / path.name).read_bytes()
+    assert str(_native._DIR) not in seen["includes"]  # its headers are the copies too
+    snap = Path(seen["sources"][0]).parent
+    assert all((snap / h).read_bytes() == (_native._DIR / h).read_bytes() for h in _native.HEADERS)
+    assert _native.build_key(snap) == key_dir.name  # the copies are what the key names
 
 
 def test_bad_backend_is_a_clear_error():

@@ -46,14 +46,16 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "trainguard" / "native"
 
 
-def build_key() -> str:
-    """Torch version, Python, platform and a digest of the sources and flags."""
+def build_key(src: Path | None = None) -> str:
+    """Torch version, Python, platform and a digest of the sources (in ``src``, by default this
+    package's) and flags."""
     import torch
 
+    src = _DIR if src is None else Path(src)
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update(name.encode())
-        h.update((_DIR / name).read_bytes())
+        h.update((src / name).read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(str(getattr(torch.version, "git_version", "")).encode())
     py = f"cp{sys.version_info[0]}{sys.version_info[1]}"
@@ -106,10 +108,20 @@ def build(verbose: bool = False):
 
     _find_ninja()
     out.mkdir(parents=True, exist_ok=True)
+    # A cached build is trusted for ever, so it must be made of exactly the bytes its key names:
+    # the compiler reads a snapshot taken here, checked against the key. Compiled in place, a
+    # source edited while ninja ran (a patch applied or reverted) once made a build whose objects
+    # saw two versions of core.h, i.e. two layouts of the core's tables (issue 16).
+    src = out / "src"
+    src.mkdir(exist_ok=True)
+    for s in SOURCES + HEADERS:
+        shutil.copyfile(_DIR / s, src / s)
+    if build_key(src) != key:
+        raise RuntimeError("the native core's sources changed while its build started; import again")
     include = sysconfig.get_paths()["include"]
     mod = cpp_extension.load(
-        name, [str(_DIR / s) for s in SOURCES], extra_cflags=list(CFLAGS),
-        extra_include_paths=[str(_DIR), include], build_directory=str(out), verbose=verbose, with_cuda=False,
+        name, [str(src / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+        extra_include_paths=[str(src), include], build_directory=str(out), verbose=verbose, with_cuda=False,
     )
     done.write_text(key + "\n")
     return mod

@@ -7,6 +7,8 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <c10/util/SmallVector.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -19,6 +21,32 @@
 namespace tg {
 
 constexpr int MAX_CORES = 8;
+
+// Memory for the core's long-lived tables (producers, saved outputs, forward nodes), kept apart
+// from malloc's heap. Their entries outlive a step and are made between the program's tensor
+// allocations; on malloc's main heap they pinned freed tensor memory in the middle of the heap
+// (never returned to the system): the transformer block's peak RSS was 1.3x plain with
+// full_health (main arena 341 MB for 133 MB in use, against 219 MB for plain). Slabs of
+// fixed-size slots from mmap, recycled per size; large blocks (bucket arrays) mmap'd each.
+void* pool_alloc(size_t bytes);
+void pool_free(void* p, size_t bytes);
+
+template <typename T>
+struct PoolAlloc {
+  using value_type = T;
+  PoolAlloc() = default;
+  template <typename U>
+  PoolAlloc(const PoolAlloc<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(pool_alloc(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) { pool_free(p, n * sizeof(T)); }
+  template <typename U>
+  bool operator==(const PoolAlloc<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const PoolAlloc<U>&) const { return false; }
+};
+
+template <typename K, typename V>
+using PoolMap = std::unordered_map<K, V, std::hash<K>, std::equal_to<K>, PoolAlloc<std::pair<const K, V>>>;
 
 // What an operator is to a dispatch mode, fixed per operator for the process.
 enum OpKind : int8_t {
@@ -101,7 +129,7 @@ struct Saved {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   int64_t offset;
   int8_t dtype;
-  std::vector<int64_t> sizes, strides;
+  c10::SmallVector<int64_t, 6> sizes, strides;  // inline: no allocation of their own
   int64_t seq;
   bool maybe;  // as Producer::maybe
 };
@@ -153,12 +181,12 @@ struct Core {
   size_t payload_bytes = 0;  // full_tensor host copies waiting in records
   std::condition_variable drained;
   bool bad = false;
-  std::unordered_map<c10::TensorImpl*, Producer> producers;
+  PoolMap<c10::TensorImpl*, Producer> producers;
   size_t sweep_at = 4096;
-  std::unordered_map<uint64_t, Saved> saved;  // by storage and geometry (see Saved)
+  PoolMap<uint64_t, Saved> saved;  // by storage and geometry (see Saved)
   size_t saved_sweep_at = 4096;
   std::unordered_map<c10::TensorImpl*, Named> named;
-  std::unordered_map<uint64_t, FwdNode> fwd_nodes;
+  PoolMap<uint64_t, FwdNode> fwd_nodes;
   int64_t fwd_order = 0;
   std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> deferred;
   std::vector<std::pair<std::string, std::string>> failed;  // (op, message), first per op

@@ -29,6 +29,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <pthread.h>
+#include <sys/mman.h>
 
 #include <chrono>
 
@@ -259,8 +260,9 @@ void remember_saved(Core* c, const at::Tensor& o, int64_t seq, int64_t view_of, 
     auto it = c->saved.find(key);
     if (it != c->saved.end() && it->second.seq == view_of && same_geometry(it->second, o)) return;
   }
-  Saved s{o.storage().getWeakStorageImpl(), o.storage_offset(), (int8_t)o.scalar_type(), o.sizes().vec(),
-          o.strides().vec(), seq, maybe};
+  Saved s{o.storage().getWeakStorageImpl(), o.storage_offset(), (int8_t)o.scalar_type(),
+          c10::SmallVector<int64_t, 6>(o.sizes().begin(), o.sizes().end()),
+          c10::SmallVector<int64_t, 6>(o.strides().begin(), o.strides().end()), seq, maybe};
   c->saved.insert_or_assign(key, std::move(s));
   if (c->saved.size() > c->saved_sweep_at) c->sweep();
 }
@@ -620,6 +622,55 @@ bool g_slot_taken[MAX_CORES] = {false};
 
 void after_fork_child() { g_forked.store(true); }
 }  // namespace
+
+// ------------------------------------------------------------------ the tables' memory (core.h)
+namespace {
+constexpr size_t POOL_SLOT = 64;                // size classes: multiples of 64 bytes
+constexpr size_t POOL_MAX = 1024;               // larger blocks: their own mapping
+constexpr size_t POOL_SLAB = size_t(256) << 10;  // slots are carved from 256 KiB mappings
+std::mutex g_pool_mu;
+void* g_free[POOL_MAX / POOL_SLOT + 1] = {nullptr};  // per size class, a list through the slots
+char* g_slab = nullptr;
+size_t g_slab_left = 0;
+
+void* map(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  return p;
+}
+size_t pages(size_t bytes) { return (bytes + 4095) & ~size_t(4095); }
+}  // namespace
+
+void* pool_alloc(size_t bytes) {
+  if (bytes > POOL_MAX) return map(pages(bytes));
+  size_t k = (bytes + POOL_SLOT - 1) / POOL_SLOT;
+  std::lock_guard<std::mutex> g(g_pool_mu);
+  if (void* p = g_free[k]) {
+    g_free[k] = *static_cast<void**>(p);
+    return p;
+  }
+  size_t size = k * POOL_SLOT;
+  if (g_slab_left < size) {
+    g_slab = static_cast<char*>(map(POOL_SLAB));  // the rest of the old slab stays unused
+    g_slab_left = POOL_SLAB;
+  }
+  void* p = g_slab;
+  g_slab += size;
+  g_slab_left -= size;
+  return p;
+}
+
+void pool_free(void* p, size_t bytes) {
+  if (p == nullptr) return;
+  if (bytes > POOL_MAX) {
+    munmap(p, pages(bytes));
+    return;
+  }
+  size_t k = (bytes + POOL_SLOT - 1) / POOL_SLOT;
+  std::lock_guard<std::mutex> g(g_pool_mu);
+  *static_cast<void**>(p) = g_free[k];
+  g_free[k] = p;
+}
 
 void Core::sweep() {
   for (auto it = producers.begin(); it != producers.end();)
