@@ -134,7 +134,10 @@ class HookMixin:
         if self._recording:
             self._grads.hook_params(root.params, lambda: self._cur)
         self._grads.forget_optimizers()
-        self._write_meta(**structure(self._roots))
+        # Trainable: requires grad now, or later at an update (see structure); known here too for
+        # the case where the model is gone when the monitor closes (a script's main() returned).
+        self._grads.trainable.update(id(p) for p in root.params if (t := p.ref()) is not None and t.requires_grad)
+        self._write_meta(**structure(self._roots, self._grads.trainable))
         for fn in list(self._attach_listeners):
             try:
                 fn(self, module)

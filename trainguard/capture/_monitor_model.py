@@ -96,10 +96,10 @@ def named_models(model: nn.Module | Iterable[nn.Module] | dict[str, nn.Module] |
 def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset()) -> dict:
     """The run metadata describing the watched layers and parameters (read by the diagnosis).
 
-    ``trainable``: ids of the Params an optimizer updated while they required grad. A parameter
-    is frozen when it does not require grad now and never did at an update: Lightning's
-    ``toggle_optimizer`` switches off every parameter outside the optimizer about to step, and
-    the model may be attached (or the run closed) inside that window.
+    ``trainable``: ids of the Params that required grad when attached or when an optimizer
+    updated them. A parameter is frozen when it does not require grad now (or is gone) and never
+    did then: Lightning's ``toggle_optimizer`` switches off every parameter outside the optimizer
+    about to step, and the model may be attached (or the run closed) inside that window.
     """
     return {
         "layers": [
