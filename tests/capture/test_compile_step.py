@@ -28,9 +28,13 @@ def _net():
     return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _fit(model, backend, steps=STEPS):
+def _adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _fit(model, backend, steps=STEPS, optimizer=_adam):
     """``steps`` training steps with the optimizer step compiled by ``backend`` (None: eager)."""
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt = optimizer(model.parameters())
     step = opt.step if backend is None else torch.compile(lambda: opt.step(), backend=backend)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
@@ -152,17 +156,6 @@ class PlainSGD(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
-def _fit_plain_sgd(model, backend):
-    opt = PlainSGD(model.parameters())
-    step = opt.step if backend is None else torch.compile(lambda: opt.step(), backend=backend)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
-    for _ in range(STEPS):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        step()
-
-
 @pytest.mark.timeout(600)
 def test_an_update_traced_with_the_hooks_is_recorded_between_them_and_the_monitor_reads_it(tmp_path):
     """Inductor: the pre tap runs before the update and the post tap after the parameters hold
@@ -171,7 +164,7 @@ def test_an_update_traced_with_the_hooks_is_recorded_between_them_and_the_monito
     counters.clear()
     model = _net()
     with tg.record(tmp_path / "r", buffer=-1):
-        _fit_plain_sgd(model, tg.compile_backend())
+        _fit(model, tg.compile_backend(), optimizer=PlainSGD)
         assert _steps.current_step() == STEPS
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     with open_run(tmp_path / "r") as run:
@@ -184,7 +177,7 @@ def test_an_update_traced_with_the_hooks_is_recorded_between_them_and_the_monito
         torch._dynamo.reset()
         model = _net()
         with tg.Monitor(model, tmp_path / name, every=1, diagnose=False):
-            _fit_plain_sgd(model, backend)
+            _fit(model, backend, optimizer=PlainSGD)
     with open_run(tmp_path / "compiled") as c, open_run(tmp_path / "eager") as e:
         got = {(r["layer"], r["step"]): r["value"] for r in c.layer_stats(kind="update", stat="norm")}
         want = {(r["layer"], r["step"]): r["value"] for r in e.layer_stats(kind="update", stat="norm")}
