@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -263,3 +264,37 @@ def test_origin_from_a_recording(tmp_path):
     first = test_origin_from_a_recording.__code__.co_firstlineno
     assert origin["line"] == first + next(i for i, t in enumerate(lines) if "# LOG LINE" in t)
     assert "clamp" in f.suggestion and f"{__file__}:{origin['line']}" in f.title
+
+
+class _TiedLM(torch.nn.Module):
+    """A language model whose output layer shares the token embedding's weight, as nanoGPT's
+    ``GPT`` ties ``lm_head.weight`` to ``transformer.wte.weight`` (karpathy/nanoGPT model.py)."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        torch.nn.init.normal_(self.wte.weight, std=0.02)
+
+    def forward(self, idx):
+        return self.lm_head(torch.relu(self.proj(self.wte(idx))))
+
+
+def test_a_tied_output_layer_names_chance_level_by_its_vocabulary(tmp_path):
+    # Random targets: nothing to learn, so the loss sits at ln(vocab) (nanoGPT on random characters
+    # under `trainguard monitor` showed no chance level: the output layer owns no weight of its own).
+    torch.manual_seed(0)
+    vocab = 40
+    model = _TiedLM(vocab, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(60):
+            idx = torch.randint(0, vocab, (8, 12))
+            loss = torch.nn.functional.cross_entropy(model(idx).view(-1, vocab), torch.randint(0, vocab, (96,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in mon.findings if f.kind == "loss_not_decreasing")
+    assert f.evidence["chance_loss"].startswith(f"ln({vocab})")
