@@ -188,6 +188,11 @@ def explain(link: Link) -> str:
             return "inf - inf -> NaN: infinities of opposite sign meet"
         src = i.get("producer_op") or i.get("name") or "an input"
         return f"{base} passed on the non-finite values of input {i['slot']} ({src})"
+    empty = _empty_input(link)
+    if empty is not None:
+        src = empty.get("producer_op") or empty.get("name") or "an input"
+        return (f"{base} reduced an empty input to {made}: input {empty['slot']} ({src}) holds 0 values, and "
+                "the mean of no values is 0/0")
     via = received_input(link)
     if via is not None:
         return (f"{base} read what {via['producer_op']} (#{via['producer']}) wrote: the non-finite value came "
@@ -256,6 +261,14 @@ def _masked_rows(link: Link) -> str | None:
     return None
 
 
+def _empty_input(link: Link) -> dict | None:
+    """The input with no values of an op that made NaN from it (a mean, or a loss averaged, over an
+    empty batch or selection: only an average makes a value out of nothing, and it is 0/0)."""
+    if "nan" not in link.health:
+        return None
+    return next((i for i in link.inputs if (i.get("summary") or {}).get("size") == 0), None)
+
+
 def _forward_reason(fbase: str) -> str:
     if fbase in _SQRTS or fbase in ("norm", "linalg_vector_norm", "vector_norm"):
         return f"d/dx {fbase}(x) divides by {fbase}(x), which is 0 at x = 0 (e.g. the norm of a zero vector)"
@@ -277,6 +290,9 @@ _SUGGESTIONS = {
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
     "sqrt": "add an epsilon inside the root, torch.sqrt(x + 1e-12), or clamp(min=0) a value that can dip below 0",
     "exp": "subtract the maximum first (logsumexp / softmax do) or clamp the input, e.g. x.clamp(max=80)",
+    "empty": "the batch is empty: check the mask or index that selects it (a split at fixed indices past the "
+    "dataset's size, a filter that keeps nothing, a last batch of 0 rows), and skip an empty batch before the "
+    "loss, e.g. `if target.numel() == 0: continue`",
     "accum": "values are overflowing: lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), "
     "or compute this op in float32",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
@@ -297,6 +313,8 @@ def suggest(link: Link) -> str:
         return _SUGGESTIONS["received"]
     if _masked_rows(link):
         return _SUGGESTIONS["masked"]
+    if _empty_input(link) is not None:
+        return _SUGGESTIONS["empty"]
     base = op_base(link.op)
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
         base = op_base(link.forward_op["op"])
