@@ -282,19 +282,35 @@ class _TiedLM(torch.nn.Module):
         return self.lm_head(torch.relu(self.proj(self.wte(idx))))
 
 
-def test_a_tied_output_layer_names_chance_level_by_its_vocabulary(tmp_path):
-    # Random targets: nothing to learn, so the loss sits at ln(vocab) (nanoGPT on random characters
-    # under `trainguard monitor` showed no chance level: the output layer owns no weight of its own).
+class _TimesW(torch.nn.Module):
+    """``h @ W`` with ``W`` stored [in, out], as pytorch/examples gat/main.py's GraphAttentionLayer."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.W = torch.nn.Parameter(0.01 * torch.randn(n_in, n_out))
+
+    def forward(self, h):
+        return h @ self.W
+
+
+@pytest.mark.parametrize("make, data", [
+    (lambda c: _TiedLM(c, 16), lambda c: torch.randint(0, c, (8, 12))),
+    (lambda c: torch.nn.Sequential(_TimesW(16, 32), torch.nn.ReLU(), _TimesW(32, c)), lambda c: torch.randn(96, 16)),
+], ids=["tied-lm-head", "weight-in-by-out"])
+def test_the_chance_level_counts_the_output_layers_units(tmp_path, make, data):
+    # Random targets: nothing to learn, so the loss sits at ln(classes). nanoGPT on random
+    # characters and pytorch/examples gat on a random graph, under `trainguard monitor`, named no
+    # chance level: the tied lm_head owns no weight, and gat's W is [in, out].
     torch.manual_seed(0)
-    vocab = 40
-    model = _TiedLM(vocab, 16)
+    classes = 40
+    model = make(classes)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with tg.Monitor(model, tmp_path / "r", every=5) as mon:
         for _ in range(60):
-            idx = torch.randint(0, vocab, (8, 12))
-            loss = torch.nn.functional.cross_entropy(model(idx).view(-1, vocab), torch.randint(0, vocab, (96,)))
+            out = model(data(classes)).reshape(-1, classes)
+            loss = torch.nn.functional.cross_entropy(out, torch.randint(0, classes, (out.shape[0],)))
             opt.zero_grad()
             loss.backward()
             opt.step()
     f = next(f for f in mon.findings if f.kind == "loss_not_decreasing")
-    assert f.evidence["chance_loss"].startswith(f"ln({vocab})")
+    assert f.evidence["chance_loss"].startswith(f"ln({classes})")
