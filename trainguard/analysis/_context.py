@@ -208,12 +208,14 @@ class Context:
         return Series.of([(s, float(np.median(v))) for s, v in sorted(per_step.items())])
 
     def unit_count(self, layer: str) -> int | None:
-        """Output units of a layer from the shape of its weight (Linear/Conv: dim 0), else from the
-        module's sizes (a weight tied to another layer's belongs to that one)."""
+        """Output units of a layer: the size of its output's unit axis as recorded (runs before
+        it: from the shape of its weight, Linear/Conv dim 0)."""
+        if layer in self.layer_units:
+            return self.layer_units[layer]
         for info in self.params.values():
             if info.get("layer") == layer and len(info.get("shape", [])) >= 2:
                 return int(info["shape"][0])
-        return self.layer_units.get(layer)
+        return None
 
     def output_units(self) -> int | None:
         """Units of the model's output layer: the last layer in forward order that transforms."""

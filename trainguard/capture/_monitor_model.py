@@ -30,8 +30,9 @@ class Layer:
         self.ref = weakref.ref(module)
         self.channel_first = is_channel_first(module)
         self.saturation = saturation_kind(module)
-        # Output units from the module's own sizes: a layer whose weight is tied to another's
-        # (nanoGPT's lm_head, the token embedding's) owns no parameter to read them from.
+        # Output units: the size of the output's unit axis once a recording saw it (a custom
+        # layer's weight can be [in, out]; a layer whose weight is tied to another's, nanoGPT's
+        # lm_head, owns none); until then the module's own sizes.
         sizes = (getattr(module, a, None) for a in _UNIT_ATTRS)
         self.units = next((n for n in sizes if isinstance(n, int)), None)
         self.prev_dead: torch.Tensor | None = None  # this layer's dead-unit mask at the last recording
