@@ -22,6 +22,7 @@ from pathlib import Path
 
 from trainguard._errors import Diverged, NonFiniteError, TrainguardError
 from trainguard.cli import _launch
+from trainguard.cli._children import ChildWatch
 from trainguard.cli._render import err_console
 from trainguard.store import MODES, default_name
 
@@ -125,10 +126,12 @@ def _cmd(args: argparse.Namespace) -> int:
     late: list[int] = []  # a SIGTERM that came while the run was closing
     if guard is not None:
         guard.install()
+    children = ChildWatch()
     try:
         if recorder is not None:
             recorder.start()
         try:
+            children.__enter__()
             if args.monitor:
                 monitor = _start_monitor(logdir, args.every, gradcheck=not args.no_gradcheck)
             if args.module:
@@ -161,6 +164,7 @@ def _cmd(args: argparse.Namespace) -> int:
             code = 1
             error = exc
         finally:
+            children.__exit__()
             ending = run_ending(error)  # before the monitor lets go of the step clock
             # The launcher orders the ranks of a failed job by it: a NonFiniteError says when it
             # was raised (the script's own finally blocks, destroy_process_group, run after it).
@@ -184,6 +188,8 @@ def _cmd(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     if late and not code:
         code = 128 + signal.SIGTERM
+    if note := children.note():
+        err_console.print(note, markup=False, highlight=False, soft_wrap=True)
     if guard is not None:
         if not (logdir / "run.sqlite").exists() and not any(logdir.glob("rank-*")):
             err_console.print("trainguard: the script iterated no `loop.batches()` of ckpt.resume(); nothing was "
