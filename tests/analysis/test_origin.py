@@ -97,6 +97,22 @@ def test_a_loss_over_an_empty_selection_is_named_so(tmp_path, loss, op):
     assert "empty" in o.suggestion and "overflow" not in o.suggestion
 
 
+def test_a_loss_whose_targets_are_all_ignored_is_named_so(tmp_path):
+    # A tiny GPT-2 (transformers' GPT2LMHeadModel) given a batch whose labels are all -100 (every
+    # position padding): its cross_entropy averages over no target, 0/0.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 7)
+    x, y = torch.randn(6, 4), torch.full((6,), -100)
+
+    def f():
+        torch.nn.functional.cross_entropy(lin(x), y).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.nll_loss_forward"
+    assert "ignore_index" in o.origin.explanation and "0/0" in o.origin.explanation
+    assert "ignore_index" in o.suggestion and "overflow" not in o.suggestion
+
+
 def test_exp_overflow_with_and_without_stats(tmp_path):
     x = torch.tensor([1.0, 812.3])
     o = origin(record(tmp_path / "a", lambda: torch.exp(x * 1).sum().item(), mode="stats"))
