@@ -17,12 +17,22 @@ _NOT_TRAINING = ("torch.utils.data._utils.worker",)
 
 
 class ChildWatch:
+    """Counts, from ``start()`` to ``stop()``, the child processes started and this process's
+    outermost ``backward()`` calls."""
+
     def __init__(self) -> None:
         self.started = 0
         self.backwards = 0
         self._original = None
 
     def __enter__(self) -> ChildWatch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
         self._original = original = multiprocessing.process.BaseProcess.start
         watch = self
 
@@ -36,9 +46,8 @@ class ChildWatch:
         from trainguard.capture import _monitor_tap  # imports torch: not before a script runs
 
         _monitor_tap.add_listener("after_backward", self._on_backward)
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         if self._original is None:
             return
         multiprocessing.process.BaseProcess.start, self._original = self._original, None

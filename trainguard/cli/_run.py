@@ -131,7 +131,7 @@ def _cmd(args: argparse.Namespace) -> int:
         if recorder is not None:
             recorder.start()
         try:
-            children.__enter__()
+            children.start()
             if args.monitor:
                 monitor = _start_monitor(logdir, args.every, gradcheck=not args.no_gradcheck)
             if args.module:
@@ -164,7 +164,7 @@ def _cmd(args: argparse.Namespace) -> int:
             code = 1
             error = exc
         finally:
-            children.__exit__()
+            children.stop()
             ending = run_ending(error)  # before the monitor lets go of the step clock
             # The launcher orders the ranks of a failed job by it: a NonFiniteError says when it
             # was raised (the script's own finally blocks, destroy_process_group, run after it).
