@@ -199,6 +199,8 @@ def _cmd(args: argparse.Namespace) -> int:
                               highlight=False, soft_wrap=True)
         return code
     written = Path(recorder.logdir)  # this rank's directory under torch.distributed
+    if isinstance(error, NonFiniteError):
+        _print_cause(written)
     err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {written}{_writer_failure(written)}; "
                       f"see `trainguard report {logdir}` or `trainguard ui {logdir}`", highlight=False, soft_wrap=True)
     return code
@@ -247,6 +249,22 @@ def _print_traceback(exc: BaseException) -> None:
                               or os.path.abspath(tb.tb_frame.f_code.co_filename) in _RUNNER_FILES):
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb if tb is not None else exc.__traceback__)
+
+
+def _print_cause(run_dir: Path) -> None:
+    """Why the op check_numerics stopped at made its value, and the fix: the run's origin, as
+    `trainguard report` shows it."""
+    from trainguard.analysis import origin
+    from trainguard.store import open_run
+
+    try:
+        with open_run(run_dir) as run:
+            o = origin(run)
+    except Exception:  # the error line above stands on its own; the report says the rest
+        return
+    if o is not None:
+        err_console.print(f"  why: {o.origin.explanation}\n  fix: {o.suggestion}", markup=False, highlight=False,
+                          soft_wrap=True)
 
 
 def _writer_failure(logdir: Path) -> str:
