@@ -26,7 +26,7 @@ from pathlib import Path
 log = logging.getLogger("trainguard.capture")
 
 _DIR = Path(__file__).resolve().parent
-SOURCES = ("summary.cpp", "stacks.cpp", "recorder.cpp", "module.cpp")
+SOURCES = ("summary.cpp", "stacks.cpp", "ops.cpp", "tables.cpp", "recorder.cpp", "module.cpp")
 HEADERS = ("native.h", "core.h")
 CFLAGS = ("-O3", "-DNDEBUG", "-fvisibility=hidden", "-fopenmp-simd")
 # The frame chain the stack capture reads (see stacks.cpp).

@@ -18,6 +18,10 @@
 #include <unordered_map>
 #include <unordered_set>
 
+namespace at {
+struct RecordFunction;
+}
+
 namespace tg {
 
 constexpr int MAX_CORES = 8;
@@ -224,5 +228,16 @@ void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std:
 // callable(op name) -> (taint class, overwrites its first input, in place): _recorder.op_facts_by_name
 void set_op_classes(PyObject* resolver);
 OpInfo* op_by_index(int index);
+// The operator a RecordFunction calls, from the shared table (made on first sight); nullptr when
+// it is not an operator call (ops.cpp; the callbacks cache it per thread).
+OpInfo* find_op(const at::RecordFunction& fn, const char* key);
+
+// The tables (tables.cpp), with the core's lock held. An input's producer, name or none; and
+// ``o`` now holds the values of record ``seq`` (``view_of``: for a view op, the producer of its
+// first input, else -1; ``s`` its summary, when made on the host).
+Input input_of(Core* c, const at::Tensor& t, bool in_node);
+void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, const Summary* s, int64_t view_of,
+                     int health = 0, bool maybe = false);
+int64_t version_of(c10::TensorImpl* impl);  // -1: an inference tensor (no version counter)
 
 }  // namespace tg
