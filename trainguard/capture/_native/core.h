@@ -34,6 +34,8 @@ constexpr int MAX_CORES = 8;
 // fixed-size slots from mmap, recycled per size; large blocks (bucket arrays) mmap'd each.
 void* pool_alloc(size_t bytes);
 void pool_free(void* p, size_t bytes);
+extern std::mutex g_pool_mu;  // the pool's (tables.cpp)
+extern std::mutex g_ops_mu;   // the operators table's (ops.cpp)
 
 template <typename T>
 struct PoolAlloc {

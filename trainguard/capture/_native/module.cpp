@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <future>
 #include <map>
+#include <thread>
 
 namespace py = pybind11;
 using namespace tg;
@@ -377,6 +379,24 @@ struct PyCore {
     core->drained.notify_all();
   }
 
+  // For tests: a thread of its own takes this core's lock and the process-wide ones (the
+  // operators table's, the pool's), as a thread inside a callback does, and holds them for
+  // ``seconds``; returns once they are held. The core must outlive the hold.
+  void hold_locks(double seconds) {
+    Core* c = core.get();
+    auto held = std::make_shared<std::promise<void>>();
+    auto ready = held->get_future();
+    std::thread([c, held, seconds] {
+      std::lock_guard<std::mutex> a(c->mu);
+      std::lock_guard<std::mutex> b(g_ops_mu);
+      std::lock_guard<std::mutex> p(g_pool_mu);
+      held->set_value();
+      std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    }).detach();
+    py::gil_scoped_release nogil;
+    ready.wait();
+  }
+
   py::dict counts() {
     std::lock_guard<std::mutex> g(core->mu);
     py::dict d;
@@ -435,6 +455,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_step", [](int64_t s) { g_step.store(s); });
   m.def("set_in_optimizer", [](int n) { g_in_optimizer.store(n); });
   m.def("forked", []() { return g_forked.load(); });
+  m.def("_pool_blocks", [](std::vector<size_t> sizes) {
+    std::vector<uintptr_t> out;
+    for (size_t n : sizes) out.push_back((uintptr_t)pool_alloc(n));
+    for (size_t i = 0; i < sizes.size(); ++i) pool_free((void*)out[i], sizes[i]);
+    return out;
+  }, "For tests: the addresses the tables' pool hands out for blocks of these sizes, in order (freed after).");
 
   py::class_<PyCore>(m, "Core")
       .def(py::init<int, int, py::object, py::list, py::object>(), py::arg("mode"), py::arg("strategy"),
@@ -453,5 +479,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pending", &PyCore::pending)
       .def("wait", &PyCore::wait)
       .def("wake", &PyCore::wake)
-      .def("counts", &PyCore::counts);
+      .def("counts", &PyCore::counts)
+      .def("_hold_locks", &PyCore::hold_locks);
 }

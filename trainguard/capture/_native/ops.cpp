@@ -10,9 +10,10 @@
 
 namespace tg {
 
+std::mutex g_ops_mu;
+
 namespace {
 
-std::mutex g_ops_mu;
 std::unordered_map<const char*, OpInfo*> g_ops;  // keyed by the schema's name (stable per operator)
 std::vector<OpInfo*> g_op_list;
 std::unordered_set<std::string> g_alloc, g_alias;

@@ -106,11 +106,12 @@ void set_producer(Core* c, const at::Tensor& t, int64_t seq, int64_t stack) {
 }
 
 // ------------------------------------------------------------------ the tables' memory (core.h)
+std::mutex g_pool_mu;
+
 namespace {
 constexpr size_t POOL_SLOT = 64;                // size classes: multiples of 64 bytes
 constexpr size_t POOL_MAX = 1024;               // larger blocks: their own mapping
 constexpr size_t POOL_SLAB = size_t(256) << 10;  // slots are carved from 256 KiB mappings
-std::mutex g_pool_mu;
 void* g_free[POOL_MAX / POOL_SLOT + 1] = {nullptr};  // per size class, a list through the slots
 char* g_slab = nullptr;
 size_t g_slab_left = 0;
