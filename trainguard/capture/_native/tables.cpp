@@ -122,11 +122,14 @@ void* map(size_t bytes) {
   return p;
 }
 size_t pages(size_t bytes) { return (bytes + 4095) & ~size_t(4095); }
+
+// A block's size class: 0 bytes get the smallest (a block of their own, as operator new gives).
+size_t size_class(size_t bytes) { return bytes == 0 ? 1 : (bytes + POOL_SLOT - 1) / POOL_SLOT; }
 }  // namespace
 
 void* pool_alloc(size_t bytes) {
   if (bytes > POOL_MAX) return map(pages(bytes));
-  size_t k = (bytes + POOL_SLOT - 1) / POOL_SLOT;
+  size_t k = size_class(bytes);
   std::lock_guard<std::mutex> g(g_pool_mu);
   if (void* p = g_free[k]) {
     g_free[k] = *static_cast<void**>(p);
@@ -149,7 +152,7 @@ void pool_free(void* p, size_t bytes) {
     munmap(p, pages(bytes));
     return;
   }
-  size_t k = (bytes + POOL_SLOT - 1) / POOL_SLOT;
+  size_t k = size_class(bytes);
   std::lock_guard<std::mutex> g(g_pool_mu);
   *static_cast<void**>(p) = g_free[k];
   g_free[k] = p;
