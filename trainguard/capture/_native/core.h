@@ -207,7 +207,7 @@ struct Core {
 // Process-wide state shared with Python's hooks.
 extern std::atomic<int64_t> g_step;
 extern std::atomic<int> g_in_optimizer;
-extern std::atomic<bool> g_forked;
+extern std::atomic<bool> g_forked;  // this process is a fork's child (see recorder.cpp's fork handlers)
 extern thread_local int64_t tl_module[MAX_CORES];
 extern thread_local bool tl_paused;
 

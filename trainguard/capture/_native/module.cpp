@@ -6,6 +6,8 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <future>
@@ -50,6 +52,12 @@ struct PyCore {
   // The sizes of the last batch drained (see drain), at most MAX_RESERVE records' worth.
   static constexpr size_t MAX_RESERVE = 2 * FLUSH_RECORDS;
   size_t last_records = 0, last_inputs = 0, last_outputs = 0, last_dims = 0;
+  pid_t pid = getpid();
+
+  // A copy of the parent's core in a forked child (a DataLoader worker): dead there. Its lock
+  // may have been held by a thread the child does not have, and its threads are gone; every
+  // method returns at once without touching it (see recorder.cpp's fork handlers).
+  bool dead() const { return g_forked.load(std::memory_order_relaxed) && pid != getpid(); }
 
   PyCore(int mode, int strategy, py::object wanted_fn, py::list dtypes, py::object on_new_stack) {
     core = std::make_unique<Core>();
@@ -67,6 +75,10 @@ struct PyCore {
   }
 
   ~PyCore() {
+    if (dead()) {
+      (void)core.release();  // its tables may be mid-change: left as they are
+      return;
+    }
     uninstall(core.get());
     for (auto& kv : core->named) {
       Py_XDECREF(kv.second.name);
@@ -80,8 +92,10 @@ struct PyCore {
     Py_XDECREF(input_none);
   }
 
-  bool start() { return install(core.get()); }
-  void stop() { uninstall(core.get()); }
+  bool start() { return !dead() && install(core.get()); }
+  void stop() {
+    if (!dead()) uninstall(core.get());
+  }
   int slot() const { return core->slot; }
 
   void set_module(int64_t mid) {
@@ -89,6 +103,7 @@ struct PyCore {
   }
 
   void name_tensor(const at::Tensor& t, py::str name, py::str what) {
+    if (dead()) return;
     std::lock_guard<std::mutex> g(core->mu);
     auto* impl = t.unsafeGetTensorImpl();
     if (core->named.count(impl)) return;  // the first name stays, as in ModuleTracker
@@ -98,6 +113,7 @@ struct PyCore {
   }
 
   void on_step(int64_t step) {
+    if (dead()) return;
     std::lock_guard<std::mutex> g(core->mu);
     core->sweep();
     if (core->fwd_nodes.size() > 4096) core->prune_fwd_nodes(step);
@@ -249,6 +265,9 @@ struct PyCore {
   //  the Python judge must see (taint None), ``cut`` the index of the first record whose health
   //  is not known on the host yet (len(records) if none).
   py::tuple drain(bool want_live) {
+    if (dead())
+      return py::make_tuple(py::list(), py::none(), py::list(), false, py::list(), py::list(),
+                            want_live ? py::object(py::list()) : py::object(py::none()), py::list(), 0);
     // The buffers the recording thread appends to next, allocated here, on the drain's thread,
     // as large as the last batch's (so that the training thread does not grow them again).
     std::vector<Record> recs;
@@ -322,6 +341,7 @@ struct PyCore {
   // (seq, health) of the op that made ``t``'s current values, or None (not made by a recorded
   // op): the program reads ``t`` (capture/_reads.py).
   py::object producer_of(const at::Tensor& t) {
+    if (dead()) return py::none();
     std::lock_guard<std::mutex> g(core->mu);
     auto it = core->producers.find(t.unsafeGetTensorImpl());
     if (it == core->producers.end() || it->second.ref.expired()) return py::none();
@@ -332,6 +352,7 @@ struct PyCore {
   // seqs after every op recorded so far, returned as the first. The autograd nodes made until now
   // belong to them (as the Python recorder sets last_nr after a graph call).
   int64_t reserve(int64_t n) {
+    if (dead()) return core->seq;
     std::lock_guard<std::mutex> g(core->mu);
     int64_t base = core->seq;
     core->seq += n;
@@ -340,6 +361,7 @@ struct PyCore {
   }
 
   void set_producer(const at::Tensor& t, int64_t seq, int64_t stack) {
+    if (dead()) return;
     std::lock_guard<std::mutex> g(core->mu);
     tg::set_producer(core.get(), t, seq, stack);
   }
@@ -348,6 +370,7 @@ struct PyCore {
   // references): drop the core's. Returns (name, kind) when ``t`` was named, for the caller to
   // name it again after the swap (a parameter keeps its identity), else None.
   py::object release(const at::Tensor& t) {
+    if (dead()) return py::none();
     std::lock_guard<std::mutex> g(core->mu);
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
     core->producers.erase(impl);
@@ -360,6 +383,7 @@ struct PyCore {
   }
 
   size_t pending() {
+    if (dead()) return 0;
     std::lock_guard<std::mutex> g(core->mu);
     return core->records.size();
   }
@@ -367,6 +391,7 @@ struct PyCore {
   // Wait (without the GIL) until FLUSH_RECORDS are pending, a non-finite value was recorded, or
   // the timeout passed; True when a drain is due now.
   bool wait(double timeout) {
+    if (dead()) return false;
     py::gil_scoped_release nogil;
     std::unique_lock<std::mutex> g(core->mu);
     return core->cv.wait_for(g, std::chrono::duration<double>(timeout),
@@ -374,6 +399,7 @@ struct PyCore {
   }
 
   void wake() {
+    if (dead()) return;
     std::lock_guard<std::mutex> g(core->mu);
     core->cv.notify_all();
     core->drained.notify_all();
@@ -398,7 +424,8 @@ struct PyCore {
   }
 
   py::dict counts() {
-    std::lock_guard<std::mutex> g(core->mu);
+    std::unique_lock<std::mutex> g(core->mu, std::defer_lock);
+    if (!dead()) g.lock();  // in a child nothing else touches its copy: read as it is
     py::dict d;
     d["seq"] = core->seq;
     d["recorded"] = core->recorded;

@@ -147,7 +147,7 @@ void fail(Core* c, OpInfo* op, const char* what) {
 // ------------------------------------------------------------------ the callbacks
 template <int K>
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-  if (tl_paused || g_forked.load(std::memory_order_relaxed)) return nullptr;
+  if (tl_paused) return nullptr;
   Core* c = g_cores[K];
   if (c == nullptr || !c->active.load(std::memory_order_relaxed)) return nullptr;
   OpInfo* op = lookup_op(fn);
@@ -236,9 +236,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* base) {
       break;
     }
   Core* c = g_cores[K];
-  if (!ctx->seen || c != ctx->core || !c->active.load(std::memory_order_relaxed) || tl_paused ||
-      g_forked.load(std::memory_order_relaxed))
-    return;
+  if (!ctx->seen || c != ctx->core || !c->active.load(std::memory_order_relaxed) || tl_paused) return;
   Pause pause;  // our own tensor work below is not recorded
   try {
     end_record(c, ctx, fn);
@@ -431,12 +429,36 @@ const Installer g_installers[MAX_CORES] = {&install_slot<0>, &install_slot<1>, &
 // A slot whose callback could not be removed (stopped from another thread) stays taken.
 bool g_slot_taken[MAX_CORES] = {false};
 
-void after_fork_child() { g_forked.store(true); }
+// A fork copies every lock as it is: one held at that moment by another thread (a callback of a
+// second recording thread or of autograd's device threads, a drain) stays held in the child for
+// ever. The process-wide locks are taken around the fork (no thread waits for anything while it
+// holds one, so the fork waits at most for one table or pool operation): the child gets them
+// free and their tables consistent, and can record a run of its own. A core's lock cannot be
+// (a drain holds it for long), so the cores the child inherits are dead in it: their slots are
+// emptied (their callbacks, still installed on the forking thread, find no core) and their
+// Python methods return at once (module.cpp), as the threads that fed and drained them are gone.
+void fork_prepare() {
+  g_cores_mu.lock();
+  g_ops_mu.lock();
+  g_pool_mu.lock();
+}
+
+void fork_parent() {
+  g_pool_mu.unlock();
+  g_ops_mu.unlock();
+  g_cores_mu.unlock();
+}
+
+void fork_child() {
+  fork_parent();
+  g_forked.store(true);
+  for (auto& c : g_cores) c = nullptr;  // their slots stay taken: the callbacks are still installed
+}
 }  // namespace
 
 bool install(Core* c) {
   static std::once_flag fork_once;
-  std::call_once(fork_once, [] { pthread_atfork(nullptr, nullptr, &after_fork_child); });
+  std::call_once(fork_once, [] { pthread_atfork(&fork_prepare, &fork_parent, &fork_child); });
   std::lock_guard<std::mutex> g(g_cores_mu);
   for (int k = 0; k < MAX_CORES; ++k) {
     if (g_slot_taken[k]) continue;
