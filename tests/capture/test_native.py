@@ -230,7 +230,7 @@ def test_the_tables_pool_hands_out_a_block_of_its_own_for_zero_bytes():
     sizes = [0, 0, 64, 1, 0]
     blocks = mod._pool_blocks(sizes)
     spans = sorted((a, a + max(n, 1)) for a, n in zip(blocks, sizes))
-    assert all(a < b for (_, a), (b, _) in zip(spans, spans[1:])), (blocks, sizes)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), (blocks, sizes)
     (zero,) = mod._pool_blocks([0])
     assert mod._pool_blocks([1]) == [zero]  # freed into the smallest class, handed out again
 
@@ -241,11 +241,12 @@ FORK = textwrap.dedent(
     from trainguard.store import open_run
 
     out = sys.argv[1]
-    stop = threading.Event()
+    stop, recording = threading.Event(), threading.Event()
 
     def busy():  # another thread recording: its callbacks take the pool's lock all the time
         with tg.record(out + "/busy", buffer=-1, backend="native"):
             x = torch.randn(16, requires_grad=True)
+            recording.set()
             while not stop.is_set():
                 (x * 2).exp().sum().backward()
 
@@ -253,6 +254,7 @@ FORK = textwrap.dedent(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     worker = threading.Thread(target=busy)
     worker.start()
+    recording.wait()  # its start is over (the run store's own lock is not taken around a fork)
     with tg.record(out + "/parent", buffer=-1, backend="native") as rec:
         y = model(torch.ones(2, 4))
         y.sum().backward()
@@ -286,7 +288,8 @@ FORK = textwrap.dedent(
     stop.set()
     worker.join()
     print(codes)
-    print([open_run(out + f"/child{i}").count(op="aten.exp") for i in range(4)])
+    print([open_run(out + f"/child{i}").count(op="aten.exp") if os.path.isdir(out + f"/child{i}") else None
+           for i in range(4)])
     print(open_run(out + "/parent").count(op="aten.exp"))
     """
 )
@@ -300,6 +303,6 @@ def test_a_child_forked_while_other_threads_hold_the_cores_locks_goes_on(tmp_pat
     out = subprocess.run([sys.executable, "-c", FORK, str(tmp_path)], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     codes, child_exps, parent_exps = out.stdout.splitlines()[-3:]
-    assert codes == "[0, 0, 0, 0]", out.stderr[-3000:]
+    assert codes == "[0, 0, 0, 0]"  # "hung": a child waited for a lock no thread of its own held
     assert child_exps == "[1, 1, 1, 1]"  # each child records its own run
     assert parent_exps == "3"  # the children's ops are not in the parent's run
