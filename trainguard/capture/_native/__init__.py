@@ -27,7 +27,7 @@ log = logging.getLogger("trainguard.capture")
 
 _DIR = Path(__file__).resolve().parent
 SOURCES = ("summary.cpp", "stacks.cpp", "ops.cpp", "tables.cpp", "recorder.cpp", "module.cpp")
-HEADERS = ("native.h", "core.h")
+HEADERS = ("native.h", "core.h", "flat.h")
 CFLAGS = ("-O3", "-DNDEBUG", "-fvisibility=hidden", "-fopenmp-simd")
 # The frame chain the stack capture reads (see stacks.cpp).
 PYTHONS = ((3, 11), (3, 12))

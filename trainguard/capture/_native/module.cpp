@@ -13,6 +13,7 @@
 #include <future>
 #include <map>
 #include <thread>
+#include <unordered_map>
 
 namespace py = pybind11;
 using namespace tg;
@@ -80,10 +81,10 @@ struct PyCore {
       return;
     }
     uninstall(core.get());
-    for (auto& kv : core->named) {
-      Py_XDECREF(kv.second.name);
-      Py_XDECREF(kv.second.what);
-    }
+    core->named.for_each([](uint64_t, Named& n) {
+      Py_XDECREF(n.name);
+      Py_XDECREF(n.what);
+    });
     Py_XDECREF(core->wanted_fn);
     stacks_free(core->stacks);
     for (auto& kv : devices) Py_DECREF(kv.second);
@@ -106,10 +107,10 @@ struct PyCore {
     if (dead()) return;
     std::lock_guard<std::mutex> g(core->mu);
     auto* impl = t.unsafeGetTensorImpl();
-    if (core->named.count(impl)) return;  // the first name stays, as in ModuleTracker
+    if (core->named.find(impl_key(impl))) return;  // the first name stays, as in ModuleTracker
     Py_INCREF(name.ptr());
     Py_INCREF(what.ptr());
-    core->named.emplace(impl, Named{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), name.ptr(), what.ptr()});
+    core->named.emplace(impl_key(impl), Named{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), name.ptr(), what.ptr()});
   }
 
   void on_step(int64_t step) {
@@ -288,8 +289,8 @@ struct PyCore {
       if (want_live) {
         core->sweep();
         live.reserve(core->producers.size() + core->saved.size());
-        for (auto& kv : core->producers) live.push_back(kv.second.seq);
-        for (auto& kv : core->saved) live.push_back(kv.second.seq);  // held by autograd (see Saved)
+        core->producers.for_each([&](uint64_t, const Producer& p) { live.push_back(p.seq); });
+        core->saved.for_each([&](uint64_t, const Saved& s) { live.push_back(s.seq); });  // held by autograd (see Saved)
       }
       if (!core->records.empty()) {  // else the core keeps its (reserved) buffers
         recs.swap(core->records);
@@ -343,9 +344,9 @@ struct PyCore {
   py::object producer_of(const at::Tensor& t) {
     if (dead()) return py::none();
     std::lock_guard<std::mutex> g(core->mu);
-    auto it = core->producers.find(t.unsafeGetTensorImpl());
-    if (it == core->producers.end() || it->second.ref.expired()) return py::none();
-    return py::make_tuple(it->second.seq, it->second.health);
+    Producer* p = core->producers.find(impl_key(t.unsafeGetTensorImpl()));
+    if (p == nullptr || p->ref.expired()) return py::none();
+    return py::make_tuple(p->seq, p->health);
   }
 
   // Records made in Python (compiled graphs, capture/_compile_run.py) between the core's: ``n``
@@ -373,12 +374,12 @@ struct PyCore {
     if (dead()) return py::none();
     std::lock_guard<std::mutex> g(core->mu);
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    core->producers.erase(impl);
-    auto it = core->named.find(impl);
-    if (it == core->named.end()) return py::none();
-    py::object out = py::make_tuple(py::reinterpret_steal<py::object>(it->second.name),
-                                    py::reinterpret_steal<py::object>(it->second.what));
-    core->named.erase(it);
+    core->producers.erase(impl_key(impl));
+    Named* n = core->named.find(impl_key(impl));
+    if (n == nullptr) return py::none();
+    py::object out = py::make_tuple(py::reinterpret_steal<py::object>(n->name),
+                                    py::reinterpret_steal<py::object>(n->what));
+    core->named.erase(impl_key(impl));
     return out;
   }
 

@@ -7,6 +7,7 @@
 #include <ATen/record_function.h>
 
 #include <mutex>
+#include <unordered_map>
 
 namespace tg {
 

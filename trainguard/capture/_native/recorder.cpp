@@ -273,11 +273,11 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   r.stack = 0;
   if (ctx->in_node) {
     r.phase = 1;
-    auto it = c->fwd_nodes.find(ctx->node_nr);
-    if (it != c->fwd_nodes.end()) {
-      r.fwd_seq = it->second.seq;
-      r.module = it->second.module;
-      r.stack = it->second.stack;
+    FwdNode* n = c->fwd_nodes.find(ctx->node_nr);
+    if (n != nullptr) {
+      r.fwd_seq = n->seq;
+      r.module = n->module;
+      r.stack = n->stack;
     } else {
       g.unlock();
       r.stack = stacks_capture(c->stacks);
@@ -293,8 +293,8 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
       // This call made the autograd node numbered nr - 1 (or the custom Function around it did).
       int64_t step = g_step.load(std::memory_order_relaxed);
       auto key = (uint64_t)(nr - 1);
-      auto it = c->fwd_nodes.find(key);
-      if (it != c->fwd_nodes.end()) it->second = FwdNode{seq, r.module, r.stack, step, it->second.order};
+      FwdNode* n = c->fwd_nodes.find(key);
+      if (n != nullptr) *n = FwdNode{seq, r.module, r.stack, step, n->order};
       else c->fwd_nodes.emplace(key, FwdNode{seq, r.module, r.stack, step, c->fwd_order++});
       if (c->fwd_nodes.size() > FWD_NODES_MAX) c->prune_fwd_nodes(-1);
     }
@@ -313,11 +313,11 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   bool have_alias = false;
   Summary alias;
   if (op->alias && ctx->first && nfields) {
-    auto it = c->producers.find(ctx->first.get());
-    if (it != c->producers.end() && !it->second.ref.expired() && it->second.has_summary &&
-        it->second.version >= 0 && it->second.version == version_of(ctx->first.get())) {
+    Producer* p = c->producers.find(impl_key(ctx->first.get()));
+    if (p != nullptr && !p->ref.expired() && p->has_summary && p->version >= 0 &&
+        p->version == version_of(ctx->first.get())) {
       have_alias = true;
-      alias = it->second.s;
+      alias = p->s;
     }
   }
   // Summaries first, without the lock (no_tensor makes none: the lock stays); then everything

@@ -38,20 +38,19 @@ bool same_geometry(const Saved& s, const at::Tensor& t) {
 
 Input input_of(Core* c, const at::Tensor& t, bool in_node) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  auto nit = c->named.find(impl);
-  if (nit != c->named.end() && !nit->second.ref.expired() && nit->second.ref._unsafe_get_target() == impl)
-    return Input{2, 0, nit->second.name, nit->second.what};
-  auto pit = c->producers.find(impl);
-  if (pit != c->producers.end() && !pit->second.ref.expired()) {
-    Input in{0, pit->second.seq};
-    in.maybe = pit->second.maybe;
+  Named* n = c->named.find(impl_key(impl));
+  if (n != nullptr && !n->ref.expired() && n->ref._unsafe_get_target() == impl) return Input{2, 0, n->name, n->what};
+  Producer* p = c->producers.find(impl_key(impl));
+  if (p != nullptr && !p->ref.expired()) {
+    Input in{0, p->seq};
+    in.maybe = p->maybe;
     return in;
   }
   if (in_node && !c->saved.empty() && has_plain_storage(t)) {  // a saved output, unpacked (see Saved)
-    auto sit = c->saved.find(geometry_key(t));
-    if (sit != c->saved.end() && same_geometry(sit->second, t)) {
-      Input in{0, sit->second.seq};
-      in.maybe = sit->second.maybe;
+    Saved* s = c->saved.find(geometry_key(t));
+    if (s != nullptr && same_geometry(*s, t)) {
+      Input in{0, s->seq};
+      in.maybe = s->maybe;
       return in;
     }
   }
@@ -62,8 +61,8 @@ namespace {
 void remember_saved(Core* c, const at::Tensor& o, int64_t seq, int64_t view_of, bool maybe) {
   uint64_t key = geometry_key(o);
   if (view_of >= 0) {  // a view of that output with its geometry (expand to the same shape) stays behind it
-    auto it = c->saved.find(key);
-    if (it != c->saved.end() && it->second.seq == view_of && same_geometry(it->second, o)) return;
+    Saved* s = c->saved.find(key);
+    if (s != nullptr && s->seq == view_of && same_geometry(*s, o)) return;
   }
   Saved s{o.storage().getWeakStorageImpl(), o.storage_offset(), (int8_t)o.scalar_type(),
           c10::SmallVector<int64_t, 6>(o.sizes().begin(), o.sizes().end()),
@@ -79,23 +78,23 @@ void remember_saved(Core* c, const at::Tensor& o, int64_t seq, int64_t view_of, 
 void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, const Summary* s, int64_t view_of,
                      int health, bool maybe) {
   c10::TensorImpl* impl = o.unsafeGetTensorImpl();
-  auto it = c->producers.find(impl);
-  if (it != c->producers.end() && !it->second.ref.expired()) {
-    it->second.seq = seq;  // an in-place op: the tensor now holds this op's output
-    it->second.stack = stack;
-    it->second.has_summary = s != nullptr;
-    if (s) it->second.s = *s;
-    it->second.version = version_of(impl);
-    it->second.health = health;
-    it->second.maybe = maybe;
+  Producer* p = c->producers.find(impl_key(impl));
+  if (p != nullptr && !p->ref.expired()) {
+    p->seq = seq;  // an in-place op: the tensor now holds this op's output
+    p->stack = stack;
+    p->has_summary = s != nullptr;
+    if (s) p->s = *s;
+    p->version = version_of(impl);
+    p->health = health;
+    p->maybe = maybe;
     if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of, maybe);
     return;
   }
   // An output that requires grad may be saved for backward under another TensorImpl.
   if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of, maybe);
-  Producer p{c10::weak_intrusive_ptr<c10::TensorImpl>(o.getIntrusivePtr()), seq, stack, s != nullptr,
-             s ? *s : Summary{}, version_of(impl), health, maybe};
-  c->producers.insert_or_assign(impl, std::move(p));
+  c->producers.insert_or_assign(impl_key(impl), Producer{c10::weak_intrusive_ptr<c10::TensorImpl>(o.getIntrusivePtr()),
+                                                        seq, stack, s != nullptr, s ? *s : Summary{},
+                                                        version_of(impl), health, maybe});
   if (c->producers.size() > c->sweep_at) c->sweep();
 }
 
@@ -159,11 +158,9 @@ void pool_free(void* p, size_t bytes) {
 }
 
 void Core::sweep() {
-  for (auto it = producers.begin(); it != producers.end();)
-    it = it->second.ref.expired() ? producers.erase(it) : std::next(it);
+  producers.erase_if([](const Producer& p) { return p.ref.expired(); });
   sweep_at = std::max<size_t>(4096, 2 * producers.size());
-  for (auto it = saved.begin(); it != saved.end();)
-    it = it->second.storage.expired() ? saved.erase(it) : std::next(it);
+  saved.erase_if([](const Saved& s) { return s.storage.expired(); });
   saved_sweep_at = std::max<size_t>(4096, 2 * saved.size());
 }
 
@@ -171,12 +168,13 @@ void Core::prune_fwd_nodes(int64_t step) {
   // As Recorder._prune_fwd_nodes: the last two steps, then the newest half past half the limit.
   if (step < 0) step = g_step.load();
   std::vector<std::pair<uint64_t, FwdNode>> items;
-  for (auto& kv : fwd_nodes)
-    if (kv.second.step >= step - 2) items.push_back(kv);
+  fwd_nodes.for_each([&](uint64_t k, const FwdNode& n) {
+    if (n.step >= step - 2) items.emplace_back(k, n);
+  });
   std::sort(items.begin(), items.end(), [](auto& a, auto& b) { return a.second.order < b.second.order; });
   size_t from = items.size() > FWD_NODES_MAX / 2 ? items.size() / 2 : 0;
   fwd_nodes.clear();
-  for (size_t i = from; i < items.size(); ++i) fwd_nodes.emplace(items[i]);
+  for (size_t i = from; i < items.size(); ++i) fwd_nodes.emplace(items[i].first, std::move(items[i].second));
 }
 
 }  // namespace tg
