@@ -220,3 +220,89 @@ def test_numbering_goes_on_from_an_earlier_runs_executions(tmp_path, backend):
         assert rec.executions == 103  # ones, neg, exp
     with open_run(tmp_path / "r") as run:
         assert [e["seq"] for e in run.executions()] == [100, 101, 102]
+
+
+def test_the_tables_pool_hands_out_a_block_of_its_own_for_zero_bytes():
+    # The pool's size classes are multiples of 64 bytes; a request for 0 bytes (which an
+    # allocator may be asked for) must get a block no other request shares, and go back to the
+    # list it came from.
+    mod = _native.load()
+    sizes = [0, 0, 64, 1, 0]
+    blocks = mod._pool_blocks(sizes)
+    spans = sorted((a, a + max(n, 1)) for a, n in zip(blocks, sizes))
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), (blocks, sizes)
+    (zero,) = mod._pool_blocks([0])
+    assert mod._pool_blocks([1]) == [zero]  # freed into the smallest class, handed out again
+
+
+FORK = textwrap.dedent(
+    """
+    import os, sys, threading, time, torch, trainguard as tg
+    from trainguard.store import open_run
+
+    out = sys.argv[1]
+    stop, recording = threading.Event(), threading.Event()
+
+    def busy():  # another thread recording: its callbacks take the pool's lock all the time
+        with tg.record(out + "/busy", buffer=-1, backend="native"):
+            x = torch.randn(16, requires_grad=True)
+            recording.set()
+            while not stop.is_set():
+                (x * 2).exp().sum().backward()
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    worker = threading.Thread(target=busy)
+    worker.start()
+    recording.wait()  # its start is over (the run store's own lock is not taken around a fork)
+    with tg.record(out + "/parent", buffer=-1, backend="native") as rec:
+        y = model(torch.ones(2, 4))
+        y.sum().backward()
+        opt.step()
+        for _ in range(3):
+            torch.randn(3).exp()  # dead outputs: the child's sweep would free their entries
+        codes = []
+        for i in range(4):
+            if i == 0:
+                rec._native.core._hold_locks(1.0)  # as a thread inside a callback when the fork comes
+            pid = os.fork()
+            if pid == 0:  # a child (a DataLoader worker): it inherits the parent's cores
+                y.tolist()  # a read: asks the recorder who made y
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()  # a step: the recorder's per-step sweep
+                with tg.record(out + f"/child{i}", buffer=-1, backend="native") as child:
+                    torch.ones(3).exp()
+                os._exit(0 if child.backend == "native" else 3)
+            deadline = time.monotonic() + 20
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes.append(os.waitstatus_to_exitcode(status))
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    codes.append("hung")
+                    break
+                time.sleep(0.02)
+    stop.set()
+    worker.join()
+    print(codes)
+    print([open_run(out + f"/child{i}").count(op="aten.exp") if os.path.isdir(out + f"/child{i}") else None
+           for i in range(4)])
+    print(open_run(out + "/parent").count(op="aten.exp"))
+    """
+)
+
+
+def test_a_child_forked_while_other_threads_hold_the_cores_locks_goes_on(tmp_path):
+    # A fork copies a lock as it is: held by a thread that does not exist in the child, it stays
+    # held there for ever. DataLoader workers are forked while the training thread's core, its
+    # drain thread and other recording threads hold the core's, the operators' and the pool's
+    # locks: a child must never wait for one of them, and a recording it starts must work.
+    out = subprocess.run([sys.executable, "-c", FORK, str(tmp_path)], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    codes, child_exps, parent_exps = out.stdout.splitlines()[-3:]
+    assert codes == "[0, 0, 0, 0]"  # "hung": a child waited for a lock no thread of its own held
+    assert child_exps == "[1, 1, 1, 1]"  # each child records its own run
+    assert parent_exps == "3"  # the children's ops are not in the parent's run

@@ -26,8 +26,8 @@ from pathlib import Path
 log = logging.getLogger("trainguard.capture")
 
 _DIR = Path(__file__).resolve().parent
-SOURCES = ("summary.cpp", "stacks.cpp", "recorder.cpp", "module.cpp")
-HEADERS = ("native.h", "core.h")
+SOURCES = ("summary.cpp", "stacks.cpp", "ops.cpp", "tables.cpp", "recorder.cpp", "module.cpp")
+HEADERS = ("native.h", "core.h", "flat.h")
 CFLAGS = ("-O3", "-DNDEBUG", "-fvisibility=hidden", "-fopenmp-simd")
 # The frame chain the stack capture reads (see stacks.cpp).
 PYTHONS = ((3, 11), (3, 12))

@@ -1,5 +1,6 @@
 // The native recorder's state: one Core per recording (at most MAX_CORES at once).
 #pragma once
+#include "flat.h"
 #include "native.h"
 
 #include <c10/core/Device.h>
@@ -11,42 +12,31 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <unordered_set>
+
+namespace at {
+struct RecordFunction;
+}
 
 namespace tg {
 
 constexpr int MAX_CORES = 8;
 
-// Memory for the core's long-lived tables (producers, saved outputs, forward nodes), kept apart
-// from malloc's heap. Their entries outlive a step and are made between the program's tensor
-// allocations; on malloc's main heap they pinned freed tensor memory in the middle of the heap
-// (never returned to the system): the transformer block's peak RSS was 1.3x plain with
-// full_health (main arena 341 MB for 133 MB in use, against 219 MB for plain). Slabs of
-// fixed-size slots from mmap, recycled per size; large blocks (bucket arrays) mmap'd each.
+// Memory for the core's long-lived tables (producers, saved outputs, forward nodes: their arrays,
+// see flat.h), kept apart from malloc's heap. They outlive a step and grow between the program's
+// tensor allocations; on malloc's main heap the tables' entries pinned freed tensor memory in the
+// middle of the heap (never returned to the system): the transformer block's peak RSS was 1.3x
+// plain with full_health (main arena 341 MB for 133 MB in use, against 219 MB for plain). Slabs
+// of fixed-size slots from mmap, recycled per size; large blocks mmap'd each.
 void* pool_alloc(size_t bytes);
 void pool_free(void* p, size_t bytes);
+extern std::mutex g_pool_mu;  // the pool's (tables.cpp)
+extern std::mutex g_ops_mu;   // the operators table's (ops.cpp)
 
-template <typename T>
-struct PoolAlloc {
-  using value_type = T;
-  PoolAlloc() = default;
-  template <typename U>
-  PoolAlloc(const PoolAlloc<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(pool_alloc(n * sizeof(T))); }
-  void deallocate(T* p, size_t n) { pool_free(p, n * sizeof(T)); }
-  template <typename U>
-  bool operator==(const PoolAlloc<U>&) const { return true; }
-  template <typename U>
-  bool operator!=(const PoolAlloc<U>&) const { return false; }
-};
-
-template <typename K, typename V>
-using PoolMap = std::unordered_map<K, V, std::hash<K>, std::equal_to<K>, PoolAlloc<std::pair<const K, V>>>;
+inline uint64_t impl_key(const c10::TensorImpl* impl) { return (uint64_t)(uintptr_t)impl; }
 
 // What an operator is to a dispatch mode, fixed per operator for the process.
 enum OpKind : int8_t {
@@ -181,12 +171,12 @@ struct Core {
   size_t payload_bytes = 0;  // full_tensor host copies waiting in records
   std::condition_variable drained;
   bool bad = false;
-  PoolMap<c10::TensorImpl*, Producer> producers;
+  FlatMap<Producer> producers;  // by TensorImpl (impl_key)
   size_t sweep_at = 4096;
-  PoolMap<uint64_t, Saved> saved;  // by storage and geometry (see Saved)
+  FlatMap<Saved> saved;  // by storage and geometry (see Saved)
   size_t saved_sweep_at = 4096;
-  std::unordered_map<c10::TensorImpl*, Named> named;
-  PoolMap<uint64_t, FwdNode> fwd_nodes;
+  FlatMap<Named> named;  // parameters and buffers, by TensorImpl (impl_key)
+  FlatMap<FwdNode> fwd_nodes;  // by the autograd node's sequence number
   int64_t fwd_order = 0;
   std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> deferred;
   std::vector<std::pair<std::string, std::string>> failed;  // (op, message), first per op
@@ -201,7 +191,7 @@ struct Core {
 // Process-wide state shared with Python's hooks.
 extern std::atomic<int64_t> g_step;
 extern std::atomic<int> g_in_optimizer;
-extern std::atomic<bool> g_forked;
+extern std::atomic<bool> g_forked;  // this process is a fork's child (see recorder.cpp's fork handlers)
 extern thread_local int64_t tl_module[MAX_CORES];
 extern thread_local bool tl_paused;
 
@@ -224,5 +214,16 @@ void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std:
 // callable(op name) -> (taint class, overwrites its first input, in place): _recorder.op_facts_by_name
 void set_op_classes(PyObject* resolver);
 OpInfo* op_by_index(int index);
+// The operator a RecordFunction calls, from the shared table (made on first sight); nullptr when
+// it is not an operator call (ops.cpp; the callbacks cache it per thread).
+OpInfo* find_op(const at::RecordFunction& fn, const char* key);
+
+// The tables (tables.cpp), with the core's lock held. An input's producer, name or none; and
+// ``o`` now holds the values of record ``seq`` (``view_of``: for a view op, the producer of its
+// first input, else -1; ``s`` its summary, when made on the host).
+Input input_of(Core* c, const at::Tensor& t, bool in_node);
+void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, const Summary* s, int64_t view_of,
+                     int health = 0, bool maybe = false);
+int64_t version_of(c10::TensorImpl* impl);  // -1: an inference tensor (no version counter)
 
 }  // namespace tg

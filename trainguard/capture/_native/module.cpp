@@ -6,9 +6,14 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <future>
 #include <map>
+#include <thread>
+#include <unordered_map>
 
 namespace py = pybind11;
 using namespace tg;
@@ -48,6 +53,12 @@ struct PyCore {
   // The sizes of the last batch drained (see drain), at most MAX_RESERVE records' worth.
   static constexpr size_t MAX_RESERVE = 2 * FLUSH_RECORDS;
   size_t last_records = 0, last_inputs = 0, last_outputs = 0, last_dims = 0;
+  pid_t pid = getpid();
+
+  // A copy of the parent's core in a forked child (a DataLoader worker): dead there. Its lock
+  // may have been held by a thread the child does not have, and its threads are gone; every
+  // method returns at once without touching it (see recorder.cpp's fork handlers).
+  bool dead() const { return g_forked.load(std::memory_order_relaxed) && pid != getpid(); }
 
   PyCore(int mode, int strategy, py::object wanted_fn, py::list dtypes, py::object on_new_stack) {
     core = std::make_unique<Core>();
@@ -65,11 +76,15 @@ struct PyCore {
   }
 
   ~PyCore() {
-    uninstall(core.get());
-    for (auto& kv : core->named) {
-      Py_XDECREF(kv.second.name);
-      Py_XDECREF(kv.second.what);
+    if (dead()) {
+      (void)core.release();  // its tables may be mid-change: left as they are
+      return;
     }
+    uninstall(core.get());
+    core->named.for_each([](uint64_t, Named& n) {
+      Py_XDECREF(n.name);
+      Py_XDECREF(n.what);
+    });
     Py_XDECREF(core->wanted_fn);
     stacks_free(core->stacks);
     for (auto& kv : devices) Py_DECREF(kv.second);
@@ -78,8 +93,10 @@ struct PyCore {
     Py_XDECREF(input_none);
   }
 
-  bool start() { return install(core.get()); }
-  void stop() { uninstall(core.get()); }
+  bool start() { return !dead() && install(core.get()); }
+  void stop() {
+    if (!dead()) uninstall(core.get());
+  }
   int slot() const { return core->slot; }
 
   void set_module(int64_t mid) {
@@ -87,15 +104,17 @@ struct PyCore {
   }
 
   void name_tensor(const at::Tensor& t, py::str name, py::str what) {
+    if (dead()) return;
     std::lock_guard<std::mutex> g(core->mu);
     auto* impl = t.unsafeGetTensorImpl();
-    if (core->named.count(impl)) return;  // the first name stays, as in ModuleTracker
+    if (core->named.find(impl_key(impl))) return;  // the first name stays, as in ModuleTracker
     Py_INCREF(name.ptr());
     Py_INCREF(what.ptr());
-    core->named.emplace(impl, Named{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), name.ptr(), what.ptr()});
+    core->named.emplace(impl_key(impl), Named{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), name.ptr(), what.ptr()});
   }
 
   void on_step(int64_t step) {
+    if (dead()) return;
     std::lock_guard<std::mutex> g(core->mu);
     core->sweep();
     if (core->fwd_nodes.size() > 4096) core->prune_fwd_nodes(step);
@@ -247,6 +266,9 @@ struct PyCore {
   //  the Python judge must see (taint None), ``cut`` the index of the first record whose health
   //  is not known on the host yet (len(records) if none).
   py::tuple drain(bool want_live) {
+    if (dead())
+      return py::make_tuple(py::list(), py::none(), py::list(), false, py::list(), py::list(),
+                            want_live ? py::object(py::list()) : py::object(py::none()), py::list(), 0);
     // The buffers the recording thread appends to next, allocated here, on the drain's thread,
     // as large as the last batch's (so that the training thread does not grow them again).
     std::vector<Record> recs;
@@ -267,8 +289,8 @@ struct PyCore {
       if (want_live) {
         core->sweep();
         live.reserve(core->producers.size() + core->saved.size());
-        for (auto& kv : core->producers) live.push_back(kv.second.seq);
-        for (auto& kv : core->saved) live.push_back(kv.second.seq);  // held by autograd (see Saved)
+        core->producers.for_each([&](uint64_t, const Producer& p) { live.push_back(p.seq); });
+        core->saved.for_each([&](uint64_t, const Saved& s) { live.push_back(s.seq); });  // held by autograd (see Saved)
       }
       if (!core->records.empty()) {  // else the core keeps its (reserved) buffers
         recs.swap(core->records);
@@ -320,16 +342,18 @@ struct PyCore {
   // (seq, health) of the op that made ``t``'s current values, or None (not made by a recorded
   // op): the program reads ``t`` (capture/_reads.py).
   py::object producer_of(const at::Tensor& t) {
+    if (dead()) return py::none();
     std::lock_guard<std::mutex> g(core->mu);
-    auto it = core->producers.find(t.unsafeGetTensorImpl());
-    if (it == core->producers.end() || it->second.ref.expired()) return py::none();
-    return py::make_tuple(it->second.seq, it->second.health);
+    Producer* p = core->producers.find(impl_key(t.unsafeGetTensorImpl()));
+    if (p == nullptr || p->ref.expired()) return py::none();
+    return py::make_tuple(p->seq, p->health);
   }
 
   // Records made in Python (compiled graphs, capture/_compile_run.py) between the core's: ``n``
   // seqs after every op recorded so far, returned as the first. The autograd nodes made until now
   // belong to them (as the Python recorder sets last_nr after a graph call).
   int64_t reserve(int64_t n) {
+    if (dead()) return core->seq;
     std::lock_guard<std::mutex> g(core->mu);
     int64_t base = core->seq;
     core->seq += n;
@@ -338,6 +362,7 @@ struct PyCore {
   }
 
   void set_producer(const at::Tensor& t, int64_t seq, int64_t stack) {
+    if (dead()) return;
     std::lock_guard<std::mutex> g(core->mu);
     tg::set_producer(core.get(), t, seq, stack);
   }
@@ -346,18 +371,20 @@ struct PyCore {
   // references): drop the core's. Returns (name, kind) when ``t`` was named, for the caller to
   // name it again after the swap (a parameter keeps its identity), else None.
   py::object release(const at::Tensor& t) {
+    if (dead()) return py::none();
     std::lock_guard<std::mutex> g(core->mu);
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    core->producers.erase(impl);
-    auto it = core->named.find(impl);
-    if (it == core->named.end()) return py::none();
-    py::object out = py::make_tuple(py::reinterpret_steal<py::object>(it->second.name),
-                                    py::reinterpret_steal<py::object>(it->second.what));
-    core->named.erase(it);
+    core->producers.erase(impl_key(impl));
+    Named* n = core->named.find(impl_key(impl));
+    if (n == nullptr) return py::none();
+    py::object out = py::make_tuple(py::reinterpret_steal<py::object>(n->name),
+                                    py::reinterpret_steal<py::object>(n->what));
+    core->named.erase(impl_key(impl));
     return out;
   }
 
   size_t pending() {
+    if (dead()) return 0;
     std::lock_guard<std::mutex> g(core->mu);
     return core->records.size();
   }
@@ -365,6 +392,7 @@ struct PyCore {
   // Wait (without the GIL) until FLUSH_RECORDS are pending, a non-finite value was recorded, or
   // the timeout passed; True when a drain is due now.
   bool wait(double timeout) {
+    if (dead()) return false;
     py::gil_scoped_release nogil;
     std::unique_lock<std::mutex> g(core->mu);
     return core->cv.wait_for(g, std::chrono::duration<double>(timeout),
@@ -372,13 +400,33 @@ struct PyCore {
   }
 
   void wake() {
+    if (dead()) return;
     std::lock_guard<std::mutex> g(core->mu);
     core->cv.notify_all();
     core->drained.notify_all();
   }
 
+  // For tests: a thread of its own takes this core's lock and the process-wide ones (the
+  // operators table's, the pool's), as a thread inside a callback does, and holds them for
+  // ``seconds``; returns once they are held. The core must outlive the hold.
+  void hold_locks(double seconds) {
+    Core* c = core.get();
+    auto held = std::make_shared<std::promise<void>>();
+    auto ready = held->get_future();
+    std::thread([c, held, seconds] {
+      std::lock_guard<std::mutex> a(c->mu);
+      std::lock_guard<std::mutex> b(g_ops_mu);
+      std::lock_guard<std::mutex> p(g_pool_mu);
+      held->set_value();
+      std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    }).detach();
+    py::gil_scoped_release nogil;
+    ready.wait();
+  }
+
   py::dict counts() {
-    std::lock_guard<std::mutex> g(core->mu);
+    std::unique_lock<std::mutex> g(core->mu, std::defer_lock);
+    if (!dead()) g.lock();  // in a child nothing else touches its copy: read as it is
     py::dict d;
     d["seq"] = core->seq;
     d["recorded"] = core->recorded;
@@ -435,6 +483,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_step", [](int64_t s) { g_step.store(s); });
   m.def("set_in_optimizer", [](int n) { g_in_optimizer.store(n); });
   m.def("forked", []() { return g_forked.load(); });
+  m.def("_pool_blocks", [](std::vector<size_t> sizes) {
+    std::vector<uintptr_t> out;
+    for (size_t n : sizes) out.push_back((uintptr_t)pool_alloc(n));
+    for (size_t i = 0; i < sizes.size(); ++i) pool_free((void*)out[i], sizes[i]);
+    return out;
+  }, "For tests: the addresses the tables' pool hands out for blocks of these sizes, in order (freed after).");
 
   py::class_<PyCore>(m, "Core")
       .def(py::init<int, int, py::object, py::list, py::object>(), py::arg("mode"), py::arg("strategy"),
@@ -453,5 +507,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pending", &PyCore::pending)
       .def("wait", &PyCore::wait)
       .def("wake", &PyCore::wake)
-      .def("counts", &PyCore::counts);
+      .def("counts", &PyCore::counts)
+      .def("_hold_locks", &PyCore::hold_locks);
 }

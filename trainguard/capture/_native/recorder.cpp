@@ -20,7 +20,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/SequenceNumber.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -29,7 +28,6 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <pthread.h>
-#include <sys/mman.h>
 
 #include <chrono>
 
@@ -44,16 +42,6 @@ thread_local bool tl_paused = false;
 namespace {
 
 // ------------------------------------------------------------------ operators
-std::mutex g_ops_mu;
-std::unordered_map<const char*, OpInfo*> g_ops;  // keyed by the schema's name (stable per operator)
-std::vector<OpInfo*> g_op_list;
-std::unordered_set<std::string> g_alloc, g_alias;
-PyObject* g_op_classes = nullptr;  // see set_op_classes
-const std::unordered_set<std::string> g_never = {
-    "aten::detach_", "aten::requires_grad_", "aten::retain_grad", "aten::set_data", "aten::data",
-    "aten::_fw_primal", "aten::_make_dual", "aten::is_leaf", "aten::output_nr", "aten::_version",
-    "aten::retains_grad"};
-
 // Per thread, a direct-mapped cache of operators by the schema's name pointer in front of the
 // shared table: plain arrays of pointers, so that reading them needs no thread_local guard
 // and no hashing beyond a shift (every dispatcher call asks, recorded or not).
@@ -66,113 +54,20 @@ size_t op_slot(const char* key) {
   return (size_t)((h >> 4) ^ (h >> 14)) & (OP_CACHE - 1);
 }
 
-OpInfo* lookup_op_slow(const at::RecordFunction& fn, const char* key);
-
-inline OpInfo* lookup_op(const at::RecordFunction& fn) {
-  const char* key = fn.name();
-  size_t k = op_slot(key);
-  if (C10_LIKELY(tl_op_keys[k] == key)) return tl_op_infos[k];
-  return lookup_op_slow(fn, key);
-}
-
-OpInfo* make_op(const c10::OperatorName& on, const char* key);
-
 OpInfo* lookup_op_slow(const at::RecordFunction& fn, const char* key) {
-  OpInfo* info = nullptr;
-  {
-    // Known to another thread, or evicted from this thread's cache: the lock alone (nothing
-    // is waited for while it is held).
-    std::lock_guard<std::mutex> g(g_ops_mu);
-    auto git = g_ops.find(key);
-    if (git != g_ops.end()) info = git->second;
-  }
-  if (info == nullptr) {
-    auto on = fn.operator_name();
-    if (!on) return nullptr;  // a RecordFunction that is not an operator call: not cached
-    info = make_op(*on, key);
-  }
+  OpInfo* info = find_op(fn, key);  // the shared table (ops.cpp)
+  if (info == nullptr) return nullptr;  // a RecordFunction that is not an operator call: not cached
   size_t k = op_slot(key);
   tl_op_keys[k] = key;
   tl_op_infos[k] = info;
   return info;
 }
 
-OpInfo* make_op(const c10::OperatorName& on, const char* key) {
-  // Built with the GIL (its taint facts come from Python) but without g_ops_mu, which is
-  // never held while anything is waited for: Python code may let another thread take the
-  // GIL, and that thread may be waiting for the lock in lookup_op_slow.
-  PyGILState_STATE gs = PyGILState_Ensure();
-  auto* info = new OpInfo();
-  std::string base = on.name;  // "aten::addmm"
-  auto sep = base.find("::");
-  info->name = base.substr(0, sep) + "." + base.substr(sep + 2) + "." +
-               (on.overload_name.empty() ? std::string("default") : on.overload_name);
-  info->py_name = PyUnicode_InternFromString(info->name.c_str());
-  info->autocast_cpu = info->autocast_cuda = false;
-  info->view = false;
-  info->kind = OP_SEEN;
-  if (g_never.count(base) || base.rfind("profiler::", 0) == 0) {
-    info->kind = OP_NEVER;
-  } else {
-    auto op = c10::Dispatcher::singleton().findOp(on);
-    if (op && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
-      info->kind = OP_COMPOSITE;
-    if (op) {
-      info->autocast_cpu = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU);
-      info->autocast_cuda = op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA);
-      if (op->hasSchema()) {
-        const auto& rets = op->schema().returns();
-        info->view = !rets.empty() && rets[0].alias_info() != nullptr && !rets[0].alias_info()->isWrite();
-      }
-    }
-  }
-  PyObject* classes;
-  {
-    std::lock_guard<std::mutex> g(g_ops_mu);
-    info->alloc = g_alloc.count(info->name) > 0;
-    info->alias = g_alias.count(info->name) > 0;
-    classes = g_op_classes;
-    Py_XINCREF(classes);
-  }
-  if (classes != nullptr) {
-    bool paused = tl_paused;
-    tl_paused = true;  // ops the resolver runs are not recorded
-    PyObject* r = PyObject_CallFunctionObjArgs(classes, info->py_name, nullptr);
-    tl_paused = paused;
-    int cls = -1, ow = 0;
-    if (r != nullptr && PyTuple_Check(r) && PyTuple_GET_SIZE(r) >= 2) {
-      cls = (int)PyLong_AsLong(PyTuple_GET_ITEM(r, 0));
-      ow = PyObject_IsTrue(PyTuple_GET_ITEM(r, 1));
-    }
-    if (PyErr_Occurred()) {  // not known: every record of it goes to the Python judge
-      PyErr_Clear();
-      cls = -1;
-      ow = 0;
-    }
-    Py_XDECREF(r);
-    Py_DECREF(classes);
-    info->taint_cls = (int8_t)cls;
-    info->overwrite = ow == 1;
-  }
-  OpInfo* out;
-  {
-    std::lock_guard<std::mutex> g(g_ops_mu);
-    auto git = g_ops.find(key);
-    if (git != g_ops.end()) {
-      out = git->second;  // another thread made it meanwhile
-    } else {
-      info->index = (int)g_op_list.size();
-      g_ops.emplace(key, info);
-      g_op_list.push_back(info);
-      out = info;
-    }
-  }
-  if (out != info) {
-    Py_DECREF(info->py_name);
-    delete info;
-  }
-  PyGILState_Release(gs);
-  return out;
+inline OpInfo* lookup_op(const at::RecordFunction& fn) {
+  const char* key = fn.name();
+  size_t k = op_slot(key);
+  if (C10_LIKELY(tl_op_keys[k] == key)) return tl_op_infos[k];
+  return lookup_op_slow(fn, key);
 }
 
 // ------------------------------------------------------------------ cores and their slots
@@ -206,90 +101,6 @@ struct Tracing {};  // a call a compiler makes on fake tensors
 bool is_unsure_tensor(const at::Tensor& t) {
   auto ks = t.key_set();
   return ks.has(c10::DispatchKey::Python) || t.is_nested() || ks.has(c10::DispatchKey::Functionalize);
-}
-
-int64_t version_of(c10::TensorImpl* impl) {
-  return impl->is_inference() ? -1 : (int64_t)impl->version_counter().current_version();
-}
-
-bool has_plain_storage(const at::Tensor& t) {
-  return t.layout() == at::kStrided && t.unsafeGetTensorImpl()->has_storage();
-}
-
-uint64_t geometry_key(const at::Tensor& t) {
-  uint64_t h = (uint64_t)(uintptr_t)t.storage().unsafeGetStorageImpl();
-  auto mix = [&h](uint64_t v) { h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
-  mix((uint64_t)t.storage_offset());
-  mix((uint64_t)t.scalar_type());
-  for (int64_t d : t.sizes()) mix((uint64_t)d);
-  for (int64_t s : t.strides()) mix((uint64_t)s);
-  return h;
-}
-
-bool same_geometry(const Saved& s, const at::Tensor& t) {
-  return !s.storage.expired() && s.storage._unsafe_get_target() == t.storage().unsafeGetStorageImpl() &&
-         s.offset == t.storage_offset() && s.dtype == (int8_t)t.scalar_type() && t.sizes().equals(s.sizes) &&
-         t.strides().equals(s.strides);
-}
-
-Input input_of(Core* c, const at::Tensor& t, bool in_node) {
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  auto nit = c->named.find(impl);
-  if (nit != c->named.end() && !nit->second.ref.expired() && nit->second.ref._unsafe_get_target() == impl)
-    return Input{2, 0, nit->second.name, nit->second.what};
-  auto pit = c->producers.find(impl);
-  if (pit != c->producers.end() && !pit->second.ref.expired()) {
-    Input in{0, pit->second.seq};
-    in.maybe = pit->second.maybe;
-    return in;
-  }
-  if (in_node && !c->saved.empty() && has_plain_storage(t)) {  // a saved output, unpacked (see Saved)
-    auto sit = c->saved.find(geometry_key(t));
-    if (sit != c->saved.end() && same_geometry(sit->second, t)) {
-      Input in{0, sit->second.seq};
-      in.maybe = sit->second.maybe;
-      return in;
-    }
-  }
-  return Input{1, 0};
-}
-
-void remember_saved(Core* c, const at::Tensor& o, int64_t seq, int64_t view_of, bool maybe) {
-  uint64_t key = geometry_key(o);
-  if (view_of >= 0) {  // a view of that output with its geometry (expand to the same shape) stays behind it
-    auto it = c->saved.find(key);
-    if (it != c->saved.end() && it->second.seq == view_of && same_geometry(it->second, o)) return;
-  }
-  Saved s{o.storage().getWeakStorageImpl(), o.storage_offset(), (int8_t)o.scalar_type(),
-          c10::SmallVector<int64_t, 6>(o.sizes().begin(), o.sizes().end()),
-          c10::SmallVector<int64_t, 6>(o.strides().begin(), o.strides().end()), seq, maybe};
-  c->saved.insert_or_assign(key, std::move(s));
-  if (c->saved.size() > c->saved_sweep_at) c->sweep();
-}
-
-// ``view_of``: for a view op, the producer of its first input (-1 none): the view must not hide
-// that output among the saved ones (expand to the same shape has the same geometry; see Saved).
-void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, const Summary* s, int64_t view_of,
-                     int health = 0, bool maybe = false) {
-  c10::TensorImpl* impl = o.unsafeGetTensorImpl();
-  auto it = c->producers.find(impl);
-  if (it != c->producers.end() && !it->second.ref.expired()) {
-    it->second.seq = seq;  // an in-place op: the tensor now holds this op's output
-    it->second.stack = stack;
-    it->second.has_summary = s != nullptr;
-    if (s) it->second.s = *s;
-    it->second.version = version_of(impl);
-    it->second.health = health;
-    it->second.maybe = maybe;
-    if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of, maybe);
-    return;
-  }
-  // An output that requires grad may be saved for backward under another TensorImpl.
-  if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of, maybe);
-  Producer p{c10::weak_intrusive_ptr<c10::TensorImpl>(o.getIntrusivePtr()), seq, stack, s != nullptr,
-             s ? *s : Summary{}, version_of(impl), health, maybe};
-  c->producers.insert_or_assign(impl, std::move(p));
-  if (c->producers.size() > c->sweep_at) c->sweep();
 }
 
 // Tensors among an op's results, as the Python recorder sees them: a single list result is
@@ -336,7 +147,7 @@ void fail(Core* c, OpInfo* op, const char* what) {
 // ------------------------------------------------------------------ the callbacks
 template <int K>
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-  if (tl_paused || g_forked.load(std::memory_order_relaxed)) return nullptr;
+  if (tl_paused) return nullptr;
   Core* c = g_cores[K];
   if (c == nullptr || !c->active.load(std::memory_order_relaxed)) return nullptr;
   OpInfo* op = lookup_op(fn);
@@ -425,9 +236,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* base) {
       break;
     }
   Core* c = g_cores[K];
-  if (!ctx->seen || c != ctx->core || !c->active.load(std::memory_order_relaxed) || tl_paused ||
-      g_forked.load(std::memory_order_relaxed))
-    return;
+  if (!ctx->seen || c != ctx->core || !c->active.load(std::memory_order_relaxed) || tl_paused) return;
   Pause pause;  // our own tensor work below is not recorded
   try {
     end_record(c, ctx, fn);
@@ -464,11 +273,11 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   r.stack = 0;
   if (ctx->in_node) {
     r.phase = 1;
-    auto it = c->fwd_nodes.find(ctx->node_nr);
-    if (it != c->fwd_nodes.end()) {
-      r.fwd_seq = it->second.seq;
-      r.module = it->second.module;
-      r.stack = it->second.stack;
+    FwdNode* n = c->fwd_nodes.find(ctx->node_nr);
+    if (n != nullptr) {
+      r.fwd_seq = n->seq;
+      r.module = n->module;
+      r.stack = n->stack;
     } else {
       g.unlock();
       r.stack = stacks_capture(c->stacks);
@@ -484,8 +293,8 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
       // This call made the autograd node numbered nr - 1 (or the custom Function around it did).
       int64_t step = g_step.load(std::memory_order_relaxed);
       auto key = (uint64_t)(nr - 1);
-      auto it = c->fwd_nodes.find(key);
-      if (it != c->fwd_nodes.end()) it->second = FwdNode{seq, r.module, r.stack, step, it->second.order};
+      FwdNode* n = c->fwd_nodes.find(key);
+      if (n != nullptr) *n = FwdNode{seq, r.module, r.stack, step, n->order};
       else c->fwd_nodes.emplace(key, FwdNode{seq, r.module, r.stack, step, c->fwd_order++});
       if (c->fwd_nodes.size() > FWD_NODES_MAX) c->prune_fwd_nodes(-1);
     }
@@ -504,11 +313,11 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   bool have_alias = false;
   Summary alias;
   if (op->alias && ctx->first && nfields) {
-    auto it = c->producers.find(ctx->first.get());
-    if (it != c->producers.end() && !it->second.ref.expired() && it->second.has_summary &&
-        it->second.version >= 0 && it->second.version == version_of(ctx->first.get())) {
+    Producer* p = c->producers.find(impl_key(ctx->first.get()));
+    if (p != nullptr && !p->ref.expired() && p->has_summary && p->version >= 0 &&
+        p->version == version_of(ctx->first.get())) {
       have_alias = true;
-      alias = it->second.s;
+      alias = p->s;
     }
   }
   // Summaries first, without the lock (no_tensor makes none: the lock stays); then everything
@@ -620,106 +429,36 @@ const Installer g_installers[MAX_CORES] = {&install_slot<0>, &install_slot<1>, &
 // A slot whose callback could not be removed (stopped from another thread) stays taken.
 bool g_slot_taken[MAX_CORES] = {false};
 
-void after_fork_child() { g_forked.store(true); }
+// A fork copies every lock as it is: one held at that moment by another thread (a callback of a
+// second recording thread or of autograd's device threads, a drain) stays held in the child for
+// ever. The process-wide locks are taken around the fork (no thread waits for anything while it
+// holds one, so the fork waits at most for one table or pool operation): the child gets them
+// free and their tables consistent, and can record a run of its own. A core's lock cannot be
+// (a drain holds it for long), so the cores the child inherits are dead in it: their slots are
+// emptied (their callbacks, still installed on the forking thread, find no core) and their
+// Python methods return at once (module.cpp), as the threads that fed and drained them are gone.
+void fork_prepare() {
+  g_cores_mu.lock();
+  g_ops_mu.lock();
+  g_pool_mu.lock();
+}
+
+void fork_parent() {
+  g_pool_mu.unlock();
+  g_ops_mu.unlock();
+  g_cores_mu.unlock();
+}
+
+void fork_child() {
+  fork_parent();
+  g_forked.store(true);
+  for (auto& c : g_cores) c = nullptr;  // their slots stay taken: the callbacks are still installed
+}
 }  // namespace
-
-// ------------------------------------------------------------------ the tables' memory (core.h)
-namespace {
-constexpr size_t POOL_SLOT = 64;                // size classes: multiples of 64 bytes
-constexpr size_t POOL_MAX = 1024;               // larger blocks: their own mapping
-constexpr size_t POOL_SLAB = size_t(256) << 10;  // slots are carved from 256 KiB mappings
-std::mutex g_pool_mu;
-void* g_free[POOL_MAX / POOL_SLOT + 1] = {nullptr};  // per size class, a list through the slots
-char* g_slab = nullptr;
-size_t g_slab_left = 0;
-
-void* map(size_t bytes) {
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) throw std::bad_alloc();
-  return p;
-}
-size_t pages(size_t bytes) { return (bytes + 4095) & ~size_t(4095); }
-}  // namespace
-
-void* pool_alloc(size_t bytes) {
-  if (bytes > POOL_MAX) return map(pages(bytes));
-  size_t k = (bytes + POOL_SLOT - 1) / POOL_SLOT;
-  std::lock_guard<std::mutex> g(g_pool_mu);
-  if (void* p = g_free[k]) {
-    g_free[k] = *static_cast<void**>(p);
-    return p;
-  }
-  size_t size = k * POOL_SLOT;
-  if (g_slab_left < size) {
-    g_slab = static_cast<char*>(map(POOL_SLAB));  // the rest of the old slab stays unused
-    g_slab_left = POOL_SLAB;
-  }
-  void* p = g_slab;
-  g_slab += size;
-  g_slab_left -= size;
-  return p;
-}
-
-void pool_free(void* p, size_t bytes) {
-  if (p == nullptr) return;
-  if (bytes > POOL_MAX) {
-    munmap(p, pages(bytes));
-    return;
-  }
-  size_t k = (bytes + POOL_SLOT - 1) / POOL_SLOT;
-  std::lock_guard<std::mutex> g(g_pool_mu);
-  *static_cast<void**>(p) = g_free[k];
-  g_free[k] = p;
-}
-
-void Core::sweep() {
-  for (auto it = producers.begin(); it != producers.end();)
-    it = it->second.ref.expired() ? producers.erase(it) : std::next(it);
-  sweep_at = std::max<size_t>(4096, 2 * producers.size());
-  for (auto it = saved.begin(); it != saved.end();)
-    it = it->second.storage.expired() ? saved.erase(it) : std::next(it);
-  saved_sweep_at = std::max<size_t>(4096, 2 * saved.size());
-}
-
-void Core::prune_fwd_nodes(int64_t step) {
-  // As Recorder._prune_fwd_nodes: the last two steps, then the newest half past half the limit.
-  if (step < 0) step = g_step.load();
-  std::vector<std::pair<uint64_t, FwdNode>> items;
-  for (auto& kv : fwd_nodes)
-    if (kv.second.step >= step - 2) items.push_back(kv);
-  std::sort(items.begin(), items.end(), [](auto& a, auto& b) { return a.second.order < b.second.order; });
-  size_t from = items.size() > FWD_NODES_MAX / 2 ? items.size() / 2 : 0;
-  fwd_nodes.clear();
-  for (size_t i = from; i < items.size(); ++i) fwd_nodes.emplace(items[i]);
-}
-
-void set_producer(Core* c, const at::Tensor& t, int64_t seq, int64_t stack) {
-  // A compiled graph's output, judged in Python: its health is not known here (-1), and it may
-  // hold a taint state, so its consumers go to the Python judge (the fast path must not skip them).
-  register_output(c, t, seq, stack, nullptr, -1, -1, true);
-}
-
-void set_op_classes(PyObject* resolver) {
-  std::lock_guard<std::mutex> g(g_ops_mu);
-  Py_XINCREF(resolver);
-  Py_XDECREF(g_op_classes);  // with the GIL (called from Python)
-  g_op_classes = resolver;
-}
-
-void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias) {
-  std::lock_guard<std::mutex> g(g_ops_mu);
-  g_alloc = std::move(alloc);
-  g_alias = std::move(alias);
-}
-
-OpInfo* op_by_index(int index) {
-  std::lock_guard<std::mutex> g(g_ops_mu);
-  return g_op_list.at(index);
-}
 
 bool install(Core* c) {
   static std::once_flag fork_once;
-  std::call_once(fork_once, [] { pthread_atfork(nullptr, nullptr, &after_fork_child); });
+  std::call_once(fork_once, [] { pthread_atfork(&fork_prepare, &fork_parent, &fork_child); });
   std::lock_guard<std::mutex> g(g_cores_mu);
   for (int k = 0; k < MAX_CORES; ++k) {
     if (g_slot_taken[k]) continue;
