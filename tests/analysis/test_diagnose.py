@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -263,3 +264,53 @@ def test_origin_from_a_recording(tmp_path):
     first = test_origin_from_a_recording.__code__.co_firstlineno
     assert origin["line"] == first + next(i for i, t in enumerate(lines) if "# LOG LINE" in t)
     assert "clamp" in f.suggestion and f"{__file__}:{origin['line']}" in f.title
+
+
+class _TiedLM(torch.nn.Module):
+    """A language model whose output layer shares the token embedding's weight, as nanoGPT's
+    ``GPT`` ties ``lm_head.weight`` to ``transformer.wte.weight`` (karpathy/nanoGPT model.py)."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        torch.nn.init.normal_(self.wte.weight, std=0.02)
+
+    def forward(self, idx):
+        return self.lm_head(torch.relu(self.proj(self.wte(idx))))
+
+
+class _TimesW(torch.nn.Module):
+    """``h @ W`` with ``W`` stored [in, out], as pytorch/examples gat/main.py's GraphAttentionLayer."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.W = torch.nn.Parameter(0.01 * torch.randn(n_in, n_out))
+
+    def forward(self, h):
+        return h @ self.W
+
+
+@pytest.mark.parametrize("make, data", [
+    (lambda c: _TiedLM(c, 16), lambda c: torch.randint(0, c, (8, 12))),
+    (lambda c: torch.nn.Sequential(_TimesW(16, 32), torch.nn.ReLU(), _TimesW(32, c)), lambda c: torch.randn(96, 16)),
+], ids=["tied-lm-head", "weight-in-by-out"])
+def test_the_chance_level_counts_the_output_layers_units(tmp_path, make, data):
+    # Random targets: nothing to learn, so the loss sits at ln(classes). nanoGPT on random
+    # characters and pytorch/examples gat on a random graph, under `trainguard monitor`, named no
+    # chance level: the tied lm_head owns no weight, and gat's W is [in, out].
+    torch.manual_seed(0)
+    classes = 40
+    model = make(classes)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(60):
+            out = model(data(classes)).reshape(-1, classes)
+            loss = torch.nn.functional.cross_entropy(out, torch.randint(0, classes, (out.shape[0],)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in mon.findings if f.kind == "loss_not_decreasing")
+    assert f.evidence["chance_loss"].startswith(f"ln({classes})")

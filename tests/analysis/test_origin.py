@@ -74,6 +74,45 @@ def test_division_by_zero(tmp_path):
     assert "1e-8" in o.suggestion
 
 
+@pytest.mark.parametrize("loss, op", [
+    (lambda out, y: torch.nn.functional.nll_loss(out.log_softmax(1), y), "aten.nll_loss_forward"),
+    (lambda out, y: torch.nn.functional.mse_loss(out[:, 0], y.float()), "aten.mse_loss"),
+    (lambda out, y: out.mean(), "aten.mean"),
+])
+def test_a_loss_over_an_empty_selection_is_named_so(tmp_path, loss, op):
+    # pytorch/examples gat/main.py trains on `idx[1600:]` of a shuffled 2,708-node graph: on a
+    # smaller graph that index is empty, and the mean of no values is 0/0 (NaN at step 0).
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    idx = torch.randperm(10)[16:]
+
+    def f():
+        out = lin(x)
+        loss(out[idx], y[idx]).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == op
+    assert "0 values" in o.origin.explanation and "empty" in o.origin.explanation
+    assert "empty" in o.suggestion and "overflow" not in o.suggestion
+
+
+def test_a_loss_whose_targets_are_all_ignored_is_named_so(tmp_path):
+    # A tiny GPT-2 (transformers' GPT2LMHeadModel) given a batch whose labels are all -100 (every
+    # position padding): its cross_entropy averages over no target, 0/0.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 7)
+    x, y = torch.randn(6, 4), torch.full((6,), -100)
+
+    def f():
+        torch.nn.functional.cross_entropy(lin(x), y).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.nll_loss_forward"
+    assert "ignore_index" in o.origin.explanation and "0/0" in o.origin.explanation
+    assert "ignore_index" in o.suggestion and "overflow" not in o.suggestion
+
+
 def test_exp_overflow_with_and_without_stats(tmp_path):
     x = torch.tensor([1.0, 812.3])
     o = origin(record(tmp_path / "a", lambda: torch.exp(x * 1).sum().item(), mode="stats"))

@@ -100,6 +100,9 @@ def test_run_check_numerics(tmp_path, capsys):
     assert "which became NaN in aten.mul.Tensor" in err
     assert f"nan_digits.py:{line_in('torch.log(probs)')}" in err
     assert "input 0 = softmax output from" in err
+    # why, and the fix, from the run's origin (what the report says), before the user opens it
+    assert "  why: log of an input with" in err and "zeros -> -inf" in err
+    assert "  fix: clamp the input before the log" in err
     # the op that raised, its inputs and its chain are in the run: the report shows them
     assert main(["report", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out

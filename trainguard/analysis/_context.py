@@ -117,6 +117,7 @@ class Context:
         self._stats = {k: Series.of(v) for k, v in grouped.items()}
         layer_meta = {d["name"]: d for d in self.meta.get("layers", [])}
         self.layer_type = {name: d.get("type", "") for name, d in layer_meta.items()}
+        self.layer_units = {name: d["units"] for name, d in layer_meta.items() if d.get("units")}
         self.params: dict[str, dict] = self.meta.get("params", {})
         order = list(self.meta.get("order") or [])
         seen = set(order)
@@ -207,11 +208,22 @@ class Context:
         return Series.of([(s, float(np.median(v))) for s, v in sorted(per_step.items())])
 
     def unit_count(self, layer: str) -> int | None:
-        """Output units of a layer from the shape of its weight (Linear/Conv: dim 0)."""
+        """Output units of a layer: the size of its output's unit axis as recorded (runs before
+        it: from the shape of its weight, Linear/Conv dim 0)."""
+        if layer in self.layer_units:
+            return self.layer_units[layer]
         for info in self.params.values():
             if info.get("layer") == layer and len(info.get("shape", [])) >= 2:
                 return int(info["shape"][0])
         return None
+
+    def output_units(self) -> int | None:
+        """Units of the model's output layer: the last layer in forward order that transforms."""
+        for layer in reversed(self.layer_order):
+            if self.layer_type.get(layer) not in _TABLE_TYPES and (units := self.unit_count(layer)):
+                return units
+        mats = self.weight_matrices()
+        return self.unit_count(self.params[mats[-1]]["layer"]) if mats else None
 
     def weight_init_check(self, param: str) -> dict | None:
         """Weight RMS at the first recording against Kaiming (ReLU) and Xavier/Glorot (tanh) scales."""

@@ -212,7 +212,7 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
         "window_steps": p["window"],
     }
     hints = []
-    units = _output_units(ctx)
+    units = ctx.output_units()
     if units and units > 1 and abs(p["end"] - math.log(units)) < 0.05 * math.log(units):
         ev["chance_loss"] = f"ln({units}) = {math.log(units):.4f}"
         hints.append(f"the loss sits at ln({units}), the cross-entropy of a uniform guess over {units} classes")
@@ -248,11 +248,6 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
-
-
-def _output_units(ctx: Context) -> int | None:
-    mats = ctx.weight_matrices()
-    return ctx.unit_count(ctx.params[mats[-1]]["layer"]) if mats else None
 
 
 def _autocorr(r: np.ndarray, k: int) -> float:

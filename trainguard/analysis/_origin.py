@@ -29,6 +29,7 @@ _ACCUM = {"mm", "addmm", "bmm", "matmul", "baddbmm", "sum", "mean", "linear", "c
 _MULS = {"mul", "mul_"}
 _ADDS = {"add", "add_", "sub", "sub_", "rsub", "addcmul", "addcdiv", "addcdiv_", "addcmul_", "lerp_", "lerp"}
 _SOFTMAXES = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"}
+_NLL = {"nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss2d"}  # outputs: (loss, total_weight)
 _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
               "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math"}
@@ -188,6 +189,14 @@ def explain(link: Link) -> str:
             return "inf - inf -> NaN: infinities of opposite sign meet"
         src = i.get("producer_op") or i.get("name") or "an input"
         return f"{base} passed on the non-finite values of input {i['slot']} ({src})"
+    empty = _empty_input(link)
+    if empty is not None:
+        src = empty.get("producer_op") or empty.get("name") or "an input"
+        return (f"{base} reduced an empty input to {made}: input {empty['slot']} ({src}) holds 0 values, and "
+                "the mean of no values is 0/0")
+    if _no_target_counted(link):
+        return (f"{base} averaged over no target: every target is ignore_index (-100 unless set) or weighs 0, "
+                "so the total weight is 0 and the mean is 0/0")
     via = received_input(link)
     if via is not None:
         return (f"{base} read what {via['producer_op']} (#{via['producer']}) wrote: the non-finite value came "
@@ -256,6 +265,22 @@ def _masked_rows(link: Link) -> str | None:
     return None
 
 
+def _empty_input(link: Link) -> dict | None:
+    """The input with no values of an op that made NaN from it (a mean, or a loss averaged, over an
+    empty batch or selection: only an average makes a value out of nothing, and it is 0/0)."""
+    if "nan" not in link.health:
+        return None
+    return next((i for i in link.inputs if (i.get("summary") or {}).get("size") == 0), None)
+
+
+def _no_target_counted(link: Link) -> bool:
+    """An nll_loss whose second output, the total weight of the targets it counted, is 0."""
+    if "nan" not in link.health or op_base(link.op) not in _NLL or len(link.outputs) < 2:
+        return False
+    weight = link.outputs[1].get("summary") or {}
+    return weight.get("size") == 1 and _count(weight, "zero") == 1
+
+
 def _forward_reason(fbase: str) -> str:
     if fbase in _SQRTS or fbase in ("norm", "linalg_vector_norm", "vector_norm"):
         return f"d/dx {fbase}(x) divides by {fbase}(x), which is 0 at x = 0 (e.g. the norm of a zero vector)"
@@ -277,6 +302,12 @@ _SUGGESTIONS = {
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
     "sqrt": "add an epsilon inside the root, torch.sqrt(x + 1e-12), or clamp(min=0) a value that can dip below 0",
     "exp": "subtract the maximum first (logsumexp / softmax do) or clamp the input, e.g. x.clamp(max=80)",
+    "empty": "the batch is empty: check the mask or index that selects it (a split at fixed indices past the "
+    "dataset's size, a filter that keeps nothing, a last batch of 0 rows), and skip an empty batch before the "
+    "loss, e.g. `if target.numel() == 0: continue`",
+    "ignored": "no target of the batch counts: each is ignore_index (padding, or labels masked to -100) or has "
+    "weight 0; check the label masking (a sequence shorter than its prompt masks every label), skip such a batch "
+    "(`if (labels != -100).any():`), or sum the loss and divide by max(count, 1)",
     "accum": "values are overflowing: lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), "
     "or compute this op in float32",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
@@ -297,6 +328,10 @@ def suggest(link: Link) -> str:
         return _SUGGESTIONS["received"]
     if _masked_rows(link):
         return _SUGGESTIONS["masked"]
+    if _empty_input(link) is not None:
+        return _SUGGESTIONS["empty"]
+    if _no_target_counted(link):
+        return _SUGGESTIONS["ignored"]
     base = op_base(link.op)
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
         base = op_base(link.forward_op["op"])

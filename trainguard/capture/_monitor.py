@@ -343,8 +343,9 @@ class Monitor(EventsMixin, HookMixin):
         """
         if self._closed:
             return
-        # Which parameters trained is known now (see structure); the roots go with the hooks.
-        params = {"params": structure(self._roots, self._grads.trainable)["params"]} if self._roots else {}
+        # Which parameters trained, and each layer's units, are known now (see structure); the
+        # roots go with the hooks.
+        known = structure(self._roots, self._grads.trainable) if self._roots else {}
         try:
             with self._no_record():
                 if self._backward_step == self._cur or self._auto_losses:
@@ -376,7 +377,7 @@ class Monitor(EventsMixin, HookMixin):
             _OPEN.discard(self)
         ended = ending(error, self._cur)
         self._write_meta(final_step=self._cur, status=ended.get("status", "finished"), **self._validation_meta(),
-                         **params)
+                         **known)
         if ended:  # the run's own record of the crash, which the diagnosis reads (analysis._outcome)
             self._writer.set_meta(**ended)
         if self.diagnose:

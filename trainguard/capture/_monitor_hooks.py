@@ -324,6 +324,8 @@ class HookMixin:
                 unit_dim = 1 if inherit and x.dim() >= 3 else -1
                 if inherit:
                     self._chan_out[id(x)] = tuple(x.shape)
+            if x.dim() >= 2:
+                layer.units = int(x.shape[unit_dim])  # what it makes, whatever its weights' layout
             raw, names, dead, finish = activation_stats(x, unit_dim, layer.prev_dead, layer.saturation)
             if self._wants_hist(layer.name):
                 self._out.stats.append((("h", layer.name, "activation", self._cur), histogram(x, self.bins)))

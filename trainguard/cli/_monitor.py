@@ -16,6 +16,8 @@ import traceback
 from pathlib import Path
 
 from trainguard._errors import TrainguardError
+from trainguard.cli._children import ChildWatch
+from trainguard.cli._render import err_console
 
 
 def add_parser(sub) -> None:
@@ -119,9 +121,12 @@ def monitor_script(
     watch_frameworks(mon)  # Lightning / HF Trainer scripts: the framework's steps
     error = None
     try:
-        code, error = run_script(script, args)
+        with ChildWatch() as children:
+            code, error = run_script(script, args)
     finally:
         mon.close(error=error)
+    if note := children.note():
+        err_console.print(note, markup=False, highlight=False, soft_wrap=True)
     return code, mon
 
 

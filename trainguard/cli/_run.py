@@ -22,6 +22,7 @@ from pathlib import Path
 
 from trainguard._errors import Diverged, NonFiniteError, TrainguardError
 from trainguard.cli import _launch
+from trainguard.cli._children import ChildWatch
 from trainguard.cli._render import err_console
 from trainguard.store import MODES, default_name
 
@@ -125,10 +126,12 @@ def _cmd(args: argparse.Namespace) -> int:
     late: list[int] = []  # a SIGTERM that came while the run was closing
     if guard is not None:
         guard.install()
+    children = ChildWatch()
     try:
         if recorder is not None:
             recorder.start()
         try:
+            children.start()
             if args.monitor:
                 monitor = _start_monitor(logdir, args.every, gradcheck=not args.no_gradcheck)
             if args.module:
@@ -161,6 +164,7 @@ def _cmd(args: argparse.Namespace) -> int:
             code = 1
             error = exc
         finally:
+            children.stop()
             ending = run_ending(error)  # before the monitor lets go of the step clock
             # The launcher orders the ranks of a failed job by it: a NonFiniteError says when it
             # was raised (the script's own finally blocks, destroy_process_group, run after it).
@@ -184,6 +188,8 @@ def _cmd(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     if late and not code:
         code = 128 + signal.SIGTERM
+    if note := children.note():
+        err_console.print(note, markup=False, highlight=False, soft_wrap=True)
     if guard is not None:
         if not (logdir / "run.sqlite").exists() and not any(logdir.glob("rank-*")):
             err_console.print("trainguard: the script iterated no `loop.batches()` of ckpt.resume(); nothing was "
@@ -193,6 +199,8 @@ def _cmd(args: argparse.Namespace) -> int:
                               highlight=False, soft_wrap=True)
         return code
     written = Path(recorder.logdir)  # this rank's directory under torch.distributed
+    if isinstance(error, NonFiniteError):
+        _print_cause(written)
     err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {written}{_writer_failure(written)}; "
                       f"see `trainguard report {logdir}` or `trainguard ui {logdir}`", highlight=False, soft_wrap=True)
     return code
@@ -241,6 +249,22 @@ def _print_traceback(exc: BaseException) -> None:
                               or os.path.abspath(tb.tb_frame.f_code.co_filename) in _RUNNER_FILES):
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb if tb is not None else exc.__traceback__)
+
+
+def _print_cause(run_dir: Path) -> None:
+    """Why the op check_numerics stopped at made its value, and the fix: the run's origin, as
+    `trainguard report` shows it."""
+    from trainguard.analysis import origin
+    from trainguard.store import open_run
+
+    try:
+        with open_run(run_dir) as run:
+            o = origin(run)
+    except Exception:  # the error line above stands on its own; the report says the rest
+        return
+    if o is not None:
+        err_console.print(f"  why: {o.origin.explanation}\n  fix: {o.suggestion}", markup=False, highlight=False,
+                          soft_wrap=True)
 
 
 def _writer_failure(logdir: Path) -> str:

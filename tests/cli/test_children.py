@@ -1,0 +1,61 @@
+"""A script whose training runs in processes it starts: trainguard says it watched none of it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from trainguard.cli._children import ChildWatch
+
+# The pattern of pytorch/examples mnist_hogwild/main.py (and of DDP started with
+# torch.multiprocessing.spawn): the parent builds the model, children train it.
+SCRIPT = textwrap.dedent("""
+    import torch
+    import torch.multiprocessing as mp
+
+    def train(rank, model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 3)).pow(2).mean().backward()
+            opt.step()
+
+    if __name__ == "__main__":
+        model = torch.nn.Linear(3, 1)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3)), num_workers=1)
+        for (x,) in loader:  # a DataLoader worker is a child process too, and trains nothing
+            model(x)
+        mp.start_processes(train, args=(model,), nprocs=2, start_method="fork")
+""")
+
+
+def _trainguard(tmp_path, command):
+    script = tmp_path / "hogwild.py"
+    script.write_text(SCRIPT)
+    args = {"run": ["run", "--monitor"], "monitor": ["monitor"]}[command]
+    return subprocess.run([sys.executable, "-m", "trainguard", *args, "--logdir", str(tmp_path / "r"),
+                           str(script)], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("command", ["run", "monitor"])
+def test_training_only_in_child_processes_is_said_to_be_unwatched(tmp_path, command):
+    proc = _trainguard(tmp_path, command)
+    assert proc.returncode == 0, proc.stderr
+    note = [line for line in proc.stderr.splitlines() if "child process" in line]
+    assert len(note) == 1 and "2 child processes" in note[0], proc.stderr
+    assert "--nproc-per-node" in note[0] and "inside the function" in note[0]
+
+
+def test_no_note_when_the_script_trains_itself():
+    # In this process: the script's own loop trains (and a DataLoader worker is no trainer).
+    namespace = {"__name__": "not_main"}
+    exec(SCRIPT, namespace)
+    model = torch.nn.Linear(3, 1)
+    with ChildWatch() as watch:
+        list(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 3)), num_workers=1))
+        namespace["train"](0, model)
+    assert watch.started == 0 and watch.backwards == 3 and watch.note() is None

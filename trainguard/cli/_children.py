@@ -1,0 +1,69 @@
+"""Processes a script starts to train in: trainguard watches the process it runs, not those.
+
+pytorch/examples' mnist_hogwild trains in ``multiprocessing`` children, and DDP started with
+``torch.multiprocessing.spawn`` trains only in its children: under ``trainguard run`` or
+``trainguard monitor`` the parent then records no step, and without a word the run would look
+like one that trained too little. :class:`ChildWatch` counts the processes the script starts
+(DataLoader workers aside) and the ``backward()`` passes of its own process, and says so when
+every backward ran elsewhere.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+
+# Targets of child processes that never train: DataLoader workers.
+_NOT_TRAINING = ("torch.utils.data._utils.worker",)
+
+
+class ChildWatch:
+    """Counts, from ``start()`` to ``stop()``, the child processes started and this process's
+    outermost ``backward()`` calls."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.backwards = 0
+        self._original = None
+
+    def __enter__(self) -> ChildWatch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._original = original = multiprocessing.process.BaseProcess.start
+        watch = self
+
+        def start(process, *args, **kwargs):
+            target = getattr(process, "_target", None)
+            if getattr(target, "__module__", None) not in _NOT_TRAINING:
+                watch.started += 1
+            return original(process, *args, **kwargs)
+
+        multiprocessing.process.BaseProcess.start = start
+        from trainguard.capture import _monitor_tap  # imports torch: not before a script runs
+
+        _monitor_tap.add_listener("after_backward", self._on_backward)
+
+    def stop(self) -> None:
+        if self._original is None:
+            return
+        multiprocessing.process.BaseProcess.start, self._original = self._original, None
+        from trainguard.capture import _monitor_tap
+
+        _monitor_tap.remove_listener("after_backward", self._on_backward)
+
+    def _on_backward(self, *args) -> None:
+        self.backwards += 1
+
+    def note(self) -> str | None:
+        """The line to print when the script's training ran in its children, else None."""
+        if not self.started or self.backwards:
+            return None
+        n = self.started
+        return (f"trainguard: the script started {n} child process{'es' if n > 1 else ''} and ran no backward() "
+                "itself: trainguard watched this process only. Start DDP ranks with `trainguard run "
+                "--nproc-per-node N script.py` (torchrun) instead of torch.multiprocessing.spawn, or open "
+                "trainguard.record / trainguard.Monitor inside the function each process runs")
