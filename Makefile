@@ -5,9 +5,6 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # The one torch build the project is tested with (a CPU wheel available locally).
 TORCH_PIN := torch==2.13.0
-# pytest's workers (pytest-xdist); 0 runs the suite in one process. Each test file runs on one
-# worker, so its module-scoped fixtures (the compiled models) are built once.
-PYTEST_WORKERS ?= 2
 
 .PHONY: demo test check lint bench clean
 
@@ -30,7 +27,7 @@ test: $(VENV)/.test
 	@sh .ci/ensure-chromium
 	$(VENV)/bin/ruff check trainguard tests benchmarks examples
 	$(PY) -m trainguard.capture._native   # builds the native recorder core (cached), or says why not
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check trainguard tests benchmarks examples
