@@ -213,6 +213,7 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
     plan.input_names = tuple(_input_name(ph, names) for ph in placeholders)
     mod_key = "fwd_nn_module_stack" if kind == "backward" else "nn_module_stack"
     segmented = _full_selects(graph, mode) if fields else set()
+    internal = _internal(graph, output) if fields else set()
     segments: dict[tuple[fx.Node, int], fx.Node] = {}  # (tensor, dim) -> its counts per index
     stage = 0
     stage_of: dict[fx.Node, int] = {}
@@ -277,7 +278,7 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
                     index = node.args[2] % key[0].meta["val"].shape[key[1]]
                     rows.append((builder.call(torch.ops.aten.select.int, segments[key], 0, index), None))
                     r = len(rows) - 1
-                elif summarisable(val):
+                elif summarisable(val) and node not in internal:
                     builder.cursor = tnode  # right after it is made, where Inductor can fuse the pass
                     src = node.args[1] if name == "aten.select_scatter.default" else None
                     derived = scatter_row(builder, node, rows[row_of[src]][0], mode) if src in row_of else None
@@ -329,6 +330,60 @@ def _stage(node: fx.Node, stage: int, ph_index: dict, stage_of: dict) -> int:
             and len(node.args) > 1 and node.args[1] in stage_of):
         return stage_of[node.args[1]]
     return stage
+
+
+def _decomposition(node: fx.Node) -> tuple | None:
+    """Which decomposed eager op ``node`` is part of: (the op, its autograd sequence number), or
+    None for a node that is an op of its own (or whose op cannot be told from a neighbour's)."""
+    original = node.meta.get("original_aten")
+    seq_nr = node.meta.get("seq_nr")
+    if node.op != "call_function" or original is None or not isinstance(seq_nr, int):
+        return None
+    name = str(original)
+    return None if name == str(node.target) else (name, seq_nr)
+
+
+def _internal(graph: fx.Graph, output: fx.Node) -> set[fx.Node]:
+    """Nodes inside one eager op's decomposition whose values only that decomposition reads:
+    LayerNorm's centred input and its scaled copy, a softmax's row maxima and exponentials.
+    No eager op returns them (eager recording never sees them), so they need no summary of their
+    own; the decomposition's results (what the eager op returns: its value read by another op
+    or returned by the graph) keep theirs, and a NaN or inf made inside reaches them."""
+    saved = _saved_only(output)
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        key = _decomposition(node)
+        if key is None or not node.users:
+            continue
+        # Saved for the backward only: internal unless the eager op returns more than its
+        # result (LayerNorm's mean and rstd are outputs of native_layer_norm, recorded eagerly).
+        if all((node in saved and _returns(node) == 1) if u is output
+               else (u.target is not operator.getitem and _decomposition(u) == key) for u in node.users):
+            out.add(node)
+    return out
+
+
+def _returns(node: fx.Node) -> int:
+    """How many values the eager op ``node`` was decomposed from returns (0: unknown)."""
+    try:
+        return len(node.meta["original_aten"]._schema.returns)
+    except Exception:  # not an OpOverload with a schema
+        return 0
+
+
+def _saved_only(output: fx.Node) -> set[fx.Node]:
+    """Nodes a forward graph returns only to save them for its backward (AOT autograd's output
+    descriptors say which): not values the program sees. A softmax's row maxima and sums are
+    saved so that the backward graph recomputes its exponentials."""
+    descs = output.meta.get("desc")
+    results = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    if not isinstance(descs, (tuple, list)) or len(descs) != len(results):
+        return set()
+    saved, seen = set(), set()
+    for r, d in zip(results, descs):
+        if isinstance(r, fx.Node):
+            (saved if type(d).__name__ == "SavedForBackwardsAOTOutput" else seen).add(r)
+    return saved - seen
 
 
 def _norm_dim(node: fx.Node) -> int:

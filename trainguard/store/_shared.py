@@ -14,6 +14,18 @@ _shared: dict[Path, list] = {}
 _shared_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    # A fork copies the lock as it is: held, if another thread was building a writer (a DataLoader
+    # worker forked while a recording starts), by a thread the child does not have. The parent's
+    # writers are the parent's (their threads are not in the child): the child starts afresh.
+    global _shared_lock
+    _shared_lock = threading.Lock()
+    _shared.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def acquire_writer(run_dir: str | os.PathLike, *, mode: str | None = None, buffer: int | None = None,
                    overwrite: bool = False, append: bool = False, process: bool = False,
                    meta: dict[str, Any] | None = None) -> RunWriter:

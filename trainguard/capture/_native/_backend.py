@@ -205,7 +205,13 @@ class NativeBackend:
     def python_records(self):
         """Around a compiled graph's call, whose records are made in Python (capture/_compile_run):
         the core records none of the ops it dispatches, and its records are numbered and judged
-        after everything recorded before it, handed over in order with the lock held."""
+        after everything recorded before it (drained first, with the lock held).
+
+        The graph's own records stay in ``rec.pending`` after the call: the next hand-over (this
+        one at the next graph call, the drain thread's, a read's) puts them before the core's
+        records, which are all later (their seqs were reserved from the core before the graph
+        ran, and the core was paused while it did). Only device summaries of a graph recorded
+        whole (``rec.deferred``, indexed per batch) and an urgent taint are handed over at once."""
         rec = self.rec
         with rec._lock, paused():
             rec.flush()
@@ -216,7 +222,8 @@ class NativeBackend:
                 yield
             finally:
                 rec.taint._last_phase = "backward" if rec.in_backward else "forward"
-                rec.flush()
+                if rec.deferred or rec.taint.urgent:
+                    rec.flush()
 
     def producer_seq(self, t) -> int | None:
         p = self.core.producer_of(t)
