@@ -14,18 +14,20 @@ SCRIPT = textwrap.dedent(
     """
     import sys, torch, trainguard as tg
     from torch.utils.data import DataLoader, TensorDataset
-    torch.manual_seed(0)
-    ds = TensorDataset(torch.randn(1024, 8), torch.randint(0, 2, (1024,)))
-    model = torch.nn.Linear(8, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    workers = int(sys.argv[3])
-    with tg.record(sys.argv[1], mode=sys.argv[2], buffer=-1):
-        loader = DataLoader(ds, batch_size=64, num_workers=workers,
-                            multiprocessing_context="fork" if workers else None)
-        for x, y in loader:
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+    mode = sys.argv[1]
+    # One recording per (run directory, workers) pair, one after the other in this process.
+    for run_dir, workers in zip(sys.argv[2::2], map(int, sys.argv[3::2])):
+        torch.manual_seed(0)
+        ds = TensorDataset(torch.randn(1024, 8), torch.randint(0, 2, (1024,)))
+        model = torch.nn.Linear(8, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with tg.record(run_dir, mode=mode, buffer=-1):
+            loader = DataLoader(ds, batch_size=64, num_workers=workers,
+                                multiprocessing_context="fork" if workers else None)
+            for x, y in loader:
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
     """
 )
 
@@ -34,15 +36,15 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("mode", ["full_health", "full_tensor"])
 def test_dataloader_workers_forked_while_recording(tmp_path, mode, backend, monkeypatch):
     monkeypatch.setenv("TRAINGUARD_BACKEND", backend)
-    runs = {}
-    for workers in (0, 2):
-        run_dir = tmp_path / f"w{workers}"
-        # A worker used to record into its copy of the writer's queue, which no thread drains:
-        # with full_tensor it blocked there after 512 tensors (each worker indexes 512 samples).
-        proc = subprocess.run([sys.executable, "-c", SCRIPT, str(run_dir), mode, str(workers)],
-                              capture_output=True, text=True, timeout=90)
-        assert proc.returncode == 0, proc.stderr
-        runs[workers] = open_run(run_dir)
+    # One Python start for both runs (it is most of the test's time): the forked run first, in
+    # a fresh process as a user's first recording is, then the in-process reference.
+    # A worker used to record into its copy of the writer's queue, which no thread drains:
+    # with full_tensor it blocked there after 512 tensors (each worker indexes 512 samples).
+    dirs = {workers: tmp_path / f"w{workers}" for workers in (2, 0)}
+    args = [a for workers, d in dirs.items() for a in (str(d), str(workers))]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    runs = {workers: open_run(d) for workers, d in dirs.items()}
     with_workers, in_process = runs[2], runs[0]
     assert with_workers.status == "finished"
     assert with_workers.meta["backend"] == in_process.meta["backend"] == backend
