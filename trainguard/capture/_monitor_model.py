@@ -14,9 +14,6 @@ from trainguard.capture._layer_stats import is_channel_first, is_mode_module, sa
 _SKIP_TYPES = (nn.Identity, nn.modules.dropout._DropoutNd, nn.Flatten, nn.Unflatten)
 
 
-_UNIT_ATTRS = ("out_features", "out_channels", "embedding_dim")
-
-
 class Layer:
     """A module whose output the monitor summarises (a leaf, or a module with its own parameters)."""
 
@@ -30,11 +27,10 @@ class Layer:
         self.ref = weakref.ref(module)
         self.channel_first = is_channel_first(module)
         self.saturation = saturation_kind(module)
-        # Output units: the size of the output's unit axis once a recording saw it (a custom
+        # Output units: the size of the output's unit axis as a recording saw it (a custom
         # layer's weight can be [in, out]; a layer whose weight is tied to another's, nanoGPT's
-        # lm_head, owns none); until then the module's own sizes.
-        sizes = (getattr(module, a, None) for a in _UNIT_ATTRS)
-        self.units = next((n for n in sizes if isinstance(n, int)), None)
+        # lm_head, owns none). Only recorded layers are judged, so None until then.
+        self.units: int | None = None
         self.prev_dead: torch.Tensor | None = None  # this layer's dead-unit mask at the last recording
         self.seen_step = -1
         self.handle = None
