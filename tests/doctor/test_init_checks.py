@@ -137,3 +137,68 @@ def test_bad_inputs_are_value_errors(kwargs, match, mlp, batch):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         doctor.init_checks(**args)
+
+
+class TinyLM(nn.Module):
+    """A language model shaped like karpathy/minGPT's GPT: ``forward(idx)`` returns
+    ``(logits [B, T, V], loss or None)``; projects/adder masks the prompt positions with target -1
+    and its loss is ``cross_entropy(logits.view(-1, V), y.view(-1), ignore_index=-1)``."""
+
+    def __init__(self, vocab: int = 10, width: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab)
+        with torch.no_grad():
+            self.head.weight.mul_(0.01)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx)), None
+
+
+def _adder_batch(vocab: int = 10, b: int = 32, t: int = 5):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (b, t), generator=g)
+    y = torch.randint(0, vocab, (b, t), generator=g)
+    y[:, :3] = -1  # the prompt's positions: no loss there
+    return x, y
+
+
+def _lm_loss(out, y):
+    logits = out[0]
+    return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1)
+
+
+def test_a_language_models_tuple_output_is_judged_by_its_logits():
+    r = doctor.init_checks(TinyLM(vocab=10), _adder_batch(), _lm_loss)
+    assert r.output_shape == [32, 5, 10]  # the logits, not "None"
+    # The class axis is the last one ([B, T, V] against targets [B, T]), not dim 1 (T = 5).
+    assert r.task == "classification" and r.num_classes == 10
+    assert r.expected_loss == pytest.approx(math.log(10))
+    assert r.initial_loss == pytest.approx(math.log(10), rel=0.05)
+    assert "[32, 5, 10]" in r.summary and "None" not in r.summary
+    # Targets of -1 that the loss accepted are its ignore index, not labels out of range.
+    assert r.passed and kinds(r) == set(), kinds(r)
+    ignored = next(f for f in r.findings() if f.kind == "ignored_targets")
+    assert ignored.evidence == {"value": -1, "count": 96, "of": 160}
+
+
+def test_a_dict_output_is_judged_by_its_logits_and_negative_labels_the_loss_refuses_stay_errors():
+    class DictLM(TinyLM):
+        def forward(self, idx):
+            return {"loss": None, "logits": self.head(self.emb(idx))}
+
+    x, y = _adder_batch()
+    r = doctor.init_checks(DictLM(), (x, y), lambda out, t: _lm_loss((out["logits"],), t))
+    assert r.output_shape == [32, 5, 10] and r.num_classes == 10 and r.passed
+    # The same labels given to a loss without that ignore index: cross_entropy refuses -1.
+    r = doctor.init_checks(TinyLM(), (x, y), lambda out, t: nn.functional.cross_entropy(
+        out[0].reshape(-1, 10), t.reshape(-1)))
+    assert {"labels_out_of_range", "loss_failed"} <= kinds(r)
+
+
+def test_channel_first_class_axis_for_segmentation_shaped_outputs():
+    # [B, C, H, W] logits against [B, H, W] labels: classes on dim 1 (what cross_entropy expects).
+    model = nn.Conv2d(3, 4, 1)
+    x, y = torch.randn(2, 3, 6, 6), torch.randint(0, 4, (2, 6, 6))
+    r = doctor.init_checks(model, (x, y), nn.CrossEntropyLoss())
+    assert r.num_classes == 4 and r.expected_loss == pytest.approx(math.log(4))
