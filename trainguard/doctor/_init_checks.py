@@ -3,8 +3,12 @@
 - the output has the batch's number of samples, and its shape fits the targets (an output of
   ``[N, 1]`` against targets of ``[N]`` broadcasts to ``[N, N]`` inside an MSE and trains on
   nonsense without an error);
-- class labels lie in ``[0, C)``;
+- class labels lie in ``[0, C)``; a negative label the loss accepted is its ignore index (minGPT
+  masks prompt positions with -1), reported as such;
 - the loss is a finite scalar that depends on the parameters;
+- a model that returns a tuple, a dict or a Hugging Face ``ModelOutput`` is judged by its logits
+  (the ``logits`` entry, else the first tensor); the class axis is dim 1, or the last one for
+  ``[B, T, V]`` logits against ``[B, T]`` targets;
 - the initial loss matches chance: ``ln C`` for a C-class cross-entropy (``ln 2`` for a binary
   one), since freshly initialised logits are near zero and the softmax near uniform. Far above
   means over-confident logits (an initialisation scale too large); far below means the model
@@ -119,6 +123,20 @@ def _shape(obj: Any) -> list[int] | None:
     return list(obj.shape) if isinstance(obj, torch.Tensor) else None
 
 
+def _primary(outputs: Any) -> Any:
+    """The tensor a model's output is judged by: itself, its ``logits`` entry (a dict or a Hugging
+    Face ``ModelOutput``), else its first tensor (minGPT and nanoGPT return ``(logits, loss)``)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, dict):
+        if isinstance(outputs.get("logits"), torch.Tensor):
+            return outputs["logits"]
+        outputs = list(outputs.values())
+    if isinstance(outputs, (tuple, list)):
+        return next((o for o in outputs if isinstance(o, torch.Tensor)), None)
+    return None
+
+
 def init_checks(model: nn.Module, batch: Any, loss_fn: Any, *, num_classes: int | None = None) -> InitReport:
     """One forward pass on ``batch = (inputs, targets)``: shapes, initial loss against chance
     (``ln C`` for cross-entropy; ``num_classes`` overrides C read off the output), parameter
@@ -148,19 +166,23 @@ def init_checks(model: nn.Module, batch: Any, loss_fn: Any, *, num_classes: int 
                                   error=f"{type(exc).__name__}: {exc}", input_shape=_shape(inputs)))
         loss = None
         if outputs is not None:
-            out_shape, t_shape = _shape(outputs), _shape(targets)
-            task, classes = _task(outputs, targets, loss_fn, num_classes)
-            issues += _shape_issues(inputs, outputs, targets, task, classes)
+            primary = _primary(outputs)
+            out_shape, t_shape = _shape(primary), _shape(targets)
+            task, classes = _task(primary, targets, loss_fn, num_classes)
+            failed = None
             try:
                 with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # a broadcast warning: reported above
+                    warnings.simplefilter("ignore", UserWarning)  # a broadcast warning: reported below
                     loss = loss_fn(outputs, targets)
             except Exception as exc:
-                issues.append(finding(
+                failed = finding(
                     "loss_failed", "critical", f"loss_fn(outputs, targets) raised {type(exc).__name__}: {exc}",
                     "Make the output and target shapes and dtypes what the loss expects (class indices as "
                     "int64 for cross-entropy, float targets of the output's shape for MSE/BCE).",
-                    error=f"{type(exc).__name__}: {exc}", output_shape=out_shape, target_shape=t_shape))
+                    error=f"{type(exc).__name__}: {exc}", output_shape=out_shape, target_shape=t_shape)
+            issues += _shape_issues(inputs, primary, targets, task, classes, loss_accepted=failed is None)
+            if failed is not None:
+                issues.append(failed)
         if loss is not None and not isinstance(loss, torch.Tensor):
             raise DoctorInputError(f"loss_fn must return a tensor, got {type(loss).__name__}")
         if loss is None:
@@ -222,10 +244,17 @@ def _task(outputs: Any, targets: Any, loss_fn: Any, num_classes: int | None) -> 
         return "regression", None
     integer = not targets.is_floating_point() and not targets.is_complex() and targets.dtype != torch.bool
     if integer and outputs.dim() == targets.dim() + 1 and outputs.dim() >= 2:
-        return "classification", num_classes or int(outputs.shape[1])
+        return "classification", num_classes or int(outputs.shape[_class_axis(outputs, targets)])
     if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and outputs.dim() >= 2:
         return "classification", num_classes or int(outputs.shape[1])  # soft (probability) targets
     return "regression", None
+
+
+def _class_axis(outputs: torch.Tensor, targets: torch.Tensor) -> int:
+    """Dim 1 (what cross_entropy expects: ``[B, C, ...]`` against ``[B, ...]``), unless only the
+    last fits: language-model logits ``[B, T, V]`` against targets ``[B, T]``, flattened by the loss."""
+    first = outputs.shape[:1] + outputs.shape[2:] == targets.shape
+    return -1 if not first and outputs.shape[:-1] == targets.shape else 1
 
 
 def _expected(task: str, classes: int | None) -> tuple[float | None, str]:
@@ -236,7 +265,8 @@ def _expected(task: str, classes: int | None) -> tuple[float | None, str]:
     return None, "no chance level for this loss"
 
 
-def _shape_issues(inputs: Any, outputs: Any, targets: Any, task: str, classes: int | None) -> list[Finding]:
+def _shape_issues(inputs: Any, outputs: Any, targets: Any, task: str, classes: int | None, *,
+                  loss_accepted: bool) -> list[Finding]:
     out: list[Finding] = []
     if not isinstance(outputs, torch.Tensor):
         return out
@@ -253,6 +283,17 @@ def _shape_issues(inputs: Any, outputs: Any, targets: Any, task: str, classes: i
         return out
     if task == "classification" and not targets.is_floating_point():
         valid = targets[targets != IGNORE_INDEX]
+        negative = valid[valid < 0].unique()
+        if loss_accepted and negative.numel() == 1:
+            # cross_entropy refuses a label below 0 unless it is the ignore index: one value the
+            # loss took is that index (minGPT's -1), not a label.
+            value = int(negative)
+            out.append(finding(
+                "ignored_targets", "info",
+                f"{int((targets == value).sum()):,} of {targets.numel():,} targets are {value}, which the loss "
+                "ignores", "Nothing to do if these positions are masked on purpose (padding, a prompt).",
+                value=value, count=int((targets == value).sum()), of=targets.numel()))
+            valid = valid[valid != value]
         if valid.numel():
             lo, hi = int(valid.min()), int(valid.max())
             if lo < 0 or (classes is not None and hi >= classes):
