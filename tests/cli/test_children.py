@@ -11,8 +11,8 @@ import torch
 
 from trainguard.cli._children import ChildWatch
 
-# The pattern of pytorch/examples mnist_hogwild/main.py (and of DDP started with
-# torch.multiprocessing.spawn): the parent builds the model, children train it.
+# The pattern of pytorch/examples mnist_hogwild/main.py: the parent builds the model, children
+# train it (forked here: spawn's processes are followed, see test_spawned.py; forked ones are not).
 SCRIPT = textwrap.dedent("""
     import torch
     import torch.multiprocessing as mp

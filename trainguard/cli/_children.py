@@ -1,9 +1,9 @@
 """Processes a script starts to train in: trainguard watches the process it runs, not those.
 
-pytorch/examples' mnist_hogwild trains in ``multiprocessing`` children, and DDP started with
-``torch.multiprocessing.spawn`` trains only in its children: under ``trainguard run`` or
+pytorch/examples' mnist_hogwild trains in ``multiprocessing`` children only: under ``trainguard run`` or
 ``trainguard monitor`` the parent then records no step, and without a word the run would look
-like one that trained too little. :class:`ChildWatch` counts the processes the script starts
+like one that trained too little. (``torch.multiprocessing.spawn``'s processes are followed, see
+``_spawned``; these are the others.) :class:`ChildWatch` counts the processes the script starts
 (DataLoader workers aside) and the ``backward()`` passes of its own process, and says so when
 every backward ran elsewhere.
 """
@@ -64,6 +64,7 @@ class ChildWatch:
             return None
         n = self.started
         return (f"trainguard: the script started {n} child process{'es' if n > 1 else ''} and ran no backward() "
-                "itself: trainguard watched this process only. Start DDP ranks with `trainguard run "
-                "--nproc-per-node N script.py` (torchrun) instead of torch.multiprocessing.spawn, or open "
-                "trainguard.record / trainguard.Monitor inside the function each process runs")
+                "itself: trainguard watched this process only (it follows torch.multiprocessing.spawn's "
+                "processes, not these). Start DDP ranks with `trainguard run --nproc-per-node N script.py` "
+                "(torchrun) or torch.multiprocessing.spawn, or open trainguard.record / trainguard.Monitor "
+                "inside the function each process runs")

@@ -18,6 +18,7 @@ from pathlib import Path
 from trainguard._errors import TrainguardError
 from trainguard.cli._children import ChildWatch
 from trainguard.cli._render import err_console
+from trainguard.cli._spawned import Follow, Options, SpawnRefused, move_launcher_run
 
 
 def add_parser(sub) -> None:
@@ -91,7 +92,7 @@ def run_script(script: str, args: list[str]) -> tuple[int, BaseException | None]
         if code is None:
             return 0, None
         return (code if isinstance(code, int) else 1), exc
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SpawnRefused):  # SpawnRefused: one line, from the CLI
         raise
     except BaseException as exc:  # the script's own error: keep its traceback, still diagnose
         traceback.print_exc()
@@ -112,22 +113,45 @@ def monitor_script(
     overwrite: bool = False,
     gradcheck: bool = True,
 ):
-    """Run ``script`` under a Monitor attached to whatever models it trains; return (exit code, Monitor)."""
+    """Run ``script`` under a Monitor attached to whatever models it trains; return (exit code, the
+    run directory, the findings). Processes the script starts with torch.multiprocessing.spawn are
+    monitored too, each into ``rank-K``, and the findings are then the ranks' (see ``_spawned``)."""
     from trainguard._wiring import Monitor
     from trainguard.integrations import watch_frameworks
 
     mon = Monitor(None, logdir, every, histograms=True if histograms else None, thresholds=thresholds,
                   overwrite=overwrite, gradcheck=gradcheck)
     watch_frameworks(mon)  # Lightning / HF Trainer scripts: the framework's steps
+    follow = Follow(Options(logdir=str(Path(mon.logdir).absolute()), overwrite=overwrite, monitor=dict(
+        every=every, histograms=True if histograms else None, thresholds=thresholds, gradcheck=gradcheck)))
     error = None
     try:
         with ChildWatch() as children:
-            code, error = run_script(script, args)
+            follow.start()
+            try:
+                code, error = run_script(script, args)
+            finally:
+                follow.stop()
     finally:
         mon.close(error=error)
-    if note := children.note():
+    findings = mon.findings if mon.findings is not None else []
+    if follow.spawned and not children.backwards:
+        from trainguard.analysis import diagnose
+        from trainguard.store import open_run
+
+        move_launcher_run(Path(mon.logdir))
+        n = follow.spawned
+        err_console.print(f"trainguard: monitored {n} spawned process{'es' if n > 1 else ''} into "
+                          f"{mon.logdir}/rank-K; the findings below are theirs", markup=False, highlight=False,
+                          soft_wrap=True)
+        try:
+            with open_run(mon.logdir) as run:
+                findings = diagnose(run)
+        except TrainguardError as exc:  # no rank wrote a run (every process died at its start)
+            err_console.print(f"trainguard: {exc}", markup=False, highlight=False, soft_wrap=True)
+    elif note := children.note():
         err_console.print(note, markup=False, highlight=False, soft_wrap=True)
-    return code, mon
+    return code, mon.logdir, findings
 
 
 def _print_findings(findings, as_json: bool, header: str | None = None) -> None:
@@ -144,7 +168,7 @@ def _print_findings(findings, as_json: bool, header: str | None = None) -> None:
 
 def _cmd_monitor(args) -> int:
     thresholds = parse_overrides(args.set) or None  # a bad name fails before the script runs
-    code, mon = monitor_script(
+    code, logdir, findings = monitor_script(
         args.script,
         args.args,
         logdir=args.logdir,
@@ -154,8 +178,7 @@ def _cmd_monitor(args) -> int:
         overwrite=args.overwrite,
         gradcheck=not args.no_gradcheck,
     )
-    findings = mon.findings if mon.findings is not None else []
-    _print_findings(findings, args.json, header=None if args.json else f"[bold]run[/] {mon.logdir}")
+    _print_findings(findings, args.json, header=None if args.json else f"[bold]run[/] {logdir}")
     return code
 
 

@@ -24,6 +24,7 @@ from trainguard._errors import Diverged, NonFiniteError, TrainguardError
 from trainguard.cli import _launch
 from trainguard.cli._children import ChildWatch
 from trainguard.cli._render import err_console
+from trainguard.cli._spawned import Follow, Options, SpawnRefused, ended_with_nonfinite, move_launcher_run
 from trainguard.store import MODES, default_name
 
 
@@ -127,11 +128,21 @@ def _cmd(args: argparse.Namespace) -> int:
     if guard is not None:
         guard.install()
     children = ChildWatch()
+    follow = None
+    if guard is None:  # torch.multiprocessing.spawn's processes record as this one does, into rank-K
+        follow = Follow(Options(
+            logdir=str(logdir.absolute()), overwrite=args.overwrite,
+            record=None if args.check_numerics else dict(mode=args.mode, buffer=args.buffer, ops=args.ops,
+                                                          dtypes=dtypes),
+            check_numerics=dict(buffer=args.buffer, strict=args.strict) if args.check_numerics else None,
+            monitor=dict(every=args.every, gradcheck=not args.no_gradcheck) if args.monitor else None))
     try:
         if recorder is not None:
             recorder.start()
         try:
             children.start()
+            if follow is not None:
+                follow.start()
             if args.monitor:
                 monitor = _start_monitor(logdir, args.every, gradcheck=not args.no_gradcheck)
             if args.module:
@@ -158,6 +169,10 @@ def _cmd(args: argparse.Namespace) -> int:
         except KeyboardInterrupt as exc:
             code = 130
             error = exc
+        except SpawnRefused as exc:  # the script's mp.spawn, refused before any process started
+            err_console.print(f"trainguard: {exc}", markup=False, highlight=False, soft_wrap=True)
+            code = exc.exit_code
+            error = exc
         except BaseException as exc:
             # The script's own traceback, as Python would print it, and Python's exit code.
             _print_traceback(exc)
@@ -165,6 +180,8 @@ def _cmd(args: argparse.Namespace) -> int:
             error = exc
         finally:
             children.stop()
+            if follow is not None:
+                follow.stop()
             ending = run_ending(error)  # before the monitor lets go of the step clock
             # The launcher orders the ranks of a failed job by it: a NonFiniteError says when it
             # was raised (the script's own finally blocks, destroy_process_group, run after it).
@@ -188,6 +205,8 @@ def _cmd(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     if late and not code:
         code = 128 + signal.SIGTERM
+    if follow is not None and follow.spawned:
+        return _spawned_ending(logdir, follow, recorder, own_training=children.backwards > 0, code=code)
     if note := children.note():
         err_console.print(note, markup=False, highlight=False, soft_wrap=True)
     if guard is not None:
@@ -203,6 +222,26 @@ def _cmd(args: argparse.Namespace) -> int:
         _print_cause(written)
     err_console.print(f"trainguard: recorded {recorder.recorded:,} executions to {written}{_writer_failure(written)}; "
                       f"see `trainguard report {logdir}` or `trainguard ui {logdir}`", highlight=False, soft_wrap=True)
+    return code
+
+
+def _spawned_ending(logdir: Path, follow: Follow, recorder, *, own_training: bool, code: int) -> int:
+    """The closing lines of a script that trained in processes started by torch.multiprocessing.spawn."""
+    ranks = follow.ranks()
+    for rank in ranks:
+        if ended_with_nonfinite(rank):
+            err_console.print(f"trainguard: {rank.name} stopped at a non-finite value", markup=False, highlight=False)
+            _print_cause(rank)
+    own = f"{recorder.recorded:,} executions"
+    if own_training:  # this process trained too: its run stays where readers look first
+        where = f"this process's own run ({own}) is {logdir}, which readers open instead of the ranks"
+    else:
+        where = f"this process's own run ({own}) is in {move_launcher_run(logdir) or logdir}"
+    names = f"{ranks[0].name}..{ranks[-1].name}" if len(ranks) > 1 else (ranks[0].name if ranks else "no rank")
+    n = follow.spawned
+    err_console.print(f"trainguard: recorded {n} spawned process{'es' if n > 1 else ''} into {logdir}/{names}; "
+                      f"{where}; see `trainguard report {logdir}` or `trainguard ui {logdir}`",
+                      markup=False, highlight=False, soft_wrap=True)
     return code
 
 

@@ -5,7 +5,9 @@ the guard) goes through :func:`rank_dir`, so that the ranks of one job never sha
 Nothing here imports torch: the rank comes from an initialised default process group when the
 program made one, else from the environment torchrun gives every worker (``RANK``,
 ``WORLD_SIZE``), which is set before the script starts (``trainguard run`` records from its
-first line, long before ``init_process_group``).
+first line, long before ``init_process_group``). A process ``trainguard run`` followed into
+``torch.multiprocessing.spawn`` has its rank in ``TRAINGUARD_RANK`` and ``TRAINGUARD_WORLD_SIZE``
+instead (``cli._spawned``): the script's own code never sees a ``RANK`` it did not set.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 from trainguard.store._codec import DB_NAME
 
 RANK_PREFIX = "rank-"
+# A spawned process's rank and world size, set by the process that followed it (cli._spawned).
+ENV_RANK, ENV_WORLD_SIZE = "TRAINGUARD_RANK", "TRAINGUARD_WORLD_SIZE"
 # Namespaces of communication ops: what torch.distributed and DDP call, the functional collectives.
 COLLECTIVE_PREFIXES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 
@@ -36,11 +40,18 @@ def process_rank() -> tuple[int, int]:
             return dist.get_rank(), dist.get_world_size()
     except (RuntimeError, ValueError):  # a group being torn down
         pass
+    env = (ENV_RANK, ENV_WORLD_SIZE) if ENV_RANK in os.environ else ("RANK", "WORLD_SIZE")
     try:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        rank, world = int(os.environ.get(env[0], "0")), int(os.environ.get(env[1], "1"))
     except ValueError:
         return 0, 1
     return (rank, world) if 0 <= rank < world else (0, 1)
+
+
+def spawned() -> bool:
+    """Whether this process is a rank ``trainguard run`` followed into ``torch.multiprocessing.spawn``:
+    the run in the parent directory is then its launcher's, not an older job's."""
+    return ENV_RANK in os.environ
 
 
 def rank_dir(logdir: str | os.PathLike) -> Path:
@@ -72,7 +83,7 @@ def remove_stale_ranks(logdir: str | os.PathLike) -> list[Path]:
     removed: list[Path] = []
     if rank != 0 or world <= 1 or not base.is_dir():
         return removed
-    for suffix in ("", "-wal", "-shm"):
+    for suffix in ("", "-wal", "-shm") if not spawned() else ():  # a launcher's run: moved at its end
         db = base / (DB_NAME + suffix)
         if db.is_file():
             db.unlink()

@@ -28,7 +28,7 @@ from typing import Any
 
 from trainguard._errors import TrainguardError
 from trainguard.store._codec import DB_NAME, MODE_FIELDS, dumps, encode_float
-from trainguard.store._ranks import process_rank, rank_of_dir, remove_stale_ranks
+from trainguard.store._ranks import process_rank, rank_of_dir, remove_stale_ranks, spawned
 from trainguard.store._schema import connect
 from trainguard.store._segments import SegmentFiles
 from trainguard.store._window import SEND_INTERVAL, BufferWindow
@@ -133,7 +133,8 @@ class RunWriter(BufferWindow, SegmentFiles):
             else:
                 for suffix in ("", "-wal", "-shm"):
                     Path(str(db) + suffix).unlink(missing_ok=True)
-        if rank_of_dir(self.run_dir) is not None and (self.run_dir.parent / DB_NAME).exists() and not overwrite:
+        if (rank_of_dir(self.run_dir) is not None and (self.run_dir.parent / DB_NAME).exists() and not overwrite
+                and not spawned()):
             # A single-process run there would hide the ranks from every reader.
             raise TrainguardError(f"logdir {str(self.run_dir.parent)!r} already holds a run; choose a new "
                                   "logdir or pass overwrite=True")
