@@ -457,3 +457,48 @@ def test_parameters_switched_off_around_the_other_optimizers_update_are_not_froz
             opt_d.step()
     (frozen,) = [f for f in mon.findings if f.kind == "params_frozen"]
     assert sorted(frozen.evidence["params"]) == ["2.bias", "2.weight"], frozen.evidence  # gen is the first root
+
+
+class GraphConv(nn.Module):
+    """pytorch/examples gcn/main.py's layer: ``spmm(adj, input @ kernel) + bias``, whose model is
+    called with sparse COO node features and a sparse adjacency matrix."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.kernel = nn.Parameter(torch.empty(n_in, n_out))
+        nn.init.xavier_normal_(self.kernel)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x, adj):
+        return torch.spmm(adj, torch.mm(x, self.kernel)) + self.bias
+
+
+class GCN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gc1, self.gc2 = GraphConv(12, 8), GraphConv(8, 3)
+
+    def forward(self, x, adj):
+        return nn.functional.log_softmax(self.gc2(torch.relu(self.gc1(x, adj)), adj), dim=1)
+
+
+def test_a_sparse_input_is_measured_not_a_failing_hook(tmp_path, caplog):
+    torch.manual_seed(0)
+    dense = (torch.rand(40, 12) < 0.2).float() * torch.rand(40, 12)
+    x = dense.to_sparse()
+    adj = (torch.eye(40) + (torch.rand(40, 40) < 0.1).float()).to_sparse()
+    y = torch.randint(0, 3, (40,))
+    model = GCN()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with caplog.at_level("ERROR", logger="trainguard"), Monitor(model, tmp_path / "run", every=2, diagnose=False):
+        for _ in range(5):
+            opt.zero_grad()
+            nn.functional.nll_loss(model(x, adj), y).backward()
+            opt.step()
+    assert not [r for r in caplog.records if "hook failed" in r.getMessage()], caplog.text
+    with open_run(tmp_path / "run") as run:
+        got = stats_of(run, 2, "<input>", "input")
+        assert got["mean"] == pytest.approx(dense.mean().item(), rel=1e-5)
+        assert got["std"] == pytest.approx(dense.std().item(), rel=1e-4)
+        assert got["min"] == 0.0 and got["max"] == pytest.approx(dense.max().item())
+        assert stats_of(run, 2, "gc1", "activation"), "the layers are measured too"
