@@ -168,13 +168,16 @@ def activation_stats(
 
 
 def input_stats(x: torch.Tensor) -> tuple[torch.Tensor, list[str]] | None:
-    """Scale of a model's input: overall and per feature (dim 1: features, or image channels).
+    """Scale of a model's input: overall and per feature (dim 1: features, or image channels);
+    overall only for a sparse one.
 
     Every number comes from per-feature sums of x and x*x (the overall ones too): inputs are
     judged for their scale, where E[x^2] - E[x]^2 is precise enough, and each pass counts.
     """
     if not x.is_floating_point() or x.numel() < 2:
         return None
+    if x.layout != torch.strided:
+        return _sparse_input_stats(x)
     x = _float(x.detach())
     mn, mx = torch.aminmax(x.reshape(-1))
     n = x.numel()
@@ -196,6 +199,29 @@ def input_stats(x: torch.Tensor) -> tuple[torch.Tensor, list[str]] | None:
     mean = total / n
     std = ((total_sq - mean * total) / max(n - 1, 1)).clamp_min(0).sqrt()
     return torch.stack([mean, std, mn, mx, *extra]).to(torch.float32), names
+
+
+def _sparse_input_stats(x: torch.Tensor) -> tuple[torch.Tensor, list[str]] | None:
+    """The overall scale of a sparse input (COO, CSR, ...: pytorch/examples gcn's node features),
+    its implicit zeros counted, from its stored values only (never densified)."""
+    if x.layout == torch.sparse_coo:
+        x = x.coalesce()  # duplicate indices sum: the values as the dense tensor holds them
+    try:
+        values = _float(x.detach().values()).reshape(-1)
+    except RuntimeError:  # a layout without values(): not measured
+        return None
+    n = x.numel()
+    zeros = n - values.numel()
+    total, total_sq = values.sum(), torch.dot(values, values)
+    if values.numel():
+        mn, mx = torch.aminmax(values)
+        if zeros:
+            mn, mx = mn.clamp_max(0), mx.clamp_min(0)
+    else:
+        mn = mx = total  # all zeros
+    mean = total / n
+    std = ((total_sq - mean * total) / max(n - 1, 1)).clamp_min(0).sqrt()
+    return torch.stack([mean, std, mn, mx]).to(torch.float32), list(INPUT_STATS[:4])
 
 
 def histogram(x: torch.Tensor, bins: int) -> torch.Tensor:
