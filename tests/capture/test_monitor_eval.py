@@ -259,3 +259,34 @@ def test_a_loss_computed_after_the_no_grad_block_is_validation(tmp_path):
         want = F.cross_entropy(out, yv).item()
         train(model, opt, 5)
     assert scalars(tmp_path / "run", "val_loss") == [(5, pytest.approx(want, rel=1e-5))]
+
+
+def _evaluate(model, x, y, mask):
+    """pytorch/examples gcn/main.py's test(): one forward over the whole graph, the loss over the
+    rows of one mask; its loop calls it for the training rows, then for the validation rows."""
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+        loss = F.cross_entropy(out[mask], y[mask])
+    model.train()
+    return loss.item()
+
+
+def test_an_evaluation_of_the_training_rows_before_the_validation_rows_is_not_averaged_in(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = data(60, 5)
+    y[40:] = torch.randint(0, 3, (20,), generator=torch.Generator().manual_seed(1))  # unlearnable rows
+    train_rows = torch.arange(60) < 40
+    wanted = []
+    with Monitor(model, tmp_path / "run", every=1, diagnose=False):
+        for _ in range(4):
+            opt.zero_grad()
+            F.cross_entropy(model(x)[train_rows], y[train_rows]).backward()
+            opt.step()
+            _evaluate(model, x, y, train_rows)
+            wanted.append(_evaluate(model, x, y, ~train_rows))
+    got = [v for _, v in scalars(tmp_path / "run", "val_loss")]
+    assert got == pytest.approx(wanted, rel=1e-5)
+    with open_run(tmp_path / "run") as run:
+        assert run.meta["monitor"]["validation"]["passes"] == 2
