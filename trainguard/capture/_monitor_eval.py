@@ -9,6 +9,13 @@ compares class scores with integer targets. At the end of the step they become t
 scalars ``val_loss`` and ``val_accuracy`` (the mean over every evaluation batch of that step),
 shipped with the other scalars: no host sync.
 
+Batches are grouped into passes by where the script computed them: the chain of its own frames
+(everything outside torch and trainguard) at the loss call. The batches of one evaluation loop
+share it; pytorch/examples gcn evaluates the training rows and then the validation rows through
+one ``test()`` called from two lines, which differ. When one step has several passes, the last
+one to start is the validation (gcn's order, and ``evaluate(train); evaluate(val)``'s): averaging
+the training rows in would hide a validation loss that rises while the training loss falls.
+
 The wrappers are installed while at least one monitor listens, as ``_monitor_tap`` does for
 ``backward``; a training loss costs one Python call and a flag test.
 
@@ -22,6 +29,8 @@ recompile whenever an evaluation flips it).
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -129,6 +138,48 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
     return args[i] if len(args) > i else kwargs.get(name)
 
 
+# Frames of these packages are not the script's: a pass is told apart by the script's own frames.
+_NOT_SCRIPT = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The script frames a pass is keyed by, innermost first: the loss call's line and its callers.
+_PASS_FRAMES = 6
+
+
+def _pass_key() -> tuple:
+    """The script's frames at this loss call (file and line, innermost first)."""
+    key = []
+    f = sys._getframe(2)
+    while f is not None and len(key) < _PASS_FRAMES:
+        name = f.f_code.co_filename
+        if not name.startswith(_NOT_SCRIPT):
+            key.append((name, f.f_lineno))
+        f = f.f_back
+    return tuple(key)
+
+
+def _count_labels(counts: torch.Tensor | None, classes: int, target: torch.Tensor,
+                  valid: torch.Tensor) -> torch.Tensor:
+    """``counts`` (per class, on the device; a new one when absent or of another size) plus the
+    valid targets of one batch."""
+    if counts is None or counts.numel() != classes:
+        counts = torch.zeros(classes, device=target.device)
+    # scatter_add, not bincount: bincount reads the largest label back to the host
+    idx = target.reshape(-1).clamp(0, classes - 1).to(counts.device)
+    return counts.scatter_add_(0, idx, valid.reshape(-1).float().to(counts.device))
+
+
+class _Pass:
+    """One evaluation pass's sums, on the device."""
+
+    __slots__ = ("loss_sum", "loss_n", "correct", "acc_n", "labels")
+
+    def __init__(self) -> None:
+        self.loss_sum: torch.Tensor | None = None
+        self.loss_n = 0
+        self.correct: torch.Tensor | None = None
+        self.acc_n: torch.Tensor | None = None
+        self.labels: torch.Tensor | None = None  # valid targets per class
+
+
 class EvalWatch:
     """Sums the losses and correct predictions of the evaluation forwards of one step, on the device."""
 
@@ -141,14 +192,12 @@ class EvalWatch:
         # Validation labels per class, for the chance level (the loss and accuracy of always
         # guessing the class priors); summed on the device over the whole run.
         self._label_counts: torch.Tensor | None = None
+        self.passes = 0  # the most evaluation passes one step had
         self._reset()
         add_listener(self.on_loss)
 
     def _reset(self) -> None:
-        self._loss_sum: torch.Tensor | None = None
-        self._loss_n = 0
-        self._correct: torch.Tensor | None = None
-        self._acc_n: torch.Tensor | None = None
+        self._passes: dict[tuple, _Pass] = {}  # this step's passes, in the order they started
 
     def close(self) -> None:
         remove_listener(self.on_loss)
@@ -180,6 +229,11 @@ class EvalWatch:
             return
         reduction = kwargs.get("reduction", "mean")
         rows = int(pred.shape[0]) if pred.dim() > 1 or name not in _CLASS_LOSSES else 1
+        key = _pass_key()
+        p = self._passes.get(key)
+        if p is None:
+            p = self._passes[key] = _Pass()
+            self.passes = max(self.passes, len(self._passes))
         with quiet(), torch.no_grad():
             value = out.detach().float()
             if reduction == "none" or value.numel() != 1:
@@ -188,39 +242,37 @@ class EvalWatch:
                 total, n = value.reshape(()), rows
             else:
                 total, n = value.reshape(()) * rows, rows
-            self._loss_sum = total if self._loss_sum is None else self._loss_sum + total.to(self._loss_sum.device)
-            self._loss_n += n
+            p.loss_sum = total if p.loss_sum is None else p.loss_sum + total.to(p.loss_sum.device)
+            p.loss_n += n
             self.batches += 1
             if name in _CLASS_LOSSES and pred.dim() >= 2 and not target.is_floating_point():
                 if target.shape == pred.shape[:1] + pred.shape[2:]:
                     self.classes = int(pred.shape[1])
                     ignore = kwargs.get("ignore_index", -100)
                     valid = target != ignore
-                    self._count_labels(target, valid)
+                    p.labels = _count_labels(p.labels, self.classes, target, valid)
                     hit = ((pred.argmax(1) == target) & valid).sum()
                     cnt = valid.sum()
-                    if self._correct is None:
-                        self._correct, self._acc_n = hit, cnt
+                    if p.correct is None:
+                        p.correct, p.acc_n = hit, cnt
                     else:
-                        self._correct = self._correct + hit
-                        self._acc_n = self._acc_n + cnt
-
-    def _count_labels(self, target: torch.Tensor, valid: torch.Tensor) -> None:
-        c = self.classes
-        if self._label_counts is None or self._label_counts.numel() != c:
-            self._label_counts = torch.zeros(c, device=target.device)
-        # scatter_add, not bincount: bincount reads the largest label back to the host
-        idx = target.reshape(-1).clamp(0, c - 1).to(self._label_counts.device)
-        self._label_counts.scatter_add_(0, idx, valid.reshape(-1).float().to(self._label_counts.device))
+                        p.correct = p.correct + hit
+                        p.acc_n = p.acc_n + cnt
 
     def take(self) -> dict[str, torch.Tensor]:
-        """The step's ``val_loss`` and ``val_accuracy`` as 0-d device tensors (empty if none)."""
+        """The step's ``val_loss`` and ``val_accuracy`` (of its last pass to start) as 0-d device
+        tensors (empty if none)."""
         out: dict[str, torch.Tensor] = {}
-        if self._loss_sum is not None and self._loss_n:
+        p = next(reversed(self._passes.values()), None)
+        if p is not None and p.loss_sum is not None and p.loss_n:
             with quiet(), torch.no_grad():
-                out["val_loss"] = self._loss_sum / self._loss_n
-                if self._correct is not None:
-                    out["val_accuracy"] = self._correct.float() / self._acc_n.clamp(min=1).float()
+                out["val_loss"] = p.loss_sum / p.loss_n
+                if p.correct is not None:
+                    out["val_accuracy"] = p.correct.float() / p.acc_n.clamp(min=1).float()
+                if p.labels is not None:
+                    c = self._label_counts
+                    same = c is not None and c.numel() == p.labels.numel()
+                    self._label_counts = c + p.labels.to(c.device) if same else p.labels
         self._reset()
         return out
 
@@ -230,4 +282,5 @@ class EvalWatch:
         if self._label_counts is not None:
             with quiet():
                 counts = [int(v) for v in self._label_counts.cpu().tolist()]  # once, when the monitor closes
-        return {"loss_fn": self.loss_fn, "classes": self.classes, "batches": self.batches, "label_counts": counts}
+        return {"loss_fn": self.loss_fn, "classes": self.classes, "batches": self.batches, "passes": self.passes,
+                "label_counts": counts}
