@@ -232,6 +232,8 @@ def _spawned_ending(logdir: Path, follow: Follow, recorder, *, own_training: boo
         if ended_with_nonfinite(rank):
             err_console.print(f"trainguard: {rank.name} stopped at a non-finite value", markup=False, highlight=False)
             _print_cause(rank)
+            if code:  # spawn raised the rank's error in the script: exit as check_numerics does
+                code = NonFiniteError.exit_code
     own = f"{recorder.recorded:,} executions"
     if own_training:  # this process trained too: its run stays where readers look first
         where = f"this process's own run ({own}) is {logdir}, which readers open instead of the ranks"
