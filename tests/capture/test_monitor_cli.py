@@ -165,3 +165,44 @@ def test_a_script_that_exits_non_zero_is_kept(tmp_path, capsys):
     assert out["findings"][0]["kind"] == "script_crashed" and "exited with code 3" in out["findings"][0]["title"]
     run = open_run(d)
     assert (run.status, run.meta["exit_code"]) == ("exited", 3)
+
+
+# pytorch/examples mnist_forward_forward/main.py's pattern: each layer trains itself with its own
+# optimizer, and calls self.forward(x) directly, so no module is ever called as module(x).
+FORWARD_FORWARD = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Layer(nn.Linear):
+        def __init__(self, n_in, n_out):
+            super().__init__(n_in, n_out)
+            self.opt = torch.optim.Adam(self.parameters(), lr=0.03)
+
+        def forward(self, x):
+            return torch.relu(torch.mm(x / (x.norm(2, 1, keepdim=True) + 1e-4), self.weight.T) + self.bias)
+
+        def fit(self, pos, neg, epochs):
+            for _ in range(epochs):
+                loss = torch.log1p(torch.exp(torch.cat([-self.forward(pos).pow(2).mean(1) + 2,
+                                                        self.forward(neg).pow(2).mean(1) - 2]))).mean()
+                self.opt.zero_grad()
+                loss.backward()
+                self.opt.step()
+            return self.forward(pos).detach(), self.forward(neg).detach()
+
+    torch.manual_seed(0)
+    pos, neg = torch.randn(64, 20), torch.randn(64, 20)
+    for layer in [Layer(20, 16), Layer(16, 16)]:
+        pos, neg = layer.fit(pos, neg, 15)
+""")
+
+
+def test_a_script_that_calls_forward_directly_is_told_why_nothing_was_seen(tmp_path, capsys):
+    script = tmp_path / "ff.py"
+    script.write_text(FORWARD_FORWARD)
+    assert main(["monitor", "--logdir", str(tmp_path / "run"), "--json", str(script)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    f = out["findings"][0]
+    assert f["kind"] == "no_model_called", f
+    assert f["evidence"]["backward_calls"] == 30
+    assert ".forward(" in f["title"] and "layer(x)" in f["suggestion"]
