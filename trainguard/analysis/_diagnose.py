@@ -80,7 +80,8 @@ def diagnose(
     (see :class:`Thresholds`); ``rules`` picks rules by name (default: all of the monitor's).
     The result always holds a verdict: either problems (warning and above), or one ``healthy``
     finding, or ``insufficient_data`` when the run has fewer than ``min_loss_points`` steps with a
-    loss (a crashed run is a problem, never healthy).
+    loss (``no_model_called`` when backward() ran but no module was called as ``module(x)``; a
+    crashed run is a problem, never healthy).
     """
     th = Thresholds.from_overrides(thresholds)
     names = tuple(rules) if rules is not None else MONITOR_RULES
@@ -109,6 +110,19 @@ def diagnose(
 
 def _verdict(ctx: Context) -> Finding:
     n = len(ctx.loss)
+    unattached = int(ctx.meta.get("unattached_backwards") or 0)
+    if not n and unattached:
+        return Finding(
+            kind="no_model_called",
+            severity="warning",
+            title=f"The script ran {unattached:,} backward() pass(es) but called no nn.Module as module(x): "
+            "a direct .forward(x) call skips the hooks the monitor finds models by, so it watched nothing",
+            evidence={"backward_calls": unattached, "loss_points": 0},
+            suggestion="call each module as layer(x), not layer.forward(x) (module hooks, torch.compile and "
+            "every tool's instrumentation go through module(x)); or give the model: "
+            "`trainguard.Monitor(model, logdir)`, with its layers in an nn.ModuleList so that it owns them",
+            source="monitor",
+        )
     if n < ctx.th.min_loss_points:
         # A few steps cannot tell a trend from minibatch noise: "loss 0.0247 -> 0.0432 over 3 steps"
         # is no evidence of health, whatever the layer statistics say.

@@ -164,6 +164,9 @@ class Monitor(EventsMixin, HookMixin):
         self._meta.pop("error", None)
 
         self._roots: list[Root] = []
+        # backward() passes while no model was attached: a script that calls module.forward(x)
+        # directly (pytorch/examples mnist_forward_forward) never triggers the hooks models are found by.
+        self._unattached_backwards = 0
         self._params: list[Param] = []
         self._known: weakref.WeakSet = weakref.WeakSet()  # modules inside attached roots
         self._no_params: weakref.WeakSet = weakref.WeakSet()  # top-level modules without parameters
@@ -376,6 +379,8 @@ class Monitor(EventsMixin, HookMixin):
                 self._eval.close()
             _OPEN.discard(self)
         ended = ending(error, self._cur)
+        if not self._roots and self._unattached_backwards:
+            known["unattached_backwards"] = self._unattached_backwards
         self._write_meta(final_step=self._cur, status=ended.get("status", "finished"), **self._validation_meta(),
                          **known)
         if ended:  # the run's own record of the crash, which the diagnosis reads (analysis._outcome)

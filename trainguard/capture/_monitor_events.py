@@ -33,6 +33,8 @@ class EventsMixin:
 
     # ------------------------------------------------------------------ backward and clipping
     def _on_backward(self, loss: torch.Tensor | None) -> None:
+        if not self._roots:
+            self._unattached_backwards += 1
         self._maybe_end_manual_step()  # a backward after a completed update starts the next step
         self._backward_step = self._cur
         if self._eval is not None:
