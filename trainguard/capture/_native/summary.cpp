@@ -24,6 +24,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -108,17 +109,21 @@ __attribute__((target("avx2"))) void fast_avx2_16(const uint16_t* p, int64_t m, 
 __attribute__((target("avx2"))) void fast_avx2_bf16(const uint16_t* p, int64_t m, Counts& c) {
   fast_chunk_signed<int16_t, uint16_t, BF16Bits>(p, m, c);
 }
-bool detect_avx2() {
+int detect_simd() {
   __builtin_cpu_init();  // may run before libgcc's own initialiser (a static initialiser)
-  return __builtin_cpu_supports("avx2");
+  return __builtin_cpu_supports("avx2") ? 1 : 0;
 }
-const bool g_avx2 = detect_avx2();
+#else
+int detect_simd() { return 0; }
 #endif
+// Which vector pass runs: the best this CPU has (0 baseline, 1 AVX2), or lower for the tests.
+const int g_simd_max = detect_simd();
+std::atomic<int> g_simd{g_simd_max};
 
 template <typename U, typename B>
 inline void fast_dispatch(const U* p, int64_t m, Counts& c) {
 #ifdef TG_AVX2
-  if (g_avx2) {
+  if (g_simd.load(std::memory_order_relaxed) >= 1) {
     if constexpr (std::is_same_v<U, uint32_t>) return fast_avx2_32(p, m, c);
     if constexpr (std::is_same_v<U, uint16_t> && std::is_same_v<B, BF16Bits>) return fast_avx2_bf16(p, m, c);
     if constexpr (std::is_same_v<U, uint16_t>) return fast_avx2_16(p, m, c);
@@ -353,6 +358,13 @@ Summary sparse_summary(const at::Tensor& t, int mode) {
   return s;
 }
 }  // namespace
+
+int simd_level(int level) {
+  int old = g_simd.load();
+  if (level >= 0) g_simd.store(std::min(level, g_simd_max));
+  return old;
+}
+int simd_max() { return g_simd_max; }
 
 Summary unknown_summary(int mode, int64_t n) {
   Summary s;
