@@ -28,7 +28,7 @@ MODES = {"curt_health": 1, "full_health": 3, "stats": 6}
 def measure(mod, x: torch.Tensor, passes: list[str], modes: list[str], state: str, evict: torch.Tensor,
             rounds: int, reps: int) -> dict:
     """{row: (median ratio to torch.sum, min, max, GB/s)} for one tensor in one cache state."""
-    y, z = torch.empty_like(x), torch.empty_like(x)
+    y, z = x + 1, torch.zeros_like(x)  # written: fresh memory is the zero page, or garbage (NaN: the exact pass)
     # (vector pass to select first or None, the call timed); copy reads y and writes z
     rows = {"torch.sum": (None, lambda: y.sum()), "copy": (None, lambda: z.copy_(y))}
     for level, pname in enumerate(passes):
