@@ -220,3 +220,73 @@ def test_expected_nonfinite_summary_is_the_same_summary():
         for mode in ("curt_health", "concise_health", "full_health", "stats"):
             assert repr(summarize_numpy(x, mode, expect_nonfinite=True)) == repr(summarize_numpy(x, mode))
             assert repr(summarize_immediate(x, mode, expect_nonfinite=True)) == repr(summarize_immediate(x, mode))
+
+
+@pytest.fixture(params=[0, 1], ids=["baseline", "avx2"])
+def simd(request):
+    """Each vector pass of the summary kernel this CPU has (the baseline one always)."""
+    mod = _native.load()
+    old, best = mod._simd()
+    if request.param > best:
+        pytest.skip(f"this CPU has no vector pass {request.param}")  # the baseline pass runs everywhere
+    mod._simd(request.param)
+    assert mod._simd()[0] == request.param
+    yield request.param
+    mod._simd(old)
+
+
+_KERNEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def _edge_mix(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """n values of dtype mixing randoms, zeros of both signs, subnormals and the largest finite."""
+    info = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    pick = torch.randint(0, 8, (n,), generator=g)
+    edge = torch.tensor([0.0, -0.0, info.smallest_normal / 4, -info.smallest_normal / 4, info.max, -info.max],
+                        dtype=torch.float64)
+    x = torch.where(pick < 6, edge[pick.clamp(max=5)], x)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", _KERNEL_DTYPES)
+def test_every_vector_pass_reads_odd_lengths_misaligned_starts_and_strides(simd, dtype):
+    # Lengths around the vector widths (16-64 bytes) and the 16-bit passes' blocks of 32768
+    # elements; starts 1-3 elements past the allocation's alignment; every other element; a
+    # transposed matrix (read in runs); each with and without a non-finite value in its tail.
+    mod = _native.load()
+    lengths = [1, 3, 7, 9, 15, 17, 31, 33, 65, 129, 32767, 32769, 65549]
+    for n in lengths:
+        base = _edge_mix(n + 8, dtype, seed=n)
+        views = [base[:n]] + [base[k:k + n] for k in (1, 2, 3)] + [base[::2][: max(1, n // 2)]]
+        if n >= 64:
+            views.append(base[: (n // 8) * 8].reshape(8, -1).t())
+        for t in views:
+            for bad in (None, float("nan"), float("inf"), -float("inf")):
+                x = t
+                if bad is not None:
+                    x = t.clone()
+                    x[(-1,) * x.dim()] = bad
+                check(x, x.double().numpy(), "full_health", mod.summarize(x, _MODE_CODE["full_health"]))
+
+
+@pytest.mark.parametrize("dtype", _KERNEL_DTYPES)
+def test_every_vector_pass_counts_past_narrow_counters(simd, dtype):
+    # 200,000 elements of one sign: more than a 16-bit counter holds, in one lane or all together.
+    mod = _native.load()
+    n = 200_000
+    for fill, want in ((-1.5, (n, n, 0, 0, 0, 0, 0)), (2.0, (n, 0, 0, n, 0, 0, 0)), (-0.0, (n, 0, n, 0, 0, 0, 0))):
+        t = torch.full((n,), fill, dtype=dtype)
+        assert mod.summarize(t, _MODE_CODE["full_health"]) == want, (fill, dtype)
+        assert mod.summarize(t[1:], _MODE_CODE["full_health"])[0] == n - 1
+
+
+def test_the_vector_pass_level_is_bounded_by_the_cpu():
+    mod = _native.load()
+    old, best = mod._simd()
+    try:
+        assert mod._simd(99)[0] == old
+        assert mod._simd()[0] == best  # never above what the CPU has
+    finally:
+        mod._simd(old)

@@ -473,6 +473,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     tl_paused = old;
     return py::reinterpret_steal<py::tuple>(floats(s));
   }, py::arg("t"), py::arg("mode"), py::arg("expect_nonfinite") = false);
+  // The summary kernel's vector pass (tests run every pass this CPU has): (old level, best level).
+  m.def("_simd", [](int level) { return std::make_pair(simd_level(level), simd_max()); }, py::arg("level") = -1);
   m.def("set_paused", [](bool p) {
     bool old = tl_paused;
     tl_paused = p;

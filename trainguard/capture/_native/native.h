@@ -20,7 +20,11 @@ struct Summary {
 // The exact summary of a tensor's values (CPU, or any device for sparse/meta bookkeeping).
 Summary summarize(const at::Tensor& t, int mode, bool expect_nonfinite = false);
 Summary unknown_summary(int mode, int64_t n);
-int health_of(int mode, const Summary& s);  // bit flags 1 NaN, 2 +inf, 4 -inf
+int health_of(int mode, const Summary& s);
+// The summary kernel's vector pass: 0 baseline (SSE2 on x86-64, the compiler's on others), 1 AVX2.
+// simd_level(level) selects min(level, simd_max()) (level < 0: no change) and returns the old one.
+int simd_level(int level);
+int simd_max();  // bit flags 1 NaN, 2 +inf, 4 -inf
 // The summary as a float64 tensor on the tensor's device, computed with device ops (no sync).
 at::Tensor summarize_deferred(const at::Tensor& t, int mode);
 
