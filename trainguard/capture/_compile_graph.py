@@ -3,9 +3,10 @@
 At compile time every aten op node becomes a record template: its op name, its outputs'
 dtype/shape/device, where its inputs come from (another op of the graph, or graph input ``i``),
 the module path from ``nn_module_stack`` and the user's frames from ``stack_trace``. Summary
-rows for its tensor outputs are added to the graph (``_compile_summary``) and returned as two
-extra outputs, the summary matrix and a "something is non-finite" flag, which the runtime
-wrapper (``_compile_run``) strips before the caller sees the outputs.
+rows for its tensor outputs are added to the graph (``_compile_summary``) and returned as extra
+outputs, the summaries' 0-d reductions and a "something is non-finite" flag, which the runtime
+wrapper (``_compile_run``) strips before the caller sees the outputs; the plan's decoder makes
+the rows of the mode's fields from them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from torch import fx
 from trainguard.capture import _steps
 from trainguard.capture._compile_summary import (
     Builder,
+    Decoder,
+    Parts,
     finish,
     scatter_row,
     segment_counts,
@@ -127,13 +130,14 @@ class GraphPlan:
     mode: str
     ops: list[OpTemplate] = field(default_factory=list)
     n_outputs: int = 0  # outputs the caller sees
-    extra: int = 0  # summary outputs appended after them (0 or 2)
+    extra: int = 0  # summary outputs appended after them (the last is the non-finite flag)
     out_ops: tuple = ()  # per caller-visible output: (op index, output slot) or None
     n_rows: int = 0
     symbols: tuple = ()  # how to bind shape symbols from the inputs: ("arg", i, sym) | ("dim", i, d, sym)
     dynamic: bool = False
     fwd_index: dict[int, int] = field(default_factory=dict)  # seq_nr -> op index (forward graphs)
     input_names: tuple = ()  # per graph input: (kind, name) of a parameter or buffer, else None
+    decoder: Decoder | None = None  # the summary rows from the extra outputs' values
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -208,13 +212,14 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     producer: dict[fx.Node, tuple[int, int]] = {}  # node -> (op index, output slot)
     row_of: dict[fx.Node, int] = {}  # tensor node -> summary row
-    rows: list[fx.Node] = []
+    rows: list[tuple] = []  # per summary row: its raw counts (and moments), as _compile_summary.Lin
     builder = Builder(graph, _fake_mode(graph)) if fields else None
+    parts = Parts(builder) if fields else None
     plan.input_names = tuple(_input_name(ph, names) for ph in placeholders)
     mod_key = "fwd_nn_module_stack" if kind == "backward" else "nn_module_stack"
     segmented = _full_selects(graph, mode) if fields else set()
     internal = _internal(graph, output) if fields else set()
-    segments: dict[tuple[fx.Node, int], fx.Node] = {}  # (tensor, dim) -> its counts per index
+    segments: dict[tuple[fx.Node, int], list] = {}  # (tensor, dim) -> its raw counts per index
     stage = 0
     stage_of: dict[fx.Node, int] = {}
 
@@ -274,15 +279,14 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
                     key = (node.args[0], _norm_dim(node))
                     builder.cursor = tnode  # the first select of the tensor: its segmented pass here
                     if key not in segments:
-                        segments[key] = segment_counts(builder, key[0], key[1], mode)
-                    index = node.args[2] % key[0].meta["val"].shape[key[1]]
-                    rows.append((builder.call(torch.ops.aten.select.int, segments[key], 0, index), None))
+                        segments[key] = segment_counts(builder, parts, key[0], key[1], mode)
+                    rows.append(segments[key][node.args[2] % key[0].meta["val"].shape[key[1]]])
                     r = len(rows) - 1
                 elif summarisable(val) and node not in internal:
                     builder.cursor = tnode  # right after it is made, where Inductor can fuse the pass
                     src = node.args[1] if name == "aten.select_scatter.default" else None
-                    derived = scatter_row(builder, node, rows[row_of[src]][0], mode) if src in row_of else None
-                    rows.append((derived, None) if derived is not None else summary_row(builder, tnode, mode))
+                    derived = scatter_row(node, rows[row_of[src]], mode) if src in row_of else None
+                    rows.append(derived if derived is not None else summary_row(builder, parts, tnode, mode))
                     r = len(rows) - 1
                 if r is not None:
                     row_of[tnode] = r
@@ -313,9 +317,9 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
     plan.n_rows = len(rows)
     if rows:
         builder.cursor = output.prev
-        matrix, flag = finish(builder, rows, mode)
-        output.args = (tuple(results) + (matrix, flag),)
-        plan.extra = 2
+        extra, plan.decoder = finish(builder, parts, rows, mode)
+        output.args = (tuple(results) + tuple(extra),)
+        plan.extra = len(extra)
         graph.lint()
         gm.recompile()
     return plan

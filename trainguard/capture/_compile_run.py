@@ -187,13 +187,14 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before) 
     # the writer's thread once the summary matrix reaches the host, as eager accelerator ops.
     local = r.judge_here
     if extra:
-        matrix, flag = extra
+        flag = extra[-1]
         key = ("graph", base)
-        local = local and (r.check or matrix.is_cpu)
+        local = local and (r.check or flag.is_cpu)
         if local:
             bad = bool(flag)  # CPU: no device to wait for; check_numerics: may synchronise
+        matrix = Summaries(extra[:-1], plan.decoder, plan.mode, r.fields)
         if fields:
-            _ship(r, key, matrix, plan.mode)
+            _ship(r, key, matrix)
         else:
             key = None
     if not local and r.judge_here:
@@ -244,7 +245,7 @@ def _judged(g: RecordedGraph, r, base, before, after, backward, training, grad, 
     many were recorded."""
     plan = g.plan
     ops = plan.ops
-    rows = matrix.tolist() if walk and matrix is not None else None
+    rows = matrix.rows(own=True) if walk and matrix is not None else None
     pfields = MODE_FIELDS[plan.mode]
     pending = r.pending
     states = r.taint.states
@@ -373,37 +374,71 @@ def _stop_at(g: RecordedGraph, r, k: int, rows, rec: tuple, refs, fw) -> None:
     r._stop_with(msg, seq, name, phase)
 
 
-def _ship(r, key, matrix: torch.Tensor, mode: str) -> None:
-    """Hand the call's summary matrix to the next flush; an accelerator's copy starts now."""
-    if mode != r.mode:
-        matrix = convert(matrix, MODE_FIELDS[mode], r.fields)
+class Summaries:
+    """One graph call's summary outputs (0-d reductions and count vectors), as shipped: the rows
+    of the mode's fields are made from them off the training thread, by the writer's
+    ``tolist()`` (``store._writer._resolve``); on an accelerator from their host copy."""
+
+    __slots__ = ("decoder", "event", "fields", "have", "host", "parts")
+
+    def __init__(self, parts, decoder, mode: str, fields: tuple):
+        self.parts, self.decoder, self.have, self.fields = parts, decoder, MODE_FIELDS[mode], fields
+        self.host = self.event = None  # the values on the host, copied from an accelerator
+
+    def values(self) -> torch.Tensor:
+        """The parts' values as one float64 vector, in the decoder's order."""
+        n = len(self.parts) - sum(1 for p in self.parts if p.dim())
+        pieces = ([torch.stack(self.parts[:n])] if n else []) + list(self.parts[n:])
+        if not pieces:
+            return torch.zeros(0, dtype=torch.float64)
+        return (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).to(torch.float64)
+
+    def rows(self, own: bool = False) -> list[tuple]:
+        """The rows in the recording's fields (``own``: in the graph's mode's)."""
+        if self.host is not None:
+            if self.event is not None:
+                self.event.synchronize()
+            values = self.host
+        else:
+            values = self.values()
+        rows = self.decoder.decode(values.tolist())
+        return rows if own or self.have == self.fields else convert(rows, self.have, self.fields)
+
+    def tolist(self) -> list[tuple]:
+        return self.rows()
+
+
+def _ship(r, key, summaries: Summaries) -> None:
+    """Hand the call's summaries to the next flush; an accelerator's copy starts now."""
     event = None
-    if matrix.device.type == "cuda":
-        host = torch.empty(matrix.shape, dtype=matrix.dtype, pin_memory=True)
-        host.copy_(matrix, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        matrix = host
-    elif not matrix.is_cpu:
-        matrix = matrix.to("cpu")
+    if summaries.parts and summaries.parts[0].device.type != "cpu":
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            values = summaries.values()
+            if values.device.type == "cuda":
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                host = values.to("cpu")
+        summaries.host, summaries.event, summaries.parts = host, event, ()
     r.deferred_used = True  # only the training thread flushes from now on (see Recorder._flush_if_stale)
-    r.graph_summaries.append((key, matrix, event))
+    r.graph_summaries.append((key, summaries, event))
 
 
-def convert(matrix: torch.Tensor, have: tuple[str, ...], want: tuple[str, ...]) -> torch.Tensor:
+def convert(rows: list, have: tuple[str, ...], want: tuple[str, ...]) -> list[tuple]:
     """Summary rows of one mode as another's: a graph compiled under one recording, run under
     another; what the compiled code did not count is unknown (NaN)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        cols = []
-        for f in want:
-            if f in have:
-                cols.append(matrix[:, have.index(f)])
-            elif f == "nonfinite" and "nan" in have:  # curt_health: the health bits
-                bits = sum(w * (matrix[:, have.index(x)] > 0).to(matrix.dtype)
-                           for w, x in ((1, "nan"), (2, "pos_inf"), (4, "neg_inf")))
-                cols.append(bits)
-            else:
-                cols.append(torch.full_like(matrix[:, 0], math.nan))
-        return torch.stack(cols, dim=1) if cols else matrix[:, :0]
+    cols = []
+    for f in want:
+        if f in have:
+            i = have.index(f)
+            cols.append(lambda row, i=i: row[i])
+        elif f == "nonfinite" and "nan" in have:  # curt_health: the health bits
+            at = [have.index(x) for x in ("nan", "pos_inf", "neg_inf")]
+            cols.append(lambda row, at=at: float((row[at[0]] > 0) + 2 * (row[at[1]] > 0) + 4 * (row[at[2]] > 0)))
+        else:
+            cols.append(lambda row: math.nan)
+    return [tuple(c(row) for c in cols) for row in rows]
