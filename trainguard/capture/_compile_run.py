@@ -53,11 +53,14 @@ class Pair:
     """The forward and backward graphs of one compilation: the backward's records name the
     forward ops their gradients come from (by autograd sequence number)."""
 
-    __slots__ = ("fw", "last_fw", "label", "names")
+    __slots__ = ("fw", "last_fw", "label", "names", "recent")
 
     def __init__(self, label: str, names: list | None = None):
         self.fw: GraphPlan | None = None
         self.last_fw: tuple | None = None  # (base seq, module ids, stack ids) of the last forward call
+        # The summaries of recent forward calls, by the address of their check tensor
+        # (GraphPlan.check; None: the last call's), whose rows their backward calls copy.
+        self.recent: dict = {}
         self.label = label
         self.names = names  # parameters and buffers among the Dynamo graph's inputs
 
@@ -88,6 +91,7 @@ class RecordedGraph:
         self.where: tuple | None = None  # backward: modules and stacks for the last forward's
         if self.plan.kind != "backward":
             self.pair.last_fw = None
+            self.pair.recent.clear()
         if recorder is not None:  # the writer's thread judges by op class when it judges (accelerators)
             classes = recorder.taint.op_classes
             for t in self.plan.ops:
@@ -135,12 +139,17 @@ def _call(g: RecordedGraph, r, args, cur, outer_sid):
     # The clock as the graph's ops see it: an optimizer step traced into the graph moves it while
     # the graph runs (its ops' stage says which side of the step they are on).
     before = (_clock.step, _clock.in_optimizer)
+    check = plan.check
+    if check is not None and plan.kind == "backward":  # which forward call's rows it copies
+        check = args[check[0]].data_ptr()
     out = g.compiled(args)
+    if check is not None and plan.kind != "backward":
+        check = out[check[0]].data_ptr()
     n = plan.n_outputs
     extra = out[n:] if plan.extra else ()
     out = out[:n] if plan.extra else out
     try:
-        _emit(g, r, refs, metas, cur, outer_sid, out, extra, before)
+        _emit(g, r, refs, metas, cur, outer_sid, out, extra, before, check)
     except NonFiniteError:
         raise
     except Exception as exc:  # observing training never kills training
@@ -150,7 +159,7 @@ def _call(g: RecordedGraph, r, args, cur, outer_sid):
     return out
 
 
-def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before) -> None:
+def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before, check) -> None:
     from trainguard.capture._recorder_mode import FLUSH_RECORDS, FLUSH_SECONDS, _monotonic
 
     plan = g.plan
@@ -193,6 +202,16 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before) 
         if local:
             bad = bool(flag)  # CPU: no device to wait for; check_numerics: may synchronise
         matrix = Summaries(extra[:-1], plan.decoder, plan.mode, r.fields)
+        if not backward:
+            matrix.bad = bad
+            recent = g.pair.recent
+            recent[check] = recent[None] = matrix
+            if len(recent) > _RECENT:
+                del recent[next(k for k in recent if k is not None)]  # the oldest call's
+        elif plan.fw_rows:
+            fw_sums = g.pair.recent.get(check) or g.pair.recent.get(None)
+            matrix.fw, matrix.fw_rows = fw_sums, plan.fw_rows
+            bad = bad or (local and fw_sums is not None and fw_sums.bad)  # its copied rows' values
         if fields:
             _ship(r, key, matrix)
         else:
@@ -374,16 +393,24 @@ def _stop_at(g: RecordedGraph, r, k: int, rows, rec: tuple, refs, fw) -> None:
     r._stop_with(msg, seq, name, phase)
 
 
+# Forward calls whose summaries are kept for their backward calls (more are pending only with
+# that many forward calls before their backward calls).
+_RECENT = 8
+
+
 class Summaries:
     """One graph call's summary outputs (0-d reductions and count vectors), as shipped: the rows
     of the mode's fields are made from them off the training thread, by the writer's
-    ``tolist()`` (``store._writer._resolve``); on an accelerator from their host copy."""
+    ``tolist()`` (``store._writer._resolve``); on an accelerator from their host copy. A
+    backward call's rows may end with rows of its forward call's (``fw``, ``fw_rows``)."""
 
-    __slots__ = ("decoder", "event", "fields", "have", "host", "parts")
+    __slots__ = ("bad", "decoder", "event", "fields", "fw", "fw_rows", "have", "host", "own", "parts")
 
     def __init__(self, parts, decoder, mode: str, fields: tuple):
         self.parts, self.decoder, self.have, self.fields = parts, decoder, MODE_FIELDS[mode], fields
         self.host = self.event = None  # the values on the host, copied from an accelerator
+        self.own = None  # its decoded rows, once made (a backward call's may read them too)
+        self.fw, self.fw_rows, self.bad = None, (), False
 
     def values(self) -> torch.Tensor:
         """The parts' values as one float64 vector, in the decoder's order."""
@@ -395,13 +422,20 @@ class Summaries:
 
     def rows(self, own: bool = False) -> list[tuple]:
         """The rows in the recording's fields (``own``: in the graph's mode's)."""
-        if self.host is not None:
-            if self.event is not None:
-                self.event.synchronize()
-            values = self.host
-        else:
-            values = self.values()
-        rows = self.decoder.decode(values.tolist())
+        rows = self.own
+        if rows is None:
+            if self.host is not None:
+                if self.event is not None:
+                    self.event.synchronize()
+                values = self.host
+            else:
+                values = self.values()
+            rows = self.decoder.decode(values.tolist())
+            if self.fw_rows:
+                fw = self.fw.rows(own=True) if self.fw is not None else None
+                rows += [fw[i] for i in self.fw_rows] if fw is not None else [(math.nan,) * len(self.have)] * len(
+                    self.fw_rows)
+            self.own = rows
         return rows if own or self.have == self.fields else convert(rows, self.have, self.fields)
 
     def tolist(self) -> list[tuple]:
