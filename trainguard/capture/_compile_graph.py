@@ -387,12 +387,14 @@ def _check_output(output: fx.Node, results: list, ph_index: dict, input_names: t
     descs = output.meta.get("desc")
     if not isinstance(descs, (tuple, list)) or len(descs) != len(results):
         return None
-    for j, (res, d) in enumerate(zip(results, descs)):
-        if (type(d).__name__ == "SavedForBackwardsAOTOutput" and isinstance(res, fx.Node)
-                and isinstance(res.meta.get("val"), torch.Tensor)
-                and (res not in ph_index or input_names[ph_index[res]] is None)):
+    saved = [(j, res) for j, (res, d) in enumerate(zip(results, descs))
+             if type(d).__name__ == "SavedForBackwardsAOTOutput" and isinstance(res, fx.Node)
+             and isinstance(res.meta.get("val"), torch.Tensor)]
+    # An op's output first: a new tensor per call (one input may be passed to two calls).
+    for j, res in saved:
+        if res not in ph_index:
             return (j, res.name)
-    return None
+    return next(((j, res.name) for j, res in saved if input_names[ph_index[res]] is None), None)
 
 
 def _renumber(t: OpTemplate, n_rows: int) -> OpTemplate:
