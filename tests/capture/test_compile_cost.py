@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch._dynamo
 
@@ -53,3 +54,75 @@ def test_values_inside_a_decomposition_get_no_pass_and_its_results_keep_eager_su
     assert not _unknown(by_op["aten.mul.Tensor"]["outputs"][0]["summary"])
     summarised = [d for d in bwd if not _unknown(d["outputs"][0]["summary"])]
     assert summarised and any(d["outputs"][0]["shape"] == [8, 16] for d in summarised)
+
+
+def _block(dropout=0.0):
+    torch.manual_seed(0)
+    return torch.nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True,
+                                            norm_first=True, dropout=dropout)
+
+
+def _two_forwards(tmp_path, name, graphs=None, same_input=False):
+    """Two calls of a compiled block, then one backward through both (each backward call must
+    copy its own forward call's rows), twice. ``same_input``: both calls on one tensor, through
+    dropout (their values differ all the same)."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def inner(gm, example_inputs):
+        if graphs is not None:
+            graphs[gm._trainguard_plan.kind] = gm
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    model = _block(0.5 if same_input else 0.0)
+    compiled = torch.compile(model, backend=tg.compile_backend(inner=inner))
+    g = torch.Generator().manual_seed(1)
+    x1, x2 = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g) * 3
+    if same_input:
+        x2 = x1
+    torch.manual_seed(2)  # dropout's masks
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.record(tmp_path / name, buffer=-1):
+        for _ in range(2):
+            opt.zero_grad()
+            (compiled(x1).pow(2).mean() + compiled(x2).abs().mean()).backward()
+            opt.step()
+    with open_run(tmp_path / name) as run:
+        return [(d["seq"], d["phase"], d["op"], [o["summary"] for o in d["outputs"]])
+                for d in run.executions(0, None)]
+
+
+def _same(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+@pytest.mark.parametrize("same_input", [False, True])
+def test_backward_rows_of_forward_values_are_the_forward_calls_rows_without_a_pass(tmp_path, monkeypatch, same_input):
+    # A linear layer's backward multiplies by t(W), the attention's by views of its saved
+    # activations: values the forward call summarised, whose rows the backward copies from it.
+    graphs: dict = {}
+    copied = _two_forwards(tmp_path, "copied", graphs, same_input)
+    plan = graphs["backward"]._trainguard_plan
+    assert plan.fw_rows and plan.check is not None
+    # No count in the backward graph reads a saved value the forward summarised (t(W) here), nor
+    # a view of one.
+    summarised = graphs["forward"]._trainguard_plan.value_rows
+    saved = {n for n in graphs["backward"].graph.nodes if n.op == "placeholder" and n.name in summarised}
+    assert saved
+    for node in graphs["backward"].graph.nodes:
+        if node.target is torch.ops.aten.lt.Scalar:
+            src = node.args[0]
+            assert src not in saved and not (src.op == "call_function" and src.args and src.args[0] in saved), src
+
+    # Every row equals the row a pass over the value makes.
+    from trainguard.capture import _compile_graph
+
+    monkeypatch.setattr(_compile_graph, "_forward_row", lambda *a: None)
+    passes = _two_forwards(tmp_path, "passes", same_input=same_input)
+    assert len(copied) == len(passes)
+    n_copied = sum(1 for t in plan.ops if any(r is not None and r >= plan.n_rows for r in t.rows))
+    assert n_copied >= 4
+    for (seq, phase, op, sc), (_, _, op2, sp) in zip(copied, passes):
+        assert op == op2
+        for a, b in zip(sc, sp):
+            assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a), (seq, phase, op, a, b)

@@ -158,7 +158,7 @@ def _instrumented(base, gm, example_inputs, pair: Pair, forced: str | None, kind
         return base(gm, example_inputs)
     with _compiling():
         mode, ops, dtypes = _summary_mode(forced)
-        plan = instrument(gm, kind, mode, ops, dtypes, pair.names)
+        plan = instrument(gm, kind, mode, ops, dtypes, pair.names, pair.fw if kind == "backward" else None)
         gm._trainguard_plan = plan
         if kind != "backward":
             pair.fw = plan
@@ -196,7 +196,7 @@ def _instrumenting(inner_compile, pair: Pair, forced: str | None):
         kind = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
         with _compiling():
             mode, ops, dtypes = _summary_mode(forced)
-            plan = instrument(gm, kind, mode, ops, dtypes, pair.names)
+            plan = instrument(gm, kind, mode, ops, dtypes, pair.names, pair.fw if kind == "backward" else None)
             gm._trainguard_plan = plan
             if kind != "backward":
                 pair.fw = plan

@@ -3,13 +3,15 @@
 At compile time every aten op node becomes a record template: its op name, its outputs'
 dtype/shape/device, where its inputs come from (another op of the graph, or graph input ``i``),
 the module path from ``nn_module_stack`` and the user's frames from ``stack_trace``. Summary
-rows for its tensor outputs are added to the graph (``_compile_summary``) and returned as two
-extra outputs, the summary matrix and a "something is non-finite" flag, which the runtime
-wrapper (``_compile_run``) strips before the caller sees the outputs.
+rows for its tensor outputs are added to the graph (``_compile_summary``) and returned as extra
+outputs, the summaries' 0-d reductions and a "something is non-finite" flag, which the runtime
+wrapper (``_compile_run``) strips before the caller sees the outputs; the plan's decoder makes
+the rows of the mode's fields from them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
 from dataclasses import dataclass, field
@@ -21,6 +23,8 @@ from torch import fx
 from trainguard.capture import _steps
 from trainguard.capture._compile_summary import (
     Builder,
+    Decoder,
+    Parts,
     finish,
     scatter_row,
     segment_counts,
@@ -127,13 +131,20 @@ class GraphPlan:
     mode: str
     ops: list[OpTemplate] = field(default_factory=list)
     n_outputs: int = 0  # outputs the caller sees
-    extra: int = 0  # summary outputs appended after them (0 or 2)
+    extra: int = 0  # summary outputs appended after them (the last is the non-finite flag)
     out_ops: tuple = ()  # per caller-visible output: (op index, output slot) or None
     n_rows: int = 0
     symbols: tuple = ()  # how to bind shape symbols from the inputs: ("arg", i, sym) | ("dim", i, d, sym)
     dynamic: bool = False
     fwd_index: dict[int, int] = field(default_factory=dict)  # seq_nr -> op index (forward graphs)
     input_names: tuple = ()  # per graph input: (kind, name) of a parameter or buffer, else None
+    decoder: Decoder | None = None  # the summary rows from the extra outputs' values
+    # node name -> (row, op name; None for a graph input): the values a forward graph summarised
+    value_rows: dict[str, tuple] = field(default_factory=dict)
+    fw_rows: tuple = ()  # a backward graph's rows n_rows + i: the forward call's row fw_rows[i]
+    # A saved tensor that tells a forward call's backward: (forward output index, its node's name)
+    # in a forward plan, (backward input index, None) in a backward plan; None when there is none.
+    check: tuple | None = None
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -195,11 +206,12 @@ def _bind_symbols(placeholders: list[fx.Node]) -> tuple:
 
 
 def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtypes=None,
-               names: list | None = None) -> GraphPlan:
+               names: list | None = None, fw: GraphPlan | None = None) -> GraphPlan:
     """Build the plan of ``gm`` and, unless the mode has no fields, add its summary outputs.
 
     ``names``: the parameters and buffers among the Dynamo graph's inputs (:func:`input_names`),
-    which AOT autograd's inputs refer to by index."""
+    which AOT autograd's inputs refer to by index. ``fw``: a backward graph's forward plan, whose
+    rows give the backward's rows of the same values (see :func:`_forward_row`)."""
     graph = gm.graph
     plan = GraphPlan(kind=kind, mode=mode)
     fields = MODE_FIELDS[mode]
@@ -208,13 +220,17 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     producer: dict[fx.Node, tuple[int, int]] = {}  # node -> (op index, output slot)
     row_of: dict[fx.Node, int] = {}  # tensor node -> summary row
-    rows: list[fx.Node] = []
+    rows: list[tuple] = []  # per summary row: its raw counts (and moments), as _compile_summary.Lin
     builder = Builder(graph, _fake_mode(graph)) if fields else None
+    parts = Parts(builder) if fields else None
     plan.input_names = tuple(_input_name(ph, names) for ph in placeholders)
     mod_key = "fwd_nn_module_stack" if kind == "backward" else "nn_module_stack"
     segmented = _full_selects(graph, mode) if fields else set()
     internal = _internal(graph, output) if fields else set()
-    segments: dict[tuple[fx.Node, int], fx.Node] = {}  # (tensor, dim) -> its counts per index
+    segments: dict[tuple[fx.Node, int], list] = {}  # (tensor, dim) -> its raw counts per index
+    fw_values = fw.value_rows if fw is not None and fw.mode == mode and kind == "backward" else {}
+    fw_rows: list[int] = []  # the forward call's rows this graph's rows n_rows.. are
+    written = {n.args[0] for n in graph.nodes if n.target is torch.ops.aten.copy_.default and n.args}
     stage = 0
     stage_of: dict[fx.Node, int] = {}
 
@@ -268,24 +284,40 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
             r = None
             if builder is not None and wanted and tnode is not None and name not in ALLOCATION_OPS:
                 src = _alias_source(node, name)
-                if src is not None and src in row_of and src.meta["val"].dtype == val.dtype:
+                same = src is not None and src.meta["val"].dtype == val.dtype
+                if same and src not in row_of and src in ph_index:
+                    r = _forward_row(fw_values, src.name, _ANY, fw_rows)
+                    if r is not None:
+                        row_of[src] = r  # a saved tensor the forward call summarised (a parameter)
+                if same and src in row_of:
                     r = row_of[src]  # an alias holds its input's values: no second pass
+                elif (fw_values and node.meta.get("partitioner_tag") == "is_forward" and node not in internal
+                      and (r := _forward_row(fw_values, tnode.name, name, fw_rows)) is not None):
+                    pass  # a forward value the backward recomputes: the forward call's row
                 elif node in segmented:
                     key = (node.args[0], _norm_dim(node))
                     builder.cursor = tnode  # the first select of the tensor: its segmented pass here
                     if key not in segments:
-                        segments[key] = segment_counts(builder, key[0], key[1], mode)
-                    index = node.args[2] % key[0].meta["val"].shape[key[1]]
-                    rows.append((builder.call(torch.ops.aten.select.int, segments[key], 0, index), None))
+                        segments[key] = segment_counts(builder, parts, key[0], key[1], mode)
+                    rows.append(segments[key][node.args[2] % key[0].meta["val"].shape[key[1]]])
                     r = len(rows) - 1
                 elif summarisable(val) and node not in internal:
                     builder.cursor = tnode  # right after it is made, where Inductor can fuse the pass
                     src = node.args[1] if name == "aten.select_scatter.default" else None
-                    derived = scatter_row(builder, node, rows[row_of[src]][0], mode) if src in row_of else None
-                    rows.append((derived, None) if derived is not None else summary_row(builder, tnode, mode))
+                    derived = scatter_row(node, rows[row_of[src]], mode) if src in row_of else None
+                    rows.append(derived if derived is not None else summary_row(builder, parts, tnode, mode))
                     r = len(rows) - 1
+                    alias_of = _alias_source(node, name)
+                    if (kind != "backward" and alias_of in ph_index and alias_of not in written
+                            and alias_of.meta["val"].dtype == val.dtype):
+                        # a view of a graph input (t of a weight): the row of the input's values,
+                        # for another view of it here and for the backward graph's
+                        row_of[alias_of] = r
+                        plan.value_rows[alias_of.name] = (r, None)
                 if r is not None:
                     row_of[tnode] = r
+                    if kind != "backward" and r >= 0:
+                        plan.value_rows.setdefault(tnode.name, (r, name))
             out_rows.append(r)
         seq_nr = node.meta.get("seq_nr")
         is_view, inplace = _aliasing(node.target)
@@ -311,14 +343,64 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
     plan.out_ops = tuple(producer.get(r) if isinstance(r, fx.Node) else None for r in results)
     plan.symbols = _bind_symbols(placeholders) if plan.dynamic else ()
     plan.n_rows = len(rows)
-    if rows:
+    if fw_rows:  # rows taken from the forward call: numbered after this graph's own
+        plan.fw_rows = tuple(fw_rows)
+        plan.ops = [_renumber(t, len(rows)) for t in plan.ops]
+        name = fw.check[1] if fw.check is not None else None
+        plan.check = next(((i, None) for i, ph in enumerate(placeholders) if ph.name == name), None)
+    elif kind == "forward" and fields:
+        plan.check = _check_output(output, results, ph_index, plan.input_names)
+    if rows or fw_rows:
         builder.cursor = output.prev
-        matrix, flag = finish(builder, rows, mode)
-        output.args = (tuple(results) + (matrix, flag),)
-        plan.extra = 2
+        extra, plan.decoder = finish(builder, parts, rows, mode)
+        output.args = (tuple(results) + tuple(extra),)
+        plan.extra = len(extra)
         graph.lint()
         gm.recompile()
     return plan
+
+
+_ANY = object()
+
+
+def _forward_row(fw_values: dict, name: str, op: str | None, fw_rows: list) -> int | None:
+    """A backward graph's row for the value the forward graph's node ``name`` holds (the forward
+    call's row; numbered -1, -2, ... until the graph's own rows are counted), or None.
+
+    AOT autograd names a backward graph's saved-tensor inputs and recomputed nodes as the
+    forward nodes they are. A saved parameter (``t(W)`` in the backward of a linear layer) holds
+    the values its forward view was summarised from: autograd refuses a backward whose saved
+    tensors changed since the forward. A recomputed node (``op`` its op) recomputes the forward
+    node from the same inputs. Which forward call a backward call belongs to is told by a saved
+    tensor's address (``GraphPlan.check``)."""
+    got = fw_values.get(name)
+    if got is None or (op is not _ANY and got[1] != op):
+        return None
+    if got[0] not in fw_rows:
+        fw_rows.append(got[0])
+    return -1 - fw_rows.index(got[0])
+
+
+def _check_output(output: fx.Node, results: list, ph_index: dict, input_names: tuple) -> tuple | None:
+    """A tensor the forward graph returns only to save it for the backward, made by this call
+    (not a parameter): its address tells which forward call a backward call belongs to."""
+    descs = output.meta.get("desc")
+    if not isinstance(descs, (tuple, list)) or len(descs) != len(results):
+        return None
+    saved = [(j, res) for j, (res, d) in enumerate(zip(results, descs))
+             if type(d).__name__ == "SavedForBackwardsAOTOutput" and isinstance(res, fx.Node)
+             and isinstance(res.meta.get("val"), torch.Tensor)]
+    # An op's output first: a new tensor per call (one input may be passed to two calls).
+    for j, res in saved:
+        if res not in ph_index:
+            return (j, res.name)
+    return next(((j, res.name) for j, res in saved if input_names[ph_index[res]] is None), None)
+
+
+def _renumber(t: OpTemplate, n_rows: int) -> OpTemplate:
+    if not any(r is not None and r < 0 for r in t.rows):
+        return t
+    return dataclasses.replace(t, rows=tuple(n_rows - 1 - r if r is not None and r < 0 else r for r in t.rows))
 
 
 def _stage(node: fx.Node, stage: int, ph_index: dict, stage_of: dict) -> int:

@@ -53,11 +53,14 @@ class Pair:
     """The forward and backward graphs of one compilation: the backward's records name the
     forward ops their gradients come from (by autograd sequence number)."""
 
-    __slots__ = ("fw", "last_fw", "label", "names")
+    __slots__ = ("fw", "last_fw", "label", "names", "recent")
 
     def __init__(self, label: str, names: list | None = None):
         self.fw: GraphPlan | None = None
         self.last_fw: tuple | None = None  # (base seq, module ids, stack ids) of the last forward call
+        # The summaries of recent forward calls, by the address of their check tensor
+        # (GraphPlan.check; None: the last call's), whose rows their backward calls copy.
+        self.recent: dict = {}
         self.label = label
         self.names = names  # parameters and buffers among the Dynamo graph's inputs
 
@@ -88,6 +91,7 @@ class RecordedGraph:
         self.where: tuple | None = None  # backward: modules and stacks for the last forward's
         if self.plan.kind != "backward":
             self.pair.last_fw = None
+            self.pair.recent.clear()
         if recorder is not None:  # the writer's thread judges by op class when it judges (accelerators)
             classes = recorder.taint.op_classes
             for t in self.plan.ops:
@@ -135,12 +139,17 @@ def _call(g: RecordedGraph, r, args, cur, outer_sid):
     # The clock as the graph's ops see it: an optimizer step traced into the graph moves it while
     # the graph runs (its ops' stage says which side of the step they are on).
     before = (_clock.step, _clock.in_optimizer)
+    check = plan.check
+    if check is not None and plan.kind == "backward":  # which forward call's rows it copies
+        check = args[check[0]].data_ptr()
     out = g.compiled(args)
+    if check is not None and plan.kind != "backward":
+        check = out[check[0]].data_ptr()
     n = plan.n_outputs
     extra = out[n:] if plan.extra else ()
     out = out[:n] if plan.extra else out
     try:
-        _emit(g, r, refs, metas, cur, outer_sid, out, extra, before)
+        _emit(g, r, refs, metas, cur, outer_sid, out, extra, before, check)
     except NonFiniteError:
         raise
     except Exception as exc:  # observing training never kills training
@@ -150,7 +159,7 @@ def _call(g: RecordedGraph, r, args, cur, outer_sid):
     return out
 
 
-def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before) -> None:
+def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before, check) -> None:
     from trainguard.capture._recorder_mode import FLUSH_RECORDS, FLUSH_SECONDS, _monotonic
 
     plan = g.plan
@@ -187,13 +196,24 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before) 
     # the writer's thread once the summary matrix reaches the host, as eager accelerator ops.
     local = r.judge_here
     if extra:
-        matrix, flag = extra
+        flag = extra[-1]
         key = ("graph", base)
-        local = local and (r.check or matrix.is_cpu)
+        local = local and (r.check or flag.is_cpu)
         if local:
             bad = bool(flag)  # CPU: no device to wait for; check_numerics: may synchronise
+        matrix = Summaries(extra[:-1], plan.decoder, plan.mode, r.fields)
+        if not backward:
+            matrix.bad = bad
+            recent = g.pair.recent
+            recent[check] = recent[None] = matrix
+            if len(recent) > _RECENT:
+                del recent[next(k for k in recent if k is not None)]  # the oldest call's
+        elif plan.fw_rows:
+            fw_sums = g.pair.recent.get(check) or g.pair.recent.get(None)
+            matrix.fw, matrix.fw_rows = fw_sums, plan.fw_rows
+            bad = bad or (local and fw_sums is not None and fw_sums.bad)  # its copied rows' values
         if fields:
-            _ship(r, key, matrix, plan.mode)
+            _ship(r, key, matrix)
         else:
             key = None
     if not local and r.judge_here:
@@ -244,7 +264,7 @@ def _judged(g: RecordedGraph, r, base, before, after, backward, training, grad, 
     many were recorded."""
     plan = g.plan
     ops = plan.ops
-    rows = matrix.tolist() if walk and matrix is not None else None
+    rows = matrix.rows(own=True) if walk and matrix is not None else None
     pfields = MODE_FIELDS[plan.mode]
     pending = r.pending
     states = r.taint.states
@@ -373,37 +393,86 @@ def _stop_at(g: RecordedGraph, r, k: int, rows, rec: tuple, refs, fw) -> None:
     r._stop_with(msg, seq, name, phase)
 
 
-def _ship(r, key, matrix: torch.Tensor, mode: str) -> None:
-    """Hand the call's summary matrix to the next flush; an accelerator's copy starts now."""
-    if mode != r.mode:
-        matrix = convert(matrix, MODE_FIELDS[mode], r.fields)
+# Forward calls whose summaries are kept for their backward calls (more are pending only with
+# that many forward calls before their backward calls).
+_RECENT = 8
+
+
+class Summaries:
+    """One graph call's summary outputs (0-d reductions and count vectors), as shipped: the rows
+    of the mode's fields are made from them off the training thread, by the writer's
+    ``tolist()`` (``store._writer._resolve``); on an accelerator from their host copy. A
+    backward call's rows may end with rows of its forward call's (``fw``, ``fw_rows``)."""
+
+    __slots__ = ("bad", "decoder", "event", "fields", "fw", "fw_rows", "have", "host", "own", "parts")
+
+    def __init__(self, parts, decoder, mode: str, fields: tuple):
+        self.parts, self.decoder, self.have, self.fields = parts, decoder, MODE_FIELDS[mode], fields
+        self.host = self.event = None  # the values on the host, copied from an accelerator
+        self.own = None  # its decoded rows, once made (a backward call's may read them too)
+        self.fw, self.fw_rows, self.bad = None, (), False
+
+    def values(self) -> torch.Tensor:
+        """The parts' values as one float64 vector, in the decoder's order."""
+        n = len(self.parts) - sum(1 for p in self.parts if p.dim())
+        pieces = ([torch.stack(self.parts[:n])] if n else []) + list(self.parts[n:])
+        if not pieces:
+            return torch.zeros(0, dtype=torch.float64)
+        return (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).to(torch.float64)
+
+    def rows(self, own: bool = False) -> list[tuple]:
+        """The rows in the recording's fields (``own``: in the graph's mode's)."""
+        rows = self.own
+        if rows is None:
+            if self.host is not None:
+                if self.event is not None:
+                    self.event.synchronize()
+                values = self.host
+            else:
+                values = self.values()
+            rows = self.decoder.decode(values.tolist())
+            if self.fw_rows:
+                fw = self.fw.rows(own=True) if self.fw is not None else None
+                rows += [fw[i] for i in self.fw_rows] if fw is not None else [(math.nan,) * len(self.have)] * len(
+                    self.fw_rows)
+            self.own = rows
+        return rows if own or self.have == self.fields else convert(rows, self.have, self.fields)
+
+    def tolist(self) -> list[tuple]:
+        return self.rows()
+
+
+def _ship(r, key, summaries: Summaries) -> None:
+    """Hand the call's summaries to the next flush; an accelerator's copy starts now."""
     event = None
-    if matrix.device.type == "cuda":
-        host = torch.empty(matrix.shape, dtype=matrix.dtype, pin_memory=True)
-        host.copy_(matrix, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        matrix = host
-    elif not matrix.is_cpu:
-        matrix = matrix.to("cpu")
+    if summaries.parts and summaries.parts[0].device.type != "cpu":
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            values = summaries.values()
+            if values.device.type == "cuda":
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                host = values.to("cpu")
+        summaries.host, summaries.event, summaries.parts = host, event, ()
     r.deferred_used = True  # only the training thread flushes from now on (see Recorder._flush_if_stale)
-    r.graph_summaries.append((key, matrix, event))
+    r.graph_summaries.append((key, summaries, event))
 
 
-def convert(matrix: torch.Tensor, have: tuple[str, ...], want: tuple[str, ...]) -> torch.Tensor:
+def convert(rows: list, have: tuple[str, ...], want: tuple[str, ...]) -> list[tuple]:
     """Summary rows of one mode as another's: a graph compiled under one recording, run under
     another; what the compiled code did not count is unknown (NaN)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        cols = []
-        for f in want:
-            if f in have:
-                cols.append(matrix[:, have.index(f)])
-            elif f == "nonfinite" and "nan" in have:  # curt_health: the health bits
-                bits = sum(w * (matrix[:, have.index(x)] > 0).to(matrix.dtype)
-                           for w, x in ((1, "nan"), (2, "pos_inf"), (4, "neg_inf")))
-                cols.append(bits)
-            else:
-                cols.append(torch.full_like(matrix[:, 0], math.nan))
-        return torch.stack(cols, dim=1) if cols else matrix[:, :0]
+    cols = []
+    for f in want:
+        if f in have:
+            i = have.index(f)
+            cols.append(lambda row, i=i: row[i])
+        elif f == "nonfinite" and "nan" in have:  # curt_health: the health bits
+            at = [have.index(x) for x in ("nan", "pos_inf", "neg_inf")]
+            cols.append(lambda row, at=at: float((row[at[0]] > 0) + 2 * (row[at[1]] > 0) + 4 * (row[at[2]] > 0)))
+        else:
+            cols.append(lambda row: math.nan)
+    return [tuple(c(row) for c in cols) for row in rows]

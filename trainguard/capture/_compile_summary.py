@@ -1,10 +1,16 @@
 """Tensor summaries as FX nodes: the reductions a recorded graph computes beside its own kernels.
 
-Each summarised tensor gets one row of the mode's fields (``store.MODE_FIELDS``), built from
-comparisons and sums that Inductor fuses into a pass over the tensor (usually into the kernel
-that produced it). Rows are stacked into one float64 matrix, an extra output of the graph, so a
-graph call ships all its summaries as one tensor. Counts are int64 sums (exact); ``neg`` and
-``pos`` count finite values only, as the eager summaries do.
+Each summarised tensor gets the raw counts of the mode (and, for ``stats``, its moments), each
+a reduction of a comparison over the tensor that Inductor fuses into a pass over it (usually
+into the kernel that produced it). The reductions' 0-d results are the graph's extra outputs as
+they are, with no stacking inside the graph (a concatenation there is one aliasing view and one
+copy per count in the generated code): the call's outputs are stacked into one vector off the
+graph, and the mode's fields of every row are derived from that vector by a function generated
+once per graph (:class:`Decoder`), on the writer's thread. Each raw count of a row is a linear
+form over the outputs (:class:`Lin`): a count a tensor's size determines (the NaN count of a
+static size, a constant fill's counts) takes no reduction at all. Counts are exact integers;
+``neg`` and ``pos`` count finite values only, as the eager summaries do. The last extra output
+is the graph's "anything non-finite" flag (a 0-d bool, read without a sync on CPU).
 """
 
 from __future__ import annotations
@@ -45,96 +51,153 @@ class Builder:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
         return node
 
-    # Only ops Inductor lowers directly: the graph it receives is already decomposed, and an op
-    # with a decomposition but no lowering (stack, _to_copy, isfinite) is refused there.
-    def stack(self, nodes: list[fx.Node]) -> fx.Node:
-        return self.call(aten.cat.default, [self.call(aten.unsqueeze.default, n, 0) for n in nodes])
-
     def to(self, node: fx.Node, dtype: torch.dtype) -> fx.Node:
         return self.call(_convert, node, dtype)
 
 
-# The raw counts of one tensor, in this order; the mode's fields are derived from the stacked
-# rows once per graph (see finish), not per tensor.
+class Lin:
+    """``const + sum(coef * v[ref])``: one raw count (or moment) of a row, over the values of the
+    graph's summary outputs (``ref``: a 0-d output's index, or (vector output, index))."""
+
+    __slots__ = ("const", "terms")
+
+    def __init__(self, const=0, terms: dict | None = None):
+        self.const = const
+        self.terms = terms or {}
+
+    def __add__(self, other: Lin) -> Lin:
+        terms = dict(self.terms)
+        for ref, c in other.terms.items():
+            c = terms.get(ref, 0) + c
+            if c:
+                terms[ref] = c
+            else:
+                terms.pop(ref, None)
+        return Lin(self.const + other.const, terms)
+
+    def __neg__(self) -> Lin:
+        return Lin(-self.const, {ref: -c for ref, c in self.terms.items()})
+
+    def __sub__(self, other: Lin) -> Lin:
+        return self + (-other)
+
+    def source(self, index) -> str:
+        """Python source of the value, ``index(ref)`` being the value's position in ``v``."""
+        parts = [] if not self.const and self.terms else [_literal(self.const)]
+        for ref, c in self.terms.items():
+            term = f"v[{index(ref)}]"
+            parts.append(("+ " if parts else "") + term if c == 1 else ("- " if parts else "-") + term if c == -1
+                         else f"{'+ ' if parts else ''}{c} * {term}")
+        return parts[0] if len(parts) == 1 else f"({' '.join(parts)})"
+
+
+def _literal(c) -> str:
+    c = float(c)
+    if c != c:
+        return "NAN"
+    if math.isinf(c):
+        return "INF" if c > 0 else "-INF"
+    return repr(c)
+
+
+class Parts:
+    """The graph's summary outputs: 0-d reductions, and per-index count vectors (segmented passes)."""
+
+    def __init__(self, builder: Builder):
+        self.b = builder
+        self.scalars: list[fx.Node] = []
+        self.vectors: list[fx.Node] = []
+
+    def scalar(self, node: fx.Node) -> Lin:
+        self.scalars.append(node)
+        return Lin(0, {len(self.scalars) - 1: 1})
+
+    def count(self, mask: fx.Node, acc: torch.dtype) -> Lin:
+        return self.scalar(self.b.call(aten.sum.default, mask, dtype=acc))
+
+    def vector(self, node: fx.Node) -> int:
+        self.vectors.append(node)
+        return len(self.vectors) - 1
+
+
+# The raw counts of one tensor, in this order (health modes); ``curt_health`` has [NaN, +inf,
+# -inf]; ``stats`` adds [min, max, mean, std]. The mode's fields are derived from them off the graph.
 RAW = ("lt", "eq", "gt", "nan", "neg_inf", "pos_inf")
+_ZERO = Lin(0)
 
 
-def _raw_counts(b: Builder, x: fx.Node) -> fx.Node:
-    """[< 0, == 0, > 0, NaN, -inf, +inf] counts of ``x`` as one int64 [6] node.
+def _acc(val) -> torch.dtype:
+    # Counts accumulate in int32 below 2**31 elements (one vector lane per element, as the
+    # float compare); the stacked vector is float64.
+    n = val.numel()
+    return torch.int32 if isinstance(n, int) and n < 2**31 else torch.int64
+
+
+def _raw_counts(b: Builder, parts: Parts, x: fx.Node) -> tuple[Lin, ...]:
+    """[< 0, == 0, > 0, NaN, -inf, +inf] counts of ``x``.
 
     Each count is a full reduction of a mask over ``x``'s own shape, which Inductor fuses with
     the other counts and with the kernel that makes ``x`` (stacking the masks first would make it
-    materialise them). Counts accumulate in int32 below 2**31 elements (one vector lane per
-    element, as the float compare), and the NaN count of a static size is what the other three
-    sign classes leave (NaN compares false with 0), which saves a pass.
+    materialise them). A count the others and a static size determine takes no reduction: NaN
+    compares false with 0, so the NaN count is what the three sign classes leave.
     """
     val = x.meta["val"]
     n = val.numel()
     static = isinstance(n, int)
-    acc = torch.int32 if static and n < 2**31 else torch.int64
-
-    def count(mask: fx.Node) -> fx.Node:
-        return b.call(aten.sum.default, mask, dtype=acc)
-
-    zero = None
+    acc = _acc(val)
+    count = parts.count
     if val.dtype == torch.bool:
-        zero = b.call(aten.full.default, [], 0, dtype=acc, device=val.device)
-        counts = [zero, count(b.call(aten.logical_not.default, x)), count(x)]
-    else:
-        counts = [count(b.call(aten.lt.Scalar, x, 0)), count(b.call(aten.eq.Scalar, x, 0)),
-                  count(b.call(aten.gt.Scalar, x, 0))]
-    if val.is_floating_point():
-        if static:
-            signed = b.call(aten.add.Tensor, b.call(aten.add.Tensor, counts[0], counts[1]), counts[2])
-            nan = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, signed, -1), n)
-        else:
-            nan = count(b.call(aten.ne.Tensor, x, x))  # vectorises; isnan does not on CPU
-        counts += [nan, count(b.call(aten.eq.Scalar, x, -math.inf)), count(b.call(aten.eq.Scalar, x, math.inf))]
-    else:
-        zero = zero or b.call(aten.full.default, [], 0, dtype=acc, device=val.device)
-        counts += [zero, zero, zero]
-    row = b.stack(counts)
-    return row if acc is torch.int64 else b.to(row, torch.int64)
+        gt = count(x, acc)
+        eq = Lin(n) - gt if static else count(b.call(aten.logical_not.default, x), acc)
+        return (_ZERO, eq, gt, _ZERO, _ZERO, _ZERO)
+    lt = count(b.call(aten.lt.Scalar, x, 0), acc)
+    eq = count(b.call(aten.eq.Scalar, x, 0), acc)
+    if not val.is_floating_point():
+        gt = Lin(n) - lt - eq if static else count(b.call(aten.gt.Scalar, x, 0), acc)
+        return (lt, eq, gt, _ZERO, _ZERO, _ZERO)
+    gt = count(b.call(aten.gt.Scalar, x, 0), acc)
+    # ne(x, x) vectorises; isnan does not on CPU
+    nan = Lin(n) - lt - eq - gt if static else count(b.call(aten.ne.Tensor, x, x), acc)
+    return (lt, eq, gt, nan, count(b.call(aten.eq.Scalar, x, -math.inf), acc),
+            count(b.call(aten.eq.Scalar, x, math.inf), acc))
 
 
-def segment_counts(b: Builder, x: fx.Node, dim: int, mode: str) -> fx.Node:
-    """The raw counts (curt_health's three for that mode) of every index of ``x`` along ``dim``,
-    as one int64 [size, fields] node: one pass over ``x`` for all its selects (q, k and v of an
-    attention's packed projection), instead of one pass per select. Static shapes only."""
+def segment_counts(b: Builder, parts: Parts, x: fx.Node, dim: int, mode: str) -> list[tuple[Lin, ...]]:
+    """The raw counts (curt_health's three for that mode) of every index of ``x`` along ``dim``:
+    one pass over ``x`` for all its selects (q, k and v of an attention's packed projection),
+    instead of one pass per select. Static shapes only."""
     val = x.meta["val"]
     dims = [d for d in range(val.dim()) if d != dim]
-    n = val.numel() // val.shape[dim]
+    size = val.shape[dim]
+    n = val.numel() // size
     acc = torch.int32 if n < 2**31 else torch.int64
 
-    def count(mask: fx.Node) -> fx.Node:
-        return b.call(aten.sum.dim_IntList, mask, dims, dtype=acc) if dims else b.to(mask, acc)
+    def count(mask: fx.Node) -> list[Lin]:
+        j = parts.vector(b.call(aten.sum.dim_IntList, mask, dims, dtype=acc) if dims else b.to(mask, acc))
+        return [Lin(0, {(j, i): 1}) for i in range(size)]
 
     if mode == "curt_health":
-        counts = [count(b.call(aten.ne.Tensor, x, x)), count(b.call(aten.eq.Scalar, x, math.inf)),
-                  count(b.call(aten.eq.Scalar, x, -math.inf))]
-    else:
-        counts = [count(b.call(aten.lt.Scalar, x, 0)), count(b.call(aten.eq.Scalar, x, 0)),
-                  count(b.call(aten.gt.Scalar, x, 0))]
-        add = aten.add.Tensor
-        signed = b.call(add, b.call(add, counts[0], counts[1]), counts[2])
-        counts += [b.call(aten.add.Tensor, b.call(aten.mul.Tensor, signed, -1), n),
-                   count(b.call(aten.eq.Scalar, x, -math.inf)), count(b.call(aten.eq.Scalar, x, math.inf))]
-    seg = b.call(aten.cat.default, [b.call(aten.unsqueeze.default, c, 1) for c in counts], 1)
-    return seg if acc is torch.int64 else b.to(seg, torch.int64)
+        cols = [count(b.call(aten.ne.Tensor, x, x)), count(b.call(aten.eq.Scalar, x, math.inf)),
+                count(b.call(aten.eq.Scalar, x, -math.inf))]
+        return [tuple(c[i] for c in cols) for i in range(size)]
+    lt, eq, gt = (count(b.call(aten.lt.Scalar, x, 0)), count(b.call(aten.eq.Scalar, x, 0)),
+                  count(b.call(aten.gt.Scalar, x, 0)))
+    ninf, pinf = count(b.call(aten.eq.Scalar, x, -math.inf)), count(b.call(aten.eq.Scalar, x, math.inf))
+    return [(lt[i], eq[i], gt[i], Lin(n) - lt[i] - eq[i] - gt[i], ninf[i], pinf[i]) for i in range(size)]
 
 
-def _moments(b: Builder, x: fx.Node) -> fx.Node:
+def _moments(b: Builder, parts: Parts, x: fx.Node) -> tuple[Lin, ...]:
     """[min, max, mean, std] in float64 (population std, two passes like the deferred summary)."""
     val = x.meta["val"]
     if val.numel() == 0:
-        return b.call(aten.full.default, [4], math.nan, dtype=torch.float64, device=val.device)
+        return (Lin(math.nan),) * 4
     f = b.to(x, torch.float64)
     mn = b.call(aten.amin.default, f)
     mx = b.call(aten.amax.default, f)
     mean = b.call(aten.mean.default, f)
     dev = b.call(aten.sub.Tensor, f, mean)
     std = b.call(aten.sqrt.default, b.call(aten.mean.default, b.call(aten.mul.Tensor, dev, dev)))
-    return b.stack([mn, mx, mean, std])
+    return tuple(parts.scalar(m) for m in (mn, mx, mean, std))
 
 
 # Ops whose output is one constant everywhere -> the fill value's positional index (else the
@@ -155,7 +218,7 @@ def _fill_value(x: fx.Node):
     return torch.tensor(v).to(val.dtype).item()  # the value as the dtype holds it (0.1 in float32)
 
 
-def scatter_row(b: Builder, x: fx.Node, src_row: fx.Node, mode: str) -> fx.Node | None:
+def scatter_row(x: fx.Node, src_row: tuple[Lin, ...], mode: str) -> tuple[Lin, ...] | None:
     """The raw counts of ``select_scatter(full(v), src, ...)`` (select_backward decomposed) as
     ``src``'s counts plus those of the fill around it: no pass. None where that does not hold."""
     if mode == "stats" or x.target is not aten.select_scatter.default:
@@ -164,14 +227,14 @@ def scatter_row(b: Builder, x: fx.Node, src_row: fx.Node, mode: str) -> fx.Node 
     v = _fill_value(base) if isinstance(base, fx.Node) else None
     if v is None or not isinstance(src.meta["val"].numel(), int) or src.meta["val"].dtype != x.meta["val"].dtype:
         return None
-    fill, _ = _constant_row(b, x, v, mode, n=x.meta["val"].numel() - src.meta["val"].numel())
-    return b.call(aten.add.Tensor, src_row, fill)
+    fill = _constant_row(x, v, mode, n=x.meta["val"].numel() - src.meta["val"].numel())
+    return tuple(a + c for a, c in zip(src_row, fill))
 
 
-def _constant_row(b: Builder, x: fx.Node, v, mode: str, n: int | None = None) -> tuple[fx.Node, fx.Node | None]:
+def _constant_row(x: fx.Node, v, mode: str, n: int | None = None) -> tuple[Lin, ...]:
     """The summary row of a tensor filled with ``v`` (``n`` of its elements where given),
-    computed here: no pass over the tensor (select_backward's zeros, a masked_fill's -inf are as
-    big as the tensors they fill)."""
+    known at compile time: no pass over the tensor (select_backward's zeros, a masked_fill's
+    -inf are as big as the tensors they fill)."""
     val = x.meta["val"]
     n = val.numel() if n is None else n
     nan, pinf, ninf = (n, 0, 0) if v != v else (0, n, 0) if v == math.inf else (0, 0, n) if v == -math.inf \
@@ -181,61 +244,101 @@ def _constant_row(b: Builder, x: fx.Node, v, mode: str, n: int | None = None) ->
     else:
         sign = (0, 0, 0) if v != v else (n, 0, 0) if v < 0 else (0, n, 0) if v == 0 else (0, 0, n)
         counts = [*sign, nan, ninf, pinf]
-
-    def const(c, dtype):
-        return b.call(aten.full.default, [], c, dtype=dtype, device=val.device)
-
-    row = b.stack([const(c, torch.int64) for c in counts])
-    if mode != "stats":
-        return row, None
-    f = float(v)
-    moments = [math.nan] * 4 if n == 0 else [f, f, f, 0.0 if math.isfinite(f) else math.nan]
-    return row, b.stack([const(m, torch.float64) for m in moments])
+    if mode == "stats":
+        f = float(v)
+        counts += [math.nan] * 4 if n == 0 else [f, f, f, 0.0 if math.isfinite(f) else math.nan]
+    return tuple(Lin(c) for c in counts)
 
 
-def summary_row(b: Builder, x: fx.Node, mode: str) -> tuple[fx.Node, fx.Node | None]:
+def summary_row(b: Builder, parts: Parts, x: fx.Node, mode: str) -> tuple[Lin, ...]:
     """The raw counts of tensor node ``x`` ([NaN, +inf, -inf] for curt_health) and, for
-    ``stats``, its moments; inserted after ``b.cursor``."""
+    ``stats``, its moments; their reductions inserted after ``b.cursor``."""
     val = x.meta["val"]
     fill = _fill_value(x)
     if fill is not None:
-        return _constant_row(b, x, fill, mode)
+        return _constant_row(x, fill, mode)
     if mode == "curt_health":
         # [NaN, +inf, -inf] counts: the stored value is the health bits (1 NaN, 2 +inf, 4 -inf),
         # which tell a NaN from a masked -inf (docs/recorder.md, "Harmful, intended, unknown").
-        if val.is_floating_point():
-            counts = [b.call(aten.sum.default, b.call(aten.ne.Tensor, x, x)),  # vectorises; isnan does not
-                      b.call(aten.sum.default, b.call(aten.eq.Scalar, x, math.inf)),
-                      b.call(aten.sum.default, b.call(aten.eq.Scalar, x, -math.inf))]
-        else:
-            counts = [b.call(aten.full.default, [], 0, dtype=torch.int64, device=val.device)] * 3
-        return b.stack(counts), None
-    return _raw_counts(b, x), (_moments(b, x) if mode == "stats" else None)
+        if not val.is_floating_point():
+            return (_ZERO,) * 3
+        acc = _acc(val)
+        return (parts.count(b.call(aten.ne.Tensor, x, x), acc),  # vectorises; isnan does not
+                parts.count(b.call(aten.eq.Scalar, x, math.inf), acc),
+                parts.count(b.call(aten.eq.Scalar, x, -math.inf), acc))
+    row = _raw_counts(b, parts, x)
+    return row + _moments(b, parts, x) if mode == "stats" else row
 
 
-def finish(b: Builder, rows: list[tuple[fx.Node, fx.Node | None]], mode: str) -> tuple[fx.Node, fx.Node]:
-    """Stack the rows into the float64 [rows, fields] matrix of ``mode`` and the graph's
-    "anything non-finite" flag (a 0-d bool: read without a sync on CPU)."""
-    raw = b.stack([r for r, _ in rows])  # int64 [R, 6], or [R, 3] (NaN, +inf, -inf) for curt_health
-    flag = b.call(aten.gt.Scalar, b.call(aten.sum.default, b.call(aten.slice.Tensor, raw, 1, 3, 6)
-                                          if mode != "curt_health" else raw), 0)
+def _fields(raw: tuple[Lin, ...], mode: str) -> list[Lin] | None:
+    """The mode's fields of one row as linear forms (None: curt_health's bits, not linear)."""
     if mode == "curt_health":
-        bits = b.call(aten.gt.Scalar, raw, 0)  # [R, 3] bool -> 1 NaN + 2 +inf + 4 -inf
-        value = b.call(aten.add.Tensor,
-                       b.call(aten.add.Tensor, b.to(b.call(aten.select.int, bits, 1, 0), torch.float64),
-                              b.call(aten.mul.Tensor, b.to(b.call(aten.select.int, bits, 1, 1), torch.float64), 2.0)),
-                       b.call(aten.mul.Tensor, b.to(b.call(aten.select.int, bits, 1, 2), torch.float64), 4.0))
-        return b.call(aten.unsqueeze.default, value, 1), flag
-    col = {name: b.call(aten.select.int, raw, 1, i) for i, name in enumerate(RAW)}
-    add, sub = aten.add.Tensor, aten.sub.Tensor
-    # Every element is < 0, == 0, > 0 or NaN; neg and pos count finite values only.
-    size = b.call(add, b.call(add, col["lt"], col["eq"]), b.call(add, col["gt"], col["nan"]))
+        return None
+    lt, eq, gt, nan, ninf, pinf = raw[:6]
+    size = lt + eq + gt + nan  # every element is < 0, == 0, > 0 or NaN; neg and pos count finite values only
     if mode == "concise_health":
-        cols = [size, col["neg_inf"], col["pos_inf"], col["nan"]]
+        return [size, ninf, pinf, nan]
+    return [size, lt - ninf, eq, gt - pinf, ninf, pinf, nan, *raw[6:]]
+
+
+class Decoder:
+    """The rows of one graph call's summaries from its stacked outputs: ``decode(values)`` ->
+    one tuple of the mode's fields per row, as floats (the eager summaries' values)."""
+
+    def __init__(self, rows: list[tuple[Lin, ...]], mode: str, n_scalars: int, vector_sizes: list[int]):
+        offsets, at = [], n_scalars
+        for s in vector_sizes:
+            offsets.append(at)
+            at += s
+        self.n_values = at
+
+        def index(ref) -> int:
+            return ref if isinstance(ref, int) else offsets[ref[0]] + ref[1]
+
+        lines = []
+        for raw in rows:
+            fields = _fields(raw, mode)
+            if fields is None:
+                nan, pinf, ninf = (f.source(index) for f in raw)
+                lines.append(f"    (float(({nan} > 0) + 2 * ({pinf} > 0) + 4 * ({ninf} > 0)),),")
+            else:
+                lines.append("    (" + ", ".join(f.source(index) for f in fields) + ",),")
+        self.source = "def decode(v):\n  return [\n" + "\n".join(lines) + "\n  ]\n"
+        self.decode = self._compiled()
+
+    def _compiled(self):
+        namespace = {"NAN": math.nan, "INF": math.inf}
+        exec(compile(self.source, "<trainguard compiled-graph summaries>", "exec"), namespace)  # noqa: S102
+        return namespace["decode"]
+
+    # Pickled with the graph (Inductor's FX graph cache pickles it to key it): as its source.
+    def __getstate__(self) -> dict:
+        return {"source": self.source, "n_values": self.n_values}
+
+    def __setstate__(self, state: dict) -> None:
+        self.source, self.n_values = state["source"], state["n_values"]
+        self.decode = self._compiled()
+
+
+def finish(b: Builder, parts: Parts, rows: list[tuple[Lin, ...]], mode: str) -> tuple[list[fx.Node], Decoder]:
+    """The graph's extra outputs (its 0-d reductions, its count vectors, then the "anything
+    non-finite" flag) and the decoder of their values."""
+    nonfinite = Lin(0)
+    for raw in rows:
+        for f in (raw if mode == "curt_health" else raw[3:6]):
+            nonfinite = nonfinite + f
+    total = None
+    for ref, c in nonfinite.terms.items():
+        node = parts.scalars[ref] if isinstance(ref, int) else b.call(aten.select.int, parts.vectors[ref[0]], 0, ref[1])
+        if node.meta["val"].dtype != torch.int64:
+            node = b.to(node, torch.int64)  # a sum over the graph's tensors may pass 2**31
+        if c != 1:
+            node = b.call(aten.mul.Tensor, node, c)
+        total = node if total is None else b.call(aten.add.Tensor, total, node)
+    if total is None:
+        device = next((p.meta["val"].device for p in (*parts.scalars, *parts.vectors)), "cpu")
+        flag = b.call(aten.full.default, [], nonfinite.const > 0, dtype=torch.bool, device=device)
     else:
-        cols = [size, b.call(sub, col["lt"], col["neg_inf"]), col["eq"], b.call(sub, col["gt"], col["pos_inf"]),
-                col["neg_inf"], col["pos_inf"], col["nan"]]
-    matrix = b.to(b.call(aten.cat.default, [b.call(aten.unsqueeze.default, c, 1) for c in cols], 1), torch.float64)
-    if mode == "stats":
-        matrix = b.call(aten.cat.default, [matrix, b.stack([m for _, m in rows])], 1)
-    return matrix, flag
+        flag = b.call(aten.gt.Scalar, total, -nonfinite.const)
+    decoder = Decoder(rows, mode, len(parts.scalars), [v.meta["val"].shape[0] for v in parts.vectors])
+    return [*parts.scalars, *parts.vectors, flag], decoder
