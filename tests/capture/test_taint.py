@@ -229,6 +229,26 @@ def test_memory_stays_bounded(tmp_path, monkeypatch):
     assert by_step[59] == 7  # counts for every step, stored or not
 
 
+def test_dead_states_are_dropped_when_the_first_drain_comes_late(tmp_path, monkeypatch):
+    """The native core's drain thread may run late (a loaded machine): its first drain then
+    judges many steps at once, and the states of the tensors that died in them go with it, as
+    the dispatch mode drops them each step (test_memory_stays_bounded, at any time)."""
+    from trainguard.capture._native import _backend
+
+    monkeypatch.setattr(_backend.NativeBackend, "_drain_loop", lambda self: self._stop.wait())  # no drain yet
+    x = torch.ones(8)
+    with tg.record(tmp_path / "r", buffer=100, backend="native") as rec:
+        for step in range(60):
+            tg.step(step)
+            held = x.masked_fill(x > 0, -INF)  # a pending origin each step, dead the next
+            nan = torch.softmax(held, 0) + 1  # harmful
+        rec.flush()  # the first drain, 60 steps late
+        assert len(rec.taint.states) < 20, len(rec.taint.states)
+    del nan
+    run = open_run(tmp_path / "r")
+    assert run.alerts()["total"] == 60 * 2
+
+
 def test_an_origin_older_than_the_window_is_sent_again_and_kept(tmp_path):
     """The writer and its sink hold buffer + 10,000 executions; the recorder remembers pending
     ones longer and sends them again when they turn harmful."""

@@ -149,9 +149,11 @@ class NativeBackend:
         tracker = rec.taint
         # The states of dead tensors go once per step (as the dispatch mode drops them), by the
         # producers alive when the batch was taken: a later record names only those as inputs.
-        want_live = rec.judge_here and bool(tracker.states) and (
-            self._pruned_step != _clock.step or len(tracker.states) > self._prune_at)
-        records, deferred, payloads, bad, failures, unsure, live, judge, cut = self.core.drain(want_live)
+        # With no states yet, only a batch holding a non-finite value can bring some (a first
+        # drain that comes late, many steps of them).
+        due = rec.judge_here and (self._pruned_step != _clock.step or len(tracker.states) > self._prune_at)
+        records, deferred, payloads, bad, failures, unsure, live, judge, cut = self.core.drain(
+            due and bool(tracker.states), due)
         if payloads and rec.writer is not None:
             for seq, slot, tensor in payloads:
                 rec.writer.put_payload_tensor(seq, slot, tensor)

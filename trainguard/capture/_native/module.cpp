@@ -264,8 +264,9 @@ struct PyCore {
   //  With ``live``, the seqs of the producers of live tensors at the moment of the drain (a later
   //  record can only name those as inputs), else None. ``judge``: the indices of the records
   //  the Python judge must see (taint None), ``cut`` the index of the first record whose health
-  //  is not known on the host yet (len(records) if none).
-  py::tuple drain(bool want_live) {
+  //  is not known on the host yet (len(records) if none). ``live_if_bad``: ``live`` also when the
+  //  batch holds a non-finite value (its states are the judge's first since the last prune).
+  py::tuple drain(bool want_live, bool live_if_bad) {
     if (dead())
       return py::make_tuple(py::list(), py::none(), py::list(), false, py::list(), py::list(),
                             want_live ? py::object(py::list()) : py::object(py::none()), py::list(), 0);
@@ -286,6 +287,7 @@ struct PyCore {
     bool bad;
     {
       std::lock_guard<std::mutex> g(core->mu);
+      want_live = want_live || (live_if_bad && core->bad);
       if (want_live) {
         core->sweep();
         live.reserve(core->producers.size() + core->saved.size());
@@ -501,7 +503,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_module", &PyCore::set_module)
       .def("name_tensor", &PyCore::name_tensor)
       .def("on_step", &PyCore::on_step)
-      .def("drain", &PyCore::drain, py::arg("live") = false)
+      .def("drain", &PyCore::drain, py::arg("live") = false, py::arg("live_if_bad") = false)
       .def("producer_of", &PyCore::producer_of)
       .def("reserve", &PyCore::reserve)
       .def("set_producer", &PyCore::set_producer)
