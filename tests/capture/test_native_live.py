@@ -43,11 +43,12 @@ class _CoreSpy:
     def __getattr__(self, name):
         return getattr(self._core, name)
 
-    def drain(self, live=False):
+    def drain(self, live=False, live_if_bad=False):
         out = self._core.drain(True)
         for r in out[0]:
             self._max = max(self._max, r[0])
         self._drains.append((self._max, frozenset(out[6])))
+        live = live or (live_if_bad and out[3])  # the core's rule: a batch holding a non-finite value
         return out[:6] + ((out[6] if live or self._prune_always else None),) + out[7:]
 
 
