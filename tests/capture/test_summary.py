@@ -290,3 +290,12 @@ def test_the_vector_pass_level_is_bounded_by_the_cpu():
         assert mod._simd()[0] == best  # never above what the CPU has
     finally:
         mod._simd(old)
+
+
+def test_host_copy_of_cpu_summaries_gives_the_values_and_no_event():
+    from trainguard.capture._summary import host_copy
+
+    values = torch.tensor([4.0, 0.0, 1.0, 3.0], dtype=torch.float64)
+    host, event = host_copy(values)
+    assert event is None and host.device.type == "cpu"
+    assert torch.equal(host, values)

@@ -33,6 +33,7 @@ from trainguard.capture._compile_where import (
     python_records,
     stack_ids,
 )
+from trainguard.capture._summary import host_copy
 from trainguard.capture._taint import ALLOC, DEFAULT, HARMFUL, PENDING, RENORM, UNKNOWN
 from trainguard.store import MODE_FIELDS
 from trainguard.store._codec import NAN, health_of
@@ -449,14 +450,7 @@ def _ship(r, key, summaries: Summaries) -> None:
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            values = summaries.values()
-            if values.device.type == "cuda":
-                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-                host.copy_(values, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            else:
-                host = values.to("cpu")
+            host, event = host_copy(summaries.values())
         summaries.host, summaries.event, summaries.parts = host, event, ()
     r.deferred_used = True  # only the training thread flushes from now on (see Recorder._flush_if_stale)
     r.graph_summaries.append((key, summaries, event))

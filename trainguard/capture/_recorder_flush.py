@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from trainguard.capture import _loss_watch
 from trainguard.capture import _recorder_mode as _mode
+from trainguard.capture._summary import host_copy
 from trainguard.store import ExecBatch
 
 # The executions before each of the first backward passes' loss that the circular buffer keeps:
@@ -164,14 +165,7 @@ class FlushHooks:
     def _ship_deferred_now(self, out: list) -> list:
         for dev, tensors in self.deferred.items():
             stacked = torch.stack(tensors)
-            event = None
-            if dev.type == "cuda":
-                host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-                host.copy_(stacked, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            else:
-                host = stacked.to("cpu")
+            host, event = host_copy(stacked)
             out.append((dev, host, event))
         self.deferred = {}
         return out

@@ -343,3 +343,18 @@ def summarize_deferred(t: torch.Tensor, mode: str) -> torch.Tensor:
         std = (f - mean).square().mean().sqrt()
         parts += [mn, mx, mean, std]
     return torch.stack(parts)
+
+
+def host_copy(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying deferred summaries to the host without waiting for them.
+
+    On CUDA the copy goes into pinned memory behind the work already queued, with an event the
+    writer thread waits on before it reads; other devices copy at once (no event).
+    """
+    if values.device.type != "cuda":
+        return values.to("cpu"), None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
