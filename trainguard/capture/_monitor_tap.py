@@ -7,8 +7,9 @@
   checkpointing runs nested ``backward`` calls inside the outer pass. ``"loss_graph"`` gets the
   scalar loss itself, graph attached, before the pass frees what it saved (the loss-graph watch
   and the live gradient check read it; a listener must not keep it).
-- ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (``"clip"``, with the parameters,
-  before they are clipped): frameworks clip right before the update and log the norm before
+- ``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_`` and ``clip_grads_with_norm_`` (the
+  second half of the two-call spelling ``get_total_norm`` + ``clip_grads_with_norm_`` that
+  accelerate uses) (``"clip"``, with the parameters, before they are clipped): frameworks clip right before the update and log the norm before
   clipping, so the gradients are complete and not yet changed here. Code that imported the
   function by name before the monitor started is not seen; the optimizer hook still is.
 
@@ -93,7 +94,17 @@ def _clip_value(parameters, *args, **kwargs):
     return _originals["clip_grad_value_"](params, *args, **kwargs)
 
 
-_WRAPPERS = {"clip_grad_norm_": _clip_norm, "clip_grad_value_": _clip_value}
+def _clip_with_norm(parameters, *args, **kwargs):
+    params = _as_list(parameters)
+    _announce("clip", params)
+    return _originals["clip_grads_with_norm_"](params, *args, **kwargs)
+
+
+_WRAPPERS = {"clip_grad_norm_": _clip_norm, "clip_grad_value_": _clip_value,
+             "clip_grads_with_norm_": _clip_with_norm}
+# torch.nn.utils.clip_grad has clip_grads_with_norm_ only as a private name, which clip_grad_norm_
+# calls: it stays unwrapped, so one clip_grad_norm_ is announced once.
+_MODULES = (torch.nn.utils, torch.nn.utils.clip_grad)
 
 
 def quiet():
@@ -116,17 +127,20 @@ def _install() -> None:
     _originals["backward"] = torch.autograd.backward
     torch.autograd.backward = _backward
     for name, wrapper in _WRAPPERS.items():
-        _originals[name] = getattr(torch.nn.utils.clip_grad, name)
-        for mod in (torch.nn.utils, torch.nn.utils.clip_grad):
-            setattr(mod, name, wrapper)
+        if not hasattr(torch.nn.utils, name):  # clip_grads_with_norm_ is torch >= 2.6
+            continue
+        _originals[name] = getattr(torch.nn.utils, name)
+        for mod in _MODULES:
+            if hasattr(mod, name):
+                setattr(mod, name, wrapper)
 
 
 def _uninstall() -> None:
     if torch.autograd.backward is _backward:
         torch.autograd.backward = _originals["backward"]
     for name, wrapper in _WRAPPERS.items():
-        for mod in (torch.nn.utils, torch.nn.utils.clip_grad):
-            if getattr(mod, name) is wrapper:
+        for mod in _MODULES:
+            if getattr(mod, name, None) is wrapper:
                 setattr(mod, name, _originals[name])
     _originals.clear()
 
