@@ -86,6 +86,24 @@ class _CompiledStep:
         self.step = torch.compile(lambda: opt.step(), backend=backend)
 
 
+# Graphs the plain copies' backend was given with symbolic sizes (Dynamo's automatic dynamic
+# shapes), counted per model: a benchmark of static shapes must have none.
+_dynamic_graphs = [0]
+
+
+def _inductor(gm, example_inputs):
+    """Inductor, as ``backend="inductor"``, counting the graphs it gets with symbolic sizes."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def symbolic(x) -> bool:
+        return isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor)
+                                               and any(isinstance(d, torch.SymInt) for d in x.shape))
+
+    if any(symbolic(x) for x in example_inputs):
+        _dynamic_graphs[0] += 1
+    return compile_fx(gm, example_inputs)
+
+
 def _copies(name: str, compile_step: bool = False) -> dict:
     """The four copies of one model (same initial weights), each with its own optimizer."""
     import trainguard as tg
@@ -95,8 +113,8 @@ def _copies(name: str, compile_step: bool = False) -> dict:
     model, opt, _ = make()
     loss = batch()
     out = {}
-    for kind, backend in (("eager", None), ("compiled", "inductor"), ("recorded", tg.compile_backend()),
-                          ("monitored", "inductor")):
+    for kind, backend in (("eager", None), ("compiled", _inductor), ("recorded", tg.compile_backend()),
+                          ("monitored", _inductor)):
         # One deepcopy of both: the optimizer's copy holds the model copy's parameters (its
         # defaults cannot always be passed back to its constructor: AdamW's).
         m, o = copy.deepcopy((model, opt))
@@ -170,11 +188,13 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"threads": args.threads, "compile_step": args.compile_step, "load_before": load, "models": {}}
     for name in [m for m in args.models.split(",") if m]:
         counters.clear()
+        _dynamic_graphs[0] = 0
         t, rounds, cpu_rounds = time_model(name, args.rounds, args.steps, args.compile_step)
         results["models"][name] = {"step_ms": {c: v * 1e3 for c, v in t.items()},
                                    # Dynamo's graph breaks in this model's copies by reason's first
                                    # line (trainguard's hooks must add none: compiled stays compiled).
                                    "graph_breaks": {k.splitlines()[0]: v for k, v in counters["graph_break"].items()},
+                                   "dynamic_graphs": _dynamic_graphs[0],
                                    "ratio": {c: statistics.median(v) for c, v in rounds.items()},
                                    "ratio_range": {c: [min(v), max(v)] for c, v in rounds.items()},
                                    "cpu_ratio": {c: statistics.median(v) for c, v in cpu_rounds.items()}}
