@@ -100,7 +100,7 @@ def test_params_selects_by_name_or_object(batch):
     r = doctor.gradient_check(net, batch, nn.CrossEntropyLoss(), params=["fc1.weight"])
     assert [p.name for p in r.params] == ["fc1.weight"] and r.passed
     r = doctor.gradient_check(net, batch, nn.CrossEntropyLoss(), params=[net.fc2.weight], samples_per_param=3)
-    assert r.bad_params == ["fc2.weight"] and r.params[0].checked == 3
+    assert r.bad_params == ["fc2.weight"] and r.params[0].checked == net.fc2.weight.numel()
 
 
 def test_frozen_parameters_are_not_checked(batch, new_mlp):
@@ -123,7 +123,8 @@ def test_result_serialises_and_renders(batch):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(eps=0), "eps"),
-    (dict(samples_per_param=0), "samples_per_param"),
+    (dict(samples_per_param=-1), "samples_per_param"),
+    (dict(directions=0), "directions"),
     (dict(params=["nope"]), "no trainable parameter named 'nope'"),
     (dict(params=[torch.zeros(3)]), "parameter names or parameters"),
     (dict(batch=(torch.zeros(4, 20),)), "pair"),
@@ -144,5 +145,69 @@ def test_sparse_embedding_gradients_and_large_parameters(state_of, same_state):
     before = state_of(model)
     # Entries sampled from the 400k-entry table are mostly unused rows: gradient 0 both ways.
     r = doctor.gradient_check(model, (x, y), nn.CrossEntropyLoss(), samples_per_param=32)
-    assert r.passed and r.params[0].checked == 32
+    assert r.passed and r.params[0].checked == 400_000
     same_state(before, state_of(model))
+
+
+class OneEntryWrong(torch.autograd.Function):
+    """``x @ w.t()`` whose backward gets one entry of the weight's gradient wrong (a bug of the
+    kind an index error in a hand-written kernel makes): the entry's value doubled."""
+
+    @staticmethod
+    def forward(ctx, x, w, at):
+        ctx.save_for_backward(x, w)
+        ctx.at = at
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        gw = grad.t() @ x
+        gw[ctx.at] = 2 * gw[ctx.at] + gw.abs().max()
+        return grad @ w, gw, None
+
+
+def test_a_gradient_wrong_in_one_entry_of_a_large_parameter_is_found_and_located():
+    # 128 x 512 = 65,536 entries: 16 sampled entries would see the wrong one with probability
+    # 1 in 4,096; one direction covers them all, and bisection finds it.
+    torch.manual_seed(0)
+    at = (37, 411)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(128, 512) / 512 ** 0.5)
+            self.head = nn.Linear(128, 4)
+
+        def forward(self, x):
+            return self.head(torch.tanh(OneEntryWrong.apply(x, self.w, at)))
+
+    x, y = torch.randn(16, 512), torch.randint(0, 4, (16,))
+    net = Net()
+    r = doctor.gradient_check(net, (x, y), nn.CrossEntropyLoss(), max_samples=None)
+    assert r.bad_params == ["w"]
+    w = next(p for p in r.params if p.name == "w")
+    assert w.worst_index == list(at) and w.checked == 128 * 512
+    # The finite difference is the true derivative there: autograd's through a correct x @ w.t().
+    xd, wd = x.double(), net.w.detach().double().requires_grad_()
+    out = nn.functional.linear(torch.tanh(xd @ wd.t()), net.head.weight.double(), net.head.bias.double())
+    nn.functional.cross_entropy(out, y).backward()
+    assert w.numeric == pytest.approx(wd.grad[at].item(), rel=1e-5)
+    assert abs(w.analytic - w.numeric) > BUG_BAND * max(abs(w.analytic), abs(w.numeric))
+    f = next(f for f in r.findings() if f.kind == "wrong_gradient")
+    assert "w[37, 411]" in f.title
+
+
+def test_forward_passes_grow_with_directions_not_with_entries(batch, monkeypatch):
+    # A healthy smooth model: one pass for the gradient, then two per direction per parameter.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(20, 256), nn.Tanh(), nn.Linear(256, 10))
+    calls = []
+    loss = nn.CrossEntropyLoss()
+    monkeypatch.setattr(loss, "forward", lambda out, y: calls.append(1) or nn.functional.cross_entropy(out, y))
+    r = doctor.gradient_check(net, batch, loss)
+    assert r.passed, r.summary
+    assert len(calls) == 1 + 2 * 2 * 4  # 4 parameters, 2 directions each
+    calls.clear()
+    r = doctor.gradient_check(net, batch, loss, directions=1, samples_per_param=3)
+    assert r.passed and len(calls) == 1 + 4 * (2 + 2 * 3)

@@ -1,15 +1,21 @@
 """Gradient check: autograd's gradients against central finite differences, in float64.
 
-For a sample of entries of each parameter, the numerical derivative
-``(L(w + eps) - L(w - eps)) / (2 eps)`` is compared with the analytic one, and the relative
-difference ``|a - n| / max(|a|, |n|, floor)`` is banded:
+Each parameter is checked along ``directions`` random directions ``z`` (Gaussian, one value
+per entry): the directional derivative ``(L(w + eps z) - L(w - eps z)) / (2 eps)`` against
+autograd's ``<grad, z>``. One direction covers every entry of the parameter in two forward
+passes, so a gradient wrong in a single entry of a large tensor shows up, where sampling a few
+entries would miss it. A parameter whose check fails is then narrowed down to its worst entry by
+bisection: the discrepancy is linear in ``z``, so checking the first half of the remaining range
+gives the second half's too, two passes per halving (about 2 log2(numel) passes); that entry is
+checked on its own, and it is what a finding names. ``samples_per_param`` entries may be checked
+on their own as well. The relative difference ``|a - n| / max(|a|, |n|, floor)`` is banded:
 
 - below 1e-5: correct;
 - above 1e-3: a bug (a wrong ``backward``, a gradient that does not flow);
 - in between: suspicious. Kinks (ReLU at 0, max-pool ties), float64 round-off on tiny
   gradients, or a real but small error; look at the parameter, re-run with another ``eps``.
 
-An entry within 10x of the pass band's edge or beyond is re-measured with ``eps`` 10x and 100x
+A check within 10x of the pass band's edge or beyond is re-measured with ``eps`` 10x and 100x
 larger and keeps its best value: round-off shrinks with a larger step and truncation error stays far below the bands,
 while a wrong gradient is wrong at every step. The model runs in float64 (parameters, buffers,
 floating inputs and targets, and the default dtype) and is put back to its own dtypes afterwards.
@@ -52,23 +58,28 @@ from trainguard.store import Finding
 
 # The bands, the denominator floor and the retries are shared with the monitor's live check of
 # custom autograd Functions (capture/_gradcheck.py), so both judge a gradient the same way.
-# The gradient check's own sample: few samples keep the 2 x entries forward passes cheap.
+# The gradient check's own sample: few samples keep the forward passes cheap.
 MAX_SAMPLES = 8
+# Random directions per parameter: two forward passes each.
+DIRECTIONS = 2
 
 
 @dataclass(kw_only=True)
 class ParamCheck:
-    """One parameter's comparison: the worst entry and how it was banded."""
+    """One parameter's comparison and how it was banded: ``max_rel`` is the largest relative
+    difference of its directions and entries; ``analytic``/``numeric`` are those of its worst
+    direction, or of the worst entry (``worst_index``, empty when none was narrowed down)."""
 
     name: str
     shape: list[int]
-    checked: int
+    checked: int  # entries the check covered (every entry, with a direction)
     max_rel: float
     status: str  # "ok", "suspicious", "wrong"
     worst_index: list[int]
     analytic: float
     numeric: float
     no_grad: bool = False
+    directions: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -135,7 +146,7 @@ class GradCheckResult(CheckResult):
         for p in self.params:
             if p.status == "ok":
                 continue
-            where = f"{p.name}{p.worst_index}"
+            where = f"{p.name}{p.worst_index}" if p.worst_index else f"{p.name} (along a random direction)"
             if p.status == "wrong":
                 why = ("autograd gives no gradient but the loss depends on it"
                        if p.no_grad else f"autograd says {fmt(p.analytic, 6)}, finite differences {fmt(p.numeric, 6)}")
@@ -197,13 +208,16 @@ def gradient_check(
     loss_fn: Any,
     eps: float = 1e-6,
     params: Any = None,
-    samples_per_param: int = 16,
+    samples_per_param: int = 0,
     *,
+    directions: int = DIRECTIONS,
     max_samples: int | None = MAX_SAMPLES,
     seed: int = 0,
 ) -> GradCheckResult:
-    """Compare autograd with float64 central differences on ``samples_per_param`` entries of each
-    parameter (all trainable ones, or ``params``: names or parameters).
+    """Compare autograd with float64 central differences along ``directions`` random directions
+    of each parameter (all trainable ones, or ``params``: names or parameters), each covering
+    every entry, and on ``samples_per_param`` entries of it on their own; a parameter that
+    disagrees is narrowed down to its worst entry.
 
     ``max_samples`` samples of the batch are used (None: all). ``passed`` is True when every
     relative difference is below 1e-5; ``bad_params`` names the parameters above 1e-3. The model's
@@ -215,7 +229,9 @@ def gradient_check(
     check_model(model)
     check_loss_fn(loss_fn)
     check_positive("eps", eps)
-    check_positive("samples_per_param", samples_per_param, integer=True)
+    check_positive("directions", directions, integer=True)
+    if not isinstance(samples_per_param, int) or isinstance(samples_per_param, bool) or samples_per_param < 0:
+        raise DoctorInputError(f"samples_per_param must be an integer >= 0, got {samples_per_param!r}")
     inputs, targets = split_batch(batch)
     if max_samples is not None:
         check_positive("max_samples", max_samples, integer=True)
@@ -258,8 +274,8 @@ def gradient_check(
             results = []
             with torch.no_grad():
                 for name, p in chosen:
-                    results.append(_check_param(name, p, analytic[name], _sample(p.numel(), samples_per_param, gen),
-                                                loss_at, eps))
+                    entries = _sample(p.numel(), samples_per_param, gen) if samples_per_param else []
+                    results.append(_check_param(name, p, analytic[name], entries, loss_at, eps, directions, gen))
         finally:
             torch.set_default_dtype(default_dtype)
     return GradCheckResult(params=results, eps=eps, loss=base, samples=samples)
@@ -286,23 +302,87 @@ def _to_float64(module: nn.Module) -> None:
 
 
 def _check_param(name: str, p: nn.Parameter, grad: torch.Tensor | None, indices: list[int], loss_at: Any,
-                 eps: float) -> ParamCheck:
+                 eps: float, directions: int, gen: torch.Generator) -> ParamCheck:
     values = p.data
-    worst = (-1.0, 0, 0.0, 0.0)
+    g = None if grad is None else grad.reshape(values.shape)
+    worst = (-1.0, 0.0, 0.0, None)  # rel, analytic, numeric, direction
+    for _ in range(directions):
+        z = torch.randn(values.shape, generator=gen, dtype=torch.float64).to(values.device, values.dtype)
+        rel, a, n = _best(lambda e, z=z: _directional(values, z, g, loss_at, e), eps)
+        if rel > worst[0]:
+            worst = (rel, a, n, z)
+    rel, a, n, z = worst
+    index: tuple[int, ...] = (0,) * values.dim() if values.numel() == 1 else ()
+    if band(rel) != "ok" and values.is_contiguous() and values.numel() > 1:
+        flat = _narrow(values, z, g, loss_at, eps)
+        indices = [flat, *[i for i in indices if i != flat]]
+    entry = None  # (rel, index, analytic, numeric) of the worst entry checked on its own
     for flat in indices:
         idx = _unravel(flat, values.shape)
-        a = 0.0 if grad is None else float(grad[idx])
-        rel, n = _rel_at(values, idx, a, loss_at, eps)
-        if rel >= RETRY_ABOVE:
-            for factor in RETRY_FACTORS:  # round-off shrinks with a larger step; a wrong gradient does not
-                rel2, n2 = _rel_at(values, idx, a, loss_at, eps * factor)
-                if rel2 < rel:
-                    rel, n = rel2, n2
-        if rel > worst[0]:
-            worst = (rel, flat, a, n)
-    rel, flat, a, n = worst
-    return ParamCheck(name=name, shape=list(values.shape), checked=len(indices), max_rel=rel, status=band(rel),
-                      worst_index=list(_unravel(flat, values.shape)), analytic=a, numeric=n, no_grad=grad is None)
+        e_a = 0.0 if g is None else float(g[idx])
+        e_rel, e_n = _best(lambda e, idx=idx, e_a=e_a: _rel_at(values, idx, e_a, loss_at, e), eps)
+        if entry is None or e_rel > entry[0]:
+            entry = (e_rel, idx, e_a, e_n)
+    if entry is not None:
+        rel = max(rel, entry[0])
+        _, index, a, n = entry
+    return ParamCheck(name=name, shape=list(values.shape), checked=values.numel(), max_rel=rel, status=band(rel),
+                      worst_index=list(index), analytic=a, numeric=n, no_grad=grad is None, directions=directions)
+
+
+def _best(measure: Any, eps: float) -> tuple[float, float, float]:
+    """``measure(eps)`` -> (rel, analytic, numeric); measured again with larger steps when it is
+    near the pass band or beyond, keeping the best: round-off shrinks with a larger step, a wrong
+    gradient does not."""
+    rel, *rest = measure(eps)
+    if rel >= RETRY_ABOVE:
+        for factor in RETRY_FACTORS:
+            rel2, *rest2 = measure(eps * factor)
+            if rel2 < rel:
+                rel, rest = rel2, rest2
+    return (rel, *rest)
+
+
+def _directional(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, loss_at: Any,
+                 eps: float) -> tuple[float, float, float]:
+    """(rel, analytic, numeric) of the derivative along ``z``."""
+    a = 0.0 if g is None else float((g * z).sum())
+    orig = values.clone()
+    values.add_(z, alpha=eps)
+    plus = float(loss_at())
+    values.copy_(orig).sub_(z, alpha=eps)
+    minus = float(loss_at())
+    values.copy_(orig)
+    n = (plus - minus) / (2 * eps)
+    rel = abs(a - n) / max(abs(a), abs(n), FLOOR)
+    return (rel if math.isfinite(rel) else math.inf), a, n
+
+
+def _narrow(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, loss_at: Any, eps: float) -> int:
+    """The flat index of the entry with the largest share of the discrepancy along ``z``: the
+    discrepancy of a range is the sum of its halves' (it is linear in ``z``), so one half's
+    measurement gives both; the larger one is kept until one entry is left."""
+    zf = z.reshape(-1)
+    gf = None if g is None else g.reshape(-1)
+
+    def error(lo: int, hi: int) -> float:
+        part = torch.zeros_like(zf)
+        part[lo:hi] = zf[lo:hi]
+        _, a, n = _directional(values, part.view(values.shape), None if gf is None else gf.view(values.shape),
+                               loss_at, eps)
+        return a - n
+
+    lo, hi = 0, zf.numel()
+    total = error(lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        left = error(lo, mid)
+        right = total - left
+        if abs(left) >= abs(right):
+            hi, total = mid, left
+        else:
+            lo, total = mid, right
+    return lo
 
 
 def _rel_at(values: torch.Tensor, idx: tuple[int, ...], a: float, loss_at: Any, eps: float) -> tuple[float, float]:
