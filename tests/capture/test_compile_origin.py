@@ -140,3 +140,23 @@ def test_check_numerics_stops_at_the_nan_a_compiled_graph_makes():
     assert f"true_models.py:{M.line_of('SOFTMAX LINE')}" in msg
     assert "softmax" in info.value.execution["op"]
     torch._dynamo.reset()
+
+
+@pytest.mark.timeout(600)
+def test_a_fully_masked_row_in_inductors_decomposed_softmax_is_explained_as_one(tmp_path):
+    """Inductor decomposes softmax into amax, sub, exp, sum and div and summarises only div, the
+    value the eager op returns (the others are internal to it): a fully masked row's NaN appears
+    at div, whose inputs have no summary. The explanation reads through them to the masked
+    scores. Found on pytorch/examples gat/main.py compiled, with its -9e16 mask made -inf and the
+    self-loops removed: the report said "division made nan: the quotient overflowed"."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 4, requires_grad=True)
+    mask = torch.tensor([[False, True, False, True], [True, True, True, True]])  # row 1: all masked
+    with tg.record(tmp_path / "r", buffer=-1):
+        torch.compile(masked_sum)(x, mask).backward()
+    torch._dynamo.reset()
+    o = origin(open_run(tmp_path / "r"))
+    assert o.origin.op == "aten.div.Tensor", o.origin.op  # the op Inductor's graph holds
+    assert "fully masked row" in o.origin.explanation, o.origin.explanation
+    assert "torch.finfo(scores.dtype).min" in o.suggestion
+    assert "quotient overflowed" not in o.summary
