@@ -160,3 +160,5 @@ def test_a_fully_masked_row_in_inductors_decomposed_softmax_is_explained_as_one(
     assert "fully masked row" in o.origin.explanation, o.origin.explanation
     assert "torch.finfo(scores.dtype).min" in o.suggestion
     assert "quotient overflowed" not in o.summary
+    assert o.origin.through[0] == "amax" and "exp" in o.origin.through  # in the order the graph ran them
+    assert o.origin.sources[0]["summary"]["neg_inf"] == 2 + 4  # the masked scores, behind them

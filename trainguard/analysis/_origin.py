@@ -62,6 +62,11 @@ class Link:
     forward_op: dict | None = None  # backward ops: the forward op whose gradient this computes
     taint: str = "finite"  # finite, unknown, pending, harmful (docs/recorder.md)
     origin_seq: int | None = None  # the execution that made this value (pending/harmful)
+    # Inputs made inside a compiled graph's decomposition of one eager op (softmax into amax,
+    # sub, exp, sum, div) have no summary of their own: ``through`` names those ops, ``sources``
+    # are the summarised values they were computed from (as _input_info describes inputs).
+    through: list[str] = field(default_factory=list)
+    sources: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -143,10 +148,46 @@ def _input_info(run: Run, item: dict) -> dict:
     return info
 
 
+def _unknown(summary: dict | None) -> bool:
+    """Whether a stored summary is the unknown one (every count NaN) that an op inside a
+    compiled graph's decomposition of an eager op gets (no summary at all, as in no_tensor
+    mode, is not that)."""
+    counts = [v for k, v in (summary or {}).items() if k != "size"]
+    return bool(counts) and all(isinstance(v, float) and v != v for v in counts)
+
+
+def _through(run: Run, inputs: list[dict], limit: int = 16) -> tuple[list[str], list[dict]]:
+    """The ops without a summary behind ``inputs`` (walked back up to ``limit`` of them) and the
+    summarised values they were computed from."""
+    through: dict[int, str] = {}
+    sources: list[dict] = []
+    seen: set[int] = set()
+    todo = [i for i in inputs if i["kind"] == "op" and i.get("producer") is not None and _unknown(i.get("summary"))]
+    while todo:
+        i = todo.pop(0)
+        if not _unknown(i.get("summary")):
+            if all(j.get("producer") != i.get("producer") for j in sources):
+                sources.append(i)
+            continue
+        seq = i["producer"]
+        if seq in seen or len(seen) >= limit:
+            continue
+        seen.add(seq)
+        try:
+            e = run.execution(seq)
+        except KeyError:
+            continue
+        through[seq] = op_base(e["op"])
+        todo.extend(j for j in (_input_info(run, x) for x in e["inputs"])
+                    if j["kind"] == "op" and j.get("producer") is not None and j.get("summary") is not None)
+    return [through[k] for k in sorted(through)], sources  # in the order the graph ran them
+
+
 def _link(run: Run, seq: int) -> Link:
     e = run.execution(seq)
     fr = run.user_frame(e["stack_id"])
     inputs = [_input_info(run, i) for i in e["inputs"]]
+    through, sources = _through(run, inputs)
     fwd = None
     if e["phase"] == "backward" and e.get("fwd_seq") is not None:
         try:
@@ -163,6 +204,7 @@ def _link(run: Run, seq: int) -> Link:
         outputs=[{"dtype": o["dtype"], "shape": o["shape"], "summary": o["summary"],
                   "description": describe_summary(o["summary"])} for o in e["outputs"]],
         inputs=inputs, forward_op=fwd, taint=e.get("taint", "finite"), origin_seq=e.get("origin"),
+        through=through, sources=sources,
     )
     link.explanation = explain(link)
     return link
@@ -204,6 +246,12 @@ def explain(link: Link) -> str:
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
         fbase = op_base(link.forward_op["op"])
         return f"the gradient of {fbase} is {made} here: " + _forward_reason(fbase)
+    if link.through and any(_unknown(i.get("summary")) for i in ins):
+        src = link.sources[0] if link.sources else None
+        behind = (f"; they were computed from {src.get('producer_op')} (#{src.get('producer')}), which holds "
+                  f"{src.get('description')}") if src else ""
+        return (f"{base} made {made} from values the compiled graph computed without a summary of their own "
+                f"({', '.join(dict.fromkeys(link.through))}){behind}")
     s0 = ins[0].get("summary") if ins else None
     if base in _LOGS:
         zeros, negs = _count(s0, "zero"), _count(s0, "neg")
@@ -262,6 +310,15 @@ def _masked_rows(link: Link) -> str | None:
                 "the row's max is -inf, and -inf - (-inf) is NaN")
     if base in _ATTENTION and not any(_count(i.get("summary"), "nan") for i in link.inputs):
         return "attention over a row whose positions are all masked -> NaN (no key left to attend to)"
+    # A compiled graph's softmax, decomposed: its row maxima and exponentials have no summary,
+    # and the scores they were computed from are the first summarised values behind them.
+    if {"amax", "exp"} <= set(link.through) and link.sources:
+        s = link.sources[0].get("summary")
+        if not _count(s, "nan") and not _count(s, "pos_inf") and _count(s, "neg_inf"):
+            what = "log_softmax" if "log" in link.through or base == "log" else "softmax"
+            return (f"{what} over a row whose inputs are all -inf (a fully masked row) -> NaN: the row's max is "
+                    f"-inf, and -inf - (-inf) is NaN (inside the compiled graph's {what}: "
+                    f"{', '.join(dict.fromkeys(link.through))}, then {base})")
     return None
 
 

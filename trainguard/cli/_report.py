@@ -218,6 +218,13 @@ def _origin(report: dict) -> Any:
         parts.append(line)
         if inp.get("source"):
             parts.append(_source_block(inp["source"]))
+    for src in link.get("sources") or []:  # behind inputs a compiled graph computed without summaries
+        line = Text(f"  computed (through {', '.join(dict.fromkeys(link['through']))}) from: ")
+        line.append(f"{src.get('producer_op')} output (#{src.get('producer')})", style="bold")
+        if src.get("file"):
+            line.append(f" from {_short(src['file'])}:{src['line']}")
+        line.append(f": {src.get('description')}")
+        parts.append(line)
     if len(o["chain"]) > 1:
         parts.append(Text("How it spread, from where it became harmful back to the origin:", style="bold"))
         for c in o["chain"]:
