@@ -4,8 +4,9 @@ When the gradients are read (always after the last ``backward()`` of the step, b
 update and before clipping, so the norm is the one frameworks log):
 
 - with an optimizer: at the first of ``clip_grad_norm_``/``clip_grad_value_``/
-  ``clip_grads_with_norm_``, the end of the first call of a closure passed to ``optimizer.step(closure)``, a framework's "before optimizer
-  step" callback, or ``optimizer.step()`` itself. Each parameter is read once per step (a GAN's
+  ``clip_grads_with_norm_``, the end of the first call of a closure passed to
+  ``optimizer.step(closure)``, a framework's "before optimizer step" callback, or
+  ``optimizer.step()`` itself. Each parameter is read once per step (a GAN's
   two optimizers each read theirs).
 - with no optimizer known yet (the first step of any loop, or a loop that updates by hand):
   after every ``backward()``, each reading replacing the last, so gradient accumulation ends up

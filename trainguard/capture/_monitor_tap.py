@@ -8,9 +8,9 @@
   scalar loss itself, graph attached, before the pass frees what it saved (the loss-graph watch
   and the live gradient check read it; a listener must not keep it).
 - ``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_`` and ``clip_grads_with_norm_`` (the
-  second half of the two-call spelling ``get_total_norm`` + ``clip_grads_with_norm_`` that
-  accelerate uses) (``"clip"``, with the parameters, before they are clipped): frameworks clip right before the update and log the norm before
-  clipping, so the gradients are complete and not yet changed here. Code that imported the
+  second call of ``get_total_norm`` + ``clip_grads_with_norm_``, as accelerate clips): ``"clip"``,
+  with the parameters, before they are clipped. Frameworks clip right before the update and log
+  the norm before clipping, so the gradients are complete and not yet changed here. Code that imported the
   function by name before the monitor started is not seen; the optimizer hook still is.
 
 The recorder listens to ``"root"``: backward's own first argument, before an outermost pass —

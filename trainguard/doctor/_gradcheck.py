@@ -363,13 +363,11 @@ def _narrow(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, loss_
     discrepancy of a range is the sum of its halves' (it is linear in ``z``), so one half's
     measurement gives both; the larger one is kept until one entry is left."""
     zf = z.reshape(-1)
-    gf = None if g is None else g.reshape(-1)
 
     def error(lo: int, hi: int) -> float:
         part = torch.zeros_like(zf)
         part[lo:hi] = zf[lo:hi]
-        _, a, n = _directional(values, part.view(values.shape), None if gf is None else gf.view(values.shape),
-                               loss_at, eps)
+        _, a, n = _directional(values, part.view(values.shape), g, loss_at, eps)
         return a - n
 
     lo, hi = 0, zf.numel()
