@@ -599,3 +599,40 @@ def test_trainguard_run_records_inside_an_unmodified_compiled_script(tmp_path, c
     link = rep["origin"]["origin"]
     assert link["op"] == "aten.log" and link["line"] == SCRIPT.splitlines().index(
         "    loss = -(onehot * torch.log(probs)).sum(dim=1).mean()") + 1
+
+
+@pytest.mark.timeout(600)
+def test_ops_first_seen_at_a_graph_break_keep_trainguards_callbacks_out_of_dynamo(tmp_path):
+    """The native core asks Python about an op the first time it sees it (its taint class, the
+    ops filter, a new stack). At a graph break the op that broke the graph runs eagerly with
+    Dynamo's frame callback still set, so that Python code was compiled by Dynamo: found on
+    pytorch/examples word_language_model compiled (``Tensor.item()`` breaks its encoder), where
+    Dynamo compiled ``op_facts_by_name`` 8 times. Here the break is an op no test has run before
+    (a custom op kept out of graphs, named for this process), so the core sees it first there."""
+    import os
+
+    @torch.library.custom_op(f"tgtest::twice_{os.getpid()}", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    twice.register_fake(lambda x: torch.empty_like(x))
+    op = getattr(torch.ops.tgtest, f"twice_{os.getpid()}").default
+    torch._dynamo.disallow_in_graph(op)  # Dynamo breaks the graph there and calls it eagerly
+
+    def f(x):
+        return op(x.sin()).cos().sum()
+
+    def compiled_frames(record: bool) -> dict:
+        torch._dynamo.reset()
+        counters.clear()
+        if record:
+            with tg.record(tmp_path / "r", ops=r"aten|tgtest"):
+                torch.compile(f)(torch.randn(8))
+        else:
+            torch.compile(f)(torch.randn(8))
+        return {"frames": dict(counters["frames"]), "graphs": counters["stats"]["unique_graphs"]}
+
+    plain = compiled_frames(False)
+    recorded = compiled_frames(True)
+    torch._dynamo.reset()
+    assert recorded == plain
