@@ -622,17 +622,26 @@ def test_ops_first_seen_at_a_graph_break_keep_trainguards_callbacks_out_of_dynam
     def f(x):
         return op(x.sin()).cos().sum()
 
-    def compiled_frames(record: bool) -> dict:
-        torch._dynamo.reset()
-        counters.clear()
-        if record:
-            with tg.record(tmp_path / "r", ops=r"aten|tgtest"):
-                torch.compile(f)(torch.randn(8))
-        else:
-            torch.compile(f)(torch.randn(8))
-        return {"frames": dict(counters["frames"]), "graphs": counters["stats"]["unique_graphs"]}
+    def trainguard_code_compiled() -> list[str]:
+        """trainguard's functions that Dynamo holds compiled code for."""
+        import gc
+        import types
 
-    plain = compiled_frames(False)
-    recorded = compiled_frames(True)
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return sorted({fn.__qualname__ for fn in gc.get_objects() if type(fn) is types.FunctionType
+                       and (fn.__module__ or "").startswith("trainguard") and _debug_get_cache_entry_list(fn.__code__)})
+
     torch._dynamo.reset()
-    assert recorded == plain
+    counters.clear()
+    plain = torch.compile(f)(torch.randn(8))
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    counters.clear()
+    with tg.record(tmp_path / "r", ops=r"aten|tgtest"):
+        recorded = torch.compile(f)(torch.randn(8))
+    assert trainguard_code_compiled() == []
+    assert counters["stats"]["unique_graphs"] == graphs == 2
+    torch._dynamo.reset()
+    assert recorded.shape == plain.shape
+    assert any(e["op"].startswith("tgtest.twice") for e in open_run(tmp_path / "r").executions(0, None))
