@@ -89,8 +89,12 @@ class NativeBackend:
         # Taint (capture/_taint.py): the core's records are judged in Python as they are drained,
         # by the recorder's Tracker and its rule, in seq order; records whose health reaches the
         # host later (device summaries) by the writer's thread, as the dispatch mode hands them on.
+        from trainguard.capture._compile import keep_dynamo_out
         from trainguard.capture._recorder import op_facts_by_name
 
+        # The core calls these when it first sees an op or a stack. At a graph break the op that
+        # broke the graph runs eagerly with Dynamo's frame callback set: Dynamo must not compile them.
+        keep_dynamo_out(op_facts_by_name, rec._on_new_stack, *([wanted] if wanted is not None else []))
         rec.taint.resolve_op = op_facts_by_name
         module.set_op_classes(op_facts_by_name)  # the core's fast path: records it judges finite
         self._pruned_step: int | None = None
