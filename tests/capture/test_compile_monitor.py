@@ -195,3 +195,21 @@ def test_a_loss_computed_inside_a_compiled_forward_keeps_the_graphs_and_its_vali
         assert [s for s, _ in got] == [s for s, _ in want]
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
         assert len(c.scalars("loss")["loss"]) == len(e.scalars("loss")["loss"]) == 4
+
+
+@pytest.mark.timeout(600)
+def test_a_compiled_submodule_keeps_its_layers_names(tmp_path):
+    """``model.net = torch.compile(net)`` makes ``net`` an OptimizedModule holding the layers under
+    ``_orig_mod``: the monitor names them as the model does (``net.fc1``), as the recorder does,
+    not ``net._orig_mod.fc1`` (found on tests/integrations/lit_mlp.py with its net compiled)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.net = torch.compile(Net(), backend="aot_eager")
+    model.forward = lambda x: model.net(x)
+    with tg.Monitor(model, tmp_path / "m", every=2, diagnose=False):
+        _steps(model, model, n=3)
+    torch._dynamo.reset()
+    stats = open_run(tmp_path / "m").layer_stats()
+    assert {r["layer"] for r in stats if r["kind"] == "activation"} == {f"net.{name}" for name in LAYERS}
+    assert {r["layer"] for r in stats if r["kind"] == "weight"} >= {"net.fc1.weight", "net.fc2.bias"}
