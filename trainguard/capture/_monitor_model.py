@@ -62,12 +62,19 @@ class Root:
         self.trained = False  # a forward with gradients enabled has run (see the validation pass)
 
 
+def _plain(name: str) -> str:
+    """``net._orig_mod.fc1`` -> ``net.fc1``: torch.compile's wrapper (an OptimizedModule holding
+    the module as ``_orig_mod``) is not a level of the model, as the recorder names it too."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def build_root(module: nn.Module, prefix: str) -> Root:
     """List the layers and parameters of ``module``; names are its own, after ``prefix``."""
     root = Root(module, prefix)
     root_label = type(module).__name__.lower()
     for name, m in module.named_modules():
-        if m is module and list(m.children()):
+        name = _plain(name)
+        if (m is module or not name) and list(m.children()):
             continue
         if isinstance(m, _SKIP_TYPES):
             continue
@@ -77,9 +84,11 @@ def build_root(module: nn.Module, prefix: str) -> Root:
         root.layers.append(Layer(prefix + (name or root_label), m, prefix))
     owner = {}
     for mname, m in module.named_modules():
+        mname = _plain(mname)
         for pname, _ in m.named_parameters(recurse=False):
             owner[(mname + "." + pname) if mname else pname] = (prefix + (mname or root_label), type(m).__name__)
     for pname, p in module.named_parameters():
+        pname = _plain(pname)
         layer, mtype = owner.get(pname, (prefix + pname.rsplit(".", 1)[0], ""))
         root.params.append(Param(prefix + pname, p, layer, mtype))
     return root
