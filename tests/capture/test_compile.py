@@ -645,3 +645,32 @@ def test_ops_first_seen_at_a_graph_break_keep_trainguards_callbacks_out_of_dynam
     torch._dynamo.reset()
     assert recorded.shape == plain.shape
     assert any(e["op"].startswith("tgtest.twice") for e in open_run(tmp_path / "r").executions(0, None))
+
+
+@pytest.mark.timeout(600)
+def test_aot_autograds_first_call_check_of_custom_ops_is_not_an_unrecorded_dispatch_mode(tmp_path):
+    """AOT autograd runs the first call of a graph holding a custom op (the monitor's tap, a
+    user's op) under its own ``_AnalyzeCustomOpInputOutputMode``, which checks the op's aliasing,
+    and rebuilds an output that is a view of an intermediate with ``aten._unsafe_view`` there.
+    The native core counted that op as "not recorded: under another dispatch mode" and compiled
+    runs with the monitor warned so (found on the Hugging Face Trainer with ``torch_compile=True``,
+    traced to that mode with a debug build): the mode is PyTorch's own check."""
+    import os
+
+    @torch.library.custom_op(f"tgtest::scale_{os.getpid()}", mutates_args=())
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    scale.register_fake(lambda x: torch.empty_like(x))
+    scale.register_autograd(lambda ctx, grad: grad * 3)
+
+    def f(x):
+        return scale(x.sin()).cos().view(2, 4)  # a view of an intermediate: AOT's _unsafe_view
+
+    torch._dynamo.reset()
+    x = torch.randn(8, requires_grad=True)
+    with tg.record(tmp_path / "r"):
+        for _ in range(2):
+            torch.compile(f)(x).sum().backward()
+    torch._dynamo.reset()
+    assert "native_unsure" not in open_run(tmp_path / "r").meta
