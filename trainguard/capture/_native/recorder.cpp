@@ -25,11 +25,13 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/SmallVector.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <pthread.h>
 
 #include <chrono>
+#include <cstring>
 
 namespace tg {
 
@@ -97,6 +99,22 @@ struct Pause {
 
 struct Unsure {};  // a call under another dispatch mode, or on a tensor subclass
 struct Tracing {};  // a call a compiler makes on fake tensors
+
+// Whether every dispatch mode on the stack is PyTorch's own check around the first call of a
+// compiled graph holding a custom op (AOT autograd's _AnalyzeCustomOpInputOutputMode): it
+// passes each call on, and the call it makes is recorded as any other. Asked only with a mode
+// on the stack (rare: a graph's first call, a user's mode), so taking the GIL here is cheap.
+bool only_pytorch_checks() {
+  PyGILState_STATE gs = PyGILState_Ensure();
+  bool only = true;
+  const int64_t n = c10::impl::TorchDispatchModeTLS::stack_len();
+  for (int64_t i = 0; i < n && only; ++i) {
+    PyObject* mode = c10::impl::TorchDispatchModeTLS::get_stack_at(i)->ptr(getPyInterpreter());
+    only = mode != nullptr && std::strcmp(Py_TYPE(mode)->tp_name, "_AnalyzeCustomOpInputOutputMode") == 0;
+  }
+  PyGILState_Release(gs);
+  return only;
+}
 
 bool is_unsure_tensor(const at::Tensor& t) {
   auto ks = t.key_set();
@@ -181,6 +199,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       // Dynamo's compile lock): the dispatch mode drops these calls too, uncounted.
       if (c10::impl::TorchDispatchModeTLS::get_mode(c10::impl::TorchDispatchModeKey::FAKE).has_value())
         throw Tracing{};
+      if (only_pytorch_checks()) throw Tracing{};  // its inner call is the one recorded
       throw Unsure{};
     }
     auto node = torch::autograd::get_current_node();
