@@ -4,6 +4,8 @@ fully masked row leads to its softmax, an exp overflow to the exp (models: tests
 from __future__ import annotations
 
 import pytest
+import torch
+import torch._dynamo
 import true_models as M
 
 import trainguard as tg
@@ -19,7 +21,18 @@ def runs(tmp_path_factory):
         M.train_gpt(4, padded=True, empty_at=2)
     with tg.record(root / "exp"):
         M.train_exp()
+    # Inductor decomposes the softmax: its NaN shows at div, whose inputs have no summary.
+    torch._dynamo.reset()
+    x = torch.randn(2, 4, requires_grad=True)
+    mask = torch.tensor([[False, True, False, True], [True, True, True, True]])  # row 1: all masked
+    with tg.record(root / "compiled"):
+        torch.compile(masked_sum)(x, mask).backward()
+    torch._dynamo.reset()
     return root
+
+
+def masked_sum(att, mask):
+    return torch.softmax(att.masked_fill(mask, float("-inf")), -1).sum()
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +117,16 @@ def test_browser_alerts_pane(page, live_server, runs):
         assert harm.startswith("Then it reached the loss") and f"true_models.py:{M.line_of('LOSS LINE')}" in harm
         # leave the app before its server stops (a request in flight would fail the page)
         page.goto("about:blank")
+
+
+def test_browser_origin_inside_a_compiled_softmax_names_what_it_was_computed_from(page, live_server, runs):
+    with live_server(runs) as srv:
+        page.goto(f"{srv.url}/#/run/compiled/debugger")
+        page.wait_for_selector("body[data-ready=debugger]")
+        page.click("#alert-nonfinite")
+        page.wait_for_selector("#origin-link")
+        assert "div" in page.inner_text("#origin-link") and "fully masked row" in page.inner_text("#origin-link")
+        src = page.locator(".source-of").first
+        src.wait_for()
+        text = src.inner_text()
+        assert text.startswith("computed (through amax, sub, exp, sum) from #") and "6 -inf" in text, text

@@ -121,6 +121,12 @@ export class AlertsPane {
           h("span.link", { on: { click: () => this.onSelect(inp.producer) } }, `#${inp.producer} ${opName(inp.producer_op)}`),
           inp.description ? `: ${inp.description}` : ""));
       }
+      // Inputs a compiled graph computed without summaries: the summarised values behind them.
+      for (const src of o.sources || []) {
+        parts.push(h("div.small.source-of", `computed (through ${[...new Set(o.through || [])].join(", ")}) from `,
+          h("span.link", { on: { click: () => this.onSelect(src.producer) } }, `#${src.producer} ${opName(src.producer_op)}`),
+          src.description ? `: ${src.description}` : ""));
+      }
     } else if (r.summary) {
       parts.push(h("div.why", r.summary));
     }
