@@ -63,7 +63,8 @@ class Link:
     taint: str = "finite"  # finite, unknown, pending, harmful (docs/recorder.md)
     origin_seq: int | None = None  # the execution that made this value (pending/harmful)
     # Inputs made inside a compiled graph's decomposition of one eager op (softmax into amax,
-    # sub, exp, sum, div) have no summary of their own: ``through`` names those ops, ``sources``
+    # sub, exp, sum, div) have no summary of their own: ``through`` names those ops (each once, in
+    # the order they ran), ``sources``
     # are the summarised values they were computed from (as _input_info describes inputs).
     through: list[str] = field(default_factory=list)
     sources: list[dict] = field(default_factory=list)
@@ -180,7 +181,8 @@ def _through(run: Run, inputs: list[dict], limit: int = 16) -> tuple[list[str], 
         through[seq] = op_base(e["op"])
         todo.extend(j for j in (_input_info(run, x) for x in e["inputs"])
                     if j["kind"] == "op" and j.get("producer") is not None and j.get("summary") is not None)
-    return [through[k] for k in sorted(through)], sources  # in the order the graph ran them
+    # Each op name once, in the order the graph ran them.
+    return list(dict.fromkeys(through[k] for k in sorted(through))), sources
 
 
 def _link(run: Run, seq: int) -> Link:
@@ -246,12 +248,12 @@ def explain(link: Link) -> str:
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
         fbase = op_base(link.forward_op["op"])
         return f"the gradient of {fbase} is {made} here: " + _forward_reason(fbase)
-    if link.through and any(_unknown(i.get("summary")) for i in ins):
+    if link.through:  # some input has no summary of its own
         src = link.sources[0] if link.sources else None
         behind = (f"; they were computed from {src.get('producer_op')} (#{src.get('producer')}), which holds "
                   f"{src.get('description')}") if src else ""
         return (f"{base} made {made} from values the compiled graph computed without a summary of their own "
-                f"({', '.join(dict.fromkeys(link.through))}){behind}")
+                f"({', '.join(link.through)}){behind}")
     s0 = ins[0].get("summary") if ins else None
     if base in _LOGS:
         zeros, negs = _count(s0, "zero"), _count(s0, "neg")
@@ -318,7 +320,7 @@ def _masked_rows(link: Link) -> str | None:
             what = "log_softmax" if "log" in link.through or base == "log" else "softmax"
             return (f"{what} over a row whose inputs are all -inf (a fully masked row) -> NaN: the row's max is "
                     f"-inf, and -inf - (-inf) is NaN (inside the compiled graph's {what}: "
-                    f"{', '.join(dict.fromkeys(link.through))}, then {base})")
+                    f"{', '.join(link.through)}, then {base})")
     return None
 
 

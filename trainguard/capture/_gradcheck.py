@@ -63,6 +63,13 @@ MAX_FULL_NUMEL = 1 << 16
 _OWN_MODULES = ("torch.", "trainguard.")
 
 
+def relative(a: float, n: float) -> float:
+    """The relative difference of an analytic and a numerical derivative, ``|a - n| /
+    max(|a|, |n|, FLOOR)`` (infinite when not finite)."""
+    rel = abs(a - n) / max(abs(a), abs(n), FLOOR)
+    return rel if math.isfinite(rel) else math.inf
+
+
 def band(rel: float) -> str:
     """``ok`` below 1e-5, ``wrong`` above 1e-3 (or NaN), ``suspicious`` in between."""
     if not rel <= BUG_BAND:  # NaN and Inf are wrong too
@@ -188,7 +195,7 @@ def check_function(cls: type, args: list, kwargs: dict, deadline: float) -> dict
             nu = 0.0
             for factor in (1.0, *RETRY_FACTORS):
                 num = _numeric(case, x, p, EPS * factor)
-                rel = abs(an - num) / max(abs(an), abs(num), FLOOR)
+                rel = relative(an, num)
                 if rel < best:
                     best, nu = rel, num
                 if best <= RETRY_ABOVE:

@@ -219,7 +219,7 @@ def _origin(report: dict) -> Any:
         if inp.get("source"):
             parts.append(_source_block(inp["source"]))
     for src in link.get("sources") or []:  # behind inputs a compiled graph computed without summaries
-        line = Text(f"  computed (through {', '.join(dict.fromkeys(link['through']))}) from: ")
+        line = Text(f"  computed (through {', '.join(link['through'])}) from: ")
         line.append(f"{src.get('producer_op')} output (#{src.get('producer')})", style="bold")
         if src.get("file"):
             line.append(f" from {_short(src['file'])}:{src['line']}")

@@ -40,6 +40,7 @@ from trainguard.capture._gradcheck import (  # noqa: F401 - the bands are the do
     RETRY_ABOVE,
     RETRY_FACTORS,
     band,
+    relative,
 )
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
@@ -354,8 +355,7 @@ def _directional(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, 
     minus = float(loss_at())
     values.copy_(orig)
     n = (plus - minus) / (2 * eps)
-    rel = abs(a - n) / max(abs(a), abs(n), FLOOR)
-    return (rel if math.isfinite(rel) else math.inf), a, n
+    return relative(a, n), a, n
 
 
 def _narrow(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, loss_at: Any, eps: float) -> int:
@@ -391,8 +391,7 @@ def _rel_at(values: torch.Tensor, idx: tuple[int, ...], a: float, loss_at: Any, 
     minus = float(loss_at())
     values[idx] = orig
     n = (plus - minus) / (2 * eps)
-    rel = abs(a - n) / max(abs(a), abs(n), FLOOR)
-    return (rel if math.isfinite(rel) else math.inf), n
+    return relative(a, n), n
 
 
 def _unravel(flat: int, shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:

@@ -123,7 +123,7 @@ export class AlertsPane {
       }
       // Inputs a compiled graph computed without summaries: the summarised values behind them.
       for (const src of o.sources || []) {
-        parts.push(h("div.small.source-of", `computed (through ${[...new Set(o.through || [])].join(", ")}) from `,
+        parts.push(h("div.small.source-of", `computed (through ${(o.through || []).join(", ")}) from `,
           h("span.link", { on: { click: () => this.onSelect(src.producer) } }, `#${src.producer} ${opName(src.producer_op)}`),
           src.description ? `: ${src.description}` : ""));
       }
