@@ -126,3 +126,86 @@ def test_backward_rows_of_forward_values_are_the_forward_calls_rows_without_a_pa
         assert op == op2
         for a, b in zip(sc, sp):
             assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a), (seq, phase, op, a, b)
+
+
+def _drains_by_thread(monkeypatch) -> dict:
+    """The native core's drains, counted by the thread that made them."""
+    import threading
+
+    from trainguard.capture._native import _backend
+
+    counts: dict[str, int] = {}
+    original = _backend.NativeBackend.drain
+
+    def drain(self):
+        name = threading.current_thread().name
+        counts[name] = counts.get(name, 0) + 1
+        return original(self)
+
+    monkeypatch.setattr(_backend.NativeBackend, "drain", drain)
+    return counts
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_healthy_graph_calls_leave_the_hand_over_to_the_drain_thread(tmp_path, monkeypatch):
+    # Before each graph call the training thread drained the native core (the eager ops since the
+    # last call: the loss, the optimizer's update) to judge them before the graph's records, and
+    # again at backward() from the graph's loss: three hand-overs per step on the training thread.
+    # With nothing there that the judge could change (all finite, no taint held), the records wait
+    # for the drain thread and are merged in by seq; every record is still there, in order.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    compiled = torch.compile(model, backend=tg.compile_backend("aot_eager"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(compiled(x), y).backward()
+        opt.step()
+
+    counts = _drains_by_thread(monkeypatch)
+    with tg.record(tmp_path / "r", backend="native", buffer=-1):
+        step()
+        step()  # compiled, warm
+        counts.clear()
+        for _ in range(4):
+            step()
+        on_training_thread = counts.get("MainThread", 0)
+    assert on_training_thread == 0, counts
+    with open_run(tmp_path / "r") as run:
+        records = run.executions(0, None)
+    seqs = [d["seq"] for d in records]
+    assert seqs == sorted(seqs) and len(seqs) == len(set(seqs))
+    ops = [d["op"] for d in records if d["step"] == 3]
+    assert ops.count("aten.addmm") == 2 and ops.count("aten.nll_loss_forward") == 1
+    assert sum(op.startswith("aten.addcdiv_") for op in ops) == 4  # Adam's update of 4 parameters
+    phases = [d["phase"] for d in records if d["step"] == 3]
+    # One pass of each phase, in order: the eager loss and update interleaved rightly with the graphs.
+    runs = [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]]
+    assert runs == ["forward", "backward", "optimizer"], runs
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_an_eager_inf_feeding_a_graph_is_judged_before_the_graph(tmp_path, monkeypatch):
+    # The exception to the above: an eager -inf (a mask) is judged before the graph that takes
+    # it, so that the graph's softmax is seen absorbing it (intended, not a harmful value).
+    torch._dynamo.reset()
+
+    def attend(scores):
+        return torch.softmax(scores, dim=-1).sum()
+
+    compiled = torch.compile(attend, backend=tg.compile_backend("aot_eager"))
+    x = torch.randn(4, 8)
+    mask = torch.ones(4, 8, dtype=torch.bool).tril()
+    counts = _drains_by_thread(monkeypatch)
+    with tg.record(tmp_path / "r", backend="native"):
+        for _ in range(3):
+            compiled(x.masked_fill(~mask, float("-inf")))
+    assert counts.get("MainThread", 0) >= 3
+    with open_run(tmp_path / "r") as run:
+        intended, harm = run.meta.get("intended"), run.meta.get("first_harm")
+    assert harm is None
+    assert intended and intended[0]["made_by"] == "aten.masked_fill.Scalar"
+    assert intended[0]["absorbed_by"] == "aten._softmax.default" and intended[0]["executions"] == 3
