@@ -243,18 +243,22 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before, 
     else:
         recorded = 0
     r.recorded += recorded
+    finite = local and not walk  # every summarised output is finite and untainted (the flag)
     for i, o in enumerate(out):
         po = plan.out_ops[i]
         if po is not None and isinstance(o, _Tensor):
             k = po[0]
-            produced(r, o, base + k, ops[k].name, sids[k])
+            produced(r, o, base + k, ops[k].name, sids[k], finite and ops[k].rows[po[1]] is not None)
             if r.mode == "full_tensor" and writer and ops[k].wanted:
                 r.writer.put_payload_tensor(base + k, po[1], o.detach().to("cpu", copy=True))
     if not backward:
         g.pair.last_fw = (base, mids, sids)
     if not writer:
         return
-    if len(r.pending) >= FLUSH_RECORDS or r.taint.urgent or _monotonic() - r.last_flush > FLUSH_SECONDS:
+    # By time only without the native core, whose drain thread hands records over every
+    # FLUSH_SECONDS (this thread would wait for the hand-over).
+    if (len(r.pending) >= FLUSH_RECORDS or r.taint.urgent
+            or (r._native is None and _monotonic() - r.last_flush > FLUSH_SECONDS)):
         r.flush()
 
 

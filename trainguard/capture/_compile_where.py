@@ -51,10 +51,11 @@ def input_refs(r, args, names=(), cur: int | None = None) -> list:
     return refs
 
 
-def produced(r, o: _Tensor, seq: int, name: str, sid) -> None:
-    """``o`` holds the values of record ``seq`` (a graph's output): later ops name it as input."""
+def produced(r, o: _Tensor, seq: int, name: str, sid, finite: bool = False) -> None:
+    """``o`` holds the values of record ``seq`` (a graph's output): later ops name it as input.
+    ``finite``: judged finite and untainted here, as the native core's fast path takes it."""
     if r._native is not None:
-        r._native.core.set_producer(o, seq, sid or 0)
+        r._native.core.set_producer(o, seq, sid or 0, finite)
     else:
         from trainguard.capture._recorder import _register
 

@@ -83,11 +83,17 @@ class FlushHooks:
         with self._lock, paused():  # stacking the device summaries is trainguard's own work
             records, deferred, pins, resend, counts, meta = self._native.drain()
             if self.pending:
-                # Compiled graphs' records (capture/_compile_run), judged when made: the core was
-                # drained before their graph ran and paused while it did, so they precede these.
+                # Compiled graphs' records (capture/_compile_run), judged when made; the core was
+                # paused while their graph ran. Drained before it (as the judge needs, see
+                # NativeBackend.python_records), the core's records all follow them; else they go
+                # in by seq.
                 k = len(self.pending)
-                records = self.pending[:k] + records
+                graphs = self.pending[:k]
                 del self.pending[:k]
+                if records and _seq_of(graphs[-1]) > records[0][0]:
+                    records = sorted(graphs + records, key=_seq_of)  # two sorted runs: one merge
+                else:
+                    records = graphs + records
             if self.loss_pins:
                 pins = (pins or []) + self._take_loss_pins()
             if not (records or pins or resend or counts or meta):
@@ -169,3 +175,8 @@ class FlushHooks:
             out.append((dev, host, event))
         self.deferred = {}
         return out
+
+
+def _seq_of(rec) -> int:
+    """A pending record's seq: a record tuple's first field, a compiled graph call's base."""
+    return rec[0] if isinstance(rec, tuple) else rec.base

@@ -305,6 +305,7 @@ struct PyCore {
       unsure.swap(core->unsure_ops);
       bad = core->bad;
       core->bad = false;
+      core->serious = 0;
       core->payload_bytes = 0;
       core->drained.notify_all();
     }
@@ -363,10 +364,18 @@ struct PyCore {
     return base;
   }
 
-  void set_producer(const at::Tensor& t, int64_t seq, int64_t stack) {
+  void set_producer(const at::Tensor& t, int64_t seq, int64_t stack, bool finite) {
     if (dead()) return;
     std::lock_guard<std::mutex> g(core->mu);
-    tg::set_producer(core.get(), t, seq, stack);
+    tg::set_producer(core.get(), t, seq, stack, finite);
+  }
+
+  // Whether a waiting record needs the Python judge for more than the order of phases (see
+  // Core::serious), or a non-finite value was recorded since the last drain.
+  bool needs_judge() {
+    if (dead()) return false;
+    std::lock_guard<std::mutex> g(core->mu);
+    return core->serious > 0 || core->bad;
   }
 
   // torch is about to swap ``t`` (torch.utils.swap_tensors refuses a TensorImpl with weak
@@ -506,7 +515,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("drain", &PyCore::drain, py::arg("live") = false, py::arg("live_if_bad") = false)
       .def("producer_of", &PyCore::producer_of)
       .def("reserve", &PyCore::reserve)
-      .def("set_producer", &PyCore::set_producer)
+      .def("set_producer", &PyCore::set_producer, py::arg("t"), py::arg("seq"), py::arg("stack"),
+           py::arg("finite") = false)
+      .def("needs_judge", &PyCore::needs_judge)
       .def("release", &PyCore::release)
       .def("pending", &PyCore::pending)
       .def("wait", &PyCore::wait)

@@ -409,9 +409,11 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     in_maybe = in_maybe || (ctx->inputs[i].kind == 0 && ctx->inputs[i].maybe);
   bool maybe = cls < 0 || cls == T_ALLOC || r.health != 0 ||
                (in_maybe && (cls == T_VIEW || cls == T_COPY || cls == T_READ || cls == T_COLLECTIVE));
-  if (cls >= 0 && cls != T_ALLOC && r.health == 0 && !in_maybe && seq == c->last_seq + 1 &&
-      r.phase == c->last_phase)
+  // What only the Python judge can settle; the rest goes to it for the order of phases alone.
+  bool serious = cls < 0 || cls == T_ALLOC || r.health != 0 || in_maybe;
+  if (!serious && seq == c->last_seq + 1 && r.phase == c->last_phase)
     r.taint = 0;
+  if (serious) c->serious++;
   if (seq > c->last_seq) {
     c->last_seq = seq;
     c->last_phase = r.phase;

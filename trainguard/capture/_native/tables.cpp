@@ -98,10 +98,13 @@ void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, c
   if (c->producers.size() > c->sweep_at) c->sweep();
 }
 
-void set_producer(Core* c, const at::Tensor& t, int64_t seq, int64_t stack) {
-  // A compiled graph's output, judged in Python: its health is not known here (-1), and it may
-  // hold a taint state, so its consumers go to the Python judge (the fast path must not skip them).
-  register_output(c, t, seq, stack, nullptr, -1, -1, true);
+void set_producer(Core* c, const at::Tensor& t, int64_t seq, int64_t stack, bool finite) {
+  // A compiled graph's output, judged in Python. Judged finite there (``finite``: its graph's
+  // flag says nothing inside was non-finite and no input was tainted), its consumers take the
+  // fast path as an eager op's would; else its health is not known here (-1), and it may hold a
+  // taint state, so its consumers go to the Python judge.
+  if (finite) register_output(c, t, seq, stack, nullptr, -1, 0, false);
+  else register_output(c, t, seq, stack, nullptr, -1, -1, true);
 }
 
 // ------------------------------------------------------------------ the tables' memory (core.h)
