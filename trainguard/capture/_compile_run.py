@@ -320,13 +320,23 @@ def _judged(g: RecordedGraph, r, base, before, after, backward, training, grad, 
                             else unknown_parts(r.mode, meta, unknown) for row, meta in zip(t.rows, metas[k]))
         rec = (seq, step, phase, t.name, mid, sids[k], fwd_seq, health, inputs, metas[k], summary, taint, origin)
         if taint == PENDING:
-            r.taint.keep(rec)
+            # Kept to be sent again when it turns harmful, with its summary's values: the writer
+            # resolves the references into this call's matrix only in the records it ships them
+            # with, never in a record sent again (a -inf that a later op turns into NaN).
+            r.taint.keep(rec if summary is None or matrix is None else
+                         rec[:10] + (_with_values(summary, matrix.rows()),) + rec[11:])
         if stop:
             r.recorded += recorded
             _stop_at(g, r, k, rows, rec, refs, fw)
         pending.append(rec)
         recorded += 1
     return recorded
+
+
+def _with_values(summary: tuple, rows: list) -> tuple:
+    """A record's summary with each reference into its graph call's matrix, ``("d", key, row)``,
+    replaced by that row (in the recording's fields)."""
+    return tuple(tuple(rows[v[2]]) if isinstance(v[0], str) else v for v in summary)
 
 
 def op_health(fields: tuple, rows: list, op_rows: tuple) -> int:
