@@ -290,7 +290,9 @@ def _guard(report: dict) -> Any:
         for b in e.get("skipped") or []:
             where = f"epoch {b.get('epoch')}, index {b.get('index')}" if b.get("index") is not None else \
                 f"epoch {b.get('epoch')}"
-            parts.append(Text(f"  skipped batch {b.get('batch', '?')} ({where}{_samples(b.get('samples'))})"))
+            which = f"batch {b['batch']:,}" if b.get("batch") is not None else (
+                f"batch {b['index']}" if b.get("index") is not None else f"the batch of step {e['step']:,}")
+            parts.append(Text(f"  skipped {which} ({where}{_samples(b.get('samples'))})"))
         parts.append(Text(f"  -> {e.get('outcome', e.get('action', ''))}"))
         if rp.get("run"):
             path = Path(report["run"]).parent if Path(report["run"]).name.startswith("rank-") else Path(report["run"])

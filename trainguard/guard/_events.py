@@ -50,8 +50,14 @@ def reason(trigger: str, loss: float | None, grad_norm: float | None, median: fl
     return f"loss spike{on}"
 
 
-def batch_label(item: dict) -> str:
-    return f"{item['batch']:,}" if item.get("batch") is not None else f"{item.get('index', '?')} of epoch {item['epoch']}"
+def batch_label(item: dict) -> str | None:
+    """``60``, ``3 of epoch 1``, or None when the loader cannot say where the batch was (a user's
+    iterable without ``batches_yielded``)."""
+    if item.get("batch") is not None:
+        return f"{item['batch']:,}"
+    if item.get("index") is not None:
+        return f"{item['index']} of epoch {item['epoch']}"
+    return None
 
 
 def _other_batch(event: dict) -> str:
@@ -89,7 +95,10 @@ def outcome(event: dict) -> str:
     if action == "skip":
         skipped = event.get("skipped") or []
         n = event.get("skip_count", len(skipped)) or 1
-        first = batch_label(skipped[0]) if skipped else "?"
+        first = batch_label(skipped[0]) if skipped else None
+        if first is None:
+            return (f"skipped the batch of step {event['step']:,}" if n == 1
+                    else f"skipped {n} batches from the batch of step {event['step']:,}")
         return f"skipped batch {first}" if n == 1 else f"skipped {n} batches from batch {first}"
     if action == "lower_lr":
         lrs = ", ".join(f"{v:.3g}" for v in event.get("lr") or [])

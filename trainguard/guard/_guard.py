@@ -225,7 +225,7 @@ class Guard:
         if event is None or len(event["skipped"]) >= event["skip_count"]:
             return
         info = self._batch_info()
-        if info not in event["skipped"]:
+        if info not in event["skipped"] or _events.batch_label(info) is None:  # unknown positions look alike
             event["skipped"].append(info)
         if len(event["skipped"]) >= event["skip_count"]:
             self._store(event)
