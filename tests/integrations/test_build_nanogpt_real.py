@@ -150,16 +150,17 @@ def test_a_compiled_loss_over_a_batch_of_padding_is_explained_as_averaging_over_
 
 
 @pytest.mark.timeout(900)
-def test_check_numerics_on_the_compiled_loss_over_padding_says_why():
+def test_check_numerics_on_the_compiled_loss_over_padding_says_why(tmp_path):
     torch._dynamo.reset()
     with pytest.raises(tg.NonFiniteError) as info:
-        with tg.check_numerics():
+        with tg.check_numerics(tmp_path / "r"):  # as `trainguard run --check-numerics`
             train()
     torch._dynamo.reset()
     msg = str(info.value)
     assert "in step 2, forward pass, inside the compiled graph" in msg, msg
     assert f"test_build_nanogpt_real.py:{LOSS_LINE}" in msg, msg
-    assert "no target" in msg and "1e-8" not in msg, msg
+    o = origin(open_run(tmp_path / "r"))  # the why: and fix: lines `trainguard run` prints under it
+    assert "no target" in o.origin.explanation and "1e-8" not in o.suggestion, (o.origin.explanation, o.suggestion)
     # the count of targets, cast to float by prims.convert_element_type, is named as the op
     assert "prims output" not in msg and "convert_element_type output" in msg, msg
 
