@@ -241,6 +241,10 @@ def explain(link: Link) -> str:
     if _no_target_counted(link):
         return (f"{base} averaged over no target: every target is ignore_index (-100 unless set) or weighs 0, "
                 "so the total weight is 0 and the mean is 0/0")
+    if _compiled_no_target(link):
+        return ("the loss averaged over no target: every target is ignore_index (-100 unless set) or weighs 0, "
+                f"so the total weight (input 1, 0) is 0 and the mean is 0/0 (inside the compiled graph's nll_loss: "
+                f"{', '.join(link.through)}, then {base} by the count of targets it kept)")
     via = received_input(link)
     if via is not None:
         return (f"{base} read what {via['producer_op']} (#{via['producer']}) wrote: the non-finite value came "
@@ -340,6 +344,18 @@ def _no_target_counted(link: Link) -> bool:
     return weight.get("size") == 1 and _count(weight, "zero") == 1
 
 
+def _compiled_no_target(link: Link) -> bool:
+    """Inductor's nll_loss_forward (F.cross_entropy's mean), decomposed: the sum of the kept
+    targets' log-probabilities (no summary of its own) divided by their count cast to float, a
+    single 0 when every target is ignore_index."""
+    if "nan" not in link.health or op_base(link.op) not in ("div", "div_") or len(link.inputs) < 2 or not link.through:
+        return False
+    num, den = link.inputs[0], link.inputs[1]
+    weight = den.get("summary") or {}
+    return (_unknown(num.get("summary")) and weight.get("size") == 1 and _count(weight, "zero") == 1
+            and den.get("producer_op") in ("prims.convert_element_type", "aten._to_copy"))
+
+
 def _forward_reason(fbase: str) -> str:
     if fbase in _SQRTS or fbase in ("norm", "linalg_vector_norm", "vector_norm"):
         return f"d/dx {fbase}(x) divides by {fbase}(x), which is 0 at x = 0 (e.g. the norm of a zero vector)"
@@ -389,7 +405,7 @@ def suggest(link: Link) -> str:
         return _SUGGESTIONS["masked"]
     if _empty_input(link) is not None:
         return _SUGGESTIONS["empty"]
-    if _no_target_counted(link):
+    if _no_target_counted(link) or _compiled_no_target(link):
         return _SUGGESTIONS["ignored"]
     base = op_base(link.op)
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):

@@ -20,7 +20,7 @@ _Tensor = torch.Tensor
 
 def op_display(name: str) -> str:
     """``aten._softmax.default`` -> ``softmax``: the op's name as a user knows it."""
-    base = name.split(".")[1] if name.startswith("aten.") else name.split(".")[0]
+    base = name.split(".")[1] if name.startswith(("aten.", "prims.")) else name.split(".")[0]
     return base.lstrip("_") or base
 
 
