@@ -263,8 +263,6 @@ def test_the_guard_names_a_skipped_batch_of_a_loader_that_does_not_count_its_bat
     assert "skipped the batch of step 5" in out and "None" not in out, out
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: the circular buffer evicts the unsummarised producers inside "
-                   "the decomposed softmax (only the harmful value's direct producers are pinned)")
 @pytest.mark.timeout(900)
 def test_a_compiled_fully_masked_row_under_bf16_autocast_is_explained_with_the_default_buffer(tmp_path):
     """The batch of zeros masks every key of its rows. Under bf16 autocast Inductor's softmax is

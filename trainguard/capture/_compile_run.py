@@ -311,6 +311,9 @@ def _judged(g: RecordedGraph, r, base, before, after, backward, training, grad, 
                 if r.check and origin == seq and seq in r.taint.origins:
                     o = r.taint.origins[seq]
                     r.taint.origins[seq] = o[:-1] + (origin_detail(g, r, k, rows, refs),)
+                first = r.taint.first
+                if taint == HARMFUL and first is not None and first["seq"] == seq:
+                    r.taint.pins += _pins_through(ops, k, base, refs, rows, pfields)
         stop = r.check and (taint == HARMFUL or (r.strict and health and taint != UNKNOWN))
         if not writer and not stop:
             continue
@@ -337,6 +340,34 @@ def _with_values(summary: tuple, rows: list) -> tuple:
     """A record's summary with each reference into its graph call's matrix, ``("d", key, row)``,
     replaced by that row (in the recording's fields)."""
     return tuple(tuple(rows[v[2]]) if isinstance(v[0], str) else v for v in summary)
+
+
+def _pins_through(ops, k: int, base: int, refs, rows, fields: tuple) -> list[int]:
+    """The first harmful value (op ``k``) is pinned with its producers (capture/_taint); inside
+    a graph those may have no summary of their own (a decomposition's inner values), and the
+    origin reads through them to the summarised values behind (analysis/_origin): pin that
+    chain too, or a circular buffer evicts it."""
+    known = [i for i, f in enumerate(fields) if f != "size"]
+
+    def unsummarised(t) -> bool:
+        return all(i is None or (rows is not None and all(math.isnan(rows[i][j]) for j in known)) for i in t.rows)
+
+    out, todo, seen = [], [k], {k}
+    while todo:
+        j = todo.pop()
+        for kind, i in ops[j].inputs:
+            if kind == "p":
+                ref = refs[i]
+                if ref is not None and ref[0] == "op":
+                    out.append(ref[1])
+                continue
+            if kind != "n" or i in seen:
+                continue
+            seen.add(i)
+            out.append(base + i)
+            if unsummarised(ops[i]):
+                todo.append(i)
+    return out
 
 
 def op_health(fields: tuple, rows: list, op_rows: tuple) -> int:
