@@ -220,11 +220,11 @@ class NativeBackend:
         whole (``rec.deferred``, indexed per batch) and an urgent taint are handed over at once."""
         rec = self.rec
         with rec._lock, paused():
-            if not (rec.judge_here and not rec.taint.states and not rec.taint.urgent and not self.core.needs_judge()):
-                rec.flush()
-            # else judging what waits in the core would change nothing (see Core::serious): it
-            # stays there, for the drain thread, and the next hand-over merges the graph's
+            # Unless judging what waits in the core could change something (see Core::serious),
+            # it stays there, for the drain thread, and the next hand-over merges the graph's
             # records in by seq (FlushHooks._flush_native).
+            if not rec.judge_here or rec.taint.states or rec.taint.urgent or self.core.needs_judge():
+                rec.flush()
             # Where a backward pass starts: the judge follows it by phase over the core's records
             # (Tracker.judge), the compiled graphs by in_backward (capture/_compile_run).
             rec.in_backward = rec.taint._last_phase == "backward"

@@ -167,12 +167,12 @@ struct Core {
   // differs from the record before it (seq - 1; a gap or another thread's record in between
   // counts as different) always goes to the judge.
   int64_t last_seq = -1;
+  int8_t last_phase = -1;
   // Records waiting for the drain whose taint only the Python judge can settle (not finite, not
   // known yet, ALLOC, or an input whose producer may hold a state): without them and without
   // any state held in Python, judging the waiting records changes nothing, and a compiled
   // graph's call need not drain them first (see NativeBackend.python_records).
   int64_t serious = 0;
-  int8_t last_phase = -1;
   size_t payload_bytes = 0;  // full_tensor host copies waiting in records
   std::condition_variable drained;
   bool bad = false;
