@@ -5,6 +5,8 @@ See crosscheck.py for what may differ (only what the dispatch mode itself makes 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from tests_capture_crosscheck import crosscheck  # noqa: I001 - see conftest (path of this folder)
@@ -207,6 +209,21 @@ def test_compiled_graphs_numbered_once_among_the_native_cores_records(tmp_path):
     # first-call check (a detach under its _AnalyzeCustomOpInputOutputMode) is not "unsure": the
     # call the mode makes is the one recorded.
     assert (nat["run"].meta.get("native_unsure") or 0) == 0
+
+
+def test_compiled_graphs_numbered_once_when_the_step_hands_records_over(tmp_path, monkeypatch):
+    # The optimizer step's hand-over by time (outside any graph call) ships the graphs'
+    # summaries; the writer makes their rows off the training thread, where no mode records the
+    # stacking (a loaded machine took this path: the harness made the rows under the mode once).
+    from types import SimpleNamespace
+
+    from trainguard.capture import _recorder_flush
+
+    clock = itertools.count(1e12, 1e6)  # every step's check finds the hand-over late; a graph call's never does
+    monkeypatch.setattr(_recorder_flush, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    problems, _, py, _ = crosscheck(PROGRAMS["compiled"], tmp_path, "full_health")
+    assert problems == [], "\n".join(problems[:20])
+    assert "aten.stack.default" not in [r[3] for r in py["records"]]
 
 
 def test_closure_ops_are_forward_and_backward_under_both(tmp_path):
