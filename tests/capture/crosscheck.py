@@ -19,6 +19,7 @@ import difflib
 import math
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 import trainguard as tg
 from trainguard.capture import _recorder
@@ -44,7 +45,11 @@ def capture(make_program, tmp_path, backend: str, mode: str, seed: int = 0, **kw
     orig_loss_end = _recorder.Recorder._loss_end
 
     def put_executions(self, batch, must_keep=False):
-        for r in _writer._resolve(batch):
+        # The rows made as the writer makes them, on a thread without the dispatch mode (this
+        # runs on the training thread: a step's hand-over is outside any op or graph call).
+        with _disable_current_modes():
+            resolved = _writer._resolve(batch)
+        for r in resolved:
             by_seq[r[0]] = r
             got["sent"] += 1
         got["pins"].update(batch.pins or ())
