@@ -74,6 +74,20 @@ def test_division_by_zero(tmp_path):
     assert "1e-8" in o.suggestion
 
 
+def test_zero_over_zero_under_summaries_without_zero_counts(tmp_path):
+    # check_numerics' runs are curt_health: no zero counts. A NaN quotient of finite values is
+    # 0/0 (an overflow makes inf, never NaN); it was explained as "the quotient overflowed".
+    x = torch.tensor([1.0, 2.0])
+
+    def f():
+        d = x - x
+        return (d / d).sum().item()
+
+    o = origin(record(tmp_path, f, mode="curt_health"))
+    assert o.origin.op == "aten.div.Tensor"
+    assert o.origin.explanation.startswith("0/0 -> NaN"), o.origin.explanation
+
+
 @pytest.mark.parametrize("loss, op", [
     (lambda out, y: torch.nn.functional.nll_loss(out.log_softmax(1), y), "aten.nll_loss_forward"),
     (lambda out, y: torch.nn.functional.mse_loss(out[:, 0], y.float()), "aten.mse_loss"),
