@@ -59,8 +59,6 @@ def test_check_numerics_on_the_compiled_loss_over_padding_says_why(tmp_path):
     assert "prims output" not in msg and "convert_element_type output" in msg, msg
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: check_numerics' run is curt_health, whose summaries hold no "
-                   "zero counts, so the origin of the compiled 0/0 reads 'division made nan: the quotient overflowed'")
 @pytest.mark.timeout(900)
 def test_trainguard_run_check_numerics_prints_why_the_compiled_loss_over_padding_is_nan(tmp_path):
     torch._dynamo.reset()

@@ -242,9 +242,10 @@ def explain(link: Link) -> str:
         return (f"{base} averaged over no target: every target is ignore_index (-100 unless set) or weighs 0, "
                 "so the total weight is 0 and the mean is 0/0")
     if _compiled_no_target(link):
+        through = link.through or [op_base(link.inputs[0].get("producer_op") or "sum")]
         return ("the loss averaged over no target: every target is ignore_index (-100 unless set) or weighs 0, "
                 f"so the total weight (input 1, 0) is 0 and the mean is 0/0 (inside the compiled graph's nll_loss: "
-                f"{', '.join(link.through)}, then {base} by the count of targets it kept)")
+                f"{', '.join(through)}, then {base} by the count of targets it kept)")
     via = received_input(link)
     if via is not None:
         return (f"{base} read what {via['producer_op']} (#{via['producer']}) wrote: the non-finite value came "
@@ -279,6 +280,10 @@ def explain(link: Link) -> str:
             return f"division by a zero denominator: {_plural(zeros, 'zero')} in the denominator{tail}"
         if len(ins) < 2 or ins[1]["kind"] != "op":
             return "division by a zero denominator (a scalar or unrecorded tensor)"
+        if "nan" in link.health and all(_finite_known(i.get("summary")) for i in ins[:2]):
+            # Summaries without zero counts (curt_health): a quotient of finite values overflows
+            # to inf, never to NaN.
+            return "0/0 -> NaN: the numerator and the denominator are both zero where the NaN is"
         return f"division made {made}: the quotient overflowed"
     if base in _SQRTS:
         negs = _count(s0, "neg")
@@ -347,13 +352,28 @@ def _no_target_counted(link: Link) -> bool:
 def _compiled_no_target(link: Link) -> bool:
     """Inductor's nll_loss_forward (F.cross_entropy's mean), decomposed: the sum of the kept
     targets' log-probabilities (no summary of its own) divided by their count cast to float, a
-    single 0 when every target is ignore_index."""
-    if "nan" not in link.health or op_base(link.op) not in ("div", "div_") or len(link.inputs) < 2 or not link.through:
+    single 0 when every target is ignore_index. Under summaries without zero counts
+    (check_numerics' curt_health) the sum has a summary, and a NaN quotient of two finite values
+    says the count is 0 (0/0)."""
+    if "nan" not in link.health or op_base(link.op) not in ("div", "div_") or len(link.inputs) < 2:
         return False
     num, den = link.inputs[0], link.inputs[1]
+    if den.get("producer_op") not in ("prims.convert_element_type", "aten._to_copy"):
+        return False
+    if not (link.through or den.get("producer_op") == "prims.convert_element_type"):
+        return False  # not inside a compiled graph
     weight = den.get("summary") or {}
-    return (_unknown(num.get("summary")) and weight.get("size") == 1 and _count(weight, "zero") == 1
-            and den.get("producer_op") in ("prims.convert_element_type", "aten._to_copy"))
+    if "zero" in weight:
+        return _unknown(num.get("summary")) and weight.get("size") == 1 and _count(weight, "zero") == 1
+    return num.get("producer_op") == "aten.sum" and _finite_known(num.get("summary")) and _finite_known(weight)
+
+
+def _finite_known(summary: dict | None) -> bool:
+    """Whether a stored summary says all its values are finite (no_tensor and shape say nothing)."""
+    if not summary or _unknown(summary):
+        return False
+    keys = [k for k in ("nonfinite", "nan", "pos_inf", "neg_inf") if k in summary]
+    return bool(keys) and all(_count(summary, k) == 0 for k in keys)
 
 
 def _forward_reason(fbase: str) -> str:
