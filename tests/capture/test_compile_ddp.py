@@ -1,0 +1,40 @@
+"""DDP around a compiled model (nanoGPT's train.py under torchrun): Dynamo's DDP optimizer
+compiles without disabling the active dispatch modes, so the Python recorder's mode saw the
+compiler's functional and fake tensors and summarised them: a segmentation fault in the first
+forward (found running nanoGPT with `trainguard run --nproc-per-node 2`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import trainguard as tg
+
+SCRIPT = Path(__file__).with_name("_ddp_compile_script.py")
+
+
+def _run(tmp_path, how: str) -> str:
+    p = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "r"), how], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
+    return p.stdout
+
+
+@pytest.mark.timeout(900)
+def test_ddp_around_a_compiled_model_is_recorded_inside_its_graphs(tmp_path):
+    out = _run(tmp_path, "record")
+    assert "backend python" in out, out
+    run = tg.open(tmp_path / "r")
+    assert run.meta.get("record_errors") is None, run.meta.get("record_errors")
+    ops = [(e["op"], e["phase"]) for e in run.executions()]
+    assert ops.count(("aten.addmm", "forward")) == 6, ops  # two per step, inside the graph
+    assert ("c10d.allreduce_", "backward") in ops or any(op.startswith("c10d.") for op, _ in ops), ops
+
+
+@pytest.mark.timeout(900)
+def test_check_numerics_stops_inside_a_compiled_graph_under_ddp(tmp_path):
+    out = _run(tmp_path, "check_numerics")
+    assert "NonFiniteError: aten.addmm" in out and "step 2" in out, out
