@@ -306,3 +306,27 @@ def test_a_child_forked_while_other_threads_hold_the_cores_locks_goes_on(tmp_pat
     assert codes == "[0, 0, 0, 0]"  # "hung": a child waited for a lock no thread of its own held
     assert child_exps == "[1, 1, 1, 1]"  # each child records its own run
     assert parent_exps == "3"  # the children's ops are not in the parent's run
+
+
+def test_the_summary_kernel_reads_no_memory_a_fake_or_functional_tensor_does_not_have():
+    # A compiler's fake tensors (and functional wrappers of them) have no data: the kernel read
+    # address 0 (a segmentation fault) when the Python recorder's mode was handed one.
+    code = textwrap.dedent("""
+        import math, warnings
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+        from trainguard.capture import _native
+        warnings.simplefilter("ignore")
+        core = _native.load()
+        fake = FakeTensorMode().from_tensor(torch.ones(400))
+        with FunctionalTensorMode():
+            functional = FunctionalTensor.to_functional(torch.ones(400))
+        for t in (fake, functional, fake[::2]):
+            for mode in (1, 2, 3, 6):
+                s = core.summarize(t, mode, False)
+                assert all(math.isnan(v) for v in s[1:]), (type(t), mode, s)
+        print("ok")
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stdout, p.stderr[-2000:])
