@@ -274,7 +274,12 @@ def _patch_inductor() -> None:
 class _PausingLock:
     """Dynamo's compile lock, held around each compilation with every dispatch mode disabled
     (``with compile_lock, _disable_current_modes()``): the native core is paused there too, so
-    neither backend records the compiler's own ops (the fakeified inputs' detaches, traced ops)."""
+    neither backend records the compiler's own ops (the fakeified inputs' detaches, traced ops).
+
+    Dynamo's DDP optimizer (a compiled model inside ``DistributedDataParallel``) and Inductor's
+    lazy backward compile hold the lock with the modes still active: the Python recorders' mode
+    lets ops pass while it is held (``in_graph``), or it would summarise the compiler's fake and
+    functional tensors."""
 
     def __init__(self, lock) -> None:
         self.lock = lock
@@ -286,13 +291,18 @@ class _PausingLock:
         self.lock.__enter__()
         mod = _native._module
         stack = self.local.__dict__.setdefault("old", [])
-        stack.append(mod.set_paused(True) if mod is not None else None)
+        users = tuple(_users)
+        for r in users:
+            r.in_graph += 1
+        stack.append((mod.set_paused(True) if mod is not None else None, users))
         return self
 
     def __exit__(self, *exc):
         from trainguard.capture import _native
 
-        old = self.local.old.pop()
+        old, users = self.local.old.pop()
+        for r in users:
+            r.in_graph -= 1
         if old is not None and _native._module is not None:
             _native._module.set_paused(old)
         return self.lock.__exit__(*exc)
