@@ -414,10 +414,18 @@ int health_of(int mode, const Summary& s) {
   return flags;
 }
 
+// Whether the tensor's elements are in memory this process can read: a compiler's fake tensor
+// (its storage has no data) or a Python wrapper subclass (a functional tensor: its storage is
+// the wrapped one's, or none) holds none.
+static bool has_values(const at::Tensor& t) {
+  if (t.key_set().has(c10::DispatchKey::Python) || !t.has_storage()) return false;
+  return t.numel() == 0 || t.storage().data() != nullptr;
+}
+
 Summary summarize(const at::Tensor& t0, int mode, bool expect_nonfinite) {
   if (mode_fields(mode) == 0) return Summary{};
   if (t0.layout() != at::kStrided) return sparse_summary(t0, mode);
-  if (t0.is_meta()) return unknown_summary(mode, t0.numel());
+  if (t0.is_meta() || !has_values(t0)) return unknown_summary(mode, t0.numel());
   at::Tensor t = plain_values(t0);
   // A dimension of stride 0 repeats memory: read the distinct elements once, scale the counts.
   bool broadcast = false;
