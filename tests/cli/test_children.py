@@ -59,3 +59,39 @@ def test_no_note_when_the_script_trains_itself():
         list(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 3)), num_workers=1))
         namespace["train"](0, model)
     assert watch.started == 0 and watch.backwards == 3 and watch.note() is None
+
+
+# PyTorch Lightning's DDP launcher on a script (``Trainer(strategy="ddp", devices=2)``,
+# ``_SubprocessScriptLauncher``) starts each further rank as ``python script.py ARGS`` with
+# LOCAL_RANK set, and trains rank 0 in the script's own process: under ``trainguard run`` rank 1
+# trained unrecorded, and nothing said so.
+RELAUNCH = textwrap.dedent("""
+    import os, subprocess, sys
+    import torch
+
+    if "LOCAL_RANK" not in os.environ:
+        env = dict(os.environ, LOCAL_RANK="1", WORLD_SIZE="2")
+        child = subprocess.Popen([sys.executable, os.path.abspath(sys.argv[0])] + sys.argv[1:], env=env)
+    else:
+        child = None
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).pow(2).mean().backward()
+        opt.step()
+    if child is not None:
+        assert child.wait() == 0
+""")
+
+
+def test_ranks_a_script_relaunches_itself_as_are_said_to_be_unrecorded(tmp_path):
+    script = tmp_path / "lit_like.py"
+    script.write_text(RELAUNCH)
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--logdir", str(tmp_path / "r"), str(script)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    note = [line for line in proc.stderr.splitlines() if "more rank" in line]
+    assert len(note) == 1 and "started 1 more rank" in note[0] and "rank 0" in note[0], proc.stderr
+    assert "--nproc-per-node 2" in note[0], note[0]
+    assert "recorded" in proc.stderr.splitlines()[-1]  # this process's own run is there as always
