@@ -5,12 +5,17 @@ pytorch/examples' mnist_hogwild trains in ``multiprocessing`` children only: und
 like one that trained too little. (``torch.multiprocessing.spawn``'s processes are followed, see
 ``_spawned``; these are the others.) :class:`ChildWatch` counts the processes the script starts
 (DataLoader workers aside) and the ``backward()`` passes of its own process, and says so when
-every backward ran elsewhere.
+every backward ran elsewhere. PyTorch Lightning's DDP launcher on a script starts each further rank
+as ``python script.py ...`` with its LOCAL_RANK (``subprocess.Popen``) and trains rank 0 itself:
+ChildWatch counts those ranks too, and says that only this process was watched.
 """
 
 from __future__ import annotations
 
 import multiprocessing.process
+import os
+import subprocess
+import sys
 
 # Targets of child processes that never train: DataLoader workers.
 _NOT_TRAINING = ("torch.utils.data._utils.worker",)
@@ -23,7 +28,11 @@ class ChildWatch:
     def __init__(self) -> None:
         self.started = 0
         self.backwards = 0
+        self.ranks = 0  # copies of the script started as further ranks (Lightning's DDP launcher)
+        self.world: str | None = None
+        self.script = "script.py"
         self._original = None
+        self._popen = None
 
     def __enter__(self) -> ChildWatch:
         self.start()
@@ -43,6 +52,17 @@ class ChildWatch:
             return original(process, *args, **kwargs)
 
         multiprocessing.process.BaseProcess.start = start
+        self._popen = popen_init = subprocess.Popen.__init__
+
+        def init(popen, args, *more, **kwargs):
+            env = kwargs.get("env")
+            if _is_rank_of_this_script(args, os.environ if env is None else env):
+                watch.ranks += 1
+                watch.world = (env or os.environ).get("WORLD_SIZE")
+                watch.script = os.path.basename(sys.argv[0]) or watch.script
+            return popen_init(popen, args, *more, **kwargs)
+
+        subprocess.Popen.__init__ = init
         from trainguard.capture import _monitor_tap  # imports torch: not before a script runs
 
         _monitor_tap.add_listener("after_backward", self._on_backward)
@@ -51,6 +71,7 @@ class ChildWatch:
         if self._original is None:
             return
         multiprocessing.process.BaseProcess.start, self._original = self._original, None
+        subprocess.Popen.__init__, self._popen = self._popen, None
         from trainguard.capture import _monitor_tap
 
         _monitor_tap.remove_listener("after_backward", self._on_backward)
@@ -60,6 +81,13 @@ class ChildWatch:
 
     def note(self) -> str | None:
         """The line to print when the script's training ran in its children, else None."""
+        if self.ranks:
+            n = self.ranks
+            world = self.world if self.world and self.world.isdigit() else str(n + 1)
+            return (f"trainguard: the script started {n} more rank{'s' if n > 1 else ''} as new processes running "
+                    "itself (as PyTorch Lightning's DDP launcher does): trainguard watched this process, rank 0, "
+                    f"only. Watch every rank with `trainguard run --nproc-per-node {world} {self.script}` "
+                    "(torchrun starts the ranks, and Lightning uses them)")
         if not self.started or self.backwards:
             return None
         n = self.started
@@ -68,3 +96,15 @@ class ChildWatch:
                 "processes, not these). Start DDP ranks with `trainguard run --nproc-per-node N script.py` "
                 "(torchrun) or torch.multiprocessing.spawn, or open trainguard.record / trainguard.Monitor "
                 "inside the function each process runs")
+
+
+def _is_rank_of_this_script(args, env) -> bool:
+    """A command that runs this Python again as another local rank: ``[python, ...]`` with a
+    LOCAL_RANK of its own in its environment."""
+    if isinstance(args, (str, bytes)) or not args:
+        return False
+    rank = env.get("LOCAL_RANK")
+    if rank is None or rank == os.environ.get("LOCAL_RANK"):
+        return False
+    exe = os.fspath(args[0])
+    return exe == sys.executable or os.path.basename(exe).startswith("python")
