@@ -230,6 +230,17 @@ def test_existing_run_is_not_overwritten(tmp_path):
     assert [r["op"] for r in open_run(tmp_path / "r").executions()][-1] == "aten.mul.Tensor"
 
 
+def test_check_numerics_overwrites_a_run_only_when_asked(tmp_path):
+    # record and Monitor take overwrite=; check_numerics refused it (a TypeError).
+    with tg.check_numerics(tmp_path / "r"):
+        torch.ones(2) + 1
+    with pytest.raises(tg.TrainguardError, match="already holds a run"):
+        tg.check_numerics(tmp_path / "r").start()
+    with tg.check_numerics(tmp_path / "r", overwrite=True):
+        torch.ones(2) * 3
+    assert [r["op"] for r in open_run(tmp_path / "r").executions()][-1] == "aten.mul.Tensor"
+
+
 def test_enable_disable(tmp_path):
     tg.enable(tmp_path / "r", buffer=-1)
     try:
