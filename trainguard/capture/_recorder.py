@@ -383,16 +383,17 @@ def record(
 
 
 def check_numerics(logdir: str | os.PathLike | None = None, *, mode: str = "curt_health", buffer: int = 1000,
-                   strict: bool = False) -> Recorder:
+                   strict: bool = False, overwrite: bool = False) -> Recorder:
     """Raise :class:`trainguard.NonFiniteError` at the first op (forward or backward) that makes
     a harmful value: a NaN, or a +-inf that reaches the loss, a gradient, a parameter, optimizer
     state or a value the program reads. The message names where that value was made (the op
     that first made the inf, with its module, the user's ``file:line`` and its inputs) and
     where it became harmful. Intended infinities (masks absorbed by softmax, sentinels) pass.
     ``strict=True`` raises at any non-finite output instead. With ``logdir`` the ops are also
-    recorded there, with the op that raised and its chain.
+    recorded there, with the op that raised and its chain (``overwrite=True`` replaces a run
+    already there).
     """
-    return Recorder(logdir, mode=mode, buffer=buffer, check_numerics=True, strict=strict)
+    return Recorder(logdir, mode=mode, buffer=buffer, check_numerics=True, strict=strict, overwrite=overwrite)
 
 
 def enable(logdir: str | os.PathLike, mode: str = "full_health", buffer: int = 1000, ops=None, dtypes=None,
