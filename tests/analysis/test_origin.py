@@ -74,6 +74,19 @@ def test_division_by_zero(tmp_path):
     assert "1e-8" in o.suggestion
 
 
+def test_a_row_of_logs_of_zeros_into_log_softmax_is_not_called_a_masked_row(tmp_path):
+    # log(0) makes the -inf, a softmax over the row makes the NaN: the fix is the log's (a
+    # clamp), not a mask's (found with torch.compile and activation checkpointing, same eager).
+    def f():
+        p = torch.zeros(2, 3)
+        return torch.log_softmax(torch.log(p), 1).sum().item()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten._log_softmax"
+    assert "masked" not in o.origin.explanation and "log of zeros" in o.origin.explanation, o.origin.explanation
+    assert "clamp the input before the log" in o.suggestion, o.suggestion
+
+
 def test_zero_over_zero_under_summaries_without_zero_counts(tmp_path):
     # check_numerics' runs are curt_health: no zero counts. A NaN quotient of finite values is
     # 0/0 (an overflow makes inf, never NaN); it was explained as "the quotient overflowed".
