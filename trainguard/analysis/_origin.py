@@ -317,6 +317,10 @@ def _masked_rows(link: Link) -> str | None:
     if base in _SOFTMAXES and not _count(s0, "nan") and not _count(s0, "pos_inf") and (
             _count(s0, "neg_inf") or (s0 or {}).get("nonfinite")):
         what = "log_softmax" if "log" in base else "softmax"
+        if _from_log(link):
+            src = link.inputs[0]
+            return (f"{what} over a row whose inputs are all -inf -> NaN: the row's max is -inf, and -inf - (-inf) "
+                    f"is NaN; the -infs are the log of zeros ({src['producer_op']}, #{src.get('producer')}), not a mask")
         return (f"{what} over a row whose inputs are all -inf (a fully masked row) -> NaN: "
                 "the row's max is -inf, and -inf - (-inf) is NaN")
     if base in _ATTENTION and not any(_count(i.get("summary"), "nan") for i in link.inputs):
@@ -331,6 +335,12 @@ def _masked_rows(link: Link) -> str | None:
                     f"-inf, and -inf - (-inf) is NaN (inside the compiled graph's {what}: "
                     f"{', '.join(link.through)}, then {base})")
     return None
+
+
+def _from_log(link: Link) -> bool:
+    """A softmax whose -inf inputs a log made (of zeros), not a mask."""
+    src = link.inputs[0] if link.inputs else {}
+    return src.get("kind") == "op" and op_base(src.get("producer_op") or "") in _LOGS
 
 
 def _empty_input(link: Link) -> dict | None:
@@ -422,7 +432,7 @@ def suggest(link: Link) -> str:
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
     if _masked_rows(link):
-        return _SUGGESTIONS["masked"]
+        return _SUGGESTIONS["log" if _from_log(link) else "masked"]
     if _empty_input(link) is not None:
         return _SUGGESTIONS["empty"]
     if _no_target_counted(link) or _compiled_no_target(link):
