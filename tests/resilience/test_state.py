@@ -75,3 +75,31 @@ def test_a_stateful_dataloader_is_used_as_is_and_resumes_exactly(tmp_path, num_w
     losses += train_steps(resumed, 6)
     assert losses == expected
     assert_same_training_state(reference, resumed)
+
+
+@pytest.mark.parametrize("save_as, load_as", [("compiled", "plain"), ("plain", "compiled"),
+                                              ("data_parallel", "compiled"), ("plain", "data_parallel")])
+def test_a_checkpoint_fits_the_model_compiled_or_not_wrapped_or_not(tmp_path, save_as, load_as):
+    # nanoGPT trains with compile=True and evaluates or resumes with compile=False: a compiled
+    # model's state_dict names every key "_orig_mod.<key>" (DataParallel and DDP "module.<key>"),
+    # and the checkpoint "does not fit" the same model unwrapped.
+    from trainguard.resilience import CheckpointManager
+
+    def make(how):
+        torch.manual_seed(0 if how == save_as else 1)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        wrapped = {"plain": model, "compiled": torch.compile(model),
+                   "data_parallel": torch.nn.DataParallel(model)}[how]
+        return model, TrainState(model=wrapped, optimizer=torch.optim.Adam(model.parameters()))
+
+    model, state = make(save_as)
+    model(torch.ones(1, 4)).sum().backward()  # the module itself: no compilation needed here
+    state.optimizer.step()
+    CheckpointManager(tmp_path / "ck").save(state)
+    other, restored = make(load_as)
+    assert not torch.equal(other[0].weight, model[0].weight)
+    CheckpointManager(tmp_path / "ck").restore(restored)
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values()))
+    moments = [s.optimizer.state_dict()["state"][0]["exp_avg"] for s in (state, restored)]
+    assert moments[0].equal(moments[1])
+    assert state.model is not model or save_as == "plain"  # the user's object is what they gave
