@@ -22,6 +22,21 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def state_holder(obj: Any) -> Any:
+    """The object whose state a checkpoint keeps: a model, not the wrapper around it that names
+    every key under a prefix (torch.compile's ``_orig_mod.``, DataParallel's and DDP's
+    ``module.``), so that a checkpoint fits the model compiled or not, wrapped or not."""
+    for _ in range(8):
+        inner = getattr(obj, "_orig_mod", None)
+        if type(obj).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
+            obj = inner
+        elif isinstance(obj, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+            obj = obj.module
+        else:
+            break
+    return obj
+
+
 def _is_stateful_dataloader(obj: Any) -> bool:
     return isinstance(obj, DataLoader) and _stateful(obj)
 
@@ -110,7 +125,7 @@ class TrainState:
         local: dict[str, Any] = {}
         for name, obj in self._objects.items():
             try:
-                value = _rng.capture_generator(obj) if isinstance(obj, torch.Generator) else obj.state_dict()
+                value = _rng.capture_generator(obj) if isinstance(obj, torch.Generator) else state_holder(obj).state_dict()
             except Exception as exc:
                 raise CheckpointError(f"{name}.state_dict() failed: {type(exc).__name__}: {exc}") from exc
             (local if name in self._local else shared)[name] = value
@@ -143,7 +158,7 @@ class TrainState:
             if isinstance(obj, torch.Generator):
                 _rng.restore_generator(obj, value)
             else:
-                obj.load_state_dict(value)
+                state_holder(obj).load_state_dict(value)
         except CheckpointError as exc:
             raise CheckpointError(f"cannot restore {name!r}: {exc}") from exc
         except Exception as exc:
