@@ -54,13 +54,14 @@ class ChildWatch:
         multiprocessing.process.BaseProcess.start = start
         self._popen = popen_init = subprocess.Popen.__init__
 
-        def init(popen, args, *more, **kwargs):
+        def init(popen, *args, **kwargs):
             env = kwargs.get("env")
-            if _is_rank_of_this_script(args, os.environ if env is None else env):
+            command = args[0] if args else kwargs.get("args")
+            if _is_rank_of_this_script(command, os.environ if env is None else env):
                 watch.ranks += 1
                 watch.world = (env or os.environ).get("WORLD_SIZE")
                 watch.script = os.path.basename(sys.argv[0]) or watch.script
-            return popen_init(popen, args, *more, **kwargs)
+            return popen_init(popen, *args, **kwargs)
 
         subprocess.Popen.__init__ = init
         from trainguard.capture import _monitor_tap  # imports torch: not before a script runs
@@ -101,7 +102,7 @@ class ChildWatch:
 def _is_rank_of_this_script(args, env) -> bool:
     """A command that runs this Python again as another local rank: ``[python, ...]`` with a
     LOCAL_RANK of its own in its environment."""
-    if isinstance(args, (str, bytes)) or not args:
+    if not isinstance(args, (list, tuple)) or not args:
         return False
     rank = env.get("LOCAL_RANK")
     if rank is None or rank == os.environ.get("LOCAL_RANK"):
