@@ -1,0 +1,162 @@
+"""Uninitialised memory (``empty``, ``empty_like``, ``module.to_empty()``) is never evidence, on
+either backend, also when it sits inside a DTensor, and stops being unknown once it is written.
+
+Uninitialised memory holds whatever the allocator hands back, NaN bit patterns included, so a
+test that relies on it is flaky. ``torch.utils.deterministic.fill_uninitialized_memory`` (with
+deterministic algorithms on) makes every ``empty*`` fill its floats with NaN: the tests below
+see NaN there on every run, which is the worst case a real allocator can produce.
+
+The FSDP2 recipe (build on the meta device, ``fully_shard``, ``to_empty``, ``reset_parameters``)
+is derived from pytorch/examples distributed/FSDP2 (example.py, model.py), shrunk to two linear
+layers on a one-rank gloo group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import trainguard as tg
+
+
+@pytest.fixture
+def nan_empty():
+    """Every uninitialised float allocation holds NaN."""
+    was_det = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        assert torch.isnan(torch.empty(4)).all()
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = was_fill
+        torch.use_deterministic_algorithms(was_det, warn_only=was_warn)
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group: FSDP2 and DTensor need a default process group."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _meta_model(fsdp: bool) -> nn.Module:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    return model
+
+
+def _train(model: nn.Module, init: bool = True, steps: int = 2) -> float:
+    # The example's order: to_empty, then reset_parameters, then the optimizer and the steps.
+    model.to_empty(device="cpu")
+    if init:
+        for m in model:
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8, generator=g)).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return float(loss.detach())
+
+
+@pytest.mark.usefixtures("nan_empty", "one_rank")
+def test_fsdp2_to_empty_then_init_passes_check_numerics():
+    # The bug: FSDP2 re-reads the DTensor's local shard (``_local_tensor.view(-1)``) after
+    # ``to_empty``; the shard came from the DTensor's own empty_like, which the dispatch mode does
+    # not see, so its NaN bytes were judged harmful and a healthy job stopped with exit 3.
+    torch.manual_seed(0)
+    with tg.check_numerics():
+        loss = _train(_meta_model(fsdp=True))
+    assert loss == loss
+
+
+@pytest.mark.usefixtures("nan_empty", "one_rank")
+def test_fsdp2_to_empty_recorded_without_harm(tmp_path):
+    torch.manual_seed(0)
+    with tg.record(tmp_path / "run", backend="python", buffer=-1):
+        _train(_meta_model(fsdp=True))
+    with tg.open(tmp_path / "run") as run:
+        assert run.alerts()["total"] == 0
+        assert run.meta.get("first_harm") is None
+
+
+@pytest.mark.usefixtures("nan_empty")
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_fsdp2_to_empty_without_init_is_caught(fsdp, request):
+    # What must still fail: a model used straight after to_empty computes on garbage.
+    if fsdp:
+        request.getfixturevalue("one_rank")
+    torch.manual_seed(0)
+    with pytest.raises(tg.NonFiniteError) as err:
+        with tg.check_numerics():
+            _train(_meta_model(fsdp=fsdp), init=False, steps=1)
+    # Not at a view or a copy of the uninitialised memory: at the first op that computes with it.
+    op = err.value.execution["op"]
+    assert not any(w in op for w in ("view", "copy", "clone", "detach", "as_strided", "empty")), op
+    assert err.value.execution["phase"] == "forward"
+
+
+@pytest.mark.usefixtures("nan_empty")
+def test_plain_to_empty_then_init_passes_check_numerics():
+    torch.manual_seed(0)
+    with tg.check_numerics():
+        _train(_meta_model(fsdp=False))
+
+
+@pytest.mark.usefixtures("nan_empty")
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_written_behind_a_view_is_no_longer_unknown(tmp_path, backend):
+    # FSDP2 keeps a flat view of each uninitialised shard, and reset_parameters writes the shard
+    # itself: the view's values are real from then on (its version counter moved), and what is
+    # copied from it (FSDP's all-gather copy-in, every step) must be summarised, not unknown.
+    with tg.record(tmp_path / "run", backend=backend, buffer=-1, mode="full_health"):
+        buf = torch.empty(4, 4)
+        flat = buf.view(-1)
+        buf.uniform_()
+        copied = flat.clone()
+        torch.empty(3).view(-1).clone()  # never written: unknown
+    assert torch.isfinite(copied).all()
+    with tg.open(tmp_path / "run") as run:
+        assert run.meta.get("backend") == backend
+        clones = [e for e in run.executions() if e["op"] == "aten.clone"]
+        assert len(clones) == 2
+        written, unwritten = (c["outputs"][0]["summary"] for c in clones)
+        assert written["pos"] == 16 and written["nan"] == 0, written
+        assert clones[0]["taint"] == "finite"
+        assert clones[1]["taint"] == "unknown" and unwritten["nan"] != unwritten["nan"]  # no count: NaN
+        assert run.alerts()["total"] == 0
+
+
+@pytest.mark.usefixtures("nan_empty", "one_rank")
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_fsdp2_parameters_are_summarised_after_init(tmp_path, backend):
+    # After reset_parameters the all-gathered parameters hold real values in every step's forward.
+    torch.manual_seed(0)
+    with tg.record(tmp_path / "run", backend=backend, buffer=-1):
+        _train(_meta_model(fsdp=True))
+    with tg.open(tmp_path / "run") as run:
+        assert run.alerts()["total"] == 0
+        fwd = [e for e in run.executions(phase="forward", step=1) if e["op"] == "aten.copy_"]
+        assert fwd, "no all-gather copy-in recorded"
+        for e in fwd:
+            assert e["taint"] == "finite", e
+            s = e["outputs"][0]["summary"]
+            assert s["nan"] == 0 and s["pos"] + s["neg"] + s["zero"] == e["outputs"][0]["shape"][0], e
