@@ -225,6 +225,8 @@ class _DispatchMode(TorchDispatchMode):
                             # (an overwrite, copy_ or fill_, does not count its first input's old values)
                             if states and not (info[7] and first is None):
                                 st = states.get(p[1])
+                                if st is not None and st[0] == UNKNOWN and _base_written(producers, t, p[1]):
+                                    st = None  # uninitialised no more (see _taint.WRITTEN)
                                 if st is not None and (st[0] > in_taint or (
                                         st[0] == in_taint and st[1] is not None and st[1] < in_origin)):
                                     in_taint, in_origin = st
@@ -281,6 +283,11 @@ class _DispatchMode(TorchDispatchMode):
                 # A collective's output must never lend its summary to a later view: its values
                 # arrive after this, without moving the version counter.
                 _register(r, producers, o, seq, name, stack_id, None if info[9] else s)
+                if v is not o:
+                    # A DTensor's shard was made (or written) by this op, inside the subclass where
+                    # this mode does not see it: FSDP2 reads it directly (``_local_tensor.view(-1)``
+                    # after ``to_empty``), and must find this op, and its taint, as the producer.
+                    _register(r, producers, v, seq, name, stack_id, None if info[9] else s)
             if r.mode == "full_tensor" and not info[9]:  # a collective's values are not there yet
                 _save_payloads(r, seq, outs)
 
@@ -354,6 +361,16 @@ if hasattr(os, "register_at_fork"):
 
 
 _compile.keep_dynamo_out(_DispatchMode.__torch_dispatch__)
+
+
+def _base_written(producers: dict, t: _Tensor, seq: int) -> bool:
+    """Whether ``t``, a view that ``seq`` made, had its base written by a later op: the memory
+    of an allocation is unknown no more once an op writes it (see _taint.WRITTEN)."""
+    b = t._base
+    if b is None:
+        return False
+    p = producers.get(id(b))
+    return p is not None and p[1] > seq and p[0]() is b
 
 
 def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:

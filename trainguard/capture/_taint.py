@@ -42,6 +42,15 @@ FINITE, UNKNOWN, PENDING, HARMFUL = T_FINITE, T_UNKNOWN, T_PENDING, T_HARMFUL
 # and writes what the other ranks send, later (torch.distributed): what it writes is judged by
 # the op that reads it, and what this rank sent passes on its harm.
 DEFAULT, VIEW, COPY, ALLOC, RENORM, READ, COLLECTIVE = range(7)
+
+# A record's input ("written", seq) is ("op", seq) for a view that ``seq`` made whose base a later
+# op wrote (the base's producer is later than ``seq``): FSDP2's flat view of a shard that
+# to_empty allocated and reset_parameters then filled. Uninitialised memory written that way is
+# unknown no more; any other state the view had still counts. A write into the base does not
+# move the view's producer (nor, inside a tensor subclass's dispatch, its version counter). The
+# native core hands this kind over; the judge stores it as "op" (see Tracker.judge). The
+# dispatch mode judging on the training thread applies the same rule in place.
+WRITTEN = "written"
 CLASS_NAMES = ("default", "view", "copy", "alloc", "renorm", "read", "collective")
 
 ALLOC_OPS = frozenset(
@@ -401,13 +410,25 @@ class Tracker:
                 self.op_classes[op] = facts
             cls, overwrite, inplace = facts
             in_taint, in_origin = FINITE, None
-            for i, (kind, ref) in enumerate(rec[8] if states else ()):
-                if kind != "op" or (i == 0 and overwrite):
+            ins = rec[8]
+            fixed = None
+            for i, (kind, ref) in enumerate(ins):
+                if kind != "op":
+                    if kind != WRITTEN:
+                        continue
+                    if fixed is None:
+                        fixed = list(ins)
+                    fixed[i] = ("op", ref)  # stored as any producer is
+                if not states or (i == 0 and overwrite):
                     continue
                 st = states.get(ref)
-                if st is not None and (st[0] > in_taint or (st[0] == in_taint and st[1] is not None
-                                                            and (in_origin is None or st[1] < in_origin))):
+                if st is None or (kind == WRITTEN and st[0] == UNKNOWN):  # uninitialised no more
+                    continue
+                if st[0] > in_taint or (st[0] == in_taint and st[1] is not None
+                                        and (in_origin is None or st[1] < in_origin)):
                     in_taint, in_origin = st
+            if fixed is not None:
+                rec = rec[:8] + (tuple(fixed),) + rec[9:]
             param_write = inplace and bool(rec[8]) and rec[8][0][0] == "param"
             if in_taint == UNKNOWN and (cls == VIEW or cls == COPY) and rec[10]:
                 # A view or copy of uninitialised memory: no evidence, whatever its bytes hold (as

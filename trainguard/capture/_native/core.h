@@ -70,6 +70,9 @@ struct Input {
   PyObject* name = nullptr;  // kind 2: borrowed from the Core's named table
   PyObject* what = nullptr;  // kind 2: "param" or "buffer"
   bool maybe = false;        // kind 0: its producer may hold a taint state (see Producer)
+  // kind 0 with ``maybe``: a view whose base a later op wrote (the base's producer is later than
+  // the view's): handed over as ("written", seq), see capture/_taint.WRITTEN.
+  bool written = false;
 };
 
 // A record's inputs, outputs and output sizes live in the Core's flat buffers (Core::inputs,

@@ -22,7 +22,7 @@ namespace {
 
 PyObject* g_dtype_names[256] = {nullptr};  // ScalarType -> "float32"
 PyObject* g_phase_names[4] = {nullptr};
-PyObject *g_op = nullptr, *g_input = nullptr, *g_d = nullptr, *g_cpu = nullptr;
+PyObject *g_op = nullptr, *g_written = nullptr, *g_input = nullptr, *g_d = nullptr, *g_cpu = nullptr;
 
 PyObject* steal(PyObject* o) {
   if (o == nullptr) throw py::error_already_set();
@@ -202,8 +202,9 @@ struct PyCore {
       PyObject* e;
       if (in.kind == 0) {
         e = steal(PyTuple_New(2));
-        Py_INCREF(g_op);
-        PyTuple_SET_ITEM(e, 0, g_op);
+        PyObject* kind = in.written ? g_written : g_op;
+        Py_INCREF(kind);
+        PyTuple_SET_ITEM(e, 0, kind);
         PyTuple_SET_ITEM(e, 1, steal(PyLong_FromLongLong(in.ref)));
         untracked(e);
       } else if (in.kind == 2) {
@@ -454,6 +455,7 @@ struct PyCore {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "trainguard's native recorder core (RecordFunction callbacks, summaries, stacks)";
   g_op = PyUnicode_InternFromString("op");
+  g_written = PyUnicode_InternFromString("written");
   g_input = PyUnicode_InternFromString("input");
   g_d = PyUnicode_InternFromString("d");
   g_cpu = PyUnicode_InternFromString("cpu");

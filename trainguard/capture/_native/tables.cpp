@@ -44,6 +44,10 @@ Input input_of(Core* c, const at::Tensor& t, bool in_node) {
   if (p != nullptr && !p->ref.expired()) {
     Input in{0, p->seq};
     in.maybe = p->maybe;
+    if (p->maybe && t.is_view()) {  // a view whose base a later op wrote (see Input::written)
+      Producer* b = c->producers.find(impl_key(t._base().unsafeGetTensorImpl()));
+      in.written = b != nullptr && !b->ref.expired() && b->seq > p->seq;
+    }
     return in;
   }
   if (in_node && !c->saved.empty() && has_plain_storage(t)) {  // a saved output, unpacked (see Saved)
