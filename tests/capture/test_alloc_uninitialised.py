@@ -160,3 +160,41 @@ def test_fsdp2_parameters_are_summarised_after_init(tmp_path, backend):
             assert e["taint"] == "finite", e
             s = e["outputs"][0]["summary"]
             assert s["nan"] == 0 and s["pos"] + s["neg"] + s["zero"] == e["outputs"][0]["shape"][0], e
+
+
+def _copy_in(shards, world_size: int = 2, rank: int = 0):
+    """FSDP2's copy-in before its all-gather, as rank ``rank`` of ``world_size`` runs it
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): the output buffer is an
+    ``empty`` for every rank's slice, and this rank copies its shards into its own."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (defines torch.ops.fsdp)
+
+    numel = sum(s.numel() for s in shards)
+    out = torch.empty(numel * world_size)
+    return torch.ops.fsdp.all_gather_copy_in(shards, out, [s.numel() for s in shards], numel, rank)
+
+
+@pytest.mark.usefixtures("nan_empty")
+def test_fsdp2_copy_in_leaves_the_other_ranks_slices_unknown(tmp_path):
+    # On two ranks the other rank's half of the all-gather buffer is uninitialised until the
+    # all-gather writes it: a healthy FSDP2 job stopped there (exit 3) in its first forward.
+    shards = [torch.randn(8), torch.randn(4)]
+    with tg.check_numerics():
+        mine, whole = _copy_in(shards)
+    assert torch.equal(mine, torch.cat(shards)) and torch.isnan(whole[12:]).all()
+    with tg.record(tmp_path / "run", backend="python", buffer=-1):
+        _copy_in(shards)
+    with tg.open(tmp_path / "run") as run:
+        (e,) = [e for e in run.executions() if e["op"] == "fsdp.all_gather_copy_in"]
+        assert e["taint"] == "unknown" and run.alerts()["total"] == 0
+
+
+@pytest.mark.usefixtures("nan_empty")
+def test_fsdp2_copy_in_of_a_nan_shard_stays_harmful(tmp_path):
+    # What this rank sends keeps its harm through the copy-in, with its origin.
+    with tg.record(tmp_path / "run", backend="python", buffer=-1):
+        bad = torch.zeros(4) / 0  # 0/0: NaN, harmful where it is made
+        _copy_in([torch.randn(8), bad])
+    with tg.open(tmp_path / "run") as run:
+        (div,) = [e for e in run.executions() if e["op"].startswith("aten.div")]
+        (e,) = [e for e in run.executions() if e["op"] == "fsdp.all_gather_copy_in"]
+        assert div["taint"] == "harmful" and (e["taint"], e["origin"]) == ("harmful", div["seq"])
