@@ -62,7 +62,11 @@ COPY_OPS = frozenset(
     {"aten.clone.default", "aten._to_copy.default", "aten.copy_.default", "aten.copy.default",
      "aten._copy_from.default", "aten._copy_from_and_resize.default", "aten.lift_fresh.default",
      "aten.lift_fresh_copy.default", "aten.contiguous.default", "aten.to.dtype", "aten.to.device",
-     "aten.to.dtype_layout", "aten._to_copy.out", "aten.clone.out"}
+     "aten.to.dtype_layout", "aten._to_copy.out", "aten.clone.out",
+     # FSDP2: copies this rank's shards into its slice of the all-gather's output buffer (an
+     # ``empty``) and returns that slice and the whole buffer, the other ranks' slices unwritten
+     # until the all-gather: the buffer is unknown, and what this rank sends keeps its harm.
+     "fsdp.all_gather_copy_in.default"}
 )
 RENORM_OPS = frozenset(
     {"aten._softmax.default", "aten._log_softmax.default", "aten._safe_softmax.default",
