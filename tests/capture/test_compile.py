@@ -674,3 +674,46 @@ def test_aot_autograds_first_call_check_of_custom_ops_is_not_an_unrecorded_dispa
             torch.compile(f)(x).sum().backward()
     torch._dynamo.reset()
     assert "native_unsure" not in open_run(tmp_path / "r").meta
+
+
+# ---------------------------------------------------------------------- many recordings in one process
+def _graphs_per_recording(tmp_path, compiled, x, n=10, between=None) -> list[int]:
+    """Dynamo's graph count after each of ``n`` recordings that each run ``compiled`` once
+    (and ``between`` after each)."""
+    out = []
+    for i in range(n):
+        with tg.record(tmp_path / f"r{i}"):
+            compiled(x).sum().backward()
+        if between is not None:
+            between(x)
+        out.append(counters["stats"]["unique_graphs"])
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_successive_recordings_do_not_recompile_a_model_run_only_while_recording(tmp_path):
+    """The recorder's global module hooks are in the compiled frame's guards (Dynamo inlines the
+    submodules' ``_call_impl``, which reads them): hooks registered anew by each recording made
+    every recording recompile the model, and the eighth hit ``recompile_limit`` and ran eagerly."""
+    torch._dynamo.reset()
+    counters.clear()
+    model, x = _model("mlp")
+    got = _graphs_per_recording(tmp_path, torch.compile(model, backend=tg.compile_backend("aot_eager")), x)
+    torch._dynamo.reset()
+    assert got == [got[0]] * len(got), got
+
+
+@pytest.mark.timeout(600)
+def test_successive_recordings_do_not_recompile_a_second_copy_of_a_model_compiled_plain(tmp_path):
+    """Two copies of one class share their ``forward``'s code and so its compiled entries: one
+    compiled plain and run outside recordings, one compiled with trainguard's backend and run in
+    each recording (the plain copy's entry, compiled without hooks, fails on its backend)."""
+    torch._dynamo.reset()
+    counters.clear()
+    (plain, x), (ours, _) = _model("mlp"), _model("mlp")
+    plain = torch.compile(plain, backend="aot_eager")
+    plain(x)
+    ours = torch.compile(ours, backend=tg.compile_backend("aot_eager"))
+    got = _graphs_per_recording(tmp_path, ours, x, between=plain)
+    torch._dynamo.reset()
+    assert got == [got[0]] * len(got), got
