@@ -114,6 +114,25 @@ def test_monitor_finds_a_compiled_model_by_itself(tmp_path):
     torch._dynamo.reset()
 
 
+def test_successive_monitors_that_find_a_compiled_model_do_not_recompile_it(tmp_path):
+    """Each ``Monitor(None)`` registered a global discovery pre-hook of its own, under a new id
+    in a dict Dynamo guards on: every monitor recompiled the model, from the eighth on eagerly."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Net()
+    compiled = torch.compile(model, backend="aot_eager")
+    graphs = []
+    for i in range(9):
+        with tg.Monitor(None, tmp_path / f"m{i}", every=2, diagnose=False):
+            _steps(compiled, model, n=2)
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs == [1] * 9, graphs
+    with open_run(tmp_path / "m8") as run:  # the last one still sees inside the compiled code
+        assert {r["layer"] for r in run.layer_stats(kind="activation", stat="mean")} == LAYERS
+
+
 def test_record_and_monitor_together_keep_the_graph(tmp_path):
     torch._dynamo.reset()
     counters.clear()
