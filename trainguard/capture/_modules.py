@@ -26,6 +26,71 @@ def _type_name(module: nn.Module) -> str:
     return type(module._orig_mod).__name__ if _is_wrapper(module) else type(module).__name__
 
 
+# ---------------------------------------------------------------------- the global hooks
+class GlobalHook:
+    """One global module forward pre-hook (or forward hook, always called) for the whole process,
+    under the same id in torch's global hook dict each time it is there, calling its users' hooks.
+
+    Dynamo inlines a submodule's ``_call_impl``, which reads the global hook dicts, so a compiled
+    frame's guards name the hooks' ids and functions. Hooks registered anew by each recording
+    (and each ``Monitor(None)``) failed them: the model recompiled once per recording and after
+    8, torch's ``recompile_limit``, ran eagerly (a frame compiled without hooks matches anyway,
+    which hid it for a model also run outside recordings). The hook is in the dict only while
+    it has a user, so that frames compiled outside recordings keep their entries.
+    """
+
+    def __init__(self, post: bool):
+        self.post = post
+        self.users: tuple[Callable, ...] = ()
+        self._handle = None
+        self._lock = threading.Lock()
+        owner = self
+        if post:
+            def hook(module: nn.Module, args, output) -> None:
+                if _is_compiling():
+                    return
+                for fn in owner.users:
+                    fn(module, args, output)
+        else:
+            def hook(module: nn.Module, args) -> None:  # type: ignore[misc]
+                if _is_compiling():
+                    return
+                for fn in owner.users:
+                    fn(module, args)
+        self.hook = hook
+
+    def add(self, fn: Callable) -> None:
+        from torch.nn.modules import module as mod
+
+        with self._lock:
+            if fn in self.users:  # bound methods compare equal by their object and function
+                return
+            self.users = (*self.users, fn)
+            if len(self.users) > 1:
+                return
+            if self._handle is None:
+                self._handle = (mod.register_module_forward_hook(self.hook, always_call=True) if self.post
+                                else mod.register_module_forward_pre_hook(self.hook))
+            elif self.post:  # what registering does, under the first id
+                mod._global_forward_hooks[self._handle.id] = self.hook
+                mod._global_forward_hooks_always_called[self._handle.id] = True
+            else:
+                mod._global_forward_pre_hooks[self._handle.id] = self.hook
+
+    def discard(self, fn: Callable) -> None:
+        with self._lock:
+            if fn not in self.users:
+                return
+            self.users = tuple(f for f in self.users if f != fn)
+            if not self.users:
+                self._handle.remove()
+
+
+# The recorders' module trackers and the monitors' discovery share these.
+forward_pre_hook = GlobalHook(post=False)
+forward_hook = GlobalHook(post=True)
+
+
 class ModuleTracker:
     """Maintains the innermost running module id per thread, and parameter names by tensor id."""
 
@@ -36,7 +101,6 @@ class ModuleTracker:
         self._local = threading.local()
         # id(tensor) -> (weakref, name, kind); kind is "param" or "buffer".
         self.named_tensors: dict[int, tuple[weakref.ref, str, str]] = {}
-        self._handles: list = []
         self.lock = threading.Lock()
         # The native recorder's hooks: the innermost module id of this thread (0 outside any),
         # and each parameter or buffer named (tensor, name, kind).
@@ -45,17 +109,12 @@ class ModuleTracker:
 
     # -------------------------------------------------------------- hooks
     def install(self) -> None:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        self._handles = [
-            register_module_forward_pre_hook(self._pre),
-            register_module_forward_hook(self._post, always_call=True),
-        ]
+        forward_pre_hook.add(self._pre)
+        forward_hook.add(self._post)
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        forward_pre_hook.discard(self._pre)
+        forward_hook.discard(self._post)
 
     def _stack(self) -> list:
         s = getattr(self._local, "stack", None)
@@ -182,7 +241,7 @@ class ModuleTracker:
 def _keep_dynamo_out() -> None:
     from trainguard.capture._compile import keep_dynamo_out
 
-    keep_dynamo_out(ModuleTracker._pre, ModuleTracker._post)
+    keep_dynamo_out(ModuleTracker._pre, ModuleTracker._post, forward_pre_hook.hook, forward_hook.hook)
 
 
 _keep_dynamo_out()

@@ -30,6 +30,7 @@ from torch import nn
 from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import activation_stats, first_tensor, histogram, input_stats
+from trainguard.capture._modules import forward_pre_hook
 from trainguard.capture._monitor_model import Layer, Root, build_root, structure
 
 log = logging.getLogger("trainguard.monitor")
@@ -193,12 +194,12 @@ class HookMixin:
         self._root_pre(root, module, args)
 
     def _set_discovery(self, on: bool) -> None:
+        # The process's one global pre-hook, under the same id for every monitor: Dynamo guards on it.
         if on and self._discover_handle is None:
-            from torch.nn.modules.module import register_module_forward_pre_hook
-
-            self._discover_handle = register_module_forward_pre_hook(self._discover)
+            self._discover_handle = self._discover
+            forward_pre_hook.add(self._discover)
         elif not on and self._discover_handle is not None:
-            self._discover_handle.remove()
+            forward_pre_hook.discard(self._discover_handle)
             self._discover_handle = None
 
     # ------------------------------------------------------------------ root hook
