@@ -717,3 +717,35 @@ def test_successive_recordings_do_not_recompile_a_second_copy_of_a_model_compile
     got = _graphs_per_recording(tmp_path, ours, x, between=plain)
     torch._dynamo.reset()
     assert got == [got[0]] * len(got), got
+
+
+@pytest.mark.timeout(600)
+def test_recordings_and_monitors_show_a_warning_once_and_hide_torchs_global_hook_warning(tmp_path):
+    """Each recording added its warning filter again, and changing the filters makes Python forget
+    which warnings it has shown: a warning shown once per line (the default) came back after every
+    recording. torch's warning about global hooks and ``torch.compile(module)`` is about
+    trainguard's hooks (the extra call for the ``OptimizedModule`` is accounted for): not shown,
+    under ``Monitor(None)`` too."""
+    import warnings
+
+    torch._dynamo.reset()
+    model, x = _model("mlp")
+    compiled = torch.compile(model, backend="aot_eager")
+
+    def warn_once():
+        warnings.warn("tgtest: the user's own warning", UserWarning, stacklevel=1)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        with tg.record(tmp_path / "first"):
+            compiled(x)
+        for i in range(4):
+            warn_once()
+            with tg.record(tmp_path / f"r{i}"):
+                compiled(x).sum().backward()
+            with tg.Monitor(None, tmp_path / f"m{i}", every=1, diagnose=False):
+                compiled(x).sum().backward()
+    torch._dynamo.reset()
+    messages = [str(w.message) for w in seen]
+    assert messages.count("tgtest: the user's own warning") == 1, messages
+    assert not [m for m in messages if "global hooks" in m], messages
