@@ -26,7 +26,6 @@ import functools
 import logging
 import sys
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -344,9 +343,7 @@ def install(recorder) -> None:
         if "compile_lock" not in _saved:  # Dynamo not imported yet: torch.compile will
             _saved["compile"] = torch.compile
             torch.compile = functools.wraps(torch.compile)(_recording_compile)
-    # The module hooks trigger this warning from every torch.compile(module) call; they are
-    # trainguard's, not the user's, and the extra firing for OptimizedModule is accounted for.
-    warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+    # The module hooks' warning from every torch.compile(module) call: see _modules.GlobalHook.
     if "torch._inductor.output_code" in sys.modules:
         _patch_inductor()  # graphs compiled before now exist: record their calls at graph granularity
 

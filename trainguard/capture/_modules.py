@@ -8,6 +8,7 @@ buffers are held through weak references only.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -68,6 +69,7 @@ class GlobalHook:
             self.users = (*self.users, fn)
             if len(self.users) > 1:
                 return
+            _hide_hook_warning()
             if self._handle is None:
                 self._handle = (mod.register_module_forward_hook(self.hook, always_call=True) if self.post
                                 else mod.register_module_forward_pre_hook(self.hook))
@@ -84,6 +86,19 @@ class GlobalHook:
             self.users = tuple(f for f in self.users if f != fn)
             if not self.users:
                 self._handle.remove()
+
+
+_HOOK_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
+
+
+def _hide_hook_warning() -> None:
+    """torch warns at each call of a ``torch.compile(module)`` while global hooks exist that they
+    fire an extra time for the ``OptimizedModule``: these are trainguard's, which account for that.
+    The filter goes in once (a user's ``catch_warnings`` may take it out): changing the filters
+    makes Python forget which warnings it has shown, and each "once per line" warning of the
+    program would come back after every recording."""
+    if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == _HOOK_WARNING for f in warnings.filters):
+        warnings.filterwarnings("ignore", message=_HOOK_WARNING)
 
 
 # The recorders' module trackers and the monitors' discovery share these.
