@@ -140,6 +140,44 @@ def test_a_loss_whose_targets_are_all_ignored_is_named_so(tmp_path):
     assert "ignore_index" in o.suggestion and "overflow" not in o.suggestion
 
 
+@pytest.mark.parametrize("call", ["keyword", "module", "expression"])
+def test_an_ignore_index_the_user_set_is_named_by_its_value(tmp_path, call):
+    # "every target is ignore_index (-100 unless set)" was said of a loss whose ignore_index the
+    # user set: the call's line says the value, or the targets' summary does (all 0 here).
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 7)
+    x = torch.randn(6, 4)
+    criterion = torch.nn.CrossEntropyLoss(ignore_index=0)
+    pad_id = 0
+
+    def f():
+        y = torch.zeros(6, dtype=torch.long)  # every position padding
+        if call == "keyword":
+            torch.nn.functional.cross_entropy(lin(x), y, ignore_index=0).backward()
+        elif call == "module":
+            criterion(lin(x), y).backward()
+        else:
+            torch.nn.functional.cross_entropy(lin(x), y.clone(), ignore_index=pad_id).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.nll_loss_forward"
+    assert "-100" not in o.origin.explanation, o.origin.explanation
+    want = "ignore_index (pad_id)" if call == "expression" else "ignore_index (0)"
+    assert want in o.origin.explanation, o.origin.explanation
+
+
+def test_an_ignore_index_left_unknown_keeps_the_default_named(tmp_path):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 7)
+    x, y = torch.randn(6, 4), torch.full((6,), -100)  # made before the recording: no summary
+
+    def f():
+        torch.nn.functional.cross_entropy(lin(x), y).backward()
+
+    o = origin(record(tmp_path, f))
+    assert "ignore_index (-100 unless set)" in o.origin.explanation, o.origin.explanation
+
+
 def test_exp_overflow_with_and_without_stats(tmp_path):
     x = torch.tensor([1.0, 812.3])
     o = origin(record(tmp_path / "a", lambda: torch.exp(x * 1).sum().item(), mode="stats"))
