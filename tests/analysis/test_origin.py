@@ -178,6 +178,25 @@ def test_an_ignore_index_left_unknown_keeps_the_default_named(tmp_path):
     assert "ignore_index (-100 unless set)" in o.origin.explanation, o.origin.explanation
 
 
+def test_an_op_that_made_the_nan_itself_is_not_said_to_have_made_it_again(tmp_path, capsys):
+    # The report printed "then: it became NaN in aten.sqrt" under the origin aten.sqrt itself.
+    from trainguard.cli import main
+
+    x = torch.tensor([1.0, -1.0])
+
+    def f():
+        x.sqrt()
+
+    run = record(tmp_path, f)
+    o = origin(run)
+    assert (o.origin.op, len(o.chain), o.reason) == ("aten.sqrt", 1, "nan")
+    assert o.harm is None and "Then" not in o.summary
+    assert main(["report", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "First harmful value: aten.sqrt" in out
+    assert "then:" not in out and "became NaN" not in out, out
+
+
 def test_exp_overflow_with_and_without_stats(tmp_path):
     x = torch.tensor([1.0, 812.3])
     o = origin(record(tmp_path / "a", lambda: torch.exp(x * 1).sum().item(), mode="stats"))
