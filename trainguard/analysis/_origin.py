@@ -500,14 +500,14 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     summary = (f"the first harmful value came from {o.op}{where}, in step {o.step} ({o.phase} pass), "
                f"with {what} in its output{detail}: {o.explanation}")
     harm = None
-    if reason in REACHED or len(chain) > 1:
-        h = chain[0]
+    h = chain[0]
+    # "it became NaN in X" says nothing more when X is the origin, which made the NaN itself.
+    if (reason in REACHED or len(chain) > 1) and (h is not o or (reason or "nan") != "nan"):
         hwhere = f" at {h.file}:{h.line}" if h.file else ""
         harm = "it " + REACHED.get(reason or "nan", "became harmful in {op}").format(op=h.op) + hwhere
         if h.step != o.step:
             harm += f" in step {h.step}"
-        if h is not o or reason != "nan":
-            summary += f". Then {harm}"
+        summary += f". Then {harm}"
     producers = [i for i in o.inputs if i.get("producer_op")]
     if producers:
         p = producers[0]
