@@ -13,6 +13,8 @@ nothing here imports torch.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -209,11 +211,50 @@ def _link(run: Run, seq: int) -> Link:
         through=through, sources=sources,
     )
     link.explanation = explain(link)
+    if _IGNORED in link.explanation:
+        value = _ignore_index(run, link)
+        if value is not None:
+            link.explanation = explain(link, ignore_index=value)
     return link
 
 
-def explain(link: Link) -> str:
-    """A plain-language reason why this op's output is non-finite, from its inputs' summaries."""
+_IGNORED = "ignore_index (-100 unless set)"
+_IGNORE_KWARG = re.compile(r"\bignore_index\s*=\s*([^,()\s]+)")
+
+
+def _ignore_index(run: Run, link: Link) -> str | None:
+    """The ignore_index of a loss over no target, where the run says it: the keyword on the
+    call's line (``ignore_index=0``, ``ignore_index=pad_id``), or else the value every target
+    holds when no class weights could have made their weight 0 instead (the targets' summary:
+    stats' min and max, or all zeros)."""
+    if link.file and link.line:
+        try:
+            lines = run.source(link.file).splitlines()
+        except KeyError:
+            lines = []
+        text = ""
+        for ln in lines[link.line - 1:link.line + 5]:  # a call over several lines, to its last
+            text += ln + " "
+            if text.count("(") <= text.count(")"):
+                break
+        m = _IGNORE_KWARG.search(text)
+        if m:
+            return m.group(1)
+    if op_base(link.op) in _NLL and len(link.inputs) == 2:  # (input, target): no weight tensor
+        t = link.inputs[1].get("summary") or {}
+        size = t.get("size")
+        if size:
+            lo, hi = t.get("min"), t.get("max")
+            if isinstance(lo, float) and lo == hi and math.isfinite(lo):
+                return str(int(lo))
+            if _count(t, "zero") == size:
+                return "0"
+    return None
+
+
+def explain(link: Link, ignore_index: str | None = None) -> str:
+    """A plain-language reason why this op's output is non-finite, from its inputs' summaries
+    (``ignore_index``: a loss's, where the run says it)."""
     base = op_base(link.op)
     ins = link.inputs
     made = "/".join(link.health) or "a non-finite value"
@@ -238,12 +279,13 @@ def explain(link: Link) -> str:
         src = empty.get("producer_op") or empty.get("name") or "an input"
         return (f"{base} reduced an empty input to {made}: input {empty['slot']} ({src}) holds 0 values, and "
                 "the mean of no values is 0/0")
+    ignored = _IGNORED if ignore_index is None else f"ignore_index ({ignore_index})"
     if _no_target_counted(link):
-        return (f"{base} averaged over no target: every target is ignore_index (-100 unless set) or weighs 0, "
+        return (f"{base} averaged over no target: every target is {ignored} or weighs 0, "
                 "so the total weight is 0 and the mean is 0/0")
     if _compiled_no_target(link):
         through = link.through or [op_base(link.inputs[0].get("producer_op") or "sum")]
-        return ("the loss averaged over no target: every target is ignore_index (-100 unless set) or weighs 0, "
+        return (f"the loss averaged over no target: every target is {ignored} or weighs 0, "
                 f"so the total weight (input 1, 0) is 0 and the mean is 0/0 (inside the compiled graph's nll_loss: "
                 f"{', '.join(through)}, then {base} by the count of targets it kept)")
     via = received_input(link)
