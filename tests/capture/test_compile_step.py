@@ -185,3 +185,25 @@ def test_an_update_traced_with_the_hooks_is_recorded_between_them_and_the_monito
         for key, v in want.items():
             assert v > 0 and got[key] == pytest.approx(v, rel=1e-4), key
     torch._dynamo.reset()
+
+
+@pytest.mark.timeout(600)
+def test_successive_recordings_do_not_recompile_a_compiled_optimizer_step(tmp_path):
+    """The step clock's global optimizer hooks are in the compiled step's guards (Dynamo inlines
+    them): registered anew by each recording, they recompiled the step at every recording, and
+    from the eighth on it ran eagerly (``recompile_limit``)."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = _net()
+    opt = _adam(model.parameters())
+    step = torch.compile(lambda: opt.step(), backend=tg.compile_backend(inner="aot_eager"))
+    x = torch.randn(8, 10)
+    graphs = []
+    for i in range(9):
+        with tg.record(tmp_path / f"r{i}"):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs == [graphs[0]] * 9, graphs
