@@ -262,7 +262,16 @@ def acquire() -> None:
     with _lock:
         clock.users += 1
         if clock.users == 1:
-            clock.handles = [register_optimizer_step_pre_hook(_pre), register_optimizer_step_post_hook(_post)]
+            # Under the same ids every time: Dynamo inlines the global optimizer hooks into a
+            # compiled step and guards on their ids (new ones recompiled it at every recording).
+            if not clock.handles:
+                clock.handles = [register_optimizer_step_pre_hook(_pre), register_optimizer_step_post_hook(_post)]
+            else:
+                from torch.optim import optimizer
+
+                pre, post = clock.handles
+                optimizer._global_optimizer_pre_hooks[pre.id] = _pre
+                optimizer._global_optimizer_post_hooks[post.id] = _post
             _amp_tap.install()
 
 
@@ -274,8 +283,7 @@ def release() -> None:
         if clock.users == 0:
             _amp_tap.uninstall()
             for h in clock.handles:
-                h.remove()
-            clock.handles = []
+                h.remove()  # kept: their ids come back with the next user
             clock.in_optimizer = 0
             clock.closure_call = 0
 
