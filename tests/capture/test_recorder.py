@@ -220,23 +220,13 @@ def test_bad_arguments(tmp_path, kwargs, message):
     assert repr(bad if not isinstance(bad, list) else bad[0]) in str(info.value)
 
 
-def test_existing_run_is_not_overwritten(tmp_path):
-    with tg.record(tmp_path / "r"):
+@pytest.mark.parametrize("open_", [tg.record, tg.check_numerics])  # check_numerics refused overwrite= once
+def test_existing_run_is_not_overwritten(tmp_path, open_):
+    with open_(tmp_path / "r"):
         torch.ones(2) + 1
     with pytest.raises(tg.TrainguardError, match="already holds a run"):
-        tg.record(tmp_path / "r").start()
-    with tg.record(tmp_path / "r", overwrite=True):
-        torch.ones(2) * 3
-    assert [r["op"] for r in open_run(tmp_path / "r").executions()][-1] == "aten.mul.Tensor"
-
-
-def test_check_numerics_overwrites_a_run_only_when_asked(tmp_path):
-    # record and Monitor take overwrite=; check_numerics refused it (a TypeError).
-    with tg.check_numerics(tmp_path / "r"):
-        torch.ones(2) + 1
-    with pytest.raises(tg.TrainguardError, match="already holds a run"):
-        tg.check_numerics(tmp_path / "r").start()
-    with tg.check_numerics(tmp_path / "r", overwrite=True):
+        open_(tmp_path / "r").start()
+    with open_(tmp_path / "r", overwrite=True):
         torch.ones(2) * 3
     assert [r["op"] for r in open_run(tmp_path / "r").executions()][-1] == "aten.mul.Tensor"
 
