@@ -29,8 +29,8 @@ def main(logdir: str, how: str) -> None:
             print("backend", rec.backend, flush=True)
             for step in range(3):
                 opt.zero_grad()
-                out = model(x * (math.inf if step == 2 and how == "check_numerics" else 1.0))  # INPUT LINE
-                loss = nn.functional.cross_entropy(out, y)  # LOSS LINE
+                out = model(x * (math.inf if step == 2 and how == "check_numerics" else 1.0))
+                loss = nn.functional.cross_entropy(out, y)
                 loss.backward()
                 opt.step()
                 losses.append(loss.item())

@@ -31,7 +31,7 @@ def test_ddp_around_a_compiled_model_is_recorded_inside_its_graphs(tmp_path):
     assert run.meta.get("record_errors") is None, run.meta.get("record_errors")
     ops = [(e["op"], e["phase"]) for e in run.executions()]
     assert ops.count(("aten.addmm", "forward")) == 6, ops  # two per step, inside the graph
-    assert ("c10d.allreduce_", "backward") in ops or any(op.startswith("c10d.") for op, _ in ops), ops
+    assert any(op.startswith("c10d.") for op, _ in ops), ops  # DDP's collectives, recorded
 
 
 @pytest.mark.timeout(900)

@@ -422,10 +422,8 @@ def _compiled_no_target(link: Link) -> bool:
 
 def _finite_known(summary: dict | None) -> bool:
     """Whether a stored summary says all its values are finite (no_tensor and shape say nothing)."""
-    if not summary or _unknown(summary):
-        return False
-    keys = [k for k in ("nonfinite", "nan", "pos_inf", "neg_inf") if k in summary]
-    return bool(keys) and all(_count(summary, k) == 0 for k in keys)
+    has_health = any(k in (summary or {}) for k in ("nonfinite", "nan", "pos_inf", "neg_inf"))
+    return has_health and not _unknown(summary) and not _is_bad(summary)
 
 
 def _forward_reason(fbase: str) -> str:
