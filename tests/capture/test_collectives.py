@@ -52,11 +52,12 @@ def one_rank():
         dist.destroy_process_group()
 
 
-def test_what_a_collective_writes_is_never_read_and_becomes_its_output(tmp_path, one_rank):
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_what_a_collective_writes_is_never_read_and_becomes_its_output(tmp_path, one_rank, backend):
     dist = one_rank
     inp = torch.arange(4.0)
     gathered = torch.empty(4)
-    with tg.record(tmp_path / "r", buffer=-1):
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
         reduced = torch.ones(3)
         dist.all_reduce(reduced, async_op=True).wait()
         # The values of an asynchronous collective arrive while another thread writes them:
@@ -127,12 +128,13 @@ def test_recorded_and_monitored_parameters_can_still_be_swapped(tmp_path, backen
         assert [i["kind"] for i in addmm["inputs"]][:1] == ["param"]  # and still named
 
 
-def test_a_collective_passes_on_the_harm_it_sends_and_its_reader_judges_what_it_wrote(tmp_path, one_rank):
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_collective_passes_on_the_harm_it_sends_and_its_reader_judges_what_it_wrote(tmp_path, one_rank, backend):
     # A collective's outputs hold what the other ranks send, after it returns: what this rank
     # sent harmful taints them (one origin, not a new one at the next reader); memory that was
     # unknown before it (a DDP bucket, allocated, written through views) is not garbage after it.
     dist = one_rank
-    with tg.record(tmp_path / "r", buffer=-1):
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
         nan = torch.zeros(4) / torch.zeros(4)  # 0/0: the origin
         dist.all_reduce(nan)
         nan + 1
@@ -151,3 +153,41 @@ def test_a_collective_passes_on_the_harm_it_sends_and_its_reader_judges_what_it_
     got = run.execution(clone)
     assert got["taint"] == "harmful" and got["outputs"][0]["summary"]["nan"] == 1  # read for real, not unknown
     assert got["origin"] == clone and got["inputs"][0]["producer"] == reduce2  # received: what the all-reduce wrote
+
+
+def _ddp_program():
+    # DistributedDataParallel's reducer all-reduces gradient buckets from autograd hooks, in
+    # backward; the other collectives are the ones users call: a list all-gather (a list of
+    # lists out), a broadcast, and an all-reduce that hands back a Work to wait for.
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+
+    def program():
+        for _ in range(2):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        flag = torch.ones(2)
+        dist.broadcast(flag, 0)
+        parts = [torch.empty(2)]
+        dist.all_gather(parts, flag * 3)
+        dist.all_reduce(parts[0], async_op=True).wait()
+        parts[0].sum()
+    return program
+
+
+def test_both_backends_record_ddp_and_collectives_alike(tmp_path, one_rank):
+    from tests_capture_crosscheck import crosscheck
+
+    problems, _, py, nat = crosscheck(_ddp_program, tmp_path, "full_health")
+    assert not problems, "\n".join(problems[:20])
+    ops = [r[3] for r in nat["records"]]  # (seq, step, phase, op, ...)
+    for op in ("c10d.allreduce_.default", "c10d.broadcast_.default", "c10d.allgather_.default"):
+        assert op in ops
+    allreduce = next(r for r in nat["records"] if r[3] == "c10d.allreduce_.default")
+    assert allreduce[2] == "backward"  # DDP's bucket, reduced from a gradient hook
