@@ -58,6 +58,9 @@ struct OpInfo {
   // READ 5, COLLECTIVE 6; -1 not known) and whether it overwrites its first input.
   int8_t taint_cls = -1;
   bool overwrite = false;
+  // A communication op (taint class COLLECTIVE): what it writes arrives from other ranks after it
+  // returns, while another thread fills it in. Those tensors are its outputs, never read.
+  bool collective = false;
 };
 
 // The taint classes of capture/_taint.py that the core's fast path needs.

@@ -80,6 +80,7 @@ OpInfo* make_op(const c10::OperatorName& on, const char* key) {
     Py_DECREF(classes);
     info->taint_cls = (int8_t)cls;
     info->overwrite = ow == 1;
+    info->collective = cls == T_COLLECTIVE;
   }
   OpInfo* out;
   {

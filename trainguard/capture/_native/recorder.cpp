@@ -85,6 +85,7 @@ struct Ctx : at::ObserverContext {
   uint64_t node_nr = 0;  // that node's sequence number (AccumulateGrad's is UINT64_MAX)
   c10::SmallVector<Input, 6> inputs;
   c10::intrusive_ptr<c10::TensorImpl> first;  // the first tensor input (alias summaries)
+  c10::SmallVector<at::Tensor, 1> received;  // a collective's first argument (recv_ writes it)
 };
 
 // This thread's open recorded calls per core, innermost last. A call that is not recorded gets
@@ -124,6 +125,28 @@ bool is_unsure_tensor(const at::Tensor& t) {
 // Tensors among an op's results, as the Python recorder sees them: a single list result is
 // its elements; otherwise each tensor result (lists inside tuples are not looked into).
 using Tensors = c10::SmallVector<at::Tensor, 4>;
+void output_tensors(const std::vector<c10::IValue>& outs, Tensors& out);
+
+// What a collective wrote (capture/_local.written): every tensor in its results, lists of lists
+// too (``allgather_`` returns its output lists and a Work); for ``recv_``, which returns only
+// the Work, the buffers it was given.
+void tensors_in(const c10::IValue& v, Tensors& out) {
+  if (v.isTensor()) {
+    if (v.toTensor().defined()) out.push_back(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList())
+      if (t.defined()) out.push_back(t);
+  } else if (v.isList() || v.isTuple()) {
+    for (const c10::IValue& e : v.isList() ? v.toListRef() : v.toTupleRef().elements()) tensors_in(e, out);
+  }
+}
+
+void written_tensors(const std::vector<c10::IValue>& outs, Ctx* ctx, Tensors& out) {
+  for (const auto& v : outs) tensors_in(v, out);
+  if (out.empty() && ctx->op->name.find(".recv") != std::string::npos)
+    out.insert(out.end(), ctx->received.begin(), ctx->received.end());
+}
+
 void output_tensors(const std::vector<c10::IValue>& outs, Tensors& out) {
   if (outs.size() == 1 && outs[0].isTensorList()) {
     for (const at::Tensor& t : outs[0].toTensorList())
@@ -186,6 +209,11 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   // A composite is decomposed above the Python key by autograd's layer; with that layer off
   // (inference mode, or below autograd) it reaches the key whole.
   if (hidden || !(op->kind == OP_SEEN || (op->kind == OP_COMPOSITE && below))) return nullptr;
+  // Another thread that inherited the recording thread's callbacks (at::ThreadLocalState), and
+  // not autograd's engine running a backward node: a collective's worker, whose state was taken
+  // inside the collective's kernel (gloo runs its copies there), where a dispatch mode has popped
+  // itself. Not seen.
+  if ((uint64_t)pthread_self() != c->owner_thread && torch::autograd::get_current_node() == nullptr) return nullptr;
   auto ctx = std::make_unique<Ctx>();
   ctx->core = c;
   ctx->op = op;
@@ -206,6 +234,11 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     ctx->in_node = node != nullptr;
     ctx->node_nr = node ? node->sequence_nr() : 0;
     auto inputs = fn.inputs();
+    if (op->collective && !inputs.empty()) {
+      Tensors first;
+      tensors_in(inputs[0], first);
+      ctx->received.assign(first.begin(), first.end());
+    }
     std::lock_guard<std::mutex> g(c->mu);
     auto add = [&](const at::Tensor& t) {
       // A Python number passed where a tensor is expected reaches a dispatch mode as the number.
@@ -267,7 +300,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* base) {
 void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   OpInfo* op = ctx->op;
   Tensors outs;
-  output_tensors(fn.outputs(), outs);
+  if (op->collective) written_tensors(fn.outputs(), ctx, outs);
+  else output_tensors(fn.outputs(), outs);
   int64_t nr = at::sequence_number::peek();
   int nfields = mode_fields(c->mode);
   bool keep = wanted(c, op);
@@ -355,7 +389,7 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     if (nfields) {
       bool cpu = m.device.is_cpu();
       m.summary = 1;
-      if (op->alloc) {
+      if (op->alloc || op->collective) {  // uninitialised memory, or another rank's: no evidence
         m.s = unknown_summary(c->mode, o.numel());
       } else if (have_alias) {
         m.s = alias;
@@ -370,7 +404,7 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     }
     metas.push_back(m);
   }
-  if (c->mode == FULL_TENSOR) {
+  if (c->mode == FULL_TENSOR && !op->collective) {  // (a collective's values are not there yet)
     // full_tensor copies values to the host by definition (a device sync there).
     for (auto& o : outs) {
       at::Tensor d = o.detach();
@@ -418,9 +452,11 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     c->last_seq = seq;
     c->last_phase = r.phase;
   }
+  // A collective's output never lends its summary to a later view: its values arrive after
+  // this, without moving the version counter.
   for (size_t i = 0; i < outs.size(); ++i)
-    register_output(c, outs[i], seq, r.stack, metas[i].summary == 1 ? &metas[i].s : nullptr, view_of, r.health,
-                    maybe);
+    register_output(c, outs[i], seq, r.stack, metas[i].summary == 1 && !op->collective ? &metas[i].s : nullptr,
+                    view_of, r.health, maybe);
   for (auto& p : r.payloads) c->payload_bytes += p.nbytes();
   c->records.push_back(std::move(r));
   c->recorded++;
