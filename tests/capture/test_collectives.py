@@ -76,18 +76,24 @@ def test_what_a_collective_writes_is_never_read_and_becomes_its_output(tmp_path,
     assert consumer["inputs"][0]["producer"] == by_op["c10d.allreduce_"]["seq"]
 
 
-def test_dtensor_outputs_are_summarised_from_this_ranks_shard(tmp_path, one_rank):
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_dtensor_outputs_are_summarised_from_this_ranks_shard(tmp_path, one_rank, backend):
+    # The dispatch mode records DTensor's calls, summarised from this rank's shard; the native
+    # core the calls DTensor makes on that shard, which are the same ops here; not the calls on
+    # fake tensors by which DTensor propagates shardings.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
-    dt = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
-    with tg.record(tmp_path / "r", buffer=-1) as rec:
+    shape = [3, 2] if backend == "python" else [2, 3]  # (DTensor caches the shardings it propagated)
+    dt = distribute_tensor(torch.arange(6.0).reshape(shape), mesh, [Shard(0)])
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend) as rec:
         (dt * 2 - 4).relu()
     assert rec.failures == 0
     run = tg.open(tmp_path / "r")
+    assert [e["op"] for e in run.executions()] == ["aten.mul.Tensor", "aten.sub.Tensor", "aten.relu"]
     relu = run.executions(op="relu")[0]["outputs"][0]
-    assert relu["shape"] == [3, 2]
+    assert relu["shape"] == shape
     assert (relu["summary"]["zero"], relu["summary"]["pos"]) == (3, 3)  # 2x - 4 for x in 0..5
 
 
@@ -179,6 +185,15 @@ def _ddp_program():
         dist.all_reduce(parts[0], async_op=True).wait()
         parts[0].sum()
     return program
+
+
+def test_a_distributed_job_records_with_the_native_core(tmp_path, one_rank):
+    with tg.record(tmp_path / "r", buffer=-1):
+        t = torch.ones(3)
+        one_rank.all_reduce(t)
+    with tg.open(tmp_path / "r") as run:
+        assert run.meta["backend"] == "native"
+        assert run.count(op="c10d.allreduce_") == 1
 
 
 def test_both_backends_record_ddp_and_collectives_alike(tmp_path, one_rank):
