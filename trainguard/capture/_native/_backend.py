@@ -35,28 +35,11 @@ def choose_backend(rec):
         rec.requested_backend = os.environ["TRAINGUARD_BACKEND"]  # e.g. to run a suite on one backend
     if rec.requested_backend == "python" or rec.check or rec.logdir is None:
         return None
-    if rec.requested_backend == "auto" and _distributed():
-        # Collectives (their outputs unknown, the producers of what they write) and DTensor shards
-        # are the dispatch mode's for now (docs/recorder.md, "Limits").
-        return None
     if module is None:
         if rec.requested_backend == "native":
             raise TrainguardError(f"the native recorder core is not available: {_native.error()}")
         _warn_no_native(_native.error())
     return module
-
-
-def _distributed() -> bool:
-    """A distributed job: a process group is up, or a launcher (torchrun) says there are several
-    ranks; a recording may start before ``init_process_group``, and its collectives are the
-    dispatch mode's still."""
-    import torch.distributed as dist
-
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        world = 1
-    return world > 1 or (dist.is_available() and dist.is_initialized())
 
 
 _warned_no_native = False
@@ -84,7 +67,7 @@ class NativeBackend:
         wanted = (lambda name: pattern.search(name) is not None) if pattern is not None else None
         self.core = module.Core(MODE_CODE[rec.mode], STRATEGY_CODE[rec.strategy], wanted,
                                 sorted(rec.dtypes, key=str) if rec.dtypes else [], rec._on_new_stack)
-        self.unsure_warned: set[str] = set()
+        self.unsure_warned = False
         self.unsure = 0
         # Taint (capture/_taint.py): the core's records are judged in Python as they are drained,
         # by the recorder's Tracker and its rule, in seq order; records whose health reaches the
@@ -165,11 +148,11 @@ class NativeBackend:
             if name not in rec.failed_ops:
                 rec.failed_ops.add(name)
                 log.warning("trainguard: could not record an output of %s (%s); training goes on", name, message)
-        for name in unsure:
-            if name not in self.unsure_warned:
-                self.unsure_warned.add(name)
-                log.warning("trainguard: the native recorder does not record %s on tensor subclasses or under "
-                            "another dispatch mode; record with backend='python' to see those ops", name)
+        if unsure and not self.unsure_warned:
+            self.unsure_warned = True
+            log.warning("trainguard: the native recorder records the ops that tensor subclasses (DTensor) and other "
+                        "dispatch modes run on the tensors they hold, not their own calls (%s first); record with "
+                        "backend='python' to see those calls whole", unsure[0])
         if not rec.judge_here:  # the writer's thread judges (device summaries came before)
             return records, deferred, None, None, None, None
         # Judged here up to the first record whose health is not on the host yet (cut); from it

@@ -81,6 +81,7 @@ struct Ctx : at::ObserverContext {
   OpInfo* op = nullptr;
   bool seen = false;
   bool wrapper = false;  // autocast may run around this call (see the rule above)
+  bool opaque = false;   // a call on a tensor subclass, or under another mode: not recorded, its calls are
   bool in_node = false;  // run by the autograd engine (the backward pass)
   uint64_t node_nr = 0;  // that node's sequence number (AccumulateGrad's is UINT64_MAX)
   c10::SmallVector<Input, 6> inputs;
@@ -194,14 +195,16 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   OpInfo* op = lookup_op(fn);
   if (op == nullptr) return nullptr;  // not an operator: its calls are judged by what encloses it
   auto& open = tl_open[K];
-  bool in_seen = false;
+  bool in_seen = false, in_opaque = false;
   Ctx* seen_parent = nullptr;
-  for (auto it = open.rbegin(); it != open.rend(); ++it)
+  for (auto it = open.rbegin(); it != open.rend(); ++it) {
     if ((*it)->seen) {
       in_seen = true;
       seen_parent = *it;
       break;
     }
+    in_opaque = in_opaque || (*it)->opaque;
+  }
   auto ex = c10::impl::tls_local_dispatch_key_set().excluded_;
   bool below = ex.has(c10::DispatchKey::ADInplaceOrView) || ex.has(c10::DispatchKey::AutogradFunctionality);
   bool hidden = ex.has(c10::DispatchKey::Python) || (in_seen && (below || !seen_parent->wrapper)) ||
@@ -244,6 +247,9 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       // A Python number passed where a tensor is expected reaches a dispatch mode as the number.
       if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
       if (is_unsure_tensor(t)) throw Unsure{};
+      // Inside a subclass's call, calls on meta tensors are its bookkeeping (DTensor propagates
+      // shardings on fake tensors); the calls on the tensors it holds are the program's.
+      if (in_opaque && t.is_meta()) throw Tracing{};
       if (!ctx->first) ctx->first = t.getIntrusivePtr();
       ctx->inputs.push_back(input_of(c, t, ctx->in_node));
     };
@@ -265,11 +271,20 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     return nullptr;
   } catch (const Unsure&) {
     // Not something a RecordFunction observer can record faithfully: count it, and keep the
-    // call out of the record (it is judged by a dispatch mode's rules no longer).
-    std::lock_guard<std::mutex> g(c->mu);
-    c->unsure++;
-    if (c->unsure_seen.insert(op->name).second) c->unsure_ops.push_back(op->name);
-    return nullptr;
+    // call out of the record. The calls it makes are recorded (a DTensor's on its local shard,
+    // a mode's once it has stepped aside): it stays open, unrecorded, to say so to them.
+    {
+      std::lock_guard<std::mutex> g(c->mu);
+      c->unsure++;
+      if (c->unsure_seen.insert(op->name).second) c->unsure_ops.push_back(op->name);
+    }
+    ctx->seen = false;
+    ctx->opaque = true;
+    ctx->inputs.clear();
+    ctx->first.reset();
+    ctx->received.clear();
+    open.push_back(ctx.get());
+    return ctx;
   }
   open.push_back(ctx.get());
   return ctx;
