@@ -1,8 +1,8 @@
 """nanoGPT's train.py wraps its compiled model in DDP (``model = torch.compile(model)`` then
-``DDP(model)``); under torchrun, recording uses the Python dispatch mode. A one-rank gloo group
-here, in a process of its own (a crash must fail the test, not the test worker).
+``DDP(model)``). A one-rank gloo group here, in a process of its own (a crash must fail the test,
+not the test worker).
 
-    python _ddp_compile_script.py LOGDIR record|check_numerics
+    python _ddp_compile_script.py LOGDIR record|check_numerics [python|native]
 """
 
 import math
@@ -15,14 +15,14 @@ from torch import nn
 import trainguard as tg
 
 
-def main(logdir: str, how: str) -> None:
+def main(logdir: str, how: str, backend: str = "auto") -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(torch.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU(),
                                                                             nn.Linear(16, 3))))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
-    ctx = tg.record(logdir, buffer=-1) if how == "record" else tg.check_numerics(logdir)
+    ctx = tg.record(logdir, buffer=-1, backend=backend) if how == "record" else tg.check_numerics(logdir)
     losses = []
     try:
         with ctx as rec:
@@ -41,4 +41,4 @@ def main(logdir: str, how: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

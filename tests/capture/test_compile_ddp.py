@@ -16,17 +16,18 @@ import trainguard as tg
 SCRIPT = Path(__file__).with_name("_ddp_compile_script.py")
 
 
-def _run(tmp_path, how: str) -> str:
-    p = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "r"), how], capture_output=True, text=True,
+def _run(tmp_path, *how: str) -> str:
+    p = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "r"), *how], capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
     return p.stdout
 
 
 @pytest.mark.timeout(900)
-def test_ddp_around_a_compiled_model_is_recorded_inside_its_graphs(tmp_path):
-    out = _run(tmp_path, "record")
-    assert "backend python" in out, out
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_ddp_around_a_compiled_model_is_recorded_inside_its_graphs(tmp_path, backend):
+    out = _run(tmp_path, "record", backend)
+    assert f"backend {backend}" in out, out
     run = tg.open(tmp_path / "r")
     assert run.meta.get("record_errors") is None, run.meta.get("record_errors")
     ops = [(e["op"], e["phase"]) for e in run.executions()]
