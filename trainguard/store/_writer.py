@@ -9,6 +9,7 @@ rows does not compete with training for the GIL; other writers keep it in the th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -356,6 +357,9 @@ class RunWriter(BufferWindow, SegmentFiles):
                 self._proc.wait(60)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
     def _loop(self) -> None:
         while True:
