@@ -398,7 +398,11 @@ def _no_target_counted(link: Link) -> bool:
     if "nan" not in link.health or op_base(link.op) not in _NLL or len(link.outputs) < 2:
         return False
     weight = link.outputs[1].get("summary") or {}
-    return weight.get("size") == 1 and _count(weight, "zero") == 1
+    if "zero" in weight:
+        return weight.get("size") == 1 and _count(weight, "zero") == 1
+    # Summaries without zero counts (curt_health): from finite log-probabilities and a finite
+    # total weight, the mean is NaN only as 0/0.
+    return bool(link.inputs) and _finite_known(weight) and _finite_known(link.inputs[0].get("summary"))
 
 
 def _compiled_no_target(link: Link) -> bool:
