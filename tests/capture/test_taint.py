@@ -263,3 +263,26 @@ def test_an_origin_older_than_the_window_is_sent_again_and_kept(tmp_path):
     assert [c.op for c in o.chain] == ["aten._local_scalar_dense", "aten.add.Tensor", "aten.mul.Tensor", "aten.exp"]
     assert o.origin.seq < run.executions(run.count() - 1)[0]["seq"] - 12_000
     assert run.execution(o.origin.seq)["taint"] == "harmful"
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_a_nan_written_by_a_multi_tensor_optimizer_is_traced_to_its_update(tmp_path, impl, backend):
+    # Adam with eps=0 over zero gradients divides 0 by 0 in its update. The foreach and fused
+    # kernels (foreach is Adam's default for CUDA tensors) return nothing and write the
+    # parameters in place: their writes went unrecorded, and the NaN was first seen in the next
+    # forward pass, as "t turned finite inputs into nan".
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    opt = torch.optim.Adam(lin.parameters(), eps=0.0, **{impl: True})
+    x = torch.randn(4, 3)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        for _ in range(2):
+            opt.zero_grad()
+            (lin(x) * 0).sum().backward()
+            opt.step()
+    o = origin(open_run(tmp_path / "r"))
+    assert o.origin.phase == "optimizer" and o.origin.step == 0, (o.origin.op, o.origin.phase)
+    assert o.origin.op.startswith("aten._foreach_" if impl == "foreach" else "aten._fused_adam")
+    out = open_run(tmp_path / "r").execution(o.origin.seq)["outputs"]
+    assert len(out) >= 2 and out[0]["shape"] == [2, 3]  # the parameters it wrote, then more
