@@ -286,3 +286,18 @@ def test_a_nan_written_by_a_multi_tensor_optimizer_is_traced_to_its_update(tmp_p
     assert o.origin.op.startswith("aten._foreach_" if impl == "foreach" else "aten._fused_adam")
     out = open_run(tmp_path / "r").execution(o.origin.seq)["outputs"]
     assert len(out) >= 2 and out[0]["shape"] == [2, 3]  # the parameters it wrote, then more
+
+
+@pytest.mark.parametrize("impl", ["single", "foreach"])
+def test_adams_division_by_a_zero_denominator_is_explained(tmp_path, impl):
+    # The update m / (sqrt(v) + eps) is addcdiv; over zero gradients with eps=0 it is 0/0. It
+    # was "addcdiv_ turned finite inputs into nan", though the run holds the zero denominators.
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    opt = torch.optim.Adam(lin.parameters(), eps=0.0, foreach=impl == "foreach")
+    with tg.record(tmp_path / "r", buffer=-1):
+        (lin(torch.randn(4, 3)) * 0).sum().backward()
+        opt.step()
+    o = origin(open_run(tmp_path / "r"))
+    assert "addcdiv" in o.origin.op
+    assert "zero" in o.origin.explanation and "0/0" in o.origin.explanation, o.origin.explanation
