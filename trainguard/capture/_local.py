@@ -7,7 +7,8 @@ their own (every rank would have to run it, in the same order as the program's),
 ``t._local_tensor``: per rank, statistics of its own shard.
 
 A collective (``c10d.allreduce_``, ...) writes tensors that it may return or only take: the
-recorder makes it the producer of what it wrote (:func:`written`).
+recorder makes it the producer of what it wrote (:func:`written`). So does an op that returns
+nothing and writes its arguments (:func:`written_args`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,29 @@ def written(name: str, args: tuple, out: Any) -> list:
     outs = _tensors_in(out, [])
     if not outs and ".recv" in name and args:
         outs = _tensors_in(args[0], [])
+    return outs
+
+
+def written_args(func) -> tuple:
+    """``(position, name)`` of the arguments an op that returns nothing writes (``_foreach_add_``,
+    ``_fused_adam_``): what it made are those tensors, its records' outputs. Not AMP's own
+    (``_amp_foreach_non_finite_check_and_unscale_``): its flag says whether the gradients it unscaled
+    hold an inf, a check and not a value, and a skipped step's infs are the scaler's business
+    (capture/_scaler_verdict); the native core keeps the same exception (ops.cpp)."""
+    try:
+        schema = func._schema
+    except AttributeError:  # not an OpOverload with a schema
+        return ()
+    if schema.returns or schema.name.startswith("aten::_amp_"):
+        return ()
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def written_by(where: tuple, args: tuple, kwargs: dict | None) -> list:
+    """The tensors in the arguments at ``where`` (see :func:`written_args`)."""
+    outs: list = []
+    for i, name in where:
+        _tensors_in(args[i] if i < len(args) else (kwargs or {}).get(name), outs)
     return outs
 
 

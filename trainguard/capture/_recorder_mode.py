@@ -21,6 +21,7 @@ from trainguard._errors import NonFiniteError
 from trainguard.capture import _compile, _numerics, _steps
 from trainguard.capture._local import local as _local
 from trainguard.capture._local import written as _written
+from trainguard.capture._local import written_by as _written_by
 from trainguard.capture._summary import summarize_deferred, summarize_immediate, unknown_summary
 from trainguard.capture._taint import (
     ALLOC,
@@ -153,6 +154,8 @@ class _DispatchMode(TorchDispatchMode):
             r.seq = seq + 1
             if info[9]:
                 outs = _written(info[0], args, out)
+            elif info[11]:
+                outs = _written_by(info[11], args, kwargs)
             producers = r.producers
             name = info[0]
             if not info[1]:  # filtered out: consumers still learn who made their inputs

@@ -61,6 +61,9 @@ struct OpInfo {
   // A communication op (taint class COLLECTIVE): what it writes arrives from other ranks after it
   // returns, while another thread fills it in. Those tensors are its outputs, never read.
   bool collective = false;
+  // An op that returns nothing (_foreach_add_, _fused_adam_): the positions of the arguments it
+  // writes, whose tensors are its records' outputs (capture/_local.written_args).
+  std::vector<int> writes;
 };
 
 // The taint classes of capture/_taint.py that the core's fast path needs.

@@ -86,7 +86,7 @@ struct Ctx : at::ObserverContext {
   uint64_t node_nr = 0;  // that node's sequence number (AccumulateGrad's is UINT64_MAX)
   c10::SmallVector<Input, 6> inputs;
   c10::intrusive_ptr<c10::TensorImpl> first;  // the first tensor input (alias summaries)
-  c10::SmallVector<at::Tensor, 1> received;  // a collective's first argument (recv_ writes it)
+  c10::SmallVector<at::Tensor, 1> written;  // a collective's first argument (recv_ writes it), a void op's writes
 };
 
 // This thread's open recorded calls per core, innermost last. A call that is not recorded gets
@@ -145,7 +145,7 @@ void tensors_in(const c10::IValue& v, Tensors& out) {
 void written_tensors(const std::vector<c10::IValue>& outs, Ctx* ctx, Tensors& out) {
   for (const auto& v : outs) tensors_in(v, out);
   if (out.empty() && ctx->op->name.find(".recv") != std::string::npos)
-    out.insert(out.end(), ctx->received.begin(), ctx->received.end());
+    out.insert(out.end(), ctx->written.begin(), ctx->written.end());
 }
 
 void output_tensors(const std::vector<c10::IValue>& outs, Tensors& out) {
@@ -237,10 +237,12 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     ctx->in_node = node != nullptr;
     ctx->node_nr = node ? node->sequence_nr() : 0;
     auto inputs = fn.inputs();
-    if (op->collective && !inputs.empty()) {
-      Tensors first;
-      tensors_in(inputs[0], first);
-      ctx->received.assign(first.begin(), first.end());
+    if ((op->collective && !inputs.empty()) || !op->writes.empty()) {
+      Tensors w;
+      if (op->collective) tensors_in(inputs[0], w);
+      for (int i : op->writes)
+        if (i < (int)inputs.size()) tensors_in(inputs[i], w);
+      ctx->written.assign(w.begin(), w.end());
     }
     std::lock_guard<std::mutex> g(c->mu);
     auto add = [&](const at::Tensor& t) {
@@ -282,7 +284,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     ctx->opaque = true;
     ctx->inputs.clear();
     ctx->first.reset();
-    ctx->received.clear();
+    ctx->written.clear();
     open.push_back(ctx.get());
     return ctx;
   }
@@ -316,6 +318,7 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   OpInfo* op = ctx->op;
   Tensors outs;
   if (op->collective) written_tensors(fn.outputs(), ctx, outs);
+  else if (!op->writes.empty()) outs.assign(ctx->written.begin(), ctx->written.end());
   else output_tensors(fn.outputs(), outs);
   int64_t nr = at::sequence_number::peek();
   int nfields = mode_fields(c->mode);
