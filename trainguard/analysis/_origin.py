@@ -29,6 +29,7 @@ _EXPS = {"exp", "exp_", "exp2", "expm1", "sinh", "cosh", "pow", "square"}
 _ACCUM = {"mm", "addmm", "bmm", "matmul", "baddbmm", "sum", "mean", "linear", "conv2d", "convolution",
           "cumsum", "dot", "mv", "einsum", "_softmax", "softmax", "_log_softmax", "log_softmax"}
 _MULS = {"mul", "mul_"}
+_ADDCDIVS = {"addcdiv", "addcdiv_", "_foreach_addcdiv", "_foreach_addcdiv_"}
 _ADDS = {"add", "add_", "sub", "sub_", "rsub", "addcmul", "addcdiv", "addcdiv_", "addcmul_", "lerp_", "lerp"}
 _SOFTMAXES = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"}
 _NLL = {"nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss2d"}  # outputs: (loss, total_weight)
@@ -312,6 +313,16 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
                 bits.append(f"{negs} negative -> NaN")
             return f"log of an input with {', '.join(bits)}"
         return f"log made {made} (no summary of its input shows zeros)"
+    if base in _ADDCDIVS:
+        # self + value * tensor1 / tensor2 (a foreach op's inputs: n of each, n its outputs)
+        n = max(len(link.outputs), 1)
+        num, den = ins[n:2 * n], ins[2 * n:3 * n]
+        zeros = sum(_count(i.get("summary"), "zero") for i in den)
+        if zeros:
+            tail = (" (0/0 -> NaN where tensor1 is zero too)"
+                    if "nan" in link.health and any(_count(i.get("summary"), "zero") for i in num) else "")
+            return (f"{base} divides by tensor2, which holds {_plural(zeros, 'zero')}{tail}; in an optimizer's "
+                    "update m / (sqrt(v) + eps) that is an eps of 0 over zero second moments")
     if base in _DIVS:
         denom = ins[1].get("summary") if len(ins) > 1 else s0
         zeros = _count(denom, "zero")
