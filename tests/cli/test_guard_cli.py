@@ -111,3 +111,44 @@ def test_guard_options_need_guard_and_exclude_check_numerics(tmp_path, monkeypat
         assert message in err and len(err.strip().splitlines()) == 1, err
     r = trainguard("run", "--guard", "--logdir", "runs/x", "train.py", cwd=tmp_path)
     assert r.returncode == 0 and "nothing was guarded" in r.stderr
+
+
+# From pytorch/examples' dcgan/main.py run under `trainguard run --guard` (its loop moved onto
+# ckpt.resume()): nn.BCELoss raises on a NaN input, so a NaN there ends the script inside the
+# guarded loop; the guard's run then said "status finished" like a run that had trained to the end.
+BCE_SCRIPT = textwrap.dedent('''
+    import sys
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    import trainguard as tg
+
+    torch.manual_seed(0)
+    netD = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Sigmoid())
+    opt = torch.optim.Adam(netD.parameters(), lr=2e-4)
+    state = tg.TrainState(netD=netD, optimizerD=opt, loader=DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4))
+    loop = tg.CheckpointManager(sys.argv[1], every_steps=100).resume(state, total_steps=12)
+    for step, (x,) in loop.batches():
+        if step == 5:
+            x = torch.log(x * 0) * 0  # NaN
+        loss = torch.nn.BCELoss()(netD(x).squeeze(1), torch.ones(4))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+''')
+
+
+@pytest.mark.timeout(300)
+def test_run_guard_stores_how_the_script_ended_in_the_guards_run(tmp_path):
+    (tmp_path / "bce.py").write_text(BCE_SCRIPT)
+    r = trainguard("run", "--guard", "--logdir", "runs/c", "bce.py", "ckpt", cwd=tmp_path)
+    assert r.returncode == 1 and "all elements of input should be between 0 and 1" in r.stderr, r.stderr
+    data = json.loads(trainguard("report", "runs/c", "--json", cwd=tmp_path).stdout)
+    assert data["status"] == "crashed" and data["guard"]["meta"]["status"] == "interrupted"
+    assert data["crash"]["text"] == "the script crashed at step 5: RuntimeError: all elements of input should be between 0 and 1"
+
+    (tmp_path / "train.py").write_text(SCRIPT)
+    r = trainguard("run", "--guard", "--logdir", "runs/b", "train.py", "ckpt", "--bug", cwd=tmp_path)
+    assert r.returncode == 3, r.stderr
+    data = json.loads(trainguard("report", "runs/b", "--json", cwd=tmp_path).stdout)
+    assert data["status"] == "crashed" and data["guard"]["meta"]["status"] == "diverged"
+    assert data["crash"]["text"].startswith("the script crashed at step 10: Diverged: trainguard: step 10 (batch 11): loss is")
