@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from trainguard._errors import Diverged
+
 
 def ending(error: BaseException | str | None, step: int | None = None) -> dict[str, Any]:
     """The run's top-level metadata for how training ended: ``{}`` when it finished.
@@ -21,6 +23,8 @@ def ending(error: BaseException | str | None, step: int | None = None) -> dict[s
     if isinstance(error, SystemExit):
         code = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
         return {"status": "exited", "exit_code": code} if code else {}
+    if step is None and isinstance(error, Diverged):  # the step clock is one past it: the guard reads a step late
+        step = error.step
     if step is None:
         from trainguard.capture._steps import current_step
 

@@ -196,6 +196,8 @@ def _cmd(args: argparse.Namespace) -> int:
                 ending["status"] = "exited"
             if recorder is not None:
                 recorder.stop(**ending)
+            if guard is not None:
+                guard._store_ending(ending)
     finally:
         if guard is not None:
             guard.uninstall()

@@ -140,6 +140,7 @@ class GuardRun:
             "event": e,
         }])
 
-    def close(self, status: str) -> None:
+    def close(self, status: str, ending: dict[str, Any] | None = None) -> None:
+        """``status`` is the guard's; ``ending`` the run's own (``status``, ``error``, ...), as a recording stores it."""
         self.update(status=status, ended=time.time())
-        release_writer(self._writer)
+        release_writer(self._writer, **(ending or {}))

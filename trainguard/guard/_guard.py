@@ -37,12 +37,14 @@ import torch
 
 from trainguard._errors import Diverged
 from trainguard.capture import align_step
+from trainguard.capture._ending import ending
 from trainguard.guard import _collective, _events
 from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
 from trainguard.guard._events import STOPPED
 from trainguard.guard._replay import StepRecording, origin_from_dict, origin_key, rank_dir
 from trainguard.guard._sentry import Sentry, StepValues
 from trainguard.resilience import MemorySnapshot, ResumeLoop, TrainState, set_default_guard
+from trainguard.store import acquire_writer, release_writer
 
 log = logging.getLogger("trainguard.guard")
 
@@ -121,6 +123,8 @@ class Guard:
         self._sentry = Sentry()
         self._loop: Any = None
         self._run: _events.GuardRun | None = None
+        self._run_dir: Path | None = None  # the last loop's run, where the script's ending goes
+        self._ending: dict[str, Any] = {}  # how the script ended, when it is told before the loop closed
         self._installed_previous: Any = None
         self._stored: set[int] = set()  # ids of the events written to the run
         self._reset()
@@ -170,7 +174,7 @@ class Guard:
         self._reset()
         if self.logdir is None:
             self.logdir = _default_logdir()
-        run_dir = rank_dir(self.logdir)  # type: ignore[arg-type]
+        run_dir = self._run_dir = rank_dir(self.logdir)  # type: ignore[arg-type]
         self._run = _events.GuardRun(run_dir, {**asdict(self.config), "rewinds": self.rewinds,
                                                "events": len(self.events)})
         self._sentry.start()
@@ -184,18 +188,31 @@ class Guard:
             plan.recording.stop()
         self._sentry.stop()
         loop, self._loop = self._loop, None
+        final = dict(self._ending)  # the run's own status, as a recording of the script stores it
         if loop.state.step >= loop.total_steps:
             status = "finished"
         elif self._last_event is not None and self._last_event["action"] in STOPPED:
             status = "diverged"
+            final = final or ending(f"Diverged: trainguard: {self._last_event['message']}", self._last_event["step"])
         else:
             status = "interrupted"  # an exception in the loop body, a signal, a break
         if self._run is not None:
             for event in self.events:
                 self._store(event)  # a skip whose batches the loop never drew (it stopped first)
-            self._run.close(status)
+            self._run.close(status, final)
             self._run = None
         self.snapshot.release()
+
+    def _store_ending(self, end: dict[str, Any]) -> None:
+        """How the script ended (``trainguard.capture._ending.ending``), stored in the guard's run
+        (``trainguard run --guard``): a crash in the loop body, or ``Diverged``, is then no finished run."""
+        if not end.get("status") or self._run_dir is None:
+            return
+        if self._run is not None:  # the loop is still open (its generator not closed yet): it stores it
+            self._ending = dict(end)
+            return
+        writer = acquire_writer(self._run_dir, append=True)
+        release_writer(writer, **end)
 
     def _report(self, loss: Any) -> None:
         self._sentry.report(loss)
