@@ -34,7 +34,7 @@ def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=
     w = acquire_writer(path)
     loss = healthy_loss() if loss is None else loss
     for s, v in enumerate(loss):
-        values = {"loss": v, "lr/0": lr}
+        values = {"loss": v, "lr/0": lr[s] if isinstance(lr, list) else lr}
         if grad_norm is not None:
             values["grad_norm"] = grad_norm[s]
         w.add_scalars(s, values)
@@ -191,6 +191,15 @@ def test_lr_too_high_from_divergence(tmp_path):
     f = [f for f in fs if f.kind == "lr_too_high"][0]
     assert f.evidence["divergence"]["initial_loss"] == 1.6
     assert "from 0.5 to about" in f.suggestion
+
+
+def test_lr_too_high_names_the_rate_the_run_diverged_with(tmp_path):
+    # From pytorch/examples' siamese_network (Adadelta lr=1.0, StepLR gamma=0.7, two epochs): the
+    # median of the schedule, 0.85, is a rate the run never had; it diverged at step 1, under 1.0.
+    loss = [0.65] + [3.3 + s * 0.01 for s in range(99)]
+    fs = diagnose(write_run(tmp_path / "r", loss, lr=[1.0] * 50 + [0.7] * 50))
+    f = [f for f in fs if f.kind == "lr_too_high"][0]
+    assert f.evidence["lr"] == 1.0 and "from 1 to about" in f.suggestion, f.suggestion
 
 
 def test_a_symptom_with_a_known_cause_is_folded_into_info(tmp_path):
