@@ -162,13 +162,19 @@ class Context:
         """The later half of the recordings: the state a layer ended up in."""
         return series.tail(0.5, minimum=2)
 
-    def lr(self) -> float | None:
-        """The learning rate of the first parameter group (its median over the run)."""
+    def lr(self, step: int | None = None) -> float | None:
+        """The learning rate of the first parameter group: at ``step``, the one in force then (the
+        last logged at or before it); else the median of the rates it had, always one it had (the
+        lower middle one of an even count: a StepLR's 1.0 and 0.7 are not averaged into 0.85)."""
         s = self.lrs.get("lr/0")
         if s is None or not len(s):
             return None
-        m = median(s.values)
-        return m if math.isfinite(m) else None
+        if step is not None:
+            upto = s.finite().before(step + 1)
+            if len(upto):
+                return float(upto.values[-1])
+        v = np.sort(s.values[np.isfinite(s.values)])
+        return float(v[(len(v) - 1) // 2]) if len(v) else None
 
     def input_rms(self) -> float:
         """RMS of the model's input (1 when unknown, e.g. token ids)."""

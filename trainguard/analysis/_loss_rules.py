@@ -398,11 +398,12 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             reasons.append(f"the loss grew {fmt(before.values[-1] / before.values[0])}x before turning NaN/Inf")
     if not reasons:
         return []
-    new, text = lr_lower(ctx, r_max if math.isfinite(r_max) else None)
+    at = div["step"] if div else bad_step  # the rate in force where it went wrong, not the schedule's median
+    new, text = lr_lower(ctx, r_max if math.isfinite(r_max) else None, step=at)
     if new is not None:
         ev["suggested_lr"] = new
-        ev["lr"] = ctx.lr()
-    clip = clip_text(ctx, before_step=div["step"] if div else bad_step)
+        ev["lr"] = ctx.lr(at)
+    clip = clip_text(ctx, before_step=at)
     steps = (int(ctx.loss.steps[0]), int(ctx.loss.steps[-1])) if len(ctx.loss) else None
     return [
         Finding(

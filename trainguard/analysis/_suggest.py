@@ -44,9 +44,10 @@ def clip_text(ctx: Context, before_step: int | None = None) -> str:
     )
 
 
-def lr_lower(ctx: Context, ratio: float | None) -> tuple[float | None, str]:
-    """A lower learning rate: scaled so the update-to-weight ratio lands near 1e-3, at least 10x lower."""
-    lr = ctx.lr()
+def lr_lower(ctx: Context, ratio: float | None, step: int | None = None) -> tuple[float | None, str]:
+    """A lower learning rate: scaled so the update-to-weight ratio lands near 1e-3, at least 10x lower
+    than the one in force at ``step`` (where training diverged), or the run's usual one."""
+    lr = ctx.lr(step)
     if lr is None:
         return None, f"lower the learning rate about 10x; {LR_RANGE_TEST}"
     factor = 0.1
