@@ -246,3 +246,19 @@ def test_a_nan_written_from_python_is_named_a_constant(tmp_path):
 
 def test_clean_run_has_no_origin(tmp_path):
     assert origin(record(tmp_path, lambda: torch.ones(3).exp())) is None
+
+
+def test_an_overflow_in_float32_is_not_told_to_compute_in_float32(tmp_path):
+    # From pytorch/examples' super_resolution (Adam at lr=1e30): conv2 overflowed in float32 and the
+    # fix read "... or compute this op in float32", which it already was.
+    def overflow(dtype):
+        conv = torch.nn.Conv2d(4, 4, 3).to(dtype)
+        with torch.no_grad():
+            conv.weight.fill_(1e30 if dtype == torch.float32 else 1e4)
+        return lambda: conv(torch.full((1, 4, 8, 8), 1e10 if dtype == torch.float32 else 1e3, dtype=dtype)).sum().item()
+
+    o = origin(record(tmp_path / "f32", overflow(torch.float32)))
+    assert o.origin.op == "aten.convolution" and o.origin.explanation.startswith("overflow in convolution")
+    assert "lower the learning rate" in o.suggestion and "float32" not in o.suggestion, o.suggestion
+    o = origin(record(tmp_path / "f16", overflow(torch.float16)))
+    assert o.origin.op == "aten.convolution" and "compute this op in float32" in o.suggestion, o.suggestion
