@@ -468,8 +468,7 @@ _SUGGESTIONS = {
     "ignored": "no target of the batch counts: each is ignore_index (padding, or labels masked to -100) or has "
     "weight 0; check the label masking (a sequence shorter than its prompt masks every label), skip such a batch "
     "(`if (labels != -100).any():`), or sum the loss and divide by max(count, 1)",
-    "accum": "values are overflowing: lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), "
-    "or compute this op in float32",
+    "accum": "values are overflowing: lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_)",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
     "and the previous step",
     "received": "this rank only received the value from another rank: see the report of the rank that made it "
@@ -480,6 +479,10 @@ _SUGGESTIONS = {
 def received_input(link: Link) -> dict | None:
     """The input of ``link`` that a collective wrote (values from other ranks), if any."""
     return next((i for i in link.inputs if i.get("kind") == "op" and is_collective(i.get("producer_op"))), None)
+
+
+# Floating types narrow enough that computing the op in float32 avoids the overflow.
+_NARROW = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
 
 
 def suggest(link: Link) -> str:
@@ -507,6 +510,8 @@ def suggest(link: Link) -> str:
         return _SUGGESTIONS["exp"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
+    if any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs):
+        return _SUGGESTIONS["accum"] + ", or compute this op in float32"  # whose range holds what overflowed here
     return _SUGGESTIONS["accum"]
 
 
