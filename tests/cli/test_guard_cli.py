@@ -128,7 +128,7 @@ BCE_SCRIPT = textwrap.dedent('''
     state = tg.TrainState(netD=netD, optimizerD=opt, loader=DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4))
     loop = tg.CheckpointManager(sys.argv[1], every_steps=100).resume(state, total_steps=12)
     for step, (x,) in loop.batches():
-        if step == 5:
+        if step == 5 and "--crash" in sys.argv:
             x = torch.log(x * 0) * 0  # NaN
         loss = torch.nn.BCELoss()(netD(x).squeeze(1), torch.ones(4))
         opt.zero_grad()
@@ -140,7 +140,7 @@ BCE_SCRIPT = textwrap.dedent('''
 @pytest.mark.timeout(300)
 def test_run_guard_stores_how_the_script_ended_in_the_guards_run(tmp_path):
     (tmp_path / "bce.py").write_text(BCE_SCRIPT)
-    r = trainguard("run", "--guard", "--logdir", "runs/c", "bce.py", "ckpt", cwd=tmp_path)
+    r = trainguard("run", "--guard", "--logdir", "runs/c", "bce.py", "ckpt", "--crash", cwd=tmp_path)
     assert r.returncode == 1 and "all elements of input should be between 0 and 1" in r.stderr, r.stderr
     data = json.loads(trainguard("report", "runs/c", "--json", cwd=tmp_path).stdout)
     assert data["status"] == "crashed" and data["guard"]["meta"]["status"] == "interrupted"
@@ -152,3 +152,16 @@ def test_run_guard_stores_how_the_script_ended_in_the_guards_run(tmp_path):
     data = json.loads(trainguard("report", "runs/b", "--json", cwd=tmp_path).stdout)
     assert data["status"] == "crashed" and data["guard"]["meta"]["status"] == "diverged"
     assert data["crash"]["text"].startswith("the script crashed at step 10: Diverged: trainguard: step 10 (batch 11): loss is")
+
+
+@pytest.mark.timeout(300)
+def test_a_guarded_rerun_that_finishes_marks_the_run_finished(tmp_path):
+    # pytorch/examples' dcgan under `trainguard run --guard`, killed with kill -9 and run again: the
+    # rerun resumed and finished, yet the guard's run still said "running ... or its process was
+    # killed" (an appending writer left the first process's status alone); a crash is the same.
+    (tmp_path / "bce.py").write_text(BCE_SCRIPT)
+    assert trainguard("run", "--guard", "--logdir", "runs/c", "bce.py", "ckpt", "--crash", cwd=tmp_path).returncode == 1
+    r = trainguard("run", "--guard", "--logdir", "runs/c", "bce.py", "ckpt", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(trainguard("report", "runs/c", "--json", cwd=tmp_path).stdout)
+    assert data["status"] == "finished" and data["crash"] is None and data["guard"]["meta"]["status"] == "finished"
