@@ -123,6 +123,8 @@ class GuardRun:
     def __init__(self, path: Path, config: dict[str, Any]):
         self.path = path
         self._writer = acquire_writer(path, append=True, meta={"guard": dict(config, status="running")})
+        if not self._writer.owner:  # a rerun continues the run: its status is this process's, not the last one's
+            self._writer.set_meta(status="running", error=None, crash_step=None, exit_code=None)
         self._meta = dict(config, status="running")
 
     def update(self, **values: Any) -> None:
@@ -142,5 +144,6 @@ class GuardRun:
 
     def close(self, status: str, ending: dict[str, Any] | None = None) -> None:
         """``status`` is the guard's; ``ending`` the run's own (``status``, ``error``, ...), as a recording stores it."""
-        self.update(status=status, ended=time.time())
-        release_writer(self._writer, **(ending or {}))
+        now = time.time()
+        self.update(status=status, ended=now)
+        release_writer(self._writer, **{"status": "finished", "ended": now, **(ending or {})})
