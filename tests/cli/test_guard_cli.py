@@ -165,3 +165,16 @@ def test_a_guarded_rerun_that_finishes_marks_the_run_finished(tmp_path):
     assert r.returncode == 0, r.stderr
     data = json.loads(trainguard("report", "runs/c", "--json", cwd=tmp_path).stdout)
     assert data["status"] == "finished" and data["crash"] is None and data["guard"]["meta"]["status"] == "finished"
+
+
+@pytest.mark.timeout(300)
+def test_guard_and_monitor_the_nonfinite_loss_finding_names_the_guards_origin(tmp_path):
+    # pytorch/examples' dcgan under `trainguard run --guard --monitor`: the guard's replay had found
+    # the op and line, yet the monitor's nonfinite_loss finding said to record the run to find them.
+    (tmp_path / "train.py").write_text(SCRIPT)
+    r = trainguard("run", "--guard", "--monitor", "--logdir", "runs/m", "train.py", "ckpt", "--bug", cwd=tmp_path)
+    assert r.returncode == 3, r.stderr
+    fs = json.loads(trainguard("diagnose", "runs/m", "--json", cwd=tmp_path).stdout)["findings"]
+    [f] = [f for f in fs if f["kind"] == "nonfinite_loss"]
+    assert f["evidence"]["origin"]["op"] == "aten.log" and f["evidence"]["origin"]["line"] == line_of("LOG")
+    assert f"train.py:{line_of('LOG')}" in f["suggestion"] and "record the run" not in f["suggestion"]
