@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -139,8 +140,8 @@ def op_fix(op: str | None) -> str | None:
 
 def origin_of(run: Any, before_step: int | None = None, since_step: int | None = None,
               handled: bool = False) -> dict | None:
-    """Where the recorder's first harmful value was made (when the run was recorded), as
-    finding evidence: the origin of the analysis' walk back, not the first non-finite output
+    """Where the recorder's first harmful value was made (when the run was recorded; in a guard's
+    run, where the replay of its earliest failing step found it), as finding evidence: the origin of the analysis' walk back, not the first non-finite output
     (an intended -inf mask is never the cause). ``since_step``: of the first harmful value in
     that step or later; ``handled``: also among the gradients a GradScaler discarded."""
     from trainguard.analysis._origin import origin
@@ -148,22 +149,43 @@ def origin_of(run: Any, before_step: int | None = None, since_step: int | None =
     try:
         o = origin(run, since_step=since_step, handled=handled)
     except Exception:  # a run without a recording, or a damaged one: no origin
+        o = None
+    if o is None:  # a guard's run: the origin its replay of the failing step found
+        return _guard_origin(run, before_step, since_step)
+    return _origin_evidence(asdict(o.origin), o.harm, o.suggestion, before_step)
+
+
+def _guard_origin(run: Any, before_step: int | None, since_step: int | None) -> dict | None:
+    """The origin of the earliest guard event in range (``trainguard run --guard --monitor``)."""
+    try:
+        events = [f.get("event") or {} for f in run.findings(source="guard")]
+    except Exception:  # an older run without findings
         return None
-    if o is None:
+    events = [e for e in events if isinstance(e.get("origin"), dict) and isinstance(e.get("step"), int)
+              and (since_step is None or e["step"] >= since_step)]
+    for e in sorted(events, key=lambda e: e["step"]):
+        o = e["origin"]
+        if isinstance(o.get("origin"), dict):
+            return _origin_evidence(o["origin"], o.get("harm"), o.get("suggestion", ""), before_step)
+    return None
+
+
+def _origin_evidence(link: dict, harm: str | None, fix: str, before_step: int | None) -> dict | None:
+    """An origin link (``asdict(Link)``) as finding evidence; None when it comes after ``before_step``."""
+    step = link.get("step")
+    if before_step is not None and step is not None and step > before_step:
         return None
-    link = o.origin
-    if before_step is not None and link.step is not None and link.step > before_step:
-        return None
-    out = {"op": link.op, "step": link.step, "phase": link.phase, "module": link.module, "health": link.health}
-    if link.file:
-        out["file"] = link.file
-        out["line"] = link.line
-        out["function"] = link.function
-    if o.harm:
-        out["harm"] = o.harm
-    out["fix"] = o.suggestion
+    out = {"op": link.get("op"), "step": step, "phase": link.get("phase"), "module": link.get("module"),
+           "health": link.get("health")}
+    if link.get("file"):
+        out["file"] = link["file"]
+        out["line"] = link.get("line")
+        out["function"] = link.get("function")
+    if harm:
+        out["harm"] = harm
+    out["fix"] = fix
     zeros = [f"input {i['slot']} ({i.get('producer_op')}) holds {i['summary']['zero']} zero(s)"
-             for i in link.inputs if (i.get("summary") or {}).get("zero")]
+             for i in link.get("inputs") or [] if (i.get("summary") or {}).get("zero")]
     if zeros:
         out["inputs"] = zeros
     return out
