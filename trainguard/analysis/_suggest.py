@@ -141,8 +141,9 @@ def op_fix(op: str | None) -> str | None:
 def origin_of(run: Any, before_step: int | None = None, since_step: int | None = None,
               handled: bool = False) -> dict | None:
     """Where the recorder's first harmful value was made (when the run was recorded; in a guard's
-    run, where the replay of its earliest failing step found it), as finding evidence: the origin of the analysis' walk back, not the first non-finite output
-    (an intended -inf mask is never the cause). ``since_step``: of the first harmful value in
+    run, where the replay of its earliest failing step found it), as finding evidence: the origin
+    of the analysis' walk back, not the first non-finite output (an intended -inf mask is never the
+    cause). ``since_step``: of the first harmful value in
     that step or later; ``handled``: also among the gradients a GradScaler discarded."""
     from trainguard.analysis._origin import origin
 
