@@ -60,6 +60,24 @@ def written_by(where: tuple, args: tuple, kwargs: dict | None) -> list:
     return outs
 
 
+def stats_written(name: str) -> tuple:
+    """``(where, training flag position)`` for batch norm's kernels (``_taint.STATS_WRITES``)."""
+    from trainguard.capture._taint import STATS_ARGS, STATS_WRITES
+
+    spec = STATS_WRITES.get(name)
+    return () if spec is None else (STATS_ARGS, spec[0])
+
+
+def with_stats(spec: tuple, args: tuple, kwargs: dict | None, out: Any) -> list:
+    """What batch norm returned, then the running statistics it wrote (in training)."""
+    outs = _tensors_in(out, [])
+    where, flag = spec
+    training = True if flag < 0 else (args[flag] if flag < len(args) else (kwargs or {}).get("training"))
+    if training:
+        outs.extend(t for t in written_by(where, args, kwargs) if t is not None)
+    return outs
+
+
 def _tensors_in(x: Any, out: list) -> list:
     if isinstance(x, _Tensor):
         out.append(x)

@@ -23,7 +23,7 @@ import torch
 
 from trainguard.capture import _compile, _loss_watch, _monitor_tap, _reads, _recorder_mode, _steps, _swap
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
-from trainguard.capture._local import written_args
+from trainguard.capture._local import stats_written, written_args
 from trainguard.capture._modules import ModuleTracker
 from trainguard.capture._recorder_flush import LOSS_PIN_WINDOW, FlushHooks  # noqa: F401 - re-exported
 from trainguard.capture._recorder_harm import HarmHooks
@@ -327,7 +327,7 @@ class Recorder(FlushHooks, HarmHooks):
         unknown = name in ALLOCATION_OPS or collective
         writes = () if collective else written_args(func)  # a void op's outputs: the arguments it wrote
         info = (name, wanted, unknown, name in ALIAS_OPS, call, func, cls, overwrite, inplace, collective, marker,
-                writes)
+                writes, stats_written(name))
         self.op_info[id(func)] = info
         return info
 

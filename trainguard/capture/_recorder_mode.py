@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _compile, _numerics, _steps
 from trainguard.capture._local import local as _local
+from trainguard.capture._local import with_stats as _with_stats
 from trainguard.capture._local import written as _written
 from trainguard.capture._local import written_by as _written_by
 from trainguard.capture._summary import summarize_deferred, summarize_immediate, unknown_summary
@@ -33,6 +34,7 @@ from trainguard.capture._taint import (
     VIEW,
     classify,
 )
+from trainguard.capture._taint import writes_model_state as _writes_model_state
 from trainguard.store._codec import health_of
 
 if TYPE_CHECKING:
@@ -156,6 +158,8 @@ class _DispatchMode(TorchDispatchMode):
                 outs = _written(info[0], args, out)
             elif info[11]:
                 outs = _written_by(info[11], args, kwargs)
+            elif info[12]:
+                outs = _with_stats(info[12], args, kwargs, out)
             producers = r.producers
             name = info[0]
             if not info[1]:  # filtered out: consumers still learn who made their inputs
@@ -303,7 +307,7 @@ class _DispatchMode(TorchDispatchMode):
                 taint = None
             elif health or in_taint or cls == ALLOC:
                 taint, origin = r.taint.settle(
-                    seq, _clock.step, phase, name, cls, info[8] and bool(inputs) and inputs[0][0] == "param",
+                    seq, _clock.step, phase, name, cls, _writes_model_state(name, info[8], inputs, len(metas)),
                     in_taint, in_origin, health, inputs, fwd_seq, fields, summaries, (module_id, stack_id, fwd_op))
                 if r.check and origin == seq:
                     r._note_origin(seq, args, outs)

@@ -3,7 +3,7 @@
 A non-finite value is harmful when it is a NaN, or when a +-inf (or a value computed from it)
 reaches a sink: the loss (the tensor backward() runs from), a gradient (any backward-pass
 output), a parameter or optimizer state (optimizer-phase outputs, in-place writes into a
-parameter) or a value the program reads (``.item()``, ``.tolist()``, printing). A +-inf that is
+parameter, batch norm's running statistics) or a value the program reads (``.item()``, ``.tolist()``, printing). A +-inf that is
 absorbed first is intended. Allocation outputs, and views and copies of them until written,
 are unknown: never evidence. See docs/recorder.md, "Harmful, intended, unknown".
 
@@ -51,6 +51,27 @@ DEFAULT, VIEW, COPY, ALLOC, RENORM, READ, COLLECTIVE = range(7)
 # native core hands this kind over; the judge stores it as "op" (see Tracker.judge). The
 # dispatch mode judging on the training thread applies the same rule in place.
 WRITTEN = "written"
+
+# Batch norm's kernels in training write the running statistics (arguments 3 and 4) into the
+# module's buffers, which their schemas do not mark as written: {op: (position of its `training`
+# flag, or -1 for always; how many tensors it returns)}. Both backends record those two tensors
+# after the returned ones, and a non-finite value written there is harmful (model state, as a
+# parameter is): the model in eval mode would normalise every input with it.
+STATS_WRITES = {
+    "aten.native_batch_norm.default": (5, 3), "aten._native_batch_norm_legit.default": (5, 3),
+    "aten.cudnn_batch_norm.default": (5, 4), "aten.miopen_batch_norm.default": (5, 3),
+    "aten._batch_norm_with_update.default": (-1, 4),
+}
+STATS_ARGS = ((3, "running_mean"), (4, "running_var"))
+
+
+def writes_model_state(op: str, inplace: bool, inputs, n_outputs: int) -> bool:
+    """Whether an op writes into a parameter (in place into its first input) or into a module's
+    buffers (batch norm's running statistics, when it recorded them as outputs)."""
+    if inplace and inputs and inputs[0][0] == "param":
+        return True
+    stats = STATS_WRITES.get(op)
+    return stats is not None and n_outputs > stats[1] and any(k[0] in ("param", "buffer") for k in inputs[3:5])
 CLASS_NAMES = ("default", "view", "copy", "alloc", "renorm", "read", "collective")
 
 ALLOC_OPS = frozenset(
@@ -433,7 +454,7 @@ class Tracker:
                     in_taint, in_origin = st
             if fixed is not None:
                 rec = rec[:8] + (tuple(fixed),) + rec[9:]
-            param_write = inplace and bool(rec[8]) and rec[8][0][0] == "param"
+            param_write = writes_model_state(op, inplace, rec[8], len(rec[9]))
             if in_taint == UNKNOWN and (cls == VIEW or cls == COPY) and rec[10]:
                 # A view or copy of uninitialised memory: no evidence, whatever its bytes hold (as
                 # the hot path summarises it; a native or accelerator summary read the bytes).

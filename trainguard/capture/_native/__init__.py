@@ -158,6 +158,7 @@ def _configure(mod) -> None:
     import torch
 
     from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS
+    from trainguard.capture._taint import STATS_WRITES
 
     names = [(v, str(v).replace("torch.", "")) for v in vars(torch).values() if isinstance(v, torch.dtype)]
-    mod.configure(names, sorted(ALLOCATION_OPS), sorted(ALIAS_OPS))
+    mod.configure(names, sorted(ALLOCATION_OPS), sorted(ALIAS_OPS), {k: v[0] for k, v in STATS_WRITES.items()})

@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace at {
@@ -64,6 +65,9 @@ struct OpInfo {
   // An op that returns nothing (_foreach_add_, _fused_adam_): the positions of the arguments it
   // writes, whose tensors are its records' outputs (capture/_local.written_args).
   std::vector<int> writes;
+  // Batch norm's kernels (capture/_taint.STATS_WRITES): they write arguments 3 and 4 (the running
+  // statistics), recorded after what they return, when the argument at writes_if is true (-1: always).
+  int writes_if = -1;
 };
 
 // The taint classes of capture/_taint.py that the core's fast path needs.
@@ -224,7 +228,8 @@ void uninstall(Core* core);
 // ``t`` now holds the values of record ``seq`` made in Python (a compiled graph's output);
 // called with the core's lock held.
 void set_producer(Core* core, const at::Tensor& t, int64_t seq, int64_t stack, bool finite);
-void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias);
+void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias,
+                  std::unordered_map<std::string, int> stats);
 // callable(op name) -> (taint class, overwrites its first input, in place): _recorder.op_facts_by_name
 void set_op_classes(PyObject* resolver);
 OpInfo* op_by_index(int index);

@@ -18,6 +18,7 @@ namespace {
 std::unordered_map<const char*, OpInfo*> g_ops;  // keyed by the schema's name (stable per operator)
 std::vector<OpInfo*> g_op_list;
 std::unordered_set<std::string> g_alloc, g_alias;
+std::unordered_map<std::string, int> g_stats;  // batch norm's kernels: the position of `training`
 PyObject* g_op_classes = nullptr;  // see set_op_classes
 const std::unordered_set<std::string> g_never = {
     "aten::detach_", "aten::requires_grad_", "aten::retain_grad", "aten::set_data", "aten::data",
@@ -62,6 +63,11 @@ OpInfo* make_op(const c10::OperatorName& on, const char* key) {
     std::lock_guard<std::mutex> g(g_ops_mu);
     info->alloc = g_alloc.count(info->name) > 0;
     info->alias = g_alias.count(info->name) > 0;
+    auto st = g_stats.find(info->name);
+    if (st != g_stats.end()) {
+      info->writes = {3, 4};
+      info->writes_if = st->second;
+    }
     classes = g_op_classes;
     Py_XINCREF(classes);
   }
@@ -130,8 +136,10 @@ void set_op_classes(PyObject* resolver) {
   g_op_classes = resolver;
 }
 
-void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias) {
+void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias,
+                  std::unordered_map<std::string, int> stats) {
   std::lock_guard<std::mutex> g(g_ops_mu);
+  g_stats = std::move(stats);
   g_alloc = std::move(alloc);
   g_alias = std::move(alias);
 }

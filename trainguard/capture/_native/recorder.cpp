@@ -237,11 +237,14 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     ctx->in_node = node != nullptr;
     ctx->node_nr = node ? node->sequence_nr() : 0;
     auto inputs = fn.inputs();
-    if ((op->collective && !inputs.empty()) || !op->writes.empty()) {
+    bool writes = !op->writes.empty() && (op->writes_if < 0 || (op->writes_if < (int)inputs.size() &&
+                                                                inputs[op->writes_if].isBool() &&
+                                                                inputs[op->writes_if].toBool()));
+    if ((op->collective && !inputs.empty()) || writes) {
       Tensors w;
       if (op->collective) tensors_in(inputs[0], w);
       for (int i : op->writes)
-        if (i < (int)inputs.size()) tensors_in(inputs[i], w);
+        if (writes && i < (int)inputs.size()) tensors_in(inputs[i], w);
       ctx->written.assign(w.begin(), w.end());
     }
     std::lock_guard<std::mutex> g(c->mu);
@@ -318,8 +321,10 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   OpInfo* op = ctx->op;
   Tensors outs;
   if (op->collective) written_tensors(fn.outputs(), ctx, outs);
-  else if (!op->writes.empty()) outs.assign(ctx->written.begin(), ctx->written.end());
-  else output_tensors(fn.outputs(), outs);
+  else {
+    output_tensors(fn.outputs(), outs);  // then the arguments it wrote (none returned, or batch norm's statistics)
+    outs.append(ctx->written.begin(), ctx->written.end());
+  }
   int64_t nr = at::sequence_number::peek();
   int nfields = mode_fields(c->mode);
   bool keep = wanted(c, op);
