@@ -303,13 +303,14 @@ def test_adams_division_by_a_zero_denominator_is_explained(tmp_path, impl):
     assert "zero" in o.origin.explanation and "0/0" in o.origin.explanation, o.origin.explanation
 
 
+@pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("backend", ["python", "native"])
-def test_an_inf_written_into_batch_norm_running_stats_is_harmful(tmp_path, backend):
+def test_an_inf_written_into_batch_norm_running_stats_is_harmful(tmp_path, backend, affine):
     # From pytorch/examples' imagenet (resnet18, SGD at lr=1e6): a batch whose variance overflows
     # makes running_var +inf while the training-mode output stays finite; the run said "No harmful
     # NaN or Inf" and the model, in eval mode, then gives every input the same output.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, affine=affine), nn.Linear(8, 1))
     with tg.record(tmp_path / "r", buffer=-1, backend=backend):
         model(torch.randn(16, 4) * 1e20).pow(2).mean().backward()
     assert bool(model[1].running_var.isinf().all())
