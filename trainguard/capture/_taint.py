@@ -3,9 +3,10 @@
 A non-finite value is harmful when it is a NaN, or when a +-inf (or a value computed from it)
 reaches a sink: the loss (the tensor backward() runs from), a gradient (any backward-pass
 output), a parameter or optimizer state (optimizer-phase outputs, in-place writes into a
-parameter, batch norm's running statistics) or a value the program reads (``.item()``, ``.tolist()``, printing). A +-inf that is
-absorbed first is intended. Allocation outputs, and views and copies of them until written,
-are unknown: never evidence. See docs/recorder.md, "Harmful, intended, unknown".
+parameter, batch norm's running statistics) or a value the program reads (``.item()``,
+``.tolist()``, printing). A +-inf that is absorbed first is intended. Allocation outputs, and
+views and copies of them until written, are unknown: never evidence. See docs/recorder.md,
+"Harmful, intended, unknown".
 
 The state of a tensor is kept by the seq of the execution that produced it (a record's inputs
 name their producers by seq; an in-place op makes its output the tensor's new producer), only
@@ -71,7 +72,11 @@ def writes_model_state(op: str, inplace: bool, inputs, n_outputs: int) -> bool:
     if inplace and inputs and inputs[0][0] == "param":
         return True
     stats = STATS_WRITES.get(op)
-    return stats is not None and n_outputs > stats[1] and any(k[0] in ("param", "buffer") for k in inputs[3:5])
+    # (its buffer inputs are the running statistics, whichever slots they take: absent tensor
+    # arguments, a weight and bias of an affine=False norm, have none)
+    return stats is not None and n_outputs > stats[1] and any(k[0] == "buffer" for k in inputs[1:])
+
+
 CLASS_NAMES = ("default", "view", "copy", "alloc", "renorm", "read", "collective")
 
 ALLOC_OPS = frozenset(
