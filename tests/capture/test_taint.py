@@ -316,3 +316,5 @@ def test_an_inf_written_into_batch_norm_running_stats_is_harmful(tmp_path, backe
     assert bool(model[1].running_var.isinf().all())
     first = open_run(tmp_path / "r").first_harm()
     assert first is not None and first["op"].startswith("aten.native_batch_norm")
+    o = origin(open_run(tmp_path / "r"))
+    assert "running_var" in o.origin.explanation and "variance" in o.origin.explanation, o.origin.explanation
