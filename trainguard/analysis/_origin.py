@@ -29,6 +29,8 @@ _EXPS = {"exp", "exp_", "exp2", "expm1", "sinh", "cosh", "pow", "square"}
 _ACCUM = {"mm", "addmm", "bmm", "matmul", "baddbmm", "sum", "mean", "linear", "conv2d", "convolution",
           "cumsum", "dot", "mv", "einsum", "_softmax", "softmax", "_log_softmax", "log_softmax"}
 _MULS = {"mul", "mul_"}
+_BATCH_NORMS = {"native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm",
+                "_batch_norm_with_update"}
 _ADDCDIVS = {"addcdiv", "addcdiv_", "_foreach_addcdiv", "_foreach_addcdiv_"}
 _ADDS = {"add", "add_", "sub", "sub_", "rsub", "addcmul", "addcdiv", "addcdiv_", "addcmul_", "lerp_", "lerp"}
 _SOFTMAXES = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"}
@@ -350,6 +352,12 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
         return f"{base} overflow: an input value too large for the dtype (above about 88.7 for exp in float32)"
     if base in _ACCUM:
         return f"overflow in {base}: finite inputs accumulate past the dtype's largest value"
+    if base in _BATCH_NORMS and len(link.outputs) >= 5 and _is_bad(link.outputs[-1].get("summary")):
+        # It returns 3 or 4 tensors; in training the running statistics follow (capture/_taint.STATS_WRITES).
+        dtype = link.outputs[-1].get("dtype") or "its dtype"
+        return (f"the batch's variance overflowed {dtype}: {base} wrote {made} into running_var, the module's "
+                "buffer, while its normalised output stayed finite; in eval mode the layer then maps every input "
+                "to its bias")
     unseen = [i for i in ins if i["kind"] not in ("op", "param", "buffer")]
     if base in ("lift_fresh", "lift_fresh_copy"):
         return (f"a Python constant holding {made} became a tensor here (`x[...] = float('nan')`, "

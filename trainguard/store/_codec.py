@@ -44,7 +44,7 @@ REACHED = {
     "loss": "reached the loss: backward() was called on the output of {op}",
     "gradient": "reached a gradient in {op} (backward pass)",
     "optimizer": "reached the optimizer's update in {op}",
-    "parameter": "was written into a parameter by {op}",
+    "parameter": "was written into the model's parameters or buffers by {op}",
     "read": "was read by the program in {op} (.item(), .tolist() or printing)",
 }
 
