@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from trainguard.capture._taint import STATS_ARGS, STATS_WRITES
+
 _Tensor = torch.Tensor
 
 
@@ -62,8 +64,6 @@ def written_by(where: tuple, args: tuple, kwargs: dict | None) -> list:
 
 def stats_written(name: str) -> tuple:
     """``(where, training flag position)`` for batch norm's kernels (``_taint.STATS_WRITES``)."""
-    from trainguard.capture._taint import STATS_ARGS, STATS_WRITES
-
     spec = STATS_WRITES.get(name)
     return () if spec is None else (STATS_ARGS, spec[0])
 
@@ -74,7 +74,7 @@ def with_stats(spec: tuple, args: tuple, kwargs: dict | None, out: Any) -> list:
     where, flag = spec
     training = True if flag < 0 else (args[flag] if flag < len(args) else (kwargs or {}).get("training"))
     if training:
-        outs.extend(t for t in written_by(where, args, kwargs) if t is not None)
+        outs.extend(written_by(where, args, kwargs))
     return outs
 
 
