@@ -35,6 +35,21 @@ MODE_REPLACES = {("aten.add.Tensor", "aten.add_.Tensor"), ("aten.view.default", 
 PLAIN_ONLY = {"aten.empty.memory_format", "aten.detach.default"}
 
 
+def sgd_program(model, call=None):
+    """Two SGD steps of a small classifier, ``call`` (the model, or what wraps it: a compiled
+    model, DDP) run on a fixed batch: a program for :func:`crosscheck`."""
+    call = call or model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+
+    def program():
+        for _ in range(2):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(call(x), y).backward()
+            opt.step()
+    return program
+
+
 def capture(make_program, tmp_path, backend: str, mode: str, seed: int = 0, **kw):
     """(records, stacks {id: frames}, modules {id: path}, the recorder) of ``make_program()()``,
     a fresh program built after seeding, so that both backends run the same one."""

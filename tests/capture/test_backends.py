@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from tests_capture_crosscheck import crosscheck  # noqa: I001 - see conftest (path of this folder)
+from tests_capture_crosscheck import crosscheck, sgd_program  # noqa: I001 - see conftest (path of this folder)
 from torch import nn
 
 
@@ -154,16 +154,7 @@ def _compiled():
         import trainguard as tg
 
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-        compiled = torch.compile(model, backend=tg.compile_backend("aot_eager"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
-
-        def program():
-            for _ in range(2):
-                opt.zero_grad()
-                nn.functional.cross_entropy(compiled(x), y).backward()
-                opt.step()
-        return program
+        return sgd_program(model, torch.compile(model, backend=tg.compile_backend("aot_eager")))
     return make
 
 

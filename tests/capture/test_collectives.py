@@ -166,18 +166,14 @@ def _ddp_program():
     # backward; the other collectives are the ones users call: a list all-gather (a list of
     # lists out), a broadcast, and an all-reduce that hands back a Work to wait for.
     import torch.distributed as dist
+    from tests_capture_crosscheck import sgd_program
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    train = sgd_program(DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))))
 
     def program():
-        for _ in range(2):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+        train()
         flag = torch.ones(2)
         dist.broadcast(flag, 0)
         parts = [torch.empty(2)]
