@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import random
 
 import numpy as np
@@ -46,10 +47,19 @@ def consume(loader, epochs: int, *, first=None) -> list[torch.Tensor]:
     return out
 
 
+def dump_stacks_on_crash(worker_id: int) -> None:
+    """A worker's fatal signal also prints its Python stacks (and DataLoader's own message after).
+
+    CI once saw both workers of the Stream case die with "Unexpected segmentation fault encountered
+    in worker", not reproduced since: if it comes back, the captured stderr says where."""
+    faulthandler.enable(all_threads=True)
+
+
 def plain(num_workers: int, dataset=None) -> DataLoader:
     ds = dataset if dataset is not None else Noisy()
     shuffle = not isinstance(ds, IterableDataset)
-    return DataLoader(ds, batch_size=4, shuffle=shuffle, num_workers=num_workers)
+    return DataLoader(ds, batch_size=4, shuffle=shuffle, num_workers=num_workers,
+                      worker_init_fn=dump_stacks_on_crash if num_workers else None)
 
 
 def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
