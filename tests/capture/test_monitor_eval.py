@@ -112,6 +112,25 @@ def test_an_evaluation_after_the_last_step_is_kept(tmp_path):
     assert scalars(tmp_path / "run", "val_loss") == [(7, pytest.approx(want, rel=1e-5))]
 
 
+@pytest.mark.parametrize("attach", ["model", "discovered"])
+def test_an_evaluation_before_the_first_step_is_kept(tmp_path, attach):
+    # karpathy/llm.c train_gpt2.py and nanoGPT evaluate at iteration 0, before training: the loss
+    # at initialisation is step 0's validation loss (it was lost).
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xv, yv = data(50, 5)
+    want = []
+    with Monitor(model if attach == "model" else None, tmp_path / "run", every=5, diagnose=False):
+        for step in range(4):
+            if step % 3 == 0:
+                model.eval()
+                with torch.no_grad():
+                    want.append((step, F.cross_entropy(model(xv), yv).item()))
+                model.train()
+            train(model, opt, 1, seed=step)
+    assert scalars(tmp_path / "run", "val_loss") == [(s, pytest.approx(v, rel=1e-5)) for s, v in want]
+
+
 def test_losses_are_unwrapped_when_the_last_monitor_closes(tmp_path):
     before = F.cross_entropy
     with Monitor(mlp(), tmp_path / "a", diagnose=False):
