@@ -190,6 +190,7 @@ class Monitor(EventsMixin, HookMixin):
         self._inputs_seen: set[str] = set()
         self._input_wanted: dict[str, str] = {}
         self._last_train_fwd: tuple[int, int, bool] | None = None
+        self._trained_any = False  # a watched model has run a forward with gradients enabled
         self._amp: dict[str, Any] = {}
         # No optimizer: after a backward(), what the step's end is recognised by (see pending_refs).
         self._pending_end: list | None = None

@@ -219,10 +219,12 @@ class HookMixin:
             self._maybe_end_manual_step()  # a training forward starts the next step
         if self._eval is not None:
             # A no-grad forward evaluates only a model that is being trained: a target, teacher
-            # or EMA network run under no_grad is part of the training step.
+            # or EMA network run under no_grad is part of the training step. Before the first
+            # training forward there is no training step yet: a no-grad forward then evaluates
+            # the initial model (nanoGPT and llm.c measure the loss at iteration 0).
             if grad_on:
-                root.trained = True
-            if root.trained:
+                root.trained = self._trained_any = True
+            if root.trained or not self._trained_any:
                 self._eval.on_forward(grad_on, module.training)
                 self._leak.on_forward(next((x for x in map(first_tensor, args) if x is not None), None),
                                       not grad_on, self._cur)
