@@ -145,6 +145,31 @@ def test_dead_units_severity_and_threshold_override(tmp_path):
     assert [f for f in diagnose(run, thresholds={"dead_units_error": 0.6}) if f.kind == "dead_units"][0].severity == "error"
 
 
+def activation_rows(rms_at):
+    """Activation mean/std of layers 0 and 2 at each recording, RMS ``rms_at(step)`` (std only)."""
+    rows = []
+    for s in range(0, 100, 5):
+        for la in ("0", "2"):
+            rows += [(s, la, "activation", "mean", 0.0), (s, la, "activation", "std", rms_at(s))]
+    return rows
+
+
+def test_activations_too_large_from_initialisation_get_the_init_advice(tmp_path):
+    run = write_run(tmp_path / "r", layer_rows=activation_rows(lambda s: 500.0))
+    f = [f for f in diagnose(run) if f.kind == "exploding_activations"][0]
+    assert f.layers == ["0", "2"] and "amplifies" in f.suggestion
+
+
+def test_activations_that_grew_during_training_are_not_blamed_on_initialisation(tmp_path):
+    # karpathy/llm.c train_gpt2.py at lr=30: GPT-2's init (std 0.02, LayerNorm) was fine at step 0;
+    # the updates blew the activations up. Kaiming (RMS 0.25) would have made it worse.
+    run = write_run(tmp_path / "r", layer_rows=activation_rows(lambda s: 1.0 if s == 0 else 1e4))
+    f = [f for f in diagnose(run) if f.kind == "exploding_activations"][0]
+    assert f.evidence["initial_rms_by_layer"] == {"0": 1.0, "2": 1.0}
+    assert "init" not in f.evidence and "Kaiming" not in f.suggestion and "amplifies" not in f.suggestion
+    assert "grew during training" in f.suggestion and "learning rate" in f.suggestion
+
+
 def vanishing_rows(updates):
     rows = []
     for s in range(0, 100, 5):
