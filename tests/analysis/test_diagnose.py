@@ -30,7 +30,7 @@ def healthy_loss(n: int = 100, seed: int = 0) -> list[float]:
     return list(1.6 * np.exp(-np.arange(n) / 30) + 0.2 + 0.03 * rng.standard_normal(n))
 
 
-def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=0.01, every=5):
+def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=0.01, every=5, layers=LAYERS):
     w = acquire_writer(path)
     loss = healthy_loss() if loss is None else loss
     for s, v in enumerate(loss):
@@ -46,7 +46,7 @@ def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=
                          (s, p, "gradient", "in_optimizer", 1), (s, p, "update", "norm", 0.01),
                          (s, p, "update", "ratio", 2e-3)]
     w.add_layer_stats(rows)
-    w.set_meta(monitor={"every": every, "layers": LAYERS, "params": PARAMS, "order": [la["name"] for la in LAYERS],
+    w.set_meta(monitor={"every": every, "layers": layers, "params": PARAMS, "order": [la["name"] for la in layers],
                         "modes": modes or {}})
     release_writer(w)
     return open_run(path)
@@ -168,6 +168,21 @@ def test_activations_that_grew_during_training_are_not_blamed_on_initialisation(
     assert f.evidence["initial_rms_by_layer"] == {"0": 1.0, "2": 1.0}
     assert "init" not in f.evidence and "Kaiming" not in f.suggestion and "amplifies" not in f.suggestion
     assert "grew during training" in f.suggestion and "learning rate" in f.suggestion
+
+
+@pytest.mark.parametrize("act", ["ReLU", "GELU"])
+def test_units_that_died_in_training_are_not_told_to_change_init(tmp_path, act):
+    # karpathy/llm.c train_gpt2.py at lr=30: its GELUs output exact zeros once the updates pushed
+    # their inputs far negative. "use LeakyReLU/GELU" told a GELU to become a GELU, and the
+    # evidence listed Kaiming init for weights that were fine at step 0.
+    rows = []
+    for s in range(0, 100, 5):
+        rows += [(s, "1", "activation", "dead_frac", 0.0 if s == 0 else 0.7), (s, "1", "activation", "dead_stay", 1.0),
+                 (s, "1", "activation", "mean", 0.1), (s, "1", "activation", "std", 0.2)]
+    layers = [dict(la, type=act) if la["name"] in ("1", "3") else la for la in LAYERS]
+    dead = [f for f in diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers)) if f.kind == "dead_units"][0]
+    assert "died during training" in dead.suggestion and "init" not in dead.evidence
+    assert ("LeakyReLU/GELU" in dead.suggestion) == (act == "ReLU")
 
 
 def vanishing_rows(updates):

@@ -146,6 +146,23 @@ def _rms(ctx: Context, layer: str) -> float:
     return median(np.hypot(mean, std))
 
 
+def _initial_rms(ctx: Context, layers: list[str]) -> dict[str, float] | None:
+    """Each layer's activation RMS at the run's first recording, when its weights were the initial
+    ones (None otherwise, or when a layer was not recorded there)."""
+    if not ctx.weights_initial or not ctx.recorded_steps:
+        return None
+    out = {}
+    for la in layers:
+        mean, std = ctx.stat(la, "activation", "mean"), ctx.stat(la, "activation", "std")
+        if not len(mean) or not len(std) or mean.steps[0] != ctx.recorded_steps[0] or std.steps[0] != mean.steps[0]:
+            return None
+        v = float(np.hypot(mean.values[0], std.values[0]))
+        if not math.isfinite(v):
+            return None
+        out[la] = v
+    return out
+
+
 @register_rule("exploding_activations")
 def exploding_activations(ctx: Context) -> list[Finding]:
     scale = ctx.input_rms()
@@ -156,15 +173,24 @@ def exploding_activations(ctx: Context) -> list[Finding]:
         return []
     first = hot[0]
     worst = max(hot, key=lambda la: depth[la])
-    params = [p for p in ctx.weight_matrices()]
-    rows, init_text = init_advice(ctx, params, activation_family(ctx))
     ev = {
         "rms_by_layer": {la: depth[la] for la in ctx.layer_order if math.isfinite(depth[la])},
         "input_rms": scale,
         "limit": limit,
     }
-    if rows:
-        ev["init"] = rows
+    initial = _initial_rms(ctx, hot)
+    if initial is not None and all(v <= limit for v in initial.values()):
+        # In range at initialisation: the updates made them grow, a new init would not help.
+        ev["initial_rms_by_layer"] = initial
+        suggestion = (f"the activations were in range at initialisation (RMS {fmt(initial[first])} at {first}) "
+                      "and grew during training: the updates blew them up; lower the learning rate, clip the "
+                      "gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay")
+    else:
+        rows, init_text = init_advice(ctx, ctx.weight_matrices(), activation_family(ctx))
+        if rows:
+            ev["init"] = rows
+        suggestion = (f"each layer amplifies its input: use {init_text}; normalisation layers "
+                      "(BatchNorm/LayerNorm) keep the scale in check")
     return [
         Finding(
             kind="exploding_activations",
@@ -172,8 +198,7 @@ def exploding_activations(ctx: Context) -> list[Finding]:
             title=f"Exploding activations: RMS {fmt(depth[first])} at {first}, {fmt(depth[worst])} at {worst} "
             f"(input RMS {fmt(scale)})",
             evidence=ev,
-            suggestion=f"each layer amplifies its input: use {init_text}; normalisation layers "
-            "(BatchNorm/LayerNorm) keep the scale in check",
+            suggestion=suggestion,
             steps=_steps(ctx),
             layers=hot,
             source=SOURCE,
