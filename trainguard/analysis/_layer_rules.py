@@ -56,6 +56,10 @@ def gradient_blocked(ctx: Context) -> str | None:
     return None
 
 
+# Activations that are not zero for every negative input: a dead unit's inputs went far negative.
+_SMOOTH = frozenset({"GELU", "SiLU", "Mish", "ELU", "CELU", "SELU", "LeakyReLU", "PReLU", "RReLU", "Softplus"})
+
+
 @register_rule("dead_units")
 def dead_units(ctx: Context) -> list[Finding]:
     per_layer = {}
@@ -100,10 +104,15 @@ def dead_units(ctx: Context) -> list[Finding]:
             ev.setdefault("bias_init_rms", {})[b] = rms
             if rms > 0.5:
                 init_text += f"; {b} started with RMS {fmt(rms)}: initialise biases at 0"
-    if init_rows:
+    if init_rows and not grew:
         ev["init"] = init_rows
     if grew:
-        fixes.append("the units died during training: lower the learning rate, or use LeakyReLU/GELU")
+        kind = ctx.layer_type.get(first, "")
+        if kind in _SMOOTH:  # exact zeros only for far negative inputs: no other activation helps
+            fixes.append(f"the units died during training: the updates pushed the {kind}'s inputs far negative; "
+                         "lower the learning rate")
+        else:
+            fixes.append("the units died during training: lower the learning rate, or use LeakyReLU/GELU")
     elif ctx.weights_initial:
         fixes.append(f"they were dead from the first step: use {init_text}")
     else:
