@@ -175,12 +175,19 @@ def test_units_that_died_in_training_are_not_told_to_change_init(tmp_path, act):
     # karpathy/llm.c train_gpt2.py at lr=30: its GELUs output exact zeros once the updates pushed
     # their inputs far negative. "use LeakyReLU/GELU" told a GELU to become a GELU, and the
     # evidence listed Kaiming init for weights that were fine at step 0.
-    rows = []
-    for s in range(0, 100, 5):
-        rows += [(s, "1", "activation", "dead_frac", 0.0 if s == 0 else 0.7), (s, "1", "activation", "dead_stay", 1.0),
-                 (s, "1", "activation", "mean", 0.1), (s, "1", "activation", "std", 0.2)]
     layers = [dict(la, type=act) if la["name"] in ("1", "3") else la for la in LAYERS]
-    dead = [f for f in diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers)) if f.kind == "dead_units"][0]
+
+    def dead_finding(path, first_fraction):
+        rows = []
+        for s in range(0, 100, 5):
+            rows += [(s, "1", "activation", "dead_frac", first_fraction if s == 0 else 0.7),
+                     (s, "1", "activation", "dead_stay", 1.0), (s, "1", "activation", "mean", 0.1),
+                     (s, "1", "activation", "std", 0.2),
+                     (s, "0", "activation", "mean", 0.0), (s, "0", "activation", "std", 1.0)]  # feeds layer 1
+        return [f for f in diagnose(write_run(path, layer_rows=rows, layers=layers)) if f.kind == "dead_units"][0]
+
+    assert "init" in dead_finding(tmp_path / "from_start", 0.7).evidence  # dead from the start: init matters
+    dead = dead_finding(tmp_path / "r", 0.0)
     assert "died during training" in dead.suggestion and "init" not in dead.evidence
     assert ("LeakyReLU/GELU" in dead.suggestion) == (act == "ReLU")
 
