@@ -170,7 +170,7 @@ def test_activations_that_grew_during_training_are_not_blamed_on_initialisation(
     assert "grew during training" in f.suggestion and "learning rate" in f.suggestion
 
 
-@pytest.mark.parametrize("act", ["ReLU", "GELU"])
+@pytest.mark.parametrize("act", ["ReLU", "GELU", "NewGELU"])  # NewGELU: llm.c's and minGPT's own class
 def test_units_that_died_in_training_are_not_told_to_change_init(tmp_path, act):
     # karpathy/llm.c train_gpt2.py at lr=30: its GELUs output exact zeros once the updates pushed
     # their inputs far negative. "use LeakyReLU/GELU" told a GELU to become a GELU, and the
