@@ -57,7 +57,13 @@ def gradient_blocked(ctx: Context) -> str | None:
 
 
 # Activations that are not zero for every negative input: a dead unit's inputs went far negative.
-_SMOOTH = frozenset({"GELU", "SiLU", "Mish", "ELU", "CELU", "SELU", "LeakyReLU", "PReLU", "RReLU", "Softplus"})
+# Matched inside the class name too: models bring their own (llm.c's NewGELU, HF's GELUActivation).
+_SMOOTH = ("GELU", "SiLU", "Swish", "Mish", "Softplus", "LeakyReLU", "PReLU", "RReLU")
+_SMOOTH_EXACT = frozenset({"ELU", "CELU", "SELU"})  # as parts of names they would match ReLU
+
+
+def _smooth(kind: str) -> bool:
+    return kind in _SMOOTH_EXACT or any(name in kind for name in _SMOOTH)
 
 
 @register_rule("dead_units")
@@ -108,7 +114,7 @@ def dead_units(ctx: Context) -> list[Finding]:
         ev["init"] = init_rows
     if grew:
         kind = ctx.layer_type.get(first, "")
-        if kind in _SMOOTH:  # exact zeros only for far negative inputs: no other activation helps
+        if _smooth(kind):  # exact zeros only for far negative inputs: no other activation helps
             fixes.append(f"the units died during training: the updates pushed the {kind}'s inputs far negative; "
                          "lower the learning rate")
         else:
