@@ -83,6 +83,7 @@ def test_compile_benchmark_prints_its_table(tmp_path, capsys, monkeypatch):
     assert tiny_row["cpu_ratio"]["compiled plain"] == 1.0 and tiny_row["cpu_ratio"]["compiled full_health"] > 0
     printed = capsys.readouterr().out
     assert "compiled monitor every=10" in printed and "load" in printed
+    assert "steady" in printed and tiny_row["ratio"]["compiled monitor every=10, steady"] > 0
     assert (tmp_path / "c.json").exists()
 
 
