@@ -262,3 +262,49 @@ def test_an_overflow_in_float32_is_not_told_to_compute_in_float32(tmp_path):
     assert "lower the learning rate" in o.suggestion and "float32" not in o.suggestion, o.suggestion
     o = origin(record(tmp_path / "f16", overflow(torch.float16)))
     assert o.origin.op == "aten.convolution" and "compute this op in float32" in o.suggestion, o.suggestion
+
+
+@pytest.mark.parametrize("mode", ["full_health", "curt_health"])
+def test_the_std_of_a_single_value_is_named_bessels_correction(tmp_path, mode):
+    # From pytorch/examples' reinforcement_learning/reinforce.py, which normalises an episode's
+    # returns with `(returns - returns.mean()) / (returns.std() + eps)`: an episode of one step
+    # makes the std 0/0 (it divides by N - 1). The fix read "values are overflowing".
+    eps = torch.finfo(torch.float32).eps
+
+    def episode():
+        returns = torch.randn(1)
+        return ((returns - returns.mean()) / (returns.std() + eps)).sum().item()
+
+    o = origin(record(tmp_path, episode, mode=mode))
+    link = o.origin
+    _, first = inspect.getsourcelines(episode)
+    assert link.op == "aten.std.correction" and link.line == first + 2
+    assert "1 value" in link.explanation and "N - 1" in link.explanation, link.explanation
+    assert "correction=0" in o.suggestion and "overflowing" not in o.suggestion, o.suggestion
+
+
+def test_the_variance_over_rows_of_one_value_is_named_bessels_correction(tmp_path):
+    x = torch.randn(4, 1)
+    o = origin(record(tmp_path, lambda: torch.var(x * 1, dim=1).sum().item()))
+    assert o.origin.op == "aten.var.correction"
+    assert "1 value" in o.origin.explanation and "N - 1" in o.origin.explanation, o.origin.explanation
+    assert "correction=0" in o.suggestion
+
+
+def test_the_gradient_of_std_over_a_constant_row(tmp_path):
+    # A layer norm written by hand, `(h - h.mean(-1)) / h.std(-1).clamp(min=1e-5)`: a row whose
+    # values are all equal has std 0, and std's backward divides by it (0/0) even though the
+    # forward clamps it. The fix read "values are overflowing".
+    h = torch.zeros(2, 8)
+    h[0] = torch.randn(8)
+    h.requires_grad_(True)
+
+    def f():
+        y = (h - h.mean(-1, keepdim=True)) / h.std(-1, keepdim=True).clamp(min=1e-5)
+        y.pow(2).mean().backward()
+
+    o = origin(record(tmp_path, f))
+    link = o.origin
+    assert link.phase == "backward" and link.forward_op["op"] == "aten.std.correction"
+    assert "the same" in link.explanation and "std" in link.explanation, link.explanation
+    assert ".var(" in o.suggestion and "overflowing" not in o.suggestion, o.suggestion
