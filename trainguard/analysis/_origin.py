@@ -29,6 +29,8 @@ _EXPS = {"exp", "exp_", "exp2", "expm1", "sinh", "cosh", "pow", "square"}
 _ACCUM = {"mm", "addmm", "bmm", "matmul", "baddbmm", "sum", "mean", "linear", "conv2d", "convolution",
           "cumsum", "dot", "mv", "einsum", "_softmax", "softmax", "_log_softmax", "log_softmax"}
 _MULS = {"mul", "mul_"}
+# Reductions with Bessel's correction (default 1): they divide by N - correction.
+_STDS = {"std", "var", "std_mean", "var_mean"}
 _BATCH_NORMS = {"native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm",
                 "_batch_norm_with_update"}
 _ADDCDIVS = {"addcdiv", "addcdiv_", "_foreach_addcdiv", "_foreach_addcdiv_"}
@@ -142,6 +144,7 @@ def _input_info(run: Run, item: dict) -> dict:
         summary = prod["outputs"][0]["summary"] if prod["outputs"] else None
         info.update(
             producer=prod["seq"], producer_op=prod["op"], summary=summary, description=describe_summary(summary),
+            shape=prod["outputs"][0].get("shape") if prod["outputs"] else None,
             file=fr["filename"] if fr else None, line=fr["lineno"] if fr else None,
             taint=prod.get("taint"), origin_seq=prod.get("origin"),
         )
@@ -350,6 +353,9 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
         if isinstance(mx, float) and mx == mx:
             return f"{base} overflow: input max {mx:.4g}"
         return f"{base} overflow: an input value too large for the dtype (above about 88.7 for exp in float32)"
+    if base in _STDS and "nan" in link.health and _reduced_count(link) == 1:
+        return (f"{base} over 1 value -> NaN: with its default correction (Bessel's, correction=1) it divides by "
+                "N - 1 = 0 (a batch, episode or group of one)")
     if base in _ACCUM:
         return f"overflow in {base}: finite inputs accumulate past the dtype's largest value"
     if base in _BATCH_NORMS and len(link.outputs) >= 5 and _is_bad(link.outputs[-1].get("summary")):
@@ -396,6 +402,15 @@ def _masked_rows(link: Link) -> str | None:
                     f"-inf, and -inf - (-inf) is NaN (inside the compiled graph's {what}: "
                     f"{', '.join(link.through)}, then {base})")
     return None
+
+
+def _reduced_count(link: Link) -> int | None:
+    """How many values a reduction reduced into each of its outputs (input size over output size)."""
+    shapes = [link.inputs[0].get("shape") if link.inputs else None, link.outputs[0].get("shape") if link.outputs else None]
+    if any(s is None for s in shapes):
+        return None
+    n_in, n_out = (math.prod(s) for s in shapes)
+    return n_in // n_out if n_out else None
 
 
 def _from_log(link: Link) -> bool:
@@ -458,6 +473,9 @@ def _forward_reason(fbase: str) -> str:
         return "the gradient of a division divides by the squared denominator, which is 0 here"
     if fbase == "pow":
         return "the gradient of pow(x, p) with p < 1 is infinite at x = 0"
+    if fbase in _STDS:
+        return (f"d/dx {fbase}(x) divides by the std, which is 0 where every value reduced is the same (a constant "
+                "row): 0/0 -> NaN, even when the std is clamped or has an epsilon added after it")
     return "the backward formula of this op made it out of finite values"
 
 
@@ -476,6 +494,10 @@ _SUGGESTIONS = {
     "ignored": "no target of the batch counts: each is ignore_index (padding, or labels masked to -100) or has "
     "weight 0; check the label masking (a sequence shorter than its prompt masks every label), skip such a batch "
     "(`if (labels != -100).any():`), or sum the loss and divide by max(count, 1)",
+    "std": "a std or var over one value is NaN with the default correction: pass correction=0 (unbiased=False), "
+    "or skip the normalisation when there is a single value, e.g. `if x.numel() > 1:`",
+    "std_grad": "take the square root yourself with the epsilon inside: torch.sqrt(x.var(dim, keepdim=True) + 1e-5) "
+    "instead of x.std(dim) (as nn.LayerNorm does), or detach the std when no gradient should flow through it",
     "accum": "values are overflowing: lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_)",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
     "and the previous step",
@@ -508,6 +530,8 @@ def suggest(link: Link) -> str:
         base = op_base(link.forward_op["op"])
         if base in ("norm", "linalg_vector_norm"):
             base = "sqrt"
+        elif base in _STDS:
+            return _SUGGESTIONS["std_grad"]
     if base in _LOGS:
         return _SUGGESTIONS["log"]
     if base in _DIVS:
@@ -516,6 +540,8 @@ def suggest(link: Link) -> str:
         return _SUGGESTIONS["sqrt"]
     if base in _EXPS:
         return _SUGGESTIONS["exp"]
+    if base in _STDS and _reduced_count(link) == 1:
+        return _SUGGESTIONS["std"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
     if any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs):
