@@ -249,6 +249,33 @@ def test_lr_too_high_names_the_rate_the_run_diverged_with(tmp_path):
     assert f.evidence["lr"] == 1.0 and "from 1 to about" in f.suggestion, f.suggestion
 
 
+# The per-episode loss of pytorch/examples' reinforcement_learning/reinforce.py (CartPole, seed 543,
+# 30 episodes) under `trainguard run --monitor`: -sum(log_prob * normalised return) is a zero-mean
+# surrogate, not an error driven toward 0. It was called "learning rate too high: the smoothed loss
+# rose to 0.581 by step 6, from 0.132 at initialisation".
+REINFORCE_LOSS = [0.13, 2.37, 0.09, 0.08, 1.3, -1.05, 0.61, -0.16, 0.19, 1.78, 0.58, -0.52, 0.09, 0.04, -0.14,
+                  -0.17, 0.68, 0.73, -2.84, -1.05, -3.91, -1.54, -0.99, -0.63, -2.43, -1.17, -1.16, 0.66, 1.39, -1.19]
+
+
+def test_a_loss_that_changes_sign_from_step_to_step_has_no_trend_judged(tmp_path):
+    fs = diagnose(write_run(tmp_path / "r", REINFORCE_LOSS, lr=0.01))
+    assert kinds(fs) == [], [(f.kind, f.title) for f in fs]
+    f = next(f for f in fs if f.kind == "loss_changes_sign")
+    assert f.severity == "info" and f.evidence["sign_changes"] == 11 and f.evidence["pairs"] == 29
+    assert "monitor.step(" in f.suggestion
+
+
+def test_a_loss_that_falls_through_zero_is_still_judged(tmp_path):
+    # A Gaussian negative log-likelihood falls below 0 as the model fits: a few sign changes where it
+    # crosses, and its trend still means something.
+    loss = [v - 1.0 for v in healthy_loss()]
+    fs = diagnose(write_run(tmp_path / "r", loss))
+    assert kinds(fs, problems_only=False) == ["healthy"]
+    rising = [1.0 + 0.05 * s + 0.03 * math.sin(s) for s in range(40)]
+    fs = diagnose(write_run(tmp_path / "up", [-v if s > 30 and s % 3 == 0 else v for s, v in enumerate(rising)]))
+    assert "loss_changes_sign" not in kinds(fs, problems_only=False) and "lr_too_high" in kinds(fs)
+
+
 def test_a_symptom_with_a_known_cause_is_folded_into_info(tmp_path):
     rng = np.random.default_rng(1)
     loss = list(math.log(5) + 0.02 * rng.standard_normal(100))
