@@ -133,3 +133,48 @@ def test_large_activations_take_the_low_memory_path_with_the_same_answers(shape,
     assert dead.tolist() == (ref == 0).all(axis=axis).tolist() and dead[3]
     assert got["zero_frac"] == pytest.approx((ref == 0).mean())
     assert got["std"] == pytest.approx(ref.std(ddof=1), rel=1e-4)
+
+
+def test_one_value_has_no_spread_to_measure():
+    got, _ = finished(torch.tensor([[0.3]]), -1, None, None)
+    assert math.isnan(got["std"]) and got["mean"] == pytest.approx(0.3)
+
+
+class _ActorCritic(torch.nn.Module):
+    """pytorch/examples' reinforcement_learning/actor_critic.py: one state per forward, a value
+    head of one unit. Its value head's output is one number per call, whose "std" was 0, and the
+    run got "Collapsed activations: layer value_head's outputs have std 0"."""
+
+    def __init__(self):
+        super().__init__()
+        self.affine1 = torch.nn.Linear(4, 32)
+        self.action_head = torch.nn.Linear(32, 2)
+        self.value_head = torch.nn.Linear(32, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.affine1(x))
+        return torch.softmax(self.action_head(x), dim=-1), self.value_head(x)
+
+
+def test_a_value_head_run_on_one_state_is_not_called_collapsed(tmp_path):
+    import trainguard as tg
+
+    torch.manual_seed(0)
+    model = _ActorCritic()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(25):  # episodes of 3 steps, one state per forward
+            losses = []
+            for _ in range(3):
+                probs, value = model(torch.randn(4))
+                m = torch.distributions.Categorical(probs)
+                a = m.sample()
+                ret = torch.randn(())
+                losses += [-m.log_prob(a) * (ret - value.item()), torch.nn.functional.smooth_l1_loss(value, ret[None])]
+            opt.zero_grad()
+            torch.stack(losses).sum().backward()
+            opt.step()
+    kinds = {f.kind for f in mon.findings if f.is_problem}
+    assert "collapsed_activations" not in kinds, [f.title for f in mon.findings]
+    rms = tg.open(tmp_path / "r").layer_stats(layer="value_head")
+    assert any(r["stat"] == "mean" and r["value"] != 0 for r in rms)
