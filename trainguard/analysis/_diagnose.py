@@ -31,6 +31,7 @@ log = logging.getLogger("trainguard.analysis")
 # The monitor's rules, in the order they are run (the report sorts by severity anyway).
 MONITOR_RULES = (
     "losses_summed",
+    "loss_changes_sign",
     "nonfinite_loss",
     "nonfinite_gradient",
     "loss_not_decreasing",

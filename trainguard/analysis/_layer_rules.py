@@ -153,12 +153,17 @@ def _upstream_layer(ctx: Context, layer: str) -> str:
     return layer
 
 
+def _hypot(mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """RMS from mean and std; an output of one value has no std (NaN) and its RMS is |mean|."""
+    return np.hypot(mean, np.where(np.isnan(std) & np.isfinite(mean), 0.0, std))
+
+
 def _rms(ctx: Context, layer: str) -> float:
     mean = ctx.window(ctx.stat(layer, "activation", "mean")).values
     std = ctx.window(ctx.stat(layer, "activation", "std")).values
     if not len(mean) or len(mean) != len(std):
         return math.nan
-    return median(np.hypot(mean, std))
+    return median(_hypot(mean, std))
 
 
 def _initial_rms(ctx: Context, layers: list[str]) -> dict[str, float] | None:
@@ -171,7 +176,7 @@ def _initial_rms(ctx: Context, layers: list[str]) -> dict[str, float] | None:
         mean, std = ctx.stat(la, "activation", "mean"), ctx.stat(la, "activation", "std")
         if not len(mean) or not len(std) or mean.steps[0] != ctx.recorded_steps[0] or std.steps[0] != mean.steps[0]:
             return None
-        v = float(np.hypot(mean.values[0], std.values[0]))
+        v = float(_hypot(mean.values[:1], std.values[:1])[0])
         if not math.isfinite(v):
             return None
         out[la] = v

@@ -28,12 +28,31 @@ def _first_nonfinite(s: Series) -> int | None:
 
 
 def finite_loss(ctx: Context) -> Series:
-    """The loss up to its first non-finite value; nothing when it sums separate objectives (the
-    trend rules then judge nothing: see ``losses_summed``)."""
-    if ctx.losses_summed:
+    """The loss up to its first non-finite value; nothing when it sums separate objectives or
+    changes sign from step to step (the trend rules then judge nothing: see ``losses_summed`` and
+    ``loss_changes_sign``)."""
+    if ctx.losses_summed or sign_changes(ctx):
         return Series.of([])
     first = _first_nonfinite(ctx.loss)
     return ctx.loss if first is None else ctx.loss.before(first)
+
+
+# At least this many sign changes, whatever the run's length: a loss falling through 0 may cross
+# back once or twice in its noise.
+_MIN_SIGN_CHANGES = 3
+
+
+def sign_changes(ctx: Context) -> dict | None:
+    """How often the finite loss changes sign between consecutive steps, when that is often enough
+    to make it a surrogate objective (its value is not an error training drives toward 0)."""
+    first = _first_nonfinite(ctx.loss)
+    vals = (ctx.loss if first is None else ctx.loss.before(first)).values
+    signs = np.sign(vals[vals != 0])
+    pairs = len(signs) - 1
+    changes = int(np.count_nonzero(signs[1:] != signs[:-1])) if pairs > 0 else 0
+    if changes < _MIN_SIGN_CHANGES or changes < ctx.th.loss_sign_changes * pairs:
+        return None
+    return {"sign_changes": changes, "pairs": pairs, "negative_steps": int(np.count_nonzero(signs < 0))}
 
 
 def progress(ctx: Context) -> dict | None:
@@ -87,6 +106,28 @@ def losses_summed(ctx: Context) -> list[Finding]:
             evidence={"loss_points": len(ctx.loss)},
             suggestion="pass the loss to judge to `monitor.step(loss)` after the step's last update (a GAN's "
             "generator loss, say); the gradient, activation and update rules still apply",
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("loss_changes_sign")
+def loss_changes_sign(ctx: Context) -> list[Finding]:
+    if ctx.losses_summed:
+        return []  # said by losses_summed
+    ev = sign_changes(ctx)
+    if ev is None:
+        return []
+    return [
+        Finding(
+            kind="loss_changes_sign",
+            severity="info",
+            title=f"The loss changes sign between {ev['sign_changes']} of {ev['pairs'] + 1} consecutive steps "
+            "(a policy-gradient or other surrogate objective, not an error training drives toward 0): "
+            "its trend is not judged",
+            evidence=ev,
+            suggestion="to have a trend judged, pass `monitor.step(value)` a quantity that falls as training "
+            "improves (the negative episode return, say); the gradient, activation and update rules still apply",
             source=SOURCE,
         )
     ]

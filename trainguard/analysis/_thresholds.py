@@ -29,6 +29,10 @@ class Thresholds:
         0.05, "a run whose best loss is within 5% of its starting loss has learned nothing a healthy run would miss"
     )
     loss_slow_progress: float = _t(0.10, "under 10% improvement over a whole run is slow enough to blame the step size")
+    loss_sign_changes: float = _t(
+        0.2, "a loss whose sign flips between a fifth of its steps is a surrogate (policy gradient, WGAN critic), "
+        "not an error training drives toward 0; one that falls through 0 flips only where it crosses"
+    )
     loss_diverge_ratio: float = _t(
         2.0, "a smoothed loss above twice its value at initialisation means updates make the model worse"
     )
