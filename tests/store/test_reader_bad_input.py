@@ -99,3 +99,14 @@ def test_ranks_are_found(tmp_path):
     assert open_run(tmp_path / "dist", rank=1).path.name == "rank-1"
     with pytest.raises(tg.RunNotFound, match="no rank 5"):
         open_run(tmp_path / "dist", rank=5)
+
+
+def test_a_wrong_argument_is_not_called_damage(good_run):
+    # `run.scalars(["loss"])` said "run ... is damaged: Error binding parameter 1", which it was not.
+    run = open_run(good_run)
+    with pytest.raises(TypeError, match="'loss'"):
+        run.scalars(["loss"])
+    run.close()
+    with pytest.raises(tg.TrainguardError, match="closed") as exc:
+        run.scalars("loss")
+    assert not isinstance(exc.value, tg.CorruptRun)
