@@ -9,7 +9,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from trainguard._errors import CorruptRun, SchemaTooNew
+from trainguard._errors import CorruptRun, SchemaTooNew, TrainguardError
 from trainguard.store._codec import (
     DB_NAME,
     MODE_FIELDS,
@@ -123,6 +123,10 @@ class Run(RunHarm, RunData):
     def _q(self, sql: str, params: tuple | list = ()) -> list[tuple]:
         try:
             return self._con.execute(sql, params).fetchall()
+        except sqlite3.ProgrammingError as exc:  # misuse, not damage
+            if "closed" in str(exc):
+                raise TrainguardError(f"run {str(self.path)!r} is closed") from None
+            raise TypeError(f"a wrong argument for run {str(self.path)!r} ({params!r}): {exc}") from None
         except sqlite3.DatabaseError as exc:
             raise CorruptRun(f"run {str(self.path)!r} is damaged: {exc}") from None
 
