@@ -199,6 +199,44 @@ def test_accumulation_sums_the_micro_losses_and_reads_complete_gradients(tmp_pat
 
 
 # ------------------------------------------------------------------ updates written by hand
+class _NoisedOptimizer(torch.optim.Optimizer):
+    """The shape of Opacus' DPOptimizer (opacus/optimizers/optimizer.py): it wraps the user's optimizer
+    without Optimizer.__init__ (so its own step has no hooks) and, in step(), replaces each p.grad
+    with a clipped, noised one before calling the wrapped optimizer's step. The monitor read the
+    noise (2.52 at every step of Opacus' MNIST example, whose gradients measured 0.4-0.7)."""
+
+    def __init__(self, optimizer, noise: float):
+        self.original_optimizer, self.noise = optimizer, noise
+
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.original_optimizer.zero_grad(set_to_none)
+
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.grad = p.grad.clamp(-0.01, 0.01) + self.noise * torch.randn_like(p)
+        return self.original_optimizer.step()
+
+
+def test_gradients_a_wrapping_optimizer_replaces_are_read_as_backward_left_them(tmp_path):
+    model = mlp()
+    opt = _NoisedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), noise=1.0)
+    ref = []
+    with Monitor(model, tmp_path / "r", every=2, diagnose=False):
+        for step in range(6):
+            opt.zero_grad()
+            x, y = batch(step)
+            nn.functional.cross_entropy(model(x), y).backward()
+            ref.append(total_norm(model))
+            opt.step()
+    assert [v for _, v in scalars(tmp_path / "r", "grad_norm")] == pytest.approx(ref, rel=1e-5)
+    assert open_run(tmp_path / "r").meta["monitor"]["gradients_replaced"] is True
+
+
 class RNNModel(nn.Module):
     """pytorch/examples word_language_model/model.py (RNNModel, LSTM), shrunk: embedding, LSTM,
     dropout, linear decoder, log_softmax."""
