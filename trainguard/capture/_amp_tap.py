@@ -56,6 +56,11 @@ def unscaled(t: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def scaling() -> bool:
+    """Whether a ``GradScaler`` scaled a loss lately (its gradients are unscaled in place before the update)."""
+    return bool(_scaled)
+
+
 def _step(self, optimizer, *args, **kwargs):
     from trainguard.capture import _steps
 

@@ -194,6 +194,11 @@ class Monitor(EventsMixin, HookMixin):
         self._amp: dict[str, Any] = {}
         # No optimizer: after a backward(), what the step's end is recognised by (see pending_refs).
         self._pending_end: list | None = None
+        # The gradients read after the last backward() (see pending_refs), and whether the update
+        # gets others: an optimizer wrapper replaced them first (Opacus' DPOptimizer clips and adds
+        # noise), so the reading after backward() is the step's.
+        self._read_refs: list | None = None
+        self._grads_replaced = bool(self._meta.get("gradients_replaced"))
         self._initial_written = "weights_initial" in self._meta  # a resumed run keeps what it knew
 
         # Shipping: tensors waiting for the next batched transfer, and copies in flight.

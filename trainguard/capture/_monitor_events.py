@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from trainguard.capture import _compile_monitor, _monitor_tap, _steps
-from trainguard.capture._monitor_grads import pending_refs, used
+from trainguard.capture import _amp_tap, _compile_monitor, _monitor_tap, _steps
+from trainguard.capture._monitor_grads import pending_refs, replaced, used
 
 log = logging.getLogger("trainguard.monitor")
 
@@ -50,7 +50,7 @@ class EventsMixin:
             self._auto_losses.append(loss)
 
     def _after_backward(self) -> None:
-        if self._closed or not self._roots or self._grads.saw_optimizer:
+        if self._closed or not self._roots or (self._grads.saw_optimizer and not self._grads_replaced):
             return  # with an optimizer, the gradients are read once, right before the update
         if _steps.clock.closure_call:
             # Inside optimizer.step(closure) whose pre-hook ran before the model was found (model=None,
@@ -58,9 +58,12 @@ class EventsMixin:
             # returns and ends the step; LBFGS's further closure calls must not end steps.
             return
         with self._no_record():
-            self._grads.read(self._params, self._cur, self._recording, tentative=True, snapshot=self.updates)
-            if _steps.clock.driver is None:
-                self._pending_end = pending_refs(self._params)
+            manual = not self._grads.saw_optimizer
+            self._grads.read(self._params, self._cur, self._recording, tentative=True,
+                             snapshot=self.updates and manual)
+            self._read_refs = pending_refs(self._params)
+            if _steps.clock.driver is None and manual:
+                self._pending_end = self._read_refs
 
     def _on_clip(self, params: list) -> None:
         if self._closed or not self._roots:
@@ -90,12 +93,19 @@ class EventsMixin:
             params = self._grads.params_in(opt, self._params)
             if not params:
                 return
+            first = not self._grads.saw_optimizer
             self._grads.saw_optimizer = True
             self._pending_end = None
+            if (first and not has_closure and self._grads.tentative and self._read_refs is not None
+                    and replaced(self._read_refs) and not _amp_tap.scaling()):
+                self._grads_replaced = True
+                self._write_meta(gradients_replaced=True)
             if len(self._grads.trainable) < len(self._params):
                 self._grads.trainable.update(id(p) for p in params if (t := p.ref()) is not None and t.requires_grad)
             with self._no_record():
-                if not has_closure:  # a closure has not run the backward yet: read when it returns
+                if self._grads_replaced:
+                    self._grads.settle()  # read after backward(), before they were replaced
+                elif not has_closure:  # a closure has not run the backward yet: read when it returns
                     self._grads.read(params, self._cur, self._recording)
                 if self._recording and self.updates:
                     self._grads.snapshot(opt, params)

@@ -85,6 +85,15 @@ class GradientWatch:
         self._stepped = False  # a watched optimizer updated this step
 
     @property
+    def tentative(self) -> bool:
+        """The step's reading was made after a backward() and no optimizer has read since."""
+        return self._tentative
+
+    def settle(self) -> None:
+        """The tentative reading is the step's: later readings add parameters, never replace it."""
+        self._tentative = False
+
+    @property
     def active(self) -> bool:
         """Something was read or updated this step."""
         return bool(self._seen or self._stepped or self._snap)
@@ -322,6 +331,17 @@ def pending_refs(params: list[Param]) -> list | None:
             if len(refs) >= _PENDING_REFS:
                 break
     return refs or None
+
+
+def replaced(refs: list) -> bool:
+    """A gradient read after the last backward() is another tensor now: assigned anew, not changed in
+    place (``GradScaler.unscale_`` and clipping change them in place; Opacus' DPOptimizer assigns its
+    clipped, noised sum)."""
+    for pref, gref, _, _ in refs:
+        t = pref()
+        if t is not None and t.grad is not None and t.grad is not gref():
+            return True
+    return False
 
 
 def used(refs: list) -> bool:
