@@ -397,3 +397,16 @@ def test_the_chance_level_counts_the_output_layers_units(tmp_path, make, data):
             opt.step()
     f = next(f for f in mon.findings if f.kind == "loss_not_decreasing")
     assert f.evidence["chance_loss"].startswith(f"ln({classes})")
+
+
+def test_weights_that_get_no_gradient_are_not_blamed_on_the_learning_rate(tmp_path):
+    # A loss that does not depend on the weights (cross_entropy over one output) makes every
+    # gradient 0: "learning rate too low: each step moves the weights by 0 of their norm" was wrong.
+    rows = []
+    for s in range(0, 100, 5):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.0), (s, p, "gradient", "present", 1),
+                     (s, p, "gradient", "in_optimizer", 1), (s, p, "update", "norm", 0.0),
+                     (s, p, "update", "ratio", 0.0)]
+    fs = diagnose(write_run(tmp_path / "r", [0.0] * 100, grad_norm=[0.0] * 100, layer_rows=rows))
+    assert "lr_too_low" not in kinds(fs, problems_only=False), [(f.kind, f.title) for f in fs]

@@ -22,6 +22,7 @@ MISUSE = (
     "nll_loss_on_probabilities",
     "nll_loss_on_logits",
     "cross_entropy_targets_not_probabilities",
+    "cross_entropy_one_class",
 )
 C = 5
 
@@ -50,6 +51,17 @@ def _ce_scaled_onehot(logits, y):
 def _ce_bad_smoothing(logits, y):
     # label smoothing by hand, forgetting to take the mass off the true class: rows sum to 1.5
     return nn.CrossEntropyLoss()(logits, F.one_hot(y, C).float() + 0.1)
+
+
+def _ce_one_output(logits, y):
+    # pytorch/examples' distributed/ddp-tutorial-series: a Linear(20, 1) model, float targets of
+    # shape [B, 1] and F.cross_entropy: log_softmax over one score is 0, the loss 0, every gradient
+    # 0. trainguard said the targets were not probabilities, whose fix trains nothing either.
+    return F.cross_entropy(logits[:, :1], torch.rand(len(y), 1))
+
+
+def _ce_one_output_labels(logits, y):
+    return F.cross_entropy(logits[:, :1], torch.zeros_like(y))
 
 
 def _healthy_log_softmax_nll(logits, y):
@@ -89,6 +101,7 @@ BROKEN = {
     "nll_loss_on_probabilities": _nll_probs,
     "nll_loss_on_logits": _nll_logits,
     "cross_entropy_targets_not_probabilities": _ce_scaled_onehot,
+    "cross_entropy_one_class": _ce_one_output,
 }
 HEALTHY = [_healthy_log_softmax_nll, _healthy_smoothed_probs, _healthy_label_smoothing, _healthy_onehot_probs,
            _healthy_bce_logits, _healthy_bce_sigmoid, _healthy_distillation]
@@ -243,3 +256,10 @@ def test_real_language_models_raise_nothing(tmp_path, train):
         assert [f.kind for f in diagnose(run) if f.kind in MISUSE] == []
         heads = [h for rec in run.meta["loss_graph"] for h in rec["heads"]]
     assert heads and all(h["loss"] == "nll_loss" and h["chain"][0] == "log_softmax" for h in heads), heads
+
+
+def test_class_index_targets_over_one_output_are_one_class_too(tmp_path):
+    f = _only(_monitored(tmp_path, _ce_one_output_labels), "cross_entropy_one_class")
+    assert "mse_loss" in f.suggestion and "binary_cross_entropy_with_logits" in f.suggestion
+    findings, _ = _recorded(tmp_path, _ce_one_output_labels)
+    assert _only(findings, "cross_entropy_one_class").evidence["classes"] == 1
