@@ -3,7 +3,7 @@ pytorch/examples' ``distributed/ddp-tutorial-series`` does with ``nn.Linear(20, 
 targets): ``log_softmax`` over one score is 0, so the loss is 0 and every gradient is 0, whatever
 the model outputs. Nothing trains, and nothing crashes.
 
-Expected finding: ``cross_entropy_one_class``.
+Expected finding: ``cross_entropy_one_class``, explaining ``loss_not_decreasing`` and ``param_zero_gradient``.
 """
 
 import torch

@@ -61,6 +61,7 @@ MONITOR_RULES = (
     "nll_loss_on_probabilities",
     "nll_loss_on_logits",
     "cross_entropy_targets_not_probabilities",
+    "cross_entropy_one_class",
     # custom autograd Functions checked live (analysis/_function_rules.py)
     "custom_gradient_wrong",
     "overfitting",

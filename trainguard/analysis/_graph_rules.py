@@ -65,6 +65,13 @@ KINDS = {
         "apply `F.log_softmax(logits, dim=1)` before `nll_loss`, or use `F.cross_entropy(logits, target)` "
         "(on raw scores nll_loss just pushes the true class's score up without bound: the loss goes to -inf)",
     ),
+    "cross_entropy_one_class": (
+        "cross_entropy over 1 class: log_softmax of a single score is 0, so the loss is 0 and every gradient "
+        "is 0 whatever the model outputs",
+        "the model gives one output per sample: for regression use `F.mse_loss(output, target)`; for a yes/no "
+        "label use `F.binary_cross_entropy_with_logits(output, target)` on that one output; for C classes give "
+        "the last layer C outputs",
+    ),
     "cross_entropy_targets_not_probabilities": (
         "cross_entropy gets float (one-hot or soft) targets that are not probabilities",
         "pass class indices (`target.argmax(1)` or the integer labels) to `F.cross_entropy`, or targets whose "
@@ -130,6 +137,20 @@ def _summary(digest: dict | None) -> dict:
     return (outs[0].get("summary") or {}) if outs else {}
 
 
+def _classes(digest: dict | None) -> int | None:
+    """The classes a loss's log-probabilities hold (dim 1, as cross_entropy and nll_loss take them):
+    one only where the summary agrees that every value is 0 (log_softmax of one score)."""
+    outs = (digest or {}).get("outputs") or []
+    shape = outs[0].get("shape") if outs else None
+    if not shape:
+        return None
+    n = int(shape[1] if len(shape) >= 2 else shape[0])
+    s = _summary(digest)
+    if n == 1 and "zero" in s and s.get("zero") != s.get("size"):
+        return None
+    return n
+
+
 def _facts_from_summary(s: dict, target: bool = False) -> dict:
     """Sign evidence from a full_health summary (min/max too in ``stats`` mode)."""
     facts: dict[str, float] = {}
@@ -160,7 +181,10 @@ def recorded_heads(run: Any) -> list[dict]:
             head = {"loss": loss, "link": _link(run, d), "chain": chain}
             near = next((c for c in chain if "seq" in c), None)
             if near is not None:
-                head["facts"] = _facts_from_summary(_summary(run.execution(near["seq"])))
+                near_ex = run.execution(near["seq"])
+                head["facts"] = _facts_from_summary(_summary(near_ex))
+                if near["op"] == "log_softmax":
+                    head["classes"] = _classes(near_ex)
             heads.append(head)
     for d in run.executions(0, MAX_HEADS, op="_log_softmax"):
         for c in run.consumers(d["seq"], limit=8):
@@ -180,6 +204,7 @@ def recorded_heads(run: Any) -> list[dict]:
                     "chain": [_link(run, d), *below],
                     "target": _link(run, target) if target else None}
             head["facts"] = _facts_from_summary(_summary(ins[other].get("producer_digest")), target=True)
+            head["classes"] = _classes(run.execution(d["seq"]))
             heads.append(head)
     return heads
 
@@ -192,6 +217,8 @@ def judge(head: dict, tol: float) -> tuple[str, list[dict]] | None:
     ops = [c["op"] for c in chain]
     facts = head.get("facts") or {}
     end = head.get("link") or {"op": loss}
+    if loss in ("nll_loss", "soft_cross_entropy") and ops[:1] == ["log_softmax"] and head.get("classes") == 1:
+        return "cross_entropy_one_class", [chain[1] if len(chain) > 1 else chain[0], end]
     if loss in ("nll_loss", "soft_cross_entropy") and ops[:2] == ["log_softmax", "softmax"]:
         if loss == "soft_cross_entropy":
             return "softmax_before_cross_entropy", [chain[1], chain[0]]
@@ -250,6 +277,8 @@ def _finding(kind: str, links: list[dict], head: dict, source: str, extra: dict)
         title = f"{title} ({detail})"
     ev: dict[str, Any] = {"source": source, "chain": links, "chain_text": " -> ".join(_where(lk) for lk in links)}
     ev.update({k: v for k, v in (head.get("facts") or {}).items() if k != "signs_only" and math.isfinite(v)})
+    if head.get("classes") is not None:
+        ev["classes"] = head["classes"]
     ev.update(extra)
     where = ""
     if not any(lk.get("file") for lk in links) and extra.get("backward_at"):

@@ -42,7 +42,10 @@ def fully_dead_layers(ctx: Context) -> list[str]:
 
 
 def gradient_blocked(ctx: Context) -> str | None:
-    """Why gradients cannot reach the weights, if they cannot: dead layers, collapse, vanishing."""
+    """Why gradients cannot reach the weights, if they cannot: no gradient at all, dead layers,
+    collapse, vanishing."""
+    if len(ctx.grad_norm) and not np.any(ctx.grad_norm.values):
+        return "every gradient is 0"
     dead = fully_dead_layers(ctx)
     if dead:
         return f"layer {dead[0]} is dead"

@@ -177,6 +177,7 @@ def inspect_loss(loss: torch.Tensor) -> list[dict]:
             x = _saved(fn, "_saved_self")
             if x is not None and x.is_floating_point() and x.numel():
                 head["facts"] = _facts_nll_input(x)
+                head["classes"] = int(x.shape[_class_dim(x)])
         elif op in ("binary_cross_entropy_with_logits", "binary_cross_entropy"):
             nxt = _next(fn)
             head = {"loss": op, "chain": _chain(nxt[0]) if nxt else []}
@@ -190,6 +191,7 @@ def inspect_loss(loss: torch.Tensor) -> list[dict]:
                 head = {"loss": "soft_cross_entropy", "chain": _chain(lsm)}
                 if target.numel():
                     head["facts"] = _facts_targets(target, dim)
+                    head["classes"] = int(target.shape[dim]) if target.dim() else 1
         if head is not None:
             heads.append(head)
             continue
