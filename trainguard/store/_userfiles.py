@@ -14,6 +14,8 @@ _NOT_USER_PREFIXES = tuple(
         sysconfig.get_paths().get("platstdlib", ""),
         sysconfig.get_paths().get("purelib", ""),
         sysconfig.get_paths().get("platlib", ""),
+        # console scripts (trainguard, torchrun, accelerate) launch the user's script
+        os.path.join(sysconfig.get_paths().get("scripts", ""), ""),
     }
     if p
 )
