@@ -309,3 +309,84 @@ def test_an_evaluation_of_the_training_rows_before_the_validation_rows_is_not_av
     assert got == pytest.approx(wanted, rel=1e-5)
     with open_run(tmp_path / "run") as run:
         assert run.meta["monitor"]["validation"]["passes"] == 2
+
+
+class _CharModel(nn.Module):
+    """karpathy/makemore makemore.py's Bigram, smaller: token ids in, per-position logits out, and
+    the loss inside ``forward`` with ``ignore_index=-1`` for the padding after a word."""
+
+    def __init__(self, vocab: int = 27):
+        super().__init__()
+        self.logits = nn.Embedding(vocab, vocab)
+
+    def forward(self, idx, targets=None):
+        logits = self.logits(idx)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def _encode(words, width: int = 12):
+    """makemore's CharDataset: ``x`` = <START> then the letters, ``y`` = the letters then <STOP>,
+    -1 after it."""
+    x = torch.zeros(len(words), width, dtype=torch.long)
+    y = torch.full((len(words), width), -1, dtype=torch.long)
+    for i, w in enumerate(words):
+        ix = torch.tensor([ord(c) - 96 for c in w])
+        x[i, 1 : 1 + len(ix)] = ix
+        y[i, : len(ix)] = ix
+        y[i, len(ix)] = 0
+    return x, y
+
+
+def _words(n: int, seed: int, shortest: int = 3):
+    """``n`` distinct random words of ``shortest`` to 9 letters."""
+    g = torch.Generator().manual_seed(seed)
+    words = {"".join(chr(97 + int(c)) for c in torch.randint(0, 26, (int(k),), generator=g))
+             for k in torch.randint(shortest, 10, (2 * n,), generator=g)}
+    return sorted(words)[:n]
+
+
+def _makemore_evaluate(model, x, y, batch_size=100):
+    """makemore's evaluate(): inference mode, eval mode, the mean of the batch losses."""
+    model.eval()
+    with torch.inference_mode():
+        losses = [model(x[i : i + batch_size], y[i : i + batch_size])[1].item() for i in range(0, len(x), batch_size)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _makemore_findings(tmp_path, train_words, test_words, steps=40):
+    """makemore's loop: batches of 32 drawn with replacement (its InfiniteDataLoader), then at one
+    step ``evaluate(model, train_dataset)`` and ``evaluate(model, test_dataset)`` from two lines."""
+    torch.manual_seed(0)
+    model = _CharModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    xt, yt = _encode(train_words)
+    xv, yv = _encode(test_words)
+    with Monitor(model, tmp_path / "run", every=10) as mon:
+        for step in range(steps):
+            i = torch.randint(0, len(xt), (32,))
+            _, loss = model(xt[i], yt[i])
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if step == steps // 2:
+                _makemore_evaluate(model, xt, yt)
+                _makemore_evaluate(model, xv, yv)
+    return mon.findings
+
+
+def test_an_evaluation_of_the_training_set_before_the_test_set_is_not_leakage(tmp_path):
+    """makemore evaluates the training set and then the test set: the rows of the first pass are
+    the training data (the half of it trained on so far: batches drawn with replacement), the test
+    set holds none of them. Only the validation pass, the last to start (as for ``val_loss``), is
+    judged for copies; before, both evaluations were one pass and half the rows were "copies"."""
+    words = _words(1300, seed=1, shortest=6)  # long enough that no test word is a training word's neighbour
+    words = [words[i] for i in torch.randperm(1300, generator=torch.Generator().manual_seed(2))]
+    findings = _makemore_findings(tmp_path, words[:1000], words[1000:])
+    assert [f.kind for f in findings if f.is_problem] == []
+    with open_run(tmp_path / "run") as run:
+        leak = run.meta["monitor"]["validation"]["leak"]
+    assert sorted({b["pass"] for b in leak["batches"]}) == [1, 2]
