@@ -155,9 +155,12 @@ def train_val_leakage(ctx: Context) -> list[Finding]:
     th = ctx.th
     leak = (ctx.meta.get("validation") or {}).get("leak") or {}
     batches = leak.get("batches") or []
-    rows = near = exact = train_like = 0
+    rows = near = exact = train_like = other = 0
     first = None
     for b in batches:
+        if not b.get("validation", True):
+            other += int(b.get("rows", 0))  # a pass before the validation (makemore: the training set)
+            continue
         close = [d for d in b.get("close", []) if d <= th.leak_near]
         n = int(b.get("rows", 0))
         if n and len(close) >= th.leak_train_eval * n:
@@ -181,6 +184,8 @@ def train_val_leakage(ctx: Context) -> list[Finding]:
     }
     if train_like:
         ev["rows_of_training_data_passes_left_out"] = train_like
+    if other:
+        ev["rows_of_passes_before_the_validation_left_out"] = other
     return [
         Finding(
             kind="train_val_leakage",

@@ -144,10 +144,11 @@ _NOT_SCRIPT = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(
 _PASS_FRAMES = 6
 
 
-def _pass_key() -> tuple:
-    """The script's frames at this loss call (file and line, innermost first)."""
+def pass_key() -> tuple:
+    """The script's frames at this call (file and line, innermost first): where the script
+    computed a loss (or ran a forward), which the batches of one evaluation loop share."""
     key = []
-    f = sys._getframe(2)
+    f = sys._getframe(1)
     while f is not None and len(key) < _PASS_FRAMES:
         name = f.f_code.co_filename
         if not name.startswith(_NOT_SCRIPT):
@@ -229,7 +230,7 @@ class EvalWatch:
             return
         reduction = kwargs.get("reduction", "mean")
         rows = int(pred.shape[0]) if pred.dim() > 1 or name not in _CLASS_LOSSES else 1
-        key = _pass_key()
+        key = pass_key()
         p = self._passes.get(key)
         if p is None:
             p = self._passes[key] = _Pass()

@@ -12,6 +12,14 @@ row (on the buffers' device, in chunks) and stores the distances that are small 
 typical distance between rows: exact copies have a relative distance near 0, near copies (a
 re-encoded or slightly noised sample) a few percent, unrelated rows about 1. The diagnosis
 (``train_val_leakage``) judges them.
+
+Evaluation batches are grouped into passes by where the script ran the forward (the chain of its
+own frames, as the validation loss groups them by the loss call): karpathy/makemore evaluates the
+training set and then the test set through one ``evaluate()`` called from two lines. The last
+pass to start in an evaluation (between two training forwards) is the validation, as for
+``val_loss``; the rows of the passes before it are marked so, and the diagnosis leaves them out:
+an evaluation of the training data, of which the run has trained on only part so far (batches
+drawn with replacement), is neither all copies nor leakage.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any
 
 import torch
 
+from trainguard.capture._monitor_eval import pass_key
 from trainguard.capture._monitor_tap import quiet
 
 ROWS_PER_FORWARD = 1024
@@ -55,7 +64,9 @@ class _Sketch:
 class LeakWatch:
     def __init__(self) -> None:
         self._sketches: dict[tuple[int, str], _Sketch] = {}
-        self._pass = 0
+        self._pass = 0  # the newest pass's number
+        self._passes: dict[tuple, int] = {}  # this evaluation's passes, by where the script ran them
+        self._first_passes: set[int] = set()  # the passes that began an evaluation
         self._train_since_eval = True
 
     def on_forward(self, x: Any, evaluating: bool, step: int) -> None:
@@ -76,8 +87,14 @@ class LeakWatch:
                 sk = self._sketches[key] = _Sketch(width, x.device)
         if evaluating:
             if self._train_since_eval:
-                self._pass += 1
+                self._passes = {}
+                self._first_passes.add(self._pass + 1)
                 self._train_since_eval = False
+            key = pass_key()
+            p = self._passes.get(key)
+            if p is None:
+                self._pass += 1
+                p = self._passes[key] = self._pass
             room = EVAL_ROWS - sk.n_eval
         else:
             self._train_since_eval = True
@@ -89,7 +106,7 @@ class LeakWatch:
             sig = sk.sign(x.detach(), rows)
             if evaluating:
                 sk.eval[sk.n_eval : sk.n_eval + rows].copy_(sig)
-                sk.batches.append((self._pass, step, sk.n_eval, rows))
+                sk.batches.append((p, step, sk.n_eval, rows))
                 sk.n_eval += rows
             else:
                 sk.train[sk.n_train : sk.n_train + rows].copy_(sig)
@@ -97,7 +114,8 @@ class LeakWatch:
 
     def summary(self) -> dict[str, Any] | None:
         """Per evaluation batch, the relative distances of its rows to their nearest training row
-        (only those below ``KEEP_BELOW``); None when nothing was evaluated."""
+        (only those below ``KEEP_BELOW``) and whether its pass was the validation (the last of
+        its evaluation); None when nothing was evaluated."""
         out = {"train_rows": 0, "eval_rows": 0, "batches": [], "keep_below": KEEP_BELOW}
         with quiet(), torch.no_grad():
             for sk in self._sketches.values():
@@ -108,7 +126,8 @@ class LeakWatch:
                 rel = _relative_nearest(sk.train[: sk.n_train], sk.eval[: sk.n_eval]).cpu().tolist()
                 for p, step, first, rows in sk.batches:
                     close = [round(d, 4) for d in rel[first : first + rows] if d < KEEP_BELOW]
-                    out["batches"].append({"pass": p, "step": step, "rows": rows, "close": close})
+                    last = p == self._pass or p + 1 in self._first_passes
+                    out["batches"].append({"pass": p, "step": step, "rows": rows, "close": close, "validation": last})
         return out if out["eval_rows"] else None
 
 
