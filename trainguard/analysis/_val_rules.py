@@ -161,7 +161,9 @@ def train_val_leakage(ctx: Context) -> list[Finding]:
         if not b.get("validation", True):
             other += int(b.get("rows", 0))  # a pass before the validation (makemore: the training set)
             continue
-        close = [d for d in b.get("close", []) if d <= th.leak_near]
+        # integer rows (token ids) one id apart are other samples: only exact copies count there
+        near_enough = th.leak_exact if b.get("exact_only") else th.leak_near
+        close = [d for d in b.get("close", []) if d <= near_enough]
         n = int(b.get("rows", 0))
         if n and len(close) >= th.leak_train_eval * n:
             train_like += n  # a pass over the training data (a training-accuracy evaluation)

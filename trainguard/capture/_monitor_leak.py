@@ -20,6 +20,11 @@ pass to start in an evaluation (between two training forwards) is the validation
 ``val_loss``; the rows of the passes before it are marked so, and the diagnosis leaves them out:
 an evaluation of the training data, of which the run has trained on only part so far (batches
 drawn with replacement), is neither all copies nor leakage.
+
+Integer inputs (token ids, category codes) have no distance: a name one letter longer than a
+training name ("adriana", "adrian") differs from it by 1 in one position, a few percent of the
+typical distance, yet it is another sample. Their batches are marked ``exact_only`` and the
+diagnosis counts only exact copies there.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ _CHUNK = 512
 class _Sketch:
     """The projection and buffers for one row length on one device."""
 
-    def __init__(self, width: int, device: torch.device):
+    def __init__(self, width: int, device: torch.device, exact_only: bool = False):
+        self.exact_only = exact_only  # integer rows: only an exact copy is a copy
         g = torch.Generator().manual_seed(0x7E57 + width)
         k = min(width, FEATURES)
         self.idx = torch.randperm(width, generator=g)[:k].sort().values.to(device)
@@ -78,13 +84,14 @@ class LeakWatch:
         width = x[:1].numel()
         if width < MIN_FEATURES:
             return
-        key = (width, str(x.device))
+        exact_only = not x.is_floating_point()
+        key = (width, str(x.device), exact_only)
         sk = self._sketches.get(key)
         if sk is None:
             if len(self._sketches) >= MAX_SHAPES:
                 return
             with quiet(), torch.no_grad():
-                sk = self._sketches[key] = _Sketch(width, x.device)
+                sk = self._sketches[key] = _Sketch(width, x.device, exact_only)
         if evaluating:
             if self._train_since_eval:
                 self._passes = {}
@@ -127,7 +134,8 @@ class LeakWatch:
                 for p, step, first, rows in sk.batches:
                     close = [round(d, 4) for d in rel[first : first + rows] if d < KEEP_BELOW]
                     last = p == self._pass or p + 1 in self._first_passes
-                    out["batches"].append({"pass": p, "step": step, "rows": rows, "close": close, "validation": last})
+                    out["batches"].append({"pass": p, "step": step, "rows": rows, "close": close, "validation": last,
+                                           "exact_only": sk.exact_only})
         return out if out["eval_rows"] else None
 
 
