@@ -407,3 +407,36 @@ def test_token_sequences_one_letter_apart_are_not_copies(tmp_path):
     (leak,) = [f for f in findings if f.kind == "train_val_leakage"]
     # the batches, drawn with replacement, trained on about 3/4 of the training names
     assert leak.evidence["exact_copies"] >= 30 and leak.evidence["near_copies"] == 0
+
+
+def _evaluate_every_10_steps(tmp_path, copies: int):
+    """A fixed validation set of 64 token rows, ``copies`` of them also in the training data,
+    evaluated every 10 steps, as the loop written for johnma2006/mamba-minimal's model does (a
+    noise-free sequence of its synthetic data occurs in both splits)."""
+    torch.manual_seed(0)
+    model = _CharModel(64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    xt, xv = torch.randint(0, 64, (640, 33), generator=g), torch.randint(0, 64, (64, 33), generator=g)
+    xv[:copies] = xt[:copies]
+    with Monitor(model, tmp_path / "run", every=10) as mon:
+        for step in range(40):
+            x = xt[16 * step : 16 * step + 16]
+            _, loss = model(x[:, :-1], x[:, 1:].contiguous())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if (step + 1) % 10 == 0:
+                with torch.no_grad():
+                    model(xv[:, :-1], xv[:, 1:].contiguous())
+    return mon.findings
+
+
+def test_a_validation_set_evaluated_again_counts_its_copies_once(tmp_path):
+    """``leak_min_rows``: one or two copies can be chance. A validation row evaluated at each of
+    four evaluations is one sample: the one copy of the mamba loop's validation set read as 4 of
+    256 rows, above the limit. Repeats of a validation row are left out of the count."""
+    # (random tokens: the loss does not decrease, which is right and beside the point here)
+    assert "train_val_leakage" not in [f.kind for f in _evaluate_every_10_steps(tmp_path / "one", copies=1)]
+    (f,) = [f for f in _evaluate_every_10_steps(tmp_path / "five", copies=5) if f.kind == "train_val_leakage"]
+    assert (f.evidence["copies_of_training_rows"], f.evidence["eval_rows_sampled"]) == (5, 64)
