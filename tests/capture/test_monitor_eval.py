@@ -180,7 +180,8 @@ def test_leak_hashing_finds_the_copied_rows(tmp_path):
     leak = leak_summary(tmp_path, copies=40)
     assert leak["train_rows"] == 1024 and leak["eval_rows"] == 512
     close = [d for b in leak["batches"] for d in b["close"] if d < 0.05]
-    assert len(close) == 80 and max(close) == 0  # 40 copies, seen in each of the two passes
+    assert len(close) == 40 and max(close) == 0  # 40 copies; the second pass evaluates the same rows again
+    assert [b["seen_before"] for b in leak["batches"]] == [0, 0, 128, 128]
     assert [b["pass"] for b in leak["batches"]] == [1, 1, 2, 2]
 
 
@@ -201,7 +202,7 @@ def test_leak_hashing_is_bounded(tmp_path):
     assert sum(b[3] for b in sk.batches) == _monitor_leak.EVAL_ROWS
     summary = watch.summary()
     # every evaluated row is one of the first 256 rows, all of which were trained on
-    assert all(len(b["close"]) == b["rows"] for b in summary["batches"])
+    assert all(len(b["close"]) + b["seen_before"] == b["rows"] for b in summary["batches"])
     assert all(math.isfinite(d) for b in summary["batches"] for d in b["close"])
 
 

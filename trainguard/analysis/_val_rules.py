@@ -164,7 +164,7 @@ def train_val_leakage(ctx: Context) -> list[Finding]:
         # integer rows (token ids) one id apart are other samples: only exact copies count there
         near_enough = th.leak_exact if b.get("exact_only") else th.leak_near
         close = [d for d in b.get("close", []) if d <= near_enough]
-        n = int(b.get("rows", 0))
+        n = int(b.get("rows", 0)) - int(b.get("seen_before", 0))  # a validation row evaluated again is one sample
         if n and len(close) >= th.leak_train_eval * n:
             train_like += n  # a pass over the training data (a training-accuracy evaluation)
             continue

@@ -25,6 +25,11 @@ Integer inputs (token ids, category codes) have no distance: a name one letter l
 training name ("adriana", "adrian") differs from it by 1 in one position, a few percent of the
 typical distance, yet it is another sample. Their batches are marked ``exact_only`` and the
 diagnosis counts only exact copies there.
+
+A validation set is usually evaluated again and again (every epoch): a validation row whose
+signature equals an earlier validation row's is that sample again (``seen_before``), and its
+copy of a training row is counted once, so that one duplicate in a validation set evaluated
+four times is not four copies (the diagnosis lets one or two pass as chance).
 """
 
 from __future__ import annotations
@@ -130,13 +135,33 @@ class LeakWatch:
                 out["eval_rows"] += sk.n_eval
                 if not sk.n_eval or not sk.n_train:
                     continue
-                rel = _relative_nearest(sk.train[: sk.n_train], sk.eval[: sk.n_eval]).cpu().tolist()
-                for p, step, first, rows in sk.batches:
-                    close = [round(d, 4) for d in rel[first : first + rows] if d < KEEP_BELOW]
-                    last = p == self._pass or p + 1 in self._first_passes
+                ev = sk.eval[: sk.n_eval]
+                rel = _relative_nearest(sk.train[: sk.n_train], ev).cpu().tolist()
+                validation = [(p == self._pass or p + 1 in self._first_passes) for p, *_ in sk.batches]
+                in_val = torch.zeros(len(ev), dtype=torch.bool)
+                for (_, _, first, rows), last in zip(sk.batches, validation):
+                    in_val[first : first + rows] = last
+                again = _repeated(ev, in_val.to(ev.device)).cpu().tolist()
+                for (p, step, first, rows), last in zip(sk.batches, validation):
+                    span = range(first, first + rows)
+                    close = [round(rel[i], 4) for i in span if rel[i] < KEEP_BELOW and not again[i]]
                     out["batches"].append({"pass": p, "step": step, "rows": rows, "close": close, "validation": last,
-                                           "exact_only": sk.exact_only})
+                                           "exact_only": sk.exact_only, "seen_before": sum(again[i] for i in span)})
         return out if out["eval_rows"] else None
+
+
+def _repeated(ev: torch.Tensor, in_val: torch.Tensor) -> torch.Tensor:
+    """Which validation rows repeat an earlier validation row (the same validation set evaluated
+    again: one sample, whose copy of a training row counts once)."""
+    out = torch.zeros(len(ev), dtype=torch.bool, device=ev.device)
+    idx = in_val.nonzero().squeeze(1)
+    if len(idx) < 2:
+        return out
+    _, inverse = torch.unique(ev[idx], dim=0, return_inverse=True)
+    order = torch.arange(len(idx), device=ev.device)
+    first = torch.full((int(inverse.max()) + 1,), len(idx), device=ev.device).scatter_reduce_(0, inverse, order, "amin")
+    out[idx] = first[inverse] != order
+    return out
 
 
 def _relative_nearest(train: torch.Tensor, ev: torch.Tensor) -> torch.Tensor:
