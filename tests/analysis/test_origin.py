@@ -308,3 +308,31 @@ def test_the_gradient_of_std_over_a_constant_row(tmp_path):
     assert link.phase == "backward" and link.forward_op["op"] == "aten.std.correction"
     assert "the same" in link.explanation and "std" in link.explanation, link.explanation
     assert ".var(" in o.suggestion and "overflowing" not in o.suggestion, o.suggestion
+
+
+def _scan_with_a_dropped_minus():
+    """johnma2006/mamba-minimal model.py's selective scan (B = C = 1) with the sign of A dropped,
+    ``A = torch.exp(A_log)`` for ``-torch.exp(A_log)``: each position multiplies the state by
+    exp(delta * A) > 1, and it overflows within a few positions of the first forward."""
+    torch.manual_seed(0)
+    a_log = torch.nn.Parameter(torch.log(torch.arange(1, 9.0)).repeat(4, 1))  # (d_in, n), as mamba's A_log
+    u, delta = torch.randn(2, 64, 4), torch.nn.functional.softplus(torch.randn(2, 64, 4))
+    delta_a = torch.exp(delta.unsqueeze(-1) * torch.exp(a_log))
+    delta_b_u = delta.unsqueeze(-1) * u.unsqueeze(-1)
+    x, ys = torch.zeros(2, 4, 8), []
+    for i in range(64):
+        x = delta_a[:, i] * x + delta_b_u[:, i]  # SCAN LINE
+        ys.append(x.sum(-1))
+    torch.stack(ys, 1).pow(2).mean().backward()
+
+
+def test_an_overflow_in_the_first_forward_is_not_blamed_on_the_learning_rate(tmp_path):
+    """Before any optimizer step the weights are the initial ones: no learning rate made the
+    values this large (the fix said "lower the learning rate or clip gradients"). The state fed
+    back through the same line is a recurrence whose factor grows it geometrically."""
+    o = origin(record(tmp_path, _scan_with_a_dropped_minus))
+    assert (o.origin.op, o.origin.step, o.origin.phase) == ("aten.mul.Tensor", 0, "forward")
+    lines, first = inspect.getsourcelines(_scan_with_a_dropped_minus)
+    assert o.origin.line == first + next(i for i, t in enumerate(lines) if "# SCAN LINE" in t)
+    assert "lower the learning rate" not in o.suggestion and "clip" not in o.suggestion, o.suggestion
+    assert "before any optimizer step" in o.suggestion and "geometrically" in o.suggestion, o.suggestion
