@@ -255,7 +255,9 @@ def test_an_overflow_in_float32_is_not_told_to_compute_in_float32(tmp_path):
         conv = torch.nn.Conv2d(4, 4, 3).to(dtype)
         with torch.no_grad():
             conv.weight.fill_(1e30 if dtype == torch.float32 else 1e4)
-        return lambda: conv(torch.full((1, 4, 8, 8), 1e10 if dtype == torch.float32 else 1e3, dtype=dtype)).sum().item()
+        # in step 1, after an update (made by hand here): step 0's forward would say no update made the overflow
+        return lambda: (tg.step(), conv(torch.full((1, 4, 8, 8), 1e10 if dtype == torch.float32 else 1e3,
+                                                   dtype=dtype)).sum().item())
 
     o = origin(record(tmp_path / "f32", overflow(torch.float32)))
     assert o.origin.op == "aten.convolution" and o.origin.explanation.startswith("overflow in convolution")

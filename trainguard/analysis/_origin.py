@@ -18,6 +18,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trainguard._errors import TrainguardError
 from trainguard.store import REACHED, Run, is_collective
 
 # Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
@@ -515,8 +516,56 @@ def received_input(link: Link) -> dict | None:
 _NARROW = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
 
 
-def suggest(link: Link) -> str:
-    """A concrete fix for the origin op, naming a value where one applies."""
+def fed_back(run: Run, link: Link) -> int | None:
+    """The input slot of a forward ``link`` that the same line, in an earlier pass of a loop, fed
+    back (``x = a * x + b``: the ``add`` that made input ``x`` took the output of an earlier ``mul``
+    of the same frames); None if there is none, or its producers were evicted. A producer on the
+    same line alone is no loop: ``conv(torch.full(...))`` makes its input on its own line."""
+    if link.phase != "forward":
+        return None
+    frames: dict[int | None, tuple] = {}
+
+    def where(stack_id: int | None) -> tuple:  # stack ids differ per op of one line: compare frames
+        if stack_id not in frames:
+            frames[stack_id] = tuple((f["filename"], f["lineno"]) for f in run.stack(stack_id)) if stack_id else ()
+        return frames[stack_id]
+
+    try:
+        me = run.execution(link.seq)
+        here = where(me["stack_id"])
+        if not here:
+            return None
+        for inp in me["inputs"]:
+            p = inp.get("producer_digest")
+            if not p or where(p.get("stack_id")) != here:
+                continue
+            for q in run.execution(p["seq"])["inputs"]:
+                d = q.get("producer_digest")
+                if d and d.get("op") == me["op"] and d["seq"] < p["seq"] and where(d.get("stack_id")) == here:
+                    return int(inp["slot"])
+    except (KeyError, TrainguardError):  # evicted or damaged: no loop to show
+        return None
+    return None
+
+
+def _overflow_before_any_update(fed: int | None) -> str:
+    """An overflow in the first step's forward pass: no update made it (johnma2006/mamba-minimal's
+    selective scan with the sign of A dropped was told to lower the learning rate)."""
+    text = ("values are overflowing in the forward pass of step 0, before any optimizer step of this recording: "
+            "with the initial weights no learning rate made them this large; the forward computation itself grows "
+            "them")
+    if fed is not None:
+        return (f"{text}: input {fed} is made by this same line (a loop feeding it back, as in x = a * x + b), "
+                "a recurrence whose factor above 1 in magnitude grows the values geometrically with the loop's length; "
+                "keep the factor below 1 (a decay written exp(-softplus(.)) or -exp(log_a), a gate, a normalisation "
+                "inside the loop)")
+    return f"{text}: check the scale of the initialisation and of the inputs (normalise them)"
+
+
+def suggest(link: Link, first_forward: bool = False, fed: int | None = None) -> str:
+    """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
+    a recording whose step 0 had no update before it (a guard's replay of step N records from
+    step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`)."""
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
     if _masked_rows(link):
@@ -544,7 +593,10 @@ def suggest(link: Link) -> str:
         return _SUGGESTIONS["std"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
-    if any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs):
+    narrow = any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs)
+    if first_forward and link.step == 0 and link.phase == "forward":
+        return _overflow_before_any_update(fed) + (", or compute this op in float32" if narrow else "")
+    if narrow:
         return _SUGGESTIONS["accum"] + ", or compute this op in float32"  # whose range holds what overflowed here
     return _SUGGESTIONS["accum"]
 
@@ -607,4 +659,6 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
         p = producers[0]
         pwhere = f" at {p['file']}:{p['line']}" if p.get("file") else ""
         summary += f". Its input {p['slot']} was produced by {p['producer_op']}{pwhere} and holds {p['description']}"
-    return Origin(chain=chain, summary=summary, suggestion=suggest(o), reason=reason, harm=harm)
+    first_forward = not run.meta.get("guard_replay")  # a replay's step 0 is a trained step N
+    fed = fed_back(run, o) if first_forward and o.step == 0 else None
+    return Origin(chain=chain, summary=summary, suggestion=suggest(o, first_forward, fed), reason=reason, harm=harm)
