@@ -338,3 +338,16 @@ def test_an_overflow_in_the_first_forward_is_not_blamed_on_the_learning_rate(tmp
     assert o.origin.line == first + next(i for i, t in enumerate(lines) if "# SCAN LINE" in t)
     assert "lower the learning rate" not in o.suggestion and "clip" not in o.suggestion, o.suggestion
     assert "before any optimizer step" in o.suggestion and "geometrically" in o.suggestion, o.suggestion
+
+
+@pytest.mark.parametrize("buffer", [-1, 50])
+def test_the_recurrence_is_named_at_the_input_it_feeds_back(tmp_path, buffer):
+    """``trainguard run`` keeps the newest 1,000 executions: the loop's earlier passes, which
+    show the line feeding its own output back, are gone by the time it overflows (the mamba scan
+    said nothing of the loop then); the stored source line, ``x = ... * x + ...`` in a ``for``,
+    tells it. The fed-back value is ``x``, input 1 of the mul, not ``delta_a[:, i]``."""
+    with tg.record(tmp_path / "r", buffer=buffer):
+        _scan_with_a_dropped_minus()
+    o = origin(open_run(tmp_path / "r"))
+    assert o.origin.op == "aten.mul.Tensor"
+    assert "input 1 is made by this same line" in o.suggestion and "geometrically" in o.suggestion, o.suggestion
