@@ -13,6 +13,7 @@ nothing here imports torch.
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -543,9 +544,54 @@ def fed_back(run: Run, link: Link) -> int | None:
                 d = q.get("producer_digest")
                 if d and d.get("op") == me["op"] and d["seq"] < p["seq"] and where(d.get("stack_id")) == here:
                     return int(inp["slot"])
+                if q.get("evicted") and op_base(p["op"]).rstrip("_") in _loop_assignment(run, link.file, link.line):
+                    return int(inp["slot"])  # the circular buffer dropped the earlier pass: the line tells
     except (KeyError, TrainguardError):  # evicted or damaged: no loop to show
         return None
     return None
+
+
+# The ops an expression's outermost operator runs as (``a * x + b`` is an add).
+_BINOPS = {ast.Add: {"add"}, ast.Sub: {"sub", "rsub"}, ast.Mult: {"mul"}, ast.Div: {"div"},
+           ast.MatMult: {"matmul", "mm", "bmm", "addmm", "baddbmm"}, ast.Pow: {"pow"}}
+
+
+def _loop_assignment(run: Run, file: str | None, line: int | None) -> set[str]:
+    """When the stored source's ``line`` assigns a name from an expression that reads it
+    (``x = a * x + b``) inside a ``for``/``while`` loop of the same function: the ops its
+    outermost operator runs as (``{"add"}``), which made the value fed back; else empty."""
+    try:
+        lines = run.source(file).splitlines()
+        tree = ast.parse(lines[line - 1].strip())
+    except (KeyError, IndexError, TypeError, SyntaxError):
+        return set()
+    stmt = tree.body[0] if len(tree.body) == 1 else None
+    if isinstance(stmt, ast.Assign):
+        targets, value = {t.id for t in stmt.targets if isinstance(t, ast.Name)}, stmt.value
+    elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
+        targets, value = {stmt.target.id}, ast.BinOp(left=stmt.target, op=stmt.op, right=stmt.value)
+    else:
+        return set()
+    if not targets & {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}:
+        return set()
+    if isinstance(value, ast.BinOp):
+        ops = _BINOPS.get(type(value.op), set())
+    elif isinstance(value, ast.Call) and isinstance(value.func, (ast.Attribute, ast.Name)):
+        name = value.func.attr if isinstance(value.func, ast.Attribute) else value.func.id
+        ops = {name.rstrip("_")}
+    else:
+        return set()
+    indent = len(lines[line - 1]) - len(lines[line - 1].lstrip())
+    for text in reversed(lines[: line - 1]):
+        stripped = text.lstrip()
+        if not stripped or stripped.startswith("#") or len(text) - len(stripped) >= indent:
+            continue
+        if stripped.startswith(("for ", "while ", "async for ")):
+            return ops
+        if stripped.startswith(("def ", "async def ", "class ")):
+            return set()
+        indent = len(text) - len(stripped)
+    return set()
 
 
 def _overflow_before_any_update(fed: int | None) -> str:
