@@ -167,6 +167,35 @@ def test_layers_trained_one_after_another_by_their_own_optimizers_keep_counting_
     assert [s for s, _ in scalars(tmp_path / "r", "loss")] == [0, 1, 2, 3, 4]
 
 
+def test_the_step_where_the_next_layer_takes_over_holds_one_loss_and_no_separate_objectives(tmp_path):
+    # pytorch/examples mnist_forward_forward/main.py (with layer(x) for layer.forward(x)): the step
+    # where the second layer's Adam takes over holds its first two updates. It stored their
+    # losses' sum (2.19 between 0.66 and 0.94 on synthetic MNIST: a spike that never was), and its
+    # second backward, after the same optimizer's update, marked the whole run as summing separate
+    # objectives (a GAN's), which turns every loss-trend rule off.
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Linear(8, 8)]
+    opts = [torch.optim.Adam(la.parameters(), lr=1e-2) for la in layers]
+    x = torch.randn(16, 8)
+    losses = []
+    with Monitor({"l0": layers[0], "l1": layers[1]}, tmp_path / "r", every=1, diagnose=False) as mon:
+        h = x
+        for layer, opt in zip(layers, opts):
+            for _ in range(3):
+                loss = layer(h).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            h = layer(h).detach()
+        assert mon.current_step == 5
+    stored = dict(scalars(tmp_path / "r", "loss"))
+    # steps 0-2: the first layer's; step 3 its first two updates (the later one's loss), step 4 its third
+    assert [stored[s] for s in range(5)] == pytest.approx(losses[:3] + losses[4:], rel=1e-6)
+    with open_run(tmp_path / "r") as run:
+        assert not run.meta["monitor"].get("separate_losses")
+
+
 @pytest.mark.parametrize("clip,how", [(None, None), (0.05, "clip_grad_norm_"), (0.05, "get_total_norm")])
 def test_accumulation_sums_the_micro_losses_and_reads_complete_gradients(tmp_path, clip, how):
     model = mlp()
