@@ -32,6 +32,7 @@ log = logging.getLogger("trainguard.analysis")
 MONITOR_RULES = (
     "losses_summed",
     "loss_changes_sign",
+    "objectives_in_sequence",
     "nonfinite_loss",
     "nonfinite_gradient",
     "loss_not_decreasing",

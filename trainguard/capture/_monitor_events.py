@@ -132,6 +132,8 @@ class EventsMixin:
                     # ending steps, which shares its first update's step). The step's loss is this
                     # iteration's, not the sum of two.
                     self._auto_losses = self._auto_losses[self._losses_at_update:]
+                    if not self._meta.get("objectives_in_sequence"):
+                        self._write_meta(objectives_in_sequence=self._cur)  # each layer's loss from here
                 else:
                     self._confirm_separate()
             self._losses_at_update = len(self._auto_losses)
