@@ -351,3 +351,18 @@ def test_the_recurrence_is_named_at_the_input_it_feeds_back(tmp_path, buffer):
     o = origin(open_run(tmp_path / "r"))
     assert o.origin.op == "aten.mul.Tensor"
     assert "input 1 is made by this same line" in o.suggestion and "geometrically" in o.suggestion, o.suggestion
+
+
+@pytest.mark.parametrize("spelling", ["log1p", "log(1 + exp)"])
+def test_log_of_one_plus_exp_is_told_to_use_softplus(tmp_path, spelling):
+    # pytorch/examples mnist_forward_forward/main.py's loss, log1p(exp(cat([-g_pos + threshold,
+    # g_neg - threshold]))), overflows at --threshold 100; the fix said to subtract the maximum or
+    # clamp, where softplus computes the same without overflow.
+    def loss():
+        z = torch.cat([-torch.ones(4) + 100.0, torch.ones(4) - 100.0])
+        out = torch.log1p(torch.exp(z)) if spelling == "log1p" else torch.log(1 + torch.exp(z))
+        out.mean().item()
+
+    o = origin(record(tmp_path, loss))
+    assert o.origin.op == "aten.exp"
+    assert "torch.nn.functional.softplus" in o.suggestion, o.suggestion
