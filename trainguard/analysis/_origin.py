@@ -490,6 +490,8 @@ _SUGGESTIONS = {
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
     "sqrt": "add an epsilon inside the root, torch.sqrt(x + 1e-12), or clamp(min=0) a value that can dip below 0",
     "exp": "subtract the maximum first (logsumexp / softmax do) or clamp the input, e.g. x.clamp(max=80)",
+    "softplus": "log(1 + exp(x)) is torch.nn.functional.softplus(x), which computes it without overflow (x itself "
+    "where x is large)",
     "empty": "the batch is empty: check the mask or index that selects it (a split at fixed indices past the "
     "dataset's size, a filter that keeps nothing, a last batch of 0 rows), and skip an empty batch before the "
     "loss, e.g. `if target.numel() == 0: continue`",
@@ -608,10 +610,19 @@ def _overflow_before_any_update(fed: int | None) -> str:
     return f"{text}: check the scale of the initialisation and of the inputs (normalise them)"
 
 
-def suggest(link: Link, first_forward: bool = False, fed: int | None = None) -> str:
+def _into_log_one_plus(consumers: list[str]) -> bool:
+    """Whether the ops after the origin (nearest first) take ``log1p`` of it, or ``log`` of it plus
+    something (``log(1 + exp(x))``)."""
+    bases = [op_base(op) for op in consumers[:2]]
+    return bases[:1] == ["log1p"] or (bases[:1] in (["add"], ["add_"]) and bases[1:2] == ["log"])
+
+
+def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
-    step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`)."""
+    step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
+    ``consumers``: the ops the value went through after ``link``, nearest first."""
+    consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
     if _masked_rows(link):
@@ -634,7 +645,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None) -> 
     if base in _SQRTS or base in _RSQRTS:
         return _SUGGESTIONS["sqrt"]
     if base in _EXPS:
-        return _SUGGESTIONS["exp"]
+        return _SUGGESTIONS["softplus" if base == "exp" and _into_log_one_plus(consumers) else "exp"]
     if base in _STDS and _reduced_count(link) == 1:
         return _SUGGESTIONS["std"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
@@ -707,4 +718,6 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
         summary += f". Its input {p['slot']} was produced by {p['producer_op']}{pwhere} and holds {p['description']}"
     first_forward = not run.meta.get("guard_replay")  # a replay's step 0 is a trained step N
     fed = fed_back(run, o) if first_forward and o.step == 0 else None
-    return Origin(chain=chain, summary=summary, suggestion=suggest(o, first_forward, fed), reason=reason, harm=harm)
+    consumers = [link.op for link in reversed(chain[:-1])]
+    return Origin(chain=chain, summary=summary, suggestion=suggest(o, first_forward, fed, consumers), reason=reason,
+                  harm=harm)
