@@ -126,6 +126,20 @@ def _verdict(ctx: Context) -> Finding:
             "`trainguard.Monitor(model, logdir)`, with its layers in an nn.ModuleList so that it owns them",
             source="monitor",
         )
+    children = int((getattr(ctx.run, "meta", None) or {}).get("untraced_children") or 0)
+    if not n and children:
+        return Finding(
+            kind="trained_in_child_processes",
+            severity="info",
+            title=f"The script trained in {children} child process{'es' if children > 1 else ''} that trainguard "
+            "did not follow (multiprocessing.Process, as Hogwild does) and ran no backward() itself: nothing of "
+            "the training was watched",
+            evidence={"child_processes": children, "loss_points": 0},
+            suggestion="open `trainguard.Monitor(model, logdir)` (or `trainguard.record`) inside the function each "
+            "process runs, with a logdir of its own per process; `torch.multiprocessing.spawn`'s processes and "
+            "torchrun's ranks (`trainguard run --nproc-per-node N`) are followed",
+            source="monitor",
+        )
     if n < ctx.th.min_loss_points:
         # A few steps cannot tell a trend from minibatch noise: "loss 0.0247 -> 0.0432 over 3 steps"
         # is no evidence of health, whatever the layer statistics say.

@@ -126,7 +126,8 @@ def build_report(run: Run, findings: list | None = None, ranks: dict | None = No
                                            "exit_code", "error", "crash_step", "dropped", "writer_error", "lost",
                                            "record_errors", "ops_filter", "dtypes_filter", "executions", "recorded",
                                            "check_numerics", "check_numerics_stop", "compiled_graphs",
-                                           "full_tensor_compiled", "backend", "native_unsure")},
+                                           "full_tensor_compiled", "backend", "native_unsure",
+                                           "untraced_children")},
         "counts": {
             "stored": run.count(),
             "steps": len(steps),
