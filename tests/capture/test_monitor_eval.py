@@ -441,3 +441,27 @@ def test_a_validation_set_evaluated_again_counts_its_copies_once(tmp_path):
     assert "train_val_leakage" not in [f.kind for f in _evaluate_every_10_steps(tmp_path / "one", copies=1)]
     (f,) = [f for f in _evaluate_every_10_steps(tmp_path / "five", copies=5) if f.kind == "train_val_leakage"]
     assert (f.evidence["copies_of_training_rows"], f.evidence["eval_rows_sampled"]) == (5, 64)
+
+
+def test_a_test_set_evaluated_after_training_is_not_the_last_validation_point(tmp_path):
+    """pytorch/examples gcn/main.py evaluates the training and validation rows after every update
+    and, once training is over, the test rows (from another line, in the same last step): the last
+    ``val_loss`` was the test loss. The validation pass is the one evaluated from where earlier
+    steps' validation was."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = data(90, 5)
+    rows = torch.arange(90)
+    train_rows, val_rows, test_rows = rows < 40, (rows >= 40) & (rows < 60), rows >= 60
+    y[60:] = (y[60:] + 1) % 3  # a test set unlike the rest: its loss stands out
+    wanted = []
+    with Monitor(model, tmp_path / "run", every=1, diagnose=False):
+        for _ in range(4):
+            opt.zero_grad()
+            F.cross_entropy(model(x)[train_rows], y[train_rows]).backward()
+            opt.step()
+            _evaluate(model, x, y, train_rows)
+            wanted.append(_evaluate(model, x, y, val_rows))
+        test_loss = _evaluate(model, x, y, test_rows)
+    got = [v for _, v in scalars(tmp_path / "run", "val_loss")]
+    assert got == pytest.approx(wanted, rel=1e-5), (got, wanted, test_loss)
