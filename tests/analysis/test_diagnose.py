@@ -170,6 +170,15 @@ def test_activations_that_grew_during_training_are_not_blamed_on_initialisation(
     assert "grew during training" in f.suggestion and "learning rate" in f.suggestion
 
 
+def test_one_exploding_layer_is_named_once(tmp_path):
+    # karpathy/makemore makemore.py --type rnn at lr=30: only the RNN cell's layer explodes; the title
+    # said "RMS 2.99e+03 at cell.xh_to_h, 2.99e+03 at cell.xh_to_h"
+    rows = [r for s in range(0, 100, 5) for r in ((s, "0", "activation", "mean", 0.0), (s, "0", "activation", "std", 1.0),
+                                                 (s, "2", "activation", "mean", 0.0), (s, "2", "activation", "std", 3e3))]
+    f = [f for f in diagnose(write_run(tmp_path / "r", layer_rows=rows)) if f.kind == "exploding_activations"][0]
+    assert f.layers == ["2"] and f.title == "Exploding activations: RMS 3000 at 2 (input RMS 1)"
+
+
 @pytest.mark.parametrize("act", ["ReLU", "GELU", "NewGELU"])  # NewGELU: llm.c's and minGPT's own class
 def test_units_that_died_in_training_are_not_told_to_change_init(tmp_path, act):
     # karpathy/llm.c train_gpt2.py at lr=30: its GELUs output exact zeros once the updates pushed

@@ -255,7 +255,9 @@ def test_an_overflow_in_float32_is_not_told_to_compute_in_float32(tmp_path):
         conv = torch.nn.Conv2d(4, 4, 3).to(dtype)
         with torch.no_grad():
             conv.weight.fill_(1e30 if dtype == torch.float32 else 1e4)
-        return lambda: conv(torch.full((1, 4, 8, 8), 1e10 if dtype == torch.float32 else 1e3, dtype=dtype)).sum().item()
+        # in step 1, after an update (made by hand here): step 0's forward would say no update made the overflow
+        return lambda: (tg.step(), conv(torch.full((1, 4, 8, 8), 1e10 if dtype == torch.float32 else 1e3,
+                                                   dtype=dtype)).sum().item())
 
     o = origin(record(tmp_path / "f32", overflow(torch.float32)))
     assert o.origin.op == "aten.convolution" and o.origin.explanation.startswith("overflow in convolution")
@@ -308,3 +310,59 @@ def test_the_gradient_of_std_over_a_constant_row(tmp_path):
     assert link.phase == "backward" and link.forward_op["op"] == "aten.std.correction"
     assert "the same" in link.explanation and "std" in link.explanation, link.explanation
     assert ".var(" in o.suggestion and "overflowing" not in o.suggestion, o.suggestion
+
+
+def _scan_with_a_dropped_minus():
+    """johnma2006/mamba-minimal model.py's selective scan (B = C = 1) with the sign of A dropped,
+    ``A = torch.exp(A_log)`` for ``-torch.exp(A_log)``: each position multiplies the state by
+    exp(delta * A) > 1, and it overflows within a few positions of the first forward."""
+    torch.manual_seed(0)
+    a_log = torch.nn.Parameter(torch.log(torch.arange(1, 9.0)).repeat(4, 1))  # (d_in, n), as mamba's A_log
+    u, delta = torch.randn(2, 64, 4), torch.nn.functional.softplus(torch.randn(2, 64, 4))
+    delta_a = torch.exp(delta.unsqueeze(-1) * torch.exp(a_log))
+    delta_b_u = delta.unsqueeze(-1) * u.unsqueeze(-1)
+    x, ys = torch.zeros(2, 4, 8), []
+    for i in range(64):
+        x = delta_a[:, i] * x + delta_b_u[:, i]  # SCAN LINE
+        ys.append(x.sum(-1))
+    torch.stack(ys, 1).pow(2).mean().backward()
+
+
+def test_an_overflow_in_the_first_forward_is_not_blamed_on_the_learning_rate(tmp_path):
+    """Before any optimizer step the weights are the initial ones: no learning rate made the
+    values this large (the fix said "lower the learning rate or clip gradients"). The state fed
+    back through the same line is a recurrence whose factor grows it geometrically."""
+    o = origin(record(tmp_path, _scan_with_a_dropped_minus))
+    assert (o.origin.op, o.origin.step, o.origin.phase) == ("aten.mul.Tensor", 0, "forward")
+    lines, first = inspect.getsourcelines(_scan_with_a_dropped_minus)
+    assert o.origin.line == first + next(i for i, t in enumerate(lines) if "# SCAN LINE" in t)
+    assert "lower the learning rate" not in o.suggestion and "clip" not in o.suggestion, o.suggestion
+    assert "before any optimizer step" in o.suggestion and "geometrically" in o.suggestion, o.suggestion
+
+
+@pytest.mark.parametrize("buffer", [-1, 50])
+def test_the_recurrence_is_named_at_the_input_it_feeds_back(tmp_path, buffer):
+    """``trainguard run`` keeps the newest 1,000 executions: the loop's earlier passes, which
+    show the line feeding its own output back, are gone by the time it overflows (the mamba scan
+    said nothing of the loop then); the stored source line, ``x = ... * x + ...`` in a ``for``,
+    tells it. The fed-back value is ``x``, input 1 of the mul, not ``delta_a[:, i]``."""
+    with tg.record(tmp_path / "r", buffer=buffer):
+        _scan_with_a_dropped_minus()
+    o = origin(open_run(tmp_path / "r"))
+    assert o.origin.op == "aten.mul.Tensor"
+    assert "input 1 is made by this same line" in o.suggestion and "geometrically" in o.suggestion, o.suggestion
+
+
+@pytest.mark.parametrize("spelling", ["log1p", "log(1 + exp)"])
+def test_log_of_one_plus_exp_is_told_to_use_softplus(tmp_path, spelling):
+    # pytorch/examples mnist_forward_forward/main.py's loss, log1p(exp(cat([-g_pos + threshold,
+    # g_neg - threshold]))), overflows at --threshold 100; the fix said to subtract the maximum or
+    # clamp, where softplus computes the same without overflow.
+    def loss():
+        z = torch.cat([-torch.ones(4) + 100.0, torch.ones(4) - 100.0])
+        out = torch.log1p(torch.exp(z)) if spelling == "log1p" else torch.log(1 + torch.exp(z))
+        out.mean().item()
+
+    o = origin(record(tmp_path, loss))
+    assert o.origin.op == "aten.exp"
+    assert "torch.nn.functional.softplus" in o.suggestion, o.suggestion

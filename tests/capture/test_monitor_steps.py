@@ -167,6 +167,35 @@ def test_layers_trained_one_after_another_by_their_own_optimizers_keep_counting_
     assert [s for s, _ in scalars(tmp_path / "r", "loss")] == [0, 1, 2, 3, 4]
 
 
+def test_the_step_where_the_next_layer_takes_over_holds_one_loss_and_no_separate_objectives(tmp_path):
+    # pytorch/examples mnist_forward_forward/main.py (with layer(x) for layer.forward(x)): the step
+    # where the second layer's Adam takes over holds its first two updates. It stored their
+    # losses' sum (2.19 between 0.66 and 0.94 on synthetic MNIST: a spike that never was), and its
+    # second backward, after the same optimizer's update, marked the whole run as summing separate
+    # objectives (a GAN's), which turns every loss-trend rule off.
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Linear(8, 8)]
+    opts = [torch.optim.Adam(la.parameters(), lr=1e-2) for la in layers]
+    x = torch.randn(16, 8)
+    losses = []
+    with Monitor({"l0": layers[0], "l1": layers[1]}, tmp_path / "r", every=1, diagnose=False) as mon:
+        h = x
+        for layer, opt in zip(layers, opts):
+            for _ in range(3):
+                loss = layer(h).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            h = layer(h).detach()
+        assert mon.current_step == 5
+    stored = dict(scalars(tmp_path / "r", "loss"))
+    # steps 0-2: the first layer's; step 3 its first two updates (the later one's loss), step 4 its third
+    assert [stored[s] for s in range(5)] == pytest.approx(losses[:3] + losses[4:], rel=1e-6)
+    with open_run(tmp_path / "r") as run:
+        assert not run.meta["monitor"].get("separate_losses")
+
+
 @pytest.mark.parametrize("clip,how", [(None, None), (0.05, "clip_grad_norm_"), (0.05, "get_total_norm")])
 def test_accumulation_sums_the_micro_losses_and_reads_complete_gradients(tmp_path, clip, how):
     model = mlp()
@@ -490,3 +519,47 @@ def test_accumulated_micro_batches_with_two_optimizers_are_one_loss(tmp_path):
             for o in opts:
                 o.step()
     assert "losses_summed" not in {f.kind for f in mon.findings}
+
+
+class _FFLayer(nn.Linear):
+    """pytorch/examples mnist_forward_forward/main.py's Layer (its ``train`` named ``fit`` here,
+    and ``self(x)`` for ``self.forward(x)``, which the monitor needs to see the layer)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out)
+        self.opt = torch.optim.Adam(self.parameters(), lr=0.03)
+
+    def forward(self, x):
+        x_direction = x / (x.norm(2, 1, keepdim=True) + 1e-4)
+        return torch.relu(torch.mm(x_direction, self.weight.T) + self.bias.unsqueeze(0))
+
+    def fit(self, x_pos, x_neg, epochs):
+        for _ in range(epochs):
+            g_pos, g_neg = self(x_pos).pow(2).mean(1), self(x_neg).pow(2).mean(1)
+            loss = torch.log1p(torch.exp(torch.cat([-g_pos + 2, g_neg - 2]))).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+        return self(x_pos).detach(), self(x_neg).detach()
+
+
+def test_layers_trained_in_sequence_are_not_judged_as_one_loss_curve(tmp_path):
+    """Each forward-forward layer has its own loss: the run's loss is one curve per layer, the
+    next starting high again. Judged as one curve, the first layer's start against the second's
+    end read as little progress, and with Adam's first step (every weight moved by about lr, 0.03,
+    more than their initial size) lr_too_high said to lower the example's rate 1000x; a lower rate
+    trains worse there (train error 0.21 at 0.003 against 0 at 0.03, synthetic MNIST)."""
+    torch.manual_seed(0)
+    protos = (torch.rand(10, 64) < 0.3).float()
+    y = torch.randint(0, 10, (256,))
+    x = protos[y] + 0.1 * torch.randn(256, 64)
+    pos, neg = x.clone(), x.clone()
+    pos[:, :10], neg[:, :10] = 0, 0
+    pos[range(256), y] = x.max()
+    neg[range(256), (y + torch.randint(1, 10, (256,))) % 10] = x.max()
+    with Monitor(None, tmp_path / "r", every=5) as mon:
+        for layer in [_FFLayer(64, 64), _FFLayer(64, 64)]:
+            pos, neg = layer.fit(pos, neg, 30)
+    kinds = {f.kind: f.severity for f in mon.findings}
+    assert not [k for k, s in kinds.items() if s in ("warning", "error", "critical")], kinds
+    assert kinds.get("objectives_in_sequence") == "info" and "losses_summed" not in kinds, kinds

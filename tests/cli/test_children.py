@@ -50,6 +50,25 @@ def test_training_only_in_child_processes_is_said_to_be_unwatched(tmp_path, comm
     assert "--nproc-per-node" in note[0] and "inside the function" in note[0]
 
 
+@pytest.mark.parametrize("command", ["run", "monitor"])
+def test_the_report_says_later_that_the_training_ran_in_child_processes(tmp_path, command):
+    """pytorch/examples mnist_hogwild under ``trainguard run --monitor``: the note is printed once,
+    at the end; ``trainguard report`` later said only "Not enough data ... train under
+    trainguard.Monitor (or trainguard monitor script.py)", which is what the user had done."""
+    assert _trainguard(tmp_path, command).returncode == 0
+    from trainguard.store import open_run
+
+    with open_run(tmp_path / "r") as run:
+        assert run.meta["untraced_children"] == 2
+        (f,) = run.findings()
+    assert f["kind"] == "trained_in_child_processes" and f["severity"] == "info", f
+    assert "2 child processes" in f["title"] and "inside the function" in f["suggestion"], f
+    report = subprocess.run([sys.executable, "-m", "trainguard", "report", str(tmp_path / "r")], capture_output=True,
+                            text=True, timeout=120)
+    text = " ".join(report.stdout.split())
+    assert "2 child processes" in text and "not watched" in text, report.stdout  # the finding, the header
+
+
 def test_no_note_when_the_script_trains_itself():
     # In this process: the script's own loop trains (and a DataLoader worker is no trainer).
     namespace = {"__name__": "not_main"}

@@ -211,3 +211,37 @@ def test_forward_passes_grow_with_directions_not_with_entries(batch, monkeypatch
     calls.clear()
     r = doctor.gradient_check(net, batch, loss, directions=1, samples_per_param=3)
     assert r.passed and len(calls) == 1 + 4 * (2 + 2 * 3)
+
+
+class _CastingScan(nn.Module):
+    """johnma2006/mamba-minimal model.py's MambaBlock.ssm, smaller: its parameters are cast with
+    ``.float()`` inside the forward (``A = -torch.exp(self.A_log.float())``, ``D = self.D.float()``),
+    so in a float64 check part of the forward ran in float32."""
+
+    def __init__(self, d: int = 6, n: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1.0)).repeat(d, 1))
+        self.D = nn.Parameter(torch.ones(d))
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, u):
+        A = -torch.exp(self.A_log.float())
+        D = self.D.float()
+        delta = nn.functional.softplus(self.proj(u))
+        x, ys = torch.zeros(u.shape[0], u.shape[2], A.shape[1]), []
+        for i in range(u.shape[1]):
+            x = torch.exp(delta[:, i].unsqueeze(-1) * A) * x + (delta[:, i] * u[:, i]).unsqueeze(-1)
+            ys.append(x.sum(-1))
+        return torch.stack(ys, 1) + u * D
+
+
+def test_casts_to_float32_inside_the_forward_are_kept_in_float64():
+    """mamba-minimal has no custom backward: the check said its D's gradient was wrong (relative
+    difference 0.057), the float32 round-off of the cast forward seen by float64 differences."""
+    model = _CastingScan()
+    u = torch.randn(4, 8, 6)
+    result = doctor.gradient_check(model, (u, torch.randn(4, 8, 6)), nn.MSELoss())
+    assert result.passed and result.bad_params == [] and result.suspicious_params == [], result.summary
+    assert result.kept_float64 > 0 and "float64" in result.summary
+    assert model.D.dtype == torch.float32 and model(u).dtype == torch.float32  # the model is as it was

@@ -98,6 +98,11 @@ class Context:
         # The loss of a step sums separate objectives, each before its own optimizer's update (a
         # GAN's discriminator and generator losses): no trend of it means anything.
         self.losses_summed = bool(self.meta.get("separate_losses"))
+        # Another optimizer took over ending steps at this step (layers trained one after another,
+        # each by its own optimizer and loss: forward-forward): one loss curve per layer, no trend
+        # across them means anything. None when none did.
+        seq = self.meta.get("objectives_in_sequence")
+        self.objectives_in_sequence = int(seq) if isinstance(seq, int) and not isinstance(seq, bool) else None
         # Steps a GradScaler skipped: their gradients overflowed in float16 by design (the scaler's
         # own rule judges those), so the gradient-norm rules never see them.
         self.amp_skipped = Series.of(scalars.get("amp/skipped"))

@@ -32,6 +32,7 @@ log = logging.getLogger("trainguard.analysis")
 MONITOR_RULES = (
     "losses_summed",
     "loss_changes_sign",
+    "objectives_in_sequence",
     "nonfinite_loss",
     "nonfinite_gradient",
     "loss_not_decreasing",
@@ -123,6 +124,20 @@ def _verdict(ctx: Context) -> Finding:
             suggestion="call each module as layer(x), not layer.forward(x) (module hooks, torch.compile and "
             "every tool's instrumentation go through module(x)); or give the model: "
             "`trainguard.Monitor(model, logdir)`, with its layers in an nn.ModuleList so that it owns them",
+            source="monitor",
+        )
+    children = int((getattr(ctx.run, "meta", None) or {}).get("untraced_children") or 0)
+    if not n and children:
+        return Finding(
+            kind="trained_in_child_processes",
+            severity="info",
+            title=f"The script trained in {children} child process{'es' if children > 1 else ''} that trainguard "
+            "did not follow (multiprocessing.Process, as Hogwild does) and ran no backward() itself: nothing of "
+            "the training was watched",
+            evidence={"child_processes": children, "loss_points": 0},
+            suggestion="open `trainguard.Monitor(model, logdir)` (or `trainguard.record`) inside the function each "
+            "process runs, with a logdir of its own per process; `torch.multiprocessing.spawn`'s processes and "
+            "torchrun's ranks (`trainguard run --nproc-per-node N`) are followed",
             source="monitor",
         )
     if n < ctx.th.min_loss_points:

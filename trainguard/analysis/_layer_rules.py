@@ -218,8 +218,8 @@ def exploding_activations(ctx: Context) -> list[Finding]:
         Finding(
             kind="exploding_activations",
             severity="warning",
-            title=f"Exploding activations: RMS {fmt(depth[first])} at {first}, {fmt(depth[worst])} at {worst} "
-            f"(input RMS {fmt(scale)})",
+            title=f"Exploding activations: RMS {fmt(depth[first])} at {first}"
+            + (f", {fmt(depth[worst])} at {worst}" if worst != first else "") + f" (input RMS {fmt(scale)})",
             evidence=ev,
             suggestion=suggestion,
             steps=_steps(ctx),

@@ -29,9 +29,9 @@ def _first_nonfinite(s: Series) -> int | None:
 
 def finite_loss(ctx: Context) -> Series:
     """The loss up to its first non-finite value; nothing when it sums separate objectives or
-    changes sign from step to step (the trend rules then judge nothing: see ``losses_summed`` and
-    ``loss_changes_sign``)."""
-    if ctx.losses_summed or sign_changes(ctx):
+    changes sign from step to step or strings them one after another (the trend rules then judge
+    nothing: see ``losses_summed``, ``loss_changes_sign`` and ``objectives_in_sequence``)."""
+    if ctx.losses_summed or ctx.objectives_in_sequence is not None or sign_changes(ctx):
         return Series.of([])
     first = _first_nonfinite(ctx.loss)
     return ctx.loss if first is None else ctx.loss.before(first)
@@ -128,6 +128,25 @@ def loss_changes_sign(ctx: Context) -> list[Finding]:
             evidence=ev,
             suggestion="to have a trend judged, pass `monitor.step(value)` a quantity that falls as training "
             "improves (the negative episode return, say); the gradient, activation and update rules still apply",
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("objectives_in_sequence")
+def objectives_in_sequence(ctx: Context) -> list[Finding]:
+    if ctx.objectives_in_sequence is None or ctx.losses_summed:
+        return []
+    at = ctx.objectives_in_sequence
+    return [
+        Finding(
+            kind="objectives_in_sequence",
+            severity="info",
+            title=f"Another optimizer took over at step {at} (layers trained one after another, each with its own "
+            "loss, as in forward-forward): the loss is one curve per objective, and its trend is not judged as one",
+            evidence={"takeover_step": at, "loss_points": len(ctx.loss)},
+            suggestion="the gradient, activation and update rules still apply; to have a layer's loss judged, "
+            "monitor that layer's training on its own (one `Monitor` per layer's loop)",
             source=SOURCE,
         )
     ]

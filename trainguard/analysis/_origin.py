@@ -13,11 +13,13 @@ nothing here imports torch.
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trainguard._errors import TrainguardError
 from trainguard.store import REACHED, Run, is_collective
 
 # Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
@@ -488,6 +490,8 @@ _SUGGESTIONS = {
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
     "sqrt": "add an epsilon inside the root, torch.sqrt(x + 1e-12), or clamp(min=0) a value that can dip below 0",
     "exp": "subtract the maximum first (logsumexp / softmax do) or clamp the input, e.g. x.clamp(max=80)",
+    "softplus": "log(1 + exp(x)) is torch.nn.functional.softplus(x), which computes it without overflow (x itself "
+    "where x is large)",
     "empty": "the batch is empty: check the mask or index that selects it (a split at fixed indices past the "
     "dataset's size, a filter that keeps nothing, a last batch of 0 rows), and skip an empty batch before the "
     "loss, e.g. `if target.numel() == 0: continue`",
@@ -515,8 +519,110 @@ def received_input(link: Link) -> dict | None:
 _NARROW = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
 
 
-def suggest(link: Link) -> str:
-    """A concrete fix for the origin op, naming a value where one applies."""
+def fed_back(run: Run, link: Link) -> int | None:
+    """The input slot of a forward ``link`` that the same line, in an earlier pass of a loop, fed
+    back (``x = a * x + b``: the ``add`` that made input ``x`` took the output of an earlier ``mul``
+    of the same frames); None if there is none, or its producers were evicted. A producer on the
+    same line alone is no loop: ``conv(torch.full(...))`` makes its input on its own line."""
+    if link.phase != "forward":
+        return None
+    frames: dict[int | None, tuple] = {}
+
+    def where(stack_id: int | None) -> tuple:  # stack ids differ per op of one line: compare frames
+        if stack_id not in frames:
+            frames[stack_id] = tuple((f["filename"], f["lineno"]) for f in run.stack(stack_id)) if stack_id else ()
+        return frames[stack_id]
+
+    try:
+        me = run.execution(link.seq)
+        here = where(me["stack_id"])
+        if not here:
+            return None
+        for inp in me["inputs"]:
+            p = inp.get("producer_digest")
+            if not p or where(p.get("stack_id")) != here:
+                continue
+            for q in run.execution(p["seq"])["inputs"]:
+                d = q.get("producer_digest")
+                if d and d.get("op") == me["op"] and d["seq"] < p["seq"] and where(d.get("stack_id")) == here:
+                    return int(inp["slot"])
+                if q.get("evicted") and op_base(p["op"]).rstrip("_") in _loop_assignment(run, link.file, link.line):
+                    return int(inp["slot"])  # the circular buffer dropped the earlier pass: the line tells
+    except (KeyError, TrainguardError):  # evicted or damaged: no loop to show
+        return None
+    return None
+
+
+# The ops an expression's outermost operator runs as (``a * x + b`` is an add).
+_BINOPS = {ast.Add: {"add"}, ast.Sub: {"sub", "rsub"}, ast.Mult: {"mul"}, ast.Div: {"div"},
+           ast.MatMult: {"matmul", "mm", "bmm", "addmm", "baddbmm"}, ast.Pow: {"pow"}}
+
+
+def _loop_assignment(run: Run, file: str | None, line: int | None) -> set[str]:
+    """When the stored source's ``line`` assigns a name from an expression that reads it
+    (``x = a * x + b``) inside a ``for``/``while`` loop of the same function: the ops its
+    outermost operator runs as (``{"add"}``), which made the value fed back; else empty."""
+    try:
+        lines = run.source(file).splitlines()
+        tree = ast.parse(lines[line - 1].strip())
+    except (KeyError, IndexError, TypeError, SyntaxError):
+        return set()
+    stmt = tree.body[0] if len(tree.body) == 1 else None
+    if isinstance(stmt, ast.Assign):
+        targets, value = {t.id for t in stmt.targets if isinstance(t, ast.Name)}, stmt.value
+    elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
+        targets, value = {stmt.target.id}, ast.BinOp(left=stmt.target, op=stmt.op, right=stmt.value)
+    else:
+        return set()
+    if not targets & {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}:
+        return set()
+    if isinstance(value, ast.BinOp):
+        ops = _BINOPS.get(type(value.op), set())
+    elif isinstance(value, ast.Call) and isinstance(value.func, (ast.Attribute, ast.Name)):
+        name = value.func.attr if isinstance(value.func, ast.Attribute) else value.func.id
+        ops = {name.rstrip("_")}
+    else:
+        return set()
+    indent = len(lines[line - 1]) - len(lines[line - 1].lstrip())
+    for text in reversed(lines[: line - 1]):
+        stripped = text.lstrip()
+        if not stripped or stripped.startswith("#") or len(text) - len(stripped) >= indent:
+            continue
+        if stripped.startswith(("for ", "while ", "async for ")):
+            return ops
+        if stripped.startswith(("def ", "async def ", "class ")):
+            return set()
+        indent = len(text) - len(stripped)
+    return set()
+
+
+def _overflow_before_any_update(fed: int | None) -> str:
+    """An overflow in the first step's forward pass: no update made it (johnma2006/mamba-minimal's
+    selective scan with the sign of A dropped was told to lower the learning rate)."""
+    text = ("values are overflowing in the forward pass of step 0, before any optimizer step of this recording: "
+            "with the initial weights no learning rate made them this large; the forward computation itself grows "
+            "them")
+    if fed is not None:
+        return (f"{text}: input {fed} is made by this same line (a loop feeding it back, as in x = a * x + b), "
+                "a recurrence whose factor above 1 in magnitude grows the values geometrically with the loop's length; "
+                "keep the factor below 1 (a decay written exp(-softplus(.)) or -exp(log_a), a gate, a normalisation "
+                "inside the loop)")
+    return f"{text}: check the scale of the initialisation and of the inputs (normalise them)"
+
+
+def _into_log_one_plus(consumers: list[str]) -> bool:
+    """Whether the ops after the origin (nearest first) take ``log1p`` of it, or ``log`` of it plus
+    something (``log(1 + exp(x))``)."""
+    bases = [op_base(op) for op in consumers[:2]]
+    return bases[:1] == ["log1p"] or (bases[:1] in (["add"], ["add_"]) and bases[1:2] == ["log"])
+
+
+def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None) -> str:
+    """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
+    a recording whose step 0 had no update before it (a guard's replay of step N records from
+    step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
+    ``consumers``: the ops the value went through after ``link``, nearest first."""
+    consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
     if _masked_rows(link):
@@ -539,12 +645,15 @@ def suggest(link: Link) -> str:
     if base in _SQRTS or base in _RSQRTS:
         return _SUGGESTIONS["sqrt"]
     if base in _EXPS:
-        return _SUGGESTIONS["exp"]
+        return _SUGGESTIONS["softplus" if base == "exp" and _into_log_one_plus(consumers) else "exp"]
     if base in _STDS and _reduced_count(link) == 1:
         return _SUGGESTIONS["std"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
-    if any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs):
+    narrow = any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs)
+    if first_forward and link.step == 0 and link.phase == "forward":
+        return _overflow_before_any_update(fed) + (", or compute this op in float32" if narrow else "")
+    if narrow:
         return _SUGGESTIONS["accum"] + ", or compute this op in float32"  # whose range holds what overflowed here
     return _SUGGESTIONS["accum"]
 
@@ -607,4 +716,8 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
         p = producers[0]
         pwhere = f" at {p['file']}:{p['line']}" if p.get("file") else ""
         summary += f". Its input {p['slot']} was produced by {p['producer_op']}{pwhere} and holds {p['description']}"
-    return Origin(chain=chain, summary=summary, suggestion=suggest(o), reason=reason, harm=harm)
+    first_forward = not run.meta.get("guard_replay")  # a replay's step 0 is a trained step N
+    fed = fed_back(run, o) if first_forward and o.step == 0 else None
+    consumers = [link.op for link in reversed(chain[:-1])]
+    return Origin(chain=chain, summary=summary, suggestion=suggest(o, first_forward, fed, consumers), reason=reason,
+                  harm=harm)

@@ -63,16 +63,22 @@ def _op_short(name: str | None) -> str:
 
 def intended_lines(groups: list[dict]) -> list[str]:
     """One quiet line per group of infinities that were never harmful: ``3,840 intended -inf
-    from masked_fill, absorbed by softmax``; never alerts, origins or findings."""
-    out = []
+    from masked_fill, absorbed by softmax``; never alerts, origins or findings. Groups that read
+    the same are one line: a softmax is ``aten._softmax`` under autograd and ``aten.softmax.int``
+    under ``inference_mode`` (makemore evaluates so), the same softmax to a user."""
+    merged: dict[tuple, list[int]] = {}
     for g in groups:
-        values = g.get("values") or 0
-        n = f"{values:,}" if values else f"{g.get('executions', 0):,} tensors of"
-        made = _op_short(g.get("made_by"))
-        if g.get("absorbed_by"):
-            out.append(f"{n} intended {g.get('kind')} from {made}, absorbed by {_op_short(g['absorbed_by'])}")
+        absorbed = _op_short(g["absorbed_by"]) if g.get("absorbed_by") else None
+        n = merged.setdefault((g.get("kind"), _op_short(g.get("made_by")), absorbed), [0, 0])
+        n[0] += g.get("values") or 0
+        n[1] += g.get("executions") or 0
+    out = []
+    for (kind, made, absorbed), (values, executions) in merged.items():
+        n = f"{values:,}" if values else f"{executions:,} tensors of"
+        if absorbed:
+            out.append(f"{n} intended {kind} from {made}, absorbed by {absorbed}")
         else:
-            out.append(f"{n} {g.get('kind')} from {made} never reached the loss, a gradient, a parameter or a value "
+            out.append(f"{n} {kind} from {made} never reached the loss, a gradient, a parameter or a value "
                        "the program read (not harmful)")
     return out
 
@@ -120,7 +126,8 @@ def build_report(run: Run, findings: list | None = None, ranks: dict | None = No
                                            "exit_code", "error", "crash_step", "dropped", "writer_error", "lost",
                                            "record_errors", "ops_filter", "dtypes_filter", "executions", "recorded",
                                            "check_numerics", "check_numerics_stop", "compiled_graphs",
-                                           "full_tensor_compiled", "backend", "native_unsure")},
+                                           "full_tensor_compiled", "backend", "native_unsure",
+                                           "untraced_children")},
         "counts": {
             "stored": run.count(),
             "steps": len(steps),

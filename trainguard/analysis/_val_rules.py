@@ -155,11 +155,16 @@ def train_val_leakage(ctx: Context) -> list[Finding]:
     th = ctx.th
     leak = (ctx.meta.get("validation") or {}).get("leak") or {}
     batches = leak.get("batches") or []
-    rows = near = exact = train_like = 0
+    rows = near = exact = train_like = other = 0
     first = None
     for b in batches:
-        close = [d for d in b.get("close", []) if d <= th.leak_near]
-        n = int(b.get("rows", 0))
+        if not b.get("validation", True):
+            other += int(b.get("rows", 0))  # a pass before the validation (makemore: the training set)
+            continue
+        # integer rows (token ids) one id apart are other samples: only exact copies count there
+        near_enough = th.leak_exact if b.get("exact_only") else th.leak_near
+        close = [d for d in b.get("close", []) if d <= near_enough]
+        n = int(b.get("rows", 0)) - int(b.get("seen_before", 0))  # a validation row evaluated again is one sample
         if n and len(close) >= th.leak_train_eval * n:
             train_like += n  # a pass over the training data (a training-accuracy evaluation)
             continue
@@ -181,6 +186,8 @@ def train_val_leakage(ctx: Context) -> list[Finding]:
     }
     if train_like:
         ev["rows_of_training_data_passes_left_out"] = train_like
+    if other:
+        ev["rows_of_passes_before_the_validation_left_out"] = other
     return [
         Finding(
             kind="train_val_leakage",

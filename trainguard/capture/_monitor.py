@@ -182,6 +182,10 @@ class Monitor(EventsMixin, HookMixin):
         self._recording = False
         self._auto_losses: list[torch.Tensor] = []
         self._losses_at_update = 0  # the step's losses before the last update of a watched model
+        self._update_opt: Any = None  # weak reference to the optimizer of that update
+        # A backward came after an update in this step: separate objectives (a GAN's) unless the
+        # same optimizer updates next (a layer's optimizer taking over ending steps, see _steps._count).
+        self._pending_separate = False
         self._separate_losses = bool(self._meta.get("separate_losses"))
         self._manual_loss: dict[int, Any] = {}
         self._user_gives_loss = False

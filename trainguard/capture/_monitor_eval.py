@@ -14,7 +14,9 @@ Batches are grouped into passes by where the script computed them: the chain of 
 share it; pytorch/examples gcn evaluates the training rows and then the validation rows through
 one ``test()`` called from two lines, which differ. When one step has several passes, the last
 one to start is the validation (gcn's order, and ``evaluate(train); evaluate(val)``'s): averaging
-the training rows in would hide a validation loss that rises while the training loss falls.
+the training rows in would hide a validation loss that rises while the training loss falls. Once
+known, the validation is the pass computed where it was: a test set evaluated after training, in
+the last step, is not a validation point.
 
 The wrappers are installed while at least one monitor listens, as ``_monitor_tap`` does for
 ``backward``; a training loss costs one Python call and a flag test.
@@ -144,10 +146,11 @@ _NOT_SCRIPT = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(
 _PASS_FRAMES = 6
 
 
-def _pass_key() -> tuple:
-    """The script's frames at this loss call (file and line, innermost first)."""
+def pass_key() -> tuple:
+    """The script's frames at this call (file and line, innermost first): where the script
+    computed a loss (or ran a forward), which the batches of one evaluation loop share."""
     key = []
-    f = sys._getframe(2)
+    f = sys._getframe(1)
     while f is not None and len(key) < _PASS_FRAMES:
         name = f.f_code.co_filename
         if not name.startswith(_NOT_SCRIPT):
@@ -193,6 +196,7 @@ class EvalWatch:
         # guessing the class priors); summed on the device over the whole run.
         self._label_counts: torch.Tensor | None = None
         self.passes = 0  # the most evaluation passes one step had
+        self._val_key: tuple | None = None  # where the validation pass of earlier steps was computed
         self._reset()
         add_listener(self.on_loss)
 
@@ -229,7 +233,7 @@ class EvalWatch:
             return
         reduction = kwargs.get("reduction", "mean")
         rows = int(pred.shape[0]) if pred.dim() > 1 or name not in _CLASS_LOSSES else 1
-        key = _pass_key()
+        key = pass_key()
         p = self._passes.get(key)
         if p is None:
             p = self._passes[key] = _Pass()
@@ -260,11 +264,15 @@ class EvalWatch:
                         p.acc_n = p.acc_n + cnt
 
     def take(self) -> dict[str, torch.Tensor]:
-        """The step's ``val_loss`` and ``val_accuracy`` (of its last pass to start) as 0-d device
-        tensors (empty if none)."""
+        """The step's ``val_loss`` and ``val_accuracy`` (of its validation pass: the one computed
+        where earlier steps' was, else the last to start) as 0-d device tensors (empty if none)."""
         out: dict[str, torch.Tensor] = {}
-        p = next(reversed(self._passes.values()), None)
+        # The pass computed where earlier steps' validation was, if this step has one: a test set
+        # evaluated once after training (gcn's last step) is not the last validation point.
+        key = self._val_key if self._val_key in self._passes else next(reversed(self._passes), None)
+        p = self._passes.get(key) if key is not None else None
         if p is not None and p.loss_sum is not None and p.loss_n:
+            self._val_key = key
             with quiet(), torch.no_grad():
                 out["val_loss"] = p.loss_sum / p.loss_n
                 if p.correct is not None:

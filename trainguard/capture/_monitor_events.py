@@ -9,6 +9,7 @@ training (observing training never kills it).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -44,9 +45,9 @@ class EventsMixin:
         if loss is not None and self.capture_loss and not self._user_gives_loss and self._roots:
             if self._losses_at_update and not self._separate_losses:
                 # A backward after an optimizer's update in the same step, when a loss came before
-                # that update: separate objectives, each with its optimizer (a GAN's), not one loss.
-                self._separate_losses = True
-                self._write_meta(separate_losses=True)
+                # that update: separate objectives, each with its optimizer (a GAN's), not one loss;
+                # unless that same optimizer updates next (see _after_optimizer).
+                self._pending_separate = True
             self._auto_losses.append(loss)
 
     def _after_backward(self) -> None:
@@ -123,11 +124,29 @@ class EventsMixin:
                     if self.modes["first_train_step_in_eval"] is None:
                         self.modes["first_train_step_in_eval"] = self._cur
                 self._last_train_fwd = None
+            if self._pending_separate:
+                self._pending_separate = False
+                if self._update_opt is not None and self._update_opt() is opt:
+                    # The same optimizer updated twice in one step: iterations of one objective (in
+                    # pytorch/examples mnist_forward_forward, the next layer's optimizer taking over
+                    # ending steps, which shares its first update's step). The step's loss is this
+                    # iteration's, not the sum of two.
+                    self._auto_losses = self._auto_losses[self._losses_at_update:]
+                    if not self._meta.get("objectives_in_sequence"):
+                        self._write_meta(objectives_in_sequence=self._cur)  # each layer's loss from here
+                else:
+                    self._confirm_separate()
             self._losses_at_update = len(self._auto_losses)
+            self._update_opt = weakref.ref(opt)
             with self._no_record():
                 self._grads.after(opt, self._cur)
         except Exception:
             log.exception("trainguard monitor: optimizer post-hook failed")
+
+    def _confirm_separate(self) -> None:
+        if not self._separate_losses:
+            self._separate_losses = True
+            self._write_meta(separate_losses=True)
 
     def _on_scaler_step(self, opt: torch.optim.Optimizer, step: int, scale: Any, ran: bool) -> None:
         if self._closed or not self._grads.params_in(opt, self._params):
@@ -190,8 +209,12 @@ class EventsMixin:
                              first_recording=s)
         if self._recording:
             self._time.finish(s)
+        if self._pending_separate:  # no update followed the backward that came after one
+            self._confirm_separate()
+        self._pending_separate = False
         self._auto_losses = []
         self._losses_at_update = 0
+        self._update_opt = None
         self._amp = {}
         self._pending_end = None
         self._chan_out = {}

@@ -12,6 +12,24 @@ row (on the buffers' device, in chunks) and stores the distances that are small 
 typical distance between rows: exact copies have a relative distance near 0, near copies (a
 re-encoded or slightly noised sample) a few percent, unrelated rows about 1. The diagnosis
 (``train_val_leakage``) judges them.
+
+Evaluation batches are grouped into passes by where the script ran the forward (the chain of its
+own frames, as the validation loss groups them by the loss call): karpathy/makemore evaluates the
+training set and then the test set through one ``evaluate()`` called from two lines. The last
+pass to start in an evaluation (between two training forwards) is the validation, as for
+``val_loss``; the rows of the passes before it are marked so, and the diagnosis leaves them out:
+an evaluation of the training data, of which the run has trained on only part so far (batches
+drawn with replacement), is neither all copies nor leakage.
+
+Integer inputs (token ids, category codes) have no distance: a name one letter longer than a
+training name ("adriana", "adrian") differs from it by 1 in one position, a few percent of the
+typical distance, yet it is another sample. Their batches are marked ``exact_only`` and the
+diagnosis counts only exact copies there.
+
+A validation set is usually evaluated again and again (every epoch): a validation row whose
+signature equals an earlier validation row's is that sample again (``seen_before``), and its
+copy of a training row is counted once, so that one duplicate in a validation set evaluated
+four times is not four copies (the diagnosis lets one or two pass as chance).
 """
 
 from __future__ import annotations
@@ -20,6 +38,7 @@ from typing import Any
 
 import torch
 
+from trainguard.capture._monitor_eval import pass_key
 from trainguard.capture._monitor_tap import quiet
 
 ROWS_PER_FORWARD = 1024
@@ -36,7 +55,8 @@ _CHUNK = 512
 class _Sketch:
     """The projection and buffers for one row length on one device."""
 
-    def __init__(self, width: int, device: torch.device):
+    def __init__(self, width: int, device: torch.device, exact_only: bool = False):
+        self.exact_only = exact_only  # integer rows: only an exact copy is a copy
         g = torch.Generator().manual_seed(0x7E57 + width)
         k = min(width, FEATURES)
         self.idx = torch.randperm(width, generator=g)[:k].sort().values.to(device)
@@ -55,7 +75,9 @@ class _Sketch:
 class LeakWatch:
     def __init__(self) -> None:
         self._sketches: dict[tuple[int, str], _Sketch] = {}
-        self._pass = 0
+        self._pass = 0  # the newest pass's number
+        self._passes: dict[tuple, int] = {}  # this evaluation's passes, by where the script ran them
+        self._first_passes: set[int] = set()  # the passes that began an evaluation
         self._train_since_eval = True
 
     def on_forward(self, x: Any, evaluating: bool, step: int) -> None:
@@ -67,17 +89,24 @@ class LeakWatch:
         width = x[:1].numel()
         if width < MIN_FEATURES:
             return
-        key = (width, str(x.device))
+        exact_only = not x.is_floating_point()
+        key = (width, str(x.device), exact_only)
         sk = self._sketches.get(key)
         if sk is None:
             if len(self._sketches) >= MAX_SHAPES:
                 return
             with quiet(), torch.no_grad():
-                sk = self._sketches[key] = _Sketch(width, x.device)
+                sk = self._sketches[key] = _Sketch(width, x.device, exact_only)
         if evaluating:
             if self._train_since_eval:
-                self._pass += 1
+                self._passes = {}
+                self._first_passes.add(self._pass + 1)
                 self._train_since_eval = False
+            key = pass_key()
+            p = self._passes.get(key)
+            if p is None:
+                self._pass += 1
+                p = self._passes[key] = self._pass
             room = EVAL_ROWS - sk.n_eval
         else:
             self._train_since_eval = True
@@ -89,7 +118,7 @@ class LeakWatch:
             sig = sk.sign(x.detach(), rows)
             if evaluating:
                 sk.eval[sk.n_eval : sk.n_eval + rows].copy_(sig)
-                sk.batches.append((self._pass, step, sk.n_eval, rows))
+                sk.batches.append((p, step, sk.n_eval, rows))
                 sk.n_eval += rows
             else:
                 sk.train[sk.n_train : sk.n_train + rows].copy_(sig)
@@ -97,7 +126,8 @@ class LeakWatch:
 
     def summary(self) -> dict[str, Any] | None:
         """Per evaluation batch, the relative distances of its rows to their nearest training row
-        (only those below ``KEEP_BELOW``); None when nothing was evaluated."""
+        (only those below ``KEEP_BELOW``) and whether its pass was the validation (the last of
+        its evaluation); None when nothing was evaluated."""
         out = {"train_rows": 0, "eval_rows": 0, "batches": [], "keep_below": KEEP_BELOW}
         with quiet(), torch.no_grad():
             for sk in self._sketches.values():
@@ -105,11 +135,33 @@ class LeakWatch:
                 out["eval_rows"] += sk.n_eval
                 if not sk.n_eval or not sk.n_train:
                     continue
-                rel = _relative_nearest(sk.train[: sk.n_train], sk.eval[: sk.n_eval]).cpu().tolist()
-                for p, step, first, rows in sk.batches:
-                    close = [round(d, 4) for d in rel[first : first + rows] if d < KEEP_BELOW]
-                    out["batches"].append({"pass": p, "step": step, "rows": rows, "close": close})
+                ev = sk.eval[: sk.n_eval]
+                rel = _relative_nearest(sk.train[: sk.n_train], ev).cpu().tolist()
+                validation = [(p == self._pass or p + 1 in self._first_passes) for p, *_ in sk.batches]
+                in_val = torch.zeros(len(ev), dtype=torch.bool)
+                for (_, _, first, rows), last in zip(sk.batches, validation):
+                    in_val[first : first + rows] = last
+                again = _repeated(ev, in_val.to(ev.device)).cpu().tolist()
+                for (p, step, first, rows), last in zip(sk.batches, validation):
+                    span = range(first, first + rows)
+                    close = [round(rel[i], 4) for i in span if rel[i] < KEEP_BELOW and not again[i]]
+                    out["batches"].append({"pass": p, "step": step, "rows": rows, "close": close, "validation": last,
+                                           "exact_only": sk.exact_only, "seen_before": sum(again[i] for i in span)})
         return out if out["eval_rows"] else None
+
+
+def _repeated(ev: torch.Tensor, in_val: torch.Tensor) -> torch.Tensor:
+    """Which validation rows repeat an earlier validation row (the same validation set evaluated
+    again: one sample, whose copy of a training row counts once)."""
+    out = torch.zeros(len(ev), dtype=torch.bool, device=ev.device)
+    idx = in_val.nonzero().squeeze(1)
+    if len(idx) < 2:
+        return out
+    _, inverse = torch.unique(ev[idx], dim=0, return_inverse=True)
+    order = torch.arange(len(idx), device=ev.device)
+    first = torch.full((int(inverse.max()) + 1,), len(idx), device=ev.device).scatter_reduce_(0, inverse, order, "amin")
+    out[idx] = first[inverse] != order
+    return out
 
 
 def _relative_nearest(train: torch.Tensor, ev: torch.Tensor) -> torch.Tensor:

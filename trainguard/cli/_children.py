@@ -80,6 +80,25 @@ class ChildWatch:
     def _on_backward(self, *args) -> None:
         self.backwards += 1
 
+    def untraced(self) -> int:
+        """How many child processes trained unwatched: those started, when this process ran no
+        ``backward()`` itself (0 otherwise)."""
+        return 0 if self.ranks or self.backwards else self.started
+
+    def store(self, logdir) -> None:
+        """Say in the run (before the monitor's diagnosis reads it) that the training ran in
+        child processes, so that ``trainguard report`` says so later too."""
+        n = self.untraced()
+        if not n:
+            return
+        from trainguard.store import acquire_writer, release_writer
+
+        writer = acquire_writer(logdir)
+        try:
+            writer.set_meta(untraced_children=n)
+        finally:
+            release_writer(writer)
+
     def note(self) -> str | None:
         """The line to print when the script's training ran in its children, else None."""
         if self.ranks:

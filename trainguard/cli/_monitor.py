@@ -132,6 +132,8 @@ def monitor_script(
                 code, error = run_script(script, args)
             finally:
                 follow.stop()
+        if not follow.spawned:
+            children.store(mon.logdir)
     finally:
         mon.close(error=error)
     findings = mon.findings if mon.findings is not None else []

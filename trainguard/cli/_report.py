@@ -111,6 +111,9 @@ def _header(report: dict) -> Panel:
     elif status == "running":
         status += " (still being written, or its process was killed: shows everything up to the last flush)"
     t.add_row("status", status + (f" — {meta['error']}" if meta.get("error") else ""))
+    if n := meta.get("untraced_children"):
+        t.add_row("not watched", f"the training ran in {n:,} child process{'es' if n > 1 else ''} the script started "
+                  "(multiprocessing.Process); this run holds this process's ops only")
     backend = {"native": "the native core", "python": "the Python dispatch mode"}.get(meta.get("backend"))
     t.add_row("recorded", f"{when}, mode {meta.get('mode')}, buffer {meta.get('buffer')}"
               + (f", by {backend}" if backend else ""))

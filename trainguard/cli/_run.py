@@ -182,6 +182,8 @@ def _cmd(args: argparse.Namespace) -> int:
             children.stop()
             if follow is not None:
                 follow.stop()
+            if not (follow is not None and follow.spawned) and (recorder is not None or monitor is not None):
+                children.store(logdir)
             ending = run_ending(error)  # before the monitor lets go of the step clock
             # The launcher orders the ranks of a failed job by it: a NonFiniteError says when it
             # was raised (the script's own finally blocks, destroy_process_group, run after it).

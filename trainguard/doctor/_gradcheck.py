@@ -19,7 +19,10 @@ A check within 10x of the pass band's edge or beyond is re-measured with ``eps``
 larger and keeps its best value: round-off shrinks with a larger step and truncation error stays far below the bands,
 while a wrong gradient is wrong at every step. The model runs in float64 (parameters, buffers,
 floating inputs and targets, and the default dtype) and is put back to its own dtypes afterwards.
-Each evaluation reseeds the RNG, so dropout draws the same mask every time.
+Each evaluation reseeds the RNG, so dropout draws the same mask every time. A cast to a narrower
+floating type inside the forward (johnma2006/mamba-minimal's ``self.D.float()``) is kept in
+float64 while the check runs (:class:`_KeepFloat64`): float64 differences of a forward that ran
+partly in float32 see its round-off, and called the gradient of such a parameter wrong.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 from rich.table import Table
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard.capture._gradcheck import (  # noqa: F401 - the bands are the doctor's API too
     BUG_BAND,
@@ -97,6 +101,7 @@ class GradCheckResult(CheckResult):
     samples: int
     passed: bool = False
     notes: list[str] = field(default_factory=list)
+    kept_float64: int = 0  # casts to a narrower float inside a forward, kept in float64 (per evaluation)
 
     def __post_init__(self) -> None:
         self.passed = bool(self.params) and all(p.status == "ok" for p in self.params) and not self.notes
@@ -122,10 +127,13 @@ class GradCheckResult(CheckResult):
             return f"wrong gradient in {', '.join(self.bad_params)} (largest relative difference {fmt(self.max_rel)})"
         if self.suspicious_params:
             return f"{len(self.suspicious_params)} of {n} parameters suspicious (largest relative difference {fmt(self.max_rel)})"
-        return f"{n} parameters agree with finite differences (largest relative difference {fmt(self.max_rel)})"
+        kept = (f"; {self.kept_float64} cast(s) to a narrower float inside the forward (.float(), .half()) ran in "
+                "float64 for the check") if self.kept_float64 else ""
+        return f"{n} parameters agree with finite differences (largest relative difference {fmt(self.max_rel)}){kept}"
 
     def _fields(self) -> dict[str, Any]:
         return {"eps": self.eps, "loss": self.loss, "samples": self.samples, "notes": self.notes,
+                "kept_float64": self.kept_float64,
                 "max_rel": self.max_rel, "bad_params": self.bad_params,
                 "suspicious_params": self.suspicious_params, "params": [p.to_dict() for p in self.params]}
 
@@ -255,9 +263,15 @@ def gradient_check(
             _to_float64(model)
             _to_float64(loss_module)
 
+            keep = _KeepFloat64()
+
             def loss_at() -> torch.Tensor:
                 _seed(seed, device)  # dropout draws the same mask in every evaluation
-                return as_float(loss_fn(model(inputs), targets))
+                if not keep.needed:
+                    return as_float(loss_fn(model(inputs), targets))
+                keep.casts = 0
+                with keep:
+                    return as_float(loss_fn(model(inputs), targets))
 
             for _, p in model.named_parameters():
                 p.grad = None
@@ -267,6 +281,8 @@ def gradient_check(
                     raise DoctorInputError("the loss does not depend on any trainable parameter (no gradient path)")
                 loss.backward()
             base = float(loss.detach())
+            kept = keep.casts
+            keep.needed = kept > 0  # a forward without casts runs without the mode (each op through Python)
             if not math.isfinite(base):
                 return GradCheckResult(params=[], eps=eps, loss=base, samples=samples,
                                        notes=[f"the loss is {fmt(base)} on this batch"])
@@ -279,7 +295,29 @@ def gradient_check(
                     results.append(_check_param(name, p, analytic[name], entries, loss_at, eps, directions, gen))
         finally:
             torch.set_default_dtype(default_dtype)
-    return GradCheckResult(params=results, eps=eps, loss=base, samples=samples)
+    return GradCheckResult(params=results, eps=eps, loss=base, samples=samples, kept_float64=kept)
+
+
+_NARROW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _KeepFloat64(TorchDispatchMode):
+    """While the model runs in float64 for the check: a float64 tensor cast to a narrower float
+    (``x.float()``, ``x.to(torch.float32)``) stays float64, so that no part of the forward runs
+    at the precision the finite differences would then measure. ``casts`` counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.casts = 0
+        self.needed = True  # until the first forward shows whether the model casts at all
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten._to_copy.default and kwargs.get("dtype") in _NARROW_FLOATS
+                and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64):
+            self.casts += 1
+            kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
 
 
 def _seed(seed: int, device: torch.device) -> None:
