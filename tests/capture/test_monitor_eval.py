@@ -268,6 +268,41 @@ def test_a_target_network_under_no_grad_inside_a_training_step_is_not_validation
         assert run.meta["monitor"]["validation"]["leak"] is None
 
 
+def test_a_target_network_is_not_said_to_miss_its_gradients(tmp_path):
+    """The PyTorch DQN tutorial's target network: a copy of the policy network, soft-updated by
+    hand, run under no_grad, in no optimizer, with requires_grad left True. It got "6 trainable
+    parameter(s) never received a gradient", whose fix (look for .detach() or no_grad) is wrong."""
+    torch.manual_seed(0)
+
+    def dqn():
+        return nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+
+    policy, target = dqn(), dqn()
+    target.load_state_dict(policy.state_dict())
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3, amsgrad=True)
+    with Monitor(None, tmp_path / "run", every=5) as mon:
+        for _ in range(30):
+            with torch.no_grad():  # acting
+                policy(torch.randn(1, 4)).max(1)
+            s, a, r, s2 = torch.randn(16, 4), torch.randint(0, 2, (16, 1)), torch.randn(16), torch.randn(16, 4)
+            q = policy(s).gather(1, a)
+            with torch.no_grad():
+                expected = r + 0.99 * target(s2).max(1).values
+            loss = nn.SmoothL1Loss()(q, expected.unsqueeze(1))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_value_(policy.parameters(), 100)
+            opt.step()
+            tsd, psd = target.state_dict(), policy.state_dict()
+            for k in psd:
+                tsd[k] = psd[k] * 0.005 + tsd[k] * 0.995
+            target.load_state_dict(tsd)
+    problems = [(f.kind, f.title) for f in mon.findings if f.is_problem]
+    assert problems == [], problems
+    untrained = [f for f in mon.findings if f.kind == "model_not_trained"]
+    assert len(untrained) == 1 and untrained[0].evidence["model"] == "sequential", untrained
+
+
 def test_a_loss_computed_after_the_no_grad_block_is_validation(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
