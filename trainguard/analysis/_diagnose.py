@@ -47,6 +47,7 @@ MONITOR_RULES = (
     "vanishing_gradient",
     "exploding_gradient",
     "inputs_not_normalized",
+    "model_not_trained",
     "param_no_gradient",
     "param_zero_gradient",
     "param_not_in_optimizer",

@@ -32,8 +32,48 @@ def _names(params: list[str], limit: int = 6) -> str:
     return ", ".join(params[:limit]) + (f" and {len(params) - limit} more" if len(params) > limit else "")
 
 
+def _all_zero(ctx: Context, p: str, stat: str) -> bool:
+    s = ctx.stat(p, "gradient", stat)
+    return len(s) >= 2 and not np.any(s.values)
+
+
+def untrained_models(ctx: Context) -> dict[str, list[str]]:
+    """Watched models (of several) that nothing trains: no optimizer holds a parameter of theirs and
+    no gradient reaches one (a DQN's target network, an EMA copy, a teacher). Prefix -> parameters."""
+    prefixes = sorted({r.get("prefix") or "" for r in ctx.meta.get("roots") or []}, key=len, reverse=True)
+    if len(prefixes) < 2:
+        return {}
+    groups: dict[str, list[str]] = {}
+    for p in ctx.params:
+        groups.setdefault(next((x for x in prefixes if p.startswith(x)), ""), []).append(p)
+    return {pre: ps for pre, ps in groups.items()
+            if all(_all_zero(ctx, p, "present") and _all_zero(ctx, p, "in_optimizer") for p in ps)}
+
+
 def _trainable(ctx: Context) -> list[str]:
-    return [p for p, info in ctx.params.items() if info.get("requires_grad", True)]
+    """Parameters that require grad, outside the models nothing trains."""
+    aside = {p for ps in untrained_models(ctx).values() for p in ps}
+    return [p for p, info in ctx.params.items() if info.get("requires_grad", True) and p not in aside]
+
+
+@register_rule("model_not_trained")
+def model_not_trained(ctx: Context) -> list[Finding]:
+    out = []
+    types = {r.get("prefix") or "": r.get("type") for r in ctx.meta.get("roots") or []}
+    for pre, ps in untrained_models(ctx).items():
+        name = pre.rstrip(".") or "(the first model)"
+        out.append(Finding(
+            kind="model_not_trained",
+            severity="info",
+            title=f"Model {name} ({types.get(pre)}) is not trained: no optimizer holds its {len(ps)} parameter(s) "
+            "and no gradient reaches them (a target network, an EMA copy or a teacher)",
+            evidence={"model": name, "type": types.get(pre), "params": len(ps)},
+            suggestion="nothing to do for a target, EMA or teacher model (`requires_grad_(False)` on it says so); "
+            "a model that should learn needs its parameters in an optimizer and a path from the loss",
+            layers=_layers(ctx, ps),
+            source=SOURCE,
+        ))
+    return out
 
 
 @register_rule("param_no_gradient")
