@@ -227,6 +227,19 @@ def test_small_first_layer_gradients_are_fine_when_the_optimizer_makes_up_for_th
     assert "vanishing_gradient" not in kinds(diagnose(write_run(tmp_path / "r", layer_rows=rows)))
 
 
+def test_small_first_layer_gradients_are_not_judged_at_a_step_that_made_no_update(tmp_path):
+    # accelerate's nlp_example shape for 8 steps (a tiny random BERT, AdamW, get_linear_schedule_with_warmup,
+    # every=10): the only recording is step 0, where the warm-up's rate is 0, so no layer moved and
+    # nothing says whether the optimizer makes up for the small query/key gradients of a fresh
+    # BERT; it was told "Vanishing gradients ... use ReLU/GELU", a warning on a healthy run.
+    rows = [(0, p, kind, stat, v) for p, g in (("0.weight", 1e-9), ("2.weight", 1e-5), ("4.weight", 0.1))
+            for kind, stat, v in (("weight", "norm", 5.0), ("gradient", "norm", g), ("gradient", "present", 1),
+                                  ("update", "norm", 0.0), ("update", "ratio", 0.0))]
+    lr = [0.0] + [6e-4 * s for s in range(1, 8)]
+    run = write_run(tmp_path / "r", healthy_loss(8), layer_rows=rows, lr=lr, every=10)
+    assert "vanishing_gradient" not in kinds(diagnose(run))
+
+
 def test_lr_too_low_suggests_a_larger_rate(tmp_path):
     rows = []
     for s in range(0, 100, 5):
