@@ -330,6 +330,11 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
     ratio = flow[names[0]] / flow[names[-1]]
     if ratio >= ctx.th.vanish_ratio:
         return []
+    last_moved = ctx.window(ctx.stat(names[-1], "update", "ratio")).values
+    if len(last_moved) and not np.any(last_moved[np.isfinite(last_moved)] != 0):
+        # No update at the recorded steps (a warm-up's first step, at rate 0): nothing shows
+        # whether the optimizer makes up for the small gradients (Adam does, below).
+        return []
     ev: dict = {"relative_gradient_by_layer": flow, "first_last_ratio": ratio}
     upd = _update_flow(ctx, [names[0], names[-1]])
     if len(upd) == 2:
