@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import trainguard as tg
 from trainguard.analysis import MONITOR_RULES, RULES, Thresholds, diagnose
@@ -432,3 +433,26 @@ def test_weights_that_get_no_gradient_are_not_blamed_on_the_learning_rate(tmp_pa
                      (s, p, "update", "ratio", 0.0)]
     fs = diagnose(write_run(tmp_path / "r", [0.0] * 100, grad_norm=[0.0] * 100, layer_rows=rows))
     assert "lr_too_low" not in kinds(fs, problems_only=False), [(f.kind, f.title) for f in fs]
+
+
+def test_weights_bfloat16_cannot_move_are_blamed_on_bfloat16_not_the_learning_rate(tmp_path):
+    # Fabric's precision="bf16-true" (accelerate's model.to(torch.bfloat16) alike) on a BERT with
+    # AdamW: the LayerNorm weights sit at 1.0, where bfloat16's spacing is 2^-7; Adam's step of
+    # about the learning rate rounds back to 1.0 every time. The finding said to check the group's
+    # learning rate and code that restores the weights, none of which is wrong.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 3)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 8).to(torch.bfloat16)
+    y = x[:, :3].float().argmax(1)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for step in range(30):
+            loss = nn.functional.cross_entropy(model(x[step % 8 * 32:][:32]).float(), y[step % 8 * 32:][:32])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = [f for f in mon.findings if f.kind == "param_not_updating"][0]
+    assert f.evidence["params"] == ["1.weight"]
+    assert f.evidence["dtypes"] == {"1.weight": "bfloat16"}
+    assert "bfloat16" in f.suggestion and "float32" in f.suggestion
+    assert "restores or masks" not in f.suggestion
