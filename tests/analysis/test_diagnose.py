@@ -456,3 +456,23 @@ def test_weights_bfloat16_cannot_move_are_blamed_on_bfloat16_not_the_learning_ra
     assert f.evidence["dtypes"] == {"1.weight": "bfloat16"}
     assert "bfloat16" in f.suggestion and "float32" in f.suggestion
     assert "restores or masks" not in f.suggestion
+
+
+def test_activations_that_saturated_during_training_blame_the_updates_not_the_init(tmp_path):
+    # A tiny random BERT under accelerate at 100x its learning rate (0.3): the pooler's tanh ended
+    # 100% saturated, and the fix said to use Xavier initialisation although its weights started
+    # smaller than Xavier's; the tanh was not saturated at all at step 0. The same here, by hand.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(0)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(40):
+            x = torch.randn(64, 8, generator=g)
+            loss = nn.functional.cross_entropy(model(x), x[:, :3].argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in mon.findings if f.kind == "saturated_activations")
+    assert f.evidence["initial_saturated_fraction"] == {"1": 0.0}
+    assert "learning rate" in f.suggestion and "Xavier" not in f.suggestion
