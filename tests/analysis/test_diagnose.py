@@ -221,6 +221,19 @@ def test_vanishing_gradient_ratio(tmp_path):
     assert f.layers == ["0", "2"]
 
 
+def test_a_gelu_model_of_its_own_class_is_not_told_its_tanh_stack_vanishes(tmp_path):
+    # transformers' BERT (accelerate's nlp_example model) at 100x its learning rate: two
+    # GELUActivation layers (transformers' own class) and one Tanh (the pooler) read as a tanh
+    # stack, and vanishing gradients were told "deep sigmoid/tanh stacks ...: use ReLU/GELU".
+    layers = [{"name": "0", "type": "Linear"}, {"name": "1", "type": "GELUActivation"},
+              {"name": "2", "type": "Linear"}, {"name": "3", "type": "GELUActivation"},
+              {"name": "4", "type": "Linear"}, {"name": "5", "type": "Tanh"}]
+    rows = vanishing_rows({"0.weight": 1e-11, "2.weight": 1e-7, "4.weight": 1e-3})
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers))
+    f = next(f for f in fs if f.kind == "vanishing_gradient")
+    assert "tanh" not in f.suggestion and "Kaiming" in f.suggestion
+
+
 def test_small_first_layer_gradients_are_fine_when_the_optimizer_makes_up_for_them(tmp_path):
     # Adam scales each step by the parameter's own gradient size: every layer moves alike (as BERT's
     # query/key projections do at initialisation).
