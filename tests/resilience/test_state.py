@@ -85,6 +85,16 @@ def accelerate_prepare(model, opt, sched, loader):
     return Accelerator(cpu=True).prepare(model, opt, sched, loader)
 
 
+def accelerate_prepare_seedable(model, opt, sched, loader):
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    # accelerate's SeedableRandomSampler makes its generator at its first __iter__ and seeds it
+    # from torch.initial_seed() + its epoch
+    config = DataLoaderConfiguration(use_seedable_sampler=True)
+    return Accelerator(cpu=True, dataloader_config=config).prepare(model, opt, sched, loader)
+
+
 def fabric_setup(model, opt, sched, loader):
     from lightning.fabric import Fabric
 
@@ -103,13 +113,14 @@ def fresh_accelerate():
         GradientState._reset_state()
 
 
-@pytest.mark.parametrize("prepare", [accelerate_prepare, fabric_setup], ids=["accelerate", "fabric"])
+@pytest.mark.parametrize("prepare", [accelerate_prepare, accelerate_prepare_seedable, fabric_setup],
+                         ids=["accelerate", "accelerate-seedable-sampler", "fabric"])
 def test_a_loader_a_framework_prepared_resumes_mid_epoch_exactly(tmp_path, prepare, fresh_accelerate):
     # What a user of accelerate (examples/nlp_example.py: accelerator.prepare(model, optimizer,
     # train_dataloader, ...)) or of Fabric (fabric.setup, fabric.setup_dataloaders) passes to
     # TrainState: accelerate's DataLoaderShard has a state_dict() that fails unless it was made
     # with use_stateful_dataloader=True (the first save raised); Fabric's loader was refused.
-    pytest.importorskip("accelerate" if prepare is accelerate_prepare else "lightning")
+    pytest.importorskip("lightning" if prepare is fabric_setup else "accelerate")
     from trainguard.resilience import CheckpointManager
 
     from .conftest import assert_same_training_state, make_state, train_steps
