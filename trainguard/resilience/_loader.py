@@ -113,6 +113,13 @@ class ResumableLoader:
         self._base: DataLoader = base  # whose sampler and generators draw the order
         self._own_iter = inner is not None  # a framework's loader: iterated through its own __iter__
         self._counters_start: dict[str, int] = {}  # its epoch counters when the current epoch started
+        for s in self._all_samplers():
+            if getattr(s, "generator", False) is None and isinstance(getattr(s, "initial_seed", None), int):
+                # accelerate's SeedableRandomSampler makes this generator at its first __iter__ and
+                # seeds it from initial_seed + epoch at each: made now as it would, so that a
+                # checkpoint finds the same generators before and after the first epoch.
+                s.generator = torch.Generator(device=torch.get_default_device())
+                s.generator.manual_seed(s.initial_seed)
         self.fast_forward = fast_forward
         self._epoch = 0
         self._yielded = 0
@@ -171,6 +178,7 @@ class ResumableLoader:
             "sampler_epochs": self._sampler_epochs,
             "counters": self._counters(),
             "counters_start": self._counters_start,
+            "sampler_seeds": [s.initial_seed for s in self._seeded()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -192,6 +200,8 @@ class ResumableLoader:
             self._sampler_epochs = [int(e) for e in state.get("sampler_epochs") or []]
             self._counters_start = {k: int(v) for k, v in (state.get("counters_start") or {}).items()}
             self._set_counters(state.get("counters") or {})
+            for s, seed in zip(self._seeded(), state.get("sampler_seeds") or []):
+                s.initial_seed = int(seed)  # drawn from torch.initial_seed() when it was made
         except KeyError as exc:
             raise CheckpointError(f"loader state lacks {exc}") from None
         self._token = object()  # iterators made before the restore no longer count
@@ -228,6 +238,14 @@ class ResumableLoader:
         found: list[Any] = []
         for s in self._all_samplers():
             if has_epoch(s) and all(s is not f for f in found):
+                found.append(s)
+        return found
+
+    def _seeded(self) -> list[Any]:
+        """Samplers that seed their order from ``initial_seed`` + epoch (accelerate's SeedableRandomSampler)."""
+        found: list[Any] = []
+        for s in self._all_samplers():
+            if isinstance(getattr(s, "initial_seed", None), int) and all(s is not f for f in found):
                 found.append(s)
         return found
 
