@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import trainguard as tg
 from trainguard.analysis import MONITOR_RULES, RULES, Thresholds, diagnose
@@ -220,11 +221,37 @@ def test_vanishing_gradient_ratio(tmp_path):
     assert f.layers == ["0", "2"]
 
 
+def test_a_gelu_model_of_its_own_class_is_not_told_its_tanh_stack_vanishes(tmp_path):
+    # transformers' BERT (accelerate's nlp_example model) at 100x its learning rate: two
+    # GELUActivation layers (transformers' own class) and one Tanh (the pooler) read as a tanh
+    # stack, and vanishing gradients were told "deep sigmoid/tanh stacks ...: use ReLU/GELU".
+    layers = [{"name": "0", "type": "Linear"}, {"name": "1", "type": "GELUActivation"},
+              {"name": "2", "type": "Linear"}, {"name": "3", "type": "GELUActivation"},
+              {"name": "4", "type": "Linear"}, {"name": "5", "type": "Tanh"}]
+    rows = vanishing_rows({"0.weight": 1e-11, "2.weight": 1e-7, "4.weight": 1e-3})
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers))
+    f = next(f for f in fs if f.kind == "vanishing_gradient")
+    assert "tanh" not in f.suggestion and "Kaiming" in f.suggestion
+
+
 def test_small_first_layer_gradients_are_fine_when_the_optimizer_makes_up_for_them(tmp_path):
     # Adam scales each step by the parameter's own gradient size: every layer moves alike (as BERT's
     # query/key projections do at initialisation).
     rows = vanishing_rows({"0.weight": 1e-3, "2.weight": 1e-3, "4.weight": 1e-3})
     assert "vanishing_gradient" not in kinds(diagnose(write_run(tmp_path / "r", layer_rows=rows)))
+
+
+def test_small_first_layer_gradients_are_not_judged_at_a_step_that_made_no_update(tmp_path):
+    # accelerate's nlp_example shape for 8 steps (a tiny random BERT, AdamW, get_linear_schedule_with_warmup,
+    # every=10): the only recording is step 0, where the warm-up's rate is 0, so no layer moved and
+    # nothing says whether the optimizer makes up for the small query/key gradients of a fresh
+    # BERT; it was told "Vanishing gradients ... use ReLU/GELU", a warning on a healthy run.
+    rows = [(0, p, kind, stat, v) for p, g in (("0.weight", 1e-9), ("2.weight", 1e-5), ("4.weight", 0.1))
+            for kind, stat, v in (("weight", "norm", 5.0), ("gradient", "norm", g), ("gradient", "present", 1),
+                                  ("update", "norm", 0.0), ("update", "ratio", 0.0))]
+    lr = [0.0] + [6e-4 * s for s in range(1, 8)]
+    run = write_run(tmp_path / "r", healthy_loss(8), layer_rows=rows, lr=lr, every=10)
+    assert "vanishing_gradient" not in kinds(diagnose(run))
 
 
 def test_lr_too_low_suggests_a_larger_rate(tmp_path):
@@ -419,3 +446,46 @@ def test_weights_that_get_no_gradient_are_not_blamed_on_the_learning_rate(tmp_pa
                      (s, p, "update", "ratio", 0.0)]
     fs = diagnose(write_run(tmp_path / "r", [0.0] * 100, grad_norm=[0.0] * 100, layer_rows=rows))
     assert "lr_too_low" not in kinds(fs, problems_only=False), [(f.kind, f.title) for f in fs]
+
+
+def test_weights_bfloat16_cannot_move_are_blamed_on_bfloat16_not_the_learning_rate(tmp_path):
+    # Fabric's precision="bf16-true" (accelerate's model.to(torch.bfloat16) alike) on a BERT with
+    # AdamW: the LayerNorm weights sit at 1.0, where bfloat16's spacing is 2^-7; Adam's step of
+    # about the learning rate rounds back to 1.0 every time. The finding said to check the group's
+    # learning rate and code that restores the weights, none of which is wrong.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 3)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 8).to(torch.bfloat16)
+    y = x[:, :3].float().argmax(1)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for step in range(30):
+            loss = nn.functional.cross_entropy(model(x[step % 8 * 32:][:32]).float(), y[step % 8 * 32:][:32])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = [f for f in mon.findings if f.kind == "param_not_updating"][0]
+    assert f.evidence["params"] == ["1.weight"]
+    assert f.evidence["dtypes"] == {"1.weight": "bfloat16"}
+    assert "bfloat16" in f.suggestion and "float32" in f.suggestion
+    assert "restores or masks" not in f.suggestion
+
+
+def test_activations_that_saturated_during_training_blame_the_updates_not_the_init(tmp_path):
+    # A tiny random BERT under accelerate at 100x its learning rate (0.3): the pooler's tanh ended
+    # 100% saturated, and the fix said to use Xavier initialisation although its weights started
+    # smaller than Xavier's; the tanh was not saturated at all at step 0. The same here, by hand.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(0)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(40):
+            x = torch.randn(64, 8, generator=g)
+            loss = nn.functional.cross_entropy(model(x), x[:, :3].argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in mon.findings if f.kind == "saturated_activations")
+    assert f.evidence["initial_saturated_fraction"] == {"1": 0.0}
+    assert "learning rate" in f.suggestion and "Xavier" not in f.suggestion

@@ -227,6 +227,42 @@ def test_accumulation_sums_the_micro_losses_and_reads_complete_gradients(tmp_pat
     assert [v for _, v in scalars(tmp_path / "r", "loss")] == pytest.approx(ref_loss, rel=1e-6)
 
 
+def test_accelerates_accumulation_gives_each_step_the_mean_of_its_micro_losses(tmp_path):
+    # accelerate's examples/by_feature/gradient_accumulation.py and automatic_gradient_accumulation.py:
+    # `with accelerator.accumulate(model): accelerator.backward(loss)`, which divides every
+    # micro-batch's loss by gradient_accumulation_steps, also in an epoch's last step, which syncs
+    # on fewer micro-batches when the loader's length is no multiple of it. That step's loss read
+    # a third of the others' (a dip at every epoch's end).
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+        model = mlp()
+        data = [batch(i) for i in range(7)]  # two steps of 3 micro-batches and one of 1 per epoch
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, loader = accelerator.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=None))
+        expected, micro = [], []
+        with Monitor(model, tmp_path / "r", every=2, diagnose=False):
+            for _ in range(2):
+                for x, y in loader:
+                    with accelerator.accumulate(model):
+                        loss = nn.functional.cross_entropy(model(x), y)
+                        accelerator.backward(loss)
+                        micro.append(loss.item())
+                        opt.step()
+                        opt.zero_grad()
+                    if accelerator.sync_gradients:
+                        expected.append(sum(micro) / len(micro))
+                        micro = []
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert len(expected) == 6
+    assert [v for _, v in scalars(tmp_path / "r", "loss")] == pytest.approx(expected, rel=1e-6)
+
+
 # ------------------------------------------------------------------ updates written by hand
 class _NoisedOptimizer(torch.optim.Optimizer):
     """The shape of Opacus' DPOptimizer (opacus/optimizers/optimizer.py): it wraps the user's optimizer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sqlite3
@@ -173,3 +174,28 @@ def test_version_and_help():
     assert proc.returncode == 0
     for cmd in ("run", "report", "demo"):
         assert cmd in proc.stdout
+
+
+def test_the_scripts_objects_outlive_the_closing_of_its_run(tmp_path, capsys):
+    # Found on accelerate's training loop (examples/nlp_example.py's shape, module-level) on two gloo
+    # ranks: freeing the script's DDP model frees its gloo process group, whose destructor joins
+    # gloo's worker thread with the GIL held; when that thread still had the last all-gather to let
+    # go of (it takes the GIL to drop its tensors), the rank hung before its run was closed, 2 runs in 7.
+    # Plain python frees them at exit; `trainguard run` dropped them the moment the script returned.
+    script = write(tmp_path, "holds.py", """
+        import sys
+        import torch
+
+        class Group:  # stands for the process group a DDP model holds until it is freed
+            def __del__(self):
+                print("group freed", file=sys.stderr)
+
+        model = torch.nn.Linear(2, 1)
+        model.group = Group()
+        model(torch.ones(3, 2)).sum().backward()
+    """)
+    assert main(["run", "--monitor", "--logdir", str(tmp_path / "r"), script]) == 0
+    gc.collect()  # the script's class and its module dict hold each other
+    err = capsys.readouterr().err
+    assert "group freed" in err
+    assert err.index("trainguard: recorded") < err.index("group freed")

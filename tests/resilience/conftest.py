@@ -17,8 +17,9 @@ from trainguard.resilience import CheckpointManager, TrainState
 
 
 def make_state(*, seed: int = 0, width: int = 8, num_workers: int = 0, extra_layer: bool = False,
-               stateful_loader: bool = False) -> TrainState:
-    """A tiny regression model with dropout, Adam, a StepLR schedule and a shuffled loader."""
+               stateful_loader: bool = False, prepare: Callable | None = None) -> TrainState:
+    """A tiny regression model with dropout, Adam, a StepLR schedule and a shuffled loader;
+    ``prepare(model, opt, sched, loader)`` returns them as a framework wraps them."""
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
@@ -36,6 +37,8 @@ def make_state(*, seed: int = 0, width: int = 8, num_workers: int = 0, extra_lay
         loader = StatefulDataLoader(data, batch_size=8, shuffle=True, num_workers=num_workers)
     else:
         loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=num_workers)
+    if prepare is not None:
+        model, opt, sched, loader = prepare(model, opt, sched, loader)
     return TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader)
 
 

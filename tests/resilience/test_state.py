@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -71,6 +73,65 @@ def test_a_stateful_dataloader_is_used_as_is_and_resumes_exactly(tmp_path, num_w
     losses = train_steps(first, 7)
     CheckpointManager(tmp_path).save(first)
     resumed = make_state(seed=5, stateful_loader=True, num_workers=num_workers)
+    assert CheckpointManager(tmp_path).restore(resumed) == 7
+    losses += train_steps(resumed, 6)
+    assert losses == expected
+    assert_same_training_state(reference, resumed)
+
+
+def accelerate_prepare(model, opt, sched, loader):
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True).prepare(model, opt, sched, loader)
+
+
+def accelerate_prepare_seedable(model, opt, sched, loader):
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    # accelerate's SeedableRandomSampler makes its generator at its first __iter__ and seeds it
+    # from torch.initial_seed() + its epoch
+    config = DataLoaderConfiguration(use_seedable_sampler=True)
+    return Accelerator(cpu=True, dataloader_config=config).prepare(model, opt, sched, loader)
+
+
+def fabric_setup(model, opt, sched, loader):
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model, opt = fabric.setup(model, opt)
+    return model, opt, sched, fabric.setup_dataloaders(loader)
+
+
+@pytest.fixture
+def fresh_accelerate():
+    yield
+    if "accelerate" in sys.modules:  # its state is process-wide: leave none to later tests
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+@pytest.mark.parametrize("prepare", [accelerate_prepare, accelerate_prepare_seedable, fabric_setup],
+                         ids=["accelerate", "accelerate-seedable-sampler", "fabric"])
+def test_a_loader_a_framework_prepared_resumes_mid_epoch_exactly(tmp_path, prepare, fresh_accelerate):
+    # What a user of accelerate (examples/nlp_example.py: accelerator.prepare(model, optimizer,
+    # train_dataloader, ...)) or of Fabric (fabric.setup, fabric.setup_dataloaders) passes to
+    # TrainState: accelerate's DataLoaderShard has a state_dict() that fails unless it was made
+    # with use_stateful_dataloader=True (the first save raised); Fabric's loader was refused.
+    pytest.importorskip("lightning" if prepare is fabric_setup else "accelerate")
+    from trainguard.resilience import CheckpointManager
+
+    from .conftest import assert_same_training_state, make_state, train_steps
+
+    reference = make_state(prepare=prepare)
+    expected = train_steps(reference, 13)
+    first = make_state(prepare=prepare)
+    assert first.is_rank_local("loader")
+    losses = train_steps(first, 7)  # 5 batches an epoch: in the middle of the second
+    CheckpointManager(tmp_path).save(first)
+    resumed = make_state(seed=5, prepare=prepare)
     assert CheckpointManager(tmp_path).restore(resumed) == 7
     losses += train_steps(resumed, 6)
     assert losses == expected

@@ -186,6 +186,20 @@ def _initial_rms(ctx: Context, layers: list[str]) -> dict[str, float] | None:
     return out
 
 
+def _initial_sat(ctx: Context, layers: list[str]) -> dict[str, float] | None:
+    """Each layer's saturated fraction at the run's first recording, when its weights were the
+    initial ones (None otherwise, or when a layer was not recorded there)."""
+    if not ctx.weights_initial or not ctx.recorded_steps:
+        return None
+    out = {}
+    for la in layers:
+        s = ctx.stat(la, "activation", "sat_frac")
+        if not len(s) or s.steps[0] != ctx.recorded_steps[0] or not math.isfinite(s.values[0]):
+            return None
+        out[la] = float(s.values[0])
+    return out
+
+
 @register_rule("exploding_activations")
 def exploding_activations(ctx: Context) -> list[Finding]:
     scale = ctx.input_rms()
@@ -278,11 +292,20 @@ def saturated_activations(ctx: Context) -> list[Finding]:
     if not sat:
         return []
     first = next(iter(sat))
-    params = _feeding_params(ctx, first)
-    rows, init_text = init_advice(ctx, params, "tanh")
     ev: dict = {"saturated_fraction": sat, "types": {la: ctx.layer_type.get(la) for la in sat}}
-    if rows:
-        ev["init"] = rows
+    initial = _initial_sat(ctx, list(sat))
+    if initial is not None and all(v < ctx.th.saturation_warn for v in initial.values()):
+        # Not saturated at initialisation: the updates grew the pre-activations, a new init would not help.
+        ev["initial_saturated_fraction"] = initial
+        suggestion = (f"layer {first} was not saturated at initialisation ({initial[first]:.0%} of its outputs at the "
+                      "bounds) and saturated during training: the updates grew its pre-activations; lower the "
+                      "learning rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay")
+    else:
+        rows, init_text = init_advice(ctx, _feeding_params(ctx, first), "tanh")
+        if rows:
+            ev["init"] = rows
+        suggestion = (f"the pre-activations are too large: use {init_text}; normalise the inputs, or put a "
+                      "LayerNorm before the activation")
     return [
         Finding(
             kind="saturated_activations",
@@ -290,8 +313,7 @@ def saturated_activations(ctx: Context) -> list[Finding]:
             title=f"Saturated activations: {sat[first]:.0%} of layer {first}'s outputs sit at the "
             f"{ctx.layer_type.get(first, 'activation')} bounds, where the gradient is < 2% of its maximum",
             evidence=ev,
-            suggestion=f"the pre-activations are too large: use {init_text}; normalise the inputs, or put a "
-            "LayerNorm before the activation",
+            suggestion=suggestion,
             steps=_steps(ctx),
             layers=list(sat),
             source=SOURCE,
@@ -329,6 +351,11 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
     names = list(flow)
     ratio = flow[names[0]] / flow[names[-1]]
     if ratio >= ctx.th.vanish_ratio:
+        return []
+    last_moved = ctx.window(ctx.stat(names[-1], "update", "ratio")).values
+    if len(last_moved) and not np.any(last_moved[np.isfinite(last_moved)] != 0):
+        # No update at the recorded steps (a warm-up's first step, at rate 0): nothing shows
+        # whether the optimizer makes up for the small gradients (Adam does, below).
         return []
     ev: dict = {"relative_gradient_by_layer": flow, "first_last_ratio": ratio}
     upd = _update_flow(ctx, [names[0], names[-1]])

@@ -3,9 +3,11 @@ gradients accumulating (missing ``zero_grad``), train/eval mode mistakes."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from trainguard.analysis._context import Context
+from trainguard.analysis._context import Context, fmt
 from trainguard.analysis._layer_rules import fully_dead_layers
 from trainguard.analysis._rules import register_rule
 from trainguard.store import Finding
@@ -13,6 +15,9 @@ from trainguard.store import Finding
 SOURCE = "monitor"
 # A relative change below float32's resolution (2**-23 ~ 1.2e-7, with margin) rounds to no change.
 FLOAT32_RESOLUTION = 1e-6
+# Parameters kept in a 16-bit float lose any step below half their spacing: |w| * 2**-8 in
+# bfloat16 (7 stored mantissa bits), |w| * 2**-11 in float16 (10).
+LOW_PRECISION_HALF_SPACING = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 
 def _steps(ctx: Context) -> tuple[int, int] | None:
@@ -194,20 +199,42 @@ def param_not_updating(ctx: Context) -> list[Finding]:
         return []
     out = ctx.ordered(out)
     zero_lr = [k for k, s in ctx.lrs.items() if len(s) and np.all(s.values == 0)]
+    evidence: dict = {"params": out, "zero_learning_rates": zero_lr}
+    low = {p: ctx.params[p]["dtype"] for p in out if ctx.params.get(p, {}).get("dtype") in LOW_PRECISION_HALF_SPACING}
+    if low and not zero_lr:
+        evidence["dtypes"] = low
+        suggestion = _rounded_away(ctx, low, lr)
+    else:
+        suggestion = ("check their parameter group's learning rate" + (f" ({', '.join(zero_lr)} is 0)" if zero_lr else "")
+                      + " and any code that restores or masks them after `optimizer.step()`")
     return [
         Finding(
             kind="param_not_updating",
             severity="warning",
             title=f"{len(out)} parameter(s) have gradients and an optimizer but never change: {_names(out)}",
-            evidence={"params": out, "zero_learning_rates": zero_lr},
-            suggestion="check their parameter group's learning rate"
-            + (f" ({', '.join(zero_lr)} is 0)" if zero_lr else "")
-            + " and any code that restores or masks them after `optimizer.step()`",
+            evidence=evidence,
+            suggestion=suggestion,
             steps=_steps(ctx),
             layers=_layers(ctx, out),
             source=SOURCE,
         )
     ]
+
+
+def _rounded_away(ctx: Context, low: dict[str, str], lr: float | None) -> str:
+    """Why parameters held in bfloat16 / float16 never change: their steps round back to them."""
+    p = next(iter(low))
+    dtype = low[p]
+    numel = float(np.prod(ctx.params[p].get("shape") or [1]))
+    norm = ctx.stat(p, "weight", "norm").values
+    size = float(np.nanmedian(norm)) / math.sqrt(numel) if len(norm) and numel else float("nan")
+    where = (f"near their size (|w| ~ {fmt(size)}) a step below {fmt(size * LOW_PRECISION_HALF_SPACING[dtype])} "
+             if math.isfinite(size) and size > 0 else "a step below half their spacing ")
+    rate = f" (learning rate {fmt(lr)})" if lr else ""
+    return (f"they are stored in {dtype}: {where}rounds back to the same value, and the optimizer's steps{rate} are "
+            f"smaller. Keep the weights in float32 and compute in {dtype} (torch.autocast; Fabric precision="
+            f"\"{'bf16' if dtype == 'bfloat16' else '16'}-mixed\", accelerate mixed_precision="
+            f"\"{'bf16' if dtype == 'bfloat16' else 'fp16'}\"), or use an optimizer that keeps float32 master weights")
 
 
 @register_rule("params_frozen")

@@ -104,10 +104,16 @@ def init_advice(ctx: Context, params: list[str], act: str) -> tuple[dict, str]:
     return rows, how
 
 
+# Matched inside the class name too: models bring their own (transformers' GELUActivation,
+# llm.c's NewGELU, SiLUActivation).
+_RELU_LIKE = ("ReLU", "GELU", "SiLU", "Swish", "Mish")
+_RELU_EXACT = frozenset({"ELU", "CELU", "SELU"})  # as parts of names they would match ReLU
+
+
 def activation_family(ctx: Context) -> str:
     """'relu' when the watched layers are mostly ReLU-like, else 'tanh' (sigmoid and tanh stacks)."""
     types = list(ctx.layer_type.values())
-    relu = sum(t in ("ReLU", "ReLU6", "LeakyReLU", "GELU", "SiLU", "ELU") for t in types)
+    relu = sum(isinstance(t, str) and (t in _RELU_EXACT or any(name in t for name in _RELU_LIKE)) for t in types)
     squash = sum(t in ("Tanh", "Sigmoid", "Hardtanh", "Softsign") for t in types)
     return "tanh" if squash > relu else "relu"
 

@@ -181,6 +181,7 @@ class Monitor(EventsMixin, HookMixin):
         self._cur = _steps.clock.step
         self._recording = False
         self._auto_losses: list[torch.Tensor] = []
+        self._auto_divisors: list[int] = []  # accelerate's k each of them was divided by (1: none)
         self._losses_at_update = 0  # the step's losses before the last update of a watched model
         self._update_opt: Any = None  # weak reference to the optimizer of that update
         # A backward came after an update in this step: separate objectives (a GAN's) unless the

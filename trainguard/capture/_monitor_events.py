@@ -49,6 +49,7 @@ class EventsMixin:
                 # unless that same optimizer updates next (see _after_optimizer).
                 self._pending_separate = True
             self._auto_losses.append(loss)
+            self._auto_divisors.append(_monitor_tap.accumulation_divisor())
 
     def _after_backward(self) -> None:
         if self._closed or not self._roots or (self._grads.saw_optimizer and not self._grads_replaced):
@@ -195,6 +196,10 @@ class EventsMixin:
             # Micro-batches of gradient accumulation each backward loss / k: the step's loss is their sum.
             ls = self._auto_losses
             values["loss"] = ls[0] if len(ls) == 1 else torch.stack([v.float() for v in ls]).sum()
+            k = self._auto_divisors[0] if self._auto_divisors else 1
+            if k > 1 and len(ls) != k and all(d == k for d in self._auto_divisors):
+                # accelerate divided each by k, also in a step of fewer micro-batches: their mean
+                values["loss"] = values["loss"] * (k / len(ls))
         values.update(self._grads.finish(self._params, s, recording))
         values.update(self._amp)
         if self._eval is not None:
@@ -213,6 +218,7 @@ class EventsMixin:
             self._confirm_separate()
         self._pending_separate = False
         self._auto_losses = []
+        self._auto_divisors = []
         self._losses_at_update = 0
         self._update_opt = None
         self._amp = {}

@@ -37,7 +37,7 @@ class Layer:
 
 
 class Param:
-    __slots__ = ("name", "ref", "layer", "module_type", "shape")
+    __slots__ = ("name", "ref", "layer", "module_type", "shape", "dtype")
 
     def __init__(self, name: str, param: nn.Parameter, layer: str, module_type: str):
         self.name = name
@@ -45,6 +45,7 @@ class Param:
         self.layer = layer
         self.module_type = module_type
         self.shape = list(param.shape)
+        self.dtype = str(param.dtype).removeprefix("torch.")
 
 
 class Root:
@@ -123,7 +124,7 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset()) 
             for la in r.layers
         ],
         "params": {
-            p.name: {"layer": p.layer, "module_type": p.module_type, "shape": p.shape,
+            p.name: {"layer": p.layer, "module_type": p.module_type, "shape": p.shape, "dtype": p.dtype,
                      "requires_grad": bool(p.ref() is not None and p.ref().requires_grad) or id(p) in trainable}
             for r in roots
             for p in r.params

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 from collections.abc import Callable
 
@@ -76,6 +77,31 @@ def _backward(tensors, grad_tensors=None, *args, **kwargs):
         _in_backward = False
     _announce("after_backward")
     return out
+
+
+def accumulation_divisor() -> int:
+    """k when the ``backward()`` being announced runs inside accelerate's ``Accelerator.backward``,
+    which divides every micro-batch's loss by its ``gradient_accumulation_steps`` k (also in the
+    last step of an epoch, which syncs on fewer micro-batches); 1 otherwise. Read off the calling
+    frames, only when accelerate is already imported (trainguard never imports it)."""
+    if "accelerate" not in sys.modules:
+        return 1
+    f = sys._getframe(1)
+    for _ in range(8):  # the listener, _announce, _backward, Tensor.backward, Accelerator.backward
+        f = f.f_back
+        if f is None:
+            break
+        if f.f_code.co_name != "backward" or "self" not in f.f_code.co_varnames:
+            continue
+        obj = f.f_locals.get("self")
+        if type(obj).__module__.startswith("accelerate."):
+            k = getattr(obj, "gradient_accumulation_steps", 1)
+            kind = getattr(obj, "distributed_type", None)
+            # DeepSpeed scales by k in its own engine, not in the loss backward() is called on
+            if isinstance(k, int) and k > 1 and getattr(kind, "value", kind) != "DEEPSPEED":
+                return k
+            return 1
+    return 1
 
 
 def _as_list(parameters) -> list:

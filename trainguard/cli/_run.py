@@ -125,6 +125,7 @@ def _cmd(args: argparse.Namespace) -> int:
     code = 0
     error: BaseException | None = None  # what ended the script, stored in the run when it closes
     late: list[int] = []  # a SIGTERM that came while the run was closing
+    script_globals: list[dict] = []  # freed when this returns, after the run is closed
     if guard is not None:
         guard.install()
     children = ChildWatch()
@@ -145,13 +146,18 @@ def _cmd(args: argparse.Namespace) -> int:
                 follow.start()
             if args.monitor:
                 monitor = _start_monitor(logdir, args.every, gradcheck=not args.no_gradcheck)
+            # The script's globals are kept until the run is closed (python keeps them until exit):
+            # freeing a DDP model frees its gloo process group, whose destructor joins gloo's
+            # thread with the GIL held, and hangs while that thread still has to let go of the last
+            # collective's tensors (accelerate's loop on two ranks, right after its last all-gather).
             if args.module:
                 sys.argv = [target] + script_args
-                runpy.run_module(target, run_name="__main__", alter_sys=True)
+                script_globals.append(runpy.run_module(target, run_name="__main__", alter_sys=True))
             else:
                 sys.argv = [target] + script_args
                 sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
-                runpy.run_path(os.path.abspath(target), run_name="__main__")  # python names it absolutely too
+                # python names it absolutely too
+                script_globals.append(runpy.run_path(os.path.abspath(target), run_name="__main__"))
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             if exc.code is not None and not isinstance(exc.code, int):

@@ -8,6 +8,11 @@ remembers the generators' states at the start of the epoch. After a restore, the
 ``iter()`` replays those draws from the remembered states to rebuild the same order and the same
 worker seeds, skips the batches already handed out, and puts the generators back where the
 checkpoint left them; the next ``iter()`` starts the following epoch.
+
+A loader a framework made around a ``DataLoader`` (accelerate's ``accelerator.prepare``, Fabric's
+``setup_dataloaders``) is iterated through its own ``__iter__``, which moves batches to the
+device, sets its sampler's epoch and tells accelerate's gradient accumulation where the epoch
+ends; a resumed epoch replays its batches already handed out through that iterator.
 """
 
 from __future__ import annotations
@@ -28,6 +33,25 @@ from trainguard.resilience._epochs import has_epoch
 _FAST_FORWARD = ("skip", "replay")
 _STATE_VERSION = 1
 _END = object()
+# Attributes in which a framework's loader counts the epochs it started, and sets its sampler's
+# epoch from: accelerate's DataLoaderShard.iteration, Fabric's _FabricDataLoader._num_iter_calls.
+_EPOCH_COUNTERS = ("iteration", "_num_iter_calls")
+
+
+def framework_inner(loader: Any) -> DataLoader | None:
+    """The ``DataLoader`` inside a loader a framework made, which iterates its own way; None otherwise.
+
+    accelerate's prepared loaders (``DataLoaderShard``, ``DataLoaderDispatcher``) pass for
+    ``DataLoader`` instances and hold one in ``base_dataloader``; their ``state_dict()`` works only
+    when made with ``use_stateful_dataloader=True`` (then it is used as it is, not here). Fabric's
+    ``_FabricDataLoader`` holds one in ``_dataloader``."""
+    inner = vars(loader).get("base_dataloader") if hasattr(loader, "__dict__") else None
+    if isinstance(inner, DataLoader) and inner is not loader:
+        return None if vars(loader).get("use_stateful_dataloader") else inner
+    inner = vars(loader).get("_dataloader") if hasattr(loader, "__dict__") else None
+    if isinstance(inner, DataLoader) and callable(getattr(type(loader), "__iter__", None)):
+        return inner
+    return None
 
 
 class _OneShotSampler:
@@ -71,19 +95,31 @@ class ResumableLoader:
     """
 
     def __init__(self, loader: DataLoader, *, fast_forward: str = "skip"):
-        if not isinstance(loader, DataLoader):
+        inner = framework_inner(loader)
+        if inner is None and not isinstance(loader, DataLoader):
             raise TypeError(f"ResumableLoader wraps a torch.utils.data.DataLoader, got {type(loader).__name__}")
         if fast_forward not in _FAST_FORWARD:
             raise ValueError(f"fast_forward must be one of {_FAST_FORWARD}, got {fast_forward!r}")
-        gen = loader.generator
+        base = inner if inner is not None else loader
+        gen = base.generator
         if gen is not None and gen.device.type != "cpu":
             raise ValueError(f"the loader's generator must be a CPU generator, got one on {gen.device}")
-        if loader.persistent_workers:
+        if base.persistent_workers and inner is None:
             warnings.warn(
                 "ResumableLoader starts workers once per epoch; persistent_workers=True is not kept",
                 stacklevel=2,
             )
         self.loader = loader
+        self._base: DataLoader = base  # whose sampler and generators draw the order
+        self._own_iter = inner is not None  # a framework's loader: iterated through its own __iter__
+        self._counters_start: dict[str, int] = {}  # its epoch counters when the current epoch started
+        for s in self._all_samplers():
+            if getattr(s, "generator", False) is None and isinstance(getattr(s, "initial_seed", None), int):
+                # accelerate's SeedableRandomSampler makes this generator at its first __iter__ and
+                # seeds it from initial_seed + epoch at each: made now as it would, so that a
+                # checkpoint finds the same generators before and after the first epoch.
+                s.generator = torch.Generator(device=torch.get_default_device())
+                s.generator.manual_seed(s.initial_seed)
         self.fast_forward = fast_forward
         self._epoch = 0
         self._yielded = 0
@@ -140,6 +176,9 @@ class ResumableLoader:
             "epoch_start": self._epoch_start,
             "generators": [_rng.capture_generator(g) for g in self._generators()],
             "sampler_epochs": self._sampler_epochs,
+            "counters": self._counters(),
+            "counters_start": self._counters_start,
+            "sampler_seeds": [s.initial_seed for s in self._seeded()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -159,6 +198,10 @@ class ResumableLoader:
             self._epoch_start = state["epoch_start"]
             # Absent from states saved before samplers' epochs were kept: then set_epoch() decides.
             self._sampler_epochs = [int(e) for e in state.get("sampler_epochs") or []]
+            self._counters_start = {k: int(v) for k, v in (state.get("counters_start") or {}).items()}
+            self._set_counters(state.get("counters") or {})
+            for s, seed in zip(self._seeded(), state.get("sampler_seeds") or []):
+                s.initial_seed = int(seed)  # drawn from torch.initial_seed() when it was made
         except KeyError as exc:
             raise CheckpointError(f"loader state lacks {exc}") from None
         self._token = object()  # iterators made before the restore no longer count
@@ -168,15 +211,23 @@ class ResumableLoader:
 
     # -- epochs ------------------------------------------------------------------------------
 
+    def _all_samplers(self) -> list[Any]:
+        """The sampler and the batch sampler's, also inside accelerate's per-rank batch sampler."""
+        loader = self._base
+        out = [loader.sampler]
+        batch = loader.batch_sampler
+        for _ in range(3):  # accelerate's BatchSamplerShard holds the loader's BatchSampler
+            if batch is None:
+                break
+            out.append(getattr(batch, "sampler", None))
+            batch = getattr(batch, "batch_sampler", None)
+        return out
+
     def _generators(self) -> list[torch.Generator]:
         """Generators the loader and its samplers own, which the epoch's order is drawn from."""
-        loader = self.loader
         found: list[torch.Generator] = []
-        candidates = [
-            loader.generator,
-            getattr(loader.sampler, "generator", None),
-            getattr(getattr(loader.batch_sampler, "sampler", None), "generator", None),
-        ]
+        candidates = [self._base.generator, vars(self.loader).get("synchronized_generator")]
+        candidates += [getattr(s, "generator", None) for s in self._all_samplers()]
         for gen in candidates:
             if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
                 found.append(gen)
@@ -184,14 +235,65 @@ class ResumableLoader:
 
     def _samplers(self) -> list[Any]:
         """Samplers whose order follows ``set_epoch()`` (``DistributedSampler``)."""
-        loader = self.loader
         found: list[Any] = []
-        for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        for s in self._all_samplers():
             if has_epoch(s) and all(s is not f for f in found):
                 found.append(s)
         return found
 
+    def _seeded(self) -> list[Any]:
+        """Samplers that seed their order from ``initial_seed`` + epoch (accelerate's SeedableRandomSampler)."""
+        found: list[Any] = []
+        for s in self._all_samplers():
+            if isinstance(getattr(s, "initial_seed", None), int) and all(s is not f for f in found):
+                found.append(s)
+        return found
+
+    def _counters(self) -> dict[str, int]:
+        if not self._own_iter:
+            return {}
+        own = vars(self.loader)
+        return {k: own[k] for k in _EPOCH_COUNTERS if isinstance(own.get(k), int)}
+
+    def _set_counters(self, counters: dict[str, Any]) -> None:
+        if self._own_iter:
+            for k, v in counters.items():
+                if k in _EPOCH_COUNTERS:
+                    setattr(self.loader, k, int(v))
+
+    def _start_own_epoch(self, resume: dict[str, Any] | None) -> Iterator[Any]:
+        """An epoch of a framework's loader, through its own iterator; resumed, its batches
+        already handed out are drawn again from the epoch's generator states and dropped."""
+        gens = self._generators()
+        samplers = self._samplers()
+        if resume is not None:
+            for sampler, epoch in zip(samplers, self._sampler_epochs):
+                sampler.set_epoch(epoch)
+            now = _rng.capture_all(gens)
+            _rng.restore_all(self._epoch_start or {}, gens)
+            self._set_counters(self._counters_start)
+        else:
+            self._epoch += 1
+            self._yielded = 0
+            self._epoch_start = _rng.capture_all(gens)
+            self._sampler_epochs = [int(s.epoch) for s in samplers]
+            self._counters_start = self._counters()
+        self._in_epoch = True
+        self._token = token = object()
+        self._last_indices = None
+        it = iter(self.loader)
+        if resume is not None and self._yielded:
+            for _ in range(self._yielded):
+                if next(it, _END) is _END:
+                    break
+            # What the replay drew (the order, the workers' seed, in-process loading) the
+            # checkpoint's generator states already account for.
+            _rng.restore_all(now, gens)
+        return self._run(it, token, 0, protect_rng=False, drawn=None)
+
     def _start_epoch(self, resume: dict[str, Any] | None) -> Iterator[Any]:
+        if self._own_iter:
+            return self._start_own_epoch(resume)
         loader = self.loader
         gens = self._generators()
         samplers = self._samplers()

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Sampler
 from trainguard._errors import CheckpointError
 from trainguard.resilience import _rng
 from trainguard.resilience._epochs import SamplerEpoch, has_epoch
-from trainguard.resilience._loader import ResumableLoader
+from trainguard.resilience._loader import ResumableLoader, framework_inner
 
 RNG = "rng"  # the per-rank entry holding the process-wide generators
 _RESERVED = frozenset({"step", "epoch", RNG})
@@ -80,7 +80,7 @@ class TrainState:
         for name, obj in stateful.items():
             if name.startswith("_") or name in _RESERVED or hasattr(TrainState, name):
                 raise ValueError(f"{name!r} is reserved in TrainState, choose another name")
-            if isinstance(obj, DataLoader) and not _stateful(obj):
+            if (isinstance(obj, DataLoader) and not _stateful(obj)) or framework_inner(obj) is not None:
                 obj = ResumableLoader(obj)
             elif not _stateful(obj) and has_epoch(obj):
                 obj = SamplerEpoch(obj)
