@@ -107,10 +107,14 @@ RELAUNCH = textwrap.dedent("""
 def test_ranks_a_script_relaunches_itself_as_are_said_to_be_unrecorded(tmp_path):
     script = tmp_path / "lit_like.py"
     script.write_text(RELAUNCH)
-    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--logdir", str(tmp_path / "r"), str(script)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--monitor", "--every", "5", "--logdir",
+                           str(tmp_path / "r"), str(script), "--epochs", "3"], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     note = [line for line in proc.stderr.splitlines() if "more rank" in line]
     assert len(note) == 1 and "started 1 more rank" in note[0] and "rank 0" in note[0], proc.stderr
-    assert "--nproc-per-node 2" in note[0], note[0]
+    # the command to run instead is the user's own, options and script arguments kept (it said
+    # `trainguard run --nproc-per-node 2 lit_like.py`, without --monitor and the script's arguments)
+    want = f"`trainguard run --nproc-per-node 2 --monitor --every 5 --logdir {tmp_path / 'r'} {script} --epochs 3`"
+    assert want in note[0], note[0]
     assert "recorded" in proc.stderr.splitlines()[-1]  # this process's own run is there as always
