@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
+import shlex
 import subprocess
 import sys
 
@@ -23,9 +24,11 @@ _NOT_TRAINING = ("torch.utils.data._utils.worker",)
 
 class ChildWatch:
     """Counts, from ``start()`` to ``stop()``, the child processes started and this process's
-    outermost ``backward()`` calls."""
+    outermost ``backward()`` calls. ``rerun``: the ``trainguard run`` arguments (options, script and
+    its arguments) that would watch every rank with ``--nproc-per-node`` added."""
 
-    def __init__(self) -> None:
+    def __init__(self, rerun: list[str] | None = None) -> None:
+        self.rerun = rerun
         self.started = 0
         self.backwards = 0
         self.ranks = 0  # copies of the script started as further ranks (Lightning's DDP launcher)
@@ -106,7 +109,7 @@ class ChildWatch:
             world = self.world if self.world and self.world.isdigit() else str(n + 1)
             return (f"trainguard: the script started {n} more rank{'s' if n > 1 else ''} as new processes running "
                     "itself (as PyTorch Lightning's DDP launcher does): trainguard watched this process, rank 0, "
-                    f"only. Watch every rank with `trainguard run --nproc-per-node {world} {self.script}` "
+                    f"only. Watch every rank with `{self._rerun(world)}` "
                     "(torchrun starts the ranks, and Lightning uses them)")
         if not self.started or self.backwards:
             return None
@@ -116,6 +119,11 @@ class ChildWatch:
                 "processes, not these). Start DDP ranks with `trainguard run --nproc-per-node N script.py` "
                 "(torchrun) or torch.multiprocessing.spawn, or open trainguard.record / trainguard.Monitor "
                 "inside the function each process runs")
+
+
+    def _rerun(self, world: str) -> str:
+        rest = self.rerun if self.rerun is not None else [self.script]
+        return shlex.join(["trainguard", "run", "--nproc-per-node", world, *rest])
 
 
 def _is_rank_of_this_script(args, env) -> bool:

@@ -126,7 +126,7 @@ def monitor_script(
         every=every, histograms=True if histograms else None, thresholds=thresholds, gradcheck=gradcheck)))
     error = None
     try:
-        with ChildWatch() as children:
+        with ChildWatch(rerun=["--monitor", "--logdir", str(mon.logdir), script, *args]) as children:
             follow.start()
             try:
                 code, error = run_script(script, args)

@@ -128,7 +128,9 @@ def _cmd(args: argparse.Namespace) -> int:
     script_globals: list[dict] = []  # freed when this returns, after the run is closed
     if guard is not None:
         guard.install()
-    children = ChildWatch()
+    # What the user ran after `run` (options, script, its arguments): the command that watches every
+    # rank of a script that starts its own (Lightning's launcher) adds --nproc-per-node to it.
+    children = ChildWatch(rerun=sys.argv[sys.argv.index("run") + 1:] if "run" in sys.argv else None)
     follow = None
     if guard is None:  # torch.multiprocessing.spawn's processes record as this one does, into rank-K
         follow = Follow(Options(
