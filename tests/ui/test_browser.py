@@ -269,3 +269,38 @@ def test_a_zero_passed_as_text_renders(page, ui_server, browser_runs):
             .map((n) => [n.textContent, n.getAttribute('title')]);
     }""")
     assert texts == [["0", None], ["NaN", None], ["01", None], ["0", "x"], ["", None]]
+
+
+def _one_run(path: Path, executions: int) -> None:
+    w = RunWriter(path, mode="curt_health")
+    recs = [(s, 0, "forward", "aten.relu.default", None, None, None, None, [], [["torch.float32", [4], "cpu"]],
+             [(0.0,)]) for s in range(executions)]
+    if recs:
+        w.put_executions(ExecBatch(recs), must_keep=True)
+    for step in range(3):
+        w.add_scalars(step, {"loss": 1.0 / (1 + step)})
+    w.close()
+
+
+@pytest.mark.parametrize("executions, view", [(5, "debugger"), (0, "training")])
+def test_a_logdir_of_one_run_opens_that_run(page, live_server, tmp_path, executions, view):
+    # `trainguard ui runs/exp1` opened a list of one run, a click away from what the user asked to see;
+    # a monitor-only run (no executions) opens on its training view.
+    _one_run(tmp_path / "exp1", executions)
+    with live_server(tmp_path / "exp1") as srv:
+        page.goto(f"{srv.url}/")
+        wait_ready(page, view)
+        assert re.search(rf"#/run/[^/]+/{view}$", page.url), page.url
+        page.go_back()  # the list it skipped is not in the history: back leaves the app
+        assert page.url == "about:blank", page.url
+        page.goto(f"{srv.url}/#/")  # asked for by name, the list of runs stays
+        wait_ready(page, "runs")
+
+
+def test_a_folder_of_two_runs_opens_the_list(page, live_server, tmp_path):
+    _one_run(tmp_path / "runs" / "a", 5)
+    _one_run(tmp_path / "runs" / "b", 5)
+    with live_server(tmp_path / "runs") as srv:
+        page.goto(f"{srv.url}/")
+        wait_ready(page, "runs")
+        assert "#/run/" not in page.url
