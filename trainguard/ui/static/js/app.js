@@ -214,6 +214,18 @@ async function route() {
   schedulePoll();
 }
 
+// A logdir of one run opens that run (its training view when it recorded no op), not a list of
+// one; the list stays one pick away ("— all runs —"), and "#/" asked for by name keeps it.
+function openTheOnlyRun() {
+  const runs = state.runs.filter((r) => r.ok);
+  if (window.location.hash !== "" || state.runs.length !== 1 || runs.length !== 1) return;
+  const [run] = runs;
+  window.history.replaceState(null, "", hashFor(run.id, run.executions ? "debugger" : "training"));
+}
+
 window.addEventListener("hashchange", route);
-loadRuns().then(route);
+loadRuns().then(() => {
+  openTheOnlyRun();
+  route();
+});
 setInterval(() => { if (!document.hidden) loadRuns().then(() => { if (state.route && state.route.view === "runs") runsPage(); }); }, RUNS_POLL_MS);
