@@ -63,9 +63,10 @@ class EventsMixin:
             manual = not self._grads.saw_optimizer
             self._grads.read(self._params, self._cur, self._recording, tentative=True,
                              snapshot=self.updates and manual)
-            self._read_refs = pending_refs(self._params)
-            if _steps.clock.driver is None and manual:
-                self._pending_end = self._read_refs
+            if manual:  # what the first update tells replaced gradients by (see _before_optimizer)
+                self._read_refs = pending_refs(self._params)
+                if _steps.clock.driver is None:
+                    self._pending_end = self._read_refs
 
     def _on_clip(self, params: list) -> None:
         if self._closed or not self._roots:
@@ -102,6 +103,7 @@ class EventsMixin:
                     and replaced(self._read_refs) and not _amp_tap.scaling()):
                 self._grads_replaced = True
                 self._write_meta(gradients_replaced=True)
+            self._read_refs = None  # weak references to gradients stop torch.utils.swap_tensors
             if len(self._grads.trainable) < len(self._params):
                 self._grads.trainable.update(id(p) for p in params if (t := p.ref()) is not None and t.requires_grad)
             with self._no_record():
