@@ -182,6 +182,56 @@ def test_masks_in_the_forward_pass_stay_intended_through_backward(tmp_path):
     assert g["values"] == 4 and x.grad is not None and torch.isfinite(x.grad).all()
 
 
+class _CausalAttention(nn.Module):
+    """GPT-2's eager attention in small: scores, a causal ``-inf`` mask, softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, h):
+        scores = self.q(h) @ h.transpose(-1, -2)
+        causal = torch.ones(3, 3, dtype=torch.bool).tril()
+        return torch.softmax(torch.where(causal, scores, torch.full((), -INF)), -1) @ h
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_mask_recomputed_by_activation_checkpointing_stays_intended(tmp_path, reentrant):
+    """Checkpointing runs the block's forward again inside the backward pass (transformers'
+    ``gradient_checkpointing_enable``): its mask is a forward value there too, not a gradient."""
+    torch.manual_seed(0)
+    block = _CausalAttention()
+    x = torch.randn(2, 3, 4, requires_grad=True)
+
+    def f():
+        h = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+        h.pow(2).sum().backward()
+
+    run = record(tmp_path, f)
+    assert run.alerts()["total"] == 0 and run.first_harm() is None
+    assert [(g["made_by"], g["absorbed_by"]) for g in run.intended()] == [
+        ("aten.full.default", "aten._softmax.default")]
+    assert torch.isfinite(x.grad).all() and torch.isfinite(block.q.weight.grad).all()
+    with tg.check_numerics():
+        f()
+
+
+def test_an_inf_gradient_of_a_backward_with_create_graph_is_harmful(tmp_path):
+    """Grad mode is on in a backward pass that builds a graph (a gradient penalty): its infinite
+    gradients are still gradients, unlike a checkpoint's recomputed forward."""
+    x = torch.zeros(3, requires_grad=True)
+
+    def f():
+        (g,) = torch.autograd.grad(x.sqrt().sum(), x, create_graph=True)  # d sqrt(x) at 0: +inf
+        g.sum().backward()
+
+    o = origin(record(tmp_path, f))
+    assert o is not None and o.reason == "gradient" and o.origin.phase == "backward"
+    with pytest.raises(tg.NonFiniteError):
+        with tg.check_numerics():
+            f()
+
+
 def test_writer_judges_accelerator_style_records_the_same(tmp_path):
     """With deferred summaries the hot path does not know health: the writer's thread judges."""
     import true_models as M
