@@ -44,6 +44,7 @@ log = logging.getLogger("trainguard.capture")
 
 _get_seq_nr = torch._C._autograd._get_sequence_nr
 _current_node = torch._C._current_autograd_node
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _Tensor = torch.Tensor
 _FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 _strided = torch.strided
@@ -117,6 +118,16 @@ def op_facts_by_name(name: str) -> tuple[int, bool, bool]:
     return op_facts(func, name)
 
 
+def _recomputes(node) -> bool:
+    """Whether an op that autograd's engine runs with grad mode on belongs to a forward pass that
+    activation checkpointing runs again: a forward op (its mask's ``-inf`` absorbed by softmax), not
+    a gradient. torch.utils.checkpoint recomputes inside saved-tensor hooks of its own
+    (``use_reentrant=False``) or in its CheckpointFunction's backward (``use_reentrant=True``); a
+    backward pass that builds a graph (``create_graph=True``) has grad mode on under neither. The
+    native core asks the same (recorder.cpp, ``recomputes``)."""
+    return _saved_tensor_hooks(True) is not None or type(node).__name__ == "CheckpointFunctionBackward"
+
+
 class _DispatchMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -146,6 +157,8 @@ class _DispatchMode(TorchDispatchMode):
         if info[10]:
             return info[4](*args, **kwargs) if kwargs else info[4](*args)
         node = _current_node()
+        if node is not None and _grad_enabled() and _recomputes(node):
+            node = None  # a checkpointed forward run again in the backward pass: recorded as forward
         nr = _get_seq_nr()
         out = info[4](*args, **kwargs) if kwargs else info[4](*args)
         try:

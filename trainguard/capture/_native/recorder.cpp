@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
@@ -83,6 +84,7 @@ struct Ctx : at::ObserverContext {
   bool wrapper = false;  // autocast may run around this call (see the rule above)
   bool opaque = false;   // a call on a tensor subclass, or under another mode: not recorded, its calls are
   bool in_node = false;  // run by the autograd engine (the backward pass)
+  bool recompute = false;  // ... as a forward pass activation checkpointing runs again (see recomputes)
   uint64_t node_nr = 0;  // that node's sequence number (AccumulateGrad's is UINT64_MAX)
   c10::SmallVector<Input, 6> inputs;
   c10::intrusive_ptr<c10::TensorImpl> first;  // the first tensor input (alias summaries)
@@ -98,6 +100,26 @@ struct Pause {
   Pause() : old(tl_paused) { tl_paused = true; }
   ~Pause() { tl_paused = old; }
 };
+
+// Whether a call that autograd's engine runs with grad mode on belongs to a forward pass that
+// activation checkpointing runs again to recover what it did not save: its outputs are forward
+// values (a causal mask's -inf absorbed by softmax), not gradients. torch.utils.checkpoint
+// recomputes inside saved-tensor hooks of its own (use_reentrant=False), or in the backward of
+// its CheckpointFunction (use_reentrant=True). A backward pass that builds a graph
+// (create_graph=True, a gradient penalty) also runs with grad mode on, under neither.
+bool recomputes(torch::autograd::Node* node) {
+  if (!at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) return true;
+  // A Python node's name takes the GIL: asked once per node (a recompute makes many calls in one).
+  thread_local const torch::autograd::Node* last = nullptr;
+  thread_local uint64_t last_nr = 0;
+  thread_local bool last_answer = false;
+  if (node != last || node->sequence_nr() != last_nr) {
+    last = node;
+    last_nr = node->sequence_nr();
+    last_answer = node->name() == "CheckpointFunctionBackward";
+  }
+  return last_answer;
+}
 
 struct Unsure {};  // a call under another dispatch mode, or on a tensor subclass
 struct Tracing {};  // a call a compiler makes on fake tensors
@@ -236,6 +258,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     auto node = torch::autograd::get_current_node();
     ctx->in_node = node != nullptr;
     ctx->node_nr = node ? node->sequence_nr() : 0;
+    ctx->recompute = node != nullptr && c10::GradMode::is_enabled() && recomputes(node.get());
     auto inputs = fn.inputs();
     bool writes = !op->writes.empty() && (op->writes_if < 0 || (op->writes_if < (int)inputs.size() &&
                                                                 inputs[op->writes_if].isBool() &&
@@ -332,7 +355,8 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   int64_t view_of = -1;
   if (op->view && !ctx->inputs.empty() && ctx->inputs[0].kind == 0) view_of = ctx->inputs[0].ref;
   // A forward op's stack, read before the lock is taken (a stack never seen before takes the GIL).
-  int64_t fwd_stack = keep && !ctx->in_node ? stacks_capture(c->stacks) : 0;
+  bool backward = ctx->in_node && !ctx->recompute;
+  int64_t fwd_stack = keep && !backward ? stacks_capture(c->stacks) : 0;
 
   std::unique_lock<std::mutex> g(c->mu);
   int64_t seq = c->seq++;
@@ -347,7 +371,7 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   r.fwd_seq = -1;
   r.module = 0;
   r.stack = 0;
-  if (ctx->in_node) {
+  if (backward) {
     r.phase = 1;
     FwdNode* n = c->fwd_nodes.find(ctx->node_nr);
     if (n != nullptr) {
