@@ -117,6 +117,16 @@ def test_run_check_numerics(tmp_path, capsys):
     assert rep["meta"]["check_numerics_stop"]["op"] == "aten.mul.Tensor"
 
 
+def test_run_check_numerics_overwrites_a_run_when_told(tmp_path, capsys):
+    script = tmp_path / "ok.py"
+    script.write_text("import torch\ntorch.ones(2).log().sum().item()\n")
+    logdir = str(tmp_path / "r")
+    assert main(["run", "--logdir", logdir, str(script)]) == 0
+    assert main(["run", "--check-numerics", "--logdir", logdir, str(script)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["run", "--check-numerics", "--overwrite", "--logdir", logdir, str(script)]) == 0
+
+
 def test_demo(tmp_path, capsys):
     assert main(["demo", "--logdir", str(tmp_path / "d"), "--steps", "4"]) == 0
     out = capsys.readouterr().out
