@@ -111,7 +111,8 @@ def _cmd(args: argparse.Namespace) -> int:
                              snapshot_every=args.snapshot_every, max_rewinds=args.max_rewinds)
             recorder = None
         elif args.check_numerics:
-            recorder = tg.check_numerics(logdir, mode="full_health", buffer=args.buffer, strict=args.strict)
+            recorder = tg.check_numerics(logdir, mode="full_health", buffer=args.buffer, strict=args.strict,
+                                         overwrite=args.overwrite)
         else:
             recorder = tg.record(logdir, mode=args.mode, buffer=args.buffer, ops=args.ops, dtypes=dtypes,
                                  overwrite=args.overwrite)
