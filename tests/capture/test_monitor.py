@@ -503,3 +503,75 @@ def test_a_sparse_input_is_measured_not_a_failing_hook(tmp_path, caplog):
         assert got["std"] == pytest.approx(dense.std().item(), rel=1e-4)
         assert got["min"] == 0.0 and got["max"] == pytest.approx(dense.max().item())
         assert stats_of(run, 2, "gc1", "activation"), "the layers are measured too"
+
+
+class _LoraLinear(nn.Module):
+    """peft's LoRA ``Linear`` in small: a frozen base layer plus ``lora_B(lora_A(x)) * alpha / r``,
+    B initialised to zero (the adapter starts as the identity change)."""
+
+    def __init__(self, n_in, n_out, r=4, alpha=8):
+        super().__init__()
+        self.base_layer = nn.Linear(n_in, n_out).requires_grad_(False)
+        self.lora_A = nn.Linear(n_in, r, bias=False)
+        self.lora_B = nn.Linear(r, n_out, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+        self.scaling = alpha / r
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+class _LoraLM(nn.Module):
+    """A frozen embedding, two checkpointed blocks with LoRA adapters, a LoRA head (peft's
+    ``target_modules=[..., "lm_head"]``): what ``gradient_checkpointing_enable()`` makes of a model
+    under LoRA."""
+
+    def __init__(self, input_grads: bool):
+        super().__init__()
+        self.embed = nn.Embedding(40, 16).requires_grad_(False)
+        self.blocks = nn.ModuleList(_LoraLinear(16, 16) for _ in range(2))
+        self.head = _LoraLinear(16, 40)
+        self.input_grads = input_grads  # transformers' enable_input_require_grads()
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        if self.input_grads:
+            h.requires_grad_(True)
+        for block in self.blocks:
+            h = h + torch.utils.checkpoint.checkpoint(lambda x, b=block: torch.tanh(b(x)), h, use_reentrant=True)
+        return self.head(h)
+
+
+def _train_lora(tmp_path, input_grads):
+    torch.manual_seed(0)
+    model = _LoraLM(input_grads)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    perm = torch.randperm(40)
+    with Monitor(model, tmp_path / "r", every=5) as mon:
+        for step in range(30):
+            ids = torch.randint(0, 40, (16, 8), generator=torch.Generator().manual_seed(step))
+            loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), perm[ids].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model, mon.findings
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch says so too, per call
+def test_lora_adapters_behind_reentrant_checkpointing_without_input_grads_are_named_with_the_fix(tmp_path):
+    model, findings = _train_lora(tmp_path, input_grads=False)
+    assert model.blocks[0].lora_A.weight.grad is None  # the classic failure: the adapters learn nothing
+    (f,) = [f for f in findings if f.kind == "param_no_gradient"]
+    assert f.evidence["params"] == [f"blocks.{i}.lora_{m}.weight" for i in range(2) for m in "AB"]
+    assert f.evidence["checkpointed"] == f.evidence["params"]
+    assert "enable_input_require_grads()" in f.suggestion and "use_reentrant=False" in f.suggestion
+    assert "requires_grad=False" not in f.suggestion  # freezing the adapters is no fix
+
+
+def test_lora_with_checkpointing_and_input_grads_is_healthy(tmp_path):
+    """The frozen base is info at most, and lora_A's zero gradient at step 0 (B starts at zero) is
+    by design."""
+    model, findings = _train_lora(tmp_path, input_grads=True)
+    assert model.blocks[0].lora_A.weight.grad is not None
+    assert [f.kind for f in findings if f.severity not in ("info",)] == []
+    assert {f.kind for f in findings} == {"params_frozen", "healthy"}
