@@ -37,6 +37,10 @@ def _names(params: list[str], limit: int = 6) -> str:
     return ", ".join(params[:limit]) + (f" and {len(params) - limit} more" if len(params) > limit else "")
 
 
+def _who(some: list[str], of: list[str]) -> str:
+    return "they" if len(some) == len(of) else _names(some, 3)
+
+
 def _all_zero(ctx: Context, p: str, stat: str) -> bool:
     s = ctx.stat(p, "gradient", stat)
     return len(s) >= 2 and not np.any(s.values)
@@ -91,15 +95,36 @@ def param_no_gradient(ctx: Context) -> list[Finding]:
     if not missing or len(missing) == len(_trainable(ctx)):
         return []  # no parameter at all with a gradient: nothing was trained under the monitor
     missing = ctx.ordered(missing)
+    # Where their layers ran with gradients off inside a training forward (the monitor's note).
+    ran = ctx.meta.get("no_grad_layers") or {}
+    how = {p: ran.get(ctx.params[p].get("layer")) for p in missing}
+    checkpointed = [p for p in missing if how[p] == "checkpoint"]
+    no_grad = [p for p in missing if how[p] == "no_grad"]
+    evidence: dict = {"params": missing, "recordings": len(ctx.recorded_steps)}
+    advice = []
+    if checkpointed:
+        evidence["checkpointed"] = checkpointed
+        advice.append(
+            f"{_who(checkpointed, missing)} run inside activation checkpointing with `use_reentrant=True` "
+            "(`torch.utils.checkpoint`, transformers' `gradient_checkpointing_enable`) whose inputs need no "
+            "gradient (a frozen embedding, as under LoRA): such a checkpoint passes no gradient back. Call "
+            "`model.enable_input_require_grads()` before training (or make the checkpoint's input require "
+            "grad), or checkpoint with `use_reentrant=False`")
+    if no_grad:
+        evidence["no_grad"] = no_grad
+        advice.append(f"{_who(no_grad, missing)} run with gradients off inside the training forward "
+                      "(`torch.no_grad()`, `torch.set_grad_enabled(False)`): compute them outside that block")
+    if len(checkpointed) + len(no_grad) < len(missing):
+        advice.append("no gradient reaches them: look for `.detach()`, `torch.no_grad()`, `.data` or `.item()` "
+                      "between them and the loss, or a layer defined but not used in `forward`; if they are "
+                      "frozen on purpose, set `requires_grad=False`")
     return [
         Finding(
             kind="param_no_gradient",
             severity="warning",
             title=f"{len(missing)} trainable parameter(s) never received a gradient: {_names(missing)}",
-            evidence={"params": missing, "recordings": len(ctx.recorded_steps)},
-            suggestion="no gradient reaches them: look for `.detach()`, `torch.no_grad()`, `.data` or `.item()` "
-            "between them and the loss, or a layer defined but not used in `forward`; if they are frozen on "
-            "purpose, set `requires_grad=False`",
+            evidence=evidence,
+            suggestion="; ".join(advice),
             steps=_steps(ctx),
             layers=_layers(ctx, missing),
             source=SOURCE,

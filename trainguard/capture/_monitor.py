@@ -218,6 +218,12 @@ class Monitor(EventsMixin, HookMixin):
         }
         self.modes.update({k: v for k, v in (self._meta.get("modes") or {}).items() if k in self.modes})
         self._modes_written: dict = {}
+        # Layers that ran with grad mode off inside a training forward, and why: "checkpoint" inside
+        # torch.utils.checkpoint (a reentrant checkpoint whose inputs need no grad runs its forward
+        # under no_grad and never again), "no_grad" otherwise. param_no_gradient names the fix.
+        self.no_grad_layers: dict[str, str] = dict(self._meta.get("no_grad_layers") or {})
+        self._no_grad_written = dict(self.no_grad_layers)
+        self._root_grad = False  # grad mode where the last root forward began
         # The validation pass (see _monitor_eval, _monitor_leak): its loss and accuracy per step,
         # and signatures of sampled input rows in each mode.
         self._eval = EvalWatch() if validation else None
@@ -392,6 +398,8 @@ class Monitor(EventsMixin, HookMixin):
         ended = ending(error, self._cur)
         if not self._roots and self._unattached_backwards:
             known["unattached_backwards"] = self._unattached_backwards
+        if self.no_grad_layers:
+            known["no_grad_layers"] = dict(self.no_grad_layers)
         self._write_meta(final_step=self._cur, status=ended.get("status", "finished"), **self._validation_meta(),
                          **known)
         if ended:  # the run's own record of the crash, which the diagnosis reads (analysis._outcome)

@@ -234,3 +234,6 @@ class EventsMixin:
         if self.modes != self._modes_written:
             self._modes_written = dict(self.modes)
             self._write_meta(modes=dict(self.modes), order=list(self._order))
+        if self.no_grad_layers != self._no_grad_written:
+            self._no_grad_written = dict(self.no_grad_layers)
+            self._write_meta(no_grad_layers=dict(self.no_grad_layers))

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import copyreg
 import logging
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from trainguard.capture import _compile_monitor, _monitor_tap
@@ -35,6 +37,17 @@ from trainguard.capture._monitor_model import Layer, Root, build_root, structure
 
 log = logging.getLogger("trainguard.monitor")
 _tracing_state = torch._C._get_tracing_state
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__  # the module imported above
+
+
+def _inside_checkpoint() -> bool:
+    """Whether torch.utils.checkpoint is on the calling thread's stack (asked once per layer)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_filename == _CHECKPOINT_FILE:
+            return True
+        f = f.f_back
+    return False
 
 
 class ModuleHook:
@@ -215,6 +228,7 @@ class HookMixin:
 
     def _root_pre_quiet(self, root: Root, module, args, grad: bool | None = None) -> None:
         grad_on = torch.is_grad_enabled() if grad is None else grad
+        self._root_grad = grad_on
         if grad_on:
             self._maybe_end_manual_step()  # a training forward starts the next step
         if self._eval is not None:
@@ -296,7 +310,12 @@ class HookMixin:
             self._set_discovery(self._auto)
 
     def _on_layer(self, layer: Layer, module, args, output, grad: bool | None = None) -> None:
-        if not self._recording or not (torch.is_grad_enabled() if grad is None else grad):
+        if not self._recording:
+            return
+        if not (torch.is_grad_enabled() if grad is None else grad):
+            if self._root_grad and layer.name not in self.no_grad_layers:
+                # Gradients off inside a training forward: what stops them reaching this layer.
+                self.no_grad_layers[layer.name] = "checkpoint" if _inside_checkpoint() else "no_grad"
             return
         with _monitor_tap.quiet():
             # Every call of a layer called in a loop is followed (gradients through time); its
