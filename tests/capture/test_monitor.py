@@ -526,11 +526,11 @@ class _LoraLM(nn.Module):
     ``target_modules=[..., "lm_head"]``): what ``gradient_checkpointing_enable()`` makes of a model
     under LoRA."""
 
-    def __init__(self, input_grads: bool):
+    def __init__(self, input_grads: bool, head_adapter: bool = True):
         super().__init__()
         self.embed = nn.Embedding(40, 16).requires_grad_(False)
         self.blocks = nn.ModuleList(_LoraLinear(16, 16) for _ in range(2))
-        self.head = _LoraLinear(16, 40)
+        self.head = _LoraLinear(16, 40) if head_adapter else nn.Linear(16, 40).requires_grad_(False)
         self.input_grads = input_grads  # transformers' enable_input_require_grads()
 
     def forward(self, ids):
@@ -542,9 +542,9 @@ class _LoraLM(nn.Module):
         return self.head(h)
 
 
-def _train_lora(tmp_path, input_grads):
+def _train_lora(tmp_path, input_grads, head_adapter=True):
     torch.manual_seed(0)
-    model = _LoraLM(input_grads)
+    model = _LoraLM(input_grads, head_adapter)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     perm = torch.randperm(40)
     with Monitor(model, tmp_path / "r", every=5) as mon:
@@ -575,3 +575,14 @@ def test_lora_with_checkpointing_and_input_grads_is_healthy(tmp_path):
     assert model.blocks[0].lora_A.weight.grad is not None
     assert [f.kind for f in findings if f.severity not in ("info",)] == []
     assert {f.kind for f in findings} == {"params_frozen", "healthy"}
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+def test_a_loss_without_grad_behind_reentrant_checkpointing_is_explained(tmp_path):
+    """With every adapter inside the checkpoints, backward() raises torch's "element 0 of tensors
+    does not require grad": the crash finding says why and what to call."""
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        _train_lora(tmp_path, input_grads=False, head_adapter=False)
+    (crash,) = [f for f in open_run(tmp_path / "r").findings() if f["kind"] == "script_crashed"]
+    assert "activation checkpointing" in crash["suggestion"]
+    assert "enable_input_require_grads()" in crash["suggestion"] and "use_reentrant=False" in crash["suggestion"]
