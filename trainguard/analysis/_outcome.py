@@ -24,6 +24,29 @@ def script_outcome(meta: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+# torch's error for backward() from a tensor that nothing trainable leads to.
+NOTHING_REQUIRES_GRAD = "does not require grad and does not have a grad_fn"
+
+
+def _cause(meta: dict[str, Any], error: str | None) -> str:
+    """Why backward() found nothing to differentiate, when the monitor saw layers run with gradients
+    off inside the training forward (its ``no_grad_layers``); else nothing."""
+    if not error or NOTHING_REQUIRES_GRAD not in error:
+        return ""
+    ran = set(((meta.get("monitor") or {}).get("no_grad_layers") or {}).values())
+    if "checkpoint" in ran:
+        return ("nothing in the loss's graph requires grad: the layers that train run inside activation "
+                "checkpointing with `use_reentrant=True` (`torch.utils.checkpoint`, transformers' "
+                "`gradient_checkpointing_enable`) whose inputs need no gradient (a frozen embedding, as under "
+                "LoRA), so the checkpoint's output has none either. Call `model.enable_input_require_grads()` "
+                "before training (or make the checkpoint's input require grad), or checkpoint with "
+                "`use_reentrant=False`; ")
+    if "no_grad" in ran:
+        return ("nothing in the loss's graph requires grad: layers ran with gradients off inside the training "
+                "forward (`torch.no_grad()`, `torch.set_grad_enabled(False)`); ")
+    return ""
+
+
 def outcome_finding(meta: dict[str, Any]) -> Finding | None:
     """The crash as a finding (severity error), so that no verdict calls the run healthy."""
     outcome = script_outcome(meta)
@@ -32,8 +55,9 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
     text = outcome["text"]
     return Finding(kind="script_crashed", severity="error", title=text[0].upper() + text[1:],
                    evidence={k: v for k, v in outcome.items() if k != "text" and v is not None},
-                   suggestion="the statistics stop where the script did: fix the error it raised (its traceback "
-                   "was printed when it ran), then judge training health on a run that finishes",
+                   suggestion=_cause(meta, outcome["error"]) + "the statistics stop where the script did: fix the "
+                   "error it raised (its traceback was printed when it ran), then judge training health on a run "
+                   "that finishes",
                    source="run")
 
 
