@@ -158,6 +158,16 @@ class Context:
                 out.append(name)
         return self.ordered(out)
 
+    def orthogonalising_optimizer(self, layers: list[str]) -> str | None:
+        """The optimizer that updates every weight matrix of ``layers`` with orthogonalised steps
+        (Muon: a step's size is the learning rate's, whatever the gradient's), or None when any of
+        them is updated otherwise or not known to be (runs before the monitor stored it)."""
+        names = {info.get("optimizer") for info in self.params.values()
+                 if info.get("layer") in layers and len(info.get("shape", [])) >= 2 and info.get("orthogonalised")}
+        others = [info for info in self.params.values()
+                  if info.get("layer") in layers and len(info.get("shape", [])) >= 2 and not info.get("orthogonalised")]
+        return next(iter(names)) if len(names) == 1 and not others else None
+
     def window(self, series: Series) -> Series:
         """The later half of the recordings: the state a layer ended up in."""
         return series.tail(0.5, minimum=2)
