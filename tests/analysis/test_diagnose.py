@@ -31,7 +31,7 @@ def healthy_loss(n: int = 100, seed: int = 0) -> list[float]:
 
 
 def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=0.01, every=5, layers=LAYERS,
-              params=PARAMS):
+              params=PARAMS, **monitor_meta):
     w = acquire_writer(path)
     loss = healthy_loss() if loss is None else loss
     for s, v in enumerate(loss):
@@ -48,7 +48,7 @@ def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=
                          (s, p, "update", "ratio", 2e-3)]
     w.add_layer_stats(rows)
     w.set_meta(monitor={"every": every, "layers": layers, "params": params, "order": [la["name"] for la in layers],
-                        "modes": modes or {}})
+                        "modes": modes or {}, **monitor_meta})
     release_writer(w)
     return open_run(path)
 
@@ -95,6 +95,18 @@ def test_a_spike_is_found_at_its_step(tmp_path):
     spike = [f for f in fs if f.kind == "loss_spike"]
     assert spike and spike[0].evidence["largest"]["step"] == 70
     assert "max_norm=1" in spike[0].suggestion
+
+
+def test_a_loop_that_clips_already_is_not_told_to_clip(tmp_path):
+    # karpathy/nanochat at 1000x its learning rates, clipping its gradients to norm 0.1: a loss spike
+    # was told to clip with max_norm=8.3 (the norms the monitor reads are those before clipping).
+    loss = healthy_loss()
+    loss[70] = 6.0
+    clipping = {"function": "clip_grad_norm_", "value": 0.1, "first_step": 0}
+    fs = diagnose(write_run(tmp_path / "r", loss, grad_norm=[1.0] * 100, clipping=clipping))
+    spike = [f for f in fs if f.kind == "loss_spike"][0]
+    assert "max_norm=1" not in spike.suggestion and "clip_grad_norm_(model" not in spike.suggestion
+    assert "already clips" in spike.suggestion and "0.1" in spike.suggestion
 
 
 @pytest.mark.parametrize("period", [2, 6, 12])
