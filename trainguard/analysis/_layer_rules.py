@@ -9,7 +9,7 @@ import numpy as np
 
 from trainguard.analysis._context import POOL_TYPES, Context, fmt, median
 from trainguard.analysis._rules import register_rule
-from trainguard.analysis._suggest import activation_family, clip_text, init_advice
+from trainguard.analysis._suggest import activation_family, clip_text, clipping_text, init_advice
 from trainguard.store import Finding
 
 SOURCE = "monitor"
@@ -206,6 +206,8 @@ def exploding_activations(ctx: Context) -> list[Finding]:
             suggestion = grew + (f"lower the learning rate of {muon}'s groups that update these layers, or add "
                                  f"weight decay; clipping the gradients does not shrink these updates: {muon} "
                                  "orthogonalises each one, so its size is set by the learning rate alone")
+        elif ctx.clipping:
+            suggestion = grew + "lower the learning rate or add weight decay; " + clipping_text(ctx)
         else:
             suggestion = grew + ("lower the learning rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) "
                                  "or add weight decay")
