@@ -31,7 +31,8 @@ def healthy_loss(n: int = 100, seed: int = 0) -> list[float]:
     return list(1.6 * np.exp(-np.arange(n) / 30) + 0.2 + 0.03 * rng.standard_normal(n))
 
 
-def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=0.01, every=5, layers=LAYERS):
+def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=0.01, every=5, layers=LAYERS,
+              params=PARAMS, **monitor_meta):
     w = acquire_writer(path)
     loss = healthy_loss() if loss is None else loss
     for s, v in enumerate(loss):
@@ -47,8 +48,8 @@ def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=
                          (s, p, "gradient", "in_optimizer", 1), (s, p, "update", "norm", 0.01),
                          (s, p, "update", "ratio", 2e-3)]
     w.add_layer_stats(rows)
-    w.set_meta(monitor={"every": every, "layers": layers, "params": PARAMS, "order": [la["name"] for la in layers],
-                        "modes": modes or {}})
+    w.set_meta(monitor={"every": every, "layers": layers, "params": params, "order": [la["name"] for la in layers],
+                        "modes": modes or {}, **monitor_meta})
     release_writer(w)
     return open_run(path)
 
@@ -95,6 +96,18 @@ def test_a_spike_is_found_at_its_step(tmp_path):
     spike = [f for f in fs if f.kind == "loss_spike"]
     assert spike and spike[0].evidence["largest"]["step"] == 70
     assert "max_norm=1" in spike[0].suggestion
+
+
+def test_a_loop_that_clips_already_is_not_told_to_clip(tmp_path):
+    # karpathy/nanochat at 1000x its learning rates, clipping its gradients to norm 0.1: a loss spike
+    # was told to clip with max_norm=8.3 (the norms the monitor reads are those before clipping).
+    loss = healthy_loss()
+    loss[70] = 6.0
+    clipping = {"function": "clip_grad_norm_", "value": 0.1, "first_step": 0}
+    fs = diagnose(write_run(tmp_path / "r", loss, grad_norm=[1.0] * 100, clipping=clipping))
+    spike = [f for f in fs if f.kind == "loss_spike"][0]
+    assert "max_norm=1" not in spike.suggestion and "clip_grad_norm_(model" not in spike.suggestion
+    assert "already clips" in spike.suggestion and "0.1" in spike.suggestion
 
 
 @pytest.mark.parametrize("period", [2, 6, 12])
@@ -178,6 +191,24 @@ def test_one_exploding_layer_is_named_once(tmp_path):
                                                  (s, "2", "activation", "mean", 0.0), (s, "2", "activation", "std", 3e3))]
     f = [f for f in diagnose(write_run(tmp_path / "r", layer_rows=rows)) if f.kind == "exploding_activations"][0]
     assert f.layers == ["2"] and f.title == "Exploding activations: RMS 3000 at 2 (input RMS 1)"
+
+
+def test_activations_grown_by_muon_updates_are_not_told_to_clip_the_gradients(tmp_path):
+    # karpathy/nanochat (Muon for its matrices, AdamW for the rest) at 1000x its learning rates: its
+    # c_proj outputs grew from 0 to RMS 230-250. Muon orthogonalises each update, so the update's
+    # size is the learning rate's whatever the gradient's: clipping its gradients to norm 0.1 or
+    # 0.01 left them at 70-160, while 10x lower rates kept them under 1.
+    params = {name: dict(info, optimizer="MuonAdamW", orthogonalised=True) for name, info in PARAMS.items()}
+    run = write_run(tmp_path / "r", layer_rows=activation_rows(lambda s: 1.0 if s == 0 else 1e4), params=params)
+    f = [f for f in diagnose(run) if f.kind == "exploding_activations"][0]
+    assert "grew during training" in f.suggestion and "learning rate" in f.suggestion
+    assert "clip" not in f.suggestion.replace("clipping the gradients does not", "")
+    assert "MuonAdamW" in f.suggestion and "orthogonalises" in f.suggestion
+    # with one of the grown layers updated by another optimizer (Adam), clipping is still advice
+    params["2.weight"] = dict(PARAMS["2.weight"], optimizer="AdamW", orthogonalised=False)
+    run = write_run(tmp_path / "r2", layer_rows=activation_rows(lambda s: 1.0 if s == 0 else 1e4), params=params)
+    f = [f for f in diagnose(run) if f.kind == "exploding_activations"][0]
+    assert "clip_grad_norm_" in f.suggestion
 
 
 @pytest.mark.parametrize("act", ["ReLU", "GELU", "NewGELU"])  # NewGELU: llm.c's and minGPT's own class

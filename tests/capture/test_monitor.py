@@ -94,7 +94,7 @@ def test_scalars_and_layer_stats_match_a_reference(tmp_path):
     meta = run.meta["monitor"]
     assert meta["order"] == ["0", "1", "2", "3", "4"]
     assert meta["params"]["2.weight"] == {"layer": "2", "module_type": "Linear", "shape": [16, 16], "dtype": "float32",
-                                          "requires_grad": True}
+                                          "requires_grad": True, "optimizer": "SGD", "orthogonalised": False}
 
 
 def test_dead_units_are_counted_across_the_batch_and_their_persistence(tmp_path):
@@ -336,6 +336,44 @@ def test_parameters_missing_from_the_optimizer_are_flagged(tmp_path):
     assert stats_of(run, 1, "4.weight", "gradient")["in_optimizer"] == 0
     assert stats_of(run, 1, "0.weight", "gradient")["in_optimizer"] == 1
     assert stats_of(run, 1, "4.weight", "gradient")["present"] == 1
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Shaped as karpathy/nanochat's nanochat/optim.py MuonAdamW: one optimizer holding AdamW groups
+    (``kind="adamw"``) and Muon groups (``kind="muon"``). Its update here is plain SGD: the monitor
+    reads only the class and the groups."""
+
+    def __init__(self, groups):
+        super().__init__(groups, defaults={})
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.add_(p.grad, alpha=-g["lr"])
+
+
+def test_each_parameter_names_the_optimizer_that_updates_it(tmp_path):
+    # nanochat trains its matrices with Muon and everything else with AdamW, in one optimizer;
+    # torch.optim.Muon orthogonalises every update it makes. The diagnosis needs to know which
+    # parameters' update sizes are set by the learning rate alone (clipping cannot shrink them).
+    model = mlp()
+    opt = MuonAdamW([dict(kind="adamw", params=[model[0].weight, model[0].bias], lr=0.01),
+                     dict(kind="muon", params=[model[2].weight], lr=0.01)])
+    muon = torch.optim.Muon([model[4].weight], lr=0.01)
+    with Monitor(model, tmp_path / "r", every=1, diagnose=False):
+        for step in range(3):
+            x, y = batch(step)
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            muon.step()
+    params = open_run(tmp_path / "r").meta["monitor"]["params"]
+    assert params["0.weight"]["optimizer"] == "MuonAdamW" and params["0.weight"]["orthogonalised"] is False
+    assert params["0.bias"]["optimizer"] == "MuonAdamW" and params["0.bias"]["orthogonalised"] is False
+    assert params["2.weight"]["optimizer"] == "MuonAdamW" and params["2.weight"]["orthogonalised"] is True
+    assert params["4.weight"]["optimizer"] == "Muon" and params["4.weight"]["orthogonalised"] is True
+    assert "optimizer" not in params["2.bias"] and "optimizer" not in params["4.bias"]  # in no optimizer
 
 
 def test_findings_are_stored_at_close(tmp_path):

@@ -225,6 +225,14 @@ def test_accumulation_sums_the_micro_losses_and_reads_complete_gradients(tmp_pat
     # where the monitor does not know yet that an optimizer will step.
     assert [v for _, v in scalars(tmp_path / "r", "grad_norm")] == pytest.approx(ref_norm, rel=1e-5)
     assert [v for _, v in scalars(tmp_path / "r", "loss")] == pytest.approx(ref_loss, rel=1e-6)
+    # How the script clips, so that the diagnosis does not advise clipping to a loop that clips
+    # already (found on karpathy/nanochat clipping at 0.1: a loss spike was told to clip at 8.3).
+    clipping = open_run(tmp_path / "r").meta["monitor"].get("clipping")
+    if how is None:
+        assert clipping is None
+    else:
+        fn = "clip_grad_norm_" if how == "clip_grad_norm_" else "clip_grads_with_norm_"
+        assert clipping == {"function": fn, "value": clip, "first_step": 0}
 
 
 def test_accelerates_accumulation_gives_each_step_the_mean_of_its_micro_losses(tmp_path):

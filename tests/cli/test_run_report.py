@@ -94,6 +94,24 @@ def test_script_exit_code_and_argv(tmp_path, capsys):
     assert "args ['a', '--b']" in capsys.readouterr().out
 
 
+def test_module_gets_the_options_after_its_name(tmp_path, capsys, monkeypatch):
+    # As `python -m`: everything after the module's name is the module's. Found on karpathy/nanochat,
+    # whose scripts run as modules: `trainguard run -m scripts.base_train --depth=2` stopped with
+    # "unrecognized arguments: --depth=2" (only `-m scripts.base_train -- --depth=2` worked).
+    write(tmp_path, "argv_mod.py", """
+        import sys
+        print("args", sys.argv[1:])
+        sys.exit(7)
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    logdir = str(tmp_path / "r")
+    assert main(["run", "--logdir", logdir, "-m", "argv_mod", "--depth=2", "data", "--lr", "0.1", "-v"]) == 7
+    assert "args ['--depth=2', 'data', '--lr', '0.1', '-v']" in capsys.readouterr().out
+    # `--` after the module's name still ends trainguard's options, as it did
+    assert main(["run", "--overwrite", "--logdir", logdir, "-m", "argv_mod", "--", "--depth=2"]) == 7
+    assert "args ['--depth=2']" in capsys.readouterr().out
+
+
 def test_run_check_numerics(tmp_path, capsys):
     assert main(["run", "--check-numerics", "--logdir", str(tmp_path / "r"), EXAMPLE, "--steps", "6"]) == 3
     err = capsys.readouterr().err

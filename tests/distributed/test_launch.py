@@ -78,6 +78,9 @@ def test_workers_get_every_option_but_the_launchers(tmp_path):
         "train.py", "--lr", "0.1", "-v"]
     args = parser.parse_args(["--nproc-per-node", "2", "-m", "pkg.train", "data.csv", "--epochs", "1"])
     assert worker_argv(parser, args, tmp_path) == [f"--logdir={tmp_path}", "-m", "pkg.train", "data.csv", "--epochs", "1"]
+    # options after the module's name are the module's (`python -m`), also in the workers' command line
+    args = parser.parse_args(["--nproc-per-node", "2", "-m", "pkg.train", "--epochs", "1", "data.csv"])
+    assert worker_argv(parser, args, tmp_path) == [f"--logdir={tmp_path}", "-m", "pkg.train", "--epochs", "1", "data.csv"]
 
 
 def test_the_rank_that_ended_first_is_read_from_the_runs_own_clocks(tmp_path, monkeypatch):

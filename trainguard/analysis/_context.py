@@ -113,6 +113,8 @@ class Context:
         # A run whose first recording came after updates (resumed, or watched from mid-training)
         # does not know its initial weights; older runs did not say and recorded from step 0.
         self.weights_initial = bool(self.meta.get("weights_initial", True))
+        # How the loop clips its gradients ({"function", "value", "first_step"}), if it does.
+        self.clipping: dict | None = self.meta.get("clipping")
         self.lrs = {k: Series.of(v) for k, v in scalars.items() if k.startswith("lr/")}
         grouped: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
         for row in run.layer_stats():
@@ -162,6 +164,16 @@ class Context:
             if len(info.get("shape", [])) >= 2 and info.get("module_type") not in _TABLE_TYPES:
                 out.append(name)
         return self.ordered(out)
+
+    def orthogonalising_optimizer(self, layers: list[str]) -> str | None:
+        """The optimizer that updates every weight matrix of ``layers`` with orthogonalised steps
+        (Muon: a step's size is the learning rate's, whatever the gradient's), or None when any of
+        them is updated otherwise or not known to be (runs before the monitor stored it)."""
+        names = {info.get("optimizer") for info in self.params.values()
+                 if info.get("layer") in layers and len(info.get("shape", [])) >= 2 and info.get("orthogonalised")}
+        others = [info for info in self.params.values()
+                  if info.get("layer") in layers and len(info.get("shape", [])) >= 2 and not info.get("orthogonalised")]
+        return next(iter(names)) if len(names) == 1 and not others else None
 
     def window(self, series: Series) -> Series:
         """The later half of the recordings: the state a layer ended up in."""

@@ -9,7 +9,7 @@ import numpy as np
 
 from trainguard.analysis._context import POOL_TYPES, Context, fmt, median
 from trainguard.analysis._rules import register_rule
-from trainguard.analysis._suggest import activation_family, clip_text, init_advice
+from trainguard.analysis._suggest import activation_family, clip_text, clipping_text, init_advice
 from trainguard.store import Finding
 
 SOURCE = "monitor"
@@ -219,9 +219,20 @@ def exploding_activations(ctx: Context) -> list[Finding]:
     if initial is not None and all(v <= limit for v in initial.values()):
         # In range at initialisation: the updates made them grow, a new init would not help.
         ev["initial_rms_by_layer"] = initial
-        suggestion = (f"the activations were in range at initialisation (RMS {fmt(initial[first])} at {first}) "
-                      "and grew during training: the updates blew them up; lower the learning rate, clip the "
-                      "gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay")
+        grew = (f"the activations were in range at initialisation (RMS {fmt(initial[first])} at {first}) "
+                "and grew during training: the updates blew them up; ")
+        muon = ctx.orthogonalising_optimizer(hot)
+        if muon is not None:
+            # Muon's step has the learning rate's size whatever the gradient's: clipping cannot shrink it.
+            ev["optimizer"] = muon
+            suggestion = grew + (f"lower the learning rate of {muon}'s groups that update these layers, or add "
+                                 f"weight decay; clipping the gradients does not shrink these updates: {muon} "
+                                 "orthogonalises each one, so its size is set by the learning rate alone")
+        elif ctx.clipping:
+            suggestion = grew + "lower the learning rate or add weight decay; " + clipping_text(ctx)
+        else:
+            suggestion = grew + ("lower the learning rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) "
+                                 "or add weight decay")
     else:
         rows, init_text = init_advice(ctx, ctx.weight_matrices(), activation_family(ctx))
         if rows:

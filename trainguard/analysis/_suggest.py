@@ -31,7 +31,23 @@ def clip_norm(ctx: Context, before_step: int | None = None) -> float | None:
     return sig(float(np.percentile(vals, 90)))
 
 
+def clipping_text(ctx: Context) -> str:
+    """What the loop already does about large gradients ("" when it does not clip)."""
+    c = ctx.clipping
+    if not c:
+        return ""
+    name = "clip_value" if c.get("function") == "clip_grad_value_" else "max_norm"
+    value = c.get("value")
+    at = f", {name}={fmt(value)}" if isinstance(value, (int, float)) else ""
+    return (f"the loop already clips its gradients (`{c.get('function')}`{at}; the gradient norms here are "
+            "the ones before clipping), so clipping is not what is missing")
+
+
 def clip_text(ctx: Context, before_step: int | None = None) -> str:
+    """A ``clip_grad_norm_`` call with a norm read off the run; for a loop that clips already, says so."""
+    already = clipping_text(ctx)
+    if already:
+        return already
     c = clip_norm(ctx, before_step)
     if c is None:
         return ""

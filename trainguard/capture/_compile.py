@@ -34,6 +34,7 @@ import torch
 from trainguard.capture import _compile_opaque, _compile_run
 from trainguard.capture._compile_graph import input_names, instrument
 from trainguard.capture._compile_run import Pair, RecordedGraph
+from trainguard.capture._compile_summary import SUMMARY_NODE
 
 log = logging.getLogger("trainguard.capture")
 
@@ -199,7 +200,8 @@ def _instrumenting(inner_compile, pair: Pair, forced: str | None):
             gm._trainguard_plan = plan
             if kind != "backward":
                 pair.fw = plan
-            compiled = inner_compile(gm, example_inputs, **kwargs)
+            with _as_plain():
+                compiled = inner_compile(gm, example_inputs, **kwargs)
         # Inductor reported the strides of every output, the summaries' too; AOT autograd slices
         # that list from its end (saved tensors, symbolic sizes): it must hold the real outputs only.
         ctx = torch._guards.TracingContext.try_get()
@@ -211,6 +213,89 @@ def _instrumenting(inner_compile, pair: Pair, forced: str | None):
 
     inner._trainguard = True
     return inner
+
+
+@contextlib.contextmanager
+def _as_plain():
+    """Compile an instrumented graph's own nodes as Inductor compiles its plain twin.
+
+    Inductor decides from a node's users whether to store its value (rounded to its dtype) or to
+    recompute it inside each user, and the order its users come in: the summaries' reads, counted,
+    stored bf16 values that the plain graph keeps in float32 (nanochat's Muon step in bf16: every
+    updated weight differed, and the losses from the next step on). So while an instrumented
+    graph compiles, a node's summary nodes are left out of its users when it is lowered, and
+    the locality reordering of an inference graph is that of the graph without its summaries,
+    each summary node then placed right after its inputs."""
+    from torch._inductor.fx_passes import post_grad
+    from torch._inductor.graph import GraphLowering
+
+    run_node, reorder = GraphLowering.run_node, post_grad.reorder_for_locality
+
+    def lower(self, n):
+        users = n.users
+        if not any(u.meta.get(SUMMARY_NODE) for u in users):
+            return run_node(self, n)
+        saved = dict(users)
+        users.clear()
+        users.update((u, v) for u, v in saved.items() if not u.meta.get(SUMMARY_NODE))
+        try:
+            return run_node(self, n)
+        finally:
+            users.clear()
+            users.update(saved)
+
+    def reorder_as_plain(graph: torch.fx.Graph) -> None:
+        if not any(n.meta.get(SUMMARY_NODE) for n in graph.nodes):
+            return reorder(graph)
+        reorder_without_summaries(graph, reorder)
+
+    GraphLowering.run_node, post_grad.reorder_for_locality = lower, reorder_as_plain
+    try:
+        yield
+    finally:
+        GraphLowering.run_node, post_grad.reorder_for_locality = run_node, reorder
+
+
+def reorder_without_summaries(graph: torch.fx.Graph, reorder) -> None:
+    """Order ``graph``'s own nodes as ``reorder`` orders the graph without its summary nodes, and
+    put each summary node right after its last input (in their former order where they tie)."""
+    import heapq
+
+    copy, env = torch.fx.Graph(), {}
+    outputs = copy.graph_copy(graph, env)
+    keep = tuple(a for a in outputs if not (isinstance(a, torch.fx.Node) and a.meta.get(SUMMARY_NODE))) \
+        if isinstance(outputs, (tuple, list)) else outputs
+    copy.output(keep)
+    back = {c: n for n, c in env.items()}
+    for c in reversed(list(copy.nodes)):
+        if c.op != "output" and back[c].meta.get(SUMMARY_NODE):
+            copy.erase_node(c)
+    reorder(copy)
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    waiting = {n: len(n.all_input_nodes) for n in graph.nodes if n.meta.get(SUMMARY_NODE)}
+    ready: list[tuple[int, int]] = []
+    order: list[torch.fx.Node] = []
+
+    def place(n: torch.fx.Node) -> None:
+        order.append(n)
+        for u in n.users:
+            if u in waiting:
+                waiting[u] -= 1
+                if not waiting[u]:
+                    heapq.heappush(ready, (position[u], id(u)))
+    by_id = {id(n): n for n in waiting}
+    for n, k in waiting.items():
+        if not k:
+            heapq.heappush(ready, (position[n], id(n)))
+    for c in copy.nodes:
+        if c.op == "output":
+            continue
+        place(back[c])
+        while ready:
+            place(by_id[heapq.heappop(ready)[1]])
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for n in order:
+        out.prepend(n)
 
 
 def _is_ours(fn) -> bool:

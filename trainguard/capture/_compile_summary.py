@@ -32,6 +32,11 @@ def summarisable(val) -> bool:
     return isinstance(val, torch.Tensor) and val.dtype in _REAL and val.layout is torch.strided
 
 
+# Marks the nodes the summaries add to a graph: Inductor must not let them change how it compiles
+# the program's own nodes (see _compile._as_plain).
+SUMMARY_NODE = "trainguard_summary"
+
+
 class Builder:
     """Appends nodes to a graph after a cursor, with ``meta["val"]`` computed on the fake values
     (Inductor's passes read it)."""
@@ -43,12 +48,15 @@ class Builder:
 
     def call(self, target, *args, **kwargs) -> fx.Node:
         with self.graph.inserting_after(self.cursor):
-            node = self.graph.call_function(target, args, kwargs)
+            # Named apart: the graph's code (Inductor's cache key) then says it is lowered as
+            # _compile._as_plain does, never served as compiled before that.
+            node = self.graph.call_function(target, args, kwargs, name="tg_summary")
         self.cursor = node
         fake_args = fx.node.map_arg(args, lambda n: n.meta["val"])
         fake_kwargs = fx.node.map_arg(kwargs, lambda n: n.meta["val"])
         with self.fake_mode:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
+        node.meta[SUMMARY_NODE] = True
         return node
 
     def to(self, node: fx.Node, dtype: torch.dtype) -> fx.Node:

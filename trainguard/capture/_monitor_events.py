@@ -68,9 +68,11 @@ class EventsMixin:
                 if _steps.clock.driver is None:
                     self._pending_end = self._read_refs
 
-    def _on_clip(self, params: list) -> None:
+    def _on_clip(self, params: list, setting: tuple[str, object] | None = None) -> None:
         if self._closed or not self._roots:
             return
+        if setting is not None:
+            self._note_clipping(*setting)
         if self._grads.saw_optimizer:
             ids = {id(t) for t in params}
             mine = [p for p in self._params if p.ref() is not None and id(p.ref()) in ids]
@@ -79,6 +81,17 @@ class EventsMixin:
         if mine:
             with self._no_record():
                 self._grads.read(mine, self._cur, self._recording)
+
+    def _note_clipping(self, function: str, threshold: object) -> None:
+        """Store how the loop clips (the diagnosis must not advise clipping to a loop that does);
+        written when it changes, not per step."""
+        value = threshold.item() if isinstance(threshold, torch.Tensor) and threshold.device.type == "cpu" else threshold
+        value = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        known = self._meta.get("clipping")
+        if known is not None and known["function"] == function and known["value"] == value:
+            return
+        first = known["first_step"] if known is not None else self._cur
+        self._write_meta(clipping={"function": function, "value": value, "first_step": first})
 
     def _maybe_end_manual_step(self) -> None:
         refs = self._pending_end

@@ -60,6 +60,21 @@ class _Reading:
         self.wnorm: dict[int, torch.Tensor] = {}  # id(Param) -> weight norm before the update
 
 
+def orthogonalises(opt: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether ``opt`` orthogonalises the updates of ``group``'s parameters (Muon): their size is
+    then set by the learning rate, whatever the gradient's scale. ``torch.optim.Muon`` and
+    Keller Jordan's ``Muon`` orthogonalise every group; optimizers that pair Muon with AdamW say
+    which groups are Muon's (``use_muon`` in ``MuonWithAuxAdam``, ``kind="muon"`` in nanochat's
+    ``MuonAdamW``)."""
+    if "muon" not in type(opt).__name__.lower():
+        return False
+    if "use_muon" in group:
+        return bool(group["use_muon"])
+    if "kind" in group:
+        return str(group["kind"]).lower() == "muon"
+    return True
+
+
 class GradientWatch:
     def __init__(self, out: Shipper, wants_hist: Callable[[str], bool], bins: int):
         self.out = out
@@ -71,6 +86,7 @@ class GradientWatch:
         self._opt_index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._opt_params: set[int] = set()  # ids of the parameters some optimizer owns
         self.trainable: set[int] = set()  # ids of the Params an optimizer updated while they required grad
+        self.updaters: dict[int, tuple[str, bool]] = {}  # id(Param) -> (optimizer class, orthogonalises)
         self._hooks: list = []
         self._reset()
 
@@ -111,6 +127,9 @@ class GradientWatch:
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
         self._opt_params |= ids
         mine = [p for p in params if p.ref() is not None and id(p.ref()) in ids]
+        orth = {id(p): orthogonalises(opt, g) for g in opt.param_groups for p in g["params"]}
+        for p in mine:
+            self.updaters[id(p)] = (type(opt).__name__, orth[id(p.ref())])
         self._opt_cache[opt] = (sig, mine)
         if opt not in self._opt_index:
             if not self._opt_index:  # asked before its first update: state means a trained model

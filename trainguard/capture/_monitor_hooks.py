@@ -151,7 +151,7 @@ class HookMixin:
         # Trainable: requires grad now, or later at an update (see structure); known here too for
         # the case where the model is gone when the monitor closes (a script's main() returned).
         self._grads.trainable.update(id(p) for p in root.params if (t := p.ref()) is not None and t.requires_grad)
-        self._write_meta(**structure(self._roots, self._grads.trainable))
+        self._write_meta(**structure(self._roots, self._grads.trainable, self._grads.updaters))
         for fn in list(self._attach_listeners):
             try:
                 fn(self, module)

@@ -108,14 +108,26 @@ def named_models(model: nn.Module | Iterable[nn.Module] | dict[str, nn.Module] |
     return [(f"{name}.", m) for name, m in items]
 
 
-def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset()) -> dict:
+def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
+              updaters: dict[int, tuple[str, bool]] | None = None) -> dict:
     """The run metadata describing the watched layers and parameters (read by the diagnosis).
 
     ``trainable``: ids of the Params that required grad when attached or when an optimizer
     updated them. A parameter is frozen when it does not require grad now (or is gone) and never
     did then: Lightning's ``toggle_optimizer`` switches off every parameter outside the optimizer
     about to step, and the model may be attached (or the run closed) inside that window.
+    ``updaters``: per Param id, the class of the optimizer holding it and whether that optimizer
+    orthogonalises its updates (Muon), stored as ``optimizer`` and ``orthogonalised``.
     """
+    updaters = updaters or {}
+
+    def param(p: Param) -> dict:
+        info = {"layer": p.layer, "module_type": p.module_type, "shape": p.shape, "dtype": p.dtype,
+                "requires_grad": bool(p.ref() is not None and p.ref().requires_grad) or id(p) in trainable}
+        if id(p) in updaters:
+            info["optimizer"], info["orthogonalised"] = updaters[id(p)]
+        return info
+
     return {
         "layers": [
             {"name": la.name, "type": la.type, "saturation": la.saturation, "channel_first": la.channel_first,
@@ -123,12 +135,7 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset()) 
             for r in roots
             for la in r.layers
         ],
-        "params": {
-            p.name: {"layer": p.layer, "module_type": p.module_type, "shape": p.shape, "dtype": p.dtype,
-                     "requires_grad": bool(p.ref() is not None and p.ref().requires_grad) or id(p) in trainable}
-            for r in roots
-            for p in r.params
-        },
+        "params": {p.name: param(p) for r in roots for p in r.params},
         "roots": [{"prefix": r.prefix, "type": type(r.ref()).__name__ if r.ref() is not None else None,
                    "mode_modules": len(r.mode_modules)} for r in roots],
     }

@@ -108,21 +108,26 @@ def _as_list(parameters) -> list:
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
+def _setting(function: str, name: str, args: tuple, kwargs: dict) -> tuple[str, object]:
+    """The clipping function called and its threshold (``max_norm`` or ``clip_value``), as given."""
+    return function, (args[0] if args else kwargs.get(name))
+
+
 def _clip_norm(parameters, *args, **kwargs):
     params = _as_list(parameters)  # a generator can be read once: the original gets the list
-    _announce("clip", params)
+    _announce("clip", params, _setting("clip_grad_norm_", "max_norm", args, kwargs))
     return _originals["clip_grad_norm_"](params, *args, **kwargs)
 
 
 def _clip_value(parameters, *args, **kwargs):
     params = _as_list(parameters)
-    _announce("clip", params)
+    _announce("clip", params, _setting("clip_grad_value_", "clip_value", args, kwargs))
     return _originals["clip_grad_value_"](params, *args, **kwargs)
 
 
 def _clip_with_norm(parameters, *args, **kwargs):
     params = _as_list(parameters)
-    _announce("clip", params)
+    _announce("clip", params, _setting("clip_grads_with_norm_", "max_norm", args, kwargs))
     return _originals["clip_grads_with_norm_"](params, *args, **kwargs)
 
 
@@ -174,8 +179,8 @@ def _uninstall() -> None:
 def add_listener(event: str, fn: Callable) -> None:
     """``"root"``: ``fn(tensors)`` with backward's first argument (a tensor or a sequence of
     them) before an outermost backward, unguarded; ``"backward"``: ``fn(loss_or_None)`` before
-    it (``loss`` a detached 0-d tensor, unscaled); ``"after_backward"``: ``fn()`` when it returned; ``"clip"``: ``fn(params)``
-    before gradients are clipped; ``"loss_graph"``: ``fn(loss)`` before that backward, with the
+    it (``loss`` a detached 0-d tensor, unscaled); ``"after_backward"``: ``fn()`` when it returned; ``"clip"``: ``fn(params, (function, threshold))``
+    before gradients are clipped (the threshold as given: ``max_norm`` or ``clip_value``); ``"loss_graph"``: ``fn(loss)`` before that backward, with the
     floating 0-d loss itself (as given to ``backward``, scaled under AMP), graph attached."""
     if event not in _listeners:
         raise ValueError(f"event must be one of {_EVENTS}, got {event!r}")

@@ -72,7 +72,7 @@ def worker_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, logdi
         else:
             out.append(f"{flag}={value}")
     if args.module:
-        out += ["-m", args.module]
+        out += ["-m", args.module, *(getattr(args, "module_args", None) or [])]
     if args.script:
         out.append(args.script)
     return out + list(args.args)

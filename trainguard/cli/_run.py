@@ -60,11 +60,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-gradcheck", action="store_true",
                    help="with --monitor: do not check custom autograd Functions' gradients")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --logdir")
-    p.add_argument("-m", dest="module", help="run a module as a script (like python -m)")
+    p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, action=_ModuleAction, metavar="MODULE ...",
+                   help="run a module as a script (like python -m); what follows its name is the module's arguments")
     _launch.add_launch_arguments(p)
     p.add_argument("script", nargs="?", help="the script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=_cmd, parser=p)
+
+
+class _ModuleAction(argparse.Action):
+    """``-m MODULE ARGS``: as ``python -m``, everything after the module's name is the module's
+    (``--depth=2`` included); a ``--`` there still ends trainguard's options, as it did."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        values = list(values or [])
+        namespace.module = values[0] if values else None
+        namespace.module_args = values[1:]
 
 
 _GUARD_DEFAULTS = {"policy": "skip", "spike_factor": None, "snapshot_every": 50, "max_rewinds": 5}
@@ -78,7 +89,7 @@ def _default_logdir(name: str) -> Path:
 def _cmd(args: argparse.Namespace) -> int:
     if args.module:
         target = args.module
-        script_args = ([args.script] if args.script else []) + list(args.args)
+        script_args = module_args(args) + ([args.script] if args.script else []) + list(args.args)
     else:
         if not args.script:
             raise TrainguardError("give a script to run (trainguard run script.py ARGS) or -m module")
@@ -258,6 +269,11 @@ def _spawned_ending(logdir: Path, follow: Follow, recorder, *, own_training: boo
                       f"{where}; see `trainguard report {logdir}` or `trainguard ui {logdir}`",
                       markup=False, highlight=False, soft_wrap=True)
     return code
+
+
+def module_args(args: argparse.Namespace) -> list[str]:
+    """The arguments given right after ``-m MODULE``, before any ``--``."""
+    return list(getattr(args, "module_args", None) or [])
 
 
 def _module_file(name: str) -> str | None:
