@@ -377,3 +377,23 @@ def test_shipping_device_summaries_at_a_step_is_not_recorded(tmp_path, monkeypat
     ops = [e["op"] for e in run.executions(0, 100)]
     assert ops == ["aten.mul.Tensor"] * 4
     assert [e["outputs"][0]["summary"]["max"] for e in run.executions(0, 100)] == [2.0, 4.0, 8.0, 16.0]
+
+
+def test_a_recorder_left_started_is_stopped_at_exit(tmp_path):
+    # `rec = tg.record(d); rec.start()` around a compiled model, never stopped: the process aborted
+    # at exit ("terminate called without an active exception", exit 134) and the run stayed "running".
+    import subprocess
+    import textwrap
+
+    script = tmp_path / "left_open.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch, trainguard as tg
+        rec = tg.record({str(tmp_path / "r")!r}, buffer=-1)
+        rec.start()
+        m = torch.compile(torch.nn.Linear(4, 4))
+        m(torch.randn(2, 4)).sum().backward()
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = open_run(tmp_path / "r")
+    assert run.status == "finished" and run.count() > 0
