@@ -15,6 +15,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -237,12 +238,14 @@ class Recorder(FlushHooks, HarmHooks):
             self._mode.__enter__()
         _compile.install(self)
         self.active = True
+        _started.add(self)
         return self
 
     def stop(self, **final_meta: Any) -> None:
         if not self.active:
             return
         self.active = False
+        _started.discard(self)
         try:
             _compile.uninstall(self)
             if self._native is not None:
@@ -423,15 +426,23 @@ def disable() -> None:
             _global = None
 
 
+# Recorders started and not stopped yet. At exit they are stopped, as enable()'s is: the native
+# core's drain thread would otherwise be waiting outside the GIL when the interpreter ends its
+# daemon threads, and that aborts the process ("terminate called without an active exception").
+_started: weakref.WeakSet[Recorder] = weakref.WeakSet()
+
+
 @atexit.register
 def _at_exit() -> None:
     global _global
-    if _global is not None and _global.active:
-        try:
-            with _global_lock:
-                rec, _global = _global, None
-            rec.stop(**ending(uncaught()))  # a script that died with enable() on is stored as crashed
-        except Exception:  # pragma: no cover - best effort at interpreter exit
-            pass
+    with _global_lock:
+        first, _global = _global, None
+    # a script that died with enable() on is stored as crashed
+    for rec in [first, *(r for r in list(_started) if r is not first)]:
+        if rec is not None and rec.active:
+            try:
+                rec.stop(**ending(uncaught()))
+            except Exception:  # pragma: no cover - best effort at interpreter exit
+                pass
 
 
