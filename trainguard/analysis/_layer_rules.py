@@ -115,6 +115,8 @@ def dead_units(ctx: Context) -> list[Finding]:
                 init_text += f"; {b} started with RMS {fmt(rms)}: initialise biases at 0"
     if init_rows and not grew:
         ev["init"] = init_rows
+    if grew and ctx.weights_initial:
+        ev["arose_in_training"] = True  # alive at step 0: the updates killed them (see _causes.IN_TRAINING)
     if grew:
         kind = ctx.layer_type.get(first, "")
         if _smooth(kind):  # exact zeros only for far negative inputs: no other activation helps
@@ -219,6 +221,7 @@ def exploding_activations(ctx: Context) -> list[Finding]:
     if initial is not None and all(v <= limit for v in initial.values()):
         # In range at initialisation: the updates made them grow, a new init would not help.
         ev["initial_rms_by_layer"] = initial
+        ev["arose_in_training"] = True
         grew = (f"the activations were in range at initialisation (RMS {fmt(initial[first])} at {first}) "
                 "and grew during training: the updates blew them up; ")
         muon = ctx.orthogonalising_optimizer(hot)
@@ -308,6 +311,7 @@ def saturated_activations(ctx: Context) -> list[Finding]:
     if initial is not None and all(v < ctx.th.saturation_warn for v in initial.values()):
         # Not saturated at initialisation: the updates grew the pre-activations, a new init would not help.
         ev["initial_saturated_fraction"] = initial
+        ev["arose_in_training"] = True
         suggestion = (f"layer {first} was not saturated at initialisation ({initial[first]:.0%} of its outputs at the "
                       "bounds) and saturated during training: the updates grew its pre-activations; lower the "
                       "learning rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay")
