@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -543,17 +544,21 @@ class _XBlock(nn.Module):
         return x + self.ff(self.norm2(x))
 
 
-def test_layers_the_updates_of_a_rate_far_too_high_blew_up_are_folded_under_it(tmp_path):
+@pytest.mark.parametrize("lr", [3.0, 1000.0])
+def test_layers_the_updates_of_a_rate_far_too_high_blew_up_are_folded_under_it(tmp_path, lr):
     # lucidrains/x-transformers' TransformerWrapper(Encoder(dim=32, depth=2, heads=2)) trained with
     # Adam at lr=3 (its examples use 1e-4): the report listed "dead units" (the GELUs died in
     # training) and "exploding activations" (in range at step 0) before "learning rate too high",
     # the cause whose fix cures both; their own fixes already said "lower the learning rate".
+    # At lr=1000 the gradient norm jumped from 2 at step 0 to 1e9 at step 1, when the loss diverged,
+    # and stayed there: "exploding gradients" came first, an error, with a clip norm of 3.1e+11 read
+    # off the exploded norms.
     torch.manual_seed(0)
     emb, pos = nn.Embedding(256, 32), nn.Embedding(32, 32)
     blocks = nn.ModuleList(_XBlock(32, 2) for _ in range(2))
     model = nn.ModuleDict({"token_emb": emb, "pos_emb": pos, "layers": blocks, "norm": nn.LayerNorm(32),
                            "to_logits": nn.Linear(32, 256)})
-    opt = torch.optim.Adam(model.parameters(), lr=3.0)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     with tg.Monitor(model, tmp_path / "r", every=5) as mon:
         for _ in range(40):
             x = torch.randint(0, 256, (8, 32))
@@ -571,7 +576,14 @@ def test_layers_the_updates_of_a_rate_far_too_high_blew_up_are_folded_under_it(t
     by_kind = {f.kind: f for f in mon.findings}
     for symptom in ("dead_units", "exploding_activations"):
         assert by_kind[symptom].severity == "info" and by_kind[symptom].evidence["explained_by"] == ["lr_too_high"]
-    assert problems[0].severity == "warning" and "from 3 to about" in problems[0].suggestion
+    assert f"from {lr:g} to about" in problems[0].suggestion
+    if lr == 1000.0:
+        grad = by_kind["exploding_gradient"]
+        assert grad.severity == "info" and grad.evidence["explained_by"] == ["lr_too_high"]
+        assert problems[0].severity == "error"
+        # a clip norm, if any, from the norms before the jump, not from the exploded ones
+        norms = [float(v) for v in re.findall(r"max_norm=([0-9.e+-]+)", grad.suggestion + problems[0].suggestion)]
+        assert all(v < 100 for v in norms), grad.suggestion
 
 
 def test_units_dead_from_initialisation_are_not_blamed_on_a_rate_too_high(tmp_path):
