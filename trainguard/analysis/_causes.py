@@ -41,8 +41,11 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
 # cause -> the layer findings it explains only when they arose in training (evidence
 # "arose_in_training": in range at step 0, then the updates did it). Units dead or activations
 # exploding from initialisation need a new init whatever the learning rate.
+# Gradients that began to explode (evidence "began") no earlier than the loss diverged under a
+# rate far too high (its evidence "divergence") are the updates' doing too; the gradient cliffs
+# of an unclipped RNN come first, and stay a cause of their own.
 IN_TRAINING: dict[str, tuple[str, ...]] = {
-    "lr_too_high": ("dead_units", "exploding_activations", "saturated_activations"),
+    "lr_too_high": ("dead_units", "exploding_activations", "saturated_activations", "exploding_gradient"),
 }
 # A wrong custom gradient and a misused loss function explain what the curves and layers show
 # (analysis/_function_rules.py, _graph_rules.py): they are read off the graph, not the numbers.
@@ -78,9 +81,16 @@ def explain(findings: list[Finding]) -> None:
 def _causes_of(f: Finding, problems: dict[str, Finding]) -> list[str]:
     kind = f.kind
     out = [c for c, explained in EXPLAINS.items() if kind in explained and c in problems and c != kind]
-    if f.evidence.get("arose_in_training"):
-        out += [c for c, explained in IN_TRAINING.items() if kind in explained and c in problems and c not in out]
+    out += [c for c, explained in IN_TRAINING.items()
+            if kind in explained and c in problems and c not in out and _arose_after(problems[c], f)]
     return out
+
+
+def _arose_after(cause: Finding, f: Finding) -> bool:
+    if f.evidence.get("arose_in_training"):
+        return True
+    began, div = f.evidence.get("began"), cause.evidence.get("divergence")
+    return began is not None and isinstance(div, dict) and div.get("step") is not None and div["step"] <= began
 
 
 def _root(kind: str, causes: dict[str, list[str]]) -> str:

@@ -405,6 +405,18 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
     ]
 
 
+def _sustained_jump(vals: np.ndarray, window: int, factor: float) -> tuple[int, float, float] | None:
+    """The first step (within the first window) where the gradient norm jumped ``factor``x above the
+    median of the steps before it, and the next window's median stayed there: (index, before, after)."""
+    for i in range(1, min(window, len(vals))):
+        before = median(vals[:i])
+        after = median(vals[i:i + window])
+        if math.isfinite(before) and before > 0 and math.isfinite(after) and vals[i] > factor * before \
+                and after > factor * before:
+            return i, before, after
+    return None
+
+
 @register_rule("exploding_gradient")
 def exploding_gradient(ctx: Context) -> list[Finding]:
     reasons = []
@@ -452,8 +464,20 @@ def exploding_gradient(ctx: Context) -> list[Finding]:
             first_step = first_step if first_step is not None else int(g.steps[-w0])
         if reasons and overflow is not None:
             ev["overflow_step"] = overflow
+        jump = _sustained_jump(vals, w0, ctx.th.grad_growth) if reasons else None
+        if jump is not None and (first_step is None or int(g.steps[jump[0]]) < first_step):
+            # A rate far too high: the first update blows the weights up and the norm jumps 1e9x at
+            # step 1 for good. The early window above, and the spikes' recent medians, hold the
+            # jumped norms, and a clip norm read off them would be as large: date it from the jump.
+            i, before, after = jump
+            first_step = int(g.steps[i])
+            ev["jump"] = {"step": first_step, "before_median": before, "after_median": after}
+            reasons.append(f"the gradient norm jumped from {fmt(before)} to {fmt(after)} (median) at step "
+                           f"{first_step} and stayed there")
     if not reasons:
         return []
+    if first_step is not None:
+        ev["began"] = first_step  # a cause that came no later explains it (see _causes.IN_TRAINING)
     clip = clip_text(ctx, before_step=first_step)
     return [
         Finding(
