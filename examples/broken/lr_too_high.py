@@ -1,6 +1,8 @@
 """Broken: Adam with a learning rate of 0.3 (about 100x too large for this MLP).
 
-Expected finding: ``lr_too_high`` (the loss does not settle; updates are a large fraction of the weights).
+Expected finding: ``lr_too_high``, explaining ``dead_units`` and ``exploding_activations``.
+The loss does not settle, updates are a large fraction of the weights, and the units and
+activations that were healthy at step 0 die or blow up under those updates.
 """
 
 import torch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -520,3 +521,87 @@ def test_activations_that_saturated_during_training_blame_the_updates_not_the_in
     f = next(f for f in mon.findings if f.kind == "saturated_activations")
     assert f.evidence["initial_saturated_fraction"] == {"1": 0.0}
     assert "learning rate" in f.suggestion and "Xavier" not in f.suggestion
+
+
+class _XBlock(nn.Module):
+    """One layer pair of lucidrains/x-transformers' ``Encoder`` (pre-norm): attention whose padding
+    is masked with ``-torch.finfo(dtype).max`` (attend.py), then a GELU feedforward."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.ff = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x, mask):
+        b, n, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (f(h).view(b, n, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        sim = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        sim = sim.masked_fill(~mask[:, None, None, :], -torch.finfo(sim.dtype).max)
+        x = x + self.to_out((sim.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+        return x + self.ff(self.norm2(x))
+
+
+@pytest.mark.parametrize("lr", [3.0, 1000.0])
+def test_layers_the_updates_of_a_rate_far_too_high_blew_up_are_folded_under_it(tmp_path, lr):
+    # lucidrains/x-transformers' TransformerWrapper(Encoder(dim=32, depth=2, heads=2)) trained with
+    # Adam at lr=3 (its examples use 1e-4): the report listed "dead units" (the GELUs died in
+    # training) and "exploding activations" (in range at step 0) before "learning rate too high",
+    # the cause whose fix cures both; their own fixes already said "lower the learning rate".
+    # At lr=1000 the gradient norm jumped from 2 at step 0 to 1e9 at step 1, when the loss diverged,
+    # and stayed there: "exploding gradients" came first, an error, with a clip norm of 3.1e+11 read
+    # off the exploded norms.
+    torch.manual_seed(0)
+    emb, pos = nn.Embedding(256, 32), nn.Embedding(32, 32)
+    blocks = nn.ModuleList(_XBlock(32, 2) for _ in range(2))
+    model = nn.ModuleDict({"token_emb": emb, "pos_emb": pos, "layers": blocks, "norm": nn.LayerNorm(32),
+                           "to_logits": nn.Linear(32, 256)})
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(40):
+            x = torch.randint(0, 256, (8, 32))
+            mask = torch.arange(32)[None] < torch.randint(4, 33, (8, 1))
+            h = emb(x) + pos(torch.arange(32))
+            for block in blocks:
+                h = block(h, mask)
+            logits = model["to_logits"](model["norm"](h))
+            loss = (nn.functional.cross_entropy(logits.transpose(1, 2), x, reduction="none") * mask).sum() / mask.sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    problems = [f for f in mon.findings if f.is_problem]
+    assert [f.kind for f in problems] == ["lr_too_high"], [(f.kind, f.severity) for f in mon.findings]
+    by_kind = {f.kind: f for f in mon.findings}
+    for symptom in ("dead_units", "exploding_activations"):
+        assert by_kind[symptom].severity == "info" and by_kind[symptom].evidence["explained_by"] == ["lr_too_high"]
+    assert f"from {lr:g} to about" in problems[0].suggestion
+    if lr == 1000.0:
+        grad = by_kind["exploding_gradient"]
+        assert grad.severity == "info" and grad.evidence["explained_by"] == ["lr_too_high"]
+        assert problems[0].severity == "error"
+        # a clip norm, if any, from the norms before the jump, not from the exploded ones
+        norms = [float(v) for v in re.findall(r"max_norm=([0-9.e+-]+)", grad.suggestion + problems[0].suggestion)]
+        assert all(v < 100 for v in norms), grad.suggestion
+
+
+def test_units_dead_from_initialisation_are_not_blamed_on_a_rate_too_high(tmp_path):
+    # Only what the updates did is the learning rate's: units dead at step 0 (a bias at -2) need a
+    # new initialisation whatever the rate, so they stay a problem of their own beside it.
+    loss = [1.6] + [8.0 + s * 0.1 for s in range(99)]
+
+    def finding(path, first_fraction):
+        rows = []
+        for s in range(0, 100, 5):
+            rows += [(s, "1", "activation", "dead_frac", first_fraction if s == 0 else 0.7),
+                     (s, "1", "activation", "dead_stay", 1.0), (s, "1", "activation", "mean", 0.1),
+                     (s, "1", "activation", "std", 0.2),
+                     (s, "0", "activation", "mean", 0.0), (s, "0", "activation", "std", 1.0)]
+        fs = diagnose(write_run(path, loss, layer_rows=rows, lr=0.5))
+        return next(f for f in fs if f.kind == "dead_units"), kinds(fs)
+
+    dead, problems = finding(tmp_path / "init", 0.7)
+    assert "lr_too_high" in problems and "dead_units" in problems and "explained_by" not in dead.evidence
+    dead, problems = finding(tmp_path / "grew", 0.0)
+    assert problems == ["lr_too_high"] and dead.evidence["explained_by"] == ["lr_too_high"]

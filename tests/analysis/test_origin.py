@@ -169,6 +169,32 @@ def test_an_ignore_index_the_user_set_is_named_by_its_value(tmp_path, call):
     assert want in o.origin.explanation, o.origin.explanation
 
 
+@pytest.mark.parametrize("mode", ["full_health", "stats"])
+def test_an_ignore_index_passed_by_a_name_of_its_own_is_not_named_by_that_name(tmp_path, mode):
+    # lucidrains/x-transformers' AutoregressiveWrapper.forward: ``ignore_index = self.ignore_index``,
+    # then ``loss_fn(logits, target, ignore_index = ignore_index)``; with every sequence cut to its
+    # first token (``lens`` of 1) no target is left, and the report said "every target is
+    # ignore_index (ignore_index)". The value comes from the targets where their summary says it.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 7)
+    x = torch.randn(6, 4)
+    ignore_index = -100
+
+    def f():
+        target = torch.full((6,), ignore_index)
+        loss = torch.nn.functional.cross_entropy(
+            lin(x),
+            target,
+            ignore_index = ignore_index
+        )
+        loss.backward()
+
+    o = origin(record(tmp_path, f, mode))
+    assert "ignore_index (ignore_index)" not in o.origin.explanation, o.origin.explanation
+    want = "ignore_index (-100)" if mode == "stats" else "ignore_index (-100 unless set)"
+    assert want in o.origin.explanation, o.origin.explanation
+
+
 def test_an_ignore_index_left_unknown_keeps_the_default_named(tmp_path):
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 7)

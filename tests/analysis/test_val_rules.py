@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from trainguard.analysis import diagnose
-from trainguard.analysis._causes import EXPLAINS, explain, fold
+from trainguard.analysis._causes import EXPLAINS, IN_TRAINING, explain, fold
 from trainguard.store import Finding, acquire_writer, open_run, release_writer
 
 PARAMS = {"0.weight": {"layer": "0", "module_type": "Linear", "shape": [5, 20], "requires_grad": True}}
@@ -157,7 +157,7 @@ def test_explain_leaves_unrelated_findings_alone():
 
 def test_the_explanation_table_has_no_cycle():
     def reach(kind, seen):
-        for k in EXPLAINS.get(kind, ()):
+        for k in (*EXPLAINS.get(kind, ()), *IN_TRAINING.get(kind, ())):
             assert k not in seen, (kind, k)
             reach(k, seen | {k})
 

@@ -1,7 +1,9 @@
 """Causes over symptoms: when several rules fire, the finding that explains the others comes first.
 
 ``EXPLAINS`` says which findings a cause explains: a learning rate far too low (update ratio
-1e-7) explains a loss that does not decrease; gradients growing through the time steps of a
+1e-7) explains a loss that does not decrease; ``IN_TRAINING`` adds the layer findings a cause
+explains when they arose in training (a rate far too high and the units its updates killed);
+gradients growing through the time steps of a
 recurrent loop explain a "learning rate too high", "vanishing" or "exploding" verdict read off
 the parameters. :func:`explain` (run by ``diagnose``) lowers each explained finding to ``info``,
 with ``evidence["explained_by"]``, and gives its root cause ``evidence["explains"]`` and the
@@ -36,6 +38,15 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "gradients_accumulating": ("loss_not_decreasing",),
     "exploding_gradient": ("loss_not_decreasing", "loss_spike"),
 }
+# cause -> the layer findings it explains only when they arose in training (evidence
+# "arose_in_training": in range at step 0, then the updates did it). Units dead or activations
+# exploding from initialisation need a new init whatever the learning rate.
+# Gradients that began to explode (evidence "began") no earlier than the loss diverged under a
+# rate far too high (its evidence "divergence") are the updates' doing too; the gradient cliffs
+# of an unclipped RNN come first, and stay a cause of their own.
+IN_TRAINING: dict[str, tuple[str, ...]] = {
+    "lr_too_high": ("dead_units", "exploding_activations", "saturated_activations", "exploding_gradient"),
+}
 # A wrong custom gradient and a misused loss function explain what the curves and layers show
 # (analysis/_function_rules.py, _graph_rules.py): they are read off the graph, not the numbers.
 _GRAPH_SYMPTOMS = ("loss_not_decreasing", "loss_spike", "loss_oscillating", "lr_too_high", "lr_too_low",
@@ -52,10 +63,7 @@ _RANK = {s: i for i, s in enumerate(SEVERITIES)}
 def explain(findings: list[Finding]) -> None:
     """Mark, in place, which problems explain which (see the module docstring)."""
     problems = {f.kind: f for f in findings if f.is_problem}
-    causes = {
-        kind: [c for c, explained in EXPLAINS.items() if kind in explained and c in problems and c != kind]
-        for kind in problems
-    }
+    causes = {kind: _causes_of(f, problems) for kind, f in problems.items()}
     original = {kind: f.severity for kind, f in problems.items()}
     for kind, f in problems.items():
         if not causes[kind]:
@@ -68,6 +76,21 @@ def explain(findings: list[Finding]) -> None:
         cause.evidence.setdefault("explains", []).append(kind)
         if _RANK[original[kind]] > _RANK[cause.severity]:
             cause.severity = original[kind]
+
+
+def _causes_of(f: Finding, problems: dict[str, Finding]) -> list[str]:
+    kind = f.kind
+    out = [c for c, explained in EXPLAINS.items() if kind in explained and c in problems and c != kind]
+    out += [c for c, explained in IN_TRAINING.items()
+            if kind in explained and c in problems and c not in out and _arose_after(problems[c], f)]
+    return out
+
+
+def _arose_after(cause: Finding, f: Finding) -> bool:
+    if f.evidence.get("arose_in_training"):
+        return True
+    began, div = f.evidence.get("began"), cause.evidence.get("divergence")
+    return began is not None and isinstance(div, dict) and div.get("step") is not None and div["step"] <= began
 
 
 def _root(kind: str, causes: dict[str, list[str]]) -> str:

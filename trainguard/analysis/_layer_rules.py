@@ -115,6 +115,8 @@ def dead_units(ctx: Context) -> list[Finding]:
                 init_text += f"; {b} started with RMS {fmt(rms)}: initialise biases at 0"
     if init_rows and not grew:
         ev["init"] = init_rows
+    if grew and ctx.weights_initial:
+        ev["arose_in_training"] = True  # alive at step 0: the updates killed them (see _causes.IN_TRAINING)
     if grew:
         kind = ctx.layer_type.get(first, "")
         if _smooth(kind):  # exact zeros only for far negative inputs: no other activation helps
@@ -219,6 +221,7 @@ def exploding_activations(ctx: Context) -> list[Finding]:
     if initial is not None and all(v <= limit for v in initial.values()):
         # In range at initialisation: the updates made them grow, a new init would not help.
         ev["initial_rms_by_layer"] = initial
+        ev["arose_in_training"] = True
         grew = (f"the activations were in range at initialisation (RMS {fmt(initial[first])} at {first}) "
                 "and grew during training: the updates blew them up; ")
         muon = ctx.orthogonalising_optimizer(hot)
@@ -308,6 +311,7 @@ def saturated_activations(ctx: Context) -> list[Finding]:
     if initial is not None and all(v < ctx.th.saturation_warn for v in initial.values()):
         # Not saturated at initialisation: the updates grew the pre-activations, a new init would not help.
         ev["initial_saturated_fraction"] = initial
+        ev["arose_in_training"] = True
         suggestion = (f"layer {first} was not saturated at initialisation ({initial[first]:.0%} of its outputs at the "
                       "bounds) and saturated during training: the updates grew its pre-activations; lower the "
                       "learning rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay")
@@ -401,6 +405,18 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
     ]
 
 
+def _sustained_jump(vals: np.ndarray, window: int, factor: float) -> tuple[int, float, float] | None:
+    """The first step (within the first window) where the gradient norm jumped ``factor``x above the
+    median of the steps before it, and the next window's median stayed there: (index, before, after)."""
+    for i in range(1, min(window, len(vals))):
+        before = median(vals[:i])
+        after = median(vals[i:i + window])
+        if math.isfinite(before) and before > 0 and math.isfinite(after) and vals[i] > factor * before \
+                and after > factor * before:
+            return i, before, after
+    return None
+
+
 @register_rule("exploding_gradient")
 def exploding_gradient(ctx: Context) -> list[Finding]:
     reasons = []
@@ -448,8 +464,20 @@ def exploding_gradient(ctx: Context) -> list[Finding]:
             first_step = first_step if first_step is not None else int(g.steps[-w0])
         if reasons and overflow is not None:
             ev["overflow_step"] = overflow
+        jump = _sustained_jump(vals, w0, ctx.th.grad_growth) if reasons else None
+        if jump is not None and (first_step is None or int(g.steps[jump[0]]) < first_step):
+            # A rate far too high: the first update blows the weights up and the norm jumps 1e9x at
+            # step 1 for good. The early window above, and the spikes' recent medians, hold the
+            # jumped norms, and a clip norm read off them would be as large: date it from the jump.
+            i, before, after = jump
+            first_step = int(g.steps[i])
+            ev["jump"] = {"step": first_step, "before_median": before, "after_median": after}
+            reasons.append(f"the gradient norm jumped from {fmt(before)} to {fmt(after)} (median) at step "
+                           f"{first_step} and stayed there")
     if not reasons:
         return []
+    if first_step is not None:
+        ev["began"] = first_step  # a cause that came no later explains it (see _causes.IN_TRAINING)
     clip = clip_text(ctx, before_step=first_step)
     return [
         Finding(

@@ -246,7 +246,8 @@ def _ignore_index(run: Run, link: Link) -> str | None:
             if text.count("(") <= text.count(")"):
                 break
         m = _IGNORE_KWARG.search(text)
-        if m:
+        # ``ignore_index=self.ignore_index`` names nothing the message does not already say
+        if m and m.group(1).rsplit(".", 1)[-1] != "ignore_index":
             return m.group(1)
     if op_base(link.op) in _NLL and len(link.inputs) == 2:  # (input, target): no weight tensor
         t = link.inputs[1].get("summary") or {}
