@@ -229,7 +229,10 @@ def _as_plain():
     from torch._inductor.fx_passes import post_grad
     from torch._inductor.graph import GraphLowering
 
-    run_node, reorder = GraphLowering.run_node, post_grad.reorder_for_locality
+    run_node, reorder = getattr(GraphLowering, "run_node", None), getattr(post_grad, "reorder_for_locality", None)
+    if run_node is None or reorder is None:  # another torch's Inductor: compile as it does
+        yield
+        return
 
     def lower(self, n):
         users = n.users
