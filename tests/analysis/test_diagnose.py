@@ -79,6 +79,15 @@ def test_nonfinite_loss_names_the_first_step(tmp_path):
     f = fs[0]
     assert f.kind == "nonfinite_loss" and f.severity == "critical" and f.steps == (40, 99)
     assert f.evidence["first_step"] == 40 and f.evidence["nonfinite_steps"] == 60
+
+
+def test_a_single_nonfinite_step_is_not_called_a_range_to_the_end(tmp_path):
+    # x-transformers with one fully masked batch at step 20 (the guard skipped it, or training went on
+    # finite): the finding said "steps 20-59" for one NaN step.
+    loss = healthy_loss()
+    loss[40] = math.nan
+    f = [f for f in diagnose(write_run(tmp_path / "r", loss)) if f.kind == "nonfinite_loss"][0]
+    assert f.steps == (40, 40) and f.evidence["nonfinite_steps"] == 1
     assert "trainguard.record" in f.suggestion  # no recording: it says how to find the op
 
 
