@@ -203,7 +203,7 @@ def nonfinite_loss(ctx: Context) -> list[Finding]:
             title=f"Loss became {fmt(value)} at step {step}" + (f" ({where(origin)})" if origin else ""),
             evidence=ev,
             suggestion="; ".join(fixes),
-            steps=(step, int(ctx.loss.steps[-1])),
+            steps=(step, int(ctx.loss.steps[bad][-1])),  # the first to the last non-finite step
             layers=[origin["module"]] if origin and origin.get("module") else [],
             source=SOURCE,
         )
