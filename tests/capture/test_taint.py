@@ -368,3 +368,36 @@ def test_an_inf_written_into_batch_norm_running_stats_is_harmful(tmp_path, backe
     assert first is not None and first["op"].startswith("aten.native_batch_norm")
     o = origin(open_run(tmp_path / "r"))
     assert "running_var" in o.origin.explanation and "variance" in o.origin.explanation, o.origin.explanation
+
+
+class _Schedule(nn.Module):
+    # From lucidrains/denoising-diffusion-pytorch's GaussianDiffusion: the noise schedule's
+    # coefficients are buffers made at construction (float64, then float32), and each step gathers
+    # them at the sampled timesteps (`extract`) for predict_start_from_noise.
+    def __init__(self, steps: int = 5):
+        super().__init__()
+        alphas_cumprod = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)[1:]  # reaches 0
+        self.register_buffer("sqrt_recip_alphas_cumprod", torch.sqrt(1.0 / alphas_cumprod).float())
+        self.register_buffer("sqrt_recipm1_alphas_cumprod", torch.sqrt(1.0 / alphas_cumprod - 1).float())
+        self.net = nn.Linear(4, 4)
+
+    def forward(self, x_t, t):
+        a = self.sqrt_recip_alphas_cumprod.gather(-1, t).reshape(-1, 1)
+        b = self.sqrt_recipm1_alphas_cumprod.gather(-1, t).reshape(-1, 1)
+        return (a * x_t - b * self.net(x_t)).pow(2).mean()
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_an_inf_a_module_holds_in_a_buffer_since_construction_keeps_its_origin(tmp_path, backend):
+    # Found on lucidrains/denoising-diffusion-pytorch with a schedule whose alphas_cumprod reaches 0:
+    # sqrt(1 / alphas_cumprod) is +inf in a buffer, harmless until a step draws the last timestep.
+    # The report said "gather turned finite inputs into +inf" and advised a lower learning rate.
+    torch.manual_seed(0)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        model = _Schedule()
+        for last in (3, 3, 4):  # timesteps 0..4; the third step draws the last one
+            model(torch.randn(4, 4), torch.tensor([0, 1, 2, last])).backward()
+    o = origin(open_run(tmp_path / "r"))
+    assert o is not None and o.chain[0].op == "aten.sub.Tensor"  # inf - inf: the NaN
+    assert o.origin.op == "aten.reciprocal", (o.origin.op, o.origin.explanation)
+    assert o.origin.file.endswith("test_taint.py") and o.origin.function == "__init__"
