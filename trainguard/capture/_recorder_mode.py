@@ -236,11 +236,19 @@ class _DispatchMode(TorchDispatchMode):
                 for t in group:
                     key = id(t)
                     e = named.get(key)
+                    p = producers.get(key)
+                    if p is not None and p[0]() is not t:
+                        p = None
                     if e is not None and e[0]() is t:
                         inputs.append((e[2], e[1]))
+                        # its state is its producer's: a buffer made before its module first ran
+                        # (a noise schedule's +inf) keeps the origin it was made with
+                        if states and p is not None and not (info[7] and first is None):
+                            st = states.get(p[1])
+                            if st is not None and st[0] >= PENDING and st[0] > in_taint:
+                                in_taint, in_origin = st
                     else:
-                        p = producers.get(key)
-                        if p is not None and p[0]() is t:
+                        if p is not None:
                             inputs.append(("op", p[1]))
                             # (an overwrite, copy_ or fill_, does not count its first input's old values)
                             if states and not (info[7] and first is None):

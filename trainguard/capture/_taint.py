@@ -240,6 +240,11 @@ class Tracker:
         # name -> op_classes entry, for an op judge() meets first (the native core's records)
         self.resolve_op = None
         self._last_phase = None
+        # parameter or buffer name -> the seq of the op whose pending or harmful value it holds:
+        # records name such inputs, not their producer, and a buffer made before its module first
+        # ran (a noise schedule's +inf) keeps the origin it was made with. Set when it is named
+        # (the native core's ModuleTracker.on_named) and by in-place writes into it.
+        self.named: dict[str, int] = {}
 
     # ------------------------------------------------------------------ judging
     def settle(self, seq: int, step: int, phase: str, op: str, cls: int, param_write: bool, in_taint: int,
@@ -444,16 +449,23 @@ class Tracker:
             fixed = None
             for i, (kind, ref) in enumerate(ins):
                 if kind != "op":
-                    if kind != WRITTEN:
+                    if kind == "param" or kind == "buffer":
+                        ref = self.named.get(ref)  # stored by name, judged by what it holds
+                        if ref is None:
+                            continue
+                    elif kind != WRITTEN:
                         continue
-                    if fixed is None:
-                        fixed = list(ins)
-                    fixed[i] = ("op", ref)  # stored as any producer is
+                    else:
+                        if fixed is None:
+                            fixed = list(ins)
+                        fixed[i] = ("op", ref)  # stored as any producer is
                 if not states or (i == 0 and overwrite):
                     continue
                 st = states.get(ref)
                 if st is None or (kind == WRITTEN and st[0] == UNKNOWN):  # uninitialised no more
                     continue
+                if st[0] < PENDING and kind != "op" and kind != WRITTEN:
+                    continue  # a parameter or buffer passes on only a pending or harmful value
                 if st[0] > in_taint or (st[0] == in_taint and st[1] is not None
                                         and (in_origin is None or st[1] < in_origin)):
                     in_taint, in_origin = st
@@ -469,6 +481,11 @@ class Tracker:
             if health or in_taint or cls == ALLOC:
                 taint, origin = self.settle(seq, step, phase, op, cls, param_write, in_taint, in_origin, health,
                                             rec[8], rec[6], fields, rec[10], (rec[4], rec[5], None))
+            if inplace and ins and (ins[0][0] == "param" or ins[0][0] == "buffer"):
+                if taint >= PENDING:
+                    self.named[ins[0][1]] = seq
+                else:
+                    self.named.pop(ins[0][1], None)
             rec = rec[:7] + (health,) + rec[8:11] + (taint, origin)
             if taint == PENDING:
                 self.keep(rec)

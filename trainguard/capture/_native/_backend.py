@@ -94,9 +94,15 @@ class NativeBackend:
         self.mod.set_in_optimizer(_steps.clock.in_optimizer)
         _steps.clock.on_in_optimizer.append(self.mod.set_in_optimizer)
         rec.modules.on_change = self.core.set_module
-        rec.modules.on_named = self.core.name_tensor
+        rec.modules.on_named = self._on_named
         self.thread = threading.Thread(target=self._drain_loop, name="trainguard-native-drain", daemon=True)
         self.thread.start()
+
+    def _on_named(self, t, name: str, kind: str) -> None:
+        self.core.name_tensor(t, name, kind)
+        p = self.core.producer_of(t)
+        if p is not None and p[1] != 0:  # made not finite (before its module first ran): keep its state
+            self.rec.taint.named[name] = p[0]
 
     def stop(self) -> None:
         self.core.stop()
