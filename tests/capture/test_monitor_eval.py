@@ -500,3 +500,36 @@ def test_a_test_set_evaluated_after_training_is_not_the_last_validation_point(tm
         test_loss = _evaluate(model, x, y, test_rows)
     got = [v for _, v in scalars(tmp_path / "run", "val_loss")]
     assert got == pytest.approx(wanted, rel=1e-5), (got, wanted, test_loss)
+
+
+@pytest.mark.parametrize("sample_every", [10, 0])
+def test_an_ema_copy_run_only_to_sample_is_not_trained_not_frozen(tmp_path, sample_every):
+    """lucidrains/denoising-diffusion-pytorch's training: ema_pytorch keeps a deepcopy of the model
+    with requires_grad_(False), lerped towards it after each step, and samples from it under
+    inference_mode (here every 10 steps, or once after training). It got "141 of 282 parameters
+    are frozen ... otherwise set `requires_grad=True`" (both times) beside "not trained" (the first)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = mlp()
+    ema = copy.deepcopy(model).requires_grad_(False).eval()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = data(64, 0)
+    with Monitor(None, tmp_path / "run", every=5) as mon:
+        for step in range(30):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters()):
+                    e.lerp_(p, 0.01)
+            if sample_every and (step + 1) % sample_every == 0:
+                with torch.inference_mode():
+                    ema(torch.randn(4, x.shape[1]))
+        if not sample_every:
+            with torch.inference_mode():
+                ema(torch.randn(4, x.shape[1]))
+    kinds = [f.kind for f in mon.findings]
+    assert "params_frozen" not in kinds, [(f.kind, f.title, f.suggestion) for f in mon.findings]
+    assert "model_not_trained" in kinds
