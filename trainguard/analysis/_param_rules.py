@@ -55,8 +55,16 @@ def untrained_models(ctx: Context) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for p in ctx.params:
         groups.setdefault(next((x for x in prefixes if p.startswith(x)), ""), []).append(p)
-    return {pre: ps for pre, ps in groups.items()
-            if all(_all_zero(ctx, p, "present") and _all_zero(ctx, p, "in_optimizer") for p in ps)}
+    return {pre: ps for pre, ps in groups.items() if all(_untrained(ctx, p) for p in ps)}
+
+
+def _untrained(ctx: Context, p: str) -> bool:
+    info = ctx.params.get(p, {})
+    if not info.get("requires_grad", True) and not info.get("optimizer"):
+        # frozen and in no optimizer: an EMA copy run only to sample after (or between) the
+        # recordings has no statistics, and needs none
+        return True
+    return _all_zero(ctx, p, "present") and _all_zero(ctx, p, "in_optimizer")
 
 
 def _trainable(ctx: Context) -> list[str]:
@@ -264,7 +272,8 @@ def _rounded_away(ctx: Context, low: dict[str, str], lr: float | None) -> str:
 
 @register_rule("params_frozen")
 def params_frozen(ctx: Context) -> list[Finding]:
-    frozen = [p for p, info in ctx.params.items() if not info.get("requires_grad", True)]
+    aside = {p for ps in untrained_models(ctx).values() for p in ps}  # model_not_trained says it
+    frozen = [p for p, info in ctx.params.items() if not info.get("requires_grad", True) and p not in aside]
     if not frozen:
         return []
     return [
