@@ -198,3 +198,43 @@ def test_fsdp2_copy_in_of_a_nan_shard_stays_harmful(tmp_path):
         (div,) = [e for e in run.executions() if e["op"].startswith("aten.div")]
         (e,) = [e for e in run.executions() if e["op"] == "fsdp.all_gather_copy_in"]
         assert div["taint"] == "harmful" and (e["taint"], e["origin"]) == ("harmful", div["seq"])
+
+
+def _glorot_through_data(rows: int, cols: int) -> nn.Parameter:
+    # torch_geometric.nn.dense.Linear: ``Parameter(torch.empty(out, in))``, then
+    # torch_geometric/nn/inits.py ``glorot``: ``value.data.uniform_(-stdv, stdv)``. ``.data`` is
+    # an ``aten.detach`` of the Parameter, which torch made from the ``empty`` below any dispatch mode.
+    w = nn.Parameter(torch.empty(rows, cols))
+    stdv = (6.0 / (rows + cols)) ** 0.5
+    w.data.uniform_(-stdv, stdv)
+    return w
+
+
+@pytest.mark.usefixtures("nan_empty")
+def test_parameter_of_empty_initialised_through_data_passes_check_numerics():
+    # PyG's GAT, GIN and link-prediction examples stopped at aten.detach in their __init__
+    # ("came from outside the recording") whenever the allocator handed back a NaN bit pattern.
+    with tg.check_numerics():
+        w = _glorot_through_data(8, 8)
+        loss = (torch.randn(4, 8) @ w).sum()
+        loss.backward()
+    assert torch.isfinite(w.grad).all()
+
+
+@pytest.mark.usefixtures("nan_empty")
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_parameter_of_empty_is_unknown_until_written(tmp_path, backend):
+    with tg.record(tmp_path / "run", backend=backend, buffer=-1, mode="full_health"):
+        w = nn.Parameter(torch.empty(8, 8))
+        with torch.no_grad():
+            never_written = w.clone()  # a copy of uninitialised memory: unknown
+        _glorot_through_data(8, 8)
+    assert torch.isnan(never_written).all()
+    with tg.open(tmp_path / "run") as run:
+        assert run.meta.get("backend") == backend
+        detaches = [e for e in run.executions() if e["op"] == "aten.detach"]
+        # (the dispatch mode sees ``.data`` as a detach, the native core the one ``Parameter()`` runs)
+        assert detaches and all(e["taint"] == "unknown" for e in detaches)
+        (clone,) = [e for e in run.executions() if e["op"] == "aten.clone"]
+        assert clone["taint"] == "unknown"
+        assert run.alerts()["total"] == 0 and run.first_harm() is None
