@@ -154,6 +154,11 @@ def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
     detached = {r[0]: r[8][0][1] for r in pr if r[0] in mode_seqs and r[3] == "aten.detach.default"
                 and r[8] and r[8][0][0] == "op"}
 
+    # The detach inside nn.Parameter() that only the native core sees: the dispatch mode gives
+    # the Parameter the producer of the tensor it was made from (capture/_params.py).
+    plain_alias = {r[0]: r[8][0][1] for r in nr if r[0] in plain_seqs and r[3] == "aten.detach.default"
+                   and r[8] and r[8][0][0] == "op"}
+
     def mapped(seq):
         """A recorded op's native number; for one filtered out, by the offset of the last recorded
         op before it (both backends number every op)."""
@@ -193,6 +198,8 @@ def compare(py: dict, nat: dict) -> tuple[list[str], dict]:
                 want = ("op", mapped(a[1])) if a[0] == "op" else a
                 if a == ("input", None) and b[0] == "op" and b[1] in plain_seqs:
                     continue  # made by an op the mode cannot see
+                if b[0] == "op" and want == ("op", plain_alias.get(b[1])):
+                    continue  # a Parameter: the mode names the tensor it was made from
                 if want != b:
                     problems.append(f"{where}: input {a} (-> {want}) vs {b}")
         if not _same_summary(p[10], n[10]):

@@ -22,7 +22,16 @@ from typing import Any
 
 import torch
 
-from trainguard.capture import _compile, _loss_watch, _monitor_tap, _reads, _recorder_mode, _steps, _swap
+from trainguard.capture import (
+    _compile,
+    _loss_watch,
+    _monitor_tap,
+    _params,
+    _reads,
+    _recorder_mode,
+    _steps,
+    _swap,
+)
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.capture._local import stats_written, written_args
 from trainguard.capture._modules import ModuleTracker
@@ -222,6 +231,7 @@ class Recorder(FlushHooks, HarmHooks):
         self.modules.install()
         _swap.hold(self._release)
         _reads.install(self)
+        _params.install(self)
         _monitor_tap.add_listener("root", self.on_backward)
         self._thread = threading.get_ident()
         self.last_nr = _get_seq_nr()
@@ -256,6 +266,7 @@ class Recorder(FlushHooks, HarmHooks):
             self.modules.remove()
             _swap.unhold(self._release)
             _reads.remove(self)
+            _params.remove(self)
             _monitor_tap.remove_listener("root", self.on_backward)
             self.stacks.release_frames()
             if self._on_step in _steps.clock.on_step:
@@ -313,6 +324,16 @@ class Recorder(FlushHooks, HarmHooks):
         if p is not None and p[0]() is t:
             del self.producers[id(t)]
         return self.modules.release(t)
+
+    def on_alias(self, source: _Tensor, alias: _Tensor) -> None:
+        """``alias`` (a Parameter, capture/_params) holds ``source``'s values, made where the
+        dispatch mode does not see it: it takes ``source``'s producer. The native core sees that
+        ``detach`` itself."""
+        if not self.active or self._native is not None or threading.get_ident() != self._thread:
+            return
+        p = self.producers.get(id(source))
+        if p is not None and p[0]() is source:
+            _register(self, self.producers, alias, p[1], p[2], p[3], p[4])
 
     # ------------------------------------------------------------------ hot path helpers
     def _info(self, func) -> tuple:
