@@ -533,3 +533,68 @@ def test_an_ema_copy_run_only_to_sample_is_not_trained_not_frozen(tmp_path, samp
     kinds = [f.kind for f in mon.findings]
     assert "params_frozen" not in kinds, [(f.kind, f.title, f.suggestion) for f in mon.findings]
     assert "model_not_trained" in kinds
+
+
+class _GraphConv(nn.Module):
+    """torch_geometric.nn.GCNConv's message passing without its normalisation: a linear map, then
+    each node sums the rows of its in-neighbours (PyG's ``propagate`` with ``aggr="add"``)."""
+
+    def __init__(self, i: int, o: int):
+        super().__init__()
+        self.lin = nn.Linear(i, o)
+
+    def forward(self, x, edge_index):
+        h = self.lin(x)
+        return torch.zeros_like(h).index_add_(0, edge_index[1], h[edge_index[0]]) / 4 + h
+
+
+class _LinkNet(nn.Module):
+    """PyG examples/link_pred.py's Net: the loop calls ``encode`` and ``decode``, never ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = _GraphConv(16, 32)
+        self.conv2 = _GraphConv(32, 16)
+
+    def encode(self, x, edge_index):
+        return self.conv2(self.conv1(x, edge_index).relu(), edge_index)
+
+    def decode(self, z, pairs):
+        return (z[pairs[0]] * z[pairs[1]]).sum(-1)
+
+
+def test_link_prediction_on_one_graph_is_not_leakage(tmp_path):
+    """PyG examples/link_pred.py (transductive): the same node features go through ``encode`` in
+    training and in evaluation, and the splits are edges. Under ``trainguard run --monitor`` its
+    two convolutions were found as two models (``forward`` never runs), and the second one's input
+    rows, hidden activations of the whole graph, read as 75% of the validation rows copied from
+    training: a ``train_val_leakage`` warning on a healthy run."""
+    torch.manual_seed(0)
+    n = 200
+    x = torch.randn(n, 16)
+    edges = torch.randint(0, n, (2, 600))
+    train_e, val_e, test_e = edges[:, :500], edges[:, 500:550], edges[:, 550:]
+    model = _LinkNet()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def test(edge_index, pairs):  # link_pred.py's test(data)
+        model.eval()
+        with torch.no_grad():
+            z = model.encode(x, edge_index)
+            out = model.decode(z, pairs).sigmoid()
+        return out
+
+    with Monitor(None, tmp_path / "run", every=5) as mon:
+        for _ in range(30):
+            model.train()
+            opt.zero_grad()
+            z = model.encode(x, train_e)
+            neg = torch.randint(0, n, (2, 500))
+            out = model.decode(z, torch.cat([train_e, neg], 1))
+            label = torch.cat([torch.ones(500), torch.zeros(500)])
+            F.binary_cross_entropy_with_logits(out, label).backward()
+            opt.step()
+            test(train_e, val_e)  # val_data.edge_index: the training edges
+            test(torch.cat([train_e, val_e], 1), test_e)  # test_data's: the validation edges added
+    problems = [(f.kind, f.title) for f in mon.findings if f.is_problem]
+    assert problems == [], problems
