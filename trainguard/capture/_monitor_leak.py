@@ -30,6 +30,14 @@ A validation set is usually evaluated again and again (every epoch): a validatio
 signature equals an earlier validation row's is that sample again (``seen_before``), and its
 copy of a training row is counted once, so that one duplicate in a validation set evaluated
 four times is not four copies (the diagnosis lets one or two pass as chance).
+
+Only a model fed with data is hashed. A watched model whose training input was computed with
+autograd (another watched model's output) is fed activations, which are no samples: PyG's
+link-prediction example calls ``model.encode`` (``conv2(conv1(x).relu())``), never ``forward``,
+so ``trainguard run --monitor`` finds the two convolutions as two models, and the second one's
+input rows, the hidden features of the whole graph, are evaluated in every pass as they are
+trained on (a ``train_val_leakage`` warning on a healthy run). Such a model (``forget``) is left
+out, its rows hashed before it was known included.
 """
 
 from __future__ import annotations
@@ -79,9 +87,19 @@ class LeakWatch:
         self._passes: dict[tuple, int] = {}  # this evaluation's passes, by where the script ran them
         self._first_passes: set[int] = set()  # the passes that began an evaluation
         self._train_since_eval = True
+        self._fed: set[int] = set()  # models fed with another model's output (see the module doc)
 
-    def on_forward(self, x: Any, evaluating: bool, step: int) -> None:
-        """Hash sampled rows of ``x`` (the input of a watched model's forward)."""
+    def forget(self, source: int) -> None:
+        """``source`` is fed activations, not data: its rows, hashed or to come, are no samples."""
+        if source not in self._fed:
+            self._fed.add(source)
+            self._sketches = {k: sk for k, sk in self._sketches.items() if k[0] != source}
+
+    def on_forward(self, x: Any, evaluating: bool, step: int, source: int = 0) -> None:
+        """Hash sampled rows of ``x`` (the input of a watched model's forward; ``source`` names
+        the model)."""
+        if source in self._fed:
+            return
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] == 0 or x.is_complex():
             return
         if x.layout != torch.strided or x.is_meta:
@@ -90,7 +108,7 @@ class LeakWatch:
         if width < MIN_FEATURES:
             return
         exact_only = not x.is_floating_point()
-        key = (width, str(x.device), exact_only)
+        key = (source, width, str(x.device), exact_only)
         sk = self._sketches.get(key)
         if sk is None:
             if len(self._sketches) >= MAX_SHAPES:
