@@ -182,6 +182,34 @@ def test_masks_in_the_forward_pass_stay_intended_through_backward(tmp_path):
     assert g["values"] == 4 and x.grad is not None and torch.isfinite(x.grad).all()
 
 
+def _edge_softmax(e, dst, nodes):
+    """A softmax over each node's incoming edges, written by hand as GAT code before PyG's
+    ``torch_geometric.utils.softmax`` did it: the per-node max starts at ``-inf``
+    (``scatter_reduce(..., "amax")``), and a node without incoming edges keeps it."""
+    mx = torch.full((nodes,), -INF).scatter_reduce(0, dst, e, "amax", include_self=True)
+    a = (e - mx[dst]).exp()
+    return a / torch.zeros(nodes).index_add_(0, dst, a)[dst]
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_an_inf_autograd_saved_is_not_a_gradient_when_backward_unpacks_it(tmp_path, backend):
+    # scatter_reduce saves its -inf output for backward; the dispatch mode's detach that unpacks it
+    # runs in the backward pass and was judged a gradient: check_numerics stopped a healthy GAT.
+    e = torch.randn(6, requires_grad=True)
+    dst = torch.tensor([0, 0, 1, 2, 2, 2])  # nodes 3 and 4: no incoming edge
+
+    def f():
+        _edge_softmax(e, dst, 5).pow(2).sum().backward()
+
+    with tg.check_numerics():
+        f()
+    assert torch.isfinite(e.grad).all()
+    run = record(tmp_path, f, backend=backend)
+    assert run.meta["backend"] == backend
+    assert run.alerts()["total"] == 0 and run.first_harm() is None
+    assert [g["made_by"] for g in run.intended()] == ["aten.full.default"]
+
+
 class _CausalAttention(nn.Module):
     """GPT-2's eager attention in small: scores, a causal ``-inf`` mask, softmax."""
 
