@@ -269,7 +269,10 @@ class Tracker:
         if cls == RENORM and in_taint == PENDING:  # softmax took the mask's -inf, whatever it made
             self._absorbed(in_origin, name)
         reason = None
-        if taint == PENDING and (phase == "backward" or phase == "optimizer" or param_write):
+        # A view in the backward pass holds a forward value, not a gradient: the dispatch mode's
+        # detach that unpacks an output autograd saved (scatter_reduce's -inf max of a node with
+        # no incoming edge). What backward computes from it is judged where it is computed.
+        if taint == PENDING and ((phase == "backward" and cls != VIEW) or phase == "optimizer" or param_write):
             taint = HARMFUL
             reason = "gradient" if phase == "backward" else "optimizer" if phase == "optimizer" else "parameter"
         elif taint == HARMFUL and in_taint != HARMFUL:
