@@ -234,6 +234,24 @@ def test_exp_overflow_with_and_without_stats(tmp_path):
     assert o.origin.explanation.startswith("exp overflow: an input value too large")
 
 
+@pytest.mark.parametrize("mode", ["full_health", "stats"])
+def test_a_negative_power_of_a_zero_degree_is_not_called_an_overflow(tmp_path, mode):
+    # Kipf & Welling's normalisation written by hand (PyG's gcn_norm guards it with masked_fill):
+    # the degree of an isolated node is 0, and 0 ** -0.5 is inf; 0 * inf at the aggregation.
+    dst = torch.tensor([0, 1, 1, 2])  # node 3: no edge
+
+    def f():
+        deg = torch.zeros(4).index_add_(0, dst, torch.ones(4))
+        dinv = deg.pow(-0.5)
+        agg = torch.zeros(4).index_add_(0, dst, dinv[dst])
+        return (dinv * agg).sum().item()
+
+    o = origin(record(tmp_path, f, mode=mode))
+    assert o.origin.op == "aten.pow.Tensor_Scalar"
+    assert o.origin.explanation == "pow of an input with 1 zero -> +inf: a negative power of 0 (1 / 0)"
+    assert "clamp" in o.suggestion and "masked_fill" in o.suggestion and "x.clamp(max=80)" not in o.suggestion
+
+
 def test_backward_sqrt_at_zero(tmp_path):
     w = torch.zeros(3, requires_grad=True)
 
