@@ -351,6 +351,9 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
         return f"sqrt of {negs} negative values -> NaN" if negs else f"sqrt made {made}"
     if base in _RSQRTS:
         return f"rsqrt of an input with {_plural(_count(s0, 'zero'), 'zero')} and {_count(s0, 'neg')} negative values"
+    if _power_of_zero(link):
+        return (f"{base} of an input with {_plural(_count(s0, 'zero'), 'zero')} -> +inf: a negative power of 0 "
+                "(1 / 0)")
     if base in _EXPS:
         mx = (s0 or {}).get("max")
         if isinstance(mx, float) and mx == mx:
@@ -467,6 +470,17 @@ def _finite_known(summary: dict | None) -> bool:
     return has_health and not _unknown(summary) and not _is_bad(summary)
 
 
+def _power_of_zero(link: Link) -> bool:
+    """``x ** p`` with ``p < 0`` where ``x`` holds zeros (a node's degree of 0 in a GCN
+    normalisation written by hand, ``deg.pow(-0.5)``): no more ``+inf`` than the base has zeros.
+    The exponent is not recorded; an overflow of a positive power needs large values, not zeros."""
+    if op_base(link.op) not in ("pow", "pow_") or not link.inputs or not link.outputs:
+        return False
+    zeros = _count(link.inputs[0].get("summary"), "zero")
+    infs = _count(link.outputs[0].get("summary"), "pos_inf")
+    return 0 < infs <= zeros
+
+
 def _forward_reason(fbase: str) -> str:
     if fbase in _SQRTS or fbase in ("norm", "linalg_vector_norm", "vector_norm"):
         return f"d/dx {fbase}(x) divides by {fbase}(x), which is 0 at x = 0 (e.g. the norm of a zero vector)"
@@ -490,6 +504,9 @@ _SUGGESTIONS = {
     "use torch.log_softmax or F.cross_entropy, which never take the log of 0",
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
     "sqrt": "add an epsilon inside the root, torch.sqrt(x + 1e-12), or clamp(min=0) a value that can dip below 0",
+    "pow_zero": "a negative power of 0 is inf: clamp the base first, x.clamp(min=1e-12) ** p, or set the infinities "
+    "to 0 right after, as PyG's gcn_norm does for nodes of degree 0 "
+    "(deg_inv_sqrt.masked_fill_(deg_inv_sqrt == float('inf'), 0)), or add self loops so that no degree is 0",
     "exp": "subtract the maximum first (logsumexp / softmax do) or clamp the input, e.g. x.clamp(max=80)",
     "softplus": "log(1 + exp(x)) is torch.nn.functional.softplus(x), which computes it without overflow (x itself "
     "where x is large)",
@@ -641,6 +658,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
             return _SUGGESTIONS["std_grad"]
     if base in _LOGS:
         return _SUGGESTIONS["log"]
+    if link.phase != "backward" and _power_of_zero(link):
+        return _SUGGESTIONS["pow_zero"]
     if base in _DIVS:
         return _SUGGESTIONS["div"]
     if base in _SQRTS or base in _RSQRTS:
