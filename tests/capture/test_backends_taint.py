@@ -64,6 +64,17 @@ def _garbage():
     return program
 
 
+def _nt_xent_masked_diagonal():
+    # SimCLR's NT-Xent (sthalles/SimCLR): the diagonal masked with -inf before cross_entropy;
+    # log_softmax makes -inf there and saves it for its backward, which absorbs it.
+    def program():
+        torch.manual_seed(0)
+        z = nn.functional.normalize(torch.randn(6, 4, requires_grad=True), dim=1)
+        sim = (z @ z.T / 0.5).masked_fill(torch.eye(6, dtype=torch.bool), -INF)
+        nn.functional.cross_entropy(sim, torch.tensor([3, 4, 5, 0, 1, 2])).backward()
+    return program
+
+
 def _param_and_optimizer():
     def make():
         lin = nn.Linear(3, 2)
@@ -89,6 +100,7 @@ PROGRAMS = {
     "read_pending_inf": (_read_pending_inf, {"harmful", "intended"}),
     "garbage": (_garbage, {"unknown"}),
     "param_and_optimizer": (_param_and_optimizer(), {"harmful"}),
+    "nt_xent_masked_diagonal": (_nt_xent_masked_diagonal, {"intended"}),
 }
 
 

@@ -244,6 +244,38 @@ def test_a_mask_recomputed_by_activation_checkpointing_stays_intended(tmp_path, 
         f()
 
 
+def _nt_xent(z1, z2, temperature=0.5):
+    """SimCLR's NT-Xent as popular repos write it (sthalles/SimCLR, the Lightning SimCLR tutorial):
+    the similarity of each sample to itself masked with ``-inf``, then ``cross_entropy``, whose
+    ``log_softmax`` makes ``-inf`` there (log of 0) and saves that output for its backward."""
+    z = torch.nn.functional.normalize(torch.cat([z1, z2]), dim=1)
+    n = z1.shape[0]
+    sim = (z @ z.T / temperature).masked_fill(torch.eye(2 * n, dtype=torch.bool), -INF)
+    return torch.nn.functional.cross_entropy(sim, torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_an_inf_that_autograd_saved_for_backward_is_not_a_gradient(tmp_path, backend):
+    """The saved ``log_softmax`` output, unpacked in the backward pass (a ``detach`` the dispatch
+    mode sees there), is a forward value its backward absorbs, not a gradient."""
+    torch.manual_seed(0)
+    enc = nn.Linear(6, 4)
+    x1, x2 = torch.randn(3, 6), torch.randn(3, 6)
+
+    def f():
+        _nt_xent(enc(x1), enc(x2)).backward()
+
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        f()
+    run = open_run(tmp_path / "r")
+    assert run.alerts()["total"] == 0 and run.first_harm() is None
+    assert {(g["made_by"], g["absorbed_by"]) for g in run.intended()} >= {
+        ("aten.masked_fill.Scalar", "aten._log_softmax.default")}
+    assert torch.isfinite(enc.weight.grad).all()
+    with tg.check_numerics():  # `trainguard run --check-numerics` stopped SimCLR at step 0
+        f()
+
+
 def test_an_inf_gradient_of_a_backward_with_create_graph_is_harmful(tmp_path):
     """Grad mode is on in a backward pass that builds a graph (a gradient penalty): its infinite
     gradients are still gradients, unlike a checkpoint's recomputed forward."""
