@@ -410,3 +410,36 @@ def test_log_of_one_plus_exp_is_told_to_use_softplus(tmp_path, spelling):
     o = origin(record(tmp_path, loss))
     assert o.origin.op == "aten.exp"
     assert "torch.nn.functional.softplus" in o.suggestion, o.suggestion
+
+
+class _LogitScale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self):
+        return self.logit_scale.exp()
+
+
+@pytest.mark.parametrize("in_module", [True, False])
+def test_exp_of_a_learned_log_scale_is_told_to_clamp_the_parameter(tmp_path, in_module):
+    # open_clip's CLIP/SigLIP: logit_scale is a parameter used as logit_scale.exp(), clamped to
+    # [0, ln 100] after each optimizer step (open_clip_train/train.py). Without the clamp and with a
+    # high rate the update pushes it past 88.7 and exp overflows; the fix said to subtract the
+    # maximum or clamp the input, where the input is the parameter the optimizer grew.
+    model = _LogitScale()
+    opt = torch.optim.SGD(model.parameters(), lr=100.0)
+
+    def train():
+        for _ in range(2):
+            scale = model() if in_module else model.logit_scale.exp()  # a bare parameter has no name
+            loss = -scale * 0.5  # the loss falls as the scale grows
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    o = origin(record(tmp_path, train))
+    assert o.origin.op == "aten.exp" and o.origin.step == 1
+    assert "optimizer.step()" in o.suggestion and "clamp_(0, math.log(100))" in o.suggestion, o.suggestion
+    assert "subtract the maximum" not in o.suggestion, o.suggestion
+    assert ("model.logit_scale.clamp_" in o.suggestion) == in_module, o.suggestion
