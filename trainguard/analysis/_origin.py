@@ -148,7 +148,7 @@ def _input_info(run: Run, item: dict) -> dict:
             producer=prod["seq"], producer_op=prod["op"], summary=summary, description=describe_summary(summary),
             shape=prod["outputs"][0].get("shape") if prod["outputs"] else None,
             file=fr["filename"] if fr else None, line=fr["lineno"] if fr else None,
-            taint=prod.get("taint"), origin_seq=prod.get("origin"),
+            taint=prod.get("taint"), origin_seq=prod.get("origin"), producer_phase=prod.get("phase"),
         )
     elif item["kind"] == "op":
         info.update(producer=item.get("producer"), description="its producer is no longer in the run (evicted)")
@@ -628,6 +628,17 @@ def _overflow_before_any_update(fed: int | None) -> str:
     return f"{text}: check the scale of the initialisation and of the inputs (normalise them)"
 
 
+def _exp_of_parameter(name: str) -> str:
+    """The exp of a parameter overflowed: a learned log-scale or log-temperature (CLIP's
+    ``logit_scale.exp()``) that the updates grew past the dtype's range, not a computation whose
+    maximum can be subtracted."""
+    named = f" '{name}'" if name else ""
+    return (f"the exponent is the parameter{named} (a learned log-scale, as CLIP's logit_scale), which the "
+            "optimizer grew past what exp can hold: bound it after each optimizer.step(), as open_clip does, "
+            f"`with torch.no_grad(): {'model.' + name if name else 'logit_scale'}.clamp_(0, math.log(100))`, "
+            "and/or give it a lower learning rate")
+
+
 def _into_log_one_plus(consumers: list[str]) -> bool:
     """Whether the ops after the origin (nearest first) take ``log1p`` of it, or ``log`` of it plus
     something (``log(1 + exp(x))``)."""
@@ -665,6 +676,12 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     if base in _SQRTS or base in _RSQRTS:
         return _SUGGESTIONS["sqrt"]
     if base in _EXPS:
+        if base in ("exp", "exp_") and link.phase == "forward":
+            # the exponent is a parameter: by name once its module ran, else as what the optimizer wrote
+            param = next((i.get("name") or "" for i in link.inputs if i.get("kind") == "param"
+                          or i.get("producer_phase") == "optimizer"), None)
+            if param is not None:
+                return _exp_of_parameter(param)
         return _SUGGESTIONS["softplus" if base == "exp" and _into_log_one_plus(consumers) else "exp"]
     if base in _STDS and _reduced_count(link) == 1:
         return _SUGGESTIONS["std"]
