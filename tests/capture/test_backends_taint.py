@@ -75,6 +75,18 @@ def _nt_xent_masked_diagonal():
     return program
 
 
+def _temperature_zero():
+    # MoCo's logits /= self.T (facebookresearch/moco moco/builder.py) with T = 0: +-inf into
+    # cross_entropy's log_softmax, NaN there; the division is the origin.
+    def program():
+        torch.manual_seed(0)
+        q = nn.functional.normalize(torch.randn(4, 8, requires_grad=True), dim=1)
+        logits = q @ nn.functional.normalize(torch.randn(8, 6), dim=0)
+        logits /= 0.0
+        nn.functional.cross_entropy(logits, torch.zeros(4, dtype=torch.long)).backward()
+    return program
+
+
 def _param_and_optimizer():
     def make():
         lin = nn.Linear(3, 2)
@@ -101,6 +113,7 @@ PROGRAMS = {
     "garbage": (_garbage, {"unknown"}),
     "param_and_optimizer": (_param_and_optimizer(), {"harmful"}),
     "nt_xent_masked_diagonal": (_nt_xent_masked_diagonal, {"intended"}),
+    "temperature_zero": (_temperature_zero, {"harmful"}),
 }
 
 

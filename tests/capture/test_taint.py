@@ -276,6 +276,32 @@ def test_an_inf_that_autograd_saved_for_backward_is_not_a_gradient(tmp_path, bac
         f()
 
 
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_plus_inf_into_softmax_is_the_origin_of_its_nan_not_softmax(tmp_path, backend):
+    """MoCo's ``logits /= self.T`` (facebookresearch/moco moco/builder.py) with a temperature of 0
+    makes +inf and -inf; cross_entropy's log_softmax turns the row into NaN. Softmax absorbs a
+    -inf mask by design, never a +inf: the division is the origin, and nothing is intended."""
+    torch.manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(4, 8, requires_grad=True), dim=1)
+    queue = torch.nn.functional.normalize(torch.randn(8, 6), dim=0)
+
+    def f():
+        logits = torch.cat([(q * q.detach()).sum(1, keepdim=True), q @ queue], dim=1)
+        logits /= 0.0  # T = 0
+        torch.nn.functional.cross_entropy(logits, torch.zeros(4, dtype=torch.long)).backward()
+
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        f()
+    run = open_run(tmp_path / "r")
+    first = run.first_harm()
+    assert first["op"] == "aten._log_softmax.default" and first["reason"] == "nan"
+    assert run.execution(first["origin"])["op"] == "aten.div_.Tensor"
+    assert run.intended() == []
+    with pytest.raises(tg.NonFiniteError, match=r"^aten\.div_\.Tensor produced"):
+        with tg.check_numerics():
+            f()
+
+
 def test_an_inf_gradient_of_a_backward_with_create_graph_is_harmful(tmp_path):
     """Grad mode is on in a backward pass that builds a graph (a gradient penalty): its infinite
     gradients are still gradients, unlike a checkpoint's recomputed forward."""
