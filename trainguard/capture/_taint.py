@@ -266,8 +266,14 @@ class Tracker:
             return HARMFUL, in_origin
         taint, origin = propagate(cls, in_taint, in_origin, health, seq)
         name = shown or op
-        if cls == RENORM and in_taint == PENDING:  # softmax took the mask's -inf, whatever it made
-            self._absorbed(in_origin, name)
+        if cls == RENORM and in_taint == PENDING:
+            o = self.origins.get(in_origin)
+            if taint != FINITE and o is not None and o[1] in ("+inf", "±inf"):
+                # A mask is -inf; a +inf is no mask, and softmax makes NaN of it (exp(inf - inf)):
+                # what it outputs is the +inf's (MoCo's logits /= T with T = 0), not softmax's own.
+                origin = in_origin
+            else:  # softmax took the mask's -inf, whatever it made
+                self._absorbed(in_origin, name)
         reason = None
         # A view in the backward pass holds a forward value, not a gradient: the dispatch mode's
         # detach that unpacks an output autograd saved (scatter_reduce's -inf max of a node with
