@@ -614,3 +614,57 @@ def test_units_dead_from_initialisation_are_not_blamed_on_a_rate_too_high(tmp_pa
     assert "lr_too_high" in problems and "dead_units" in problems and "explained_by" not in dead.evidence
     dead, problems = finding(tmp_path / "grew", 0.0)
     assert problems == ["lr_too_high"] and dead.evidence["explained_by"] == ["lr_too_high"]
+
+
+class _MoCo(nn.Module):
+    """facebookresearch/moco moco/builder.py in small: a query encoder, a key encoder updated by
+    momentum under no_grad (requires_grad False), a queue of negatives (a buffer) and logits / T."""
+
+    def __init__(self, dim=16, K=128, m=0.999, T=0.07):
+        super().__init__()
+        self.K, self.m, self.T = K, m, T
+        self.encoder_q = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, dim))
+        self.encoder_k = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, dim))
+        for pq, pk in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
+            pk.data.copy_(pq.data)
+            pk.requires_grad = False
+        self.register_buffer("queue", nn.functional.normalize(torch.randn(dim, K), dim=0))
+        self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, im_q, im_k):
+        q = nn.functional.normalize(self.encoder_q(im_q), dim=1)
+        with torch.no_grad():
+            for pq, pk in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
+                pk.data = pk.data * self.m + pq.data * (1.0 - self.m)
+            k = nn.functional.normalize(self.encoder_k(im_k), dim=1)
+        l_pos = torch.einsum("nc,nc->n", [q, k]).unsqueeze(-1)
+        l_neg = torch.einsum("nc,ck->nk", [q, self.queue.clone().detach()])
+        logits = torch.cat([l_pos, l_neg], dim=1)
+        logits /= self.T
+        with torch.no_grad():  # _dequeue_and_enqueue
+            ptr = int(self.queue_ptr)
+            self.queue[:, ptr:ptr + k.shape[0]] = k.T
+            self.queue_ptr[0] = (ptr + k.shape[0]) % self.K
+        return logits, torch.zeros(logits.shape[0], dtype=torch.long)
+
+
+def test_a_contrastive_loss_rising_toward_chance_is_not_a_too_high_rate(tmp_path):
+    # MoCo at its own lr=0.03 (main_moco.py): at step 0 the queue holds random vectors and the key
+    # encoder equals the query encoder, so the loss starts far below chance (0.45 against ln(129));
+    # it rises as real keys fill the queue, then falls. "the smoothed loss rose to 1.62 by step 1,
+    # from 0.449 at initialisation" was a warning, learning rate too high, on a healthy run.
+    torch.manual_seed(0)
+    model = _MoCo()
+    opt = torch.optim.SGD(model.parameters(), 0.03, momentum=0.9, weight_decay=1e-4)
+    protos = torch.randn(64, 32)
+    with tg.Monitor(model, tmp_path / "r", every=10) as mon:
+        for _ in range(80):
+            base = protos[torch.randint(0, 64, (16,))]
+            logits, labels = model(base + 0.5 * torch.randn(16, 32), base + 0.5 * torch.randn(16, 32))
+            loss = nn.functional.cross_entropy(logits, labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert kinds(mon.findings) == [], [(f.kind, f.title) for f in mon.findings]
+    assert "healthy" in kinds(mon.findings, problems_only=False), [(f.kind, f.title) for f in mon.findings]
+
