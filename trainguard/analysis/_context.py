@@ -240,6 +240,15 @@ class Context:
                 return int(info["shape"][0])
         return None
 
+    def loss_classes(self) -> int | None:
+        """The classes of the cross-entropy the loss is, as the loss watch read them off the loss's
+        autograd graph (C of its [N, C] input: a contrastive loss's candidates per row, the batch
+        for CLIP, 1 + the queue for MoCo); None unless every loss head is one and they agree."""
+        heads = [h for rec in self.run.meta.get("loss_graph") or [] for h in rec.get("heads") or []]
+        classes = {h.get("classes") if h.get("loss") in ("nll_loss", "soft_cross_entropy") else None for h in heads}
+        c = classes.pop() if len(classes) == 1 else None
+        return c if isinstance(c, int) and c > 1 else None
+
     def output_units(self) -> int | None:
         """Units of the model's output layer: the last layer in forward order that transforms."""
         for layer in reversed(self.layer_order):

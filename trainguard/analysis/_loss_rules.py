@@ -85,8 +85,15 @@ def diverged(ctx: Context) -> dict | None:
     init = vals[0]
     if not math.isfinite(init) or init <= 0:
         return None
+    bar = ctx.th.loss_diverge_ratio * init
+    classes = ctx.loss_classes()
+    if classes and init < math.log(classes):
+        # An untrained model beat a uniform guess: the task started easy (MoCo's queue of random
+        # negatives) and a loss rising toward chance is the task growing harder, not the updates
+        # making the model worse; a rate that diverges drives cross-entropy past chance.
+        bar = max(bar, math.log(classes))
     smooth = rolling_median(vals[1:], 5)
-    over = np.nonzero(smooth > ctx.th.loss_diverge_ratio * init)[0]
+    over = np.nonzero(smooth > bar)[0]
     if not len(over):
         return None
     i = int(over[0])
