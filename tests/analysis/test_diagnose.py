@@ -668,3 +668,26 @@ def test_a_contrastive_loss_rising_toward_chance_is_not_a_too_high_rate(tmp_path
     assert kinds(mon.findings) == [], [(f.kind, f.title) for f in mon.findings]
     assert "healthy" in kinds(mon.findings, problems_only=False), [(f.kind, f.title) for f in mon.findings]
 
+
+def test_the_chance_level_of_a_contrastive_loss_counts_the_candidates_not_the_embedding(tmp_path):
+    # open_clip's ClipLoss (src/open_clip/loss.py): cross_entropy over the batch's 16 texts per
+    # image. Left unclamped with a high rate, logit_scale fell until exp(logit_scale) was 0: every
+    # logit 0, the loss ln(16) = 2.7726 at every step. The chance level was read off the towers'
+    # 32-unit output layer, so no chance level was named.
+    torch.manual_seed(0)
+    visual, text = nn.Linear(24, 32), nn.Linear(20, 32)
+    logit_scale = nn.Parameter(torch.tensor(-30.0))  # where the unclamped updates left it
+    model = nn.ModuleDict({"visual": visual, "text": text})
+    opt = torch.optim.AdamW([*model.parameters(), logit_scale], lr=1e-3)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(40):
+            img = nn.functional.normalize(visual(torch.randn(16, 24)), dim=-1)
+            txt = nn.functional.normalize(text(torch.randn(16, 20)), dim=-1)
+            logits = logit_scale.exp() * img @ txt.T
+            labels = torch.arange(16)
+            loss = (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in mon.findings if f.kind == "loss_not_decreasing")
+    assert f.evidence["chance_loss"].startswith("ln(16)"), f.evidence
