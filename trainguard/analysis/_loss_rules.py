@@ -279,10 +279,14 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
         "window_steps": p["window"],
     }
     hints = []
-    units = ctx.output_units()
+    classes = ctx.loss_classes()  # a contrastive loss's candidates per row, not the embedding's units
+    units = classes or ctx.output_units()
     if units and units > 1 and abs(p["end"] - math.log(units)) < 0.05 * math.log(units):
         ev["chance_loss"] = f"ln({units}) = {math.log(units):.4f}"
-        hints.append(f"the loss sits at ln({units}), the cross-entropy of a uniform guess over {units} classes")
+        hints.append(f"the loss sits at ln({units}), the cross-entropy of a uniform guess over {units} classes"
+                     + ("; in a contrastive loss every candidate scores alike: the embeddings collapsed to one "
+                        "vector, or the logit scale (exp of a learned logit_scale, 1 / temperature) fell to 0"
+                        if classes and classes != ctx.output_units() else ""))
     ratio = median(ctx.update_ratio_by_step().values)
     if math.isfinite(ratio):
         ev["update_ratio_median"] = ratio
