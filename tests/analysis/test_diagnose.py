@@ -691,3 +691,27 @@ def test_the_chance_level_of_a_contrastive_loss_counts_the_candidates_not_the_em
             opt.step()
     f = next(f for f in mon.findings if f.kind == "loss_not_decreasing")
     assert f.evidence["chance_loss"].startswith("ln(16)"), f.evidence
+
+
+def test_frozen_parameters_updated_by_hand_are_named_a_momentum_copy(tmp_path):
+    # MoCo's key encoder (facebookresearch/moco moco/builder.py): requires_grad False, moved by
+    # momentum under no_grad every step. params_frozen told to "set `requires_grad=True`" otherwise.
+    torch.manual_seed(0)
+    model = _MoCo(m=0.9)
+    frozen_by_choice = nn.Linear(32, 4).requires_grad_(False)  # frozen and never touched
+    opt = torch.optim.SGD(model.parameters(), 0.03, momentum=0.9)
+    with tg.Monitor(nn.ModuleDict({"moco": model, "probe": frozen_by_choice}), tmp_path / "r", every=5) as mon:
+        for _ in range(20):
+            x = torch.randn(16, 32)
+            logits, labels = model(x + 0.1 * torch.randn(16, 32), x + 0.1 * torch.randn(16, 32))
+            frozen_by_choice(x)
+            loss = nn.functional.cross_entropy(logits, labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in mon.findings if f.kind == "params_frozen")
+    assert f.severity == "info"
+    by_hand = f.evidence["updated_by_hand"]  # (not encoder_k.0.bias: the bias before batch norm gets no gradient)
+    assert {"moco.encoder_k.0.weight", "moco.encoder_k.3.weight"} <= set(by_hand), f.evidence
+    assert all(p.startswith("moco.encoder_k.") for p in by_hand), f.evidence
+    assert "momentum" in f.suggestion and "probe.weight" in f.suggestion, f.suggestion
