@@ -270,19 +270,41 @@ def _rounded_away(ctx: Context, low: dict[str, str], lr: float | None) -> str:
             f"\"{'bf16' if dtype == 'bfloat16' else 'fp16'}\"), or use an optimizer that keeps float32 master weights")
 
 
+def _moved_without_update(ctx: Context, p: str) -> bool:
+    """Whether parameter ``p``'s weights changed between recordings while no optimizer step moved
+    them (its update norm 0 or unrecorded): written by hand, as a momentum copy is."""
+    w = ctx.stat(p, "weight", "norm").finite()
+    if len(w) < 2:
+        return False
+    u = ctx.stat(p, "update", "norm").finite()
+    return not np.any(u.values) and abs(w.values[-1] - w.values[0]) > 1e-6 * max(abs(w.values[0]), 1e-12)
+
+
 @register_rule("params_frozen")
 def params_frozen(ctx: Context) -> list[Finding]:
     aside = {p for ps in untrained_models(ctx).values() for p in ps}  # model_not_trained says it
     frozen = [p for p, info in ctx.params.items() if not info.get("requires_grad", True) and p not in aside]
     if not frozen:
         return []
+    by_hand = [p for p in frozen if _moved_without_update(ctx, p)]
+    ev: dict = {"params": frozen}
+    title = f"{len(frozen)} of {len(ctx.params)} parameters are frozen (requires_grad=False)"
+    suggestion = "expected when fine-tuning part of a model; otherwise set `requires_grad=True`"
+    if by_hand:
+        ev["updated_by_hand"] = by_hand
+        rest = [p for p in frozen if p not in by_hand]
+        title += (f"; {_who(by_hand, frozen)} change between recordings with no optimizer update: a momentum or EMA "
+                  "copy updated by hand (MoCo's key encoder, a target network, a teacher)")
+        suggestion = "nothing to do for a momentum, EMA or teacher copy" + (
+            f"; the others ({_names(rest, 3)}): expected when fine-tuning part of a model, otherwise set "
+            "`requires_grad=True`" if rest else "")
     return [
         Finding(
             kind="params_frozen",
             severity="info",
-            title=f"{len(frozen)} of {len(ctx.params)} parameters are frozen (requires_grad=False)",
-            evidence={"params": frozen},
-            suggestion="expected when fine-tuning part of a model; otherwise set `requires_grad=True`",
+            title=title,
+            evidence=ev,
+            suggestion=suggestion,
             layers=_layers(ctx, frozen),
             source=SOURCE,
         )
