@@ -227,3 +227,25 @@ def test_the_scripts_objects_outlive_the_closing_of_its_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "group freed" in err
     assert err.index("trainguard: recorded") < err.index("group freed")
+
+
+def test_report_shows_a_parameter_input_of_the_origin_by_name(tmp_path, capsys):
+    # open_clip's logit_scale.exp() overflowing (src/open_clip/model.py): the origin's input is the
+    # parameter, shown as "input 0: : param logit_scale".
+    import torch
+
+    import trainguard as tg
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.logit_scale = torch.nn.Parameter(torch.tensor(100.0))
+
+        def forward(self):
+            return self.logit_scale.exp()
+
+    with tg.record(tmp_path / "r", buffer=-1):
+        Scale()().item()
+    assert main(["report", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "input 0: param logit_scale" in out, out
