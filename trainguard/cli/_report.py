@@ -217,7 +217,8 @@ def _origin(report: dict) -> Any:
             line.append(f"{inp['producer_op']} output (#{inp['producer']})", style="bold")
             if inp.get("file"):
                 line.append(f" from {_short(inp['file'])}:{inp['line']}")
-        line.append(f": {inp['description']}")
+            line.append(": ")
+        line.append(inp["description"])  # a parameter or buffer by name, when no op produced it
         parts.append(line)
         if inp.get("source"):
             parts.append(_source_block(inp["source"]))
