@@ -4,7 +4,7 @@ At compile time every aten op node becomes a record template: its op name, its o
 dtype/shape/device, where its inputs come from (another op of the graph, or graph input ``i``),
 the module path from ``nn_module_stack`` and the user's frames from ``stack_trace``. Summary
 rows for its tensor outputs are added to the graph (``_compile_summary``) and returned as extra
-outputs, the summaries' 0-d reductions and a "something is non-finite" flag, which the runtime
+outputs (the summaries' 0-d reductions, one-element values and count vectors), which the runtime
 wrapper (``_compile_run``) strips before the caller sees the outputs; the plan's decoder makes
 the rows of the mode's fields from them.
 """
@@ -131,7 +131,7 @@ class GraphPlan:
     mode: str
     ops: list[OpTemplate] = field(default_factory=list)
     n_outputs: int = 0  # outputs the caller sees
-    extra: int = 0  # summary outputs appended after them (the last is the non-finite flag)
+    extra: int = 0  # summary outputs appended after them
     out_ops: tuple = ()  # per caller-visible output: (op index, output slot) or None
     n_rows: int = 0
     symbols: tuple = ()  # how to bind shape symbols from the inputs: ("arg", i, sym) | ("dim", i, d, sym)
@@ -351,8 +351,7 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
     elif kind == "forward" and fields:
         plan.check = _check_output(output, results, ph_index, plan.input_names)
     if rows or fw_rows:
-        builder.cursor = output.prev
-        extra, plan.decoder = finish(builder, parts, rows, mode)
+        extra, plan.decoder = finish(parts, rows, mode)
         output.args = (tuple(results) + tuple(extra),)
         plan.extra = len(extra)
         graph.lint()

@@ -9,8 +9,11 @@ graph, and the mode's fields of every row are derived from that vector by a func
 once per graph (:class:`Decoder`), on the writer's thread. Each raw count of a row is a linear
 form over the outputs (:class:`Lin`): a count a tensor's size determines (the NaN count of a
 static size, a constant fill's counts) takes no reduction at all. Counts are exact integers;
-``neg`` and ``pos`` count finite values only, as the eager summaries do. The last extra output
-is the graph's "anything non-finite" flag (a 0-d bool, read without a sync on CPU).
+``neg`` and ``pos`` count finite values only, as the eager summaries do. A one-element value
+(an optimizer's step and bias corrections, a loss) is an output itself, its row derived from
+the value (:class:`One`). Whether anything in the call is non-finite is derived from the same
+vector (``Decoder.bad``): as nodes in the graph, its sum over every count cost three nodes per
+count, more than the counts themselves.
 """
 
 from __future__ import annotations
@@ -128,6 +131,30 @@ class Parts:
         return len(self.vectors) - 1
 
 
+class One:
+    """The row of a one-element value: the value itself is an output (one node, no pass), its
+    fields derived from it off the graph."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: int):
+        self.ref = ref
+
+
+def _one_fields(x: float, mode: str) -> tuple:
+    """The mode's fields of a one-element tensor holding ``x`` (what eager's summary says)."""
+    nan, ninf, pinf = x != x, x == -math.inf, x == math.inf
+    if mode == "curt_health":
+        return (float(nan + 2 * pinf + 4 * ninf),)
+    if mode == "concise_health":
+        return (1.0, float(ninf), float(pinf), float(nan))
+    fields = (1.0, float(x < 0 and not ninf), float(x == 0), float(x > 0 and not pinf), float(ninf), float(pinf),
+              float(nan))
+    if mode == "stats":
+        fields += (x, x, x, 0.0 if math.isfinite(x) else math.nan)
+    return fields
+
+
 # The raw counts of one tensor, in this order (health modes); ``curt_health`` has [NaN, +inf,
 # -inf]; ``stats`` adds [min, max, mean, std]. The mode's fields are derived from them off the graph.
 RAW = ("lt", "eq", "gt", "nan", "neg_inf", "pos_inf")
@@ -232,6 +259,8 @@ def scatter_row(x: fx.Node, src_row: tuple[Lin, ...], mode: str) -> tuple[Lin, .
     if mode == "stats" or x.target is not aten.select_scatter.default:
         return None
     base, src = x.args[0], x.args[1]
+    if isinstance(src_row, One):
+        return None
     v = _fill_value(base) if isinstance(base, fx.Node) else None
     if v is None or not isinstance(src.meta["val"].numel(), int) or src.meta["val"].dtype != x.meta["val"].dtype:
         return None
@@ -258,13 +287,18 @@ def _constant_row(x: fx.Node, v, mode: str, n: int | None = None) -> tuple[Lin, 
     return tuple(Lin(c) for c in counts)
 
 
-def summary_row(b: Builder, parts: Parts, x: fx.Node, mode: str) -> tuple[Lin, ...]:
+def summary_row(b: Builder, parts: Parts, x: fx.Node, mode: str) -> tuple[Lin, ...] | One:
     """The raw counts of tensor node ``x`` ([NaN, +inf, -inf] for curt_health) and, for
-    ``stats``, its moments; their reductions inserted after ``b.cursor``."""
+    ``stats``, its moments; their reductions inserted after ``b.cursor``. A one-element value's
+    row is the value (as float64: a sum over its one element)."""
     val = x.meta["val"]
     fill = _fill_value(x)
     if fill is not None:
         return _constant_row(x, fill, mode)
+    n = val.numel()
+    if isinstance(n, int) and n == 1:
+        parts.scalars.append(b.call(aten.sum.default, x, dtype=torch.float64))
+        return One(len(parts.scalars) - 1)
     if mode == "curt_health":
         # [NaN, +inf, -inf] counts: the stored value is the health bits (1 NaN, 2 +inf, 4 -inf),
         # which tell a NaN from a masked -inf (docs/recorder.md, "Harmful, intended, unknown").
@@ -291,9 +325,10 @@ def _fields(raw: tuple[Lin, ...], mode: str) -> list[Lin] | None:
 
 class Decoder:
     """The rows of one graph call's summaries from its stacked outputs: ``decode(values)`` ->
-    one tuple of the mode's fields per row, as floats (the eager summaries' values)."""
+    one tuple of the mode's fields per row, as floats (the eager summaries' values);
+    ``bad(values)``: whether any summarised value holds a NaN or an infinity."""
 
-    def __init__(self, rows: list[tuple[Lin, ...]], mode: str, n_scalars: int, vector_sizes: list[int]):
+    def __init__(self, rows: list, mode: str, n_scalars: int, vector_sizes: list[int]):
         offsets, at = [], n_scalars
         for s in vector_sizes:
             offsets.append(at)
@@ -303,21 +338,37 @@ class Decoder:
         def index(ref) -> int:
             return ref if isinstance(ref, int) else offsets[ref[0]] + ref[1]
 
-        lines = []
+        lines, nonfinite, ones = [], Lin(0), []
         for raw in rows:
+            if isinstance(raw, One):
+                lines.append(f"    ONE(v[{raw.ref}], {mode!r}),")
+                ones.append(f"v[{raw.ref}]")
+                continue
+            for f in (raw if mode == "curt_health" else raw[3:6]):
+                nonfinite = nonfinite + f
             fields = _fields(raw, mode)
             if fields is None:
                 nan, pinf, ninf = (f.source(index) for f in raw)
                 lines.append(f"    (float(({nan} > 0) + 2 * ({pinf} > 0) + 4 * ({ninf} > 0)),),")
             else:
                 lines.append("    (" + ", ".join(f.source(index) for f in fields) + ",),")
-        self.source = "def decode(v):\n  return [\n" + "\n".join(lines) + "\n  ]\n"
-        self.decode = self._compiled()
+        # bad(v): the non-finite counts' sum, then the one-element values (0 * x is NaN for a
+        # NaN or an infinity, 0 otherwise), a few terms a line (a long expression nests deeply).
+        bad = [f"  n = {_literal(nonfinite.const)}"]
+        terms = list(nonfinite.terms.items())
+        for i in range(0, len(terms), 32):
+            bad.append("  n += " + Lin(0, dict(terms[i:i + 32])).source(index))
+        bad.append("  z = 0.0")
+        for i in range(0, len(ones), 32):
+            bad.append("  z += 0.0 * (" + " + ".join(ones[i:i + 32]) + ")")
+        self.source = ("def decode(v):\n  return [\n" + "\n".join(lines) + "\n  ]\n\n"
+                       "def bad(v):\n" + "\n".join(bad) + "\n  return n > 0 or z != 0\n")
+        self.decode, self.bad = self._compiled()
 
     def _compiled(self):
-        namespace = {"NAN": math.nan, "INF": math.inf}
+        namespace = {"NAN": math.nan, "INF": math.inf, "ONE": _one_fields}
         exec(compile(self.source, "<trainguard compiled-graph summaries>", "exec"), namespace)  # noqa: S102
-        return namespace["decode"]
+        return namespace["decode"], namespace["bad"]
 
     # Pickled with the graph (Inductor's FX graph cache pickles it to key it): as its source.
     def __getstate__(self) -> dict:
@@ -325,28 +376,11 @@ class Decoder:
 
     def __setstate__(self, state: dict) -> None:
         self.source, self.n_values = state["source"], state["n_values"]
-        self.decode = self._compiled()
+        self.decode, self.bad = self._compiled()
 
 
-def finish(b: Builder, parts: Parts, rows: list[tuple[Lin, ...]], mode: str) -> tuple[list[fx.Node], Decoder]:
-    """The graph's extra outputs (its 0-d reductions, its count vectors, then the "anything
-    non-finite" flag) and the decoder of their values."""
-    nonfinite = Lin(0)
-    for raw in rows:
-        for f in (raw if mode == "curt_health" else raw[3:6]):
-            nonfinite = nonfinite + f
-    total = None
-    for ref, c in nonfinite.terms.items():
-        node = parts.scalars[ref] if isinstance(ref, int) else b.call(aten.select.int, parts.vectors[ref[0]], 0, ref[1])
-        if node.meta["val"].dtype != torch.int64:
-            node = b.to(node, torch.int64)  # a sum over the graph's tensors may pass 2**31
-        if c != 1:
-            node = b.call(aten.mul.Tensor, node, c)
-        total = node if total is None else b.call(aten.add.Tensor, total, node)
-    if total is None:
-        device = next((p.meta["val"].device for p in (*parts.scalars, *parts.vectors)), "cpu")
-        flag = b.call(aten.full.default, [], nonfinite.const > 0, dtype=torch.bool, device=device)
-    else:
-        flag = b.call(aten.gt.Scalar, total, -nonfinite.const)
+def finish(parts: Parts, rows: list, mode: str) -> tuple[list[fx.Node], Decoder]:
+    """The graph's extra outputs (its 0-d reductions and values, then its count vectors) and the
+    decoder of their values."""
     decoder = Decoder(rows, mode, len(parts.scalars), [v.meta["val"].shape[0] for v in parts.vectors])
-    return [*parts.scalars, *parts.vectors, flag], decoder
+    return [*parts.scalars, *parts.vectors], decoder
