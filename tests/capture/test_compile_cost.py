@@ -263,9 +263,10 @@ def _optimizer_graph(tmp_path):
 def test_a_compiled_optimizer_step_summarises_each_value_in_one_pass_and_a_scalar_by_its_value(tmp_path):
     # A compiled AdamW step over 4 parameters is 23 foreach ops, half of them on the one-element
     # step and bias-correction tensors. Each summarised value costs its counts' comparisons and
-    # sums (5 + 5 in full_health) and a one-element value only its own value: found on a compiled
-    # nanochat optimizer step, whose first compile took 518 s recording against 46 s plain, the
-    # "something is non-finite" flag alone adding three nodes per count to every graph.
+    # sums (5 + 5 in full_health) and its share of the "something is non-finite" flag (6), a
+    # one-element value only its own value (1, and 2 for the flag): found on a compiled nanochat
+    # optimizer step, whose first compile took 518 s recording against 46 s plain, the flag
+    # alone adding three nodes per count to every graph.
     from trainguard.capture._compile_summary import SUMMARY_NODE
 
     graphs = [gm for gm in _optimizer_graph(tmp_path) if gm._trainguard_plan.n_rows]
@@ -280,6 +281,6 @@ def test_a_compiled_optimizer_step_summarises_each_value_in_one_pass_and_a_scala
         assert len(numel) == plan.n_rows
         singles = sum(1 for n in numel.values() if n == 1)
         assert singles >= 32
-        budget = 10 * (plan.n_rows - singles) + singles
+        budget = 16 * (plan.n_rows - singles) + 3 * singles + 2
         added = sum(1 for n in gm.graph.nodes if n.meta.get(SUMMARY_NODE))
         assert added <= budget, (added, plan.n_rows, singles)

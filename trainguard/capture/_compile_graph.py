@@ -4,8 +4,8 @@ At compile time every aten op node becomes a record template: its op name, its o
 dtype/shape/device, where its inputs come from (another op of the graph, or graph input ``i``),
 the module path from ``nn_module_stack`` and the user's frames from ``stack_trace``. Summary
 rows for its tensor outputs are added to the graph (``_compile_summary``) and returned as extra
-outputs (the summaries' 0-d reductions, one-element values and count vectors), which the runtime
-wrapper (``_compile_run``) strips before the caller sees the outputs; the plan's decoder makes
+outputs (the summaries' 0-d reductions, one-element values and count vectors, then a "something
+is non-finite" flag), which the runtime wrapper (``_compile_run``) strips before the caller sees the outputs; the plan's decoder makes
 the rows of the mode's fields from them.
 """
 
@@ -131,7 +131,7 @@ class GraphPlan:
     mode: str
     ops: list[OpTemplate] = field(default_factory=list)
     n_outputs: int = 0  # outputs the caller sees
-    extra: int = 0  # summary outputs appended after them
+    extra: int = 0  # summary outputs appended after them (the last is the non-finite flag)
     out_ops: tuple = ()  # per caller-visible output: (op index, output slot) or None
     n_rows: int = 0
     symbols: tuple = ()  # how to bind shape symbols from the inputs: ("arg", i, sym) | ("dim", i, d, sym)
@@ -351,7 +351,8 @@ def instrument(gm: fx.GraphModule, kind: str, mode: str, ops_pattern=None, dtype
     elif kind == "forward" and fields:
         plan.check = _check_output(output, results, ph_index, plan.input_names)
     if rows or fw_rows:
-        extra, plan.decoder = finish(parts, rows, mode)
+        builder.cursor = output.prev
+        extra, plan.decoder = finish(builder, parts, rows, mode)
         output.args = (tuple(results) + tuple(extra),)
         plan.extra = len(extra)
         graph.lint()

@@ -121,7 +121,7 @@ def record_call(g: RecordedGraph, r, args):
     if g.owner is not r:
         g.bind(r)
     # The dispatch mode lets ops pass while this is set: the compiled code's own (extern kernels),
-    # and the few this recording makes (reading the summaries, starting a copy); the native core is
+    # and the few this recording makes (reading the flag, starting a copy); the native core is
     # paused for as long.
     r.in_graph += 1
     try:
@@ -196,12 +196,13 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before, 
     # the graph's summaries are at hand (CPU, or check_numerics, which may synchronise); else by
     # the writer's thread once the summary matrix reaches the host, as eager accelerator ops.
     local = r.judge_here
-    if plan.decoder is not None:
+    if extra:
+        flag = extra[-1]
         key = ("graph", base)
-        matrix = Summaries(extra, plan.decoder, plan.mode, r.fields)
-        local = local and (r.check or not extra or extra[0].is_cpu)
-        if local:  # CPU: no device to wait for; check_numerics: may synchronise
-            bad = plan.decoder.bad(matrix.host_values())
+        local = local and (r.check or flag.is_cpu)
+        if local:
+            bad = bool(flag)  # CPU: no device to wait for; check_numerics: may synchronise
+        matrix = Summaries(extra[:-1], plan.decoder, plan.mode, r.fields)
         if not backward:
             matrix.bad = bad
             recent = g.pair.recent
@@ -219,7 +220,7 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before, 
     if not local and r.judge_here:
         r._judge_in_writer()
     # Every op's health and taint follow when something inside is non-finite or a graph input
-    # carries a taint; otherwise every output is finite (its summaries say so) and finite it stays.
+    # carries a taint; otherwise every output is finite (the flag says so) and finite it stays.
     walk = local and (bad or _tainted(r, refs))
     if backward and not r.in_backward:  # the first graph of a backward pass: it runs from the loss
         r.in_backward = True
@@ -242,7 +243,7 @@ def _emit(g: RecordedGraph, r, refs, metas, cur, outer_sid, out, extra, before, 
     else:
         recorded = 0
     r.recorded += recorded
-    finite = local and not walk  # every summarised output is finite and untainted
+    finite = local and not walk  # every summarised output is finite and untainted (the flag)
     for i, o in enumerate(out):
         po = plan.out_ops[i]
         if po is not None and isinstance(o, _Tensor):
@@ -449,42 +450,34 @@ class Summaries:
     ``tolist()`` (``store._writer._resolve``); on an accelerator from their host copy. A
     backward call's rows may end with rows of its forward call's (``fw``, ``fw_rows``)."""
 
-    __slots__ = ("bad", "decoder", "event", "fields", "fw", "fw_rows", "have", "host", "listed", "own", "parts")
+    __slots__ = ("bad", "decoder", "event", "fields", "fw", "fw_rows", "have", "host", "own", "parts")
 
     def __init__(self, parts, decoder, mode: str, fields: tuple):
         self.parts, self.decoder, self.have, self.fields = parts, decoder, MODE_FIELDS[mode], fields
         self.host = self.event = None  # the values on the host, copied from an accelerator
-        self.listed = None  # the values as floats, once read on the training thread
         self.own = None  # its decoded rows, once made (a backward call's may read them too)
         self.fw, self.fw_rows, self.bad = None, (), False
 
     def values(self) -> torch.Tensor:
         """The parts' values as one float64 vector, in the decoder's order."""
-        n = len(self.parts) - sum(1 for p in self.parts if p.dim())
-        pieces = ([torch.stack(self.parts[:n])] if n else []) + list(self.parts[n:])
+        n = self.decoder.runs[-1][1] if self.decoder.runs else 0
+        pieces = [torch.stack(self.parts[a:b]).to(torch.float64) for a, b in self.decoder.runs]
+        pieces += [p.to(torch.float64) for p in self.parts[n:]]
         if not pieces:
             return torch.zeros(0, dtype=torch.float64)
-        return (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).to(torch.float64)
-
-    def host_values(self) -> list[float]:
-        """The values as floats, read now (synchronising with an accelerator)."""
-        if self.listed is None:
-            self.listed = self.values().tolist()
-        return self.listed
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     def rows(self, own: bool = False) -> list[tuple]:
         """The rows in the recording's fields (``own``: in the graph's mode's)."""
         rows = self.own
         if rows is None:
-            if self.listed is not None:
-                values = self.listed
-            elif self.host is not None:
+            if self.host is not None:
                 if self.event is not None:
                     self.event.synchronize()
-                values = self.host.tolist()
+                values = self.host
             else:
-                values = self.host_values()
-            rows = self.decoder.decode(values)
+                values = self.values()
+            rows = self.decoder.decode(values.tolist())
             if self.fw_rows:
                 fw = self.fw.rows(own=True) if self.fw is not None else None
                 rows += [fw[i] for i in self.fw_rows] if fw is not None else [(math.nan,) * len(self.have)] * len(
@@ -499,7 +492,7 @@ class Summaries:
 def _ship(r, key, summaries: Summaries) -> None:
     """Hand the call's summaries to the next flush; an accelerator's copy starts now."""
     event = None
-    if summaries.listed is None and summaries.parts and summaries.parts[0].device.type != "cpu":
+    if summaries.parts and summaries.parts[0].device.type != "cpu":
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():

@@ -11,9 +11,8 @@ form over the outputs (:class:`Lin`): a count a tensor's size determines (the Na
 static size, a constant fill's counts) takes no reduction at all. Counts are exact integers;
 ``neg`` and ``pos`` count finite values only, as the eager summaries do. A one-element value
 (an optimizer's step and bias corrections, a loss) is an output itself, its row derived from
-the value (:class:`One`). Whether anything in the call is non-finite is derived from the same
-vector (``Decoder.bad``): as nodes in the graph, its sum over every count cost three nodes per
-count, more than the counts themselves.
+the value (:class:`One`). The last extra output is the graph's "anything non-finite" flag (a
+0-d bool, read without a sync on CPU).
 """
 
 from __future__ import annotations
@@ -325,62 +324,108 @@ def _fields(raw: tuple[Lin, ...], mode: str) -> list[Lin] | None:
 
 class Decoder:
     """The rows of one graph call's summaries from its stacked outputs: ``decode(values)`` ->
-    one tuple of the mode's fields per row, as floats (the eager summaries' values);
-    ``bad(values)``: whether any summarised value holds a NaN or an infinity."""
+    one tuple of the mode's fields per row, as floats (the eager summaries' values)."""
 
-    def __init__(self, rows: list, mode: str, n_scalars: int, vector_sizes: list[int]):
-        offsets, at = [], n_scalars
+    def __init__(self, rows: list, mode: str, position: list[int], runs: list[tuple[int, int]],
+                 vector_sizes: list[int]):
+        offsets, at = [], len(position)
         for s in vector_sizes:
             offsets.append(at)
             at += s
         self.n_values = at
+        self.runs = runs  # the 0-d outputs' runs of one dtype (stacked apart: mixed, stack is slow)
 
         def index(ref) -> int:
-            return ref if isinstance(ref, int) else offsets[ref[0]] + ref[1]
+            return position[ref] if isinstance(ref, int) else offsets[ref[0]] + ref[1]
 
-        lines, nonfinite, ones = [], Lin(0), []
+        lines = []
         for raw in rows:
             if isinstance(raw, One):
-                lines.append(f"    ONE(v[{raw.ref}], {mode!r}),")
-                ones.append(f"v[{raw.ref}]")
+                lines.append(f"    ONE(v[{index(raw.ref)}], {mode!r}),")
                 continue
-            for f in (raw if mode == "curt_health" else raw[3:6]):
-                nonfinite = nonfinite + f
             fields = _fields(raw, mode)
             if fields is None:
                 nan, pinf, ninf = (f.source(index) for f in raw)
                 lines.append(f"    (float(({nan} > 0) + 2 * ({pinf} > 0) + 4 * ({ninf} > 0)),),")
             else:
                 lines.append("    (" + ", ".join(f.source(index) for f in fields) + ",),")
-        # bad(v): the non-finite counts' sum, then the one-element values (0 * x is NaN for a
-        # NaN or an infinity, 0 otherwise), a few terms a line (a long expression nests deeply).
-        bad = [f"  n = {_literal(nonfinite.const)}"]
-        terms = list(nonfinite.terms.items())
-        for i in range(0, len(terms), 32):
-            bad.append("  n += " + Lin(0, dict(terms[i:i + 32])).source(index))
-        bad.append("  z = 0.0")
-        for i in range(0, len(ones), 32):
-            bad.append("  z += 0.0 * (" + " + ".join(ones[i:i + 32]) + ")")
-        self.source = ("def decode(v):\n  return [\n" + "\n".join(lines) + "\n  ]\n\n"
-                       "def bad(v):\n" + "\n".join(bad) + "\n  return n > 0 or z != 0\n")
-        self.decode, self.bad = self._compiled()
+        self.source = "def decode(v):\n  return [\n" + "\n".join(lines) + "\n  ]\n"
+        self.decode = self._compiled()
 
     def _compiled(self):
         namespace = {"NAN": math.nan, "INF": math.inf, "ONE": _one_fields}
         exec(compile(self.source, "<trainguard compiled-graph summaries>", "exec"), namespace)  # noqa: S102
-        return namespace["decode"], namespace["bad"]
+        return namespace["decode"]
 
     # Pickled with the graph (Inductor's FX graph cache pickles it to key it): as its source.
     def __getstate__(self) -> dict:
-        return {"source": self.source, "n_values": self.n_values}
+        return {"source": self.source, "n_values": self.n_values, "runs": self.runs}
 
     def __setstate__(self, state: dict) -> None:
-        self.source, self.n_values = state["source"], state["n_values"]
-        self.decode, self.bad = self._compiled()
+        self.source, self.n_values, self.runs = state["source"], state["n_values"], state["runs"]
+        self.decode = self._compiled()
 
 
-def finish(parts: Parts, rows: list, mode: str) -> tuple[list[fx.Node], Decoder]:
-    """The graph's extra outputs (its 0-d reductions and values, then its count vectors) and the
-    decoder of their values."""
-    decoder = Decoder(rows, mode, len(parts.scalars), [v.meta["val"].shape[0] for v in parts.vectors])
-    return [*parts.scalars, *parts.vectors], decoder
+def _flag(b: Builder, parts: Parts, rows: list, mode: str) -> fx.Node:
+    """Whether anything summarised is NaN or infinite, as one 0-d bool: per row, its non-finite
+    count (a linear form over its counts, in their own dtype) compared with 0, or-ed over the
+    rows; a one-element value by ``0 * v`` (NaN for a NaN or an infinity, else 0). About six
+    nodes a row: summed in int64 over the whole graph it took three per count, more than the
+    counts themselves."""
+    flag = zeros = None
+    const_bad = False
+
+    def node_of(ref) -> fx.Node:
+        return parts.scalars[ref] if isinstance(ref, int) else b.call(aten.select.int, parts.vectors[ref[0]], 0, ref[1])
+
+    def either(a, c):
+        return c if a is None else b.call(aten.logical_or.default, a, c)
+
+    for raw in rows:
+        if isinstance(raw, One):
+            z = b.call(aten.mul.Tensor, parts.scalars[raw.ref], 0.0)
+            zeros = z if zeros is None else b.call(aten.add.Tensor, zeros, z)
+            continue
+        lin = Lin(0)
+        for f in (raw if mode == "curt_health" else raw[3:6]):
+            lin = lin + f
+        if not lin.terms:
+            const_bad = const_bad or lin.const > 0
+            continue
+        expr = None
+        for ref, c in sorted(lin.terms.items(), key=lambda t: -t[1]):  # the positive terms first
+            node = node_of(ref)
+            if expr is None:
+                expr = node if c == 1 else b.call(aten.mul.Tensor, node, c)
+            elif abs(c) == 1:
+                expr = b.call(aten.add.Tensor if c > 0 else aten.sub.Tensor, expr, node)
+            else:
+                expr = b.call(aten.add.Tensor, expr, b.call(aten.mul.Tensor, node, c))
+        flag = either(flag, b.call(aten.gt.Scalar, expr, -lin.const))
+    if zeros is not None:
+        flag = either(flag, b.call(aten.ne.Scalar, zeros, 0))
+    if const_bad or flag is None:
+        device = next((p.meta["val"].device for p in (*parts.scalars, *parts.vectors)), "cpu")
+        const = b.call(aten.full.default, [], const_bad, dtype=torch.bool, device=device)
+        flag = const if flag is None else either(flag, const)
+    return flag
+
+
+def finish(b: Builder, parts: Parts, rows: list, mode: str) -> tuple[list[fx.Node], Decoder]:
+    """The graph's extra outputs (its 0-d reductions and values, its count vectors, then the
+    "anything non-finite" flag) and the decoder of their values."""
+    flag = _flag(b, parts, rows, mode)
+    # The 0-d outputs grouped by dtype (int32 counts, float64 values and moments): torch.stack of
+    # mixed dtypes takes a slow path (870 us for 256 outputs, 160 us for one dtype).
+    order = sorted(range(len(parts.scalars)), key=lambda i: str(parts.scalars[i].meta["val"].dtype))
+    position = [0] * len(order)
+    runs: list[tuple[int, int]] = []
+    for at, i in enumerate(order):
+        position[i] = at
+        dtype = parts.scalars[i].meta["val"].dtype
+        if runs and parts.scalars[order[runs[-1][0]]].meta["val"].dtype == dtype:
+            runs[-1] = (runs[-1][0], at + 1)
+        else:
+            runs.append((at, at + 1))
+    decoder = Decoder(rows, mode, position, runs, [v.meta["val"].shape[0] for v in parts.vectors])
+    return [*(parts.scalars[i] for i in order), *parts.vectors, flag], decoder
