@@ -12,6 +12,7 @@ processes' load disturbs less than wall time. Compilation happens before the rou
     python benchmarks/bench_compile.py                          # mlp and transformer
     python benchmarks/bench_compile.py --models mlp --rounds 3 --steps 5
     python benchmarks/bench_compile.py --compile-step   # the optimizer step compiled too
+    python benchmarks/bench_compile.py --fresh-cache    # cold compile times (empty Inductor cache)
 
 ``--compile-step`` also compiles each compiled copy's optimizer step with the copy's backend
 (``torch.compile`` of a function calling ``opt.step()``, as PyTorch's "compiling the optimizer"
@@ -141,13 +142,16 @@ def context(config: str, model, tmp: str):
     return contextlib.nullcontext()
 
 
-def time_model(name: str, rounds: int, steps: int, compile_step: bool = False) -> tuple[dict, dict]:
+def time_model(name: str, rounds: int, steps: int, compile_step: bool = False) -> tuple[dict, dict, dict, dict]:
     copies = _copies(name, compile_step)
+    first: dict[str, float] = {}  # copy -> seconds of its first warm-up steps (its compiles)
     with tempfile.TemporaryDirectory() as tmp:
         for config, kind, _ in CONFIGS:  # compile (under each config's own context) and warm up
             m, opt, loss_fn = copies[kind]
             with context(config, m, tmp):
+                t0 = time.perf_counter()
                 bench_recorder.run_steps(opt, loss_fn, WARMUP_STEPS)
+                first.setdefault(kind, time.perf_counter() - t0)
         per: dict[str, list[float]] = {c: [] for c, _, _ in CONFIGS}
         ratios: dict[str, list[float]] = {c: [] for c, _, _ in CONFIGS}
         cpu_ratios: dict[str, list[float]] = {c: [] for c, _, _ in CONFIGS}
@@ -172,7 +176,7 @@ def time_model(name: str, rounds: int, steps: int, compile_step: bool = False) -
             for config, _, base in CONFIGS:
                 ratios[config].append(this[config] / this[base])
                 cpu_ratios[config].append(cpu[config] / cpu[base])
-    return {c: statistics.median(v) for c, v in per.items()}, ratios, cpu_ratios
+    return {c: statistics.median(v) for c, v in per.items()}, ratios, cpu_ratios, first
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -183,8 +187,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile-step", action="store_true",
                    help="compile the optimizer step too (with each compiled copy's backend)")
+    p.add_argument("--fresh-cache", action="store_true",
+                   help="compile into an empty Inductor cache (the first-steps column is then a cold compile)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
+    if args.fresh_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-compile-cache-")
     torch.set_num_threads(args.threads)
     # Four copies of one model share their code objects: each copy's graphs are another entry in
     # the same cache (a different backend, other parameters), which must not hit the limit.
@@ -200,8 +208,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch._dynamo.reset()
         counters.clear()
         _dynamic_graphs[0] = 0
-        t, rounds, cpu_rounds = time_model(name, args.rounds, args.steps, args.compile_step)
+        t, rounds, cpu_rounds, first = time_model(name, args.rounds, args.steps, args.compile_step)
         results["models"][name] = {"step_ms": {c: v * 1e3 for c, v in t.items()},
+                                   # each copy's first steps: its compiles (cold with --fresh-cache)
+                                   "first_steps_s": first,
                                    # Dynamo's graph breaks in this model's copies by reason's first
                                    # line (trainguard's hooks must add none: compiled stays compiled).
                                    "graph_breaks": {k.splitlines()[0]: v for k, v in counters["graph_break"].items()},
@@ -233,6 +243,17 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_row(config, base, *cells)
     console = Console()
     console.print(table)
+    first = Table(title="first steps of each copy, its compiles included (seconds; "
+                        f"{'empty' if args.fresh_cache else 'warm'} Inductor cache)")
+    first.add_column("copy")
+    for name in models:
+        first.add_column(name, justify="right")
+    plain = {m: results["models"][m]["first_steps_s"]["compiled"] for m in models}
+    for kind in dict.fromkeys(k for _, k, _ in CONFIGS):
+        first.add_row(kind, *(f"{results['models'][m]['first_steps_s'][kind]:.1f} s"
+                              + (f" ({results['models'][m]['first_steps_s'][kind] / plain[m]:.2f}x)"
+                                 if kind != "eager" else "") for m in models))
+    console.print(first)
     for m in models:
         if results["models"][m]["dynamic_graphs"]:
             console.print(f"{m}: {results['models'][m]['dynamic_graphs']} graphs compiled with dynamic shapes "

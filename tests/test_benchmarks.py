@@ -84,6 +84,9 @@ def test_compile_benchmark_prints_its_table(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "compiled monitor every=10" in printed and "load" in printed
     assert "steady" in printed and tiny_row["ratio"]["compiled monitor every=10, steady"] > 0
+    assert set(tiny_row["first_steps_s"]) == {"eager", "compiled", "recorded", "monitored"}
+    assert all(v > 0 for v in tiny_row["first_steps_s"].values())
+    assert "first steps of each copy" in printed
     assert (tmp_path / "c.json").exists()
 
 
