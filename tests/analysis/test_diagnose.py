@@ -715,3 +715,29 @@ def test_frozen_parameters_updated_by_hand_are_named_a_momentum_copy(tmp_path):
     assert {"moco.encoder_k.0.weight", "moco.encoder_k.3.weight"} <= set(by_hand), f.evidence
     assert all(p.startswith("moco.encoder_k.") for p in by_hand), f.evidence
     assert "momentum" in f.suggestion and "probe.weight" in f.suggestion, f.suggestion
+
+
+# From pytorch/vision's references/detection (engine.train_one_epoch: a tiny FasterRCNN, SGD under the
+# warm-up LinearLR at 1000x the reference's rate) under `trainguard run --monitor`: at step 9 the loss
+# (5.4e35) and every gradient (the largest 4.5e36) are finite, but their float32 norm overflows to inf,
+# as clip_grad_norm_'s does. It was called "Gradients became NaN/Inf at step 9 while the loss was
+# finite", with the advice to look for sqrt or a division by 0 in the backward pass.
+DETECTION_LOSS = [2.07, 2.09, 0.769, 1.26, 0.988, 0.291, 3.6, 781.0, 4.89e9, 5.37e35]
+DETECTION_GRAD_NORM = [0.961, 0.912, 0.198, 0.599, 0.157, 0.0828, 0.974, 1565.0, 5.19e10, math.inf]
+DETECTION_LR = [0.02, 2.87, 5.73, 8.58, 11.4, 14.3, 17.1, 20.0, 20.0, 20.0]
+
+
+def test_a_gradient_norm_that_overflowed_as_it_exploded_is_not_called_nan_gradients(tmp_path):
+    fs = diagnose(write_run(tmp_path / "r", DETECTION_LOSS, grad_norm=DETECTION_GRAD_NORM, lr=DETECTION_LR))
+    f = next(f for f in fs if f.kind == "nonfinite_gradient")
+    assert "overflowed" in f.title and "NaN" not in f.title, f.title
+    assert f.evidence["last_finite_grad_norm"] == 5.19e10
+    assert "sqrt" not in f.suggestion and "learning rate" in f.suggestion, f.suggestion
+    assert f.evidence.get("explained_by") == ["lr_too_high"], f.evidence  # the rate's doing, folded under it
+
+
+def test_an_inf_gradient_norm_out_of_a_steady_one_is_still_called_nonfinite_gradients(tmp_path):
+    gn = [0.961, 0.912, 0.198, 0.599, 0.157, 0.0828, 0.974, 0.5, 0.6, math.inf]
+    fs = diagnose(write_run(tmp_path / "r", DETECTION_LOSS[:7] + [0.5, 0.4, 0.45], grad_norm=gn, lr=0.02))
+    f = next(f for f in fs if f.kind == "nonfinite_gradient")
+    assert f.title.startswith("Gradients became NaN/Inf at step 9") and "sqrt" in f.suggestion
