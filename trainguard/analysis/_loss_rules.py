@@ -501,7 +501,8 @@ def lr_too_high(ctx: Context) -> list[Finding]:
     if not reasons:
         return []
     at = div["step"] if div else bad_step  # the rate in force where it went wrong, not the schedule's median
-    new, text = lr_lower(ctx, r_max if math.isfinite(r_max) else None, step=at)
+    r_at = _ratio_before(ctx, ratios, at)
+    new, text = lr_lower(ctx, r_at if r_at is not None else r_max if math.isfinite(r_max) else None, step=at)
     if new is not None:
         ev["suggested_lr"] = new
         ev["lr"] = ctx.lr(at)
@@ -518,6 +519,21 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _ratio_before(ctx: Context, ratios: Series, step: int | None) -> float | None:
+    """The update ratio the rate in force at ``step`` (where the run diverged) made before it: the last
+    recording at or before ``step``, scaled from the rate then to the rate at ``step`` (a warm-up's).
+    A ratio read after the divergence measures weights that had already blown up."""
+    if step is None:
+        return None
+    lr_at = ctx.lr(step)
+    for s, r in zip(ratios.steps[::-1].tolist(), ratios.values[::-1].tolist()):
+        if s > step or not (math.isfinite(r) and r > 0):
+            continue
+        lr_s = ctx.lr(s)
+        return r * lr_at / lr_s if lr_at and lr_s else None
+    return None
 
 
 @register_rule("lr_too_low")
