@@ -529,3 +529,25 @@ def test_infinities_of_two_origins_joined_by_one_op_that_reach_the_loss_are_not_
 
     run = record(tmp_path, f, backend=backend)
     assert run.first_harm() is not None and run.intended() == []
+
+
+def test_origins_joined_with_a_long_lived_one_stay_bounded(tmp_path):
+    # A causal mask made once and a padding mask made each step, added before the softmax: every step
+    # joins a new origin to the causal mask's, which lives as long as the model.
+    x = torch.randn(4, 4, requires_grad=True)
+    steps = _taint.JOINED_MAX * 3
+
+    def f():
+        causal = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), -INF)
+        for _ in range(steps):
+            padding = torch.zeros(4).masked_fill(torch.tensor([False, False, False, True]), -INF)
+            torch.softmax(x + causal + padding, -1).sum().backward()
+
+    with tg.record(tmp_path / "r", buffer=-1, backend="python") as rec:
+        f()
+        joined = dict(rec.taint.joined)
+    assert joined and max(len(v) for v in joined.values()) <= _taint.JOINED_MAX
+    run = open_run(tmp_path / "r")
+    assert run.alerts()["total"] == 0
+    assert {g["absorbed_by"] for g in run.intended()} == {"aten._softmax.default"}
+    assert sum(g["executions"] for g in run.intended()) == steps + 1
