@@ -202,6 +202,9 @@ ORIGINS_MAX = 4096
 # States kept by the writer's judge, which cannot see which tensors died (the recorder drops
 # the states of dead tensors each step).
 STATES_MAX = 65536
+# Origins remembered as joined with one origin: a mask buffer made once and a new mask each step
+# (joined by an add) would otherwise add one per step for as long as the buffer lives.
+JOINED_MAX = 64
 # Harmful executions pinned after the first chain: the first of each op type and step, up to
 # this many in a run, so that a run that keeps making NaN stays within 2x of its healthy size.
 STORM_PINS = 256
@@ -340,8 +343,11 @@ class Tracker:
             if other is None or other == origin or origin is None or other not in self.origins:
                 continue
             joined = self.joined.get(origin, ())
-            if other not in joined:
-                self.joined[origin] = (*joined, other)
+            if other in joined:
+                continue
+            if len(joined) >= JOINED_MAX:  # forget the forgotten origins, else the oldest
+                joined = tuple(o for o in joined if o in self.origins)[-(JOINED_MAX - 1):]
+            self.joined[origin] = (*joined, other)
 
     def _group(self, kind, made_by, absorbed_by, values, n) -> None:
         g = self.groups.get((kind, made_by, absorbed_by))
