@@ -715,3 +715,55 @@ def test_frozen_parameters_updated_by_hand_are_named_a_momentum_copy(tmp_path):
     assert {"moco.encoder_k.0.weight", "moco.encoder_k.3.weight"} <= set(by_hand), f.evidence
     assert all(p.startswith("moco.encoder_k.") for p in by_hand), f.evidence
     assert "momentum" in f.suggestion and "probe.weight" in f.suggestion, f.suggestion
+
+
+# From pytorch/vision's references/detection (engine.train_one_epoch: a tiny FasterRCNN, SGD under the
+# warm-up LinearLR at 1000x the reference's rate) under `trainguard run --monitor`: at step 9 the loss
+# (5.4e35) and every gradient (the largest 4.5e36) are finite, but their float32 norm overflows to inf,
+# as clip_grad_norm_'s does. It was called "Gradients became NaN/Inf at step 9 while the loss was
+# finite", with the advice to look for sqrt or a division by 0 in the backward pass.
+DETECTION_LOSS = [2.07, 2.09, 0.769, 1.26, 0.988, 0.291, 3.6, 781.0, 4.89e9, 5.37e35]
+DETECTION_GRAD_NORM = [0.961, 0.912, 0.198, 0.599, 0.157, 0.0828, 0.974, 1565.0, 5.19e10, math.inf]
+DETECTION_LR = [0.02, 2.87, 5.73, 8.58, 11.4, 14.3, 17.1, 20.0, 20.0, 20.0]
+
+
+def test_a_gradient_norm_that_overflowed_as_it_exploded_is_not_called_nan_gradients(tmp_path):
+    fs = diagnose(write_run(tmp_path / "r", DETECTION_LOSS, grad_norm=DETECTION_GRAD_NORM, lr=DETECTION_LR))
+    f = next(f for f in fs if f.kind == "nonfinite_gradient")
+    assert "overflowed" in f.title and "NaN" not in f.title, f.title
+    assert f.evidence["last_finite_grad_norm"] == 5.19e10
+    assert "sqrt" not in f.suggestion and "learning rate" in f.suggestion, f.suggestion
+    assert f.evidence.get("explained_by") == ["lr_too_high"], f.evidence  # the rate's doing, folded under it
+
+
+def test_an_inf_gradient_norm_out_of_a_steady_one_is_still_called_nonfinite_gradients(tmp_path):
+    gn = [0.961, 0.912, 0.198, 0.599, 0.157, 0.0828, 0.974, 0.5, 0.6, math.inf]
+    fs = diagnose(write_run(tmp_path / "r", DETECTION_LOSS[:7] + [0.5, 0.4, 0.45], grad_norm=gn, lr=0.02))
+    f = next(f for f in fs if f.kind == "nonfinite_gradient")
+    assert f.title.startswith("Gradients became NaN/Inf at step 9") and "sqrt" in f.suggestion
+
+
+# pytorch/vision's references/detection at 100x the reference's rate (SGD lr 2 after the warm-up
+# LinearLR, a tiny FasterRCNN, 48 steps) under `trainguard run --monitor`: the loss diverged at step 18;
+# the update ratio was 0.161 at step 10, and 1.96 at step 20, once the weights had blown up. The rate
+# was read off 1.96: "lower the learning rate from 2 to about 0.001", 20x below the reference's 0.02
+# (whose update ratio is 0.0025).
+DETECTION_100X_LOSS = [
+    2.07, 2.12, 1.67, 1.04, 0.843, 0.583, 1.62, 1.7, 1.5, 0.708, 0.988, 0.795, 1.04, 12.2, 0.461, 1.94, 0.24,
+    2.62, 1.39, 3.01, 136.0, 16.8, 23700.0, 541000.0, 153.0, 1020.0, 1530000.0, 945.0, 402000.0, 13700.0, 111000.0,
+    355000.0, 21600.0, 0.00187, 384000.0, 91400.0, 238000.0, 2010000.0, 3930000.0, 108000.0, 0.808, 11.2, 10.9,
+    11.4, 2.3, 13.0, 11.8, 3.18]
+DETECTION_100X_LR = [0.002, 0.287, 0.573, 0.858, 1.14, 1.43, 1.71] + [2.0] * 41
+DETECTION_100X_RATIO = {0: 1.95e-5, 10: 0.161, 20: 1.96, 30: 0.251, 40: 0.0381}
+
+
+def test_the_rate_suggested_for_a_divergence_is_read_off_the_updates_before_it(tmp_path):
+    rows = []
+    for s, r in DETECTION_100X_RATIO.items():
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "gradient", "in_optimizer", 1), (s, p, "update", "norm", 5.0 * r), (s, p, "update", "ratio", r)]
+    fs = diagnose(write_run(tmp_path / "r", DETECTION_100X_LOSS, layer_rows=rows, lr=DETECTION_100X_LR, every=10))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert f.evidence["lr"] == 2.0
+    assert 0.005 <= f.evidence["suggested_lr"] <= 0.05, f.suggestion

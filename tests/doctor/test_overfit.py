@@ -146,6 +146,29 @@ def test_bad_inputs_are_value_errors(bad, match, mlp, batch):
         doctor.overfit_one_batch(**kwargs)
 
 
+class _WithTargets(nn.Module):
+    """torchvision's detection models take a list of images (one tensor each) and their targets."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, batch):
+        images, targets = batch
+        return {"loss": sum(self.conv(im).mean() for im in images)}
+
+
+def test_a_list_of_one_tensor_per_sample_is_refused_saying_how_samples_were_counted():
+    # pytorch/vision references/detection: collate_fn makes a tuple of images [3, H, W] and one of
+    # target dicts. The doctor read "3 samples" off the first image's channels, and said no more.
+    images = (torch.rand(3, 32, 32), torch.rand(3, 32, 32))
+    targets = ({"boxes": torch.tensor([[1.0, 2.0, 9.0, 12.0]]), "labels": torch.tensor([1])},) * 2
+    with pytest.raises(ValueError, match=r"3 samples but targets have 2") as e:
+        doctor.overfit_one_batch(_WithTargets(), ((images, targets), torch.zeros(2)),
+                                 lambda out, _: out["loss"], steps=10)
+    assert "dim 0" in str(e.value) and "[3, 32, 32]" in str(e.value) and "one tensor per sample" in str(e.value)
+
+
 def test_non_scalar_loss_is_a_value_error(mlp, batch):
     with pytest.raises(ValueError, match="scalar"):
         doctor.overfit_one_batch(mlp, batch, nn.CrossEntropyLoss(reduction="none"), steps=5)

@@ -150,7 +150,11 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     if n_in == 0:
         raise DoctorInputError("the batch is empty (0 samples)")
     if n_t is not None and n_t != n_in:
-        raise DoctorInputError(f"batch inputs have {n_in} samples but targets have {n_t}")
+        raise DoctorInputError(
+            f"batch inputs have {n_in} samples but targets have {n_t} (dim 0 of the first tensor of each: "
+            f"{_describe(first_tensor(inputs))}, {_describe(first_tensor(targets))}; a list of one tensor per "
+            "sample, as torchvision's detection models take, is not a batch the doctor can split)"
+        )
     return inputs, targets
 
 
