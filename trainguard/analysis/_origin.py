@@ -39,6 +39,7 @@ _ADDCDIVS = {"addcdiv", "addcdiv_", "_foreach_addcdiv", "_foreach_addcdiv_"}
 _ADDS = {"add", "add_", "sub", "sub_", "rsub", "addcmul", "addcdiv", "addcdiv_", "addcmul_", "lerp_", "lerp"}
 _SOFTMAXES = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"}
 _NLL = {"nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss2d"}  # outputs: (loss, total_weight)
+_CTC = {"_ctc_loss", "ctc_loss", "_cudnn_ctc_loss", "_use_cudnn_ctc_loss"}
 _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
               "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math"}
@@ -268,9 +269,9 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
     ins = link.inputs
     made = "/".join(link.health) or "a non-finite value"
     bad_inputs = [i for i in ins if _is_bad(i.get("summary"))]
-    masked = _masked_rows(link)
-    if masked:
-        return masked
+    known = _masked_rows(link) or _ctc_unalignable(link)
+    if known:
+        return known
     if bad_inputs and link.origin_seq is not None and link.origin_seq == link.seq and link.taint != "finite":
         bad_inputs = []  # the run says the value was made here: its inputs' infinities were intended
     if bad_inputs:
@@ -410,6 +411,18 @@ def _masked_rows(link: Link) -> str | None:
     return None
 
 
+def _ctc_unalignable(link: Link) -> str | None:
+    """CTC loss +inf: a sample whose target no alignment fits into its input frames."""
+    if op_base(link.op) not in _CTC or "+inf" not in link.health or not link.outputs:
+        return None
+    loss = link.outputs[0].get("summary")
+    n, size = _count(loss, "pos_inf"), _count(loss, "size")
+    which = f"{n} of {size} samples" if n and size else "a sample"
+    return (f"the CTC loss is +inf for {which}: no alignment fits the target into the input's frames, which "
+            "needs at least one frame per label plus one for a blank between each pair of repeated labels; the "
+            "target is too long for the input length (after the model's downsampling)")
+
+
 def _reduced_count(link: Link) -> int | None:
     """How many values a reduction reduced into each of its outputs (input size over output size)."""
     shapes = [link.inputs[0].get("shape") if link.inputs else None, link.outputs[0].get("shape") if link.outputs else None]
@@ -520,6 +533,9 @@ _SUGGESTIONS = {
     "or skip the normalisation when there is a single value, e.g. `if x.numel() > 1:`",
     "std_grad": "take the square root yourself with the epsilon inside: torch.sqrt(x.var(dim, keepdim=True) + 1e-5) "
     "instead of x.std(dim) (as nn.LayerNorm does), or detach the std when no gradient should flow through it",
+    "ctc": "pass zero_infinity=True (nn.CTCLoss(zero_infinity=True), F.ctc_loss(..., zero_infinity=True); for "
+    "transformers' CTC models, config.ctc_zero_infinity=True) so that such a sample adds 0 to the loss and "
+    "gradient, or drop the samples whose target is longer than their output frames, or downsample the input less",
     "accum": "values are overflowing: lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_)",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
     "and the previous step",
@@ -656,6 +672,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["received"]
     if _masked_rows(link):
         return _SUGGESTIONS["log" if _from_log(link) else "masked"]
+    if _ctc_unalignable(link):
+        return _SUGGESTIONS["ctc"]
     if _empty_input(link) is not None:
         return _SUGGESTIONS["empty"]
     if _no_target_counted(link) or _compiled_no_target(link):
