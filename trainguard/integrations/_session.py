@@ -98,7 +98,7 @@ class Session:
         recording = self.record or self.check_numerics
         # The session holds the run's writer, so that the monitor and the recorder join one run,
         # appended to when the framework resumed.
-        self._writer = acquire_writer(self.run_dir, append=resumed, process=recording)
+        self._writer = acquire_writer(self.run_dir, append=resumed, resume=resumed, process=recording)
         try:
             if self.want_monitor:
                 self.monitor = trainguard.Monitor(model, self.run_dir, self.every, append=resumed, rank_dir=False)
