@@ -133,6 +133,17 @@ class Session:
         if self.monitor is not None and self.owner:
             self.monitor.forward_started(model, inputs)
 
+    def checkpoint_saved(self) -> None:
+        """The framework saved a checkpoint: what the run buffers goes to disk now, so that a kill
+        before the next flush loses none of the steps a resume from that checkpoint will not run
+        again."""
+        if not self.started:
+            return
+        if self.monitor is not None:
+            self.monitor.flush()  # its buffered steps, then the writer (the recorder's records too)
+        elif self._writer is not None:
+            self._writer.flush()
+
     def close(self, error: BaseException | None = None) -> None:
         """Stop recording and close the monitor (which diagnoses the run); ``error`` ended training.
 
