@@ -78,6 +78,9 @@ class Link:
     # are the summarised values they were computed from (as _input_info describes inputs).
     through: list[str] = field(default_factory=list)
     sources: list[dict] = field(default_factory=list)
+    # A division by a count of 0: the comparison whose kept elements the denominator counts
+    # (``{"op", "seq", "size", "file", "line"}``), when it kept none (see _counted_mask).
+    mask: dict | None = None
 
 
 @dataclass
@@ -219,12 +222,53 @@ def _link(run: Run, seq: int) -> Link:
         inputs=inputs, forward_op=fwd, taint=e.get("taint", "finite"), origin_seq=e.get("origin"),
         through=through, sources=sources,
     )
+    link.mask = _counted_mask(run, link)
     link.explanation = explain(link)
     if _IGNORED in link.explanation:
         value = _ignore_index(run, link)
         if value is not None:
             link.explanation = explain(link, ignore_index=value)
     return link
+
+
+# Ops a count passes through on its way to the denominator (summed over micro-batches, divided
+# among processes, cast), and the comparisons that make the mask it counts.
+_COUNT_PASS = {"add", "add_", "sub", "div", "div_", "mul", "mul_", "_to_copy", "to", "clone", "view", "reshape",
+               "squeeze", "unsqueeze", "expand", "detach", "alias", "lift_fresh", "copy_"}
+_COMPARISONS = {"ne", "eq", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "isfinite",
+                "isnan", "isinf", "bitwise_and", "bitwise_or", "bitwise_not"}
+
+
+def _counted_mask(run: Run, link: Link) -> dict | None:
+    """For a division by a zero denominator that counts the elements a mask keeps (a masked mean:
+    ``(loss * mask).sum() / mask.sum()``, transformers' LabelSmoother over the labels that are not
+    -100): the comparison that made the mask, which kept none."""
+    if op_base(link.op) not in ("div", "div_", "true_divide") or len(link.inputs) < 2:
+        return None
+    den = link.inputs[1]
+    if den.get("kind") != "op" or not _count(den.get("summary"), "zero"):
+        return None
+    seq = den.get("producer")
+    for _ in range(8):
+        try:
+            e = run.execution(seq)
+        except (KeyError, TypeError):
+            return None
+        base = op_base(e["op"])
+        # the count is the first input all the way back (count + 0, count / world_size, count.float())
+        src = e["inputs"][0].get("producer_digest") if e["inputs"] and e["inputs"][0].get("kind") == "op" else None
+        if src is None or (base not in _COUNT_PASS and base not in ("sum", "count_nonzero")):
+            return None
+        if base in _COUNT_PASS:
+            seq = src["seq"]
+            continue
+        if op_base(src["op"]) not in _COMPARISONS:
+            return None
+        out = src["outputs"][0] if src["outputs"] else {}
+        fr = run.user_frame(src["stack_id"])
+        return {"op": src["op"], "seq": src["seq"], "size": (out.get("summary") or {}).get("size"),
+                "file": fr["filename"] if fr else None, "line": fr["lineno"] if fr else None}
+    return None
 
 
 _IGNORED = "ignore_index (-100 unless set)"
@@ -332,6 +376,13 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
                     if "nan" in link.health and any(_count(i.get("summary"), "zero") for i in num) else "")
             return (f"{base} divides by tensor2, which holds {_plural(zeros, 'zero')}{tail}; in an optimizer's "
                     "update m / (sqrt(v) + eps) that is an eps of 0 over zero second moments")
+    if link.mask is not None:
+        m = link.mask
+        where = f" at {m['file']}:{m['line']}" if m.get("file") else ""
+        size = f" of {int(m['size'])}" if isinstance(m.get("size"), (int, float)) and m["size"] == m["size"] else ""
+        tail = " (0/0 -> NaN where the numerator is zero too)" if "nan" in link.health else ""
+        return (f"division by a count of 0: the denominator counts the elements the mask {m['op']} (#{m['seq']}{where}) "
+                f"keeps, and it kept none{size}: every element was masked out (e.g. labels all ignore_index, or padding){tail}")
     if base in _DIVS:
         denom = ins[1].get("summary") if len(ins) > 1 else s0
         zeros = _count(denom, "zero")
@@ -533,6 +584,10 @@ _SUGGESTIONS = {
     "or skip the normalisation when there is a single value, e.g. `if x.numel() > 1:`",
     "std_grad": "take the square root yourself with the epsilon inside: torch.sqrt(x.var(dim, keepdim=True) + 1e-5) "
     "instead of x.std(dim) (as nn.LayerNorm does), or detach the std when no gradient should flow through it",
+    "mask_count": "no element of the batch passes the mask the denominator counts (labels all -100 or padding, an "
+    "all-zero attention mask): check the label masking (a sequence shorter than its prompt masks every label), "
+    "skip such a batch (`if mask.any():`), or divide by the count clamped to 1, "
+    "`(loss * mask).sum() / mask.sum().clamp_min(1)`",
     "ctc": "pass zero_infinity=True (nn.CTCLoss(zero_infinity=True), F.ctc_loss(..., zero_infinity=True); for "
     "transformers' CTC models, config.ctc_zero_infinity=True) so that such a sample adds 0 to the loss and "
     "gradient, or drop the samples whose target is longer than their output frames, or downsample the input less",
@@ -674,6 +729,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["log" if _from_log(link) else "masked"]
     if _ctc_unalignable(link):
         return _SUGGESTIONS["ctc"]
+    if link.mask is not None:
+        return _SUGGESTIONS["mask_count"]
     if _empty_input(link) is not None:
         return _SUGGESTIONS["empty"]
     if _no_target_counted(link) or _compiled_no_target(link):
