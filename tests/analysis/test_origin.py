@@ -443,3 +443,29 @@ def test_exp_of_a_learned_log_scale_is_told_to_clamp_the_parameter(tmp_path, in_
     assert "optimizer.step()" in o.suggestion and "clamp_(0, math.log(100))" in o.suggestion, o.suggestion
     assert "subtract the maximum" not in o.suggestion, o.suggestion
     assert ("model.logit_scale.clamp_" in o.suggestion) == in_module, o.suggestion
+
+
+@pytest.mark.parametrize("count", [
+    lambda mask: mask.sum(),
+    # transformers' Trainer: num_items_in_batch, a label count (added up over the accumulated
+    # micro-batches, divided among the processes) that LabelSmoother divides by
+    lambda mask: (mask.sum() + 0) / 1,
+])
+def test_a_mean_over_a_mask_that_kept_nothing_is_named_so(tmp_path, count):
+    # Seq2seq losses written by hand, and transformers' LabelSmoother (label_smoothing_factor under
+    # Seq2SeqTrainer), divide a masked sum by the count of labels that are not -100: a batch whose
+    # labels are all -100 is 0/0. It was told to add an epsilon to the denominator (found on a tiny
+    # T5 fine-tuned with Seq2SeqTrainer and label smoothing, every label masked).
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 7)
+    x, y = torch.randn(6, 4), torch.full((6,), -100)
+
+    def f():
+        nll = -lin(x).log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        mask = y.ne(-100)
+        ((nll * mask).sum() / count(mask)).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.div.Tensor"
+    assert "counts" in o.origin.explanation and "aten.ne.Scalar" in o.origin.explanation, o.origin.explanation
+    assert "clamp_min(1)" in o.suggestion and "1e-8" not in o.suggestion, o.suggestion

@@ -278,6 +278,7 @@ class _DispatchMode(TorchDispatchMode):
                 if (p is not None and p[4] is not None and p[0]() is first and p[5] is not None
                         and p[5] == first._version):
                     alias = p[4]
+            known = info[2]  # outputs that hold values: -1 all, 0 none, n the first n (a workspace follows)
             for o in outs:
                 if not isinstance(o, _Tensor):
                     continue
@@ -288,7 +289,7 @@ class _DispatchMode(TorchDispatchMode):
                               "cpu" if cpu else _device_name(v.device)))
                 s = None
                 if summaries is not None:
-                    if info[2] or garbage:  # uninitialised memory, or a collective's: no evidence
+                    if garbage or len(metas) > known >= 0:  # uninitialised memory, a collective's, a workspace
                         s = unknown_summary(r.mode, v.numel())
                     elif alias is not None:
                         s = alias

@@ -436,7 +436,8 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     if (nfields) {
       bool cpu = m.device.is_cpu();
       m.summary = 1;
-      if (op->alloc || op->collective) {  // uninitialised memory, or another rank's: no evidence
+      // uninitialised memory, another rank's, or a workspace after the op's result: no evidence
+      if (op->alloc || op->collective || (op->known >= 0 && (int64_t)metas.size() >= op->known)) {
         m.s = unknown_summary(c->mode, o.numel());
       } else if (have_alias) {
         m.s = alias;
