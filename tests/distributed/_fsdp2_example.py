@@ -101,11 +101,11 @@ def main() -> None:
             keep.zero_()  # this rank's batch is padding only
         loss = (out.sum(-1) * keep).sum() / keep.sum()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optim.step()
         optim.zero_grad()
         if dist.get_rank() == 0:
-            print("loss", loss.item(), flush=True)
+            print("loss", loss.item(), "norm", norm.full_tensor().item(), flush=True)
     dist.destroy_process_group()
 
 

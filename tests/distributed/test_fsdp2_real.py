@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 import trainguard as tg
 from trainguard.cli import main
 
@@ -64,3 +66,20 @@ def test_a_nan_made_on_one_rank_is_received_by_the_other_through_fsdps_reduce_sc
     assert (made["op"], made["step"], made["phase"]) == ("aten.div.Tensor", 1, "forward"), made
     via = ranks["per_rank"][0]["first"]["received_via"]
     assert (via["op"], via["phase"], via["step"]) == ("c10d._reduce_scatter_base_", "backward", 1), via
+
+
+def test_the_merged_gradient_norm_of_a_sharded_model_is_the_norm_clip_grad_norm_returns(tmp_path):
+    # Found on pytorch/examples distributed/FSDP2: each rank's monitor summed the squares of its own
+    # gradient shards, so the job's grad_norm was the norm of half the gradient (0.37 where
+    # clip_grad_norm_ returned 0.53 on two ranks), and a clip norm read off it would be sqrt(ranks) too small.
+    code, out = run(trainguard("run", "--monitor", "--nproc-per-node", "2", "--logdir", tmp_path / "run", SCRIPT),
+                    tmp_path / "log")
+    assert code == 0, out[-4000:]
+    printed = [float(line.split()[3]) for line in out.splitlines() if line.startswith("loss ")]
+    assert len(printed) == 3
+    with tg.open(tmp_path / "run") as job:
+        merged = [v for _, v in job.scalars()["grad_norm"]]
+        assert merged == [v for _, v in job.scalars("grad_norm")["grad_norm"]]
+        assert merged == pytest.approx(printed, rel=1e-5)
+        own = [v for _, v in job.rank_run(1).scalars()["grad_norm"]]  # a rank's own run: its shards
+        assert all(o < m for o, m in zip(own, merged))
