@@ -47,17 +47,17 @@ def test_fsdp2_blocks_never_initialised_are_stopped(tmp_path):
     assert "NonFiniteError" in out and "forward pass" in out, out[-4000:]
 
 
-def test_a_nan_made_on_one_rank_is_received_by_the_other_through_fsdps_reduce_scatter(tmp_path, capsys):
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_a_nan_made_on_one_rank_is_received_by_the_other_through_fsdps_reduce_scatter(tmp_path, capsys, backend,
+                                                                                    monkeypatch):
     # Found on pytorch/examples distributed/FSDP2 with one rank's loss divided by a zero count: gloo's
     # reduce-scatter reduces a copy of its input that it makes inside the collective and scatters it when
     # the program waits for it (a split and a copy_ on the training thread), so rank 0's first NaN was that
     # split, "made" out of a tensor no op had produced, and the report named rank 0 as the rank that made it.
-    os.environ["NAN_RANK"] = "1"
-    try:
-        code, out = run(trainguard("run", "--nproc-per-node", "2", "--buffer", "-1", "--logdir", tmp_path / "run",
-                                   SCRIPT), tmp_path / "log")
-    finally:
-        del os.environ["NAN_RANK"]
+    monkeypatch.setenv("NAN_RANK", "1")
+    monkeypatch.setenv("TRAINGUARD_BACKEND", backend)
+    code, out = run(trainguard("run", "--nproc-per-node", "2", "--buffer", "-1", "--logdir", tmp_path / "run",
+                               SCRIPT), tmp_path / "log")
     assert code == 0, out[-4000:]
     assert main(["report", str(tmp_path / "run"), "--json"]) == 0
     ranks = json.loads(capsys.readouterr().out)["ranks"]
