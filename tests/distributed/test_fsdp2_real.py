@@ -83,3 +83,15 @@ def test_the_merged_gradient_norm_of_a_sharded_model_is_the_norm_clip_grad_norm_
         assert merged == pytest.approx(printed, rel=1e-5)
         own = [v for _, v in job.rank_run(1).scalars()["grad_norm"]]  # a rank's own run: its shards
         assert all(o < m for o, m in zip(own, merged))
+
+
+def test_the_merged_gradient_norm_of_a_tensor_parallel_model_counts_a_replicated_bias_once(tmp_path):
+    # pytorch/examples distributed/tensor_parallelism (_tp_example.py): the weights are sharded, out_proj's
+    # bias is replicated on both ranks; the job's norm must count the bias once, as clip_grad_norm_ does.
+    code, out = run(trainguard("run", "--monitor", "--nproc-per-node", "2", "--logdir", tmp_path / "run",
+                               HERE / "_tp_example.py"), tmp_path / "log")
+    assert code == 0, out[-4000:]
+    printed = [float(line.split()[3]) for line in out.splitlines() if line.startswith("loss ")]
+    assert len(printed) == 3
+    with tg.open(tmp_path / "run") as job:
+        assert [v for _, v in job.scalars()["grad_norm"]] == pytest.approx(printed, rel=1e-5)
