@@ -14,7 +14,7 @@ import pytest
 import trainguard as tg
 from trainguard.cli import main
 
-from .conftest import HERE, run, trainguard
+from .conftest import HERE, run, torchrun, trainguard
 
 SCRIPT = HERE / "_fsdp2_example.py"
 
@@ -95,3 +95,21 @@ def test_the_merged_gradient_norm_of_a_tensor_parallel_model_counts_a_replicated
     assert len(printed) == 3
     with tg.open(tmp_path / "run") as job:
         assert [v for _, v in job.scalars()["grad_norm"]] == pytest.approx(printed, rel=1e-5)
+
+
+def test_the_guard_rewinds_an_fsdp2_job_and_names_the_rank_that_made_the_nan(tmp_path):
+    # Rank 1's batch at step 6 (sample 49 of the unshuffled DistributedSampler: rank 1 takes the odd samples,
+    # four a batch) makes its loss NaN. The guard's replay records from step 6 on; FSDP2 views its unsharded
+    # parameters' stale storage (NaN from step 7's forward before the rewind) before the all-gather fills it:
+    # that view was the origin on both ranks ("came from outside the recording").
+    script = HERE / "_fsdp2_guard.py"
+    code, out = run(torchrun(script, tmp_path / "ckpt", tmp_path / "run", 49), tmp_path / "log")
+    assert code == 0, out[-4000:]
+    line = next(i for i, t in enumerate(script.read_text().splitlines(), 1) if "LOSS_LINE" in t)
+    for rank in (0, 1):
+        with tg.open(tmp_path / "run", rank=rank) as r:
+            (finding,) = r.rank_run(rank).findings(source="guard")
+            event = finding["event"]
+            assert (event["step"], event["action"], event["origin_rank"]) == (6, "skip", 1), event
+            link = event["origin"]["origin"]
+            assert link["op"].startswith("aten.div") and link["line"] == line, link
