@@ -2,7 +2,9 @@
 ``trainguard run --check-numerics``: the uninitialised memory FSDP2 allocates (``to_empty``'s
 shards, the other rank's half of each all-gather buffer) stops no healthy job, and a model whose
 blocks were never initialised after ``to_empty`` (the example's own ``reset_parameters``) is
-stopped, in its first forward."""
+stopped, in its first forward. A NaN one rank makes reaches the other through the gradient
+reduce-scatter, and the report and the guard name the rank that made it; the job's gradient norm,
+read from every rank's shards, is the one ``clip_grad_norm_`` returns (FSDP2 and tensor parallel)."""
 
 from __future__ import annotations
 
