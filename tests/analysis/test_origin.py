@@ -275,6 +275,37 @@ def test_nonfinite_input_data(tmp_path):
     assert "input 0" in o.origin.explanation and "outside the recording" in o.origin.explanation
 
 
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_view_of_stale_memory_from_before_the_recording_that_is_overwritten_is_no_alert(tmp_path, backend):
+    # Found on pytorch/examples' FSDP2 model under trainguard.Guard with two gloo ranks: the replay records
+    # from the failing step on, and FSDP2 frees and allocates again its unsharded parameters' storage outside
+    # any op; after the NaN step the allocator handed back NaN, which FSDP2 views and then fills by the
+    # all-gather (split_with_sizes_copy, out=). The view was called the origin ("view made nan from input 0,
+    # which came from outside the recording") on both ranks, instead of the rank's division by zero.
+    stale = torch.full((2, 4), float("nan"))
+
+    def step():
+        rows = stale.view(8)
+        rows.copy_(torch.arange(8.0))  # filled before anything reads it
+        return (stale * 2).sum().item()
+
+    with tg.record(tmp_path / "run", backend=backend, buffer=-1, mode="full_health"):
+        assert step() == 56.0
+    with open_run(tmp_path / "run") as run:
+        assert run.alerts()["total"] == 0 and run.first_harm() is None
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_view_of_data_from_before_the_recording_holding_nan_is_the_origin(tmp_path, backend):
+    bad = torch.tensor([[1.0, float("nan")]])
+    with tg.record(tmp_path / "run", backend=backend, buffer=-1, mode="full_health"):
+        (bad.view(2) * 2).sum()
+    with open_run(tmp_path / "run") as run:
+        o = origin(run)
+    assert o.origin.op == "aten.view"
+    assert "outside the recording" in o.origin.explanation and "already held NaN" in o.suggestion
+
+
 def test_a_nan_written_from_python_is_named_a_constant(tmp_path):
     # Found on pytorch/examples' dcgan with a dataset item holding ``x[0, 0, 0] = float('nan')``:
     # the origin is the op that turns the Python float into a tensor, which made nothing itself.

@@ -274,6 +274,14 @@ class Tracker:
         taint, origin = propagate(cls, in_taint, in_origin, health, seq)
         if in_taint == PENDING and len(inputs) > 1:
             self._join(in_origin, inputs)
+        if cls == VIEW and taint == HARMFUL and origin == seq and inputs and inputs[0][0] == "input":
+            # A view of a tensor no recorded op made: a recording that began mid-run (the guard's
+            # replay) never saw FSDP2 allocate its unsharded parameters, whose storage it frees and
+            # allocates again outside any op, and views before the all-gather fills them: after a
+            # NaN step, the allocator hands back its NaN. A view computes nothing: what it holds
+            # is judged where something computes on it (a pending value, with this view as its
+            # origin: "came from outside the recording"), and nowhere if it is overwritten first.
+            taint = PENDING
         name = shown or op
         if cls == RENORM and in_taint == PENDING:
             o = self.origins.get(in_origin)
