@@ -289,3 +289,17 @@ def test_soft_targets_over_the_last_dim_are_read(tmp_path, caplog):
     assert heads and all(h["loss"] == "soft_cross_entropy" and h["classes"] == C for h in heads), heads
     assert heads[0]["facts"]["row_sum_max"] == pytest.approx(1.0)
     assert "reading the loss graph failed" not in caplog.text
+
+
+def _ce_negated_onehot(logits, y):
+    return F.cross_entropy(logits, -F.one_hot(y, C).float())
+
+
+def test_timm_soft_target_cross_entropy_is_healthy_in_a_recording_and_negated_targets_are_not(tmp_path):
+    # sum(-target * log_softmax) multiplies in the negated targets; F.cross_entropy negates after the sum
+    findings, meta = _recorded(tmp_path / "good", _timm_soft_target_ce)
+    assert [f.kind for f in findings if f.kind in MISUSE] == []
+    assert meta.get("loss_graph")
+    findings, _ = _recorded(tmp_path / "bad", _ce_negated_onehot)
+    _only(findings, "cross_entropy_targets_not_probabilities")
+    _only(_monitored(tmp_path / "bad2", _ce_negated_onehot), "cross_entropy_targets_not_probabilities")
