@@ -715,3 +715,57 @@ def test_frozen_parameters_updated_by_hand_are_named_a_momentum_copy(tmp_path):
     assert {"moco.encoder_k.0.weight", "moco.encoder_k.3.weight"} <= set(by_hand), f.evidence
     assert all(p.startswith("moco.encoder_k.") for p in by_hand), f.evidence
     assert "momentum" in f.suggestion and "probe.weight" in f.suggestion, f.suggestion
+
+
+class _TimmTask(nn.Module):
+    """timm's ClassificationTask (timm/task/task.py) with ModelEmaV3 (timm/utils/model_ema.py), as
+    timm's train.py --model-ema builds them: one module holding the trained model, the criterion and
+    the EMA copy (a deepcopy in eval mode whose parameters keep requires_grad=True, moved by
+    ``_foreach_lerp_`` under no_grad after each update); validation calls the EMA copy directly."""
+
+    def __init__(self):
+        super().__init__()
+        import copy
+
+        self.trainable_module = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                              nn.Linear(8, 4))
+        self.criterion = nn.CrossEntropyLoss()
+        self.trainable_module_ema = nn.Module()
+        self.trainable_module_ema.module = copy.deepcopy(self.trainable_module).eval()
+
+    def forward(self, x, y):
+        return {"loss": self.criterion(self.trainable_module(x), y)}
+
+    @torch.no_grad()
+    def update_ema(self, decay=0.9):
+        ema = list(self.trainable_module_ema.module.state_dict().values())
+        model = list(self.trainable_module.state_dict().values())
+        torch._foreach_lerp_([e for e in ema if e.is_floating_point()],
+                             [m for m in model if m.is_floating_point()], weight=1.0 - decay)
+
+
+def test_an_ema_copy_inside_the_trained_module_is_not_a_parameter_without_gradient(tmp_path):
+    # trainguard run --monitor on timm's train.py --model-ema: "44 trainable parameter(s) never received
+    # a gradient: trainable_module_ema.module.conv1.0.weight ...", told to compute them outside no_grad.
+    torch.manual_seed(0)
+    task = _TimmTask()
+    unused = nn.Linear(4, 4)  # a layer defined and never called: still no gradient
+    task.unused = unused
+    opt = torch.optim.AdamW([p for n, p in task.named_parameters() if not n.startswith("trainable_module_ema")],
+                            lr=1e-2)
+    protos = torch.randn(4, 3, 8, 8)
+    with tg.Monitor(task, tmp_path / "r", every=5) as mon:
+        for step in range(30):
+            y = torch.randint(0, 4, (16,))
+            loss = task(protos[y] + 0.3 * torch.randn(16, 3, 8, 8), y)["loss"]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            task.update_ema()
+            if step % 10 == 9:
+                with torch.inference_mode():
+                    task.trainable_module_ema.module(protos)
+    f = next(f for f in mon.findings if f.kind == "param_no_gradient")
+    assert f.evidence["params"] == ["unused.weight", "unused.bias"], f.evidence
+    ema = [f for f in mon.findings if "trainable_module_ema.module.0.weight" in str(f.evidence)]
+    assert ema and all(not f.is_problem and "EMA" in f.title for f in ema), [(f.kind, f.title) for f in ema]
