@@ -769,3 +769,23 @@ def test_an_ema_copy_inside_the_trained_module_is_not_a_parameter_without_gradie
     assert f.evidence["params"] == ["unused.weight", "unused.bias"], f.evidence
     ema = [f for f in mon.findings if "trainable_module_ema.module.0.weight" in str(f.evidence)]
     assert ema and all(not f.is_problem and "EMA" in f.title for f in ema), [(f.kind, f.title) for f in ema]
+
+
+def test_an_ema_weight_whose_norm_comes_back_is_still_a_copy_moved_by_hand(tmp_path):
+    # timm's train.py --model-ema on resnet10t: the EMA copy of layer1.0.bn1.weight (ones at first)
+    # had norms 8, 7.99971, 8.0000029 at the three recordings: first and last within 1e-6, so it was
+    # "a trainable parameter that never received a gradient" beside 43 EMA parameters named a copy.
+    rows = []
+    for s in range(0, 100, 5):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0 + s * 1e-3), (s, p, "gradient", "norm", 0.05),
+                     (s, p, "gradient", "present", 1), (s, p, "gradient", "in_optimizer", 1),
+                     (s, p, "update", "norm", 0.01), (s, p, "update", "ratio", 2e-3)]
+        for p, w in (("ema.0.weight", 5.0 + s * 1e-3), ("ema.bn.weight", 8.0 - 3e-4 * (s == 45))):
+            rows += [(s, p, "weight", "norm", w), (s, p, "gradient", "present", 0), (s, p, "gradient", "in_optimizer", 0)]
+    params = dict(PARAMS, **{"ema.0.weight": {"layer": "ema.0", "module_type": "Linear", "requires_grad": True},
+                             "ema.bn.weight": {"layer": "ema.bn", "module_type": "BatchNorm2d", "requires_grad": True}})
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, params=params))
+    assert "param_no_gradient" not in kinds(fs), [(f.kind, f.title) for f in fs]
+    f = next(f for f in fs if f.kind == "model_not_trained")
+    assert f.evidence["updated_by_hand"] == ["ema.0.weight", "ema.bn.weight"], f.evidence
