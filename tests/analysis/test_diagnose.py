@@ -789,3 +789,55 @@ def test_an_ema_weight_whose_norm_comes_back_is_still_a_copy_moved_by_hand(tmp_p
     assert "param_no_gradient" not in kinds(fs), [(f.kind, f.title) for f in fs]
     f = next(f for f in fs if f.kind == "model_not_trained")
     assert f.evidence["updated_by_hand"] == ["ema.0.weight", "ema.bn.weight"], f.evidence
+
+
+class _DropPath(nn.Module):
+    """timm/layers/drop.py DropPath (stochastic depth): drops the branch of whole samples."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class _ConvNeXtBlock(nn.Module):
+    """timm/models/convnext.py ConvNeXtBlock: depthwise conv, LayerNorm, MLP, then LayerScale
+    (``gamma``, ls_init_value=1e-6) and DropPath before the residual sum: the branch starts ~1e-6."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv_dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.mlp = nn.Sequential(nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c))
+        self.gamma = nn.Parameter(1e-6 * torch.ones(c))
+        self.drop_path = _DropPath(0.1)
+
+    def forward(self, x):
+        shortcut = x
+        x = self.mlp(self.norm(self.conv_dw(x).permute(0, 2, 3, 1)))
+        x = x.mul(self.gamma).permute(0, 3, 1, 2)
+        return self.drop_path(x) + shortcut
+
+
+def test_a_layer_scaled_residual_branch_is_not_collapsed_activations(tmp_path):
+    # trainguard run --monitor on timm's train.py --model convnext_atto: "Collapsed activations: layer
+    # stages.0.blocks.1.drop_path's outputs have std 9.31e-06 (every sample looks the same)", told to
+    # use Kaiming initialisation; the block's output, the residual sum, is not collapsed.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 4, stride=4), _ConvNeXtBlock(16), _ConvNeXtBlock(16),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # early in timm's warm-up
+    protos = torch.randn(4, 3, 16, 16)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(30):
+            y = torch.randint(0, 4, (16,))
+            loss = nn.functional.cross_entropy(model(protos[y] + 0.5 * torch.randn(16, 3, 16, 16)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert "collapsed_activations" not in kinds(mon.findings), [(f.kind, f.title) for f in mon.findings]
