@@ -767,3 +767,129 @@ def test_the_rate_suggested_for_a_divergence_is_read_off_the_updates_before_it(t
     f = next(f for f in fs if f.kind == "lr_too_high")
     assert f.evidence["lr"] == 2.0
     assert 0.005 <= f.evidence["suggested_lr"] <= 0.05, f.suggestion
+
+
+class _TimmTask(nn.Module):
+    """timm's ClassificationTask (timm/task/task.py) with ModelEmaV3 (timm/utils/model_ema.py), as
+    timm's train.py --model-ema builds them: one module holding the trained model, the criterion and
+    the EMA copy (a deepcopy in eval mode whose parameters keep requires_grad=True, moved by
+    ``_foreach_lerp_`` under no_grad after each update); validation calls the EMA copy directly."""
+
+    def __init__(self):
+        super().__init__()
+        import copy
+
+        self.trainable_module = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                              nn.Linear(8, 4))
+        self.criterion = nn.CrossEntropyLoss()
+        self.trainable_module_ema = nn.Module()
+        self.trainable_module_ema.module = copy.deepcopy(self.trainable_module).eval()
+
+    def forward(self, x, y):
+        return {"loss": self.criterion(self.trainable_module(x), y)}
+
+    @torch.no_grad()
+    def update_ema(self, decay=0.9):
+        ema = list(self.trainable_module_ema.module.state_dict().values())
+        model = list(self.trainable_module.state_dict().values())
+        torch._foreach_lerp_([e for e in ema if e.is_floating_point()],
+                             [m for m in model if m.is_floating_point()], weight=1.0 - decay)
+
+
+def test_an_ema_copy_inside_the_trained_module_is_not_a_parameter_without_gradient(tmp_path):
+    # trainguard run --monitor on timm's train.py --model-ema: "44 trainable parameter(s) never received
+    # a gradient: trainable_module_ema.module.conv1.0.weight ...", told to compute them outside no_grad.
+    torch.manual_seed(0)
+    task = _TimmTask()
+    unused = nn.Linear(4, 4)  # a layer defined and never called: still no gradient
+    task.unused = unused
+    opt = torch.optim.AdamW([p for n, p in task.named_parameters() if not n.startswith("trainable_module_ema")],
+                            lr=1e-2)
+    protos = torch.randn(4, 3, 8, 8)
+    with tg.Monitor(task, tmp_path / "r", every=5) as mon:
+        for step in range(30):
+            y = torch.randint(0, 4, (16,))
+            loss = task(protos[y] + 0.3 * torch.randn(16, 3, 8, 8), y)["loss"]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            task.update_ema()
+            if step % 10 == 9:
+                with torch.inference_mode():
+                    task.trainable_module_ema.module(protos)
+    f = next(f for f in mon.findings if f.kind == "param_no_gradient")
+    assert f.evidence["params"] == ["unused.weight", "unused.bias"], f.evidence
+    ema = [f for f in mon.findings if "trainable_module_ema.module.0.weight" in str(f.evidence)]
+    assert ema and all(not f.is_problem and "EMA" in f.title for f in ema), [(f.kind, f.title) for f in ema]
+
+
+def test_an_ema_weight_whose_norm_comes_back_is_still_a_copy_moved_by_hand(tmp_path):
+    # timm's train.py --model-ema on resnet10t: the EMA copy of layer1.0.bn1.weight (ones at first)
+    # had norms 8, 7.99971, 8.0000029 at the three recordings: first and last within 1e-6, so it was
+    # "a trainable parameter that never received a gradient" beside 43 EMA parameters named a copy.
+    rows = []
+    for s in range(0, 100, 5):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0 + s * 1e-3), (s, p, "gradient", "norm", 0.05),
+                     (s, p, "gradient", "present", 1), (s, p, "gradient", "in_optimizer", 1),
+                     (s, p, "update", "norm", 0.01), (s, p, "update", "ratio", 2e-3)]
+        for p, w in (("ema.0.weight", 5.0 + s * 1e-3), ("ema.bn.weight", 8.0 - 3e-4 * (s == 45))):
+            rows += [(s, p, "weight", "norm", w), (s, p, "gradient", "present", 0), (s, p, "gradient", "in_optimizer", 0)]
+    params = dict(PARAMS, **{"ema.0.weight": {"layer": "ema.0", "module_type": "Linear", "requires_grad": True},
+                             "ema.bn.weight": {"layer": "ema.bn", "module_type": "BatchNorm2d", "requires_grad": True}})
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, params=params))
+    assert "param_no_gradient" not in kinds(fs), [(f.kind, f.title) for f in fs]
+    f = next(f for f in fs if f.kind == "model_not_trained")
+    assert f.evidence["updated_by_hand"] == ["ema.0.weight", "ema.bn.weight"], f.evidence
+
+
+class _DropPath(nn.Module):
+    """timm/layers/drop.py DropPath (stochastic depth): drops the branch of whole samples."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class _ConvNeXtBlock(nn.Module):
+    """timm/models/convnext.py ConvNeXtBlock: depthwise conv, LayerNorm, MLP, then LayerScale
+    (``gamma``, ls_init_value=1e-6) and DropPath before the residual sum: the branch starts ~1e-6."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv_dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.mlp = nn.Sequential(nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c))
+        self.gamma = nn.Parameter(1e-6 * torch.ones(c))
+        self.drop_path = _DropPath(0.1)
+
+    def forward(self, x):
+        shortcut = x
+        x = self.mlp(self.norm(self.conv_dw(x).permute(0, 2, 3, 1)))
+        x = x.mul(self.gamma).permute(0, 3, 1, 2)
+        return self.drop_path(x) + shortcut
+
+
+def test_a_layer_scaled_residual_branch_is_not_collapsed_activations(tmp_path):
+    # trainguard run --monitor on timm's train.py --model convnext_atto: "Collapsed activations: layer
+    # stages.0.blocks.1.drop_path's outputs have std 9.31e-06 (every sample looks the same)", told to
+    # use Kaiming initialisation; the block's output, the residual sum, is not collapsed.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 4, stride=4), _ConvNeXtBlock(16), _ConvNeXtBlock(16),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # early in timm's warm-up
+    protos = torch.randn(4, 3, 16, 16)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(30):
+            y = torch.randint(0, 4, (16,))
+            loss = nn.functional.cross_entropy(model(protos[y] + 0.5 * torch.randn(16, 3, 16, 16)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert "collapsed_activations" not in kinds(mon.findings), [(f.kind, f.title) for f in mon.findings]

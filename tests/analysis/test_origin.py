@@ -74,6 +74,23 @@ def test_division_by_zero(tmp_path):
     assert "1e-8" in o.suggestion
 
 
+def test_division_by_a_count_of_zero_is_told_to_clamp_the_count_not_add_an_epsilon(tmp_path):
+    # A loss averaged over the samples a mask selects, planted in timm's train.py: the count is an
+    # int64 0 and the fix said "x / (d + 1e-8)", which divides by 1e-8 instead of by 0.
+    logits = torch.randn(8, 4, requires_grad=True)
+    target = torch.randint(0, 4, (8,))
+
+    def f():
+        losses = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        n_valid = (target > 3).sum()
+        loss = (losses * (target > 3)).sum() / n_valid
+        loss.backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.div.Tensor"
+    assert "clamp(min=1)" in o.suggestion and "1e-8" not in o.suggestion, o.suggestion
+
+
 def test_a_row_of_logs_of_zeros_into_log_softmax_is_not_called_a_masked_row(tmp_path):
     # log(0) makes the -inf, a softmax over the row makes the NaN: the fix is the log's (a
     # clamp), not a mask's (found with torch.compile and activation checkpointing, same eager).

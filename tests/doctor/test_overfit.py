@@ -92,15 +92,25 @@ def test_large_learning_rate_is_unstable(mlp, batch):
     assert r.reason == "unstable"
 
 
-@pytest.mark.parametrize("case", ["softmax_as_logits", "label_smoothing"])
-def test_loss_that_cannot_reach_zero_is_a_floor(case, new_mlp, batch):
-    if case == "softmax_as_logits":
-        model, loss = nn.Sequential(new_mlp(), nn.Softmax(dim=1)), nn.CrossEntropyLoss()
-    else:
-        model, loss = new_mlp(), nn.CrossEntropyLoss(label_smoothing=0.5)
+def test_loss_that_cannot_reach_zero_is_a_floor(new_mlp, batch):
+    model, loss = nn.Sequential(new_mlp(), nn.Softmax(dim=1)), nn.CrossEntropyLoss()
     r = doctor.overfit_one_batch(model, batch, loss)
     assert r.reason == "floor"
     assert r.final_loss > 1.0
+    assert r.loss_floor < 1e-3  # free logits reach 0: the softmax stops the model
+
+
+@pytest.mark.parametrize("smoothing", [0.1, 0.5])
+def test_label_smoothing_is_memorised_down_to_its_own_floor(smoothing, new_mlp, batch):
+    # trainguard doctor on timm's resnet10t with LabelSmoothingCrossEntropy(0.1), 4 classes: "Overfit
+    # one batch: the loss is stuck at a floor of 0.349", an error; 0.349 is the least that loss can be.
+    c = 10
+    q = 1 - smoothing + smoothing / c  # the best prediction for the true class
+    floor = -(q * math.log(q) + (c - 1) * (smoothing / c) * math.log(smoothing / c))
+    r = doctor.overfit_one_batch(new_mlp(), batch, nn.CrossEntropyLoss(label_smoothing=smoothing))
+    assert r.passed and r.reason is None, r.summary
+    assert r.loss_floor == pytest.approx(floor, rel=1e-3)
+    assert r.final_loss <= r.target_loss < r.loss_floor + 0.05
 
 
 def test_regression_and_binary(new_mlp):

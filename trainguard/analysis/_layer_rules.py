@@ -257,6 +257,17 @@ def exploding_activations(ctx: Context) -> list[Finding]:
     ]
 
 
+def _enclosing_std(layer: str, stds: dict[str, float]) -> float:
+    """The activation std of the nearest module around ``layer`` that has one (NaN when none)."""
+    name = layer
+    while "." in name:
+        name = name.rsplit(".", 1)[0]
+        v = stds.get(name)
+        if v is not None and math.isfinite(v):
+            return v
+    return math.nan
+
+
 @register_rule("collapsed_activations")
 def collapsed_activations(ctx: Context) -> list[Finding]:
     scale = ctx.input_rms()
@@ -271,11 +282,17 @@ def collapsed_activations(ctx: Context) -> list[Finding]:
             continue
         stds[la] = median(s.values)
     cold = [la for la, v in stds.items() if math.isfinite(v) and v < limit]
+    # A small output inside a module whose own output is not small is a branch added to a stream
+    # (a residual block's LayerScale at 1e-6, a zero-initialised branch), not a collapsed signal.
+    branches = [la for la in cold if _enclosing_std(la, stds) >= limit]
+    cold = [la for la in cold if la not in branches]
     if not cold:
         return []
     first = cold[0]
     rows, init_text = init_advice(ctx, ctx.weight_matrices(), activation_family(ctx))
     ev = {"std_by_layer": stds, "input_rms": scale, "limit": limit}
+    if branches:
+        ev["small_residual_branches"] = branches
     if rows:
         ev["init"] = rows
     return [

@@ -151,6 +151,7 @@ def _input_info(run: Run, item: dict) -> dict:
         info.update(
             producer=prod["seq"], producer_op=prod["op"], summary=summary, description=describe_summary(summary),
             shape=prod["outputs"][0].get("shape") if prod["outputs"] else None,
+            dtype=prod["outputs"][0].get("dtype") if prod["outputs"] else None,
             file=fr["filename"] if fr else None, line=fr["lineno"] if fr else None,
             taint=prod.get("taint"), origin_seq=prod.get("origin"), producer_phase=prod.get("phase"),
         )
@@ -567,6 +568,9 @@ _SUGGESTIONS = {
     "log": "clamp the input before the log, e.g. torch.log(p.clamp(min=1e-6)); for a softmax followed by log, "
     "use torch.log_softmax or F.cross_entropy, which never take the log of 0",
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
+    "div_count": "the denominator is a count that was 0 (nothing matched): divide by it clamped to at least 1, "
+    "x / n.clamp(min=1) (a mean over no elements is then 0), or skip the batch when n == 0; an epsilon added to "
+    "a count of 0 divides by the epsilon instead",
     "sqrt": "add an epsilon inside the root, torch.sqrt(x + 1e-12), or clamp(min=0) a value that can dip below 0",
     "pow_zero": "a negative power of 0 is inf: clamp the base first, x.clamp(min=1e-12) ** p, or set the infinities "
     "to 0 right after, as PyG's gcn_norm does for nodes of degree 0 "
@@ -717,6 +721,14 @@ def _into_log_one_plus(consumers: list[str]) -> bool:
     return bases[:1] == ["log1p"] or (bases[:1] in (["add"], ["add_"]) and bases[1:2] == ["log"])
 
 
+def _integer_denominator(link: Link) -> bool:
+    """Whether the division's denominator (its second input) holds integers: a count."""
+    if len(link.inputs) < 2:
+        return False
+    dtype = str(link.inputs[1].get("dtype") or (link.inputs[1].get("summary") or {}).get("dtype") or "")
+    return dtype.replace("torch.", "") in ("int64", "int32", "int16", "int8", "uint8")
+
+
 def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
@@ -747,7 +759,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     if link.phase != "backward" and _power_of_zero(link):
         return _SUGGESTIONS["pow_zero"]
     if base in _DIVS:
-        return _SUGGESTIONS["div"]
+        return _SUGGESTIONS["div_count" if link.phase != "backward" and _integer_denominator(link) else "div"]
     if base in _SQRTS or base in _RSQRTS:
         return _SUGGESTIONS["sqrt"]
     if base in _EXPS:

@@ -101,7 +101,7 @@ def activation_stats(
     # are therefore summarised in slices of at most _SMALL elements along the batch dimension.
     step = n if n <= _SMALL or dim == 0 else max(1, _SMALL // max(1, n // x.shape[0]))
     centred_sq = nonzero = unit_max = None
-    for part in (x,) if step >= x.shape[0] or x.dim() < 2 else x.split(step, dim=0):
+    for part in (x,) if x.dim() < 2 or step >= x.shape[0] else x.split(step, dim=0):
         pf = part.reshape(-1)
         c = pf - mean
         sq = torch.dot(c, c)

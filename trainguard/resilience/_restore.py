@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from trainguard._errors import CheckpointError
 from trainguard.resilience import _dist, _engine, _format
-from trainguard.resilience._codec import Encoder, decode, dtype_from_name, tensor_refs
+from trainguard.resilience._codec import Encoder, decode, dtype_from_name, empty_in_order, tensor_refs
 from trainguard.resilience._format import CheckpointInfo, Invalid
 from trainguard.resilience._sharded import sharded_target
 from trainguard.resilience._state import RNG, TrainState
@@ -128,8 +128,8 @@ def load_into(state: TrainState, path: Path, manifest: dict[str, Any], *, strict
                 targets[key] = cur.detach()
             else:  # e.g. optimizer moments that a fresh optimizer has not created yet
                 sharded = sharded_target(dict(state.items()), key, ref["shape"], saved_dtype) if cur is None else None
-                targets[key] = sharded if sharded is not None else torch.empty(
-                    ref["shape"], dtype=cur.dtype if cur is not None else saved_dtype)
+                targets[key] = sharded if sharded is not None else empty_in_order(
+                    ref["shape"], cur.dtype if cur is not None else saved_dtype, ref.get("order"))
     try:
         _engine.load_tensors(targets, path, manifest["engine"], group)
     except CheckpointError:
