@@ -194,6 +194,26 @@ def test_activations_that_grew_during_training_are_not_blamed_on_initialisation(
     assert "grew during training" in f.suggestion and "learning rate" in f.suggestion
 
 
+def test_gradients_that_collapsed_and_flicker_far_below_their_start_are_not_exploding(tmp_path):
+    # pytorch/examples' dcgan at lr=0.2 (1000x): the discriminator saturates at step 2 and the
+    # gradient norm falls from 12-88 to 1e-8, with recurring flickers to 1e-5..0.03. They are
+    # hundreds of times the collapsed median, and the "start" median of the first 10 steps was
+    # mostly collapsed too: "Exploding gradients: the gradient norm jumped to 7.48e-06", with a clip
+    # norm of 12. A norm that never comes back to where training started has not exploded.
+    rng = np.random.default_rng(0)
+    grad = [12.4, 87.7] + list(1e-8 * (1 + rng.random(98)))
+    for s in (11, 14, 21, 24, 28, 29, 40, 55, 70):
+        grad[s] = 1e-5 * 10 ** (s % 4)  # 1e-5 .. 1e-2
+    fs = diagnose(write_run(tmp_path / "r", [1.4] + [100.0] * 99, grad_norm=grad))
+    assert "exploding_gradient" not in kinds(fs, problems_only=False)
+    # the same flickers above the starting norm are an explosion
+    big = [1.0, 1.2] + list(1.0 + 0.1 * rng.random(98))
+    for s in (11, 14, 21, 24, 28, 29, 40, 55, 70):
+        big[s] = 1e3
+    fs = diagnose(write_run(tmp_path / "r2", [1.4] + [100.0] * 99, grad_norm=big))
+    assert "exploding_gradient" in kinds(fs, problems_only=False)
+
+
 def test_one_exploding_layer_is_named_once(tmp_path):
     # karpathy/makemore makemore.py --type rnn at lr=30: only the RNN cell's layer explodes; the title
     # said "RMS 2.99e+03 at cell.xh_to_h, 2.99e+03 at cell.xh_to_h"
