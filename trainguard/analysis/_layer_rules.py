@@ -437,13 +437,16 @@ def exploding_gradient(ctx: Context) -> list[Finding]:
     if n >= 2 * w0:
         early = median(vals[:w0])
         start = median(vals[:10])  # the gradient scale of the first steps of training
+        # A norm below the first step's is no explosion, however far above a collapsed median it
+        # flickers (a saturated GAN discriminator: 88 at step 1, then 1e-8 with flickers to 1e-5).
+        first = float(vals[0]) if math.isfinite(vals[0]) else 0.0
         spikes = []
         for i in range(1, n):
             v = vals[i]
             recent = median(vals[max(0, i - w0) : i])
             if not (math.isfinite(v) and math.isfinite(recent)):
                 continue
-            if v > ctx.th.grad_spike_factor * recent and v > ctx.th.grad_spike_vs_start * start:
+            if v > ctx.th.grad_spike_factor * recent and v > ctx.th.grad_spike_vs_start * start and v > first:
                 spikes.append((int(g.steps[i]), float(v), recent))
         bad = np.nonzero(~np.isfinite(vals))[0]
         overflow = int(g.steps[bad[0]]) if len(bad) else None
