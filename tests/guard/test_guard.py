@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -266,6 +267,22 @@ def test_a_loss_spike_is_rewound_and_skipped(tmp_path):
     assert [s["batch"] for s in event["skipped"]] == [60, 61] and event["skip_count"] == 2
     assert event["replay"]["reproduced"] is True and event["replay"]["bitwise_equal"] is True
     assert state.step == 90 and finite(state)
+
+
+def test_a_spike_is_reported_against_the_median_it_was_judged_by(tmp_path):
+    # pytorch/examples' time_sequence_prediction under --guard --spike-factor 3: "loss 0.001722 is a
+    # spike (1.64x the median 0.00105 of the last steps, above spike_factor 3)". The median was
+    # taken after the rewind had dropped the steps since the snapshot from the window.
+    state = make_state(make_data(90, spike_batch=60))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=25, spike_factor=20)
+    log = []
+    train(guard.batches(state, total_steps=90), state, log=log)
+    [event] = guard.events
+    before = [loss for step, loss in dict(reversed(log)).items() if step < 60]  # the first run of each step
+    assert len(before) == 60
+    assert f"the median {statistics.median(before):.4g} of" in event["reason"]
+    ratio = float(re.search(r"\(([0-9.e+]+)x the median", event["reason"]).group(1))
+    assert ratio > 20
 
 
 def test_under_a_grad_scaler_the_guard_sees_the_unscaled_loss(tmp_path):
