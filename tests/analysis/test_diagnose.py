@@ -214,6 +214,28 @@ def test_gradients_that_collapsed_and_flicker_far_below_their_start_are_not_expl
     assert "exploding_gradient" in kinds(fs, problems_only=False)
 
 
+def test_activations_are_judged_against_the_input_of_their_own_model(tmp_path):
+    # pytorch/examples' fast_neural_style: TransformerNet takes pixels in 0..255 (RMS 135), VGG the
+    # normalised batch (RMS 0.96). The rule took the first model's input for every layer:
+    # "Exploding activations: RMS 135 at transformernet.conv1.reflection_pad (input RMS 0.961)",
+    # and told to re-initialise VGG with Kaiming. The same RMS as its own model's input is no explosion.
+    layers = [{"name": "0", "type": "Conv2d"}, {"name": "1", "type": "ReLU"},
+              {"name": "net.0", "type": "ReflectionPad2d"}, {"name": "net.1", "type": "Conv2d"}]
+    rows = []
+    for s in range(0, 100, 5):
+        rows += [(s, "<input>", "input", "mean", 0.1), (s, "<input>", "input", "std", 0.95),
+                 (s, "net.<input>", "input", "mean", 126.0), (s, "net.<input>", "input", "std", 48.5)]
+        for la, mean, std in (("0", 0.05, 0.9), ("1", 0.3, 0.5), ("net.0", 126.0, 48.5), ("net.1", 5.0, 60.0)):
+            rows += [(s, la, "activation", "mean", mean), (s, la, "activation", "std", std)]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers))
+    assert "exploding_activations" not in kinds(fs, problems_only=False)
+    # the same pixels feeding a model whose own input is normalised are
+    rows = [r for r in rows if r[1] != "net.<input>"] + [
+        (s, "net.<input>", "input", st, v) for s in range(0, 100, 5) for st, v in (("mean", 0.1), ("std", 0.95))]
+    fs = diagnose(write_run(tmp_path / "r2", layer_rows=rows, layers=layers))
+    assert "exploding_activations" in kinds(fs, problems_only=False)
+
+
 def test_one_exploding_layer_is_named_once(tmp_path):
     # karpathy/makemore makemore.py --type rnn at lr=30: only the RNN cell's layer explodes; the title
     # said "RMS 2.99e+03 at cell.xh_to_h, 2.99e+03 at cell.xh_to_h"
