@@ -204,13 +204,15 @@ def _initial_sat(ctx: Context, layers: list[str]) -> dict[str, float] | None:
 
 @register_rule("exploding_activations")
 def exploding_activations(ctx: Context) -> list[Finding]:
-    scale = ctx.input_rms()
-    limit = ctx.th.act_explode_rms * max(1.0, scale)
+    def limit_of(la: str) -> float:  # each model's layers against that model's input
+        return ctx.th.act_explode_rms * max(1.0, ctx.input_rms(la))
+
     depth = {la: _rms(ctx, la) for la in ctx.layer_order}
-    hot = [la for la, v in depth.items() if math.isfinite(v) and v > limit]
+    hot = [la for la, v in depth.items() if math.isfinite(v) and v > limit_of(la)]
     if not hot:
         return []
     first = hot[0]
+    scale, limit = ctx.input_rms(first), limit_of(first)
     worst = max(hot, key=lambda la: depth[la])
     ev = {
         "rms_by_layer": {la: depth[la] for la in ctx.layer_order if math.isfinite(depth[la])},
@@ -218,7 +220,7 @@ def exploding_activations(ctx: Context) -> list[Finding]:
         "limit": limit,
     }
     initial = _initial_rms(ctx, hot)
-    if initial is not None and all(v <= limit for v in initial.values()):
+    if initial is not None and all(v <= limit_of(la) for la, v in initial.items()):
         # In range at initialisation: the updates made them grow, a new init would not help.
         ev["initial_rms_by_layer"] = initial
         ev["arose_in_training"] = True
