@@ -470,6 +470,43 @@ def test_a_float64_loss_and_gradient_norm_are_stored_as_the_program_computed_the
     assert not [f for f in mon.findings if f.kind in ("nonfinite_loss", "nonfinite_gradients")]
 
 
+class _Features(nn.Module):
+    """pytorch/examples' fast_neural_style in small: a frozen feature network (its Vgg16) gives the
+    perceptual loss of a trained image network (its TransformerNet)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+def _perceptual_training():
+    # the models live in this function, as in a script's main(): gone when the monitor closes
+    torch.manual_seed(0)
+    features, net = _Features(), nn.Sequential(nn.Conv2d(3, 3, 3, padding=1))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for _ in range(3):
+        x = torch.rand(2, 3, 8, 8)
+        loss = nn.functional.mse_loss(features(net(x)), features(x))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_a_model_gone_before_the_monitor_closes_keeps_its_type(tmp_path):
+    # "Model (the first model) (None) is not trained": the types of the models were read through
+    # their weak references when the run's metadata was written at close, after main() had returned.
+    with Monitor(None, tmp_path / "r", every=1) as mon:
+        _perceptual_training()
+    roots = open_run(tmp_path / "r").meta["monitor"]["roots"]
+    assert sorted(str(r["type"]) for r in roots) == ["Sequential", "_Features"]
+    [untrained] = [f for f in mon.findings if f.kind == "model_not_trained"]
+    assert untrained.evidence["type"] == "_Features" and "None" not in untrained.title
+
+
 def test_a_submodule_called_first_is_replaced_by_its_model(tmp_path):
     model = nn.Sequential(mlp(), nn.Linear(3, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
