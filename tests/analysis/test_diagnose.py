@@ -236,6 +236,23 @@ def test_activations_are_judged_against_the_input_of_their_own_model(tmp_path):
     assert "exploding_activations" in kinds(fs, problems_only=False)
 
 
+def test_a_sigmoid_stuck_at_zero_is_saturated_not_dead(tmp_path):
+    # pytorch/examples' dcgan at lr=0.2: the discriminator's Sigmoid outputs exactly 0 for every
+    # sample (exp overflows in float32). It was called "Dead units ... use LeakyReLU/GELU" and
+    # revive_dead_units, beside the right finding, saturated_activations.
+    layers = [{"name": "0", "type": "Linear"}, {"name": "1", "type": "Sigmoid"}, {"name": "2", "type": "Linear"}]
+    rows = []
+    for s in range(0, 100, 5):
+        stuck = 0.0 if s == 0 else 1.0
+        rows += [(s, "1", "activation", "dead_frac", stuck), (s, "1", "activation", "dead_stay", stuck),
+                 (s, "1", "activation", "sat_frac", stuck), (s, "1", "activation", "mean", 0.5 - stuck / 2),
+                 (s, "1", "activation", "std", 0.2 - stuck / 5)]
+        rows += [(s, la, "activation", st, v) for la in ("0", "2") for st, v in (("mean", 0.0), ("std", 1.0))]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers))
+    found = kinds(fs, problems_only=False)
+    assert "saturated_activations" in found and "dead_units" not in found
+
+
 def test_one_exploding_layer_is_named_once(tmp_path):
     # karpathy/makemore makemore.py --type rnn at lr=30: only the RNN cell's layer explodes; the title
     # said "RMS 2.99e+03 at cell.xh_to_h, 2.99e+03 at cell.xh_to_h"
