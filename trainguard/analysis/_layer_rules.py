@@ -75,6 +75,8 @@ def dead_units(ctx: Context) -> list[Finding]:
     for la in ctx.layers_with("activation", "dead_frac"):
         if ctx.layer_type.get(la) in POOL_TYPES:
             continue  # repeats the dead units of the layer before it
+        if len(ctx.stat(la, "activation", "sat_frac")):
+            continue  # a Sigmoid's exact zeros are its lower bound: saturated_activations' business
         series = ctx.stat(la, "activation", "dead_frac")
         win = ctx.window(series)
         if len(win) < 2:
