@@ -194,6 +194,65 @@ def test_activations_that_grew_during_training_are_not_blamed_on_initialisation(
     assert "grew during training" in f.suggestion and "learning rate" in f.suggestion
 
 
+def test_gradients_that_collapsed_and_flicker_far_below_their_start_are_not_exploding(tmp_path):
+    # pytorch/examples' dcgan at lr=0.2 (1000x): the discriminator saturates at step 2 and the
+    # gradient norm falls from 12-88 to 1e-8, with recurring flickers to 1e-5..0.03. They are
+    # hundreds of times the collapsed median, and the "start" median of the first 10 steps was
+    # mostly collapsed too: "Exploding gradients: the gradient norm jumped to 7.48e-06", with a clip
+    # norm of 12. A norm that never comes back to where training started has not exploded.
+    rng = np.random.default_rng(0)
+    grad = [12.4, 87.7] + list(1e-8 * (1 + rng.random(98)))
+    for s in (11, 14, 21, 24, 28, 29, 40, 55, 70):
+        grad[s] = 1e-5 * 10 ** (s % 4)  # 1e-5 .. 1e-2
+    fs = diagnose(write_run(tmp_path / "r", [1.4] + [100.0] * 99, grad_norm=grad))
+    assert "exploding_gradient" not in kinds(fs, problems_only=False)
+    # the same flickers above the starting norm are an explosion
+    big = [1.0, 1.2] + list(1.0 + 0.1 * rng.random(98))
+    for s in (11, 14, 21, 24, 28, 29, 40, 55, 70):
+        big[s] = 1e3
+    fs = diagnose(write_run(tmp_path / "r2", [1.4] + [100.0] * 99, grad_norm=big))
+    assert "exploding_gradient" in kinds(fs, problems_only=False)
+
+
+def test_activations_are_judged_against_the_input_of_their_own_model(tmp_path):
+    # pytorch/examples' fast_neural_style: TransformerNet takes pixels in 0..255 (RMS 135), VGG the
+    # normalised batch (RMS 0.96). The rule took the first model's input for every layer:
+    # "Exploding activations: RMS 135 at transformernet.conv1.reflection_pad (input RMS 0.961)",
+    # and told to re-initialise VGG with Kaiming. The same RMS as its own model's input is no explosion.
+    layers = [{"name": "0", "type": "Conv2d"}, {"name": "1", "type": "ReLU"},
+              {"name": "net.0", "type": "ReflectionPad2d"}, {"name": "net.1", "type": "Conv2d"}]
+    rows = []
+    for s in range(0, 100, 5):
+        rows += [(s, "<input>", "input", "mean", 0.1), (s, "<input>", "input", "std", 0.95),
+                 (s, "net.<input>", "input", "mean", 126.0), (s, "net.<input>", "input", "std", 48.5)]
+        for la, mean, std in (("0", 0.05, 0.9), ("1", 0.3, 0.5), ("net.0", 126.0, 48.5), ("net.1", 5.0, 60.0)):
+            rows += [(s, la, "activation", "mean", mean), (s, la, "activation", "std", std)]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers))
+    assert "exploding_activations" not in kinds(fs, problems_only=False)
+    # the same pixels feeding a model whose own input is normalised are
+    rows = [r for r in rows if r[1] != "net.<input>"] + [
+        (s, "net.<input>", "input", st, v) for s in range(0, 100, 5) for st, v in (("mean", 0.1), ("std", 0.95))]
+    fs = diagnose(write_run(tmp_path / "r2", layer_rows=rows, layers=layers))
+    assert "exploding_activations" in kinds(fs, problems_only=False)
+
+
+def test_a_sigmoid_stuck_at_zero_is_saturated_not_dead(tmp_path):
+    # pytorch/examples' dcgan at lr=0.2: the discriminator's Sigmoid outputs exactly 0 for every
+    # sample (exp overflows in float32). It was called "Dead units ... use LeakyReLU/GELU" and
+    # revive_dead_units, beside the right finding, saturated_activations.
+    layers = [{"name": "0", "type": "Linear"}, {"name": "1", "type": "Sigmoid"}, {"name": "2", "type": "Linear"}]
+    rows = []
+    for s in range(0, 100, 5):
+        stuck = 0.0 if s == 0 else 1.0
+        rows += [(s, "1", "activation", "dead_frac", stuck), (s, "1", "activation", "dead_stay", stuck),
+                 (s, "1", "activation", "sat_frac", stuck), (s, "1", "activation", "mean", 0.5 - stuck / 2),
+                 (s, "1", "activation", "std", 0.2 - stuck / 5)]
+        rows += [(s, la, "activation", st, v) for la in ("0", "2") for st, v in (("mean", 0.0), ("std", 1.0))]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers))
+    found = kinds(fs, problems_only=False)
+    assert "saturated_activations" in found and "dead_units" not in found
+
+
 def test_one_exploding_layer_is_named_once(tmp_path):
     # karpathy/makemore makemore.py --type rnn at lr=30: only the RNN cell's layer explodes; the title
     # said "RMS 2.99e+03 at cell.xh_to_h, 2.99e+03 at cell.xh_to_h"

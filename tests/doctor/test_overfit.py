@@ -182,3 +182,31 @@ def test_a_list_of_one_tensor_per_sample_is_refused_saying_how_samples_were_coun
 def test_non_scalar_loss_is_a_value_error(mlp, batch):
     with pytest.raises(ValueError, match="scalar"):
         doctor.overfit_one_batch(mlp, batch, nn.CrossEntropyLoss(reduction="none"), steps=5)
+
+
+def _sine_batch():
+    """pytorch/examples' time_sequence_prediction in small: next value of sine waves, float64."""
+    t = torch.arange(0, 24, dtype=torch.float64)
+    x = torch.sin((t[None] + torch.arange(6, dtype=torch.float64)[:, None] * 3) / 4)
+    return x[:, :-1], x[:, 1:]
+
+
+def test_an_optimizer_that_needs_a_closure_is_given_one():
+    # LBFGS (time_sequence_prediction's optimizer) has step(closure) and evaluates the model again
+    # inside it: the doctor called opt.step() and died with "missing 1 required positional
+    # argument: 'closure'".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(23, 32), nn.Tanh(), nn.Linear(32, 23)).double()
+    evals = []
+
+    def loss_fn(out, y):
+        evals.append(1)
+        return nn.functional.mse_loss(out, y)
+
+    r = doctor.overfit_one_batch(model, _sine_batch(), loss_fn, steps=20,
+                                 optimizer_factory=lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=5))
+    assert r.optimizer == "LBFGS" and r.passed, r.reason
+    assert len(evals) > 20 + 1  # LBFGS evaluated the moved weights inside its steps
+    lr = doctor.lr_range_test(model, [_sine_batch()] * 4, nn.MSELoss(), lambda p: torch.optim.LBFGS(p, lr=0.0),
+                              steps=12)
+    assert len(lr.lrs) > 1

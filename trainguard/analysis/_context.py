@@ -193,9 +193,14 @@ class Context:
         v = np.sort(s.values[np.isfinite(s.values)])
         return float(v[(len(v) - 1) // 2]) if len(v) else None
 
-    def input_rms(self) -> float:
-        """RMS of the model's input (1 when unknown, e.g. token ids)."""
-        for layer in self.input_layers():
+    def input_rms(self, layer: str | None = None) -> float:
+        """RMS of the model's input (1 when unknown, e.g. token ids); with ``layer``, of the input of
+        the model that layer belongs to (several models: ``name.<input>``)."""
+        inputs = self.input_layers()
+        if layer is not None:
+            own = [la for la in inputs if layer.startswith(la[: -len("<input>")])]
+            inputs = sorted(own, key=len, reverse=True)  # the longest prefix: "gen." before ""
+        for layer in inputs:
             mean = median(self.stat(layer, "input", "mean").values)
             std = median(self.stat(layer, "input", "std").values)
             if math.isfinite(mean) and math.isfinite(std):

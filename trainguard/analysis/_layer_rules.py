@@ -75,6 +75,8 @@ def dead_units(ctx: Context) -> list[Finding]:
     for la in ctx.layers_with("activation", "dead_frac"):
         if ctx.layer_type.get(la) in POOL_TYPES:
             continue  # repeats the dead units of the layer before it
+        if len(ctx.stat(la, "activation", "sat_frac")):
+            continue  # a Sigmoid's exact zeros are its lower bound: saturated_activations' business
         series = ctx.stat(la, "activation", "dead_frac")
         win = ctx.window(series)
         if len(win) < 2:
@@ -204,13 +206,15 @@ def _initial_sat(ctx: Context, layers: list[str]) -> dict[str, float] | None:
 
 @register_rule("exploding_activations")
 def exploding_activations(ctx: Context) -> list[Finding]:
-    scale = ctx.input_rms()
-    limit = ctx.th.act_explode_rms * max(1.0, scale)
+    def limit_of(la: str) -> float:  # each model's layers against that model's input
+        return ctx.th.act_explode_rms * max(1.0, ctx.input_rms(la))
+
     depth = {la: _rms(ctx, la) for la in ctx.layer_order}
-    hot = [la for la, v in depth.items() if math.isfinite(v) and v > limit]
+    hot = [la for la, v in depth.items() if math.isfinite(v) and v > limit_of(la)]
     if not hot:
         return []
     first = hot[0]
+    scale, limit = ctx.input_rms(first), limit_of(first)
     worst = max(hot, key=lambda la: depth[la])
     ev = {
         "rms_by_layer": {la: depth[la] for la in ctx.layer_order if math.isfinite(depth[la])},
@@ -218,7 +222,7 @@ def exploding_activations(ctx: Context) -> list[Finding]:
         "limit": limit,
     }
     initial = _initial_rms(ctx, hot)
-    if initial is not None and all(v <= limit for v in initial.values()):
+    if initial is not None and all(v <= limit_of(la) for la, v in initial.items()):
         # In range at initialisation: the updates made them grow, a new init would not help.
         ev["initial_rms_by_layer"] = initial
         ev["arose_in_training"] = True
@@ -454,13 +458,16 @@ def exploding_gradient(ctx: Context) -> list[Finding]:
     if n >= 2 * w0:
         early = median(vals[:w0])
         start = median(vals[:10])  # the gradient scale of the first steps of training
+        # A norm below the first step's is no explosion, however far above a collapsed median it
+        # flickers (a saturated GAN discriminator: 88 at step 1, then 1e-8 with flickers to 1e-5).
+        first = float(vals[0]) if math.isfinite(vals[0]) else 0.0
         spikes = []
         for i in range(1, n):
             v = vals[i]
             recent = median(vals[max(0, i - w0) : i])
             if not (math.isfinite(v) and math.isfinite(recent)):
                 continue
-            if v > ctx.th.grad_spike_factor * recent and v > ctx.th.grad_spike_vs_start * start:
+            if v > ctx.th.grad_spike_factor * recent and v > ctx.th.grad_spike_vs_start * start and v > first:
                 spikes.append((int(g.steps[i]), float(v), recent))
         bad = np.nonzero(~np.isfinite(vals))[0]
         overflow = int(g.steps[bad[0]]) if len(bad) else None

@@ -268,6 +268,8 @@ def squared_norm_sum(tensors: list[torch.Tensor], norms: list[torch.Tensor] | No
         norms = torch._foreach_norm(tensors, 2)
     first = norms[0]
     if any(n.dtype != torch.float32 or n.device != first.device for n in norms):
-        norms = [n.float().to(first.device) for n in norms]
+        # float64 gradients are summed in float64, as clip_grad_norm_ does (squares overflow float32 at 1.8e19)
+        dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+        norms = [n.to(first.device, dtype) for n in norms]
     stacked = torch.stack(norms)
     return torch.dot(stacked, stacked)

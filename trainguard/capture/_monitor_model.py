@@ -51,11 +51,12 @@ class Param:
 class Root:
     """A top-level model: its layers, parameters and the modules whose output depends on train/eval mode."""
 
-    __slots__ = ("ref", "prefix", "mode_modules", "handle", "layers", "params", "trained")
+    __slots__ = ("ref", "prefix", "type", "mode_modules", "handle", "layers", "params", "trained")
 
     def __init__(self, module: nn.Module, prefix: str):
         self.ref = weakref.ref(module)
         self.prefix = prefix
+        self.type = type(module).__name__  # the run's metadata is written at close, maybe after the model is gone
         self.mode_modules = [weakref.ref(m) for m in module.modules() if is_mode_module(m)]
         self.handle = None
         self.layers: list[Layer] = []
@@ -136,6 +137,5 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
             for la in r.layers
         ],
         "params": {p.name: param(p) for r in roots for p in r.params},
-        "roots": [{"prefix": r.prefix, "type": type(r.ref()).__name__ if r.ref() is not None else None,
-                   "mode_modules": len(r.mode_modules)} for r in roots],
+        "roots": [{"prefix": r.prefix, "type": r.type, "mode_modules": len(r.mode_modules)} for r in roots],
     }

@@ -35,6 +35,7 @@ from trainguard.doctor._state import (
     check_positive,
     make_optimizer,
     model_device,
+    optimizer_step,
     preserved,
     split_batch,
     take,
@@ -288,7 +289,7 @@ def overfit_one_batch(
                     reached[i] |= g.ne(0).any()
                     sq.append(g.double().pow(2).sum())
             norms.append(torch.stack(sq).sum().sqrt() if sq else torch.zeros((), dtype=torch.float64))
-            opt.step()
+            optimizer_step(opt, loss, lambda: loss_fn(model(inputs), targets))
         with torch.no_grad():
             outputs = model(inputs)
             final = float(as_float(loss_fn(outputs, targets)))
