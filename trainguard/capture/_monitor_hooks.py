@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList as _ParametrizationList
 
 from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
@@ -195,7 +196,9 @@ class HookMixin:
         if (torch.compiler.is_compiling() or module in self._known or module in self._no_params
                 or _tracing_state() is not None):
             return
-        if not any(True for _ in module.parameters()):
+        if not any(True for _ in module.parameters()) or isinstance(module, _ParametrizationList):
+            # A ParametrizationList runs when a parametrized tensor is read (``layer.weight``, and once
+            # at registration): part of the layer that owns it, never a model of its own.
             self._no_params.add(module)
             return
         if _in_functorch():
