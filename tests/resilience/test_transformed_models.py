@@ -81,3 +81,43 @@ def test_a_module_that_cannot_take_the_saved_shape_is_still_refused_before_anyth
     with pytest.raises(CheckpointError, match=r"mis-shaped in 'model': 1\.weight \(checkpoint \[8\], here \[4\]\)"):
         CheckpointManager(tmp_path / "ck").restore(narrow)
     assert all(torch.equal(before[k], v) for k, v in narrow.model.state_dict().items())
+
+
+def sparse_state() -> TrainState:
+    """torch.ao.pruning's WeightNormSparsifier: masks as FakeSparsity parametrizations, whose
+    ``state_dict()`` leaves the mask out (the sparsifier's own state holds it), while a strict
+    ``load_state_dict`` asks for it."""
+    from torch.ao.pruning import WeightNormSparsifier
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    sparsifier = WeightNormSparsifier(sparsity_level=0.5, sparse_block_shape=(1, 4), zeros_per_block=4)
+    sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
+    return TrainState(model=model, sparsifier=sparsifier, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
+
+
+def train_sparse(state: TrainState, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        if step % 3 == 0:
+            state.sparsifier.step()  # new masks from the current weights
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        loss = nn.functional.cross_entropy(state.model(x), y)
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_model_sparsified_by_torch_ao_pruning_resumes_with_its_masks(tmp_path):
+    state = sparse_state()
+    train_sparse(state, range(5))
+    CheckpointManager(tmp_path / "ck").save(state, step=5)
+    expected = train_sparse(state, range(5, 10))
+
+    fresh = sparse_state()
+    assert CheckpointManager(tmp_path / "ck").restore(fresh) == 5
+    assert train_sparse(fresh, range(5, 10)) == expected  # bitwise, with the masks the run had
+    assert torch.equal(fresh.model[0].weight, state.model[0].weight)
