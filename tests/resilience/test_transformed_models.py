@@ -121,3 +121,43 @@ def test_a_model_sparsified_by_torch_ao_pruning_resumes_with_its_masks(tmp_path)
     assert CheckpointManager(tmp_path / "ck").restore(fresh) == 5
     assert train_sparse(fresh, range(5, 10)) == expected  # bitwise, with the masks the run had
     assert torch.equal(fresh.model[0].weight, state.model[0].weight)
+
+
+def lenet_like() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+
+
+def test_a_checkpoint_of_a_pruned_model_tells_to_prune_before_restoring(tmp_path):
+    """pytorch/tutorials pruning_tutorial.py: pruning renames ``weight`` to ``weight_orig`` plus a
+    ``weight_mask`` buffer; a run pruned mid-way and resumed into a model built unpruned."""
+    import torch.nn.utils.prune as prune
+
+    pruned = lenet_like()
+    prune.l1_unstructured(pruned[0], name="weight", amount=0.3)
+    prune.l1_unstructured(pruned[3], name="weight", amount=0.3)
+    CheckpointManager(tmp_path / "ck").save(TrainState(model=pruned), step=1)
+    with pytest.raises(CheckpointError) as info:
+        CheckpointManager(tmp_path / "ck").restore(TrainState(model=lenet_like()))
+    text = str(info.value)
+    assert "(unexpected): 0.weight_orig, 0.weight_mask" in text  # the keys are still named
+    assert "torch.nn.utils.prune" in text and "0.weight, 3.weight" in text and "before restoring" in text
+
+    prune.remove(pruned[0], "weight")  # the other way round: written after prune.remove, restored pruned
+    prune.remove(pruned[3], "weight")
+    CheckpointManager(tmp_path / "ck2").save(TrainState(model=pruned), step=1)
+    again = lenet_like()
+    prune.l1_unstructured(again[0], name="weight", amount=0.3)
+    with pytest.raises(CheckpointError, match=r"pruned here but not in the checkpoint.*prune\.remove"):
+        CheckpointManager(tmp_path / "ck2").restore(TrainState(model=again))
+
+
+def test_a_checkpoint_of_a_parametrized_model_tells_to_register_the_parametrization_first(tmp_path):
+    from torch.nn.utils import parametrizations as P
+
+    model = lenet_like()
+    P.orthogonal(model[3])
+    CheckpointManager(tmp_path / "ck").save(TrainState(model=model), step=1)
+    with pytest.raises(CheckpointError, match=r"parametrized in the checkpoint \(torch\.nn\.utils\.parametrize\): "
+                                              r"3\.weight; register the same parametrizations before restoring"):
+        CheckpointManager(tmp_path / "ck").restore(TrainState(model=lenet_like()))
