@@ -195,6 +195,43 @@ def _resized_on_load(model: torch.nn.Module, sd_key: str, shape: list[int], dtyp
     return list(probe.state_dict()[leaf].shape) == shape
 
 
+def _pruned(have: list[str], lack: list[str]) -> list[str]:
+    """Keys of ``lack`` that torch.nn.utils.prune has renamed in ``have`` (``w`` -> ``w_orig``, ``w_mask``)."""
+    keys = set(have)
+    return [k for k in lack if f"{k}_orig" in keys and f"{k}_mask" in keys]
+
+
+def _parametrized(have: list[str], lack: list[str]) -> list[str]:
+    """Keys of ``lack`` that torch.nn.utils.parametrize has moved in ``have`` (``m.w`` ->
+    ``m.parametrizations.w.original``, ``original0``... for weight_norm)."""
+    out = []
+    for k in lack:
+        owner, _, leaf = k.rpartition(".")
+        moved = f"{owner}.parametrizations.{leaf}.original" if owner else f"parametrizations.{leaf}.original"
+        if any(h.startswith(moved) for h in have):
+            out.append(k)
+    return out
+
+
+def _transform_hints(missing: list[str], unexpected: list[str]) -> list[str]:
+    """What to do when the keys differ because pruning or a parametrization changed the model on
+    one side only (a run pruned mid-way, resumed into the model as first built)."""
+    hints = []
+    if keys := _pruned(unexpected, missing):
+        hints.append(f"pruned in the checkpoint (torch.nn.utils.prune: X_orig and X_mask): {', '.join(keys)}; "
+                     "apply the same pruning to this model before restoring (the masks are restored)")
+    if keys := _pruned(missing, unexpected):
+        hints.append(f"pruned here but not in the checkpoint (written before pruning, or after prune.remove): "
+                     f"{', '.join(keys)}; restore before pruning, or build the model as it was when saved")
+    if keys := _parametrized(unexpected, missing):
+        hints.append(f"parametrized in the checkpoint (torch.nn.utils.parametrize): {', '.join(keys)}; register "
+                     "the same parametrizations before restoring")
+    if keys := _parametrized(missing, unexpected):
+        hints.append(f"parametrized here but not in the checkpoint: {', '.join(keys)}; restore before registering "
+                     "the parametrizations, or build the model as it was when saved")
+    return hints
+
+
 def _fit_problems(key: str, state: TrainState, saved: Any, current: Any, current_tensors: dict) -> list[str]:
     """Missing, unexpected and mis-shaped keys of a module; mis-shaped tensors of anything else."""
     name = key.split("/", 1)[-1]
@@ -208,6 +245,7 @@ def _fit_problems(key: str, state: TrainState, saved: Any, current: Any, current
             problems.append(f"{name!r} has keys the checkpoint lacks (missing): {', '.join(map(str, missing))}")
         if unexpected:
             problems.append(f"the checkpoint has keys {name!r} lacks (unexpected): {', '.join(map(str, unexpected))}")
+        problems += _transform_hints([str(k) for k in missing], [str(k) for k in unexpected])
     saved_refs = {r["key"]: r for r in tensor_refs(saved)}
     shaped = []
     for ref in tensor_refs(current):
