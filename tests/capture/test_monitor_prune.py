@@ -35,3 +35,12 @@ def test_units_pruned_on_purpose_are_not_dead_units(tmp_path):
     findings = train(0.8, tmp_path)
     assert not [f for f in findings if f.kind == "dead_units"], [(f.kind, f.title) for f in findings]
     assert not [f for f in findings if f.is_problem], [(f.kind, f.title) for f in findings]
+
+
+def test_the_pruned_units_are_stored_with_their_layers(tmp_path):
+    from trainguard.store import open_run
+
+    train(0.5, tmp_path)
+    with open_run(tmp_path / "r") as run:
+        pruned = {la["name"]: la.get("pruned_units") for la in run.meta["monitor"]["layers"]}
+    assert pruned["0"] == 64 and pruned["2"] == 32 and pruned["1"] is None and pruned["4"] is None
