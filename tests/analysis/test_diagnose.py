@@ -91,6 +91,19 @@ def test_a_single_nonfinite_step_is_not_called_a_range_to_the_end(tmp_path):
     assert "trainguard.record" in f.suggestion  # no recording: it says how to find the op
 
 
+def test_gradients_that_overflow_after_the_loss_diverged_are_not_blamed_on_a_sqrt_at_zero(tmp_path):
+    # Found on pytorch/tutorials pruning_tutorial.py's LeNet trained at a learning rate 1000x too
+    # high: the loss grew to 1.5e21 (finite) and the gradients overflowed; the finding told to look
+    # for sqrt, norm or pow at 0 in the forward pass.
+    loss = [2.3, 2.1, 3.0e6, 1.5e21] + [math.nan] * 26
+    grad_norm = [0.4, 433.0, 4.6e11, math.inf] + [math.nan] * 26
+    f = next(f for f in diagnose(write_run(tmp_path / "r", loss, grad_norm=grad_norm, lr=50.0))
+             if f.kind == "nonfinite_gradient")
+    assert f.evidence["first_step"] == 3
+    assert "sqrt" not in f.suggestion and "diverge" in f.suggestion and "learning rate" in f.suggestion
+    assert "while the loss was finite" not in f.title or "1.5e+21" in f.title
+
+
 def test_flat_loss_is_not_decreasing_and_names_chance_level(tmp_path):
     rng = np.random.default_rng(1)
     loss = list(math.log(5) + 0.02 * rng.standard_normal(100))

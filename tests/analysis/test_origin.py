@@ -323,6 +323,20 @@ def test_a_view_of_data_from_before_the_recording_holding_nan_is_the_origin(tmp_
     assert "outside the recording" in o.origin.explanation and "already held NaN" in o.suggestion
 
 
+@pytest.mark.parametrize("layer", ["conv", "linear"])
+def test_nonfinite_input_data_into_an_accumulating_op_is_not_called_an_overflow(tmp_path, layer):
+    # Found with trainguard's guard on pytorch/tutorials pruning_tutorial.py's LeNet, one training
+    # sample NaN: the replay records the step, not the batch made before it, and the conv was said
+    # to overflow "from finite inputs", with "lower the learning rate" as the fix.
+    torch.manual_seed(0)
+    net = torch.nn.Conv2d(1, 2, 3) if layer == "conv" else torch.nn.Linear(4, 2)
+    bad = torch.randn(2, 1, 4, 4) if layer == "conv" else torch.randn(2, 4)
+    bad[1] = float("nan")
+    o = origin(record(tmp_path, lambda: net(bad).sum().backward()))
+    assert "finite inputs" not in o.origin.explanation and "outside the recording" in o.origin.explanation
+    assert "already held NaN" in o.suggestion and "learning rate" not in o.suggestion
+
+
 def test_a_nan_written_from_python_is_named_a_constant(tmp_path):
     # Found on pytorch/examples' dcgan with a dataset item holding ``x[0, 0, 0] = float('nan')``:
     # the origin is the op that turns the Python float into a tensor, which made nothing itself.

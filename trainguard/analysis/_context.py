@@ -125,6 +125,8 @@ class Context:
         layer_meta = {d["name"]: d for d in self.meta.get("layers", [])}
         self.layer_type = {name: d.get("type", "") for name, d in layer_meta.items()}
         self.layer_units = {name: d["units"] for name, d in layer_meta.items() if d.get("units")}
+        # Output units whose incoming weights a pruning mask zeroes whole (capture/_monitor_model.pruned_units).
+        self.layer_pruned = {name: d["pruned_units"] for name, d in layer_meta.items() if d.get("pruned_units")}
         self.params: dict[str, dict] = self.meta.get("params", {})
         order = list(self.meta.get("order") or [])
         seen = set(order)

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from trainguard.analysis._context import POOL_TYPES, Context, fmt, median
+from trainguard.analysis._context import POOL_TYPES, Context, Series, fmt, median
 from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import activation_family, clip_text, clipping_text, init_advice
 from trainguard.store import Finding
@@ -82,6 +82,12 @@ def dead_units(ctx: Context) -> list[Finding]:
         if len(win) < 2:
             continue
         frac = median(win.values)
+        pruned, units = _pruned_before(ctx, la), ctx.unit_count(_upstream_layer(ctx, la))
+        if pruned and units:
+            # units pruned on purpose (every incoming weight masked) output their bias alone: after a
+            # ReLU, those with a negative bias are 0 for every sample, as pruning meant
+            series = Series(series.steps, np.maximum(series.values - pruned / units, 0.0))
+            frac = max(frac - pruned / units, 0.0)
         if frac < ctx.th.dead_units_warn:
             continue
         over = np.nonzero(series.values >= ctx.th.dead_units_warn)[0]
@@ -148,6 +154,18 @@ def dead_units(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _pruned_before(ctx: Context, layer: str) -> int:
+    """Pruned output units of ``layer`` or, for an activation, of the layer with weights before it."""
+    order = ctx.layer_order
+    if layer not in order:
+        return ctx.layer_pruned.get(layer, 0)
+    owners = {info.get("layer") for info in ctx.params.values()}
+    for la in reversed(order[: order.index(layer) + 1]):
+        if la in ctx.layer_pruned or la in owners:
+            return ctx.layer_pruned.get(la, 0)
+    return 0
 
 
 def _upstream_layer(ctx: Context, layer: str) -> str:

@@ -273,11 +273,24 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
             "division by a value that can be 0 in the forward pass (add an epsilon: `torch.sqrt(x + 1e-12)`, "
             "`F.normalize(x, eps=1e-12)`); `trainguard.record(logdir)` finds the op and line"
         )
+    # The loss up to this step grew by orders of magnitude: the gradients overflowed with it (a
+    # learning rate far too high), not at a sqrt of 0 (as nonfinite_loss reads a divergence).
+    upto = ctx.loss.before(step + 1).finite()
+    grew = len(upto) >= 2 and upto.values[-1] > 10 * max(abs(upto.values[0]), 1e-12)
+    title_loss = "while the loss was finite"
+    if grew and not origin:
+        ev["loss_grew"] = f"{fmt(upto.values[0])} -> {fmt(upto.values[-1])}"
+        title_loss = f"as the loss diverged to {fmt(upto.values[-1])}"
+        _, text = lr_lower(ctx, None)
+        suggestion = f"the loss diverged ({ev['loss_grew']}) and the gradients overflowed with it: {text}"
+        clip = clip_text(ctx, before_step=step)
+        if clip:
+            suggestion += f"; {clip}"
     return [
         Finding(
             kind="nonfinite_gradient",
             severity="critical",
-            title=f"Gradients became NaN/Inf at step {step} while the loss was finite",
+            title=f"Gradients became NaN/Inf at step {step} {title_loss}",
             evidence=ev,
             suggestion=suggestion,
             steps=(step, int(ctx.grad_norm.steps[-1]) if len(ctx.grad_norm) else step),

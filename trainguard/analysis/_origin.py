@@ -415,7 +415,8 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
     if base in _STDS and "nan" in link.health and _reduced_count(link) == 1:
         return (f"{base} over 1 value -> NaN: with its default correction (Bessel's, correction=1) it divides by "
                 "N - 1 = 0 (a batch, episode or group of one)")
-    if base in _ACCUM:
+    unseen = [i for i in ins if i["kind"] not in ("op", "param", "buffer")]
+    if base in _ACCUM and not unseen:  # an input never summarised may have held the value already
         return f"overflow in {base}: finite inputs accumulate past the dtype's largest value"
     if base in _BATCH_NORMS and len(link.outputs) >= 5 and _is_bad(link.outputs[-1].get("summary")):
         # It returns 3 or 4 tensors; in training the running statistics follow (capture/_taint.STATS_WRITES).
@@ -423,7 +424,6 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
         return (f"the batch's variance overflowed {dtype}: {base} wrote {made} into running_var, the module's "
                 "buffer, while its normalised output stayed finite; in eval mode the layer then maps every input "
                 "to its bias")
-    unseen = [i for i in ins if i["kind"] not in ("op", "param", "buffer")]
     if base in ("lift_fresh", "lift_fresh_copy"):
         return (f"a Python constant holding {made} became a tensor here (`x[...] = float('nan')`, "
                 "`torch.tensor(...)`): no recorded op made the value")
@@ -774,6 +774,11 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["std"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
+    if (base in _ACCUM and all("inf" not in h for h in link.health)
+            and any(i["kind"] not in ("op", "param", "buffer") for i in link.inputs)):
+        # NaN and no inf: no overflow of finite values makes that, an input from outside the
+        # recording (a batch made before a guard's replay) held it
+        return _SUGGESTIONS["input"]
     narrow = any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs)
     if first_forward and link.step == 0 and link.phase == "forward":
         return _overflow_before_any_update(fed) + (", or compute this op in float32" if narrow else "")
