@@ -91,6 +91,19 @@ def test_a_single_nonfinite_step_is_not_called_a_range_to_the_end(tmp_path):
     assert "trainguard.record" in f.suggestion  # no recording: it says how to find the op
 
 
+def test_gradients_that_overflow_after_the_loss_diverged_are_not_blamed_on_a_sqrt_at_zero(tmp_path):
+    # Found on pytorch/tutorials pruning_tutorial.py's LeNet trained at a learning rate 1000x too
+    # high: the loss grew to 1.5e21 (finite) and the gradients overflowed; the finding told to look
+    # for sqrt, norm or pow at 0 in the forward pass.
+    loss = [2.3, 2.1, 3.0e6, 1.5e21] + [math.nan] * 26
+    grad_norm = [0.4, 433.0, 4.6e11, math.inf] + [math.nan] * 26
+    f = next(f for f in diagnose(write_run(tmp_path / "r", loss, grad_norm=grad_norm, lr=50.0))
+             if f.kind == "nonfinite_gradient")
+    assert f.evidence["first_step"] == 3
+    assert "sqrt" not in f.suggestion and "diverge" in f.suggestion and "learning rate" in f.suggestion
+    assert "while the loss was finite" not in f.title or "1.5e+21" in f.title
+
+
 def test_flat_loss_is_not_decreasing_and_names_chance_level(tmp_path):
     rng = np.random.default_rng(1)
     loss = list(math.log(5) + 0.02 * rng.standard_normal(100))
@@ -192,6 +205,65 @@ def test_activations_that_grew_during_training_are_not_blamed_on_initialisation(
     assert f.evidence["initial_rms_by_layer"] == {"0": 1.0, "2": 1.0}
     assert "init" not in f.evidence and "Kaiming" not in f.suggestion and "amplifies" not in f.suggestion
     assert "grew during training" in f.suggestion and "learning rate" in f.suggestion
+
+
+def test_gradients_that_collapsed_and_flicker_far_below_their_start_are_not_exploding(tmp_path):
+    # pytorch/examples' dcgan at lr=0.2 (1000x): the discriminator saturates at step 2 and the
+    # gradient norm falls from 12-88 to 1e-8, with recurring flickers to 1e-5..0.03. They are
+    # hundreds of times the collapsed median, and the "start" median of the first 10 steps was
+    # mostly collapsed too: "Exploding gradients: the gradient norm jumped to 7.48e-06", with a clip
+    # norm of 12. A norm that never comes back to where training started has not exploded.
+    rng = np.random.default_rng(0)
+    grad = [12.4, 87.7] + list(1e-8 * (1 + rng.random(98)))
+    for s in (11, 14, 21, 24, 28, 29, 40, 55, 70):
+        grad[s] = 1e-5 * 10 ** (s % 4)  # 1e-5 .. 1e-2
+    fs = diagnose(write_run(tmp_path / "r", [1.4] + [100.0] * 99, grad_norm=grad))
+    assert "exploding_gradient" not in kinds(fs, problems_only=False)
+    # the same flickers above the starting norm are an explosion
+    big = [1.0, 1.2] + list(1.0 + 0.1 * rng.random(98))
+    for s in (11, 14, 21, 24, 28, 29, 40, 55, 70):
+        big[s] = 1e3
+    fs = diagnose(write_run(tmp_path / "r2", [1.4] + [100.0] * 99, grad_norm=big))
+    assert "exploding_gradient" in kinds(fs, problems_only=False)
+
+
+def test_activations_are_judged_against_the_input_of_their_own_model(tmp_path):
+    # pytorch/examples' fast_neural_style: TransformerNet takes pixels in 0..255 (RMS 135), VGG the
+    # normalised batch (RMS 0.96). The rule took the first model's input for every layer:
+    # "Exploding activations: RMS 135 at transformernet.conv1.reflection_pad (input RMS 0.961)",
+    # and told to re-initialise VGG with Kaiming. The same RMS as its own model's input is no explosion.
+    layers = [{"name": "0", "type": "Conv2d"}, {"name": "1", "type": "ReLU"},
+              {"name": "net.0", "type": "ReflectionPad2d"}, {"name": "net.1", "type": "Conv2d"}]
+    rows = []
+    for s in range(0, 100, 5):
+        rows += [(s, "<input>", "input", "mean", 0.1), (s, "<input>", "input", "std", 0.95),
+                 (s, "net.<input>", "input", "mean", 126.0), (s, "net.<input>", "input", "std", 48.5)]
+        for la, mean, std in (("0", 0.05, 0.9), ("1", 0.3, 0.5), ("net.0", 126.0, 48.5), ("net.1", 5.0, 60.0)):
+            rows += [(s, la, "activation", "mean", mean), (s, la, "activation", "std", std)]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers))
+    assert "exploding_activations" not in kinds(fs, problems_only=False)
+    # the same pixels feeding a model whose own input is normalised are
+    rows = [r for r in rows if r[1] != "net.<input>"] + [
+        (s, "net.<input>", "input", st, v) for s in range(0, 100, 5) for st, v in (("mean", 0.1), ("std", 0.95))]
+    fs = diagnose(write_run(tmp_path / "r2", layer_rows=rows, layers=layers))
+    assert "exploding_activations" in kinds(fs, problems_only=False)
+
+
+def test_a_sigmoid_stuck_at_zero_is_saturated_not_dead(tmp_path):
+    # pytorch/examples' dcgan at lr=0.2: the discriminator's Sigmoid outputs exactly 0 for every
+    # sample (exp overflows in float32). It was called "Dead units ... use LeakyReLU/GELU" and
+    # revive_dead_units, beside the right finding, saturated_activations.
+    layers = [{"name": "0", "type": "Linear"}, {"name": "1", "type": "Sigmoid"}, {"name": "2", "type": "Linear"}]
+    rows = []
+    for s in range(0, 100, 5):
+        stuck = 0.0 if s == 0 else 1.0
+        rows += [(s, "1", "activation", "dead_frac", stuck), (s, "1", "activation", "dead_stay", stuck),
+                 (s, "1", "activation", "sat_frac", stuck), (s, "1", "activation", "mean", 0.5 - stuck / 2),
+                 (s, "1", "activation", "std", 0.2 - stuck / 5)]
+        rows += [(s, la, "activation", st, v) for la in ("0", "2") for st, v in (("mean", 0.0), ("std", 1.0))]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers))
+    found = kinds(fs, problems_only=False)
+    assert "saturated_activations" in found and "dead_units" not in found
 
 
 def test_one_exploding_layer_is_named_once(tmp_path):
@@ -715,3 +787,181 @@ def test_frozen_parameters_updated_by_hand_are_named_a_momentum_copy(tmp_path):
     assert {"moco.encoder_k.0.weight", "moco.encoder_k.3.weight"} <= set(by_hand), f.evidence
     assert all(p.startswith("moco.encoder_k.") for p in by_hand), f.evidence
     assert "momentum" in f.suggestion and "probe.weight" in f.suggestion, f.suggestion
+
+
+# From pytorch/vision's references/detection (engine.train_one_epoch: a tiny FasterRCNN, SGD under the
+# warm-up LinearLR at 1000x the reference's rate) under `trainguard run --monitor`: at step 9 the loss
+# (5.4e35) and every gradient (the largest 4.5e36) are finite, but their float32 norm overflows to inf,
+# as clip_grad_norm_'s does. It was called "Gradients became NaN/Inf at step 9 while the loss was
+# finite", with the advice to look for sqrt or a division by 0 in the backward pass.
+DETECTION_LOSS = [2.07, 2.09, 0.769, 1.26, 0.988, 0.291, 3.6, 781.0, 4.89e9, 5.37e35]
+DETECTION_GRAD_NORM = [0.961, 0.912, 0.198, 0.599, 0.157, 0.0828, 0.974, 1565.0, 5.19e10, math.inf]
+DETECTION_LR = [0.02, 2.87, 5.73, 8.58, 11.4, 14.3, 17.1, 20.0, 20.0, 20.0]
+
+
+def test_a_gradient_norm_that_overflowed_as_it_exploded_is_not_called_nan_gradients(tmp_path):
+    fs = diagnose(write_run(tmp_path / "r", DETECTION_LOSS, grad_norm=DETECTION_GRAD_NORM, lr=DETECTION_LR))
+    f = next(f for f in fs if f.kind == "nonfinite_gradient")
+    assert "overflowed" in f.title and "NaN" not in f.title, f.title
+    assert f.evidence["last_finite_grad_norm"] == 5.19e10
+    assert "sqrt" not in f.suggestion and "learning rate" in f.suggestion, f.suggestion
+    assert f.evidence.get("explained_by") == ["lr_too_high"], f.evidence  # the rate's doing, folded under it
+
+
+def test_an_inf_gradient_norm_out_of_a_steady_one_is_still_called_nonfinite_gradients(tmp_path):
+    gn = [0.961, 0.912, 0.198, 0.599, 0.157, 0.0828, 0.974, 0.5, 0.6, math.inf]
+    fs = diagnose(write_run(tmp_path / "r", DETECTION_LOSS[:7] + [0.5, 0.4, 0.45], grad_norm=gn, lr=0.02))
+    f = next(f for f in fs if f.kind == "nonfinite_gradient")
+    assert f.title.startswith("Gradients became NaN/Inf at step 9") and "sqrt" in f.suggestion
+
+
+# pytorch/vision's references/detection at 100x the reference's rate (SGD lr 2 after the warm-up
+# LinearLR, a tiny FasterRCNN, 48 steps) under `trainguard run --monitor`: the loss diverged at step 18;
+# the update ratio was 0.161 at step 10, and 1.96 at step 20, once the weights had blown up. The rate
+# was read off 1.96: "lower the learning rate from 2 to about 0.001", 20x below the reference's 0.02
+# (whose update ratio is 0.0025).
+DETECTION_100X_LOSS = [
+    2.07, 2.12, 1.67, 1.04, 0.843, 0.583, 1.62, 1.7, 1.5, 0.708, 0.988, 0.795, 1.04, 12.2, 0.461, 1.94, 0.24,
+    2.62, 1.39, 3.01, 136.0, 16.8, 23700.0, 541000.0, 153.0, 1020.0, 1530000.0, 945.0, 402000.0, 13700.0, 111000.0,
+    355000.0, 21600.0, 0.00187, 384000.0, 91400.0, 238000.0, 2010000.0, 3930000.0, 108000.0, 0.808, 11.2, 10.9,
+    11.4, 2.3, 13.0, 11.8, 3.18]
+DETECTION_100X_LR = [0.002, 0.287, 0.573, 0.858, 1.14, 1.43, 1.71] + [2.0] * 41
+DETECTION_100X_RATIO = {0: 1.95e-5, 10: 0.161, 20: 1.96, 30: 0.251, 40: 0.0381}
+
+
+def test_the_rate_suggested_for_a_divergence_is_read_off_the_updates_before_it(tmp_path):
+    rows = []
+    for s, r in DETECTION_100X_RATIO.items():
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "gradient", "in_optimizer", 1), (s, p, "update", "norm", 5.0 * r), (s, p, "update", "ratio", r)]
+    fs = diagnose(write_run(tmp_path / "r", DETECTION_100X_LOSS, layer_rows=rows, lr=DETECTION_100X_LR, every=10))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert f.evidence["lr"] == 2.0
+    assert 0.005 <= f.evidence["suggested_lr"] <= 0.05, f.suggestion
+
+
+class _TimmTask(nn.Module):
+    """timm's ClassificationTask (timm/task/task.py) with ModelEmaV3 (timm/utils/model_ema.py), as
+    timm's train.py --model-ema builds them: one module holding the trained model, the criterion and
+    the EMA copy (a deepcopy in eval mode whose parameters keep requires_grad=True, moved by
+    ``_foreach_lerp_`` under no_grad after each update); validation calls the EMA copy directly."""
+
+    def __init__(self):
+        super().__init__()
+        import copy
+
+        self.trainable_module = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                              nn.Linear(8, 4))
+        self.criterion = nn.CrossEntropyLoss()
+        self.trainable_module_ema = nn.Module()
+        self.trainable_module_ema.module = copy.deepcopy(self.trainable_module).eval()
+
+    def forward(self, x, y):
+        return {"loss": self.criterion(self.trainable_module(x), y)}
+
+    @torch.no_grad()
+    def update_ema(self, decay=0.9):
+        ema = list(self.trainable_module_ema.module.state_dict().values())
+        model = list(self.trainable_module.state_dict().values())
+        torch._foreach_lerp_([e for e in ema if e.is_floating_point()],
+                             [m for m in model if m.is_floating_point()], weight=1.0 - decay)
+
+
+def test_an_ema_copy_inside_the_trained_module_is_not_a_parameter_without_gradient(tmp_path):
+    # trainguard run --monitor on timm's train.py --model-ema: "44 trainable parameter(s) never received
+    # a gradient: trainable_module_ema.module.conv1.0.weight ...", told to compute them outside no_grad.
+    torch.manual_seed(0)
+    task = _TimmTask()
+    unused = nn.Linear(4, 4)  # a layer defined and never called: still no gradient
+    task.unused = unused
+    opt = torch.optim.AdamW([p for n, p in task.named_parameters() if not n.startswith("trainable_module_ema")],
+                            lr=1e-2)
+    protos = torch.randn(4, 3, 8, 8)
+    with tg.Monitor(task, tmp_path / "r", every=5) as mon:
+        for step in range(30):
+            y = torch.randint(0, 4, (16,))
+            loss = task(protos[y] + 0.3 * torch.randn(16, 3, 8, 8), y)["loss"]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            task.update_ema()
+            if step % 10 == 9:
+                with torch.inference_mode():
+                    task.trainable_module_ema.module(protos)
+    f = next(f for f in mon.findings if f.kind == "param_no_gradient")
+    assert f.evidence["params"] == ["unused.weight", "unused.bias"], f.evidence
+    ema = [f for f in mon.findings if "trainable_module_ema.module.0.weight" in str(f.evidence)]
+    assert ema and all(not f.is_problem and "EMA" in f.title for f in ema), [(f.kind, f.title) for f in ema]
+
+
+def test_an_ema_weight_whose_norm_comes_back_is_still_a_copy_moved_by_hand(tmp_path):
+    # timm's train.py --model-ema on resnet10t: the EMA copy of layer1.0.bn1.weight (ones at first)
+    # had norms 8, 7.99971, 8.0000029 at the three recordings: first and last within 1e-6, so it was
+    # "a trainable parameter that never received a gradient" beside 43 EMA parameters named a copy.
+    rows = []
+    for s in range(0, 100, 5):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0 + s * 1e-3), (s, p, "gradient", "norm", 0.05),
+                     (s, p, "gradient", "present", 1), (s, p, "gradient", "in_optimizer", 1),
+                     (s, p, "update", "norm", 0.01), (s, p, "update", "ratio", 2e-3)]
+        for p, w in (("ema.0.weight", 5.0 + s * 1e-3), ("ema.bn.weight", 8.0 - 3e-4 * (s == 45))):
+            rows += [(s, p, "weight", "norm", w), (s, p, "gradient", "present", 0), (s, p, "gradient", "in_optimizer", 0)]
+    params = dict(PARAMS, **{"ema.0.weight": {"layer": "ema.0", "module_type": "Linear", "requires_grad": True},
+                             "ema.bn.weight": {"layer": "ema.bn", "module_type": "BatchNorm2d", "requires_grad": True}})
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, params=params))
+    assert "param_no_gradient" not in kinds(fs), [(f.kind, f.title) for f in fs]
+    f = next(f for f in fs if f.kind == "model_not_trained")
+    assert f.evidence["updated_by_hand"] == ["ema.0.weight", "ema.bn.weight"], f.evidence
+
+
+class _DropPath(nn.Module):
+    """timm/layers/drop.py DropPath (stochastic depth): drops the branch of whole samples."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class _ConvNeXtBlock(nn.Module):
+    """timm/models/convnext.py ConvNeXtBlock: depthwise conv, LayerNorm, MLP, then LayerScale
+    (``gamma``, ls_init_value=1e-6) and DropPath before the residual sum: the branch starts ~1e-6."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv_dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.mlp = nn.Sequential(nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c))
+        self.gamma = nn.Parameter(1e-6 * torch.ones(c))
+        self.drop_path = _DropPath(0.1)
+
+    def forward(self, x):
+        shortcut = x
+        x = self.mlp(self.norm(self.conv_dw(x).permute(0, 2, 3, 1)))
+        x = x.mul(self.gamma).permute(0, 3, 1, 2)
+        return self.drop_path(x) + shortcut
+
+
+def test_a_layer_scaled_residual_branch_is_not_collapsed_activations(tmp_path):
+    # trainguard run --monitor on timm's train.py --model convnext_atto: "Collapsed activations: layer
+    # stages.0.blocks.1.drop_path's outputs have std 9.31e-06 (every sample looks the same)", told to
+    # use Kaiming initialisation; the block's output, the residual sum, is not collapsed.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 4, stride=4), _ConvNeXtBlock(16), _ConvNeXtBlock(16),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # early in timm's warm-up
+    protos = torch.randn(4, 3, 16, 16)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(30):
+            y = torch.randint(0, 4, (16,))
+            loss = nn.functional.cross_entropy(model(protos[y] + 0.5 * torch.randn(16, 3, 16, 16)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert "collapsed_activations" not in kinds(mon.findings), [(f.kind, f.title) for f in mon.findings]

@@ -263,3 +263,43 @@ def test_class_index_targets_over_one_output_are_one_class_too(tmp_path):
     assert "mse_loss" in f.suggestion and "binary_cross_entropy_with_logits" in f.suggestion
     findings, _ = _recorded(tmp_path, _ce_one_output_labels)
     assert _only(findings, "cross_entropy_one_class").evidence["classes"] == 1
+
+
+def _timm_soft_target_ce(logits, y, target=None):
+    # timm/loss/cross_entropy.py SoftTargetCrossEntropy, the loss timm's train.py uses with mixup:
+    # its log_softmax takes dim=-1, which autograd saves as 2**64 - 1
+    if target is None:
+        target = F.one_hot(y, C).float() * 0.7 + F.one_hot(y.roll(1), C).float() * 0.3  # mixup, lam 0.7
+    loss = torch.sum(-target * F.log_softmax(logits, dim=-1), dim=-1)
+    return loss.mean()
+
+
+def _timm_mixup_targets_summed(logits, y):
+    # mixup's targets added instead of weighted by lam: rows sum to 2
+    return _timm_soft_target_ce(logits, y, F.one_hot(y, C).float() + F.one_hot(y.roll(1), C).float())
+
+
+def test_soft_targets_over_the_last_dim_are_read(tmp_path, caplog):
+    f = _only(_monitored(tmp_path / "bad", _timm_mixup_targets_summed), "cross_entropy_targets_not_probabilities")
+    assert f.evidence["row_sum_max"] == pytest.approx(2.0) and f.evidence["classes"] == C
+    findings = _monitored(tmp_path / "good", _timm_soft_target_ce)
+    assert [f.kind for f in findings if f.kind in MISUSE] == []
+    with open_run(tmp_path / "good" / "mon") as run:
+        heads = [h for rec in run.meta["loss_graph"] for h in rec["heads"]]
+    assert heads and all(h["loss"] == "soft_cross_entropy" and h["classes"] == C for h in heads), heads
+    assert heads[0]["facts"]["row_sum_max"] == pytest.approx(1.0)
+    assert "reading the loss graph failed" not in caplog.text
+
+
+def _ce_negated_onehot(logits, y):
+    return F.cross_entropy(logits, -F.one_hot(y, C).float())
+
+
+def test_timm_soft_target_cross_entropy_is_healthy_in_a_recording_and_negated_targets_are_not(tmp_path):
+    # sum(-target * log_softmax) multiplies in the negated targets; F.cross_entropy negates after the sum
+    findings, meta = _recorded(tmp_path / "good", _timm_soft_target_ce)
+    assert [f.kind for f in findings if f.kind in MISUSE] == []
+    assert meta.get("loss_graph")
+    findings, _ = _recorded(tmp_path / "bad", _ce_negated_onehot)
+    _only(findings, "cross_entropy_targets_not_probabilities")
+    _only(_monitored(tmp_path / "bad2", _ce_negated_onehot), "cross_entropy_targets_not_probabilities")

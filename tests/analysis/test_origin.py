@@ -74,6 +74,23 @@ def test_division_by_zero(tmp_path):
     assert "1e-8" in o.suggestion
 
 
+def test_division_by_a_count_of_zero_is_told_to_clamp_the_count_not_add_an_epsilon(tmp_path):
+    # A loss averaged over the samples a mask selects, planted in timm's train.py: the count is an
+    # int64 0 and the fix said "x / (d + 1e-8)", which divides by 1e-8 instead of by 0.
+    logits = torch.randn(8, 4, requires_grad=True)
+    target = torch.randint(0, 4, (8,))
+
+    def f():
+        losses = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        n_valid = (target > 3).sum()
+        loss = (losses * (target > 3)).sum() / n_valid
+        loss.backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.div.Tensor"
+    assert "clamp(min=1)" in o.suggestion and "1e-8" not in o.suggestion, o.suggestion
+
+
 def test_a_row_of_logs_of_zeros_into_log_softmax_is_not_called_a_masked_row(tmp_path):
     # log(0) makes the -inf, a softmax over the row makes the NaN: the fix is the log's (a
     # clamp), not a mask's (found with torch.compile and activation checkpointing, same eager).
@@ -275,6 +292,51 @@ def test_nonfinite_input_data(tmp_path):
     assert "input 0" in o.origin.explanation and "outside the recording" in o.origin.explanation
 
 
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_view_of_stale_memory_from_before_the_recording_that_is_overwritten_is_no_alert(tmp_path, backend):
+    # Found on pytorch/examples' FSDP2 model under trainguard.Guard with two gloo ranks: the replay records
+    # from the failing step on, and FSDP2 frees and allocates again its unsharded parameters' storage outside
+    # any op; after the NaN step the allocator handed back NaN, which FSDP2 views and then fills by the
+    # all-gather (split_with_sizes_copy, out=). The view was called the origin ("view made nan from input 0,
+    # which came from outside the recording") on both ranks, instead of the rank's division by zero.
+    stale = torch.full((2, 4), float("nan"))
+
+    def step():
+        rows = stale.view(8)
+        rows.copy_(torch.arange(8.0))  # filled before anything reads it
+        return (stale * 2).sum().item()
+
+    with tg.record(tmp_path / "run", backend=backend, buffer=-1, mode="full_health"):
+        assert step() == 56.0
+    with open_run(tmp_path / "run") as run:
+        assert run.alerts()["total"] == 0 and run.first_harm() is None
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_view_of_data_from_before_the_recording_holding_nan_is_the_origin(tmp_path, backend):
+    bad = torch.tensor([[1.0, float("nan")]])
+    with tg.record(tmp_path / "run", backend=backend, buffer=-1, mode="full_health"):
+        (bad.view(2) * 2).sum()
+    with open_run(tmp_path / "run") as run:
+        o = origin(run)
+    assert o.origin.op == "aten.view"
+    assert "outside the recording" in o.origin.explanation and "already held NaN" in o.suggestion
+
+
+@pytest.mark.parametrize("layer", ["conv", "linear"])
+def test_nonfinite_input_data_into_an_accumulating_op_is_not_called_an_overflow(tmp_path, layer):
+    # Found with trainguard's guard on pytorch/tutorials pruning_tutorial.py's LeNet, one training
+    # sample NaN: the replay records the step, not the batch made before it, and the conv was said
+    # to overflow "from finite inputs", with "lower the learning rate" as the fix.
+    torch.manual_seed(0)
+    net = torch.nn.Conv2d(1, 2, 3) if layer == "conv" else torch.nn.Linear(4, 2)
+    bad = torch.randn(2, 1, 4, 4) if layer == "conv" else torch.randn(2, 4)
+    bad[1] = float("nan")
+    o = origin(record(tmp_path, lambda: net(bad).sum().backward()))
+    assert "finite inputs" not in o.origin.explanation and "outside the recording" in o.origin.explanation
+    assert "already held NaN" in o.suggestion and "learning rate" not in o.suggestion
+
+
 def test_a_nan_written_from_python_is_named_a_constant(tmp_path):
     # Found on pytorch/examples' dcgan with a dataset item holding ``x[0, 0, 0] = float('nan')``:
     # the origin is the op that turns the Python float into a tensor, which made nothing itself.
@@ -443,3 +505,29 @@ def test_exp_of_a_learned_log_scale_is_told_to_clamp_the_parameter(tmp_path, in_
     assert "optimizer.step()" in o.suggestion and "clamp_(0, math.log(100))" in o.suggestion, o.suggestion
     assert "subtract the maximum" not in o.suggestion, o.suggestion
     assert ("model.logit_scale.clamp_" in o.suggestion) == in_module, o.suggestion
+
+
+@pytest.mark.parametrize("count", [
+    lambda mask: mask.sum(),
+    # transformers' Trainer: num_items_in_batch, a label count (added up over the accumulated
+    # micro-batches, divided among the processes) that LabelSmoother divides by
+    lambda mask: (mask.sum() + 0) / 1,
+])
+def test_a_mean_over_a_mask_that_kept_nothing_is_named_so(tmp_path, count):
+    # Seq2seq losses written by hand, and transformers' LabelSmoother (label_smoothing_factor under
+    # Seq2SeqTrainer), divide a masked sum by the count of labels that are not -100: a batch whose
+    # labels are all -100 is 0/0. It was told to add an epsilon to the denominator (found on a tiny
+    # T5 fine-tuned with Seq2SeqTrainer and label smoothing, every label masked).
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 7)
+    x, y = torch.randn(6, 4), torch.full((6,), -100)
+
+    def f():
+        nll = -lin(x).log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        mask = y.ne(-100)
+        ((nll * mask).sum() / count(mask)).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.div.Tensor"
+    assert "counts" in o.origin.explanation and "aten.ne.Scalar" in o.origin.explanation, o.origin.explanation
+    assert "clamp_min(1)" in o.suggestion and "1e-8" not in o.suggestion, o.suggestion

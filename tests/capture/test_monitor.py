@@ -436,6 +436,77 @@ def test_nonfinite_values_are_stored_explicitly(tmp_path):
     assert stats_of(run, 0, "0.weight", "gradient")["nonfinite"] == 8 * 16
 
 
+@pytest.mark.parametrize("closure", [False, True])
+def test_a_float64_loss_and_gradient_norm_are_stored_as_the_program_computed_them(tmp_path, closure):
+    # pytorch/examples' time_sequence_prediction trains a float64 LSTM with LBFGS; at lr=80 its loss
+    # grows 0.53, 1.6e16, 1.7e34, 1.1e53: finite in float64. The monitor stored it in float32 (and
+    # summed squared gradient norms there): "Loss became inf at step 3", a critical finding about a
+    # value the program never had, and every loss rounded to float32.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).double()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.0, max_iter=2) if closure else torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    seen = []  # (loss, gradient norm) of each step, as the program computes them (a closure's first call)
+    with Monitor(model, tmp_path / "r", every=1) as mon:
+        for step, scale in enumerate((1.0, 1e25, 1e30)):
+            def evaluate(step=step, scale=scale):
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), torch.full((8, 1), scale, dtype=torch.float64))
+                loss.backward()
+                if len(seen) == step:
+                    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+                    seen.append((loss.item(), norm.item()))
+                return loss
+
+            if closure:
+                opt.step(evaluate)
+            else:
+                evaluate()
+                opt.step()
+    run = open_run(tmp_path / "r")
+    assert [v for _, v in run.scalars("loss")["loss"]] == [loss for loss, _ in seen]
+    assert seen[-1][0] > 1e59 and seen[-1][1] > 1e29  # beyond float32 (the norm's square too)
+    assert [v for _, v in run.scalars("grad_norm")["grad_norm"]] == pytest.approx([n for _, n in seen], rel=1e-12)
+    assert not [f for f in mon.findings if f.kind in ("nonfinite_loss", "nonfinite_gradients")]
+
+
+class _Features(nn.Module):
+    """pytorch/examples' fast_neural_style in small: a frozen feature network (its Vgg16) gives the
+    perceptual loss of a trained image network (its TransformerNet)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+def _perceptual_training():
+    # the models live in this function, as in a script's main(): gone when the monitor closes
+    torch.manual_seed(0)
+    features, net = _Features(), nn.Sequential(nn.Conv2d(3, 3, 3, padding=1))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for _ in range(3):
+        x = torch.rand(2, 3, 8, 8)
+        loss = nn.functional.mse_loss(features(net(x)), features(x))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_a_model_gone_before_the_monitor_closes_keeps_its_type(tmp_path):
+    # "Model (the first model) (None) is not trained": the types of the models were read through
+    # their weak references when the run's metadata was written at close, after main() had returned.
+    with Monitor(None, tmp_path / "r", every=1) as mon:
+        _perceptual_training()
+    roots = open_run(tmp_path / "r").meta["monitor"]["roots"]
+    assert sorted(str(r["type"]) for r in roots) == ["Sequential", "_Features"]
+    [untrained] = [f for f in mon.findings if f.kind == "model_not_trained"]
+    assert untrained.evidence["type"] == "_Features" and "None" not in untrained.title
+
+
 def test_a_submodule_called_first_is_replaced_by_its_model(tmp_path):
     model = nn.Sequential(mlp(), nn.Linear(3, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -206,3 +206,44 @@ def test_a_script_that_calls_forward_directly_is_told_why_nothing_was_seen(tmp_p
     assert f["kind"] == "no_model_called", f
     assert f["evidence"]["backward_calls"] == 30
     assert ".forward(" in f["title"] and "layer(x)" in f["suggestion"]
+
+
+# The check every loop of pytorch/vision's references/detection (engine.train_one_epoch) and of
+# DeiT, MAE and DINO makes: on a non-finite loss it prints it and calls sys.exit(1), no exception.
+STOPS_ITSELF = textwrap.dedent(
+    """
+    import math
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(6, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(30):
+        x = torch.randn(16, 6)
+        y = (x[:, 0] > 0).long() if step != 25 else torch.zeros(16, dtype=torch.long)  # no positives
+        ce = nn.functional.cross_entropy(model(x), y, reduction="none")
+        loss = ce[y == 1].sum() / (y == 1).sum() + ce[y == 0].mean()  # divided by the positives' count
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            print(f"Loss is {loss_value}, stopping training")
+            sys.exit(1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    """
+)
+
+
+def test_a_script_that_stops_itself_at_a_nan_loss_is_not_told_to_read_its_traceback(tmp_path, capsys):
+    path = tmp_path / "train.py"
+    path.write_text(STOPS_ITSELF)
+    d = tmp_path / "run"
+    assert main(["run", "--monitor", "--logdir", str(d), str(path)]) == 1
+    capsys.readouterr()
+    assert main(["diagnose", "--json", str(d)]) != 2
+    crash = json.loads(capsys.readouterr().out)["findings"][0]
+    assert crash["kind"] == "script_crashed" and "exited with code 1" in crash["title"]
+    assert "traceback" not in crash["suggestion"], crash["suggestion"]
+    assert "step 25" in crash["suggestion"] and "trainguard report" in crash["suggestion"], crash["suggestion"]

@@ -178,3 +178,33 @@ def test_a_value_head_run_on_one_state_is_not_called_collapsed(tmp_path):
     assert "collapsed_activations" not in kinds, [f.title for f in mon.findings]
     rms = tg.open(tmp_path / "r").layer_stats(layer="value_head")
     assert any(r["stat"] == "mean" and r["value"] != 0 for r in rms)
+
+
+def test_a_criterion_inside_the_model_returning_a_scalar_is_measured(tmp_path, caplog):
+    # timm's ClassificationTask (timm/task/task.py) holds its criterion as a submodule: the loss
+    # module's output is a 0-d tensor, and "layer hook failed on criterion ... IndexError" was logged.
+    import trainguard as tg
+
+    class Task(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trainable_module = torch.nn.Linear(4, 3)
+            self.criterion = torch.nn.CrossEntropyLoss()
+
+        def forward(self, x, y):
+            return self.criterion(self.trainable_module(x), y)
+
+    torch.manual_seed(0)
+    task = Task()
+    opt = torch.optim.SGD(task.parameters(), lr=0.1)
+    losses = []
+    with tg.Monitor(task, tmp_path / "r", every=2):
+        for _ in range(4):
+            loss = task(torch.randn(8, 4), torch.randint(0, 3, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert "hook failed" not in caplog.text
+    means = [r["value"] for r in tg.open(tmp_path / "r").layer_stats(layer="criterion") if r["stat"] == "mean"]
+    assert means == [pytest.approx(losses[0]), pytest.approx(losses[2])]

@@ -487,3 +487,67 @@ def test_an_inf_a_module_holds_in_a_buffer_since_construction_keeps_its_origin(t
     assert o is not None and o.chain[0].op == "aten.sub.Tensor"  # inf - inf: the NaN
     assert o.origin.op == "aten.reciprocal", (o.origin.op, o.origin.explanation)
     assert o.origin.file.endswith("test_taint.py") and o.origin.function == "__init__"
+
+
+def _encode_boxes(gt, anchors):
+    """torchvision's ``models/detection/_utils.py`` ``encode_boxes`` in small: the regression targets
+    of anchors matched to an image's ground truth; an image without objects matches every anchor to
+    a zero box, whose width and height give ``log(0) = -inf`` (two origins, joined by ``cat``)."""
+    ew, eh = anchors[:, 2:3] - anchors[:, 0:1], anchors[:, 3:4] - anchors[:, 1:2]
+    gw, gh = gt[:, 2:3] - gt[:, 0:1], gt[:, 3:4] - gt[:, 1:2]
+    dx, dy = (gt[:, 0:1] - anchors[:, 0:1]) / ew, (gt[:, 1:2] - anchors[:, 1:2]) / eh
+    return torch.cat((dx, dy, torch.log(gw / ew), torch.log(gh / eh)), dim=1)
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_infinities_of_two_origins_joined_by_one_op_are_counted_where_they_were_absorbed(tmp_path, backend):
+    # pytorch/vision's RPN takes the box loss over the positive anchors only: the -inf targets of an
+    # image without objects are absorbed by the index. The dh log's were reported apart, as "-inf from
+    # log never reached the loss, a gradient, a parameter or a value the program read".
+    anchors = torch.tensor([[0.0, 0.0, 8.0, 8.0], [4.0, 4.0, 20.0, 12.0], [2.0, 6.0, 6.0, 30.0]])
+    pred = torch.randn(3, 4, requires_grad=True)
+
+    def f():
+        targets = _encode_boxes(torch.zeros(3, 4), anchors)  # the image has no objects
+        positive = torch.tensor([], dtype=torch.long)
+        torch.nn.functional.smooth_l1_loss(pred[positive], targets[positive], reduction="sum").backward()
+
+    run = record(tmp_path, f, backend=backend)
+    assert run.alerts()["total"] == 0
+    assert run.intended() == [{"kind": "-inf", "made_by": "aten.log.default", "absorbed_by": "aten.index.Tensor",
+                               "values": 6, "executions": 2}]
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_infinities_of_two_origins_joined_by_one_op_that_reach_the_loss_are_not_counted_intended(tmp_path, backend):
+    anchors = torch.tensor([[0.0, 0.0, 8.0, 8.0], [4.0, 4.0, 20.0, 12.0], [2.0, 6.0, 6.0, 30.0]])
+    pred = torch.randn(3, 4, requires_grad=True)
+
+    def f():  # every anchor's target in the loss, as a user's RPN loss over all labelled anchors did
+        targets = _encode_boxes(torch.zeros(3, 4), anchors)
+        torch.nn.functional.smooth_l1_loss(pred, targets, reduction="sum").backward()
+
+    run = record(tmp_path, f, backend=backend)
+    assert run.first_harm() is not None and run.intended() == []
+
+
+def test_origins_joined_with_a_long_lived_one_stay_bounded(tmp_path):
+    # A causal mask made once and a padding mask made each step, added before the softmax: every step
+    # joins a new origin to the causal mask's, which lives as long as the model.
+    x = torch.randn(4, 4, requires_grad=True)
+    steps = _taint.JOINED_MAX * 3
+
+    def f():
+        causal = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), -INF)
+        for _ in range(steps):
+            padding = torch.zeros(4).masked_fill(torch.tensor([False, False, False, True]), -INF)
+            torch.softmax(x + causal + padding, -1).sum().backward()
+
+    with tg.record(tmp_path / "r", buffer=-1, backend="python") as rec:
+        f()
+        joined = dict(rec.taint.joined)
+    assert joined and max(len(v) for v in joined.values()) <= _taint.JOINED_MAX
+    run = open_run(tmp_path / "r")
+    assert run.alerts()["total"] == 0
+    assert {g["absorbed_by"] for g in run.intended()} == {"aten._softmax.default"}
+    assert sum(g["executions"] for g in run.intended()) == steps + 1

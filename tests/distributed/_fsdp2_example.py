@@ -7,7 +7,8 @@ the embeddings, the final norm and the output layer but not the blocks: their we
 the uninitialised memory ``to_empty`` gave them (the example's loss is NaN on CPU). Any other
 value also resets every block, as a user who noticed would. ``NAN_EMPTY=1`` fills every
 uninitialised allocation with NaN (``torch.utils.deterministic.fill_uninitialized_memory``),
-the worst a real allocator can hand back, on every run.
+the worst a real allocator can hand back, on every run. ``NAN_RANK=K`` makes rank K's loss of
+the second step NaN: its mean over a batch of padding only, a sum divided by a zero count.
 """
 
 from __future__ import annotations
@@ -93,14 +94,18 @@ def main() -> None:
             layer.reset_parameters()
     model.reset_parameters()
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(3):
-        loss = model(torch.randint(0, VOCAB, (4, SEQ))).sum()
+    for step in range(3):
+        out = model(torch.randint(0, VOCAB, (4, SEQ)))
+        keep = torch.ones(out.shape[:2])
+        if os.environ.get("NAN_RANK") == str(dist.get_rank()) and step == 1:
+            keep.zero_()  # this rank's batch is padding only
+        loss = (out.sum(-1) * keep).sum() / keep.sum()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optim.step()
         optim.zero_grad()
         if dist.get_rank() == 0:
-            print("loss", loss.item(), flush=True)
+            print("loss", loss.item(), "norm", norm.full_tensor().item(), flush=True)
     dist.destroy_process_group()
 
 

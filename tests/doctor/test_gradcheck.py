@@ -245,3 +245,35 @@ def test_casts_to_float32_inside_the_forward_are_kept_in_float64():
     assert result.passed and result.bad_params == [] and result.suspicious_params == [], result.summary
     assert result.kept_float64 > 0 and "float64" in result.summary
     assert model.D.dtype == torch.float32 and model(u).dtype == torch.float32  # the model is as it was
+
+
+class _ZeroInitBlock(nn.Module):
+    """timm/models/resnet.py BasicBlock with zero_init_last (bn2.weight = 0), after a ReLU: at w=0 the
+    residual sum equals the ReLU'd shortcut, exact zeros meet the ReLU after the sum at its kink."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU())
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        nn.init.zeros_(self.bn2.weight)
+        self.head = nn.Linear(c, 4)
+
+    def forward(self, x):
+        x = self.stem(x)
+        y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        return self.head(torch.relu(y + x).mean((2, 3)))
+
+
+def test_a_kink_is_not_a_wrong_gradient():
+    # trainguard doctor on timm's resnet10t: "Gradient check: wrong gradient for layer1.0.bn2.weight
+    # (autograd says 0.00295251, finite differences -0.012053)", an error on a healthy model.
+    torch.manual_seed(0)
+    model = _ZeroInitBlock()
+    batch = (torch.randn(8, 3, 6, 6), torch.randint(0, 4, (8,)))
+    res = doctor.gradient_check(model, batch, nn.CrossEntropyLoss(), params=["bn2.weight", "head.weight"])
+    assert res.bad_params == [], res.summary
+    p = next(p for p in res.params if p.name == "bn2.weight")
+    assert p.status == "suspicious" and p.kink, p
+    f = next(f for f in res.findings() if f.kind == "suspicious_gradient")
+    assert "not differentiable" in f.suggestion

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -203,6 +205,58 @@ def test_a_gradient_that_goes_nan_under_a_finite_loss_is_caught(tmp_path, caplog
     assert "gradient norm is nan" in caplog.records[-1].getMessage()
 
 
+def lbfgs_state(data, **kw):
+    state = make_state(data)
+    return tg.TrainState(model=state.model, optimizer=torch.optim.LBFGS(state.model.parameters(), **kw),
+                         loader=torch.utils.data.DataLoader(data, batch_size=BS))
+
+
+def train_lbfgs(batches, state, evals):
+    """LBFGS: ``evals[step]``: the losses of every call of the step's closure when it first ran (the first is the step's)."""
+    for step, (x, y) in batches:
+        calls = []
+
+        def closure(x=x, y=y, calls=calls):
+            state.optimizer.zero_grad()
+            loss = nn.functional.mse_loss(state.model(x), y)
+            loss.backward()
+            calls.append(loss.item())
+            return loss
+
+        state.optimizer.step(closure)
+        evals.setdefault(step, calls)  # the first time the step ran (not its replay or retry)
+
+
+def test_an_lbfgs_line_search_trying_far_points_is_no_spike(tmp_path):
+    # pytorch/examples' time_sequence_prediction with line_search_fn="strong_wolfe" and
+    # --spike-factor 3: "loss 0.1571 is a spike" where the step's loss (what optimizer.step returns,
+    # the closure's first call) was 0.0024. The sentry averaged every call of the closure, the
+    # line search's trial points included, and rewound a healthy run five times until Diverged.
+    state = lbfgs_state(make_data(60), lr=0.2, max_iter=5, line_search_fn="strong_wolfe")
+    guard = tg.Guard(tmp_path / "run", snapshot_every=20, spike_factor=20)
+    evals = {}
+    train_lbfgs(guard.batches(state, total_steps=60), state, evals)
+    first = [calls[0] for calls in evals.values()]
+    assert max(first) < 20 * statistics.median(first)  # the steps' own losses never spike
+    assert max(max(calls) for calls in evals.values()) > 20 * max(first)  # the trial points do
+    assert guard.events == []
+
+
+def test_an_lbfgs_step_whose_later_evaluation_goes_nonfinite_is_caught_there(tmp_path):
+    # Without a line search LBFGS moves the weights before each further call of the closure: a
+    # non-finite loss there is the step's fault (its update made the weights non-finite), caught at
+    # that step though its first evaluation was finite.
+    state = lbfgs_state(make_data(30), lr=2, max_iter=5)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10, max_rewinds=1)
+    evals = {}
+    with pytest.raises(tg.Diverged):
+        train_lbfgs(guard.batches(state, total_steps=30), state, evals)
+    bad = min(s for s, calls in evals.items() if not all(map(math.isfinite, calls)))
+    assert math.isfinite(evals[bad][0])
+    event = guard.events[0]
+    assert event["step"] == bad and event["trigger"] == "nonfinite_loss"
+
+
 def test_a_loss_spike_is_rewound_and_skipped(tmp_path):
     state = make_state(make_data(90, spike_batch=60))
     guard = tg.Guard(tmp_path / "run", snapshot_every=25, spike_factor=20, skip_batches=2)
@@ -213,6 +267,22 @@ def test_a_loss_spike_is_rewound_and_skipped(tmp_path):
     assert [s["batch"] for s in event["skipped"]] == [60, 61] and event["skip_count"] == 2
     assert event["replay"]["reproduced"] is True and event["replay"]["bitwise_equal"] is True
     assert state.step == 90 and finite(state)
+
+
+def test_a_spike_is_reported_against_the_median_it_was_judged_by(tmp_path):
+    # pytorch/examples' time_sequence_prediction under --guard --spike-factor 3: "loss 0.001722 is a
+    # spike (1.64x the median 0.00105 of the last steps, above spike_factor 3)". The median was
+    # taken after the rewind had dropped the steps since the snapshot from the window.
+    state = make_state(make_data(90, spike_batch=60))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=25, spike_factor=20)
+    log = []
+    train(guard.batches(state, total_steps=90), state, log=log)
+    [event] = guard.events
+    before = [loss for step, loss in dict(reversed(log)).items() if step < 60]  # the first run of each step
+    assert len(before) == 60
+    assert f"the median {statistics.median(before):.4g} of" in event["reason"]
+    ratio = float(re.search(r"\(([0-9.e+]+)x the median", event["reason"]).group(1))
+    assert ratio > 20
 
 
 def test_under_a_grad_scaler_the_guard_sees_the_unscaled_loss(tmp_path):

@@ -73,6 +73,63 @@ def test_bert_resumed_from_a_trainer_checkpoint_continues_the_steps(tmp_path):
     assert any(r["layer"].startswith("bert.encoder.layer.1") for r in run.layer_stats(kind="activation"))
 
 
+KILLED = '''
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import hf_train
+from transformers import TrainerCallback
+from transformers import Trainer as _Trainer
+
+
+class KillAfterSave(TrainerCallback):
+    def on_save(self, args, state, control, **kwargs):  # checkpoint-6 is on disk: die as kill -9 does
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+hf_train.Trainer = lambda *a, callbacks=(), **k: _Trainer(*a, callbacks=[*callbacks, KillAfterSave()], **k)
+hf_train.main([{out!r}, "--model", "bert", "--steps", "12", "--save-steps", "6", "--callback", {logdir!r}])
+'''
+
+
+def _killed_after_checkpoint(tmp_path):
+    """A Trainer (BERT, the callback) killed with SIGKILL right after it saved checkpoint-6."""
+    logdir, out = tmp_path / "run", tmp_path / "out"
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED.format(here=str(SCRIPT.parent), out=str(out), logdir=str(logdir)))
+    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"PYTHONPATH": path})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    return logdir, out
+
+
+def test_a_run_killed_and_resumed_from_a_trainer_checkpoint_ends_finished(tmp_path):
+    # A Trainer killed with SIGKILL right after saving checkpoint-6, then resumed from it (found on
+    # a tiny Wav2Vec2ForCTC fine-tuning shaped like transformers' run_speech_recognition_ctc.py):
+    # the resumed process appended every step up to the last, yet the run stayed "running (still
+    # being written, or its process was killed)", as the killed process had left it.
+    logdir, out = _killed_after_checkpoint(tmp_path)
+    assert trainguard.open(logdir).status == "running"  # what the killed process left
+    trainer = script_module().main([str(out), "--model", "bert", "--steps", "12", "--resume",
+                                    str(out / "checkpoint-6"), "--callback", str(logdir)])
+    assert trainer.state.global_step == 12
+    run = trainguard.open(logdir)
+    assert run.status == "finished" and run.meta["monitor"]["status"] == "finished"
+    assert [st for st, _ in run.scalars("loss")["loss"]][-6:] == list(range(6, 12))
+
+
+
+def test_a_run_killed_after_a_trainer_checkpoint_holds_every_step_the_checkpoint_holds(tmp_path):
+    # The steps between the last flush and the checkpoint were in the writer's queue when the kill
+    # came, and the resumed process starts after them: a hole in the run for good (steps 10-19 of
+    # a Seq2SeqTrainer killed right after checkpoint-20; found on a tiny T5 fine-tuned as in
+    # transformers' examples/pytorch/translation/run_translation.py).
+    logdir, out = _killed_after_checkpoint(tmp_path)
+    assert [st for st, _ in trainguard.open(logdir).scalars("loss").get("loss", [])] == list(range(6))
+    script_module().main([str(out), "--model", "bert", "--steps", "12", "--resume", str(out / "checkpoint-6"),
+                          "--callback", str(logdir)])
+    assert [st for st, _ in trainguard.open(logdir).scalars("loss")["loss"]] == list(range(12))
+
 CRASHING = '''
 import sys
 sys.path.insert(0, {here!r})

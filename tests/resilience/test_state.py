@@ -164,3 +164,35 @@ def test_a_checkpoint_fits_the_model_compiled_or_not_wrapped_or_not(tmp_path, sa
     moments = [s.optimizer.state_dict()["state"][0]["exp_avg"] for s in (state, restored)]
     assert moments[0].equal(moments[1])
     assert state.model is not model or save_as == "plain"  # the user's object is what they gave
+
+
+def test_optimizer_moments_a_fresh_optimizer_creates_on_restore_keep_the_saved_memory_layout(tmp_path):
+    # timm's train.py --channels-last with LAMB (timm/optim/lamb.py): the moments are zeros_like of
+    # channels_last conv weights. Restored into plain contiguous buffers, LAMB's norms summed in
+    # another order and a run resumed after kill -9 drifted from the uninterrupted one at the second
+    # step after the restore (EMA sums 1939.9548027967728 against 1939.9548024622507).
+    from trainguard import CheckpointManager
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+        model(torch.randn(1, 3, 6, 6))
+        model = model.to(memory_format=torch.channels_last)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(model, opt):
+        model(torch.randn(4, 3, 6, 6).contiguous(memory_format=torch.channels_last)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = make()
+    step(model, opt)
+    ckpt = CheckpointManager(tmp_path / "ck")
+    ckpt.save(TrainState(model=model, optimizer=opt), step=1)
+    model2, opt2 = make()
+    ckpt.restore(TrainState(model=model2, optimizer=opt2))
+    w, w2 = model[0].weight, model2[0].weight
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert opt2.state[w2][k].stride() == opt.state[w][k].stride() == w.stride(), k
+        assert torch.equal(opt2.state[w2][k], opt.state[w][k])
+    assert opt2.state[model2[2].weight]["exp_avg"].is_contiguous()

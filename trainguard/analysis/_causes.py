@@ -42,10 +42,12 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
 # "arose_in_training": in range at step 0, then the updates did it). Units dead or activations
 # exploding from initialisation need a new init whatever the learning rate.
 # Gradients that began to explode (evidence "began") no earlier than the loss diverged under a
-# rate far too high (its evidence "divergence") are the updates' doing too; the gradient cliffs
-# of an unclipped RNN come first, and stay a cause of their own.
+# rate far too high (its evidence "divergence") are the updates' doing too, and so is a gradient
+# norm that overflowed as they exploded (nonfinite_gradient's "began"; a NaN made in the backward
+# pass has none); the gradient cliffs of an unclipped RNN come first, and stay a cause of their own.
 IN_TRAINING: dict[str, tuple[str, ...]] = {
-    "lr_too_high": ("dead_units", "exploding_activations", "saturated_activations", "exploding_gradient"),
+    "lr_too_high": ("dead_units", "exploding_activations", "saturated_activations", "exploding_gradient",
+                    "nonfinite_gradient"),
 }
 # A wrong custom gradient and a misused loss function explain what the curves and layers show
 # (analysis/_function_rules.py, _graph_rules.py): they are read off the graph, not the numbers.

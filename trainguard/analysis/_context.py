@@ -125,6 +125,8 @@ class Context:
         layer_meta = {d["name"]: d for d in self.meta.get("layers", [])}
         self.layer_type = {name: d.get("type", "") for name, d in layer_meta.items()}
         self.layer_units = {name: d["units"] for name, d in layer_meta.items() if d.get("units")}
+        # Output units whose incoming weights a pruning mask zeroes whole (capture/_monitor_model.pruned_units).
+        self.layer_pruned = {name: d["pruned_units"] for name, d in layer_meta.items() if d.get("pruned_units")}
         self.params: dict[str, dict] = self.meta.get("params", {})
         order = list(self.meta.get("order") or [])
         seen = set(order)
@@ -193,9 +195,14 @@ class Context:
         v = np.sort(s.values[np.isfinite(s.values)])
         return float(v[(len(v) - 1) // 2]) if len(v) else None
 
-    def input_rms(self) -> float:
-        """RMS of the model's input (1 when unknown, e.g. token ids)."""
-        for layer in self.input_layers():
+    def input_rms(self, layer: str | None = None) -> float:
+        """RMS of the model's input (1 when unknown, e.g. token ids); with ``layer``, of the input of
+        the model that layer belongs to (several models: ``name.<input>``)."""
+        inputs = self.input_layers()
+        if layer is not None:
+            own = [la for la in inputs if layer.startswith(la[: -len("<input>")])]
+            inputs = sorted(own, key=len, reverse=True)  # the longest prefix: "gen." before ""
+        for layer in inputs:
             mean = median(self.stat(layer, "input", "mean").values)
             std = median(self.stat(layer, "input", "std").values)
             if math.isfinite(mean) and math.isfinite(std):

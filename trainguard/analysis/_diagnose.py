@@ -114,6 +114,21 @@ def diagnose(
 
 def _verdict(ctx: Context) -> Finding:
     n = len(ctx.loss)
+    func_model = ctx.meta.get("torch_func_model")
+    if not n and func_model:
+        return Finding(
+            kind="model_in_torch_func",
+            severity="info",
+            title=f"The script called its model ({func_model}) only through torch.func (functional_call under vmap "
+            "or grad, as model ensembles and per-sample gradients do): its trained parameters are plain tensors "
+            "outside any nn.Module, so the monitor watched no layer, gradient or loss",
+            evidence={"model": func_model, "backward_calls": int(ctx.meta.get("unattached_backwards") or 0),
+                      "loss_points": 0},
+            suggestion="the recorder still sees every op (`trainguard run --check-numerics script.py` stops at the "
+            "first harmful NaN/Inf); to judge training health, monitor one member trained as a module: "
+            "`trainguard.Monitor(model, logdir)` around a loop that calls model(x)",
+            source="monitor",
+        )
     unattached = int(ctx.meta.get("unattached_backwards") or 0)
     if not n and unattached:
         return Finding(

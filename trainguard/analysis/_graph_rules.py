@@ -151,15 +151,16 @@ def _classes(digest: dict | None) -> int | None:
     return n
 
 
-def _facts_from_summary(s: dict, target: bool = False) -> dict:
-    """Sign evidence from a full_health summary (min/max too in ``stats`` mode)."""
+def _facts_from_summary(s: dict, target: bool = False, negate: bool = False) -> dict:
+    """Sign evidence from a full_health summary (min/max too in ``stats`` mode); ``negate``: of -tensor."""
     facts: dict[str, float] = {}
     if "min" in s and "max" in s and isinstance(s["min"], (int, float)):
-        facts["target_min" if target else "input_min"] = float(s["min"])
-        facts["target_max" if target else "input_max"] = float(s["max"])
+        lo, hi = (-float(s["max"]), -float(s["min"])) if negate else (float(s["min"]), float(s["max"]))
+        facts["target_min" if target else "input_min"] = lo
+        facts["target_max" if target else "input_max"] = hi
     elif "neg" in s and "pos" in s:
         key = "target_min" if target else "input_min"
-        facts[key] = -1.0 if s["neg"] else 0.0
+        facts[key] = -1.0 if s["pos" if negate else "neg"] else 0.0
         if not target:
             facts["input_max"] = 1.0 if s["pos"] else 0.0
             facts["signs_only"] = 1.0
@@ -195,15 +196,20 @@ def recorded_heads(run: Any) -> list[dict]:
             mine = [i for i, inp in enumerate(ins) if inp.get("producer") == d["seq"]]
             if len(ins) != 2 or len(mine) != 1:
                 continue
-            if not any(_op(s.get("op")) == "sum" for s in run.consumers(c["seq"], limit=4)):
+            sums = [s for s in run.consumers(c["seq"], limit=4) if _op(s.get("op")) == "sum"]
+            if not sums:
                 continue
+            # cross entropy is -sum(target * log_softmax): without a neg after the sum (F.cross_entropy
+            # has one), the target went in negated (timm's SoftTargetCrossEntropy: sum(-target * lsm))
+            negated = not any(_op(n.get("op")) == "neg" for n in run.consumers(sums[0]["seq"], limit=4))
             other = 1 - mine[0]
             target, _ = _producer(run, ex, other)
             below = _recorded_chain(run, run.execution(d["seq"]))
             head = {"loss": "soft_cross_entropy", "link": dict(_link(run, d), op="cross_entropy"),
                     "chain": [_link(run, d), *below],
                     "target": _link(run, target) if target else None}
-            head["facts"] = _facts_from_summary(_summary(ins[other].get("producer_digest")), target=True)
+            head["facts"] = _facts_from_summary(_summary(ins[other].get("producer_digest")), target=True,
+                                                negate=negated)
             head["classes"] = _classes(run.execution(d["seq"]))
             heads.append(head)
     return heads

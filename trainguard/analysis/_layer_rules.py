@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from trainguard.analysis._context import POOL_TYPES, Context, fmt, median
+from trainguard.analysis._context import POOL_TYPES, Context, Series, fmt, median
 from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import activation_family, clip_text, clipping_text, init_advice
 from trainguard.store import Finding
@@ -75,11 +75,19 @@ def dead_units(ctx: Context) -> list[Finding]:
     for la in ctx.layers_with("activation", "dead_frac"):
         if ctx.layer_type.get(la) in POOL_TYPES:
             continue  # repeats the dead units of the layer before it
+        if len(ctx.stat(la, "activation", "sat_frac")):
+            continue  # a Sigmoid's exact zeros are its lower bound: saturated_activations' business
         series = ctx.stat(la, "activation", "dead_frac")
         win = ctx.window(series)
         if len(win) < 2:
             continue
         frac = median(win.values)
+        pruned, units = _pruned_before(ctx, la), ctx.unit_count(_upstream_layer(ctx, la))
+        if pruned and units:
+            # units pruned on purpose (every incoming weight masked) output their bias alone: after a
+            # ReLU, those with a negative bias are 0 for every sample, as pruning meant
+            series = Series(series.steps, np.maximum(series.values - pruned / units, 0.0))
+            frac = max(frac - pruned / units, 0.0)
         if frac < ctx.th.dead_units_warn:
             continue
         over = np.nonzero(series.values >= ctx.th.dead_units_warn)[0]
@@ -148,6 +156,18 @@ def dead_units(ctx: Context) -> list[Finding]:
     ]
 
 
+def _pruned_before(ctx: Context, layer: str) -> int:
+    """Pruned output units of ``layer`` or, for an activation, of the layer with weights before it."""
+    order = ctx.layer_order
+    if layer not in order:
+        return ctx.layer_pruned.get(layer, 0)
+    owners = {info.get("layer") for info in ctx.params.values()}
+    for la in reversed(order[: order.index(layer) + 1]):
+        if la in ctx.layer_pruned or la in owners:
+            return ctx.layer_pruned.get(la, 0)
+    return 0
+
+
 def _upstream_layer(ctx: Context, layer: str) -> str:
     order = ctx.layer_order
     if layer not in order:
@@ -204,13 +224,15 @@ def _initial_sat(ctx: Context, layers: list[str]) -> dict[str, float] | None:
 
 @register_rule("exploding_activations")
 def exploding_activations(ctx: Context) -> list[Finding]:
-    scale = ctx.input_rms()
-    limit = ctx.th.act_explode_rms * max(1.0, scale)
+    def limit_of(la: str) -> float:  # each model's layers against that model's input
+        return ctx.th.act_explode_rms * max(1.0, ctx.input_rms(la))
+
     depth = {la: _rms(ctx, la) for la in ctx.layer_order}
-    hot = [la for la, v in depth.items() if math.isfinite(v) and v > limit]
+    hot = [la for la, v in depth.items() if math.isfinite(v) and v > limit_of(la)]
     if not hot:
         return []
     first = hot[0]
+    scale, limit = ctx.input_rms(first), limit_of(first)
     worst = max(hot, key=lambda la: depth[la])
     ev = {
         "rms_by_layer": {la: depth[la] for la in ctx.layer_order if math.isfinite(depth[la])},
@@ -218,7 +240,7 @@ def exploding_activations(ctx: Context) -> list[Finding]:
         "limit": limit,
     }
     initial = _initial_rms(ctx, hot)
-    if initial is not None and all(v <= limit for v in initial.values()):
+    if initial is not None and all(v <= limit_of(la) for la, v in initial.items()):
         # In range at initialisation: the updates made them grow, a new init would not help.
         ev["initial_rms_by_layer"] = initial
         ev["arose_in_training"] = True
@@ -257,6 +279,17 @@ def exploding_activations(ctx: Context) -> list[Finding]:
     ]
 
 
+def _enclosing_std(layer: str, stds: dict[str, float]) -> float:
+    """The activation std of the nearest module around ``layer`` that has one (NaN when none)."""
+    name = layer
+    while "." in name:
+        name = name.rsplit(".", 1)[0]
+        v = stds.get(name)
+        if v is not None and math.isfinite(v):
+            return v
+    return math.nan
+
+
 @register_rule("collapsed_activations")
 def collapsed_activations(ctx: Context) -> list[Finding]:
     scale = ctx.input_rms()
@@ -271,11 +304,17 @@ def collapsed_activations(ctx: Context) -> list[Finding]:
             continue
         stds[la] = median(s.values)
     cold = [la for la, v in stds.items() if math.isfinite(v) and v < limit]
+    # A small output inside a module whose own output is not small is a branch added to a stream
+    # (a residual block's LayerScale at 1e-6, a zero-initialised branch), not a collapsed signal.
+    branches = [la for la in cold if _enclosing_std(la, stds) >= limit]
+    cold = [la for la in cold if la not in branches]
     if not cold:
         return []
     first = cold[0]
     rows, init_text = init_advice(ctx, ctx.weight_matrices(), activation_family(ctx))
     ev = {"std_by_layer": stds, "input_rms": scale, "limit": limit}
+    if branches:
+        ev["small_residual_branches"] = branches
     if rows:
         ev["init"] = rows
     return [
@@ -437,13 +476,16 @@ def exploding_gradient(ctx: Context) -> list[Finding]:
     if n >= 2 * w0:
         early = median(vals[:w0])
         start = median(vals[:10])  # the gradient scale of the first steps of training
+        # A norm below the first step's is no explosion, however far above a collapsed median it
+        # flickers (a saturated GAN discriminator: 88 at step 1, then 1e-8 with flickers to 1e-5).
+        first = float(vals[0]) if math.isfinite(vals[0]) else 0.0
         spikes = []
         for i in range(1, n):
             v = vals[i]
             recent = median(vals[max(0, i - w0) : i])
             if not (math.isfinite(v) and math.isfinite(recent)):
                 continue
-            if v > ctx.th.grad_spike_factor * recent and v > ctx.th.grad_spike_vs_start * start:
+            if v > ctx.th.grad_spike_factor * recent and v > ctx.th.grad_spike_vs_start * start and v > first:
                 spikes.append((int(g.steps[i]), float(v), recent))
         bad = np.nonzero(~np.isfinite(vals))[0]
         overflow = int(g.steps[bad[0]]) if len(bad) else None

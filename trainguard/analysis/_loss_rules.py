@@ -242,6 +242,27 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
     if len(before):
         ev["grad_norm_before"] = {"median": median(before.values), "max": float(before.values.max())}
     origin = origin_of(ctx.run, before_step=step)
+    overflow = None if origin or params else _norm_overflow(ctx, step, before)
+    if overflow is not None:
+        # Finite gradients past float32's range (each value above ~1.8e19) square to inf: the norm
+        # overflows, as clip_grad_norm_'s does, with no NaN or inf in the gradients themselves.
+        ev["last_finite_grad_norm"] = overflow
+        ev["began"] = step  # a rate far too high that diverged no later explains it (_causes.IN_TRAINING)
+        _, lower = lr_lower(ctx, None, step=step)
+        clip = clip_text(ctx, before_step=step)
+        return [
+            Finding(
+                kind="nonfinite_gradient",
+                severity="critical",
+                title=f"The gradient norm overflowed to inf at step {step} while the loss was finite: the gradients "
+                f"exploded past float32's range ({fmt(overflow)} the step before, median {fmt(median(before.values))})",
+                evidence=ev,
+                suggestion=f"the gradients grew step after step until their squares overflowed (not a NaN made "
+                f"in the backward pass): {lower}" + (f"; {clip}" if clip else ""),
+                steps=(step, int(ctx.grad_norm.steps[-1])),
+                source=SOURCE,
+            )
+        ]
     if origin:
         ev["origin"] = origin
         fix = origin.get("fix") or op_fix(origin.get("op")) or "guard that op against 0 and overflow"
@@ -252,11 +273,24 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
             "division by a value that can be 0 in the forward pass (add an epsilon: `torch.sqrt(x + 1e-12)`, "
             "`F.normalize(x, eps=1e-12)`); `trainguard.record(logdir)` finds the op and line"
         )
+    # The loss up to this step grew by orders of magnitude: the gradients overflowed with it (a
+    # learning rate far too high), not at a sqrt of 0 (as nonfinite_loss reads a divergence).
+    upto = ctx.loss.before(step + 1).finite()
+    grew = len(upto) >= 2 and upto.values[-1] > 10 * max(abs(upto.values[0]), 1e-12)
+    title_loss = "while the loss was finite"
+    if grew and not origin:
+        ev["loss_grew"] = f"{fmt(upto.values[0])} -> {fmt(upto.values[-1])}"
+        title_loss = f"as the loss diverged to {fmt(upto.values[-1])}"
+        _, text = lr_lower(ctx, None)
+        suggestion = f"the loss diverged ({ev['loss_grew']}) and the gradients overflowed with it: {text}"
+        clip = clip_text(ctx, before_step=step)
+        if clip:
+            suggestion += f"; {clip}"
     return [
         Finding(
             kind="nonfinite_gradient",
             severity="critical",
-            title=f"Gradients became NaN/Inf at step {step} while the loss was finite",
+            title=f"Gradients became NaN/Inf at step {step} {title_loss}",
             evidence=ev,
             suggestion=suggestion,
             steps=(step, int(ctx.grad_norm.steps[-1]) if len(ctx.grad_norm) else step),
@@ -264,6 +298,16 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _norm_overflow(ctx: Context, step: int, before: Series) -> float | None:
+    """The last finite gradient norm when the one of ``step`` is +inf (a NaN is no overflow) after the
+    norms exploded to ``grad_spike_factor`` times their median, else None."""
+    v = ctx.grad_norm.at(step)
+    if v is None or not math.isinf(v) or v < 0 or len(before) < 2:
+        return None
+    last = float(before.values[-1])
+    return last if last > ctx.th.grad_spike_factor * median(before.values[:-1]) else None
 
 
 @register_rule("loss_not_decreasing")
@@ -470,7 +514,8 @@ def lr_too_high(ctx: Context) -> list[Finding]:
     if not reasons:
         return []
     at = div["step"] if div else bad_step  # the rate in force where it went wrong, not the schedule's median
-    new, text = lr_lower(ctx, r_max if math.isfinite(r_max) else None, step=at)
+    r_at = _ratio_before(ctx, ratios, at)
+    new, text = lr_lower(ctx, r_at if r_at is not None else r_max if math.isfinite(r_max) else None, step=at)
     if new is not None:
         ev["suggested_lr"] = new
         ev["lr"] = ctx.lr(at)
@@ -487,6 +532,21 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _ratio_before(ctx: Context, ratios: Series, step: int | None) -> float | None:
+    """The update ratio the rate in force at ``step`` (where the run diverged) made before it: the last
+    recording at or before ``step``, scaled from the rate then to the rate at ``step`` (a warm-up's).
+    A ratio read after the divergence measures weights that had already blown up."""
+    if step is None:
+        return None
+    lr_at = ctx.lr(step)
+    for s, r in zip(ratios.steps[::-1].tolist(), ratios.values[::-1].tolist()):
+        if s > step or not (math.isfinite(r) and r > 0):
+            continue
+        lr_s = ctx.lr(s)
+        return r * lr_at / lr_s if lr_at and lr_s else None
+    return None
 
 
 @register_rule("lr_too_low")

@@ -39,6 +39,7 @@ _ADDCDIVS = {"addcdiv", "addcdiv_", "_foreach_addcdiv", "_foreach_addcdiv_"}
 _ADDS = {"add", "add_", "sub", "sub_", "rsub", "addcmul", "addcdiv", "addcdiv_", "addcmul_", "lerp_", "lerp"}
 _SOFTMAXES = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"}
 _NLL = {"nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss2d"}  # outputs: (loss, total_weight)
+_CTC = {"_ctc_loss", "ctc_loss", "_cudnn_ctc_loss", "_use_cudnn_ctc_loss"}
 _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
               "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math"}
@@ -77,6 +78,9 @@ class Link:
     # are the summarised values they were computed from (as _input_info describes inputs).
     through: list[str] = field(default_factory=list)
     sources: list[dict] = field(default_factory=list)
+    # A division by a count of 0: the comparison whose kept elements the denominator counts
+    # (``{"op", "seq", "size", "file", "line"}``), when it kept none (see _counted_mask).
+    mask: dict | None = None
 
 
 @dataclass
@@ -147,6 +151,7 @@ def _input_info(run: Run, item: dict) -> dict:
         info.update(
             producer=prod["seq"], producer_op=prod["op"], summary=summary, description=describe_summary(summary),
             shape=prod["outputs"][0].get("shape") if prod["outputs"] else None,
+            dtype=prod["outputs"][0].get("dtype") if prod["outputs"] else None,
             file=fr["filename"] if fr else None, line=fr["lineno"] if fr else None,
             taint=prod.get("taint"), origin_seq=prod.get("origin"), producer_phase=prod.get("phase"),
         )
@@ -218,12 +223,53 @@ def _link(run: Run, seq: int) -> Link:
         inputs=inputs, forward_op=fwd, taint=e.get("taint", "finite"), origin_seq=e.get("origin"),
         through=through, sources=sources,
     )
+    link.mask = _counted_mask(run, link)
     link.explanation = explain(link)
     if _IGNORED in link.explanation:
         value = _ignore_index(run, link)
         if value is not None:
             link.explanation = explain(link, ignore_index=value)
     return link
+
+
+# Ops a count passes through on its way to the denominator (summed over micro-batches, divided
+# among processes, cast), and the comparisons that make the mask it counts.
+_COUNT_PASS = {"add", "add_", "sub", "div", "div_", "mul", "mul_", "_to_copy", "to", "clone", "view", "reshape",
+               "squeeze", "unsqueeze", "expand", "detach", "alias", "lift_fresh", "copy_"}
+_COMPARISONS = {"ne", "eq", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "isfinite",
+                "isnan", "isinf", "bitwise_and", "bitwise_or", "bitwise_not"}
+
+
+def _counted_mask(run: Run, link: Link) -> dict | None:
+    """For a division by a zero denominator that counts the elements a mask keeps (a masked mean:
+    ``(loss * mask).sum() / mask.sum()``, transformers' LabelSmoother over the labels that are not
+    -100): the comparison that made the mask, which kept none."""
+    if op_base(link.op) not in ("div", "div_", "true_divide") or len(link.inputs) < 2:
+        return None
+    den = link.inputs[1]
+    if den.get("kind") != "op" or not _count(den.get("summary"), "zero"):
+        return None
+    seq = den.get("producer")
+    for _ in range(8):
+        try:
+            e = run.execution(seq)
+        except (KeyError, TypeError):
+            return None
+        base = op_base(e["op"])
+        # the count is the first input all the way back (count + 0, count / world_size, count.float())
+        src = e["inputs"][0].get("producer_digest") if e["inputs"] and e["inputs"][0].get("kind") == "op" else None
+        if src is None or (base not in _COUNT_PASS and base not in ("sum", "count_nonzero")):
+            return None
+        if base in _COUNT_PASS:
+            seq = src["seq"]
+            continue
+        if op_base(src["op"]) not in _COMPARISONS:
+            return None
+        out = src["outputs"][0] if src["outputs"] else {}
+        fr = run.user_frame(src["stack_id"])
+        return {"op": src["op"], "seq": src["seq"], "size": (out.get("summary") or {}).get("size"),
+                "file": fr["filename"] if fr else None, "line": fr["lineno"] if fr else None}
+    return None
 
 
 _IGNORED = "ignore_index (-100 unless set)"
@@ -268,9 +314,9 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
     ins = link.inputs
     made = "/".join(link.health) or "a non-finite value"
     bad_inputs = [i for i in ins if _is_bad(i.get("summary"))]
-    masked = _masked_rows(link)
-    if masked:
-        return masked
+    known = _masked_rows(link) or _ctc_unalignable(link)
+    if known:
+        return known
     if bad_inputs and link.origin_seq is not None and link.origin_seq == link.seq and link.taint != "finite":
         bad_inputs = []  # the run says the value was made here: its inputs' infinities were intended
     if bad_inputs:
@@ -331,6 +377,13 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
                     if "nan" in link.health and any(_count(i.get("summary"), "zero") for i in num) else "")
             return (f"{base} divides by tensor2, which holds {_plural(zeros, 'zero')}{tail}; in an optimizer's "
                     "update m / (sqrt(v) + eps) that is an eps of 0 over zero second moments")
+    if link.mask is not None:
+        m = link.mask
+        where = f" at {m['file']}:{m['line']}" if m.get("file") else ""
+        size = f" of {int(m['size'])}" if isinstance(m.get("size"), (int, float)) and m["size"] == m["size"] else ""
+        tail = " (0/0 -> NaN where the numerator is zero too)" if "nan" in link.health else ""
+        return (f"division by a count of 0: the denominator counts the elements the mask {m['op']} (#{m['seq']}{where}) "
+                f"keeps, and it kept none{size}: every element was masked out (e.g. labels all ignore_index, or padding){tail}")
     if base in _DIVS:
         denom = ins[1].get("summary") if len(ins) > 1 else s0
         zeros = _count(denom, "zero")
@@ -362,7 +415,8 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
     if base in _STDS and "nan" in link.health and _reduced_count(link) == 1:
         return (f"{base} over 1 value -> NaN: with its default correction (Bessel's, correction=1) it divides by "
                 "N - 1 = 0 (a batch, episode or group of one)")
-    if base in _ACCUM:
+    unseen = [i for i in ins if i["kind"] not in ("op", "param", "buffer")]
+    if base in _ACCUM and not unseen:  # an input never summarised may have held the value already
         return f"overflow in {base}: finite inputs accumulate past the dtype's largest value"
     if base in _BATCH_NORMS and len(link.outputs) >= 5 and _is_bad(link.outputs[-1].get("summary")):
         # It returns 3 or 4 tensors; in training the running statistics follow (capture/_taint.STATS_WRITES).
@@ -370,7 +424,6 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
         return (f"the batch's variance overflowed {dtype}: {base} wrote {made} into running_var, the module's "
                 "buffer, while its normalised output stayed finite; in eval mode the layer then maps every input "
                 "to its bias")
-    unseen = [i for i in ins if i["kind"] not in ("op", "param", "buffer")]
     if base in ("lift_fresh", "lift_fresh_copy"):
         return (f"a Python constant holding {made} became a tensor here (`x[...] = float('nan')`, "
                 "`torch.tensor(...)`): no recorded op made the value")
@@ -408,6 +461,18 @@ def _masked_rows(link: Link) -> str | None:
                     f"-inf, and -inf - (-inf) is NaN (inside the compiled graph's {what}: "
                     f"{', '.join(link.through)}, then {base})")
     return None
+
+
+def _ctc_unalignable(link: Link) -> str | None:
+    """CTC loss +inf: a sample whose target no alignment fits into its input frames."""
+    if op_base(link.op) not in _CTC or "+inf" not in link.health or not link.outputs:
+        return None
+    loss = link.outputs[0].get("summary")
+    n, size = _count(loss, "pos_inf"), _count(loss, "size")
+    which = f"{n} of {size} samples" if n and size else "a sample"
+    return (f"the CTC loss is +inf for {which}: no alignment fits the target into the input's frames, which "
+            "needs at least one frame per label plus one for a blank between each pair of repeated labels; the "
+            "target is too long for the input length (after the model's downsampling)")
 
 
 def _reduced_count(link: Link) -> int | None:
@@ -503,6 +568,9 @@ _SUGGESTIONS = {
     "log": "clamp the input before the log, e.g. torch.log(p.clamp(min=1e-6)); for a softmax followed by log, "
     "use torch.log_softmax or F.cross_entropy, which never take the log of 0",
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
+    "div_count": "the denominator is a count that was 0 (nothing matched): divide by it clamped to at least 1, "
+    "x / n.clamp(min=1) (a mean over no elements is then 0), or skip the batch when n == 0; an epsilon added to "
+    "a count of 0 divides by the epsilon instead",
     "sqrt": "add an epsilon inside the root, torch.sqrt(x + 1e-12), or clamp(min=0) a value that can dip below 0",
     "pow_zero": "a negative power of 0 is inf: clamp the base first, x.clamp(min=1e-12) ** p, or set the infinities "
     "to 0 right after, as PyG's gcn_norm does for nodes of degree 0 "
@@ -520,6 +588,13 @@ _SUGGESTIONS = {
     "or skip the normalisation when there is a single value, e.g. `if x.numel() > 1:`",
     "std_grad": "take the square root yourself with the epsilon inside: torch.sqrt(x.var(dim, keepdim=True) + 1e-5) "
     "instead of x.std(dim) (as nn.LayerNorm does), or detach the std when no gradient should flow through it",
+    "mask_count": "no element of the batch passes the mask the denominator counts (labels all -100 or padding, an "
+    "all-zero attention mask): check the label masking (a sequence shorter than its prompt masks every label), "
+    "skip such a batch (`if mask.any():`), or divide by the count clamped to 1, "
+    "`(loss * mask).sum() / mask.sum().clamp_min(1)`",
+    "ctc": "pass zero_infinity=True (nn.CTCLoss(zero_infinity=True), F.ctc_loss(..., zero_infinity=True); for "
+    "transformers' CTC models, config.ctc_zero_infinity=True) so that such a sample adds 0 to the loss and "
+    "gradient, or drop the samples whose target is longer than their output frames, or downsample the input less",
     "accum": "values are overflowing: lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_)",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
     "and the previous step",
@@ -646,6 +721,14 @@ def _into_log_one_plus(consumers: list[str]) -> bool:
     return bases[:1] == ["log1p"] or (bases[:1] in (["add"], ["add_"]) and bases[1:2] == ["log"])
 
 
+def _integer_denominator(link: Link) -> bool:
+    """Whether the division's denominator (its second input) holds integers: a count."""
+    if len(link.inputs) < 2:
+        return False
+    dtype = str(link.inputs[1].get("dtype") or (link.inputs[1].get("summary") or {}).get("dtype") or "")
+    return dtype.replace("torch.", "") in ("int64", "int32", "int16", "int8", "uint8")
+
+
 def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
@@ -656,6 +739,10 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["received"]
     if _masked_rows(link):
         return _SUGGESTIONS["log" if _from_log(link) else "masked"]
+    if _ctc_unalignable(link):
+        return _SUGGESTIONS["ctc"]
+    if link.mask is not None:
+        return _SUGGESTIONS["mask_count"]
     if _empty_input(link) is not None:
         return _SUGGESTIONS["empty"]
     if _no_target_counted(link) or _compiled_no_target(link):
@@ -672,7 +759,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     if link.phase != "backward" and _power_of_zero(link):
         return _SUGGESTIONS["pow_zero"]
     if base in _DIVS:
-        return _SUGGESTIONS["div"]
+        return _SUGGESTIONS["div_count" if link.phase != "backward" and _integer_denominator(link) else "div"]
     if base in _SQRTS or base in _RSQRTS:
         return _SUGGESTIONS["sqrt"]
     if base in _EXPS:
@@ -687,6 +774,11 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["std"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
+    if (base in _ACCUM and all("inf" not in h for h in link.health)
+            and any(i["kind"] not in ("op", "param", "buffer") for i in link.inputs)):
+        # NaN and no inf: no overflow of finite values makes that, an input from outside the
+        # recording (a batch made before a guard's replay) held it
+        return _SUGGESTIONS["input"]
     narrow = any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs)
     if first_forward and link.step == 0 and link.phase == "forward":
         return _overflow_before_any_update(fed) + (", or compute this op in float32" if narrow else "")

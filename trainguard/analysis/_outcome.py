@@ -53,12 +53,21 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
     if outcome is None:
         return None
     text = outcome["text"]
+    if outcome["error"] is None:
+        # sys.exit(code), no exception: the check training loops make on a non-finite loss
+        # (torchvision's detection reference, DeiT, MAE: "Loss is nan, stopping training").
+        fix = "the script stopped itself (sys.exit, no exception: its last printed lines say why)"
+        harm = meta.get("first_harm")
+        if isinstance(harm, dict) and isinstance(harm.get("step"), int):
+            fix += (f" after the first harmful NaN/Inf, in step {harm['step']}: `trainguard report` on this run "
+                    "names the op and line that made it; fix that")
+        fix += ", then judge training health on a run that finishes"
+    else:
+        fix = (_cause(meta, outcome["error"]) + "the statistics stop where the script did: fix the error it raised "
+               "(its traceback was printed when it ran), then judge training health on a run that finishes")
     return Finding(kind="script_crashed", severity="error", title=text[0].upper() + text[1:],
                    evidence={k: v for k, v in outcome.items() if k != "text" and v is not None},
-                   suggestion=_cause(meta, outcome["error"]) + "the statistics stop where the script did: fix the "
-                   "error it raised (its traceback was printed when it ran), then judge training health on a run "
-                   "that finishes",
-                   source="run")
+                   suggestion=fix, source="run")
 
 
 def with_outcome(meta: dict[str, Any], findings: list[dict]) -> list[dict]:

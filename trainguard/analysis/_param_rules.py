@@ -67,9 +67,19 @@ def _untrained(ctx: Context, p: str) -> bool:
     return _all_zero(ctx, p, "present") and _all_zero(ctx, p, "in_optimizer")
 
 
-def _trainable(ctx: Context) -> list[str]:
-    """Parameters that require grad, outside the models nothing trains."""
+def hand_copies(ctx: Context) -> list[str]:
+    """Parameters that require grad but that no optimizer holds and no gradient reaches, whose weights
+    change between recordings all the same: a copy moved by hand inside a trained model (timm's
+    ModelEmaV3 beside the model it averages, a momentum encoder left requiring grad)."""
     aside = {p for ps in untrained_models(ctx).values() for p in ps}
+    return [p for p, info in ctx.params.items()
+            if info.get("requires_grad", True) and p not in aside and not info.get("optimizer")
+            and _all_zero(ctx, p, "present") and _all_zero(ctx, p, "in_optimizer") and _moved_without_update(ctx, p)]
+
+
+def _trainable(ctx: Context) -> list[str]:
+    """Parameters that require grad, outside the models nothing trains and the copies moved by hand."""
+    aside = {p for ps in untrained_models(ctx).values() for p in ps} | set(hand_copies(ctx))
     return [p for p, info in ctx.params.items() if info.get("requires_grad", True) and p not in aside]
 
 
@@ -88,6 +98,18 @@ def model_not_trained(ctx: Context) -> list[Finding]:
             suggestion="nothing to do for a target, EMA or teacher model (`requires_grad_(False)` on it says so); "
             "a model that should learn needs its parameters in an optimizer and a path from the loss",
             layers=_layers(ctx, ps),
+            source=SOURCE,
+        ))
+    copies = hand_copies(ctx)
+    if copies:
+        out.append(Finding(
+            kind="model_not_trained",
+            severity="info",
+            title=f"{len(copies)} parameter(s) ({_names(copies, 3)}) are in no optimizer and get no gradient but "
+            "change between recordings: an EMA or momentum copy updated by hand",
+            evidence={"params": copies, "updated_by_hand": copies},
+            suggestion="nothing to do for an EMA, momentum or teacher copy (`requires_grad_(False)` on it says so)",
+            layers=_layers(ctx, copies),
             source=SOURCE,
         ))
     return out
@@ -277,7 +299,9 @@ def _moved_without_update(ctx: Context, p: str) -> bool:
     if len(w) < 2:
         return False
     u = ctx.stat(p, "update", "norm").finite()
-    return not np.any(u.values) and abs(w.values[-1] - w.values[0]) > 1e-6 * max(abs(w.values[0]), 1e-12)
+    # any change between two recordings: a norm may come back (a batch norm's ones, averaged)
+    moved = np.max(np.abs(np.diff(w.values))) > 1e-6 * max(abs(w.values[0]), 1e-12)
+    return not np.any(u.values) and bool(moved)
 
 
 @register_rule("params_frozen")

@@ -101,7 +101,7 @@ def activation_stats(
     # are therefore summarised in slices of at most _SMALL elements along the batch dimension.
     step = n if n <= _SMALL or dim == 0 else max(1, _SMALL // max(1, n // x.shape[0]))
     centred_sq = nonzero = unit_max = None
-    for part in (x,) if step >= x.shape[0] or x.dim() < 2 else x.split(step, dim=0):
+    for part in (x,) if x.dim() < 2 or step >= x.shape[0] else x.split(step, dim=0):
         pf = part.reshape(-1)
         c = pf - mean
         sq = torch.dot(c, c)
@@ -268,6 +268,8 @@ def squared_norm_sum(tensors: list[torch.Tensor], norms: list[torch.Tensor] | No
         norms = torch._foreach_norm(tensors, 2)
     first = norms[0]
     if any(n.dtype != torch.float32 or n.device != first.device for n in norms):
-        norms = [n.float().to(first.device) for n in norms]
+        # float64 gradients are summed in float64, as clip_grad_norm_ does (squares overflow float32 at 1.8e19)
+        dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+        norms = [n.to(first.device, dtype) for n in norms]
     stacked = torch.stack(norms)
     return torch.dot(stacked, stacked)

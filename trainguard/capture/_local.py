@@ -30,6 +30,26 @@ def local(t: _Tensor) -> _Tensor:
     return inner if isinstance(inner, _Tensor) else t
 
 
+def holders(t: _Tensor) -> int | None:
+    """How many ranks hold each value of DTensor ``t``'s local shard: the sizes of its mesh's
+    dimensions along which it is replicated (1 for FSDP2's ``Shard(0)``). ``None`` for a plain
+    tensor, 0 when the shard holds partial sums (``Partial``), whose squares add up to nothing.
+    Read from its spec: no op, no collective."""
+    if type(t) is _Tensor:
+        return None
+    spec = getattr(t, "_spec", None)
+    placements = getattr(spec, "placements", None)
+    if placements is None:
+        return None
+    n = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_partial():
+            return 0
+        if placement.is_replicate():
+            n *= spec.mesh.size(dim)
+    return n
+
+
 def written(name: str, args: tuple, out: Any) -> list:
     """The tensors a collective writes: what it returns (``allreduce_`` returns the tensors it
     reduced in place, ``allgather_`` its output lists), or for ``recv_`` its buffers."""

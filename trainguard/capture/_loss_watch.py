@@ -154,17 +154,23 @@ def _soft_ce(fn: Any) -> tuple[Any, torch.Tensor, int] | None:
     if result is not None and tuple(result.shape) != tuple(target.shape):  # a weight or mask, not targets
         return None
     dim = getattr(heads[0][1], "_saved_dim", 1)
-    return heads[0][1], target, int(dim) if isinstance(dim, int) else 1
+    dim = int(dim) if isinstance(dim, int) else 1
+    if dim >= 2**63:  # autograd hands a saved negative int back as unsigned: dim=-1 reads 2**64 - 1
+        dim -= 2**64
+    return heads[0][1], target, dim % target.dim() if target.dim() else 0
 
 
 def inspect_loss(loss: torch.Tensor) -> list[dict]:
     """The loss heads below ``loss``: which loss function, the ops that made its input, facts."""
     heads: list[dict] = []
     seen: set[int] = set()
-    todo = [(loss.grad_fn, 0)]
+    # negs: the negations between the loss and the node; cross entropy is -sum(target * log_softmax),
+    # so a target multiplied in under an even number of them is the negated probabilities
+    # (timm's SoftTargetCrossEntropy: sum(-target * log_softmax(x)))
+    todo = [(loss.grad_fn, 0, 0)]
     visited = 0
     while todo and visited < MAX_NODES:
-        fn, depth = todo.pop(0)
+        fn, depth, negs = todo.pop(0)
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
@@ -188,6 +194,7 @@ def inspect_loss(loss: torch.Tensor) -> list[dict]:
             soft = _soft_ce(fn)
             if soft is not None:
                 lsm, target, dim = soft
+                target = target if negs % 2 else -target
                 head = {"loss": "soft_cross_entropy", "chain": _chain(lsm)}
                 if target.numel():
                     head["facts"] = _facts_targets(target, dim)
@@ -196,7 +203,7 @@ def inspect_loss(loss: torch.Tensor) -> list[dict]:
             heads.append(head)
             continue
         if depth < HEAD_DEPTH:
-            todo.extend((nf, depth + 1) for nf in _next(fn))
+            todo.extend((nf, depth + 1, negs + (op == "neg")) for nf in _next(fn))
     return heads
 
 

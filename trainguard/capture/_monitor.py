@@ -167,6 +167,9 @@ class Monitor(EventsMixin, HookMixin):
         # backward() passes while no model was attached: a script that calls module.forward(x)
         # directly (pytorch/examples mnist_forward_forward) never triggers the hooks models are found by.
         self._unattached_backwards = 0
+        # The type of a model called only inside a torch.func transform (functional_call under
+        # vmap or grad, as model ensembles are): the monitor does not attach there (see _discover).
+        self._torch_func_model: str | None = None
         self._params: list[Param] = []
         self._known: weakref.WeakSet = weakref.WeakSet()  # modules inside attached roots
         self._no_params: weakref.WeakSet = weakref.WeakSet()  # top-level modules without parameters
@@ -376,6 +379,8 @@ class Monitor(EventsMixin, HookMixin):
                         self._out.scalars.setdefault(self._cur, {}).update(pending)
                 self._out.ship()
                 self._out.resolve(wait=True)
+        except Exception:  # observing training never kills training: what was written stays
+            log.exception("trainguard monitor: shipping the last statistics failed")
         finally:
             self._closed = True
             self._detach_all()
@@ -398,6 +403,8 @@ class Monitor(EventsMixin, HookMixin):
         ended = ending(error, self._cur)
         if not self._roots and self._unattached_backwards:
             known["unattached_backwards"] = self._unattached_backwards
+        if not self._roots and self._torch_func_model:
+            known["torch_func_model"] = self._torch_func_model
         if self.no_grad_layers:
             known["no_grad_layers"] = dict(self.no_grad_layers)
         self._write_meta(final_step=self._cur, status=ended.get("status", "finished"), **self._validation_meta(),

@@ -210,7 +210,8 @@ class EventsMixin:
         elif self._auto_losses:
             # Micro-batches of gradient accumulation each backward loss / k: the step's loss is their sum.
             ls = self._auto_losses
-            values["loss"] = ls[0] if len(ls) == 1 else torch.stack([v.float() for v in ls]).sum()
+            dtype = torch.float64 if any(v.dtype == torch.float64 for v in ls) else torch.float32
+            values["loss"] = ls[0] if len(ls) == 1 else torch.stack([v.to(dtype) for v in ls]).sum()
             k = self._auto_divisors[0] if self._auto_divisors else 1
             if k > 1 and len(ls) != k and all(d == k for d in self._auto_divisors):
                 # accelerate divided each by k, also in a step of fewer micro-batches: their mean

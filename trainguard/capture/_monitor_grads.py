@@ -12,7 +12,12 @@ update and before clipping, so the norm is the one frameworks log):
   after every ``backward()``, each reading replacing the last, so gradient accumulation ends up
   with the complete gradients.
 
-Every step: the squared norm of the gradients read (summed into the global norm). At recording
+Every step: the squared norm of the gradients read (summed into the global norm). A DTensor's
+gradient (FSDP2) is read from this rank's shard, so that norm is this rank's part only; the
+squares of those shards, each divided by how many ranks hold it, are also kept
+(``grad_sq_sharded``), beside the squares of the plain gradients (``grad_sq_plain``, the same on
+every rank): the plain part plus every rank's sharded part is the job's squared norm, which the
+merged reader computes (store/_ranked), with no collective here. At recording
 steps also, per parameter: gradient statistics, whether it has a gradient and is in an optimizer,
 its weight norm before the update, its update norm and update-to-weight ratio (from a copy taken
 just before the update), and whether its gradient was stale when the step's first gradient
@@ -29,7 +34,7 @@ from typing import Any
 import torch
 
 from trainguard.capture._layer_stats import grad_stats, histogram, squared_norm_sum
-from trainguard.capture._local import local
+from trainguard.capture._local import holders, local
 from trainguard.capture._monitor_model import Param
 from trainguard.capture._monitor_ship import Shipper
 
@@ -51,10 +56,12 @@ def _ratio1(v: list[float]) -> list[float]:
 class _Reading:
     """What one step's gradient readings produced, committed to the shipper when the step ends."""
 
-    __slots__ = ("sq", "stats", "consts", "wnorm")
+    __slots__ = ("sq", "sharded", "dtensor", "stats", "consts", "wnorm")
 
     def __init__(self) -> None:
         self.sq: list[torch.Tensor] = []
+        self.sharded: list[torch.Tensor] = []  # squares of DTensor shards / their holders (see above)
+        self.dtensor: list[torch.Tensor] = []  # squares of DTensor shards (in ``sq`` too)
         self.stats: list[tuple] = []
         self.consts: list[tuple] = []
         self.wnorm: dict[int, torch.Tensor] = {}  # id(Param) -> weight norm before the update
@@ -156,6 +163,7 @@ class GradientWatch:
         self._tentative = tentative
         buf = self._reading
         grads, owners = [], []
+        shards: dict[int, list[torch.Tensor]] = {}  # holders -> DTensor shards
         for p in params:
             key = id(p)
             if key in self._seen:
@@ -165,17 +173,26 @@ class GradientWatch:
             if t is None:
                 continue
             g = t.grad
+            n = None
             if g is not None:
+                n = holders(g)
                 g = local(g)  # FSDP2: this rank's shard (see _local)
             if recording:
                 buf.consts.append((step, p.name, "gradient", "present", 0.0 if g is None else 1.0))
             if g is None or g.is_sparse or not g.numel():  # an empty shard says nothing about its parameter
                 continue
+            if n is not None:
+                shards.setdefault(n, []).append(g.detach())
             grads.append(g.detach())
             owners.append(p)
         if not grads:
             return
         with torch.no_grad():
+            for n, gs in shards.items():
+                sq = squared_norm_sum(gs)
+                buf.dtensor.append(sq)
+                if n:  # (partial sums, n == 0, add up to no norm: left out)
+                    buf.sharded.append(sq if n == 1 else sq / n)
             if not recording:
                 buf.sq.append(squared_norm_sum(grads))
                 return
@@ -296,7 +313,12 @@ class GradientWatch:
         values: dict[str, Any] = {}
         if buf.sq:
             with torch.no_grad():
-                values["grad_norm"] = (buf.sq[0] if len(buf.sq) == 1 else torch.stack(buf.sq).sum()).sqrt()
+                total = buf.sq[0] if len(buf.sq) == 1 else torch.stack(buf.sq).sum()
+                values["grad_norm"] = total.sqrt()
+                if buf.dtensor:
+                    sharded = torch.stack(buf.sharded).sum() if buf.sharded else torch.zeros_like(total)
+                    values["grad_sq_sharded"] = sharded
+                    values["grad_sq_plain"] = (total - torch.stack(buf.dtensor).sum()).clamp(min=0)
         self.out.stats.extend(buf.stats)
         self.out.consts.extend(buf.consts)
         values.update(self._lrs)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList as _ParametrizationList
 
 from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
@@ -37,6 +38,9 @@ from trainguard.capture._monitor_model import Layer, Root, build_root, structure
 
 log = logging.getLogger("trainguard.monitor")
 _tracing_state = torch._C._get_tracing_state
+# Whether a torch.func transform (vmap, grad, jvp, ...) is running: a module called there (by
+# functional_call) holds and returns the transform's wrapped tensors, which must not leave it.
+_in_functorch = torch._C._are_functorch_transforms_active
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__  # the module imported above
 
 
@@ -69,6 +73,8 @@ class ModuleHook:
                 _trace_tap(self.token, *args)
             return None
         if _tracing_state() is not None:  # torch.jit.trace: the traced graph is the model's alone
+            return None
+        if _in_functorch():  # inside vmap / grad: the transform's wrapped tensors stay there
             return None
         return self.fn(self.arg, *args)
 
@@ -190,8 +196,15 @@ class HookMixin:
         if (torch.compiler.is_compiling() or module in self._known or module in self._no_params
                 or _tracing_state() is not None):
             return
-        if not any(True for _ in module.parameters()):
+        if not any(True for _ in module.parameters()) or isinstance(module, _ParametrizationList):
+            # A ParametrizationList runs when a parametrized tensor is read (``layer.weight``, and once
+            # at registration): part of the layer that owns it, never a model of its own.
             self._no_params.add(module)
+            return
+        if _in_functorch():
+            # functional_call under vmap / grad: the module holds the transform's wrapped tensors
+            # for this call only; the trained ones are the caller's plain tensors
+            self._torch_func_model = self._torch_func_model or type(module).__name__
             return
         prefix = ""
         outside = [r for r in self._roots if r.ref() is not None and all(r.ref() is not m for m in module.modules())]

@@ -6,8 +6,11 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+import torch.nn.utils.parametrize as _parametrize
+import torch.nn.utils.prune as _prune
 from torch import nn
 
+from trainguard.capture import _monitor_tap
 from trainguard.capture._layer_stats import is_channel_first, is_mode_module, saturation_kind
 
 # Modules whose output is not a "layer" worth a row: containers and pass-through modules.
@@ -51,11 +54,12 @@ class Param:
 class Root:
     """A top-level model: its layers, parameters and the modules whose output depends on train/eval mode."""
 
-    __slots__ = ("ref", "prefix", "mode_modules", "handle", "layers", "params", "trained")
+    __slots__ = ("ref", "prefix", "type", "mode_modules", "handle", "layers", "params", "trained")
 
     def __init__(self, module: nn.Module, prefix: str):
         self.ref = weakref.ref(module)
         self.prefix = prefix
+        self.type = type(module).__name__  # the run's metadata is written at close, maybe after the model is gone
         self.mode_modules = [weakref.ref(m) for m in module.modules() if is_mode_module(m)]
         self.handle = None
         self.layers: list[Layer] = []
@@ -95,6 +99,35 @@ def build_root(module: nn.Module, prefix: str) -> Root:
     return root
 
 
+def _weight_masks(module: nn.Module) -> list[torch.Tensor]:
+    """The masks pruning keeps for ``module.weight``: torch.nn.utils.prune's ``weight_mask`` (its
+    forward pre-hook multiplies ``weight_orig`` by it) and a parametrization's ``mask``
+    (torch.ao.pruning's ``FakeSparsity``)."""
+    masks = []
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, _prune.BasePruningMethod) and getattr(hook, "_tensor_name", None) == "weight":
+            mask = getattr(module, "weight_mask", None)
+            if isinstance(mask, torch.Tensor):
+                masks.append(mask)
+    if _parametrize.is_parametrized(module, "weight"):
+        for p in module.parametrizations["weight"]:
+            mask = getattr(p, "mask", None)
+            if isinstance(mask, torch.Tensor):
+                masks.append(mask)
+    return masks
+
+
+def pruned_units(module: nn.Module) -> int:
+    """Output units (rows of the weight, Linear/Conv dim 0) whose incoming weights are all masked
+    off: pruned on purpose (``prune.ln_structured(..., dim=0)``), they output their bias alone."""
+    count = 0
+    with torch.no_grad(), _monitor_tap.quiet():
+        for mask in _weight_masks(module):
+            if mask.dim() >= 2:
+                count = max(count, int((mask.flatten(1) == 0).all(dim=1).sum()))
+    return count
+
+
 def named_models(model: nn.Module | Iterable[nn.Module] | dict[str, nn.Module] | None) -> list[tuple[str, nn.Module]]:
     """(prefix, module) pairs: no prefix for one model, ``name.`` for a dict, ``modelK.`` for a list."""
     if model is None:
@@ -128,14 +161,17 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
             info["optimizer"], info["orthogonalised"] = updaters[id(p)]
         return info
 
+    def layer(la: Layer) -> dict:
+        info = {"name": la.name, "type": la.type, "saturation": la.saturation, "channel_first": la.channel_first,
+                "units": la.units}
+        m = la.ref()
+        pruned = pruned_units(m) if m is not None else 0
+        if pruned:
+            info["pruned_units"] = pruned
+        return info
+
     return {
-        "layers": [
-            {"name": la.name, "type": la.type, "saturation": la.saturation, "channel_first": la.channel_first,
-             "units": la.units}
-            for r in roots
-            for la in r.layers
-        ],
+        "layers": [layer(la) for r in roots for la in r.layers],
         "params": {p.name: param(p) for r in roots for p in r.params},
-        "roots": [{"prefix": r.prefix, "type": type(r.ref()).__name__ if r.ref() is not None else None,
-                   "mode_modules": len(r.mode_modules)} for r in roots],
+        "roots": [{"prefix": r.prefix, "type": r.type, "mode_modules": len(r.mode_modules)} for r in roots],
     }

@@ -58,7 +58,9 @@ class Shipper:
         parts = []
         with torch.no_grad():
             for dev, (descs, ts) in by_dev.items():
-                flat = torch.cat([t.to(torch.float32) for t in ts])
+                # float64 values (a float64 model's loss) stay float64: in float32 a finite 1e53 is inf.
+                dtype = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+                flat = torch.cat([t.to(dtype) for t in ts])
                 if dev.type == "cpu":
                     parts.append((descs, flat, None))
                     continue

@@ -55,7 +55,7 @@ from trainguard.capture._recorder_mode import (  # noqa: F401
 )
 from trainguard.capture._scaler_verdict import ScalerVerdicts
 from trainguard.capture._stacks import StackInterner
-from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS
+from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS, WORKSPACE_OUTPUTS
 from trainguard.capture._taint import Tracker
 from trainguard.store import (
     MODE_FIELDS,
@@ -348,9 +348,10 @@ class Recorder(FlushHooks, HarmHooks):
         collective = is_collective(name)
         # Values nobody may read yet: uninitialised memory, and what a collective writes (it
         # arrives later, from other ranks, while another thread fills it in).
-        unknown = name in ALLOCATION_OPS or collective
+        # How many of its outputs hold values: none, or the result before a workspace (WORKSPACE_OUTPUTS).
+        known = 0 if name in ALLOCATION_OPS or collective else WORKSPACE_OUTPUTS.get(name, -1)
         writes = () if collective else written_args(func)  # a void op's outputs: the arguments it wrote
-        info = (name, wanted, unknown, name in ALIAS_OPS, call, func, cls, overwrite, inplace, collective, marker,
+        info = (name, wanted, known, name in ALIAS_OPS, call, func, cls, overwrite, inplace, collective, marker,
                 writes, stats_written(name))
         self.op_info[id(func)] = info
         return info

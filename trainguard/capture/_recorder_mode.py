@@ -160,7 +160,11 @@ class _DispatchMode(TorchDispatchMode):
         if node is not None and _grad_enabled() and _recomputes(node):
             node = None  # a checkpointed forward run again in the backward pass: recorded as forward
         nr = _get_seq_nr()
-        out = info[4](*args, **kwargs) if kwargs else info[4](*args)
+        inner = None
+        if info[9] and "reduce_scatter" in info[0]:
+            out, inner = _inside_collective(func, args, kwargs or {})
+        else:
+            out = info[4](*args, **kwargs) if kwargs else info[4](*args)
         try:
             outs = out if type(out) in (tuple, list) else (out,)
             if outs and type(outs[0]) is _FakeTensor:  # a compiler tracing (a lazy backward compile)
@@ -179,6 +183,8 @@ class _DispatchMode(TorchDispatchMode):
                 for o in outs:
                     if isinstance(o, _Tensor):
                         _register(r, producers, o, seq, name, None, None)
+                for o in inner or ():
+                    _register(r, producers, o, seq, name, None, None)
                 r.last_nr = _get_seq_nr()
                 return out
 
@@ -278,6 +284,7 @@ class _DispatchMode(TorchDispatchMode):
                 if (p is not None and p[4] is not None and p[0]() is first and p[5] is not None
                         and p[5] == first._version):
                     alias = p[4]
+            known = info[2]  # outputs that hold values: -1 all, 0 none, n the first n (a workspace follows)
             for o in outs:
                 if not isinstance(o, _Tensor):
                     continue
@@ -288,7 +295,7 @@ class _DispatchMode(TorchDispatchMode):
                               "cpu" if cpu else _device_name(v.device)))
                 s = None
                 if summaries is not None:
-                    if info[2] or garbage:  # uninitialised memory, or a collective's: no evidence
+                    if garbage or len(metas) > known >= 0:  # uninitialised memory, a collective's, a workspace
                         s = unknown_summary(r.mode, v.numel())
                     elif alias is not None:
                         s = alias
@@ -316,6 +323,8 @@ class _DispatchMode(TorchDispatchMode):
                     # this mode does not see it: FSDP2 reads it directly (``_local_tensor.view(-1)``
                     # after ``to_empty``), and must find this op, and its taint, as the producer.
                     _register(r, producers, v, seq, name, stack_id, None if info[9] else s)
+            for o in inner or ():  # made inside the collective's kernel: it wrote them (see _inside_collective)
+                _register(r, producers, o, seq, name, stack_id, None)
             if r.mode == "full_tensor" and not info[9]:  # a collective's values are not there yet
                 _save_payloads(r, seq, outs)
 
@@ -389,6 +398,51 @@ if hasattr(os, "register_at_fork"):
 
 
 _compile.keep_dynamo_out(_DispatchMode.__torch_dispatch__)
+
+
+class _Inside(TorchDispatchMode):
+    """Collects the tensors that the calls right inside a collective's kernel make on this thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[_Tensor] = []
+        self.open = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.open and type(out) is _Tensor:
+            self.made.append(out)
+        return out
+
+
+_AFTER_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+
+
+def _first_tensor(args) -> _Tensor | None:
+    for a in args:
+        if isinstance(a, _Tensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            t = _first_tensor(a)
+            if t is not None:
+                return t
+    return None
+
+
+def _inside_collective(func, args: tuple, kwargs: dict) -> tuple:
+    """Run a reduce-scatter with :class:`_Inside` around its kernel: gloo's (FSDP2 on CPU)
+    reduces a clone of its input, made inside the kernel, and splits it into the output only when
+    the program waits for it (a split and a copy_ this mode records). The clone is what the
+    collective wrote; the native core makes it the collective's the same way (recorder.cpp)."""
+    t = _first_tensor(args)
+    if t is None:
+        return func(*args, **kwargs), None
+    inside = _Inside()
+    with inside:
+        try:
+            return func.redispatch(torch._C._dispatch_keys(t) & _AFTER_PYTHON, *args, **kwargs), inside.made
+        finally:
+            inside.open = False
 
 
 def _base_written(producers: dict, t: _Tensor, seq: int) -> bool:

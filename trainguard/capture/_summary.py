@@ -35,6 +35,13 @@ ALLOCATION_OPS = frozenset(
      "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out"}
 )
 
+# Ops that return, after their result, a workspace their own backward reads: {op: how many
+# leading outputs are the result}. The rest is summarised as unknown, as uninitialised memory is:
+# the CPU kernel of CTC loss allocates log_alpha with empty and fills only each sample's input
+# frames (with -inf, log 0, where no alignment reaches), so a shorter input leaves whatever the
+# allocator handed back there, NaN bit patterns included.
+WORKSPACE_OUTPUTS = {"aten._ctc_loss.default": 1, "aten._ctc_loss.Tensor": 1}
+
 # Ops whose output holds exactly the values of their first input (same multiset of elements),
 # so its summary is the input's: views, transposes, detach, clone.
 ALIAS_OPS = frozenset(

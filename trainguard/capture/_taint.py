@@ -202,6 +202,9 @@ ORIGINS_MAX = 4096
 # States kept by the writer's judge, which cannot see which tensors died (the recorder drops
 # the states of dead tensors each step).
 STATES_MAX = 65536
+# Origins remembered as joined with one origin: a mask buffer made once and a new mask each step
+# (joined by an add) would otherwise add one per step for as long as the buffer lives.
+JOINED_MAX = 64
 # Harmful executions pinned after the first chain: the first of each op type and step, up to
 # this many in a run, so that a run that keeps making NaN stays within 2x of its healthy size.
 STORM_PINS = 256
@@ -226,6 +229,10 @@ class Tracker:
         self.origins: dict[int, tuple] = {}
         # (kind, made_by, absorbed_by) -> [values, origins]: infinities never harmful so far.
         self.groups: dict[tuple, list] = {}
+        # origin seq -> the later origins whose pending values an op joined with its own (a cat of
+        # two logs' -inf): the joined value carries the earliest origin only, and where it goes (a
+        # sink, an op that absorbs it), the others go too.
+        self.joined: dict[int, tuple[int, ...]] = {}
         self.first: dict | None = None  # where the first harmful value became harmful
         self.pins: list[int] = []
         self.resend: list[tuple] = []
@@ -265,6 +272,16 @@ class Tracker:
             self._harmful(seq, step, op, in_origin, None, inputs, fwd_seq)
             return HARMFUL, in_origin
         taint, origin = propagate(cls, in_taint, in_origin, health, seq)
+        if in_taint == PENDING and len(inputs) > 1:
+            self._join(in_origin, inputs)
+        if cls == VIEW and taint == HARMFUL and origin == seq and inputs and inputs[0][0] == "input":
+            # A view of a tensor no recorded op made: a recording that began mid-run (the guard's
+            # replay) never saw FSDP2 allocate its unsharded parameters, whose storage it frees and
+            # allocates again outside any op, and views before the all-gather fills them: after a
+            # NaN step, the allocator hands back its NaN. A view computes nothing: what it holds
+            # is judged where something computes on it (a pending value, with this view as its
+            # origin: "came from outside the recording"), and nowhere if it is overwritten first.
+            taint = PENDING
         name = shown or op
         if cls == RENORM and in_taint == PENDING:
             o = self.origins.get(in_origin)
@@ -316,7 +333,29 @@ class Tracker:
         if not health & NAN:
             self._group(kind, op, None, values, 1)
         if len(origins) > ORIGINS_MAX:
-            del origins[next(iter(origins))]
+            gone = next(iter(origins))
+            del origins[gone]
+            self.joined.pop(gone, None)
+
+    def _join(self, origin: int | None, inputs: tuple) -> None:
+        """Remember the other pending origins among ``inputs`` beside ``origin``, the one their
+        joined output carries."""
+        states, named = self.states, self.named
+        for kind, ref in inputs:
+            if kind == "param" or kind == "buffer":
+                ref = named.get(ref)
+            elif kind != "op" and kind != WRITTEN:
+                continue
+            st = states.get(ref)
+            other = st[1] if st is not None and st[0] == PENDING else None
+            if other is None or other == origin or origin is None or other not in self.origins:
+                continue
+            joined = self.joined.get(origin, ())
+            if other in joined:
+                continue
+            if len(joined) >= JOINED_MAX:  # forget the forgotten origins, else the oldest
+                joined = tuple(o for o in joined if o in self.origins)[-(JOINED_MAX - 1):]
+            self.joined[origin] = (*joined, other)
 
     def _group(self, kind, made_by, absorbed_by, values, n) -> None:
         g = self.groups.get((kind, made_by, absorbed_by))
@@ -328,6 +367,8 @@ class Tracker:
 
     def _absorbed(self, origin: int | None, op: str) -> None:
         """A pending inf went into an op whose output is finite: intended, absorbed by ``op``."""
+        for other in self.joined.get(origin, ()):
+            self._absorbed(other, op)  # joined origins come later: no cycle
         o = self.origins.get(origin)
         if o is None or o[4] or (o[3] is not None and o[3] not in CHECK_OPS) or o[3] == op:
             return
@@ -360,11 +401,8 @@ class Tracker:
 
     def _harmful(self, seq, step, op, origin, reason, inputs, fwd_seq, retro=False) -> None:
         self.counted.append((step, op, seq))
-        o = self.origins.get(origin) if reason is not None else None  # passed on: already harmful
-        if o is not None and not o[4]:
-            self.origins[origin] = o[:4] + (True,) + o[5:]
-            if o[1] != "nan":
-                self._group(o[1], o[0], o[3], -o[2], -1)
+        if reason is not None:  # passed on: already harmful
+            self._harmed(origin)
         key = (step, op)
         if self.first is None:
             self.first = {"seq": seq, "origin": origin, "reason": reason, "op": op, "step": step}
@@ -381,6 +419,18 @@ class Tracker:
             self.pins.append(seq)
             if fwd_seq is not None:
                 self.pins.append(fwd_seq)
+
+    def _harmed(self, origin: int | None) -> None:
+        """The values of ``origin`` (and of the origins joined with it) became harmful: no longer
+        counted among the intended ones."""
+        o = self.origins.get(origin)
+        if o is None or o[4]:
+            return
+        self.origins[origin] = o[:4] + (True,) + o[5:]
+        if o[1] != "nan":
+            self._group(o[1], o[0], o[3], -o[2], -1)
+        for other in self.joined.get(origin, ()):
+            self._harmed(other)
 
     def _pin_chain(self, seq, origin, inputs, fwd_seq, retro) -> None:
         """Pin the first harmful value's execution, its producers and forward op, and every

@@ -3,7 +3,9 @@
 It uses the monitor's taps: the scalar ``backward()`` is called on (the wrapper of
 ``torch.autograd.backward``, unscaled under a ``GradScaler``) and a hook before every
 ``optimizer.step()`` (or, with a closure, when its first call returned: the gradients are
-complete only then). Nothing here syncs or
+complete only then). A closure called again in the same ``optimizer.step`` (LBFGS) evaluates
+moved weights, line-search trial points among them: its losses are not the step's loss (the
+first call's, as ``optimizer.step`` returns it) and go to ``on_later_loss``. Nothing here syncs or
 allocates per op; what the callbacks do with the tensors is theirs.
 """
 
@@ -21,15 +23,18 @@ log = logging.getLogger("trainguard.capture")
 
 
 class StepWatch:
-    """Call ``on_loss(loss)`` before every ``backward()`` on a scalar (a detached 0-d tensor) and
+    """Call ``on_loss(loss)`` before every ``backward()`` on a scalar (a detached 0-d tensor), but
+    ``on_later_loss(loss)`` for those of a closure's second and later calls, and
     ``before_optimizer(optimizer)`` once an ``optimizer.step()``'s gradients are complete, between :meth:`start` and
     :meth:`stop`. The callbacks run with recording suspended, and an exception in one is logged
     once and swallowed: observing training never kills training.
     """
 
     def __init__(self, on_loss: Callable[[torch.Tensor], None],
-                 before_optimizer: Callable[[torch.optim.Optimizer], None]):
+                 before_optimizer: Callable[[torch.optim.Optimizer], None],
+                 on_later_loss: Callable[[torch.Tensor], None] | None = None):
         self._on_loss = on_loss
+        self._on_later_loss = on_later_loss
         self._before_optimizer = before_optimizer
         self._active = False
         self._warned = False
@@ -55,8 +60,13 @@ class StepWatch:
         _steps.release()
 
     def _loss(self, loss: torch.Tensor | None) -> None:
-        if loss is not None:
-            self._call(self._on_loss, loss)
+        if loss is None:
+            return
+        if _steps.clock.closure_call > 1:
+            if self._on_later_loss is not None:
+                self._call(self._on_later_loss, loss)
+            return
+        self._call(self._on_loss, loss)
 
     def _optimizer(self, optimizer: torch.optim.Optimizer, has_closure: bool = False) -> None:
         if not has_closure:  # a closure has not run its backward yet: see _grads_ready

@@ -11,7 +11,8 @@ checked on its own, and it is what a finding names. ``samples_per_param`` entrie
 on their own as well. The relative difference ``|a - n| / max(|a|, |n|, floor)`` is banded:
 
 - below 1e-5: correct;
-- above 1e-3: a bug (a wrong ``backward``, a gradient that does not flow);
+- above 1e-3: a bug (a wrong ``backward``, a gradient that does not flow), unless the loss has a
+  kink there (its one-sided slopes differ: a ReLU at exactly 0), which is suspicious;
 - in between: suspicious. Kinks (ReLU at 0, max-pool ties), float64 round-off on tiny
   gradients, or a real but small error; look at the parameter, re-run with another ``eps``.
 
@@ -85,6 +86,9 @@ class ParamCheck:
     numeric: float
     no_grad: bool = False
     directions: int = 0
+    # The loss is not differentiable there: its one-sided slopes differ (ReLU at exactly 0, max-pool
+    # ties), so a difference above the bug band is no evidence of a bug.
+    kink: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -163,6 +167,15 @@ class GradCheckResult(CheckResult):
                     "wrong_gradient", "error", f"Gradient check: wrong gradient for {p.name} ({why} at {where})",
                     "Check the backward of the code that uses this parameter: a custom autograd.Function's "
                     "backward, a hand-written gradient, or a .detach()/in-place op on its path.",
+                    layers=[p.name], **p.to_dict(), eps=self.eps))
+            elif p.kink:
+                out.append(finding(
+                    "suspicious_gradient", "warning",
+                    f"Gradient check: {p.name} differs from finite differences by {fmt(p.max_rel)} at a kink (at {where})",
+                    "The loss is not differentiable there: its slopes to either side differ (a ReLU at exactly 0, "
+                    "as after a zero-initialised batch norm in a residual block, or max-pool ties), so finite "
+                    "differences cannot judge autograd's value; check on other samples or after a few training "
+                    "steps.",
                     layers=[p.name], **p.to_dict(), eps=self.eps))
             else:
                 out.append(finding(
@@ -344,33 +357,38 @@ def _check_param(name: str, p: nn.Parameter, grad: torch.Tensor | None, indices:
                  eps: float, directions: int, gen: torch.Generator) -> ParamCheck:
     values = p.data
     g = None if grad is None else grad.reshape(values.shape)
-    worst = (-1.0, 0.0, 0.0, None)  # rel, analytic, numeric, direction
+    worst = (-1.0, 0.0, 0.0, False, None)  # rel, analytic, numeric, kink, direction
     for _ in range(directions):
         z = torch.randn(values.shape, generator=gen, dtype=torch.float64).to(values.device, values.dtype)
-        rel, a, n = _best(lambda e, z=z: _directional(values, z, g, loss_at, e), eps)
+        rel, a, n, kink = _best(lambda e, z=z: _directional(values, z, g, loss_at, e), eps)
         if rel > worst[0]:
-            worst = (rel, a, n, z)
-    rel, a, n, z = worst
+            worst = (rel, a, n, kink, z)
+    rel, a, n, kink, z = worst
     index: tuple[int, ...] = (0,) * values.dim() if values.numel() == 1 else ()
     if band(rel) != "ok" and values.is_contiguous() and values.numel() > 1:
         flat = _narrow(values, z, g, loss_at, eps)
         indices = [flat, *[i for i in indices if i != flat]]
-    entry = None  # (rel, index, analytic, numeric) of the worst entry checked on its own
+    entry = None  # (rel, index, analytic, numeric, kink) of the worst entry checked on its own
     for flat in indices:
         idx = _unravel(flat, values.shape)
         e_a = 0.0 if g is None else float(g[idx])
-        e_rel, e_n = _best(lambda e, idx=idx, e_a=e_a: _rel_at(values, idx, e_a, loss_at, e), eps)
+        e_rel, e_n, e_kink = _best(lambda e, idx=idx, e_a=e_a: _rel_at(values, idx, e_a, loss_at, e), eps)
         if entry is None or e_rel > entry[0]:
-            entry = (e_rel, idx, e_a, e_n)
-    if entry is not None:
-        rel = max(rel, entry[0])
-        _, index, a, n = entry
-    return ParamCheck(name=name, shape=list(values.shape), checked=values.numel(), max_rel=rel, status=band(rel),
-                      worst_index=list(index), analytic=a, numeric=n, no_grad=grad is None, directions=directions)
+            entry = (e_rel, idx, e_a, e_n, e_kink)
+    if entry is not None and entry[0] >= rel:
+        rel, index, a, n, kink = entry
+    elif entry is not None:
+        index = entry[1]
+    status = band(rel)
+    if status == "wrong" and kink and grad is not None:
+        status = "suspicious"
+    return ParamCheck(name=name, shape=list(values.shape), checked=values.numel(), max_rel=rel, status=status,
+                      worst_index=list(index), analytic=a, numeric=n, no_grad=grad is None, directions=directions,
+                      kink=kink and status == "suspicious")
 
 
-def _best(measure: Any, eps: float) -> tuple[float, float, float]:
-    """``measure(eps)`` -> (rel, analytic, numeric); measured again with larger steps when it is
+def _best(measure: Any, eps: float) -> tuple:
+    """``measure(eps)`` -> (rel, ...); measured again with larger steps when it is
     near the pass band or beyond, keeping the best: round-off shrinks with a larger step, a wrong
     gradient does not."""
     rel, *rest = measure(eps)
@@ -383,8 +401,8 @@ def _best(measure: Any, eps: float) -> tuple[float, float, float]:
 
 
 def _directional(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, loss_at: Any,
-                 eps: float) -> tuple[float, float, float]:
-    """(rel, analytic, numeric) of the derivative along ``z``."""
+                 eps: float, kinks: bool = True) -> tuple[float, float, float, bool]:
+    """(rel, analytic, numeric, kink) of the derivative along ``z`` (``kinks``: look for one)."""
     a = 0.0 if g is None else float((g * z).sum())
     orig = values.clone()
     values.add_(z, alpha=eps)
@@ -393,7 +411,16 @@ def _directional(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, 
     minus = float(loss_at())
     values.copy_(orig)
     n = (plus - minus) / (2 * eps)
-    return relative(a, n), a, n
+    rel = relative(a, n)
+    return rel, a, n, kinks and rel > BUG_BAND and _kink(plus, minus, loss_at, eps)
+
+
+def _kink(plus: float, minus: float, loss_at: Any, eps: float) -> bool:
+    """Whether the loss has a kink at the current values along the step just measured: its one-sided
+    slopes differ beyond the bug band (a smooth loss's differ by eps times its curvature), so the
+    central difference is no derivative to compare autograd's (a subgradient there) with."""
+    base = float(loss_at())
+    return relative((base - minus) / eps, (plus - base) / eps) > BUG_BAND
 
 
 def _narrow(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, loss_at: Any, eps: float) -> int:
@@ -405,7 +432,7 @@ def _narrow(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, loss_
     def error(lo: int, hi: int) -> float:
         part = torch.zeros_like(zf)
         part[lo:hi] = zf[lo:hi]
-        _, a, n = _directional(values, part.view(values.shape), g, loss_at, eps)
+        _, a, n, _ = _directional(values, part.view(values.shape), g, loss_at, eps, kinks=False)
         return a - n
 
     lo, hi = 0, zf.numel()
@@ -421,7 +448,8 @@ def _narrow(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, loss_
     return lo
 
 
-def _rel_at(values: torch.Tensor, idx: tuple[int, ...], a: float, loss_at: Any, eps: float) -> tuple[float, float]:
+def _rel_at(values: torch.Tensor, idx: tuple[int, ...], a: float, loss_at: Any,
+            eps: float) -> tuple[float, float, bool]:
     orig = float(values[idx])
     values[idx] = orig + eps
     plus = float(loss_at())
@@ -429,7 +457,8 @@ def _rel_at(values: torch.Tensor, idx: tuple[int, ...], a: float, loss_at: Any, 
     minus = float(loss_at())
     values[idx] = orig
     n = (plus - minus) / (2 * eps)
-    return relative(a, n), n
+    rel = relative(a, n)
+    return rel, n, rel > BUG_BAND and _kink(plus, minus, loss_at, eps)
 
 
 def _unravel(flat: int, shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:

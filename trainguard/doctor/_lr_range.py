@@ -39,6 +39,7 @@ from trainguard.doctor._state import (
     check_positive,
     make_optimizer,
     model_device,
+    optimizer_step,
     preserved,
     split_batch,
     to_device,
@@ -326,7 +327,7 @@ def lr_range_test(
                 diverged, stop_reason = True, f"the smoothed loss passed {diverge:g}x its best at lr {fmt(lr)}"
                 break
             loss.backward()
-            opt.step()
+            optimizer_step(opt, loss, lambda inputs=inputs, targets=targets: loss_fn(model(inputs), targets))
 
     raw = np.asarray(losses, dtype=float)
     finite = np.isfinite(raw)

@@ -9,6 +9,10 @@ each way has a different fix:
 - ``unstable``: the loss jumps around or rises: the learning rate is too high;
 - ``slow``: the loss was still falling when the steps ran out: the learning rate is too low;
 - ``floor``: the loss settled above zero: too little capacity or a loss that cannot reach zero.
+
+"Near zero" is measured from the loss's own floor: the least ``loss_fn`` can be on these targets
+with any output at all, found by fitting a free tensor of the output's shape (label smoothing's
+floor is above zero: 0.349 for 4 classes at 0.1; mixup's soft targets', their entropy).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from trainguard.doctor._state import (
     check_positive,
     make_optimizer,
     model_device,
+    optimizer_step,
     preserved,
     split_batch,
     take,
@@ -63,6 +68,11 @@ ZIGZAG = 0.5
 ZIGZAG_AMPLITUDE = 0.05
 
 REASONS = ("nan", "flat", "unstable", "slow", "floor")
+# The loss's floor: Adam on a free copy of the outputs, this many steps from this rate decaying
+# linearly to 0: logits move about the rate per step, so cross entropy's margins pass 50 (the loss
+# 1e-20) and settle on label smoothing's optimum (log(0.925/0.025) = 3.6 for 4 classes at 0.1).
+FLOOR_STEPS = 300
+FLOOR_LR = 1.0
 
 
 def _adam(lr: float):
@@ -89,6 +99,7 @@ class OverfitResult(CheckResult):
     nan_step: int | None = None
     grad_norm_first: float | None = None
     grad_norm_last: float | None = None
+    loss_floor: float = 0.0  # the least the loss can be on these targets (see _loss_floor)
 
     @property
     def summary(self) -> str:
@@ -99,12 +110,13 @@ class OverfitResult(CheckResult):
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "reason", "losses", "initial_loss", "final_loss", "target_loss", "accuracy", "steps", "samples", "lr",
-            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last")}
+            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor")}
 
     def _detail(self) -> Table:
         t = Table(show_header=False, box=None, padding=(0, 2))
         t.add_row("initial / final loss", f"{fmt(self.initial_loss)} / {fmt(self.final_loss)}")
-        t.add_row("target (near zero)", f"<= {fmt(self.target_loss)}")
+        t.add_row("target (near zero)" if self.loss_floor == 0 else f"target (near the loss's floor, {fmt(self.loss_floor)})",
+                  f"<= {fmt(self.target_loss)}")
         if self.accuracy is not None:
             t.add_row("accuracy", f"{self.accuracy:.1%}")
         t.add_row("optimizer", f"{self.optimizer}, lr {fmt(self.lr)}")
@@ -113,7 +125,7 @@ class OverfitResult(CheckResult):
     def findings(self) -> list[Finding]:
         ev = {"initial_loss": self.initial_loss, "final_loss": self.final_loss, "target_loss": self.target_loss,
               "accuracy": self.accuracy, "steps": self.steps, "samples": self.samples, "lr": self.lr,
-              "optimizer": self.optimizer}
+              "optimizer": self.optimizer, "loss_floor": self.loss_floor}
         out: list[Finding] = []
         if self.passed:
             out.append(finding("overfit_ok", "info", f"Overfit one batch: {self.summary}", **ev))
@@ -142,10 +154,12 @@ class OverfitResult(CheckResult):
             "slow": (f"Overfit one batch: the loss was still falling after {self.steps} steps: learning rate too low",
                      "Raise the learning rate" + (f" (try {fmt(lr * 10)})" if lr else "")
                      + " or give the test more steps; lr_range_test suggests a rate."),
-            "floor": (f"Overfit one batch: the loss is stuck at a floor of {fmt(self.final_loss)}",
+            "floor": (f"Overfit one batch: the loss is stuck at a floor of {fmt(self.final_loss)}"
+                      + (f" (the least this loss can be on these targets is {fmt(self.loss_floor)})"
+                         if self.loss_floor else ""),
                       "The model cannot memorise a few samples: too little capacity (a bottleneck, a missing "
-                      "non-linearity) or a loss that cannot reach zero (wrong target format, probabilities "
-                      "passed where logits are expected, label smoothing)."),
+                      "non-linearity) or a loss that cannot reach its floor from the model's output (wrong "
+                      "target format, probabilities passed where logits are expected)."),
         }
         title, suggestion = texts[self.reason or "floor"]
         out.append(finding(f"overfit_{self.reason}", "error", title, suggestion, layers=self.unreached,
@@ -275,18 +289,19 @@ def overfit_one_batch(
                     reached[i] |= g.ne(0).any()
                     sq.append(g.double().pow(2).sum())
             norms.append(torch.stack(sq).sum().sqrt() if sq else torch.zeros((), dtype=torch.float64))
-            opt.step()
+            optimizer_step(opt, loss, lambda: loss_fn(model(inputs), targets))
         with torch.no_grad():
             outputs = model(inputs)
             final = float(as_float(loss_fn(outputs, targets)))
             kind = _task(outputs, targets, loss_fn, task)
             accuracy = _accuracy(outputs, targets, kind, loss_fn)
+        floor = _loss_floor(outputs, targets, loss_fn)
 
     unreached = [] if nan_step is not None else [n for (n, _), r in zip(named, reached) if not bool(r)]
     first_norm = float(norms[0]) if norms else None
     last_norm = float(norms[-1]) if norms else None
     initial = losses[0]
-    target = max(NEAR_ZERO_REL * abs(initial), NEAR_ZERO_ABS) if math.isfinite(initial) else NEAR_ZERO_ABS
+    target = floor + (max(NEAR_ZERO_REL * abs(initial - floor), NEAR_ZERO_ABS) if math.isfinite(initial) else NEAR_ZERO_ABS)
     passed = (nan_step is None and not no_path and math.isfinite(final) and final <= target
               and (accuracy is None or accuracy >= 1.0))
     reason = None
@@ -302,5 +317,30 @@ def overfit_one_batch(
         passed=passed, reason=reason, losses=losses, initial_loss=initial, final_loss=final, target_loss=target,
         accuracy=accuracy, steps=len(losses), samples=samples, lr=used_lr, optimizer=type(opt).__name__,
         unreached=[n for n, _ in named] if no_path else unreached, nan_step=nan_step,
-        grad_norm_first=first_norm, grad_norm_last=last_norm,
+        grad_norm_first=first_norm, grad_norm_last=last_norm, loss_floor=floor,
     )
+
+
+def _loss_floor(outputs: Any, targets: Any, loss_fn: Any) -> float:
+    """The least ``loss_fn(o, targets)`` reaches over free outputs ``o`` of the outputs' shape, when
+    above 0 (label smoothing, soft targets); 0 otherwise, or when the outputs are no float tensor."""
+    if not (isinstance(outputs, torch.Tensor) and outputs.is_floating_point() and outputs.numel()):
+        return 0.0
+    try:
+        with torch.enable_grad():
+            o = outputs.detach().clone().requires_grad_(True)
+            opt = torch.optim.Adam([o], lr=FLOOR_LR)
+            best = math.inf
+            for i in range(FLOOR_STEPS):
+                opt.param_groups[0]["lr"] = FLOOR_LR * (1 - i / FLOOR_STEPS)
+                opt.zero_grad(set_to_none=True)
+                loss = as_float(loss_fn(o, targets))
+                if not loss.requires_grad:
+                    return 0.0
+                best = min(best, float(loss.detach()))
+                loss.backward()
+                opt.step()
+            best = min(best, float(as_float(loss_fn(o.detach(), targets))))
+    except Exception:  # a loss that needs more than outputs and targets: no floor to tell
+        return 0.0
+    return best if math.isfinite(best) and best > NEAR_ZERO_ABS else 0.0

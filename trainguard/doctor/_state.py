@@ -10,6 +10,7 @@ Parameters are restored in place, so an optimizer that holds them keeps working.
 from __future__ import annotations
 
 import copy
+import inspect
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -150,7 +151,11 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     if n_in == 0:
         raise DoctorInputError("the batch is empty (0 samples)")
     if n_t is not None and n_t != n_in:
-        raise DoctorInputError(f"batch inputs have {n_in} samples but targets have {n_t}")
+        raise DoctorInputError(
+            f"batch inputs have {n_in} samples but targets have {n_t} (dim 0 of the first tensor of each: "
+            f"{_describe(first_tensor(inputs))}, {_describe(first_tensor(targets))}; a list of one tensor per "
+            "sample, as torchvision's detection models take, is not a batch the doctor can split)"
+        )
     return inputs, targets
 
 
@@ -244,3 +249,25 @@ def as_float(loss: Any) -> torch.Tensor:
             f"loss_fn must return a scalar, got a tensor of shape {list(loss.shape)} (reduction='none'?)"
         )
     return loss.reshape(())
+
+
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, evaluate: Callable[[], torch.Tensor]) -> None:
+    """``opt.step()`` after ``loss.backward()``; an optimizer whose ``step`` requires a closure
+    (LBFGS) gets one: its first call returns ``loss``, whose gradients are in place, and later calls
+    (the moved weights, line-search trial points) run ``evaluate()`` and its backward again."""
+    param = inspect.signature(opt.step).parameters.get("closure")
+    if param is None or param.default is not inspect.Parameter.empty:
+        opt.step()
+        return
+    calls = [0]
+
+    def closure() -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 1:
+            return loss
+        opt.zero_grad(set_to_none=True)
+        again = as_float(evaluate())
+        again.backward()
+        return again
+
+    opt.step(closure)

@@ -383,11 +383,12 @@ class Guard:
         self.rewinds += 1
         if plan is not None and plan.recording is not None:
             plan.recording.stop()
+        median = self._median() if "spike" in kinds else None  # what it was judged by: the rewind trims the window
         target = self._rewind_target(fail)
         self._restore(target)
         start = self._loop.state.step
         self._plan = _Plan(fail=fail, start=start, source=target, kinds=kinds, ranks=ranks,
-                           original=self._bad_local.get(fail), median=self._median() if "spike" in kinds else None)
+                           original=self._bad_local.get(fail), median=median)
         if start == fail and self.snapshot.step != fail:
             self._take_snapshot()  # rewound to a checkpoint at the failing step: the policy rewinds here
         return True

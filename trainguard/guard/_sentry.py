@@ -1,6 +1,8 @@
 """The sentry: each step's loss and global gradient norm, read on the host one step late.
 
-Per step it keeps the scalar ``backward()`` ran on (or the one given to ``loop.report``) and,
+Per step it keeps the scalar ``backward()`` ran on (or the one given to ``loop.report``; with
+``optimizer.step(closure)``, the closure's first call's: LBFGS calls it again on moved weights and
+line-search trial points, whose losses count only when they are not finite) and,
 before each ``optimizer.step()``, the norms of that optimizer's gradients (one fused
 ``_foreach_norm``), all as 0-d tensors on their device. On an accelerator, when the step ends,
 they are reduced into one small vector copied into a pinned host buffer without waiting. The
@@ -15,7 +17,7 @@ import math
 import statistics
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ class _Pending:
     step: int
     losses: list  # 0-d CPU tensors (their mean is the loss) or one Python float; [] when unseen
     norms: list  # 0-d CPU tensors whose root-sum-square is the gradient norm; [] when unseen
+    later: list = field(default_factory=list)  # losses of a closure's later calls (LBFGS): only a non-finite one counts
     host: torch.Tensor | None = None  # accelerators: [loss?, grad_norm?], copied to pinned memory
     event: Any = None
     has_loss: bool = False
@@ -60,8 +63,9 @@ class Sentry:
     """
 
     def __init__(self) -> None:
-        self._watch = StepWatch(self._on_loss, self._before_optimizer)
         self._losses: list[torch.Tensor] = []
+        self._later: list[torch.Tensor] = []
+        self._watch = StepWatch(self._on_loss, self._before_optimizer, self._later.append)
         self._reported: Any = None
         self._norms: list[torch.Tensor] = []
         self._pending: deque[_Pending] = deque()
@@ -80,6 +84,7 @@ class Sentry:
     def clear(self) -> None:
         """Forget everything not read yet (after a rewind, those steps did not happen)."""
         self._losses, self._norms, self._reported = [], [], None
+        self._later.clear()
         self._pending.clear()
 
     # -- what training does ------------------------------------------------------------------
@@ -127,10 +132,12 @@ class Sentry:
         """The step's body ended: keep what it showed; on an accelerator start the copy to the host."""
         reported, losses, norms = self._reported, self._losses, self._norms
         self._reported, self._losses, self._norms = None, [], []
+        later = self._later[:]
+        self._later.clear()
         if reported is not None:
             losses = [reported]
-        p = _Pending(step, losses, norms, has_loss=bool(losses), has_grad=bool(norms))
-        if not (_on_cpu(losses) and _on_cpu(norms)):
+        p = _Pending(step, losses, norms, later if losses else [], has_loss=bool(losses), has_grad=bool(norms))
+        if not (_on_cpu(losses) and _on_cpu(norms) and _on_cpu(later)):
             self._to_device_vector(p)
         self._pending.append(p)
 
@@ -142,14 +149,18 @@ class Sentry:
             if p.losses:
                 ls = [v if isinstance(v, torch.Tensor) else torch.tensor(v) for v in p.losses]
                 loss = ls[0] if len(ls) == 1 else torch.stack([v.float() for v in ls]).mean()
-                parts.append(loss.float().reshape(()))
+                loss = loss.float().reshape(())
+                if p.later:  # a non-finite later evaluation is the step's loss; their sum keeps it so
+                    lt = torch.stack([v.float().to(loss.device) for v in p.later])
+                    loss = torch.where(torch.isfinite(lt).all(), loss, lt.sum())
+                parts.append(loss)
             if p.norms:
                 gn = p.norms[0] if len(p.norms) == 1 else torch.linalg.vector_norm(torch.stack(p.norms))
                 parts.append(gn.float())
             device = next(t.device for t in parts if t.device.type != "cpu")
             vec = torch.stack([t.to(device, non_blocking=True) for t in parts])
             p.host, p.event = self._to_host(vec)
-        p.losses, p.norms = [], []
+        p.losses, p.norms, p.later = [], [], []
 
     def _to_host(self, vec: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if not self._ring:
@@ -180,6 +191,9 @@ class Sentry:
                 grad = vals.pop(0) if p.has_grad else None
             else:
                 loss = statistics.fmean(float(v) for v in p.losses) if p.losses else None
+                bad = [v for v in map(float, p.later) if not math.isfinite(v)]
+                if bad and loss is not None and math.isfinite(loss):
+                    loss = bad[0]
                 grad = math.sqrt(math.fsum(float(n) ** 2 for n in p.norms)) if p.norms else None
             out.append(StepValues(p.step, loss, grad))
         return out

@@ -98,7 +98,7 @@ class Session:
         recording = self.record or self.check_numerics
         # The session holds the run's writer, so that the monitor and the recorder join one run,
         # appended to when the framework resumed.
-        self._writer = acquire_writer(self.run_dir, append=resumed, process=recording)
+        self._writer = acquire_writer(self.run_dir, append=resumed, resume=resumed, process=recording)
         try:
             if self.want_monitor:
                 self.monitor = trainguard.Monitor(model, self.run_dir, self.every, append=resumed, rank_dir=False)
@@ -132,6 +132,17 @@ class Session:
     def forward_started(self, model: Any, inputs: Any) -> None:
         if self.monitor is not None and self.owner:
             self.monitor.forward_started(model, inputs)
+
+    def checkpoint_saved(self) -> None:
+        """The framework saved a checkpoint: what the run buffers goes to disk now, so that a kill
+        before the next flush loses none of the steps a resume from that checkpoint will not run
+        again."""
+        if not self.started:
+            return
+        if self.monitor is not None:
+            self.monitor.flush()  # its buffered steps, then the writer (the recorder's records too)
+        elif self._writer is not None:
+            self._writer.flush()
 
     def close(self, error: BaseException | None = None) -> None:
         """Stop recording and close the monitor (which diagnoses the run); ``error`` ended training.

@@ -90,6 +90,9 @@ class TrainguardCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._session.step(trainer.global_step)  # moved on after an optimizer step: that step is done
 
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._session.checkpoint_saved()
+
     def on_fit_end(self, trainer, pl_module) -> None:
         self._session.close()
 

@@ -82,5 +82,8 @@ class TrainguardCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self._session.step(state.global_step)  # global_step moved on: that step is done
 
+    def on_save(self, args, state, control, **kwargs):
+        self._session.checkpoint_saved()
+
     def on_train_end(self, args, state, control, **kwargs):
         self._session.close()

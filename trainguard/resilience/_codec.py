@@ -82,7 +82,11 @@ class Encoder:
         if isinstance(value, torch.Tensor):
             key = self._tensor_key(path)
             self.tensors[key] = value
-            return {TAG: "tensor", "key": key, "dtype": _dtype_name(value.dtype), "shape": list(value.shape)}
+            ref = {TAG: "tensor", "key": key, "dtype": _dtype_name(value.dtype), "shape": list(value.shape)}
+            order = dim_order(value)
+            if order is not None:
+                ref["order"] = order
+            return ref
         if isinstance(value, torch.Size):
             return {TAG: "size", "v": list(value)}
         if isinstance(value, tuple) and (type(value) is tuple or hasattr(value, "_fields")):
@@ -203,6 +207,31 @@ def _hashable(key: Any) -> Any:
     if isinstance(key, list):  # only tuples are valid keys, and they decode as tuples already
         raise CheckpointError("malformed dict key in checkpoint manifest")
     return key
+
+
+def dim_order(t: torch.Tensor) -> list[int] | None:
+    """The dimensions of a dense tensor stored in another order than row-major (a channels_last
+    weight's optimizer moments), outermost first; None when it is row-major or not dense."""
+    if t.is_contiguous() or t.layout != torch.strided or _is_wrapped(t):
+        return None
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    expect = 1
+    for d in reversed(order):
+        if t.shape[d] != 1 and t.stride(d) != expect:
+            return None  # overlapping or with gaps: saved and restored row-major
+        expect *= t.shape[d]
+    return order
+
+
+def _is_wrapped(t: torch.Tensor) -> bool:
+    return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+
+
+def empty_in_order(shape: list[int], dtype: torch.dtype, order: Any) -> torch.Tensor:
+    """An empty tensor of ``shape`` whose dimensions are stored in ``order`` (see :func:`dim_order`)."""
+    if not (isinstance(order, list) and sorted(order) == list(range(len(shape)))):
+        return torch.empty(shape, dtype=dtype)
+    return torch.empty([shape[d] for d in order], dtype=dtype).permute(sorted(range(len(order)), key=order.__getitem__))
 
 
 def tensor_refs(value: Any) -> list[dict]:

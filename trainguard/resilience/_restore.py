@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import warnings
@@ -13,10 +14,10 @@ from torch.distributed.checkpoint import CheckpointException
 
 from trainguard._errors import CheckpointError
 from trainguard.resilience import _dist, _engine, _format
-from trainguard.resilience._codec import Encoder, decode, dtype_from_name, tensor_refs
+from trainguard.resilience._codec import Encoder, decode, dtype_from_name, empty_in_order, tensor_refs
 from trainguard.resilience._format import CheckpointInfo, Invalid
 from trainguard.resilience._sharded import sharded_target
-from trainguard.resilience._state import RNG, TrainState
+from trainguard.resilience._state import RNG, TrainState, state_holder
 
 
 def root_cause(exc: BaseException) -> str:
@@ -128,8 +129,8 @@ def load_into(state: TrainState, path: Path, manifest: dict[str, Any], *, strict
                 targets[key] = cur.detach()
             else:  # e.g. optimizer moments that a fresh optimizer has not created yet
                 sharded = sharded_target(dict(state.items()), key, ref["shape"], saved_dtype) if cur is None else None
-                targets[key] = sharded if sharded is not None else torch.empty(
-                    ref["shape"], dtype=cur.dtype if cur is not None else saved_dtype)
+                targets[key] = sharded if sharded is not None else empty_in_order(
+                    ref["shape"], cur.dtype if cur is not None else saved_dtype, ref.get("order"))
     try:
         _engine.load_tensors(targets, path, manifest["engine"], group)
     except CheckpointError:
@@ -167,6 +168,70 @@ def _key(k: Any) -> Any:
     return json.dumps(k, sort_keys=True) if isinstance(k, (dict, list)) else k
 
 
+def _resized_on_load(model: torch.nn.Module, sd_key: str, shape: list[int], dtype: torch.dtype) -> bool:
+    """Whether the submodule holding ``sd_key`` takes a tensor of the saved ``shape`` by resizing its
+    own as it loads (torch.ao's observers and fake-quantizers: their per-channel ``min_val``,
+    ``scale``, ... start empty or with one element, and both their first forward and their
+    ``_load_from_state_dict`` resize them). Tried on a copy of that submodule, so that a module
+    that refuses the shape (a BatchNorm of another width) is still named before anything loads."""
+    owner_name, _, leaf = sd_key.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        return False
+    if type(owner)._load_from_state_dict is torch.nn.Module._load_from_state_dict:
+        return False  # the default load refuses another shape
+    probe = copy.deepcopy(owner)
+    entries = probe.state_dict()
+    if leaf not in entries:
+        return False
+    entries[leaf] = torch.zeros(shape, dtype=dtype)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe.load_state_dict(entries, strict=False)
+    except Exception:
+        return False
+    return list(probe.state_dict()[leaf].shape) == shape
+
+
+def _pruned(have: list[str], lack: list[str]) -> list[str]:
+    """Keys of ``lack`` that torch.nn.utils.prune has renamed in ``have`` (``w`` -> ``w_orig``, ``w_mask``)."""
+    keys = set(have)
+    return [k for k in lack if f"{k}_orig" in keys and f"{k}_mask" in keys]
+
+
+def _parametrized(have: list[str], lack: list[str]) -> list[str]:
+    """Keys of ``lack`` that torch.nn.utils.parametrize has moved in ``have`` (``m.w`` ->
+    ``m.parametrizations.w.original``, ``original0``... for weight_norm)."""
+    out = []
+    for k in lack:
+        owner, _, leaf = k.rpartition(".")
+        moved = f"{owner}.parametrizations.{leaf}.original" if owner else f"parametrizations.{leaf}.original"
+        if any(h.startswith(moved) for h in have):
+            out.append(k)
+    return out
+
+
+def _transform_hints(missing: list[str], unexpected: list[str]) -> list[str]:
+    """What to do when the keys differ because pruning or a parametrization changed the model on
+    one side only (a run pruned mid-way, resumed into the model as first built)."""
+    hints = []
+    if keys := _pruned(unexpected, missing):
+        hints.append(f"pruned in the checkpoint (torch.nn.utils.prune: X_orig and X_mask): {', '.join(keys)}; "
+                     "apply the same pruning to this model before restoring (the masks are restored)")
+    if keys := _pruned(missing, unexpected):
+        hints.append(f"pruned here but not in the checkpoint (written before pruning, or after prune.remove): "
+                     f"{', '.join(keys)}; restore before pruning, or build the model as it was when saved")
+    if keys := _parametrized(unexpected, missing):
+        hints.append(f"parametrized in the checkpoint (torch.nn.utils.parametrize): {', '.join(keys)}; register "
+                     "the same parametrizations before restoring")
+    if keys := _parametrized(missing, unexpected):
+        hints.append(f"parametrized here but not in the checkpoint: {', '.join(keys)}; restore before registering "
+                     "the parametrizations, or build the model as it was when saved")
+    return hints
+
+
 def _fit_problems(key: str, state: TrainState, saved: Any, current: Any, current_tensors: dict) -> list[str]:
     """Missing, unexpected and mis-shaped keys of a module; mis-shaped tensors of anything else."""
     name = key.split("/", 1)[-1]
@@ -180,12 +245,17 @@ def _fit_problems(key: str, state: TrainState, saved: Any, current: Any, current
             problems.append(f"{name!r} has keys the checkpoint lacks (missing): {', '.join(map(str, missing))}")
         if unexpected:
             problems.append(f"the checkpoint has keys {name!r} lacks (unexpected): {', '.join(map(str, unexpected))}")
-    saved_shapes = {r["key"]: r["shape"] for r in tensor_refs(saved)}
+        problems += _transform_hints([str(k) for k in missing], [str(k) for k in unexpected])
+    saved_refs = {r["key"]: r for r in tensor_refs(saved)}
     shaped = []
     for ref in tensor_refs(current):
-        want = saved_shapes.get(ref["key"])
+        want = saved_refs[ref["key"]]["shape"] if ref["key"] in saved_refs else None
         if want is not None and list(want) != list(ref["shape"]):
-            shaped.append(f"{ref['key'].split('/', 1)[-1]} (checkpoint {list(want)}, here {list(ref['shape'])})")
+            sd_key = ref["key"].split("/", 1)[-1]
+            if isinstance(obj, torch.nn.Module) and _resized_on_load(
+                    state_holder(obj), sd_key, list(want), dtype_from_name(saved_refs[ref["key"]]["dtype"])):
+                continue
+            shaped.append(f"{sd_key} (checkpoint {list(want)}, here {list(ref['shape'])})")
     if shaped:
         problems.append(f"mis-shaped in {name!r}: {', '.join(shaped)}")
     return problems

@@ -103,6 +103,27 @@ class RankedRun(Run):
             offset += n
         return out
 
+    def scalars(self, name: str | None = None) -> dict[str, list[tuple[int, float]]]:
+        """:meth:`Run.scalars` of this rank, with the job's gradient norm where gradients are
+        sharded (FSDP2): each rank's monitor sees its own shards only and keeps their squares
+        (``grad_sq_sharded``, divided by how many ranks hold each); the job's squared norm is this
+        rank's plain gradients (``grad_sq_plain``, the same on every rank) plus every rank's
+        sharded part, per step that every rank wrote."""
+        out = super().scalars(name)
+        if "grad_norm" not in out:
+            return out
+        plain = dict(Run.scalars(self, "grad_sq_plain").get("grad_sq_plain", []))
+        if not plain:
+            return out
+        parts = [dict(run.scalars("grad_sq_sharded").get("grad_sq_sharded", [])) for run in self.rank_runs().values()]
+        merged = []
+        for step, norm in out["grad_norm"]:
+            if step in plain and all(step in p for p in parts):
+                norm = (plain[step] + sum(p[step] for p in parts)) ** 0.5
+            merged.append((step, norm))
+        out["grad_norm"] = merged
+        return out
+
     def alerts_by_rank(self) -> dict[int, dict]:
         """Each rank's :meth:`Run.alerts`."""
         return {k: run.alerts() for k, run in self.rank_runs().items()}

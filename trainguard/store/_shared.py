@@ -27,14 +27,17 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def acquire_writer(run_dir: str | os.PathLike, *, mode: str | None = None, buffer: int | None = None,
-                   overwrite: bool = False, append: bool = False, process: bool = False,
+                   overwrite: bool = False, append: bool = False, resume: bool = False, process: bool = False,
                    meta: dict[str, Any] | None = None) -> RunWriter:
     """The writer of ``run_dir`` shared by everything in this process that writes to it.
 
     The recorder and the monitor may write to the same run: the first to arrive creates the
     writer, later ones join it. ``mode``/``buffer`` given by a later caller reconfigure the writer
     (the recorder passes them; the monitor does not). ``append=True`` adds to a run another
-    process left in ``run_dir`` (the doctor's results) instead of refusing it. ``process=True``
+    process left in ``run_dir`` (the doctor's results) instead of refusing it; with ``resume=True``
+    (a framework resumed the training that run recorded) the writer also takes over the run's
+    status from the process that left it (killed, or ended): running, then how this one ends.
+    ``process=True``
     (the recorder) builds rows in a child process when this call creates the writer. Pair with
     :func:`release_writer`.
     """
@@ -43,7 +46,7 @@ def acquire_writer(run_dir: str | os.PathLike, *, mode: str | None = None, buffe
         entry = _shared.get(key)
         if entry is None or entry[0]._closed:
             writer = RunWriter(run_dir, mode=mode or "no_tensor", buffer=-1 if buffer is None else buffer,
-                               overwrite=overwrite, append=append, process=process, meta=meta)
+                               overwrite=overwrite, append=append, resume=resume, process=process, meta=meta)
             _shared[key] = [writer, 1]
             return writer
         writer = entry[0]

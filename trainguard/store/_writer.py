@@ -100,6 +100,7 @@ class RunWriter(BufferWindow, SegmentFiles):
         buffer: int = -1,
         overwrite: bool = False,
         append: bool = False,
+        resume: bool = False,
         process: bool = False,
         queue_items: int = 512,
         flush_interval: float = 1.0,
@@ -121,11 +122,15 @@ class RunWriter(BufferWindow, SegmentFiles):
         db = self.run_dir / DB_NAME
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise TrainguardError(f"logdir {str(self.run_dir)!r} exists and is not a directory")
-        # The writer that created the run owns its status; an appending writer adds to it.
+        # The writer that created the run owns its status; an appending writer adds to it, unless
+        # it resumes the training that run recorded (a framework restored its checkpoint): the
+        # process that wrote the run was killed, or ended, and this one continues it, so how the
+        # run ends is this one's to say.
         self.owner = True
+        resumed = False
         if db.exists():
             if append and not overwrite:
-                self.owner = False
+                self.owner = resumed = resume
                 _check_appendable(db)
             elif not overwrite:
                 raise TrainguardError(
@@ -165,6 +170,9 @@ class RunWriter(BufferWindow, SegmentFiles):
         from trainguard import __version__
 
         base["trainguard"] = __version__
+        if resumed:  # the run keeps its creation; how an earlier process ended it is undone
+            base = {k: v for k, v in base.items() if k in ("pid", "host", "argv", "status")}
+            base.update(resumed=time.time(), ended=None, error=None, crash_step=None, exit_code=None)
         base.update(meta or {})
         # The schema and the first metadata are written before anything else can fail later.
         try:

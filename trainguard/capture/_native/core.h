@@ -53,6 +53,7 @@ struct OpInfo {
   OpKind kind;
   bool alloc;          // uninitialised outputs (trainguard.capture._summary.ALLOCATION_OPS)
   bool alias;          // outputs hold the first input's values (ALIAS_OPS)
+  int known = -1;      // how many leading outputs hold values, a workspace after them (WORKSPACE_OUTPUTS); -1 all
   bool view;           // its schema returns an alias of an input (a view, or an in-place op's self)
   bool autocast_cpu, autocast_cuda;  // has an autocast kernel (a wrapper that calls the op again)
   // Its class for the taint rule (capture/_taint.py: DEFAULT 0, VIEW 1, COPY 2, ALLOC 3, RENORM 4,
@@ -229,7 +230,7 @@ void uninstall(Core* core);
 // called with the core's lock held.
 void set_producer(Core* core, const at::Tensor& t, int64_t seq, int64_t stack, bool finite);
 void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias,
-                  std::unordered_map<std::string, int> stats);
+                  std::unordered_map<std::string, int> stats, std::unordered_map<std::string, int> workspace);
 // callable(op name) -> (taint class, overwrites its first input, in place): _recorder.op_facts_by_name
 void set_op_classes(PyObject* resolver);
 OpInfo* op_by_index(int index);

@@ -463,7 +463,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (int i = 0; i < 4; ++i) g_phase_names[i] = PyUnicode_InternFromString(phases[i]);
 
   m.def("configure", [](py::list dtype_names, std::vector<std::string> alloc, std::vector<std::string> alias,
-                         std::unordered_map<std::string, int> stats) {
+                         std::unordered_map<std::string, int> stats, std::unordered_map<std::string, int> workspace) {
     for (auto item : dtype_names) {
       auto pair = item.cast<py::tuple>();
       int st = (int)reinterpret_cast<THPDtype*>(pair[0].ptr())->scalar_type;
@@ -472,7 +472,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         Py_INCREF(g_dtype_names[st]);
       }
     }
-    set_op_names({alloc.begin(), alloc.end()}, {alias.begin(), alias.end()}, std::move(stats));
+    set_op_names({alloc.begin(), alloc.end()}, {alias.begin(), alias.end()}, std::move(stats), std::move(workspace));
   });
   m.def("summarize", [](const at::Tensor& t, int mode, bool expect_nonfinite) {
     bool old = tl_paused;

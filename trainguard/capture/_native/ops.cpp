@@ -19,6 +19,7 @@ std::unordered_map<const char*, OpInfo*> g_ops;  // keyed by the schema's name (
 std::vector<OpInfo*> g_op_list;
 std::unordered_set<std::string> g_alloc, g_alias;
 std::unordered_map<std::string, int> g_stats;  // batch norm's kernels: the position of `training`
+std::unordered_map<std::string, int> g_workspace;  // op -> how many leading outputs hold values
 PyObject* g_op_classes = nullptr;  // see set_op_classes
 const std::unordered_set<std::string> g_never = {
     "aten::detach_", "aten::requires_grad_", "aten::retain_grad", "aten::set_data", "aten::data",
@@ -63,6 +64,8 @@ OpInfo* make_op(const c10::OperatorName& on, const char* key) {
     std::lock_guard<std::mutex> g(g_ops_mu);
     info->alloc = g_alloc.count(info->name) > 0;
     info->alias = g_alias.count(info->name) > 0;
+    auto ws = g_workspace.find(info->name);
+    if (ws != g_workspace.end()) info->known = ws->second;
     auto st = g_stats.find(info->name);
     if (st != g_stats.end()) {
       info->writes = {3, 4};
@@ -137,9 +140,10 @@ void set_op_classes(PyObject* resolver) {
 }
 
 void set_op_names(std::unordered_set<std::string> alloc, std::unordered_set<std::string> alias,
-                  std::unordered_map<std::string, int> stats) {
+                  std::unordered_map<std::string, int> stats, std::unordered_map<std::string, int> workspace) {
   std::lock_guard<std::mutex> g(g_ops_mu);
   g_stats = std::move(stats);
+  g_workspace = std::move(workspace);
   g_alloc = std::move(alloc);
   g_alias = std::move(alias);
 }

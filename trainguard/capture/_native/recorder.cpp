@@ -31,6 +31,8 @@
 
 #include <pthread.h>
 
+#include <algorithm>
+
 #include <chrono>
 #include <cstring>
 
@@ -89,6 +91,8 @@ struct Ctx : at::ObserverContext {
   c10::SmallVector<Input, 6> inputs;
   c10::intrusive_ptr<c10::TensorImpl> first;  // the first tensor input (alias summaries)
   c10::SmallVector<at::Tensor, 1> written;  // a collective's first argument (recv_ writes it), a void op's writes
+  Ctx* collective = nullptr;  // a call made right inside a collective's kernel (not recorded): see on_start
+  c10::SmallVector<at::Tensor, 1> inner;  // a collective's: the tensors those calls made (see on_start)
 };
 
 // This thread's open recorded calls per core, innermost last. A call that is not recorded gets
@@ -231,6 +235,20 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   bool below = ex.has(c10::DispatchKey::ADInplaceOrView) || ex.has(c10::DispatchKey::AutogradFunctionality);
   bool hidden = ex.has(c10::DispatchKey::Python) || (in_seen && (below || !seen_parent->wrapper)) ||
                 at::in_parallel_region();
+  // A call right inside a collective's kernel, on this thread: gloo's reduce-scatter reduces a
+  // clone of its input, which it splits into the output only when the program waits for it (a
+  // split and a copy_ recorded after the collective). What such a call makes, the collective
+  // wrote: it becomes their producer (end_record), so that the split reads the collective's
+  // values, not a tensor no op made. Not recorded.
+  if (hidden && in_seen && seen_parent->op->collective && open.back() == seen_parent &&
+      (uint64_t)pthread_self() == c->owner_thread) {
+    auto ctx = std::make_unique<Ctx>();
+    ctx->core = c;
+    ctx->op = op;
+    ctx->collective = seen_parent;
+    open.push_back(ctx.get());
+    return ctx;
+  }
   // A composite is decomposed above the Python key by autograd's layer; with that layer off
   // (inference mode, or below autograd) it reaches the key whole.
   if (hidden || !(op->kind == OP_SEEN || (op->kind == OP_COMPOSITE && below))) return nullptr;
@@ -331,6 +349,12 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* base) {
       break;
     }
   Core* c = g_cores[K];
+  if (ctx->collective != nullptr) {  // the collective is still open: it encloses this call
+    Tensors outs;
+    output_tensors(fn.outputs(), outs);
+    ctx->collective->inner.append(outs.begin(), outs.end());
+    return;
+  }
   if (!ctx->seen || c != ctx->core || !c->active.load(std::memory_order_relaxed) || tl_paused) return;
   Pause pause;  // our own tensor work below is not recorded
   try {
@@ -343,8 +367,16 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* base) {
 void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   OpInfo* op = ctx->op;
   Tensors outs;
-  if (op->collective) written_tensors(fn.outputs(), ctx, outs);
-  else {
+  if (op->collective) {
+    written_tensors(fn.outputs(), ctx, outs);
+    // What the calls inside its kernel made (its own buffers) are its outputs too, unrecorded.
+    auto it = std::remove_if(ctx->inner.begin(), ctx->inner.end(), [&](const at::Tensor& t) {
+      for (auto& o : outs)
+        if (o.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return true;
+      return false;
+    });
+    ctx->inner.erase(it, ctx->inner.end());
+  } else {
     output_tensors(fn.outputs(), outs);  // then the arguments it wrote (none returned, or batch norm's statistics)
     outs.append(ctx->written.begin(), ctx->written.end());
   }
@@ -362,6 +394,7 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   int64_t seq = c->seq++;
   if (!keep) {  // filtered out: consumers still learn who made their inputs
     for (auto& o : outs) register_output(c, o, seq, 0, nullptr, view_of);
+    for (auto& o : ctx->inner) register_output(c, o, seq, 0, nullptr, -1);
     c->last_nr = nr;
     return;
   }
@@ -404,6 +437,7 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     for (auto& o : outs) any = any || c->dtypes.count((int)o.scalar_type());
     if (!any) {
       for (auto& o : outs) register_output(c, o, seq, r.stack, nullptr, view_of);
+      for (auto& o : ctx->inner) register_output(c, o, seq, r.stack, nullptr, -1);
       c->last_nr = nr;
       return;
     }
@@ -436,7 +470,8 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     if (nfields) {
       bool cpu = m.device.is_cpu();
       m.summary = 1;
-      if (op->alloc || op->collective) {  // uninitialised memory, or another rank's: no evidence
+      // uninitialised memory, another rank's, or a workspace after the op's result: no evidence
+      if (op->alloc || op->collective || (op->known >= 0 && (int64_t)metas.size() >= op->known)) {
         m.s = unknown_summary(c->mode, o.numel());
       } else if (have_alias) {
         m.s = alias;
@@ -504,6 +539,7 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   for (size_t i = 0; i < outs.size(); ++i)
     register_output(c, outs[i], seq, r.stack, metas[i].summary == 1 && !op->collective ? &metas[i].s : nullptr,
                     view_of, r.health, maybe);
+  for (auto& o : ctx->inner) register_output(c, o, seq, r.stack, nullptr, -1, r.health, maybe);
   for (auto& p : r.payloads) c->payload_bytes += p.nbytes();
   c->records.push_back(std::move(r));
   c->recorded++;
