@@ -250,14 +250,20 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
         ev["began"] = step  # a rate far too high that diverged no later explains it (_causes.IN_TRAINING)
         _, lower = lr_lower(ctx, None, step=step)
         clip = clip_text(ctx, before_step=step)
+        grew = _loss_grew(ctx, step)
+        if grew:
+            ev["loss_grew"] = grew
         return [
             Finding(
                 kind="nonfinite_gradient",
                 severity="critical",
-                title=f"The gradient norm overflowed to inf at step {step} while the loss was finite: the gradients "
-                f"exploded past float32's range ({fmt(overflow)} the step before, median {fmt(median(before.values))})",
+                title=f"The gradient norm overflowed to inf at step {step} "
+                f"{'as the loss diverged to ' + grew.split(' -> ')[1] if grew else 'while the loss was finite'}: "
+                f"the gradients exploded past float32's range ({fmt(overflow)} the step before, median "
+                f"{fmt(median(before.values))})",
                 evidence=ev,
-                suggestion=f"the gradients grew step after step until their squares overflowed (not a NaN made "
+                suggestion=(f"the loss diverged ({grew}) and " if grew else "")
+                + "the gradients grew step after step until their squares overflowed (not a NaN made "
                 f"in the backward pass): {lower}" + (f"; {clip}" if clip else ""),
                 steps=(step, int(ctx.grad_norm.steps[-1])),
                 source=SOURCE,
@@ -275,12 +281,11 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
         )
     # The loss up to this step grew by orders of magnitude: the gradients overflowed with it (a
     # learning rate far too high), not at a sqrt of 0 (as nonfinite_loss reads a divergence).
-    upto = ctx.loss.before(step + 1).finite()
-    grew = len(upto) >= 2 and upto.values[-1] > 10 * max(abs(upto.values[0]), 1e-12)
+    grew = _loss_grew(ctx, step)
     title_loss = "while the loss was finite"
     if grew and not origin:
-        ev["loss_grew"] = f"{fmt(upto.values[0])} -> {fmt(upto.values[-1])}"
-        title_loss = f"as the loss diverged to {fmt(upto.values[-1])}"
+        ev["loss_grew"] = grew
+        title_loss = f"as the loss diverged to {grew.split(' -> ')[1]}"
         _, text = lr_lower(ctx, None)
         suggestion = f"the loss diverged ({ev['loss_grew']}) and the gradients overflowed with it: {text}"
         clip = clip_text(ctx, before_step=step)
@@ -298,6 +303,14 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _loss_grew(ctx: Context, step: int) -> str | None:
+    """``"first -> last"`` when the finite loss up to ``step`` grew more than 10x (a divergence)."""
+    upto = ctx.loss.before(step + 1).finite()
+    if len(upto) >= 2 and upto.values[-1] > 10 * max(abs(upto.values[0]), 1e-12):
+        return f"{fmt(upto.values[0])} -> {fmt(upto.values[-1])}"
+    return None
 
 
 def _norm_overflow(ctx: Context, step: int, before: Series) -> float | None:
