@@ -104,6 +104,25 @@ def test_gradients_that_overflow_after_the_loss_diverged_are_not_blamed_on_a_sqr
     assert "while the loss was finite" not in f.title or "1.5e+21" in f.title
 
 
+@pytest.mark.parametrize("case", ["pruning", "detection"])
+def test_the_clip_norm_for_gradients_that_overflowed_in_a_divergence_is_read_before_the_divergence(tmp_path, case):
+    # The pruning tutorial's LeNet at 1000x its rate: told `max_norm=3.7e+11`, the 90th percentile
+    # of the norms up to the overflow, the diverged 4.6e11 among them. The norms from where the loss
+    # began to grow on measure the blow-up, not training: too few healthy steps, no norm at all.
+    if case == "pruning":
+        loss = [2.3, 2.1, 3.0e6, 1.5e21] + [math.nan] * 26
+        grad_norm = [0.4, 433.0, 4.6e11, math.inf] + [math.nan] * 26
+        lr = 50.0
+    else:
+        loss, grad_norm, lr = DETECTION_LOSS, DETECTION_GRAD_NORM, DETECTION_LR
+    healthy = max(g for g, l_ in zip(grad_norm, loss) if l_ < 10 * loss[0])
+    f = next(f for f in diagnose(write_run(tmp_path / "r", loss, grad_norm=grad_norm, lr=lr))
+             if f.kind == "nonfinite_gradient")
+    for m in re.finditer(r"max_norm=([0-9.e+-]+)", f.suggestion):
+        assert float(m.group(1)) <= healthy, (case, f.suggestion)
+    assert "diverged" in f.suggestion
+
+
 def test_flat_loss_is_not_decreasing_and_names_chance_level(tmp_path):
     rng = np.random.default_rng(1)
     loss = list(math.log(5) + 0.02 * rng.standard_normal(100))
