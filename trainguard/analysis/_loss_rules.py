@@ -249,8 +249,8 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
         ev["last_finite_grad_norm"] = overflow
         ev["began"] = step  # a rate far too high that diverged no later explains it (_causes.IN_TRAINING)
         _, lower = lr_lower(ctx, None, step=step)
-        clip = clip_text(ctx, before_step=step)
-        grew = _loss_grew(ctx, step)
+        grew, began = _loss_grew(ctx, step) or (None, step)
+        clip = clip_text(ctx, before_step=began)
         if grew:
             ev["loss_grew"] = grew
         return [
@@ -281,14 +281,14 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
         )
     # The loss up to this step grew by orders of magnitude: the gradients overflowed with it (a
     # learning rate far too high), not at a sqrt of 0 (as nonfinite_loss reads a divergence).
-    grew = _loss_grew(ctx, step)
+    grew, began = _loss_grew(ctx, step) or (None, step)
     title_loss = "while the loss was finite"
     if grew and not origin:
         ev["loss_grew"] = grew
         title_loss = f"as the loss diverged to {grew.split(' -> ')[1]}"
         _, text = lr_lower(ctx, None)
         suggestion = f"the loss diverged ({ev['loss_grew']}) and the gradients overflowed with it: {text}"
-        clip = clip_text(ctx, before_step=step)
+        clip = clip_text(ctx, before_step=began)
         if clip:
             suggestion += f"; {clip}"
     return [
@@ -305,11 +305,14 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
     ]
 
 
-def _loss_grew(ctx: Context, step: int) -> str | None:
-    """``"first -> last"`` when the finite loss up to ``step`` grew more than 10x (a divergence)."""
+def _loss_grew(ctx: Context, step: int) -> tuple[str, int] | None:
+    """``("first -> last", the step it first passed 10x)`` when the finite loss up to ``step`` grew
+    more than 10x (a divergence): the gradient norms from that step on measure the blow-up."""
     upto = ctx.loss.before(step + 1).finite()
-    if len(upto) >= 2 and upto.values[-1] > 10 * max(abs(upto.values[0]), 1e-12):
-        return f"{fmt(upto.values[0])} -> {fmt(upto.values[-1])}"
+    bar = 10 * max(abs(upto.values[0]), 1e-12) if len(upto) else math.inf
+    if len(upto) >= 2 and upto.values[-1] > bar:
+        began = int(upto.steps[np.nonzero(upto.values > bar)[0][0]])
+        return f"{fmt(upto.values[0])} -> {fmt(upto.values[-1])}", began
     return None
 
 
