@@ -22,22 +22,6 @@ import trainguard as tg
 
 
 @pytest.fixture
-def nan_empty():
-    """Every uninitialised float allocation holds NaN."""
-    was_det = torch.are_deterministic_algorithms_enabled()
-    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    was_fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        assert torch.isnan(torch.empty(4)).all()
-        yield
-    finally:
-        torch.utils.deterministic.fill_uninitialized_memory = was_fill
-        torch.use_deterministic_algorithms(was_det, warn_only=was_warn)
-
-
-@pytest.fixture
 def one_rank():
     """A one-rank gloo group: FSDP2 and DTensor need a default process group."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -26,22 +26,6 @@ from trainguard.analysis import origin
 from trainguard.store import open_run
 
 
-@pytest.fixture
-def nan_empty():
-    """Every uninitialised float allocation holds NaN."""
-    was_det = torch.are_deterministic_algorithms_enabled()
-    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    was_fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        assert torch.isnan(torch.empty(4)).all()
-        yield
-    finally:
-        torch.utils.deterministic.fill_uninitialized_memory = was_fill
-        torch.use_deterministic_algorithms(was_det, warn_only=was_warn)
-
-
 class Acoustic(nn.Module):
     def __init__(self, vocab: int = 6):
         super().__init__()

@@ -10,25 +10,21 @@ initialiser writes it (torch_geometric's ``glorot``: ``value.data.uniform_(...)`
 recording is active, ``Parameter.__new__`` is wrapped so that the Parameter takes the producer
 of the tensor it was made from. (The native core sees ``_make_subclass``'s ``detach`` at
 ``RecordFunction`` and links the two itself.) Installed once for all active recorders and
-restored when the last one stops, as :mod:`trainguard.capture._reads` does.
+restored when the last one stops (:mod:`trainguard.capture._patch`).
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-_active: list = []  # recorders, each with an ``on_alias(source, alias)`` method
-_saved: list = []  # the original ``Parameter.__dict__["__new__"]`` while wrapped
-_lock = threading.Lock()
+from trainguard.capture._patch import ClassPatch
 
 
-def _wrap(original):
+def _wrap(original):  # Parameter.__new__, as the class resolves it (a plain function)
     def __new__(cls, data=None, requires_grad=True):
         p = original(cls, data, requires_grad)
         if isinstance(data, torch.Tensor):
-            for rec in _active:
+            for rec in _PATCH.active:  # recorders, each with an ``on_alias(source, alias)`` method
                 rec.on_alias(data, p)
         return p
 
@@ -36,18 +32,5 @@ def _wrap(original):
     return staticmethod(__new__)
 
 
-def install(recorder) -> None:
-    with _lock:
-        if not _active:
-            raw = torch.nn.Parameter.__dict__["__new__"]
-            _saved.append(raw)
-            torch.nn.Parameter.__new__ = _wrap(raw.__func__ if isinstance(raw, staticmethod) else raw)
-        _active.append(recorder)
-
-
-def remove(recorder) -> None:
-    with _lock:
-        if recorder in _active:
-            _active.remove(recorder)
-        if not _active and _saved:
-            torch.nn.Parameter.__new__ = _saved.pop()
+_PATCH = ClassPatch(torch.nn.Parameter, {"__new__": _wrap})
+install, remove = _PATCH.install, _PATCH.remove

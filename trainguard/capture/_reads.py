@@ -9,15 +9,11 @@ Installed once for all active recorders and restored when the last one stops.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from trainguard.capture._patch import ClassPatch
+
 _METHODS = ("tolist", "numpy", "__repr__", "__format__", "__array__")
-_active: list = []  # recorders, each with an ``on_read(tensor)`` method
-_saved: dict[str, object] = {}
-_lock = threading.Lock()
-_MISSING = object()
 
 
 def _wrap(name: str, original):
@@ -26,7 +22,7 @@ def _wrap(name: str, original):
     quiet = name == "__repr__"
 
     def read(self, *args, **kwargs):
-        for rec in _active:
+        for rec in _PATCH.active:  # recorders, each with an ``on_read(tensor)`` method
             rec.on_read(self)
         if quiet:
             from trainguard.capture._native._backend import paused
@@ -42,23 +38,5 @@ def _wrap(name: str, original):
     return read
 
 
-def install(recorder) -> None:
-    with _lock:
-        if not _active:
-            for name in _METHODS:
-                _saved[name] = torch.Tensor.__dict__.get(name, _MISSING)
-                setattr(torch.Tensor, name, _wrap(name, getattr(torch.Tensor, name)))
-        _active.append(recorder)
-
-
-def remove(recorder) -> None:
-    with _lock:
-        if recorder in _active:
-            _active.remove(recorder)
-        if not _active and _saved:
-            for name, original in _saved.items():
-                if original is _MISSING:
-                    delattr(torch.Tensor, name)
-                else:
-                    setattr(torch.Tensor, name, original)
-            _saved.clear()
+_PATCH = ClassPatch(torch.Tensor, {name: lambda original, name=name: _wrap(name, original) for name in _METHODS})
+install, remove = _PATCH.install, _PATCH.remove
