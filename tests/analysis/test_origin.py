@@ -250,7 +250,22 @@ def test_exp_overflow_with_and_without_stats(tmp_path):
     o = origin(record(tmp_path / "a", lambda: torch.exp(x * 1).sum().item(), mode="stats"))
     assert o.origin.explanation == "exp overflow: input max 812.3"
     o = origin(record(tmp_path / "b", lambda: torch.exp(x * 1).sum().item()))
-    assert o.origin.explanation.startswith("exp overflow: an input value too large")
+    assert o.origin.explanation == "exp overflow: an input value too large for float32 (above about 88.7)"
+
+
+@pytest.mark.parametrize("dtype, limit", [(torch.float32, "1.8e+19"), (torch.float16, "256"),
+                                          (torch.bfloat16, "1.8e+19")])
+def test_a_square_overflow_names_the_squares_limit_not_exps(tmp_path, dtype, limit):
+    # Polynomial features (tests/guard/conftest.py's PolyNet): x.pow(2) of an input of 1e20 was
+    # explained with exp's threshold, "above about 88.7 for exp in float32".
+    x = torch.tensor([1.0, 1e20 if dtype != torch.float16 else 300.0]).to(dtype)
+    o = origin(record(tmp_path / "a", lambda: x.pow(2).sum().item()))
+    name = str(dtype).removeprefix("torch.")
+    assert o.origin.explanation == (f"pow overflow: an input value too large for a power in {name} "
+                                    f"(x**2 passes its largest value above about {limit})")
+    o = origin(record(tmp_path / "b", lambda: torch.exp2(x * 200).sum().item()))
+    bound = {torch.float32: "128", torch.float16: "16", torch.bfloat16: "128"}[dtype]
+    assert o.origin.explanation == f"exp2 overflow: an input value too large for {name} (above about {bound})"
 
 
 @pytest.mark.parametrize("mode", ["full_health", "stats"])
