@@ -1,0 +1,90 @@
+"""The guard names the samples of a skipped batch that made the first harmful value.
+
+Found on thuml/Time-Series-Library (models/PatchTST.py's normalisation without its eps, a sensor
+stuck for 50 hours in the data): the guard skipped five batches, each with 16 sample indices,
+and the user could not tell which sample in each was bad (the windows over the stuck rows)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import trainguard as tg
+from trainguard.store import open_run
+
+from .conftest import BS, make_data, make_state, train
+
+
+def test_the_samples_that_made_the_nan_are_named_in_the_event_the_line_and_the_run(tmp_path, caplog):
+    state = make_state(make_data(30, poison_sample=77), shuffle=True)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10)
+    with caplog.at_level(logging.WARNING, logger="trainguard.guard"):
+        train(guard.batches(state, total_steps=40), state)
+    [event] = guard.events
+    samples = event["skipped"][0]["samples"]
+    assert 77 in samples and len(samples) == BS
+    assert event["culprits"] == {"size": BS, "rows": [samples.index(77)], "samples": [77]}
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert line.endswith(f"skipped batch {event['skipped'][0]['batch']} (its sample 77 made the first inf)")
+    with open_run(tmp_path / "run") as run:
+        [stored] = run.findings(source="guard")
+        assert stored["event"]["culprits"]["samples"] == [77]
+
+
+class Normalised(nn.Module):
+    """Time-Series-Library's PatchTST normalisation (models/PatchTST.py, ``forecast``) without
+    its ``+ 1e-5``: a window whose channel is constant divides 0 by 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6 * 2, 3)
+
+    def forward(self, x):  # [batch, time, channels]
+        x = x - x.mean(1, keepdim=True)
+        x = x / torch.sqrt(torch.var(x, dim=1, keepdim=True, unbiased=False))
+        return self.fc(x.flatten(1))
+
+
+def test_two_stuck_windows_in_one_batch_are_both_named(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 6, 2, generator=g), torch.randn(40, 3, generator=g)
+    x[13, :, 1] = 3.0  # a channel stuck in two windows
+    x[14, :, 1] = 3.0
+    torch.manual_seed(0)
+    model = Normalised()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=8))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=2)
+    for _, (xb, yb) in guard.batches(state, total_steps=4):
+        loss = nn.functional.mse_loss(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    [event] = guard.events
+    assert event["skipped"][0]["samples"] == list(range(8, 16))
+    assert event["culprits"] == {"size": 8, "rows": [5, 6], "samples": [13, 14]}
+    assert event["message"].endswith("(its samples 13, 14 made the first nan)")
+
+
+class Transposed(nn.Module):
+    """The overflow is made in a tensor whose first dimension is not the batch's."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(BS, 1)
+
+    def forward(self, x):  # [batch, 4]
+        f = x.t().pow(2)  # [4, batch]
+        return self.fc(f).sum() * torch.ones(x.shape[0], 1)
+
+
+def test_no_sample_is_named_when_the_first_dimension_is_not_the_batch(tmp_path):
+    state = make_state(make_data(30, poison_sample=77), model=Transposed())
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10)
+    train(guard.batches(state, total_steps=30), state)
+    [event] = guard.events
+    assert event["origin"]["origin"]["op"].startswith("aten.pow")
+    assert "culprits" not in event and "sample" not in event["message"].split("skipped")[-1]
