@@ -411,7 +411,7 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
         mx = (s0 or {}).get("max")
         if isinstance(mx, float) and mx == mx:
             return f"{base} overflow: input max {mx:.4g}"
-        return f"{base} overflow: an input value too large for the dtype (above about 88.7 for exp in float32)"
+        return _overflow_bound(base, link)
     if base in _STDS and "nan" in link.health and _reduced_count(link) == 1:
         return (f"{base} over 1 value -> NaN: with its default correction (Bessel's, correction=1) it divides by "
                 "N - 1 = 0 (a batch, episode or group of one)")
@@ -432,6 +432,27 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
                 "(the data, or a tensor made before recording started): its values were never summarised and "
                 f"may have held {made} already")
     return f"{base} turned finite inputs into {made}"
+
+
+# The largest finite value of each floating dtype (torch.finfo(dtype).max).
+_LARGEST = {"float64": 1.7976931348623157e308, "float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,
+            "float16": 65504.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def _overflow_bound(base: str, link: Link) -> str:
+    """An exp-like overflow without the input's max (only stats summaries have one): where the
+    op passes the output dtype's largest value."""
+    dtype = next((o.get("dtype") for o in link.outputs if o.get("dtype")), None)
+    top = _LARGEST.get(dtype)
+    if top is None:
+        return f"{base} overflow: an input value too large for the dtype"
+    if base in ("pow", "square"):
+        bound = f"{math.sqrt(top):.3g}"
+        if base == "pow":  # the exponent is not recorded: the square's bound, as an example
+            return f"pow overflow: an input value too large for a power in {dtype} (x**2 passes its largest value above about {bound})"
+        return f"square overflow: an input value too large for {dtype} (above about {bound})"
+    bound = math.log2(top) if base == "exp2" else math.log(2 * top) if base in ("sinh", "cosh") else math.log(top)
+    return f"{base} overflow: an input value too large for {dtype} (above about {bound:.3g})"
 
 
 def _masked_rows(link: Link) -> str | None:
