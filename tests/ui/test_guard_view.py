@@ -24,7 +24,7 @@ class Poly(torch.nn.Module):
 def guarded_run(root):
     torch.manual_seed(0)
     x, y = torch.randn(80, 4), torch.randn(80, 1)
-    x[48:52] = 1e20  # batch 12
+    x[50] = 1e20  # batch 12, its row 2
     model = Poly()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=4))
@@ -78,6 +78,7 @@ def test_training_view_shows_the_rewind_and_links_the_replayed_step(page, live_s
         assert "step 12: loss is nan" in card and "losses bitwise equal" in card
         assert "origin:" in card and "aten.pow" in card and "skipped batch 12" in card
         assert page.inner_text(".guard-event table.skipped").count("48, 49, 50, 51") == 1
+        assert page.inner_text(".guard-event .culprits") == "made the first nan: sample 50 (row 2 of 4 in the batch)"
         page.click(".replay-link")
         page.wait_for_selector("body[data-ready=debugger]")
         assert unquote(page.url).endswith("#/run/g:replays:step-12/debugger")
