@@ -7,7 +7,11 @@ and the user could not tell which sample in each was bad (the windows over the s
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -32,6 +36,10 @@ def test_the_samples_that_made_the_nan_are_named_in_the_event_the_line_and_the_r
     with open_run(tmp_path / "run") as run:
         [stored] = run.findings(source="guard")
         assert stored["event"]["culprits"]["samples"] == [77]
+    out = subprocess.run([sys.executable, "-m", "trainguard", "report", str(tmp_path / "run")], capture_output=True,
+                         text=True, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert (f"the first non-finite values are in sample 77 (row {samples.index(77)} of {BS} in the batch): "
+            "look at them in the data") in out
 
 
 class Normalised(nn.Module):
@@ -70,21 +78,26 @@ def test_two_stuck_windows_in_one_batch_are_both_named(tmp_path):
 
 
 class Transposed(nn.Module):
-    """The overflow is made in a tensor whose first dimension is not the batch's."""
+    """The overflow is made in a tensor whose first dimension is the features', not the batch's."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(BS, 1)
 
-    def forward(self, x):  # [batch, 4]
-        f = x.t().pow(2)  # [4, batch]
+    def forward(self, x):  # [batch, features]
+        f = x.t().pow(2)  # [features, batch]: the bad sample's column is inf in every row
         return self.fc(f).sum() * torch.ones(x.shape[0], 1)
 
 
-def test_no_sample_is_named_when_the_first_dimension_is_not_the_batch(tmp_path):
-    state = make_state(make_data(30, poison_sample=77), model=Transposed())
+@pytest.mark.parametrize("features", [3, BS])  # BS: the first dimension has the batch's size by chance
+def test_no_sample_is_named_when_the_first_dimension_is_not_the_batch(tmp_path, features):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(30 * BS, features, generator=g), torch.randn(30 * BS, 1, generator=g)
+    x[77] = 1e20
+    state = make_state(TensorDataset(x, y), model=Transposed(), lr=1e-3)
     guard = tg.Guard(tmp_path / "run", snapshot_every=10)
     train(guard.batches(state, total_steps=30), state)
     [event] = guard.events
     assert event["origin"]["origin"]["op"].startswith("aten.pow")
-    assert "culprits" not in event and "sample" not in event["message"].split("skipped")[-1]
+    assert 77 in event["skipped"][0]["samples"]
+    assert "culprits" not in event and "made the first" not in event["message"]

@@ -169,6 +169,9 @@ class Recorder(FlushHooks, HarmHooks):
         # output is known on this thread; by the writer's thread once accelerator summaries
         # arrive later than their op (judge_here False).
         self.taint = Tracker()
+        # The guard's replay (guard/_replay): for each op that made a new non-finite value, the
+        # size of its output's first dimension and the rows of it that hold one (Python backend).
+        self.nonfinite_rows: dict[int, tuple[int, list[int]]] | None = None
         self.judge_here = True
         self.in_backward = False
         self._thread = threading.get_ident()

@@ -36,6 +36,20 @@ class HarmHooks:
         if o is not None:
             self.taint.origins[seq] = o[:-1] + (_numerics.origin_detail(args, outs, self),)
 
+    def _note_rows(self, seq: int, outs) -> None:
+        """The guard's replay: which rows (first dimension) of the op's output hold its new
+        non-finite values, for the guard to name the samples of the batch (at most 64 ops)."""
+        if len(self.nonfinite_rows) >= 64:
+            return
+        for o in outs:
+            if (isinstance(o, torch.Tensor) and o.dim() and o.numel() and o.layout == torch.strided
+                    and (o.is_floating_point() or o.is_complex())):
+                bad = ~torch.isfinite(o.detach())
+                rows = bad.reshape(o.shape[0], -1).any(1).nonzero().flatten()
+                if rows.numel():
+                    self.nonfinite_rows[seq] = (int(o.shape[0]), rows[:64].tolist())
+                    return
+
     def _stop_at(self, rec: tuple, args, outs, health: int, fwd_op) -> None:
         """check_numerics: the op ``rec`` made a harmful value (or, strict, any non-finite one)."""
         seq, phase, name, module_id, stack_id = rec[0], rec[2], rec[3], rec[4], rec[5]

@@ -339,8 +339,11 @@ class _DispatchMode(TorchDispatchMode):
                 taint, origin = r.taint.settle(
                     seq, _clock.step, phase, name, cls, _writes_model_state(name, info[8], inputs, len(metas)),
                     in_taint, in_origin, health, inputs, fwd_seq, fields, summaries, (module_id, stack_id, fwd_op))
-                if r.check and origin == seq:
-                    r._note_origin(seq, args, outs)
+                if origin == seq:
+                    if r.check:
+                        r._note_origin(seq, args, outs)
+                    if r.nonfinite_rows is not None:
+                        r._note_rows(seq, outs)
             stop = r.check and (taint == HARMFUL or (r.strict and health and taint != UNKNOWN))
             if r.writer is None and not taint:  # check_numerics without a run directory, finite
                 r.last_nr = _get_seq_nr()

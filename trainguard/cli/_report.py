@@ -297,6 +297,12 @@ def _guard(report: dict) -> Any:
             which = f"batch {b['batch']:,}" if b.get("batch") is not None else (
                 f"batch {b['index']}" if b.get("index") is not None else f"the batch of step {e['step']:,}")
             parts.append(Text(f"  skipped {which} ({where}{_samples(b.get('samples'))})"))
+        c = e.get("culprits")
+        if c and c.get("samples"):
+            rows = ", ".join(str(r) for r in c["rows"][:12])
+            parts.append(Text(f"  the first non-finite values are in {'these samples' if len(c['samples']) > 1 else 'sample'} "
+                              f"{', '.join(str(i) for i in c['samples'][:12])} (row{'s' if len(c['rows']) > 1 else ''} "
+                              f"{rows} of {c['size']} in the batch): look at them in the data", style="bold"))
         parts.append(Text(f"  -> {e.get('outcome', e.get('action', ''))}"))
         if rp.get("run"):
             path = Path(report["run"]).parent if Path(report["run"]).name.startswith("rank-") else Path(report["run"])

@@ -90,6 +90,19 @@ def message(event: dict) -> str:
     return "; ".join(parts)
 
 
+def culprits_text(event: dict, limit: int = 8) -> str:
+    """`` (its sample 77 made the first inf)``: the samples the replay found the origin's
+    non-finite values in (``Guard`` events' ``culprits``), or nothing."""
+    c = event.get("culprits")
+    if not c or not c.get("samples"):
+        return ""
+    samples = c["samples"]
+    which = ", ".join(str(i) for i in samples[:limit]) + (f" ... ({len(samples)} in all)" if len(samples) > limit else "")
+    health = ((event.get("origin") or {}).get("origin") or {}).get("health") or []
+    kind = "nan" if "nan" in health else "inf"
+    return f" (its sample{'s' if len(samples) > 1 else ''} {which} made the first {kind})"
+
+
 def outcome(event: dict) -> str:
     action = event["action"]
     if action == "skip":
@@ -99,7 +112,8 @@ def outcome(event: dict) -> str:
         if first is None:
             return (f"skipped the batch of step {event['step']:,}" if n == 1
                     else f"skipped {n} batches from the batch of step {event['step']:,}")
-        return f"skipped batch {first}" if n == 1 else f"skipped {n} batches from batch {first}"
+        text = f"skipped batch {first}" if n == 1 else f"skipped {n} batches from batch {first}"
+        return text + culprits_text(event)
     if action == "lower_lr":
         lrs = ", ".join(f"{v:.3g}" for v in event.get("lr") or [])
         return f"lowered the learning rate x{event.get('lr_factor', 0.5)} (now {lrs})"

@@ -425,6 +425,10 @@ class Guard:
             "skipped": [],
             "rewinds": self.rewinds,
         }
+        if event["origin_rank"] == _collective.rank_world()[0]:
+            culprits = rec.culprits(origin, plan.batch)
+            if culprits is not None:
+                event["culprits"] = culprits
         if not reproduced:
             self._finish_event(event, "continue")
             return

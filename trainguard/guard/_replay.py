@@ -67,7 +67,10 @@ class StepRecording:
     def start(self) -> None:
         # The recorder adds rank-K itself when torchrun's variables say so; otherwise say it here.
         logdir = self.top if _torchrun_rank() is not None else self.path
-        self._recorder = Recorder(logdir, mode="full_health", buffer=-1)
+        # The Python backend, summaries at each op: it notes which rows of an output hold each
+        # new non-finite value (the samples the guard names); one step, so its cost is no matter.
+        self._recorder = Recorder(logdir, mode="full_health", buffer=-1, backend="python", strategy="immediate")
+        self._recorder.nonfinite_rows = {}
         self._stance = contextlib.ExitStack()
         self._stance.enter_context(_eager())
         # torch warns that a compiled module called while the recorder's global module hooks are
@@ -97,6 +100,23 @@ class StepRecording:
         except Exception as exc:  # the guard goes on without an origin rather than die here
             log.warning("trainguard: could not read the origin from %s: %s", self.path, exc)
             return None
+
+
+    def culprits(self, origin: dict | None, batch: dict | None) -> dict | None:
+        """The samples of the replayed batch whose rows of the origin's output hold its first
+        non-finite values: ``{"size", "rows", "samples"}``, or None when the origin's first
+        dimension is not the batch's (or the loader does not say which samples it drew)."""
+        rows = self._recorder.nonfinite_rows if self._recorder is not None else None
+        samples = (batch or {}).get("samples")
+        if not origin or not rows or not samples:
+            return None
+        found = rows.get(origin["origin"]["seq"])
+        # Every row bad says nothing of the samples (a first dimension that is the batch's size
+        # by chance, e.g. features x batch, holds a bad sample's column in every row).
+        if found is None or found[0] != len(samples) or len(found[1]) == found[0]:
+            return None
+        size, which = found
+        return {"size": size, "rows": which, "samples": [samples[r] for r in which]}
 
 
 def origin_from_dict(d: dict | None) -> Origin | None:
