@@ -33,6 +33,16 @@ function where(link) {
   return link.file ? `${link.file.split("/").slice(-2).join("/")}:${link.line}` : "(no user frame)";
 }
 
+/** The samples of the skipped batch whose rows hold the origin's first non-finite values. */
+function culprits(e) {
+  const c = e.culprits;
+  if (!c || !c.samples || !c.samples.length) return null;
+  const kind = e.origin && e.origin.origin.health.includes("nan") ? "nan" : "inf";
+  const many = c.samples.length > 1;
+  return h("div.culprits", `made the first ${kind}: sample${many ? "s" : ""} ${c.samples.join(", ")} ` +
+    `(row${many ? "s" : ""} ${c.rows.join(", ")} of ${c.size} in the batch)`);
+}
+
 /** One rewind: what failed, the replay, the origin chain, the skipped batches, what followed. */
 function guardEvent(e) {
   const rp = e.replay || {};
@@ -55,6 +65,7 @@ function guardEvent(e) {
       h("tr", h("th", "skipped batch"), h("th", "epoch"), h("th", "index"), h("th", "samples")),
       skipped.map((b) => h("tr", h("td", fmt(b.batch)), h("td", fmt(b.epoch)), h("td", fmt(b.index)),
         h("td.wrap", b.samples ? b.samples.join(", ") : "the loader does not say")))) : null,
+    culprits(e),
     h("div.outcome", e.outcome),
     o && o.suggestion ? h("div.fix", h("b", "Suggested fix: "), o.suggestion) : null);
 }
