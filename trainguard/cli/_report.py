@@ -300,9 +300,10 @@ def _guard(report: dict) -> Any:
         c = e.get("culprits")
         if c and c.get("samples"):
             rows = ", ".join(str(r) for r in c["rows"][:12])
-            parts.append(Text(f"  the first non-finite values are in {'these samples' if len(c['samples']) > 1 else 'sample'} "
-                              f"{', '.join(str(i) for i in c['samples'][:12])} (row{'s' if len(c['rows']) > 1 else ''} "
-                              f"{rows} of {c['size']} in the batch): look at them in the data", style="bold"))
+            many = len(c["samples"]) > 1
+            parts.append(Text(f"  the first non-finite values are in the row{'s' if many else ''} of sample{'s' if many else ''} "
+                              f"{', '.join(str(i) for i in c['samples'][:12])} (row{'s' if many else ''} {rows} of "
+                              f"{c['size']} in the batch)", style="bold"))
         parts.append(Text(f"  -> {e.get('outcome', e.get('action', ''))}"))
         if rp.get("run"):
             path = Path(report["run"]).parent if Path(report["run"]).name.startswith("rank-") else Path(report["run"])

@@ -91,8 +91,10 @@ def message(event: dict) -> str:
 
 
 def culprits_text(event: dict, limit: int = 8) -> str:
-    """`` (its sample 77 made the first inf)``: the samples the replay found the origin's
-    non-finite values in (``Guard`` events' ``culprits``), or nothing."""
+    """`` (the first inf is in its sample 77)``: the samples whose rows of the origin's output
+    the replay found its non-finite values in (``Guard`` events' ``culprits``), or nothing. Where,
+    not why: the sample may hold bad data, or the code may fail on it (a random mask that left
+    nothing in its row)."""
     c = event.get("culprits")
     if not c or not c.get("samples"):
         return ""
@@ -100,7 +102,7 @@ def culprits_text(event: dict, limit: int = 8) -> str:
     which = ", ".join(str(i) for i in samples[:limit]) + (f" ... ({len(samples)} in all)" if len(samples) > limit else "")
     health = ((event.get("origin") or {}).get("origin") or {}).get("health") or []
     kind = "nan" if "nan" in health else "inf"
-    return f" (its sample{'s' if len(samples) > 1 else ''} {which} made the first {kind})"
+    return f" (the first {kind} is in its sample{'s' if len(samples) > 1 else ''} {which})"
 
 
 def outcome(event: dict) -> str:

@@ -39,7 +39,7 @@ function culprits(e) {
   if (!c || !c.samples || !c.samples.length) return null;
   const kind = e.origin && e.origin.origin.health.includes("nan") ? "nan" : "inf";
   const many = c.samples.length > 1;
-  return h("div.culprits", `made the first ${kind}: sample${many ? "s" : ""} ${c.samples.join(", ")} ` +
+  return h("div.culprits", `the first ${kind} is in sample${many ? "s" : ""} ${c.samples.join(", ")} ` +
     `(row${many ? "s" : ""} ${c.rows.join(", ")} of ${c.size} in the batch)`);
 }
 
