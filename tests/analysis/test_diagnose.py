@@ -984,3 +984,36 @@ def test_a_layer_scaled_residual_branch_is_not_collapsed_activations(tmp_path):
             loss.backward()
             opt.step()
     assert "collapsed_activations" not in kinds(mon.findings), [(f.kind, f.title) for f in mon.findings]
+
+
+def ppo_cartpole_loss(n: int = 624) -> list[float]:
+    """The loss of cleanrl's ppo.py on CartPole-v1 (4 envs x 128 steps, 4 epochs x 4 minibatches,
+    Adam 2.5e-4, clip_grad_norm_ 0.5) under `trainguard monitor`: pg_loss - 0.01 * entropy +
+    0.5 * v_loss, dominated by the value loss, which grows with the returns as the agent learns
+    (medians of twelfths measured: 20.3, 26.7, 23.5, 31.3, 31.4, ... 33.4)."""
+    rng = np.random.default_rng(1)
+    t = np.arange(n)
+    rollout = np.repeat(rng.gamma(2.0, 4.0, n // 16 + 1) - 8.0, 16)[:n]  # 16 steps train on one rollout
+    return list(20.0 + 13.0 * (1 - np.exp(-t / 150)) + rollout + 2.0 * rng.standard_normal(n))
+
+
+def test_a_loss_that_rises_slowly_under_small_updates_is_not_a_learning_rate_too_high(tmp_path):
+    # Called "learning rate too high: the smoothed loss rose to 40.2 by step 431", lower it from
+    # 8.33e-05 to 8e-06, while the agent learned and no step moved the weights by 0.2% (measured
+    # update ratios: median 6.4e-4, max 1.4e-3; rate-driven divergences measured 0.48 to 11.9).
+    loss = ppo_cartpole_loss()
+    rows = []
+    for s in range(0, len(loss), 10):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "gradient", "in_optimizer", 1), (s, p, "update", "norm", 0.005),
+                     (s, p, "update", "ratio", 1e-3)]
+    fs = diagnose(write_run(tmp_path / "r", loss, layer_rows=rows, lr=8.33e-5, every=10))
+    assert "lr_too_high" not in kinds(fs), [(f.kind, f.title) for f in fs]
+    [f] = [f for f in fs if f.kind == "loss_not_decreasing"]
+    assert f.title.startswith("Loss rose instead of decreasing")
+    assert "not the step size" in f.suggestion and "reinforcement learning" in f.suggestion
+    # the same rise with updates that rewrite the weights is the rate's doing
+    big = [r[:4] + (0.05,) if r[2:4] == ("update", "ratio") else r for r in rows]
+    fs = diagnose(write_run(tmp_path / "big", loss, layer_rows=big, lr=8.33e-5, every=10))
+    assert "lr_too_high" in kinds(fs)
