@@ -354,6 +354,14 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
     blocked = gradient_blocked(ctx)
     if blocked:
         hints.append(f"gradients do not reach the weights ({blocked}): fix that first (see its finding)")
+    elif rising and (div := diverged(ctx)) and _slow_under_calm_updates(ctx, div, _ratio_max(ctx)):
+        hints.append(
+            f"the loss rose slowly while no step moved the weights by {fmt(_ratio_max(ctx))} of their norm or more: "
+            "not the step size. A target that moves as training goes does this (reinforcement learning: value "
+            "targets grow with the returns, as PPO's value loss does while the agent learns; a curriculum; a "
+            "regulariser whose weight grows): judge such a run by its own metric (the episode return). If the "
+            "objective is fixed, check that targets match inputs and that the loss compares the right tensors"
+        )
     elif math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low:
         hints.append(
             f"the weights do move (update/weight ratio {fmt(ratio)} per step) but the loss does not follow: check "
@@ -503,10 +511,12 @@ def loss_spike(ctx: Context) -> list[Finding]:
 @register_rule("lr_too_high")
 def lr_too_high(ctx: Context) -> list[Finding]:
     ratios = ctx.update_ratio_by_step()
-    r_max = float(ratios.values.max()) if len(ratios) else math.nan
+    r_max = _ratio_max(ctx)
     div = diverged(ctx)
     prog = progress(ctx)
     bad_step = _first_nonfinite(ctx.loss)
+    if div and bad_step is None and _slow_under_calm_updates(ctx, div, r_max):
+        div = None  # not the step size's doing: loss_not_decreasing says what else rises so
     reasons = []
     ev: dict = {}
     if math.isfinite(r_max):
@@ -548,6 +558,25 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _ratio_max(ctx: Context) -> float:
+    ratios = ctx.update_ratio_by_step()
+    return float(ratios.values.max()) if len(ratios) else math.nan
+
+
+def _slow_under_calm_updates(ctx: Context, div: dict, r_max: float) -> bool:
+    """The loss passed twice its initial value only after the first tenth of the run, stayed
+    under ten times it, and no recorded step moved the weight matrices by ``update_ratio_calm`` of
+    their norm: a target that moves as training goes (reinforcement learning's value targets grow
+    with the returns), not a rate that throws the weights about."""
+    loss = finite_loss(ctx)
+    steps = loss.steps
+    if not math.isfinite(r_max) or r_max >= ctx.th.update_ratio_calm or len(steps) < 6:
+        return False
+    if float(rolling_median(loss.values, 5).max()) >= 10 * div["initial_loss"]:
+        return False  # an explosion is a rate's, whatever the ratios said between recordings
+    return div["step"] >= steps[0] + 0.1 * (steps[-1] - steps[0])
 
 
 def _ratio_before(ctx: Context, ratios: Series, step: int | None) -> float | None:
