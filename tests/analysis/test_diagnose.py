@@ -373,6 +373,18 @@ def test_small_first_layer_gradients_are_fine_when_the_optimizer_makes_up_for_th
     assert "vanishing_gradient" not in kinds(diagnose(write_run(tmp_path / "r", layer_rows=rows)))
 
 
+def test_a_flat_loss_is_not_blamed_on_vanishing_gradients_the_optimizer_made_up_for(tmp_path):
+    # cleanrl's ppo.py (its critic's and actor's layers in one forward order, Adam): the loss finding
+    # said "gradients do not reach the weights (gradients vanish): fix that first (see its finding)",
+    # and there was no such finding: Adam moved every layer alike.
+    rows = vanishing_rows({"0.weight": 1e-3, "2.weight": 1e-3, "4.weight": 1e-3})
+    rng = np.random.default_rng(0)
+    fs = diagnose(write_run(tmp_path / "r", list(1.6 + 0.01 * rng.standard_normal(100)), layer_rows=rows))
+    assert "vanishing_gradient" not in kinds(fs)
+    [f] = [f for f in fs if f.kind == "loss_not_decreasing"]
+    assert "vanish" not in f.suggestion and "see its finding" not in f.suggestion, f.suggestion
+
+
 def test_small_first_layer_gradients_are_not_judged_at_a_step_that_made_no_update(tmp_path):
     # accelerate's nlp_example shape for 8 steps (a tiny random BERT, AdamW, get_linear_schedule_with_warmup,
     # every=10): the only recording is step 0, where the warm-up's rate is 0, so no layer moved and
