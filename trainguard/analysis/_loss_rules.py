@@ -356,8 +356,8 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
         hints.append(f"gradients do not reach the weights ({blocked}): fix that first (see its finding)")
     elif rising and (div := diverged(ctx)) and _slow_under_calm_updates(ctx, div, _ratio_max(ctx)):
         hints.append(
-            f"the loss rose slowly while no step moved the weights by {fmt(_ratio_max(ctx))} of their norm or more: "
-            "not the step size. A target that moves as training goes does this (reinforcement learning: value "
+            f"the loss rose slowly while no step moved the weights by more than {_ratio_max(ctx):.2g} of their norm "
+            f"({_ratio_max(ctx):.2%}): not the step size. A target that moves as training goes does this (reinforcement learning: value "
             "targets grow with the returns, as PPO's value loss does while the agent learns; a curriculum; a "
             "regulariser whose weight grows): judge such a run by its own metric (the episode return). If the "
             "objective is fixed, check that targets match inputs and that the loss compares the right tensors"
