@@ -1,0 +1,78 @@
+"""The monitor on a sparse mixture of experts: experts that get no tokens on some steps are
+skipped (no call, no gradient), so a layer may first run long after the first recording; an
+expert that gets a handful of tokens is measured on a handful of rows."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import trainguard
+from trainguard import Monitor
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.w1 = nn.Linear(d, h)
+        self.act = nn.ReLU()
+        self.w2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.w2(self.act(self.w1(x)))
+
+
+class SparseMoe(nn.Module):
+    """Top-1 routing as in transformers 4.x ``models/mixtral/modeling_mixtral.py``
+    (``MixtralSparseMoeBlock.forward``): a loop over the experts that got tokens, the others
+    are not called that step and get no gradient."""
+
+    def __init__(self, d: int = 8, h: int = 16, experts: int = 4):
+        super().__init__()
+        self.gate = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(Expert(d, h) for _ in range(experts))
+
+    def forward(self, x):
+        weights = F.softmax(self.gate(x), dim=-1)
+        w, sel = weights.max(dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            (idx,) = torch.where(sel == e)
+            if idx.numel() == 0:
+                continue
+            out.index_add_(0, idx, expert(x[idx]) * w[idx, None])
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.moe = SparseMoe()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(x + self.moe(x))
+
+
+def test_an_expert_first_routed_to_late_keeps_its_place_in_forward_order(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():  # the router follows the first four features: expert e gets the rows where x[:, e] is largest
+        model.moe.gate.weight.copy_(torch.eye(4, 8) * 10)
+        model.moe.gate.bias.zero_()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with Monitor(model, tmp_path / "run", every=5):
+        for step in range(12):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(32, 8, generator=g)
+            if step < 7:
+                x[:, 3] = -5.0  # no row goes to expert 3 before step 7
+            loss = F.cross_entropy(model(x), x[:, :3].argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    order = trainguard.open(tmp_path / "run").meta["monitor"]["order"]
+    assert "moe.experts.3.w1" in order
+    # expert 3 ran first at step 10, after the head had run: it still comes before the head
+    assert order.index("moe.experts.2.w2") < order.index("moe.experts.3.w1") < order.index("head")
