@@ -178,6 +178,8 @@ class Monitor(EventsMixin, HookMixin):
         self._layer_hooks_on = False
         self._hooks_pinned = False  # once Dynamo compiles, layer hooks stay (see compiling)
         self._order: list[str] = []  # layers in the order their forward ran
+        self._order_step: int | None = None  # the recording step that set that order
+        self._order_written = 0  # how many of them the run's metadata holds
         self._attach_listeners: list[Callable] = []
 
         # Per-step state.
