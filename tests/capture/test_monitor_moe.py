@@ -76,3 +76,42 @@ def test_an_expert_first_routed_to_late_keeps_its_place_in_forward_order(tmp_pat
     assert "moe.experts.3.w1" in order
     # expert 3 ran first at step 10, after the head had run: it still comes before the head
     assert order.index("moe.experts.2.w2") < order.index("moe.experts.3.w1") < order.index("head")
+
+
+def test_an_expert_that_gets_a_row_or_two_is_not_called_dead(tmp_path):
+    # davidmrau/mixture-of-experts example.py: 10 experts, top-4 of 5 rows. An expert that gets one
+    # row has about half of its ReLU units at 0 "for every sample" of that row: chance, not death.
+    # Eight experts over four rows each step, top-1: every expert sees 0-4 rows.
+    torch.manual_seed(0)
+    moe = SparseMoe(d=8, h=32, experts=8)
+    opt = torch.optim.Adam(moe.parameters(), lr=1e-3)
+    with Monitor(moe, tmp_path / "run", every=2) as mon:
+        for step in range(24):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(4, 8, generator=g)
+            loss = (moe(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    rows = {r["value"] for r in trainguard.open(tmp_path / "run").layer_stats(kind="activation")
+            if r["layer"].endswith(".act") and r["stat"] == "dead_rows"}
+    assert rows and max(rows) <= 4
+    assert not [f for f in mon.findings if f.kind == "dead_units"], [f.title for f in mon.findings]
+
+
+def test_dead_units_of_an_expert_that_gets_many_rows_are_found(tmp_path):
+    torch.manual_seed(0)
+    moe = SparseMoe(d=8, h=32, experts=2)
+    with torch.no_grad():
+        moe.experts[1].w1.bias.fill_(-100.0)  # every unit of expert 1 is dead
+    opt = torch.optim.SGD(moe.parameters(), lr=1e-3)
+    with Monitor(moe, tmp_path / "run", every=2) as mon:
+        for step in range(24):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(64, 8, generator=g)
+            loss = (moe(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    dead = [f for f in mon.findings if f.kind == "dead_units"]
+    assert dead and dead[0].layers == ["experts.1.act"], [f.title for f in mon.findings]
