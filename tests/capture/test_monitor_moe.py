@@ -115,3 +115,30 @@ def test_dead_units_of_an_expert_that_gets_many_rows_are_found(tmp_path):
             opt.step()
     dead = [f for f in mon.findings if f.kind == "dead_units"]
     assert dead and dead[0].layers == ["experts.1.act"], [f.title for f in mon.findings]
+
+
+def test_an_expert_routed_to_only_between_recordings_is_not_said_to_never_get_a_gradient(tmp_path):
+    # Top-1 of 8 experts over 2 rows: most experts get no row on most steps (no call, grad None),
+    # and an expert routed to only at steps the monitor does not record was named among the
+    # parameters that "never received a gradient". Expert 7 never gets a row: that one is named.
+    torch.manual_seed(0)
+    moe = SparseMoe(d=8, h=16, experts=8)
+    with torch.no_grad():  # expert e gets the rows where x[:, e] is largest
+        moe.gate.weight.copy_(torch.eye(8) * 10)
+        moe.gate.bias.zero_()
+    opt = torch.optim.Adam(moe.parameters(), lr=1e-3)
+    with Monitor(moe, tmp_path / "run", every=4) as mon:  # records steps 0, 4, 8, 12
+        for step in range(16):
+            x = torch.full((2, 8), -1.0)
+            x[0, step % 4] = 1.0  # experts 0-3 in turn: 1, 2 and 3 never at a recorded step
+            x[1, 4 + (step % 2)] = 1.0  # expert 4 at even steps, 5 at odd ones
+            if step % 4 == 1:
+                x[1, 6] = 2.0  # expert 6 at steps 1, 5, 9, 13
+            loss = (moe(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = [f for f in mon.findings if f.kind == "param_no_gradient"]
+    assert found, [f.title for f in mon.findings]
+    assert set(found[0].evidence["params"]) == {
+        "experts.7.w1.weight", "experts.7.w1.bias", "experts.7.w2.weight", "experts.7.w2.bias"}
