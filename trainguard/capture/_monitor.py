@@ -370,7 +370,8 @@ class Monitor(EventsMixin, HookMixin):
             return
         # Which parameters trained, and each layer's units, are known now (see structure); the
         # roots go with the hooks.
-        known = structure(self._roots, self._grads.trainable, self._grads.updaters) if self._roots else {}
+        known = (structure(self._roots, self._grads.trainable, self._grads.updaters, self._grads.gradient_steps)
+                 if self._roots else {})
         try:
             with self._no_record():
                 if self._backward_step == self._cur or self._auto_losses:
