@@ -142,3 +142,25 @@ def test_an_expert_routed_to_only_between_recordings_is_not_said_to_never_get_a_
     assert found, [f.title for f in mon.findings]
     assert set(found[0].evidence["params"]) == {
         "experts.7.w1.weight", "experts.7.w1.bias", "experts.7.w2.weight", "experts.7.w2.bias"}
+
+
+def test_experts_the_router_never_picks_are_named_as_such(tmp_path):
+    # Experts 2 and 3 of four never get a row: they are members of the experts ModuleList whose
+    # siblings get gradients, so the advice is about routing, not about a .detach() on the path.
+    torch.manual_seed(0)
+    moe = SparseMoe(d=8, h=16, experts=4)
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.eye(4, 8) * 10)
+        moe.gate.bias.zero_()
+    opt = torch.optim.Adam(moe.parameters(), lr=1e-3)
+    with Monitor(moe, tmp_path / "run", every=2) as mon:
+        for step in range(8):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            x[:, 2:4] = -5.0  # the router sends every row to expert 0 or 1
+            loss = (moe(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (found,) = [f for f in mon.findings if f.kind == "param_no_gradient"]
+    assert found.evidence["never_routed"] == {"experts": ["2", "3"]}
+    assert "experts.2, experts.3" in found.suggestion and "load-balancing" in found.suggestion, found.suggestion
