@@ -115,6 +115,32 @@ def model_not_trained(ctx: Context) -> list[Finding]:
     return out
 
 
+def _never_routed(ctx: Context, missing: list[str]) -> tuple[dict[str, list[str]], set[str]]:
+    """Members of a ModuleList (``experts.2``) none of whose parameters got a gradient while some
+    sibling's did: an expert of a mixture of experts that the router never sent a token. By list
+    path, the members' indices; and their parameters."""
+    gone = set(missing)
+
+    def member(name: str) -> tuple[str, str] | None:
+        parts = ctx.params[name].get("layer", "").split(".") if name in ctx.params else []
+        idx = [i for i, x in enumerate(parts) if x.isdigit() and i > 0]
+        return (".".join(parts[:idx[-1]]), parts[idx[-1]]) if idx else None
+
+    members: dict[tuple[str, str], list[str]] = {}
+    for p in _trainable(ctx):
+        m = member(p)
+        if m is not None:
+            members.setdefault(m, []).append(p)
+    out: dict[str, list[str]] = {}
+    params: set[str] = set()
+    for (path, i), ps in members.items():
+        if all(p in gone for p in ps) and any(
+                q == path and j != i and not any(p in gone for p in qs) for (q, j), qs in members.items()):
+            out.setdefault(path, []).append(i)
+            params.update(ps)
+    return {path: sorted(ix, key=int) for path, ix in out.items()}, params
+
+
 @register_rule("param_no_gradient")
 def param_no_gradient(ctx: Context) -> list[Finding]:
     missing = []
@@ -146,7 +172,16 @@ def param_no_gradient(ctx: Context) -> list[Finding]:
         evidence["no_grad"] = no_grad
         advice.append(f"{_who(no_grad, missing)} run with gradients off inside the training forward "
                       "(`torch.no_grad()`, `torch.set_grad_enabled(False)`): compute them outside that block")
-    if len(checkpointed) + len(no_grad) < len(missing):
+    routed, idle = _never_routed(ctx, [p for p in missing if p not in checkpointed and p not in no_grad])
+    if routed:
+        evidence["never_routed"] = routed
+        names = [f"{path}.{i}" for path, ix in routed.items() for i in ix]
+        advice.append(
+            f"{_names(names)} got no gradient while other members of {', '.join(routed)} did: as experts of a "
+            "mixture of experts, the router never sent them a token (a mask or bias that rules them out, a "
+            "collapsed router); check the routing, and add a load-balancing loss or raise its coefficient (if "
+            "they are layers the forward never calls, use or remove them)")
+    if len(checkpointed) + len(no_grad) + len(idle) < len(missing):
         advice.append("no gradient reaches them: look for `.detach()`, `torch.no_grad()`, `.data` or `.item()` "
                       "between them and the loss, or a layer defined but not used in `forward`; if they are "
                       "frozen on purpose, set `requires_grad=False`")
