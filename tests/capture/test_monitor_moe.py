@@ -164,3 +164,38 @@ def test_experts_the_router_never_picks_are_named_as_such(tmp_path):
     (found,) = [f for f in mon.findings if f.kind == "param_no_gradient"]
     assert found.evidence["never_routed"] == {"experts": ["2", "3"]}
     assert "experts.2, experts.3" in found.suggestion and "load-balancing" in found.suggestion, found.suggestion
+
+
+class DispatchMoe(SparseMoe):
+    """Dispatch as davidmrau/mixture-of-experts ``moe.py`` (``SparseDispatcher``): the batch is
+    split by each expert's row count and every expert is called, on an empty split when it got no
+    row (its gradient is then all zero, not None)."""
+
+    def forward(self, x):
+        weights = F.softmax(self.gate(x), dim=-1)
+        w, sel = weights.max(dim=-1)
+        order = torch.argsort(sel)
+        sizes = torch.bincount(sel, minlength=len(self.experts)).tolist()
+        parts = torch.split(x[order], sizes)
+        out = torch.cat([e(part) for e, part in zip(self.experts, parts)]) * w[order, None]
+        return torch.zeros_like(x).index_add(0, order, out)
+
+
+def test_experts_called_on_empty_splits_only_are_named_as_never_routed(tmp_path):
+    torch.manual_seed(0)
+    moe = DispatchMoe(d=8, h=16, experts=4)
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.eye(4, 8) * 10)
+        moe.gate.bias.zero_()
+    opt = torch.optim.Adam(moe.parameters(), lr=1e-3)
+    with Monitor(moe, tmp_path / "run", every=2) as mon:
+        for step in range(8):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            x[:, 3] = -5.0  # expert 3 is called on 0 rows every step
+            loss = (moe(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (found,) = [f for f in mon.findings if f.kind == "param_zero_gradient"]
+    assert found.evidence["never_routed"] == {"experts": ["3"]}
+    assert "experts.3" in found.suggestion and "load-balancing" in found.suggestion, found.suggestion
