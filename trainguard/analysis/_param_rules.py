@@ -141,6 +141,14 @@ def _never_routed(ctx: Context, missing: list[str]) -> tuple[dict[str, list[str]
     return {path: sorted(ix, key=int) for path, ix in out.items()}, params
 
 
+def _routing_advice(routed: dict[str, list[str]]) -> str:
+    names = [f"{path}.{i}" for path, ix in routed.items() for i in ix]
+    return (f"{_names(names)} got no gradient (none, or only zeros) while other members of {', '.join(routed)} "
+            "did: as experts of a mixture of experts, the router never sent them a token (a mask or bias that rules "
+            "them out, a collapsed router); check the routing, and add a load-balancing loss or raise its "
+            "coefficient (if they are layers the forward never calls, use or remove them)")
+
+
 @register_rule("param_no_gradient")
 def param_no_gradient(ctx: Context) -> list[Finding]:
     missing = []
@@ -175,12 +183,7 @@ def param_no_gradient(ctx: Context) -> list[Finding]:
     routed, idle = _never_routed(ctx, [p for p in missing if p not in checkpointed and p not in no_grad])
     if routed:
         evidence["never_routed"] = routed
-        names = [f"{path}.{i}" for path, ix in routed.items() for i in ix]
-        advice.append(
-            f"{_names(names)} got no gradient while other members of {', '.join(routed)} did: as experts of a "
-            "mixture of experts, the router never sent them a token (a mask or bias that rules them out, a "
-            "collapsed router); check the routing, and add a load-balancing loss or raise its coefficient (if "
-            "they are layers the forward never calls, use or remove them)")
+        advice.append(_routing_advice(routed))
     if len(checkpointed) + len(no_grad) + len(idle) < len(missing):
         advice.append("no gradient reaches them: look for `.detach()`, `torch.no_grad()`, `.data` or `.item()` "
                       "between them and the loss, or a layer defined but not used in `forward`; if they are "
@@ -213,14 +216,23 @@ def param_zero_gradient(ctx: Context) -> list[Finding]:
     if not zero:
         return []
     zero = ctx.ordered(zero)
+    evidence: dict = {"params": zero}
+    advice = []
+    routed, idle = _never_routed(ctx, zero)
+    if routed:
+        # an expert called on an empty slice of the batch (a split by each expert's token count)
+        evidence["never_routed"] = routed
+        advice.append(_routing_advice(routed))
+    if len(idle) < len(zero):
+        advice.append("the loss does not depend on them (multiplied by 0, masked out, or behind a constant "
+                      "branch); remove them or fix the path to the loss")
     return [
         Finding(
             kind="param_zero_gradient",
             severity="warning",
             title=f"{len(zero)} parameter(s) always get an all-zero gradient: {_names(zero)}",
-            evidence={"params": zero},
-            suggestion="the loss does not depend on them (multiplied by 0, masked out, or behind a constant "
-            "branch); remove them or fix the path to the loss",
+            evidence=evidence,
+            suggestion="; ".join(advice),
             steps=_steps(ctx),
             layers=_layers(ctx, zero),
             source=SOURCE,
