@@ -157,8 +157,10 @@ def _input_info(run: Run, item: dict) -> dict:
         summary = outs[0]["summary"] if outs else None
         description = describe_summary(summary)
         shape = outs[0].get("shape") if outs else None
-        if op_base(prod["op"]) in _SPLITS and len({repr((o.get("shape"), o.get("summary"))) for o in outs}) > 1:
+        if (op_base(prod["op"]) in _SPLITS and len({repr((o.get("shape"), o.get("summary"))) for o in outs}) > 1
+                and not any(_is_bad(o.get("summary")) for o in outs)):
             # Which piece this input is, the run does not say: output 0's values would be false evidence.
+            # (Pieces holding NaN/Inf keep output 0's: the chain's reasons read who passed them on.)
             summary = shape = None
             sizes = [_count(o["summary"], "size") for o in outs if "size" in (o.get("summary") or {})]
             span = f", of {min(sizes)} to {max(sizes)} values" if sizes else ""
