@@ -144,6 +144,28 @@ def test_a_loss_over_an_empty_selection_is_named_so(tmp_path, loss, op):
 
 
 @pytest.mark.parametrize("mode", ["full_health", "curt_health"])
+def test_the_mean_over_an_expert_that_got_no_tokens_is_named_so(tmp_path, mode):
+    # davidmrau/mixture-of-experts moe.py: SparseDispatcher.expert_to_gates splits the gates by each
+    # expert's token count (torch.split(gates, part_sizes)); with 8 experts and 4 tokens, some parts
+    # are empty and a per-expert mean of them is 0/0. The input read was split's output 0 (one
+    # token, finite), and the NaN was explained as a mean that overflowed.
+    gates = torch.tensor([[0.5], [0.7], [0.2], [0.9]])
+    part_sizes = [1, 1, 0, 1, 1, 0, 0, 0]
+
+    def f():
+        parts = torch.split(gates, part_sizes, dim=0)
+        conf = torch.stack([g.mean() for g in parts])
+        return conf.sum().item()
+
+    o = origin(record(tmp_path, f, mode))
+    assert o.origin.op == "aten.mean"
+    assert "empty" in o.origin.explanation and "overflow" not in o.origin.explanation, o.origin.explanation
+    assert "empty" in o.suggestion and "overflow" not in o.suggestion, o.suggestion
+    # which of split's outputs this is the run does not say: output 0 is not presented as the input
+    assert "1 positive" not in o.origin.inputs[0]["description"], o.origin.inputs[0]["description"]
+
+
+@pytest.mark.parametrize("mode", ["full_health", "curt_health"])
 def test_a_loss_whose_targets_are_all_ignored_is_named_so(tmp_path, mode):
     # A tiny GPT-2 (transformers' GPT2LMHeadModel) given a batch whose labels are all -100 (every
     # position padding): its cross_entropy averages over no target, 0/0. Under curt_health (no

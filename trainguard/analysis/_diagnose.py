@@ -21,6 +21,7 @@ from trainguard.analysis import (  # noqa: F401
 )
 from trainguard.analysis._causes import explain
 from trainguard.analysis._context import Context, fmt, median
+from trainguard.analysis._layer_rules import dead_series
 from trainguard.analysis._outcome import outcome_finding
 from trainguard.analysis._rules import RULES
 from trainguard.analysis._thresholds import Thresholds
@@ -180,7 +181,7 @@ def _verdict(ctx: Context) -> Finding:
     ratios = ctx.update_ratio_by_step()
     if len(ratios):
         ev["update_ratio_median"] = median(ratios.values)
-    dead = [median(ctx.window(ctx.stat(la, "activation", "dead_frac")).values)
+    dead = [median(ctx.window(dead_series(ctx, la)).values)
             for la in ctx.layers_with("activation", "dead_frac")]
     dead = [d for d in dead if math.isfinite(d)]
     if dead:

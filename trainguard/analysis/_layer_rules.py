@@ -32,11 +32,24 @@ def _feeding_params(ctx: Context, layer: str) -> list[str]:
     return []
 
 
+def dead_series(ctx: Context, layer: str, stat: str = "dead_frac") -> Series:
+    """A layer's dead-unit statistic at the recordings where it saw enough rows to tell a dead unit
+    from one that happened to be 0 on the few rows it got (an expert of a mixture that a batch routed
+    one token to); runs from before ``dead_rows`` was kept are taken whole."""
+    series = ctx.stat(layer, "activation", stat)
+    rows = ctx.stat(layer, "activation", "dead_rows")
+    if not len(rows):
+        return series
+    few = {int(s) for s, v in zip(rows.steps, rows.values) if v < ctx.th.dead_units_min_rows}
+    keep = np.array([int(s) not in few for s in series.steps], dtype=bool)
+    return Series(series.steps[keep], series.values[keep])
+
+
 def fully_dead_layers(ctx: Context) -> list[str]:
     """Layers whose every unit is silent in the later half of the run."""
     out = []
     for la in ctx.layers_with("activation", "dead_frac"):
-        if median(ctx.window(ctx.stat(la, "activation", "dead_frac")).values) >= 0.99:
+        if median(ctx.window(dead_series(ctx, la)).values) >= 0.99:
             out.append(la)
     return out
 
@@ -74,7 +87,7 @@ def dead_units(ctx: Context) -> list[Finding]:
             continue  # repeats the dead units of the layer before it
         if len(ctx.stat(la, "activation", "sat_frac")):
             continue  # a Sigmoid's exact zeros are its lower bound: saturated_activations' business
-        series = ctx.stat(la, "activation", "dead_frac")
+        series = dead_series(ctx, la)
         win = ctx.window(series)
         if len(win) < 2:
             continue
@@ -88,7 +101,7 @@ def dead_units(ctx: Context) -> list[Finding]:
         if frac < ctx.th.dead_units_warn:
             continue
         over = np.nonzero(series.values >= ctx.th.dead_units_warn)[0]
-        stay = median(ctx.window(ctx.stat(la, "activation", "dead_stay")).values)
+        stay = median(ctx.window(dead_series(ctx, la, "dead_stay")).values)
         per_layer[la] = {
             "dead_fraction": frac,
             "first_fraction": float(series.values[0]),

@@ -31,6 +31,12 @@ _EXPS = {"exp", "exp_", "exp2", "expm1", "sinh", "cosh", "pow", "square"}
 _ACCUM = {"mm", "addmm", "bmm", "matmul", "baddbmm", "sum", "mean", "linear", "conv2d", "convolution",
           "cumsum", "dot", "mv", "einsum", "_softmax", "softmax", "_log_softmax", "log_softmax"}
 _MULS = {"mul", "mul_"}
+# Averages: from finite values they make inf when the sum overflows, NaN only over no values (0/0).
+_MEANS = {"mean"}
+# Ops whose outputs are peers, any of which a consumer may read (the run records the producer, not
+# which of its outputs was read).
+_SPLITS = {"split", "split_with_sizes", "unsafe_split", "unsafe_split_with_sizes", "chunk", "unsafe_chunk",
+           "tensor_split", "unbind"}
 # Reductions with Bessel's correction (default 1): they divide by N - correction.
 _STDS = {"std", "var", "std_mean", "var_mean"}
 _BATCH_NORMS = {"native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm",
@@ -147,11 +153,22 @@ def _input_info(run: Run, item: dict) -> dict:
     prod = item.get("producer_digest")
     if item["kind"] == "op" and prod:
         fr = run.user_frame(prod["stack_id"])
-        summary = prod["outputs"][0]["summary"] if prod["outputs"] else None
+        outs = prod["outputs"]
+        summary = outs[0]["summary"] if outs else None
+        description = describe_summary(summary)
+        shape = outs[0].get("shape") if outs else None
+        if (op_base(prod["op"]) in _SPLITS and len({repr((o.get("shape"), o.get("summary"))) for o in outs}) > 1
+                and not any(_is_bad(o.get("summary")) for o in outs)):
+            # Which piece this input is, the run does not say: output 0's values would be false evidence.
+            # (Pieces holding NaN/Inf keep output 0's: the chain's reasons read who passed them on.)
+            summary = shape = None
+            sizes = [_count(o["summary"], "size") for o in outs if "size" in (o.get("summary") or {})]
+            span = f", of {min(sizes)} to {max(sizes)} values" if sizes else ""
+            description = (f"one of its {len(outs)} outputs (the run does not record which){span}"
+                           + (f"; {sizes.count(0)} of them empty" if 0 in sizes else ""))
         info.update(
-            producer=prod["seq"], producer_op=prod["op"], summary=summary, description=describe_summary(summary),
-            shape=prod["outputs"][0].get("shape") if prod["outputs"] else None,
-            dtype=prod["outputs"][0].get("dtype") if prod["outputs"] else None,
+            producer=prod["seq"], producer_op=prod["op"], summary=summary, description=description,
+            shape=shape, dtype=outs[0].get("dtype") if outs else None,
             file=fr["filename"] if fr else None, line=fr["lineno"] if fr else None,
             taint=prod.get("taint"), origin_seq=prod.get("origin"), producer_phase=prod.get("phase"),
         )
@@ -332,6 +349,10 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
     empty = _empty_input(link)
     if empty is not None:
         src = empty.get("producer_op") or empty.get("name") or "an input"
+        if (empty.get("summary") or {}).get("size") != 0:
+            return (f"{base} reduced an empty input to {made}: from finite values a mean is NaN only when it "
+                    f"averages no values (0/0), so input {empty['slot']} ({src}, {empty.get('description')}) was "
+                    "empty")
         return (f"{base} reduced an empty input to {made}: input {empty['slot']} ({src}) holds 0 values, and "
                 "the mean of no values is 0/0")
     ignored = _IGNORED if ignore_index is None else f"ignore_index ({ignore_index})"
@@ -516,7 +537,13 @@ def _empty_input(link: Link) -> dict | None:
     empty batch or selection: only an average makes a value out of nothing, and it is 0/0)."""
     if "nan" not in link.health:
         return None
-    return next((i for i in link.inputs if (i.get("summary") or {}).get("size") == 0), None)
+    empty = next((i for i in link.inputs if (i.get("summary") or {}).get("size") == 0), None)
+    if empty is None and op_base(link.op) in _MEANS and link.health == ["nan"] and link.inputs \
+            and link.inputs[0]["kind"] in ("op", "param", "buffer") and not _is_bad(link.inputs[0].get("summary")):
+        # NaN and no inf from a recorded input that held none: an overflow makes inf, so 0/0 over no
+        # values is what is left (the input's own summary may be unknown: a piece of a split)
+        return link.inputs[0]
+    return empty
 
 
 def _no_target_counted(link: Link) -> bool:

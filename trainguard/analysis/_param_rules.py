@@ -115,12 +115,48 @@ def model_not_trained(ctx: Context) -> list[Finding]:
     return out
 
 
+def _never_routed(ctx: Context, missing: list[str]) -> tuple[dict[str, list[str]], set[str]]:
+    """Members of a ModuleList (``experts.2``) none of whose parameters got a gradient while some
+    sibling's did: an expert of a mixture of experts that the router never sent a token. By list
+    path, the members' indices; and their parameters."""
+    gone = set(missing)
+
+    def member(name: str) -> tuple[str, str] | None:
+        parts = ctx.params[name].get("layer", "").split(".") if name in ctx.params else []
+        idx = [i for i, x in enumerate(parts) if x.isdigit() and i > 0]
+        return (".".join(parts[:idx[-1]]), parts[idx[-1]]) if idx else None
+
+    members: dict[tuple[str, str], list[str]] = {}
+    for p in _trainable(ctx):
+        m = member(p)
+        if m is not None:
+            members.setdefault(m, []).append(p)
+    out: dict[str, list[str]] = {}
+    params: set[str] = set()
+    for (path, i), ps in members.items():
+        if all(p in gone for p in ps) and any(
+                q == path and j != i and not any(p in gone for p in qs) for (q, j), qs in members.items()):
+            out.setdefault(path, []).append(i)
+            params.update(ps)
+    return {path: sorted(ix, key=int) for path, ix in out.items()}, params
+
+
+def _routing_advice(routed: dict[str, list[str]]) -> str:
+    names = [f"{path}.{i}" for path, ix in routed.items() for i in ix]
+    return (f"{_names(names)} got no gradient (none, or only zeros) while other members of {', '.join(routed)} "
+            "did: as experts of a mixture of experts, the router never sent them a token (a mask or bias that rules "
+            "them out, a collapsed router); check the routing, and add a load-balancing loss or raise its "
+            "coefficient (if they are layers the forward never calls, use or remove them)")
+
+
 @register_rule("param_no_gradient")
 def param_no_gradient(ctx: Context) -> list[Finding]:
     missing = []
     for p in _trainable(ctx):
         present = ctx.stat(p, "gradient", "present")
-        if len(present) >= 2 and np.all(present.values == 0):
+        # (a gradient at a step the monitor did not record counts: an expert of a mixture of experts
+        # that the router sent tokens to only between recordings)
+        if len(present) >= 2 and np.all(present.values == 0) and not ctx.params.get(p, {}).get("gradient_steps"):
             missing.append(p)
     if not missing or len(missing) == len(_trainable(ctx)):
         return []  # no parameter at all with a gradient: nothing was trained under the monitor
@@ -144,7 +180,11 @@ def param_no_gradient(ctx: Context) -> list[Finding]:
         evidence["no_grad"] = no_grad
         advice.append(f"{_who(no_grad, missing)} run with gradients off inside the training forward "
                       "(`torch.no_grad()`, `torch.set_grad_enabled(False)`): compute them outside that block")
-    if len(checkpointed) + len(no_grad) < len(missing):
+    routed, idle = _never_routed(ctx, [p for p in missing if p not in checkpointed and p not in no_grad])
+    if routed:
+        evidence["never_routed"] = routed
+        advice.append(_routing_advice(routed))
+    if len(checkpointed) + len(no_grad) + len(idle) < len(missing):
         advice.append("no gradient reaches them: look for `.detach()`, `torch.no_grad()`, `.data` or `.item()` "
                       "between them and the loss, or a layer defined but not used in `forward`; if they are "
                       "frozen on purpose, set `requires_grad=False`")
@@ -176,14 +216,23 @@ def param_zero_gradient(ctx: Context) -> list[Finding]:
     if not zero:
         return []
     zero = ctx.ordered(zero)
+    evidence: dict = {"params": zero}
+    advice = []
+    routed, idle = _never_routed(ctx, zero)
+    if routed:
+        # an expert called on an empty slice of the batch (a split by each expert's token count)
+        evidence["never_routed"] = routed
+        advice.append(_routing_advice(routed))
+    if len(idle) < len(zero):
+        advice.append("the loss does not depend on them (multiplied by 0, masked out, or behind a constant "
+                      "branch); remove them or fix the path to the loss")
     return [
         Finding(
             kind="param_zero_gradient",
             severity="warning",
             title=f"{len(zero)} parameter(s) always get an all-zero gradient: {_names(zero)}",
-            evidence={"params": zero},
-            suggestion="the loss does not depend on them (multiplied by 0, masked out, or behind a constant "
-            "branch); remove them or fix the path to the loss",
+            evidence=evidence,
+            suggestion="; ".join(advice),
             steps=_steps(ctx),
             layers=_layers(ctx, zero),
             source=SOURCE,

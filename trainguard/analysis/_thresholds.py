@@ -64,6 +64,9 @@ class Thresholds:
     # ---- activations
     dead_units_warn: float = _t(0.5, "half of a layer's units silent for a whole batch halves its capacity")
     dead_units_error: float = _t(0.9, "nine units in ten silent: the layer passes almost nothing on")
+    dead_units_min_rows: float = _t(
+        8, "a ReLU unit is 0 on about half of its inputs: on 1 row half the units look dead by chance, on 8 rows 0.4%"
+    )
     act_explode_rms: float = _t(
         100.0, "activations 100x the input scale: each layer amplifies (healthy layers stay within ~10x)"
     )

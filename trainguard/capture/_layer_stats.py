@@ -85,7 +85,8 @@ def activation_stats(
     mask, ``finish(raw_values) -> stat values``). Counts are divided on the host: fewer small ops
     on the device, where each costs a dispatch. A unit (a feature, or a channel for convolutions)
     is dead when it is zero for every sample and position of the batch; ``dead_stay`` is the
-    fraction of the units dead at the previous recording that are still dead now.
+    fraction of the units dead at the previous recording that are still dead now; ``dead_rows``
+    the number of values (samples x positions) each unit had to be zero on.
     """
     x = _float(x.detach())
     flat = x.reshape(-1)  # a view when contiguous
@@ -127,6 +128,7 @@ def activation_stats(
             raw += [(dead & prev_dead).sum(dtype=dt), prev_dead.sum(dtype=dt)]
             names.append("dead_stay")
             stay = True
+        names.append("dead_rows")  # how many values each unit had to be 0 on (known here: no device work)
     if saturation == "tanh":
         # Bound of tanh-like outputs is 1 (Hardtanh's default); within 1% of it counts as saturated.
         bound = 1.0 - SATURATION_MARGIN
@@ -148,6 +150,7 @@ def activation_stats(
             if stay:
                 out.append(v[i] / max(v[i + 1], 1.0))
                 i += 2
+            out.append(n / units)
         if has_sat:
             out.append(v[i] / n)
         return out

@@ -178,6 +178,8 @@ class Monitor(EventsMixin, HookMixin):
         self._layer_hooks_on = False
         self._hooks_pinned = False  # once Dynamo compiles, layer hooks stay (see compiling)
         self._order: list[str] = []  # layers in the order their forward ran
+        self._order_step: int | None = None  # the recording step that set that order
+        self._order_written = 0  # how many of them the run's metadata holds
         self._attach_listeners: list[Callable] = []
 
         # Per-step state.
@@ -368,7 +370,8 @@ class Monitor(EventsMixin, HookMixin):
             return
         # Which parameters trained, and each layer's units, are known now (see structure); the
         # roots go with the hooks.
-        known = structure(self._roots, self._grads.trainable, self._grads.updaters) if self._roots else {}
+        known = (structure(self._roots, self._grads.trainable, self._grads.updaters, self._grads.gradient_steps)
+                 if self._roots else {})
         try:
             with self._no_record():
                 if self._backward_step == self._cur or self._auto_losses:

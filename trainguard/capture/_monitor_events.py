@@ -245,8 +245,9 @@ class EventsMixin:
         if self._recording or len(self._out.scalars) > MAX_BUFFERED_STEPS:
             self._out.ship(keep=s)
         self._out.resolve(wait=False)
-        if self.modes != self._modes_written:
+        if self.modes != self._modes_written or len(self._order) != self._order_written:
             self._modes_written = dict(self.modes)
+            self._order_written = len(self._order)
             self._write_meta(modes=dict(self.modes), order=list(self._order))
         if self.no_grad_layers != self._no_grad_written:
             self._no_grad_written = dict(self.no_grad_layers)

@@ -94,11 +94,15 @@ class GradientWatch:
         self._opt_params: set[int] = set()  # ids of the parameters some optimizer owns
         self.trainable: set[int] = set()  # ids of the Params an optimizer updated while they required grad
         self.updaters: dict[int, tuple[str, bool]] = {}  # id(Param) -> (optimizer class, orthogonalises)
+        # id(Param) -> the steps it had a gradient in, recorded or not: an expert of a mixture that
+        # tokens reach only between recordings did get gradients
+        self.gradient_steps: dict[int, int] = {}
         self._hooks: list = []
         self._reset()
 
     def _reset(self) -> None:
         self._seen: set[int] = set()  # parameters whose gradient this step has been read
+        self._had: set[int] = set()  # parameters with a gradient this step
         self._stale_seen: set[int] = set()
         self._reading = _Reading()
         self._tentative = False
@@ -179,6 +183,8 @@ class GradientWatch:
                 g = local(g)  # FSDP2: this rank's shard (see _local)
             if recording:
                 buf.consts.append((step, p.name, "gradient", "present", 0.0 if g is None else 1.0))
+            if g is not None:
+                self._had.add(key)
             if g is None or g.is_sparse or not g.numel():  # an empty shard says nothing about its parameter
                 continue
             if n is not None:
@@ -332,6 +338,8 @@ class GradientWatch:
             self._weights(params, step, buf.wnorm)
             if self._manual_snap is not None and not self._stepped:
                 self._updates(self._manual_snap, step)  # an update made by hand (no optimizer)
+        for key in self._had:
+            self.gradient_steps[key] = self.gradient_steps.get(key, 0) + 1
         self._reset()
         return values
 

@@ -345,6 +345,25 @@ class HookMixin:
                     self._take_input(name, x)
             self._layer_stats(layer, args, output)
 
+    def _place(self, name: str) -> None:
+        """Put a layer seen for the first time into the forward order. Layers of the first recording
+        step follow one another as they ran; one first seen in a later step (an expert of a mixture
+        that no token was routed to before, a branch taken late) goes after the layer registered just
+        before it, not after the layers that ran after it (the head): "first" and "last" layer mean
+        depth to the rules."""
+        if self._order_step is None:
+            self._order_step = self._cur
+        if self._cur == self._order_step:
+            self._order.append(name)
+            return
+        rank = {n: i for i, n in enumerate(la.name for r in self._roots for la in r.layers)}
+        mine = rank.get(name)
+        if mine is None:
+            self._order.append(name)
+            return
+        before = [(rank[n], i) for i, n in enumerate(self._order) if rank.get(n, mine) < mine]
+        self._order.insert(max(before)[1] + 1 if before else 0, name)
+
     def _layer_stats(self, layer: Layer, args, output) -> None:
         try:
             x = first_tensor(output)
@@ -352,7 +371,7 @@ class HookMixin:
                 return
             layer.seen_step = self._cur
             if layer.name not in self._order:
-                self._order.append(layer.name)
+                self._place(layer.name)
             if layer.channel_first:
                 unit_dim = 1
                 self._chan_out[id(x)] = tuple(x.shape)

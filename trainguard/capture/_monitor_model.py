@@ -142,7 +142,8 @@ def named_models(model: nn.Module | Iterable[nn.Module] | dict[str, nn.Module] |
 
 
 def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
-              updaters: dict[int, tuple[str, bool]] | None = None) -> dict:
+              updaters: dict[int, tuple[str, bool]] | None = None,
+              gradient_steps: dict[int, int] | None = None) -> dict:
     """The run metadata describing the watched layers and parameters (read by the diagnosis).
 
     ``trainable``: ids of the Params that required grad when attached or when an optimizer
@@ -151,6 +152,7 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
     about to step, and the model may be attached (or the run closed) inside that window.
     ``updaters``: per Param id, the class of the optimizer holding it and whether that optimizer
     orthogonalises its updates (Muon), stored as ``optimizer`` and ``orthogonalised``.
+    ``gradient_steps``: per Param id, how many steps it had a gradient in (recorded or not).
     """
     updaters = updaters or {}
 
@@ -159,6 +161,8 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
                 "requires_grad": bool(p.ref() is not None and p.ref().requires_grad) or id(p) in trainable}
         if id(p) in updaters:
             info["optimizer"], info["orthogonalised"] = updaters[id(p)]
+        if gradient_steps is not None:
+            info["gradient_steps"] = gradient_steps.get(id(p), 0)
         return info
 
     def layer(la: Layer) -> dict:
