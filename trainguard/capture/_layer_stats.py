@@ -253,6 +253,34 @@ def grad_stats(grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[str], list
     return torch.stack(cols, dim=1), ["mean_abs", "max_abs", "norm", "nonfinite"], list(l2)
 
 
+def sparse_values(g: torch.Tensor) -> torch.Tensor | None:
+    """The values a sparse gradient holds, with duplicate indices summed as in the dense tensor
+    (``nn.EmbeddingBag(sparse=True)`` leaves one row per lookup), padded with zero rows; None for a
+    layout without values. Its norm, maximum, L1 norm and NaN/Inf count are the dense tensor's.
+
+    ``coalesce()`` reads the number of distinct indices back to the host; a sort, a cumulative sum
+    and an ``index_add_`` into a tensor of the values' own shape need no sync.
+    """
+    if g.layout != torch.sparse_coo:
+        try:
+            return g.values()  # compressed layouts store each index once
+        except RuntimeError:
+            return None
+    if g.is_coalesced():
+        return g._values()
+    idx, vals = g._indices(), g._values()
+    if not vals.shape[0]:
+        return vals
+    flat = idx[0]
+    for d in range(1, idx.shape[0]):
+        flat = flat * g.shape[d] + idx[d]
+    ordered, perm = torch.sort(flat)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    slot = torch.cumsum(first, 0) - 1  # the index's rank among the distinct ones
+    return torch.zeros_like(vals).index_add_(0, slot, vals[perm])
+
+
 def _stack32(ts: list[torch.Tensor]) -> torch.Tensor:
     if all(t.dtype == torch.float32 for t in ts):
         return torch.stack(ts)
