@@ -220,7 +220,7 @@ class SparseEmbNet(nn.Module):
         pooled = self.emb(ids)
         if pooled.requires_grad:
             bad = (ids == 31).any(dim=1, keepdim=True)
-            pooled.register_hook(lambda g: torch.where(bad, g * 1e39, g))  # HOOK_LINE
+            pooled.register_hook(lambda g: torch.where(bad, g * 1e39, g))
         return self.mlp(torch.cat([x, pooled], dim=1))
 
 
@@ -245,7 +245,7 @@ def test_an_inf_in_a_sparse_embedding_gradient_is_caught_at_its_step(tmp_path):
     assert event["trigger"] == "nonfinite_grad" and event["step"] == 12 and event["action"] == "skip"
     assert [b["batch"] for b in event["skipped"]] == [12]
     link = event["origin"]["origin"]
-    assert link["phase"] == "backward" and link["line"] == line_of("HOOK_LINE", SparseEmbNet)
+    assert link["phase"] == "backward" and link["op"].startswith("aten.mul")  # the hook's g * 1e39
 
 
 def lbfgs_state(data, **kw):
