@@ -672,6 +672,40 @@ def test_sparse_embedding_gradients_count_in_the_gradient_norm_and_the_layer_sta
         assert stats_of(run, 2, "emb_l.1.weight", "gradient")["nonfinite"] > 0
 
 
+class SpectralConv2d(nn.Module):
+    """zongyi-li/fourier_neural_operator fourier_2d.py's Fourier layer: complex weights
+    (``torch.rand(..., dtype=torch.cfloat)``) on the lowest modes of ``torch.fft.rfft2``."""
+
+    def __init__(self, width: int, modes: int) -> None:
+        super().__init__()
+        self.modes = modes
+        self.weights1 = nn.Parameter(torch.rand(width, width, modes, modes, dtype=torch.cfloat) / width**2)
+
+    def forward(self, x):
+        x_ft = torch.fft.rfft2(x)
+        out_ft = torch.zeros(x.shape[0], x.shape[1], x.size(-2), x.size(-1) // 2 + 1, dtype=torch.cfloat)
+        m = self.modes
+        out_ft[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :m, :m], self.weights1)
+        return torch.fft.irfft2(out_ft, s=(x.size(-2), x.size(-1)))
+
+
+def test_histograms_of_complex_weights_hold_both_parts_without_a_warning(tmp_path, recwarn):
+    torch.manual_seed(0)
+    model = nn.Sequential(SpectralConv2d(4, 3), nn.GELU())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with Monitor(model, tmp_path / "run", every=1, histograms=True, diagnose=False):
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(2, 4, 8, 8)).pow(2).mean().backward()
+            opt.step()
+    assert not [w for w in recwarn if "complex" in str(w.message)], [str(w.message) for w in recwarn]
+    w = torch.view_as_real(model[0].weights1.detach())
+    with open_run(tmp_path / "run") as run:
+        [h] = [h for h in run.histograms(layer="0.weights1", kind="weight") if h["step"] == 1]
+    assert sum(h["counts"]) == w.numel()  # real and imaginary parts
+    assert h["edges"][0] == pytest.approx(w.min().item()) and h["edges"][-1] == pytest.approx(w.max().item())
+
+
 class _LoraLinear(nn.Module):
     """peft's LoRA ``Linear`` in small: a frozen base layer plus ``lora_B(lora_A(x)) * alpha / r``,
     B initialised to zero (the adapter starts as the identity change)."""
