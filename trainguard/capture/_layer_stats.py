@@ -218,7 +218,10 @@ def histogram(x: torch.Tensor, bins: int) -> torch.Tensor:
     ``torch.histc`` and ``bincount`` read their range or size back to the host on accelerators;
     a scatter-add into fixed bins does not.
     """
-    x = _float(x.detach()).reshape(-1)
+    x = x.detach()
+    if x.is_complex():  # FNO's spectral weights: both parts, as optimizers see them (view_as_real)
+        x = torch.view_as_real(x)
+    x = _float(x).reshape(-1)
     if not x.numel():  # an empty shard (FSDP2 splits a size-1 bias over two ranks): no range, no counts
         return torch.cat([torch.full((2,), math.nan, device=x.device), torch.zeros(bins, device=x.device)])
     finite = torch.isfinite(x)
