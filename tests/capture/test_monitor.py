@@ -706,6 +706,46 @@ def test_histograms_of_complex_weights_hold_both_parts_without_a_warning(tmp_pat
     assert h["edges"][0] == pytest.approx(w.min().item()) and h["edges"][-1] == pytest.approx(w.max().item())
 
 
+class PackedLSTM(nn.Module):
+    """bentrevett/pytorch-sentiment-analysis "2 - Recurrent Neural Networks.ipynb"'s LSTM in small:
+    an embedding with a padding index, ``pack_padded_sequence`` into a bidirectional two-layer
+    ``nn.LSTM`` (which returns ``(PackedSequence, (hidden, cell))``), the last hidden states into
+    a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(30, 8, padding_idx=0)
+        self.lstm = nn.LSTM(8, 6, 2, bidirectional=True, batch_first=True)
+        self.fc = nn.Linear(12, 2)
+
+    def forward(self, ids, length):
+        packed = nn.utils.rnn.pack_padded_sequence(self.embedding(ids), length, batch_first=True,
+                                                   enforce_sorted=False)
+        packed_output, (hidden, cell) = self.lstm(packed)
+        return self.fc(torch.cat([hidden[-1], hidden[-2]], dim=-1))
+
+
+def test_a_packed_lstm_has_activation_stats(tmp_path):
+    model = PackedLSTM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seen = []
+    model.lstm.register_forward_hook(lambda m, a, o: seen.append(o[0].data.detach().clone()))
+    g = torch.Generator().manual_seed(0)
+    with Monitor(model, tmp_path / "run", every=1, diagnose=False):
+        for _ in range(2):
+            length = torch.randint(1, 7, (4,), generator=g)
+            ids = torch.randint(1, 30, (4, 6), generator=g) * (torch.arange(6) < length[:, None])
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(ids, length), torch.tensor([0, 1, 1, 0])).backward()
+            opt.step()
+    with open_run(tmp_path / "run") as run:
+        got = stats_of(run, 1, "lstm", "activation")
+    assert got, "the LSTM's output (the PackedSequence's data) is measured"
+    assert got["mean"] == pytest.approx(seen[1].mean().item(), rel=1e-4, abs=1e-6)
+    assert got["max"] == pytest.approx(seen[1].max().item())
+
+
 class _LoraLinear(nn.Module):
     """peft's LoRA ``Linear`` in small: a frozen base layer plus ``lora_B(lora_A(x)) * alpha / r``,
     B initialised to zero (the adapter starts as the identity change)."""
