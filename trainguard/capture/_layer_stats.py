@@ -60,13 +60,17 @@ def is_mode_module(module: nn.Module) -> bool:
 
 
 def first_tensor(value) -> torch.Tensor | None:
-    """The tensor a layer produced: the output itself, or the first tensor of a tuple (LSTM, attention)."""
+    """The tensor a layer produced: the output itself, or the first tensor of a tuple (LSTM, attention);
+    a PackedSequence's data, also first in a tuple (a packed LSTM's ``(PackedSequence, (h, c))``)."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (tuple, list)):
         for v in value:
             if isinstance(v, torch.Tensor):
                 return v
+        head = value[0] if value else None
+        if isinstance(head, tuple) and isinstance(getattr(head, "data", None), torch.Tensor):
+            return head.data  # PackedSequence (a named tuple)
         return None
     data = getattr(value, "data", None)  # PackedSequence
     return data if isinstance(data, torch.Tensor) else None
