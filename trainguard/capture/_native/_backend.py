@@ -3,6 +3,7 @@ turns its drained records into the writer's batches (the same tuples the dispatc
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -167,12 +168,16 @@ class NativeBackend:
         # Core::last_seq), in seq order.
         if cut < len(records):
             judge = [i for i in judge if i < cut]
-        if len(judge) == len(records):
-            records, pins, resend, counts, meta = tracker.judge(records, rec.fields)
-        else:
-            judged, pins, resend, counts, meta = tracker.judge([records[i] for i in judge], rec.fields)
-            for i, r in zip(judge, judged):
-                records[i] = r
+        tracker.find_record = _finder(records)
+        try:
+            if len(judge) == len(records):
+                records, pins, resend, counts, meta = tracker.judge(records, rec.fields)
+            else:
+                judged, pins, resend, counts, meta = tracker.judge([records[i] for i in judge], rec.fields)
+                for i, r in zip(judge, judged):
+                    records[i] = r
+        finally:
+            tracker.find_record = None
         if live is not None:
             tracker.prune(set(live))
             self._pruned_step = _clock.step
@@ -282,3 +287,14 @@ class _Null:
 
 
 _NULL = _Null()
+
+
+def _finder(records: list):
+    """seq -> record of a drained batch (in seq order), for the judge's rare look-ups (an
+    in-place write with a non-finite value into a view: is it a parameter's?)."""
+
+    def find(seq: int):
+        i = bisect.bisect_left(records, seq, key=lambda r: r[0])
+        return records[i] if i < len(records) and records[i][0] == seq else None
+
+    return find
