@@ -271,7 +271,11 @@ class _DispatchMode(TorchDispatchMode):
 
             cls = info[6]
             # a view of a parameter, or an in-place write into one (emb.weight[1] = inf): see _taint
-            into = r.taint.view_of_model_state(seq, cls, info[8], inputs) if r.judge_here else None
+            into = None
+            if r.judge_here and inputs:  # (most ops: one string compare, or one dict look-up)
+                k0 = inputs[0]
+                if k0[0] == "param" or k0[0] == "buffer" or (k0[0] == "op" and k0[1] in r.taint.param_views):
+                    into = r.taint.view_of_model_state(seq, cls, info[8], inputs)
             fields = r.fields
             summaries = [] if fields else None
             metas = []
