@@ -70,6 +70,7 @@ class NativeBackend:
                                 sorted(rec.dtypes, key=str) if rec.dtypes else [], rec._on_new_stack)
         self.unsure_warned = False
         self.unsure = 0
+        self._prev_records: list = []  # the batch drained before: a view made just before a drain
         # Taint (capture/_taint.py): the core's records are judged in Python as they are drained,
         # by the recorder's Tracker and its rule, in seq order; records whose health reaches the
         # host later (device summaries) by the writer's thread, as the dispatch mode hands them on.
@@ -168,7 +169,8 @@ class NativeBackend:
         # Core::last_seq), in seq order.
         if cut < len(records):
             judge = [i for i in judge if i < cut]
-        tracker.find_record = _finder(records)
+        tracker.find_record = _finder(self._prev_records, records)
+        self._prev_records = records
         try:
             if len(judge) == len(records):
                 records, pins, resend, counts, meta = tracker.judge(records, rec.fields)
@@ -289,12 +291,15 @@ class _Null:
 _NULL = _Null()
 
 
-def _finder(records: list):
-    """seq -> record of a drained batch (in seq order), for the judge's rare look-ups (an
+def _finder(*batches: list):
+    """seq -> record of the drained batches (each in seq order), for the judge's rare look-ups (an
     in-place write with a non-finite value into a view: is it a parameter's?)."""
 
     def find(seq: int):
-        i = bisect.bisect_left(records, seq, key=lambda r: r[0])
-        return records[i] if i < len(records) and records[i][0] == seq else None
+        for records in batches:
+            i = bisect.bisect_left(records, seq, key=lambda r: r[0])
+            if i < len(records) and records[i][0] == seq:
+                return records[i]
+        return None
 
     return find
