@@ -234,3 +234,12 @@ def test_sparse_embeddings_with_the_default_adam_say_which_optimizer_to_pass():
     r = doctor.overfit_one_batch(_SparseEmbNet(), batch, nn.MSELoss(), steps=5,
                                  optimizer_factory=lambda p: torch.optim.Adagrad(p, lr=0.01))
     assert r.losses and all(math.isfinite(v) for v in r.losses)
+
+
+def test_the_checklist_overfits_sparse_embeddings_with_the_given_optimizer():
+    torch.manual_seed(0)
+    x = torch.cat([torch.rand(16, 4), torch.randint(0, 20, (16, 2)).float()], 1)
+    report = doctor.run_checklist(_SparseEmbNet(), [(x, torch.rand(16))], nn.MSELoss(), checks=("overfit",),
+                                  optimizer_factory=lambda p: torch.optim.Adagrad(p, lr=0.01), overfit_steps=5)
+    [result] = report.results
+    assert type(result).__name__ == "OverfitResult", result
