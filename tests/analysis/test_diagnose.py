@@ -196,6 +196,7 @@ def test_dead_units_severity_and_threshold_override(tmp_path):
     dead = [f for f in fs if f.kind == "dead_units"][0]
     assert dead.severity == "warning" and dead.layers == ["1"]
     assert dead.evidence["layers"]["1"]["stay_dead"] == 1.0
+    assert dead.title.endswith("all of them stay dead from one recording to the next"), dead.title  # not "100%+"
     assert "revive_dead_units" in dead.suggestion
     assert "dead_units" not in kinds(diagnose(run, thresholds={"DEAD_UNITS_WARN": 0.8}))
     assert [f for f in diagnose(run, thresholds={"dead_units_error": 0.6}) if f.kind == "dead_units"][0].severity == "error"

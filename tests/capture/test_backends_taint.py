@@ -102,6 +102,23 @@ def _param_and_optimizer():
     return make
 
 
+def _inf_into_an_embedding_row():
+    # facebookresearch/dlrm's nn.EmbeddingBag(mode="sum", sparse=True) table, one row of which
+    # a user overwrites with +inf (a pretrained vector read with an overflow): the write into the
+    # parameter, through the row's view, is where the inf became harmful.
+    def make():
+        emb = nn.EmbeddingBag(10, 4, mode="sum", sparse=True)
+        ids = torch.tensor([[1, 2], [3, 4]])
+
+        def program():
+            emb(ids).sum()  # (the recorder names a module's parameters when it first runs)
+            with torch.no_grad():
+                emb.weight[1] = INF  # ROW_LINE
+            emb(ids).sum()
+        return program
+    return make
+
+
 PROGRAMS = {
     # name: (make_program, what the run must hold: "harmful", "intended" or both)
     "exp_into_loss": (_exp_into_loss, {"harmful"}),
@@ -114,6 +131,7 @@ PROGRAMS = {
     "param_and_optimizer": (_param_and_optimizer(), {"harmful"}),
     "nt_xent_masked_diagonal": (_nt_xent_masked_diagonal, {"intended"}),
     "temperature_zero": (_temperature_zero, {"harmful"}),
+    "inf_into_an_embedding_row": (_inf_into_an_embedding_row(), {"harmful"}),
 }
 
 
@@ -165,3 +183,18 @@ def test_native_records_say_which_backend_judged(tmp_path):
     run = open_run(tmp_path / "r")
     assert run.meta["backend"] == "native"
     assert run.first_harm()["reason"] == "loss" and run.execution(run.first_harm()["origin"])["op"] == "aten.exp"
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_an_inf_written_into_a_row_of_a_parameter_is_harmful_at_the_write(tmp_path):
+    import inspect
+
+    problems, _, py, nat = crosscheck(_inf_into_an_embedding_row(), tmp_path, "full_health")
+    assert problems == [], "\n".join(problems[:20])
+    lines, start = inspect.getsourcelines(_inf_into_an_embedding_row)
+    row_line = start + next(i for i, text in enumerate(lines) if "ROW_LINE" in text)
+    for got in (py, nat):
+        run = got["run"]
+        first = run.first_harm()
+        assert first["reason"] == "parameter" and first["op"] == "aten.fill_.Tensor", first
+        assert run.user_frame(run.execution(first["seq"])["stack_id"])["lineno"] == row_line

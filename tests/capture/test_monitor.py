@@ -615,6 +615,138 @@ def test_a_sparse_input_is_measured_not_a_failing_hook(tmp_path, caplog):
         assert stats_of(run, 2, "gc1", "activation"), "the layers are measured too"
 
 
+class TinyDLRM(nn.Module):
+    """facebookresearch/dlrm dlrm_s_pytorch.py's DLRM_Net in small: ``nn.EmbeddingBag(mode="sum",
+    sparse=True)`` tables (sparse COO gradients), a bottom MLP for the dense features, their dot
+    interactions and a top MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb_l = nn.ModuleList(nn.EmbeddingBag(n, 4, mode="sum", sparse=True) for n in (20, 12))
+        self.bot_l = nn.Sequential(nn.Linear(6, 4), nn.ReLU())
+        self.top_l = nn.Sequential(nn.Linear(4 + 3, 1), nn.Sigmoid())
+
+    def forward(self, x, offsets, indices):
+        feats = [self.bot_l(x)] + [e(i, o) for e, i, o in zip(self.emb_l, indices, offsets)]
+        t = torch.stack(feats, dim=1)
+        z = torch.bmm(t, t.transpose(1, 2))
+        li, lj = torch.tril_indices(3, 3, offset=-1)
+        return self.top_l(torch.cat([feats[0], z[:, li, lj]], dim=1))
+
+
+def dlrm_batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.rand(8, 6, generator=g)
+    indices = [torch.randint(0, n, (16,), generator=g) for n in (20, 12)]
+    offsets = [torch.arange(0, 16, 2)] * 2
+    return x, offsets, indices, torch.rand(8, 1, generator=g)
+
+
+def test_sparse_embedding_gradients_count_in_the_gradient_norm_and_the_layer_stats(tmp_path):
+    model = TinyDLRM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_norms, ref_emb = [], []
+    with Monitor(model, tmp_path / "run", every=1, diagnose=False):
+        for step in range(3):
+            x, offsets, indices, y = dlrm_batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x, offsets, indices), y).backward()
+            if step == 2:  # an overflowing gradient reaches only an embedding table
+                model.emb_l[1].weight.grad = model.emb_l[1].weight.grad * 1e39
+            assert model.emb_l[0].weight.grad.is_sparse
+            dense = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in model.parameters()]
+            ref_norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense])).item())
+            ref_emb.append(model.emb_l[0].weight.grad.to_dense())
+            opt.step()
+    with open_run(tmp_path / "run") as run:
+        norms = [v for _, v in run.scalars("grad_norm")["grad_norm"]]
+        assert norms[:2] == pytest.approx(ref_norms[:2], rel=1e-5)
+        assert not math.isfinite(norms[2]) and not math.isfinite(ref_norms[2])
+        for step in range(2):
+            got = stats_of(run, step, "emb_l.0.weight", "gradient")
+            g = ref_emb[step]
+            assert got["norm"] == pytest.approx(torch.linalg.vector_norm(g).item(), rel=1e-5)
+            assert got["max_abs"] == pytest.approx(g.abs().max().item(), rel=1e-6)
+            assert got["mean_abs"] == pytest.approx(g.abs().mean().item(), rel=1e-5)
+            assert got["nonfinite"] == 0
+        assert stats_of(run, 2, "emb_l.1.weight", "gradient")["nonfinite"] > 0
+
+
+class SpectralConv2d(nn.Module):
+    """zongyi-li/fourier_neural_operator fourier_2d.py's Fourier layer: complex weights
+    (``torch.rand(..., dtype=torch.cfloat)``) on the lowest modes of ``torch.fft.rfft2``."""
+
+    def __init__(self, width: int, modes: int) -> None:
+        super().__init__()
+        self.modes = modes
+        self.weights1 = nn.Parameter(torch.rand(width, width, modes, modes, dtype=torch.cfloat) / width**2)
+
+    def forward(self, x):
+        x_ft = torch.fft.rfft2(x)
+        out_ft = torch.zeros(x.shape[0], x.shape[1], x.size(-2), x.size(-1) // 2 + 1, dtype=torch.cfloat)
+        m = self.modes
+        out_ft[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :m, :m], self.weights1)
+        return torch.fft.irfft2(out_ft, s=(x.size(-2), x.size(-1)))
+
+
+def test_histograms_of_complex_weights_hold_both_parts_without_a_warning(tmp_path, recwarn):
+    torch.manual_seed(0)
+    model = nn.Sequential(SpectralConv2d(4, 3), nn.GELU())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with Monitor(model, tmp_path / "run", every=1, histograms=True, diagnose=False):
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(2, 4, 8, 8)).pow(2).mean().backward()
+            opt.step()
+    assert not [w for w in recwarn if "complex" in str(w.message)], [str(w.message) for w in recwarn]
+    w = torch.view_as_real(model[0].weights1.detach())
+    with open_run(tmp_path / "run") as run:
+        [h] = [h for h in run.histograms(layer="0.weights1", kind="weight") if h["step"] == 1]
+    assert sum(h["counts"]) == w.numel()  # real and imaginary parts
+    assert h["edges"][0] == pytest.approx(w.min().item()) and h["edges"][-1] == pytest.approx(w.max().item())
+
+
+class PackedLSTM(nn.Module):
+    """bentrevett/pytorch-sentiment-analysis "2 - Recurrent Neural Networks.ipynb"'s LSTM in small:
+    an embedding with a padding index, ``pack_padded_sequence`` into a bidirectional two-layer
+    ``nn.LSTM`` (which returns ``(PackedSequence, (hidden, cell))``), the last hidden states into
+    a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(30, 8, padding_idx=0)
+        self.lstm = nn.LSTM(8, 6, 2, bidirectional=True, batch_first=True)
+        self.fc = nn.Linear(12, 2)
+
+    def forward(self, ids, length):
+        packed = nn.utils.rnn.pack_padded_sequence(self.embedding(ids), length, batch_first=True,
+                                                   enforce_sorted=False)
+        packed_output, (hidden, cell) = self.lstm(packed)
+        return self.fc(torch.cat([hidden[-1], hidden[-2]], dim=-1))
+
+
+def test_a_packed_lstm_has_activation_stats(tmp_path):
+    model = PackedLSTM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seen = []
+    model.lstm.register_forward_hook(lambda m, a, o: seen.append(o[0].data.detach().clone()))
+    g = torch.Generator().manual_seed(0)
+    with Monitor(model, tmp_path / "run", every=1, diagnose=False):
+        for _ in range(2):
+            length = torch.randint(1, 7, (4,), generator=g)
+            ids = torch.randint(1, 30, (4, 6), generator=g) * (torch.arange(6) < length[:, None])
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(ids, length), torch.tensor([0, 1, 1, 0])).backward()
+            opt.step()
+    with open_run(tmp_path / "run") as run:
+        got = stats_of(run, 1, "lstm", "activation")
+    assert got, "the LSTM's output (the PackedSequence's data) is measured"
+    assert got["mean"] == pytest.approx(seen[1].mean().item(), rel=1e-4, abs=1e-6)
+    assert got["max"] == pytest.approx(seen[1].max().item())
+
+
 class _LoraLinear(nn.Module):
     """peft's LoRA ``Linear`` in small: a frozen base layer plus ``lora_B(lora_A(x)) * alpha / r``,
     B initialised to zero (the adapter starts as the identity change)."""

@@ -10,7 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainguard.capture._layer_stats import activation_stats, grad_stats, histogram, input_stats
+from trainguard.capture._layer_stats import (
+    activation_stats,
+    grad_stats,
+    histogram,
+    input_stats,
+    sparse_values,
+)
 
 shapes = st.lists(st.integers(1, 6), min_size=2, max_size=4)
 dtypes = st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16])
@@ -208,3 +214,16 @@ def test_a_criterion_inside_the_model_returning_a_scalar_is_measured(tmp_path, c
     assert "hook failed" not in caplog.text
     means = [r["value"] for r in tg.open(tmp_path / "r").layer_stats(layer="criterion") if r["stat"] == "mean"]
     assert means == [pytest.approx(losses[0]), pytest.approx(losses[2])]
+
+
+@pytest.mark.parametrize("sparse_dim", [1, 2])
+def test_sparse_values_sum_duplicates_like_coalesce(sparse_dim):
+    g = torch.Generator().manual_seed(sparse_dim)
+    shape = (5, 4, 3)
+    idx = torch.stack([torch.randint(0, n, (30,), generator=g) for n in shape[:sparse_dim]])
+    t = torch.sparse_coo_tensor(idx, torch.randn(30, *shape[sparse_dim:], generator=g), shape)
+    assert not t.is_coalesced()
+    got = sparse_values(t)
+    want = t.coalesce().values()
+    assert got.shape == t._values().shape
+    assert torch.allclose(got[: want.shape[0]], want, atol=1e-6) and not got[want.shape[0]:].any()

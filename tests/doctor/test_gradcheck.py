@@ -277,3 +277,32 @@ def test_a_kink_is_not_a_wrong_gradient():
     assert p.status == "suspicious" and p.kink, p
     f = next(f for f in res.findings() if f.kind == "suspicious_gradient")
     assert "not differentiable" in f.suggestion
+
+
+class _SpectralNet(nn.Module):
+    """zongyi-li/fourier_neural_operator fourier_2d.py in small: SpectralConv2d's complex weights
+    (``torch.rand(..., dtype=torch.cfloat)``) on the lowest ``rfft2`` modes, its ``out_ft`` made
+    with ``dtype=torch.cfloat`` inside the forward, plus FNO2d's pointwise ``w`` path."""
+
+    def __init__(self, width=3, modes=2):
+        super().__init__()
+        self.modes = modes
+        self.weights1 = nn.Parameter(torch.rand(width, width, modes, modes, dtype=torch.cfloat) / width**2)
+        self.w = nn.Conv2d(width, width, 1)
+
+    def forward(self, x):
+        x_ft = torch.fft.rfft2(x)
+        out_ft = torch.zeros(x.shape[0], x.shape[1], x.size(-2), x.size(-1) // 2 + 1, dtype=torch.cfloat)
+        m = self.modes
+        out_ft[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :m, :m], self.weights1)
+        return torch.nn.functional.gelu(torch.fft.irfft2(out_ft, s=(x.size(-2), x.size(-1))) + self.w(x))
+
+
+def test_complex_parameters_are_checked_in_complex128():
+    torch.manual_seed(0)
+    model = _SpectralNet()
+    x, y = torch.randn(2, 3, 6, 6), torch.randn(2, 3, 6, 6)
+    result = doctor.gradient_check(model, (x, y), nn.MSELoss())
+    assert "weights1" in [p.name for p in result.params]
+    assert result.passed and result.bad_params == [] and result.suspicious_params == [], result.summary
+    assert model.weights1.dtype == torch.cfloat and model(x).dtype == torch.float32  # the model is as it was

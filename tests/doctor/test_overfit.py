@@ -210,3 +210,36 @@ def test_an_optimizer_that_needs_a_closure_is_given_one():
     lr = doctor.lr_range_test(model, [_sine_batch()] * 4, nn.MSELoss(), lambda p: torch.optim.LBFGS(p, lr=0.0),
                               steps=12)
     assert len(lr.lrs) > 1
+
+
+class _SparseEmbNet(nn.Module):
+    """facebookresearch/dlrm dlrm_s_pytorch.py in small: an ``nn.EmbeddingBag(mode="sum",
+    sparse=True)`` table beside the dense features, into an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb_l = nn.ModuleList([nn.EmbeddingBag(20, 4, mode="sum", sparse=True)])
+        self.top_l = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.top_l(torch.cat([x[:, :4], self.emb_l[0](x[:, 4:].long())], 1)).squeeze(1)
+
+
+def test_sparse_embeddings_with_the_default_adam_say_which_optimizer_to_pass():
+    torch.manual_seed(0)
+    x = torch.cat([torch.rand(16, 4), torch.randint(0, 20, (16, 2)).float()], 1)
+    batch = (x, torch.rand(16))
+    with pytest.raises(doctor.DoctorInputError, match=r"emb_l\.0.*optimizer_factory.*Adagrad"):
+        doctor.overfit_one_batch(_SparseEmbNet(), batch, nn.MSELoss(), steps=5)
+    r = doctor.overfit_one_batch(_SparseEmbNet(), batch, nn.MSELoss(), steps=5,
+                                 optimizer_factory=lambda p: torch.optim.Adagrad(p, lr=0.01))
+    assert r.losses and all(math.isfinite(v) for v in r.losses)
+
+
+def test_the_checklist_overfits_sparse_embeddings_with_the_given_optimizer():
+    torch.manual_seed(0)
+    x = torch.cat([torch.rand(16, 4), torch.randint(0, 20, (16, 2)).float()], 1)
+    report = doctor.run_checklist(_SparseEmbNet(), [(x, torch.rand(16))], nn.MSELoss(), checks=("overfit",),
+                                  optimizer_factory=lambda p: torch.optim.Adagrad(p, lr=0.01), overfit_steps=5)
+    [result] = report.results
+    assert type(result).__name__ == "OverfitResult", result

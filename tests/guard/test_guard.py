@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import trainguard as tg
 from trainguard.store import open_run
@@ -203,6 +204,48 @@ def test_a_gradient_that_goes_nan_under_a_finite_loss_is_caught(tmp_path, caplog
     link = event["origin"]["origin"]
     assert link["phase"] == "backward" and link["line"] == line_of("SQRT_LINE", RMSNet)
     assert "gradient norm is nan" in caplog.records[-1].getMessage()
+
+
+class SparseEmbNet(nn.Module):
+    """facebookresearch/dlrm dlrm_s_pytorch.py in small: an ``nn.EmbeddingBag(mode="sum",
+    sparse=True)`` table (sparse COO gradients, stepped by SGD) beside a dense MLP. A gradient hook
+    on the pooled rows of a bag holding id 31 overflows: only the embedding's gradient goes inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(32, 4, mode="sum", sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(4 + 4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, x, ids):
+        pooled = self.emb(ids)
+        if pooled.requires_grad:
+            bad = (ids == 31).any(dim=1, keepdim=True)
+            pooled.register_hook(lambda g: torch.where(bad, g * 1e39, g))
+        return self.mlp(torch.cat([x, pooled], dim=1))
+
+
+def test_an_inf_in_a_sparse_embedding_gradient_is_caught_at_its_step(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    n = 30 * BS
+    x, y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+    ids = torch.randint(0, 31, (n, 3), generator=g)
+    ids[12 * BS, 0] = 31  # batch 12
+    torch.manual_seed(0)
+    model = SparseEmbNet()
+    state = tg.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                          loader=torch.utils.data.DataLoader(TensorDataset(x, ids, y), batch_size=BS))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10)
+    for _, (xb, ib, yb) in guard.batches(state, total_steps=30):
+        loss = nn.functional.mse_loss(state.model(xb, ib), yb)
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+    assert state.step == 30 and finite(state)
+    [event] = guard.events
+    assert event["trigger"] == "nonfinite_grad" and event["step"] == 12 and event["action"] == "skip"
+    assert [b["batch"] for b in event["skipped"]] == [12]
+    link = event["origin"]["origin"]
+    assert link["phase"] == "backward" and link["op"].startswith("aten.mul")  # the hook's g * 1e39
 
 
 def lbfgs_state(data, **kw):

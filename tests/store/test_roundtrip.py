@@ -68,3 +68,24 @@ def test_executions_findings_artifacts(tmp_path):
     assert got["evidence"]["ratio"] == math.inf and got["steps"] == [3, 4]
     assert run.artifact("doctor/x.png") == ("image/png", b"\x89PNG")
     assert run.index_of(3) == 3 and run.index_of(3, health="nonfinite") == 0
+
+
+def test_per_step_scalars_are_kept_under_back_pressure(tmp_path, monkeypatch):
+    # A NaN storm recorded with the monitor on (facebookresearch/dlrm with an inf embedding
+    # gradient) filled the queue: the loss of ten steps was dropped, the curve had a hole and
+    # the findings counted 30 steps of 40.
+    import queue
+
+    w = RunWriter(tmp_path / "run")
+    real = w._q.put_nowait
+
+    def full(item):
+        raise queue.Full
+
+    monkeypatch.setattr(w._q, "put_nowait", full)
+    w.add_scalars(7, {"loss": 0.5, "grad_norm": float("nan")})
+    monkeypatch.setattr(w._q, "put_nowait", real)
+    w.close()
+    with open_run(tmp_path / "run") as run:
+        assert run.scalars("loss")["loss"] == [(7, 0.5)]
+        assert math.isnan(run.scalars("grad_norm")["grad_norm"][0][1])

@@ -149,7 +149,8 @@ def dead_units(ctx: Context) -> list[Finding]:
                      f"if they were dead from initialisation, use {init_text}; if they died in training, lower "
                      "the learning rate or use LeakyReLU/GELU")
     stays = [v["stay_dead"] for v in per_layer.values() if math.isfinite(v["stay_dead"])]
-    persist = f"; {min(stays):.0%}+ of them stay dead from one recording to the next" if stays else ""
+    share = "" if not stays else "all" if min(stays) >= 1 else f"{min(stays):.0%}+"
+    persist = f"; {share} of them stay dead from one recording to the next" if stays else ""
     return [
         Finding(
             kind="dead_units",

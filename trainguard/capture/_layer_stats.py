@@ -60,13 +60,17 @@ def is_mode_module(module: nn.Module) -> bool:
 
 
 def first_tensor(value) -> torch.Tensor | None:
-    """The tensor a layer produced: the output itself, or the first tensor of a tuple (LSTM, attention)."""
+    """The tensor a layer produced: the output itself, or the first tensor of a tuple (LSTM, attention);
+    a PackedSequence's data, also first in a tuple (a packed LSTM's ``(PackedSequence, (h, c))``)."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (tuple, list)):
         for v in value:
             if isinstance(v, torch.Tensor):
                 return v
+        head = value[0] if value else None
+        if isinstance(head, tuple) and isinstance(getattr(head, "data", None), torch.Tensor):
+            return head.data  # PackedSequence (a named tuple)
         return None
     data = getattr(value, "data", None)  # PackedSequence
     return data if isinstance(data, torch.Tensor) else None
@@ -221,7 +225,10 @@ def histogram(x: torch.Tensor, bins: int) -> torch.Tensor:
     ``torch.histc`` and ``bincount`` read their range or size back to the host on accelerators;
     a scatter-add into fixed bins does not.
     """
-    x = _float(x.detach()).reshape(-1)
+    x = x.detach()
+    if x.is_complex():  # FNO's spectral weights: both parts, as optimizers see them (view_as_real)
+        x = torch.view_as_real(x)
+    x = _float(x).reshape(-1)
     if not x.numel():  # an empty shard (FSDP2 splits a size-1 bias over two ranks): no range, no counts
         return torch.cat([torch.full((2,), math.nan, device=x.device), torch.zeros(bins, device=x.device)])
     finite = torch.isfinite(x)
@@ -254,6 +261,34 @@ def grad_stats(grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[str], list
     bad = [torch.count_nonzero(a) for a in absg]
     cols = [_stack32(l1), _stack32(linf), _stack32(l2), _stack32(bad)]
     return torch.stack(cols, dim=1), ["mean_abs", "max_abs", "norm", "nonfinite"], list(l2)
+
+
+def sparse_values(g: torch.Tensor) -> torch.Tensor | None:
+    """The values a sparse gradient holds, with duplicate indices summed as in the dense tensor
+    (``nn.EmbeddingBag(sparse=True)`` leaves one row per lookup), padded with zero rows; None for a
+    layout without values. Its norm, maximum, L1 norm and NaN/Inf count are the dense tensor's.
+
+    ``coalesce()`` reads the number of distinct indices back to the host; a sort, a cumulative sum
+    and an ``index_add_`` into a tensor of the values' own shape need no sync.
+    """
+    if g.layout != torch.sparse_coo:
+        try:
+            return g.values()  # compressed layouts store each index once
+        except RuntimeError:
+            return None
+    if g.is_coalesced():
+        return g._values()
+    idx, vals = g._indices(), g._values()
+    if not vals.shape[0]:
+        return vals
+    flat = idx[0]
+    for d in range(1, idx.shape[0]):
+        flat = flat * g.shape[d] + idx[d]
+    ordered, perm = torch.sort(flat)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    slot = torch.cumsum(first, 0) - 1  # the index's rank among the distinct ones
+    return torch.zeros_like(vals).index_add_(0, slot, vals[perm])
 
 
 def _stack32(ts: list[torch.Tensor]) -> torch.Tensor:

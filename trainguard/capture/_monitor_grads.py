@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from trainguard.capture._layer_stats import grad_stats, histogram, squared_norm_sum
+from trainguard.capture._layer_stats import grad_stats, histogram, sparse_values, squared_norm_sum
 from trainguard.capture._local import holders, local
 from trainguard.capture._monitor_model import Param
 from trainguard.capture._monitor_ship import Shipper
@@ -166,7 +166,7 @@ class GradientWatch:
             self._manual_snap = None
         self._tentative = tentative
         buf = self._reading
-        grads, owners = [], []
+        grads, owners, sizes = [], [], []
         shards: dict[int, list[torch.Tensor]] = {}  # holders -> DTensor shards
         for p in params:
             key = id(p)
@@ -185,12 +185,18 @@ class GradientWatch:
                 buf.consts.append((step, p.name, "gradient", "present", 0.0 if g is None else 1.0))
             if g is not None:
                 self._had.add(key)
-            if g is None or g.is_sparse or not g.numel():  # an empty shard says nothing about its parameter
+            if g is None or not g.numel():  # an empty shard says nothing about its parameter
                 continue
+            size = g.numel()
+            if g.is_sparse:  # nn.Embedding(sparse=True): its stored values, duplicates summed
+                g = sparse_values(g)
+                if g is None:
+                    continue
             if n is not None:
                 shards.setdefault(n, []).append(g.detach())
             grads.append(g.detach())
             owners.append(p)
+            sizes.append(size)
         if not grads:
             return
         with torch.no_grad():
@@ -209,10 +215,10 @@ class GradientWatch:
                 gs = [grads[i] for i in idx]
                 mat, names, l2 = grad_stats(gs)
                 buf.sq.append(squared_norm_sum(gs, l2))
-                sizes = [max(g.numel(), 1) for g in gs]
+                n_of = [max(sizes[i], 1) for i in idx]  # a sparse gradient's implicit zeros count
 
-                def finish(r: int, v: list[float], sizes=sizes) -> list[float]:
-                    return [v[0] / sizes[r], v[1], v[2], v[3]]  # L1 norm -> mean |g|
+                def finish(r: int, v: list[float], n_of=n_of) -> list[float]:
+                    return [v[0] / n_of[r], v[1], v[2], v[3]]  # L1 norm -> mean |g|
 
                 layers = [owners[i].name for i in idx]
                 buf.stats.append((("m", layers, "gradient", tuple(names), step, finish), mat.reshape(-1)))

@@ -270,6 +270,12 @@ class _DispatchMode(TorchDispatchMode):
                         first = t
 
             cls = info[6]
+            # a view of a parameter, or an in-place write into one (emb.weight[1] = inf): see _taint
+            into = None
+            if r.judge_here and inputs:  # (most ops: one string compare, or one dict look-up)
+                k0 = inputs[0]
+                if k0[0] == "param" or k0[0] == "buffer" or (k0[0] == "op" and k0[1] in r.taint.param_views):
+                    into = r.taint.view_of_model_state(seq, cls, info[8], inputs)
             fields = r.fields
             summaries = [] if fields else None
             metas = []
@@ -337,8 +343,12 @@ class _DispatchMode(TorchDispatchMode):
                 taint = None
             elif health or in_taint or cls == ALLOC:
                 taint, origin = r.taint.settle(
-                    seq, _clock.step, phase, name, cls, _writes_model_state(name, info[8], inputs, len(metas)),
+                    seq, _clock.step, phase, name, cls,
+                    into is not None or _writes_model_state(name, info[8], inputs, len(metas)),
                     in_taint, in_origin, health, inputs, fwd_seq, fields, summaries, (module_id, stack_id, fwd_op))
+                if into is not None and taint >= PENDING and first is not None and first._base is not None:
+                    # the parameter now holds what this op wrote: its readers find this op
+                    _register(r, producers, first._base, seq, name, stack_id, None)
                 if origin == seq:
                     if r.check:
                         r._note_origin(seq, args, outs)

@@ -21,6 +21,8 @@ own thread for accelerator records whose health arrives later.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from trainguard.store._codec import (
     NAN,
     NEG_INF,
@@ -205,6 +207,9 @@ STATES_MAX = 65536
 # Origins remembered as joined with one origin: a mask buffer made once and a new mask each step
 # (joined by an add) would otherwise add one per step for as long as the buffer lives.
 JOINED_MAX = 64
+# Views of parameters and buffers remembered (a row ``weight[i]``, ``weight.t()`` each forward):
+# an in-place write into one is a write into the parameter. The newest are kept.
+PARAM_VIEWS_MAX = 4096
 # Harmful executions pinned after the first chain: the first of each op type and step, up to
 # this many in a run, so that a run that keeps making NaN stays within 2x of its healthy size.
 STORM_PINS = 256
@@ -252,6 +257,12 @@ class Tracker:
         # ran (a noise schedule's +inf) keeps the origin it was made with. Set when it is named
         # (the native core's ModuleTracker.on_named) and by in-place writes into it.
         self.named: dict[str, int] = {}
+        # seq of a view of a parameter or buffer (also a view of such a view) -> its input entry,
+        # ("param", name) or ("buffer", name): ``emb.weight[1] = inf`` writes the parameter
+        self.param_views: dict[int, tuple[str, str]] = {}
+        # seq -> record, of the batch being judged: the native core hands judge() only the records
+        # it did not judge finite itself, so a finite view of a parameter is looked up there
+        self.find_record: Callable[[int], tuple | None] | None = None
 
     # ------------------------------------------------------------------ judging
     def settle(self, seq: int, step: int, phase: str, op: str, cls: int, param_write: bool, in_taint: int,
@@ -530,7 +541,8 @@ class Tracker:
                     in_taint, in_origin = st
             if fixed is not None:
                 rec = rec[:8] + (tuple(fixed),) + rec[9:]
-            param_write = writes_model_state(op, inplace, rec[8], len(rec[9]))
+            into = self.view_of_model_state(seq, cls, inplace, ins)
+            param_write = into is not None or writes_model_state(op, inplace, rec[8], len(rec[9]))
             if in_taint == UNKNOWN and (cls == VIEW or cls == COPY) and rec[10]:
                 # A view or copy of uninitialised memory: no evidence, whatever its bytes hold (as
                 # the hot path summarises it; a native or accelerator summary read the bytes).
@@ -545,12 +557,59 @@ class Tracker:
                     self.named[ins[0][1]] = seq
                 else:
                     self.named.pop(ins[0][1], None)
+            elif into is not None and taint >= PENDING:
+                self.named[into[1]] = seq  # (a finite write into part of it leaves the rest as it was)
             rec = rec[:7] + (health,) + rec[8:11] + (taint, origin)
             if taint == PENDING:
                 self.keep(rec)
             out.append(rec)
         pins, resend, counts, _ = self.take()
         return out, pins, resend, counts, self.meta()
+
+    def view_of_model_state(self, seq: int, cls: int, inplace: bool, ins) -> tuple[str, str] | None:
+        """Follow views of parameters and buffers: for an in-place op writing into one, the
+        parameter's input entry (``("param", name)``); None otherwise."""
+        if not ins:
+            return None
+        kind, ref = ins[0]
+        if kind == "op" or kind == WRITTEN:
+            entry = self.param_views.get(ref)
+            if entry is None and inplace and self.find_record is not None:
+                entry = self._view_in_batch(ref)
+        elif kind == "param" or kind == "buffer":
+            entry = (kind, ref)
+        else:
+            return None
+        if entry is None:
+            return None
+        if cls == VIEW:
+            views = self.param_views
+            views[seq] = entry
+            if len(views) > PARAM_VIEWS_MAX:
+                del views[next(iter(views))]
+            return None
+        return entry if inplace and kind != "param" and kind != "buffer" else None
+
+    def _view_in_batch(self, seq: int) -> tuple[str, str] | None:
+        """The parameter or buffer that the record ``seq`` of the batch being judged is a view of
+        (through views: ``weight[1][2]``), or None."""
+        for _ in range(8):
+            rec = self.find_record(seq) if self.find_record is not None else None
+            if rec is None or len(rec) < 9 or not rec[8]:
+                return None
+            facts = self.op_classes.get(rec[3])
+            if facts is None:
+                facts = self.resolve_op(rec[3]) if self.resolve_op is not None else (DEFAULT, False, False)
+                self.op_classes[rec[3]] = facts
+            if facts[0] != VIEW:
+                return None
+            kind, ref = rec[8][0]
+            if kind == "param" or kind == "buffer":
+                return (kind, ref)
+            if kind != "op" and kind != WRITTEN:
+                return None
+            seq = ref
+        return None
 
     # ------------------------------------------------------------------ hand-over
     def take(self) -> tuple[list, list, list, bool]:

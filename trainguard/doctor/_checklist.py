@@ -28,7 +28,7 @@ from trainguard.doctor._init_checks import init_checks
 from trainguard.doctor._lr_range import LRRangeResult, lr_range_test
 from trainguard.doctor._overfit import overfit_one_batch
 from trainguard.doctor._results import VERDICT_STYLE, CheckResult, finding, findings_table
-from trainguard.doctor._state import DoctorInputError, split_batch
+from trainguard.doctor._state import DoctorInputError, sparse_embeddings, split_batch
 from trainguard.store import Finding, acquire_writer, dumps, rank_dir, release_writer, sort_findings
 
 CHECKS = ("data", "init", "overfit", "gradcheck", "lr")
@@ -248,7 +248,8 @@ def run_checklist(
     batch drives the init, overfit and gradient checks, the whole of it the LR range test and
     the data validation (with ``test`` for leakage). ``checks`` picks from
     ``("data", "init", "overfit", "gradcheck", "lr")``. The overfit test uses Adam (it tests the
-    model and loss, not the optimizer); the LR range test uses ``optimizer_factory`` (default
+    model and loss, not the optimizer), or ``optimizer_factory`` for a model with ``sparse=True``
+    embeddings, whose gradients Adam cannot step; the LR range test uses ``optimizer_factory`` (default
     Adam). Pass a rich ``console`` for progress.
     """
     checks = list(checks)
@@ -264,7 +265,9 @@ def run_checklist(
         ("data", "validate_data", lambda: validate_data(_for_validation(setup.data),
                                                         None if test is None else _for_validation(test))),
         ("init", "init_checks", lambda: init_checks(model, batch, loss_fn, num_classes=num_classes)),
-        ("overfit", "overfit_one_batch", lambda: overfit_one_batch(model, batch, loss_fn, steps=overfit_steps)),
+        ("overfit", "overfit_one_batch", lambda: overfit_one_batch(
+            model, batch, loss_fn, steps=overfit_steps,
+            optimizer_factory=optimizer_factory if sparse_embeddings(model) else None)),
         ("gradcheck", "gradient_check", lambda: gradient_check(model, batch, loss_fn)),
         ("lr", "lr_range_test", lambda: lr_range_test(model, setup.data, loss_fn, optimizer_factory,
                                                       steps=lr_steps, console=console)),

@@ -191,7 +191,7 @@ class GradCheckResult(CheckResult):
 
 
 def _select(model: nn.Module, params: Any) -> list[tuple[str, nn.Parameter]]:
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (p.is_floating_point() or p.is_complex())]
     if params is None:
         return named
     if isinstance(params, (str, nn.Parameter)) or not isinstance(params, Iterable):
@@ -330,6 +330,10 @@ class _KeepFloat64(TorchDispatchMode):
                 and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64):
             self.casts += 1
             kwargs = {**kwargs, "dtype": torch.float64}
+        elif kwargs.get("dtype") == torch.complex64:
+            # a complex tensor made or cast at single precision (FNO's out_ft: zeros(dtype=torch.cfloat))
+            self.casts += 1
+            kwargs = {**kwargs, "dtype": torch.complex128}
         return func(*args, **kwargs)
 
 
@@ -343,19 +347,23 @@ def _seed(seed: int, device: torch.device) -> None:
 
 
 def _to_float64(module: nn.Module) -> None:
-    """Convert floating parameters (in place, keeping the objects) and buffers to float64."""
+    """Convert floating parameters (in place, keeping the objects) and buffers to float64, complex
+    ones to complex128."""
     for p in module.parameters():
-        if p.is_floating_point():
-            p.data = p.data.to(torch.float64)
+        if p.is_floating_point() or p.is_complex():
+            p.data = p.data.to(torch.complex128 if p.is_complex() else torch.float64)
     for m in module.modules():
         for k, b in m._buffers.items():
-            if b is not None and b.is_floating_point():
-                m._buffers[k] = b.to(torch.float64)
+            if b is not None and (b.is_floating_point() or b.is_complex()):
+                m._buffers[k] = b.to(torch.complex128 if b.is_complex() else torch.float64)
 
 
 def _check_param(name: str, p: nn.Parameter, grad: torch.Tensor | None, indices: list[int], loss_at: Any,
                  eps: float, directions: int, gen: torch.Generator) -> ParamCheck:
     values = p.data
+    if values.is_complex():  # real and imaginary parts as two real entries (the gradient is dL/dRe + i dL/dIm)
+        values = torch.view_as_real(values)
+        grad = None if grad is None else torch.view_as_real(grad.resolve_conj())
     g = None if grad is None else grad.reshape(values.shape)
     worst = (-1.0, 0.0, 0.0, False, None)  # rel, analytic, numeric, kink, direction
     for _ in range(directions):

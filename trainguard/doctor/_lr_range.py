@@ -299,7 +299,7 @@ def lr_range_test(
     with preserved(model, optimizer=given, data=data), torch.enable_grad(), progress as bar:
         model.train()
         opt, _ = make_optimizer(optimizer_factory, [p for _, p in named],
-                                lambda params: torch.optim.Adam(params, lr=start))
+                                lambda params: torch.optim.Adam(params, lr=start), model)
         task = bar.add_task("LR range test", total=steps) if bar is not None else None
         batches = _cycle(data)
         avg, best = 0.0, math.inf

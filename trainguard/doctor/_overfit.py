@@ -257,7 +257,7 @@ def overfit_one_batch(
             for m in model.modules():
                 if isinstance(m, nn.modules.dropout._DropoutNd):
                     m.eval()
-        opt, _ = make_optimizer(optimizer_factory, [p for _, p in named], _adam(lr or DEFAULT_LR))
+        opt, _ = make_optimizer(optimizer_factory, [p for _, p in named], _adam(lr or DEFAULT_LR), model)
         if given is not None and lr is not None:
             for group in opt.param_groups:
                 group["lr"] = lr

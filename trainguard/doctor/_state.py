@@ -224,11 +224,28 @@ def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def make_optimizer(spec: Any, params: list[nn.Parameter], default: Callable) -> tuple[torch.optim.Optimizer, bool]:
+def sparse_embeddings(model: nn.Module) -> list[str]:
+    """Names of the trainable ``sparse=True`` embeddings of ``model`` (sparse COO gradients)."""
+    return [name or "(root)" for name, m in model.named_modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+
+
+def make_optimizer(spec: Any, params: list[nn.Parameter], default: Callable,
+                   model: nn.Module | None = None) -> tuple[torch.optim.Optimizer, bool]:
     """``(optimizer, given)``: the caller's optimizer instance (``given``), or one built by a
-    factory (``params -> Optimizer``) or the default factory."""
+    factory (``params -> Optimizer``) or the default factory (Adam), which cannot step the sparse
+    gradients of ``model``'s ``sparse=True`` embeddings: then the error names a factory that can."""
     if isinstance(spec, torch.optim.Optimizer):
         return spec, True
+    if spec is None and model is not None:
+        sparse = sparse_embeddings(model)
+        if sparse:
+            raise DoctorInputError(
+                f"{', '.join(sparse[:3])}{' ...' if len(sparse) > 3 else ''}: sparse=True embeddings have sparse "
+                "gradients, which the doctor's default Adam cannot step (nor SparseAdam the dense ones): pass "
+                "optimizer_factory, e.g. lambda params: torch.optim.Adagrad(params, lr=0.01) (Adagrad and SGD "
+                "step sparse and dense gradients alike)"
+            )
     factory = spec if spec is not None else default
     if not callable(factory):
         raise DoctorInputError(

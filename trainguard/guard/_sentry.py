@@ -100,7 +100,8 @@ class Sentry:
         self._losses.append(loss)
 
     def _before_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        grads = [g for p in self._params_of(opt) if (g := p.grad) is not None and not g.is_sparse]
+        grads = [_stored(g) for p in self._params_of(opt) if (g := p.grad) is not None]
+        grads = [g for g in grads if g is not None]
         if not grads:
             return
         with torch.no_grad():
@@ -201,3 +202,17 @@ class Sentry:
     @property
     def unread(self) -> int:
         return len(self._pending)
+
+
+def _stored(g: torch.Tensor) -> torch.Tensor | None:
+    """What to take the norm of: a sparse gradient's stored values (``nn.EmbeddingBag(sparse=True)``;
+    with duplicate indices unsummed, the norm is not the dense one, but it is finite exactly when the
+    gradient is, short of finite rows summing past the dtype's range), None for a layout without."""
+    if g.layout == torch.strided:
+        return g
+    if g.layout == torch.sparse_coo:
+        return g._values()
+    try:
+        return g.values()
+    except RuntimeError:
+        return None

@@ -269,7 +269,10 @@ class RunWriter(BufferWindow, SegmentFiles):
     def add_scalars(self, step: int, values: dict[str, float], wall: float | None = None) -> None:
         wall = wall or time.time()
         rows = [(step, name, *encode_float(v), wall) for name, v in values.items()]
-        self._put(("sql", "INSERT INTO scalars(step, name, value, flag, wall) VALUES (?,?,?,?,?)", rows))
+        # One small item a step, which the loss curve and every count of steps read: kept under
+        # back-pressure (a NaN storm's executions fill the queue), not dropped as they may be.
+        self._put(("sql", "INSERT INTO scalars(step, name, value, flag, wall) VALUES (?,?,?,?,?)", rows),
+                  must_keep=True)
 
     def add_layer_stats(self, rows: list[tuple[int, str, str, str, float]]) -> None:
         """Rows of (step, layer, kind, stat, value)."""

@@ -3,6 +3,7 @@ turns its drained records into the writer's batches (the same tuples the dispatc
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -69,6 +70,7 @@ class NativeBackend:
                                 sorted(rec.dtypes, key=str) if rec.dtypes else [], rec._on_new_stack)
         self.unsure_warned = False
         self.unsure = 0
+        self._prev_records: list = []  # the batch drained before: a view made just before a drain
         # Taint (capture/_taint.py): the core's records are judged in Python as they are drained,
         # by the recorder's Tracker and its rule, in seq order; records whose health reaches the
         # host later (device summaries) by the writer's thread, as the dispatch mode hands them on.
@@ -167,12 +169,17 @@ class NativeBackend:
         # Core::last_seq), in seq order.
         if cut < len(records):
             judge = [i for i in judge if i < cut]
-        if len(judge) == len(records):
-            records, pins, resend, counts, meta = tracker.judge(records, rec.fields)
-        else:
-            judged, pins, resend, counts, meta = tracker.judge([records[i] for i in judge], rec.fields)
-            for i, r in zip(judge, judged):
-                records[i] = r
+        tracker.find_record = _finder(self._prev_records, records)
+        self._prev_records = records
+        try:
+            if len(judge) == len(records):
+                records, pins, resend, counts, meta = tracker.judge(records, rec.fields)
+            else:
+                judged, pins, resend, counts, meta = tracker.judge([records[i] for i in judge], rec.fields)
+                for i, r in zip(judge, judged):
+                    records[i] = r
+        finally:
+            tracker.find_record = None
         if live is not None:
             tracker.prune(set(live))
             self._pruned_step = _clock.step
@@ -282,3 +289,17 @@ class _Null:
 
 
 _NULL = _Null()
+
+
+def _finder(*batches: list):
+    """seq -> record of the drained batches (each in seq order), for the judge's rare look-ups (an
+    in-place write with a non-finite value into a view: is it a parameter's?)."""
+
+    def find(seq: int):
+        for records in batches:
+            i = bisect.bisect_left(records, seq, key=lambda r: r[0])
+            if i < len(records) and records[i][0] == seq:
+                return records[i]
+        return None
+
+    return find
