@@ -21,6 +21,7 @@ from trainguard._errors import CheckpointError
 from trainguard.resilience import _dist, _engine, _format
 from trainguard.resilience._codec import Encoder
 from trainguard.resilience._format import CheckpointInfo, Invalid
+from trainguard.resilience._grads import optimizer_params
 from trainguard.resilience._lock import DirectoryLock
 from trainguard.resilience._restore import Unreadable, choose, load_into, no_space, root_cause
 from trainguard.resilience._retention import Retention
@@ -456,6 +457,8 @@ class CheckpointManager:
                 break
             # Fall back: the next checkpoint loads every tensor again, over whatever this one wrote.
             failed[choice["name"]] = problem or "another rank could not read it"
+        for p in optimizer_params(state):  # as in a new process: no gradients left from before (a NaN)
+            p.grad = None
         self.last_save_time = _now()
         self.last_saved_step = int(manifest["step"])
         return self.last_saved_step
