@@ -113,6 +113,7 @@ class ResumeLoop:
         self._deferred = False
         self._started = False
         self._watch = StepWatch()
+        self._save_waiting = False  # a save that waits for the optimizer to apply pending gradients
         self.grads_pending = False  # the last step ended inside a window of gradient accumulation
         self._explicit_guard = guard is not None
         self.guard = guard if guard is not None else _default_guard
@@ -242,7 +243,7 @@ class ResumeLoop:
     def _boundary(self, *, force: bool, in_epoch: bool = False) -> None:
         m, g = self.manager, self._active_guard
         more = int(in_epoch and not _last_batch_out(self.state))
-        due = force or (m is not None and m.due(self.state.step))
+        due = force or self._save_waiting or (m is not None and m.due(self.state.step))
         flags = [self._signal or 0, int(due), more, int(self._watch.pending(self.state))]
         if g is not None:  # the guard's verdict on the last steps rides on the same collective
             flags += g._flags(self.state.step, saving=force or _steps_due(m, self.state.step))
@@ -257,6 +258,14 @@ class ResumeLoop:
                 due = 0  # a checkpoint only ever holds verified steps
         if m is None:  # the guard's in-memory loop: nothing to save, no signals handled
             return
+        if (signum or due) and self.grads_pending and not force:
+            # A checkpoint holds no gradients: saved now, the resumed run would lose this
+            # accumulation window's first micro-batches. Save once the optimizer has stepped.
+            if signum and not self._save_waiting:
+                log.warning("gradients of an accumulation window are pending: saving once the optimizer steps")
+            self._save_waiting = True
+            return
+        self._save_waiting = False
         if signum:
             if force or due or m.last_saved_step != self.state.step:
                 m.save(self.state, blocking=True)
