@@ -10,12 +10,38 @@ next step whose optimizer stepped instead, and the guard's snapshot keeps them.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from trainguard.resilience._state import TrainState
+if TYPE_CHECKING:
+    from trainguard.resilience._state import TrainState
+
+
+def is_accelerator(obj: Any) -> bool:
+    """accelerate's ``Accelerator`` (duck-typed: trainguard does not import accelerate)."""
+    return (type(obj).__name__ == "Accelerator" and hasattr(obj, "gradient_state")
+            and isinstance(getattr(obj, "step", None), int))
+
+
+class AcceleratorCount:
+    """What of an ``Accelerator`` a train state holds: its count of micro-batches.
+
+    ``accelerator.accumulate(model)`` steps the optimizer when ``accelerator.step`` reaches a
+    multiple of ``gradient_accumulation_steps``; the count is in no ``state_dict()``. Saved and
+    restored with the state (as ``accelerator.save_state`` does), a rewind to the middle of a
+    window continues that window instead of starting one shifted by the micro-batches rewound.
+    """
+
+    def __init__(self, accelerator: Any):
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": int(self.accelerator.step)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accelerator.step = int(state["step"])
 
 
 def optimizer_params(state: TrainState) -> Iterator[torch.Tensor]:
