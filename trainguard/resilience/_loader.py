@@ -189,7 +189,10 @@ class ResumableLoader:
             size = len(base.dataset)  # type: ignore[arg-type]
         except TypeError:
             size = None
-        return {"batch_size": base.batch_size, "dataset": size}
+        batch = base.batch_size  # None with a batch_sampler: accelerate's BatchSamplerShard has one
+        if batch is None and isinstance(getattr(base.batch_sampler, "batch_size", None), int):
+            batch = base.batch_sampler.batch_size
+        return {"batch_size": batch, "dataset": size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
