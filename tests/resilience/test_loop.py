@@ -243,3 +243,21 @@ def test_a_save_inside_a_gradient_accumulation_window_waits_for_the_optimizer_st
     got = accumulate_steps(resumed, loop)
     assert got == {s: expected[s] for s in range(loop.start_step, 12)}
     assert_same_training_state(reference, resumed)
+
+
+def test_resume_strict_false_continues_a_run_whose_state_gained_an_object(tmp_path):
+    # run_clm_no_trainer.py checkpointed with TrainState(model, optimizer, scheduler, loader), then
+    # resumed with accelerator=accelerator added (or on 2 ranks instead of 1): the error advised
+    # restore(strict=False), which a loop written with resume() had no way to pass.
+    from trainguard import CheckpointError
+    from trainguard.resilience import TrainState
+
+    state = make_state()
+    state.step = 3
+    CheckpointManager(tmp_path).save(state)
+    grown = TrainState(**dict(make_state(seed=1).items()), generator=torch.Generator().manual_seed(7))
+    with pytest.raises(CheckpointError, match=r"no state saved for generator.*resume\(\.\.\., strict=False\)"):
+        CheckpointManager(tmp_path).resume(grown, total_steps=5)
+    loop = CheckpointManager(tmp_path).resume(grown, total_steps=5, strict=False)
+    assert loop.restored_step == 3 and grown.step == 3
+    assert_same_training_state(state, grown)
