@@ -93,7 +93,8 @@ class ResumeLoop:
     """
 
     def __init__(self, manager: CheckpointManager | None, state: TrainState, *, total_steps: int | None,
-                 epochs: int | None, delete_on_success: bool, handle_signals: bool, guard: Any = None):
+                 epochs: int | None, delete_on_success: bool, handle_signals: bool, guard: Any = None,
+                 strict: bool = True):
         if (total_steps is None) == (epochs is None):
             raise ValueError("pass exactly one of total_steps and epochs")
         for name, value in (("total_steps", total_steps), ("epochs", epochs)):
@@ -105,7 +106,7 @@ class ResumeLoop:
         self.epochs = epochs
         self.delete_on_success = delete_on_success
         self.handle_signals = handle_signals
-        self.restored_step = manager.restore(state, _stacklevel=4) if manager is not None else None
+        self.restored_step = manager.restore(state, strict=strict, _stacklevel=4) if manager is not None else None
         self.start_step = state.step
         self.start_epoch = state.epoch
         self._signal: int | None = None

@@ -466,16 +466,19 @@ class CheckpointManager:
     # -- the loop ----------------------------------------------------------------------------
 
     def resume(self, state: TrainState, *, total_steps: int | None = None, epochs: int | None = None,
-               delete_on_success: bool = False, handle_signals: bool = True, guard: Any = None) -> ResumeLoop:
+               delete_on_success: bool = False, handle_signals: bool = True, guard: Any = None,
+               strict: bool = True) -> ResumeLoop:
         """Restore now, then loop over the remaining steps or epochs; see :class:`ResumeLoop`.
 
         ``guard`` (a :class:`trainguard.Guard`, step form and :meth:`ResumeLoop.batches` only)
-        rewinds and replays a step whose loss or gradients go non-finite or spike.
+        rewinds and replays a step whose loss or gradients go non-finite or spike. ``strict``: as
+        for :meth:`restore` (False restores the objects both the state and the checkpoint hold).
         """
         from trainguard.resilience._loop import ResumeLoop
 
         return ResumeLoop(self, state, total_steps=total_steps, epochs=epochs,
-                          delete_on_success=delete_on_success, handle_signals=handle_signals, guard=guard)
+                          delete_on_success=delete_on_success, handle_signals=handle_signals, guard=guard,
+                          strict=strict)
 
 
 class CheckpointFallbackWarning(UserWarning):
