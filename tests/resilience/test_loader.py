@@ -147,3 +147,51 @@ def test_bad_arguments():
         ResumableLoader([1, 2, 3])  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="persistent_workers"):
         ResumableLoader(DataLoader(Noisy(), num_workers=1, persistent_workers=True))
+
+
+@pytest.mark.parametrize("change", ["batch_size", "dataset"])
+def test_resuming_mid_epoch_with_another_batch_size_or_dataset_is_a_clear_error(tmp_path, change):
+    # run_clm_no_trainer.py resumed from trainguard's checkpoint with --per_device_train_batch_size 4
+    # instead of 8 continued at "batch 20" of the epoch, 80 samples in instead of 160: samples
+    # 80-159 were trained on twice that epoch, without a word.
+    from trainguard import CheckpointError
+    from trainguard.resilience import CheckpointManager, TrainState
+
+    data = torch.arange(64.0).unsqueeze(1)
+    state = TrainState(loader=DataLoader(data, batch_size=8, shuffle=True))
+    it = iter(state.loader)
+    for _ in range(3):
+        next(it)
+    CheckpointManager(tmp_path).save(state)
+    other = DataLoader(data[:40], batch_size=8, shuffle=True) if change == "dataset" else \
+        DataLoader(data, batch_size=4, shuffle=True)
+    with pytest.raises(CheckpointError, match="8 samples a batch, 3 batches into its epoch" if change == "batch_size"
+                       else "64 samples"):
+        CheckpointManager(tmp_path).restore(TrainState(loader=other))
+    same = TrainState(loader=DataLoader(data, batch_size=8, shuffle=True))
+    assert CheckpointManager(tmp_path).restore(same) == 0  # the same loader resumes
+
+
+def test_resuming_an_accelerate_loader_mid_epoch_with_another_batch_size_is_a_clear_error(tmp_path):
+    # the same with the loader accelerator.prepare() returned, as run_clm_no_trainer.py has it:
+    # its DataLoader is made with a batch sampler (BatchSamplerShard) and no batch_size
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from trainguard import CheckpointError
+    from trainguard.resilience import CheckpointManager, TrainState
+
+    data = torch.arange(64.0).unsqueeze(1)
+    try:
+        accelerator = Accelerator(cpu=True)
+        state = TrainState(loader=accelerator.prepare(DataLoader(data, batch_size=8, shuffle=True)))
+        it = iter(state.loader)
+        for _ in range(3):
+            next(it)
+        CheckpointManager(tmp_path).save(state)
+        other = TrainState(loader=accelerator.prepare(DataLoader(data, batch_size=4, shuffle=True)))
+        with pytest.raises(CheckpointError, match="8 samples a batch, 3 batches into its epoch"):
+            CheckpointManager(tmp_path).restore(other)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # process-wide: leave none to later tests
+        GradientState._reset_state()

@@ -198,3 +198,66 @@ def test_loop_misuse(ckpt_dir):
         iter(loop)
     done = m.resume(make_state(), total_steps=1)  # restored at step 1: nothing left to run
     assert list(done) == [] and done.start_step == 1
+
+
+def accumulate_steps(state, loop, *, k=2, stop_at=None, crash_at=None):
+    """The loop of huggingface/transformers examples/pytorch/language-modeling/run_clm_no_trainer.py
+    with --gradient_accumulation_steps k (`with accelerator.accumulate(model)`), written out: the
+    optimizer steps and zeroes the gradients every k micro-batches; a loop step is a micro-batch."""
+    losses = {}
+    for step, (x, y) in loop.batches():
+        loss = torch.nn.functional.mse_loss(state.model(x), y) / k
+        loss.backward()
+        if step == stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if step == crash_at:
+            raise RuntimeError("crash")
+        if (step + 1) % k == 0:
+            state.optimizer.step()
+            state.scheduler.step()
+            state.optimizer.zero_grad()
+        losses[step] = loss.item()
+    return losses
+
+
+@pytest.mark.parametrize("how", ["sigterm", "every_steps"])
+def test_a_save_inside_a_gradient_accumulation_window_waits_for_the_optimizer_step(tmp_path, how):
+    # run_clm_no_trainer.py with TrainState + CheckpointManager and --gradient_accumulation_steps 2:
+    # SIGTERM after the first micro-batch of a window (or every_steps=3) saved a checkpoint without
+    # the gradients accumulated so far; the resumed run lost them and differed from the next step on.
+    reference = make_state()
+    expected = accumulate_steps(reference, CheckpointManager(tmp_path / "ref").resume(reference, total_steps=12))
+    state = make_state()
+    if how == "sigterm":
+        with pytest.raises(Preempted) as info:
+            accumulate_steps(state, CheckpointManager(tmp_path / "ck").resume(state, total_steps=12), stop_at=4)
+        assert info.value.step == 6  # step 4 began a window: saved once step 5 had stepped the optimizer
+    else:
+        with pytest.raises(RuntimeError, match="crash"):
+            accumulate_steps(state, CheckpointManager(tmp_path / "ck", every_steps=3).resume(state, total_steps=12),
+                             crash_at=5)
+        assert [i.step for i in list_checkpoints(tmp_path / "ck")] == [4]  # due at 3, inside a window
+    assert [i.step for i in list_checkpoints(tmp_path / "ck")][-1] % 2 == 0
+    resumed = make_state(seed=3)
+    loop = CheckpointManager(tmp_path / "ck").resume(resumed, total_steps=12)
+    got = accumulate_steps(resumed, loop)
+    assert got == {s: expected[s] for s in range(loop.start_step, 12)}
+    assert_same_training_state(reference, resumed)
+
+
+def test_resume_strict_false_continues_a_run_whose_state_gained_an_object(tmp_path):
+    # run_clm_no_trainer.py checkpointed with TrainState(model, optimizer, scheduler, loader), then
+    # resumed with accelerator=accelerator added (or on 2 ranks instead of 1): the error advised
+    # restore(strict=False), which a loop written with resume() had no way to pass.
+    from trainguard import CheckpointError
+    from trainguard.resilience import TrainState
+
+    state = make_state()
+    state.step = 3
+    CheckpointManager(tmp_path).save(state)
+    grown = TrainState(**dict(make_state(seed=1).items()), generator=torch.Generator().manual_seed(7))
+    with pytest.raises(CheckpointError, match=r"no state saved for generator.*resume\(\.\.\., strict=False\)"):
+        CheckpointManager(tmp_path).resume(grown, total_steps=5)
+    loop = CheckpointManager(tmp_path).resume(grown, total_steps=5, strict=False)
+    assert loop.restored_step == 3 and grown.step == 3
+    assert_same_training_state(state, grown)

@@ -346,7 +346,8 @@ class Guard:
     def _take_snapshot(self) -> None:
         state = self._loop.state
         first = not self.snapshot.taken
-        self.snapshot.take(state, wait=False)
+        # inside an accumulation window the gradients so far are part of the step's state
+        self.snapshot.take(state, wait=False, grads=self._loop.grads_pending)
         self._history = {s: v for s, v in self._history.items() if s >= state.step}
         if first:
             log.info("trainguard: the guard's snapshots hold %.1f MB of host memory", self.snapshot.nbytes / 2**20)

@@ -179,7 +179,20 @@ class ResumableLoader:
             "counters": self._counters(),
             "counters_start": self._counters_start,
             "sampler_seeds": [s.initial_seed for s in self._seeded()],
+            "shape": self._shape(),
         }
+
+    def _shape(self) -> dict[str, int | None]:
+        """What a position in batches means: samples a batch, samples in the dataset."""
+        base = self._base
+        try:
+            size = len(base.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            size = None
+        batch = base.batch_size  # None with a batch_sampler: accelerate's BatchSamplerShard has one
+        if batch is None and isinstance(getattr(base.batch_sampler, "batch_size", None), int):
+            batch = base.batch_sampler.batch_size
+        return {"batch_size": batch, "dataset": size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
@@ -204,10 +217,26 @@ class ResumableLoader:
                 s.initial_seed = int(seed)  # drawn from torch.initial_seed() when it was made
         except KeyError as exc:
             raise CheckpointError(f"loader state lacks {exc}") from None
+        self._check_shape(state.get("shape"))
         self._token = object()  # iterators made before the restore no longer count
         self._pending = dict(state) if self._in_epoch else None
         if self._in_epoch and self._epoch_start is None:
             raise CheckpointError("loader state is mid-epoch but lacks the epoch's generator states")
+
+    def _check_shape(self, saved: dict[str, Any] | None) -> None:
+        """Mid-epoch, the position is a number of batches: with another batch size or dataset it
+        points at other samples, and the resumed epoch would repeat or skip some."""
+        if not saved or not self._in_epoch:
+            return
+        now = self._shape()
+        was = f"{saved.get('batch_size')} samples a batch, {self._yielded} batches into its epoch"
+        for key, what in (("batch_size", "batch size"), ("dataset", "dataset size")):
+            if saved.get(key) is not None and now[key] is not None and saved[key] != now[key]:
+                raise CheckpointError(
+                    f"the loader was saved mid-epoch ({was}, of a dataset of {saved.get('dataset')} "
+                    f"samples) and now has a {what} of {now[key]}: resuming there would repeat or skip "
+                    f"samples; resume with the same loader, or from a checkpoint saved at an epoch's end"
+                )
 
     # -- epochs ------------------------------------------------------------------------------
 

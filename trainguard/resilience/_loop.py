@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.resilience import _dist, _format
+from trainguard.resilience._grads import StepWatch
 from trainguard.resilience._loader import ResumableLoader
 from trainguard.resilience._state import TrainState
 
@@ -92,7 +93,8 @@ class ResumeLoop:
     """
 
     def __init__(self, manager: CheckpointManager | None, state: TrainState, *, total_steps: int | None,
-                 epochs: int | None, delete_on_success: bool, handle_signals: bool, guard: Any = None):
+                 epochs: int | None, delete_on_success: bool, handle_signals: bool, guard: Any = None,
+                 strict: bool = True):
         if (total_steps is None) == (epochs is None):
             raise ValueError("pass exactly one of total_steps and epochs")
         for name, value in (("total_steps", total_steps), ("epochs", epochs)):
@@ -104,13 +106,16 @@ class ResumeLoop:
         self.epochs = epochs
         self.delete_on_success = delete_on_success
         self.handle_signals = handle_signals
-        self.restored_step = manager.restore(state, _stacklevel=4) if manager is not None else None
+        self.restored_step = manager.restore(state, strict=strict, _stacklevel=4) if manager is not None else None
         self.start_step = state.step
         self.start_epoch = state.epoch
         self._signal: int | None = None
         self._steps_in_epoch = 0
         self._deferred = False
         self._started = False
+        self._watch = StepWatch()
+        self._save_waiting = False  # a save that waits for the optimizer to apply pending gradients
+        self.grads_pending = False  # the last step ended inside a window of gradient accumulation
         self._explicit_guard = guard is not None
         self.guard = guard if guard is not None else _default_guard
         if self.guard is not None and epochs is not None:
@@ -239,20 +244,29 @@ class ResumeLoop:
     def _boundary(self, *, force: bool, in_epoch: bool = False) -> None:
         m, g = self.manager, self._active_guard
         more = int(in_epoch and not _last_batch_out(self.state))
-        flags = [self._signal or 0, int(force or (m is not None and m.due(self.state.step))), more]
+        due = force or self._save_waiting or (m is not None and m.due(self.state.step))
+        flags = [self._signal or 0, int(due), more, int(self._watch.pending(self.state))]
         if g is not None:  # the guard's verdict on the last steps rides on the same collective
             flags += g._flags(self.state.step, saving=force or _steps_due(m, self.state.step))
         if _dist.is_distributed():
             # Every rank must take the same decision at the same step, or the save's collectives hang.
             flags = _dist.all_max(flags, self._groups.ctl())
-        signum, due, more = flags[0], flags[1], flags[2]
+        signum, due, more, self.grads_pending = flags[0], flags[1], flags[2], bool(flags[3])
         if g is not None:
-            if g._decide(flags[3:]):
+            if g._decide(flags[4:]):
                 due = 0  # rewound: nothing new to save
             elif (signum or due) and g._verify_last():
                 due = 0  # a checkpoint only ever holds verified steps
         if m is None:  # the guard's in-memory loop: nothing to save, no signals handled
             return
+        if (signum or due) and self.grads_pending and not force:
+            # A checkpoint holds no gradients: saved now, the resumed run would lose this
+            # accumulation window's first micro-batches. Save once the optimizer has stepped.
+            if signum and not self._save_waiting:
+                log.warning("gradients of an accumulation window are pending: saving once the optimizer steps")
+            self._save_waiting = True
+            return
+        self._save_waiting = False
         if signum:
             if force or due or m.last_saved_step != self.state.step:
                 m.save(self.state, blocking=True)
@@ -281,6 +295,15 @@ class ResumeLoop:
 
     @contextmanager
     def _signals(self) -> Iterator[None]:
+        self._watch.open()
+        try:
+            with self._handlers():
+                yield
+        finally:
+            self._watch.close()
+
+    @contextmanager
+    def _handlers(self) -> Iterator[None]:
         if not self.handle_signals or threading.current_thread() is not threading.main_thread():
             yield
             return

@@ -21,6 +21,7 @@ from trainguard._errors import CheckpointError
 from trainguard.resilience import _dist, _engine, _format
 from trainguard.resilience._codec import Encoder
 from trainguard.resilience._format import CheckpointInfo, Invalid
+from trainguard.resilience._grads import optimizer_params
 from trainguard.resilience._lock import DirectoryLock
 from trainguard.resilience._restore import Unreadable, choose, load_into, no_space, root_cause
 from trainguard.resilience._retention import Retention
@@ -456,6 +457,8 @@ class CheckpointManager:
                 break
             # Fall back: the next checkpoint loads every tensor again, over whatever this one wrote.
             failed[choice["name"]] = problem or "another rank could not read it"
+        for p in optimizer_params(state):  # as in a new process: no gradients left from before (a NaN)
+            p.grad = None
         self.last_save_time = _now()
         self.last_saved_step = int(manifest["step"])
         return self.last_saved_step
@@ -463,16 +466,19 @@ class CheckpointManager:
     # -- the loop ----------------------------------------------------------------------------
 
     def resume(self, state: TrainState, *, total_steps: int | None = None, epochs: int | None = None,
-               delete_on_success: bool = False, handle_signals: bool = True, guard: Any = None) -> ResumeLoop:
+               delete_on_success: bool = False, handle_signals: bool = True, guard: Any = None,
+               strict: bool = True) -> ResumeLoop:
         """Restore now, then loop over the remaining steps or epochs; see :class:`ResumeLoop`.
 
         ``guard`` (a :class:`trainguard.Guard`, step form and :meth:`ResumeLoop.batches` only)
-        rewinds and replays a step whose loss or gradients go non-finite or spike.
+        rewinds and replays a step whose loss or gradients go non-finite or spike. ``strict``: as
+        for :meth:`restore` (False restores the objects both the state and the checkpoint hold).
         """
         from trainguard.resilience._loop import ResumeLoop
 
         return ResumeLoop(self, state, total_steps=total_steps, epochs=epochs,
-                          delete_on_success=delete_on_success, handle_signals=handle_signals, guard=guard)
+                          delete_on_success=delete_on_success, handle_signals=handle_signals, guard=guard,
+                          strict=strict)
 
 
 class CheckpointFallbackWarning(UserWarning):

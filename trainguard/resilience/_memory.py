@@ -15,6 +15,7 @@ import torch
 
 from trainguard.resilience import _engine
 from trainguard.resilience._codec import Encoder, decode
+from trainguard.resilience._grads import optimizer_params
 from trainguard.resilience._state import TrainState
 
 
@@ -41,6 +42,7 @@ class MemorySnapshot:
         self._shared: dict[str, Any] | None = None
         self._local: dict[str, Any] | None = None
         self._tensors: dict[str, torch.Tensor] = {}
+        self._grads: list[tuple[torch.Tensor, str | None]] = []  # each parameter, its gradient's key
         self.step: int | None = None
         self.epoch: int | None = None
         self.nbytes = 0
@@ -52,13 +54,22 @@ class MemorySnapshot:
     def taken(self) -> bool:
         return self._shared is not None
 
-    def take(self, state: TrainState, *, wait: bool = True) -> None:
-        """Snapshot ``state`` now; later updates never reach the snapshot."""
+    def take(self, state: TrainState, *, wait: bool = True, grads: bool = False) -> None:
+        """Snapshot ``state`` now; later updates never reach the snapshot. ``grads``: also keep
+        the gradients of the optimizers' parameters (an accumulation window under way); without
+        it, :meth:`restore` leaves no gradient behind, as a checkpoint's restore in a new process."""
         captured = state.capture()
         enc = Encoder()
         shared = {n: enc.encode(v, n) for n, v in captured.shared.items()}
         local = {n: enc.encode(v, f"local/{n}") for n, v in captured.local.items()}
-        self._tensors = self._stager.stage(enc.tensors, wait=wait)
+        tensors = dict(enc.tensors)
+        self._grads = []
+        for i, p in enumerate(optimizer_params(state)):
+            key = f"grad/{i}" if grads and p.grad is not None else None
+            if key is not None:
+                tensors[key] = p.grad.detach()
+            self._grads.append((p, key))
+        self._tensors = self._stager.stage(tensors, wait=wait)
         self._shared, self._local = shared, local
         self.step, self.epoch = captured.step, captured.epoch
         self.nbytes = sum(t.numel() * t.element_size() for t in self._tensors.values())
@@ -89,6 +100,16 @@ class MemorySnapshot:
                     # fresh tensor, so that training never writes into the snapshot's buffers.
                     device = cur.device if cur is not None else saved.device
                     targets[key] = saved.to(device, copy=True)
+            for p, key in self._grads:
+                # The gradients the snapshot's step had: none, or an accumulation window's. Never
+                # the ones of the steps rewound, which may hold the NaN the rewind is about.
+                saved = self._tensors.get(key) if key is not None else None
+                if saved is None:
+                    p.grad = None
+                elif p.grad is not None and p.grad.shape == saved.shape and p.grad.dtype == saved.dtype:
+                    p.grad.copy_(saved)
+                else:
+                    p.grad = saved.to(p.device, copy=True)
         shared = {n: decode(v, targets) for n, v in self._shared.items()}
         local = {n: decode(v, targets) for n, v in self._local.items()}
         state.apply(shared, local, step=int(self.step or 0), epoch=int(self.epoch or 0))
@@ -98,5 +119,6 @@ class MemorySnapshot:
         self._stager.release()
         self._shared = self._local = None
         self._tensors = {}
+        self._grads = []
         self.step = self.epoch = None
         self.nbytes = 0

@@ -92,11 +92,13 @@ def load_into(state: TrainState, path: Path, manifest: dict[str, Any], *, strict
     elif strict:
         raise CheckpointError(
             f"{path.name} was written by {len(saved_ranks)} rank(s), this run has {world}: per-rank state "
-            "(RNG, data position) cannot be mapped; restore(strict=False) restores the shared state only")
+            "(RNG, data position) cannot be mapped; restore(strict=False) or resume(..., strict=False) "
+            "restores the shared state only")
     current = state.capture()
     problems = _name_problems(current.shared, saved_shared, current.local, saved_local)
     if problems and strict:
-        raise CheckpointError(f"{path.name} does not fit this TrainState: {'; '.join(problems)}")
+        raise CheckpointError(f"{path.name} does not fit this TrainState: {'; '.join(problems)} "
+                              "(restore(strict=False) or resume(..., strict=False) restores the objects both have)")
     if problems:
         warnings.warn(f"restoring {path.name} partially: {'; '.join(problems)}", stacklevel=3)
     shared_names = [n for n in current.shared if n in saved_shared]

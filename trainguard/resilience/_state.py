@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Sampler
 from trainguard._errors import CheckpointError
 from trainguard.resilience import _rng
 from trainguard.resilience._epochs import SamplerEpoch, has_epoch
+from trainguard.resilience._grads import AcceleratorCount, is_accelerator
 from trainguard.resilience._loader import ResumableLoader, framework_inner
 
 RNG = "rng"  # the per-rank entry holding the process-wide generators
@@ -84,7 +85,10 @@ class TrainState:
                 obj = ResumableLoader(obj)
             elif not _stateful(obj) and has_epoch(obj):
                 obj = SamplerEpoch(obj)
-            if isinstance(obj, (DataLoader, ResumableLoader, Sampler, SamplerEpoch, torch.Generator)):
+            elif is_accelerator(obj):
+                obj = AcceleratorCount(obj)
+            if isinstance(obj, (DataLoader, ResumableLoader, Sampler, SamplerEpoch, torch.Generator,
+                                AcceleratorCount)):
                 local.add(name)
             if not (_stateful(obj) or isinstance(obj, torch.Generator)):
                 raise TypeError(
@@ -101,6 +105,8 @@ class TrainState:
         objects = self.__dict__.get("_objects", {})
         if name in objects:
             obj = objects[name]
+            if isinstance(obj, AcceleratorCount):
+                return obj.accelerator
             return obj.sampler if isinstance(obj, SamplerEpoch) else obj
         raise AttributeError(f"TrainState has no {name!r}; it holds {', '.join(objects) or 'nothing'}")
 
