@@ -243,3 +243,34 @@ def test_the_checklist_overfits_sparse_embeddings_with_the_given_optimizer():
                                   optimizer_factory=lambda p: torch.optim.Adagrad(p, lr=0.01), overfit_steps=5)
     [result] = report.results
     assert type(result).__name__ == "OverfitResult", result
+
+
+class Forecaster(nn.Module):
+    """Time-Series-Library's DLinear (models/DLinear.py) mapping each channel's past 48 steps to
+    its next 24, with a hidden layer (``hidden=0``: the plain linear map)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(48, hidden), nn.GELU(), nn.Linear(hidden, 24)) if hidden else nn.Linear(48, 24)
+
+    def forward(self, x):  # [batch, time, channels]
+        return self.net(x.transpose(1, 2)).transpose(1, 2)
+
+
+def random_walks():
+    walk = torch.randn(16, 72, 7, generator=torch.Generator().manual_seed(0)).cumsum(1) / 4
+    return walk[:, :48], walk[:, 48:]
+
+
+def test_a_regression_loss_still_falling_fast_is_slow_not_a_floor():
+    # trainguard doctor on Time-Series-Library's PatchTST (MSE, 16 windows): "loss 1.56 -> 0.0156
+    # in 200 steps: floor ... too little capacity", while the loss fell 29% in the last 50 steps and
+    # passed at 400. Its last quarter was a small share of the first steps' drop, not of the loss.
+    torch.manual_seed(0)
+    r = doctor.overfit_one_batch(Forecaster(32), random_walks(), nn.MSELoss())
+    assert not r.passed and r.reason == "slow", (r.reason, r.losses[::25])
+    torch.manual_seed(0)
+    assert doctor.overfit_one_batch(Forecaster(32), random_walks(), nn.MSELoss(), steps=800).passed
+    # a linear map of 48 steps cannot fit 112 channel windows: that loss levels off
+    torch.manual_seed(0)
+    assert doctor.overfit_one_batch(Forecaster(0), random_walks(), nn.MSELoss()).reason == "floor"
