@@ -21,6 +21,7 @@ import torch
 
 from trainguard.analysis import Link, Origin, origin
 from trainguard.capture import Recorder
+from trainguard.guard import _collective
 from trainguard.store import REPLAYS_DIR, open_run
 
 log = logging.getLogger("trainguard.guard")
@@ -67,10 +68,15 @@ class StepRecording:
     def start(self) -> None:
         # The recorder adds rank-K itself when torchrun's variables say so; otherwise say it here.
         logdir = self.top if _torchrun_rank() is not None else self.path
-        # The Python backend, summaries at each op: it notes which rows of an output hold each
-        # new non-finite value (the samples the guard names); one step, so its cost is no matter.
-        self._recorder = Recorder(logdir, mode="full_health", buffer=-1, backend="python", strategy="immediate")
-        self._recorder.nonfinite_rows = {}
+        # One process: the Python backend, summaries at each op, notes which rows of an output hold
+        # each new non-finite value (the samples the guard names); one step, so its cost is no
+        # matter. Under torch.distributed the default backend: an FSDP2 job's replay crashed
+        # (SIGSEGV in the sentry's _foreach_norm over DTensor gradients) under the Python backend.
+        alone = _collective.rank_world()[1] == 1
+        self._recorder = Recorder(logdir, mode="full_health", buffer=-1,
+                                  **({"backend": "python", "strategy": "immediate"} if alone else {}))
+        if alone:
+            self._recorder.nonfinite_rows = {}
         self._stance = contextlib.ExitStack()
         self._stance.enter_context(_eager())
         # torch warns that a compiled module called while the recorder's global module hooks are
