@@ -489,6 +489,42 @@ def test_an_inf_a_module_holds_in_a_buffer_since_construction_keeps_its_origin(t
     assert o.origin.file.endswith("test_taint.py") and o.origin.function == "__init__"
 
 
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_an_inf_in_a_buffer_keeps_its_origin_through_a_deepcopy_of_the_module(tmp_path, backend):
+    # Found on lucidrains/denoising-diffusion-pytorch: its Trainer keeps an EMA of the model with
+    # ema_pytorch's EMA, which is `copy.deepcopy(model)`. Tensor.__deepcopy__ copies a buffer as
+    # `new_empty` of it, then `set_` to a copy of its storage (no op in between reads the values):
+    # the report named set_ at the EMA line, "set_ made +inf from values the compiled graph
+    # computed without a summary of their own (new_empty)", and advised a lower learning rate.
+    import copy
+
+    torch.manual_seed(0)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        model = _Schedule()
+        ema = copy.deepcopy(model)
+        ema(torch.randn(4, 4), torch.tensor([0, 1, 2, 4])).backward()  # draws the last timestep
+    o = origin(open_run(tmp_path / "r"))
+    assert o is not None and o.chain[0].op == "aten.sub.Tensor"
+    assert o.origin.op == "aten.reciprocal", (o.origin.op, o.origin.explanation)
+    assert o.origin.function == "__init__"
+    assert "compiled graph" not in o.origin.explanation
+
+
+def test_check_numerics_names_the_origin_of_an_inf_a_deepcopied_buffer_holds():
+    # The same under check_numerics: it named set_ at the deepcopy's line as the op that made +inf.
+    import copy
+
+    torch.manual_seed(0)
+    with pytest.raises(tg.NonFiniteError) as info:
+        with tg.check_numerics():
+            model = _Schedule()
+            ema = copy.deepcopy(model)
+            ema(torch.randn(4, 4), torch.tensor([0, 1, 2, 4]))
+    msg = str(info.value)
+    assert msg.startswith("aten.reciprocal produced +inf"), msg
+    assert " in __init__: " in msg, msg
+
+
 def _encode_boxes(gt, anchors):
     """torchvision's ``models/detection/_utils.py`` ``encode_boxes`` in small: the regression targets
     of anchors matched to an image's ground truth; an image without objects matches every anchor to
