@@ -525,6 +525,22 @@ def test_check_numerics_names_the_origin_of_an_inf_a_deepcopied_buffer_holds():
     assert " in __init__: " in msg, msg
 
 
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_the_chain_says_an_op_on_a_buffer_passed_on_the_inf_the_buffer_holds(tmp_path, backend):
+    # The same schedule: the origin was right, but the chain's step from the gather to it said
+    # "gather turned finite inputs into +inf": its input is the buffer, which has no summary.
+    torch.manual_seed(0)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        model = _Schedule()
+        model(torch.randn(4, 4), torch.tensor([0, 1, 2, 4])).backward()
+    o = origin(open_run(tmp_path / "r"))
+    gathers = [link for link in o.chain if link.op == "aten.gather"]
+    assert gathers, [link.op for link in o.chain]
+    why = gathers[0].explanation
+    assert "turned finite inputs" not in why, why
+    assert "buffer sqrt_recip" in why and "passed on" in why, why
+
+
 def _encode_boxes(gt, anchors):
     """torchvision's ``models/detection/_utils.py`` ``encode_boxes`` in small: the regression targets
     of anchors matched to an image's ground truth; an image without objects matches every anchor to
