@@ -79,6 +79,12 @@ def writes_model_state(op: str, inplace: bool, inputs, n_outputs: int) -> bool:
 
 CLASS_NAMES = ("default", "view", "copy", "alloc", "renorm", "read", "collective")
 
+# Tensor.__deepcopy__ (copy.deepcopy of a module: an EMA of the model, ema_pytorch's and timm's)
+# copies a tensor as ``new_empty`` of it, then ``set_`` of the new tensor to a copy of the storage,
+# made by storage calls that no op sees in terms of the source. The set_ holds the source's
+# values: a copy of it, whose taint and origin it keeps.
+STORAGE_SETS = frozenset({"aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset"})
+
 ALLOC_OPS = frozenset(
     {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
      "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out",
@@ -252,6 +258,9 @@ class Tracker:
         # ran (a noise schedule's +inf) keeps the origin it was made with. Set when it is named
         # (the native core's ModuleTracker.on_named) and by in-place writes into it.
         self.named: dict[str, int] = {}
+        # (seq, taint, origin) of the last allocation made like a pending or harmful tensor (the
+        # new_empty of a deepcopy), for the set_ that fills it next (see STORAGE_SETS)
+        self.template: tuple[int, int, int | None] | None = None
 
     # ------------------------------------------------------------------ judging
     def settle(self, seq: int, step: int, phase: str, op: str, cls: int, param_write: bool, in_taint: int,
@@ -265,6 +274,13 @@ class Tracker:
         counts when that is not ``op`` (an op of a compiled graph by the op it was decomposed
         from: ``aten.where.self`` as ``aten.masked_fill.Scalar``).
         """
+        if cls == ALLOC:
+            self.template = (seq, in_taint, in_origin) if in_taint >= PENDING else None
+        elif op in STORAGE_SETS and self.template is not None and inputs and inputs[0][0] == "op":
+            t_seq, t_taint, t_origin = self.template
+            if inputs[0][1] == t_seq and t_taint > in_taint:  # a deepcopy: a copy of the template
+                cls, in_taint, in_origin = COPY, t_taint, t_origin
+            self.template = None
         if in_taint == HARMFUL and cls != ALLOC and (health or cls == READ):
             # Passed on (a run that keeps making NaN does little else): the table's answer, and
             # only the count and the storm's pins to keep.
