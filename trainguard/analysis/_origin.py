@@ -329,6 +329,16 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
             return "inf - inf -> NaN: infinities of opposite sign meet"
         src = i.get("producer_op") or i.get("name") or "an input"
         return f"{base} passed on the non-finite values of input {i['slot']} ({src})"
+    held = [i for i in ins if i["kind"] in ("param", "buffer")]
+    if (held and link.origin_seq is not None and link.origin_seq != link.seq
+            and all(i["kind"] in ("op", "param", "buffer") for i in ins)):
+        # The value was made elsewhere and reached this op through a parameter or buffer (stored by
+        # name, without a summary of its own): a noise schedule's buffer made at construction.
+        if len(held) == 1:
+            i = held[0]
+            return f"{base} passed on the non-finite values that input {i['slot']} ({i['kind']} {i['name']}) holds"
+        names = ", ".join(f"{i['kind']} {i['name']}" for i in held)
+        return f"{base} passed on the non-finite values that one of its inputs ({names}) holds"
     empty = _empty_input(link)
     if empty is not None:
         src = empty.get("producer_op") or empty.get("name") or "an input"
