@@ -541,6 +541,32 @@ def test_the_chain_says_an_op_on_a_buffer_passed_on_the_inf_the_buffer_holds(tmp
     assert "buffer sqrt_recip" in why and "passed on" in why, why
 
 
+@pytest.mark.parametrize("backend", ["python", "native"])
+@pytest.mark.parametrize("deepcopy", [False, True])
+def test_the_origin_of_an_inf_a_buffer_holds_is_kept_by_a_circular_buffer(tmp_path, backend, deepcopy):
+    # `trainguard run --check-numerics` on the same schedule (its default buffer=1000, the EMA's
+    # sampling 18,000 ops later): the tracker knew the reciprocal as the origin, but the chain it
+    # pinned reaches the origin only through producers, and a buffer is an input by name (or, in
+    # a deepcopy, the set_ of a new_empty): the reciprocal was evicted, and the report named set_.
+    import copy
+
+    from trainguard.store._codec import EVICTION_SLACK
+
+    torch.manual_seed(0)
+    with tg.record(tmp_path / "r", buffer=20, backend=backend):
+        model = _Schedule()
+        if deepcopy:
+            model = copy.deepcopy(model)
+        x, t = torch.randn(4, 4), torch.tensor([0, 1, 2, 3])
+        with torch.no_grad():
+            for _ in range(EVICTION_SLACK // 8):  # finite steps (8 ops each): construction leaves the window
+                model(x, t)
+        model(torch.randn(4, 4), torch.tensor([0, 1, 2, 4])).backward()
+    o = origin(open_run(tmp_path / "r"))
+    assert o is not None and o.origin.op == "aten.reciprocal", (o.origin.op, o.origin.explanation)
+    assert o.origin.function == "__init__"
+
+
 def _encode_boxes(gt, anchors):
     """torchvision's ``models/detection/_utils.py`` ``encode_boxes`` in small: the regression targets
     of anchors matched to an image's ground truth; an image without objects matches every anchor to
