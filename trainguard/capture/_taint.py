@@ -483,6 +483,17 @@ class Tracker:
                 pins.append(rec[6])
             if s != origin:
                 todo += producers
+        if origin is not None and origin not in done and origin in records:
+            # The walk did not reach it: the value came through a buffer or parameter (an input by
+            # name, not by producer) or a deepcopy's set_ of a new_empty. The origin is what the
+            # report leads with; it may be far older than the circular buffer's window.
+            rec = records[origin]
+            if rec[11] != HARMFUL:
+                rec = records[origin] = rec[:11] + (HARMFUL, origin)
+                self.resend.append(rec)
+                self.counted.append((rec[1], rec[3], origin))
+            pins.append(origin)
+            pins += [ref for kind, ref in rec[8] if kind == "op"]
 
     def backward_starts(self, fwd_seq: int | None, step: int) -> tuple[int, int | None]:
         """A backward pass starts at the autograd node of execution ``fwd_seq``: its output is
