@@ -417,6 +417,24 @@ def test_lr_too_high_names_the_rate_the_run_diverged_with(tmp_path):
     assert f.evidence["lr"] == 1.0 and "from 1 to about" in f.suggestion, f.suggestion
 
 
+# lucidrains/denoising-diffusion-pytorch's GaussianDiffusion with objective='pred_x0' and the linear
+# schedule (100 timesteps; tiny Unet, Adam 8e-4, clipped at 1): p_losses weighs each sample's MSE by
+# the SNR of its random timestep (loss_weight = snr, up to 1,000 at t=0 with min_snr_loss_weight off),
+# so the loss of a step is mostly the draw of timesteps. Step 0 drew a low weight (0.09). This was
+# "learning rate too high: the smoothed loss rose to 0.723 by step 1, from 0.0917 at initialisation",
+# with a rate 10x lower suggested, and again at that rate, and again 10x below it: the losses come
+# out nearly the same at any rate.
+DIFFUSION_X0_LOSS = [
+    0.0917, 1.06, 0.723, 0.205, 1.42, 0.585, 1.82, 0.0827, 0.897, 0.449, 1.19, 3.29, 0.29, 0.662, 2.53, 0.826,
+    5.99, 48.4, 0.411, 9.54, 0.131, 2.0, 0.473, 0.0826, 0.321, 0.586, 0.0301, 37.1, 3.0, 0.167, 0.00929, 0.695,
+    0.116, 0.654, 33.5, 0.073, 0.302, 0.372, 0.013, 2.1]
+
+
+def test_a_loss_noisier_than_any_trend_is_not_a_divergence_from_its_first_draw(tmp_path):
+    fs = diagnose(write_run(tmp_path / "r", DIFFUSION_X0_LOSS, lr=8e-4))
+    assert "lr_too_high" not in kinds(fs), [(f.kind, f.title) for f in fs]
+
+
 # The per-episode loss of pytorch/examples' reinforcement_learning/reinforce.py (CartPole, seed 543,
 # 30 episodes) under `trainguard run --monitor`: -sum(log_prob * normalised return) is a zero-mean
 # surrogate, not an error driven toward 0. It was called "learning rate too high: the smoothed loss
