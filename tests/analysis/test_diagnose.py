@@ -433,6 +433,11 @@ DIFFUSION_X0_LOSS = [
 def test_a_loss_noisier_than_any_trend_is_not_a_divergence_from_its_first_draw(tmp_path):
     fs = diagnose(write_run(tmp_path / "r", DIFFUSION_X0_LOSS, lr=8e-4))
     assert "lr_too_high" not in kinds(fs), [(f.kind, f.title) for f in fs]
+    # A rate that does diverge with such a loss is still found, against the median of its first steps.
+    rising = [v * (1.0 if s < 10 else 20.0) for s, v in enumerate(DIFFUSION_X0_LOSS)]
+    f = next(f for f in diagnose(write_run(tmp_path / "up", rising, lr=8e-4)) if f.kind == "lr_too_high")
+    assert f.evidence["divergence"]["initial_loss"] == 0.723, f.evidence
+    assert "from 0.723 over its first 5 steps" in f.title, f.title
 
 
 # The per-episode loss of pytorch/examples' reinforcement_learning/reinforce.py (CartPole, seed 543,
