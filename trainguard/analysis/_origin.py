@@ -784,10 +784,11 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["std"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
-    if (base in _ACCUM and all("inf" not in h for h in link.health)
+    if (all("inf" not in h for h in link.health)
             and any(i["kind"] not in ("op", "param", "buffer") for i in link.inputs)):
-        # NaN and no inf: no overflow of finite values makes that, an input from outside the
-        # recording (a batch made before a guard's replay) held it
+        # NaN and no inf: no overflow of finite values makes that (and the ops that make NaN of
+        # finite values are judged above), an input from outside the recording (a batch made
+        # before a guard's replay) held it
         return _SUGGESTIONS["input"]
     narrow = any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs)
     if first_forward and link.step == 0 and link.phase == "forward":
