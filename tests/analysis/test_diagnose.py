@@ -1007,3 +1007,14 @@ def test_a_layer_scaled_residual_branch_is_not_collapsed_activations(tmp_path):
             loss.backward()
             opt.step()
     assert "collapsed_activations" not in kinds(mon.findings), [(f.kind, f.title) for f in mon.findings]
+
+
+def test_a_loss_that_explodes_from_its_first_step_is_judged_from_its_first_value(tmp_path):
+    # lucidrains/denoising-diffusion-pytorch (pred_v, sigmoid schedule) with Adam at 0.8, 1000x its
+    # rate: the loss grows 1e14x in one step, then keeps growing. Judged as a noisy loss, its
+    # initial level was the median of steps 0-4 (3.41e+20), not the 0.392 it started from.
+    loss = [0.392, 4.32e13, 3.41e20, 5.06e23, 2.45e26, 1.15e28, 2.21e29, 1.76e30, 6.63e30, 1.93e31, 8.97e31,
+            3.03e32, 6.55e32, 1.24e33, 1.7e33, 3.91e33, 6.92e33, 1.6e34, 8.87e33, 2.09e34, 2.28e34, 5.67e34]
+    f = next(f for f in diagnose(write_run(tmp_path / "r", loss, lr=0.8)) if f.kind == "lr_too_high")
+    assert f.evidence["divergence"]["initial_loss"] == 0.392, f.evidence
+    assert "at initialisation" in f.title, f.title
