@@ -81,12 +81,13 @@ _NOISY_START = 5
 
 
 def log_noise(vals: np.ndarray) -> float | None:
-    """The robust standard deviation of a positive loss's log from one step to the next (the MAD of
-    its differences, which a trend or a few spikes barely move), or None for a loss not positive."""
-    if len(vals) < 3 or not np.all(vals > 0):
+    """The robust spread of a positive loss's log around its local level (the MAD of its distance
+    from the median of the 5 steps around it: a trend, however steep, and a few spikes barely move
+    it), or None for a loss not positive."""
+    if len(vals) < 5 or not np.all(vals > 0):
         return None
-    d = np.diff(np.log(vals))
-    return 1.4826 * float(np.median(np.abs(d))) / math.sqrt(2)
+    logs = np.log(vals)
+    return 1.4826 * float(np.median(np.abs(logs[2:-2] - rolling_median(logs, 5))))
 
 
 def diverged(ctx: Context) -> dict | None:
