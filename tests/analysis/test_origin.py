@@ -294,6 +294,23 @@ def test_nonfinite_input_data(tmp_path):
     assert "input 0" in o.origin.explanation and "outside the recording" in o.origin.explanation
 
 
+def test_a_zero_denominator_made_by_a_difference_in_bfloat16_says_to_compute_it_in_float32(tmp_path):
+    # A diffusion loss weighted by the SNR of each sample's timestep, alphas_cumprod / (1 - alphas_cumprod),
+    # with the model and its schedule buffer cast to bfloat16 (the SNR weighting of lucidrains'
+    # denoising_diffusion_pytorch.py and diffusers' compute_snr, computed at run time): alphas_cumprod
+    # at small t is 0.9999, which bfloat16 rounds to 1, so 1 - a is 0. "x / (d + 1e-8)" only moves
+    # the inf to 1e8; the difference must be taken in float32.
+    alphas_cumprod = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64), 0).to(torch.bfloat16)
+
+    def snr():
+        a = alphas_cumprod[torch.tensor([0, 1, 500, 999])]
+        return (a / (1 - a)).sum().item()
+
+    o = origin(record(tmp_path, snr))
+    assert o.origin.op == "aten.div.Tensor"
+    assert "float32" in o.suggestion and "bfloat16" in o.suggestion, o.suggestion
+
+
 def test_nonfinite_input_data_times_a_recorded_coefficient_is_not_called_an_overflow(tmp_path):
     # Found with trainguard's guard on the diffusers unconditional training loop, one training image
     # NaN: the replay records the step, not the batch made before it, and DDPMScheduler.add_noise
