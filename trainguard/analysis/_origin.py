@@ -731,6 +731,24 @@ def _into_log_one_plus(consumers: list[str]) -> bool:
     return bases[:1] == ["log1p"] or (bases[:1] in (["add"], ["add_"]) and bases[1:2] == ["log"])
 
 
+# The gap between a narrow float type's values just below 1.
+_SPACING = {"bfloat16": "2^-8", "float16": "2^-11", "float8_e4m3fn": "2^-4", "float8_e4m3fnuz": "2^-4",
+            "float8_e5m2": "2^-3", "float8_e5m2fnuz": "2^-3"}
+
+
+def _narrow_difference(link: Link) -> str | None:
+    """The dtype, when the division's denominator (its second input) holds zeros made by a
+    subtraction in float16 or bfloat16 (values that differ by less than the dtype's spacing
+    cancel to 0: ``1 - alphas_cumprod`` at small t); else None."""
+    if len(link.inputs) < 2:
+        return None
+    d = link.inputs[1]
+    dtype = str(d.get("dtype") or "").replace("torch.", "")
+    if dtype not in _NARROW or op_base(d.get("producer_op") or "") not in ("sub", "sub_", "rsub"):
+        return None
+    return dtype if _count(d.get("summary"), "zero") else None
+
+
 def _integer_denominator(link: Link) -> bool:
     """Whether the division's denominator (its second input) holds integers: a count."""
     if len(link.inputs) < 2:
@@ -769,7 +787,14 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     if link.phase != "backward" and _power_of_zero(link):
         return _SUGGESTIONS["pow_zero"]
     if base in _DIVS:
-        return _SUGGESTIONS["div_count" if link.phase != "backward" and _integer_denominator(link) else "div"]
+        if link.phase != "backward" and _integer_denominator(link):
+            return _SUGGESTIONS["div_count"]
+        cancelled = _narrow_difference(link)
+        if cancelled is not None:
+            return (f"the zeros in the denominator are a difference taken in {cancelled}, whose values just below 1 "
+                    f"are {_SPACING.get(cancelled, 'far')} apart (0.9999 rounds to 1, and 1 - 0.9999 is 0): compute it "
+                    "in float32, e.g. (1 - a.float()), and cast back after the division; then " + _SUGGESTIONS["div"])
+        return _SUGGESTIONS["div"]
     if base in _SQRTS or base in _RSQRTS:
         return _SUGGESTIONS["sqrt"]
     if base in _EXPS:
