@@ -430,6 +430,29 @@ def test_lr_too_high_names_the_rate_the_run_diverged_with(tmp_path):
     assert f.evidence["lr"] == 1.0 and "from 1 to about" in f.suggestion, f.suggestion
 
 
+# lucidrains/denoising-diffusion-pytorch's GaussianDiffusion with objective='pred_x0' and the linear
+# schedule (100 timesteps; tiny Unet, Adam 8e-4, clipped at 1): p_losses weighs each sample's MSE by
+# the SNR of its random timestep (loss_weight = snr, up to 1,000 at t=0 with min_snr_loss_weight off),
+# so the loss of a step is mostly the draw of timesteps. Step 0 drew a low weight (0.09). This was
+# "learning rate too high: the smoothed loss rose to 0.723 by step 1, from 0.0917 at initialisation",
+# with a rate 10x lower suggested, and again at that rate, and again 10x below it: the losses come
+# out nearly the same at any rate.
+DIFFUSION_X0_LOSS = [
+    0.0917, 1.06, 0.723, 0.205, 1.42, 0.585, 1.82, 0.0827, 0.897, 0.449, 1.19, 3.29, 0.29, 0.662, 2.53, 0.826,
+    5.99, 48.4, 0.411, 9.54, 0.131, 2.0, 0.473, 0.0826, 0.321, 0.586, 0.0301, 37.1, 3.0, 0.167, 0.00929, 0.695,
+    0.116, 0.654, 33.5, 0.073, 0.302, 0.372, 0.013, 2.1]
+
+
+def test_a_loss_noisier_than_any_trend_is_not_a_divergence_from_its_first_draw(tmp_path):
+    fs = diagnose(write_run(tmp_path / "r", DIFFUSION_X0_LOSS, lr=8e-4))
+    assert "lr_too_high" not in kinds(fs), [(f.kind, f.title) for f in fs]
+    # A rate that does diverge with such a loss is still found, against the median of its first steps.
+    rising = [v * (1.0 if s < 10 else 20.0) for s, v in enumerate(DIFFUSION_X0_LOSS)]
+    f = next(f for f in diagnose(write_run(tmp_path / "up", rising, lr=8e-4)) if f.kind == "lr_too_high")
+    assert f.evidence["divergence"]["initial_loss"] == 0.723, f.evidence
+    assert "from 0.723 over its first 5 steps" in f.title, f.title
+
+
 # The per-episode loss of pytorch/examples' reinforcement_learning/reinforce.py (CartPole, seed 543,
 # 30 episodes) under `trainguard run --monitor`: -sum(log_prob * normalised return) is a zero-mean
 # surrogate, not an error driven toward 0. It was called "learning rate too high: the smoothed loss
@@ -1037,3 +1060,14 @@ def test_a_loss_that_rises_slowly_under_small_updates_is_not_a_learning_rate_too
     big = [r[:4] + (0.05,) if r[2:4] == ("update", "ratio") else r for r in rows]
     fs = diagnose(write_run(tmp_path / "big", loss, layer_rows=big, lr=8.33e-5, every=10))
     assert "lr_too_high" in kinds(fs)
+
+
+def test_a_loss_that_explodes_from_its_first_step_is_judged_from_its_first_value(tmp_path):
+    # lucidrains/denoising-diffusion-pytorch (pred_v, sigmoid schedule) with Adam at 0.8, 1000x its
+    # rate: the loss grows 1e14x in one step, then keeps growing. Judged as a noisy loss, its
+    # initial level was the median of steps 0-4 (3.41e+20), not the 0.392 it started from.
+    loss = [0.392, 4.32e13, 3.41e20, 5.06e23, 2.45e26, 1.15e28, 2.21e29, 1.76e30, 6.63e30, 1.93e31, 8.97e31,
+            3.03e32, 6.55e32, 1.24e33, 1.7e33, 3.91e33, 6.92e33, 1.6e34, 8.87e33, 2.09e34, 2.28e34, 5.67e34]
+    f = next(f for f in diagnose(write_run(tmp_path / "r", loss, lr=0.8)) if f.kind == "lr_too_high")
+    assert f.evidence["divergence"]["initial_loss"] == 0.392, f.evidence
+    assert "at initialisation" in f.title, f.title

@@ -331,6 +331,46 @@ def test_nonfinite_input_data(tmp_path):
     assert "input 0" in o.origin.explanation and "outside the recording" in o.origin.explanation
 
 
+def test_a_zero_denominator_made_by_a_difference_in_bfloat16_says_to_compute_it_in_float32(tmp_path):
+    # A diffusion loss weighted by the SNR of each sample's timestep, alphas_cumprod / (1 - alphas_cumprod),
+    # with the model and its schedule buffer cast to bfloat16 (the SNR weighting of lucidrains'
+    # denoising_diffusion_pytorch.py and diffusers' compute_snr, computed at run time): alphas_cumprod
+    # at small t is 0.9999, which bfloat16 rounds to 1, so 1 - a is 0. "x / (d + 1e-8)" only moves
+    # the inf to 1e8; the difference must be taken in float32.
+    alphas_cumprod = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64), 0).to(torch.bfloat16)
+
+    def snr():
+        a = alphas_cumprod[torch.tensor([0, 1, 500, 999])]
+        return (a / (1 - a)).sum().item()
+
+    o = origin(record(tmp_path, snr))
+    assert o.origin.op == "aten.div.Tensor"
+    assert "float32" in o.suggestion and "bfloat16" in o.suggestion, o.suggestion
+
+
+def test_nonfinite_input_data_times_a_recorded_coefficient_is_not_called_an_overflow(tmp_path):
+    # Found with trainguard's guard on the diffusers unconditional training loop, one training image
+    # NaN: the replay records the step, not the batch made before it, and DDPMScheduler.add_noise
+    # (src/diffusers/schedulers/scheduling_ddpm.py) multiplies it by sqrt(alphas_cumprod[t]), which
+    # the step gathered. The explanation said the batch held the NaN; the fix said "values are
+    # overflowing: lower the learning rate or clip gradients".
+    bad = torch.rand(2, 3, 4, 4) * 2 - 1
+    bad[1, 0, 2, 2] = float("nan")
+    alphas_cumprod = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000), dim=0)
+
+    def add_noise():
+        t = torch.tensor([10, 500])
+        noise = torch.randn(2, 3, 4, 4)
+        sqrt_alpha_prod = (alphas_cumprod[t] ** 0.5).flatten()[:, None, None, None]
+        sqrt_one_minus_alpha_prod = ((1 - alphas_cumprod[t]) ** 0.5).flatten()[:, None, None, None]
+        return sqrt_alpha_prod * bad + sqrt_one_minus_alpha_prod * noise
+
+    o = origin(record(tmp_path, lambda: add_noise().mean().item()))
+    assert o.origin.op == "aten.mul.Tensor"
+    assert "outside the recording" in o.origin.explanation, o.origin.explanation
+    assert "already held NaN" in o.suggestion and "learning rate" not in o.suggestion, o.suggestion
+
+
 @pytest.mark.parametrize("backend", ["python", "native"])
 def test_a_view_of_stale_memory_from_before_the_recording_that_is_overwritten_is_no_alert(tmp_path, backend):
     # Found on pytorch/examples' FSDP2 model under trainguard.Guard with two gloo ranks: the replay records

@@ -489,6 +489,84 @@ def test_an_inf_a_module_holds_in_a_buffer_since_construction_keeps_its_origin(t
     assert o.origin.file.endswith("test_taint.py") and o.origin.function == "__init__"
 
 
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_an_inf_in_a_buffer_keeps_its_origin_through_a_deepcopy_of_the_module(tmp_path, backend):
+    # Found on lucidrains/denoising-diffusion-pytorch: its Trainer keeps an EMA of the model with
+    # ema_pytorch's EMA, which is `copy.deepcopy(model)`. Tensor.__deepcopy__ copies a buffer as
+    # `new_empty` of it, then `set_` to a copy of its storage (no op in between reads the values):
+    # the report named set_ at the EMA line, "set_ made +inf from values the compiled graph
+    # computed without a summary of their own (new_empty)", and advised a lower learning rate.
+    import copy
+
+    torch.manual_seed(0)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        model = _Schedule()
+        ema = copy.deepcopy(model)
+        ema(torch.randn(4, 4), torch.tensor([0, 1, 2, 4])).backward()  # draws the last timestep
+    o = origin(open_run(tmp_path / "r"))
+    assert o is not None and o.chain[0].op == "aten.sub.Tensor"
+    assert o.origin.op == "aten.reciprocal", (o.origin.op, o.origin.explanation)
+    assert o.origin.function == "__init__"
+    assert "compiled graph" not in o.origin.explanation
+
+
+def test_check_numerics_names_the_origin_of_an_inf_a_deepcopied_buffer_holds():
+    # The same under check_numerics: it named set_ at the deepcopy's line as the op that made +inf.
+    import copy
+
+    torch.manual_seed(0)
+    with pytest.raises(tg.NonFiniteError) as info:
+        with tg.check_numerics():
+            model = _Schedule()
+            ema = copy.deepcopy(model)
+            ema(torch.randn(4, 4), torch.tensor([0, 1, 2, 4]))
+    msg = str(info.value)
+    assert msg.startswith("aten.reciprocal produced +inf"), msg
+    assert " in __init__: " in msg, msg
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_the_chain_says_an_op_on_a_buffer_passed_on_the_inf_the_buffer_holds(tmp_path, backend):
+    # The same schedule: the origin was right, but the chain's step from the gather to it said
+    # "gather turned finite inputs into +inf": its input is the buffer, which has no summary.
+    torch.manual_seed(0)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        model = _Schedule()
+        model(torch.randn(4, 4), torch.tensor([0, 1, 2, 4])).backward()
+    o = origin(open_run(tmp_path / "r"))
+    gathers = [link for link in o.chain if link.op == "aten.gather"]
+    assert gathers, [link.op for link in o.chain]
+    why = gathers[0].explanation
+    assert "turned finite inputs" not in why, why
+    assert "buffer sqrt_recip" in why and "passed on" in why, why
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+@pytest.mark.parametrize("deepcopy", [False, True])
+def test_the_origin_of_an_inf_a_buffer_holds_is_kept_by_a_circular_buffer(tmp_path, backend, deepcopy):
+    # `trainguard run --check-numerics` on the same schedule (its default buffer=1000, the EMA's
+    # sampling 18,000 ops later): the tracker knew the reciprocal as the origin, but the chain it
+    # pinned reaches the origin only through producers, and a buffer is an input by name (or, in
+    # a deepcopy, the set_ of a new_empty): the reciprocal was evicted, and the report named set_.
+    import copy
+
+    from trainguard.store._codec import EVICTION_SLACK
+
+    torch.manual_seed(0)
+    with tg.record(tmp_path / "r", buffer=20, backend=backend):
+        model = _Schedule()
+        if deepcopy:
+            model = copy.deepcopy(model)
+        x, t = torch.randn(4, 4), torch.tensor([0, 1, 2, 3])
+        with torch.no_grad():
+            for _ in range(EVICTION_SLACK // 8):  # finite steps (8 ops each): construction leaves the window
+                model(x, t)
+        model(torch.randn(4, 4), torch.tensor([0, 1, 2, 4])).backward()
+    o = origin(open_run(tmp_path / "r"))
+    assert o is not None and o.origin.op == "aten.reciprocal", (o.origin.op, o.origin.explanation)
+    assert o.origin.function == "__init__"
+
+
 def _encode_boxes(gt, anchors):
     """torchvision's ``models/detection/_utils.py`` ``encode_boxes`` in small: the regression targets
     of anchors matched to an image's ground truth; an image without objects matches every anchor to

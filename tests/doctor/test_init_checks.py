@@ -202,3 +202,43 @@ def test_channel_first_class_axis_for_segmentation_shaped_outputs():
     x, y = torch.randn(2, 3, 6, 6), torch.randint(0, 4, (2, 6, 6))
     r = doctor.init_checks(model, (x, y), nn.CrossEntropyLoss())
     assert r.num_classes == 4 and r.expected_loss == pytest.approx(math.log(4))
+
+
+class _ReturnsItsLoss(nn.Module):
+    """lucidrains/denoising-diffusion-pytorch's GaussianDiffusion.forward in small: the model takes the
+    images and returns the training loss itself (a scalar), which loss_fn passes through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(16, 16)
+
+    def forward(self, img):
+        noise = torch.randn_like(img)
+        return nn.functional.mse_loss(self.net(img + noise), noise)
+
+
+def test_a_model_that_returns_its_own_loss_is_no_merged_batch_dimension():
+    # Found with `trainguard doctor` on GaussianDiffusion: "error: The output has shape [] for a batch
+    # of 8 samples: look for a flatten/view that merges the batch dimension".
+    torch.manual_seed(0)
+    r = doctor.init_checks(_ReturnsItsLoss(), (torch.rand(8, 16), torch.zeros(8)), lambda out, y: out)
+    kinds = {f.kind: f for f in r.findings()}
+    assert "output_batch_mismatch" not in kinds, [(f.kind, f.title) for f in r.findings()]
+    f = kinds["model_returns_loss"]
+    assert f.severity == "info" and "shape" in f.title
+
+
+def test_a_model_that_averages_over_the_batch_by_mistake_is_still_a_mismatch():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 1), nn.Flatten(0))
+    r = doctor.init_checks(_Mean(model), (torch.rand(8, 16), torch.rand(8)), nn.MSELoss())
+    assert "output_batch_mismatch" in {f.kind for f in r.findings()}
+
+
+class _Mean(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x).mean()

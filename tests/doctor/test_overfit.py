@@ -274,3 +274,39 @@ def test_a_regression_loss_still_falling_fast_is_slow_not_a_floor():
     # a linear map of 48 steps cannot fit 112 channel windows: that loss levels off
     torch.manual_seed(0)
     assert doctor.overfit_one_batch(Forecaster(0), random_walks(), nn.MSELoss()).reason == "floor"
+
+
+class _TinyDiffusion(nn.Module):
+    """lucidrains/denoising-diffusion-pytorch's GaussianDiffusion.p_losses in small (pred_noise, linear
+    schedule): forward(img) draws a timestep and noise per sample and returns the loss itself."""
+
+    def __init__(self, timesteps: int = 100) -> None:
+        super().__init__()
+        betas = torch.linspace(1e-3, 0.2, timesteps, dtype=torch.float64)
+        acp = torch.cumprod(1 - betas, 0)
+        self.register_buffer("sqrt_acp", acp.sqrt().float())
+        self.register_buffer("sqrt_1m_acp", (1 - acp).sqrt().float())
+        self.net = nn.Sequential(nn.Linear(17, 64), nn.SiLU(), nn.Linear(64, 16))
+        self.timesteps = timesteps
+
+    def forward(self, img):
+        t = torch.randint(0, self.timesteps, (img.shape[0],))
+        noise = torch.randn_like(img)
+        x = self.sqrt_acp[t, None] * img + self.sqrt_1m_acp[t, None] * noise
+        pred = self.net(torch.cat((x, t[:, None].float() / self.timesteps), dim=1))
+        return nn.functional.mse_loss(pred, noise)
+
+
+def test_a_loss_that_draws_random_numbers_is_not_called_a_learning_rate_too_high():
+    # Found with `trainguard doctor` on lucidrains' GaussianDiffusion (the model returns its loss,
+    # loss_fn passes it through): each call draws new timesteps and noise, so the loss of one batch
+    # jumps by itself. It failed as "unstable: the loss jumps around instead of falling: learning
+    # rate too high", with a rate 10x lower to try.
+    torch.manual_seed(0)
+    model = _TinyDiffusion()
+    batch = (torch.rand(8, 16) * 2 - 1, torch.zeros(8))
+    r = doctor.overfit_one_batch(model, batch, lambda out, y: out, steps=60)
+    assert r.reason == "random", (r.reason, r.summary)
+    f = next(f for f in r.findings() if f.kind == "overfit_random")
+    assert f.severity == "warning" and "learning rate" not in f.title, f.title
+    assert r.verdict == "warn"

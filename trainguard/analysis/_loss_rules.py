@@ -76,8 +76,26 @@ def progress(ctx: Context) -> dict | None:
     }
 
 
+# Losses the initial level of a noisy loss is the median of (see ``loss_noisy``).
+_NOISY_START = 5
+
+
+def log_noise(vals: np.ndarray) -> float | None:
+    """The robust spread of a positive loss's log around its local level (the MAD of its distance
+    from the median of the 5 steps around it: a trend, however steep, and a few spikes barely move
+    it), or None for a loss not positive."""
+    if len(vals) < 5 or not np.all(vals > 0):
+        return None
+    logs = np.log(vals)
+    return 1.4826 * float(np.median(np.abs(logs[2:-2] - rolling_median(logs, 5))))
+
+
 def diverged(ctx: Context) -> dict | None:
-    """Where the smoothed loss first rose above ``loss_diverge_ratio`` times its initial value."""
+    """Where the smoothed loss first rose above ``loss_diverge_ratio`` times its initial value.
+
+    The initial value is the first loss, the only one no update has touched; a loss noisier than
+    ``loss_noisy`` (one whose value is mostly a random draw, as a diffusion loss at random
+    timesteps) starts at the median of its first steps instead, and must stay above the bar."""
     loss = finite_loss(ctx)  # a non-finite loss is reported on its own
     if len(loss) < 6:
         return None
@@ -85,6 +103,10 @@ def diverged(ctx: Context) -> dict | None:
     init = vals[0]
     if not math.isfinite(init) or init <= 0:
         return None
+    noise = log_noise(vals)
+    noisy = noise is not None and noise > ctx.th.loss_noisy
+    if noisy:
+        init = float(np.median(vals[:_NOISY_START]))
     bar = ctx.th.loss_diverge_ratio * init
     classes = ctx.loss_classes()
     if classes and init < math.log(classes):
@@ -97,7 +119,13 @@ def diverged(ctx: Context) -> dict | None:
     if not len(over):
         return None
     i = int(over[0])
-    return {"initial_loss": float(init), "step": int(loss.steps[1 + i]), "smoothed_loss": float(smooth[i])}
+    if noisy and float(np.median(vals[1 + i:])) <= bar:
+        return None  # most of what follows is back below the bar: the noise's excursion, undone
+    out = {"initial_loss": float(init), "step": int(loss.steps[1 + i]), "smoothed_loss": float(smooth[i])}
+    if noisy:
+        out["initial_steps"] = _NOISY_START  # the median of these: the first loss is one noisy draw
+        out["log_noise"] = noise
+    return out
 
 
 @register_rule("losses_summed")
@@ -526,7 +554,8 @@ def lr_too_high(ctx: Context) -> list[Finding]:
         ev["divergence"] = div
         reasons.append(
             f"the smoothed loss rose to {fmt(div['smoothed_loss'])} by step {div['step']}, "
-            f"from {fmt(div['initial_loss'])} at initialisation"
+            f"from {fmt(div['initial_loss'])} "
+            + (f"over its first {div['initial_steps']} steps" if "initial_steps" in div else "at initialisation")
         )
     high = math.isfinite(r_max) and r_max >= ctx.th.update_ratio_high
     stuck = prog is not None and prog["progress"] < 0.5

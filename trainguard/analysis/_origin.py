@@ -346,6 +346,16 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
             return "inf - inf -> NaN: infinities of opposite sign meet"
         src = i.get("producer_op") or i.get("name") or "an input"
         return f"{base} passed on the non-finite values of input {i['slot']} ({src})"
+    held = [i for i in ins if i["kind"] in ("param", "buffer")]
+    if (held and link.origin_seq is not None and link.origin_seq != link.seq
+            and all(i["kind"] in ("op", "param", "buffer") for i in ins)):
+        # The value was made elsewhere and reached this op through a parameter or buffer (stored by
+        # name, without a summary of its own): a noise schedule's buffer made at construction.
+        if len(held) == 1:
+            i = held[0]
+            return f"{base} passed on the non-finite values that input {i['slot']} ({i['kind']} {i['name']}) holds"
+        names = ", ".join(f"{i['kind']} {i['name']}" for i in held)
+        return f"{base} passed on the non-finite values that one of its inputs ({names}) holds"
     empty = _empty_input(link)
     if empty is not None:
         src = empty.get("producer_op") or empty.get("name") or "an input"
@@ -769,6 +779,24 @@ def _into_log_one_plus(consumers: list[str]) -> bool:
     return bases[:1] == ["log1p"] or (bases[:1] in (["add"], ["add_"]) and bases[1:2] == ["log"])
 
 
+# The gap between a narrow float type's values just below 1.
+_SPACING = {"bfloat16": "2^-8", "float16": "2^-11", "float8_e4m3fn": "2^-4", "float8_e4m3fnuz": "2^-4",
+            "float8_e5m2": "2^-3", "float8_e5m2fnuz": "2^-3"}
+
+
+def _narrow_difference(link: Link) -> str | None:
+    """The dtype, when the division's denominator (its second input) holds zeros made by a
+    subtraction in float16 or bfloat16 (values that differ by less than the dtype's spacing
+    cancel to 0: ``1 - alphas_cumprod`` at small t); else None."""
+    if len(link.inputs) < 2:
+        return None
+    d = link.inputs[1]
+    dtype = str(d.get("dtype") or "").replace("torch.", "")
+    if dtype not in _NARROW or op_base(d.get("producer_op") or "") not in ("sub", "sub_", "rsub"):
+        return None
+    return dtype if _count(d.get("summary"), "zero") else None
+
+
 def _integer_denominator(link: Link) -> bool:
     """Whether the division's denominator (its second input) holds integers: a count."""
     if len(link.inputs) < 2:
@@ -807,7 +835,14 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     if link.phase != "backward" and _power_of_zero(link):
         return _SUGGESTIONS["pow_zero"]
     if base in _DIVS:
-        return _SUGGESTIONS["div_count" if link.phase != "backward" and _integer_denominator(link) else "div"]
+        if link.phase != "backward" and _integer_denominator(link):
+            return _SUGGESTIONS["div_count"]
+        cancelled = _narrow_difference(link)
+        if cancelled is not None:
+            return (f"the zeros in the denominator are a difference taken in {cancelled}, whose values just below 1 "
+                    f"are {_SPACING.get(cancelled, 'far')} apart (0.9999 rounds to 1, and 1 - 0.9999 is 0): compute it "
+                    "in float32, e.g. (1 - a.float()), and cast back after the division; then " + _SUGGESTIONS["div"])
+        return _SUGGESTIONS["div"]
     if base in _SQRTS or base in _RSQRTS:
         return _SUGGESTIONS["sqrt"]
     if base in _EXPS:
@@ -822,10 +857,11 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["std"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
-    if (base in _ACCUM and all("inf" not in h for h in link.health)
+    if (all("inf" not in h for h in link.health)
             and any(i["kind"] not in ("op", "param", "buffer") for i in link.inputs)):
-        # NaN and no inf: no overflow of finite values makes that, an input from outside the
-        # recording (a batch made before a guard's replay) held it
+        # NaN and no inf: no overflow of finite values makes that (and the ops that make NaN of
+        # finite values are judged above), an input from outside the recording (a batch made
+        # before a guard's replay) held it
         return _SUGGESTIONS["input"]
     narrow = any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs)
     if first_forward and link.step == 0 and link.phase == "forward":

@@ -36,6 +36,11 @@ class Thresholds:
     loss_diverge_ratio: float = _t(
         2.0, "a smoothed loss above twice its value at initialisation means updates make the model worse"
     )
+    loss_noisy: float = _t(
+        0.5, "a loss whose log spreads this wide around its local level (MAD from the median of 5 steps) gives a "
+        "first value that may be off by 2x on its own (a diffusion loss drawn at random timesteps): a rise is "
+        "judged from a median"
+    )
     loss_spike_ratio: float = _t(3.0, "a loss three times its recent median is far outside minibatch noise")
     loss_spike_min_z: float = _t(6.0, "six robust standard deviations (MAD) above the recent median")
     loss_spike_over_max: float = _t(

@@ -81,6 +81,12 @@ def writes_model_state(op: str, inplace: bool, inputs, n_outputs: int) -> bool:
 
 CLASS_NAMES = ("default", "view", "copy", "alloc", "renorm", "read", "collective")
 
+# Tensor.__deepcopy__ (copy.deepcopy of a module: an EMA of the model, ema_pytorch's and timm's)
+# copies a tensor as ``new_empty`` of it, then ``set_`` of the new tensor to a copy of the storage,
+# made by storage calls that no op sees in terms of the source. The set_ holds the source's
+# values: a copy of it, whose taint and origin it keeps.
+STORAGE_SETS = frozenset({"aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset"})
+
 ALLOC_OPS = frozenset(
     {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
      "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out",
@@ -263,6 +269,9 @@ class Tracker:
         # seq -> record, of the batch being judged: the native core hands judge() only the records
         # it did not judge finite itself, so a finite view of a parameter is looked up there
         self.find_record: Callable[[int], tuple | None] | None = None
+        # (seq, taint, origin) of the last allocation made like a pending or harmful tensor (the
+        # new_empty of a deepcopy), for the set_ that fills it next (see STORAGE_SETS)
+        self.template: tuple[int, int, int | None] | None = None
 
     # ------------------------------------------------------------------ judging
     def settle(self, seq: int, step: int, phase: str, op: str, cls: int, param_write: bool, in_taint: int,
@@ -276,6 +285,13 @@ class Tracker:
         counts when that is not ``op`` (an op of a compiled graph by the op it was decomposed
         from: ``aten.where.self`` as ``aten.masked_fill.Scalar``).
         """
+        if cls == ALLOC:
+            self.template = (seq, in_taint, in_origin) if in_taint >= PENDING else None
+        elif op in STORAGE_SETS and self.template is not None and inputs and inputs[0][0] == "op":
+            t_seq, t_taint, t_origin = self.template
+            if inputs[0][1] == t_seq and t_taint > in_taint:  # a deepcopy: a copy of the template
+                cls, in_taint, in_origin = COPY, t_taint, t_origin
+            self.template = None
         if in_taint == HARMFUL and cls != ALLOC and (health or cls == READ):
             # Passed on (a run that keeps making NaN does little else): the table's answer, and
             # only the count and the storm's pins to keep.
@@ -478,6 +494,17 @@ class Tracker:
                 pins.append(rec[6])
             if s != origin:
                 todo += producers
+        if origin is not None and origin not in done and origin in records:
+            # The walk did not reach it: the value came through a buffer or parameter (an input by
+            # name, not by producer) or a deepcopy's set_ of a new_empty. The origin is what the
+            # report leads with; it may be far older than the circular buffer's window.
+            rec = records[origin]
+            if rec[11] != HARMFUL:
+                rec = records[origin] = rec[:11] + (HARMFUL, origin)
+                self.resend.append(rec)
+                self.counted.append((rec[1], rec[3], origin))
+            pins.append(origin)
+            pins += [ref for kind, ref in rec[8] if kind == "op"]
 
     def backward_starts(self, fwd_seq: int | None, step: int) -> tuple[int, int | None]:
         """A backward pass starts at the autograd node of execution ``fwd_seq``: its output is

@@ -180,7 +180,17 @@ def init_checks(model: nn.Module, batch: Any, loss_fn: Any, *, num_classes: int 
                     "Make the output and target shapes and dtypes what the loss expects (class indices as "
                     "int64 for cross-entropy, float targets of the output's shape for MSE/BCE).",
                     error=f"{type(exc).__name__}: {exc}", output_shape=out_shape, target_shape=t_shape)
-            issues += _shape_issues(inputs, primary, targets, task, classes, loss_accepted=failed is None)
+            if (failed is None and isinstance(primary, torch.Tensor) and primary.dim() == 0
+                    and (loss is primary or loss is outputs)):
+                # loss_fn passes the model's output through: the model computes its own loss
+                # (GaussianDiffusion, a Hugging Face model given labels); no output to fit the targets
+                issues.append(finding(
+                    "model_returns_loss", "info",
+                    "The model returns its own loss (a scalar that loss_fn passes through): the output and "
+                    "target shape checks do not apply",
+                    "", output_shape=out_shape))
+            else:
+                issues += _shape_issues(inputs, primary, targets, task, classes, loss_accepted=failed is None)
             if failed is not None:
                 issues.append(failed)
         if loss is not None and not isinstance(loss, torch.Tensor):

@@ -8,7 +8,10 @@ each way has a different fix:
 - ``flat``: gradients do not reach (some) parameters, so nothing learns there;
 - ``unstable``: the loss jumps around or rises: the learning rate is too high;
 - ``slow``: the loss was still falling when the steps ran out: the learning rate is too low;
-- ``floor``: the loss settled above zero: too little capacity or a loss that cannot reach zero.
+- ``floor``: the loss settled above zero: too little capacity or a loss that cannot reach zero;
+- ``random``: the loss of the same batch with the same weights differs from call to call (the model
+  or loss draws random numbers: a diffusion model's timesteps and noise, a VAE's sample), so its
+  jumps say nothing about the learning rate and it cannot settle near zero.
 
 "Near zero" is measured from the loss's own floor: the least ``loss_fn`` can be on these targets
 with any output at all, found by fitting a free tensor of the output's shape (label smoothing's
@@ -67,7 +70,13 @@ SPIKE = 0.5
 ZIGZAG = 0.5
 ZIGZAG_AMPLITUDE = 0.05
 
-REASONS = ("nan", "flat", "unstable", "slow", "floor")
+REASONS = ("nan", "flat", "unstable", "slow", "floor", "random")
+# Random: evaluations of the same batch with the same weights differ by more than this share
+# (a deterministic forward repeats exactly on CPU, and within about 1e-7 where an accelerator's
+# atomics reorder sums; anything larger is drawn) ...
+RANDOM_REL = 1e-6
+# ... in any pair of this many (two draws of a diffusion loss came out 2e-5 apart)
+RANDOM_EVALS = 3
 # The loss's floor: Adam on a free copy of the outputs, this many steps from this rate decaying
 # linearly to 0: logits move about the rate per step, so cross entropy's margins pass 50 (the loss
 # 1e-20) and settle on label smoothing's optimum (log(0.925/0.025) = 3.6 for 4 classes at 0.1).
@@ -100,6 +109,7 @@ class OverfitResult(CheckResult):
     grad_norm_first: float | None = None
     grad_norm_last: float | None = None
     loss_floor: float = 0.0  # the least the loss can be on these targets (see _loss_floor)
+    redrawn: tuple[float, float] | None = None  # the least and most loss of the same batch and weights, when they differed
 
     @property
     def summary(self) -> str:
@@ -110,7 +120,7 @@ class OverfitResult(CheckResult):
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "reason", "losses", "initial_loss", "final_loss", "target_loss", "accuracy", "steps", "samples", "lr",
-            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor")}
+            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn")}
 
     def _detail(self) -> Table:
         t = Table(show_header=False, box=None, padding=(0, 2))
@@ -154,6 +164,13 @@ class OverfitResult(CheckResult):
             "slow": (f"Overfit one batch: the loss was still falling after {self.steps} steps: learning rate too low",
                      "Raise the learning rate" + (f" (try {fmt(lr * 10)})" if lr else "")
                      + " or give the test more steps; lr_range_test suggests a rate."),
+            "random": ("Overfit one batch: the loss is random for a fixed batch and weights ("
+                       + (f"from {self.redrawn[0]:.6g} to {self.redrawn[1]:.6g}" if self.redrawn else "it varies")
+                       + " over 3 calls on the same inputs): its jumps are its own draws, and it cannot settle near zero",
+                       "The model or loss draws random numbers on each call (a diffusion model's timesteps and "
+                       "noise, a VAE's sample, random masking), so one batch has no fixed loss to drive to zero. "
+                       "To run this test, fix the draws: seed a torch.Generator inside the call, or pass the "
+                       "timesteps and noise in; then a loss that still jumps is the learning rate's."),
             "floor": (f"Overfit one batch: the loss is stuck at a floor of {fmt(self.final_loss)}"
                       + (f" (the least this loss can be on these targets is {fmt(self.loss_floor)})"
                          if self.loss_floor else ""),
@@ -162,7 +179,8 @@ class OverfitResult(CheckResult):
                       "target format, probabilities passed where logits are expected)."),
         }
         title, suggestion = texts[self.reason or "floor"]
-        out.append(finding(f"overfit_{self.reason}", "error", title, suggestion, layers=self.unreached,
+        severity = "warning" if self.reason == "random" else "error"
+        out.append(finding(f"overfit_{self.reason}", severity, title, suggestion, layers=self.unreached,
                            reason=self.reason, nan_step=self.nan_step, unreached=self.unreached,
                            grad_norm_first=self.grad_norm_first, grad_norm_last=self.grad_norm_last, **ev))
         return out
@@ -262,6 +280,11 @@ def overfit_one_batch(
             for group in opt.param_groups:
                 group["lr"] = lr
         used_lr = float(opt.param_groups[0]["lr"]) if "lr" in opt.param_groups[0] else None
+        with torch.no_grad():  # the same batch and weights again: a loss that draws differs
+            evals = [float(as_float(loss_fn(model(inputs), targets))) for _ in range(RANDOM_EVALS)]
+        lo, hi = min(evals), max(evals)
+        redrawn = (lo, hi) if (
+            all(math.isfinite(v) for v in evals) and hi - lo > RANDOM_REL * max(abs(lo), abs(hi))) else None
         for _, p in named:
             p.grad = None
         reached = [torch.zeros((), dtype=torch.bool, device=p.device) for _, p in named]
@@ -311,13 +334,15 @@ def overfit_one_batch(
             nan_step = len(losses) if nan_step is None else nan_step
         elif no_path or unreached or (first_norm is not None and first_norm < VANISHING_GRAD):
             reason = "flat"
+        elif redrawn is not None:
+            reason = "random"
         else:
             reason = _classify(losses + [final])
     return OverfitResult(
         passed=passed, reason=reason, losses=losses, initial_loss=initial, final_loss=final, target_loss=target,
         accuracy=accuracy, steps=len(losses), samples=samples, lr=used_lr, optimizer=type(opt).__name__,
         unreached=[n for n, _ in named] if no_path else unreached, nan_step=nan_step,
-        grad_norm_first=first_norm, grad_norm_last=last_norm, loss_floor=floor,
+        grad_norm_first=first_norm, grad_norm_last=last_norm, loss_floor=floor, redrawn=redrawn,
     )
 
 
