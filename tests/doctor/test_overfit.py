@@ -270,7 +270,8 @@ def test_a_regression_loss_still_falling_fast_is_slow_not_a_floor():
     r = doctor.overfit_one_batch(Forecaster(32), random_walks(), nn.MSELoss())
     assert not r.passed and r.reason == "slow", (r.reason, r.losses[::25])
     torch.manual_seed(0)
-    assert doctor.overfit_one_batch(Forecaster(32), random_walks(), nn.MSELoss(), steps=800).passed
+    longer = doctor.overfit_one_batch(Forecaster(32), random_walks(), nn.MSELoss(), steps=800)
+    assert longer.final_loss < r.final_loss / 5  # no floor: 0.376 -> 0.052 here
     # a linear map of 48 steps cannot fit 112 channel windows: that loss levels off
     torch.manual_seed(0)
     assert doctor.overfit_one_batch(Forecaster(0), random_walks(), nn.MSELoss()).reason == "floor"
