@@ -321,3 +321,39 @@ def test_integer_ids_are_not_normalised():
     assert not doctor.validate_data(tokens).by_kind("inputs_not_normalised")
     pixels = np.random.default_rng(0).integers(0, 256, (500, 1, 4, 4)).astype(np.uint8)
     assert doctor.validate_data(pixels).by_kind("inputs_not_normalised")
+
+
+class Batches:
+    """A re-iterable of ``(inputs, targets)`` batches that is no DataLoader: what the other checks
+    take as ``data`` (the doctor's convention), and what a loader of several inputs is wrapped in."""
+
+    def __init__(self, pairs):
+        self.pairs = pairs
+
+    def __iter__(self):
+        return iter(self.pairs)
+
+
+def test_any_iterable_of_batches_and_several_inputs_per_batch_are_read(clean):
+    # trainguard doctor on Time-Series-Library (its loader yields (x, y, x_mark, y_mark); the model
+    # takes (x, x_mark, y, y_mark)): the checklist passed its data to every check, and validate_data
+    # alone said "train data must be a tensor, an array, ... or a DataLoader; got Pairs".
+    x, y, xt, yt = clean
+    x = x.copy()
+    x[3, 2] = np.nan
+    xt = xt.copy()
+    xt[0] = x[0]
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    marks = torch.zeros(len(x), 4)  # a second input (time features), the same for every sample
+    forms = [
+        Batches([(tx[i:i + 256], ty[i:i + 256]) for i in range(0, 3000, 256)]),
+        Batches([((tx[i:i + 256], marks[i:i + 256]), ty[i:i + 256]) for i in range(0, 3000, 256)]),
+        DataLoader(TensorDataset(tx, marks, ty), batch_size=256, collate_fn=lambda b: (
+            (torch.stack([s[0] for s in b]), torch.stack([s[1] for s in b])), torch.stack([s[2] for s in b]))),
+        Batches([({"x": tx[i:i + 256], "mark": marks[i:i + 256]}, ty[i:i + 256]) for i in range(0, 3000, 256)]),
+    ]
+    for train in forms:
+        r = doctor.validate_data(train, (xt, yt))
+        assert r.splits["train"]["samples"] == 3000
+        assert r.by_kind("data_nonfinite")[0].evidence["examples"] == [3]
+        assert r.by_kind("leaked_duplicates")[0].evidence["examples"][0]["train"] == 0
