@@ -58,6 +58,30 @@ def is_array(obj: Any) -> bool:
     return isinstance(obj, (torch.Tensor, np.ndarray))
 
 
+def main_input(inputs: Any) -> Any:
+    """The tensor the data checks judge of a batch's inputs: the inputs, or the first tensor of a
+    tuple or dict of several (a forecaster's series beside its time features, a tokenizer's
+    input_ids beside its mask; the doctor counts samples on it too). A list stays what it is: one
+    tensor per sample (torchvision's detection images) is refused where it is read."""
+    several = tuple(inputs.values()) if isinstance(inputs, dict) else inputs if isinstance(inputs, tuple) else ()
+    return next((i for i in several if is_array(i)), inputs)
+
+
+def _read_batches(obj: Any, name: str, *, sized: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    xs, ys = [], []
+    for i, batch in enumerate(obj):
+        if not sized and i >= UNSIZED_BATCHES:
+            break  # a stream may never end: judge its beginning
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            xs.append(to_numpy(main_input(batch[0]), f"{name} inputs"))
+            ys.append(to_numpy(batch[1], f"{name} targets"))
+        else:
+            xs.append(to_numpy(main_input(batch), f"{name} inputs"))
+    if not xs:
+        raise DoctorInputError(f"{name} data is empty (the loader yielded no batches)")
+    return np.concatenate(xs), (np.concatenate(ys) if ys else None)
+
+
 def read_split(obj: Any, name: str) -> Split:
     """Inputs and targets of one split, whatever form they came in."""
     from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
@@ -81,20 +105,7 @@ def read_split(obj: Any, name: str) -> Split:
         x = obj.dataset.tensors[0][idx]
         y = obj.dataset.tensors[1][idx] if len(obj.dataset.tensors) > 1 else None
     elif isinstance(obj, DataLoader):
-        xs, ys = [], []
-        sized = hasattr(obj.dataset, "__len__")
-        for i, batch in enumerate(obj):
-            if not sized and i >= UNSIZED_BATCHES:
-                break  # a stream may never end: judge its beginning
-            if isinstance(batch, (tuple, list)) and len(batch) == 2:
-                xs.append(to_numpy(batch[0], f"{name} inputs"))
-                ys.append(to_numpy(batch[1], f"{name} targets"))
-            else:
-                xs.append(to_numpy(batch, f"{name} inputs"))
-        if not xs:
-            raise DoctorInputError(f"{name} data is empty (the loader yielded no batches)")
-        x = np.concatenate(xs)
-        y = np.concatenate(ys) if ys else None
+        x, y = _read_batches(obj, name, sized=hasattr(obj.dataset, "__len__"))
     elif isinstance(obj, IterableDataset):
         raise DoctorInputError(f"{name} data is an IterableDataset: pass a DataLoader over it, or arrays")
     elif isinstance(obj, Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
@@ -108,10 +119,12 @@ def read_split(obj: Any, name: str) -> Split:
             y = _stack([it[1] for it in items], f"{name} targets")
         else:
             x = _stack(items, f"{name} inputs")
+    elif hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes, dict, tuple, list)) and iter(obj) is not obj:
+        x, y = _read_batches(obj, name, sized=hasattr(obj, "__len__"))  # batches, as the other checks take them
     else:
         raise DoctorInputError(
-            f"{name} data must be a tensor, an array, an (inputs, targets) pair of them, a Dataset or a "
-            f"DataLoader; got {type(obj).__name__}"
+            f"{name} data must be a tensor, an array, an (inputs, targets) pair of them, a Dataset, a "
+            f"DataLoader or a re-iterable of (inputs, targets) batches; got {type(obj).__name__}"
         )
     x = to_numpy(x, f"{name} inputs")
     y = None if y is None else to_numpy(y, f"{name} targets")
