@@ -107,7 +107,6 @@ class StepRecording:
             log.warning("trainguard: could not read the origin from %s: %s", self.path, exc)
             return None
 
-
     def culprits(self, origin: dict | None, batch: dict | None) -> dict | None:
         """The samples of the replayed batch whose rows of the origin's output hold its first
         non-finite values: ``{"size", "rows", "samples"}``, or None when the origin's first
