@@ -285,6 +285,9 @@ def test_a_square_overflow_names_the_squares_limit_not_exps(tmp_path, dtype, lim
     name = str(dtype).removeprefix("torch.")
     assert o.origin.explanation == (f"pow overflow: an input value too large for a power in {name} "
                                     f"(x**2 passes its largest value above about {limit})")
+    # and the fix is not exp's "subtract the maximum first ... x.clamp(max=80)"
+    assert "clamp(max=80)" not in o.suggestion and "logsumexp" not in o.suggestion, o.suggestion
+    assert "normalise" in o.suggestion and "float64" in o.suggestion, o.suggestion
     o = origin(record(tmp_path / "b", lambda: torch.exp2(x * 200).sum().item()))
     bound = {torch.float32: "128", torch.float16: "16", torch.bfloat16: "128"}[dtype]
     assert o.origin.explanation == f"exp2 overflow: an input value too large for {name} (above about {bound})"
