@@ -634,6 +634,9 @@ _SUGGESTIONS = {
     "to 0 right after, as PyG's gcn_norm does for nodes of degree 0 "
     "(deg_inv_sqrt.masked_fill_(deg_inv_sqrt == float('inf'), 0)), or add self loops so that no degree is 0",
     "exp": "subtract the maximum first (logsumexp / softmax do) or clamp the input, e.g. x.clamp(max=80)",
+    "power": "an input holds values too large to raise to this power in its dtype: normalise the input (data "
+    "straight from a loader: `trainguard doctor` validates it), clamp it before the power, e.g. "
+    "x.clamp(-1e4, 1e4) ** 2, or compute the power in float64",
     "softplus": "log(1 + exp(x)) is torch.nn.functional.softplus(x), which computes it without overflow (x itself "
     "where x is large)",
     "empty": "the batch is empty: check the mask or index that selects it (a split at fixed indices past the "
@@ -852,6 +855,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
                           or i.get("producer_phase") == "optimizer"), None)
             if param is not None:
                 return _exp_of_parameter(param)
+        if base in ("pow", "square"):
+            return _SUGGESTIONS["power"]
         return _SUGGESTIONS["softplus" if base == "exp" and _into_log_one_plus(consumers) else "exp"]
     if base in _STDS and _reduced_count(link) == 1:
         return _SUGGESTIONS["std"]
