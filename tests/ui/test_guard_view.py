@@ -78,7 +78,10 @@ def test_training_view_shows_the_rewind_and_links_the_replayed_step(page, live_s
         assert "step 12: loss is nan" in card and "losses bitwise equal" in card
         assert "origin:" in card and "aten.pow" in card and "skipped batch 12" in card
         assert page.inner_text(".guard-event table.skipped").count("48, 49, 50, 51") == 1
-        assert page.inner_text(".guard-event .culprits") == "the first inf is in sample 50 (row 2 of 4 in the batch)"
+        # the sample whose row holds the first inf stands out among the batch's samples, once
+        assert page.inner_text(".guard-event table.skipped .culprit") == "50"
+        assert page.get_attribute(".guard-event table.skipped .culprit", "title") == "the first inf is in this sample's row (2 of 4)"
+        assert page.inner_text(".c-guard").count("the first inf is in") == 1
         page.click(".replay-link")
         page.wait_for_selector("body[data-ready=debugger]")
         assert unquote(page.url).endswith("#/run/g:replays:step-12/debugger")
