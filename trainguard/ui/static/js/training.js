@@ -33,14 +33,15 @@ function where(link) {
   return link.file ? `${link.file.split("/").slice(-2).join("/")}:${link.line}` : "(no user frame)";
 }
 
-/** The samples of the skipped batch whose rows hold the origin's first non-finite values. */
-function culprits(e) {
-  const c = e.culprits;
-  if (!c || !c.samples || !c.samples.length) return null;
+/** A skipped batch's samples, those whose rows hold the origin's first non-finite values marked. */
+function samplesCell(e, samples) {
+  if (!samples) return "the loader does not say";
+  const c = e.culprits || {};
+  const rows = new Map((c.samples || []).map((s, i) => [s, c.rows[i]]));
   const kind = e.origin && e.origin.origin.health.includes("nan") ? "nan" : "inf";
-  const many = c.samples.length > 1;
-  return h("div.culprits", `the first ${kind} is in sample${many ? "s" : ""} ${c.samples.join(", ")} ` +
-    `(row${many ? "s" : ""} ${c.rows.join(", ")} of ${c.size} in the batch)`);
+  return samples.flatMap((s, i) => [i ? ", " : "", rows.has(s)
+    ? h("b.culprit", { title: `the first ${kind} is in this sample's row (${rows.get(s)} of ${c.size})` }, String(s))
+    : String(s)]);
 }
 
 /** One rewind: what failed, the replay, the origin chain, the skipped batches, what followed. */
@@ -64,8 +65,7 @@ function guardEvent(e) {
     skipped.length ? h("table.grid.skipped",
       h("tr", h("th", "skipped batch"), h("th", "epoch"), h("th", "index"), h("th", "samples")),
       skipped.map((b) => h("tr", h("td", fmt(b.batch)), h("td", fmt(b.epoch)), h("td", fmt(b.index)),
-        h("td.wrap", b.samples ? b.samples.join(", ") : "the loader does not say")))) : null,
-    culprits(e),
+        h("td.wrap", samplesCell(e, b.samples))))) : null,
     h("div.outcome", e.outcome),
     o && o.suggestion ? h("div.fix", h("b", "Suggested fix: "), o.suggestion) : null);
 }
