@@ -4,9 +4,7 @@ and the framework callbacks, read by :mod:`trainguard.analysis._outcome` (a cras
 from __future__ import annotations
 
 import linecache
-import os
 import sys
-import sysconfig
 from typing import Any
 
 from trainguard._errors import Diverged
@@ -48,16 +46,6 @@ def ending(error: BaseException | str | None, step: int | None = None) -> dict[s
     return out
 
 
-def _library_dirs() -> tuple[str, ...]:
-    import torch
-
-    import trainguard
-
-    dirs = {os.path.dirname(torch.__file__), os.path.dirname(trainguard.__file__)}
-    dirs.update(p for k in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_paths().get(k)))
-    return tuple(os.path.realpath(d) + os.sep for d in dirs)
-
-
 def crash_site(error: BaseException) -> dict[str, Any] | None:
     """Where an exception raised inside a library came from, for a run's ``crash_at`` (None when the
     user's own line raised it): the innermost line of the user's own code (outside torch,
@@ -66,6 +54,8 @@ def crash_site(error: BaseException) -> dict[str, Any] | None:
     nor the table) the index and the table's size."""
     from torch import nn
 
+    from trainguard.store import is_user_file
+
     frames = []
     tb = error.__traceback__
     while tb is not None:
@@ -73,8 +63,7 @@ def crash_site(error: BaseException) -> dict[str, Any] | None:
         tb = tb.tb_next
     if not frames:
         return None
-    libs = _library_dirs()
-    mine = [(f, n) for f, n in frames if not os.path.realpath(f.f_code.co_filename).startswith(libs)]
+    mine = [(f, n) for f, n in frames if is_user_file(f.f_code.co_filename)]
     if mine and mine[-1][0] is frames[-1][0]:
         return None  # raised by the user's own line: its message and traceback already say where
     frame, line = (mine or frames)[-1]
