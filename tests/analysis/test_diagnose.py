@@ -1071,3 +1071,25 @@ def test_a_loss_that_explodes_from_its_first_step_is_judged_from_its_first_value
     f = next(f for f in diagnose(write_run(tmp_path / "r", loss, lr=0.8)) if f.kind == "lr_too_high")
     assert f.evidence["divergence"]["initial_loss"] == 0.392, f.evidence
     assert "at initialisation" in f.title, f.title
+
+
+def test_one_feature_on_a_huge_scale_is_told_to_normalise_per_feature(tmp_path):
+    # yandex-research/rtdl rtdl/modules.py's ResNet (Linear -> blocks of BatchNorm/Linear/ReLU ->
+    # head) on tabular numbers, one raw column (a price, an income) left at a 1e6 scale: one global
+    # mean and std, as for pixels, would leave every other column ~1e-6 and dead.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(25):
+            x = torch.randn(64, 4, generator=g)
+            y = x[:, :1] - x[:, 1:2]
+            x[:, 2] *= 1e6
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    (f,) = [f for f in mon.findings if f.kind == "inputs_not_normalized"]
+    assert not re.search(r"x = \(x [-+] [-0-9.e+]+\) / [0-9.e+]+", f.suggestion), f.suggestion  # one global scale
+    assert "x_train.mean(0)" in f.suggestion and "x_train.std(0)" in f.suggestion, f.suggestion

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 
 import pytest
 import torch
@@ -613,3 +614,51 @@ def test_a_mean_over_a_mask_that_kept_nothing_is_named_so(tmp_path, count):
     assert o.origin.op == "aten.div.Tensor"
     assert "counts" in o.origin.explanation and "aten.ne.Scalar" in o.origin.explanation, o.origin.explanation
     assert "clamp_min(1)" in o.suggestion and "1e-8" not in o.suggestion, o.suggestion
+
+
+# cornellius-gp/gpytorch's gpytorch/kernels/kernel.py (``x1.div(self.lengthscale)``) and
+# rbf_kernel.py, reduced: an installed package's kernel whose softplus lengthscale underflowed to
+# 0. The op runs inside the package; the user's line only calls it, and "x / (d + 1e-8)" cannot
+# be written into a package: the report must name the package's line as well.
+GP_KERNEL = '''
+import torch
+from torch import nn
+
+
+class RBFKernel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.raw_lengthscale = nn.Parameter(torch.zeros(1, 1))
+
+    def forward(self, x1, x2):
+        lengthscale = nn.functional.softplus(self.raw_lengthscale)
+        x1_ = x1.div(lengthscale)
+        x2_ = x2.div(lengthscale)
+        return torch.exp(-0.5 * torch.cdist(x1_, x2_).pow(2))
+'''
+
+
+def test_an_origin_inside_an_installed_package_names_the_package_line(tmp_path, monkeypatch):
+    pkg = tmp_path / "site-packages" / "fakegp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "kernels.py").write_text(GP_KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    from fakegp.kernels import RBFKernel
+
+    def train():
+        kernel = RBFKernel()
+        with torch.no_grad():
+            kernel.raw_lengthscale.fill_(-200.0)  # softplus(-200) is 0 in float32
+        x = torch.linspace(0, 1, 8)[:, None]
+        k = kernel(x, x)  # the user's line
+        return k + torch.eye(8)
+
+    o = origin(record(tmp_path, train))
+    link = o.origin
+    assert link.op == "aten.div.Tensor"
+    assert link.file == __file__ and link.line == line_in(sys.modules[__name__], "k = kernel(x, x)")
+    assert link.library is not None, link
+    assert link.library["file"].endswith("fakegp/kernels.py") and link.library["line"] == 13, link.library
+    assert link.library["code"] == "x1_ = x1.div(lengthscale)", link.library
+    assert "fakegp/kernels.py:13" in o.summary, o.summary

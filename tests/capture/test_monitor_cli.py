@@ -208,6 +208,65 @@ def test_a_script_that_calls_forward_directly_is_told_why_nothing_was_seen(tmp_p
     assert ".forward(" in f["title"] and "layer(x)" in f["suggestion"]
 
 
+# cornellius-gp/gpytorch's gpytorch/module.py: ``Module.__call__`` runs ``self.forward(...)`` itself,
+# so no nn.Module hook ever runs for a GP model, its kernel or its likelihood; the model below is
+# examples/01_Exact_GPs/Simple_GP_Regression.ipynb (ExactGP, RBF kernel, Gaussian likelihood, Adam
+# on the exact marginal log likelihood) with that __call__, the kernel written out.
+GPYTORCH_EXACT_GP = textwrap.dedent("""
+    import math
+    import torch
+    from torch import nn
+
+    class Module(nn.Module):
+        def __call__(self, *inputs, **kwargs):
+            return self.forward(*inputs, **kwargs)
+
+    class ExactGP(Module):
+        def __init__(self, train_x):
+            super().__init__()
+            self.train_x = train_x
+            self.raw_lengthscale = nn.Parameter(torch.zeros(()))
+            self.raw_outputscale = nn.Parameter(torch.zeros(()))
+            self.raw_noise = nn.Parameter(torch.zeros(()))
+            self.mean = nn.Parameter(torch.zeros(()))
+
+        def forward(self, x):
+            ls = nn.functional.softplus(self.raw_lengthscale)
+            d2 = (x[:, None] - x[None, :]).pow(2) / ls.pow(2)
+            k = nn.functional.softplus(self.raw_outputscale) * torch.exp(-0.5 * d2)
+            return self.mean.expand(len(x)), k + nn.functional.softplus(self.raw_noise) * torch.eye(len(x))
+
+    def neg_mll(mean, cov, y):
+        chol = torch.linalg.cholesky(cov)
+        r = torch.cholesky_solve((y - mean)[:, None], chol)[:, 0]
+        logdet = 2 * chol.diagonal().log().sum()
+        return 0.5 * ((y - mean) @ r + logdet + len(y) * math.log(2 * math.pi)) / len(y)
+
+    torch.manual_seed(0)
+    x = torch.linspace(0, 1, 30)
+    y = torch.sin(x * 2 * math.pi) + 0.2 * torch.randn(30)
+    model = ExactGP(x)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for i in range(30):
+        opt.zero_grad()
+        loss = neg_mll(*model(x), y)
+        loss.backward()
+        opt.step()
+""")
+
+
+def test_a_model_whose_class_overrides_call_is_still_monitored(tmp_path, capsys):
+    script = tmp_path / "gp.py"
+    script.write_text(GPYTORCH_EXACT_GP)
+    assert main(["monitor", "--logdir", str(tmp_path / "run"), "--json", str(script)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    kinds = [f["kind"] for f in out["findings"]]
+    assert "no_model_called" not in kinds, out["findings"]
+    loss = open_run(tmp_path / "run").scalars("loss").get("loss", [])
+    assert [s for s, _ in loss] == list(range(30)), loss
+    assert all(math.isfinite(v) for _, v in loss) and loss[-1][1] < loss[0][1], loss
+
+
 # The check every loop of pytorch/vision's references/detection (engine.train_one_epoch) and of
 # DeiT, MAE and DINO makes: on a non-finite loss it prints it and calls sys.exit(1), no exception.
 STOPS_ITSELF = textwrap.dedent(

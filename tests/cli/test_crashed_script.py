@@ -110,3 +110,53 @@ def test_a_sigterm_while_the_run_closes_waits_until_it_is_closed(tmp_path, monke
     assert main(["run", "--overwrite", "--logdir", str(tmp_path / "run"), str(script)]) == 128 + signal.SIGTERM
     with open_run(tmp_path / "run") as run:
         assert run.meta["recording"] is False
+
+
+# yandex-research/rtdl rtdl/modules.py's CategoricalFeatureTokenizer: one embedding table for all
+# categorical features, each feature's indices shifted by an offset. A category equal to its
+# feature's cardinality in the last feature runs off the table: torch says only "index out of
+# range in self", from inside torch/nn/functional.py.
+CATEGORY_OUT_OF_RANGE = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class CategoricalFeatureTokenizer(nn.Module):
+        def __init__(self, cardinalities, d_token):
+            super().__init__()
+            self.register_buffer("category_offsets", torch.tensor([0] + cardinalities[:-1]).cumsum(0))
+            self.embeddings = nn.Embedding(sum(cardinalities), d_token)
+
+        def forward(self, x):
+            return self.embeddings(x + self.category_offsets[None])
+
+    torch.manual_seed(0)
+    model = nn.Sequential(CategoricalFeatureTokenizer([3, 5], 4), nn.Flatten(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x_cat = torch.stack([torch.randint(0, 3, (32,)), torch.randint(0, 5, (32,))], 1)
+    y = torch.randint(0, 2, (32,))
+    for step in range(3):
+        if step == 2:
+            x_cat[7, 1] = 5  # a category the table has no row for
+        loss = nn.functional.cross_entropy(model(x_cat), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+""")
+
+
+def test_a_crash_inside_torch_says_where_and_in_which_module(tmp_path, capsys):
+    script = tmp_path / "tab.py"
+    script.write_text(CATEGORY_OUT_OF_RANGE)
+    assert main(["run", "--logdir", str(tmp_path / "run"), str(script)]) == 1
+    with open_run(tmp_path / "run") as run:
+        assert run.meta["error"] == "IndexError: index out of range in self"
+        at = run.meta["crash_at"]
+    # the innermost line of the user's code, not torch's F.embedding
+    assert at["file"].endswith("tab.py") and at["line"] == 12, at
+    assert "self.embeddings(" in at["code"], at
+    assert at["module"] == "Embedding(8, 4)", at
+    assert at["detail"] == "index 8 is out of range for an embedding with 8 rows (0 to 7)", at
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "run")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tab.py:12" in out and "Embedding(8, 4)" in out and "index 8 is out of range" in out, out

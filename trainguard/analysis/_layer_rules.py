@@ -563,15 +563,25 @@ def inputs_not_normalized(ctx: Context) -> list[Finding]:
         if not reasons:
             continue
         mean, std = m["mean"], m["std"] if m["std"] > 0 else 1.0
+        if math.isfinite(spread) and spread > ctx.th.input_scale_spread:
+            # One global scale would be set by the largest feature and leave the others ~0 (a raw
+            # price column beside standardised ones in tabular data): each feature needs its own.
+            fix = (f"normalise each feature on its own (their stds range {fmt(m['feat_std_min'])}.."
+                   f"{fmt(m['feat_std_max'])}: one global mean and std would leave the small ones near 0), "
+                   "with statistics from the training set: `x = (x - x_train.mean(0)) / x_train.std(0)` "
+                   "(`sklearn.preprocessing.StandardScaler`; a quantile transform for heavy-tailed columns)")
+        else:
+            shift = f"- {fmt(mean)}" if mean >= 0 else f"+ {fmt(-mean)}"
+            fix = (f"normalise the inputs with the observed statistics: `x = (x {shift}) / {fmt(std)}` "
+                   "(better: per feature or channel, with mean and std computed on the training set, e.g. "
+                   "`torchvision.transforms.Normalize`)")
         out.append(
             Finding(
                 kind="inputs_not_normalized",
                 severity="warning",
                 title="Inputs are not normalised: " + "; ".join(reasons),
                 evidence={k: v for k, v in m.items() if math.isfinite(v)},
-                suggestion=f"normalise the inputs with the observed statistics: `x = (x - {fmt(mean)}) / {fmt(std)}` "
-                "(better: per feature or channel, with mean and std computed on the training set, e.g. "
-                "`torchvision.transforms.Normalize`)",
+                suggestion=fix,
                 steps=_steps(ctx),
                 layers=[la],
                 source=SOURCE,

@@ -87,6 +87,10 @@ class Link:
     # A division by a count of 0: the comparison whose kept elements the denominator counts
     # (``{"op", "seq", "size", "file", "line"}``), when it kept none (see _counted_mask).
     mask: dict | None = None
+    # The op ran inside an installed package (gpytorch's kernel, a transformers layer): that
+    # package's line (``{"file", "path", "line", "function", "code"}``), which ``file``/``line`` (the
+    # user's line that called it) do not show.
+    library: dict | None = None
 
 
 @dataclass
@@ -217,6 +221,31 @@ def _through(run: Run, inputs: list[dict], limit: int = 16) -> tuple[list[str], 
     return list(dict.fromkeys(through[k] for k in sorted(through))), sources
 
 
+# Installed packages whose frames are the machinery, never the place a user looks for a cause.
+_NOT_LIBRARY = ("torch", "functorch", "torchgen", "trainguard")
+
+
+def _library_frame(run: Run, stack_id: int | None) -> dict | None:
+    """The innermost frame of an installed package inside the user's innermost frame, with its line."""
+    if stack_id is None:
+        return None
+    frames = run.stack(stack_id)
+    user = max((i for i, f in enumerate(frames) if f["user"]), default=-1)
+    for f in reversed(frames[user + 1:]):
+        name = f["filename"].replace("\\", "/")
+        cut = next((name.split(d, 1)[1] for d in ("/site-packages/", "/dist-packages/") if d in name), None)
+        if cut is None or cut.split("/", 1)[0] in _NOT_LIBRARY:
+            continue
+        try:
+            lines = run.source(f["filename"]).splitlines()
+            code = lines[f["lineno"] - 1].strip() if 0 < f["lineno"] <= len(lines) else None
+        except KeyError:
+            code = None
+        # ``path``: inside the package folder, as the user would look it up (gpytorch/kernels/kernel.py)
+        return {"file": f["filename"], "path": cut, "line": f["lineno"], "function": f["name"], "code": code}
+    return None
+
+
 def _link(run: Run, seq: int) -> Link:
     e = run.execution(seq)
     fr = run.user_frame(e["stack_id"])
@@ -238,7 +267,7 @@ def _link(run: Run, seq: int) -> Link:
         outputs=[{"dtype": o["dtype"], "shape": o["shape"], "summary": o["summary"],
                   "description": describe_summary(o["summary"])} for o in e["outputs"]],
         inputs=inputs, forward_op=fwd, taint=e.get("taint", "finite"), origin_seq=e.get("origin"),
-        through=through, sources=sources,
+        through=through, sources=sources, library=_library_frame(run, e["stack_id"]),
     )
     link.mask = _counted_mask(run, link)
     link.explanation = explain(link)
@@ -918,6 +947,8 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     what = "/".join(o.health) or "a non-finite value"
     out = next((x for x in o.outputs if _is_bad(x["summary"])), o.outputs[0] if o.outputs else None)
     detail = f" ({out['description']})" if out else ""
+    if o.library:
+        where += f" (inside {o.library['path']}:{o.library['line']})"
     summary = (f"the first harmful value came from {o.op}{where}, in step {o.step} ({o.phase} pass), "
                f"with {what} in its output{detail}: {o.explanation}")
     harm = None

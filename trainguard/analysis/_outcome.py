@@ -65,9 +65,22 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
     else:
         fix = (_cause(meta, outcome["error"]) + "the statistics stop where the script did: fix the error it raised "
                "(its traceback was printed when it ran), then judge training health on a run that finishes")
+    evidence = {k: v for k, v in outcome.items() if k != "text" and v is not None}
+    at = meta.get("crash_at")
+    if outcome["error"] is not None and isinstance(at, dict) and at.get("file"):
+        # torch's own messages name no line or layer ("index out of range in self")
+        where = f"{at['file']}:{at.get('line')}"
+        evidence["at"] = where + (f": {at['code']}" if at.get("code") else "")
+        if at.get("module"):
+            evidence["module"] = at["module"]
+        if at.get("detail"):
+            evidence["detail"] = at["detail"]
+        inside = f" inside {at['module']}" if at.get("module") else ""
+        text = f"{text} (raised{inside}, called from {where})"
+        if at.get("detail"):
+            fix = f"{at['detail']}; " + fix
     return Finding(kind="script_crashed", severity="error", title=text[0].upper() + text[1:],
-                   evidence={k: v for k, v in outcome.items() if k != "text" and v is not None},
-                   suggestion=fix, source="run")
+                   evidence=evidence, suggestion=fix, source="run")
 
 
 def with_outcome(meta: dict[str, Any], findings: list[dict]) -> list[dict]:

@@ -3,6 +3,7 @@ and the framework callbacks, read by :mod:`trainguard.analysis._outcome` (a cras
 
 from __future__ import annotations
 
+import linecache
 import sys
 from typing import Any
 
@@ -34,7 +35,70 @@ def ending(error: BaseException | str | None, step: int | None = None) -> dict[s
     else:
         message = str(error).splitlines()[0] if str(error) else ""
         text = f"{type(error).__name__}: {message}".rstrip(": ")
-    return {"status": "crashed", "error": text[:500], "crash_step": int(step)}
+    out: dict[str, Any] = {"status": "crashed", "error": text[:500], "crash_step": int(step)}
+    if isinstance(error, BaseException):
+        try:
+            at = crash_site(error)
+        except Exception:  # where it crashed is a courtesy: never lose the crash record for it
+            at = None
+        if at:
+            out["crash_at"] = at
+    return out
+
+
+def crash_site(error: BaseException) -> dict[str, Any] | None:
+    """Where an exception raised inside a library came from, for a run's ``crash_at`` (None when the
+    user's own line raised it): the innermost line of the user's own code (outside torch,
+    trainguard, the standard library and installed packages), the innermost ``nn.Module`` that was
+    running, and for an embedding's "index out of range in self" (torch names neither the index
+    nor the table) the index and the table's size."""
+    from torch import nn
+
+    from trainguard.store import is_user_file
+
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    if not frames:
+        return None
+    mine = [(f, n) for f, n in frames if is_user_file(f.f_code.co_filename)]
+    if mine and mine[-1][0] is frames[-1][0]:
+        return None  # raised by the user's own line: its message and traceback already say where
+    frame, line = (mine or frames)[-1]
+    at: dict[str, Any] = {"file": frame.f_code.co_filename, "line": line, "function": frame.f_code.co_name,
+                          "code": linecache.getline(frame.f_code.co_filename, line).strip()}
+    module = next((f.f_locals.get("self") for f, _ in reversed(frames)
+                   if isinstance(f.f_locals.get("self"), nn.Module)), None)
+    if module is not None:
+        text = repr(module)
+        at["module"] = text if "\n" not in text and len(text) <= 80 else type(module).__name__
+    if isinstance(error, IndexError):
+        detail = _embedding_index(frames)
+        if detail:
+            at["detail"] = detail
+    return at
+
+
+def _embedding_index(frames: list) -> str | None:
+    import torch
+
+    fn = torch.nn.functional.embedding.__code__
+    for f, _ in reversed(frames):
+        if f.f_code is not fn:
+            continue
+        idx, weight = f.f_locals.get("input"), f.f_locals.get("weight")
+        if not (isinstance(idx, torch.Tensor) and isinstance(weight, torch.Tensor)) or not idx.numel():
+            return None
+        if idx.device.type != "cpu":  # after a device-side assert the device can no longer be read
+            return None
+        rows, lo, hi = weight.shape[0], int(idx.min()), int(idx.max())
+        bad = hi if hi >= rows else lo if lo < 0 else None
+        if bad is None:
+            return None
+        return f"index {bad} is out of range for an embedding with {rows} rows (0 to {rows - 1})"
+    return None
 
 
 # The exception that ended the program, seen by sys.excepthook: what a monitor, a recorder or a

@@ -167,6 +167,8 @@ class Monitor(EventsMixin, HookMixin):
         # backward() passes while no model was attached: a script that calls module.forward(x)
         # directly (pytorch/examples mnist_forward_forward) never triggers the hooks models are found by.
         self._unattached_backwards = 0
+        # Whether a model no hook ever announced was looked for from a loss (see _adopt_from_loss).
+        self._adopt_tried = False
         # The type of a model called only inside a torch.func transform (functional_call under
         # vmap or grad, as model ensembles are): the monitor does not attach there (see _discover).
         self._torch_func_model: str | None = None
@@ -250,7 +252,7 @@ class Monitor(EventsMixin, HookMixin):
         ]
         for registry, fn in self._subscriptions:
             registry.append(fn)
-        self._taps = [("backward", self._on_backward), ("after_backward", self._after_backward),
+        self._taps = [("root", self._before_backward), ("backward", self._on_backward), ("after_backward", self._after_backward),
                       ("clip", self._on_clip)]
         for event, fn in self._taps:
             _monitor_tap.add_listener(event, fn)

@@ -19,6 +19,7 @@ run time (see ``_compile_monitor``).
 from __future__ import annotations
 
 import copyreg
+import gc
 import logging
 import sys
 import threading
@@ -42,6 +43,27 @@ _tracing_state = torch._C._get_tracing_state
 # functional_call) holds and returns the transform's wrapped tensors, which must not leave it.
 _in_functorch = torch._C._are_functorch_transforms_active
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__  # the module imported above
+
+
+def _leaf_ids(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (parameters) the loss's autograd graph accumulates into."""
+    out: set[int] = set()
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # AccumulateGrad
+        if var is not None:
+            out.add(id(var))
+        todo.extend(f for f, _ in fn.next_functions)
+    return out
+
+
+def _live_modules() -> list[nn.Module]:
+    # type(o), not isinstance: isinstance reads o.__class__, which a deprecation proxy warns on
+    return [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
 
 
 def _inside_checkpoint() -> bool:
@@ -218,6 +240,26 @@ class HookMixin:
         root = self._attach(module, prefix)
         # This call's pre-hooks were collected before the root hook existed: run it now.
         self._root_pre(root, module, args)
+
+    def _adopt_from_loss(self, loss: torch.Tensor) -> None:
+        # A module class whose own __call__ runs self.forward(...) never reaches nn.Module.__call__,
+        # so no hook of any kind runs for it (gpytorch's Module: every GP model, kernel, likelihood
+        # and mll): discovery never sees it. Its loss still reaches its parameters; the outermost
+        # such modules holding them become roots. Once per monitor: the scan of live objects runs
+        # on the first backward without a model, and a script without modules is left as it was.
+        self._adopt_tried = True
+        try:
+            leaves = _leaf_ids(loss)
+            if not leaves:
+                return
+            found = [m for m in _live_modules()
+                     if type(m).__call__ is not nn.Module.__call__ and m not in self._known
+                     and any(id(p) in leaves for p in m.parameters())]
+            inner = {id(c) for m in found for c in m.modules() if c is not m}
+            for m in [m for m in found if id(m) not in inner]:
+                self._attach(m, "" if not self._roots else type(m).__name__.lower() + ".")
+        except Exception:  # observing training never kills training
+            log.exception("trainguard monitor: looking for the loss's model failed")
 
     def _set_discovery(self, on: bool) -> None:
         # The process's one global pre-hook, under the same id for every monitor: Dynamo guards on it.

@@ -201,6 +201,10 @@ def _origin(report: dict) -> Any:
     if link.get("module") is not None:
         head.append(f", module {link['module'] or '(root)'}")
     parts.append(head)
+    lib = link.get("library")
+    if lib:  # the op ran inside an installed package, called from the line above
+        parts.append(Text(f"  inside {lib['path']}:{lib['line']} in {lib['function']}"
+                          + (f": {lib['code']}" if lib.get("code") else "")))
     for out in link["outputs"]:
         parts.append(Text(f"  output: {out['dtype']} {out['shape']}: {out['description']}"))
     parts.append(Text(f"  why: {link['explanation']}", style="yellow"))

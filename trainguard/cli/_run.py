@@ -333,8 +333,11 @@ def _print_cause(run_dir: Path) -> None:
     except Exception:  # the error line above stands on its own; the report says the rest
         return
     if o is not None:
-        err_console.print(f"  why: {o.origin.explanation}\n  fix: {o.suggestion}", markup=False, highlight=False,
-                          soft_wrap=True)
+        lib = o.origin.library
+        inside = (f"  inside {lib['path']}:{lib['line']} in {lib['function']}" + (f": {lib['code']}" if lib.get("code")
+                  else "") + "\n") if lib else ""
+        err_console.print(f"{inside}  why: {o.origin.explanation}\n  fix: {o.suggestion}", markup=False,
+                          highlight=False, soft_wrap=True)
 
 
 def _writer_failure(logdir: Path) -> str:

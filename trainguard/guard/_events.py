@@ -140,7 +140,7 @@ class GuardRun:
         self.path = path
         self._writer = acquire_writer(path, append=True, meta={"guard": dict(config, status="running")})
         if not self._writer.owner:  # a rerun continues the run: its status is this process's, not the last one's
-            self._writer.set_meta(status="running", error=None, crash_step=None, exit_code=None)
+            self._writer.set_meta(status="running", error=None, crash_step=None, crash_at=None, exit_code=None)
         self._meta = dict(config, status="running")
 
     def update(self, **values: Any) -> None:

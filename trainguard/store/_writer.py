@@ -172,7 +172,7 @@ class RunWriter(BufferWindow, SegmentFiles):
         base["trainguard"] = __version__
         if resumed:  # the run keeps its creation; how an earlier process ended it is undone
             base = {k: v for k, v in base.items() if k in ("pid", "host", "argv", "status")}
-            base.update(resumed=time.time(), ended=None, error=None, crash_step=None, exit_code=None)
+            base.update(resumed=time.time(), ended=None, error=None, crash_step=None, crash_at=None, exit_code=None)
         base.update(meta or {})
         # The schema and the first metadata are written before anything else can fail later.
         try:
