@@ -144,7 +144,7 @@ CATEGORY_OUT_OF_RANGE = textwrap.dedent("""
 """)
 
 
-def test_a_crash_inside_torch_says_where_and_in_which_module(tmp_path, capsys):
+def test_a_crash_inside_torch_says_where_and_in_which_module(tmp_path, capsys, monkeypatch):
     script = tmp_path / "tab.py"
     script.write_text(CATEGORY_OUT_OF_RANGE)
     assert main(["run", "--logdir", str(tmp_path / "run"), str(script)]) == 1
@@ -157,6 +157,9 @@ def test_a_crash_inside_torch_says_where_and_in_which_module(tmp_path, capsys):
     assert at["module"] == "Embedding(8, 4)", at
     assert at["detail"] == "index 8 is out of range for an embedding with 8 rows (0 to 7)", at
     capsys.readouterr()
+    from trainguard.cli import _render
+
+    monkeypatch.setattr(_render.console, "width", 400)  # a long tmp path wraps at 80 columns, inside "tab.py"
     assert main(["report", str(tmp_path / "run")]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "tab.py:12" in out and "Embedding(8, 4)" in out and "index 8 is out of range" in out, out
