@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+from torch import nn
 
 import trainguard as tg
 from trainguard.analysis import origin
@@ -319,6 +320,51 @@ def test_backward_sqrt_at_zero(tmp_path):
     assert o.origin.forward_op["op"] == "aten.sqrt"
     assert o.origin.explanation.startswith("the gradient of sqrt is")
     assert "sqrt(x + 1e-12)" in o.suggestion
+
+
+class _AdjointEuler(torch.autograd.Function):
+    """The adjoint method of rtqichen/torchdiffeq (torchdiffeq/_impl/adjoint.py), cut down to one
+    Euler step: the forward solves without a graph; the backward runs the vector field again under
+    enable_grad and takes its vector-Jacobian product with torch.autograd.grad."""
+
+    @staticmethod
+    def forward(ctx, func, y0, *params):
+        ctx.func = func
+        ctx.save_for_backward(y0, *params)
+        with torch.no_grad():
+            return y0 + func(y0)
+
+    @staticmethod
+    def backward(ctx, g):
+        y0, *params = ctx.saved_tensors
+        with torch.enable_grad():
+            y = y0.detach().requires_grad_(True)
+            f = ctx.func(y)
+            vjp = torch.autograd.grad(f, (y, *params), g, allow_unused=True)
+        return (None, g + vjp[0], *vjp[1:])
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_backward_sqrt_at_zero_in_an_adjoint_backward(tmp_path, backend):
+    """A neural ODE's adjoint re-runs its vector field inside a backward pass: a NaN made by the
+    backward of that re-run's sqrt is traced to the vector field's line, like an eager backward."""
+    lin = nn.Linear(2, 2)
+
+    def field(y):
+        return lin(torch.sqrt(y.abs()))  # sqrt at 0: its gradient is inf, times abs' 0 -> NaN
+
+    y0 = torch.tensor([[1.0, 0.0]])
+
+    def f():
+        _AdjointEuler.apply(field, y0, *lin.parameters()).pow(2).sum().backward()
+
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        f()
+    o = origin(open_run(tmp_path / "r"))
+    assert o.origin.phase == "backward"
+    assert o.origin.forward_op is not None and o.origin.forward_op["op"] == "aten.sqrt"
+    assert o.origin.explanation.startswith("the gradient of sqrt is")
+    assert o.origin.line == field.__code__.co_firstlineno + 1
 
 
 def test_nonfinite_input_data(tmp_path):
