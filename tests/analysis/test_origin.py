@@ -367,6 +367,39 @@ def test_backward_sqrt_at_zero_in_an_adjoint_backward(tmp_path, backend):
     assert o.origin.line == field.__code__.co_firstlineno + 1
 
 
+_TOY_COUPLING = """\
+import torch
+
+
+def inverse(z, scale_net):
+    scale = scale_net(z)
+    return z * torch.exp(-scale)  # no tanh: the scale is unbounded
+"""
+
+
+def test_an_origin_inside_an_installed_library_names_the_library_line(tmp_path, monkeypatch):
+    """normflows' AffineCoupling.inverse (VincentStimper/normalizing-flows,
+    normflows/flows/affine/coupling.py, scale_map="exp") takes exp of an unbounded scale inside
+    the installed package, called as a method (no module hook): the report's line is the user's
+    call, and the library line where exp overflowed is named too."""
+    pkg = tmp_path / "site-packages" / "toyflows"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "coupling.py").write_text(_TOY_COUPLING)
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    from toyflows import coupling
+
+    z = torch.ones(4, 1)
+
+    def f():
+        return coupling.inverse(z, lambda v: -100 * v).sum().item()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.exp" and o.origin.function == "f"
+    assert o.origin.library == {"file": "toyflows/coupling.py", "line": 6, "function": "inverse"}
+    assert "inside toyflows/coupling.py:6 in inverse" in o.summary
+
+
 def test_nonfinite_input_data(tmp_path):
     bad = torch.tensor([1.0, float("nan")])
     o = origin(record(tmp_path, lambda: bad * 2))
