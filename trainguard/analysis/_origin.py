@@ -87,6 +87,10 @@ class Link:
     # A division by a count of 0: the comparison whose kept elements the denominator counts
     # (``{"op", "seq", "size", "file", "line"}``), when it kept none (see _counted_mask).
     mask: dict | None = None
+    # The innermost frame of an installed library below the user's line (``{"file", "line",
+    # "function"}``, the file from its package down): normflows' coupling.py where exp overflowed
+    # under the user's ``model.forward_kld(x)``. None in torch's own code or the user's.
+    library: dict | None = None
 
 
 @dataclass
@@ -217,6 +221,23 @@ def _through(run: Run, inputs: list[dict], limit: int = 16) -> tuple[list[str], 
     return list(dict.fromkeys(through[k] for k in sorted(through))), sources
 
 
+_PACKAGE_DIRS = ("site-packages/", "dist-packages/")
+_NOT_LIBRARIES = ("torch/", "trainguard/", "functorch/", "triton/")  # the framework, not a library to name
+
+
+def _library_frame(run: Run, stack_id: int | None) -> dict | None:
+    """The innermost frame below the user's that is in an installed package other than torch."""
+    frames = run.stack(stack_id) if stack_id is not None else []
+    for f in reversed(frames):
+        if f["user"]:
+            return None
+        name = f["filename"].replace("\\", "/")
+        cut = max(name.rfind(d) + len(d) if d in name else -1 for d in _PACKAGE_DIRS)
+        if cut >= 0 and not name[cut:].startswith(_NOT_LIBRARIES):
+            return {"file": name[cut:], "line": f["lineno"], "function": f["name"]}
+    return None
+
+
 def _link(run: Run, seq: int) -> Link:
     e = run.execution(seq)
     fr = run.user_frame(e["stack_id"])
@@ -238,7 +259,7 @@ def _link(run: Run, seq: int) -> Link:
         outputs=[{"dtype": o["dtype"], "shape": o["shape"], "summary": o["summary"],
                   "description": describe_summary(o["summary"])} for o in e["outputs"]],
         inputs=inputs, forward_op=fwd, taint=e.get("taint", "finite"), origin_seq=e.get("origin"),
-        through=through, sources=sources,
+        through=through, sources=sources, library=_library_frame(run, e["stack_id"]),
     )
     link.mask = _counted_mask(run, link)
     link.explanation = explain(link)
@@ -913,6 +934,8 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     what = "/".join(o.health) or "a non-finite value"
     out = next((x for x in o.outputs if _is_bad(x["summary"])), o.outputs[0] if o.outputs else None)
     detail = f" ({out['description']})" if out else ""
+    if o.library:
+        where += f" (inside {o.library['file']}:{o.library['line']} in {o.library['function']})"
     summary = (f"the first harmful value came from {o.op}{where}, in step {o.step} ({o.phase} pass), "
                f"with {what} in its output{detail}: {o.explanation}")
     harm = None

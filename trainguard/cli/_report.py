@@ -201,6 +201,9 @@ def _origin(report: dict) -> Any:
     if link.get("module") is not None:
         head.append(f", module {link['module'] or '(root)'}")
     parts.append(head)
+    if link.get("library"):
+        lib = link["library"]
+        parts.append(Text(f"  inside {lib['file']}:{lib['line']} in {lib['function']}"))
     for out in link["outputs"]:
         parts.append(Text(f"  output: {out['dtype']} {out['shape']}: {out['description']}"))
     parts.append(Text(f"  why: {link['explanation']}", style="yellow"))
