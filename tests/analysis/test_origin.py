@@ -400,6 +400,26 @@ def test_an_origin_inside_an_installed_library_names_the_library_line(tmp_path, 
     assert "inside toyflows/coupling.py:6 in inverse" in o.summary
 
 
+def test_a_constant_inf_the_code_writes_is_not_blamed_on_the_data(tmp_path):
+    """normflows' Uniform base distribution (VincentStimper/normalizing-flows,
+    normflows/distributions/base.py, Uniform.log_prob) writes ``log_p[out_of_range] = -np.inf``:
+    a flow trained on data outside [low, high] has an infinite loss. The -inf is the code's own
+    constant, not bad data: the fix says to keep it out of the loss."""
+    lin = nn.Linear(2, 1)
+    z = torch.tensor([[0.5, 0.2], [3.0, 0.1]])  # the second sample lies outside [-1, 1]
+
+    def f():
+        log_p = lin(z).squeeze(1) * 0
+        out_range = torch.any((z < -1) | (z > 1), dim=-1)
+        log_p[out_range] = -float("inf")
+        (-log_p.mean()).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.reason == "loss"
+    assert "already held" not in o.suggestion
+    assert "support" in o.suggestion and "torch.where" in o.suggestion
+
+
 def test_nonfinite_input_data(tmp_path):
     bad = torch.tensor([1.0, float("nan")])
     o = origin(record(tmp_path, lambda: bad * 2))
