@@ -419,6 +419,11 @@ def test_a_constant_inf_the_code_writes_is_not_blamed_on_the_data(tmp_path):
     assert "already held" not in o.suggestion
     assert "support" in o.suggestion and "torch.where" in o.suggestion
 
+    # a batch read into a tensor with a NaN in it is the data's, as before
+    rows = [[1.0, float("nan")], [0.5, 0.2]]
+    o = origin(record(tmp_path / "data", lambda: lin(torch.tensor(rows)).sum().item()))
+    assert "already held" in o.suggestion
+
 
 def test_nonfinite_input_data(tmp_path):
     bad = torch.tensor([1.0, float("nan")])

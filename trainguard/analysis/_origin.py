@@ -880,8 +880,10 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["softplus" if base == "exp" and _into_log_one_plus(consumers) else "exp"]
     if base in _STDS and _reduced_count(link) == 1:
         return _SUGGESTIONS["std"]
-    if base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward":
-        return _SUGGESTIONS["constant"]  # explained as a Python constant made a tensor here
+    if (base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward"
+            and all(_count(o.get("summary"), "size") == 1 for o in link.outputs)):
+        # one value: a constant the code wrote (``-np.inf``), not a batch read from the data
+        return _SUGGESTIONS["constant"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
     if (all("inf" not in h for h in link.health)
