@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 import trainguard as tg
 from trainguard.analysis import origin
@@ -323,6 +324,110 @@ def test_backward_sqrt_at_zero(tmp_path):
     assert o.origin.forward_op["op"] == "aten.sqrt"
     assert o.origin.explanation.startswith("the gradient of sqrt is")
     assert "sqrt(x + 1e-12)" in o.suggestion
+
+
+class _AdjointEuler(torch.autograd.Function):
+    """The adjoint method of rtqichen/torchdiffeq (torchdiffeq/_impl/adjoint.py), cut down to one
+    Euler step: the forward solves without a graph; the backward runs the vector field again under
+    enable_grad and takes its vector-Jacobian product with torch.autograd.grad."""
+
+    @staticmethod
+    def forward(ctx, func, y0, *params):
+        ctx.func = func
+        ctx.save_for_backward(y0, *params)
+        with torch.no_grad():
+            return y0 + func(y0)
+
+    @staticmethod
+    def backward(ctx, g):
+        y0, *params = ctx.saved_tensors
+        with torch.enable_grad():
+            y = y0.detach().requires_grad_(True)
+            f = ctx.func(y)
+            vjp = torch.autograd.grad(f, (y, *params), g, allow_unused=True)
+        return (None, g + vjp[0], *vjp[1:])
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_backward_sqrt_at_zero_in_an_adjoint_backward(tmp_path, backend):
+    """A neural ODE's adjoint re-runs its vector field inside a backward pass: a NaN made by the
+    backward of that re-run's sqrt is traced to the vector field's line, like an eager backward."""
+    lin = nn.Linear(2, 2)
+
+    def field(y):
+        return lin(torch.sqrt(y.abs()))  # sqrt at 0: its gradient is inf, times abs' 0 -> NaN
+
+    y0 = torch.tensor([[1.0, 0.0]])
+
+    def f():
+        _AdjointEuler.apply(field, y0, *lin.parameters()).pow(2).sum().backward()
+
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        f()
+    o = origin(open_run(tmp_path / "r"))
+    assert o.origin.phase == "backward"
+    assert o.origin.forward_op is not None and o.origin.forward_op["op"] == "aten.sqrt"
+    assert o.origin.explanation.startswith("the gradient of sqrt is")
+    assert o.origin.line == field.__code__.co_firstlineno + 1
+
+
+_TOY_COUPLING = """\
+import torch
+
+
+def inverse(z, scale_net):
+    scale = scale_net(z)
+    return z * torch.exp(-scale)  # no tanh: the scale is unbounded
+"""
+
+
+def test_an_origin_inside_an_installed_library_names_the_library_line(tmp_path, monkeypatch):
+    """normflows' AffineCoupling.inverse (VincentStimper/normalizing-flows,
+    normflows/flows/affine/coupling.py, scale_map="exp") takes exp of an unbounded scale inside
+    the installed package, called as a method (no module hook): the report's line is the user's
+    call, and the library line where exp overflowed is named too."""
+    pkg = tmp_path / "site-packages" / "toyflows"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "coupling.py").write_text(_TOY_COUPLING)
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    from toyflows import coupling
+
+    z = torch.ones(4, 1)
+
+    def f():
+        return coupling.inverse(z, lambda v: -100 * v).sum().item()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.exp" and o.origin.function == "f"
+    lib = o.origin.library
+    assert (lib["path"], lib["line"], lib["function"]) == ("toyflows/coupling.py", 6, "inverse"), lib
+    assert "inside toyflows/coupling.py:6 in inverse" in o.summary
+
+
+def test_a_constant_inf_the_code_writes_is_not_blamed_on_the_data(tmp_path):
+    """normflows' Uniform base distribution (VincentStimper/normalizing-flows,
+    normflows/distributions/base.py, Uniform.log_prob) writes ``log_p[out_of_range] = -np.inf``:
+    a flow trained on data outside [low, high] has an infinite loss. The -inf is the code's own
+    constant, not bad data: the fix says to keep it out of the loss."""
+    lin = nn.Linear(2, 1)
+    z = torch.tensor([[0.5, 0.2], [3.0, 0.1]])  # the second sample lies outside [-1, 1]
+
+    def f():
+        log_p = lin(z).squeeze(1) * 0
+        out_range = torch.any((z < -1) | (z > 1), dim=-1)
+        log_p[out_range] = -float("inf")
+        (-log_p.mean()).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.reason == "loss"
+    assert "already held" not in o.suggestion
+    assert "support" in o.suggestion and "torch.where" in o.suggestion
+
+    # a batch read into a tensor with a NaN in it is the data's, as before
+    rows = [[1.0, float("nan")], [0.5, 0.2]]
+    o = origin(record(tmp_path / "data", lambda: lin(torch.tensor(rows)).sum().item()))
+    assert "already held" in o.suggestion
 
 
 def test_nonfinite_input_data(tmp_path):

@@ -318,6 +318,45 @@ def test_an_inf_gradient_of_a_backward_with_create_graph_is_harmful(tmp_path):
             f()
 
 
+class _AdjointStep(torch.autograd.Function):
+    """The adjoint method of rtqichen/torchdiffeq (torchdiffeq/_impl/adjoint.py) solves an ODE
+    backwards inside its backward; its step-size controller (torchdiffeq/_impl/rk_common.py) makes
+    ``max_step = torch.as_tensor(float('inf'))`` there and clamps each step with it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        min_step, max_step = torch.as_tensor(0.0), torch.as_tensor(float("inf"))  # no step-size bound
+        dt = (g.abs().max() * 0.1).clamp(min_step, max_step)
+        return g * 2 * (1 + 0 * dt)
+
+
+class _InfGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * torch.as_tensor(float("inf"))  # a wrong derivative: +inf
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_constant_inf_a_custom_backward_absorbs_is_intended(tmp_path, backend):
+    """An +inf made from a Python constant in a backward pass is no gradient: a clamp bound that
+    clamp absorbs is intended, as in a forward pass; a gradient computed from it stays harmful."""
+    w = torch.ones(3, requires_grad=True)
+    run = record(tmp_path / "a", lambda: _AdjointStep.apply(w * 1).sum().backward(), backend=backend)
+    assert run.first_harm() is None
+    assert [(g["made_by"], g["absorbed_by"]) for g in run.intended()] == [("aten.lift_fresh.default", "aten.clamp.Tensor")]
+
+    o = origin(record(tmp_path / "b", lambda: _InfGradient.apply(w * 1).sum().backward(), backend=backend))
+    assert o is not None and o.reason == "gradient" and o.origin.op == "aten.lift_fresh"
+
+
 def test_writer_judges_accelerator_style_records_the_same(tmp_path):
     """With deferred summaries the hot path does not know health: the writer's thread judges."""
     import true_models as M

@@ -222,7 +222,7 @@ def _through(run: Run, inputs: list[dict], limit: int = 16) -> tuple[list[str], 
 
 
 # Installed packages whose frames are the machinery, never the place a user looks for a cause.
-_NOT_LIBRARY = ("torch", "functorch", "torchgen", "trainguard")
+_NOT_LIBRARY = ("torch", "functorch", "torchgen", "triton", "trainguard")
 
 
 def _library_frame(run: Run, stack_id: int | None) -> dict | None:
@@ -686,6 +686,10 @@ _SUGGESTIONS = {
     "transformers' CTC models, config.ctc_zero_infinity=True) so that such a sample adds 0 to the loss and "
     "gradient, or drop the samples whose target is longer than their output frames, or downsample the input less",
     "accum": "values are overflowing: lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_)",
+    "constant": "the code wrote this value itself (a log-probability of 0 for a sample outside a bounded support, "
+    "as a uniform base distribution's log_prob does; a sentinel): keep it out of the loss, e.g. "
+    "torch.where(torch.isfinite(log_p), log_p, 0) or a loss over the finite rows only, or use a distribution whose "
+    "support covers the data (a Gaussian base for a flow)",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
     "and the previous step",
     "received": "this rank only received the value from another rank: see the report of the rank that made it "
@@ -889,6 +893,10 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["softplus" if base == "exp" and _into_log_one_plus(consumers) else "exp"]
     if base in _STDS and _reduced_count(link) == 1:
         return _SUGGESTIONS["std"]
+    if (base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward"
+            and all(_count(o.get("summary"), "size") == 1 for o in link.outputs)):
+        # one value: a constant the code wrote (``-np.inf``), not a batch read from the data
+        return _SUGGESTIONS["constant"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
     if (all("inf" not in h for h in link.health)
@@ -948,7 +956,7 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     out = next((x for x in o.outputs if _is_bad(x["summary"])), o.outputs[0] if o.outputs else None)
     detail = f" ({out['description']})" if out else ""
     if o.library:
-        where += f" (inside {o.library['path']}:{o.library['line']})"
+        where += f" (inside {o.library['path']}:{o.library['line']} in {o.library['function']})"
     summary = (f"the first harmful value came from {o.op}{where}, in step {o.step} ({o.phase} pass), "
                f"with {what} in its output{detail}: {o.explanation}")
     harm = None

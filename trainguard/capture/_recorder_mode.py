@@ -45,6 +45,7 @@ log = logging.getLogger("trainguard.capture")
 _get_seq_nr = torch._C._autograd._get_sequence_nr
 _current_node = torch._C._current_autograd_node
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_FunctionBase = torch._C._FunctionBase  # a custom autograd.Function's backward node (its ctx)
 _Tensor = torch.Tensor
 _FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 _strided = torch.strided
@@ -119,13 +120,15 @@ def op_facts_by_name(name: str) -> tuple[int, bool, bool]:
 
 
 def _recomputes(node) -> bool:
-    """Whether an op that autograd's engine runs with grad mode on belongs to a forward pass that
-    activation checkpointing runs again: a forward op (its mask's ``-inf`` absorbed by softmax), not
-    a gradient. torch.utils.checkpoint recomputes inside saved-tensor hooks of its own
-    (``use_reentrant=False``) or in its CheckpointFunction's backward (``use_reentrant=True``); a
-    backward pass that builds a graph (``create_graph=True``) has grad mode on under neither. The
-    native core asks the same (recorder.cpp, ``recomputes``)."""
-    return _saved_tensor_hooks(True) is not None or type(node).__name__ == "CheckpointFunctionBackward"
+    """Whether an op that autograd's engine runs with grad mode on belongs to a forward pass run
+    again inside a backward pass: a forward op (its mask's ``-inf`` absorbed by softmax), not a
+    gradient, whose own backward is traced back to it. torch.utils.checkpoint recomputes inside
+    saved-tensor hooks of its own (``use_reentrant=False``) or in its CheckpointFunction's backward
+    (``use_reentrant=True``); a custom ``autograd.Function`` whose backward re-runs a function under
+    ``enable_grad`` for its vector-Jacobian product (torchdiffeq's adjoint method) is the same. A
+    backward pass that builds a graph (``create_graph=True``) runs with grad mode on in the built-in
+    ops' nodes. The native core asks the same (recorder.cpp, ``recomputes``)."""
+    return _saved_tensor_hooks(True) is not None or isinstance(node, _FunctionBase)
 
 
 class _DispatchMode(TorchDispatchMode):

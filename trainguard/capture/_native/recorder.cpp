@@ -28,6 +28,7 @@
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
 
 #include <pthread.h>
 
@@ -105,22 +106,29 @@ struct Pause {
   ~Pause() { tl_paused = old; }
 };
 
-// Whether a call that autograd's engine runs with grad mode on belongs to a forward pass that
-// activation checkpointing runs again to recover what it did not save: its outputs are forward
-// values (a causal mask's -inf absorbed by softmax), not gradients. torch.utils.checkpoint
-// recomputes inside saved-tensor hooks of its own (use_reentrant=False), or in the backward of
-// its CheckpointFunction (use_reentrant=True). A backward pass that builds a graph
-// (create_graph=True, a gradient penalty) also runs with grad mode on, under neither.
-bool recomputes(torch::autograd::Node* node) {
+// Whether a call that autograd's engine runs with grad mode on belongs to a forward pass run again
+// inside a backward pass: its outputs are forward values (a causal mask's -inf absorbed by softmax),
+// not gradients, and the backward of its own graph is traced back to it. torch.utils.checkpoint
+// recomputes inside saved-tensor hooks of its own (use_reentrant=False), or in the backward of its
+// CheckpointFunction (use_reentrant=True); a custom autograd.Function's backward that re-runs a
+// function under enable_grad to take its vector-Jacobian product (torchdiffeq's adjoint method) is
+// the same. A backward pass that builds a graph (create_graph=True, a gradient penalty) also runs
+// with grad mode on, in the C++ nodes of the built-in ops.
+bool recomputes(const c10::intrusive_ptr<torch::autograd::Node>& node) {
   if (!at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) return true;
-  // A Python node's name takes the GIL: asked once per node (a recompute makes many calls in one).
+  // A node's Python object takes the GIL: asked once per node (a recompute makes many calls in one).
   thread_local const torch::autograd::Node* last = nullptr;
   thread_local uint64_t last_nr = 0;
   thread_local bool last_answer = false;
-  if (node != last || node->sequence_nr() != last_nr) {
-    last = node;
+  if (node.get() != last || node->sequence_nr() != last_nr) {
+    last = node.get();
     last_nr = node->sequence_nr();
-    last_answer = node->name() == "CheckpointFunctionBackward";
+    PyGILState_STATE gs = PyGILState_Ensure();
+    PyObject* obj = torch::autograd::functionToPyObject(node);  // a custom Function's backward: its ctx
+    last_answer = obj != nullptr && !torch::autograd::THPCppFunction_Check(obj);
+    if (obj == nullptr) PyErr_Clear();
+    Py_XDECREF(obj);
+    PyGILState_Release(gs);
   }
   return last_answer;
 }
@@ -276,7 +284,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     auto node = torch::autograd::get_current_node();
     ctx->in_node = node != nullptr;
     ctx->node_nr = node ? node->sequence_nr() : 0;
-    ctx->recompute = node != nullptr && c10::GradMode::is_enabled() && recomputes(node.get());
+    ctx->recompute = node != nullptr && c10::GradMode::is_enabled() && recomputes(node);
     auto inputs = fn.inputs();
     bool writes = !op->writes.empty() && (op->writes_if < 0 || (op->writes_if < (int)inputs.size() &&
                                                                 inputs[op->writes_if].isBool() &&
