@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ HOLDER = textwrap.dedent("""
     loop = m.resume(TrainState(model=torch.nn.Linear(2, 2)), total_steps=5)
     child = os.fork() if "--fork" in sys.argv else -1  # as a data-loader worker is forked
     if child == 0:  # the fork handlers (closing the lock's descriptor) ran before fork() returned here
-        print("forked", flush=True)
+        open(sys.argv[3], "w").close()
         time.sleep(120)
         os._exit(0)
     print("holding", child, flush=True)
@@ -71,16 +72,24 @@ def test_a_second_run_on_the_same_directory_is_stopped_naming_the_holder(ckpt_di
     assert [i.step for i in list_checkpoints(ckpt_dir)] == [2]
 
 
-def test_a_process_forked_by_the_owner_does_not_keep_the_directory_after_the_owner_dies(ckpt_dir):
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt_dir), "--fork"], stdout=subprocess.PIPE,
-                              text=True)
+def test_a_process_forked_by_the_owner_does_not_keep_the_directory_after_the_owner_dies(ckpt_dir, tmp_path):
+    forked = tmp_path / "forked"  # the child makes it once its fork handlers have run
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt_dir), "--fork", str(forked)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     worker = None
     try:
-        # Both lines, in either order: killed before the child's fork handlers had run (a loaded
-        # machine may not schedule it for a while), the child still held the lock's descriptor.
-        lines = sorted(holder.stdout.readline().split() for _ in range(2))
-        assert [line[0] for line in lines] == ["forked", "holding"], lines
-        worker = int(lines[1][1])
+        line = holder.stdout.readline().split()
+        if not line:  # it died before holding: say why
+            holder.wait(timeout=30)
+            pytest.fail(f"the holder exited with {holder.returncode}: {holder.stderr.read()[-3000:]}")
+        assert line[0] == "holding", line
+        worker = int(line[1])
+        # Killed before the child's fork handlers had run (a loaded machine may not schedule it for
+        # a while), the child would still hold the lock's descriptor: wait for it.
+        deadline = time.monotonic() + 60
+        while not forked.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert forked.exists(), "the forked child never ran"
         holder.kill()  # SIGKILL: its forked worker lives on for a while, as data-loader workers do
         holder.wait()
         os.kill(worker, 0)  # still alive
