@@ -144,11 +144,11 @@ def test_an_expert_routed_to_only_between_recordings_is_not_said_to_never_get_a_
         "experts.7.w1.weight", "experts.7.w1.bias", "experts.7.w2.weight", "experts.7.w2.bias"}
 
 
-def test_experts_the_router_never_picks_are_named_as_such(tmp_path):
-    # Experts 2 and 3 of four never get a row: they are members of the experts ModuleList whose
-    # siblings get gradients, so the advice is about routing, not about a .detach() on the path.
+def train_routed(cls, tmp_path, starved) -> Monitor:
+    """Four experts whose router follows input features 0-3 (an identity gate), 8 steps under a
+    monitor recording every 2nd, with the features ``starved`` pushed to -5: their experts get no row."""
     torch.manual_seed(0)
-    moe = SparseMoe(d=8, h=16, experts=4)
+    moe = cls(d=8, h=16, experts=4)
     with torch.no_grad():
         moe.gate.weight.copy_(torch.eye(4, 8) * 10)
         moe.gate.bias.zero_()
@@ -156,11 +156,18 @@ def test_experts_the_router_never_picks_are_named_as_such(tmp_path):
     with Monitor(moe, tmp_path / "run", every=2) as mon:
         for step in range(8):
             x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
-            x[:, 2:4] = -5.0  # the router sends every row to expert 0 or 1
+            x[:, starved] = -5.0
             loss = (moe(x) - x).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
+    return mon
+
+
+def test_experts_the_router_never_picks_are_named_as_such(tmp_path):
+    # Experts 2 and 3 of four never get a row: they are members of the experts ModuleList whose
+    # siblings get gradients, so the advice is about routing, not about a .detach() on the path.
+    mon = train_routed(SparseMoe, tmp_path, slice(2, 4))  # the router sends every row to expert 0 or 1
     (found,) = [f for f in mon.findings if f.kind == "param_no_gradient"]
     assert found.evidence["never_routed"] == {"experts": ["2", "3"]}
     assert "experts.2, experts.3" in found.suggestion and "load-balancing" in found.suggestion, found.suggestion
@@ -182,20 +189,7 @@ class DispatchMoe(SparseMoe):
 
 
 def test_experts_called_on_empty_splits_only_are_named_as_never_routed(tmp_path):
-    torch.manual_seed(0)
-    moe = DispatchMoe(d=8, h=16, experts=4)
-    with torch.no_grad():
-        moe.gate.weight.copy_(torch.eye(4, 8) * 10)
-        moe.gate.bias.zero_()
-    opt = torch.optim.Adam(moe.parameters(), lr=1e-3)
-    with Monitor(moe, tmp_path / "run", every=2) as mon:
-        for step in range(8):
-            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
-            x[:, 3] = -5.0  # expert 3 is called on 0 rows every step
-            loss = (moe(x) - x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    mon = train_routed(DispatchMoe, tmp_path, 3)  # expert 3 is called on 0 rows every step
     (found,) = [f for f in mon.findings if f.kind == "param_zero_gradient"]
     assert found.evidence["never_routed"] == {"experts": ["3"]}
     assert "experts.3" in found.suggestion and "load-balancing" in found.suggestion, found.suggestion

@@ -77,11 +77,9 @@ class Transformer(nn.Module):
             m.reset_parameters()
 
 
-def main() -> None:
-    if os.environ.get("NAN_EMPTY") == "1":
-        torch.use_deterministic_algorithms(True)
-        torch.utils.deterministic.fill_uninitialized_memory = True
-    dist.init_process_group("gloo")
+def sharded_transformer(init_blocks: bool = True) -> Transformer:
+    """The example's model built on meta, sharded with fully_shard per block, materialised on CPU
+    (seed 0); ``init_blocks=False`` leaves the blocks uninitialised, as the example does."""
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer()
@@ -89,10 +87,19 @@ def main() -> None:
         fully_shard(layer)
     fully_shard(model)
     model.to_empty(device="cpu")
-    if os.environ.get("INIT") != "example":
+    if init_blocks:
         for layer in model.layers:
             layer.reset_parameters()
     model.reset_parameters()
+    return model
+
+
+def main() -> None:
+    if os.environ.get("NAN_EMPTY") == "1":
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+    dist.init_process_group("gloo")
+    model = sharded_transformer(init_blocks=os.environ.get("INIT") != "example")
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(3):
         out = model(torch.randint(0, VOCAB, (4, SEQ)))

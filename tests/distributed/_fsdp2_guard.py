@@ -13,8 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _fsdp2_example import SEQ, VOCAB, Transformer
-from torch.distributed.fsdp import fully_shard
+from _fsdp2_example import SEQ, VOCAB, sharded_transformer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import trainguard as tg
@@ -22,16 +21,7 @@ import trainguard as tg
 
 def main(ckpt: str, logdir: str, bad: int) -> None:
     dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer()
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    model.to_empty(device="cpu")
-    for layer in model.layers:
-        layer.reset_parameters()
-    model.reset_parameters()
+    model = sharded_transformer()
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randint(0, VOCAB, (128, SEQ + 1), generator=g), torch.arange(128))
