@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainguard.doctor._state import DoctorInputError
+from trainguard.doctor._state import DoctorInputError, first_tensor
 
 # A DataLoader without a length (over a stream) is read for at most this many batches.
 UNSIZED_BATCHES = 1000
@@ -59,12 +59,13 @@ def is_array(obj: Any) -> bool:
 
 
 def main_input(inputs: Any) -> Any:
-    """The tensor the data checks judge of a batch's inputs: the inputs, or the first tensor of a
-    tuple or dict of several (a forecaster's series beside its time features, a tokenizer's
-    input_ids beside its mask; the doctor counts samples on it too). A list stays what it is: one
-    tensor per sample (torchvision's detection images) is refused where it is read."""
-    several = tuple(inputs.values()) if isinstance(inputs, dict) else inputs if isinstance(inputs, tuple) else ()
-    return next((i for i in several if is_array(i)), inputs)
+    """The tensor the data checks judge of a batch's inputs: the inputs, or of a tuple or dict of
+    several (a forecaster's series beside its time features, a tokenizer's input_ids beside its
+    mask) the first tensor, the one the doctor counts samples on (``_state.first_tensor``). A list
+    stays what it is: one tensor per sample (torchvision's detection images) is refused where it
+    is read."""
+    t = first_tensor(inputs) if isinstance(inputs, (tuple, dict)) else None
+    return inputs if t is None else t
 
 
 def _read_batches(obj: Any, name: str, *, sized: bool) -> tuple[np.ndarray, np.ndarray | None]:
