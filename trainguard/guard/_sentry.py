@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from trainguard.capture import StepWatch
+from trainguard.capture._layer_stats import sparse_values
 
 # Pinned host buffers the step vectors are copied into on accelerators, reused in turn (the
 # guard reads one step late, so two are in use at most).
@@ -100,7 +101,9 @@ class Sentry:
         self._losses.append(loss)
 
     def _before_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        grads = [_stored(g) for p in self._params_of(opt) if (g := p.grad) is not None]
+        # a sparse gradient (nn.EmbeddingBag(sparse=True)): its values, as the monitor reads them
+        grads = [g if g.layout == torch.strided else sparse_values(g)
+                 for p in self._params_of(opt) if (g := p.grad) is not None]
         grads = [g for g in grads if g is not None]
         if not grads:
             return
@@ -202,17 +205,3 @@ class Sentry:
     @property
     def unread(self) -> int:
         return len(self._pending)
-
-
-def _stored(g: torch.Tensor) -> torch.Tensor | None:
-    """What to take the norm of: a sparse gradient's stored values (``nn.EmbeddingBag(sparse=True)``;
-    with duplicate indices unsummed, the norm is not the dense one, but it is finite exactly when the
-    gradient is, short of finite rows summing past the dtype's range), None for a layout without."""
-    if g.layout == torch.strided:
-        return g
-    if g.layout == torch.sparse_coo:
-        return g._values()
-    try:
-        return g.values()
-    except RuntimeError:
-        return None
