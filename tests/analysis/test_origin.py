@@ -108,6 +108,37 @@ def test_a_row_of_logs_of_zeros_into_log_softmax_is_not_called_a_masked_row(tmp_
     assert "clamp the input before the log" in o.suggestion, o.suggestion
 
 
+@pytest.mark.parametrize("complement", [False, True])
+def test_a_hand_written_binary_cross_entropy_is_told_to_take_the_log_on_the_logits(tmp_path, complement):
+    # pytorch/examples dcgan/main.py with nn.BCELoss written out by hand: the discriminator's
+    # Sigmoid saturates (exactly 1.0, or 0.0) and log(output) / log(1 - output) is -inf. A clamp
+    # hides it; the log of a sigmoid belongs on the logits (F.logsigmoid, BCEWithLogitsLoss).
+    disc = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    with torch.no_grad():
+        disc[0].weight.fill_(50.0 if complement else -50.0)
+
+    def f():
+        output = disc(torch.ones(8, 4)).view(-1, 1).squeeze(1)
+        label = torch.zeros(8) if complement else torch.ones(8)
+        loss = -(label * torch.log(output) + (1 - label) * torch.log(1 - output)).mean()
+        loss.backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.log"
+    assert "logsigmoid" in o.suggestion and "binary_cross_entropy_with_logits" in o.suggestion, o.suggestion
+    assert ("F.logsigmoid(-x)" in o.suggestion) == complement, o.suggestion
+
+
+def test_a_log_of_a_softmax_keeps_the_softmax_fix(tmp_path):
+    def f():
+        logits = torch.tensor([[0.0, -200.0, 5.0]], requires_grad=True)
+        torch.log(torch.softmax(logits, 1)).sum().backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.log"
+    assert "log_softmax" in o.suggestion and "logsigmoid" not in o.suggestion, o.suggestion
+
+
 def test_zero_over_zero_under_summaries_without_zero_counts(tmp_path):
     # check_numerics' runs are curt_health: no zero counts. A NaN quotient of finite values is
     # 0/0 (an overflow makes inf, never NaN); it was explained as "the quotient overflowed".
