@@ -654,6 +654,10 @@ _SUGGESTIONS = {
     "scores with a large finite negative, torch.finfo(scores.dtype).min, instead of -inf",
     "log": "clamp the input before the log, e.g. torch.log(p.clamp(min=1e-6)); for a softmax followed by log, "
     "use torch.log_softmax or F.cross_entropy, which never take the log of 0",
+    "log_sigmoid": "the log is taken of a sigmoid's output (a binary cross-entropy written by hand), which rounds "
+    "to exactly 0 or 1 once a logit is large: take it on the logits instead, F.logsigmoid(x) for "
+    "log(sigmoid(x)){complement}, or compute the loss with F.binary_cross_entropy_with_logits / "
+    "nn.BCEWithLogitsLoss on the logits (a clamp or nn.BCELoss only bounds the log at a finite value)",
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
     "div_count": "the denominator is a count that was 0 (nothing matched): divide by it clamped to at least 1, "
     "x / n.clamp(min=1) (a mean over no elements is then 0), or skip the batch when n == 0; an epsilon added to "
@@ -736,6 +740,35 @@ def fed_back(run: Run, link: Link) -> int | None:
                 if q.get("evicted") and op_base(p["op"]).rstrip("_") in _loop_assignment(run, link.file, link.line):
                     return int(inp["slot"])  # the circular buffer dropped the earlier pass: the line tells
     except (KeyError, TrainguardError):  # evicted or damaged: no loop to show
+        return None
+    return None
+
+
+# Ops that pass their first input's values on unchanged (a sigmoid's output reshaped on its way to the log).
+_PASS_THROUGH = frozenset({"view", "_unsafe_view", "reshape", "squeeze", "unsqueeze", "flatten", "expand", "select",
+                           "slice", "alias", "clone", "contiguous", "t", "transpose", "permute", "_to_copy"})
+
+
+def log_of_sigmoid(run: Run, link: Link) -> str | None:
+    """When a log's input is a sigmoid's output, through reshapes, or one minus it (a binary
+    cross-entropy written by hand): ``"sigmoid"`` or ``"1 - sigmoid"``; else None (or evicted)."""
+    if op_base(link.op) not in _LOGS:
+        return None
+    complement = False
+    try:
+        digest = next((i.get("producer_digest") for i in run.execution(link.seq)["inputs"]), None)
+        for _ in range(8):
+            if not digest:
+                return None
+            base = op_base(digest["op"]).rstrip("_")
+            if base == "sigmoid":
+                return "1 - sigmoid" if complement else "sigmoid"
+            if base == "rsub" and not complement:
+                complement = True  # 1 - x (torch's rsub.Scalar)
+            elif base not in _PASS_THROUGH:
+                return None
+            digest = next((i.get("producer_digest") for i in run.execution(digest["seq"])["inputs"]), None)
+    except (KeyError, TrainguardError):
         return None
     return None
 
@@ -841,11 +874,13 @@ def _integer_denominator(link: Link) -> bool:
     return dtype.replace("torch.", "") in ("int64", "int32", "int16", "int8", "uint8")
 
 
-def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None) -> str:
+def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None,
+            log_of: str | None = None) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
-    ``consumers``: the ops the value went through after ``link``, nearest first."""
+    ``consumers``: the ops the value went through after ``link``, nearest first; ``log_of``: what a
+    log's input is (:func:`log_of_sigmoid`)."""
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
@@ -867,6 +902,9 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         elif base in _STDS:
             return _SUGGESTIONS["std_grad"]
     if base in _LOGS:
+        if log_of is not None:
+            complement = " and F.logsigmoid(-x) for log(1 - sigmoid(x))" if log_of == "1 - sigmoid" else ""
+            return _SUGGESTIONS["log_sigmoid"].format(complement=complement)
         return _SUGGESTIONS["log"]
     if link.phase != "backward" and _power_of_zero(link):
         return _SUGGESTIONS["pow_zero"]
@@ -976,5 +1014,5 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     first_forward = not run.meta.get("guard_replay")  # a replay's step 0 is a trained step N
     fed = fed_back(run, o) if first_forward and o.step == 0 else None
     consumers = [link.op for link in reversed(chain[:-1])]
-    return Origin(chain=chain, summary=summary, suggestion=suggest(o, first_forward, fed, consumers), reason=reason,
-                  harm=harm)
+    suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o))
+    return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm)
