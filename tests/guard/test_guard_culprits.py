@@ -100,3 +100,41 @@ def test_no_sample_is_named_when_the_first_dimension_is_not_the_batch(tmp_path, 
     assert event["origin"]["origin"]["op"].startswith("aten.pow")
     assert 77 in event["skipped"][0]["samples"]
     assert "culprits" not in event and "first inf is in" not in event["message"]
+
+
+class Critic(nn.Module):
+    """pytorch/examples dcgan/main.py's discriminator, shrunk: a convolution first, then
+    BatchNorm, LeakyReLU and a Sigmoid. One image of the dataset holds an inf pixel."""
+
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Sequential(nn.Conv2d(1, 4, 4, 2, 1), nn.BatchNorm2d(4), nn.LeakyReLU(0.2),
+                                  nn.Conv2d(4, 1, 4, 1, 0), nn.Sigmoid())
+
+    def forward(self, x):
+        return self.main(x).view(-1)
+
+
+@pytest.mark.parametrize("workers", [0, 2])  # 2: the batch is made in another process
+def test_a_batch_that_holds_the_inf_itself_is_blamed_on_the_data_not_on_an_overflow(tmp_path, workers):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12 * BS, 1, 8, 8, generator=g)
+    x[21, 0, 3, 3] = float("inf")  # one corrupt pixel
+    y = torch.ones(12 * BS)
+    torch.manual_seed(0)
+    model = Critic()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-4)
+    loader = DataLoader(TensorDataset(x, y), batch_size=BS, num_workers=workers)
+    state = tg.TrainState(model=model, optimizer=opt, loader=loader)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=2)
+    for _, (xb, yb) in guard.batches(state, total_steps=8):
+        loss = nn.functional.mse_loss(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    [event] = guard.events
+    assert event["skipped"][0]["samples"] == [20, 21, 22, 23]
+    assert event["batch_nonfinite"] == {"size": BS, "rows": [1], "samples": [21], "kinds": ["inf"], "where": "[0]"}
+    fix = event["origin"]["suggestion"]
+    assert "learning rate" not in fix and "the batch itself" in fix and "doctor" in fix, fix
+    assert event["message"].endswith("(its sample 21 holds inf in the batch itself)"), event["message"]
