@@ -90,6 +90,36 @@ def message(event: dict) -> str:
     return "; ".join(parts)
 
 
+def _listed(items: list, limit: int = 8) -> str:
+    return ", ".join(str(i) for i in items[:limit]) + (f" ... ({len(items)} in all)" if len(items) > limit else "")
+
+
+def batch_text(event: dict) -> str:
+    """`` (its sample 21 holds inf in the batch itself)``: the failing batch held NaN/Inf before
+    any op ran (``Guard`` events' ``batch_nonfinite``), or nothing."""
+    b = event.get("batch_nonfinite")
+    if not b:
+        return ""
+    kinds = " and ".join(b.get("kinds") or ["non-finite values"])
+    if b.get("samples"):
+        n = len(b["samples"])
+        return f" (its sample{'s' if n > 1 else ''} {_listed(b['samples'])} hold{'' if n > 1 else 's'} {kinds} in the batch itself)"
+    if b.get("rows"):
+        n = len(b["rows"])
+        return f" (row{'s' if n > 1 else ''} {_listed(b['rows'])} of batch{b['where']} hold{'' if n > 1 else 's'} {kinds} itself)"
+    return f" (batch{b['where']} holds {kinds} itself)"
+
+
+def data_fix(b: dict) -> str:
+    """The fix when the failing batch itself held NaN/Inf (see :func:`batch_text`)."""
+    which = f"sample{'s' if len(b['samples']) > 1 else ''} {_listed(b['samples'])}" if b.get("samples") else \
+        f"row{'s' if len(b.get('rows') or []) > 1 else ''} {_listed(b.get('rows') or [])}"
+    kinds = " and ".join(b.get("kinds") or ["non-finite values"])
+    return (f"the batch itself held {kinds} before any op ran (batch{b['where']}, {which}): the data is "
+            "corrupt, not the training; repair or drop that sample (`trainguard doctor` validates a dataset's values), "
+            "or filter non-finite samples out in the dataset or collate_fn; the guard skips such a batch each time")
+
+
 def culprits_text(event: dict, limit: int = 8) -> str:
     """`` (the first inf is in its sample 77)``: the samples whose rows of the origin's output
     the replay found its non-finite values in (``Guard`` events' ``culprits``), or nothing. Where,
@@ -115,7 +145,7 @@ def outcome(event: dict) -> str:
             return (f"skipped the batch of step {event['step']:,}" if n == 1
                     else f"skipped {n} batches from the batch of step {event['step']:,}")
         text = f"skipped batch {first}" if n == 1 else f"skipped {n} batches from batch {first}"
-        return text + culprits_text(event)
+        return text + (batch_text(event) or culprits_text(event))
     if action == "lower_lr":
         lrs = ", ".join(f"{v:.3g}" for v in event.get("lr") or [])
         return f"lowered the learning rate x{event.get('lr_factor', 0.5)} (now {lrs})"

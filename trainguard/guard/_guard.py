@@ -41,7 +41,7 @@ from trainguard.capture._ending import ending
 from trainguard.guard import _collective, _events
 from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
 from trainguard.guard._events import STOPPED
-from trainguard.guard._replay import StepRecording, origin_from_dict, origin_key, rank_dir
+from trainguard.guard._replay import StepRecording, batch_nonfinite, origin_from_dict, origin_key, rank_dir
 from trainguard.guard._sentry import Sentry, StepValues
 from trainguard.resilience import MemorySnapshot, ResumeLoop, TrainState, set_default_guard
 from trainguard.store import acquire_writer, release_writer
@@ -72,6 +72,7 @@ class _Plan:
     compared: int = 0
     mismatch: dict | None = None
     batch: dict | None = None  # the failing step's batch, as the loader tells it
+    batch_nonfinite: dict | None = None  # the rows of that batch that held NaN/Inf already (batch_nonfinite)
 
 
 @dataclass
@@ -217,11 +218,12 @@ class Guard:
     def _report(self, loss: Any) -> None:
         self._sentry.report(loss)
 
-    def _begin_step(self, step: int) -> None:
+    def _begin_step(self, step: int, batch: Any = None) -> None:
         align_step(step)
         plan = self._plan
         if plan is not None and step == plan.fail and plan.recording is None:
             plan.batch = self._batch_info()
+            plan.batch_nonfinite = batch_nonfinite(batch, plan.batch.get("samples"))  # before recording starts
             plan.recording = StepRecording(self.logdir, step)  # type: ignore[arg-type]
             plan.recording.start()
 
@@ -430,6 +432,12 @@ class Guard:
             culprits = rec.culprits(origin, plan.batch)
             if culprits is not None:
                 event["culprits"] = culprits
+        if plan.batch_nonfinite is not None:
+            # The data held the value before any op ran: whatever op the replay names first only
+            # passed it on (a convolution "overflowing" an inf pixel), so the fix is the data's.
+            event["batch_nonfinite"] = plan.batch_nonfinite
+            if origin is not None:
+                origin["suggestion"] = _events.data_fix(plan.batch_nonfinite)
         if not reproduced:
             self._finish_event(event, "continue")
             return

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,41 @@ class StepRecording:
             return None
         size, which = found
         return {"size": size, "rows": which, "samples": [samples[r] for r in which]}
+
+
+def _tensors(obj: Any, where: str = "", depth: int = 0):
+    """``(where, tensor)`` for each tensor in a batch (nested tuples, lists and mappings)."""
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+    elif depth < 4 and isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{where}[{k!r}]", depth + 1)
+    elif depth < 4 and isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{where}[{i}]", depth + 1)
+
+
+def batch_nonfinite(batch: Any, samples: list | None) -> dict | None:
+    """Where the failing step's batch itself holds NaN/Inf, before any op of the step ran:
+    ``{"size", "rows", "samples", "kinds", "where"}`` for its first floating tensor that does
+    (``rows`` along its first dimension, ``samples`` the loader's indices of those rows when it
+    says them and the first dimension is the batch's), or None. Run once, for the replayed step
+    (a sync on an accelerator, as the replay is anyway)."""
+    for where, t in _tensors(batch):
+        if not (t.is_floating_point() or t.is_complex()) or t.layout != torch.strided or t.numel() == 0:
+            continue
+        bad = ~torch.isfinite(t)
+        if not bool(bad.any()):
+            continue
+        kinds = (["nan"] if bool(torch.isnan(t).any()) else []) + (["inf"] if bool(torch.isinf(t).any()) else [])
+        if t.dim() == 0:
+            return {"size": None, "rows": [], "samples": [], "kinds": kinds, "where": where}
+        rows = bad.reshape(t.shape[0], -1).any(1).nonzero().flatten().tolist()
+        size = int(t.shape[0])
+        named = samples is not None and len(samples) == size
+        return {"size": size, "rows": rows, "samples": [samples[r] for r in rows] if named else [],
+                "kinds": kinds, "where": where}
+    return None
 
 
 def origin_from_dict(d: dict | None) -> Origin | None:

@@ -199,7 +199,7 @@ class ResumeLoop:
                             g._skipped_batch()
                             batch, it = self._next_batch(loader, it)
                         if g is not None:
-                            g._begin_step(self.state.step)
+                            g._begin_step(self.state.step, batch)
                         yield self.state.step, batch
                         if g is not None:
                             g._end_step(self.state.step)
