@@ -163,3 +163,43 @@ def test_a_crash_inside_torch_says_where_and_in_which_module(tmp_path, capsys, m
     assert main(["report", str(tmp_path / "run")]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "tab.py:12" in out and "Embedding(8, 4)" in out and "index 8 is out of range" in out, out
+
+
+SIGTERM_MID_TRAINING = textwrap.dedent("""
+    import os, signal, torch
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    for step in range(1000):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == 40:
+            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler preempts the job
+""")
+
+
+@pytest.mark.parametrize("command", [["monitor"], ["run", "--monitor"]])
+def test_a_preempted_monitored_script_keeps_its_diagnosis_and_says_how_it_ended(tmp_path, command):
+    # pytorch/examples reinforcement_learning/reinforce.py under `trainguard monitor`, stopped by
+    # `timeout` (SIGTERM): the monitor's process died at once, its findings were never written and
+    # the run said "running" forever.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(SIGTERM_MID_TRAINING)
+    out = subprocess.run([sys.executable, "-m", "trainguard", *command, "--every", "5", "--logdir",
+                          str(tmp_path / "run"), str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr
+    with open_run(tmp_path / "run") as run:
+        assert run.status == "exited" and run.meta["exit_code"] == 128 + signal.SIGTERM
+        findings = run.findings(source="monitor")
+        assert findings and all(f["kind"] != "healthy" for f in findings), findings
+    if command == ["monitor"]:  # `run --monitor` points at `trainguard report` instead
+        assert "finding" in out.stdout, out.stdout
