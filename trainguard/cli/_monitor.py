@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trainguard._errors import TrainguardError
 from trainguard.cli._children import ChildWatch
+from trainguard.cli._preempt import Preemption
 from trainguard.cli._render import err_console
 from trainguard.cli._spawned import Follow, Options, SpawnRefused, move_launcher_run
 
@@ -125,17 +126,22 @@ def monitor_script(
     follow = Follow(Options(logdir=str(Path(mon.logdir).absolute()), overwrite=overwrite, monitor=dict(
         every=every, histograms=True if histograms else None, thresholds=thresholds, gradcheck=gradcheck)))
     error = None
-    try:
-        with ChildWatch(rerun=["--monitor", "--logdir", str(mon.logdir), script, *args]) as children:
-            follow.start()
-            try:
-                code, error = run_script(script, args)
-            finally:
-                follow.stop()
-        if not follow.spawned:
-            children.store(mon.logdir)
-    finally:
-        mon.close(error=error)
+    # A preempted job's SIGTERM ends the script (exit code 143), not the process: the diagnosis
+    # is still made and stored, and the run says how it ended.
+    with Preemption() as preemption:
+        try:
+            with ChildWatch(rerun=["--monitor", "--logdir", str(mon.logdir), script, *args]) as children:
+                follow.start()
+                try:
+                    code, error = run_script(script, args)
+                finally:
+                    follow.stop()
+            if not follow.spawned:
+                children.store(mon.logdir)
+        finally:
+            preemption.closing()
+            mon.close(error=error)
+    code = preemption.code(code)
     findings = mon.findings if mon.findings is not None else []
     if follow.spawned and not children.backwards:
         from trainguard.analysis import diagnose

@@ -14,7 +14,6 @@ import argparse
 import importlib.util
 import os
 import runpy
-import signal
 import sys
 import time
 import traceback
@@ -23,6 +22,7 @@ from pathlib import Path
 from trainguard._errors import Diverged, NonFiniteError, TrainguardError
 from trainguard.cli import _launch
 from trainguard.cli._children import ChildWatch
+from trainguard.cli._preempt import Preemption
 from trainguard.cli._render import err_console
 from trainguard.cli._spawned import Follow, Options, SpawnRefused, ended_with_nonfinite, move_launcher_run
 from trainguard.store import MODES, default_name
@@ -133,10 +133,9 @@ def _cmd(args: argparse.Namespace) -> int:
     monitor = None
     old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
     # A preempted job gets SIGTERM: turn it into SystemExit so the run is closed properly.
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    preemption = Preemption().__enter__()
     code = 0
     error: BaseException | None = None  # what ended the script, stored in the run when it closes
-    late: list[int] = []  # a SIGTERM that came while the run was closing
     script_globals: list[dict] = []  # freed when this returns, after the run is closed
     if guard is not None:
         guard.install()
@@ -210,7 +209,7 @@ def _cmd(args: argparse.Namespace) -> int:
             ending["ended_at"] = getattr(error, "raised_at", None) or time.time()
             # Closing the run is not cut short: a SIGTERM now (torchrun's agent stopping the other
             # ranks of a failed job) waits until the run is closed; SIGKILL stays the agent's backstop.
-            signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
+            preemption.closing()
             if monitor is not None:
                 monitor.close(error=error)  # its diagnosis sees the crash
             ending["exit_code"] = code
@@ -226,9 +225,8 @@ def _cmd(args: argparse.Namespace) -> int:
         sys.argv = old_argv
         if old_path0 is not None and sys.path:
             sys.path[0] = old_path0
-        signal.signal(signal.SIGTERM, previous)
-    if late and not code:
-        code = 128 + signal.SIGTERM
+        preemption.__exit__()
+    code = preemption.code(code)
     if follow is not None and follow.spawned:
         return _spawned_ending(logdir, follow, recorder, own_training=children.backwards > 0, code=code)
     if note := children.note():
