@@ -198,8 +198,19 @@ def test_a_preempted_monitored_script_keeps_its_diagnosis_and_says_how_it_ended(
                          env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 128 + signal.SIGTERM, out.stderr
     with open_run(tmp_path / "run") as run:
-        assert run.status == "exited" and run.meta["exit_code"] == 128 + signal.SIGTERM
-        findings = run.findings(source="monitor")
-        assert findings and all(f["kind"] != "healthy" for f in findings), findings
+        assert run.status == "interrupted" and run.meta["exit_code"] == 128 + signal.SIGTERM
+        assert run.meta["signal"] == "SIGTERM" and run.meta["stopped_step"] == 41
+        findings = {f["kind"]: f for f in run.findings(source="monitor")}
+        # a preemption is no crash: the steps before it are judged, and the stop is said
+        assert "script_crashed" not in findings and "healthy" in findings, findings
+        stopped = findings["script_interrupted"]
+        assert stopped["severity"] == "info" and "SIGTERM" in stopped["title"] and "step 41" in stopped["title"]
     if command == ["monitor"]:  # `run --monitor` points at `trainguard report` instead
-        assert "finding" in out.stdout, out.stdout
+        assert "stopped by SIGTERM" in out.stdout, out.stdout
+
+
+def test_a_script_that_exits_143_itself_is_not_called_preempted():
+    from trainguard.capture._ending import ending
+
+    assert ending(SystemExit(143)) == {"status": "exited", "exit_code": 143}
+    assert ending(KeyboardInterrupt())["status"] == "interrupted"
