@@ -22,7 +22,7 @@ from trainguard.analysis import (  # noqa: F401
 from trainguard.analysis._causes import explain
 from trainguard.analysis._context import Context, fmt, median
 from trainguard.analysis._layer_rules import dead_series
-from trainguard.analysis._outcome import outcome_finding
+from trainguard.analysis._outcome import interruption_finding, outcome_finding
 from trainguard.analysis._rules import RULES
 from trainguard.analysis._thresholds import Thresholds
 from trainguard.store import Finding, sort_findings
@@ -108,6 +108,9 @@ def diagnose(
     crash = outcome_finding(getattr(run, "meta", None) or {})
     if crash is not None:  # a script that raised is never healthy
         findings.append(crash)
+    stopped = interruption_finding(getattr(run, "meta", None) or {})
+    if stopped is not None:
+        findings.append(stopped)
     if not any(f.is_problem for f in findings):
         findings.append(_verdict(ctx))
     return sort_findings(findings)

@@ -83,6 +83,21 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
                    evidence=evidence, suggestion=fix, source="run")
 
 
+def interruption_finding(meta: dict[str, Any]) -> Finding | None:
+    """A stop by a signal (a preemption, ``timeout``, ``kill``, Ctrl-C) as an info finding: the
+    steps before it are judged as they are, and the verdict may still call them healthy."""
+    if meta.get("status") != "interrupted" or not meta.get("signal"):
+        return None
+    step = meta.get("stopped_step")
+    at = f" at step {step}" if isinstance(step, int) else ""
+    how = "Ctrl-C" if meta["signal"] == "SIGINT" else "a preemption, `timeout` or `kill`"
+    return Finding(kind="script_interrupted", severity="info",
+                   title=f"The script was stopped by {meta['signal']}{at} ({how}): the findings cover the steps before it",
+                   evidence={k: meta[k] for k in ("signal", "stopped_step", "exit_code") if meta.get(k) is not None},
+                   suggestion="run it again to go on: a loop under `ckpt.resume(...)` (trainguard.CheckpointManager) "
+                   "saves on SIGTERM and continues from that step", source="run")
+
+
 def with_outcome(meta: dict[str, Any], findings: list[dict]) -> list[dict]:
     """``findings`` with the crash first and any "healthy" verdict taken out, when the script crashed."""
     crash = outcome_finding(meta)

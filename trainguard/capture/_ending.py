@@ -4,6 +4,7 @@ and the framework callbacks, read by :mod:`trainguard.analysis._outcome` (a cras
 from __future__ import annotations
 
 import linecache
+import signal
 import sys
 from typing import Any
 
@@ -14,13 +15,23 @@ def ending(error: BaseException | str | None, step: int | None = None) -> dict[s
     """The run's top-level metadata for how training ended: ``{}`` when it finished.
 
     A crash is ``{"status": "crashed", "error": "Type: message", "crash_step": step}`` (the step
-    clock's step when ``step`` is None); ``KeyboardInterrupt`` is ``{"status": "interrupted"}``;
-    ``sys.exit(n)`` with ``n != 0`` is ``{"status": "exited", "exit_code": n}``.
+    clock's step when ``step`` is None); ``sys.exit(n)`` with ``n != 0`` is ``{"status": "exited",
+    "exit_code": n}``. A stop by a signal, ``KeyboardInterrupt`` (Ctrl-C) or a ``SystemExit`` that
+    carries the ``signal`` it stands for (trainguard's commands on SIGTERM, the resumable loop's
+    ``Preempted``), is ``{"status": "interrupted", "signal": "SIGTERM", "stopped_step": step}``
+    (with its ``exit_code``): a preemption, not a fault of the training.
     """
     if error is None:
         return {}
-    if isinstance(error, KeyboardInterrupt):
-        return {"status": "interrupted"}
+    signum = signal.SIGINT if isinstance(error, KeyboardInterrupt) else getattr(error, "signal", None)
+    if isinstance(error, (KeyboardInterrupt, SystemExit)) and isinstance(signum, int):
+        from trainguard.capture._steps import current_step
+
+        out = {"status": "interrupted", "signal": signal.Signals(signum).name,
+               "stopped_step": int(step if step is not None else current_step())}
+        if isinstance(error, SystemExit) and isinstance(error.code, int):
+            out["exit_code"] = error.code
+        return out
     if isinstance(error, SystemExit):
         code = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
         return {"status": "exited", "exit_code": code} if code else {}

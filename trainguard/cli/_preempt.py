@@ -8,12 +8,25 @@ A preempted job (a scheduler, torchrun's agent stopping the other ranks of a fai
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 
 
+class Terminated(SystemExit):
+    """The script was stopped by SIGTERM: exit code 143; ``signal`` says which (as the resumable
+    loop's ``Preempted`` does), so that the run is told interrupted, not exited."""
+
+    signal = signal.SIGTERM
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 class Preemption:
-    """While the script runs, SIGTERM raises ``SystemExit(143)`` in it (so the command's own
+    """While the script runs, SIGTERM raises :class:`Terminated` (``SystemExit(143)``) in it (so the command's own
     ``finally`` closes the run); after :meth:`closing`, a SIGTERM is only noted in ``late`` and
     the closing goes on (SIGKILL stays the sender's backstop). Outside the main thread, where
     Python cannot install handlers, it does nothing."""
@@ -25,7 +38,7 @@ class Preemption:
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+            self._previous = signal.signal(signal.SIGTERM, _terminate)
             self._installed = True
         return self
 
