@@ -467,6 +467,9 @@ def test_a_loss_that_changes_sign_from_step_to_step_has_no_trend_judged(tmp_path
     f = next(f for f in fs if f.kind == "loss_changes_sign")
     assert f.severity == "info" and f.evidence["sign_changes"] == 11 and f.evidence["pairs"] == 29
     assert "monitor.step(" in f.suggestion
+    # the verdict does not quote a trend that is not judged ("loss 0.0948 -> 4.99" read as a rise)
+    healthy = next(f for f in fs if f.kind == "healthy")
+    assert "->" not in healthy.title and "trend is not judged" in healthy.title, healthy.title
 
 
 def test_a_loss_that_falls_through_zero_is_still_judged(tmp_path):
