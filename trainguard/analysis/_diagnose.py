@@ -112,11 +112,15 @@ def diagnose(
     if stopped is not None:
         findings.append(stopped)
     if not any(f.is_problem for f in findings):
-        findings.append(_verdict(ctx))
+        findings.append(_verdict(ctx, untrended=any(f.kind in UNTRENDED for f in findings)))
     return sort_findings(findings)
 
 
-def _verdict(ctx: Context) -> Finding:
+# Findings that say the loss's trend is not judged (a surrogate or a sum of separate objectives).
+UNTRENDED = ("loss_changes_sign", "losses_summed")
+
+
+def _verdict(ctx: Context, untrended: bool = False) -> Finding:
     n = len(ctx.loss)
     func_model = ctx.meta.get("torch_func_model")
     if not n and func_model:
@@ -190,7 +194,9 @@ def _verdict(ctx: Context) -> Finding:
     if dead:
         ev["max_dead_fraction"] = float(np.max(dead))
     title = "Training looks healthy"
-    if "loss_start" in ev:
+    if untrended:  # its start and end would read as a trend
+        title += f" over {n} steps (the loss's trend is not judged)"
+    elif "loss_start" in ev:
         title += f": loss {fmt(ev['loss_start'])} -> {fmt(ev['loss_end'])} over {n} steps"
     return Finding(
         kind="healthy",
