@@ -306,3 +306,42 @@ def test_complex_parameters_are_checked_in_complex128():
     assert "weights1" in [p.name for p in result.params]
     assert result.passed and result.bad_params == [] and result.suspicious_params == [], result.summary
     assert model.weights1.dtype == torch.cfloat and model(x).dtype == torch.float32  # the model is as it was
+
+
+class _DcganCritic(nn.Module):
+    """pytorch/examples dcgan/main.py's Discriminator (ndf 8, 3x64x64 images, weights_init's
+    N(0, 0.02) convolutions): four LeakyReLUs over 32k-262k activations each, many of them within
+    1e-6 of their kink at 0."""
+
+    def __init__(self, ndf=8):
+        super().__init__()
+        self.main = nn.Sequential(
+            nn.Conv2d(3, ndf, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(ndf, ndf * 2, 4, 2, 1, bias=False), nn.BatchNorm2d(ndf * 2), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(ndf * 2, ndf * 4, 4, 2, 1, bias=False), nn.BatchNorm2d(ndf * 4), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(ndf * 4, ndf * 8, 4, 2, 1, bias=False), nn.BatchNorm2d(ndf * 8), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(ndf * 8, 1, 4, 1, 0, bias=False), nn.Sigmoid())
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def forward(self, x):
+        return self.main(x).view(-1)
+
+
+def test_many_small_kinks_crossed_by_the_step_are_not_a_wrong_gradient():
+    # `trainguard doctor` on pytorch/examples' DCGAN discriminator: "wrong gradient for
+    # main.0.weight (largest relative difference 0.00287)", an error on built-in layers. Each step
+    # of the weight moves thousands of LeakyReLU inputs, and a larger step crosses more kinks:
+    # the difference grew with eps (6e-4 at 1e-6, 1e-2 at 1e-5) and vanished at 1e-7.
+    torch.manual_seed(0)
+    model = _DcganCritic()
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(32, 3, 64, 64, generator=g) * 2 - 1
+    y = (torch.arange(32) % 2).float()
+    res = doctor.gradient_check(model, (x, y), nn.BCELoss(), params=["main.0.weight", "main.2.weight"])
+    assert res.passed, [(p.name, p.max_rel, p.status) for p in res.params]
+    # a wrong gradient stays wrong at every step
+    scaled = doctor.gradient_check(CustomNet(scale=1.5), (torch.randn(8, 20), torch.randint(0, 10, (8,))),
+                                   nn.CrossEntropyLoss())
+    assert scaled.bad_params == ["fc2.weight"]
