@@ -46,9 +46,12 @@ BUG_BAND = 1e-3
 # input) are compared on an absolute scale, because at eps=1e-6 float64 round-off in the loss
 # alone is about 1e-10 * |loss|, i.e. up to 1e-5 relative on a 1e-5 gradient.
 FLOOR = 1e-7
-# Entries above this are measured again with larger steps (round-off shrinks as eps grows).
+# Entries above this are measured again with larger steps (round-off shrinks as eps grows) and
+# smaller ones (a step that moves thousands of ReLU-like inputs crosses some of their kinks, more
+# the larger it is: pytorch/examples' DCGAN discriminator differed by 4e-4..2e-1 at 1e-6 and 1e-5,
+# and agreed at 1e-7). The best is kept: a wrong gradient is wrong at every step.
 RETRY_ABOVE = PASS_BAND / 10
-RETRY_FACTORS = (10.0, 100.0)
+RETRY_FACTORS = (10.0, 100.0, 0.1, 0.01)
 EPS = 1e-6
 
 # Seconds one Function's check may take on the background thread.

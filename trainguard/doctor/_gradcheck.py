@@ -17,8 +17,9 @@ on their own as well. The relative difference ``|a - n| / max(|a|, |n|, floor)``
   gradients, or a real but small error; look at the parameter, re-run with another ``eps``.
 
 A check within 10x of the pass band's edge or beyond is re-measured with ``eps`` 10x and 100x
-larger and keeps its best value: round-off shrinks with a larger step and truncation error stays far below the bands,
-while a wrong gradient is wrong at every step. The model runs in float64 (parameters, buffers,
+larger and 10x and 100x smaller and keeps its best value: round-off shrinks with a larger step,
+the kinks a step crosses (LeakyReLU inputs near 0, thousands of them moved by one conv weight) and
+truncation error with a smaller one, while a wrong gradient is wrong at every step. The model runs in float64 (parameters, buffers,
 floating inputs and targets, and the default dtype) and is put back to its own dtypes afterwards.
 Each evaluation reseeds the RNG, so dropout draws the same mask every time. A cast to a narrower
 floating type inside the forward (johnma2006/mamba-minimal's ``self.D.float()``) is kept in
