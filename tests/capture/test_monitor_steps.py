@@ -549,6 +549,47 @@ def test_a_gans_summed_losses_are_not_judged_as_one_loss(tmp_path):
     assert not kinds & {"lr_too_high", "loss_not_decreasing", "loss_oscillating", "loss_spike"}, kinds
 
 
+def test_a_backward_given_a_scalar_gradient_counts_that_objective(tmp_path):
+    # caogang/wgan-gp gan_toy.py: the critic maximises D(real) with D_real.backward(mone) (mone =
+    # -1), minimises D(fake) with D_fake.backward(one), and adds a gradient penalty (backward()
+    # with no argument). The monitor took only the penalty as the loss, whose rise as the critic
+    # sharpens read "learning rate too high"; a backward(c) of a scalar minimises c * it.
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 2))
+    critic = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt_d = torch.optim.Adam(critic.parameters(), lr=1e-4, betas=(0.5, 0.9))
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-4, betas=(0.5, 0.9))
+    one, mone = torch.tensor(1.0), torch.tensor(-1.0)
+    seen = []
+    with trainguard.Monitor({"gen": gen, "critic": critic}, tmp_path / "r", every=5) as mon:
+        for _ in range(25):
+            real = torch.randn(64, 2) * 0.02 + 2.0
+            critic.zero_grad()
+            d_real = critic(real).mean()
+            d_real.backward(mone)
+            with torch.no_grad():
+                fake = gen(torch.randn(64, 2))
+            d_fake = critic(fake).mean()
+            d_fake.backward(one)
+            alpha = torch.rand(64, 1)
+            mid = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+            grads = torch.autograd.grad(critic(mid), mid, torch.ones(64, 1), create_graph=True)[0]
+            penalty = ((grads.norm(2, dim=1) - 1) ** 2).mean() * 0.1
+            penalty.backward()
+            opt_d.step()
+            seen.append(float(d_fake - d_real + penalty))
+            gen.zero_grad()
+            g = critic(gen(torch.randn(64, 2))).mean()
+            g.backward(mone)
+            opt_g.step()
+            seen[-1] -= float(g)
+    losses = [v for _, v in open_run(tmp_path / "r").scalars("loss")["loss"]]
+    # each step: the critic's cost (-D(real) + D(fake) + penalty) plus the generator's -D(G(z))
+    assert losses == pytest.approx(seen, abs=1e-5)
+    kinds = {f.kind for f in mon.findings}
+    assert "losses_summed" in kinds and "lr_too_high" not in kinds, kinds
+
+
 def test_accumulated_micro_batches_with_two_optimizers_are_one_loss(tmp_path):
     # Two optimizers over parameter groups after accumulated backward passes: one objective.
     model = mlp()
