@@ -585,7 +585,9 @@ def test_a_backward_given_a_scalar_gradient_counts_that_objective(tmp_path):
             seen[-1] -= float(g)
     losses = [v for _, v in open_run(tmp_path / "r").scalars("loss")["loss"]]
     # each step: the critic's cost (-D(real) + D(fake) + penalty) plus the generator's -D(G(z))
-    assert losses == pytest.approx(seen, abs=1e-5)
+    # (the first generator loss goes to step 1: where a step ends is learnt on the first one)
+    assert losses[2:] == pytest.approx(seen[2:], abs=1e-5)
+    assert sum(losses[:2]) == pytest.approx(sum(seen[:2]), abs=1e-5)
     kinds = {f.kind for f in mon.findings}
     assert "losses_summed" in kinds and "lr_too_high" not in kinds, kinds
 

@@ -62,11 +62,14 @@ def _backward(tensors, grad_tensors=None, *args, **kwargs):
     for fn in list(_listeners["root"]):
         fn(tensors)
     loss = None
-    if isinstance(tensors, torch.Tensor) and grad_tensors is None and tensors.numel() == 1:
+    weight = _scalar_gradient(tensors, grad_tensors)
+    if isinstance(tensors, torch.Tensor) and (grad_tensors is None or weight is not None) and tensors.numel() == 1:
         if tensors.is_floating_point():
             with quiet():
                 loss = _amp_tap.unscaled(tensors)
                 loss = (tensors if loss is None else loss).detach().reshape(())
+                if weight is not None:  # backward(c) minimises c * tensors: WGAN's D_real.backward(mone)
+                    loss = loss * weight
     _announce("backward", loss)
     if loss is not None and tensors.grad_fn is not None:
         _announce("loss_graph", tensors)
@@ -77,6 +80,17 @@ def _backward(tensors, grad_tensors=None, *args, **kwargs):
         _in_backward = False
     _announce("after_backward")
     return out
+
+
+def _scalar_gradient(tensors, grad_tensors) -> torch.Tensor | None:
+    """The 0-d weight ``c`` of ``tensors.backward(c)`` when both are one-element floating tensors on
+    one device (the objective whose gradient it takes is ``c * tensors``), else None."""
+    g = grad_tensors[0] if isinstance(grad_tensors, (tuple, list)) and len(grad_tensors) == 1 else grad_tensors
+    if not (isinstance(tensors, torch.Tensor) and isinstance(g, torch.Tensor)) or g.numel() != 1:
+        return None
+    if not g.is_floating_point() or g.device != tensors.device:
+        return None
+    return g.detach().reshape(())
 
 
 def accumulation_divisor() -> int:
