@@ -430,6 +430,28 @@ def test_lr_too_high_names_the_rate_the_run_diverged_with(tmp_path):
     assert f.evidence["lr"] == 1.0 and "from 1 to about" in f.suggestion, f.suggestion
 
 
+# lucidrains/vit-pytorch's ViT (README, tiny: 32x32 images, patch 8, dim 32, depth 2) trained with
+# AdamW at lr=5 behind a 10-step LinearLR warmup (start_factor 0.1) and a cosine decay, under
+# `trainguard monitor`: it diverged at step 1, when the warmup had the rate at 0.95. "lower the
+# learning rate from 0.95 to about 7e-05" named a rate the program never set; the optimizer's
+# lr is 5, the peak the schedule reached, and the same factor applies to it.
+VIT_WARMUP_LOSS = [
+    2.05, 4.081, 27.51, 63.792, 54.545, 99.458, 55.474, 191.399, 85.178, 65.286, 70.728, 191.213, 57.344, 68.203,
+    62.293, 195.8, 37.164, 50.716, 164.962, 108.41, 74.419, 61.106, 42.894, 28.508, 44.576, 78.007, 119.497,
+    112.012, 58.667, 56.58, 66.814, 21.064, 41.292, 7.425, 39.87, 55.414, 27.005, 35.27, 13.075, 25.064]
+VIT_WARMUP_LR = [0.5 + 0.45 * s for s in range(10)] + [
+    2.5 * (1 + math.cos(math.pi * s / 50)) for s in range(30)]
+
+
+def test_lr_too_high_under_a_warmup_names_the_schedules_peak_too(tmp_path):
+    fs = diagnose(write_run(tmp_path / "r", VIT_WARMUP_LOSS, lr=VIT_WARMUP_LR))
+    f = [f for f in fs if f.kind == "lr_too_high"][0]
+    assert f.evidence["lr"] == 0.95 and f.evidence["lr_peak"] == 5.0, f.evidence
+    new = f.evidence["suggested_lr"]
+    assert f"from 0.95 to about {new:g}" in f.suggestion, f.suggestion
+    assert "peak 5" in f.suggestion and "from 5 to about" in f.suggestion, f.suggestion
+
+
 # lucidrains/denoising-diffusion-pytorch's GaussianDiffusion with objective='pred_x0' and the linear
 # schedule (100 timesteps; tiny Unet, Adam 8e-4, clipped at 1): p_losses weighs each sample's MSE by
 # the SNR of its random timestep (loss_weight = snr, up to 1,000 at t=0 with min_snr_loss_weight off),

@@ -119,6 +119,25 @@ def _inf_into_an_embedding_row():
     return make
 
 
+def _inf_written_into_the_data():
+    # lucidrains/vector-quantize-pytorch examples/autoencoder.py's VQ autoencoder, trained on a
+    # synthetic image tensor one pixel of which was set to +inf after it was made (X[i, c, h, w]
+    # = inf): the DataLoader's collate selects samples (X[i]) and stacks them, and the conv's
+    # output reaches the loss. The write into the data, through the pixel's view, made the inf;
+    # the select that later reads the tensor only passes it on.
+    def make():
+        x = torch.rand(8, 1, 4, 4) * 2 - 1
+        conv = nn.Conv2d(1, 2, 3, padding=1)
+
+        def program():
+            data = x.clone()
+            data[5, 0, 1, 1] = INF  # WRITE_LINE
+            batch = torch.stack([data[i] for i in range(4, 8)])  # default_collate
+            conv(batch).abs().mean().backward()
+        return program
+    return make
+
+
 PROGRAMS = {
     # name: (make_program, what the run must hold: "harmful", "intended" or both)
     "exp_into_loss": (_exp_into_loss, {"harmful"}),
@@ -132,6 +151,7 @@ PROGRAMS = {
     "nt_xent_masked_diagonal": (_nt_xent_masked_diagonal, {"intended"}),
     "temperature_zero": (_temperature_zero, {"harmful"}),
     "inf_into_an_embedding_row": (_inf_into_an_embedding_row(), {"harmful"}),
+    "inf_written_into_the_data": (_inf_written_into_the_data(), {"harmful"}),
 }
 
 
@@ -198,3 +218,20 @@ def test_an_inf_written_into_a_row_of_a_parameter_is_harmful_at_the_write(tmp_pa
         first = run.first_harm()
         assert first["reason"] == "parameter" and first["op"] == "aten.fill_.Tensor", first
         assert run.user_frame(run.execution(first["seq"])["stack_id"])["lineno"] == row_line
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_an_inf_written_into_an_element_of_the_data_is_the_origin_not_the_select_that_reads_it(tmp_path):
+    import inspect
+
+    problems, _, py, nat = crosscheck(_inf_written_into_the_data(), tmp_path, "full_health")
+    assert problems == [], "\n".join(problems[:20])
+    lines, start = inspect.getsourcelines(_inf_written_into_the_data)
+    write_line = start + next(i for i, text in enumerate(lines) if "WRITE_LINE" in text)
+    for got in (py, nat):
+        run = got["run"]
+        first = run.first_harm()
+        assert first["reason"] == "loss", first
+        origin = run.execution(first["origin"])
+        assert origin["op"] != "aten.select.int", origin
+        assert run.user_frame(origin["stack_id"])["lineno"] == write_line, origin

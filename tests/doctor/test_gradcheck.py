@@ -57,6 +57,42 @@ def test_healthy_models_pass(batch, new_mlp):
         assert all(p.status == "ok" for p in r.params)
 
 
+class EMACodebookAE(nn.Module):
+    """lucidrains/vector-quantize-pytorch (vector_quantize_pytorch.py, EuclideanCodebook): a VQ
+    autoencoder whose codebook is a buffer updated in place by exponential moving averages in every
+    training forward (ema_inplace of cluster_size and embed_avg under no_grad, then embed.copy_),
+    quantised with the straight-through estimator. The decoder's gradient is exact; each forward
+    moves the codebook, so a finite difference taken after other forwards saw another codebook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(20, 6)
+        self.dec = nn.Linear(6, 10)
+        self.register_buffer("embed", torch.randn(8, 6))
+        self.register_buffer("embed_avg", self.embed.clone())
+        self.register_buffer("cluster_size", torch.ones(8))
+
+    def forward(self, x):
+        h = self.enc(x)
+        onehot = nn.functional.one_hot(torch.cdist(h, self.embed).argmin(-1), 8).to(h.dtype)
+        q = onehot @ self.embed
+        if self.training:
+            with torch.no_grad():
+                self.cluster_size.lerp_(onehot.sum(0), 0.2)
+                self.embed_avg.lerp_(onehot.t() @ h, 0.2)
+                self.embed.copy_(self.embed_avg / self.cluster_size.clamp(min=1e-5)[:, None])
+        return self.dec(h + (q - h).detach())
+
+
+def test_buffers_a_forward_updates_in_place_are_put_back_before_each_evaluation(batch):
+    net = EMACodebookAE()
+    embed = net.embed.clone()
+    r = doctor.gradient_check(net, batch, nn.CrossEntropyLoss(), params=["dec.weight", "dec.bias"])
+    assert r.passed and r.bad_params == [] and r.suspicious_params == [], r.summary
+    assert torch.equal(net.embed, embed)  # and the codebook is the caller's again
+
+
 def test_wrongly_scaled_weight_gradient_in_custom_backward_is_named(batch):
     r = doctor.gradient_check(CustomNet(scale=1.5), batch, nn.CrossEntropyLoss())
     assert not r.passed

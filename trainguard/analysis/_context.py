@@ -195,6 +195,13 @@ class Context:
         v = np.sort(s.values[np.isfinite(s.values)])
         return float(v[(len(v) - 1) // 2]) if len(v) else None
 
+    def lr_peak(self) -> float | None:
+        """The highest learning rate the first parameter group had: under a schedule (a warmup, a
+        decay), the optimizer's own ``lr`` as the program set it."""
+        s = self.lrs.get("lr/0")
+        v = s.values[np.isfinite(s.values)] if s is not None else ()
+        return float(v.max()) if len(v) else None
+
     def input_rms(self, layer: str | None = None) -> float:
         """RMS of the model's input (1 when unknown, e.g. token ids); with ``layer``, of the input of
         the model that layer belongs to (several models: ``name.<input>``)."""

@@ -574,6 +574,9 @@ def lr_too_high(ctx: Context) -> list[Finding]:
     if new is not None:
         ev["suggested_lr"] = new
         ev["lr"] = ctx.lr(at)
+        peak = ctx.lr_peak()
+        if peak is not None and peak != ev["lr"]:
+            ev["lr_peak"] = peak
     clip = clip_text(ctx, before_step=at)
     steps = (int(ctx.loss.steps[0]), int(ctx.loss.steps[-1])) if len(ctx.loss) else None
     return [

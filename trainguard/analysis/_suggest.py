@@ -16,6 +16,9 @@ LR_RANGE_TEST = (
 )
 # Healthy update-to-weight ratios sit around 1e-3 (Karpathy's rule of thumb); aim new rates there.
 TARGET_UPDATE_RATIO = 1e-3
+# A scheduled rate (a warmup's, a decay's) this far below the schedule's peak is not the number
+# the program set: the suggestion then scales the optimizer's lr, the peak, by the same factor.
+SCHEDULE_PEAK_GAP = 1.5
 
 
 def clip_norm(ctx: Context, before_step: int | None = None) -> float | None:
@@ -71,7 +74,12 @@ def lr_lower(ctx: Context, ratio: float | None, step: int | None = None) -> tupl
     if ratio is not None and math.isfinite(ratio) and ratio > 0:
         factor = min(0.1, TARGET_UPDATE_RATIO / ratio)
     new = sig(lr * factor, 1)
-    return new, f"lower the learning rate from {fmt(lr)} to about {fmt(new)}; {LR_RANGE_TEST}"
+    text = f"lower the learning rate from {fmt(lr)} to about {fmt(new)}"
+    peak = ctx.lr_peak()
+    if step is not None and peak is not None and peak > SCHEDULE_PEAK_GAP * lr:
+        text += (f" (the schedule's rate at step {step}, below its peak {fmt(peak)}): set the optimizer's lr "
+                 f"from {fmt(peak)} to about {fmt(sig(peak * factor, 1))}, and the schedule scales the rest")
+    return new, f"{text}; {LR_RANGE_TEST}"
 
 
 def lr_higher(ctx: Context, ratio: float | None) -> tuple[float | None, str]:

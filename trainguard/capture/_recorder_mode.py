@@ -334,6 +334,11 @@ class _DispatchMode(TorchDispatchMode):
                     _register(r, producers, v, seq, name, stack_id, None if info[9] else s)
             for o in inner or ():  # made inside the collective's kernel: it wrote them (see _inside_collective)
                 _register(r, producers, o, seq, name, stack_id, None)
+            if info[8] and health and immediate_only and first is not None and first._base is not None:
+                # Non-finite values written in place into a view (data[i, j] = inf): its base holds
+                # them now, and an op that reads the base later must find this op as their
+                # producer, not the one that made the base (the native core does the same).
+                _register(r, producers, first._base, seq, name, stack_id, None)
             if r.mode == "full_tensor" and not info[9]:  # a collective's values are not there yet
                 _save_payloads(r, seq, outs)
 

@@ -21,7 +21,8 @@ larger and 10x and 100x smaller and keeps its best value: round-off shrinks with
 the kinks a step crosses (LeakyReLU inputs near 0, thousands of them moved by one conv weight) and
 truncation error with a smaller one, while a wrong gradient is wrong at every step. The model runs in float64 (parameters, buffers,
 floating inputs and targets, and the default dtype) and is put back to its own dtypes afterwards.
-Each evaluation reseeds the RNG, so dropout draws the same mask every time. A cast to a narrower
+Each evaluation reseeds the RNG, so dropout draws the same mask every time, and puts the
+buffers back, so a forward that updates them in place (an EMA codebook) sees the same ones. A cast to a narrower
 floating type inside the forward (johnma2006/mamba-minimal's ``self.D.float()``) is kept in
 float64 while the check runs (:class:`_KeepFloat64`): float64 differences of a forward that ran
 partly in float32 see its round-off, and called the gradient of such a parameter wrong.
@@ -50,6 +51,7 @@ from trainguard.capture._gradcheck import (  # noqa: F401 - the bands are the do
 )
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
+    Buffers,
     DoctorInputError,
     as_float,
     check_loss_fn,
@@ -278,9 +280,13 @@ def gradient_check(
             _to_float64(loss_module)
 
             keep = _KeepFloat64()
+            # A forward that updates buffers in place (vector-quantize-pytorch's EMA codebook, in
+            # every training forward) would give each evaluation another function of the weights.
+            buffers = Buffers(model)
 
             def loss_at() -> torch.Tensor:
                 _seed(seed, device)  # dropout draws the same mask in every evaluation
+                buffers.restore()
                 if not keep.needed:
                     return as_float(loss_fn(model(inputs), targets))
                 keep.casts = 0

@@ -37,11 +37,7 @@ class _Snapshot:
             self.params.append(
                 (p, p.data, p.detach().clone(), p.requires_grad, grad, None if grad is None else grad.detach().clone())
             )
-        self.buffers = []
-        for m in model.modules():
-            self.buffers.append(
-                (m, dict(m._buffers), {k: (None if b is None else b.detach().clone()) for k, b in m._buffers.items()})
-            )
+        self.buffers = Buffers(model)
         self.optimizer = optimizer
         self.opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
         self.rng = _rng_state()
@@ -62,12 +58,7 @@ class _Snapshot:
                 else:
                     grad.copy_(saved_grad)
                     p.grad = grad
-            for m, objects, values in self.buffers:
-                m._buffers.clear()
-                m._buffers.update(objects)
-                for k, b in objects.items():
-                    if b is not None:
-                        b.copy_(values[k])
+            self.buffers.restore()
         for m, training in self.modes:
             m.training = training
         if self.optimizer is not None and self.opt_state is not None:
@@ -75,6 +66,26 @@ class _Snapshot:
         for g, state in zip(self.generators, self.gen_states):
             g.set_state(state)
         _set_rng_state(self.rng)
+
+
+class Buffers:
+    """Every module's buffers, the objects and their values: ``restore()`` puts both back (a
+    forward that updates a buffer in place, an EMA codebook, or registers a new one)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.saved = [
+            (m, dict(m._buffers), {k: (None if b is None else b.detach().clone()) for k, b in m._buffers.items()})
+            for m in model.modules()
+        ]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for m, objects, values in self.saved:
+                m._buffers.clear()
+                m._buffers.update(objects)
+                for k, b in objects.items():
+                    if b is not None:
+                        b.copy_(values[k])
 
 
 def _rng_state() -> dict[str, Any]:
