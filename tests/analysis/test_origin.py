@@ -357,6 +357,25 @@ def test_backward_sqrt_at_zero(tmp_path):
     assert "sqrt(x + 1e-12)" in o.suggestion
 
 
+def test_a_gradient_penalty_over_a_flat_critic_is_told_to_take_the_norm_with_an_epsilon(tmp_path):
+    # caogang/wgan-gp gan_toy.py's calc_gradient_penalty, `gradients.norm(2, dim=1)`, where the
+    # critic is flat (every ReLU dead): the norm of a zero gradient has a NaN gradient. The fix
+    # names the norm written with its epsilon, not a sqrt the code does not call.
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+    with torch.no_grad():
+        critic[0].bias.fill_(-100.0)
+
+    def f():
+        mid = torch.randn(8, 2).requires_grad_(True)
+        grads = torch.autograd.grad(critic(mid), mid, torch.ones(8, 1), create_graph=True)[0]
+        ((grads.norm(2, dim=1) - 1) ** 2).mean().backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.phase == "backward" and o.origin.forward_op["op"] == "aten.linalg_vector_norm"
+    assert "(x ** 2).sum(dim) + 1e-12" in o.suggestion, o.suggestion
+
+
 class _AdjointEuler(torch.autograd.Function):
     """The adjoint method of rtqichen/torchdiffeq (torchdiffeq/_impl/adjoint.py), cut down to one
     Euler step: the forward solves without a graph; the backward runs the vector field again under
