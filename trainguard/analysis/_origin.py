@@ -663,6 +663,9 @@ _SUGGESTIONS = {
     "x / n.clamp(min=1) (a mean over no elements is then 0), or skip the batch when n == 0; an epsilon added to "
     "a count of 0 divides by the epsilon instead",
     "sqrt": "add an epsilon inside the root, torch.sqrt(x + 1e-12), or clamp(min=0) a value that can dip below 0",
+    "norm": "the norm of a zero vector has no gradient (0/0): write it with an epsilon inside the root, "
+    "torch.sqrt((x ** 2).sum(dim) + 1e-12) for x.norm(2, dim=dim) (a WGAN-GP penalty over a critic that is flat at "
+    "some points), or mask the rows whose vector is all zeros",
     "pow_zero": "a negative power of 0 is inf: clamp the base first, x.clamp(min=1e-12) ** p, or set the infinities "
     "to 0 right after, as PyG's gcn_norm does for nodes of degree 0 "
     "(deg_inv_sqrt.masked_fill_(deg_inv_sqrt == float('inf'), 0)), or add self loops so that no degree is 0",
@@ -898,7 +901,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
         base = op_base(link.forward_op["op"])
         if base in ("norm", "linalg_vector_norm"):
-            base = "sqrt"
+            return _SUGGESTIONS["norm"]
         elif base in _STDS:
             return _SUGGESTIONS["std_grad"]
     if base in _LOGS:
