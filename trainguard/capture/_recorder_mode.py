@@ -349,14 +349,17 @@ class _DispatchMode(TorchDispatchMode):
                     seq, _clock.step, phase, name, cls,
                     into is not None or _writes_model_state(name, info[8], inputs, len(metas)),
                     in_taint, in_origin, health, inputs, fwd_seq, fields, summaries, (module_id, stack_id, fwd_op))
-                if into is not None and taint >= PENDING and first is not None and first._base is not None:
-                    # the parameter now holds what this op wrote: its readers find this op
-                    _register(r, producers, first._base, seq, name, stack_id, None)
                 if origin == seq:
                     if r.check:
                         r._note_origin(seq, args, outs)
                     if r.nonfinite_rows is not None:
                         r._note_rows(seq, outs)
+            if info[8] and (health or not immediate_only) and first is not None and first._base is not None:
+                # An in-place write of a non-finite value (or one not summarised yet) through a view:
+                # the base holds it now, and its readers must find this op, not the base's maker
+                # (``emb.weight[1] = inf``; ``x[5, 0, 2, 2] = inf`` in a data set a DataLoader reads
+                # later). A finite write leaves the rest of the base as it was. (recorder.cpp: the same)
+                _register(r, producers, first._base, seq, name, stack_id, None)
             stop = r.check and (taint == HARMFUL or (r.strict and health and taint != UNKNOWN))
             if r.writer is None and not taint:  # check_numerics without a run directory, finite
                 r.last_nr = _get_seq_nr()

@@ -55,6 +55,7 @@ struct OpInfo {
   bool alias;          // outputs hold the first input's values (ALIAS_OPS)
   int known = -1;      // how many leading outputs hold values, a workspace after them (WORKSPACE_OUTPUTS); -1 all
   bool view;           // its schema returns an alias of an input (a view, or an in-place op's self)
+  bool inplace = false;  // its schema writes its first argument (add_, copy_, an out= variant's ...)
   bool autocast_cpu, autocast_cuda;  // has an autocast kernel (a wrapper that calls the op again)
   // Its class for the taint rule (capture/_taint.py: DEFAULT 0, VIEW 1, COPY 2, ALLOC 3, RENORM 4,
   // READ 5, COLLECTIVE 6; -1 not known) and whether it overwrites its first input.

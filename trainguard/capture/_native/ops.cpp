@@ -53,6 +53,7 @@ OpInfo* make_op(const c10::OperatorName& on, const char* key) {
         const auto& rets = op->schema().returns();
         info->view = !rets.empty() && rets[0].alias_info() != nullptr && !rets[0].alias_info()->isWrite();
         const auto& args = op->schema().arguments();
+        info->inplace = !args.empty() && args[0].alias_info() != nullptr && args[0].alias_info()->isWrite();
         bool amp = base.rfind("aten::_amp_", 0) == 0;  // AMP's own checks (see capture/_local.written_args)
         for (size_t i = 0; rets.empty() && !amp && i < args.size(); ++i)
           if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) info->writes.push_back((int)i);
