@@ -767,3 +767,26 @@ def test_an_origin_inside_an_installed_package_names_the_package_line(tmp_path, 
     assert link.library["file"].endswith("fakegp/kernels.py") and link.library["line"] == 13, link.library
     assert link.library["code"] == "x1_ = x1.div(lengthscale)", link.library
     assert "fakegp/kernels.py:13" in o.summary, o.summary
+
+
+def test_an_inf_written_into_the_data_set_is_told_to_repair_the_data(tmp_path):
+    """pytorch/ignite's examples/mnist/mnist.py on a synthetic data set with one sample written
+    to +inf (``x[5, 3] = float("inf")``) before training: the origin is that write (a constant
+    the code wrote), and the fix told to keep a log-probability sentinel out of the loss or to
+    change a flow's base distribution. The value sat in the data set until a later step's batch
+    read it: the fix is about the data."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def f():
+        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        x[5, 3] = float("inf")
+        for xb, yb in torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.origin.step == 0 and o.chain[0].step == 2, o.summary
+    assert "support" not in o.suggestion and "torch.where" not in o.suggestion, o.suggestion
+    assert "sample" in o.suggestion and "doctor" in o.suggestion, o.suggestion
