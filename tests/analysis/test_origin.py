@@ -790,3 +790,25 @@ def test_an_inf_written_into_the_data_set_is_told_to_repair_the_data(tmp_path):
     assert o.origin.op == "aten.lift_fresh" and o.origin.step == 0 and o.chain[0].step == 2, o.summary
     assert "support" not in o.suggestion and "torch.where" not in o.suggestion, o.suggestion
     assert "sample" in o.suggestion and "doctor" in o.suggestion, o.suggestion
+
+
+def test_a_sample_converted_from_numpy_is_called_data_not_a_python_constant(tmp_path):
+    """skorch's NeuralNetClassifier on NumPy arrays (its README example) with X[100, 3] = np.inf:
+    skorch's Dataset hands out NumPy rows, which the DataLoader's collate turns into tensors
+    (lift_fresh of 20 values). The explanation called that row "a Python constant"."""
+    import numpy as np
+
+    X = np.random.default_rng(0).standard_normal((8, 20)).astype(np.float32)
+    X[5, 3] = np.inf
+    model = nn.Linear(20, 2)
+
+    def f():
+        loader = torch.utils.data.DataLoader([(X[i], i % 2) for i in range(8)], batch_size=4)
+        for xb, yb in loader:
+            nn.functional.cross_entropy(model(xb), yb).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.origin.outputs[0]["shape"] == [20], o.summary
+    assert "Python constant" not in o.origin.explanation, o.origin.explanation
+    assert "NumPy" in o.origin.explanation and "data" in o.origin.explanation, o.origin.explanation
+    assert "already held" in o.suggestion
