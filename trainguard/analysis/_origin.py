@@ -485,6 +485,10 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
                 "buffer, while its normalised output stayed finite; in eval mode the layer then maps every input "
                 "to its bias")
     if base in ("lift_fresh", "lift_fresh_copy"):
+        if any(_count(o.get("summary"), "size") > 1 for o in link.outputs):
+            # a row or batch: the data (a DataLoader's collate converting a NumPy row, torch.tensor(rows))
+            return (f"values from outside torch (a NumPy array or a Python list: the data) became a tensor here "
+                    f"holding {made}: no recorded op made them")
         return (f"a Python constant holding {made} became a tensor here (`x[...] = float('nan')`, "
                 "`torch.tensor(...)`): no recorded op made the value")
     if unseen:
