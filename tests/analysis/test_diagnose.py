@@ -1118,3 +1118,27 @@ def test_one_feature_on_a_huge_scale_is_told_to_normalise_per_feature(tmp_path):
     (f,) = [f for f in mon.findings if f.kind == "inputs_not_normalized"]
     assert not re.search(r"x = \(x [-+] [-0-9.e+]+\) / [0-9.e+]+", f.suggestion), f.suggestion  # one global scale
     assert "x_train.mean(0)" in f.suggestion and "x_train.std(0)" in f.suggestion, f.suggestion
+
+
+def test_parameters_in_no_optimizer_are_not_called_a_missing_zero_grad(tmp_path):
+    # pytorch/ignite's examples/mnist/mnist.py with the optimizer built over the head only
+    # (``SGD(model.fc2.parameters(), ...)``): create_supervised_trainer calls
+    # ``optimizer.zero_grad()`` every step, which clears the head's gradients and no others. The
+    # body's gradients pile up because it is in no optimizer; the ERROR said to call zero_grad(),
+    # which the loop does.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model[5].parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(256, 1, 8, 8)
+    y = x[:, 0, :3, 0].argmax(1)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for step in range(40):
+            xb, yb = x[step % 8 * 32:][:32], y[step % 8 * 32:][:32]
+            model.train()
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+    fs = mon.findings
+    assert "param_not_in_optimizer" in kinds(fs), [(f.kind, f.title) for f in fs]
+    assert "gradients_accumulating" not in kinds(fs), [(f.kind, f.title) for f in fs]

@@ -817,3 +817,48 @@ def test_an_origin_inside_an_installed_package_names_the_package_line(tmp_path, 
     assert link.library["file"].endswith("fakegp/kernels.py") and link.library["line"] == 13, link.library
     assert link.library["code"] == "x1_ = x1.div(lengthscale)", link.library
     assert "fakegp/kernels.py:13" in o.summary, o.summary
+
+
+def test_an_inf_written_into_the_data_set_is_told_to_repair_the_data(tmp_path):
+    """pytorch/ignite's examples/mnist/mnist.py on a synthetic data set with one sample written
+    to +inf (``x[5, 3] = float("inf")``) before training: the origin is that write (a constant
+    the code wrote), and the fix told to keep a log-probability sentinel out of the loss or to
+    change a flow's base distribution. The value sat in the data set until a later step's batch
+    read it: the fix is about the data."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def f():
+        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        x[5, 3] = float("inf")
+        for xb, yb in torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.origin.step == 0 and o.chain[0].step == 2, o.summary
+    assert "support" not in o.suggestion and "torch.where" not in o.suggestion, o.suggestion
+    assert "sample" in o.suggestion and "doctor" in o.suggestion, o.suggestion
+
+
+def test_a_sample_converted_from_numpy_is_called_data_not_a_python_constant(tmp_path):
+    """skorch's NeuralNetClassifier on NumPy arrays (its README example) with X[100, 3] = np.inf:
+    skorch's Dataset hands out NumPy rows, which the DataLoader's collate turns into tensors
+    (lift_fresh of 20 values). The explanation called that row "a Python constant"."""
+    import numpy as np
+
+    X = np.random.default_rng(0).standard_normal((8, 20)).astype(np.float32)
+    X[5, 3] = np.inf
+    model = nn.Linear(20, 2)
+
+    def f():
+        loader = torch.utils.data.DataLoader([(X[i], i % 2) for i in range(8)], batch_size=4)
+        for xb, yb in loader:
+            nn.functional.cross_entropy(model(xb), yb).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.origin.outputs[0]["shape"] == [20], o.summary
+    assert "Python constant" not in o.origin.explanation, o.origin.explanation
+    assert "NumPy" in o.origin.explanation and "data" in o.origin.explanation, o.origin.explanation
+    assert "already held" in o.suggestion

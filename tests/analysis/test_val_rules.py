@@ -163,3 +163,40 @@ def test_the_explanation_table_has_no_cycle():
 
     for cause in EXPLAINS:
         reach(cause, {cause})
+
+
+def test_a_nan_validation_loss_is_a_finding_not_a_healthy_verdict(tmp_path):
+    # skorch's README example (NeuralNetClassifier: a softmax module, NLLLoss on log(p + eps),
+    # a validation pass under no_grad in eval mode after each epoch) with one sample of the
+    # validation split holding +inf: training was fine, every validation loss NaN, and the
+    # verdict said "Training looks healthy".
+    import torch
+    from torch import nn
+
+    import trainguard as tg
+
+    torch.manual_seed(0)
+    x = torch.randn(320, 20)
+    y = (x[:, :10].sum(1) > 0).long()
+    x[300, 3] = math.inf  # the corrupt sample, in the validation split
+    train, valid = (x[:256], y[:256]), (x[256:], y[256:])
+    model = nn.Sequential(nn.Linear(20, 10), nn.ReLU(), nn.Linear(10, 2), nn.Softmax(dim=-1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eps = torch.finfo(torch.float32).eps
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _epoch in range(4):
+            model.train()
+            for i in range(0, 256, 32):
+                loss = nn.functional.nll_loss(torch.log(model(train[0][i:i + 32]) + eps), train[1][i:i + 32])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            model.eval()
+            with torch.no_grad():
+                for i in range(0, 64, 32):
+                    nn.functional.nll_loss(torch.log(model(valid[0][i:i + 32]) + eps), valid[1][i:i + 32])
+    fs = mon.findings
+    assert "healthy" not in [f.kind for f in fs], [(f.kind, f.title) for f in fs]
+    f = next((f for f in fs if f.kind == "nonfinite_val_loss"), None)
+    assert f is not None and f.is_problem, [(f.kind, f.title) for f in fs]
+    assert f.evidence["first_step"] == 8 and f.evidence["nonfinite_evaluations"] == f.evidence["evaluations"] == 4

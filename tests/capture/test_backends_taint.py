@@ -138,6 +138,28 @@ def _inf_written_into_the_data():
     return make
 
 
+
+def _inf_written_into_a_sample():
+    # pytorch/ignite's examples/mnist/mnist.py (create_supervised_trainer over a DataLoader) with a
+    # synthetic data set, one sample of which is overwritten with +inf before training: a write
+    # through a view (``x[5, 0, 2, 2] = inf`` is select, select, select, copy_), which the
+    # DataLoader hands out two batches later. The write is the origin, not the DataLoader's select.
+    def make():
+        model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3), nn.LogSoftmax(-1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def program():
+            x = torch.randn(8, 1, 6, 6)
+            y = torch.randint(0, 3, (8,))
+            x[5, 0, 2, 2] = INF  # SAMPLE_LINE
+            loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+            for xb, yb in loader:
+                opt.zero_grad()
+                nn.functional.nll_loss(model(xb), yb).backward()
+                opt.step()
+        return program
+    return make
+
 PROGRAMS = {
     # name: (make_program, what the run must hold: "harmful", "intended" or both)
     "exp_into_loss": (_exp_into_loss, {"harmful"}),
@@ -152,6 +174,7 @@ PROGRAMS = {
     "temperature_zero": (_temperature_zero, {"harmful"}),
     "inf_into_an_embedding_row": (_inf_into_an_embedding_row(), {"harmful"}),
     "inf_written_into_the_data": (_inf_written_into_the_data(), {"harmful"}),
+    "inf_written_into_a_sample": (_inf_written_into_a_sample(), {"harmful"}),
 }
 
 
@@ -235,3 +258,18 @@ def test_an_inf_written_into_an_element_of_the_data_is_the_origin_not_the_select
         origin = run.execution(first["origin"])
         assert origin["op"] != "aten.select.int", origin
         assert run.user_frame(origin["stack_id"])["lineno"] == write_line, origin
+def test_an_inf_written_into_a_sample_of_the_data_is_the_origin(tmp_path):
+    import inspect
+
+    from trainguard.analysis import origin
+
+    problems, _, py, nat = crosscheck(_inf_written_into_a_sample(), tmp_path, "full_health")
+    assert problems == [], "\n".join(problems[:20])
+    lines, start = inspect.getsourcelines(_inf_written_into_a_sample)
+    sample_line = start + next(i for i, text in enumerate(lines) if "SAMPLE_LINE" in text)
+    for got in (py, nat):
+        o = origin(got["run"])
+        assert o is not None and o.chain[0].step == 2, o  # the batch that holds sample 5
+        assert o.origin.op != "aten.select.int", o.summary  # the DataLoader reading the sample
+        assert o.origin.line == sample_line, o.summary
+        assert "overflowing" not in o.suggestion, o.suggestion  # no learning rate made it

@@ -311,3 +311,30 @@ def test_a_loss_that_draws_random_numbers_is_not_called_a_learning_rate_too_high
     f = next(f for f in r.findings() if f.kind == "overfit_random")
     assert f.severity == "warning" and "learning rate" not in f.title, f.title
     assert r.verdict == "warn"
+
+
+class _FunctionalDropoutNet(nn.Module):
+    # pytorch/ignite's examples/mnist/mnist.py Net (and pytorch/examples' mnist): a dropout called
+    # as ``F.dropout(x, training=self.training)`` in forward, which no module switch turns off.
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        x = nn.functional.relu(self.fc1(x))
+        x = nn.functional.dropout(x, training=self.training)
+        return nn.functional.log_softmax(self.fc2(x), dim=-1)
+
+
+def test_a_functional_dropout_is_named_as_the_draws_not_a_diffusion_model():
+    # `trainguard doctor` on ignite's mnist example: the test switches nn.Dropout modules off, not
+    # F.dropout; the loss of the batch jumped and the finding spoke of a diffusion model's
+    # timesteps and a VAE's sample.
+    torch.manual_seed(0)
+    batch = (torch.randn(16, 16), torch.randint(0, 4, (16,)))
+    r = doctor.overfit_one_batch(_FunctionalDropoutNet(), batch, nn.NLLLoss(), steps=30)
+    assert r.reason == "random", (r.reason, r.summary)
+    f = next(f for f in r.findings() if f.kind == "overfit_random")
+    assert "diffusion" not in f.suggestion, f.suggestion
+    assert "F.dropout" in f.suggestion and "nn.Dropout" in f.suggestion, f.suggestion

@@ -67,6 +67,7 @@ MONITOR_RULES = (
     "cross_entropy_one_class",
     # custom autograd Functions checked live (analysis/_function_rules.py)
     "custom_gradient_wrong",
+    "nonfinite_val_loss",
     "overfitting",
     "labels_unrelated",
     "train_val_leakage",

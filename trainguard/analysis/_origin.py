@@ -485,6 +485,10 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
                 "buffer, while its normalised output stayed finite; in eval mode the layer then maps every input "
                 "to its bias")
     if base in ("lift_fresh", "lift_fresh_copy"):
+        if any(_count(o.get("summary"), "size") > 1 for o in link.outputs):
+            # a row or batch: the data (a DataLoader's collate converting a NumPy row, torch.tensor(rows))
+            return (f"values from outside torch (a NumPy array or a Python list: the data) became a tensor here "
+                    f"holding {made}: no recorded op made them")
         return (f"a Python constant holding {made} became a tensor here (`x[...] = float('nan')`, "
                 "`torch.tensor(...)`): no recorded op made the value")
     if unseen:
@@ -697,6 +701,10 @@ _SUGGESTIONS = {
     "as a uniform base distribution's log_prob does; a sentinel): keep it out of the loss, e.g. "
     "torch.where(torch.isfinite(log_p), log_p, 0) or a loss over the finite rows only, or use a distribution whose "
     "support covers the data (a Gaussian base for a flow)",
+    "written": "the code wrote this value into a tensor that a later step read (a sample of the data set, "
+    "`x[i, j] = float('inf')`, or state kept across steps): repair or drop that sample before training, e.g. "
+    "torch.nan_to_num(x, posinf=..., neginf=...) or keep the rows where torch.isfinite(x).all(dim=1); "
+    "`trainguard doctor` validates a data set",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
     "and the previous step",
     "received": "this rank only received the value from another rank: see the report of the rank that made it "
@@ -878,12 +886,13 @@ def _integer_denominator(link: Link) -> bool:
 
 
 def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None,
-            log_of: str | None = None) -> str:
+            log_of: str | None = None, held: bool = False) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
     ``consumers``: the ops the value went through after ``link``, nearest first; ``log_of``: what a
-    log's input is (:func:`log_of_sigmoid`)."""
+    log's input is (:func:`log_of_sigmoid`); ``held``: the value became harmful in a later step than
+    it was made (it sat in a tensor meanwhile)."""
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
@@ -936,8 +945,9 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["std"]
     if (base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward"
             and all(_count(o.get("summary"), "size") == 1 for o in link.outputs)):
-        # one value: a constant the code wrote (``-np.inf``), not a batch read from the data
-        return _SUGGESTIONS["constant"]
+        # one value: a constant the code wrote (``-np.inf``), not a batch read from the data; kept
+        # in a tensor until a later step read it, it was written into the data (``x[5, 3] = inf``)
+        return _SUGGESTIONS["written" if held else "constant"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
     if (all("inf" not in h for h in link.health)
@@ -1017,5 +1027,6 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     first_forward = not run.meta.get("guard_replay")  # a replay's step 0 is a trained step N
     fed = fed_back(run, o) if first_forward and o.step == 0 else None
     consumers = [link.op for link in reversed(chain[:-1])]
-    suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o))
+    held = h.step is not None and o.step is not None and h.step > o.step
+    suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held)
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm)

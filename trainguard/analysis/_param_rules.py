@@ -392,6 +392,11 @@ def gradients_accumulating(ctx: Context) -> list[Finding]:
         return []
     per_step: dict[int, list[float]] = {}
     for p in ctx.params:
+        flag = ctx.stat(p, "gradient", "in_optimizer")
+        if len(flag) and np.all(flag.values == 0):
+            # In no optimizer: optimizer.zero_grad() never clears it, so its gradient piles up
+            # however often the loop zeroes (param_not_in_optimizer names it).
+            continue
         s = ctx.stat(p, "gradient", "stale")
         for step, v in zip(s.steps.tolist(), s.values.tolist()):
             per_step.setdefault(step, []).append(v)

@@ -1,4 +1,5 @@
-"""Rules over the validation pass: overfitting, labels unrelated to the inputs, train/val leakage.
+"""Rules over the validation pass: a non-finite validation loss, overfitting, labels unrelated to
+the inputs, train/val leakage.
 
 They read the per-step scalars ``val_loss`` / ``val_accuracy`` and the ``validation`` summary the
 monitor stores (:mod:`trainguard.capture._monitor_eval`, :mod:`trainguard.capture._monitor_leak`);
@@ -14,6 +15,7 @@ import numpy as np
 from trainguard.analysis._context import Context, Series, fmt
 from trainguard.analysis._loss_rules import finite_loss
 from trainguard.analysis._rules import register_rule
+from trainguard.analysis._suggest import origin_of, where
 from trainguard.store import Finding
 
 SOURCE = "monitor"
@@ -34,6 +36,46 @@ def _train_at(train: Series, val: Series) -> np.ndarray:
         out.append(float(np.median(window)) if len(window) else math.nan)
         prev = s
     return np.array(out)
+
+
+@register_rule("nonfinite_val_loss")
+def nonfinite_val_loss(ctx: Context) -> list[Finding]:
+    """The validation loss is NaN/Inf while the training loss is finite: a bad sample in the
+    validation data, or an op that fails in eval mode. Model selection and early stopping on it
+    are then meaningless."""
+    val = Series.of(ctx.run.scalars("val_loss").get("val_loss"))
+    bad = ~np.isfinite(val.values)
+    if not bad.any():
+        return []
+    step = int(val.steps[bad][0])
+    train_bad = ctx.loss.steps[~np.isfinite(ctx.loss.values)]
+    if len(train_bad) and int(train_bad[0]) <= step:
+        return []  # the training loss went first: nonfinite_loss reports it
+    value = float(val.values[bad][0])
+    ev: dict = {"first_step": step, "value": value, "nonfinite_evaluations": int(bad.sum()),
+                "evaluations": len(val)}
+    origin = origin_of(ctx.run, since_step=step)
+    if origin:
+        ev["origin"] = origin
+        fix = (f"the first harmful NaN/Inf of the validation pass came from {where(origin)}: "
+               f"{origin.get('fix') or 'guard that op against 0 and overflow'}")
+    else:
+        fix = ("the validation data holds NaN/Inf, or an op makes it in eval mode: check the validation inputs "
+               "(`trainguard doctor` validates data), or record the run (`trainguard run --monitor script.py`) "
+               "to find the op and line")
+    return [
+        Finding(
+            kind="nonfinite_val_loss",
+            severity="error",
+            title=f"Validation loss is {fmt(value)} from step {step} ({int(bad.sum())} of {len(val)} evaluations), "
+            "the training loss finite" + (f" ({where(origin)})" if origin else ""),
+            evidence=ev,
+            suggestion=fix,
+            steps=(step, int(val.steps[bad][-1])),
+            layers=[origin["module"]] if origin and origin.get("module") else [],
+            source=SOURCE,
+        )
+    ]
 
 
 @register_rule("overfitting")

@@ -334,11 +334,6 @@ class _DispatchMode(TorchDispatchMode):
                     _register(r, producers, v, seq, name, stack_id, None if info[9] else s)
             for o in inner or ():  # made inside the collective's kernel: it wrote them (see _inside_collective)
                 _register(r, producers, o, seq, name, stack_id, None)
-            if info[8] and health and immediate_only and first is not None and first._base is not None:
-                # Non-finite values written in place into a view (data[i, j] = inf): its base holds
-                # them now, and an op that reads the base later must find this op as their
-                # producer, not the one that made the base (the native core does the same).
-                _register(r, producers, first._base, seq, name, stack_id, None)
             if r.mode == "full_tensor" and not info[9]:  # a collective's values are not there yet
                 _save_payloads(r, seq, outs)
 
@@ -354,14 +349,17 @@ class _DispatchMode(TorchDispatchMode):
                     seq, _clock.step, phase, name, cls,
                     into is not None or _writes_model_state(name, info[8], inputs, len(metas)),
                     in_taint, in_origin, health, inputs, fwd_seq, fields, summaries, (module_id, stack_id, fwd_op))
-                if into is not None and taint >= PENDING and first is not None and first._base is not None:
-                    # the parameter now holds what this op wrote: its readers find this op
-                    _register(r, producers, first._base, seq, name, stack_id, None)
                 if origin == seq:
                     if r.check:
                         r._note_origin(seq, args, outs)
                     if r.nonfinite_rows is not None:
                         r._note_rows(seq, outs)
+            if info[8] and (health or not immediate_only) and first is not None and first._base is not None:
+                # An in-place write of a non-finite value (or one not summarised yet) through a view:
+                # the base holds it now, and its readers must find this op, not the base's maker
+                # (``emb.weight[1] = inf``; ``x[5, 0, 2, 2] = inf`` in a data set a DataLoader reads
+                # later). A finite write leaves the rest of the base as it was. (recorder.cpp: the same)
+                _register(r, producers, first._base, seq, name, stack_id, None)
             stop = r.check and (taint == HARMFUL or (r.strict and health and taint != UNKNOWN))
             if r.writer is None and not taint:  # check_numerics without a run directory, finite
                 r.last_nr = _get_seq_nr()

@@ -114,6 +114,7 @@ class OverfitResult(CheckResult):
     grad_norm_last: float | None = None
     loss_floor: float = 0.0  # the least the loss can be on these targets (see _loss_floor)
     redrawn: tuple[float, float] | None = None  # the least and most loss of the same batch and weights, when they differed
+    train_only: bool = False  # the redrawn loss is fixed in eval mode: a dropout no module switch turns off
 
     @property
     def summary(self) -> str:
@@ -124,7 +125,7 @@ class OverfitResult(CheckResult):
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "reason", "losses", "initial_loss", "final_loss", "target_loss", "accuracy", "steps", "samples", "lr",
-            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn")}
+            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn", "train_only")}
 
     def _detail(self) -> Table:
         t = Table(show_header=False, box=None, padding=(0, 2))
@@ -171,10 +172,15 @@ class OverfitResult(CheckResult):
             "random": ("Overfit one batch: the loss is random for a fixed batch and weights ("
                        + (f"from {self.redrawn[0]:.6g} to {self.redrawn[1]:.6g}" if self.redrawn else "it varies")
                        + " over 3 calls on the same inputs): its jumps are its own draws, and it cannot settle near zero",
-                       "The model or loss draws random numbers on each call (a diffusion model's timesteps and "
-                       "noise, a VAE's sample, random masking), so one batch has no fixed loss to drive to zero. "
-                       "To run this test, fix the draws: seed a torch.Generator inside the call, or pass the "
-                       "timesteps and noise in; then a loss that still jumps is the learning rate's."),
+                       ("The draws stop in eval mode: a dropout this test cannot switch off, such as "
+                        "`F.dropout(x, training=self.training)` in forward (pytorch/examples' and ignite's MNIST "
+                        "nets). Use an nn.Dropout module instead, which the test switches off (and which does "
+                        "the same in training); then a loss that still jumps is the learning rate's."
+                        if self.train_only else
+                        "The model or loss draws random numbers on each call (a diffusion model's timesteps and "
+                        "noise, a VAE's sample, random masking), so one batch has no fixed loss to drive to zero. "
+                        "To run this test, fix the draws: seed a torch.Generator inside the call, or pass the "
+                        "timesteps and noise in; then a loss that still jumps is the learning rate's.")),
             "floor": (f"Overfit one batch: the loss is stuck at a floor of {fmt(self.final_loss)}"
                       + (f" (the least this loss can be on these targets is {fmt(self.loss_floor)})"
                          if self.loss_floor else ""),
@@ -292,9 +298,18 @@ def overfit_one_batch(
         used_lr = float(opt.param_groups[0]["lr"]) if "lr" in opt.param_groups[0] else None
         with torch.no_grad():  # the same batch and weights again: a loss that draws differs
             evals = [float(as_float(loss_fn(model(inputs), targets))) for _ in range(RANDOM_EVALS)]
-        lo, hi = min(evals), max(evals)
-        redrawn = (lo, hi) if (
-            all(math.isfinite(v) for v in evals) and hi - lo > RANDOM_REL * max(abs(lo), abs(hi))) else None
+        redrawn = _spread(evals)
+        train_only = False
+        if redrawn is not None:  # the same in eval mode? then a dropout no module switch reached draws
+            model.eval()
+            with torch.no_grad():
+                train_only = _spread([float(as_float(loss_fn(model(inputs), targets)))
+                                      for _ in range(RANDOM_EVALS)]) is None
+            model.train()
+            if disable_dropout:
+                for m in model.modules():
+                    if isinstance(m, nn.modules.dropout._DropoutNd):
+                        m.eval()
         for _, p in named:
             p.grad = None
         reached = [torch.zeros((), dtype=torch.bool, device=p.device) for _, p in named]
@@ -353,7 +368,17 @@ def overfit_one_batch(
         accuracy=accuracy, steps=len(losses), samples=samples, lr=used_lr, optimizer=type(opt).__name__,
         unreached=[n for n, _ in named] if no_path else unreached, nan_step=nan_step,
         grad_norm_first=first_norm, grad_norm_last=last_norm, loss_floor=floor, redrawn=redrawn,
+        train_only=train_only and reason == "random",
     )
+
+
+def _spread(values: list[float]) -> tuple[float, float] | None:
+    """(least, most) of finite losses of the same batch and weights that differ by more than
+    RANDOM_REL; None when they agree (or one is not finite)."""
+    lo, hi = min(values), max(values)
+    if all(math.isfinite(v) for v in values) and hi - lo > RANDOM_REL * max(abs(lo), abs(hi)):
+        return (lo, hi)
+    return None
 
 
 def _loss_floor(outputs: Any, targets: Any, loss_fn: Any) -> float:

@@ -548,11 +548,11 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     register_output(c, outs[i], seq, r.stack, metas[i].summary == 1 && !op->collective ? &metas[i].s : nullptr,
                     view_of, r.health, maybe);
   for (auto& o : ctx->inner) register_output(c, o, seq, r.stack, nullptr, -1, r.health, maybe);
-  // Non-finite values written in place into a view (data[i, j] = inf): its base holds them now,
-  // and an op that reads the base later must find this op as their producer, not the one that
-  // made the base (the dispatch mode does the same: capture/_recorder_mode.py).
-  if (op->inplace && r.health > 0 && !outs.empty() && outs[0].is_view())
-    register_output(c, at::Tensor(outs[0]._base()), seq, r.stack, nullptr, -1, r.health, true);
+  // An in-place write of a non-finite value (or one not summarised yet) through a view: the base
+  // holds it now, and its readers must find this op, not the base's maker (``x[5, 0, 2, 2] = inf``
+  // in a data set a DataLoader reads later). A finite write leaves the rest of the base as it was.
+  if (op->inplace && r.health != 0 && !outs.empty() && outs[0].defined() && outs[0].is_view())
+    register_output(c, at::Tensor(outs[0]._base()), seq, r.stack, nullptr, -1, r.health, maybe);
   for (auto& p : r.payloads) c->payload_bytes += p.nbytes();
   c->records.push_back(std::move(r));
   c->recorded++;
