@@ -654,6 +654,9 @@ _SUGGESTIONS = {
     "scores with a large finite negative, torch.finfo(scores.dtype).min, instead of -inf",
     "log": "clamp the input before the log, e.g. torch.log(p.clamp(min=1e-6)); for a softmax followed by log, "
     "use torch.log_softmax or F.cross_entropy, which never take the log of 0",
+    "logsigmoid": "log(sigmoid(x)) is torch.nn.functional.logsigmoid, F.logsigmoid(x), which never takes the log "
+    "of 0 (log(1 - sigmoid(x)) is F.logsigmoid(-x)); a clamp would bound the loss and cut the gradient of the "
+    "values that need it most",
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
     "div_count": "the denominator is a count that was 0 (nothing matched): divide by it clamped to at least 1, "
     "x / n.clamp(min=1) (a mean over no elements is then 0), or skip the batch when n == 0; an epsilon added to "
@@ -867,7 +870,9 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         elif base in _STDS:
             return _SUGGESTIONS["std_grad"]
     if base in _LOGS:
-        return _SUGGESTIONS["log"]
+        of_sigmoid = link.phase != "backward" and link.inputs and op_base(
+            link.inputs[0].get("producer_op") or "") in ("sigmoid", "sigmoid_")
+        return _SUGGESTIONS["logsigmoid" if of_sigmoid else "log"]
     if link.phase != "backward" and _power_of_zero(link):
         return _SUGGESTIONS["pow_zero"]
     if base in _DIVS:
