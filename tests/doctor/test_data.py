@@ -374,3 +374,16 @@ def test_a_list_of_batches_with_a_dict_or_tuple_of_inputs_is_read():
         r = doctor.validate_data(data)
         assert r.splits["train"]["samples"] == 64
         assert r.by_kind("data_nonfinite")[0].evidence["examples"] == [37]
+
+
+def test_a_non_finite_target_is_no_feature_leak():
+    # The same preference batches (huggingface/trl trl/trainer/reward_trainer.py): token ids that say
+    # nothing of the margin. With one margin inf, the correlation of every feature with the target
+    # was NaN, and validate_data warned "input feature 0 alone has correlation +nan with the target".
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 29, (64, 2, 7), generator=g)
+    margin = torch.rand(64, generator=g)
+    margin[37] = float("inf")
+    r = doctor.validate_data([(ids[i:i + 8], margin[i:i + 8]) for i in range(0, 64, 8)])
+    assert r.by_kind("data_nonfinite")[0].evidence["examples"] == [37]
+    assert not r.by_kind("feature_leak"), r.by_kind("feature_leak")
