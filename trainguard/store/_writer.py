@@ -251,8 +251,7 @@ class RunWriter(BufferWindow, SegmentFiles):
         self._put(("stack", stack_id, frames), must_keep=True)
 
     def put_module(self, module_id: int, path: str, type_name: str) -> None:
-        self._put(("sql", "INSERT OR REPLACE INTO modules(id, path, type) VALUES (?, ?, ?)",
-                   [(module_id, path, type_name)]), must_keep=True)
+        self._put(("module", module_id, path, type_name), must_keep=True)
 
     def configure(self, *, mode: str | None = None, buffer: int | None = None) -> None:
         """Change the summary mode or the circular buffer (before executions arrive)."""
