@@ -712,6 +712,28 @@ def test_log_of_one_plus_exp_is_told_to_use_softplus(tmp_path, spelling):
     assert "torch.nn.functional.softplus" in o.suggestion, o.suggestion
 
 
+def _preference_loss(beta=50.0):
+    # huggingface/trl trl/trainer/dpo_trainer.py's sigmoid loss, -F.logsigmoid(beta * delta), written
+    # as -log(sigmoid(beta * delta)): a swapped pair whose margin the policy already pushed the
+    # other way (beta * delta = -3,000) has a sigmoid of exactly 0 in float32, and its log is -inf.
+    delta = torch.tensor([2.0, 1.5, -60.0, 0.5], requires_grad=True)
+    loss = -torch.log(torch.sigmoid(beta * delta)).mean()
+    loss.backward()
+
+
+def test_log_of_a_sigmoid_is_told_to_use_logsigmoid(tmp_path):
+    # The fix said to clamp the input or use log_softmax; F.logsigmoid computes the same exactly,
+    # where a clamp bounds the loss and zeroes the gradient of the pairs that need it most.
+    o = origin(record(tmp_path, _preference_loss))
+    assert o.origin.op == "aten.log"
+    assert "F.logsigmoid(x)" in o.suggestion and "log_softmax" not in o.suggestion, o.suggestion
+    with pytest.raises(tg.NonFiniteError) as info:
+        with tg.check_numerics(tmp_path / "c"):
+            _preference_loss()
+    assert str(info.value).startswith("aten.log produced -inf in step 0")
+    assert "F.logsigmoid(x)" in origin(open_run(tmp_path / "c")).suggestion  # the fix `trainguard run` prints
+
+
 class _LogitScale(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -95,3 +95,20 @@ def test_uninitialised_memory_is_not_evidence():
         e = torch.empty(1000)
         e.fill_(1.0)
     assert (e == 1).all()
+
+
+def test_a_tensor_made_from_python_values_is_not_its_own_producer(tmp_path):
+    # huggingface/trl trl/trainer/reward_trainer.py's collator, `torch.tensor([example["margin"] ...])`,
+    # with one margin inf, into the loss -logsigmoid(r_chosen - r_rejected - margin): the message
+    # named the lift_fresh as the maker of its own input ("input 0 = lift_fresh output from ...").
+    rewards = nn.Linear(3, 1)
+    margins = [0.5, float("inf"), 0.5, 0.5]
+    with pytest.raises(tg.NonFiniteError) as info:
+        with tg.check_numerics(tmp_path / "r"):
+            r = rewards(torch.randn(8, 3)).squeeze(-1)
+            margin = torch.tensor(margins, dtype=torch.float)
+            loss = -nn.functional.logsigmoid(r[:4] - r[4:] - margin).mean()
+            loss.backward()
+    msg = str(info.value)
+    assert msg.startswith("aten.lift_fresh produced +inf"), msg
+    assert "input 0 = user input: 4 values, 1 +inf" in msg and "lift_fresh output" not in msg, msg

@@ -828,3 +828,47 @@ def test_a_loss_without_grad_behind_reentrant_checkpointing_is_explained(tmp_pat
     (crash,) = [f for f in open_run(tmp_path / "r").findings() if f["kind"] == "script_crashed"]
     assert "activation checkpointing" in crash["suggestion"]
     assert "enable_input_require_grads()" in crash["suggestion"] and "use_reentrant=False" in crash["suggestion"]
+
+
+class _Lora(nn.Module):
+    """A frozen linear layer with a low-rank adapter as peft's ``LoraLayer`` makes it (peft
+    ``tuners/lora/layer.py``: ``lora_A`` Kaiming-uniform, ``lora_B`` zeros): its output is exactly 0
+    for every sample until the first update moves ``lora_B``."""
+
+    def __init__(self, d: int = 8, r: int = 4):
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.lora_A, self.lora_B = nn.Linear(d, r, bias=False), nn.Linear(r, d, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def _train_two_recordings(model, tmp_path):
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with Monitor(model, tmp_path, every=10) as mon:
+        for step in range(11):  # recordings at steps 0 and 10
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+            loss = (model(x) - x.flip(1)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return [f for f in mon.findings if f.kind == "dead_units"]
+
+
+def test_a_zero_initialised_adapter_is_not_dead_units(tmp_path):
+    # huggingface/trl's DPOTrainer with --use_peft (lora_r 4 on q_proj, v_proj), 20 steps under
+    # `trainguard run --monitor` (recordings at steps 0 and 10): "Dead units: 50% of layer
+    # ...q_proj.lora_B.default's units output 0 for every sample; 0%+ of them stay dead", the step-0
+    # zeros of the zero-initialised lora_B averaged with step 10, where every unit was alive.
+    torch.manual_seed(0)
+    assert _train_two_recordings(nn.Sequential(_Lora(), nn.Tanh(), _Lora()), tmp_path / "lora") == []
+    # A layer dead at both recordings still is.
+    torch.manual_seed(0)
+    dead = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    with torch.no_grad():
+        dead[0].bias.fill_(-100.0)
+    (found,) = _train_two_recordings(dead, tmp_path / "dead")
+    assert "1" in found.layers

@@ -193,3 +193,43 @@ def test_experts_called_on_empty_splits_only_are_named_as_never_routed(tmp_path)
     (found,) = [f for f in mon.findings if f.kind == "param_zero_gradient"]
     assert found.evidence["never_routed"] == {"experts": ["3"]}
     assert "experts.3" in found.suggestion and "load-balancing" in found.suggestion, found.suggestion
+
+
+class Stack(nn.Module):
+    """A stack of blocks run one after the other, as transformers' ``LlamaModel.forward``
+    (``models/llama/modeling_llama.py``: ``for decoder_layer in self.layers``), with the first
+    block's output detached: the bug planted in a huggingface/trl ``DPOTrainer`` run
+    (``trl/trainer/dpo_trainer.py``) on a 2-layer random-init Llama."""
+
+    def __init__(self, d: int = 8, blocks: int = 3):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.layers = nn.ModuleList(Expert(d, 16) for _ in range(blocks))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for i, block in enumerate(self.layers):
+            h = h + block(h)
+            if i == 0:
+                h = h.detach()
+        return self.head(h)
+
+
+def test_a_block_of_a_layer_stack_cut_off_by_detach_is_not_called_an_unrouted_expert(tmp_path):
+    # Every block runs on every row of every step: the one without a gradient is behind a
+    # .detach(), not an expert the router never sent a token (it was called, on the whole batch).
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with Monitor(model, tmp_path / "run", every=2) as mon:
+        for step in range(8):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            loss = F.cross_entropy(model(x), x[:, :3].argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (found,) = [f for f in mon.findings if f.kind == "param_no_gradient"]
+    assert "layers.0.w1.weight" in found.evidence["params"] and "embed.weight" in found.evidence["params"]
+    assert "never_routed" not in found.evidence, found.evidence
+    assert "router" not in found.suggestion and ".detach()" in found.suggestion, found.suggestion

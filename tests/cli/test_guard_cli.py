@@ -178,3 +178,23 @@ def test_guard_and_monitor_the_nonfinite_loss_finding_names_the_guards_origin(tm
     [f] = [f for f in fs if f["kind"] == "nonfinite_loss"]
     assert f["evidence"]["origin"]["op"] == "aten.log" and f["evidence"]["origin"]["line"] == line_of("LOG")
     assert f"train.py:{line_of('LOG')}" in f["suggestion"] and "record the run" not in f["suggestion"]
+
+
+def test_a_script_that_trains_outside_any_guarded_loop_is_told_what_watches_it(tmp_path):
+    # huggingface/trl's trl/scripts/dpo.py (a Trainer's own loop) under `trainguard run --guard`,
+    # with a planted division by a zero std: NaN from step 0 to the end, exit 0, and only "the
+    # script iterated no loop.batches() of ckpt.resume(); nothing was guarded" — no word that the
+    # script did train, unwatched, nor of what watches a framework's loop.
+    (tmp_path / "train.py").write_text(textwrap.dedent('''
+        import torch
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):  # the framework's loop: batches the guard never hands out
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    '''))
+    r = trainguard("run", "--guard", "--logdir", "runs/x", "train.py", cwd=tmp_path)
+    assert r.returncode == 0 and "nothing was guarded" in r.stderr, r.stderr
+    assert "trained" in r.stderr and "--check-numerics" in r.stderr and "--monitor" in r.stderr, r.stderr

@@ -249,3 +249,18 @@ def test_report_shows_a_parameter_input_of_the_origin_by_name(tmp_path, capsys):
     assert main(["report", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
     assert "input 0: param logit_scale" in out, out
+
+
+def test_a_logdir_holding_a_run_is_refused_with_the_flag_that_replaces_it(tmp_path, capsys):
+    # A huggingface/trl script (trl/scripts/dpo.py) killed and resumed with --resume_from_checkpoint
+    # under the same `trainguard run --monitor --logdir D` command: the refusal told the command-line
+    # user to "pass overwrite=True", which is the Python API's keyword.
+    script = tmp_path / "ok.py"
+    script.write_text("import torch\ntorch.ones(2).log().sum().item()\n")
+    logdir = str(tmp_path / "r")
+    assert main(["run", "--logdir", logdir, str(script)]) == 0
+    capsys.readouterr()
+    for cmd in (["run"], ["run", "--monitor"], ["monitor"]):
+        assert main([*cmd, "--logdir", logdir, str(script)]) == 2
+        err = capsys.readouterr().err
+        assert "already holds a run" in err and "--overwrite" in err, err

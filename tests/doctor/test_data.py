@@ -357,3 +357,33 @@ def test_any_iterable_of_batches_and_several_inputs_per_batch_are_read(clean):
         assert r.splits["train"]["samples"] == 3000
         assert r.by_kind("data_nonfinite")[0].evidence["examples"] == [3]
         assert r.by_kind("leaked_duplicates")[0].evidence["examples"][0]["train"] == 0
+
+
+def test_a_list_of_batches_with_a_dict_or_tuple_of_inputs_is_read():
+    # huggingface/trl trl/trainer/reward_trainer.py: DataCollatorForPreference's batches, input_ids and
+    # attention_mask (a pair per sample, chosen and rejected) with the dataset's margin column as the
+    # target, one margin inf. `trainguard doctor` on such a setup returned a list of them, which every
+    # other check took, and validate_data said "train data must be ... ; got list".
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 29, (64, 2, 7), generator=g)
+    mask = torch.ones(64, 2, 7, dtype=torch.long)
+    margin = torch.full((64,), 0.5)
+    margin[37] = float("inf")
+    for inputs in (lambda s: {"input_ids": ids[s], "attention_mask": mask[s]}, lambda s: (ids[s], mask[s])):
+        data = [(inputs(slice(i, i + 8)), margin[i:i + 8]) for i in range(0, 64, 8)]
+        r = doctor.validate_data(data)
+        assert r.splits["train"]["samples"] == 64
+        assert r.by_kind("data_nonfinite")[0].evidence["examples"] == [37]
+
+
+def test_a_non_finite_target_is_no_feature_leak():
+    # The same preference batches (huggingface/trl trl/trainer/reward_trainer.py): token ids that say
+    # nothing of the margin. With one margin inf, the correlation of every feature with the target
+    # was NaN, and validate_data warned "input feature 0 alone has correlation +nan with the target".
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 29, (64, 2, 7), generator=g)
+    margin = torch.rand(64, generator=g)
+    margin[37] = float("inf")
+    r = doctor.validate_data([(ids[i:i + 8], margin[i:i + 8]) for i in range(0, 64, 8)])
+    assert r.by_kind("data_nonfinite")[0].evidence["examples"] == [37]
+    assert not r.by_kind("feature_leak"), r.by_kind("feature_leak")

@@ -163,3 +163,26 @@ def test_bad_inputs_are_value_errors(kwargs, match, mlp, batches):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         doctor.lr_range_test(**args)
+
+
+def test_a_batch_holding_inf_is_named_not_called_a_divergence():
+    # huggingface/trl trl/trainer/reward_trainer.py's loss, -logsigmoid(r_chosen - r_rejected - margin),
+    # on batches whose dataset margin column holds one inf (batch 4): the loss is inf at the 5th step,
+    # at lr 2.1e-7, whatever the rate. The sweep said "diverged at lr 2.1e-07" and told to widen it.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, 6, generator=g)  # a pair per sample: chosen, rejected
+    margin = torch.full((64,), 0.5)
+    margin[37] = float("inf")
+    data = [(x[i:i + 8], margin[i:i + 8]) for i in range(0, 64, 8)]
+    torch.manual_seed(0)
+    head = nn.Linear(6, 1)
+
+    def loss_fn(rewards, margin):
+        return -nn.functional.logsigmoid(rewards[:, 0, 0] - rewards[:, 1, 0] - margin).mean()
+
+    r = doctor.lr_range_test(head, data, loss_fn)
+    assert len(r.lrs) == 5 and not np.isfinite(r.losses[-1])
+    assert not r.diverged and "diverged" not in r.summary, r.summary
+    assert "batch 4" in r.stop_reason and "targets" in r.stop_reason, r.stop_reason
+    (f,) = r.findings()
+    assert "validate_data" in f.suggestion and "widen the sweep" not in f.suggestion, f.suggestion

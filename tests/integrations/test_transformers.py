@@ -166,3 +166,57 @@ def test_a_trainer_that_crashes_is_stored_as_crashed(tmp_path):
     findings = run.findings()
     assert findings[0]["kind"] == "script_crashed" and "step 25" in findings[0]["title"]
     assert not any(f["kind"] == "healthy" for f in findings)
+
+
+def _train_under_callback(logdir, steps, *, start=0, warm_up=False):
+    """A plain loop driven through TrainguardCallback(record=True)'s Trainer hooks (fakes of the
+    Trainer's args and state): what trl's DPOTrainer resumed from checkpoint-10 does to the run."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trainguard.integrations.transformers import TrainguardCallback
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cb = TrainguardCallback(logdir, record=True, monitor=False, mode="full_health")
+    args, state = SimpleNamespace(process_index=0, world_size=1), SimpleNamespace(global_step=start)
+    cb.on_train_begin(args, state, None, model=model)
+    if warm_up:  # the first process ran other ops first: its op ids are not the resumed one's
+        torch.ones(3).exp().sum()
+    for step in range(start, steps):
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+        cb.on_step_begin(args, state, None)
+        loss = (model(x) - x[:, :1]).pow(2).mean()  # LOSS LINE
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state.global_step += 1
+        cb.on_step_end(args, state, None)
+    cb.on_train_end(args, state, None)
+
+
+def _ops_of(run, step):
+    out = []
+    for e in run.executions(0, run.count()):
+        if e["step"] == step:
+            frames = run.stack(e["stack_id"]) if e["stack_id"] is not None else []
+            out.append((e["op"], e["module"], [(f["filename"], f["lineno"]) for f in frames][-1:]))
+    return out
+
+
+def test_a_recording_resumed_into_its_run_keeps_both_processes_ops_and_stacks(tmp_path):
+    # huggingface/trl DPOTrainer with TrainguardCallback(record=True), killed after checkpoint-10 and
+    # resumed into the same run: the resumed process's executions were stored under the first
+    # process's op names and stacks (ids both processes numbered from 1: step 19 of the resumed
+    # recording showed "aten.embedding in adam.py"), and its first new source file stopped the
+    # writer ("IntegrityError: UNIQUE constraint failed: source_files.path").
+    _train_under_callback(tmp_path / "whole", 8, warm_up=True)
+    _train_under_callback(tmp_path / "resumed", 4, warm_up=True)
+    _train_under_callback(tmp_path / "resumed", 8, start=4)
+    whole, resumed = trainguard.open(tmp_path / "whole"), trainguard.open(tmp_path / "resumed")
+    assert resumed.meta.get("writer_error") is None, resumed.meta.get("writer_error")
+    assert resumed.status == "finished"
+    for step in (0, 3, 4, 7):
+        assert _ops_of(resumed, step) == _ops_of(whole, step) != [], step

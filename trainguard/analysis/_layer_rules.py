@@ -100,8 +100,14 @@ def dead_units(ctx: Context) -> list[Finding]:
             frac = max(frac - pruned / units, 0.0)
         if frac < ctx.th.dead_units_warn:
             continue
+        stays = dead_series(ctx, la, "dead_stay")
+        if (series.values[-1] < ctx.th.dead_units_warn and len(stays) and stays.steps[-1] == series.steps[-1]
+                and stays.values[-1] == 0):
+            # none of the units dead before is still dead at the last recording: a layer whose output
+            # was 0 only until the first updates (a zero-initialised LoRA lora_B) is alive now
+            continue
         over = np.nonzero(series.values >= ctx.th.dead_units_warn)[0]
-        stay = median(ctx.window(dead_series(ctx, la, "dead_stay")).values)
+        stay = median(ctx.window(stays).values)
         per_layer[la] = {
             "dead_fraction": frac,
             "first_fraction": float(series.values[0]),

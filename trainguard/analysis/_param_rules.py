@@ -131,10 +131,16 @@ def _never_routed(ctx: Context, missing: list[str]) -> tuple[dict[str, list[str]
         m = member(p)
         if m is not None:
             members.setdefault(m, []).append(p)
+    def ran_on_data(ps: list[str]) -> bool:
+        # Activation statistics at a recorded step: the member was called on rows there (an expert
+        # with no row is not called, or on an empty split, which has none), so no routing starved
+        # it: a block of a layer stack behind a .detach() runs on the whole batch every step.
+        return any(len(ctx.stat(ctx.params[p].get("layer", ""), "activation", "mean")) for p in ps)
+
     out: dict[str, list[str]] = {}
     params: set[str] = set()
     for (path, i), ps in members.items():
-        if all(p in gone for p in ps) and any(
+        if all(p in gone for p in ps) and not ran_on_data(ps) and any(
                 q == path and j != i and not any(p in gone for p in qs) for (q, j), qs in members.items()):
             out.setdefault(path, []).append(i)
             params.update(ps)

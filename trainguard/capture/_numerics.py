@@ -81,15 +81,19 @@ def source_line(path: str, lineno: int) -> str:
     return linecache.getline(path, lineno).strip()
 
 
-def describe_input(r, t: _Tensor) -> str:
-    """One line for a NonFiniteError: who made this input and what it holds."""
+def describe_input(r, t: _Tensor, seq: int | None = None) -> str:
+    """One line for a NonFiniteError: who made this input and what it holds. ``seq``: the op
+    whose input it is; an op that returned its input (``lift_fresh``: the data of
+    ``torch.tensor(...)``) or wrote it in place is by now its producer, and did not make it."""
+    from trainguard.capture._recorder import _OP, _STACK
+
     named = r.modules.name_of(t)
     p = r.producers.get(id(t))
     if named is not None:
         who = f"{named[1]} {named[0]!r}"
+    elif p is not None and p[0]() is t and seq is not None and p[1] == seq:
+        who = "user input" if "lift_fresh" in p[_OP] else "written in place by this op, now"
     elif p is not None and p[0]() is t:
-        from trainguard.capture._recorder import _OP, _STACK
-
         fr = user_frame(r.stacks.frames(p[_STACK]))
         where = f" from {short_path(fr[0])}:{fr[1]}" if fr else ""
         who = f"{op_display(p[_OP])} output{where}"
@@ -115,16 +119,16 @@ def _at(r, stack_id) -> str:
     return f" at {short_path(fr[0])}:{fr[1]}" if fr else ""
 
 
-def origin_detail(args, outs, r) -> tuple[str, tuple[str, ...]]:
+def origin_detail(args, outs, r, seq: int | None = None) -> tuple[str, tuple[str, ...]]:
     """What an op that made an inf held, said while its tensors are at hand (check_numerics
     remembers it for the message it may raise later)."""
     first = next((o for o in outs if isinstance(o, _Tensor) and o.is_floating_point()), None)
     return (describe_values(first) if first is not None else "",
-            tuple(describe_input(r, t) for t in flatten(args, [])))
+            tuple(describe_input(r, t, seq) for t in flatten(args, [])))
 
 
 def message(r, name, phase, module_id, stack_id, fwd_op, args, outs, health, origin=None, reason=None,
-            harm_at=None) -> str:
+            harm_at=None, seq=None) -> str:
     """The NonFiniteError text. ``origin`` is the tracker's origin entry when the value was made
     by an earlier op (an inf that became harmful here); ``harm_at`` (op, stack id) names the op
     where it became harmful when that is not the op that raised (the loss)."""
@@ -138,7 +142,7 @@ def message(r, name, phase, module_id, stack_id, fwd_op, args, outs, health, ori
         lines = [f"{op} produced {what} in step {_steps.clock.step}, {phase} pass{detail}"]
         lines += _where_lines(r, module_id, stack_id, fwd_op)
         for i, t in enumerate(flatten(args, [])):
-            lines.append(f"  input {i} = {describe_input(r, t)}")
+            lines.append(f"  input {i} = {describe_input(r, t, seq)}")
         return "\n".join(lines)
     # (op, kind, values, absorbed_by, harmful, step, phase, module_id, stack_id, fwd_op, detail)
     o_op, kind, _, _, _, o_step, o_phase, o_module, o_stack, o_fwd, detail = origin
@@ -156,5 +160,5 @@ def message(r, name, phase, module_id, stack_id, fwd_op, args, outs, health, ori
     if harm_at is None:
         lines.append(f"  where it became harmful: {name.replace('.default', '')}, {phase} pass")
         for i, t in enumerate(flatten(args, [])):
-            lines.append(f"    input {i} = {describe_input(r, t)}")
+            lines.append(f"    input {i} = {describe_input(r, t, seq)}")
     return "\n".join(lines)

@@ -34,7 +34,7 @@ class HarmHooks:
         the message that names it if the inf becomes harmful later."""
         o = self.taint.origins.get(seq)
         if o is not None:
-            self.taint.origins[seq] = o[:-1] + (_numerics.origin_detail(args, outs, self),)
+            self.taint.origins[seq] = o[:-1] + (_numerics.origin_detail(args, outs, self, seq),)
 
     def _note_rows(self, seq: int, outs) -> None:
         """The guard's replay: which rows (first dimension) of the op's output hold its new
@@ -62,7 +62,7 @@ class HarmHooks:
         first = self.taint.first
         o = self.taint.origins.get(origin) if origin is not None and origin != seq else None
         msg = _numerics.message(self, name, phase, module_id, stack_id, fwd_op, args, outs, health, origin=o,
-                                reason=first["reason"] if first and first["seq"] == seq else None)
+                                reason=first["reason"] if first and first["seq"] == seq else None, seq=seq)
         self._stop_with(msg, seq, name, phase)
 
     # ------------------------------------------------------------------ harm seen outside an op

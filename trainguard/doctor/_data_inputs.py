@@ -92,10 +92,9 @@ def read_split(obj: Any, name: str) -> Split:
     if isinstance(obj, (tuple, list)) and len(obj) == 2 and all(is_array(o) for o in obj):
         x, y = obj
     elif (isinstance(obj, (tuple, list)) and obj
-          and all(isinstance(b, (tuple, list)) and len(b) == 2 and is_array(b[0]) for b in obj)):
-        # A list of (inputs, targets) batches.
-        x = np.concatenate([to_numpy(b[0], f"{name} inputs") for b in obj])
-        y = np.concatenate([to_numpy(b[1], f"{name} targets") for b in obj])
+          and all(isinstance(b, (tuple, list)) and len(b) == 2 and is_array(main_input(b[0])) for b in obj)):
+        # A list of (inputs, targets) batches; inputs may be a tuple or dict, as from any other iterable.
+        x, y = _read_batches(obj, name, sized=True)
     elif is_array(obj):
         x = obj
     elif isinstance(obj, TensorDataset):

@@ -32,7 +32,9 @@ def feature_leak(tr: Split, classification: bool) -> list[Finding]:
     rows = min(n, max(200, LEAK_CELLS // d))
     pick = np.sort(rng.choice(n, size=rows, replace=False)) if rows < n else np.arange(n)
     xs = flat[pick].astype(np.float64)
-    ok = np.isfinite(xs).all(axis=1)
+    # Rows with a non-finite input or target are data_nonfinite's: here they would make every
+    # correlation NaN, which no threshold comparison rejects.
+    ok = np.isfinite(xs).all(axis=1) & np.isfinite(y[pick].reshape(len(pick), -1).astype(np.float64)).all(axis=1)
     xs, ys = xs[ok], y[pick][ok]
     live = np.flatnonzero(xs.std(axis=0) > 0)
     if xs.shape[0] < 20 or live.size == 0:

@@ -38,6 +38,7 @@ from trainguard.doctor._state import (
     check_model,
     check_positive,
     make_optimizer,
+    map_tensors,
     model_device,
     optimizer_step,
     preserved,
@@ -79,6 +80,7 @@ class LRRangeResult(CheckResult):
     end: float
     optimizer: str
     why_none: str = ""
+    bad_batch: int | None = None  # the step whose batch held NaN/Inf (the data stopped the sweep, not the rate)
     passed: bool | None = None
 
     def __post_init__(self) -> None:
@@ -87,7 +89,12 @@ class LRRangeResult(CheckResult):
 
     @property
     def summary(self) -> str:
-        where = f"diverged at lr {fmt(self.lrs[-1])}" if self.diverged else f"ran to lr {fmt(self.lrs[-1])}"
+        if self.bad_batch is not None:
+            where = f"stopped at lr {fmt(self.lrs[-1])}: {self.stop_reason}"
+        elif self.diverged:
+            where = f"diverged at lr {fmt(self.lrs[-1])}"
+        else:
+            where = f"ran to lr {fmt(self.lrs[-1])}"
         if self.suggestion is None:
             return f"no learning rate to suggest: {self.why_none}; {where}"
         return f"suggested lr {fmt(self.suggestion)} (steepest descent), loss minimum at {fmt(self.min_loss_lr)}; {where}"
@@ -95,7 +102,7 @@ class LRRangeResult(CheckResult):
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "suggestion", "min_loss_lr", "diverged", "stop_reason", "start", "end", "optimizer", "lrs", "losses",
-            "smoothed", "why_none")}
+            "smoothed", "why_none", "bad_batch")}
 
     def _detail(self) -> Table:
         t = Table(show_header=False, box=None, padding=(0, 2))
@@ -108,6 +115,10 @@ class LRRangeResult(CheckResult):
     def findings(self) -> list[Finding]:
         ev = {"suggestion": self.suggestion, "min_loss_lr": self.min_loss_lr, "diverged": self.diverged,
               "stop_reason": self.stop_reason, "why_none": self.why_none, "last_lr": self.lrs[-1], "optimizer": self.optimizer}
+        if self.suggestion is None and self.bad_batch is not None:
+            return [finding("lr_range_no_suggestion", "warning", f"LR range test: {self.summary}",
+                            "Drop or fix the samples that hold NaN/Inf (validate_data lists them), then run the "
+                            "sweep again: the learning rate did not make this loss.", **ev)]
         if self.suggestion is None:
             return [finding("lr_range_no_suggestion", "warning", f"LR range test: {self.summary}",
                             "Check that the model learns at all (overfit_one_batch) and widen the sweep "
@@ -295,6 +306,7 @@ def lr_range_test(
     losses: list[float] = []
     stop_reason = f"reached end={fmt(end)}"
     diverged = False
+    bad_batch = None
     progress = _progress(console, steps)
     with preserved(model, optimizer=given, data=data), torch.enable_grad(), progress as bar:
         model.train()
@@ -316,7 +328,11 @@ def lr_range_test(
             if bar is not None:
                 bar.update(task, advance=1, description=f"LR range test  lr {lr:.2e}  loss {value:.4g}")
             if not math.isfinite(value):
-                diverged, stop_reason = True, f"the loss became non-finite at lr {fmt(lr)}"
+                held = _nonfinite_parts(inputs, targets)
+                if held:  # the data made it, at any rate (a NaN label, an inf margin)
+                    bad_batch, stop_reason = i, f"the loss was {value} on the sweep's batch {i} (from 0), whose {held} hold NaN/Inf"
+                else:
+                    diverged, stop_reason = True, f"the loss became non-finite at lr {fmt(lr)}"
                 break
             if not loss.requires_grad:
                 raise DoctorInputError("the loss does not depend on any trainable parameter (no gradient path)")
@@ -344,8 +360,18 @@ def lr_range_test(
         suggestion=lrs[i_s] if i_s is not None else None,
         min_loss_lr=lrs[i_min] if i_min is not None else None,
         diverged=diverged, stop_reason=stop_reason, why_none=why, start=float(start), end=float(end),
-        optimizer=type(opt).__name__,
+        optimizer=type(opt).__name__, bad_batch=bad_batch,
     )
+
+
+def _nonfinite_parts(inputs: Any, targets: Any) -> str:
+    """'inputs', 'targets' or 'inputs and targets': which of a batch's parts hold NaN/Inf ('' if none)."""
+    def bad(obj: Any) -> bool:
+        found: list[bool] = []
+        map_tensors(obj, lambda t: found.append(t.is_floating_point() and not bool(torch.isfinite(t).all())) or t)
+        return any(found)
+
+    return " and ".join(name for name, part in (("inputs", inputs), ("targets", targets)) if bad(part))
 
 
 class _NoProgress:

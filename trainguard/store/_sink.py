@@ -8,6 +8,7 @@ compete with training for the GIL. Messages are tuples of plain values (marshal-
     ("exec", records[, pins])    executions, summaries already resolved to floats; ``pins``: the
                                  seqs the circular buffer must keep (None: judge by health)
     ("stack", id, frames)        an interned stack; source files are read here, once
+    ("module", id, path, type)   a module the recorder named
     ("sql", statement, rows)     any other rows, built by the writer thread
     ("payload", seq, slot, path, byte_offset, nbytes, dtype, shape)
                                  a full tensor the writer thread stored (see RunWriter._save_tensor)
@@ -90,8 +91,22 @@ class Sink:
         self.open_segment: str | None = None
         self._status = _reserve_status(self.run_dir)
         self.con = connect(self.run_dir / DB_NAME, create=True)
+        self._continue_tables()
         self.con.execute("BEGIN")
         self.last_commit = time.monotonic()
+
+    def _continue_tables(self) -> None:
+        """Join the tables of a run that already holds a recording (a resumed training appends to
+        it): op types, source files and frames are looked up there before one is added, and this
+        recorder's stack and module ids, which it numbers from 1 as every recorder does, go after
+        those already stored, so that the earlier executions keep their own."""
+        con = self.con
+        self.op_ids = {name: i for i, name in con.execute("SELECT id, name FROM op_types")}
+        self.file_ids = {path: i for i, path in con.execute("SELECT id, path FROM source_files")}
+        self.frame_ids = {(f, line, name): i for i, f, line, name in
+                          con.execute("SELECT id, filename, lineno, name FROM frames")}
+        self.stack_base = con.execute("SELECT COALESCE(MAX(id), 0) FROM stacks").fetchone()[0]
+        self.module_base = con.execute("SELECT COALESCE(MAX(id), 0) FROM modules").fetchone()[0]
 
     def configure(self, mode: str, buffer: int) -> None:
         self.fields = MODE_FIELDS[mode]
@@ -212,7 +227,7 @@ class Sink:
     def _op_id(self, name: str) -> int:
         op_id = self.op_ids.get(name)
         if op_id is None:
-            op_id = self.op_ids[name] = len(self.op_ids) + 1
+            op_id = self.op_ids[name] = max(self.op_ids.values(), default=0) + 1
             self.con.execute("INSERT OR IGNORE INTO op_types(id, name) VALUES (?, ?)", (op_id, name))
         return op_id
 
@@ -246,7 +261,12 @@ class Sink:
                 )
                 fid = self.frame_ids[frame] = cur.lastrowid
             ids.append(fid)
-        self.con.execute("INSERT OR REPLACE INTO stacks(id, frames) VALUES (?, ?)", (stack_id, _plain_dumps(ids)))
+        self.con.execute("INSERT OR REPLACE INTO stacks(id, frames) VALUES (?, ?)",
+                         (stack_id + self.stack_base, _plain_dumps(ids)))
+
+    def _m_module(self, module_id: int, path: str, type_name: str) -> None:
+        self.con.execute("INSERT OR REPLACE INTO modules(id, path, type) VALUES (?, ?, ?)",
+                         (module_id + self.module_base, path, type_name))
 
     def _m_exec(self, records: list, pins: list | None = None) -> None:
         """Keep executions in memory; :meth:`commit` writes those the circular buffer keeps.
@@ -313,6 +333,7 @@ class Sink:
         fields, pack = self.fields, self.pack
         rows, edges = [], []
         op_id = self._op_id
+        stack_base, module_base = self.stack_base, self.module_base
         for seq, rec in ring.items():
             if seq in in_db or (seq < cutoff and seq not in pinned):
                 continue
@@ -328,6 +349,10 @@ class Sink:
             for slot, (kind, ref) in enumerate(inputs):
                 if kind == "op":
                     edges.append((ref, seq, slot))
+            if stack_base and stack_id is not None:
+                stack_id += stack_base
+            if module_base and module_id is not None:
+                module_id += module_base
             rows.append((seq, step, PHASE_ID[phase], op_id(op), module_id, stack_id, fwd_seq, health,
                          _plain_dumps(inputs), _plain_dumps(outputs), blob, 1 if seq in pinned else 0, taint, origin))
             in_db.add(seq)

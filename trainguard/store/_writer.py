@@ -36,6 +36,10 @@ from trainguard.store._window import SEND_INTERVAL, BufferWindow
 
 log = logging.getLogger("trainguard.store")
 
+# What to do about a logdir that holds a run, for the Python API and the command line alike.
+_CHOOSE = "choose a new logdir, or replace it: overwrite=True (--overwrite on the command line)"
+
+
 def _check_appendable(db: Path) -> None:
     """An existing run may be appended to only if it is a trainguard run this version can write."""
     from trainguard._errors import CorruptRun, SchemaTooNew
@@ -134,7 +138,7 @@ class RunWriter(BufferWindow, SegmentFiles):
                 _check_appendable(db)
             elif not overwrite:
                 raise TrainguardError(
-                    f"logdir {str(self.run_dir)!r} already holds a run; choose a new logdir or pass overwrite=True"
+                    f"logdir {str(self.run_dir)!r} already holds a run; {_CHOOSE}"
                 )
             else:
                 for suffix in ("", "-wal", "-shm"):
@@ -142,8 +146,7 @@ class RunWriter(BufferWindow, SegmentFiles):
         if (rank_of_dir(self.run_dir) is not None and (self.run_dir.parent / DB_NAME).exists() and not overwrite
                 and not spawned()):
             # A single-process run there would hide the ranks from every reader.
-            raise TrainguardError(f"logdir {str(self.run_dir.parent)!r} already holds a run; choose a new "
-                                  "logdir or pass overwrite=True")
+            raise TrainguardError(f"logdir {str(self.run_dir.parent)!r} already holds a run; {_CHOOSE}")
         if overwrite and rank_of_dir(self.run_dir) == 0:
             remove_stale_ranks(self.run_dir.parent)  # a larger job's rank-K must not join this run
         try:
@@ -251,8 +254,7 @@ class RunWriter(BufferWindow, SegmentFiles):
         self._put(("stack", stack_id, frames), must_keep=True)
 
     def put_module(self, module_id: int, path: str, type_name: str) -> None:
-        self._put(("sql", "INSERT OR REPLACE INTO modules(id, path, type) VALUES (?, ?, ?)",
-                   [(module_id, path, type_name)]), must_keep=True)
+        self._put(("module", module_id, path, type_name), must_keep=True)
 
     def configure(self, *, mode: str | None = None, buffer: int | None = None) -> None:
         """Change the summary mode or the circular buffer (before executions arrive)."""
