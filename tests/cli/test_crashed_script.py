@@ -214,3 +214,49 @@ def test_a_script_that_exits_143_itself_is_not_called_preempted():
 
     assert ending(SystemExit(143)) == {"status": "exited", "exit_code": 143}
     assert ending(KeyboardInterrupt())["status"] == "interrupted"
+
+
+PREEMPTED_ONCE = textwrap.dedent("""
+    import os, signal, sys, torch
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    first = not os.path.exists(sys.argv[1])
+    for step in range(30):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if first and step == 19:
+            open(sys.argv[1], "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)  # preempted; the scheduler runs the command again
+""")
+
+
+@pytest.mark.parametrize("command", [["run", "--monitor"], ["monitor"]])
+def test_the_same_command_run_again_with_resume_continues_the_run(tmp_path, command):
+    # A requeued job runs its command line again: without --resume the second process was refused
+    # ("logdir already holds a run") and the job failed at its restart.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(PREEMPTED_ONCE)
+    cmd = [sys.executable, "-m", "trainguard", *command, "--every", "5", "--resume", "--logdir", str(tmp_path / "run"),
+           str(script), str(tmp_path / "preempted")]
+    env = {**os.environ, "COLUMNS": "200"}
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert again.returncode == 0, again.stderr
+    with open_run(tmp_path / "run") as run:
+        assert run.status == "finished"
+        steps = [s for s, _ in run.scalars("loss")["loss"]]
+        assert steps == list(range(20 + 30)), steps  # the second process's steps go after the first's
+        if command[0] == "run":
+            assert run.count() > 0 and len({e["seq"] for e in run.executions(0, run.count())}) == run.count()
+    bad = subprocess.run([*cmd[:3], "--overwrite", *cmd[3:]], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "choose one of --resume and --overwrite" in bad.stderr, bad.stderr
