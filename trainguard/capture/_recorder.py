@@ -152,7 +152,8 @@ class Recorder(FlushHooks, HarmHooks):
         self.logdir = None if logdir is None else (_rank_dir(logdir) if rank_dir else Path(logdir))
         self.overwrite = overwrite
         self.writer = None
-        self.seq = 0
+        self.seq = 0  # the first execution's number (a run continued: after the earlier process's)
+        self.start_step = 0  # where the step clock starts when no one else holds it (likewise)
         self.recorded = 0
         self.failures = 0  # outputs that could not be recorded (see _record_failed)
         self.failed_ops: set[str] = set()
@@ -222,7 +223,7 @@ class Recorder(FlushHooks, HarmHooks):
             )
         self.taint.keep_records = self.writer is not None or self.check
         if _steps.clock.users == 0:
-            _steps.reset()
+            _steps.reset(self.start_step)
         _steps.acquire()
         _steps.clock.on_step.append(self._on_step)
         if self.writer is not None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trainguard._errors import TrainguardError
 from trainguard.cli._children import ChildWatch
-from trainguard.cli._preempt import Preemption
+from trainguard.cli._preempt import Preemption, resume_point
 from trainguard.cli._render import err_console
 from trainguard.cli._spawned import Follow, Options, SpawnRefused, move_launcher_run
 
@@ -32,6 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--every", type=int, default=10, help="record layer statistics every N steps (default 10)")
     p.add_argument("--histograms", action="store_true", help="also record histograms of every layer")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --logdir")
+    p.add_argument("--resume", action="store_true", help="continue the run already in --logdir (the same command run again after a preemption or a kill): its data stays, this process's steps and executions go after it")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a threshold")
     p.add_argument("--no-gradcheck", action="store_true",
@@ -113,15 +114,27 @@ def monitor_script(
     thresholds: dict | None = None,
     overwrite: bool = False,
     gradcheck: bool = True,
+    resume: bool = False,
 ):
     """Run ``script`` under a Monitor attached to whatever models it trains; return (exit code, the
     run directory, the findings). Processes the script starts with torch.multiprocessing.spawn are
-    monitored too, each into ``rank-K``, and the findings are then the ranks' (see ``_spawned``)."""
+    monitored too, each into ``rank-K``, and the findings are then the ranks' (see ``_spawned``).
+    ``resume``: continue the run already in ``logdir`` (see :func:`_preempt.resume_point`)."""
     from trainguard._wiring import Monitor
+    from trainguard.capture._ending import ending
     from trainguard.integrations import watch_frameworks
+    from trainguard.store import acquire_writer, release_writer
 
-    mon = Monitor(None, logdir, every, histograms=True if histograms else None, thresholds=thresholds,
-                  overwrite=overwrite, gradcheck=gradcheck)
+    resumed = resume_point(logdir, resume, overwrite) if logdir is not None else None
+    # A run continued: its writer takes the run over (status running again), held until the end.
+    held = acquire_writer(logdir, append=True, resume=True) if resumed is not None else None
+    try:
+        mon = Monitor(None, logdir, every, histograms=True if histograms else None, thresholds=thresholds,
+                      overwrite=overwrite, gradcheck=gradcheck, append=resumed is not None, start_step=resumed)
+    except BaseException:
+        if held is not None:
+            release_writer(held)
+        raise
     watch_frameworks(mon)  # Lightning / HF Trainer scripts: the framework's steps
     follow = Follow(Options(logdir=str(Path(mon.logdir).absolute()), overwrite=overwrite, monitor=dict(
         every=every, histograms=True if histograms else None, thresholds=thresholds, gradcheck=gradcheck)))
@@ -141,6 +154,8 @@ def monitor_script(
         finally:
             preemption.closing()
             mon.close(error=error)
+            if held is not None:
+                release_writer(held, **ending(error))
     code = preemption.code(code)
     findings = mon.findings if mon.findings is not None else []
     if follow.spawned and not children.backwards:
@@ -185,6 +200,7 @@ def _cmd_monitor(args) -> int:
         thresholds=thresholds,
         overwrite=args.overwrite,
         gradcheck=not args.no_gradcheck,
+        resume=args.resume,
     )
     _print_findings(findings, args.json, header=None if args.json else f"[bold]run[/] {logdir}")
     return code

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
+
+from trainguard._errors import TrainguardError
 
 
 class Terminated(SystemExit):
@@ -55,3 +58,19 @@ class Preemption:
         """The exit code: a SIGTERM that came while closing ends the process as 143 when it would
         have ended with 0."""
         return 128 + signal.SIGTERM if self.late and not code else code
+
+
+def resume_point(logdir: str | Path, resume: bool, overwrite: bool) -> int | None:
+    """``--resume``: None when there is no run in ``logdir`` to continue (a new one is made), else
+    the step its monitor's loss reached plus one, where this process's steps go on (a requeued job
+    runs the same command again, and its script resumes from its own checkpoint)."""
+    if resume and overwrite:
+        raise TrainguardError("choose one of --resume and --overwrite")
+    from trainguard.store import open_run
+    from trainguard.store._codec import DB_NAME
+
+    if not resume or not (Path(logdir) / DB_NAME).exists():
+        return None
+    with open_run(logdir) as run:
+        steps = [s for s, _ in run.scalars("loss").get("loss", [])]
+    return max(steps) + 1 if steps else 0

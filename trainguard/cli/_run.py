@@ -22,7 +22,7 @@ from pathlib import Path
 from trainguard._errors import Diverged, NonFiniteError, TrainguardError
 from trainguard.cli import _launch
 from trainguard.cli._children import ChildWatch
-from trainguard.cli._preempt import Preemption
+from trainguard.cli._preempt import Preemption, resume_point
 from trainguard.cli._render import err_console
 from trainguard.cli._spawned import Follow, Options, SpawnRefused, ended_with_nonfinite, move_launcher_run
 from trainguard.store import MODES, default_name
@@ -60,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-gradcheck", action="store_true",
                    help="with --monitor: do not check custom autograd Functions' gradients")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --logdir")
+    p.add_argument("--resume", action="store_true", help="continue the run already in --logdir (the same command run again after a preemption or a kill): its data stays, this process's steps and executions go after it")
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, action=_ModuleAction, metavar="MODULE ...",
                    help="run a module as a script (like python -m); what follows its name is the module's arguments")
     _launch.add_launch_arguments(p)
@@ -115,6 +116,7 @@ def _cmd(args: argparse.Namespace) -> int:
         raise TrainguardError("--policy, --spike-factor, --snapshot-every and --max-rewinds need --guard")
     if args.guard and args.check_numerics:
         raise TrainguardError("choose one of --guard and --check-numerics")
+    resumed = None if args.guard else resume_point(logdir, args.resume, args.overwrite)  # the guard appends anyway
     guard = None
     try:
         if args.guard:
@@ -150,7 +152,15 @@ def _cmd(args: argparse.Namespace) -> int:
                                                           dtypes=dtypes),
             check_numerics=dict(buffer=args.buffer, strict=args.strict) if args.check_numerics else None,
             monitor=dict(every=args.every, gradcheck=not args.no_gradcheck) if args.monitor else None))
+    held = None  # the writer of a run continued (--resume), held until every part of this one is closed
     try:
+        if resumed is not None:
+            from trainguard.integrations._session import _next_seq
+            from trainguard.store import acquire_writer
+
+            held = acquire_writer(logdir, append=True, resume=True, process=recorder is not None)
+            if recorder is not None:  # the earlier process's executions and steps keep their numbers
+                recorder.seq, recorder.start_step = _next_seq(logdir), resumed
         if recorder is not None:
             recorder.start()
         try:
@@ -158,7 +168,7 @@ def _cmd(args: argparse.Namespace) -> int:
             if follow is not None:
                 follow.start()
             if args.monitor:
-                monitor = _start_monitor(logdir, args.every, gradcheck=not args.no_gradcheck)
+                monitor = _start_monitor(logdir, args.every, gradcheck=not args.no_gradcheck, start_step=resumed)
             # The script's globals are kept until the run is closed (python keeps them until exit):
             # freeing a DDP model frees its gloo process group, whose destructor joins gloo's
             # thread with the GIL held, and hangs while that thread still has to let go of the last
@@ -217,6 +227,10 @@ def _cmd(args: argparse.Namespace) -> int:
                 ending["status"] = "exited"
             if recorder is not None:
                 recorder.stop(**ending)
+            if held is not None:
+                from trainguard.store import release_writer
+
+                release_writer(held, **ending)
             if guard is not None:
                 guard._store_ending(ending)
     finally:
@@ -359,13 +373,14 @@ def _writer_failure(logdir: Path) -> str:
     return f", but {error}" + (f"; {lost:,} executions were not stored" if lost else "")
 
 
-def _start_monitor(logdir: Path, every: int, gradcheck: bool = True):
+def _start_monitor(logdir: Path, every: int, gradcheck: bool = True, start_step: int | None = None):
     try:
         from trainguard._wiring import Monitor
     except ImportError:
         raise TrainguardError("--monitor needs the monitor, which this installation lacks") from None
     from trainguard.integrations import watch_frameworks
 
-    monitor = Monitor(None, logdir=logdir, every=every, gradcheck=gradcheck)
+    monitor = Monitor(None, logdir=logdir, every=every, gradcheck=gradcheck, append=start_step is not None,
+                      start_step=start_step)
     watch_frameworks(monitor)  # Lightning / HF Trainer scripts: the framework's steps
     return monitor
