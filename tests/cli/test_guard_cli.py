@@ -198,3 +198,20 @@ def test_a_script_that_trains_outside_any_guarded_loop_is_told_what_watches_it(t
     r = trainguard("run", "--guard", "--logdir", "runs/x", "train.py", cwd=tmp_path)
     assert r.returncode == 0 and "nothing was guarded" in r.stderr, r.stderr
     assert "trained" in r.stderr and "--check-numerics" in r.stderr and "--monitor" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(300)
+def test_run_guard_overwrite_replaces_the_earlier_run_and_its_replays(tmp_path, monkeypatch, capsys):
+    # Found guarding karpathy/llm.c's train_gpt2.py (a bad batch planted): a second
+    # `run --guard --overwrite` into the same logdir kept the first run's events, so the report
+    # listed both runs' events, and the new replay went to replays/step-N-3.
+    from trainguard.cli import main
+
+    (tmp_path / "train.py").write_text(SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--guard", "--logdir", "runs/o", "train.py", "ck1", "--bug"]) == 3
+    assert main(["run", "--guard", "--overwrite", "--logdir", "runs/o", "train.py", "ck2"]) == 0
+    capsys.readouterr()
+    data = json.loads(trainguard("report", "runs/o", "--json", cwd=tmp_path).stdout)
+    assert [e["step"] for e in data["guard"]["events"]] == [30]
+    assert sorted(p.name for p in (tmp_path / "runs/o/replays").iterdir()) == ["step-30"]
