@@ -121,7 +121,8 @@ def _cmd(args: argparse.Namespace) -> int:
     try:
         if args.guard:
             guard = tg.Guard(logdir, policy=args.policy, spike_factor=args.spike_factor,
-                             snapshot_every=args.snapshot_every, max_rewinds=args.max_rewinds)
+                             snapshot_every=args.snapshot_every, max_rewinds=args.max_rewinds,
+                             overwrite=args.overwrite)
             recorder = None
         elif args.check_numerics:
             recorder = tg.check_numerics(logdir, mode="full_health", buffer=args.buffer, strict=args.strict,

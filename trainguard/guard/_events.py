@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.store import acquire_writer, release_writer
+from trainguard.store import REPLAYS_DIR, acquire_writer, release_writer
 
 log = logging.getLogger("trainguard.guard")
 
@@ -163,12 +164,16 @@ class GuardRun:
     """The guard's own run directory: its metadata and its events (one writer, shared).
 
     A run already in the directory is appended to: rerunning the same command after a crash or
-    a preemption resumes the checkpoints and keeps the events of the earlier process.
+    a preemption resumes the checkpoints and keeps the events of the earlier process. With
+    ``overwrite`` it is replaced instead, its replays included.
     """
 
-    def __init__(self, path: Path, config: dict[str, Any]):
+    def __init__(self, path: Path, config: dict[str, Any], *, overwrite: bool = False):
         self.path = path
-        self._writer = acquire_writer(path, append=True, meta={"guard": dict(config, status="running")})
+        if overwrite:
+            shutil.rmtree(path / REPLAYS_DIR, ignore_errors=True)
+        self._writer = acquire_writer(path, append=not overwrite, overwrite=overwrite,
+                                      meta={"guard": dict(config, status="running")})
         if not self._writer.owner:  # a rerun continues the run: its status is this process's, not the last one's
             self._writer.set_meta(status="running", error=None, crash_step=None, crash_at=None, exit_code=None)
         self._meta = dict(config, status="running")

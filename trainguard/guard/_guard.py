@@ -110,11 +110,14 @@ class Guard:
 
     Each event is logged on ``trainguard.guard`` (a WARNING: stderr when logging is not
     configured), kept in :attr:`events` and stored in the run at ``logdir`` (default
-    ``runs/guard-<date>-<time>``), with the replayed step's recording in ``logdir/replays/``.
+    ``runs/guard-<date>-<time>``), with the replayed step's recording in ``logdir/replays/``. A
+    run already there is added to (a rerun after a crash resumes it), or replaced with
+    ``overwrite=True``.
     """
 
     def __init__(self, logdir: str | os.PathLike | None = None, *, policy: str = "skip", snapshot_every: int = 50,
-                 max_rewinds: int = 5, spike_factor: float | None = None, skip_batches: int = 1):
+                 max_rewinds: int = 5, spike_factor: float | None = None, skip_batches: int = 1,
+                 overwrite: bool = False):
         self.config = GuardConfig(policy=policy, snapshot_every=snapshot_every, max_rewinds=max_rewinds,
                                   spike_factor=spike_factor, skip_batches=skip_batches)
         self.logdir: Path | None = Path(logdir) if logdir is not None else None
@@ -128,6 +131,7 @@ class Guard:
         self._ending: dict[str, Any] = {}  # how the script ended, when it is told before the loop closed
         self._installed_previous: Any = None
         self._stored: set[int] = set()  # ids of the events written to the run
+        self._overwrite = overwrite  # replace a run already at logdir (the first loop's only)
         self._reset()
 
     def __repr__(self) -> str:
@@ -177,7 +181,8 @@ class Guard:
             self.logdir = _default_logdir()
         run_dir = self._run_dir = rank_dir(self.logdir)  # type: ignore[arg-type]
         self._run = _events.GuardRun(run_dir, {**asdict(self.config), "rewinds": self.rewinds,
-                                               "events": len(self.events)})
+                                               "events": len(self.events)}, overwrite=self._overwrite)
+        self._overwrite = False  # a later loop of this guard adds to the run this one began
         self._sentry.start()
         self._take_snapshot()
 
