@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import math
@@ -242,3 +243,36 @@ class _Mean(nn.Module):
 
     def forward(self, x):
         return self.net(x).mean()
+
+
+class ZeroStdPositions(nn.Module):
+    # Derived from karpathy/llm.c train_gpt2.py's GPT.forward (token + position embeddings, a
+    # tied lm_head), with the position embeddings standardised by their std after a zero init.
+    def __init__(self, vocab: int = 11, n_embd: int = 8, block: int = 6):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, n_embd)
+        self.wpe = nn.Embedding(block, n_embd)
+        nn.init.zeros_(self.wpe.weight)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        pos_emb = self.wpe(torch.arange(idx.size(1)))
+        pos_emb = (pos_emb - pos_emb.mean(-1, keepdim=True)) / pos_emb.std(-1, keepdim=True)  # STD
+        return self.lm_head(self.wte(idx) + pos_emb)
+
+
+def test_a_nan_initial_loss_names_the_op_and_line_that_made_it():
+    torch.manual_seed(0)
+    idx = torch.randint(0, 11, (4, 6))
+
+    def flat_ce(logits, targets):
+        return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    r = doctor.init_checks(ZeroStdPositions(), (idx, idx.roll(-1, 1)), flat_ce)
+    [f] = [f for f in r.findings() if f.kind == "initial_loss_nonfinite"]
+    lines, start = inspect.getsourcelines(ZeroStdPositions)
+    line = start + next(i for i, text in enumerate(lines) if "# STD" in text)
+    assert f.evidence["origin"]["op"] == "aten.div.Tensor"
+    assert f.evidence["origin"]["line"] == line and f.evidence["origin"]["file"].endswith("test_init_checks.py")
+    assert f"test_init_checks.py:{line}" in f.suggestion and "input 1 = std output" in f.suggestion
