@@ -5,7 +5,8 @@
   nonsense without an error);
 - class labels lie in ``[0, C)``; a negative label the loss accepted is its ignore index (minGPT
   masks prompt positions with -1), reported as such;
-- the loss is a finite scalar that depends on the parameters;
+- the loss is a finite scalar that depends on the parameters; a NaN or Inf one is run again under
+  ``check_numerics``, whose origin (op, ``file:line``, why, fix) the finding names;
 - a model that returns a tuple, a dict or a Hugging Face ``ModelOutput`` is judged by its logits
   (the ``logits`` entry, else the first tensor); the class axis is dim 1, or the last one for
   ``[B, T, V]`` logits against ``[B, T]`` targets;
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +29,8 @@ import torch
 from rich.table import Table
 from torch import nn
 
+from trainguard._errors import NonFiniteError
+from trainguard.capture import check_numerics
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
     DoctorInputError,
@@ -95,6 +99,32 @@ class InitReport(CheckResult):
             t.add_row(name, f"{c['parameters']:,}", f"{c['trainable']:,}")
         t.add_row("[bold]total[/]", f"[bold]{self.parameters:,}[/]", f"[bold]{self.trainable:,}[/]")
         return t
+
+
+_AT = re.compile(r"^\s+at (?P<file>.+?):(?P<line>\d+) in (?P<function>[^:]+): (?P<code>.*)$")
+
+
+def _nonfinite_origin(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> dict[str, Any] | None:
+    """The op and line that made the first harmful NaN/Inf of one forward pass and loss, as
+    ``check_numerics`` names it (its message's first line, its ``at`` line and its inputs); None
+    when it does not stop there (the data held the value already, or it cannot run here)."""
+    try:
+        with check_numerics():
+            loss = loss_fn(model(inputs), targets)
+            float(loss.detach())  # read: an inf that reached the loss is harmful here
+    except NonFiniteError as exc:
+        lines = str(exc).splitlines()
+        out: dict[str, Any] = {"op": lines[0].split(" ", 1)[0], "message": str(exc), "inputs": []}
+        for text in lines[1:]:
+            m = _AT.match(text)
+            if m and "file" not in out:
+                out.update(file=m["file"], line=int(m["line"]), function=m["function"], code=m["code"].strip())
+            elif text.strip().startswith("input "):
+                out["inputs"].append(text.strip())
+        return out if "file" in out else None
+    except Exception:  # noqa: BLE001 - the finding stands without an origin; the check must not fail here
+        return None
+    return None
 
 
 def _counts(model: nn.Module) -> tuple[int, int, dict[str, dict[str, int]]]:
@@ -205,9 +235,14 @@ def init_checks(model: nn.Module, batch: Any, loss_fn: Any, *, num_classes: int 
         else:
             value = float(loss.detach())
             if not math.isfinite(value):
+                where = _nonfinite_origin(model, inputs, targets, loss_fn)
+                fix = "Check the inputs for NaN/Inf (validate_data) and the loss for log(0)."
+                if where is not None:
+                    fix = (f"{where['op']} at {where['file']}:{where['line']} made the first NaN/Inf "
+                           f"(`{where['code']}`)" + "".join(f"; {i}" for i in where["inputs"])
+                           + "; `trainguard.check_numerics()` around one step says more")
                 issues.append(finding("initial_loss_nonfinite", "critical", f"The initial loss is {fmt(value)}",
-                                      "Check the inputs for NaN/Inf (validate_data) and the loss for log(0).",
-                                      initial_loss=value))
+                                      fix, initial_loss=value, **({"origin": where} if where else {})))
             if not loss.requires_grad:
                 issues.append(finding(
                     "no_gradient_path", "critical", "The loss does not depend on any trainable parameter",
