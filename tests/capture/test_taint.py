@@ -668,3 +668,30 @@ def test_origins_joined_with_a_long_lived_one_stay_bounded(tmp_path):
     assert run.alerts()["total"] == 0
     assert {g["absorbed_by"] for g in run.intended()} == {"aten._softmax.default"}
     assert sum(g["executions"] for g in run.intended()) == steps + 1
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_an_inf_written_through_a_view_of_a_tensor_is_traced_to_the_write(tmp_path, backend):
+    """Per-token loss weights with an inf put in by item assignment (a bad batch: an
+    inverse-frequency weight of an unseen token), as in karpathy/llm.c train_gpt2.py's GPT.forward
+    with its cross_entropy made per token and weighted. ``w[1] = inf`` writes through a select of
+    ``w``: the view read later holds the inf that write put there, not one it made."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 5)
+    x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+
+    def f():
+        w = torch.ones(4)
+        w[1] = INF  # the write
+        per_token = torch.nn.functional.cross_entropy(lin(x), y, reduction="none")
+        ((per_token * w.view(-1)).sum() / w.sum()).backward()
+
+    line = f.__code__.co_firstlineno + 2
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        f()
+    o = origin(open_run(tmp_path / "r"))
+    assert o is not None and o.origin.op in ("aten.lift_fresh", "aten.copy_")
+    assert o.origin.line == line
+    with pytest.raises(tg.NonFiniteError, match=r"^aten\.(lift_fresh|copy_) produced \+inf"):
+        with tg.check_numerics():
+            f()
