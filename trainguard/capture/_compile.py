@@ -223,16 +223,30 @@ def _as_plain():
     recompute it inside each user, and the order its users come in: the summaries' reads, counted,
     stored bf16 values that the plain graph keeps in float32 (nanochat's Muon step in bf16: every
     updated weight differed, and the losses from the next step on). So while an instrumented
-    graph compiles, a node's summary nodes are left out of its users when it is lowered, and
-    the locality reordering of an inference graph is that of the graph without its summaries,
-    each summary node then placed right after its inputs."""
+    graph compiles, a node's summary nodes are left out of its users when it is lowered and when
+    a post-grad pattern counts a node's users, and the locality reordering of an inference graph
+    is that of the graph without its summaries, each summary node then placed right after its
+    inputs. (A change here raises _compile_summary.AS_PLAIN_VERSION.)"""
+    from torch._inductor import pattern_matcher
     from torch._inductor.fx_passes import post_grad
     from torch._inductor.graph import GraphLowering
 
     run_node, reorder = getattr(GraphLowering, "run_node", None), getattr(post_grad, "reorder_for_locality", None)
-    if run_node is None or reorder is None:  # another torch's Inductor: compile as it does
+    target = getattr(pattern_matcher, "_TargetExpr", None)
+    match_users = getattr(target, "_match_users", None)
+    if run_node is None or reorder is None or match_users is None:  # another torch's Inductor: compile as it does
         yield
         return
+
+    def match_users_as_plain(self, node, ctx):
+        # A pattern that needs a node to have exactly N users counts the program's own: a summary's
+        # read must not stop a rewrite the plain graph gets (modded-nanogpt's Newton-Schulz step in
+        # bf16, ``c * A @ B``). A node it then no longer needs stays for its summary (the matcher
+        # erases only nodes without users).
+        if not isinstance(node, torch.fx.Node) or not any(u.meta.get(SUMMARY_NODE) for u in node.users):
+            return match_users(self, node, ctx)
+        own = sum(1 for u in node.users if not u.meta.get(SUMMARY_NODE))
+        return self in ctx.outputs or self.users is pattern_matcher.MULTIPLE or own == self.users
 
     def lower(self, n):
         users = n.users
@@ -253,10 +267,12 @@ def _as_plain():
         reorder_without_summaries(graph, reorder)
 
     GraphLowering.run_node, post_grad.reorder_for_locality = lower, reorder_as_plain
+    target._match_users = match_users_as_plain
     try:
         yield
     finally:
         GraphLowering.run_node, post_grad.reorder_for_locality = run_node, reorder
+        target._match_users = match_users
 
 
 def reorder_without_summaries(graph: torch.fx.Graph, reorder) -> None:

@@ -37,6 +37,11 @@ def summarisable(val) -> bool:
 # Marks the nodes the summaries add to a graph: Inductor must not let them change how it compiles
 # the program's own nodes (see _compile._as_plain).
 SUMMARY_NODE = "trainguard_summary"
+# How _compile._as_plain compiles an instrumented graph, in its summary nodes' names and so in
+# Inductor's cache key: raised when that changes, so that no graph compiled the older way is
+# served from the on-disk cache (a Newton-Schulz step cached before the pattern matcher counted
+# the program's users only kept computing what the plain graph does not).
+AS_PLAIN_VERSION = 2
 
 
 class Builder:
@@ -52,7 +57,7 @@ class Builder:
         with self.graph.inserting_after(self.cursor):
             # Named apart: the graph's code (Inductor's cache key) then says it is lowered as
             # _compile._as_plain does, never served as compiled before that.
-            node = self.graph.call_function(target, args, kwargs, name="tg_summary")
+            node = self.graph.call_function(target, args, kwargs, name=f"tg_summary_v{AS_PLAIN_VERSION}")
         self.cursor = node
         fake_args = fx.node.map_arg(args, lambda n: n.meta["val"])
         fake_kwargs = fx.node.map_arg(kwargs, lambda n: n.meta["val"])
