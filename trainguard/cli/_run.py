@@ -100,6 +100,9 @@ def _cmd(args: argparse.Namespace) -> int:
         script_args = list(args.args)
     logdir = Path(args.logdir) if args.logdir else _default_logdir(target.split(".")[-1])
     if _launch.wants_launch(args):
+        if args.resume:
+            raise TrainguardError("--resume continues a run of one process; a job launched with --nproc-per-node "
+                                  "writes rank-K runs, which it does not continue yet: give it a new --logdir")
         return _launch.launch(args.parser, args, logdir.absolute())
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] if args.dtypes else None
     if args.every < 1:
