@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainguard._errors import TrainguardError
-from trainguard.store import REACHED, Run, is_collective
+from trainguard.store import ALIAS_OPS, REACHED, Run, is_collective
 
 # Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
 _LOGS = {"log", "log2", "log10", "log_"}
@@ -755,9 +755,9 @@ def fed_back(run: Run, link: Link) -> int | None:
     return None
 
 
-# Ops that pass their first input's values on unchanged (a sigmoid's output reshaped on its way to the log).
-_PASS_THROUGH = frozenset({"view", "_unsafe_view", "reshape", "squeeze", "unsqueeze", "flatten", "expand", "select",
-                           "slice", "alias", "clone", "contiguous", "t", "transpose", "permute", "_to_copy"})
+# Ops whose output holds only values of their first input (a sigmoid's output reshaped, indexed or
+# cast on its way to the log): the recorder's aliases, and selections of part of the input.
+_PASS_THROUGH = frozenset({op_base(n) for n in ALIAS_OPS} | {"select", "slice", "expand", "contiguous", "_to_copy"})
 
 
 def log_of_sigmoid(run: Run, link: Link) -> str | None:

@@ -31,9 +31,9 @@ from trainguard.capture._compile_summary import (
     summarisable,
     summary_row,
 )
-from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS
+from trainguard.capture._summary import ALLOCATION_OPS
 from trainguard.capture._taint import DEFAULT, OVERWRITE_OPS, RENORM, RENORM_OPS, classify
-from trainguard.store import MODE_FIELDS
+from trainguard.store import ALIAS_OPS, MODE_FIELDS
 
 # An alias op's output holds the values of this argument (0 unless listed).
 _ALIAS_ARG = {"aten.copy_.default": 1, "aten.copy.default": 1}

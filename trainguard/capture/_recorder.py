@@ -55,9 +55,10 @@ from trainguard.capture._recorder_mode import (  # noqa: F401
 )
 from trainguard.capture._scaler_verdict import ScalerVerdicts
 from trainguard.capture._stacks import StackInterner
-from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS, WORKSPACE_OUTPUTS
+from trainguard.capture._summary import ALLOCATION_OPS, WORKSPACE_OUTPUTS
 from trainguard.capture._taint import Tracker
 from trainguard.store import (
+    ALIAS_OPS,
     MODE_FIELDS,
     MODES,
     acquire_writer,

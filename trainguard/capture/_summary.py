@@ -42,15 +42,7 @@ ALLOCATION_OPS = frozenset(
 # allocator handed back there, NaN bit patterns included.
 WORKSPACE_OUTPUTS = {"aten._ctc_loss.default": 1, "aten._ctc_loss.Tensor": 1}
 
-# Ops whose output holds exactly the values of their first input (same multiset of elements),
-# so its summary is the input's: views, transposes, detach, clone.
-ALIAS_OPS = frozenset(
-    {"aten.view.default", "aten._unsafe_view.default", "aten.t.default", "aten.transpose.int",
-     "aten.permute.default", "aten.detach.default", "aten.alias.default", "aten.unsqueeze.default",
-     "aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten._reshape_alias.default",
-     "aten.clone.default", "aten.lift_fresh.default", "aten.view_as.default", "aten.reshape.default",
-     "aten.flatten.using_ints", "aten.numpy_T.default", "aten.mT.default", "aten.adjoint.default"}
-)
+# Ops whose output holds exactly the values of their first input: ALIAS_OPS (trainguard.store._ops).
 
 
 _STRIDED = torch.strided

@@ -13,6 +13,7 @@ from trainguard.store._codec import (
     to_plain_json,
 )
 from trainguard.store._findings import SEVERITIES, Finding, sort_findings
+from trainguard.store._ops import ALIAS_OPS
 from trainguard.store._ranked import RankedRun
 from trainguard.store._ranks import default_name, is_collective, process_rank, rank_dir
 from trainguard.store._reader import Run, short_op
@@ -22,6 +23,7 @@ from trainguard.store._userfiles import is_user_file
 from trainguard.store._writer import ExecBatch, RunWriter
 
 __all__ = [
+    "ALIAS_OPS",
     "MODES",
     "MODE_FIELDS",
     "PHASES",

@@ -157,8 +157,9 @@ def error() -> str | None:
 def _configure(mod) -> None:
     import torch
 
-    from trainguard.capture._summary import ALIAS_OPS, ALLOCATION_OPS, WORKSPACE_OUTPUTS
+    from trainguard.capture._summary import ALLOCATION_OPS, WORKSPACE_OUTPUTS
     from trainguard.capture._taint import STATS_WRITES
+    from trainguard.store import ALIAS_OPS
 
     names = [(v, str(v).replace("torch.", "")) for v in vars(torch).values() if isinstance(v, torch.dtype)]
     mod.configure(names, sorted(ALLOCATION_OPS), sorted(ALIAS_OPS), {k: v[0] for k, v in STATS_WRITES.items()},
