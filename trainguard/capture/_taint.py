@@ -325,10 +325,8 @@ class Tracker:
         # Nor is a value made in the backward pass from no recorded tensor (torchdiffeq's adjoint
         # solves an ODE in its backward with ``max_step = torch.as_tensor(inf)`` as a clamp bound):
         # a constant, harmful once a gradient is computed from it.
-        if (taint == PENDING and phase == "backward" and origin == seq
-                and all(k[0] == "input" for k in inputs)):
-            pass
-        elif taint == PENDING and ((phase == "backward" and cls != VIEW) or phase == "optimizer" or param_write):
+        if taint == PENDING and ((phase == "backward" and cls != VIEW) or phase == "optimizer" or param_write) and not (
+                phase == "backward" and origin == seq and all(k[0] == "input" for k in inputs)):  # a constant
             taint = HARMFUL
             reason = "gradient" if phase == "backward" else "optimizer" if phase == "optimizer" else "parameter"
         elif taint == HARMFUL and in_taint != HARMFUL:
