@@ -91,8 +91,16 @@ def message(event: dict) -> str:
     return "; ".join(parts)
 
 
-def _listed(items: list, limit: int = 8) -> str:
-    return ", ".join(str(i) for i in items[:limit]) + (f" ... ({len(items)} in all)" if len(items) > limit else "")
+def _listed(word: str, items: list, limit: int = 8) -> str:
+    """``sample 21`` / ``samples 13, 14`` (the first ``limit`` of them, then how many in all)."""
+    shown = ", ".join(str(i) for i in items[:limit]) + (f" ... ({len(items)} in all)" if len(items) > limit else "")
+    return f"{word}{'s' if len(items) > 1 else ''} {shown}"
+
+
+def _bad_rows(b: dict) -> tuple[str, str]:
+    """(``sample 192`` or ``row 1``, ``inf`` / ``nan and inf``) of a ``batch_nonfinite`` entry."""
+    which = _listed("sample", b["samples"]) if b.get("samples") else _listed("row", b.get("rows") or [])
+    return which, " and ".join(b.get("kinds") or ["non-finite values"])
 
 
 def batch_text(event: dict) -> str:
@@ -101,27 +109,24 @@ def batch_text(event: dict) -> str:
     b = event.get("batch_nonfinite")
     if not b:
         return ""
-    kinds = " and ".join(b.get("kinds") or ["non-finite values"])
-    if b.get("samples"):
-        n = len(b["samples"])
-        return f" (its sample{'s' if n > 1 else ''} {_listed(b['samples'])} hold{'' if n > 1 else 's'} {kinds} in the batch itself)"
-    if b.get("rows"):
-        n = len(b["rows"])
-        return f" (row{'s' if n > 1 else ''} {_listed(b['rows'])} of batch{b['where']} hold{'' if n > 1 else 's'} {kinds} itself)"
-    return f" (batch{b['where']} holds {kinds} itself)"
+    which, kinds = _bad_rows(b)
+    items = b.get("samples") or b.get("rows")
+    if not items:  # a 0-d tensor
+        return f" (batch{b['where']} holds {kinds} itself)"
+    whose = "its " if b.get("samples") else ""
+    of = "" if b.get("samples") else f" of batch{b['where']}"
+    return f" ({whose}{which}{of} hold{'' if len(items) > 1 else 's'} {kinds} in the batch itself)"
 
 
 def data_fix(b: dict) -> str:
     """The fix when the failing batch itself held NaN/Inf (see :func:`batch_text`)."""
-    which = f"sample{'s' if len(b['samples']) > 1 else ''} {_listed(b['samples'])}" if b.get("samples") else \
-        f"row{'s' if len(b.get('rows') or []) > 1 else ''} {_listed(b.get('rows') or [])}"
-    kinds = " and ".join(b.get("kinds") or ["non-finite values"])
+    which, kinds = _bad_rows(b)
     return (f"the batch itself held {kinds} before any op ran (batch{b['where']}, {which}): the data is "
             "corrupt, not the training; repair or drop that sample (`trainguard doctor` validates a dataset's values), "
             "or filter non-finite samples out in the dataset or collate_fn; the guard skips such a batch each time")
 
 
-def culprits_text(event: dict, limit: int = 8) -> str:
+def culprits_text(event: dict) -> str:
     """`` (the first inf is in its sample 77)``: the samples whose rows of the origin's output
     the replay found its non-finite values in (``Guard`` events' ``culprits``), or nothing. Where,
     not why: the sample may hold bad data, or the code may fail on it (a random mask that left
@@ -129,11 +134,9 @@ def culprits_text(event: dict, limit: int = 8) -> str:
     c = event.get("culprits")
     if not c or not c.get("samples"):
         return ""
-    samples = c["samples"]
-    which = ", ".join(str(i) for i in samples[:limit]) + (f" ... ({len(samples)} in all)" if len(samples) > limit else "")
     health = ((event.get("origin") or {}).get("origin") or {}).get("health") or []
     kind = "nan" if "nan" in health else "inf"
-    return f" (the first {kind} is in its sample{'s' if len(samples) > 1 else ''} {which})"
+    return f" (the first {kind} is in its {_listed('sample', c['samples'])})"
 
 
 def outcome(event: dict) -> str:
