@@ -228,16 +228,21 @@ def test_native_records_say_which_backend_judged(tmp_path):
     assert run.first_harm()["reason"] == "loss" and run.execution(run.first_harm()["origin"])["op"] == "aten.exp"
 
 
-@pytest.mark.filterwarnings("ignore")
-def test_an_inf_written_into_a_row_of_a_parameter_is_harmful_at_the_write(tmp_path):
+def _both_backends_and_line(factory, marker: str, tmp_path):
+    """The program ``factory()`` makes, recorded by both backends and cross-checked (no problem),
+    and the line of ``factory``'s source marked ``marker``."""
     import inspect
 
-    problems, _, py, nat = crosscheck(_inf_into_an_embedding_row(), tmp_path, "full_health")
+    problems, _, py, nat = crosscheck(factory(), tmp_path, "full_health")
     assert problems == [], "\n".join(problems[:20])
-    lines, start = inspect.getsourcelines(_inf_into_an_embedding_row)
-    row_line = start + next(i for i, text in enumerate(lines) if "ROW_LINE" in text)
-    for got in (py, nat):
-        run = got["run"]
+    lines, start = inspect.getsourcelines(factory)
+    return py["run"], nat["run"], start + next(i for i, text in enumerate(lines) if marker in text)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_an_inf_written_into_a_row_of_a_parameter_is_harmful_at_the_write(tmp_path):
+    *runs, row_line = _both_backends_and_line(_inf_into_an_embedding_row, "ROW_LINE", tmp_path)
+    for run in runs:
         first = run.first_harm()
         assert first["reason"] == "parameter" and first["op"] == "aten.fill_.Tensor", first
         assert run.user_frame(run.execution(first["seq"])["stack_id"])["lineno"] == row_line
@@ -245,30 +250,22 @@ def test_an_inf_written_into_a_row_of_a_parameter_is_harmful_at_the_write(tmp_pa
 
 @pytest.mark.filterwarnings("ignore")
 def test_an_inf_written_into_an_element_of_the_data_is_the_origin_not_the_select_that_reads_it(tmp_path):
-    import inspect
-
-    problems, _, py, nat = crosscheck(_inf_written_into_the_data(), tmp_path, "full_health")
-    assert problems == [], "\n".join(problems[:20])
-    lines, start = inspect.getsourcelines(_inf_written_into_the_data)
-    write_line = start + next(i for i, text in enumerate(lines) if "WRITE_LINE" in text)
-    for got in (py, nat):
-        run = got["run"]
+    *runs, write_line = _both_backends_and_line(_inf_written_into_the_data, "WRITE_LINE", tmp_path)
+    for run in runs:
         first = run.first_harm()
         assert first["reason"] == "loss", first
         origin = run.execution(first["origin"])
         assert origin["op"] != "aten.select.int", origin
         assert run.user_frame(origin["stack_id"])["lineno"] == write_line, origin
-def test_an_inf_written_into_a_sample_of_the_data_is_the_origin(tmp_path):
-    import inspect
 
+
+@pytest.mark.filterwarnings("ignore")
+def test_an_inf_written_into_a_sample_of_the_data_is_the_origin(tmp_path):
     from trainguard.analysis import origin
 
-    problems, _, py, nat = crosscheck(_inf_written_into_a_sample(), tmp_path, "full_health")
-    assert problems == [], "\n".join(problems[:20])
-    lines, start = inspect.getsourcelines(_inf_written_into_a_sample)
-    sample_line = start + next(i for i, text in enumerate(lines) if "SAMPLE_LINE" in text)
-    for got in (py, nat):
-        o = origin(got["run"])
+    *runs, sample_line = _both_backends_and_line(_inf_written_into_a_sample, "SAMPLE_LINE", tmp_path)
+    for run in runs:
+        o = origin(run)
         assert o is not None and o.chain[0].step == 2, o  # the batch that holds sample 5
         assert o.origin.op != "aten.select.int", o.summary  # the DataLoader reading the sample
         assert o.origin.line == sample_line, o.summary
