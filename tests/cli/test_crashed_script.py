@@ -11,20 +11,26 @@ import pytest
 from trainguard.cli import main
 from trainguard.store import open_run
 
-TRAIN_THEN_RAISE = textwrap.dedent("""
-    import torch
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = torch.randn(64, 4), torch.randn(64, 1)
-    for step in range(40):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    raise ValueError("the data loader ran dry")
-""")
 
+def linear_regression(steps: int, in_step: str = "", after: str = "") -> str:
+    """A script that trains a linear regression for ``steps`` steps (SGD), running ``in_step`` (code
+    indented by 4) at the end of each step and ``after`` (at the top level) after the loop."""
+    return textwrap.dedent(f"""
+        import os, signal, sys, torch
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        x, y = torch.randn(64, 4), torch.randn(64, 1)
+        first = len(sys.argv) < 2 or not os.path.exists(sys.argv[1])
+        for step in range({steps}):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    """) + textwrap.indent(textwrap.dedent(in_step), "    ") + textwrap.dedent(after)
+
+
+TRAIN_THEN_RAISE = linear_regression(40, after='raise ValueError("the data loader ran dry")\n')
 
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory):
@@ -165,21 +171,10 @@ def test_a_crash_inside_torch_says_where_and_in_which_module(tmp_path, capsys, m
     assert "tab.py:12" in out and "Embedding(8, 4)" in out and "index 8 is out of range" in out, out
 
 
-SIGTERM_MID_TRAINING = textwrap.dedent("""
-    import os, signal, torch
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = torch.randn(64, 4), torch.randn(64, 1)
-    for step in range(1000):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step == 40:
-            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler preempts the job
+SIGTERM_MID_TRAINING = linear_regression(1000, in_step="""
+    if step == 40:
+        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler preempts the job
 """)
-
 
 @pytest.mark.parametrize("command", [["monitor"], ["run", "--monitor"]])
 def test_a_preempted_monitored_script_keeps_its_diagnosis_and_says_how_it_ended(tmp_path, command):
@@ -216,23 +211,11 @@ def test_a_script_that_exits_143_itself_is_not_called_preempted():
     assert ending(KeyboardInterrupt())["status"] == "interrupted"
 
 
-PREEMPTED_ONCE = textwrap.dedent("""
-    import os, signal, sys, torch
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = torch.randn(64, 4), torch.randn(64, 1)
-    first = not os.path.exists(sys.argv[1])
-    for step in range(30):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if first and step == 19:
-            open(sys.argv[1], "w").close()
-            os.kill(os.getpid(), signal.SIGTERM)  # preempted; the scheduler runs the command again
+PREEMPTED_ONCE = linear_regression(30, in_step="""
+    if first and step == 19:
+        open(sys.argv[1], "w").close()
+        os.kill(os.getpid(), signal.SIGTERM)  # preempted; the scheduler runs the command again
 """)
-
 
 @pytest.mark.parametrize("command", [["run", "--monitor"], ["monitor"]])
 def test_the_same_command_run_again_with_resume_continues_the_run(tmp_path, command):
