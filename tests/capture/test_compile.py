@@ -762,18 +762,25 @@ def _polar_express(g):
     return X.float()
 
 
+def compiled_plain_and_recorded(fn, x, logdir):
+    """``fn(x)`` compiled by plain Inductor, then compiled again under ``trainguard.record(logdir)``
+    (each from a fresh Dynamo)."""
+    torch._dynamo.reset()
+    plain = torch.compile(fn, dynamic=False, fullgraph=True)(x)
+    torch._dynamo.reset()
+    with tg.record(logdir):
+        recorded = torch.compile(fn, dynamic=False, fullgraph=True)(x)
+    torch._dynamo.reset()
+    return plain, recorded
+
+
 def test_recording_computes_what_the_plain_compiled_graph_computes(tmp_path):
     # Recorded, nanochat's bf16 Muon step updated every weight differently from the plain compiled
     # step (max 4e-4 on a weight of 0.05), and its losses differed from the next step on: the
     # summaries' reads of `X` made Inductor store it in bf16 before `a * X`, which the plain graph
     # computes from float32 (its users, and the locality order that follows from them).
     g = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
-    torch._dynamo.reset()
-    plain = torch.compile(_polar_express, dynamic=False, fullgraph=True)(g)
-    torch._dynamo.reset()
-    with tg.record(tmp_path / "r"):
-        recorded = torch.compile(_polar_express, dynamic=False, fullgraph=True)(g)
-    torch._dynamo.reset()
+    plain, recorded = compiled_plain_and_recorded(_polar_express, g, tmp_path / "r")
     assert torch.equal(recorded, plain)
     run = open_run(tmp_path / "r")
     assert run.count(op="aten.bmm") == 3 and not run.alerts()["total"]
@@ -797,10 +804,5 @@ def test_recording_computes_what_the_plain_compiled_newton_schulz_step_computes(
     # extra users that stop one of Inductor's post-grad patterns (with pattern_matcher off, the
     # two agree).
     g = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
-    torch._dynamo.reset()
-    plain = torch.compile(_newton_schulz5, dynamic=False, fullgraph=True)(g)
-    torch._dynamo.reset()
-    with tg.record(tmp_path / "r"):
-        recorded = torch.compile(_newton_schulz5, dynamic=False, fullgraph=True)(g)
-    torch._dynamo.reset()
+    plain, recorded = compiled_plain_and_recorded(_newton_schulz5, g, tmp_path / "r")
     assert torch.equal(recorded, plain)
