@@ -122,16 +122,9 @@ def test_a_batch_that_holds_the_inf_itself_is_blamed_on_the_data_not_on_an_overf
     x[21, 0, 3, 3] = float("inf")  # one corrupt pixel
     y = torch.ones(12 * BS)
     torch.manual_seed(0)
-    model = Critic()
-    opt = torch.optim.Adam(model.parameters(), lr=2e-4)
-    loader = DataLoader(TensorDataset(x, y), batch_size=BS, num_workers=workers)
-    state = tg.TrainState(model=model, optimizer=opt, loader=loader)
+    state = make_state(TensorDataset(x, y), model=Critic(), lr=2e-4, num_workers=workers)
     guard = tg.Guard(tmp_path / "run", snapshot_every=2)
-    for _, (xb, yb) in guard.batches(state, total_steps=8):
-        loss = nn.functional.mse_loss(model(xb), yb)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train(guard.batches(state, total_steps=8), state)
     [event] = guard.events
     assert event["skipped"][0]["samples"] == [20, 21, 22, 23]
     assert event["batch_nonfinite"] == {"size": BS, "rows": [1], "samples": [21], "kinds": ["inf"], "where": "[0]"}
