@@ -31,6 +31,10 @@ def test_forward_log_of_zero_read_by_the_program():
     assert "module: outside any nn.Module" in msg
     assert "input 0 = user input: 2 values, 1 zero, 1 positive" in msg  # the log's input
     assert info.value.execution["op"] == "aten._local_scalar_dense.default"
+    # the line the message names first (the log that made the inf), as fields for programs
+    where = info.value.execution
+    assert (where["file"], where["line"], where["function"]) == (__file__, line_of("MARK-LOG"),
+                                                                 "test_forward_log_of_zero_read_by_the_program")
 
 
 def test_an_unused_inf_is_not_harmful_but_strict_raises():
@@ -45,6 +49,7 @@ def test_an_unused_inf_is_not_harmful_but_strict_raises():
     assert f"{HERE}:{line_of('MARK-STRICT')}" in msg
     assert "input 0 = user input: 2 values, 1 zero, 1 positive" in msg
     assert info.value.execution["op"] == "aten.log.default"
+    assert (info.value.execution["file"], info.value.execution["line"]) == (__file__, line_of("MARK-STRICT"))
 
 
 class NormNet(nn.Module):
@@ -69,6 +74,7 @@ def test_backward_nan_traced_to_forward_line():
     assert "backward pass" in msg and "in the backward of" in msg
     assert "created by the forward op at" in msg and f"{HERE}:{line_of('MARK-NORM')}" in msg
     assert "module: (root) (NormNet)" in msg
+    assert (info.value.execution["file"], info.value.execution["line"]) == (__file__, line_of("MARK-NORM"))
 
 
 def test_producer_named_in_input_summary():

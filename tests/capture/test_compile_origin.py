@@ -139,6 +139,7 @@ def test_check_numerics_stops_at_the_nan_a_compiled_graph_makes():
     assert "produced nan in step 2, forward pass, inside the compiled graph" in msg, msg
     assert f"true_models.py:{M.line_of('SOFTMAX LINE')}" in msg
     assert "softmax" in info.value.execution["op"]
+    assert info.value.execution["file"] == M.__file__ and info.value.execution["line"] == M.line_of("SOFTMAX LINE")
     torch._dynamo.reset()
 
 
