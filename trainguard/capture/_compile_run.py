@@ -436,7 +436,7 @@ def _stop_at(g: RecordedGraph, r, k: int, rows, rec: tuple, refs, fw) -> None:
                                 (), (), health, origin=o,
                                 reason=first["reason"] if first and first["seq"] == seq else None)
         msg += f"\n  inside the compiled graph {g.label}"
-    r._stop_with(msg, seq, name, phase)
+    r._stop_with(msg, seq, name, phase, rec[5] if o is None else o[8])
 
 
 # Forward calls whose summaries are kept for their backward calls (more are pending only with

@@ -63,7 +63,7 @@ class HarmHooks:
         o = self.taint.origins.get(origin) if origin is not None and origin != seq else None
         msg = _numerics.message(self, name, phase, module_id, stack_id, fwd_op, args, outs, health, origin=o,
                                 reason=first["reason"] if first and first["seq"] == seq else None, seq=seq)
-        self._stop_with(msg, seq, name, phase)
+        self._stop_with(msg, seq, name, phase, stack_id if o is None else o[8])
 
     # ------------------------------------------------------------------ harm seen outside an op
     def backward_starts(self, fwd_seq: int | None) -> None:
@@ -109,11 +109,17 @@ class HarmHooks:
         o = self.taint.origins.get(state[1])
         msg = _numerics.message(self, harm_at[0], "forward", None, harm_at[1], None, (), (), 0, origin=o,
                                 reason=self.taint.first["reason"], harm_at=harm_at)
-        self._stop_with(msg, seq, harm_at[0])
+        self._stop_with(msg, seq, harm_at[0], None, harm_at[1] if o is None else o[8])
 
-    def _stop_with(self, msg: str, seq: int, op: str, phase: str | None = None) -> None:
-        """check_numerics: write what it stopped at into the run, then raise."""
+    def _stop_with(self, msg: str, seq: int, op: str, phase: str | None, stack_id: int | None) -> None:
+        """check_numerics: write what it stopped at into the run, then raise. ``stack_id``: the
+        stack of the op the message names first (the value's origin where there is one); its
+        user frame becomes the error's ``execution["file"]``, ``["line"]`` and ``["function"]``."""
         if self.writer is not None:
             self.writer.set_meta(check_numerics_stop={"seq": seq, "op": op, "message": msg})
         self.flush()
-        raise NonFiniteError(msg, execution={"seq": seq, "op": op, "phase": phase})
+        execution = {"seq": seq, "op": op, "phase": phase}
+        frame = _numerics.user_frame(self.stacks.frames(stack_id)) if stack_id is not None else None
+        if frame is not None:
+            execution.update(file=frame[0], line=frame[1], function=frame[2])
+        raise NonFiniteError(msg, execution=execution)

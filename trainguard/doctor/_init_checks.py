@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ from torch import nn
 
 from trainguard._errors import NonFiniteError
 from trainguard.capture import check_numerics
+from trainguard.capture._numerics import short_path, source_line
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
     DoctorInputError,
@@ -101,27 +101,24 @@ class InitReport(CheckResult):
         return t
 
 
-_AT = re.compile(r"^\s+at (?P<file>.+?):(?P<line>\d+) in (?P<function>[^:]+): (?P<code>.*)$")
-
-
 def _nonfinite_origin(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> dict[str, Any] | None:
     """The op and line that made the first harmful NaN/Inf of one forward pass and loss, as
-    ``check_numerics`` names it (its message's first line, its ``at`` line and its inputs); None
-    when it does not stop there (the data held the value already, or it cannot run here)."""
+    ``check_numerics`` names it (its message's first op, the error's ``execution`` line and the
+    message's inputs); None when it does not stop there (the data held the value already, or it
+    cannot run here)."""
     try:
         with check_numerics():
             loss = loss_fn(model(inputs), targets)
             float(loss.detach())  # read: an inf that reached the loss is harmful here
     except NonFiniteError as exc:
+        where = exc.execution
+        if "file" not in where:
+            return None
         lines = str(exc).splitlines()
-        out: dict[str, Any] = {"op": lines[0].split(" ", 1)[0], "message": str(exc), "inputs": []}
-        for text in lines[1:]:
-            m = _AT.match(text)
-            if m and "file" not in out:
-                out.update(file=m["file"], line=int(m["line"]), function=m["function"], code=m["code"].strip())
-            elif text.strip().startswith("input "):
-                out["inputs"].append(text.strip())
-        return out if "file" in out else None
+        return {"op": lines[0].split(" ", 1)[0], "message": str(exc),
+                "file": where["file"], "line": where["line"], "function": where["function"],
+                "code": source_line(where["file"], where["line"]),
+                "inputs": [t.strip() for t in lines[1:] if t.strip().startswith("input ")]}
     except Exception:  # noqa: BLE001 - the finding stands without an origin; the check must not fail here
         return None
     return None
@@ -238,7 +235,7 @@ def init_checks(model: nn.Module, batch: Any, loss_fn: Any, *, num_classes: int 
                 where = _nonfinite_origin(model, inputs, targets, loss_fn)
                 fix = "Check the inputs for NaN/Inf (validate_data) and the loss for log(0)."
                 if where is not None:
-                    fix = (f"{where['op']} at {where['file']}:{where['line']} made the first NaN/Inf "
+                    fix = (f"{where['op']} at {short_path(where['file'])}:{where['line']} made the first NaN/Inf "
                            f"(`{where['code']}`)" + "".join(f"; {i}" for i in where["inputs"])
                            + "; `trainguard.check_numerics()` around one step says more")
                 issues.append(finding("initial_loss_nonfinite", "critical", f"The initial loss is {fmt(value)}",
