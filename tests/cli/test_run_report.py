@@ -264,3 +264,4 @@ def test_a_logdir_holding_a_run_is_refused_with_the_flag_that_replaces_it(tmp_pa
         assert main([*cmd, "--logdir", logdir, str(script)]) == 2
         err = capsys.readouterr().err
         assert "already holds a run" in err and "--overwrite" in err, err
+        assert "--resume" in err, err  # the same command after a preemption: continue the run
