@@ -37,7 +37,8 @@ from trainguard.store._window import SEND_INTERVAL, BufferWindow
 log = logging.getLogger("trainguard.store")
 
 # What to do about a logdir that holds a run, for the Python API and the command line alike.
-_CHOOSE = "choose a new logdir, or replace it: overwrite=True (--overwrite on the command line)"
+_CHOOSE = ("choose a new logdir, or replace it: overwrite=True (--overwrite on the command line), "
+           "or continue it: --resume (trainguard run and monitor)")
 
 
 def _check_appendable(db: Path) -> None:
