@@ -157,3 +157,15 @@ def test_monitor_benchmark_measures_the_live_gradient_check(tmp_path, capsys):
     checked = [c for c in bench_monitor.CONFIGS if c.startswith("monitor") and "no-gradcheck" not in c]
     assert len(out["gradcheck_seconds"]["SwishMLP"]) == len(checked) == 3
     assert "live gradient check of SwishMLP" in capsys.readouterr().out
+
+
+def test_compile_benchmark_compares_a_monitor_with_its_baseline_by_the_same_statistic():
+    # The monitor's rows are means over whole periods (its one recording step in ten counts). Their
+    # baseline, compiled plain, was taken by its median: on a noisy machine (right-skewed step times)
+    # a configuration identical to plain came out 1.2x. Both sides must use the same statistic.
+    noisy = [1.0] * 8 + [3.0, 5.0]  # the same steps, one config and its baseline
+    for config, _, base in bench_compile.CONFIGS:
+        assert bench_compile.round_ratio(config, noisy, noisy) == pytest.approx(1.0), config
+    # and the monitor's recording step still counts
+    monitor = next(c for c, _, _ in bench_compile.CONFIGS if "monitor" in c)
+    assert bench_compile.round_ratio(monitor, [1.0] * 9 + [2.0], [1.0] * 10) == pytest.approx(1.1)
