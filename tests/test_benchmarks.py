@@ -164,7 +164,7 @@ def test_compile_benchmark_compares_a_monitor_with_its_baseline_by_the_same_stat
     # baseline, compiled plain, was taken by its median: on a noisy machine (right-skewed step times)
     # a configuration identical to plain came out 1.2x. Both sides must use the same statistic.
     noisy = [1.0] * 8 + [3.0, 5.0]  # the same steps, one config and its baseline
-    for config, _, base in bench_compile.CONFIGS:
+    for config, _, _ in bench_compile.CONFIGS:
         assert bench_compile.round_ratio(config, noisy, noisy) == pytest.approx(1.0), config
     # and the monitor's recording step still counts
     monitor = next(c for c, _, _ in bench_compile.CONFIGS if "monitor" in c)
