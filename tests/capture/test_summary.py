@@ -299,3 +299,25 @@ def test_host_copy_of_cpu_summaries_gives_the_values_and_no_event():
     host, event = host_copy(values)
     assert event is None and host.device.type == "cpu"
     assert torch.equal(host, values)
+
+
+@pytest.mark.parametrize("dtype", _KERNEL_DTYPES)
+def test_a_large_dense_tensor_split_across_threads_counts_exactly(simd, dtype):
+    # Large dense outputs are summarised by torch's intra-op threads, a part each: every part's
+    # counts add up, and one part's NaN or inf makes the whole summary exact.
+    mod = _native.load()
+    n = (1 << 20) + 13  # above the split's threshold, not a multiple of the parts
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            t = torch.linspace(-1, 1, n, dtype=torch.float64).to(dtype)
+            t[::7] = 0
+            check(t, t.double().numpy(), "full_health", mod.summarize(t, _MODE_CODE["full_health"]))
+            for at in (0, n // 2 + 1, n - 1):  # in the first, a middle and the last part
+                bad = t.clone()
+                bad[at] = float("nan")
+                bad[at // 2] = float("-inf")
+                check(bad, bad.double().numpy(), "full_health", mod.summarize(bad, _MODE_CODE["full_health"]))
+    finally:
+        torch.set_num_threads(old)
