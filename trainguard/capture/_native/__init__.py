@@ -28,7 +28,10 @@ log = logging.getLogger("trainguard.capture")
 _DIR = Path(__file__).resolve().parent
 SOURCES = ("summary.cpp", "stacks.cpp", "ops.cpp", "tables.cpp", "recorder.cpp", "module.cpp")
 HEADERS = ("native.h", "core.h", "flat.h")
-CFLAGS = ("-O3", "-DNDEBUG", "-fvisibility=hidden", "-fopenmp-simd")
+# -fopenmp: the summary kernel splits a large output across torch's intra-op threads with
+# at::parallel_for, whose OpenMP body is compiled into the extension (without it, it runs on one
+# thread). The extension's libgomp.so.1 is the runtime torch loaded already (the same soname).
+CFLAGS = ("-O3", "-DNDEBUG", "-fvisibility=hidden", "-fopenmp")
 # The frame chain the stack capture reads (see stacks.cpp).
 PYTHONS = ((3, 11), (3, 12))
 
@@ -120,7 +123,7 @@ def build(verbose: bool = False):
         raise RuntimeError("the native core's sources changed while its build started; import again")
     include = sysconfig.get_paths()["include"]
     mod = cpp_extension.load(
-        name, [str(src / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+        name, [str(src / s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(src), include], build_directory=str(out), verbose=verbose, with_cuda=False,
     )
     done.write_text(key + "\n")

@@ -8,6 +8,7 @@
 #include "native.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/_values.h>
 #include <ATen/ops/aminmax.h>
 #include <ATen/ops/coalesce.h>
@@ -285,12 +286,35 @@ void for_each_run(const at::Tensor& t, F&& f) {
   }
 }
 
+// A dense tensor of at least this many elements is read by torch's intra-op threads, a part
+// each (the op that made it used them too; one thread alone would double the pass's share of a
+// step on two). Below it, waking the threads costs more than the part they would read.
+constexpr int64_t kSplitMin = int64_t(1) << 17;
+
+template <typename U, typename B>
+bool fast_split(const U* p, int64_t n, Counts& c) {
+  const int threads = at::get_num_threads();
+  if (n < kSplitMin || threads < 2 || at::in_parallel_region()) return false;
+  std::vector<Counts> parts(threads);
+  at::parallel_for(0, n, kSplitMin / 2, [&](int64_t b, int64_t e) {
+    fast_block<U, B>(p + b, e - b, parts[at::get_thread_num()]);
+  });
+  for (const Counts& part : parts) {
+    c.neg += part.neg;
+    c.pos += part.pos;
+    c.finite = c.finite && part.finite;
+  }
+  return true;
+}
+
 template <typename T, typename U, typename B>
 Counts float_counts(const at::Tensor& t, bool moments, bool expect_nonfinite) {
   Counts c;
   // Expected not finite (an input is already harmful: a NaN storm's every op): the exact pass only.
   if (expect_nonfinite) c.finite = false;
-  else for_each_run<T>(t, [&](const T* p, int64_t n) { fast_block<U, B>(reinterpret_cast<const U*>(p), n, c); });
+  else if (!(t.is_non_overlapping_and_dense() &&
+             fast_split<U, B>(reinterpret_cast<const U*>(t.const_data_ptr()), t.numel(), c)))
+    for_each_run<T>(t, [&](const T* p, int64_t n) { fast_block<U, B>(reinterpret_cast<const U*>(p), n, c); });
   if (!c.finite) {
     Counts e;
     e.finite = false;
