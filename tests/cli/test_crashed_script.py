@@ -171,6 +171,43 @@ def test_a_crash_inside_torch_says_where_and_in_which_module(tmp_path, capsys, m
     assert "tab.py:12" in out and "Embedding(8, 4)" in out and "index 8 is out of range" in out, out
 
 
+# cleanrl's ppo.py (vwxyzjn/cleanrl, cleanrl/ppo.py) with a minibatch of one sample: the advantage
+# normalisation's std() is NaN, Adam writes it into the actor, and the next step's
+# Categorical(logits=...) rejects the NaN logits with a ValueError of its own.
+NAN_THEN_RAISE = textwrap.dedent("""
+    import torch
+    from torch.distributions.categorical import Categorical
+    torch.manual_seed(0)
+    actor = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(actor.parameters(), lr=2.5e-4, eps=1e-5)
+    obs, advantages = torch.randn(8, 4), torch.randn(8)
+    for start in range(8):
+        mb = slice(start, start + 1)
+        probs = Categorical(logits=actor(obs[mb]))
+        newlogprob = probs.log_prob(torch.zeros(1, dtype=torch.long))
+        mb_advantages = advantages[mb]
+        mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+        loss = -(mb_advantages * newlogprob).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+""")
+
+
+def test_a_crash_after_a_harmful_nan_points_at_its_origin(tmp_path, capsys):
+    script = tmp_path / "ppo.py"
+    script.write_text(NAN_THEN_RAISE)
+    assert main(["run", "--logdir", str(tmp_path / "run"), str(script)]) == 1
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "run"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["crash"]["step"] == 1 and "ValueError: Expected parameter logits" in rep["crash"]["error"]
+    (crash,) = [f for f in rep["findings"] if f["kind"] == "script_crashed"]
+    # the ValueError is what the NaN made in step 0 did next: fixing "the error it raised" fixes nothing
+    assert "first harmful NaN/Inf, in step 0" in crash["suggestion"], crash["suggestion"]
+    assert "names the op and line that made it" in crash["suggestion"], crash["suggestion"]
+
+
 SIGTERM_MID_TRAINING = linear_regression(1000, in_step="""
     if step == 40:
         os.kill(os.getpid(), signal.SIGTERM)  # the scheduler preempts the job
