@@ -690,6 +690,21 @@ def test_activations_that_saturated_during_training_blame_the_updates_not_the_in
     assert "learning rate" in f.suggestion and "Xavier" not in f.suggestion
 
 
+def test_activations_that_collapsed_during_training_blame_the_updates_not_the_init(tmp_path):
+    # cleanrl's ppo.py (vwxyzjn/cleanrl, cleanrl/ppo.py) at lr=0.5 (2000x its 2.5e-4): the critic's
+    # Tanh layers saturated and its value head ended with an output std of 1e-6 (0.2 at step 0);
+    # the fix said "the signal shrinks layer by layer: use Xavier initialisation", quoting the init
+    # of another layer. The same layer statistics, by hand.
+    rows = []
+    for s in range(0, 100, 5):
+        for la, later in (("0", 9.0), ("2", 70.0), ("4", 1e-6)):
+            rows += [(s, la, "activation", "mean", 0.0), (s, la, "activation", "std", 0.2 if s == 0 else later)]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows))
+    f = next(f for f in fs if f.kind == "collapsed_activations")
+    assert f.evidence["initial_std"] == {"4": 0.2} and f.evidence["arose_in_training"] is True
+    assert "learning rate" in f.suggestion and "Xavier" not in f.suggestion, f.suggestion
+
+
 class _XBlock(nn.Module):
     """One layer pair of lucidrains/x-transformers' ``Encoder`` (pre-norm): attention whose padding
     is masked with ``-torch.finfo(dtype).max`` (attend.py), then a GELU feedforward."""
