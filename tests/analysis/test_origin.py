@@ -884,3 +884,30 @@ def test_a_sample_converted_from_numpy_is_called_data_not_a_python_constant(tmp_
     assert "Python constant" not in o.origin.explanation, o.origin.explanation
     assert "NumPy" in o.origin.explanation and "data" in o.origin.explanation, o.origin.explanation
     assert "already held" in o.suggestion
+
+
+def test_a_zero_std_inside_torch_distributions_names_the_std_not_an_epsilon_the_user_cannot_add(tmp_path):
+    """cleanrl's ppo_continuous_action.py (vwxyzjn/cleanrl) with its log-std collapsed (exp of
+    -120 is 0 in float32) and argument validation off, as RL code often turns it: Normal.log_prob
+    divides by 2 * scale**2 = 0. The division is torch's own line: the fix was "x / (d + 1e-8)"."""
+    torch.distributions.Distribution.set_default_validate_args(False)
+    actor_mean = nn.Linear(3, 1)
+    actor_logstd = nn.Parameter(torch.full((1, 1), -120.0))
+    obs = torch.randn(4, 3)
+
+    def f():
+        action_mean = actor_mean(obs)
+        action_std = torch.exp(actor_logstd.expand_as(action_mean))
+        probs = torch.distributions.Normal(action_mean, action_std)
+        action = probs.sample()
+        (-probs.log_prob(action).sum(1).mean()).backward()
+
+    try:
+        o = origin(record(tmp_path, f))
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(True)
+    assert o.origin.op == "aten.div.Tensor" and o.origin.function == "f"
+    lib = o.origin.library
+    assert (lib["path"], lib["function"]) == ("torch/distributions/normal.py", "log_prob"), lib
+    assert "scale" in o.suggestion and "std" in o.suggestion and "clamp" in o.suggestion, o.suggestion
+    assert "d + 1e-8" not in o.suggestion, o.suggestion
