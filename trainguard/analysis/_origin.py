@@ -221,8 +221,10 @@ def _through(run: Run, inputs: list[dict], limit: int = 16) -> tuple[list[str], 
     return list(dict.fromkeys(through[k] for k in sorted(through))), sources
 
 
-# Installed packages whose frames are the machinery, never the place a user looks for a cause.
+# Installed packages whose frames are the machinery, never the place a user looks for a cause;
+# but torch.distributions is code the user calls with values of their own (a Normal's scale).
 _NOT_LIBRARY = ("torch", "functorch", "torchgen", "triton", "trainguard")
+_DISTRIBUTIONS = "torch/distributions/"
 
 
 def _library_frame(run: Run, stack_id: int | None) -> dict | None:
@@ -234,7 +236,7 @@ def _library_frame(run: Run, stack_id: int | None) -> dict | None:
     for f in reversed(frames[user + 1:]):
         name = f["filename"].replace("\\", "/")
         cut = next((name.split(d, 1)[1] for d in ("/site-packages/", "/dist-packages/") if d in name), None)
-        if cut is None or cut.split("/", 1)[0] in _NOT_LIBRARY:
+        if cut is None or (cut.split("/", 1)[0] in _NOT_LIBRARY and not cut.startswith(_DISTRIBUTIONS)):
             continue
         try:
             lines = run.source(f["filename"]).splitlines()
@@ -663,6 +665,10 @@ _SUGGESTIONS = {
     "log(sigmoid(x)){complement}, or compute the loss with F.binary_cross_entropy_with_logits / "
     "nn.BCEWithLogitsLoss on the logits (a clamp or nn.BCELoss only bounds the log at a finite value)",
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
+    "div_distribution": "the division is torch.distributions' own ({where}): its denominator is made from a "
+    "parameter the code gave the distribution, which holds zeros (a Normal's scale: the std collapsed to 0). Keep "
+    "it above 0 where it is made: clamp the log-std before exp, std = log_std.clamp(-20, 2).exp() (as SAC implementations do), or "
+    "std = F.softplus(x) + 1e-5; leave validate_args on (torch's default) to stop at the constructor instead",
     "div_count": "the denominator is a count that was 0 (nothing matched): divide by it clamped to at least 1, "
     "x / n.clamp(min=1) (a mean over no elements is then 0), or skip the batch when n == 0; an epsilon added to "
     "a count of 0 divides by the epsilon instead",
@@ -928,6 +934,9 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
             return (f"the zeros in the denominator are a difference taken in {cancelled}, whose values just below 1 "
                     f"are {_SPACING.get(cancelled, 'far')} apart (0.9999 rounds to 1, and 1 - 0.9999 is 0): compute it "
                     "in float32, e.g. (1 - a.float()), and cast back after the division; then " + _SUGGESTIONS["div"])
+        if link.library and link.library["path"].startswith(_DISTRIBUTIONS):
+            lib = link.library
+            return _SUGGESTIONS["div_distribution"].format(where=f"{lib['path']}:{lib['line']} in {lib['function']}")
         return _SUGGESTIONS["div"]
     if base in _SQRTS or base in _RSQRTS:
         return _SUGGESTIONS["sqrt"]
