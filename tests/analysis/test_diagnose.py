@@ -705,6 +705,26 @@ def test_activations_that_collapsed_during_training_blame_the_updates_not_the_in
     assert "learning rate" in f.suggestion and "Xavier" not in f.suggestion, f.suggestion
 
 
+def test_gradients_that_vanished_during_training_blame_the_updates_not_the_tanh_stack(tmp_path):
+    # cleanrl's ppo.py (vwxyzjn/cleanrl, cleanrl/ppo.py) at lr=0.5: its critic's Tanh layers
+    # saturated, and the first layer's relative gradient ended 3e-11 of the last one's (alike at
+    # step 0); the fix said "deep sigmoid/tanh stacks shrink the gradient at every layer: use
+    # ReLU/GELU", for cleanrl's standard 2-layer Tanh network. The same statistics, by hand.
+    layers = [{"name": "0", "type": "Linear"}, {"name": "1", "type": "Tanh"}, {"name": "2", "type": "Linear"},
+              {"name": "3", "type": "Tanh"}, {"name": "4", "type": "Linear"}]
+    later = {"0.weight": (1e-11, 1e-7), "2.weight": (1e-9, 1e-6), "4.weight": (5.0, 1e-2)}
+    rows = []
+    for s in range(0, 100, 5):
+        for p, (grad, update) in later.items():
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05 if s == 0 else grad),
+                     (s, p, "gradient", "present", 1), (s, p, "gradient", "in_optimizer", 1),
+                     (s, p, "update", "norm", 0.01), (s, p, "update", "ratio", 2e-3 if s == 0 else update)]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers))
+    f = next(f for f in fs if f.kind == "vanishing_gradient")
+    assert f.evidence["initial_first_last_ratio"] == 1.0 and f.evidence["arose_in_training"] is True
+    assert "learning rate" in f.suggestion and "ReLU" not in f.suggestion, f.suggestion
+
+
 class _XBlock(nn.Module):
     """One layer pair of lucidrains/x-transformers' ``Encoder`` (pre-norm): attention whose padding
     is masked with ``-torch.finfo(dtype).max`` (attend.py), then a GELU feedforward."""
