@@ -48,7 +48,7 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
 # pass has none); the gradient cliffs of an unclipped RNN come first, and stay a cause of their own.
 IN_TRAINING: dict[str, tuple[str, ...]] = {
     "lr_too_high": ("dead_units", "exploding_activations", "collapsed_activations", "saturated_activations",
-                    "exploding_gradient", "nonfinite_gradient"),
+                    "vanishing_gradient", "exploding_gradient", "nonfinite_gradient"),
 }
 # A wrong custom gradient and a misused loss function explain what the curves and layers show
 # (analysis/_function_rules.py, _graph_rules.py): they are read off the graph, not the numbers.

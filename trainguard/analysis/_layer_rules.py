@@ -426,6 +426,20 @@ def _update_flow(ctx: Context, names: list[str]) -> dict[str, float]:
     return out
 
 
+def _initial_flow_ratio(ctx: Context, first: str, last: str) -> float | None:
+    """The first weight matrix's relative gradient over the last one's at the run's first recording,
+    when the weights were the initial ones (None otherwise, or when either has no gradient there)."""
+    if not ctx.weights_initial or not ctx.recorded_steps:
+        return None
+    at = []
+    for p in (first, last):
+        r = ctx.relgrad(p)
+        if not len(r) or r.steps[0] != ctx.recorded_steps[0] or not (math.isfinite(r.values[0]) and r.values[0] > 0):
+            return None
+        at.append(float(r.values[0]))
+    return at[0] / at[1]
+
+
 @register_rule("vanishing_gradient")
 def vanishing_gradient(ctx: Context) -> list[Finding]:
     flow = _gradient_flow(ctx)
@@ -451,14 +465,24 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
             # key projections at initialisation).
             return []
     weak = [p for p in names if flow[p] / flow[names[-1]] < ctx.th.vanish_ratio]
-    fam = activation_family(ctx)
-    _, init_text = init_advice(ctx, names, fam)
-    fix = (
-        "deep sigmoid/tanh stacks shrink the gradient at every layer: use ReLU/GELU with Kaiming init, add "
-        "normalisation layers or residual connections"
-        if fam == "tanh"
-        else f"use {init_text}; add normalisation layers or residual connections"
-    )
+    initial = _initial_flow_ratio(ctx, names[0], names[-1])
+    if initial is not None and initial >= ctx.th.vanish_ratio:
+        # The gradients reached the first layer at initialisation: the updates saturated or killed
+        # the units between (cleanrl's PPO at 2000x its rate), and another activation would not help.
+        ev["initial_first_last_ratio"] = initial
+        ev["arose_in_training"] = True
+        fix = (f"the gradients did not vanish at initialisation (first/last ratio {fmt(initial)} at step "
+               f"{ctx.recorded_steps[0]}): the updates saturated or killed the units between; lower the learning "
+               "rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay")
+    else:
+        fam = activation_family(ctx)
+        _, init_text = init_advice(ctx, names, fam)
+        fix = (
+            "deep sigmoid/tanh stacks shrink the gradient at every layer: use ReLU/GELU with Kaiming init, add "
+            "normalisation layers or residual connections"
+            if fam == "tanh"
+            else f"use {init_text}; add normalisation layers or residual connections"
+        )
     return [
         Finding(
             kind="vanishing_gradient",
