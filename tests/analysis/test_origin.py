@@ -911,3 +911,24 @@ def test_a_zero_std_inside_torch_distributions_names_the_std_not_an_epsilon_the_
     assert (lib["path"], lib["function"]) == ("torch/distributions/normal.py", "log_prob"), lib
     assert "scale" in o.suggestion and "std" in o.suggestion and "clamp" in o.suggestion, o.suggestion
     assert "d + 1e-8" not in o.suggestion, o.suggestion
+
+
+def test_an_observation_from_numpy_holding_inf_is_told_to_check_where_the_array_is_made(tmp_path):
+    """cleanrl's dqn.py (vwxyzjn/cleanrl) with an environment whose sensor reads +inf once: the
+    acting step's `q_network(torch.Tensor(obs))` converts the observation. The fix blamed "the data
+    or the parameters" and "the previous step", and pointed at `trainguard doctor`, which has no
+    data set to validate in an RL loop: the array was non-finite before torch saw it."""
+    import numpy as np
+
+    q_network = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    obs = np.random.default_rng(0).standard_normal((1, 4)).astype(np.float32)
+    obs[0, 1] = np.inf  # a broken sensor
+
+    def f():
+        q_values = q_network(torch.Tensor(obs))
+        q_values.max().item()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.origin.line == line_in(sys.modules[__name__], "q_values = q_network(torch.Tensor(obs))")
+    assert "already held" in o.suggestion and "parameters" not in o.suggestion, o.suggestion
+    assert "environment" in o.suggestion and "np.isfinite" in o.suggestion, o.suggestion
