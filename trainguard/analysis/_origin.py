@@ -713,6 +713,10 @@ _SUGGESTIONS = {
     "`trainguard doctor` validates a data set",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
     "and the previous step",
+    "array": "the array converted here already held NaN/Inf before torch saw it (a data set's sample, an "
+    "environment's observation or reward, a file): check it where it is made, e.g. "
+    "`assert np.isfinite(a).all()`, and repair or drop those values there (np.nan_to_num, a gymnasium "
+    "observation wrapper); `trainguard doctor` validates a data set",
     "received": "this rank only received the value from another rank: see the report of the rank that made it "
     "(trainguard report RUN names it on its first line; --rank K details one rank)",
 }
@@ -957,6 +961,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         # one value: a constant the code wrote (``-np.inf``), not a batch read from the data; kept
         # in a tensor until a later step read it, it was written into the data (``x[5, 3] = inf``)
         return _SUGGESTIONS["written" if held else "constant"]
+    if base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward":
+        return _SUGGESTIONS["array"]  # a row or batch from NumPy or a list: nothing recorded made it
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
     if (all("inf" not in h for h in link.health)
