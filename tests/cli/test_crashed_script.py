@@ -177,6 +177,7 @@ def test_a_crash_inside_torch_says_where_and_in_which_module(tmp_path, capsys, m
 NAN_THEN_RAISE = textwrap.dedent("""
     import torch
     from torch.distributions.categorical import Categorical
+    torch.distributions.Distribution.set_default_validate_args(True)  # torch's default; torch.compile turns it off
     torch.manual_seed(0)
     actor = torch.nn.Linear(4, 2)
     opt = torch.optim.Adam(actor.parameters(), lr=2.5e-4, eps=1e-5)
@@ -206,6 +207,50 @@ def test_a_crash_after_a_harmful_nan_points_at_its_origin(tmp_path, capsys):
     # the ValueError is what the NaN made in step 0 did next: fixing "the error it raised" fixes nothing
     assert "first harmful NaN/Inf, in step 0" in crash["suggestion"], crash["suggestion"]
     assert "names the op and line that made it" in crash["suggestion"], crash["suggestion"]
+
+
+# cleanrl's ppo_continuous_action.py (vwxyzjn/cleanrl) with its log-std driven far negative: exp
+# underflows to 0 and Normal's argument check (on by default) raises before any NaN is made.
+STD_COLLAPSED = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from torch.distributions.normal import Normal
+    torch.distributions.Distribution.set_default_validate_args(True)  # torch's default; torch.compile turns it off
+
+    class Agent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.actor_mean = nn.Linear(3, 1)
+            self.actor_logstd = nn.Parameter(torch.zeros(1, 1))
+
+        def get_action(self, x):
+            action_mean = self.actor_mean(x)
+            action_std = torch.exp(self.actor_logstd.expand_as(action_mean))
+            probs = Normal(action_mean, action_std)
+            return probs.sample()
+
+    agent = Agent()
+    obs = torch.randn(4, 3)
+    for step in range(3):
+        if step == 2:
+            with torch.no_grad():
+                agent.actor_logstd.fill_(-120.0)  # what a runaway entropy term does over many updates
+        loss = agent.get_action(obs).sum() + agent.actor_logstd.sum()
+        loss.backward()
+""")
+
+
+def test_a_distribution_argument_check_says_which_values_broke_it_and_why(tmp_path):
+    script = tmp_path / "ppo_continuous_action.py"
+    script.write_text(STD_COLLAPSED)
+    assert main(["run", "--logdir", str(tmp_path / "run"), str(script)]) == 1
+    with open_run(tmp_path / "run") as run:
+        assert run.meta["error"].startswith("ValueError: Expected parameter scale")
+        at = run.meta["crash_at"]
+    assert at["line"] == 16 and "Normal(action_mean, action_std)" in at["code"], at
+    # torch prints the values; which of them broke the constraint, and what makes a scale 0, it does not say
+    assert "Normal's scale holds 4 zeros (of 4 values)" in at["detail"], at
+    assert "log_std.clamp(" in at["detail"], at
 
 
 SIGTERM_MID_TRAINING = linear_regression(1000, in_step="""
