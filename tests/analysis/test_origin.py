@@ -932,3 +932,28 @@ def test_an_observation_from_numpy_holding_inf_is_told_to_check_where_the_array_
     assert o.origin.op == "aten.lift_fresh" and o.origin.line == line_in(sys.modules[__name__], "q_values = q_network(torch.Tensor(obs))")
     assert "already held" in o.suggestion and "parameters" not in o.suggestion, o.suggestion
     assert "environment" in o.suggestion and "np.isfinite" in o.suggestion, o.suggestion
+
+
+def test_an_exp_overflow_of_a_log_std_read_through_expand_is_told_to_bound_the_parameter(tmp_path):
+    """cleanrl's ppo_continuous_action.py (vwxyzjn/cleanrl) at lr=20: Adam grew `actor_logstd` past
+    88 and `torch.exp(self.actor_logstd.expand_as(action_mean))` overflowed. The exponent is a learned
+    log-std read through expand_as, and the fix was "subtract the maximum first (logsumexp / softmax
+    do)", which has no maximum to subtract here."""
+    torch.manual_seed(0)
+    actor_mean = nn.Linear(3, 1)
+    actor_logstd = nn.Parameter(torch.zeros(1, 1))
+    opt = torch.optim.Adam([*actor_mean.parameters(), actor_logstd], lr=20.0)
+    obs = torch.randn(8, 3)
+
+    def f():
+        for _ in range(8):
+            action_mean = actor_mean(obs)
+            action_std = torch.exp(actor_logstd.expand_as(action_mean))  # LOG_STD_EXP
+            entropy_loss = -torch.log(action_std).mean()  # an entropy bonus alone: the std grows without bound
+            opt.zero_grad()
+            entropy_loss.backward()
+            opt.step()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.exp" and o.origin.line == line_in(sys.modules[__name__], "# LOG_STD_EXP")
+    assert "maximum" not in o.suggestion and "clamp_" in o.suggestion and "log-scale" in o.suggestion, o.suggestion
