@@ -794,6 +794,33 @@ def log_of_sigmoid(run: Run, link: Link) -> str | None:
     return None
 
 
+def parameter_behind_view(run: Run, link: Link) -> str | None:
+    """When an exp's input is a parameter read through reshapes or an expand (cleanrl's
+    ``torch.exp(self.actor_logstd.expand_as(mean))``): its name, ``""`` when the run knows it only
+    as what the optimizer wrote; else None (or evicted)."""
+    if op_base(link.op) not in ("exp", "exp_") or link.phase != "forward":
+        return None
+    try:
+        inputs = run.execution(link.seq)["inputs"]
+        for _ in range(8):
+            first = inputs[0] if inputs else None
+            if first is None:
+                return None
+            if first.get("kind") == "param":
+                return first.get("name") or ""
+            digest = first.get("producer_digest")
+            if not digest:
+                return None
+            if digest.get("phase") == "optimizer":
+                return ""
+            if op_base(digest["op"]).rstrip("_") not in _PASS_THROUGH:
+                return None
+            inputs = run.execution(digest["seq"])["inputs"]
+    except (KeyError, TrainguardError):
+        return None
+    return None
+
+
 # The ops an expression's outermost operator runs as (``a * x + b`` is an add).
 _BINOPS = {ast.Add: {"add"}, ast.Sub: {"sub", "rsub"}, ast.Mult: {"mul"}, ast.Div: {"div"},
            ast.MatMult: {"matmul", "mm", "bmm", "addmm", "baddbmm"}, ast.Pow: {"pow"}}
@@ -856,10 +883,10 @@ def _exp_of_parameter(name: str) -> str:
     ``logit_scale.exp()``) that the updates grew past the dtype's range, not a computation whose
     maximum can be subtracted."""
     named = f" '{name}'" if name else ""
-    return (f"the exponent is the parameter{named} (a learned log-scale, as CLIP's logit_scale), which the "
-            "optimizer grew past what exp can hold: bound it after each optimizer.step(), as open_clip does, "
-            f"`with torch.no_grad(): {'model.' + name if name else 'logit_scale'}.clamp_(0, math.log(100))`, "
-            "and/or give it a lower learning rate")
+    return (f"the exponent is the parameter{named} (a learned log-scale, as CLIP's logit_scale or a Gaussian "
+            "policy's log-std), which the optimizer grew past what exp can hold: bound it after each "
+            f"optimizer.step(), as open_clip does, `with torch.no_grad(): {'model.' + name if name else 'logit_scale'}"
+            ".clamp_(0, math.log(100))` (a log-std: `.clamp_(-20, 2)`), and/or give it a lower learning rate")
 
 
 def _into_log_one_plus(consumers: list[str]) -> bool:
@@ -896,13 +923,14 @@ def _integer_denominator(link: Link) -> bool:
 
 
 def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None,
-            log_of: str | None = None, held: bool = False) -> str:
+            log_of: str | None = None, held: bool = False, exp_param: str | None = None) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
     ``consumers``: the ops the value went through after ``link``, nearest first; ``log_of``: what a
     log's input is (:func:`log_of_sigmoid`); ``held``: the value became harmful in a later step than
-    it was made (it sat in a tensor meanwhile)."""
+    it was made (it sat in a tensor meanwhile); ``exp_param``: the parameter an exp's input is, read
+    through reshapes (:func:`parameter_behind_view`)."""
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
@@ -948,7 +976,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         if base in ("exp", "exp_") and link.phase == "forward":
             # the exponent is a parameter: by name once its module ran, else as what the optimizer wrote
             param = next((i.get("name") or "" for i in link.inputs if i.get("kind") == "param"
-                          or i.get("producer_phase") == "optimizer"), None)
+                          or i.get("producer_phase") == "optimizer"), exp_param)
             if param is not None:
                 return _exp_of_parameter(param)
         if base in ("pow", "square"):
@@ -1043,5 +1071,6 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     fed = fed_back(run, o) if first_forward and o.step == 0 else None
     consumers = [link.op for link in reversed(chain[:-1])]
     held = h.step is not None and o.step is not None and h.step > o.step
-    suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held)
+    suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
+                         exp_param=parameter_behind_view(run, o))
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm)
