@@ -690,6 +690,41 @@ def test_activations_that_saturated_during_training_blame_the_updates_not_the_in
     assert "learning rate" in f.suggestion and "Xavier" not in f.suggestion
 
 
+def test_activations_that_collapsed_during_training_blame_the_updates_not_the_init(tmp_path):
+    # cleanrl's ppo.py (vwxyzjn/cleanrl, cleanrl/ppo.py) at lr=0.5 (2000x its 2.5e-4): the critic's
+    # Tanh layers saturated and its value head ended with an output std of 1e-6 (0.2 at step 0);
+    # the fix said "the signal shrinks layer by layer: use Xavier initialisation", quoting the init
+    # of another layer. The same layer statistics, by hand.
+    rows = []
+    for s in range(0, 100, 5):
+        for la, later in (("0", 9.0), ("2", 70.0), ("4", 1e-6)):
+            rows += [(s, la, "activation", "mean", 0.0), (s, la, "activation", "std", 0.2 if s == 0 else later)]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows))
+    f = next(f for f in fs if f.kind == "collapsed_activations")
+    assert f.evidence["initial_std"] == {"4": 0.2} and f.evidence["arose_in_training"] is True
+    assert "learning rate" in f.suggestion and "Xavier" not in f.suggestion, f.suggestion
+
+
+def test_gradients_that_vanished_during_training_blame_the_updates_not_the_tanh_stack(tmp_path):
+    # cleanrl's ppo.py (vwxyzjn/cleanrl, cleanrl/ppo.py) at lr=0.5: its critic's Tanh layers
+    # saturated, and the first layer's relative gradient ended 3e-11 of the last one's (alike at
+    # step 0); the fix said "deep sigmoid/tanh stacks shrink the gradient at every layer: use
+    # ReLU/GELU", for cleanrl's standard 2-layer Tanh network. The same statistics, by hand.
+    layers = [{"name": "0", "type": "Linear"}, {"name": "1", "type": "Tanh"}, {"name": "2", "type": "Linear"},
+              {"name": "3", "type": "Tanh"}, {"name": "4", "type": "Linear"}]
+    later = {"0.weight": (1e-11, 1e-7), "2.weight": (1e-9, 1e-6), "4.weight": (5.0, 1e-2)}
+    rows = []
+    for s in range(0, 100, 5):
+        for p, (grad, update) in later.items():
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05 if s == 0 else grad),
+                     (s, p, "gradient", "present", 1), (s, p, "gradient", "in_optimizer", 1),
+                     (s, p, "update", "norm", 0.01), (s, p, "update", "ratio", 2e-3 if s == 0 else update)]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers))
+    f = next(f for f in fs if f.kind == "vanishing_gradient")
+    assert f.evidence["initial_first_last_ratio"] == 1.0 and f.evidence["arose_in_training"] is True
+    assert "learning rate" in f.suggestion and "ReLU" not in f.suggestion, f.suggestion
+
+
 class _XBlock(nn.Module):
     """One layer pair of lucidrains/x-transformers' ``Encoder`` (pre-norm): attention whose padding
     is masked with ``-torch.finfo(dtype).max`` (attend.py), then a GELU feedforward."""
@@ -1142,3 +1177,28 @@ def test_parameters_in_no_optimizer_are_not_called_a_missing_zero_grad(tmp_path)
     fs = mon.findings
     assert "param_not_in_optimizer" in kinds(fs), [(f.kind, f.title) for f in fs]
     assert "gradients_accumulating" not in kinds(fs), [(f.kind, f.title) for f in fs]
+
+
+def test_a_loss_that_rises_a_little_while_an_agent_learns_is_not_a_supervised_fault(tmp_path):
+    # cleanrl's ppo.py (vwxyzjn/cleanrl) on CartPole, 2 envs x 128 steps, killed and resumed under
+    # `trainguard run --monitor --resume`: the loss rose 19.8 -> 26.2 (under 2x, so no divergence)
+    # and the fix was the supervised one ("check that targets match inputs (shuffle them together)
+    # ... overfit_one_batch"), beside "the loss oscillates: lower the learning rate from 0.000125 to
+    # about 1e-05", cleanrl's tuned rate. The monitor knows the script steps a gymnasium environment.
+    rng = np.random.default_rng(0)
+    t = np.arange(124)
+    rollout = np.repeat(rng.gamma(2.0, 1.0, 124 // 16 + 1) - 2.0, 16)[:124]  # 16 steps per rollout
+    loss = list(19.8 + 6.0 * t / 124 + 3.0 * np.sin(2 * np.pi * t / 28) + rollout + rng.standard_normal(124))
+    rows = []
+    for s in range(0, 124, 10):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "gradient", "in_optimizer", 1), (s, p, "update", "norm", 0.005),
+                     (s, p, "update", "ratio", 5e-4)]
+    plain = diagnose(write_run(tmp_path / "plain", loss, layer_rows=rows, lr=1.25e-4, every=10))
+    assert "loss_oscillating" in kinds(plain)  # without an environment, judged as any loss
+    fs = diagnose(write_run(tmp_path / "rl", loss, layer_rows=rows, lr=1.25e-4, every=10, environment="gymnasium"))
+    assert "loss_oscillating" not in kinds(fs), [(f.kind, f.title) for f in fs]
+    [f] = [f for f in fs if f.kind == "loss_not_decreasing"]
+    assert "reinforcement learning" in f.suggestion and "episode return" in f.suggestion, f.suggestion
+    assert "shuffle" not in f.suggestion and "overfit_one_batch" not in f.suggestion, f.suggestion

@@ -884,3 +884,76 @@ def test_a_sample_converted_from_numpy_is_called_data_not_a_python_constant(tmp_
     assert "Python constant" not in o.origin.explanation, o.origin.explanation
     assert "NumPy" in o.origin.explanation and "data" in o.origin.explanation, o.origin.explanation
     assert "already held" in o.suggestion
+
+
+def test_a_zero_std_inside_torch_distributions_names_the_std_not_an_epsilon_the_user_cannot_add(tmp_path):
+    """cleanrl's ppo_continuous_action.py (vwxyzjn/cleanrl) with its log-std collapsed (exp of
+    -120 is 0 in float32) and argument validation off, as RL code often turns it: Normal.log_prob
+    divides by 2 * scale**2 = 0. The division is torch's own line: the fix was "x / (d + 1e-8)"."""
+    torch.distributions.Distribution.set_default_validate_args(False)
+    actor_mean = nn.Linear(3, 1)
+    actor_logstd = nn.Parameter(torch.full((1, 1), -120.0))
+    obs = torch.randn(4, 3)
+
+    def f():
+        action_mean = actor_mean(obs)
+        action_std = torch.exp(actor_logstd.expand_as(action_mean))
+        probs = torch.distributions.Normal(action_mean, action_std)
+        action = probs.sample()
+        (-probs.log_prob(action).sum(1).mean()).backward()
+
+    try:
+        o = origin(record(tmp_path, f))
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(True)
+    assert o.origin.op == "aten.div.Tensor" and o.origin.function == "f"
+    lib = o.origin.library
+    assert (lib["path"], lib["function"]) == ("torch/distributions/normal.py", "log_prob"), lib
+    assert "scale" in o.suggestion and "std" in o.suggestion and "clamp" in o.suggestion, o.suggestion
+    assert "d + 1e-8" not in o.suggestion, o.suggestion
+
+
+def test_an_observation_from_numpy_holding_inf_is_told_to_check_where_the_array_is_made(tmp_path):
+    """cleanrl's dqn.py (vwxyzjn/cleanrl) with an environment whose sensor reads +inf once: the
+    acting step's `q_network(torch.Tensor(obs))` converts the observation. The fix blamed "the data
+    or the parameters" and "the previous step", and pointed at `trainguard doctor`, which has no
+    data set to validate in an RL loop: the array was non-finite before torch saw it."""
+    import numpy as np
+
+    q_network = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    obs = np.random.default_rng(0).standard_normal((1, 4)).astype(np.float32)
+    obs[0, 1] = np.inf  # a broken sensor
+
+    def f():
+        q_values = q_network(torch.Tensor(obs))
+        q_values.max().item()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.origin.line == line_in(sys.modules[__name__], "q_values = q_network(torch.Tensor(obs))")
+    assert "already held" in o.suggestion and "parameters" not in o.suggestion, o.suggestion
+    assert "environment" in o.suggestion and "np.isfinite" in o.suggestion, o.suggestion
+
+
+def test_an_exp_overflow_of_a_log_std_read_through_expand_is_told_to_bound_the_parameter(tmp_path):
+    """cleanrl's ppo_continuous_action.py (vwxyzjn/cleanrl) at lr=20: Adam grew `actor_logstd` past
+    88 and `torch.exp(self.actor_logstd.expand_as(action_mean))` overflowed. The exponent is a learned
+    log-std read through expand_as, and the fix was "subtract the maximum first (logsumexp / softmax
+    do)", which has no maximum to subtract here."""
+    torch.manual_seed(0)
+    actor_mean = nn.Linear(3, 1)
+    actor_logstd = nn.Parameter(torch.zeros(1, 1))
+    opt = torch.optim.Adam([*actor_mean.parameters(), actor_logstd], lr=20.0)
+    obs = torch.randn(8, 3)
+
+    def f():
+        for _ in range(8):
+            action_mean = actor_mean(obs)
+            action_std = torch.exp(actor_logstd.expand_as(action_mean))  # LOG_STD_EXP
+            entropy_loss = -torch.log(action_std).mean()  # an entropy bonus alone: the std grows without bound
+            opt.zero_grad()
+            entropy_loss.backward()
+            opt.step()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.exp" and o.origin.line == line_in(sys.modules[__name__], "# LOG_STD_EXP")
+    assert "maximum" not in o.suggestion and "clamp_" in o.suggestion and "log-scale" in o.suggestion, o.suggestion

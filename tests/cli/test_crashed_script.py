@@ -171,6 +171,88 @@ def test_a_crash_inside_torch_says_where_and_in_which_module(tmp_path, capsys, m
     assert "tab.py:12" in out and "Embedding(8, 4)" in out and "index 8 is out of range" in out, out
 
 
+# cleanrl's ppo.py (vwxyzjn/cleanrl, cleanrl/ppo.py) with a minibatch of one sample: the advantage
+# normalisation's std() is NaN, Adam writes it into the actor, and the next step's
+# Categorical(logits=...) rejects the NaN logits with a ValueError of its own.
+NAN_THEN_RAISE = textwrap.dedent("""
+    import torch
+    from torch.distributions.categorical import Categorical
+    torch.distributions.Distribution.set_default_validate_args(True)  # torch's default; torch.compile turns it off
+    torch.manual_seed(0)
+    actor = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(actor.parameters(), lr=2.5e-4, eps=1e-5)
+    obs, advantages = torch.randn(8, 4), torch.randn(8)
+    for start in range(8):
+        mb = slice(start, start + 1)
+        probs = Categorical(logits=actor(obs[mb]))
+        newlogprob = probs.log_prob(torch.zeros(1, dtype=torch.long))
+        mb_advantages = advantages[mb]
+        mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+        loss = -(mb_advantages * newlogprob).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+""")
+
+
+def test_a_crash_after_a_harmful_nan_points_at_its_origin(tmp_path, capsys):
+    script = tmp_path / "ppo.py"
+    script.write_text(NAN_THEN_RAISE)
+    assert main(["run", "--logdir", str(tmp_path / "run"), str(script)]) == 1
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "run"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["crash"]["step"] == 1 and "ValueError: Expected parameter logits" in rep["crash"]["error"]
+    (crash,) = [f for f in rep["findings"] if f["kind"] == "script_crashed"]
+    # the ValueError is what the NaN made in step 0 did next: fixing "the error it raised" fixes nothing
+    assert "first harmful NaN/Inf, in step 0" in crash["suggestion"], crash["suggestion"]
+    assert "names the op and line that made it" in crash["suggestion"], crash["suggestion"]
+
+
+# cleanrl's ppo_continuous_action.py (vwxyzjn/cleanrl) with its log-std driven far negative: exp
+# underflows to 0 and Normal's argument check (on by default) raises before any NaN is made.
+STD_COLLAPSED = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from torch.distributions.normal import Normal
+    torch.distributions.Distribution.set_default_validate_args(True)  # torch's default; torch.compile turns it off
+
+    class Agent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.actor_mean = nn.Linear(3, 1)
+            self.actor_logstd = nn.Parameter(torch.zeros(1, 1))
+
+        def get_action(self, x):
+            action_mean = self.actor_mean(x)
+            action_std = torch.exp(self.actor_logstd.expand_as(action_mean))
+            probs = Normal(action_mean, action_std)
+            return probs.sample()
+
+    agent = Agent()
+    obs = torch.randn(4, 3)
+    for step in range(3):
+        if step == 2:
+            with torch.no_grad():
+                agent.actor_logstd.fill_(-120.0)  # what a runaway entropy term does over many updates
+        loss = agent.get_action(obs).sum() + agent.actor_logstd.sum()
+        loss.backward()
+""")
+
+
+def test_a_distribution_argument_check_says_which_values_broke_it_and_why(tmp_path):
+    script = tmp_path / "ppo_continuous_action.py"
+    script.write_text(STD_COLLAPSED)
+    assert main(["run", "--logdir", str(tmp_path / "run"), str(script)]) == 1
+    with open_run(tmp_path / "run") as run:
+        assert run.meta["error"].startswith("ValueError: Expected parameter scale")
+        at = run.meta["crash_at"]
+    assert at["line"] == 16 and "Normal(action_mean, action_std)" in at["code"], at
+    # torch prints the values; which of them broke the constraint, and what makes a scale 0, it does not say
+    assert "Normal's scale holds 4 zeros (of 4 values)" in at["detail"], at
+    assert "log_std.clamp(" in at["detail"], at
+
+
 SIGTERM_MID_TRAINING = linear_regression(1000, in_step="""
     if step == 40:
         os.kill(os.getpid(), signal.SIGTERM)  # the scheduler preempts the job

@@ -41,6 +41,26 @@ def test_objects_without_state_dict_are_refused():
         TrainState(lr=0.1)
 
 
+def test_an_object_assigned_after_construction_is_held_like_one_passed_to_it():
+    # cleanrl's ppo.py (vwxyzjn/cleanrl, cleanrl/ppo.py) made resumable: each iteration collects a
+    # new rollout and sets `state.loader = DataLoader(TensorDataset(b_obs, ...), shuffle=True)`. The
+    # assignment made a plain attribute that checkpoints never saved and batches() never saw
+    # ("pass loader=... to TrainState"), and a model assigned anew was saved as the old one.
+    state = TrainState(model=torch.nn.Linear(2, 2))
+    state.loader = loader()
+    assert isinstance(state.loader, ResumableLoader) and state.names() == ["model", "loader"]
+    assert state.is_rank_local("loader") and set(state.capture().local) == {"loader", RNG}
+    new = torch.nn.Linear(2, 2)
+    state.model = new
+    assert state.model is new and torch.equal(state.capture().shared["model"]["weight"], new.weight)
+    with pytest.raises(TypeError, match=r"TrainState\(lr=\.\.\.\) needs an object with state_dict"):
+        state.lr = 0.1
+    with pytest.raises(ValueError, match="reserved"):
+        state.rng = torch.Generator()
+    state.step, state.epoch = 3, 1  # trainguard's counters stay plain
+    assert (state.step, state.epoch) == (3, 1) and state.names() == ["model", "loader"]
+
+
 def test_capture_splits_shared_and_per_rank_state_and_apply_restores_rng_last():
     state = TrainState(model=torch.nn.Linear(2, 2), loader=loader())
     cap = state.capture()

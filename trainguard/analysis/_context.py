@@ -113,6 +113,8 @@ class Context:
         # A run whose first recording came after updates (resumed, or watched from mid-training)
         # does not know its initial weights; older runs did not say and recorded from step 0.
         self.weights_initial = bool(self.meta.get("weights_initial", True))
+        # the reinforcement-learning environment package the script imported (gymnasium), if any
+        self.environment: str | None = self.meta.get("environment")
         # How the loop clips its gradients ({"function", "value", "first_step"}), if it does.
         self.clipping: dict | None = self.meta.get("clipping")
         self.lrs = {k: Series.of(v) for k, v in scalars.items() if k.startswith("lr/")}

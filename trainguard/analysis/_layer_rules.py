@@ -225,14 +225,14 @@ def _initial_rms(ctx: Context, layers: list[str]) -> dict[str, float] | None:
     return out
 
 
-def _initial_sat(ctx: Context, layers: list[str]) -> dict[str, float] | None:
-    """Each layer's saturated fraction at the run's first recording, when its weights were the
-    initial ones (None otherwise, or when a layer was not recorded there)."""
+def _initial(ctx: Context, layers: list[str], stat: str) -> dict[str, float] | None:
+    """Each layer's activation ``stat`` (``sat_frac``, ``std``) at the run's first recording, when
+    its weights were the initial ones (None otherwise, or when a layer was not recorded there)."""
     if not ctx.weights_initial or not ctx.recorded_steps:
         return None
     out = {}
     for la in layers:
-        s = ctx.stat(la, "activation", "sat_frac")
+        s = ctx.stat(la, "activation", stat)
         if not len(s) or s.steps[0] != ctx.recorded_steps[0] or not math.isfinite(s.values[0]):
             return None
         out[la] = float(s.values[0])
@@ -328,12 +328,24 @@ def collapsed_activations(ctx: Context) -> list[Finding]:
     if not cold:
         return []
     first = cold[0]
-    rows, init_text = init_advice(ctx, ctx.weight_matrices(), activation_family(ctx))
     ev = {"std_by_layer": stds, "input_rms": scale, "limit": limit}
     if branches:
         ev["small_residual_branches"] = branches
-    if rows:
-        ev["init"] = rows
+    initial = _initial(ctx, cold, "std")
+    if initial is not None and all(v >= limit for v in initial.values()):
+        # Not collapsed at initialisation: the updates did it (cleanrl's PPO critic at 2000x its
+        # rate, behind Tanh layers they saturated), and a new init would not help.
+        ev["initial_std"] = initial
+        ev["arose_in_training"] = True
+        suggestion = (f"layer {first} was not collapsed at initialisation (std {fmt(initial[first])}) and collapsed "
+                      "during training: the updates made every sample's output the same (saturated or dead units "
+                      "before it); lower the learning rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) or "
+                      "add weight decay")
+    else:
+        rows, init_text = init_advice(ctx, ctx.weight_matrices(), activation_family(ctx))
+        if rows:
+            ev["init"] = rows
+        suggestion = f"the signal shrinks layer by layer: use {init_text}"
     return [
         Finding(
             kind="collapsed_activations",
@@ -341,7 +353,7 @@ def collapsed_activations(ctx: Context) -> list[Finding]:
             title=f"Collapsed activations: layer {first}'s outputs have std {fmt(stds[first])} "
             f"(every sample looks the same){f'; {len(cold)} layers' if len(cold) > 1 else ''}",
             evidence=ev,
-            suggestion=f"the signal shrinks layer by layer: use {init_text}",
+            suggestion=suggestion,
             steps=_steps(ctx),
             layers=cold,
             source=SOURCE,
@@ -363,7 +375,7 @@ def saturated_activations(ctx: Context) -> list[Finding]:
         return []
     first = next(iter(sat))
     ev: dict = {"saturated_fraction": sat, "types": {la: ctx.layer_type.get(la) for la in sat}}
-    initial = _initial_sat(ctx, list(sat))
+    initial = _initial(ctx, list(sat), "sat_frac")
     if initial is not None and all(v < ctx.th.saturation_warn for v in initial.values()):
         # Not saturated at initialisation: the updates grew the pre-activations, a new init would not help.
         ev["initial_saturated_fraction"] = initial
@@ -414,6 +426,20 @@ def _update_flow(ctx: Context, names: list[str]) -> dict[str, float]:
     return out
 
 
+def _initial_flow_ratio(ctx: Context, first: str, last: str) -> float | None:
+    """The first weight matrix's relative gradient over the last one's at the run's first recording,
+    when the weights were the initial ones (None otherwise, or when either has no gradient there)."""
+    if not ctx.weights_initial or not ctx.recorded_steps:
+        return None
+    at = []
+    for p in (first, last):
+        r = ctx.relgrad(p)
+        if not len(r) or r.steps[0] != ctx.recorded_steps[0] or not (math.isfinite(r.values[0]) and r.values[0] > 0):
+            return None
+        at.append(float(r.values[0]))
+    return at[0] / at[1]
+
+
 @register_rule("vanishing_gradient")
 def vanishing_gradient(ctx: Context) -> list[Finding]:
     flow = _gradient_flow(ctx)
@@ -439,14 +465,24 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
             # key projections at initialisation).
             return []
     weak = [p for p in names if flow[p] / flow[names[-1]] < ctx.th.vanish_ratio]
-    fam = activation_family(ctx)
-    _, init_text = init_advice(ctx, names, fam)
-    fix = (
-        "deep sigmoid/tanh stacks shrink the gradient at every layer: use ReLU/GELU with Kaiming init, add "
-        "normalisation layers or residual connections"
-        if fam == "tanh"
-        else f"use {init_text}; add normalisation layers or residual connections"
-    )
+    initial = _initial_flow_ratio(ctx, names[0], names[-1])
+    if initial is not None and initial >= ctx.th.vanish_ratio:
+        # The gradients reached the first layer at initialisation: the updates saturated or killed
+        # the units between (cleanrl's PPO at 2000x its rate), and another activation would not help.
+        ev["initial_first_last_ratio"] = initial
+        ev["arose_in_training"] = True
+        fix = (f"the gradients did not vanish at initialisation (first/last ratio {fmt(initial)} at step "
+               f"{ctx.recorded_steps[0]}): the updates saturated or killed the units between; lower the learning "
+               "rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay")
+    else:
+        fam = activation_family(ctx)
+        _, init_text = init_advice(ctx, names, fam)
+        fix = (
+            "deep sigmoid/tanh stacks shrink the gradient at every layer: use ReLU/GELU with Kaiming init, add "
+            "normalisation layers or residual connections"
+            if fam == "tanh"
+            else f"use {init_text}; add normalisation layers or residual connections"
+        )
     return [
         Finding(
             kind="vanishing_gradient",

@@ -382,6 +382,12 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
     blocked = gradient_blocked(ctx)
     if blocked:
         hints.append(f"gradients do not reach the weights ({blocked}): fix that first (see its finding)")
+    elif ctx.environment:
+        hints.append(
+            f"the script steps a reinforcement learning environment ({ctx.environment}): the loss's targets (returns, "
+            "advantages) come from what the policy collects and move as it learns (PPO's value loss grows with the "
+            "returns), so a loss that does not fall says little: judge the run by the episode return"
+        )
     elif rising and (div := diverged(ctx)) and _slow_under_calm_updates(ctx, div, _ratio_max(ctx)):
         hints.append(
             f"the loss rose slowly while no step moved the weights by more than {_ratio_max(ctx):.2g} of their norm "
@@ -437,6 +443,8 @@ def _fisher_p(r: np.ndarray) -> float:
 
 @register_rule("loss_oscillating")
 def loss_oscillating(ctx: Context) -> list[Finding]:
+    if ctx.environment:
+        return []  # a reinforcement-learning loss rises and falls with each rollout the policy collects
     loss = finite_loss(ctx)
     n = len(loss)
     skip = int(n * ctx.th.window_fraction)  # the early transient is not an oscillation

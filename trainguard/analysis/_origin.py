@@ -221,8 +221,10 @@ def _through(run: Run, inputs: list[dict], limit: int = 16) -> tuple[list[str], 
     return list(dict.fromkeys(through[k] for k in sorted(through))), sources
 
 
-# Installed packages whose frames are the machinery, never the place a user looks for a cause.
+# Installed packages whose frames are the machinery, never the place a user looks for a cause;
+# but torch.distributions is code the user calls with values of their own (a Normal's scale).
 _NOT_LIBRARY = ("torch", "functorch", "torchgen", "triton", "trainguard")
+_DISTRIBUTIONS = "torch/distributions/"
 
 
 def _library_frame(run: Run, stack_id: int | None) -> dict | None:
@@ -234,7 +236,7 @@ def _library_frame(run: Run, stack_id: int | None) -> dict | None:
     for f in reversed(frames[user + 1:]):
         name = f["filename"].replace("\\", "/")
         cut = next((name.split(d, 1)[1] for d in ("/site-packages/", "/dist-packages/") if d in name), None)
-        if cut is None or cut.split("/", 1)[0] in _NOT_LIBRARY:
+        if cut is None or (cut.split("/", 1)[0] in _NOT_LIBRARY and not cut.startswith(_DISTRIBUTIONS)):
             continue
         try:
             lines = run.source(f["filename"]).splitlines()
@@ -663,6 +665,10 @@ _SUGGESTIONS = {
     "log(sigmoid(x)){complement}, or compute the loss with F.binary_cross_entropy_with_logits / "
     "nn.BCEWithLogitsLoss on the logits (a clamp or nn.BCELoss only bounds the log at a finite value)",
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
+    "div_distribution": "the division is torch.distributions' own ({where}): its denominator is made from a "
+    "parameter the code gave the distribution, which holds zeros (a Normal's scale: the std collapsed to 0). Keep "
+    "it above 0 where it is made: clamp the log-std before exp, std = log_std.clamp(-20, 2).exp() (as SAC implementations do), or "
+    "std = F.softplus(x) + 1e-5; leave validate_args on (torch's default) to stop at the constructor instead",
     "div_count": "the denominator is a count that was 0 (nothing matched): divide by it clamped to at least 1, "
     "x / n.clamp(min=1) (a mean over no elements is then 0), or skip the batch when n == 0; an epsilon added to "
     "a count of 0 divides by the epsilon instead",
@@ -707,6 +713,10 @@ _SUGGESTIONS = {
     "`trainguard doctor` validates a data set",
     "input": "the data or the parameters already held NaN/Inf: check the inputs (trainguard doctor validates data) "
     "and the previous step",
+    "array": "the array converted here already held NaN/Inf before torch saw it (a data set's sample, an "
+    "environment's observation or reward, a file): check it where it is made, e.g. "
+    "`assert np.isfinite(a).all()`, and repair or drop those values there (np.nan_to_num, a gymnasium "
+    "observation wrapper); `trainguard doctor` validates a data set",
     "received": "this rank only received the value from another rank: see the report of the rank that made it "
     "(trainguard report RUN names it on its first line; --rank K details one rank)",
 }
@@ -784,6 +794,33 @@ def log_of_sigmoid(run: Run, link: Link) -> str | None:
     return None
 
 
+def parameter_behind_view(run: Run, link: Link) -> str | None:
+    """When an exp's input is a parameter read through reshapes or an expand (cleanrl's
+    ``torch.exp(self.actor_logstd.expand_as(mean))``): its name, ``""`` when the run knows it only
+    as what the optimizer wrote; else None (or evicted)."""
+    if op_base(link.op) not in ("exp", "exp_") or link.phase != "forward":
+        return None
+    try:
+        inputs = run.execution(link.seq)["inputs"]
+        for _ in range(8):
+            first = inputs[0] if inputs else None
+            if first is None:
+                return None
+            if first.get("kind") == "param":
+                return first.get("name") or ""
+            digest = first.get("producer_digest")
+            if not digest:
+                return None
+            if digest.get("phase") == "optimizer":
+                return ""
+            if op_base(digest["op"]).rstrip("_") not in _PASS_THROUGH:
+                return None
+            inputs = run.execution(digest["seq"])["inputs"]
+    except (KeyError, TrainguardError):
+        return None
+    return None
+
+
 # The ops an expression's outermost operator runs as (``a * x + b`` is an add).
 _BINOPS = {ast.Add: {"add"}, ast.Sub: {"sub", "rsub"}, ast.Mult: {"mul"}, ast.Div: {"div"},
            ast.MatMult: {"matmul", "mm", "bmm", "addmm", "baddbmm"}, ast.Pow: {"pow"}}
@@ -846,10 +883,10 @@ def _exp_of_parameter(name: str) -> str:
     ``logit_scale.exp()``) that the updates grew past the dtype's range, not a computation whose
     maximum can be subtracted."""
     named = f" '{name}'" if name else ""
-    return (f"the exponent is the parameter{named} (a learned log-scale, as CLIP's logit_scale), which the "
-            "optimizer grew past what exp can hold: bound it after each optimizer.step(), as open_clip does, "
-            f"`with torch.no_grad(): {'model.' + name if name else 'logit_scale'}.clamp_(0, math.log(100))`, "
-            "and/or give it a lower learning rate")
+    return (f"the exponent is the parameter{named} (a learned log-scale, as CLIP's logit_scale or a Gaussian "
+            "policy's log-std), which the optimizer grew past what exp can hold: bound it after each "
+            f"optimizer.step(), as open_clip does, `with torch.no_grad(): {'model.' + name if name else 'logit_scale'}"
+            ".clamp_(0, math.log(100))` (a log-std: `.clamp_(-20, 2)`), and/or give it a lower learning rate")
 
 
 def _into_log_one_plus(consumers: list[str]) -> bool:
@@ -886,13 +923,14 @@ def _integer_denominator(link: Link) -> bool:
 
 
 def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None,
-            log_of: str | None = None, held: bool = False) -> str:
+            log_of: str | None = None, held: bool = False, exp_param: str | None = None) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
     ``consumers``: the ops the value went through after ``link``, nearest first; ``log_of``: what a
     log's input is (:func:`log_of_sigmoid`); ``held``: the value became harmful in a later step than
-    it was made (it sat in a tensor meanwhile)."""
+    it was made (it sat in a tensor meanwhile); ``exp_param``: the parameter an exp's input is, read
+    through reshapes (:func:`parameter_behind_view`)."""
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
@@ -928,6 +966,9 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
             return (f"the zeros in the denominator are a difference taken in {cancelled}, whose values just below 1 "
                     f"are {_SPACING.get(cancelled, 'far')} apart (0.9999 rounds to 1, and 1 - 0.9999 is 0): compute it "
                     "in float32, e.g. (1 - a.float()), and cast back after the division; then " + _SUGGESTIONS["div"])
+        if link.library and link.library["path"].startswith(_DISTRIBUTIONS):
+            lib = link.library
+            return _SUGGESTIONS["div_distribution"].format(where=f"{lib['path']}:{lib['line']} in {lib['function']}")
         return _SUGGESTIONS["div"]
     if base in _SQRTS or base in _RSQRTS:
         return _SUGGESTIONS["sqrt"]
@@ -935,7 +976,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         if base in ("exp", "exp_") and link.phase == "forward":
             # the exponent is a parameter: by name once its module ran, else as what the optimizer wrote
             param = next((i.get("name") or "" for i in link.inputs if i.get("kind") == "param"
-                          or i.get("producer_phase") == "optimizer"), None)
+                          or i.get("producer_phase") == "optimizer"), exp_param)
             if param is not None:
                 return _exp_of_parameter(param)
         if base in ("pow", "square"):
@@ -948,6 +989,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         # one value: a constant the code wrote (``-np.inf``), not a batch read from the data; kept
         # in a tensor until a later step read it, it was written into the data (``x[5, 3] = inf``)
         return _SUGGESTIONS["written" if held else "constant"]
+    if base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward":
+        return _SUGGESTIONS["array"]  # a row or batch from NumPy or a list: nothing recorded made it
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
     if (all("inf" not in h for h in link.health)
@@ -1028,5 +1071,6 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     fed = fed_back(run, o) if first_forward and o.step == 0 else None
     consumers = [link.op for link in reversed(chain[:-1])]
     held = h.step is not None and o.step is not None and h.step > o.step
-    suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held)
+    suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
+                         exp_param=parameter_behind_view(run, o))
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm)

@@ -47,21 +47,38 @@ def _cause(meta: dict[str, Any], error: str | None) -> str:
     return ""
 
 
+def _harm_step(meta: dict[str, Any], step: int | None) -> int | None:
+    """The step of the first harmful NaN/Inf the recording saw, when it was made no later than the
+    step the script ended in (what it stopped or crashed on), else None."""
+    harm = meta.get("first_harm")
+    if not (isinstance(harm, dict) and isinstance(harm.get("step"), int)) or (step is not None and harm["step"] > step):
+        return None
+    return harm["step"]
+
+
+_NAMES_IT = "`trainguard report` on this run names the op and line that made it; fix that"
+
+
 def outcome_finding(meta: dict[str, Any]) -> Finding | None:
     """The crash as a finding (severity error), so that no verdict calls the run healthy."""
     outcome = script_outcome(meta)
     if outcome is None:
         return None
     text = outcome["text"]
+    harm = _harm_step(meta, outcome["step"])
     if outcome["error"] is None:
         # sys.exit(code), no exception: the check training loops make on a non-finite loss
         # (torchvision's detection reference, DeiT, MAE: "Loss is nan, stopping training").
         fix = "the script stopped itself (sys.exit, no exception: its last printed lines say why)"
-        harm = meta.get("first_harm")
-        if isinstance(harm, dict) and isinstance(harm.get("step"), int):
-            fix += (f" after the first harmful NaN/Inf, in step {harm['step']}: `trainguard report` on this run "
-                    "names the op and line that made it; fix that")
+        if harm is not None:
+            fix += f" after the first harmful NaN/Inf, in step {harm}: {_NAMES_IT}"
         fix += ", then judge training health on a run that finishes"
+    elif harm is not None:
+        # An error raised on the NaN (a distribution's argument check on NaN logits, multinomial on
+        # NaN probabilities: cleanrl's PPO): where it showed, not what to fix.
+        fix = (_cause(meta, outcome["error"]) + f"the error came after the first harmful NaN/Inf, in step {harm}, "
+               f"most likely from that value reaching the check that raised: {_NAMES_IT}, then judge training "
+               "health on a run that finishes")
     else:
         fix = (_cause(meta, outcome["error"]) + "the statistics stop where the script did: fix the error it raised "
                "(its traceback was printed when it ran), then judge training health on a run that finishes")

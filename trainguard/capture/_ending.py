@@ -85,11 +85,38 @@ def crash_site(error: BaseException) -> dict[str, Any] | None:
     if module is not None:
         text = repr(module)
         at["module"] = text if "\n" not in text and len(text) <= 80 else type(module).__name__
-    if isinstance(error, IndexError):
-        detail = _embedding_index(frames)
-        if detail:
-            at["detail"] = detail
+    detail = _embedding_index(frames) if isinstance(error, IndexError) else (
+        _distribution_argument(frames) if isinstance(error, ValueError) else None)
+    if detail:
+        at["detail"] = detail
     return at
+
+
+def _distribution_argument(frames: list) -> str | None:
+    """For torch.distributions' argument check ("Expected parameter scale ... found invalid
+    values"): which values of the parameter broke it, and for a scale of 0 what makes one."""
+    import torch
+    from torch.distributions import Distribution
+
+    init = Distribution.__init__.__code__
+    for f, _ in reversed(frames):
+        if f.f_code is not init:
+            continue
+        param, value = f.f_locals.get("param"), f.f_locals.get("value")
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.device.type != "cpu":
+            return None
+        v = value.detach()
+        counts = [(int(torch.isnan(v).sum()), "NaN"), (int(torch.isinf(v).sum()), "inf"),
+                  (int((v == 0).sum()), "zero"), (int((v < 0).sum()), "negative")]
+        found = ", ".join(f"{n} {word}{'s' if word == 'zero' and n != 1 else ''}" for n, word in counts if n)
+        if not found:
+            return None
+        text = f"{type(f.f_locals.get('self')).__name__}'s {param} holds {found} (of {v.numel()} value{'s' if v.numel() != 1 else ''})"
+        if param == "scale" and counts[2][0]:
+            text += (": a std of 0 (exp of a log-std below about -103 underflows to 0 in float32): keep it above 0 "
+                     "where it is made, e.g. std = log_std.clamp(-20, 2).exp(), or F.softplus(x) + 1e-5")
+        return text
+    return None
 
 
 def _embedding_index(frames: list) -> str | None:

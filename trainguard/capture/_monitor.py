@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -61,6 +62,10 @@ from trainguard.store import acquire_writer, default_name, release_writer
 from trainguard.store import rank_dir as _rank_dir
 
 log = logging.getLogger("trainguard.monitor")
+
+# Reinforcement-learning environment packages: a script that imported one trains on what its own
+# policy collected, and the run's meta says so (analysis judges such a loss's trend differently).
+_RL_ENVIRONMENTS = ("gymnasium", "gym", "dm_control", "pettingzoo")
 
 def _validate(every: Any, bins: Any, histograms: Any) -> None:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -412,6 +417,9 @@ class Monitor(EventsMixin, HookMixin):
             known["torch_func_model"] = self._torch_func_model
         if self.no_grad_layers:
             known["no_grad_layers"] = dict(self.no_grad_layers)
+        env = next((m for m in _RL_ENVIRONMENTS if m in sys.modules), None)
+        if env is not None:  # a reinforcement-learning loop: the loss's targets move with the policy
+            known["environment"] = env
         self._write_meta(final_step=self._cur, status=ended.get("status", "finished"), **self._validation_meta(),
                          **known)
         if ended:  # the run's own record of the crash, which the diagnosis reads (analysis._outcome)

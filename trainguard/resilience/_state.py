@@ -76,30 +76,39 @@ class TrainState:
     """
 
     def __init__(self, **stateful: Any):
-        objects: dict[str, Any] = {}
-        local: set[str] = set()
+        object.__setattr__(self, "_objects", {})
+        object.__setattr__(self, "_local", frozenset())
         for name, obj in stateful.items():
-            if name.startswith("_") or name in _RESERVED or hasattr(TrainState, name):
-                raise ValueError(f"{name!r} is reserved in TrainState, choose another name")
-            if (isinstance(obj, DataLoader) and not _stateful(obj)) or framework_inner(obj) is not None:
-                obj = ResumableLoader(obj)
-            elif not _stateful(obj) and has_epoch(obj):
-                obj = SamplerEpoch(obj)
-            elif is_accelerator(obj):
-                obj = AcceleratorCount(obj)
-            if isinstance(obj, (DataLoader, ResumableLoader, Sampler, SamplerEpoch, torch.Generator,
-                                AcceleratorCount)):
-                local.add(name)
-            if not (_stateful(obj) or isinstance(obj, torch.Generator)):
-                raise TypeError(
-                    f"TrainState({name}=...) needs an object with state_dict() and load_state_dict(), "
-                    f"or a sampler with set_epoch() and an epoch, got {type(obj).__name__}"
-                )
-            objects[name] = obj
-        self._objects = objects
-        self._local = frozenset(local)
+            self._hold(name, obj)
         self.step = 0
         self.epoch = 0
+
+    def _hold(self, name: str, obj: Any) -> None:
+        if name.startswith("_") or name in _RESERVED or hasattr(TrainState, name):
+            raise ValueError(f"{name!r} is reserved in TrainState, choose another name")
+        if (isinstance(obj, DataLoader) and not _stateful(obj)) or framework_inner(obj) is not None:
+            obj = ResumableLoader(obj)
+        elif not _stateful(obj) and has_epoch(obj):
+            obj = SamplerEpoch(obj)
+        elif is_accelerator(obj):
+            obj = AcceleratorCount(obj)
+        if not (_stateful(obj) or isinstance(obj, torch.Generator)):
+            raise TypeError(
+                f"TrainState({name}=...) needs an object with state_dict() and load_state_dict(), "
+                f"or a sampler with set_epoch() and an epoch, got {type(obj).__name__}"
+            )
+        local = isinstance(obj, (DataLoader, ResumableLoader, Sampler, SamplerEpoch, torch.Generator,
+                                 AcceleratorCount))
+        self._objects[name] = obj
+        object.__setattr__(self, "_local", (self._local | {name}) if local else (self._local - {name}))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # An object assigned later (a new rollout's loader each iteration of an RL loop) is held as
+        # one passed to the constructor: saved, restored and handed out by batches().
+        if name in ("step", "epoch"):
+            object.__setattr__(self, name, value)
+        else:
+            self._hold(name, value)
 
     def __getattr__(self, name: str) -> Any:
         objects = self.__dict__.get("_objects", {})
