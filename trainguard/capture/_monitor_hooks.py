@@ -219,6 +219,8 @@ class HookMixin:
         if (torch.compiler.is_compiling() or module in self._known or module in self._no_params
                 or _tracing_state() is not None):
             return
+        if any(True for _ in module.parameters()) and all(p.is_meta for p in module.parameters()):
+            return  # shapes without values (a copy built to count flops, or not yet materialised): not trained
         if not any(True for _ in module.parameters()) or isinstance(module, _ParametrizationList):
             # A ParametrizationList runs when a parametrized tensor is read (``layer.weight``, and once
             # at registration): part of the layer that owns it, never a model of its own.

@@ -57,9 +57,14 @@ def _announce(event: str, *args) -> None:
             log.exception("trainguard monitor: %s listener failed", event)
 
 
+def _on_meta(tensors) -> bool:
+    first = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
+    return isinstance(first, torch.Tensor) and first.is_meta
+
+
 def _backward(tensors, grad_tensors=None, *args, **kwargs):
     global _in_backward
-    if _in_backward:
+    if _in_backward or _on_meta(tensors):  # meta: shapes without values (flop counting), no training
         return _originals["backward"](tensors, grad_tensors, *args, **kwargs)
     for fn in list(_listeners["root"]):
         fn(tensors)
