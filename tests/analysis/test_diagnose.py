@@ -1202,3 +1202,39 @@ def test_a_loss_that_rises_a_little_while_an_agent_learns_is_not_a_supervised_fa
     [f] = [f for f in fs if f.kind == "loss_not_decreasing"]
     assert "reinforcement learning" in f.suggestion and "episode return" in f.suggestion, f.suggestion
     assert "shuffle" not in f.suggestion and "overfit_one_batch" not in f.suggestion, f.suggestion
+
+
+class _FunctionalReluNet(nn.Module):
+    """lightning examples/fabric/image_classifier/train_fabric.py's Net in small: F.relu between
+    the layers (no ReLU module), Adadelta at lr 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return nn.functional.log_softmax(self.fc2(nn.functional.relu(self.fc1(x))), dim=1)
+
+
+def test_a_layer_dead_behind_a_functional_relu_is_named_not_a_rate_too_low(tmp_path):
+    # fc1's bias at -20: every pre-activation negative, F.relu gives 0 everywhere, no gradient
+    # reaches fc1 and fc2's weight. The monitor said "Learning rate too low ... raise it from 1 to
+    # about 100" and param_zero_gradient "the loss does not depend on them": neither names fc1.
+    torch.manual_seed(0)
+    model = _FunctionalReluNet()
+    nn.init.constant_(model.fc1.bias, -20.0)
+    opt = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(0)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(30):
+            x = torch.randn(64, 16, generator=g)
+            loss = nn.functional.nll_loss(model(x), x[:, :10].argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    problems = kinds(mon.findings)
+    assert "lr_too_low" not in problems and problems[0] == "param_zero_gradient"
+    zero = next(f for f in mon.findings if f.kind == "param_zero_gradient")
+    assert zero.evidence["negative_layers"] == ["fc1"]
+    assert "fc1" in zero.suggestion and "negative" in zero.suggestion and "bias" in zero.suggestion

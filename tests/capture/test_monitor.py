@@ -238,6 +238,33 @@ def test_attaches_to_unnamed_models_and_leaves_nothing_behind(tmp_path):
     assert len(run.scalars("loss")["loss"]) == 4
 
 
+def test_a_model_on_the_meta_device_counting_flops_is_no_model_being_trained(tmp_path, caplog):
+    # litgpt/pretrain.py fit() (and Lightning's measure_flops) runs a GPT built on the meta device
+    # forward and backward under a FlopCounterMode before training: the monitor took it for the
+    # model, logged "finishing step N failed" (meta and cpu losses stacked) at every step, stored
+    # no loss and reported objectives_in_sequence ("another optimizer took over at step 1").
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(None, tmp_path / "r", every=5) as mon:
+        with torch.device("meta"):
+            meta = mlp()
+            x = torch.randn(4, 8)
+        with FlopCounterMode(display=False) as counter:
+            meta(x).sum().backward()
+        assert counter.get_total_flops() > 0
+        for step in range(25):
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        assert mon.layers == ["0", "1", "2", "3", "4"]
+    assert not [r for r in caplog.records if r.name.startswith("trainguard") and r.levelno >= 30]
+    assert [s for s, _ in open_run(tmp_path / "r").scalars("loss")["loss"]] == list(range(25))
+    assert [f.kind for f in mon.findings] == ["healthy"]
+
+
 def test_two_models_get_prefixes(tmp_path):
     g, d = mlp(), nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.SGD(list(g.parameters()) + list(d.parameters()), lr=0.1)

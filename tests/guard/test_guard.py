@@ -491,3 +491,45 @@ def test_an_installed_guard_watches_resume_without_guard_and_leaves_for_step_in_
     state = make_state(make_data(30, poison_batch=12))
     train(tg.CheckpointManager(tmp_path / "c").resume(state, total_steps=30).batches(), state)
     assert len(guard.events) == 1 and not finite(state)  # uninstalled: nobody watched
+
+
+def _clip_torch_keyword(model, opt):
+    nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, error_if_nonfinite=True)
+
+
+def _clip_torch_positional(model, opt):
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0, 2.0, True)
+
+
+@pytest.mark.parametrize("clip", [_clip_torch_keyword, _clip_torch_positional, "fabric"],
+                         ids=["keyword", "positional", "fabric"])
+def test_a_clip_that_raises_on_a_nonfinite_norm_does_not_end_a_guarded_loop(tmp_path, clip):
+    # Fabric's clip_gradients(model, optimizer, max_norm=...) defaults to error_if_nonfinite=True
+    # (lightning examples/fabric/reinforcement_learning/train_fabric.py, litgpt/pretrain.py): the
+    # poisoned batch's NaN gradient raised RuntimeError in the same step, before the guard, which
+    # reads a step one step late, could rewind. The guard takes that step as any other NaN.
+    state = make_state(make_data(40, poison_batch=20))
+    model, opt = state.model, state.optimizer
+    if clip == "fabric":
+        lightning = pytest.importorskip("lightning")
+        fabric = lightning.Fabric(accelerator="cpu", devices=1)
+        model, opt = fabric.setup(model, opt)
+        state = tg.TrainState(model=model, optimizer=opt, scheduler=state.scheduler, loader=state.loader)
+
+        def clip(model, opt):
+            fabric.clip_gradients(model, opt, max_norm=1.0)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10)
+    for _, (x, y) in guard.batches(state, total_steps=40):
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        clip(model, opt)
+        opt.step()
+    [event] = guard.events
+    assert event["action"] == "skip" and event["step"] == 20 and event["skipped"][0]["index"] == 20
+    assert state.step == 40 and finite(state)
+    # no guard watching: the error the script asked for is raised again
+    first = next(model.parameters())
+    first.grad = torch.full_like(first, float("nan"))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip(model, opt)

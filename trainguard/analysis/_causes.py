@@ -35,6 +35,7 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "lr_too_high": ("loss_not_decreasing", "loss_oscillating"),
     "param_not_updating": ("loss_not_decreasing",),
     "param_no_gradient": ("loss_not_decreasing",),
+    "param_zero_gradient": ("loss_not_decreasing",),
     "param_not_in_optimizer": ("loss_not_decreasing",),
     "gradients_accumulating": ("loss_not_decreasing",),
     "exploding_gradient": ("loss_not_decreasing", "loss_spike"),

@@ -54,12 +54,30 @@ def fully_dead_layers(ctx: Context) -> list[str]:
     return out
 
 
+def negative_layers(ctx: Context) -> list[str]:
+    """Layers with weights whose every output was negative at every recording while their weights
+    got an all-zero gradient: a ReLU applied as a function after them (``F.relu``, no module the
+    monitor could watch) outputs 0 for every sample, and no gradient flows back through it."""
+    owned: dict[str, list[str]] = {}
+    for p, info in ctx.params.items():
+        owned.setdefault(info.get("layer"), []).append(p)
+    out = []
+    for la in ctx.layers_with("activation", "max"):
+        top = ctx.stat(la, "activation", "max")
+        if la not in owned or len(top) < 2 or not np.all(top.values < 0):
+            continue
+        grads = [ctx.stat(p, "gradient", "norm") for p in owned[la]]
+        if all(len(g) >= 2 and not np.any(g.values) for g in grads):
+            out.append(la)
+    return ctx.ordered(out)
+
+
 def gradient_blocked(ctx: Context) -> str | None:
     """Why gradients cannot reach the weights, if they cannot: no gradient at all, dead layers,
     collapse, vanishing."""
     if len(ctx.grad_norm) and not np.any(ctx.grad_norm.values):
         return "every gradient is 0"
-    dead = fully_dead_layers(ctx)
+    dead = fully_dead_layers(ctx) or negative_layers(ctx)
     if dead:
         return f"layer {dead[0]} is dead"
     if collapsed_activations(ctx):

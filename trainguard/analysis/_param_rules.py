@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from trainguard.analysis._context import Context, fmt
-from trainguard.analysis._layer_rules import fully_dead_layers
+from trainguard.analysis._layer_rules import fully_dead_layers, negative_layers
 from trainguard.analysis._rules import register_rule
 from trainguard.store import Finding
 
@@ -229,7 +229,17 @@ def param_zero_gradient(ctx: Context) -> list[Finding]:
         # an expert called on an empty slice of the batch (a split by each expert's token count)
         evidence["never_routed"] = routed
         advice.append(_routing_advice(routed))
-    if len(idle) < len(zero):
+    negative = negative_layers(ctx)
+    behind = _behind(ctx, negative)
+    if negative:
+        evidence["negative_layers"] = negative
+        top = float(np.max(ctx.stat(negative[0], "activation", "max").values))
+        advice.append(
+            f"layer {negative[0]}'s outputs are negative for every sample (at most {fmt(top)}): a ReLU after it "
+            "(`F.relu`, not a module the monitor sees as a layer) outputs 0 everywhere, so its units are dead and "
+            "nothing before it learns; initialise its bias at 0 (or check its weights' initialisation and the "
+            "scale of its input)")
+    if len([p for p in zero if ctx.params[p].get("layer") not in behind]) > len(idle):
         advice.append("the loss does not depend on them (multiplied by 0, masked out, or behind a constant "
                       "branch); remove them or fix the path to the loss")
     return [
@@ -247,11 +257,15 @@ def param_zero_gradient(ctx: Context) -> list[Finding]:
 
 
 def _behind_dead_layers(ctx: Context) -> set[str]:
-    """Layers whose weight gradient a fully dead layer zeroes: every layer before the last dead
+    return _behind(ctx, fully_dead_layers(ctx))
+
+
+def _behind(ctx: Context, dead_layers: list[str]) -> set[str]:
+    """Layers whose weight gradient fully dead layers zero: every layer before the last dead
     one (no gradient flows back through it) and the first layer with weights after it (its
     input is all zeros)."""
     order = ctx.layer_order
-    dead = [order.index(la) for la in fully_dead_layers(ctx) if la in order]
+    dead = [order.index(la) for la in dead_layers if la in order]
     if not dead:
         return set()
     last = max(dead)

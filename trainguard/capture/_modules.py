@@ -18,13 +18,36 @@ from torch import nn
 _is_compiling = torch.compiler.is_compiling
 
 
+# Wrappers that are no level of the model, by type name: the attribute holding the model.
+# torch.compile(model) returns an OptimizedModule (``_orig_mod``), Lightning Fabric's
+# fabric.setup(model) a _FabricModule (``_forward_module``, the model or a DDP around it).
+WRAPPERS = {"OptimizedModule": "_orig_mod", "_FabricModule": "_forward_module"}
+
+
+def wrapped(module: nn.Module) -> nn.Module | None:
+    """The module a wrapper of ``WRAPPERS`` holds, None for any other module."""
+    attr = WRAPPERS.get(type(module).__name__)
+    inner = getattr(module, attr, None) if attr is not None else None
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside its wrappers (a compiled model that fabric.setup wrapped: both)."""
+    while (inner := wrapped(module)) is not None:
+        module = inner
+    return module
+
+
 def _is_wrapper(module: nn.Module) -> bool:
-    """torch.compile(model) returns an OptimizedModule holding the model as ``_orig_mod``."""
-    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+    return wrapped(module) is not None
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule" and _is_wrapper(module)
 
 
 def _type_name(module: nn.Module) -> str:
-    return type(module._orig_mod).__name__ if _is_wrapper(module) else type(module).__name__
+    return type(unwrapped(module)).__name__
 
 
 # ---------------------------------------------------------------------- the global hooks
@@ -184,8 +207,8 @@ class ModuleTracker:
                     child = name
                     break
             if child is not None and _is_wrapper(parent):
-                # torch.compile's wrapper is not a level of the model: its _orig_mod is the
-                # model itself (the same path), _orig_mod.x is x.
+                # A wrapper is not a level of the model: its _orig_mod (_forward_module) is
+                # the model itself (the same path), _orig_mod.x is x.
                 child = child.split(".", 1)[1] if "." in child else None
                 if child is None:
                     entry = (self.intern(parent_path, _type_name(module)), parent_path)
@@ -217,7 +240,7 @@ class ModuleTracker:
     def _name_tensors(self, module: nn.Module, path: str) -> None:
         prefix = f"{path}." if path else ""
         # A compiled model's modules never run eagerly: name all its tensors through the wrapper.
-        recurse = _is_wrapper(module)
+        recurse = _is_compiled(module)
         if recurse:
             module = module._orig_mod
         for kind, items in (("param", module.named_parameters(recurse=recurse)),

@@ -34,7 +34,7 @@ from torch.nn.utils.parametrize import ParametrizationList as _ParametrizationLi
 from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import activation_stats, first_tensor, histogram, input_stats
-from trainguard.capture._modules import forward_pre_hook
+from trainguard.capture._modules import forward_pre_hook, wrapped
 from trainguard.capture._monitor_model import Layer, Root, build_root, structure
 
 log = logging.getLogger("trainguard.monitor")
@@ -154,8 +154,9 @@ class HookMixin:
 
     # ------------------------------------------------------------------ attaching
     def _attach(self, module: nn.Module, prefix: str) -> Root:
-        wrapper, module = module, getattr(module, "_orig_mod", module)  # torch.compile(model): the model
-        self._known.add(wrapper)
+        while (held := wrapped(module)) is not None:  # torch.compile(model), fabric.setup(model): the model
+            self._known.add(module)
+            module = held
         # A module that contains roots attached earlier (called on its own first) replaces them.
         inner = [r for r in self._roots if r.ref() is not None and any(r.ref() is m for m in module.modules())]
         for r in inner:
@@ -218,6 +219,8 @@ class HookMixin:
         if (torch.compiler.is_compiling() or module in self._known or module in self._no_params
                 or _tracing_state() is not None):
             return
+        if any(True for _ in module.parameters()) and all(p.is_meta for p in module.parameters()):
+            return  # shapes without values (a copy built to count flops, or not yet materialised): not trained
         if not any(True for _ in module.parameters()) or isinstance(module, _ParametrizationList):
             # A ParametrizationList runs when a parametrized tensor is read (``layer.weight``, and once
             # at registration): part of the layer that owns it, never a model of its own.

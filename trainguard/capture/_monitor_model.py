@@ -12,6 +12,7 @@ from torch import nn
 
 from trainguard.capture import _monitor_tap
 from trainguard.capture._layer_stats import is_channel_first, is_mode_module, saturation_kind
+from trainguard.capture._modules import WRAPPERS
 
 # Modules whose output is not a "layer" worth a row: containers and pass-through modules.
 _SKIP_TYPES = (nn.Identity, nn.modules.dropout._DropoutNd, nn.Flatten, nn.Unflatten)
@@ -67,10 +68,14 @@ class Root:
         self.trained = False  # a forward with gradients enabled has run (see the validation pass)
 
 
+_WRAPPER_ATTRS = frozenset(WRAPPERS.values())
+
+
 def _plain(name: str) -> str:
     """``net._orig_mod.fc1`` -> ``net.fc1``: torch.compile's wrapper (an OptimizedModule holding
-    the module as ``_orig_mod``) is not a level of the model, as the recorder names it too."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+    the module as ``_orig_mod``) and Fabric's (``_forward_module``) are not a level of the model,
+    as the recorder names it too."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_ATTRS)
 
 
 def build_root(module: nn.Module, prefix: str) -> Root:

@@ -42,6 +42,8 @@ _lock = threading.Lock()
 _EVENTS = ("root", "backward", "after_backward", "clip", "loss_graph")
 _listeners: dict[str, list[Callable]] = {e: [] for e in _EVENTS}
 _originals: dict[str, Callable] = {}
+# Guards watching (see pass_nonfinite_norms): while any does, a non-finite norm is not clip_grad_norm_'s error.
+_passing = 0
 # True while an announced backward pass runs: checkpointed segments call backward inside it, on
 # the autograd engine's threads for accelerators, so this is not thread-local.
 _in_backward = False
@@ -55,9 +57,14 @@ def _announce(event: str, *args) -> None:
             log.exception("trainguard monitor: %s listener failed", event)
 
 
+def _on_meta(tensors) -> bool:
+    first = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
+    return isinstance(first, torch.Tensor) and first.is_meta
+
+
 def _backward(tensors, grad_tensors=None, *args, **kwargs):
     global _in_backward
-    if _in_backward:
+    if _in_backward or _on_meta(tensors):  # meta: shapes without values (flop counting), no training
         return _originals["backward"](tensors, grad_tensors, *args, **kwargs)
     for fn in list(_listeners["root"]):
         fn(tensors)
@@ -130,6 +137,11 @@ def _setting(function: str, name: str, args: tuple, kwargs: dict) -> tuple[str, 
 def _clip_norm(parameters, *args, **kwargs):
     params = _as_list(parameters)  # a generator can be read once: the original gets the list
     _announce("clip", params, _setting("clip_grad_norm_", "max_norm", args, kwargs))
+    if _passing:  # the guard reads the norm and rewinds: the error would end the script first
+        if len(args) > 2:
+            args = (*args[:2], False, *args[3:])
+        else:
+            kwargs["error_if_nonfinite"] = False
     return _originals["clip_grad_norm_"](params, *args, **kwargs)
 
 
@@ -188,6 +200,16 @@ def _uninstall() -> None:
             if getattr(mod, name, None) is wrapper:
                 setattr(mod, name, _originals[name])
     _originals.clear()
+
+
+def pass_nonfinite_norms(on: bool) -> None:
+    """A guard starts (``on``) or stops watching. While one watches, ``clip_grad_norm_(...,
+    error_if_nonfinite=True)`` (Fabric's ``clip_gradients`` default) clips a NaN/Inf norm
+    instead of raising: the guard sees the non-finite gradients before the update and rewinds,
+    replays and skips that step, which the error would have ended the script before."""
+    global _passing
+    with _lock:
+        _passing += 1 if on else -1
 
 
 def add_listener(event: str, fn: Callable) -> None:

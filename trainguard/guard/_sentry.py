@@ -24,6 +24,7 @@ import torch
 
 from trainguard.capture import StepWatch
 from trainguard.capture._layer_stats import sparse_values
+from trainguard.capture._monitor_tap import pass_nonfinite_norms
 
 # Pinned host buffers the step vectors are copied into on accelerators, reused in turn (the
 # guard reads one step late, so two are in use at most).
@@ -76,8 +77,10 @@ class Sentry:
 
     def start(self) -> None:
         self._watch.start()
+        pass_nonfinite_norms(True)
 
     def stop(self) -> None:
+        pass_nonfinite_norms(False)
         self._watch.stop()
         self.clear()
         self._ring = []
