@@ -87,3 +87,54 @@ def test_a_single_process_run_has_no_ranks_section(tmp_path, capsys):
         assert ranks_report(run) is None and run.ranks == []
     assert main(["report", str(tmp_path / "one")]) == 0
     assert "alerts per rank" not in capsys.readouterr().out
+
+
+def _replicated_dataset_ranks(root):
+    """Two ranks that each build the whole data set, one row of it NaN (a corrupt record in the
+    file), as pytorch/examples' distributed/ddp-tutorial-series/multigpu_torchrun.py builds
+    ``MyTrainDataset`` on every rank; only rank 1's batch holds that row, so rank 0 never reads
+    its own copy and gets the NaN through the gradient all-reduce (written behind the recorder's
+    back, as another rank's contribution is)."""
+    import numpy as np
+    import torch.distributed as dist
+
+    mp = pytest.MonkeyPatch()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for rank in (0, 1):
+            mp.setenv("RANK", str(rank))
+            mp.setenv("WORLD_SIZE", "2")
+            mp.setattr(dist, "is_initialized", lambda: False)  # the rank comes from the environment
+            with tg.record(root, buffer=-1):
+                rows = np.ones((4, 3), dtype=np.float32)
+                rows[3, 1] = np.nan
+                data = [torch.from_numpy(r) for r in rows]  # every rank loads every row
+                w = torch.ones(3, requires_grad=True)
+                for step in range(2):
+                    tg.step(step)
+                    x = torch.stack([data[2 * step + rank]])  # rank 1 reads row 3 in step 1
+                    (x * w).sum().backward()
+                    buf = w.grad.clone()
+                    dist.all_reduce(buf)
+                    if step == 1 and rank == 0:
+                        buf.numpy()[1] = float("nan")  # rank 1's NaN gradient, averaged in
+                    with torch.no_grad():
+                        w -= 0.1 * buf
+                    w.grad = None
+            mp.undo()
+    finally:
+        mp.undo()
+        dist.destroy_process_group()
+
+
+def test_a_rank_whose_own_copy_of_a_bad_row_was_never_read_only_received_it(tmp_path):
+    # Both ranks made the NaN row when they loaded the data set (the same op, line and step), but
+    # rank 0's copy was never read: its first harmful value that did anything came through the
+    # all-reduce. Rank 1, whose batch read the row, is the one that made it.
+    _replicated_dataset_ranks(tmp_path / "job")
+    with tg.open(tmp_path / "job") as run:
+        rr = ranks_report(run)
+    assert rr["first_rank"] == 1 and rr["made"] == [1] and rr["received"] == [0]
+    assert rr["per_rank"][0]["first"]["received_via"]["op"] == "c10d.allreduce_"
+    assert rr["headline"].startswith("rank 1 first made a NaN in step 0: aten.lift_fresh at ")
+    assert "rank 0 only received it, through an all-reduce (c10d.allreduce_) in step 1" in rr["headline"]
