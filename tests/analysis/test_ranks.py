@@ -89,7 +89,7 @@ def test_a_single_process_run_has_no_ranks_section(tmp_path, capsys):
     assert "alerts per rank" not in capsys.readouterr().out
 
 
-def _replicated_dataset_ranks(root):
+def _replicated_dataset_ranks(root, steps=2, buffer=-1, fill=0):
     """Two ranks that each build the whole data set, one row of it NaN (a corrupt record in the
     file), as pytorch/examples' distributed/ddp-tutorial-series/multigpu_torchrun.py builds
     ``MyTrainDataset`` on every rank; only rank 1's batch holds that row, so rank 0 never reads
@@ -105,21 +105,23 @@ def _replicated_dataset_ranks(root):
             mp.setenv("RANK", str(rank))
             mp.setenv("WORLD_SIZE", "2")
             mp.setattr(dist, "is_initialized", lambda: False)  # the rank comes from the environment
-            with tg.record(root, buffer=-1):
-                rows = np.ones((4, 3), dtype=np.float32)
+            with tg.record(root, buffer=buffer):
+                rows = np.ones((2 * steps, 3), dtype=np.float32)
                 rows[3, 1] = np.nan
                 data = [torch.from_numpy(r) for r in rows]  # every rank loads every row
                 w = torch.ones(3, requires_grad=True)
-                for step in range(2):
+                for step in range(steps):
                     tg.step(step)
                     x = torch.stack([data[2 * step + rank]])  # rank 1 reads row 3 in step 1
                     (x * w).sum().backward()
-                    buf = w.grad.clone()
+                    buf = torch.zeros(3) + w.grad
+                    for _ in range(fill):  # other work of the step, for the circular buffer to drop
+                        torch.ones(1) + 1
                     dist.all_reduce(buf)
-                    if step == 1 and rank == 0:
+                    if step >= 1 and rank == 0:
                         buf.numpy()[1] = float("nan")  # rank 1's NaN gradient, averaged in
                     with torch.no_grad():
-                        w -= 0.1 * buf
+                        w -= 0.1 * buf.view(3)  # as DDP reads its bucket: through a view
                     w.grad = None
             mp.undo()
     finally:
@@ -137,4 +139,14 @@ def test_a_rank_whose_own_copy_of_a_bad_row_was_never_read_only_received_it(tmp_
     assert rr["first_rank"] == 1 and rr["made"] == [1] and rr["received"] == [0]
     assert rr["per_rank"][0]["first"]["received_via"]["op"] == "c10d.allreduce_"
     assert rr["headline"].startswith("rank 1 first made a NaN in step 0: aten.lift_fresh at ")
+    assert "rank 0 only received it, through an all-reduce (c10d.allreduce_) in step 1" in rr["headline"]
+
+
+def test_a_bad_row_received_after_the_buffer_dropped_the_all_reduce(tmp_path):
+    # The same, and ten more steps of work than a small circular buffer holds: the all-reduce that
+    # brought the NaN must stay in the run, or no rank can be said to have received it.
+    _replicated_dataset_ranks(tmp_path / "job", steps=12, buffer=20, fill=1000)
+    with tg.open(tmp_path / "job") as run:
+        rr = ranks_report(run)
+    assert rr["first_rank"] == 1 and rr["made"] == [1] and rr["received"] == [0]
     assert "rank 0 only received it, through an all-reduce (c10d.allreduce_) in step 1" in rr["headline"]
