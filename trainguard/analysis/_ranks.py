@@ -50,6 +50,27 @@ def _received_via(run: Run, link: Any) -> dict | None:
             "words": collective_words(d["op"], d["phase"])}
 
 
+# How many harmful executions after a rank's first one to look through for a received value.
+_SCAN = 256
+
+
+def _received_before_use(run: Run, made: int) -> int | None:
+    """The first harmful value this rank received through a collective while the one it made
+    itself (execution ``made``) was still unread, if any. Every rank of a DDP job loads the whole
+    data set, a corrupt row included, but only the rank whose batch holds the row reads it; the
+    others' copies do nothing, and their first harmful value that mattered came from that rank."""
+    used = [c["seq"] for c in run.consumers(made, limit=1)]
+    for d in run.executions(0, _SCAN, health="harmful"):
+        if d["seq"] <= made:
+            continue
+        if d["origin"] == made or (used and d["seq"] >= used[0]):
+            return None  # this rank read what it made first
+        if d["origin"] in (None, d["seq"]):  # a new harmful value: received, or made again
+            o = origin(run, seq=d["seq"])
+            return d["seq"] if o is not None and received_input(o.origin) is not None else None
+    return None
+
+
 def _first(run: Run) -> dict | None:
     """Where this rank's first harmful value was made (the origin :func:`origin` walks back to,
     and the collective it came through). Uninitialised memory, DDP's gradient buckets before
@@ -58,9 +79,14 @@ def _first(run: Run) -> dict | None:
     if o is None:
         return None
     link = o.origin
+    via = _received_via(run, link)
+    if via is None and (seq := _received_before_use(run, link.seq)) is not None:
+        o = origin(run, seq=seq) or o
+        link = o.origin
+        via = _received_via(run, link)
     return {"seq": link.seq, "step": link.step, "phase": link.phase, "op": link.op, "module": link.module,
             "file": link.file, "line": link.line, "health": list(link.health),
-            "received_via": _received_via(run, link), "summary": o.summary}
+            "received_via": via, "summary": o.summary}
 
 
 def _what(health: list[str]) -> str:
