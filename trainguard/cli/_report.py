@@ -351,9 +351,9 @@ def _ranks(report: dict) -> tuple[Text, Table] | None:
     if not ranks:
         return None
     headline = ranks["headline"]
-    for p in ranks["per_rank"]:
-        if headline and p["first"] and p["first"].get("file"):
-            headline = headline.replace(p["first"]["file"], _short(p["first"]["file"]))
+    for f in [p["first"] for p in ranks["per_rank"]] + [ranks.get("guard_origin")]:
+        if headline and f and f.get("file"):
+            headline = headline.replace(f["file"], _short(f["file"]))
     head = Text(f"{headline}.", style="bold red") if headline else Text(
         f"No harmful NaN or Inf on any of the {len(ranks['ranks'])} ranks.", style="bold green")
     t = Table(title="alerts per rank", title_justify="left")
