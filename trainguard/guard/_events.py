@@ -111,9 +111,10 @@ def batch_text(event: dict) -> str:
         return ""
     which, kinds = _bad_rows(b)
     items = b.get("samples") or b.get("rows")
+    rank = f"rank {b['rank']}'s " if b.get("rank") is not None else ""  # another rank's batch
     if not items:  # a 0-d tensor
-        return f" (batch{b['where']} holds {kinds} itself)"
-    whose = "its " if b.get("samples") else ""
+        return f" ({rank}batch{b['where']} holds {kinds} itself)"
+    whose = rank or ("its " if b.get("samples") else "")
     of = "" if b.get("samples") else f" of batch{b['where']}"
     return f" ({whose}{which}{of} hold{'' if len(items) > 1 else 's'} {kinds} in the batch itself)"
 
@@ -121,7 +122,8 @@ def batch_text(event: dict) -> str:
 def data_fix(b: dict) -> str:
     """The fix when the failing batch itself held NaN/Inf (see :func:`batch_text`)."""
     which, kinds = _bad_rows(b)
-    return (f"the batch itself held {kinds} before any op ran (batch{b['where']}, {which}): the data is "
+    on = f" on rank {b['rank']}" if b.get("rank") is not None else ""
+    return (f"the batch itself held {kinds} before any op ran (batch{b['where']}, {which}{on}): the data is "
             "corrupt, not the training; repair or drop that sample (`trainguard doctor` validates a dataset's values), "
             "or filter non-finite samples out in the dataset or collate_fn; the guard skips such a batch each time")
 

@@ -407,7 +407,8 @@ class Guard:
         self._plan = None
         rec = plan.recording
         assert rec is not None
-        origin = self._shared_origin(rec, ranks or plan.ranks) if reproduced else None
+        origin, bad_batch = (self._shared_origin(rec, plan, ranks or plan.ranks) if reproduced
+                             else (None, plan.batch_nonfinite))
         kinds = kinds or plan.kinds
         trigger = kinds[0] if kinds else plan.kinds[0]
         local = plan.original or self._bad_local.get(plan.fail)
@@ -437,12 +438,12 @@ class Guard:
             culprits = rec.culprits(origin, plan.batch)
             if culprits is not None:
                 event["culprits"] = culprits
-        if plan.batch_nonfinite is not None:
+        if bad_batch is not None:
             # The data held the value before any op ran: whatever op the replay names first only
             # passed it on (a convolution "overflowing" an inf pixel), so the fix is the data's.
-            event["batch_nonfinite"] = plan.batch_nonfinite
+            event["batch_nonfinite"] = bad_batch
             if origin is not None:
-                origin["suggestion"] = _events.data_fix(plan.batch_nonfinite)
+                origin["suggestion"] = _events.data_fix(bad_batch)
         if not reproduced:
             self._finish_event(event, "continue")
             return
@@ -473,13 +474,19 @@ class Guard:
             self._probation = _Probation(step=plan.fail, kinds=kinds, key=origin_key(origin), event=event)
         self._finish_event(event, "skip")
 
-    def _shared_origin(self, rec: StepRecording, ranks: list[int]) -> dict | None:
-        """The origin found by the first rank that saw the fault, on every rank."""
+    def _shared_origin(self, rec: StepRecording, plan: _Plan, ranks: list[int]) -> tuple[dict | None, dict | None]:
+        """The origin found by the first rank that saw the fault, and the rows of that rank's
+        batch that held NaN/Inf already (``batch_nonfinite``; with its ``rank`` when it is another
+        rank's: a corrupt sample on rank 1 is the data's fault on rank 0 too), on every rank."""
         o = rec.origin()
-        data = o.to_dict() if o is not None else None
-        if _collective.rank_world()[1] > 1:
-            data = _collective.broadcast_json(data, ranks[0] if ranks else 0, self._loop._groups.ctl())
-        return data
+        data = {"origin": o.to_dict() if o is not None else None, "batch_nonfinite": plan.batch_nonfinite}
+        me, world = _collective.rank_world()
+        if world > 1:
+            src = ranks[0] if ranks else 0
+            data = _collective.broadcast_json(data, src, self._loop._groups.ctl())
+            if src != me and data["batch_nonfinite"] is not None:
+                data["batch_nonfinite"] = dict(data["batch_nonfinite"], rank=src)
+        return data["origin"], data["batch_nonfinite"]
 
     def _lower_lr(self, factor: float) -> list[float]:
         lrs = []
