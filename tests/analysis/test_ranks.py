@@ -150,3 +150,65 @@ def test_a_bad_row_received_after_the_buffer_dropped_the_all_reduce(tmp_path):
         rr = ranks_report(run)
     assert rr["first_rank"] == 1 and rr["made"] == [1] and rr["received"] == [0]
     assert "rank 0 only received it, through an all-reduce (c10d.allreduce_) in step 1" in rr["headline"]
+
+
+# pytorch/examples' distributed/ddp-tutorial-series/multigpu_torchrun.py, one rank failing: the
+# other rank's all-reduce then raises gloo's "Connection closed by peer" (or "reset by peer").
+_STEPS = """
+import os, signal, sys, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(20, 1)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+for step in range(4):
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(torch.rand(8, 20)), torch.rand(8, 1)).backward()
+    opt.step()
+"""
+_LOST_PEER = _STEPS + ('raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] '
+                       'Connection closed by peer [127.0.0.1]:7604. This is typically caused by a remote worker '
+                       'crashing.")\n')
+
+
+def _as_rank(monkeypatch, rank: int) -> None:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+def test_the_rank_that_crashed_first_leads_and_the_one_that_lost_it_follows(tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad.py").write_text(_STEPS + 'raise FileNotFoundError("rank 1 lost its data file")\n')
+    (tmp_path / "peer.py").write_text(_LOST_PEER)
+    for rank, script in ((1, "bad.py"), (0, "peer.py")):  # rank 1 ends first
+        _as_rank(monkeypatch, rank)
+        assert main(["run", "--logdir", str(tmp_path / "job"), str(tmp_path / script)]) == 1
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    with tg.open(tmp_path / "job") as run:
+        rr = ranks_report(run)
+    assert rr["first_rank"] == 1
+    assert rr["headline"] == ("rank 1 crashed first, in step 4: FileNotFoundError: rank 1 lost its data file; "
+                              "rank 0 crashed after it")
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "job")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "the script crashed at step 4: FileNotFoundError: rank 1 lost its data file"
+    assert "(rank 1 of 2)" in " ".join(out.replace("│", " ").split())
+
+
+def test_a_rank_killed_without_closing_its_run_is_named_before_the_one_that_lost_it(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "killed.py").write_text(_STEPS + "os.kill(os.getpid(), signal.SIGKILL)\n")  # kill -9, the OOM killer
+    (tmp_path / "peer.py").write_text(_LOST_PEER)
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
+    out = subprocess.run([sys.executable, "-m", "trainguard", "run", "--logdir", str(tmp_path / "job"),
+                          str(tmp_path / "killed.py")], env=env, timeout=120)
+    assert out.returncode == -9
+    _as_rank(monkeypatch, 0)
+    assert main(["run", "--logdir", str(tmp_path / "job"), str(tmp_path / "peer.py")]) == 1
+    with tg.open(tmp_path / "job") as run:
+        rr = ranks_report(run)
+    assert rr["first_rank"] == 1
+    assert rr["headline"].startswith("rank 1's run never ended (its process was killed, or is still running); "
+                                     "rank 0 crashed in step 4: RuntimeError: [/__w/pytorch/"), rr["headline"]
