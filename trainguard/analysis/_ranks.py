@@ -101,7 +101,8 @@ def ranks_report(run: Run) -> dict | None:
     ``received``: the ranks whose first harmful value came to them through a collective;
     ``headline`` says it in one sentence. When no rank recorded a harmful value but the ranks ran
     the guard (whose replays are runs of their own), ``first_rank`` and ``headline`` are the guard's
-    first event's, with its origin's link in ``guard_origin``.
+    first event's, with its origin's link in ``guard_origin``; without either, when ranks crashed,
+    those of the rank that stopped the job.
     """
     if not isinstance(run, RankedRun) or len(run.ranks) < 2:
         return None
@@ -116,6 +117,8 @@ def ranks_report(run: Run) -> dict | None:
     first_rank, headline, guarded = (made[0]["rank"] if made else None), _headline(made, received), None
     if headline is None:  # nothing recorded went non-finite: the guard's runs record no op
         first_rank, headline, guarded = _guarded(run)
+    if headline is None:
+        first_rank, headline = _stopped(run)
     return {
         "ranks": list(run.ranks),
         "per_rank": per_rank,
@@ -125,6 +128,33 @@ def ranks_report(run: Run) -> dict | None:
         "headline": headline,
         "guard_origin": guarded,
     }
+
+
+def _stopped(run: RankedRun) -> tuple[int | None, str | None]:
+    """(the rank, the sentence) of the rank that stopped a failed job: the one whose run never
+    ended (killed: ``kill -9``, the OOM killer) when another rank's did, else the one whose script
+    crashed first (``ended_at``, as the launcher reads it). The others' errors are mostly their
+    collectives losing that rank (gloo's "Connection closed by peer")."""
+    runs = run.rank_runs()
+    crashed = {k: r.meta for k, r in runs.items() if r.status == "crashed"}
+    if not crashed:
+        return None, None
+    gone = [k for k, r in runs.items() if r.status == "running"]
+    first = min(crashed, key=lambda k: (crashed[k].get("ended_at") or float("inf"), k))
+
+    def crash(k: int) -> str:
+        step = crashed[k].get("crash_step")
+        return (f" in step {step}" if isinstance(step, int) else "") + f": {crashed[k].get('error') or 'an error'}"
+
+    if gone:
+        whose = ", ".join(str(k) for k in gone)
+        return gone[0], (f"rank{'s' if len(gone) > 1 else ''} {whose}'s run never ended (its process was killed, "
+                         f"or is still running); rank {first} crashed{crash(first)}")
+    text = f"rank {first} crashed first,{crash(first)}"
+    if len(crashed) > 1:
+        others = [k for k in crashed if k != first]
+        text += f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} crashed after it"
+    return first, text
 
 
 _TRIGGERS = {"nonfinite_loss": "a non-finite loss", "nonfinite_grad": "non-finite gradients", "spike": "a loss spike"}
