@@ -4,6 +4,7 @@ made the first non-finite value and which only received it (the run: tests/conft
 from __future__ import annotations
 
 import json
+import textwrap
 
 import pytest
 import torch
@@ -212,3 +213,39 @@ def test_a_rank_killed_without_closing_its_run_is_named_before_the_one_that_lost
     assert rr["first_rank"] == 1
     assert rr["headline"].startswith("rank 1's run never ended (its process was killed, or is still running); "
                                      "rank 0 crashed in step 4: RuntimeError: [/__w/pytorch/"), rr["headline"]
+
+
+def test_a_hung_job_names_the_rank_that_never_reached_the_collective_the_others_wait_in(tmp_path):
+    # The same job, rank 1 stuck before its step's gradient all-reduce (a data loader that never
+    # returns, a rank-dependent branch) and rank 0 waiting in it, until the job is killed: neither
+    # run ends. What each rank recorded last tells which one the others wait for.
+    import os
+    import subprocess
+    import sys
+
+    waits = _STEPS + textwrap.dedent("""
+        import time, torch.distributed as dist
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        buf = torch.ones(3) * 2
+        dist.all_reduce(buf)  # rank 0: here it waits for rank 1
+        time.sleep(1.0)  # the recording's last records are handed over
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    stuck = _STEPS + textwrap.dedent("""
+        import time
+        x = torch.rand(8, 20) * 2  # rank 1: the next batch, then nothing
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    for rank, text in ((0, waits), (1, stuck)):
+        (tmp_path / f"rank{rank}.py").write_text(text)
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"}
+        out = subprocess.run([sys.executable, "-m", "trainguard", "run", "--logdir", str(tmp_path / "job"),
+                              str(tmp_path / f"rank{rank}.py")], env=env, timeout=120)
+        assert out.returncode == -9
+    with tg.open(tmp_path / "job") as run:
+        rr = ranks_report(run)
+    assert rr["first_rank"] == 1
+    assert rr["headline"].startswith("no rank's run ended (the job was killed, or is still running): rank 0 "
+                                     "waits in c10d.allreduce_ (step 4), which rank 1 never reached: its last "
+                                     "op was aten.mul.Tensor at "), rr["headline"]
