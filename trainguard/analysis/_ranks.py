@@ -16,6 +16,7 @@ from typing import Any
 
 from trainguard.analysis._origin import origin, received_input
 from trainguard.store import RankedRun, Run
+from trainguard.store._ranks import is_collective
 
 # What users call a collective, by the op's base name (``c10d.allreduce_`` -> ``allreduce_``).
 _COLLECTIVE_WORDS = {
@@ -137,9 +138,9 @@ def _stopped(run: RankedRun) -> tuple[int | None, str | None]:
     collectives losing that rank (gloo's "Connection closed by peer")."""
     runs = run.rank_runs()
     crashed = {k: r.meta for k, r in runs.items() if r.status == "crashed"}
-    if not crashed:
-        return None, None
     gone = [k for k, r in runs.items() if r.status == "running"]
+    if not crashed:
+        return _hung(runs) if len(gone) == len(runs) else (None, None)
     first = min(crashed, key=lambda k: (crashed[k].get("ended_at") or float("inf"), k))
 
     def crash(k: int) -> str:
@@ -155,6 +156,30 @@ def _stopped(run: RankedRun) -> tuple[int | None, str | None]:
         others = [k for k in crashed if k != first]
         text += f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} crashed after it"
     return first, text
+
+
+def _last_op(r: Run) -> dict | None:
+    n = r.count()
+    last = r.executions(n - 1, n) if n else []
+    return last[0] if last else None
+
+
+def _hung(runs: dict[int, Run]) -> tuple[int | None, str | None]:
+    """(the rank, the sentence) when no rank's run ended: the ranks whose last recorded op is a
+    collective wait in it for the ranks whose last op is not, which never reached it (a hang
+    before the step's all-reduce; or the job is still running, and this is where it is now)."""
+    last = {k: _last_op(r) for k, r in runs.items()}
+    waiting = [k for k, d in last.items() if d and is_collective(d["op"])]
+    stuck = [k for k, d in last.items() if d and not is_collective(d["op"])]
+    if not waiting or not stuck:
+        return None, None
+    w, k = last[waiting[0]], last[stuck[0]]
+    frame = runs[stuck[0]].user_frame(k.get("stack_id")) or {}
+    where = f" at {frame['filename']}:{frame['lineno']}" if frame.get("filename") else ""
+    who = f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} wait{'' if len(waiting) > 1 else 's'}"
+    never = f"rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} never reached"
+    return stuck[0], (f"no rank's run ended (the job was killed, or is still running): {who} in {w['op']} "
+                      f"(step {w['step']}), which {never}: its last op was {k['op']}{where} (step {k['step']})")
 
 
 _TRIGGERS = {"nonfinite_loss": "a non-finite loss", "nonfinite_grad": "non-finite gradients", "spike": "a loss spike"}
