@@ -102,7 +102,7 @@ def ranks_report(run: Run) -> dict | None:
     ``received``: the ranks whose first harmful value came to them through a collective;
     ``headline`` says it in one sentence. When no rank recorded a harmful value but the ranks ran
     the guard (whose replays are runs of their own), ``first_rank`` and ``headline`` are the guard's
-    first event's, with its origin's link in ``guard_origin``; without either, when ranks crashed,
+    first event's; without either, when ranks crashed,
     those of the rank that stopped the job.
     """
     if not isinstance(run, RankedRun) or len(run.ranks) < 2:
@@ -115,9 +115,9 @@ def ranks_report(run: Run) -> dict | None:
     made = sorted((p for p in per_rank if p["first"] and not p["first"]["received_via"]),
                   key=lambda p: (p["first"]["step"], p["rank"]))
     received = [p for p in per_rank if p["first"] and p["first"]["received_via"]]
-    first_rank, headline, guarded = (made[0]["rank"] if made else None), _headline(made, received), None
+    first_rank, headline = (made[0]["rank"] if made else None), _headline(made, received)
     if headline is None:  # nothing recorded went non-finite: the guard's runs record no op
-        first_rank, headline, guarded = _guarded(run)
+        first_rank, headline = _guarded(run)
     if headline is None:
         first_rank, headline = _stopped(run)
     return {
@@ -127,7 +127,6 @@ def ranks_report(run: Run) -> dict | None:
         "made": [p["rank"] for p in made],
         "received": [p["rank"] for p in received],
         "headline": headline,
-        "guard_origin": guarded,
     }
 
 
@@ -185,15 +184,15 @@ def _hung(runs: dict[int, Run]) -> tuple[int | None, str | None]:
 _TRIGGERS = {"nonfinite_loss": "a non-finite loss", "nonfinite_grad": "non-finite gradients", "spike": "a loss spike"}
 
 
-def _guarded(run: RankedRun) -> tuple[int | None, str | None, dict | None]:
-    """(the rank, the sentence, the origin's link) of the guard's first event in a job whose ranks ran it: every rank
+def _guarded(run: RankedRun) -> tuple[int | None, str | None]:
+    """(the rank, the sentence) of the guard's first event in a job whose ranks ran it: every rank
     stores the same event, with the rank whose fault its replay traced (``origin_rank``)."""
     from trainguard.analysis._report import guard_report  # _report imports this module
 
     g = guard_report(run)
     events = [e for e in (g or {}).get("events", []) if isinstance(e.get("step"), int)]
     if not events:
-        return None, None, None
+        return None, None
     e = min(events, key=lambda e: e["step"])
     rank = e.get("origin_rank") if e.get("origin_rank") in run.ranks else None
     on = f" on rank {rank}" if rank is not None else ""
@@ -202,7 +201,7 @@ def _guarded(run: RankedRun) -> tuple[int | None, str | None, dict | None]:
     if o.get("op"):
         where = f" at {o['file']}:{o['line']}" if o.get("file") else ""
         text += f": {o['op']}{where} ({o.get('phase')} pass)"
-    return rank, text, o or None
+    return rank, text
 
 
 def _headline(made: list[dict], received: list[dict]) -> str | None:

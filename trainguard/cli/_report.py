@@ -356,10 +356,7 @@ def _ranks(report: dict) -> tuple[Text, Table] | None:
     ranks = report.get("ranks")
     if not ranks:
         return None
-    headline = ranks["headline"]
-    for f in [p["first"] for p in ranks["per_rank"]] + [ranks.get("guard_origin")]:
-        if headline and f and f.get("file"):
-            headline = headline.replace(f["file"], _short(f["file"]))
+    headline = _short_harm(ranks["headline"]) if ranks["headline"] else None
     head = Text(f"{headline}.", style="bold red") if headline else Text(
         f"No harmful NaN or Inf on any of the {len(ranks['ranks'])} ranks.", style="bold green")
     t = Table(title="alerts per rank", title_justify="left")
