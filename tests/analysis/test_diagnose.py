@@ -421,6 +421,25 @@ def test_lr_too_high_from_divergence(tmp_path):
     assert "from 0.5 to about" in f.suggestion
 
 
+def test_a_diverged_nonfinite_loss_agrees_with_lr_too_high_on_the_rate_and_clips_no_exploded_norm(tmp_path):
+    # pytorch/examples' distributed/ddp-tutorial-series/multigpu_torchrun.py (Linear(20, 1), SGD) at
+    # lr=3 on two gloo ranks: the loss grew from 0.2 to 1.6e36 in 13 steps, then inf. lr_too_high said
+    # "from 3 to about 0.0005"; nonfinite_loss said "from 3 to about 0.3" (which diverges too) and
+    # "max_norm=1.4e+17", the 90th percentile of gradient norms that were already exploding.
+    n, bad = 64, 13
+    loss = [0.2 * 1e3 ** s for s in range(bad)] + [math.inf] * (n - bad)
+    grad_norm = [1e3 ** s for s in range(bad)] + [math.inf] * (n - bad)
+    rows = []
+    for s in range(0, n, 5):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", 25.0)]
+    fs = {f.kind: f for f in diagnose(write_run(tmp_path / "r", loss, grad_norm=grad_norm, layer_rows=rows, lr=3.0))}
+    rate = fs["lr_too_high"].evidence["suggested_lr"]
+    assert f"from 3 to about {rate:g};" in fs["nonfinite_loss"].suggestion, fs["nonfinite_loss"].suggestion
+    assert "1e+" not in fs["nonfinite_loss"].suggestion.split("max_norm=")[-1][:8], fs["nonfinite_loss"].suggestion
+
+
 def test_lr_too_high_names_the_rate_the_run_diverged_with(tmp_path):
     # From pytorch/examples' siamese_network (Adadelta lr=1.0, StepLR gamma=0.7, two epochs): the
     # median of the schedule, 0.85, is a rate the run never had; it diverged at step 1, under 1.0.
