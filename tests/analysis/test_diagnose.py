@@ -1161,3 +1161,45 @@ def test_parameters_in_no_optimizer_are_not_called_a_missing_zero_grad(tmp_path)
     fs = mon.findings
     assert "param_not_in_optimizer" in kinds(fs), [(f.kind, f.title) for f in fs]
     assert "gradients_accumulating" not in kinds(fs), [(f.kind, f.title) for f in fs]
+
+
+def _two_ranks(root, norms, sharded=False):
+    for k, g in enumerate(norms):
+        run = write_run(root / f"rank-{k}", grad_norm=g)
+        run.close()
+        if sharded:  # FSDP2: each rank holds its own shards, whose norms differ by design
+            w = acquire_writer(root / f"rank-{k}", append=True)
+            for s in range(len(g)):
+                w.add_scalars(s, {"grad_sq_sharded": g[s] ** 2})
+            release_writer(w)
+    return tg.open(root)
+
+
+def test_ranks_whose_gradients_are_never_averaged_train_separate_models(tmp_path):
+    # pytorch/examples' imagenet/main.py on CPU under torchrun (--dist-backend gloo, two ranks): it
+    # makes the process group but wraps the model in DistributedDataParallel only on an accelerator,
+    # so each rank trained its own copy on its own half of the data, and nothing said so.
+    rng = np.random.default_rng(0)
+    apart = [list(1.0 + 0.1 * rng.random(100)) for _ in range(2)]
+    with _two_ranks(tmp_path / "job", apart) as run:
+        fs = {f.kind: f for f in diagnose(run)}
+    f = fs["replicas_not_synchronized"]
+    assert f.severity == "error" and f.evidence["steps_differing"] == 100 and f.evidence["steps_compared"] == 100
+    assert "DistributedDataParallel" in f.suggestion
+    # the job's report says it too (each rank's own diagnosis sees one rank)
+    from trainguard.analysis._report import build_report
+
+    with tg.open(tmp_path / "job") as run:
+        assert "replicas_not_synchronized" in {x["kind"] for x in build_report(run)["findings"]}
+
+
+def test_ddp_replicas_and_sharded_ranks_are_not_called_separate_models(tmp_path):
+    same = list(1.0 + 0.01 * np.arange(100))
+    with _two_ranks(tmp_path / "ddp", [same, same]) as run:  # DDP: the same averaged gradients
+        assert "replicas_not_synchronized" not in {f.kind for f in diagnose(run)}
+    rng = np.random.default_rng(0)
+    apart = [list(1.0 + 0.1 * rng.random(100)) for _ in range(2)]
+    with _two_ranks(tmp_path / "fsdp", apart, sharded=True) as run:
+        assert "replicas_not_synchronized" not in {f.kind for f in diagnose(run)}
+    with write_run(tmp_path / "one", grad_norm=apart[0]) as run:
+        assert "replicas_not_synchronized" not in {f.kind for f in diagnose(run)}
