@@ -1180,7 +1180,7 @@ def test_ranks_whose_gradients_are_never_averaged_train_separate_models(tmp_path
     # makes the process group but wraps the model in DistributedDataParallel only on an accelerator,
     # so each rank trained its own copy on its own half of the data, and nothing said so.
     rng = np.random.default_rng(0)
-    apart = [list(1.0 + 0.1 * rng.random(100)) for _ in range(2)]
+    apart = [list(1.0 + 0.2 * k + 0.1 * rng.random(100)) for k in range(2)]  # apart at every step
     with _two_ranks(tmp_path / "job", apart) as run:
         fs = {f.kind: f for f in diagnose(run)}
     f = fs["replicas_not_synchronized"]
