@@ -198,6 +198,10 @@ class GuardRun:
             "event": e,
         }])
 
+    def commit(self) -> None:
+        """Wait until what was handed to the writer is committed (it commits every second)."""
+        self._writer.flush(timeout=10.0)
+
     def close(self, status: str, ending: dict[str, Any] | None = None) -> None:
         """``status`` is the guard's; ``ending`` the run's own (``status``, ``error``, ...), as a recording stores it."""
         now = time.time()

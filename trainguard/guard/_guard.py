@@ -535,6 +535,7 @@ class Guard:
             self._stored.add(id(event))
             self._run.add_event(event)
             self._run.update(rewinds=self.rewinds, events=len(self.events))
+            self._run.commit()  # the evidence: a kill -9 in the next second must not lose it
 
     def _raise(self, event: dict) -> None:
         raise Diverged(f"trainguard: {event['message']}", step=event["step"],
