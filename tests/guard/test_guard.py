@@ -508,7 +508,7 @@ for step, (xb, yb) in loop.batches():
     opt.zero_grad()
     loss.backward()
     opt.step()
-    if step == 12:
+    if step == 12 and not os.environ.get("RERUN"):
         os.kill(os.getpid(), signal.SIGKILL)  # kill -9, the OOM killer, a node lost
 """
 
@@ -528,3 +528,22 @@ def test_an_event_survives_a_kill_right_after_it(tmp_path):
     with open_run(tmp_path / "runs" / "g") as run:
         assert [f["event"]["step"] for f in run.findings(source="guard")] == [10]
         assert run.meta["guard"]["rewinds"] == 1 and run.meta["guard"]["events"] == 1
+
+
+def test_a_rerun_after_a_kill_numbers_its_events_after_the_earlier_ones(tmp_path):
+    # The same run, the same command run again: it resumes from the checkpoint of step 10, meets the
+    # corrupt batch again and skips it again. The run keeps both events; the second was numbered 1
+    # again and the run's guard metadata counted one event and one rewind.
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(GUARDED_THEN_KILLED)
+    command = [sys.executable, "-m", "trainguard", "run", "--guard", "--logdir", "runs/g", "train.py"]
+    assert subprocess.run(command, cwd=tmp_path, capture_output=True, timeout=120).returncode == -9
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RERUN": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    with open_run(tmp_path / "runs" / "g") as run:
+        assert [(f["event"]["n"], f["event"]["step"]) for f in run.findings(source="guard")] == [(1, 10), (2, 10)]
+        assert run.meta["guard"]["rewinds"] == 2 and run.meta["guard"]["events"] == 2
