@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.store import REPLAYS_DIR, acquire_writer, release_writer
+from trainguard._errors import TrainguardError
+from trainguard.store import REPLAYS_DIR, acquire_writer, open_run, release_writer
 
 log = logging.getLogger("trainguard.guard")
 
@@ -163,6 +164,19 @@ def outcome(event: dict) -> str:
     if action == "max_rewinds":
         return f"stopped: max_rewinds={event.get('max_rewinds')} spent (trainguard.Diverged)"
     return "stopped (policy 'stop', trainguard.Diverged)"
+
+
+def stored_counts(path: Path) -> tuple[int, int]:
+    """(events, rewinds) the guard's run in ``path`` holds already (an earlier process's); (0, 0) without one."""
+    if not (path / "run.sqlite").exists():
+        return 0, 0
+    try:
+        with open_run(path) as run:
+            meta = run.meta.get("guard") or {}
+    except TrainguardError:  # damaged or unreadable: it is replaced or appended to as before
+        return 0, 0
+    counts = [meta.get("events"), meta.get("rewinds")]
+    return tuple(c if isinstance(c, int) and c > 0 else 0 for c in counts)  # type: ignore[return-value]
 
 
 class GuardRun:

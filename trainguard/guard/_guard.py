@@ -127,6 +127,7 @@ class Guard:
         self._sentry = Sentry()
         self._loop: Any = None
         self._run: _events.GuardRun | None = None
+        self._earlier = (0, 0)  # (events, rewinds) of earlier processes in the run this one continues
         self._run_dir: Path | None = None  # the last loop's run, where the script's ending goes
         self._ending: dict[str, Any] = {}  # how the script ended, when it is told before the loop closed
         self._installed_previous: Any = None
@@ -180,8 +181,12 @@ class Guard:
         if self.logdir is None:
             self.logdir = _default_logdir()
         run_dir = self._run_dir = rank_dir(self.logdir)  # type: ignore[arg-type]
-        self._run = _events.GuardRun(run_dir, {**asdict(self.config), "rewinds": self.rewinds,
-                                               "events": len(self.events)}, overwrite=self._overwrite)
+        # A rerun continues the run an earlier process began: its events are numbered after those.
+        events, rewinds = (0, 0) if self._overwrite else _events.stored_counts(run_dir)
+        self._earlier = (max(events - len(self.events), 0), max(rewinds - self.rewinds, 0))
+        self._run = _events.GuardRun(run_dir, {**asdict(self.config), "rewinds": self._earlier[1] + self.rewinds,
+                                               "events": self._earlier[0] + len(self.events)},
+                                     overwrite=self._overwrite)
         self._overwrite = False  # a later loop of this guard adds to the run this one began
         self._sentry.start()
         self._take_snapshot()
@@ -413,7 +418,7 @@ class Guard:
         trigger = kinds[0] if kinds else plan.kinds[0]
         local = plan.original or self._bad_local.get(plan.fail)
         event: dict[str, Any] = {
-            "n": len(self.events) + 1,
+            "n": self._earlier[0] + len(self.events) + 1,
             "step": plan.fail,
             "time": time.time(),
             "trigger": trigger,
@@ -507,7 +512,7 @@ class Guard:
         self._restore("memory")
         previous = self.events[-1] if self.events else None
         event = {
-            "n": len(self.events) + 1, "step": fail, "time": time.time(), "trigger": kinds[0], "kinds": kinds,
+            "n": self._earlier[0] + len(self.events) + 1, "step": fail, "time": time.time(), "trigger": kinds[0], "kinds": kinds,
             "ranks": sorted(ranks), "reason": self._reason(kinds[0], self._bad_local.get(fail), self._median(), ranks),
             "rewound_to": self._loop.state.step, "rewound_from": "memory", "replay": None,
             "origin": previous.get("origin") if previous else None, "skipped": [],
@@ -534,7 +539,7 @@ class Guard:
         if self._run is not None and id(event) not in self._stored:
             self._stored.add(id(event))
             self._run.add_event(event)
-            self._run.update(rewinds=self.rewinds, events=len(self.events))
+            self._run.update(rewinds=self._earlier[1] + self.rewinds, events=self._earlier[0] + len(self.events))
             self._run.commit()  # the evidence: a kill -9 in the next second must not lose it
 
     def _raise(self, event: dict) -> None:
