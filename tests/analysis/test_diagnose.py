@@ -421,6 +421,25 @@ def test_lr_too_high_from_divergence(tmp_path):
     assert "from 0.5 to about" in f.suggestion
 
 
+def test_a_diverged_nonfinite_loss_agrees_with_lr_too_high_on_the_rate_and_clips_no_exploded_norm(tmp_path):
+    # pytorch/examples' distributed/ddp-tutorial-series/multigpu_torchrun.py (Linear(20, 1), SGD) at
+    # lr=3 on two gloo ranks: the loss grew from 0.2 to 1.6e36 in 13 steps, then inf. lr_too_high said
+    # "from 3 to about 0.0005"; nonfinite_loss said "from 3 to about 0.3" (which diverges too) and
+    # "max_norm=1.4e+17", the 90th percentile of gradient norms that were already exploding.
+    n, bad = 64, 13
+    loss = [0.2 * 1e3 ** s for s in range(bad)] + [math.inf] * (n - bad)
+    grad_norm = [1e3 ** s for s in range(bad)] + [math.inf] * (n - bad)
+    rows = []
+    for s in range(0, n, 5):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", 25.0)]
+    fs = {f.kind: f for f in diagnose(write_run(tmp_path / "r", loss, grad_norm=grad_norm, layer_rows=rows, lr=3.0))}
+    rate = fs["lr_too_high"].evidence["suggested_lr"]
+    assert f"from 3 to about {rate:g};" in fs["nonfinite_loss"].suggestion, fs["nonfinite_loss"].suggestion
+    assert "1e+" not in fs["nonfinite_loss"].suggestion.split("max_norm=")[-1][:8], fs["nonfinite_loss"].suggestion
+
+
 def test_lr_too_high_names_the_rate_the_run_diverged_with(tmp_path):
     # From pytorch/examples' siamese_network (Adadelta lr=1.0, StepLR gamma=0.7, two epochs): the
     # median of the schedule, 0.85, is a rate the run never had; it diverged at step 1, under 1.0.
@@ -1238,3 +1257,45 @@ def test_a_layer_dead_behind_a_functional_relu_is_named_not_a_rate_too_low(tmp_p
     zero = next(f for f in mon.findings if f.kind == "param_zero_gradient")
     assert zero.evidence["negative_layers"] == ["fc1"]
     assert "fc1" in zero.suggestion and "negative" in zero.suggestion and "bias" in zero.suggestion
+
+
+def _two_ranks(root, norms, sharded=False):
+    for k, g in enumerate(norms):
+        run = write_run(root / f"rank-{k}", grad_norm=g)
+        run.close()
+        if sharded:  # FSDP2: each rank holds its own shards, whose norms differ by design
+            w = acquire_writer(root / f"rank-{k}", append=True)
+            for s in range(len(g)):
+                w.add_scalars(s, {"grad_sq_sharded": g[s] ** 2})
+            release_writer(w)
+    return tg.open(root)
+
+
+def test_ranks_whose_gradients_are_never_averaged_train_separate_models(tmp_path):
+    # pytorch/examples' imagenet/main.py on CPU under torchrun (--dist-backend gloo, two ranks): it
+    # makes the process group but wraps the model in DistributedDataParallel only on an accelerator,
+    # so each rank trained its own copy on its own half of the data, and nothing said so.
+    rng = np.random.default_rng(0)
+    apart = [list(1.0 + 0.2 * k + 0.1 * rng.random(100)) for k in range(2)]  # apart at every step
+    with _two_ranks(tmp_path / "job", apart) as run:
+        fs = {f.kind: f for f in diagnose(run)}
+    f = fs["replicas_not_synchronized"]
+    assert f.severity == "error" and f.evidence["steps_differing"] == 100 and f.evidence["steps_compared"] == 100
+    assert "DistributedDataParallel" in f.suggestion
+    # the job's report says it too (each rank's own diagnosis sees one rank)
+    from trainguard.analysis._report import build_report
+
+    with tg.open(tmp_path / "job") as run:
+        assert "replicas_not_synchronized" in {x["kind"] for x in build_report(run)["findings"]}
+
+
+def test_ddp_replicas_and_sharded_ranks_are_not_called_separate_models(tmp_path):
+    same = list(1.0 + 0.01 * np.arange(100))
+    with _two_ranks(tmp_path / "ddp", [same, same]) as run:  # DDP: the same averaged gradients
+        assert "replicas_not_synchronized" not in {f.kind for f in diagnose(run)}
+    rng = np.random.default_rng(0)
+    apart = [list(1.0 + 0.1 * rng.random(100)) for _ in range(2)]
+    with _two_ranks(tmp_path / "fsdp", apart, sharded=True) as run:
+        assert "replicas_not_synchronized" not in {f.kind for f in diagnose(run)}
+    with write_run(tmp_path / "one", grad_norm=apart[0]) as run:
+        assert "replicas_not_synchronized" not in {f.kind for f in diagnose(run)}

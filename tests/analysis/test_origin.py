@@ -575,6 +575,20 @@ def test_nonfinite_input_data_into_an_accumulating_op_is_not_called_an_overflow(
     assert "already held NaN" in o.suggestion and "learning rate" not in o.suggestion
 
 
+@pytest.mark.parametrize("op", ["pow", "exp"])
+def test_nan_input_data_into_an_exp_or_power_is_not_called_an_overflow(tmp_path, op):
+    # Found with trainguard's guard on two gloo ranks of tests/guard's PolyNet (the first op of its
+    # forward is x.pow(2)), one sample of rank 1's batch NaN, as a corrupt record of pytorch/examples'
+    # ddp-tutorial-series data set: the replay records the step, not the batch made before it, and
+    # the origin read "pow overflow: an input value too large for a power in float32". From finite
+    # inputs these ops overflow to inf; a NaN came with the input.
+    bad = torch.ones(4, 3)
+    bad[2, 1] = float("nan")
+    o = origin(record(tmp_path, lambda: getattr(bad, op)(*([2] if op == "pow" else [])).sum().item()))
+    assert "overflow" not in o.origin.explanation, o.origin.explanation
+    assert "outside the recording" in o.origin.explanation and "already held NaN" in o.suggestion
+
+
 def test_a_nan_written_from_python_is_named_a_constant(tmp_path):
     # Found on pytorch/examples' dcgan with a dataset item holding ``x[0, 0, 0] = float('nan')``:
     # the origin is the op that turns the Python float into a tensor, which made nothing itself.

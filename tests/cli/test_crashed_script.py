@@ -326,3 +326,20 @@ def test_the_same_command_run_again_with_resume_continues_the_run(tmp_path, comm
     bad = subprocess.run([*cmd[:3 + len(command)], "--overwrite", *cmd[3 + len(command):]], capture_output=True,
                          text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "choose one of --resume and --overwrite" in bad.stderr, bad.stderr
+
+
+GLOO_PEER_CLOSED = linear_regression(3, after='raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/'
+                                             'transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:7604")\n')
+
+
+def test_an_error_that_reads_like_rich_markup_is_shown_as_is(tmp_path, capsys):
+    # pytorch/examples' ddp-tutorial-series/multigpu_torchrun.py on two gloo ranks, one rank killed:
+    # the other's all-reduce raises gloo's "[/__w/.../pair.cc:553] Connection closed by peer", and
+    # `trainguard report` died in rich's markup parser ("closing tag ... doesn't match any open tag").
+    script = tmp_path / "train.py"
+    script.write_text(GLOO_PEER_CLOSED)
+    assert main(["run", "--logdir", str(tmp_path / "run"), str(script)]) == 1
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "run")]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert out.count("pair.cc:553] Connection closed by peer [127.0.0.1]:7604") >= 2, out  # first line, status

@@ -12,7 +12,7 @@ import pytest
 import trainguard as tg
 from trainguard.cli import _build_parser
 
-from .conftest import TRAIN, run, torchrun
+from .conftest import TRAIN, run, torchrun, trainguard
 
 
 def _subcommand(name: str) -> argparse.ArgumentParser:
@@ -44,6 +44,21 @@ def test_trainguard_monitor_under_torchrun(tmp_path):
             assert [s for s, _ in rr.scalars()["loss"]] == [0, 1, 2, 3]
             assert {"module.0", "module.1", "module.3"} <= set(rr.layers())  # this rank's replica, layer by layer
             assert [f["kind"] for f in rr.findings("monitor")] == ["insufficient_data"]  # no problem in 4 steps
+
+
+def test_trainguard_monitor_launches_the_ranks_itself(tmp_path):
+    # As `trainguard run --nproc-per-node 2` does: pytorch/examples' ddp-tutorial-series under
+    # `trainguard monitor --nproc-per-node 2 multigpu_torchrun.py` stopped at "unrecognized arguments".
+    code, log = run(trainguard("monitor", "--nproc-per-node", 2, "--every", 1, "--logdir", tmp_path / "monitored",
+                               TRAIN, "--out", tmp_path / "out", "--steps", 4), tmp_path / "log")
+    assert code == 0, log[-3000:]
+    with tg.open(tmp_path / "monitored") as r:
+        assert r.ranks == [0, 1]
+        for rank, rr in r.rank_runs().items():
+            assert rr.meta["rank"] == rank and rr.meta["monitor"]["status"] == "finished"
+            assert [s for s, _ in rr.scalars()["loss"]] == [0, 1, 2, 3]
+            assert rr.count() == 0  # monitored, not recorded
+    assert log.count("insufficient_data") == 2  # each rank's diagnosis, as under torchrun
 
 
 def test_the_trainguard_script_under_torchrun_with_the_monitor(tmp_path):

@@ -56,6 +56,19 @@ def test_initial_loss_below_chance_is_flagged(batch):
     assert "initial_loss_low" in kinds(doctor.init_checks(Cheater(), (x, y), nn.CrossEntropyLoss()))
 
 
+def test_an_initial_loss_of_exactly_zero_is_flagged():
+    # pytorch/examples' distributed/ddp-tutorial-series (multigpu_torchrun.py's load_train_objs):
+    # torch.nn.Linear(20, 1) trained with F.cross_entropy against float targets of shape [B, 1]. The
+    # log_softmax of one score is 0: the loss is 0 and every gradient 0 whatever the model does. The
+    # doctor passed init_checks ("initial loss -0") and blamed a .detach() for the zero gradients.
+    torch.manual_seed(0)
+    x, y = torch.rand(32, 20), torch.rand(32, 1)
+    r = doctor.init_checks(nn.Linear(20, 1), (x, y), nn.functional.cross_entropy)
+    assert "initial_loss_zero" in kinds(r) and not r.passed
+    f = next(f for f in r.findings() if f.kind == "initial_loss_zero")
+    assert "one output per sample" in f.suggestion and "cross_entropy" in f.suggestion
+
+
 def test_broadcasting_regression_output_is_an_error(batch):
     x, _ = batch
     r = doctor.init_checks(nn.Linear(20, 1), (x, torch.randn(32)), nn.MSELoss())

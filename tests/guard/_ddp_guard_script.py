@@ -1,7 +1,10 @@
 """Two gloo ranks train a DDP model under the guard; only rank 1's data holds a poisoned batch
 (driven by test_guard_distributed.py).
 
-usage: _ddp_guard_script.py ROOT PORT
+usage: _ddp_guard_script.py ROOT PORT [POISON]
+
+POISON: ``overflow`` (default: 1e20 in a whole batch, which ``x.pow(2)`` overflows) or ``nan`` (one
+NaN sample in that batch: a corrupt record, as in pytorch/examples' ddp-tutorial-series data set).
 
 Each rank writes ROOT/out-rank<r>.json: the steps handed out, the guard's events, whether the
 parameters are finite, and a digest of them.
@@ -28,7 +31,7 @@ WORLD = 2
 POISON_STEP = 25
 
 
-def main(rank: int, root: Path, port: int) -> None:
+def main(rank: int, root: Path, port: int, poison: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
@@ -37,7 +40,9 @@ def main(rank: int, root: Path, port: int) -> None:
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(10 + rank)  # each rank its own data
         x, y = torch.randn(60 * BS, 4, generator=g), torch.randn(60 * BS, 1, generator=g)
-        if rank == 1:
+        if rank == 1 and poison == "nan":
+            x[POISON_STEP * BS + 2, 1] = float("nan")
+        elif rank == 1:
             x[POISON_STEP * BS:(POISON_STEP + 1) * BS] = 1e20
         state = tg.TrainState(model=ddp, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=BS))
         guard = tg.Guard(root / "run", snapshot_every=10)
@@ -58,4 +63,5 @@ def main(rank: int, root: Path, port: int) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(main, args=(Path(sys.argv[1]), int(sys.argv[2])), nprocs=WORLD, join=True)
+    poison = sys.argv[3] if len(sys.argv) > 3 else "overflow"
+    mp.spawn(main, args=(Path(sys.argv[1]), int(sys.argv[2]), poison), nprocs=WORLD, join=True)

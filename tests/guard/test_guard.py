@@ -533,3 +533,59 @@ def test_a_clip_that_raises_on_a_nonfinite_norm_does_not_end_a_guarded_loop(tmp_
     first.grad = torch.full_like(first, float("nan"))
     with pytest.raises(RuntimeError, match="non-finite"):
         clip(model, opt)
+
+
+GUARDED_THEN_KILLED = """
+import os, signal, torch, trainguard as tg
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+x, y = torch.randn(400, 4), torch.randn(400, 1)
+x[10 * 8 + 3, 1] = float("nan")  # one corrupt sample in batch 10
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=8))
+loop = tg.CheckpointManager("ck", every_steps=5).resume(state, total_steps=40)
+for step, (xb, yb) in loop.batches():
+    loss = torch.nn.functional.mse_loss(model(xb), yb)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if step == 12 and not os.environ.get("RERUN"):
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9, the OOM killer, a node lost
+"""
+
+
+def test_an_event_survives_a_kill_right_after_it(tmp_path):
+    # Found with pytorch/examples' ddp-tutorial-series under `trainguard run --guard --nproc-per-node 2`,
+    # rank 1 killed with SIGKILL during a checkpoint 22 steps after the guard skipped its corrupt
+    # batch: the event was not committed yet (the writer commits every second), and rank 1's run
+    # said the guard had never rewound. An event is rare and is the evidence: it is committed at once.
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(GUARDED_THEN_KILLED)
+    out = subprocess.run([sys.executable, "-m", "trainguard", "run", "--guard", "--logdir", "runs/g", "train.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr[-2000:]
+    with open_run(tmp_path / "runs" / "g") as run:
+        assert [f["event"]["step"] for f in run.findings(source="guard")] == [10]
+        assert run.meta["guard"]["rewinds"] == 1 and run.meta["guard"]["events"] == 1
+
+
+def test_a_rerun_after_a_kill_numbers_its_events_after_the_earlier_ones(tmp_path):
+    # The same run, the same command run again: it resumes from the checkpoint of step 10, meets the
+    # corrupt batch again and skips it again. The run keeps both events; the second was numbered 1
+    # again and the run's guard metadata counted one event and one rewind.
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(GUARDED_THEN_KILLED)
+    command = [sys.executable, "-m", "trainguard", "run", "--guard", "--logdir", "runs/g", "train.py"]
+    assert subprocess.run(command, cwd=tmp_path, capture_output=True, timeout=120).returncode == -9
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RERUN": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    with open_run(tmp_path / "runs" / "g") as run:
+        assert [(f["event"]["n"], f["event"]["step"]) for f in run.findings(source="guard")] == [(1, 10), (2, 10)]
+        assert run.meta["guard"]["rewinds"] == 2 and run.meta["guard"]["events"] == 2

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.cli import main
 from trainguard.store import open_run
 
 from .conftest import line_of
@@ -25,9 +26,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_job(root: Path, poison: str = "overflow") -> Path:
+    subprocess.run([sys.executable, str(SCRIPT), str(root), str(free_port()), poison], check=True, timeout=280)
+    return root
+
+
+@pytest.fixture(scope="module")
+def overflow_job(tmp_path_factory) -> Path:
+    return run_job(tmp_path_factory.mktemp("overflow"))
+
+
 @pytest.mark.timeout(300)
-def test_two_ranks_rewind_together_and_skip_the_batch_of_the_bad_rank(tmp_path):
-    subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), str(free_port())], check=True, timeout=280)
+def test_two_ranks_rewind_together_and_skip_the_batch_of_the_bad_rank(overflow_job):
+    tmp_path = overflow_job
     outs = [json.loads((tmp_path / f"out-rank{r}.json").read_text()) for r in (0, 1)]
     for out in outs:
         assert out["step"] == 40 and out["finite"]
@@ -47,3 +58,29 @@ def test_two_ranks_rewind_together_and_skip_the_batch_of_the_bad_rank(tmp_path):
             assert [f["event"]["step"] for f in run.findings(source="guard")] == [25]
         with open_run(tmp_path / "run" / "replays" / "step-25", rank=r) as replay:
             assert {s["step"] for s in replay.steps()} == {25}
+
+
+@pytest.mark.timeout(300)
+def test_the_report_of_a_guarded_job_leads_with_the_rank_whose_loss_went_bad(overflow_job, capsys):
+    # The guard's own runs record nothing (each replay has a run of its own): the report must not
+    # say that no rank saw a NaN, and details the rank whose loss went non-finite, not rank 0.
+    assert main(["report", str(overflow_job / "run")]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert "No harmful" not in first
+    assert first.startswith("the guard caught a non-finite loss on rank 1 in step 25: aten.pow")
+    assert "(rank 1 of 2)" in " ".join(out.replace("│", " ").split())
+
+
+@pytest.mark.timeout(300)
+def test_a_corrupt_sample_on_one_rank_gets_the_data_fix_on_every_rank(tmp_path):
+    # A NaN sample in rank 1's batch (a corrupt record): rank 0's event, whose own batch was clean,
+    # must still say the data is at fault, and where, not "check the inputs".
+    run_job(tmp_path, "nan")
+    events = [json.loads((tmp_path / f"out-rank{r}.json").read_text())["events"] for r in (0, 1)]
+    for rank, [event] in enumerate(events):
+        assert event["step"] == 25 and event["origin_rank"] == 1
+        assert event["batch_nonfinite"]["samples"] == [102] and event["batch_nonfinite"]["kinds"] == ["nan"]
+        assert event["origin"]["suggestion"].startswith("the batch itself held nan before any op ran"), rank
+    assert events[1][0]["message"].endswith("skipped batch 25 (its sample 102 holds nan in the batch itself)")
+    assert events[0][0]["message"].endswith("skipped batch 25 (rank 1's sample 102 holds nan in the batch itself)")

@@ -58,6 +58,7 @@ MONITOR_RULES = (
     "eval_mode_in_training",
     "train_mode_in_eval",
     "grad_scaler_skips",
+    "replicas_not_synchronized",
     # loss misuse read off the op graph (analysis/_graph_rules.py)
     "softmax_before_cross_entropy",
     "sigmoid_before_bce_with_logits",

@@ -221,9 +221,8 @@ def nonfinite_loss(ctx: Context) -> list[Finding]:
     grew = len(before) >= 2 and before.values[-1] > 10 * max(abs(before.values[0]), 1e-12)
     if grew:
         ev["loss_grew"] = f"{fmt(before.values[0])} -> {fmt(before.values[-1])} before turning {fmt(value)}"
-        _, text = lr_lower(ctx, None)
+        _, text, clip = _lower_where_it_went_wrong(ctx, diverged(ctx), step)
         fixes.append(f"the loss grew before it broke (divergence): {text}")
-        clip = clip_text(ctx, before_step=step)
         if clip:
             fixes.append(clip)
     if not fixes:
@@ -576,16 +575,14 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             reasons.append(f"the loss grew {fmt(before.values[-1] / before.values[0])}x before turning NaN/Inf")
     if not reasons:
         return []
-    at = div["step"] if div else bad_step  # the rate in force where it went wrong, not the schedule's median
-    r_at = _ratio_before(ctx, ratios, at)
-    new, text = lr_lower(ctx, r_at if r_at is not None else r_max if math.isfinite(r_max) else None, step=at)
+    at = div["step"] if div else bad_step
+    new, text, clip = _lower_where_it_went_wrong(ctx, div, bad_step)
     if new is not None:
         ev["suggested_lr"] = new
         ev["lr"] = ctx.lr(at)
         peak = ctx.lr_peak()
         if peak is not None and peak != ev["lr"]:
             ev["lr_peak"] = peak
-    clip = clip_text(ctx, before_step=at)
     steps = (int(ctx.loss.steps[0]), int(ctx.loss.steps[-1])) if len(ctx.loss) else None
     return [
         Finding(
@@ -598,6 +595,18 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _lower_where_it_went_wrong(ctx: Context, div: dict | None, bad_step: int | None) -> tuple[float | None, str, str]:
+    """(the lower rate, its text, a clip_grad_norm_ call or "") for a run that went wrong at the
+    divergence's step, else at the first non-finite loss: the rate in force there (not the schedule's
+    median) scaled by the update ratio it made before it, and a clip norm read off the gradient norms
+    before it (after it they are exploding). lr_too_high and nonfinite_loss give the same fix."""
+    at = div["step"] if div else bad_step
+    r_max = _ratio_max(ctx)
+    r_at = _ratio_before(ctx, ctx.update_ratio_by_step(), at)
+    new, text = lr_lower(ctx, r_at if r_at is not None else r_max if math.isfinite(r_max) else None, step=at)
+    return new, text, clip_text(ctx, before_step=at)
 
 
 def _ratio_max(ctx: Context) -> float:

@@ -469,7 +469,8 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
     if _power_of_zero(link):
         return (f"{base} of an input with {_plural(_count(s0, 'zero'), 'zero')} -> +inf: a negative power of 0 "
                 "(1 / 0)")
-    if base in _EXPS:
+    unseen = [i for i in ins if i["kind"] not in ("op", "param", "buffer")]
+    if base in _EXPS and not _nan_from_unseen(link):
         mx = (s0 or {}).get("max")
         if isinstance(mx, float) and mx == mx:
             return f"{base} overflow: input max {mx:.4g}"
@@ -477,7 +478,6 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
     if base in _STDS and "nan" in link.health and _reduced_count(link) == 1:
         return (f"{base} over 1 value -> NaN: with its default correction (Bessel's, correction=1) it divides by "
                 "N - 1 = 0 (a batch, episode or group of one)")
-    unseen = [i for i in ins if i["kind"] not in ("op", "param", "buffer")]
     if base in _ACCUM and not unseen:  # an input never summarised may have held the value already
         return f"overflow in {base}: finite inputs accumulate past the dtype's largest value"
     if base in _BATCH_NORMS and len(link.outputs) >= 5 and _is_bad(link.outputs[-1].get("summary")):
@@ -626,6 +626,14 @@ def _finite_known(summary: dict | None) -> bool:
     """Whether a stored summary says all its values are finite (no_tensor and shape say nothing)."""
     has_health = any(k in (summary or {}) for k in ("nonfinite", "nan", "pos_inf", "neg_inf"))
     return has_health and not _unknown(summary) and not _is_bad(summary)
+
+
+def _nan_from_unseen(link: Link) -> bool:
+    """NaN and no inf from an op with an input from outside the recording (a batch made before a
+    guard's replay): no overflow of finite values makes that (an exp or a power overflows to inf),
+    the input held it."""
+    return (all("inf" not in h for h in link.health)
+            and any(i["kind"] not in ("op", "param", "buffer") for i in link.inputs))
 
 
 def _power_of_zero(link: Link) -> bool:
@@ -972,7 +980,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["div"]
     if base in _SQRTS or base in _RSQRTS:
         return _SUGGESTIONS["sqrt"]
-    if base in _EXPS:
+    if base in _EXPS and not _nan_from_unseen(link):
         if base in ("exp", "exp_") and link.phase == "forward":
             # the exponent is a parameter: by name once its module ran, else as what the optimizer wrote
             param = next((i.get("name") or "" for i in link.inputs if i.get("kind") == "param"
@@ -993,11 +1001,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["array"]  # a row or batch from NumPy or a list: nothing recorded made it
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
-    if (all("inf" not in h for h in link.health)
-            and any(i["kind"] not in ("op", "param", "buffer") for i in link.inputs)):
-        # NaN and no inf: no overflow of finite values makes that (and the ops that make NaN of
-        # finite values are judged above), an input from outside the recording (a batch made
-        # before a guard's replay) held it
+    if _nan_from_unseen(link):  # the ops that make NaN of finite values are judged above
         return _SUGGESTIONS["input"]
     narrow = any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs)
     if first_forward and link.step == 0 and link.phase == "forward":

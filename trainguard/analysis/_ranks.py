@@ -16,6 +16,7 @@ from typing import Any
 
 from trainguard.analysis._origin import origin, received_input
 from trainguard.store import RankedRun, Run
+from trainguard.store._ranks import is_collective
 
 # What users call a collective, by the op's base name (``c10d.allreduce_`` -> ``allreduce_``).
 _COLLECTIVE_WORDS = {
@@ -50,6 +51,27 @@ def _received_via(run: Run, link: Any) -> dict | None:
             "words": collective_words(d["op"], d["phase"])}
 
 
+# How many harmful executions after a rank's first one to look through for a received value.
+_SCAN = 256
+
+
+def _received_before_use(run: Run, made: int) -> int | None:
+    """The first harmful value this rank received through a collective while the one it made
+    itself (execution ``made``) was still unread, if any. Every rank of a DDP job loads the whole
+    data set, a corrupt row included, but only the rank whose batch holds the row reads it; the
+    others' copies do nothing, and their first harmful value that mattered came from that rank."""
+    used = [c["seq"] for c in run.consumers(made, limit=1)]
+    for d in run.executions(0, _SCAN, health="harmful"):
+        if d["seq"] <= made:
+            continue
+        if d["origin"] == made or (used and d["seq"] >= used[0]):
+            return None  # this rank read what it made first
+        if d["origin"] in (None, d["seq"]):  # a new harmful value: received, or made again
+            o = origin(run, seq=d["seq"])
+            return d["seq"] if o is not None and received_input(o.origin) is not None else None
+    return None
+
+
 def _first(run: Run) -> dict | None:
     """Where this rank's first harmful value was made (the origin :func:`origin` walks back to,
     and the collective it came through). Uninitialised memory, DDP's gradient buckets before
@@ -58,9 +80,14 @@ def _first(run: Run) -> dict | None:
     if o is None:
         return None
     link = o.origin
+    via = _received_via(run, link)
+    if via is None and (seq := _received_before_use(run, link.seq)) is not None:
+        o = origin(run, seq=seq) or o
+        link = o.origin
+        via = _received_via(run, link)
     return {"seq": link.seq, "step": link.step, "phase": link.phase, "op": link.op, "module": link.module,
             "file": link.file, "line": link.line, "health": list(link.health),
-            "received_via": _received_via(run, link), "summary": o.summary}
+            "received_via": via, "summary": o.summary}
 
 
 def _what(health: list[str]) -> str:
@@ -73,7 +100,10 @@ def ranks_report(run: Run) -> dict | None:
 
     ``first_rank`` made the first harmful value (``made``: every rank that made one itself),
     ``received``: the ranks whose first harmful value came to them through a collective;
-    ``headline`` says it in one sentence.
+    ``headline`` says it in one sentence. When no rank recorded a harmful value but the ranks ran
+    the guard (whose replays are runs of their own), ``first_rank`` and ``headline`` are the guard's
+    first event's; without either, when ranks crashed,
+    those of the rank that stopped the job.
     """
     if not isinstance(run, RankedRun) or len(run.ranks) < 2:
         return None
@@ -85,14 +115,93 @@ def ranks_report(run: Run) -> dict | None:
     made = sorted((p for p in per_rank if p["first"] and not p["first"]["received_via"]),
                   key=lambda p: (p["first"]["step"], p["rank"]))
     received = [p for p in per_rank if p["first"] and p["first"]["received_via"]]
+    first_rank, headline = (made[0]["rank"] if made else None), _headline(made, received)
+    if headline is None:  # nothing recorded went non-finite: the guard's runs record no op
+        first_rank, headline = _guarded(run)
+    if headline is None:
+        first_rank, headline = _stopped(run)
     return {
         "ranks": list(run.ranks),
         "per_rank": per_rank,
-        "first_rank": made[0]["rank"] if made else None,
+        "first_rank": first_rank,
         "made": [p["rank"] for p in made],
         "received": [p["rank"] for p in received],
-        "headline": _headline(made, received),
+        "headline": headline,
     }
+
+
+def _stopped(run: RankedRun) -> tuple[int | None, str | None]:
+    """(the rank, the sentence) of the rank that stopped a failed job: the one whose run never
+    ended (killed: ``kill -9``, the OOM killer) when another rank's did, else the one whose script
+    crashed first (``ended_at``, as the launcher reads it). The others' errors are mostly their
+    collectives losing that rank (gloo's "Connection closed by peer")."""
+    runs = run.rank_runs()
+    crashed = {k: r.meta for k, r in runs.items() if r.status == "crashed"}
+    gone = [k for k, r in runs.items() if r.status == "running"]
+    if not crashed:
+        return _hung(runs) if len(gone) == len(runs) else (None, None)
+    first = min(crashed, key=lambda k: (crashed[k].get("ended_at") or float("inf"), k))
+
+    def crash(k: int) -> str:
+        step = crashed[k].get("crash_step")
+        return (f" in step {step}" if isinstance(step, int) else "") + f": {crashed[k].get('error') or 'an error'}"
+
+    if gone:
+        whose = ", ".join(str(k) for k in gone)
+        return gone[0], (f"rank{'s' if len(gone) > 1 else ''} {whose}'s run never ended (its process was killed, "
+                         f"or is still running); rank {first} crashed{crash(first)}")
+    text = f"rank {first} crashed first,{crash(first)}"
+    if len(crashed) > 1:
+        others = [k for k in crashed if k != first]
+        text += f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} crashed after it"
+    return first, text
+
+
+def _last_op(r: Run) -> dict | None:
+    n = r.count()
+    last = r.executions(n - 1, n) if n else []
+    return last[0] if last else None
+
+
+def _hung(runs: dict[int, Run]) -> tuple[int | None, str | None]:
+    """(the rank, the sentence) when no rank's run ended: the ranks whose last recorded op is a
+    collective wait in it for the ranks whose last op is not, which never reached it (a hang
+    before the step's all-reduce; or the job is still running, and this is where it is now)."""
+    last = {k: _last_op(r) for k, r in runs.items()}
+    waiting = [k for k, d in last.items() if d and is_collective(d["op"])]
+    stuck = [k for k, d in last.items() if d and not is_collective(d["op"])]
+    if not waiting or not stuck:
+        return None, None
+    w, k = last[waiting[0]], last[stuck[0]]
+    frame = runs[stuck[0]].user_frame(k.get("stack_id")) or {}
+    where = f" at {frame['filename']}:{frame['lineno']}" if frame.get("filename") else ""
+    who = f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} wait{'' if len(waiting) > 1 else 's'}"
+    never = f"rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} never reached"
+    return stuck[0], (f"no rank's run ended (the job was killed, or is still running): {who} in {w['op']} "
+                      f"(step {w['step']}), which {never}: its last op was {k['op']}{where} (step {k['step']})")
+
+
+_TRIGGERS = {"nonfinite_loss": "a non-finite loss", "nonfinite_grad": "non-finite gradients", "spike": "a loss spike"}
+
+
+def _guarded(run: RankedRun) -> tuple[int | None, str | None]:
+    """(the rank, the sentence) of the guard's first event in a job whose ranks ran it: every rank
+    stores the same event, with the rank whose fault its replay traced (``origin_rank``)."""
+    from trainguard.analysis._report import guard_report  # _report imports this module
+
+    g = guard_report(run)
+    events = [e for e in (g or {}).get("events", []) if isinstance(e.get("step"), int)]
+    if not events:
+        return None, None
+    e = min(events, key=lambda e: e["step"])
+    rank = e.get("origin_rank") if e.get("origin_rank") in run.ranks else None
+    on = f" on rank {rank}" if rank is not None else ""
+    text = f"the guard caught {_TRIGGERS.get(e.get('trigger'), 'a fault')}{on} in step {e['step']}"
+    o = (e.get("origin") or {}).get("origin") or {}
+    if o.get("op"):
+        where = f" at {o['file']}:{o['line']}" if o.get("file") else ""
+        text += f": {o['op']}{where} ({o.get('phase')} pass)"
+    return rank, text
 
 
 def _headline(made: list[dict], received: list[dict]) -> str | None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from trainguard.analysis._causes import fold
+from trainguard.analysis._context import Context
 from trainguard.analysis._graph_rules import recording_findings
 from trainguard.analysis._origin import op_base, origin
 from trainguard.analysis._outcome import script_outcome, with_outcome
 from trainguard.analysis._ranks import ranks_report
-from trainguard.store import Run
+from trainguard.analysis._run_rules import replicas_not_synchronized
+from trainguard.analysis._thresholds import Thresholds
+from trainguard.store import RankedRun, Run
 
 # Lines of source shown around each frame of the origin.
 CONTEXT_LINES = 2
@@ -167,8 +170,12 @@ def guard_report(run: Run) -> dict[str, Any] | None:
 
 
 def _with_graph(run: Run, findings: list[dict]) -> list[dict]:
-    """The stored findings, and the loss misuse a recording shows when none of them says it."""
+    """The stored findings, the loss misuse a recording shows when none of them says it, and what
+    only the job's ranks read together show (each rank's own diagnosis sees one rank)."""
     try:
-        return findings + recording_findings(run, findings)
+        findings = findings + recording_findings(run, findings)
     except Exception:  # a damaged recording must not hide the report
-        return findings
+        pass
+    if isinstance(run, RankedRun):
+        findings = findings + [f.to_dict() for f in replicas_not_synchronized(Context(run, Thresholds()))]
+    return findings

@@ -1,4 +1,5 @@
-"""Rules over how the run went as a whole: mixed precision kept overflowing.
+"""Rules over how the run went as a whole: mixed precision kept overflowing; the ranks of a job
+trained models of their own.
 
 A crash is not a rule here: the run stores how it ended and :mod:`._outcome` makes it the
 ``script_crashed`` error (one mechanism for ``trainguard run``, the monitor and the callbacks).
@@ -13,7 +14,7 @@ import numpy as np
 from trainguard.analysis._context import Context, fmt
 from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import origin_of, where
-from trainguard.store import Finding
+from trainguard.store import Finding, RankedRun
 
 SOURCE = "monitor"
 
@@ -118,6 +119,51 @@ def grad_scaler_skips(ctx: Context) -> list[Finding]:
             suggestion="; ".join(fixes),
             steps=(since, int(steps[-1])) if since is not None else None,
             layers=[origin["module"]] if origin and origin.get("module") else [],
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("replicas_not_synchronized")
+def replicas_not_synchronized(ctx: Context) -> list[Finding]:
+    """The ranks of one job (read as one: ``trainguard.open(job)``) whose gradients are plain tensors
+    of the same parameters, but whose gradient norms differ step after step: nothing averages them
+    (no DistributedDataParallel), so each rank trains a model of its own on its share of the data.
+    Sharded gradients (FSDP2, tensor parallelism) and ranks holding different parameters (pipeline
+    stages) differ by design, and are left alone."""
+    run = ctx.run
+    if not isinstance(run, RankedRun) or len(run.ranks) < 2:
+        return []
+    norms, shapes = [], []
+    for r in run.rank_runs().values():
+        sc = r.scalars()
+        if any(v > 0 for _, v in sc.get("grad_sq_sharded", [])):
+            return []
+        norms.append({s: v for s, v in sc.get("grad_norm", []) if math.isfinite(v) and v > 0})
+        params = (r.meta.get("monitor") or {}).get("params") or {}
+        shapes.append({name: p.get("shape") for name, p in params.items() if isinstance(p, dict)})
+    if any(s != shapes[0] for s in shapes):
+        return []
+    common = sorted(set.intersection(*(set(n) for n in norms)))
+    if len(common) < ctx.th.min_loss_points:
+        return []
+    apart = [s for s in common if max(n[s] for n in norms) > (1 + ctx.th.replicas_rel_diff) * min(n[s] for n in norms)]
+    if len(apart) < ctx.th.replicas_diff_fraction * len(common):
+        return []
+    s = apart[0]
+    values = ", ".join(f"rank {k} {fmt(n[s])}" for k, n in zip(run.ranks, norms))
+    return [
+        Finding(
+            kind="replicas_not_synchronized",
+            severity="error",
+            title=f"The {len(run.ranks)} ranks train separate models: their gradients are never averaged "
+            f"(the gradient norms differ at {len(apart)} of {len(common)} steps; step {s}: {values})",
+            evidence={"steps_compared": len(common), "steps_differing": len(apart), "first_step": s,
+                      "grad_norms": {k: n[s] for k, n in zip(run.ranks, norms)}},
+            suggestion="wrap the model in `torch.nn.parallel.DistributedDataParallel(model)` after "
+            "`init_process_group` (on CPU without `device_ids`), and train and save that; without it each rank "
+            "learns from its own share of the data and rank 0's checkpoint holds its copy alone "
+            "(pytorch/examples' imagenet/main.py wraps the model only on an accelerator)",
             source=SOURCE,
         )
     ]

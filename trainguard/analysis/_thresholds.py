@@ -106,6 +106,14 @@ class Thresholds:
     amp_min_scale: float = _t(
         1.0, "a scale below 1 still overflowing: the values are Inf/NaN unscaled, so scaling is not the cause"
     )
+    # ---- ranks of one job (torchrun)
+    replicas_rel_diff: float = _t(
+        1e-3, "DDP replicas all hold the same averaged gradients, so their norms agree to the bit; rank-local "
+        "gradients (each rank's own batch) differ by far more than 0.1%"
+    )
+    replicas_diff_fraction: float = _t(
+        0.5, "gradient norms apart on most steps is the rule, not an odd step (a rank that skipped a step)"
+    )
     # ---- parameters and modes
     stale_fraction: float = _t(
         0.5, "most parameters still holding the last step's gradient when the new one arrives: no zero_grad"

@@ -1,8 +1,8 @@
-"""``trainguard run --nproc-per-node N [options] script.py``: torchrun's elastic agent, started here.
+"""``trainguard run|monitor --nproc-per-node N [options] script.py``: torchrun's elastic agent, started here.
 
 The agent (``torch.distributed.run``, the code behind ``torchrun``) starts one worker per rank;
-each worker runs ``python -m trainguard run`` with the same trainguard options and writes its
-own ``logdir/rank-K``. The launch options are torchrun's own, parsed by torchrun's parser; the
+each worker runs ``python -m trainguard run`` (or ``monitor``) with the same trainguard options and
+writes its own ``logdir/rank-K``. The launch options are torchrun's own, parsed by torchrun's parser; the
 worker's command line is passed to the agent as it is, never through that parser (which reads
 ``--monitor`` as an ambiguous abbreviation of its ``--monitor-interval``).
 """
@@ -71,15 +71,16 @@ def worker_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, logdi
                 out.append(f"{flag}={item}")
         else:
             out.append(f"{flag}={value}")
-    if args.module:
+    if getattr(args, "module", None):
         out += ["-m", args.module, *(getattr(args, "module_args", None) or [])]
     if args.script:
         out.append(args.script)
     return out + list(args.args)
 
 
-def launch(parser: argparse.ArgumentParser, args: argparse.Namespace, logdir: Path) -> int:
-    """Run the elastic agent in this process until every worker ends; return the job's exit code."""
+def launch(parser: argparse.ArgumentParser, args: argparse.Namespace, logdir: Path, command: str = "run") -> int:
+    """Run the elastic agent in this process until every worker ends, each running ``trainguard
+    COMMAND``; return the job's exit code."""
     if "LOCAL_RANK" in os.environ:
         raise TrainguardError("--nproc-per-node starts torchrun's agent: do not give it under torchrun "
                               "(each rank is already a worker)")
@@ -100,7 +101,7 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace, logdir: Pa
         targs = torchrun.parse_args(launch_argv + ["-m", "trainguard"])
     except SystemExit as exc:  # torchrun's parser already printed why
         raise TrainguardError(f"torchrun refused the launch options {' '.join(launch_argv)}") from exc
-    targs.training_script_args = ["run", *worker_argv(parser, args, logdir)]
+    targs.training_script_args = [command, *worker_argv(parser, args, logdir)]
     try:
         torchrun.run(targs)
     except ChildFailedError as exc:

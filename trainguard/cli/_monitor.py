@@ -16,10 +16,12 @@ import traceback
 from pathlib import Path
 
 from trainguard._errors import TrainguardError
+from trainguard.cli import _launch
 from trainguard.cli._children import ChildWatch
 from trainguard.cli._preempt import Preemption, resume_point
 from trainguard.cli._render import err_console
 from trainguard.cli._spawned import Follow, Options, SpawnRefused, move_launcher_run
+from trainguard.store import default_name
 
 
 def add_parser(sub) -> None:
@@ -37,9 +39,10 @@ def add_parser(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a threshold")
     p.add_argument("--no-gradcheck", action="store_true",
                    help="do not check custom autograd Functions' gradients against finite differences")
+    _launch.add_launch_arguments(p)
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(func=_cmd_monitor)
+    p.set_defaults(func=_cmd_monitor, parser=p)
 
     d = sub.add_parser(
         "diagnose",
@@ -191,6 +194,14 @@ def _print_findings(findings, as_json: bool, header: str | None = None) -> None:
 
 def _cmd_monitor(args) -> int:
     thresholds = parse_overrides(args.set) or None  # a bad name fails before the script runs
+    if _launch.wants_launch(args):  # torchrun's agent here: each rank monitors into LOGDIR/rank-K
+        if args.resume:
+            raise TrainguardError("--resume continues a run of one process; a job launched with --nproc-per-node "
+                                  "writes rank-K runs, which it does not continue yet: give it a new --logdir")
+        if not os.path.isfile(args.script):
+            raise TrainguardError(f"no such script: {args.script!r}")
+        logdir = Path(args.logdir) if args.logdir else Path("runs") / default_name("monitor")
+        return _launch.launch(args.parser, args, logdir.absolute(), command="monitor")
     code, logdir, findings = monitor_script(
         args.script,
         args.args,

@@ -71,6 +71,12 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- rendering
+def _row(t: Table, *cells) -> None:
+    """A table row whose strings are shown as they are: never read as rich markup (a gloo error's
+    ``[/__w/.../pair.cc:553]`` stopped the report; ``x[mask]`` in a title lost ``[mask]``)."""
+    t.add_row(*(Text(c) if isinstance(c, str) else c for c in cells))
+
+
 def _short(path: str | None) -> str:
     if not path:
         return "?"
@@ -103,43 +109,43 @@ def _header(report: dict) -> Panel:
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("run", report["run"] + (f" (rank {report['rank']} of {len(report['ranks']['ranks'])})"
+    _row(t, "run", report["run"] + (f" (rank {report['rank']} of {len(report['ranks']['ranks'])})"
                                       if report.get("ranks") else ""))
     status = report["status"]
     if status == "running" and meta.get("lost"):
         status = "incomplete: its writer stopped storing it (see the writer error)"
     elif status == "running":
         status += " (still being written, or its process was killed: shows everything up to the last flush)"
-    t.add_row("status", status + (f" — {meta['error']}" if meta.get("error") else ""))
+    _row(t, "status", status + (f" — {meta['error']}" if meta.get("error") else ""))
     if n := meta.get("untraced_children"):
-        t.add_row("not watched", f"the training ran in {n:,} child process{'es' if n > 1 else ''} the script started "
+        _row(t, "not watched", f"the training ran in {n:,} child process{'es' if n > 1 else ''} the script started "
                   "(multiprocessing.Process); this run holds this process's ops only")
     backend = {"native": "the native core", "python": "the Python dispatch mode"}.get(meta.get("backend"))
-    t.add_row("recorded", f"{when}, mode {meta.get('mode')}, buffer {meta.get('buffer')}"
+    _row(t, "recorded", f"{when}, mode {meta.get('mode')}, buffer {meta.get('buffer')}"
               + (f", by {backend}" if backend else ""))
     if meta.get("native_unsure"):
-        t.add_row("not recorded", f"{meta['native_unsure']:,} ops on tensor subclasses or under another dispatch "
+        _row(t, "not recorded", f"{meta['native_unsure']:,} ops on tensor subclasses or under another dispatch "
                   "mode (record with backend='python' to see them)")
-    t.add_row("executions", f"{counts['stored']:,} stored over {counts['steps']} steps "
+    _row(t, "executions", f"{counts['stored']:,} stored over {counts['steps']} steps "
               f"(forward {counts['by_phase']['forward']:,}, backward {counts['by_phase']['backward']:,}, "
               f"optimizer {counts['by_phase']['optimizer']:,}, other {counts['by_phase']['other']:,})")
     if meta.get("executions") is not None and meta.get("recorded") is not None:
-        t.add_row("ops seen", f"{meta['executions']:,} ran, {meta['recorded']:,} matched the filters")
+        _row(t, "ops seen", f"{meta['executions']:,} ran, {meta['recorded']:,} matched the filters")
     dropped = meta.get("dropped") or 0
-    t.add_row("dropped", Text(f"{dropped:,} records dropped under back-pressure", style="bold red") if dropped
+    _row(t, "dropped", Text(f"{dropped:,} records dropped under back-pressure", style="bold red") if dropped
               else Text("none", style="green"))
     if report.get("damaged"):
-        t.add_row("damaged", Text("rows that cannot be decoded were skipped: " + ", ".join(
+        _row(t, "damaged", Text("rows that cannot be decoded were skipped: " + ", ".join(
             f"{n:,} in {table}" for table, n in report["damaged"].items()), style="red"))
     if meta.get("writer_error"):
         lost = f"; {meta['lost']:,} executions were not stored" if meta.get("lost") else ""
-        t.add_row("writer error", Text(str(meta["writer_error"]) + lost, style="bold red"))
+        _row(t, "writer error", Text(str(meta["writer_error"]) + lost, style="bold red"))
     compiled = report.get("compiled")
     if compiled:
         inside = compiled["recorded_inside"]
         if inside:
             names = ", ".join(g["graph"] for g in inside[:6]) + (" ..." if len(inside) > 6 else "")
-            t.add_row("compiled", f"{len(inside)} torch.compile graph{'s' if len(inside) != 1 else ''} recorded "
+            _row(t, "compiled", f"{len(inside)} torch.compile graph{'s' if len(inside) != 1 else ''} recorded "
                       f"op by op ({names})")
         opaque = compiled["opaque"]
         if opaque:
@@ -147,15 +153,15 @@ def _header(report: dict) -> Panel:
                                (f", called at {_short(g['file'])}:{g['line']})" if g.get("file") else ")")
                                for g in opaque)
             n = len(opaque)
-            t.add_row("not seen inside", Text(
+            _row(t, "not seen inside", Text(
                 f"{n} torch.compile graph{'s' if n != 1 else ''} compiled before the recording started "
                 f"{'are' if n != 1 else 'is'} recorded whole (inputs and outputs), not op by op: {graphs}. "
                 + compiled["opaque_note"], style="yellow"))
         if compiled.get("full_tensor"):
-            t.add_row("full_tensor", Text("inside compiled graphs only the graphs' outputs have their values stored; "
+            _row(t, "full_tensor", Text("inside compiled graphs only the graphs' outputs have their values stored; "
                                           "every op has its summary", style="yellow"))
     if meta.get("record_errors"):
-        t.add_row("not recorded", Text(f"{meta['record_errors']:,} op outputs could not be recorded "
+        _row(t, "not recorded", Text(f"{meta['record_errors']:,} op outputs could not be recorded "
                                        "(see the warnings the run printed)", style="red"))
     return Panel(t, title="trainguard report", border_style="cyan")
 
@@ -181,9 +187,9 @@ def _alerts(report: dict) -> Any:
     t.add_column("events", justify="right")
     t.add_column("first at #", justify="right")
     for row in alerts["by_op"][:15]:
-        t.add_row(row["op"], f"{row['count']:,}", str(row["first_seq"]))
+        _row(t, row["op"], f"{row['count']:,}", str(row["first_seq"]))
     if len(alerts["by_op"]) > 15:
-        t.add_row(f"... {len(alerts['by_op']) - 15} more op types", "", "")
+        _row(t, f"... {len(alerts['by_op']) - 15} more op types", "", "")
     return Group(t, *quiet) if quiet else t
 
 
@@ -341,7 +347,7 @@ def _findings(report: dict) -> Any:
             t.add_column(col)
         rank = {"critical": 3, "error": 2, "warning": 1, "info": 0}
         for f in sorted(findings, key=lambda f: -rank.get(f.get("severity"), 0)):
-            t.add_row(f.get("severity", ""), f.get("kind", ""), f.get("title", ""), f.get("suggestion", ""))
+            _row(t, f.get("severity", ""), f.get("kind", ""), f.get("title", ""), f.get("suggestion", ""))
         return t
 
 
@@ -350,10 +356,7 @@ def _ranks(report: dict) -> tuple[Text, Table] | None:
     ranks = report.get("ranks")
     if not ranks:
         return None
-    headline = ranks["headline"]
-    for p in ranks["per_rank"]:
-        if headline and p["first"] and p["first"].get("file"):
-            headline = headline.replace(p["first"]["file"], _short(p["first"]["file"]))
+    headline = _short_harm(ranks["headline"]) if ranks["headline"] else None
     head = Text(f"{headline}.", style="bold red") if headline else Text(
         f"No harmful NaN or Inf on any of the {len(ranks['ranks'])} ranks.", style="bold green")
     t = Table(title="alerts per rank", title_justify="left")
@@ -371,7 +374,7 @@ def _ranks(report: dict) -> tuple[Text, Table] | None:
             first = f"{f['op']} at {_short(f['file'])}:{f['line']}" if f.get("file") else f["op"]
             via = f["received_via"]
             how = f"received: {via['op']}" if via else ("made (first)" if p["rank"] == ranks["first_rank"] else "made")
-        t.add_row(str(p["rank"]), p["status"], f"{p['alerts']['total']:,}", step, first,
+        _row(t, str(p["rank"]), p["status"], f"{p['alerts']['total']:,}", step, first,
                   Text(how, style="bold red" if how.startswith("made") else ""))
     return head, t
 

@@ -240,6 +240,18 @@ def init_checks(model: nn.Module, batch: Any, loss_fn: Any, *, num_classes: int 
                            + "; `trainguard.check_numerics()` around one step says more")
                 issues.append(finding("initial_loss_nonfinite", "critical", f"The initial loss is {fmt(value)}",
                                       fix, initial_loss=value, **({"origin": where} if where else {})))
+            if value == 0 and loss.requires_grad:
+                one = isinstance(primary, torch.Tensor) and primary.dim() >= 2 and primary.shape[-1] == 1
+                issues.append(finding(
+                    "initial_loss_zero", "warning", "The initial loss is exactly 0 before any training",
+                    "A loss of 0 gives every parameter a zero gradient, so nothing trains. "
+                    + ("The model gives one output per sample, and `cross_entropy` takes the log_softmax of a "
+                       "single score, which is 0: for regression use `F.mse_loss(output, target)`, for a yes/no "
+                       "label `F.binary_cross_entropy_with_logits(output, target)`, for C classes give the last "
+                       "layer C outputs." if one else
+                       "Look for a target that is the output itself, a mask or weight that keeps nothing, or a "
+                       "margin the untrained model already meets."),
+                    initial_loss=value, output_shape=out_shape))
             if not loss.requires_grad:
                 issues.append(finding(
                     "no_gradient_path", "critical", "The loss does not depend on any trainable parameter",

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.store import REPLAYS_DIR, acquire_writer, release_writer
+from trainguard._errors import TrainguardError
+from trainguard.store import REPLAYS_DIR, acquire_writer, open_run, release_writer
 
 log = logging.getLogger("trainguard.guard")
 
@@ -111,9 +112,10 @@ def batch_text(event: dict) -> str:
         return ""
     which, kinds = _bad_rows(b)
     items = b.get("samples") or b.get("rows")
+    rank = f"rank {b['rank']}'s " if b.get("rank") is not None else ""  # another rank's batch
     if not items:  # a 0-d tensor
-        return f" (batch{b['where']} holds {kinds} itself)"
-    whose = "its " if b.get("samples") else ""
+        return f" ({rank}batch{b['where']} holds {kinds} itself)"
+    whose = rank or ("its " if b.get("samples") else "")
     of = "" if b.get("samples") else f" of batch{b['where']}"
     return f" ({whose}{which}{of} hold{'' if len(items) > 1 else 's'} {kinds} in the batch itself)"
 
@@ -121,7 +123,8 @@ def batch_text(event: dict) -> str:
 def data_fix(b: dict) -> str:
     """The fix when the failing batch itself held NaN/Inf (see :func:`batch_text`)."""
     which, kinds = _bad_rows(b)
-    return (f"the batch itself held {kinds} before any op ran (batch{b['where']}, {which}): the data is "
+    on = f" on rank {b['rank']}" if b.get("rank") is not None else ""
+    return (f"the batch itself held {kinds} before any op ran (batch{b['where']}, {which}{on}): the data is "
             "corrupt, not the training; repair or drop that sample (`trainguard doctor` validates a dataset's values), "
             "or filter non-finite samples out in the dataset or collate_fn; the guard skips such a batch each time")
 
@@ -163,6 +166,19 @@ def outcome(event: dict) -> str:
     return "stopped (policy 'stop', trainguard.Diverged)"
 
 
+def stored_counts(path: Path) -> tuple[int, int]:
+    """(events, rewinds) the guard's run in ``path`` holds already (an earlier process's); (0, 0) without one."""
+    if not (path / "run.sqlite").exists():
+        return 0, 0
+    try:
+        with open_run(path) as run:
+            meta = run.meta.get("guard") or {}
+    except TrainguardError:  # damaged or unreadable: it is replaced or appended to as before
+        return 0, 0
+    counts = [meta.get("events"), meta.get("rewinds")]
+    return tuple(c if isinstance(c, int) and c > 0 else 0 for c in counts)  # type: ignore[return-value]
+
+
 class GuardRun:
     """The guard's own run directory: its metadata and its events (one writer, shared).
 
@@ -195,6 +211,10 @@ class GuardRun:
             "suggestion": (e.get("origin") or {}).get("suggestion", ""),
             "event": e,
         }])
+
+    def commit(self) -> None:
+        """Wait until what was handed to the writer is committed (it commits every second)."""
+        self._writer.flush(timeout=10.0)
 
     def close(self, status: str, ending: dict[str, Any] | None = None) -> None:
         """``status`` is the guard's; ``ending`` the run's own (``status``, ``error``, ...), as a recording stores it."""

@@ -127,6 +127,7 @@ class Guard:
         self._sentry = Sentry()
         self._loop: Any = None
         self._run: _events.GuardRun | None = None
+        self._earlier = (0, 0)  # (events, rewinds) of earlier processes in the run this one continues
         self._run_dir: Path | None = None  # the last loop's run, where the script's ending goes
         self._ending: dict[str, Any] = {}  # how the script ended, when it is told before the loop closed
         self._installed_previous: Any = None
@@ -180,8 +181,12 @@ class Guard:
         if self.logdir is None:
             self.logdir = _default_logdir()
         run_dir = self._run_dir = rank_dir(self.logdir)  # type: ignore[arg-type]
-        self._run = _events.GuardRun(run_dir, {**asdict(self.config), "rewinds": self.rewinds,
-                                               "events": len(self.events)}, overwrite=self._overwrite)
+        # A rerun continues the run an earlier process began: its events are numbered after those.
+        events, rewinds = (0, 0) if self._overwrite else _events.stored_counts(run_dir)
+        self._earlier = (max(events - len(self.events), 0), max(rewinds - self.rewinds, 0))
+        self._run = _events.GuardRun(run_dir, {**asdict(self.config), "rewinds": self._earlier[1] + self.rewinds,
+                                               "events": self._earlier[0] + len(self.events)},
+                                     overwrite=self._overwrite)
         self._overwrite = False  # a later loop of this guard adds to the run this one began
         self._sentry.start()
         self._take_snapshot()
@@ -407,12 +412,13 @@ class Guard:
         self._plan = None
         rec = plan.recording
         assert rec is not None
-        origin = self._shared_origin(rec, ranks or plan.ranks) if reproduced else None
+        origin, bad_batch = (self._shared_origin(rec, plan, ranks or plan.ranks) if reproduced
+                             else (None, plan.batch_nonfinite))
         kinds = kinds or plan.kinds
         trigger = kinds[0] if kinds else plan.kinds[0]
         local = plan.original or self._bad_local.get(plan.fail)
         event: dict[str, Any] = {
-            "n": len(self.events) + 1,
+            "n": self._earlier[0] + len(self.events) + 1,
             "step": plan.fail,
             "time": time.time(),
             "trigger": trigger,
@@ -437,12 +443,12 @@ class Guard:
             culprits = rec.culprits(origin, plan.batch)
             if culprits is not None:
                 event["culprits"] = culprits
-        if plan.batch_nonfinite is not None:
+        if bad_batch is not None:
             # The data held the value before any op ran: whatever op the replay names first only
             # passed it on (a convolution "overflowing" an inf pixel), so the fix is the data's.
-            event["batch_nonfinite"] = plan.batch_nonfinite
+            event["batch_nonfinite"] = bad_batch
             if origin is not None:
-                origin["suggestion"] = _events.data_fix(plan.batch_nonfinite)
+                origin["suggestion"] = _events.data_fix(bad_batch)
         if not reproduced:
             self._finish_event(event, "continue")
             return
@@ -473,13 +479,19 @@ class Guard:
             self._probation = _Probation(step=plan.fail, kinds=kinds, key=origin_key(origin), event=event)
         self._finish_event(event, "skip")
 
-    def _shared_origin(self, rec: StepRecording, ranks: list[int]) -> dict | None:
-        """The origin found by the first rank that saw the fault, on every rank."""
+    def _shared_origin(self, rec: StepRecording, plan: _Plan, ranks: list[int]) -> tuple[dict | None, dict | None]:
+        """The origin found by the first rank that saw the fault, and the rows of that rank's
+        batch that held NaN/Inf already (``batch_nonfinite``; with its ``rank`` when it is another
+        rank's: a corrupt sample on rank 1 is the data's fault on rank 0 too), on every rank."""
         o = rec.origin()
-        data = o.to_dict() if o is not None else None
-        if _collective.rank_world()[1] > 1:
-            data = _collective.broadcast_json(data, ranks[0] if ranks else 0, self._loop._groups.ctl())
-        return data
+        data = {"origin": o.to_dict() if o is not None else None, "batch_nonfinite": plan.batch_nonfinite}
+        me, world = _collective.rank_world()
+        if world > 1:
+            src = ranks[0] if ranks else 0
+            data = _collective.broadcast_json(data, src, self._loop._groups.ctl())
+            if src != me and data["batch_nonfinite"] is not None:
+                data["batch_nonfinite"] = dict(data["batch_nonfinite"], rank=src)
+        return data["origin"], data["batch_nonfinite"]
 
     def _lower_lr(self, factor: float) -> list[float]:
         lrs = []
@@ -500,7 +512,7 @@ class Guard:
         self._restore("memory")
         previous = self.events[-1] if self.events else None
         event = {
-            "n": len(self.events) + 1, "step": fail, "time": time.time(), "trigger": kinds[0], "kinds": kinds,
+            "n": self._earlier[0] + len(self.events) + 1, "step": fail, "time": time.time(), "trigger": kinds[0], "kinds": kinds,
             "ranks": sorted(ranks), "reason": self._reason(kinds[0], self._bad_local.get(fail), self._median(), ranks),
             "rewound_to": self._loop.state.step, "rewound_from": "memory", "replay": None,
             "origin": previous.get("origin") if previous else None, "skipped": [],
@@ -527,7 +539,8 @@ class Guard:
         if self._run is not None and id(event) not in self._stored:
             self._stored.add(id(event))
             self._run.add_event(event)
-            self._run.update(rewinds=self.rewinds, events=len(self.events))
+            self._run.update(rewinds=self._earlier[1] + self.rewinds, events=self._earlier[0] + len(self.events))
+            self._run.commit()  # the evidence: a kill -9 in the next second must not lose it
 
     def _raise(self, event: dict) -> None:
         raise Diverged(f"trainguard: {event['message']}", step=event["step"],
