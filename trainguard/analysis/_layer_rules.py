@@ -54,6 +54,10 @@ def fully_dead_layers(ctx: Context) -> list[str]:
     return out
 
 
+# What slows updates that grew or wore a layer out (a problem that arose in training, not at init).
+_SLOW_UPDATES = "lower the learning rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay"
+
+
 def negative_layers(ctx: Context) -> list[str]:
     """Layers with weights whose every output was negative at every recording while their weights
     got an all-zero gradient: a ReLU applied as a function after them (``F.relu``, no module the
@@ -243,18 +247,20 @@ def _initial_rms(ctx: Context, layers: list[str]) -> dict[str, float] | None:
     return out
 
 
-def _initial(ctx: Context, layers: list[str], stat: str) -> dict[str, float] | None:
-    """Each layer's activation ``stat`` (``sat_frac``, ``std``) at the run's first recording, when
-    its weights were the initial ones (None otherwise, or when a layer was not recorded there)."""
-    if not ctx.weights_initial or not ctx.recorded_steps:
+def _at_init(ctx: Context, series) -> float | None:
+    """A series' value at the run's first recording, when the weights were the initial ones (None
+    otherwise, when it was not recorded there, or is not finite)."""
+    if not ctx.weights_initial or not ctx.recorded_steps or not len(series) or series.steps[0] != ctx.recorded_steps[0]:
         return None
-    out = {}
-    for la in layers:
-        s = ctx.stat(la, "activation", stat)
-        if not len(s) or s.steps[0] != ctx.recorded_steps[0] or not math.isfinite(s.values[0]):
-            return None
-        out[la] = float(s.values[0])
-    return out
+    v = float(series.values[0])
+    return v if math.isfinite(v) else None
+
+
+def _initial(ctx: Context, layers: list[str], stat: str) -> dict[str, float] | None:
+    """Each layer's activation ``stat`` (``sat_frac``, ``std``) at initialisation (see :func:`_at_init`),
+    None unless every layer has one."""
+    out = {la: _at_init(ctx, ctx.stat(la, "activation", stat)) for la in layers}
+    return None if any(v is None for v in out.values()) else out
 
 
 @register_rule("exploding_activations")
@@ -291,8 +297,7 @@ def exploding_activations(ctx: Context) -> list[Finding]:
         elif ctx.clipping:
             suggestion = grew + "lower the learning rate or add weight decay; " + clipping_text(ctx)
         else:
-            suggestion = grew + ("lower the learning rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) "
-                                 "or add weight decay")
+            suggestion = grew + _SLOW_UPDATES
     else:
         rows, init_text = init_advice(ctx, ctx.weight_matrices(), activation_family(ctx))
         if rows:
@@ -357,8 +362,7 @@ def collapsed_activations(ctx: Context) -> list[Finding]:
         ev["arose_in_training"] = True
         suggestion = (f"layer {first} was not collapsed at initialisation (std {fmt(initial[first])}) and collapsed "
                       "during training: the updates made every sample's output the same (saturated or dead units "
-                      "before it); lower the learning rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) or "
-                      "add weight decay")
+                      f"before it); {_SLOW_UPDATES}")
     else:
         rows, init_text = init_advice(ctx, ctx.weight_matrices(), activation_family(ctx))
         if rows:
@@ -399,8 +403,7 @@ def saturated_activations(ctx: Context) -> list[Finding]:
         ev["initial_saturated_fraction"] = initial
         ev["arose_in_training"] = True
         suggestion = (f"layer {first} was not saturated at initialisation ({initial[first]:.0%} of its outputs at the "
-                      "bounds) and saturated during training: the updates grew its pre-activations; lower the "
-                      "learning rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay")
+                      f"bounds) and saturated during training: the updates grew its pre-activations; {_SLOW_UPDATES}")
     else:
         rows, init_text = init_advice(ctx, _feeding_params(ctx, first), "tanh")
         if rows:
@@ -445,17 +448,10 @@ def _update_flow(ctx: Context, names: list[str]) -> dict[str, float]:
 
 
 def _initial_flow_ratio(ctx: Context, first: str, last: str) -> float | None:
-    """The first weight matrix's relative gradient over the last one's at the run's first recording,
-    when the weights were the initial ones (None otherwise, or when either has no gradient there)."""
-    if not ctx.weights_initial or not ctx.recorded_steps:
-        return None
-    at = []
-    for p in (first, last):
-        r = ctx.relgrad(p)
-        if not len(r) or r.steps[0] != ctx.recorded_steps[0] or not (math.isfinite(r.values[0]) and r.values[0] > 0):
-            return None
-        at.append(float(r.values[0]))
-    return at[0] / at[1]
+    """The first weight matrix's relative gradient over the last one's at initialisation (see
+    :func:`_at_init`; None when either has no gradient there)."""
+    a, b = _at_init(ctx, ctx.relgrad(first)), _at_init(ctx, ctx.relgrad(last))
+    return a / b if a and b and a > 0 and b > 0 else None
 
 
 @register_rule("vanishing_gradient")
@@ -490,8 +486,7 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
         ev["initial_first_last_ratio"] = initial
         ev["arose_in_training"] = True
         fix = (f"the gradients did not vanish at initialisation (first/last ratio {fmt(initial)} at step "
-               f"{ctx.recorded_steps[0]}): the updates saturated or killed the units between; lower the learning "
-               "rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay")
+               f"{ctx.recorded_steps[0]}): the updates saturated or killed the units between; {_SLOW_UPDATES}")
     else:
         fam = activation_family(ctx)
         _, init_text = init_advice(ctx, names, fam)
