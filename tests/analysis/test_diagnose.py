@@ -689,6 +689,20 @@ def test_weights_bfloat16_cannot_move_are_blamed_on_bfloat16_not_the_learning_ra
     assert "restores or masks" not in f.suggestion
 
 
+
+def _monitored_on_random_rows(model, opt, logdir, steps: int, features: int, loss_of):
+    """Train ``model`` under a Monitor (every=5) for ``steps`` steps of 64 seeded random rows of
+    ``features`` values, the loss ``loss_of(model(x), x)``; the closed monitor."""
+    g = torch.Generator().manual_seed(0)
+    with tg.Monitor(model, logdir, every=5) as mon:
+        for _ in range(steps):
+            x = torch.randn(64, features, generator=g)
+            loss = loss_of(model(x), x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return mon
+
 def test_activations_that_saturated_during_training_blame_the_updates_not_the_init(tmp_path):
     # A tiny random BERT under accelerate at 100x its learning rate (0.3): the pooler's tanh ended
     # 100% saturated, and the fix said to use Xavier initialisation although its weights started
@@ -696,14 +710,8 @@ def test_activations_that_saturated_during_training_blame_the_updates_not_the_in
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
-    g = torch.Generator().manual_seed(0)
-    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
-        for _ in range(40):
-            x = torch.randn(64, 8, generator=g)
-            loss = nn.functional.cross_entropy(model(x), x[:, :3].argmax(1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    mon = _monitored_on_random_rows(model, opt, tmp_path / "r", 40, 8,
+                                    lambda out, x: nn.functional.cross_entropy(out, x[:, :3].argmax(1)))
     f = next(f for f in mon.findings if f.kind == "saturated_activations")
     assert f.evidence["initial_saturated_fraction"] == {"1": 0.0}
     assert "learning rate" in f.suggestion and "Xavier" not in f.suggestion
@@ -1244,14 +1252,8 @@ def test_a_layer_dead_behind_a_functional_relu_is_named_not_a_rate_too_low(tmp_p
     model = _FunctionalReluNet()
     nn.init.constant_(model.fc1.bias, -20.0)
     opt = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    g = torch.Generator().manual_seed(0)
-    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
-        for _ in range(30):
-            x = torch.randn(64, 16, generator=g)
-            loss = nn.functional.nll_loss(model(x), x[:, :10].argmax(1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    mon = _monitored_on_random_rows(model, opt, tmp_path / "r", 30, 16,
+                                    lambda out, x: nn.functional.nll_loss(out, x[:, :10].argmax(1)))
     problems = kinds(mon.findings)
     assert "lr_too_low" not in problems and problems[0] == "param_zero_gradient"
     zero = next(f for f in mon.findings if f.kind == "param_zero_gradient")
