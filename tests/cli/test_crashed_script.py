@@ -323,6 +323,9 @@ def test_the_same_command_run_again_with_resume_continues_the_run(tmp_path, comm
         assert steps == list(range(20 + 30)), steps  # the second process's steps go after the first's
         if command[0] == "run":
             assert run.count() > 0 and len({e["seq"] for e in run.executions(0, run.count())}) == run.count()
+            # both processes' ops are counted, those that ran and those that matched (no filter here):
+            # the header said "66,902 ran, 18,556 matched" on a resumed word_language_model run
+            assert run.meta["recorded"] == run.meta["executions"], run.meta
     bad = subprocess.run([*cmd[:3 + len(command)], "--overwrite", *cmd[3 + len(command):]], capture_output=True,
                          text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "choose one of --resume and --overwrite" in bad.stderr, bad.stderr
