@@ -159,12 +159,13 @@ def _cmd(args: argparse.Namespace) -> int:
     held = None  # the writer of a run continued (--resume), held until every part of this one is closed
     try:
         if resumed is not None:
-            from trainguard.integrations._session import _next_seq
+            from trainguard.integrations._session import continue_counts
             from trainguard.store import acquire_writer
 
             held = acquire_writer(logdir, append=True, resume=True, process=recorder is not None)
             if recorder is not None:  # the earlier process's executions and steps keep their numbers
-                recorder.seq, recorder.start_step = _next_seq(logdir), resumed
+                continue_counts(recorder, logdir)
+                recorder.start_step = resumed
         if recorder is not None:
             recorder.start()
         try:

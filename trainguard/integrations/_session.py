@@ -49,16 +49,18 @@ def rank_dir(logdir: Path, rank: int, world_size: int) -> Path:
     return logdir / f"rank-{int(rank)}" if int(world_size) > 1 else logdir
 
 
-def _next_seq(run_dir: Path) -> int:
-    """The first execution number free in a run being resumed (the recorder counts from 0)."""
+def continue_counts(rec, run_dir: Path) -> None:
+    """A recorder continuing the run in ``run_dir`` (resumed): its executions are numbered after the
+    earlier process's, and counted with them (``meta.recorded``; ``executions`` is the next number)."""
     from trainguard.store import open_run
 
     try:
         with open_run(run_dir) as run:
             n = run.count()
-            return run.executions(n - 1, n)[0]["seq"] + 1 if n else 0
-    except Exception:  # no recording there yet
-        return 0
+            rec.seq = run.executions(n - 1, n)[0]["seq"] + 1 if n else 0
+            rec.recorded = int(run.meta.get("recorded") or 0)
+    except Exception:  # no recording there yet: the recorder counts from 0
+        return
 
 
 class Session:
@@ -106,7 +108,7 @@ class Session:
                 rec = Recorder(self.run_dir, mode=self.mode if self.record else "curt_health",
                                check_numerics=self.check_numerics, rank_dir=False)
                 if resumed:
-                    rec.seq = _next_seq(self.run_dir)  # executions of the earlier run keep their numbers
+                    continue_counts(rec, self.run_dir)  # executions of the earlier run keep their numbers
                 self.recorder = rec.start()
         except BaseException:
             self.close()
