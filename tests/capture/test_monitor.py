@@ -277,6 +277,41 @@ def test_two_models_get_prefixes(tmp_path):
     assert "gen.<input>" in layers and "gen.1" in layers and "disc.1" in layers and "disc.2.weight" in layers
 
 
+class _Agent(nn.Module):
+    """cleanrl ppo.py's Agent (vwxyzjn/cleanrl): an actor and a critic with no forward of its own;
+    the loop calls ``self.actor(x)`` and ``self.critic(x)`` directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.critic = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.actor = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def get_action_and_value(self, x):
+        logits = self.actor(x)
+        return torch.distributions.Categorical(logits=logits).entropy(), self.critic(x)
+
+
+def test_models_called_inside_a_container_without_forward_are_named_by_their_path(tmp_path):
+    # The monitor of cleanrl's PPO named the actor's layers "0".."4" and the critic's
+    # "sequential.0".."sequential.4": nothing said which network a finding was about, while the
+    # Agent's state_dict (and the user) says "actor.0.weight". An nn.ModuleList of called
+    # members (an ensemble) is such a container too.
+    agent = _Agent()
+    heads = nn.ModuleList([nn.Linear(4, 2), nn.Linear(4, 2)])
+    opt = torch.optim.Adam(list(agent.parameters()) + list(heads.parameters()), lr=1e-3)
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False) as mon:
+        for _ in range(2):
+            x = torch.randn(8, 4)
+            entropy, value = agent.get_action_and_value(x)
+            loss = -entropy.mean() + value.pow(2).mean() + sum(h(x).pow(2).mean() for h in heads)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert sorted(mon.layers) == ["0", "1", "actor.0", "actor.1", "actor.2", "critic.0", "critic.1", "critic.2"]
+    layers = open_run(tmp_path / "r").layers()
+    assert "actor.0.weight" in layers and "critic.2.bias" in layers and "1.weight" in layers
+
+
 def test_activations_are_not_kept_alive(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
