@@ -66,6 +66,29 @@ def _live_modules() -> list[nn.Module]:
     return [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
 
 
+def container_path(module: nn.Module) -> str:
+    """Where ``module`` sits inside the containers that hold it: modules with no ``forward`` of
+    their own (cleanrl's ``Agent`` holding ``actor`` and ``critic``, an ``nn.ModuleList`` of an
+    ensemble), whose children the program calls directly. ``"actor"``, ``"heads.0"``; ``""``
+    where no such container holds it, or more than one module does. One scan of the live objects
+    (a root is found once)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in _live_modules():
+        for name, child in m._modules.items():
+            if child is not None and child is not m:
+                owners.setdefault(id(child), []).append((m, name))
+    path: list[str] = []
+    seen = {id(module)}
+    while len(held := owners.get(id(module), ())) == 1:
+        parent, name = held[0]
+        if type(parent).forward is not nn.Module.forward or id(parent) in seen:
+            break
+        seen.add(id(parent))
+        path.append(name)
+        module = parent
+    return ".".join(reversed(path))
+
+
 def _inside_checkpoint() -> bool:
     """Whether torch.utils.checkpoint is on the calling thread's stack (asked once per layer)."""
     f = sys._getframe(1)
@@ -153,7 +176,7 @@ class HookMixin:
     """Attaching to models and the hooks that run in their forward pass (state lives on the Monitor)."""
 
     # ------------------------------------------------------------------ attaching
-    def _attach(self, module: nn.Module, prefix: str) -> Root:
+    def _attach(self, module: nn.Module, prefix: str, label: str | None = None) -> Root:
         while (held := wrapped(module)) is not None:  # torch.compile(model), fabric.setup(model): the model
             self._known.add(module)
             module = held
@@ -161,7 +184,7 @@ class HookMixin:
         inner = [r for r in self._roots if r.ref() is not None and any(r.ref() is m for m in module.modules())]
         for r in inner:
             self._detach_root(r)
-        root = build_root(module, prefix)
+        root = build_root(module, prefix, label)
         for m in module.modules():
             self._known.add(m)
         root.handle = module.register_forward_pre_hook(ModuleHook(self._root_pre, root, _compile_monitor.token(module)))
@@ -231,18 +254,27 @@ class HookMixin:
             # for this call only; the trained ones are the caller's plain tensors
             self._torch_func_model = self._torch_func_model or type(module).__name__
             return
-        prefix = ""
-        outside = [r for r in self._roots if r.ref() is not None and all(r.ref() is not m for m in module.modules())]
-        if outside:  # a second model: name its layers apart
-            base = type(module).__name__.lower()
-            taken = {r.prefix for r in self._roots}
-            prefix, k = base + ".", 1
-            while prefix in taken:
-                k += 1
-                prefix = f"{base}{k}."
-        root = self._attach(module, prefix)
+        root = self._attach(module, *self._naming(module))
         # This call's pre-hooks were collected before the root hook existed: run it now.
         self._root_pre(root, module, args)
+
+    def _naming(self, module: nn.Module) -> tuple[str, str | None]:
+        """The prefix of a model found at run time, and the name of the model itself: its path in
+        the containers that hold it (``actor.``), else none for the first model and its type's
+        name for the next ones (``sequential.``, ``sequential2.``)."""
+        taken = {r.prefix for r in self._roots}
+        path = container_path(module)
+        if path and path + "." not in taken:
+            return path + ".", path
+        outside = [r for r in self._roots if r.ref() is not None and all(r.ref() is not m for m in module.modules())]
+        if not outside:
+            return "", None
+        base = type(module).__name__.lower()
+        prefix, k = base + ".", 1
+        while prefix in taken:
+            k += 1
+            prefix = f"{base}{k}."
+        return prefix, None
 
     def _adopt_from_loss(self, loss: torch.Tensor) -> None:
         # A module class whose own __call__ runs self.forward(...) never reaches nn.Module.__call__,
@@ -260,7 +292,7 @@ class HookMixin:
                      and any(id(p) in leaves for p in m.parameters())]
             inner = {id(c) for m in found for c in m.modules() if c is not m}
             for m in [m for m in found if id(m) not in inner]:
-                self._attach(m, "" if not self._roots else type(m).__name__.lower() + ".")
+                self._attach(m, *self._naming(m))
         except Exception:  # observing training never kills training
             log.exception("trainguard monitor: looking for the loss's model failed")
 

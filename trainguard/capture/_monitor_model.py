@@ -78,10 +78,13 @@ def _plain(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_ATTRS)
 
 
-def build_root(module: nn.Module, prefix: str) -> Root:
-    """List the layers and parameters of ``module``; names are its own, after ``prefix``."""
+def build_root(module: nn.Module, prefix: str, label: str | None = None) -> Root:
+    """List the layers and parameters of ``module``; names are its own, after ``prefix``.
+
+    ``label``: the name of ``module`` itself where it is a layer (a called ``nn.Linear``);
+    ``prefix`` and its type's name by default."""
     root = Root(module, prefix)
-    root_label = type(module).__name__.lower()
+    own = label if label else prefix + type(module).__name__.lower()
     for name, m in module.named_modules():
         name = _plain(name)
         if (m is module or not name) and list(m.children()):
@@ -91,12 +94,12 @@ def build_root(module: nn.Module, prefix: str) -> Root:
         has_direct = any(True for _ in m.parameters(recurse=False))
         if list(m.children()) and not has_direct:
             continue
-        root.layers.append(Layer(prefix + (name or root_label), m, prefix))
+        root.layers.append(Layer(prefix + name if name else own, m, prefix))
     owner = {}
     for mname, m in module.named_modules():
         mname = _plain(mname)
         for pname, _ in m.named_parameters(recurse=False):
-            owner[(mname + "." + pname) if mname else pname] = (prefix + (mname or root_label), type(m).__name__)
+            owner[(mname + "." + pname) if mname else pname] = (prefix + mname if mname else own, type(m).__name__)
     for pname, p in module.named_parameters():
         pname = _plain(pname)
         layer, mtype = owner.get(pname, (prefix + pname.rsplit(".", 1)[0], ""))
