@@ -45,6 +45,31 @@ def test_module_paths_forward_and_backward(tmp_path, net, train):
         assert r["stack_id"] == run.execution(r["fwd_seq"])["stack_id"]
 
 
+class _Agent(nn.Module):
+    """cleanrl ppo.py's Agent (vwxyzjn/cleanrl): no forward; the loop calls its actor and critic."""
+
+    def __init__(self):
+        super().__init__()
+        self.critic = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.actor = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_module_paths_of_models_called_inside_a_container(tmp_path, backend):
+    # Recorded, cleanrl's PPO named the actor and the critic both "" and their layers both "0".."4":
+    # an op of the critic's first layer could not be told from one of the actor's.
+    agent = _Agent()
+    x = torch.randn(3, 4)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        (agent.actor(x).sum() + agent.critic(x).sum()).backward()
+    run = open_run(tmp_path / "r")
+    fwd = {r["module"] for r in run.executions(phase="forward", op="addmm")}
+    assert fwd == {"actor.0", "actor.2", "critic.0", "critic.2"}
+    names = {i["name"] for e in run.executions(phase="forward", op="addmm")
+             for i in run.execution(e["seq"])["inputs"] if i["kind"] == "param"}
+    assert names == {"actor.0.bias", "actor.2.bias", "critic.0.bias", "critic.2.bias"}
+
+
 def test_stack_points_at_user_line_and_source_is_stored_once(tmp_path):
     x = torch.ones(3)
     with tg.record(tmp_path / "r", buffer=-1):
