@@ -53,11 +53,21 @@ def test_sigterm_to_one_rank_while_recording_monitoring_and_saving_asynchronousl
             r = first.rank_run(rank)
             assert r.count() > 100 and r.meta["rank"] == rank and r.meta["world_size"] == 2
             assert {s for s, _ in r.scalars()["loss"]} == set(range(5))
+        first_counts = {rank: first.rank_run(rank).count() for rank in (0, 1)}
 
-    code, log = run(trainguard("run", "--nproc-per-node", 2, "--logdir", tmp_path / "run2", TRAIN, *job),
-                    tmp_path / "log2")
+    # The requeued job runs the same command again with --resume: each rank continues its own run.
+    code, log = run(trainguard("run", "--nproc-per-node", 2, "--monitor", "--every", 2, "--resume",
+                               "--logdir", tmp_path / "run1", TRAIN, *job), tmp_path / "log2")
     assert code == 0, log[-3000:]
     assert_same_as(reference, out)
+    with tg.open(tmp_path / "run1") as both:
+        assert both.ranks == [0, 1]
+        for rank in (0, 1):
+            r = both.rank_run(rank)
+            assert [s for s, _ in r.scalars()["loss"]] == list(range(STEPS)), rank
+            assert r.count() > first_counts[rank] and r.meta["status"] == "finished"
+            steps = {e["step"] for e in r.executions()}  # (and the ops after the last update: step STEPS)
+            assert set(range(STEPS)) <= steps <= set(range(STEPS + 1)), rank
 
 
 def test_sigterm_to_the_launcher_in_the_middle_of_a_save(tmp_path, reference):
