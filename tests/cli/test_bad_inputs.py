@@ -31,7 +31,10 @@ def here(tmp_path):
     (["run", "--logdir", "r", "-m", "no_such_module"], "no module named 'no_such_module'"),
     (["run", "--logdir", "r", "--buffer", "-5", "ok.py"], "buffer must be -1"),
     (["run", "--resume", "--overwrite", "--logdir", "r", "ok.py"], "choose one of --resume and --overwrite"),
-    (["run", "--resume", "--nproc-per-node", "2", "--logdir", "r", "ok.py"], "--resume continues a run of one process"),
+    (["run", "--resume", "--overwrite", "--nproc-per-node", "2", "--logdir", "r", "ok.py"],
+     "choose one of --resume and --overwrite"),
+    (["monitor", "--resume", "--overwrite", "--nproc-per-node", "2", "--logdir", "r", "ok.py"],
+     "choose one of --resume and --overwrite"),
 ])
 def test_one_line_and_no_run_left_behind(here, args, message, capsys, monkeypatch):
     monkeypatch.chdir(here)

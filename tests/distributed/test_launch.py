@@ -59,6 +59,12 @@ def test_trainguard_monitor_launches_the_ranks_itself(tmp_path):
             assert [s for s, _ in rr.scalars()["loss"]] == [0, 1, 2, 3]
             assert rr.count() == 0  # monitored, not recorded
     assert log.count("insufficient_data") == 2  # each rank's diagnosis, as under torchrun
+    # The same command again with --resume: each rank's run goes on after its step 3.
+    code, log = run(trainguard("monitor", "--nproc-per-node", 2, "--every", 1, "--resume", "--logdir",
+                               tmp_path / "monitored", TRAIN, "--out", tmp_path / "out2", "--steps", 4), tmp_path / "log2")
+    assert code == 0, log[-3000:]
+    with tg.open(tmp_path / "monitored") as r:
+        assert [[s for s, _ in rr.scalars()["loss"]] for rr in r.rank_runs().values()] == [list(range(8))] * 2
 
 
 def test_the_trainguard_script_under_torchrun_with_the_monitor(tmp_path):
