@@ -1,12 +1,14 @@
 """Which ``nn.Module`` is running: global forward hooks keep a stack of interned module ids.
 
 Paths are relative to the outermost module that was called (``encoder.layers.2.attn``); the
-outermost module itself has the path "" and is shown by its type. Modules, parameters and
+outermost module itself has the path "" and is shown by its type, unless it sits in a container
+with no ``forward`` that the program calls into (cleanrl's ``Agent``: ``actor``, ``actor.0``). Modules, parameters and
 buffers are held through weak references only.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 import weakref
@@ -48,6 +50,35 @@ def _is_compiled(module: nn.Module) -> bool:
 
 def _type_name(module: nn.Module) -> str:
     return type(unwrapped(module)).__name__
+
+
+def container_path(module: nn.Module) -> str:
+    """Where ``module`` sits inside the containers that hold it: modules with no ``forward`` of
+    their own (cleanrl's ``Agent`` holding ``actor`` and ``critic``, an ``nn.ModuleList`` of an
+    ensemble), whose children the program calls directly. ``"actor"``, ``"heads.0"``; ``""``
+    where no such container holds it, or more than one module does. One scan of the live objects
+    (a root is found once)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    # type(o), not isinstance: isinstance reads o.__class__, which a deprecation proxy warns on
+    for m in (o for o in gc.get_objects() if issubclass(type(o), nn.Module)):
+        for name, child in m._modules.items():
+            if child is not None and child is not m:
+                owners.setdefault(id(child), []).append((m, name))
+    path: list[str] = []
+    seen = {id(module)}
+    while len(held := owners.get(id(module), ())) == 1:
+        parent, name = held[0]
+        if type(parent).forward is not nn.Module.forward or id(parent) in seen:
+            break
+        seen.add(id(parent))
+        path.append(name)
+        module = parent
+    return ".".join(reversed(path))
+
+
+# Scans of the live objects for containers per tracker: a program that builds a new model at
+# every step pays for a few only.
+_CONTAINER_SCANS = 16
 
 
 # ---------------------------------------------------------------------- the global hooks
@@ -136,6 +167,7 @@ class ModuleTracker:
         self._on_new = on_new_module
         self._ids: weakref.WeakKeyDictionary[nn.Module, tuple[int, str]] = weakref.WeakKeyDictionary()
         self._interned: dict[tuple[str, str], int] = {}
+        self._container_scans = 0
         self._local = threading.local()
         # id(tensor) -> (weakref, name, kind); kind is "param" or "buffer".
         self.named_tensors: dict[int, tuple[weakref.ref, str, str]] = {}
@@ -199,6 +231,11 @@ class ModuleTracker:
         path = ""
         if parent is not None and parent not in self._ids:
             parent = None  # called from inside a compiled graph run as a module
+        if parent is None and self._container_scans < _CONTAINER_SCANS and any(True for _ in module.parameters()):
+            # a model called at the top level may sit in a container the program calls into
+            # (cleanrl's Agent.actor): named by its path there, as the monitor names it
+            self._container_scans += 1
+            path = container_path(module)
         if parent is not None:
             parent_path = self._ids[parent][1]
             child = None

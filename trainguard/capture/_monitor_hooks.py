@@ -34,7 +34,7 @@ from torch.nn.utils.parametrize import ParametrizationList as _ParametrizationLi
 from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import activation_stats, first_tensor, histogram, input_stats
-from trainguard.capture._modules import forward_pre_hook, wrapped
+from trainguard.capture._modules import container_path, forward_pre_hook, wrapped
 from trainguard.capture._monitor_model import Layer, Root, build_root, structure
 
 log = logging.getLogger("trainguard.monitor")
@@ -64,29 +64,6 @@ def _leaf_ids(loss: torch.Tensor) -> set[int]:
 def _live_modules() -> list[nn.Module]:
     # type(o), not isinstance: isinstance reads o.__class__, which a deprecation proxy warns on
     return [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
-
-
-def container_path(module: nn.Module) -> str:
-    """Where ``module`` sits inside the containers that hold it: modules with no ``forward`` of
-    their own (cleanrl's ``Agent`` holding ``actor`` and ``critic``, an ``nn.ModuleList`` of an
-    ensemble), whose children the program calls directly. ``"actor"``, ``"heads.0"``; ``""``
-    where no such container holds it, or more than one module does. One scan of the live objects
-    (a root is found once)."""
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for m in _live_modules():
-        for name, child in m._modules.items():
-            if child is not None and child is not m:
-                owners.setdefault(id(child), []).append((m, name))
-    path: list[str] = []
-    seen = {id(module)}
-    while len(held := owners.get(id(module), ())) == 1:
-        parent, name = held[0]
-        if type(parent).forward is not nn.Module.forward or id(parent) in seen:
-            break
-        seen.add(id(parent))
-        path.append(name)
-        module = parent
-    return ".".join(reversed(path))
 
 
 def _inside_checkpoint() -> bool:
