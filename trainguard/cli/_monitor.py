@@ -126,11 +126,13 @@ def monitor_script(
     from trainguard._wiring import Monitor
     from trainguard.capture._ending import ending
     from trainguard.integrations import watch_frameworks
-    from trainguard.store import acquire_writer, release_writer
+    from trainguard.store import acquire_writer, rank_dir, release_writer
 
-    resumed = resume_point(logdir, resume, overwrite) if logdir is not None else None
+    # A rank of a job (torchrun's, or --nproc-per-node's) continues its own rank-K run.
+    own_run = rank_dir(logdir) if logdir is not None else None
+    resumed = resume_point(own_run, resume, overwrite) if own_run is not None else None
     # A run continued: its writer takes the run over (status running again), held until the end.
-    held = acquire_writer(logdir, append=True, resume=True) if resumed is not None else None
+    held = acquire_writer(own_run, append=True, resume=True) if resumed is not None else None
     try:
         mon = Monitor(None, logdir, every, histograms=True if histograms else None, thresholds=thresholds,
                       overwrite=overwrite, gradcheck=gradcheck, append=resumed is not None, start_step=resumed)
@@ -195,9 +197,8 @@ def _print_findings(findings, as_json: bool, header: str | None = None) -> None:
 def _cmd_monitor(args) -> int:
     thresholds = parse_overrides(args.set) or None  # a bad name fails before the script runs
     if _launch.wants_launch(args):  # torchrun's agent here: each rank monitors into LOGDIR/rank-K
-        if args.resume:
-            raise TrainguardError("--resume continues a run of one process; a job launched with --nproc-per-node "
-                                  "writes rank-K runs, which it does not continue yet: give it a new --logdir")
+        if args.resume and args.overwrite:
+            raise TrainguardError("choose one of --resume and --overwrite")
         if not os.path.isfile(args.script):
             raise TrainguardError(f"no such script: {args.script!r}")
         logdir = Path(args.logdir) if args.logdir else Path("runs") / default_name("monitor")

@@ -100,10 +100,9 @@ def _cmd(args: argparse.Namespace) -> int:
         script_args = list(args.args)
     logdir = Path(args.logdir) if args.logdir else _default_logdir(target.split(".")[-1])
     if _launch.wants_launch(args):
-        if args.resume:
-            raise TrainguardError("--resume continues a run of one process; a job launched with --nproc-per-node "
-                                  "writes rank-K runs, which it does not continue yet: give it a new --logdir")
-        return _launch.launch(args.parser, args, logdir.absolute())
+        if args.resume and args.overwrite:
+            raise TrainguardError("choose one of --resume and --overwrite")
+        return _launch.launch(args.parser, args, logdir.absolute())  # each rank continues its rank-K run
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] if args.dtypes else None
     if args.every < 1:
         raise TrainguardError(f"--every must be an int >= 1, got {args.every}")
@@ -119,7 +118,11 @@ def _cmd(args: argparse.Namespace) -> int:
         raise TrainguardError("--policy, --spike-factor, --snapshot-every and --max-rewinds need --guard")
     if args.guard and args.check_numerics:
         raise TrainguardError("choose one of --guard and --check-numerics")
-    resumed = None if args.guard else resume_point(logdir, args.resume, args.overwrite)  # the guard appends anyway
+    from trainguard.store import rank_dir
+
+    # A rank of a job (torchrun's, or --nproc-per-node's) continues its own rank-K run.
+    own_run = rank_dir(logdir)
+    resumed = None if args.guard else resume_point(own_run, args.resume, args.overwrite)  # the guard appends anyway
     guard = None
     try:
         if args.guard:
@@ -162,9 +165,9 @@ def _cmd(args: argparse.Namespace) -> int:
             from trainguard.integrations._session import continue_counts
             from trainguard.store import acquire_writer
 
-            held = acquire_writer(logdir, append=True, resume=True, process=recorder is not None)
+            held = acquire_writer(own_run, append=True, resume=True, process=recorder is not None)
             if recorder is not None:  # the earlier process's executions and steps keep their numbers
-                continue_counts(recorder, logdir)
+                continue_counts(recorder, own_run)
                 recorder.start_step = resumed
         if recorder is not None:
             recorder.start()
