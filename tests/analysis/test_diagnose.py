@@ -440,6 +440,27 @@ def test_a_diverged_nonfinite_loss_agrees_with_lr_too_high_on_the_rate_and_clips
     assert "1e+" not in fs["nonfinite_loss"].suggestion.split("max_norm=")[-1][:8], fs["nonfinite_loss"].suggestion
 
 
+@pytest.mark.parametrize("case", ["overflowed", "nan"])
+def test_gradients_nonfinite_in_a_divergence_agree_with_lr_too_high_on_the_rate(tmp_path, case):
+    # The DDP tutorial's run at lr=3 (above) with the gradients going non-finite a step before the
+    # loss: nonfinite_gradient said "from 3 to about 0.3", the plain tenth, which diverges too,
+    # while lr_too_high scaled the rate by the update ratio it made (found by the ddp trial).
+    n, bad = 64, 11
+    loss = [0.2 * 1e3 ** s for s in range(bad + 1)] + [math.inf] * (n - bad - 1)
+    grad_norm = [1e3 ** s for s in range(bad)] + [math.inf if case == "overflowed" else math.nan] * (n - bad)
+    rows = []
+    for s in range(0, n, 5):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", 25.0)]
+            if case == "nan" and s >= bad:
+                rows.append((s, p, "gradient", "nonfinite", 4.0))
+    fs = {f.kind: f for f in diagnose(write_run(tmp_path / "r", loss, grad_norm=grad_norm, layer_rows=rows, lr=3.0))}
+    rate = fs["lr_too_high"].evidence["suggested_lr"]
+    assert rate < 0.01
+    assert f"from 3 to about {rate:g}" in fs["nonfinite_gradient"].suggestion, fs["nonfinite_gradient"].suggestion
+
+
 def test_lr_too_high_names_the_rate_the_run_diverged_with(tmp_path):
     # From pytorch/examples' siamese_network (Adadelta lr=1.0, StepLR gamma=0.7, two epochs): the
     # median of the schedule, 0.85, is a rate the run never had; it diverged at step 1, under 1.0.
