@@ -275,9 +275,8 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
         # overflows, as clip_grad_norm_'s does, with no NaN or inf in the gradients themselves.
         ev["last_finite_grad_norm"] = overflow
         ev["began"] = step  # a rate far too high that diverged no later explains it (_causes.IN_TRAINING)
-        _, lower = lr_lower(ctx, None, step=step)
         grew, began = _loss_grew(ctx, step) or (None, step)
-        clip = clip_text(ctx, before_step=began)
+        _, lower, clip = _lower_where_it_went_wrong(ctx, diverged(ctx), began)
         if grew:
             ev["loss_grew"] = grew
         return [
@@ -313,9 +312,8 @@ def nonfinite_gradient(ctx: Context) -> list[Finding]:
     if grew and not origin:
         ev["loss_grew"] = grew
         title_loss = f"as the loss diverged to {grew.split(' -> ')[1]}"
-        _, text = lr_lower(ctx, None)
+        _, text, clip = _lower_where_it_went_wrong(ctx, diverged(ctx), began)
         suggestion = f"the loss diverged ({ev['loss_grew']}) and the gradients overflowed with it: {text}"
-        clip = clip_text(ctx, before_step=began)
         if clip:
             suggestion += f"; {clip}"
     return [
