@@ -293,6 +293,16 @@ def test_a_script_that_exits_143_itself_is_not_called_preempted():
     assert ending(KeyboardInterrupt())["status"] == "interrupted"
 
 
+def test_colour_codes_in_an_error_are_not_stored():
+    # Lightning Fabric prints its errors in colour (found by the fabric trial): the run stored
+    # "RuntimeError: \x1b[1;31mboom\x1b[0m", which report and the UI showed as escape garbage.
+    from trainguard.capture._ending import ending
+
+    assert ending(RuntimeError("\x1b[1;31mboom\x1b[0m at \x1b]8;;file:///x.py\x1b\\x.py\x1b]8;;\x1b\\"), step=3) == {
+        "status": "crashed", "error": "RuntimeError: boom at x.py", "crash_step": 3}
+    assert ending("ValueError: \x1b[33mbad\x1b[0m", step=0)["error"] == "ValueError: bad"
+
+
 PREEMPTED_ONCE = linear_regression(30, in_step="""
     if first and step == 19:
         open(sys.argv[1], "w").close()
