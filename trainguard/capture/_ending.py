@@ -4,11 +4,16 @@ and the framework callbacks, read by :mod:`trainguard.analysis._outcome` (a cras
 from __future__ import annotations
 
 import linecache
+import re
 import signal
 import sys
 from typing import Any
 
 from trainguard._errors import Diverged
+
+# Terminal escape sequences (colours, OSC 8 hyperlinks) some libraries put in their messages
+# (Lightning's): the run stores plain text, which report and the UI render themselves.
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
 
 
 def ending(error: BaseException | str | None, step: int | None = None) -> dict[str, Any]:
@@ -46,7 +51,7 @@ def ending(error: BaseException | str | None, step: int | None = None) -> dict[s
     else:
         message = str(error).splitlines()[0] if str(error) else ""
         text = f"{type(error).__name__}: {message}".rstrip(": ")
-    out: dict[str, Any] = {"status": "crashed", "error": text[:500], "crash_step": int(step)}
+    out: dict[str, Any] = {"status": "crashed", "error": _ESCAPES.sub("", text)[:500], "crash_step": int(step)}
     if isinstance(error, BaseException):
         try:
             at = crash_site(error)
