@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import trainguard as tg
 from trainguard.store import open_run
 
-from .conftest import BS, make_data, make_state, train
+from .conftest import BS, finite, make_data, make_state, train
 
 
 def test_the_samples_that_made_the_nan_are_named_in_the_event_the_line_and_the_run(tmp_path, caplog):
@@ -131,3 +131,22 @@ def test_a_batch_that_holds_the_inf_itself_is_blamed_on_the_data_not_on_an_overf
     fix = event["origin"]["suggestion"]
     assert "learning rate" not in fix and "the batch itself" in fix and "doctor" in fix, fix
     assert event["message"].endswith("(its sample 21 holds inf in the batch itself)"), event["message"]
+
+
+def test_a_sample_that_held_the_inf_itself_is_skipped_in_later_epochs_without_a_rewind(tmp_path):
+    # Found by the ddp trial on pytorch/examples' imagenet loop: a corrupt sample came back every
+    # epoch, and every epoch the guard rewound, replayed and skipped it again, spending a rewind
+    # (max_rewinds ends the run) and a full recording per epoch on a fault it had already named.
+    data = make_data(12)
+    data.tensors[0][21, 0] = float("inf")  # one corrupt value in sample 21
+    state = make_state(data, shuffle=True)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=5)
+    steps = train(guard.batches(state, total_steps=4 * 12), state)
+    assert steps[-1] == 4 * 12 - 1 and finite(state)
+    assert guard.rewinds == 1 and len(guard.events) == 1
+    assert guard.events[0]["batch_nonfinite"]["samples"] == [21]
+    # epochs 1, 2 and 3 each drew the batch holding sample 21 once, and skipped it unread
+    assert [s["epoch"] for s in guard.skipped_known] == [1, 2, 3]
+    assert all(21 in s["samples"] and s["known_from_event"] == 1 for s in guard.skipped_known)
+    meta = open_run(tmp_path / "run").meta["guard"]
+    assert meta["rewinds"] == 1 and meta["skipped_known"] == 3
