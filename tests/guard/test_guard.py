@@ -541,6 +541,7 @@ from torch.utils.data import DataLoader, TensorDataset
 torch.manual_seed(0)
 x, y = torch.randn(400, 4), torch.randn(400, 1)
 x[10 * 8 + 3, 1] = float("nan")  # one corrupt sample in batch 10
+x[25 * 8 + 1, 0] = float("nan")  # and one in batch 25
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=8))
@@ -574,8 +575,9 @@ def test_an_event_survives_a_kill_right_after_it(tmp_path):
 
 def test_a_rerun_after_a_kill_numbers_its_events_after_the_earlier_ones(tmp_path):
     # The same run, the same command run again: it resumes from the checkpoint of step 10, meets the
-    # corrupt batch again and skips it again. The run keeps both events; the second was numbered 1
-    # again and the run's guard metadata counted one event and one rewind.
+    # corrupt batch 10 again (skipped unread: its sample is known from the stored event) and then
+    # batch 25's. The run keeps both events; the second was numbered 1 again and the run's guard
+    # metadata counted one event and one rewind.
     import os
     import subprocess
     import sys
@@ -587,5 +589,6 @@ def test_a_rerun_after_a_kill_numbers_its_events_after_the_earlier_ones(tmp_path
                          env={**os.environ, "RERUN": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     with open_run(tmp_path / "runs" / "g") as run:
-        assert [(f["event"]["n"], f["event"]["step"]) for f in run.findings(source="guard")] == [(1, 10), (2, 10)]
+        assert [(f["event"]["n"], f["event"]["step"]) for f in run.findings(source="guard")] == [(1, 10), (2, 24)]
         assert run.meta["guard"]["rewinds"] == 2 and run.meta["guard"]["events"] == 2
+        assert run.meta["guard"]["skipped_known"] == 1 and run.meta["guard"]["last_skipped_known"]["step"] == 10

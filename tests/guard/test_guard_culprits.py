@@ -133,7 +133,7 @@ def test_a_batch_that_holds_the_inf_itself_is_blamed_on_the_data_not_on_an_overf
     assert event["message"].endswith("(its sample 21 holds inf in the batch itself)"), event["message"]
 
 
-def test_a_sample_that_held_the_inf_itself_is_skipped_in_later_epochs_without_a_rewind(tmp_path):
+def test_a_sample_that_held_the_inf_itself_is_skipped_in_later_epochs_without_a_rewind(tmp_path, capsys):
     # Found by the ddp trial on pytorch/examples' imagenet loop: a corrupt sample came back every
     # epoch, and every epoch the guard rewound, replayed and skipped it again, spending a rewind
     # (max_rewinds ends the run) and a full recording per epoch on a fault it had already named.
@@ -150,3 +150,8 @@ def test_a_sample_that_held_the_inf_itself_is_skipped_in_later_epochs_without_a_
     assert all(21 in s["samples"] and s["known_from_event"] == 1 for s in guard.skipped_known)
     meta = open_run(tmp_path / "run").meta["guard"]
     assert meta["rewinds"] == 1 and meta["skipped_known"] == 3
+    from trainguard.cli import main
+
+    assert main(["report", str(tmp_path / "run")]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "3 later batches held a sample an event found corrupt in the batch itself, and were skipped unread" in out, out

@@ -276,6 +276,14 @@ def _guard(report: dict) -> Any:
                 + (f", spike factor {meta['spike_factor']:g}" if meta.get("spike_factor") else "")
                 + f", {len(events)} event{'s' if len(events) != 1 else ''}, status {meta.get('status', '?')}")
     parts.append(head)
+    known = meta.get("skipped_known")
+    if isinstance(known, int) and known:
+        last = meta.get("last_skipped_known") or {}
+        parts.append(Text(f"{known} later batch{'es' if known != 1 else ''} held a sample an event found corrupt in the "
+                          f"batch itself, and {'were' if known != 1 else 'was'} skipped unread (no rewind)"
+                          + (f"; the last at step {last['step']:,} (epoch {last.get('epoch')}"
+                             f"{_samples(last.get('samples'))})" if isinstance(last.get("step"), int) else ""),
+                          style="yellow"))
     for e in events:
         style = "bold red" if e.get("action") in ("stop", "code_bug", "max_rewinds") else "bold yellow"
         b = e.get("batch") or {}

@@ -166,17 +166,43 @@ def outcome(event: dict) -> str:
     return "stopped (policy 'stop', trainguard.Diverged)"
 
 
-def stored_counts(path: Path) -> tuple[int, int]:
-    """(events, rewinds) the guard's run in ``path`` holds already (an earlier process's); (0, 0) without one."""
+def stored_meta(path: Path) -> dict[str, Any]:
+    """The ``guard`` metadata of the run in ``path`` (an earlier process's); {} without one."""
     if not (path / "run.sqlite").exists():
-        return 0, 0
+        return {}
     try:
         with open_run(path) as run:
-            meta = run.meta.get("guard") or {}
+            meta = run.meta.get("guard")
     except TrainguardError:  # damaged or unreadable: it is replaced or appended to as before
-        return 0, 0
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def stored_counts(path: Path) -> tuple[int, int]:
+    """(events, rewinds) the guard's run in ``path`` holds already (an earlier process's); (0, 0) without one."""
+    meta = stored_meta(path)
     counts = [meta.get("events"), meta.get("rewinds")]
     return tuple(c if isinstance(c, int) and c > 0 else 0 for c in counts)  # type: ignore[return-value]
+
+
+def stored_bad_samples(path: Path) -> dict[Any, int]:
+    """The samples earlier events of the guard's run in ``path`` found holding NaN/Inf in the batch
+    itself, each with the number of the event that found it (see ``Guard._known_bad``)."""
+    if not (path / "run.sqlite").exists():
+        return {}
+    try:
+        with open_run(path) as run:
+            found = run.findings(source=SOURCE)
+    except TrainguardError:
+        return {}
+    out: dict[Any, int] = {}
+    for f in found:
+        e = f.get("event") or {}
+        bad = e.get("batch_nonfinite") or {}
+        if e.get("action") == "skip" and "rank" not in bad:
+            for sample in bad.get("samples") or ():
+                out.setdefault(sample, e.get("n"))
+    return out
 
 
 class GuardRun:

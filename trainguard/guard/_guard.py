@@ -48,6 +48,10 @@ from trainguard.store import acquire_writer, release_writer
 
 log = logging.getLogger("trainguard.guard")
 
+# Batches in a row the guard skips for holding a known corrupt sample before it lets one through
+# (to fail and be replayed): a dataset corrupt throughout must not spin the loop forever.
+_MAX_KNOWN_SKIPS = 64
+
 
 def _default_logdir() -> Path:
     return Path("runs") / time.strftime("guard-%Y%m%d-%H%M%S")
@@ -123,6 +127,11 @@ class Guard:
         self.logdir: Path | None = Path(logdir) if logdir is not None else None
         self.events: list[dict] = []
         self.rewinds = 0
+        # batches skipped unread because they hold a sample an event found corrupt (see _known_bad)
+        self.skipped_known: list[dict] = []
+        self._bad_samples: dict[Any, int] = {}  # sample index -> the event that found it
+        self._skipping_known = 0  # batches skipped that way in a row
+        self._earlier_known = 0  # of an earlier process, in the run this one continues
         self.snapshot = MemorySnapshot()
         self._sentry = Sentry()
         self._loop: Any = None
@@ -183,6 +192,9 @@ class Guard:
         run_dir = self._run_dir = rank_dir(self.logdir)  # type: ignore[arg-type]
         # A rerun continues the run an earlier process began: its events are numbered after those.
         events, rewinds = (0, 0) if self._overwrite else _events.stored_counts(run_dir)
+        if not self._overwrite and _collective.rank_world()[1] == 1:
+            self._bad_samples = {**_events.stored_bad_samples(run_dir), **self._bad_samples}
+            self._earlier_known = max(_events.stored_meta(run_dir).get("skipped_known", 0) - len(self.skipped_known), 0)
         self._earlier = (max(events - len(self.events), 0), max(rewinds - self.rewinds, 0))
         self._run = _events.GuardRun(run_dir, {**asdict(self.config), "rewinds": self._earlier[1] + self.rewinds,
                                                "events": self._earlier[0] + len(self.events)},
@@ -245,6 +257,32 @@ class Guard:
 
     def _discard_before(self, step: int) -> int:
         return self._skips.get(step, 0) if self._skips else 0
+
+    def _known_bad(self) -> bool:
+        """Whether the batch the loop just drew holds a sample an earlier event found holding
+        NaN/Inf in the batch itself (a corrupt sample comes back every epoch): the loop then
+        draws the next one instead, with no rewind, no replay and no event. One process only:
+        on several ranks a skip must be every rank's, and this is decided alone."""
+        if not self._bad_samples or self._skipping_known >= _MAX_KNOWN_SKIPS:
+            self._skipping_known = 0
+            return False
+        samples = getattr(self._loop.state.loader, "last_indices", None)
+        hit = [s for s in (int(i) if hasattr(i, "__index__") else i for i in samples or ())
+               if isinstance(s, (int, str)) and s in self._bad_samples]
+        if not hit:
+            self._skipping_known = 0
+            return False
+        self._skipping_known += 1
+        info = self._batch_info()
+        info.update(step=self._loop.state.step, known_from_event=self._bad_samples[hit[0]])
+        self.skipped_known.append(info)
+        log.warning("trainguard: skipped %s at step %d: its sample %s held NaN/Inf in the batch itself "
+                    "(event %s)", _events.batch_label(info) or "a batch", info["step"],
+                    ", ".join(str(s) for s in hit), info["known_from_event"])
+        if self._run is not None:
+            self._run.update(skipped_known=self._earlier_known + len(self.skipped_known),
+                             last_skipped_known=info)
+        return True
 
     def _skipped_batch(self) -> None:
         """The loop discarded a batch before this step: the skip event learns which (a spike's
@@ -447,6 +485,9 @@ class Guard:
             # The data held the value before any op ran: whatever op the replay names first only
             # passed it on (a convolution "overflowing" an inf pixel), so the fix is the data's.
             event["batch_nonfinite"] = bad_batch
+            if self.config.policy == "skip" and "rank" not in bad_batch and _collective.rank_world()[1] == 1:
+                for sample in bad_batch.get("samples") or ():
+                    self._bad_samples.setdefault(sample, event["n"])  # skipped unread when it comes back
             if origin is not None:
                 origin["suggestion"] = _events.data_fix(bad_batch)
         if not reproduced:

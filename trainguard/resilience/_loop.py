@@ -198,6 +198,8 @@ class ResumeLoop:
                         for _ in range(discard):  # batches the guard skipped at this step
                             g._skipped_batch()
                             batch, it = self._next_batch(loader, it)
+                        while g is not None and g._known_bad():  # a corrupt sample come back
+                            batch, it = self._next_batch(loader, it)
                         if g is not None:
                             g._begin_step(self.state.step, batch)
                         yield self.state.step, batch
