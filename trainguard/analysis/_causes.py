@@ -29,6 +29,7 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "dead_units": ("loss_not_decreasing",),
     "vanishing_gradient": ("loss_not_decreasing",),
     "collapsed_activations": ("loss_not_decreasing",),
+    "representation_collapse": ("loss_not_decreasing",),
     "saturated_activations": ("loss_not_decreasing",),
     "exploding_activations": ("loss_not_decreasing",),
     "lr_too_low": ("loss_not_decreasing",),

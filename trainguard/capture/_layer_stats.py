@@ -141,6 +141,16 @@ def activation_stats(
     elif saturation == "sigmoid":
         raw.append((flat.gt(1.0 - SATURATION_MARGIN) | flat.lt(SATURATION_MARGIN)).sum(dtype=dt))
         names.append("sat_frac")
+    # A [rows, units] output (an embedding, a projector's or a head's output): how much its rows
+    # differ, per unit, pooled over the units. Near 0 when every input gets the same output (a
+    # self-supervised representation collapse), whatever the spread of the values within a row.
+    rows = x.shape[0] if x.dim() == 2 and dim == 1 else 0
+    if rows > 1:
+        c = x - x.mean(dim=0)
+        c = c.reshape(-1)
+        raw.append(torch.dot(c, c))
+        names.append("row_std")
+        del c
     has_dead = dead is not None
     has_sat = saturation is not None
 
@@ -157,6 +167,9 @@ def activation_stats(
             out.append(n / units)
         if has_sat:
             out.append(v[i] / n)
+            i += 1
+        if rows > 1:
+            out.append(math.sqrt(max(v[i], 0.0) / ((rows - 1) * (n // rows))))
         return out
 
     return torch.stack(raw), names, dead, finish
