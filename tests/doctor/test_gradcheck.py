@@ -119,7 +119,7 @@ def dino_setup():
 
 
 def test_a_loss_that_moves_its_own_buffer_is_checked_at_the_same_buffer_every_evaluation():
-    # `trainguard doctor` on DINO called 26 of its 42 parameters "wrong gradient": each finite
+    # `trainguard doctor` on DINO called 26 of its 37 trainable parameters "wrong gradient": each finite
     # difference evaluated the loss after other evaluations had moved its center.
     student, batch = dino_setup()
     loss = DINOLoss(16)
