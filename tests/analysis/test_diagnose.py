@@ -782,6 +782,16 @@ def test_a_dino_head_giving_every_image_the_same_output_is_a_representation_coll
     assert "loss_not_decreasing" in f.evidence["explains"]
 
 
+def test_a_collapse_under_a_rate_far_too_high_folds_under_the_rate(tmp_path):
+    # main_dino.py at --lr 200 --clip_grad 0: the loss rose 7x in one step and the head collapsed
+    # (rows 0.0003x as spread as its values); both were said, side by side.
+    loss = [1.9, 12.9] + [6.5] * 118
+    run = dino_run(tmp_path / "r", loss=loss, head=[DINO_HEAD[0]] + [(0.2, 0.00006)] * 11)
+    fs = diagnose(run)
+    [f] = [f for f in fs if f.kind == "lr_too_high"]
+    assert "representation_collapse" not in kinds(fs) and "representation_collapse" in f.evidence["explains"]
+
+
 def test_rows_alike_from_the_start_or_a_loss_that_falls_are_no_representation_collapse(tmp_path):
     # the inputs barely differ (rows alike at initialisation): not a collapse the training made
     alike = [(std, std * 0.01) for std, _ in DINO_HEAD]
