@@ -73,6 +73,7 @@ def representation_collapse(ctx: Context) -> list[Finding]:
         "row_to_value_spread": c["ratio"],
         "initial_row_to_value_spread": c["initial_ratio"],
         "since_step": c["since"],
+        "arose_in_training": True,  # rows apart at initialisation, by construction
         "limit": limit,
         "start_loss": p["start"],
         "end_loss": p["end"],
