@@ -71,9 +71,10 @@ def test_activation_stats_match_numpy(x, channel_first, sat):
     else:
         assert "sat_frac" not in got
     if ref.ndim == 2 and ref.shape[0] > 1:
-        # how much the rows differ, per unit (dim 1 either way), pooled over the units (RMS of the per-unit std)
+        # how much the rows differ, per unit (dim 1 either way), pooled over the units (RMS of the per-unit
+        # std); one pass, from the squares about the overall mean: to within 0.2% of the values' spread
         ref_rows = math.sqrt(ref.var(axis=0, ddof=1).mean())
-        assert got["row_std"] == pytest.approx(ref_rows, abs=tol * scale * 10)
+        assert got["row_std"] == pytest.approx(ref_rows, abs=2e-3 * got["std"] + tol * scale * 10)
     else:
         assert "row_std" not in got
 
