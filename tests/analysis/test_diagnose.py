@@ -753,6 +753,81 @@ def test_activations_that_collapsed_during_training_blame_the_updates_not_the_in
     assert "learning rate" in f.suggestion and "Xavier" not in f.suggestion, f.suggestion
 
 
+# facebookresearch/dino's main_dino.py (vit depth 2, dim 32, patch 8, out_dim 64, 32x32 crops, two
+# local crops, its default teacher temperature 0.04 and centering 0.9, lr 0.01 at batch 16) under
+# `trainguard run --monitor`: the loss rose to ln(64) and the student's head (DINOHead.last_layer)
+# gave every image the same logits. The monitor said only "loss rose instead of decreasing", with a
+# fix about reinforcement learning's moving targets. Its statistics, measured (std, row_std):
+DINO_HEAD = [(0.192, 0.0416), (0.199, 0.00483), (0.166, 0.0027), (0.118, 0.00174), (0.0999, 0.00155),
+             (0.0842, 0.00164), (0.0632, 0.000966), (0.0454, 0.00139), (0.033, 0.00104), (0.0241, 0.00112),
+             (0.0196, 0.00118), (0.0178, 0.000809)]
+DINO_TEACHER_HEAD = [(0.193, 0.0348), (0.195, 0.0341), (0.194, 0.0206), (0.182, 0.0149), (0.169, 0.0119),
+                     (0.157, 0.0115), (0.149, 0.0081), (0.143, 0.00913), (0.139, 0.0073), (0.137, 0.0076),
+                     (0.136, 0.00791), (0.136, 0.0059)]
+DINO_LOSS = [2.81 + 1.36 * min(1.0, s / 50) for s in range(120)]
+
+
+def dino_run(path, loss=DINO_LOSS, head=DINO_HEAD, teacher=DINO_TEACHER_HEAD):
+    layers = [{"name": "head.last_layer", "type": "Linear"}, {"name": "student.head.last_layer", "type": "Linear"}]
+    params = {"head.last_layer.weight_v": {"layer": "head.last_layer", "module_type": "Linear", "shape": [64, 32],
+                                           "requires_grad": False},
+              "student.head.last_layer.weight_v": {"layer": "student.head.last_layer", "module_type": "Linear",
+                                                   "shape": [64, 32], "requires_grad": True, "optimizer": True}}
+    rows = []
+    for i, s in enumerate(range(0, len(loss), 10)):
+        for la, stats in (("head.last_layer", teacher), ("student.head.last_layer", head)):
+            std, row_std = stats[min(i, len(stats) - 1)]
+            rows += [(s, la, "activation", "mean", 0.0), (s, la, "activation", "std", std),
+                     (s, la, "activation", "row_std", row_std)]
+        rows += [(s, "head.last_layer.weight_v", "weight", "norm", 5.0),
+                 (s, "head.last_layer.weight_v", "gradient", "present", 0),
+                 (s, "head.last_layer.weight_v", "gradient", "in_optimizer", 0)]
+        rows += [(s, "student.head.last_layer.weight_v", "weight", "norm", 5.0),
+                 (s, "student.head.last_layer.weight_v", "gradient", "norm", 0.05),
+                 (s, "student.head.last_layer.weight_v", "gradient", "present", 1),
+                 (s, "student.head.last_layer.weight_v", "gradient", "in_optimizer", 1),
+                 (s, "student.head.last_layer.weight_v", "update", "norm", 0.001),
+                 (s, "student.head.last_layer.weight_v", "update", "ratio", 2e-4)]
+    roots = [{"prefix": "", "type": "MultiCropWrapper"}, {"prefix": "student.", "type": "MultiCropWrapper"}]
+    return write_run(path, loss, layer_rows=rows, layers=layers, params=params, every=10, roots=roots)
+
+
+def test_a_dino_head_giving_every_image_the_same_output_is_a_representation_collapse(tmp_path):
+    fs = diagnose(dino_run(tmp_path / "r"))
+    [f] = [f for f in fs if f.kind == "representation_collapse"]
+    assert f.layers[0] == "student.head.last_layer" and "head.last_layer" in f.layers  # the teacher's too
+    assert f.evidence["initial_row_to_value_spread"] == pytest.approx(0.0416 / 0.192, rel=1e-3)
+    assert f.evidence["row_to_value_spread"] < 0.1 and f.evidence["since_step"] == 10
+    assert "teacher temperature" in f.suggestion and "center" in f.suggestion, f.suggestion
+    assert "loss_not_decreasing" not in kinds(fs)  # folded under it: the stalled loss is what collapse does
+    assert "loss_not_decreasing" in f.evidence["explains"]
+
+
+def test_a_collapse_under_a_rate_far_too_high_folds_under_the_rate(tmp_path):
+    # main_dino.py at --lr 200 --clip_grad 0: the loss rose 7x in one step and the head collapsed
+    # (rows 0.0003x as spread as its values); both were said, side by side.
+    loss = [1.9, 12.9] + [6.5] * 118
+    run = dino_run(tmp_path / "r", loss=loss, head=[DINO_HEAD[0]] + [(0.2, 0.00006)] * 11)
+    fs = diagnose(run)
+    [f] = [f for f in fs if f.kind == "lr_too_high"]
+    assert "representation_collapse" not in kinds(fs) and "representation_collapse" in f.evidence["explains"]
+
+
+def test_rows_alike_from_the_start_or_a_loss_that_falls_are_no_representation_collapse(tmp_path):
+    # the inputs barely differ (rows alike at initialisation): not a collapse the training made
+    alike = [(std, std * 0.01) for std, _ in DINO_HEAD]
+    fs = diagnose(dino_run(tmp_path / "alike", head=alike, teacher=alike))
+    assert "representation_collapse" not in kinds(fs)
+    # the loss falls: whatever the rows do, training makes progress
+    falling = [4.17 - 2.0 * min(1.0, s / 50) for s in range(120)]
+    fs = diagnose(dino_run(tmp_path / "falling", loss=falling))
+    assert "representation_collapse" not in kinds(fs)
+    # rows that stay apart while the loss stalls: the loss's finding alone
+    apart = [(std, std * 0.5) for std, _ in DINO_HEAD]
+    fs = diagnose(dino_run(tmp_path / "apart", head=apart, teacher=apart))
+    assert "representation_collapse" not in kinds(fs) and "loss_not_decreasing" in kinds(fs)
+
+
 def test_gradients_that_vanished_during_training_blame_the_updates_not_the_tanh_stack(tmp_path):
     # cleanrl's ppo.py (vwxyzjn/cleanrl, cleanrl/ppo.py) at lr=0.5: its critic's Tanh layers
     # saturated, and the first layer's relative gradient ended 3e-11 of the last one's (alike at

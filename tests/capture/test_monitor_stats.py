@@ -70,6 +70,24 @@ def test_activation_stats_match_numpy(x, channel_first, sat):
         assert got["sat_frac"] == pytest.approx((np.abs(work - work.dtype.type(0.5)) > work.dtype.type(0.49)).mean())
     else:
         assert "sat_frac" not in got
+    if ref.ndim == 2 and ref.shape[0] > 1:
+        # how much the rows differ, per unit (dim 1 either way), pooled over the units (RMS of the per-unit
+        # std); one pass, from the squares about the overall mean: to within 0.2% of the values' spread
+        ref_rows = math.sqrt(ref.var(axis=0, ddof=1).mean())
+        assert got["row_std"] == pytest.approx(ref_rows, abs=2e-3 * got["std"] + tol * scale * 10)
+    else:
+        assert "row_std" not in got
+
+
+def test_identical_rows_have_no_row_spread_whatever_their_values():
+    # facebookresearch/dino's DINOHead output (vision_transformer.py) once DINO collapsed: every
+    # image got the same vector of 64 logits, spread over its units as before (std 0.02).
+    torch.manual_seed(0)
+    row = torch.randn(64) * 0.02
+    got, _ = finished(row.expand(48, 64).contiguous(), -1, None, None)
+    assert got["row_std"] < 1e-6 * got["std"] and got["std"] == pytest.approx(float(row.std()), rel=0.1)
+    got, _ = finished(row + 0.02 * torch.randn(48, 64), -1, None, None)
+    assert got["row_std"] == pytest.approx(0.02, rel=0.1)
 
 
 def test_dead_stay_is_relative_to_the_previous_mask():

@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 
 SCRIPT = textwrap.dedent('''
+    import math
     import sys
     import torch
     from torch.utils.data import DataLoader, TensorDataset
     import trainguard as tg
 
     BUG = "--bug" in sys.argv
+    EXIT = "--exit" in sys.argv
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -40,6 +42,9 @@ SCRIPT = textwrap.dedent('''
         loss = torch.nn.functional.mse_loss(out, yb)
         if BUG and step >= 10:
             loss = loss - torch.log(torch.zeros(()))  # LOG
+        if EXIT and not math.isfinite(loss.item()):  # facebookresearch/dino main_dino.py (DeiT, MAE alike)
+            print("Loss is {}, stopping training".format(loss.item()))
+            sys.exit(1)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -94,6 +99,23 @@ def test_run_guard_stops_a_bug_in_the_code_with_one_line_and_exit_3(tmp_path):
     assert "follows the code, not the data" in r.stderr
     rep = trainguard("report", "runs/b", cwd=tmp_path)
     assert "#2 step 10" in rep.stdout and "status diverged" in rep.stdout
+
+
+@pytest.mark.timeout(300)
+def test_run_guard_on_a_script_that_exits_on_a_nonfinite_loss_says_to_drop_that_check(tmp_path):
+    # facebookresearch/dino's main_dino.py under `trainguard run --guard` with a NaN sample: the script
+    # read the loss, printed "Loss is nan, stopping training" and called sys.exit(1) before backward(),
+    # where the guard looks; "the guard rewound 0 time(s)", and the report said only "the script
+    # stopped itself (sys.exit, no exception: its last printed lines say why), then judge training
+    # health on a run that finishes".
+    (tmp_path / "train.py").write_text(SCRIPT)
+    r = trainguard("run", "--guard", "--logdir", "runs/e", "train.py", "ckpt", "--exit", cwd=tmp_path)
+    assert r.returncode == 1 and "Loss is" in r.stdout, r.stderr
+    data = json.loads(trainguard("report", "runs/e", "--json", cwd=tmp_path).stdout)
+    [f] = [f for f in data["findings"] if f["kind"] == "script_crashed"]
+    assert "step 30" in f["suggestion"] and "guard" in f["suggestion"], f["suggestion"]
+    assert "math.isfinite(loss.item())" in f["suggestion"] and "sys.exit" in f["suggestion"]
+    assert data["guard"]["meta"]["stopped_step"] == 30
 
 
 def test_guard_options_need_guard_and_exclude_check_numerics(tmp_path, monkeypatch, capsys):

@@ -29,6 +29,7 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "dead_units": ("loss_not_decreasing",),
     "vanishing_gradient": ("loss_not_decreasing",),
     "collapsed_activations": ("loss_not_decreasing",),
+    "representation_collapse": ("loss_not_decreasing",),
     "saturated_activations": ("loss_not_decreasing",),
     "exploding_activations": ("loss_not_decreasing",),
     "lr_too_low": ("loss_not_decreasing",),
@@ -48,8 +49,8 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
 # norm that overflowed as they exploded (nonfinite_gradient's "began"; a NaN made in the backward
 # pass has none); the gradient cliffs of an unclipped RNN come first, and stay a cause of their own.
 IN_TRAINING: dict[str, tuple[str, ...]] = {
-    "lr_too_high": ("dead_units", "exploding_activations", "collapsed_activations", "saturated_activations",
-                    "vanishing_gradient", "exploding_gradient", "nonfinite_gradient"),
+    "lr_too_high": ("dead_units", "exploding_activations", "collapsed_activations", "representation_collapse",
+                    "saturated_activations", "vanishing_gradient", "exploding_gradient", "nonfinite_gradient"),
 }
 # A wrong custom gradient and a misused loss function explain what the curves and layers show
 # (analysis/_function_rules.py, _graph_rules.py): they are read off the graph, not the numbers.

@@ -10,6 +10,7 @@ import numpy as np
 
 # Importing the rule modules registers their rules.
 from trainguard.analysis import (  # noqa: F401
+    _collapse_rules,
     _function_rules,
     _graph_rules,
     _layer_rules,
@@ -44,6 +45,7 @@ MONITOR_RULES = (
     "dead_units",
     "exploding_activations",
     "collapsed_activations",
+    "representation_collapse",
     "saturated_activations",
     "vanishing_gradient",
     "exploding_gradient",

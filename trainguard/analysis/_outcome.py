@@ -70,8 +70,16 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
         # sys.exit(code), no exception: the check training loops make on a non-finite loss
         # (torchvision's detection reference, DeiT, MAE: "Loss is nan, stopping training").
         fix = "the script stopped itself (sys.exit, no exception: its last printed lines say why)"
+        guard = meta.get("guard")
         if harm is not None:
             fix += f" after the first harmful NaN/Inf, in step {harm}: {_NAMES_IT}"
+        elif isinstance(guard, dict) and not guard.get("events") and isinstance(guard.get("stopped_step"), int):
+            # The guard judges a step's loss after backward(); a loop that reads the loss and exits on
+            # a NaN before that (DINO, DeiT, MAE) leaves it nothing to rewind.
+            fix += (f" in step {guard['stopped_step']} of the guarded loop, before the guard saw that step's loss: "
+                    "a check such as `if not math.isfinite(loss.item()): sys.exit(1)` ends the run before "
+                    "backward(), where the guard looks. Under the guard, drop that check (the guard stops a loss "
+                    "that stays non-finite itself, naming its origin) and run again")
         fix += ", then judge training health on a run that finishes"
     elif harm is not None:
         # An error raised on the NaN (a distribution's argument check on NaN logits, multinomial on

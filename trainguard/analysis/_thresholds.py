@@ -78,6 +78,9 @@ class Thresholds:
     act_collapse_std: float = _t(
         1e-4, "a layer whose outputs vary 10,000x less than the input carries almost no information"
     )
+    row_collapse_ratio: float = _t(
+        0.1, "a model output whose rows (one per input) differ 10x less than its values: inputs 99% alike in cosine"
+    )
     saturation_warn: float = _t(0.4, "40% of tanh/sigmoid outputs within 1% of a bound, where the gradient is < 2%")
     # ---- gradients
     vanish_ratio: float = _t(

@@ -141,6 +141,17 @@ def activation_stats(
     elif saturation == "sigmoid":
         raw.append((flat.gt(1.0 - SATURATION_MARGIN) | flat.lt(SATURATION_MARGIN)).sum(dtype=dt))
         names.append("sat_frac")
+    # A [rows, units] output (an embedding, a projector's or a head's output): how much its rows
+    # differ, per unit, pooled over the units. Near 0 when every input gets the same output (a
+    # self-supervised representation collapse), whatever the spread of the values within a row.
+    # One pass more (the unit means), no temporary as large as x: the squares about each unit's mean
+    # are those about the overall mean less rows x the squared distance of the unit means from it,
+    # which resolves rows 1,000x closer than the values are spread (the rule asks 10x).
+    rows = x.shape[0] if x.dim() == 2 and dim == 1 else 0
+    if rows > 1:
+        d = x.sum(dim=0) / rows - mean
+        raw.append(centred_sq - rows * torch.dot(d, d))
+        names.append("row_std")
     has_dead = dead is not None
     has_sat = saturation is not None
 
@@ -157,6 +168,9 @@ def activation_stats(
             out.append(n / units)
         if has_sat:
             out.append(v[i] / n)
+            i += 1
+        if rows > 1:
+            out.append(math.sqrt(max(v[i], 0.0) / ((rows - 1) * (n // rows))))
         return out
 
     return torch.stack(raw), names, dead, finish

@@ -157,6 +157,12 @@ class GradCheckResult(CheckResult):
     def findings(self) -> list[Finding]:
         out: list[Finding] = []
         if self.notes:
+            if "changes between evaluations" in self.notes[0]:
+                return [finding("gradient_check_failed", "warning", "Gradient check: " + "; ".join(self.notes),
+                                "Finite differences need the same loss function at every evaluation. A loss that "
+                                "updates its own state on each call (DINO's center, an EMA or a counter kept in "
+                                "a closure) can be checked when passed as an nn.Module: its buffers are put back "
+                                "before each evaluation; else check with that update switched off.")]
             return [finding("gradient_check_failed", "error", "Gradient check: " + "; ".join(self.notes),
                             "The loss must be finite and depend on the parameters for a gradient check.")]
         for p in self.params:
@@ -281,8 +287,9 @@ def gradient_check(
 
             keep = _KeepFloat64()
             # A forward that updates buffers in place (vector-quantize-pytorch's EMA codebook, in
-            # every training forward) would give each evaluation another function of the weights.
-            buffers = Buffers(model)
+            # every training forward) would give each evaluation another function of the weights;
+            # so would a loss that moves its own (DINO's center).
+            buffers = Buffers(model, loss_module)
 
             def loss_at() -> torch.Tensor:
                 _seed(seed, device)  # dropout draws the same mask in every evaluation
@@ -306,6 +313,14 @@ def gradient_check(
             if not math.isfinite(base):
                 return GradCheckResult(params=[], eps=eps, loss=base, samples=samples,
                                        notes=[f"the loss is {fmt(base)} on this batch"])
+            with torch.no_grad():
+                again = float(loss_at())
+            if abs(again - base) > 1e-10 * max(1.0, abs(base)):
+                # State out of reach (a buffer of a module behind a function, a counter, an unseeded
+                # draw) changed the loss: finite differences would measure that, not the gradient.
+                return GradCheckResult(params=[], eps=eps, loss=base, samples=samples, notes=[
+                    f"the loss changes between evaluations at the same weights ({fmt(base, 6)}, then "
+                    f"{fmt(again, 6)}): something it reads moves on every call"])
             analytic = {n: (None if p.grad is None else p.grad.detach().to_dense().clone()) for n, p in chosen}
             gen = torch.Generator().manual_seed(seed)
             results = []

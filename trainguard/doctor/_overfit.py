@@ -10,8 +10,9 @@ each way has a different fix:
 - ``slow``: the loss was still falling when the steps ran out: the learning rate is too low;
 - ``floor``: the loss settled above zero: too little capacity or a loss that cannot reach zero;
 - ``random``: the loss of the same batch with the same weights differs from call to call (the model
-  or loss draws random numbers: a diffusion model's timesteps and noise, a VAE's sample), so its
-  jumps say nothing about the learning rate and it cannot settle near zero.
+  or loss draws random numbers: a diffusion model's timesteps and noise, a VAE's sample; or, when it
+  differs with the generators seeded alike, ``stateful``, it moves state it keeps: DINO's center), so
+  its jumps say nothing about the learning rate and it cannot settle near zero.
 
 "Near zero" is measured from the loss's own floor: the least ``loss_fn`` can be on these targets
 with any output at all, found by fitting a free tensor of the output's shape (label smoothing's
@@ -115,6 +116,7 @@ class OverfitResult(CheckResult):
     loss_floor: float = 0.0  # the least the loss can be on these targets (see _loss_floor)
     redrawn: tuple[float, float] | None = None  # the least and most loss of the same batch and weights, when they differed
     train_only: bool = False  # the redrawn loss is fixed in eval mode: a dropout no module switch turns off
+    stateful: bool = False  # the redrawn loss differs with the random numbers seeded alike: state it keeps moves
 
     @property
     def summary(self) -> str:
@@ -125,7 +127,7 @@ class OverfitResult(CheckResult):
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "reason", "losses", "initial_loss", "final_loss", "target_loss", "accuracy", "steps", "samples", "lr",
-            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn", "train_only")}
+            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn", "train_only", "stateful")}
 
     def _detail(self) -> Table:
         t = Table(show_header=False, box=None, padding=(0, 2))
@@ -177,6 +179,12 @@ class OverfitResult(CheckResult):
                         "nets). Use an nn.Dropout module instead, which the test switches off (and which does "
                         "the same in training); then a loss that still jumps is the learning rate's."
                         if self.train_only else
+                        "The loss differs on each call even with the random numbers seeded alike: the model or "
+                        "loss updates state it keeps between calls (DINO's center buffer, an EMA or a counter), so "
+                        "one batch has no fixed loss to drive to zero. A self-supervised target that moves by "
+                        "design is judged by training, not by this test; else pass that state in, or keep it still "
+                        "for the test."
+                        if self.stateful else
                         "The model or loss draws random numbers on each call (a diffusion model's timesteps and "
                         "noise, a VAE's sample, random masking), so one batch has no fixed loss to drive to zero. "
                         "To run this test, fix the draws: seed a torch.Generator inside the call, or pass the "
@@ -310,6 +318,7 @@ def overfit_one_batch(
                 for m in model.modules():
                     if isinstance(m, nn.modules.dropout._DropoutNd):
                         m.eval()
+        stateful = redrawn is not None and not train_only and _spread(_seeded_evals(model, inputs, targets, loss_fn)) is not None
         for _, p in named:
             p.grad = None
         reached = [torch.zeros((), dtype=torch.bool, device=p.device) for _, p in named]
@@ -368,8 +377,20 @@ def overfit_one_batch(
         accuracy=accuracy, steps=len(losses), samples=samples, lr=used_lr, optimizer=type(opt).__name__,
         unreached=[n for n, _ in named] if no_path else unreached, nan_step=nan_step,
         grad_norm_first=first_norm, grad_norm_last=last_norm, loss_floor=floor, redrawn=redrawn,
-        train_only=train_only and reason == "random",
+        train_only=train_only and reason == "random", stateful=stateful and reason == "random",
     )
+
+
+def _seeded_evals(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> list[float]:
+    """The loss of the same batch and weights, each call with the random generators seeded alike
+    (restored afterwards): it still differs when state the call keeps changes, not its draws."""
+    out = []
+    with torch.no_grad():
+        for _ in range(RANDOM_EVALS):
+            with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
+                torch.manual_seed(0)
+                out.append(float(as_float(loss_fn(model(inputs), targets))))
+    return out
 
 
 def _spread(values: list[float]) -> tuple[float, float] | None:

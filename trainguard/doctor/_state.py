@@ -72,10 +72,10 @@ class Buffers:
     """Every module's buffers, the objects and their values: ``restore()`` puts both back (a
     forward that updates a buffer in place, an EMA codebook, or registers a new one)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, *models: nn.Module) -> None:
         self.saved = [
             (m, dict(m._buffers), {k: (None if b is None else b.detach().clone()) for k, b in m._buffers.items()})
-            for m in model.modules()
+            for model in models for m in model.modules()
         ]
 
     def restore(self) -> None:

@@ -220,6 +220,8 @@ class Guard:
         else:
             status = "interrupted"  # an exception in the loop body, a signal, a break
         if self._run is not None:
+            if status == "interrupted":
+                self._run.update(stopped_step=loop.state.step)  # the step the loop body left
             for event in self.events:
                 self._store(event)  # a skip whose batches the loop never drew (it stopped first)
             self._run.close(status, final)
