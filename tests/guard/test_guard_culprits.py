@@ -133,7 +133,7 @@ def test_a_batch_that_holds_the_inf_itself_is_blamed_on_the_data_not_on_an_overf
     assert event["message"].endswith("(its sample 21 holds inf in the batch itself)"), event["message"]
 
 
-def test_a_sample_that_held_the_inf_itself_is_skipped_in_later_epochs_without_a_rewind(tmp_path, capsys):
+def test_a_sample_that_held_the_inf_itself_is_skipped_in_later_epochs_without_a_rewind(tmp_path, capsys, caplog):
     # Found by the ddp trial on pytorch/examples' imagenet loop: a corrupt sample came back every
     # epoch, and every epoch the guard rewound, replayed and skipped it again, spending a rewind
     # (max_rewinds ends the run) and a full recording per epoch on a fault it had already named.
@@ -148,6 +148,10 @@ def test_a_sample_that_held_the_inf_itself_is_skipped_in_later_epochs_without_a_
     # epochs 1, 2 and 3 each drew the batch holding sample 21 once, and skipped it unread
     assert [s["epoch"] for s in guard.skipped_known] == [1, 2, 3]
     assert all(21 in s["samples"] and s["known_from_event"] == 1 for s in guard.skipped_known)
+    last = guard.skipped_known[-1]
+    said = [r.getMessage() for r in caplog.records if "held NaN/Inf" in r.getMessage()]
+    assert said[-1] == (f"trainguard: skipped batch {last['batch']} at step {last['step']}: its sample 21 held "
+                        "NaN/Inf in the batch itself (event 1)"), said
     meta = open_run(tmp_path / "run").meta["guard"]
     assert meta["rewinds"] == 1 and meta["skipped_known"] == 3
     from trainguard.cli import main

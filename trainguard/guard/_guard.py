@@ -278,8 +278,9 @@ class Guard:
         info = self._batch_info()
         info.update(step=self._loop.state.step, known_from_event=self._bad_samples[hit[0]])
         self.skipped_known.append(info)
+        label = _events.batch_label(info)
         log.warning("trainguard: skipped %s at step %d: its sample %s held NaN/Inf in the batch itself "
-                    "(event %s)", _events.batch_label(info) or "a batch", info["step"],
+                    "(event %s)", f"batch {label}" if label else "a batch", info["step"],
                     ", ".join(str(s) for s in hit), info["known_from_event"])
         if self._run is not None:
             self._run.update(skipped_known=self._earlier_known + len(self.skipped_known),
