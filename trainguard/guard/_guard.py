@@ -37,7 +37,7 @@ import torch
 
 from trainguard._errors import Diverged
 from trainguard.capture import align_step
-from trainguard.capture._ending import ending
+from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.guard import _collective, _events
 from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
 from trainguard.guard._events import STOPPED
@@ -188,6 +188,7 @@ class Guard:
                                                "events": self._earlier[0] + len(self.events)},
                                      overwrite=self._overwrite)
         self._overwrite = False  # a later loop of this guard adds to the run this one began
+        watch_uncaught()  # a loop closed at exit by the exception that ends the script stores it as the run's ending
         self._sentry.start()
         self._take_snapshot()
 
@@ -207,6 +208,7 @@ class Guard:
             final = final or ending(f"Diverged: trainguard: {self._last_event['message']}", self._last_event["step"])
         else:
             status = "interrupted"  # an exception in the loop body, a signal, a break
+            final = final or ending(uncaught())  # the loop closed at exit (resilience._loop): the script crashed
         if self._run is not None:
             for event in self.events:
                 self._store(event)  # a skip whose batches the loop never drew (it stopped first)
