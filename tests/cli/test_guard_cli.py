@@ -278,3 +278,19 @@ def test_a_crash_while_the_scripts_batches_generator_is_still_held_ends_the_guar
     data = json.loads(trainguard("report", "runs/h", "--json", cwd=tmp_path).stdout)
     assert data["status"] == "crashed" and data["guard"]["meta"]["status"] == "interrupted", data["status"]
     assert data["crash"]["text"] == "the script crashed at step 5: AssertionError: degenerate boxes"
+
+
+@pytest.mark.timeout(300)
+def test_a_script_whose_guarded_loop_body_raises_is_stored_as_crashed_not_finished(tmp_path):
+    # The same script with its Guard, iterating loop.batches() directly: the generator is closed
+    # while the AssertionError unwinds, before Python reports it, and the guard's run said
+    # "finished" (its guard status "interrupted") for a script that crashed at step 5.
+    direct = HELD_SCRIPT.replace("    batches = loop.batches()\n", "").replace("for (x,) in Epoch():",
+                                                                            "for _, (x,) in loop.batches():")
+    (tmp_path / "direct.py").write_text(direct)
+    r = subprocess.run([sys.executable, "direct.py", "ckpt", "runs/d"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=240)
+    assert r.returncode == 1 and "AssertionError: degenerate boxes" in r.stderr, r.stderr
+    data = json.loads(trainguard("report", "runs/d", "--json", cwd=tmp_path).stdout)
+    assert data["status"] == "crashed" and data["guard"]["meta"]["status"] == "interrupted", data["status"]
+    assert data["crash"]["text"] == "the script crashed at step 5: AssertionError: degenerate boxes"
