@@ -22,12 +22,14 @@ torch.distributed every rank calls them at the same steps and takes the same dec
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
 import statistics
 import struct
 import time
+import weakref
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +49,22 @@ from trainguard.resilience import MemorySnapshot, ResumeLoop, TrainState, set_de
 from trainguard.store import acquire_writer, release_writer
 
 log = logging.getLogger("trainguard.guard")
+
+
+# Guards whose loop stopped early with no ending stored (an exception in the loop body closes the
+# generator while it unwinds, before anything says the script is ending): an exception that ends
+# the script is stored as their run's ending at exit.
+_interrupted: weakref.WeakSet[Guard] = weakref.WeakSet()
+
+
+@atexit.register
+def _store_uncaught() -> None:
+    error = uncaught()
+    for g in list(_interrupted) if error is not None else ():
+        try:
+            g._store_ending(ending(error))
+        except Exception:  # pragma: no cover - best effort at interpreter exit
+            log.exception("trainguard: storing how the script ended in the guard's run failed")
 
 
 def _default_logdir() -> Path:
@@ -209,6 +227,8 @@ class Guard:
         else:
             status = "interrupted"  # an exception in the loop body, a signal, a break
             final = final or ending(uncaught())  # the loop closed at exit (resilience._loop): the script crashed
+            if not final:
+                _interrupted.add(self)
         if self._run is not None:
             for event in self.events:
                 self._store(event)  # a skip whose batches the loop never drew (it stopped first)
@@ -219,6 +239,7 @@ class Guard:
     def _store_ending(self, end: dict[str, Any]) -> None:
         """How the script ended (``trainguard.capture._ending.ending``), stored in the guard's run
         (``trainguard run --guard``): a crash in the loop body, or ``Diverged``, is then no finished run."""
+        _interrupted.discard(self)
         if not end.get("status") or self._run_dir is None:
             return
         if self._run is not None:  # the loop is still open (its generator not closed yet): it stores it
