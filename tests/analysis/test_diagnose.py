@@ -33,11 +33,11 @@ def healthy_loss(n: int = 100, seed: int = 0) -> list[float]:
 
 
 def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=0.01, every=5, layers=LAYERS,
-              params=PARAMS, **monitor_meta):
+              params=PARAMS, scalars=None, **monitor_meta):
     w = acquire_writer(path)
     loss = healthy_loss() if loss is None else loss
     for s, v in enumerate(loss):
-        values = {"loss": v, "lr/0": lr[s] if isinstance(lr, list) else lr}
+        values = {"loss": v, "lr/0": lr[s] if isinstance(lr, list) else lr, **(scalars or {})}
         if grad_norm is not None:
             values["grad_norm"] = grad_norm[s]
         w.add_scalars(s, values)
@@ -419,6 +419,22 @@ def test_lr_too_high_from_divergence(tmp_path):
     f = [f for f in fs if f.kind == "lr_too_high"][0]
     assert f.evidence["divergence"]["initial_loss"] == 1.6
     assert "from 0.5 to about" in f.suggestion
+
+
+def test_lr_too_high_lowers_every_parameter_groups_rate(tmp_path):
+    # facebookresearch/detr's main.py: AdamW over two parameter groups, the transformer's at --lr and
+    # the backbone's at --lr_backbone (10x lower). At --lr 5 --lr_backbone 0.5 under `trainguard run
+    # --monitor` the loss rose from 7 to 1e3 by step 1, and the fix, "lower the learning rate from 5 to
+    # about 0.0002", left the backbone's 0.5 as it was.
+    loss = [7.0] + [1000.0 + s for s in range(99)]
+    fs = diagnose(write_run(tmp_path / "r", loss, lr=5.0, scalars={"lr/1": 0.5}))
+    f = [f for f in fs if f.kind == "lr_too_high"][0]
+    new = f.evidence["suggested_lr"]
+    assert f"from 5 to about {new:g}" in f.suggestion, f.suggestion
+    assert f"parameter group 1's from 0.5 to about {new / 10:g}" in f.suggestion, f.suggestion
+    # groups that share the rate are covered by the first sentence
+    fs = diagnose(write_run(tmp_path / "same", loss, lr=5.0, scalars={"lr/1": 5.0}))
+    assert "group 1" not in [f for f in fs if f.kind == "lr_too_high"][0].suggestion
 
 
 def test_a_diverged_nonfinite_loss_agrees_with_lr_too_high_on_the_rate_and_clips_no_exploded_norm(tmp_path):

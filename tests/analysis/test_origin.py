@@ -878,6 +878,35 @@ def test_an_inf_written_into_the_data_set_is_told_to_repair_the_data(tmp_path):
     assert "sample" in o.suggestion and "doctor" in o.suggestion, o.suggestion
 
 
+def test_a_nan_a_dataset_writes_into_its_sample_is_about_the_data_not_a_flow(tmp_path):
+    """facebookresearch/detr's train_one_epoch (engine.py) over a data set whose __getitem__ writes
+    a NaN pixel into the image it makes (``img[0, 10, 10] = float("nan")``, a corrupt image): the
+    one-value lift_fresh was taken for a constant the code keeps in its loss (a flow's log-density
+    sentinel), though the DataLoader fetched it as a sample in the same step. The fix is about the
+    data."""
+
+    class Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, idx):
+            img = torch.randn(3, 8, 8)
+            if idx == 2:
+                img[0, 1, 1] = float("nan")
+            return img, idx % 2
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+
+    def f():
+        for x, y in torch.utils.data.DataLoader(Images(), batch_size=2):
+            nn.functional.cross_entropy(model(x), y).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.origin.function == "__getitem__", o.summary
+    assert "support" not in o.suggestion and "torch.where(torch.isfinite(log_p)" not in o.suggestion, o.suggestion
+    assert "sample" in o.suggestion and "doctor" in o.suggestion, o.suggestion
+
+
 def test_a_sample_converted_from_numpy_is_called_data_not_a_python_constant(tmp_path):
     """skorch's NeuralNetClassifier on NumPy arrays (its README example) with X[100, 3] = np.inf:
     skorch's Dataset hands out NumPy rows, which the DataLoader's collate turns into tensors

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,81 @@ def test_run_guard_overwrite_replaces_the_earlier_run_and_its_replays(tmp_path, 
     data = json.loads(trainguard("report", "runs/o", "--json", cwd=tmp_path).stdout)
     assert [e["step"] for e in data["guard"]["events"]] == [30]
     assert sorted(p.name for p in (tmp_path / "runs/o/replays").iterdir()) == ["step-30"]
+
+
+# facebookresearch/detr's main.py adapted to ckpt.resume (engine.train_one_epoch unchanged): the
+# loop's batches() is kept in a variable and handed out an epoch at a time through islice, and a
+# NaN image makes generalized_box_iou's `assert (boxes1[:, 2:] >= boxes1[:, :2]).all()` fail in the
+# matcher, inside the loop body. The epoch wrapper's class keeps the suspended generator alive
+# until a garbage collection, at the latest when the interpreter tears down: `trainguard run --guard` then waited 120 s for
+# a writer thread that was already gone, and the guard's run said "running"; with a Guard in the
+# script itself, the run said "finished" (or stayed "running", with "Exception ignored in:
+# <generator object ResumeLoop._batch_form>" printed at exit).
+HELD_SCRIPT = textwrap.dedent('''
+    import sys
+    from itertools import islice
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    import trainguard as tg
+
+    def main():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        state = tg.TrainState(model=model, optimizer=opt,
+                              loader=DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
+        guard = tg.Guard(sys.argv[2]) if len(sys.argv) > 2 else None
+        loop = tg.CheckpointManager(sys.argv[1], every_steps=4).resume(state, total_steps=16, guard=guard)
+        batches = loop.batches()
+
+        class Epoch:  # sized for MetricLogger.log_every; the class (a cycle) holds `batches` until a collection
+            def __len__(self):
+                return 8
+
+            def __iter__(self):
+                return (b for _, b in islice(batches, 8))
+
+        for epoch in range(2):
+            for (x,) in Epoch():
+                assert state.step != 5, "degenerate boxes"
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+
+    main()
+''')
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["cli", "script"])
+def test_a_crash_while_the_scripts_batches_generator_is_still_held_ends_the_guards_run_at_once(tmp_path, how):
+    (tmp_path / "held.py").write_text(HELD_SCRIPT)
+    start = time.monotonic()
+    if how == "cli":
+        r = trainguard("run", "--guard", "--logdir", "runs/h", "held.py", "ckpt", cwd=tmp_path)
+    else:
+        r = subprocess.run([sys.executable, "held.py", "ckpt", "runs/h"], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=240)
+    took = time.monotonic() - start
+    assert r.returncode == 1 and "AssertionError: degenerate boxes" in r.stderr, r.stderr
+    assert "Exception ignored" not in r.stderr, r.stderr
+    assert took < 60, took
+    data = json.loads(trainguard("report", "runs/h", "--json", cwd=tmp_path).stdout)
+    assert data["status"] == "crashed" and data["guard"]["meta"]["status"] == "interrupted", data["status"]
+    assert data["crash"]["text"] == "the script crashed at step 5: AssertionError: degenerate boxes"
+
+
+@pytest.mark.timeout(300)
+def test_a_script_whose_guarded_loop_body_raises_is_stored_as_crashed_not_finished(tmp_path):
+    # The same script with its Guard, iterating loop.batches() directly: the generator is closed
+    # while the AssertionError unwinds, before Python reports it, and the guard's run said
+    # "finished" (its guard status "interrupted") for a script that crashed at step 5.
+    direct = HELD_SCRIPT.replace("    batches = loop.batches()\n", "").replace("for (x,) in Epoch():",
+                                                                            "for _, (x,) in loop.batches():")
+    (tmp_path / "direct.py").write_text(direct)
+    r = subprocess.run([sys.executable, "direct.py", "ckpt", "runs/d"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=240)
+    assert r.returncode == 1 and "AssertionError: degenerate boxes" in r.stderr, r.stderr
+    data = json.loads(trainguard("report", "runs/d", "--json", cwd=tmp_path).stdout)
+    assert data["status"] == "crashed" and data["guard"]["meta"]["status"] == "interrupted", data["status"]
+    assert data["crash"]["text"] == "the script crashed at step 5: AssertionError: degenerate boxes"

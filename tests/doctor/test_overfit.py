@@ -372,3 +372,28 @@ def test_a_functional_dropout_is_named_as_the_draws_not_a_diffusion_model():
     f = next(f for f in r.findings() if f.kind == "overfit_random")
     assert "diffusion" not in f.suggestion, f.suggestion
     assert "F.dropout" in f.suggestion and "nn.Dropout" in f.suggestion, f.suggestion
+
+
+class _AttentionDropoutNet(nn.Module):
+    # facebookresearch/detr's models/transformer.py: nn.MultiheadAttention(d_model, nhead, dropout=dropout)
+    # drops attention weights itself (F.multi_head_attention_forward's dropout_p, while the module
+    # trains), with no nn.Dropout module for the test to switch off.
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 16)
+        self.attn = nn.MultiheadAttention(16, 4, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):  # x: [batch, tokens, 4]
+        h = self.embed(x)
+        return self.head(self.attn(h, h, h)[0].mean(1))
+
+
+def test_an_attention_modules_own_dropout_is_switched_off_like_nn_dropout():
+    # `trainguard doctor` on DETR (tiny): "the loss is random for a fixed batch and weights ... a dropout
+    # this test cannot switch off, such as F.dropout(...): use an nn.Dropout module instead", though the
+    # draws were nn.MultiheadAttention's own dropout, a module the test can switch off.
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 6, 4), torch.randint(0, 3, (8,)))
+    r = doctor.overfit_one_batch(_AttentionDropoutNet(), batch, nn.CrossEntropyLoss(), steps=100, lr=1e-2)
+    assert r.reason != "random" and r.redrawn is None, (r.reason, r.summary)

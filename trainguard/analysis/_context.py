@@ -183,11 +183,15 @@ class Context:
         """The later half of the recordings: the state a layer ended up in."""
         return series.tail(0.5, minimum=2)
 
-    def lr(self, step: int | None = None) -> float | None:
-        """The learning rate of the first parameter group: at ``step``, the one in force then (the
-        last logged at or before it); else the median of the rates it had, always one it had (the
-        lower middle one of an even count: a StepLR's 1.0 and 0.7 are not averaged into 0.85)."""
-        s = self.lrs.get("lr/0")
+    def lr_groups(self) -> list[int]:
+        """The optimizer's parameter groups whose learning rates were logged, in order."""
+        return sorted(int(k[3:]) for k in self.lrs if k[3:].isdigit())
+
+    def lr(self, step: int | None = None, group: int = 0) -> float | None:
+        """The learning rate of parameter group ``group`` (the first by default): at ``step``, the one in
+        force then (the last logged at or before it); else the median of the rates it had, always one
+        it had (the lower middle one of an even count: a StepLR's 1.0 and 0.7 are not averaged into 0.85)."""
+        s = self.lrs.get(f"lr/{group}")
         if s is None or not len(s):
             return None
         if step is not None:

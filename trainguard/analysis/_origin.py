@@ -715,7 +715,7 @@ _SUGGESTIONS = {
     "as a uniform base distribution's log_prob does; a sentinel): keep it out of the loss, e.g. "
     "torch.where(torch.isfinite(log_p), log_p, 0) or a loss over the finite rows only, or use a distribution whose "
     "support covers the data (a Gaussian base for a flow)",
-    "written": "the code wrote this value into a tensor that a later step read (a sample of the data set, "
+    "written": "the code wrote this value into a tensor that training read later (a sample of the data set, "
     "`x[i, j] = float('inf')`, or state kept across steps): repair or drop that sample before training, e.g. "
     "torch.nan_to_num(x, posinf=..., neginf=...) or keep the rows where torch.isfinite(x).all(dim=1); "
     "`trainguard doctor` validates a data set",
@@ -771,6 +771,16 @@ def fed_back(run: Run, link: Link) -> int | None:
     except (KeyError, TrainguardError):  # evicted or damaged: no loop to show
         return None
     return None
+
+
+def made_in_loader(run: Run, link: Link) -> bool:
+    """Whether ``link`` ran inside a DataLoader's fetch (a Dataset's ``__getitem__``, a collate): a
+    value it made is part of a sample of the data, however few values it has."""
+    try:
+        frames = run.stack(run.execution(link.seq)["stack_id"])
+    except (KeyError, TrainguardError):  # evicted or damaged: no stack to read
+        return False
+    return any("/torch/utils/data/" in str(f.get("filename", "")).replace("\\", "/") for f in frames)
 
 
 # Ops whose output holds only values of their first input (a sigmoid's output reshaped, indexed or
@@ -937,7 +947,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
     ``consumers``: the ops the value went through after ``link``, nearest first; ``log_of``: what a
     log's input is (:func:`log_of_sigmoid`); ``held``: the value became harmful in a later step than
-    it was made (it sat in a tensor meanwhile); ``exp_param``: the parameter an exp's input is, read
+    it was made (it sat in a tensor meanwhile), or was made in a sample of the data (:func:`made_in_loader`); ``exp_param``: the parameter an exp's input is, read
     through reshapes (:func:`parameter_behind_view`)."""
     consumers = consumers or []
     if received_input(link) is not None:
@@ -1074,7 +1084,7 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     first_forward = not run.meta.get("guard_replay")  # a replay's step 0 is a trained step N
     fed = fed_back(run, o) if first_forward and o.step == 0 else None
     consumers = [link.op for link in reversed(chain[:-1])]
-    held = h.step is not None and o.step is not None and h.step > o.step
+    held = (h.step is not None and o.step is not None and h.step > o.step) or made_in_loader(run, o)
     suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
                          exp_param=parameter_behind_view(run, o))
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm)

@@ -64,6 +64,17 @@ def clip_text(ctx: Context, before_step: int | None = None) -> str:
     )
 
 
+def _other_groups(ctx: Context, lr: float, factor: float, step: int | None = None) -> str:
+    """The rates of the other parameter groups (a backbone's lower one, as DETR's ``lr_backbone``),
+    scaled by the same factor; "" when every group has the first group's rate."""
+    moves = []
+    for g in ctx.lr_groups():
+        other = ctx.lr(step, group=g)
+        if g != 0 and other is not None and other != lr:
+            moves.append(f"parameter group {g}'s from {fmt(other)} to about {fmt(sig(other * factor, 1))}")
+    return f", and {', '.join(moves)}" if moves else ""
+
+
 def lr_lower(ctx: Context, ratio: float | None, step: int | None = None) -> tuple[float | None, str]:
     """A lower learning rate: scaled so the update-to-weight ratio lands near 1e-3, at least 10x lower
     than the one in force at ``step`` (where training diverged), or the run's usual one."""
@@ -74,7 +85,7 @@ def lr_lower(ctx: Context, ratio: float | None, step: int | None = None) -> tupl
     if ratio is not None and math.isfinite(ratio) and ratio > 0:
         factor = min(0.1, TARGET_UPDATE_RATIO / ratio)
     new = sig(lr * factor, 1)
-    text = f"lower the learning rate from {fmt(lr)} to about {fmt(new)}"
+    text = f"lower the learning rate from {fmt(lr)} to about {fmt(new)}{_other_groups(ctx, lr, factor, step)}"
     peak = ctx.lr_peak()
     if step is not None and peak is not None and peak > SCHEDULE_PEAK_GAP * lr:
         text += (f" (the schedule's rate at step {step}, below its peak {fmt(peak)}): set the optimizer's lr "
@@ -95,7 +106,7 @@ def lr_higher(ctx: Context, ratio: float | None) -> tuple[float | None, str]:
     if ratio is not None and math.isfinite(ratio) and ratio > 0:
         factor = min(1000.0, max(10.0, TARGET_UPDATE_RATIO / ratio))
     new = sig(lr * factor, 1)
-    return new, f"raise the learning rate from {fmt(lr)} to about {fmt(new)}; {LR_RANGE_TEST}"
+    return new, f"raise the learning rate from {fmt(lr)} to about {fmt(new)}{_other_groups(ctx, lr, factor)}; {LR_RANGE_TEST}"
 
 
 def init_advice(ctx: Context, params: list[str], act: str) -> tuple[dict, str]:

@@ -296,9 +296,7 @@ def overfit_one_batch(
     with preserved(model, optimizer=given), torch.enable_grad():
         model.train()
         if disable_dropout:
-            for m in model.modules():
-                if isinstance(m, nn.modules.dropout._DropoutNd):
-                    m.eval()
+            _dropout_off(model)
         opt, _ = make_optimizer(optimizer_factory, [p for _, p in named], _adam(lr or DEFAULT_LR), model)
         if given is not None and lr is not None:
             for group in opt.param_groups:
@@ -315,9 +313,7 @@ def overfit_one_batch(
                                       for _ in range(RANDOM_EVALS)]) is None
             model.train()
             if disable_dropout:
-                for m in model.modules():
-                    if isinstance(m, nn.modules.dropout._DropoutNd):
-                        m.eval()
+                _dropout_off(model)
         stateful = redrawn is not None and not train_only and _spread(_seeded_evals(model, inputs, targets, loss_fn)) is not None
         for _, p in named:
             p.grad = None
@@ -391,6 +387,18 @@ def _seeded_evals(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> 
                 torch.manual_seed(0)
                 out.append(float(as_float(loss_fn(model(inputs), targets))))
     return out
+
+
+# Modules that drop values while they train: nn.Dropout and its kin, and attention that takes a
+# ``dropout=`` of its own (nn.MultiheadAttention, inside nn.Transformer's layers: DETR's transformer).
+_DROPOUTS = (nn.modules.dropout._DropoutNd, nn.MultiheadAttention)
+
+
+def _dropout_off(model: nn.Module) -> None:
+    """Put the modules that draw dropout masks in eval mode (the caller restores the flags)."""
+    for m in model.modules():
+        if isinstance(m, _DROPOUTS):
+            m.eval()
 
 
 def _spread(values: list[float]) -> tuple[float, float] | None:

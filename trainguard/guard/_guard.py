@@ -22,12 +22,14 @@ torch.distributed every rank calls them at the same steps and takes the same dec
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
 import statistics
 import struct
 import time
+import weakref
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +39,7 @@ import torch
 
 from trainguard._errors import Diverged
 from trainguard.capture import align_step
-from trainguard.capture._ending import ending
+from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.guard import _collective, _events
 from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
 from trainguard.guard._events import STOPPED
@@ -51,6 +53,22 @@ log = logging.getLogger("trainguard.guard")
 # Batches in a row the guard skips for holding a known corrupt sample before it lets one through
 # (to fail and be replayed): a dataset corrupt throughout must not spin the loop forever.
 _MAX_KNOWN_SKIPS = 64
+
+
+# Guards whose loop stopped early with no ending stored (an exception in the loop body closes the
+# generator while it unwinds, before anything says the script is ending): an exception that ends
+# the script is stored as their run's ending at exit.
+_interrupted: weakref.WeakSet[Guard] = weakref.WeakSet()
+
+
+@atexit.register
+def _store_uncaught() -> None:
+    error = uncaught()
+    for g in list(_interrupted) if error is not None else ():
+        try:
+            g._store_ending(ending(error))
+        except Exception:  # pragma: no cover - best effort at interpreter exit
+            log.exception("trainguard: storing how the script ended in the guard's run failed")
 
 
 def _default_logdir() -> Path:
@@ -200,6 +218,7 @@ class Guard:
                                                "events": self._earlier[0] + len(self.events)},
                                      overwrite=self._overwrite)
         self._overwrite = False  # a later loop of this guard adds to the run this one began
+        watch_uncaught()  # a loop closed at exit by the exception that ends the script stores it as the run's ending
         self._sentry.start()
         self._take_snapshot()
 
@@ -219,6 +238,9 @@ class Guard:
             final = final or ending(f"Diverged: trainguard: {self._last_event['message']}", self._last_event["step"])
         else:
             status = "interrupted"  # an exception in the loop body, a signal, a break
+            final = final or ending(uncaught())  # the loop closed at exit (resilience._loop): the script crashed
+            if not final:
+                _interrupted.add(self)
         if self._run is not None:
             if status == "interrupted":
                 self._run.update(stopped_step=loop.state.step)  # the step the loop body left
@@ -231,6 +253,7 @@ class Guard:
     def _store_ending(self, end: dict[str, Any]) -> None:
         """How the script ended (``trainguard.capture._ending.ending``), stored in the guard's run
         (``trainguard run --guard``): a crash in the loop body, or ``Diverged``, is then no finished run."""
+        _interrupted.discard(self)
         if not end.get("status") or self._run_dir is None:
             return
         if self._run is not None:  # the loop is still open (its generator not closed yet): it stores it

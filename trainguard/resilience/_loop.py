@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import signal
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -153,7 +155,9 @@ class ResumeLoop:
         if "loader" not in self.state.names():
             raise RuntimeError("batches() hands out the batches of state.loader: pass loader=... to TrainState")
         self._start()
-        return self._batch_form(self.state.loader)
+        gen = self._batch_form(self.state.loader)
+        _open_batches.add(gen)
+        return gen
 
     def report(self, loss: Any) -> None:
         """Give the guard this step's loss (e.g. the unscaled one, with a ``GradScaler``); it then
@@ -323,6 +327,23 @@ class ResumeLoop:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+
+
+# batches() generators handed out and not closed. A script that ended by an exception in the loop
+# body while still holding its generator (in a variable, a closure, a cycle) would have it closed
+# only at interpreter teardown, when the writer threads of a guard's run are gone and modules are
+# half torn down: they are closed at exit instead (their `finally` detaches the guard, restores the
+# signal handlers).
+_open_batches: weakref.WeakSet[Iterator[tuple[int, Any]]] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_batches() -> None:
+    for gen in list(_open_batches):
+        try:
+            gen.close()
+        except Exception:  # pragma: no cover - best effort at interpreter exit
+            log.exception("trainguard: closing an unfinished loop at exit failed")
 
 
 def _steps_due(m: CheckpointManager | None, step: int) -> bool:
