@@ -128,12 +128,54 @@ def test_a_loss_that_moves_its_own_buffer_is_checked_at_the_same_buffer_every_ev
     assert torch.equal(loss.center, torch.zeros(1, 16))  # the caller's center again
 
 
-def test_a_loss_that_changes_between_evaluations_is_said_to_be_so_not_a_wrong_gradient():
-    # the same loss behind a function (as DINO's takes an epoch argument): its buffer is out of
-    # the doctor's reach, so it says why it cannot judge rather than blame the backward
+def test_a_loss_module_a_function_closes_over_is_checked_at_the_same_buffer_too():
+    # DINO's loss takes an epoch argument, so a user passes a function calling it
     student, batch = dino_setup()
     loss = DINOLoss(16)
     r = doctor.gradient_check(student, batch, lambda out, t: loss(out, t))
+    assert r.passed and r.bad_params == [], r.summary
+    assert torch.equal(loss.center, torch.zeros(1, 16))
+
+
+class _SetCriterion(nn.Module):
+    """facebookresearch/detr models/detr.py's SetCriterion, its classification part: a float32
+    class-weight buffer (``empty_weight``, the no-object class down-weighted) in cross_entropy."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        weight = torch.ones(num_classes + 1)
+        weight[-1] = 0.1
+        self.register_buffer("empty_weight", weight)
+
+    def forward(self, logits, targets):
+        return nn.functional.cross_entropy(logits, targets, self.empty_weight)
+
+
+def test_a_loss_module_behind_a_function_runs_in_float64_with_the_model(batch):
+    # DETR's loss is `sum(criterion(outputs, targets)[k] * weight_dict[k] ...)`, a function over its
+    # SetCriterion: the check stopped at "expected scalar type Double but found Float" (the
+    # criterion's empty_weight stayed float32 while the model ran in float64).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 6))
+    criterion = _SetCriterion(5)
+    x, y = torch.randn(8, 20), torch.randint(0, 6, (8,))
+
+    def loss_fn(out, t):
+        return criterion(out, t) * 1.0
+
+    r = doctor.gradient_check(model, (x, y), loss_fn)
+    assert r.passed and r.bad_params == [], r.summary
+    assert criterion.empty_weight.dtype == torch.float32  # the caller's dtype again
+
+
+def test_a_loss_that_changes_between_evaluations_is_said_to_be_so_not_a_wrong_gradient():
+    # the same loss where no reference the doctor follows reaches it (an attribute of an object the
+    # function reads): its buffer is out of reach, so it says why it cannot judge rather than blame
+    # the backward
+    student, batch = dino_setup()
+    holder = type("Holder", (), {})()
+    holder.loss = DINOLoss(16)
+    r = doctor.gradient_check(student, batch, lambda out, t: holder.loss(out, t))
     assert not r.passed and r.bad_params == []
     assert "changes between evaluations" in r.summary, r.summary
     [f] = r.findings()
