@@ -30,6 +30,8 @@ partly in float32 see its round-off, and called the gradient of such a parameter
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -277,7 +279,7 @@ def gradient_check(
         return t.to(device=device, dtype=torch.float64) if t.is_floating_point() else t.to(device)
 
     inputs, targets = map_tensors(inputs, to64), map_tensors(targets, to64)
-    loss_module = loss_fn if isinstance(loss_fn, nn.Module) else nn.Module()
+    loss_module = _loss_modules(loss_fn, model)
     default_dtype = torch.get_default_dtype()
     with preserved(model), preserved(loss_module):
         try:
@@ -366,6 +368,37 @@ def _seed(seed: int, device: torch.device) -> None:
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.manual_seed(seed)
+
+
+def _loss_modules(loss_fn: Any, model: nn.Module) -> nn.Module:
+    """The modules the loss runs besides the model, as one module: ``loss_fn`` itself, the object
+    of a bound method, a ``functools.partial``'s function and arguments, and the modules a
+    function holds in its closure or reads as globals (DETR's ``criterion``, DINO's loss behind a
+    function that passes the epoch). They run in float64 with the model and their buffers are put
+    back before each evaluation."""
+    found: list[nn.Module] = []
+    todo, seen = [loss_fn], set()
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if isinstance(f, nn.Module):
+            if f is not model and not any(f is m for m in model.modules()):
+                found.append(f)
+            continue
+        if isinstance(f, functools.partial):
+            todo += [f.func, *f.args, *f.keywords.values()]
+        elif inspect.ismethod(f):
+            todo += [f.__self__, f.__func__]
+        elif inspect.isfunction(f):
+            for cell in f.__closure__ or ():
+                try:
+                    todo.append(cell.cell_contents)
+                except ValueError:  # a cell not assigned yet
+                    pass
+            todo += [f.__globals__[n] for n in f.__code__.co_names if isinstance(f.__globals__.get(n), nn.Module)]
+    return nn.ModuleList(found)
 
 
 def _to_float64(module: nn.Module) -> None:
