@@ -141,7 +141,8 @@ def test_a_sample_that_held_the_inf_itself_is_skipped_in_later_epochs_without_a_
     data.tensors[0][21, 0] = float("inf")  # one corrupt value in sample 21
     state = make_state(data, shuffle=True)
     guard = tg.Guard(tmp_path / "run", snapshot_every=5)
-    steps = train(guard.batches(state, total_steps=4 * 12), state)
+    with caplog.at_level(logging.WARNING, logger="trainguard.guard"):
+        steps = train(guard.batches(state, total_steps=4 * 12), state)
     assert steps[-1] == 4 * 12 - 1 and finite(state)
     assert guard.rewinds == 1 and len(guard.events) == 1
     assert guard.events[0]["batch_nonfinite"]["samples"] == [21]
