@@ -1,11 +1,13 @@
-"""Two real training programs for the recorder benchmark, derived from code users run.
+"""Three real training programs for the recorder benchmark, derived from code users run.
 
 ``nanogpt``: a tiny GPT after karpathy/nanoGPT's model.py (CausalSelfAttention, MLP, Block, GPT
 with tied embeddings) trained with AdamW on character data, with train.py's ``get_batch`` as the
 data preparation loop (a ``from_numpy`` and a ``stack`` per sample: many tiny ops). The text is
 synthetic (no download): random characters from a 65-symbol alphabet, as prepare.py's
 shakespeare_char vocabulary. ``vae``: pytorch/examples' vae/main.py (VAE, loss_function, the
-train loop) on synthetic 28x28 images in [0, 1] instead of MNIST.
+train loop) on synthetic 28x28 images in [0, 1] instead of MNIST. ``ppo``: vwxyzjn/cleanrl's
+ppo.py (its Agent, rollout, advantage estimation and clipped update) on a synthetic CartPole-sized
+vector env: reinforcement learning's tiny batches, where the recorder's per-op cost is the cost.
 """
 
 from __future__ import annotations
@@ -141,3 +143,96 @@ def make_vae():
         kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
         return bce + kld
     return model, opt, loss_fn
+
+
+class PPOAgent(nn.Module):
+    """cleanrl's PPO agent (vwxyzjn/cleanrl cleanrl/ppo.py, Agent): a critic and an actor, two
+    hidden layers of 64 with tanh each, a Categorical policy over the actor's logits."""
+
+    def __init__(self, n_obs: int = 4, n_actions: int = 2):
+        super().__init__()
+
+        def layer(i, o, std=math.sqrt(2)):
+            lin = nn.Linear(i, o)
+            torch.nn.init.orthogonal_(lin.weight, std)
+            torch.nn.init.constant_(lin.bias, 0.0)
+            return lin
+
+        self.critic = nn.Sequential(layer(n_obs, 64), nn.Tanh(), layer(64, 64), nn.Tanh(), layer(64, 1, std=1.0))
+        self.actor = nn.Sequential(layer(n_obs, 64), nn.Tanh(), layer(64, 64), nn.Tanh(),
+                                   layer(64, n_actions, std=0.01))
+
+    def get_value(self, x):
+        return self.critic(x)
+
+    def get_action_and_value(self, x, action=None):
+        probs = torch.distributions.Categorical(logits=self.actor(x))
+        if action is None:
+            action = probs.sample()
+        return action, probs.log_prob(action), probs.entropy(), self.critic(x)
+
+
+class _ClipThenStep:
+    """The optimizer as the loop uses it: ppo.py clips the gradients' norm before each step."""
+
+    def __init__(self, params, opt, max_norm: float):
+        self.params, self.opt, self.max_norm = params, opt, max_norm
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    def step(self):
+        nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        self.opt.step()
+
+
+def make_ppo():
+    """cleanrl's ppo.py on a CartPole-sized synthetic vector env (4 envs, NumPy observations):
+    one step is 8 rollout steps (action sampling under no_grad, the NumPy round trips) and one
+    clipped-objective minibatch update, the ratio of ppo.py's 128-step rollout to its 16 updates.
+    Thousands of tiny ops per second: the recorder's per-op cost, not arithmetic, sets its time."""
+    num_envs, rollout, minibatch = 4, 8, 128
+    rng = np.random.default_rng(0)
+    agent = PPOAgent()
+    params = list(agent.parameters())
+    opt = _ClipThenStep(params, torch.optim.Adam(params, lr=2.5e-4, eps=1e-5), 0.5)
+    size = 512  # ppo.py's batch: 4 envs x 128 steps
+    b_obs, b_actions = torch.randn(size, 4), torch.randint(0, 2, (size,)).float()
+    b_logprobs, b_advantages = torch.full((size,), -0.69), torch.randn(size)
+    b_returns, b_values = torch.randn(size), torch.randn(size)
+    obs, logprobs, values = torch.zeros(rollout, num_envs, 4), torch.zeros(rollout, num_envs), torch.zeros(rollout, num_envs)
+    rewards, dones = torch.zeros(rollout, num_envs), torch.zeros(rollout, num_envs)
+    state = {"obs": torch.Tensor(rng.standard_normal((num_envs, 4)).astype(np.float32)), "done": torch.zeros(num_envs)}
+
+    def loss_fn():
+        for step in range(rollout):  # the rollout
+            obs[step], dones[step] = state["obs"], state["done"]
+            with torch.no_grad():
+                action, logprob, _, value = agent.get_action_and_value(state["obs"])
+                values[step] = value.flatten()
+            logprobs[step] = logprob
+            action.cpu().numpy()  # envs.step(...)
+            next_obs = rng.standard_normal((num_envs, 4)).astype(np.float32)
+            rewards[step] = torch.tensor(np.ones(num_envs, dtype=np.float32)).view(-1)
+            state["obs"], state["done"] = torch.Tensor(next_obs), torch.Tensor(rng.random(num_envs) < 0.05)
+        with torch.no_grad():  # generalised advantage estimation, ppo.py's loop
+            advantages, lastgaelam = torch.zeros_like(rewards), 0
+            for t in reversed(range(rollout)):
+                nextnonterminal = 1.0 - (state["done"] if t == rollout - 1 else dones[t + 1])
+                nextvalues = agent.get_value(state["obs"]).reshape(-1) if t == rollout - 1 else values[t + 1]
+                delta = rewards[t] + 0.99 * nextvalues * nextnonterminal - values[t]
+                advantages[t] = lastgaelam = delta + 0.99 * 0.95 * nextnonterminal * lastgaelam
+        mb = torch.from_numpy(rng.permutation(size)[:minibatch])  # one minibatch update
+        _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb], b_actions.long()[mb])
+        logratio = newlogprob - b_logprobs[mb]
+        ratio = logratio.exp()
+        with torch.no_grad():
+            ((ratio - 1.0).abs() > 0.2).float().mean().item()  # clipfracs
+        mb_adv = b_advantages[mb]
+        mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+        pg_loss = torch.max(-mb_adv * ratio, -mb_adv * torch.clamp(ratio, 0.8, 1.2)).mean()
+        newvalue = newvalue.view(-1)
+        v_clipped = b_values[mb] + torch.clamp(newvalue - b_values[mb], -0.2, 0.2)
+        v_loss = 0.5 * torch.max((newvalue - b_returns[mb]) ** 2, (v_clipped - b_returns[mb]) ** 2).mean()
+        return pg_loss - 0.01 * entropy.mean() + v_loss * 0.5
+    return agent, opt, loss_fn

@@ -61,10 +61,10 @@ def make_transformer():
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _programs import make_nanogpt, make_vae  # noqa: E402
+from _programs import make_nanogpt, make_ppo, make_vae  # noqa: E402
 
 MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer, "nanogpt": make_nanogpt,
-          "vae": make_vae}
+          "vae": make_vae, "ppo": make_ppo}
 BACKENDS = ["native", "python"]
 
 
@@ -191,7 +191,7 @@ print(rss() - before)
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="mlp,cnn,transformer,nanogpt,vae")
+    p.add_argument("--models", default="mlp,cnn,transformer,nanogpt,vae,ppo")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--rounds", type=int, default=5)

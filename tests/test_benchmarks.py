@@ -22,7 +22,7 @@ def test_paired_ratios_per_round(monkeypatch):
     assert all(r > 0 for r in ratios["native:no_tensor"] + ratios["python:no_tensor"])
 
 
-@pytest.mark.parametrize("name", ["nanogpt", "vae"])
+@pytest.mark.parametrize("name", ["nanogpt", "vae", "ppo"])
 def test_real_programs_train(name):
     import torch
 

@@ -48,32 +48,41 @@ thread_local bool tl_paused = false;
 namespace {
 
 // ------------------------------------------------------------------ operators
-// Per thread, a direct-mapped cache of operators by the schema's name pointer in front of the
-// shared table: plain arrays of pointers, so that reading them needs no thread_local guard
-// and no hashing beyond a shift (every dispatcher call asks, recorded or not).
-constexpr size_t OP_CACHE = 1024;
+// Per thread, a cache of operators by the schema's name pointer in front of the shared table:
+// plain arrays of pointers, so that reading them needs no thread_local guard (every dispatcher
+// call asks, recorded or not). Open addressing with linear probing, never evicting: a
+// direct-mapped cache let two hot operators that shared a slot evict each other at every call,
+// and each miss took the shared table's lock (cleanrl's PPO: find_op was as costly as the
+// producers table). A full cache (more operators than OP_CACHE / 2 on one thread) starts over.
+constexpr size_t OP_CACHE = 2048;
 thread_local const char* tl_op_keys[OP_CACHE] = {nullptr};
 thread_local OpInfo* tl_op_infos[OP_CACHE] = {nullptr};
+thread_local size_t tl_op_count = 0;
 
-size_t op_slot(const char* key) {
-  auto h = (uintptr_t)key;
-  return (size_t)((h >> 4) ^ (h >> 14)) & (OP_CACHE - 1);
-}
+size_t op_slot(const char* key) { return (size_t)(((uintptr_t)key * 0x9E3779B97F4A7C15ull) >> 53); }  // 11 bits
 
 OpInfo* lookup_op_slow(const at::RecordFunction& fn, const char* key) {
   OpInfo* info = find_op(fn, key);  // the shared table (ops.cpp)
   if (info == nullptr) return nullptr;  // a RecordFunction that is not an operator call: not cached
+  if (2 * (tl_op_count + 1) > OP_CACHE) {
+    for (auto& k : tl_op_keys) k = nullptr;
+    tl_op_count = 0;
+  }
   size_t k = op_slot(key);
+  while (tl_op_keys[k] != nullptr) k = (k + 1) & (OP_CACHE - 1);
   tl_op_keys[k] = key;
   tl_op_infos[k] = info;
+  ++tl_op_count;
   return info;
 }
 
 inline OpInfo* lookup_op(const at::RecordFunction& fn) {
   const char* key = fn.name();
-  size_t k = op_slot(key);
-  if (C10_LIKELY(tl_op_keys[k] == key)) return tl_op_infos[k];
-  return lookup_op_slow(fn, key);
+  for (size_t k = op_slot(key);; k = (k + 1) & (OP_CACHE - 1)) {
+    const char* kk = tl_op_keys[k];
+    if (C10_LIKELY(kk == key)) return tl_op_infos[k];
+    if (kk == nullptr) return lookup_op_slow(fn, key);
+  }
 }
 
 // ------------------------------------------------------------------ cores and their slots

@@ -52,14 +52,17 @@ namespace {
 std::atomic<uint64_t> g_table_uid{0};
 
 // Per thread, the stacks it met last, direct-mapped by hash, in front of the table's map and
-// its lock (an op's stack is usually one this thread met just before: a loop's next op).
+// its lock (an op's stack is usually one this thread met in the step before: a loop's next op).
+// A training step runs from a few hundred call sites (cleanrl's PPO: its rollout, its update);
+// with 64 entries they missed each other and most ops took the table's lock and hashed their
+// whole key again.
 struct Recent {
   uint64_t table = 0;
   size_t hash = 0;
   int64_t id = 0;
   std::vector<std::pair<const void*, int>> frames;
 };
-constexpr size_t RECENT = 64;
+constexpr size_t RECENT = 1024;
 thread_local std::array<Recent, RECENT> tl_recent;
 
 int64_t remember(const StackTable* table, const Key& key, int64_t id) {
