@@ -421,6 +421,35 @@ def test_lr_too_high_from_divergence(tmp_path):
     assert "from 0.5 to about" in f.suggestion
 
 
+# stable-baselines3's PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=2,
+# learning_rate=1.0) (stable_baselines3/ppo/ppo.py:PPO.train), under `trainguard monitor`: its first
+# update moved the weight matrices by 519% of their norm, every Tanh saturated, the updates then fell
+# to 0. Its loss (measured) still "progressed" from its first steps (the value loss of a policy that
+# balances nothing), so no lr_too_high: only the symptoms, each saying "lower the learning rate".
+SB3_PPO_LR1_LOSS = [
+    62.4, 14.0, 1070.0, 756.0, 27.7, 455.0, 927.0, 823.0, 158.0, 257.0, 265.0, 75.1, 32.9, 12.3, 8.59, 30.5, 20.4,
+    22.6, 26.0, 9.46, 4.52, 23.9, 31.7, 4.74, 4.45, 18.1, 10.9, 13.5, 8.56, 7.11, 5.55, 21.7, 15.2, 2.38, 1.91, 26.7,
+    23.8, 2.21, 53.8, 72.9, 13.2, 34.0, 68.8, 30.2, 10.1, 22.6, 7.22, 63.3, 47.4, 16.1, 17.4, 26.5, 3.58, 11.8, 4.3,
+    5.09, 3.58, 3.15, 6.47, 3.43, 7.2, 2.34, 45.9, 66.5, 15.3, 27.6, 47.9, 27.3, 11.9, 18.9, 6.38, 52.1, 40.2, 15.8,
+    14.1, 33.5, 4.92, 55.6, 88.8, 42.9, 4.15, 11.5, 3.35, 73.9, 57.9, 23.2, 6.97, 30.5, 3.1, 5.69, 3.82, 3.32, 6.11,
+    2.46, 7.88, 3.02, 29.8, 50.0, 15.1, 30.0, 26.3, 7.98, 21.4, 37.6, 7.93, 47.8, 80.0, 29.3, 5.96, 16.5, 4.25, 59.4,
+    53.7, 20.0, 12.8, 20.6, 3.63, 6.63, 4.7, 4.29, 5.69, 3.33, 9.3, 2.45, 7.77, 2.32, 44.0, 59.2]
+SB3_PPO_LR1_RATIOS = [5.19, 0.054, 0.015, 0.005, 0.002, 0.001, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # steps 0, 10, ...
+
+
+def test_a_step_that_rewrites_the_weights_in_a_reinforcement_learning_run_is_a_rate_too_high(tmp_path):
+    rows = []
+    for i, r in enumerate(SB3_PPO_LR1_RATIOS):
+        for p in PARAMS:
+            rows += [(i * 10, p, "weight", "norm", 5.0), (i * 10, p, "gradient", "norm", 0.05),
+                     (i * 10, p, "gradient", "present", 1), (i * 10, p, "update", "ratio", r)]
+    fs = diagnose(write_run(tmp_path / "r", SB3_PPO_LR1_LOSS, layer_rows=rows, lr=1.0, every=10,
+                            environment="gymnasium"))
+    f = next((f for f in fs if f.kind == "lr_too_high"), None)
+    assert f is not None, kinds(fs)
+    assert "519%" in f.title and "from 1 to about" in f.suggestion, (f.title, f.suggestion)
+
+
 def test_lr_too_high_lowers_every_parameter_groups_rate(tmp_path):
     # facebookresearch/detr's main.py: AdamW over two parameter groups, the transformer's at --lr and
     # the backbone's at --lr_backbone (10x lower). At --lr 5 --lr_backbone 0.5 under `trainguard run
