@@ -563,7 +563,8 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             + (f"over its first {div['initial_steps']} steps" if "initial_steps" in div else "at initialisation")
         )
     high = math.isfinite(r_max) and r_max >= ctx.th.update_ratio_high
-    stuck = prog is not None and prog["progress"] < 0.5
+    # a reinforcement learning loss's targets move with the policy: its progress says nothing
+    stuck = ctx.environment is not None or (prog is not None and prog["progress"] < 0.5)
     if high and (stuck or div or bad_step is not None):
         step = int(ratios.steps[int(np.argmax(ratios.values))])
         reasons.append(f"one step moved the weight matrices by {r_max:.0%} of their norm (step {step})")
