@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -448,6 +449,20 @@ def test_a_step_that_rewrites_the_weights_in_a_reinforcement_learning_run_is_a_r
     f = next((f for f in fs if f.kind == "lr_too_high"), None)
     assert f is not None, kinds(fs)
     assert "519%" in f.title and "from 1 to about" in f.suggestion, (f.title, f.suggestion)
+
+
+def test_a_loss_that_grew_from_zero_before_turning_inf_says_how_much_it_grew(tmp_path):
+    # stable-baselines3's SAC("MlpPolicy", "Pendulum-v1", learning_rate=1.0) (stable_baselines3/sac/sac.py:
+    # SAC.train) under `trainguard monitor`: step 0 holds only the entropy coefficient's update (the
+    # first iteration of several optimizers is split), whose loss is exactly 0 at log_ent_coef = 0; the
+    # summed losses then grew to 2.9e36 and overflowed at step 42. The finding said "the loss grew infx"
+    # and numpy warned "divide by zero" on the user's terminal. The losses, measured:
+    loss = [0.0] + [1.24e6, 684.0, 4330.0, 16100.0, 83000.0] + [83000.0 * 7.5 ** k for k in range(1, 37)] + [math.inf] * 15
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fs = diagnose(write_run(tmp_path / "r", loss, lr=1.0))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert "infx" not in f.title and re.search(r"grew [0-9.e+]+x", f.title), f.title
 
 
 def test_lr_too_high_lowers_every_parameter_groups_rate(tmp_path):
