@@ -570,8 +570,11 @@ def lr_too_high(ctx: Context) -> list[Finding]:
         reasons.append(f"one step moved the weight matrices by {r_max:.0%} of their norm (step {step})")
     if bad_step is not None and not reasons:
         before = ctx.loss.before(bad_step).finite()
-        if len(before) >= 2 and before.values[-1] > 10 * max(abs(before.values[0]), 1e-12):
-            reasons.append(f"the loss grew {fmt(before.values[-1] / before.values[0])}x before turning NaN/Inf")
+        # from the first loss that is not an exact 0 (SAC's split first step: only the entropy
+        # coefficient's loss, 0 at log_ent_coef = 0)
+        start = next((abs(float(v)) for v in before.values if v != 0), 0.0)
+        if len(before) >= 2 and start > 0 and before.values[-1] > 10 * start:
+            reasons.append(f"the loss grew {fmt(before.values[-1] / start)}x before turning NaN/Inf")
     if not reasons:
         return []
     at = div["step"] if div else bad_step
