@@ -141,6 +141,23 @@ def test_a_spike_is_found_at_its_step(tmp_path):
     assert "max_norm=1" in spike[0].suggestion
 
 
+def test_a_spike_in_a_reinforcement_learning_run_is_a_note_about_episodes_not_a_bad_batch(tmp_path):
+    # stable-baselines3's A2C("MlpPolicy", "CartPole-v1") (stable_baselines3/a2c/a2c.py:A2C.train), healthy,
+    # under `trainguard monitor`: its loss sits near 5 and jumps to 31 or 161 for one update when a
+    # 5-step rollout holds an episode's end (the value target drops to the last reward). The finding
+    # was a warning, "inspect the batch of step 310 (a corrupted or mislabelled batch makes a one-step
+    # spike)", on a run with nothing wrong.
+    rng = np.random.default_rng(0)
+    loss = list(5.0 + 0.8 * rng.standard_normal(400))
+    for s, v in ((93, 30.9), (132, 41.0), (189, 52.0), (240, 38.0), (310, 160.9)):
+        loss[s] = v
+    fs = diagnose(write_run(tmp_path / "r", loss, grad_norm=[19.0] * 400, environment="gymnasium"))
+    spike = next(f for f in fs if f.kind == "loss_spike")
+    assert not spike.is_problem and "episode" in spike.suggestion and "mislabelled" not in spike.suggestion, (
+        spike.severity, spike.suggestion)
+    assert "healthy" in kinds(fs, problems_only=False)
+
+
 def test_a_loop_that_clips_already_is_not_told_to_clip(tmp_path):
     # karpathy/nanochat at 1000x its learning rates, clipping its gradients to norm 0.1: a loss spike
     # was told to clip with max_norm=8.3 (the norms the monitor reads are those before clipping).
