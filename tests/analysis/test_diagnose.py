@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -138,6 +139,23 @@ def test_a_spike_is_found_at_its_step(tmp_path):
     spike = [f for f in fs if f.kind == "loss_spike"]
     assert spike and spike[0].evidence["largest"]["step"] == 70
     assert "max_norm=1" in spike[0].suggestion
+
+
+def test_a_spike_in_a_reinforcement_learning_run_is_a_note_about_episodes_not_a_bad_batch(tmp_path):
+    # stable-baselines3's A2C("MlpPolicy", "CartPole-v1") (stable_baselines3/a2c/a2c.py:A2C.train), healthy,
+    # under `trainguard monitor`: its loss sits near 5 and jumps to 31 or 161 for one update when a
+    # 5-step rollout holds an episode's end (the value target drops to the last reward). The finding
+    # was a warning, "inspect the batch of step 310 (a corrupted or mislabelled batch makes a one-step
+    # spike)", on a run with nothing wrong.
+    rng = np.random.default_rng(0)
+    loss = list(5.0 + 0.8 * rng.standard_normal(400))
+    for s, v in ((93, 30.9), (132, 41.0), (189, 52.0), (240, 38.0), (310, 160.9)):
+        loss[s] = v
+    fs = diagnose(write_run(tmp_path / "r", loss, grad_norm=[19.0] * 400, environment="gymnasium"))
+    spike = next(f for f in fs if f.kind == "loss_spike")
+    assert not spike.is_problem and "episode" in spike.suggestion and "mislabelled" not in spike.suggestion, (
+        spike.severity, spike.suggestion)
+    assert "healthy" in kinds(fs, problems_only=False)
 
 
 def test_a_loop_that_clips_already_is_not_told_to_clip(tmp_path):
@@ -419,6 +437,49 @@ def test_lr_too_high_from_divergence(tmp_path):
     f = [f for f in fs if f.kind == "lr_too_high"][0]
     assert f.evidence["divergence"]["initial_loss"] == 1.6
     assert "from 0.5 to about" in f.suggestion
+
+
+# stable-baselines3's PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=2,
+# learning_rate=1.0) (stable_baselines3/ppo/ppo.py:PPO.train), under `trainguard monitor`: its first
+# update moved the weight matrices by 519% of their norm, every Tanh saturated, the updates then fell
+# to 0. Its loss (measured) still "progressed" from its first steps (the value loss of a policy that
+# balances nothing), so no lr_too_high: only the symptoms, each saying "lower the learning rate".
+SB3_PPO_LR1_LOSS = [
+    62.4, 14.0, 1070.0, 756.0, 27.7, 455.0, 927.0, 823.0, 158.0, 257.0, 265.0, 75.1, 32.9, 12.3, 8.59, 30.5, 20.4,
+    22.6, 26.0, 9.46, 4.52, 23.9, 31.7, 4.74, 4.45, 18.1, 10.9, 13.5, 8.56, 7.11, 5.55, 21.7, 15.2, 2.38, 1.91, 26.7,
+    23.8, 2.21, 53.8, 72.9, 13.2, 34.0, 68.8, 30.2, 10.1, 22.6, 7.22, 63.3, 47.4, 16.1, 17.4, 26.5, 3.58, 11.8, 4.3,
+    5.09, 3.58, 3.15, 6.47, 3.43, 7.2, 2.34, 45.9, 66.5, 15.3, 27.6, 47.9, 27.3, 11.9, 18.9, 6.38, 52.1, 40.2, 15.8,
+    14.1, 33.5, 4.92, 55.6, 88.8, 42.9, 4.15, 11.5, 3.35, 73.9, 57.9, 23.2, 6.97, 30.5, 3.1, 5.69, 3.82, 3.32, 6.11,
+    2.46, 7.88, 3.02, 29.8, 50.0, 15.1, 30.0, 26.3, 7.98, 21.4, 37.6, 7.93, 47.8, 80.0, 29.3, 5.96, 16.5, 4.25, 59.4,
+    53.7, 20.0, 12.8, 20.6, 3.63, 6.63, 4.7, 4.29, 5.69, 3.33, 9.3, 2.45, 7.77, 2.32, 44.0, 59.2]
+SB3_PPO_LR1_RATIOS = [5.19, 0.054, 0.015, 0.005, 0.002, 0.001, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # steps 0, 10, ...
+
+
+def test_a_step_that_rewrites_the_weights_in_a_reinforcement_learning_run_is_a_rate_too_high(tmp_path):
+    rows = []
+    for i, r in enumerate(SB3_PPO_LR1_RATIOS):
+        for p in PARAMS:
+            rows += [(i * 10, p, "weight", "norm", 5.0), (i * 10, p, "gradient", "norm", 0.05),
+                     (i * 10, p, "gradient", "present", 1), (i * 10, p, "update", "ratio", r)]
+    fs = diagnose(write_run(tmp_path / "r", SB3_PPO_LR1_LOSS, layer_rows=rows, lr=1.0, every=10,
+                            environment="gymnasium"))
+    f = next((f for f in fs if f.kind == "lr_too_high"), None)
+    assert f is not None, kinds(fs)
+    assert "519%" in f.title and "from 1 to about" in f.suggestion, (f.title, f.suggestion)
+
+
+def test_a_loss_that_grew_from_zero_before_turning_inf_says_how_much_it_grew(tmp_path):
+    # stable-baselines3's SAC("MlpPolicy", "Pendulum-v1", learning_rate=1.0) (stable_baselines3/sac/sac.py:
+    # SAC.train) under `trainguard monitor`: step 0 holds only the entropy coefficient's update (the
+    # first iteration of several optimizers is split), whose loss is exactly 0 at log_ent_coef = 0; the
+    # summed losses then grew to 2.9e36 and overflowed at step 42. The finding said "the loss grew infx"
+    # and numpy warned "divide by zero" on the user's terminal. The losses, measured:
+    loss = [0.0] + [1.24e6, 684.0, 4330.0, 16100.0, 83000.0] + [83000.0 * 7.5 ** k for k in range(1, 37)] + [math.inf] * 15
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fs = diagnose(write_run(tmp_path / "r", loss, lr=1.0))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert "infx" not in f.title and re.search(r"grew [0-9.e+]+x", f.title), f.title
 
 
 def test_lr_too_high_lowers_every_parameter_groups_rate(tmp_path):

@@ -650,3 +650,39 @@ def test_layers_trained_in_sequence_are_not_judged_as_one_loss_curve(tmp_path):
     kinds = {f.kind: f.severity for f in mon.findings}
     assert not [k for k, s in kinds.items() if s in ("warning", "error", "critical")], kinds
     assert kinds.get("objectives_in_sequence") == "info" and "losses_summed" not in kinds, kinds
+
+
+def test_an_optimizer_of_a_bare_parameter_takes_no_optimizer_index_from_the_models(tmp_path):
+    # stable-baselines3's SAC (stable_baselines3/sac/sac.py:SAC.train): per gradient step the entropy
+    # coefficient's Adam steps first (log_ent_coef, a bare tensor in no module), then the critic's,
+    # then the actor's. The entropy optimizer took index 0, so the critic's rate was stored as
+    # "lr/1.0" and the actor's as "lr/2.0", with no "lr/0": SAC at learning_rate=1.0 was told
+    # "lower the learning rate about 10x" with no rate named.
+    torch.manual_seed(0)
+    actor, critic = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 1)), nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    target = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    target.load_state_dict(critic.state_dict())
+    log_ent_coef = torch.zeros(1, requires_grad=True)
+    ent_opt = torch.optim.Adam([log_ent_coef], lr=3e-4)
+    critic_opt, actor_opt = torch.optim.Adam(critic.parameters(), lr=1e-3), torch.optim.Adam(actor.parameters(), lr=2e-3)
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False) as mon:
+        for _ in range(4):
+            obs, act, nxt = torch.randn(8, 3), torch.randn(8, 1), torch.randn(8, 3)
+            pi = torch.tanh(actor(obs))
+            ent_loss = -(log_ent_coef * (pi.detach() ** 2 - 1)).mean()
+            ent_opt.zero_grad()
+            ent_loss.backward()
+            ent_opt.step()
+            with torch.no_grad():
+                q_target = target(torch.cat([nxt, torch.tanh(actor(nxt))], 1))
+            critic_loss = nn.functional.mse_loss(critic(torch.cat([obs, act], 1)), q_target)
+            critic_opt.zero_grad()
+            critic_loss.backward()
+            critic_opt.step()
+            actor_loss = -critic(torch.cat([obs, pi], 1)).mean()
+            actor_opt.zero_grad()
+            actor_loss.backward()
+            actor_opt.step()
+        assert mon.current_step == 4
+    lrs = {k: {v for _, v in s} for k, s in open_run(tmp_path / "r").scalars().items() if k.startswith("lr/")}
+    assert lrs == {"lr/0": {1e-3}, "lr/1.0": {2e-3}}, lrs

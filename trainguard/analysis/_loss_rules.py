@@ -522,15 +522,23 @@ def loss_spike(ctx: Context) -> list[Finding]:
     if gn is not None:
         ev["largest"]["grad_norm"] = gn
         ev["grad_norm_median"] = median(ctx.grad_norm.values)
-    fixes = [f"inspect the batch of step {first_step} (a corrupted or mislabelled batch makes a one-step spike)"]
-    clip = clip_text(ctx)
-    if clip:
-        fixes.append(clip)
-    fixes.append("if spikes recur, lower the learning rate or add warmup")
+    if ctx.environment:
+        # A rollout holding an episode's end (the value target drops to the last reward) or a rare
+        # large reward makes one update's loss jump: SB3's A2C on CartPole, healthy, 35x its median.
+        fixes = [f"the script steps a reinforcement learning environment ({ctx.environment}): a one-update spike is "
+                 "usually a rollout holding an episode's end or a rare large reward, not a fault; judge the run by its "
+                 f"episode return, and if that falls after step {first_step}, check the rewards of that rollout "
+                 "(normalise or clip them, e.g. stable-baselines3's VecNormalize)"]
+    else:
+        fixes = [f"inspect the batch of step {first_step} (a corrupted or mislabelled batch makes a one-step spike)"]
+        clip = clip_text(ctx)
+        if clip:
+            fixes.append(clip)
+        fixes.append("if spikes recur, lower the learning rate or add warmup")
     return [
         Finding(
             kind="loss_spike",
-            severity="warning",
+            severity="info" if ctx.environment else "warning",
             title=f"Loss spiked to {fmt(top)} at step {first_step} ({top / base:.0f}x its recent median)"
             + (f", {len(spikes)} spikes in all" if len(spikes) > 1 else ""),
             evidence=ev,
@@ -563,14 +571,18 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             + (f"over its first {div['initial_steps']} steps" if "initial_steps" in div else "at initialisation")
         )
     high = math.isfinite(r_max) and r_max >= ctx.th.update_ratio_high
-    stuck = prog is not None and prog["progress"] < 0.5
+    # a reinforcement learning loss's targets move with the policy: its progress says nothing
+    stuck = ctx.environment is not None or (prog is not None and prog["progress"] < 0.5)
     if high and (stuck or div or bad_step is not None):
         step = int(ratios.steps[int(np.argmax(ratios.values))])
         reasons.append(f"one step moved the weight matrices by {r_max:.0%} of their norm (step {step})")
     if bad_step is not None and not reasons:
         before = ctx.loss.before(bad_step).finite()
-        if len(before) >= 2 and before.values[-1] > 10 * max(abs(before.values[0]), 1e-12):
-            reasons.append(f"the loss grew {fmt(before.values[-1] / before.values[0])}x before turning NaN/Inf")
+        # from the first loss that is not an exact 0 (SAC's split first step: only the entropy
+        # coefficient's loss, 0 at log_ent_coef = 0)
+        start = next((abs(float(v)) for v in before.values if v != 0), 0.0)
+        if len(before) >= 2 and start > 0 and before.values[-1] > 10 * start:
+            reasons.append(f"the loss grew {fmt(before.values[-1] / start)}x before turning NaN/Inf")
     if not reasons:
         return []
     at = div["step"] if div else bad_step

@@ -142,7 +142,7 @@ class GradientWatch:
         for p in mine:
             self.updaters[id(p)] = (type(opt).__name__, orth[id(p.ref())])
         self._opt_cache[opt] = (sig, mine)
-        if opt not in self._opt_index:
+        if mine and opt not in self._opt_index:  # an optimizer of no watched parameter (SAC's log_ent_coef) has none
             if not self._opt_index:  # asked before its first update: state means a trained model
                 self.optimizer_had_state = any(len(s) for s in opt.state.values())
             self._opt_index[opt] = len(self._opt_index)
