@@ -160,3 +160,23 @@ def test_a_sample_that_held_the_inf_itself_is_skipped_in_later_epochs_without_a_
     assert main(["report", str(tmp_path / "run")]) == 0
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "3 later batches held a sample an event found corrupt in the batch itself, and were skipped unread" in out, out
+
+
+def test_a_known_corrupt_sample_skipped_again_in_a_replay_is_counted_once(tmp_path):
+    # A later fault's rewind replays the steps since the snapshot, a known skip among them: the
+    # batch is skipped again (as the first time), but it is one batch the run never trained on.
+    data = make_data(12)
+    data.tensors[0][21, 0] = float("inf")  # batch 5 of every epoch (no shuffle)
+    data.tensors[1][44, 0] = 1e6  # batch 11: a loss that takes the log of (1e4 - y) goes NaN on it
+
+    def loss_fn(out, y, step):
+        return nn.functional.mse_loss(out, y) + 0 * torch.log(1e4 - y).mean()
+
+    state = make_state(data)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=7, max_rewinds=10)
+    train(guard.batches(state, total_steps=22), state, loss_fn=loss_fn)
+    # sample 21 at step 5; batch 11's fault at steps 10 and 20, the last rewound to step 14, before
+    # the known skip of step 15
+    assert [(e["step"], e["rewound_to"]) for e in guard.events] == [(5, 0), (10, 7), (20, 14)]
+    assert [(s["step"], s["epoch"], s["index"]) for s in guard.skipped_known] == [(15, 1, 5)]
+    assert open_run(tmp_path / "run").meta["guard"]["skipped_known"] == 1
