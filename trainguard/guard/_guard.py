@@ -300,6 +300,8 @@ class Guard:
         self._skipping_known += 1
         info = self._batch_info()
         info.update(step=self._loop.state.step, known_from_event=self._bad_samples[hit[0]])
+        if info in self.skipped_known:  # skipped again in a later fault's replay: one batch all the same
+            return True
         self.skipped_known.append(info)
         label = _events.batch_label(info)
         log.warning("trainguard: skipped %s at step %d: its sample %s held NaN/Inf in the batch itself "
