@@ -155,3 +155,30 @@ def new_mlp():
 @pytest.fixture
 def new_blobs():
     return make_blobs
+
+
+class DINOLoss(nn.Module):
+    """facebookresearch/dino (main_dino.py, DINOLoss) for two views: the cross-entropy of the
+    student's softmax against the teacher's centred and sharpened one, whose center is a buffer
+    the loss moves towards the batch's teacher mean (an EMA, reassigned) on every call."""
+
+    def __init__(self, out_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("center", torch.zeros(1, out_dim))
+
+    def forward(self, student_output, teacher_output):
+        q = torch.softmax((teacher_output - self.center) / 0.04, dim=-1)
+        loss = torch.sum(-q * torch.log_softmax(student_output / 0.1, dim=-1), dim=-1).mean()
+        with torch.no_grad():
+            self.center = self.center * 0.9 + teacher_output.mean(0, keepdim=True) * 0.1
+        return loss
+
+
+@pytest.fixture
+def dino():
+    """A student, its batch (inputs, the teacher's outputs) and a fresh DINOLoss."""
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(20, 32), nn.GELU(), nn.Linear(32, 16))
+    x = torch.randn(16, 20)
+    teacher_output = torch.randn(16, 16) + 3.0  # far from the initial center: each call moves it
+    return student, (x, teacher_output), DINOLoss(16)

@@ -93,45 +93,18 @@ def test_buffers_a_forward_updates_in_place_are_put_back_before_each_evaluation(
     assert torch.equal(net.embed, embed)  # and the codebook is the caller's again
 
 
-class DINOLoss(nn.Module):
-    """facebookresearch/dino (main_dino.py, DINOLoss) for two views: the cross-entropy of the
-    student's softmax against the teacher's centred and sharpened one, whose center is a buffer
-    the loss moves towards the batch's teacher mean (an EMA, reassigned) on every call."""
-
-    def __init__(self, out_dim: int) -> None:
-        super().__init__()
-        self.register_buffer("center", torch.zeros(1, out_dim))
-
-    def forward(self, student_output, teacher_output):
-        q = torch.softmax((teacher_output - self.center) / 0.04, dim=-1)
-        loss = torch.sum(-q * torch.log_softmax(student_output / 0.1, dim=-1), dim=-1).mean()
-        with torch.no_grad():
-            self.center = self.center * 0.9 + teacher_output.mean(0, keepdim=True) * 0.1
-        return loss
-
-
-def dino_setup():
-    torch.manual_seed(0)
-    student = nn.Sequential(nn.Linear(20, 32), nn.GELU(), nn.Linear(32, 16))
-    x = torch.randn(16, 20)
-    teacher_output = torch.randn(16, 16) + 3.0  # far from the initial center: each call moves it
-    return student, (x, teacher_output)
-
-
-def test_a_loss_that_moves_its_own_buffer_is_checked_at_the_same_buffer_every_evaluation():
+def test_a_loss_that_moves_its_own_buffer_is_checked_at_the_same_buffer_every_evaluation(dino):
     # `trainguard doctor` on DINO called 26 of its 37 trainable parameters "wrong gradient": each finite
     # difference evaluated the loss after other evaluations had moved its center.
-    student, batch = dino_setup()
-    loss = DINOLoss(16)
+    student, batch, loss = dino
     r = doctor.gradient_check(student, batch, loss)
     assert r.passed and r.bad_params == [], r.summary
     assert torch.equal(loss.center, torch.zeros(1, 16))  # the caller's center again
 
 
-def test_a_loss_module_a_function_closes_over_is_checked_at_the_same_buffer_too():
+def test_a_loss_module_a_function_closes_over_is_checked_at_the_same_buffer_too(dino):
     # DINO's loss takes an epoch argument, so a user passes a function calling it
-    student, batch = dino_setup()
-    loss = DINOLoss(16)
+    student, batch, loss = dino
     r = doctor.gradient_check(student, batch, lambda out, t: loss(out, t))
     assert r.passed and r.bad_params == [], r.summary
     assert torch.equal(loss.center, torch.zeros(1, 16))
@@ -168,13 +141,13 @@ def test_a_loss_module_behind_a_function_runs_in_float64_with_the_model(batch):
     assert criterion.empty_weight.dtype == torch.float32  # the caller's dtype again
 
 
-def test_a_loss_that_changes_between_evaluations_is_said_to_be_so_not_a_wrong_gradient():
+def test_a_loss_that_changes_between_evaluations_is_said_to_be_so_not_a_wrong_gradient(dino):
     # the same loss where no reference the doctor follows reaches it (an attribute of an object the
     # function reads): its buffer is out of reach, so it says why it cannot judge rather than blame
     # the backward
-    student, batch = dino_setup()
+    student, batch, loss = dino
     holder = type("Holder", (), {})()
-    holder.loss = DINOLoss(16)
+    holder.loss = loss
     r = doctor.gradient_check(student, batch, lambda out, t: holder.loss(out, t))
     assert not r.passed and r.bad_params == []
     assert "changes between evaluations" in r.summary, r.summary

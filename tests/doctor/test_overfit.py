@@ -313,30 +313,11 @@ def test_a_loss_that_draws_random_numbers_is_not_called_a_learning_rate_too_high
     assert r.verdict == "warn"
 
 
-class _DINOLoss(nn.Module):
-    """facebookresearch/dino (main_dino.py, DINOLoss) for two views: the teacher's output centred by
-    a buffer the loss moves towards each batch's teacher mean (an EMA) on every call; no draws."""
-
-    def __init__(self, out_dim: int) -> None:
-        super().__init__()
-        self.register_buffer("center", torch.zeros(1, out_dim))
-
-    def forward(self, student_output, teacher_output):
-        q = torch.softmax((teacher_output - self.center) / 0.04, dim=-1)
-        loss = torch.sum(-q * torch.log_softmax(student_output / 0.1, dim=-1), dim=-1).mean()
-        with torch.no_grad():
-            self.center = self.center * 0.9 + teacher_output.mean(0, keepdim=True) * 0.1
-        return loss
-
-
-def test_a_loss_that_moves_its_own_state_is_not_said_to_draw_random_numbers():
+def test_a_loss_that_moves_its_own_state_is_not_said_to_draw_random_numbers(dino):
     # `trainguard doctor` on DINO (a ViT student against its teacher's outputs): "the loss is random
     # for a fixed batch and weights ...: the model or loss draws random numbers on each call (a
     # diffusion model's timesteps and noise, ...)": DINO draws none; its loss moves its center.
-    torch.manual_seed(0)
-    student = nn.Sequential(nn.Linear(20, 32), nn.GELU(), nn.Linear(32, 16))
-    batch = (torch.randn(16, 20), torch.randn(16, 16) + 3.0)
-    loss = _DINOLoss(16)
+    student, batch, loss = dino
     r = doctor.overfit_one_batch(student, batch, lambda out, t: loss(out, t), steps=4)  # not there yet
     assert r.reason == "random" and r.stateful, (r.reason, r.summary)
     f = next(f for f in r.findings() if f.kind == "overfit_random")
