@@ -8,6 +8,18 @@ from torch import nn
 
 
 @pytest.fixture
+def one_rank():
+    """A process group of one gloo rank: collectives run for real, in this process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def nan_empty():
     """Every uninitialised float allocation holds NaN."""
     was_det = torch.are_deterministic_algorithms_enabled()

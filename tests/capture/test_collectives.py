@@ -40,18 +40,6 @@ def test_recorded_outputs_can_still_grow(tmp_path):
     assert bytes_.numel() == 28 and floats.numel() == 64
 
 
-@pytest.fixture
-def one_rank():
-    """A process group of one gloo rank: collectives run for real, in this process."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("backend", ["python", "native"])
 def test_what_a_collective_writes_is_never_read_and_becomes_its_output(tmp_path, one_rank, backend):
     dist = one_rank

@@ -934,3 +934,25 @@ def test_a_zero_initialised_adapter_is_not_dead_units(tmp_path):
         dead[0].bias.fill_(-100.0)
     (found,) = _train_two_recordings(dead, tmp_path / "dead")
     assert "1" in found.layers
+
+
+def test_a_ddp_wrapper_is_no_level_of_the_model(tmp_path, one_rank):
+    # DINO's student is DistributedDataParallel(MultiCropWrapper), its teacher is not: the monitor
+    # named the student's layers "distributeddataparallel.module.head", with DDP's own level in
+    # them, while the state_dict trainguard's checkpoints save has no "module." (TrainState
+    # strips it) and the model the user wrote is the wrapped one.
+    teacher = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    student = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)))
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False) as mon:
+        for _ in range(2):
+            x = torch.randn(4, 6)
+            with torch.no_grad():
+                target = teacher(x)
+            loss = (student(x) - target).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert sorted(mon.layers) == ["0", "1", "2", "sequential.0", "sequential.1", "sequential.2"]
+    layers = open_run(tmp_path / "r").layers()
+    assert "sequential.0.weight" in layers and "0.weight" in layers

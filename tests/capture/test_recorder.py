@@ -70,6 +70,22 @@ def test_module_paths_of_models_called_inside_a_container(tmp_path, backend):
     assert names == {"actor.0.bias", "actor.2.bias", "critic.0.bias", "critic.2.bias"}
 
 
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_module_paths_inside_a_ddp_wrapper(tmp_path, one_rank, backend):
+    # DistributedDataParallel calls the model it wraps as ``self.module``: its ops were named
+    # "module.0", "module.2", while the model's own state_dict (and trainguard's checkpoint, which
+    # strips DDP's prefix) says "0.weight". DDP is a wrapper, as torch.compile's is.
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        ddp(torch.randn(3, 4)).sum().backward()
+    run = open_run(tmp_path / "r")
+    fwd = {r["module"] for r in run.executions(phase="forward", op="addmm")}
+    assert fwd == {"0", "2"}
+    names = {i["name"] for e in run.executions(phase="forward", op="addmm")
+             for i in run.execution(e["seq"])["inputs"] if i["kind"] == "param"}
+    assert names == {"0.bias", "2.bias"}
+
+
 def test_stack_points_at_user_line_and_source_is_stored_once(tmp_path):
     x = torch.ones(3)
     with tg.record(tmp_path / "r", buffer=-1):
