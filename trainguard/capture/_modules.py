@@ -23,8 +23,10 @@ _ref = weakref.ref
 
 # Wrappers that are no level of the model, by type name: the attribute holding the model.
 # torch.compile(model) returns an OptimizedModule (``_orig_mod``), Lightning Fabric's
-# fabric.setup(model) a _FabricModule (``_forward_module``, the model or a DDP around it).
-WRAPPERS = {"OptimizedModule": "_orig_mod", "_FabricModule": "_forward_module"}
+# fabric.setup(model) a _FabricModule (``_forward_module``, the model or a DDP around it),
+# DistributedDataParallel and DataParallel hold it as ``module`` (the prefix TrainState strips).
+WRAPPERS = {"OptimizedModule": "_orig_mod", "_FabricModule": "_forward_module",
+            "DistributedDataParallel": "module", "DataParallel": "module"}
 
 
 def wrapped(module: nn.Module) -> nn.Module | None:

@@ -34,7 +34,7 @@ from torch.nn.utils.parametrize import ParametrizationList as _ParametrizationLi
 from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import activation_stats, first_tensor, histogram, input_stats
-from trainguard.capture._modules import container_path, forward_pre_hook, wrapped
+from trainguard.capture._modules import container_path, forward_pre_hook, unwrapped, wrapped
 from trainguard.capture._monitor_model import Layer, Root, build_root, structure
 
 log = logging.getLogger("trainguard.monitor")
@@ -246,7 +246,7 @@ class HookMixin:
         outside = [r for r in self._roots if r.ref() is not None and all(r.ref() is not m for m in module.modules())]
         if not outside:
             return "", None
-        base = type(module).__name__.lower()
+        base = type(unwrapped(module)).__name__.lower()  # the model's type, not DDP's or compile's
         prefix, k = base + ".", 1
         while prefix in taken:
             k += 1

@@ -68,7 +68,8 @@ class Root:
         self.trained = False  # a forward with gradients enabled has run (see the validation pass)
 
 
-_WRAPPER_ATTRS = frozenset(WRAPPERS.values())
+# Only the attributes no user names a module by: a "module" inside a model may be the user's own.
+_WRAPPER_ATTRS = frozenset(a for a in WRAPPERS.values() if a.startswith("_"))
 
 
 def _plain(name: str) -> str:
