@@ -956,3 +956,66 @@ def test_a_ddp_wrapper_is_no_level_of_the_model(tmp_path, one_rank):
         assert sorted(mon.layers) == ["0", "1", "2", "sequential.0", "sequential.1", "sequential.2"]
     layers = open_run(tmp_path / "r").layers()
     assert "sequential.0.weight" in layers and "0.weight" in layers
+
+
+class _SACActor(nn.Module):
+    """Stable-Baselines3's sac/policies.py Actor: ``action_log_prob`` calls its members
+    ``latent_pi``, ``mu`` and ``log_std`` one by one, never the actor itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.latent_pi = nn.Sequential(nn.Linear(3, 16), nn.ReLU())
+        self.mu = nn.Linear(16, 1)
+        self.log_std = nn.Linear(16, 1)
+
+    def forward(self, obs):
+        return self.mu(self.latent_pi(obs))
+
+    def action_log_prob(self, obs):
+        latent = self.latent_pi(obs)
+        dist = torch.distributions.Normal(self.mu(latent), self.log_std(latent).clamp(-20, 2).exp())
+        action = dist.rsample()
+        return action, dist.log_prob(action).sum(-1)
+
+
+class _SACPolicy(nn.Module):
+    """SB3's SACPolicy: a forward of its own (the actor's action, for predict), while SAC.train
+    calls ``policy.actor.action_log_prob`` and ``policy.critic(obs, action)`` directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.actor = _SACActor()
+        self.critic = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.critic_target = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, obs):
+        return self.actor(obs)
+
+
+def test_members_of_a_holder_with_its_own_forward_are_named_by_their_path(tmp_path):
+    # SB3's SAC: the monitor named the actor's layers "0", "linear.", "linear2." and the critics
+    # "sequential." / "sequential2.": which of them is the target network the report could not
+    # say, while the policy's state_dict says "critic_target.0.weight".
+    policy = _SACPolicy()
+    actor_opt = torch.optim.Adam(policy.actor.parameters(), lr=1e-3)
+    critic_opt = torch.optim.Adam(policy.critic.parameters(), lr=1e-3)
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False) as mon:
+        for _ in range(2):
+            obs = torch.randn(8, 3)
+            with torch.no_grad():
+                next_action, _ = policy.actor.action_log_prob(obs)
+                target = policy.critic_target(torch.cat([obs, next_action], 1))
+            critic_loss = (policy.critic(torch.cat([obs, torch.randn(8, 1)], 1)) - target).pow(2).mean()
+            critic_opt.zero_grad()
+            critic_loss.backward()
+            critic_opt.step()
+            action, log_prob = policy.actor.action_log_prob(obs)
+            actor_loss = (log_prob - policy.critic(torch.cat([obs, action], 1)).squeeze(1)).mean()
+            actor_opt.zero_grad()
+            actor_loss.backward()
+            actor_opt.step()
+        assert sorted(mon.layers) == ["actor.latent_pi.0", "actor.latent_pi.1", "actor.log_std", "actor.mu",
+                                      "critic.0", "critic.1", "critic.2",
+                                      "critic_target.0", "critic_target.1", "critic_target.2"]
+    layers = open_run(tmp_path / "r").layers()
+    assert "critic_target.0.weight" in layers and "actor.mu.bias" in layers

@@ -86,6 +86,31 @@ def test_module_paths_inside_a_ddp_wrapper(tmp_path, one_rank, backend):
     assert names == {"0.bias", "2.bias"}
 
 
+class _Policy(nn.Module):
+    """Stable-Baselines3's SACPolicy: a forward of its own, while SAC.train calls its critic and
+    the actor's members directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.actor = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.critic = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, obs):
+        return self.actor(obs)
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_module_paths_of_members_of_a_holder_with_its_own_forward(tmp_path, backend):
+    # Recorded, SB3's SAC named its critic's first layer "0", like the actor's.
+    policy = _Policy()
+    x = torch.randn(3, 4)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        (policy.actor(x).sum() + policy.critic(x).sum()).backward()
+    run = open_run(tmp_path / "r")
+    fwd = {r["module"] for r in run.executions(phase="forward", op="addmm")}
+    assert fwd == {"actor.0", "actor.2", "critic.0", "critic.2"}
+
+
 def test_stack_points_at_user_line_and_source_is_stored_once(tmp_path):
     x = torch.ones(3)
     with tg.record(tmp_path / "r", buffer=-1):
