@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent('''
 
     BUG = "--bug" in sys.argv
     EXIT = "--exit" in sys.argv
+    RAISE = "--raise" in sys.argv
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -39,6 +40,8 @@ SCRIPT = textwrap.dedent('''
     state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=4))
     loop = tg.CheckpointManager(sys.argv[1], every_steps=20).resume(state, total_steps=40)
     for step, (xb, yb) in loop.batches():
+        if RAISE:  # a policy's distribution, validated: cleanrl's PPO, SB3 (raises on NaN weights)
+            torch.distributions.Normal(model.fc.weight.mean(), 1.0)
         out = model(xb)
         loss = torch.nn.functional.mse_loss(out, yb)
         if BUG and step >= 10:
@@ -117,6 +120,24 @@ def test_run_guard_on_a_script_that_exits_on_a_nonfinite_loss_says_to_drop_that_
     assert "step 30" in f["suggestion"] and "guard" in f["suggestion"], f["suggestion"]
     assert "math.isfinite(loss.item())" in f["suggestion"] and "sys.exit" in f["suggestion"]
     assert data["guard"]["meta"]["stopped_step"] == 30
+
+
+@pytest.mark.timeout(300)
+def test_run_guard_on_a_script_that_raises_on_the_weights_a_nan_step_left_names_that_step(tmp_path):
+    # cleanrl's PPO (and facebookresearch/detr's matcher) under `trainguard run --guard`: the sentry
+    # reads step s when step s + 1 ends, and step s + 1 raised first on the NaN weights step s had
+    # left (a validated distribution, scipy's linear_sum_assignment). The report said only "fix the
+    # error it raised", with no word of the NaN loss of the step before, which the guard had seen.
+    (tmp_path / "train.py").write_text(SCRIPT)
+    r = trainguard("run", "--guard", "--logdir", "runs/r", "train.py", "ckpt", "--raise", cwd=tmp_path)
+    assert r.returncode == 1 and "ValueError" in r.stderr, r.stderr
+    data = json.loads(trainguard("report", "runs/r", "--json", cwd=tmp_path).stdout)
+    assert data["guard"]["meta"]["fault_before_crash"] == {"step": 30, "kinds": ["nonfinite_loss", "nonfinite_grad"],
+                                                           "loss": "nan", "grad_norm": "nan"}
+    [f] = [f for f in data["findings"] if f["kind"] == "script_crashed"]
+    assert "step 31" in f["title"], f["title"]
+    assert "step 30 ended with loss nan and gradient norm nan" in f["suggestion"] and "validate_args=False" in f["suggestion"], f["suggestion"]
+    assert "--check-numerics" in f["suggestion"]
 
 
 def test_guard_options_need_guard_and_exclude_check_numerics(tmp_path, monkeypatch, capsys):
