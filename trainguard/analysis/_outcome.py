@@ -59,6 +59,20 @@ def _harm_step(meta: dict[str, Any], step: int | None) -> int | None:
 _NAMES_IT = "`trainguard report` on this run names the op and line that made it; fix that"
 
 
+def _fault_before(meta: dict[str, Any], step: int | None) -> str | None:
+    """What the guard read, at the loop's end, of a bad step before the one the script crashed
+    in: ``"step 30 ended with loss nan"``; None when it read none."""
+    guard = meta.get("guard")
+    fault = guard.get("fault_before_crash") if isinstance(guard, dict) else None
+    if not isinstance(fault, dict) or not isinstance(fault.get("step"), int):
+        return None
+    if step is not None and fault["step"] >= step:
+        return None
+    what = " and ".join(f"{label} {fault[key]}" for key, label in (("loss", "loss"), ("grad_norm", "gradient norm"))
+                        if fault.get(key))
+    return f"step {fault['step']} ended with {what}" if what else None
+
+
 def outcome_finding(meta: dict[str, Any]) -> Finding | None:
     """The crash as a finding (severity error), so that no verdict calls the run healthy."""
     outcome = script_outcome(meta)
@@ -81,6 +95,14 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
                     "backward(), where the guard looks. Under the guard, drop that check (the guard stops a loss "
                     "that stays non-finite itself, naming its origin) and run again")
         fix += ", then judge training health on a run that finishes"
+    elif (fault := _fault_before(meta, outcome["step"])) is not None:
+        # Under the guard, which reads a step when the next one ends: the next step raised on the
+        # weights the bad one left (a validated distribution, scipy's matcher) before it could rewind.
+        fix = (_cause(meta, outcome["error"]) + f"{fault} (the guard reads each step when the next one ends, and "
+               f"this error came first, most likely from the NaN weights that step left). Keep such a check from "
+               "raising under the guard, e.g. build a torch.distributions policy with `validate_args=False`, so that "
+               "it can rewind, replay and skip the bad batch; or run `trainguard run --check-numerics` to stop at "
+               "the op that made the first NaN/Inf")
     elif harm is not None:
         # An error raised on the NaN (a distribution's argument check on NaN logits, multinomial on
         # NaN probabilities: cleanrl's PPO): where it showed, not what to fix.

@@ -56,11 +56,14 @@ def _type_name(module: nn.Module) -> str:
 
 
 def container_path(module: nn.Module) -> str:
-    """Where ``module`` sits inside the containers that hold it: modules with no ``forward`` of
-    their own (cleanrl's ``Agent`` holding ``actor`` and ``critic``, an ``nn.ModuleList`` of an
-    ensemble), whose children the program calls directly. ``"actor"``, ``"heads.0"``; ``""``
-    where no such container holds it, or more than one module does. One scan of the live objects
-    (a root is found once)."""
+    """Where ``module`` sits inside the modules that hold it and whose children the program calls
+    directly: containers with no ``forward`` (cleanrl's ``Agent`` holding ``actor`` and
+    ``critic``, an ``nn.ModuleList`` of an ensemble) and holders with a forward the loop does not
+    call (SB3's ``SACPolicy``: SAC calls ``policy.critic`` and ``policy.actor``'s members).
+    ``"actor"``, ``"heads.0"``, ``"actor.latent_pi"``: the names of the outermost holder's
+    ``state_dict``; ``""`` where nothing holds it, or more than one module does. One scan of the
+    live objects (a root is found once); a holder called later becomes the root and keeps these
+    names."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     # type(o), not isinstance: isinstance reads o.__class__, which a deprecation proxy warns on
     for m in (o for o in gc.get_objects() if issubclass(type(o), nn.Module)):
@@ -71,7 +74,7 @@ def container_path(module: nn.Module) -> str:
     seen = {id(module)}
     while len(held := owners.get(id(module), ())) == 1:
         parent, name = held[0]
-        if type(parent).forward is not nn.Module.forward or id(parent) in seen:
+        if id(parent) in seen:
             break
         seen.add(id(parent))
         path.append(name)

@@ -75,6 +75,18 @@ def _default_logdir() -> Path:
     return Path("runs") / time.strftime("guard-%Y%m%d-%H%M%S")
 
 
+def _first_fault(values: list[StepValues]) -> dict[str, Any] | None:
+    """The first step read at the loop's end with a non-finite loss or gradient norm, as the
+    guard's metadata keeps it (values as text: JSON has no NaN), or None."""
+    for v in values:
+        bad = {name: x for name, x in (("loss", v.loss), ("grad_norm", v.grad_norm))
+               if x is not None and not math.isfinite(x)}
+        if bad:
+            kinds = [{"loss": "nonfinite_loss", "grad_norm": "nonfinite_grad"}[k] for k in bad]
+            return {"step": v.step, "kinds": kinds, **{k: str(x) for k, x in bad.items()}}
+    return None
+
+
 def _bits(x: float | None) -> bytes | None:
     return None if x is None else struct.pack("<d", x)
 
@@ -228,8 +240,15 @@ class Guard:
         plan, self._plan = self._plan, None
         if plan is not None and plan.recording is not None:
             plan.recording.stop()
+        loop = self._loop
+        # Steps the sentry holds unread: when the loop body raised, the last of them may be a NaN
+        # step whose weights made the error (the sentry reads a step when the next one ends).
+        try:
+            unread = self._sentry.read(before=None) if loop.state.step < loop.total_steps else []
+        except Exception:  # a device the error left unusable: nothing more to learn
+            unread = []
         self._sentry.stop()
-        loop, self._loop = self._loop, None
+        self._loop = None
         final = dict(self._ending)  # the run's own status, as a recording of the script stores it
         if loop.state.step >= loop.total_steps:
             status = "finished"
@@ -244,6 +263,9 @@ class Guard:
         if self._run is not None:
             if status == "interrupted":
                 self._run.update(stopped_step=loop.state.step)  # the step the loop body left
+                fault = _first_fault(unread)
+                if fault is not None:
+                    self._run.update(fault_before_crash=fault)
             for event in self.events:
                 self._store(event)  # a skip whose batches the loop never drew (it stopped first)
             self._run.close(status, final)
