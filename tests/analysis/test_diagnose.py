@@ -1474,3 +1474,34 @@ def test_ddp_replicas_and_sharded_ranks_are_not_called_separate_models(tmp_path)
         assert "replicas_not_synchronized" not in {f.kind for f in diagnose(run)}
     with write_run(tmp_path / "one", grad_norm=apart[0]) as run:
         assert "replicas_not_synchronized" not in {f.kind for f in diagnose(run)}
+
+
+# Time-Series-Library's Autoformer (thuml/Time-Series-Library, exp/exp_long_term_forecasting.py, tiny
+# config, MSE on a synthetic ETT series) trained with Adam at --learning_rate 0.5 (its default is
+# 1e-4), under `trainguard monitor`: the loss and gradient norm of its 48 steps (3 epochs, the rate
+# halved per epoch by adjust_learning_rate).
+TSL_LR05_LOSS = [1.26, 5860.0, 3.93e6, 1.97e7, 1.83e5, 1.24e6, 1.81e6, 7.09e6, 9.08e6, 3.22e6, 5.37e6, 5.36e6, 3.93e7,
+                 2.48e8, 9.01e6, 2.5e8, 2.97e7, 1.85e8, 3.52e7, 1.34e7, 3.15e7, 2.48e7, 1.27e7, 3.27e7, 1.68e7, 8.12e6,
+                 8.51e6, 7.91e6, 8.53e6, 1.17e7, 6.81e6, 1.08e7, 1.55e7, 1.29e7, 5.98e6, 3.82e6, 4.09e6, 6.39e6, 5.38e6,
+                 4.71e6, 3.6e6, 3.33e6, 3.41e6, 3.42e6, 2.72e6, 3.41e6, 2.5e6, 1.21e6]
+TSL_LR05_GRAD_NORM = [1.1, 34300.0, 4.07e8, 1.92e7, 4.18e5, 1.49e6, 2.61e7, 9.34e6, 1.2e7, 5.68e7, 8.88e6, 1.05e7, 5.15e7,
+                      2.39e8, 1.76e7, 2.4e8, 4.49e7, 1.73e8, 4.06e7, 1.89e7, 3.57e7, 3.15e7, 1.99e7, 4.02e7, 2.19e7,
+                      1.16e7, 1.46e7, 1.15e7, 2.11e7, 1.86e7, 1.25e7, 2.73e7, 2.78e7, 2.03e7, 1.44e7, 7.94e6, 7.34e6,
+                      1.22e7, 7.94e6, 2.24e7, 6e6, 5.71e6, 4.25e6, 6.41e6, 3.94e6, 4.39e6, 1.12e7, 2.19e6]
+
+
+def test_loss_spikes_after_a_rate_far_too_high_diverged_the_loss_fold_under_the_rate(tmp_path):
+    # The report put "Loss spiked to 2.48e+08 at step 13 (46x its recent median)" beside "learning rate
+    # too high" as a warning of its own, whose fix said to inspect the batch of step 13 and clip at
+    # max_norm=5.3e+07, read off gradient norms the diverged run made.
+    lr = [0.5] * 16 + [0.25] * 16 + [0.125] * 16
+    fs = diagnose(write_run(tmp_path / "r", TSL_LR05_LOSS, grad_norm=TSL_LR05_GRAD_NORM, lr=lr))
+    assert [f.kind for f in fs if f.is_problem] == ["lr_too_high"], [(f.kind, f.severity, f.title) for f in fs]
+    spike = next(f for f in fs if f.kind == "loss_spike")
+    assert spike.severity == "info" and spike.evidence["explained_by"] == ["lr_too_high"]
+    # a spike before the loss diverged is no doing of the rate: it stays a problem of its own
+    early = healthy_loss(100)
+    early = early[:20] + [30.0] + early[21:40] + [1e4 * (1 + s % 3) for s in range(60)]
+    fs = diagnose(write_run(tmp_path / "early", early, lr=0.5))
+    assert {"lr_too_high", "loss_spike"} <= set(kinds(fs)), [(f.kind, f.title) for f in fs]
+    assert "explained_by" not in next(f for f in fs if f.kind == "loss_spike").evidence

@@ -1000,3 +1000,38 @@ def test_an_exp_overflow_of_a_log_std_read_through_expand_is_told_to_bound_the_p
     o = origin(record(tmp_path, f))
     assert o.origin.op == "aten.exp" and o.origin.line == line_in(sys.modules[__name__], "# LOG_STD_EXP")
     assert "maximum" not in o.suggestion and "clamp_" in o.suggestion and "log-scale" in o.suggestion, o.suggestion
+
+
+def test_a_missing_value_in_a_csv_a_dataloader_fetched_is_told_to_repair_the_data_set(tmp_path):
+    """thuml/Time-Series-Library's Dataset_Custom (data_provider/data_loader.py) over an ETT-format
+    CSV with one empty cell: pandas reads it as NaN, sklearn's StandardScaler keeps it, and every
+    window over that row hands it to the DataLoader's collate. The fix said to repair the values
+    "(np.nan_to_num, a gymnasium observation wrapper)": nothing about the data set or the file."""
+    import io
+
+    import numpy as np
+    import pandas as pd
+    from sklearn.preprocessing import StandardScaler
+
+    rows = "\n".join(f"2016-07-01 {h:02d}:00:00,{np.sin(h):.3f},{'' if h == 12 else f'{np.cos(h):.3f}'},{h % 5}"
+                     for h in range(24))
+    df = pd.read_csv(io.StringIO("date,HUFL,HULL,OT\n" + rows))
+    data = StandardScaler().fit_transform(df[df.columns[1:]].values)
+
+    class Windows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data) - 8
+
+        def __getitem__(self, i):
+            return data[i:i + 6], data[i + 6:i + 8]
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(18, 6))
+
+    def f():
+        for x, y in torch.utils.data.DataLoader(Windows(), batch_size=4):
+            nn.functional.mse_loss(model(x.float()), y.float().flatten(1)).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh", o.summary
+    assert "gymnasium" not in o.suggestion and "data set" in o.suggestion, o.suggestion
+    assert "missing value" in o.suggestion and "__getitem__" in o.suggestion, o.suggestion

@@ -444,3 +444,41 @@ def test_many_small_kinks_crossed_by_the_step_are_not_a_wrong_gradient():
     scaled = doctor.gradient_check(CustomNet(scale=1.5), (torch.randn(8, 20), torch.randint(0, 10, (8,))),
                                    nn.CrossEntropyLoss())
     assert scaled.bad_params == ["fc2.weight"]
+
+
+class _ShiftedLogits(nn.Module):
+    """Autoformer's auto-correlation (thuml/Time-Series-Library layers/AutoCorrelation.py), reduced to
+    its point: the key projection's bias moves every lag's correlation alike before the softmax over
+    the lags' weights, which takes it off again. Here one shift is added to every class's logit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(20, 10)
+        self.shift = nn.Parameter(torch.tensor(0.37))
+
+    def forward(self, x):
+        return self.fc(x) + self.shift
+
+
+@pytest.mark.parametrize("seed", [1, 9, 11, 25])
+def test_a_zero_gradient_whose_finite_difference_rounds_by_one_ulp_of_the_loss_agrees(seed):
+    # `trainguard doctor` on Time-Series-Library's Autoformer: "Gradient check:
+    # decoder.layers.0.cross_attention.key_projection.bias differs from finite differences by
+    # 1.11e-05", a warning on a correct gradient: autograd said 1.6e-18, the loss (1.28) moved by one
+    # ulp over the widest step, 2 * 1e-4, a slope of 1.1e-12, which the 1e-7 floor of the relative
+    # difference makes 1.1e-5. These seeds' losses (2.1 to 3.5) move by one ulp too.
+    torch.manual_seed(seed)
+    model = _ShiftedLogits()
+    x, y = torch.randn(8, 20) * 3, torch.randint(0, 10, (8,))
+    r = doctor.gradient_check(model, (x, y), nn.CrossEntropyLoss())
+    shift = next(p for p in r.params if p.name == "shift")
+    assert shift.status == "ok" and r.passed, (shift.max_rel, shift.analytic, shift.numeric)
+    # a cut gradient is still wrong: the tolerance is round-off, 1e-11 here, far below a slope of 1e-4
+    class CutShift(_ShiftedLogits):
+        def forward(self, x):
+            out = self.fc(x)
+            return torch.cat([out[:, :1] + 1e-3 * self.shift.detach() + 0 * self.shift, out[:, 1:]], dim=1)
+
+    torch.manual_seed(seed)
+    r = doctor.gradient_check(CutShift(), (x, y), nn.CrossEntropyLoss())
+    assert r.bad_params == ["shift"], [(p.name, p.max_rel, p.analytic, p.numeric) for p in r.params]

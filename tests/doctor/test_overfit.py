@@ -378,3 +378,30 @@ def test_an_attention_modules_own_dropout_is_switched_off_like_nn_dropout():
     batch = (torch.randn(8, 6, 4), torch.randint(0, 3, (8,)))
     r = doctor.overfit_one_batch(_AttentionDropoutNet(), batch, nn.CrossEntropyLoss(), steps=100, lr=1e-2)
     assert r.reason != "random" and r.redrawn is None, (r.reason, r.summary)
+
+
+class UnusedKeys(nn.Module):
+    """thuml/Time-Series-Library's FEDformer: AutoCorrelationLayer projects queries, keys and
+    values, and its FourierBlock reads only the queries; the key and value projections never
+    receive a gradient, while the rest of the model learns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(20, 64), nn.Linear(20, 64), nn.Linear(20, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        q, k, v = self.query(x), self.key(x), self.value(x)  # noqa: F841 - k and v unused, as in FEDformer
+        return self.head(torch.relu(q))
+
+
+def test_a_loss_that_fell_with_some_parameters_unreached_is_not_called_flat(batch):
+    # `trainguard doctor` on FEDformer: "loss 1.56 -> 0.0185 in 200 steps on 32 samples: flat", and
+    # the finding "the loss is flat because gradients do not reach the parameters".
+    torch.manual_seed(0)
+    r = doctor.overfit_one_batch(UnusedKeys(), batch, nn.CrossEntropyLoss(), steps=40)
+    assert r.reason == "flat" and r.final_loss < 0.2 * r.initial_loss, r.summary
+    assert r.unreached == ["key.weight", "key.bias", "value.weight", "value.bias"]
+    f = next(f for f in r.findings() if f.kind == "overfit_flat")
+    assert "is flat" not in f.title and "4 parameters" in f.title, f.title
+    assert "4 parameters" in r.summary, r.summary

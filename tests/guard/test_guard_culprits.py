@@ -180,3 +180,34 @@ def test_a_known_corrupt_sample_skipped_again_in_a_replay_is_counted_once(tmp_pa
     assert [(e["step"], e["rewound_to"]) for e in guard.events] == [(5, 0), (10, 7), (20, 14)]
     assert [(s["step"], s["epoch"], s["index"]) for s in guard.skipped_known] == [(15, 1, 5)]
     assert open_run(tmp_path / "run").meta["guard"]["skipped_known"] == 1
+
+
+class _Windows(torch.utils.data.Dataset):
+    """thuml/Time-Series-Library's Dataset_Custom (data_provider/data_loader.py), reduced: sample i
+    is the window series[i:i+4] and the value after it, so one missing value in the file is in
+    every window over it."""
+
+    def __init__(self, series):
+        self.series = series
+
+    def __len__(self):
+        return len(self.series) - 4
+
+    def __getitem__(self, i):
+        return self.series[i:i + 4], self.series[i + 4:i + 5]
+
+
+def test_batches_after_a_skipped_one_that_hold_nan_themselves_are_data_not_a_code_bug(tmp_path):
+    # Time-Series-Library with one empty cell in its CSV (ETT format) under `trainguard run
+    # --guard`: the guard skipped the first batch ("its sample 271 holds nan in the batch itself"),
+    # then stopped: "the next batch fails the same way, so the fault follows the code, not the
+    # data (trainguard.Diverged)" - the next batch held windows over the same missing value.
+    series = torch.randn(12 * BS + 4, generator=torch.Generator().manual_seed(0))
+    series[20] = float("nan")  # in samples 16 to 20: batches 4 and 5
+    state = make_state(_Windows(series))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=2)
+    steps = train(guard.batches(state, total_steps=10), state)
+    assert steps[-1] == 9 and finite(state)
+    assert [e["action"] for e in guard.events] == ["skip", "skip"], [e["message"] for e in guard.events]
+    assert [20] in [e["batch_nonfinite"]["samples"] for e in guard.events]
+    assert all("the batch itself" in e["message"] for e in guard.events), [e["message"] for e in guard.events]

@@ -48,9 +48,12 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
 # rate far too high (its evidence "divergence") are the updates' doing too, and so is a gradient
 # norm that overflowed as they exploded (nonfinite_gradient's "began"; a NaN made in the backward
 # pass has none); the gradient cliffs of an unclipped RNN come first, and stay a cause of their own.
+# So are loss spikes that began no earlier than that divergence (Time-Series-Library's Autoformer at
+# lr 0.5 spiked 46x at step 13, its loss already 1e6 times its initial value since step 1).
 IN_TRAINING: dict[str, tuple[str, ...]] = {
     "lr_too_high": ("dead_units", "exploding_activations", "collapsed_activations", "representation_collapse",
-                    "saturated_activations", "vanishing_gradient", "exploding_gradient", "nonfinite_gradient"),
+                    "saturated_activations", "vanishing_gradient", "exploding_gradient", "nonfinite_gradient",
+                    "loss_spike"),
 }
 # A wrong custom gradient and a misused loss function explain what the curves and layers show
 # (analysis/_function_rules.py, _graph_rules.py): they are read off the graph, not the numbers.

@@ -517,6 +517,7 @@ def loss_spike(ctx: Context) -> list[Finding]:
         "spike_steps": [s for s, _, _ in spikes[:20]],
         "count": len(spikes),
         "largest": {"step": first_step, "loss": top, "recent_median": base, "ratio": top / base},
+        "began": spikes[0][0],  # a rate far too high that diverged no later explains them (_causes.IN_TRAINING)
     }
     gn = ctx.grad_norm.at(first_step)
     if gn is not None:

@@ -725,6 +725,11 @@ _SUGGESTIONS = {
     "environment's observation or reward, a file): check it where it is made, e.g. "
     "`assert np.isfinite(a).all()`, and repair or drop those values there (np.nan_to_num, a gymnasium "
     "observation wrapper); `trainguard doctor` validates a data set",
+    "loader_array": "a sample the DataLoader fetched already held NaN/Inf before torch saw it: the data set holds it "
+    "(a missing value in the file it reads: an empty CSV cell that pandas reads as NaN, which a StandardScaler "
+    "keeps; or a value its __getitem__ computes): find those samples, e.g. "
+    "`[i for i in range(len(ds)) if not np.isfinite(ds[i][0]).all()]` or `df.isna().sum()`, and fill or drop them "
+    "where the data is read (df.interpolate(), df.dropna()); `trainguard doctor` validates a data set",
     "received": "this rank only received the value from another rank: see the report of the rank that made it "
     "(trainguard report RUN names it on its first line; --rank K details one rank)",
 }
@@ -941,14 +946,16 @@ def _integer_denominator(link: Link) -> bool:
 
 
 def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None,
-            log_of: str | None = None, held: bool = False, exp_param: str | None = None) -> str:
+            log_of: str | None = None, held: bool = False, exp_param: str | None = None,
+            loader: bool = False) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
     ``consumers``: the ops the value went through after ``link``, nearest first; ``log_of``: what a
     log's input is (:func:`log_of_sigmoid`); ``held``: the value became harmful in a later step than
     it was made (it sat in a tensor meanwhile), or was made in a sample of the data (:func:`made_in_loader`); ``exp_param``: the parameter an exp's input is, read
-    through reshapes (:func:`parameter_behind_view`)."""
+    through reshapes (:func:`parameter_behind_view`); ``loader``: made in a DataLoader's fetch
+    (:func:`made_in_loader`)."""
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
@@ -1008,7 +1015,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         # in a tensor until a later step read it, it was written into the data (``x[5, 3] = inf``)
         return _SUGGESTIONS["written" if held else "constant"]
     if base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward":
-        return _SUGGESTIONS["array"]  # a row or batch from NumPy or a list: nothing recorded made it
+        # a row or batch from NumPy or a list: nothing recorded made it; a DataLoader fetched a sample of the data set
+        return _SUGGESTIONS["loader_array" if loader else "array"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
     if _nan_from_unseen(link):  # the ops that make NaN of finite values are judged above
@@ -1084,7 +1092,8 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     first_forward = not run.meta.get("guard_replay")  # a replay's step 0 is a trained step N
     fed = fed_back(run, o) if first_forward and o.step == 0 else None
     consumers = [link.op for link in reversed(chain[:-1])]
-    held = (h.step is not None and o.step is not None and h.step > o.step) or made_in_loader(run, o)
+    loader = made_in_loader(run, o)
+    held = (h.step is not None and o.step is not None and h.step > o.step) or loader
     suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
-                         exp_param=parameter_behind_view(run, o))
+                         exp_param=parameter_behind_view(run, o), loader=loader)
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm)

@@ -8,7 +8,9 @@ entries would miss it. A parameter whose check fails is then narrowed down to it
 bisection: the discrepancy is linear in ``z``, so checking the first half of the remaining range
 gives the second half's too, two passes per halving (about 2 log2(numel) passes); that entry is
 checked on its own, and it is what a finding names. ``samples_per_param`` entries may be checked
-on their own as well. The relative difference ``|a - n| / max(|a|, |n|, floor)`` is banded:
+on their own as well. The relative difference ``|a - n| / max(|a|, |n|, floor)`` is banded, after
+taking off ``|a - n|`` what the loss's round-off makes of the slope at the widest step tried (4 ulps
+of the loss over ``2 * 100 * eps``: a true slope of 0 whose loss moved by one ulp is no error):
 
 - below 1e-5: correct;
 - above 1e-3: a bug (a wrong ``backward``, a gradient that does not flow), unless the loss has a
@@ -50,6 +52,7 @@ from trainguard.capture._gradcheck import (  # noqa: F401 - the bands are the do
     RETRY_FACTORS,
     band,
     relative,
+    resolution,
 )
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
@@ -324,12 +327,15 @@ def gradient_check(
                     f"the loss changes between evaluations at the same weights ({fmt(base, 6)}, then "
                     f"{fmt(again, 6)}): something it reads moves on every call"])
             analytic = {n: (None if p.grad is None else p.grad.detach().to_dense().clone()) for n, p in chosen}
+            # the finest slope the widest retried step resolves on this loss: a difference within it is round-off
+            tolerance = resolution(base, eps * max(RETRY_FACTORS))
             gen = torch.Generator().manual_seed(seed)
             results = []
             with torch.no_grad():
                 for name, p in chosen:
                     entries = _sample(p.numel(), samples_per_param, gen) if samples_per_param else []
-                    results.append(_check_param(name, p, analytic[name], entries, loss_at, eps, directions, gen))
+                    results.append(_check_param(name, p, analytic[name], entries, loss_at, eps, directions, gen,
+                                                tolerance))
         finally:
             torch.set_default_dtype(default_dtype)
     return GradCheckResult(params=results, eps=eps, loss=base, samples=samples, kept_float64=kept)
@@ -414,7 +420,7 @@ def _to_float64(module: nn.Module) -> None:
 
 
 def _check_param(name: str, p: nn.Parameter, grad: torch.Tensor | None, indices: list[int], loss_at: Any,
-                 eps: float, directions: int, gen: torch.Generator) -> ParamCheck:
+                 eps: float, directions: int, gen: torch.Generator, tolerance: float = 0.0) -> ParamCheck:
     values = p.data
     if values.is_complex():  # real and imaginary parts as two real entries (the gradient is dL/dRe + i dL/dIm)
         values = torch.view_as_real(values)
@@ -423,7 +429,7 @@ def _check_param(name: str, p: nn.Parameter, grad: torch.Tensor | None, indices:
     worst = (-1.0, 0.0, 0.0, False, None)  # rel, analytic, numeric, kink, direction
     for _ in range(directions):
         z = torch.randn(values.shape, generator=gen, dtype=torch.float64).to(values.device, values.dtype)
-        rel, a, n, kink = _best(lambda e, z=z: _directional(values, z, g, loss_at, e), eps)
+        rel, a, n, kink = _best(lambda e, z=z: _directional(values, z, g, loss_at, e, tolerance=tolerance), eps)
         if rel > worst[0]:
             worst = (rel, a, n, kink, z)
     rel, a, n, kink, z = worst
@@ -435,7 +441,7 @@ def _check_param(name: str, p: nn.Parameter, grad: torch.Tensor | None, indices:
     for flat in indices:
         idx = _unravel(flat, values.shape)
         e_a = 0.0 if g is None else float(g[idx])
-        e_rel, e_n, e_kink = _best(lambda e, idx=idx, e_a=e_a: _rel_at(values, idx, e_a, loss_at, e), eps)
+        e_rel, e_n, e_kink = _best(lambda e, idx=idx, e_a=e_a: _rel_at(values, idx, e_a, loss_at, e, tolerance), eps)
         if entry is None or e_rel > entry[0]:
             entry = (e_rel, idx, e_a, e_n, e_kink)
     if entry is not None and entry[0] >= rel:
@@ -464,8 +470,9 @@ def _best(measure: Any, eps: float) -> tuple:
 
 
 def _directional(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, loss_at: Any,
-                 eps: float, kinks: bool = True) -> tuple[float, float, float, bool]:
-    """(rel, analytic, numeric, kink) of the derivative along ``z`` (``kinks``: look for one)."""
+                 eps: float, kinks: bool = True, tolerance: float = 0.0) -> tuple[float, float, float, bool]:
+    """(rel, analytic, numeric, kink) of the derivative along ``z`` (``kinks``: look for one;
+    ``tolerance``: the loss's round-off, see :func:`relative`)."""
     a = 0.0 if g is None else float((g * z).sum())
     orig = values.clone()
     values.add_(z, alpha=eps)
@@ -474,7 +481,7 @@ def _directional(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, 
     minus = float(loss_at())
     values.copy_(orig)
     n = (plus - minus) / (2 * eps)
-    rel = relative(a, n)
+    rel = relative(a, n, tolerance)
     return rel, a, n, kinks and rel > BUG_BAND and _kink(plus, minus, loss_at, eps)
 
 
@@ -512,7 +519,7 @@ def _narrow(values: torch.Tensor, z: torch.Tensor, g: torch.Tensor | None, loss_
 
 
 def _rel_at(values: torch.Tensor, idx: tuple[int, ...], a: float, loss_at: Any,
-            eps: float) -> tuple[float, float, bool]:
+            eps: float, tolerance: float = 0.0) -> tuple[float, float, bool]:
     orig = float(values[idx])
     values[idx] = orig + eps
     plus = float(loss_at())
@@ -520,7 +527,7 @@ def _rel_at(values: torch.Tensor, idx: tuple[int, ...], a: float, loss_at: Any,
     minus = float(loss_at())
     values[idx] = orig
     n = (plus - minus) / (2 * eps)
-    rel = relative(a, n)
+    rel = relative(a, n, tolerance)
     return rel, n, rel > BUG_BAND and _kink(plus, minus, loss_at, eps)
 
 

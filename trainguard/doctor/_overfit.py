@@ -122,7 +122,16 @@ class OverfitResult(CheckResult):
     def summary(self) -> str:
         acc = "" if self.accuracy is None else f", accuracy {self.accuracy:.0%}"
         head = f"loss {fmt(self.initial_loss)} -> {fmt(self.final_loss)} in {self.steps} steps on {self.samples} samples{acc}"
-        return head if self.passed else f"{head}: {self.reason}"
+        if self.passed:
+            return head
+        if self.reason == "flat" and self.unreached:
+            return f"{head}: flat ({len(self.unreached)} parameters never receive a gradient)"
+        return f"{head}: {self.reason}"
+
+    def _fell(self) -> bool:
+        """Whether the loss went more than half its way to the floor (through the parameters reached)."""
+        start, end, floor = self.initial_loss, self.final_loss, self.loss_floor or 0.0
+        return math.isfinite(start) and math.isfinite(end) and end < start - 0.5 * (start - floor)
 
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
@@ -162,7 +171,10 @@ class OverfitResult(CheckResult):
                     "Lower the learning rate" + (f" (try {fmt(lr / 10)})" if lr else "")
                     + "; check log/exp/division in the model and loss (a log of 0, exp overflow); "
                     "trainguard.check_numerics names the first op that made the NaN."),
-            "flat": ("Overfit one batch: the loss is flat because gradients do not reach the parameters",
+            "flat": (f"Overfit one batch: gradients do not reach {len(self.unreached)} parameters (the loss fell from "
+                     f"{fmt(self.initial_loss)} to {fmt(self.final_loss)} through the others, short of memorising the batch)"
+                     if self.unreached and self._fell() else
+                     "Overfit one batch: the loss is flat because gradients do not reach the parameters",
                      "Gradients must flow from the loss to every layer: remove .detach()/.data/no_grad on the "
                      "path, make sure the loss is computed from the model output, and check requires_grad."),
             "unstable": ("Overfit one batch: the loss jumps around instead of falling: learning rate too high",
