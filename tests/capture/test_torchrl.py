@@ -91,6 +91,17 @@ def test_a_loss_module_holding_tensordict_params_is_watched_without_raising(tmp_
     assert [s for s, _ in run.scalars("grad_norm")["grad_norm"]] == list(range(12))
 
 
+def test_parameters_the_loss_module_shares_with_the_policy_count_once(tmp_path):
+    # The policy (found first, run by the collector) and the loss module hold the same Parameters:
+    # counted under both, the gradient norm was sqrt(2) times the true one.
+    _, net, norms = _train(tmp_path / "r")
+    run = open_run(tmp_path / "r")
+    assert [v for _, v in run.scalars("grad_norm")["grad_norm"]] == pytest.approx(norms, rel=1e-5)
+    params = run.meta["monitor"]["params"]
+    assert sorted(params) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert all(params[n]["gradient_steps"] == 12 for n in params)
+
+
 def _calls_the_holder(net: nn.Module) -> None:
     # A holder called as a module twice (its lookups in the recorder's module table).
     holder = ParamsHolder(net, target=False)
