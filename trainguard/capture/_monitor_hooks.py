@@ -162,6 +162,11 @@ class HookMixin:
         for r in inner:
             self._detach_root(r)
         root = build_root(module, prefix, label)
+        # A parameter another model holds too is watched once, under the name it got first: TorchRL's
+        # loss modules hold the policy's own Parameters (a TensorDictParams), and the collector runs
+        # the policy first; counted twice, they made the gradient norm sqrt(2)x the true one.
+        watched = {id(t) for r in self._roots for p in r.params if (t := p.ref()) is not None}
+        root.params = [p for p in root.params if id(p.ref()) not in watched]
         for m in module.modules():
             self._known.add(m)
         root.handle = module.register_forward_pre_hook(ModuleHook(self._root_pre, root, _compile_monitor.token(module)))
