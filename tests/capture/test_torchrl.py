@@ -117,3 +117,45 @@ def test_the_recorder_names_modules_whose_equality_is_elementwise(tmp_path, back
         _calls_the_holder(net)
     run = open_run(tmp_path / "r")
     assert {r["module"].rsplit(".", 1)[-1] for r in run.executions(phase="forward", op="addmm")} == {"0", "2"}
+
+
+class PPOLoss(nn.Module):
+    """torchrl.objectives.ClipPPOLoss: the actor's and the critic's Parameters in two holders; the actor's
+    network is run through a sequence built around it (``get_dist``'s TensorDictSequential of the
+    ProbabilisticActor's deterministic part), the critic as itself, neither a submodule of the loss."""
+
+    def __init__(self, actor: nn.Sequential, critic: nn.Module):
+        super().__init__()
+        self.__dict__["det_part"] = nn.Sequential(actor[0])
+        self.__dict__["critic"] = critic
+        self.actor_network_params = ParamsHolder(actor, target=False)
+        self.critic_network_params = ParamsHolder(critic, target=False)
+
+    def forward(self, obs, ret):
+        return self.det_part(obs).pow(2).mean() + (self.critic(obs).squeeze(1) - ret).pow(2).mean()
+
+
+def test_each_layer_and_parameter_is_watched_once_under_the_name_of_the_module_that_runs_it(tmp_path):
+    # ppo_mujoco.py under trainguard monitor: the actor's layers came twice ("module.0.module.0.0" and
+    # "tensordictsequential.module.0.module.0.0"), and the critic's weights were named after the loss's
+    # holder ("clipppoloss.critic_network_params.module.0.weight", layer type TensorDictParams) while
+    # its layers were "valueoperator.module.0".
+    torch.manual_seed(0)
+    actor = nn.Sequential(nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)), nn.Softplus())
+    critic = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+    loss_module = PPOLoss(actor, critic)
+    opt = torch.optim.Adam(loss_module.parameters(), lr=1e-3)
+    with Monitor(None, tmp_path / "r", every=2):
+        for _ in range(6):
+            with torch.no_grad():
+                actor(torch.randn(8, 3))  # the collector
+            loss = loss_module(torch.randn(32, 3), torch.randn(32))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    meta = open_run(tmp_path / "r").meta["monitor"]
+    layers = [la["name"] for la in meta["layers"] if la["type"] in ("Linear", "Tanh")]
+    assert layers[:3] == ["0.0", "0.1", "0.2"] and len(layers) == 6, layers
+    assert len(meta["params"]) == 8
+    assert {info["layer"] for info in meta["params"].values()} == {"0.0", "0.2", layers[3], layers[5]}
+    assert {info["module_type"] for info in meta["params"].values()} == {"Linear"}
