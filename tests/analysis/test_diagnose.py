@@ -1435,6 +1435,28 @@ def test_a_loss_that_rises_a_little_while_an_agent_learns_is_not_a_supervised_fa
     assert "shuffle" not in f.suggestion and "overfit_one_batch" not in f.suggestion, f.suggestion
 
 
+def test_an_agent_whose_loss_is_in_the_quadrillions_is_told_to_scale_its_rewards(tmp_path):
+    # pytorch/rl sota-implementations/ppo/ppo_mujoco.py on Pendulum with RewardScaling(scale=1e6) appended to
+    # its environment: the value loss started at 1.9e15 and rose to 3.8e15 by step 53 under updates of at most
+    # 12% of the weights' norm (a healthy run there: up to 7%). It was told "Learning rate too high: lower the
+    # learning rate from 5.16e-05 to about 5e-06", and with that gone, "Training looks healthy".
+    rng = np.random.default_rng(0)
+    loss = list(1.9e15 * (1 + np.arange(64) / 50) * np.exp(0.2 * rng.standard_normal(64)))
+    rows = []
+    for s in range(0, 64, 10):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 4e7), (s, p, "gradient", "present", 1),
+                     (s, p, "gradient", "in_optimizer", 1), (s, p, "update", "norm", 0.6),
+                     (s, p, "update", "ratio", 0.121 if s == 10 else 0.013)]
+    fs = diagnose(write_run(tmp_path / "r", loss, layer_rows=rows, lr=3e-4, every=10, environment="gymnasium"))
+    assert "lr_too_high" not in kinds(fs), [(f.kind, f.title) for f in fs]
+    [f] = [f for f in fs if f.kind == "rewards_too_large"]
+    assert f.severity == "warning" and "1.9e+15" in f.title, f.title
+    assert "RewardScaling" in f.suggestion and "NormalizeReward" in f.suggestion, f.suggestion
+    # a supervised loss of that size is not told about rewards
+    assert "rewards_too_large" not in kinds(diagnose(write_run(tmp_path / "s", loss, layer_rows=rows, lr=3e-4,
+                                                                 every=10)))
+
 class _FunctionalReluNet(nn.Module):
     """lightning examples/fabric/image_classifier/train_fabric.py's Net in small: F.relu between
     the layers (no ReLU module), Adadelta at lr 1."""
