@@ -404,6 +404,37 @@ def test_a_flat_loss_is_not_blamed_on_vanishing_gradients_the_optimizer_made_up_
     assert "vanish" not in f.suggestion and "see its finding" not in f.suggestion, f.suggestion
 
 
+def test_the_first_and_last_layers_are_those_of_one_model(tmp_path):
+    # pytorch/rl sota-implementations/ppo/ppo_mujoco.py (Pendulum, Adam, its default lr): the actor's
+    # Tanh MLP is initialised orthogonally at gain 1, the critic's at gain 0.01, and both train in one
+    # step; watched as two models (the actor the collector runs, the critic), the actor's first layer
+    # was compared with the critic's last one (relative gradients 0.058 and 65.8): "Vanishing
+    # gradients ... 0.000887 of the last layer's" on a healthy run.
+    layers = [{"name": n, "type": t} for pre in ("", "critic.") for n, t in
+              ((pre + "0", "Linear"), (pre + "1", "Tanh"), (pre + "2", "Linear"), (pre + "3", "Tanh"),
+               (pre + "4", "Linear"))]
+    params = {pre + f"{i}.weight": {"layer": pre + str(i), "module_type": "Linear", "shape": [64, 64],
+                                    "requires_grad": True} for pre in ("", "critic.") for i in (0, 2, 4)}
+    relgrad = {"0.weight": 0.058, "2.weight": 0.013, "4.weight": 0.1,
+               "critic.0.weight": 9.3, "critic.2.weight": 0.53, "critic.4.weight": 65.8}
+    update = {"0.weight": 1e-4, "2.weight": 1e-4, "4.weight": 2e-4,
+              "critic.0.weight": 3e-3, "critic.2.weight": 2e-3, "critic.4.weight": 6e-3}
+    rows = [(s, p, kind, stat, v) for s in range(0, 64, 10) for p in params
+            for kind, stat, v in (("weight", "norm", 1.0), ("gradient", "norm", relgrad[p]),
+                                  ("gradient", "present", 1), ("update", "ratio", update[p]))]
+    run = write_run(tmp_path / "r", healthy_loss(64), layer_rows=rows, layers=layers, params=params,
+                    roots=[{"prefix": "", "type": "ProbabilisticActor"}, {"prefix": "critic.", "type": "ValueOperator"}])
+    assert "vanishing_gradient" not in kinds(diagnose(run))
+    # within one model the rule still judges
+    vanishing = {**relgrad, "critic.0.weight": 1e-6}
+    rows = [(s, p, kind, stat, v) for s in range(0, 64, 10) for p in params
+            for kind, stat, v in (("weight", "norm", 1.0), ("gradient", "norm", vanishing[p]),
+                                  ("gradient", "present", 1), ("update", "ratio", update[p] if p != "critic.0.weight" else 1e-10))]
+    run = write_run(tmp_path / "v", healthy_loss(64), layer_rows=rows, layers=layers, params=params,
+                    roots=[{"prefix": "", "type": "ProbabilisticActor"}, {"prefix": "critic.", "type": "ValueOperator"}])
+    [f] = [f for f in diagnose(run) if f.kind == "vanishing_gradient"]
+    assert f.layers == ["critic.0"]
+
 def test_small_first_layer_gradients_are_not_judged_at_a_step_that_made_no_update(tmp_path):
     # accelerate's nlp_example shape for 8 steps (a tiny random BERT, AdamW, get_linear_schedule_with_warmup,
     # every=10): the only recording is step 0, where the warm-up's rate is 0, so no layer moved and
@@ -1403,6 +1434,28 @@ def test_a_loss_that_rises_a_little_while_an_agent_learns_is_not_a_supervised_fa
     assert "reinforcement learning" in f.suggestion and "episode return" in f.suggestion, f.suggestion
     assert "shuffle" not in f.suggestion and "overfit_one_batch" not in f.suggestion, f.suggestion
 
+
+def test_an_agent_whose_loss_is_in_the_quadrillions_is_told_to_scale_its_rewards(tmp_path):
+    # pytorch/rl sota-implementations/ppo/ppo_mujoco.py on Pendulum with RewardScaling(scale=1e6) appended to
+    # its environment: the value loss started at 1.9e15 and rose to 3.8e15 by step 53 under updates of at most
+    # 12% of the weights' norm (a healthy run there: up to 7%). It was told "Learning rate too high: lower the
+    # learning rate from 5.16e-05 to about 5e-06", and with that gone, "Training looks healthy".
+    rng = np.random.default_rng(0)
+    loss = list(1.9e15 * (1 + np.arange(64) / 50) * np.exp(0.2 * rng.standard_normal(64)))
+    rows = []
+    for s in range(0, 64, 10):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 4e7), (s, p, "gradient", "present", 1),
+                     (s, p, "gradient", "in_optimizer", 1), (s, p, "update", "norm", 0.6),
+                     (s, p, "update", "ratio", 0.121 if s == 10 else 0.013)]
+    fs = diagnose(write_run(tmp_path / "r", loss, layer_rows=rows, lr=3e-4, every=10, environment="gymnasium"))
+    assert "lr_too_high" not in kinds(fs), [(f.kind, f.title) for f in fs]
+    [f] = [f for f in fs if f.kind == "rewards_too_large"]
+    assert f.severity == "warning" and "starts at 1.9" in f.title and "e+15" in f.title, f.title
+    assert "RewardScaling" in f.suggestion and "NormalizeReward" in f.suggestion, f.suggestion
+    # a supervised loss of that size is not told about rewards
+    assert "rewards_too_large" not in kinds(diagnose(write_run(tmp_path / "s", loss, layer_rows=rows, lr=3e-4,
+                                                                 every=10)))
 
 class _FunctionalReluNet(nn.Module):
     """lightning examples/fabric/image_classifier/train_fabric.py's Net in small: F.relu between

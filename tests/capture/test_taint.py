@@ -695,3 +695,55 @@ def test_an_inf_written_through_a_view_of_a_tensor_is_traced_to_the_write(tmp_pa
     with pytest.raises(tg.NonFiniteError, match=r"^aten\.(lift_fresh|copy_) produced \+inf"):
         with tg.check_numerics():
             f()
+
+
+def _replay_buffer_steps(nan_obs_at: int | None = None) -> None:
+    # pytorch/rl torchrl/data/replay_buffers/storages.py (LazyTensorStorage, as dqn_cartpole.py uses it):
+    # the storage is allocated empty at the first extend, each collected batch written into its next
+    # rows (index_put_) and the update samples rows already written. With deterministic algorithms and
+    # fill_uninitialized_memory (torch's defaults then), torch.empty fills float memory with NaN.
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    storage, written = None, 0
+    for step in range(4):
+        obs = torch.randn(10, 4).numpy()
+        if step == nan_obs_at:
+            obs[3, 2] = float("nan")  # the environment's broken sensor
+        batch = torch.tensor(obs)  # read from the gym environment's numpy observation
+        if storage is None:
+            storage = torch.empty(100, 4)
+        storage[torch.arange(written, written + 10)] = batch
+        written += 10
+        sample = storage[torch.randint(0, written, (16,))]
+        loss = net(sample).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.fixture
+def nan_filled_empty():
+    was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(was)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_rows_written_into_uninitialised_memory_leave_the_rest_unknown(tmp_path, nan_filled_empty, backend):
+    # The replay buffer's storage holds the allocation's NaN in the rows not written yet: the report
+    # named index_put_ at replay_buffer.extend "in step 0" the first harmful value of a healthy run.
+    run = record(tmp_path, _replay_buffer_steps, backend=backend)
+    assert taints(run, "index_put_") == ["unknown"] * 4
+    assert run.alerts()["total"] == 0 and origin(run) is None
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_a_nan_observation_written_into_the_storage_is_traced_to_where_it_was_read(tmp_path, nan_filled_empty,
+                                                                                   backend):
+    run = record(tmp_path, lambda: _replay_buffer_steps(nan_obs_at=2), backend=backend)
+    o = origin(run)
+    assert o is not None and o.origin.op == "aten.lift_fresh" and o.origin.step == 2

@@ -33,6 +33,7 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "saturated_activations": ("loss_not_decreasing",),
     "exploding_activations": ("loss_not_decreasing",),
     "lr_too_low": ("loss_not_decreasing",),
+    "rewards_too_large": ("loss_not_decreasing", "exploding_gradient", "loss_spike"),
     "lr_too_high": ("loss_not_decreasing", "loss_oscillating"),
     "param_not_updating": ("loss_not_decreasing",),
     "param_no_gradient": ("loss_not_decreasing",),

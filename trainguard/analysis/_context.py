@@ -161,6 +161,15 @@ class Context:
 
         return sorted(set(names), key=key)
 
+    def by_model(self, names: list[str]) -> list[list[str]]:
+        """``names`` (layers or parameters) split by the watched model they belong to (the longest
+        root prefix they start with), each list in the order given, models in order of appearance."""
+        prefixes = sorted({r.get("prefix") or "" for r in self.meta.get("roots") or []} or {""}, key=len, reverse=True)
+        groups: dict[str, list[str]] = {}
+        for n in names:
+            groups.setdefault(next((p for p in prefixes if n.startswith(p)), ""), []).append(n)
+        return list(groups.values())
+
     def weight_matrices(self) -> list[str]:
         """Parameters that transform (ndim >= 2, not embedding tables), in forward order."""
         out = []

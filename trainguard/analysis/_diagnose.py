@@ -42,6 +42,7 @@ MONITOR_RULES = (
     "loss_spike",
     "lr_too_high",
     "lr_too_low",
+    "rewards_too_large",
     "dead_units",
     "exploding_activations",
     "collapsed_activations",

@@ -456,7 +456,17 @@ def _initial_flow_ratio(ctx: Context, first: str, last: str) -> float | None:
 
 @register_rule("vanishing_gradient")
 def vanishing_gradient(ctx: Context) -> list[Finding]:
+    # The gradient flows back through one model: with several watched (an actor and a critic
+    # trained in one step, initialised at gains 1 and 0.01 by TorchRL's PPO), each is judged alone.
     flow = _gradient_flow(ctx)
+    for names in ctx.by_model(list(flow)):
+        found = _vanishing_in(ctx, {n: flow[n] for n in names})
+        if found:
+            return found
+    return []
+
+
+def _vanishing_in(ctx: Context, flow: dict[str, float]) -> list[Finding]:
     if len(flow) < 2:
         return []
     names = list(flow)

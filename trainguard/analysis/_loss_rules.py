@@ -632,7 +632,11 @@ def _slow_under_calm_updates(ctx: Context, div: dict, r_max: float) -> bool:
     with the returns), not a rate that throws the weights about."""
     loss = finite_loss(ctx)
     steps = loss.steps
-    if not math.isfinite(r_max) or r_max >= ctx.th.update_ratio_calm or len(steps) < 6:
+    # An agent's updates are larger (TorchRL's PPO on Pendulum at its default rate: up to 7% of the
+    # weights' norm in a healthy run, 12% with rewards 1e6x too large); a rate-driven divergence
+    # moves them by update_ratio_high or more.
+    calm = ctx.th.update_ratio_high if ctx.environment else ctx.th.update_ratio_calm
+    if not math.isfinite(r_max) or r_max >= calm or len(steps) < 6:
         return False
     if float(rolling_median(loss.values, 5).max()) >= 10 * div["initial_loss"]:
         return False  # an explosion is a rate's, whatever the ratios said between recordings
@@ -652,6 +656,33 @@ def _ratio_before(ctx: Context, ratios: Series, step: int | None) -> float | Non
         lr_s = ctx.lr(s)
         return r * lr_at / lr_s if lr_at and lr_s else None
     return None
+
+
+@register_rule("rewards_too_large")
+def rewards_too_large(ctx: Context) -> list[Finding]:
+    """A reinforcement learning loss that starts enormous: the returns its value loss regresses are (a
+    value loss is their squared error), and no learning rate fixes that."""
+    loss = finite_loss(ctx)
+    if not ctx.environment or len(loss) < 6:
+        return []
+    start = float(np.median(np.abs(loss.values[:5])))
+    if not start > ctx.th.rl_loss_large:
+        return []
+    return [
+        Finding(
+            kind="rewards_too_large",
+            severity="warning",
+            title=f"The loss of this reinforcement learning run starts at {fmt(start)}: the returns it regresses are "
+            f"of order {fmt(math.sqrt(start))}",
+            evidence={"start_loss": start, "return_scale": math.sqrt(start), "environment": ctx.environment},
+            suggestion=f"the script steps a reinforcement learning environment ({ctx.environment}) and its value loss "
+            "is the squared error of the returns: scale or normalise the rewards before the loss sees them (torchrl's "
+            "RewardScaling or VecNorm on the reward, gymnasium's NormalizeReward, stable-baselines3's VecNormalize), "
+            "or normalise the value targets; a lower learning rate would only hide it",
+            steps=(int(loss.steps[0]), int(loss.steps[-1])),
+            source=SOURCE,
+        )
+    ]
 
 
 @register_rule("lr_too_low")

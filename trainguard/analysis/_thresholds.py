@@ -42,6 +42,10 @@ class Thresholds:
         "judged from a median"
     )
     loss_spike_ratio: float = _t(3.0, "a loss three times its recent median is far outside minibatch noise")
+    rl_loss_large: float = _t(
+        1e8, "a reinforcement learning loss above this at the start: a value loss is the squared error of the "
+        "returns, 1e8 a return error of 1e4 (TorchRL's PPO on Pendulum starts near 3e3; with rewards 1e6x, 1.9e15)"
+    )
     loss_spike_min_z: float = _t(6.0, "six robust standard deviations (MAD) above the recent median")
     loss_spike_over_max: float = _t(
         1.5, "and half again above the recent maximum: heavy-tailed minibatch noise repeats its outliers"

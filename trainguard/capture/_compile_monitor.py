@@ -25,13 +25,15 @@ from collections.abc import Callable
 
 import torch
 
+from ._identity import IdentityWeakKeyDict
+
 log = logging.getLogger("trainguard.monitor")
 
 _lib = torch.library.Library("trainguard", "FRAGMENT")
 _lib.define("tap(Tensor[] tensors, int token, bool grad) -> ()")
 
 _lock = threading.Lock()
-_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> token
+_tokens: IdentityWeakKeyDict = IdentityWeakKeyDict()  # module -> token
 _counter = itertools.count(1)
 _listeners: dict[int, list[Callable]] = {}  # token -> callbacks(tensors, grad)
 

@@ -17,8 +17,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ._identity import IdentityWeakKeyDict
+
 _is_compiling = torch.compiler.is_compiling
-_ref = weakref.ref
 
 
 # Wrappers that are no level of the model, by type name: the attribute holding the model.
@@ -171,7 +172,7 @@ class ModuleTracker:
 
     def __init__(self, on_new_module: Callable[[int, str, str], None] | None = None):
         self._on_new = on_new_module
-        self._ids: weakref.WeakKeyDictionary[nn.Module, tuple[int, str]] = weakref.WeakKeyDictionary()
+        self._ids: IdentityWeakKeyDict[nn.Module, tuple[int, str]] = IdentityWeakKeyDict()
         self._interned: dict[tuple[str, str], int] = {}
         self._container_scans = 0
         self._local = threading.local()
@@ -209,7 +210,7 @@ class ModuleTracker:
             stack = self._local.stack
         except AttributeError:
             stack = self._stack()
-        entry = self._ids.data.get(_ref(module))
+        entry = self._ids.data.get(id(module))
         if entry is None:
             if isinstance(module, torch.fx.GraphModule):
                 # A compiled graph run as a module (the eager and aot_eager backends): its ops

@@ -162,6 +162,7 @@ class HookMixin:
         for r in inner:
             self._detach_root(r)
         root = build_root(module, prefix, label)
+        self._watch_once(root)
         for m in module.modules():
             self._known.add(m)
         root.handle = module.register_forward_pre_hook(ModuleHook(self._root_pre, root, _compile_monitor.token(module)))
@@ -187,6 +188,26 @@ class HookMixin:
             except Exception:  # observing training never kills training
                 log.exception("trainguard monitor: attach listener failed")
         return root
+
+    def _watch_once(self, root: Root) -> None:
+        """Layers and parameters another model holds too are watched once. TorchRL's loss modules
+        hold the policy's own Parameters (in a TensorDictParams) and run its modules through
+        sequences of their own (PPO's ``get_dist``), and the collector runs the policy first: counted
+        twice, they made the gradient norm sqrt(2)x the true one. A layer keeps the name it got
+        first; so does a parameter, unless only a holder that cannot run had it (the loss found
+        before the critic it runs): then it takes the name of the model whose layer runs it."""
+        layers = {id(m) for r in self._roots for la in r.layers if (m := la.ref()) is not None}
+        root.layers = [la for la in root.layers if id(la.ref()) not in layers]
+        params = {id(t): (r, p) for r in self._roots for p in r.params if (t := p.ref()) is not None}
+        keep = []
+        for p in root.params:
+            earlier = params.get(id(p.ref()))
+            if earlier is None:
+                keep.append(p)
+            elif earlier[1].held and not p.held:
+                earlier[0].params.remove(earlier[1])
+                keep.append(p)
+        root.params = keep
 
     def _listen(self, module: nn.Module, fn: Callable) -> None:
         # What the compiled code's taps of this module call (see _compile_monitor).

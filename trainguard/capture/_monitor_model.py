@@ -41,15 +41,18 @@ class Layer:
 
 
 class Param:
-    __slots__ = ("name", "ref", "layer", "module_type", "shape", "dtype")
+    __slots__ = ("name", "ref", "layer", "module_type", "shape", "dtype", "held")
 
-    def __init__(self, name: str, param: nn.Parameter, layer: str, module_type: str):
+    def __init__(self, name: str, param: nn.Parameter, layer: str, module_type: str, held: bool = False):
         self.name = name
         self.ref = weakref.ref(param)
         self.layer = layer
         self.module_type = module_type
         self.shape = list(param.shape)
         self.dtype = str(param.dtype).removeprefix("torch.")
+        # owned by a module that cannot run (no forward of its own): a holder of another model's
+        # parameters, such as the TensorDictParams of TorchRL's loss modules
+        self.held = held
 
 
 class Root:
@@ -100,11 +103,12 @@ def build_root(module: nn.Module, prefix: str, label: str | None = None) -> Root
     for mname, m in module.named_modules():
         mname = _plain(mname)
         for pname, _ in m.named_parameters(recurse=False):
-            owner[(mname + "." + pname) if mname else pname] = (prefix + mname if mname else own, type(m).__name__)
+            owner[(mname + "." + pname) if mname else pname] = (prefix + mname if mname else own, type(m).__name__,
+                                                                type(m).forward is nn.Module.forward)
     for pname, p in module.named_parameters():
         pname = _plain(pname)
-        layer, mtype = owner.get(pname, (prefix + pname.rsplit(".", 1)[0], ""))
-        root.params.append(Param(prefix + pname, p, layer, mtype))
+        layer, mtype, held = owner.get(pname, (prefix + pname.rsplit(".", 1)[0], "", False))
+        root.params.append(Param(prefix + pname, p, layer, mtype, held))
     return root
 
 

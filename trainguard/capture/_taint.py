@@ -132,6 +132,16 @@ OVERWRITE_OPS = frozenset(
      "aten._copy_from.default"}
 )
 
+# In-place ops that write given values into part of their first input, computing nothing from its
+# old values: written into uninitialised memory (TorchRL's LazyTensorStorage, a replay buffer
+# allocated with ``empty`` and filled a batch of rows at a time), the rows not written yet are
+# still garbage, whatever their bytes hold; they are judged where something computes on them.
+PARTIAL_WRITE_OPS = frozenset(
+    {"aten.index_put_.default", "aten._index_put_impl_.default", "aten.index_copy_.default",
+     "aten.index_fill_.int_Scalar", "aten.index_fill_.int_Tensor", "aten.masked_fill_.Scalar",
+     "aten.masked_fill_.Tensor", "aten.masked_scatter_.default", "aten.scatter_.src", "aten.scatter_.value"}
+)
+
 
 def classify(name: str, is_view: bool) -> int:
     """The class of an op by its overload name (``aten.copy_.default``) and its schema."""
@@ -298,6 +308,9 @@ class Tracker:
             self._state(seq, HARMFUL, in_origin)
             self._harmful(seq, step, op, in_origin, None, inputs, fwd_seq)
             return HARMFUL, in_origin
+        if in_taint == UNKNOWN and op in PARTIAL_WRITE_OPS and inputs and inputs[0][0] == "op" \
+                and (st := self.states.get(inputs[0][1])) is not None and st[0] == UNKNOWN:
+            cls = COPY  # rows written into garbage: the rest is garbage still (see PARTIAL_WRITE_OPS)
         taint, origin = propagate(cls, in_taint, in_origin, health, seq)
         if in_taint == PENDING and len(inputs) > 1:
             self._join(in_origin, inputs)
