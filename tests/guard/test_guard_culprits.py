@@ -211,3 +211,18 @@ def test_batches_after_a_skipped_one_that_hold_nan_themselves_are_data_not_a_cod
     assert [e["action"] for e in guard.events] == ["skip", "skip"], [e["message"] for e in guard.events]
     assert [20] in [e["batch_nonfinite"]["samples"] for e in guard.events]
     assert all("the batch itself" in e["message"] for e in guard.events), [e["message"] for e in guard.events]
+
+
+def test_samples_whose_targets_hold_nan_are_named_beside_those_whose_inputs_do():
+    # Time-Series-Library's windows under the guard: one window's input held a missing value and
+    # another window's target did; the event named the first sample only (the first tensor of the
+    # batch that held NaN), so the skip that followed for the second came as a surprise.
+    from trainguard.guard._replay import batch_nonfinite
+
+    x, y = torch.zeros(4, 3), torch.zeros(4, 2)
+    x[1, 0] = float("nan")
+    y[3, 1] = float("inf")
+    assert batch_nonfinite((x, y), [20, 21, 22, 23]) == {
+        "size": 4, "rows": [1, 3], "samples": [21, 23], "kinds": ["nan", "inf"], "where": "[0] and batch[1]"}
+    y[3, 1] = 0.0
+    assert batch_nonfinite((x, y), [20, 21, 22, 23])["samples"] == [21]
