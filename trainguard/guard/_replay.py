@@ -139,10 +139,12 @@ def _tensors(obj: Any, where: str = "", depth: int = 0):
 
 def batch_nonfinite(batch: Any, samples: list | None) -> dict | None:
     """Where the failing step's batch itself holds NaN/Inf, before any op of the step ran:
-    ``{"size", "rows", "samples", "kinds", "where"}`` for its first floating tensor that does
-    (``rows`` along its first dimension, ``samples`` the loader's indices of those rows when it
-    says them and the first dimension is the batch's), or None. Run once, for the replayed step
-    (a sync on an accelerator, as the replay is anyway)."""
+    ``{"size", "rows", "samples", "kinds", "where"}`` over its floating tensors that do, or None.
+    ``rows`` are along the first dimension of the first such tensor, merged with those of the
+    others of the same first dimension (an input's and a target's); ``samples`` the loader's
+    indices of those rows when it says them and the first dimension is the batch's. Run once, for
+    the replayed step (a sync on an accelerator, as the replay is anyway)."""
+    found: dict | None = None
     for where, t in _tensors(batch):
         if not (t.is_floating_point() or t.is_complex()) or t.layout != torch.strided or t.numel() == 0:
             continue
@@ -150,14 +152,21 @@ def batch_nonfinite(batch: Any, samples: list | None) -> dict | None:
         if not bool(bad.any()):
             continue
         kinds = (["nan"] if bool(torch.isnan(t).any()) else []) + (["inf"] if bool(torch.isinf(t).any()) else [])
-        if t.dim() == 0:
-            return {"size": None, "rows": [], "samples": [], "kinds": kinds, "where": where}
-        rows = bad.reshape(t.shape[0], -1).any(1).nonzero().flatten().tolist()
-        size = int(t.shape[0])
-        named = samples is not None and len(samples) == size
-        return {"size": size, "rows": rows, "samples": [samples[r] for r in rows] if named else [],
-                "kinds": kinds, "where": where}
-    return None
+        if found is None:
+            if t.dim() == 0:
+                return {"size": None, "rows": [], "samples": [], "kinds": kinds, "where": where}
+            found = {"size": int(t.shape[0]), "rows": set(), "kinds": [], "where": []}
+        elif t.dim() == 0 or int(t.shape[0]) != found["size"]:
+            continue
+        found["rows"].update(bad.reshape(t.shape[0], -1).any(1).nonzero().flatten().tolist())
+        found["kinds"] += [k for k in kinds if k not in found["kinds"]]
+        found["where"].append(where)
+    if found is None:
+        return None
+    size, rows = found["size"], sorted(found["rows"])
+    named = samples is not None and len(samples) == size
+    return {"size": size, "rows": rows, "samples": [samples[r] for r in rows] if named else [],
+            "kinds": sorted(found["kinds"], key=["nan", "inf"].index), "where": " and batch".join(found["where"])}
 
 
 def origin_from_dict(d: dict | None) -> Origin | None:
