@@ -600,6 +600,32 @@ def test_lr_too_high_under_a_warmup_names_the_schedules_peak_too(tmp_path):
     assert "peak 5" in f.suggestion and "from 5 to about" in f.suggestion, f.suggestion
 
 
+# mlfoundations/open_clip's src/open_clip_train/main.py (a 2-layer ViT and text tower of width 32,
+# batch 16, AdamW) at --lr 1.0 --warmup 10 with its cosine schedule, under `trainguard run --monitor`:
+# the first step (at the warmup's 0.1) moved the weight matrices by 98% of their norm, both towers
+# collapsed and the loss sat at ln(16) = 2.7726 with gradient norms of 1e-5. The fix said "lower the
+# learning rate from 0.5 to about 0.0005" (0.5: the schedule's median, a rate no step was too high
+# at) and "max_norm=0.0054", the 90th percentile of the collapsed gradients' norms (17.5 at step 0).
+OPENCLIP_LR1_LOSS = [3.0863, 2.7835, 2.9098, 2.7749, 2.7761, 2.773] + [2.7726] * 42
+OPENCLIP_LR1_GRAD_NORM = [17.5, 0.281, 1.36, 0.0345, 0.015, 0.00127, 0.000142] + [5e-06] * 41
+OPENCLIP_LR1_LR = [0.1 * (s + 1) for s in range(10)] + [0.5 * (1 + math.cos(math.pi * s / 38)) for s in range(38)]
+
+
+def test_lr_too_high_without_divergence_lowers_the_rate_of_the_step_that_moved_the_weights(tmp_path):
+    rows = []
+    for s, r in zip(range(0, 48, 10), [0.984, 0.103, 0.0209, 0.00422, 0.000393]):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", r)]
+    fs = diagnose(write_run(tmp_path / "r", OPENCLIP_LR1_LOSS, grad_norm=OPENCLIP_LR1_GRAD_NORM, layer_rows=rows,
+                            lr=OPENCLIP_LR1_LR, every=10))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert "98% of their norm (step 0)" in f.title, f.title
+    assert f.evidence["lr"] == pytest.approx(0.1) and f.evidence["lr_peak"] == 1.0, f.evidence
+    assert "from 0.5 " not in f.suggestion and "from 1 to about 0.001" in f.suggestion, f.suggestion
+    assert "max_norm" not in f.suggestion, f.suggestion  # no norm seen before step 0 to read one off
+
+
 # lucidrains/denoising-diffusion-pytorch's GaussianDiffusion with objective='pred_x0' and the linear
 # schedule (100 timesteps; tiny Unet, Adam 8e-4, clipped at 1): p_losses weighs each sample's MSE by
 # the SNR of its random timestep (loss_weight = snr, up to 1,000 at t=0 with min_snr_loss_weight off),

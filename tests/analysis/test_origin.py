@@ -781,6 +781,31 @@ def test_exp_of_a_learned_log_scale_is_told_to_clamp_the_parameter(tmp_path, in_
     assert ("model.logit_scale.clamp_" in o.suggestion) == in_module, o.suggestion
 
 
+def test_exp_of_a_log_scale_initialised_too_large_is_told_to_initialise_it_lower(tmp_path):
+    # open_clip's CLIP with "init_logit_scale": 100 in its model config (mlfoundations/open_clip,
+    # src/open_clip/model.py: self.logit_scale = nn.Parameter(torch.ones([]) * init_logit_scale)):
+    # exp overflows in the first forward pass, before any optimizer step, and open_clip's clamp after
+    # the step comes too late. The fix said the optimizer grew the parameter and to clamp it after
+    # each step, where its initial value is the cause.
+    model = _LogitScale()
+    with torch.no_grad():
+        model.logit_scale.fill_(100.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train():
+        loss = -model() * 0.5  # (a bare parameter never updated is, to the recorder, an input tensor)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    o = origin(record(tmp_path, train))
+    assert o.origin.op == "aten.exp" and o.origin.step == 0
+    assert "optimizer grew" not in o.suggestion, o.suggestion
+    assert "initial value" in o.suggestion and "log(1 / 0.07)" in o.suggestion, o.suggestion
+    assert "clamp_(0, math.log(100))" in o.suggestion, o.suggestion
+    assert "model.logit_scale" in o.suggestion, o.suggestion
+
+
 @pytest.mark.parametrize("count", [
     lambda mask: mask.sum(),
     # transformers' Trainer: num_items_in_batch, a label count (added up over the accumulated

@@ -73,6 +73,22 @@ def test_diagnose_json_and_threshold_overrides(script, tmp_path, capsys):
     assert "dead_units_warn" in table and "(default 0.5)" in table
 
 
+def test_monitor_runs_a_module_as_python_m_does(script, tmp_path, capsys, monkeypatch):
+    # open_clip trains with `python -m open_clip_train.main --model ... --lr ...` (mlfoundations/open_clip,
+    # src/open_clip_train/main.py): `trainguard monitor -m open_clip_train.main ...` stopped with
+    # "unrecognized arguments: -m", while `trainguard run -m` took it.
+    (tmp_path / "train_mod.py").write_text(SCRIPT + "print('args', sys.argv[1:], __name__)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_dir = tmp_path / "run"
+    assert main(["monitor", "--logdir", str(run_dir), "--every", "5", "-m", "train_mod", "50", "--lr", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "args ['50', '--lr', '1'] __main__" in out and "dead_units" in out
+    assert "dead_units" in [f["kind"] for f in open_run(run_dir).findings(source="monitor")]
+    assert main(["monitor", "--logdir", str(tmp_path / "x"), "-m", "no_such_module_here"]) == 2
+    assert "no module named 'no_such_module_here'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

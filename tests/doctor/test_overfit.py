@@ -405,3 +405,44 @@ def test_a_loss_that_fell_with_some_parameters_unreached_is_not_called_flat(batc
     f = next(f for f in r.findings() if f.kind == "overfit_flat")
     assert "is flat" not in f.title and "4 parameters" in f.title, f.title
     assert "4 parameters" in r.summary, r.summary
+
+
+class TwoTowers(nn.Module):
+    """A CLIP in miniature (mlfoundations/open_clip, src/open_clip/model.py: CLIP.forward and
+    ``logit_scale.exp() * image_features @ text_features.T`` in src/open_clip/loss.py): an image and
+    a text tower, normalised features, a learned temperature; the output is the image-text logits,
+    whose targets are each sample's own index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.visual = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 16))
+        self.token_embedding = nn.Embedding(20, 32)
+        self.text = nn.Sequential(nn.GELU(), nn.Linear(32, 16))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def forward(self, inputs):
+        image, text = inputs
+        i = nn.functional.normalize(self.visual(image), dim=-1)
+        t = nn.functional.normalize(self.text(self.token_embedding(text).mean(1)), dim=-1)
+        return self.logit_scale.exp() * i @ t.T
+
+
+def test_a_floor_from_samples_with_identical_inputs_names_them():
+    # open_clip's CLIP under `trainguard doctor` on 16 image-caption pairs, two of which had the same
+    # caption ("a green cross on a blue background"): the loss stopped at ln(2)/8 = 0.0866, as it
+    # must when two texts are identical and the in-batch targets ask to tell them apart; it was
+    # "too little capacity ... or wrong target format".
+    torch.manual_seed(0)
+    image, text = torch.randn(8, 12), torch.randint(0, 20, (8, 5))
+    text[5] = text[2]  # the same caption for two different images
+
+    def clip_loss(logits, labels):
+        return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
+
+    r = doctor.overfit_one_batch(TwoTowers(), ((image, text), torch.arange(8)), clip_loss, steps=300, lr=1e-2)
+    assert r.reason == "floor" and r.final_loss == pytest.approx(math.log(2) / 4, rel=0.1), r.summary
+    assert r.identical == {"input": "1", "samples": [2, 5]}, r.identical
+    (f,) = [f for f in r.findings() if f.kind == "overfit_floor"]
+    assert "samples 2 and 5" in f.suggestion and "input 1" in f.suggestion, f.suggestion
+    assert "capacity" not in f.suggestion, f.suggestion
+    assert f.evidence["identical"] == {"input": "1", "samples": [2, 5]}

@@ -216,3 +216,36 @@ def test_optimizer_moments_a_fresh_optimizer_creates_on_restore_keep_the_saved_m
         assert opt2.state[w2][k].stride() == opt.state[w][k].stride() == w.stride(), k
         assert torch.equal(opt2.state[w2][k], opt.state[w][k])
     assert opt2.state[model2[2].weight]["exp_avg"].is_contiguous()
+
+
+class _Task(torch.nn.Module):
+    """A training task holding the model, as open_clip's TrainingTask (mlfoundations/open_clip,
+    src/open_clip/task/base_task.py): its own ``state_dict()`` nests the model's under
+    ``"state_dict"``, and its ``load_state_dict`` loads the model's and returns None."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.trainable_module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        self.trainable_module.logit_scale = torch.nn.Parameter(torch.tensor(2.6592))
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        return {"state_dict": self.trainable_module.state_dict()}
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, **kwargs):
+        if "state_dict" in state_dict:
+            self.trainable_module.load_state_dict(state_dict["state_dict"], strict=strict)
+
+
+def test_a_module_whose_load_state_dict_returns_none_is_restored(tmp_path):
+    # open_clip's main.py with TrainState(model=task, ...): the resume after kill -9 failed with
+    # "cannot restore 'model': AttributeError: 'NoneType' object has no attribute 'unexpected_keys'".
+    from trainguard.resilience import CheckpointManager
+
+    saved = _Task(0)
+    CheckpointManager(tmp_path / "ck").save(TrainState(model=saved))
+    task = _Task(1)
+    assert not torch.equal(task.trainable_module[0].weight, saved.trainable_module[0].weight)
+    CheckpointManager(tmp_path / "ck").restore(TrainState(model=task))
+    assert all(torch.equal(a, b) for a, b in zip(task.trainable_module.state_dict().values(),
+                                                 saved.trainable_module.state_dict().values()))

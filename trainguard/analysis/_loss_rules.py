@@ -574,9 +574,10 @@ def lr_too_high(ctx: Context) -> list[Finding]:
     high = math.isfinite(r_max) and r_max >= ctx.th.update_ratio_high
     # a reinforcement learning loss's targets move with the policy: its progress says nothing
     stuck = ctx.environment is not None or (prog is not None and prog["progress"] < 0.5)
+    moved = None  # the step whose update moved the weights most, when that is the reason
     if high and (stuck or div or bad_step is not None):
-        step = int(ratios.steps[int(np.argmax(ratios.values))])
-        reasons.append(f"one step moved the weight matrices by {r_max:.0%} of their norm (step {step})")
+        moved = int(ratios.steps[int(np.argmax(ratios.values))])
+        reasons.append(f"one step moved the weight matrices by {r_max:.0%} of their norm (step {moved})")
     if bad_step is not None and not reasons:
         before = ctx.loss.before(bad_step).finite()
         # from the first loss that is not an exact 0 (SAC's split first step: only the entropy
@@ -586,8 +587,8 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             reasons.append(f"the loss grew {fmt(before.values[-1] / start)}x before turning NaN/Inf")
     if not reasons:
         return []
-    at = div["step"] if div else bad_step
-    new, text, clip = _lower_where_it_went_wrong(ctx, div, bad_step)
+    at = div["step"] if div else bad_step if bad_step is not None else moved
+    new, text, clip = _lower_where_it_went_wrong(ctx, div, bad_step, moved)
     if new is not None:
         ev["suggested_lr"] = new
         ev["lr"] = ctx.lr(at)
@@ -608,12 +609,15 @@ def lr_too_high(ctx: Context) -> list[Finding]:
     ]
 
 
-def _lower_where_it_went_wrong(ctx: Context, div: dict | None, bad_step: int | None) -> tuple[float | None, str, str]:
+def _lower_where_it_went_wrong(ctx: Context, div: dict | None, bad_step: int | None,
+                               moved: int | None = None) -> tuple[float | None, str, str]:
     """(the lower rate, its text, a clip_grad_norm_ call or "") for a run that went wrong at the
-    divergence's step, else at the first non-finite loss: the rate in force there (not the schedule's
-    median) scaled by the update ratio it made before it, and a clip norm read off the gradient norms
-    before it (after it they are exploding). lr_too_high and nonfinite_loss give the same fix."""
-    at = div["step"] if div else bad_step
+    divergence's step, else at the first non-finite loss, else at ``moved``, the step whose update
+    rewrote the weights (a run that collapsed without diverging): the rate in force there (not the
+    schedule's median) scaled by the update ratio it made before it, and a clip norm read off the
+    gradient norms before it (after it they are exploding, or collapsed). lr_too_high and
+    nonfinite_loss give the same fix."""
+    at = div["step"] if div else bad_step if bad_step is not None else moved
     r_max = _ratio_max(ctx)
     r_at = _ratio_before(ctx, ctx.update_ratio_by_step(), at)
     new, text = lr_lower(ctx, r_at if r_at is not None else r_max if math.isfinite(r_max) else None, step=at)

@@ -901,15 +901,22 @@ def _overflow_before_any_update(fed: int | None) -> str:
     return f"{text}: check the scale of the initialisation and of the inputs (normalise them)"
 
 
-def _exp_of_parameter(name: str) -> str:
+def _exp_of_parameter(name: str, initial: bool = False) -> str:
     """The exp of a parameter overflowed: a learned log-scale or log-temperature (CLIP's
     ``logit_scale.exp()``) that the updates grew past the dtype's range, not a computation whose
-    maximum can be subtracted."""
+    maximum can be subtracted. ``initial``: in the first forward pass, before any update: the
+    value it was initialised with (open_clip's ``init_logit_scale``) is too large."""
     named = f" '{name}'" if name else ""
-    return (f"the exponent is the parameter{named} (a learned log-scale, as CLIP's logit_scale or a Gaussian "
-            "policy's log-std), which the optimizer grew past what exp can hold: bound it after each "
-            f"optimizer.step(), as open_clip does, `with torch.no_grad(): {'model.' + name if name else 'logit_scale'}"
-            ".clamp_(0, math.log(100))` (a log-std: `.clamp_(-20, 2)`), and/or give it a lower learning rate")
+    clamp = (f"`with torch.no_grad(): {'model.' + name if name else 'logit_scale'}.clamp_(0, math.log(100))` "
+             "(a log-std: `.clamp_(-20, 2)`)")
+    what = f"the exponent is the parameter{named} (a learned log-scale, as CLIP's logit_scale or a Gaussian policy's log-std)"
+    if initial:
+        return (f"{what}, whose initial value is already too large for exp: this is the forward pass of step 0, "
+                "before any optimizer step of this recording; initialise it lower, as CLIP does, "
+                "`nn.Parameter(torch.tensor(math.log(1 / 0.07)))` (2.66, a temperature of 0.07), and keep it "
+                f"bounded after each optimizer.step() as open_clip does, {clamp}")
+    return (f"{what}, which the optimizer grew past what exp can hold: bound it after each optimizer.step(), "
+            f"as open_clip does, {clamp}, and/or give it a lower learning rate")
 
 
 def _into_log_one_plus(consumers: list[str]) -> bool:
@@ -1003,7 +1010,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
             param = next((i.get("name") or "" for i in link.inputs if i.get("kind") == "param"
                           or i.get("producer_phase") == "optimizer"), exp_param)
             if param is not None:
-                return _exp_of_parameter(param)
+                return _exp_of_parameter(param, initial=first_forward and link.step == 0)
         if base in ("pow", "square"):
             return _SUGGESTIONS["power"]
         return _SUGGESTIONS["softplus" if base == "exp" and _into_log_one_plus(consumers) else "exp"]

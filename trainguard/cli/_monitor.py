@@ -1,6 +1,6 @@
 """``trainguard monitor script.py ARGS`` and ``trainguard diagnose RUN``.
 
-``monitor`` runs an unmodified training script under :class:`trainguard.Monitor` (attached to
+``monitor`` runs an unmodified training script (or ``-m module``) under :class:`trainguard.Monitor` (attached to
 every top-level model the script calls), then diagnoses the run, stores the findings in it and
 prints them. ``diagnose`` judges an existing run again, optionally with other thresholds.
 """
@@ -21,6 +21,7 @@ from trainguard.cli._children import ChildWatch
 from trainguard.cli._preempt import Preemption, resume_point
 from trainguard.cli._render import err_console
 from trainguard.cli._spawned import Follow, Options, SpawnRefused, move_launcher_run
+from trainguard.cli._target import add_module_argument, module_file, module_script_args
 from trainguard.store import default_name
 
 
@@ -28,7 +29,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "monitor",
         help="run a training script under the health monitor and print the diagnosis",
-        description="Run SCRIPT with ARGS under trainguard.Monitor, then diagnose the run and print the findings.",
+        description="Run SCRIPT with ARGS (or -m MODULE ARGS) under trainguard.Monitor, then diagnose the run and "
+        "print the findings.",
     )
     p.add_argument("--logdir", default=None, help="run directory (default: runs/monitor-<date>-<time>)")
     p.add_argument("--every", type=int, default=10, help="record layer statistics every N steps (default 10)")
@@ -39,8 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a threshold")
     p.add_argument("--no-gradcheck", action="store_true",
                    help="do not check custom autograd Functions' gradients against finite differences")
+    add_module_argument(p)
     _launch.add_launch_arguments(p)
-    p.add_argument("script", help="the training script")
+    p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_cmd_monitor, parser=p)
 
@@ -77,20 +80,25 @@ def parse_overrides(items: list[str]) -> dict[str, float]:
     return out
 
 
-def run_script(script: str, args: list[str]) -> tuple[int, BaseException | None]:
-    """Run a Python script as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as Python would.
+def run_script(script: str, args: list[str], module: bool = False) -> tuple[int, BaseException | None]:
+    """Run a Python script (``module``: the module named ``script``) as ``__main__`` with ``sys.argv``
+    and ``sys.path`` as Python would.
 
     Returns (exit code, the exception that ended it or None); the script's exceptions are
     reported, not raised.
     """
     path = Path(script)
-    if not path.is_file():
+    if not module and not path.is_file():
         raise TrainguardError(f"no such script: {script!r}")
     saved_argv, saved_path = sys.argv[:], sys.path[:]
-    sys.argv = [str(path)] + list(args)
-    sys.path.insert(0, str(path.resolve().parent))
+    sys.argv = [script if module else str(path)] + list(args)
+    if not module:
+        sys.path.insert(0, str(path.resolve().parent))
     try:
-        runpy.run_path(str(path), run_name="__main__")
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(path), run_name="__main__")
         return 0, None
     except SystemExit as exc:
         code = exc.code
@@ -118,8 +126,9 @@ def monitor_script(
     overwrite: bool = False,
     gradcheck: bool = True,
     resume: bool = False,
+    module: bool = False,
 ):
-    """Run ``script`` under a Monitor attached to whatever models it trains; return (exit code, the
+    """Run ``script`` (``module``: the module named ``script``, as ``python -m``) under a Monitor attached to whatever models it trains; return (exit code, the
     run directory, the findings). Processes the script starts with torch.multiprocessing.spawn are
     monitored too, each into ``rank-K``, and the findings are then the ranks' (see ``_spawned``).
     ``resume``: continue the run already in ``logdir`` (see :func:`_preempt.resume_point`)."""
@@ -148,10 +157,11 @@ def monitor_script(
     # is still made and stored, and the run says how it ended.
     with Preemption() as preemption:
         try:
-            with ChildWatch(rerun=["--monitor", "--logdir", str(mon.logdir), script, *args]) as children:
+            target = ["-m", script] if module else [script]
+            with ChildWatch(rerun=["--monitor", "--logdir", str(mon.logdir), *target, *args]) as children:
                 follow.start()
                 try:
-                    code, error = run_script(script, args)
+                    code, error = run_script(script, args, module)
                 finally:
                     follow.stop()
             if not follow.spawned:
@@ -196,16 +206,23 @@ def _print_findings(findings, as_json: bool, header: str | None = None) -> None:
 
 def _cmd_monitor(args) -> int:
     thresholds = parse_overrides(args.set) or None  # a bad name fails before the script runs
+    if args.module:
+        module_file(args.module)  # no such module: refused before the run directory exists
+        target, script_args = args.module, module_script_args(args)
+    elif not args.script:
+        raise TrainguardError("give a script to run (trainguard monitor script.py ARGS) or -m module")
+    else:
+        target, script_args = args.script, list(args.args)
     if _launch.wants_launch(args):  # torchrun's agent here: each rank monitors into LOGDIR/rank-K
         if args.resume and args.overwrite:
             raise TrainguardError("choose one of --resume and --overwrite")
-        if not os.path.isfile(args.script):
+        if not args.module and not os.path.isfile(args.script):
             raise TrainguardError(f"no such script: {args.script!r}")
         logdir = Path(args.logdir) if args.logdir else Path("runs") / default_name("monitor")
         return _launch.launch(args.parser, args, logdir.absolute(), command="monitor")
     code, logdir, findings = monitor_script(
-        args.script,
-        args.args,
+        target,
+        script_args,
         logdir=args.logdir,
         every=args.every,
         histograms=args.histograms,
@@ -213,6 +230,7 @@ def _cmd_monitor(args) -> int:
         overwrite=args.overwrite,
         gradcheck=not args.no_gradcheck,
         resume=args.resume,
+        module=bool(args.module),
     )
     _print_findings(findings, args.json, header=None if args.json else f"[bold]run[/] {logdir}")
     return code

@@ -11,7 +11,6 @@ under torchrun each rank records into ``LOGDIR/rank-K``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import runpy
 import sys
@@ -25,6 +24,7 @@ from trainguard.cli._children import ChildWatch
 from trainguard.cli._preempt import Preemption, resume_point
 from trainguard.cli._render import err_console
 from trainguard.cli._spawned import Follow, Options, SpawnRefused, ended_with_nonfinite, move_launcher_run
+from trainguard.cli._target import add_module_argument, module_file, module_script_args
 from trainguard.store import MODES, default_name
 
 
@@ -61,22 +61,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --monitor: do not check custom autograd Functions' gradients")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --logdir")
     p.add_argument("--resume", action="store_true", help="continue the run already in --logdir (the same command run again after a preemption or a kill): its data stays, this process's steps and executions go after it")
-    p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, action=_ModuleAction, metavar="MODULE ...",
-                   help="run a module as a script (like python -m); what follows its name is the module's arguments")
+    add_module_argument(p)
     _launch.add_launch_arguments(p)
     p.add_argument("script", nargs="?", help="the script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=_cmd, parser=p)
-
-
-class _ModuleAction(argparse.Action):
-    """``-m MODULE ARGS``: as ``python -m``, everything after the module's name is the module's
-    (``--depth=2`` included); a ``--`` there still ends trainguard's options, as it did."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        values = list(values or [])
-        namespace.module = values[0] if values else None
-        namespace.module_args = values[1:]
 
 
 _GUARD_DEFAULTS = {"policy": "skip", "spike_factor": None, "snapshot_every": 50, "max_rewinds": 5}
@@ -90,7 +79,7 @@ def _default_logdir(name: str) -> Path:
 def _cmd(args: argparse.Namespace) -> int:
     if args.module:
         target = args.module
-        script_args = module_args(args) + ([args.script] if args.script else []) + list(args.args)
+        script_args = module_script_args(args)
     else:
         if not args.script:
             raise TrainguardError("give a script to run (trainguard run script.py ARGS) or -m module")
@@ -107,7 +96,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.every < 1:
         raise TrainguardError(f"--every must be an int >= 1, got {args.every}")
     # What cannot run is refused before the run directory exists: no empty run is left behind.
-    source = _module_file(target) if args.module else target
+    source = module_file(target) if args.module else target
     if source is not None and _syntax_error(source):
         return 1
 
@@ -293,30 +282,6 @@ def _spawned_ending(logdir: Path, follow: Follow, recorder, *, own_training: boo
                       f"{where}; see `trainguard report {logdir}` or `trainguard ui {logdir}`",
                       markup=False, highlight=False, soft_wrap=True)
     return code
-
-
-def module_args(args: argparse.Namespace) -> list[str]:
-    """The arguments given right after ``-m MODULE``, before any ``--``."""
-    return list(getattr(args, "module_args", None) or [])
-
-
-def _module_file(name: str) -> str | None:
-    """The source file ``-m name`` would run (None when it has none); TrainguardError if there is no such module."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        raise TrainguardError(f"no module named {name!r}")
-    if spec.submodule_search_locations is not None:  # a package runs its __main__
-        try:
-            spec = importlib.util.find_spec(f"{name}.__main__")
-        except ImportError:
-            spec = None
-        if spec is None:
-            raise TrainguardError(f"{name!r} is a package and cannot be run directly (it has no __main__)")
-    origin = spec.origin
-    return origin if origin and origin.endswith(".py") and os.path.isfile(origin) else None
 
 
 def _syntax_error(path: str) -> bool:

@@ -117,6 +117,7 @@ class OverfitResult(CheckResult):
     redrawn: tuple[float, float] | None = None  # the least and most loss of the same batch and weights, when they differed
     train_only: bool = False  # the redrawn loss is fixed in eval mode: a dropout no module switch turns off
     stateful: bool = False  # the redrawn loss differs with the random numbers seeded alike: state it keeps moves
+    identical: dict | None = None  # at a floor: samples with the same input but other targets (see _identical_samples)
 
     @property
     def summary(self) -> str:
@@ -136,7 +137,7 @@ class OverfitResult(CheckResult):
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "reason", "losses", "initial_loss", "final_loss", "target_loss", "accuracy", "steps", "samples", "lr",
-            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn", "train_only", "stateful")}
+            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn", "train_only", "stateful", "identical")}
 
     def _detail(self) -> Table:
         t = Table(show_header=False, box=None, padding=(0, 2))
@@ -209,6 +210,14 @@ class OverfitResult(CheckResult):
                       "target format, probabilities passed where logits are expected)."),
         }
         title, suggestion = texts[self.reason or "floor"]
+        if self.reason == "floor" and self.identical:
+            *head, last = self.identical["samples"]
+            suggestion = (f"The batch's samples {', '.join(map(str, head))} and {last} have the same input "
+                          f"{self.identical['input']} but different targets: no model can tell them apart, so the "
+                          "loss cannot go below what that costs. In contrastive training (CLIP's in-batch targets, "
+                          "each sample its own class) a caption or image that appears twice in a batch is a false "
+                          "negative: deduplicate the data set, or overfit a batch without repeats.")
+            ev["identical"] = self.identical
         severity = "warning" if self.reason == "random" else "error"
         out.append(finding(f"overfit_{self.reason}", severity, title, suggestion, layers=self.unreached,
                            reason=self.reason, nan_step=self.nan_step, unreached=self.unreached,
@@ -380,13 +389,35 @@ def overfit_one_batch(
             reason = "random"
         else:
             reason = _classify(losses + [final], floor)
+    identical = _identical_samples(inputs, targets) if reason == "floor" else None
     return OverfitResult(
         passed=passed, reason=reason, losses=losses, initial_loss=initial, final_loss=final, target_loss=target,
         accuracy=accuracy, steps=len(losses), samples=samples, lr=used_lr, optimizer=type(opt).__name__,
         unreached=[n for n, _ in named] if no_path else unreached, nan_step=nan_step,
         grad_norm_first=first_norm, grad_norm_last=last_norm, loss_floor=floor, redrawn=redrawn,
-        train_only=train_only and reason == "random", stateful=stateful and reason == "random",
+        train_only=train_only and reason == "random", stateful=stateful and reason == "random", identical=identical,
     )
+
+
+def _identical_samples(inputs: Any, targets: Any) -> dict | None:
+    """The first input tensor (its index among the inputs, or its key) in which samples are
+    identical while their targets differ, and those samples: ``{"input": "1", "samples": [2, 5]}``;
+    None when there are none (or the targets are no tensor)."""
+    if not isinstance(targets, torch.Tensor) or targets.dim() == 0:
+        return None
+    n = targets.shape[0]
+    named = (inputs.items() if isinstance(inputs, dict) else enumerate(inputs) if isinstance(inputs, (tuple, list))
+             else [(0, inputs)])
+    rows_t = targets.reshape(n, -1)
+    for name, t in named:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
+            continue
+        _, inverse = torch.unique(t.detach().reshape(n, -1), dim=0, return_inverse=True)
+        for group in inverse.unique():
+            same = (inverse == group).nonzero().flatten()
+            if len(same) > 1 and not bool((rows_t[same] == rows_t[same[0]]).all()):
+                return {"input": str(name), "samples": [int(i) for i in same]}
+    return None
 
 
 def _seeded_evals(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> list[float]:

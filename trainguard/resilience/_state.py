@@ -185,9 +185,11 @@ class TrainState:
 def _load_module(module: torch.nn.Module, value: dict) -> None:
     """``load_state_dict`` of a module whose keys the restore already checked against its own
     ``state_dict()``: a key missing now is one that ``state_dict()`` never writes (torch.ao.pruning's
-    ``FakeSparsity`` leaves its mask to the sparsifier's state), which a strict load would demand."""
+    ``FakeSparsity`` leaves its mask to the sparsifier's state), which a strict load would demand.
+    A module with a ``load_state_dict`` of its own may return None (open_clip's TrainingTask): it
+    loaded what its own ``state_dict()`` wrote, with nothing to report."""
     result = module.load_state_dict(value, strict=False)
-    if result.unexpected_keys or result.missing_keys:
+    if result is not None and (result.unexpected_keys or result.missing_keys):
         written = set(module.state_dict())
         missing = [k for k in result.missing_keys if k in written]
         if result.unexpected_keys or missing:
