@@ -1019,3 +1019,36 @@ def test_members_of_a_holder_with_its_own_forward_are_named_by_their_path(tmp_pa
                                       "critic_target.0", "critic_target.1", "critic_target.2"]
     layers = open_run(tmp_path / "r").layers()
     assert "critic_target.0.weight" in layers and "actor.mu.bias" in layers
+
+
+class _TrainingTask(nn.Module):
+    """mlfoundations/open_clip's open_clip_train TrainingTask: holds the CLIP model as
+    ``trainable_module`` and computes the loss in its forward; with ``--accum-freq 2`` the training
+    loop calls the model directly, and evaluation calls the task."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.trainable_module = model
+
+    def forward(self, x):
+        return self.trainable_module(x).pow(2).mean()
+
+
+def test_a_model_called_directly_then_through_its_holder_keeps_one_name(tmp_path):
+    # open_clip under `trainguard monitor --accum-freq 2`: step 0's statistics were stored under
+    # "visual.*" and, once evaluation had called the task, under "trainable_module.visual.*":
+    # every layer listed twice, its history split in two.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    task = _TrainingTask(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False) as mon:
+        for step in range(4):
+            x = torch.randn(8, 4)
+            loss = model(x).pow(2).mean() if step % 2 == 0 else task(x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert sorted(mon.layers) == ["trainable_module.0", "trainable_module.1", "trainable_module.2"]
+    stats = open_run(tmp_path / "r").layer_stats()
+    assert sorted({r["layer"] for r in stats if r["layer"].endswith(".0")}) == ["trainable_module.0"]
+    assert sorted({r["step"] for r in stats if r["layer"] == "trainable_module.0"}) == [0, 1, 2, 3]
