@@ -226,3 +226,21 @@ def test_samples_whose_targets_hold_nan_are_named_beside_those_whose_inputs_do()
         "size": 4, "rows": [1, 3], "samples": [21, 23], "kinds": ["nan", "inf"], "where": "[0] and batch[1]"}
     y[3, 1] = 0.0
     assert batch_nonfinite((x, y), [20, 21, 22, 23])["samples"] == [21]
+
+
+def test_max_rewinds_spent_on_batches_that_held_nan_themselves_says_the_data_set_does(tmp_path):
+    # Time-Series-Library with missing values in many rows of its CSV under `trainguard run
+    # --guard`: five skips, each naming a sample holding NaN in the batch itself, then only
+    # "stopped: max_rewinds=5 spent", with no word that the data set holds NaN throughout.
+    data = make_data(12)
+    for s in (5, 14, 23, 30, 41):  # a bad sample in five batches
+        data.tensors[0][s, 1] = float("nan")
+    state = make_state(data)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=2, max_rewinds=3)
+    with pytest.raises(tg.Diverged) as info:
+        train(guard.batches(state, total_steps=12), state)
+    last = guard.events[-1]
+    assert last["action"] == "max_rewinds" and last["data_samples"] == [5, 14, 23], last
+    msg = str(info.value)
+    assert "every rewind went to a batch holding NaN/Inf itself" in msg, msg
+    assert "samples 5, 14 and 23" in msg and "the data set" in msg and "doctor" in msg, msg
