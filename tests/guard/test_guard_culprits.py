@@ -243,4 +243,4 @@ def test_max_rewinds_spent_on_batches_that_held_nan_themselves_says_the_data_set
     assert last["action"] == "max_rewinds" and last["data_samples"] == [5, 14, 23], last
     msg = str(info.value)
     assert "every rewind went to a batch holding NaN/Inf itself" in msg, msg
-    assert "samples 5, 14 and 23" in msg and "the data set" in msg and "doctor" in msg, msg
+    assert "samples 5, 14, 23)" in msg and "the data set" in msg and "doctor" in msg, msg

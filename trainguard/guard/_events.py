@@ -162,7 +162,13 @@ def outcome(event: dict) -> str:
         return ("stopped: the next batch fails the same way, so the fault follows the code, not the data "
                 "(trainguard.Diverged)")
     if action == "max_rewinds":
-        return f"stopped: max_rewinds={event.get('max_rewinds')} spent (trainguard.Diverged)"
+        spent = f"stopped: max_rewinds={event.get('max_rewinds')} spent"
+        if event.get("data_samples") is not None:
+            which = f" ({_listed('sample', event['data_samples'])})" if event["data_samples"] else ""
+            spent += (f", and every rewind went to a batch holding NaN/Inf itself{which}: the data set holds "
+                      "non-finite values in many samples, not one; find and repair them (`trainguard doctor` "
+                      "validates a dataset's values) or filter them out in the dataset or collate_fn")
+        return spent + " (trainguard.Diverged)"
     return "stopped (policy 'stop', trainguard.Diverged)"
 
 

@@ -611,6 +611,11 @@ class Guard:
             "origin": previous.get("origin") if previous else None, "skipped": [],
             "max_rewinds": self.config.max_rewinds, "rewinds": self.rewinds,
         }
+        found = [e["batch_nonfinite"] for e in self.events if e.get("batch_nonfinite")]
+        if self.events and len(found) == len(self.events):
+            # every rewind went to a batch that held NaN/Inf itself: the data set holds them widely
+            samples = {s for b in found for s in b.get("samples") or []}
+            event["data_samples"] = sorted(samples, key=lambda s: (isinstance(s, str), s if isinstance(s, int) else 0, str(s)))
         self._finish_event(event, "max_rewinds")
         self._raise(event)
 
