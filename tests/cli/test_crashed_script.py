@@ -356,3 +356,50 @@ def test_an_error_that_reads_like_rich_markup_is_shown_as_is(tmp_path, capsys):
     assert main(["report", str(tmp_path / "run")]) == 0
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert out.count("pair.cc:553] Connection closed by peer [127.0.0.1]:7604") >= 2, out  # first line, status
+
+
+CHECKPOINTED = textwrap.dedent('''
+    import os, signal, sys, time
+    import torch
+    import trainguard as tg
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = TensorDataset(torch.randn(80, 4), torch.randn(80, 1))
+    state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(data, batch_size=4))
+    loop = tg.CheckpointManager(sys.argv[1], every_steps=4).resume(state, total_steps=20)
+    for step, (x, y) in loop.batches():
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == 14 and not os.path.exists(sys.argv[2]):
+            open(sys.argv[2], "w").close()
+            time.sleep(1.5)  # the writer commits what the monitor shipped (steps 0-9, at step 10)
+            os.kill(os.getpid(), signal.SIGKILL)
+''')
+
+
+def test_a_run_resumed_from_trainguards_checkpoint_numbers_its_steps_as_the_checkpoint_does(tmp_path):
+    # open_clip killed with kill -9 mid-epoch and run again under `trainguard run --monitor --resume`:
+    # the first process had stored steps 0-9, its checkpoint held step 15, and the second process
+    # numbered the steps it ran from 15 on 10, 11, ...: every later finding's step was off by 5.
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(CHECKPOINTED)
+    cmd = [sys.executable, "-m", "trainguard", "monitor", "--every", "5", "--resume", "--logdir", str(tmp_path / "run"),
+           str(script), str(tmp_path / "ckpt"), str(tmp_path / "killed")]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert first.returncode == -9, first.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert again.returncode == 0, again.stderr
+    with open_run(tmp_path / "run") as run:
+        steps = [s for s, _ in run.scalars("loss")["loss"]]
+    # the checkpoint of step 12 (saved every 4) is where the second process went on from
+    assert steps[-8:] == list(range(12, 20)), steps
+    assert steps[:-8] == list(range(len(steps) - 8)) and len(steps) - 8 >= 10, steps
