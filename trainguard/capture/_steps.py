@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 
+from trainguard.resilience import _clock as _resilience_clock
+
 _lock = threading.Lock()
 
 
@@ -358,6 +360,13 @@ def current_step() -> int:
     return clock.step
 
 
+def counted_step() -> int | None:
+    """The step while trainguard counts optimizer steps itself (a monitor, recorder or guard holds
+    the clock, and neither the user nor a framework drives it), else None: what a checkpoint
+    keeps, so that a process resumed from it numbers its steps as the saving process did."""
+    return clock.step if clock.users > 0 and clock.driver is None else None
+
+
 def align(n: int) -> None:
     """Set the step counter to ``n`` without taking it over (automatic counting goes on).
 
@@ -368,3 +377,8 @@ def align(n: int) -> None:
         clock.step = n
         for fn in list(clock.on_step):
             fn(n)
+
+
+# Checkpoints keep this clock's count and put it back (resilience sits below: handed down here).
+_resilience_clock.counted = counted_step
+_resilience_clock.align = align

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from trainguard._errors import CheckpointError
-from trainguard.resilience import _dist, _engine, _format
+from trainguard.resilience import _clock, _dist, _engine, _format
 from trainguard.resilience._codec import Encoder
 from trainguard.resilience._format import CheckpointInfo, Invalid
 from trainguard.resilience._grads import optimizer_params
@@ -69,6 +69,7 @@ class _Job:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any]
     time: float
+    clock_step: int | None = None  # trainguard's own step count when it counts (see _restore)
 
 
 class _OutOfSpace(Exception):
@@ -229,7 +230,7 @@ class CheckpointManager:
         background = self.policy.async_save if blocking is None else not blocking
         tensors = self._stager.stage(enc.tensors) if background else dict(enc.tensors)
         job = _Job(step=step, epoch=captured.epoch, shared=shared, local=local, tensors=tensors,
-                   metadata=meta, time=_now())
+                   metadata=meta, time=_now(), clock_step=_clock.counted())
         self.last_save_time = job.time
         self.last_saved_step = step
         if not background:
@@ -348,6 +349,8 @@ class CheckpointManager:
             "state": job.shared,
             "ranks": [{"state": r["state"]} for r in ranks],
         }
+        if job.clock_step is not None:
+            body["clock_step"] = job.clock_step
         _format.write_manifest(tmp, body)
         _format.fsync_dir(tmp)
         final = self.directory / _format.checkpoint_name(job.step)
@@ -461,6 +464,12 @@ class CheckpointManager:
             p.grad = None
         self.last_save_time = _now()
         self.last_saved_step = int(manifest["step"])
+        clock = manifest.get("clock_step")
+        if isinstance(clock, int) and not isinstance(clock, bool) and clock >= 0 and _clock.counted() is not None:
+            # A monitor, recorder or guard counts the steps here, as one did when this was saved:
+            # the steps that follow are numbered as the saving process numbered them (a process
+            # killed after it stored later steps records those again, under the same numbers).
+            _clock.align(clock)
         return self.last_saved_step
 
     # -- the loop ----------------------------------------------------------------------------
