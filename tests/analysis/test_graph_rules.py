@@ -95,6 +95,15 @@ def _healthy_distillation(logits, y):
     return F.cross_entropy(logits, teacher) + F.cross_entropy(logits, y)
 
 
+def _healthy_kd_kl_div(logits, y):
+    # knowledge distillation as PyTorch's QAT/KD tutorials write it: KL at temperature 4 to a frozen
+    # teacher's softmax; F.kl_div is xlogy(t, t) - t * log_softmax, whose target sits under a sub, not a neg
+    teacher = torch.randn_like(logits) * 2
+    t = 4.0
+    kl = F.kl_div(F.log_softmax(logits / t, 1), F.softmax(teacher / t, 1), reduction="batchmean") * t * t
+    return 0.5 * F.cross_entropy(logits, y) + 0.5 * kl
+
+
 BROKEN = {
     "softmax_before_cross_entropy": _softmax_ce,
     "sigmoid_before_bce_with_logits": _sigmoid_bce,
@@ -104,7 +113,7 @@ BROKEN = {
     "cross_entropy_one_class": _ce_one_output,
 }
 HEALTHY = [_healthy_log_softmax_nll, _healthy_smoothed_probs, _healthy_label_smoothing, _healthy_onehot_probs,
-           _healthy_bce_logits, _healthy_bce_sigmoid, _healthy_distillation]
+           _healthy_bce_logits, _healthy_bce_sigmoid, _healthy_distillation, _healthy_kd_kl_div]
 
 
 def _train(loss_fn, steps=6, metric_ops=0):

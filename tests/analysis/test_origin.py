@@ -602,6 +602,21 @@ def test_a_nan_written_from_python_is_named_a_constant(tmp_path):
     assert "finite inputs" not in link.explanation and "Python constant" in link.explanation
 
 
+def test_a_nan_written_into_a_sample_is_told_to_repair_the_data_not_a_log_prob_sentinel(tmp_path):
+    # A QAT script in the style of PyTorch's eager-mode QAT tutorial (tiny CNN on 28x28 samples)
+    # with one sample holding ``x[100, 0, 3, 4] = float('nan')``, read in the same step: the fix
+    # read "a log-probability of 0 for a sample outside a bounded support ... a Gaussian base for
+    # a flow", the text for normflows' -inf sentinel. A NaN is no sentinel: repair the sample.
+    def fn():
+        x = torch.rand(8, 1, 28, 28)
+        x[5, 0, 3, 4] = float("nan")
+        torch.nn.functional.conv2d(x, torch.ones(2, 1, 3, 3)).sum().item()
+
+    o = origin(record(tmp_path, fn))
+    assert "lift_fresh" in o.origin.op
+    assert "support" not in o.suggestion and "repair or drop that sample" in o.suggestion, o.suggestion
+
+
 def test_clean_run_has_no_origin(tmp_path):
     assert origin(record(tmp_path, lambda: torch.ones(3).exp())) is None
 

@@ -403,3 +403,43 @@ def test_a_run_resumed_from_trainguards_checkpoint_numbers_its_steps_as_the_chec
     # the checkpoint of step 12 (saved every 4) is where the second process went on from
     assert steps[-8:] == list(range(12, 20)), steps
     assert steps[:-8] == list(range(len(steps) - 8)) and len(steps) - 8 >= 10, steps
+
+
+def test_a_fake_quant_observer_holding_nan_says_so_and_not_to_turn_off_distribution_checks():
+    # Eager-mode QAT as PyTorch's QAT tutorial writes it (fuse_modules_qat, get_default_qat_qconfig("x86"),
+    # prepare_qat) on 28x28 samples, one holding a NaN, under `trainguard run --guard`: the NaN made the
+    # weights NaN in step 3 and the weight observer took them into its min_val/max_val, and step 4's forward raised "`zero_point` must
+    # be between `quant_min` and `quant_max`" before the guard read step 3. The fix said to build "a
+    # torch.distributions policy with `validate_args=False`", which this script has none of.
+    import torch
+    import torch.ao.quantization as tq
+
+    from trainguard.analysis._outcome import outcome_finding
+    from trainguard.capture._ending import crash_site
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.conv, self.dequant = tq.QuantStub(), torch.nn.Conv2d(1, 2, 3), tq.DeQuantStub()
+
+        def forward(self, x):
+            return self.dequant(self.conv(self.quant(x)))
+
+    model = Net().train()
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    tq.prepare_qat(model, inplace=True)
+    x = torch.randn(2, 1, 28, 28)
+    x[1, 0, 3, 4] = float("nan")
+    model(x).sum().backward()
+    with torch.no_grad():  # an SGD step on the NaN gradients: the weight observer takes the NaN next
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    with pytest.raises(RuntimeError) as info:
+        model(torch.randn(2, 1, 28, 28))
+    at = crash_site(info.value)
+    assert at is not None and "observer" in at["detail"] and "nan" in at["detail"], at
+    meta = {"status": "crashed", "error": "RuntimeError: `zero_point` must be between `quant_min` and `quant_max`.",
+            "crash_step": 4, "crash_at": at, "exit_code": 1,
+            "guard": {"fault_before_crash": {"step": 3, "kinds": ["nonfinite_loss"], "loss": "nan"}}}
+    f = outcome_finding(meta)
+    assert "step 3 ended with loss nan" in f.suggestion and "validate_args" not in f.suggestion, f.suggestion

@@ -1019,8 +1019,10 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     if (base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward"
             and all(_count(o.get("summary"), "size") == 1 for o in link.outputs)):
         # one value: a constant the code wrote (``-np.inf``), not a batch read from the data; kept
-        # in a tensor until a later step read it, it was written into the data (``x[5, 3] = inf``)
-        return _SUGGESTIONS["written" if held else "constant"]
+        # in a tensor until a later step read it, it was written into the data (``x[5, 3] = inf``);
+        # a NaN is no sentinel (a log-probability is -inf): written into the data too
+        nan = any(_count(o.get("summary"), "nan") for o in link.outputs)
+        return _SUGGESTIONS["written" if held or nan else "constant"]
     if base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward":
         # a row or batch from NumPy or a list: nothing recorded made it; a DataLoader fetched a sample of the data set
         return _SUGGESTIONS["loader_array" if loader else "array"]

@@ -98,11 +98,17 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
     elif (fault := _fault_before(meta, outcome["step"])) is not None:
         # Under the guard, which reads a step when the next one ends: the next step raised on the
         # weights the bad one left (a validated distribution, scipy's matcher) before it could rewind.
+        at = meta.get("crash_at")
+        if isinstance(at, dict) and "observer range" in str(at.get("detail", "")):
+            # a fake-quant raising on the range its observer kept: no check the script could turn off
+            keep = ("The guard cannot rewind a step that raised: drop or repair the non-finite samples before "
+                    "training (`trainguard doctor` validates a data set)")
+        else:
+            keep = ("Keep such a check from raising under the guard, e.g. build a torch.distributions policy with "
+                    "`validate_args=False`, so that it can rewind, replay and skip the bad batch")
         fix = (_cause(meta, outcome["error"]) + f"{fault} (the guard reads each step when the next one ends, and "
-               f"this error came first, most likely from the NaN weights that step left). Keep such a check from "
-               "raising under the guard, e.g. build a torch.distributions policy with `validate_args=False`, so that "
-               "it can rewind, replay and skip the bad batch; or run `trainguard run --check-numerics` to stop at "
-               "the op that made the first NaN/Inf")
+               f"this error came first, most likely from the NaN weights or state that step left). {keep}; or run "
+               "`trainguard run --check-numerics` to stop at the op that made the first NaN/Inf")
     elif harm is not None:
         # An error raised on the NaN (a distribution's argument check on NaN logits, multinomial on
         # NaN probabilities: cleanrl's PPO): where it showed, not what to fix.

@@ -91,7 +91,8 @@ def crash_site(error: BaseException) -> dict[str, Any] | None:
         text = repr(module)
         at["module"] = text if "\n" not in text and len(text) <= 80 else type(module).__name__
     detail = _embedding_index(frames) if isinstance(error, IndexError) else (
-        _distribution_argument(frames) if isinstance(error, ValueError) else None)
+        _distribution_argument(frames) if isinstance(error, ValueError) else
+        _observer_range(module) if isinstance(error, RuntimeError) else None)
     if detail:
         at["detail"] = detail
     return at
@@ -122,6 +123,23 @@ def _distribution_argument(frames: list) -> str | None:
                      "where it is made, e.g. std = log_std.clamp(-20, 2).exp(), or F.softplus(x) + 1e-5")
         return text
     return None
+
+
+def _observer_range(module: Any) -> str | None:
+    """For a quantization-aware model's fake-quant that raised ("`zero_point` must be between
+    `quant_min` and `quant_max`"): the non-finite range its observer keeps in min_val/max_val."""
+    import torch
+
+    observer = getattr(module, "activation_post_process", module)
+    lo, hi = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
+    if not (isinstance(lo, torch.Tensor) and isinstance(hi, torch.Tensor)) or not lo.numel() or not hi.numel():
+        return None
+    if lo.device.type != "cpu" or bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+        return None
+    return (f"{type(module).__name__}'s observer range holds non-finite values (min_val {lo.min().item():g}, max_val "
+            f"{hi.max().item():g}): a NaN/Inf reached this fake-quant in an earlier step (an input, or the weights "
+            "an update made NaN) and stays in its min_val/max_val buffers, so every later forward through it raises; "
+            "the observer's state must go back to before that step (a checkpoint) once the NaN/Inf is fixed")
 
 
 def _embedding_index(frames: list) -> str | None:

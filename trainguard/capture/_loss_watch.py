@@ -203,8 +203,15 @@ def inspect_loss(loss: torch.Tensor) -> list[dict]:
             heads.append(head)
             continue
         if depth < HEAD_DEPTH:
-            todo.extend((nf, depth + 1, negs + (op == "neg")) for nf in _next(fn))
+            todo.extend((nf, depth + 1, negs + _negates(op, i))
+                        for i, (nf, _) in enumerate(getattr(fn, "next_functions", ())) if nf is not None)
     return heads
+
+
+def _negates(op: str, operand: int) -> bool:
+    """Whether node ``op`` negates its ``operand``-th input: ``neg``, ``a - b`` for b (F.kl_div is
+    ``xlogy(t, t) - t * log_softmax``), ``rsub`` for its first."""
+    return op == "neg" or (op == "sub" and operand == 1) or (op == "rsub" and operand == 0)
 
 
 def user_frame() -> dict | None:

@@ -162,6 +162,10 @@ class GradCheckResult(CheckResult):
     def findings(self) -> list[Finding]:
         out: list[Finding] = []
         if self.notes:
+            if "fake-quantizes" in self.notes[0]:
+                return [finding("gradient_check_failed", "warning", "Gradient check: " + "; ".join(self.notes),
+                                "Check the gradients of the float model before prepare_qat (the same module "
+                                "code without its observers and fake-quant modules).")]
             if "changes between evaluations" in self.notes[0]:
                 return [finding("gradient_check_failed", "warning", "Gradient check: " + "; ".join(self.notes),
                                 "Finite differences need the same loss function at every evaluation. A loss that "
@@ -238,6 +242,15 @@ def _sample(numel: int, k: int, gen: torch.Generator) -> list[int]:
     return sorted(list(drawn)[:k])
 
 
+def _fake_quant_modules(model: nn.Module) -> int:
+    """How many torch.ao.quantization fake-quant modules the model holds (prepare_qat puts them in)."""
+    try:
+        from torch.ao.quantization import FakeQuantizeBase
+    except ImportError:  # a torch without torch.ao.quantization
+        return 0
+    return sum(isinstance(m, FakeQuantizeBase) for m in model.modules())
+
+
 def gradient_check(
     model: nn.Module,
     batch: Any,
@@ -277,6 +290,11 @@ def gradient_check(
         raise DoctorInputError("the model has no trainable floating-point parameters to check")
     device = model_device(model)
     samples = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) else 0
+    fake = _fake_quant_modules(model)
+    if fake:
+        return GradCheckResult(params=[], eps=eps, loss=math.nan, samples=samples, notes=[
+            f"the model fake-quantizes ({fake} fake-quant module(s), quantization-aware training): rounding is a "
+            "step function whose straight-through gradient differs from finite differences by design"])
 
     def to64(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=torch.float64) if t.is_floating_point() else t.to(device)

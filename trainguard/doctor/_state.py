@@ -85,6 +85,8 @@ class Buffers:
                 m._buffers.update(objects)
                 for k, b in objects.items():
                     if b is not None:
+                        if b.shape != values[k].shape:  # resized in place (a per-channel observer's min_val)
+                            b.resize_(values[k].shape)
                         b.copy_(values[k])
 
 
