@@ -203,8 +203,8 @@ class ModuleTracker:
     # _pre and _post run twice per module call (cleanrl's PPO: about 1,700 calls of 4-64-wide
     # layers per iteration, each a few microseconds of work): they are called only through the
     # GlobalHooks above, which return at once under Dynamo (compiled graphs carry nn_module_stack
-    # instead), and look the module up in the WeakKeyDictionary's own dict (its get() is one
-    # Python call more per lookup).
+    # instead), and look the module up in the IdentityWeakKeyDict's own dict by id (its get() is
+    # one Python call more per lookup).
     def _pre(self, module: nn.Module, args) -> None:
         try:
             stack = self._local.stack

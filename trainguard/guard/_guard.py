@@ -75,15 +75,19 @@ def _default_logdir() -> Path:
     return Path("runs") / time.strftime("guard-%Y%m%d-%H%M%S")
 
 
+def _nonfinite(v: StepValues) -> dict[str, float]:
+    """``{"nonfinite_loss": loss, "nonfinite_grad": grad_norm}`` for the values of ``v`` that are NaN/Inf."""
+    return {kind: x for kind, x in (("nonfinite_loss", v.loss), ("nonfinite_grad", v.grad_norm))
+            if x is not None and not math.isfinite(x)}
+
+
 def _first_fault(values: list[StepValues]) -> dict[str, Any] | None:
     """The first step read at the loop's end with a non-finite loss or gradient norm, as the
     guard's metadata keeps it (values as text: JSON has no NaN), or None."""
     for v in values:
-        bad = {name: x for name, x in (("loss", v.loss), ("grad_norm", v.grad_norm))
-               if x is not None and not math.isfinite(x)}
-        if bad:
-            kinds = [{"loss": "nonfinite_loss", "grad_norm": "nonfinite_grad"}[k] for k in bad]
-            return {"step": v.step, "kinds": kinds, **{k: str(x) for k, x in bad.items()}}
+        if bad := _nonfinite(v):
+            names = {"nonfinite_loss": "loss", "nonfinite_grad": "grad_norm"}
+            return {"step": v.step, "kinds": list(bad), **{names[k]: str(x) for k, x in bad.items()}}
     return None
 
 
@@ -403,11 +407,7 @@ class Guard:
         """Check the steps read, oldest first; the first bad one (step, kinds), or None."""
         plan = self._plan
         for v in values:
-            kinds: set[str] = set()
-            if v.loss is not None and not math.isfinite(v.loss):
-                kinds.add("nonfinite_loss")
-            if v.grad_norm is not None and not math.isfinite(v.grad_norm):
-                kinds.add("nonfinite_grad")
+            kinds = set(_nonfinite(v))
             factor = self.config.spike_factor
             median = self._median() if factor and not kinds and v.loss is not None else None
             if median is not None and v.loss > factor * median:  # type: ignore[operator]
@@ -614,8 +614,7 @@ class Guard:
         found = [e["batch_nonfinite"] for e in self.events if e.get("batch_nonfinite")]
         if self.events and len(found) == len(self.events):
             # every rewind went to a batch that held NaN/Inf itself: the data set holds them widely
-            samples = {s for b in found for s in b.get("samples") or []}
-            event["data_samples"] = sorted(samples, key=lambda s: (isinstance(s, str), s if isinstance(s, int) else 0, str(s)))
+            event["data_samples"] = list(dict.fromkeys(s for b in found for s in b.get("samples") or []))
         self._finish_event(event, "max_rewinds")
         self._raise(event)
 
