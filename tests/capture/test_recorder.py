@@ -54,36 +54,11 @@ class _Agent(nn.Module):
         self.actor = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
-@pytest.mark.parametrize("backend", ["native", "python"])
-def test_module_paths_of_models_called_inside_a_container(tmp_path, backend):
-    # Recorded, cleanrl's PPO named the actor and the critic both "" and their layers both "0".."4":
-    # an op of the critic's first layer could not be told from one of the actor's.
-    agent = _Agent()
-    x = torch.randn(3, 4)
-    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
-        (agent.actor(x).sum() + agent.critic(x).sum()).backward()
-    run = open_run(tmp_path / "r")
-    fwd = {r["module"] for r in run.executions(phase="forward", op="addmm")}
-    assert fwd == {"actor.0", "actor.2", "critic.0", "critic.2"}
-    names = {i["name"] for e in run.executions(phase="forward", op="addmm")
-             for i in run.execution(e["seq"])["inputs"] if i["kind"] == "param"}
-    assert names == {"actor.0.bias", "actor.2.bias", "critic.0.bias", "critic.2.bias"}
-
-
-@pytest.mark.parametrize("backend", ["native", "python"])
-def test_module_paths_inside_a_ddp_wrapper(tmp_path, one_rank, backend):
-    # DistributedDataParallel calls the model it wraps as ``self.module``: its ops were named
-    # "module.0", "module.2", while the model's own state_dict (and trainguard's checkpoint, which
-    # strips DDP's prefix) says "0.weight". DDP is a wrapper, as torch.compile's is.
-    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
-    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
-        ddp(torch.randn(3, 4)).sum().backward()
-    run = open_run(tmp_path / "r")
-    fwd = {r["module"] for r in run.executions(phase="forward", op="addmm")}
-    assert fwd == {"0", "2"}
-    names = {i["name"] for e in run.executions(phase="forward", op="addmm")
-             for i in run.execution(e["seq"])["inputs"] if i["kind"] == "param"}
-    assert names == {"0.bias", "2.bias"}
+def _linear_names(run) -> tuple[set, set]:
+    """The modules the forward ``addmm`` ops (the Linear layers) ran in, and the names of their parameters."""
+    ops = run.executions(phase="forward", op="addmm")
+    params = {i["name"] for e in ops for i in run.execution(e["seq"])["inputs"] if i["kind"] == "param"}
+    return {r["module"] for r in ops}, params
 
 
 class _Policy(nn.Module):
@@ -99,16 +74,32 @@ class _Policy(nn.Module):
         return self.actor(obs)
 
 
+@pytest.mark.parametrize("holder", [_Agent, _Policy])
 @pytest.mark.parametrize("backend", ["native", "python"])
-def test_module_paths_of_members_of_a_holder_with_its_own_forward(tmp_path, backend):
-    # Recorded, SB3's SAC named its critic's first layer "0", like the actor's.
-    policy = _Policy()
+def test_module_paths_of_models_called_inside_a_container(tmp_path, backend, holder):
+    # Recorded, cleanrl's PPO named the actor and the critic both "" and their layers both "0".."4":
+    # an op of the critic's first layer could not be told from one of the actor's. SB3's SAC, whose
+    # policy has a forward of its own, named its critic's first layer "0", like the actor's.
+    agent = holder()
     x = torch.randn(3, 4)
     with tg.record(tmp_path / "r", buffer=-1, backend=backend):
-        (policy.actor(x).sum() + policy.critic(x).sum()).backward()
-    run = open_run(tmp_path / "r")
-    fwd = {r["module"] for r in run.executions(phase="forward", op="addmm")}
-    assert fwd == {"actor.0", "actor.2", "critic.0", "critic.2"}
+        (agent.actor(x).sum() + agent.critic(x).sum()).backward()
+    modules, params = _linear_names(open_run(tmp_path / "r"))
+    assert modules == {"actor.0", "actor.2", "critic.0", "critic.2"}
+    assert params == {"actor.0.bias", "actor.2.bias", "critic.0.bias", "critic.2.bias"}
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_module_paths_inside_a_ddp_wrapper(tmp_path, one_rank, backend):
+    # DistributedDataParallel calls the model it wraps as ``self.module``: its ops were named
+    # "module.0", "module.2", while the model's own state_dict (and trainguard's checkpoint, which
+    # strips DDP's prefix) says "0.weight". DDP is a wrapper, as torch.compile's is.
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        ddp(torch.randn(3, 4)).sum().backward()
+    modules, params = _linear_names(open_run(tmp_path / "r"))
+    assert modules == {"0", "2"}
+    assert params == {"0.bias", "2.bias"}
 
 
 def test_stack_points_at_user_line_and_source_is_stored_once(tmp_path):

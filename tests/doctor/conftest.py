@@ -182,3 +182,19 @@ def dino():
     x = torch.randn(16, 20)
     teacher_output = torch.randn(16, 16) + 3.0  # far from the initial center: each call moves it
     return student, (x, teacher_output), DINOLoss(16)
+
+
+@pytest.fixture
+def qat_model():
+    """``make(channels, side, classes)``: a small CNN prepared for eager-mode quantization-aware
+    training as PyTorch's QAT tutorial prepares it (QuantStub/DeQuantStub,
+    get_default_qat_qconfig("x86"), prepare_qat), for inputs of shape [N, 1, side, side]."""
+    import torch.ao.quantization as tq
+
+    def make(channels: int, side: int, classes: int) -> nn.Module:
+        model = nn.Sequential(tq.QuantStub(), nn.Conv2d(1, channels, 3), nn.Flatten(),
+                              nn.Linear(channels * (side - 2) ** 2, classes), tq.DeQuantStub()).train()
+        model.qconfig = tq.get_default_qat_qconfig("x86")
+        return tq.prepare_qat(model, inplace=True)
+
+    return make

@@ -484,18 +484,13 @@ def test_a_zero_gradient_whose_finite_difference_rounds_by_one_ulp_of_the_loss_a
     assert r.bad_params == ["shift"], [(p.name, p.max_rel, p.analytic, p.numeric) for p in r.params]
 
 
-def test_a_qat_model_is_not_a_crash_but_says_fake_quant_has_no_finite_difference_gradient():
+def test_a_qat_model_is_not_a_crash_but_says_fake_quant_has_no_finite_difference_gradient(qat_model):
     # Eager-mode QAT as PyTorch's QAT tutorial prepares it (prepare_qat with get_default_qat_qconfig("x86")):
     # the check cast the model to float64 and the fused fake-quant op raised "expected scalar type Float
     # but found Double", reported as "could not run ... Fix the error above (often the forward pass)".
     # Fake-quantizing rounds (a step function): its straight-through gradient is not the finite difference.
-    import torch.ao.quantization as tq
-
     torch.manual_seed(0)
-    model = nn.Sequential(tq.QuantStub(), nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 3),
-                          tq.DeQuantStub()).train()
-    model.qconfig = tq.get_default_qat_qconfig("x86")
-    tq.prepare_qat(model, inplace=True)
+    model = qat_model(channels=4, side=8, classes=3)
     x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,))
     result = doctor.gradient_check(model, (x, y), nn.CrossEntropyLoss())
     assert "fake-quant" in result.summary, result.summary

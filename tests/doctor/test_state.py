@@ -104,18 +104,13 @@ def test_half_precision_model_comes_back_half(batch, new_mlp):
     assert all(p.dtype == torch.bfloat16 and torch.equal(p, values[n]) for n, p in model.named_parameters())
 
 
-def test_a_qat_model_whose_observers_resize_their_buffers_comes_back_as_it_was():
+def test_a_qat_model_whose_observers_resize_their_buffers_comes_back_as_it_was(qat_model):
     # Eager-mode QAT as PyTorch's QAT tutorial prepares it (get_default_qat_qconfig("x86"), prepare_qat):
     # the per-channel weight observer's min_val/max_val start empty and are resized in place on the first
     # forward, so restoring them with copy_ raised "The size of tensor a (8) must match the size of
     # tensor b (0)" and init_checks "could not run".
-    import torch.ao.quantization as tq
-
     torch.manual_seed(0)
-    model = nn.Sequential(tq.QuantStub(), nn.Conv2d(1, 8, 3), nn.Flatten(), nn.Linear(8 * 26 * 26, 10),
-                          tq.DeQuantStub()).train()
-    model.qconfig = tq.get_default_qat_qconfig("x86")
-    tq.prepare_qat(model, inplace=True)
+    model = qat_model(channels=8, side=28, classes=10)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))
     result = doctor.init_checks(model, (x, y), nn.CrossEntropyLoss())
