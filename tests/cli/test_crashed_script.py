@@ -443,3 +443,34 @@ def test_a_fake_quant_observer_holding_nan_says_so_and_not_to_turn_off_distribut
             "guard": {"fault_before_crash": {"step": 3, "kinds": ["nonfinite_loss"], "loss": "nan"}}}
     f = outcome_finding(meta)
     assert "step 3 ended with loss nan" in f.suggestion and "validate_args" not in f.suggestion, f.suggestion
+
+
+def test_steps_a_killed_process_stored_after_its_checkpoint_are_replaced_not_stored_twice(tmp_path):
+    # The checkpointed script above, monitored at every step: the killed process had stored steps
+    # 0-13 when it died, its newest checkpoint held step 12, and the resumed process ran 12-19
+    # again, so steps 12 and 13 had two loss rows and two rows of every layer statistic (the
+    # curves doubled back). A restore now drops what the run holds from the restored step on, as
+    # TensorBoard's purge_step does, and the resumed process's rows replace them.
+    import os
+    import subprocess
+    import sys
+    from collections import Counter
+
+    script = tmp_path / "train.py"
+    script.write_text(CHECKPOINTED)
+    cmd = [sys.executable, "-m", "trainguard", "monitor", "--every", "1", "--resume", "--logdir", str(tmp_path / "run"),
+           str(script), str(tmp_path / "ckpt"), str(tmp_path / "killed")]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert first.returncode == -9, first.stderr
+    with open_run(tmp_path / "run") as run:
+        stored = [s for s, _ in run.scalars("loss")["loss"]]
+    assert stored[-2:] == [12, 13], stored  # the first process had written past its checkpoint
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert again.returncode == 0, again.stderr
+    with open_run(tmp_path / "run") as run:
+        steps = [s for s, _ in run.scalars("loss")["loss"]]
+        rows = Counter((r["step"], r["layer"], r["kind"], r["stat"]) for r in run.layer_stats())
+    assert steps == list(range(20)), steps
+    twice = [k for k, n in rows.items() if n > 1]
+    assert not twice, twice[:5]
+    assert {k[0] for k in rows} >= {12, 13, 19}
