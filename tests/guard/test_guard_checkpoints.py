@@ -27,6 +27,25 @@ def test_it_rewinds_to_the_newest_checkpoint_when_newer_than_the_snapshot(tmp_pa
     assert state.step == 60 and finite(state)
 
 
+def test_a_rewind_to_a_checkpoint_keeps_the_monitors_rows_of_the_steps_it_replays(tmp_path):
+    # A restore after a kill drops the run's rows of the steps it undoes (they run again); the
+    # guard's rewind to a checkpoint is a replay instead: its rows go beside the first ones, as
+    # after a rewind to its snapshot, so the NaN loss of step 25 stays in the run.
+    from trainguard.store import open_run
+
+    state = make_state(make_data(60, poison_batch=25))
+    ckpt = tg.CheckpointManager(tmp_path / "ckpt", every_steps=10, keep=2)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=50)
+    with tg.Monitor(state.model, tmp_path / "mon", every=1):
+        train(ckpt.resume(state, total_steps=60, guard=guard).batches(), state)
+    [event] = guard.events
+    assert event["rewound_from"] == "checkpoint"
+    with open_run(tmp_path / "mon") as run:
+        losses = run.scalars("loss")["loss"]
+    assert [s for s, _ in losses].count(21) == 2, losses  # the first run of step 21 and its replay
+    assert any(s == 25 and v != v for s, v in losses), losses  # the NaN the guard rewound from
+
+
 def test_a_checkpoint_never_holds_a_step_that_was_not_verified(tmp_path):
     state = make_state(make_data(40, poison_batch=24))
     ckpt = tg.CheckpointManager(tmp_path / "ckpt", every_steps=5, keep=10)

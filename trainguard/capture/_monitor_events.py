@@ -193,6 +193,16 @@ class EventsMixin:
         self._cur = new_step
         self._begin_step(new_step)
 
+    def _on_restore(self, step: int) -> None:
+        """A checkpoint of ``step`` was restored: the run's curves from ``step`` on are replaced by
+        the steps that run again (what is buffered is written first, so the drop covers it)."""
+        if self._closed:
+            return
+        with self._no_record():
+            self._out.ship()
+            self._out.resolve(wait=True)
+        self._writer.forget_steps(step)
+
     def _begin_step(self, step: int) -> None:
         if _compile_monitor.watch(self):  # Dynamo is imported: something may be compiled
             self._hooks_pinned = True

@@ -51,6 +51,8 @@ class _Clock:
         self.handles: list = []
         # Called after each step change, with the new step.
         self.on_step: list[Callable[[int], None]] = []
+        # Called after a checkpoint's restore set the count back to its step, with that step.
+        self.on_restore: list[Callable[[int], None]] = []
         # Before optimizer.step(): (optimizer, whether a closure will produce the gradients).
         self.before_optimizer_step: list[Callable[[torch.optim.Optimizer, bool], None]] = []
         # The gradients an optimizer is about to use are complete (a closure has returned).
@@ -379,6 +381,15 @@ def align(n: int) -> None:
             fn(n)
 
 
+def restored(n: int) -> None:
+    """A checkpoint saved at step ``n`` was restored: count from ``n`` again and tell the
+    listeners, whose records of steps ``n`` and later belong to training the restore undid."""
+    align(n)
+    for fn in list(clock.on_restore):
+        fn(n)
+
+
 # Checkpoints keep this clock's count and put it back (resilience sits below: handed down here).
 _resilience_clock.counted = counted_step
 _resilience_clock.align = align
+_resilience_clock.restored = restored

@@ -457,7 +457,7 @@ class Guard:
     def _restore(self, target: str) -> None:
         state = self._loop.state
         if target == "checkpoint":
-            self._loop.manager.restore(state)
+            self._loop.manager.restore(state, _replay=True)  # the replay's records go beside the first ones
         else:
             self.snapshot.restore(state)
         self._restores += 1

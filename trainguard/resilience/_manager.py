@@ -400,7 +400,8 @@ class CheckpointManager:
     # -- restoring ---------------------------------------------------------------------------
 
     @_dist.unobserved
-    def restore(self, state: TrainState, *, strict: bool = True, _stacklevel: int = 2) -> int | None:
+    def restore(self, state: TrainState, *, strict: bool = True, _stacklevel: int = 2,
+                _replay: bool = False) -> int | None:
         """Load the newest valid checkpoint into ``state``; return its step, or None if there is none.
 
         Each checkpoint is fully verified (every file's SHA-256) before it is used; a newer one
@@ -410,17 +411,21 @@ class CheckpointManager:
         does not fit (naming missing, unexpected and mis-shaped keys). ``strict=False`` lets the
         state and the checkpoint hold different objects, or different world sizes (then only
         the shared state is restored); mismatched keys inside an object always raise.
+
+        While trainguard counts the steps, the run then drops what it stored of the steps from
+        the checkpoint's on (they run again); ``_replay`` (the guard's rewind) keeps them beside
+        the replay's.
         """
         self._join()
         owned = self._lock.held
         try:
-            return self._restore(state, strict=strict, stacklevel=_stacklevel + 1)
+            return self._restore(state, strict=strict, stacklevel=_stacklevel + 1, replay=_replay)
         except BaseException:
             if not owned:  # a manager that could not restore does not keep the directory
                 self._lock.release()
             raise
 
-    def _restore(self, state: TrainState, *, strict: bool, stacklevel: int) -> int | None:
+    def _restore(self, state: TrainState, *, strict: bool, stacklevel: int, replay: bool = False) -> int | None:
         group = self._groups.io()
         rank, world = _dist.rank_world()
         failed: dict[str, str] = {}  # verified, but the engine refused their data
@@ -467,9 +472,9 @@ class CheckpointManager:
         clock = manifest.get("clock_step")
         if isinstance(clock, int) and not isinstance(clock, bool) and clock >= 0 and _clock.counted() is not None:
             # A monitor, recorder or guard counts the steps here, as one did when this was saved:
-            # the steps that follow are numbered as the saving process numbered them (a process
-            # killed after it stored later steps records those again, under the same numbers).
-            _clock.align(clock)
+            # the steps that follow are numbered as the saving process numbered them, and what a
+            # process killed after the save stored of later steps is dropped (they run again).
+            (_clock.align if replay else _clock.restored)(clock)
         return self.last_saved_step
 
     # -- the loop ----------------------------------------------------------------------------

@@ -286,6 +286,16 @@ class RunWriter(BufferWindow, SegmentFiles):
         self._put(("sql", "INSERT INTO histograms(step, layer, kind, edges, counts) VALUES (?,?,?,?,?)",
                    [(step, layer, kind, dumps(list(edges)), dumps(list(counts)))]))
 
+    def forget_steps(self, start: int) -> None:
+        """Drop the per-step scalars, layer statistics and histograms of steps ``start`` and later.
+
+        A restored checkpoint of step ``start`` undoes those steps: the training that follows
+        records them again (as TensorBoard's ``purge_step``). Executions, findings and events stay.
+        """
+        rows = [(int(start),)]
+        for table in ("scalars", "layer_stats", "histograms"):
+            self._put(("sql", f"DELETE FROM {table} WHERE step >= ?", rows), must_keep=True)
+
     def add_findings(self, source: str, findings: list[dict], *, replace: bool = False) -> None:
         """Findings as dicts with at least kind, severity, title; the rest is stored as data.
 
