@@ -102,6 +102,18 @@ class ParamCheck:
         return dict(self.__dict__)
 
 
+# Why a gradient check compared nothing: the finding's severity and fix.
+_CANNOT_CHECK = {
+    "loss": ("error", "The loss must be finite and depend on the parameters for a gradient check."),
+    "fake_quant": ("warning", "Check the gradients of the float model before prepare_qat (the same module code "
+                              "without its observers and fake-quant modules)."),
+    "unsteady": ("warning", "Finite differences need the same loss function at every evaluation. A loss that "
+                            "updates its own state on each call (DINO's center, an EMA or a counter kept in a "
+                            "closure) can be checked when passed as an nn.Module: its buffers are put back before "
+                            "each evaluation; else check with that update switched off."),
+}
+
+
 @dataclass(kw_only=True, repr=False)
 class GradCheckResult(CheckResult):
     """Per-parameter largest relative difference; ``bad_params`` names the wrong gradients."""
@@ -113,6 +125,8 @@ class GradCheckResult(CheckResult):
     samples: int
     passed: bool = False
     notes: list[str] = field(default_factory=list)
+    # Why no gradient was compared (with ``notes``): a key of _CANNOT_CHECK.
+    cannot: str | None = None
     kept_float64: int = 0  # casts to a narrower float inside a forward, kept in float64 (per evaluation)
 
     def __post_init__(self) -> None:
@@ -144,7 +158,7 @@ class GradCheckResult(CheckResult):
         return f"{n} parameters agree with finite differences (largest relative difference {fmt(self.max_rel)}){kept}"
 
     def _fields(self) -> dict[str, Any]:
-        return {"eps": self.eps, "loss": self.loss, "samples": self.samples, "notes": self.notes,
+        return {"eps": self.eps, "loss": self.loss, "samples": self.samples, "notes": self.notes, "cannot": self.cannot,
                 "kept_float64": self.kept_float64,
                 "max_rel": self.max_rel, "bad_params": self.bad_params,
                 "suspicious_params": self.suspicious_params, "params": [p.to_dict() for p in self.params]}
@@ -162,18 +176,8 @@ class GradCheckResult(CheckResult):
     def findings(self) -> list[Finding]:
         out: list[Finding] = []
         if self.notes:
-            if "fake-quantizes" in self.notes[0]:
-                return [finding("gradient_check_failed", "warning", "Gradient check: " + "; ".join(self.notes),
-                                "Check the gradients of the float model before prepare_qat (the same module "
-                                "code without its observers and fake-quant modules).")]
-            if "changes between evaluations" in self.notes[0]:
-                return [finding("gradient_check_failed", "warning", "Gradient check: " + "; ".join(self.notes),
-                                "Finite differences need the same loss function at every evaluation. A loss that "
-                                "updates its own state on each call (DINO's center, an EMA or a counter kept in "
-                                "a closure) can be checked when passed as an nn.Module: its buffers are put back "
-                                "before each evaluation; else check with that update switched off.")]
-            return [finding("gradient_check_failed", "error", "Gradient check: " + "; ".join(self.notes),
-                            "The loss must be finite and depend on the parameters for a gradient check.")]
+            severity, fix = _CANNOT_CHECK[self.cannot]
+            return [finding("gradient_check_failed", severity, "Gradient check: " + "; ".join(self.notes), fix)]
         for p in self.params:
             if p.status == "ok":
                 continue
@@ -292,7 +296,7 @@ def gradient_check(
     samples = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) else 0
     fake = _fake_quant_modules(model)
     if fake:
-        return GradCheckResult(params=[], eps=eps, loss=math.nan, samples=samples, notes=[
+        return GradCheckResult(params=[], eps=eps, loss=math.nan, samples=samples, cannot="fake_quant", notes=[
             f"the model fake-quantizes ({fake} fake-quant module(s), quantization-aware training): rounding is a "
             "step function whose straight-through gradient differs from finite differences by design"])
 
@@ -334,14 +338,14 @@ def gradient_check(
             kept = keep.casts
             keep.needed = kept > 0  # a forward without casts runs without the mode (each op through Python)
             if not math.isfinite(base):
-                return GradCheckResult(params=[], eps=eps, loss=base, samples=samples,
+                return GradCheckResult(params=[], eps=eps, loss=base, samples=samples, cannot="loss",
                                        notes=[f"the loss is {fmt(base)} on this batch"])
             with torch.no_grad():
                 again = float(loss_at())
             if abs(again - base) > 1e-10 * max(1.0, abs(base)):
                 # State out of reach (a buffer of a module behind a function, a counter, an unseeded
                 # draw) changed the loss: finite differences would measure that, not the gradient.
-                return GradCheckResult(params=[], eps=eps, loss=base, samples=samples, notes=[
+                return GradCheckResult(params=[], eps=eps, loss=base, samples=samples, cannot="unsteady", notes=[
                     f"the loss changes between evaluations at the same weights ({fmt(base, 6)}, then "
                     f"{fmt(again, 6)}): something it reads moves on every call"])
             analytic = {n: (None if p.grad is None else p.grad.detach().to_dense().clone()) for n, p in chosen}
