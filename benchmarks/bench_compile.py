@@ -50,9 +50,11 @@ def _batch(x, y=None):
 
 
 def _data(shape, classes=None):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(*shape, generator=g)
-    return _batch(x, None if classes is None else torch.randint(0, classes, (shape[0],), generator=g))
+    g = torch.Generator().manual_seed(1)  # drawn on the CPU, then moved (--device)
+    dev = torch.get_default_device()
+    x = torch.randn(*shape, generator=g, device="cpu").to(dev)
+    y = None if classes is None else torch.randint(0, classes, (shape[0],), generator=g, device="cpu").to(dev)
+    return _batch(x, y)
 
 
 # name -> (model and optimizer, as the eager benchmark makes them; the batch's loss)
@@ -198,8 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help="compile the optimizer step too (with each compiled copy's backend)")
     p.add_argument("--fresh-cache", action="store_true",
                    help="compile into an empty Inductor cache (the first-steps column is then a cold compile)")
+    p.add_argument("--device", default="cpu", help="where the models train (cuda: steps end with a synchronize)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
+    bench_recorder.use_device(args.device)
     if args.fresh_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-compile-cache-")
     torch.set_num_threads(args.threads)
@@ -212,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     # throwaway compile, not to the first model copy's first steps.
     torch.compile(lambda x: x * 2 + 1)(torch.ones(4))
     load = os.getloadavg()[0]
-    results: dict = {"threads": args.threads, "compile_step": args.compile_step, "load_before": load, "models": {}}
+    results: dict = {"threads": args.threads, "compile_step": args.compile_step, "load_before": load,
+                     "device": args.device, "models": {}}
     for name in [m for m in args.models.split(",") if m]:
         # Each model as if alone: its copies share frames with the models before it (nn.Sequential's
         # forward, Module._call_impl), whose other input shapes would make Dynamo compile this

@@ -10,6 +10,8 @@ measured per configuration in a fresh subprocess (peak RSS of the whole process)
 
     python benchmarks/bench_recorder.py                 # all models, all modes
     python benchmarks/bench_recorder.py --models mlp --rounds 3 --steps 5 --backends native
+    python benchmarks/bench_recorder.py --device cuda   # on a GPU: steps end with a synchronize,
+                                                        # peak memory is the device's allocator peak
 """
 
 from __future__ import annotations
@@ -103,6 +105,14 @@ def context(config: str, tmp: str):
 _step_clock = time.perf_counter
 
 
+def _no_sync() -> None:
+    return None
+
+
+# Waits for the device's queued work before a step's time is read (--device cuda).
+_sync = _no_sync
+
+
 def run_steps(opt, loss_fn, n: int) -> list[float]:
     times = []
     for _ in range(n):
@@ -110,6 +120,7 @@ def run_steps(opt, loss_fn, n: int) -> list[float]:
         opt.zero_grad()
         loss_fn().backward()
         opt.step()
+        _sync()
         times.append(_step_clock() - t)
     return times
 
@@ -149,7 +160,18 @@ def time_model(name: str, configs: list[str], rounds: int, steps: int) -> tuple[
     return {c: statistics.median(v) for c, v in per.items()}, ratios
 
 
-def peak_memory(name: str, config: str, steps: int) -> float:
+def use_device(device: str) -> None:
+    """Make ``device`` the default for every tensor the models and their data create (a default
+    device is a torch-function mode on every call: left unset for the CPU, the default anyway)."""
+    global _sync
+    if torch.device(device).type == "cpu":
+        return
+    torch.set_default_device(device)
+    if torch.device(device).type == "cuda":
+        _sync = torch.cuda.synchronize
+
+
+def peak_memory(name: str, config: str, steps: int, device: str = "cpu") -> float:
     """Peak RSS (MiB) while training ``steps`` steps under ``config``, in a fresh process that
     imports the same modules (the native core included, which a recording loads once);
     the peak is reset after the imports (Linux ``clear_refs``), so import-time spikes do not
@@ -160,15 +182,20 @@ sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import bench_recorder as b, torch, trainguard.capture
 from trainguard.capture import _native
 _native.load()
+b.use_device({device!r})
 torch.manual_seed(0)
 model, opt, loss_fn = b.MODELS[{name!r}]()
+cuda = torch.device({device!r}).type == "cuda"
 with tempfile.TemporaryDirectory() as tmp:
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # reset the peak (VmHWM) to the current RSS
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     with b.context({config!r}, tmp):
         b.run_steps(opt, loss_fn, {steps})
     status = open("/proc/self/status").read()
-print(int(re.search(r"VmHWM:\\s+(\\d+)", status).group(1)))
+kib = torch.cuda.max_memory_allocated() // 1024 if cuda else int(re.search(r"VmHWM:\\s+(\\d+)", status).group(1))
+print(kib)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1]) / 1024
@@ -203,8 +230,14 @@ def main(argv: list[str] | None = None) -> dict:
                         "of the load, not the recorder's: measured 0.11x-10x ranges with 2)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="time steps by wall clock or by the process's CPU time (all its threads)")
+    p.add_argument("--device", default="cpu",
+                   help="where the models train (cuda: each step ends with a synchronize; peak memory is "
+                        "torch.cuda.max_memory_allocated instead of the process's RSS)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
+    use_device(args.device)
+    cuda = torch.device(args.device).type == "cuda"
+    memory = "peak device memory" if cuda else "peak RSS"
     global _step_clock
     _step_clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads is None:
@@ -215,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     configs = (["plain", FLOOR] + [f"{b}:{m}" for m in args.modes.split(",") if m for b in backends]
                + ["detect_anomaly"])
 
-    results: dict = {"threads": args.threads, "clock": args.clock, "models": {}}
+    results: dict = {"threads": args.threads, "clock": args.clock, "device": args.device, "models": {}}
     for name in models:
         # full_tensor writes thousands of files whose write-back and deletion go on in the kernel
         # after its rounds end: timed in its own rounds beside plain, so it disturbs no other mode.
@@ -227,10 +260,10 @@ def main(argv: list[str] | None = None) -> dict:
             t.update({c: t2[c] for c in heavy})
             t["plain (full_tensor rounds)"] = t2["plain"]
         ratio = {c: statistics.median(v) for c, v in rounds.items()}
-        mem_plain = peak_memory(name, "plain", args.memory_steps)
+        mem_plain = peak_memory(name, "plain", args.memory_steps, args.device)
         peak = {"plain": mem_plain}
         for b in backends:
-            peak[b] = peak_memory(name, f"{b}:full_health", args.memory_steps)
+            peak[b] = peak_memory(name, f"{b}:full_health", args.memory_steps, args.device)
             peak[f"{b}_ratio"] = peak[b] / mem_plain
         results["models"][name] = {"step_ms": {c: v * 1e3 for c, v in t.items()},
                                    "ratio": ratio,
@@ -242,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     what = "CPU time" if args.clock == "cpu" else "step time"
     table = Table(title=f"recorder overhead: {what} / plain {what} in the same round (median "
-                        f"\\[range] of {args.rounds} interleaved rounds x {args.steps} steps, {args.threads} threads)")
+                        f"\\[range] of {args.rounds} interleaved rounds x {args.steps} steps, {args.threads} threads, "
+                        f"{args.device})")
     table.add_column("config")
     for name in models:
         table.add_column(f"{name}\n({results['models'][name]['step_ms']['plain']:.1f} ms plain)", justify="right")
@@ -252,9 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
             lo, hi = results["models"][m]["ratio_range"][c]
             cells.append(f"{results['models'][m]['ratio'][c]:.2f}x [{lo:.2f}-{hi:.2f}]")
         table.add_row(c, *cells)
-    table.add_row("peak RSS plain", *[f"{results['models'][m]['peak_mib']['plain']:.0f} MiB" for m in models])
+    table.add_row(f"{memory} plain", *[f"{results['models'][m]['peak_mib']['plain']:.0f} MiB" for m in models])
     for b in backends:
-        table.add_row(f"peak RSS {b}:full_health", *[
+        table.add_row(f"{memory} {b}:full_health", *[
             f"{results['models'][m]['peak_mib'][b]:.0f} MiB ({results['models'][m]['peak_mib'][b + '_ratio']:.2f}x)"
             for m in models])
     Console().print(table)

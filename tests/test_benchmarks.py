@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_compile  # noqa: E402
 import bench_recorder  # noqa: E402
+import device_check  # noqa: E402
 
 
 def test_paired_ratios_per_round(monkeypatch):
@@ -52,7 +53,8 @@ def test_bare_mode_changes_nothing():
 def test_main_prints_the_table(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench_recorder, "WARMUP_SECONDS", 0.0)
     out = bench_recorder.main(["--models", "mlp", "--modes", "no_tensor", "--rounds", "2", "--steps", "1",
-                               "--memory-steps", "1", "--json", str(tmp_path / "r.json")])
+                               "--memory-steps", "1", "--device", "cpu", "--json", str(tmp_path / "r.json")])
+    assert out["device"] == "cpu"
     mlp = out["models"]["mlp"]
     assert set(mlp["ratio"]) == {"plain", bench_recorder.FLOOR, "native:no_tensor", "python:no_tensor",
                                  "detect_anomaly"}
@@ -60,7 +62,7 @@ def test_main_prints_the_table(tmp_path, capsys, monkeypatch):
     assert lo <= mlp["ratio"]["native:no_tensor"] <= hi
     assert mlp["peak_mib"]["plain"] > 0 and mlp["peak_mib"]["native"] > 0 and mlp["peak_mib"]["python"] > 0
     printed = capsys.readouterr().out
-    assert "dispatch_floor" in printed and "[range]" in printed
+    assert "dispatch_floor" in printed and "[range]" in printed and "peak RSS plain" in printed
     assert (tmp_path / "r.json").exists()
 
 
@@ -75,7 +77,9 @@ def test_compile_benchmark_prints_its_table(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(bench_compile, "MODELS", {"tiny": (tiny, lambda: bench_compile._data((3, 4), 2))})
     monkeypatch.setattr(bench_compile, "WARMUP_STEPS", 1)
-    out = bench_compile.main(["--models", "tiny", "--rounds", "2", "--steps", "1", "--json", str(tmp_path / "c.json")])
+    out = bench_compile.main(["--models", "tiny", "--rounds", "2", "--steps", "1", "--device", "cpu",
+                              "--json", str(tmp_path / "c.json")])
+    assert out["device"] == "cpu"
     tiny_row = out["models"]["tiny"]
     assert tiny_row["ratio"]["compiled plain"] == 1.0 and tiny_row["ratio"]["eager plain"] == 1.0
     lo, hi = tiny_row["ratio_range"]["compiled full_health"]
@@ -169,3 +173,13 @@ def test_compile_benchmark_compares_a_monitor_with_its_baseline_by_the_same_stat
     # and the monitor's recording step still counts
     monitor = next(c for c, _, _ in bench_compile.CONFIGS if "monitor" in c)
     assert bench_compile.round_ratio(monitor, [1.0] * 9 + [2.0], [1.0] * 10) == pytest.approx(1.1)
+
+
+@pytest.mark.timeout(300)
+def test_the_device_check_runs_its_checks_on_the_cpu(capsys):
+    """The script a session lent a GPU runs first (benchmarks/device_check.py), on the CPU: its
+    eager checks pass there, so a FAIL on the device is the device's."""
+    failed = device_check.main(["--device", "cpu", "--checks", "origin,check_numerics,monitor_amp,guard,resume"])
+    printed = capsys.readouterr().out
+    assert failed == 0, printed
+    assert printed.count("PASS") == 5 and "records match" in printed, printed
