@@ -63,10 +63,12 @@ def test_a_syntax_error_is_shown_as_python_shows_it(here):
     assert not (here / "r").exists()
 
 
-def test_a_runtime_error_shows_the_scripts_frames_only(here):
+@pytest.mark.parametrize("command", ["run", "monitor"])
+def test_a_runtime_error_shows_the_scripts_frames_only(here, command):
+    # `trainguard monitor` printed the runner's frames too (cli/_monitor.py, runpy) above the script's.
     (here / "boom.py").write_text("import json\n\ndef go():\n    raise ValueError('boom')\n\ngo()\n")
     plain = subprocess.run([sys.executable, "boom.py"], capture_output=True, text=True, cwd=here)
-    done = trainguard("run", "--logdir", "r", "boom.py", cwd=here)
+    done = trainguard(command, "--logdir", "r", "boom.py", cwd=here)
     assert done.returncode == 1
     traceback_lines = [x for x in done.stderr.splitlines() if not x.startswith("trainguard:")]
     assert "\n".join(traceback_lines) == plain.stderr.rstrip("\n")
