@@ -55,9 +55,12 @@ def test_export_into_a_place_that_cannot_be_made_is_one_line(here, capsys, monke
     assert len(lines) == 1 and lines[0].startswith("trainguard: error: ") and "/proc/no-such/out" in lines[0]
 
 
-def test_a_syntax_error_is_shown_as_python_shows_it(here):
+@pytest.mark.parametrize("command", ["run", "monitor"])
+def test_a_syntax_error_is_shown_as_python_shows_it(here, command):
+    # `trainguard monitor` made a run, printed runner frames and a script_crashed finding "called
+    # from <frozen runpy>:259"; `run` refuses the script before the run directory exists.
     plain = subprocess.run([sys.executable, "bad.py"], capture_output=True, text=True, cwd=here)
-    done = trainguard("run", "--logdir", "r", "bad.py", cwd=here)
+    done = trainguard(command, "--logdir", "r", "bad.py", cwd=here)
     assert done.returncode == plain.returncode == 1
     assert done.stderr == plain.stderr  # no trainguard frames, nothing else
     assert not (here / "r").exists()
