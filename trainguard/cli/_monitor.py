@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import runpy
 import sys
-import traceback
 from pathlib import Path
 
 from trainguard._errors import TrainguardError
@@ -21,7 +19,14 @@ from trainguard.cli._children import ChildWatch
 from trainguard.cli._preempt import Preemption, resume_point
 from trainguard.cli._render import err_console
 from trainguard.cli._spawned import Follow, Options, SpawnRefused, move_launcher_run
-from trainguard.cli._target import add_module_argument, module_file, module_script_args
+from trainguard.cli._target import (
+    add_module_argument,
+    execute,
+    module_file,
+    module_script_args,
+    print_traceback,
+    syntax_error,
+)
 from trainguard.store import default_name
 
 
@@ -91,14 +96,8 @@ def run_script(script: str, args: list[str], module: bool = False) -> tuple[int,
     if not module and not path.is_file():
         raise TrainguardError(f"no such script: {script!r}")
     saved_argv, saved_path = sys.argv[:], sys.path[:]
-    sys.argv = [script if module else str(path)] + list(args)
-    if not module:
-        sys.path.insert(0, str(path.resolve().parent))
     try:
-        if module:
-            runpy.run_module(script, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(str(path), run_name="__main__")
+        execute(script, args, module=module)
         return 0, None
     except SystemExit as exc:
         code = exc.code
@@ -108,7 +107,7 @@ def run_script(script: str, args: list[str], module: bool = False) -> tuple[int,
     except (KeyboardInterrupt, SpawnRefused):  # SpawnRefused: one line, from the CLI
         raise
     except BaseException as exc:  # the script's own error: keep its traceback, still diagnose
-        traceback.print_exc()
+        print_traceback(exc)
         return 1, exc
     finally:
         sys.argv = saved_argv
@@ -207,17 +206,20 @@ def _print_findings(findings, as_json: bool, header: str | None = None) -> None:
 def _cmd_monitor(args) -> int:
     thresholds = parse_overrides(args.set) or None  # a bad name fails before the script runs
     if args.module:
-        module_file(args.module)  # no such module: refused before the run directory exists
         target, script_args = args.module, module_script_args(args)
     elif not args.script:
         raise TrainguardError("give a script to run (trainguard monitor script.py ARGS) or -m module")
     else:
         target, script_args = args.script, list(args.args)
+        if not os.path.isfile(target):
+            raise TrainguardError(f"no such script: {target!r}")
+    # What cannot run is refused before the run directory exists, as `trainguard run` does.
+    source = module_file(target) if args.module else target
+    if source is not None and syntax_error(source):
+        return 1
     if _launch.wants_launch(args):  # torchrun's agent here: each rank monitors into LOGDIR/rank-K
         if args.resume and args.overwrite:
             raise TrainguardError("choose one of --resume and --overwrite")
-        if not args.module and not os.path.isfile(args.script):
-            raise TrainguardError(f"no such script: {args.script!r}")
         logdir = Path(args.logdir) if args.logdir else Path("runs") / default_name("monitor")
         return _launch.launch(args.parser, args, logdir.absolute(), command="monitor")
     code, logdir, findings = monitor_script(

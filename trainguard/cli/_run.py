@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from trainguard._errors import Diverged, NonFiniteError, TrainguardError
@@ -24,7 +22,14 @@ from trainguard.cli._children import ChildWatch
 from trainguard.cli._preempt import Preemption, resume_point
 from trainguard.cli._render import err_console
 from trainguard.cli._spawned import Follow, Options, SpawnRefused, ended_with_nonfinite, move_launcher_run
-from trainguard.cli._target import add_module_argument, module_file, module_script_args
+from trainguard.cli._target import (
+    add_module_argument,
+    execute,
+    module_file,
+    module_script_args,
+    print_traceback,
+    syntax_error,
+)
 from trainguard.store import MODES, default_name
 
 
@@ -97,7 +102,7 @@ def _cmd(args: argparse.Namespace) -> int:
         raise TrainguardError(f"--every must be an int >= 1, got {args.every}")
     # What cannot run is refused before the run directory exists: no empty run is left behind.
     source = module_file(target) if args.module else target
-    if source is not None and _syntax_error(source):
+    if source is not None and syntax_error(source):
         return 1
 
     import trainguard as tg
@@ -170,14 +175,7 @@ def _cmd(args: argparse.Namespace) -> int:
             # freeing a DDP model frees its gloo process group, whose destructor joins gloo's
             # thread with the GIL held, and hangs while that thread still has to let go of the last
             # collective's tensors (accelerate's loop on two ranks, right after its last all-gather).
-            if args.module:
-                sys.argv = [target] + script_args
-                script_globals.append(runpy.run_module(target, run_name="__main__", alter_sys=True))
-            else:
-                sys.argv = [target] + script_args
-                sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
-                # python names it absolutely too
-                script_globals.append(runpy.run_path(os.path.abspath(target), run_name="__main__"))
+            script_globals.append(execute(target, script_args, module=bool(args.module)))
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             if exc.code is not None and not isinstance(exc.code, int):
@@ -201,7 +199,7 @@ def _cmd(args: argparse.Namespace) -> int:
             error = exc
         except BaseException as exc:
             # The script's own traceback, as Python would print it, and Python's exit code.
-            _print_traceback(exc)
+            print_traceback(exc)
             code = 1
             error = exc
         finally:
@@ -282,32 +280,6 @@ def _spawned_ending(logdir: Path, follow: Follow, recorder, *, own_training: boo
                       f"{where}; see `trainguard report {logdir}` or `trainguard ui {logdir}`",
                       markup=False, highlight=False, soft_wrap=True)
     return code
-
-
-def _syntax_error(path: str) -> bool:
-    """Print a syntax error in ``path`` as ``python path`` would, and say whether there was one."""
-    try:
-        with open(path, "rb") as fh:
-            compile(fh.read(), os.path.abspath(path), "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc)))
-        return True
-    except (OSError, ValueError):
-        return False  # runpy reports it, as python would
-    return False
-
-
-# Frames of the runner itself (this module, runpy) that come before the script's own.
-_RUNNER_FILES = (os.path.abspath(__file__), "<frozen runpy>", os.path.abspath(runpy.__file__))
-
-
-def _print_traceback(exc: BaseException) -> None:
-    """The script's traceback as ``python script.py`` prints it: its own frames, not the runner's."""
-    tb = exc.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename in _RUNNER_FILES
-                              or os.path.abspath(tb.tb_frame.f_code.co_filename) in _RUNNER_FILES):
-        tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb if tb is not None else exc.__traceback__)
 
 
 def _print_cause(run_dir: Path) -> None:
