@@ -598,3 +598,21 @@ def test_link_prediction_on_one_graph_is_not_leakage(tmp_path):
             test(torch.cat([train_e, val_e], 1), test_e)  # test_data's: the validation edges added
     problems = [(f.kind, f.title) for f in mon.findings if f.is_problem]
     assert problems == [], problems
+
+
+def test_a_losss_own_warning_points_at_the_users_line_not_the_wrapper(tmp_path):
+    # A regression loss whose prediction is [N, 1] and target [N]: torch warns "Using a target
+    # size ... different to the input size" at its caller's line. Under the monitor the caller was
+    # the functional-loss wrapper, so the warning read "trainguard/capture/_monitor_eval.py:97"
+    # and the user could not find their line.
+    import warnings
+
+    model = nn.Linear(4, 1)
+    with Monitor(model, tmp_path / "run", every=1), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x, y = torch.randn(8, 4), torch.randn(8)
+        line = __import__("inspect").currentframe().f_lineno + 1
+        F.mse_loss(model(x), y).backward()
+    [w] = [w for w in caught if "target size" in str(w.message)]
+    assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno)
+    assert issubclass(w.category, UserWarning)
