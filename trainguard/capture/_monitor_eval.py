@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -92,6 +93,27 @@ def _trace(name: str, args: tuple, kwargs: dict, out: Any) -> None:
         _tap([out, pred, target], name, reduction, ignore, torch.is_grad_enabled())
 
 
+def _show_at_caller(msg: Any) -> None:
+    """``warnings._showwarnmsg`` while the losses are wrapped: torch warns at its caller's line
+    (``stacklevel=2``: "Using a target size ... different to the input size"), which is the
+    wrapper's; the warning is shown at the user's call instead, where the wrapper was called.
+    (Filters and "once per line" judged it at the wrapper's line already: a warning seen from one
+    of the user's lines is not shown again from another.)"""
+    if msg.filename == __file__:
+        f = sys._getframe(1)
+        while f is not None and f.f_code is not _LOSS_CODE:
+            f = f.f_back
+        if f is not None and f.f_back is not None:
+            caller = f.f_back
+            msg = warnings.WarningMessage(msg.message, msg.category, caller.f_code.co_filename, caller.f_lineno,
+                                          msg.file, None, msg.source)
+    _shown[0](msg)
+
+
+_shown: list[Callable] = []  # warnings._showwarnmsg before _show_at_caller replaced it
+_LOSS_CODE: Any = None  # the wrappers' code (one for all of them)
+
+
 def _wrap(name: str, fn: Callable) -> Callable:
     def loss(*args, **kwargs):
         out = fn(*args, **kwargs)
@@ -105,6 +127,8 @@ def _wrap(name: str, fn: Callable) -> Callable:
                     pass
         return out
 
+    global _LOSS_CODE
+    _LOSS_CODE = loss.__code__
     loss.__wrapped__ = fn  # type: ignore[attr-defined]
     loss.__name__ = fn.__name__
     loss.__doc__ = fn.__doc__
@@ -122,6 +146,9 @@ def add_listener(fn: Callable[[str, tuple, dict, Any], None]) -> None:
                     continue
                 _originals[name] = orig
                 setattr(F, name, _wrap(name, orig))
+            if not _shown:
+                _shown.append(warnings._showwarnmsg)
+                warnings._showwarnmsg = _show_at_caller
         _listeners.append(fn)
 
 
@@ -134,6 +161,10 @@ def remove_listener(fn: Callable) -> None:
                 if getattr(getattr(F, name, None), "__wrapped__", None) is orig:
                     setattr(F, name, orig)
             _originals.clear()
+            if _shown:
+                if warnings._showwarnmsg is _show_at_caller:
+                    warnings._showwarnmsg = _shown[0]
+                _shown.clear()
 
 
 def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
