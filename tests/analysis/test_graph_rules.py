@@ -312,3 +312,54 @@ def test_timm_soft_target_cross_entropy_is_healthy_in_a_recording_and_negated_ta
     findings, _ = _recorded(tmp_path / "bad", _ce_negated_onehot)
     _only(findings, "cross_entropy_targets_not_probabilities")
     _only(_monitored(tmp_path / "bad2", _ce_negated_onehot), "cross_entropy_targets_not_probabilities")
+
+
+# A regression head of one output against targets of shape [N] (the classic silent bug; torch only
+# warns "Using a target size ... different to the input size"): the loss compares every prediction
+# with every target, and the model learns the targets' batch mean. trainguard said only "Loss is
+# not decreasing" with a generic fix (shuffle targets with inputs, check nothing detaches).
+BROADCAST_LOSSES = {
+    "mse_loss": lambda p, t: F.mse_loss(p, t),
+    "l1_loss": lambda p, t: nn.L1Loss()(p, t),
+    "smooth_l1_loss": lambda p, t: F.smooth_l1_loss(p, t),
+    "huber_loss": lambda p, t: nn.HuberLoss()(p, t),
+}
+
+
+def _regress(loss_fn, target=lambda y: y, steps=6):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        x = torch.randn(32, 8)
+        y = target(x.sum(1))  # [32]
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+@pytest.mark.parametrize("name", list(BROADCAST_LOSSES))
+def test_a_regression_loss_broadcast_against_its_targets_is_an_error(tmp_path, name):
+    with tg.Monitor(None, tmp_path / "mon", every=2) as mon:
+        _regress(BROADCAST_LOSSES[name])
+    [f] = [f for f in mon.findings if f.kind == "loss_broadcast"]
+    assert f.severity == "error"
+    assert f.evidence["loss"] == name
+    assert f.evidence["prediction_shape"] == [32, 1] and f.evidence["broadcast_shape"] == [32, 32]
+    assert f.evidence["backward_at"]["file"].endswith("test_graph_rules.py")
+    assert "[32, 1]" in f.title and "[32, 32]" in f.title
+    assert "squeeze" in f.suggestion
+    with tg.record(tmp_path / "rec"):  # trainguard run without --monitor: the report still says it
+        _regress(BROADCAST_LOSSES[name])
+    with open_run(tmp_path / "rec") as run:
+        assert [f.kind for f in diagnose(run) if f.kind == "loss_broadcast"] == ["loss_broadcast"]
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+@pytest.mark.parametrize("target", [lambda y: y.unsqueeze(1), lambda y: y[:1], lambda y: y.mean()],
+                         ids=["same shape", "one target", "scalar target"])
+def test_a_regression_loss_with_matching_or_constant_targets_is_no_broadcast(tmp_path, target):
+    with tg.Monitor(None, tmp_path / "mon", every=2) as mon:
+        _regress(BROADCAST_LOSSES["mse_loss"], target)
+    assert [f.kind for f in mon.findings if f.kind == "loss_broadcast"] == []
