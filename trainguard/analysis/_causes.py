@@ -61,7 +61,8 @@ IN_TRAINING: dict[str, tuple[str, ...]] = {
 _GRAPH_SYMPTOMS = ("loss_not_decreasing", "loss_spike", "loss_oscillating", "lr_too_high", "lr_too_low",
                    "exploding_activations", "exploding_gradient", "vanishing_gradient", "saturated_activations")
 for _cause in ("custom_gradient_wrong", "softmax_before_cross_entropy", "sigmoid_before_bce_with_logits",
-               "nll_loss_on_probabilities", "nll_loss_on_logits", "cross_entropy_targets_not_probabilities"):
+               "nll_loss_on_probabilities", "nll_loss_on_logits", "cross_entropy_targets_not_probabilities",
+               "loss_broadcast"):
     EXPLAINS[_cause] = _GRAPH_SYMPTOMS
 # A loss over one class is 0 whatever the weights: no gradient reaches them.
 EXPLAINS["cross_entropy_one_class"] = (*_GRAPH_SYMPTOMS, "param_zero_gradient")

@@ -63,6 +63,7 @@ MONITOR_RULES = (
     "grad_scaler_skips",
     "replicas_not_synchronized",
     # loss misuse read off the op graph (analysis/_graph_rules.py)
+    "loss_broadcast",
     "softmax_before_cross_entropy",
     "sigmoid_before_bce_with_logits",
     "nll_loss_on_probabilities",

@@ -318,11 +318,42 @@ def _module_matches(kind: str, type_name: str | None) -> bool:
     return type_name in want
 
 
+BROADCAST_FIX = (
+    "make the prediction and the target the same shape before the loss: `output.squeeze(-1)` for a model "
+    "with one output per sample (or `target.unsqueeze(-1)` / `target.view_as(output)`); as it is, the loss "
+    "compares every prediction with every target of the batch, and the model learns their batch mean"
+)
+
+
+def _broadcast_findings(ctx: Context) -> list[Finding]:
+    """A regression loss that broadcast its prediction against its target (capture/_loss_watch)."""
+    for rec in ctx.run.meta.get("loss_graph") or []:
+        for head in rec.get("heads") or []:
+            if "broadcast_shape" not in head:
+                continue
+            pred, to = head["prediction_shape"], head["broadcast_shape"]
+            b = rec.get("backward_at")
+            where = f" (the loss backpropagated at {b['file']}:{b['line']})" if b else ""
+            ev = {"source": "autograd graph", "loss": head["loss"], "prediction_shape": pred, "broadcast_shape": to,
+                  "chain": [{"op": op} for op in head.get("chain") or []], "backward_at": b}
+            return [Finding(kind="loss_broadcast", severity="error",
+                            title=f"{head['loss']} broadcast predictions of shape {pred} against their targets to "
+                                  f"{to}: every prediction is compared with every target{where}",
+                            evidence=ev, suggestion=BROADCAST_FIX, source=SOURCE)]
+    return []
+
+
+@register_rule("loss_broadcast")
+def loss_broadcast(ctx: Context) -> list[Finding]:
+    """A regression loss broadcast its prediction against the targets (read off the loss's autograd graph)."""
+    return [f for f in graph_findings(ctx) if f.kind == "loss_broadcast"]
+
+
 def recording_findings(run: Any, findings: list[dict]) -> list[dict]:
     """The loss-misuse findings of a recording that ``findings`` (those stored in it) lack:
     ``trainguard run`` without ``--monitor`` stores none, and its report still names them."""
     have = {f.get("kind") for f in findings}
-    if have & set(KINDS):
+    if have & (set(KINDS) | {"loss_broadcast"}):
         return []
     ctx = Context(run, Thresholds())
     return [f.to_dict() for f in graph_findings(ctx)]
@@ -346,6 +377,7 @@ def graph_findings(ctx: Context) -> list[Finding]:
         if got is not None:
             found.append(_finding(got[0], got[1], head, "recorded op graph", {}))
     found += _monitor_findings(ctx, tol)
+    found += _broadcast_findings(ctx)
     by_kind: dict[str, Finding] = {}
     for f in found:
         by_kind.setdefault(f.kind, f)
@@ -365,4 +397,4 @@ def _rule(kind: str):
 for _kind in KINDS:
     _rule(_kind)
 
-__all__ = ["KINDS", "graph_findings", "judge", "recorded_heads", "recording_findings"]
+__all__ = ["KINDS", "graph_findings", "judge", "loss_broadcast", "recorded_heads", "recording_findings"]

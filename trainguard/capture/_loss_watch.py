@@ -16,6 +16,7 @@ after the last inspection (or when the run ends first).
 from __future__ import annotations
 
 import logging
+import math
 import re
 import sys
 import threading
@@ -160,6 +161,34 @@ def _soft_ce(fn: Any) -> tuple[Any, torch.Tensor, int] | None:
     return heads[0][1], target, dim % target.dim() if target.dim() else 0
 
 
+# Regression losses that broadcast their prediction against the target (torch only warns).
+_REGRESSION_LOSSES = ("mse_loss", "smooth_l1_loss", "huber_loss")
+
+
+def _broadcast(fn: Any, op: str) -> dict | None:
+    """The prediction's shape and the shape it was broadcast to against the target, when a
+    regression loss (F.mse_loss, smooth_l1, huber; l1_loss as ``abs(sub(...))``) had to expand it:
+    a prediction of [N, 1] against targets of [N] compares every prediction with every target."""
+    if op == "abs":  # F.l1_loss: abs(expand(input) - expand(target))
+        nxt = _next(fn)
+        if len(nxt) != 1 or nxt[0] is None or node_op(nxt[0]) != "sub":
+            return None
+        sub = nxt[0]
+        saved = _saved(fn, "_saved_self")
+    else:
+        sub = fn
+        saved = _saved(fn, "_saved_self")
+    pair = [nf for nf, _ in getattr(sub, "next_functions", ())]
+    if len(pair) != 2 or pair[0] is None or node_op(pair[0]) != "expand" or saved is None:
+        return None
+    before = getattr(pair[0], "_saved_self_sym_sizes", None)
+    after = [int(d) for d in saved.shape]
+    if before is None or math.prod(after) <= math.prod(int(d) for d in before):
+        return None
+    return {"loss": "l1_loss" if op == "abs" else op, "prediction_shape": [int(d) for d in before],
+            "broadcast_shape": after, "chain": _chain(pair[0])}
+
+
 def inspect_loss(loss: torch.Tensor) -> list[dict]:
     """The loss heads below ``loss``: which loss function, the ops that made its input, facts."""
     heads: list[dict] = []
@@ -199,6 +228,8 @@ def inspect_loss(loss: torch.Tensor) -> list[dict]:
                 if target.numel():
                     head["facts"] = _facts_targets(target, dim)
                     head["classes"] = int(target.shape[dim]) if target.dim() else 1
+        elif op in _REGRESSION_LOSSES or op == "abs":
+            head = _broadcast(fn, op)
         if head is not None:
             heads.append(head)
             continue
