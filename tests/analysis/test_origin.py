@@ -919,6 +919,38 @@ def test_an_inf_written_into_the_data_set_is_told_to_repair_the_data(tmp_path):
     assert "sample" in o.suggestion and "doctor" in o.suggestion, o.suggestion
 
 
+
+def test_an_inf_written_into_a_full_batch_graph_read_in_the_same_step_is_about_the_data(tmp_path):
+    """pytorch_geometric's examples/gat.py (full-batch node classification, one graph, one step per
+    epoch) on a synthetic graph with one node feature written to +inf before training
+    (``data.x[3, 0] = float("inf")``): the first epoch is step 0, as the write, and the fix read "a
+    log-probability of 0 for a sample outside a bounded support ... a Gaussian base for a flow".
+    The value went into the model's forward (dropout's 0 * inf made the NaN in Net): it is the data's."""
+    x = torch.randn(6, 4)
+    edge_index = torch.tensor([[0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 0]])
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x, edge_index):
+            x = nn.functional.dropout(x, p=0.5, training=self.training)
+            h = self.lin(x)
+            return torch.zeros_like(h).index_add_(0, edge_index[1], h[edge_index[0]])
+
+    torch.manual_seed(0)
+    model = Net()
+
+    def f():
+        x[3, 0] = float("inf")
+        nn.functional.cross_entropy(model(x, edge_index), torch.tensor([0, 1, 0, 1, 0, 1])).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.origin.step == o.chain[0].step == 0, o.summary
+    assert "support" not in o.suggestion and "torch.where(torch.isfinite(log_p)" not in o.suggestion, o.suggestion
+    assert "sample" in o.suggestion and "doctor" in o.suggestion, o.suggestion
+
 def test_a_nan_a_dataset_writes_into_its_sample_is_about_the_data_not_a_flow(tmp_path):
     """facebookresearch/detr's train_one_epoch (engine.py) over a data set whose __getitem__ writes
     a NaN pixel into the image it makes (``img[0, 10, 10] = float("nan")``, a corrupt image): the
