@@ -150,3 +150,15 @@ def test_a_full_graph_is_a_batch_of_its_nodes():
     fit = doctor.overfit_one_batch(GCNish(), (data, data.y), _loss, steps=200, lr=0.02, max_samples=16)
     assert fit.passed and fit.to_dict()["samples"] == 16, fit.summary
     assert data.num_nodes == 60 and data.edge_index.shape == (2, 240)
+
+
+def test_validate_data_says_it_does_not_read_graphs():
+    """On mutag_gin.py's batches the error read "... a re-iterable of (inputs, targets) batches; got
+    list", which is what it was given."""
+    import pytest
+
+    batches = [(b, b.y) for b in (GraphBatch.from_data_list(_graphs(16)[i:i + 8]) for i in (0, 8))]
+    for data in (batches, batches[0], GraphBatch.from_data_list(_graphs(4))):
+        with pytest.raises(doctor.DoctorInputError) as e:
+            doctor.validate_data(data)
+        assert "graph" in str(e.value) and "(data.x, data.y)" in str(e.value), str(e.value)
