@@ -162,3 +162,63 @@ def test_validate_data_says_it_does_not_read_graphs():
         with pytest.raises(doctor.DoctorInputError) as e:
             doctor.validate_data(data)
         assert "graph" in str(e.value) and "(data.x, data.y)" in str(e.value), str(e.value)
+
+
+class AttentionConv(nn.Module):
+    """PyG's GATConv(dropout=0.6) cut down: attention over each node's in-edges, its coefficients
+    dropped with ``F.dropout(alpha, p=self.dropout, training=self.training)``."""
+
+    def __init__(self, channels: int, out: int, dropout: float):
+        super().__init__()
+        self.lin = nn.Linear(channels, out)
+        self.att = nn.Parameter(torch.randn(2 * out) * 0.1)
+        self.dropout = dropout
+
+    def forward(self, x, edge_index):
+        h = self.lin(x)
+        src, dst = edge_index
+        score = (torch.cat([h[src], h[dst]], 1) @ self.att).exp()
+        alpha = score / torch.zeros(x.shape[0]).index_add_(0, dst, score)[dst]
+        alpha = nn.functional.dropout(alpha, p=self.dropout, training=self.training)
+        return h + torch.zeros_like(h).index_add_(0, dst, alpha[:, None] * h[src])
+
+
+class PygMLP(nn.Module):
+    """PyG's MLP([16, 16, 2], dropout=0.5): a list of rates, F.dropout after each hidden layer,
+    its norm layers modules of their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 2)])
+        self.norms = nn.ModuleList([nn.BatchNorm1d(16)])
+        self.dropout = [0.5, 0.0]
+
+    def forward(self, x):
+        x = self.norms[0](self.lins[0](x)).relu()
+        x = nn.functional.dropout(x, p=self.dropout[0], training=self.training)
+        return self.lins[1](x)
+
+
+def test_overfit_switches_off_the_dropout_rates_pyg_layers_keep():
+    """examples/gat.py's GATConv(dropout=0.6) and mutag_gin.py's MLP(dropout=0.5) draw their masks
+    with F.dropout on a rate they hold: overfit_one_batch said "random" and told to use an
+    nn.Dropout module instead, which a library layer does not let the user do."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = AttentionConv(6, 16, dropout=0.6)
+            self.mlp = PygMLP()
+
+        def forward(self, d):
+            return self.mlp(self.conv(d.x, d.edge_index))
+
+    g = torch.Generator().manual_seed(2)
+    y = torch.randint(0, 2, (40,), generator=g)
+    data = Graph(x=torch.randn(40, 6, generator=g) + y[:, None], y=y,
+                 edge_index=torch.stack([torch.randint(0, 40, (160,), generator=g),
+                                         torch.randint(0, 40, (160,), generator=g)]))
+    torch.manual_seed(0)
+    model = Net()
+    fit = doctor.overfit_one_batch(model, (data, data.y), _loss, steps=150, lr=0.01, max_samples=16)
+    assert fit.reason != "random" and fit.passed, fit.summary
+    assert model.training and model.conv.training and model.mlp.training and model.mlp.norms[0].training
