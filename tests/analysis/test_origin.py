@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 
 import pytest
@@ -918,6 +919,38 @@ def test_an_inf_written_into_the_data_set_is_told_to_repair_the_data(tmp_path):
     assert "sample" in o.suggestion and "doctor" in o.suggestion, o.suggestion
 
 
+
+def test_an_inf_written_into_a_full_batch_graph_read_in_the_same_step_is_about_the_data(tmp_path):
+    """pytorch_geometric's examples/gat.py (full-batch node classification, one graph, one step per
+    epoch) on a synthetic graph with one node feature written to +inf before training
+    (``data.x[3, 0] = float("inf")``): the first epoch is step 0, as the write, and the fix read "a
+    log-probability of 0 for a sample outside a bounded support ... a Gaussian base for a flow".
+    The value went into the model's forward (dropout's 0 * inf made the NaN in Net): it is the data's."""
+    x = torch.randn(6, 4)
+    edge_index = torch.tensor([[0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 0]])
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x, edge_index):
+            x = nn.functional.dropout(x, p=0.5, training=self.training)
+            h = self.lin(x)
+            return torch.zeros_like(h).index_add_(0, edge_index[1], h[edge_index[0]])
+
+    torch.manual_seed(0)
+    model = Net()
+
+    def f():
+        x[3, 0] = float("inf")
+        nn.functional.cross_entropy(model(x, edge_index), torch.tensor([0, 1, 0, 1, 0, 1])).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.origin.step == o.chain[0].step == 0, o.summary
+    assert "support" not in o.suggestion and "torch.where(torch.isfinite(log_p)" not in o.suggestion, o.suggestion
+    assert "sample" in o.suggestion and "doctor" in o.suggestion, o.suggestion
+
 def test_a_nan_a_dataset_writes_into_its_sample_is_about_the_data_not_a_flow(tmp_path):
     """facebookresearch/detr's train_one_epoch (engine.py) over a data set whose __getitem__ writes
     a NaN pixel into the image it makes (``img[0, 10, 10] = float("nan")``, a corrupt image): the
@@ -1076,3 +1109,59 @@ def test_a_missing_value_in_a_csv_a_dataloader_fetched_is_told_to_repair_the_dat
     assert o.origin.op == "aten.lift_fresh", o.summary
     assert "gymnasium" not in o.suggestion and "data set" in o.suggestion, o.suggestion
     assert "missing value" in o.suggestion and "__getitem__" in o.suggestion, o.suggestion
+
+
+# What torch_geometric/template.py writes for a MessagePassing layer (nn/conv/propagate.jinja,
+# cut down): the collect step gathers the source rows, the user's message runs, and the
+# aggregation (here a mean written as a sum over a count) reduces them onto the target nodes.
+_PYG_PROPAGATE = """\
+import torch
+
+
+def propagate(self, edge_index, x):
+    x_j = x.index_select(0, edge_index[0])
+    msg = self.message(x_j)
+    index = edge_index[1]
+    out = x.new_zeros(x.size(0), x.size(1)).index_add_(0, index, msg)
+    count = x.new_zeros(x.size(0)).index_add_(0, index, torch.ones_like(index, dtype=x.dtype))
+    return out / count.view(-1, 1)
+"""
+
+
+def test_an_origin_inside_pygs_generated_propagate_is_the_users_call_not_the_temp_file(tmp_path):
+    """PyG's MessagePassing renders ``propagate`` into a module in the temp dir (tempfile's
+    NamedTemporaryFile, prefix ``{cls.__module__}_{cls.__name__}_propagate_``) and imports it. A
+    node with no incoming edge made 0 / 0 there, and the origin named
+    /tmp/..._HandConv_propagate_<8 chars>.py:10 as the user's line, a file the user never wrote."""
+    import importlib.util
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", prefix=f"{__name__}_HandConv_propagate_", suffix=".py",
+                                     delete=False) as f:
+        f.write(_PYG_PROPAGATE)
+    try:
+        spec = importlib.util.spec_from_file_location("pyg_generated_propagate", f.name)
+        generated = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(generated)
+
+        class HandConv(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+
+            def message(self, x_j):
+                return x_j
+
+            def forward(self, x, edge_index):
+                return generated.propagate(self, edge_index, x=self.lin(x))
+
+        conv = HandConv()
+        edge_index = torch.tensor([[0, 1, 2], [1, 2, 0]])  # node 3 has no incoming edge
+        x = torch.randn(4, 4)
+
+        o = origin(record(tmp_path, lambda: conv(x, edge_index).sum().backward()))
+    finally:
+        os.unlink(f.name)
+    assert o.origin.op == "aten.div.Tensor"
+    assert (o.origin.file, o.origin.line) == (__file__, HandConv.forward.__code__.co_firstlineno + 1), o.summary
+    assert o.origin.module == "", o.origin.module

@@ -244,3 +244,39 @@ def test_max_rewinds_spent_on_batches_that_held_nan_themselves_says_the_data_set
     msg = str(info.value)
     assert "every rewind went to a batch holding NaN/Inf itself" in msg, msg
     assert "samples 5, 14, 23)" in msg and "the data set" in msg and "doctor" in msg, msg
+
+
+class _GraphBatch:
+    """torch_geometric.data.Batch as its DataLoader collates graphs (mutag_gin.py): node features
+    ``x`` of all graphs stacked, ``batch`` the graph of each node, ``y`` one label per graph;
+    ``to_dict()`` its attributes (the test install has no PyG)."""
+
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+    @property
+    def num_graphs(self) -> int:
+        return int(self.y.shape[0])
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def test_a_graph_batch_names_the_graph_whose_nodes_hold_nan():
+    # pytorch_geometric's examples/mutag_gin.py under the guard with one graph of the data set holding
+    # a NaN node feature (sample 37): batch_nonfinite looked into tuples, lists and dicts only, so
+    # the guard said "index_select made nan from input 0, which came from outside the recording
+    # ... check the inputs and the previous step", and rewound again each epoch the graph came back.
+    from trainguard.guard._replay import batch_nonfinite
+
+    sizes = [3, 4, 2, 5]  # nodes of graphs 0..3
+    batch = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])
+    x = torch.randn(sum(sizes), 6)
+    x[3 + 4 + 1, 2] = float("nan")  # the second node of graph 2
+    g = _GraphBatch(x=x, edge_index=torch.tensor([[0, 3, 7], [1, 4, 8]]), y=torch.tensor([0, 1, 1, 0]),
+                    batch=batch, edge_attr=torch.ones(3, 2))
+    assert batch_nonfinite(g, [35, 36, 37, 38]) == {
+        "size": 4, "rows": [2], "samples": [37], "kinds": ["nan"], "where": ".x"}
+    g.edge_attr[0, 1] = float("inf")  # an edge of graph 0
+    assert batch_nonfinite(g, [35, 36, 37, 38])["samples"] == [35, 37]
+    assert batch_nonfinite((g, g.y), [35, 36, 37, 38])["samples"] == [35, 37]

@@ -960,7 +960,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
     ``consumers``: the ops the value went through after ``link``, nearest first; ``log_of``: what a
     log's input is (:func:`log_of_sigmoid`); ``held``: the value became harmful in a later step than
-    it was made (it sat in a tensor meanwhile), or was made in a sample of the data (:func:`made_in_loader`); ``exp_param``: the parameter an exp's input is, read
+    it was made (it sat in a tensor meanwhile), or was made in a sample of the data (:func:`made_in_loader`)
+    or went through the model (:func:`_fed_to_model`); ``exp_param``: the parameter an exp's input is, read
     through reshapes (:func:`parameter_behind_view`); ``loader``: made in a DataLoader's fetch
     (:func:`made_in_loader`)."""
     consumers = consumers or []
@@ -1038,6 +1039,25 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     return _SUGGESTIONS["accum"]
 
 
+def _fed_to_model(run: Run, chain: list[Link]) -> bool:
+    """The value was written outside any module and went through one that is not a loss on its way
+    to the harm: a sample the model read (a full-batch graph's node features, written before the
+    first epoch and read in that same step 0), not a sentinel the code keeps in its loss (a flow's
+    log-density, which meets no module)."""
+    if chain[-1].module is not None:
+        return False
+    for link in chain[:-1]:
+        if link.module is None:
+            continue
+        try:
+            mtype = run.execution(link.seq).get("module_type") or ""
+        except KeyError:  # evicted by the circular buffer
+            continue
+        if not mtype.endswith("Loss"):
+            return True
+    return False
+
+
 def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: int | None = None,
            handled: bool = False) -> Origin | None:
     """The walk back from execution ``seq`` (default: where the first harmful value became
@@ -1102,7 +1122,7 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     fed = fed_back(run, o) if first_forward and o.step == 0 else None
     consumers = [link.op for link in reversed(chain[:-1])]
     loader = made_in_loader(run, o)
-    held = (h.step is not None and o.step is not None and h.step > o.step) or loader
+    held = (h.step is not None and o.step is not None and h.step > o.step) or loader or _fed_to_model(run, chain)
     suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
                          exp_param=parameter_behind_view(run, o), loader=loader)
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm)

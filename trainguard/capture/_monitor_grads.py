@@ -35,7 +35,7 @@ import torch
 
 from trainguard.capture._layer_stats import grad_stats, histogram, sparse_values, squared_norm_sum
 from trainguard.capture._local import holders, local
-from trainguard.capture._monitor_model import Param
+from trainguard.capture._monitor_model import Param, is_lazy
 from trainguard.capture._monitor_ship import Shipper
 
 
@@ -277,7 +277,7 @@ class GradientWatch:
         """At recording steps: the first gradient to reach a parameter checks what .grad still holds."""
         for p in params:
             t = p.ref()
-            if t is not None and t.requires_grad:
+            if t is not None and t.requires_grad and not is_lazy(t):  # a lazy one is hooked once materialised
                 self._hooks.append(t.register_hook(self._make_hook(p, step_of)))
 
     def unhook_params(self) -> None:

@@ -48,11 +48,27 @@ class Param:
         self.ref = weakref.ref(param)
         self.layer = layer
         self.module_type = module_type
-        self.shape = list(param.shape)
+        # a lazy parameter (nn.LazyLinear, PyG's Linear(-1, out)) has no shape until the first
+        # forward materialises it, the same object: read then (see shape_of)
+        self.shape = None if is_lazy(param) else list(param.shape)
         self.dtype = str(param.dtype).removeprefix("torch.")
         # owned by a module that cannot run (no forward of its own): a holder of another model's
         # parameters, such as the TensorDictParams of TorchRL's loss modules
         self.held = held
+
+
+def is_lazy(param: torch.Tensor) -> bool:
+    """An ``UninitializedParameter`` (or buffer): no shape, no data, no hooks until materialised."""
+    return isinstance(param, nn.parameter.UninitializedTensorMixin)
+
+
+def shape_of(p: Param) -> list[int] | None:
+    """The parameter's shape: as attached, or, for a lazy one, as materialised since (None while it is not)."""
+    if p.shape is None:
+        param = p.ref()
+        if param is not None and not is_lazy(param):
+            p.shape = list(param.shape)
+    return p.shape
 
 
 class Root:
@@ -170,7 +186,7 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
     updaters = updaters or {}
 
     def param(p: Param) -> dict:
-        info = {"layer": p.layer, "module_type": p.module_type, "shape": p.shape, "dtype": p.dtype,
+        info = {"layer": p.layer, "module_type": p.module_type, "shape": shape_of(p), "dtype": p.dtype,
                 "requires_grad": bool(p.ref() is not None and p.ref().requires_grad) or id(p) in trainable}
         if id(p) in updaters:
             info["optimizer"], info["orthogonalised"] = updaters[id(p)]

@@ -8,12 +8,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainguard.doctor._state import DoctorInputError, first_tensor
+from trainguard.doctor._state import DoctorInputError, first_tensor, is_graph
 
 # A DataLoader without a length (over a stream) is read for at most this many batches.
 UNSIZED_BATCHES = 1000
 # Targets with more distinct integer values than this are treated as regression.
 MAX_CLASSES = 10_000
+
+
+_GRAPHS = ("graphs (PyTorch Geometric Data or Batch) are not read by validate_data: pass the node features "
+           "and labels as arrays, (data.x, data.y), or per-graph features and labels")
 
 
 @dataclass
@@ -34,6 +38,8 @@ class Split:
 
 
 def to_numpy(obj: Any, what: str) -> np.ndarray:
+    if is_graph(obj):
+        raise DoctorInputError(f"{what}: {_GRAPHS}")
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu()
         if t.dtype in (torch.bfloat16, torch.float16):
@@ -89,6 +95,9 @@ def read_split(obj: Any, name: str) -> Split:
 
     x: Any
     y: Any = None
+    first = obj[0] if isinstance(obj, (tuple, list)) and obj else None
+    if is_graph(obj) or is_graph(first) or (isinstance(first, (tuple, list)) and first and is_graph(first[0])):
+        raise DoctorInputError(f"{name} data: {_GRAPHS}")
     if isinstance(obj, (tuple, list)) and len(obj) == 2 and all(is_array(o) for o in obj):
         x, y = obj
     elif (isinstance(obj, (tuple, list)) and obj

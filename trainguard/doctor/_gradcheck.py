@@ -59,6 +59,7 @@ from trainguard.doctor._state import (
     Buffers,
     DoctorInputError,
     as_float,
+    batch_size,
     check_loss_fn,
     check_model,
     check_positive,
@@ -293,7 +294,7 @@ def gradient_check(
     if not chosen:
         raise DoctorInputError("the model has no trainable floating-point parameters to check")
     device = model_device(model)
-    samples = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) else 0
+    samples = batch_size(inputs) or 0
     fake = _fake_quant_modules(model)
     if fake:
         return GradCheckResult(params=[], eps=eps, loss=math.nan, samples=samples, cannot="fake_quant", notes=[

@@ -437,11 +437,24 @@ def _seeded_evals(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> 
 _DROPOUTS = (nn.modules.dropout._DropoutNd, nn.MultiheadAttention)
 
 
+def _dropout_rate(value: object) -> bool:
+    """A dropout probability above 0, or a list of them (PyG's MLP keeps one per layer)."""
+    if isinstance(value, (list, tuple)):
+        return any(_dropout_rate(v) for v in value)
+    return isinstance(value, float) and 0 < value <= 1
+
+
 def _dropout_off(model: nn.Module) -> None:
-    """Put the modules that draw dropout masks in eval mode (the caller restores the flags)."""
+    """Put the modules that draw dropout masks in eval mode (the caller restores the flags).
+
+    A module that keeps a rate and drops with ``F.dropout(x, p=self.dropout, training=self.training)``
+    (PyG's GATConv(dropout=0.6), its MLP(dropout=[0.5, 0.0]), attention with ``attention_dropout``)
+    has its own flag turned off, not its children's: an MLP's batch norms keep training."""
     for m in model.modules():
         if isinstance(m, _DROPOUTS):
             m.eval()
+        elif any("dropout" in k and _dropout_rate(v) for k, v in vars(m).items() if not k.startswith("_")):
+            m.training = False
 
 
 def _spread(values: list[float]) -> tuple[float, float] | None:

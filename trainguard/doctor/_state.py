@@ -180,9 +180,34 @@ def _describe(obj: Any) -> str:
     return type(obj).__name__
 
 
+# ---------------------------------------------------------------------- graphs
+# PyTorch Geometric's batches, duck-typed (trainguard imports no PyG): a ``Data`` is one graph
+# whose samples are its nodes (full-batch node classification, examples/gcn.py: a label per node);
+# a ``Batch`` is graphs collated by its DataLoader (examples/mutag_gin.py: a label per graph).
+def is_graph(obj: Any) -> bool:
+    """A PyG ``Data``: tensors in attributes, ``apply(fn)`` over them, ``subgraph(nodes)``."""
+    return (not isinstance(obj, (torch.Tensor, tuple, list, dict)) and callable(getattr(obj, "apply", None))
+            and callable(getattr(obj, "subgraph", None)) and isinstance(getattr(obj, "num_nodes", None), int))
+
+
+def is_graph_batch(obj: Any) -> bool:
+    """A PyG ``Batch`` of several graphs: ``num_graphs``, ``to_data_list()``, ``from_data_list``."""
+    return (is_graph(obj) and isinstance(getattr(obj, "num_graphs", None), int)
+            and callable(getattr(obj, "to_data_list", None)) and callable(getattr(type(obj), "from_data_list", None)))
+
+
+def _take_graphs(obj: Any, n: int) -> Any:
+    """The first ``n`` graphs of a batch, or the subgraph of the first ``n`` nodes of one graph."""
+    if is_graph_batch(obj):
+        return type(obj).from_data_list(obj.to_data_list()[:n]) if n < obj.num_graphs else obj
+    return obj.subgraph(torch.arange(n)) if n < obj.num_nodes else obj
+
+
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if is_graph(obj):
+        return copy.copy(obj).apply(fn)  # a copy of its attributes: the caller's graph keeps its tensors
     if isinstance(obj, tuple):
         return tuple(map_tensors(o, fn) for o in obj)
     if isinstance(obj, list):
@@ -195,6 +220,8 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 def first_tensor(obj: Any) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
         return obj
+    if is_graph(obj):
+        return obj.x if isinstance(getattr(obj, "x", None), torch.Tensor) else None  # the node features
     if isinstance(obj, (tuple, list)):
         items = obj
     elif isinstance(obj, dict):
@@ -209,6 +236,8 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
 
 
 def batch_size(obj: Any) -> int | None:
+    if is_graph(obj):
+        return obj.num_graphs if is_graph_batch(obj) else obj.num_nodes
     t = first_tensor(obj)
     if t is None:
         return None
@@ -217,6 +246,11 @@ def batch_size(obj: Any) -> int | None:
 
 def take(obj: Any, n: int) -> Any:
     """The first ``n`` samples of a batch (tensors sliced along dim 0)."""
+    if is_graph(obj):
+        return _take_graphs(obj, n)
+    if isinstance(obj, (tuple, list, dict)) and any(is_graph(o) for o in (obj.values() if isinstance(obj, dict) else obj)):
+        raise DoctorInputError("a graph among several inputs cannot be cut to fewer samples: pass the graph alone "
+                               "as the inputs, or max_samples=None")
     size = batch_size(obj)
     return map_tensors(obj, lambda t: t[:n] if t.dim() > 0 and t.shape[0] == size else t)
 

@@ -125,40 +125,66 @@ class StepRecording:
         return {"size": size, "rows": which, "samples": [samples[r] for r in which]}
 
 
-def _tensors(obj: Any, where: str = "", depth: int = 0):
-    """``(where, tensor)`` for each tensor in a batch (nested tuples, lists and mappings)."""
+def _tensors(obj: Any, where: str = "", depth: int = 0, graph: Any = None):
+    """``(where, tensor, graph)`` for each tensor in a batch (nested tuples, lists and mappings, and
+    PyTorch Geometric's ``Data``/``Batch``, read through ``to_dict()``: ``graph`` is that object)."""
     if isinstance(obj, torch.Tensor):
-        yield where, obj
+        yield where, obj, graph
     elif depth < 4 and isinstance(obj, Mapping):
         for k, v in obj.items():
-            yield from _tensors(v, f"{where}[{k!r}]", depth + 1)
+            yield from _tensors(v, f"{where}[{k!r}]", depth + 1, graph)
     elif depth < 4 and isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
-            yield from _tensors(v, f"{where}[{i}]", depth + 1)
+            yield from _tensors(v, f"{where}[{i}]", depth + 1, graph)
+    elif depth < 4 and callable(getattr(obj, "to_dict", None)):
+        attrs = obj.to_dict()
+        for k, v in (attrs.items() if isinstance(attrs, Mapping) else ()):
+            yield from _tensors(v, f"{where}.{k}", depth + 1, obj)
+
+
+def _graph_rows(graph: Any, t: torch.Tensor, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(samples, rows) with a graph batch's node and edge rows turned into the rows of their graphs
+    (``graph.batch`` says each node's): its samples are its graphs, as its loader counts them."""
+    n_graphs, owner = getattr(graph, "num_graphs", None), getattr(graph, "batch", None)
+    if not isinstance(n_graphs, int) or not isinstance(owner, torch.Tensor) or owner.dim() != 1:
+        return int(t.shape[0]), rows
+    edges = getattr(graph, "edge_index", None)
+    if int(t.shape[0]) == owner.numel():
+        return n_graphs, owner[rows].unique()
+    if isinstance(edges, torch.Tensor) and edges.dim() == 2 and int(t.shape[0]) == edges.shape[1]:
+        return n_graphs, owner[edges[0, rows]].unique()
+    return int(t.shape[0]), rows
 
 
 def batch_nonfinite(batch: Any, samples: list | None) -> dict | None:
     """Where the failing step's batch itself holds NaN/Inf, before any op of the step ran:
     ``{"size", "rows", "samples", "kinds", "where"}`` over its floating tensors that do, or None.
     ``rows`` are along the first dimension of the first such tensor, merged with those of the
-    others of the same first dimension (an input's and a target's); ``samples`` the loader's
+    others of the same first dimension (an input's and a target's); in a graph batch, the graphs
+    whose nodes or edges hold them. ``samples`` the loader's
     indices of those rows when it says them and the first dimension is the batch's. Run once, for
     the replayed step (a sync on an accelerator, as the replay is anyway)."""
     found: dict | None = None
-    for where, t in _tensors(batch):
+    for where, t, graph in _tensors(batch):
         if not (t.is_floating_point() or t.is_complex()) or t.layout != torch.strided or t.numel() == 0:
             continue
         bad = ~torch.isfinite(t)
         if not bool(bad.any()):
             continue
         kinds = (["nan"] if bool(torch.isnan(t).any()) else []) + (["inf"] if bool(torch.isinf(t).any()) else [])
-        if found is None:
-            if t.dim() == 0:
+        if t.dim() == 0:
+            if found is None:
                 return {"size": None, "rows": [], "samples": [], "kinds": kinds, "where": where}
-            found = {"size": int(t.shape[0]), "rows": set(), "kinds": [], "where": []}
-        elif t.dim() == 0 or int(t.shape[0]) != found["size"]:
             continue
-        found["rows"].update(bad.reshape(t.shape[0], -1).any(1).nonzero().flatten().tolist())
+        rows = bad.reshape(t.shape[0], -1).any(1).nonzero().flatten()
+        size = int(t.shape[0])
+        if graph is not None:
+            size, rows = _graph_rows(graph, t, rows)
+        if found is None:
+            found = {"size": size, "rows": set(), "kinds": [], "where": []}
+        elif size != found["size"]:
+            continue
+        found["rows"].update(rows.tolist())
         found["kinds"] += [k for k in kinds if k not in found["kinds"]]
         found["where"].append(where)
     if found is None:
