@@ -529,6 +529,25 @@ def test_lr_too_high_lowers_every_parameter_groups_rate(tmp_path):
     assert "group 1" not in [f for f in fs if f.kind == "lr_too_high"][0].suggestion
 
 
+def test_lr_too_high_lowers_the_rate_of_every_optimizer_that_steps(tmp_path):
+    # KellerJordan/Muon's SingleDeviceMuon over a 2-layer nanoGPT's hidden matrices (lr 2e-4) beside
+    # torch.optim.AdamW over its embeddings and layer norms (lr 3, 1000x its usual 3e-3), both stepped
+    # each iteration, under `trainguard monitor`: the loss rose from 3.49 to 468 by step 1, and the fix
+    # said only "lower the learning rate from 0.0002 to about 2e-05", Muon's; the AdamW rate that
+    # diverged (the monitor's `lr/1.0`) was not named at all.
+    loss = [3.49] + [468.0 + s for s in range(39)]
+    fs = diagnose(write_run(tmp_path / "r", loss, lr=2e-4, scalars={"lr/1.0": 3.0}))
+    f = [f for f in fs if f.kind == "lr_too_high"][0]
+    new = f.evidence["suggested_lr"]
+    assert f"from 0.0002 to about {new:g}" in f.suggestion, f.suggestion
+    assert f"the second optimizer's from 3 to about {3.0 * new / 2e-4:g}" in f.suggestion, f.suggestion
+    # a second optimizer's groups are told apart; its groups that share the first group's rate still need naming
+    fs = diagnose(write_run(tmp_path / "g", loss, lr=2e-4, scalars={"lr/1.0": 3.0, "lr/1.1": 2e-4}))
+    f = [f for f in fs if f.kind == "lr_too_high"][0]
+    assert "the second optimizer's group 0's from 3 to about" in f.suggestion, f.suggestion
+    assert "the second optimizer's group 1's from 0.0002 to about" in f.suggestion, f.suggestion
+
+
 def test_a_diverged_nonfinite_loss_agrees_with_lr_too_high_on_the_rate_and_clips_no_exploded_norm(tmp_path):
     # pytorch/examples' distributed/ddp-tutorial-series/multigpu_torchrun.py (Linear(20, 1), SGD) at
     # lr=3 on two gloo ranks: the loss grew from 0.2 to 1.6e36 in 13 steps, then inf. lr_too_high said
