@@ -548,6 +548,23 @@ def test_lr_too_high_lowers_the_rate_of_every_optimizer_that_steps(tmp_path):
     assert "the second optimizer's group 1's from 0.0002 to about" in f.suggestion, f.suggestion
 
 
+def test_models_trained_one_after_another_have_no_trend_judged_across_them(tmp_path):
+    # 5-fold cross-validation in one loop (a fresh Linear(20, 32)-ReLU-Linear(32, 4) and Adam per
+    # fold, 20 steps each) under `trainguard monitor`: the five healthy loss curves, each falling
+    # from about 1.4 to 0.8, were judged as one, and the run got "Loss rose instead of decreasing:
+    # 1.08 -> 1.15 ... check that targets match inputs" and "Loss oscillates with a period of about
+    # 22 steps" (the folds' 20).
+    fold = list(1.4 * np.exp(-np.arange(20) / 8) + 0.7)
+    loss = [v + 0.02 * ((i * 7) % 5) for i, v in enumerate(fold * 5)]
+    starts = [{"prefix": p, "first_step": 20 * k}
+              for k, p in enumerate(["", "sequential.", "sequential2.", "sequential3.", "sequential4."])]
+    fs = diagnose(write_run(tmp_path / "r", loss, models_in_sequence=starts))
+    assert not [f for f in fs if f.kind in ("loss_not_decreasing", "loss_oscillating", "loss_spike")], kinds(fs)
+    f = next(f for f in fs if f.kind == "models_in_sequence")
+    assert f.severity == "info" and "5 models" in f.title and "20, 40, 60, 80" in f.title, f.title
+    assert not [f for f in fs if f.kind == "healthy" and "loss" in f.title.lower() and "->" in f.title], kinds(fs, False)
+
+
 def test_a_diverged_nonfinite_loss_agrees_with_lr_too_high_on_the_rate_and_clips_no_exploded_norm(tmp_path):
     # pytorch/examples' distributed/ddp-tutorial-series/multigpu_torchrun.py (Linear(20, 1), SGD) at
     # lr=3 on two gloo ranks: the loss grew from 0.2 to 1.6e36 in 13 steps, then inf. lr_too_high said
