@@ -103,6 +103,11 @@ class Context:
         # across them means anything. None when none did.
         seq = self.meta.get("objectives_in_sequence")
         self.objectives_in_sequence = int(seq) if isinstance(seq, int) and not isinstance(seq, bool) else None
+        # Models trained one after another, each new one after every earlier one was freed (a
+        # sweep's trials, cross-validation's folds): [{"prefix", "first_step"}, ...], or [].
+        seq_models = self.meta.get("models_in_sequence")
+        self.models_in_sequence: list[dict] = [m for m in seq_models if isinstance(m, dict)] \
+            if isinstance(seq_models, list) else []
         # Steps a GradScaler skipped: their gradients overflowed in float16 by design (the scaler's
         # own rule judges those), so the gradient-norm rules never see them.
         self.amp_skipped = Series.of(scalars.get("amp/skipped"))

@@ -29,9 +29,11 @@ def _first_nonfinite(s: Series) -> int | None:
 
 def finite_loss(ctx: Context) -> Series:
     """The loss up to its first non-finite value; nothing when it sums separate objectives or
-    changes sign from step to step or strings them one after another (the trend rules then judge
-    nothing: see ``losses_summed``, ``loss_changes_sign`` and ``objectives_in_sequence``)."""
-    if ctx.losses_summed or ctx.objectives_in_sequence is not None or sign_changes(ctx):
+    changes sign from step to step or strings them (or several models' losses) one after another
+    (the trend rules then judge nothing: see ``losses_summed``, ``loss_changes_sign``,
+    ``objectives_in_sequence`` and ``models_in_sequence``)."""
+    if (ctx.losses_summed or ctx.objectives_in_sequence is not None or ctx.models_in_sequence
+            or sign_changes(ctx)):
         return Series.of([])
     first = _first_nonfinite(ctx.loss)
     return ctx.loss if first is None else ctx.loss.before(first)
@@ -182,6 +184,29 @@ def objectives_in_sequence(ctx: Context) -> list[Finding]:
             evidence={"takeover_step": at, "loss_points": len(ctx.loss)},
             suggestion="the gradient, activation and update rules still apply; to have a layer's loss judged, "
             "monitor that layer's training on its own (one `Monitor` per layer's loop)",
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("models_in_sequence")
+def models_in_sequence(ctx: Context) -> list[Finding]:
+    models = ctx.models_in_sequence
+    if len(models) < 2:
+        return []
+    later = ", ".join(str(m.get("first_step")) for m in models[1:])
+    names = ", ".join(f"`{m.get('prefix') or '(no prefix)'}`" for m in models)
+    return [
+        Finding(
+            kind="models_in_sequence",
+            severity="info",
+            title=f"{len(models)} models were trained one after another, each new one after the one before was "
+            f"freed (from steps {later}: a sweep's trials, cross-validation's folds): the loss is one curve per "
+            "model, and its trend is not judged as one",
+            evidence={"models": models, "loss_points": len(ctx.loss)},
+            suggestion=f"each model's layers and parameters are named apart ({names}) and the gradient, activation "
+            "and update rules judge each; to have each model's loss judged, give each its own run: "
+            "`with trainguard.Monitor(model, f\"runs/trial-{n}\"):` around its training loop",
             source=SOURCE,
         )
     ]
