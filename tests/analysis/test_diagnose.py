@@ -462,6 +462,27 @@ def test_lr_too_low_suggests_a_larger_rate(tmp_path):
     assert "lr_range_test" in f.suggestion and "1e-05" in f.suggestion
 
 
+@pytest.mark.parametrize("ratio", [1.01e-4, 1.83e-5])
+def test_a_flat_loss_under_updates_too_small_to_matter_is_not_blamed_on_the_targets(tmp_path, ratio):
+    # A 2-layer nanoGPT (32 tokens) for 40 steps under `trainguard monitor`, with schedulefree's
+    # AdamWScheduleFree(lr=3e-3, warmup_steps=20000) (its warmup is inside the optimizer: the logged
+    # lr stays 3e-3; ratio 1.01e-4 per step), and with transformers' Adafactor(lr=None,
+    # relative_step=True, warmup_init=True) (its rate is its own, 1e-6 x step: no lr logged; ratio
+    # 1.83e-5): the loss stayed at ln(32) and the finding said "the weights do move ... but the loss
+    # does not follow: check that targets match inputs". Over 40 steps they moved by 0.4% and 0.07%
+    # of their norm: the rate in force is what to look at first.
+    loss = [3.50 - 0.0005 * s for s in range(40)]
+    rows = []
+    for s in range(0, 40, 5):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", ratio)]
+    fs = diagnose(write_run(tmp_path / "r", loss, layer_rows=rows))
+    f = next(f for f in fs if f.kind == "loss_not_decreasing")
+    assert "the weights do move" not in f.suggestion, f.suggestion
+    assert "warmup" in f.suggestion and "the rate in force" in f.suggestion, f.suggestion
+
+
 def test_lr_too_high_from_divergence(tmp_path):
     loss = [1.6] + [8.0 + s * 0.1 for s in range(99)]
     fs = diagnose(write_run(tmp_path / "r", loss, lr=0.5))
