@@ -10,6 +10,7 @@ from trainguard.analysis._context import Context, Series, fmt, median, rolling_m
 from trainguard.analysis._layer_rules import gradient_blocked
 from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import (
+    LR_RANGE_TEST,
     clip_text,
     lr_higher,
     lr_lower,
@@ -417,6 +418,16 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
             "targets grow with the returns, as PPO's value loss does while the agent learns; a curriculum; a "
             "regulariser whose weight grows): judge such a run by its own metric (the episode return). If the "
             "objective is fixed, check that targets match inputs and that the loss compares the right tensors"
+        )
+    elif (math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low
+          and ratio * (p["steps"][1] - p["steps"][0] + 1) < ctx.th.update_total_small):
+        n = p["steps"][1] - p["steps"][0] + 1
+        hints.append(
+            f"the weights moved little: {fmt(ratio)} of their norm per step, about {ratio * n:.2%} over the {n} steps, "
+            "too little for the loss to follow: check the rate in force first: a warmup longer than the run (a "
+            "scheduler's, or the optimizer's own, as schedule-free's `warmup_steps`, which the logged lr does not "
+            "show), an optimizer that sets its own step size (Adafactor's `relative_step` and `warmup_init`), or a rate "
+            f"too low ({LR_RANGE_TEST}); then, if the loss still does not follow, that targets match inputs"
         )
     elif math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low:
         hints.append(
