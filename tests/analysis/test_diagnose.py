@@ -245,6 +245,31 @@ def test_activations_that_grew_during_training_are_not_blamed_on_initialisation(
     assert "grew during training" in f.suggestion and "learning rate" in f.suggestion
 
 
+def test_activations_a_later_model_grew_in_training_are_judged_against_its_own_initialisation(tmp_path):
+    # An optuna sweep of 4 trials (Linear(20, 64)-ReLU-Linear(64, 4), Adam, 30 steps each) under
+    # `trainguard monitor`, trial 3 at lr=3: its output layer's RMS went from 0.23 at its first
+    # step (60) to 2.6e3. "At initialisation" was read at the run's first recording (step 0, before
+    # that model existed), so the fix said "each layer amplifies its input: use Kaiming
+    # initialisation" for a model whose init was fine and whose rate blew it up.
+    layers = LAYERS + [{"name": "sequential.0", "type": "Linear"}, {"name": "sequential.1", "type": "ReLU"},
+                       {"name": "sequential.2", "type": "Linear"}]
+    params = PARAMS | {f"sequential.{k}": dict(v, layer="sequential." + v["layer"]) for k, v in PARAMS.items()}
+    rows = []
+    for s in range(0, 100, 5):
+        if s < 60:
+            rows += [(s, la, "activation", kind, v) for la in ("0", "2") for kind, v in (("mean", 0.0), ("std", 1.0))]
+        else:
+            rms = 0.23 if s == 60 else 2.6e3
+            rows += [(s, la, "activation", kind, v) for la in ("sequential.0", "sequential.2")
+                     for kind, v in (("mean", 0.0), ("std", rms))]
+    starts = [{"prefix": "", "first_step": 0}, {"prefix": "sequential.", "first_step": 60}]
+    run = write_run(tmp_path / "r", layer_rows=rows, layers=layers, params=params, models_in_sequence=starts)
+    f = [f for f in diagnose(run) if f.kind == "exploding_activations"][0]
+    assert f.evidence.get("initial_rms_by_layer") == {"sequential.0": 0.23, "sequential.2": 0.23}, f.evidence
+    assert "Kaiming" not in f.suggestion and "amplifies" not in f.suggestion, f.suggestion
+    assert "learning rate" in f.suggestion, f.suggestion
+
+
 def test_gradients_that_collapsed_and_flicker_far_below_their_start_are_not_exploding(tmp_path):
     # pytorch/examples' dcgan at lr=0.2 (1000x): the discriminator saturates at step 2 and the
     # gradient norm falls from 12-88 to 1e-8, with recurring flickers to 1e-5..0.03. They are
