@@ -245,6 +245,31 @@ def test_activations_that_grew_during_training_are_not_blamed_on_initialisation(
     assert "grew during training" in f.suggestion and "learning rate" in f.suggestion
 
 
+def test_activations_a_later_model_grew_in_training_are_judged_against_its_own_initialisation(tmp_path):
+    # An optuna sweep of 4 trials (Linear(20, 64)-ReLU-Linear(64, 4), Adam, 30 steps each) under
+    # `trainguard monitor`, trial 3 at lr=3: its output layer's RMS went from 0.23 at its first
+    # step (60) to 2.6e3. "At initialisation" was read at the run's first recording (step 0, before
+    # that model existed), so the fix said "each layer amplifies its input: use Kaiming
+    # initialisation" for a model whose init was fine and whose rate blew it up.
+    layers = LAYERS + [{"name": "sequential.0", "type": "Linear"}, {"name": "sequential.1", "type": "ReLU"},
+                       {"name": "sequential.2", "type": "Linear"}]
+    params = PARAMS | {f"sequential.{k}": dict(v, layer="sequential." + v["layer"]) for k, v in PARAMS.items()}
+    rows = []
+    for s in range(0, 100, 5):
+        if s < 60:
+            rows += [(s, la, "activation", kind, v) for la in ("0", "2") for kind, v in (("mean", 0.0), ("std", 1.0))]
+        else:
+            rms = 0.23 if s == 60 else 2.6e3
+            rows += [(s, la, "activation", kind, v) for la in ("sequential.0", "sequential.2")
+                     for kind, v in (("mean", 0.0), ("std", rms))]
+    starts = [{"prefix": "", "first_step": 0}, {"prefix": "sequential.", "first_step": 60}]
+    run = write_run(tmp_path / "r", layer_rows=rows, layers=layers, params=params, models_in_sequence=starts)
+    f = [f for f in diagnose(run) if f.kind == "exploding_activations"][0]
+    assert f.evidence.get("initial_rms_by_layer") == {"sequential.0": 0.23, "sequential.2": 0.23}, f.evidence
+    assert "Kaiming" not in f.suggestion and "amplifies" not in f.suggestion, f.suggestion
+    assert "learning rate" in f.suggestion, f.suggestion
+
+
 def test_gradients_that_collapsed_and_flicker_far_below_their_start_are_not_exploding(tmp_path):
     # pytorch/examples' dcgan at lr=0.2 (1000x): the discriminator saturates at step 2 and the
     # gradient norm falls from 12-88 to 1e-8, with recurring flickers to 1e-5..0.03. They are
@@ -462,6 +487,27 @@ def test_lr_too_low_suggests_a_larger_rate(tmp_path):
     assert "lr_range_test" in f.suggestion and "1e-05" in f.suggestion
 
 
+@pytest.mark.parametrize("ratio", [1.01e-4, 1.83e-5])
+def test_a_flat_loss_under_updates_too_small_to_matter_is_not_blamed_on_the_targets(tmp_path, ratio):
+    # A 2-layer nanoGPT (32 tokens) for 40 steps under `trainguard monitor`, with schedulefree's
+    # AdamWScheduleFree(lr=3e-3, warmup_steps=20000) (its warmup is inside the optimizer: the logged
+    # lr stays 3e-3; ratio 1.01e-4 per step), and with transformers' Adafactor(lr=None,
+    # relative_step=True, warmup_init=True) (its rate is its own, 1e-6 x step: no lr logged; ratio
+    # 1.83e-5): the loss stayed at ln(32) and the finding said "the weights do move ... but the loss
+    # does not follow: check that targets match inputs". Over 40 steps they moved by 0.4% and 0.07%
+    # of their norm: the rate in force is what to look at first.
+    loss = [3.50 - 0.0005 * s for s in range(40)]
+    rows = []
+    for s in range(0, 40, 5):
+        for p in PARAMS:
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", ratio)]
+    fs = diagnose(write_run(tmp_path / "r", loss, layer_rows=rows))
+    f = next(f for f in fs if f.kind == "loss_not_decreasing")
+    assert "the weights do move" not in f.suggestion, f.suggestion
+    assert "warmup" in f.suggestion and "the rate in force" in f.suggestion, f.suggestion
+
+
 def test_lr_too_high_from_divergence(tmp_path):
     loss = [1.6] + [8.0 + s * 0.1 for s in range(99)]
     fs = diagnose(write_run(tmp_path / "r", loss, lr=0.5))
@@ -527,6 +573,42 @@ def test_lr_too_high_lowers_every_parameter_groups_rate(tmp_path):
     # groups that share the rate are covered by the first sentence
     fs = diagnose(write_run(tmp_path / "same", loss, lr=5.0, scalars={"lr/1": 5.0}))
     assert "group 1" not in [f for f in fs if f.kind == "lr_too_high"][0].suggestion
+
+
+def test_lr_too_high_lowers_the_rate_of_every_optimizer_that_steps(tmp_path):
+    # KellerJordan/Muon's SingleDeviceMuon over a 2-layer nanoGPT's hidden matrices (lr 2e-4) beside
+    # torch.optim.AdamW over its embeddings and layer norms (lr 3, 1000x its usual 3e-3), both stepped
+    # each iteration, under `trainguard monitor`: the loss rose from 3.49 to 468 by step 1, and the fix
+    # said only "lower the learning rate from 0.0002 to about 2e-05", Muon's; the AdamW rate that
+    # diverged (the monitor's `lr/1.0`) was not named at all.
+    loss = [3.49] + [468.0 + s for s in range(39)]
+    fs = diagnose(write_run(tmp_path / "r", loss, lr=2e-4, scalars={"lr/1.0": 3.0}))
+    f = [f for f in fs if f.kind == "lr_too_high"][0]
+    new = f.evidence["suggested_lr"]
+    assert f"from 0.0002 to about {new:g}" in f.suggestion, f.suggestion
+    assert f"the second optimizer's from 3 to about {3.0 * new / 2e-4:g}" in f.suggestion, f.suggestion
+    # a second optimizer's groups are told apart; its groups that share the first group's rate still need naming
+    fs = diagnose(write_run(tmp_path / "g", loss, lr=2e-4, scalars={"lr/1.0": 3.0, "lr/1.1": 2e-4}))
+    f = [f for f in fs if f.kind == "lr_too_high"][0]
+    assert "the second optimizer's group 0's from 3 to about" in f.suggestion, f.suggestion
+    assert "the second optimizer's group 1's from 0.0002 to about" in f.suggestion, f.suggestion
+
+
+def test_models_trained_one_after_another_have_no_trend_judged_across_them(tmp_path):
+    # 5-fold cross-validation in one loop (a fresh Linear(20, 32)-ReLU-Linear(32, 4) and Adam per
+    # fold, 20 steps each) under `trainguard monitor`: the five healthy loss curves, each falling
+    # from about 1.4 to 0.8, were judged as one, and the run got "Loss rose instead of decreasing:
+    # 1.08 -> 1.15 ... check that targets match inputs" and "Loss oscillates with a period of about
+    # 22 steps" (the folds' 20).
+    fold = list(1.4 * np.exp(-np.arange(20) / 8) + 0.7)
+    loss = [v + 0.02 * ((i * 7) % 5) for i, v in enumerate(fold * 5)]
+    starts = [{"prefix": p, "first_step": 20 * k}
+              for k, p in enumerate(["", "sequential.", "sequential2.", "sequential3.", "sequential4."])]
+    fs = diagnose(write_run(tmp_path / "r", loss, models_in_sequence=starts))
+    assert not [f for f in fs if f.kind in ("loss_not_decreasing", "loss_oscillating", "loss_spike")], kinds(fs)
+    f = next(f for f in fs if f.kind == "models_in_sequence")
+    assert f.severity == "info" and "5 models" in f.title and "20, 40, 60, 80" in f.title, f.title
+    assert not [f for f in fs if f.kind == "healthy" and "loss" in f.title.lower() and "->" in f.title], kinds(fs, False)
 
 
 def test_a_diverged_nonfinite_loss_agrees_with_lr_too_high_on_the_rate_and_clips_no_exploded_norm(tmp_path):

@@ -277,6 +277,48 @@ def test_two_models_get_prefixes(tmp_path):
     assert "gen.<input>" in layers and "gen.1" in layers and "disc.1" in layers and "disc.2.weight" in layers
 
 
+def test_models_trained_one_after_another_are_kept_apart(tmp_path):
+    # An optuna sweep (each trial's objective builds a new model and optimizer and trains it) and
+    # k-fold cross-validation (a fresh model per fold) under `trainguard monitor`: each new model was
+    # named like the freed one before it ("0.weight" for all six trials, whatever their widths), its
+    # statistics continued the previous model's series, and the meta held one "0.weight" of the
+    # first trial's shape. Each model now has names of its own, and the run says where each began.
+    def trial(hidden: int, steps: int = 4):
+        model = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for step in range(steps):
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False):
+        for hidden in (16, 32, 64):
+            trial(hidden)
+            gc.collect()
+    run = open_run(tmp_path / "r")
+    params = run.meta["monitor"]["params"]
+    assert {n: p["shape"] for n, p in params.items() if n.endswith("0.weight")} == {
+        "0.weight": [16, 8], "sequential.0.weight": [32, 8], "sequential2.0.weight": [64, 8]}, sorted(params)
+    assert {r["step"] for r in run.layer_stats(layer="0.weight", kind="weight")} == {0, 1, 2, 3}
+    assert run.meta["monitor"]["models_in_sequence"] == [{"prefix": "", "first_step": 0},
+                                                          {"prefix": "sequential.", "first_step": 4},
+                                                          {"prefix": "sequential2.", "first_step": 8}]
+
+
+def test_a_second_model_beside_a_live_first_is_no_sequence(tmp_path):
+    # a GAN's two networks, an actor and a critic: both alive, both trained in every step
+    g, d = mlp(), nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(list(g.parameters()) + list(d.parameters()), lr=0.1)
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False):
+        for step in range(3):
+            x, _ = batch(step)
+            opt.zero_grad()
+            d(g(x)).mean().backward()
+            opt.step()
+    assert "models_in_sequence" not in open_run(tmp_path / "r").meta["monitor"]
+
+
 class _Agent(nn.Module):
     """cleanrl ppo.py's Agent (vwxyzjn/cleanrl): an actor and a critic with no forward of its own;
     the loop calls ``self.actor(x)`` and ``self.critic(x)`` directly."""

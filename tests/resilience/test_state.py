@@ -41,6 +41,17 @@ def test_objects_without_state_dict_are_refused():
         TrainState(lr=0.1)
 
 
+def test_a_list_of_optimizers_is_refused_with_how_to_pass_them():
+    # KellerJordan/Muon beside AdamW (Muon for the hidden matrices, AdamW for the embeddings), kept
+    # as `optimizers = [muon, adamw]` as modded-nanogpt does: TrainState(optimizer=optimizers) said
+    # only "needs an object with state_dict() and load_state_dict() ..., got list".
+    model = torch.nn.Linear(2, 2)
+    opts = [torch.optim.SGD([model.weight], lr=0.1), torch.optim.AdamW([model.bias], lr=0.1)]
+    with pytest.raises(TypeError, match=r"got list of 2 SGD, AdamW: pass each under a name of its own, "
+                                        r"TrainState\(optimizer0=\.\.\., optimizer1=\.\.\.\)"):
+        TrainState(model=model, optimizer=opts)
+
+
 def test_an_object_assigned_after_construction_is_held_like_one_passed_to_it():
     # cleanrl's ppo.py (vwxyzjn/cleanrl, cleanrl/ppo.py) made resumable: each iteration collects a
     # new rollout and sets `state.loader = DataLoader(TensorDataset(b_obs, ...), shuffle=True)`. The

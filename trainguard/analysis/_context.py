@@ -103,6 +103,11 @@ class Context:
         # across them means anything. None when none did.
         seq = self.meta.get("objectives_in_sequence")
         self.objectives_in_sequence = int(seq) if isinstance(seq, int) and not isinstance(seq, bool) else None
+        # Models trained one after another, each new one after every earlier one was freed (a
+        # sweep's trials, cross-validation's folds): [{"prefix", "first_step"}, ...], or [].
+        seq_models = self.meta.get("models_in_sequence")
+        self.models_in_sequence: list[dict] = [m for m in seq_models if isinstance(m, dict)] \
+            if isinstance(seq_models, list) else []
         # Steps a GradScaler skipped: their gradients overflowed in float16 by design (the scaler's
         # own rule judges those), so the gradient-norm rules never see them.
         self.amp_skipped = Series.of(scalars.get("amp/skipped"))
@@ -196,8 +201,19 @@ class Context:
         """The optimizer's parameter groups whose learning rates were logged, in order."""
         return sorted(int(k[3:]) for k in self.lrs if k[3:].isdigit())
 
-    def lr(self, step: int | None = None, group: int = 0) -> float | None:
-        """The learning rate of parameter group ``group`` (the first by default): at ``step``, the one in
+    def other_optimizers(self) -> dict[int, list[int]]:
+        """The parameter groups of each optimizer after the first (logged as ``lr/K.G``: Muon's
+        AdamW for the embeddings, a GAN's generator), by the optimizer's index K, in order."""
+        out: dict[int, list[int]] = {}
+        for k in self.lrs:
+            opt, dot, group = k[3:].partition(".")
+            if dot and opt.isdigit() and group.isdigit():
+                out.setdefault(int(opt), []).append(int(group))
+        return {k: sorted(v) for k, v in sorted(out.items())}
+
+    def lr(self, step: int | None = None, group: int | str = 0) -> float | None:
+        """The learning rate of parameter group ``group`` (the first by default; ``"K.G"`` for group G
+        of the K-th optimizer): at ``step``, the one in
         force then (the last logged at or before it); else the median of the rates it had, always one
         it had (the lower middle one of an even count: a StepLR's 1.0 and 0.7 are not averaged into 0.85)."""
         s = self.lrs.get(f"lr/{group}")

@@ -35,6 +35,7 @@ MONITOR_RULES = (
     "losses_summed",
     "loss_changes_sign",
     "objectives_in_sequence",
+    "models_in_sequence",
     "nonfinite_loss",
     "nonfinite_gradient",
     "loss_not_decreasing",
@@ -122,8 +123,9 @@ def diagnose(
     return sort_findings(findings)
 
 
-# Findings that say the loss's trend is not judged (a surrogate or a sum of separate objectives).
-UNTRENDED = ("loss_changes_sign", "losses_summed")
+# Findings that say the loss's trend is not judged (a surrogate, a sum of separate objectives,
+# several models' losses one after another).
+UNTRENDED = ("loss_changes_sign", "losses_summed", "models_in_sequence")
 
 
 def _verdict(ctx: Context, untrended: bool = False) -> Finding:

@@ -10,6 +10,7 @@ from trainguard.analysis._context import Context, Series, fmt, median, rolling_m
 from trainguard.analysis._layer_rules import gradient_blocked
 from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import (
+    LR_RANGE_TEST,
     clip_text,
     lr_higher,
     lr_lower,
@@ -29,9 +30,11 @@ def _first_nonfinite(s: Series) -> int | None:
 
 def finite_loss(ctx: Context) -> Series:
     """The loss up to its first non-finite value; nothing when it sums separate objectives or
-    changes sign from step to step or strings them one after another (the trend rules then judge
-    nothing: see ``losses_summed``, ``loss_changes_sign`` and ``objectives_in_sequence``)."""
-    if ctx.losses_summed or ctx.objectives_in_sequence is not None or sign_changes(ctx):
+    changes sign from step to step or strings them (or several models' losses) one after another
+    (the trend rules then judge nothing: see ``losses_summed``, ``loss_changes_sign``,
+    ``objectives_in_sequence`` and ``models_in_sequence``)."""
+    if (ctx.losses_summed or ctx.objectives_in_sequence is not None or ctx.models_in_sequence
+            or sign_changes(ctx)):
         return Series.of([])
     first = _first_nonfinite(ctx.loss)
     return ctx.loss if first is None else ctx.loss.before(first)
@@ -182,6 +185,29 @@ def objectives_in_sequence(ctx: Context) -> list[Finding]:
             evidence={"takeover_step": at, "loss_points": len(ctx.loss)},
             suggestion="the gradient, activation and update rules still apply; to have a layer's loss judged, "
             "monitor that layer's training on its own (one `Monitor` per layer's loop)",
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("models_in_sequence")
+def models_in_sequence(ctx: Context) -> list[Finding]:
+    models = ctx.models_in_sequence
+    if len(models) < 2:
+        return []
+    later = ", ".join(str(m.get("first_step")) for m in models[1:])
+    names = ", ".join(f"`{m.get('prefix') or '(no prefix)'}`" for m in models)
+    return [
+        Finding(
+            kind="models_in_sequence",
+            severity="info",
+            title=f"{len(models)} models were trained one after another, each new one after the one before was "
+            f"freed (from steps {later}: a sweep's trials, cross-validation's folds): the loss is one curve per "
+            "model, and its trend is not judged as one",
+            evidence={"models": models, "loss_points": len(ctx.loss)},
+            suggestion=f"each model's layers and parameters are named apart ({names}) and the gradient, activation "
+            "and update rules judge each; to have each model's loss judged, give each its own run: "
+            "`with trainguard.Monitor(model, f\"runs/trial-{n}\"):` around its training loop",
             source=SOURCE,
         )
     ]
@@ -392,6 +418,16 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
             "targets grow with the returns, as PPO's value loss does while the agent learns; a curriculum; a "
             "regulariser whose weight grows): judge such a run by its own metric (the episode return). If the "
             "objective is fixed, check that targets match inputs and that the loss compares the right tensors"
+        )
+    elif (math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low
+          and ratio * (p["steps"][1] - p["steps"][0] + 1) < ctx.th.update_total_small):
+        n = p["steps"][1] - p["steps"][0] + 1
+        hints.append(
+            f"the weights moved little: {fmt(ratio)} of their norm per step, about {ratio * n:.2%} over the {n} steps, "
+            "too little for the loss to follow: check the rate in force first: a warmup longer than the run (a "
+            "scheduler's, or the optimizer's own, as schedule-free's `warmup_steps`, which the logged lr does not "
+            "show), an optimizer that sets its own step size (Adafactor's `relative_step` and `warmup_init`), or a rate "
+            f"too low ({LR_RANGE_TEST}); then, if the loss still does not follow, that targets match inputs"
         )
     elif math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low:
         hints.append(

@@ -64,14 +64,26 @@ def clip_text(ctx: Context, before_step: int | None = None) -> str:
     )
 
 
+_ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
+
+
 def _other_groups(ctx: Context, lr: float, factor: float, step: int | None = None) -> str:
-    """The rates of the other parameter groups (a backbone's lower one, as DETR's ``lr_backbone``),
-    scaled by the same factor; "" when every group has the first group's rate."""
+    """The rates of the other parameter groups (a backbone's lower one, as DETR's ``lr_backbone``)
+    and of the other optimizers that step (the AdamW beside Muon), scaled by the same factor; ""
+    when there is one optimizer and every group has the first group's rate. Another optimizer's
+    rates are named even when equal to the first's: it is a separate object to change."""
     moves = []
     for g in ctx.lr_groups():
         other = ctx.lr(step, group=g)
         if g != 0 and other is not None and other != lr:
             moves.append(f"parameter group {g}'s from {fmt(other)} to about {fmt(sig(other * factor, 1))}")
+    for k, groups in ctx.other_optimizers().items():
+        whose = f"the {_ORDINALS[k]} optimizer's" if k < len(_ORDINALS) else f"optimizer {k + 1}'s"
+        for g in groups:
+            other = ctx.lr(step, group=f"{k}.{g}")
+            if other:  # a rate of 0 moves nothing: not one to lower, nor to scale up from
+                name = whose if len(groups) == 1 else f"{whose} group {g}'s"
+                moves.append(f"{name} from {fmt(other)} to about {fmt(sig(other * factor, 1))}")
     return f", and {', '.join(moves)}" if moves else ""
 
 

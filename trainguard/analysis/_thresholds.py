@@ -70,6 +70,10 @@ class Thresholds:
         "cleanrl's PPO, whose value loss grows with the returns, by at most 0.14%)"
     )
     update_ratio_low: float = _t(1e-5, "at this pace the weights need 100,000 steps to change by their own size")
+    update_total_small: float = _t(
+        0.01, "steps that add up to 1% of the weights' norm over the whole run leave the loss where it started, "
+        "whatever the data (healthy runs here moved them by 70% to 280% in 40 steps)"
+    )
     # ---- activations
     dead_units_warn: float = _t(0.5, "half of a layer's units silent for a whole batch halves its capacity")
     dead_units_error: float = _t(0.9, "nine units in ten silent: the layer passes almost nothing on")

@@ -162,6 +162,7 @@ class HookMixin:
         for r in inner:
             self._detach_root(r)
         root = build_root(module, prefix, label)
+        root.first_step = self._cur
         self._watch_once(root)
         for m in module.modules():
             self._known.add(m)
@@ -252,7 +253,15 @@ class HookMixin:
             # for this call only; the trained ones are the caller's plain tensors
             self._torch_func_model = self._torch_func_model or type(module).__name__
             return
+        # Every model found before is gone, after training: this one follows it (a sweep's next
+        # trial, cross-validation's next fold), with names of its own and a trend of its own.
+        earlier = [r for r in self._roots if r.trained]
+        successor = bool(earlier) and all(r.ref() is None for r in self._roots)
         root = self._attach(module, *self._naming(module))
+        if successor:
+            starts = self._meta.get("models_in_sequence") or [{"prefix": earlier[0].prefix,
+                                                               "first_step": earlier[0].first_step}]
+            self._write_meta(models_in_sequence=[*starts, {"prefix": root.prefix, "first_step": root.first_step}])
         # This call's pre-hooks were collected before the root hook existed: run it now.
         self._root_pre(root, module, args)
 
@@ -265,8 +274,8 @@ class HookMixin:
         if path and path + "." not in taken:
             return path + ".", path
         outside = [r for r in self._roots if r.ref() is not None and all(r.ref() is not m for m in module.modules())]
-        if not outside:
-            return "", None
+        if not outside and "" not in {r.prefix for r in self._roots if r.ref() is None}:
+            return "", None  # the first model, or one that wraps it (the model it replaces goes)
         base = type(unwrapped(module)).__name__.lower()  # the model's type, not DDP's or compile's
         prefix, k = base + ".", 1
         while prefix in taken:
@@ -319,13 +328,12 @@ class HookMixin:
         self._root_grad = grad_on
         if grad_on:
             self._maybe_end_manual_step()  # a training forward starts the next step
+            root.trained = self._trained_any = True
         if self._eval is not None:
             # A no-grad forward evaluates only a model that is being trained: a target, teacher
             # or EMA network run under no_grad is part of the training step. Before the first
             # training forward there is no training step yet: a no-grad forward then evaluates
             # the initial model (nanoGPT and llm.c measure the loss at iteration 0).
-            if grad_on:
-                root.trained = self._trained_any = True
             if root.trained or not self._trained_any:
                 self._eval.on_forward(grad_on, module.training)
                 x = next((x for x in map(first_tensor, args) if x is not None), None)

@@ -74,7 +74,7 @@ def shape_of(p: Param) -> list[int] | None:
 class Root:
     """A top-level model: its layers, parameters and the modules whose output depends on train/eval mode."""
 
-    __slots__ = ("ref", "prefix", "type", "mode_modules", "handle", "layers", "params", "trained")
+    __slots__ = ("ref", "prefix", "type", "mode_modules", "handle", "layers", "params", "trained", "first_step")
 
     def __init__(self, module: nn.Module, prefix: str):
         self.ref = weakref.ref(module)
@@ -85,6 +85,7 @@ class Root:
         self.layers: list[Layer] = []
         self.params: list[Param] = []
         self.trained = False  # a forward with gradients enabled has run (see the validation pass)
+        self.first_step = 0  # the step it was attached in
 
 
 # Only the attributes no user names a module by: a "module" inside a model may be the user's own.

@@ -93,9 +93,15 @@ class TrainState:
         elif is_accelerator(obj):
             obj = AcceleratorCount(obj)
         if not (_stateful(obj) or isinstance(obj, torch.Generator)):
+            got = type(obj).__name__
+            if isinstance(obj, (list, tuple)) and obj and all(_stateful(o) for o in obj):
+                # two optimizers (Muon beside AdamW), a model's parts: each is saved under a name
+                names = ", ".join(f"{name}{i}=..." for i in range(len(obj)))
+                got = (f"{got} of {len(obj)} {', '.join(type(o).__name__ for o in obj)}: pass each under a name "
+                       f"of its own, TrainState({names})")
             raise TypeError(
                 f"TrainState({name}=...) needs an object with state_dict() and load_state_dict(), "
-                f"or a sampler with set_epoch() and an epoch, got {type(obj).__name__}"
+                f"or a sampler with set_epoch() and an epoch, got {got}"
             )
         local = isinstance(obj, (DataLoader, ResumableLoader, Sampler, SamplerEpoch, torch.Generator,
                                  AcceleratorCount))
