@@ -24,6 +24,9 @@ from trainguard.store import ALIAS_OPS, REACHED, Run, is_collective
 
 # Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
 _LOGS = {"log", "log2", "log10", "log_"}
+# A lower bound only: clamp/clip may bound the maximum alone, which passes zeros on (its arguments
+# are not recorded).
+_CLAMPS = {"clamp_min"}
 _DIVS = {"div", "div_", "reciprocal", "true_divide", "floor_divide", "remainder", "fmod"}
 _SQRTS = {"sqrt", "sqrt_"}
 _RSQRTS = {"rsqrt", "rsqrt_"}
@@ -668,6 +671,9 @@ _SUGGESTIONS = {
     "scores with a large finite negative, torch.finfo(scores.dtype).min, instead of -inf",
     "log": "clamp the input before the log, e.g. torch.log(p.clamp(min=1e-6)); for a softmax followed by log, "
     "use torch.log_softmax or F.cross_entropy, which never take the log of 0",
+    "log_clamped": "the input is already clamped ({where}) and still holds zeros: its lower bound is 0 (an eps or "
+    "min of 0.0, e.g. a loss built with eps=0): clamp at a positive value, e.g. torch.log(p.clamp(min=1e-7)), or give "
+    "the loss a positive eps",
     "log_sigmoid": "the log is taken of a sigmoid's output (a binary cross-entropy written by hand), which rounds "
     "to exactly 0 or 1 once a logit is large: take it on the logits instead, F.logsigmoid(x) for "
     "log(sigmoid(x)){complement}, or compute the loss with F.binary_cross_entropy_with_logits / "
@@ -791,6 +797,22 @@ def made_in_loader(run: Run, link: Link) -> bool:
 # Ops whose output holds only values of their first input (a sigmoid's output reshaped, indexed or
 # cast on its way to the log): the recorder's aliases, and selections of part of the input.
 _PASS_THROUGH = frozenset({op_base(n) for n in ALIAS_OPS} | {"select", "slice", "expand", "contiguous", "_to_copy"})
+
+
+def _clamped_at_zero(link: Link) -> str | None:
+    """When a log's input is a clamp's output that holds zeros (``p.clamp_min(eps)`` with eps = 0:
+    segmentation_models_pytorch's DiceLoss(log_loss=True, eps=0.0) on a class absent from the
+    batch): the clamp, as ``op at file:line``; else None."""
+    first = link.inputs[0] if link.inputs else None
+    if not first or first.get("kind") != "op" or op_base(first.get("producer_op") or "").rstrip("_") not in _CLAMPS:
+        return None
+    if not _count(first.get("summary"), "zero"):
+        return None
+    op = first["producer_op"]
+    name = str(first.get("file") or "").replace("\\", "/").rsplit("/", 1)[-1]
+    where = f"{op} at {name}:{first['line']}" if name else op
+    lib = link.library
+    return where + (f", inside {lib['path']}:{lib['line']}" if lib else "")
 
 
 def log_of_sigmoid(run: Run, link: Link) -> str | None:
@@ -987,6 +1009,9 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         if log_of is not None:
             complement = " and F.logsigmoid(-x) for log(1 - sigmoid(x))" if log_of == "1 - sigmoid" else ""
             return _SUGGESTIONS["log_sigmoid"].format(complement=complement)
+        clamped = _clamped_at_zero(link)
+        if clamped is not None:
+            return _SUGGESTIONS["log_clamped"].format(where=clamped)
         return _SUGGESTIONS["log"]
     if link.phase != "backward" and _power_of_zero(link):
         return _SUGGESTIONS["pow_zero"]
