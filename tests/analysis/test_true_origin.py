@@ -336,3 +336,15 @@ def test_a_log_whose_input_is_clamped_at_zero_is_told_to_clamp_above_zero(tmp_pa
     assert "already clamped" in o.suggestion and "aten.clamp_min" in o.suggestion
     assert f"test_true_origin.py:{_line('LOG DICE LINE')}" in o.suggestion
     _train_log_dice(eps=1e-7)  # smp's default: finite
+
+
+def test_the_origin_names_the_type_of_the_module_it_ran_in(tmp_path, capsys):
+    # smp's losses are nn.Modules called beside the model: the log inside DiceLoss.forward was
+    # "module (root)" in the report, as an op of the model's own root would be
+    with tg.record(tmp_path / "r"):
+        _train_log_dice(eps=0.0)
+    assert "module (root) (_LogDiceLoss)" in report_text(str(tmp_path / "r"))
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "r"), "--json"]) == 0
+    link = json.loads(capsys.readouterr().out)["origin"]["origin"]
+    assert (link["module"], link["module_type"]) == ("", "_LogDiceLoss")
