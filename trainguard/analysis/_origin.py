@@ -94,6 +94,9 @@ class Link:
     # package's line (``{"file", "path", "line", "function", "code"}``), which ``file``/``line`` (the
     # user's line that called it) do not show.
     library: dict | None = None
+    # The class of the module the op ran in: a loss module called beside the model (smp's DiceLoss)
+    # is a root of its own, whose path "" reads like the model's.
+    module_type: str | None = None
 
 
 @dataclass
@@ -273,6 +276,7 @@ def _link(run: Run, seq: int) -> Link:
                   "description": describe_summary(o["summary"])} for o in e["outputs"]],
         inputs=inputs, forward_op=fwd, taint=e.get("taint", "finite"), origin_seq=e.get("origin"),
         through=through, sources=sources, library=_library_frame(run, e["stack_id"]),
+        module_type=e.get("module_type"),
     )
     link.mask = _counted_mask(run, link)
     link.explanation = explain(link)
