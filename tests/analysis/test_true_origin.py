@@ -17,6 +17,7 @@ import true_models as M
 
 import trainguard as tg
 from trainguard.analysis import build_report, origin
+from trainguard.analysis._origin import op_base
 from trainguard.capture._loss_watch import INSPECTIONS
 from trainguard.capture._recorder import LOSS_PIN_WINDOW
 from trainguard.cli import main
@@ -348,3 +349,33 @@ def test_the_origin_names_the_type_of_the_module_it_ran_in(tmp_path, capsys):
     assert main(["report", str(tmp_path / "r"), "--json"]) == 0
     link = json.loads(capsys.readouterr().out)["origin"]["origin"]
     assert (link["module"], link["module_type"]) == ("", "_LogDiceLoss")
+
+
+def _train_focal(gamma: float) -> None:
+    # segmentation_models_pytorch's focal_loss_with_logits (losses/_functional.py) with gamma < 1 on
+    # a confident head: pt rounds to 1, (1 - pt) ** gamma has an infinite gradient at 0
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(3, 1, 1)
+    with torch.no_grad():
+        model.bias.fill_(30.0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(2, 3, 8, 8), torch.ones(2, 1, 8, 8)
+    for _ in range(2):
+        logpt = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y, reduction="none")
+        pt = torch.exp(-logpt)
+        loss = ((1.0 - pt).pow(gamma) * logpt).mean()  # FOCAL LINE
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_the_infinite_gradient_of_a_fractional_power_at_zero_is_told_to_keep_the_base_off_zero(tmp_path):
+    # smp's FocalLoss(gamma=0.5): the origin (pow's backward, +inf where 1 - pt is 0) was explained
+    # right and fixed as an overflow, "an input holds values too large to raise to this power ...
+    # x.clamp(-1e4, 1e4) ** 2, or compute the power in float64"
+    with tg.record(tmp_path / "r"):
+        _train_focal(gamma=0.5)
+    o = origin(open_run(tmp_path / "r"))
+    assert op_base(o.origin.op) == "pow" and o.origin.phase == "backward"
+    assert o.origin.line == _line("FOCAL LINE")
+    assert "too large" not in o.suggestion and "clamp(min=" in o.suggestion, o.suggestion
