@@ -697,6 +697,9 @@ _SUGGESTIONS = {
     "pow_zero": "a negative power of 0 is inf: clamp the base first, x.clamp(min=1e-12) ** p, or set the infinities "
     "to 0 right after, as PyG's gcn_norm does for nodes of degree 0 "
     "(deg_inv_sqrt.masked_fill_(deg_inv_sqrt == float('inf'), 0)), or add self loops so that no degree is 0",
+    "pow_grad": "x ** p with 0 < p < 1 has an infinite gradient where x is 0 (a focal loss's (1 - pt) ** gamma with "
+    "gamma < 1 once pt rounds to 1): keep the base off 0, e.g. (1 - pt).clamp(min=1e-6) ** gamma, or use an exponent "
+    ">= 1 (gamma >= 1)",
     "exp": "subtract the maximum first (logsumexp / softmax do) or clamp the input, e.g. x.clamp(max=80)",
     "power": "an input holds values too large to raise to this power in its dtype: normalise the input (data "
     "straight from a loader: `trainguard doctor` validates it), clamp it before the power, e.g. "
@@ -1019,6 +1022,9 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["log"]
     if link.phase != "backward" and _power_of_zero(link):
         return _SUGGESTIONS["pow_zero"]
+    if (link.phase == "backward" and base == "pow" and link.inputs
+            and _count(link.inputs[0].get("summary"), "zero")):
+        return _SUGGESTIONS["pow_grad"]
     if base in _DIVS:
         if link.phase != "backward" and _integer_denominator(link):
             return _SUGGESTIONS["div_count"]
