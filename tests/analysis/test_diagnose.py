@@ -158,6 +158,33 @@ def test_a_spike_in_a_reinforcement_learning_run_is_a_note_about_episodes_not_a_
     assert "healthy" in kinds(fs, problems_only=False)
 
 
+def test_a_spike_whose_gradient_was_smaller_than_usual_is_a_note_about_a_rare_batch(tmp_path):
+    # segmentation_models_pytorch's Unet (resnet18) with DiceLoss("multiclass"), Adam 1e-3, batches of
+    # 4 of 64 images, class 2 in one image only, under `trainguard monitor`: each batch holding that
+    # image (steps 6, 16, 34) has a high loss, the dice of a class the model never predicts; step 34,
+    # 3.3x its recent median, was a warning told to clip at max_norm=0.51, while its gradient norm
+    # (0.35) was below the run's median (0.404): the update was an ordinary one.
+    loss = [0.419, 0.411, 0.401, 0.381, 0.377, 0.368, 0.698, 0.352, 0.34, 0.336, 0.332, 0.32, 0.293, 0.304, 0.29,
+            0.281, 0.599, 0.268, 0.246, 0.25, 0.228, 0.212, 0.213, 0.204, 0.199, 0.184, 0.156, 0.149, 0.147, 0.171,
+            0.155, 0.15, 0.151, 0.12, 0.497, 0.132, 0.112, 0.106, 0.114, 0.097, 0.104, 0.112, 0.095, 0.1, 0.098,
+            0.081, 0.089, 0.082]
+    grad_norm = [0.919, 0.726, 0.466, 0.535, 0.479, 0.41, 0.434, 0.433, 0.434, 0.44, 0.44, 0.456, 0.489, 0.486,
+                 0.503, 0.523, 0.474, 0.503, 0.517, 0.475, 0.479, 0.456, 0.43, 0.415, 0.398, 0.378, 0.383, 0.378,
+                 0.342, 0.35, 0.331, 0.328, 0.325, 0.293, 0.35, 0.296, 0.279, 0.279, 0.279, 0.261, 0.263, 0.268,
+                 0.243, 0.241, 0.252, 0.231, 0.225, 0.219]
+    fs = diagnose(write_run(tmp_path / "r", loss, grad_norm=grad_norm, lr=1e-3))
+    spike = next(f for f in fs if f.kind == "loss_spike")
+    assert spike.evidence["largest"]["step"] == 34
+    assert not spike.is_problem, spike.severity
+    assert "clip_grad_norm_" not in spike.suggestion and "rare" in spike.suggestion, spike.suggestion
+    assert "healthy" in kinds(fs, problems_only=False)
+    # a spike whose update was larger than usual keeps its warning and the clip norm
+    grad_norm[34] = 2.0
+    spike = next(f for f in diagnose(write_run(tmp_path / "r2", loss, grad_norm=grad_norm, lr=1e-3))
+                 if f.kind == "loss_spike")
+    assert spike.severity == "warning" and "clip_grad_norm_" in spike.suggestion
+
+
 def test_a_loop_that_clips_already_is_not_told_to_clip(tmp_path):
     # karpathy/nanochat at 1000x its learning rates, clipping its gradients to norm 0.1: a loss spike
     # was told to clip with max_norm=8.3 (the norms the monitor reads are those before clipping).

@@ -363,3 +363,22 @@ def test_a_regression_loss_with_matching_or_constant_targets_is_no_broadcast(tmp
     with tg.Monitor(None, tmp_path / "mon", every=2) as mon:
         _regress(BROADCAST_LOSSES["mse_loss"], target)
     assert [f.kind for f in mon.findings if f.kind == "loss_broadcast"] == []
+
+
+def _label_smoothed_nll(lprobs, target, epsilon=0.1, dim=1):
+    # segmentation_models_pytorch's SoftCrossEntropyLoss (losses/_functional.py:label_smoothed_nll_loss,
+    # from fairseq): the NLL as -lprobs.gather(...), no nll_loss op
+    target = target.unsqueeze(dim)
+    nll = -lprobs.gather(dim=dim, index=target).squeeze(dim).mean()
+    smooth = -lprobs.sum(dim=dim, keepdim=True).squeeze(dim).mean()
+    return (1.0 - epsilon) * nll + epsilon / lprobs.size(dim) * smooth
+
+
+def test_a_softmax_before_a_gathered_nll_is_named(tmp_path):
+    # smp's Unet(activation="softmax2d") trained with SoftCrossEntropyLoss (log_softmax of the
+    # softmax) under `trainguard monitor`: "Training looks healthy", the loss graph had no head
+    f = _only(_monitored(tmp_path, lambda z, y: _label_smoothed_nll(F.log_softmax(F.softmax(z, 1), 1), y)),
+              "softmax_before_cross_entropy")
+    assert f.evidence["source"] == "autograd graph"
+    healthy = _monitored(tmp_path / "h", lambda z, y: _label_smoothed_nll(F.log_softmax(z, 1), y))
+    assert not [f for f in healthy if f.kind in MISUSE and f.is_problem]

@@ -44,3 +44,50 @@ def test_a_stable_or_fading_loop_is_not_exploding(tmp_path):
     for growth in (1.0, 0.8, 1.05):
         fs = diagnose(write_run(tmp_path / f"r{growth}", growth=growth))
         assert "gradient_explodes_through_time" not in [f.kind for f in fs]
+
+
+def test_a_loop_whose_gradients_blew_up_after_the_loss_diverged_is_explained_by_the_rate(tmp_path):
+    # pytorch-tabnet's TabNetClassifier.fit (n_steps=3, batch 128, virtual batch 32) at lr=10 under
+    # `trainguard monitor`: the loss went 0.87 -> 460 by step 1; its shared GLU layers (called once per
+    # decision step) and ghost batch norms (once per virtual batch) were 4 calls per forward with a
+    # first/last gradient ratio of 1.2-1.4 at steps 0-20 and 4e13 at step 40, when the network had
+    # collapsed (gradient norm 2e-5). The report led with "Gradients explode through time" and a
+    # recurrent-init / truncated-BPTT / GRU fix, the rate that did it folded under it.
+    w = acquire_writer(tmp_path / "r")
+    for s in range(50):
+        w.add_scalars(s, {"loss": 0.87 if s == 0 else 460.0 / (1 + s / 10), "lr/0": 10.0})
+    rows = []
+    for s in range(0, 50, 10):
+        first, last = (0.6, 0.2) if s < 30 else (3.4e-8, 7.9e-22)
+        rows += [(s, "cell", "through_time", "calls", 4), (s, "cell", "through_time", "grad_first", first),
+                 (s, "cell", "through_time", "grad_last", last),
+                 (s, "cell", "through_time", "growth_per_call", (first / last) ** (1 / 3))]
+    w.add_layer_stats(rows)
+    w.set_meta(monitor={"every": 10, "layers": [{"name": "cell", "type": "Linear"}, {"name": "head", "type": "Linear"}],
+                        "params": PARAMS, "order": ["cell", "head"]})
+    release_writer(w)
+    fs = {f.kind: f for f in diagnose(open_run(tmp_path / "r"))}
+    tt = fs["gradient_explodes_through_time"]
+    assert tt.evidence["began"] == 30
+    assert "explained_by" not in fs["lr_too_high"].evidence
+    assert tt.evidence["explained_by"] == ["lr_too_high"] and tt.severity == "info"
+
+
+def test_a_loop_exploding_from_the_start_still_explains_the_rate(tmp_path):
+    # the gallery's rnn_exploding_through_time.py: the loop's gradients grow from the first step, and
+    # the "learning rate too high" read off the blown-up loss is their symptom
+    w = acquire_writer(tmp_path / "r")
+    for s in range(50):
+        w.add_scalars(s, {"loss": 0.87 if s == 0 else 460.0 / (1 + s / 10), "lr/0": 1e-2})
+    rows = []
+    for s in range(0, 50, 10):
+        rows += [(s, "cell", "through_time", "calls", 40), (s, "cell", "through_time", "grad_first", 0.01 * 1.3 ** 39),
+                 (s, "cell", "through_time", "grad_last", 0.01), (s, "cell", "through_time", "growth_per_call", 1.3)]
+    w.add_layer_stats(rows)
+    w.set_meta(monitor={"every": 10, "layers": [{"name": "cell", "type": "Linear"}, {"name": "head", "type": "Linear"}],
+                        "params": PARAMS, "order": ["cell", "head"]})
+    release_writer(w)
+    fs = {f.kind: f for f in diagnose(open_run(tmp_path / "r"))}
+    assert fs["gradient_explodes_through_time"].evidence["began"] == 0
+    assert "explained_by" not in fs["gradient_explodes_through_time"].evidence
+    assert fs["lr_too_high"].evidence["explained_by"] == ["gradient_explodes_through_time"]

@@ -17,6 +17,7 @@ import true_models as M
 
 import trainguard as tg
 from trainguard.analysis import build_report, origin
+from trainguard.analysis._origin import op_base
 from trainguard.capture._loss_watch import INSPECTIONS
 from trainguard.capture._recorder import LOSS_PIN_WINDOW
 from trainguard.cli import main
@@ -282,3 +283,99 @@ def test_fault_in_report_json_and_ui(faulty_runs, name, capsys):
         a = client.get(f"/api/runs/{name}/alerts").json()
     assert (o["op"], o["line"], o["step"], o["phase"]) == (op, line, step, phase)
     assert a["first_seq"] == o["seq"]
+
+
+class _LogDiceLoss(torch.nn.Module):
+    """segmentation_models_pytorch's ``DiceLoss(MULTICLASS_MODE, log_loss=True, eps=0.0)``
+    (losses/dice.py, soft_tversky_score in losses/_functional.py), cut to what runs: the score of a
+    class absent from the batch is 0, clamped at eps = 0, and its -inf is masked by a multiply."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, y_pred, y_true):
+        bs, num_classes = y_pred.shape[:2]
+        y_pred = y_pred.log_softmax(dim=1).exp().reshape(bs, num_classes, -1)
+        y_true = torch.nn.functional.one_hot(y_true.reshape(bs, -1), num_classes).permute(0, 2, 1).type_as(y_pred)
+        dims = (0, 2)
+        output_sum, target_sum = y_pred.sum(dims), y_true.sum(dims)
+        difference = torch.linalg.vector_norm(y_pred - y_true, ord=1, dim=dims)
+        intersection = (output_sum + target_sum - difference) / 2
+        fp, fn = output_sum - intersection, target_sum - intersection
+        scores = intersection / (intersection + 0.5 * fp + 0.5 * fn).clamp_min(self.eps)
+        loss = -torch.log(scores.clamp_min(self.eps))  # LOG DICE LINE
+        loss *= (y_true.sum(dims) > 0).to(loss.dtype)  # an absent class adds nothing: 0 * -inf
+        return loss.mean()
+
+
+def _train_log_dice(eps: float) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(3, 3, 1)
+    loss_fn = _LogDiceLoss(eps)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 2, (2, 8, 8))  # class 2 absent
+    for _ in range(2):
+        loss = loss_fn(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _line(marker: str) -> int:
+    with open(__file__) as fh:
+        return next(i for i, t in enumerate(fh.read().splitlines(), 1) if t.endswith(f"# {marker}"))
+
+
+def test_a_log_whose_input_is_clamped_at_zero_is_told_to_clamp_above_zero(tmp_path):
+    # smp's log-dice with eps=0 (multiclass, a class absent from the batch) was told "clamp the input
+    # before the log, e.g. torch.log(p.clamp(min=1e-6))": it is clamped, at 0, the bound that lets the 0 through
+    with tg.record(tmp_path / "r"):
+        _train_log_dice(eps=0.0)
+    o = origin(open_run(tmp_path / "r"))
+    assert o.origin.op == "aten.log" and o.origin.line == _line("LOG DICE LINE")
+    assert "already clamped" in o.suggestion and "aten.clamp_min" in o.suggestion
+    assert f"test_true_origin.py:{_line('LOG DICE LINE')}" in o.suggestion
+    _train_log_dice(eps=1e-7)  # smp's default: finite
+
+
+def test_the_origin_names_the_type_of_the_module_it_ran_in(tmp_path, capsys):
+    # smp's losses are nn.Modules called beside the model: the log inside DiceLoss.forward was
+    # "module (root)" in the report, as an op of the model's own root would be
+    with tg.record(tmp_path / "r"):
+        _train_log_dice(eps=0.0)
+    assert "module (root) (_LogDiceLoss)" in report_text(str(tmp_path / "r"))
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "r"), "--json"]) == 0
+    link = json.loads(capsys.readouterr().out)["origin"]["origin"]
+    assert (link["module"], link["module_type"]) == ("", "_LogDiceLoss")
+
+
+def _train_focal(gamma: float) -> None:
+    # segmentation_models_pytorch's focal_loss_with_logits (losses/_functional.py) with gamma < 1 on
+    # a confident head: pt rounds to 1, (1 - pt) ** gamma has an infinite gradient at 0
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(3, 1, 1)
+    with torch.no_grad():
+        model.bias.fill_(30.0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(2, 3, 8, 8), torch.ones(2, 1, 8, 8)
+    for _ in range(2):
+        logpt = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y, reduction="none")
+        pt = torch.exp(-logpt)
+        loss = ((1.0 - pt).pow(gamma) * logpt).mean()  # FOCAL LINE
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_the_infinite_gradient_of_a_fractional_power_at_zero_is_told_to_keep_the_base_off_zero(tmp_path):
+    # smp's FocalLoss(gamma=0.5): the origin (pow's backward, +inf where 1 - pt is 0) was explained
+    # right and fixed as an overflow, "an input holds values too large to raise to this power ...
+    # x.clamp(-1e4, 1e4) ** 2, or compute the power in float64"
+    with tg.record(tmp_path / "r"):
+        _train_focal(gamma=0.5)
+    o = origin(open_run(tmp_path / "r"))
+    assert op_base(o.origin.op) == "pow" and o.origin.phase == "backward"
+    assert o.origin.line == _line("FOCAL LINE")
+    assert "too large" not in o.suggestion and "clamp(min=" in o.suggestion, o.suggestion

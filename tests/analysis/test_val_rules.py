@@ -156,8 +156,11 @@ def test_explain_leaves_unrelated_findings_alone():
 
 
 def test_the_explanation_table_has_no_cycle():
+    # an in-training relation that reverses one of EXPLAINS replaces it where it holds (a loop's
+    # gradients exploding after the rate diverged): never both at once
     def reach(kind, seen):
-        for k in (*EXPLAINS.get(kind, ()), *IN_TRAINING.get(kind, ())):
+        in_training = [k for k in IN_TRAINING.get(kind, ()) if kind not in EXPLAINS.get(k, ())]
+        for k in (*EXPLAINS.get(kind, ()), *in_training):
             assert k not in seen, (kind, k)
             reach(k, seen | {k})
 

@@ -51,10 +51,14 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
 # pass has none); the gradient cliffs of an unclipped RNN come first, and stay a cause of their own.
 # So are loss spikes that began no earlier than that divergence (Time-Series-Library's Autoformer at
 # lr 0.5 spiked 46x at step 13, its loss already 1e6 times its initial value since step 1).
+# Gradients growing through a loop only after that divergence are the blown-up weights' doing too
+# (pytorch-tabnet at lr 10: its shared layers' first/last ratio 1.2-1.4 until the loss went 0.87 ->
+# 460, then 4e13 once the network had collapsed); such a relation, where it holds, wins over the
+# reverse one in EXPLAINS (a loop exploding from the start explains the rate).
 IN_TRAINING: dict[str, tuple[str, ...]] = {
     "lr_too_high": ("dead_units", "exploding_activations", "collapsed_activations", "representation_collapse",
                     "saturated_activations", "vanishing_gradient", "exploding_gradient", "nonfinite_gradient",
-                    "loss_spike"),
+                    "loss_spike", "gradient_explodes_through_time"),
 }
 # A wrong custom gradient and a misused loss function explain what the curves and layers show
 # (analysis/_function_rules.py, _graph_rules.py): they are read off the graph, not the numbers.
@@ -90,7 +94,8 @@ def explain(findings: list[Finding]) -> None:
 
 def _causes_of(f: Finding, problems: dict[str, Finding]) -> list[str]:
     kind = f.kind
-    out = [c for c, explained in EXPLAINS.items() if kind in explained and c in problems and c != kind]
+    out = [c for c, explained in EXPLAINS.items() if kind in explained and c in problems and c != kind
+           and not (c in IN_TRAINING.get(kind, ()) and _arose_after(f, problems[c]))]
     out += [c for c, explained in IN_TRAINING.items()
             if kind in explained and c in problems and c not in out and _arose_after(problems[c], f)]
     return out

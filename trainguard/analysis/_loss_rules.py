@@ -556,9 +556,12 @@ def loss_spike(ctx: Context) -> list[Finding]:
         "began": spikes[0][0],  # a rate far too high that diverged no later explains them (_causes.IN_TRAINING)
     }
     gn = ctx.grad_norm.at(first_step)
+    quiet = False
     if gn is not None:
         ev["largest"]["grad_norm"] = gn
-        ev["grad_norm_median"] = median(ctx.grad_norm.values)
+        ev["grad_norm_median"] = gmed = median(ctx.grad_norm.values)
+        at_spikes = [ctx.grad_norm.at(s) for s, _, _ in spikes]
+        quiet = all(g is not None and math.isfinite(g) and g < ctx.th.loss_spike_quiet_grad * gmed for g in at_spikes)
     if ctx.environment:
         # A rollout holding an episode's end (the value target drops to the last reward) or a rare
         # large reward makes one update's loss jump: SB3's A2C on CartPole, healthy, 35x its median.
@@ -566,6 +569,14 @@ def loss_spike(ctx: Context) -> list[Finding]:
                  "usually a rollout holding an episode's end or a rare large reward, not a fault; judge the run by its "
                  f"episode return, and if that falls after step {first_step}, check the rewards of that rollout "
                  "(normalise or clip them, e.g. stable-baselines3's VecNormalize)"]
+    elif quiet:
+        # The loss of the batch was high, not its update: clipping would leave those steps as they were.
+        ev["quiet_gradient"] = True
+        fixes = [f"the gradient norm at the spike ({fmt(gn)}) was below the run's median ({fmt(gmed)}): the update was "
+                 "an ordinary one and training went on undisturbed, so clipping would change nothing; the batch was "
+                 "hard for the model, most often because it holds something rare (a class few samples have: weight "
+                 "the classes or oversample those samples if it should be learnt) or a wrong label "
+                 f"(inspect the batch of step {first_step})"]
     else:
         fixes = [f"inspect the batch of step {first_step} (a corrupted or mislabelled batch makes a one-step spike)"]
         clip = clip_text(ctx)
@@ -575,7 +586,7 @@ def loss_spike(ctx: Context) -> list[Finding]:
     return [
         Finding(
             kind="loss_spike",
-            severity="info" if ctx.environment else "warning",
+            severity="info" if ctx.environment or quiet else "warning",
             title=f"Loss spiked to {fmt(top)} at step {first_step} ({top / base:.0f}x its recent median)"
             + (f", {len(spikes)} spikes in all" if len(spikes) > 1 else ""),
             evidence=ev,

@@ -24,6 +24,9 @@ from trainguard.store import ALIAS_OPS, REACHED, Run, is_collective
 
 # Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
 _LOGS = {"log", "log2", "log10", "log_"}
+# A lower bound only: clamp/clip may bound the maximum alone, which passes zeros on (its arguments
+# are not recorded).
+_CLAMPS = {"clamp_min"}
 _DIVS = {"div", "div_", "reciprocal", "true_divide", "floor_divide", "remainder", "fmod"}
 _SQRTS = {"sqrt", "sqrt_"}
 _RSQRTS = {"rsqrt", "rsqrt_"}
@@ -91,6 +94,9 @@ class Link:
     # package's line (``{"file", "path", "line", "function", "code"}``), which ``file``/``line`` (the
     # user's line that called it) do not show.
     library: dict | None = None
+    # The class of the module the op ran in: a loss module called beside the model (smp's DiceLoss)
+    # is a root of its own, whose path "" reads like the model's.
+    module_type: str | None = None
 
 
 @dataclass
@@ -270,6 +276,7 @@ def _link(run: Run, seq: int) -> Link:
                   "description": describe_summary(o["summary"])} for o in e["outputs"]],
         inputs=inputs, forward_op=fwd, taint=e.get("taint", "finite"), origin_seq=e.get("origin"),
         through=through, sources=sources, library=_library_frame(run, e["stack_id"]),
+        module_type=e.get("module_type"),
     )
     link.mask = _counted_mask(run, link)
     link.explanation = explain(link)
@@ -668,6 +675,9 @@ _SUGGESTIONS = {
     "scores with a large finite negative, torch.finfo(scores.dtype).min, instead of -inf",
     "log": "clamp the input before the log, e.g. torch.log(p.clamp(min=1e-6)); for a softmax followed by log, "
     "use torch.log_softmax or F.cross_entropy, which never take the log of 0",
+    "log_clamped": "the input is already clamped ({where}) and still holds zeros: its lower bound is 0 (an eps or "
+    "min of 0.0, e.g. a loss built with eps=0): clamp at a positive value, e.g. torch.log(p.clamp(min=1e-7)), or give "
+    "the loss a positive eps",
     "log_sigmoid": "the log is taken of a sigmoid's output (a binary cross-entropy written by hand), which rounds "
     "to exactly 0 or 1 once a logit is large: take it on the logits instead, F.logsigmoid(x) for "
     "log(sigmoid(x)){complement}, or compute the loss with F.binary_cross_entropy_with_logits / "
@@ -687,6 +697,9 @@ _SUGGESTIONS = {
     "pow_zero": "a negative power of 0 is inf: clamp the base first, x.clamp(min=1e-12) ** p, or set the infinities "
     "to 0 right after, as PyG's gcn_norm does for nodes of degree 0 "
     "(deg_inv_sqrt.masked_fill_(deg_inv_sqrt == float('inf'), 0)), or add self loops so that no degree is 0",
+    "pow_grad": "x ** p with 0 < p < 1 has an infinite gradient where x is 0 (a focal loss's (1 - pt) ** gamma with "
+    "gamma < 1 once pt rounds to 1): keep the base off 0, e.g. (1 - pt).clamp(min=1e-6) ** gamma, or use an exponent "
+    ">= 1 (gamma >= 1)",
     "exp": "subtract the maximum first (logsumexp / softmax do) or clamp the input, e.g. x.clamp(max=80)",
     "power": "an input holds values too large to raise to this power in its dtype: normalise the input (data "
     "straight from a loader: `trainguard doctor` validates it), clamp it before the power, e.g. "
@@ -791,6 +804,22 @@ def made_in_loader(run: Run, link: Link) -> bool:
 # Ops whose output holds only values of their first input (a sigmoid's output reshaped, indexed or
 # cast on its way to the log): the recorder's aliases, and selections of part of the input.
 _PASS_THROUGH = frozenset({op_base(n) for n in ALIAS_OPS} | {"select", "slice", "expand", "contiguous", "_to_copy"})
+
+
+def _clamped_at_zero(link: Link) -> str | None:
+    """When a log's input is a clamp's output that holds zeros (``p.clamp_min(eps)`` with eps = 0:
+    segmentation_models_pytorch's DiceLoss(log_loss=True, eps=0.0) on a class absent from the
+    batch): the clamp, as ``op at file:line``; else None."""
+    first = link.inputs[0] if link.inputs else None
+    if not first or first.get("kind") != "op" or op_base(first.get("producer_op") or "").rstrip("_") not in _CLAMPS:
+        return None
+    if not _count(first.get("summary"), "zero"):
+        return None
+    op = first["producer_op"]
+    name = str(first.get("file") or "").replace("\\", "/").rsplit("/", 1)[-1]
+    where = f"{op} at {name}:{first['line']}" if name else op
+    lib = link.library
+    return where + (f", inside {lib['path']}:{lib['line']}" if lib else "")
 
 
 def log_of_sigmoid(run: Run, link: Link) -> str | None:
@@ -988,9 +1017,15 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         if log_of is not None:
             complement = " and F.logsigmoid(-x) for log(1 - sigmoid(x))" if log_of == "1 - sigmoid" else ""
             return _SUGGESTIONS["log_sigmoid"].format(complement=complement)
+        clamped = _clamped_at_zero(link)
+        if clamped is not None:
+            return _SUGGESTIONS["log_clamped"].format(where=clamped)
         return _SUGGESTIONS["log"]
     if link.phase != "backward" and _power_of_zero(link):
         return _SUGGESTIONS["pow_zero"]
+    if (link.phase == "backward" and base == "pow" and link.inputs
+            and _count(link.inputs[0].get("summary"), "zero")):
+        return _SUGGESTIONS["pow_grad"]
     if base in _DIVS:
         if link.phase != "backward" and _integer_denominator(link):
             return _SUGGESTIONS["div_count"]

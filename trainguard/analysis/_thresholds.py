@@ -53,6 +53,10 @@ class Thresholds:
     loss_spike_min_rise: float = _t(
         0.25, "the jump must be a quarter of the starting loss: tiny losses near convergence are relatively noisy"
     )
+    loss_spike_quiet_grad: float = _t(
+        1.0, "spikes whose gradient norms are all below this multiple of the run's median made smaller updates than a "
+        "usual step: a hard or rare batch (a class one image in 64 holds), not a disturbance of training"
+    )
     osc_autocorr: float = _t(
         -0.4, "detrended i.i.d. noise has |autocorrelation| < 0.2 at 40+ points; -0.4 needs a real back-and-forth"
     )

@@ -42,6 +42,8 @@ def gradient_explodes_through_time(ctx: Context) -> list[Finding]:
         "grad_first_over_last": ratio,
         "growth_per_call": g,
         "recordings": {la: steps[:10] for la, steps in hits.items()},
+        # a rate far too high that diverged no later explains it (_causes.IN_TRAINING)
+        "began": min(s for v in hits.values() for s in v),
     }
     fixes = []
     clip = clip_text(ctx, before_step=None)

@@ -140,6 +140,13 @@ def resolve_facts(heads: list[dict]) -> None:
         i += len(names)
 
 
+def _log_softmax_below(fn: Any) -> Any:
+    """The ``log_softmax`` node a ``gather`` node reads from (through views), or None."""
+    nxt = _next(fn)
+    below = _through(nxt[0]) if nxt else None
+    return below if below is not None and node_op(below) == "log_softmax" else None
+
+
 def _soft_ce(fn: Any) -> tuple[Any, torch.Tensor, int] | None:
     """A ``mul(log_softmax(x), target)`` node (cross entropy on probability targets)."""
     nxt = getattr(fn, "next_functions", ())
@@ -219,6 +226,15 @@ def inspect_loss(loss: torch.Tensor) -> list[dict]:
             x = _saved(fn, "_saved_self")
             if x is not None and x.numel():
                 head["facts"] = _facts_range(x)
+        elif op == "gather" and _log_softmax_below(fn) is not None:
+            # -log_softmax(x).gather(dim, target): a cross entropy written by hand (smp's
+            # SoftCrossEntropyLoss, fairseq's label_smoothed_nll_loss); no class count: a policy
+            # gradient's log-probability of its actions reads the same
+            lsm = _log_softmax_below(fn)
+            head = {"loss": "nll_loss", "chain": _chain(lsm)}
+            x = _saved(lsm, "_saved_result")
+            if x is not None and x.is_floating_point() and x.numel():
+                head["facts"] = _facts_nll_input(x)
         elif op == "mul":
             soft = _soft_ce(fn)
             if soft is not None:

@@ -205,7 +205,8 @@ def _origin(report: dict) -> Any:
     head.append(f" at {_where(link)}", style="bold")
     head.append(f" in step {link['step']} ({link['phase']} pass, #{link['seq']})")
     if link.get("module") is not None:
-        head.append(f", module {link['module'] or '(root)'}")
+        head.append(f", module {link['module'] or '(root)'}"
+                    + (f" ({link['module_type']})" if link.get("module_type") else ""))
     parts.append(head)
     lib = link.get("library")
     if lib:  # the op ran inside an installed package, called from the line above
