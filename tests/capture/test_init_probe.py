@@ -1,4 +1,5 @@
-"""Which modules the monitor takes for models when it watches a script it did not modify."""
+"""A model that runs itself in its own ``__init__`` (ultralytics' stride probe): which modules the
+monitor takes for models, and the names the recorder gives its layers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import copy
 import torch
 from torch import nn
 
+import trainguard
 from trainguard import Monitor
 from trainguard.store import open_run
 
@@ -14,9 +16,9 @@ from trainguard.store import open_run
 class _Conv(nn.Module):
     """ultralytics.nn.modules.Conv: a convolution, batch norm and SiLU."""
 
-    def __init__(self, c1: int, c2: int):
+    def __init__(self, c1: int, c2: int, s: int = 2):
         super().__init__()
-        self.conv = nn.Conv2d(c1, c2, 3, 2, 1, bias=False)
+        self.conv = nn.Conv2d(c1, c2, 3, s, 1, bias=False)
         self.bn = nn.BatchNorm2d(c2)
         self.act = nn.SiLU()
 
@@ -30,9 +32,10 @@ class _DetectionModel(nn.Module):
     forward of a zero image through ``self.forward(x)``, gradients on, so each layer is called with
     no module call around it."""
 
-    def __init__(self):
+    def __init__(self, depth: int = 0):
         super().__init__()
-        self.model = nn.Sequential(_Conv(3, 8), _Conv(8, 16), nn.Conv2d(16, 6, 1))
+        more = [_Conv(16, 16, 1) for _ in range(depth)]  # yolov8n has 23 layers, 17 with parameters
+        self.model = nn.Sequential(_Conv(3, 8), _Conv(8, 16), *more, nn.Conv2d(16, 6, 1))
         self.model.eval()
         out = self.forward(torch.zeros(1, 3, 32, 32))
         self.model.train()
@@ -68,11 +71,32 @@ def test_layers_called_by_a_model_probing_itself_in_its_init_are_not_models(tmp_
                 for e, p in zip(ema.parameters(), model.parameters()):
                     e.mul_(0.9).add_(p, alpha=0.1)
                 ema(x)  # the validator runs the EMA copy
+        assert {"model.0.conv", "model.0.bn", "model.1.conv", "model.2"} <= set(mon.layers)
     run = open_run(tmp_path / "r")
     roots = run.meta["monitor"]["roots"]
     assert [(r["prefix"], r["type"]) for r in roots] == [("", "_DetectionModel"),
                                                           ("_detectionmodel.", "_DetectionModel")]
-    assert {"model.0.conv", "model.0.bn", "model.1.conv", "model.2"} <= set(mon.layers)
     assert "model.0.conv.weight" in run.layers()
     [untrained] = [f for f in mon.findings if f.kind == "model_not_trained"]
     assert untrained.evidence["model"] == "_detectionmodel"  # the EMA copy
+
+
+def test_the_recorder_names_the_layers_of_a_model_probed_in_its_init_by_their_path(tmp_path):
+    # `trainguard run` on YOLO("yolov8n.yaml").train(...): the forward convolutions of every
+    # training step ran in modules named "conv", "cv1.conv", "m.0.cv1.conv", "cv2.0.0.conv"
+    # (model.0.conv, model.2.cv1.conv, ... model.22.cv2.0.0.conv): each layer the probes called with
+    # no module around it was named by a scan of the live objects for its holder, and after 16
+    # such scans (the first model's 17 layers with parameters) by nothing.
+    torch.manual_seed(0)
+    with trainguard.record(tmp_path / "r", mode="no_tensor", buffer=-1):
+        _DetectionModel(depth=8)  # YOLO("yolov8n.yaml"): built, never trained
+        model = _DetectionModel(depth=8)  # the trainer's
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(2):
+            x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    convs = open_run(tmp_path / "r").executions(phase="forward", op="convolution")
+    trained = [e["module"] for e in convs if e["step"] == 1]
+    assert trained == ["model.0.conv", "model.1.conv", *(f"model.{i}.conv" for i in range(2, 10)), "model.10"]
