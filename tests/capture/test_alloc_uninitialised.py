@@ -222,3 +222,28 @@ def test_parameter_of_empty_is_unknown_until_written(tmp_path, backend):
         (clone,) = [e for e in run.executions() if e["op"] == "aten.clone"]
         assert clone["taint"] == "unknown"
         assert run.alerts()["total"] == 0 and run.first_harm() is None
+
+
+@pytest.mark.usefixtures("nan_empty")
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_model_run_on_an_empty_tensor_is_told_as_uninitialised_memory(tmp_path, backend):
+    # ultralytics' get_flops (the model summary YOLO().train() prints at its start and end) hands
+    # thop a dummy image made with torch.empty. Where that memory held NaN, `trainguard run` said
+    # the convolution "made nan from values the compiled graph computed without a summary of their
+    # own (empty)" (nothing was compiled) and "values are overflowing ...: check the scale of the
+    # initialisation and of the inputs".
+    from trainguard.analysis import origin
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.SiLU(), nn.Conv2d(8, 4, 1))
+    with tg.record(tmp_path / "run", backend=backend, mode="full_health"):
+        p = next(model.parameters())
+        im = torch.empty((1, p.shape[1], 16, 16), device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            model(im)
+    with tg.open(tmp_path / "run") as run:
+        o = origin(run)
+        assert o.origin.op == "aten.convolution"
+        why = o.origin.explanation
+        assert "compiled" not in why and "uninitialised memory" in why and "aten.empty" in why, why
+        assert "overflowing" not in o.suggestion and "torch.zeros" in o.suggestion, o.suggestion

@@ -244,7 +244,9 @@ def nonfinite_loss(ctx: Context) -> list[Finding]:
             f"the NaN/Inf gradients of step {grad_bad} (finite loss) broke the weights: fix that first "
             "(see nonfinite_gradient)"
         )
-    grew = len(before) >= 2 and before.values[-1] > 10 * max(abs(before.values[0]), 1e-12)
+    # a value the program handed in (the data) is no divergence, however the loss moved before it
+    grew = (len(before) >= 2 and before.values[-1] > 10 * max(abs(before.values[0]), 1e-12)
+            and not (origin and origin.get("given")))
     if grew:
         ev["loss_grew"] = f"{fmt(before.values[0])} -> {fmt(before.values[-1])} before turning {fmt(value)}"
         _, text, clip = _lower_where_it_went_wrong(ctx, diverged(ctx), step)
@@ -630,7 +632,8 @@ def lr_too_high(ctx: Context) -> list[Finding]:
         # from the first loss that is not an exact 0 (SAC's split first step: only the entropy
         # coefficient's loss, 0 at log_ent_coef = 0)
         start = next((abs(float(v)) for v in before.values if v != 0), 0.0)
-        if len(before) >= 2 and start > 0 and before.values[-1] > 10 * start:
+        given = (origin_of(ctx.run, before_step=bad_step) or {}).get("given")  # written into the data
+        if len(before) >= 2 and start > 0 and before.values[-1] > 10 * start and not given:
             reasons.append(f"the loss grew {fmt(before.values[-1] / start)}x before turning NaN/Inf")
     if not reasons:
         return []

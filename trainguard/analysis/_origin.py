@@ -419,6 +419,11 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
     if link.phase == "backward" and link.forward_op and link.forward_op.get("op"):
         fbase = op_base(link.forward_op["op"])
         return f"the gradient of {fbase} is {made} here: " + _forward_reason(fbase)
+    garbage = uninitialised_input(link)
+    if garbage is not None:
+        return (f"{base} computed on uninitialised memory: input {garbage['slot']} is what "
+                f"{garbage['producer_op']} (#{garbage['producer']}) allocated, and nothing wrote it before this op "
+                f"read it; it holds whatever the allocator left there, and the {made} came from it")
     if link.through:  # some input has no summary of its own
         src = link.sources[0] if link.sources else None
         behind = (f"; they were computed from {src.get('producer_op')} (#{src.get('producer')}), which holds "
@@ -723,6 +728,9 @@ _SUGGESTIONS = {
     "ctc": "pass zero_infinity=True (nn.CTCLoss(zero_infinity=True), F.ctc_loss(..., zero_infinity=True); for "
     "transformers' CTC models, config.ctc_zero_infinity=True) so that such a sample adds 0 to the loss and "
     "gradient, or drop the samples whose target is longer than their output frames, or downsample the input less",
+    "uninitialised": "write the tensor before anything reads it: torch.zeros, torch.ones or torch.randn instead of "
+    "torch.empty (or fill it first with .zero_() or .copy_()); a dummy input made with torch.empty for a shape or "
+    "FLOP probe is such a tensor",
     "accum": "values are overflowing: lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_)",
     "constant": "the code wrote this value itself (a log-probability of 0 for a sample outside a bounded support, "
     "as a uniform base distribution's log_prob does; a sentinel): keep it out of the loss, e.g. "
@@ -746,6 +754,12 @@ _SUGGESTIONS = {
     "received": "this rank only received the value from another rank: see the report of the rank that made it "
     "(trainguard report RUN names it on its first line; --rank K details one rank)",
 }
+
+
+def uninitialised_input(link: Link) -> dict | None:
+    """The input of ``link`` that is uninitialised memory (an ``empty*`` output, or a view or copy
+    of one, never written: the recorder's taint "unknown"), if any."""
+    return next((i for i in link.inputs if i.get("kind") == "op" and i.get("taint") == "unknown"), None)
 
 
 def received_input(link: Link) -> dict | None:
@@ -996,6 +1010,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
+    if uninitialised_input(link) is not None:
+        return _SUGGESTIONS["uninitialised"]
     if _masked_rows(link):
         return _SUGGESTIONS["log" if _from_log(link) else "masked"]
     if _ctc_unalignable(link):

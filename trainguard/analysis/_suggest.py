@@ -224,6 +224,10 @@ def _guard_origin(run: Any, before_step: int | None, since_step: int | None) -> 
     return None
 
 
+# Ops that make a tensor of values the program hands in (``torch.tensor(...)``, ``x[i] = nan``).
+_GIVEN_OPS = frozenset({"lift_fresh", "lift_fresh_copy"})
+
+
 def _origin_evidence(link: dict, harm: str | None, fix: str, before_step: int | None) -> dict | None:
     """An origin link (``asdict(Link)``) as finding evidence; None when it comes after ``before_step``."""
     step = link.get("step")
@@ -237,6 +241,10 @@ def _origin_evidence(link: dict, harm: str | None, fix: str, before_step: int | 
         out["function"] = link.get("function")
     if harm:
         out["harm"] = harm
+    if str(link.get("op")).removeprefix("aten.").split(".")[0] in _GIVEN_OPS and link.get("phase") != "backward":
+        # a constant, an array or a sample of the data became a tensor holding it: no op computed
+        # it, so how the loss moved before says nothing about where it came from
+        out["given"] = True
     out["fix"] = fix
     zeros = [f"input {i['slot']} ({i.get('producer_op')}) holds {i['summary']['zero']} zero(s)"
              for i in link.get("inputs") or [] if (i.get("summary") or {}).get("zero")]

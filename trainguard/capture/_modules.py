@@ -9,6 +9,7 @@ buffers are held through weak references only.
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import warnings
 import weakref
@@ -81,6 +82,30 @@ def container_path(module: nn.Module) -> str:
         path.append(name)
         module = parent
     return ".".join(reversed(path))
+
+
+def probing_owner(module: nn.Module) -> nn.Module | None:
+    """The module whose ``__init__`` is running and holds ``module`` (or is it), outermost first:
+    ``module`` runs in a probe of the model being built, not as a model of its own. ultralytics'
+    DetectionModel works out its strides with ``self.forward(torch.zeros(...))`` in its
+    ``__init__``, which calls each layer with no module call around it; a CNN that sizes its
+    classifier with a dummy forward does the same. Only frames of ``__init__`` methods are read,
+    and only for a module called with no module around it that is not named yet."""
+    owner = None
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        if code.co_name == "__init__" and code.co_argcount and code.co_varnames[0] == "self":
+            m = f.f_locals.get("self")
+            if isinstance(m, nn.Module) and (m is module or any(c is module for c in m.modules())):
+                owner = m
+        f = f.f_back
+    return owner
+
+
+def path_in(owner: nn.Module, module: nn.Module) -> str:
+    """``module``'s name in ``owner`` (``""`` for ``owner`` itself)."""
+    return next((name for name, m in owner.named_modules(remove_duplicate=False) if m is module), "")
 
 
 # Scans of the live objects for containers per tracker: a program that builds a new model at
@@ -247,7 +272,11 @@ class ModuleTracker:
         path = ""
         if parent is not None and parent not in self._ids:
             parent = None  # called from inside a compiled graph run as a module
-        if parent is None and self._container_scans < _CONTAINER_SCANS and any(True for _ in module.parameters()):
+        if parent is None and (owner := probing_owner(module)) is not None:
+            # run by a model being built (a probe in its __init__): named by its path there, as
+            # that model's state_dict names it, without a scan
+            path = path_in(owner, module)
+        elif parent is None and self._container_scans < _CONTAINER_SCANS and any(True for _ in module.parameters()):
             # a model called at the top level may sit in a container the program calls into
             # (cleanrl's Agent.actor): named by its path there, as the monitor names it
             self._container_scans += 1

@@ -34,7 +34,7 @@ from torch.nn.utils.parametrize import ParametrizationList as _ParametrizationLi
 from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import activation_stats, first_tensor, histogram, input_stats
-from trainguard.capture._modules import container_path, forward_pre_hook, unwrapped, wrapped
+from trainguard.capture._modules import container_path, forward_pre_hook, probing_owner, unwrapped, wrapped
 from trainguard.capture._monitor_model import Layer, Root, build_root, structure
 
 log = logging.getLogger("trainguard.monitor")
@@ -252,6 +252,10 @@ class HookMixin:
             # functional_call under vmap / grad: the module holds the transform's wrapped tensors
             # for this call only; the trained ones are the caller's plain tensors
             self._torch_func_model = self._torch_func_model or type(module).__name__
+            return
+        if probing_owner(module) is not None:
+            # A probe of a model being built (its strides, the size of its classifier), not a model
+            # being trained; not known either: the model is found when it is called once built.
             return
         # Every model found before is gone, after training: this one follows it (a sweep's next
         # trial, cross-validation's next fold), with names of its own and a trend of its own.
