@@ -56,10 +56,10 @@ def representation_collapse(ctx: Context) -> list[Finding]:
         if len(ratios) < 2:
             continue
         later = ratios[len(ratios) // 2:]
-        initial = _at_init(ctx, ctx.stat(layer, "activation", "row_std"))
+        initial = _at_init(ctx, ctx.stat(layer, "activation", "row_std"), layer)
         # Rows alike from the first recording are the inputs' doing (or the initialisation's), not
         # a collapse the training made.
-        if initial is None or ratios[0] < limit or steps[0] != ctx.recorded_steps[0] or median(np.array(later)) >= limit:
+        if initial is None or ratios[0] < limit or steps[0] != ctx.initial_step(layer) or median(np.array(later)) >= limit:
             continue
         collapsed[layer] = {"trained": pre not in untrained, "initial_ratio": ratios[0], "ratio": median(np.array(later)),
                             "since": next(s for s, r in zip(steps, ratios) if r < limit)}

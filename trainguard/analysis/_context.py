@@ -201,6 +201,17 @@ class Context:
         """The optimizer's parameter groups whose learning rates were logged, in order."""
         return sorted(int(k[3:]) for k in self.lrs if k[3:].isdigit())
 
+    def initial_step(self, name: str) -> int | None:
+        """The step at which the model holding layer or parameter ``name`` had its initial weights:
+        the run's first recording, or, for a model trained after earlier ones were freed (a sweep's
+        later trial), the step it was found in (``models_in_sequence``; the longest prefix wins)."""
+        first = self.recorded_steps[0] if self.recorded_steps else None
+        own = [m for m in self.models_in_sequence
+               if isinstance(m.get("prefix"), str) and name.startswith(m["prefix"]) and isinstance(m.get("first_step"), int)]
+        if own:
+            return max(own, key=lambda m: len(m["prefix"]))["first_step"]
+        return first
+
     def other_optimizers(self) -> dict[int, list[int]]:
         """The parameter groups of each optimizer after the first (logged as ``lr/K.G``: Muon's
         AdamW for the embeddings, a GAN's generator), by the optimizer's index K, in order."""

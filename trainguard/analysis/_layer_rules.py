@@ -238,7 +238,7 @@ def _initial_rms(ctx: Context, layers: list[str]) -> dict[str, float] | None:
     out = {}
     for la in layers:
         mean, std = ctx.stat(la, "activation", "mean"), ctx.stat(la, "activation", "std")
-        if not len(mean) or not len(std) or mean.steps[0] != ctx.recorded_steps[0] or std.steps[0] != mean.steps[0]:
+        if not len(mean) or not len(std) or mean.steps[0] != ctx.initial_step(la) or std.steps[0] != mean.steps[0]:
             return None
         v = float(_hypot(mean.values[:1], std.values[:1])[0])
         if not math.isfinite(v):
@@ -247,10 +247,11 @@ def _initial_rms(ctx: Context, layers: list[str]) -> dict[str, float] | None:
     return out
 
 
-def _at_init(ctx: Context, series) -> float | None:
-    """A series' value at the run's first recording, when the weights were the initial ones (None
-    otherwise, when it was not recorded there, or is not finite)."""
-    if not ctx.weights_initial or not ctx.recorded_steps or not len(series) or series.steps[0] != ctx.recorded_steps[0]:
+def _at_init(ctx: Context, series, name: str = "") -> float | None:
+    """A series' value at the run's first recording (of layer or parameter ``name``'s own model, for
+    a model trained after earlier ones), when the weights were the initial ones (None otherwise,
+    when it was not recorded there, or is not finite)."""
+    if not ctx.weights_initial or not ctx.recorded_steps or not len(series) or series.steps[0] != ctx.initial_step(name):
         return None
     v = float(series.values[0])
     return v if math.isfinite(v) else None
@@ -259,7 +260,7 @@ def _at_init(ctx: Context, series) -> float | None:
 def _initial(ctx: Context, layers: list[str], stat: str) -> dict[str, float] | None:
     """Each layer's activation ``stat`` (``sat_frac``, ``std``) at initialisation (see :func:`_at_init`),
     None unless every layer has one."""
-    out = {la: _at_init(ctx, ctx.stat(la, "activation", stat)) for la in layers}
+    out = {la: _at_init(ctx, ctx.stat(la, "activation", stat), la) for la in layers}
     return None if any(v is None for v in out.values()) else out
 
 
@@ -450,7 +451,7 @@ def _update_flow(ctx: Context, names: list[str]) -> dict[str, float]:
 def _initial_flow_ratio(ctx: Context, first: str, last: str) -> float | None:
     """The first weight matrix's relative gradient over the last one's at initialisation (see
     :func:`_at_init`; None when either has no gradient there)."""
-    a, b = _at_init(ctx, ctx.relgrad(first)), _at_init(ctx, ctx.relgrad(last))
+    a, b = _at_init(ctx, ctx.relgrad(first), first), _at_init(ctx, ctx.relgrad(last), last)
     return a / b if a and b and a > 0 and b > 0 else None
 
 
