@@ -474,3 +474,41 @@ def test_steps_a_killed_process_stored_after_its_checkpoint_are_replaced_not_sto
     twice = [k for k, n in rows.items() if n > 1]
     assert not twice, twice[:5]
     assert {k[0] for k in rows} >= {12, 13, 19}
+
+
+SLOW_KILLED = textwrap.dedent('''
+    import os, signal, time
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(20):
+        loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.6)  # a slow step (a big model's)
+        if step == 7:
+            os.kill(os.getpid(), signal.SIGKILL)
+''')
+
+
+def test_a_killed_monitors_losses_between_recording_steps_are_in_the_run(tmp_path):
+    # PyG's GraphSAGE under `trainguard run --monitor --resume`, every=10, killed at step 9: the run
+    # held no loss at all (the monitor shipped its per-step scalars at recording steps only), and
+    # the resumed process restarted from its step-8 checkpoint, so steps 0-7 were never stored.
+    # Buffered steps now go out every few seconds too: a kill loses seconds of them, not steps.
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(SLOW_KILLED)
+    done = subprocess.run([sys.executable, "-m", "trainguard", "monitor", "--every", "10", "--logdir",
+                           str(tmp_path / "run"), str(script)], capture_output=True, text=True, timeout=120,
+                          env=os.environ)
+    assert done.returncode == -9, done.stderr
+    with open_run(tmp_path / "run") as run:
+        steps = [s for s, _ in run.scalars("loss").get("loss", [])]
+    assert steps[:3] == [0, 1, 2] and steps == list(range(len(steps))), steps
