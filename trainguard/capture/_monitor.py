@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -241,6 +242,7 @@ class Monitor(EventsMixin, HookMixin):
         self._eval = EvalWatch() if validation else None
         self._leak = LeakWatch() if validation else None
         self._time = TimeWatch(self._out)  # gradients through a recurrent loop
+        self._shipped_at = time.monotonic()  # the last shipment of buffered steps (see _finish_step)
 
         if _steps.clock.users == 0:
             _steps.reset(start_step or 0)

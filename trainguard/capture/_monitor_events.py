@@ -9,6 +9,7 @@ training (observing training never kills it).
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from typing import Any
 
@@ -20,8 +21,11 @@ from trainguard.capture._monitor_grads import pending_refs, replaced, used
 log = logging.getLogger("trainguard.monitor")
 
 # With a large ``every``, per-step scalars still reach the run (for a live view) after this many
-# steps: one more batched, non-blocking copy, never one per step.
+# steps, or once this many seconds passed since the last shipment, so that a process killed
+# between recording steps loses seconds of them, not steps (slow steps, a resumed run's curve):
+# one more batched, non-blocking copy, never one per step.
 MAX_BUFFERED_STEPS = 50
+SHIP_SECONDS = 2.0
 
 
 class EventsMixin:
@@ -258,8 +262,10 @@ class EventsMixin:
         self._chan_out = {}
         self._inputs_seen = set()
         self._input_wanted = {}
-        if self._recording or len(self._out.scalars) > MAX_BUFFERED_STEPS:
+        now = time.monotonic()
+        if self._recording or len(self._out.scalars) > MAX_BUFFERED_STEPS or now - self._shipped_at >= SHIP_SECONDS:
             self._out.ship(keep=s)
+            self._shipped_at = now
         self._out.resolve(wait=False)
         if self.modes != self._modes_written or len(self._order) != self._order_written:
             self._modes_written = dict(self.modes)
