@@ -512,3 +512,25 @@ def test_a_killed_monitors_losses_between_recording_steps_are_in_the_run(tmp_pat
     with open_run(tmp_path / "run") as run:
         steps = [s for s, _ in run.scalars("loss").get("loss", [])]
     assert steps[:3] == [0, 1, 2] and steps == list(range(len(steps))), steps
+
+
+def test_a_resumed_recording_counts_the_killed_processs_ops_as_recorded(tmp_path):
+    # PyG's GraphSAGE under `trainguard run --resume` after kill -9: the report read "ops seen 3,995
+    # ran, 2,627 matched the filters" with no filter set: the next number counted both processes'
+    # ops, the recorded count only the second's (the killed one never wrote its own).
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(CHECKPOINTED)
+    cmd = [sys.executable, "-m", "trainguard", "run", "--resume", "--logdir", str(tmp_path / "run"),
+           str(script), str(tmp_path / "ckpt"), str(tmp_path / "killed")]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert first.returncode == -9, first.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert again.returncode == 0, again.stderr
+    with open_run(tmp_path / "run") as run:
+        meta = run.meta
+        stored = run.count()
+    assert meta["recorded"] == meta["executions"] == stored, (meta["recorded"], meta["executions"], stored)
