@@ -51,14 +51,20 @@ def rank_dir(logdir: Path, rank: int, world_size: int) -> Path:
 
 def continue_counts(rec, run_dir: Path) -> None:
     """A recorder continuing the run in ``run_dir`` (resumed): its executions are numbered after the
-    earlier process's, and counted with them (``meta.recorded``; ``executions`` is the next number)."""
+    earlier processes', and counted with them (``meta.recorded``; ``executions`` is the next number).
+    A process killed before it stopped wrote no count: without filters it recorded every op it
+    numbered; with them, at least those stored."""
     from trainguard.store import open_run
 
     try:
         with open_run(run_dir) as run:
             n = run.count()
             rec.seq = run.executions(n - 1, n)[0]["seq"] + 1 if n else 0
-            rec.recorded = int(run.meta.get("recorded") or 0)
+            meta = run.meta
+            if meta.get("ops_filter") or meta.get("dtypes_filter"):
+                rec.recorded = max(int(meta.get("recorded") or 0), n)
+            else:
+                rec.recorded = rec.seq
     except Exception:  # no recording there yet: the recorder counts from 0
         return
 
