@@ -4,6 +4,9 @@ its exit code, the exception's type and message, and the step it died in."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -382,22 +385,27 @@ CHECKPOINTED = textwrap.dedent('''
 ''')
 
 
+def _checkpointed(tmp_path, *command: str) -> list[str]:
+    """The command line that runs CHECKPOINTED under ``trainguard COMMAND --resume``: the first
+    run kills itself after step 14, the same command again finishes from its checkpoint."""
+    script = tmp_path / "train.py"
+    script.write_text(CHECKPOINTED)
+    return [sys.executable, "-m", "trainguard", *command, "--resume", "--logdir", str(tmp_path / "run"),
+            str(script), str(tmp_path / "ckpt"), str(tmp_path / "killed")]
+
+
+def _exits(cmd: list[str], code: int) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert done.returncode == code, done.stderr
+
+
 def test_a_run_resumed_from_trainguards_checkpoint_numbers_its_steps_as_the_checkpoint_does(tmp_path):
     # open_clip killed with kill -9 mid-epoch and run again under `trainguard run --monitor --resume`:
     # the first process had stored steps 0-9, its checkpoint held step 15, and the second process
     # numbered the steps it ran from 15 on 10, 11, ...: every later finding's step was off by 5.
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "train.py"
-    script.write_text(CHECKPOINTED)
-    cmd = [sys.executable, "-m", "trainguard", "monitor", "--every", "5", "--resume", "--logdir", str(tmp_path / "run"),
-           str(script), str(tmp_path / "ckpt"), str(tmp_path / "killed")]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
-    assert first.returncode == -9, first.stderr
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
-    assert again.returncode == 0, again.stderr
+    cmd = _checkpointed(tmp_path, "monitor", "--every", "5")
+    _exits(cmd, -9)
+    _exits(cmd, 0)
     with open_run(tmp_path / "run") as run:
         steps = [s for s, _ in run.scalars("loss")["loss"]]
     # the checkpoint of step 12 (saved every 4) is where the second process went on from
@@ -451,22 +459,14 @@ def test_steps_a_killed_process_stored_after_its_checkpoint_are_replaced_not_sto
     # again, so steps 12 and 13 had two loss rows and two rows of every layer statistic (the
     # curves doubled back). A restore now drops what the run holds from the restored step on, as
     # TensorBoard's purge_step does, and the resumed process's rows replace them.
-    import os
-    import subprocess
-    import sys
     from collections import Counter
 
-    script = tmp_path / "train.py"
-    script.write_text(CHECKPOINTED)
-    cmd = [sys.executable, "-m", "trainguard", "monitor", "--every", "1", "--resume", "--logdir", str(tmp_path / "run"),
-           str(script), str(tmp_path / "ckpt"), str(tmp_path / "killed")]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
-    assert first.returncode == -9, first.stderr
+    cmd = _checkpointed(tmp_path, "monitor", "--every", "1")
+    _exits(cmd, -9)
     with open_run(tmp_path / "run") as run:
         stored = [s for s, _ in run.scalars("loss")["loss"]]
     assert stored[-2:] == [12, 13], stored  # the first process had written past its checkpoint
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
-    assert again.returncode == 0, again.stderr
+    _exits(cmd, 0)
     with open_run(tmp_path / "run") as run:
         steps = [s for s, _ in run.scalars("loss")["loss"]]
         rows = Counter((r["step"], r["layer"], r["kind"], r["stat"]) for r in run.layer_stats())
@@ -499,16 +499,10 @@ def test_a_killed_monitors_losses_between_recording_steps_are_in_the_run(tmp_pat
     # held no loss at all (the monitor shipped its per-step scalars at recording steps only), and
     # the resumed process restarted from its step-8 checkpoint, so steps 0-7 were never stored.
     # Buffered steps now go out every few seconds too: a kill loses seconds of them, not steps.
-    import os
-    import subprocess
-    import sys
-
     script = tmp_path / "train.py"
     script.write_text(SLOW_KILLED)
-    done = subprocess.run([sys.executable, "-m", "trainguard", "monitor", "--every", "10", "--logdir",
-                           str(tmp_path / "run"), str(script)], capture_output=True, text=True, timeout=120,
-                          env=os.environ)
-    assert done.returncode == -9, done.stderr
+    _exits([sys.executable, "-m", "trainguard", "monitor", "--every", "10", "--logdir", str(tmp_path / "run"),
+            str(script)], -9)
     with open_run(tmp_path / "run") as run:
         steps = [s for s, _ in run.scalars("loss").get("loss", [])]
     assert steps[:3] == [0, 1, 2] and steps == list(range(len(steps))), steps
@@ -518,18 +512,9 @@ def test_a_resumed_recording_counts_the_killed_processs_ops_as_recorded(tmp_path
     # PyG's GraphSAGE under `trainguard run --resume` after kill -9: the report read "ops seen 3,995
     # ran, 2,627 matched the filters" with no filter set: the next number counted both processes'
     # ops, the recorded count only the second's (the killed one never wrote its own).
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "train.py"
-    script.write_text(CHECKPOINTED)
-    cmd = [sys.executable, "-m", "trainguard", "run", "--resume", "--logdir", str(tmp_path / "run"),
-           str(script), str(tmp_path / "ckpt"), str(tmp_path / "killed")]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
-    assert first.returncode == -9, first.stderr
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
-    assert again.returncode == 0, again.stderr
+    cmd = _checkpointed(tmp_path, "run")
+    _exits(cmd, -9)
+    _exits(cmd, 0)
     with open_run(tmp_path / "run") as run:
         meta = run.meta
         stored = run.count()
