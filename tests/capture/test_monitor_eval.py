@@ -616,3 +616,57 @@ def test_a_losss_own_warning_points_at_the_users_line_not_the_wrapper(tmp_path):
     [w] = [w for w in caught if "target size" in str(w.message)]
     assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno)
     assert issubclass(w.category, UserWarning)
+
+
+def _nanogpt_estimate_loss(model, get_batch, eval_iters=5):
+    """karpathy/nanoGPT train.py's estimate_loss(): eval mode, no grad, both splits through one
+    line in a loop over ``split``, the mean of each split's batch losses."""
+    out = {}
+    model.eval()
+    with torch.no_grad():
+        for split in ["train", "val"]:
+            losses = torch.zeros(eval_iters)
+            for k in range(eval_iters):
+                X, Y = get_batch(split)
+                logits, loss = model(X, Y)
+                losses[k] = loss.item()
+            out[split] = losses.mean().item()
+    model.train()
+    return out
+
+
+def test_nanogpt_evaluates_both_splits_from_one_line_and_the_val_split_is_the_validation(tmp_path):
+    """nanoGPT's estimate_loss computes the train split's and the val split's losses on the same
+    line (``logits, loss = model(X, Y)`` in ``for split in ['train', 'val']``): one pass by where it
+    was computed. ``val_loss`` was the mean of both splits (4.1714 where nanoGPT printed val loss
+    4.1776 and train loss 4.1652), and the train split's windows, drawn from the training data,
+    were "exact copies of training rows" (a ``train_val_leakage`` warning: 109 of 317 rows on
+    random tokens). The loop variable naming the split tells the passes apart."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(5)
+    block, batch = 16, 16
+    splits = {"train": torch.randint(0, 65, (1500,), generator=g), "val": torch.randint(0, 65, (400,), generator=g)}
+
+    def get_batch(split):
+        d = splits[split]
+        ix = torch.randint(len(d) - block - 1, (batch,))
+        return (torch.stack([d[i : i + block] for i in ix]), torch.stack([d[i + 1 : i + 1 + block] for i in ix]))
+
+    model = _CharModel(65)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    wanted = []
+    with Monitor(model, tmp_path / "run", every=10) as mon:
+        for it in range(81):
+            if it % 20 == 0:
+                wanted.append(_nanogpt_estimate_loss(model, get_batch)["val"])
+            X, Y = get_batch("train")
+            _, loss = model(X, Y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    got = [v for _, v in scalars(tmp_path / "run", "val_loss")]
+    assert got == pytest.approx(wanted, rel=1e-5)
+    assert "train_val_leakage" not in [f.kind for f in mon.findings]
+    with open_run(tmp_path / "run") as run:
+        leak = run.meta["monitor"]["validation"]["leak"]
+    assert {b["validation"] for b in leak["batches"] if b["pass"] % 2 == 1} == {False}  # the train split's
