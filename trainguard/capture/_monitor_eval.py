@@ -14,9 +14,11 @@ Batches are grouped into passes by where the script computed them: the chain of 
 share it; pytorch/examples gcn evaluates the training rows and then the validation rows through
 one ``test()`` called from two lines, which differ. When one step has several passes, the last
 one to start is the validation (gcn's order, and ``evaluate(train); evaluate(val)``'s): averaging
-the training rows in would hide a validation loss that rises while the training loss falls. Once
-known, the validation is the pass computed where it was: a test set evaluated after training, in
-the last step, is not a validation point.
+the training rows in would hide a validation loss that rises while the training loss falls. A
+variable of the script's frames whose value names a split tells passes apart too, and a pass
+named as a validation split is the validation (nanoGPT's ``estimate_loss``: both splits from one
+line, in ``for split in ['train', 'val']``). Once known, the validation is the pass computed
+where it was: a test set evaluated after training, in the last step, is not a validation point.
 
 The wrappers are installed while at least one monitor listens, as ``_monitor_tap`` does for
 ``backward``; a training loss costs one Python call and a flag test.
@@ -179,15 +181,45 @@ _PASS_FRAMES = 6
 
 def pass_key() -> tuple:
     """The script's frames at this call (file and line, innermost first): where the script
-    computed a loss (or ran a forward), which the batches of one evaluation loop share."""
-    key = []
+    computed a loss (or ran a forward), which the batches of one evaluation loop share; then the
+    split names its frames hold (see ``split_of``)."""
+    key: list = []
+    splits: list = []
     f = sys._getframe(1)
     while f is not None and len(key) < _PASS_FRAMES:
         name = f.f_code.co_filename
         if not name.startswith(_NOT_SCRIPT):
             key.append((name, f.f_lineno))
+            splits.extend(_split_names(f))
         f = f.f_back
+    if splits:
+        key.append(("split", tuple(splits)))
     return tuple(key)
+
+
+# The names a script gives its splits. nanoGPT's estimate_loss computes both splits' losses on one
+# line, in ``for split in ['train', 'val']``: the line alone makes them one pass; the loop
+# variable tells them apart.
+TRAIN_SPLITS = frozenset({"train", "training"})
+VAL_SPLITS = frozenset({"val", "valid", "validation", "dev", "eval", "evaluation", "holdout"})
+_SPLITS = TRAIN_SPLITS | VAL_SPLITS | {"test", "testing"}
+
+
+def _split_names(frame: Any) -> list[tuple[str, str]]:
+    """The variables of ``frame`` whose value is a split's name (plain strings only: Lightning's
+    stage enums are str subclasses, named the same in every pass)."""
+    try:
+        names = frame.f_locals
+    except Exception:
+        return []
+    return [(k, v.lower()) for k, v in list(names.items()) if type(v) is str and len(v) <= 10 and v.lower() in _SPLITS]
+
+
+def split_of(key: tuple | None) -> str | None:
+    """The split a pass's key names: the innermost frame's split variable, if any."""
+    if not key or key[-1][0] != "split":
+        return None
+    return key[-1][1][0][1]
 
 
 def _count_labels(counts: torch.Tensor | None, classes: int, target: torch.Tensor,
@@ -300,7 +332,10 @@ class EvalWatch:
         out: dict[str, torch.Tensor] = {}
         # The pass computed where earlier steps' validation was, if this step has one: a test set
         # evaluated once after training (gcn's last step) is not the last validation point.
-        key = self._val_key if self._val_key in self._passes else next(reversed(self._passes), None)
+        key = self._val_key if self._val_key in self._passes else None
+        if key is None:  # the last pass named a validation split, else the last pass
+            named = [k for k in self._passes if split_of(k) in VAL_SPLITS]
+            key = named[-1] if named else next(reversed(self._passes), None)
         p = self._passes.get(key) if key is not None else None
         if p is not None and p.loss_sum is not None and p.loss_n:
             self._val_key = key

@@ -20,6 +20,9 @@ pass to start in an evaluation (between two training forwards) is the validation
 ``val_loss``; the rows of the passes before it are marked so, and the diagnosis leaves them out:
 an evaluation of the training data, of which the run has trained on only part so far (batches
 drawn with replacement), is neither all copies nor leakage.
+A pass whose frames name the training split (see ``pass_key``) is never the validation, one that
+names a validation split always is: nanoGPT evaluates its train split, then its val split, from
+one line.
 
 Integer inputs (token ids, category codes) have no distance: a name one letter longer than a
 training name ("adriana", "adrian") differs from it by 1 in one position, a few percent of the
@@ -46,7 +49,7 @@ from typing import Any
 
 import torch
 
-from trainguard.capture._monitor_eval import pass_key
+from trainguard.capture._monitor_eval import TRAIN_SPLITS, VAL_SPLITS, pass_key, split_of
 from trainguard.capture._monitor_tap import quiet
 
 ROWS_PER_FORWARD = 1024
@@ -86,6 +89,7 @@ class LeakWatch:
         self._pass = 0  # the newest pass's number
         self._passes: dict[tuple, int] = {}  # this evaluation's passes, by where the script ran them
         self._first_passes: set[int] = set()  # the passes that began an evaluation
+        self._splits: dict[int, str | None] = {}  # the split each pass's frames name, if any
         self._train_since_eval = True
         self._fed: set[int] = set()  # models fed with another model's output (see the module doc)
 
@@ -125,6 +129,7 @@ class LeakWatch:
             if p is None:
                 self._pass += 1
                 p = self._passes[key] = self._pass
+                self._splits[p] = split_of(key)
             room = EVAL_ROWS - sk.n_eval
         else:
             self._train_since_eval = True
@@ -142,6 +147,14 @@ class LeakWatch:
                 sk.train[sk.n_train : sk.n_train + rows].copy_(sig)
                 sk.n_train += rows
 
+    def _validation(self, p: int) -> bool:
+        """Whether pass ``p`` is a validation: one whose frames name a validation split, else the
+        last of its evaluation, unless they name the training split."""
+        split = self._splits.get(p)
+        if split in TRAIN_SPLITS:
+            return False
+        return split in VAL_SPLITS or p == self._pass or p + 1 in self._first_passes
+
     def summary(self) -> dict[str, Any] | None:
         """Per evaluation batch, the relative distances of its rows to their nearest training row
         (only those below ``KEEP_BELOW``) and whether its pass was the validation (the last of
@@ -155,7 +168,7 @@ class LeakWatch:
                     continue
                 ev = sk.eval[: sk.n_eval]
                 rel = _relative_nearest(sk.train[: sk.n_train], ev).cpu().tolist()
-                validation = [(p == self._pass or p + 1 in self._first_passes) for p, *_ in sk.batches]
+                validation = [self._validation(p) for p, *_ in sk.batches]
                 in_val = torch.zeros(len(ev), dtype=torch.bool)
                 for (_, _, first, rows), last in zip(sk.batches, validation):
                     in_val[first : first + rows] = last
