@@ -280,3 +280,20 @@ def test_a_graph_batch_names_the_graph_whose_nodes_hold_nan():
     g.edge_attr[0, 1] = float("inf")  # an edge of graph 0
     assert batch_nonfinite(g, [35, 36, 37, 38])["samples"] == [35, 37]
     assert batch_nonfinite((g, g.y), [35, 36, 37, 38])["samples"] == [35, 37]
+
+
+def test_lower_lr_skips_a_batch_that_held_nan_itself(tmp_path):
+    # policy="lower_lr" on a corrupt sample: the event's fix said "the data is corrupt ...; the guard
+    # skips such a batch each time" while the guard halved the learning rate and fed the same batch
+    # again, twice, then stopped (max_rewinds spent) with the rate at a quarter. No learning rate
+    # repairs a NaN in the data: that batch is skipped, the rate kept.
+    data = make_data(30)
+    data.tensors[0][10 * BS + 1, 2] = float("nan")  # one sample of batch 10
+    state = make_state(data)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=4, policy="lower_lr", max_rewinds=2)
+    train(guard.batches(state, total_steps=30), state)
+    [event] = guard.events
+    assert event["action"] == "skip" and event["skipped"][0]["samples"] == list(range(10 * BS, 11 * BS)), event
+    assert "lower_lr" in event["policy_note"] and "data" in event["policy_note"], event
+    assert [g["lr"] for g in state.optimizer.param_groups] == [pytest.approx(1e-2 * 0.5 ** (30 // 30))]
+    assert state.step == 30 and finite(state)
