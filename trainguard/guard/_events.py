@@ -149,10 +149,12 @@ def outcome(event: dict) -> str:
         n = event.get("skip_count", len(skipped)) or 1
         first = batch_label(skipped[0]) if skipped else None
         if first is None:
-            return (f"skipped the batch of step {event['step']:,}" if n == 1
+            text = (f"skipped the batch of step {event['step']:,}" if n == 1
                     else f"skipped {n} batches from the batch of step {event['step']:,}")
-        text = f"skipped batch {first}" if n == 1 else f"skipped {n} batches from batch {first}"
-        return text + (batch_text(event) or culprits_text(event))
+        else:
+            text = f"skipped batch {first}" if n == 1 else f"skipped {n} batches from batch {first}"
+            text += batch_text(event) or culprits_text(event)
+        return text + (f"; {event['policy_note']}" if event.get("policy_note") else "")
     if action == "lower_lr":
         lrs = ", ".join(f"{v:.3g}" for v in event.get("lr") or [])
         return f"lowered the learning rate x{event.get('lr_factor', 0.5)} (now {lrs})"

@@ -535,7 +535,7 @@ class Guard:
             # The data held the value before any op ran: whatever op the replay names first only
             # passed it on (a convolution "overflowing" an inf pixel), so the fix is the data's.
             event["batch_nonfinite"] = bad_batch
-            if self.config.policy == "skip" and "rank" not in bad_batch and _collective.rank_world()[1] == 1:
+            if self.config.policy != "stop" and "rank" not in bad_batch and _collective.rank_world()[1] == 1:
                 for sample in bad_batch.get("samples") or ():
                     self._bad_samples.setdefault(sample, event["n"])  # skipped unread when it comes back
             if origin is not None:
@@ -557,7 +557,10 @@ class Guard:
         if policy == "stop":
             self._finish_event(event, "stop")
             self._raise(event)
-        if policy == "lower_lr":
+        if policy == "lower_lr" and bad_batch is not None:
+            # no learning rate repairs a NaN in the data: the batch comes back the same
+            event["policy_note"] = "the learning rate is kept (policy lower_lr): no rate repairs NaN/Inf in the data"
+        elif policy == "lower_lr":
             event["lr_factor"] = LR_FACTOR
             event["lr"] = self._lower_lr(LR_FACTOR)
             self._take_snapshot()  # a later rewind must keep the lowered rate
