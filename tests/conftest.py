@@ -16,6 +16,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# One intra-op thread per test process. Two xdist workers share two cores: with torch's default of
+# a thread per core each, four spinning OpenMP threads fight over two cores, and small ops get ten
+# times slower (the 40-step x-transformers test of test_diagnose.py: 64 s with two threads, 3.9 s
+# with one, on a loaded machine). Subprocesses the tests start inherit the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config) -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 @dataclass
 class TwoRanks:
