@@ -286,3 +286,23 @@ def test_a_module_that_makes_its_parameters_on_its_first_call_is_told_to_be_call
         CheckpointManager(tmp_path / "ck").restore(TrainState(guide=_AutoGuide()))
     assert "'guide' has no parameters or buffers yet" in str(err.value), err.value
     assert "first call" in str(err.value) and "guide(" in str(err.value), err.value
+
+
+class _PyroOptim:
+    """pyro.optim's PyroOptim (pyro-ppl/pyro, pyro/optim/optim.py): its state by parameter name
+    through get_state()/set_state(), no state_dict()."""
+
+    def get_state(self):
+        return {}
+
+    def set_state(self, state):
+        pass
+
+
+def test_an_optimizer_with_get_state_and_set_state_is_refused_with_the_adapter_to_write():
+    # pyro's VAE (examples/vae/vae.py) with TrainState(model=vae, optimizer=pyro.optim.Adam(...)): the
+    # error said what is missing and not that the object's get_state()/set_state() are the way to it.
+    with pytest.raises(TypeError, match="got _PyroOptim") as err:
+        TrainState(optimizer=_PyroOptim())
+    assert "get_state()" in str(err.value) and "set_state(" in str(err.value), err.value
+    assert "integrations.md" in str(err.value), err.value
