@@ -637,6 +637,21 @@ def test_lr_too_high_names_one_rate_for_one_optimizer_per_parameter(tmp_path):
     # a GAN's or Muon's second optimizer with its own rate is still named (the test above)
 
 
+def test_clipping_for_one_optimizer_per_parameter_goes_through_pyros_clip_args(tmp_path):
+    # the same pyro regression at lr=3: the fix said "clip gradients with
+    # `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=47)`", and an svi.step() loop has no
+    # line between its backward() and the update to call it on; pyro.optim clips through clip_args.
+    loss = [733.0] + [1730.0 + s for s in range(59)]
+    rates = {f"lr/{k}.0": 3.0 for k in range(1, 3)}
+    grad_norm = [10.0 + (s % 7) for s in range(60)]
+    from trainguard.analysis._context import Context
+    from trainguard.analysis._suggest import clip_text
+
+    text = clip_text(Context(write_run(tmp_path / "r", loss, lr=3.0, scalars=rates, grad_norm=grad_norm), Thresholds()))
+    assert "clip_grad_norm_(model.parameters()" not in text, text
+    assert "pyro.optim.Adam({'lr': ...}, {'clip_norm': 16})" in text, text
+
+
 def test_models_trained_one_after_another_have_no_trend_judged_across_them(tmp_path):
     # 5-fold cross-validation in one loop (a fresh Linear(20, 32)-ReLU-Linear(32, 4) and Adam per
     # fold, 20 steps each) under `trainguard monitor`: the five healthy loss curves, each falling
