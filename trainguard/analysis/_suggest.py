@@ -58,6 +58,12 @@ def clip_text(ctx: Context, before_step: int | None = None) -> str:
     if before_step is not None:
         g = g.before(before_step)
     med = float(np.median(g.values)) if len(g) else math.nan
+    lr = ctx.lr()
+    if lr is not None and _one_per_parameter(ctx, ctx.other_optimizers(), lr, None):
+        # svi.step() runs backward and the update in one call: pyro clips through the optimizer
+        return (f"clip gradients through the optimizer, `pyro.optim.Adam({{'lr': ...}}, {{'clip_norm': {fmt(c)}}})` "
+                f"(its clip_args; pyro clips each parameter's gradient to that norm; the 90th percentile of the "
+                f"observed gradient norms, median {fmt(med)})")
     return (
         f"clip gradients with `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={fmt(c)})` "
         f"(the 90th percentile of the observed gradient norms; median {fmt(med)})"
