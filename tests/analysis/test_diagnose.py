@@ -621,6 +621,37 @@ def test_lr_too_high_lowers_the_rate_of_every_optimizer_that_steps(tmp_path):
     assert "the second optimizer's group 1's from 0.0002 to about" in f.suggestion, f.suggestion
 
 
+def test_lr_too_high_names_one_rate_for_one_optimizer_per_parameter(tmp_path):
+    # pyro's Bayesian regression tutorial (AutoNormal guide, SVI) at pyro.optim.Adam({"lr": 3.0}) under
+    # `trainguard monitor`: pyro makes one torch Adam per parameter, all from that one lr, and the fix read
+    # "lower the learning rate from 3 to about 0.03, and the second optimizer's from 3 to about 0.03, the
+    # third optimizer's ... the sixth optimizer's": five objects the user never made, one rate to change.
+    loss = [733.0] + [1730.0 + s for s in range(59)]
+    rates = {f"lr/{k}.0": 3.0 for k in range(1, 3)}  # 3 optimizers, each over one of PARAMS' 3 parameters
+    fs = diagnose(write_run(tmp_path / "r", loss, lr=3.0, scalars=rates))
+    f = [f for f in fs if f.kind == "lr_too_high"][0]
+    new = f.evidence["suggested_lr"]
+    assert f"lower the learning rate from 3 to about {new:g}" in f.suggestion, f.suggestion
+    assert "second optimizer" not in f.suggestion and "third" not in f.suggestion, f.suggestion
+    assert "all 3 optimizers" in f.suggestion and "one per parameter" in f.suggestion, f.suggestion
+    # a GAN's or Muon's second optimizer with its own rate is still named (the test above)
+
+
+def test_clipping_for_one_optimizer_per_parameter_goes_through_pyros_clip_args(tmp_path):
+    # the same pyro regression at lr=3: the fix said "clip gradients with
+    # `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=47)`", and an svi.step() loop has no
+    # line between its backward() and the update to call it on; pyro.optim clips through clip_args.
+    loss = [733.0] + [1730.0 + s for s in range(59)]
+    rates = {f"lr/{k}.0": 3.0 for k in range(1, 3)}
+    grad_norm = [10.0 + (s % 7) for s in range(60)]
+    from trainguard.analysis._context import Context
+    from trainguard.analysis._suggest import clip_text
+
+    text = clip_text(Context(write_run(tmp_path / "r", loss, lr=3.0, scalars=rates, grad_norm=grad_norm), Thresholds()))
+    assert "clip_grad_norm_(model.parameters()" not in text, text
+    assert "pyro.optim.Adam({'lr': ...}, {'clip_norm': 16})" in text, text
+
+
 def test_models_trained_one_after_another_have_no_trend_judged_across_them(tmp_path):
     # 5-fold cross-validation in one loop (a fresh Linear(20, 32)-ReLU-Linear(32, 4) and Adam per
     # fold, 20 steps each) under `trainguard monitor`: the five healthy loss curves, each falling

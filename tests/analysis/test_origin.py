@@ -1029,6 +1029,35 @@ def test_a_zero_std_inside_torch_distributions_names_the_std_not_an_epsilon_the_
     assert "d + 1e-8" not in o.suggestion, o.suggestion
 
 
+def test_a_negative_scale_inside_torch_distributions_is_told_to_keep_the_scale_positive_not_to_clamp_a_log(tmp_path):
+    """pyro-ppl/pyro's examples/vae/vae.py guide, `pyro.sample("latent", dist.Normal(z_loc, z_scale))`,
+    with the scale driven negative and validation off (`pyro.enable_validation(False)`): the ELBO's
+    Normal.log_prob takes `self.scale.log()` of 128 negative values. The log is torch's own line;
+    the fix read "clamp the input before the log ... use torch.log_softmax or F.cross_entropy",
+    advice for a log the user never wrote."""
+    torch.distributions.Distribution.set_default_validate_args(False)
+    fc22 = nn.Linear(8, 4)
+    hidden = torch.randn(32, 8)
+
+    def f():
+        z_loc = torch.zeros(32, 4)
+        z_scale = torch.exp(fc22(hidden)) - 10.0  # the scale driven negative
+        q = torch.distributions.Normal(z_loc, z_scale)
+        z = q.rsample()
+        (-q.log_prob(z).sum()).backward()
+
+    try:
+        o = origin(record(tmp_path, f))
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(True)
+    assert o.origin.op == "aten.log" and o.origin.function == "f"
+    lib = o.origin.library
+    assert (lib["path"], lib["function"]) == ("torch/distributions/normal.py", "log_prob"), lib
+    assert "torch/distributions/normal.py" in o.suggestion and "scale" in o.suggestion, o.suggestion
+    assert "softplus" in o.suggestion and "validat" in o.suggestion, o.suggestion
+    assert "log_softmax" not in o.suggestion and "torch.log(p.clamp" not in o.suggestion, o.suggestion
+
+
 def test_an_observation_from_numpy_holding_inf_is_told_to_check_where_the_array_is_made(tmp_path):
     """cleanrl's dqn.py (vwxyzjn/cleanrl) with an environment whose sensor reads +inf once: the
     acting step's `q_network(torch.Tensor(obs))` converts the observation. The fix blamed "the data

@@ -322,3 +322,38 @@ def test_a_script_that_stops_itself_at_a_nan_loss_is_not_told_to_read_its_traceb
     assert crash["kind"] == "script_crashed" and "exited with code 1" in crash["title"]
     assert "traceback" not in crash["suggestion"], crash["suggestion"]
     assert "step 25" in crash["suggestion"] and "trainguard report" in crash["suggestion"], crash["suggestion"]
+
+
+# pyro's SVI Part I tutorial (coin fairness) in torch alone: the guide's alpha_q and beta_q are
+# pyro.param sites, plain tensors in the param store that no nn.Module holds; pyro.optim.Adam steps
+# a torch Adam over each.
+PARAM_SITES = textwrap.dedent("""
+    import torch
+    torch.manual_seed(0)
+    data = torch.cat([torch.ones(6), torch.zeros(4)])
+    log_alpha_q = torch.tensor(15.0).log().requires_grad_()
+    log_beta_q = torch.tensor(15.0).log().requires_grad_()
+    opts = [torch.optim.Adam([p], lr=0.005) for p in (log_alpha_q, log_beta_q)]
+    prior = torch.distributions.Beta(10.0, 10.0)
+    for step in range(25):
+        q = torch.distributions.Beta(log_alpha_q.exp(), log_beta_q.exp())
+        f = q.rsample()
+        elbo = prior.log_prob(f) + torch.distributions.Bernoulli(f).log_prob(data).sum() - q.log_prob(f)
+        (-elbo).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+""")
+
+
+def test_parameters_outside_any_module_are_told_apart_from_a_direct_forward_call(tmp_path, capsys):
+    # `trainguard monitor` on pyro's SVI tutorial said "called no nn.Module as module(x): a direct
+    # .forward(x) call skips the hooks" and "call each module as layer(x)": the script has no module.
+    script = tmp_path / "coin.py"
+    script.write_text(PARAM_SITES)
+    assert main(["monitor", "--logdir", str(tmp_path / "run"), "--json", str(script)]) == 0
+    f = json.loads(capsys.readouterr().out)["findings"][0]
+    assert f["kind"] == "no_model_parameters", f
+    assert f["evidence"]["backward_calls"] == 25 and f["evidence"]["parameters_outside_modules"] == 2, f
+    assert ".forward(" not in f["title"] and "layer(x)" not in f["suggestion"], f
+    assert "pyro.param" in f["title"] and "PyroModule" in f["suggestion"], f

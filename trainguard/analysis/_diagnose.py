@@ -146,6 +146,20 @@ def _verdict(ctx: Context, untrended: bool = False) -> Finding:
             source="monitor",
         )
     unattached = int(ctx.meta.get("unattached_backwards") or 0)
+    outside = int(ctx.meta.get("parameters_outside_modules") or 0)
+    if not n and unattached and outside:
+        return Finding(
+            kind="no_model_parameters",
+            severity="warning",
+            title=f"The script ran {unattached:,} backward() pass(es) into {outside} parameter tensor(s) that no "
+            "nn.Module holds (pyro.param sites, tensors made with requires_grad=True): the monitor watches "
+            "modules, so it watched nothing",
+            evidence={"backward_calls": unattached, "parameters_outside_modules": outside, "loss_points": 0},
+            suggestion="hold the parameters in an nn.Module called as module(x) (nn.Parameter attributes; in pyro, "
+            "a PyroModule with PyroParam attributes, or an autoguide, in place of pyro.param sites); the recorder "
+            "still sees every op (`trainguard run --check-numerics script.py` stops at the first harmful NaN/Inf)",
+            source="monitor",
+        )
     if not n and unattached:
         return Finding(
             kind="no_model_called",

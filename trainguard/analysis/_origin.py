@@ -687,6 +687,10 @@ _SUGGESTIONS = {
     "to exactly 0 or 1 once a logit is large: take it on the logits instead, F.logsigmoid(x) for "
     "log(sigmoid(x)){complement}, or compute the loss with F.binary_cross_entropy_with_logits / "
     "nn.BCEWithLogitsLoss on the logits (a clamp or nn.BCELoss only bounds the log at a finite value)",
+    "log_distribution": "the log is torch.distributions' own ({where}): it takes the log of a parameter the code "
+    "gave the distribution (a Normal's scale, a Gamma's rate), which holds {held}: keep it above 0 where it is made, "
+    "std = F.softplus(x) + 1e-5, or clamp the log-std before exp, std = log_std.clamp(-20, 2).exp(); leave "
+    "validate_args on (torch's default; pyro.enable_validation(True)) to stop at the constructor instead",
     "div": "keep the denominator away from zero: x / (d + 1e-8) or x / d.clamp(min=1e-8)",
     "div_distribution": "the division is torch.distributions' own ({where}): its denominator is made from a "
     "parameter the code gave the distribution, which holds zeros (a Normal's scale: the std collapsed to 0). Keep "
@@ -1036,6 +1040,12 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         clamped = _clamped_at_zero(link)
         if clamped is not None:
             return _SUGGESTIONS["log_clamped"].format(where=clamped)
+        if link.library and link.library["path"].startswith(_DISTRIBUTIONS):
+            lib, held = link.library, link.inputs[0].get("summary") if link.inputs else None
+            what = [_plural(n, w) for n, w in ((_count(held, "neg"), "negative value"), (_count(held, "zero"), "zero"))
+                    if n]
+            return _SUGGESTIONS["log_distribution"].format(
+                where=f"{lib['path']}:{lib['line']} in {lib['function']}", held=" and ".join(what) or "values <= 0")
         return _SUGGESTIONS["log"]
     if link.phase != "backward" and _power_of_zero(link):
         return _SUGGESTIONS["pow_zero"]

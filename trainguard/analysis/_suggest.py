@@ -58,6 +58,12 @@ def clip_text(ctx: Context, before_step: int | None = None) -> str:
     if before_step is not None:
         g = g.before(before_step)
     med = float(np.median(g.values)) if len(g) else math.nan
+    lr = ctx.lr()
+    if lr is not None and _one_per_parameter(ctx, ctx.other_optimizers(), lr, None):
+        # svi.step() runs backward and the update in one call: pyro clips through the optimizer
+        return (f"clip gradients through the optimizer, `pyro.optim.Adam({{'lr': ...}}, {{'clip_norm': {fmt(c)}}})` "
+                f"(its clip_args; pyro clips each parameter's gradient to that norm; the 90th percentile of the "
+                f"observed gradient norms, median {fmt(med)})")
     return (
         f"clip gradients with `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={fmt(c)})` "
         f"(the 90th percentile of the observed gradient norms; median {fmt(med)})"
@@ -67,17 +73,30 @@ def clip_text(ctx: Context, before_step: int | None = None) -> str:
 _ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
 
 
+def _one_per_parameter(ctx: Context, others: dict[int, list[int]], lr: float, step: int | None) -> bool:
+    """As many optimizers as trainable parameters, one group each, all at the first one's rate: one
+    optimizer per parameter, made from one set of arguments (pyro.optim's ``PyroOptim`` makes a torch
+    optimizer for each parameter it is handed), not separate objects for the user to change."""
+    trainable = sum(1 for info in ctx.params.values() if info.get("requires_grad", True))
+    return (bool(others) and len(others) + 1 == trainable and ctx.lr_groups() == [0]
+            and all(groups == [0] and ctx.lr(step, group=f"{k}.0") == lr for k, groups in others.items()))
+
+
 def _other_groups(ctx: Context, lr: float, factor: float, step: int | None = None) -> str:
     """The rates of the other parameter groups (a backbone's lower one, as DETR's ``lr_backbone``)
     and of the other optimizers that step (the AdamW beside Muon), scaled by the same factor; ""
     when there is one optimizer and every group has the first group's rate. Another optimizer's
     rates are named even when equal to the first's: it is a separate object to change."""
+    others = ctx.other_optimizers()
+    if _one_per_parameter(ctx, others, lr, step):
+        return (f" (the rate of all {len(others) + 1} optimizers, one per parameter, as pyro.optim makes them from "
+                "its one set of arguments)")
     moves = []
     for g in ctx.lr_groups():
         other = ctx.lr(step, group=g)
         if g != 0 and other is not None and other != lr:
             moves.append(f"parameter group {g}'s from {fmt(other)} to about {fmt(sig(other * factor, 1))}")
-    for k, groups in ctx.other_optimizers().items():
+    for k, groups in others.items():
         whose = f"the {_ORDINALS[k]} optimizer's" if k < len(_ORDINALS) else f"optimizer {k + 1}'s"
         for g in groups:
             other = ctx.lr(step, group=f"{k}.{g}")

@@ -175,6 +175,7 @@ class Monitor(EventsMixin, HookMixin):
         self._unattached_backwards = 0
         # Whether a model no hook ever announced was looked for from a loss (see _adopt_from_loss).
         self._adopt_tried = False
+        self._params_outside = 0  # leaf tensors the first unattached loss trains that no module holds
         # The type of a model called only inside a torch.func transform (functional_call under
         # vmap or grad, as model ensembles are): the monitor does not attach there (see _discover).
         self._torch_func_model: str | None = None
@@ -416,6 +417,8 @@ class Monitor(EventsMixin, HookMixin):
         ended = ending(error, self._cur)
         if not self._roots and self._unattached_backwards:
             known["unattached_backwards"] = self._unattached_backwards
+        if not self._roots and self._params_outside:
+            known["parameters_outside_modules"] = self._params_outside
         if not self._roots and self._torch_func_model:
             known["torch_func_model"] = self._torch_func_model
         if self.no_grad_layers:

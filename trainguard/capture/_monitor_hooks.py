@@ -298,9 +298,13 @@ class HookMixin:
             leaves = _leaf_ids(loss)
             if not leaves:
                 return
-            found = [m for m in _live_modules()
+            modules = _live_modules()
+            found = [m for m in modules
                      if type(m).__call__ is not nn.Module.__call__ and m not in self._known
                      and any(id(p) in leaves for p in m.parameters())]
+            if not found and not any(id(p) in leaves for m in modules for p in m.parameters()):
+                # no module holds what the loss trains: pyro.param sites, tensors made with requires_grad
+                self._params_outside = len(leaves)
             inner = {id(c) for m in found for c in m.modules() if c is not m}
             for m in [m for m in found if id(m) not in inner]:
                 self._attach(m, *self._naming(m))

@@ -43,6 +43,7 @@ from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.guard import _collective, _events
 from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
 from trainguard.guard._events import STOPPED
+from trainguard.guard._outside import OutsideOptimizers
 from trainguard.guard._replay import StepRecording, batch_nonfinite, origin_from_dict, origin_key, rank_dir
 from trainguard.guard._sentry import Sentry, StepValues
 from trainguard.resilience import MemorySnapshot, ResumeLoop, TrainState, set_default_guard
@@ -168,6 +169,7 @@ class Guard:
         self._earlier_known = 0  # of an earlier process, in the run this one continues
         self.snapshot = MemorySnapshot()
         self._sentry = Sentry()
+        self._outside = OutsideOptimizers()  # pyro.optim's per-parameter Adams, which no TrainState holds
         self._loop: Any = None
         self._run: _events.GuardRun | None = None
         self._earlier = (0, 0)  # (events, rewinds) of earlier processes in the run this one continues
@@ -448,6 +450,7 @@ class Guard:
         first = not self.snapshot.taken
         # inside an accumulation window the gradients so far are part of the step's state
         self.snapshot.take(state, wait=False, grads=self._loop.grads_pending)
+        self._outside.take(state, self._sentry.optimizers())
         self._history = {s: v for s, v in self._history.items() if s >= state.step}
         if first:
             log.info("trainguard: the guard's snapshots hold %.1f MB of host memory", self.snapshot.nbytes / 2**20)
@@ -460,6 +463,7 @@ class Guard:
             self._loop.manager.restore(state, _replay=True)  # the replay's records go beside the first ones
         else:
             self.snapshot.restore(state)
+            self._outside.restore(state, self._sentry.optimizers(), self._sentry.fresh)
         self._restores += 1
         self._sentry.clear()
         while self._window and self._window[-1][0] >= state.step:
@@ -470,7 +474,9 @@ class Guard:
         if m is not None:
             m.wait()
             latest = m.latest()
-            if latest is not None and (self.snapshot.step or 0) < latest.step <= fail:
+            # a checkpoint holds no state of optimizers outside the TrainState: rewind to the snapshot, which does
+            outside = OutsideOptimizers.find(self._loop.state, self._sentry.optimizers())
+            if latest is not None and (self.snapshot.step or 0) < latest.step <= fail and not outside:
                 return "checkpoint"
         return "memory"
 
@@ -591,7 +597,8 @@ class Guard:
 
     def _lower_lr(self, factor: float) -> list[float]:
         lrs = []
-        for _, obj in self._loop.state.items():
+        outside = OutsideOptimizers.find(self._loop.state, self._sentry.optimizers())
+        for obj in [obj for _, obj in self._loop.state.items()] + outside:
             if isinstance(obj, torch.optim.Optimizer):
                 for g in obj.param_groups:
                     for key in ("lr", "initial_lr"):

@@ -72,6 +72,7 @@ class Sentry:
         self._norms: list[torch.Tensor] = []
         self._pending: deque[_Pending] = deque()
         self._params: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._fresh: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> no state when first seen
         self._ring: list[torch.Tensor] = []
         self._ring_next = 0
 
@@ -128,10 +129,20 @@ class Sentry:
     def _params_of(self, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
         sig = tuple(len(g["params"]) for g in opt.param_groups)
         hit = self._params.get(opt)
+        if hit is None:
+            self._fresh[opt] = not opt.state
         if hit is None or hit[0] != sig:
             hit = (sig, [p for g in opt.param_groups for p in g["params"]])
             self._params[opt] = hit
         return hit[1]
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer seen stepping, in the order first seen."""
+        return list(self._params.keys())
+
+    def fresh(self, opt: torch.optim.Optimizer) -> bool:
+        """``opt`` had no state when it first stepped: made inside the loop."""
+        return bool(self._fresh.get(opt, False))
 
     # -- the step boundary -------------------------------------------------------------------
 

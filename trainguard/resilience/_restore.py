@@ -247,6 +247,10 @@ def _fit_problems(key: str, state: TrainState, saved: Any, current: Any, current
             problems.append(f"{name!r} has keys the checkpoint lacks (missing): {', '.join(map(str, missing))}")
         if unexpected:
             problems.append(f"the checkpoint has keys {name!r} lacks (unexpected): {', '.join(map(str, unexpected))}")
+        if unexpected and not c:
+            problems.append(f"{name!r} has no parameters or buffers yet: a module that makes them on its first call "
+                            f"(pyro's AutoNormal and other autoguides) needs that call before "
+                            f"the restore, e.g. {name}(x, y) on a batch, then ckpt.resume(state, ...)")
         problems += _transform_hints([str(k) for k in missing], [str(k) for k in unexpected])
     saved_refs = {r["key"]: r for r in tensor_refs(saved)}
     shaped = []

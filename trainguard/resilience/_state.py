@@ -99,6 +99,11 @@ class TrainState:
                 names = ", ".join(f"{name}{i}=..." for i in range(len(obj)))
                 got = (f"{got} of {len(obj)} {', '.join(type(o).__name__ for o in obj)}: pass each under a name "
                        f"of its own, TrainState({names})")
+            elif callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None)):
+                # pyro.optim's PyroOptim keeps its state by parameter name behind these two
+                got = (f"{got}, which has get_state()/set_state(): pass an object whose state_dict() returns "
+                       f"{name}.get_state() and whose load_state_dict(s) calls {name}.set_state(s) (pyro: see "
+                       "docs/integrations.md#pyro)")
             raise TypeError(
                 f"TrainState({name}=...) needs an object with state_dict() and load_state_dict(), "
                 f"or a sampler with set_epoch() and an epoch, got {got}"
