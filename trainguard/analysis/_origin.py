@@ -1109,6 +1109,30 @@ def _fed_to_model(run: Run, chain: list[Link]) -> bool:
     return False
 
 
+def _damage_elsewhere(run: Run, first: dict, since_step: int | None, handled: bool) -> tuple[int, str] | None:
+    """(seq, reason) where a harmful value first reached training (the loss, a gradient, a
+    parameter), when its origin is not the first harmful value's: that one was a NaN made in a
+    value nothing used (nerf-pytorch's disparity, 0/0 for a ray with no density, made in most
+    steps), and the NaN loss of a later step came from elsewhere. None otherwise."""
+    try:
+        damage = run.first_damage()
+    except AttributeError:  # a reader without it
+        return None
+    if damage is None or damage.get("origin") is None or damage["origin"] == first.get("origin"):
+        return None
+    if first.get("reason") != "nan" or (since_step is not None and damage.get("step", -1) < since_step):
+        return None
+    if not handled and run.scaler_skipped():
+        return None  # the first harm may lie in a skipped step's gradients: first_harm decides there
+    for s in (damage["seq"], damage["origin"]):
+        try:
+            run.execution(s)
+        except KeyError:
+            continue
+        return s, (damage.get("reason") if s == damage["seq"] else None)
+    return None
+
+
 def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: int | None = None,
            handled: bool = False) -> Origin | None:
     """The walk back from execution ``seq`` (default: where the first harmful value became
@@ -1121,10 +1145,13 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
         if first is None:
             return None
         seq, reason = first["seq"], first.get("reason")
+        damage = _damage_elsewhere(run, first, since_step, handled)
+        if damage is not None:
+            seq, reason = damage
         try:
             run.execution(seq)
         except KeyError:  # evicted (it cannot be: it is pinned), or a damaged run: start at the origin
-            seq, reason = first["origin"], None
+            seq, reason = (first if damage is None else run.first_damage())["origin"], None
     chain = [_link(run, seq)]
     seen = {seq}
     target = chain[0].origin_seq
