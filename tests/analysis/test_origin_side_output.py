@@ -84,3 +84,36 @@ def test_a_nan_that_reached_nothing_is_still_the_origin_when_the_loss_stays_fini
         _train(fault_step=-1)
     o = origin(open_run(d))
     assert (o.origin.op, o.origin.line, o.origin.step) == ("aten.div.Tensor", DISP_LINE, 0)
+
+
+def test_the_report_says_the_origin_reached_training_and_names_the_earlier_nan(tmp_path, capsys):
+    from trainguard.cli import main
+
+    d = tmp_path / "r"
+    with tg.record(d, buffer=-1):
+        _train(fault_step=3)
+    o = origin(open_run(d)).to_dict()
+    assert (o["earlier"]["op"], o["earlier"]["line"], o["earlier"]["step"]) == ("aten.div.Tensor", DISP_LINE, 0)
+    assert main(["report", str(d)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "First harmful value:" not in out  # the alerts table's first is the division
+    assert "Harmful value that reached training: aten.lift_fresh" in out, out
+    assert f"test_origin_side_output.py:{DISP_LINE} in step 0" in out, out
+
+
+def test_a_link_whose_input_record_is_gone_passed_the_value_on(tmp_path):
+    # nerf-pytorch's img2mse, (x - y) ** 2, on rays holding NaN: under the monitor's recording only
+    # the first harmful execution of each op type and step is stored, so the pow's input (the
+    # sub) is gone; the chain said "pow overflow: an input value too large for a power", which
+    # never makes NaN from finite values.
+    d = tmp_path / "r"
+    with tg.record(d, buffer=-1):
+        _train(fault_step=3)
+    run = open_run(d)
+    chain = origin(run).chain
+    pow_link = next(c for c in chain if c.op == "aten.pow.Tensor_Scalar")
+    from trainguard.analysis._origin import explain
+
+    gone = [dict(i, producer_op=None, summary=None, description="?") for i in pow_link.inputs]
+    text = explain(type(pow_link)(**{**pow_link.__dict__, "inputs": gone}))
+    assert "overflow" not in text and "passed on" in text, text
