@@ -110,6 +110,9 @@ class Origin:
     # when the run says so; ``harm`` is that sentence.
     reason: str | None = None
     harm: str | None = None
+    # The run's first harmful value when the walk started where another one reached training
+    # (see _damage_elsewhere): {seq, op, file, line, step, phase} of the op that made it.
+    earlier: dict | None = None
 
     @property
     def origin(self) -> Link:
@@ -117,7 +120,8 @@ class Origin:
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary, "suggestion": self.suggestion, "reason": self.reason, "harm": self.harm,
-                "origin": asdict(self.origin), "chain": [asdict(link) for link in self.chain]}
+                "origin": asdict(self.origin), "chain": [asdict(link) for link in self.chain],
+                "earlier": self.earlier}
 
 
 def _count(summary: dict | None, key: str) -> int:
@@ -394,6 +398,13 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
             return f"{base} passed on the non-finite values that input {i['slot']} ({i['kind']} {i['name']}) holds"
         names = ", ".join(f"{i['kind']} {i['name']}" for i in held)
         return f"{base} passed on the non-finite values that one of its inputs ({names}) holds"
+    gone = [i for i in ins if i["kind"] == "op" and i.get("summary") is None]
+    if gone and link.origin_seq is not None and link.origin_seq != link.seq and link.taint == "harmful":
+        # The run says the value was made elsewhere (#origin) and came in: through an input whose
+        # execution is not stored (a circular buffer's eviction, the monitor's recording that keeps
+        # one harmful execution per op type and step), so no summary shows it; not an overflow.
+        return (f"{base} passed on the non-finite values made by #{link.origin_seq}, through input "
+                f"{gone[0]['slot']} (its execution is not stored in the run)")
     empty = _empty_input(link)
     if empty is not None:
         src = empty.get("producer_op") or empty.get("name") or "an input"
@@ -1133,13 +1144,25 @@ def _damage_elsewhere(run: Run, first: dict, since_step: int | None, handled: bo
     return None
 
 
+def _earlier(run: Run, first: dict) -> dict:
+    """Where the run's first harmful value was made, for a line beside another origin."""
+    out = {"seq": first.get("origin"), "op": first.get("op"), "file": None, "line": None,
+           "step": first.get("step"), "phase": None}
+    try:
+        link = _link(run, first["origin"])
+    except (KeyError, TypeError):  # not stored: what the metadata says
+        return out
+    return {"seq": link.seq, "op": link.op, "file": link.file, "line": link.line, "step": link.step,
+            "phase": link.phase}
+
+
 def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: int | None = None,
            handled: bool = False) -> Origin | None:
     """The walk back from execution ``seq`` (default: where the first harmful value became
     harmful, in step ``since_step`` or later when given) to the origin. Returns None when the
     run holds no harmful value. ``handled``: also in the gradients of steps a GradScaler skipped
     (passed over otherwise: they never reached the weights)."""
-    reason = None
+    reason = earlier = None
     if seq is None:
         first = run.first_harm(since_step=since_step, handled=handled)
         if first is None:
@@ -1148,6 +1171,7 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
         damage = _damage_elsewhere(run, first, since_step, handled)
         if damage is not None:
             seq, reason = damage
+            earlier = _earlier(run, first)
         try:
             run.execution(seq)
         except KeyError:  # evicted (it cannot be: it is pinned), or a damaged run: start at the origin
@@ -1203,4 +1227,4 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     held = (h.step is not None and o.step is not None and h.step > o.step) or loader or _fed_to_model(run, chain)
     suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
                          exp_param=parameter_behind_view(run, o), loader=loader)
-    return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm)
+    return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm, earlier=earlier)

@@ -200,7 +200,8 @@ def _origin(report: dict) -> Any:
     link = o["origin"]
     parts: list[Any] = []
     head = Text()
-    head.append("First harmful value: ", style="bold")
+    earlier = o.get("earlier")
+    head.append("Harmful value that reached training: " if earlier else "First harmful value: ", style="bold")
     head.append(f"{link['op']}", style="bold red")
     head.append(f" at {_where(link)}", style="bold")
     head.append(f" in step {link['step']} ({link['phase']} pass, #{link['seq']})")
@@ -208,6 +209,11 @@ def _origin(report: dict) -> Any:
         head.append(f", module {link['module'] or '(root)'}"
                     + (f" ({link['module_type']})" if link.get("module_type") else ""))
     parts.append(head)
+    if earlier:  # the first harmful value reached no loss, gradient or parameter before this one
+        at = f" at {_where(earlier)}" if earlier.get("file") else ""
+        parts.append(Text(f"  not the run's first harmful value: {earlier['op']}{at} in step {earlier['step']} (#"
+                          f"{earlier['seq']}) made one earlier, which had reached no loss, gradient or parameter "
+                          "when this one did", style="dim"))
     lib = link.get("library")
     if lib:  # the op ran inside an installed package, called from the line above
         parts.append(Text(f"  inside {lib['path']}:{lib['line']} in {lib['function']}"
