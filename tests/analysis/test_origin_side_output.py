@@ -117,3 +117,23 @@ def test_a_link_whose_input_record_is_gone_passed_the_value_on(tmp_path):
     gone = [dict(i, producer_op=None, summary=None, description="?") for i in pow_link.inputs]
     text = explain(type(pow_link)(**{**pow_link.__dict__, "inputs": gone}))
     assert "overflow" not in text and "passed on" in text, text
+
+
+def test_a_first_nan_that_reached_nothing_says_so(tmp_path, capsys):
+    # A healthy nerf run: 'trainguard report' showed the disparity's NaN as the first harmful value,
+    # with its fix, and nothing saying that the loss, the gradients and the weights never saw it.
+    from trainguard.cli import main
+
+    d = tmp_path / "r"
+    with tg.record(d, buffer=-1):
+        _train(fault_step=-1)
+    assert origin(open_run(d)).reached_training is False
+    assert main(["report", str(d)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "First harmful value: aten.div.Tensor" in out
+    assert "it reached no loss, gradient or parameter" in out, out
+
+    d2 = tmp_path / "r2"
+    with tg.record(d2, buffer=-1):
+        _train(fault_step=3)
+    assert origin(open_run(d2)).reached_training is True
