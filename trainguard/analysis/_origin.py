@@ -113,6 +113,9 @@ class Origin:
     # The run's first harmful value when the walk started where another one reached training
     # (see _damage_elsewhere): {seq, op, file, line, step, phase} of the op that made it.
     earlier: dict | None = None
+    # Whether a harmful value with this origin reached the loss, a gradient, optimizer state or a
+    # parameter by the end of the recording (meta.first_damage); None: the run does not say.
+    reached_training: bool | None = None
 
     @property
     def origin(self) -> Link:
@@ -121,7 +124,7 @@ class Origin:
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary, "suggestion": self.suggestion, "reason": self.reason, "harm": self.harm,
                 "origin": asdict(self.origin), "chain": [asdict(link) for link in self.chain],
-                "earlier": self.earlier}
+                "earlier": self.earlier, "reached_training": self.reached_training}
 
 
 def _count(summary: dict | None, key: str) -> int:
@@ -1144,6 +1147,18 @@ def _damage_elsewhere(run: Run, first: dict, since_step: int | None, handled: bo
     return None
 
 
+def _reached_training(run: Run, first: dict) -> bool | None:
+    """Whether the first harmful value's origin reached training (meta.first_damage names it);
+    None when the run does not record it."""
+    meta = getattr(run, "meta", None)
+    if not isinstance(meta, dict) or "first_damage" not in meta:
+        return None
+    damage = meta["first_damage"]
+    if damage is None:
+        return False
+    return True if isinstance(damage, dict) and damage.get("origin") == first.get("origin") else None
+
+
 def _earlier(run: Run, first: dict) -> dict:
     """Where the run's first harmful value was made, for a line beside another origin."""
     out = {"seq": first.get("origin"), "op": first.get("op"), "file": None, "line": None,
@@ -1162,7 +1177,7 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     harmful, in step ``since_step`` or later when given) to the origin. Returns None when the
     run holds no harmful value. ``handled``: also in the gradients of steps a GradScaler skipped
     (passed over otherwise: they never reached the weights)."""
-    reason = earlier = None
+    reason = earlier = reached = None
     if seq is None:
         first = run.first_harm(since_step=since_step, handled=handled)
         if first is None:
@@ -1171,7 +1186,9 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
         damage = _damage_elsewhere(run, first, since_step, handled)
         if damage is not None:
             seq, reason = damage
-            earlier = _earlier(run, first)
+            earlier, reached = _earlier(run, first), True
+        else:
+            reached = _reached_training(run, first)
         try:
             run.execution(seq)
         except KeyError:  # evicted (it cannot be: it is pinned), or a damaged run: start at the origin
@@ -1227,4 +1244,5 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     held = (h.step is not None and o.step is not None and h.step > o.step) or loader or _fed_to_model(run, chain)
     suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
                          exp_param=parameter_behind_view(run, o), loader=loader)
-    return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm, earlier=earlier)
+    return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm, earlier=earlier,
+                  reached_training=reached)

@@ -717,8 +717,8 @@ class Tracker:
         out = {"intended": self.intended()}
         if self.first is not None:
             out["first_harm"] = dict(self.first)
-        if self.damage is not None:
-            out["first_damage"] = dict(self.damage)
+            # None: nothing harmful reached training (yet); a run without the key predates it
+            out["first_damage"] = dict(self.damage) if self.damage is not None else None
         return out
 
     def intended(self) -> list[dict]:

@@ -223,6 +223,9 @@ def _origin(report: dict) -> Any:
     parts.append(Text(f"  why: {link['explanation']}", style="yellow"))
     if o.get("harm"):
         parts.append(Text(f"  then: {_short_harm(o['harm'])}", style="yellow"))
+    elif o.get("reached_training") is False:  # nerf's disparity of an empty ray: made, then unused
+        parts.append(Text("  it reached no loss, gradient or parameter by the end of the recording: training "
+                          "never used it (the value itself holds it where the program reads it)", style="yellow"))
     if link.get("forward_op") and link["forward_op"].get("file"):
         f = link["forward_op"]
         parts.append(Text(f"  backward of {f['op']} created at {_short(f['file'])}:{f['line']}"))
