@@ -1228,7 +1228,12 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     # "it became NaN in X" says nothing more when X is the origin, which made the NaN itself.
     if (reason in REACHED or len(chain) > 1) and (h is not o or (reason or "nan") != "nan"):
         hwhere = f" at {h.file}:{h.line}" if h.file else ""
-        harm = "it " + REACHED.get(reason or "nan", "became harmful in {op}").format(op=h.op) + hwhere
+        how = REACHED.get(reason or "nan", "became harmful in {op}")
+        if (reason or "nan") == "nan" and h is not o and "nan" in o.health:
+            # the origin's output held the NaN already (an input from outside the recording, judged
+            # where an op first took it): the head of the chain made it harmful, not NaN
+            how = "became harmful in {op}"
+        harm = "it " + how.format(op=h.op) + hwhere
         if h.step != o.step:
             harm += f" in step {h.step}"
         summary += f". Then {harm}"
