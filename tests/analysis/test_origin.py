@@ -1194,3 +1194,21 @@ def test_an_origin_inside_pygs_generated_propagate_is_the_users_call_not_the_tem
     assert o.origin.op == "aten.div.Tensor"
     assert (o.origin.file, o.origin.line) == (__file__, HandConv.forward.__code__.co_firstlineno + 1), o.summary
     assert o.origin.module == "", o.origin.module
+
+
+def test_a_nan_held_already_is_not_said_to_become_nan_in_the_view_that_passes_it_on(tmp_path):
+    # nerf-pytorch's render(): `rays_o, rays_d = rays` (unbind) then `torch.reshape(rays_o, [-1, 3])`
+    # on a ray batch holding NaN from outside the recording (the guard's replay of a corrupt batch):
+    # the report said "then: it became NaN in aten.view", though the unbind's output held it already.
+    rays = torch.randn(2, 4, 3)
+    rays[0, :2] = float("nan")
+
+    def f():
+        ro, _rd = rays
+        ro = torch.reshape(ro, [-1, 3]).float()
+        (ro * 2).sum().item()
+
+    o = origin(record(tmp_path, f))
+    assert [c.op for c in o.chain] == ["aten.view", "aten.unbind.int"]
+    assert "became NaN" not in o.harm and "became NaN" not in o.summary, o.harm
+    assert o.harm.startswith("it became harmful in aten.view"), o.harm

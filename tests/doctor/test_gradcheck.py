@@ -496,3 +496,47 @@ def test_a_qat_model_is_not_a_crash_but_says_fake_quant_has_no_finite_difference
     assert "fake-quant" in result.summary, result.summary
     [f] = result.findings()
     assert f.severity == "warning" and result.verdict == "warn" and "disable_fake_quant" not in f.suggestion and "before prepare_qat" in f.suggestion
+
+
+class _CoarseFine(nn.Module):
+    """yenchenlin/nerf-pytorch's render_rays, reduced: the coarse network's weights place the
+    fine network's samples, which are detached (``z_samples = z_samples.detach()``), so the
+    coarse network learns only from its own loss term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.coarse = nn.Linear(20, 4)
+        self.fine = nn.Linear(1, 10)
+
+    def forward(self, x):
+        w = torch.softmax(self.coarse(x), -1)
+        z = (w * torch.arange(4.0)).sum(-1, keepdim=True)
+        z = z.detach()  # the fine samples carry no gradient
+        return self.fine(z) + w.sum(-1, keepdim=True)
+
+
+def test_a_wrong_gradient_through_a_detach_names_the_detach_line(batch):
+    r = doctor.gradient_check(_CoarseFine(), batch, nn.CrossEntropyLoss())
+    assert set(r.bad_params) >= {"coarse.weight"}, r.summary
+    f = next(f for f in r.findings() if f.kind == "wrong_gradient" and "coarse.weight" in f.title)
+    line = _CoarseFine.forward.__code__.co_firstlineno + 3
+    assert f"test_gradcheck.py:{line}" in f.suggestion and "z = z.detach()" in f.suggestion, f.suggestion
+    assert f.evidence["detached_at"][0]["line"] == line
+    fine = [f for f in r.findings() if "fine." in f.title and f.kind == "wrong_gradient"]
+    assert not fine  # the fine network's gradient is exact
+
+
+def test_a_detached_parameter_is_named_at_its_line(batch):
+    class Leaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(20, 10)
+            self.gain = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.fc(x) * self.gain.detach() + 0 * self.gain  # gain's gradient is cut
+
+    r = doctor.gradient_check(Leaky(), batch, nn.CrossEntropyLoss())
+    (f,) = [f for f in r.findings() if f.kind == "wrong_gradient"]
+    assert "self.gain.detach()" in f.suggestion, f.suggestion

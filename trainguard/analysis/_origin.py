@@ -110,6 +110,12 @@ class Origin:
     # when the run says so; ``harm`` is that sentence.
     reason: str | None = None
     harm: str | None = None
+    # The run's first harmful value when the walk started where another one reached training
+    # (see _damage_elsewhere): {seq, op, file, line, step, phase} of the op that made it.
+    earlier: dict | None = None
+    # Whether a harmful value with this origin reached the loss, a gradient, optimizer state or a
+    # parameter by the end of the recording (meta.first_damage); None: the run does not say.
+    reached_training: bool | None = None
 
     @property
     def origin(self) -> Link:
@@ -117,7 +123,8 @@ class Origin:
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary, "suggestion": self.suggestion, "reason": self.reason, "harm": self.harm,
-                "origin": asdict(self.origin), "chain": [asdict(link) for link in self.chain]}
+                "origin": asdict(self.origin), "chain": [asdict(link) for link in self.chain],
+                "earlier": self.earlier, "reached_training": self.reached_training}
 
 
 def _count(summary: dict | None, key: str) -> int:
@@ -394,6 +401,13 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
             return f"{base} passed on the non-finite values that input {i['slot']} ({i['kind']} {i['name']}) holds"
         names = ", ".join(f"{i['kind']} {i['name']}" for i in held)
         return f"{base} passed on the non-finite values that one of its inputs ({names}) holds"
+    gone = [i for i in ins if i["kind"] == "op" and i.get("summary") is None]
+    if gone and link.origin_seq is not None and link.origin_seq != link.seq and link.taint == "harmful":
+        # The run says the value was made elsewhere (#origin) and came in: through an input whose
+        # execution is not stored (a circular buffer's eviction, the monitor's recording that keeps
+        # one harmful execution per op type and step), so no summary shows it; not an overflow.
+        return (f"{base} passed on the non-finite values made by #{link.origin_seq}, through input "
+                f"{gone[0]['slot']} (its execution is not stored in the run)")
     empty = _empty_input(link)
     if empty is not None:
         src = empty.get("producer_op") or empty.get("name") or "an input"
@@ -1119,22 +1133,76 @@ def _fed_to_model(run: Run, chain: list[Link]) -> bool:
     return False
 
 
+def _damage_elsewhere(run: Run, first: dict, since_step: int | None, handled: bool) -> tuple[int, str] | None:
+    """(seq, reason) where a harmful value first reached training (the loss, a gradient, a
+    parameter), when its origin is not the first harmful value's: that one was a NaN made in a
+    value nothing used (nerf-pytorch's disparity, 0/0 for a ray with no density, made in most
+    steps), and the NaN loss of a later step came from elsewhere. None otherwise."""
+    try:
+        damage = run.first_damage()
+    except AttributeError:  # a reader without it
+        return None
+    if damage is None or damage.get("origin") is None or damage["origin"] == first.get("origin"):
+        return None
+    if first.get("reason") != "nan" or (since_step is not None and damage.get("step", -1) < since_step):
+        return None
+    if not handled and run.scaler_skipped():
+        return None  # the first harm may lie in a skipped step's gradients: first_harm decides there
+    for s in (damage["seq"], damage["origin"]):
+        try:
+            run.execution(s)
+        except KeyError:
+            continue
+        return s, (damage.get("reason") if s == damage["seq"] else None)
+    return None
+
+
+def _reached_training(run: Run, first: dict) -> bool | None:
+    """Whether the first harmful value's origin reached training (meta.first_damage names it);
+    None when the run does not record it."""
+    meta = getattr(run, "meta", None)
+    if not isinstance(meta, dict) or "first_damage" not in meta:
+        return None
+    damage = meta["first_damage"]
+    if damage is None:
+        return False
+    return True if isinstance(damage, dict) and damage.get("origin") == first.get("origin") else None
+
+
+def _earlier(run: Run, first: dict) -> dict:
+    """Where the run's first harmful value was made, for a line beside another origin."""
+    out = {"seq": first.get("origin"), "op": first.get("op"), "file": None, "line": None,
+           "step": first.get("step"), "phase": None}
+    try:
+        link = _link(run, first["origin"])
+    except (KeyError, TypeError):  # not stored: what the metadata says
+        return out
+    return {"seq": link.seq, "op": link.op, "file": link.file, "line": link.line, "step": link.step,
+            "phase": link.phase}
+
+
 def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: int | None = None,
            handled: bool = False) -> Origin | None:
     """The walk back from execution ``seq`` (default: where the first harmful value became
     harmful, in step ``since_step`` or later when given) to the origin. Returns None when the
     run holds no harmful value. ``handled``: also in the gradients of steps a GradScaler skipped
     (passed over otherwise: they never reached the weights)."""
-    reason = None
+    reason = earlier = reached = None
     if seq is None:
         first = run.first_harm(since_step=since_step, handled=handled)
         if first is None:
             return None
         seq, reason = first["seq"], first.get("reason")
+        damage = _damage_elsewhere(run, first, since_step, handled)
+        if damage is not None:
+            seq, reason = damage
+            earlier, reached = _earlier(run, first), True
+        else:
+            reached = _reached_training(run, first)
         try:
             run.execution(seq)
         except KeyError:  # evicted (it cannot be: it is pinned), or a damaged run: start at the origin
-            seq, reason = first["origin"], None
+            seq, reason = (first if damage is None else run.first_damage())["origin"], None
     chain = [_link(run, seq)]
     seen = {seq}
     target = chain[0].origin_seq
@@ -1170,7 +1238,12 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     # "it became NaN in X" says nothing more when X is the origin, which made the NaN itself.
     if (reason in REACHED or len(chain) > 1) and (h is not o or (reason or "nan") != "nan"):
         hwhere = f" at {h.file}:{h.line}" if h.file else ""
-        harm = "it " + REACHED.get(reason or "nan", "became harmful in {op}").format(op=h.op) + hwhere
+        how = REACHED.get(reason or "nan", "became harmful in {op}")
+        if (reason or "nan") == "nan" and h is not o and "nan" in o.health:
+            # the origin's output held the NaN already (an input from outside the recording, judged
+            # where an op first took it): the head of the chain made it harmful, not NaN
+            how = "became harmful in {op}"
+        harm = "it " + how.format(op=h.op) + hwhere
         if h.step != o.step:
             harm += f" in step {h.step}"
         summary += f". Then {harm}"
@@ -1186,4 +1259,5 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     held = (h.step is not None and o.step is not None and h.step > o.step) or loader or _fed_to_model(run, chain)
     suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
                          exp_param=parameter_behind_view(run, o), loader=loader)
-    return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm)
+    return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm, earlier=earlier,
+                  reached_training=reached)

@@ -255,6 +255,10 @@ class Tracker:
         # sink, an op that absorbs it), the others go too.
         self.joined: dict[int, tuple[int, ...]] = {}
         self.first: dict | None = None  # where the first harmful value became harmful
+        # where a harmful value first reached training (the loss, a gradient, optimizer state or a
+        # parameter): a NaN made in a value nothing uses (nerf's disparity, 0/0 for an empty ray)
+        # is the first harmful value, but not the origin of a NaN loss many steps later
+        self.damage: dict | None = None
         self.pins: list[int] = []
         self.resend: list[tuple] = []
         self.counted: list[tuple[int, str, int]] = []  # (step, op, seq) of harmful executions
@@ -307,6 +311,9 @@ class Tracker:
             # only the count and the storm's pins to keep.
             self._state(seq, HARMFUL, in_origin)
             self._harmful(seq, step, op, in_origin, None, inputs, fwd_seq)
+            if self.damage is None and (phase == "backward" or phase == "optimizer" or param_write):
+                self._damaged(seq, step, op, in_origin, "parameter" if param_write else
+                              "gradient" if phase == "backward" else "optimizer", fwd_seq)
             return HARMFUL, in_origin
         if in_taint == UNKNOWN and op in PARTIAL_WRITE_OPS and inputs and inputs[0][0] == "op" \
                 and (st := self.states.get(inputs[0][1])) is not None and st[0] == UNKNOWN:
@@ -362,6 +369,9 @@ class Tracker:
         self._state(seq, taint, origin)
         if taint == HARMFUL:
             self._harmful(seq, step, op, origin, reason, inputs, fwd_seq)
+            if self.damage is None and (phase == "backward" or phase == "optimizer" or param_write):
+                self._damaged(seq, step, op, origin, "parameter" if param_write else
+                              "gradient" if phase == "backward" else "optimizer", fwd_seq)
         return taint, origin
 
     def _state(self, seq: int, taint: int, origin: int | None) -> None:
@@ -434,6 +444,8 @@ class Tracker:
         """The output of execution ``seq`` reached a sink after it was made (backward() was
         called on it, or the program read it): a pending value there becomes harmful."""
         st = self.states.get(seq)
+        if st is not None and st[0] == HARMFUL and reason == "loss" and self.damage is None:
+            self._damaged(seq, step, "?", st[1], "loss", None)  # a NaN reached the loss
         if st is None or st[0] != PENDING:
             return (st or (FINITE, None))
         origin = st[1]
@@ -441,7 +453,25 @@ class Tracker:
         rec = self.records.get(seq)
         self._harmful(seq, rec[1] if rec else step, rec[3] if rec else "?", origin, reason,
                       rec[8] if rec else (), rec[6] if rec else None, retro=True)
+        if reason == "loss" and self.damage is None:
+            self._damaged(seq, step, rec[3] if rec else "?", origin, "loss", None)
         return HARMFUL, origin
+
+    def _damaged(self, seq: int, step: int, op: str, origin: int | None, reason: str, fwd_seq: int | None) -> None:
+        """A harmful value reached training for the first time (see ``damage``): keep where, and
+        the origin's record when it is not the first harmful value's (that chain is pinned)."""
+        self.damage = {"seq": seq, "origin": origin, "reason": reason, "op": op, "step": step}
+        self.changed = self.urgent = True
+        if self.first is not None and origin == self.first["origin"]:
+            return
+        self.pins.append(seq)
+        if fwd_seq is not None:
+            self.pins.append(fwd_seq)
+        if origin is not None:
+            self.pins.append(origin)
+            rec = self.records.get(origin)
+            if rec is not None:
+                self.pins += [ref for kind, ref in rec[8] if kind == "op"]
 
     def _harmful(self, seq, step, op, origin, reason, inputs, fwd_seq, retro=False) -> None:
         self.counted.append((step, op, seq))
@@ -687,6 +717,8 @@ class Tracker:
         out = {"intended": self.intended()}
         if self.first is not None:
             out["first_harm"] = dict(self.first)
+            # None: nothing harmful reached training (yet); a run without the key predates it
+            out["first_damage"] = dict(self.damage) if self.damage is not None else None
         return out
 
     def intended(self) -> list[dict]:

@@ -200,7 +200,8 @@ def _origin(report: dict) -> Any:
     link = o["origin"]
     parts: list[Any] = []
     head = Text()
-    head.append("First harmful value: ", style="bold")
+    earlier = o.get("earlier")
+    head.append("Harmful value that reached training: " if earlier else "First harmful value: ", style="bold")
     head.append(f"{link['op']}", style="bold red")
     head.append(f" at {_where(link)}", style="bold")
     head.append(f" in step {link['step']} ({link['phase']} pass, #{link['seq']})")
@@ -208,6 +209,11 @@ def _origin(report: dict) -> Any:
         head.append(f", module {link['module'] or '(root)'}"
                     + (f" ({link['module_type']})" if link.get("module_type") else ""))
     parts.append(head)
+    if earlier:  # the first harmful value reached no loss, gradient or parameter before this one
+        at = f" at {_where(earlier)}" if earlier.get("file") else ""
+        parts.append(Text(f"  not the run's first harmful value: {earlier['op']}{at} in step {earlier['step']} (#"
+                          f"{earlier['seq']}) made one earlier, which had reached no loss, gradient or parameter "
+                          "when this one did", style="dim"))
     lib = link.get("library")
     if lib:  # the op ran inside an installed package, called from the line above
         parts.append(Text(f"  inside {lib['path']}:{lib['line']} in {lib['function']}"
@@ -217,6 +223,9 @@ def _origin(report: dict) -> Any:
     parts.append(Text(f"  why: {link['explanation']}", style="yellow"))
     if o.get("harm"):
         parts.append(Text(f"  then: {_short_harm(o['harm'])}", style="yellow"))
+    elif o.get("reached_training") is False:  # nerf's disparity of an empty ray: made, then unused
+        parts.append(Text("  it reached no loss, gradient or parameter by the end of the recording: training "
+                          "never used it (the value itself holds it where the program reads it)", style="yellow"))
     if link.get("forward_op") and link["forward_op"].get("file"):
         f = link["forward_op"]
         parts.append(Text(f"  backward of {f['op']} created at {_short(f['file'])}:{f['line']}"))

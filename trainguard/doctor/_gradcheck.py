@@ -54,6 +54,7 @@ from trainguard.capture._gradcheck import (  # noqa: F401 - the bands are the do
     relative,
     resolution,
 )
+from trainguard.doctor._detaches import DetachWatch, detach_note
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
     Buffers,
@@ -129,6 +130,8 @@ class GradCheckResult(CheckResult):
     # Why no gradient was compared (with ``notes``): a key of _CANNOT_CHECK.
     cannot: str | None = None
     kept_float64: int = 0  # casts to a narrower float inside a forward, kept in float64 (per evaluation)
+    # .detach() calls in the forward on tensors computed from parameters: {file, line, code, params}
+    detached: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.passed = bool(self.params) and all(p.status == "ok" for p in self.params) and not self.notes
@@ -160,7 +163,7 @@ class GradCheckResult(CheckResult):
 
     def _fields(self) -> dict[str, Any]:
         return {"eps": self.eps, "loss": self.loss, "samples": self.samples, "notes": self.notes, "cannot": self.cannot,
-                "kept_float64": self.kept_float64,
+                "kept_float64": self.kept_float64, "detached": self.detached,
                 "max_rel": self.max_rel, "bad_params": self.bad_params,
                 "suspicious_params": self.suspicious_params, "params": [p.to_dict() for p in self.params]}
 
@@ -186,11 +189,14 @@ class GradCheckResult(CheckResult):
             if p.status == "wrong":
                 why = ("autograd gives no gradient but the loss depends on it"
                        if p.no_grad else f"autograd says {fmt(p.analytic, 6)}, finite differences {fmt(p.numeric, 6)}")
+                note, sites = detach_note(self.detached, p.name)
+                extra = {"detached_at": sites} if sites else {}
                 out.append(finding(
                     "wrong_gradient", "error", f"Gradient check: wrong gradient for {p.name} ({why} at {where})",
-                    "Check the backward of the code that uses this parameter: a custom autograd.Function's "
-                    "backward, a hand-written gradient, or a .detach()/in-place op on its path.",
-                    layers=[p.name], **p.to_dict(), eps=self.eps))
+                    note + ("Otherwise check" if note else "Check") + " the backward of the code that uses this "
+                    "parameter: a custom autograd.Function's backward, a hand-written gradient, or a "
+                    ".detach()/in-place op on its path.",
+                    layers=[p.name], **p.to_dict(), eps=self.eps, **extra))
             elif p.kink:
                 out.append(finding(
                     "suspicious_gradient", "warning",
@@ -331,7 +337,8 @@ def gradient_check(
             for _, p in model.named_parameters():
                 p.grad = None
             with torch.enable_grad():
-                loss = loss_at()
+                with DetachWatch(dict(model.named_parameters())) as watch:
+                    loss = loss_at()
                 if not loss.requires_grad:
                     raise DoctorInputError("the loss does not depend on any trainable parameter (no gradient path)")
                 loss.backward()
@@ -361,7 +368,8 @@ def gradient_check(
                                                 tolerance))
         finally:
             torch.set_default_dtype(default_dtype)
-    return GradCheckResult(params=results, eps=eps, loss=base, samples=samples, kept_float64=kept)
+    return GradCheckResult(params=results, eps=eps, loss=base, samples=samples, kept_float64=kept,
+                           detached=watch.sites)
 
 
 _NARROW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)

@@ -140,6 +140,14 @@ class RunHarm:
             rows = [r for r in self._q(sql + " ORDER BY seq", params) if not skipped(r[2], r[3])][:1]
         return {"seq": rows[0][0], "origin": rows[0][1], "reason": None} if rows else None
 
+    def first_damage(self) -> dict | None:
+        """Where a harmful value first reached training: {seq, origin, reason, op, step} with
+        ``reason`` ``loss``, ``gradient``, ``optimizer`` or ``parameter``; None when none did (or
+        the run predates this record). Its origin differs from :meth:`first_harm`'s when the first
+        NaN was made in a value nothing used (nerf's disparity of a ray with no density)."""
+        h = self.meta.get("first_damage")
+        return h if isinstance(h, dict) and isinstance(h.get("seq"), int) else None
+
     def first_harmful(self) -> dict | None:
         """The execution where the first harmful value became harmful, in full; None if none."""
         h = self.first_harm()

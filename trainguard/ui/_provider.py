@@ -170,6 +170,9 @@ def origin(reg: Registry, rid: str, seq: int | None = None, rank: int | None = N
         # seq None: the analysis starts where the first harmful value became harmful, and says how
         ans = call("trainguard.analysis", "origin", h.run, seq)
         ans.setdefault("result", None)
+        chain = (ans["result"] or {}).get("chain") if isinstance(ans["result"], dict) else None
+        if seq is None and chain:
+            target = chain[0]["seq"]  # where harm reached training, when the first NaN reached nothing
         ans["seq"] = target
         return ans
 
