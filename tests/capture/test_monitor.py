@@ -1000,6 +1000,27 @@ def test_a_ddp_wrapper_is_no_level_of_the_model(tmp_path, one_rank):
     assert "sequential.0.weight" in layers and "0.weight" in layers
 
 
+@pytest.mark.parametrize("wrapper", ["GradSampleModule", "GradSampleModuleFastGradientClipping"])
+def test_an_opacus_grad_sample_module_is_no_level_of_the_model(tmp_path, wrapper):
+    # opacus' examples/mnist.py under `trainguard run --monitor`: make_private wraps SampleConvNet
+    # in a GradSampleModule holding it as ``_module``, and every layer and parameter was named
+    # "_module.conv1", "_module.conv1.weight", where the model the user wrote says "conv1.weight".
+    import dp_models
+
+    torch.manual_seed(0)
+    model = getattr(dp_models, wrapper)(dp_models.SampleConvNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False) as mon:
+        for _ in range(2):
+            loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 28, 28)), torch.tensor([0, 1, 2, 3]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert sorted(mon.layers) == ["conv1", "conv2", "fc1", "fc2"]
+    layers = open_run(tmp_path / "r").layers()
+    assert sorted(n for n in layers if "." in n) == sorted(model._module.state_dict())
+
+
 class _SACActor(nn.Module):
     """Stable-Baselines3's sac/policies.py Actor: ``action_log_prob`` calls its members
     ``latent_pi``, ``mu`` and ``log_std`` one by one, never the actor itself."""
