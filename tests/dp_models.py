@@ -46,3 +46,26 @@ class SampleConvNet(nn.Module):
         x = x.view(-1, 32 * 4 * 4)  # -> [B, 512]
         x = F.relu(self.fc1(x))  # -> [B, 32]
         return self.fc2(x)  # -> [B, 10]
+
+
+class DPTensorFastGradientClipping:
+    """opacus' ghost clipping loss (``grad_sample_mode="ghost"``: make_private returns a criterion
+    whose loss is this object). Its ``item()`` is the mean of the per-sample losses; ``backward()``
+    runs two passes: the loss itself, then, after ``zero_grad``, the per-sample losses weighted by
+    their clipping coefficients (here a stand-in for the per-sample gradient norms' coefficients)."""
+
+    def __init__(self, optimizer, loss_per_sample):
+        self.optimizer = optimizer
+        self.loss_per_sample = loss_per_sample
+
+    def item(self):
+        return self.loss_per_sample.detach().mean().item()
+
+    def backward(self):
+        reduced_loss = self.loss_per_sample.mean(dim=0)
+        reduced_loss.backward(retain_graph=True)
+        self.optimizer.zero_grad()
+        coeff = (1.0 / self.loss_per_sample.detach().clamp(min=1e-6)).clamp(max=1.0)
+        second_loss_per_sample = coeff * self.loss_per_sample
+        second_loss = second_loss_per_sample.sum()
+        second_loss.backward()
