@@ -177,6 +177,26 @@ def test_a_loss_over_an_empty_selection_is_named_so(tmp_path, loss, op):
     assert "empty" in o.suggestion and "overflow" not in o.suggestion
 
 
+
+def test_an_empty_poisson_batch_made_with_torch_empty_is_an_empty_batch_not_uninitialised_memory(tmp_path):
+    # opacus' DPDataLoader (make_private) samples each batch by Poisson sampling and turns an empty
+    # one into tensors of 0 rows made with torch.empty (DPDataLoader._make_empty_batch); the mean
+    # cross entropy of no samples is 0/0. The report explained it so, but its fix read "write the
+    # tensor before anything reads it: torch.zeros ... instead of torch.empty": a tensor of no
+    # values holds no uninitialised memory.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+
+    def f():
+        x = torch.empty((0, 4), dtype=torch.float32)  # as _make_empty_batch makes them
+        y = torch.empty((0,), dtype=torch.int64)
+        torch.nn.functional.cross_entropy(lin(x), y).backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.nll_loss_forward"
+    assert "0 values" in o.origin.explanation and "uninitialised" not in o.origin.explanation
+    assert "the batch is empty" in o.suggestion and "torch.empty" not in o.suggestion, o.suggestion
+
 @pytest.mark.parametrize("mode", ["full_health", "curt_health"])
 def test_the_mean_over_an_expert_that_got_no_tokens_is_named_so(tmp_path, mode):
     # davidmrau/mixture-of-experts moe.py: SparseDispatcher.expert_to_gates splits the gates by each

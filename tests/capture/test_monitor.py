@@ -1003,6 +1003,54 @@ def test_a_ddp_wrapper_is_no_level_of_the_model(tmp_path, one_rank):
     assert "sequential.0.weight" in layers and "0.weight" in layers
 
 
+@pytest.mark.parametrize("wrapper", ["GradSampleModule", "GradSampleModuleFastGradientClipping"])
+def test_an_opacus_grad_sample_module_is_no_level_of_the_model(tmp_path, wrapper):
+    # opacus' examples/mnist.py under `trainguard run --monitor`: make_private wraps SampleConvNet
+    # in a GradSampleModule holding it as ``_module``, and every layer and parameter was named
+    # "_module.conv1", "_module.conv1.weight", where the model the user wrote says "conv1.weight".
+    import dp_models
+
+    torch.manual_seed(0)
+    model = getattr(dp_models, wrapper)(dp_models.SampleConvNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False) as mon:
+        for _ in range(2):
+            loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 28, 28)), torch.tensor([0, 1, 2, 3]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert sorted(mon.layers) == ["conv1", "conv2", "fc1", "fc2"]
+    layers = open_run(tmp_path / "r").layers()
+    assert sorted(n for n in layers if "." in n) == sorted(model._module.state_dict())
+
+
+def test_opacus_ghost_clippings_reweighted_pass_is_not_the_loss(tmp_path):
+    # opacus' examples/mnist.py with grad_sample_mode="ghost" under `trainguard run --monitor`: the
+    # loss's backward() runs the loss (2.28), then the clipping-coefficient-weighted sum of the
+    # per-sample losses (about 60 for 64 samples); the monitor stored their sum, 62.98 for 2.29,
+    # and warned "Learning rate too high: the smoothed loss rose to 60.2 by step 1, from 2.31".
+    import dp_models
+
+    torch.manual_seed(0)
+    model = dp_models.GradSampleModuleFastGradientClipping(dp_models.SampleConvNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    with Monitor(None, tmp_path / "r", every=5) as mon:
+        for _ in range(25):
+            y = torch.randint(0, 10, (16,))
+            x = torch.randn(16, 1, 28, 28) * 0.3
+            x[torch.arange(16), 0, y * 2, :] += 3.0  # the label is the bright row: learnable
+            loss = dp_models.DPTensorFastGradientClipping(
+                opt, nn.functional.cross_entropy(model(x), y, reduction="none"))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    stored = [v for _, v in open_run(tmp_path / "r").scalars("loss")["loss"]]
+    assert stored == pytest.approx(losses, rel=1e-6)
+    assert [f.kind for f in mon.findings if f.severity != "info"] == []
+
+
 class _SACActor(nn.Module):
     """Stable-Baselines3's sac/policies.py Actor: ``action_log_prob`` calls its members
     ``latent_pi``, ``mu`` and ``log_std`` one by one, never the actor itself."""

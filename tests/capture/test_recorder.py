@@ -102,6 +102,21 @@ def test_module_paths_inside_a_ddp_wrapper(tmp_path, one_rank, backend):
     assert params == {"0.bias", "2.bias"}
 
 
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_module_paths_inside_an_opacus_grad_sample_module(tmp_path, backend):
+    # opacus' examples/mnist.py recorded: make_private's GradSampleModule calls the model as
+    # ``self._module``, and its ops were named "_module.conv1", "_module.fc2", where the model's
+    # own state_dict says "conv1.weight".
+    import dp_models
+
+    model = dp_models.GradSampleModule(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        model(torch.randn(3, 4)).sum().backward()
+    modules, params = _linear_names(open_run(tmp_path / "r"))
+    assert modules == {"0", "2"}
+    assert params == {"0.bias", "2.bias"}
+
+
 def test_stack_points_at_user_line_and_source_is_stored_once(tmp_path):
     x = torch.ones(3)
     with tg.record(tmp_path / "r", buffer=-1):

@@ -94,6 +94,22 @@ def test_script_exit_code_and_argv(tmp_path, capsys):
     assert "args ['a', '--b']" in capsys.readouterr().out
 
 
+
+@pytest.mark.parametrize("command", ["run", "monitor"])
+def test_a_scripts_option_that_abbreviates_several_of_trainguards_is_the_scripts(tmp_path, capsys, command):
+    # A DP-SGD script of opacus' examples/mnist.py kind with its own `--n 512` (samples) or
+    # `--max 3`: `trainguard run --logdir D train.py --n 512` stopped with "ambiguous option: --n
+    # could match --no-gradcheck, --nproc-per-node, --nnodes, --node-rank", though everything after
+    # the script's name is the script's (a prefix of one option only was passed on already).
+    script = write(tmp_path, "exits.py", """
+        import sys
+        print("args", sys.argv[1:])
+        sys.exit(7)
+    """)
+    argv = [script, "--n", "512", "--max", "3", "--no", "--res", "1"]
+    assert main([command, "--logdir", str(tmp_path / "r"), *argv]) == 7
+    assert "args ['--n', '512', '--max', '3', '--no', '--res', '1']" in capsys.readouterr().out
+
 def test_module_gets_the_options_after_its_name(tmp_path, capsys, monkeypatch):
     # As `python -m`: everything after the module's name is the module's. Found on karpathy/nanochat,
     # whose scripts run as modules: `trainguard run -m scripts.base_train --depth=2` stopped with

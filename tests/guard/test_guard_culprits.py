@@ -297,3 +297,41 @@ def test_lower_lr_skips_a_batch_that_held_nan_itself(tmp_path):
     assert "lower_lr" in event["policy_note"] and "data" in event["policy_note"], event
     assert [g["lr"] for g in state.optimizer.param_groups] == [pytest.approx(1e-2 * 0.5 ** (30 // 30))]
     assert state.step == 30 and finite(state)
+
+
+class _PoissonLike(torch.utils.data.Sampler):
+    """Fixed batches of varying size, two of them empty in a row: what opacus' Poisson sampling
+    (the loader make_private returns) draws now and then with a small expected batch size."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __iter__(self):
+        start = 0
+        for n in self.sizes:
+            yield list(range(start, start + n))
+            start += n
+
+
+def _collate_with_empty(batch):
+    # opacus' DPDataLoader makes an empty batch as tensors of 0 rows (torch.empty)
+    if not batch:
+        return torch.empty((0, 4)), torch.empty((0, 1))
+    return torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
+
+
+def test_empty_batches_in_a_row_are_the_datas_not_a_code_bug(tmp_path):
+    # opacus' examples/mnist.py (Poisson sampling, an expected batch of 2 of 64 samples) in
+    # ckpt.resume()'s loop under the guard: an empty batch's mean loss is 0/0, the guard skipped
+    # it, the next batch was empty too, and it stopped a healthy run: "the next batch fails the
+    # same way, so the fault follows the code, not the data (trainguard.Diverged)".
+    state = make_state(make_data(6))
+    state.loader = DataLoader(state.loader.dataset, batch_sampler=_PoissonLike([4, 3, 0, 0, 5, 4, 2, 4]),
+                              collate_fn=_collate_with_empty)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=2)
+    steps = train(guard.batches(state, total_steps=6), state)
+    assert steps[-1] == 5 and finite(state)
+    assert [e["action"] for e in guard.events] == ["skip", "skip"], [e["message"] for e in guard.events]

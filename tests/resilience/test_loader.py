@@ -195,3 +195,53 @@ def test_resuming_an_accelerate_loader_mid_epoch_with_another_batch_size_is_a_cl
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # process-wide: leave none to later tests
         GradientState._reset_state()
+
+
+class PoissonBatches(torch.utils.data.Sampler):
+    """Poisson sampling as opacus' UniformWithReplacementSampler does it (DPDataLoader's batch
+    sampler, which make_private puts in the loader): each batch is drawn lazily, when the loader
+    asks for it, from the global generator (or its own), so its draws interleave with training's
+    (opacus' noise); batches vary in size and may be empty."""
+
+    def __init__(self, n: int, rate: float, generator: torch.Generator | None = None):
+        self.n, self.rate, self.generator = n, rate, generator
+
+    def __len__(self) -> int:
+        return int(1 / self.rate)
+
+    def __iter__(self):
+        for _ in range(len(self)):
+            mask = torch.rand(self.n, generator=self.generator) < self.rate
+            yield mask.nonzero().reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_resume_mid_epoch_of_a_lazy_batch_sampler_draws_the_next_batch_where_it_left_off(own_generator):
+    def loader() -> DataLoader:
+        gen = torch.Generator().manual_seed(5) if own_generator else None
+        return DataLoader(Noisy(), batch_sampler=PoissonBatches(23, 0.2, gen))
+
+    seed_all(7)
+    expected = consume(loader(), 3)
+    rng_after = capture_global()
+
+    seed_all(7)
+    first = ResumableLoader(loader())
+    head = consume(first, 1)
+    it = iter(first)
+    for _ in range(3):  # three batches into epoch 2, then "crash"
+        head.append(next(it))
+        torch.rand(1)
+    saved, rng = first.state_dict(), capture_global()
+    del it
+
+    seed_all(99)
+    again = ResumableLoader(loader())
+    again.load_state_dict(saved)
+    restore_global(rng)
+    got = head + consume(again, 2)
+    # The resumed batches are the uninterrupted run's: the sampler's own generator is saved, and
+    # skipping the three batches handed out does not draw again what the checkpoint's states drew.
+    assert [b[:, 0].tolist() for b in got] == [b[:, 0].tolist() for b in expected]
+    assert equal(expected, got)
+    assert capture_global()["torch"] == rng_after["torch"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import dp_models
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -170,7 +171,8 @@ def test_a_loader_a_framework_prepared_resumes_mid_epoch_exactly(tmp_path, prepa
 
 
 @pytest.mark.parametrize("save_as, load_as", [("compiled", "plain"), ("plain", "compiled"),
-                                              ("data_parallel", "compiled"), ("plain", "data_parallel")])
+                                              ("data_parallel", "compiled"), ("plain", "data_parallel"),
+                                              ("grad_sample", "plain"), ("plain", "grad_sample")])
 def test_a_checkpoint_fits_the_model_compiled_or_not_wrapped_or_not(tmp_path, save_as, load_as):
     # nanoGPT trains with compile=True and evaluates or resumes with compile=False: a compiled
     # model's state_dict names every key "_orig_mod.<key>" (DataParallel and DDP "module.<key>"),
@@ -180,8 +182,11 @@ def test_a_checkpoint_fits_the_model_compiled_or_not_wrapped_or_not(tmp_path, sa
     def make(how):
         torch.manual_seed(0 if how == save_as else 1)
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        # opacus' make_private wraps the model in a GradSampleModule ("_module.<key>"): a model
+        # trained with differential privacy is evaluated or fine-tuned without it.
         wrapped = {"plain": model, "compiled": torch.compile(model),
-                   "data_parallel": torch.nn.DataParallel(model)}[how]
+                   "data_parallel": torch.nn.DataParallel(model),
+                   "grad_sample": dp_models.GradSampleModule(model)}[how]
         return model, TrainState(model=wrapped, optimizer=torch.optim.Adam(model.parameters()))
 
     model, state = make(save_as)

@@ -776,8 +776,10 @@ _SUGGESTIONS = {
 
 def uninitialised_input(link: Link) -> dict | None:
     """The input of ``link`` that is uninitialised memory (an ``empty*`` output, or a view or copy
-    of one, never written: the recorder's taint "unknown"), if any."""
-    return next((i for i in link.inputs if i.get("kind") == "op" and i.get("taint") == "unknown"), None)
+    of one, never written: the recorder's taint "unknown"), if any. A tensor of no values holds no
+    memory to be uninitialised: opacus' DPDataLoader makes an empty batch with ``torch.empty``."""
+    return next((i for i in link.inputs if i.get("kind") == "op" and i.get("taint") == "unknown"
+                 and (i.get("summary") or {}).get("size") != 0), None)
 
 
 def received_input(link: Link) -> dict | None:

@@ -4,7 +4,8 @@
   wrapper sees both spellings): the scalar ``backward()`` is called on (unscaled when it came
   from ``GradScaler.scale``, see :mod:`._amp_tap`), before the pass (``"backward"``), and the end
   of the pass (``"after_backward"``). Only outermost calls are announced: gradient
-  checkpointing runs nested ``backward`` calls inside the outer pass. ``"loss_graph"`` gets the
+  checkpointing runs nested ``backward`` calls inside the outer pass; opacus' ghost clipping's
+  second, re-weighted pass is announced to ``"root"`` only (see ``_reweighted_pass``). ``"loss_graph"`` gets the
   scalar loss itself, graph attached, before the pass frees what it saved (the loss-graph watch
   and the live gradient check read it; a listener must not keep it).
 - ``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_`` and ``clip_grads_with_norm_`` (the
@@ -68,6 +69,14 @@ def _backward(tensors, grad_tensors=None, *args, **kwargs):
         return _originals["backward"](tensors, grad_tensors, *args, **kwargs)
     for fn in list(_listeners["root"]):
         fn(tensors)
+    if _reweighted_pass(tensors):
+        # Not the loss and not the step's gradients as backward() leaves them: seen by the
+        # recorder (a root) only.
+        _in_backward = True
+        try:
+            return _originals["backward"](tensors, grad_tensors, *args, **kwargs)
+        finally:
+            _in_backward = False
     loss = None
     weight = _scalar_gradient(tensors, grad_tensors)
     if isinstance(tensors, torch.Tensor) and (grad_tensors is None or weight is not None) and tensors.numel() == 1:
@@ -98,6 +107,24 @@ def _scalar_gradient(tensors, grad_tensors) -> torch.Tensor | None:
     if not g.is_floating_point() or g.device != tensors.device:
         return None
     return g.detach().reshape(())
+
+
+def _reweighted_pass(tensors) -> bool:
+    """Whether this ``backward`` is the second pass of opacus' ghost clipping: the
+    ``backward()`` of its loss (a ``DPTensorFastGradientClipping``, ``grad_sample_mode="ghost"``)
+    runs the loss itself (``reduced_loss``, what the loss's ``item()`` reads), zeroes the
+    gradients, then ``second_loss``, the per-sample losses weighted by their clipping
+    coefficients, to get the clipped gradients: that sum is no loss, and the step does not begin
+    again. Read off the calling frames (Tensor.backward, then opacus' backward)."""
+    f = sys._getframe(1)
+    for _ in range(3):
+        f = f.f_back
+        if f is None:
+            return False
+        if f.f_code.co_name == "backward" and "self" in f.f_code.co_varnames:
+            if type(f.f_locals.get("self")).__name__ == "DPTensorFastGradientClipping":
+                return f.f_locals.get("second_loss") is tensors
+    return False
 
 
 def accumulation_divisor() -> int:

@@ -36,6 +36,7 @@ def add_parser(sub) -> None:
         help="run a training script under the health monitor and print the diagnosis",
         description="Run SCRIPT with ARGS (or -m MODULE ARGS) under trainguard.Monitor, then diagnose the run and "
         "print the findings.",
+        allow_abbrev=False,  # the script's options are its own (see _run)
     )
     p.add_argument("--logdir", default=None, help="run directory (default: runs/monitor-<date>-<time>)")
     p.add_argument("--every", type=int, default=10, help="record layer statistics every N steps (default 10)")

@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "run",
         help="record an unmodified training script",
         description="Run a Python script (or -m module) with every op recorded into a run directory.",
+        # Everything after the script's name is the script's: its `--n 512` is no abbreviation of
+        # trainguard's options (ambiguous between four, argparse stopped before reaching the script).
+        allow_abbrev=False,
     )
     p.add_argument("--logdir", help="run directory to write (default: runs/<script>-<time>)")
     p.add_argument("--mode", default="full_health", choices=MODES, help="tensor summary mode (default: full_health)")

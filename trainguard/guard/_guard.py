@@ -550,10 +550,12 @@ class Guard:
             self._finish_event(event, "continue")
             return
         probation, self._probation = self._probation, None
-        # The next batch failing the same way is the code's fault, unless it held NaN/Inf itself too:
-        # a missing value in a series is in every window over it, batch after batch.
+        # The next batch failing the same way is the code's fault, unless it held NaN/Inf itself too
+        # (a missing value in a series is in every window over it, batch after batch) or held no
+        # sample at all (opacus' Poisson sampling draws empty batches, now and then two in a row).
         if (probation is not None and probation.step == plan.fail and set(probation.kinds) & set(kinds)
-                and "spike" not in kinds and probation.key == origin_key(origin) and bad_batch is None):
+                and "spike" not in kinds and probation.key == origin_key(origin) and bad_batch is None
+                and (plan.batch or {}).get("samples") != []):
             self._restore("memory")
             event["first_event"] = probation.event.get("n")
             self._finish_event(event, "code_bug")

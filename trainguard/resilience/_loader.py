@@ -241,13 +241,16 @@ class ResumableLoader:
     # -- epochs ------------------------------------------------------------------------------
 
     def _all_samplers(self) -> list[Any]:
-        """The sampler and the batch sampler's, also inside accelerate's per-rank batch sampler."""
+        """The sampler, the batch sampler and its sampler, also inside accelerate's per-rank batch
+        sampler. A batch sampler may draw the batches itself (opacus' Poisson sampling, with a
+        generator of its own for ``secure_mode``)."""
         loader = self._base
         out = [loader.sampler]
         batch = loader.batch_sampler
         for _ in range(3):  # accelerate's BatchSamplerShard holds the loader's BatchSampler
             if batch is None:
                 break
+            out.append(batch)
             out.append(getattr(batch, "sampler", None))
             batch = getattr(batch, "batch_sampler", None)
         return out
@@ -367,6 +370,11 @@ class ResumableLoader:
             discard = 0
             if length is not None:
                 length = max(length - consumed, 0)
+            if resume is not None:
+                # A batch sampler that draws each batch when it is asked (opacus' Poisson
+                # sampling) drew the skipped ones again just now; the checkpoint's generator
+                # states already hold those draws, interleaved with the training's.
+                _rng.restore_all(now, gens)
         # The index lists in the order the sampler hands them out; batch k comes from the k-th
         # (in-order loaders), however far the workers prefetch.
         drawn: deque | None = None
