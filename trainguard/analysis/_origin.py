@@ -1148,6 +1148,13 @@ def _damage_elsewhere(run: Run, first: dict, since_step: int | None, handled: bo
         return None
     if first.get("reason") != "nan" or (since_step is not None and damage.get("step", -1) < since_step):
         return None
+    if not isinstance(damage.get("step"), int) or not isinstance(first.get("step"), int) \
+            or damage["step"] <= first["step"]:
+        # The same step: the NaN that reached the loss may be the first one, passed on through
+        # values with no record (a compiled graph's, evicted from a circular buffer), whose link
+        # the tracker lost: build-nanogpt's fully masked row under bf16, its softmax's NaN
+        # reached the loss seen as the cross entropy's own. Only a later step is another fault.
+        return None
     if not handled and run.scaler_skipped():
         return None  # the first harm may lie in a skipped step's gradients: first_harm decides there
     for s in (damage["seq"], damage["origin"]):
