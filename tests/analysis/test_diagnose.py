@@ -1724,3 +1724,27 @@ def test_loss_spikes_after_a_rate_far_too_high_diverged_the_loss_fold_under_the_
     fs = diagnose(write_run(tmp_path / "early", early, lr=0.5))
     assert {"lr_too_high", "loss_spike"} <= set(kinds(fs)), [(f.kind, f.title) for f in fs]
     assert "explained_by" not in next(f for f in fs if f.kind == "loss_spike").evidence
+
+
+def test_lora_zero_initialised_b_matrices_do_not_read_as_vanishing_gradients(tmp_path):
+    # rasbt/LLMs-from-scratch appendix E: every Linear of a frozen GPT wrapped in LinearWithLoRA, whose
+    # B starts at zeros (the wrapped model starts equal to the pretrained one) and A's gradient is
+    # B-sized at first. ||g|| / ||W|| of a matrix that started at zero divides by a norm only the
+    # updates made (out_head.lora.B: 36, trf_blocks.0.att.W_query.lora.A: 3.05e-4): a 2-layer
+    # GPT-style run with AdamW (tiny, random init) got "Vanishing gradients: the first layer's
+    # relative gradient is 1.21e-05 of the last layer's" with the fix "use Kaiming initialisation
+    # (...lora.B started with RMS 0 vs 0.177)", which would undo LoRA.
+    layers = [{"name": "0.lora", "type": "LoRALayer"}, {"name": "1", "type": "GELU"},
+              {"name": "2.lora", "type": "LoRALayer"}]
+    params = {f"{la}.lora.{m}": {"layer": f"{la}.lora", "module_type": "LoRALayer", "shape": shape,
+                                 "requires_grad": True}
+              for la in ("0", "2") for m, shape in (("A", [64, 16]), ("B", [16, 64]))}
+    rows = []
+    for s in range(0, 100, 5):
+        for p, w, g, u in (("0.lora.A", 5.0, 2e-3, 1e-4), ("0.lora.B", 0.01 * s, 0.05, 0.02),
+                           ("2.lora.A", 5.0, 0.08, 2e-3), ("2.lora.B", 0.01 * s, 0.5, 0.02)):
+            rows += [(s, p, "weight", "norm", w), (s, p, "gradient", "norm", g), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", u)]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers, params=params))
+    assert "vanishing_gradient" not in kinds(fs), [f.title + " | " + f.suggestion for f in fs]
+    assert "exploding_gradient" not in kinds(fs)

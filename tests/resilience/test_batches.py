@@ -126,3 +126,48 @@ def test_loader_indices_with_workers_prefetching():
     loader = ResumableLoader(DataLoader(data, batch_size=4, shuffle=True, num_workers=2))
     for batch in loader:
         assert [float(i) for i in loader.last_indices] == batch[0].tolist()
+
+
+def _evaluate(state, batches=2):
+    # rasbt/LLMs-from-scratch ch05/ch06 evaluate_model: calc_loss_loader(train_loader, ...,
+    # num_batches=eval_iter) runs the first batches of the training loader in the middle of an
+    # epoch and breaks; with state.loader as that loader it is a second iter() of it.
+    with torch.no_grad():
+        for i, (x, y) in enumerate(state.loader):
+            if i >= batches:
+                break
+            torch.nn.functional.mse_loss(state.model(x), y)
+
+
+def _train_evaluating(state, loop, stop_at=None):
+    losses = []
+    for step, (x, y) in loop.batches():
+        losses.append(body(state, x, y))
+        if step % 3 == 0:
+            _evaluate(state)
+        if step == stop_at:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+    return losses
+
+
+def test_an_evaluation_pass_over_state_loader_does_not_move_the_data_position(tmp_path):
+    # The book's loop ported to loop.batches() with state.loader passed to evaluate_model: the
+    # evaluation's iter() started a new epoch in the loader, so the checkpoint saved epoch 2 at
+    # batch 2 instead of epoch 1 at batch 2 of the loop's; the resumed run (tiny GPT, LoRA, 30
+    # steps, killed at 12) trained on other batches from step 10 on (0.7596 vs 0.8333) and ended at epoch 1, not 2.
+    ref = make_state()
+    expected = _train_evaluating(ref, CheckpointManager(tmp_path / "ref").resume(ref, total_steps=12))
+    assert ref.epoch == 2
+    state = make_state()
+    with pytest.raises(Preempted):
+        _train_evaluating(state, CheckpointManager(tmp_path / "ckpt", every_steps=100).resume(state, total_steps=12),
+                          stop_at=6)
+    resumed = make_state()
+    loop = CheckpointManager(tmp_path / "ckpt").resume(resumed, total_steps=12)
+    assert loop.restored_step == 7 and resumed.epoch == 1
+    assert _train_evaluating(resumed, loop) == expected[7:]
+    assert resumed.epoch == 2
+    assert_same_training_state(ref, resumed)

@@ -426,10 +426,23 @@ def saturated_activations(ctx: Context) -> list[Finding]:
     ]
 
 
+def _started_at_zero(ctx: Context, param: str) -> bool:
+    """The matrix's first recorded norm is 0: initialised to zeros (LoRA's B, so that the wrapped
+    model starts equal to the pretrained one; a zero-initialised output projection)."""
+    w = ctx.stat(param, "weight", "norm")
+    return bool(len(w)) and w.values[0] == 0
+
+
 def _gradient_flow(ctx: Context) -> dict[str, float]:
-    """Median relative gradient (||g|| / ||W||) per weight matrix, forward order, exact zeros left out."""
+    """Median relative gradient (||g|| / ||W||) per weight matrix, forward order, exact zeros left out.
+
+    A matrix that started at zeros is left out too: its ||W|| is only what the updates made, so
+    its ratio is huge by construction (LoRA's out_head.lora.B at 36 where the lora.A matrices were
+    3e-4 to 0.02), and read as the last layer it made every LoRA run's gradients "vanish"."""
     out = {}
     for p in ctx.weight_matrices():
+        if _started_at_zero(ctx, p):
+            continue
         r = ctx.window(ctx.relgrad(p))
         v = r.values[np.isfinite(r.values) & (r.values > 0)]
         if len(v):

@@ -129,6 +129,7 @@ class ResumableLoader:
         self._pending: dict[str, Any] | None = None
         self._token: object = object()
         self._last_indices: list[Any] | None = None
+        self._driven: object | None = None  # the token of the epoch loop.batches() is iterating
 
     # -- the loader's face -------------------------------------------------------------------
 
@@ -162,8 +163,21 @@ class ResumableLoader:
         return self._last_indices
 
     def __iter__(self) -> Iterator[Any]:
+        if self._driven is self._token and self._in_epoch and self._pending is None:
+            # ``loop.batches()`` is in the middle of this epoch and will go on with it: this pass
+            # is another one over the same data (an evaluation of the training split, as
+            # LLMs-from-scratch's evaluate_model runs), which leaves the position alone and draws
+            # what the wrapped loader's own pass draws.
+            return iter(self.loader)
         pending, self._pending = self._pending, None
         return self._start_epoch(pending)
+
+    def _loop_iter(self) -> Iterator[Any]:
+        """The epoch ``loop.batches()`` iterates: other passes during it do not move the position."""
+        self._driven = None
+        it = iter(self)
+        self._driven = self._token
+        return it
 
     # -- state -------------------------------------------------------------------------------
 

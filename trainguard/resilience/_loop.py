@@ -223,7 +223,8 @@ class ResumeLoop:
         sampler = getattr(loader, "sampler", None)
         if callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(self.state.epoch)
-        return iter(loader)
+        own = getattr(type(loader), "_loop_iter", None)  # a ResumableLoader: see its __iter__
+        return own(loader) if own is not None else iter(loader)
 
     def _next_batch(self, loader: Any, it: Iterator[Any]) -> tuple[Any, Iterator[Any]]:
         batch = next(it, _END)
