@@ -12,7 +12,7 @@ from trainguard.store import open_run
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, torch, trainguard as tg
+    import sys, time, torch, trainguard as tg
     from torch.utils.data import DataLoader, TensorDataset
     mode = sys.argv[1]
     # One recording per (run directory, workers) pair, one after the other in this process.
@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent(
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
+                time.sleep(0.02)  # the writer's turn: full_tensor from Python drops under back-pressure on a loaded machine
     """
 )
 
@@ -46,6 +47,9 @@ def test_dataloader_workers_forked_while_recording(tmp_path, mode, backend, monk
     assert proc.returncode == 0, proc.stderr
     runs = {workers: open_run(d) for workers, d in dirs.items()}
     with_workers, in_process = runs[2], runs[0]
+    # records dropped under back-pressure (by design: the hot path never waits) make the counts
+    # below unequal: 9 steps of 16 kept in the reference once, with other jobs on the cores
+    assert [r.meta.get("dropped") or 0 for r in runs.values()] == [0, 0]
     assert with_workers.status == "finished"
     assert with_workers.meta["backend"] == in_process.meta["backend"] == backend
     assert len(with_workers.steps()) == len(in_process.steps()) == 16
