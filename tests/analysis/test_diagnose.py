@@ -740,6 +740,25 @@ def test_lr_too_high_under_a_warmup_names_the_schedules_peak_too(tmp_path):
     assert "peak 5" in f.suggestion and "from 5 to about" in f.suggestion, f.suggestion
 
 
+# pytorch-ignite's PiecewiseLinear handler (milestones_values [(0, 5), (8, 50), (24, 5)] over
+# create_supervised_trainer's SGD, its mnist Net, under `trainguard monitor`) sets the rate of every
+# iteration itself: the optimizer's lr is overwritten at each ITERATION_STARTED. "set the optimizer's
+# lr from 50 to about 0.04, and the schedule scales the rest" changed nothing there; OneCycleLR's
+# max_lr is the same case in torch.
+IGNITE_PIECEWISE_LOSS = [2.344, 4.434, 5.203, 892.8, 5355, 380.8, 19.94, 18.83, 22.57, 27.28, 26.12, 27.28, 32.23,
+                         28.81, 30.37, 26.08, 25.63, 27.1, 19.35, 9.069, 9.071, 6.873, 6.321, 5.609]
+IGNITE_PIECEWISE_LR = [5 + 5.625 * s for s in range(9)] + [50 - 2.8125 * s for s in range(1, 16)]
+
+
+def test_lr_too_high_under_a_schedule_of_its_own_rates_says_where_to_lower_them(tmp_path):
+    fs = diagnose(write_run(tmp_path / "r", IGNITE_PIECEWISE_LOSS, lr=IGNITE_PIECEWISE_LR))
+    f = [f for f in fs if f.kind == "lr_too_high"][0]
+    assert f.evidence["lr_peak"] == 50, f.evidence
+    assert "from 50 to about" in f.suggestion, f.suggestion
+    assert "the schedule scales the rest" not in f.suggestion, f.suggestion
+    assert "milestones_values" in f.suggestion and "max_lr" in f.suggestion, f.suggestion
+
+
 # mlfoundations/open_clip's src/open_clip_train/main.py (a 2-layer ViT and text tower of width 32,
 # batch 16, AdamW) at --lr 1.0 --warmup 10 with its cosine schedule, under `trainguard run --monitor`:
 # the first step (at the warmup's 0.1) moved the weight matrices by 98% of their norm, both towers

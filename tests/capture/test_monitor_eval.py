@@ -670,3 +670,87 @@ def test_nanogpt_evaluates_both_splits_from_one_line_and_the_val_split_is_the_va
     with open_run(tmp_path / "run") as run:
         leak = run.meta["monitor"]["validation"]["leak"]
     assert {b["validation"] for b in leak["batches"] if b["pass"] % 2 == 1} == {False}  # the train split's
+
+
+# An engine of an installed framework, as pytorch-ignite's: ``Engine.run`` fires the iteration's
+# event, whose handler (a ``Loss`` metric's ``update``) computes the loss, more than _PASS_FRAMES
+# frames of the framework's own code below the script's ``evaluator.run(loader)``.
+_ENGINE = '''
+import torch
+
+
+class Engine:
+    def __init__(self, model, loss_fn):
+        self.model, self.loss_fn, self.total = model, loss_fn, 0.0
+
+    def run(self, loader):
+        return self._internal_run(loader)
+
+    def _internal_run(self, loader):
+        return self._run_as_gen(loader)
+
+    def _run_as_gen(self, loader):
+        self.model.eval()
+        with torch.no_grad():
+            for x, y in loader:
+                self._fire_event(x, y)
+        self.model.train()
+
+    def _fire_event(self, x, y):
+        self._completed(x, y)
+
+    def _completed(self, x, y):
+        self._update(x, y)
+
+    def _update(self, x, y):
+        self.total += self.loss_fn(self.model(x), y).item() * len(y)
+'''
+
+
+def test_two_evaluator_runs_inside_an_installed_engine_are_two_passes(tmp_path, monkeypatch):
+    """pytorch-ignite's examples/mnist/mnist.py runs one evaluator on the training loader, then on
+    the validation loader, from two handlers of EPOCH_COMPLETED: at the loss call the innermost
+    frames outside torch are ignite's own (``Loss.update``, ``Engine._fire_event``, ...), the same
+    for both runs, so both were one pass and ``val_loss`` was the mean over the training and the
+    validation rows (2.3021 at epoch 1 where ignite printed validation loss 2.3049, training
+    2.3007). The script's frames further out (the two ``evaluator.run`` lines) tell them apart."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "tg_fake_engine.py").write_text(_ENGINE)
+    monkeypatch.syspath_prepend(str(lib))
+    monkeypatch.setattr(_monitor_eval, "_LIBRARIES", (str(lib) + "/",), raising=False)
+    from tg_fake_engine import Engine  # noqa: PLC0415
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xt, yt = data(96, 1)
+    xv, yv = data(64, 2)
+    xv = xv * 3  # another distribution: its loss differs from the training rows'
+    train_loader = [(xt[i : i + 32], yt[i : i + 32]) for i in range(0, 96, 32)]
+    val_loader = [(xv[i : i + 32], yv[i : i + 32]) for i in range(0, 64, 32)]
+    evaluator = Engine(model, nn.NLLLoss())
+    wanted = []
+
+    def log_training_results():
+        evaluator.total = 0.0
+        evaluator.run(train_loader)
+
+    def log_validation_results():
+        evaluator.total = 0.0
+        evaluator.run(val_loader)
+        wanted.append(evaluator.total / 64)
+
+    with Monitor(model, tmp_path / "run", every=5) as mon:
+        for _ in range(3):
+            for x, y in train_loader:
+                opt.zero_grad()
+                F.nll_loss(F.log_softmax(model(x), 1), y).backward()
+                opt.step()
+            log_training_results()
+            log_validation_results()
+    got = [v for _, v in scalars(tmp_path / "run", "val_loss")]
+    assert got == pytest.approx(wanted, rel=1e-5)
+    assert "train_val_leakage" not in [f.kind for f in mon.findings]
+    with open_run(tmp_path / "run") as run:
+        leak = run.meta["monitor"]["validation"]["leak"]
+    assert [b["validation"] for b in leak["batches"] if b["step"] == 3] == [False] * 3 + [True] * 2

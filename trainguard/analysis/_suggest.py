@@ -119,8 +119,13 @@ def lr_lower(ctx: Context, ratio: float | None, step: int | None = None) -> tupl
     text = f"lower the learning rate from {fmt(lr)} to about {fmt(new)}{_other_groups(ctx, lr, factor, step)}"
     peak = ctx.lr_peak()
     if step is not None and peak is not None and peak > SCHEDULE_PEAK_GAP * lr:
-        text += (f" (the schedule's rate at step {step}, below its peak {fmt(peak)}): set the optimizer's lr "
-                 f"from {fmt(peak)} to about {fmt(sig(peak * factor, 1))}, and the schedule scales the rest")
+        # A scheduler that scales the optimizer's lr (LambdaLR, LinearLR, cosine) follows it; one that
+        # sets rates of its own (OneCycleLR's max_lr, ignite's PiecewiseLinear) overwrites it.
+        text += (f" (the schedule's rate at step {step}, below its peak {fmt(peak)}): lower the peak from "
+                 f"{fmt(peak)} to about {fmt(sig(peak * factor, 1))} and the schedule's other rates by the same "
+                 "factor: the optimizer's lr where the scheduler scales it (LambdaLR, LinearLR, cosine), the "
+                 "scheduler's own rates where it sets them (OneCycleLR's max_lr, ignite's PiecewiseLinear "
+                 "milestones_values)")
     return new, f"{text}; {LR_RANGE_TEST}"
 
 

@@ -10,7 +10,8 @@ scalars ``val_loss`` and ``val_accuracy`` (the mean over every evaluation batch 
 shipped with the other scalars: no host sync.
 
 Batches are grouped into passes by where the script computed them: the chain of its own frames
-(everything outside torch and trainguard) at the loss call. The batches of one evaluation loop
+(everything outside torch and trainguard) at the loss call, reaching past an installed engine's
+frames to the script's own (``pass_key``). The batches of one evaluation loop
 share it; pytorch/examples gcn evaluates the training rows and then the validation rows through
 one ``test()`` called from two lines, which differ. When one step has several passes, the last
 one to start is the validation (gcn's order, and ``evaluate(train); evaluate(val)``'s): averaging
@@ -34,7 +35,9 @@ recompile whenever an evaluation flips it).
 from __future__ import annotations
 
 import os
+import site
 import sys
+import sysconfig
 import threading
 import warnings
 from collections.abc import Callable
@@ -177,20 +180,39 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
 _NOT_SCRIPT = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The script frames a pass is keyed by, innermost first: the loss call's line and its callers.
 _PASS_FRAMES = 6
+# Installed code (the standard library, site-packages): a framework's engine. Its frames key a pass
+# too, but the key also reaches out to _OWN_FRAMES frames of the user's own code.
+_LIBRARIES = tuple(
+    sorted({os.path.join(os.path.abspath(p), "") for p in
+            [*(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+             *getattr(site, "getsitepackages", list)(), getattr(site, "getusersitepackages", str)()] if p})
+) + ("<frozen ",)
+_OWN_FRAMES = 3
 
 
 def pass_key() -> tuple:
     """The script's frames at this call (file and line, innermost first): where the script
     computed a loss (or ran a forward), which the batches of one evaluation loop share; then the
-    split names its frames hold (see ``split_of``)."""
+    split names its frames hold (see ``split_of``).
+
+    The innermost ``_PASS_FRAMES`` frames outside torch and trainguard, then further out until
+    ``_OWN_FRAMES`` of them are the user's own (outside installed packages): an engine computes
+    every pass's loss in its own code (pytorch-ignite's ``Loss.update`` under
+    ``Engine._fire_event`` and four more frames of ``Engine.run``), the same frames for
+    ``evaluator.run(train_loader)`` and ``evaluator.run(val_loader)``; the script's lines that
+    ran them differ."""
     key: list = []
     splits: list = []
+    own = 0
     f = sys._getframe(1)
-    while f is not None and len(key) < _PASS_FRAMES:
+    while f is not None and (len(key) < _PASS_FRAMES or own < _OWN_FRAMES):
         name = f.f_code.co_filename
         if not name.startswith(_NOT_SCRIPT):
-            key.append((name, f.f_lineno))
-            splits.extend(_split_names(f))
+            mine = not name.startswith(_LIBRARIES)
+            if len(key) < _PASS_FRAMES or mine:
+                key.append((name, f.f_lineno))
+                splits.extend(_split_names(f))
+                own += mine
         f = f.f_back
     if splits:
         key.append(("split", tuple(splits)))
