@@ -121,7 +121,8 @@ def _reweighted_pass(tensors) -> bool:
         f = f.f_back
         if f is None:
             return False
-        if f.f_code.co_name == "backward" and "self" in f.f_code.co_varnames:
+        # the code's names first: f_locals builds a dict, and Tensor.backward is on every stack
+        if f.f_code.co_name == "backward" and "second_loss" in f.f_code.co_varnames:
             if type(f.f_locals.get("self")).__name__ == "DPTensorFastGradientClipping":
                 return f.f_locals.get("second_loss") is tensors
     return False

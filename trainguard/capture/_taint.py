@@ -311,9 +311,7 @@ class Tracker:
             # only the count and the storm's pins to keep.
             self._state(seq, HARMFUL, in_origin)
             self._harmful(seq, step, op, in_origin, None, inputs, fwd_seq)
-            if self.damage is None and (phase == "backward" or phase == "optimizer" or param_write):
-                self._damaged(seq, step, op, in_origin, "parameter" if param_write else
-                              "gradient" if phase == "backward" else "optimizer", fwd_seq)
+            self._training_reached(seq, step, op, in_origin, phase, param_write, fwd_seq)
             return HARMFUL, in_origin
         if in_taint == UNKNOWN and op in PARTIAL_WRITE_OPS and inputs and inputs[0][0] == "op" \
                 and (st := self.states.get(inputs[0][1])) is not None and st[0] == UNKNOWN:
@@ -369,9 +367,7 @@ class Tracker:
         self._state(seq, taint, origin)
         if taint == HARMFUL:
             self._harmful(seq, step, op, origin, reason, inputs, fwd_seq)
-            if self.damage is None and (phase == "backward" or phase == "optimizer" or param_write):
-                self._damaged(seq, step, op, origin, "parameter" if param_write else
-                              "gradient" if phase == "backward" else "optimizer", fwd_seq)
+            self._training_reached(seq, step, op, origin, phase, param_write, fwd_seq)
         return taint, origin
 
     def _state(self, seq: int, taint: int, origin: int | None) -> None:
@@ -456,6 +452,14 @@ class Tracker:
         if reason == "loss" and self.damage is None:
             self._damaged(seq, step, rec[3] if rec else "?", origin, "loss", None)
         return HARMFUL, origin
+
+    def _training_reached(self, seq: int, step: int, op: str, origin: int | None, phase: str, param_write: bool,
+                          fwd_seq: int | None) -> None:
+        """A harmful output of a backward or optimizer op, or a parameter write: the first one is
+        where a harmful value reached training."""
+        if self.damage is None and (phase in ("backward", "optimizer") or param_write):
+            self._damaged(seq, step, op, origin, "parameter" if param_write else
+                          "gradient" if phase == "backward" else "optimizer", fwd_seq)
 
     def _damaged(self, seq: int, step: int, op: str, origin: int | None, reason: str, fwd_seq: int | None) -> None:
         """A harmful value reached training for the first time (see ``damage``): keep where, and
