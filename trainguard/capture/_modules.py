@@ -18,43 +18,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from trainguard.resilience._wrappers import unwrapped, wrapped
+
 from ._identity import IdentityWeakKeyDict
 
 _is_compiling = torch.compiler.is_compiling
-
-
-# Wrappers that are no level of the model, by the name of their type or of a base type: the
-# attribute holding the model. torch.compile(model) returns an OptimizedModule (``_orig_mod``),
-# Lightning Fabric's fabric.setup(model) a _FabricModule (``_forward_module``, the model or a DDP
-# around it), DistributedDataParallel and DataParallel hold it as ``module`` (the prefix TrainState
-# strips), and opacus' make_private a GradSampleModule (of any grad_sample_mode, all
-# AbstractGradSampleModules) as ``_module``, which its DPDDP holds as ``module``.
-WRAPPERS = {"OptimizedModule": "_orig_mod", "_FabricModule": "_forward_module",
-            "DistributedDataParallel": "module", "DataParallel": "module",
-            "AbstractGradSampleModule": "_module", "DifferentiallyPrivateDistributedDataParallel": "module"}
-
-
-def wrapper_attr(cls: type) -> str | None:
-    """The attribute a wrapper type of ``WRAPPERS`` (or a subclass) holds the model in, else None."""
-    for base in cls.__mro__:
-        attr = WRAPPERS.get(base.__name__)
-        if attr is not None:
-            return attr
-    return None
-
-
-def wrapped(module: nn.Module) -> nn.Module | None:
-    """The module a wrapper of ``WRAPPERS`` holds, None for any other module."""
-    attr = wrapper_attr(type(module))
-    inner = getattr(module, attr, None) if attr is not None else None
-    return inner if isinstance(inner, nn.Module) else None
-
-
-def unwrapped(module: nn.Module) -> nn.Module:
-    """The model inside its wrappers (a compiled model that fabric.setup wrapped: both)."""
-    while (inner := wrapped(module)) is not None:
-        module = inner
-    return module
 
 
 def _is_wrapper(module: nn.Module) -> bool:

@@ -34,8 +34,9 @@ from torch.nn.utils.parametrize import ParametrizationList as _ParametrizationLi
 from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import activation_stats, first_tensor, histogram, input_stats
-from trainguard.capture._modules import container_path, forward_pre_hook, probing_owner, unwrapped, wrapped
+from trainguard.capture._modules import container_path, forward_pre_hook, probing_owner
 from trainguard.capture._monitor_model import Layer, Root, build_root, structure
+from trainguard.resilience._wrappers import unwrapped, wrapped
 
 log = logging.getLogger("trainguard.monitor")
 _tracing_state = torch._C._get_tracing_state

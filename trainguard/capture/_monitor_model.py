@@ -12,7 +12,7 @@ from torch import nn
 
 from trainguard.capture import _monitor_tap
 from trainguard.capture._layer_stats import is_channel_first, is_mode_module, saturation_kind
-from trainguard.capture._modules import WRAPPERS
+from trainguard.resilience._wrappers import WRAPPERS
 
 # Modules whose output is not a "layer" worth a row: containers and pass-through modules.
 _SKIP_TYPES = (nn.Identity, nn.modules.dropout._DropoutNd, nn.Flatten, nn.Unflatten)

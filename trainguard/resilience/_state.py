@@ -14,6 +14,7 @@ from trainguard.resilience import _rng
 from trainguard.resilience._epochs import SamplerEpoch, has_epoch
 from trainguard.resilience._grads import AcceleratorCount, is_accelerator
 from trainguard.resilience._loader import ResumableLoader, framework_inner
+from trainguard.resilience._wrappers import unwrapped
 
 RNG = "rng"  # the per-rank entry holding the process-wide generators
 _RESERVED = frozenset({"step", "epoch", RNG})
@@ -28,23 +29,7 @@ def state_holder(obj: Any) -> Any:
     every key under a prefix (torch.compile's ``_orig_mod.``, DataParallel's and DDP's
     ``module.``, opacus' GradSampleModule's ``_module.``), so that a checkpoint fits the model
     compiled or not, wrapped or not."""
-    for _ in range(8):
-        inner = getattr(obj, "_orig_mod", None)
-        if type(obj).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
-            obj = inner
-        elif isinstance(obj, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
-            obj = obj.module
-        elif _grad_sample_module(obj):
-            obj = obj._module
-        else:
-            break
-    return obj
-
-
-def _grad_sample_module(obj: Any) -> bool:
-    """opacus' wrapper of a model trained with differential privacy (any ``grad_sample_mode``)."""
-    return (isinstance(getattr(obj, "_module", None), torch.nn.Module)
-            and any(c.__name__ == "AbstractGradSampleModule" for c in type(obj).__mro__))
+    return unwrapped(obj)
 
 
 def _is_stateful_dataloader(obj: Any) -> bool:
