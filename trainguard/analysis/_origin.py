@@ -1166,18 +1166,6 @@ def _damage_elsewhere(run: Run, first: dict, since_step: int | None, handled: bo
     return None
 
 
-def _reached_training(run: Run, first: dict) -> bool | None:
-    """Whether the first harmful value's origin reached training (meta.first_damage names it);
-    None when the run does not record it."""
-    meta = getattr(run, "meta", None)
-    if not isinstance(meta, dict) or "first_damage" not in meta:
-        return None
-    damage = meta["first_damage"]
-    if damage is None:
-        return False
-    return True if isinstance(damage, dict) and damage.get("origin") == first.get("origin") else None
-
-
 def _earlier(run: Run, first: dict) -> dict:
     """Where the run's first harmful value was made, for a line beside another origin."""
     out = {"seq": first.get("origin"), "op": first.get("op"), "file": None, "line": None,
@@ -1207,7 +1195,7 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
             seq, reason = damage
             earlier, reached = _earlier(run, first), True
         else:
-            reached = _reached_training(run, first)
+            reached = run.reached_training(first.get("origin"))
         try:
             run.execution(seq)
         except KeyError:  # evicted (it cannot be: it is pinned), or a damaged run: start at the origin

@@ -148,6 +148,17 @@ class RunHarm:
         h = self.meta.get("first_damage")
         return h if isinstance(h, dict) and isinstance(h.get("seq"), int) else None
 
+    def reached_training(self, origin: int | None) -> bool | None:
+        """Whether the harmful value made at execution ``origin`` reached training (a loss, a
+        gradient, the optimizer or a parameter): False when no harmful value did, None when the
+        run does not say (it predates the record, or another value reached training first)."""
+        if "first_damage" not in self.meta:
+            return None
+        damage = self.meta["first_damage"]
+        if damage is None:
+            return False
+        return True if isinstance(damage, dict) and damage.get("origin") == origin else None
+
     def first_harmful(self) -> dict | None:
         """The execution where the first harmful value became harmful, in full; None if none."""
         h = self.first_harm()
