@@ -21,6 +21,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 # times slower (the 40-step x-transformers test of test_diagnose.py: 64 s with two threads, 3.9 s
 # with one, on a loaded machine). Subprocesses the tests start inherit the variable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor compiles in this process, not in a pool of worker processes: on two cores the pool's
+# start (two more processes importing torch) costs more than it saves. test_compile.py and
+# test_compile_origin.py with a warm cache, one after the other on the same loaded machine: 84.7 s
+# of CPU and 424 s wall with the pool, 73.5 s and 365 s without.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_configure(config) -> None:
