@@ -11,6 +11,7 @@ import torch
 import torch._dynamo
 
 import trainguard as tg
+from trainguard.capture._compile import plan_of
 from trainguard.store import open_run
 
 
@@ -70,7 +71,7 @@ def _two_forwards(tmp_path, name, graphs=None, same_input=False):
 
     def inner(gm, example_inputs):
         if graphs is not None:
-            graphs[gm._trainguard_plan.kind] = gm
+            graphs[plan_of(gm).kind] = gm
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
@@ -102,11 +103,11 @@ def test_backward_rows_of_forward_values_are_the_forward_calls_rows_without_a_pa
     # activations: values the forward call summarised, whose rows the backward copies from it.
     graphs: dict = {}
     copied = _two_forwards(tmp_path, "copied", graphs, same_input)
-    plan = graphs["backward"]._trainguard_plan
+    plan = plan_of(graphs["backward"])
     assert plan.fw_rows and plan.check is not None
     # No count in the backward graph reads a saved value the forward summarised (t(W) here), nor
     # a view of one.
-    summarised = graphs["forward"]._trainguard_plan.value_rows
+    summarised = plan_of(graphs["forward"]).value_rows
     saved = {n for n in graphs["backward"].graph.nodes if n.op == "placeholder" and n.name in summarised}
     assert saved
     for node in graphs["backward"].graph.nodes:
@@ -269,10 +270,10 @@ def test_a_compiled_optimizer_step_summarises_each_value_in_one_pass_and_a_scala
     # alone adding three nodes per count to every graph.
     from trainguard.capture._compile_summary import SUMMARY_NODE
 
-    graphs = [gm for gm in _optimizer_graph(tmp_path) if gm._trainguard_plan.n_rows]
+    graphs = [gm for gm in _optimizer_graph(tmp_path) if plan_of(gm).n_rows]
     assert len(graphs) == 1
     for gm in graphs:
-        plan = gm._trainguard_plan
+        plan = plan_of(gm)
         numel = {}
         for t in plan.ops:
             for r, (_, shape, _) in zip(t.rows, t.outputs):

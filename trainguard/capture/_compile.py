@@ -26,13 +26,14 @@ import functools
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from trainguard.capture import _compile_opaque, _compile_run
-from trainguard.capture._compile_graph import input_names, instrument
+from trainguard.capture._compile_graph import GraphPlan, input_names, instrument
 from trainguard.capture._compile_run import Pair, RecordedGraph
 from trainguard.capture._compile_summary import SUMMARY_NODE
 
@@ -153,13 +154,24 @@ def _summary_mode(forced: str | None) -> tuple[str, Any, Any]:
     return mode, (r.ops_pattern if r is not None else None), (r.dtypes if r is not None else None)
 
 
+# The plan of each graph module instrumented, beside it rather than on it: Inductor's FX graph
+# cache hashes a graph module with its attributes, and a plan holds autograd sequence numbers,
+# which count up in a process (every compile after the first would miss the cache).
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plan_of(gm) -> GraphPlan | None:
+    """The plan a graph module was instrumented with, None if it was not."""
+    return _plans.get(gm)
+
+
 def _instrumented(base, gm, example_inputs, pair: Pair, forced: str | None, kind: str):
-    if getattr(gm, "_trainguard_plan", None) is not None:  # already instrumented by an outer wrapper
+    if plan_of(gm) is not None:  # already instrumented by an outer wrapper
         return base(gm, example_inputs)
     with _compiling():
         mode, ops, dtypes = _summary_mode(forced)
         plan = instrument(gm, kind, mode, ops, dtypes, pair.names, pair.fw if kind == "backward" else None)
-        gm._trainguard_plan = plan
+        _plans[gm] = plan
         if kind != "backward":
             pair.fw = plan
         compiled = base(gm, example_inputs)
@@ -191,13 +203,13 @@ def _instrumenting(inner_compile, pair: Pair, forced: str | None):
     """Inductor's inner compiler with each graph instrumented first."""
 
     def inner(gm, example_inputs, **kwargs):
-        if getattr(gm, "_trainguard_plan", None) is not None:
+        if plan_of(gm) is not None:
             return inner_compile(gm, example_inputs, **kwargs)
         kind = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
         with _compiling():
             mode, ops, dtypes = _summary_mode(forced)
             plan = instrument(gm, kind, mode, ops, dtypes, pair.names, pair.fw if kind == "backward" else None)
-            gm._trainguard_plan = plan
+            _plans[gm] = plan
             if kind != "backward":
                 pair.fw = plan
             with _as_plain():
