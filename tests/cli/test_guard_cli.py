@@ -242,6 +242,10 @@ def test_a_script_that_trains_outside_any_guarded_loop_is_told_what_watches_it(t
     r = trainguard("run", "--guard", "--logdir", "runs/x", "train.py", cwd=tmp_path)
     assert r.returncode == 0 and "nothing was guarded" in r.stderr, r.stderr
     assert "trained" in r.stderr and "--check-numerics" in r.stderr and "--monitor" in r.stderr, r.stderr
+    # huggingface/diffusers' train_unconditional.py (a hand-written accelerate loop) got the same
+    # note, which blamed "a Hugging Face or Lightning Trainer" and said not how to guard a loop of
+    # its own
+    assert "a loop of its own" in r.stderr and "ckpt.resume(state, total_steps=N).batches()" in r.stderr, r.stderr
 
 
 @pytest.mark.timeout(300)

@@ -376,6 +376,36 @@ def test_a_list_of_batches_with_a_dict_or_tuple_of_inputs_is_read():
         assert r.by_kind("data_nonfinite")[0].evidence["examples"] == [37]
 
 
+class _NoisedPairs(Dataset):
+    """huggingface/diffusers' DDPM training as one fixed draw: a sample is ((noisy image, timestep),
+    noise), and the model is ``unet(noisy, t).sample``."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(0)
+        self.noisy = torch.randn(n, 3, 4, 4, generator=g)
+        self.t = torch.randint(0, 1000, (n,), generator=g)
+        self.noise = torch.randn(n, 3, 4, 4, generator=g)
+        self.noisy[5, 1, 2, 2] = float("nan")
+
+    def __len__(self):
+        return len(self.t)
+
+    def __getitem__(self, i):
+        return (self.noisy[i], self.t[i]), self.noise[i]
+
+
+def test_tuple_inputs_of_a_dataset_and_of_its_default_collated_loader_are_read():
+    # trainguard doctor on diffusers' DDPM setup (a Dataset of ((noisy, t), noise), a DataLoader over
+    # it with the default collate, which turns the (noisy, t) tuple into a list): validate_data alone
+    # said "train inputs must be a tensor or a NumPy array, got tuple" (the Dataset, as test split)
+    # and "... got list" (the loader), while every other check ran on these batches
+    data = _NoisedPairs(24)
+    for split in (data, DataLoader(data, batch_size=8), DataLoader(data, batch_size=2)):
+        r = doctor.validate_data(split)
+        assert r.splits["train"]["samples"] == 24
+        assert r.by_kind("data_nonfinite")[0].evidence["examples"] == [5]
+
+
 def test_a_non_finite_target_is_no_feature_leak():
     # The same preference batches (huggingface/trl trl/trainer/reward_trainer.py): token ids that say
     # nothing of the margin. With one margin inf, the correlation of every feature with the target

@@ -7,6 +7,7 @@ import logging
 import math
 import re
 import statistics
+import warnings
 from pathlib import Path
 
 import pytest
@@ -592,3 +593,50 @@ def test_a_rerun_after_a_kill_numbers_its_events_after_the_earlier_ones(tmp_path
         assert [(f["event"]["n"], f["event"]["step"]) for f in run.findings(source="guard")] == [(1, 10), (2, 24)]
         assert run.meta["guard"]["rewinds"] == 2 and run.meta["guard"]["events"] == 2
         assert run.meta["guard"]["skipped_known"] == 1 and run.meta["guard"]["last_skipped_known"]["step"] == 10
+
+
+class _EMA:
+    """diffusers' ``training_utils.EMAModel`` in small: shadow parameters moved after each step."""
+
+    def __init__(self, model: nn.Module):
+        self.shadow = [p.detach().clone() for p in model.parameters()]
+
+    @torch.no_grad()
+    def step(self, model: nn.Module) -> None:
+        for s, p in zip(self.shadow, model.parameters()):
+            s.lerp_(p, 0.1)
+
+    def state_dict(self) -> dict:
+        return {"shadow": self.shadow}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.shadow = [t.clone() for t in state["shadow"]]
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_an_ema_left_out_of_the_state_is_named_and_one_in_it_is_rewound(tmp_path, held):
+    # diffusers' train_unconditional.py --use_ema under the guard with the EMAModel outside the
+    # TrainState: the rewind put the model back and left the EMA holding the NaN weights of the
+    # failed step (the pipeline it saves was all NaN), and nothing said so
+    state = make_state(make_data(20, poison_batch=12))
+    ema = _EMA(state.model)
+    if held:
+        state.ema = ema
+    guard = tg.Guard(tmp_path / "run", snapshot_every=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = guard.batches(state, total_steps=20)
+    named = [str(w.message) for w in caught if "not in the TrainState" in str(w.message)]
+    for _step, (x, y) in batches:
+        loss = nn.functional.mse_loss(state.model(x), y)
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+        state.ema.step(state.model) if held else ema.step(state.model)
+    assert len(guard.events) == 1 and finite(state)
+    if held:
+        assert named == [] and all(bool(s.isfinite().all()) for s in state.ema.shadow)
+    else:
+        [message] = named
+        assert message.startswith("ema (_EMA) has state_dict()") and "TrainState(..., ema=ema)" in message
+        assert caught[0].filename == __file__

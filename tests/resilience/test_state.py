@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import dp_models
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainguard import CheckpointError
-from trainguard.resilience import ResumableLoader, TrainState
+from trainguard.resilience import CheckpointManager, ResumableLoader, TrainState
 from trainguard.resilience._state import RNG
 
 
@@ -311,3 +312,83 @@ def test_an_optimizer_with_get_state_and_set_state_is_refused_with_the_adapter_t
         TrainState(optimizer=_PyroOptim())
     assert "get_state()" in str(err.value) and "set_state(" in str(err.value), err.value
     assert "integrations.md" in str(err.value), err.value
+
+
+class ShadowEMA:
+    """The shape of diffusers' ``training_utils.EMAModel`` (train_unconditional.py --use_ema): a
+    plain object, not a module, holding a shadow copy of the parameters that ``step()`` moves after
+    each optimizer step, with its own ``state_dict()`` / ``load_state_dict()``."""
+
+    def __init__(self, parameters, decay: float = 0.9):
+        self.shadow_params = [p.detach().clone() for p in parameters]
+        self.decay, self.optimization_step = decay, 0
+
+    @torch.no_grad()
+    def step(self, parameters) -> None:
+        self.optimization_step += 1
+        for s, p in zip(self.shadow_params, parameters):
+            s.sub_((1 - self.decay) * (s - p))
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "optimization_step": self.optimization_step,
+                "shadow_params": self.shadow_params}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay, self.optimization_step = state["decay"], state["optimization_step"]
+        self.shadow_params = [t.clone() for t in state["shadow_params"]]
+
+
+def _messages(caught) -> list[str]:
+    return [str(w.message) for w in caught if "TrainState" in str(w.message)]
+
+
+def test_resume_warns_about_an_object_with_state_the_caller_left_out_of_the_train_state(tmp_path):
+    # diffusers' train_unconditional.py --use_ema: TrainState(model, optimizer, scheduler, loader)
+    # without the EMAModel resumed with the EMA restarted (20 of 30 EMA steps, other weights) and,
+    # under the guard, kept the NaN weights of the rewound step, silently
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    ema = ShadowEMA(model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        CheckpointManager(tmp_path / "ckpt").resume(TrainState(model=model, optimizer=opt), total_steps=1)
+    [message] = _messages(caught)
+    assert "ema (ShadowEMA)" in message and "not in the TrainState" in message
+    assert "TrainState(..., ema=ema)" in message and "rewind" in message
+    assert caught[0].filename == __file__  # points at the resume() line
+    ema.step(model.parameters())
+
+
+def test_resume_does_not_warn_about_objects_it_holds_or_that_hold_no_training_state(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    ema = ShadowEMA(model.parameters())
+    same_model = model                                       # unwrap_model(model)
+    loss_fn = torch.nn.MSELoss()                              # a module without parameters
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)      # a frozen VAE or text encoder
+    scaler = torch.amp.GradScaler("cpu", enabled=False)       # disabled: nothing to save
+    model_class = torch.nn.Linear                             # a class has state_dict too
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        CheckpointManager(tmp_path / "ckpt").resume(TrainState(model=model, optimizer=opt, ema=ema), total_steps=1)
+    assert _messages(caught) == []
+    del same_model, loss_fn, frozen, scaler, model_class
+
+
+def test_resume_does_not_warn_about_the_object_a_held_wrapper_holds(tmp_path):
+    class Wrapped:  # accelerate's AcceleratedOptimizer holds the optimizer it wraps
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def state_dict(self):
+            return self.optimizer.state_dict()
+
+        def load_state_dict(self, state):
+            self.optimizer.load_state_dict(state)
+
+    model = torch.nn.Linear(3, 2)
+    raw = torch.optim.AdamW(model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        CheckpointManager(tmp_path / "ckpt").resume(TrainState(model=model, optimizer=Wrapped(raw)), total_steps=1)
+    assert _messages(caught) == []

@@ -245,9 +245,11 @@ def _cmd(args: argparse.Namespace) -> int:
         err_console.print(note, markup=False, highlight=False, soft_wrap=True)
     if guard is not None:
         if not (logdir / "run.sqlite").exists() and not any(logdir.glob("rank-*")):
-            trained = (f"; it trained ({children.backwards:,} backward() calls) in a loop the guard does not own "
-                       "(a Hugging Face or Lightning Trainer hands no batch out again), unwatched: run it with "
-                       "--check-numerics to stop at the first harmful NaN/Inf, or --monitor to diagnose it"
+            trained = (f"; it trained ({children.backwards:,} backward() calls) in a loop the guard does not own, "
+                       "unwatched: to guard a loop of its own, hold its model, optimizer, scheduler and loader in a "
+                       "TrainState and iterate `ckpt.resume(state, total_steps=N).batches()` (docs/guard.md); a "
+                       "Hugging Face or Lightning Trainer hands no batch out again: run it with --check-numerics to "
+                       "stop at the first harmful NaN/Inf, or --monitor to diagnose it"
                        if children.backwards else "")
             err_console.print("trainguard: the script iterated no `loop.batches()` of ckpt.resume(); nothing was "
                               f"guarded{trained}", highlight=False, soft_wrap=True)

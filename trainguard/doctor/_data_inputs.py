@@ -74,13 +74,28 @@ def main_input(inputs: Any) -> Any:
     return inputs if t is None else t
 
 
-def _read_batches(obj: Any, name: str, *, sized: bool) -> tuple[np.ndarray, np.ndarray | None]:
+def _tuple_inputs(dataset: Any) -> bool:
+    """Whether a map-style dataset's samples are ``(inputs, target)`` with several inputs (diffusers'
+    ``((noisy, timestep), noise)``): torch's default collate makes a list of those inputs, one
+    tensor of the batch each, which is then no list of one tensor per sample."""
+    try:
+        sample = dataset[0] if len(dataset) else None
+    except Exception:  # noqa: BLE001 - an IterableDataset, or one whose items need a key of its own
+        return False
+    return isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[0], (tuple, list, dict))
+
+
+def _read_batches(obj: Any, name: str, *, sized: bool,
+                  collated: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     xs, ys = [], []
     for i, batch in enumerate(obj):
         if not sized and i >= UNSIZED_BATCHES:
             break  # a stream may never end: judge its beginning
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
-            xs.append(to_numpy(main_input(batch[0]), f"{name} inputs"))
+            inputs = batch[0]
+            if collated and isinstance(inputs, list):
+                inputs = tuple(inputs)
+            xs.append(to_numpy(main_input(inputs), f"{name} inputs"))
             ys.append(to_numpy(batch[1], f"{name} targets"))
         else:
             xs.append(to_numpy(main_input(batch), f"{name} inputs"))
@@ -91,7 +106,7 @@ def _read_batches(obj: Any, name: str, *, sized: bool) -> tuple[np.ndarray, np.n
 
 def read_split(obj: Any, name: str) -> Split:
     """Inputs and targets of one split, whatever form they came in."""
-    from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
+    from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset, default_collate
 
     x: Any
     y: Any = None
@@ -114,7 +129,8 @@ def read_split(obj: Any, name: str) -> Split:
         x = obj.dataset.tensors[0][idx]
         y = obj.dataset.tensors[1][idx] if len(obj.dataset.tensors) > 1 else None
     elif isinstance(obj, DataLoader):
-        x, y = _read_batches(obj, name, sized=hasattr(obj.dataset, "__len__"))
+        x, y = _read_batches(obj, name, sized=hasattr(obj.dataset, "__len__"),
+                             collated=obj.collate_fn is default_collate and _tuple_inputs(obj.dataset))
     elif isinstance(obj, IterableDataset):
         raise DoctorInputError(f"{name} data is an IterableDataset: pass a DataLoader over it, or arrays")
     elif isinstance(obj, Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
@@ -124,7 +140,7 @@ def read_split(obj: Any, name: str) -> Split:
             raise DoctorInputError(f"{name} data is empty (0 samples)")
         items = [obj[i] for i in range(n)]
         if all(isinstance(it, (tuple, list)) and len(it) == 2 for it in items):
-            x = _stack([it[0] for it in items], f"{name} inputs")
+            x = _stack([main_input(it[0]) for it in items], f"{name} inputs")
             y = _stack([it[1] for it in items], f"{name} targets")
         else:
             x = _stack(items, f"{name} inputs")

@@ -28,6 +28,7 @@ import math
 import os
 import statistics
 import struct
+import sys
 import time
 import weakref
 from collections import deque
@@ -47,6 +48,7 @@ from trainguard.guard._outside import OutsideOptimizers
 from trainguard.guard._replay import StepRecording, batch_nonfinite, origin_from_dict, origin_key, rank_dir
 from trainguard.guard._sentry import Sentry, StepValues
 from trainguard.resilience import MemorySnapshot, ResumeLoop, TrainState, set_default_guard
+from trainguard.resilience._unheld import warn_unheld
 from trainguard.store import acquire_writer, release_writer
 
 log = logging.getLogger("trainguard.guard")
@@ -203,6 +205,7 @@ class Guard:
         """The guard without a CheckpointManager: yield ``(step, batch)`` from ``state.loader``
         from ``state.step`` to ``total_steps``, with in-memory snapshots only. Nothing is saved
         to disk but the guard's run; signals are left to the program."""
+        warn_unheld(state, sys._getframe(1).f_locals, stacklevel=2)
         loop = ResumeLoop(None, state, total_steps=total_steps, epochs=None, delete_on_success=False,
                           handle_signals=False, guard=self)
         return loop.batches()

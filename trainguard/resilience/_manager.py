@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -489,7 +490,9 @@ class CheckpointManager:
         for :meth:`restore` (False restores the objects both the state and the checkpoint hold).
         """
         from trainguard.resilience._loop import ResumeLoop
+        from trainguard.resilience._unheld import warn_unheld
 
+        warn_unheld(state, sys._getframe(1).f_locals, stacklevel=2)
         return ResumeLoop(self, state, total_steps=total_steps, epochs=epochs,
                           delete_on_success=delete_on_success, handle_signals=handle_signals, guard=guard,
                           strict=strict)
