@@ -432,7 +432,7 @@ class HookMixin:
         with _monitor_tap.quiet():
             # Every call of a layer called in a loop is followed (gradients through time); its
             # statistics come from one call (see TimeWatch.on_call).
-            if not self._time.on_call(layer.name, output) or layer.seen_step == self._cur:
+            if not self._time.on_call(layer.name, output, layer.weighted) or layer.seen_step == self._cur:
                 return
             if self._input_wanted:
                 name = self._input_wanted.pop(layer.prefix, None)
