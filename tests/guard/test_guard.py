@@ -592,3 +592,37 @@ def test_a_rerun_after_a_kill_numbers_its_events_after_the_earlier_ones(tmp_path
         assert [(f["event"]["n"], f["event"]["step"]) for f in run.findings(source="guard")] == [(1, 10), (2, 24)]
         assert run.meta["guard"]["rewinds"] == 2 and run.meta["guard"]["events"] == 2
         assert run.meta["guard"]["skipped_known"] == 1 and run.meta["guard"]["last_skipped_known"]["step"] == 10
+
+
+class CholeskyGP(nn.Module):
+    """cornellius-gp/gpytorch's SVGP (examples/04_Variational_and_Approximate_GPs), reduced: every
+    forward factors a covariance built from the parameters, and linear_operator's
+    ``psd_safe_cholesky`` raises ``NanError`` when that matrix holds a NaN. A NaN target in one
+    minibatch makes that step's loss and gradients NaN, Adam writes NaN into the parameters, and
+    the next step's forward raises before it ends: read one step late, the guard never saw the
+    NaN step, and the SVGP example crashed at step 3 with ``NanError`` under the guard."""
+
+    def __init__(self):
+        super().__init__()
+        self.raw = nn.Parameter(torch.eye(4) * 0.5)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        k = self.raw @ self.raw.T + torch.eye(4)
+        if torch.isnan(k).any():
+            raise ValueError(f"cholesky_cpu: {int(torch.isnan(k).sum())} of 16 elements are NaN.")
+        return self.out(x @ torch.linalg.cholesky(k))
+
+
+def test_a_nan_step_is_caught_before_the_next_forward_raises_on_its_nan_weights(tmp_path):
+    data = make_data(30)
+    data.tensors[1][7 * BS + 2] = float("nan")  # one NaN target in batch 7
+    state = make_state(data, model=CholeskyGP())
+    guard = tg.Guard(tmp_path / "run", snapshot_every=5)
+    seen = train(guard.batches(state, total_steps=30), state)
+    assert state.step == 30 and finite(state)
+    # on CPU reading a step costs nothing: step 7 is read when it ends, before step 8 runs
+    assert seen == list(range(8)) + [5, 6, 7] + list(range(7, 30))
+    [event] = guard.events
+    assert event["action"] == "skip" and event["step"] == 7 and event["rewound_to"] == 5
+    assert event["skipped"][0]["batch"] == 7
