@@ -540,3 +540,34 @@ def test_a_detached_parameter_is_named_at_its_line(batch):
     r = doctor.gradient_check(Leaky(), batch, nn.CrossEntropyLoss())
     (f,) = [f for f in r.findings() if f.kind == "wrong_gradient"]
     assert "self.gain.detach()" in f.suggestion, f.suggestion
+
+
+class LazyVariational(nn.Module):
+    """cornellius-gp/gpytorch's _VariationalStrategy.__call__ (gpytorch/variational/_variational_strategy.py):
+    while the buffer ``variational_params_initialized`` is 0, the forward writes the variational
+    mean from the prior (``initialize_variational_distribution``, a ``.data.copy_``) and sets it to
+    1. The doctor puts buffers back before each evaluation, so every finite difference ran that
+    initialisation again over the perturbed mean: on the SVGP example `trainguard doctor` said
+    "wrong gradient" for variational_mean and chol_variational_covar (autograd -0.252, finite
+    differences 0), which training, past its first step, never sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(20, 4)
+        self.variational_mean = nn.Parameter(torch.zeros(4, 10))
+        self.register_buffer("variational_params_initialized", torch.tensor(0))
+
+    def forward(self, x):
+        if not self.variational_params_initialized.item():
+            self.variational_mean.data.copy_(0.1 * torch.randn(4, 10))
+            self.variational_params_initialized.fill_(1)
+        return torch.tanh(self.fc(x)) @ self.variational_mean
+
+
+def test_parameters_a_first_forward_initialises_are_checked_as_training_sees_them(batch):
+    net = LazyVariational()
+    r = doctor.gradient_check(net, batch, nn.CrossEntropyLoss())
+    assert r.passed and r.bad_params == [] and r.suspicious_params == [], r.summary
+    # the caller's model is as it was: not initialised yet
+    assert net.variational_params_initialized.item() == 0 and not net.variational_mean.any()
