@@ -141,6 +141,31 @@ def test_a_spike_is_found_at_its_step(tmp_path):
     assert "max_norm=1" in spike[0].suggestion
 
 
+# A loss that is negative: gpytorch's -mll (examples/01_Exact_GPs/Simple_GP_Regression.ipynb on
+# data with noise 0.02 reaches -2.2), a Gaussian or flow NLL. Its offset is arbitrary, so "3x the
+# recent median" means nothing there: a target replaced by noise at step 60 took it from -1.79 to
+# 211 and the title said "-130x its recent median".
+def test_a_spike_of_a_negative_loss_is_said_as_a_rise_not_a_negative_ratio(tmp_path):
+    loss = list(0.9 - 3.0 * (1 - np.exp(-np.arange(80) / 25)))
+    loss[60] = 211.0
+    fs = diagnose(write_run(tmp_path / "r", loss, grad_norm=[0.4] * 80), rules=["loss_spike"])
+    [spike] = [f for f in fs if f.kind == "loss_spike"]
+    assert spike.evidence["largest"]["step"] == 60
+    assert "x its recent median" not in spike.title and "-1.7" in spike.title, spike.title
+
+
+# The positive losses of test_noisy_decreasing_loss_is_not_an_oscillation_or_a_spike, 3 lower: the
+# same noise, no spike either. The ratio tests held no longer (any value is above 3x a negative
+# median), and these seeds' 6-MAD outliers were called spikes, "Loss spiked to -2.4 at step 144
+# (1x its recent median)".
+@pytest.mark.parametrize("seed", [23, 25, 38])
+def test_noise_on_a_negative_loss_is_not_a_spike(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    t = np.arange(150)
+    loss = list((2 * np.exp(-t / 40) + 0.3) * np.exp(0.2 * rng.standard_normal(150)) - 3)
+    assert kinds(diagnose(write_run(tmp_path / "r", loss), rules=["loss_spike"])) == []
+
+
 def test_a_spike_in_a_reinforcement_learning_run_is_a_note_about_episodes_not_a_bad_batch(tmp_path):
     # stable-baselines3's A2C("MlpPolicy", "CartPole-v1") (stable_baselines3/a2c/a2c.py:A2C.train), healthy,
     # under `trainguard monitor`: its loss sits near 5 and jumps to 31 or 161 for one update when a

@@ -283,6 +283,84 @@ def test_a_model_whose_class_overrides_call_is_still_monitored(tmp_path, capsys)
     assert all(math.isfinite(v) for _, v in loss) and loss[-1][1] < loss[0][1], loss
 
 
+# examples/06_PyTorch_NN_Integration_DKL/KISSGP_Deep_Kernel_Regression_CUDA.ipynb, reduced: deep
+# kernel learning. The GP (gpytorch's Module.__call__, as above) runs a plain nn.Sequential feature
+# extractor, whose nn.Module.__call__ the monitor's discovery sees first; the optimizer also trains
+# the GP's own raw_lengthscale, raw_outputscale and constant mean and the likelihood's raw_noise,
+# which no hook announces. In the real notebook the monitor watched the 8 tensors of the feature
+# extractor and none of the GP's 4.
+GPYTORCH_DKL = textwrap.dedent("""
+    import math
+    import torch
+    from torch import nn
+
+    class Module(nn.Module):
+        def __call__(self, *inputs, **kwargs):
+            return self.forward(*inputs, **kwargs)
+
+    class GaussianLikelihood(Module):
+        def __init__(self):
+            super().__init__()
+            self.raw_noise = nn.Parameter(torch.zeros(1))
+
+    class DKLModel(Module):
+        def __init__(self, likelihood):
+            super().__init__()
+            self.likelihood = likelihood
+            self.feature_extractor = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 2))
+            self.raw_lengthscale = nn.Parameter(torch.zeros(1, 2))
+            self.raw_outputscale = nn.Parameter(torch.zeros(()))
+            self.constant = nn.Parameter(torch.zeros(()))
+
+        def forward(self, x):
+            z = self.feature_extractor(x) / nn.functional.softplus(self.raw_lengthscale)
+            k = nn.functional.softplus(self.raw_outputscale) * torch.exp(-0.5 * torch.cdist(z, z).pow(2))
+            return self.constant.expand(len(x)), k
+
+    class ExactMarginalLogLikelihood(Module):
+        def __init__(self, likelihood, model):
+            super().__init__()
+            self.likelihood, self.model = likelihood, model
+
+        def forward(self, output, y):
+            mean, k = output
+            cov = k + (nn.functional.softplus(self.likelihood.raw_noise) + 1e-4) * torch.eye(len(y))
+            chol = torch.linalg.cholesky(cov)
+            r = torch.cholesky_solve((y - mean)[:, None], chol)[:, 0]
+            logdet = 2 * chol.diagonal().log().sum()
+            return -0.5 * ((y - mean) @ r + logdet + len(y) * math.log(2 * math.pi)) / len(y)
+
+    torch.manual_seed(0)
+    x = torch.rand(40, 3) * 2 - 1
+    y = torch.sin(3 * x[:, 0]) + 0.1 * torch.randn(40)
+    likelihood = GaussianLikelihood()
+    model = DKLModel(likelihood)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    mll = ExactMarginalLogLikelihood(likelihood, model)
+    for i in range(25):
+        opt.zero_grad()
+        loss = -mll(model(x), y)
+        loss.backward()
+        opt.step()
+""")
+
+
+def test_a_gp_whose_feature_extractor_is_found_first_is_watched_whole(tmp_path, capsys):
+    script = tmp_path / "dkl.py"
+    script.write_text(GPYTORCH_DKL)
+    assert main(["monitor", "--logdir", str(tmp_path / "run"), "--json", str(script)]) == 0
+    run = open_run(tmp_path / "run")
+    params = run.meta["monitor"]["params"]
+    # the names of mll.state_dict(), the module holding every trained tensor
+    assert sorted(params) == sorted([
+        "model.feature_extractor.0.weight", "model.feature_extractor.0.bias",
+        "model.feature_extractor.2.weight", "model.feature_extractor.2.bias",
+        "model.raw_lengthscale", "model.raw_outputscale", "model.constant", "likelihood.raw_noise"]), params
+    assert all(p["gradient_steps"] == 25 for p in params.values()), params
+    # the feature extractor's layers keep their statistics
+    assert "model.feature_extractor.0" in run.layers(), run.layers()
+
+
 # The check every loop of pytorch/vision's references/detection (engine.train_one_epoch) and of
 # DeiT, MAE and DINO makes: on a non-finite loss it prints it and calls sys.exit(1), no exception.
 STOPS_ITSELF = textwrap.dedent(

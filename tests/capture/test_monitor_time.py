@@ -95,3 +95,31 @@ def test_gradient_accumulation_follows_the_first_forward(tmp_path):
             model(torch.randn(3, 6, 4)).sum().backward()
         opt.step()
     assert through_time(tmp_path / "run")[0]["calls"] == 6
+
+
+class Constrained(nn.Module):
+    """cornellius-gp/gpytorch's constraints (gpytorch/constraints/constraints.py): every Positive /
+    GreaterThan constraint holds the same module-level ``softplus = torch.nn.Softplus()``, so one
+    parameterless module turns each raw hyperparameter into its value, called once per
+    hyperparameter per forward, on inputs that never feed one another: not a loop. The values
+    reach the loss with weights 1000, 100, 10 and 1 (the scales of a GP's noise, outputscale and
+    lengthscales differ as much), which read as gradients growing x10 per call back in time."""
+
+    def __init__(self):
+        super().__init__()
+        self.softplus = nn.Softplus()
+        self.raw = nn.ParameterList([nn.Parameter(torch.zeros(2)) for _ in range(4)])
+
+    def forward(self):
+        return sum(10.0 ** (3 - k) * self.softplus(p).sum() for k, p in enumerate(self.raw))
+
+
+def test_a_parameterless_module_shared_by_several_inputs_is_not_a_loop(tmp_path):
+    model = Constrained()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with Monitor(model, tmp_path / "run", every=1, diagnose=False):
+        for _ in range(3):
+            opt.zero_grad()
+            model().backward()
+            opt.step()
+    assert through_time(tmp_path / "run", layer="softplus") == {}

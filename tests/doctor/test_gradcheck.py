@@ -297,8 +297,9 @@ def test_a_gradient_wrong_in_one_entry_of_a_large_parameter_is_found_and_located
 
 
 def test_forward_passes_grow_with_directions_not_with_entries(batch, monkeypatch):
-    # A healthy smooth model: one pass for the gradient, one to see the loss repeat, then two per
-    # direction per parameter.
+    # A healthy smooth model: one pass as training's first step (a first forward may initialise
+    # parameters: gpytorch's variational strategy), one for the gradient, one to see the loss
+    # repeat, then two per direction per parameter.
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(20, 256), nn.Tanh(), nn.Linear(256, 10))
     calls = []
@@ -306,10 +307,10 @@ def test_forward_passes_grow_with_directions_not_with_entries(batch, monkeypatch
     monkeypatch.setattr(loss, "forward", lambda out, y: calls.append(1) or nn.functional.cross_entropy(out, y))
     r = doctor.gradient_check(net, batch, loss)
     assert r.passed, r.summary
-    assert len(calls) == 2 + 2 * 2 * 4  # 4 parameters, 2 directions each
+    assert len(calls) == 3 + 2 * 2 * 4  # 4 parameters, 2 directions each
     calls.clear()
     r = doctor.gradient_check(net, batch, loss, directions=1, samples_per_param=3)
-    assert r.passed and len(calls) == 2 + 4 * (2 + 2 * 3)
+    assert r.passed and len(calls) == 3 + 4 * (2 + 2 * 3)
 
 
 class _CastingScan(nn.Module):
@@ -540,3 +541,34 @@ def test_a_detached_parameter_is_named_at_its_line(batch):
     r = doctor.gradient_check(Leaky(), batch, nn.CrossEntropyLoss())
     (f,) = [f for f in r.findings() if f.kind == "wrong_gradient"]
     assert "self.gain.detach()" in f.suggestion, f.suggestion
+
+
+class LazyVariational(nn.Module):
+    """cornellius-gp/gpytorch's _VariationalStrategy.__call__ (gpytorch/variational/_variational_strategy.py):
+    while the buffer ``variational_params_initialized`` is 0, the forward writes the variational
+    mean from the prior (``initialize_variational_distribution``, a ``.data.copy_``) and sets it to
+    1. The doctor puts buffers back before each evaluation, so every finite difference ran that
+    initialisation again over the perturbed mean: on the SVGP example `trainguard doctor` said
+    "wrong gradient" for variational_mean and chol_variational_covar (autograd -0.252, finite
+    differences 0), which training, past its first step, never sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(20, 4)
+        self.variational_mean = nn.Parameter(torch.zeros(4, 10))
+        self.register_buffer("variational_params_initialized", torch.tensor(0))
+
+    def forward(self, x):
+        if not self.variational_params_initialized.item():
+            self.variational_mean.data.copy_(0.1 * torch.randn(4, 10))
+            self.variational_params_initialized.fill_(1)
+        return torch.tanh(self.fc(x)) @ self.variational_mean
+
+
+def test_parameters_a_first_forward_initialises_are_checked_as_training_sees_them(batch):
+    net = LazyVariational()
+    r = doctor.gradient_check(net, batch, nn.CrossEntropyLoss())
+    assert r.passed and r.bad_params == [] and r.suspicious_params == [], r.summary
+    # the caller's model is as it was: not initialised yet
+    assert net.variational_params_initialized.item() == 0 and not net.variational_mean.any()

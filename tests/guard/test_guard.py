@@ -29,9 +29,9 @@ def test_a_poisoned_batch_is_replayed_named_and_skipped(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="trainguard.guard"):
         seen = train(guard.batches(state, total_steps=120), state)
     assert state.step == 120 and finite(state)
-    # read one step late: step 61 ran before the rewind to 50; steps 50-59 replayed, 60 recorded,
-    # then step 60 again with the next batch
-    assert seen == list(range(62)) + list(range(50, 61)) + list(range(60, 120))
+    # on CPU step 60 is read when it ends (on an accelerator one step late, step 61 running first):
+    # rewound to 50; steps 50-59 replayed, 60 recorded, then step 60 again with the next batch
+    assert seen == list(range(61)) + list(range(50, 61)) + list(range(60, 120))
     [event] = guard.events
     assert event["action"] == "skip" and event["trigger"] == "nonfinite_loss" and event["step"] == 60
     assert event["skipped"] == [{"epoch": 0, "index": 60, "batch": 60, "samples": list(range(60 * BS, 61 * BS))}]
@@ -640,3 +640,37 @@ def test_an_ema_left_out_of_the_state_is_named_and_one_in_it_is_rewound(tmp_path
         [message] = named
         assert message.startswith("ema (_EMA) has state_dict()") and "TrainState(..., ema=ema)" in message
         assert caught[0].filename == __file__
+
+
+class CholeskyGP(nn.Module):
+    """cornellius-gp/gpytorch's SVGP (examples/04_Variational_and_Approximate_GPs), reduced: every
+    forward factors a covariance built from the parameters, and linear_operator's
+    ``psd_safe_cholesky`` raises ``NanError`` when that matrix holds a NaN. A NaN target in one
+    minibatch makes that step's loss and gradients NaN, Adam writes NaN into the parameters, and
+    the next step's forward raises before it ends: read one step late, the guard never saw the
+    NaN step, and the SVGP example crashed at step 3 with ``NanError`` under the guard."""
+
+    def __init__(self):
+        super().__init__()
+        self.raw = nn.Parameter(torch.eye(4) * 0.5)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        k = self.raw @ self.raw.T + torch.eye(4)
+        if torch.isnan(k).any():
+            raise ValueError(f"cholesky_cpu: {int(torch.isnan(k).sum())} of 16 elements are NaN.")
+        return self.out(x @ torch.linalg.cholesky(k))
+
+
+def test_a_nan_step_is_caught_before_the_next_forward_raises_on_its_nan_weights(tmp_path):
+    data = make_data(30)
+    data.tensors[1][7 * BS + 2] = float("nan")  # one NaN target in batch 7
+    state = make_state(data, model=CholeskyGP())
+    guard = tg.Guard(tmp_path / "run", snapshot_every=5)
+    seen = train(guard.batches(state, total_steps=30), state)
+    assert state.step == 30 and finite(state)
+    # on CPU reading a step costs nothing: step 7 is read when it ends, before step 8 runs
+    assert seen == list(range(8)) + [5, 6, 7] + list(range(7, 30))
+    [event] = guard.events
+    assert event["action"] == "skip" and event["step"] == 7 and event["rewound_to"] == 5
+    assert event["skipped"][0]["batch"] == 7

@@ -534,27 +534,31 @@ def loss_spike(ctx: Context) -> list[Finding]:
         return []
     vals = loss.values
     w = max(10, int(n * ctx.th.window_fraction / 2))
-    scale = max(float(np.median(vals[:3])), 1e-12)  # the loss at initialisation sets the scale
+    # The ratios are rises measured in the loss's magnitude, the same tests for a positive loss
+    # (x > 3 * base is x - base > 2 * base) and meaningful for a negative one, whose offset is
+    # arbitrary (gpytorch's -mll, a Gaussian NLL): there "3x a negative median" holds for any value.
+    scale = max(float(np.median(np.abs(vals[:3]))), 1e-12)  # the loss at initialisation sets the scale
     spikes = []
     for i in range(w, n):
         prev = vals[i - w : i]
         base = float(np.median(prev))
+        top_prev = float(prev.max())
         mad = 1.4826 * float(np.median(np.abs(prev - base))) + 1e-12
         rise = vals[i] - base
         if (
-            vals[i] > ctx.th.loss_spike_ratio * base
-            and vals[i] > ctx.th.loss_spike_over_max * float(prev.max())
+            rise > (ctx.th.loss_spike_ratio - 1) * abs(base)
+            and vals[i] - top_prev > (ctx.th.loss_spike_over_max - 1) * abs(top_prev)
             and rise > ctx.th.loss_spike_min_z * mad
-            and rise > ctx.th.loss_spike_min_rise * max(scale, base)
+            and rise > ctx.th.loss_spike_min_rise * max(scale, abs(base))
         ):
             spikes.append((int(loss.steps[i]), float(vals[i]), base))
     if not spikes:
         return []
-    first_step, top, base = max(spikes, key=lambda s: s[1] / s[2])
+    first_step, top, base = max(spikes, key=lambda s: (s[1] - s[2]) / max(abs(s[2]), 1e-12))
     ev = {
         "spike_steps": [s for s, _, _ in spikes[:20]],
         "count": len(spikes),
-        "largest": {"step": first_step, "loss": top, "recent_median": base, "ratio": top / base},
+        "largest": {"step": first_step, "loss": top, "recent_median": base, "ratio": top / base if base > 0 else None},
         "began": spikes[0][0],  # a rate far too high that diverged no later explains them (_causes.IN_TRAINING)
     }
     gn = ctx.grad_norm.at(first_step)
@@ -589,7 +593,8 @@ def loss_spike(ctx: Context) -> list[Finding]:
         Finding(
             kind="loss_spike",
             severity="info" if ctx.environment or quiet else "warning",
-            title=f"Loss spiked to {fmt(top)} at step {first_step} ({top / base:.0f}x its recent median)"
+            title=f"Loss spiked to {fmt(top)} at step {first_step} "
+            + (f"({top / base:.0f}x its recent median)" if base > 0 else f"(from a recent median of {fmt(base)})")
             + (f", {len(spikes)} spikes in all" if len(spikes) > 1 else ""),
             evidence=ev,
             suggestion="; ".join(fixes),

@@ -96,7 +96,7 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
                     "that stays non-finite itself, naming its origin) and run again")
         fix += ", then judge training health on a run that finishes"
     elif (fault := _fault_before(meta, outcome["step"])) is not None:
-        # Under the guard, which reads a step when the next one ends: the next step raised on the
+        # Under the guard, which reads a step when the next one ends on an accelerator: the next step raised on the
         # weights the bad one left (a validated distribution, scipy's matcher) before it could rewind.
         at = meta.get("crash_at")
         if isinstance(at, dict) and "observer range" in str(at.get("detail", "")):
@@ -106,7 +106,7 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
         else:
             keep = ("Keep such a check from raising under the guard, e.g. build a torch.distributions policy with "
                     "`validate_args=False`, so that it can rewind, replay and skip the bad batch")
-        fix = (_cause(meta, outcome["error"]) + f"{fault} (the guard reads each step when the next one ends, and "
+        fix = (_cause(meta, outcome["error"]) + f"{fault} (on an accelerator the guard reads each step when the next one ends, and "
                f"this error came first, most likely from the NaN weights or state that step left). {keep}; or run "
                "`trainguard run --check-numerics` to stop at the op that made the first NaN/Inf")
     elif harm is not None:

@@ -39,7 +39,7 @@ class EventsMixin:
     # ------------------------------------------------------------------ backward and clipping
     def _before_backward(self, tensors: Any) -> None:
         # The tensors backward() was called on, graph attached (the "backward" event's loss is detached).
-        if (not self._roots and self._auto and not self._adopt_tried and not self._closed
+        if (self._auto and not self._adopt_tried and not self._closed
                 and isinstance(tensors, torch.Tensor) and tensors.grad_fn is not None):
             self._adopt_from_loss(tensors)
 

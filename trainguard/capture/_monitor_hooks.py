@@ -292,18 +292,23 @@ class HookMixin:
         # A module class whose own __call__ runs self.forward(...) never reaches nn.Module.__call__,
         # so no hook of any kind runs for it (gpytorch's Module: every GP model, kernel, likelihood
         # and mll): discovery never sees it. Its loss still reaches its parameters; the outermost
-        # such modules holding them become roots. Once per monitor: the scan of live objects runs
-        # on the first backward without a model, and a script without modules is left as it was.
+        # such modules holding them become roots. Once per monitor, on the first backward: with a
+        # model found already (deep kernel learning: the GP runs an nn.Sequential feature
+        # extractor, which discovery saw) only when the loss trains tensors that model lacks (the
+        # GP's raw_lengthscale and the likelihood's raw_noise); the scan of live objects runs then,
+        # and a script without modules is left as it was.
         self._adopt_tried = True
         try:
             leaves = _leaf_ids(loss)
+            if self._roots:
+                leaves -= {id(t) for p in self._params if (t := p.ref()) is not None}
             if not leaves:
                 return
             modules = _live_modules()
             found = [m for m in modules
                      if type(m).__call__ is not nn.Module.__call__ and m not in self._known
                      and any(id(p) in leaves for p in m.parameters())]
-            if not found and not any(id(p) in leaves for m in modules for p in m.parameters()):
+            if not self._roots and not found and not any(id(p) in leaves for m in modules for p in m.parameters()):
                 # no module holds what the loss trains: pyro.param sites, tensors made with requires_grad
                 self._params_outside = len(leaves)
             inner = {id(c) for m in found for c in m.modules() if c is not m}
@@ -428,7 +433,7 @@ class HookMixin:
         with _monitor_tap.quiet():
             # Every call of a layer called in a loop is followed (gradients through time); its
             # statistics come from one call (see TimeWatch.on_call).
-            if not self._time.on_call(layer.name, output) or layer.seen_step == self._cur:
+            if not self._time.on_call(layer.name, output, layer.weighted) or layer.seen_step == self._cur:
                 return
             if self._input_wanted:
                 name = self._input_wanted.pop(layer.prefix, None)

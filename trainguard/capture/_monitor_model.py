@@ -22,7 +22,7 @@ class Layer:
     """A module whose output the monitor summarises (a leaf, or a module with its own parameters)."""
 
     __slots__ = ("name", "prefix", "type", "ref", "channel_first", "saturation", "units", "prev_dead", "seen_step",
-                 "handle")
+                 "handle", "weighted")
 
     def __init__(self, name: str, module: nn.Module, prefix: str = ""):
         self.name = name
@@ -38,6 +38,10 @@ class Layer:
         self.prev_dead: torch.Tensor | None = None  # this layer's dead-unit mask at the last recording
         self.seen_step = -1
         self.handle = None
+        # Holds parameters (its own or its children's): only such a layer called many times per
+        # forward can be a recurrent cell; a parameterless one is an activation reused on several
+        # inputs (gpytorch's one Softplus behind every constraint), whose gradients are not a loop's.
+        self.weighted = any(True for _ in module.parameters())
 
 
 class Param:

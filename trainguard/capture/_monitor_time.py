@@ -50,8 +50,12 @@ class TimeWatch:
     def on_root_forward(self) -> None:
         self._forwards += 1
 
-    def on_call(self, layer: str, output: Any) -> bool:
+    def on_call(self, layer: str, output: Any, weighted: bool = True) -> bool:
         """A watched layer's forward returned, on a recording step with gradients enabled.
+
+        ``weighted``: the layer holds parameters. Only then are its calls followed through time:
+        a parameterless module called several times (an activation reused on several inputs,
+        gpytorch's one Softplus behind every constraint) is not a recurrent cell.
 
         Returns whether this call's output is the one to summarise: the first, or for a layer the
         last recording saw called in a loop, the middle call (the first sees the initial state,
@@ -62,7 +66,7 @@ class TimeWatch:
         i = self._calls.get(layer, 0)
         self._calls[layer] = i + 1
         x = first_tensor(output)
-        if i < MAX_CALLS and x is not None and x.requires_grad and x.is_floating_point():
+        if weighted and i < MAX_CALLS and x is not None and x.requires_grad and x.is_floating_point():
             x.register_hook(lambda g, layer=layer, i=i: self._grad(layer, i, g))
         return i == self._loops.get(layer, 0) // 2
 

@@ -320,6 +320,14 @@ def gradient_check(
             _to_float64(loss_module)
 
             keep = _KeepFloat64()
+            # One forward first, as training's first step: a model whose first forward writes its
+            # parameters (gpytorch's variational strategy initialises the variational mean while
+            # its buffer variational_params_initialized is 0) is checked as training sees it after,
+            # not re-initialised over each perturbation (finite differences 0). `preserved` puts
+            # the parameters and buffers back afterwards.
+            _seed(seed, device)
+            with torch.no_grad():
+                loss_fn(model(inputs), targets)
             # A forward that updates buffers in place (vector-quantize-pytorch's EMA codebook, in
             # every training forward) would give each evaluation another function of the weights;
             # so would a loss that moves its own (DINO's center).

@@ -251,7 +251,7 @@ class Guard:
             plan.recording.stop()
         loop = self._loop
         # Steps the sentry holds unread: when the loop body raised, the last of them may be a NaN
-        # step whose weights made the error (the sentry reads a step when the next one ends).
+        # step whose weights made the error (on an accelerator the sentry reads a step when the next one ends).
         try:
             unread = self._sentry.read(before=None) if loop.state.step < loop.total_steps else []
         except Exception:  # a device the error left unusable: nothing more to learn

@@ -7,7 +7,7 @@ before each ``optimizer.step()``, the norms of that optimizer's gradients (one f
 ``_foreach_norm``), all as 0-d tensors on their device. On an accelerator, when the step ends,
 they are reduced into one small vector copied into a pinned host buffer without waiting. The
 guard reads it when the *next* step ends, by which time the copy has long landed: no
-host-device sync per step. The pass over the gradients is the whole cost
+host-device sync per step. On CPU the step is read when it ends (nothing waits). The pass over the gradients is the whole cost
 (``benchmarks/bench_guard.py``).
 """
 
@@ -198,9 +198,12 @@ class Sentry:
     def read(self, *, before: int | None) -> list[StepValues]:
         """The values of the steps ended so far with a step number below ``before`` (all when
         None), oldest first, removed from the pending list. Reading the newest step waits for its
-        copy: the guard does that only when it must (before a snapshot or a save, in a replay)."""
+        copy: the guard does that only when it must (before a snapshot or a save, in a replay).
+        A step whose values are CPU tensors is read whatever ``before`` says: that waits for
+        nothing, and a step left unread lets the next one run on what it broke (gpytorch's next
+        forward raises ``NanError`` on the NaN weights before the guard could rewind)."""
         out = []
-        while self._pending and (before is None or self._pending[0].step < before):
+        while self._pending and (before is None or self._pending[0].step < before or self._pending[0].host is None):
             p = self._pending.popleft()
             if p.host is not None:
                 p.event.synchronize()
