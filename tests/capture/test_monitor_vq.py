@@ -1,9 +1,11 @@
-"""The monitor on a model that replaces its own Parameter objects while training
-(``module.weight = nn.Parameter(...)``): it watches the parameters the model holds now, not
-the ones it held when it was attached."""
+"""The monitor on vector-quantised autoencoders written as tutorials write them (zalandoresearch/
+pytorch-vq-vae): a model that replaces its own Parameter objects while training
+(``module.weight = nn.Parameter(...)``) is watched as it is now, not as it was attached; a quantizer
+that returns ``(loss, quantized)`` is measured by its quantized output."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,3 +94,27 @@ def test_parameters_the_model_assigns_anew_each_step_are_watched_as_they_are_now
                  if r["layer"] == "vq._embedding.weight" and r["kind"] == "weight" and r["stat"] == "norm"]
     assert len(norms) == 5 and len(set(norms)) == 5, norms  # the codebook the model holds moves
     assert abs(norms[-1] - last) < 1e-4 * last, (norms, last)
+
+
+def test_a_layer_returning_its_loss_first_is_measured_by_its_output(tmp_path):
+    # The notebook's quantizers return (loss, quantized, perplexity, encodings): the layer's
+    # "activation" was the 0-d commitment loss (mean 0.098, std NaN, no units), and the quantized
+    # output, where a collapsed codebook shows, was never measured.
+    torch.manual_seed(0)
+    model = _VQVAE()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 1, 6, 6)
+    seen = []
+    model.vq.register_forward_hook(lambda m, args, out: seen.append(out[1].detach().std().item()))
+    with Monitor(model, tmp_path / "r", every=5):
+        for _ in range(6):
+            vq_loss, recon = model(x)
+            loss = F.mse_loss(recon, x) + vq_loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with open_run(tmp_path / "r") as run:
+        layer = next(la for la in run.meta["monitor"]["layers"] if la["name"] == "vq")
+        stats = {(r["step"], r["stat"]): r["value"] for r in run.layer_stats(layer="vq") if r["kind"] == "activation"}
+    assert layer["units"] == 4, layer  # channels of the quantized [16, 4, 6, 6]
+    assert stats[(5, "std")] == pytest.approx(seen[5], rel=1e-3), (stats, seen)
