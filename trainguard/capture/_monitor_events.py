@@ -213,6 +213,16 @@ class EventsMixin:
         if moved:
             self._grads.rebound(moved)
 
+    def _on_save(self, step: int) -> None:
+        """A checkpoint of ``step`` is about to be saved: write the steps buffered so far, so that a
+        process killed after the save keeps the curve the checkpoint covers (a resume starts after it)."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        except Exception:
+            log.exception("trainguard monitor: writing before a checkpoint failed")
+
     def _begin_step(self, step: int) -> None:
         if _compile_monitor.watch(self):  # Dynamo is imported: something may be compiled
             self._hooks_pinned = True
