@@ -1792,3 +1792,24 @@ def test_lora_zero_initialised_b_matrices_do_not_read_as_vanishing_gradients(tmp
     fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers, params=params))
     assert "vanishing_gradient" not in kinds(fs), [f.title + " | " + f.suggestion for f in fs]
     assert "exploding_gradient" not in kinds(fs)
+
+
+# lucidrains/vector-quantize-pytorch's examples/autoencoder.py (a VectorQuantize autoencoder, AdamW at
+# its 3e-4, on synthetic 28x28 images) whose first batch is all zeros: its L1 reconstruction loss is
+# 0.0075 there and 0.54 on the next, real batch, after an update that moved the weights by 0.6% of
+# their norm; from there it falls to 0.36. It was "Learning rate too high: the smoothed loss rose to
+# 0.471 by step 1, from 0.00753 at initialisation", with the advice to lower the rate 10x.
+VQ_ZERO_FIRST_BATCH_LOSS = [
+    0.00753, 0.540, 0.471, 0.465, 0.462, 0.471, 0.455, 0.454, 0.449, 0.448, 0.448, 0.451, 0.440, 0.433, 0.439,
+    0.437, 0.425, 0.433, 0.427, 0.426, 0.421, 0.415, 0.413, 0.388, 0.379, 0.398, 0.375, 0.372, 0.366, 0.358]
+
+
+def test_a_first_batch_unlike_the_rest_under_a_calm_update_is_no_divergence(tmp_path):
+    fs = diagnose(write_run(tmp_path / "r", VQ_ZERO_FIRST_BATCH_LOSS, lr=3e-4))
+    assert "lr_too_high" not in kinds(fs), [(f.kind, f.title) for f in fs]
+    # the same curve after a first update that rewrote the weights is the rate's doing
+    rows = [(s, p, k, st, v) for s in range(0, 30, 5) for p in PARAMS
+            for k, st, v in (("weight", "norm", 5.0), ("gradient", "norm", 0.05), ("gradient", "present", 1),
+                             ("gradient", "in_optimizer", 1), ("update", "ratio", 0.3 if s == 0 else 2e-3))]
+    fs = diagnose(write_run(tmp_path / "r2", VQ_ZERO_FIRST_BATCH_LOSS, layer_rows=rows, lr=3e-4))
+    assert "lr_too_high" in kinds(fs), [(f.kind, f.title) for f in fs]

@@ -446,3 +446,40 @@ def test_a_floor_from_samples_with_identical_inputs_names_them():
     assert "samples 2 and 5" in f.suggestion and "input 1" in f.suggestion, f.suggestion
     assert "capacity" not in f.suggestion, f.suggestion
     assert f.evidence["identical"] == {"input": "1", "samples": [2, 5]}
+
+
+class _EMACodebookAutoencoder(nn.Module):
+    """lucidrains/vector-quantize-pytorch's VectorQuantize in small (Codebook.forward with
+    ema_update=True): a training forward moves the codebook buffers toward the batch's vectors
+    (embed_avg / cluster_size, decay 0.8); an eval forward leaves them be."""
+
+    def __init__(self, codes: int = 8, dim: int = 4) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Linear(16, dim), nn.Linear(dim, 16)
+        self.register_buffer("embed", torch.randn(codes, dim))
+        self.register_buffer("embed_avg", self.embed.clone())
+        self.register_buffer("cluster_size", torch.ones(codes))
+
+    def forward(self, x):
+        z = self.enc(x)
+        onehot = nn.functional.one_hot(torch.cdist(z, self.embed).argmin(-1), self.embed.shape[0]).float()
+        q = onehot @ self.embed
+        if self.training:
+            with torch.no_grad():
+                self.cluster_size.lerp_(onehot.sum(0), 0.2)
+                self.embed_avg.lerp_(onehot.t() @ z, 0.2)
+                self.embed.copy_(self.embed_avg / (self.cluster_size + 1e-5)[:, None])
+        return self.dec(z + (q - z).detach())
+
+
+def test_a_codebook_moved_by_its_training_forward_is_state_not_a_dropout():
+    # `trainguard doctor` on lucidrains' VQ autoencoder (examples/autoencoder.py, synthetic images):
+    # "the loss is random for a fixed batch and weights ... The draws stop in eval mode: a dropout this
+    # test cannot switch off, such as `F.dropout(x, training=self.training)`": the model has no
+    # dropout and draws nothing; its training forward moves the EMA codebook, its eval forward not.
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    r = doctor.overfit_one_batch(_EMACodebookAutoencoder(), (x, x), nn.MSELoss(), steps=4)
+    assert r.reason == "random" and r.stateful and not r.train_only, (r.reason, r.stateful, r.train_only)
+    f = next(f for f in r.findings() if f.kind == "overfit_random")
+    assert "F.dropout" not in f.suggestion and "EMA" in f.suggestion, f.suggestion

@@ -59,6 +59,18 @@ def is_mode_module(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
 
 
+def layer_output(value) -> torch.Tensor | None:
+    """The tensor a layer's output statistics describe: ``first_tensor``, skipping 0-d tensors
+    before a tensor with elements to spread over: a quantizer returns ``(loss, quantized, ...)``
+    (zalandoresearch/pytorch-vq-vae), and the loss is no activation. A layer that returns only a
+    scalar (a criterion inside the model) is measured by it."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                return v
+    return first_tensor(value)
+
+
 def first_tensor(value) -> torch.Tensor | None:
     """The tensor a layer produced: the output itself, or the first tensor of a tuple (LSTM, attention);
     a PackedSequence's data, also first in a tuple (a packed LSTM's ``(PackedSequence, (h, c))``)."""

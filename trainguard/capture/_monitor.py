@@ -254,6 +254,7 @@ class Monitor(EventsMixin, HookMixin):
         self._subscriptions = [
             (c.on_step, self._on_step),
             (c.on_restore, self._on_restore),
+            (c.on_save, self._on_save),
             (c.before_optimizer_step, self._before_optimizer),
             (c.grads_ready, self.gradients_ready),
             (c.on_optimizer_step, self._after_optimizer),

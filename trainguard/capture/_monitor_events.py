@@ -17,6 +17,7 @@ import torch
 
 from trainguard.capture import _amp_tap, _compile_monitor, _monitor_tap, _steps
 from trainguard.capture._monitor_grads import pending_refs, replaced, used
+from trainguard.capture._monitor_model import rebind
 
 log = logging.getLogger("trainguard.monitor")
 
@@ -207,6 +208,21 @@ class EventsMixin:
             self._out.resolve(wait=True)
         self._writer.forget_steps(step)
 
+    def _rebind(self) -> None:
+        moved = rebind(self._params)
+        if moved:
+            self._grads.rebound(moved)
+
+    def _on_save(self, step: int) -> None:
+        """A checkpoint of ``step`` is about to be saved: write the steps buffered so far, so that a
+        process killed after the save keeps the curve the checkpoint covers (a resume starts after it)."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        except Exception:
+            log.exception("trainguard monitor: writing before a checkpoint failed")
+
     def _begin_step(self, step: int) -> None:
         if _compile_monitor.watch(self):  # Dynamo is imported: something may be compiled
             self._hooks_pinned = True
@@ -214,6 +230,7 @@ class EventsMixin:
         self._set_layer_hooks(self._recording or self._hooks_pinned)
         self._grads.unhook_params()
         if self._recording:
+            self._rebind()
             self._grads.hook_params(self._params, lambda: self._cur)
         # Roots are looked for while none is known, and at recording steps (a model built later);
         # once Dynamo compiles, always: it guards on whether global hooks exist.
@@ -236,6 +253,8 @@ class EventsMixin:
             if k > 1 and len(ls) != k and all(d == k for d in self._auto_divisors):
                 # accelerate divided each by k, also in a step of fewer micro-batches: their mean
                 values["loss"] = values["loss"] * (k / len(ls))
+        if recording:
+            self._rebind()  # a forward may have assigned new Parameters (an EMA codebook's)
         values.update(self._grads.finish(self._params, s, recording))
         values.update(self._amp)
         if self._eval is not None:

@@ -129,6 +129,14 @@ class GradientWatch:
         """The watched parameters changed (a model was attached): recompute optimizer membership."""
         self._opt_cache = weakref.WeakKeyDictionary()
 
+    def rebound(self, moved: list[Param]) -> None:
+        """``moved`` now point at other tensors (see _monitor_model.rebind): what was known of the old
+        ones (the optimizer that held them, their norm this step) is not theirs."""
+        self.forget_optimizers()
+        for p in moved:
+            self.updaters.pop(id(p), None)
+            self._reading.wnorm.pop(id(p), None)
+
     def params_in(self, opt: torch.optim.Optimizer, params: list[Param]) -> list[Param]:
         """The watched parameters ``opt`` updates (cached while its groups keep their sizes)."""
         sig = tuple(len(g["params"]) for g in opt.param_groups)

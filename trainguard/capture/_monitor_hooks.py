@@ -33,7 +33,13 @@ from torch.nn.utils.parametrize import ParametrizationList as _ParametrizationLi
 
 from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
-from trainguard.capture._layer_stats import activation_stats, first_tensor, histogram, input_stats
+from trainguard.capture._layer_stats import (
+    activation_stats,
+    first_tensor,
+    histogram,
+    input_stats,
+    layer_output,
+)
 from trainguard.capture._modules import container_path, forward_pre_hook, probing_owner
 from trainguard.capture._monitor_model import Layer, Root, build_root, structure
 from trainguard.resilience._wrappers import unwrapped, wrapped
@@ -109,7 +115,7 @@ def _trace_tap(token: int, module, args, *output) -> None:
         x = next((t for t in map(first_tensor, args) if t is not None), None)
         _compile_monitor.tap([] if x is None else [x], token, torch.is_grad_enabled())
         return
-    x, inp = first_tensor(output[0]), first_tensor(args)
+    x, inp = layer_output(output[0]), first_tensor(args)
     if x is not None:
         _compile_monitor.tap([x] if inp is None else [x, inp], token, torch.is_grad_enabled())
 
@@ -463,7 +469,7 @@ class HookMixin:
 
     def _layer_stats(self, layer: Layer, args, output) -> None:
         try:
-            x = first_tensor(output)
+            x = layer_output(output)
             if x is None or not x.is_floating_point() or x.numel() == 0:
                 return
             layer.seen_step = self._cur

@@ -45,11 +45,16 @@ class Layer:
 
 
 class Param:
-    __slots__ = ("name", "ref", "layer", "module_type", "shape", "dtype", "held")
+    __slots__ = ("name", "ref", "layer", "module_type", "shape", "dtype", "held", "owner", "attr")
 
-    def __init__(self, name: str, param: nn.Parameter, layer: str, module_type: str, held: bool = False):
+    def __init__(self, name: str, param: nn.Parameter, layer: str, module_type: str, held: bool = False,
+                 owner: nn.Module | None = None):
         self.name = name
         self.ref = weakref.ref(param)
+        # Where the model keeps it: ``owner._parameters[attr]``, which a model may assign a new
+        # Parameter to while it trains (see rebind).
+        self.owner = weakref.ref(owner) if owner is not None else None
+        self.attr = name.rsplit(".", 1)[-1]
         self.layer = layer
         self.module_type = module_type
         # a lazy parameter (nn.LazyLinear, PyG's Linear(-1, out)) has no shape until the first
@@ -125,12 +130,33 @@ def build_root(module: nn.Module, prefix: str, label: str | None = None) -> Root
         mname = _plain(mname)
         for pname, _ in m.named_parameters(recurse=False):
             owner[(mname + "." + pname) if mname else pname] = (prefix + mname if mname else own, type(m).__name__,
-                                                                type(m).forward is nn.Module.forward)
+                                                                type(m).forward is nn.Module.forward, m)
     for pname, p in module.named_parameters():
         pname = _plain(pname)
-        layer, mtype, held = owner.get(pname, (prefix + pname.rsplit(".", 1)[0], "", False))
-        root.params.append(Param(prefix + pname, p, layer, mtype, held))
+        layer, mtype, held, m = owner.get(pname, (prefix + pname.rsplit(".", 1)[0], "", False, None))
+        root.params.append(Param(prefix + pname, p, layer, mtype, held, m))
     return root
+
+
+def rebind(params: list[Param]) -> list[Param]:
+    """Point each parameter at the tensor its module holds now, and return those that moved.
+
+    A module may assign a new ``nn.Parameter`` to its attribute while it trains: the EMA codebook
+    of zalandoresearch/pytorch-vq-vae's ``VectorQuantizerEMA`` does, every training forward, and
+    ``load_state_dict(assign=True)`` does once. The tensor of attach time is then an orphan (held by
+    the optimizer, if by anything): its norm, gradient and optimizer are no longer the model's."""
+    moved = []
+    for p in params:
+        m = p.owner() if p.owner is not None else None
+        if m is None:
+            continue
+        now = m._parameters.get(p.attr)
+        if isinstance(now, torch.Tensor) and now is not p.ref():
+            p.ref = weakref.ref(now)
+            if not is_lazy(now):
+                p.shape = list(now.shape)
+            moved.append(p)
+    return moved
 
 
 def _weight_masks(module: nn.Module) -> list[torch.Tensor]:

@@ -53,6 +53,8 @@ class _Clock:
         self.on_step: list[Callable[[int], None]] = []
         # Called after a checkpoint's restore set the count back to its step, with that step.
         self.on_restore: list[Callable[[int], None]] = []
+        # Called before a checkpoint of a step is saved, with that step.
+        self.on_save: list[Callable[[int], None]] = []
         # Before optimizer.step(): (optimizer, whether a closure will produce the gradients).
         self.before_optimizer_step: list[Callable[[torch.optim.Optimizer, bool], None]] = []
         # The gradients an optimizer is about to use are complete (a closure has returned).
@@ -389,7 +391,14 @@ def restored(n: int) -> None:
         fn(n)
 
 
+def saving(n: int) -> None:
+    """A checkpoint of step ``n`` is about to be saved: the listeners write what they buffered."""
+    for fn in list(clock.on_save):
+        fn(n)
+
+
 # Checkpoints keep this clock's count and put it back (resilience sits below: handed down here).
 _resilience_clock.counted = counted_step
 _resilience_clock.align = align
 _resilience_clock.restored = restored
+_resilience_clock.saving = saving

@@ -193,7 +193,8 @@ class OverfitResult(CheckResult):
                         "the same in training); then a loss that still jumps is the learning rate's."
                         if self.train_only else
                         "The loss differs on each call even with the random numbers seeded alike: the model or "
-                        "loss updates state it keeps between calls (DINO's center buffer, an EMA or a counter), so "
+                        "loss updates state it keeps between calls (DINO's center buffer, an EMA such as a VQ codebook's, or "
+                        "a counter), so "
                         "one batch has no fixed loss to drive to zero. A self-supervised target that moves by "
                         "design is judged by training, not by this test; else pass that state in, or keep it still "
                         "for the test."
@@ -326,8 +327,12 @@ def overfit_one_batch(
         with torch.no_grad():  # the same batch and weights again: a loss that draws differs
             evals = [float(as_float(loss_fn(model(inputs), targets))) for _ in range(RANDOM_EVALS)]
         redrawn = _spread(evals)
+        # Still different with the random numbers seeded alike: state the call moves (before asking eval
+        # mode: an EMA codebook, lucidrains' VectorQuantize, moves in a training forward only, as a
+        # dropout draws in one only)
+        stateful = redrawn is not None and _spread(_seeded_evals(model, inputs, targets, loss_fn)) is not None
         train_only = False
-        if redrawn is not None:  # the same in eval mode? then a dropout no module switch reached draws
+        if redrawn is not None and not stateful:  # the same in eval mode? then a dropout no module switch reached draws
             model.eval()
             with torch.no_grad():
                 train_only = _spread([float(as_float(loss_fn(model(inputs), targets)))
@@ -335,7 +340,6 @@ def overfit_one_batch(
             model.train()
             if disable_dropout:
                 _dropout_off(model)
-        stateful = redrawn is not None and not train_only and _spread(_seeded_evals(model, inputs, targets, loss_fn)) is not None
         for _, p in named:
             p.grad = None
         reached = [torch.zeros((), dtype=torch.bool, device=p.device) for _, p in named]

@@ -26,3 +26,6 @@ counted: Callable[[], int | None] = _nothing_counts
 align: Callable[[int], None] = _ignore
 # A checkpoint of this step was restored: count from it again (capture._steps.restored).
 restored: Callable[[int], None] = _ignore
+# A checkpoint of this step is about to be saved: what the run buffered of the steps before it must
+# be written first, so that it outlives a SIGKILL as the checkpoint does (capture._steps.saving).
+saving: Callable[[int], None] = _ignore

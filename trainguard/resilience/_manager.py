@@ -221,6 +221,7 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         meta = _json_metadata(metadata)
+        _clock.saving(step)
         state.step = step
         rank, _ = _dist.rank_world()
         self._groups.io()  # made here, not in the background thread: creating a group is a collective
