@@ -1506,6 +1506,27 @@ def test_an_evaluation_of_the_model_inside_the_loss_is_not_a_no_grad_block_in_th
     assert "no gradient reaches them" in f.suggestion and "compute them outside" not in f.suggestion, f.suggestion
 
 
+
+def test_a_layer_run_under_no_grad_inside_the_loss_modules_forward_is_still_named_so():
+    # The other side of the test above: no_grad inside the training forward is what the advice is for.
+    class Loss(_RankingLoss):
+        def forward(self, a, b):
+            with torch.no_grad():
+                self.model.pooler(a.new_zeros(2, 16))
+            return super().forward(a, b)
+
+    torch.manual_seed(0)
+    loss_fn = Loss(_Encoder())
+    opt = torch.optim.AdamW(loss_fn.parameters(), lr=1e-3)
+    with tg.Monitor(None, None, every=5) as mon:
+        for _ in range(20):
+            a = torch.randn(8, 4, 8)
+            loss_fn(a, a + 0.1 * torch.randn(8, 4, 8)).backward()
+            opt.step()
+            opt.zero_grad()
+    f = next(f for f in mon.findings if f.kind == "param_no_gradient")
+    assert f.evidence.get("no_grad") == ["model.pooler.weight", "model.pooler.bias"], f.evidence
+
 class _DropPath(nn.Module):
     """timm/layers/drop.py DropPath (stochastic depth): drops the branch of whole samples."""
 
