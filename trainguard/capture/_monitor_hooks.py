@@ -35,7 +35,7 @@ from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import activation_stats, first_tensor, histogram, input_stats
 from trainguard.capture._modules import container_path, forward_pre_hook, probing_owner, unwrapped, wrapped
-from trainguard.capture._monitor_model import Layer, Root, build_root, structure
+from trainguard.capture._monitor_model import Layer, Root, _plain, build_root, structure
 
 log = logging.getLogger("trainguard.monitor")
 _tracing_state = torch._C._get_tracing_state
@@ -189,6 +189,34 @@ class HookMixin:
             except Exception:  # observing training never kills training
                 log.exception("trainguard monitor: attach listener failed")
         return root
+
+    def name_after(self, module: nn.Module, model: nn.Module, outer: str) -> bool:
+        """Name the layers and parameters of the attached root ``module`` after ``model``, the
+        model it holds: ``model``'s own ``state_dict`` names, and ``outer`` before the rest
+        (sentence-transformers' loss modules hold the trained model and, like SoftmaxLoss, a
+        classifier of their own: ``0.model.encoder.layer.0...`` and ``loss.classifier.weight``, not
+        ``model.0.model.encoder.layer.0...``). Only right after attaching, before any step used
+        the names; False (nothing renamed) unless ``module`` is a root named from "" and
+        ``model`` is inside it."""
+        root = next((r for r in self._roots if r.ref() is module), None)
+        path = next((_plain(n) for n, m in module.named_modules() if m is model and n), None)
+        if root is None or root.prefix != "" or not path:
+            return False
+        own, holder = type(model).__name__.lower(), type(module).__name__.lower()
+
+        def rename(name: str) -> str:
+            if name == path:  # the model is a layer itself (a bare nn.Linear): its label, as if attached alone
+                return own
+            if name == holder:  # parameters of the holder itself (a loss's logit_scale)
+                return outer.rstrip(".")
+            return name[len(path) + 1:] if name.startswith(path + ".") else outer + name
+
+        for la in root.layers:
+            la.name = rename(la.name)
+        for p in root.params:
+            p.name, p.layer = rename(p.name), rename(p.layer)
+        self._write_meta(**structure(self._roots, self._grads.trainable, self._grads.updaters))
+        return True
 
     def _watch_once(self, root: Root) -> None:
         """Layers and parameters another model holds too are watched once. TorchRL's loss modules
