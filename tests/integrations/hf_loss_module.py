@@ -4,7 +4,7 @@ sentence_transformer/training/nli/training_nli.py): ``compute_loss`` calls ``sel
 labels)``, the loss calls the model on each sentence and a classifier of its own on
 ``[u, v, |u - v|]``; the optimizer takes the loss's parameters. Pure transformers, tiny random BERT.
 
-    python hf_loss_module.py OUT_DIR [--steps 8] [--callback LOGDIR]
+    python hf_loss_module.py OUT_DIR [--steps 8] [--callback LOGDIR] [--save-steps N]
 """
 
 import argparse
@@ -81,6 +81,7 @@ def main(argv=None):
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--callback", default=None)
+    p.add_argument("--save-steps", type=int, default=0)
     a = p.parse_args(argv)
     torch.manual_seed(0)
     model = Encoder()
@@ -90,7 +91,8 @@ def main(argv=None):
 
         callbacks.append(TrainguardCallback(a.callback, every=2))
     args = TrainingArguments(a.out, max_steps=a.steps, per_device_train_batch_size=16, learning_rate=1e-3,
-                             logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+                             logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
+                             save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
                              remove_unused_columns=False)
     trainer = LossTrainer(model=model, args=args, train_dataset=Pairs(), data_collator=collate,
                           loss=SoftmaxLoss(model), callbacks=callbacks)
