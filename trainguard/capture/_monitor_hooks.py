@@ -215,7 +215,9 @@ class HookMixin:
             la.name = rename(la.name)
         for p in root.params:
             p.name, p.layer = rename(p.name), rename(p.layer)
-        self._write_meta(**structure(self._roots, self._grads.trainable, self._grads.updaters))
+        # The holder's own parameters: a framework checkpoint of the model alone misses them.
+        held = [p.name for p in root.params if p.name.startswith(outer)]
+        self._write_meta(**structure(self._roots, self._grads.trainable, self._grads.updaters), loss_params=held)
         return True
 
     def _watch_once(self, root: Root) -> None:

@@ -155,6 +155,7 @@ class Session:
         if not self.started:
             return
         if self.monitor is not None:
+            self.monitor.framework_checkpoint()
             self.monitor.flush()  # its buffered steps, then the writer (the recorder's records too)
         elif self._writer is not None:
             self._writer.flush()
