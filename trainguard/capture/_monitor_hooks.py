@@ -35,7 +35,7 @@ from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import activation_stats, first_tensor, histogram, input_stats
 from trainguard.capture._modules import container_path, forward_pre_hook, probing_owner, unwrapped, wrapped
-from trainguard.capture._monitor_model import Layer, Root, _plain, build_root, structure
+from trainguard.capture._monitor_model import Layer, Root, build_root, structure
 
 log = logging.getLogger("trainguard.monitor")
 _tracing_state = torch._C._get_tracing_state
@@ -198,6 +198,8 @@ class HookMixin:
         ``model.0.model.encoder.layer.0...``). Only right after attaching, before any step used
         the names; False (nothing renamed) unless ``module`` is a root named from "" and
         ``model`` is inside it."""
+        from trainguard.capture._monitor_model import _plain
+
         root = next((r for r in self._roots if r.ref() is module), None)
         path = next((_plain(n) for n, m in module.named_modules() if m is model and n), None)
         if root is None or root.prefix != "" or not path:
