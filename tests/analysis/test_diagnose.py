@@ -1477,6 +1477,81 @@ def test_an_ema_weight_whose_norm_comes_back_is_still_a_copy_moved_by_hand(tmp_p
     assert f.evidence["updated_by_hand"] == ["ema.0.weight", "ema.bn.weight"], f.evidence
 
 
+class _Encoder(nn.Module):
+    """sentence-transformers' shape: a BERT whose pooler runs in every forward and reaches no loss
+    (mean pooling reads the token embeddings), inside a loss module that holds the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.pooler = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.body(x)
+        return {"tokens": h, "pooled": torch.tanh(self.pooler(h[:, 0]))}
+
+
+class _RankingLoss(nn.Module):
+    """MultipleNegativesRankingLoss: the trainer calls the loss, which calls the model."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, a, b):
+        ea, eb = self.model(a)["tokens"].mean(1), self.model(b)["tokens"].mean(1)
+        scores = nn.functional.normalize(ea, dim=-1) @ nn.functional.normalize(eb, dim=-1).T * 20
+        return nn.functional.cross_entropy(scores, torch.arange(len(a)))
+
+
+def test_an_evaluation_of_the_model_inside_the_loss_is_not_a_no_grad_block_in_the_training_forward(tmp_path):
+    # trainguard run --monitor on sentence-transformers' training_nli_v2.py shape (SentenceTransformerTrainer,
+    # MultipleNegativesRankingLoss, an EmbeddingSimilarityEvaluator every 10 steps): the root found is the
+    # loss module; the evaluator's model.encode under inference_mode ran the model's layers after the
+    # training forward, so the unused BERT pooler "run with gradients off inside the training forward
+    # (`torch.no_grad()`, ...): compute them outside that block" -- it runs with gradients on and its
+    # output reaches no loss.
+    torch.manual_seed(0)
+    model = _Encoder()
+    loss_fn = _RankingLoss(model)
+    opt = torch.optim.AdamW(loss_fn.parameters(), lr=1e-3)
+    with tg.Monitor(None, tmp_path / "r", every=5) as mon:
+        for step in range(30):
+            a = torch.randn(8, 4, 8)
+            loss = loss_fn(a, a + 0.1 * torch.randn(8, 4, 8))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step % 10 == 9:
+                with torch.inference_mode():
+                    model(torch.randn(16, 4, 8))
+    f = next(f for f in mon.findings if f.kind == "param_no_gradient")
+    assert f.evidence["params"] == ["model.pooler.weight", "model.pooler.bias"], f.evidence
+    assert "no_grad" not in f.evidence, f.evidence
+    assert "no gradient reaches them" in f.suggestion and "compute them outside" not in f.suggestion, f.suggestion
+
+
+
+def test_a_layer_run_under_no_grad_inside_the_loss_modules_forward_is_still_named_so():
+    # The other side of the test above: no_grad inside the training forward is what the advice is for.
+    class Loss(_RankingLoss):
+        def forward(self, a, b):
+            with torch.no_grad():
+                self.model.pooler(a.new_zeros(2, 16))
+            return super().forward(a, b)
+
+    torch.manual_seed(0)
+    loss_fn = Loss(_Encoder())
+    opt = torch.optim.AdamW(loss_fn.parameters(), lr=1e-3)
+    with tg.Monitor(None, None, every=5) as mon:
+        for _ in range(20):
+            a = torch.randn(8, 4, 8)
+            loss_fn(a, a + 0.1 * torch.randn(8, 4, 8)).backward()
+            opt.step()
+            opt.zero_grad()
+    f = next(f for f in mon.findings if f.kind == "param_no_gradient")
+    assert f.evidence.get("no_grad") == ["model.pooler.weight", "model.pooler.bias"], f.evidence
+
 class _DropPath(nn.Module):
     """timm/layers/drop.py DropPath (stochastic depth): drops the branch of whole samples."""
 

@@ -321,6 +321,31 @@ def test_an_op_that_made_the_nan_itself_is_not_said_to_have_made_it_again(tmp_pa
     assert "then:" not in out and "became NaN" not in out, out
 
 
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+@pytest.mark.parametrize("expr", ["mul", "add", "mul_inf_zero"])
+def test_a_nan_python_number_in_an_expression_is_named_not_called_an_overflow(tmp_path, backend, expr):
+    # A sentence-transformers pooling hook that scaled one batch's embeddings by a Python number
+    # holding NaN (`emb * float("nan")`; a scale or temperature computed as 0/0 in NumPy is one):
+    # the number is no recorded tensor, so the report said "mul turned finite inputs into nan" and
+    # "values are overflowing: lower the learning rate or clip gradients".
+    x = torch.tensor([[0.5, -1.0], [2.0, 0.0 if expr == "mul_inf_zero" else 3.0]])
+    number = {"mul": float("nan"), "add": float("nan"), "mul_inf_zero": float("inf")}[expr]
+
+    def f():
+        h = torch.tanh(x)  # a recorded, finite tensor (tanh(0) = 0)
+        y = h * number if expr != "add" else h + number
+        return y.sum().item()
+
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        f()
+    o = origin(open_run(tmp_path / "r"))
+    assert o.origin.op in ("aten.mul.Tensor", "aten.add.Tensor"), o.origin.op
+    assert "Python number" in o.origin.explanation, o.origin.explanation
+    assert ("inf" in o.origin.explanation) == (expr == "mul_inf_zero"), o.origin.explanation
+    assert "overflow" not in o.origin.explanation and "learning rate" not in o.suggestion, o.suggestion
+    assert "math.isfinite" in o.suggestion, o.suggestion
+
 def test_exp_overflow_with_and_without_stats(tmp_path):
     x = torch.tensor([1.0, 812.3])
     o = origin(record(tmp_path / "a", lambda: torch.exp(x * 1).sum().item(), mode="stats"))

@@ -220,3 +220,32 @@ def test_a_recording_resumed_into_its_run_keeps_both_processes_ops_and_stacks(tm
     assert resumed.status == "finished"
     for step in (0, 3, 4, 7):
         assert _ops_of(resumed, step) == _ops_of(whole, step) != [], step
+
+
+@pytest.mark.parametrize("how", ["callback", "unmodified"])
+def test_a_loss_module_holding_the_model_keeps_the_models_own_names(tmp_path, how):
+    # sentence-transformers' SentenceTransformerTrainer calls its loss module (SoftmaxLoss: the
+    # model and a classifier of its own), which calls the model. Under `trainguard run --monitor` the
+    # loss was the model found: every layer and parameter was named after the loss's attribute
+    # (model.0.model.encoder.layer.0..., not the model's state_dict name 0.model.encoder.layer.0...),
+    # and the callback, given the Trainer's model, never watched the classifier the optimizer trains.
+    spec = importlib.util.spec_from_file_location("hf_loss_module", Path(__file__).with_name("hf_loss_module.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    logdir, args = tmp_path / "run", [str(tmp_path / "out"), "--steps", "4", "--save-steps", "2"]
+    if how == "callback":
+        mod.main([*args, "--callback", str(logdir)])
+    else:
+        assert cli(["run", "--monitor", "--every", "2", "--logdir", str(logdir), str(mod.__file__), *args]) == 0
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    names = [n for n, _ in mod.Encoder().named_parameters()]
+    run = trainguard.open(logdir)
+    watched = list(run.meta["monitor"]["params"])
+    assert sorted(watched) == sorted([*names, "loss.classifier.weight", "loss.classifier.bias"]), watched[:4]
+    # The Trainer's checkpoints (checkpoint-2, checkpoint-4) hold trainer.model only: a resume starts
+    # the classifier again from its initialisation (sentence-transformers' SoftmaxLoss: the resumed
+    # run's weights summed 156.4955 against 156.5223 uninterrupted, with or without trainguard).
+    (f,) = [f for f in run.findings() if f["kind"] == "checkpoint_misses_loss_params"]
+    assert f["evidence"]["params"] == ["loss.classifier.weight", "loss.classifier.bias"], f
+    assert "resume_from_checkpoint" in f["title"] and "trainer.loss" in f["suggestion"], f

@@ -519,6 +519,10 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
                     f"holding {made}: no recorded op made them")
         return (f"a Python constant holding {made} became a tensor here (`x[...] = float('nan')`, "
                 "`torch.tensor(...)`): no recorded op made the value")
+    number = _nan_from_number(link)
+    if number is not None:
+        return (f"{base} made {made} of finite values and a Python number (an operand that is no recorded "
+                f"tensor): the number was {number}")
     if unseen:
         return (f"{base} made {made} from input {unseen[0]['slot']}, which came from outside the recording "
                 "(the data, or a tensor made before recording started): its values were never summarised and "
@@ -662,6 +666,30 @@ def _nan_from_unseen(link: Link) -> bool:
             and any(i["kind"] not in ("op", "param", "buffer") for i in link.inputs))
 
 
+
+# Elementwise ops that take a Python number as an operand (``x * 0.5``, ``x + eps``, ``1 - x``).
+_NUMBER_OPERAND = frozenset({"mul", "mul_", "add", "add_", "sub", "sub_", "rsub"})
+
+
+def _nan_from_number(link: Link) -> str | None:
+    """What the Python number of ``x * number`` (``+``, ``-``) was, when the op made NaN of
+    recorded finite tensors and that number: no recorded tensor holds a number (a wrapped scalar),
+    so the only operand that can have held NaN (or +-inf, times the input's zeros) is the number
+    itself. None when that is not the case."""
+    base = op_base(link.op)
+    if base not in _NUMBER_OPERAND or link.phase == "backward" or "nan" not in link.health:
+        return None
+    overload = link.op.split(".")[-1] if link.op.count(".") >= 2 else ""
+    ins = link.inputs
+    if not ins or any(i["kind"] not in ("op", "param", "buffer") or not _finite_known(i.get("summary")) for i in ins):
+        return None
+    if not (overload == "Scalar" or (overload == "Tensor" and [i["slot"] for i in ins] == [0])):
+        return None  # both operands are tensors: one was recorded finite, the other not at all
+    if any("inf" in h for h in link.health):
+        return "+-inf (inf times the input's zeros is NaN)"
+    zeros = _count(ins[0].get("summary"), "zero") if base.startswith("mul") else 0
+    return f"NaN, or +-inf times the input's {_plural(zeros, 'zero')}" if zeros else "NaN"
+
 def _power_of_zero(link: Link) -> bool:
     """``x ** p`` with ``p < 0`` where ``x`` holds zeros (a node's degree of 0 in a GCN
     normalisation written by hand, ``deg.pow(-0.5)``): no more ``+inf`` than the base has zeros.
@@ -750,6 +778,9 @@ _SUGGESTIONS = {
     "torch.empty (or fill it first with .zero_() or .copy_()); a dummy input made with torch.empty for a shape or "
     "FLOP probe is such a tensor",
     "accum": "values are overflowing: lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_)",
+    "number": "a Python number this line computes with is NaN or inf (`x * float('nan')`; a scale, weight or "
+    "temperature computed with math or NumPy from a zero or an empty list, e.g. np.mean([]) or 0.0 / 0.0 in "
+    "NumPy): check it where it is made, e.g. `assert math.isfinite(scale)`",
     "constant": "the code wrote this value itself (a log-probability of 0 for a sample outside a bounded support, "
     "as a uniform base distribution's log_prob does; a sentinel): keep it out of the loss, e.g. "
     "torch.where(torch.isfinite(log_p), log_p, 0) or a loss over the finite rows only, or use a distribution whose "
@@ -1104,6 +1135,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     if base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward":
         # a row or batch from NumPy or a list: nothing recorded made it; a DataLoader fetched a sample of the data set
         return _SUGGESTIONS["loader_array" if loader else "array"]
+    if _nan_from_number(link) is not None:
+        return _SUGGESTIONS["number"]
     if base not in _ACCUM and not any(i.get("summary") for i in link.inputs):
         return _SUGGESTIONS["input"]  # nothing recorded made its inputs: they came in non-finite
     if _nan_from_unseen(link):  # the ops that make NaN of finite values are judged above

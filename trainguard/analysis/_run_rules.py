@@ -167,3 +167,32 @@ def replicas_not_synchronized(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+@register_rule("checkpoint_misses_loss_params")
+def checkpoint_misses_loss_params(ctx: Context) -> list[Finding]:
+    """A framework that checkpoints its model (the HF Trainer's ``checkpoint-N`` holds
+    ``trainer.model``) while the optimizer also trains parameters of the loss module that holds the
+    model (sentence-transformers' SoftmaxLoss classifier, TSDAE's decoder): a resume from such a
+    checkpoint restores the model and the optimizer's moments for them, and starts them again from
+    their initialisation."""
+    saved = ctx.meta.get("framework_checkpoint")
+    held = [p for p in ctx.meta.get("loss_params") or [] if (ctx.params.get(p) or {}).get("requires_grad")]
+    if not isinstance(saved, dict) or not held:
+        return []
+    names = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+    return [
+        Finding(
+            kind="checkpoint_misses_loss_params",
+            severity="warning",
+            title=f"The Trainer's checkpoints hold its model, not {names}, which the optimizer trains: "
+            "resume_from_checkpoint starts them again from their initial values",
+            evidence={"params": held, "first_checkpoint_step": saved.get("first_step")},
+            suggestion="save the loss module's own parameters beside each checkpoint and load them before "
+            "resuming, e.g. a TrainerCallback whose on_save writes `trainer.loss.state_dict()` into "
+            "`checkpoint-{global_step}` and a `trainer.loss.load_state_dict(...)` before "
+            "`trainer.train(resume_from_checkpoint=...)`; or train with a loss that has no parameters of its own "
+            "(sentence-transformers: MultipleNegativesRankingLoss, CoSENTLoss)",
+            source=SOURCE,
+        )
+    ]

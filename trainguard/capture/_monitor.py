@@ -362,6 +362,12 @@ class Monitor(EventsMixin, HookMixin):
         """Call ``fn(monitor, module)`` whenever a model is attached (integrations find their framework)."""
         self._attach_listeners.append(fn)
 
+    def framework_checkpoint(self) -> None:
+        """A framework saved a checkpoint of its model (the HF Trainer's ``checkpoint-N``): noted once,
+        with its step, so that the diagnosis can name what such a checkpoint leaves out."""
+        if not self._closed and "framework_checkpoint" not in self._meta:
+            self._write_meta(framework_checkpoint={"first_step": self._cur})
+
     def flush(self) -> None:
         """Send what is buffered to the run (one transfer) and wait until it is written."""
         if self._closed:

@@ -45,6 +45,10 @@ class EventsMixin:
             self._adopt_from_loss(tensors)
 
     def _on_backward(self, loss: torch.Tensor | None) -> None:
+        # The training forward is over: a layer run with gradients off from now on belongs to an
+        # evaluation (an evaluator calling the model that the loss module found as the root holds),
+        # not to a no_grad block inside that forward (see _on_layer).
+        self._root_grad = False
         if not self._roots:
             self._unattached_backwards += 1
         self._maybe_end_manual_step()  # a backward after a completed update starts the next step

@@ -197,6 +197,38 @@ class HookMixin:
                 log.exception("trainguard monitor: attach listener failed")
         return root
 
+    def name_after(self, module: nn.Module, model: nn.Module, outer: str) -> bool:
+        """Name the layers and parameters of the attached root ``module`` after ``model``, the
+        model it holds: ``model``'s own ``state_dict`` names, and ``outer`` before the rest
+        (sentence-transformers' loss modules hold the trained model and, like SoftmaxLoss, a
+        classifier of their own: ``0.model.encoder.layer.0...`` and ``loss.classifier.weight``, not
+        ``model.0.model.encoder.layer.0...``). Only right after attaching, before any step used
+        the names; False (nothing renamed) unless ``module`` is a root named from "" and
+        ``model`` is inside it."""
+        from trainguard.capture._monitor_model import _plain
+
+        root = next((r for r in self._roots if r.ref() is module), None)
+        path = next((_plain(n) for n, m in module.named_modules() if m is model and n), None)
+        if root is None or root.prefix != "" or not path:
+            return False
+        own, holder = type(model).__name__.lower(), type(module).__name__.lower()
+
+        def rename(name: str) -> str:
+            if name == path:  # the model is a layer itself (a bare nn.Linear): its label, as if attached alone
+                return own
+            if name == holder:  # parameters of the holder itself (a loss's logit_scale)
+                return outer.rstrip(".")
+            return name[len(path) + 1:] if name.startswith(path + ".") else outer + name
+
+        for la in root.layers:
+            la.name = rename(la.name)
+        for p in root.params:
+            p.name, p.layer = rename(p.name), rename(p.layer)
+        # The holder's own parameters: a framework checkpoint of the model alone misses them.
+        held = [p.name for p in root.params if p.name.startswith(outer)]
+        self._write_meta(**structure(self._roots, self._grads.trainable, self._grads.updaters), loss_params=held)
+        return True
+
     def _watch_once(self, root: Root) -> None:
         """Layers and parameters another model holds too are watched once. TorchRL's loss modules
         hold the policy's own Parameters (in a TensorDictParams) and run its modules through

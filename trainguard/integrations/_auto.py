@@ -47,6 +47,30 @@ def find_trainer(frame: Any = None) -> tuple[str, Any] | None:
     return None
 
 
+
+def loss_holding_model(trainer: Any) -> Any:
+    """The trainer's loss module when it holds the trainer's model (sentence-transformers'
+    ``SentenceTransformerTrainer.loss``: MultipleNegativesRankingLoss, SoftmaxLoss with a classifier
+    of its own), else None. The loss is what the training step calls: watching it watches the model
+    and the loss's own parameters, which the optimizer trains too."""
+    import torch
+
+    loss, model = getattr(trainer, "loss", None), getattr(trainer, "model", None)
+    if not isinstance(loss, torch.nn.Module) or not isinstance(model, torch.nn.Module) or loss is model:
+        return None
+    return loss if any(m is model for m in loss.modules()) else None
+
+
+def name_after_trainers_model(monitor: Any, module: Any, trainer: Any) -> None:
+    """A root found by its call that holds the trainer's model (the loss module the Trainer calls)
+    is named after that model: its ``state_dict`` names, the rest under ``loss.`` (the trainer's
+    attribute) or the holder's type."""
+    model = getattr(trainer, "model", None)
+    if model is None or model is module:
+        return
+    outer = "loss." if getattr(trainer, "loss", None) is module else type(module).__name__.lower() + "."
+    monitor.name_after(module, model, outer)
+
 def _has_ours(callbacks: list) -> bool:
     return any(type(cb).__module__.startswith("trainguard.integrations") for cb in callbacks)
 
@@ -68,6 +92,8 @@ def _attach(monitor: Any, module: Any) -> None:
     else:
         from trainguard.integrations.transformers import TrainguardCallback
 
+        if module is not None:
+            name_after_trainers_model(monitor, module, trainer)
         if _has_ours(trainer.callback_handler.callbacks):
             return
         trainer.add_callback(TrainguardCallback._driving(monitor))

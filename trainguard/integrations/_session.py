@@ -93,8 +93,12 @@ class Session:
         state.update(monitor=None, recorder=None, _writer=None, started=False)
         return state
 
-    def start(self, model: Any, *, step: int, rank: int = 0, world_size: int = 1, resumed: bool = False) -> None:
-        """Open the run (``append`` when the framework resumed its checkpoint) and take the step clock."""
+    def start(self, model: Any, *, step: int, rank: int = 0, world_size: int = 1, resumed: bool = False,
+              holder: Any = None) -> None:
+        """Open the run (``append`` when the framework resumed its checkpoint) and take the step clock.
+
+        ``holder``: a module holding ``model`` that the training step calls instead (a Trainer's
+        loss module): watched in its place, under ``model``'s own names and ``loss.`` for its own."""
         if self.started:
             self.step(step)
             return
@@ -109,7 +113,10 @@ class Session:
         self._writer = acquire_writer(self.run_dir, append=resumed, resume=resumed, process=recording)
         try:
             if self.want_monitor:
-                self.monitor = trainguard.Monitor(model, self.run_dir, self.every, append=resumed, rank_dir=False)
+                self.monitor = trainguard.Monitor(holder if holder is not None else model, self.run_dir, self.every,
+                                                  append=resumed, rank_dir=False)
+                if holder is not None:
+                    self.monitor.name_after(holder, model, "loss.")
             if recording:
                 rec = Recorder(self.run_dir, mode=self.mode if self.record else "curt_health",
                                check_numerics=self.check_numerics, rank_dir=False)
@@ -148,6 +155,7 @@ class Session:
         if not self.started:
             return
         if self.monitor is not None:
+            self.monitor.framework_checkpoint()
             self.monitor.flush()  # its buffered steps, then the writer (the recorder's records too)
         elif self._writer is not None:
             self._writer.flush()

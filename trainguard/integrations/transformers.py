@@ -29,6 +29,7 @@ except ImportError:
         "(next to the torch you have)"
     ) from None
 
+from trainguard.integrations._auto import find_trainer, loss_holding_model
 from trainguard.integrations._session import Session
 
 __all__ = ["TrainguardCallback"]
@@ -67,8 +68,12 @@ class TrainguardCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        # A Trainer whose training step calls a loss module holding the model (sentence-transformers'):
+        # watch that module, under the model's own names, so that the loss's own parameters are watched too.
+        found = find_trainer()
+        holder = loss_holding_model(found[1]) if found is not None and found[1].model is model else None
         self._session.start(model, step=state.global_step, rank=args.process_index, world_size=args.world_size,
-                            resumed=state.global_step > 0)
+                            resumed=state.global_step > 0, holder=holder)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._session.step(state.global_step)
