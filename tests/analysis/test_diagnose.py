@@ -1767,3 +1767,15 @@ def test_lora_zero_initialised_b_matrices_do_not_read_as_vanishing_gradients(tmp
     fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers, params=params))
     assert "vanishing_gradient" not in kinds(fs), [f.title + " | " + f.suggestion for f in fs]
     assert "exploding_gradient" not in kinds(fs)
+
+
+def test_divergence_step_is_where_the_loss_rose_not_the_window_before_it(tmp_path):
+    # normflows' Real NVP on TwoMoons (real_nvp_colab.ipynb; 8 coupling blocks, 60 steps), whose
+    # scale net's bias was set to 100 at step 30: the loss went 3.28 -> 103 at step 30 and stayed.
+    # The finding said "the smoothed loss rose to 103 by step 28", two steps before anything rose
+    # (the first step of the first 5-step window whose median was over the bar).
+    loss = [3.28 + 0.01 * (s % 3) for s in range(30)] + [102.8 - 0.02 * s for s in range(30)]
+    fs = diagnose(write_run(tmp_path / "r", loss, lr=5e-4))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert f.evidence["divergence"]["step"] == 30, f.evidence
+    assert "by step 30," in f.title + f.suggestion + str(f.evidence.get("reasons")), f
