@@ -36,7 +36,7 @@ bool same_geometry(const Saved& s, const at::Tensor& t) {
 
 }  // namespace
 
-Input input_of(Core* c, const at::Tensor& t, bool in_node) {
+Input input_of(Core* c, const at::Tensor& t) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   Named* n = c->named.find(impl_key(impl));
   if (n != nullptr && !n->ref.expired() && n->ref._unsafe_get_target() == impl) return Input{2, 0, n->name, n->what};
@@ -50,15 +50,20 @@ Input input_of(Core* c, const at::Tensor& t, bool in_node) {
     }
     return in;
   }
-  if (in_node && !c->saved.empty() && has_plain_storage(t)) {  // a saved output, unpacked (see Saved)
-    Saved* s = c->saved.find(geometry_key(t));
-    if (s != nullptr && same_geometry(*s, t)) {
-      Input in{0, s->seq};
-      in.maybe = s->maybe;
-      return in;
-    }
+  // A saved output, unpacked in a backward node (see Saved); or, anywhere, ``output.data``, which
+  // no op makes either (the loop's ``loss.to('cpu').data.numpy()`` detaches it inside numpy()).
+  if (const Saved* s = saved_of(c, t)) {
+    Input in{0, s->seq};
+    in.maybe = s->maybe;
+    return in;
   }
   return Input{1, 0};
+}
+
+const Saved* saved_of(Core* c, const at::Tensor& t) {
+  if (c->saved.empty() || !has_plain_storage(t)) return nullptr;
+  Saved* s = c->saved.find(geometry_key(t));
+  return s != nullptr && same_geometry(*s, t) ? s : nullptr;
 }
 
 namespace {
