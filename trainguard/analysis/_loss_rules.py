@@ -124,7 +124,12 @@ def diverged(ctx: Context) -> dict | None:
     i = int(over[0])
     if noisy and float(np.median(vals[1 + i:])) <= bar:
         return None  # most of what follows is back below the bar: the noise's excursion, undone
-    out = {"initial_loss": float(init), "step": int(loss.steps[1 + i]), "smoothed_loss": float(smooth[i])}
+    # The window's median is over the bar, so most of its losses are: the step is the first of
+    # them, where the loss rose (the window's first step may be one before anything rose).
+    at = 1 + i + int(np.argmax(vals[1 + i:1 + i + 5] > bar))
+    # update_step: the step whose update the loss rose after (its rate is the one that diverged)
+    out = {"initial_loss": float(init), "step": int(loss.steps[at]), "smoothed_loss": float(smooth[i]),
+           "update_step": int(loss.steps[at - 1])}
     if noisy:
         out["initial_steps"] = _NOISY_START  # the median of these: the first loss is one noisy draw
         out["log_noise"] = noise
@@ -637,7 +642,7 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             reasons.append(f"the loss grew {fmt(before.values[-1] / start)}x before turning NaN/Inf")
     if not reasons:
         return []
-    at = div["step"] if div else bad_step if bad_step is not None else moved
+    at = div["update_step"] if div else bad_step if bad_step is not None else moved
     new, text, clip = _lower_where_it_went_wrong(ctx, div, bad_step, moved)
     if new is not None:
         ev["suggested_lr"] = new
@@ -667,7 +672,7 @@ def _lower_where_it_went_wrong(ctx: Context, div: dict | None, bad_step: int | N
     schedule's median) scaled by the update ratio it made before it, and a clip norm read off the
     gradient norms before it (after it they are exploding, or collapsed). lr_too_high and
     nonfinite_loss give the same fix."""
-    at = div["step"] if div else bad_step if bad_step is not None else moved
+    at = div["update_step"] if div else bad_step if bad_step is not None else moved
     r_max = _ratio_max(ctx)
     r_at = _ratio_before(ctx, ctx.update_ratio_by_step(), at)
     new, text = lr_lower(ctx, r_at if r_at is not None else r_max if math.isfinite(r_max) else None, step=at)
