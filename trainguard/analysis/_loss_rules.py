@@ -555,11 +555,20 @@ def loss_spike(ctx: Context) -> list[Finding]:
             spikes.append((int(loss.steps[i]), float(vals[i]), base))
     if not spikes:
         return []
-    first_step, top, base = max(spikes, key=lambda s: s[1] / s[2])
+    # The rise over the median's size: top / base - 1 for a positive loss, and still the larger
+    # spike for a loss below 0 (a density's negative log-likelihood), where top / base is negative.
+    first_step, top, base = max(spikes, key=lambda s: (s[1] - s[2]) / max(abs(s[2]), 1e-12))
+    largest = {"step": first_step, "loss": top, "recent_median": base}
+    if base > 0:
+        largest["ratio"] = top / base
+        how = f"{top / base:.0f}x its recent median"
+    else:
+        largest["rise"] = top - base
+        how = f"{fmt(top - base)} above its recent median ({fmt(base)})"
     ev = {
         "spike_steps": [s for s, _, _ in spikes[:20]],
         "count": len(spikes),
-        "largest": {"step": first_step, "loss": top, "recent_median": base, "ratio": top / base},
+        "largest": largest,
         "began": spikes[0][0],  # a rate far too high that diverged no later explains them (_causes.IN_TRAINING)
     }
     gn = ctx.grad_norm.at(first_step)
@@ -594,7 +603,7 @@ def loss_spike(ctx: Context) -> list[Finding]:
         Finding(
             kind="loss_spike",
             severity="info" if ctx.environment or quiet else "warning",
-            title=f"Loss spiked to {fmt(top)} at step {first_step} ({top / base:.0f}x its recent median)"
+            title=f"Loss spiked to {fmt(top)} at step {first_step} ({how})"
             + (f", {len(spikes)} spikes in all" if len(spikes) > 1 else ""),
             evidence=ev,
             suggestion="; ".join(fixes),
