@@ -242,7 +242,7 @@ OpInfo* find_op(const at::RecordFunction& fn, const char* key);
 // The tables (tables.cpp), with the core's lock held. An input's producer, name or none; and
 // ``o`` now holds the values of record ``seq`` (``view_of``: for a view op, the producer of its
 // first input, else -1; ``s`` its summary, when made on the host).
-Input input_of(Core* c, const at::Tensor& t);
+Input input_of(Core* c, const at::Tensor& t, bool in_node);
 // The output autograd may save that ``t`` shares storage and geometry with (a SavedVariable's
 // unpacked tensor, or ``output.data``: both a new TensorImpl that no op made), or null.
 const Saved* saved_of(Core* c, const at::Tensor& t);

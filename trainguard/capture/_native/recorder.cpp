@@ -314,7 +314,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       // shardings on fake tensors); the calls on the tensors it holds are the program's.
       if (in_opaque && t.is_meta()) throw Tracing{};
       if (!ctx->first) ctx->first = t.getIntrusivePtr();
-      ctx->inputs.push_back(input_of(c, t));
+      ctx->inputs.push_back(input_of(c, t, ctx->in_node));
     };
     for (const c10::IValue& v : inputs) {
       if (v.isTensor()) {

@@ -36,7 +36,7 @@ bool same_geometry(const Saved& s, const at::Tensor& t) {
 
 }  // namespace
 
-Input input_of(Core* c, const at::Tensor& t) {
+Input input_of(Core* c, const at::Tensor& t, bool in_node) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   Named* n = c->named.find(impl_key(impl));
   if (n != nullptr && !n->ref.expired() && n->ref._unsafe_get_target() == impl) return Input{2, 0, n->name, n->what};
@@ -50,12 +50,15 @@ Input input_of(Core* c, const at::Tensor& t) {
     }
     return in;
   }
-  // A saved output, unpacked in a backward node (see Saved); or, anywhere, ``output.data``, which
-  // no op makes either (the loop's ``loss.to('cpu').data.numpy()`` detaches it inside numpy()).
-  if (const Saved* s = saved_of(c, t)) {
-    Input in{0, s->seq};
-    in.maybe = s->maybe;
-    return in;
+  // A saved output, unpacked in a backward node (see Saved). Not in the forward pass: the dispatch
+  // mode, the reference, sees no producer there (a foreach optimizer's inputs that share an
+  // output's memory and geometry).
+  if (in_node) {
+    if (const Saved* s = saved_of(c, t)) {
+      Input in{0, s->seq};
+      in.maybe = s->maybe;
+      return in;
+    }
   }
   return Input{1, 0};
 }
