@@ -1888,3 +1888,34 @@ def test_a_first_batch_unlike_the_rest_under_a_calm_update_is_no_divergence(tmp_
                              ("gradient", "in_optimizer", 1), ("update", "ratio", 0.3 if s == 0 else 2e-3))]
     fs = diagnose(write_run(tmp_path / "r2", VQ_ZERO_FIRST_BATCH_LOSS, layer_rows=rows, lr=3e-4))
     assert "lr_too_high" in kinds(fs), [(f.kind, f.title) for f in fs]
+
+
+def test_divergence_step_is_where_the_loss_rose_not_the_window_before_it(tmp_path):
+    # normflows' Real NVP on TwoMoons (real_nvp_colab.ipynb; 8 coupling blocks, 60 steps), whose
+    # scale net's bias was set to 100 at step 30: the loss went 3.28 -> 103 at step 30 and stayed.
+    # The finding said "the smoothed loss rose to 103 by step 28", two steps before anything rose
+    # (the first step of the first 5-step window whose median was over the bar).
+    loss = [3.28 + 0.01 * (s % 3) for s in range(30)] + [102.8 - 0.02 * s for s in range(30)]
+    fs = diagnose(write_run(tmp_path / "r", loss, lr=5e-4))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert f.evidence["divergence"]["step"] == 30, f.evidence
+    assert "by step 30," in f.title + f.suggestion + str(f.evidence.get("reasons")), f
+
+
+# normflows' Real NVP + ActNorm (real_nvp_colab.ipynb, 8 coupling blocks) fit by forward KL to
+# TwoMoons scaled by 0.05, Adam lr=2e-3, under `trainguard monitor`: a density's negative
+# log-likelihood is below 0 from the start. At step 90 one batch's loss jumped to 20 (gradient norm
+# 9.9e3, median 1). The title said "Loss spiked to 20 at step 90 (-6x its recent median)".
+FLOW_NEGATIVE_LOSS = (
+    [-2.71 - 0.005 * (s % 4) for s in range(60)] + [-2.75 - 0.0233 * s for s in range(30)] + [19.96]
+    + [-3.33, -3.15, -3.0, -2.77, -2.63, -2.65, -2.55, -2.59, -2.5])
+
+
+def test_a_spike_of_a_negative_loss_is_told_as_a_rise_not_a_negative_ratio(tmp_path):
+    grad_norm = [1.0] * 90 + [9949.0] + [5.0] * 9
+    fs = diagnose(write_run(tmp_path / "r", FLOW_NEGATIVE_LOSS, grad_norm=grad_norm, lr=2e-3))
+    f = next(f for f in fs if f.kind == "loss_spike")
+    assert f.evidence["largest"]["step"] == 90, f.evidence
+    assert "-" not in f.title.split("(", 1)[1].split(" its recent")[0], f.title  # no "-6x"
+    assert "23.3 above its recent median (-3.32)" in f.title, f.title
+    assert f.evidence["largest"].get("ratio", 1) > 0, f.evidence

@@ -270,3 +270,55 @@ def test_an_inf_written_into_a_sample_of_the_data_is_the_origin(tmp_path):
         assert o.origin.op != "aten.select.int", o.summary  # the DataLoader reading the sample
         assert o.origin.line == sample_line, o.summary
         assert "overflowing" not in o.suggestion, o.suggestion  # no learning rate made it
+
+
+def _inf_loss_skipped_and_read_through_data():
+    # normflows' examples (VincentStimper/normalizing-flows, real_nvp_colab.ipynb): the affine
+    # coupling's inverse `(z2 - shift) * torch.exp(-scale_)` overflows, the loop skips the step
+    # with `if ~(torch.isnan(loss) | torch.isinf(loss))` and logs `loss.to('cpu').data.numpy()`.
+    def make():
+        torch.manual_seed(0)
+        param_map = nn.Linear(1, 2)
+        with torch.no_grad():
+            param_map.bias.fill_(-100.0)  # a scale of -100: exp(100) overflows float32
+        opt = torch.optim.Adam(param_map.parameters(), lr=1e-3)
+        x = torch.randn(8, 2)
+
+        def program():
+            opt.zero_grad()
+            param = param_map(x[:, :1])
+            z2 = (x[:, 1:] - param[:, :1]) * torch.exp(-param[:, 1:])  # EXP_LINE
+            loss = -torch.mean(-0.5 * z2.pow(2).sum(1) - param[:, 1:].sum(1))
+            if ~(torch.isnan(loss) | torch.isinf(loss)):
+                loss.backward()
+                opt.step()
+            loss.to("cpu").data.numpy()
+        return program
+    return make
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_an_inf_loss_the_loop_skips_but_reads_through_data_is_harmful(tmp_path, backend):
+    # The native core missed the read: `.data` is a new TensorImpl over the loss's storage that no
+    # op made, so numpy()'s own detach of it came "from outside the recording" (an intended +inf
+    # of its own) and the read found no producer: "No harmful NaN or Inf", the loss's inf
+    # "intended, absorbed by isinf". The dispatch mode sees `.data` as a detach of the loss. (Not
+    # a crosscheck: which op stands for `.data` differs by design, see MODE_ONLY.)
+    import inspect
+
+    import trainguard as tg
+    from trainguard.store import open_run
+
+    program = _inf_loss_skipped_and_read_through_data()()
+    with tg.record(tmp_path / "r", backend=backend, mode="full_health"):
+        program()
+    lines, start = inspect.getsourcelines(_inf_loss_skipped_and_read_through_data)
+    exp_line = start + next(i for i, text in enumerate(lines) if "EXP_LINE" in text)
+    run = open_run(tmp_path / "r")
+    first = run.first_harm()
+    assert first is not None and first["reason"] == "read", first
+    origin = run.execution(first["origin"])
+    assert origin["op"] == "aten.exp", origin
+    assert run.user_frame(origin["stack_id"])["lineno"] == exp_line, origin
+    assert not [i for i in run.intended() if i["made_by"] == "aten.detach.default"], run.intended()

@@ -127,7 +127,12 @@ def diverged(ctx: Context) -> dict | None:
     i = int(over[0])
     if noisy and float(np.median(vals[1 + i:])) <= bar:
         return None  # most of what follows is back below the bar: the noise's excursion, undone
-    out = {"initial_loss": float(init), "step": int(loss.steps[1 + i]), "smoothed_loss": float(smooth[i])}
+    # The window's median is over the bar, so most of its losses are: the step is the first of
+    # them, where the loss rose (the window's first step may be one before anything rose).
+    at = 1 + i + int(np.argmax(vals[1 + i:1 + i + 5] > bar))
+    # update_step: the step whose update the loss rose after (its rate is the one that diverged)
+    out = {"initial_loss": float(init), "step": int(loss.steps[at]), "smoothed_loss": float(smooth[i]),
+           "update_step": int(loss.steps[at - 1])}
     if noisy:
         out["initial_steps"] = _NOISY_START  # the median of these: the first loss is one noisy draw
         out["log_noise"] = noise
@@ -581,11 +586,20 @@ def loss_spike(ctx: Context) -> list[Finding]:
             spikes.append((int(loss.steps[i]), float(vals[i]), base))
     if not spikes:
         return []
+    # The rise over the median's size: top / base - 1 for a positive loss, and still the larger
+    # spike for a loss below 0 (a density's negative log-likelihood), where top / base is negative.
     first_step, top, base = max(spikes, key=lambda s: (s[1] - s[2]) / max(abs(s[2]), 1e-12))
+    largest = {"step": first_step, "loss": top, "recent_median": base}
+    if base > 0:
+        largest["ratio"] = top / base
+        how = f"{top / base:.0f}x its recent median"
+    else:
+        largest["rise"] = top - base
+        how = f"{fmt(top - base)} above its recent median ({fmt(base)})"
     ev = {
         "spike_steps": [s for s, _, _ in spikes[:20]],
         "count": len(spikes),
-        "largest": {"step": first_step, "loss": top, "recent_median": base, "ratio": top / base if base > 0 else None},
+        "largest": largest,
         "began": spikes[0][0],  # a rate far too high that diverged no later explains them (_causes.IN_TRAINING)
     }
     gn = ctx.grad_norm.at(first_step)
@@ -620,8 +634,7 @@ def loss_spike(ctx: Context) -> list[Finding]:
         Finding(
             kind="loss_spike",
             severity="info" if ctx.environment or quiet else "warning",
-            title=f"Loss spiked to {fmt(top)} at step {first_step} "
-            + (f"({top / base:.0f}x its recent median)" if base > 0 else f"(from a recent median of {fmt(base)})")
+            title=f"Loss spiked to {fmt(top)} at step {first_step} ({how})"
             + (f", {len(spikes)} spikes in all" if len(spikes) > 1 else ""),
             evidence=ev,
             suggestion="; ".join(fixes),
@@ -671,7 +684,7 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             reasons.append(f"the loss grew {fmt(before.values[-1] / start)}x before turning NaN/Inf")
     if not reasons:
         return []
-    at = div["step"] if div else bad_step if bad_step is not None else moved
+    at = div["update_step"] if div else bad_step if bad_step is not None else moved
     new, text, clip = _lower_where_it_went_wrong(ctx, div, bad_step, moved)
     if new is not None:
         ev["suggested_lr"] = new
@@ -701,7 +714,7 @@ def _lower_where_it_went_wrong(ctx: Context, div: dict | None, bad_step: int | N
     schedule's median) scaled by the update ratio it made before it, and a clip norm read off the
     gradient norms before it (after it they are exploding, or collapsed). lr_too_high and
     nonfinite_loss give the same fix."""
-    at = div["step"] if div else bad_step if bad_step is not None else moved
+    at = div["update_step"] if div else bad_step if bad_step is not None else moved
     r_max = _ratio_max(ctx)
     r_at = _ratio_before(ctx, ctx.update_ratio_by_step(), at)
     new, text = lr_lower(ctx, r_at if r_at is not None else r_max if math.isfinite(r_max) else None, step=at)

@@ -18,8 +18,10 @@ _METHODS = ("tolist", "numpy", "__repr__", "__format__", "__array__")
 
 def _wrap(name: str, original):
     # torch prints a tensor with every dispatch mode disabled (torch._tensor_str): the ops that
-    # printing runs are not the program's, and the native core does not record them either.
-    quiet = name == "__repr__"
+    # printing runs are not the program's, and the native core does not record them either; nor
+    # the detach numpy() runs on the tensor it converts (the dispatch mode does not see it: a
+    # `loss.data.numpy()` was a detach of an unknown tensor, an inf "made" there).
+    quiet = name in ("__repr__", "numpy", "__array__")
 
     def read(self, *args, **kwargs):
         for rec in _PATCH.active:  # recorders, each with an ``on_read(tensor)`` method

@@ -243,6 +243,9 @@ OpInfo* find_op(const at::RecordFunction& fn, const char* key);
 // ``o`` now holds the values of record ``seq`` (``view_of``: for a view op, the producer of its
 // first input, else -1; ``s`` its summary, when made on the host).
 Input input_of(Core* c, const at::Tensor& t, bool in_node);
+// The output autograd may save that ``t`` shares storage and geometry with (a SavedVariable's
+// unpacked tensor, or ``output.data``: both a new TensorImpl that no op made), or null.
+const Saved* saved_of(Core* c, const at::Tensor& t);
 void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, const Summary* s, int64_t view_of,
                      int health = 0, bool maybe = false);
 int64_t version_of(c10::TensorImpl* impl);  // -1: an inference tensor (no version counter)

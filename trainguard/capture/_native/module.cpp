@@ -353,7 +353,14 @@ struct PyCore {
     if (dead()) return py::none();
     std::lock_guard<std::mutex> g(core->mu);
     Producer* p = core->producers.find(impl_key(t.unsafeGetTensorImpl()));
-    if (p == nullptr || p->ref.expired()) return py::none();
+    if (p == nullptr || p->ref.expired()) {
+      // ``loss.data``, which the program reads as ``loss.to('cpu').data.numpy()`` (normflows'
+      // examples): a new TensorImpl over the output's storage, made by no op. The output it
+      // aliases was remembered if it required grad; its health is the judge's (-1: not known).
+      const tg::Saved* s = tg::saved_of(core.get(), t);
+      if (s == nullptr) return py::none();
+      return py::make_tuple(s->seq, -1);
+    }
     return py::make_tuple(p->seq, p->health);
   }
 

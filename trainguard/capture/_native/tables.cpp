@@ -50,15 +50,23 @@ Input input_of(Core* c, const at::Tensor& t, bool in_node) {
     }
     return in;
   }
-  if (in_node && !c->saved.empty() && has_plain_storage(t)) {  // a saved output, unpacked (see Saved)
-    Saved* s = c->saved.find(geometry_key(t));
-    if (s != nullptr && same_geometry(*s, t)) {
+  // A saved output, unpacked in a backward node (see Saved). Not in the forward pass: the dispatch
+  // mode, the reference, sees no producer there (a foreach optimizer's inputs that share an
+  // output's memory and geometry).
+  if (in_node) {
+    if (const Saved* s = saved_of(c, t)) {
       Input in{0, s->seq};
       in.maybe = s->maybe;
       return in;
     }
   }
   return Input{1, 0};
+}
+
+const Saved* saved_of(Core* c, const at::Tensor& t) {
+  if (c->saved.empty() || !has_plain_storage(t)) return nullptr;
+  Saved* s = c->saved.find(geometry_key(t));
+  return s != nullptr && same_geometry(*s, t) ? s : nullptr;
 }
 
 namespace {
