@@ -1296,3 +1296,22 @@ def test_a_nan_held_already_is_not_said_to_become_nan_in_the_view_that_passes_it
     assert [c.op for c in o.chain] == ["aten.view", "aten.unbind.int"]
     assert "became NaN" not in o.harm and "became NaN" not in o.summary, o.harm
     assert o.harm.startswith("it became harmful in aten.view"), o.harm
+
+
+def test_a_run_check_numerics_stopped_at_the_nan_does_not_say_training_never_used_it(tmp_path):
+    # litgpt's loop with a planted log(0) under `trainguard run --check-numerics`: check_numerics
+    # stops at the log_softmax that made the NaN, so the recording ends there. The report said "it
+    # reached no loss, gradient or parameter by the end of the recording: training never used it",
+    # of the NaN that was the loss's: the run stopped before the loss could be computed.
+    logits = torch.randn(4, 8, requires_grad=True)
+
+    def f():
+        x = logits + torch.log(torch.zeros(()))
+        torch.nn.functional.cross_entropy(x, torch.zeros(4, dtype=torch.long)).backward()
+
+    with pytest.raises(tg.NonFiniteError):
+        with tg.check_numerics(tmp_path / "r", mode="full_health"):
+            f()
+    o = origin(open_run(tmp_path / "r"))
+    assert o.origin.op == "aten._log_softmax"
+    assert o.reached_training is None, o.reached_training
