@@ -390,6 +390,23 @@ def test_one_exploding_layer_is_named_once(tmp_path):
     assert f.layers == ["2"] and f.title == "Exploding activations: RMS 3000 at 2 (input RMS 1)"
 
 
+def test_activations_grown_under_weight_decay_are_not_told_to_add_weight_decay(tmp_path):
+    # Lightning-AI/litgpt's pretrain loop (AdamW weight_decay=0.1, fabric.clip_gradients max_norm=1)
+    # at lr=1: its attn.proj/mlp.proj outputs grew to RMS 681-1910, and the fix said "lower the
+    # learning rate or add weight decay" to a run that has weight_decay=0.1 on every matrix.
+    params = {name: dict(info, optimizer="AdamW", orthogonalised=False, weight_decay=0.1)
+              for name, info in PARAMS.items()}
+    run = write_run(tmp_path / "r", layer_rows=activation_rows(lambda s: 1.0 if s == 0 else 1e4), params=params)
+    f = [f for f in diagnose(run) if f.kind == "exploding_activations"][0]
+    assert "grew during training" in f.suggestion and "lower the learning rate" in f.suggestion
+    assert "add weight decay" not in f.suggestion and "weight_decay=0.1" in f.suggestion, f.suggestion
+    # one grown layer without decay: adding it is still advice
+    params["2.weight"] = dict(params["2.weight"], weight_decay=0.0)
+    run = write_run(tmp_path / "r2", layer_rows=activation_rows(lambda s: 1.0 if s == 0 else 1e4), params=params)
+    f = [f for f in diagnose(run) if f.kind == "exploding_activations"][0]
+    assert "weight decay" in f.suggestion and "weight_decay=0.1" not in f.suggestion, f.suggestion
+
+
 def test_activations_grown_by_muon_updates_are_not_told_to_clip_the_gradients(tmp_path):
     # karpathy/nanochat (Muon for its matrices, AdamW for the rest) at 1000x its learning rates: its
     # c_proj outputs grew from 0 to RMS 230-250. Muon orthogonalises each update, so the update's

@@ -109,6 +109,45 @@ def test_a_row_of_logs_of_zeros_into_log_softmax_is_not_called_a_masked_row(tmp_
     assert "clamp the input before the log" in o.suggestion, o.suggestion
 
 
+def test_a_log_of_zero_added_to_logits_then_chunked_into_log_softmax_names_the_log(tmp_path):
+    # litgpt's pretrain loop with a planted `logits + torch.log(torch.zeros(()))`: its
+    # chunked_cross_entropy reshapes the logits and splits them into chunks before cross_entropy, so
+    # the -inf reaches log_softmax through an add, a view and a split. The report said "a fully
+    # masked row" and told to check the padding or attention mask; there is no mask: the -infs are
+    # the log's, and its line is the one to fix.
+    logits = torch.randn(2, 4, 8, requires_grad=True)
+    targets = torch.randint(0, 8, (2, 4))
+
+    def f():
+        x = logits + torch.log(torch.zeros(()))  # the planted log(0)
+        chunks = x.reshape(-1, 8).split(4)
+        losses = [torch.nn.functional.cross_entropy(c, t, reduction="none")
+                  for c, t in zip(chunks, targets.reshape(-1).split(4))]
+        torch.cat(losses).mean().backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten._log_softmax"
+    text = o.origin.explanation
+    assert "masked" not in text and "log of zeros" in text and "aten.log" in text, text
+    assert f"test_origin.py:{line_in(sys.modules[__name__], 'the planted log(0)')}" in text, text
+    assert "clamp" in o.suggestion and "mask" not in o.suggestion, o.suggestion
+
+
+def test_a_fully_masked_row_of_an_additive_mask_made_by_log_stays_a_masked_row(tmp_path):
+    # `scores + mask.log()` with a 0/1 mask (0 and -inf out of the log) is a mask: a row masked
+    # whole is the mask's fault, as with masked_fill.
+    scores = torch.randn(2, 3, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+
+    def f():
+        torch.softmax(scores + mask.log(), 1).sum().backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten._softmax"
+    assert "fully masked row" in o.origin.explanation and "log of zeros" not in o.origin.explanation, \
+        o.origin.explanation
+
+
 @pytest.mark.parametrize("complement", [False, True])
 def test_a_hand_written_binary_cross_entropy_is_told_to_take_the_log_on_the_logits(tmp_path, complement):
     # pytorch/examples dcgan/main.py with nn.BCELoss written out by hand: the discriminator's
@@ -1257,3 +1296,22 @@ def test_a_nan_held_already_is_not_said_to_become_nan_in_the_view_that_passes_it
     assert [c.op for c in o.chain] == ["aten.view", "aten.unbind.int"]
     assert "became NaN" not in o.harm and "became NaN" not in o.summary, o.harm
     assert o.harm.startswith("it became harmful in aten.view"), o.harm
+
+
+def test_a_run_check_numerics_stopped_at_the_nan_does_not_say_training_never_used_it(tmp_path):
+    # litgpt's loop with a planted log(0) under `trainguard run --check-numerics`: check_numerics
+    # stops at the log_softmax that made the NaN, so the recording ends there. The report said "it
+    # reached no loss, gradient or parameter by the end of the recording: training never used it",
+    # of the NaN that was the loss's: the run stopped before the loss could be computed.
+    logits = torch.randn(4, 8, requires_grad=True)
+
+    def f():
+        x = logits + torch.log(torch.zeros(()))
+        torch.nn.functional.cross_entropy(x, torch.zeros(4, dtype=torch.long)).backward()
+
+    with pytest.raises(tg.NonFiniteError):
+        with tg.check_numerics(tmp_path / "r", mode="full_health"):
+            f()
+    o = origin(open_run(tmp_path / "r"))
+    assert o.origin.op == "aten._log_softmax"
+    assert o.reached_training is None, o.reached_training

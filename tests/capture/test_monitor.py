@@ -95,7 +95,7 @@ def test_scalars_and_layer_stats_match_a_reference(tmp_path):
     assert meta["order"] == ["0", "1", "2", "3", "4"]
     assert meta["params"]["2.weight"] == {"layer": "2", "module_type": "Linear", "shape": [16, 16], "dtype": "float32",
                                           "requires_grad": True, "optimizer": "SGD", "orthogonalised": False,
-                                          "gradient_steps": 12}
+                                          "weight_decay": 0.0, "gradient_steps": 12}
 
 
 def test_dead_units_are_counted_across_the_batch_and_their_persistence(tmp_path):

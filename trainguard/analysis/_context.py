@@ -183,6 +183,15 @@ class Context:
                 out.append(name)
         return self.ordered(out)
 
+    def weight_decay(self, layers: list[str]) -> float | None:
+        """The smallest weight decay among the weight matrices of ``layers`` when every one of them
+        is decayed (> 0), else None (one undecayed, or not known: runs before the monitor stored it)."""
+        decays = [info.get("weight_decay") for info in self.params.values()
+                  if info.get("layer") in layers and len(info.get("shape", [])) >= 2]
+        if not decays or any(not isinstance(d, (int, float)) or d <= 0 for d in decays):
+            return None
+        return min(decays)
+
     def orthogonalising_optimizer(self, layers: list[str]) -> str | None:
         """The optimizer that updates every weight matrix of ``layers`` with orthogonalised steps
         (Muon: a step's size is the learning rate's, whatever the gradient's), or None when any of

@@ -295,6 +295,13 @@ def exploding_activations(ctx: Context) -> list[Finding]:
             suggestion = grew + (f"lower the learning rate of {muon}'s groups that update these layers, or add "
                                  f"weight decay; clipping the gradients does not shrink these updates: {muon} "
                                  "orthogonalises each one, so its size is set by the learning rate alone")
+        elif (decay := ctx.weight_decay(hot)) is not None:
+            # Weight decay is on for every grown layer already (litgpt's AdamW weight_decay=0.1).
+            ev["weight_decay"] = decay
+            suggestion = grew + (f"lower the learning rate (weight decay is already on: weight_decay={fmt(decay)} "
+                                 "on these layers' weights)")
+            suggestion += "; " + clipping_text(ctx) if ctx.clipping else \
+                ", or clip the gradients (`torch.nn.utils.clip_grad_norm_`)"
         elif ctx.clipping:
             suggestion = grew + "lower the learning rate or add weight decay; " + clipping_text(ctx)
         else:

@@ -189,6 +189,18 @@ def _input_info(run: Run, item: dict) -> dict:
             file=fr["filename"] if fr else None, line=fr["lineno"] if fr else None,
             taint=prod.get("taint"), origin_seq=prod.get("origin"), producer_phase=prod.get("phase"),
         )
+        if prod.get("origin") not in (None, prod["seq"]) and prod.get("taint") == "pending":
+            # The op that made the pending inf this input passed on (a log of zeros whose -inf an add,
+            # a view and a split carried into a softmax): what _from_log tells a mask from.
+            try:
+                made = run.execution(prod["origin"])
+            except KeyError:
+                made = None
+            if made is not None:
+                mfr = run.user_frame(made["stack_id"])
+                info.update(origin_op=made["op"], origin_file=mfr["filename"] if mfr else None,
+                            origin_line=mfr["lineno"] if mfr else None,
+                            origin_summary=made["outputs"][0]["summary"] if made["outputs"] else None)
     elif item["kind"] == "op":
         info.update(producer=item.get("producer"), description="its producer is no longer in the run (evicted)")
     elif item["kind"] in ("param", "buffer"):
@@ -562,8 +574,13 @@ def _masked_rows(link: Link) -> str | None:
         what = "log_softmax" if "log" in base else "softmax"
         if _from_log(link):
             src = link.inputs[0]
+            if op_base(src.get("producer_op") or "") in _LOGS:
+                log = f"{src['producer_op']}, #{src.get('producer')}"
+            else:  # carried here from the log by other ops
+                at = f" at {src['origin_file']}:{src['origin_line']}" if src.get("origin_file") else ""
+                log = f"{src['origin_op']}{at}, #{src['origin_seq']}"
             return (f"{what} over a row whose inputs are all -inf -> NaN: the row's max is -inf, and -inf - (-inf) "
-                    f"is NaN; the -infs are the log of zeros ({src['producer_op']}, #{src.get('producer')}), not a mask")
+                    f"is NaN; the -infs are the log of zeros ({log}), not a mask")
         return (f"{what} over a row whose inputs are all -inf (a fully masked row) -> NaN: "
                 "the row's max is -inf, and -inf - (-inf) is NaN")
     if base in _ATTENTION and not any(_count(i.get("summary"), "nan") for i in link.inputs):
@@ -604,7 +621,15 @@ def _reduced_count(link: Link) -> int | None:
 def _from_log(link: Link) -> bool:
     """A softmax whose -inf inputs a log made (of zeros), not a mask."""
     src = link.inputs[0] if link.inputs else {}
-    return src.get("kind") == "op" and op_base(src.get("producer_op") or "") in _LOGS
+    if src.get("kind") != "op":
+        return False
+    if op_base(src.get("producer_op") or "") in _LOGS:
+        return True
+    # A log whose -inf other ops carried here; not the log of a 0/1 mask (only 0 and -inf out),
+    # an additive mask made that way.
+    made = src.get("origin_summary")
+    mask = _count(made, "zero") and not _count(made, "neg") and not _count(made, "pos")
+    return op_base(src.get("origin_op") or "") in _LOGS and not mask
 
 
 def _empty_input(link: Link) -> dict | None:
@@ -1229,6 +1254,10 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
             earlier, reached = _earlier(run, first), True
         else:
             reached = run.reached_training(first.get("origin"))
+            if reached is False and run.meta.get("check_numerics_stop"):
+                # check_numerics stopped the program at the harmful value: the recording ends
+                # before anything could use it, so "never used" is unknown, not false
+                reached = None
         try:
             run.execution(seq)
         except KeyError:  # evicted (it cannot be: it is pinned), or a damaged run: start at the origin

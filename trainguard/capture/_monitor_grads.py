@@ -93,7 +93,8 @@ class GradientWatch:
         self._opt_index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._opt_params: set[int] = set()  # ids of the parameters some optimizer owns
         self.trainable: set[int] = set()  # ids of the Params an optimizer updated while they required grad
-        self.updaters: dict[int, tuple[str, bool]] = {}  # id(Param) -> (optimizer class, orthogonalises)
+        # id(Param) -> (optimizer class, orthogonalises, its group's weight decay or None)
+        self.updaters: dict[int, tuple[str, bool, float | None]] = {}
         # id(Param) -> the steps it had a gradient in, recorded or not: an expert of a mixture that
         # tokens reach only between recordings did get gradients
         self.gradient_steps: dict[int, int] = {}
@@ -147,8 +148,9 @@ class GradientWatch:
         self._opt_params |= ids
         mine = [p for p in params if p.ref() is not None and id(p.ref()) in ids]
         orth = {id(p): orthogonalises(opt, g) for g in opt.param_groups for p in g["params"]}
+        decay = {id(p): _decay(g) for g in opt.param_groups for p in g["params"]}
         for p in mine:
-            self.updaters[id(p)] = (type(opt).__name__, orth[id(p.ref())])
+            self.updaters[id(p)] = (type(opt).__name__, orth[id(p.ref())], decay[id(p.ref())])
         self._opt_cache[opt] = (sig, mine)
         if mine and opt not in self._opt_index:  # an optimizer of no watched parameter (SAC's log_ent_coef) has none
             if not self._opt_index:  # asked before its first update: state means a trained model
@@ -419,3 +421,12 @@ def used(refs: list) -> bool:
         if g is None or g is not gref() or t._version != pver or g._version != gver:
             return True
     return False
+
+
+def _decay(group: dict) -> float | None:
+    """A parameter group's weight decay (``weight_decay``, as torch's optimizers name it), or None."""
+    v = group.get("weight_decay")
+    try:
+        return float(v) if v is not None else None
+    except (TypeError, ValueError):
+        return None

@@ -202,7 +202,7 @@ def named_models(model: nn.Module | Iterable[nn.Module] | dict[str, nn.Module] |
 
 
 def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
-              updaters: dict[int, tuple[str, bool]] | None = None,
+              updaters: dict[int, tuple[str, bool, float | None]] | None = None,
               gradient_steps: dict[int, int] | None = None) -> dict:
     """The run metadata describing the watched layers and parameters (read by the diagnosis).
 
@@ -210,8 +210,9 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
     updated them. A parameter is frozen when it does not require grad now (or is gone) and never
     did then: Lightning's ``toggle_optimizer`` switches off every parameter outside the optimizer
     about to step, and the model may be attached (or the run closed) inside that window.
-    ``updaters``: per Param id, the class of the optimizer holding it and whether that optimizer
-    orthogonalises its updates (Muon), stored as ``optimizer`` and ``orthogonalised``.
+    ``updaters``: per Param id, the class of the optimizer holding it, whether that optimizer
+    orthogonalises its updates (Muon) and its group's weight decay, stored as ``optimizer``,
+    ``orthogonalised`` and ``weight_decay`` (when the group has one).
     ``gradient_steps``: per Param id, how many steps it had a gradient in (recorded or not).
     """
     updaters = updaters or {}
@@ -220,7 +221,9 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
         info = {"layer": p.layer, "module_type": p.module_type, "shape": shape_of(p), "dtype": p.dtype,
                 "requires_grad": bool(p.ref() is not None and p.ref().requires_grad) or id(p) in trainable}
         if id(p) in updaters:
-            info["optimizer"], info["orthogonalised"] = updaters[id(p)]
+            info["optimizer"], info["orthogonalised"], decay = updaters[id(p)]
+            if decay is not None:
+                info["weight_decay"] = decay
         if gradient_steps is not None:
             info["gradient_steps"] = gradient_steps.get(id(p), 0)
         return info
