@@ -1254,10 +1254,6 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
             earlier, reached = _earlier(run, first), True
         else:
             reached = run.reached_training(first.get("origin"))
-            if reached is False and run.meta.get("check_numerics_stop"):
-                # check_numerics stopped the program at the harmful value: the recording ends
-                # before anything could use it, so "never used" is unknown, not false
-                reached = None
         try:
             run.execution(seq)
         except KeyError:  # evicted (it cannot be: it is pinned), or a damaged run: start at the origin

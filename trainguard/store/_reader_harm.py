@@ -151,12 +151,13 @@ class RunHarm:
     def reached_training(self, origin: int | None) -> bool | None:
         """Whether the harmful value made at execution ``origin`` reached training (a loss, a
         gradient, the optimizer or a parameter): False when no harmful value did, None when the
-        run does not say (it predates the record, or another value reached training first)."""
+        run does not say (it predates the record, another value reached training first, or
+        check_numerics stopped the program at the harmful value, before anything could use it)."""
         if "first_damage" not in self.meta:
             return None
         damage = self.meta["first_damage"]
         if damage is None:
-            return False
+            return None if self.meta.get("check_numerics_stop") else False
         return True if isinstance(damage, dict) and damage.get("origin") == origin else None
 
     def first_harmful(self) -> dict | None:
