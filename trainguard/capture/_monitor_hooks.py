@@ -105,6 +105,12 @@ class ModuleHook:
             return None
         if _in_functorch():  # inside vmap / grad: the transform's wrapped tensors stay there
             return None
+        if len(args) > 1:
+            x = first_tensor(args[1])
+            if x is not None and x.is_meta:
+                # A shape pass on the "meta" device (Keras' compute_output_spec builds every
+                # model and loss that way): no values, no step, not an evaluation
+                return None
         return self.fn(self.arg, *args)
 
 
