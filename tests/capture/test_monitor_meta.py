@@ -51,3 +51,64 @@ def test_meta_shape_passes_are_not_steps_or_validation(tmp_path, caplog):
     assert [s for s, _ in loss] == list(range(24))
     assert len(val) == 3
     assert [round(v, 5) for _, v in val] == [round(v, 5) for v in ref]
+
+
+class KerasTensor:
+    """A symbolic tensor: a shape and a dtype, no values (Keras' own has the same name)."""
+
+    def __init__(self, shape):
+        self.shape, self.dtype = shape, "float32"
+
+
+class KerasLikeDense(nn.Module):
+    """A Keras layer on the torch backend: built (its weights made) before its first, symbolic,
+    call; the weights kept in the model's ParameterDict under their Keras paths too, the layer
+    never registered as a torch child."""
+
+    def __init__(self, fan_in: int, units: int, path: str):
+        super().__init__()
+        self.units, self.path = units, path
+        self.kernel = nn.Parameter(torch.randn(fan_in, units) * 0.3)
+        self.bias = nn.Parameter(torch.zeros(units))
+
+    def forward(self, x):
+        if isinstance(x, KerasTensor):
+            return KerasTensor((x.shape[0], self.units))
+        return x @ self.kernel + self.bias
+
+
+class KerasLikeSequential(nn.Module):
+    def __init__(self):
+        super().__init__()
+        object.__setattr__(self, "layers", [KerasLikeDense(8, 16, "seq/hidden"), KerasLikeDense(16, 3, "seq/out")])
+        x = KerasTensor((None, 8))
+        for layer in self.layers:  # Sequential.build: each layer called symbolically
+            x = layer(x)
+        self._torch_params = nn.ParameterDict(
+            {f"{la.path}/{n}": getattr(la, n) for la in self.layers for n in ("kernel", "bias")})
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            x = torch.relu(x) if i == 0 else x
+        return x
+
+
+def test_keras_like_layers_are_part_of_the_model_found(tmp_path):
+    """Found at run time (``trainguard monitor``): the model is the one trained, named by its own
+    ``state_dict``; its layers, built by symbolic calls before it ran and called by it without
+    being its torch children, are not models of their own (a Keras MLP made three roots: the
+    first Dense layer as "", the second as "dense.", the Sequential as "sequential.")."""
+    torch.manual_seed(0)
+    with Monitor(None, tmp_path / "run", every=1, diagnose=False) as mon:
+        model = KerasLikeSequential()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            x = torch.randn(16, 8)
+            opt.zero_grad()
+            F.cross_entropy(model(x), x[:, :3].argmax(1)).backward()
+            opt.step()
+        assert [r.prefix for r in mon._roots] == [""]
+    with open_run(tmp_path / "run") as run:
+        names = {r["layer"] for r in run.layer_stats(kind="gradient")}
+    assert names == set(model.state_dict())
