@@ -310,9 +310,12 @@ class HookMixin:
             # for this call only; the trained ones are the caller's plain tensors
             self._torch_func_model = self._torch_func_model or type(module).__name__
             return
-        if self._roots and {id(p) for p in module.parameters()} <= {id(t) for p in self._params if (t := p.ref()) is not None}:
-            # Every parameter it holds is a found model's: a layer of that model that torch does not
-            # list as a child (Keras' layers keep theirs in the model's ParameterDict), not a model
+        if (self._roots and all(isinstance(c, (nn.ParameterDict, nn.ParameterList)) for c in module.children())
+                and {id(p) for p in module.parameters()} <= {id(t) for p in self._params if (t := p.ref()) is not None}):
+            # No layers, and every parameter it holds is a found model's: a layer of that model that
+            # torch does not list as a child (Keras keeps a layer's weights in the model's
+            # ParameterDict too), not a model. (A critic whose weights a TorchRL loss holds has
+            # layers of its own: a root, so that they are watched.)
             self._known.add(module)
             return
         if probing_owner(module) is not None:
