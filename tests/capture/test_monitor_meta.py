@@ -35,7 +35,7 @@ def test_meta_shape_passes_are_not_steps_or_validation(tmp_path, caplog):
     ref = []
     with Monitor(model, tmp_path / "run", every=2, diagnose=False):
         _shape_pass(model)
-        for epoch in range(3):
+        for _epoch in range(3):
             for _ in range(8):
                 x = torch.randn(32, 8, generator=g)
                 opt.zero_grad()
