@@ -102,7 +102,7 @@ class TrainState:
                 got = (f"{got}, a Keras optimizer: its state is Keras Variables, with no state_dict(); "
                        "to checkpoint model.fit use Keras' keras.callbacks.BackupAndRestore, or train the "
                        "model (a torch Module on KERAS_BACKEND=torch) in a torch loop with a torch.optim "
-                       "optimizer over model.parameters() and hold that (docs/integrations.md#keras)")
+                       "optimizer over model.parameters() and hold that (docs/integrations.md#keras-3-torch-backend)")
             raise TypeError(
                 f"TrainState({name}=...) needs an object with state_dict() and load_state_dict(), "
                 f"or a sampler with set_epoch() and an epoch, got {got}"
