@@ -1888,3 +1888,26 @@ def test_a_first_batch_unlike_the_rest_under_a_calm_update_is_no_divergence(tmp_
                              ("gradient", "in_optimizer", 1), ("update", "ratio", 0.3 if s == 0 else 2e-3))]
     fs = diagnose(write_run(tmp_path / "r2", VQ_ZERO_FIRST_BATCH_LOSS, layer_rows=rows, lr=3e-4))
     assert "lr_too_high" in kinds(fs), [(f.kind, f.title) for f in fs]
+
+
+def test_an_integer_parameter_is_state_not_a_frozen_weight(tmp_path):
+    # Keras 3 on torch (keras/src/random/seed_generator.py): a model with Dropout holds its RNG
+    # state as an int32 Parameter, `seed_generator/seed_generator_state`, requires_grad False, as
+    # every integer tensor must be. params_frozen said "1 of 6 parameters are frozen ... otherwise
+    # set `requires_grad=True`" (which torch refuses for an integer tensor), and every recording
+    # step failed to finish (torch._foreach_norm of an int32 tensor raises): 16 of 20 losses kept.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    model.register_parameter("seed_state", nn.Parameter(torch.tensor([0, 7], dtype=torch.int32),
+                                                        requires_grad=False))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.is_floating_point()], lr=0.1)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(20):
+            x = torch.randn(16, 8)
+            loss = nn.functional.cross_entropy(model(x), x[:, :3].argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            model.seed_state.data += 1  # the state moves every step, as Keras' does
+    assert kinds(mon.findings, problems_only=False) == ["healthy"], [(f.kind, f.title) for f in mon.findings]
+    assert len(tg.open(tmp_path / "r").scalars("loss")["loss"]) == 20
