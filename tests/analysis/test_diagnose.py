@@ -1911,3 +1911,28 @@ def test_an_integer_parameter_is_state_not_a_frozen_weight(tmp_path):
             model.seed_state.data += 1  # the state moves every step, as Keras' does
     assert kinds(mon.findings, problems_only=False) == ["healthy"], [(f.kind, f.title) for f in mon.findings]
     assert len(tg.open(tmp_path / "r").scalars("loss")["loss"]) == 20
+
+
+def test_a_first_update_that_rewrote_the_weights_is_a_divergence_not_a_noisy_loss(tmp_path):
+    # Keras 3's MLP example (Sequential 20-32-3, Adam) at learning_rate=10 under `trainguard monitor`:
+    # the loss went 1.3, 2296, 1448, 935, ... (the first update moved the weights by 5132% of their
+    # norm). The jumps made the loss look noisy, so its initial level was the median of its first 5
+    # steps (1448) and no divergence was found: "Training looks healthy". The same in plain torch.
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x_all = torch.randn(256, 20, generator=g)
+    y_all = (x_all @ torch.randn(20, 3, generator=g)).argmax(1)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=10.0)
+    with tg.Monitor(model, tmp_path / "r", every=10) as mon:
+        for _ in range(3):
+            perm = torch.randperm(256, generator=g)
+            for i in range(0, 256, 32):
+                idx = perm[i : i + 32]
+                loss = nn.functional.cross_entropy(model(x_all[idx]), y_all[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    f = next((f for f in mon.findings if f.kind == "lr_too_high"), None)
+    assert f is not None, [(f.kind, f.title) for f in mon.findings]
+    assert f.evidence["divergence"]["step"] <= 2 and f.evidence["lr"] == 10.0, f.evidence
