@@ -142,8 +142,8 @@ def _first_update_rewrote(ctx: Context, loss) -> bool:
     are the update's doing, not a noisy loss whose first value is one random draw (an MLP under
     Adam at lr 10: 1.1, then 2021, 2683, 3936 after a 4760% first update)."""
     vals = loss.values
-    if len(vals) < _NOISY_START + 1 or not vals[0] > 0:
-        return False
+    if ctx.environment or len(vals) < _NOISY_START + 1 or not vals[0] > 0:
+        return False  # (a reinforcement learning loss's targets move with the policy: no level to leave)
     if not float(np.median(vals[1:1 + _NOISY_START])) > ctx.th.loss_diverge_ratio * vals[0]:
         return False
     r0 = ctx.update_ratio_by_step().at(int(loss.steps[0]))
