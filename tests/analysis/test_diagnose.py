@@ -1936,3 +1936,51 @@ def test_a_spike_of_a_negative_loss_is_told_as_a_rise_not_a_negative_ratio(tmp_p
     assert "-" not in f.title.split("(", 1)[1].split(" its recent")[0], f.title  # no "-6x"
     assert "23.3 above its recent median (-3.32)" in f.title, f.title
     assert f.evidence["largest"].get("ratio", 1) > 0, f.evidence
+
+
+def test_an_integer_parameter_is_state_not_a_frozen_weight(tmp_path):
+    # Keras 3 on torch (keras/src/random/seed_generator.py): a model with Dropout holds its RNG
+    # state as an int32 Parameter, `seed_generator/seed_generator_state`, requires_grad False, as
+    # every integer tensor must be. params_frozen said "1 of 6 parameters are frozen ... otherwise
+    # set `requires_grad=True`" (which torch refuses for an integer tensor), and every recording
+    # step failed to finish (torch._foreach_norm of an int32 tensor raises): 16 of 20 losses kept.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    model.register_parameter("seed_state", nn.Parameter(torch.tensor([0, 7], dtype=torch.int32),
+                                                        requires_grad=False))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.is_floating_point()], lr=0.1)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(20):
+            x = torch.randn(16, 8)
+            loss = nn.functional.cross_entropy(model(x), x[:, :3].argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            model.seed_state.data += 1  # the state moves every step, as Keras' does
+    assert kinds(mon.findings, problems_only=False) == ["healthy"], [(f.kind, f.title) for f in mon.findings]
+    assert len(tg.open(tmp_path / "r").scalars("loss")["loss"]) == 20
+
+
+def test_a_first_update_that_rewrote_the_weights_is_a_divergence_not_a_noisy_loss(tmp_path):
+    # Keras 3's MLP example (Sequential 20-32-3, Adam) at learning_rate=10 under `trainguard monitor`:
+    # the loss went 1.3, 2296, 1448, 935, ... (the first update moved the weights by 5132% of their
+    # norm). The jumps made the loss look noisy, so its initial level was the median of its first 5
+    # steps (1448) and no divergence was found: "Training looks healthy". The same in plain torch.
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x_all = torch.randn(256, 20, generator=g)
+    y_all = (x_all @ torch.randn(20, 3, generator=g)).argmax(1)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=10.0)
+    with tg.Monitor(model, tmp_path / "r", every=10) as mon:
+        for _ in range(3):
+            perm = torch.randperm(256, generator=g)
+            for i in range(0, 256, 32):
+                idx = perm[i : i + 32]
+                loss = nn.functional.cross_entropy(model(x_all[idx]), y_all[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    f = next((f for f in mon.findings if f.kind == "lr_too_high"), None)
+    assert f is not None, [(f.kind, f.title) for f in mon.findings]
+    assert f.evidence["divergence"]["step"] <= 2 and f.evidence["lr"] == 10.0, f.evidence

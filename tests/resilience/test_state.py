@@ -392,3 +392,25 @@ def test_resume_does_not_warn_about_the_object_a_held_wrapper_holds(tmp_path):
         warnings.simplefilter("always")
         CheckpointManager(tmp_path / "ckpt").resume(TrainState(model=model, optimizer=Wrapped(raw)), total_steps=1)
     assert _messages(caught) == []
+
+
+class _KerasAdam:
+    """A Keras 3 optimizer (keras-team/keras, keras/src/optimizers/base_optimizer.py): its slots,
+    iteration count and learning rate are Keras Variables in ``variables``, no state_dict()."""
+
+    __module__ = "keras.src.optimizers.adam"
+
+    variables: list = []
+
+    def apply(self, grads, trainable_variables=None):
+        pass
+
+
+def test_a_keras_optimizer_is_refused_with_what_to_do():
+    # TrainState(model=model, optimizer=model.optimizer) after model.compile on KERAS_BACKEND=torch:
+    # the error said only that state_dict() was missing.
+    with pytest.raises(TypeError, match="got _KerasAdam") as err:
+        TrainState(optimizer=_KerasAdam())
+    msg = str(err.value)
+    assert "Keras optimizer" in msg and "torch.optim" in msg and "BackupAndRestore" in msg, msg
+    assert "integrations.md#keras" in msg, msg

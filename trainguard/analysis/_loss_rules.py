@@ -107,7 +107,7 @@ def diverged(ctx: Context) -> dict | None:
     if not math.isfinite(init) or init <= 0:
         return None
     noise = log_noise(vals)
-    noisy = noise is not None and noise > ctx.th.loss_noisy
+    noisy = noise is not None and noise > ctx.th.loss_noisy and not _first_update_rewrote(ctx, loss)
     apart = not noisy and _first_batch_apart(ctx, loss)
     if noisy:
         init = float(np.median(vals[:_NOISY_START]))
@@ -139,6 +139,20 @@ def diverged(ctx: Context) -> dict | None:
     elif apart:
         out["first_loss_apart"] = float(vals[0])  # the initial level is steps 1-5's (see _first_batch_apart)
     return out
+
+
+def _first_update_rewrote(ctx: Context, loss) -> bool:
+    """The next losses lie above ``loss_diverge_ratio`` times the first, and the update between
+    them moved the weights by ``update_ratio_high`` of their norm or more: the jumps that follow
+    are the update's doing, not a noisy loss whose first value is one random draw (an MLP under
+    Adam at lr 10: 1.1, then 2021, 2683, 3936 after a 4760% first update)."""
+    vals = loss.values
+    if ctx.environment or len(vals) < _NOISY_START + 1 or not vals[0] > 0:
+        return False  # (a reinforcement learning loss's targets move with the policy: no level to leave)
+    if not float(np.median(vals[1:1 + _NOISY_START])) > ctx.th.loss_diverge_ratio * vals[0]:
+        return False
+    r0 = ctx.update_ratio_by_step().at(int(loss.steps[0]))
+    return r0 is not None and r0 >= ctx.th.update_ratio_high
 
 
 def _first_batch_apart(ctx: Context, loss) -> bool:

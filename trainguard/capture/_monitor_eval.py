@@ -124,7 +124,7 @@ def _wrap(name: str, fn: Callable) -> Callable:
         out = fn(*args, **kwargs)
         if torch.compiler.is_compiling():
             _trace(name, args, kwargs, out)
-        elif _listeners:
+        elif _listeners and not (isinstance(out, torch.Tensor) and out.is_meta):  # a shape pass: no values
             for listener in list(_listeners):
                 try:
                     listener(name, args, kwargs, out)

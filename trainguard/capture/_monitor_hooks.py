@@ -68,6 +68,15 @@ def _leaf_ids(loss: torch.Tensor) -> set[int]:
     return out
 
 
+def _symbolic(args: tuple) -> bool:
+    """Whether a module is called with a symbolic tensor first: a shape and a dtype, no values
+    (Keras' ``KerasTensor``, with which a Keras model builds its layers)."""
+    head = args[0] if args else None
+    if isinstance(head, (tuple, list)) and head:
+        head = head[0]
+    return type(head).__name__ == "KerasTensor"
+
+
 def _live_modules() -> list[nn.Module]:
     # type(o), not isinstance: isinstance reads o.__class__, which a deprecation proxy warns on
     return [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
@@ -105,6 +114,12 @@ class ModuleHook:
             return None
         if _in_functorch():  # inside vmap / grad: the transform's wrapped tensors stay there
             return None
+        if len(args) > 1:
+            x = first_tensor(args[1])
+            if x is not None and x.is_meta:
+                # A shape pass on the "meta" device (Keras' compute_output_spec builds every
+                # model and loss that way): no values, no step, not an evaluation
+                return None
         return self.fn(self.arg, *args)
 
 
@@ -280,6 +295,9 @@ class HookMixin:
         if (torch.compiler.is_compiling() or module in self._known or module in self._no_params
                 or _tracing_state() is not None):
             return
+        x = next((x for x in map(first_tensor, args) if x is not None), None)
+        if x is not None and x.is_meta or x is None and _symbolic(args):
+            return  # a shape pass (Keras builds its layers that way): not a model being trained
         if any(True for _ in module.parameters()) and all(p.is_meta for p in module.parameters()):
             return  # shapes without values (a copy built to count flops, or not yet materialised): not trained
         if not any(True for _ in module.parameters()) or isinstance(module, _ParametrizationList):
@@ -291,6 +309,14 @@ class HookMixin:
             # functional_call under vmap / grad: the module holds the transform's wrapped tensors
             # for this call only; the trained ones are the caller's plain tensors
             self._torch_func_model = self._torch_func_model or type(module).__name__
+            return
+        if (self._roots and all(isinstance(c, (nn.ParameterDict, nn.ParameterList)) for c in module.children())
+                and {id(p) for p in module.parameters()} <= {id(t) for p in self._params if (t := p.ref()) is not None}):
+            # No layers, and every parameter it holds is a found model's: a layer of that model that
+            # torch does not list as a child (Keras keeps a layer's weights in the model's
+            # ParameterDict too), not a model. (A critic whose weights a TorchRL loss holds has
+            # layers of its own: a root, so that they are watched.)
+            self._known.add(module)
             return
         if probing_owner(module) is not None:
             # A probe of a model being built (its strides, the size of its classifier), not a model

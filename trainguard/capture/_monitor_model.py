@@ -132,6 +132,8 @@ def build_root(module: nn.Module, prefix: str, label: str | None = None) -> Root
             owner[(mname + "." + pname) if mname else pname] = (prefix + mname if mname else own, type(m).__name__,
                                                                 type(m).forward is nn.Module.forward, m)
     for pname, p in module.named_parameters():
+        if not (p.is_floating_point() or p.is_complex()):
+            continue  # state, not a weight (Keras' int32 seed_generator_state): no gradient, no norm
         pname = _plain(pname)
         layer, mtype, held, m = owner.get(pname, (prefix + pname.rsplit(".", 1)[0], "", False, None))
         root.params.append(Param(prefix + pname, p, layer, mtype, held, m))

@@ -98,6 +98,11 @@ class TrainState:
                 got = (f"{got}, which has get_state()/set_state(): pass an object whose state_dict() returns "
                        f"{name}.get_state() and whose load_state_dict(s) calls {name}.set_state(s) (pyro: see "
                        "docs/integrations.md#pyro)")
+            elif type(obj).__module__.startswith("keras.") and callable(getattr(obj, "apply", None)):
+                got = (f"{got}, a Keras optimizer: its state is Keras Variables, with no state_dict(); "
+                       "to checkpoint model.fit use Keras' keras.callbacks.BackupAndRestore, or train the "
+                       "model (a torch Module on KERAS_BACKEND=torch) in a torch loop with a torch.optim "
+                       "optimizer over model.parameters() and hold that (docs/integrations.md#keras-3-torch-backend)")
             raise TypeError(
                 f"TrainState({name}=...) needs an object with state_dict() and load_state_dict(), "
                 f"or a sampler with set_epoch() and an epoch, got {got}"
