@@ -15,7 +15,9 @@ int64_t version_of(c10::TensorImpl* impl) {
 namespace {
 
 bool has_plain_storage(const at::Tensor& t) {
-  return t.layout() == at::kStrided && t.unsafeGetTensorImpl()->has_storage();
+  // a tensor of a trace with dynamic shapes (a compile of a second length) has no offset to read
+  return t.layout() == at::kStrided && t.unsafeGetTensorImpl()->has_storage() &&
+         !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
 }
 
 uint64_t geometry_key(const at::Tensor& t) {
