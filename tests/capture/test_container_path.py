@@ -1,6 +1,7 @@
 """Where a called model sits in the modules that hold it, found without scanning every live object
-when nothing can hold it: a scan of ``gc.get_objects()`` cost 0.22 s in a process that had only
-imported torch and 0.85 s beside a data set of 5 million Python objects, once per model found."""
+when nothing can hold it: a scan of ``gc.get_objects()`` cost 48 ms of CPU in a process that had
+only imported torch and 357 ms beside 5 million small lists, once per model found (14 and 70 ms
+with one ``gc.get_referrers`` first)."""
 
 from __future__ import annotations
 

@@ -46,6 +46,8 @@ def container_path(module: nn.Module) -> str:
     ``state_dict``; ``""`` where nothing holds it, or more than one module does. One scan of the
     live objects (a root is found once); a holder called later becomes the root and keeps these
     names."""
+    if not _maybe_held(module):
+        return ""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     # type(o), not isinstance: isinstance reads o.__class__, which a deprecation proxy warns on
     for m in (o for o in gc.get_objects() if issubclass(type(o), nn.Module)):
@@ -62,6 +64,14 @@ def container_path(module: nn.Module) -> str:
         path.append(name)
         module = parent
     return ".".join(reversed(path))
+
+
+def _maybe_held(module: nn.Module) -> bool:
+    """Whether a dict other than a module's globals holds ``module``: a module's children live in
+    its ``_modules`` dict. One walk of the live objects in C (``gc.get_referrers``) instead of a
+    Python loop over all of them; a model held by locals or a script's globals needs no more."""
+    return any(isinstance(r, dict) and "__builtins__" not in r and any(v is module for v in r.values())
+               for r in gc.get_referrers(module))
 
 
 def probing_owner(module: nn.Module) -> nn.Module | None:
