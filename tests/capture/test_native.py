@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -199,6 +200,39 @@ def test_the_build_compiles_a_snapshot_of_the_sources_its_key_names(tmp_path, mo
     snap = Path(seen["sources"][0]).parent
     assert all((snap / h).read_bytes() == (_native._DIR / h).read_bytes() for h in _native.HEADERS)
     assert _native.build_key(snap) == key_dir.name  # the copies are what the key names
+
+
+def _load_as_torch_does(name, sources, extra_include_paths, build_directory, **kw):
+    """torch.utils.cpp_extension.load's hold on a build folder (``_jit_compile``): a file
+    ``lock`` made with O_EXCL, removed when the build ends; a process that finds it there waits
+    until it goes."""
+    from torch.utils.file_baton import FileBaton
+
+    baton = FileBaton(os.path.join(build_directory, "lock"))
+    if baton.try_acquire():
+        baton.release()
+    else:
+        baton.wait()
+    return "module"
+
+
+def test_a_build_killed_midway_does_not_make_every_later_start_wait_for_ever(tmp_path, monkeypatch):
+    # A process killed during the first build (SIGKILL, the OOM killer, a preempted job, a test's
+    # timeout) leaves torch's ``lock`` file behind, and torch waits for it to go with no end and no
+    # word: every later `trainguard run` and recording hung at its start (found when a killed test
+    # suite left one: the next suite's native tests waited 300 s each).
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TRAINGUARD_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpp_extension, "load", _load_as_torch_does)
+    key_dir = _native.build_dir()
+    key_dir.mkdir(parents=True)
+    (key_dir / "lock").touch()  # what the killed build left
+    result = []
+    worker = threading.Thread(target=lambda: result.append(_native.build()), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert result == ["module"], "the build waited on a lock no process holds"
 
 
 def test_bad_backend_is_a_clear_error():
