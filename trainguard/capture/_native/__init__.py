@@ -11,6 +11,7 @@ imported directly, without ``cpp_extension``. ``TRAINGUARD_NO_NATIVE=1`` turns t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -107,10 +108,43 @@ def build(verbose: bool = False):
     done = out / "built"
     if done.exists() and so.exists():
         return _import_built(so, name)
+    out.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out):
+        if done.exists() and so.exists():  # built by the process that held the lock
+            return _import_built(so, name)
+        log.warning("trainguard: building the native recorder core in %s (once per torch version and "
+                    "trainguard release; a minute or two)", out)
+        return _compile(out, key, name, verbose)
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """One builder per build folder, held through the kernel (``flock``), so that it ends with
+    its process. torch's own hold on the folder, a file ``lock`` that its builder removes, stays
+    behind when that builder is killed (SIGKILL, the OOM killer, a preempted job), and torch then
+    waits for it with no end: under this lock no other build runs, so such a file is stale."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's hold alone
+        yield
+        return
+    with open(out / "build.flock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("trainguard: waiting for another process building the native recorder core in %s", out)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (out / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(out: Path, key: str, name: str, verbose: bool):
     from torch.utils import cpp_extension
 
     _find_ninja()
-    out.mkdir(parents=True, exist_ok=True)
     # A cached build is trusted for ever, so it must be made of exactly the bytes its key names:
     # the compiler reads a snapshot taken here, checked against the key. Compiled in place, a
     # source edited while ninja ran (a patch applied or reverted) once made a build whose objects
@@ -126,7 +160,7 @@ def build(verbose: bool = False):
         name, [str(src / s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(src), include], build_directory=str(out), verbose=verbose, with_cuda=False,
     )
-    done.write_text(key + "\n")
+    (out / "built").write_text(key + "\n")
     return mod
 
 
