@@ -105,3 +105,32 @@ def test_an_lr_range_test_whose_weights_were_loaded_back_is_not_judged(tmp_path)
         assert "healthy" in kinds, [(f.kind, f.title) for f in mon.findings]
         assert f"{found} steps" in kinds["healthy"].title or kinds["healthy"].evidence.get("undone_steps") == found, \
             (kinds["healthy"].title, kinds["healthy"].evidence)
+
+
+def test_weights_swapped_in_for_an_evaluation_and_back_undo_nothing(tmp_path):
+    # An EMA swapped into the model with load_state_dict for each evaluation and the trained
+    # weights loaded back after it: training went on from the same weights, and every step counts.
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ema = copy.deepcopy(model.state_dict())
+    x, y = torch.randn(256, 8), torch.randn(256, 1)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for i in range(60):
+            xb, yb = x[(i * 16) % 256:][:16], y[(i * 16) % 256:][:16]
+            loss = nn.functional.mse_loss(model(xb), yb) * (50 if i == 12 else 1)  # one spike, early
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ema = {k: 0.9 * ema[k] + 0.1 * v for k, v in model.state_dict().items()}
+            if i % 20 == 19:
+                backup = copy.deepcopy(model.state_dict())
+                model.load_state_dict(ema)
+                with torch.no_grad():
+                    model(x[:32])
+                model.load_state_dict(backup)
+    healthy = [f for f in mon.findings if f.kind == "healthy"]
+    assert not any("not judged" in f.title for f in mon.findings), [f.title for f in mon.findings]
+    assert not healthy or "undone_steps" not in healthy[0].evidence
