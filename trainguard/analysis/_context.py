@@ -90,8 +90,12 @@ def undone_before(meta: dict, loss: list[tuple[int, float]], th: Thresholds) -> 
     """The first step trained from weights loaded back into the model (``meta["weights_loaded"]``,
     see the monitor's ``_weights_loaded``), at the last such load that enough steps with a loss
     followed to judge them on their own; 0 when there is none."""
-    loads = [d.get("step") for d in meta.get("weights_loaded") or [] if isinstance(d, dict)]
-    for step in sorted({s for s in loads if isinstance(s, int) and not isinstance(s, bool) and s > 0}, reverse=True):
+    loads = [(d.get("step"), d.get("model")) for d in meta.get("weights_loaded") or [] if isinstance(d, dict)]
+    loads = [(s, m) for s, m in loads if isinstance(s, int) and not isinstance(s, bool) and s > 0]
+    # Two loads into one model with no update between swap weights in and back (EMA weights for an
+    # evaluation, then the trained ones): the training goes on, nothing was undone.
+    once = {s for s, m in loads if loads.count((s, m)) == 1}
+    for step in sorted(once, reverse=True):
         if sum(1 for s, _ in loss if s >= step) >= th.min_loss_points:
             return step
     return 0
