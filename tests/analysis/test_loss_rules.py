@@ -34,3 +34,103 @@ def test_a_nan_written_into_a_batch_after_noisy_losses_is_no_divergence(tmp_path
     assert nonfinite.evidence["origin"]["op"] == "aten.lift_fresh", nonfinite.evidence["origin"]
     assert "lr_too_high" not in kinds, kinds["lr_too_high"].title
     assert "loss_grew" not in nonfinite.evidence and "learning rate" not in nonfinite.suggestion, nonfinite.suggestion
+
+
+def _lr_find_then_fit(mon_dir, hand_written: bool):
+    """fastai's ``learn.lr_find()`` then ``learn.fit(...)``, written out: the LRFinder callback saves
+    the model and optimizer, raises the learning rate exponentially from 1e-7 to 10 over 100 batches
+    (SchedExp), stops once the smoothed loss passes 4x its best, then loads both back
+    (``learn.load(..., with_opt=True)``: ``model.load_state_dict``) before the real fit. fastai's own
+    Optimizer is no ``torch.optim`` one (``hand_written``: the update is ``p.data.add_``)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    x = torch.randn(512, 8)
+    y = (x[:, 0] + x[:, 1] > 0).long()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+    def batch(i):
+        j = (i * 32) % 512
+        return x[j:j + 32], y[j:j + 32]
+
+    def update(lr):
+        if hand_written:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-lr)
+                    p.grad = None
+        else:
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+            opt.zero_grad()
+
+    with tg.Monitor(model, mon_dir, every=5) as mon:
+        saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+        best, avg = float("inf"), 0.0
+        for i in range(100):
+            lr = 1e-7 * (10 / 1e-7) ** (i / 100)
+            xb, yb = batch(i)
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            loss.backward()
+            update(lr)
+            avg = 0.98 * avg + 0.02 * loss.item()  # fastai's AvgSmoothLoss, debiased
+            smooth = avg / (1 - 0.98 ** (i + 1))
+            best = min(best, smooth)
+            if smooth > 4 * best or not torch.isfinite(loss):
+                break
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        found = i + 1
+        for i in range(40):
+            xb, yb = batch(i)
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            loss.backward()
+            update(0.05)
+    return mon, found
+
+
+def test_an_lr_range_test_whose_weights_were_loaded_back_is_not_judged(tmp_path):
+    # fastai 2.8 `learn.lr_find()` then `learn.fit_one_cycle(3, 1e-2)` on a tiny CNN under
+    # `trainguard run --monitor`: lr_find's deliberate divergence made lr_too_high ("the smoothed
+    # loss rose to 1.65 by step 87 ... lower the learning rate about 10x") and loss_spike ("Loss
+    # spiked to 4.78 at step 84 (17x its recent median)") on a run that then trained to 90%
+    # accuracy. The weights lr_find trained were loaded back: those steps are not the training.
+    for hand_written in (False, True):
+        mon, found = _lr_find_then_fit(tmp_path / f"r{int(hand_written)}", hand_written)
+        assert 20 < found <= 100, found
+        kinds = {f.kind: f for f in mon.findings}
+        assert "lr_too_high" not in kinds and "loss_spike" not in kinds, [(f.kind, f.title) for f in mon.findings]
+        assert "healthy" in kinds, [(f.kind, f.title) for f in mon.findings]
+        assert f"{found} steps" in kinds["healthy"].title or kinds["healthy"].evidence.get("undone_steps") == found, \
+            (kinds["healthy"].title, kinds["healthy"].evidence)
+
+
+def test_weights_swapped_in_for_an_evaluation_and_back_undo_nothing(tmp_path):
+    # An EMA swapped into the model with load_state_dict for each evaluation and the trained
+    # weights loaded back after it: training went on from the same weights, and every step counts.
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ema = copy.deepcopy(model.state_dict())
+    x, y = torch.randn(256, 8), torch.randn(256, 1)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for i in range(60):
+            xb, yb = x[(i * 16) % 256:][:16], y[(i * 16) % 256:][:16]
+            loss = nn.functional.mse_loss(model(xb), yb) * (50 if i == 12 else 1)  # one spike, early
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ema = {k: 0.9 * ema[k] + 0.1 * v for k, v in model.state_dict().items()}
+            if i % 20 == 19:
+                backup = copy.deepcopy(model.state_dict())
+                model.load_state_dict(ema)
+                with torch.no_grad():
+                    model(x[:32])
+                model.load_state_dict(backup)
+    healthy = [f for f in mon.findings if f.kind == "healthy"]
+    assert not any("not judged" in f.title for f in mon.findings), [f.title for f in mon.findings]
+    assert not healthy or "undone_steps" not in healthy[0].evidence

@@ -1315,3 +1315,31 @@ def test_a_run_check_numerics_stopped_at_the_nan_does_not_say_training_never_use
     o = origin(open_run(tmp_path / "r"))
     assert o.origin.op == "aten._log_softmax"
     assert o.reached_training is None, o.reached_training
+
+
+@pytest.mark.parametrize("buffer", [-1, 8])
+def test_a_nan_in_a_batch_a_dataloader_worker_built_is_told_to_check_the_data(tmp_path, buffer):
+    """fastai's DataLoader (and any torch DataLoader with num_workers > 0) builds each batch in a
+    worker process: it reaches the recorded process as ``aten.set_`` onto the shared memory it came
+    in. A NaN in one sample was explained as "set_ reduced an empty input to nan: input 0
+    (aten.empty.memory_format) holds 0 values, and the mean of no values is 0/0", fixed with "the
+    batch is empty" (the whole recording), or "set_ turned finite inputs into nan" (a circular buffer
+    that evicted the empty tensor, as `trainguard run` records by default). From a fastai
+    ``Learner.fit_one_cycle`` over ``DataLoaders.from_dsets`` with one NaN pixel in 512 samples."""
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    x[37, 2] = float("nan")
+    model = nn.Linear(4, 1)
+
+    def f():
+        dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16, num_workers=1)
+        for xb, yb in dl:
+            nn.functional.mse_loss(model(xb), yb).backward()
+
+    with tg.record(tmp_path / "r", buffer=buffer):
+        f()
+    o = origin(open_run(tmp_path / "r"))
+    assert o.origin.op.startswith("aten.set_.source_Storage"), o.summary
+    why = o.origin.explanation
+    assert "empty" not in why and "turned finite inputs" not in why, why
+    assert "DataLoader worker" in why, why
+    assert "empty" not in o.suggestion and "num_workers=0" in o.suggestion and "data set" in o.suggestion, o.suggestion

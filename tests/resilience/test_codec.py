@@ -106,3 +106,31 @@ def test_unknown_tags_in_a_manifest_are_rejected():
         decode({"__tg__": "pickle", "v": "gASVAAAAAAAAAACMAQ=="}, {})
     with pytest.raises(CheckpointError, match="missing from the checkpoint data"):
         decode({"__tg__": "tensor", "key": "nope", "dtype": "float32", "shape": []}, {})
+
+
+class _ListLike:
+    """fastcore's ``L`` in a few lines: no list subclass, but a registered ``collections.abc.Sequence``
+    (fastai's ``Optimizer.state_dict()`` holds its per-group hyper-parameters in one)."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self):
+        return len(self.items)
+
+
+def test_a_sequence_that_is_no_list_comes_back_as_a_list():
+    # TrainState(optimizer=learn.opt) on a fastai Learner raised "cannot checkpoint a
+    # fastcore.foundation.L at optimizer/hypers" at the first save. A namedtuple comes back as a
+    # tuple already: the container's class is code, its items are the state.
+    from collections.abc import Sequence
+
+    Sequence.register(_ListLike)
+    hypers = _ListLike([{"lr": 1e-3, "mom": 0.9, "wd": 0.01}, {"lr": 1e-2, "mom": 0.9, "wd": 0.0}])
+    state = {"state": [{"grad_avg": torch.ones(3), "step": 4}], "hypers": hypers}
+    back, enc = roundtrip(state)
+    assert back["hypers"] == [{"lr": 1e-3, "mom": 0.9, "wd": 0.01}, {"lr": 1e-2, "mom": 0.9, "wd": 0.0}]
+    assert torch.equal(back["state"][0]["grad_avg"], torch.ones(3)) and back["state"][0]["step"] == 4

@@ -86,6 +86,21 @@ def fmt(x: Any) -> str:
     return f"{x:.3g}"
 
 
+def undone_before(meta: dict, loss: list[tuple[int, float]], th: Thresholds) -> int:
+    """The first step trained from weights loaded back into the model (``meta["weights_loaded"]``,
+    see the monitor's ``_weights_loaded``), at the last such load that enough steps with a loss
+    followed to judge them on their own; 0 when there is none."""
+    loads = [(d.get("step"), d.get("model")) for d in meta.get("weights_loaded") or [] if isinstance(d, dict)]
+    loads = [(s, m) for s, m in loads if isinstance(s, int) and not isinstance(s, bool) and s > 0]
+    # Two loads into one model with no update between swap weights in and back (EMA weights for an
+    # evaluation, then the trained ones): the training goes on, nothing was undone.
+    once = {s for s, m in loads if loads.count((s, m)) == 1}
+    for step in sorted(once, reverse=True):
+        if sum(1 for s, _ in loss if s >= step) >= th.min_loss_points:
+            return step
+    return 0
+
+
 class Context:
     """A run's monitoring data, indexed for the rules."""
 
@@ -94,6 +109,12 @@ class Context:
         self.th = thresholds
         self.meta: dict = run.meta.get("monitor") or {}
         scalars = run.scalars()
+        # Weights loaded back into a watched model after it trained undo the steps before (an LR
+        # range test: fastai's lr_find, torch-lr-finder, Lightning's Tuner restore the weights they
+        # saved before the real fit): only the training the model kept is judged.
+        self.undone_before = undone_before(self.meta, scalars.get("loss") or [], thresholds)
+        if self.undone_before:
+            scalars = {k: [sv for sv in v if sv[0] >= self.undone_before] for k, v in scalars.items()}
         self.loss = Series.of(scalars.get("loss"))
         # The loss of a step sums separate objectives, each before its own optimizer's update (a
         # GAN's discriminator and generator losses): no trend of it means anything.
@@ -125,6 +146,8 @@ class Context:
         self.lrs = {k: Series.of(v) for k, v in scalars.items() if k.startswith("lr/")}
         grouped: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
         for row in run.layer_stats():
+            if row["step"] < self.undone_before:
+                continue
             if row["kind"] == "gradient" and row["step"] in skipped:
                 continue
             grouped.setdefault((row["layer"], row["kind"], row["stat"]), []).append((row["step"], row["value"]))

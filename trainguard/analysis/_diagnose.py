@@ -217,10 +217,16 @@ def _verdict(ctx: Context, untrended: bool = False) -> Finding:
     if dead:
         ev["max_dead_fraction"] = float(np.max(dead))
     title = "Training looks healthy"
+    if ctx.undone_before:
+        ev["undone_steps"] = ctx.undone_before
     if untrended:  # its start and end would read as a trend
         title += f" over {n} steps (the loss's trend is not judged)"
     elif "loss_start" in ev:
         title += f": loss {fmt(ev['loss_start'])} -> {fmt(ev['loss_end'])} over {n} steps"
+    if ctx.undone_before:
+        # an LR range test's divergence is its purpose, not the run's
+        title += (f" (steps 0-{ctx.undone_before - 1} are not judged: the model's weights were loaded back "
+                  f"after them, as an LR range test such as fastai's lr_find does)")
     return Finding(
         kind="healthy",
         severity="info",

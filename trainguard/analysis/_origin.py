@@ -391,6 +391,10 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
     known = _masked_rows(link) or _ctc_unalignable(link)
     if known:
         return known
+    if _arrived_in_storage(link):
+        return (f"{base} put the tensor onto memory that no recorded op wrote, and it held {made} already: a batch "
+                "a DataLoader worker process built arrives this way, through shared memory (the worker's ops run in "
+                "another process and are not recorded), as does a tensor unpickled or loaded from a file")
     if bad_inputs and link.origin_seq is not None and link.origin_seq == link.seq and link.taint != "finite":
         bad_inputs = []  # the run says the value was made here: its inputs' infinities were intended
     if bad_inputs:
@@ -632,6 +636,17 @@ def _from_log(link: Link) -> bool:
     return op_base(src.get("origin_op") or "") in _LOGS and not mask
 
 
+# ``Tensor.set_`` onto a storage: the tensor's values are whatever that memory holds.
+_STORAGE_SETS = frozenset({"aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset"})
+
+
+def _arrived_in_storage(link: Link) -> bool:
+    """A tensor set onto memory no recorded op wrote, that made its non-finite value itself (a batch a
+    DataLoader worker sent through shared memory; a deepcopy's set_ keeps its source's origin)."""
+    return (link.op in _STORAGE_SETS and link.phase != "backward"
+            and link.origin_seq in (None, link.seq))
+
+
 def _empty_input(link: Link) -> dict | None:
     """The input with no values of an op that made NaN from it (a mean, or a loss averaged, over an
     empty batch or selection: only an average makes a value out of nothing, and it is 0/0)."""
@@ -825,6 +840,11 @@ _SUGGESTIONS = {
     "keeps; or a value its __getitem__ computes): find those samples, e.g. "
     "`[i for i in range(len(ds)) if not np.isfinite(ds[i][0]).all()]` or `df.isna().sum()`, and fill or drop them "
     "where the data is read (df.interpolate(), df.dropna()); `trainguard doctor` validates a data set",
+    "worker": "a DataLoader worker process built this batch, so its samples held NaN/Inf when the data set "
+    "handed them out (the worker's ops are not recorded): find them, e.g. "
+    "`[i for i in range(len(ds)) if not torch.isfinite(torch.as_tensor(ds[i][0])).all()]`, and repair or drop them "
+    "where the data is read; run once with num_workers=0 to have the recording follow the value back to the line "
+    "that made it; `trainguard doctor` validates a data set",
     "received": "this rank only received the value from another rank: see the report of the rank that made it "
     "(trainguard report RUN names it on its first line; --rank K details one rank)",
 }
@@ -1086,6 +1106,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
+    if _arrived_in_storage(link):
+        return _SUGGESTIONS["worker" if loader else "input"]
     if uninitialised_input(link) is not None:
         return _SUGGESTIONS["uninitialised"]
     if _masked_rows(link):

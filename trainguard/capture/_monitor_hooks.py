@@ -42,6 +42,7 @@ from trainguard.capture._layer_stats import (
 )
 from trainguard.capture._modules import container_path, forward_pre_hook, probing_owner
 from trainguard.capture._monitor_model import Layer, Root, build_root, structure
+from trainguard.resilience import _state as _resilience_state
 from trainguard.resilience._wrappers import unwrapped, wrapped
 
 log = logging.getLogger("trainguard.monitor")
@@ -189,6 +190,7 @@ class HookMixin:
         for m in module.modules():
             self._known.add(m)
         root.handle = module.register_forward_pre_hook(ModuleHook(self._root_pre, root, _compile_monitor.token(module)))
+        root.load_handle = module.register_load_state_dict_post_hook(ModuleHook(self._weights_loaded, root))
         self._listen(module, lambda ts, grad: self._root_pre(root, root.ref(), (ts[0],) if ts else (), grad))
         for la in root.layers:
             if la.ref() is not None:
@@ -211,6 +213,19 @@ class HookMixin:
             except Exception:  # observing training never kills training
                 log.exception("trainguard monitor: attach listener failed")
         return root
+
+    def _weights_loaded(self, root: Root, module: nn.Module, incompatible=None) -> None:
+        """``load_state_dict`` on a watched model after it trained: the steps before were undone (an LR
+        range test, fastai's ``lr_find``, loads the weights it saved back before the real fit). Kept as
+        the first step trained from the loaded weights: ``meta["weights_loaded"]``."""
+        if self._closed or not root.trained or _resilience_state.applying():  # a checkpoint's restore, a rewind
+            return
+        # Past a backward whose update ran (a step without an optimizer ends at the next forward)
+        # the loaded weights start the next step.
+        step = self._cur + (1 if self._pending_end is not None or self._backward_step == self._cur else 0)
+        loads = list(self._meta.get("weights_loaded") or [])
+        loads.append({"step": step, "model": root.prefix or root.type})
+        self._write_meta(weights_loaded=loads)
 
     def name_after(self, module: nn.Module, model: nn.Module, outer: str) -> bool:
         """Name the layers and parameters of the attached root ``module`` after ``model``, the
@@ -277,6 +292,9 @@ class HookMixin:
             self._compiled_taps.remove(tap)
         if root.handle is not None:
             root.handle.remove()
+        if root.load_handle is not None:
+            root.load_handle.remove()
+            root.load_handle = None
         for la in root.layers:
             if la.handle is not None:
                 la.handle.remove()

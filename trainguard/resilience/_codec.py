@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -118,6 +118,10 @@ class Encoder:
             return int(value)
         if isinstance(value, float):
             return self._enc(float(value), path)
+        if isinstance(value, Sequence):
+            # A list-like of another class (fastcore's L, fastai's Optimizer hypers) comes back as a
+            # list, as a namedtuple does as a tuple: its class is code, its items are the state.
+            return [self._enc(v, [*path, i]) for i, v in enumerate(value)]
         where = "/".join(str(p) for p in path)
         raise CheckpointError(
             f"cannot checkpoint a {type(value).__module__}.{type(value).__qualname__} at {where}: "

@@ -47,6 +47,16 @@ class Captured:
     epoch: int
 
 
+# TrainState.apply is loading state now (a checkpoint's restore, the guard's rewind): the model's
+# load_state_dict then is trainguard's own, which the step clock announces (_steps.restored).
+_applying = 0
+
+
+def applying() -> bool:
+    """Whether a :class:`TrainState` is loading restored state into its objects now."""
+    return _applying > 0
+
+
 class TrainState:
     """The whole training state, saved and restored by :class:`CheckpointManager`.
 
@@ -159,6 +169,14 @@ class TrainState:
 
     def apply(self, shared: dict[str, Any], local: dict[str, Any] | None, *, step: int, epoch: int) -> None:
         """Load restored state into the objects; the RNG is restored last, after anything that draws."""
+        global _applying
+        _applying += 1
+        try:
+            self._apply(shared, local, step=step, epoch=epoch)
+        finally:
+            _applying -= 1
+
+    def _apply(self, shared: dict[str, Any], local: dict[str, Any] | None, *, step: int, epoch: int) -> None:
         for name, value in shared.items():
             self._load(name, value)
         for name, value in (local or {}).items():
