@@ -1,5 +1,5 @@
 """Every gallery script under the monitor: the broken ones get their finding (with the symptoms it
-explains folded under it), the healthy ones none, over three seeds.
+explains folded under it), the healthy ones none, over three seeds (the broken ones over two).
 
 Each script runs in this process through ``trainguard monitor --json`` (the same path as the
 command line), with layer statistics every 5 steps. A script's docstring says what it expects:
@@ -21,7 +21,11 @@ GALLERY = Path(__file__).resolve().parents[2] / "examples" / "broken"
 SCRIPTS = sorted(p for p in GALLERY.glob("*.py") if not p.name.startswith("_"))
 
 
+# Three seeds for the healthy scripts, where a false alarm on one seed is the risk; two for the broken
+# ones, whose faults are made strong enough to show on any seed (the third cost 64 runs' worth, about
+# 70 s of a test worker, for no finding that the first two did not make).
 SEEDS = (0, 1, 2)
+BROKEN_SEEDS = SEEDS[:2]
 
 
 def expected(script: Path) -> str:
@@ -56,8 +60,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+@pytest.mark.parametrize(("script", "seed"),
+                         [pytest.param(s, seed, id=f"{s.stem}-{seed}") for s in SCRIPTS
+                          for seed in (SEEDS if expected(s) == "healthy" else BROKEN_SEEDS)])
 def test_script_under_the_monitor(script, seed, tmp_path, capsys, one_thread):
     code = main(["monitor", "--logdir", str(tmp_path / "run"), "--every", "5", "--json", str(script), "--quiet",
                  "--seed", str(seed)])
