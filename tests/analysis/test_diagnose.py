@@ -1984,3 +1984,25 @@ def test_a_first_update_that_rewrote_the_weights_is_a_divergence_not_a_noisy_los
     f = next((f for f in mon.findings if f.kind == "lr_too_high"), None)
     assert f is not None, [(f.kind, f.title) for f in mon.findings]
     assert f.evidence["divergence"]["step"] <= 2 and f.evidence["lr"] == 10.0, f.evidence
+
+
+def test_updates_that_wore_layers_out_in_a_loop_that_clips_are_not_told_to_clip(tmp_path):
+    # The fix for a problem the updates made ("lower the learning rate, clip the gradients
+    # (`torch.nn.utils.clip_grad_norm_`) or add weight decay") was given to loops that clip already
+    # (diffusers' DDPM loop, max_norm=1.0) and decay already; the collapsed-activations case of
+    # cleanrl's ppo.py (which clips at max_grad_norm=0.5) here, by hand.
+    rows = []
+    for s in range(0, 100, 5):
+        for la, later in (("0", 9.0), ("2", 70.0), ("4", 1e-6)):
+            rows += [(s, la, "activation", "mean", 0.0), (s, la, "activation", "std", 0.2 if s == 0 else later)]
+    clipping = {"function": "clip_grad_norm_", "value": 0.5, "first_step": 0}
+    params = {name: dict(info, optimizer="Adam", orthogonalised=False, weight_decay=0.01)
+              for name, info in PARAMS.items()}
+    f = next(f for f in diagnose(write_run(tmp_path / "r", layer_rows=rows, clipping=clipping, params=params))
+             if f.kind == "collapsed_activations")
+    assert "lower the learning rate" in f.suggestion, f.suggestion
+    assert "clip the gradients (`" not in f.suggestion and "max_norm=0.5" in f.suggestion, f.suggestion
+    assert "add weight decay" not in f.suggestion and "weight_decay=0.01" in f.suggestion, f.suggestion
+    # neither: both are still advice
+    f = next(f for f in diagnose(write_run(tmp_path / "r2", layer_rows=rows)) if f.kind == "collapsed_activations")
+    assert "clip the gradients" in f.suggestion and "add weight decay" in f.suggestion, f.suggestion

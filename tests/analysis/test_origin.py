@@ -1315,3 +1315,27 @@ def test_a_run_check_numerics_stopped_at_the_nan_does_not_say_training_never_use
     o = origin(open_run(tmp_path / "r"))
     assert o.origin.op == "aten._log_softmax"
     assert o.reached_training is None, o.reached_training
+
+
+def test_an_overflow_in_a_loop_that_clips_is_not_told_to_clip(tmp_path):
+    # diffusers' hand-written DDPM loop clips its gradients (clip_grad_norm_, max_norm=1.0); an
+    # overflow there was told "lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_)".
+    # Here a rate far too high (1e20) moves a clipped Linear to 1e20 and its next forward overflows.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=1e20)
+
+    def train():
+        for _ in range(2):
+            loss = lin(torch.full((2, 4), 1e19)).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(lin.parameters(), max_norm=1.0)
+            opt.step()
+            opt.zero_grad()
+            loss.item()
+
+    o = origin(record(tmp_path, train))
+    assert o.origin.step == 1 and o.origin.explanation.startswith("overflow"), o.summary
+    assert "lower the learning rate" in o.suggestion, o.suggestion
+    assert "clip gradients (torch.nn.utils.clip_grad_norm_)" not in o.suggestion, o.suggestion
+    assert "already clips" in o.suggestion and "max_norm=1" in o.suggestion, o.suggestion
