@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainguard._errors import TrainguardError
+from trainguard.analysis._suggest import clipping_words
 from trainguard.store import ALIAS_OPS, REACHED, Run, is_collective
 
 # Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
@@ -1073,7 +1074,7 @@ def _integer_denominator(link: Link) -> bool:
 
 def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None,
             log_of: str | None = None, held: bool = False, exp_param: str | None = None,
-            loader: bool = False) -> str:
+            loader: bool = False, clipping: dict | None = None) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
@@ -1082,7 +1083,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     it was made (it sat in a tensor meanwhile), or was made in a sample of the data (:func:`made_in_loader`)
     or went through the model (:func:`_fed_to_model`); ``exp_param``: the parameter an exp's input is, read
     through reshapes (:func:`parameter_behind_view`); ``loader``: made in a DataLoader's fetch
-    (:func:`made_in_loader`)."""
+    (:func:`made_in_loader`); ``clipping``: how the loop clips its gradients (the run's ``clipping``), if it does."""
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
@@ -1169,9 +1170,14 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     narrow = any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs)
     if first_forward and link.step == 0 and link.phase == "forward":
         return _overflow_before_any_update(fed) + (", or compute this op in float32" if narrow else "")
+    text = _SUGGESTIONS["accum"]
+    if clipping:
+        # a clipped gradient still makes a step as large as the learning rate allows
+        text = ("values are overflowing: lower the learning rate; " + clipping_words(clipping, norms=False)
+                + ": a clipped step is still as large as the learning rate makes it")
     if narrow:
-        return _SUGGESTIONS["accum"] + ", or compute this op in float32"  # whose range holds what overflowed here
-    return _SUGGESTIONS["accum"]
+        return text + ", or compute this op in float32"  # whose range holds what overflowed here
+    return text
 
 
 def _fed_to_model(run: Run, chain: list[Link]) -> bool:
@@ -1312,7 +1318,8 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     consumers = [link.op for link in reversed(chain[:-1])]
     loader = made_in_loader(run, o)
     held = (h.step is not None and o.step is not None and h.step > o.step) or loader or _fed_to_model(run, chain)
+    clipping = run.meta.get("clipping") or (run.meta.get("monitor") or {}).get("clipping")
     suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
-                         exp_param=parameter_behind_view(run, o), loader=loader)
+                         exp_param=parameter_behind_view(run, o), loader=loader, clipping=clipping)
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm, earlier=earlier,
                   reached_training=reached)
