@@ -166,6 +166,35 @@ def test_noise_on_a_negative_loss_is_not_a_spike(tmp_path, seed):
     assert kinds(diagnose(write_run(tmp_path / "r", loss), rules=["loss_spike"])) == []
 
 
+# A negative log-likelihood's offset is arbitrary (a flow's on TwoMoons scaled by 0.05 falls from
+# 0.7 to -0.8; the same model on unscaled data sits 2 or 50 nats higher), so whether a jump is a
+# spike must not depend on where 0 is. The ratio tests measured rises in |median|: near 0 they
+# blocked nothing, and this healthy run's 2.8-sigma value (0.413 over a median of -0.008, Gaussian
+# noise 0.15) was "Loss spiked to 0.413 at step 132"; far below 0 they blocked everything, and a
+# batch 2 nats (13 sigma) above the median at step 100 was no spike 2 or 50 nats lower.
+def _nll(seed: int, offset: float, noise: float = 0.15, spike: float = 0.0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    loss = 1.5 * np.exp(-np.arange(150) / 40) - 0.8 + offset + noise * rng.standard_normal(150)
+    loss[100] += spike
+    return list(loss)
+
+
+@pytest.mark.parametrize("seed", [25, 261])
+def test_noise_on_a_negative_log_likelihood_that_crosses_zero_is_not_a_spike(tmp_path, seed):
+    assert kinds(diagnose(write_run(tmp_path / "r", _nll(seed, 0.8)), rules=["loss_spike"])) == []
+
+
+@pytest.mark.parametrize("offset", [0.0, -2.0, -50.0])
+def test_a_spike_of_a_negative_log_likelihood_is_found_wherever_its_zero_is(tmp_path, offset):
+    for seed in range(3):
+        fs = diagnose(write_run(tmp_path / f"r{seed}", _nll(seed, offset, spike=2.0)), rules=["loss_spike"])
+        [f] = [f for f in fs if f.kind == "loss_spike"]
+        assert f.evidence["largest"]["step"] == 100, (seed, f.title)
+    # the healthy runs, at every offset: no spike
+    for seed in range(3):
+        assert kinds(diagnose(write_run(tmp_path / f"h{seed}", _nll(seed, offset)), rules=["loss_spike"])) == []
+
+
 def test_a_spike_in_a_reinforcement_learning_run_is_a_note_about_episodes_not_a_bad_batch(tmp_path):
     # stable-baselines3's A2C("MlpPolicy", "CartPole-v1") (stable_baselines3/a2c/a2c.py:A2C.train), healthy,
     # under `trainguard monitor`: its loss sits near 5 and jumps to 31 or 161 for one update when a
