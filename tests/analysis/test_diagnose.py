@@ -34,7 +34,7 @@ def healthy_loss(n: int = 100, seed: int = 0) -> list[float]:
 
 
 def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=0.01, every=5, layers=LAYERS,
-              params=PARAMS, scalars=None, **monitor_meta):
+              params=PARAMS, scalars=None, run_meta=None, **monitor_meta):
     w = acquire_writer(path)
     loss = healthy_loss() if loss is None else loss
     for s, v in enumerate(loss):
@@ -52,6 +52,8 @@ def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=
     w.add_layer_stats(rows)
     w.set_meta(monitor={"every": every, "layers": layers, "params": params, "order": [la["name"] for la in layers],
                         "modes": modes or {}, **monitor_meta})
+    if run_meta:
+        w.set_meta(**run_meta)
     release_writer(w)
     return open_run(path)
 
@@ -2035,3 +2037,36 @@ def test_updates_that_wore_layers_out_in_a_loop_that_clips_are_not_told_to_clip(
     # neither: both are still advice
     f = next(f for f in diagnose(write_run(tmp_path / "r2", layer_rows=rows)) if f.kind == "collapsed_activations")
     assert "clip the gradients" in f.suggestion and "add weight decay" in f.suggestion, f.suggestion
+
+
+def _flat_run(path, **kw):
+    rng = np.random.default_rng(1)
+    return write_run(path, list(1.2 + 0.02 * rng.standard_normal(100)), **kw)
+
+
+def test_a_loss_that_compares_no_targets_is_not_told_to_check_that_targets_match_inputs(tmp_path):
+    # VincentStimper/normalizing-flows' RealNVP (forward_kld: -log q(x), no targets) and gpytorch's
+    # -mll: loss_not_decreasing said "check that targets match inputs (shuffle them together)". The
+    # loss watch reads which loss functions the loss's graph holds: none here.
+    no_targets = {"loss_graph": [{"heads": [], "loss_functions": []}] * 3}
+    f = next(f for f in diagnose(_flat_run(tmp_path / "r", run_meta=no_targets)) if f.kind == "loss_not_decreasing")
+    assert "targets match inputs" not in f.suggestion, f.suggestion
+    assert "no comparison with targets" in f.suggestion and "sign" in f.suggestion, f.suggestion
+    # a classifier's cross-entropy: the targets are still the first suspect
+    ce = {"loss_graph": [{"heads": [{"loss": "nll_loss", "chain": ["log_softmax"], "classes": 5}],
+                          "loss_functions": ["nll_loss"]}] * 3}
+    f = next(f for f in diagnose(_flat_run(tmp_path / "c", run_meta=ce)) if f.kind == "loss_not_decreasing")
+    assert "targets match inputs" in f.suggestion, f.suggestion
+
+
+def test_a_language_model_is_told_to_check_the_shift_of_its_targets(tmp_path):
+    # A GPT (rasbt/LLMs-from-scratch ch05): its targets are its inputs shifted by one token; "check that
+    # targets match inputs (shuffle them together)" does not fit. The cross-entropy's classes are the
+    # token embedding's rows.
+    params = dict(PARAMS, **{"emb.weight": {"layer": "emb", "module_type": "Embedding", "shape": [50, 64],
+                                            "requires_grad": True}})
+    lm = {"loss_graph": [{"heads": [{"loss": "nll_loss", "chain": ["log_softmax"], "classes": 50}],
+                          "loss_functions": ["nll_loss"]}] * 3}
+    f = next(f for f in diagnose(_flat_run(tmp_path / "r", run_meta=lm, params=params))
+             if f.kind == "loss_not_decreasing")
+    assert "shuffle them together" not in f.suggestion and "shifted by one" in f.suggestion, f.suggestion
