@@ -580,29 +580,35 @@ def loss_spike(ctx: Context) -> list[Finding]:
         return []
     vals = loss.values
     w = max(10, int(n * ctx.th.window_fraction / 2))
-    # The ratios are rises measured in the loss's magnitude, the same tests for a positive loss
-    # (x > 3 * base is x - base > 2 * base) and meaningful for a negative one, whose offset is
-    # arbitrary (gpytorch's -mll, a Gaussian NLL): there "3x a negative median" holds for any value.
-    scale = max(float(np.median(np.abs(vals[:3]))), 1e-12)  # the loss at initialisation sets the scale
+    # The ratios are rises measured in the loss's height above its floor: 0 for a loss that never
+    # went below it (x > 3 * base is x - base > 2 * base). A loss that did has no floor at 0: its
+    # offset is arbitrary (gpytorch's -mll, a flow's or Gaussian NLL), and |median| blocked nothing
+    # near 0 and everything far below it (a 13-sigma spike 2 nats below 0). Its heights are measured
+    # from its lowest value so far, and its rise must be a share of the span it fell since the
+    # start: tests that do not change when a constant is added to the loss.
+    floorless = bool(np.any(vals < 0))
+    start = float(np.median(vals[:3]))  # the loss at initialisation sets the scale
+    lowest = np.minimum.accumulate(vals)
+    min_rise = ctx.th.loss_spike_min_rise_span if floorless else ctx.th.loss_spike_min_rise
     spikes = []
     for i in range(w, n):
         prev = vals[i - w : i]
         base = float(np.median(prev))
         top_prev = float(prev.max())
+        floor = float(lowest[i - 1]) if floorless else 0.0
         mad = 1.4826 * float(np.median(np.abs(prev - base))) + 1e-12
         rise = vals[i] - base
         if (
-            rise > (ctx.th.loss_spike_ratio - 1) * abs(base)
-            and vals[i] - top_prev > (ctx.th.loss_spike_over_max - 1) * abs(top_prev)
+            rise > (ctx.th.loss_spike_ratio - 1) * (base - floor)
+            and vals[i] - top_prev > (ctx.th.loss_spike_over_max - 1) * (top_prev - floor)
             and rise > ctx.th.loss_spike_min_z * mad
-            and rise > ctx.th.loss_spike_min_rise * max(scale, abs(base))
+            and rise > min_rise * max(abs(start - floor), base - floor, 1e-12)
         ):
-            spikes.append((int(loss.steps[i]), float(vals[i]), base))
+            spikes.append((int(loss.steps[i]), float(vals[i]), base, floor))
     if not spikes:
         return []
-    # The rise over the median's size: top / base - 1 for a positive loss, and still the larger
-    # spike for a loss below 0 (a density's negative log-likelihood), where top / base is negative.
-    first_step, top, base = max(spikes, key=lambda s: (s[1] - s[2]) / max(abs(s[2]), 1e-12))
+    # The largest rise over the median's height: top / base - 1 for a positive loss.
+    first_step, top, base, _ = max(spikes, key=lambda s: (s[1] - s[2]) / max(s[2] - s[3], 1e-12))
     largest = {"step": first_step, "loss": top, "recent_median": base}
     if base > 0:
         largest["ratio"] = top / base
@@ -611,7 +617,7 @@ def loss_spike(ctx: Context) -> list[Finding]:
         largest["rise"] = top - base
         how = f"{fmt(top - base)} above its recent median ({fmt(base)})"
     ev = {
-        "spike_steps": [s for s, _, _ in spikes[:20]],
+        "spike_steps": [s[0] for s in spikes[:20]],
         "count": len(spikes),
         "largest": largest,
         "began": spikes[0][0],  # a rate far too high that diverged no later explains them (_causes.IN_TRAINING)
@@ -621,7 +627,7 @@ def loss_spike(ctx: Context) -> list[Finding]:
     if gn is not None:
         ev["largest"]["grad_norm"] = gn
         ev["grad_norm_median"] = gmed = median(ctx.grad_norm.values)
-        at_spikes = [ctx.grad_norm.at(s) for s, _, _ in spikes]
+        at_spikes = [ctx.grad_norm.at(s[0]) for s in spikes]
         quiet = all(g is not None and math.isfinite(g) and g < ctx.th.loss_spike_quiet_grad * gmed for g in at_spikes)
     if ctx.environment:
         # A rollout holding an episode's end (the value target drops to the last reward) or a rare
