@@ -425,6 +425,26 @@ def _norm_overflow(ctx: Context, step: int, before: Series) -> float | None:
     return last if last > ctx.th.grad_spike_factor * median(before.values[:-1]) else None
 
 
+def _targets_check(ctx: Context) -> str:
+    """What to check about the targets, from what the loss watch read off the loss's graph: that
+    they match the inputs (a supervised loss, or not known); for a language model, whose targets
+    are its inputs shifted (the cross-entropy's classes are its token embedding's rows), the shift;
+    for a loss that compares no targets (a flow's -log q(x), a GP's -mll, an ELBO), its sign."""
+    recs = ctx.run.meta.get("loss_graph") or []
+    if recs and all(isinstance(r.get("loss_functions"), list) and not r["loss_functions"] for r in recs):
+        return ("that the loss is the quantity to minimise: its graph holds no comparison with targets (no "
+                "cross-entropy, MSE, L1 or BCE: a likelihood of the data, as a flow's or a Gaussian process's, or an "
+                "ELBO), so check its sign (-log_prob(x).mean() falls as the fit improves)")
+    classes = ctx.loss_classes()
+    vocab = {int(info["shape"][0]) for info in ctx.params.values()
+             if info.get("module_type") == "Embedding" and len(info.get("shape", [])) == 2}
+    if classes is not None and classes in vocab:
+        return (f"that the targets are the inputs shifted by one token (the cross-entropy's {classes} classes are "
+                "the token embedding's rows: a language model; logits[:, :-1] against input_ids[:, 1:], or the "
+                "labels a Hugging Face model shifts itself)")
+    return "that targets match inputs (shuffle them together)"
+
+
 @register_rule("loss_not_decreasing")
 def loss_not_decreasing(ctx: Context) -> list[Finding]:
     p = progress(ctx)
@@ -465,7 +485,7 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
             f"({_ratio_max(ctx):.2%}): not the step size. A target that moves as training goes does this (reinforcement learning: value "
             "targets grow with the returns, as PPO's value loss does while the agent learns; a curriculum; a "
             "regulariser whose weight grows): judge such a run by its own metric (the episode return). If the "
-            "objective is fixed, check that targets match inputs and that the loss compares the right tensors"
+            f"objective is fixed, check {_targets_check(ctx)} and that the loss compares the right tensors"
         )
     elif (math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low
           and ratio * (p["steps"][1] - p["steps"][0] + 1) < ctx.th.update_total_small):
@@ -475,19 +495,19 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
             "too little for the loss to follow: check the rate in force first: a warmup longer than the run (a "
             "scheduler's, or the optimizer's own, as schedule-free's `warmup_steps`, which the logged lr does not "
             "show), an optimizer that sets its own step size (Adafactor's `relative_step` and `warmup_init`), or a rate "
-            f"too low ({LR_RANGE_TEST}); then, if the loss still does not follow, that targets match inputs"
+            f"too low ({LR_RANGE_TEST}); then, if the loss still does not follow, {_targets_check(ctx)}"
         )
     elif math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low:
         hints.append(
             f"the weights do move (update/weight ratio {fmt(ratio)} per step) but the loss does not follow: check "
-            "that targets match inputs (shuffle them together), that the loss compares the right tensors, and that "
+            f"{_targets_check(ctx)}, that the loss compares the right tensors, and that "
             "nothing detaches the output; `trainguard.doctor.overfit_one_batch` checks the model can learn at all"
         )
     elif math.isfinite(ratio):
         hints.append("the weights barely move: see the learning-rate finding")
     else:
         hints.append(
-            "check the learning rate, that targets match inputs, and that gradients reach the parameters; "
+            f"check the learning rate, {_targets_check(ctx)}, and that gradients reach the parameters; "
             "`trainguard.doctor.overfit_one_batch` checks the model can learn at all"
         )
     title = "Loss rose instead of decreasing" if rising else "Loss is not decreasing"
