@@ -1339,3 +1339,49 @@ def test_an_overflow_in_a_loop_that_clips_is_not_told_to_clip(tmp_path):
     assert "lower the learning rate" in o.suggestion, o.suggestion
     assert "clip gradients (torch.nn.utils.clip_grad_norm_)" not in o.suggestion, o.suggestion
     assert "already clips" in o.suggestion and "max_norm=1" in o.suggestion, o.suggestion
+
+
+def test_an_exp_used_as_a_scale_is_told_to_bound_the_scale(tmp_path):
+    # VincentStimper/normalizing-flows' AffineCouplingBlock.inverse (normflows/flows/affine/coupling.py:156,
+    # `z2 = (z2 - shift) * torch.exp(-scale_)`) with the scale net's last bias at -100: the fix said "subtract
+    # the maximum first (logsumexp / softmax do) or clamp the input, e.g. x.clamp(max=80)", a softmax's fix.
+    torch.manual_seed(0)
+    scale_net = nn.Linear(2, 2)
+    with torch.no_grad():
+        scale_net.bias.fill_(-100.0)
+
+    def inverse():
+        z = torch.randn(8, 2)
+        scale = scale_net(z)
+        return (z * torch.exp(-scale)).sum().item()
+
+    o = origin(record(tmp_path, inverse))
+    assert o.origin.op == "aten.exp", o.summary
+    assert "logsumexp" not in o.suggestion and "tanh" in o.suggestion, o.suggestion
+
+
+def test_a_power_that_overflowed_after_updates_is_not_told_to_normalise_the_data_first(tmp_path):
+    # gpytorch's exact GP at lr=10: the RBF kernel's lengthscale collapsed towards 0, x / lengthscale
+    # grew and its square overflowed in step 12. The fix said "normalise the input (data straight from
+    # a loader ...)". Here a divisor the updates drove to 1e-25, in step 2.
+    ls = nn.Parameter(torch.tensor(1.0))
+    opt = torch.optim.SGD([ls], lr=1.0)
+    x = torch.linspace(-1, 1, 8)
+
+    def train():
+        for target in (1.0, 1e-25, None):
+            d = (x / ls).pow(2)
+            if target is None:
+                d.sum().item()
+                break
+            opt.zero_grad()
+            ((ls - target) ** 2).backward()
+            opt.step()
+            with torch.no_grad():
+                ls.fill_(target)  # where the updates took it over many steps
+
+    o = origin(record(tmp_path, train))
+    assert o.origin.op == "aten.pow.Tensor_Scalar" and o.origin.step == 2, o.summary
+    assert not o.suggestion.startswith("an input holds values too large to raise to this power in its dtype: "
+                                       "normalise the input"), o.suggestion
+    assert "learning rate" in o.suggestion, o.suggestion
