@@ -781,6 +781,16 @@ _SUGGESTIONS = {
     "power": "an input holds values too large to raise to this power in its dtype: normalise the input (data "
     "straight from a loader: `trainguard doctor` validates it), clamp it before the power, e.g. "
     "x.clamp(-1e4, 1e4) ** 2, or compute the power in float64",
+    "exp_scale": "this exp is a scale (it multiplies a value: a flow's coupling scale, z * exp(s); a VAE's "
+    "std = exp(0.5 * logvar); a Gaussian's exp(log_std)), and its exponent grew past the dtype's range: bound the "
+    "exponent where it is made, e.g. s = torch.tanh(s) or a soft clamp s = c * torch.tanh(s / c) (normflows' "
+    "AffineCouplingBlock(scale_map='sigmoid'); a log-std clamped to [-20, 2]), and lower the learning rate if the "
+    "updates grew it",
+    "power_updated": "the values raised to this power grew after {updates} of this recording: a divisor the "
+    "updates shrank towards 0 (a kernel's lengthscale, a temperature, a std) or weights they grew make the input "
+    "this large: lower the learning rate, and keep such a divisor away from 0 (a positive constraint with a floor, "
+    "e.g. F.softplus(raw) + 1e-4, gpytorch's GreaterThan(1e-4)); or clamp the input before the power, or compute "
+    "it in float64",
     "softplus": "log(1 + exp(x)) is torch.nn.functional.softplus(x), which computes it without overflow (x itself "
     "where x is large)",
     "empty": "the batch is empty: check the mask or index that selects it (a split at fixed indices past the "
@@ -1039,6 +1049,20 @@ def _exp_of_parameter(name: str, initial: bool = False) -> str:
             f"as open_clip does, {clamp}, and/or give it a lower learning rate")
 
 
+def _as_scale(consumers: list[str]) -> bool:
+    """Whether the ops after an exp (nearest first) multiply it into a value (``z * exp(s)``), and
+    no sum and division follow as in a softmax written by hand (``exp(x) * mask / sum``)."""
+    bases = [op_base(op) for op in consumers[:4]]
+    return bases[:1] in (["mul"], ["mul_"]) and not any(b in _DIVS for b in bases[1:])
+
+
+def _made_by_an_op(link: Link) -> bool:
+    """Whether the op's first input was made by a recorded op of the program (not converted from
+    data: ``lift_fresh`` of a NumPy array or a list)."""
+    p = link.inputs[0].get("producer_op") if link.inputs else None
+    return bool(p) and op_base(p) not in ("lift_fresh", "lift_fresh_copy")
+
+
 def _into_log_one_plus(consumers: list[str]) -> bool:
     """Whether the ops after the origin (nearest first) take ``log1p`` of it, or ``log`` of it plus
     something (``log(1 + exp(x))``)."""
@@ -1147,8 +1171,18 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
             if param is not None:
                 return _exp_of_parameter(param, initial=first_forward and link.step == 0)
         if base in ("pow", "square"):
+            if link.phase != "backward" and (link.step or 0) > 0 and not loader and not held and _made_by_an_op(link):
+                # made in this step from what the updates changed, not data straight from a loader (gpytorch's
+                # kernels run in an autograd.Function outside any module: the "other" phase)
+                n = link.step if first_forward else None
+                return _SUGGESTIONS["power_updated"].format(
+                    updates=f"{n} update{'s' if n != 1 else ''}" if n is not None else "the updates")
             return _SUGGESTIONS["power"]
-        return _SUGGESTIONS["softplus" if base == "exp" and _into_log_one_plus(consumers) else "exp"]
+        if base == "exp" and _into_log_one_plus(consumers):
+            return _SUGGESTIONS["softplus"]
+        if base in ("exp", "exp_") and _as_scale(consumers):
+            return _SUGGESTIONS["exp_scale"]
+        return _SUGGESTIONS["exp"]
     if base in _STDS and _reduced_count(link) == 1:
         return _SUGGESTIONS["std"]
     if (base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward"
