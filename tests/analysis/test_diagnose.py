@@ -38,7 +38,8 @@ def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=
     w = acquire_writer(path)
     loss = healthy_loss() if loss is None else loss
     for s, v in enumerate(loss):
-        values = {"loss": v, "lr/0": lr[s] if isinstance(lr, list) else lr, **(scalars or {})}
+        values = {"loss": v, **({"lr/0": lr[s] if isinstance(lr, list) else lr} if lr is not None else {}),
+                  **(scalars or {})}
         if grad_norm is not None:
             values["grad_norm"] = grad_norm[s]
         w.add_scalars(s, values)
@@ -2070,3 +2071,18 @@ def test_a_language_model_is_told_to_check_the_shift_of_its_targets(tmp_path):
     f = next(f for f in diagnose(_flat_run(tmp_path / "r", run_meta=lm, params=params))
              if f.kind == "loss_not_decreasing")
     assert "shuffle them together" not in f.suggestion and "shifted by one" in f.suggestion, f.suggestion
+
+
+def test_a_healthy_verdict_says_what_it_could_not_judge_on_a_model_with_no_torch_layers(tmp_path):
+    # Keras 3 on torch (keras/src/backend/torch/layer.py): a Keras model's layers are no torch children,
+    # its variables sit in one ParameterDict and its optimizer keeps the rate in a Keras Variable. `model.fit`
+    # under `trainguard monitor` said "Training looks healthy ... layers: 0", with no word that no
+    # activation rule could run and no learning rate was seen.
+    fs = diagnose(write_run(tmp_path / "r", layers=[], lr=None))
+    [f] = [f for f in fs if f.kind == "healthy"]
+    assert f.evidence["not_judged"] == ["activations", "learning_rate"], f.evidence
+    assert "no layer's activations were recorded" in f.title and "learning rate" in f.title, f.title
+    # a plain torch model: nothing to add
+    [f] = [f for f in diagnose(write_run(tmp_path / "t", layer_rows=activation_rows(lambda s: 1.0)))
+           if f.kind == "healthy"]
+    assert "not_judged" not in f.evidence and f.title.endswith("no rule found a problem"), f.title
