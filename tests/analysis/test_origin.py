@@ -1352,12 +1352,23 @@ def test_an_exp_used_as_a_scale_is_told_to_bound_the_scale(tmp_path):
 
     def inverse():
         z = torch.randn(8, 2)
-        scale = scale_net(z)
-        return (z * torch.exp(-scale)).sum().item()
+        z1, z2 = z[:, :1], z[:, 1:]
+        scale = scale_net(z)[:, 1:]
+        z = torch.cat([z1, z2 * torch.exp(-scale)], 1)
+        # the base distribution's log-probability, as torch.distributions.Normal.log_prob divides by the scale
+        return (-0.5 * ((z - 0.0) / 1.0) ** 2).sum().item()
 
-    o = origin(record(tmp_path, inverse))
+    o = origin(record(tmp_path / "flow", inverse))
     assert o.origin.op == "aten.exp", o.summary
     assert "logsumexp" not in o.suggestion and "tanh" in o.suggestion, o.suggestion
+
+    def masked_softmax():  # exp times a mask, summed, divided: a softmax by hand, whose fix stays
+        x = torch.full((2, 4), 100.0)
+        e = torch.exp(x) * torch.ones(2, 4)
+        return (e / e.sum(1, keepdim=True)).sum().item()
+
+    o = origin(record(tmp_path / "softmax", masked_softmax))
+    assert o.origin.op == "aten.exp" and "logsumexp" in o.suggestion, o.suggestion
 
 
 def test_a_power_that_overflowed_after_updates_is_not_told_to_normalise_the_data_first(tmp_path):
