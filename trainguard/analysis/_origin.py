@@ -1050,10 +1050,12 @@ def _exp_of_parameter(name: str, initial: bool = False) -> str:
 
 
 def _as_scale(consumers: list[str]) -> bool:
-    """Whether the ops after an exp (nearest first) multiply it into a value (``z * exp(s)``), and
-    no sum and division follow as in a softmax written by hand (``exp(x) * mask / sum``)."""
-    bases = [op_base(op) for op in consumers[:4]]
-    return bases[:1] in (["mul"], ["mul_"]) and not any(b in _DIVS for b in bases[1:])
+    """Whether the ops after an exp (nearest first) multiply it into a value (``z * exp(s)``, then a
+    ``cat``, ``add`` or ``sub``: normflows' coupling), not summed or divided next as in a softmax
+    written by hand (``exp(x) * mask / sum``)."""
+    bases = [op_base(op) for op in consumers[:2]]
+    softmax = bases[1:2] in (["sum"], ["sum_"]) or (len(bases) > 1 and bases[1] in _DIVS)
+    return bases[:1] in (["mul"], ["mul_"]) and not softmax
 
 
 def _made_by_an_op(link: Link) -> bool:
