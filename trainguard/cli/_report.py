@@ -134,7 +134,8 @@ def _header(report: dict) -> Panel:
         _row(t, "executions", f"{counts['stored']:,} stored over {counts['steps']} steps "
                   f"(forward {phases['forward']:,}, backward {phases['backward']:,}, "
                   f"optimizer {phases['optimizer']:,}, other {phases['other']:,})")
-    if counts["steps"] <= 1 and phases["backward"] and not phases["optimizer"]:
+    if counts["steps"] <= 1 and phases["backward"] and not phases["optimizer"] and not meta.get("guard_replay"):
+        # (a guard's replay records the one failing step, whose update it may never run)
         _row(t, "steps", Text("not counted: no torch.optim optimizer step() was seen, so every op is in step 0 "
                               "(a loop that writes the weights itself, as Keras' fit; `trainguard.step()` after "
                               "each update, or `--monitor`, counts them)", style="yellow"))
