@@ -34,11 +34,12 @@ def healthy_loss(n: int = 100, seed: int = 0) -> list[float]:
 
 
 def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=0.01, every=5, layers=LAYERS,
-              params=PARAMS, scalars=None, **monitor_meta):
+              params=PARAMS, scalars=None, run_meta=None, **monitor_meta):
     w = acquire_writer(path)
     loss = healthy_loss() if loss is None else loss
     for s, v in enumerate(loss):
-        values = {"loss": v, "lr/0": lr[s] if isinstance(lr, list) else lr, **(scalars or {})}
+        values = {"loss": v, **({"lr/0": lr[s] if isinstance(lr, list) else lr} if lr is not None else {}),
+                  **(scalars or {})}
         if grad_norm is not None:
             values["grad_norm"] = grad_norm[s]
         w.add_scalars(s, values)
@@ -52,6 +53,8 @@ def write_run(path, loss=None, *, grad_norm=None, layer_rows=(), modes=None, lr=
     w.add_layer_stats(rows)
     w.set_meta(monitor={"every": every, "layers": layers, "params": params, "order": [la["name"] for la in layers],
                         "modes": modes or {}, **monitor_meta})
+    if run_meta:
+        w.set_meta(**run_meta)
     release_writer(w)
     return open_run(path)
 
@@ -164,6 +167,35 @@ def test_noise_on_a_negative_loss_is_not_a_spike(tmp_path, seed):
     t = np.arange(150)
     loss = list((2 * np.exp(-t / 40) + 0.3) * np.exp(0.2 * rng.standard_normal(150)) - 3)
     assert kinds(diagnose(write_run(tmp_path / "r", loss), rules=["loss_spike"])) == []
+
+
+# A negative log-likelihood's offset is arbitrary (a flow's on TwoMoons scaled by 0.05 falls from
+# 0.7 to -0.8; the same model on unscaled data sits 2 or 50 nats higher), so whether a jump is a
+# spike must not depend on where 0 is. The ratio tests measured rises in |median|: near 0 they
+# blocked nothing, and this healthy run's 2.8-sigma value (0.413 over a median of -0.008, Gaussian
+# noise 0.15) was "Loss spiked to 0.413 at step 132"; far below 0 they blocked everything, and a
+# batch 2 nats (13 sigma) above the median at step 100 was no spike 2 or 50 nats lower.
+def _nll(seed: int, offset: float, noise: float = 0.15, spike: float = 0.0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    loss = 1.5 * np.exp(-np.arange(150) / 40) - 0.8 + offset + noise * rng.standard_normal(150)
+    loss[100] += spike
+    return list(loss)
+
+
+@pytest.mark.parametrize("seed", [25, 261])
+def test_noise_on_a_negative_log_likelihood_that_crosses_zero_is_not_a_spike(tmp_path, seed):
+    assert kinds(diagnose(write_run(tmp_path / "r", _nll(seed, 0.8)), rules=["loss_spike"])) == []
+
+
+@pytest.mark.parametrize("offset", [0.0, -2.0, -50.0])
+def test_a_spike_of_a_negative_log_likelihood_is_found_wherever_its_zero_is(tmp_path, offset):
+    for seed in range(3):
+        fs = diagnose(write_run(tmp_path / f"r{seed}", _nll(seed, offset, spike=2.0)), rules=["loss_spike"])
+        [f] = [f for f in fs if f.kind == "loss_spike"]
+        assert f.evidence["largest"]["step"] == 100, (seed, f.title)
+    # the healthy runs, at every offset: no spike
+    for seed in range(3):
+        assert kinds(diagnose(write_run(tmp_path / f"h{seed}", _nll(seed, offset)), rules=["loss_spike"])) == []
 
 
 def test_a_spike_in_a_reinforcement_learning_run_is_a_note_about_episodes_not_a_bad_batch(tmp_path):
@@ -1984,3 +2016,73 @@ def test_a_first_update_that_rewrote_the_weights_is_a_divergence_not_a_noisy_los
     f = next((f for f in mon.findings if f.kind == "lr_too_high"), None)
     assert f is not None, [(f.kind, f.title) for f in mon.findings]
     assert f.evidence["divergence"]["step"] <= 2 and f.evidence["lr"] == 10.0, f.evidence
+
+
+def test_updates_that_wore_layers_out_in_a_loop_that_clips_are_not_told_to_clip(tmp_path):
+    # The fix for a problem the updates made ("lower the learning rate, clip the gradients
+    # (`torch.nn.utils.clip_grad_norm_`) or add weight decay") was given to loops that clip already
+    # (diffusers' DDPM loop, max_norm=1.0) and decay already; the collapsed-activations case of
+    # cleanrl's ppo.py (which clips at max_grad_norm=0.5) here, by hand.
+    rows = []
+    for s in range(0, 100, 5):
+        for la, later in (("0", 9.0), ("2", 70.0), ("4", 1e-6)):
+            rows += [(s, la, "activation", "mean", 0.0), (s, la, "activation", "std", 0.2 if s == 0 else later)]
+    clipping = {"function": "clip_grad_norm_", "value": 0.5, "first_step": 0}
+    params = {name: dict(info, optimizer="Adam", orthogonalised=False, weight_decay=0.01)
+              for name, info in PARAMS.items()}
+    f = next(f for f in diagnose(write_run(tmp_path / "r", layer_rows=rows, clipping=clipping, params=params))
+             if f.kind == "collapsed_activations")
+    assert "lower the learning rate" in f.suggestion, f.suggestion
+    assert "clip the gradients (`" not in f.suggestion and "max_norm=0.5" in f.suggestion, f.suggestion
+    assert "add weight decay" not in f.suggestion and "weight_decay=0.01" in f.suggestion, f.suggestion
+    # neither: both are still advice
+    f = next(f for f in diagnose(write_run(tmp_path / "r2", layer_rows=rows)) if f.kind == "collapsed_activations")
+    assert "clip the gradients" in f.suggestion and "add weight decay" in f.suggestion, f.suggestion
+
+
+def _flat_run(path, **kw):
+    rng = np.random.default_rng(1)
+    return write_run(path, list(1.2 + 0.02 * rng.standard_normal(100)), **kw)
+
+
+def test_a_loss_that_compares_no_targets_is_not_told_to_check_that_targets_match_inputs(tmp_path):
+    # VincentStimper/normalizing-flows' RealNVP (forward_kld: -log q(x), no targets) and gpytorch's
+    # -mll: loss_not_decreasing said "check that targets match inputs (shuffle them together)". The
+    # loss watch reads which loss functions the loss's graph holds: none here.
+    no_targets = {"loss_graph": [{"heads": [], "loss_functions": []}] * 3}
+    f = next(f for f in diagnose(_flat_run(tmp_path / "r", run_meta=no_targets)) if f.kind == "loss_not_decreasing")
+    assert "targets match inputs" not in f.suggestion, f.suggestion
+    assert "no comparison with targets" in f.suggestion and "sign" in f.suggestion, f.suggestion
+    # a classifier's cross-entropy: the targets are still the first suspect
+    ce = {"loss_graph": [{"heads": [{"loss": "nll_loss", "chain": ["log_softmax"], "classes": 5}],
+                          "loss_functions": ["nll_loss"]}] * 3}
+    f = next(f for f in diagnose(_flat_run(tmp_path / "c", run_meta=ce)) if f.kind == "loss_not_decreasing")
+    assert "targets match inputs" in f.suggestion, f.suggestion
+
+
+def test_a_language_model_is_told_to_check_the_shift_of_its_targets(tmp_path):
+    # A GPT (rasbt/LLMs-from-scratch ch05): its targets are its inputs shifted by one token; "check that
+    # targets match inputs (shuffle them together)" does not fit. The cross-entropy's classes are the
+    # token embedding's rows.
+    params = dict(PARAMS, **{"emb.weight": {"layer": "emb", "module_type": "Embedding", "shape": [50, 64],
+                                            "requires_grad": True}})
+    lm = {"loss_graph": [{"heads": [{"loss": "nll_loss", "chain": ["log_softmax"], "classes": 50}],
+                          "loss_functions": ["nll_loss"]}] * 3}
+    f = next(f for f in diagnose(_flat_run(tmp_path / "r", run_meta=lm, params=params))
+             if f.kind == "loss_not_decreasing")
+    assert "shuffle them together" not in f.suggestion and "shifted by one" in f.suggestion, f.suggestion
+
+
+def test_a_healthy_verdict_says_what_it_could_not_judge_on_a_model_with_no_torch_layers(tmp_path):
+    # Keras 3 on torch (keras/src/backend/torch/layer.py): a Keras model's layers are no torch children,
+    # its variables sit in one ParameterDict and its optimizer keeps the rate in a Keras Variable. `model.fit`
+    # under `trainguard monitor` said "Training looks healthy ... layers: 0", with no word that no
+    # activation rule could run and no learning rate was seen.
+    fs = diagnose(write_run(tmp_path / "r", layers=[], lr=None))
+    [f] = [f for f in fs if f.kind == "healthy"]
+    assert f.evidence["not_judged"] == ["activations", "learning_rate"], f.evidence
+    assert "no layer's activations were recorded" in f.title and "learning rate" in f.title, f.title
+    # a plain torch model: nothing to add
+    [f] = [f for f in diagnose(write_run(tmp_path / "t", layer_rows=activation_rows(lambda s: 1.0)))
+           if f.kind == "healthy"]
+    assert "not_judged" not in f.evidence and f.title.endswith("no rule found a problem"), f.title

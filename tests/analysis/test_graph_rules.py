@@ -382,3 +382,23 @@ def test_a_softmax_before_a_gathered_nll_is_named(tmp_path):
     assert f.evidence["source"] == "autograd graph"
     healthy = _monitored(tmp_path / "h", lambda z, y: _label_smoothed_nll(F.log_softmax(z, 1), y))
     assert not [f for f in healthy if f.kind in MISUSE and f.is_problem]
+
+
+def _flow_nll(out, y):
+    # normflows' forward_kld on an affine flow: -log N(z; 0, 1) - log|det|, no targets compared
+    shift, log_scale = out[:, :2], out[:, 2:4]
+    z = (out[:, 4:].detach() - shift) * torch.exp(-log_scale)
+    return (0.5 * z.pow(2).sum(1) + log_scale.sum(1)).mean()
+
+
+@pytest.mark.parametrize("loss_fn, functions", [(_flow_nll, []), (_healthy_log_softmax_nll, ["nll_loss"]),
+                                                (lambda out, y: F.mse_loss(out, torch.randn_like(out)), ["mse_loss"]),
+                                                (_healthy_bce_logits, ["binary_cross_entropy_with_logits"])],
+                         ids=["flow", "nll", "mse", "bce"])
+def test_the_loss_watch_stores_which_loss_functions_the_loss_holds(tmp_path, loss_fn, functions):
+    # loss_not_decreasing tells a loss that compares targets to check them, and a likelihood of the
+    # data (a flow, a GP's -mll) to check its sign: the loss watch says which one it is.
+    _monitored(tmp_path, loss_fn)
+    with open_run(tmp_path / "mon") as run:
+        recs = run.meta["loss_graph"]
+    assert recs and all(r["loss_functions"] == functions for r in recs), recs

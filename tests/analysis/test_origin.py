@@ -1343,3 +1343,84 @@ def test_a_nan_in_a_batch_a_dataloader_worker_built_is_told_to_check_the_data(tm
     assert "empty" not in why and "turned finite inputs" not in why, why
     assert "DataLoader worker" in why, why
     assert "empty" not in o.suggestion and "num_workers=0" in o.suggestion and "data set" in o.suggestion, o.suggestion
+
+
+def test_an_overflow_in_a_loop_that_clips_is_not_told_to_clip(tmp_path):
+    # diffusers' hand-written DDPM loop clips its gradients (clip_grad_norm_, max_norm=1.0); an
+    # overflow there was told "lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_)".
+    # Here a rate far too high (1e20) moves a clipped Linear to 1e20 and its next forward overflows.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=1e20)
+
+    def train():
+        for _ in range(2):
+            loss = lin(torch.full((2, 4), 1e19)).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(lin.parameters(), max_norm=1.0)
+            opt.step()
+            opt.zero_grad()
+            loss.item()
+
+    o = origin(record(tmp_path, train))
+    assert o.origin.step == 1 and o.origin.explanation.startswith("overflow"), o.summary
+    assert "lower the learning rate" in o.suggestion, o.suggestion
+    assert "clip gradients (torch.nn.utils.clip_grad_norm_)" not in o.suggestion, o.suggestion
+    assert "already clips" in o.suggestion and "max_norm=1" in o.suggestion, o.suggestion
+
+
+def test_an_exp_used_as_a_scale_is_told_to_bound_the_scale(tmp_path):
+    # VincentStimper/normalizing-flows' AffineCouplingBlock.inverse (normflows/flows/affine/coupling.py:156,
+    # `z2 = (z2 - shift) * torch.exp(-scale_)`) with the scale net's last bias at -100: the fix said "subtract
+    # the maximum first (logsumexp / softmax do) or clamp the input, e.g. x.clamp(max=80)", a softmax's fix.
+    torch.manual_seed(0)
+    scale_net = nn.Linear(2, 2)
+    with torch.no_grad():
+        scale_net.bias.fill_(-100.0)
+
+    def inverse():
+        z = torch.randn(8, 2)
+        z1, z2 = z[:, :1], z[:, 1:]
+        scale = scale_net(z)[:, 1:]
+        z = torch.cat([z1, z2 * torch.exp(-scale)], 1)
+        # the base distribution's log-probability, as torch.distributions.Normal.log_prob divides by the scale
+        return (-0.5 * ((z - 0.0) / 1.0) ** 2).sum().item()
+
+    o = origin(record(tmp_path / "flow", inverse))
+    assert o.origin.op == "aten.exp", o.summary
+    assert "logsumexp" not in o.suggestion and "tanh" in o.suggestion, o.suggestion
+
+    def masked_softmax():  # exp times a mask, summed, divided: a softmax by hand, whose fix stays
+        x = torch.full((2, 4), 100.0)
+        e = torch.exp(x) * torch.ones(2, 4)
+        return (e / e.sum(1, keepdim=True)).sum().item()
+
+    o = origin(record(tmp_path / "softmax", masked_softmax))
+    assert o.origin.op == "aten.exp" and "logsumexp" in o.suggestion, o.suggestion
+
+
+def test_a_power_that_overflowed_after_updates_is_not_told_to_normalise_the_data_first(tmp_path):
+    # gpytorch's exact GP at lr=10: the RBF kernel's lengthscale collapsed towards 0, x / lengthscale
+    # grew and its square overflowed in step 12. The fix said "normalise the input (data straight from
+    # a loader ...)". Here a divisor the updates drove to 1e-25, in step 2.
+    ls = nn.Parameter(torch.tensor(1.0))
+    opt = torch.optim.SGD([ls], lr=1.0)
+    x = torch.linspace(-1, 1, 8)
+
+    def train():
+        for target in (1.0, 1e-25, None):
+            d = (x / ls).pow(2)
+            if target is None:
+                d.sum().item()
+                break
+            opt.zero_grad()
+            ((ls - target) ** 2).backward()
+            opt.step()
+            with torch.no_grad():
+                ls.fill_(target)  # where the updates took it over many steps
+
+    o = origin(record(tmp_path, train))
+    assert o.origin.op == "aten.pow.Tensor_Scalar" and o.origin.step == 2, o.summary
+    assert not o.suggestion.startswith("an input holds values too large to raise to this power in its dtype: "
+                                       "normalise the input"), o.suggestion
+    assert "learning rate" in o.suggestion, o.suggestion

@@ -11,7 +11,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
+import trainguard as tg
 from trainguard.cli import main
 from trainguard.examples import nan_digits
 
@@ -281,3 +283,48 @@ def test_a_logdir_holding_a_run_is_refused_with_the_flag_that_replaces_it(tmp_pa
         err = capsys.readouterr().err
         assert "already holds a run" in err and "--overwrite" in err, err
         assert "--resume" in err, err  # the same command after a preemption: continue the run
+
+
+class _HandUpdated(torch.nn.Module):
+    """Keras 3's torch backend, reduced (keras/src/backend/torch/layer.py, trainers/torch trainer.py):
+    the variables sit in one ParameterDict and are used functionally (no torch children), and
+    `fit`'s train_step runs `loss.backward()` then the Keras optimizer writes the weights under
+    no_grad: no torch.optim step() is ever called."""
+
+    def __init__(self):
+        super().__init__()
+        self._torch_params = torch.nn.ParameterDict({"dense/kernel": torch.nn.Parameter(torch.randn(4, 2) * 0.1)})
+
+    def forward(self, x):
+        return x @ self._torch_params["dense/kernel"]
+
+
+def test_a_recording_of_a_loop_with_no_torch_optimizer_says_its_steps_were_not_counted(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = _HandUpdated()
+    with tg.record(tmp_path / "r"):
+        for _ in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+    assert main(["report", str(tmp_path / "r")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "over 1 steps" not in out or "no torch.optim" in out, out
+    assert "no torch.optim" in out and "step 0" in out, out
+
+
+def test_a_monitor_run_does_not_say_it_stored_0_executions_over_0_steps(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tg.Monitor(model, tmp_path / "m", every=1):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    assert main(["report", str(tmp_path / "m")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "0 stored over 0 steps" not in out and "not recorded" in out, out

@@ -98,3 +98,16 @@ def test_a_preempted_guarded_run_resumes_exactly(tmp_path):
         train(loop.batches(), second)
     assert_bitwise(params(ref), params(second))
     assert [i.step for i in list_checkpoints(tmp_path / "ckpt")][-1] == 40
+
+
+def test_a_rewind_to_a_checkpoint_at_the_failing_step_says_what_it_replayed(tmp_path):
+    # A checkpoint at step 20 and the NaN at step 20: no step runs again before the failing one,
+    # and the line read "rewound to step 20 (checkpoint); replayed; origin: ..." (diffusers trial).
+    state = make_state(make_data(30, poison_batch=20))
+    ckpt = tg.CheckpointManager(tmp_path / "ckpt", every_steps=10, keep=2)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=50)
+    train(ckpt.resume(state, total_steps=30, guard=guard).batches(), state)
+    [event] = guard.events
+    assert event["rewound_to"] == 20 and event["replay"]["steps"] == 0
+    assert "; replayed;" not in event["message"], event["message"]
+    assert "rewound to step 20 (checkpoint); replayed step 20 alone, under recording; origin: " in event["message"]

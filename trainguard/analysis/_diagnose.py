@@ -227,10 +227,26 @@ def _verdict(ctx: Context, untrended: bool = False) -> Finding:
         # an LR range test's divergence is its purpose, not the run's
         title += (f" (steps 0-{ctx.undone_before - 1} are not judged: the model's weights were loaded back "
                   f"after them, as an LR range test such as fastai's lr_find does)")
+    title += ", no rule found a problem"
+    # What the verdict could not look at (Keras 3 on torch: layers that are no torch modules, a rate
+    # kept in a Keras Variable): said, not left to "layers: 0" and a missing lr/0.
+    unseen = []
+    if ctx.params and not ctx.layer_order:
+        unseen.append("activations")
+    if ctx.params and not ctx.lrs:
+        unseen.append("learning_rate")
+    if unseen:
+        ev["not_judged"] = unseen
+        title += " it could judge (" + "; ".join(
+            {"activations": f"no layer's activations were recorded, though {len(ctx.params)} parameters were "
+                            "watched: the model's layers are no torch modules, as Keras', or none ran under the "
+                            "monitor; no activation rule ran",
+             "learning_rate": "no learning rate was seen: no torch.optim optimizer stepped, so no rule read the "
+                              "rate"}[u] for u in unseen) + ")"
     return Finding(
         kind="healthy",
         severity="info",
-        title=title + ", no rule found a problem",
+        title=title,
         evidence=ev,
         steps=(int(ctx.loss.steps[0]), int(ctx.loss.steps[-1])) if n else None,
         source="monitor",

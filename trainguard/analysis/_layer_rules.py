@@ -9,7 +9,7 @@ import numpy as np
 
 from trainguard.analysis._context import POOL_TYPES, Context, Series, fmt, median
 from trainguard.analysis._rules import register_rule
-from trainguard.analysis._suggest import activation_family, clip_text, clipping_text, init_advice
+from trainguard.analysis._suggest import activation_family, clip_text, init_advice, slow_updates
 from trainguard.store import Finding
 
 SOURCE = "monitor"
@@ -52,10 +52,6 @@ def fully_dead_layers(ctx: Context) -> list[str]:
         if median(ctx.window(dead_series(ctx, la)).values) >= 0.99:
             out.append(la)
     return out
-
-
-# What slows updates that grew or wore a layer out (a problem that arose in training, not at init).
-_SLOW_UPDATES = "lower the learning rate, clip the gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay"
 
 
 def negative_layers(ctx: Context) -> list[str]:
@@ -295,17 +291,11 @@ def exploding_activations(ctx: Context) -> list[Finding]:
             suggestion = grew + (f"lower the learning rate of {muon}'s groups that update these layers, or add "
                                  f"weight decay; clipping the gradients does not shrink these updates: {muon} "
                                  "orthogonalises each one, so its size is set by the learning rate alone")
-        elif (decay := ctx.weight_decay(hot)) is not None:
-            # Weight decay is on for every grown layer already (litgpt's AdamW weight_decay=0.1).
-            ev["weight_decay"] = decay
-            suggestion = grew + (f"lower the learning rate (weight decay is already on: weight_decay={fmt(decay)} "
-                                 "on these layers' weights)")
-            suggestion += "; " + clipping_text(ctx) if ctx.clipping else \
-                ", or clip the gradients (`torch.nn.utils.clip_grad_norm_`)"
-        elif ctx.clipping:
-            suggestion = grew + "lower the learning rate or add weight decay; " + clipping_text(ctx)
         else:
-            suggestion = grew + _SLOW_UPDATES
+            if (decay := ctx.weight_decay(hot)) is not None:
+                # Weight decay is on for every grown layer already (litgpt's AdamW weight_decay=0.1).
+                ev["weight_decay"] = decay
+            suggestion = grew + slow_updates(ctx, hot)
     else:
         rows, init_text = init_advice(ctx, ctx.weight_matrices(), activation_family(ctx))
         if rows:
@@ -370,7 +360,7 @@ def collapsed_activations(ctx: Context) -> list[Finding]:
         ev["arose_in_training"] = True
         suggestion = (f"layer {first} was not collapsed at initialisation (std {fmt(initial[first])}) and collapsed "
                       "during training: the updates made every sample's output the same (saturated or dead units "
-                      f"before it); {_SLOW_UPDATES}")
+                      f"before it); {slow_updates(ctx, cold)}")
     else:
         rows, init_text = init_advice(ctx, ctx.weight_matrices(), activation_family(ctx))
         if rows:
@@ -411,7 +401,8 @@ def saturated_activations(ctx: Context) -> list[Finding]:
         ev["initial_saturated_fraction"] = initial
         ev["arose_in_training"] = True
         suggestion = (f"layer {first} was not saturated at initialisation ({initial[first]:.0%} of its outputs at the "
-                      f"bounds) and saturated during training: the updates grew its pre-activations; {_SLOW_UPDATES}")
+                      f"bounds) and saturated during training: the updates grew its pre-activations; "
+                      + slow_updates(ctx, [ctx.params[p]["layer"] for p in _feeding_params(ctx, first)]))
     else:
         rows, init_text = init_advice(ctx, _feeding_params(ctx, first), "tanh")
         if rows:
@@ -517,7 +508,8 @@ def _vanishing_in(ctx: Context, flow: dict[str, float]) -> list[Finding]:
         ev["initial_first_last_ratio"] = initial
         ev["arose_in_training"] = True
         fix = (f"the gradients did not vanish at initialisation (first/last ratio {fmt(initial)} at step "
-               f"{ctx.recorded_steps[0]}): the updates saturated or killed the units between; {_SLOW_UPDATES}")
+               f"{ctx.recorded_steps[0]}): the updates saturated or killed the units between; "
+               + slow_updates(ctx, [ctx.params[p]["layer"] for p in names if p in ctx.params]))
     else:
         fam = activation_family(ctx)
         _, init_text = init_advice(ctx, names, fam)

@@ -425,6 +425,26 @@ def _norm_overflow(ctx: Context, step: int, before: Series) -> float | None:
     return last if last > ctx.th.grad_spike_factor * median(before.values[:-1]) else None
 
 
+def _targets_check(ctx: Context) -> str:
+    """What to check about the targets, from what the loss watch read off the loss's graph: that
+    they match the inputs (a supervised loss, or not known); for a language model, whose targets
+    are its inputs shifted (the cross-entropy's classes are its token embedding's rows), the shift;
+    for a loss that compares no targets (a flow's -log q(x), a GP's -mll, an ELBO), its sign."""
+    recs = ctx.run.meta.get("loss_graph") or []
+    if recs and all(isinstance(r.get("loss_functions"), list) and not r["loss_functions"] for r in recs):
+        return ("that the loss is the quantity to minimise: its graph holds no comparison with targets (no "
+                "cross-entropy, MSE, L1 or BCE: a likelihood of the data, as a flow's or a Gaussian process's, or an "
+                "ELBO), so check its sign (-log_prob(x).mean() falls as the fit improves)")
+    classes = ctx.loss_classes()
+    vocab = {int(info["shape"][0]) for info in ctx.params.values()
+             if info.get("module_type") == "Embedding" and len(info.get("shape", [])) == 2}
+    if classes is not None and classes in vocab:
+        return (f"that the targets are the inputs shifted by one token (the cross-entropy's {classes} classes are "
+                "the token embedding's rows: a language model; logits[:, :-1] against input_ids[:, 1:], or the "
+                "labels a Hugging Face model shifts itself)")
+    return "that targets match inputs (shuffle them together)"
+
+
 @register_rule("loss_not_decreasing")
 def loss_not_decreasing(ctx: Context) -> list[Finding]:
     p = progress(ctx)
@@ -465,7 +485,7 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
             f"({_ratio_max(ctx):.2%}): not the step size. A target that moves as training goes does this (reinforcement learning: value "
             "targets grow with the returns, as PPO's value loss does while the agent learns; a curriculum; a "
             "regulariser whose weight grows): judge such a run by its own metric (the episode return). If the "
-            "objective is fixed, check that targets match inputs and that the loss compares the right tensors"
+            f"objective is fixed, check {_targets_check(ctx)} and that the loss compares the right tensors"
         )
     elif (math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low
           and ratio * (p["steps"][1] - p["steps"][0] + 1) < ctx.th.update_total_small):
@@ -475,19 +495,19 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
             "too little for the loss to follow: check the rate in force first: a warmup longer than the run (a "
             "scheduler's, or the optimizer's own, as schedule-free's `warmup_steps`, which the logged lr does not "
             "show), an optimizer that sets its own step size (Adafactor's `relative_step` and `warmup_init`), or a rate "
-            f"too low ({LR_RANGE_TEST}); then, if the loss still does not follow, that targets match inputs"
+            f"too low ({LR_RANGE_TEST}); then, if the loss still does not follow, {_targets_check(ctx)}"
         )
     elif math.isfinite(ratio) and ratio >= ctx.th.update_ratio_low:
         hints.append(
             f"the weights do move (update/weight ratio {fmt(ratio)} per step) but the loss does not follow: check "
-            "that targets match inputs (shuffle them together), that the loss compares the right tensors, and that "
+            f"{_targets_check(ctx)}, that the loss compares the right tensors, and that "
             "nothing detaches the output; `trainguard.doctor.overfit_one_batch` checks the model can learn at all"
         )
     elif math.isfinite(ratio):
         hints.append("the weights barely move: see the learning-rate finding")
     else:
         hints.append(
-            "check the learning rate, that targets match inputs, and that gradients reach the parameters; "
+            f"check the learning rate, {_targets_check(ctx)}, and that gradients reach the parameters; "
             "`trainguard.doctor.overfit_one_batch` checks the model can learn at all"
         )
     title = "Loss rose instead of decreasing" if rising else "Loss is not decreasing"
@@ -580,29 +600,35 @@ def loss_spike(ctx: Context) -> list[Finding]:
         return []
     vals = loss.values
     w = max(10, int(n * ctx.th.window_fraction / 2))
-    # The ratios are rises measured in the loss's magnitude, the same tests for a positive loss
-    # (x > 3 * base is x - base > 2 * base) and meaningful for a negative one, whose offset is
-    # arbitrary (gpytorch's -mll, a Gaussian NLL): there "3x a negative median" holds for any value.
-    scale = max(float(np.median(np.abs(vals[:3]))), 1e-12)  # the loss at initialisation sets the scale
+    # The ratios are rises measured in the loss's height above its floor: 0 for a loss that never
+    # went below it (x > 3 * base is x - base > 2 * base). A loss that did has no floor at 0: its
+    # offset is arbitrary (gpytorch's -mll, a flow's or Gaussian NLL), and |median| blocked nothing
+    # near 0 and everything far below it (a 13-sigma spike 2 nats below 0). Its heights are measured
+    # from its lowest value so far, and its rise must be a share of the span it fell since the
+    # start: tests that do not change when a constant is added to the loss.
+    floorless = bool(np.any(vals < 0))
+    start = float(np.median(vals[:3]))  # the loss at initialisation sets the scale
+    lowest = np.minimum.accumulate(vals)
+    min_rise = ctx.th.loss_spike_min_rise_span if floorless else ctx.th.loss_spike_min_rise
     spikes = []
     for i in range(w, n):
         prev = vals[i - w : i]
         base = float(np.median(prev))
         top_prev = float(prev.max())
+        floor = float(lowest[i - 1]) if floorless else 0.0
         mad = 1.4826 * float(np.median(np.abs(prev - base))) + 1e-12
         rise = vals[i] - base
         if (
-            rise > (ctx.th.loss_spike_ratio - 1) * abs(base)
-            and vals[i] - top_prev > (ctx.th.loss_spike_over_max - 1) * abs(top_prev)
+            rise > (ctx.th.loss_spike_ratio - 1) * (base - floor)
+            and vals[i] - top_prev > (ctx.th.loss_spike_over_max - 1) * (top_prev - floor)
             and rise > ctx.th.loss_spike_min_z * mad
-            and rise > ctx.th.loss_spike_min_rise * max(scale, abs(base))
+            and rise > min_rise * max(abs(start - floor), base - floor, 1e-12)
         ):
-            spikes.append((int(loss.steps[i]), float(vals[i]), base))
+            spikes.append((int(loss.steps[i]), float(vals[i]), base, floor))
     if not spikes:
         return []
-    # The rise over the median's size: top / base - 1 for a positive loss, and still the larger
-    # spike for a loss below 0 (a density's negative log-likelihood), where top / base is negative.
-    first_step, top, base = max(spikes, key=lambda s: (s[1] - s[2]) / max(abs(s[2]), 1e-12))
+    # The largest rise over the median's height: top / base - 1 for a positive loss.
+    first_step, top, base, _ = max(spikes, key=lambda s: (s[1] - s[2]) / max(s[2] - s[3], 1e-12))
     largest = {"step": first_step, "loss": top, "recent_median": base}
     if base > 0:
         largest["ratio"] = top / base
@@ -611,7 +637,7 @@ def loss_spike(ctx: Context) -> list[Finding]:
         largest["rise"] = top - base
         how = f"{fmt(top - base)} above its recent median ({fmt(base)})"
     ev = {
-        "spike_steps": [s for s, _, _ in spikes[:20]],
+        "spike_steps": [s[0] for s in spikes[:20]],
         "count": len(spikes),
         "largest": largest,
         "began": spikes[0][0],  # a rate far too high that diverged no later explains them (_causes.IN_TRAINING)
@@ -621,7 +647,7 @@ def loss_spike(ctx: Context) -> list[Finding]:
     if gn is not None:
         ev["largest"]["grad_norm"] = gn
         ev["grad_norm_median"] = gmed = median(ctx.grad_norm.values)
-        at_spikes = [ctx.grad_norm.at(s) for s, _, _ in spikes]
+        at_spikes = [ctx.grad_norm.at(s[0]) for s in spikes]
         quiet = all(g is not None and math.isfinite(g) and g < ctx.th.loss_spike_quiet_grad * gmed for g in at_spikes)
     if ctx.environment:
         # A rollout holding an episode's end (the value target drops to the last reward) or a rare

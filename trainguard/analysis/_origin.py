@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainguard._errors import TrainguardError
+from trainguard.analysis._suggest import clipping_words
 from trainguard.store import ALIAS_OPS, REACHED, Run, is_collective
 
 # Ops grouped by how they make non-finite values; names are short op names (``log``, ``div``).
@@ -795,6 +796,16 @@ _SUGGESTIONS = {
     "power": "an input holds values too large to raise to this power in its dtype: normalise the input (data "
     "straight from a loader: `trainguard doctor` validates it), clamp it before the power, e.g. "
     "x.clamp(-1e4, 1e4) ** 2, or compute the power in float64",
+    "exp_scale": "this exp is a scale (it multiplies a value: a flow's coupling scale, z * exp(s); a VAE's "
+    "std = exp(0.5 * logvar); a Gaussian's exp(log_std)), and its exponent grew past the dtype's range: bound the "
+    "exponent where it is made, e.g. s = torch.tanh(s) or a soft clamp s = c * torch.tanh(s / c) (normflows' "
+    "AffineCouplingBlock(scale_map='sigmoid'); a log-std clamped to [-20, 2]), and lower the learning rate if the "
+    "updates grew it",
+    "power_updated": "the values raised to this power grew after {updates} of this recording: a divisor the "
+    "updates shrank towards 0 (a kernel's lengthscale, a temperature, a std) or weights they grew make the input "
+    "this large: lower the learning rate, and keep such a divisor away from 0 (a positive constraint with a floor, "
+    "e.g. F.softplus(raw) + 1e-4, gpytorch's GreaterThan(1e-4)); or clamp the input before the power, or compute "
+    "it in float64",
     "softplus": "log(1 + exp(x)) is torch.nn.functional.softplus(x), which computes it without overflow (x itself "
     "where x is large)",
     "empty": "the batch is empty: check the mask or index that selects it (a split at fixed indices past the "
@@ -1058,6 +1069,22 @@ def _exp_of_parameter(name: str, initial: bool = False) -> str:
             f"as open_clip does, {clamp}, and/or give it a lower learning rate")
 
 
+def _as_scale(consumers: list[str]) -> bool:
+    """Whether the ops after an exp (nearest first) multiply it into a value (``z * exp(s)``, then a
+    ``cat``, ``add`` or ``sub``: normflows' coupling), not summed or divided next as in a softmax
+    written by hand (``exp(x) * mask / sum``)."""
+    bases = [op_base(op) for op in consumers[:2]]
+    softmax = bases[1:2] in (["sum"], ["sum_"]) or (len(bases) > 1 and bases[1] in _DIVS)
+    return bases[:1] in (["mul"], ["mul_"]) and not softmax
+
+
+def _made_by_an_op(link: Link) -> bool:
+    """Whether the op's first input was made by a recorded op of the program (not converted from
+    data: ``lift_fresh`` of a NumPy array or a list)."""
+    p = link.inputs[0].get("producer_op") if link.inputs else None
+    return bool(p) and op_base(p) not in ("lift_fresh", "lift_fresh_copy")
+
+
 def _into_log_one_plus(consumers: list[str]) -> bool:
     """Whether the ops after the origin (nearest first) take ``log1p`` of it, or ``log`` of it plus
     something (``log(1 + exp(x))``)."""
@@ -1093,7 +1120,7 @@ def _integer_denominator(link: Link) -> bool:
 
 def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None,
             log_of: str | None = None, held: bool = False, exp_param: str | None = None,
-            loader: bool = False) -> str:
+            loader: bool = False, clipping: dict | None = None) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
@@ -1102,7 +1129,7 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     it was made (it sat in a tensor meanwhile), or was made in a sample of the data (:func:`made_in_loader`)
     or went through the model (:func:`_fed_to_model`); ``exp_param``: the parameter an exp's input is, read
     through reshapes (:func:`parameter_behind_view`); ``loader``: made in a DataLoader's fetch
-    (:func:`made_in_loader`)."""
+    (:func:`made_in_loader`); ``clipping``: how the loop clips its gradients (the run's ``clipping``), if it does."""
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
@@ -1168,8 +1195,18 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
             if param is not None:
                 return _exp_of_parameter(param, initial=first_forward and link.step == 0)
         if base in ("pow", "square"):
+            if link.phase != "backward" and (link.step or 0) > 0 and not loader and not held and _made_by_an_op(link):
+                # made in this step from what the updates changed, not data straight from a loader (gpytorch's
+                # kernels run in an autograd.Function outside any module: the "other" phase)
+                n = link.step if first_forward else None
+                return _SUGGESTIONS["power_updated"].format(
+                    updates=f"{n} update{'s' if n != 1 else ''}" if n is not None else "the updates")
             return _SUGGESTIONS["power"]
-        return _SUGGESTIONS["softplus" if base == "exp" and _into_log_one_plus(consumers) else "exp"]
+        if base == "exp" and _into_log_one_plus(consumers):
+            return _SUGGESTIONS["softplus"]
+        if base in ("exp", "exp_") and _as_scale(consumers):
+            return _SUGGESTIONS["exp_scale"]
+        return _SUGGESTIONS["exp"]
     if base in _STDS and _reduced_count(link) == 1:
         return _SUGGESTIONS["std"]
     if (base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward"
@@ -1191,9 +1228,14 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     narrow = any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs)
     if first_forward and link.step == 0 and link.phase == "forward":
         return _overflow_before_any_update(fed) + (", or compute this op in float32" if narrow else "")
+    text = _SUGGESTIONS["accum"]
+    if clipping:
+        # a clipped gradient still makes a step as large as the learning rate allows
+        text = ("values are overflowing: lower the learning rate; " + clipping_words(clipping, norms=False)
+                + ": a clipped step is still as large as the learning rate makes it")
     if narrow:
-        return _SUGGESTIONS["accum"] + ", or compute this op in float32"  # whose range holds what overflowed here
-    return _SUGGESTIONS["accum"]
+        return text + ", or compute this op in float32"  # whose range holds what overflowed here
+    return text
 
 
 def _fed_to_model(run: Run, chain: list[Link]) -> bool:
@@ -1334,7 +1376,8 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     consumers = [link.op for link in reversed(chain[:-1])]
     loader = made_in_loader(run, o)
     held = (h.step is not None and o.step is not None and h.step > o.step) or loader or _fed_to_model(run, chain)
+    clipping = run.meta.get("clipping") or (run.meta.get("monitor") or {}).get("clipping")
     suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
-                         exp_param=parameter_behind_view(run, o), loader=loader)
+                         exp_param=parameter_behind_view(run, o), loader=loader, clipping=clipping)
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm, earlier=earlier,
                   reached_training=reached)

@@ -130,7 +130,7 @@ def build_report(run: Run, findings: list | None = None, ranks: dict | None = No
                                            "record_errors", "ops_filter", "dtypes_filter", "executions", "recorded",
                                            "check_numerics", "check_numerics_stop", "compiled_graphs",
                                            "full_tensor_compiled", "backend", "native_unsure",
-                                           "untraced_children")},
+                                           "untraced_children", "guard_replay")},
         "counts": {
             "stored": run.count(),
             "steps": len(steps),

@@ -34,16 +34,36 @@ def clip_norm(ctx: Context, before_step: int | None = None) -> float | None:
     return sig(float(np.percentile(vals, 90)))
 
 
-def clipping_text(ctx: Context) -> str:
-    """What the loop already does about large gradients ("" when it does not clip)."""
-    c = ctx.clipping
+def clipping_words(c: dict | None, norms: bool = True) -> str:
+    """What the loop already does about large gradients, from the run's ``clipping`` record ("" when
+    it does not clip). ``norms``: say that the gradient norms the run holds are those before clipping."""
     if not c:
         return ""
     name = "clip_value" if c.get("function") == "clip_grad_value_" else "max_norm"
     value = c.get("value")
     at = f", {name}={fmt(value)}" if isinstance(value, (int, float)) else ""
-    return (f"the loop already clips its gradients (`{c.get('function')}`{at}; the gradient norms here are "
-            "the ones before clipping), so clipping is not what is missing")
+    before = "; the gradient norms here are the ones before clipping" if norms else ""
+    return f"the loop already clips its gradients (`{c.get('function')}`{at}{before}), so clipping is not what is missing"
+
+
+def clipping_text(ctx: Context, norms: bool = True) -> str:
+    """What the loop already does about large gradients ("" when it does not clip)."""
+    return clipping_words(ctx.clipping, norms)
+
+
+def slow_updates(ctx: Context, layers: list[str]) -> str:
+    """What slows updates that grew or wore ``layers`` out: a lower rate, and clipping and weight
+    decay where the loop does not have them already (it may clip, and decay every one of their
+    weight matrices: then it says so, with the values)."""
+    decay = ctx.weight_decay(layers)
+    text = "lower the learning rate"
+    if decay is not None:
+        text += f" (weight decay is already on: weight_decay={fmt(decay)} on these layers' weights)"
+        return text + ("; " + clipping_text(ctx, norms=False) if ctx.clipping
+                       else ", or clip the gradients (`torch.nn.utils.clip_grad_norm_`)")
+    if ctx.clipping:
+        return text + " or add weight decay; " + clipping_text(ctx, norms=False)
+    return text + ", clip the gradients (`torch.nn.utils.clip_grad_norm_`) or add weight decay"
 
 
 def clip_text(ctx: Context, before_step: int | None = None) -> str:

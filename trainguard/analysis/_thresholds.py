@@ -53,6 +53,11 @@ class Thresholds:
     loss_spike_min_rise: float = _t(
         0.25, "the jump must be a quarter of the starting loss: tiny losses near convergence are relatively noisy"
     )
+    loss_spike_min_rise_span: float = _t(
+        0.5, "a loss with no floor at 0 (it went below 0: a log-likelihood's offset is arbitrary) must jump by half "
+        "the span it fell since the start, measured from its lowest value so far: the minimum rise that does not "
+        "depend on where 0 is (heavy-tailed noise of a flat loss passes 5% of healthy runs at 0.5, 9% at 0.25)"
+    )
     loss_spike_quiet_grad: float = _t(
         1.0, "spikes whose gradient norms are all below this multiple of the run's median made smaller updates than a "
         "usual step: a hard or rare batch (a class one image in 64 holds), not a disturbance of training"

@@ -170,6 +170,14 @@ def _soft_ce(fn: Any) -> tuple[Any, torch.Tensor, int] | None:
 
 # Regression losses that broadcast their prediction against the target (torch only warns).
 _REGRESSION_LOSSES = ("mse_loss", "smooth_l1_loss", "huber_loss")
+# Loss functions that compare a prediction with targets, as autograd nodes (``l1_loss`` is
+# ``abs(sub)``, found as a head only when broadcast): a loss with none is a likelihood of the data
+# itself (a flow's or a GP's), an ELBO, or written by hand.
+COMPARISONS = frozenset({
+    "nll_loss", "soft_cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits", "mse_loss",
+    "smooth_l1_loss", "huber_loss", "l1_loss", "kl_div", "ctc_loss", "soft_margin_loss", "multilabel_margin_loss",
+    "multi_margin_loss", "nll_loss2_d", "poisson_nll_loss", "cosine_embedding_loss", "margin_ranking_loss",
+})
 
 
 def _broadcast(fn: Any, op: str) -> dict | None:
@@ -196,8 +204,9 @@ def _broadcast(fn: Any, op: str) -> dict | None:
             "broadcast_shape": after, "chain": _chain(pair[0])}
 
 
-def inspect_loss(loss: torch.Tensor) -> list[dict]:
-    """The loss heads below ``loss``: which loss function, the ops that made its input, facts."""
+def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None) -> list[dict]:
+    """The loss heads below ``loss``: which loss function, the ops that made its input, facts.
+    ``ops``: filled with the ops of the nodes looked at."""
     heads: list[dict] = []
     seen: set[int] = set()
     # negs: the negations between the loss and the node; cross entropy is -sum(target * log_softmax),
@@ -212,6 +221,8 @@ def inspect_loss(loss: torch.Tensor) -> list[dict]:
         seen.add(id(fn))
         visited += 1
         op = node_op(fn)
+        if ops is not None:
+            ops.add(op)
         head: dict | None = None
         if op == "nll_loss":
             nxt = _next(fn)
@@ -292,8 +303,11 @@ class LossWatch:
         self.seen += 1
         try:
             with _monitor_tap.quiet(), torch.no_grad():
-                heads = inspect_loss(loss)
-            rec: dict[str, Any] = {"heads": heads, "backward_at": user_frame()}
+                ops: set[str] = set()
+                heads = inspect_loss(loss, ops)
+            # the loss functions comparing predictions with targets within the walk (HEAD_DEPTH, MAX_NODES)
+            functions = sorted({h["loss"] for h in heads} | (ops & COMPARISONS))
+            rec: dict[str, Any] = {"heads": heads, "loss_functions": functions, "backward_at": user_frame()}
             if self.modules is not None:
                 rec["modules"] = self.modules()
             self.records.append(rec)

@@ -100,13 +100,11 @@ class EventsMixin:
     def _note_clipping(self, function: str, threshold: object) -> None:
         """Store how the loop clips (the diagnosis must not advise clipping to a loop that does);
         written when it changes, not per step."""
-        value = threshold.item() if isinstance(threshold, torch.Tensor) and threshold.device.type == "cpu" else threshold
-        value = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         known = self._meta.get("clipping")
-        if known is not None and known["function"] == function and known["value"] == value:
+        now = _monitor_tap.clipping_record(function, threshold, known["first_step"] if known is not None else self._cur)
+        if known is not None and known["function"] == function and known["value"] == now["value"]:
             return
-        first = known["first_step"] if known is not None else self._cur
-        self._write_meta(clipping={"function": function, "value": value, "first_step": first})
+        self._write_meta(clipping=now)
 
     def _maybe_end_manual_step(self) -> None:
         refs = self._pending_end

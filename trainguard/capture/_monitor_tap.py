@@ -157,6 +157,17 @@ def _as_list(parameters) -> list:
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
+def clipping_record(function: str, threshold: object, first_step: int) -> dict:
+    """A run's ``clipping`` record: the function and its threshold as a number (a tensor's on the
+    CPU only: reading an accelerator's would sync), from ``first_step`` on."""
+    value = threshold
+    if isinstance(threshold, torch.Tensor) and threshold.device.type == "cpu":
+        with quiet():  # not the program's read of a tensor
+            value = threshold.item()
+    value = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return {"function": function, "value": value, "first_step": first_step}
+
+
 def _setting(function: str, name: str, args: tuple, kwargs: dict) -> tuple[str, object]:
     """The clipping function called and its threshold (``max_norm`` or ``clip_value``), as given."""
     return function, (args[0] if args else kwargs.get(name))

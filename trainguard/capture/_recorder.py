@@ -196,6 +196,7 @@ class Recorder(FlushHooks, HarmHooks):
         self.loss_pins: list[int] = []
         self.losses_pinned = 0
         self.scaler_verdicts: ScalerVerdicts | None = None
+        self.clipping: dict | None = None  # how the loop clips its gradients, once it does
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Recorder:
@@ -233,6 +234,7 @@ class Recorder(FlushHooks, HarmHooks):
             self.scaler_verdicts = ScalerVerdicts(self.writer)
             self.loss_watch = _loss_watch.acquire(self.writer)
             _monitor_tap.add_listener("loss_graph", self._pin_loss)
+            _monitor_tap.add_listener("clip", self._note_clipping)
         self.modules.install()
         _swap.hold(self._release)
         _reads.install(self)
@@ -278,6 +280,7 @@ class Recorder(FlushHooks, HarmHooks):
                 _steps.clock.on_step.remove(self._on_step)
             _steps.release()
             _monitor_tap.remove_listener("loss_graph", self._pin_loss)
+            _monitor_tap.remove_listener("clip", self._note_clipping)
             if self.loss_watch is not None:
                 _loss_watch.release(self.loss_watch)
                 self.loss_watch = None

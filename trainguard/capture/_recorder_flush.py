@@ -11,7 +11,7 @@ import time
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from trainguard.capture import _loss_watch
+from trainguard.capture import _loss_watch, _monitor_tap, _steps
 from trainguard.capture import _recorder_mode as _mode
 from trainguard.capture._summary import host_copy
 from trainguard.store import ExecBatch
@@ -114,6 +114,18 @@ class FlushHooks:
             w.put_executions(ExecBatch(records, deferred, pins=pins, resend=resend), must_keep=True)
             if meta:
                 w.set_meta(**meta)
+
+    def _note_clipping(self, params: list, setting: tuple[str, object] | None = None) -> None:
+        """The loop clips its gradients: store how in the run's ``clipping`` (the origin's fix of an
+        overflow must not advise clipping to a loop that does); written when it changes."""
+        if setting is None or self.writer is None:
+            return
+        known = self.clipping
+        now = _monitor_tap.clipping_record(*setting, known["first_step"] if known is not None else _steps.clock.step)
+        if known is not None and (known["function"], known["value"]) == (now["function"], now["value"]):
+            return
+        self.clipping = now
+        self.writer.set_meta(clipping=now)
 
     def _pin_loss(self, loss: torch.Tensor) -> None:
         """Before one of the first backward passes: keep the ops that made the loss (see LOSS_PIN_WINDOW)."""

@@ -126,9 +126,19 @@ def _header(report: dict) -> Panel:
     if meta.get("native_unsure"):
         _row(t, "not recorded", f"{meta['native_unsure']:,} ops on tensor subclasses or under another dispatch "
                   "mode (record with backend='python' to see them)")
-    _row(t, "executions", f"{counts['stored']:,} stored over {counts['steps']} steps "
-              f"(forward {counts['by_phase']['forward']:,}, backward {counts['by_phase']['backward']:,}, "
-              f"optimizer {counts['by_phase']['optimizer']:,}, other {counts['by_phase']['other']:,})")
+    phases = counts["by_phase"]
+    if not counts["stored"] and meta.get("backend") is None and meta.get("executions") is None:
+        _row(t, "executions", "not recorded: no recorder ran (a monitor's run holds losses and statistics, "
+                  "below; `trainguard run` records the ops)")
+    else:
+        _row(t, "executions", f"{counts['stored']:,} stored over {counts['steps']} steps "
+                  f"(forward {phases['forward']:,}, backward {phases['backward']:,}, "
+                  f"optimizer {phases['optimizer']:,}, other {phases['other']:,})")
+    if counts["steps"] <= 1 and phases["backward"] and not phases["optimizer"] and not meta.get("guard_replay"):
+        # (a guard's replay records the one failing step, whose update it may never run)
+        _row(t, "steps", Text("not counted: no torch.optim optimizer step() was seen, so every op is in step 0 "
+                              "(a loop that writes the weights itself, as Keras' fit; `trainguard.step()` after "
+                              "each update, or `--monitor`, counts them)", style="yellow"))
     if meta.get("executions") is not None and meta.get("recorded") is not None:
         _row(t, "ops seen", f"{meta['executions']:,} ran, {meta['recorded']:,} matched the filters")
     dropped = meta.get("dropped") or 0

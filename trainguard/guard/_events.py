@@ -83,6 +83,8 @@ def message(event: dict) -> str:
                 text += " (losses bitwise equal)"
             elif rp.get("bitwise_equal") is False:
                 text += f" (losses differ from step {rp['mismatch']['step']:,})"
+        else:  # rewound to a checkpoint at the failing step: nothing ran again before it
+            text += f" step {event['step']:,} alone, under recording"
         parts.append(text)
     if event.get("origin") is not None:
         from trainguard.guard._replay import origin_line
