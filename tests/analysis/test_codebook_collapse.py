@@ -118,3 +118,83 @@ def test_units_dead_after_a_collapsed_codebook_are_its_symptom_not_those_before_
     assert cause.severity == "error" and cause.evidence["explains"] == ["dead_units"]
     cause, dead = findings("enc.1")
     assert dead.severity == "error" and "explained_by" not in dead.evidence
+
+
+class _LookupQuantizer(nn.Module):
+    """CompVis/taming-transformers' VectorQuantizer2, shortened: the nn.Embedding runs, on the argmin
+    indices (``z_q = self.embedding(min_encoding_indices)``): its input is integers, its output the
+    codes; the quantizer itself has no parameters of its own. Codes initialised with ``normal_()``
+    against encoder outputs of RMS ~0.1, as in _VectorQuantizer."""
+
+    def __init__(self, n_e, e_dim, beta=0.25):
+        super().__init__()
+        self.embedding = nn.Embedding(n_e, e_dim)
+        self.embedding.weight.data.normal_()
+        self.e_dim, self.beta = e_dim, beta
+
+    def forward(self, z):
+        z = z.permute(0, 2, 3, 1).contiguous()
+        flat = z.view(-1, self.e_dim)
+        w = self.embedding.weight
+        d = flat.pow(2).sum(1, keepdim=True) + w.pow(2).sum(1) - 2 * flat @ w.t()
+        z_q = self.embedding(d.argmin(1)).view(z.shape)
+        loss = self.beta * F.mse_loss(z_q.detach(), z) + F.mse_loss(z_q, z.detach())
+        z_q = z + (z_q - z).detach()
+        return z_q.permute(0, 3, 1, 2).contiguous(), loss
+
+
+def test_a_quantizer_that_looks_its_codes_up_by_index_is_judged_by_its_own_output(tmp_path):
+    # Its nn.Embedding ran, on integer indices (no input rows to compare with), so the quantizer was
+    # no stand-in either: nothing compared the codes with the encoder's rows.
+    class VQModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Sequential(nn.Conv2d(1, 8, 4, 2, 1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+            self.quantize = _LookupQuantizer(32, 4)
+            self.decoder = nn.Sequential(nn.Conv2d(4, 8, 3, 1, 1), nn.ReLU(), nn.ConvTranspose2d(8, 1, 4, 2, 1))
+
+        def forward(self, x):
+            z_q, vq_loss = self.quantize(self.encoder(x))
+            return self.decoder(z_q), vq_loss
+
+    torch.manual_seed(0)
+    model = VQModel()
+    x = _images()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    with Monitor(model, tmp_path / "r", every=5) as mon:
+        for step in range(30):
+            b = x[(step * 16) % 64:][:16]
+            recon, vq_loss = model(b)
+            loss = F.mse_loss(recon, b) + vq_loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step(loss)
+    run = trainguard.open(tmp_path / "r")
+    [f] = [f for f in diagnose(run) if f.kind == "codebook_collapse"]
+    assert f.layers[0] == "quantize" and f.evidence["codes"] < 3
+
+
+def test_a_wrapper_of_token_embeddings_is_no_codebook_collapse(tmp_path):
+    # the same rows, looked up by token ids from the data: one token type (BERT's token_type_ids all
+    # 0) is the data's doing, not a collapse
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.word, self.kind = nn.Embedding(50, 8), nn.Embedding(2, 8)
+
+        def forward(self, ids):
+            return self.word(ids) + self.kind(torch.zeros_like(ids))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Tokens(), nn.Linear(8, 50))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(30):
+            ids = torch.randint(0, 50, (16, 6))
+            loss = F.cross_entropy(model(ids).reshape(-1, 50), ids.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step(loss)
+    assert "codebook_collapse" not in [f.kind for f in diagnose(trainguard.open(tmp_path / "r"))]
