@@ -14,6 +14,8 @@ from trainguard.capture import _monitor_tap
 from trainguard.capture._layer_stats import is_channel_first, is_mode_module, saturation_kind
 from trainguard.resilience._wrappers import WRAPPERS
 
+# Lookup tables: an index in, a row out (see stand_ins).
+_TABLE_TYPES = ("Embedding", "EmbeddingBag")
 # Modules whose output is not a "layer" worth a row: containers and pass-through modules.
 _SKIP_TYPES = (nn.Identity, nn.modules.dropout._DropoutNd, nn.Flatten, nn.Unflatten)
 
@@ -148,8 +150,9 @@ def stand_ins(root: Root) -> list[tuple[int, Layer]]:
     instead of calling them (zalandoresearch/pytorch-vq-vae's ``VectorQuantizer`` computes with
     ``self._embedding.weight``; the ``nn.Embedding`` never runs) is no layer by ``build_root``'s
     rule, and its output, where a collapsed codebook shows, went unmeasured. Asked once, after the
-    root's first recorded training step: each parent (never the root) all of whose layers had
-    weights and none ran."""
+    root's first recorded training step: each parent (never the root, none with parameters of its
+    own: those are layers already) all of whose layers had weights and none ran, or all of whose
+    layers are lookup tables (``nn.Embedding``)."""
     module = root.ref()
     if module is None:
         return []
@@ -158,15 +161,21 @@ def stand_ins(root: Root) -> list[tuple[int, Layer]]:
     ran = {la.name for la in root.layers if la.seen_step >= 0}
     out: list[tuple[int, Layer]] = []
     for i, la in enumerate(root.layers):
-        if la.seen_step >= 0 or not la.weighted or la.name == root.prefix + type(module).__name__.lower():
+        if (la.seen_step >= 0 and la.type not in _TABLE_TYPES or not la.weighted
+                or la.name == root.prefix + type(module).__name__.lower()):
             continue
         parent = la.name[len(root.prefix):].rpartition(".")[0]
         m = names.get(parent)
         name = root.prefix + parent
         if not parent or m is None or name in taken:
             continue
-        inside = [x.name for x in root.layers if x.name.startswith(name + ".")]
-        if any(x in ran for x in inside):
+        inside = [x for x in root.layers if x.name.startswith(name + ".")]
+        # ... or all of whose layers are tables (a quantizer that looks its codes up by index:
+        # taming-transformers' ``self.embedding(min_encoding_indices)``, whose integer input has no
+        # rows to compare the codes with; a wrapper of token embeddings is watched too, and its
+        # integer input leaves it unjudged)
+        tables = all(x.type in _TABLE_TYPES for x in inside)
+        if any(x.name in ran for x in inside) and not tables:
             continue
         taken.add(name)
         out.append((i, Layer(name, m, root.prefix)))
