@@ -245,3 +245,26 @@ def test_sparse_values_sum_duplicates_like_coalesce(sparse_dim):
     want = t.coalesce().values()
     assert got.shape == t._values().shape
     assert torch.allclose(got[: want.shape[0]], want, atol=1e-6) and not got[want.shape[0]:].any()
+
+
+def test_row_codes_counts_the_distinct_rows_an_output_takes():
+    from trainguard.capture._layer_stats import row_codes
+
+    # a quantizer's output through the straight-through estimator z + (q - z): two codes of RMS
+    # ~0.01 and inputs of RMS ~10 round each copy of a code differently (by ~1e-6): still two rows
+    torch.manual_seed(0)
+    codes = torch.randn(2, 8) * 0.01
+    pick = torch.arange(64) % 2
+    z = torch.randn(64, 8) * 10
+    q = (z + (codes[pick] - z)).reshape(4, 4, 4, 8).permute(0, 3, 1, 2)  # [N, C, H, W], channels first
+    (eff, live), n = row_codes(q, 1)
+    assert n == 64 and live.item() == 64 and abs(eff.item() - 2) < 1e-3
+    # rows that all differ: as many as there are (up to the tolerance's merges)
+    (eff, _), n = row_codes(torch.randn(300, 16), -1)
+    assert n == 256 and eff.item() > 200
+    # all-zero rows (ReLU positions with no unit on) are not codes: the rest are counted
+    x = torch.randn(64, 8).relu()
+    x[:48] = 0
+    (eff, live), _ = row_codes(x, -1)
+    assert live.item() == 16 and eff.item() > 14
+    assert row_codes(torch.randn(5), -1) is None and row_codes(torch.randn(1, 7), -1) is None

@@ -60,6 +60,15 @@ IN_TRAINING: dict[str, tuple[str, ...]] = {
                     "saturated_activations", "vanishing_gradient", "exploding_gradient", "nonfinite_gradient",
                     "loss_spike", "gradient_explodes_through_time"),
 }
+# cause -> the layer findings it explains only when every layer they name comes after the cause's
+# layer in its model (evidence "downstream"): a collapsed codebook feeds its decoder one input, whose
+# ReLUs are then off for every sample (zalandoresearch/pytorch-vq-vae: 59% of the decoder's
+# _res._block.0 "dead"); units dead before the quantizer are a problem of their own.
+DOWNSTREAM: dict[str, tuple[str, ...]] = {
+    "codebook_collapse": ("dead_units", "collapsed_activations", "representation_collapse",
+                          "saturated_activations"),
+}
+EXPLAINS["codebook_collapse"] = ("loss_not_decreasing",)
 # A wrong custom gradient and a misused loss function explain what the curves and layers show
 # (analysis/_function_rules.py, _graph_rules.py): they are read off the graph, not the numbers.
 _GRAPH_SYMPTOMS = ("loss_not_decreasing", "loss_spike", "loss_oscillating", "lr_too_high", "lr_too_low",
@@ -98,7 +107,14 @@ def _causes_of(f: Finding, problems: dict[str, Finding]) -> list[str]:
            and not (c in IN_TRAINING.get(kind, ()) and _arose_after(f, problems[c]))]
     out += [c for c, explained in IN_TRAINING.items()
             if kind in explained and c in problems and c not in out and _arose_after(problems[c], f)]
+    out += [c for c, explained in DOWNSTREAM.items()
+            if kind in explained and c in problems and c not in out and _downstream(problems[c], f)]
     return out
+
+
+def _downstream(cause: Finding, f: Finding) -> bool:
+    after = set(cause.evidence.get("downstream") or ())
+    return bool(f.layers) and all(la in after for la in f.layers)
 
 
 def _arose_after(cause: Finding, f: Finding) -> bool:

@@ -106,3 +106,135 @@ def representation_collapse(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _codes(ctx: Context, layer: str) -> list[tuple[int, float, float]]:
+    """Per recording: (step, distinct rows of the output in effect, of its input), from the monitor's
+    ``row_codes``; recordings where under half the output's rows are non-zero are left out (a layer
+    mostly off is ``dead_units``' business)."""
+    def by_step(stat: str) -> dict[int, float]:
+        s = ctx.stat(layer, "activation", stat)
+        return dict(zip((int(v) for v in s.steps.tolist()), s.values.tolist()))
+
+    codes, ins, live, n = by_step("codes"), by_step("in_codes"), by_step("code_rows"), by_step("code_sample")
+    out = []
+    for s, c in codes.items():
+        i, m, k = ins.get(s), live.get(s), n.get(s)
+        if i is None or m is None or not k or m < k / 2 or not (math.isfinite(c) and math.isfinite(i)):
+            continue
+        out.append((s, c, i))
+    return out
+
+
+def _rms_at(ctx: Context, name: str, kind: str) -> float | None:
+    """A layer's activation RMS (kind "activation") or a parameter's (kind "weight") at its first
+    recording."""
+    if kind == "weight":
+        norm = ctx.stat(name, "weight", "norm")
+        size = math.prod(ctx.params.get(name, {}).get("shape") or [0])
+        return float(norm.values[0]) / math.sqrt(size) if len(norm) and size else None
+    mean, std = ctx.stat(name, "activation", "mean"), ctx.stat(name, "activation", "std")
+    if not len(mean) or not len(std):
+        return None
+    v = math.hypot(float(mean.values[0]), float(std.values[0]))
+    return v if math.isfinite(v) else None
+
+
+@register_rule("codebook_collapse")
+def codebook_collapse(ctx: Context) -> list[Finding]:
+    """A layer whose outputs take one or two values (in effect) while its inputs take many: a vector
+    quantizer using 1-2 of its codes (zalandoresearch/pytorch-vq-vae on the wrong scale), or any
+    layer that maps inputs that differ onto the same output."""
+    limit, factor = ctx.th.codebook_collapse_codes, ctx.th.codebook_input_factor
+    found: dict[str, dict] = {}
+    for la in ctx.layers_with("activation", "in_codes"):
+        recs = _codes(ctx, la)
+        if len(recs) < 2:
+            continue
+        later = recs[len(recs) // 2:]
+        codes = median(np.array([r[1] for r in later]))
+        inputs = median(np.array([r[2] for r in later]))
+        if not (codes < limit and inputs >= factor * codes):
+            continue
+        collapsed = [r[1] < limit and r[2] >= factor * r[1] for r in recs]
+        since = next(r[0] for r, c in zip(recs, collapsed) if c)
+        found[la] = {"codes": codes, "input_codes": inputs, "initial_codes": recs[0][1], "first_step": recs[0][0],
+                     "since_step": since, "from_start": collapsed[0] and recs[0][0] == ctx.initial_step(la)}
+    if not found:
+        return []
+    layers = ctx.ordered(list(found))
+    first = layers[0]
+    c = found[first]
+    order = ctx.layer_order
+    pos = order.index(first) if first in order else len(order)
+    model = next((g for g in ctx.by_model(order) if first in g), order)
+    downstream = [la for la in model if la in order and order.index(la) > pos]
+    before = [la for la in model if la in order and order.index(la) < pos]
+    n = int(max(ctx.stat(first, "activation", "code_sample").values.tolist() or [0]))
+    ev: dict = {
+        "layer": first,
+        "codes": c["codes"],
+        "input_codes": c["input_codes"],
+        "initial_codes": c["initial_codes"],
+        "rows_sampled": n,
+        "since_step": c["since_step"],
+        "from_start": c["from_start"],
+        "limit": limit,
+        "downstream": downstream,
+    }
+    if len(layers) > 1:
+        ev["also"] = layers[1:]
+    if not c["from_start"] and ctx.weights_initial and c["first_step"] == ctx.initial_step(first):
+        ev["arose_in_training"] = True
+    book = [p for p, info in ctx.params.items()
+            if (info.get("layer") == first or info.get("layer", "").startswith(first + "."))
+            and len(info.get("shape") or []) == 2]
+    # the table the codes are read from first (an nn.Embedding's weight), then an EMA sum beside it
+    book.sort(key=lambda p: ctx.params[p].get("module_type") != "Embedding")
+    by_hand = [p for p in book if not ctx.params[p].get("optimizer")]
+    if c["from_start"]:
+        when = f"from initialisation (step {c['first_step']})"
+    elif c["since_step"] == c["first_step"]:
+        # watched from a later step (a quantizer found at the first recording: see stand_ins)
+        when = f"from its first recording (step {c['first_step']})"
+    else:
+        when = f"since step {c['since_step']} ({fmt(c['initial_codes'])} at step {c['first_step']})"
+    fix = (f"{first}'s outputs take {fmt(c['codes'])} distinct value(s) in effect while its inputs take "
+           f"{fmt(c['input_codes'])} (of {n} positions sampled per recording), {when}: a quantizer that gives "
+           "nearly every input the same code, so the layers after it see one input whatever the data. ")
+    scale = ""
+    code_rms = {p: _rms_at(ctx, p, "weight") for p in book}
+    in_rms = _rms_at(ctx, before[-1], "activation") if before else None
+    for p, rms in code_rms.items():
+        if rms and in_rms and (rms > 4 * in_rms or rms < in_rms / 4):
+            ev.setdefault("scale", {})[p] = {"code_rms": rms, "input_rms": in_rms}
+            big = rms > in_rms
+            scale = (f"The codes ({p}) start at RMS {fmt(rms)} against inputs ({before[-1]}) at RMS {fmt(in_rms)}: "
+                     + ("the code nearest to every input is the one nearest to 0. " if big else
+                        "the codes all sit near the inputs' origin, and the same few are nearest to every input. "))
+            break
+    fix += scale
+    fix += ("Initialise the codebook from the inputs (k-means on the first batch's inputs: vector-quantize-pytorch's "
+            "kmeans_init=True; or codes drawn from them, at their scale), re-initialise the codes no input picks "
+            "from inputs of the batch (a dead-code reset: threshold_ema_dead_code=2), and compare l2-normalised "
+            "inputs and codes (use_cosine_sim=True); ")
+    if by_hand:
+        fix += (f"an EMA codebook ({', '.join(by_hand)}, updated by hand) moves only the codes inputs pick, so "
+                "the others never come back without a reset; ")
+    elif book:
+        fix += ("a codebook trained by its loss: lower the commitment cost (beta 0.25 -> 0.1) so that the encoder "
+                "is not pinned to the codes it has, or update the codes by EMA (decay 0.99); ")
+    fix += "a layer that is not a quantizer ignores its input (a step or sign function, a saturated bound)"
+    return [
+        Finding(
+            kind="codebook_collapse",
+            severity="warning",
+            title=f"Codebook collapse: {first}'s outputs take {fmt(c['codes'])} distinct value(s) in effect "
+            f"while its inputs take {fmt(c['input_codes'])}, {when}",
+            evidence=ev,
+            suggestion=fix,
+            steps=(c["since_step"], ctx.recorded_steps[-1]),
+            layers=layers,
+            source=SOURCE,
+        )
+    ]

@@ -48,6 +48,7 @@ MONITOR_RULES = (
     "exploding_activations",
     "collapsed_activations",
     "representation_collapse",
+    "codebook_collapse",
     "saturated_activations",
     "vanishing_gradient",
     "exploding_gradient",

@@ -98,6 +98,12 @@ class Thresholds:
     row_collapse_ratio: float = _t(
         0.1, "a model output whose rows (one per input) differ 10x less than its values: inputs 99% alike in cosine"
     )
+    codebook_collapse_codes: float = _t(
+        3.0, "a layer whose outputs take under 3 distinct values in effect (perplexity): a quantizer using 1-2 codes"
+    )
+    codebook_input_factor: float = _t(
+        8.0, "while its inputs take 8x as many: the layer maps inputs that differ onto one or two outputs"
+    )
     saturation_warn: float = _t(0.4, "40% of tanh/sigmoid outputs within 1% of a bound, where the gradient is < 2%")
     # ---- gradients
     vanish_ratio: float = _t(

@@ -188,6 +188,84 @@ def activation_stats(
     return torch.stack(raw), names, dead, finish
 
 
+# Rows (positions: every index but the unit axis) hashed per output for ``count_codes``: a quantizer
+# that uses 1-2 codes shows in a few hundred rows as plainly as in all of them, at a fixed cost.
+CODE_ROWS = 256
+# Hashes closer than this (relative to the largest) are one row: a straight-through estimator's
+# ``z + (q - z)`` rounds a code by ~1e-7 of |z|, which may be 100x the code's own size.
+CODE_TOLERANCE = 1e-3
+_hash_vectors: dict[tuple, torch.Tensor] = {}
+
+
+def _hash_vector(units: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # A fixed vector of no RNG (the user's random stream stays untouched): cosines of a golden angle.
+    key = (units, device, dtype)
+    v = _hash_vectors.get(key)
+    if v is None:
+        if len(_hash_vectors) > 64:
+            _hash_vectors.clear()
+        i = torch.arange(units, dtype=torch.float64)
+        v = torch.stack([torch.cos(i * 2.399963229728653 + 0.5), torch.cos(i * 1.324717957244746 + 1.5)], 1)
+        v = v.to(device, dtype)
+        _hash_vectors[key] = v
+    return v
+
+
+def row_hashes(x: torch.Tensor, unit_dim: int) -> torch.Tensor | None:
+    """Up to ``CODE_ROWS`` rows of an output (vectors along the unit axis, one per sample and
+    position), each projected onto two fixed vectors: ``[rows, 2]``, for :func:`row_codes`. One
+    small matrix product per layer; the counting is batched over the layers of a step."""
+    if (type(x) is not torch.Tensor or x.layout != torch.strided or x.is_nested or not x.is_floating_point()
+            or x.dim() < 2 or not x.numel()):
+        return None  # a sparse input (a GCN's features), a subclass (DTensor): not hashed
+    x = x.detach()
+    dim = unit_dim % x.dim()
+    if dim == 0:
+        return None
+    units = x.shape[dim]
+    rows = x.numel() // units
+    if rows < 2:
+        return None
+    per = max(1, rows // x.shape[0])
+    flat = _float(x[: min(x.shape[0], -(-CODE_ROWS // per))]).movedim(dim, -1).reshape(-1, units)
+    if flat.shape[0] > CODE_ROWS:
+        flat = flat[:: flat.shape[0] // CODE_ROWS][:CODE_ROWS]
+    return flat @ _hash_vector(units, flat.device, flat.dtype)
+
+
+def count_codes(hashes: list[torch.Tensor]) -> torch.Tensor:
+    """For each ``[rows, 2]`` of :func:`row_hashes` (on one device): ``[perplexity of its distinct
+    non-zero rows, non-zero rows]``, as an ``[n, 2]`` tensor. A vector quantizer's output takes as
+    many values as codes it uses (a collapsed codebook: 1-2); a layer with continuous outputs, one
+    per row. All-zero rows (ReLU positions with no unit on; their projections are exactly 0) are
+    left out: they are ``dead_units``' business, not codes.
+
+    Rows are sorted by their first projection; a new row starts where either projection moves by
+    more than ``CODE_TOLERANCE`` of its largest value. No host sync: the group sizes are summed into
+    a fixed-size tensor."""
+    h = torch.nn.utils.rnn.pad_sequence([t.to(torch.float32) for t in hashes], batch_first=True)  # zero rows pad
+    n = h.shape[1]
+    live = (h != 0).any(2)
+    tol = h.abs().amax(1, keepdim=True) * CODE_TOLERANCE
+    h = torch.where(live.unsqueeze(2), h, math.inf)  # all-zero rows sort last, as one group
+    order = h[..., 0].argsort(1)
+    h = h.gather(1, order.unsqueeze(2).expand(-1, -1, 2))
+    new = torch.ones_like(live)
+    new[:, 1:] = ((h[:, 1:] - h[:, :-1]).abs() > tol).any(2)  # inf - inf is NaN: not a new row
+    counts = torch.zeros(h.shape[0], n + 1, device=h.device).scatter_add_(
+        1, new.cumsum(1), live.gather(1, order).to(torch.float32))
+    m = counts.sum(1)
+    p = counts / m.clamp_min(1).unsqueeze(1)
+    return torch.stack([torch.exp(-torch.special.xlogy(p, p).sum(1)), m], 1)
+
+
+def row_codes(x: torch.Tensor, unit_dim: int) -> tuple[torch.Tensor, int] | None:
+    """:func:`count_codes` of one output: ``([perplexity of distinct non-zero rows, non-zero
+    rows], rows looked at)``."""
+    h = row_hashes(x, unit_dim)
+    return None if h is None else (count_codes([h])[0], h.shape[0])
+
+
 def input_stats(x: torch.Tensor) -> tuple[torch.Tensor, list[str]] | None:
     """Scale of a model's input: overall and per feature (dim 1: features, or image channels);
     overall only for a sparse one.

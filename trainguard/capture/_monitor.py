@@ -206,6 +206,11 @@ class Monitor(EventsMixin, HookMixin):
         self._user_gives_loss = False
         self._backward_step: int | None = None
         self._chan_out: dict[int, tuple] = {}
+        # id(output) -> (shape, row_codes) of the layers recorded this step: the next layer's input
+        # is mostly the one before's output, hashed once
+        self._codes_out: dict[int, tuple] = {}
+        self._code_rows: list[tuple] = []  # (layer, output's row_hashes, input's or None) this step
+        self._compiled = False  # Dynamo compiled while this monitor was open (see compiling)
         self._inputs_seen: set[str] = set()
         self._input_wanted: dict[str, str] = {}
         self._last_train_fwd: tuple[int, int, bool] | None = None

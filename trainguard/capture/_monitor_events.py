@@ -257,6 +257,7 @@ class EventsMixin:
                 values["loss"] = values["loss"] * (k / len(ls))
         if recording:
             self._rebind()  # a forward may have assigned new Parameters (an EMA codebook's)
+            self._add_stand_ins()
         values.update(self._grads.finish(self._params, s, recording))
         values.update(self._amp)
         if self._eval is not None:
@@ -271,6 +272,10 @@ class EventsMixin:
                              first_recording=s)
         if self._recording:
             self._time.finish(s)
+        if self._code_rows:
+            if recording:
+                self._ship_codes(s)
+            self._code_rows = []
         if self._pending_separate:  # no update followed the backward that came after one
             self._confirm_separate()
         self._pending_separate = False
@@ -281,6 +286,7 @@ class EventsMixin:
         self._amp = {}
         self._pending_end = None
         self._chan_out = {}
+        self._codes_out = {}
         self._inputs_seen = set()
         self._input_wanted = {}
         now = time.monotonic()

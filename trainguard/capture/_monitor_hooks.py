@@ -21,6 +21,7 @@ from __future__ import annotations
 import copyreg
 import gc
 import logging
+import math
 import sys
 import threading
 from collections import OrderedDict
@@ -35,13 +36,15 @@ from trainguard.capture import _compile_monitor, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import (
     activation_stats,
+    count_codes,
     first_tensor,
     histogram,
     input_stats,
     layer_output,
+    row_hashes,
 )
 from trainguard.capture._modules import container_path, forward_pre_hook, probing_owner
-from trainguard.capture._monitor_model import Layer, Root, build_root, structure
+from trainguard.capture._monitor_model import Layer, Root, build_root, stand_ins, structure
 from trainguard.resilience import _state as _resilience_state
 from trainguard.resilience._wrappers import unwrapped, wrapped
 
@@ -491,6 +494,22 @@ class HookMixin:
                     la.handle.remove()
                     la.handle = None
 
+    def _add_stand_ins(self) -> None:
+        """After a root's first recorded training step, watch the modules that run in place of
+        layers that never did (see ``stand_ins``); not once Dynamo compiled, whose graphs were traced
+        with the hooks there were (a hook added later would recompile them)."""
+        for root in self._roots:
+            if root.stand_ins_done or not root.trained:
+                continue
+            root.stand_ins_done = True
+            new = [] if self._compiled else stand_ins(root)
+            for i, la in reversed(new):
+                root.layers.insert(i, la)
+                if self._layer_hooks_on:
+                    self._hook_layer(la)
+            if new:
+                self._write_meta(**structure(self._roots, self._grads.trainable, self._grads.updaters))
+
     def _wants_hist(self, name: str) -> bool:
         h = self.histograms
         return bool(h) and (h is True or name in h)
@@ -500,7 +519,7 @@ class HookMixin:
         and stay from then on: Dynamo guards on the number of hooks, so toggling them per step
         (as in eager code) would recompile at every step."""
         if on:
-            self._hooks_pinned = True
+            self._hooks_pinned = self._compiled = True
             self._set_layer_hooks(True)
             self._set_discovery(self._auto)
 
@@ -568,9 +587,48 @@ class HookMixin:
             layer.prev_dead = dead
             desc = ("l", layer.name, "activation", tuple(names), self._cur, finish, raw.numel())
             self._out.stats.append((desc, raw))
+            self._codes(layer, x, unit_dim, first_tensor(args))
         except Exception:
             log.exception("trainguard monitor: layer hook failed on %s", layer.name)
 
+
+    def _codes(self, layer: Layer, x: torch.Tensor, unit_dim: int, inp: torch.Tensor | None) -> None:
+        """Hash up to ``CODE_ROWS`` rows of the output and of its input (``row_hashes``); counted
+        for all layers at once at the step's end (``_ship_codes``): a layer that maps inputs that
+        differ onto one or two outputs (a collapsed codebook) shows there."""
+        out = row_hashes(x, unit_dim)
+        if out is None:
+            return
+        self._codes_out[id(x)] = (tuple(x.shape), out)
+        got = None
+        if inp is not None and inp.is_floating_point():
+            seen = self._codes_out.get(id(inp))  # mostly the layer before's output, hashed already
+            got = seen[1] if seen is not None and seen[0] == tuple(inp.shape) else row_hashes(
+                inp, unit_dim if inp.dim() == x.dim() else -1)
+        self._code_rows.append((layer.name, out, got))
+
+    def _ship_codes(self, step: int) -> None:
+        rows, self._code_rows, self._codes_out = self._code_rows, [], {}
+        by_dev: dict[torch.device, list] = {}
+        for r in rows:
+            by_dev.setdefault(r[1].device, []).append(r)
+        names = ("codes", "code_rows", "code_sample", "in_codes", "in_code_rows", "in_code_sample")
+        for group in by_dev.values():
+            hashes = [r[1] for r in group] + [r[2] for r in group if r[2] is not None]
+            counted = count_codes(hashes)
+            k, at, slots = len(group), len(group), []
+            for r in group:
+                slots.append(at if r[2] is not None else None)
+                at += r[2] is not None
+            nan = torch.full((1, 2), math.nan, device=counted.device)
+            matrix = torch.cat([torch.cat([counted[i:i + 1], counted[j:j + 1] if j is not None else nan], 1)
+                                for i, j in zip(range(k), slots)])
+            for r, row in zip(group, matrix):
+                def finish(v: list[float], n: int = r[1].shape[0], n_in: float = (
+                        r[2].shape[0] if r[2] is not None else math.nan)) -> list[float]:
+                    return [v[0], v[1], float(n), v[2], v[3], float(n_in)]
+
+                self._out.stats.append((("l", r[0], "activation", names, step, finish, 4), row))
 
 # Called between compiled graphs (after a graph break), Dynamo would compile these frames themselves.
 keep_dynamo_out(ModuleHook.__call__, HookMixin._discover, HookMixin._root_pre, HookMixin._on_layer)

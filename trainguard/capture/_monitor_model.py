@@ -14,6 +14,8 @@ from trainguard.capture import _monitor_tap
 from trainguard.capture._layer_stats import is_channel_first, is_mode_module, saturation_kind
 from trainguard.resilience._wrappers import WRAPPERS
 
+# Lookup tables: an index in, a row out (see stand_ins).
+_TABLE_TYPES = ("Embedding", "EmbeddingBag")
 # Modules whose output is not a "layer" worth a row: containers and pass-through modules.
 _SKIP_TYPES = (nn.Identity, nn.modules.dropout._DropoutNd, nn.Flatten, nn.Unflatten)
 
@@ -84,7 +86,7 @@ class Root:
     """A top-level model: its layers, parameters and the modules whose output depends on train/eval mode."""
 
     __slots__ = ("ref", "prefix", "type", "mode_modules", "handle", "load_handle", "layers", "params", "trained",
-                 "first_step")
+                 "first_step", "stand_ins_done")
 
     def __init__(self, module: nn.Module, prefix: str):
         self.ref = weakref.ref(module)
@@ -97,6 +99,7 @@ class Root:
         self.params: list[Param] = []
         self.trained = False  # a forward with gradients enabled has run (see the validation pass)
         self.first_step = 0  # the step it was attached in
+        self.stand_ins_done = False  # see stand_ins
 
 
 # Only the attributes no user names a module by: a "module" inside a model may be the user's own.
@@ -140,6 +143,44 @@ def build_root(module: nn.Module, prefix: str, label: str | None = None) -> Root
         layer, mtype, held, m = owner.get(pname, (prefix + pname.rsplit(".", 1)[0], "", False, None))
         root.params.append(Param(prefix + pname, p, layer, mtype, held, m))
     return root
+
+
+def stand_ins(root: Root) -> list[tuple[int, Layer]]:
+    """Modules to watch in place of layers that never ran: (index in ``root.layers`` to insert at,
+    the new layer). A module without parameters of its own that reads its children's weights
+    instead of calling them (zalandoresearch/pytorch-vq-vae's ``VectorQuantizer`` computes with
+    ``self._embedding.weight``; the ``nn.Embedding`` never runs) is no layer by ``build_root``'s
+    rule, and its output, where a collapsed codebook shows, went unmeasured. Asked once, after the
+    root's first recorded training step: each parent (never the root, none with parameters of its
+    own: those are layers already) all of whose layers had weights and none ran, or all of whose
+    layers are lookup tables (``nn.Embedding``)."""
+    module = root.ref()
+    if module is None:
+        return []
+    names = {_plain(n): m for n, m in module.named_modules() if n}
+    taken = {la.name for la in root.layers}
+    ran = {la.name for la in root.layers if la.seen_step >= 0}
+    out: list[tuple[int, Layer]] = []
+    for i, la in enumerate(root.layers):
+        if (la.seen_step >= 0 and la.type not in _TABLE_TYPES or not la.weighted
+                or la.name == root.prefix + type(module).__name__.lower()):
+            continue
+        parent = la.name[len(root.prefix):].rpartition(".")[0]
+        m = names.get(parent)
+        name = root.prefix + parent
+        if not parent or m is None or name in taken:
+            continue
+        inside = [x for x in root.layers if x.name.startswith(name + ".")]
+        # ... or all of whose layers are tables (a quantizer that looks its codes up by index:
+        # taming-transformers' ``self.embedding(min_encoding_indices)``, whose integer input has no
+        # rows to compare the codes with; a wrapper of token embeddings is watched too, and its
+        # integer input leaves it unjudged)
+        tables = all(x.type in _TABLE_TYPES for x in inside)
+        if any(x.name in ran for x in inside) and not tables:
+            continue
+        taken.add(name)
+        out.append((i, Layer(name, m, root.prefix)))
+    return out
 
 
 def rebind(params: list[Param]) -> list[Param]:
