@@ -330,3 +330,20 @@ def test_loops_that_run_models_without_backward_on_purpose_skip_nothing(tmp_path
     # SAM changes the weights in place between its two backward passes: before the optimizer is
     # known (its first step), that ends a step as updates by hand do (docs/monitor.md, Steps).
     assert meta["final_step"] == (23 if loop is sam else 22)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_scripts_and_compiled_code_still_call_the_checks(tmp_path):
+    # While a monitor is open torch.isnan & co. are trainguard's wrappers: TorchScript must still
+    # find them as builtins (it raised "module, class, method, function ... expected, got
+    # builtin_function_or_method" trying to compile the wrapper), and Dynamo traces through them.
+    model = mlp()
+    with Monitor(model, tmp_path / "r", every=5, diagnose=False):
+        @torch.jit.script
+        def bad(x: torch.Tensor) -> torch.Tensor:
+            return torch.isnan(x).any() | torch.isinf(x).any() | ~torch.isfinite(x).all()
+
+        assert not bool(bad(torch.ones(3))) and bool(bad(torch.tensor([float("nan")])))
+        compiled = torch.compile(lambda x: torch.isnan(model(x)).any(), backend="eager")
+        assert not bool(compiled(torch.ones(2, 4)))
+    assert torch.isnan is torch._C._VariableFunctions.isnan  # put back

@@ -29,6 +29,7 @@ from trainguard.capture import (
     _params,
     _reads,
     _recorder_mode,
+    _skips,
     _steps,
     _swap,
 )
@@ -196,6 +197,8 @@ class Recorder(FlushHooks, HarmHooks):
         self.loss_pins: list[int] = []
         self.losses_pinned = 0
         self.scaler_verdicts: ScalerVerdicts | None = None
+        # Iterations the loop skipped itself (capture/_skips): the run's ``skipped_iterations``.
+        self.skipped: dict | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Recorder:
@@ -233,7 +236,9 @@ class Recorder(FlushHooks, HarmHooks):
             self.scaler_verdicts = ScalerVerdicts(self.writer)
             self.loss_watch = _loss_watch.acquire(self.writer)
             _monitor_tap.add_listener("loss_graph", self._pin_loss)
+        self.modules.on_outermost = self._outermost
         self.modules.install()
+        _skips.acquire(self._on_skip)
         _swap.hold(self._release)
         _reads.install(self)
         _params.install(self)
@@ -269,6 +274,7 @@ class Recorder(FlushHooks, HarmHooks):
                 self._mode.__exit__(None, None, None)
         finally:
             self.modules.remove()
+            _skips.release(self._on_skip)
             _swap.unhold(self._release)
             _reads.remove(self)
             _params.remove(self)
@@ -299,6 +305,8 @@ class Recorder(FlushHooks, HarmHooks):
                         final_meta["native_unsure"] = counts["unsure"]
                 if self.failures:
                     final_meta["record_errors"] = self.failures
+                if self.skipped:
+                    final_meta["skipped_iterations"] = self.skipped
                 final_meta.update(_compile.run_meta(self))
                 release_writer(
                     self.writer,
@@ -308,6 +316,16 @@ class Recorder(FlushHooks, HarmHooks):
                     **final_meta,
                 )
                 self.writer = None
+
+    def _outermost(self, module: torch.nn.Module) -> None:
+        # An outermost module call with gradients on: a model's forward, which tells the skip
+        # watch where an iteration begins (a loop that checked a non-finite loss and called no
+        # backward() before it skipped the last one).
+        if torch.is_grad_enabled():
+            _skips.watch.forward(module.training)
+
+    def _on_skip(self, skip: _skips.Skip) -> None:
+        self.skipped = _skips.count(self.skipped, skip)
 
     @property
     def executions(self) -> int:
