@@ -347,3 +347,18 @@ def test_scripts_and_compiled_code_still_call_the_checks(tmp_path):
         compiled = torch.compile(lambda x: torch.isnan(model(x)).any(), backend="eager")
         assert not bool(compiled(torch.ones(2, 4)))
     assert torch.isnan is torch._C._VariableFunctions.isnan  # put back
+
+
+def test_a_restore_forgets_the_skips_that_run_again():
+    # A guard's rewind (or a checkpoint's restore) to step 20 runs steps 20.. again: their skips
+    # are counted again when they recur, so the account drops them.
+    from trainguard.capture._skips import Skip, count, forget
+
+    acc = None
+    for step, v in ((5, float("nan")), (21, float("inf")), (22, float("-inf"))):
+        acc = count(acc, Skip(step=step, loss=v, file="t.py", line=3, check="isnan"))
+    assert acc["count"] == 3 and acc["nonfinite"] == {"nan": 1, "inf": 1, "-inf": 1}
+    kept = forget(acc, 20)
+    assert kept["count"] == 1 and kept["steps"] == [5] and kept["nonfinite"] == {"nan": 1}
+    assert kept["last"]["step"] == 5 and math.isnan(kept["last"]["loss"])
+    assert forget(acc, 5) is None and forget(acc, 30) is acc

@@ -226,6 +226,9 @@ class EventsMixin:
             self._out.ship()
             self._out.resolve(wait=True)
         self._writer.forget_steps(step)
+        if self._skip_account:  # iterations skipped from there run again: counted again if skipped again
+            self._skip_account = _skips.forget(self._skip_account, step)
+            self._write_meta(skipped_iterations=self._skip_account)
 
     def _rebind(self) -> None:
         moved = rebind(self._params)

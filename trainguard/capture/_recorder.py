@@ -318,10 +318,11 @@ class Recorder(FlushHooks, HarmHooks):
                 self.writer = None
 
     def _outermost(self, module: torch.nn.Module) -> None:
-        # An outermost module call with gradients on: a model's forward, which tells the skip
+        # An outermost module call with gradients on, of a module holding parameters: a model's
+        # forward (not the criterion's, called after the model), which tells the skip
         # watch where an iteration begins (a loop that checked a non-finite loss and called no
         # backward() before it skipped the last one).
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and next(module.parameters(), None) is not None:  # not a loss module
             _skips.watch.forward(module.training)
 
     def _on_skip(self, skip: _skips.Skip) -> None:

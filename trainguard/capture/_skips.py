@@ -76,10 +76,33 @@ def count(account: dict | None, skip: Skip) -> dict:
     account["count"] += 1
     if len(account["steps"]) < MAX_LISTED:
         account["steps"].append(skip.step)
+        account.setdefault("losses", []).append(skip.loss)
     account["last"] = skip.to_dict()
-    kind = "nan" if math.isnan(skip.loss) else ("inf" if skip.loss > 0 else "-inf")
+    kind = _kind(skip.loss)
     account["nonfinite"][kind] = account["nonfinite"].get(kind, 0) + 1
     return account
+
+
+def _kind(v: float) -> str:
+    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+
+
+def forget(account: dict, step: int) -> dict | None:
+    """``account`` without the skips of ``step`` and later (a checkpoint of ``step`` was restored:
+    those iterations run again); None when none is left."""
+    steps, losses = account["steps"], account.get("losses") or []
+    keep = [i for i, s in enumerate(steps) if s < step]
+    if not keep:
+        return None
+    if len(keep) == len(steps):  # unlisted ones (past MAX_LISTED) may lie on either side: kept
+        return account
+    kept_losses = [losses[i] for i in keep if i < len(losses)]
+    nonfinite: dict[str, int] = {}
+    for v in kept_losses:
+        nonfinite[_kind(v)] = nonfinite.get(_kind(v), 0) + 1
+    last = keep[-1]
+    return dict(account, count=len(keep), steps=[steps[i] for i in keep], losses=kept_losses, nonfinite=nonfinite,
+                last=dict(account["first"], step=steps[last], loss=losses[last] if last < len(losses) else None))
 
 
 class _Watch:
