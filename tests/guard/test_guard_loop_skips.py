@@ -13,11 +13,11 @@ from torch import nn
 import trainguard as tg
 from trainguard.store import open_run
 
-from .conftest import finite, make_data, make_state
+from .conftest import finite, line_of, make_data, make_state
 
 
-def skip_loop(batches, state):
-    seen = []
+def skip_loop(batches, state, log=None):
+    seen, log = [], [] if log is None else log
     for step, (x, y) in batches:
         seen.append(step)
         loss = nn.functional.mse_loss(state.model(x), y)
@@ -26,6 +26,7 @@ def skip_loop(batches, state):
             loss.backward()
             state.optimizer.step()
             state.scheduler.step()
+        log.append(loss.item())  # a log line after the check: not where the loop skips
     return seen
 
 
@@ -43,7 +44,8 @@ def test_steps_the_loop_skips_itself_are_logged_and_stored_not_rewound(tmp_path,
     with open_run(tmp_path / "run") as run:
         stored = run.meta["guard"]["loop_skipped"]
         assert stored["count"] == 1 and stored["steps"] == [12]
-        assert stored["first"]["loss"] != stored["first"]["loss"] and stored["first"]["check"] in ("isnan", "isinf")
+        assert stored["first"]["loss"] != stored["first"]["loss"] and stored["first"]["check"] == "isnan"
+        assert stored["first"]["line"] == line_of("SKIP_LINE", skip_loop)
 
 
 def test_a_monitor_beside_the_guard_keeps_the_loops_step_numbers(tmp_path):
