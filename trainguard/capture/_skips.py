@@ -66,6 +66,8 @@ class Skip:
 
 # The steps of skipped iterations a run's account lists (the count goes on past them).
 MAX_LISTED = 200
+# Checks of one iteration kept until it ends (the loop's test comes first).
+MAX_CHECKS = 4
 
 
 def count(account: dict | None, skip: Skip) -> dict:
@@ -109,9 +111,10 @@ class _Watch:
     def __init__(self) -> None:
         self.users = 0
         self.listeners: list[Callable[[Skip], None]] = []
-        # (value: 0-d detached tensor or float, step, file, line, check) of the last check since
-        # the last backward(), or None.
-        self.pending: tuple | None = None
+        # [(value: 0-d detached tensor or float, step, file, line, check), ...]: the first checks
+        # since the iteration began (the loop's own test of the loss comes first; a log line's
+        # loss.item() after it is not where it skips), or None.
+        self.pending: list | None = None
         # Whether the last forward with gradients was a training one (None: nothing announces
         # forwards, the guard alone).
         self.training: bool | None = None
@@ -145,7 +148,11 @@ class _Watch:
         if value is None:
             with _monitor_tap.quiet():
                 value = x.detach().reshape(())
-        self.pending = (value, _steps.clock.step, f.f_code.co_filename, f.f_lineno, how)
+        entry = (value, _steps.clock.step, f.f_code.co_filename, f.f_lineno, how)
+        if self.pending is None:
+            self.pending = [entry]
+        elif len(self.pending) < MAX_CHECKS:
+            self.pending.append(entry)
 
     def boundary(self) -> Skip | None:
         """A new iteration starts (a training forward, the guard's end of a step): the pending
@@ -153,21 +160,24 @@ class _Watch:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
-        value, step, file, line, how = pending
         try:
-            if isinstance(value, torch.Tensor):
-                with _monitor_tap.quiet():
-                    value = float(value)  # the loop branched on this value already: computed
-            if math.isfinite(value):
+            skip = None
+            for value, step, file, line, how in pending:  # the first check that saw NaN/Inf
+                if isinstance(value, torch.Tensor):
+                    with _monitor_tap.quiet():
+                        value = float(value)  # the loop branched on this value already: computed
+                if not math.isfinite(value):
+                    skip = Skip(step=step, loss=value, file=file, line=line, check=how)
+                    break
+            if skip is None:
                 return None
-            skip = Skip(step=step, loss=value, file=file, line=line, check=how)
             for fn in list(self.listeners):
                 try:
                     fn(skip)
                 except Exception:  # observing training never kills training
                     log.exception("trainguard: a skipped-iteration listener failed")
             c = _steps.clock
-            if c.driver is None and c.step == step and c.users > 0:
+            if c.driver is None and c.step == skip.step and c.users > 0:
                 _steps.advance()  # the skipped iteration is a step, as a GradScaler's skip is
             return skip
         except Exception:

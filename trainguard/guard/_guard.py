@@ -26,6 +26,7 @@ import atexit
 import logging
 import math
 import os
+import shlex
 import statistics
 import struct
 import sys
@@ -336,8 +337,9 @@ class Guard:
         text = (f"step {skip.step:,}: the loop skipped this step itself: its loss was {_events._num(skip.loss)}{where} "
                 "and it called no backward(), so nothing was updated and the guard has nothing to rewind")
         if sk["count"] == 1:
+            script = shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "script.py"
             log.warning("trainguard: %s; find where the NaN/Inf comes from with `trainguard run --check-numerics "
-                        "script.py`", text)
+                        "%s`", text, script)
         else:
             log.info("trainguard: %s", text)
         if self._run is not None:
