@@ -143,6 +143,9 @@ def test_layer_statistics_reach_the_host_in_one_batch_per_recording_step(tmp_pat
             import sys
 
             frame = sys._getframe(1)
+            if frame.f_code.co_filename.endswith("_skips.py"):
+                # the skip watch's wrapper of Tensor.item passes the caller's own call on (Adam's)
+                frame = frame.f_back
             if frame.f_code.co_filename.endswith("_loss_watch.py"):
                 calls["loss_graph_" + _n] = calls.get("loss_graph_" + _n, 0) + 1
             elif "trainguard" in frame.f_code.co_filename:

@@ -63,6 +63,7 @@ MONITOR_RULES = (
     "eval_mode_in_training",
     "train_mode_in_eval",
     "grad_scaler_skips",
+    "iterations_skipped",
     "replicas_not_synchronized",
     "checkpoint_misses_loss_params",
     # loss misuse read off the op graph (analysis/_graph_rules.py)

@@ -117,6 +117,10 @@ class Origin:
     # Whether a harmful value with this origin reached the loss, a gradient, optimizer state or a
     # parameter by the end of the recording (meta.first_damage); None: the run does not say.
     reached_training: bool | None = None
+    # The iteration the loop skipped itself because this value made its loss non-finite (the
+    # program checked the loss and called no backward(), capture/_skips): {step, loss, file, line,
+    # check}; None when no skipped iteration follows the origin.
+    skipped: dict | None = None
 
     @property
     def origin(self) -> Link:
@@ -125,7 +129,7 @@ class Origin:
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary, "suggestion": self.suggestion, "reason": self.reason, "harm": self.harm,
                 "origin": asdict(self.origin), "chain": [asdict(link) for link in self.chain],
-                "earlier": self.earlier, "reached_training": self.reached_training}
+                "earlier": self.earlier, "reached_training": self.reached_training, "skipped": self.skipped}
 
 
 def _count(summary: dict | None, key: str) -> int:
@@ -1379,5 +1383,37 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     clipping = run.meta.get("clipping") or (run.meta.get("monitor") or {}).get("clipping")
     suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
                          exp_param=parameter_behind_view(run, o), loader=loader, clipping=clipping)
+    skipped = _skipped_after(run, o.step) if reached is False else None
+    if skipped is not None:
+        summary += (f". It made the loss {_num(skipped.get('loss'))} in step {skipped['step']}, which the program "
+                    f"checked{_at(skipped)} and skipped: no backward(), no update")
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm, earlier=earlier,
-                  reached_training=reached)
+                  reached_training=reached, skipped=skipped)
+
+
+def _num(v: Any) -> str:
+    if not isinstance(v, float):
+        return "non-finite"
+    return "nan" if v != v else ("inf" if v > 0 else "-inf")
+
+
+def _at(skip: dict) -> str:
+    return f" (`{skip.get('check')}` at {skip['file']}:{skip['line']})" if skip.get("file") else ""
+
+
+def _skipped_after(run: Run, step: int | None) -> dict | None:
+    """The first iteration the loop skipped itself (its loss checked non-finite, no backward()) in
+    ``step`` or later, as the monitor or the recorder stored it (``skipped_iterations``)."""
+    meta = getattr(run, "meta", None) or {}
+    for sk in ((meta.get("monitor") or {}).get("skipped_iterations"), meta.get("skipped_iterations")):
+        if not isinstance(sk, dict) or not isinstance(sk.get("first"), dict):
+            continue
+        first = sk["first"]
+        if step is None or (isinstance(first.get("step"), int) and first["step"] >= step):
+            return dict(first)
+        later = [s for s in sk.get("steps") or [] if isinstance(s, int) and s >= step]
+        if later:
+            last = sk.get("last") if isinstance(sk.get("last"), dict) else {}
+            loss = last.get("loss") if last.get("step") == later[0] else None
+            return {**first, "step": later[0], "loss": loss}
+    return None

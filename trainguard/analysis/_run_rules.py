@@ -8,6 +8,7 @@ A crash is not a rule here: the run stores how it ended and :mod:`._outcome` mak
 from __future__ import annotations
 
 import math
+import shlex
 
 import numpy as np
 
@@ -196,3 +197,74 @@ def checkpoint_misses_loss_params(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _steps_text(steps: list[int]) -> str:
+    """``17, 30-39``: steps as ranges."""
+    out: list[str] = []
+    for s in sorted(steps):
+        if out and out[-1][1] == s - 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def _script(run) -> str:
+    """The script and its arguments as the run's command line gave them (``script.py`` when unknown)."""
+    argv = (getattr(run, "meta", None) or {}).get("argv") or []
+    for i, a in enumerate(argv):
+        if isinstance(a, str) and a.endswith(".py") and not a.replace("\\", "/").endswith("trainguard/__main__.py"):
+            return shlex.join(str(x) for x in argv[i:])
+    return "script.py"
+
+
+@register_rule("iterations_skipped")
+def iterations_skipped(ctx: Context) -> list[Finding]:
+    """The loop skipped iterations itself (capture/_skips): the model ran its training forward, the
+    program checked the loss, found NaN/Inf and went on without backward() or optimizer.step()
+    (normflows' ``if ~(torch.isnan(loss) | torch.isinf(loss)): loss.backward()``). Those batches
+    trained nothing, and the loss curve and every other rule leave them out."""
+    sk = ctx.meta.get("skipped_iterations")
+    if not isinstance(sk, dict) or not sk.get("count"):
+        return []
+    n = int(sk["count"])
+    first = sk.get("first") or {}
+    trained = {int(s) for s in ctx.loss.steps.tolist()}
+    steps = [int(s) for s in sk.get("steps") or []]
+    iterations = len(trained | set(steps)) + max(n - len(steps), 0)
+    at = first.get("step")
+    value = fmt(first.get("loss"))
+    more = n - 1
+    title = (f"{n} of {iterations} iterations ran the model but never called backward(): the loop skipped "
+             f"{'them' if n > 1 else 'it'}; the loss was {value} at step {at}")
+    if more:
+        title += f" (and non-finite at {more} later step{'s' if more > 1 else ''})"
+    ev: dict = {"skipped": n, "iterations": iterations, "first": first, "nonfinite": sk.get("nonfinite") or {}}
+    if steps:
+        ev["steps"] = _steps_text(steps)
+    # Every iteration after the last one that trained was skipped: training stopped there.
+    last_trained = max(trained) if trained else None
+    after = [s for s in steps if last_trained is None or s > last_trained]
+    fixes = []
+    check = f" at {first['file']}:{first['line']}" if first.get("file") else ""
+    fixes.append(f"your loop checks the loss for NaN/Inf{check} and skips the update when it is not finite: "
+                 + (f"those {n} batches trained nothing, and the loss curve and the other findings leave them out"
+                    if n > 1 else "that batch trained nothing, and the loss curve and the other findings leave it out"))
+    if len(after) > 1 and len(after) > len(steps) // 2:
+        ev["skipped_from"] = after[0]
+        stopped = f"training stopped at step {last_trained}" if last_trained is not None else "nothing trained"
+        fixes.append(f"from step {after[0]} on every iteration was skipped: {stopped} while the script went on")
+    origin = origin_of(ctx.run, since_step=at if isinstance(at, int) else None)
+    if origin:
+        ev["origin"] = origin
+        fixes.append(f"the first NaN/Inf of those steps came from {where(origin)}")
+    else:
+        script = _script(ctx.run)
+        fixes.append(f"find where the first NaN/Inf comes from: `trainguard run --check-numerics {script}` stops at "
+                     "the op that made it, with its line and inputs (`trainguard run --monitor` records it for "
+                     "`trainguard report`)")
+    severity = "error" if n / max(iterations, 1) > ctx.th.skipped_error_fraction or "skipped_from" in ev else "warning"
+    return [Finding(kind="iterations_skipped", severity=severity, title=title, evidence=ev,
+                    suggestion="; ".join(fixes), steps=(int(at), int(sk.get("last", first).get("step", at)))
+                    if isinstance(at, int) else None, source=SOURCE)]

@@ -129,6 +129,10 @@ class Thresholds:
         0.1, "more than 10% of a window of steps skipped once settled (a growth attempt skips 1 step in 2000)"
     )
     amp_skip_window: float = _t(100, "the window the skip fraction is measured over, in steps")
+    # ---- iterations the loop skipped itself (a non-finite loss checked, no backward)
+    skipped_error_fraction: float = _t(
+        0.1, "one iteration in ten left untrained is no odd bad sample: the model or the data keeps making NaN/Inf"
+    )
     amp_min_scale: float = _t(
         1.0, "a scale below 1 still overflowing: the values are Inf/NaN unscaled, so scaling is not the cause"
     )

@@ -198,6 +198,8 @@ class ModuleTracker:
         # and each parameter or buffer named (tensor, name, kind).
         self.on_change: Callable[[int], None] | None = None
         self.on_named: Callable[[torch.Tensor, str, str], None] | None = None
+        # Called with the module at each outermost module call (no module running on this thread).
+        self.on_outermost: Callable[[nn.Module], None] | None = None
 
     # -------------------------------------------------------------- hooks
     def install(self) -> None:
@@ -233,6 +235,8 @@ class ModuleTracker:
                 stack.append((stack[-1][0] if stack else None, module))
                 return
             entry = self._name(module, stack[-1][1] if stack else None)
+        if not stack and self.on_outermost is not None:
+            self.on_outermost(module)
         stack.append((entry[0], module))
         on_change = self.on_change
         if on_change is not None:

@@ -46,6 +46,7 @@ from trainguard.capture import (
     _loss_watch,
     _monitor_hooks,
     _monitor_tap,
+    _skips,
     _steps,
     _swap,
 )
@@ -216,6 +217,10 @@ class Monitor(EventsMixin, HookMixin):
         self._last_train_fwd: tuple[int, int, bool] | None = None
         self._trained_any = False  # a watched model has run a forward with gradients enabled
         self._amp: dict[str, Any] = {}
+        # Iterations the loop skipped itself (see capture/_skips): this step's scalars, and the
+        # run's account of them (run.meta["monitor"]["skipped_iterations"]).
+        self._skipped: dict[str, Any] = {}
+        self._skip_account: dict | None = self._meta.get("skipped_iterations")
         # No optimizer: after a backward(), what the step's end is recognised by (see pending_refs).
         self._pending_end: list | None = None
         # The gradients read after the last backward() (see pending_refs), and whether the update
@@ -272,6 +277,7 @@ class Monitor(EventsMixin, HookMixin):
         for event, fn in self._taps:
             _monitor_tap.add_listener(event, fn)
         _swap.hold(self._release)
+        _skips.acquire(self._on_skip)
         self._write_meta(status="running")
         self._loss_watch = _loss_watch.acquire(self._writer)
         self._loss_watch.modules = self._probability_layers
@@ -395,6 +401,10 @@ class Monitor(EventsMixin, HookMixin):
         # roots go with the hooks.
         known = (structure(self._roots, self._grads.trainable, self._grads.updaters, self._grads.gradient_steps)
                  if self._roots else {})
+        if self._skip_account and _skips.watch.pending is not None:
+            # The last iteration's loss was checked non-finite, and no backward() followed, in a
+            # loop seen skipping such iterations: skipped too, though no forward came after it.
+            _skips.watch.boundary()
         try:
             with self._no_record():
                 if self._backward_step == self._cur or self._auto_losses:
@@ -415,6 +425,7 @@ class Monitor(EventsMixin, HookMixin):
                     registry.remove(fn)
             for event, fn in self._taps:
                 _monitor_tap.remove_listener(event, fn)
+            _skips.release(self._on_skip)
             _steps.release()
             _compile_monitor.unwatch(self)
             _monitor_hooks.release_pickle_hiding()
@@ -435,6 +446,8 @@ class Monitor(EventsMixin, HookMixin):
             known["torch_func_model"] = self._torch_func_model
         if self.no_grad_layers:
             known["no_grad_layers"] = dict(self.no_grad_layers)
+        if self._skip_account:
+            known["skipped_iterations"] = dict(self._skip_account)
         env = next((m for m in _RL_ENVIRONMENTS if m in sys.modules), None)
         if env is not None:  # a reinforcement-learning loop: the loss's targets move with the policy
             known["environment"] = env

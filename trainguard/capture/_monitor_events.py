@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainguard.capture import _amp_tap, _compile_monitor, _monitor_tap, _steps
+from trainguard.capture import _amp_tap, _compile_monitor, _monitor_tap, _skips, _steps
 from trainguard.capture._monitor_grads import pending_refs, replaced, used
 from trainguard.capture._monitor_model import rebind
 
@@ -188,6 +188,21 @@ class EventsMixin:
         else:  # the update ended the step already; its scalars wait for late values (see Shipper.ship)
             self._out.scalars.setdefault(step, {}).update(values)
 
+    def _on_skip(self, skip) -> None:
+        """The loop skipped an iteration itself (capture/_skips): its loss was non-finite and no
+        backward() followed. The step gets ``skipped`` = 1 and ``skipped_loss`` (the value its
+        check saw); the run's metadata counts them, with the first one's step, value and line."""
+        if self._closed:
+            return
+        values = {"skipped": 1.0, "skipped_loss": skip.loss}
+        if skip.step == self._cur:
+            self._skipped.update(values)
+        else:  # the clock moved on since the check (a guard's loop aligns it first)
+            self._out.scalars.setdefault(skip.step, {}).update(values)
+        sk = self._skip_account = _skips.count(self._skip_account, skip)
+        if sk["count"] == 1:  # the rest when the monitor closes: one metadata write, not one per skip
+            self._write_meta(skipped_iterations=dict(sk))
+
     # ------------------------------------------------------------------ steps
     def _on_step(self, new_step: int) -> None:
         if self._closed:
@@ -209,6 +224,9 @@ class EventsMixin:
             self._out.ship()
             self._out.resolve(wait=True)
         self._writer.forget_steps(step)
+        if self._skip_account:  # iterations skipped from there run again: counted again if skipped again
+            self._skip_account = _skips.forget(self._skip_account, step)
+            self._write_meta(skipped_iterations=self._skip_account)
 
     def _rebind(self) -> None:
         moved = rebind(self._params)
@@ -260,6 +278,7 @@ class EventsMixin:
             self._add_stand_ins()
         values.update(self._grads.finish(self._params, s, recording))
         values.update(self._amp)
+        values.update(self._skipped)
         if self._eval is not None:
             values.update(self._eval.take())
         if values:
@@ -284,6 +303,7 @@ class EventsMixin:
         self._losses_at_update = 0
         self._update_opt = None
         self._amp = {}
+        self._skipped = {}
         self._pending_end = None
         self._chan_out = {}
         self._codes_out = {}

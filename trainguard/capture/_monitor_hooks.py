@@ -32,7 +32,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList as _ParametrizationList
 
-from trainguard.capture import _compile_monitor, _monitor_tap
+from trainguard.capture import _compile_monitor, _monitor_tap, _skips
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import (
     activation_stats,
@@ -426,6 +426,9 @@ class HookMixin:
         grad_on = torch.is_grad_enabled() if grad is None else grad
         self._root_grad = grad_on
         if grad_on:
+            # A training forward after a checked non-finite loss and no backward(): the loop skipped
+            # that iteration (capture/_skips; it may end the step, before this forward's own work).
+            _skips.watch.forward(module.training)
             self._maybe_end_manual_step()  # a training forward starts the next step
             root.trained = self._trained_any = True
         if self._eval is not None:

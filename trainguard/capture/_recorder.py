@@ -29,6 +29,7 @@ from trainguard.capture import (
     _params,
     _reads,
     _recorder_mode,
+    _skips,
     _steps,
     _swap,
 )
@@ -197,6 +198,8 @@ class Recorder(FlushHooks, HarmHooks):
         self.losses_pinned = 0
         self.scaler_verdicts: ScalerVerdicts | None = None
         self.clipping: dict | None = None  # how the loop clips its gradients, once it does
+        # Iterations the loop skipped itself (capture/_skips): the run's ``skipped_iterations``.
+        self.skipped: dict | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Recorder:
@@ -235,7 +238,9 @@ class Recorder(FlushHooks, HarmHooks):
             self.loss_watch = _loss_watch.acquire(self.writer)
             _monitor_tap.add_listener("loss_graph", self._pin_loss)
             _monitor_tap.add_listener("clip", self._note_clipping)
+        self.modules.on_outermost = self._outermost
         self.modules.install()
+        _skips.acquire(self._on_skip)
         _swap.hold(self._release)
         _reads.install(self)
         _params.install(self)
@@ -271,6 +276,7 @@ class Recorder(FlushHooks, HarmHooks):
                 self._mode.__exit__(None, None, None)
         finally:
             self.modules.remove()
+            _skips.release(self._on_skip)
             _swap.unhold(self._release)
             _reads.remove(self)
             _params.remove(self)
@@ -302,6 +308,8 @@ class Recorder(FlushHooks, HarmHooks):
                         final_meta["native_unsure"] = counts["unsure"]
                 if self.failures:
                     final_meta["record_errors"] = self.failures
+                if self.skipped:
+                    final_meta["skipped_iterations"] = self.skipped
                 final_meta.update(_compile.run_meta(self))
                 release_writer(
                     self.writer,
@@ -311,6 +319,17 @@ class Recorder(FlushHooks, HarmHooks):
                     **final_meta,
                 )
                 self.writer = None
+
+    def _outermost(self, module: torch.nn.Module) -> None:
+        # An outermost module call with gradients on, of a module holding parameters: a model's
+        # forward (not the criterion's, called after the model), which tells the skip
+        # watch where an iteration begins (a loop that checked a non-finite loss and called no
+        # backward() before it skipped the last one).
+        if torch.is_grad_enabled() and next(module.parameters(), None) is not None:  # not a loss module
+            _skips.watch.forward(module.training)
+
+    def _on_skip(self, skip: _skips.Skip) -> None:
+        self.skipped = _skips.count(self.skipped, skip)
 
     @property
     def executions(self) -> int:

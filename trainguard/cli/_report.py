@@ -233,6 +233,14 @@ def _origin(report: dict) -> Any:
     parts.append(Text(f"  why: {link['explanation']}", style="yellow"))
     if o.get("harm"):
         parts.append(Text(f"  then: {_short_harm(o['harm'])}", style="yellow"))
+    elif o.get("skipped"):  # the loss it made non-finite was checked and its iteration skipped
+        sk = o["skipped"]
+        at = f" (`{sk.get('check')}` at {_short(sk['file'])}:{sk['line']})" if sk.get("file") else ""
+        loss = sk.get("loss")
+        value = ("nan" if loss != loss else ("inf" if loss > 0 else "-inf")) if isinstance(loss, float) else "non-finite"
+        parts.append(Text(f"  then: it made the loss {value} in step {sk['step']}; the program checked it{at} and "
+                          "skipped that iteration: no backward(), no update (the monitor counts such iterations: "
+                          "iterations_skipped)", style="yellow"))
     elif o.get("reached_training") is False:  # nerf's disparity of an empty ray: made, then unused
         parts.append(Text("  it reached no loss, gradient or parameter by the end of the recording: training "
                           "never used it (the value itself holds it where the program reads it)", style="yellow"))
@@ -303,6 +311,17 @@ def _guard(report: dict) -> Any:
                           f"batch itself, and {'were' if known != 1 else 'was'} skipped unread (no rewind)"
                           + (f"; the last at step {last['step']:,} (epoch {last.get('epoch')}"
                              f"{_samples(last.get('samples'))})" if isinstance(last.get("step"), int) else ""),
+                          style="yellow"))
+    loop = meta.get("loop_skipped")
+    if isinstance(loop, dict) and loop.get("count"):
+        first = loop.get("first") or {}
+        n = loop["count"]
+        value = first.get("loss")
+        value = ("nan" if value != value else ("inf" if value > 0 else "-inf")) if isinstance(value, float) else "?"
+        at = f" (checked at {_short(first['file'])}:{first['line']})" if first.get("file") else ""
+        parts.append(Text(f"the loop skipped {n} step{'s' if n != 1 else ''} itself, the first at step {first.get('step')}: "
+                          f"its loss was {value}{at} and it called no backward(), so nothing was updated and the guard "
+                          "did not rewind; find where the NaN/Inf comes from with `trainguard run --check-numerics`",
                           style="yellow"))
     for e in events:
         style = "bold red" if e.get("action") in ("stop", "code_bug", "max_rewinds") else "bold yellow"

@@ -26,6 +26,7 @@ import atexit
 import logging
 import math
 import os
+import shlex
 import statistics
 import struct
 import sys
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from trainguard._errors import Diverged
-from trainguard.capture import align_step
+from trainguard.capture import _skips, align_step
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.guard import _collective, _events
 from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
@@ -180,6 +181,9 @@ class Guard:
         self._installed_previous: Any = None
         self._stored: set[int] = set()  # ids of the events written to the run
         self._overwrite = overwrite  # replace a run already at logdir (the first loop's only)
+        # Steps the loop skipped itself (its loss checked non-finite, no backward(): capture/_skips):
+        # the run's ``loop_skipped`` account. Nothing was updated, so the guard does not rewind.
+        self.loop_skipped: dict | None = None
         self._reset()
 
     def __repr__(self) -> str:
@@ -241,6 +245,7 @@ class Guard:
         self._overwrite = False  # a later loop of this guard adds to the run this one began
         watch_uncaught()  # a loop closed at exit by the exception that ends the script stores it as the run's ending
         self._sentry.start()
+        _skips.acquire(self._on_loop_skip)
         self._take_snapshot()
 
     def _detach(self) -> None:
@@ -257,7 +262,12 @@ class Guard:
         except Exception:  # a device the error left unusable: nothing more to learn
             unread = []
         self._sentry.stop()
+        _skips.release(self._on_loop_skip)
         self._loop = None
+        sk = self.loop_skipped
+        if sk is not None and sk["count"] > 1:
+            log.warning("trainguard: the loop skipped %d steps itself (its loss non-finite, no backward()), the "
+                        "first at step %d: those batches trained nothing", sk["count"], sk["first"]["step"])
         final = dict(self._ending)  # the run's own status, as a recording of the script stores it
         if loop.state.step >= loop.total_steps:
             status = "finished"
@@ -297,6 +307,7 @@ class Guard:
         self._sentry.report(loss)
 
     def _begin_step(self, step: int, batch: Any = None) -> None:
+        _skips.watch.begin()
         align_step(step)
         plan = self._plan
         if plan is not None and step == plan.fail and plan.recording is None:
@@ -310,6 +321,29 @@ class Guard:
         if plan is not None and plan.recording is not None and step == plan.fail:
             plan.recording.stop()
         self._sentry.end_step(step)
+        _skips.watch.boundary()  # the loop checked this step's loss, found NaN/Inf and called no backward()
+
+    def _on_loop_skip(self, skip: _skips.Skip) -> None:
+        """The loop skipped a step itself: nothing was updated, so there is nothing to rewind or
+        skip again. Logged (the first at WARNING) and counted in the run, once per step: not while
+        a replay runs, nor for a step the guard acted on already."""
+        if self._plan is not None or any(e.get("step") == skip.step for e in self.events):
+            return
+        sk = self.loop_skipped
+        if sk is not None and sk["last"]["step"] == skip.step:
+            return
+        sk = self.loop_skipped = _skips.count(sk, skip)
+        where = f" (checked by `{skip.check}` at {skip.file}:{skip.line})" if skip.file else ""
+        text = (f"step {skip.step:,}: the loop skipped this step itself: its loss was {_events._num(skip.loss)}{where} "
+                "and it called no backward(), so nothing was updated and the guard has nothing to rewind")
+        if sk["count"] == 1:
+            script = shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "script.py"
+            log.warning("trainguard: %s; find where the NaN/Inf comes from with `trainguard run --check-numerics "
+                        "%s`", text, script)
+        else:
+            log.info("trainguard: %s", text)
+        if self._run is not None:
+            self._run.update(loop_skipped=sk)
 
     def _discard_before(self, step: int) -> int:
         return self._skips.get(step, 0) if self._skips else 0
