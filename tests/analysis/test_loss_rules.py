@@ -134,3 +134,77 @@ def test_weights_swapped_in_for_an_evaluation_and_back_undo_nothing(tmp_path):
     healthy = [f for f in mon.findings if f.kind == "healthy"]
     assert not any("not judged" in f.title for f in mon.findings), [f.title for f in mon.findings]
     assert not healthy or "undone_steps" not in healthy[0].evidence
+
+
+class _LoRALinear(nn.Module):
+    # Derived from torchtune.modules.peft.LoRALinear: a frozen base weight and a trainable low-rank
+    # update lora_b(lora_a(x)) * alpha / rank, lora_a kaiming-uniform, lora_b zeros.
+    def __init__(self, d_in: int, d_out: int, rank: int = 4, alpha: float = 8.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in), requires_grad=False)
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        self.lora_a = nn.Linear(d_in, rank, bias=False)
+        self.lora_b = nn.Linear(rank, d_out, bias=False)
+        nn.init.kaiming_uniform_(self.lora_a.weight, a=5**0.5)
+        nn.init.zeros_(self.lora_b.weight)
+        self.scaling = alpha / rank
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight) + self.lora_b(self.lora_a(x)) * self.scaling
+
+
+class _TinyLoRALM(nn.Module):
+    # A tiny torchtune lora_llama3: frozen embedding and output, per block an up and a down
+    # projection with adapters and a gate without (its lora_attn_modules leave k_proj out).
+    def __init__(self, vocab: int = 32, dim: int = 16):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.ModuleList([_LoRALinear(dim, 4 * dim), _LoRALinear(4 * dim, dim), nn.Linear(dim, 4 * dim, bias=False)])
+            for _ in range(2))
+        self.out = nn.Linear(dim, vocab, bias=False)
+        for p in [self.tok.weight, self.out.weight] + [b[2].weight for b in self.blocks]:
+            p.requires_grad_(False)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for up, down, gate in self.blocks:
+            h = nn.functional.rms_norm(x, (x.size(-1),))
+            x = x + down(nn.functional.silu(gate(h)) * up(h))
+        return self.out(nn.functional.rms_norm(x, (x.size(-1),)))
+
+
+def _lora_run(path, lr: float, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = _TinyLoRALM()
+    # torchtune's lora_finetune_single_device hands the optimizer every parameter, the frozen too
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    seqs = (torch.randint(0, 32, (64, 1), generator=g) + torch.arange(9)) % 32
+    with tg.Monitor(model, path, every=1) as mon:
+        for i in range(steps):
+            b = seqs[(i * 8) % 64:(i * 8) % 64 + 8]
+            loss = nn.functional.cross_entropy(model(b[:, :-1]).reshape(-1, 32), b[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {f.kind: f for f in mon.findings}
+
+
+def test_frozen_base_weights_do_not_hide_a_lora_rate_far_too_high(tmp_path):
+    # torchtune's LoRA recipe at lr=3 (lr 3e-4 in its configs) under `trainguard run --monitor`: the
+    # frozen base matrices, which the optimizer holds but never moves, made the median update ratio 0
+    # at every step, so lr_too_high never saw the adapters' 766% update; the report said only
+    # "exploding activations", naming no rate.
+    kinds = _lora_run(tmp_path / "hi", lr=1.0, steps=30)
+    assert "lr_too_high" in kinds, sorted(kinds)
+    high = kinds["lr_too_high"]
+    assert high.evidence["update_ratio_max"] > 1, high.evidence
+    assert "from 1 to about 0.0001" in high.suggestion, high.suggestion
+
+
+def test_a_healthy_lora_run_reports_the_adapters_update_ratio(tmp_path):
+    # was update_ratio_median: 0 (the frozen matrices' median) in the healthy finding
+    kinds = _lora_run(tmp_path / "ok", lr=3e-3, steps=30)
+    assert "healthy" in kinds, sorted(kinds)
+    assert 0.005 < kinds["healthy"].evidence["update_ratio_median"] < 0.1, kinds["healthy"].evidence

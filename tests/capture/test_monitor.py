@@ -1006,6 +1006,29 @@ def test_a_ddp_wrapper_is_no_level_of_the_model(tmp_path, one_rank):
     assert "sequential.0.weight" in layers and "0.weight" in layers
 
 
+def test_an_activation_checkpoint_wrapper_is_no_level_of_the_model(tmp_path):
+    # torchtune's recipes with enable_activation_checkpointing=True: training.set_activation_checkpointing
+    # wraps each TransformerSelfAttentionLayer in torch's CheckpointWrapper, which holds it as
+    # ``_checkpoint_wrapped_module``; the monitor named the layers
+    # "layers.0._checkpoint_wrapped_module.attn.q_proj" while the model's state_dict (which the
+    # wrapper's hooks strip) and torchtune's checkpoints say "layers.0.attn.q_proj.weight".
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+    model[1] = checkpoint_wrapper(model[1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, tmp_path / "r", every=1, diagnose=False) as mon:
+        for _ in range(2):
+            loss = model(torch.randn(4, 6)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert sorted(mon.layers) == ["0", "1.0", "1.1", "2"]
+    layers = open_run(tmp_path / "r").layers()
+    assert sorted(n for n in layers if n.endswith(("weight", "bias"))) == sorted(model.state_dict())
+
+
 @pytest.mark.parametrize("wrapper", ["GradSampleModule", "GradSampleModuleFastGradientClipping"])
 def test_an_opacus_grad_sample_module_is_no_level_of_the_model(tmp_path, wrapper):
     # opacus' examples/mnist.py under `trainguard run --monitor`: make_private wraps SampleConvNet

@@ -103,6 +103,41 @@ def test_module_paths_inside_a_ddp_wrapper(tmp_path, one_rank, backend):
 
 
 @pytest.mark.parametrize("backend", ["native", "python"])
+def test_module_paths_inside_an_activation_checkpoint_wrapper(tmp_path, backend):
+    # torchtune's training.set_activation_checkpointing wraps each transformer layer in torch's
+    # CheckpointWrapper (``_checkpoint_wrapped_module``): its ops were named
+    # "1._checkpoint_wrapped_module.0", the recomputed forward's too, where the model's state_dict
+    # says "1.0.weight".
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+    model[1] = checkpoint_wrapper(model[1])
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        model(torch.randn(3, 4)).sum().backward()
+    modules, params = _linear_names(open_run(tmp_path / "r"))
+    assert modules == {"0", "1.0", "2"}
+    assert params == {"0.bias", "1.0.bias", "2.bias"}
+
+
+def test_ops_inside_a_non_reentrant_checkpoint_run_under_the_native_core(tmp_path):
+    # torchtune's set_activation_checkpointing (torch's checkpoint_wrapper, use_reentrant=False),
+    # recorded by the native core: the backward's recompute stops early by raising
+    # _StopRecomputationError from its pack hook inside the last op it needs (tanh, relu, mul
+    # alike); that op's end callback, symbolising a stack not seen before, called Python and
+    # cleared the pending error, and backward() raised "SystemError: <built-in method tanh ...>
+    # returned NULL without setting an exception". The Python backend recorded it.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(3, 8, requires_grad=True)
+    with tg.record(tmp_path / "r", buffer=-1, backend="native"):
+        checkpoint(lambda t: torch.tanh(lin(t)), x, use_reentrant=False).sum().backward()
+    run = open_run(tmp_path / "r")
+    assert run.count(op="aten.tanh") == 2  # the forward and its recompute
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
 def test_module_paths_inside_an_opacus_grad_sample_module(tmp_path, backend):
     # opacus' examples/mnist.py recorded: make_private's GradSampleModule calls the model as
     # ``self._module``, and its ops were named "_module.conv1", "_module.fc2", where the model's

@@ -12,11 +12,15 @@ from torch import nn
 # returns an OptimizedModule (``_orig_mod``), Lightning Fabric's fabric.setup(model) a _FabricModule
 # (``_forward_module``, the model or a DDP around it), DistributedDataParallel and DataParallel hold
 # it as ``module``, and opacus' make_private a GradSampleModule (of any grad_sample_mode, all
-# AbstractGradSampleModules) as ``_module``, which its DPDDP holds as ``module``. Names, not
-# classes: importing this never imports a framework.
+# AbstractGradSampleModules) as ``_module``, which its DPDDP holds as ``module``. torch's
+# checkpoint_wrapper and offload_wrapper (ActivationWrapper: torchtune's
+# set_activation_checkpointing wraps each transformer layer) hold it as
+# ``_checkpoint_wrapped_module``, which their state_dict hooks strip. Names, not classes:
+# importing this never imports a framework.
 WRAPPERS = {"OptimizedModule": "_orig_mod", "_FabricModule": "_forward_module",
             "DistributedDataParallel": "module", "DataParallel": "module",
-            "AbstractGradSampleModule": "_module", "DifferentiallyPrivateDistributedDataParallel": "module"}
+            "AbstractGradSampleModule": "_module", "DifferentiallyPrivateDistributedDataParallel": "module",
+            "ActivationWrapper": "_checkpoint_wrapped_module"}
 
 
 def wrapper_attr(cls: type) -> str | None:

@@ -29,6 +29,23 @@ int simd_max();  // bit flags 1 NaN, 2 +inf, 4 -inf
 at::Tensor summarize_deferred(const at::Tensor& t, int mode);
 
 // Stacks: the calling Python thread's frames, interned. 0 = no Python caller.
+// Held while a callback calls Python with the GIL: an error the op is raising (a saved-tensor
+// hook's, as torch.utils.checkpoint's _StopRecomputationError ending a recompute early) stays
+// pending through it. Cleared by our call, or failing it, the op returned NULL with no error set:
+// "SystemError: <built-in method tanh> returned NULL without setting an exception".
+struct KeepPyError {
+  PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+  KeepPyError() { PyErr_Fetch(&type, &value, &tb); }
+  ~KeepPyError() {
+    if (type != nullptr) {
+      PyErr_Clear();
+      PyErr_Restore(type, value, tb);
+    }
+  }
+  KeepPyError(const KeepPyError&) = delete;
+  KeepPyError& operator=(const KeepPyError&) = delete;
+};
+
 struct StackTable;
 StackTable* stacks_new(PyObject* on_new_stack);
 void stacks_free(StackTable*);

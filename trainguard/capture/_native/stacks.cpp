@@ -90,6 +90,41 @@ void stacks_free(StackTable* t) {
   delete t;
 }
 
+// The id of a stack not seen before (the GIL held): interned, and announced to the writer.
+int64_t symbolise(StackTable* table, const Key& key, _PyInterpreterFrame* top) {
+  int64_t sid;
+  PyObject* frames = PyList_New(0);
+  {
+    std::lock_guard<std::mutex> g(table->mu);
+    auto it = table->ids.find(key);
+    if (it != table->ids.end()) {
+      Py_DECREF(frames);
+      return it->second;
+    }
+    sid = (int64_t)table->ids.size() + 1;
+    table->ids.emplace(key, sid);
+    int depth = 0;
+    for (_PyInterpreterFrame* f = top; f != nullptr && depth <= MAX_DEPTH; f = complete(f->previous), ++depth) {
+      PyObject* code = reinterpret_cast<PyObject*>(f->f_code);
+      Py_INCREF(code);
+      table->codes.push_back(code);
+      if (depth == MAX_DEPTH) break;  // part of the key (kept alive), not shown
+      int line = PyCode_Addr2Line(f->f_code, _PyInterpreterFrame_LASTI(f) * (int)sizeof(_Py_CODEUNIT));
+      PyObject* fr = Py_BuildValue("(OiO)", f->f_code->co_filename, line < 0 ? 0 : line, f->f_code->co_name);
+      PyList_Append(frames, fr);
+      Py_DECREF(fr);
+    }
+  }
+  PyList_Reverse(frames);  // outermost first
+  if (table->on_new != nullptr) {
+    PyObject* r = PyObject_CallFunction(table->on_new, "LO", (long long)sid, frames);
+    if (r == nullptr) PyErr_Clear();  // a writer that failed must not fail the op
+    Py_XDECREF(r);
+  }
+  Py_DECREF(frames);
+  return sid;
+}
+
 int64_t stacks_capture(StackTable* table) {
   PyThreadState* ts = PyGILState_GetThisThreadState();
   if (ts == nullptr) return 0;  // a thread with no Python caller
@@ -116,39 +151,14 @@ int64_t stacks_capture(StackTable* table) {
     auto it = table->ids.find(key);
     if (it != table->ids.end()) return remember(table, key, it->second);
   }
-  // A new stack: symbolise it with the GIL (never while holding the table's lock).
+  // A new stack: symbolise it with the GIL (never while holding the table's lock), keeping an
+  // error the op is raising pending through it (native.h, KeepPyError).
   PyGILState_STATE gs = PyGILState_Ensure();
   int64_t sid;
-  PyObject* frames = PyList_New(0);
   {
-    std::lock_guard<std::mutex> g(table->mu);
-    auto it = table->ids.find(key);
-    if (it != table->ids.end()) {
-      Py_DECREF(frames);
-      PyGILState_Release(gs);
-      return it->second;
-    }
-    sid = (int64_t)table->ids.size() + 1;
-    table->ids.emplace(key, sid);
-    int depth = 0;
-    for (_PyInterpreterFrame* f = top; f != nullptr && depth <= MAX_DEPTH; f = complete(f->previous), ++depth) {
-      PyObject* code = reinterpret_cast<PyObject*>(f->f_code);
-      Py_INCREF(code);
-      table->codes.push_back(code);
-      if (depth == MAX_DEPTH) break;  // part of the key (kept alive), not shown
-      int line = PyCode_Addr2Line(f->f_code, _PyInterpreterFrame_LASTI(f) * (int)sizeof(_Py_CODEUNIT));
-      PyObject* fr = Py_BuildValue("(OiO)", f->f_code->co_filename, line < 0 ? 0 : line, f->f_code->co_name);
-      PyList_Append(frames, fr);
-      Py_DECREF(fr);
-    }
+    KeepPyError keep;
+    sid = symbolise(table, key, top);
   }
-  PyList_Reverse(frames);  // outermost first
-  if (table->on_new != nullptr) {
-    PyObject* r = PyObject_CallFunction(table->on_new, "LO", (long long)sid, frames);
-    if (r == nullptr) PyErr_Clear();  // a writer that failed must not fail the op
-    Py_XDECREF(r);
-  }
-  Py_DECREF(frames);
   PyGILState_Release(gs);
   return sid;
 }
