@@ -361,6 +361,12 @@ class HookMixin:
         # extractor, which discovery saw) only when the loss trains tensors that model lacks (the
         # GP's raw_lengthscale and the likelihood's raw_noise); the scan of live objects runs then,
         # and a script without modules is left as it was.
+        # A plain module run through its methods is never seen either (normflows' flow.inverse(z)
+        # and q0.log_prob(z), vae.encode(x), model.loss(x)): once a model was found (the layers
+        # those methods call as module(x)), the outermost module of any class holding the tensors
+        # it lacks becomes the root, and the roots inside it keep their names (container_path
+        # named them after it). With no model found, only a module that overrides __call__ is
+        # taken: a script that calls .forward(x) itself is told so (no_model_called).
         self._adopt_tried = True
         try:
             leaves = _leaf_ids(loss)
@@ -370,7 +376,7 @@ class HookMixin:
                 return
             modules = _live_modules()
             found = [m for m in modules
-                     if type(m).__call__ is not nn.Module.__call__ and m not in self._known
+                     if (self._roots or type(m).__call__ is not nn.Module.__call__) and m not in self._known
                      and any(id(p) in leaves for p in m.parameters())]
             if not self._roots and not found and not any(id(p) in leaves for m in modules for p in m.parameters()):
                 # no module holds what the loss trains: pyro.param sites, tensors made with requires_grad
