@@ -59,3 +59,43 @@ def test_check_numerics_names_the_module_whose_method_made_the_inf():
     msg = str(info.value)
     assert "module: flows.0.coupling (AffineCoupling)" in msg, msg
     assert "flowmodel.py" in msg and "in inverse" in msg, msg
+
+
+class _RBFCovariance(torch.autograd.Function):
+    """gpytorch/functions/rbf_covariance.py: the kernel matrix made inside forward (grad off
+    there), its gradient written by hand."""
+
+    @staticmethod
+    def forward(ctx, x1, x2, lengthscale):
+        d2 = (x1[:, None] - x2[None, :]).pow(2) / lengthscale.pow(2)  # MARK-RBF
+        k = torch.exp(-0.5 * d2)
+        ctx.save_for_backward(d2, k, lengthscale)
+        return k
+
+    @staticmethod
+    def backward(ctx, g):
+        d2, k, lengthscale = ctx.saved_tensors
+        return None, None, (g * k * d2 / lengthscale).sum().reshape(lengthscale.shape)
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_ops_inside_a_custom_function_in_training_are_forward(tmp_path, backend):
+    x = torch.linspace(0, 1, 8)
+    y = torch.sin(6 * x)
+    raw = torch.zeros((), requires_grad=True)
+    opt = torch.optim.Adam([raw], lr=0.1)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        for _ in range(2):
+            opt.zero_grad()
+            k = _RBFCovariance.apply(x, x, torch.nn.functional.softplus(raw))
+            loss = ((k @ y) - y).pow(2).mean()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():  # a metric after training: other
+            _RBFCovariance.apply(x, x, torch.nn.functional.softplus(raw)).sum()
+    ex = open_run(tmp_path / "r").executions()
+    exps = [e for e in ex if e["op"] == "aten.exp"]
+    # two training forwards, then the evaluation: under torch.no_grad the Function's ops are other
+    assert [(e["step"], e["phase"]) for e in exps] == [(0, "forward"), (1, "forward"), (2, "other")], exps
+    assert not [e for e in ex if e["phase"] == "other" and e["step"] < 2], [
+        (e["op"], e["step"]) for e in ex if e["phase"] == "other"]
