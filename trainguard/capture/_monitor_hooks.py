@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList as _ParametrizationList
 
-from trainguard.capture import _compile_monitor, _monitor_tap
+from trainguard.capture import _compile_monitor, _modules, _monitor_tap
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import (
     activation_stats,
@@ -242,6 +242,11 @@ class HookMixin:
         # The holder's own parameters: a framework checkpoint of the model alone misses them.
         held = [p.name for p in root.params if p.name.startswith(outer)]
         self._write_meta(**structure(self._roots, self._grads.trainable, self._grads.updaters), loss_params=held)
+        # The recorders name the holder's modules the same way (the model's `1`, not `model.1`):
+        # a non-finite finding's layer is one the monitor shows.
+        raw = next((n for n, m in module.named_modules() if m is model and n), None)
+        if raw is not None:
+            _modules.name_after(module, raw, outer)
         return True
 
     def _watch_once(self, root: Root) -> None:
