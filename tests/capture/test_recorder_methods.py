@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tests_capture_flowmodel import NormalizingFlow, two_moons  # noqa: I001 - see conftest (path of this folder)
+from torch import nn
 
 import trainguard as tg
 from trainguard.store import open_run
@@ -99,3 +100,34 @@ def test_ops_inside_a_custom_function_in_training_are_forward(tmp_path, backend)
     assert [(e["step"], e["phase"]) for e in exps] == [(0, "forward"), (1, "forward"), (2, "other")], exps
     assert not [e for e in ex if e["phase"] == "other" and e["step"] < 2], [
         (e["op"], e["step"]) for e in ex if e["phase"] == "other"]
+
+
+class _VAE(nn.Module):
+    """pytorch/examples' VAE trained through model.loss(x), whose methods name their first
+    argument ``s``; a free function that takes the model first is no method of it."""
+
+    def __init__(s):
+        super().__init__()
+        s.enc = nn.Linear(6, 4)
+        s.log_scale = nn.Parameter(torch.zeros(6))
+
+    def loss(s, x):
+        mu, logvar = s.enc(x).chunk(2, 1)
+        z = mu + torch.exp(0.5 * logvar)  # MARK-VAE-EXP
+        return (z.sum(1) + s.log_scale.sum()).mean()
+
+
+def _penalty(model, x):
+    return torch.tanh(x).mean()  # MARK-FREE-TANH
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_method_whose_self_has_another_name_is_the_modules(tmp_path, backend):
+    torch.manual_seed(0)
+    vae = _VAE()
+    x = torch.randn(8, 6)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        (vae.loss(x) + _penalty(vae, x)).backward()
+    ex = open_run(tmp_path / "r").executions()
+    assert [(e["module"], e["module_type"]) for e in ex if e["op"] == "aten.exp"] == [("", "_VAE")]
+    assert [e["module"] for e in ex if e["op"] == "aten.tanh"] == [None]
