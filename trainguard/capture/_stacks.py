@@ -150,14 +150,27 @@ def frame_hint(f) -> tuple[int, int]:
             if isinstance(first, nn.Module):
                 if code.co_name == "__init__":
                     return -1, fn  # a model being built (probes run there): nobody's method yet
-                if owner < 0 and code.co_varnames[0] == "self" and not code.co_filename.startswith(
-                        (_TORCH_DIR, _TG_DIR)):
+                if owner < 0 and not code.co_filename.startswith((_TORCH_DIR, _TG_DIR)) and (
+                        code.co_varnames[0] == "self" or _method_of(first, code)):
                     owner = depth
             elif fn < 0 and code.co_name == "forward" and isinstance(first, FunctionCtx):
                 fn = depth
         f = f.f_back
         depth += 1
     return owner, fn
+
+
+def _method_of(obj, code) -> bool:
+    """Whether ``code`` is a method of ``obj``'s class whose first argument is not called ``self``
+    (not a function that takes a module first: ``def loss_fn(model, x)``)."""
+    for klass in type(obj).__mro__:
+        fn = klass.__dict__.get(code.co_name)
+        if fn is not None:
+            fn = getattr(fn, "__func__", fn)
+            while getattr(fn, "__code__", None) is not code and hasattr(fn, "__wrapped__"):
+                fn = fn.__wrapped__
+            return getattr(fn, "__code__", None) is code
+    return False
 
 
 def local0(f, depth: int):
