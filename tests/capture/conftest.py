@@ -89,3 +89,7 @@ _spec = _ilu.spec_from_file_location("tests_capture_crosscheck", _Path(__file__)
 _mod = _ilu.module_from_spec(_spec)
 _sys.modules["tests_capture_crosscheck"] = _mod
 _spec.loader.exec_module(_mod)
+_spec = _ilu.spec_from_file_location("tests_capture_flowmodel", _Path(__file__).with_name("flowmodel.py"))
+_mod = _ilu.module_from_spec(_spec)
+_sys.modules["tests_capture_flowmodel"] = _mod
+_spec.loader.exec_module(_mod)

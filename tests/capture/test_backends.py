@@ -158,12 +158,46 @@ def _compiled():
     return make
 
 
+def _flow_methods():
+    # normflows' Real NVP (tests/capture/flowmodel.py): most ops run in modules' methods
+    # (flow.inverse, q0.log_prob) that no hook announces, named after the module by its frames.
+    from tests_capture_flowmodel import NormalizingFlow, two_moons
+
+    model = NormalizingFlow(blocks=2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = two_moons(16, torch.Generator().manual_seed(0))
+
+    def program():
+        for _ in range(2):
+            opt.zero_grad()
+            model.forward_kld(x).backward()
+            opt.step()
+        with torch.no_grad():
+            model.forward_kld(x)
+    return program
+
+
+def _function_outside_modules():
+    # gpytorch's RBFCovariance: a custom Function's forward (grad off inside) with no module running.
+    raw = torch.zeros((), requires_grad=True)
+    x = torch.linspace(0, 1, 6)
+
+    def program():
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                k = _Cube.apply(x[:, None] - x[None, :] * nn.functional.softplus(raw))
+            if grad:
+                k.sum().backward()
+    return program
+
+
 PROGRAMS = {
     "mlp_adam": _mlp_adam(), "mlp_adam_foreach": _mlp_adam(foreach=True), "mlp_adam_fused": _mlp_adam(fused=True),
     "nan_digits": _digits, "backward_only_nan": _backward_only_nan, "custom_function": _custom_function,
     "checkpoint": _checkpoint(False), "checkpoint_reentrant": _checkpoint(True), "inference": _inference,
     "autocast": _autocast, "transformer_foreach": _transformer, "odd_tensors": _odd_tensors,
-    "closure": _closure(), "compiled": _compiled(),
+    "closure": _closure(), "compiled": _compiled(), "flow_methods": _flow_methods,
+    "function_outside_modules": _function_outside_modules,
 }
 
 

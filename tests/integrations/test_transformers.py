@@ -243,6 +243,10 @@ def test_a_loss_module_holding_the_model_keeps_the_models_own_names(tmp_path, ho
     run = trainguard.open(logdir)
     watched = list(run.meta["monitor"]["params"])
     assert sorted(watched) == sorted([*names, "loss.classifier.weight", "loss.classifier.bias"]), watched[:4]
+    if how == "unmodified":  # recorded too: the recorder names modules as the monitor does
+        modules = {e["module"] for e in run.executions(0, run.count()) if e["module"] is not None}
+        assert {"bert.encoder.layer.0.attention.self.query", "loss.classifier", "loss"} <= modules, sorted(modules)
+        assert not any(m.startswith("model.") or m == "classifier" for m in modules), sorted(modules)
     # The Trainer's checkpoints (checkpoint-2, checkpoint-4) hold trainer.model only: a resume starts
     # the classifier again from its initialisation (sentence-transformers' SoftmaxLoss: the resumed
     # run's weights summed 156.4955 against 156.5223 uninterrupted, with or without trainguard).

@@ -182,14 +182,45 @@ forward_pre_hook = GlobalHook(post=False)
 forward_hook = GlobalHook(post=True)
 
 
+# Modules named after a model they hold (``Monitor.name_after``: sentence-transformers' loss
+# module, which holds the trained model and the Trainer calls): holder -> (the model's path in
+# it, the prefix of the holder's other modules). The recorders' trackers name the same way.
+_named_after: IdentityWeakKeyDict[nn.Module, tuple[str, str]] = IdentityWeakKeyDict()
+_trackers: weakref.WeakSet = weakref.WeakSet()
+
+
+def renamed(raw: str, rule: tuple[str, str]) -> str:
+    """A module's path in a holder named after the model it holds: the model's own ``state_dict``
+    names (the model itself is the root, ``""``), the holder's other modules under ``outer``
+    (``loss.classifier``), the holder itself ``outer`` without its dot (``loss``)."""
+    model_path, outer = rule
+    if raw == "":
+        return outer.rstrip(".")
+    if raw == model_path:
+        return ""
+    if raw.startswith(model_path + "."):
+        return raw[len(model_path) + 1:]
+    return outer + raw
+
+
+def name_after(holder: nn.Module, model_path: str, outer: str) -> None:
+    """Name ``holder``'s modules after the model at ``model_path`` in it (see :func:`renamed`),
+    in every recording now and later; modules named already take the new names from now on."""
+    _named_after[holder] = (model_path, outer)
+    for tracker in list(_trackers):
+        tracker.rename(holder)
+
+
 class ModuleTracker:
     """Maintains the innermost running module id per thread, and parameter names by tensor id."""
 
     def __init__(self, on_new_module: Callable[[int, str, str], None] | None = None):
         self._on_new = on_new_module
-        self._ids: IdentityWeakKeyDict[nn.Module, tuple[int, str]] = IdentityWeakKeyDict()
+        # module -> (interned id, path in the outermost module, the naming rule of that module or None)
+        self._ids: IdentityWeakKeyDict[nn.Module, tuple] = IdentityWeakKeyDict()
         self._interned: dict[tuple[str, str], int] = {}
         self._container_scans = 0
+        self._outer: list[weakref.ref] = []  # modules named at the top (no module around them)
         self._local = threading.local()
         # id(tensor) -> (weakref, name, kind); kind is "param" or "buffer".
         self.named_tensors: dict[int, tuple[weakref.ref, str, str]] = {}
@@ -205,10 +236,12 @@ class ModuleTracker:
     def install(self) -> None:
         forward_pre_hook.add(self._pre)
         forward_hook.add(self._post)
+        _trackers.add(self)
 
     def remove(self) -> None:
         forward_pre_hook.discard(self._pre)
         forward_hook.discard(self._post)
+        _trackers.discard(self)
 
     def _stack(self) -> list:
         try:
@@ -261,12 +294,69 @@ class ModuleTracker:
         s = getattr(self._local, "stack", None)
         return s[-1][0] if s else None
 
+    def owner(self, module: nn.Module) -> int:
+        """Interned id of ``module``, whose method runs ops with no module call around them
+        (normflows' ``flow.inverse(z)``, ``vae.encode(x)``): named as a module called there would
+        be, by its path in a module named before that holds it (the flow, whose
+        ``forward_kld`` ran first) or else in the containers that hold it."""
+        entry = self._ids.data.get(id(module))
+        if entry is not None:
+            return entry[0]
+        path = None
+        for ref in self._outer:
+            holder = ref()
+            if holder is None or holder is module:
+                continue
+            sub = next((n for n, m in holder.named_modules(remove_duplicate=False) if m is module and n), None)
+            if sub is not None:
+                hp = self._ids.data.get(id(holder))
+                if hp is not None:
+                    path, rule = (f"{hp[1]}.{sub}" if hp[1] else sub), hp[2]
+                    break
+        if path is None:
+            return self._name(module, None)[0]
+        return self._enter(module, path, rule)[0]
+
+    def _enter(self, module: nn.Module, path: str, rule, type_name: str | None = None) -> tuple:
+        """Name ``module`` at ``path`` (in its outermost module, whose naming ``rule`` applies)."""
+        shown = renamed(path, rule) if rule is not None else path
+        entry = (self.intern(shown, type_name or _type_name(module)), path, rule)
+        with self.lock:
+            self._ids[module] = entry
+        self._name_tensors(module, shown)
+        return entry
+
+    def rename(self, holder: nn.Module) -> None:
+        """``holder`` is named after a model it holds now (:func:`name_after`): it and the modules
+        in it named already take their new names, also the ones running on this thread (a monitor
+        names the holder in its first call's pre-hook). Tensors named already keep their names."""
+        rule = _named_after.get(holder)
+        if rule is None or holder not in self._ids:
+            return
+        new = {}
+        for name, m in holder.named_modules(remove_duplicate=False):
+            old = self._ids.data.get(id(m))
+            if old is not None and id(m) not in new:
+                shown = renamed(name, rule)
+                entry = (self.intern(shown, _type_name(m)), name, rule)
+                with self.lock:
+                    self._ids[m] = entry
+                new[id(m)] = entry[0]
+        stack = getattr(self._local, "stack", None)
+        if stack:
+            stack[:] = [(new.get(id(m), mid), m) for mid, m in stack]
+            if self.on_change is not None:
+                self.on_change(stack[-1][0] or 0)
+
     # -------------------------------------------------------------- naming
-    def _name(self, module: nn.Module, parent: nn.Module | None) -> tuple[int, str]:
+    def _name(self, module: nn.Module, parent: nn.Module | None) -> tuple:
         path = ""
+        rule = None
         if parent is not None and parent not in self._ids:
             parent = None  # called from inside a compiled graph run as a module
-        if parent is None and (owner := probing_owner(module)) is not None:
+        if parent is None and (rule := _named_after.get(module)) is not None:
+            pass  # a holder named after the model it holds: its own paths, renamed
+        elif parent is None and (owner := probing_owner(module)) is not None:
             # run by a model being built (a probe in its __init__): named by its path there, as
             # that model's state_dict names it, without a scan
             path = path_in(owner, module)
@@ -276,7 +366,7 @@ class ModuleTracker:
             self._container_scans += 1
             path = container_path(module)
         if parent is not None:
-            parent_path = self._ids[parent][1]
+            parent_path, rule = self._ids[parent][1], self._ids[parent][2]
             child = None
             for name, sub in parent.named_modules(remove_duplicate=False):
                 if sub is module and name:
@@ -287,21 +377,17 @@ class ModuleTracker:
                 # the model itself (the same path), _orig_mod.x is x.
                 child = child.split(".", 1)[1] if "." in child else None
                 if child is None:
-                    entry = (self.intern(parent_path, _type_name(module)), parent_path)
-                    with self.lock:
-                        self._ids[module] = entry
-                    self._name_tensors(module, parent_path)
-                    return entry
+                    return self._enter(module, parent_path, rule, _type_name(module))
             if child is None:
                 # Called from inside a parent that does not own it: name it by its type.
                 path = f"{parent_path}.<{type(module).__name__}>" if parent_path else f"<{type(module).__name__}>"
             else:
                 path = f"{parent_path}.{child}" if parent_path else child
-        entry = (self.intern(path, _type_name(module)), path)
-        with self.lock:
-            self._ids[module] = entry
-        self._name_tensors(module, path)
-        return entry
+        if parent is None:  # a model at the top: the modules its methods run are named inside it
+            if len(self._outer) > 64:
+                self._outer = [r for r in self._outer if r() is not None]
+            self._outer.append(weakref.ref(module))
+        return self._enter(module, path, rule)
 
     def intern(self, path: str, type_name: str) -> int:
         """The id of module ``path`` of type ``type_name`` (announced once to the writer)."""

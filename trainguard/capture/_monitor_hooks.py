@@ -32,7 +32,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList as _ParametrizationList
 
-from trainguard.capture import _compile_monitor, _monitor_tap, _skips
+from trainguard.capture import _compile_monitor, _modules, _monitor_tap, _skips
 from trainguard.capture._compile import keep_dynamo_out
 from trainguard.capture._layer_stats import (
     activation_stats,
@@ -260,6 +260,11 @@ class HookMixin:
         # The holder's own parameters: a framework checkpoint of the model alone misses them.
         held = [p.name for p in root.params if p.name.startswith(outer)]
         self._write_meta(**structure(self._roots, self._grads.trainable, self._grads.updaters), loss_params=held)
+        # The recorders name the holder's modules the same way (the model's `1`, not `model.1`):
+        # a non-finite finding's layer is one the monitor shows.
+        raw = next((n for n, m in module.named_modules() if m is model and n), None)
+        if raw is not None:
+            _modules.name_after(module, raw, outer)
         return True
 
     def _watch_once(self, root: Root) -> None:
@@ -382,6 +387,12 @@ class HookMixin:
         # extractor, which discovery saw) only when the loss trains tensors that model lacks (the
         # GP's raw_lengthscale and the likelihood's raw_noise); the scan of live objects runs then,
         # and a script without modules is left as it was.
+        # A plain module run through its methods is never seen either (normflows' flow.inverse(z)
+        # and q0.log_prob(z), vae.encode(x), model.loss(x)): once a model was found (the layers
+        # those methods call as module(x)), the outermost module of any class holding the tensors
+        # it lacks becomes the root, and the roots inside it keep their names (container_path
+        # named them after it). With no model found, only a module that overrides __call__ is
+        # taken: a script that calls .forward(x) itself is told so (no_model_called).
         self._adopt_tried = True
         try:
             leaves = _leaf_ids(loss)
@@ -391,7 +402,7 @@ class HookMixin:
                 return
             modules = _live_modules()
             found = [m for m in modules
-                     if type(m).__call__ is not nn.Module.__call__ and m not in self._known
+                     if (self._roots or type(m).__call__ is not nn.Module.__call__) and m not in self._known
                      and any(id(p) in leaves for p in m.parameters())]
             if not self._roots and not found and not any(id(p) in leaves for m in modules for p in m.parameters()):
                 # no module holds what the loss trains: pyro.param sites, tensors made with requires_grad

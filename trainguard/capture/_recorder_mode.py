@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ from trainguard.capture._local import local as _local
 from trainguard.capture._local import with_stats as _with_stats
 from trainguard.capture._local import written as _written
 from trainguard.capture._local import written_by as _written_by
+from trainguard.capture._stacks import NO_HINT, frame_hint, local0
 from trainguard.capture._summary import summarize_deferred, summarize_immediate, unknown_summary
 from trainguard.capture._taint import (
     ALLOC,
@@ -64,6 +66,28 @@ FLUSH_SECONDS = 0.25
 # steps at each step, and when this many accumulate (a loop that never calls optimizer.step()
 # or trainguard.step()), so memory stays bounded (see Recorder._prune_fwd_nodes).
 FWD_NODES_MAX = 200_000
+
+def _by_frames(r: Recorder, stack_id: int) -> tuple[int | None, bool]:
+    """An op no module hook claims: (the module whose method runs it, whether it runs in the
+    forward of a custom autograd.Function whose output autograd differentiates), from its frames
+    (see _stacks.frame_hint; the native core reads the same locals, recorder.cpp)."""
+    hints = r.stacks.hints
+    hint = hints.get(stack_id)
+    if hint is None:
+        hint = hints[stack_id] = frame_hint(sys._getframe(2))
+    if hint is NO_HINT or hint == NO_HINT:
+        return None, False
+    owner, fn = hint
+    f = sys._getframe(2)
+    if owner >= 0:
+        m = local0(f, owner)
+        if isinstance(m, torch.nn.Module):
+            return r.modules.owner(m), False
+    if fn >= 0 and not _grad_enabled():
+        ctx = local0(f, fn)
+        return None, isinstance(ctx, _FunctionBase) and any(ctx.needs_input_grad)
+    return None, False
+
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -208,9 +232,12 @@ class _DispatchMode(TorchDispatchMode):
                 r.in_backward = False
                 module_id = r.modules.current()
                 stack_id = r.stacks.capture(2)
+                in_function = False
+                if module_id is None and stack_id is not None and not _clock.in_optimizer:
+                    module_id, in_function = _by_frames(r, stack_id)
                 if _clock.in_optimizer:
                     phase = "optimizer"
-                elif module_id is not None or _grad_enabled():
+                elif module_id is not None or _grad_enabled() or in_function:
                     phase = "forward"
                 else:
                     phase = "other"

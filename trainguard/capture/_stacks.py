@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Callable
 
+import torch
+
 import trainguard
 
 MAX_DEPTH = 64
@@ -35,6 +37,7 @@ class StackInterner:
         # stacks interned here (compiled graphs' records) take ids of their own.
         self.id_base = 0
         self._symbolic: dict[tuple, int] = {}  # frames -> id, for stacks known only as text
+        self.hints: dict[int, tuple[int, int]] = {}  # id -> frame_hint, of stacks whose ops no module claimed
 
     def capture(self, skip: int = 1) -> int | None:
         """Intern the caller's stack (minus ``skip`` frames) and return its id.
@@ -119,6 +122,62 @@ class StackInterner:
 
     def frames(self, sid: int | None) -> list[tuple[str, int, str]]:
         return self._frames.get(sid, []) if sid is not None else []
+
+
+# Methods of torch's own modules (Module.to, _apply, load_state_dict, built-in layers called
+# through .forward) are machinery, not a model's code: never an op's module.
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+NO_HINT = (-1, -1)
+
+
+def frame_hint(f) -> tuple[int, int]:
+    """What the frames of a stack say when no module hook says which module runs its op: the
+    depths (0: ``f``, the innermost) of the innermost frame running a method of an ``nn.Module``
+    (``self`` first; normflows' ``AffineCoupling.inverse``, ``vae.encode``; not torch's own
+    methods, not while a module's ``__init__`` builds it), and of the innermost ``forward(ctx,
+    ...)`` of a custom ``autograd.Function`` (gpytorch's ``RBFCovariance``); -1 where none.
+    A property of the stack (its code objects): read once per new stack, then per op only the
+    local at that depth is (see :func:`local0`)."""
+    from torch import nn
+    from torch.autograd.function import FunctionCtx
+
+    owner = fn = -1
+    depth = 0
+    while f is not None and depth < MAX_DEPTH:
+        code = f.f_code
+        if code.co_argcount:
+            first = f.f_locals.get(code.co_varnames[0])
+            if isinstance(first, nn.Module):
+                if code.co_name == "__init__":
+                    return -1, fn  # a model being built (probes run there): nobody's method yet
+                if owner < 0 and not code.co_filename.startswith((_TORCH_DIR, _TG_DIR)) and (
+                        code.co_varnames[0] == "self" or _method_of(first, code)):
+                    owner = depth
+            elif fn < 0 and code.co_name == "forward" and isinstance(first, FunctionCtx):
+                fn = depth
+        f = f.f_back
+        depth += 1
+    return owner, fn
+
+
+def _method_of(obj, code) -> bool:
+    """Whether ``code`` is a method of ``obj``'s class whose first argument is not called ``self``
+    (not a function that takes a module first: ``def loss_fn(model, x)``)."""
+    for klass in type(obj).__mro__:
+        fn = klass.__dict__.get(code.co_name)
+        if fn is not None:
+            fn = getattr(fn, "__func__", fn)
+            while getattr(fn, "__code__", None) is not code and hasattr(fn, "__wrapped__"):
+                fn = fn.__wrapped__
+            return getattr(fn, "__code__", None) is code
+    return False
+
+
+def local0(f, depth: int):
+    """The first argument of the frame ``depth`` frames out from ``f`` (``self``, ``ctx``)."""
+    for _ in range(depth):
+        f = f.f_back
+    return f.f_locals.get(f.f_code.co_varnames[0])
 
 
 def is_own_frame(frame) -> bool:

@@ -7,10 +7,15 @@ import bisect
 import contextlib
 import logging
 import os
+import sys
 import threading
+import weakref
+
+import torch
 
 from trainguard._errors import TrainguardError
 from trainguard.capture import _steps
+from trainguard.capture._stacks import frame_hint
 
 _clock = _steps.clock
 
@@ -55,6 +60,36 @@ def _warn_no_native(reason: str | None) -> None:
                     "for the fast path", reason)
 
 
+def _with_hint(on_new_stack):
+    """The core's new-stack callback: the recorder's, then what the stack's live frames say for
+    ops no module claims (_stacks.frame_hint; the core keeps it per stack, see by_frames in
+    recorder.cpp). Called from C++ inside the op: the frame below this one is the op's innermost."""
+    def on_new(sid: int, frames: list):
+        on_new_stack(sid, frames)
+        return frame_hint(sys._getframe(1))
+    return on_new
+
+
+def _owner_hook(tracker, backend_ref):
+    """The core's callback for a module whose method runs an op no hook claims: its interned id
+    (ModuleTracker.owner, as the dispatch mode names it); the core keeps the module's address
+    until the module dies. Holds the backend weakly (the core holds this)."""
+    refs: dict[int, weakref.ref] = {}
+
+    def owner(module) -> int:
+        mid = tracker.owner(module)
+        key = id(module)
+        if key not in refs:
+            def forget(_r, key=key):
+                refs.pop(key, None)
+                backend = backend_ref()
+                if backend is not None:
+                    backend.core.forget_owner(key)
+            refs[key] = weakref.ref(module, forget)
+        return mid
+    return owner
+
+
 class NativeBackend:
     """The C++ core of one recording, with the hooks that keep it informed."""
 
@@ -66,8 +101,11 @@ class NativeBackend:
         self.mod = module
         pattern = rec.ops_pattern
         wanted = (lambda name: pattern.search(name) is not None) if pattern is not None else None
+        on_new_stack = _with_hint(rec._on_new_stack)
         self.core = module.Core(MODE_CODE[rec.mode], STRATEGY_CODE[rec.strategy], wanted,
-                                sorted(rec.dtypes, key=str) if rec.dtypes else [], rec._on_new_stack)
+                                sorted(rec.dtypes, key=str) if rec.dtypes else [], on_new_stack)
+        on_owner = _owner_hook(rec.modules, weakref.ref(self))
+        self.core.set_owner_hooks(torch.nn.Module, torch._C._FunctionBase, on_owner)
         self.unsure_warned = False
         self.unsure = 0
         self._prev_records: list = []  # the batch drained before: a view made just before a drain
@@ -79,7 +117,8 @@ class NativeBackend:
 
         # The core calls these when it first sees an op or a stack. At a graph break the op that
         # broke the graph runs eagerly with Dynamo's frame callback set: Dynamo must not compile them.
-        keep_dynamo_out(op_facts_by_name, rec._on_new_stack, *([wanted] if wanted is not None else []))
+        keep_dynamo_out(op_facts_by_name, rec._on_new_stack, on_new_stack, on_owner,
+                        *([wanted] if wanted is not None else []))
         rec.taint.resolve_op = op_facts_by_name
         module.set_op_classes(op_facts_by_name)  # the core's fast path: records it judges finite
         self._pruned_step: int | None = None

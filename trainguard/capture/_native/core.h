@@ -159,6 +159,14 @@ struct Core {
   std::mutex wanted_mu;
   std::vector<int8_t> wanted;      // per OpInfo index: -1 unknown
   StackTable* stacks = nullptr;
+  // Ops no module hook claims (see recorder.cpp's by_frames): nn.Module and autograd.Function's
+  // ctx types, the callable that names a module whose method runs (owned), and the modules it
+  // named, by address (a module's entry goes when it dies: forget_owner, from a weakref callback).
+  PyTypeObject* module_type = nullptr;
+  PyTypeObject* ctx_type = nullptr;
+  PyObject* on_owner = nullptr;
+  std::mutex owners_mu;
+  std::unordered_map<const PyObject*, int64_t> owners;
   std::atomic<bool> active{false};
   uint64_t handle = 0;
   uint64_t owner_thread = 0;

@@ -86,6 +86,7 @@ struct PyCore {
       Py_XDECREF(n.what);
     });
     Py_XDECREF(core->wanted_fn);
+    Py_XDECREF(core->on_owner);
     stacks_free(core->stacks);
     for (auto& kv : devices) Py_DECREF(kv.second);
     clear_meta_tuples();
@@ -98,6 +99,21 @@ struct PyCore {
     if (!dead()) uninstall(core.get());
   }
   int slot() const { return core->slot; }
+
+  void set_owner_hooks(py::object module_type, py::object ctx_type, py::object on_owner) {
+    // With the GIL, before start(): the types live as long as torch, the callable is owned.
+    core->module_type = reinterpret_cast<PyTypeObject*>(module_type.ptr());
+    core->ctx_type = reinterpret_cast<PyTypeObject*>(ctx_type.ptr());
+    Py_XDECREF(core->on_owner);
+    core->on_owner = on_owner.ptr();
+    Py_INCREF(core->on_owner);
+  }
+
+  void forget_owner(uintptr_t address) {
+    if (dead()) return;
+    std::lock_guard<std::mutex> g(core->owners_mu);
+    core->owners.erase(reinterpret_cast<const PyObject*>(address));
+  }
 
   void set_module(int64_t mid) {
     if (core->slot >= 0) tl_module[core->slot] = mid;
@@ -524,6 +540,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stop", &PyCore::stop)
       .def_property_readonly("slot", &PyCore::slot)
       .def("set_module", &PyCore::set_module)
+      .def("set_owner_hooks", &PyCore::set_owner_hooks)
+      .def("forget_owner", &PyCore::forget_owner)
       .def("name_tensor", &PyCore::name_tensor)
       .def("on_step", &PyCore::on_step)
       .def("drain", &PyCore::drain, py::arg("live") = false, py::arg("live_if_bad") = false)

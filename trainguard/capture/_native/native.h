@@ -50,5 +50,12 @@ struct StackTable;
 StackTable* stacks_new(PyObject* on_new_stack);
 void stacks_free(StackTable*);
 int64_t stacks_capture(StackTable*);
+// What a stack's frames say where no module hook claims its op (trainguard.capture._stacks.
+// frame_hint, handed back by the new-stack callback): the depth of the frame running a module's
+// method and of a custom autograd.Function's forward, -1 none; false when the stack has neither.
+bool stacks_hint(StackTable*, int64_t sid, int* owner, int* fn);
+// The first argument (self, ctx) of the calling thread's frame ``depth`` frames out from the
+// innermost; borrowed, alive while that frame runs; nullptr where there is none.
+PyObject* stacks_local0(int depth);
 
 }  // namespace tg

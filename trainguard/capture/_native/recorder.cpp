@@ -29,6 +29,7 @@
 #include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_function.h>
 
 #include <pthread.h>
 
@@ -103,7 +104,15 @@ struct Ctx : at::ObserverContext {
   c10::SmallVector<at::Tensor, 1> written;  // a collective's first argument (recv_ writes it), a void op's writes
   Ctx* collective = nullptr;  // a call made right inside a collective's kernel (not recorded): see on_start
   c10::SmallVector<at::Tensor, 1> inner;  // a collective's: the tensors those calls made (see on_start)
+  // A forward call no module hook claims: its stack, taken as it begins, and what its frames say
+  // (see by_frames): read before its inputs, whose names a module named there gives.
+  int64_t stack = -1;  // -1: not taken yet
+  int64_t claimed = 0;
+  bool in_fn = false;
 };
+
+void by_frames(Core* c, int64_t sid, int64_t* mid, bool* in_fn);
+bool wanted(Core* c, OpInfo* op);
 
 // This thread's open recorded calls per core, innermost last. A call that is not recorded gets
 // no context at all: only recorded calls decide whether an inner call is (see on_start).
@@ -294,6 +303,11 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     ctx->in_node = node != nullptr;
     ctx->node_nr = node ? node->sequence_nr() : 0;
     ctx->recompute = node != nullptr && c10::GradMode::is_enabled() && recomputes(node);
+    if ((!ctx->in_node || ctx->recompute) && tl_module[c->slot] == 0 &&
+        g_in_optimizer.load(std::memory_order_relaxed) == 0 && wanted(c, op)) {
+      ctx->stack = stacks_capture(c->stacks);
+      if (ctx->stack != 0) by_frames(c, ctx->stack, &ctx->claimed, &ctx->in_fn);
+    }
     auto inputs = fn.inputs();
     bool writes = !op->writes.empty() && (op->writes_if < 0 || (op->writes_if < (int)inputs.size() &&
                                                                 inputs[op->writes_if].isBool() &&
@@ -381,6 +395,57 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* base) {
   }
 }
 
+// An op no module hook claims, outside an optimizer step: the module whose method runs it (0
+// none) and whether it runs in a custom autograd.Function's forward whose output autograd
+// differentiates (the dispatch mode's _by_frames, on the same frames). Per op only the hinted
+// frames' first locals are read; a module met for the first time is named in Python, with the GIL.
+void by_frames(Core* c, int64_t sid, int64_t* mid, bool* in_fn) {
+  int owner = -1, fn = -1;
+  if (!stacks_hint(c->stacks, sid, &owner, &fn)) return;
+  if (owner >= 0 && c->module_type != nullptr) {
+    PyObject* m = stacks_local0(owner);
+    if (m != nullptr && PyObject_TypeCheck(m, c->module_type)) {
+      {
+        std::lock_guard<std::mutex> g(c->owners_mu);
+        auto it = c->owners.find(m);
+        if (it != c->owners.end()) {
+          *mid = it->second;
+          return;
+        }
+      }
+      int64_t id = 0;
+      if (c->on_owner != nullptr) {
+        PyGILState_STATE gs = PyGILState_Ensure();
+        PyObject* r = PyObject_CallFunctionObjArgs(c->on_owner, m, nullptr);
+        if (r != nullptr) {
+          id = PyLong_AsLongLong(r);
+          Py_DECREF(r);
+        }
+        if (PyErr_Occurred()) {
+          PyErr_Clear();  // observing training never fails the op
+          id = 0;
+        }
+        PyGILState_Release(gs);
+      }
+      if (id > 0) {
+        std::lock_guard<std::mutex> g(c->owners_mu);
+        c->owners[m] = id;
+        *mid = id;
+        return;
+      }
+    }
+  }
+  if (fn >= 0 && c->ctx_type != nullptr && !c10::GradMode::is_enabled()) {
+    PyObject* x = stacks_local0(fn);
+    if (x != nullptr && PyObject_TypeCheck(x, c->ctx_type)) {
+      PyObject* need = reinterpret_cast<THPFunction*>(x)->needs_input_grad;
+      if (need != nullptr && PyTuple_Check(need))
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(need); ++i)
+          if (PyTuple_GET_ITEM(need, i) == Py_True) *in_fn = true;
+    }
+  }
+}
+
 void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   OpInfo* op = ctx->op;
   Tensors outs;
@@ -405,7 +470,9 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   if (op->view && !ctx->inputs.empty() && ctx->inputs[0].kind == 0) view_of = ctx->inputs[0].ref;
   // A forward op's stack, read before the lock is taken (a stack never seen before takes the GIL).
   bool backward = ctx->in_node && !ctx->recompute;
-  int64_t fwd_stack = keep && !backward ? stacks_capture(c->stacks) : 0;
+  int64_t fwd_stack = keep && !backward ? (ctx->stack >= 0 ? ctx->stack : stacks_capture(c->stacks)) : 0;
+  int64_t claimed = ctx->claimed;
+  bool in_fn = ctx->in_fn;
 
   std::unique_lock<std::mutex> g(c->mu);
   int64_t seq = c->seq++;
@@ -435,9 +502,10 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     }
   } else {
     r.module = tl_module[c->slot];
+    if (r.module == 0) r.module = claimed;
     r.stack = fwd_stack;
     if (g_in_optimizer.load(std::memory_order_relaxed) > 0) r.phase = 2;
-    else if (r.module != 0 || c10::GradMode::is_enabled()) r.phase = 0;
+    else if (r.module != 0 || c10::GradMode::is_enabled() || in_fn) r.phase = 0;
     else r.phase = 3;
     if (nr != c->last_nr) {
       // This call made the autograd node numbered nr - 1 (or the custom Function around it did).

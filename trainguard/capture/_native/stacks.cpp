@@ -46,6 +46,7 @@ struct StackTable {
   std::mutex mu;
   std::unordered_map<Key, int64_t, KeyHash> ids;
   std::vector<PyObject*> codes;
+  std::unordered_map<int64_t, std::pair<int, int>> hints;  // stacks with a hint only
 };
 
 namespace {
@@ -119,6 +120,16 @@ int64_t symbolise(StackTable* table, const Key& key, _PyInterpreterFrame* top) {
   if (table->on_new != nullptr) {
     PyObject* r = PyObject_CallFunction(table->on_new, "LO", (long long)sid, frames);
     if (r == nullptr) PyErr_Clear();  // a writer that failed must not fail the op
+    // (owner, fn) depths (trainguard.capture._stacks.frame_hint), read from the live frames
+    if (r != nullptr && PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2) {
+      int owner = (int)PyLong_AsLong(PyTuple_GET_ITEM(r, 0));
+      int fn = (int)PyLong_AsLong(PyTuple_GET_ITEM(r, 1));
+      if (PyErr_Occurred()) PyErr_Clear();
+      else if (owner >= 0 || fn >= 0) {
+        std::lock_guard<std::mutex> g(table->mu);
+        table->hints[sid] = {owner, fn};
+      }
+    }
     Py_XDECREF(r);
   }
   Py_DECREF(frames);
@@ -161,6 +172,27 @@ int64_t stacks_capture(StackTable* table) {
   }
   PyGILState_Release(gs);
   return sid;
+}
+
+bool stacks_hint(StackTable* table, int64_t sid, int* owner, int* fn) {
+  std::lock_guard<std::mutex> g(table->mu);
+  if (table->hints.empty()) return false;
+  auto it = table->hints.find(sid);
+  if (it == table->hints.end()) return false;
+  *owner = it->second.first;
+  *fn = it->second.second;
+  return true;
+}
+
+PyObject* stacks_local0(int depth) {
+  PyThreadState* ts = PyGILState_GetThisThreadState();
+  if (ts == nullptr) return nullptr;
+  _PyInterpreterFrame* f = complete(ts->cframe->current_frame);
+  for (int i = 0; f != nullptr && i < depth; ++i) f = complete(f->previous);
+  if (f == nullptr || f->f_code->co_argcount < 1) return nullptr;
+  PyObject* o = f->localsplus[0];
+  if (o != nullptr && PyCell_Check(o)) o = PyCell_GET(o);  // captured by a closure in the method
+  return o;
 }
 
 }  // namespace tg
