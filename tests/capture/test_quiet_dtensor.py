@@ -1,0 +1,56 @@
+"""trainguard's own tensor ops run under ``unrecorded()`` (the guard's sentry, the monitor's
+statistics): with the Python recorder's dispatch mode on the stack, that context must hide the
+mode only, never the ``__torch_dispatch__`` of tensor subclasses. FSDP2's gradients are DTensors,
+wrappers with no storage of their own: an aten kernel run on the wrapper itself reads memory that
+is not there. Found replaying an FSDP2 job under the guard (tests/distributed/_fsdp2_guard.py):
+the sentry's ``torch._foreach_norm`` over the DTensor gradients killed both ranks with SIGSEGV
+under ``TRAINGUARD_BACKEND=python``, and a world-size-1 job always (its replay is recorded by the
+Python backend).
+
+Each case runs in a child process: the bug is a segmentation fault.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch.distributed.fsdp")
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import trainguard as tg
+    from trainguard.capture import unrecorded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + "/pg", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 2))
+    fully_shard(model)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    want = [torch.linalg.vector_norm(g._local_tensor) for g in grads]
+    with tg.record(sys.argv[1] + "/run", backend="python"):
+        with torch.no_grad(), unrecorded():
+            norms = torch._foreach_norm(grads)  # the guard's sentry, before optimizer.step()
+            total = sum(float(n.full_tensor()) ** 2 for n in norms) ** 0.5
+    print("norms", [round(float(n.full_tensor()), 6) for n in norms], [round(float(w), 6) for w in want])
+    assert all(torch.equal(n.full_tensor(), w) for n, w in zip(norms, want)), (norms, want)
+    assert abs(total - float(torch.linalg.vector_norm(torch.stack(want)))) < 1e-5
+    dist.destroy_process_group()
+    print("ok")
+""")
+
+
+def test_unrecorded_ops_on_fsdp2_dtensor_gradients_under_the_python_recorder(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert proc.stdout.strip().endswith("ok")
