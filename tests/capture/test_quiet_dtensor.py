@@ -54,3 +54,45 @@ def test_unrecorded_ops_on_fsdp2_dtensor_gradients_under_the_python_recorder(tmp
                           timeout=120)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert proc.stdout.strip().endswith("ok")
+
+
+# The guard's replay in one process (guard/_replay.StepRecording): the Python recorder notes the rows
+# of each new non-finite output. Adam's update of a NaN gradient writes NaN into FSDP2's DTensor
+# moments: rows were asked of the DTensor itself (aten.nonzero, which DTensor cannot shard), and the
+# op's record was lost with a warning.
+ROWS = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from trainguard.capture._recorder import Recorder
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + "/pg", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(3, 4)
+    x[1, 2] = float("nan")  # sample 1 of the batch
+    rec = Recorder(sys.argv[1] + "/run", mode="full_health", buffer=-1, backend="python", strategy="immediate")
+    rec.nonfinite_rows = {}
+    rec.start()
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    rec.stop()
+    print("rows", sorted(rec.nonfinite_rows.values())[:3])
+    assert rec.failures == 0, rec.failures
+    assert (3, [1]) in rec.nonfinite_rows.values(), rec.nonfinite_rows
+    dist.destroy_process_group()
+    print("ok")
+""")
+
+
+def test_the_replays_rows_of_fsdp2_dtensor_outputs_are_read_from_the_shard(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", ROWS, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert "could not record" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith("ok")
