@@ -12,13 +12,24 @@ Each case runs in a child process: the bug is a segmentation fault.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch.distributed.fsdp")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``script`` in a child process that imports this checkout's trainguard."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -50,8 +61,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_unrecorded_ops_on_fsdp2_dtensor_gradients_under_the_python_recorder(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
+    proc = _run(SCRIPT, tmp_path)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert proc.stdout.strip().endswith("ok")
 
@@ -92,7 +102,7 @@ ROWS = textwrap.dedent("""
 
 
 def test_the_replays_rows_of_fsdp2_dtensor_outputs_are_read_from_the_shard(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", ROWS, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = _run(ROWS, tmp_path)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert "could not record" not in proc.stderr, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("ok")
