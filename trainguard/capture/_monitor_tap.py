@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
+from torch.utils._python_dispatch import _disable_current_modes
 
 from trainguard.capture import _amp_tap
 
@@ -208,8 +209,12 @@ def quiet():
     from trainguard.capture._native._backend import paused
 
     if torch._C._len_torch_dispatch_stack() > 0:
+        # The dispatch modes are taken off the stack (the Python recorder's among them), not the
+        # Python dispatch key: torch._C._DisableTorchDispatch would also turn off the
+        # __torch_dispatch__ of tensor subclasses, and an op on FSDP2's DTensor gradients (the
+        # guard's _foreach_norm) would run its kernel on the storage-less wrapper: SIGSEGV.
         stack = contextlib.ExitStack()
-        stack.enter_context(torch._C._DisableTorchDispatch())
+        stack.enter_context(_disable_current_modes())
         stack.enter_context(paused())
         return stack
     return paused()

@@ -13,6 +13,7 @@ import torch
 
 from trainguard._errors import NonFiniteError
 from trainguard.capture import _numerics, _steps
+from trainguard.capture._local import local as _local
 from trainguard.capture._taint import HARMFUL
 
 _clock = _steps.clock
@@ -44,7 +45,13 @@ class HarmHooks:
         for o in outs:
             if (isinstance(o, torch.Tensor) and o.dim() and o.numel() and o.layout == torch.strided
                     and (o.is_floating_point() or o.is_complex())):
-                bad = ~torch.isfinite(o.detach())
+                # A DTensor (FSDP2's parameters and optimizer state): the shard this rank holds, whose
+                # rows are the DTensor's only where its first dimension is not split across ranks
+                # (DTensor has no sharding for aten.nonzero, and no collective may be issued here).
+                v = _local(o)
+                if v is not o and (v.dim() != o.dim() or v.shape[0] != o.shape[0]):
+                    continue
+                bad = ~torch.isfinite(v.detach())
                 rows = bad.reshape(o.shape[0], -1).any(1).nonzero().flatten()
                 if rows.numel():
                     self.nonfinite_rows[seq] = (int(o.shape[0]), rows[:64].tolist())

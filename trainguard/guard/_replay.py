@@ -71,8 +71,9 @@ class StepRecording:
         logdir = self.top if _torchrun_rank() is not None else self.path
         # One process: the Python backend, summaries at each op, notes which rows of an output hold
         # each new non-finite value (the samples the guard names); one step, so its cost is no
-        # matter. Under torch.distributed the default backend: an FSDP2 job's replay crashed
-        # (SIGSEGV in the sentry's _foreach_norm over DTensor gradients) under the Python backend.
+        # matter. Under torch.distributed the default backend (chosen when the Python backend's
+        # replay of an FSDP2 job died of SIGSEGV: unrecorded() turned off DTensor's dispatch, so the
+        # sentry's _foreach_norm ran on the storage-less wrappers; fixed in capture/_monitor_tap).
         alone = _collective.rank_world()[1] == 1
         self._recorder = Recorder(logdir, mode="full_health", buffer=-1,
                                   **({"backend": "python", "strategy": "immediate"} if alone else {}))
