@@ -198,3 +198,26 @@ def test_a_wrapper_of_token_embeddings_is_no_codebook_collapse(tmp_path):
             opt.step()
             mon.step(loss)
     assert "codebook_collapse" not in [f.kind for f in diagnose(trainguard.open(tmp_path / "r"))]
+
+
+def test_weights_gone_nan_are_no_codebook_collapse(tmp_path):
+    # `trainguard demo` (the digits MLP whose log(0) makes its weights NaN at step 3) reported
+    # "Codebook collapse: fc1's outputs take 1 distinct value(s) in effect while its inputs take 128":
+    # every row of NaN counted as one code. A NaN output is the NaN's symptom, not a code.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    with Monitor(model, tmp_path / "r", every=1) as mon:
+        for step in range(30):
+            x, y = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+            if step == 3:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = float("nan")  # as the demo's NaN update leaves it
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step(loss)
+    kinds = [f.kind for f in diagnose(trainguard.open(tmp_path / "r"))]
+    assert "nonfinite_loss" in kinds and "codebook_collapse" not in kinds, kinds
