@@ -238,14 +238,15 @@ def count_codes(hashes: list[torch.Tensor]) -> torch.Tensor:
     non-zero rows, non-zero rows]``, as an ``[n, 2]`` tensor. A vector quantizer's output takes as
     many values as codes it uses (a collapsed codebook: 1-2); a layer with continuous outputs, one
     per row. All-zero rows (ReLU positions with no unit on; their projections are exactly 0) are
-    left out: they are ``dead_units``' business, not codes.
+    left out: they are ``dead_units``' business, not codes; so are rows holding NaN/Inf (weights
+    gone NaN give every row the same NaN, which is the NaN's symptom, not one code).
 
     Rows are sorted by their first projection; a new row starts where either projection moves by
     more than ``CODE_TOLERANCE`` of its largest value. No host sync: the group sizes are summed into
     a fixed-size tensor."""
     h = torch.nn.utils.rnn.pad_sequence([t.to(torch.float32) for t in hashes], batch_first=True)  # zero rows pad
     n = h.shape[1]
-    live = (h != 0).any(2)
+    live = (h != 0).any(2) & torch.isfinite(h).all(2)  # a NaN output is the NaN's symptom, not a code
     tol = h.abs().amax(1, keepdim=True) * CODE_TOLERANCE
     h = torch.where(live.unsqueeze(2), h, math.inf)  # all-zero rows sort last, as one group
     order = h[..., 0].argsort(1)
