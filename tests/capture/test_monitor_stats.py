@@ -247,8 +247,15 @@ def test_sparse_values_sum_duplicates_like_coalesce(sparse_dim):
     assert torch.allclose(got[: want.shape[0]], want, atol=1e-6) and not got[want.shape[0]:].any()
 
 
+def row_codes(x, unit_dim):
+    """count_codes of one output, as the monitor counts it: ([perplexity, non-zero rows], rows)."""
+    from trainguard.capture._layer_stats import count_codes, row_hashes
+
+    h = row_hashes(x, unit_dim)
+    return None if h is None else (count_codes([h])[0], h.shape[0])
+
+
 def test_row_codes_counts_the_distinct_rows_an_output_takes():
-    from trainguard.capture._layer_stats import row_codes
 
     # a quantizer's output through the straight-through estimator z + (q - z): two codes of RMS
     # ~0.01 and inputs of RMS ~10 round each copy of a code differently (by ~1e-6): still two rows

@@ -110,7 +110,7 @@ def representation_collapse(ctx: Context) -> list[Finding]:
 
 def _codes(ctx: Context, layer: str) -> list[tuple[int, float, float]]:
     """Per recording: (step, distinct rows of the output in effect, of its input), from the monitor's
-    ``row_codes``; recordings where under half the output's rows are non-zero are left out (a layer
+    ``codes`` statistics; recordings where under half the output's rows are non-zero are left out (a layer
     mostly off is ``dead_units``' business)."""
     def by_step(stat: str) -> dict[int, float]:
         s = ctx.stat(layer, "activation", stat)

@@ -213,7 +213,7 @@ def _hash_vector(units: int, device: torch.device, dtype: torch.dtype) -> torch.
 
 def row_hashes(x: torch.Tensor, unit_dim: int) -> torch.Tensor | None:
     """Up to ``CODE_ROWS`` rows of an output (vectors along the unit axis, one per sample and
-    position), each projected onto two fixed vectors: ``[rows, 2]``, for :func:`row_codes`. One
+    position), each projected onto two fixed vectors: ``[rows, 2]``, for :func:`count_codes`. One
     small matrix product per layer; the counting is batched over the layers of a step."""
     if (type(x) is not torch.Tensor or x.layout != torch.strided or x.is_nested or not x.is_floating_point()
             or x.dim() < 2 or not x.numel()):
@@ -258,13 +258,6 @@ def count_codes(hashes: list[torch.Tensor]) -> torch.Tensor:
     m = counts.sum(1)
     p = counts / m.clamp_min(1).unsqueeze(1)
     return torch.stack([torch.exp(-torch.special.xlogy(p, p).sum(1)), m], 1)
-
-
-def row_codes(x: torch.Tensor, unit_dim: int) -> tuple[torch.Tensor, int] | None:
-    """:func:`count_codes` of one output: ``([perplexity of distinct non-zero rows, non-zero
-    rows], rows looked at)``."""
-    h = row_hashes(x, unit_dim)
-    return None if h is None else (count_codes([h])[0], h.shape[0])
 
 
 def input_stats(x: torch.Tensor) -> tuple[torch.Tensor, list[str]] | None:

@@ -207,7 +207,7 @@ class Monitor(EventsMixin, HookMixin):
         self._user_gives_loss = False
         self._backward_step: int | None = None
         self._chan_out: dict[int, tuple] = {}
-        # id(output) -> (shape, row_codes) of the layers recorded this step: the next layer's input
+        # id(output) -> (shape, row_hashes) of the layers recorded this step: the next layer's input
         # is mostly the one before's output, hashed once
         self._codes_out: dict[int, tuple] = {}
         self._code_rows: list[tuple] = []  # (layer, output's row_hashes, input's or None) this step
