@@ -71,14 +71,13 @@ def _by_frames(r: Recorder, stack_id: int) -> tuple[int | None, bool]:
     """An op no module hook claims: (the module whose method runs it, whether it runs in the
     forward of a custom autograd.Function whose output autograd differentiates), from its frames
     (see _stacks.frame_hint; the native core reads the same locals, recorder.cpp)."""
-    hints = r.stacks.hints
-    hint = hints.get(stack_id)
+    f = sys._getframe(2)
+    hint = r.stacks.hints.get(stack_id)
     if hint is None:
-        hint = hints[stack_id] = frame_hint(sys._getframe(2))
-    if hint is NO_HINT or hint == NO_HINT:
+        hint = r.stacks.hints[stack_id] = frame_hint(f)
+    if hint == NO_HINT:
         return None, False
     owner, fn = hint
-    f = sys._getframe(2)
     if owner >= 0:
         m = local0(f, owner)
         if isinstance(m, torch.nn.Module):
