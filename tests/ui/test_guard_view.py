@@ -89,3 +89,38 @@ def test_training_view_shows_the_rewind_and_links_the_replayed_step(page, live_s
         page.goto(f"{srv.url}/#/run/plain/training")
         page.wait_for_selector("body[data-ready=training]")
         page.wait_for_function("() => document.querySelector('.c-guard').innerText.includes('No guard watched')")
+
+
+def loop_skipping_run(path):
+    """A guarded loop that skips its own non-finite loss (normflows' notebook does
+    ``if ~(torch.isnan(loss) | torch.isinf(loss)): backward; step``): the guard rewinds nothing."""
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 4), torch.randn(40, 1)
+    x[29] = 1e20  # batch 7: the loss is inf there
+    model = Poly()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=4))
+    guard = tg.Guard(path, snapshot_every=5)
+    for _, (xb, yb) in guard.batches(state, total_steps=10):
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        if ~(torch.isnan(loss) | torch.isinf(loss)):
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.loop_skipped["count"] == 1 and not guard.events
+    return guard
+
+
+def test_training_view_says_the_loop_skipped_a_step_itself(page, live_server, tmp_path):
+    # The card said "The guard saw no NaN, Inf or spike: nothing was rewound." while the run's
+    # guard had logged and stored that the loop itself skipped a non-finite loss at step 7.
+    loop_skipping_run(tmp_path / "s")
+    with live_server(tmp_path) as srv:
+        page.goto(f"{srv.url}/#/run/s/training")
+        page.wait_for_selector("body[data-ready=training]")
+        page.wait_for_function("() => document.querySelector('.c-guard .loop-skipped')")
+        card = page.inner_text(".c-guard")
+        assert "saw no NaN" not in card
+        text = page.inner_text(".c-guard .loop-skipped")
+        assert "the loop skipped 1 step itself, the first at step 7" in text and "its loss was nan" in text
+        assert "test_guard_view.py:" in text and "--check-numerics" in text
