@@ -91,36 +91,46 @@ def test_training_view_shows_the_rewind_and_links_the_replayed_step(page, live_s
         page.wait_for_function("() => document.querySelector('.c-guard').innerText.includes('No guard watched')")
 
 
-def loop_skipping_run(path):
-    """A guarded loop that skips its own non-finite loss (normflows' notebook does
-    ``if ~(torch.isnan(loss) | torch.isinf(loss)): backward; step``): the guard rewinds nothing."""
+def poisoned_epochs_run(path, loop_checks):
+    """Two epochs of 10 batches whose batch 7 holds a sample with an inf (the loss is nan there). With
+    ``loop_checks`` the loop skips its own non-finite loss (normflows' notebook does
+    ``if ~(torch.isnan(loss) | torch.isinf(loss)): backward; step``) and the guard rewinds nothing;
+    without, the guard rewinds step 7 and skips that sample's batch unread in the second epoch."""
     torch.manual_seed(0)
     x, y = torch.randn(40, 4), torch.randn(40, 1)
-    x[29] = 1e20  # batch 7: the loss is inf there
+    x[29, 0] = float("inf")
     model = Poly()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=4))
     guard = tg.Guard(path, snapshot_every=5)
-    for _, (xb, yb) in guard.batches(state, total_steps=10):
+    for _, (xb, yb) in guard.batches(state, total_steps=20):
         loss = torch.nn.functional.mse_loss(model(xb), yb)
-        if ~(torch.isnan(loss) | torch.isinf(loss)):
+        if not loop_checks or ~(torch.isnan(loss) | torch.isinf(loss)):
             opt.zero_grad()
             loss.backward()
             opt.step()
-    assert guard.loop_skipped["count"] == 1 and not guard.events
     return guard
 
 
-def test_training_view_says_the_loop_skipped_a_step_itself(page, live_server, tmp_path):
+def test_training_view_says_what_the_guard_handled_without_a_rewind(page, live_server, tmp_path):
     # The card said "The guard saw no NaN, Inf or spike: nothing was rewound." while the run's
-    # guard had logged and stored that the loop itself skipped a non-finite loss at step 7.
-    loop_skipping_run(tmp_path / "s")
+    # guard had logged and stored that the loop itself skipped a non-finite loss at step 7, and
+    # it never showed the later batches skipped unread for holding a sample known corrupt.
+    looped = poisoned_epochs_run(tmp_path / "s", loop_checks=True)
+    assert looped.loop_skipped["count"] == 2 and not looped.events
+    guarded = poisoned_epochs_run(tmp_path / "k", loop_checks=False)
+    assert [e["step"] for e in guarded.events] == [7] and len(guarded.skipped_known) == 1
     with live_server(tmp_path) as srv:
         page.goto(f"{srv.url}/#/run/s/training")
         page.wait_for_selector("body[data-ready=training]")
         page.wait_for_function("() => document.querySelector('.c-guard .loop-skipped')")
-        card = page.inner_text(".c-guard")
-        assert "saw no NaN" not in card
+        assert "saw no NaN" not in page.inner_text(".c-guard")
         text = page.inner_text(".c-guard .loop-skipped")
-        assert "the loop skipped 1 step itself, the first at step 7" in text and "its loss was nan" in text
-        assert "test_guard_view.py:" in text and "--check-numerics" in text
+        assert "the loop skipped 2 steps itself, the first at step 7: its loss was inf" in text
+        assert "ui/test_guard_view.py:" in text and "--check-numerics" in text
+        page.goto(f"{srv.url}/#/run/k/training")
+        page.wait_for_selector("body[data-ready=training]")
+        page.wait_for_selector(".guard-event")
+        text = page.inner_text(".c-guard .skipped-known")
+        assert text.startswith("1 later batch held a sample an event found corrupt in the batch itself, and was skipped unread")
+        assert "the last at step 16 (epoch 1)" in text
