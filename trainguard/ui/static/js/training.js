@@ -44,6 +44,29 @@ function samplesCell(e, samples) {
     : String(s)]);
 }
 
+/** What the guard handled without a rewind: batches skipped unread because an event found their
+ *  samples corrupt, and steps the loop skipped itself (a non-finite loss it never backpropagated). */
+function guardNotes(m) {
+  const notes = [];
+  const known = m.skipped_known;
+  if (Number.isInteger(known) && known > 0) {
+    const last = m.last_skipped_known || {};
+    notes.push(h("div.guard-note.skipped-known", `${known} later batch${known === 1 ? "" : "es"} held a sample an event `
+      + `found corrupt in the batch itself, and ${known === 1 ? "was" : "were"} skipped unread (no rewind)`
+      + (Number.isInteger(last.step) ? `; the last at step ${fmt(last.step)} (epoch ${last.epoch})` : "")));
+  }
+  const loop = m.loop_skipped;
+  if (loop && loop.count > 0) {
+    const first = loop.first || {};
+    const value = { NaN: "nan", Infinity: "inf", "-Infinity": "-inf" }[first.loss] || "?";
+    const at = first.file ? ` (checked at ${where(first)})` : "";
+    notes.push(h("div.guard-note.loop-skipped", `the loop skipped ${loop.count} step${loop.count === 1 ? "" : "s"} itself, `
+      + `the first at step ${fmt(first.step)}: its loss was ${value}${at} and it called no backward(), so nothing was `
+      + "updated and the guard did not rewind; find where the NaN/Inf comes from with `trainguard run --check-numerics`"));
+  }
+  return notes;
+}
+
 /** One rewind: what failed, the replay, the origin chain, the skipped batches, what followed. */
 function guardEvent(e) {
   const rp = e.replay || {};
@@ -250,11 +273,13 @@ export class TrainingView {
     const head = h("div.small.muted", [`policy ${m.policy}`, `a snapshot every ${m.snapshot_every} steps`,
       m.snapshot_bytes ? `${fmtBytes(m.snapshot_bytes)} of host memory` : null,
       m.spike_factor ? `spike factor ${m.spike_factor}` : null, `status ${m.status}`].filter(Boolean).join(" · "));
+    const notes = guardNotes(m);
     if (!d.events.length) {
-      clear(this.guard.content, head, empty("The guard saw no NaN, Inf or spike: nothing was rewound."));
+      clear(this.guard.content, head, notes, notes.length ? null
+        : empty("The guard saw no NaN, Inf or spike: nothing was rewound."));
       return;
     }
-    clear(this.guard.content, head, d.events.map((e) => guardEvent(e)));
+    clear(this.guard.content, head, notes, d.events.map((e) => guardEvent(e)));
   }
 
   async loadCheckpoints() {
