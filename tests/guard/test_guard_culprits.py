@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import trainguard as tg
 from trainguard.store import open_run
 
-from .conftest import BS, finite, make_data, make_state, train
+from .conftest import BS, PolyNet, finite, line_of, make_data, make_state, train
 
 
 def test_the_samples_that_made_the_nan_are_named_in_the_event_the_line_and_the_run(tmp_path, caplog):
@@ -335,3 +335,22 @@ def test_empty_batches_in_a_row_are_the_datas_not_a_code_bug(tmp_path):
     steps = train(guard.batches(state, total_steps=6), state)
     assert steps[-1] == 5 and finite(state)
     assert [e["action"] for e in guard.events] == ["skip", "skip"], [e["message"] for e in guard.events]
+
+
+def test_the_origin_of_an_inf_the_batch_held_itself_is_not_called_an_overflow(tmp_path):
+    # Found writing the UI's guard-card test: the batch held an inf before any op ran, the replay's
+    # first op to read it was x.pow(2), and the guard's line said "origin: aten.pow.Tensor_Scalar ...
+    # — pow overflow: an input value too large for a power in float32 (x**2 passes its largest value
+    # above about 1.84e+19); skipped batch 7 (its sample 29 holds inf in the batch itself)": the
+    # explanation contradicted the skip text beside it. No finite value overflowed here.
+    data = make_data(12)
+    data.tensors[0][29, 0] = float("inf")  # batch 7
+    state = make_state(data)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=5)
+    train(guard.batches(state, total_steps=10), state)
+    [event] = guard.events
+    link = event["origin"]["origin"]
+    assert link["op"].startswith("aten.pow") and link["line"] == line_of("POW_LINE", PolyNet.forward)
+    assert "overflow" not in link["explanation"] and "overflow" not in event["message"], event["message"]
+    assert link["explanation"] == ("pow received inf from the batch itself (its sample 29 held inf before "
+                                   "any op ran) and passed it on"), link["explanation"]
