@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard._errors import TrainguardError
+from trainguard.analysis._origin import op_base
 from trainguard.store import REPLAYS_DIR, acquire_writer, open_run, release_writer
 
 log = logging.getLogger("trainguard.guard")
@@ -120,6 +121,16 @@ def batch_text(event: dict) -> str:
     whose = rank or ("its " if b.get("samples") else "")
     of = "" if b.get("samples") else f" of batch{b['where']}"
     return f" ({whose}{which}{of} hold{'' if len(items) > 1 else 's'} {kinds} in the batch itself)"
+
+
+def passed_on(link: dict, b: dict) -> str:
+    """The origin's explanation when it read the batch and the batch itself held NaN/Inf (see
+    :func:`batch_text`): the op passed the value on; no overflow or division made it."""
+    which, kinds = _bad_rows(b)
+    whose = "its " if b.get("samples") else ""
+    of = "" if b.get("samples") else f" of batch{b['where']}"
+    base = op_base(link["op"])
+    return f"{base} received {kinds} from the batch itself ({whose}{which}{of} held {kinds} before any op ran) and passed it on"
 
 
 def data_fix(b: dict) -> str:

@@ -583,6 +583,9 @@ class Guard:
                     self._bad_samples.setdefault(sample, event["n"])  # skipped unread when it comes back
             if origin is not None:
                 origin["suggestion"] = _events.data_fix(bad_batch)
+                link = origin["origin"]
+                if any(i.get("kind") not in ("op", "param", "buffer") for i in link.get("inputs") or ()):
+                    link["explanation"] = _events.passed_on(link, bad_batch)  # not "overflow": it read the batch
         if not reproduced:
             self._finish_event(event, "continue")
             return
