@@ -354,3 +354,34 @@ def test_the_origin_of_an_inf_the_batch_held_itself_is_not_called_an_overflow(tm
     assert "overflow" not in link["explanation"] and "overflow" not in event["message"], event["message"]
     assert link["explanation"] == ("pow received inf from the batch itself (its sample 29 held inf before "
                                    "any op ran) and passed it on"), link["explanation"]
+
+
+def test_a_finite_outlier_that_makes_the_same_nan_every_epoch_stops_costing_rewinds(tmp_path, caplog):
+    # Found trying the guard on a data set with one finite outlier (a sample of 1e20 that x.pow(2)
+    # overflows): every epoch the guard rewound, replayed and skipped it again, naming "the first inf
+    # is in its sample 29" each time, and after max_rewinds=5 (epoch 6 of 8) it stopped the run with
+    # Diverged. The data holds no NaN/Inf itself, so the skip of known-corrupt samples never applied.
+    # The second event that names the same sample for the same op and line is evidence enough: later
+    # batches holding it are skipped unread.
+    data = make_data(10, poison_sample=29)
+    state = make_state(data, shuffle=True)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=5)
+    with caplog.at_level(logging.WARNING, logger="trainguard.guard"):
+        steps = train(guard.batches(state, total_steps=8 * 10), state)
+    assert steps[-1] == 8 * 10 - 1 and finite(state)
+    assert [e["action"] for e in guard.events] == ["skip", "skip"] and guard.rewinds == 2
+    assert all(e["culprits"]["samples"] == [29] for e in guard.events)
+    assert "as in event 1: later batches holding it are skipped unread" in guard.events[1]["message"]
+    # epochs 2 to 7 each drew the batch holding sample 29 once (the first two skipped it with an event)
+    assert len(guard.skipped_known) == 6 and all(29 in s["samples"] for s in guard.skipped_known)
+    assert all(s["known_from_event"] == 2 and s["why"] == "repeat" for s in guard.skipped_known)
+    said = [r.getMessage() for r in caplog.records if "skipped batch" in r.getMessage() and "at step" in r.getMessage()]
+    assert said[-1].endswith("its sample 29 made the NaN/Inf of events 1 and 2 (aten.pow.Tensor_Scalar at "
+                             f"conftest.py:{line_of('POW_LINE')})"), said
+    meta = open_run(tmp_path / "run").meta["guard"]
+    assert meta["rewinds"] == 2 and meta["skipped_known"] == 6 and meta["skipped_repeat"] == 6
+    # a rerun into the same run remembers it too
+    state = make_state(data, shuffle=True)
+    again = tg.Guard(tmp_path / "run", snapshot_every=5)
+    train(again.batches(state, total_steps=2 * 10), state)
+    assert again.events == [] and len(again.skipped_known) == 2
