@@ -356,7 +356,7 @@ def test_the_origin_of_an_inf_the_batch_held_itself_is_not_called_an_overflow(tm
                                    "any op ran) and passed it on"), link["explanation"]
 
 
-def test_a_finite_outlier_that_makes_the_same_nan_every_epoch_stops_costing_rewinds(tmp_path, caplog):
+def test_a_finite_outlier_that_makes_the_same_nan_every_epoch_stops_costing_rewinds(tmp_path, caplog, capsys):
     # Found trying the guard on a data set with one finite outlier (a sample of 1e20 that x.pow(2)
     # overflows): every epoch the guard rewound, replayed and skipped it again, naming "the first inf
     # is in its sample 29" each time, and after max_rewinds=5 (epoch 6 of 8) it stopped the run with
@@ -372,14 +372,23 @@ def test_a_finite_outlier_that_makes_the_same_nan_every_epoch_stops_costing_rewi
     assert [e["action"] for e in guard.events] == ["skip", "skip"] and guard.rewinds == 2
     assert all(e["culprits"]["samples"] == [29] for e in guard.events)
     assert "as in event 1: later batches holding it are skipped unread" in guard.events[1]["message"]
-    # epochs 2 to 7 each drew the batch holding sample 29 once (the first two skipped it with an event)
-    assert len(guard.skipped_known) == 6 and all(29 in s["samples"] for s in guard.skipped_known)
+    # each later epoch drew the batch holding sample 29 once (the first two skipped it with an event);
+    # 80 steps and 9 skipped batches reach into epoch 8
+    assert [s["epoch"] for s in guard.skipped_known] == [2, 3, 4, 5, 6, 7, 8]
+    assert all(29 in s["samples"] for s in guard.skipped_known)
     assert all(s["known_from_event"] == 2 and s["why"] == "repeat" for s in guard.skipped_known)
     said = [r.getMessage() for r in caplog.records if "skipped batch" in r.getMessage() and "at step" in r.getMessage()]
-    assert said[-1].endswith("its sample 29 made the NaN/Inf of events 1 and 2 (aten.pow.Tensor_Scalar at "
-                             f"conftest.py:{line_of('POW_LINE')})"), said
+    assert "its sample 29 made the NaN/Inf of events 1 and 2 (aten.pow.Tensor_Scalar at " in said[-1], said
+    assert said[-1].endswith(f"conftest.py:{line_of('POW_LINE')})"), said
     meta = open_run(tmp_path / "run").meta["guard"]
-    assert meta["rewinds"] == 2 and meta["skipped_known"] == 6 and meta["skipped_repeat"] == 6
+    assert meta["rewinds"] == 2 and meta["skipped_known"] == 7 and meta["skipped_repeat"] == 7
+    from trainguard.cli import main
+
+    assert main(["report", str(tmp_path / "run")]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert ("7 later batches held a sample whose row two events found the same fault's first NaN/Inf in, and were "
+            "skipped unread (no rewind); the last at step") in out, out
+    assert "found corrupt in the batch itself" not in out
     # a rerun into the same run remembers it too
     state = make_state(data, shuffle=True)
     again = tg.Guard(tmp_path / "run", snapshot_every=5)

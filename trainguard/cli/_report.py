@@ -307,11 +307,15 @@ def _guard(report: dict) -> Any:
     known = meta.get("skipped_known")
     if isinstance(known, int) and known:
         last = meta.get("last_skipped_known") or {}
-        parts.append(Text(f"{known} later batch{'es' if known != 1 else ''} held a sample an event found corrupt in the "
-                          f"batch itself, and {'were' if known != 1 else 'was'} skipped unread (no rewind)"
-                          + (f"; the last at step {last['step']:,} (epoch {last.get('epoch')}"
-                             f"{_samples(last.get('samples'))})" if isinstance(last.get("step"), int) else ""),
-                          style="yellow"))
+        repeat = meta.get("skipped_repeat") if isinstance(meta.get("skipped_repeat"), int) else 0
+        for n, why, what in ((known - repeat, "data", "an event found corrupt in the batch itself"),
+                             (repeat, "repeat", "whose row two events found the same fault's first NaN/Inf in")):
+            if n <= 0:
+                continue
+            at = (f"; the last at step {last['step']:,} (epoch {last.get('epoch')}{_samples(last.get('samples'))})"
+                  if isinstance(last.get("step"), int) and last.get("why", "data") == why else "")
+            parts.append(Text(f"{n} later batch{'es' if n != 1 else ''} held a sample {what}, and "
+                              f"{'were' if n != 1 else 'was'} skipped unread (no rewind){at}", style="yellow"))
     loop = meta.get("loop_skipped")
     if isinstance(loop, dict) and loop.get("count"):
         first = loop.get("first") or {}

@@ -152,7 +152,9 @@ def culprits_text(event: dict) -> str:
         return ""
     health = ((event.get("origin") or {}).get("origin") or {}).get("health") or []
     kind = "nan" if "nan" in health else "inf"
-    return f" (the first {kind} is in its {_listed('sample', c['samples'])})"
+    again = (f", as in event {c['repeat_of']}: later batches holding it are skipped unread"
+             if c.get("repeat_of") is not None else "")
+    return f" (the first {kind} is in its {_listed('sample', c['samples'])}{again})"
 
 
 def outcome(event: dict) -> str:
@@ -223,6 +225,29 @@ def stored_bad_samples(path: Path) -> dict[Any, int]:
         if e.get("action") == "skip" and "rank" not in bad:
             for sample in bad.get("samples") or ():
                 out.setdefault(sample, e.get("n"))
+    return out
+
+
+def stored_culprits(path: Path) -> dict[tuple, list[int]]:
+    """``(origin key, sample) -> [event numbers]``: the samples whose rows earlier skip events of
+    the guard's run in ``path`` found their fault's first NaN/Inf in (see ``Guard._remember_repeat``)."""
+    if not (path / "run.sqlite").exists():
+        return {}
+    try:
+        with open_run(path) as run:
+            found = run.findings(source=SOURCE)
+    except TrainguardError:
+        return {}
+    out: dict[tuple, list[int]] = {}
+    for f in found:
+        e = f.get("event") or {}
+        link = (e.get("origin") or {}).get("origin") or {}
+        if e.get("action") != "skip" or not link.get("op") or not isinstance(e.get("n"), int):
+            continue
+        key = (link["op"], link.get("file"), link.get("line"))
+        for sample in (e.get("culprits") or {}).get("samples") or ():
+            if isinstance(sample, (int, str)):
+                out.setdefault((key, sample), []).append(e["n"])
     return out
 
 

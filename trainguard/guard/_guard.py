@@ -46,7 +46,14 @@ from trainguard.guard import _collective, _events
 from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
 from trainguard.guard._events import STOPPED
 from trainguard.guard._outside import OutsideOptimizers
-from trainguard.guard._replay import StepRecording, batch_nonfinite, origin_from_dict, origin_key, rank_dir
+from trainguard.guard._replay import (
+    StepRecording,
+    batch_nonfinite,
+    origin_from_dict,
+    origin_key,
+    rank_dir,
+    short_path,
+)
 from trainguard.guard._sentry import Sentry, StepValues
 from trainguard.resilience import MemorySnapshot, ResumeLoop, TrainState, set_default_guard
 from trainguard.resilience._unheld import warn_unheld
@@ -168,8 +175,12 @@ class Guard:
         # batches skipped unread because they hold a sample an event found corrupt (see _known_bad)
         self.skipped_known: list[dict] = []
         self._bad_samples: dict[Any, int] = {}  # sample index -> the event that found it
+        # samples two events named as the culprit of the same fault: sample -> (events, origin key)
+        self._repeats: dict[Any, tuple[list[int], tuple]] = {}
+        self._culprit_events: dict[tuple, list[int]] = {}  # (origin key, sample) -> events naming it
         self._skipping_known = 0  # batches skipped that way in a row
         self._earlier_known = 0  # of an earlier process, in the run this one continues
+        self._earlier_repeat = 0  # of those, skipped for a sample two events named (see _remember_repeat)
         self.snapshot = MemorySnapshot()
         self._sentry = Sentry()
         self._outside = OutsideOptimizers()  # pyro.optim's per-parameter Adams, which no TrainState holds
@@ -237,7 +248,14 @@ class Guard:
         events, rewinds = (0, 0) if self._overwrite else _events.stored_counts(run_dir)
         if not self._overwrite and _collective.rank_world()[1] == 1:
             self._bad_samples = {**_events.stored_bad_samples(run_dir), **self._bad_samples}
-            self._earlier_known = max(_events.stored_meta(run_dir).get("skipped_known", 0) - len(self.skipped_known), 0)
+            for (key, sample), ns in _events.stored_culprits(run_dir).items():
+                seen = self._culprit_events.setdefault((key, sample), [])
+                seen[:0] = [n for n in ns if n not in seen]
+                self._remember_repeat(key, sample)
+            meta = _events.stored_meta(run_dir)
+            self._earlier_known = max(meta.get("skipped_known", 0) - len(self.skipped_known), 0)
+            mine = sum(1 for i in self.skipped_known if i.get("why") == "repeat")
+            self._earlier_repeat = max(meta.get("skipped_repeat", 0) - mine, 0)
         self._earlier = (max(events - len(self.events), 0), max(rewinds - self.rewinds, 0))
         self._run = _events.GuardRun(run_dir, {**asdict(self.config), "rewinds": self._earlier[1] + self.rewinds,
                                                "events": self._earlier[0] + len(self.events)},
@@ -364,17 +382,38 @@ class Guard:
             return False
         self._skipping_known += 1
         info = self._batch_info()
-        info.update(step=self._loop.state.step, known_from_event=self._bad_samples[hit[0]])
+        repeat = self._repeats.get(hit[0])
+        info.update(step=self._loop.state.step, known_from_event=self._bad_samples[hit[0]],
+                    why="repeat" if repeat else "data")
         if info in self.skipped_known:  # skipped again in a later fault's replay: one batch all the same
             return True
         self.skipped_known.append(info)
         label = _events.batch_label(info)
-        log.warning("trainguard: skipped %s at step %d: its sample %s held NaN/Inf in the batch itself "
-                    "(event %s)", f"batch {label}" if label else "a batch", info["step"],
-                    ", ".join(str(s) for s in hit), info["known_from_event"])
+        which = f"batch {label}" if label else "a batch"
+        samples = ", ".join(str(s) for s in hit)
+        if repeat:
+            (first, second, *_), (op, file, line) = repeat
+            where = f" at {short_path(file)}:{line}" if file else ""
+            log.warning("trainguard: skipped %s at step %d: its sample %s made the NaN/Inf of events %s and %s (%s%s)",
+                        which, info["step"], samples, first, second, op, where)
+        else:
+            log.warning("trainguard: skipped %s at step %d: its sample %s held NaN/Inf in the batch itself (event %s)",
+                        which, info["step"], samples, info["known_from_event"])
         if self._run is not None:
+            repeats = sum(1 for i in self.skipped_known if i.get("why") == "repeat")
             self._run.update(skipped_known=self._earlier_known + len(self.skipped_known),
-                             last_skipped_known=info)
+                             skipped_repeat=self._earlier_repeat + repeats, last_skipped_known=info)
+        return True
+
+    def _remember_repeat(self, key: tuple, sample: Any) -> bool:
+        """Whether ``sample`` is now known bad: two events named its row as where the same fault's
+        (op and line) first NaN/Inf is. The data holds no NaN/Inf itself (a finite outlier that a
+        power overflows), yet it comes back every epoch, and each time would spend a rewind."""
+        seen = self._culprit_events.get((key, sample), [])
+        if len(seen) < 2 or sample in self._bad_samples:
+            return False
+        self._bad_samples[sample] = seen[1]
+        self._repeats[sample] = (seen, key)
         return True
 
     def _skipped_batch(self) -> None:
@@ -619,6 +658,14 @@ class Guard:
         event["skip_count"] = n
         if plan.batch is not None:
             event["skipped"] = [plan.batch]
+        culprits = event.get("culprits") or {}
+        if culprits.get("samples") and _collective.rank_world()[1] == 1 and origin is not None:
+            key = origin_key(origin)
+            for sample in culprits["samples"]:
+                if isinstance(sample, (int, str)):
+                    self._culprit_events.setdefault((key, sample), []).append(event["n"])
+                    if self._remember_repeat(key, sample):
+                        culprits["repeat_of"] = self._culprit_events[(key, sample)][0]
         if "spike" not in kinds:
             self._probation = _Probation(step=plan.fail, kinds=kinds, key=origin_key(origin), event=event)
         self._finish_event(event, "skip")

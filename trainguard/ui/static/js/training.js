@@ -48,12 +48,15 @@ function samplesCell(e, samples) {
  *  samples corrupt, and steps the loop skipped itself (a non-finite loss it never backpropagated). */
 function guardNotes(m) {
   const notes = [];
-  const known = m.skipped_known;
-  if (Number.isInteger(known) && known > 0) {
-    const last = m.last_skipped_known || {};
-    notes.push(h("div.guard-note.skipped-known", `${known} later batch${known === 1 ? "" : "es"} held a sample an event `
-      + `found corrupt in the batch itself, and ${known === 1 ? "was" : "were"} skipped unread (no rewind)`
-      + (Number.isInteger(last.step) ? `; the last at step ${fmt(last.step)} (epoch ${last.epoch})` : "")));
+  const known = Number.isInteger(m.skipped_known) ? m.skipped_known : 0;
+  const repeat = Number.isInteger(m.skipped_repeat) ? m.skipped_repeat : 0;
+  const last = m.last_skipped_known || {};
+  for (const [n, why, what] of [[known - repeat, "data", "an event found corrupt in the batch itself"],
+    [repeat, "repeat", "whose row two events found the same fault's first NaN/Inf in"]]) {
+    if (n <= 0) continue;
+    notes.push(h(`div.guard-note.skipped-${why === "data" ? "known" : "repeat"}`, `${n} later batch${n === 1 ? "" : "es"} `
+      + `held a sample ${what}, and ${n === 1 ? "was" : "were"} skipped unread (no rewind)`
+      + (Number.isInteger(last.step) && (last.why || "data") === why ? `; the last at step ${fmt(last.step)} (epoch ${last.epoch})` : "")));
   }
   const loop = m.loop_skipped;
   if (loop && loop.count > 0) {
