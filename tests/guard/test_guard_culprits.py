@@ -394,3 +394,24 @@ def test_a_finite_outlier_that_makes_the_same_nan_every_epoch_stops_costing_rewi
     again = tg.Guard(tmp_path / "run", snapshot_every=5)
     train(again.batches(state, total_steps=2 * 10), state)
     assert again.events == [] and len(again.skipped_known) == 2
+
+
+def test_a_mislabelled_sample_that_spikes_the_loss_every_epoch_stops_costing_rewinds(tmp_path, caplog):
+    # As with a finite outlier that overflows: one sample whose label is 1000x the others' made a
+    # loss spike every epoch, each spent a rewind, and after max_rewinds=5 the guard ended the run
+    # with Diverged (8 epochs asked, 7 reached). A spike has no NaN to trace to a row, so the
+    # suspects are the samples of the spiking batches: a sample in two of them is skipped unread
+    # from then on (shuffled batches share no other sample here; without shuffling the whole batch
+    # is skipped each epoch, as each rewind would have done anyway).
+    data = make_data(10)
+    data.tensors[1][29] *= 1000.0
+    state = make_state(data, shuffle=True)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=5, spike_factor=5.0)
+    with caplog.at_level(logging.WARNING, logger="trainguard.guard"):
+        steps = train(guard.batches(state, total_steps=8 * 10), state)
+    assert steps[-1] == 8 * 10 - 1 and finite(state)
+    assert [(e["action"], e["trigger"]) for e in guard.events] == [("skip", "spike")] * 2 and guard.rewinds == 2
+    assert "as in event 1: later batches holding it are skipped unread" in guard.events[1]["message"]
+    assert guard.skipped_known and all(s["samples"].count(29) == 1 and s["why"] == "repeat" for s in guard.skipped_known)
+    said = [r.getMessage() for r in caplog.records if "skipped batch" in r.getMessage() and "at step" in r.getMessage()]
+    assert said[-1].endswith("its sample 29 was in the batches of the loss spikes of events 1 and 2"), said
