@@ -386,7 +386,7 @@ def test_a_finite_outlier_that_makes_the_same_nan_every_epoch_stops_costing_rewi
 
     assert main(["report", str(tmp_path / "run")]) == 0
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())
-    assert ("7 later batches held a sample whose row two events found the same fault's first NaN/Inf in, and were "
+    assert ("7 later batches held a sample two events blamed for the same fault, and were "
             "skipped unread (no rewind); the last at step") in out, out
     assert "found corrupt in the batch itself" not in out
     # a rerun into the same run remembers it too

@@ -309,7 +309,7 @@ def _guard(report: dict) -> Any:
         last = meta.get("last_skipped_known") or {}
         repeat = meta.get("skipped_repeat") if isinstance(meta.get("skipped_repeat"), int) else 0
         for n, why, what in ((known - repeat, "data", "an event found corrupt in the batch itself"),
-                             (repeat, "repeat", "whose row two events found the same fault's first NaN/Inf in")):
+                             (repeat, "repeat", "two events blamed for the same fault")):
             if n <= 0:
                 continue
             at = (f"; the last at step {last['step']:,} (epoch {last.get('epoch')}{_samples(last.get('samples'))})"

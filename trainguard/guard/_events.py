@@ -152,9 +152,22 @@ def culprits_text(event: dict) -> str:
         return ""
     health = ((event.get("origin") or {}).get("origin") or {}).get("health") or []
     kind = "nan" if "nan" in health else "inf"
-    again = (f", as in event {c['repeat_of']}: later batches holding it are skipped unread"
-             if c.get("repeat_of") is not None else "")
-    return f" (the first {kind} is in its {_listed('sample', c['samples'])}{again})"
+    return f" (the first {kind} is in its {_listed('sample', c['samples'])}{_again(event)})"
+
+
+def _again(event: dict) -> str:
+    """``, as in event 1: ...``: the event blames a sample an earlier one blamed for the same fault."""
+    r = event.get("repeat")
+    return f", as in event {r['of']}: later batches holding it are skipped unread" if r else ""
+
+
+def spike_suspects_text(event: dict) -> str:
+    """`` (its sample 29 spiked the loss as in event 1: ...)``: a spike whose batch holds a sample
+    an earlier spike's batch held (see ``Guard._note_suspects``), or nothing."""
+    r = event.get("repeat")
+    if not r or event.get("trigger") != "spike":
+        return ""
+    return f" (its {_listed('sample', r['samples'])} spiked the loss{_again(event)})"
 
 
 def outcome(event: dict) -> str:
@@ -168,7 +181,7 @@ def outcome(event: dict) -> str:
                     else f"skipped {n} batches from the batch of step {event['step']:,}")
         else:
             text = f"skipped batch {first}" if n == 1 else f"skipped {n} batches from batch {first}"
-            text += batch_text(event) or culprits_text(event)
+            text += batch_text(event) or culprits_text(event) or spike_suspects_text(event)
         return text + (f"; {event['policy_note']}" if event.get("policy_note") else "")
     if action == "lower_lr":
         lrs = ", ".join(f"{v:.3g}" for v in event.get("lr") or [])
@@ -228,6 +241,10 @@ def stored_bad_samples(path: Path) -> dict[Any, int]:
     return out
 
 
+# The fault a loss spike's suspects are counted under (a NaN's is its origin's op and line).
+SPIKE_KEY = ("spike", None, None)
+
+
 def stored_culprits(path: Path) -> dict[tuple, list[int]]:
     """``(origin key, sample) -> [event numbers]``: the samples whose rows earlier skip events of
     the guard's run in ``path`` found their fault's first NaN/Inf in (see ``Guard._remember_repeat``)."""
@@ -242,10 +259,15 @@ def stored_culprits(path: Path) -> dict[tuple, list[int]]:
     for f in found:
         e = f.get("event") or {}
         link = (e.get("origin") or {}).get("origin") or {}
-        if e.get("action") != "skip" or not link.get("op") or not isinstance(e.get("n"), int):
+        if e.get("action") != "skip" or not isinstance(e.get("n"), int):
             continue
-        key = (link["op"], link.get("file"), link.get("line"))
-        for sample in (e.get("culprits") or {}).get("samples") or ():
+        if (e.get("culprits") or {}).get("samples") and link.get("op"):
+            key, samples = (link["op"], link.get("file"), link.get("line")), e["culprits"]["samples"]
+        elif e.get("trigger") == "spike" and e.get("skipped"):
+            key, samples = SPIKE_KEY, (e["skipped"][0] or {}).get("samples") or ()
+        else:
+            continue
+        for sample in samples:
             if isinstance(sample, (int, str)):
                 out.setdefault((key, sample), []).append(e["n"])
     return out

@@ -391,7 +391,11 @@ class Guard:
         label = _events.batch_label(info)
         which = f"batch {label}" if label else "a batch"
         samples = ", ".join(str(s) for s in hit)
-        if repeat:
+        if repeat and repeat[1] == _events.SPIKE_KEY:
+            first, second, *_ = repeat[0]
+            log.warning("trainguard: skipped %s at step %d: its sample %s was in the batches of the loss spikes of "
+                        "events %s and %s", which, info["step"], samples, first, second)
+        elif repeat:
             (first, second, *_), (op, file, line) = repeat
             where = f" at {short_path(file)}:{line}" if file else ""
             log.warning("trainguard: skipped %s at step %d: its sample %s made the NaN/Inf of events %s and %s (%s%s)",
@@ -404,6 +408,29 @@ class Guard:
             self._run.update(skipped_known=self._earlier_known + len(self.skipped_known),
                              skipped_repeat=self._earlier_repeat + repeats, last_skipped_known=info)
         return True
+
+    def _note_suspects(self, event: dict, origin: dict | None, kinds: list[str], plan: _Plan) -> None:
+        """Count the samples a skip event blames: those whose rows the replay found its first
+        NaN/Inf in (``culprits``), or for a loss spike, which has none, the samples of its batch. A
+        sample two events of the same fault blame is skipped unread from then on (``event["repeat"]``
+        says which, and since which event). One process only, as ``_known_bad``."""
+        if _collective.rank_world()[1] != 1:
+            return
+        culprits = event.get("culprits") or {}
+        if culprits.get("samples") and origin is not None:
+            key, samples = origin_key(origin), culprits["samples"]
+        elif "spike" in kinds and (plan.batch or {}).get("samples"):
+            key, samples = _events.SPIKE_KEY, plan.batch["samples"]  # type: ignore[index]
+        else:
+            return
+        again = []
+        for sample in samples:
+            if isinstance(sample, (int, str)):
+                self._culprit_events.setdefault((key, sample), []).append(event["n"])
+                if self._remember_repeat(key, sample):
+                    again.append(sample)
+        if again:
+            event["repeat"] = {"samples": again, "of": self._culprit_events[(key, again[0])][0]}
 
     def _remember_repeat(self, key: tuple, sample: Any) -> bool:
         """Whether ``sample`` is now known bad: two events named its row as where the same fault's
@@ -658,14 +685,7 @@ class Guard:
         event["skip_count"] = n
         if plan.batch is not None:
             event["skipped"] = [plan.batch]
-        culprits = event.get("culprits") or {}
-        if culprits.get("samples") and _collective.rank_world()[1] == 1 and origin is not None:
-            key = origin_key(origin)
-            for sample in culprits["samples"]:
-                if isinstance(sample, (int, str)):
-                    self._culprit_events.setdefault((key, sample), []).append(event["n"])
-                    if self._remember_repeat(key, sample):
-                        culprits["repeat_of"] = self._culprit_events[(key, sample)][0]
+        self._note_suspects(event, origin, kinds, plan)
         if "spike" not in kinds:
             self._probation = _Probation(step=plan.fail, kinds=kinds, key=origin_key(origin), event=event)
         self._finish_event(event, "skip")

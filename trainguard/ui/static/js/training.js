@@ -52,7 +52,7 @@ function guardNotes(m) {
   const repeat = Number.isInteger(m.skipped_repeat) ? m.skipped_repeat : 0;
   const last = m.last_skipped_known || {};
   for (const [n, why, what] of [[known - repeat, "data", "an event found corrupt in the batch itself"],
-    [repeat, "repeat", "whose row two events found the same fault's first NaN/Inf in"]]) {
+    [repeat, "repeat", "two events blamed for the same fault"]]) {
     if (n <= 0) continue;
     notes.push(h(`div.guard-note.skipped-${why === "data" ? "known" : "repeat"}`, `${n} later batch${n === 1 ? "" : "es"} `
       + `held a sample ${what}, and ${n === 1 ? "was" : "were"} skipped unread (no rewind)`
