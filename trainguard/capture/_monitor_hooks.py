@@ -324,9 +324,9 @@ class HookMixin:
         x = next((x for x in map(first_tensor, args) if x is not None), None)
         if x is not None and x.is_meta or x is None and _symbolic(args):
             return  # a shape pass (Keras builds its layers that way): not a model being trained
-        if any(True for _ in module.parameters()) and all(p.is_meta for p in module.parameters()):
+        if any(True for _ in nn.Module.parameters(module)) and all(p.is_meta for p in nn.Module.parameters(module)):
             return  # shapes without values (a copy built to count flops, or not yet materialised): not trained
-        if not any(True for _ in module.parameters()) or isinstance(module, _ParametrizationList):
+        if not any(True for _ in nn.Module.parameters(module)) or isinstance(module, _ParametrizationList):
             # A ParametrizationList runs when a parametrized tensor is read (``layer.weight``, and once
             # at registration): part of the layer that owns it, never a model of its own.
             self._no_params.add(module)
@@ -337,7 +337,7 @@ class HookMixin:
             self._torch_func_model = self._torch_func_model or type(module).__name__
             return
         if (self._roots and all(isinstance(c, (nn.ParameterDict, nn.ParameterList)) for c in module.children())
-                and {id(p) for p in module.parameters()} <= {id(t) for p in self._params if (t := p.ref()) is not None}):
+                and {id(p) for p in nn.Module.parameters(module)} <= {id(t) for p in self._params if (t := p.ref()) is not None}):
             # No layers, and every parameter it holds is a found model's: a layer of that model that
             # torch does not list as a child (Keras keeps a layer's weights in the model's
             # ParameterDict too), not a model. (A critic whose weights a TorchRL loss holds has
@@ -403,8 +403,8 @@ class HookMixin:
             modules = _live_modules()
             found = [m for m in modules
                      if (self._roots or type(m).__call__ is not nn.Module.__call__) and m not in self._known
-                     and any(id(p) in leaves for p in m.parameters())]
-            if not self._roots and not found and not any(id(p) in leaves for m in modules for p in m.parameters()):
+                     and any(id(p) in leaves for p in nn.Module.parameters(m))]
+            if not self._roots and not found and not any(id(p) in leaves for m in modules for p in nn.Module.parameters(m)):
                 # no module holds what the loss trains: pyro.param sites, tensors made with requires_grad
                 self._params_outside = len(leaves)
             inner = {id(c) for m in found for c in m.modules() if c is not m}
