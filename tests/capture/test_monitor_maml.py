@@ -109,3 +109,65 @@ def test_a_meta_loop_that_never_zeroes_its_gradients_is_still_told(tmp_path):
     torch.manual_seed(0)
     mon = train(Meta(second_order=True, forget_zero_grad=True), tmp_path / "r")
     assert "gradients_accumulating" in {f.kind for f in mon.findings}, [f.title for f in mon.findings]
+
+
+# learn2learn's MAML (learn2learn/algorithms/maml.py, learn2learn/utils clone_module/update_module),
+# cut to what the monitor sees: ``clone()`` makes a module per task whose ``__dict__`` is a shallow
+# copy of the original's (the hook dicts are the same objects) and whose parameters are ``clone()``s
+# of the originals; ``adapt()`` puts ``p - lr * grad`` (non-leaf tensors) in their place.
+def clone_module(module: nn.Module) -> nn.Module:
+    clone = module.__new__(type(module))
+    clone.__dict__ = module.__dict__.copy()
+    clone._parameters = {k: (p.clone() if p is not None else None) for k, p in module._parameters.items()}
+    clone._buffers = clone._buffers.copy()
+    clone._modules = {k: clone_module(m) for k, m in module._modules.items()}
+    return clone
+
+
+def update_module(module: nn.Module, updates: dict) -> None:
+    for name, m in module.named_modules():
+        for k, p in list(m._parameters.items()):
+            key = f"{name}.{k}" if name else k
+            if key in updates:
+                m._parameters[k] = p + updates[key]
+
+
+class L2LMAML(nn.Module):
+    def __init__(self, module: nn.Module, lr: float):
+        super().__init__()
+        self.module, self.lr = module, lr
+
+    def forward(self, x):
+        return self.module(x)
+
+    def clone(self) -> L2LMAML:
+        return clone_module(self)
+
+    def adapt(self, loss):
+        names = [n for n, _ in self.module.named_parameters()]
+        grads = torch.autograd.grad(loss, list(self.module.parameters()), create_graph=True)
+        update_module(self.module, {n: -self.lr * g for n, g in zip(names, grads)})
+
+
+def test_learn2learn_clones_are_the_model_they_copy_not_a_new_model_per_task(tmp_path):
+    torch.manual_seed(0)
+    maml = L2LMAML(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)), lr=0.1)
+    opt = torch.optim.Adam(maml.parameters(), 1e-3)
+    with Monitor(None, tmp_path / "r", every=2) as mon:
+        for step in range(8):
+            x_spt, y_spt, x_qry, y_qry = tasks(step)
+            opt.zero_grad()
+            for i in range(2):
+                learner = maml.clone()
+                learner.adapt(F.cross_entropy(learner(x_spt[i]), y_spt[i]))
+                F.cross_entropy(learner(x_qry[i]), y_qry[i]).backward()
+            opt.step()
+    with open_run(tmp_path / "r") as run:
+        layers = set(run.layers())
+        grads = {r["layer"] for r in run.layer_stats(kind="gradient", stat="norm")}
+        acts = {r["layer"] for r in run.layer_stats(kind="activation", stat="mean")}
+    # 16 clones made, none of them a model: the layers and parameters are the watched model's own
+    assert grads == {"module.0.weight", "module.0.bias", "module.2.weight", "module.2.bias"}
+    assert acts == {"module.0", "module.1", "module.2"}
+    assert layers == acts | grads | {"<input>"}, sorted(layers)
+    assert "models_in_sequence" not in {f.kind for f in mon.findings}
