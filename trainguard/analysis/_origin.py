@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -998,6 +999,48 @@ def parameter_behind_view(run: Run, link: Link) -> str | None:
     return None
 
 
+def inner_update(run: Run, link: Link) -> dict | None:
+    """The input of a forward ``link`` that the program made itself, inside the step, by a gradient
+    step on a weight: MAML's fast weights ``w - lr * grad`` of a ``torch.autograd.grad`` (a
+    backward-pass output), read through views (``F.linear``'s ``t``); ``{"slot", "file", "line"}``
+    of that update's line, else None (or evicted)."""
+    if link.phase != "forward":
+        return None
+
+    def from_backward(digest: dict | None) -> bool:
+        return bool(digest) and digest.get("phase") == "backward"
+
+    try:
+        for inp in run.execution(link.seq)["inputs"]:
+            p = inp.get("producer_digest")
+            for _ in range(4):  # views of the update: w.t(), w.view(...)
+                if not p or op_base(p["op"]).rstrip("_") not in _PASS_THROUGH:
+                    break
+                p = next((i.get("producer_digest") for i in run.execution(p["seq"])["inputs"]), None)
+            if not p or p.get("phase") != "forward" or op_base(p["op"]).rstrip("_") not in ("sub", "add"):
+                continue
+            for q in run.execution(p["seq"])["inputs"]:
+                d = q.get("producer_digest")
+                scaled = (d and op_base(d["op"]).rstrip("_") in ("mul", "div")
+                          and any(from_backward(r.get("producer_digest")) for r in run.execution(d["seq"])["inputs"]))
+                if from_backward(d) or scaled:  # w - lr * g, or torch.add(w, g, alpha=-lr)
+                    fr = run.user_frame(p["stack_id"])
+                    return {"slot": int(inp["slot"]), "file": fr["filename"] if fr else None,
+                            "line": fr["lineno"] if fr else None}
+    except (KeyError, TrainguardError):
+        return None
+    return None
+
+
+def _inner_learning_rate(inner: dict) -> str:
+    """An overflow whose input is a weight the step adapted itself (:func:`inner_update`)."""
+    where = f" at {os.path.basename(inner['file'])}:{inner['line']}" if inner.get("file") else ""
+    return (f"values are overflowing: input {inner['slot']} is a weight the program adapted itself inside this "
+            f"step{where}, a gradient step of its own (w - lr * grad on torch.autograd.grad's gradients, as "
+            "MAML's inner loop takes on its fast weights), not the optimizer's: that inner learning rate made "
+            "the weights this large; lower it (MAML uses 0.01-0.4), or take fewer inner steps")
+
+
 # The ops an expression's outermost operator runs as (``a * x + b`` is an add).
 _BINOPS = {ast.Add: {"add"}, ast.Sub: {"sub", "rsub"}, ast.Mult: {"mul"}, ast.Div: {"div"},
            ast.MatMult: {"matmul", "mm", "bmm", "addmm", "baddbmm"}, ast.Pow: {"pow"}}
@@ -1124,7 +1167,7 @@ def _integer_denominator(link: Link) -> bool:
 
 def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None,
             log_of: str | None = None, held: bool = False, exp_param: str | None = None,
-            loader: bool = False, clipping: dict | None = None) -> str:
+            loader: bool = False, clipping: dict | None = None, inner: dict | None = None) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
@@ -1133,7 +1176,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     it was made (it sat in a tensor meanwhile), or was made in a sample of the data (:func:`made_in_loader`)
     or went through the model (:func:`_fed_to_model`); ``exp_param``: the parameter an exp's input is, read
     through reshapes (:func:`parameter_behind_view`); ``loader``: made in a DataLoader's fetch
-    (:func:`made_in_loader`); ``clipping``: how the loop clips its gradients (the run's ``clipping``), if it does."""
+    (:func:`made_in_loader`); ``clipping``: how the loop clips its gradients (the run's ``clipping``), if it does;
+    ``inner``: the input the step adapted itself by a gradient step (:func:`inner_update`)."""
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
@@ -1230,6 +1274,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     if _nan_from_unseen(link):  # the ops that make NaN of finite values are judged above
         return _SUGGESTIONS["input"]
     narrow = any(str(o.get("dtype", "")).replace("torch.", "") in _NARROW for o in link.outputs)
+    if inner is not None:
+        return _inner_learning_rate(inner) + (", or compute this op in float32" if narrow else "")
     if first_forward and link.step == 0 and link.phase == "forward":
         return _overflow_before_any_update(fed) + (", or compute this op in float32" if narrow else "")
     text = _SUGGESTIONS["accum"]
@@ -1382,7 +1428,8 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     held = (h.step is not None and o.step is not None and h.step > o.step) or loader or _fed_to_model(run, chain)
     clipping = run.meta.get("clipping") or (run.meta.get("monitor") or {}).get("clipping")
     suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
-                         exp_param=parameter_behind_view(run, o), loader=loader, clipping=clipping)
+                         exp_param=parameter_behind_view(run, o), loader=loader, clipping=clipping,
+                         inner=inner_update(run, o))
     skipped = _skipped_after(run, o.step) if reached is False else None
     if skipped is not None:
         summary += (f". It made the loss {_num(skipped.get('loss'))} in step {skipped['step']}, which the program "

@@ -360,7 +360,7 @@ class ModuleTracker:
             # run by a model being built (a probe in its __init__): named by its path there, as
             # that model's state_dict names it, without a scan
             path = path_in(owner, module)
-        elif parent is None and self._container_scans < _CONTAINER_SCANS and any(True for _ in module.parameters()):
+        elif parent is None and self._container_scans < _CONTAINER_SCANS and any(True for _ in nn.Module.parameters(module)):
             # a model called at the top level may sit in a container the program calls into
             # (cleanrl's Agent.actor): named by its path there, as the monitor names it
             self._container_scans += 1

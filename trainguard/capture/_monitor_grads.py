@@ -284,7 +284,7 @@ class GradientWatch:
 
     # ------------------------------------------------------------------ stale gradients
     def hook_params(self, params: list[Param], step_of: Callable[[], int]) -> None:
-        """At recording steps: the first gradient to reach a parameter checks what .grad still holds."""
+        """At recording steps: the first gradient a ``backward()`` brings to a parameter checks what .grad still holds."""
         for p in params:
             t = p.ref()
             if t is not None and t.requires_grad and not is_lazy(t):  # a lazy one is hooked once materialised
@@ -296,10 +296,15 @@ class GradientWatch:
         self._hooks = []
 
     def _make_hook(self, p: Param, step_of: Callable[[], int]):
+        from trainguard.capture import _monitor_tap
         from trainguard.capture._compile import keep_dynamo_out
         from trainguard.capture._monitor_tap import quiet
 
         def hook(grad):
+            if not _monitor_tap._in_backward:
+                # torch.autograd.grad (a MAML inner step over the parameters themselves) hands the
+                # gradient back and leaves .grad alone: what .grad holds is no accumulation
+                return
             with quiet():
                 self._stale(p, step_of())
 

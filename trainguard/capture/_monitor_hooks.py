@@ -86,6 +86,27 @@ def _live_modules() -> list[nn.Module]:
     return [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
 
 
+def _adapted_copy(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters computed from others (learn2learn's clone of a model,
+    adapted by MAML's inner loop), not leaves of its own."""
+    params = list(nn.Module.parameters(module))
+    return bool(params) and all(p.grad_fn is not None for p in params)
+
+
+def _leaf_of(t: torch.Tensor, depth: int = 16) -> torch.Tensor | None:
+    """The leaf tensor a non-leaf ``t`` was first computed from (``p.clone()``, then ``+ update``s),
+    following each node's first input; None when there is none within ``depth`` nodes."""
+    node = t.grad_fn
+    for _ in range(depth):
+        if node is None:
+            return None
+        if hasattr(node, "variable"):  # AccumulateGrad
+            return node.variable
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        node = nxt[0] if nxt else None
+    return None
+
+
 def _inside_checkpoint() -> bool:
     """Whether torch.utils.checkpoint is on the calling thread's stack (asked once per layer)."""
     f = sys._getframe(1)
@@ -324,9 +345,9 @@ class HookMixin:
         x = next((x for x in map(first_tensor, args) if x is not None), None)
         if x is not None and x.is_meta or x is None and _symbolic(args):
             return  # a shape pass (Keras builds its layers that way): not a model being trained
-        if any(True for _ in module.parameters()) and all(p.is_meta for p in module.parameters()):
+        if any(True for _ in nn.Module.parameters(module)) and all(p.is_meta for p in nn.Module.parameters(module)):
             return  # shapes without values (a copy built to count flops, or not yet materialised): not trained
-        if not any(True for _ in module.parameters()) or isinstance(module, _ParametrizationList):
+        if not any(True for _ in nn.Module.parameters(module)) or isinstance(module, _ParametrizationList):
             # A ParametrizationList runs when a parametrized tensor is read (``layer.weight``, and once
             # at registration): part of the layer that owns it, never a model of its own.
             self._no_params.add(module)
@@ -337,12 +358,24 @@ class HookMixin:
             self._torch_func_model = self._torch_func_model or type(module).__name__
             return
         if (self._roots and all(isinstance(c, (nn.ParameterDict, nn.ParameterList)) for c in module.children())
-                and {id(p) for p in module.parameters()} <= {id(t) for p in self._params if (t := p.ref()) is not None}):
+                and {id(p) for p in nn.Module.parameters(module)} <= {id(t) for p in self._params if (t := p.ref()) is not None}):
             # No layers, and every parameter it holds is a found model's: a layer of that model that
             # torch does not list as a child (Keras keeps a layer's weights in the model's
             # ParameterDict too), not a model. (A critic whose weights a TorchRL loss holds has
             # layers of its own: a root, so that they are watched.)
             self._known.add(module)
+            return
+        original = self._copied_from(module)
+        if original is not None:
+            # A shallow copy of a model (learn2learn's MAML.clone(): its __dict__ copied, so the hook
+            # dicts are the model's own, its parameters clone()s of the model's, then adapted): the
+            # model's layer hooks already run on the copy's layers, under the model's names. The
+            # model is watched (found through the copy when only copies run), never a copy: one per
+            # task and step was a new model, maml2 ... maml124 in 40 steps.
+            for m in module.modules():
+                self._known.add(m)
+            if original is not module and original not in self._known:
+                self._attach(original, *self._naming(original))
             return
         if probing_owner(module) is not None:
             # A probe of a model being built (its strides, the size of its classifier), not a model
@@ -359,6 +392,33 @@ class HookMixin:
             self._write_meta(models_in_sequence=[*starts, {"prefix": root.prefix, "first_step": root.first_step}])
         # This call's pre-hooks were collected before the root hook existed: run it now.
         self._root_pre(root, module, args)
+
+    def _copied_from(self, module: nn.Module) -> nn.Module | None:
+        """The module that ``module``, or its outermost part that is one, is a shallow copy of: a
+        module whose forward hooks are the copy's own dict (its ``__dict__`` copied). A watched one
+        first; else, only for a copy whose parameters are no leaves (cloned from the original's, as
+        learn2learn's clone_module does; its ``MAML.clone()`` wraps the copy in a new ``MAML``), the
+        live module holding the leaves they came from. None for a module of its own."""
+        subs = list(module.modules())
+        mine = {id(d): s for s in subs if (d := s.__dict__.get("_forward_hooks")) is not None}
+        ids = {id(s) for s in subs}
+        for r in self._roots:
+            rm = r.ref()
+            for m in rm.modules() if rm is not None else ():
+                if id(m._forward_hooks) in mine and id(m) not in ids:
+                    return m
+        if not _adapted_copy(module):
+            return None  # leaves of its own: a model (a copy.copy sharing the parameters is that model)
+        leaf = _leaf_of(next(nn.Module.parameters(module)))
+        if leaf is None:
+            return None
+        others = {id(d): m for m in _live_modules() if id(m) not in ids
+                  and (d := m.__dict__.get("_forward_hooks")) is not None}
+        for s in subs:  # outermost first
+            original = others.get(id(s.__dict__.get("_forward_hooks")))
+            if original is not None:
+                return original if any(p is leaf for p in nn.Module.parameters(original)) else None
+        return None
 
     def _naming(self, module: nn.Module) -> tuple[str, str | None]:
         """The prefix of a model found at run time, and the name of the model itself: its path in
@@ -403,8 +463,8 @@ class HookMixin:
             modules = _live_modules()
             found = [m for m in modules
                      if (self._roots or type(m).__call__ is not nn.Module.__call__) and m not in self._known
-                     and any(id(p) in leaves for p in m.parameters())]
-            if not self._roots and not found and not any(id(p) in leaves for m in modules for p in m.parameters()):
+                     and any(id(p) in leaves for p in nn.Module.parameters(m))]
+            if not self._roots and not found and not any(id(p) in leaves for m in modules for p in nn.Module.parameters(m)):
                 # no module holds what the loss trains: pyro.param sites, tensors made with requires_grad
                 self._params_outside = len(leaves)
             inner = {id(c) for m in found for c in m.modules() if c is not m}
@@ -425,8 +485,8 @@ class HookMixin:
     # ------------------------------------------------------------------ root hook
     def _root_pre(self, root: Root, module, args, grad: bool | None = None) -> None:
         # ``grad``: whether grad mode was on where a compiled model's hook was traced (see _trace_tap).
-        if module is None or root.ref() is not module:  # a shallow copy shares the hook dict
-            return
+        if module is None or root.ref() is not module and not _adapted_copy(module):
+            return  # a shallow copy shares the hook dict; one with adapted parameters runs the model (MAML)
         with _monitor_tap.quiet():
             try:
                 self._root_pre_quiet(root, module, args, grad)

@@ -43,7 +43,7 @@ class Layer:
         # Holds parameters (its own or its children's): only such a layer called many times per
         # forward can be a recurrent cell; a parameterless one is an activation reused on several
         # inputs (gpytorch's one Softplus behind every constraint), whose gradients are not a loop's.
-        self.weighted = any(True for _ in module.parameters())
+        self.weighted = any(True for _ in nn.Module.parameters(module))
 
 
 class Param:
@@ -126,7 +126,7 @@ def build_root(module: nn.Module, prefix: str, label: str | None = None) -> Root
             continue
         if isinstance(m, _SKIP_TYPES):
             continue
-        has_direct = any(True for _ in m.parameters(recurse=False))
+        has_direct = any(True for _ in nn.Module.parameters(m, recurse=False))
         if list(m.children()) and not has_direct:
             continue
         root.layers.append(Layer(prefix + name if name else own, m, prefix))

@@ -325,7 +325,7 @@ class Recorder(FlushHooks, HarmHooks):
         # forward (not the criterion's, called after the model), which tells the skip
         # watch where an iteration begins (a loop that checked a non-finite loss and called no
         # backward() before it skipped the last one).
-        if torch.is_grad_enabled() and next(module.parameters(), None) is not None:  # not a loss module
+        if torch.is_grad_enabled() and next(torch.nn.Module.parameters(module), None) is not None:  # not a loss module
             _skips.watch.forward(module.training)
 
     def _on_skip(self, skip: _skips.Skip) -> None:

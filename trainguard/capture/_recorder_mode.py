@@ -227,6 +227,14 @@ class _DispatchMode(TorchDispatchMode):
                 if not r.in_backward:  # the first op of a backward pass: it runs from the loss
                     r.in_backward = True
                     r.backward_starts(fwd_seq)
+                if nr != r.last_nr and _grad_enabled() and _on_cpu(outs):
+                    # create_graph=True (second-order MAML): this backward op made the autograd node
+                    # numbered nr - 1, whose backward (the double backward) inherits the forward op's
+                    # module and stack through it. On the CPU only: an accelerator's backward runs on a
+                    # device thread, whose sequence numbers are not the forward thread's.
+                    r.fwd_nodes[nr - 1] = (seq, module_id, stack_id, _clock.step, name)
+                    if len(r.fwd_nodes) > FWD_NODES_MAX:
+                        r._prune_fwd_nodes()
             else:
                 r.in_backward = False
                 module_id = r.modules.current()
@@ -498,6 +506,11 @@ def _base_written(producers: dict, t: _Tensor, seq: int) -> bool:
         return False
     p = producers.get(id(b))
     return p is not None and p[1] > seq and p[0]() is b
+
+
+def _on_cpu(outs) -> bool:
+    first = next((o for o in outs if isinstance(o, _Tensor)), None)
+    return first is not None and first.device.type == "cpu"
 
 
 def _register(r: Recorder, producers: dict, o: _Tensor, seq: int, name: str, stack_id, summary) -> None:

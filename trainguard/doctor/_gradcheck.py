@@ -449,7 +449,7 @@ def _loss_modules(loss_fn: Any, model: nn.Module) -> nn.Module:
 def _to_float64(module: nn.Module) -> None:
     """Convert floating parameters (in place, keeping the objects) and buffers to float64, complex
     ones to complex128."""
-    for p in module.parameters():
+    for p in nn.Module.parameters(module):  # all of them: MAML-Pytorch's Learner.parameters() lists its vars only
         if p.is_floating_point() or p.is_complex():
             p.data = p.data.to(torch.complex128 if p.is_complex() else torch.float64)
     for m in module.modules():

@@ -131,9 +131,9 @@ def _counts(model: nn.Module) -> tuple[int, int, dict[str, dict[str, int]]]:
     children = list(model.named_children()) or [("(model)", model)]
     owner = {}
     for name, child in children:
-        for p in child.parameters():
+        for p in nn.Module.parameters(child):
             owner.setdefault(id(p), name)
-    for p in model.parameters():
+    for p in nn.Module.parameters(model):
         if id(p) in seen:
             continue
         seen.add(id(p))

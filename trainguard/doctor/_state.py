@@ -32,7 +32,9 @@ class _Snapshot:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, data: Any) -> None:
         self.modes = [(m, m.training) for m in model.modules()]
         self.params = []
-        for p in model.parameters():  # unique parameters: shared ones appear once
+        # unique parameters, shared ones once; all of them, whatever the model's own parameters()
+        # returns (MAML-Pytorch's Learner lists its vars, not the running statistics of vars_bn)
+        for p in nn.Module.parameters(model):
             grad = p.grad
             self.params.append(
                 (p, p.data, p.detach().clone(), p.requires_grad, grad, None if grad is None else grad.detach().clone())
@@ -256,7 +258,7 @@ def take(obj: Any, n: int) -> Any:
 
 
 def model_device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
+    for t in nn.Module.parameters(model):
         return t.device
     for t in model.buffers():
         return t.device

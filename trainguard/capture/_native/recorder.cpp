@@ -500,6 +500,19 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
       r.stack = stacks_capture(c->stacks);
       g.lock();
     }
+    if (nr != c->last_nr && c10::GradMode::is_enabled() && !outs.empty() && outs[0].defined() &&
+        outs[0].is_cpu()) {
+      // create_graph=True (second-order MAML): this backward op made the autograd node numbered
+      // nr - 1, whose backward (the double backward) inherits the forward op's module and stack
+      // through it. On the CPU only: an accelerator's backward runs on a device thread, whose
+      // sequence numbers are not the forward thread's. (_recorder_mode.py: the same)
+      int64_t step = g_step.load(std::memory_order_relaxed);
+      auto key = (uint64_t)(nr - 1);
+      FwdNode* m = c->fwd_nodes.find(key);
+      if (m != nullptr) *m = FwdNode{seq, r.module, r.stack, step, m->order};
+      else c->fwd_nodes.emplace(key, FwdNode{seq, r.module, r.stack, step, c->fwd_order++});
+      if (c->fwd_nodes.size() > FWD_NODES_MAX) c->prune_fwd_nodes(-1);
+    }
   } else {
     r.module = tl_module[c->slot];
     if (r.module == 0) r.module = claimed;
