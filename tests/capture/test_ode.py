@@ -1,0 +1,114 @@
+"""Neural ODEs as rtqichen/torchdiffeq trains them (examples/ode_demo.py, examples/odenet_mnist.py):
+``odeint(func, y0, t)`` wraps the user's dynamics in a module of its own, made anew at each call
+(``_PerturbFunc``, holding ``func`` as ``base_func``), and the solver calls that wrapper many times
+per step. The solver here is torchdiffeq's fixed-grid ``rk4`` (the 3/8 rule) written out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard import Monitor
+from trainguard.store import open_run
+
+
+class _PerturbFunc(nn.Module):
+    """torchdiffeq/_impl/misc.py: what odeint calls instead of ``func`` (it also nudges ``t`` to
+    the next float at a discontinuity); ``_TupleFunc`` and ``_ReverseFunc`` hold it the same way."""
+
+    def __init__(self, base_func):
+        super().__init__()
+        self.base_func = base_func
+
+    def forward(self, t, y):
+        return self.base_func(t.to(y.dtype), y)
+
+
+def odeint(func, y0, t):
+    """The states at the times ``t``, as torchdiffeq's ``odeint(func, y0, t, method="rk4")``."""
+    func = _PerturbFunc(func)
+    y, ys = y0, [y0]
+    for t0, t1 in zip(t[:-1], t[1:]):
+        dt = t1 - t0
+        k1 = func(t0, y)
+        k2 = func(t0 + dt / 3, y + dt * k1 / 3)
+        k3 = func(t0 + dt * 2 / 3, y + dt * (k2 - k1 / 3))
+        k4 = func(t1, y + dt * (k1 - k2 + k3))
+        y = y + dt * (k1 + 3 * (k2 + k3) + k4) / 8
+        ys.append(y)
+    return torch.stack(ys)
+
+
+class ODEFunc(nn.Module):
+    """examples/ode_demo.py's dynamics (hidden width 50 there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def forward(self, t, y):
+        return self.net(y**3)
+
+
+class ODEBlock(nn.Module):
+    """examples/odenet_mnist.py's block: the model's forward calls odeint on its ``odefunc``."""
+
+    def __init__(self, odefunc):
+        super().__init__()
+        self.odefunc = odefunc
+
+    def forward(self, x):
+        return odeint(self.odefunc, x, torch.tensor([0.0, 0.5, 1.0]))[-1]
+
+
+def spiral_fit(func: nn.Module, steps: int) -> None:
+    """ode_demo.py's loop: the optimizer holds func's parameters; the loop only calls odeint."""
+    torch.manual_seed(0)
+    opt = torch.optim.RMSprop(func.parameters(), lr=1e-3)
+    t = torch.linspace(0.0, 1.0, 4)
+    for _ in range(steps):
+        y0 = torch.randn(8, 2)
+        target = torch.stack([y0 * torch.exp(-s) for s in t])
+        loss = (odeint(func, y0, t) - target).abs().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_monitor_names_the_dynamics_by_its_state_dict(tmp_path):
+    # The monitor took odeint's wrapper for the model: its layers were "base_func.net.0", and as
+    # each call's wrapper was freed the next was "a new model trained after it" (ode_demo.py over
+    # 40 steps: 42 models, `_perturbfunc.` ... `_perturbfunc41.`, models_in_sequence), so the
+    # loss's trend was never judged.
+    func = ODEFunc()
+    with Monitor(None, tmp_path / "r", every=1, diagnose=False) as mon:
+        spiral_fit(func, steps=5)
+        layers = sorted(mon.layers)
+    assert "models_in_sequence" not in open_run(tmp_path / "r").meta["monitor"]  # the loss's trend is judged
+    assert layers == ["net.0", "net.1", "net.2"]
+    run = open_run(tmp_path / "r")
+    assert set(run.meta["monitor"]["params"]) == set(func.state_dict())
+    assert {r["step"] for r in run.layer_stats(layer="net.0.weight", kind="gradient")} == {0, 1, 2, 3, 4}
+
+
+def _linear_names(run) -> tuple[set, set]:
+    ops = run.executions(phase="forward", op="addmm")
+    params = {i["name"] for e in ops for i in run.execution(e["seq"])["inputs"] if i["kind"] == "param"}
+    return {r["module"] for r in ops}, params
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_recorder_names_the_dynamics_by_its_state_dict(tmp_path, backend):
+    # Recorded, the dynamics' ops were in "base_func.net.0" (ode_demo.py), and inside a model
+    # in "7.<_PerturbFunc>.base_func.conv1._layer" (odenet_mnist.py), where its state_dict says
+    # "7.odefunc.conv1._layer.weight".
+    func = ODEFunc()
+    model = nn.Sequential(nn.Linear(3, 2), ODEBlock(ODEFunc()), nn.Linear(2, 1))
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        spiral_fit(func, steps=1)
+        model(torch.randn(4, 3)).sum().backward()
+    modules, params = _linear_names(open_run(tmp_path / "r"))
+    assert modules == {"net.0", "net.2", "0", "1.odefunc.net.0", "1.odefunc.net.2", "2"}
+    assert params == {"net.0.bias", "net.2.bias", "0.bias", "1.odefunc.net.0.bias", "1.odefunc.net.2.bias", "2.bias"}
