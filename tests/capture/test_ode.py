@@ -112,3 +112,95 @@ def test_recorder_names_the_dynamics_by_its_state_dict(tmp_path, backend):
     modules, params = _linear_names(open_run(tmp_path / "r"))
     assert modules == {"net.0", "net.2", "0", "1.odefunc.net.0", "1.odefunc.net.2", "2"}
     assert params == {"net.0.bias", "net.2.bias", "0.bias", "1.odefunc.net.0.bias", "1.odefunc.net.2.bias", "2.bias"}
+
+
+class _AdjointSolve(torch.autograd.Function):
+    """torchdiffeq's odeint_adjoint (adjoint.py, OdeintAdjointMethod) with fixed Euler steps: the
+    forward solve runs with gradients off; the backward integrates the state and its adjoint
+    ``a = dL/dy`` back from t1 to t0, one vector-Jacobian product of the dynamics per evaluation,
+    each taken under ``enable_grad`` on a fresh leaf."""
+
+    @staticmethod
+    def forward(ctx, func, y0, steps, dt, *params):
+        y = y0
+        for _ in range(steps):
+            y = y + dt * func(torch.zeros(()), y)
+        ctx.func, ctx.steps, ctx.dt = func, steps, dt
+        ctx.save_for_backward(y, *params)
+        return y
+
+    @staticmethod
+    def backward(ctx, a):
+        y, *params = ctx.saved_tensors
+        grads = [torch.zeros_like(p) for p in params]
+        for _ in range(ctx.steps):
+            with torch.enable_grad():
+                leaf = y.detach().requires_grad_()
+                f = ctx.func(torch.zeros(()), leaf)
+                vjp_y, *vjp_params = torch.autograd.grad(f, (leaf, *params), a)
+            y = y - ctx.dt * f.detach()
+            a = a + ctx.dt * vjp_y
+            grads = [g + ctx.dt * v for g, v in zip(grads, vjp_params)]
+        return (None, a, None, None, *grads)
+
+
+class LinearField(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, t, y):
+        return self.lin(y)
+
+
+class DampedODE(nn.Module):
+    """A stable linear vector field dy/dt = W y with W = -5 I, solved over t in [0, 3] in 30 Euler
+    steps between an encoder and a decoder: the gradient reaching the state fades by 0.5 per step
+    going back in time, from the last evaluation to the first."""
+
+    def __init__(self, adjoint: bool):
+        super().__init__()
+        self.adjoint = adjoint
+        self.enc = nn.Linear(4, 4)
+        self.odefunc = LinearField()
+        with torch.no_grad():
+            self.odefunc.lin.weight.copy_(-5.0 * torch.eye(4))
+            self.odefunc.lin.bias.zero_()
+        self.dec = nn.Linear(4, 1)
+
+    def forward(self, x):
+        func = _PerturbFunc(self.odefunc)
+        y = self.enc(x)
+        if self.adjoint:
+            y = _AdjointSolve.apply(func, y, 30, 0.1, *self.odefunc.parameters())
+        else:
+            for _ in range(30):
+                y = y + 0.1 * func(torch.zeros(()), y)
+        return self.dec(y)
+
+
+@pytest.mark.parametrize("adjoint", [False, True])
+def test_an_adjoint_solve_is_no_loop_through_time(tmp_path, adjoint):
+    # odeint_adjoint calls the dynamics in the backward pass, one vector-Jacobian product per call
+    # going back from t1: the monitor followed those calls as a recurrent loop in the order they
+    # ran, so the gradient at t1 was "the first call's". A damped ODE, whose gradient fades going
+    # back in time (grad at t0 / grad at t1 = 0.5 ** 29 here), was reported as exploding through
+    # time (an error: "called 27 times per forward", first / last 6.7e7, x2.0 per call, with truncated
+    # BPTT and nn.LSTM as the fix). torchdiffeq: examples/odenet_mnist.py --adjoint True, damped (W = -5 I).
+    torch.manual_seed(0)
+    model = DampedODE(adjoint)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(20):
+            loss = (model(torch.randn(16, 4)) - 1).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert "gradient_explodes_through_time" not in {f.kind for f in mon.findings}, [f.title for f in mon.findings]
+    with open_run(tmp_path / "r") as run:
+        tt = {(r["step"], r["stat"]): r["value"] for r in run.layer_stats(layer="odefunc.lin") if r["kind"] == "through_time"}
+    if adjoint:
+        assert tt == {}, tt  # each call is differentiated on its own, before the next: no loop to follow
+    else:  # the direct solve is a loop through time, followed from t0: the gradient fades going back
+        assert tt[(0, "calls")] == 30
+        assert tt[(0, "growth_per_call")] == pytest.approx(0.5, rel=1e-4)
