@@ -23,7 +23,7 @@ class _PerturbFunc(nn.Module):
         self.base_func = base_func
 
     def forward(self, t, y):
-        return self.base_func(t.to(y.dtype), y)
+        return self.base_func(t.to(y.abs().dtype), y)
 
 
 def odeint(func, y0, t):
@@ -204,3 +204,16 @@ def test_an_adjoint_solve_is_no_loop_through_time(tmp_path, adjoint):
     else:  # the direct solve is a loop through time, followed from t0: the gradient fades going back
         assert tt[(0, "calls")] == 30
         assert tt[(0, "growth_per_call")] == pytest.approx(0.5, rel=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_recorder_names_the_adjoint_backward_passs_calls_by_the_dynamics(tmp_path, backend):
+    # odeint_adjoint calls its wrapper of the dynamics again in the backward pass, where no module
+    # of the model runs around it: the wrapper's own ops (y.abs() of t.to(y.abs().dtype), as in
+    # torchdiffeq's _PerturbFunc) keep the name the forward pass gave it, the dynamics' "odefunc".
+    model = DampedODE(adjoint=True)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        model(torch.randn(4, 4)).sum().backward()
+    with open_run(tmp_path / "r") as run:
+        named = {(e["module"], e["phase"]) for e in run.executions() if e["module_type"] == "LinearField"}
+    assert {m for m, _ in named} == {"odefunc"}, named
