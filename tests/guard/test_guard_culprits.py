@@ -415,3 +415,27 @@ def test_a_mislabelled_sample_that_spikes_the_loss_every_epoch_stops_costing_rew
     assert guard.skipped_known and all(s["samples"].count(29) == 1 and s["why"] == "repeat" for s in guard.skipped_known)
     said = [r.getMessage() for r in caplog.records if "skipped batch" in r.getMessage() and "at step" in r.getMessage()]
     assert said[-1].endswith("its sample 29 was in the batches of the loss spikes of events 1 and 2"), said
+
+
+def test_batches_of_offsets_into_a_series_holding_nan_are_data_not_a_code_bug(tmp_path):
+    # rtqichen/torchdiffeq's examples/ode_demo.py draws batches of start times and reads each
+    # window from the trajectory it holds (``true_y[s + i]``). With one NaN in the trajectory under
+    # the guard, a batch over it was skipped; the next batch, over it too, made the guard stop: "the
+    # next batch fails the same way, so the fault follows the code, not the data" - while the
+    # origin said the NaN came in with a tensor made before the replay (the trajectory).
+    series = torch.randn(16 * BS + 5, generator=torch.Generator().manual_seed(0))
+    series[30] = float("nan")  # in the windows of offsets 26 to 30: batches 6 and 7
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    loader = DataLoader(TensorDataset(torch.arange(16 * BS)), batch_size=BS)
+    state = tg.TrainState(model=model, optimizer=opt, loader=loader)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=2)
+    for _step, (s,) in guard.batches(state, total_steps=12):
+        x = torch.stack([series[s + i] for i in range(4)], dim=1)
+        loss = nn.functional.mse_loss(model(x)[:, 0], series[s + 4])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert [e["action"] for e in guard.events] == ["skip", "skip"], [e["message"] for e in guard.events]
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -372,6 +372,12 @@ class ModuleTracker:
                 if sub is module and name:
                     child = name
                     break
+            if child is None and _is_wrapper(module):
+                # A wrapper the parent does not hold, around a module it does: odenet_mnist's
+                # ODEBlock calls odeint(self.odefunc, ...), which wraps odefunc anew at each call.
+                inner = unwrapped(module)
+                child = next((name for name, sub in parent.named_modules(remove_duplicate=False)
+                              if sub is inner and name), None)
             if child is not None and _is_wrapper(parent):
                 # A wrapper is not a level of the model: its _orig_mod (_forward_module) is
                 # the model itself (the same path), _orig_mod.x is x.

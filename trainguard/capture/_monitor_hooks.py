@@ -342,6 +342,10 @@ class HookMixin:
         if (torch.compiler.is_compiling() or module in self._known or module in self._no_params
                 or _tracing_state() is not None):
             return
+        if (inner := unwrapped(module)) is not module and inner in self._known:
+            # A new wrapper around a watched model: torchdiffeq's odeint wraps the dynamics anew at
+            # each call, not a model trained after the one it holds.
+            return
         x = next((x for x in map(first_tensor, args) if x is not None), None)
         if x is not None and x.is_meta or x is None and _symbolic(args):
             return  # a shape pass (Keras builds its layers that way): not a model being trained

@@ -7,7 +7,11 @@ layers called at least ``MIN_CALLS`` times ship the norms in call order, and the
 into ``through_time`` statistics: the number of calls, the gradient norm at the first and at the
 last call, and the growth factor per call, ``(first / last) ** (1 / (calls - 1))``: above 1 the
 gradient grows going back in time (exploding through time), below 1 it fades (vanishing). Only
-the first forward of a step is followed (gradient accumulation runs the loop again).
+the first forward of a step is followed (gradient accumulation runs the loop again). A layer
+whose call is differentiated before its next call is no loop: torchdiffeq's ``odeint_adjoint``
+calls the dynamics in the backward pass, one vector-Jacobian product per call, going back from
+the last time to the first, and each call's gradient is the adjoint at that time, not a gradient
+passed on through the calls after it; a damped ODE read as a loop in call order "exploded".
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class TimeWatch:
         self._calls: dict[str, int] = {}
         self._norms: dict[str, dict[int, torch.Tensor]] = {}
         self._forwards = 0
+        self._graded: set[str] = set()  # layers a gradient reached in this step
+        self._unchained: set[str] = set()  # layers called again after that: no loop through time
 
     def on_root_forward(self) -> None:
         self._forwards += 1
@@ -65,12 +71,15 @@ class TimeWatch:
             return True
         i = self._calls.get(layer, 0)
         self._calls[layer] = i + 1
+        if layer in self._graded:
+            self._unchained.add(layer)
         x = first_tensor(output)
-        if weighted and i < MAX_CALLS and x is not None and x.requires_grad and x.is_floating_point():
+        if weighted and i < MAX_CALLS and layer not in self._unchained and x is not None and x.requires_grad and x.is_floating_point():
             x.register_hook(lambda g, layer=layer, i=i: self._grad(layer, i, g))
         return i == self._loops.get(layer, 0) // 2
 
     def _grad(self, layer: str, i: int, g: torch.Tensor) -> None:
+        self._graded.add(layer)
         if self._calls.get(layer, 0) < MIN_CALLS:
             return
         with quiet(), torch.no_grad():
@@ -81,7 +90,7 @@ class TimeWatch:
         if self._calls:
             self._loops = {la: n for la, n in self._calls.items() if n >= MIN_CALLS}
         for layer, norms in self._norms.items():
-            if len(norms) < MIN_CALLS:
+            if len(norms) < MIN_CALLS or layer in self._unchained:
                 continue
             order = sorted(norms)
             with quiet(), torch.no_grad():

@@ -49,6 +49,7 @@ from trainguard.guard._outside import OutsideOptimizers
 from trainguard.guard._replay import (
     StepRecording,
     batch_nonfinite,
+    held_before,
     origin_from_dict,
     origin_key,
     rank_dir,
@@ -658,9 +659,11 @@ class Guard:
         probation, self._probation = self._probation, None
         # The next batch failing the same way is the code's fault, unless it held NaN/Inf itself too
         # (a missing value in a series is in every window over it, batch after batch) or held no
-        # sample at all (opacus' Poisson sampling draws empty batches, now and then two in a row).
+        # sample at all (opacus' Poisson sampling draws empty batches, now and then two in a row),
+        # or its NaN came in with a tensor made before the step (data read by the batch's offsets).
         if (probation is not None and probation.step == plan.fail and set(probation.kinds) & set(kinds)
                 and "spike" not in kinds and probation.key == origin_key(origin) and bad_batch is None
+                and not held_before(origin)
                 and (plan.batch or {}).get("samples") != []):
             self._restore("memory")
             event["first_event"] = probation.event.get("n")

@@ -222,6 +222,19 @@ def origin_line(o: dict | None) -> str:
     return f"{link['op']}{where} — {link['explanation']}"
 
 
+def held_before(o: dict | None) -> bool:
+    """Whether the origin's NaN came in with a tensor made before the replay, no op of the step
+    making it (NaN and no inf, an input no recorded op produced): the data the loop reads with the
+    batch, as torchdiffeq's ode_demo.py reads each window from the trajectory it holds by the
+    batch's offsets (``true_y[s + i]``). The batch itself holds no NaN, so ``batch_nonfinite`` says
+    nothing, and the next batch over the same value fails at the same op and line."""
+    if not o:
+        return False
+    link = o["origin"]
+    return (any("nan" in h for h in link.get("health") or ()) and all("inf" not in h for h in link.get("health") or ())
+            and any(i.get("kind") not in ("op", "param", "buffer") for i in link.get("inputs") or ()))
+
+
 def origin_key(o: dict | None) -> tuple | None:
     """What makes two origins the same fault: the op and its source line."""
     if not o:

@@ -15,12 +15,17 @@ from torch import nn
 # AbstractGradSampleModules) as ``_module``, which its DPDDP holds as ``module``. torch's
 # checkpoint_wrapper and offload_wrapper (ActivationWrapper: torchtune's
 # set_activation_checkpointing wraps each transformer layer) hold it as
-# ``_checkpoint_wrapped_module``, which their state_dict hooks strip. Names, not classes:
-# importing this never imports a framework.
+# ``_checkpoint_wrapped_module``, which their state_dict hooks strip. torchdiffeq's odeint wraps
+# the dynamics the user passes (an ODEFunc, an ODEBlock's ``odefunc``) in a new module at every
+# call, as ``base_func``: _PerturbFunc always, _TupleFunc around it for a tuple state,
+# _ReverseFunc to integrate backwards in time. Names, not classes: importing this never imports a
+# framework.
 WRAPPERS = {"OptimizedModule": "_orig_mod", "_FabricModule": "_forward_module",
             "DistributedDataParallel": "module", "DataParallel": "module",
             "AbstractGradSampleModule": "_module", "DifferentiallyPrivateDistributedDataParallel": "module",
-            "ActivationWrapper": "_checkpoint_wrapped_module"}
+            "ActivationWrapper": "_checkpoint_wrapped_module",
+            "_PerturbFunc": "base_func", "_TupleFunc": "base_func", "_TupleInputOnlyFunc": "base_func",
+            "_ReverseFunc": "base_func"}
 
 
 def wrapper_attr(cls: type) -> str | None:
