@@ -145,3 +145,25 @@ def test_update_statistics_of_sparse_tables_under_sparse_adam(tmp_path):
             got = {r["stat"]: r["value"] for r in run.layer_stats(layer="emb_l.0.weight", kind="update")
                    if r["step"] == step}
             assert got["norm"] == pytest.approx(norm, rel=1e-5), step
+
+
+def test_update_statistics_of_a_sparse_table_updated_by_hand(tmp_path):
+    """No optimizer: the loop adds the sparse gradient to the table itself."""
+    model = TinyDLRM()
+    ref = {}
+    with Monitor(model, tmp_path / "run", every=1, diagnose=False):
+        for step in range(3):
+            x, offsets, indices, y = dlrm_batch(step)
+            model.zero_grad()
+            nn.functional.mse_loss(model(x, offsets, indices), y).backward()
+            before = model.emb_l[0].weight.detach().clone()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-0.5)
+            ref[step] = torch.linalg.vector_norm(model.emb_l[0].weight.detach() - before).item()
+    with open_run(tmp_path / "run") as run:
+        for step, norm in ref.items():
+            got = {r["stat"]: r["value"] for r in run.layer_stats(layer="emb_l.0.weight", kind="update")
+                   if r["step"] == step}
+            assert got["norm"] == pytest.approx(norm, rel=1e-5), step
+
