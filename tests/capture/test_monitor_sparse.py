@@ -167,3 +167,27 @@ def test_update_statistics_of_a_sparse_table_updated_by_hand(tmp_path):
                    if r["step"] == step}
             assert got["norm"] == pytest.approx(norm, rel=1e-5), step
 
+
+
+def test_a_missing_zero_grad_of_the_sparse_optimizer_is_found(tmp_path):
+    """SparseAdam for the tables, Adam for the rest, and the loop zeroes only Adam's gradients: the
+    tables' sparse gradients pile up (each step appends its rows: SparseAdam steps on the sum of
+    every batch so far, and the gradient grows without end)."""
+    model = TinyDLRM()
+    tables = [p for n, p in model.named_parameters() if n.startswith("emb_l")]
+    dense = [p for n, p in model.named_parameters() if not n.startswith("emb_l")]
+    sparse_opt, dense_opt = torch.optim.SparseAdam(tables, lr=0.01), torch.optim.Adam(dense, lr=0.01)
+    with Monitor(model, tmp_path / "run", every=2) as mon:
+        for step in range(24):
+            x, offsets, indices, y = dlrm_batch(step)
+            dense_opt.zero_grad()  # sparse_opt.zero_grad() forgotten
+            nn.functional.mse_loss(model(x, offsets, indices), y).backward()
+            sparse_opt.step()
+            dense_opt.step()
+    with open_run(tmp_path / "run") as run:
+        stale = {r["step"]: r["value"] for r in run.layer_stats(layer="emb_l.0.weight", kind="gradient", stat="stale")}
+    assert stale and all(v == 1.0 for s, v in stale.items() if s > 0), stale
+    found = [f for f in mon.findings if f.kind == "gradients_accumulating"]
+    assert found, [(f.kind, f.title) for f in mon.findings]
+    assert "SparseAdam" in found[0].title + found[0].suggestion
+    assert "emb_l.0.weight" in str(found[0].evidence)
