@@ -389,9 +389,11 @@ class GradientWatch:
         prior = t.grad
         if prior is not None:
             prior = local(prior)
-        if prior is None or prior.is_sparse:
+        if prior is None:
             self.out.consts.append((step, p.name, "gradient", "stale", 0.0))
             return
+        if prior.layout == torch.sparse_coo:  # nn.EmbeddingBag(sparse=True): the values it stores
+            prior = prior._values()  # (none after zero_grad(set_to_none=False))
         flag = prior.ne(0).any().to(torch.float32).reshape(1)
         self.out.stats.append((("l", p.name, "gradient", ("stale",), step), flag))
 
