@@ -519,3 +519,41 @@ def test_a_resumed_recording_counts_the_killed_processs_ops_as_recorded(tmp_path
         meta = run.meta
         stored = run.count()
     assert meta["recorded"] == meta["executions"] == stored, (meta["recorded"], meta["executions"], stored)
+
+
+def test_a_crash_inside_one_of_several_alike_tables_names_the_table_by_its_path():
+    # facebookresearch/dlrm dlrm_s_pytorch.py's apply_emb: a ModuleList of nn.EmbeddingBag(mode="sum",
+    # sparse=True) tables of the same shape (26 in the Criteo set), each looked up by its own feature;
+    # a hashed index past the end of the second. torch names neither the table nor the feature, and
+    # the repr EmbeddingBag(10, 4, mode='sum') fits every table alike: the path does not.
+    import torch
+    from torch import nn
+
+    from trainguard.analysis._outcome import outcome_finding
+    from trainguard.capture._ending import crash_site
+
+    class DLRM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb_l = nn.ModuleList(nn.EmbeddingBag(10, 4, mode="sum", sparse=True) for _ in range(3))
+            self.top_l = nn.Linear(12, 1)
+
+        def apply_emb(self, lS_o, lS_i):
+            return [e(i, o) for e, i, o in zip(self.emb_l, lS_i, lS_o)]
+
+        def forward(self, lS_o, lS_i):
+            return self.top_l(torch.cat(self.apply_emb(lS_o, lS_i), dim=1))
+
+    model = DLRM()
+    offsets = [torch.arange(0, 8, 2)] * 3
+    indices = [torch.randint(0, 10, (8,)) for _ in range(3)]
+    indices[1][5] = 17  # a hashed index past the table's 10 rows
+    with pytest.raises(RuntimeError) as info:
+        model(offsets, indices)
+    at = crash_site(info.value)
+    assert at is not None and at["module_path"] == "emb_l.1", at
+    meta = {"status": "crashed", "error": f"RuntimeError: {info.value}", "crash_step": 0, "crash_at": at,
+            "exit_code": 1}
+    f = outcome_finding(meta)
+    assert "inside emb_l.1 (EmbeddingBag(10, 4, mode='sum'))" in f.title, f.title
+    assert f.evidence["module_path"] == "emb_l.1", f.evidence

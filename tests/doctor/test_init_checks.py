@@ -289,3 +289,31 @@ def test_a_nan_initial_loss_names_the_op_and_line_that_made_it():
     assert f.evidence["origin"]["op"] == "aten.div.Tensor"
     assert f.evidence["origin"]["line"] == line and f.evidence["origin"]["file"].endswith("test_init_checks.py")
     assert f"test_init_checks.py:{line}" in f.suggestion and "input 1 = std output" in f.suggestion
+
+
+class _TwoInputDLRM(nn.Module):
+    """facebookresearch/dlrm's DLRM_Net in small: forward(dense_x, indices), the dense features
+    through a bottom MLP and the categorical ones through nn.EmbeddingBag(sparse=True) tables."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb_l = nn.ModuleList(nn.EmbeddingBag(n, 4, mode="sum", sparse=True) for n in (20, 12))
+        self.bot_l = nn.Linear(6, 4)
+        self.top_l = nn.Linear(12, 1)
+
+    def forward(self, dense_x, indices):
+        feats = [self.bot_l(dense_x)] + [e(indices[:, k]) for k, e in enumerate(self.emb_l)]
+        return self.top_l(torch.cat(feats, dim=1)).squeeze(1)
+
+
+def test_a_model_of_several_arguments_given_a_tuple_is_told_to_unpack_it():
+    # The doctor calls model(inputs): a batch ((dense_x, indices), y) reached DLRM.forward(dense_x,
+    # indices) as one argument, and the fix said "Fix the forward pass for this batch (shapes,
+    # dtypes, devices)", which nothing in the model is wrong about.
+    torch.manual_seed(0)
+    batch = ((torch.rand(8, 6), torch.stack([torch.randint(0, 20, (8, 2)), torch.randint(0, 12, (8, 2))], 1)),
+             torch.rand(8))
+    r = doctor.init_checks(_TwoInputDLRM(), batch, nn.BCEWithLogitsLoss())
+    (f,) = [f for f in r.findings() if f.kind == "forward_failed"]
+    assert "shapes, dtypes, devices" not in f.suggestion, f.suggestion
+    assert "model(*inputs)" in f.suggestion and "(dense_x, indices)" in f.suggestion, f.suggestion

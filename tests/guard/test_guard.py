@@ -249,6 +249,32 @@ def test_an_inf_in_a_sparse_embedding_gradient_is_caught_at_its_step(tmp_path):
     assert link["phase"] == "backward" and link["op"].startswith("aten.mul")  # the hook's g * 1e39
 
 
+
+def test_a_rewind_restores_sparse_momentum_buffers(tmp_path):
+    # The same model under SGD with momentum: its buffers for the table are sparse COO tensors,
+    # which the guard's snapshot could not copy (copy_() between dense and sparse Tensors), so the
+    # rewind itself crashed the run.
+    g = torch.Generator().manual_seed(0)
+    n = 20 * BS
+    x, y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+    ids = torch.randint(0, 31, (n, 3), generator=g)
+    ids[12 * BS, 0] = 31  # batch 12
+    torch.manual_seed(0)
+    model = SparseEmbNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = tg.TrainState(model=model, optimizer=opt,
+                          loader=torch.utils.data.DataLoader(TensorDataset(x, ids, y), batch_size=BS))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=10)
+    for _, (xb, ib, yb) in guard.batches(state, total_steps=20):
+        loss = nn.functional.mse_loss(state.model(xb, ib), yb)
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+    assert state.step == 20 and finite(state)
+    assert opt.state[model.emb.weight]["momentum_buffer"].is_sparse
+    [event] = guard.events
+    assert event["step"] == 12 and event["action"] == "skip" and [b["batch"] for b in event["skipped"]] == [12]
+
 def lbfgs_state(data, **kw):
     state = make_state(data)
     return tg.TrainState(model=state.model, optimizer=torch.optim.LBFGS(state.model.parameters(), **kw),

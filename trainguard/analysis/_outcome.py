@@ -126,9 +126,13 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
         evidence["at"] = where + (f": {at['code']}" if at.get("code") else "")
         if at.get("module"):
             evidence["module"] = at["module"]
+        if at.get("module_path"):
+            evidence["module_path"] = at["module_path"]
         if at.get("detail"):
             evidence["detail"] = at["detail"]
         inside = f" inside {at['module']}" if at.get("module") else ""
+        if at.get("module") and at.get("module_path"):
+            inside = f" inside {at['module_path']} ({at['module']})"
         text = f"{text} (raised{inside}, called from {where})"
         if at.get("detail"):
             fix = f"{at['detail']}; " + fix

@@ -410,42 +410,64 @@ def gradients_accumulating(ctx: Context) -> list[Finding]:
         # A GAN's generator loss reaches the discriminator, whose gradient its own optimizer
         # clears only later (before the discriminator's backward): stale there, and harmless.
         return []
-    per_step: dict[int, list[float]] = {}
+    # Per optimizer too: a loop with two (SparseAdam for a recommender's embedding tables, Adam for
+    # the rest) that zeroes one of them leaves a minority of the parameters stale at every step.
+    groups: dict[str, dict[int, list[float]]] = {"": {}}
+    names: dict[str, set[str]] = {}
     for p in ctx.params:
         flag = ctx.stat(p, "gradient", "in_optimizer")
         if len(flag) and np.all(flag.values == 0):
             # In no optimizer: optimizer.zero_grad() never clears it, so its gradient piles up
             # however often the loop zeroes (param_not_in_optimizer names it).
             continue
+        opt = ctx.params[p].get("optimizer")
         s = ctx.stat(p, "gradient", "stale")
         for step, v in zip(s.steps.tolist(), s.values.tolist()):
-            per_step.setdefault(step, []).append(v)
-    steps = sorted(per_step)[1:]  # the first recording has nothing before it
-    if len(steps) < 2:
-        return []
-    frac = {s: float(np.mean(per_step[s])) for s in steps}
-    stale = [s for s in steps if frac[s] >= ctx.th.stale_fraction]
-    if len(stale) < max(2, len(steps) / 2):
-        return []
-    ev = {"stale_fraction_by_step": frac, "recordings": len(steps)}
-    g = ctx.grad_norm.finite()
-    if len(g) >= 4:
-        k = max(1, len(g) // 5)
-        ev["grad_norm_early"] = float(np.median(g.values[:k]))
-        ev["grad_norm_late"] = float(np.median(g.values[-k:]))
-    return [
-        Finding(
-            kind="gradients_accumulating",
-            severity="error",
-            title=f"Gradients accumulate across steps: at {len(stale)} of {len(steps)} recordings the new "
-            "gradient was added to the previous step's",
-            evidence=ev,
-            suggestion="call `optimizer.zero_grad()` (or `model.zero_grad()`) once per step, before `backward()`; "
-            "for deliberate accumulation over k micro-batches, zero after each `optimizer.step()`",
-            steps=(stale[0], stale[-1]),
-            source=SOURCE,
-        )
-    ]
+            groups[""].setdefault(step, []).append(v)
+            if opt:
+                groups.setdefault(opt, {}).setdefault(step, []).append(v)
+                if v >= 1:
+                    names.setdefault(opt, set()).add(p)
+    if len(groups) == 2:
+        del groups[next(k for k in groups if k)]  # one optimizer: its parameters are all of them
+    for opt, per_step in groups.items():
+        steps = sorted(per_step)[1:]  # the first recording has nothing before it
+        if len(steps) < 2:
+            continue
+        frac = {s: float(np.mean(per_step[s])) for s in steps}
+        stale = [s for s in steps if frac[s] >= ctx.th.stale_fraction]
+        if len(stale) < max(2, len(steps) / 2):
+            continue
+        ev = {"stale_fraction_by_step": frac, "recordings": len(steps)}
+        g = ctx.grad_norm.finite()
+        if len(g) >= 4:
+            k = max(1, len(g) // 5)
+            ev["grad_norm_early"] = float(np.median(g.values[:k]))
+            ev["grad_norm_late"] = float(np.median(g.values[-k:]))
+        title = (f"Gradients accumulate across steps: at {len(stale)} of {len(steps)} recordings the new "
+                 "gradient was added to the previous step's")
+        fix = ("call `optimizer.zero_grad()` (or `model.zero_grad()`) once per step, before `backward()`; "
+               "for deliberate accumulation over k micro-batches, zero after each `optimizer.step()`")
+        if opt:
+            params = ctx.ordered(sorted(names.get(opt, ())))
+            ev |= {"optimizer": opt, "parameters": params}
+            shown = ", ".join(params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
+            title = (f"Gradients of the {opt} optimizer's parameters ({shown}) accumulate across steps: at {len(stale)} "
+                     f"of {len(steps)} recordings the new gradient was added to the previous step's")
+            fix = (f"call `zero_grad()` on the {opt} optimizer too, once per step before `backward()` (the loop zeroes "
+                   "the other optimizer's gradients only); for deliberate accumulation, zero after its `step()`")
+        return [
+            Finding(
+                kind="gradients_accumulating",
+                severity="error",
+                title=title,
+                evidence=ev,
+                suggestion=fix,
+                steps=(stale[0], stale[-1]),
+                source=SOURCE,
+            )
+        ]
+    return []
 
 
 @register_rule("eval_mode_in_training")

@@ -85,11 +85,16 @@ def crash_site(error: BaseException) -> dict[str, Any] | None:
     frame, line = (mine or frames)[-1]
     at: dict[str, Any] = {"file": frame.f_code.co_filename, "line": line, "function": frame.f_code.co_name,
                           "code": linecache.getline(frame.f_code.co_filename, line).strip()}
-    module = next((f.f_locals.get("self") for f, _ in reversed(frames)
-                   if isinstance(f.f_locals.get("self"), nn.Module)), None)
+    modules = [m for f, _ in frames if isinstance(m := f.f_locals.get("self"), nn.Module)]
+    module = modules[-1] if modules else None
     if module is not None:
         text = repr(module)
         at["module"] = text if "\n" not in text and len(text) <= 80 else type(module).__name__
+        # Its path in the outermost module running, as in the state_dict: one of DLRM's 26 alike
+        # tables is emb_l.7, not EmbeddingBag(10, 4, mode='sum')
+        path = next((n for n, m in modules[0].named_modules(remove_duplicate=False) if m is module), "")
+        if path:
+            at["module_path"] = path
     detail = _embedding_index(frames) if isinstance(error, IndexError) else (
         _distribution_argument(frames) if isinstance(error, ValueError) else
         _observer_range(module) if isinstance(error, RuntimeError) else None)

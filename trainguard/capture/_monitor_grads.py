@@ -82,6 +82,63 @@ def orthogonalises(opt: torch.optim.Optimizer, group: dict) -> bool:
     return True
 
 
+# Optimizers that, given a sparse gradient, change only the rows it or their own sparse state
+# holds (SGD's momentum buffer is sparse then, and keeps moving the rows of earlier steps). Any
+# other optimizer may change any row (a subclass too): its tables are copied whole.
+_ROW_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
+
+
+class _Rows:
+    """The rows of a table that one update can change, copied before it: an embedding table with a
+    sparse gradient (``nn.EmbeddingBag(sparse=True)``) changes only in the rows its batch looked up,
+    and copying the table (most of a recommender's memory) to measure that doubled its memory at
+    every recording. The rows stay in sorted order with their duplicates (one per lookup), which
+    are masked out of the norm: no host sync, as ``sparse_values``."""
+
+    __slots__ = ("index", "first", "old", "weight_norm")
+
+    def __init__(self, index: torch.Tensor, first: torch.Tensor, old: torch.Tensor, weight_norm: torch.Tensor):
+        self.index, self.first, self.old, self.weight_norm = index, first, old, weight_norm
+
+    @classmethod
+    def of(cls, opt: torch.optim.Optimizer | None, t: torch.Tensor) -> _Rows | None:
+        """The rows of ``t`` that ``opt.step()`` can change, copied; None when that is not known.
+        With no optimizer (an update by hand, or the first step's reading before the optimizer is
+        known), the rows of the gradient: ``weight.data.add_(weight.grad, alpha=-lr)``."""
+        g = t.grad
+        if (opt is not None and type(opt) not in _ROW_OPTIMIZERS or g is None or g.layout != torch.sparse_coo
+                or g.sparse_dim() != 1 or type(t.data) is not torch.Tensor):
+            return None
+        rows = [g._indices()[0]]
+        for v in opt.state.get(t, {}).values() if opt is not None else ():
+            if isinstance(v, torch.Tensor) and v.shape == t.shape:
+                if v.layout == torch.sparse_coo and v.sparse_dim() == 1:
+                    rows.append(v._indices()[0])
+                elif type(opt) is torch.optim.SGD:
+                    return None  # a dense momentum buffer (from dense gradients earlier) moves every row
+        index = torch.sort(torch.cat(rows) if len(rows) > 1 else rows[0]).values
+        first = torch.ones_like(index, dtype=torch.bool)
+        first[1:] = index[1:] != index[:-1]
+        w = t.detach()
+        return cls(index, first, w.index_select(0, index), torch.linalg.vector_norm(w))
+
+    def update_norm(self, now: torch.Tensor) -> torch.Tensor:
+        d = now.index_select(0, self.index).sub_(self.old)
+        d.mul_(self.first.view(-1, *[1] * (d.dim() - 1)))  # each row once
+        return torch.linalg.vector_norm(d)
+
+
+def _copies(opt: torch.optim.Optimizer | None, ts: list[torch.Tensor]) -> list[torch.Tensor | _Rows]:
+    """Copies of ``ts`` before ``opt`` (None: the loop's own code) updates them: the rows it can
+    change of a table with a sparse gradient, the whole tensor otherwise."""
+    copies: list = [_Rows.of(opt, t) for t in ts]
+    whole = [i for i, c in enumerate(copies) if c is None]
+    if whole:
+        for i, c in zip(whole, torch._foreach_mul([local(ts[i]).detach() for i in whole], 1.0)):
+            copies[i] = c
+    return copies
+
+
 class GradientWatch:
     def __init__(self, out: Shipper, wants_hist: Callable[[str], bool], bins: int):
         self.out = out
@@ -239,16 +296,20 @@ class GradientWatch:
             for p, n in zip(owners, torch._foreach_norm(weights)):
                 buf.wnorm[id(p)] = n  # before the update: the "initial" weights are the initial ones
             if tentative and snapshot:
-                self._manual_snap = (owners, torch._foreach_mul(weights, 1.0))
+                self._manual_snap = (owners, _copies(None, [p.ref() for p in owners]))
 
     def snapshot(self, opt: torch.optim.Optimizer, params: list[Param]) -> None:
-        """Copy the weights ``opt`` is about to change (recording steps): the update is new - old."""
+        """Copy the weights ``opt`` is about to change (recording steps): the update is new - old.
+        Of a table whose gradient is sparse, only the rows the step can change (see ``_Rows``)."""
+        # An optimizer updates this step: the copy taken after backward() for an update by hand
+        # (the first step, before any optimizer was seen) is never read; holding it while the
+        # optimizer's copy is made doubled the weights' memory at the first recording.
+        self._manual_snap = None
         live = [(p, p.ref()) for p in params]
         live = [(p, t) for p, t in live if t is not None and not t.is_sparse and local(t).numel()]
         if live:
             with torch.no_grad():
-                copies = torch._foreach_mul([local(t).detach() for _, t in live], 1.0)
-            self._snap[id(opt)] = ([p for p, _ in live], copies)
+                self._snap[id(opt)] = ([p for p, _ in live], _copies(opt, [t for _, t in live]))
 
     def after(self, opt: torch.optim.Optimizer, step: int) -> None:
         """After ``opt.step()``: its learning rates, and the updates against the snapshot."""
@@ -265,15 +326,26 @@ class GradientWatch:
         if snap is not None:
             self._updates(snap, step)
 
-    def _updates(self, snap: tuple[list[Param], list[torch.Tensor]], step: int) -> None:
+    def _updates(self, snap: tuple[list[Param], list], step: int) -> None:
         ps, old = snap
         now = [p.ref() for p in ps]
         if any(t is None for t in now):
             return
         with torch.no_grad():
-            wn = torch._foreach_norm(old)
-            torch._foreach_sub_(old, [local(t).detach() for t in now])  # the snapshot becomes -update: no second copy
-            un = torch._foreach_norm(old)
+            whole = [i for i, c in enumerate(old) if not isinstance(c, _Rows)]
+            un: list = [None] * len(ps)
+            wn: list = [None] * len(ps)
+            if whole:
+                copies = [old[i] for i in whole]
+                for i, n in zip(whole, torch._foreach_norm(copies)):
+                    wn[i] = n
+                # the snapshot becomes -update: no second copy
+                torch._foreach_sub_(copies, [local(now[i]).detach() for i in whole])
+                for i, n in zip(whole, torch._foreach_norm(copies)):
+                    un[i] = n
+            for i, c in enumerate(old):
+                if isinstance(c, _Rows):
+                    un[i], wn[i] = c.update_norm(now[i].detach()), c.weight_norm
             if len({u.device for u in un}) == 1:
                 mat = torch.stack([_stack32(un), _stack32(wn)], dim=1).reshape(-1)
                 self.out.stats.append((("m", [p.name for p in ps], "update", ("norm", "ratio"), step, _ratio), mat))
@@ -322,9 +394,11 @@ class GradientWatch:
         prior = t.grad
         if prior is not None:
             prior = local(prior)
-        if prior is None or prior.is_sparse:
+        if prior is None:
             self.out.consts.append((step, p.name, "gradient", "stale", 0.0))
             return
+        if prior.layout == torch.sparse_coo:  # nn.EmbeddingBag(sparse=True): the values it stores
+            prior = prior._values()  # (none after zero_grad(set_to_none=False))
         flag = prior.ne(0).any().to(torch.float32).reshape(1)
         self.out.stats.append((("l", p.name, "gradient", ("stale",), step), flag))
 

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -164,6 +165,27 @@ def _primary(outputs: Any) -> Any:
     return None
 
 
+def _unpack_hint(model: nn.Module, inputs: Any, exc: Exception) -> str | None:
+    """The fix for a forward of several arguments that got the batch's tuple (or dict) of inputs
+    as its one argument (a TypeError about its arguments): wrap the model so that it unpacks them.
+    None for any other failure."""
+    if not isinstance(exc, TypeError) or not isinstance(inputs, (tuple, list, dict)) or "argument" not in str(exc):
+        return None
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return None
+    if len(params) < 2:
+        return None
+    star = "**" if isinstance(inputs, dict) else "*"
+    names = ", ".join(p.name for p in params)
+    return (f"the doctor calls model(inputs) with the batch's inputs, a {type(inputs).__name__} of {len(inputs)}, as one "
+            f"argument, and {type(model).__name__}.forward takes ({names}): pass a model that unpacks them, e.g. "
+            "`class Unpack(nn.Module): def __init__(self, m): super().__init__(); self.m = m` with "
+            f"`def forward(self, inputs): return self.m({star}inputs)`, i.e. model({star}inputs)")
+
+
 def init_checks(model: nn.Module, batch: Any, loss_fn: Any, *, num_classes: int | None = None) -> InitReport:
     """One forward pass on ``batch = (inputs, targets)``: shapes, initial loss against chance
     (``ln C`` for cross-entropy; ``num_classes`` overrides C read off the output), parameter
@@ -189,7 +211,8 @@ def init_checks(model: nn.Module, batch: Any, loss_fn: Any, *, num_classes: int 
         except Exception as exc:
             outputs = None
             issues.append(finding("forward_failed", "critical", f"model(inputs) raised {type(exc).__name__}: {exc}",
-                                  "Fix the forward pass for this batch (shapes, dtypes, devices) before anything else.",
+                                  _unpack_hint(model, inputs, exc)
+                                  or "Fix the forward pass for this batch (shapes, dtypes, devices) before anything else.",
                                   error=f"{type(exc).__name__}: {exc}", input_shape=_shape(inputs)))
         loss = None
         if outputs is not None:

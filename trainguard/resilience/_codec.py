@@ -22,11 +22,14 @@ import torch
 from trainguard._errors import CheckpointError
 
 TAG = "__tg__"
+# The last key segment of a sparse tensor's indices and values: their number of stored elements is
+# the tensor's state, not its shape, so a restore fits them to nothing (see _restore._fit_problems).
+SPARSE_PART = "#sparse_"
 
 # Every tagged kind the decoder accepts; anything else in a manifest is a damaged checkpoint.
 _KINDS = frozenset(
     {"float", "tuple", "dict", "odict", "bytes", "tensor", "dtype", "device", "size", "ndarray",
-     "npscalar", "set", "frozenset"}
+     "npscalar", "set", "frozenset", "sparse"}
 )
 
 
@@ -79,6 +82,12 @@ class Encoder:
             if math.isfinite(value):
                 return value
             return {TAG: "float", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        if isinstance(value, torch.Tensor) and value.layout == torch.sparse_coo:
+            # SGD's momentum over nn.EmbeddingBag(sparse=True) gradients: its indices and values as
+            # stored (uncoalesced, in their order: the sums that follow add them up in that order)
+            return {TAG: "sparse", "shape": list(value.shape), "coalesced": value.is_coalesced(),
+                    "indices": self._enc(value._indices(), [*path, SPARSE_PART + "indices"]),
+                    "values": self._enc(value._values(), [*path, SPARSE_PART + "values"])}
         if isinstance(value, torch.Tensor):
             key = self._tensor_key(path)
             self.tensors[key] = value
@@ -178,6 +187,11 @@ def _decode_tagged(kind: str, value: dict, tensors: Mapping[str, torch.Tensor]) 
         if key not in tensors:
             raise CheckpointError(f"tensor {key!r} is missing from the checkpoint data")
         return tensors[key]
+    if kind == "sparse":
+        indices, values = decode(value["indices"], tensors), decode(value["values"], tensors)
+        if not (isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)):
+            raise CheckpointError("malformed sparse tensor in checkpoint manifest")
+        return torch.sparse_coo_tensor(indices, values, value["shape"], is_coalesced=bool(value["coalesced"]))
     if kind == "tuple":
         return tuple(decode(v, tensors) for v in value["v"])
     if kind == "size":

@@ -14,7 +14,14 @@ from torch.distributed.checkpoint import CheckpointException
 
 from trainguard._errors import CheckpointError
 from trainguard.resilience import _dist, _engine, _format
-from trainguard.resilience._codec import Encoder, decode, dtype_from_name, empty_in_order, tensor_refs
+from trainguard.resilience._codec import (
+    SPARSE_PART,
+    Encoder,
+    decode,
+    dtype_from_name,
+    empty_in_order,
+    tensor_refs,
+)
 from trainguard.resilience._format import CheckpointInfo, Invalid
 from trainguard.resilience._sharded import sharded_target
 from trainguard.resilience._state import RNG, TrainState, state_holder
@@ -255,6 +262,8 @@ def _fit_problems(key: str, state: TrainState, saved: Any, current: Any, current
     saved_refs = {r["key"]: r for r in tensor_refs(saved)}
     shaped = []
     for ref in tensor_refs(current):
+        if ref["key"].rsplit("/", 1)[-1].startswith(SPARSE_PART):
+            continue  # a sparse tensor's stored elements, as many as it holds now (see _codec.SPARSE_PART)
         want = saved_refs[ref["key"]]["shape"] if ref["key"] in saved_refs else None
         if want is not None and list(want) != list(ref["shape"]):
             sd_key = ref["key"].split("/", 1)[-1]
