@@ -221,3 +221,61 @@ def test_weights_gone_nan_are_no_codebook_collapse(tmp_path):
             mon.step(loss)
     kinds = [f.kind for f in diagnose(trainguard.open(tmp_path / "r"))]
     assert "nonfinite_loss" in kinds and "codebook_collapse" not in kinds, kinds
+
+
+class _QatNet(nn.Module):
+    """pytorch/tutorials' static quantization tutorial, QAT part, shortened: a QuantStub, a fused
+    Conv-BN-ReLU, global mean pooling and the classifier initialised as the tutorial's MobileNetV2
+    does (``normal_(0, 0.01)``, zero bias), trained from random weights under ``prepare_qat``."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant = torch.ao.quantization.QuantStub()
+        self.conv = nn.Conv2d(3, 64, 3, bias=False)
+        self.bn = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU()
+        self.fc = nn.Linear(64, 10)
+        nn.init.normal_(self.fc.weight, 0, 0.01)
+        nn.init.zeros_(self.fc.bias)
+        self.dequant = torch.ao.quantization.DeQuantStub()
+
+    def forward(self, x):
+        x = self.relu(self.bn(self.conv(self.quant(x))))
+        return self.dequant(self.fc(x.mean((2, 3))))
+
+
+def test_a_fake_quantized_layer_whose_outputs_differ_by_less_than_a_step_is_told_of_qat_not_of_codebooks(tmp_path):
+    # trainguard run --monitor of the tutorial's QAT loop (MobileNetV2 at width 0.25, random
+    # weights, synthetic images) found the classifier's fake-quantized logits the same row for
+    # every image from step 3 on (true: its outputs differ between images by less than the
+    # activation fake-quantizer's step), and told the user to initialise a codebook by k-means,
+    # reset dead codes and lower a commitment cost: a VQ-VAE's fixes, for a model with none.
+    import warnings
+
+    import torch.ao.quantization as tq
+
+    torch.manual_seed(0)
+    model = _QatNet().train()
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    tq.fuse_modules_qat(model, [["conv", "bn", "relu"]], inplace=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's eager quantization is deprecated in favour of torchao
+        tq.prepare_qat(model, inplace=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 16, 16, generator=g)
+    y = (x.mean((2, 3)) @ torch.randn(3, 10, generator=g)).argmax(1)
+    with Monitor(model, tmp_path / "r", every=5) as mon:
+        for step in range(30):
+            b = slice((step * 16) % 64, (step * 16) % 64 + 16)
+            loss = F.cross_entropy(model(x[b]), y[b])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step(loss)
+    [f] = [f for f in diagnose(trainguard.open(tmp_path / "r")) if f.kind == "codebook_collapse"]
+    assert f.layers[0] == "fc" and f.evidence["codes"] < 2  # one row for 16 images: the finding is right
+    assert f.evidence["fake_quantized"] == "fc.activation_post_process"
+    assert "fake-quantiz" in f.suggestion and "prepare_qat" in f.suggestion
+    for vq in ("kmeans_init", "commitment cost", "dead-code", "codebook"):
+        assert vq not in f.suggestion, vq

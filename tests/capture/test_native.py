@@ -382,3 +382,43 @@ def test_dead_producers_are_swept_every_step(tmp_path):
             opt.step()
             sizes.append(rec._native.core.counts()["producers"])
     assert max(sizes[5:]) < 200 and max(sizes[5:]) <= 2 * min(sizes[5:]), sizes
+
+
+QUANTIZED_SWEEP = """
+import sys, warnings, weakref
+import torch
+import trainguard as tg
+warnings.simplefilter("ignore")  # quantized tensors are deprecated in favour of torchao
+w = torch.nn.Parameter(torch.ones(2))
+opt = torch.optim.SGD([w], lr=0.1)
+calls = []
+with tg.record(sys.argv[1], buffer=-1, backend="native") as rec:
+    core = rec._native.core
+    for step in range(3):
+        q = torch.quantize_per_channel(torch.randn(4, 3), torch.rand(4, dtype=torch.double) + 0.1,
+                                       torch.zeros(4, dtype=torch.long), 0, torch.qint8)
+        scales = q.q_per_channel_scales()  # now a tensor with a Python object, held by q's quantizer
+        weakref.finalize(scales, lambda: calls.append(core.pending()))  # Python that takes the lock
+        del q, scales  # the core's weak reference is the last: the QTensorImpl is not destroyed yet
+        (w * 2).sum().backward()
+        opt.step()  # the per-step sweep drops that reference: ~QTensorImpl frees the scales
+print(rec.backend, len(calls))
+"""
+
+
+def test_a_quantized_tensor_the_sweep_destroys_runs_python_outside_the_cores_lock(tmp_path):
+    # pytorch/tutorials' static quantization tutorial (QAT, section 5) converts its model to a
+    # quantized copy every epoch: per-channel quantized weights whose quantizers hold their scales,
+    # tensors with a Python object once Python has read them. The core's weak reference outlived
+    # the tensor, so the per-step sweep ran ~QTensorImpl, and with it the scales' Python
+    # deallocation, while it held the core's lock: torch lets the GIL go inside that, the writer
+    # thread took the GIL and waited for the lock in its drain, the training thread waited for
+    # the GIL, and `trainguard run --monitor` of the tutorial hung for good in its first epoch.
+    # A weakref callback on the scales runs Python at that moment every time; it takes the lock.
+    try:
+        p = subprocess.run([sys.executable, "-c", QUANTIZED_SWEEP, str(tmp_path / "r")], capture_output=True,
+                           text=True, timeout=45)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the recording hung at the first step's sweep (the core's lock held while ~QTensorImpl ran Python)")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["native", "3"]  # each step's scales freed, with the lock free to take

@@ -483,3 +483,39 @@ def test_a_codebook_moved_by_its_training_forward_is_state_not_a_dropout():
     assert r.reason == "random" and r.stateful and not r.train_only, (r.reason, r.stateful, r.train_only)
     f = next(f for f in r.findings() if f.kind == "overfit_random")
     assert "F.dropout" not in f.suggestion and "EMA" in f.suggestion, f.suggestion
+
+
+def test_a_qat_model_whose_fused_bn_and_observers_move_is_told_to_freeze_them():
+    # pytorch/tutorials' static quantization tutorial (QAT part) fuses Conv-BN-ReLU and prepares
+    # the model with prepare_qat: in training mode the fused module folds the *running* BN
+    # statistics into the weight before fake-quantizing it, and the observers move their ranges,
+    # so three calls on one batch give three losses (the tutorial's MobileNetV2: 2.28812 ->
+    # 2.28825). The doctor said "DINO's center buffer, an EMA such as a VQ codebook's"; the QAT
+    # model's own switches keep them still.
+    import warnings
+
+    import torch.ao.quantization as tq
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
+            self.conv, self.bn, self.relu = nn.Conv2d(1, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.dequant(self.fc(self.relu(self.bn(self.conv(self.quant(x)))).mean((2, 3))))
+
+    torch.manual_seed(0)
+    model = Net().train()
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    tq.fuse_modules_qat(model, [["conv", "bn", "relu"]], inplace=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's eager quantization is deprecated in favour of torchao
+        tq.prepare_qat(model, inplace=True)
+    result = doctor.overfit_one_batch(model, (torch.randn(16, 1, 8, 8), torch.randint(0, 3, (16,))),
+                                      nn.CrossEntropyLoss(), steps=20)
+    assert result.reason == "random" and result.stateful
+    [f] = result.findings()
+    assert "disable_observer" in f.suggestion and "freeze_bn_stats" in f.suggestion, f.suggestion
+    assert "DINO" not in f.suggestion and "codebook" not in f.suggestion

@@ -140,6 +140,17 @@ def _rms_at(ctx: Context, name: str, kind: str) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def _output_fake_quant(ctx: Context, layer: str) -> str | None:
+    """The fake-quantizer (or observer) torch.ao.quantization's prepare_qat put on ``layer``'s output
+    (its ``activation_post_process`` child, which a forward hook applies to what the layer returns), or
+    None."""
+    child = layer + ".activation_post_process"
+    for name, kind in ctx.layer_type.items():
+        if (name == child or name.startswith(child + ".")) and ("FakeQuant" in kind or "Observer" in kind):
+            return child
+    return None
+
+
 @register_rule("codebook_collapse")
 def codebook_collapse(ctx: Context) -> list[Finding]:
     """A layer whose outputs take one or two values (in effect) while its inputs take many: a vector
@@ -199,6 +210,33 @@ def codebook_collapse(ctx: Context) -> list[Finding]:
         when = f"from its first recording (step {c['first_step']})"
     else:
         when = f"since step {c['since_step']} ({fmt(c['initial_codes'])} at step {c['first_step']})"
+    fake_quant = _output_fake_quant(ctx, first)
+    if fake_quant:
+        ev["fake_quantized"] = fake_quant
+        w_rms = _rms_at(ctx, first + ".weight", "weight") if first + ".weight" in ctx.params else None
+        start = f" (its weight starts at RMS {fmt(w_rms)})" if w_rms else ""
+        fix = (f"{first}'s fake-quantized outputs take {fmt(c['codes'])} distinct value(s) in effect while its "
+               f"inputs take {fmt(c['input_codes'])} (of {n} positions sampled per recording), {when}: its outputs "
+               f"differ between inputs by less than one step of its activation fake-quantizer ({fake_quant}: the "
+               "range it observed over all the outputs, split into 128 or 256 levels), so every input gets the same quantized output and the "
+               "layers after it see one input whatever the data. Quantization-aware training fine-tunes a trained "
+               "model: train the float model first (or load its trained weights), then fuse and prepare_qat it; "
+               f"from random weights, initialise {first} at a larger scale{start}, or keep fake quantization off for the first epochs "
+               "(model.apply(torch.ao.quantization.disable_fake_quant), enable_fake_quant later) while the "
+               "observers still run")
+        return [
+            Finding(
+                kind="codebook_collapse",
+                severity="warning",
+                title=f"Fake-quantized outputs collapsed: {first}'s outputs take {fmt(c['codes'])} distinct value(s) "
+                f"in effect while its inputs take {fmt(c['input_codes'])}, {when}",
+                evidence=ev,
+                suggestion=fix,
+                steps=(c["since_step"], ctx.recorded_steps[-1]),
+                layers=layers,
+                source=SOURCE,
+            )
+        ]
     fix = (f"{first}'s outputs take {fmt(c['codes'])} distinct value(s) in effect while its inputs take "
            f"{fmt(c['input_codes'])} (of {n} positions sampled per recording), {when}: a quantizer that gives "
            "nearly every input the same code, so the layers after it see one input whatever the data. ")

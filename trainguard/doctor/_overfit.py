@@ -29,6 +29,7 @@ import torch
 from rich.table import Table
 from torch import nn
 
+from trainguard.doctor._gradcheck import _fake_quant_modules
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
     DoctorInputError,
@@ -117,6 +118,7 @@ class OverfitResult(CheckResult):
     redrawn: tuple[float, float] | None = None  # the least and most loss of the same batch and weights, when they differed
     train_only: bool = False  # the redrawn loss is fixed in eval mode: a dropout no module switch turns off
     stateful: bool = False  # the redrawn loss differs with the random numbers seeded alike: state it keeps moves
+    fake_quant: int = 0  # stateful: the fake-quant modules prepare_qat put in (their observers and fused BN move)
     identical: dict | None = None  # at a floor: samples with the same input but other targets (see _identical_samples)
 
     @property
@@ -137,7 +139,7 @@ class OverfitResult(CheckResult):
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "reason", "losses", "initial_loss", "final_loss", "target_loss", "accuracy", "steps", "samples", "lr",
-            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn", "train_only", "stateful", "identical")}
+            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn", "train_only", "stateful", "fake_quant", "identical")}
 
     def _detail(self) -> Table:
         t = Table(show_header=False, box=None, padding=(0, 2))
@@ -192,6 +194,14 @@ class OverfitResult(CheckResult):
                         "nets). Use an nn.Dropout module instead, which the test switches off (and which does "
                         "the same in training); then a loss that still jumps is the learning rate's."
                         if self.train_only else
+                        f"The loss differs on each call even with the random numbers seeded alike: the model is "
+                        f"prepared for quantization-aware training ({self.fake_quant} fake-quant module(s)), and in "
+                        "training mode its observers move the quantization ranges and a fused Conv-BN folds the "
+                        "running BN statistics, which move too, into its weight, so one batch has no fixed loss. "
+                        "Keep them still for this test: model.apply(torch.ao.quantization.disable_observer) and "
+                        "model.apply(torch.ao.nn.intrinsic.qat.freeze_bn_stats) after a few batches, or run it on "
+                        "the float model before prepare_qat."
+                        if self.stateful and self.fake_quant else
                         "The loss differs on each call even with the random numbers seeded alike: the model or "
                         "loss updates state it keeps between calls (DINO's center buffer, an EMA such as a VQ codebook's, or "
                         "a counter), so "
@@ -400,6 +410,7 @@ def overfit_one_batch(
         unreached=[n for n, _ in named] if no_path else unreached, nan_step=nan_step,
         grad_norm_first=first_norm, grad_norm_last=last_norm, loss_floor=floor, redrawn=redrawn,
         train_only=train_only and reason == "random", stateful=stateful and reason == "random", identical=identical,
+        fake_quant=_fake_quant_modules(model) if stateful and reason == "random" else 0,
     )
 
 

@@ -212,8 +212,28 @@ struct Core {
   std::vector<std::string> unsure_ops;
   std::unordered_set<std::string> unsure_seen;
 
+  // The weak references the tables let go of (sweeps, replaced entries), kept here until the
+  // core's lock is released (``Dead``): the last reference to a TensorImpl runs its destructor,
+  // which can run Python. A per-channel quantized tensor's quantizer holds its scales, a tensor
+  // with a Python object once Python read it (QAT's converted weights): freeing that object lets
+  // the GIL go inside torch and runs weakref callbacks, and under the lock the drain thread,
+  // holding the GIL and waiting for the lock, deadlocked the training thread at its step's sweep.
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> dead_impls;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> dead_storages;
+
   void sweep();
   void prune_fwd_nodes(int64_t step);
+};
+
+// Declared before the lock guard, taken from the core under the lock: the references it holds
+// are dropped after the lock is let go (see Core::dead_impls).
+struct Dead {
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> impls;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+  void take(Core* c) {
+    impls.swap(c->dead_impls);
+    storages.swap(c->dead_storages);
+  }
 };
 
 // Process-wide state shared with Python's hooks.

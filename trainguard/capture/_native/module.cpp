@@ -131,12 +131,14 @@ struct PyCore {
 
   void on_step(int64_t step) {
     if (dead()) return;
+    Dead swept;  // dropped after the lock (Core::dead_impls)
     std::lock_guard<std::mutex> g(core->mu);
     // Every step, although a sweep scans every slot (a table grown large once by a PPO rollout is
     // scanned whole at each step, 29-40 us): sweeping only once the tables had grown by half kept
     // dead entries, and with them memory, across steps: the transformer block's peak RSS under
     // full_health went from 1.05x plain to 1.37x (bench_recorder), past the 1.1x target.
     core->sweep();
+    swept.take(core.get());
     if (core->fwd_nodes.size() > 4096) core->prune_fwd_nodes(step);
   }
 
@@ -305,6 +307,7 @@ struct PyCore {
     std::vector<std::pair<std::string, std::string>> failed;
     std::vector<std::string> unsure;
     std::vector<int64_t> live;
+    Dead swept;  // what the sweeps since the last drain let go of, dropped after the lock (Core::dead_impls)
     bool bad;
     {
       std::lock_guard<std::mutex> g(core->mu);
@@ -315,6 +318,7 @@ struct PyCore {
         core->producers.for_each([&](uint64_t, const Producer& p) { live.push_back(p.seq); });
         core->saved.for_each([&](uint64_t, const Saved& s) { live.push_back(s.seq); });  // held by autograd (see Saved)
       }
+      swept.take(core.get());
       if (!core->records.empty()) {  // else the core keeps its (reserved) buffers
         recs.swap(core->records);
         ins.swap(core->inputs);

@@ -81,6 +81,7 @@ void remember_saved(Core* c, const at::Tensor& o, int64_t seq, int64_t view_of, 
   Saved s{o.storage().getWeakStorageImpl(), o.storage_offset(), (int8_t)o.scalar_type(),
           c10::SmallVector<int64_t, 6>(o.sizes().begin(), o.sizes().end()),
           c10::SmallVector<int64_t, 6>(o.strides().begin(), o.strides().end()), seq, maybe};
+  if (Saved* old = c->saved.find(key)) c->dead_storages.push_back(std::move(old->storage));  // see Core::dead_impls
   c->saved.insert_or_assign(key, std::move(s));
   if (c->saved.size() > c->saved_sweep_at) c->sweep();
 }
@@ -106,6 +107,7 @@ void register_output(Core* c, const at::Tensor& o, int64_t seq, int64_t stack, c
   }
   // An output that requires grad may be saved for backward under another TensorImpl.
   if (o.requires_grad() && has_plain_storage(o)) remember_saved(c, o, seq, view_of, maybe);
+  if (p != nullptr) c->dead_impls.push_back(std::move(p->ref));  // expired: dropped later (Core::dead_impls)
   c->producers.insert_or_assign(impl_key(impl), Producer{c10::weak_intrusive_ptr<c10::TensorImpl>(o.getIntrusivePtr()),
                                                         seq, stack, s != nullptr, s ? *s : Summary{},
                                                         version_of(impl), health, maybe});
@@ -175,9 +177,18 @@ void pool_free(void* p, size_t bytes) {
 }
 
 void Core::sweep() {
-  producers.erase_if([](const Producer& p) { return p.ref.expired(); });
+  // The references go to dead_impls / dead_storages, dropped once the lock is let go (see there).
+  producers.erase_if([this](Producer& p) {
+    if (!p.ref.expired()) return false;
+    dead_impls.push_back(std::move(p.ref));
+    return true;
+  });
   sweep_at = std::max<size_t>(4096, 2 * producers.size());
-  saved.erase_if([](const Saved& s) { return s.storage.expired(); });
+  saved.erase_if([this](Saved& s) {
+    if (!s.storage.expired()) return false;
+    dead_storages.push_back(std::move(s.storage));
+    return true;
+  });
   saved_sweep_at = std::max<size_t>(4096, 2 * saved.size());
 }
 
