@@ -272,3 +272,46 @@ def test_a_noisy_loss_under_weights_that_do_not_move_is_a_rate_too_low_not_healt
     low = kinds["lr_too_low"]
     assert low.evidence["update_ratio_median"] < 1e-5, low.evidence
     assert "0.00125" in low.suggestion, low.suggestion
+
+
+class _ZeroInitLastBlock(nn.Module):
+    """timm's resnet BasicBlock with ``zero_init_last`` (its default): the last BatchNorm's weight is 0,
+    so at step 0 no gradient reaches the block's convolutions."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        nn.init.zeros_(self.bn2.weight)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+def test_a_rate_that_blows_up_the_loss_is_named_when_zero_initialised_branches_got_no_first_gradient(tmp_path):
+    # timm's train.py --model resnet10t --opt adamw --lr 5 --warmup-epochs 0 under `trainguard run
+    # --monitor`: the loss went 0.79, 4.19e3, 2.24e4 and stayed near 500, but the only finding was
+    # exploding_activations, no lr_too_high: the step-0 update ratio is the median over the 15 weight
+    # matrices, and the 8 convolutions of the blocks, behind BatchNorms zero-initialised by timm's
+    # zero_init_last, got no gradient at step 0 (AdamW moved them by its weight decay alone, 1e-4),
+    # so the median hid the stem's 5150-8450% update and the jump read as a noisy loss.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                          *[_ZeroInitLastBlock(8) for _ in range(3)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=5, weight_decay=2e-5)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(4)]
+    losses = []
+    with tg.Monitor(model, tmp_path / "r", every=10) as mon:
+        for step in range(24):
+            x, y = batches[step % 4]
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert sorted(losses[1:6])[2] > 10 * losses[0], losses  # the shape of timm's run: the first update blew it up
+    kinds = {f.kind: f for f in mon.findings}
+    assert "lr_too_high" in kinds, [(f.kind, f.title) for f in mon.findings]
+    assert "5" in kinds["lr_too_high"].suggestion, kinds["lr_too_high"].suggestion
