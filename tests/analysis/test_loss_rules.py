@@ -208,3 +208,110 @@ def test_a_healthy_lora_run_reports_the_adapters_update_ratio(tmp_path):
     kinds = _lora_run(tmp_path / "ok", lr=3e-3, steps=30)
     assert "healthy" in kinds, sorted(kinds)
     assert 0.005 < kinds["healthy"].evidence["update_ratio_median"] < 0.1, kinds["healthy"].evidence
+
+
+class _Lars(torch.optim.Optimizer):
+    """timm's ``Lars`` (timm/optim/lars.py, trust_clip=False, always_adapt=False): the groups with
+    weight decay step by ``lr * trust_coeff * |w| / (|g| + wd |w|)``, the others as SGD with momentum."""
+
+    def __init__(self, params, lr, momentum=0.9, weight_decay=0.0, trust_coeff=0.001, eps=1e-8):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coeff=trust_coeff,
+                                      eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            wd = group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if wd != 0:
+                    w_norm, g_norm = p.norm(2.0), grad.norm(2.0)
+                    trust = group["trust_coeff"] * w_norm / (g_norm + w_norm * wd + group["eps"])
+                    trust = torch.where(w_norm > 0, torch.where(g_norm > 0, trust, 1.0), 1.0)
+                    grad.add_(p, alpha=wd)
+                    grad.mul_(trust)
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    buf = state["momentum_buffer"] = grad.clone()
+                else:
+                    buf = state["momentum_buffer"]
+                    buf.mul_(group["momentum"]).add_(grad)
+                p.add_(buf, alpha=-group["lr"])
+
+
+def test_a_noisy_loss_under_weights_that_do_not_move_is_a_rate_too_low_not_healthy(tmp_path):
+    # timm's train.py --opt lars on a tiny ImageFolder (resnet10t, 2 classes, batch 4, 24 steps under
+    # `trainguard monitor`): timm scales its default rate to the batch, 0.1 * 4 / 256, and LARS
+    # multiplies it by trust_coeff 1e-3, so every weight matrix moved by under 4e-7 of its norm per
+    # step and the loss stayed at chance (0.803 -> 0.776, ln 2 = 0.69), yet the verdict was "Training
+    # looks healthy": the loss's best 4-step median, 0.649 at steps 14-17, was a dip of the batches'
+    # noise, read as 19% progress. The losses below are that run's, as scales of a fixed batch's.
+    timm_losses = [0.791, 0.647, 0.814, 0.841, 0.785, 0.804, 0.769, 0.680, 0.865, 0.806, 0.734, 0.831,
+                   0.881, 0.965, 0.585, 0.660, 0.638, 0.924, 0.731, 0.690, 0.854, 0.806, 0.732, 0.745]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 2))
+    decay = [p for p in model.parameters() if p.ndim > 1]  # timm's param_groups_weight_decay
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    opt = _Lars([{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": 2e-5}], lr=1.25e-3)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 0, 1])
+    first = None
+    with tg.Monitor(model, tmp_path / "r", every=10) as mon:
+        for s in timm_losses:
+            loss = nn.functional.cross_entropy(model(x), y)
+            first = loss.item() if first is None else first
+            loss = loss * (s / first)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    kinds = {f.kind: f for f in mon.findings}
+    assert "healthy" not in kinds, kinds["healthy"].title
+    low = kinds["lr_too_low"]
+    assert low.evidence["update_ratio_median"] < 1e-5, low.evidence
+    assert "0.00125" in low.suggestion, low.suggestion
+
+
+class _ZeroInitLastBlock(nn.Module):
+    """timm's resnet BasicBlock with ``zero_init_last`` (its default): the last BatchNorm's weight is 0,
+    so at step 0 no gradient reaches the block's convolutions."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        nn.init.zeros_(self.bn2.weight)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+def test_a_rate_that_blows_up_the_loss_is_named_when_zero_initialised_branches_got_no_first_gradient(tmp_path):
+    # timm's train.py --model resnet10t --opt adamw --lr 5 --warmup-epochs 0 under `trainguard run
+    # --monitor`: the loss went 0.79, 4.19e3, 2.24e4 and stayed near 500, but the only finding was
+    # exploding_activations, no lr_too_high: the step-0 update ratio is the median over the 15 weight
+    # matrices, and the 8 convolutions of the blocks, behind BatchNorms zero-initialised by timm's
+    # zero_init_last, got no gradient at step 0 (AdamW moved them by its weight decay alone, 1e-4),
+    # so the median hid the stem's 5150-8450% update and the jump read as a noisy loss.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                          *[_ZeroInitLastBlock(8) for _ in range(3)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=5, weight_decay=2e-5)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(4)]
+    losses = []
+    with tg.Monitor(model, tmp_path / "r", every=10) as mon:
+        for step in range(24):
+            x, y = batches[step % 4]
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert sorted(losses[1:6])[2] > 10 * losses[0], losses  # the shape of timm's run: the first update blew it up
+    kinds = {f.kind: f for f in mon.findings}
+    assert "lr_too_high" in kinds, [(f.kind, f.title) for f in mon.findings]
+    assert "5" in kinds["lr_too_high"].suggestion, kinds["lr_too_high"].suggestion

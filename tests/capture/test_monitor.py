@@ -484,6 +484,51 @@ def test_each_parameter_names_the_optimizer_that_updates_it(tmp_path):
     assert "optimizer" not in params["2.bias"] and "optimizer" not in params["4.bias"]  # in no optimizer
 
 
+class TimmMuon(torch.optim.Optimizer):
+    """Shaped as timm's ``Muon`` (timm/optim/muon.py): one group list with no ``use_muon`` flag; at
+    its first step it decides per parameter, by shape (``_is_suitable_for_muon``: at least two
+    dimensions over 1, neither of the first two of size 1), whether the parameter takes Muon's
+    orthogonalised step or the AdamW fallback, and caches it as ``state["use_muon"]``. Its update
+    here is plain SGD: the monitor reads only the class, the groups and the state."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, defaults=dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                state = self.state[p]
+                if "use_muon" not in state:
+                    s = p.shape
+                    state["use_muon"] = p.ndim >= 2 and sum(d > 1 for d in s) >= 2 and s[0] != 1 and s[1] != 1
+                p.add_(p.grad, alpha=-g["lr"])
+
+
+def test_timm_muon_names_the_parameters_it_sends_to_adamw(tmp_path):
+    # timm's train.py --opt muon on its test_vit: every parameter was stored as "orthogonalised"
+    # (cls_token [1, 1, 64], pos_embed [1, 101, 64], the biases and norms), though timm's Muon sends
+    # those to its AdamW fallback, as it does a depthwise conv's [C, 1, k, k] weight (ConvNeXt,
+    # EfficientNet): a layer growing there was told that clipping cannot shrink its updates.
+    torch.manual_seed(0)
+    pos = nn.Parameter(torch.randn(1, 4, 8) * 0.02)
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=4), nn.Conv2d(4, 8, 3, padding=1), nn.Flatten(),
+                          nn.Linear(8 * 16, 3))
+    model.register_parameter("pos", pos)
+    opt = TimmMuon(model.parameters(), lr=0.01)
+    with Monitor(model, tmp_path / "r", every=1, diagnose=False):
+        for _ in range(3):
+            x = torch.randn(2, 4, 4, 4)
+            loss = model(x).square().mean() + (model.pos ** 2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    params = open_run(tmp_path / "r").meta["monitor"]["params"]
+    got = {n: params[n]["orthogonalised"] for n in ("0.weight", "1.weight", "3.weight", "1.bias", "pos")}
+    assert got == {"0.weight": False, "1.weight": True, "3.weight": True, "1.bias": False, "pos": False}, got
+    assert all(params[n]["optimizer"] == "TimmMuon" for n in got)
+
+
 def test_findings_are_stored_at_close(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -67,14 +67,18 @@ class _Reading:
         self.wnorm: dict[int, torch.Tensor] = {}  # id(Param) -> weight norm before the update
 
 
-def orthogonalises(opt: torch.optim.Optimizer, group: dict) -> bool:
+def orthogonalises(opt: torch.optim.Optimizer, group: dict, state: dict | None = None) -> bool:
     """Whether ``opt`` orthogonalises the updates of ``group``'s parameters (Muon): their size is
     then set by the learning rate, whatever the gradient's scale. ``torch.optim.Muon`` and
     Keller Jordan's ``Muon`` orthogonalise every group; optimizers that pair Muon with AdamW say
     which groups are Muon's (``use_muon`` in ``MuonWithAuxAdam``, ``kind="muon"`` in nanochat's
-    ``MuonAdamW``)."""
+    ``MuonAdamW``), or which parameters, in their state once they stepped (``state["use_muon"]``
+    in timm's ``Muon``, which sends by shape a bias, a ``pos_embed`` of ``[1, N, D]`` or a depthwise
+    conv's ``[C, 1, k, k]`` weight to its AdamW fallback); ``state`` is a parameter's."""
     if "muon" not in type(opt).__name__.lower():
         return False
+    if state and "use_muon" in state:
+        return bool(state["use_muon"])
     if "use_muon" in group:
         return bool(group["use_muon"])
     if "kind" in group:
@@ -148,6 +152,7 @@ class GradientWatch:
         self.optimizer_had_state = False  # the first optimizer step found momentum/Adam state: not a fresh run
         self._opt_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._opt_index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._routed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Muon -> times its choices were read
         self._opt_params: set[int] = set()  # ids of the parameters some optimizer owns
         self.trainable: set[int] = set()  # ids of the Params an optimizer updated while they required grad
         # id(Param) -> (optimizer class, orthogonalises, its group's weight decay or None)
@@ -204,7 +209,7 @@ class GradientWatch:
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
         self._opt_params |= ids
         mine = [p for p in params if p.ref() is not None and id(p.ref()) in ids]
-        orth = {id(p): orthogonalises(opt, g) for g in opt.param_groups for p in g["params"]}
+        orth = {id(p): orthogonalises(opt, g, opt.state.get(p)) for g in opt.param_groups for p in g["params"]}
         decay = {id(p): _decay(g) for g in opt.param_groups for p in g["params"]}
         for p in mine:
             self.updaters[id(p)] = (type(opt).__name__, orth[id(p.ref())], decay[id(p.ref())])
@@ -322,9 +327,31 @@ class GradientWatch:
             if isinstance(lr, torch.Tensor):
                 lr = lr.detach().reshape(-1)[0].clone()
             self._lrs[f"lr/{gi}" if k == 0 else f"lr/{k}.{gi}"] = lr
+        if self._routed.get(opt, 0) < 10 and "muon" in type(opt).__name__.lower():
+            self._route(opt)
         snap = self._snap.pop(id(opt), None)
         if snap is not None:
             self._updates(snap, step)
+
+    def _route(self, opt: torch.optim.Optimizer) -> None:
+        """After a Muon's step: the choice it made per parameter and keeps in its state (timm's
+        ``state["use_muon"]``), read once every watched parameter has one."""
+        hit = self._opt_cache.get(opt)
+        if hit is None:
+            return
+        self._routed[opt] = self._routed.get(opt, 0) + 1  # parameters that never get a gradient: 10 tries
+        done = True
+        for p in hit[1]:
+            t = p.ref()
+            st = opt.state.get(t) if t is not None else None
+            if not st or "use_muon" not in st:
+                done = False  # no gradient yet: asked again after the next step
+                continue
+            if id(p) in self.updaters:
+                name, _, decay = self.updaters[id(p)]
+                self.updaters[id(p)] = (name, bool(st["use_muon"]), decay)
+        if done or not any("use_muon" in st for st in opt.state.values() if isinstance(st, dict)):
+            self._routed[opt] = 10  # all read, or a Muon that keeps no such choice: never asked again
 
     def _updates(self, snap: tuple[list[Param], list], step: int) -> None:
         ps, old = snap
