@@ -431,6 +431,14 @@ def _targets_check(ctx: Context) -> str:
     are its inputs shifted (the cross-entropy's classes are its token embedding's rows), the shift;
     for a loss that compares no targets (a flow's -log q(x), a GP's -mll, an ELBO), its sign."""
     recs = ctx.run.meta.get("loss_graph") or []
+    if recs and all(r.get("log_sigmoid") for r in recs):
+        # trl's DPO loss read as "a flow's likelihood, check its sign", and, with the log-probs
+        # gathered from a log_softmax, as "targets match inputs (shuffle them together)"
+        return ("that the loss is the quantity to minimise: a -logsigmoid of a margin (DPO's "
+                "`-logsigmoid(beta * margin)`, a reward model's `-logsigmoid(r_chosen - r_rejected)`) falls as the "
+                "margin grows, so that the margin is chosen minus rejected (not swapped; for DPO, the reference's "
+                "log-probs subtracted, not added) and its scale (beta) not 0; a binary cross-entropy written with "
+                "logsigmoid the same way round")
     if recs and all(isinstance(r.get("loss_functions"), list) and not r["loss_functions"] for r in recs):
         return ("that the loss is the quantity to minimise: its graph holds no comparison with targets (no "
                 "cross-entropy, MSE, L1 or BCE: a likelihood of the data, as a flow's or a Gaussian process's, or an "
@@ -453,8 +461,8 @@ def saturated(ctx: Context) -> dict | None:
     start is then 0, and the loss "does not decrease"."""
     loss = finite_loss(ctx)
     n = len(loss)
-    if n < ctx.th.min_loss_points or ctx.environment or not len(ctx.grad_norm):
-        return None
+    if n < ctx.th.min_loss_points or ctx.environment or not len(ctx.grad_norm) or np.any(loss.values < 0):
+        return None  # a floor at 0 is what saturates; a loss below it (a policy gradient's) has none
     r = ctx.th.loss_saturated_ratio
     vals = np.abs(loss.values)
     above = np.nonzero(vals > r * vals[0])[0]
