@@ -1185,6 +1185,42 @@ def test_members_of_a_holder_with_its_own_forward_are_named_by_their_path(tmp_pa
     assert "critic_target.0.weight" in layers and "actor.mu.bias" in layers
 
 
+class _PreferenceTrainer:
+    """trl's DPOTrainer, reduced to what naming needs: not a module, it holds the policy as
+    ``self.model`` and a frozen copy of it as ``self.ref_model``, and runs both in each step."""
+
+    def __init__(self, model, ref_model):
+        self.model, self.ref_model = model, ref_model
+        self.opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(self, chosen, rejected):
+        margin = self.model(chosen) - self.model(rejected)  # the policy first, as trl's _compute_loss
+        with torch.no_grad():
+            ref_margin = self.ref_model(chosen) - self.ref_model(rejected)
+        margin = margin - ref_margin
+        loss = -nn.functional.logsigmoid(0.1 * margin).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+
+
+def test_a_model_held_by_an_object_that_is_no_module_is_named_by_its_attribute(tmp_path):
+    # trainguard run --monitor on trl's DPOTrainer (a policy and its reference, both
+    # LlamaForCausalLM): the reference's layers were "llamaforcausallm.model.layers.0.mlp.up_proj",
+    # and the report said "Model llamaforcausallm (LlamaForCausalLM) is not trained": with two
+    # models of that type, not which one. The trainer holds it as `ref_model`.
+    def build():
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    trainer = _PreferenceTrainer(build(), build().requires_grad_(False).eval())
+    with Monitor(None, tmp_path / "r", every=1) as mon:
+        for step in range(3):
+            x, _ = batch(step)
+            trainer.step(x[:, :4], x[:, 4:])
+        assert sorted(mon.layers) == ["0", "1", "2", "ref_model.0", "ref_model.1", "ref_model.2"], sorted(mon.layers)
+    untrained = [f for f in mon.findings if f.kind == "model_not_trained"]
+    assert len(untrained) == 1 and "ref_model" in untrained[0].title, [f.title for f in mon.findings]
+
+
 class _TrainingTask(nn.Module):
     """mlfoundations/open_clip's open_clip_train TrainingTask: holds the CLIP model as
     ``trainable_module`` and computes the loss in its forward; with ``--accum-freq 2`` the training

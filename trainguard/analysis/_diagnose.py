@@ -39,6 +39,7 @@ MONITOR_RULES = (
     "nonfinite_loss",
     "nonfinite_gradient",
     "loss_not_decreasing",
+    "loss_saturated",
     "loss_oscillating",
     "loss_spike",
     "lr_too_high",

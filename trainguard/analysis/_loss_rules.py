@@ -431,6 +431,14 @@ def _targets_check(ctx: Context) -> str:
     are its inputs shifted (the cross-entropy's classes are its token embedding's rows), the shift;
     for a loss that compares no targets (a flow's -log q(x), a GP's -mll, an ELBO), its sign."""
     recs = ctx.run.meta.get("loss_graph") or []
+    if recs and all(r.get("log_sigmoid") for r in recs):
+        # trl's DPO loss read as "a flow's likelihood, check its sign", and, with the log-probs
+        # gathered from a log_softmax, as "targets match inputs (shuffle them together)"
+        return ("that the loss is the quantity to minimise: a -logsigmoid of a margin (DPO's "
+                "`-logsigmoid(beta * margin)`, a reward model's `-logsigmoid(r_chosen - r_rejected)`) falls as the "
+                "margin grows, so that the margin is chosen minus rejected (not swapped; for DPO, the reference's "
+                "log-probs subtracted, not added) and its scale (beta) not 0; a binary cross-entropy written with "
+                "logsigmoid the same way round")
     if recs and all(isinstance(r.get("loss_functions"), list) and not r["loss_functions"] for r in recs):
         return ("that the loss is the quantity to minimise: its graph holds no comparison with targets (no "
                 "cross-entropy, MSE, L1 or BCE: a likelihood of the data, as a flow's or a Gaussian process's, or an "
@@ -445,11 +453,64 @@ def _targets_check(ctx: Context) -> str:
     return "that targets match inputs (shuffle them together)"
 
 
+def saturated(ctx: Context) -> dict | None:
+    """Where one update took the loss and its gradient norm to ``loss_saturated_ratio`` of their
+    values before it, and both stayed there for at least half the run: the loss is at its floor
+    with nothing left to move the weights. A DPO loss ``-logsigmoid(beta * margin)`` at beta 1000
+    went 0.693 -> 0.0 at step 1 under trl's DPOTrainer (gradient norm 9836 -> 0.0): its median
+    start is then 0, and the loss "does not decrease"."""
+    loss = finite_loss(ctx)
+    n = len(loss)
+    if n < ctx.th.min_loss_points or ctx.environment or not len(ctx.grad_norm) or np.any(loss.values < 0):
+        return None  # a floor at 0 is what saturates; a loss below it (a policy gradient's) has none
+    r = ctx.th.loss_saturated_ratio
+    vals = np.abs(loss.values)
+    above = np.nonzero(vals > r * vals[0])[0]
+    i = int(above[-1]) + 1 if len(above) else 0
+    if i == 0 or 2 * (n - i) < n or not vals[i] <= r * vals[i - 1]:
+        return None  # never above its floor, not at it for half the run, or it got there step by step
+    norms = [ctx.grad_norm.at(int(s)) for s in loss.steps[i - 1:]]
+    if any(g is None or not math.isfinite(g) for g in norms):
+        return None
+    before, after = norms[0], max(norms[1:])
+    if not (before > 0 and after <= r * before):
+        return None
+    return {"step": int(loss.steps[i]), "steps_since": n - i, "loss_before": float(loss.values[i - 1]),
+            "loss_after": float(np.max(vals[i:])), "grad_norm_before": before, "grad_norm_after": after}
+
+
+@register_rule("loss_saturated")
+def loss_saturated(ctx: Context) -> list[Finding]:
+    sat = saturated(ctx)
+    if sat is None:
+        return []
+    return [
+        Finding(
+            kind="loss_saturated",
+            severity="warning",
+            title=(f"Loss saturated at step {sat['step']}: one update took it from {fmt(sat['loss_before'])} to "
+                   f"{fmt(sat['loss_after'])} and the gradient norm from {fmt(sat['grad_norm_before'])} to "
+                   f"{fmt(sat['grad_norm_after'])}; the {sat['steps_since']} steps since learned nothing"),
+            evidence=dict(sat),
+            suggestion=(
+                "a loss that passes a scaled score through a sigmoid or softplus (DPO's `-logsigmoid(beta * margin)`, "
+                "a reward model's `-logsigmoid(r_chosen - r_rejected)`, a hinge, a cross-entropy of huge logits) is "
+                "flat at 0 once the scaled margin passes a few dozen (float32 rounds exp(-100) to 0), and one update "
+                "took every sample there: the scale is far too large for these margins: lower it (DPO's beta is "
+                "usually 0.1 to 0.5; a temperature goes up) or the learning rate, so that the margins grow over many "
+                "steps; if one token or feature tells every pair apart, the data teaches nothing more either"
+            ),
+            steps=(sat["step"], int(finite_loss(ctx).steps[-1])),
+            source=SOURCE,
+        )
+    ]
+
+
 @register_rule("loss_not_decreasing")
 def loss_not_decreasing(ctx: Context) -> list[Finding]:
     p = progress(ctx)
-    if p is None or p["progress"] >= ctx.th.loss_min_progress:
-        return []
+    if p is None or p["progress"] >= ctx.th.loss_min_progress or saturated(ctx):
+        return []  # a loss at its floor after one update did decrease: loss_saturated says so
     ev = {
         "start_loss": p["start"],
         "best_loss": p["best"],

@@ -28,6 +28,10 @@ class Thresholds:
     loss_min_progress: float = _t(
         0.05, "a run whose best loss is within 5% of its starting loss has learned nothing a healthy run would miss"
     )
+    loss_saturated_ratio: float = _t(
+        1e-4, "a loss and a gradient norm 10,000x below their values before one update: the loss hit its floor "
+        "(a sigmoid or softplus of a scaled margin rounds to 0), not a fit that converged step by step"
+    )
     loss_slow_progress: float = _t(0.10, "under 10% improvement over a whole run is slow enough to blame the step size")
     loss_sign_changes: float = _t(
         0.2, "a loss whose sign flips between a fifth of its steps is a surrogate (policy gradient, WGAN critic), "

@@ -308,6 +308,8 @@ class LossWatch:
             # the loss functions comparing predictions with targets within the walk (HEAD_DEPTH, MAX_NODES)
             functions = sorted({h["loss"] for h in heads} | (ops & COMPARISONS))
             rec: dict[str, Any] = {"heads": heads, "loss_functions": functions, "backward_at": user_frame()}
+            if "log_sigmoid" in ops:  # -logsigmoid(beta * margin): DPO's, a reward model's pairwise loss
+                rec["log_sigmoid"] = True
             if self.modules is not None:
                 rec["modules"] = self.modules()
             self.records.append(rec)

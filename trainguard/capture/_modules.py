@@ -66,6 +66,26 @@ def container_path(module: nn.Module) -> str:
     return ".".join(reversed(path))
 
 
+def owner_attribute(module: nn.Module) -> str:
+    """The attribute under which an object that is not a module holds ``module``: trl's
+    DPOTrainer keeps the frozen reference beside the policy as ``self.ref_model``, a DQN agent its
+    target network as ``self.target_net``. ``""`` where no such object holds it, or objects hold it
+    under several names (``model`` and ``model_wrapped``). Walks only the dicts that hold it."""
+    names: set[str] = set()
+    for held in gc.get_referrers(module):
+        if type(held) is dict:
+            # an instance's materialised __dict__ (a module's globals, or any other dict, is no owner)
+            owners = [] if "__builtins__" in held else [o for o in gc.get_referrers(held)
+                                                       if getattr(o, "__dict__", None) is held]
+        else:
+            owners = [held]  # an instance that keeps its attributes inline (Python 3.11+) refers to them itself
+        for o in owners:
+            if isinstance(o, (nn.Module, dict, type)) or not isinstance(d := getattr(o, "__dict__", None), dict):
+                continue
+            names.update(k for k, v in d.items() if v is module and isinstance(k, str) and k.isidentifier())
+    return names.pop() if len(names) == 1 else ""
+
+
 def _maybe_held(module: nn.Module) -> bool:
     """Whether a dict other than a module's globals holds ``module``: a module's children live in
     its ``_modules`` dict. One walk of the live objects in C (``gc.get_referrers``) instead of a

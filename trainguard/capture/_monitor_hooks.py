@@ -43,7 +43,7 @@ from trainguard.capture._layer_stats import (
     layer_output,
     row_hashes,
 )
-from trainguard.capture._modules import container_path, forward_pre_hook, probing_owner
+from trainguard.capture._modules import container_path, forward_pre_hook, owner_attribute, probing_owner
 from trainguard.capture._monitor_model import Layer, Root, build_root, stand_ins, structure
 from trainguard.resilience import _state as _resilience_state
 from trainguard.resilience._wrappers import unwrapped, wrapped
@@ -435,6 +435,9 @@ class HookMixin:
         outside = [r for r in self._roots if r.ref() is not None and all(r.ref() is not m for m in module.modules())]
         if not outside and "" not in {r.prefix for r in self._roots if r.ref() is None}:
             return "", None  # the first model, or one that wraps it (the model it replaces goes)
+        attr = owner_attribute(module)  # trl's DPOTrainer.ref_model: "ref_model.", not its type's name
+        if attr and attr + "." not in taken:
+            return attr + ".", attr
         base = type(unwrapped(module)).__name__.lower()  # the model's type, not DDP's or compile's
         prefix, k = base + ".", 1
         while prefix in taken:
