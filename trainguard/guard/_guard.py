@@ -176,9 +176,9 @@ class Guard:
         # batches skipped unread because they hold a sample an event found corrupt (see _known_bad)
         self.skipped_known: list[dict] = []
         self._bad_samples: dict[Any, int] = {}  # sample index -> the event that found it
-        # samples two events named as the culprit of the same fault: sample -> (events, origin key)
+        # samples two events blamed for the same fault: sample -> (events, origin key or SPIKE_KEY)
         self._repeats: dict[Any, tuple[list[int], tuple]] = {}
-        self._culprit_events: dict[tuple, list[int]] = {}  # (origin key, sample) -> events naming it
+        self._culprit_events: dict[tuple, list[int]] = {}  # (fault key, sample) -> events blaming it
         self._skipping_known = 0  # batches skipped that way in a row
         self._earlier_known = 0  # of an earlier process, in the run this one continues
         self._earlier_repeat = 0  # of those, skipped for a sample two events named (see _remember_repeat)
@@ -434,9 +434,10 @@ class Guard:
             event["repeat"] = {"samples": again, "of": self._culprit_events[(key, again[0])][0]}
 
     def _remember_repeat(self, key: tuple, sample: Any) -> bool:
-        """Whether ``sample`` is now known bad: two events named its row as where the same fault's
-        (op and line) first NaN/Inf is. The data holds no NaN/Inf itself (a finite outlier that a
-        power overflows), yet it comes back every epoch, and each time would spend a rewind."""
+        """Whether ``sample`` is now known bad: two events blamed it for the same fault (its row held
+        the first NaN/Inf of the same op and line, or it was in the batches of two loss spikes). The
+        data holds no NaN/Inf itself (a finite outlier that a power overflows, a mislabelled target),
+        yet it comes back every epoch, and each time would spend a rewind."""
         seen = self._culprit_events.get((key, sample), [])
         if len(seen) < 2 or sample in self._bad_samples:
             return False
