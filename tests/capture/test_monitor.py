@@ -770,64 +770,6 @@ def test_a_sparse_input_is_measured_not_a_failing_hook(tmp_path, caplog):
         assert stats_of(run, 2, "gc1", "activation"), "the layers are measured too"
 
 
-class TinyDLRM(nn.Module):
-    """facebookresearch/dlrm dlrm_s_pytorch.py's DLRM_Net in small: ``nn.EmbeddingBag(mode="sum",
-    sparse=True)`` tables (sparse COO gradients), a bottom MLP for the dense features, their dot
-    interactions and a top MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb_l = nn.ModuleList(nn.EmbeddingBag(n, 4, mode="sum", sparse=True) for n in (20, 12))
-        self.bot_l = nn.Sequential(nn.Linear(6, 4), nn.ReLU())
-        self.top_l = nn.Sequential(nn.Linear(4 + 3, 1), nn.Sigmoid())
-
-    def forward(self, x, offsets, indices):
-        feats = [self.bot_l(x)] + [e(i, o) for e, i, o in zip(self.emb_l, indices, offsets)]
-        t = torch.stack(feats, dim=1)
-        z = torch.bmm(t, t.transpose(1, 2))
-        li, lj = torch.tril_indices(3, 3, offset=-1)
-        return self.top_l(torch.cat([feats[0], z[:, li, lj]], dim=1))
-
-
-def dlrm_batch(step: int):
-    g = torch.Generator().manual_seed(step)
-    x = torch.rand(8, 6, generator=g)
-    indices = [torch.randint(0, n, (16,), generator=g) for n in (20, 12)]
-    offsets = [torch.arange(0, 16, 2)] * 2
-    return x, offsets, indices, torch.rand(8, 1, generator=g)
-
-
-def test_sparse_embedding_gradients_count_in_the_gradient_norm_and_the_layer_stats(tmp_path):
-    model = TinyDLRM()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_norms, ref_emb = [], []
-    with Monitor(model, tmp_path / "run", every=1, diagnose=False):
-        for step in range(3):
-            x, offsets, indices, y = dlrm_batch(step)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x, offsets, indices), y).backward()
-            if step == 2:  # an overflowing gradient reaches only an embedding table
-                model.emb_l[1].weight.grad = model.emb_l[1].weight.grad * 1e39
-            assert model.emb_l[0].weight.grad.is_sparse
-            dense = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in model.parameters()]
-            ref_norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense])).item())
-            ref_emb.append(model.emb_l[0].weight.grad.to_dense())
-            opt.step()
-    with open_run(tmp_path / "run") as run:
-        norms = [v for _, v in run.scalars("grad_norm")["grad_norm"]]
-        assert norms[:2] == pytest.approx(ref_norms[:2], rel=1e-5)
-        assert not math.isfinite(norms[2]) and not math.isfinite(ref_norms[2])
-        for step in range(2):
-            got = stats_of(run, step, "emb_l.0.weight", "gradient")
-            g = ref_emb[step]
-            assert got["norm"] == pytest.approx(torch.linalg.vector_norm(g).item(), rel=1e-5)
-            assert got["max_abs"] == pytest.approx(g.abs().max().item(), rel=1e-6)
-            assert got["mean_abs"] == pytest.approx(g.abs().mean().item(), rel=1e-5)
-            assert got["nonfinite"] == 0
-        assert stats_of(run, 2, "emb_l.1.weight", "gradient")["nonfinite"] > 0
-
-
 class SpectralConv2d(nn.Module):
     """zongyi-li/fourier_neural_operator fourier_2d.py's Fourier layer: complex weights
     (``torch.rand(..., dtype=torch.cfloat)``) on the lowest modes of ``torch.fft.rfft2``."""

@@ -4,6 +4,7 @@ embedding table can be most of a model's memory) and that the update statistics 
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -13,6 +14,10 @@ from trainguard import Monitor
 from trainguard.store import open_run
 
 ROWS = (4000, 30)
+
+
+def stats_of(run, step: int, layer: str, kind: str) -> dict[str, float]:
+    return {r["stat"]: r["value"] for r in run.layer_stats(layer=layer, kind=kind) if r["step"] == step}
 
 
 class TinyDLRM(nn.Module):
@@ -53,24 +58,25 @@ def copies_of(t: torch.Tensor) -> int:
                and o.shape == t.shape and o.dtype == t.dtype)
 
 
-def test_an_update_copies_no_embedding_table_whose_gradient_is_sparse(tmp_path):
-    """A step changes the rows of a sparse-gradient table its batch looked up: the monitor copies
-    those rows to measure the update, not the table (a recommender's tables are gigabytes)."""
-    model = TinyDLRM()
+def copies_during_updates(model: TinyDLRM, logdir) -> dict[int, int]:
+    """Copies of the large table alive as each of three SGD steps begins, monitored every 2 steps."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     table = model.emb_l[0].weight
-    held = {}
-
-    def count(o, args, kwargs):
-        held[len(held)] = copies_of(table)
-
-    opt.register_step_pre_hook(count)
-    with Monitor(model, tmp_path / "run", every=2, diagnose=False):
+    held: dict[int, int] = {}
+    opt.register_step_pre_hook(lambda o, args, kwargs: held.__setitem__(len(held), copies_of(table)))
+    with Monitor(model, logdir, every=2, diagnose=False):
         for step in range(3):
             x, offsets, indices, y = dlrm_batch(step)
             opt.zero_grad()
             nn.functional.mse_loss(model(x, offsets, indices), y).backward()
             opt.step()
+    return held
+
+
+def test_an_update_copies_no_embedding_table_whose_gradient_is_sparse(tmp_path):
+    """A step changes the rows of a sparse-gradient table its batch looked up: the monitor copies
+    those rows to measure the update, not the table (a recommender's tables are gigabytes)."""
+    held = copies_during_updates(TinyDLRM(), tmp_path / "run")
     assert held == {0: 0, 1: 0, 2: 0}, "copies of the table held during the updates of steps 0-2"
 
 
@@ -78,21 +84,7 @@ def test_the_first_recording_holds_one_copy_of_the_weights(tmp_path):
     """At the first step the monitor does not know yet whether an optimizer or the loop's own code
     will update: it copied the weights after backward() for an update by hand, and again for the
     optimizer, holding two copies of every weight during the update."""
-    model = TinyDLRM(sparse=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    table = model.emb_l[0].weight
-    held = {}
-
-    def count(o, args, kwargs):
-        held[len(held)] = copies_of(table)
-
-    opt.register_step_pre_hook(count)
-    with Monitor(model, tmp_path / "run", every=2, diagnose=False):
-        for step in range(3):
-            x, offsets, indices, y = dlrm_batch(step)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x, offsets, indices), y).backward()
-            opt.step()
+    held = copies_during_updates(TinyDLRM(sparse=False), tmp_path / "run")
     assert held == {0: 1, 1: 0, 2: 1}, "copies of the (dense-gradient) table held during the updates of steps 0-2"
 
 
@@ -191,3 +183,33 @@ def test_a_missing_zero_grad_of_the_sparse_optimizer_is_found(tmp_path):
     assert found, [(f.kind, f.title) for f in mon.findings]
     assert "SparseAdam" in found[0].title + found[0].suggestion
     assert "emb_l.0.weight" in str(found[0].evidence)
+
+
+def test_sparse_embedding_gradients_count_in_the_gradient_norm_and_the_layer_stats(tmp_path):
+    model = TinyDLRM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_norms, ref_emb = [], []
+    with Monitor(model, tmp_path / "run", every=1, diagnose=False):
+        for step in range(3):
+            x, offsets, indices, y = dlrm_batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x, offsets, indices), y).backward()
+            if step == 2:  # an overflowing gradient reaches only an embedding table
+                model.emb_l[1].weight.grad = model.emb_l[1].weight.grad * 1e39
+            assert model.emb_l[0].weight.grad.is_sparse
+            dense = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in model.parameters()]
+            ref_norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense])).item())
+            ref_emb.append(model.emb_l[0].weight.grad.to_dense())
+            opt.step()
+    with open_run(tmp_path / "run") as run:
+        norms = [v for _, v in run.scalars("grad_norm")["grad_norm"]]
+        assert norms[:2] == pytest.approx(ref_norms[:2], rel=1e-5)
+        assert not math.isfinite(norms[2]) and not math.isfinite(ref_norms[2])
+        for step in range(2):
+            got = stats_of(run, step, "emb_l.0.weight", "gradient")
+            g = ref_emb[step]
+            assert got["norm"] == pytest.approx(torch.linalg.vector_norm(g).item(), rel=1e-5)
+            assert got["max_abs"] == pytest.approx(g.abs().max().item(), rel=1e-6)
+            assert got["mean_abs"] == pytest.approx(g.abs().mean().item(), rel=1e-5)
+            assert got["nonfinite"] == 0
+        assert stats_of(run, 2, "emb_l.1.weight", "gradient")["nonfinite"] > 0
