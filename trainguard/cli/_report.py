@@ -87,6 +87,13 @@ def _short(path: str | None) -> str:
     return rel if not rel.startswith("..") else path
 
 
+def _nonfinite(value: Any, unknown: str) -> str:
+    """``nan``, ``inf`` or ``-inf`` for a stored non-finite loss; ``unknown`` when none was stored."""
+    if not isinstance(value, float):
+        return unknown
+    return "nan" if value != value else ("inf" if value > 0 else "-inf")
+
+
 def _where(link: dict) -> str:
     return f"{_short(link.get('file'))}:{link.get('line')}" if link.get("file") else "(no user frame)"
 
@@ -236,8 +243,7 @@ def _origin(report: dict) -> Any:
     elif o.get("skipped"):  # the loss it made non-finite was checked and its iteration skipped
         sk = o["skipped"]
         at = f" (`{sk.get('check')}` at {_short(sk['file'])}:{sk['line']})" if sk.get("file") else ""
-        loss = sk.get("loss")
-        value = ("nan" if loss != loss else ("inf" if loss > 0 else "-inf")) if isinstance(loss, float) else "non-finite"
+        value = _nonfinite(sk.get("loss"), "non-finite")
         parts.append(Text(f"  then: it made the loss {value} in step {sk['step']}; the program checked it{at} and "
                           "skipped that iteration: no backward(), no update (the monitor counts such iterations: "
                           "iterations_skipped)", style="yellow"))
@@ -320,8 +326,7 @@ def _guard(report: dict) -> Any:
     if isinstance(loop, dict) and loop.get("count"):
         first = loop.get("first") or {}
         n = loop["count"]
-        value = first.get("loss")
-        value = ("nan" if value != value else ("inf" if value > 0 else "-inf")) if isinstance(value, float) else "?"
+        value = _nonfinite(first.get("loss"), "?")
         at = f" (checked at {_short(first['file'])}:{first['line']})" if first.get("file") else ""
         parts.append(Text(f"the loop skipped {n} step{'s' if n != 1 else ''} itself, the first at step {first.get('step')}: "
                           f"its loss was {value}{at} and it called no backward(), so nothing was updated and the guard "
