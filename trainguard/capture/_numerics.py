@@ -11,7 +11,7 @@ import os
 import torch
 
 from trainguard.capture import _steps
-from trainguard.capture._summary import summarize_immediate
+from trainguard.capture._summary import raw_isnan, summarize_immediate
 from trainguard.store._codec import NAN, NEG_INF, POS_INF, REACHED, health_names
 
 _Tensor = torch.Tensor
@@ -68,7 +68,7 @@ def health_sync(o: _Tensor) -> int:
     """Exactly which non-finite kinds ``o`` holds (check_numerics: synchronises)."""
     flags = 0
     if o.is_floating_point():
-        if bool(torch.isnan(o).any()):
+        if bool(raw_isnan(o).any()):
             flags |= NAN
         if bool(torch.isposinf(o).any()):
             flags |= POS_INF

@@ -25,7 +25,7 @@ from trainguard.capture._local import with_stats as _with_stats
 from trainguard.capture._local import written as _written
 from trainguard.capture._local import written_by as _written_by
 from trainguard.capture._stacks import NO_HINT, frame_hint, local0
-from trainguard.capture._summary import summarize_deferred, summarize_immediate, unknown_summary
+from trainguard.capture._summary import raw_isfinite, summarize_deferred, summarize_immediate, unknown_summary
 from trainguard.capture._taint import (
     ALLOC,
     COPY,
@@ -352,7 +352,7 @@ class _DispatchMode(TorchDispatchMode):
                         lst = r.deferred.setdefault(dev, [])
                         summaries.append(("d", dev, len(lst)))
                         lst.append(summarize_deferred(v, r.mode))
-                        if r.check and not bool(torch.isfinite(v).all()):
+                        if r.check and not bool(raw_isfinite(v).all()):
                             # check_numerics may synchronise: it must stop at this op.
                             health |= _numerics.health_sync(v)
                     if s is not None:

@@ -25,6 +25,11 @@ import torch
 from trainguard.capture import _native
 from trainguard.store import MODE_FIELDS
 
+# torch's own checks, bound here: while trainguard is open torch.isnan & co. are capture/_skips'
+# wrappers (a loop's test of its loss), which the recorder's per-op summaries must not pay for.
+raw_isnan = torch._C._VariableFunctions.isnan
+raw_isfinite = torch._C._VariableFunctions.isfinite
+
 _INF = math.inf
 # float32 sums of +-1 are exact while every partial sum stays below 2**24.
 _EXACT_F32 = 1 << 24
@@ -70,7 +75,7 @@ def _plain_values(t: torch.Tensor) -> torch.Tensor:
 
 def _exact_counts(t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     """(neg, zero, pos, neg_inf, pos_inf, nan) with boolean masks: for the rare non-finite tensor."""
-    nan = int(torch.isnan(t).sum())
+    nan = int(raw_isnan(t).sum())
     pinf = int(torch.isposinf(t).sum())
     ninf = int(torch.isneginf(t).sum())
     neg = int((t < 0).sum()) - ninf
@@ -162,7 +167,7 @@ def _is_finite(t: torch.Tensor) -> bool:
     total = t.sum(dtype=_F64 if t.dtype == _F64 else _F32).item()
     if math.isfinite(total):
         return True
-    return bool(torch.isfinite(t).all())
+    return bool(raw_isfinite(t).all())
 
 
 def _moments(t: torch.Tensor) -> tuple[float, float, float, float]:
@@ -320,7 +325,7 @@ def summarize_deferred(t: torch.Tensor, mode: str) -> torch.Tensor:
         t = t.to(torch.uint8)
     isfloat = t.is_floating_point()
     if isfloat:
-        nan = torch.isnan(t).sum()
+        nan = raw_isnan(t).sum()
         pinf = torch.isposinf(t).sum()
         ninf = torch.isneginf(t).sum()
     else:
