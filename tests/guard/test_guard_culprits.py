@@ -465,7 +465,7 @@ def test_a_sample_that_overflows_the_optimizer_every_epoch_stops_costing_rewinds
     # with one sample of 1e38 pixels: its gradients overflow Adadelta's square average (the origin is
     # aten.addcmul_ in opt.step(), whose rows are no batch's, so no culprit sample is known), every
     # epoch cost a rewind, and the sixth ended the run with Diverged at step 42 of 64. The samples of
-    # the failing batch are the suspects, as for a loss spike: one in two such batches is skipped.
+    # the failing batch are the suspects, as for a loss spike: the one in most of them is skipped.
     torch.manual_seed(1)
     x, y = torch.randn(256, 1, 28, 28) * 0.3, torch.randint(0, 10, (256,))
     x[77, 0, 10:14, 10:14] = 1e38
@@ -481,7 +481,9 @@ def test_a_sample_that_overflows_the_optimizer_every_epoch_stops_costing_rewinds
         opt.step()
         steps.append(step)
     assert steps[-1] == 63 and finite(state)
-    assert [e["action"] for e in guard.events] == ["skip", "skip"] and guard.rewinds == 2
+    # 32 of 256 samples a batch: two batches share other samples too (4 expected), so the fault's
+    # next event decides among them, and only sample 77 is skipped from then on
+    assert all(e["action"] == "skip" for e in guard.events) and 2 <= guard.rewinds <= 3, guard.events
     assert guard.events[0]["origin"]["origin"]["op"].startswith("aten.addcmul_")
-    assert "as in event 1: later batches holding it are skipped unread" in guard.events[1]["message"]
+    assert "sample 77 failed the step, as in event 1: later batches holding it are skipped unread" in guard.events[-1]["message"]
     assert guard.skipped_known and all(77 in s["samples"] and s["why"] == "repeat" for s in guard.skipped_known)

@@ -161,13 +161,15 @@ def _again(event: dict) -> str:
     return f", as in event {r['of']}: later batches holding it are skipped unread" if r else ""
 
 
-def spike_suspects_text(event: dict) -> str:
-    """`` (its sample 29 spiked the loss as in event 1: ...)``: a spike whose batch holds a sample
-    an earlier spike's batch held (see ``Guard._note_suspects``), or nothing."""
+def suspects_text(event: dict) -> str:
+    """`` (its sample 29 spiked the loss, as in event 1: ...)``: an event with no culprit rows whose
+    batch holds a sample an earlier event of the same fault had in its batch too (see
+    ``Guard._note_suspects``), or nothing."""
     r = event.get("repeat")
-    if not r or event.get("trigger") != "spike":
+    if not r:
         return ""
-    return f" (its {_listed('sample', r['samples'])} spiked the loss{_again(event)})"
+    did = "spiked the loss" if event.get("trigger") == "spike" else "failed the step"
+    return f" (its {_listed('sample', r['samples'])} {did}{_again(event)})"
 
 
 def outcome(event: dict) -> str:
@@ -181,7 +183,7 @@ def outcome(event: dict) -> str:
                     else f"skipped {n} batches from the batch of step {event['step']:,}")
         else:
             text = f"skipped batch {first}" if n == 1 else f"skipped {n} batches from batch {first}"
-            text += batch_text(event) or culprits_text(event) or spike_suspects_text(event)
+            text += batch_text(event) or culprits_text(event) or suspects_text(event)
         return text + (f"; {event['policy_note']}" if event.get("policy_note") else "")
     if action == "lower_lr":
         lrs = ", ".join(f"{v:.3g}" for v in event.get("lr") or [])
@@ -241,13 +243,20 @@ def stored_bad_samples(path: Path) -> dict[Any, int]:
     return out
 
 
-# The fault a loss spike's suspects are counted under (a NaN's is its origin's op and line).
-SPIKE_KEY = ("spike", None, None)
+def fault_key(origin: dict | None, trigger: str) -> tuple:
+    """What makes two events the same fault, for the samples they blame: the origin's op and line
+    (``origin_key``), or with no origin (a loss spike) the trigger."""
+    link = (origin or {}).get("origin") or {}
+    return (link["op"], link.get("file"), link.get("line")) if link.get("op") else (trigger, None, None)
 
 
-def stored_culprits(path: Path) -> dict[tuple, list[int]]:
-    """``(origin key, sample) -> [event numbers]``: the samples whose rows earlier skip events of
-    the guard's run in ``path`` found their fault's first NaN/Inf in (see ``Guard._remember_repeat``)."""
+SPIKE_KEY = fault_key(None, "spike")
+
+
+def stored_culprits(path: Path) -> dict[tuple, tuple[list[int], bool]]:
+    """``(fault key, sample) -> ([event numbers], by rows)``: the samples earlier skip events of
+    the guard's run in ``path`` blamed, by the rows their fault's first NaN/Inf was in or else by
+    their batch (see ``Guard._note_suspects``)."""
     if not (path / "run.sqlite").exists():
         return {}
     try:
@@ -255,21 +264,18 @@ def stored_culprits(path: Path) -> dict[tuple, list[int]]:
             found = run.findings(source=SOURCE)
     except TrainguardError:
         return {}
-    out: dict[tuple, list[int]] = {}
+    out: dict[tuple, tuple[list[int], bool]] = {}
     for f in found:
         e = f.get("event") or {}
-        link = (e.get("origin") or {}).get("origin") or {}
         if e.get("action") != "skip" or not isinstance(e.get("n"), int):
             continue
-        if (e.get("culprits") or {}).get("samples") and link.get("op"):
-            key, samples = (link["op"], link.get("file"), link.get("line")), e["culprits"]["samples"]
-        elif e.get("trigger") == "spike" and e.get("skipped"):
-            key, samples = SPIKE_KEY, (e["skipped"][0] or {}).get("samples") or ()
-        else:
-            continue
-        for sample in samples:
+        rows = (e.get("culprits") or {}).get("samples")
+        samples = rows or (e["skipped"][0] or {}).get("samples") if rows or e.get("skipped") else None
+        key = fault_key(e.get("origin"), str(e.get("trigger")))
+        for sample in samples or ():
             if isinstance(sample, (int, str)):
-                out.setdefault((key, sample), []).append(e["n"])
+                ns, by_rows = out.get((key, sample), ([], False))
+                out[(key, sample)] = (ns + [e["n"]], by_rows or bool(rows))
     return out
 
 

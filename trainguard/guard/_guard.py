@@ -176,9 +176,10 @@ class Guard:
         # batches skipped unread because they hold a sample an event found corrupt (see _known_bad)
         self.skipped_known: list[dict] = []
         self._bad_samples: dict[Any, int] = {}  # sample index -> the event that found it
-        # samples two events blamed for the same fault: sample -> (events, origin key or SPIKE_KEY)
-        self._repeats: dict[Any, tuple[list[int], tuple]] = {}
+        # samples two events blamed for the same fault: sample -> its fault key (_events.fault_key)
+        self._repeats: dict[Any, tuple] = {}
         self._culprit_events: dict[tuple, list[int]] = {}  # (fault key, sample) -> events blaming it
+        self._by_rows: set[tuple] = set()  # (fault key, sample) blamed by the rows of a NaN/Inf, not a batch
         self._skipping_known = 0  # batches skipped that way in a row
         self._earlier_known = 0  # of an earlier process, in the run this one continues
         self._earlier_repeat = 0  # of those, skipped for a sample two events named (see _remember_repeat)
@@ -249,10 +250,13 @@ class Guard:
         events, rewinds = (0, 0) if self._overwrite else _events.stored_counts(run_dir)
         if not self._overwrite and _collective.rank_world()[1] == 1:
             self._bad_samples = {**_events.stored_bad_samples(run_dir), **self._bad_samples}
-            for (key, sample), ns in _events.stored_culprits(run_dir).items():
+            for (key, sample), (ns, by_rows) in _events.stored_culprits(run_dir).items():
                 seen = self._culprit_events.setdefault((key, sample), [])
                 seen[:0] = [n for n in ns if n not in seen]
-                self._remember_repeat(key, sample)
+                if by_rows:
+                    self._by_rows.add((key, sample))
+            for key in {key for key, _ in self._culprit_events}:
+                self._remember_repeat(key)
             meta = _events.stored_meta(run_dir)
             self._earlier_known = max(meta.get("skipped_known", 0) - len(self.skipped_known), 0)
             mine = sum(1 for i in self.skipped_known if i.get("why") == "repeat")
@@ -391,18 +395,22 @@ class Guard:
         self.skipped_known.append(info)
         label = _events.batch_label(info)
         which = f"batch {label}" if label else "a batch"
-        samples = ", ".join(str(s) for s in hit)
-        if repeat and repeat[1] == _events.SPIKE_KEY:
-            first, second, *_ = repeat[0]
-            log.warning("trainguard: skipped %s at step %d: its sample %s was in the batches of the loss spikes of "
-                        "events %s and %s", which, info["step"], samples, first, second)
-        elif repeat:
-            (first, second, *_), (op, file, line) = repeat
+        samples = _events._listed("sample", hit)
+        if repeat:
+            *earlier, last = self._culprit_events[(repeat, hit[0])]
+            op, file, line = repeat
             where = f" at {short_path(file)}:{line}" if file else ""
-            log.warning("trainguard: skipped %s at step %d: its sample %s made the NaN/Inf of events %s and %s (%s%s)",
-                        which, info["step"], samples, first, second, op, where)
+            if repeat == _events.SPIKE_KEY:
+                did = "was in the batches of the loss spikes of"
+            elif (repeat, hit[0]) in self._by_rows:
+                did = "made the NaN/Inf of"
+            else:
+                did = "was in the failing batches of"
+            fault = "" if repeat == _events.SPIKE_KEY else f" ({op}{where})"
+            log.warning("trainguard: skipped %s at step %d: its %s %s events %s and %s%s", which, info["step"],
+                        samples, did, ", ".join(map(str, earlier)), last, fault)
         else:
-            log.warning("trainguard: skipped %s at step %d: its sample %s held NaN/Inf in the batch itself (event %s)",
+            log.warning("trainguard: skipped %s at step %d: its %s held NaN/Inf in the batch itself (event %s)",
                         which, info["step"], samples, info["known_from_event"])
         if self._run is not None:
             repeats = sum(1 for i in self.skipped_known if i.get("why") == "repeat")
@@ -412,38 +420,41 @@ class Guard:
 
     def _note_suspects(self, event: dict, origin: dict | None, kinds: list[str], plan: _Plan) -> None:
         """Count the samples a skip event blames: those whose rows the replay found its first
-        NaN/Inf in (``culprits``), or for a loss spike, which has none, the samples of its batch. A
-        sample two events of the same fault blame is skipped unread from then on (``event["repeat"]``
-        says which, and since which event). One process only, as ``_known_bad``."""
+        NaN/Inf in (``culprits``), else the samples of its batch (a loss spike has no such rows; an
+        overflow in the optimizer's state has rows that are no batch's). A sample two events of the
+        same fault blame is skipped unread from then on (``event["repeat"]`` says which, and since
+        which event). One process only, as ``_known_bad``."""
         if _collective.rank_world()[1] != 1:
             return
-        culprits = event.get("culprits") or {}
-        if culprits.get("samples") and origin is not None:
-            key, samples = origin_key(origin), culprits["samples"]
-        elif "spike" in kinds and (plan.batch or {}).get("samples"):
-            key, samples = _events.SPIKE_KEY, plan.batch["samples"]  # type: ignore[index]
-        else:
+        rows = (event.get("culprits") or {}).get("samples")
+        samples = rows or (plan.batch or {}).get("samples")
+        if not samples:
             return
-        again = []
+        key = _events.fault_key(origin, kinds[0] if kinds else "nonfinite")
         for sample in samples:
             if isinstance(sample, (int, str)):
                 self._culprit_events.setdefault((key, sample), []).append(event["n"])
-                if self._remember_repeat(key, sample):
-                    again.append(sample)
-        if again:
-            event["repeat"] = {"samples": again, "of": self._culprit_events[(key, again[0])][0]}
+                if rows:
+                    self._by_rows.add((key, sample))
+        sample = self._remember_repeat(key)
+        if sample is not None:
+            event["repeat"] = {"samples": [sample], "of": self._culprit_events[(key, sample)][0]}
 
-    def _remember_repeat(self, key: tuple, sample: Any) -> bool:
-        """Whether ``sample`` is now known bad: two events blamed it for the same fault (its row held
-        the first NaN/Inf of the same op and line, or it was in the batches of two loss spikes). The
-        data holds no NaN/Inf itself (a finite outlier that a power overflows, a mislabelled target),
-        yet it comes back every epoch, and each time would spend a rewind."""
-        seen = self._culprit_events.get((key, sample), [])
-        if len(seen) < 2 or sample in self._bad_samples:
-            return False
-        self._bad_samples[sample] = seen[1]
-        self._repeats[sample] = (seen, key)
-        return True
+    def _remember_repeat(self, key: tuple) -> Any:
+        """The sample now known bad for fault ``key``, or None: the one sample more events of that
+        fault blamed than any other, at least two (its row held the first NaN/Inf of the same op and
+        line, or it was in the batches of loss spikes). The data holds no NaN/Inf itself (a finite
+        outlier that a power overflows, a mislabelled target), yet it comes back every epoch, and
+        each time would spend a rewind. Two batches share other samples by chance (about b**2/N):
+        while several tie, the next event of the fault decides."""
+        counts = {s: len(ns) for (k, s), ns in self._culprit_events.items() if k == key}
+        top = max(counts.values(), default=0)
+        tied = [s for s, n in counts.items() if n == top]
+        if top < 2 or len(tied) != 1 or tied[0] in self._bad_samples:
+            return None
+        self._bad_samples[tied[0]] = self._culprit_events[(key, tied[0])][-1]
+        self._repeats[tied[0]] = key
+        return tied[0]
 
     def _skipped_batch(self) -> None:
         """The loop discarded a batch before this step: the skip event learns which (a spike's
