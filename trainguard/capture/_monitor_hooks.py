@@ -89,8 +89,9 @@ def _live_modules() -> list[nn.Module]:
 def _adapted_copy(module: nn.Module) -> bool:
     """Whether ``module`` holds parameters computed from others (learn2learn's clone of a model,
     adapted by MAML's inner loop), not leaves of its own."""
-    params = list(nn.Module.parameters(module))
-    return bool(params) and all(p.grad_fn is not None for p in params)
+    params = nn.Module.parameters(module)
+    first = next(params, None)  # asked at each root-hook call of a module that is no root: no list
+    return first is not None and first.grad_fn is not None and all(p.grad_fn is not None for p in params)
 
 
 def _leaf_of(t: torch.Tensor, depth: int = 16) -> torch.Tensor | None:

@@ -80,7 +80,7 @@ class TimeWatch:
 
     def _grad(self, layer: str, i: int, g: torch.Tensor) -> None:
         self._graded.add(layer)
-        if self._calls.get(layer, 0) < MIN_CALLS:
+        if self._calls.get(layer, 0) < MIN_CALLS or layer in self._unchained:  # finish() drops its norms
             return
         with quiet(), torch.no_grad():
             self._norms.setdefault(layer, {})[i] = torch.linalg.vector_norm(g.detach().float())
