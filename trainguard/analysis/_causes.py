@@ -41,6 +41,7 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "param_not_in_optimizer": ("loss_not_decreasing",),
     "gradients_accumulating": ("loss_not_decreasing",),
     "exploding_gradient": ("loss_not_decreasing", "loss_spike"),
+    "codebook_collapse": ("loss_not_decreasing",),
 }
 # cause -> the layer findings it explains only when they arose in training (evidence
 # "arose_in_training": in range at step 0, then the updates did it). Units dead or activations
@@ -68,7 +69,6 @@ DOWNSTREAM: dict[str, tuple[str, ...]] = {
     "codebook_collapse": ("dead_units", "collapsed_activations", "representation_collapse",
                           "saturated_activations"),
 }
-EXPLAINS["codebook_collapse"] = ("loss_not_decreasing",)
 # A wrong custom gradient and a misused loss function explain what the curves and layers show
 # (analysis/_function_rules.py, _graph_rules.py): they are read off the graph, not the numbers.
 _GRAPH_SYMPTOMS = ("loss_not_decreasing", "loss_spike", "loss_oscillating", "lr_too_high", "lr_too_low",

@@ -224,19 +224,7 @@ def codebook_collapse(ctx: Context) -> list[Finding]:
                f"from random weights, initialise {first} at a larger scale{start}, or keep fake quantization off for the first epochs "
                "(model.apply(torch.ao.quantization.disable_fake_quant), enable_fake_quant later) while the "
                "observers still run")
-        return [
-            Finding(
-                kind="codebook_collapse",
-                severity="warning",
-                title=f"Fake-quantized outputs collapsed: {first}'s outputs take {fmt(c['codes'])} distinct value(s) "
-                f"in effect while its inputs take {fmt(c['input_codes'])}, {when}",
-                evidence=ev,
-                suggestion=fix,
-                steps=(c["since_step"], ctx.recorded_steps[-1]),
-                layers=layers,
-                source=SOURCE,
-            )
-        ]
+        return [_collapse(ctx, c, ev, layers, "Fake-quantized outputs collapsed", first, when, fix)]
     fix = (f"{first}'s outputs take {fmt(c['codes'])} distinct value(s) in effect while its inputs take "
            f"{fmt(c['input_codes'])} (of {n} positions sampled per recording), {when}: a quantizer that gives "
            "nearly every input the same code, so the layers after it see one input whatever the data. ")
@@ -263,16 +251,18 @@ def codebook_collapse(ctx: Context) -> list[Finding]:
         fix += ("a codebook trained by its loss: lower the commitment cost (beta 0.25 -> 0.1) so that the encoder "
                 "is not pinned to the codes it has, or update the codes by EMA (decay 0.99); ")
     fix += "a layer that is not a quantizer ignores its input (a step or sign function, a saturated bound)"
-    return [
-        Finding(
-            kind="codebook_collapse",
-            severity="warning",
-            title=f"Codebook collapse: {first}'s outputs take {fmt(c['codes'])} distinct value(s) in effect "
-            f"while its inputs take {fmt(c['input_codes'])}, {when}",
-            evidence=ev,
-            suggestion=fix,
-            steps=(c["since_step"], ctx.recorded_steps[-1]),
-            layers=layers,
-            source=SOURCE,
-        )
-    ]
+    return [_collapse(ctx, c, ev, layers, "Codebook collapse", first, when, fix)]
+
+
+def _collapse(ctx: Context, c: dict, ev: dict, layers: list, what: str, first: str, when: str, fix: str) -> Finding:
+    return Finding(
+        kind="codebook_collapse",
+        severity="warning",
+        title=f"{what}: {first}'s outputs take {fmt(c['codes'])} distinct value(s) in effect while its inputs take "
+        f"{fmt(c['input_codes'])}, {when}",
+        evidence=ev,
+        suggestion=fix,
+        steps=(c["since_step"], ctx.recorded_steps[-1]),
+        layers=layers,
+        source=SOURCE,
+    )

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainguard._errors import TrainguardError
+from trainguard.analysis._context import fmt
 from trainguard.analysis._suggest import clipping_words
 from trainguard.store import ALIAS_OPS, REACHED, Run, is_collective
 
@@ -1439,9 +1440,7 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
 
 
 def _num(v: Any) -> str:
-    if not isinstance(v, float):
-        return "non-finite"
-    return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    return fmt(v) if isinstance(v, float) else "non-finite"
 
 
 def _at(skip: dict) -> str:
