@@ -58,7 +58,7 @@ def _images(n=64):
     return F.interpolate(torch.randn(n, 1, 4, 4, generator=g), size=12, mode="bilinear").tanh()
 
 
-def _train(tmp_path, codes_from_inputs: bool):
+def _train(tmp_path, codes_from_inputs: bool, resumed: bool = False):
     torch.manual_seed(0)
     model = _VQVAE()
     x = _images()
@@ -67,6 +67,10 @@ def _train(tmp_path, codes_from_inputs: bool):
             z = model.enc(x).permute(0, 2, 3, 1).reshape(-1, 4)
             model.vq._embedding.weight.copy_(z[torch.randperm(len(z))[:32]])
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    if resumed:  # trained before the monitor came (as after a resume): its first recording is no start
+        vq_loss, recon = model(x[:16])
+        (F.mse_loss(recon, x[:16]) + vq_loss).backward()
+        opt.step()
     with Monitor(model, tmp_path / "r", every=5) as mon:
         for step in range(30):
             b = x[(step * 16) % 64:][:16]
@@ -93,6 +97,17 @@ def test_a_quantizer_giving_every_position_one_or_two_codes_is_a_codebook_collap
     assert set(ev["scale"]) == {"vq._embedding.weight"}
     assert ev["scale"]["vq._embedding.weight"]["code_rms"] > 4 * ev["scale"]["vq._embedding.weight"]["input_rms"]
     assert "kmeans_init=True" in f.suggestion and "commitment cost" in f.suggestion
+
+
+def test_a_collapse_first_seen_after_training_began_says_nothing_of_where_the_codes_started(tmp_path):
+    # The codes' and the inputs' RMS at the first recording were said to be where they "start"
+    # even when the optimizer had stepped before the monitor came (a resumed run).
+    run = _train(tmp_path, codes_from_inputs=False, resumed=True)
+    assert run.meta["monitor"]["weights_initial"] is False
+    [f] = [f for f in diagnose(run) if f.kind == "codebook_collapse"]
+    assert "scale" not in f.evidence and "start at RMS" not in f.suggestion
+    assert not f.evidence["from_start"] and "from initialisation" not in f.title
+    assert "from its first recording (step" in f.title and "kmeans_init=True" in f.suggestion
 
 
 def test_a_codebook_started_from_the_inputs_is_no_collapse(tmp_path):
