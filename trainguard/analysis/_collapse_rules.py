@@ -127,17 +127,16 @@ def _codes(ctx: Context, layer: str) -> list[tuple[int, float, float]]:
 
 
 def _rms_at(ctx: Context, name: str, kind: str) -> float | None:
-    """A layer's activation RMS (kind "activation") or a parameter's (kind "weight") at its first
-    recording."""
+    """A layer's activation RMS (kind "activation") or a parameter's (kind "weight") at
+    initialisation (see :func:`_at_init`; None when the weights were trained before the first
+    recording)."""
     if kind == "weight":
-        norm = ctx.stat(name, "weight", "norm")
+        norm = _at_init(ctx, ctx.stat(name, "weight", "norm"), name)
         size = math.prod(ctx.params.get(name, {}).get("shape") or [0])
-        return float(norm.values[0]) / math.sqrt(size) if len(norm) and size else None
-    mean, std = ctx.stat(name, "activation", "mean"), ctx.stat(name, "activation", "std")
-    if not len(mean) or not len(std):
-        return None
-    v = math.hypot(float(mean.values[0]), float(std.values[0]))
-    return v if math.isfinite(v) else None
+        return norm / math.sqrt(size) if norm is not None and size else None
+    mean = _at_init(ctx, ctx.stat(name, "activation", "mean"), name)
+    std = _at_init(ctx, ctx.stat(name, "activation", "std"), name)
+    return math.hypot(mean, std) if mean is not None and std is not None else None
 
 
 def _output_fake_quant(ctx: Context, layer: str) -> str | None:
@@ -170,7 +169,8 @@ def codebook_collapse(ctx: Context) -> list[Finding]:
         collapsed = [r[1] < limit and r[2] >= factor * r[1] for r in recs]
         since = next(r[0] for r, c in zip(recs, collapsed) if c)
         found[la] = {"codes": codes, "input_codes": inputs, "initial_codes": recs[0][1], "first_step": recs[0][0],
-                     "since_step": since, "from_start": collapsed[0] and recs[0][0] == ctx.initial_step(la)}
+                     "since_step": since,
+                     "from_start": collapsed[0] and ctx.weights_initial and recs[0][0] == ctx.initial_step(la)}
     if not found:
         return []
     layers = ctx.ordered(list(found))
