@@ -814,6 +814,31 @@ def test_lr_too_high_under_a_warmup_names_the_schedules_peak_too(tmp_path):
     assert "peak 5" in f.suggestion and "from 5 to about" in f.suggestion, f.suggestion
 
 
+# karpathy/llama2.c's train.py (dim 32, 2 layers, vocab 128, 2 micro-batches a step) at
+# --learning_rate=5.0 --grad_clip=0.0 under `trainguard monitor`: its get_lr(it) (5 warmup steps,
+# cosine decay to 0) is written into every param_group["lr"] by the loop itself; no
+# torch.optim.lr_scheduler exists. The fix told it to lower "the optimizer's lr where the scheduler
+# scales it (LambdaLR, LinearLR, cosine), the scheduler's own rates where it sets them (OneCycleLR's
+# max_lr, ignite's PiecewiseLinear milestones_values)": schedulers the program does not have.
+LLAMA2C_LR5_LOSS = [4.849, 4.852, 13.85, 21.99, 44.67, 77.39, 204.9, 217.7, 153.4, 177.4, 108.4, 82.35, 145.9,
+                    153.2, 90.83, 49.57, 57.37, 76.75, 63.81, 54.87, 43.04, 78.06, 31.91, 30.43, 23.57, 20.64, 16.18,
+                    13.91, 14.37, 12.15, 13.61]
+LLAMA2C_LR5_LR = [float(s) for s in range(6)] + [2.5 * (1 + math.cos(math.pi * s / 25)) for s in range(1, 26)]
+
+
+def test_lr_too_high_under_a_schedule_the_loop_writes_itself_names_no_scheduler(tmp_path):
+    fs = diagnose(write_run(tmp_path / "r", LLAMA2C_LR5_LOSS, lr=LLAMA2C_LR5_LR, lr_by_hand=True))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert f.evidence["lr"] == 1.0 and f.evidence["lr_peak"] == 5.0, f.evidence
+    assert "from 5 to about" in f.suggestion, f.suggestion
+    assert "param_group['lr']" in f.suggestion and "no torch.optim.lr_scheduler" in f.suggestion, f.suggestion
+    for other in ("LambdaLR", "OneCycleLR", "PiecewiseLinear"):
+        assert other not in f.suggestion, f.suggestion
+    # A run whose monitor saw a scheduler (or an older run, which says nothing) keeps the general text.
+    fs = diagnose(write_run(tmp_path / "s", LLAMA2C_LR5_LOSS, lr=LLAMA2C_LR5_LR))
+    assert "OneCycleLR" in next(f for f in fs if f.kind == "lr_too_high").suggestion
+
+
 # pytorch-ignite's PiecewiseLinear handler (milestones_values [(0, 5), (8, 50), (24, 5)] over
 # create_supervised_trainer's SGD, its mnist Net, under `trainguard monitor`) sets the rate of every
 # iteration itself: the optimizer's lr is overwritten at each ITERATION_STARTED. "set the optimizer's

@@ -210,6 +210,55 @@ def test_a_dict_output_is_judged_by_its_logits_and_negative_labels_the_loss_refu
     assert {"labels_out_of_range", "loss_failed"} <= kinds(r)
 
 
+class _LastPositionLM(nn.Module):
+    """karpathy/llama2.c's model.py ``Transformer.forward(tokens, targets=None)`` in small (tied
+    embedding and output): without targets it returns only the last position's logits,
+    ``self.output(h[:, [-1], :])`` ([B, 1, V], its inference shortcut), so ``model(x)`` against the
+    targets ``[B, T]`` of its training batches fits neither class axis."""
+
+    def __init__(self, vocab: int = 128, width: int = 16) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, width)
+        self.output = nn.Linear(width, vocab, bias=False)
+        self.tok_embeddings.weight = self.output.weight
+
+    def forward(self, tokens, targets=None):
+        h = self.tok_embeddings(tokens)
+        return self.output(h if targets is not None else h[:, [-1], :])
+
+
+def _flat_lm_loss(logits, y):  # llama2.c's loss: cross_entropy over (B*T, V), ignore_index=-1
+    return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1)
+
+
+def test_logits_of_the_last_position_only_are_a_shape_mismatch_not_one_class():
+    # Found with `trainguard doctor` on llama2.c's Transformer: "Class labels span [0, 127] but the
+    # output has 1 classes -- give the last layer 128 outputs" (it has 128): dim 1 of [8, 1, 128] was
+    # taken for the classes although neither [B, C, ...] nor [B, T, V] fits the targets [8, 32].
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 128, (8, 32), generator=g), torch.randint(0, 128, (8, 32), generator=g)
+    r = doctor.init_checks(_LastPositionLM(), (x, y), _flat_lm_loss)
+    assert r.output_shape == [8, 1, 128] and r.num_classes is None
+    assert "labels_out_of_range" not in kinds(r)
+    assert {"output_target_shape", "loss_failed"} <= kinds(r) and not r.passed
+    shape = next(f for f in r.findings() if f.kind == "output_target_shape")
+    assert shape.severity == "error"
+    assert shape.title == "Output [8, 1, 128] does not fit targets [8, 32]: it holds 1 position of the targets' 32"
+    assert "every position" in shape.suggestion and "h[:, [-1], :]" in shape.suggestion
+    # Given the targets, the same model returns every position's logits: nothing to say.
+    r = doctor.init_checks(_Targets(_LastPositionLM()), (x, y), _flat_lm_loss)
+    assert r.output_shape == [8, 32, 128] and r.num_classes == 128 and r.passed, kinds(r)
+
+
+class _Targets(nn.Module):
+    def __init__(self, m: nn.Module) -> None:
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return self.m(x, x)
+
+
 def test_channel_first_class_axis_for_segmentation_shaped_outputs():
     # [B, C, H, W] logits against [B, H, W] labels: classes on dim 1 (what cross_entropy expects).
     model = nn.Conv2d(3, 4, 1)

@@ -138,7 +138,13 @@ def lr_lower(ctx: Context, ratio: float | None, step: int | None = None) -> tupl
     new = sig(lr * factor, 1)
     text = f"lower the learning rate from {fmt(lr)} to about {fmt(new)}{_other_groups(ctx, lr, factor, step)}"
     peak = ctx.lr_peak()
-    if step is not None and peak is not None and peak > SCHEDULE_PEAK_GAP * lr:
+    if step is not None and peak is not None and peak > SCHEDULE_PEAK_GAP * lr and ctx.meta.get("lr_by_hand"):
+        # The loop writes param_group["lr"] itself (llama2.c's and nanoGPT's get_lr(it)): no scheduler to name.
+        text += (f" (the rate at step {step} of the schedule the loop writes into param_group['lr'] itself, with "
+                 f"no torch.optim.lr_scheduler; its peak {fmt(peak)}): lower the peak it computes from {fmt(peak)} "
+                 f"to about {fmt(sig(peak * factor, 1))} and its other rates (a floor such as a min_lr) by the "
+                 "same factor")
+    elif step is not None and peak is not None and peak > SCHEDULE_PEAK_GAP * lr:
         # A scheduler that scales the optimizer's lr (LambdaLR, LinearLR, cosine) follows it; one that
         # sets rates of its own (OneCycleLR's max_lr, ignite's PiecewiseLinear) overwrites it.
         text += (f" (the schedule's rate at step {step}, below its peak {fmt(peak)}): lower the peak from "

@@ -446,6 +446,8 @@ class Monitor(EventsMixin, HookMixin):
             known["torch_func_model"] = self._torch_func_model
         if self.no_grad_layers:
             known["no_grad_layers"] = dict(self.no_grad_layers)
+        if self._grads.lr_by_hand and "ignite" not in sys.modules:  # ignite's PiecewiseLinear sets rates too
+            known["lr_by_hand"] = True
         if self._skip_account:
             known["skipped_iterations"] = dict(self._skip_account)
         env = next((m for m in _RL_ENVIRONMENTS if m in sys.modules), None)

@@ -150,6 +150,9 @@ class GradientWatch:
         self.bins = bins
         self.saw_optimizer = False
         self.optimizer_had_state = False  # the first optimizer step found momentum/Adam state: not a fresh run
+        # The first optimizer's groups carried no "initial_lr" at its steps: no torch (or timm) LR
+        # scheduler, which both add it, owns its rates; the loop writes them (llama2.c's get_lr(it)).
+        self.lr_by_hand: bool | None = None
         self._opt_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._opt_index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._routed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Muon -> times its choices were read
@@ -320,6 +323,8 @@ class GradientWatch:
         """After ``opt.step()``: its learning rates, and the updates against the snapshot."""
         self._stepped = True
         k = self._opt_index.get(opt, 0)
+        if k == 0 and self.lr_by_hand is not False:
+            self.lr_by_hand = not any("initial_lr" in g for g in opt.param_groups)
         for gi, g in enumerate(opt.param_groups):
             lr = g.get("lr")
             if lr is None:

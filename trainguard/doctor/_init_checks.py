@@ -321,17 +321,37 @@ def _task(outputs: Any, targets: Any, loss_fn: Any, num_classes: int | None) -> 
         return "regression", None
     integer = not targets.is_floating_point() and not targets.is_complex() and targets.dtype != torch.bool
     if integer and outputs.dim() == targets.dim() + 1 and outputs.dim() >= 2:
-        return "classification", num_classes or int(outputs.shape[_class_axis(outputs, targets)])
+        axis = _class_axis(outputs, targets)
+        # Neither layout fits (llama2.c's [B, 1, V] of the last position against [B, T]): no dim is
+        # known to be the classes, and dim 1 taken for them made labels "out of range" of 1 class.
+        return "classification", num_classes or (None if axis is None else int(outputs.shape[axis]))
     if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and outputs.dim() >= 2:
         return "classification", num_classes or int(outputs.shape[1])  # soft (probability) targets
     return "regression", None
 
 
-def _class_axis(outputs: torch.Tensor, targets: torch.Tensor) -> int:
+def _class_axis(outputs: torch.Tensor, targets: torch.Tensor) -> int | None:
     """Dim 1 (what cross_entropy expects: ``[B, C, ...]`` against ``[B, ...]``), unless only the
-    last fits: language-model logits ``[B, T, V]`` against targets ``[B, T]``, flattened by the loss."""
-    first = outputs.shape[:1] + outputs.shape[2:] == targets.shape
-    return -1 if not first and outputs.shape[:-1] == targets.shape else 1
+    last fits: language-model logits ``[B, T, V]`` against targets ``[B, T]``, flattened by the loss;
+    None when neither fits."""
+    if outputs.shape[:1] + outputs.shape[2:] == targets.shape:
+        return 1
+    return -1 if outputs.shape[:-1] == targets.shape else None
+
+
+def _unfit_classes(outputs: torch.Tensor, targets: torch.Tensor) -> Finding:
+    """Class-index targets that fit neither class axis of the output, refused by the loss."""
+    out, tgt = list(outputs.shape), list(targets.shape)
+    title = f"Output {out} does not fit targets {tgt}"
+    fix = ("Give the loss the output cross_entropy expects, [B, C, ...] against targets [B, ...], or a "
+           "language model's [B, T, V] against [B, T] (flattened by the loss)")
+    if outputs.dim() == 3 and out[0] == tgt[0] and out[1] < tgt[1]:
+        title += f": it holds {out[1]} position{'s' if out[1] != 1 else ''} of the targets' {tgt[1]}"
+        fix = (f"Return the logits of every position the targets cover ({tgt[1]}, not {out[1]}): a model that "
+               "keeps only the last position's logits when it is given no targets (`h[:, [-1], :]`, an "
+               "inference shortcut, as llama2.c's and nanoGPT's forward(idx, targets=None)) needs them: wrap it "
+               "so that it is called as model(x, y), or give the doctor a forward that returns all positions")
+    return finding("output_target_shape", "error", title, fix + ".", output_shape=out, target_shape=tgt)
 
 
 def _expected(task: str, classes: int | None) -> tuple[float | None, str]:
@@ -358,6 +378,9 @@ def _shape_issues(inputs: Any, outputs: Any, targets: Any, task: str, classes: i
         return out
     if not isinstance(targets, torch.Tensor):
         return out
+    if (task == "classification" and not loss_accepted and not targets.is_floating_point()
+            and outputs.dim() == targets.dim() + 1 and _class_axis(outputs, targets) is None):
+        out.append(_unfit_classes(outputs, targets))
     if task == "classification" and not targets.is_floating_point():
         valid = targets[targets != IGNORE_INDEX]
         negative = valid[valid < 0].unique()
