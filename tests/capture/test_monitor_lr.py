@@ -38,3 +38,11 @@ def _train(tmp_path, scheduler: bool) -> dict:
 def test_the_monitor_says_when_the_loop_sets_its_learning_rate_itself(tmp_path, scheduler):
     meta = _train(tmp_path, scheduler)
     assert meta.get("lr_by_hand", False) is (not scheduler), meta
+
+
+def test_reduce_lr_on_plateau_adds_no_initial_lr(tmp_path):
+    # Why the fix text for lr_by_hand names ReduceLROnPlateau beside a loop's own get_lr(it): the
+    # monitor cannot tell them apart by the optimizer's groups (torch 2.13).
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    assert not any("initial_lr" in g for g in opt.param_groups)
