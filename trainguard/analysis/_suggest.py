@@ -139,11 +139,13 @@ def lr_lower(ctx: Context, ratio: float | None, step: int | None = None) -> tupl
     text = f"lower the learning rate from {fmt(lr)} to about {fmt(new)}{_other_groups(ctx, lr, factor, step)}"
     peak = ctx.lr_peak()
     if step is not None and peak is not None and peak > SCHEDULE_PEAK_GAP * lr and ctx.meta.get("lr_by_hand"):
-        # The loop writes param_group["lr"] itself (llama2.c's and nanoGPT's get_lr(it)): no scheduler to name.
-        text += (f" (the rate at step {step} of the schedule the loop writes into param_group['lr'] itself, with "
-                 f"no torch.optim.lr_scheduler; its peak {fmt(peak)}): lower the peak it computes from {fmt(peak)} "
-                 f"to about {fmt(sig(peak * factor, 1))} and its other rates (a floor such as a min_lr) by the "
-                 "same factor")
+        # Nothing that scales the optimizer's lr (LambdaLR, cosine) owns the rates: the loop writes
+        # param_group["lr"] itself (llama2.c's and nanoGPT's get_lr(it)), or ReduceLROnPlateau lowers
+        # it, which adds no initial_lr either.
+        text += (f" (the rate at step {step}; its peak {fmt(peak)}, set in param_group['lr'] with no scheduler that "
+                 "scales it: the loop's own get_lr(it), or ReduceLROnPlateau, which only lowers it): lower the peak "
+                 f"the loop computes (or the optimizer's lr) from {fmt(peak)} to about {fmt(sig(peak * factor, 1))}, "
+                 "and its other rates (a floor such as a min_lr) by the same factor")
     elif step is not None and peak is not None and peak > SCHEDULE_PEAK_GAP * lr:
         # A scheduler that scales the optimizer's lr (LambdaLR, LinearLR, cosine) follows it; one that
         # sets rates of its own (OneCycleLR's max_lr, ignite's PiecewiseLinear) overwrites it.
