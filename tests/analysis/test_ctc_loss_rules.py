@@ -100,3 +100,41 @@ def test_log_softmax_over_the_classes_is_no_misuse(tmp_path):
         _train("log_softmax")
     with open_run(tmp_path / "rec") as run:
         assert not _misuse(diagnose(run))
+
+
+def _train_zero_infinity(too_long: int, steps: int = 4) -> None:
+    torch.manual_seed(0)
+    model = _CRNN("log_softmax")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    criterion = nn.CTCLoss(zero_infinity=True)  # Holmeyoung's params.dealwith_lossnan = True
+    for _ in range(steps):
+        x = torch.randn(5, 4, 16)
+        text = torch.randint(1, 6, (5, 10))
+        length = torch.tensor([3, 2, 3, 1, 2])
+        length[:too_long] = 10  # 10 labels for 8 frames: no alignment fits
+        preds = model(x)
+        preds_size = torch.full((5,), preds.size(0), dtype=torch.long)
+        cost = criterion(preds, text, preds_size, length) / 5
+        opt.zero_grad()
+        cost.backward()
+        opt.step()
+
+
+def test_zero_infinity_dropping_samples_is_said(tmp_path):
+    # Holmeyoung's CRNN with dealwith_lossnan = True (zero_infinity) and labels up to 30 characters for
+    # its 26 frames: about a quarter of the samples added 0 to the loss and the gradient, and the
+    # monitor called the run healthy.
+    with tg.Monitor(None, tmp_path / "mon", every=2) as mon:
+        _train_zero_infinity(too_long=2)
+    got = [f for f in mon.findings if f.kind == "ctc_targets_zeroed"]
+    assert len(got) == 1 and got[0].severity == "warning", [(f.kind, f.title) for f in mon.findings]
+    f = got[0]
+    assert "6 of 15" in f.title and "zero_infinity" in f.title, f.title
+    assert "frames" in f.suggestion, f.suggestion
+    assert not [g for g in mon.findings if g.kind == "healthy"]
+
+
+def test_zero_infinity_with_every_target_aligned_says_nothing(tmp_path):
+    with tg.Monitor(None, tmp_path / "mon", every=2) as mon:
+        _train_zero_infinity(too_long=0)
+    assert not [f for f in mon.findings if f.kind == "ctc_targets_zeroed"]
