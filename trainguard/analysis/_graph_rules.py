@@ -337,6 +337,42 @@ def _finding(kind: str, links: list[dict], head: dict, source: str, extra: dict)
                    suggestion=fix, source=SOURCE)
 
 
+ZEROED_FIX = (
+    "drop or shorten the samples whose target is longer than their output frames (each label needs a "
+    "frame, and a repeated label one more for the blank between), or downsample the input less (fewer "
+    "strides or poolings along time, a wider image); zero_infinity=True keeps the loss finite, but these "
+    "samples add nothing to it or to the gradient"
+)
+
+
+def _zeroed_findings(ctx: Context) -> list[Finding]:
+    """CTC samples that zero_infinity=True dropped from the loss: no alignment fits their targets."""
+    zeroed = samples = 0
+    b = None
+    for rec in ctx.run.meta.get("loss_graph") or []:
+        for head in rec.get("heads") or []:
+            facts = head.get("facts") or {}
+            if head.get("loss") == "ctc_loss" and facts.get("samples"):
+                zeroed += int(facts.get("zeroed") or 0)
+                samples += int(facts["samples"])
+                b = b or rec.get("backward_at")
+    if not zeroed:
+        return []
+    where = f" (the loss backpropagated at {b['file']}:{b['line']})" if b else ""
+    return [Finding(
+        kind="ctc_targets_zeroed", severity="warning",
+        title=f"ctc_loss with zero_infinity=True dropped {zeroed} of {samples} samples of the first batches: "
+              f"no alignment fits their targets into their input frames, so they teach nothing{where}",
+        evidence={"source": "autograd graph", "zeroed": zeroed, "samples": samples, "backward_at": b},
+        suggestion=ZEROED_FIX, source=SOURCE)]
+
+
+@register_rule("ctc_targets_zeroed")
+def ctc_targets_zeroed(ctx: Context) -> list[Finding]:
+    """CTC loss with zero_infinity=True zeroed samples whose targets no alignment fits (the loss's autograd graph)."""
+    return [f for f in graph_findings(ctx) if f.kind == "ctc_targets_zeroed"]
+
+
 def _monitor_findings(ctx: Context, tol: float) -> list[Finding]:
     out = []
     for rec in ctx.run.meta.get("loss_graph") or []:
@@ -397,7 +433,7 @@ def recording_findings(run: Any, findings: list[dict]) -> list[dict]:
     """The loss-misuse findings of a recording that ``findings`` (those stored in it) lack:
     ``trainguard run`` without ``--monitor`` stores none, and its report still names them."""
     have = {f.get("kind") for f in findings}
-    if have & (set(KINDS) | {"loss_broadcast"}):
+    if have & (set(KINDS) | {"loss_broadcast", "ctc_targets_zeroed"}):
         return []
     ctx = Context(run, Thresholds())
     return [f.to_dict() for f in graph_findings(ctx)]
@@ -422,6 +458,7 @@ def graph_findings(ctx: Context) -> list[Finding]:
             found.append(_finding(got[0], got[1], head, "recorded op graph", {}))
     found += _monitor_findings(ctx, tol)
     found += _broadcast_findings(ctx)
+    found += _zeroed_findings(ctx)
     by_kind: dict[str, Finding] = {}
     for f in found:
         by_kind.setdefault(f.kind, f)
@@ -441,4 +478,4 @@ def _rule(kind: str):
 for _kind in KINDS:
     _rule(_kind)
 
-__all__ = ["KINDS", "graph_findings", "judge", "loss_broadcast", "recorded_heads", "recording_findings"]
+__all__ = ["KINDS", "ctc_targets_zeroed", "graph_findings", "judge", "loss_broadcast", "recorded_heads", "recording_findings"]

@@ -238,7 +238,14 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None) -> list[dict]:
             head = {"loss": "ctc_loss", "chain": _chain(nxt[0]) if nxt else []}
             x = _saved(fn, "_saved_log_probs")
             if x is not None and x.is_floating_point() and x.numel():
-                head["facts"] = _facts_nll_input(x, dim=-1)
+                names, values = _facts_nll_input(x, dim=-1)
+                nll = _saved(fn, "_saved_result0")  # per sample; +inf where no alignment fits the target
+                if nll is not None and nll.numel() and getattr(fn, "_saved_zero_infinity", False):
+                    names += ("zeroed", "samples")
+                    values = torch.cat([values, torch.stack([
+                        torch.isinf(nll.detach()).sum().double(), torch.tensor(float(nll.numel()), device=nll.device,
+                                                                             dtype=torch.float64)])])
+                head["facts"] = (names, values)
                 head["classes"] = int(x.shape[-1])
         elif op in ("binary_cross_entropy_with_logits", "binary_cross_entropy"):
             nxt = _next(fn)
