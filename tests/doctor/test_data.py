@@ -417,3 +417,23 @@ def test_a_non_finite_target_is_no_feature_leak():
     r = doctor.validate_data([(ids[i:i + 8], margin[i:i + 8]) for i in range(0, 64, 8)])
     assert r.by_kind("data_nonfinite")[0].evidence["examples"] == [37]
     assert not r.by_kind("feature_leak"), r.by_kind("feature_leak")
+
+
+def test_ctc_batches_with_targets_and_lengths_check_the_inputs():
+    # Found with `trainguard doctor` on Holmeyoung/crnn-pytorch's CRNN: each batch is (images, (text,
+    # length)), the padded label indices and their lengths as nn.CTCLoss takes them, padded to each
+    # batch's longest label; validate_data "could not run: DoctorInputError: train targets must be a
+    # tensor or a NumPy array, got tuple" and the checklist showed an ERROR row.
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for width in (4, 3, 5):
+        images = torch.rand(8, 1, 8, 20, generator=g) * 2 - 1
+        images[2, 0, 0, 0] = float("nan") if width == 3 else images[2, 0, 0, 0]
+        text = torch.randint(1, 11, (8, width), generator=g)
+        batches.append((images, (text, torch.full((8,), width))))
+    r = doctor.validate_data(batches)
+    kinds = {f.kind: f for f in r.findings()}
+    assert "data_nonfinite" in kinds and "1 NaN" in kinds["data_nonfinite"].title, list(kinds)
+    assert r.splits["train"]["samples"] == 24 and r.splits["train"]["targets"] is None
+    f = kinds["targets_not_read"]
+    assert f.severity == "info" and "tuple" in f.title, f.title

@@ -366,3 +366,41 @@ def test_a_model_of_several_arguments_given_a_tuple_is_told_to_unpack_it():
     (f,) = [f for f in r.findings() if f.kind == "forward_failed"]
     assert "shapes, dtypes, devices" not in f.suggestion, f.suggestion
     assert "model(*inputs)" in f.suggestion and "(dense_x, indices)" in f.suggestion, f.suggestion
+
+
+class _TimeFirstCTC(nn.Module):
+    """Holmeyoung/crnn-pytorch's CRNN (models/crnn.py) in small: a conv over the image's columns, a
+    BiLSTM over them and log_softmax, returned time first, ``[T, N, C]``, the layout ``nn.CTCLoss`` takes
+    (its train.py: ``criterion(preds, text, preds_size, length) / batch_size``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, kernel_size=3, stride=2, padding=1)
+        self.rnn = nn.LSTM(8, 8, bidirectional=True)
+        self.out = nn.Linear(16, 6)
+
+    def forward(self, x):  # [N, 4, W] -> [W // 2, N, 6]
+        seq = torch.relu(self.conv(x)).permute(2, 0, 1)
+        return self.out(self.rnn(seq)[0]).log_softmax(2)
+
+
+def _ctc(preds, target):
+    text, length = target
+    frames = torch.full((preds.size(1),), preds.size(0), dtype=torch.long)
+    return nn.CTCLoss()(preds, text, frames, length) / preds.size(1)
+
+
+def test_a_time_first_ctc_output_is_no_merged_batch_dimension():
+    # Found with `trainguard doctor` on Holmeyoung/crnn-pytorch's CRNN: "error: The output has shape
+    # [26, 16, 37] for a batch of 16 samples: look for a flatten/view that merges the batch dimension",
+    # for the [T, N, C] output nn.CTCLoss requires.
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, 16)
+    target = (torch.randint(1, 6, (5, 3)), torch.tensor([3, 2, 3, 1, 2]))
+    r = doctor.init_checks(_TimeFirstCTC(), (x, target), _ctc)
+    assert "output_batch_mismatch" not in {f.kind for f in r.findings()}, [(f.kind, f.title) for f in r.findings()]
+    assert r.output_shape == [8, 5, 6] and r.verdict != "fail", (r.verdict, r.summary)
+    # a flattened output still is a mismatch, whatever the loss takes
+    flat = nn.Sequential(_TimeFirstCTC(), nn.Flatten(0, 1))
+    r = doctor.init_checks(flat, (x, torch.zeros(5)), lambda out, y: out.mean())
+    assert "output_batch_mismatch" in {f.kind for f in r.findings()}

@@ -75,6 +75,10 @@ MONITOR_RULES = (
     "nll_loss_on_logits",
     "cross_entropy_targets_not_probabilities",
     "cross_entropy_one_class",
+    "ctc_loss_on_probabilities",
+    "ctc_loss_on_logits",
+    "ctc_log_softmax_wrong_dim",
+    "ctc_targets_zeroed",
     # custom autograd Functions checked live (analysis/_function_rules.py)
     "custom_gradient_wrong",
     "nonfinite_val_loss",

@@ -35,7 +35,7 @@ _PASS = frozenset({
 })
 _RECORDED_LOSSES = {
     "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss",
-    "binary_cross_entropy_with_logits": "binary_cross_entropy_with_logits",
+    "binary_cross_entropy_with_logits": "binary_cross_entropy_with_logits", "_ctc_loss": "ctc_loss",
 }
 # Producers that make log-probabilities: nll_loss is right on their output.
 _LOG_PROB_OPS = ("log_softmax", "log", "log_sigmoid", "log_sigmoid_forward")
@@ -64,6 +64,25 @@ KINDS = {
         "nll_loss is applied to raw scores (logits): it expects log-probabilities",
         "apply `F.log_softmax(logits, dim=1)` before `nll_loss`, or use `F.cross_entropy(logits, target)` "
         "(on raw scores nll_loss just pushes the true class's score up without bound: the loss goes to -inf)",
+    ),
+    "ctc_loss_on_probabilities": (
+        "ctc_loss is applied to probabilities: it expects log-probabilities",
+        "apply `F.log_softmax(x, dim=2)` instead of `softmax` before `nn.CTCLoss` / `F.ctc_loss` (over the "
+        "classes, the last dimension of its `[T, N, C]` input); on probabilities the loss is not -log p of the "
+        "target (it goes below 0) and the model learns no alignment",
+    ),
+    "ctc_loss_on_logits": (
+        "ctc_loss is applied to raw scores (logits): it expects log-probabilities",
+        "apply `F.log_softmax(x, dim=2)` before `nn.CTCLoss` / `F.ctc_loss` (over the classes, the last "
+        "dimension of its `[T, N, C]` input): torch's CTC loss does not normalise its input as warp-ctc did; "
+        "on raw scores the loss is not -log p of the target (it goes below 0) and the model learns no alignment",
+    ),
+    "ctc_log_softmax_wrong_dim": (
+        "ctc_loss's log_softmax is not over the classes: its input's rows over the last dimension are no "
+        "log-probabilities",
+        "take `log_softmax` over the classes, the last dimension of the `[T, N, C]` input: "
+        "`F.log_softmax(x, dim=2)` (or `dim=-1`); over dim 0 or 1 it normalises across time steps or samples, "
+        "and the loss pushes the scores of other frames or samples down instead of learning the alignment",
     ),
     "cross_entropy_one_class": (
         "cross_entropy over 1 class: log_softmax of a single score is 0, so the loss is 0 and every gradient "
@@ -244,6 +263,8 @@ def judge(head: dict, tol: float) -> tuple[str, list[dict]] | None:
                 return "nll_loss_on_logits", [chain[0], end]
         elif ops[0] in _SCORE_OPS:
             return "nll_loss_on_logits", [chain[0], end]
+    if loss == "ctc_loss" and ops:
+        return _judge_ctc(ops, chain, facts, end, tol)
     if loss == "soft_cross_entropy" and facts:
         lo, hi = facts.get("target_min"), facts.get("target_max")
         smax, smin = facts.get("row_sum_max"), facts.get("row_sum_min")
@@ -252,6 +273,26 @@ def judge(head: dict, tol: float) -> tuple[str, list[dict]] | None:
         if bad:
             links = [head["target"]] if head.get("target") else []
             return "cross_entropy_targets_not_probabilities", [*links, end]
+    return None
+
+
+def _judge_ctc(ops: list[str], chain: list[dict], facts: dict, end: dict, tol: float) -> tuple[str, list[dict]] | None:
+    """ctc_loss's input must be log-probabilities over its last dimension (the classes)."""
+    lo, hi = facts.get("input_min"), facts.get("input_max")
+    lse, rows = facts.get("logsumexp_dev"), facts.get("row_sum_dev")
+    if ops[0] in _LOG_PROB_OPS:
+        # log_softmax over dim 0 or 1 of [T, N, C] still gives values <= 0: only the rows tell
+        if ops[0] == "log_softmax" and lse is not None and lse > tol:
+            return "ctc_log_softmax_wrong_dim", [chain[0], end]
+        return None
+    if ops[0] == "softmax" or (lo is not None and lo >= -tol and hi is not None and hi > 0
+                               and (rows is None or rows <= tol)):
+        return "ctc_loss_on_probabilities", [chain[0], end]
+    if hi is not None:
+        if hi > tol and (lse is None or lse > tol):
+            return "ctc_loss_on_logits", [chain[0], end]
+    elif ops[0] in _SCORE_OPS:
+        return "ctc_loss_on_logits", [chain[0], end]
     return None
 
 
@@ -269,9 +310,11 @@ def _detail(kind: str, facts: dict) -> str:
         return f"target rows sum to {sums}, values in [{fmt(facts['target_min'])}, {fmt(facts['target_max'])}]"
     if kind == "cross_entropy_targets_not_probabilities" and facts.get("target_min", 0) < 0:
         return "targets hold negative values"
-    if kind == "nll_loss_on_logits" and "input_max" in facts and not facts.get("signs_only"):
+    if kind == "ctc_log_softmax_wrong_dim" and "logsumexp_dev" in facts:
+        return f"logsumexp over the last dimension is {fmt(facts['logsumexp_dev'])} away from 0"
+    if kind in ("nll_loss_on_logits", "ctc_loss_on_logits") and "input_max" in facts and not facts.get("signs_only"):
         return f"its input reaches {fmt(facts['input_max'])} (log-probabilities are <= 0)"
-    if kind == "nll_loss_on_logits" and facts.get("signs_only"):
+    if kind in ("nll_loss_on_logits", "ctc_loss_on_logits") and facts.get("signs_only"):
         return "its input holds positive values (log-probabilities are <= 0)"
     return ""
 
@@ -294,6 +337,42 @@ def _finding(kind: str, links: list[dict], head: dict, source: str, extra: dict)
                    suggestion=fix, source=SOURCE)
 
 
+ZEROED_FIX = (
+    "drop or shorten the samples whose target is longer than their output frames (each label needs a "
+    "frame, and a repeated label one more for the blank between), or downsample the input less (fewer "
+    "strides or poolings along time, a wider image); zero_infinity=True keeps the loss finite, but these "
+    "samples add nothing to it or to the gradient"
+)
+
+
+def _zeroed_findings(ctx: Context) -> list[Finding]:
+    """CTC samples that zero_infinity=True dropped from the loss: no alignment fits their targets."""
+    zeroed = samples = 0
+    b = None
+    for rec in ctx.run.meta.get("loss_graph") or []:
+        for head in rec.get("heads") or []:
+            facts = head.get("facts") or {}
+            if head.get("loss") == "ctc_loss" and facts.get("samples"):
+                zeroed += int(facts.get("zeroed") or 0)
+                samples += int(facts["samples"])
+                b = b or rec.get("backward_at")
+    if not zeroed:
+        return []
+    where = f" (the loss backpropagated at {b['file']}:{b['line']})" if b else ""
+    return [Finding(
+        kind="ctc_targets_zeroed", severity="warning",
+        title=f"ctc_loss with zero_infinity=True dropped {zeroed} of {samples} samples of the first batches: "
+              f"no alignment fits their targets into their input frames, so they teach nothing{where}",
+        evidence={"source": "autograd graph", "zeroed": zeroed, "samples": samples, "backward_at": b},
+        suggestion=ZEROED_FIX, source=SOURCE)]
+
+
+@register_rule("ctc_targets_zeroed")
+def ctc_targets_zeroed(ctx: Context) -> list[Finding]:
+    """CTC loss with zero_infinity=True zeroed samples whose targets no alignment fits (the loss's autograd graph)."""
+    return [f for f in graph_findings(ctx) if f.kind == "ctc_targets_zeroed"]
+
+
 def _monitor_findings(ctx: Context, tol: float) -> list[Finding]:
     out = []
     for rec in ctx.run.meta.get("loss_graph") or []:
@@ -314,6 +393,7 @@ def _monitor_findings(ctx: Context, tol: float) -> list[Finding]:
 
 def _module_matches(kind: str, type_name: str | None) -> bool:
     want = {"softmax_before_cross_entropy": ("Softmax",), "nll_loss_on_probabilities": ("Softmax",),
+            "ctc_loss_on_probabilities": ("Softmax",),
             "sigmoid_before_bce_with_logits": ("Sigmoid",)}.get(kind, ())
     return type_name in want
 
@@ -353,7 +433,7 @@ def recording_findings(run: Any, findings: list[dict]) -> list[dict]:
     """The loss-misuse findings of a recording that ``findings`` (those stored in it) lack:
     ``trainguard run`` without ``--monitor`` stores none, and its report still names them."""
     have = {f.get("kind") for f in findings}
-    if have & (set(KINDS) | {"loss_broadcast"}):
+    if have & (set(KINDS) | {"loss_broadcast", "ctc_targets_zeroed"}):
         return []
     ctx = Context(run, Thresholds())
     return [f.to_dict() for f in graph_findings(ctx)]
@@ -378,6 +458,7 @@ def graph_findings(ctx: Context) -> list[Finding]:
             found.append(_finding(got[0], got[1], head, "recorded op graph", {}))
     found += _monitor_findings(ctx, tol)
     found += _broadcast_findings(ctx)
+    found += _zeroed_findings(ctx)
     by_kind: dict[str, Finding] = {}
     for f in found:
         by_kind.setdefault(f.kind, f)
@@ -397,4 +478,4 @@ def _rule(kind: str):
 for _kind in KINDS:
     _rule(_kind)
 
-__all__ = ["KINDS", "graph_findings", "judge", "loss_broadcast", "recorded_heads", "recording_findings"]
+__all__ = ["KINDS", "ctc_targets_zeroed", "graph_findings", "judge", "loss_broadcast", "recorded_heads", "recording_findings"]

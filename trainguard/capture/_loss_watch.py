@@ -108,10 +108,11 @@ def _class_dim(t: torch.Tensor) -> int:
 Facts = tuple[tuple[str, ...], torch.Tensor]
 
 
-def _facts_nll_input(x: torch.Tensor) -> Facts:
-    """Log-probabilities are <= 0 with rows whose exp sums to 1; probabilities are in [0, 1] with rows summing to 1."""
+def _facts_nll_input(x: torch.Tensor, dim: int | None = None) -> Facts:
+    """Log-probabilities are <= 0 with rows whose exp sums to 1; probabilities are in [0, 1] with rows
+    summing to 1. ``dim``: the classes (nll_loss's dim 1 unless given; ctc_loss's are the last)."""
     x = _rows(x)
-    d = _class_dim(x)
+    d = _class_dim(x) if dim is None else dim
     return (("input_max", "input_min", "logsumexp_dev", "row_sum_dev"),
             torch.stack([x.max(), x.min(), x.logsumexp(d).abs().max(), (x.sum(d) - 1).abs().max()]))
 
@@ -231,6 +232,21 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None) -> list[dict]:
             if x is not None and x.is_floating_point() and x.numel():
                 head["facts"] = _facts_nll_input(x)
                 head["classes"] = int(x.shape[_class_dim(x)])
+        elif op == "ctc_loss":
+            # log_probs [T, N, C] (or [T, C]): log_softmax over the classes, the last dimension
+            nxt = _next(fn)
+            head = {"loss": "ctc_loss", "chain": _chain(nxt[0]) if nxt else []}
+            x = _saved(fn, "_saved_log_probs")
+            if x is not None and x.is_floating_point() and x.numel():
+                names, values = _facts_nll_input(x, dim=-1)
+                nll = _saved(fn, "_saved_result0")  # per sample; +inf where no alignment fits the target
+                if nll is not None and nll.numel() and getattr(fn, "_saved_zero_infinity", False):
+                    names += ("zeroed", "samples")
+                    values = torch.cat([values, torch.stack([
+                        torch.isinf(nll.detach()).sum().double(), torch.tensor(float(nll.numel()), device=nll.device,
+                                                                             dtype=torch.float64)])])
+                head["facts"] = (names, values)
+                head["classes"] = int(x.shape[-1])
         elif op in ("binary_cross_entropy_with_logits", "binary_cross_entropy"):
             nxt = _next(fn)
             head = {"loss": op, "chain": _chain(nxt[0]) if nxt else []}

@@ -131,6 +131,13 @@ def validate_data(
     issues: list[Finding] = []
     stats: dict[str, Any] = {}
     for s in splits:
+        if s.unread_targets:
+            issues.append(finding(
+                "targets_not_read", "info",
+                f"{s.name} targets are a {s.unread_targets} of several tensors (as nn.CTCLoss's targets and "
+                "lengths): the inputs were checked, the targets not",
+                "To check the labels too, pass validate_data the inputs and one array of labels, "
+                "(inputs, labels).", split=s.name, targets=s.unread_targets))
         issues += _nonfinite(s)
     issues += _duplicates(splits, classification)
     if near_duplicates:

@@ -27,6 +27,8 @@ class Split:
     name: str
     x: np.ndarray  # (N, ...) samples
     y: np.ndarray | None  # (N, ...) targets
+    # the type of targets that are no array and were not read (nn.CTCLoss's (targets, lengths))
+    unread_targets: str | None = None
 
     @property
     def n(self) -> int:
@@ -85,9 +87,15 @@ def _tuple_inputs(dataset: Any) -> bool:
     return isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[0], (tuple, list, dict))
 
 
+def _structured(target: Any) -> bool:
+    """Targets of several tensors (nn.CTCLoss's padded labels and their lengths): no label array."""
+    return isinstance(target, (tuple, list, dict)) and not is_array(target)
+
+
 def _read_batches(obj: Any, name: str, *, sized: bool,
-                  collated: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+                  collated: bool = False) -> tuple[np.ndarray, np.ndarray | None, str | None]:
     xs, ys = [], []
+    unread = None
     for i, batch in enumerate(obj):
         if not sized and i >= UNSIZED_BATCHES:
             break  # a stream may never end: judge its beginning
@@ -96,12 +104,17 @@ def _read_batches(obj: Any, name: str, *, sized: bool,
             if collated and isinstance(inputs, list):
                 inputs = tuple(inputs)
             xs.append(to_numpy(main_input(inputs), f"{name} inputs"))
-            ys.append(to_numpy(batch[1], f"{name} targets"))
+            if _structured(batch[1]):
+                unread = type(batch[1]).__name__
+            else:
+                ys.append(to_numpy(batch[1], f"{name} targets"))
         else:
             xs.append(to_numpy(main_input(batch), f"{name} inputs"))
     if not xs:
         raise DoctorInputError(f"{name} data is empty (the loader yielded no batches)")
-    return np.concatenate(xs), (np.concatenate(ys) if ys else None)
+    if unread is not None:
+        ys = []
+    return np.concatenate(xs), (np.concatenate(ys) if ys else None), unread
 
 
 def read_split(obj: Any, name: str) -> Split:
@@ -110,6 +123,7 @@ def read_split(obj: Any, name: str) -> Split:
 
     x: Any
     y: Any = None
+    unread: str | None = None
     first = obj[0] if isinstance(obj, (tuple, list)) and obj else None
     if is_graph(obj) or is_graph(first) or (isinstance(first, (tuple, list)) and first and is_graph(first[0])):
         raise DoctorInputError(f"{name} data: {_GRAPHS}")
@@ -118,7 +132,7 @@ def read_split(obj: Any, name: str) -> Split:
     elif (isinstance(obj, (tuple, list)) and obj
           and all(isinstance(b, (tuple, list)) and len(b) == 2 and is_array(main_input(b[0])) for b in obj)):
         # A list of (inputs, targets) batches; inputs may be a tuple or dict, as from any other iterable.
-        x, y = _read_batches(obj, name, sized=True)
+        x, y, unread = _read_batches(obj, name, sized=True)
     elif is_array(obj):
         x = obj
     elif isinstance(obj, TensorDataset):
@@ -129,7 +143,7 @@ def read_split(obj: Any, name: str) -> Split:
         x = obj.dataset.tensors[0][idx]
         y = obj.dataset.tensors[1][idx] if len(obj.dataset.tensors) > 1 else None
     elif isinstance(obj, DataLoader):
-        x, y = _read_batches(obj, name, sized=hasattr(obj.dataset, "__len__"),
+        x, y, unread = _read_batches(obj, name, sized=hasattr(obj.dataset, "__len__"),
                              collated=obj.collate_fn is default_collate and _tuple_inputs(obj.dataset))
     elif isinstance(obj, IterableDataset):
         raise DoctorInputError(f"{name} data is an IterableDataset: pass a DataLoader over it, or arrays")
@@ -141,11 +155,12 @@ def read_split(obj: Any, name: str) -> Split:
         items = [obj[i] for i in range(n)]
         if all(isinstance(it, (tuple, list)) and len(it) == 2 for it in items):
             x = _stack([main_input(it[0]) for it in items], f"{name} inputs")
-            y = _stack([it[1] for it in items], f"{name} targets")
+            unread = next((type(it[1]).__name__ for it in items if _structured(it[1])), None)
+            y = None if unread else _stack([it[1] for it in items], f"{name} targets")
         else:
             x = _stack(items, f"{name} inputs")
     elif hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes, dict, tuple, list)) and iter(obj) is not obj:
-        x, y = _read_batches(obj, name, sized=hasattr(obj, "__len__"))  # batches, as the other checks take them
+        x, y, unread = _read_batches(obj, name, sized=hasattr(obj, "__len__"))  # batches, as the other checks take them
     else:
         raise DoctorInputError(
             f"{name} data must be a tensor, an array, an (inputs, targets) pair of them, a Dataset, a "
@@ -167,7 +182,7 @@ def read_split(obj: Any, name: str) -> Split:
             )
         if y.dtype == object or not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
             raise DoctorInputError(f"{name} targets must be numeric, got dtype {y.dtype}")
-    return Split(name, x, y)
+    return Split(name, x, y, unread)
 
 
 def is_classification(splits: list[Split], task: str) -> bool:

@@ -368,7 +368,10 @@ def _shape_issues(inputs: Any, outputs: Any, targets: Any, task: str, classes: i
     if not isinstance(outputs, torch.Tensor):
         return out
     n_in = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() else None
-    if n_in is not None and (outputs.dim() == 0 or outputs.shape[0] != n_in):
+    # time first, [T, N, ...]: the layout nn.CTCLoss takes and RNNs give without batch_first; the
+    # batch is dim 1 when the loss accepted the output as it is
+    time_first = loss_accepted and outputs.dim() >= 3 and outputs.shape[1] == n_in
+    if n_in is not None and (outputs.dim() == 0 or outputs.shape[0] != n_in) and not time_first:
         out.append(finding(
             "output_batch_mismatch", "error",
             f"The output has shape {list(outputs.shape)} for a batch of {n_in} samples",
