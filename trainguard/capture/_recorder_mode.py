@@ -219,10 +219,12 @@ class _DispatchMode(TorchDispatchMode):
             if node is not None:
                 phase = "backward"
                 fwd = r.fwd_nodes.get(node._sequence_nr())
-                if fwd is not None:
+                if fwd is not None and fwd[0] is not None:
                     fwd_seq, module_id, stack_id, _, fwd_op = fwd
                 else:
-                    module_id = None
+                    # no recorded op made this node, or a custom autograd.Function did: its Python
+                    # backward runs here, at lines of its own (mambapy's reverse scan)
+                    module_id = fwd[1] if fwd is not None else None
                     stack_id = r.stacks.capture(2)
                 if not r.in_backward:  # the first op of a backward pass: it runs from the loss
                     r.in_backward = True
@@ -249,9 +251,12 @@ class _DispatchMode(TorchDispatchMode):
                 else:
                     phase = "other"
                 if nr != r.last_nr:
-                    # The autograd node of this op was numbered nr - 1 just before dispatch.
+                    # The autograd node of this op was numbered nr - 1 just before dispatch; with
+                    # grad mode off the op made none: the custom autograd.Function whose forward
+                    # runs it did, and the Function's backward is not this op's (seq None).
                     fwd_nodes = r.fwd_nodes
-                    fwd_nodes[nr - 1] = (seq, module_id, stack_id, _clock.step, name)
+                    fwd_nodes[nr - 1] = ((seq, module_id, stack_id, _clock.step, name) if _grad_enabled()
+                                         else (None, module_id, None, _clock.step, None))
                     if len(fwd_nodes) > FWD_NODES_MAX:
                         r._prune_fwd_nodes()
             if r.dtypes is not None and not any(isinstance(o, _Tensor) and o.dtype in r.dtypes for o in outs):
