@@ -287,6 +287,8 @@ class _DispatchMode(TorchDispatchMode):
                     p = producers.get(key)
                     if p is not None and p[0]() is not t:
                         p = None
+                    if p is not None and states and t._base is not None:
+                        p = _written_through_base(producers, states, t, p)
                     if e is not None and e[0]() is t:
                         inputs.append((e[2], e[1]))
                         # its state is its producer's: a buffer made before its module first ran
@@ -501,6 +503,19 @@ def _inside_collective(func, args: tuple, kwargs: dict) -> tuple:
             return func.redispatch(torch._C._dispatch_keys(t) & _AFTER_PYTHON, *args, **kwargs), inside.made
         finally:
             inside.open = False
+
+
+def _written_through_base(producers: dict, states: dict, t: _Tensor, p: tuple) -> tuple:
+    """The producer ``t``, a view, holds now: the later op that wrote a non-finite value into
+    its base through another view, else its own. mambapy's PScan.forward scans in place through
+    views of ``X = X.transpose(2, 1)`` and returns ``X.transpose(2, 1)``: the overflow is the
+    write's, not the final transpose's. (recorder.cpp, input_of: the same)"""
+    b = t._base
+    q = producers.get(id(b))
+    if q is None or q[1] <= p[1] or q[0]() is not b:
+        return p
+    st = states.get(q[1])
+    return q if st is not None and st[0] >= PENDING else p
 
 
 def _base_written(producers: dict, t: _Tensor, seq: int) -> bool:
