@@ -881,6 +881,56 @@ def test_exp_of_a_learned_log_scale_is_told_to_clamp_the_parameter(tmp_path, in_
     assert ("model.logit_scale.clamp_" in o.suggestion) == in_module, o.suggestion
 
 
+class _Decay(nn.Module):
+    """A selective-scan layer's decay, as alxndrTL/mamba.py's MambaBlock.ssm writes it:
+    A = -torch.exp(self.A_log), deltaA = torch.exp(delta * A), delta = softplus(...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(4, 2))
+
+    def forward(self, x, delta):
+        A = -torch.exp(self.A_log)
+        return x * torch.exp(delta.unsqueeze(-1) * A).sum(-1)
+
+
+class _Scan(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Decay(), _Decay()])
+
+    def forward(self, x, delta):
+        for layer in self.layers:
+            x = layer(x, delta)
+        return x
+
+
+def test_exp_of_a_log_decay_in_a_module_list_is_told_in_python_it_can_run(tmp_path):
+    # mambapy's LM with a rate too high for A_log (layers.N.mixer.A_log): exp(A_log) overflows,
+    # A = -inf, and delta * A is 0 * -inf where softplus underflowed to 0. The fix said to run
+    # `model.layers.1.A_log.clamp_(0, math.log(100))`, a SyntaxError, and called A_log a log-scale
+    # "as CLIP's logit_scale", whose clamp at 0 from below forbids the slow decays A_log < 0 makes.
+    model = _Scan()
+    opt = torch.optim.SGD(model.parameters(), lr=1000.0)
+    x = torch.ones(3, 4)
+    delta = nn.functional.softplus(torch.tensor([[-200.0], [0.0], [1.0]]).expand(3, 4))
+
+    def train():
+        for _ in range(2):
+            loss = model(x, delta).sum()  # falls as A_log grows: the decay forgets faster
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    o = origin(record(tmp_path, train))
+    assert o.origin.op == "aten.exp" and o.origin.step == 1 and o.origin.module == "layers.0"
+    code = o.suggestion.split("`")[1]
+    assert code.startswith("with torch.no_grad(): model.layers[0].A_log.clamp_("), o.suggestion
+    compile(code, "<fix>", "exec")  # the code the fix gives runs as written
+    assert "decay" in o.suggestion and "logit_scale" not in o.suggestion, o.suggestion
+    assert "clamp_(max=" in code, o.suggestion  # only from above: exp must stay finite
+
+
 def test_exp_of_a_log_scale_initialised_too_large_is_told_to_initialise_it_lower(tmp_path):
     # open_clip's CLIP with "init_logit_scale": 100 in its model config (mlfoundations/open_clip,
     # src/open_clip/model.py: self.logit_scale = nn.Parameter(torch.ones([]) * init_logit_scale)):

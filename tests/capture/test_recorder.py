@@ -213,8 +213,11 @@ def test_custom_autograd_function(tmp_path):
     fwd_mul = run.executions(op="mul.Tensor", phase="forward")
     bwd_mul = run.executions(op="mul.Tensor", phase="backward")
     assert fwd_mul and len(bwd_mul) >= 2
-    # the backward ops of the custom Function map to the op that created its node
-    assert all(r["fwd_seq"] is not None for r in bwd_mul)
+    # no forward op made the Function's node (its apply did): its backward's ops are at the
+    # backward's own line, in the module that applied it (tests/capture/test_function_backward.py)
+    assert all(r["fwd_seq"] is None and r["module"] == "" for r in bwd_mul)
+    line = ScaledSquare.backward.__code__.co_firstlineno + 3
+    assert {run.user_frame(r["stack_id"])["lineno"] for r in bwd_mul} == {line}
     assert torch.allclose(x.grad, 2 * x.detach())
 
 

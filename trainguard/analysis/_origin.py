@@ -1099,22 +1099,48 @@ def _overflow_before_any_update(fed: int | None) -> str:
     return f"{text}: check the scale of the initialisation and of the inputs (normalise them)"
 
 
-def _exp_of_parameter(name: str, initial: bool = False) -> str:
+def _python_ref(name: str) -> str:
+    """A parameter's dotted name as Python that reaches it from the model: a ModuleList's index
+    is a subscript (``layers.1.A_log`` is ``layers[1].A_log``), a key that is no identifier a
+    ModuleDict's (``["a-b"]``)."""
+    out = ""
+    for part in name.split("."):
+        if part.isdigit():
+            out += f"[{part}]"
+        elif part.isidentifier():
+            out += f".{part}"
+        else:
+            out += f"[{part!r}]"
+    return out
+
+
+def _exp_of_parameter(name: str, initial: bool = False, decay: bool = False) -> str:
     """The exp of a parameter overflowed: a learned log-scale or log-temperature (CLIP's
     ``logit_scale.exp()``) that the updates grew past the dtype's range, not a computation whose
     maximum can be subtracted. ``initial``: in the first forward pass, before any update: the
-    value it was initialised with (open_clip's ``init_logit_scale``) is too large."""
+    value it was initialised with (open_clip's ``init_logit_scale``) is too large. ``decay``: the
+    exp is negated next, ``A = -torch.exp(A_log)``, a state-space model's log decay rate (Mamba's):
+    bounded from above only, since a value below 0 is a slow decay, no fault."""
     named = f" '{name}'" if name else ""
-    clamp = (f"`with torch.no_grad(): {'model.' + name if name else 'logit_scale'}.clamp_(0, math.log(100))` "
-             "(a log-std: `.clamp_(-20, 2)`)")
-    what = f"the exponent is the parameter{named} (a learned log-scale, as CLIP's logit_scale or a Gaussian policy's log-std)"
+    ref = "model" + _python_ref(name) if name else ("A_log" if decay else "logit_scale")
+    if decay:
+        clamp = f"`with torch.no_grad(): {ref}.clamp_(max=math.log(1e4))`"
+        what = (f"the exponent is the parameter{named}, a learned log decay rate (A = -exp(A_log), as in "
+                "Mamba's selective scan; a rate of 1e4 already forgets the state in one step)")
+    else:
+        clamp = f"`with torch.no_grad(): {ref}.clamp_(0, math.log(100))` (a log-std: `.clamp_(-20, 2)`)"
+        what = (f"the exponent is the parameter{named} (a learned log-scale, as CLIP's logit_scale or a Gaussian "
+                "policy's log-std)")
+    bound = "as open_clip does, " if not decay else ""
     if initial:
+        start = ("initialise it lower, as Mamba does, `torch.log(torch.arange(1, d_state + 1))`" if decay else
+                 "initialise it lower, as CLIP does, `nn.Parameter(torch.tensor(math.log(1 / 0.07)))` "
+                 "(2.66, a temperature of 0.07)")
         return (f"{what}, whose initial value is already too large for exp: this is the forward pass of step 0, "
-                "before any optimizer step of this recording; initialise it lower, as CLIP does, "
-                "`nn.Parameter(torch.tensor(math.log(1 / 0.07)))` (2.66, a temperature of 0.07), and keep it "
-                f"bounded after each optimizer.step() as open_clip does, {clamp}")
+                f"before any optimizer step of this recording; {start}, and keep it "
+                f"bounded after each optimizer.step() {bound}{clamp}")
     return (f"{what}, which the optimizer grew past what exp can hold: bound it after each optimizer.step(), "
-            f"as open_clip does, {clamp}, and/or give it a lower learning rate")
+            f"{bound}{clamp}, and/or give it a lower learning rate")
 
 
 def _as_scale(consumers: list[str]) -> bool:
@@ -1168,7 +1194,8 @@ def _integer_denominator(link: Link) -> bool:
 
 def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None,
             log_of: str | None = None, held: bool = False, exp_param: str | None = None,
-            loader: bool = False, clipping: dict | None = None, inner: dict | None = None) -> str:
+            loader: bool = False, clipping: dict | None = None, inner: dict | None = None,
+            negated: bool = False) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
@@ -1178,7 +1205,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     or went through the model (:func:`_fed_to_model`); ``exp_param``: the parameter an exp's input is, read
     through reshapes (:func:`parameter_behind_view`); ``loader``: made in a DataLoader's fetch
     (:func:`made_in_loader`); ``clipping``: how the loop clips its gradients (the run's ``clipping``), if it does;
-    ``inner``: the input the step adapted itself by a gradient step (:func:`inner_update`)."""
+    ``inner``: the input the step adapted itself by a gradient step (:func:`inner_update`); ``negated``:
+    the value is negated next on the line that made it (``A = -torch.exp(A_log)``: a decay rate)."""
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
@@ -1242,7 +1270,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
             param = next((i.get("name") or "" for i in link.inputs if i.get("kind") == "param"
                           or i.get("producer_phase") == "optimizer"), exp_param)
             if param is not None:
-                return _exp_of_parameter(param, initial=first_forward and link.step == 0)
+                return _exp_of_parameter(param, initial=first_forward and link.step == 0,
+                                         decay=negated)
         if base in ("pow", "square"):
             if link.phase != "backward" and (link.step or 0) > 0 and not loader and not held and _made_by_an_op(link):
                 # made in this step from what the updates changed, not data straight from a loader (gpytorch's
@@ -1428,7 +1457,9 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     loader = made_in_loader(run, o)
     held = (h.step is not None and o.step is not None and h.step > o.step) or loader or _fed_to_model(run, chain)
     clipping = run.meta.get("clipping") or (run.meta.get("monitor") or {}).get("clipping")
-    suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held,
+    negated = (len(chain) > 1 and op_base(chain[-2].op) == "neg" and o.file is not None
+               and (chain[-2].file, chain[-2].line) == (o.file, o.line))
+    suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held, negated=negated,
                          exp_param=parameter_behind_view(run, o), loader=loader, clipping=clipping,
                          inner=inner_update(run, o))
     skipped = _skipped_after(run, o.step) if reached is False else None

@@ -219,10 +219,12 @@ class _DispatchMode(TorchDispatchMode):
             if node is not None:
                 phase = "backward"
                 fwd = r.fwd_nodes.get(node._sequence_nr())
-                if fwd is not None:
+                if fwd is not None and fwd[0] is not None:
                     fwd_seq, module_id, stack_id, _, fwd_op = fwd
                 else:
-                    module_id = None
+                    # no recorded op made this node, or a custom autograd.Function did: its Python
+                    # backward runs here, at lines of its own (mambapy's reverse scan)
+                    module_id = fwd[1] if fwd is not None else None
                     stack_id = r.stacks.capture(2)
                 if not r.in_backward:  # the first op of a backward pass: it runs from the loss
                     r.in_backward = True
@@ -249,9 +251,12 @@ class _DispatchMode(TorchDispatchMode):
                 else:
                     phase = "other"
                 if nr != r.last_nr:
-                    # The autograd node of this op was numbered nr - 1 just before dispatch.
+                    # The autograd node of this op was numbered nr - 1 just before dispatch; with
+                    # grad mode off the op made none: the custom autograd.Function whose forward
+                    # runs it did, and the Function's backward is not this op's (seq None).
                     fwd_nodes = r.fwd_nodes
-                    fwd_nodes[nr - 1] = (seq, module_id, stack_id, _clock.step, name)
+                    fwd_nodes[nr - 1] = ((seq, module_id, stack_id, _clock.step, name) if _grad_enabled()
+                                         else (None, module_id, None, _clock.step, None))
                     if len(fwd_nodes) > FWD_NODES_MAX:
                         r._prune_fwd_nodes()
             if r.dtypes is not None and not any(isinstance(o, _Tensor) and o.dtype in r.dtypes for o in outs):
@@ -282,6 +287,8 @@ class _DispatchMode(TorchDispatchMode):
                     p = producers.get(key)
                     if p is not None and p[0]() is not t:
                         p = None
+                    if p is not None and states and t._base is not None:
+                        p = _written_through_base(producers, states, t, p)
                     if e is not None and e[0]() is t:
                         inputs.append((e[2], e[1]))
                         # its state is its producer's: a buffer made before its module first ran
@@ -496,6 +503,19 @@ def _inside_collective(func, args: tuple, kwargs: dict) -> tuple:
             return func.redispatch(torch._C._dispatch_keys(t) & _AFTER_PYTHON, *args, **kwargs), inside.made
         finally:
             inside.open = False
+
+
+def _written_through_base(producers: dict, states: dict, t: _Tensor, p: tuple) -> tuple:
+    """The producer ``t``, a view, holds now: the later op that wrote a non-finite value into
+    its base through another view, else its own. mambapy's PScan.forward scans in place through
+    views of ``X = X.transpose(2, 1)`` and returns ``X.transpose(2, 1)``: the overflow is the
+    write's, not the final transpose's. (recorder.cpp, input_of: the same)"""
+    b = t._base
+    q = producers.get(id(b))
+    if q is None or q[1] <= p[1] or q[0]() is not b:
+        return p
+    st = states.get(q[1])
+    return q if st is not None and st[0] >= PENDING else p
 
 
 def _base_written(producers: dict, t: _Tensor, seq: int) -> bool:

@@ -491,11 +491,14 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
   if (backward) {
     r.phase = 1;
     FwdNode* n = c->fwd_nodes.find(ctx->node_nr);
-    if (n != nullptr) {
+    if (n != nullptr && n->seq >= 0) {
       r.fwd_seq = n->seq;
       r.module = n->module;
       r.stack = n->stack;
     } else {
+      // no recorded op made this node, or a custom autograd.Function did (seq -1): its Python
+      // backward runs here, at lines of its own (mambapy's reverse scan)
+      if (n != nullptr) r.module = n->module;
       g.unlock();
       r.stack = stacks_capture(c->stacks);
       g.lock();
@@ -521,12 +524,16 @@ void end_record(Core* c, Ctx* ctx, const at::RecordFunction& fn) {
     else if (r.module != 0 || c10::GradMode::is_enabled() || in_fn) r.phase = 0;
     else r.phase = 3;
     if (nr != c->last_nr) {
-      // This call made the autograd node numbered nr - 1 (or the custom Function around it did).
+      // This call made the autograd node numbered nr - 1; with grad mode off it made none: the
+      // custom autograd.Function whose forward runs it did, whose backward is not this call's
+      // (seq -1: the backward's ops take their own stacks). (_recorder_mode.py: the same)
       int64_t step = g_step.load(std::memory_order_relaxed);
       auto key = (uint64_t)(nr - 1);
+      bool made = c10::GradMode::is_enabled();
+      FwdNode node{made ? seq : -1, r.module, made ? r.stack : 0, step, 0};
       FwdNode* n = c->fwd_nodes.find(key);
-      if (n != nullptr) *n = FwdNode{seq, r.module, r.stack, step, n->order};
-      else c->fwd_nodes.emplace(key, FwdNode{seq, r.module, r.stack, step, c->fwd_order++});
+      if (n != nullptr) *n = FwdNode{node.seq, node.module, node.stack, step, n->order};
+      else c->fwd_nodes.emplace(key, FwdNode{node.seq, node.module, node.stack, step, c->fwd_order++});
       if (c->fwd_nodes.size() > FWD_NODES_MAX) c->prune_fwd_nodes(-1);
     }
   }

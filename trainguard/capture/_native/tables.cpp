@@ -46,9 +46,18 @@ Input input_of(Core* c, const at::Tensor& t, bool in_node) {
   if (p != nullptr && !p->ref.expired()) {
     Input in{0, p->seq};
     in.maybe = p->maybe;
-    if (p->maybe && t.is_view()) {  // a view whose base a later op wrote (see Input::written)
+    if (t.is_view()) {
       Producer* b = c->producers.find(impl_key(t._base().unsafeGetTensorImpl()));
-      in.written = b != nullptr && !b->ref.expired() && b->seq > p->seq;
+      bool later = b != nullptr && !b->ref.expired() && b->seq > p->seq;
+      if (later && b->health > 0 && b->maybe) {
+        // a later op wrote a non-finite value into its base through another view: the view
+        // holds that write now (mambapy's in-place scan through views of X = X.transpose(2, 1),
+        // returned as X.transpose(2, 1)). (_recorder_mode._written_through_base: the same)
+        in.ref = b->seq;
+        in.maybe = true;
+      } else if (p->maybe) {
+        in.written = later;  // a view whose base a later op wrote (see Input::written)
+      }
     }
     return in;
   }
