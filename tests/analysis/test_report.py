@@ -44,3 +44,27 @@ def test_intended_infinities_of_training_and_inference_are_one_line(tmp_path):
             model(x)
     rep = build_report(open_run(tmp_path / "run"))
     assert rep["intended"] == ["90 intended -inf from masked_fill, absorbed by softmax"]  # 3 forwards x 2 rows x 15
+
+
+class _RMSNorm(nn.Module):
+    """alxndrTL/mamba.py's RMSNorm (mambapy/mamba.py): x * rsqrt(mean(x^2) + eps) * weight."""
+
+    def __init__(self, d: int = 4, eps: float = 1e-5):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def test_an_overflow_absorbed_by_arithmetic_is_not_called_intended(tmp_path):
+    """Found on mamba.py with dt_proj's bias at 1e38: RMSNorm's x.pow(2) overflowed, rsqrt(inf) gave 0,
+    the block's outputs were 0 and the loss sat at ln(vocab). The report called the overflow
+    "intended +inf from pow, absorbed by rsqrt", a word for masks and sentinels a program writes."""
+    model = nn.Sequential(nn.Linear(4, 4), _RMSNorm(), nn.Linear(4, 3))
+    with torch.no_grad():
+        model[0].bias.fill_(1e20)  # finite, but its square is beyond float32
+    with tg.record(tmp_path / "run"):
+        F.cross_entropy(model(torch.randn(2, 4)), torch.tensor([0, 1])).backward()
+    [line] = build_report(open_run(tmp_path / "run"))["intended"]
+    assert "from pow, absorbed by rsqrt" in line and "intended" not in line, line
