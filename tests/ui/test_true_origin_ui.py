@@ -21,6 +21,9 @@ def runs(tmp_path_factory):
         M.train_gpt(4, padded=True, empty_at=2)
     with tg.record(root / "exp"):
         M.train_exp()
+    with tg.record(root / "overflow"):  # mamba.py's RMSNorm on values whose square overflows: rsqrt(inf) = 0
+        x = torch.full((2, 4), 1e20, requires_grad=True)
+        (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).sum().backward()
     # Inductor decomposes the softmax: its NaN shows at div, whose inputs have no summary.
     torch._dynamo.reset()
     x = torch.randn(2, 4, requires_grad=True)
@@ -95,6 +98,12 @@ def test_browser_alerts_pane(page, live_server, runs):
         assert "1,344 intended -inf from _softmax" not in pane
         assert "1,344 intended -inf from masked_fill.Scalar, absorbed by _softmax" in pane
         assert page.locator("#alert-nonfinite").count() == 0
+
+        # an overflow that arithmetic absorbed is no mask: not called intended (as in the report)
+        page.goto(f"{srv.url}/#/run/overflow/debugger")
+        page.wait_for_selector("body[data-ready=debugger]")
+        [line] = page.locator(".p-alerts .intended").all_inner_texts()
+        assert "+inf from pow.Tensor_Scalar, absorbed by rsqrt" in line and "intended" not in line, line
 
         page.goto(f"{srv.url}/#/run/empty/debugger")
         page.wait_for_selector("body[data-ready=debugger]")
