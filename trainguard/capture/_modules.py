@@ -86,6 +86,23 @@ def owner_attribute(module: nn.Module) -> str:
     return names.pop() if len(names) == 1 else ""
 
 
+def caller_variable(module: nn.Module) -> str:
+    """The name under which the program's innermost frame on the stack (outside torch and
+    trainguard) holds ``module``: cleanrl's dqn.py calls ``target_network(...)``, a global of the
+    script beside ``q_network`` of the same type. ``""`` where that frame holds it under no name or
+    several. Read once, when a model is found."""
+    from trainguard.capture._stacks import _TG_DIR, _TORCH_DIR
+
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith((_TORCH_DIR, _TG_DIR)):
+        f = f.f_back
+    if f is None:
+        return ""
+    names = {k for k, v in f.f_locals.items() if v is module and isinstance(k, str) and k.isidentifier()}
+    names.discard("self")
+    return names.pop() if len(names) == 1 else ""
+
+
 def _maybe_held(module: nn.Module) -> bool:
     """Whether a dict other than a module's globals holds ``module``: a module's children live in
     its ``_modules`` dict. One walk of the live objects in C (``gc.get_referrers``) instead of a
