@@ -294,3 +294,26 @@ def test_a_fake_quantized_layer_whose_outputs_differ_by_less_than_a_step_is_told
     assert "fake-quantiz" in f.suggestion and "prepare_qat" in f.suggestion
     for vq in ("kmeans_init", "commitment cost", "dead-code", "codebook"):
         assert vq not in f.suggestion, vq
+
+
+def test_outputs_a_rate_far_too_high_collapsed_in_training_are_its_symptom():
+    # cleanrl's ppo.py on CartPole-v1 at --learning-rate 1.0 under `trainguard monitor`: the first
+    # update moved the weights by 520% and the actor's Tanh layers saturated, so actor.3 gave one
+    # output in effect from step 10 (64 at step 0). lr_too_high folded the saturated, collapsed and
+    # exploding activations under it, but "Codebook collapse: actor.3's outputs take 1 distinct
+    # value(s)" stood beside it as a warning of its own, advising k-means codebook init for a Tanh.
+    lr = Finding(kind="lr_too_high", severity="warning", title="Learning rate too high", layers=[],
+                 evidence={"divergence": {"initial_loss": 16.7, "step": 1, "smoothed_loss": 80.9, "update_step": 0}})
+    collapse = Finding(kind="codebook_collapse", severity="warning", title="Codebook collapse", layers=["actor.3", "critic.3"],
+                       evidence={"layer": "actor.3", "codes": 1, "since_step": 10, "from_start": False,
+                                 "arose_in_training": True, "downstream": ["actor.4"]})
+    explain([lr, collapse])
+    assert collapse.severity == "info" and collapse.evidence.get("explained_by") == ["lr_too_high"], collapse
+    assert "codebook_collapse" in lr.evidence.get("explains", [])
+    # a codebook collapsed from initialisation is not the rate's doing
+    lr2 = Finding(kind="lr_too_high", severity="warning", title="Learning rate too high", layers=[],
+                  evidence={"divergence": {"step": 1}})
+    early = Finding(kind="codebook_collapse", severity="warning", title="Codebook collapse", layers=["vq"],
+                    evidence={"from_start": True, "downstream": []})
+    explain([lr2, early])
+    assert early.severity == "warning", early

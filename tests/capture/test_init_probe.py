@@ -74,11 +74,11 @@ def test_layers_called_by_a_model_probing_itself_in_its_init_are_not_models(tmp_
         assert {"model.0.conv", "model.0.bn", "model.1.conv", "model.2"} <= set(mon.layers)
     run = open_run(tmp_path / "r")
     roots = run.meta["monitor"]["roots"]
-    assert [(r["prefix"], r["type"]) for r in roots] == [("", "_DetectionModel"),
-                                                          ("_detectionmodel.", "_DetectionModel")]
+    # the EMA copy is named by the loop's variable, beside the trained model of the same type
+    assert [(r["prefix"], r["type"]) for r in roots] == [("", "_DetectionModel"), ("ema.", "_DetectionModel")]
     assert "model.0.conv.weight" in run.layers()
     [untrained] = [f for f in mon.findings if f.kind == "model_not_trained"]
-    assert untrained.evidence["model"] == "_detectionmodel"  # the EMA copy
+    assert untrained.evidence["model"] == "ema"
 
 
 def test_the_recorder_names_the_layers_of_a_model_probed_in_its_init_by_their_path(tmp_path):

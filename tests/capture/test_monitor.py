@@ -988,9 +988,10 @@ def test_a_ddp_wrapper_is_no_level_of_the_model(tmp_path, one_rank):
             opt.zero_grad()
             loss.backward()
             opt.step()
-        assert sorted(mon.layers) == ["0", "1", "2", "sequential.0", "sequential.1", "sequential.2"]
+        # the second model is named by the loop's variable (student), with no DDP level in it
+        assert sorted(mon.layers) == ["0", "1", "2", "student.0", "student.1", "student.2"]
     layers = open_run(tmp_path / "r").layers()
-    assert "sequential.0.weight" in layers and "0.weight" in layers
+    assert "student.0.weight" in layers and "0.weight" in layers
 
 
 def test_an_activation_checkpoint_wrapper_is_no_level_of_the_model(tmp_path):
@@ -1161,6 +1162,53 @@ def test_a_model_held_by_an_object_that_is_no_module_is_named_by_its_attribute(t
         assert sorted(mon.layers) == ["0", "1", "2", "ref_model.0", "ref_model.1", "ref_model.2"], sorted(mon.layers)
     untrained = [f for f in mon.findings if f.kind == "model_not_trained"]
     assert len(untrained) == 1 and "ref_model" in untrained[0].title, [f.title for f in mon.findings]
+
+
+class _QNetwork(nn.Module):
+    """cleanrl's dqn.py QNetwork (vwxyzjn/cleanrl @fe8d8a0), 4 observations, 2 actions, 16 units."""
+
+    def __init__(self):
+        super().__init__()
+        self.network = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, x):
+        return self.network(x)
+
+
+def test_a_target_network_of_the_policys_own_type_is_named_by_the_scripts_variable(tmp_path):
+    # cleanrl's dqn.py on CartPole-v1 under `trainguard monitor` (3000 env steps, 249 updates): its
+    # q_network and target_network are both QNetwork, globals of the script; the target's layers
+    # were "qnetwork.network.0" and the report said "Model qnetwork (QNetwork) is not trained",
+    # which reads as the script's q_network, the one that is trained. The loop below is dqn.py's
+    # with a fake environment: the rollout's greedy action, a replay buffer, the TD target from
+    # the target network under no_grad, and the target soft-updated by hand every 4 updates.
+    torch.manual_seed(0)
+    q_network = _QNetwork()
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=2.5e-4)
+    target_network = _QNetwork()
+    target_network.load_state_dict(q_network.state_dict())
+    obs_buf, act_buf, rew_buf, next_buf = torch.randn(64, 4), torch.randint(0, 2, (64, 1)), torch.rand(64), torch.randn(64, 4)
+    with Monitor(None, tmp_path / "r", every=1) as mon:
+        for step in range(12):
+            with torch.no_grad():
+                q_network(torch.randn(1, 4)).argmax(dim=1)  # the rollout's action (epsilon-greedy)
+            idx = torch.randint(0, 64, (16,))
+            with torch.no_grad():
+                target_max, _ = target_network(next_buf[idx]).max(dim=1)
+                td_target = rew_buf[idx] + 0.99 * target_max
+            old_val = q_network(obs_buf[idx]).gather(1, act_buf[idx]).squeeze()
+            loss = nn.functional.mse_loss(td_target, old_val)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step % 4 == 0:
+                for target_param, q_param in zip(target_network.parameters(), q_network.parameters()):
+                    target_param.data.copy_(0.5 * q_param.data + 0.5 * target_param.data)
+        layers = sorted(mon.layers)
+    assert "network.0" in layers and "target_network.network.0" in layers, layers
+    assert not any(n.startswith("qnetwork") for n in layers), layers
+    [untrained] = [f for f in mon.findings if f.kind == "model_not_trained"]
+    assert "target_network" in untrained.title, untrained.title
 
 
 class _TrainingTask(nn.Module):

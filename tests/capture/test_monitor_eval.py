@@ -300,7 +300,7 @@ def test_a_target_network_is_not_said_to_miss_its_gradients(tmp_path):
     problems = [(f.kind, f.title) for f in mon.findings if f.is_problem]
     assert problems == [], problems
     untrained = [f for f in mon.findings if f.kind == "model_not_trained"]
-    assert len(untrained) == 1 and untrained[0].evidence["model"] == "sequential", untrained
+    assert len(untrained) == 1 and untrained[0].evidence["model"] == "target", untrained  # the loop's variable
 
 
 def test_a_loss_computed_after_the_no_grad_block_is_validation(tmp_path):

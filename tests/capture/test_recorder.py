@@ -90,6 +90,26 @@ def test_module_paths_of_models_called_inside_a_container(tmp_path, backend, hol
 
 
 @pytest.mark.parametrize("backend", ["native", "python"])
+def test_a_target_network_of_the_policys_type_is_named_by_the_scripts_variable(tmp_path, backend):
+    # cleanrl's dqn.py (vwxyzjn/cleanrl @fe8d8a0) under `trainguard run --monitor`: q_network and
+    # target_network are both QNetwork, called at the top of the script; the recorder named both
+    # one's layers "network.0".."network.4" (a NaN in the target's forward could not be told from
+    # one in the trained network's), while the monitor names the target's "target_network.network.0".
+    q_network = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    target_network = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    target_network.load_state_dict(q_network.state_dict())
+    x = torch.randn(3, 4)
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        with torch.no_grad():
+            q_network(x[:1]).argmax(1)  # the rollout's greedy action
+            target = target_network(x).max(1).values
+        (q_network(x).max(1).values - target).pow(2).mean().backward()
+    modules, params = _linear_names(open_run(tmp_path / "r"))
+    assert modules == {"0", "2", "target_network.0", "target_network.2"}, modules
+    assert params == {"0.bias", "2.bias", "target_network.0.bias", "target_network.2.bias"}, params
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
 def test_module_paths_inside_a_ddp_wrapper(tmp_path, one_rank, backend):
     # DistributedDataParallel calls the model it wraps as ``self.module``: its ops were named
     # "module.0", "module.2", while the model's own state_dict (and trainguard's checkpoint, which

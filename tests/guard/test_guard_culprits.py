@@ -487,3 +487,59 @@ def test_a_sample_that_overflows_the_optimizer_every_epoch_stops_costing_rewinds
     assert guard.events[0]["origin"]["origin"]["op"].startswith("aten.addcmul_")
     assert "sample 77 failed the step, as in event 1: later batches holding it are skipped unread" in guard.events[-1]["message"]
     assert guard.skipped_known and all(77 in s["samples"] and s["why"] == "repeat" for s in guard.skipped_known)
+
+
+class _Agent(nn.Module):
+    """cleanrl's ppo.py Agent in small (vwxyzjn/cleanrl @fe8d8a0): a tanh actor and critic over 4
+    observations, 2 actions."""
+
+    def __init__(self):
+        super().__init__()
+        self.critic = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.actor = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def get_action_and_value(self, x, action=None):
+        probs = torch.distributions.Categorical(logits=self.actor(x), validate_args=False)
+        if action is None:
+            action = probs.sample()
+        return action, probs.log_prob(action), probs.entropy(), self.critic(x)
+
+
+def test_a_corrupt_sample_of_one_rollout_is_not_skipped_in_the_next_rollouts(tmp_path, caplog):
+    # cleanrl's ppo.py under the guard as docs/guard.md has it: each iteration collects a rollout and
+    # sets `state.loader = DataLoader(TensorDataset(b_obs, ...), shuffle=True)`, then runs its
+    # update epochs through guard.batches. One NaN observation at row 17 of iteration 3's buffer
+    # (4 envs x 64 steps, 16 updates per iteration): the guard rewound and skipped it, then kept
+    # skipping every batch holding "sample 17" in iterations 4 on ("its sample 17 held NaN/Inf in
+    # the batch itself"), rows of other rollouts that held nothing wrong: 6 healthy batches of 16
+    # lost in iteration 4 alone. A fake environment stands in for CartPole here.
+    torch.manual_seed(0)
+    agent = _Agent()
+    optimizer = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5)
+    state = tg.TrainState(agent=agent, optimizer=optimizer)
+    guard = tg.Guard(tmp_path / "g")
+    n, per_iter = 64, 4 * 4  # rollout rows (batch_size 16: 4 minibatches), 4 update epochs
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        for iteration in range(3):
+            with torch.no_grad():  # the rollout
+                b_obs = torch.randn(n, 4)
+                b_actions, b_logprobs, _, b_values = agent.get_action_and_value(b_obs)
+            b_returns = b_values.view(-1) + torch.randn(n)
+            b_advantages = b_returns - b_values.view(-1)
+            if iteration == 0:
+                b_obs[17, 2] = float("nan")  # one corrupt observation
+            state.loader = DataLoader(TensorDataset(b_obs, b_actions, b_logprobs, b_advantages, b_returns),
+                                      batch_size=16, shuffle=True)
+            for _, (obs, act, old_logprob, adv, ret) in guard.batches(state, total_steps=state.step + per_iter):
+                _, logprob, entropy, value = agent.get_action_and_value(obs, act)
+                ratio = (logprob - old_logprob).exp()
+                pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
+                loss = pg_loss - 0.01 * entropy.mean() + 0.5 * 0.5 * ((value.view(-1) - ret) ** 2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), 0.5)
+                optimizer.step()
+    assert guard.events and all(e["step"] < per_iter for e in guard.events), [e["step"] for e in guard.events]
+    later = [i["step"] for i in guard.skipped_known if i["step"] >= per_iter]
+    assert later == [], (later, [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()])
+    assert all(p.isfinite().all() for p in agent.parameters())

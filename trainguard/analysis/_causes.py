@@ -59,7 +59,7 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
 IN_TRAINING: dict[str, tuple[str, ...]] = {
     "lr_too_high": ("dead_units", "exploding_activations", "collapsed_activations", "representation_collapse",
                     "saturated_activations", "vanishing_gradient", "exploding_gradient", "nonfinite_gradient",
-                    "loss_spike", "gradient_explodes_through_time"),
+                    "loss_spike", "gradient_explodes_through_time", "codebook_collapse"),
 }
 # cause -> the layer findings it explains only when every layer they name comes after the cause's
 # layer in its model (evidence "downstream"): a collapsed codebook feeds its decoder one input, whose

@@ -575,7 +575,8 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
     return [
         Finding(
             kind="loss_not_decreasing",
-            severity="warning",
+            # an agent's loss trend says little (its targets move with the policy): the episode return judges it
+            severity="info" if ctx.environment and not blocked else "warning",
             title=f"{title}: {fmt(p['start'])} -> {fmt(p['end'])} (best {fmt(p['best'])}) over {p['steps'][1] - p['steps'][0] + 1} steps",
             evidence=ev,
             suggestion="; ".join(hints),

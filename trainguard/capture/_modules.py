@@ -86,6 +86,23 @@ def owner_attribute(module: nn.Module) -> str:
     return names.pop() if len(names) == 1 else ""
 
 
+def caller_variable(module: nn.Module) -> str:
+    """The name under which the program's innermost frame on the stack (outside torch and
+    trainguard) holds ``module``: cleanrl's dqn.py calls ``target_network(...)``, a global of the
+    script beside ``q_network`` of the same type. ``""`` where that frame holds it under no name or
+    several. Read once, when a model is found."""
+    from trainguard.capture._stacks import _TG_DIR, _TORCH_DIR
+
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith((_TORCH_DIR, _TG_DIR)):
+        f = f.f_back
+    if f is None:
+        return ""
+    names = {k for k, v in f.f_locals.items() if v is module and isinstance(k, str) and k.isidentifier()}
+    names.discard("self")
+    return names.pop() if len(names) == 1 else ""
+
+
 def _maybe_held(module: nn.Module) -> bool:
     """Whether a dict other than a module's globals holds ``module``: a module's children live in
     its ``_modules`` dict. One walk of the live objects in C (``gc.get_referrers``) instead of a
@@ -241,6 +258,7 @@ class ModuleTracker:
         self._interned: dict[tuple[str, str], int] = {}
         self._container_scans = 0
         self._outer: list[weakref.ref] = []  # modules named at the top (no module around them)
+        self._outer_thread: dict[int, int] = {}  # id(module) in _outer -> the thread that named it
         self._local = threading.local()
         # id(tensor) -> (weakref, name, kind); kind is "param" or "buffer".
         self.named_tensors: dict[int, tuple[weakref.ref, str, str]] = {}
@@ -385,6 +403,10 @@ class ModuleTracker:
             # (cleanrl's Agent.actor): named by its path there, as the monitor names it
             self._container_scans += 1
             path = container_path(module)
+        if parent is None and not path and rule is None and self._beside_a_model(module):
+            # a second model at the top (cleanrl dqn.py's target_network beside its q_network, both
+            # QNetwork): the calling line's variable, as the monitor names it, or both were "network.0"
+            path = caller_variable(module)
         if parent is not None:
             parent_path, rule = self._ids[parent][1], self._ids[parent][2]
             child = None
@@ -412,8 +434,30 @@ class ModuleTracker:
         if parent is None:  # a model at the top: the modules its methods run are named inside it
             if len(self._outer) > 64:
                 self._outer = [r for r in self._outer if r() is not None]
+                live = {id(m) for r in self._outer if (m := r()) is not None}
+                self._outer_thread = {k: v for k, v in self._outer_thread.items() if k in live}
             self._outer.append(weakref.ref(module))
+            self._outer_thread[id(module)] = threading.get_ident()
         return self._enter(module, path, rule)
+
+    def _beside_a_model(self, module: nn.Module) -> bool:
+        """Whether another live model with parameters, neither holding nor held by ``module``, was
+        named at the top with no prefix on this thread (the hooks see every thread's modules; another
+        thread's recording is no model of this one)."""
+        if next(nn.Module.parameters(module), None) is None:
+            return False
+        me = threading.get_ident()
+        for ref in self._outer:
+            other = ref()
+            if (other is None or other is module or self._outer_thread.get(id(other)) != me
+                    or next(nn.Module.parameters(other), None) is None):
+                continue
+            entry = self._ids.data.get(id(other))
+            if (entry is not None and entry[1] == "" and entry[2] is None
+                    and all(m is not module for m in other.modules())
+                    and all(m is not other for m in module.modules())):
+                return True
+        return False
 
     def intern(self, path: str, type_name: str) -> int:
         """The id of module ``path`` of type ``type_name`` (announced once to the writer)."""

@@ -413,6 +413,7 @@ class Monitor(EventsMixin, HookMixin):
                     pending = self._eval.take()
                     if pending:
                         self._out.scalars.setdefault(self._cur, {}).update(pending)
+                self._grads.settle_stale()
                 self._out.ship()
                 self._out.resolve(wait=True)
         except Exception:  # observing training never kills training: what was written stays

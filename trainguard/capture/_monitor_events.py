@@ -133,6 +133,7 @@ class EventsMixin:
             if len(self._grads.trainable) < len(self._params):
                 self._grads.trainable.update(id(p) for p in params if (t := p.ref()) is not None and t.requires_grad)
             with self._no_record():
+                self._grads.stale_applied(params)
                 if self._grads_replaced:
                     self._grads.settle()  # read after backward(), before they were replaced
                 elif not has_closure:  # a closure has not run the backward yet: read when it returns

@@ -164,6 +164,9 @@ class GradientWatch:
         # tokens reach only between recordings did get gradients
         self.gradient_steps: dict[int, int] = {}
         self._hooks: list = []
+        # id(Param) -> (Param, step, stale flag, the .grad it was read from): a stale gradient of a
+        # parameter an optimizer holds, until that optimizer steps (see _stale)
+        self._stale_pending: dict[int, tuple[Param, int, torch.Tensor, torch.Tensor]] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -423,16 +426,49 @@ class GradientWatch:
         t = p.ref()
         if t is None:
             return
-        prior = t.grad
-        if prior is not None:
-            prior = local(prior)
+        held = t.grad
+        prior = local(held) if held is not None else None
         if prior is None:
             self.out.consts.append((step, p.name, "gradient", "stale", 0.0))
             return
         if prior.layout == torch.sparse_coo:  # nn.EmbeddingBag(sparse=True): the values it stores
             prior = prior._values()  # (none after zero_grad(set_to_none=False))
         flag = prior.ne(0).any().to(torch.float32).reshape(1)
+        if id(t) in self._opt_params:
+            # Stale only if the optimizer that holds it steps on this very .grad: cleanrl's SAC adds
+            # the actor's loss to the critics' .grad after q_optimizer stepped, and
+            # q_optimizer.zero_grad() drops it before the critics' next update (a new tensor then;
+            # zero_grad(set_to_none=False) zeroes in place and still counts as stale).
+            self._settle_stale(self._stale_pending.pop(key, None), applied=False)
+            self._stale_pending[key] = (p, step, flag, held)
+            return
         self.out.stats.append((("l", p.name, "gradient", ("stale",), step), flag))
+
+    def stale_applied(self, params: list[Param]) -> None:
+        """An optimizer is about to update ``params``: the stale gradients read of them count if
+        it steps on them."""
+        if not self._stale_pending:
+            return
+        for p in params:
+            entry = self._stale_pending.pop(id(p), None)
+            if entry is not None:
+                t = p.ref()
+                self._settle_stale(entry, applied=t is not None and t.grad is entry[3])
+
+    def settle_stale(self) -> None:
+        """The run ends: gradients no optimizer stepped on were never applied."""
+        for entry in list(self._stale_pending.values()):
+            self._settle_stale(entry, applied=False)
+        self._stale_pending.clear()
+
+    def _settle_stale(self, entry: tuple | None, *, applied: bool) -> None:
+        if entry is None:
+            return
+        p, step, flag, _ = entry
+        if applied:
+            self.out.stats.append((("l", p.name, "gradient", ("stale",), step), flag))
+        else:
+            self.out.consts.append((step, p.name, "gradient", "stale", 0.0))
 
     # ------------------------------------------------------------------ end of a step
     def finish(self, params: list[Param], step: int, recording: bool) -> dict[str, Any]:

@@ -43,7 +43,13 @@ from trainguard.capture._layer_stats import (
     layer_output,
     row_hashes,
 )
-from trainguard.capture._modules import container_path, forward_pre_hook, owner_attribute, probing_owner
+from trainguard.capture._modules import (
+    caller_variable,
+    container_path,
+    forward_pre_hook,
+    owner_attribute,
+    probing_owner,
+)
 from trainguard.capture._monitor_model import Layer, Root, build_root, stand_ins, structure
 from trainguard.resilience import _state as _resilience_state
 from trainguard.resilience._wrappers import unwrapped, wrapped
@@ -427,8 +433,10 @@ class HookMixin:
 
     def _naming(self, module: nn.Module) -> tuple[str, str | None]:
         """The prefix of a model found at run time, and the name of the model itself: its path in
-        the containers that hold it (``actor.``), else none for the first model and its type's
-        name for the next ones (``sequential.``, ``sequential2.``)."""
+        the containers that hold it (``actor.``), else none for the first model; for the next ones the
+        attribute an object holds it under (``ref_model.``), or beside a live model the variable of
+        the frame that calls it (``target_network.``), else its type's name (``sequential.``,
+        ``sequential2.``)."""
         taken = {r.prefix for r in self._roots}
         path = container_path(module)
         if path and path + "." not in taken:
@@ -439,6 +447,11 @@ class HookMixin:
         attr = owner_attribute(module)  # trl's DPOTrainer.ref_model: "ref_model.", not its type's name
         if attr and attr + "." not in taken:
             return attr + ".", attr
+        # beside a live model, the script's own variable (cleanrl dqn.py's target_network, a QNetwork as
+        # its q_network is): its type's name would read as the other one
+        var = caller_variable(module) if outside else ""
+        if var and var + "." not in taken:
+            return var + ".", var
         base = type(unwrapped(module)).__name__.lower()  # the model's type, not DDP's or compile's
         prefix, k = base + ".", 1
         while prefix in taken:

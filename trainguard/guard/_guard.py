@@ -181,6 +181,8 @@ class Guard:
         self._culprit_events: dict[tuple, list[int]] = {}  # (fault key, sample) -> events blaming it
         self._by_rows: set[tuple] = set()  # (fault key, sample) blamed by the rows of a NaN/Inf, not a batch
         self._skipping_known = 0  # batches skipped that way in a row
+        # the data set the sample indices above point into (see _same_data); None: the first one seen
+        self._samples_of: Any = None
         self._earlier_known = 0  # of an earlier process, in the run this one continues
         self._earlier_repeat = 0  # of those, skipped for a sample two events named (see _remember_repeat)
         self.snapshot = MemorySnapshot()
@@ -376,6 +378,7 @@ class Guard:
         NaN/Inf in the batch itself (a corrupt sample comes back every epoch): the loop then
         draws the next one instead, with no rewind, no replay and no event. One process only:
         on several ranks a skip must be every rank's, and this is decided alone."""
+        self._same_data()
         if not self._bad_samples or self._skipping_known >= _MAX_KNOWN_SKIPS:
             self._skipping_known = 0
             return False
@@ -417,6 +420,28 @@ class Guard:
             self._run.update(skipped_known=self._earlier_known + len(self.skipped_known),
                              skipped_repeat=self._earlier_repeat + repeats, last_skipped_known=info)
         return True
+
+    def _same_data(self) -> None:
+        """Sample indices name rows of one data set: a loader over another one (a reinforcement
+        learning loop's next rollout, ``state.loader = DataLoader(TensorDataset(b_obs, ...))`` each
+        iteration) starts a fresh account, or row 17 of every later rollout was skipped for the
+        NaN observation of the first's. A loader over the same data set keeps it."""
+        loader = getattr(self._loop.state, "loader", None) if self._loop is not None else None
+        data = getattr(loader, "dataset", None)
+        if data is None:
+            return
+        if self._samples_of is not None and self._samples_of() is data:
+            return
+        if self._samples_of is not None:
+            self._bad_samples.clear()
+            self._repeats.clear()
+            self._culprit_events.clear()
+            self._by_rows.clear()
+            self._skipping_known = 0
+        try:
+            self._samples_of = weakref.ref(data)
+        except TypeError:  # no weak references to it: hold it
+            self._samples_of = lambda data=data: data
 
     def _note_suspects(self, event: dict, origin: dict | None, kinds: list[str], plan: _Plan) -> None:
         """Count the samples a skip event blames: those whose rows the replay found its first

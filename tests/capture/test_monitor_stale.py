@@ -1,0 +1,109 @@
+"""Stale gradients (a missing ``zero_grad``) in loops with several optimizers whose losses reach
+each other's parameters: an accumulation matters only when the optimizer that holds the
+parameter steps on it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainguard import Monitor
+
+
+class _Actor(nn.Module):
+    """cleanrl's sac_continuous_action.py Actor (vwxyzjn/cleanrl @fe8d8a0) in small: a tanh-squashed
+    Gaussian policy, 3 observations, 1 action, 16 units."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc_mean, self.fc_logstd = nn.Linear(3, 16), nn.Linear(16, 1), nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.fc1(x))
+        return self.fc_mean(x), torch.tanh(self.fc_logstd(x)) * 3.5 - 1.5
+
+    def get_action(self, x):
+        mean, log_std = self(x)
+        normal = torch.distributions.Normal(mean, log_std.exp())
+        x_t = normal.rsample()
+        action = torch.tanh(x_t)
+        log_prob = (normal.log_prob(x_t) - torch.log(1 - action.pow(2) + 1e-6)).sum(1, keepdim=True)
+        return action, log_prob
+
+
+class _SoftQNetwork(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 16), nn.Linear(16, 1)
+
+    def forward(self, x, a):
+        return self.fc2(torch.relu(self.fc1(torch.cat([x, a], 1))))
+
+
+def _sac(tmp_path, *, zero_q: bool = True):
+    """cleanrl's SAC update (q_optimizer over qf1 and qf2; every policy_frequency=2 iterations, two
+    actor updates and two entropy-temperature updates) on a fake replay buffer: the actor's loss
+    runs through qf1 and qf2, whose .grad it adds to after q_optimizer stepped; q_optimizer's own
+    zero_grad() clears that before qf1 and qf2 are trained again."""
+    torch.manual_seed(0)
+    actor, qf1, qf2 = _Actor(), _SoftQNetwork(), _SoftQNetwork()
+    qf1_target, qf2_target = _SoftQNetwork(), _SoftQNetwork()
+    qf1_target.load_state_dict(qf1.state_dict())
+    qf2_target.load_state_dict(qf2.state_dict())
+    q_optimizer = torch.optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=1e-3)
+    actor_optimizer = torch.optim.Adam(actor.parameters(), lr=3e-4)
+    log_alpha = torch.zeros(1, requires_grad=True)
+    a_optimizer = torch.optim.Adam([log_alpha], lr=1e-3)
+    obs, actions, rewards, next_obs = torch.randn(64, 3), torch.rand(64, 1) * 2 - 1, torch.randn(64), torch.randn(64, 3)
+    with Monitor(None, tmp_path / "r", every=5) as mon:
+        for step in range(40):
+            idx = torch.randint(0, 64, (16,))
+            alpha = log_alpha.exp().item()
+            with torch.no_grad():
+                next_a, next_log_pi = actor.get_action(next_obs[idx])
+                min_q = torch.min(qf1_target(next_obs[idx], next_a), qf2_target(next_obs[idx], next_a)) - alpha * next_log_pi
+                target = rewards[idx] + 0.99 * min_q.view(-1)
+            qf_loss = (nn.functional.mse_loss(qf1(obs[idx], actions[idx]).view(-1), target)
+                       + nn.functional.mse_loss(qf2(obs[idx], actions[idx]).view(-1), target))
+            if zero_q:
+                q_optimizer.zero_grad()
+            qf_loss.backward()
+            q_optimizer.step()
+            if step % 2 == 0:
+                for _ in range(2):
+                    pi, log_pi = actor.get_action(obs[idx])
+                    min_q_pi = torch.min(qf1(obs[idx], pi), qf2(obs[idx], pi))
+                    actor_loss = (alpha * log_pi - min_q_pi).mean()
+                    actor_optimizer.zero_grad()
+                    actor_loss.backward()
+                    actor_optimizer.step()
+                    with torch.no_grad():
+                        _, log_pi = actor.get_action(obs[idx])
+                    alpha_loss = (-log_alpha.exp() * (log_pi + 1.0)).mean()
+                    a_optimizer.zero_grad()
+                    alpha_loss.backward()
+                    a_optimizer.step()
+                    alpha = log_alpha.exp().item()
+            with torch.no_grad():
+                for p, tp in zip(list(qf1.parameters()) + list(qf2.parameters()),
+                                 list(qf1_target.parameters()) + list(qf2_target.parameters())):
+                    tp.data.copy_(0.005 * p.data + 0.995 * tp.data)
+    return mon.findings
+
+
+def test_a_critics_gradient_the_actors_loss_adds_to_and_nothing_applies_is_not_stale(tmp_path):
+    # cleanrl's sac_continuous_action.py on Pendulum-v1 under `trainguard monitor` (199 env steps,
+    # learning_starts 40): an ERROR "Gradients accumulate across steps: at 15 of 15 recordings the
+    # new gradient was added to the previous step's", stale_fraction 0.6 (qf1's and qf2's 12 of 20
+    # parameters), "call optimizer.zero_grad() once per step". Every optimizer there zeroes its
+    # gradients before its backward; the actor's loss adds to the critics' .grad after q_optimizer
+    # stepped, and q_optimizer.zero_grad() clears that before the critics' next update.
+    findings = _sac(tmp_path)
+    assert "gradients_accumulating" not in {f.kind for f in findings}, [(f.kind, f.title) for f in findings]
+
+
+def test_the_same_loop_without_the_critics_zero_grad_is_still_told(tmp_path):
+    # q_optimizer steps on the critics' gradients of every earlier update, the actor's added in
+    findings = _sac(tmp_path, zero_q=False)
+    found = [f for f in findings if f.kind == "gradients_accumulating"]
+    assert found, [(f.kind, f.title) for f in findings]
