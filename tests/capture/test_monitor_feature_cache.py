@@ -28,10 +28,11 @@ class Tower(nn.Module):
     def __init__(self, d_in: int, d: int):
         super().__init__()
         self.fc1 = nn.Linear(d_in, 32)
+        self.bn = nn.BatchNorm1d(32)  # its output depends on train/eval mode (open_clip's towers: dropout)
         self.fc2 = nn.Linear(32, d)
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(F.gelu(self.bn(self.fc1(x))))
 
 
 class CLIP(nn.Module):
