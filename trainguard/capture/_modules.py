@@ -255,6 +255,8 @@ class ModuleTracker:
         self._on_new = on_new_module
         # module -> (interned id, path in the outermost module, the naming rule of that module or None)
         self._ids: IdentityWeakKeyDict[nn.Module, tuple] = IdentityWeakKeyDict()
+        # Named through owner() while no module held them: until a module call names them (_enter)
+        self._provisional: IdentityWeakKeyDict[nn.Module, tuple] = IdentityWeakKeyDict()
         self._interned: dict[tuple[str, str], int] = {}
         self._container_scans = 0
         self._outer: list[weakref.ref] = []  # modules named at the top (no module around them)
@@ -337,7 +339,7 @@ class ModuleTracker:
         (normflows' ``flow.inverse(z)``, ``vae.encode(x)``): named as a module called there would
         be, by its path in a module named before that holds it (the flow, whose
         ``forward_kld`` ran first) or else in the containers that hold it."""
-        entry = self._ids.data.get(id(module))
+        entry = self._ids.data.get(id(module)) or self._provisional.data.get(id(module))
         if entry is not None:
             return entry[0]
         path = None
@@ -352,7 +354,14 @@ class ModuleTracker:
                     path, rule = (f"{hp[1]}.{sub}" if hp[1] else sub), hp[2]
                     break
         if path is None:
-            return self._name(module, None)[0]
+            # Held by no module named yet: named at the top level for now. A module that calls it
+            # later names it again, by its path there (open_clip's CLIP re-initialised by its
+            # init_parameters() before CLIPTask runs it as trainable_module).
+            entry = self._name(module, None)
+            with self.lock:
+                self._ids.pop(module, None)
+                self._provisional[module] = entry
+            return entry[0]
         return self._enter(module, path, rule)[0]
 
     def _enter(self, module: nn.Module, path: str, rule, type_name: str | None = None) -> tuple:
@@ -361,6 +370,10 @@ class ModuleTracker:
         entry = (self.intern(shown, type_name or _type_name(module)), path, rule)
         with self.lock:
             self._ids[module] = entry
+            was = self._provisional.pop(module, None)
+        if was is not None and was[0] != entry[0]:  # its own tensors take the new names too
+            for t in (*nn.Module.parameters(module, recurse=False), *nn.Module.buffers(module, recurse=False)):
+                self.named_tensors.pop(id(t), None)
         self._name_tensors(module, shown)
         return entry
 

@@ -197,6 +197,12 @@ class Monitor(EventsMixin, HookMixin):
         self._recording = False
         self._auto_losses: list[torch.Tensor] = []
         self._auto_divisors: list[int] = []  # accelerate's k each of them was divided by (1: none)
+        # The step's forwards of a root with gradients, and without before its first backward (in
+        # train mode): k and k with k backwards are features cached for contrastive accumulation
+        # (open_clip's --accum-freq); the no-grad ones' counts in ``modes`` (evaluations, in train mode).
+        self._fwd_grad = 0
+        self._fwd_cached = 0
+        self._cached_modes = [0, 0]
         self._losses_at_update = 0  # the step's losses before the last update of a watched model
         self._update_opt: Any = None  # weak reference to the optimizer of that update
         # A backward came after an update in this step: separate objectives (a GAN's) unless the

@@ -274,6 +274,19 @@ class EventsMixin:
             if k > 1 and len(ls) != k and all(d == k for d in self._auto_divisors):
                 # accelerate divided each by k, also in a step of fewer micro-batches: their mean
                 values["loss"] = values["loss"] * (k / len(ls))
+            elif len(ls) > 1 and self._fwd_cached == len(ls) == self._fwd_grad:
+                # Contrastive accumulation with cached features (open_clip's --accum-freq, GradCache):
+                # k no-grad forwards cache every micro-batch's features, then per micro-batch a
+                # forward with gradients and a backward of the loss over all k micro-batches (its
+                # fresh features, the others' cached): each backward's loss is the step's loss.
+                values["loss"] = values["loss"] / len(ls)
+                # those no-grad forwards in train mode were the training step's, not evaluations
+                self.modes["eval_forwards"] -= self._cached_modes[0]
+                self.modes["eval_forwards_in_train"] -= self._cached_modes[1]
+                if not self.modes["eval_forwards_in_train"]:
+                    self.modes["first_eval_forward_in_train"] = None
+                if not self._meta.get("cached_features"):
+                    self._write_meta(cached_features=s)
         if recording:
             self._rebind()  # a forward may have assigned new Parameters (an EMA codebook's)
             self._add_stand_ins()
@@ -301,6 +314,8 @@ class EventsMixin:
         self._pending_separate = False
         self._auto_losses = []
         self._auto_divisors = []
+        self._fwd_grad = self._fwd_cached = 0
+        self._cached_modes = [0, 0]
         self._losses_at_update = 0
         self._update_opt = None
         self._amp = {}

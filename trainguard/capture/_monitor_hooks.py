@@ -50,7 +50,7 @@ from trainguard.capture._modules import (
     owner_attribute,
     probing_owner,
 )
-from trainguard.capture._monitor_model import Layer, Root, build_root, stand_ins, structure
+from trainguard.capture._monitor_model import Layer, Root, build_root, entries, stand_ins, structure
 from trainguard.resilience import _state as _resilience_state
 from trainguard.resilience._wrappers import unwrapped, wrapped
 
@@ -217,11 +217,18 @@ class HookMixin:
             self._detach_root(r)
         root = build_root(module, prefix, label)
         root.first_step = self._cur
+        # open_clip evaluates task(batch) after training task.trainable_module: the task found then
+        # has trained already (its evaluation forwards are evaluations, see _root_pre_quiet)
+        root.trained = any(r.trained for r in inner)
         self._watch_once(root)
         for m in module.modules():
             self._known.add(m)
         root.handle = module.register_forward_pre_hook(ModuleHook(self._root_pre, root, _compile_monitor.token(module)))
         root.load_handle = module.register_load_state_dict_post_hook(ModuleHook(self._weights_loaded, root))
+        inner = entries(module)
+        for m in [module, *inner] if inner else []:
+            root.entry_handles += [m.register_forward_pre_hook(ModuleHook(self._entry_pre, root)),
+                                   m.register_forward_hook(ModuleHook(self._entry_post, root), always_call=True)]
         self._listen(module, lambda ts, grad: self._root_pre(root, root.ref(), (ts[0],) if ts else (), grad))
         for la in root.layers:
             if la.ref() is not None:
@@ -244,6 +251,17 @@ class HookMixin:
             except Exception:  # observing training never kills training
                 log.exception("trainguard monitor: attach listener failed")
         return root
+
+    def _entry_pre(self, root: Root, module, args) -> None:
+        # An entry of the root (see entries) called on its own, not from the root's forward, runs
+        # the root's forward: the training forward of open_clip's --accum-freq calls
+        # task.trainable_module, its evaluation calls task (which calls it in turn).
+        if root.depth == 0 and module is not root.ref():
+            self._root_pre(root, root.ref(), args)
+        root.depth += 1
+
+    def _entry_post(self, root: Root, module, args, output) -> None:
+        root.depth = max(0, root.depth - 1)
 
     def _weights_loaded(self, root: Root, module: nn.Module, incompatible=None) -> None:
         """``load_state_dict`` on a watched model after it trained: the steps before were undone (an LR
@@ -331,6 +349,9 @@ class HookMixin:
         if root.load_handle is not None:
             root.load_handle.remove()
             root.load_handle = None
+        for h in root.entry_handles:
+            h.remove()
+        root.entry_handles = []
         for la in root.layers:
             if la.handle is not None:
                 la.handle.remove()
@@ -403,6 +424,8 @@ class HookMixin:
             self._write_meta(models_in_sequence=[*starts, {"prefix": root.prefix, "first_step": root.first_step}])
         # This call's pre-hooks were collected before the root hook existed: run it now.
         self._root_pre(root, module, args)
+        if root.entry_handles:
+            root.depth += 1  # left by this call's forward hook (read after the forward)
 
     def _copied_from(self, module: nn.Module) -> nn.Module | None:
         """The module that ``module``, or its outermost part that is one, is a shallow copy of: a
@@ -517,6 +540,13 @@ class HookMixin:
     def _root_pre_quiet(self, root: Root, module, args, grad: bool | None = None) -> None:
         grad_on = torch.is_grad_enabled() if grad is None else grad
         self._root_grad = grad_on
+        # No-grad forwards in train mode before the step's first backward may cache features for it
+        # (see EventsMixin._finish_step)
+        cache = not grad_on and module.training and self._backward_step != self._cur
+        if grad_on:
+            self._fwd_grad += 1
+        elif cache:
+            self._fwd_cached += 1
         if grad_on:
             # A training forward after a checked non-finite loss and no backward(): the loop skipped
             # that iteration (capture/_skips; it may end the step, before this forward's own work).
@@ -543,7 +573,9 @@ class HookMixin:
                 self._last_train_fwd = (n_train, len(mods), module.training)
             else:
                 self.modes["eval_forwards"] += 1
+                self._cached_modes[0] += cache
                 if n_train:
+                    self._cached_modes[1] += cache
                     self.modes["eval_forwards_in_train"] += 1
                     if self.modes["first_eval_forward_in_train"] is None:
                         self.modes["first_eval_forward_in_train"] = self._cur

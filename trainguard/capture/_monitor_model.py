@@ -86,7 +86,7 @@ class Root:
     """A top-level model: its layers, parameters and the modules whose output depends on train/eval mode."""
 
     __slots__ = ("ref", "prefix", "type", "mode_modules", "handle", "load_handle", "layers", "params", "trained",
-                 "first_step", "stand_ins_done")
+                 "first_step", "stand_ins_done", "entry_handles", "depth")
 
     def __init__(self, module: nn.Module, prefix: str):
         self.ref = weakref.ref(module)
@@ -100,6 +100,8 @@ class Root:
         self.trained = False  # a forward with gradients enabled has run (see the validation pass)
         self.first_step = 0  # the step it was attached in
         self.stand_ins_done = False  # see stand_ins
+        self.entry_handles: list = []  # hooks on the root and its entries (see entries)
+        self.depth = 0  # forwards of the root or an entry now running
 
 
 # Only the attributes no user names a module by: a "module" inside a model may be the user's own.
@@ -111,6 +113,22 @@ def _plain(name: str) -> str:
     the module as ``_orig_mod``) and Fabric's (``_forward_module``) are not a level of the model,
     as the recorder names it too."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_ATTRS)
+
+
+def entries(module: nn.Module) -> list[nn.Module]:
+    """The modules a loop may call in place of ``module``: while a module holds no parameter of its
+    own and one child holds all of them, that child. open_clip's ``CLIPTask`` holds the model as
+    ``trainable_module`` and a loss without parameters; its training loop with ``--accum-freq``
+    calls ``task.trainable_module`` directly, and only the evaluation calls ``task``."""
+    out = []
+    m = module
+    while not any(True for _ in nn.Module.parameters(m, recurse=False)):  # learn2learn's override has no recurse
+        held = [c for c in m.children() if any(True for _ in nn.Module.parameters(c))]
+        if len(held) != 1:
+            break
+        m = held[0]
+        out.append(m)
+    return out
 
 
 def build_root(module: nn.Module, prefix: str, label: str | None = None) -> Root:
