@@ -225,8 +225,8 @@ class HookMixin:
             self._known.add(m)
         root.handle = module.register_forward_pre_hook(ModuleHook(self._root_pre, root, _compile_monitor.token(module)))
         root.load_handle = module.register_load_state_dict_post_hook(ModuleHook(self._weights_loaded, root))
-        inner = entries(module)
-        for m in [module, *inner] if inner else []:
+        held_by = entries(module)  # the modules a loop may call in its place (open_clip's trainable_module)
+        for m in [module, *held_by] if held_by else []:
             root.entry_handles += [m.register_forward_pre_hook(ModuleHook(self._entry_pre, root)),
                                    m.register_forward_hook(ModuleHook(self._entry_post, root), always_call=True)]
         self._listen(module, lambda ts, grad: self._root_pre(root, root.ref(), (ts[0],) if ts else (), grad))
