@@ -716,6 +716,7 @@ def test_delayed_actor_updates_are_not_called_forward_forward(tmp_path):
     found = [f for f in mon.findings if f.kind == "objectives_in_sequence"]
     assert len(found) == 1 and found[0].severity == "info", [f.kind for f in mon.findings]
     text = found[0].title + " " + found[0].suggestion
-    assert "forward-forward" not in found[0].title and "layers trained" not in found[0].title, found[0].title
-    assert "optimizers" in text.lower() and "parameters" in text, text
+    # what it saw first; forward-forward only as one example beside SAC's
+    assert not found[0].title.startswith("Another optimizer took over"), found[0].title
+    assert "stepped in turn on different parameters" in found[0].title and "SAC" in found[0].title, text
     assert found[0].evidence["takeover_step"] == 1, found[0].evidence
