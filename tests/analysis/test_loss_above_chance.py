@@ -109,3 +109,42 @@ def test_soft_targets_that_sum_to_one_are_judged_against_chance(tmp_path):
 def test_a_regression_loss_is_not_judged_against_chance(tmp_path):
     found, _ = train(tmp_path, loss_fn=lambda x, y: F.mse_loss(x, F.one_hot(y, V).float() * 30))
     assert "loss_above_chance" not in found, list(found)
+
+
+class _Clip(nn.Module):
+    # open_clip's loss made small: two towers, unit-length features, a logit scale, and the mean of the
+    # image->text and text->image cross entropies over the batch (two heads, C = the batch)
+    def __init__(self, scale: float):
+        super().__init__()
+        self.a, self.b, self.scale = nn.Linear(32, 16), nn.Linear(32, 16), scale
+
+    def forward(self, x, y):
+        return self.scale * F.normalize(self.a(x), dim=-1) @ F.normalize(self.b(y), dim=-1).t()
+
+
+def _clip_run(tmp_path, scale: float):
+    torch.manual_seed(0)
+    model = _Clip(scale)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mix = torch.randn(32, 32, generator=torch.Generator().manual_seed(9))
+    with Monitor(model, tmp_path / f"clip{scale:.3g}", every=5) as mon:
+        for step in range(30):
+            g = torch.Generator().manual_seed(step)
+            z = torch.randn(32, 32, generator=g)
+            logits = model(z + 0.1 * torch.randn(32, 32, generator=g), z @ mix)
+            labels = torch.arange(32)
+            loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {f.kind: f for f in mon.findings}
+
+
+def test_a_symmetric_contrastive_loss_with_too_large_a_logit_scale_is_above_chance(tmp_path):
+    # 57.4 -> 26.5 against ln 32 = 3.47 at a fixed logit scale of 100; at CLIP's 1/0.07 it starts at
+    # 7.49 and ends at 3.58, below the bar
+    found = _clip_run(tmp_path, 100.0)
+    f = found.get("loss_above_chance")
+    assert f is not None and f.evidence["classes"] == 32, list(found)
+    assert "temperature or logit scale" in f.suggestion, f.suggestion
+    assert "loss_above_chance" not in _clip_run(tmp_path, 1 / 0.07)
