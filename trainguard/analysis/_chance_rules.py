@@ -27,41 +27,41 @@ _SAME = 1e-3
 _ROW_SUM = 1e-3
 
 
+def _valid_head(h: dict) -> bool:
+    """A per-row mean cross entropy whose value the loss watch recomputed: ``nll_loss`` with
+    ``reduction="mean"``, or a soft-target one whose targets are a distribution over the classes."""
+    facts = h.get("facts")
+    if not isinstance(facts, dict):
+        return False
+    if not all(isinstance(facts.get(k), (int, float)) and math.isfinite(facts[k]) for k in ("value", "loss")):
+        return False
+    if h.get("loss") == "nll_loss":
+        return h.get("reduction") == "mean"
+    if h.get("loss") == "soft_cross_entropy":
+        sums = (facts.get("row_sum_max"), facts.get("row_sum_min"))
+        return (all(isinstance(v, (int, float)) and abs(v - 1) <= _ROW_SUM for v in sums)
+                and isinstance(facts.get("target_min"), (int, float)) and facts["target_min"] >= 0)
+    return False
+
+
 def _cross_entropy_heads(ctx: Context) -> list[dict] | None:
-    """The one head of every inspected loss graph, when each is a per-row mean cross entropy over
-    the same classes whose value is the loss's own (none when any is not: a sum, a loss with other
-    terms, two heads as CLIP's symmetric loss or a mixup of two cross entropies, targets that are
-    no distribution)."""
+    """The heads of every inspected loss graph, when each is a per-row mean cross entropy (see
+    ``_valid_head``) and the loss backward ran on is their mean (one head's value; CLIP's symmetric
+    loss, the mean of its image and text cross entropies): a uniform guess then loses ln C. None
+    when any is not: a sum, a loss with other terms, a mixup weighting two cross entropies unequally,
+    targets that are no distribution."""
     recs = ctx.run.meta.get("loss_graph") or []
-    heads = []
+    heads: list[dict] = []
     for rec in recs:
-        hs = rec.get("heads") or []
-        if len(hs) != 1 or not isinstance(hs[0], dict):
+        hs = [h for h in rec.get("heads") or [] if isinstance(h, dict)]
+        if not hs or len(hs) != len(rec.get("heads") or []) or not all(_valid_head(h) for h in hs):
             return None
-        heads.append(hs[0])
-    if not heads:
-        return None
-    for h in heads:
-        facts = h.get("facts")
-        if not isinstance(facts, dict):
+        loss = hs[0]["facts"]["loss"]
+        mean = sum(h["facts"]["value"] for h in hs) / len(hs)
+        if abs(loss - mean) > _SAME * max(1.0, abs(mean)):
             return None
-        value, loss = facts.get("value"), facts.get("loss")
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (value, loss)):
-            return None
-        if abs(loss - value) > _SAME * max(1.0, abs(value)):
-            return None
-        if h.get("loss") == "nll_loss":
-            if h.get("reduction") != "mean":
-                return None
-        elif h.get("loss") == "soft_cross_entropy":
-            sums = (facts.get("row_sum_max"), facts.get("row_sum_min"))
-            if not all(isinstance(v, (int, float)) and abs(v - 1) <= _ROW_SUM for v in sums):
-                return None
-            if not facts.get("target_min", -1) >= 0:
-                return None
-        else:
-            return None
-    return heads
+        heads.extend(hs)
+    return heads or None
 
 
 def _output_layer(ctx: Context, classes: int) -> tuple[str | None, str | None]:
@@ -130,9 +130,10 @@ def loss_above_chance(ctx: Context) -> list[Finding]:
         suggestion = (f"initialise the output layer `{layer}` small (`nn.init.normal_(model.{layer}.weight, std=0.02)` "
                       "as GPT-2 does, or `nn.init.zeros_`), and check that no missing 1/sqrt(d) scale or temperature "
                       "multiplies the logits; the loss then starts near ln C")
-    else:
-        suggestion = ("initialise the layer that makes the logits small (`nn.init.normal_(weight, std=0.02)` as GPT-2 "
-                      "does), and check that no missing 1/sqrt(d) scale or temperature multiplies the logits; the "
-                      "loss then starts near ln C")
+    else:  # no layer has C outputs: the logits are a product (a contrastive loss's similarities)
+        suggestion = ("check the scale that multiplies the logits (a contrastive loss's temperature or logit scale: "
+                      "CLIP's starts at 1/0.07 = 14.3, on unit-length features; a missing 1/sqrt(d) on dot products), "
+                      "or initialise the layer that makes them small (`nn.init.normal_(weight, std=0.02)` as GPT-2 "
+                      "does); the loss then starts near ln C")
     return [Finding(kind="loss_above_chance", severity="warning", title=title, evidence=ev, suggestion=suggestion,
                     steps=prog["steps"], layers=[layer] if layer else [], source=SOURCE)]
