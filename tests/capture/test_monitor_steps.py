@@ -686,3 +686,37 @@ def test_an_optimizer_of_a_bare_parameter_takes_no_optimizer_index_from_the_mode
         assert mon.current_step == 4
     lrs = {k: {v for _, v in s} for k, s in open_run(tmp_path / "r").scalars().items() if k.startswith("lr/")}
     assert lrs == {"lr/0": {1e-3}, "lr/1.0": {2e-3}}, lrs
+
+
+def test_delayed_actor_updates_are_not_called_forward_forward(tmp_path):
+    """cleanrl's sac_continuous_action.py: the critic's Adam steps every step, the actor's
+    (policy_frequency=2) twice every 2nd step, each after a backward of its own loss. The finding
+    said "layers trained one after another ... as in forward-forward", untrue of SAC: it says what
+    it saw, optimizers stepping in turn on different parameters, each after its own loss."""
+    torch.manual_seed(0)
+    qf = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1))
+    actor = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1), nn.Tanh())
+    q_opt = torch.optim.Adam(qf.parameters(), lr=1e-3)
+    a_opt = torch.optim.Adam(actor.parameters(), lr=3e-4)
+    with Monitor(nn.ModuleDict({"qf": qf, "actor": actor}), tmp_path / "r", every=5) as mon:
+        for step in range(24):
+            g = torch.Generator().manual_seed(step)
+            obs, act, target = torch.randn(32, 4, generator=g), torch.rand(32, 1, generator=g) * 2 - 1, \
+                torch.randn(32, 1, generator=g)
+            q_loss = nn.functional.mse_loss(qf(torch.cat([obs, act], 1)), target)
+            q_opt.zero_grad()
+            q_loss.backward()
+            q_opt.step()
+            if step % 2 == 0:
+                for _ in range(2):
+                    a_loss = -qf(torch.cat([obs, actor(obs)], 1)).mean()
+                    a_opt.zero_grad()
+                    a_loss.backward()
+                    a_opt.step()
+    found = [f for f in mon.findings if f.kind == "objectives_in_sequence"]
+    assert len(found) == 1 and found[0].severity == "info", [f.kind for f in mon.findings]
+    text = found[0].title + " " + found[0].suggestion
+    # what it saw first; forward-forward only as one example beside SAC's
+    assert not found[0].title.startswith("Another optimizer took over"), found[0].title
+    assert "stepped in turn on different parameters" in found[0].title and "SAC" in found[0].title, text
+    assert found[0].evidence["takeover_step"] == 1, found[0].evidence

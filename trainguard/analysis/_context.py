@@ -120,7 +120,8 @@ class Context:
         # GAN's discriminator and generator losses): no trend of it means anything.
         self.losses_summed = bool(self.meta.get("separate_losses"))
         # Another optimizer took over ending steps at this step (layers trained one after another,
-        # each by its own optimizer and loss: forward-forward): one loss curve per layer, no trend
+        # each by its own optimizer and loss: forward-forward; SAC's actor between its critic's steps):
+        # one loss curve per objective, no trend
         # across them means anything. None when none did.
         seq = self.meta.get("objectives_in_sequence")
         self.objectives_in_sequence = int(seq) if isinstance(seq, int) and not isinstance(seq, bool) else None

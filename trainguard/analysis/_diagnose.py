@@ -10,6 +10,7 @@ import numpy as np
 
 # Importing the rule modules registers their rules.
 from trainguard.analysis import (  # noqa: F401
+    _chance_rules,
     _collapse_rules,
     _function_rules,
     _graph_rules,
@@ -40,6 +41,7 @@ MONITOR_RULES = (
     "nonfinite_gradient",
     "loss_not_decreasing",
     "loss_saturated",
+    "loss_above_chance",
     "loss_oscillating",
     "loss_spike",
     "lr_too_high",

@@ -226,11 +226,12 @@ def objectives_in_sequence(ctx: Context) -> list[Finding]:
         Finding(
             kind="objectives_in_sequence",
             severity="info",
-            title=f"Another optimizer took over at step {at} (layers trained one after another, each with its own "
-            "loss, as in forward-forward): the loss is one curve per objective, and its trend is not judged as one",
+            title=f"Optimizers stepped in turn on different parameters from step {at}, each after a backward of "
+            "its own loss (layers trained one after another as in forward-forward, an actor updated between a "
+            "critic's steps as in SAC): the loss is one curve per objective, and its trend is not judged as one",
             evidence={"takeover_step": at, "loss_points": len(ctx.loss)},
-            suggestion="the gradient, activation and update rules still apply; to have a layer's loss judged, "
-            "monitor that layer's training on its own (one `Monitor` per layer's loop)",
+            suggestion="the gradient, activation and update rules still apply to every optimizer's parameters; to "
+            "have one objective's loss judged, monitor its loop on its own (one `Monitor` per forward-forward layer)",
             source=SOURCE,
         )
     ]

@@ -37,6 +37,11 @@ class Thresholds:
         0.2, "a loss whose sign flips between a fifth of its steps is a surrogate (policy gradient, WGAN critic), "
         "not an error training drives toward 0; one that falls through 0 flips only where it crosses"
     )
+    loss_above_chance_ratio: float = _t(
+        1.5, "a cross-entropy half again above ln C, a uniform guess's loss, at the start and the end of a run is a "
+        "model confidently wrong, not minibatch noise around chance (mamba-minimal's N(0, 1) tied embedding: 15.7 "
+        "-> 9.62 against ln 64 = 4.16)"
+    )
     loss_diverge_ratio: float = _t(
         2.0, "a smoothed loss above twice its value at initialisation means updates make the model worse"
     )

@@ -128,6 +128,45 @@ def _facts_targets(t: torch.Tensor, dim: int) -> Facts:
     return ("target_max", "target_min", "row_sum_max", "row_sum_min"), torch.stack([t.max(), t.min(), s.max(), s.min()])
 
 
+def _loss_scalar(loss: torch.Tensor) -> torch.Tensor:
+    """The loss's value as a 1-element float64 tensor on its device (nan unless it is one number)."""
+    if loss.numel() != 1:
+        return torch.full((1,), math.nan, dtype=torch.float64, device=loss.device)
+    return loss.detach().reshape(1).double()
+
+
+def _facts_value(value: torch.Tensor, loss: torch.Tensor, logp: torch.Tensor, dim: int) -> Facts:
+    """What the loss analysis compares with ln C: the cross entropy this head computes (``value``),
+    the loss backward ran on (``loss``: equal to it when the loss is this cross entropy and nothing
+    else), and the mean spread of the log-probabilities over the classes of a row (``logit_std``: the
+    logits' own, log_softmax only shifts a row; a uniform guess has 0)."""
+    x = _rows(logp)
+    spread = x.std(dim).mean() if x.shape[dim] > 1 else torch.zeros((), dtype=torch.float64, device=x.device)
+    return (("value", "loss", "logit_std"),
+            torch.cat([value.detach().reshape(1).double().to(x.device), _loss_scalar(loss).to(x.device),
+                       spread.reshape(1)]))
+
+
+def _join(a: Facts, b: Facts) -> Facts:
+    return a[0] + b[0], torch.cat([a[1], b[1]])
+
+
+def _nll_value(fn: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """``nll_loss``'s own value, recomputed from what its node saved (one gather: O(rows))."""
+    target = _saved(fn, "_saved_target")
+    if target is None:
+        return None
+    ignore = getattr(fn, "_saved_ignore_index", -100)
+    ignore = int(ignore) - 2**64 if int(ignore) >= 2**63 else int(ignore)  # a saved negative int reads unsigned
+    reduction = {0: "none", 1: "mean", 2: "sum"}.get(int(getattr(fn, "_saved_reduction", 1)), "mean")
+    try:
+        value = torch.nn.functional.nll_loss(x.detach(), target, weight=_saved(fn, "_saved_weight"),
+                                             ignore_index=ignore, reduction=reduction)
+    except (RuntimeError, ValueError, IndexError):
+        return None
+    return value if value.numel() == 1 else None
+
+
 def resolve_facts(heads: list[dict]) -> None:
     """Replace each head's device facts by a dict of floats (one host copy for all of them)."""
     pending = [h for h in heads if isinstance(h.get("facts"), tuple)]
@@ -232,6 +271,11 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None) -> list[dict]:
             if x is not None and x.is_floating_point() and x.numel():
                 head["facts"] = _facts_nll_input(x)
                 head["classes"] = int(x.shape[_class_dim(x)])
+                reduction = int(getattr(fn, "_saved_reduction", 1))
+                head["reduction"] = {0: "none", 1: "mean", 2: "sum"}.get(reduction, str(reduction))
+                value = _nll_value(fn, x)
+                if value is not None:
+                    head["facts"] = _join(head["facts"], _facts_value(value, loss, x, _class_dim(x)))
         elif op == "ctc_loss":
             # log_probs [T, N, C] (or [T, C]): log_softmax over the classes, the last dimension
             nxt = _next(fn)
@@ -271,6 +315,11 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None) -> list[dict]:
                 if target.numel():
                     head["facts"] = _facts_targets(target, dim)
                     head["classes"] = int(target.shape[dim]) if target.dim() else 1
+                    logp = _saved(lsm, "_saved_result")
+                    if logp is not None and target.dim() and tuple(logp.shape) == tuple(target.shape):
+                        # its value as the mean over rows of -sum(target * log_softmax)
+                        value = -(target.detach().double() * logp.detach().double()).sum(dim).mean()
+                        head["facts"] = _join(head["facts"], _facts_value(value, loss, logp, dim))
         elif op in _REGRESSION_LOSSES or op == "abs":
             head = _broadcast(fn, op)
         if head is not None:

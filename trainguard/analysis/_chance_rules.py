@@ -1,0 +1,139 @@
+"""A cross entropy that stays above chance: worse than a uniform guess over its C classes.
+
+A uniform guess loses ln C whatever the targets are (hard labels, label-smoothed or mixed ones: any
+distribution over the C classes). A model that starts far above it is confidently wrong at
+initialisation (an output layer or tied embedding initialised with std 1, a missing 1/sqrt(d), a
+temperature that multiplies the logits) and a run that ends still above it has spent its steps
+undoing that. Judged only where the loss is KNOWN to be that cross entropy and nothing else: the
+loss watch (``capture/_loss_watch.py``) recomputed one head's value per inspected backward and
+found it equal to the loss backward ran on.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainguard.analysis._context import Context, fmt
+from trainguard.analysis._loss_rules import finite_loss, progress
+from trainguard.analysis._rules import register_rule
+from trainguard.store import Finding
+
+SOURCE = "monitor"
+
+# The loss backward ran on and the head's own cross entropy agree to this fraction: the loss is that
+# cross entropy (float32 against the float64 recomputation), not a sum of it and other terms.
+_SAME = 1e-3
+# Soft targets sum to 1 per row to this tolerance: a distribution over the classes.
+_ROW_SUM = 1e-3
+
+
+def _valid_head(h: dict) -> bool:
+    """A per-row mean cross entropy whose value the loss watch recomputed: ``nll_loss`` with
+    ``reduction="mean"``, or a soft-target one whose targets are a distribution over the classes."""
+    facts = h.get("facts")
+    if not isinstance(facts, dict):
+        return False
+    if not all(isinstance(facts.get(k), (int, float)) and math.isfinite(facts[k]) for k in ("value", "loss")):
+        return False
+    if h.get("loss") == "nll_loss":
+        return h.get("reduction") == "mean"
+    if h.get("loss") == "soft_cross_entropy":
+        sums = (facts.get("row_sum_max"), facts.get("row_sum_min"))
+        return (all(isinstance(v, (int, float)) and abs(v - 1) <= _ROW_SUM for v in sums)
+                and isinstance(facts.get("target_min"), (int, float)) and facts["target_min"] >= 0)
+    return False
+
+
+def _cross_entropy_heads(ctx: Context) -> list[dict] | None:
+    """The heads of every inspected loss graph, when each is a per-row mean cross entropy (see
+    ``_valid_head``) and the loss backward ran on is their mean (one head's value; CLIP's symmetric
+    loss, the mean of its image and text cross entropies): a uniform guess then loses ln C. None
+    when any is not: a sum, a loss with other terms, a mixup weighting two cross entropies unequally,
+    targets that are no distribution."""
+    recs = ctx.run.meta.get("loss_graph") or []
+    heads: list[dict] = []
+    for rec in recs:
+        hs = [h for h in rec.get("heads") or [] if isinstance(h, dict)]
+        if not hs or len(hs) != len(rec.get("heads") or []) or not all(_valid_head(h) for h in hs):
+            return None
+        loss = hs[0]["facts"]["loss"]
+        mean = sum(h["facts"]["value"] for h in hs) / len(hs)
+        if abs(loss - mean) > _SAME * max(1.0, abs(mean)):
+            return None
+        heads.extend(hs)
+    return heads or None
+
+
+def _output_layer(ctx: Context, classes: int) -> tuple[str | None, str | None]:
+    """The layer that makes the logits (the last transforming layer with ``classes`` units) and,
+    when it owns no weight of its own, the embedding weight it shares ([classes, d])."""
+    layer = next((la for la in reversed(ctx.layer_order)
+                  if ctx.layer_type.get(la) not in ("Embedding", "EmbeddingBag") and ctx.unit_count(la) == classes),
+                 None)
+    if layer is None:
+        return None, None
+    if any(info.get("layer") == layer for info in ctx.params.values()):
+        return layer, None
+    tied = [name for name, info in ctx.params.items() if info.get("module_type") == "Embedding"
+            and len(info.get("shape", [])) == 2 and int(info["shape"][0]) == classes]
+    return layer, tied[0] if len(tied) == 1 else None
+
+
+@register_rule("loss_above_chance")
+def loss_above_chance(ctx: Context) -> list[Finding]:
+    classes = ctx.loss_classes()
+    if classes is None or not ctx.weights_initial:
+        return []
+    heads = _cross_entropy_heads(ctx)
+    if heads is None or any(h.get("classes") != classes for h in heads):
+        return []
+    prog = progress(ctx)  # None for a run too short to judge its end (min_loss_points)
+    loss = finite_loss(ctx)
+    if prog is None or not len(loss):
+        return []
+    chance = math.log(classes)
+    bar = ctx.th.loss_above_chance_ratio * chance
+    first = float(loss.values[0])
+    if not (first > bar and prog["start"] > bar and prog["end"] > bar):
+        return []
+    ev = {
+        "classes": classes,
+        "chance": chance,
+        "first_loss": first,
+        "loss_start": prog["start"],
+        "loss_end": prog["end"],
+        "steps": prog["steps"],
+    }
+    std = heads[0]["facts"].get("logit_std")
+    if isinstance(std, (int, float)) and math.isfinite(std):
+        ev["logit_std"] = float(std)
+    layer, tied = _output_layer(ctx, classes)
+    if layer is not None:
+        ev["output_layer"] = layer
+    if tied is not None:
+        ev["tied_to"] = tied
+        init = ctx.weight_init_check(tied)
+        if init is not None:
+            ev["tied_weight_rms"] = init["rms"]
+    spread = f", logits spread with std {fmt(ev['logit_std'])} over a row" if "logit_std" in ev else ""
+    title = (f"The cross-entropy stays above chance: {fmt(prog['start'])} -> {fmt(prog['end'])} over "
+             f"{len(loss)} steps, where a uniform guess over its {classes} classes loses ln {classes} = {fmt(chance)}: "
+             f"the model is confidently wrong from its initialisation{spread}")
+    if tied is not None:
+        rms = f" (its values have RMS {fmt(ev['tied_weight_rms'])})" if "tied_weight_rms" in ev else ""
+        suggestion = (f"the output layer `{layer}` shares its weight with `{tied}`{rms}, so its logits are as large as "
+                      f"the embedding's rows (nn.Embedding starts them N(0, 1)); initialise the shared weight small, "
+                      f"`nn.init.normal_(model.{tied}, std=0.02)` as GPT-2 does, or scale the logits down by "
+                      f"1/sqrt(d_model) (`logits = self.{layer}(x) * x.shape[-1] ** -0.5`); the loss then starts near "
+                      "ln C")
+    elif layer is not None:
+        suggestion = (f"initialise the output layer `{layer}` small (`nn.init.normal_(model.{layer}.weight, std=0.02)` "
+                      "as GPT-2 does, or `nn.init.zeros_`), and check that no missing 1/sqrt(d) scale or temperature "
+                      "multiplies the logits; the loss then starts near ln C")
+    else:  # no layer has C outputs: the logits are a product (a contrastive loss's similarities)
+        suggestion = ("check the scale that multiplies the logits (a contrastive loss's temperature or logit scale: "
+                      "CLIP's starts at 1/0.07 = 14.3, on unit-length features; a missing 1/sqrt(d) on dot products), "
+                      "or initialise the layer that makes them small (`nn.init.normal_(weight, std=0.02)` as GPT-2 "
+                      "does); the loss then starts near ln C")
+    return [Finding(kind="loss_above_chance", severity="warning", title=title, evidence=ev, suggestion=suggestion,
+                    steps=prog["steps"], layers=[layer] if layer else [], source=SOURCE)]
