@@ -690,3 +690,4 @@ def test_accuracy_at_the_ceiling_identical_samples_allow_is_their_floor_not_a_sl
     (f,) = [f for f in r.findings() if f.kind == "overfit_floor"]
     assert "13 of 16" in f.suggestion and "3 groups" in f.suggestion, f.suggestion
     assert "learning rate" not in f.title + f.suggestion, (f.title, f.suggestion)
+    assert f.severity == "warning" and r.verdict == "warn"  # the model did all the duplicates allow
