@@ -669,6 +669,7 @@ def test_ctcs_blank_plateau_is_not_called_a_floor_of_capacity():
 
     r = doctor.overfit_one_batch(_TinyCRNN(), (images, (labels, lengths)), loss_fn)
     assert r.reason == "slow" and r.ctc_blank, (r.reason, r.summary)
+    assert f"blank plateau: {r.ctc_blank} of 16" in r.summary, r.summary
     (f,) = [f for f in r.findings() if f.kind == "overfit_slow"]
     assert "blank" in f.title and "capacity" not in f.suggestion and "steps=" in f.suggestion, (f.title, f.suggestion)
 

@@ -150,6 +150,8 @@ class OverfitResult(CheckResult):
                     f"{self.projected_steps} more steps at its last quarter's pace")
         if self.passed:
             return head
+        if self.reason == "slow" and self.ctc_blank:
+            return f"{head}: slow (CTC's blank plateau: {self.ctc_blank} of {self.samples} samples all blank)"
         if self.reason == "flat" and self.unreached:
             return f"{head}: flat ({len(self.unreached)} parameters never receive a gradient)"
         return f"{head}: {self.reason}"
