@@ -692,3 +692,22 @@ def test_accuracy_at_the_ceiling_identical_samples_allow_is_their_floor_not_a_sl
     assert "13 of 16" in f.suggestion and "3 groups" in f.suggestion, f.suggestion
     assert "learning rate" not in f.title + f.suggestion, (f.title, f.suggestion)
     assert f.severity == "warning" and r.verdict == "warn"  # the model did all the duplicates allow
+
+
+def test_a_floor_far_above_what_identical_samples_cost_is_not_blamed_on_them():
+    # The small CLIP of the test above with 3 captions twice in 16, at Adam lr 1.0: its features
+    # collapse and the loss sits at ln(16) = 2.77 with 31% right, far above the 0.26 and below the
+    # 13 of 16 the duplicates allow; the finding said the duplicates are why the loss cannot go lower.
+    torch.manual_seed(0)
+    image, text = torch.randn(16, 12), torch.randint(0, 20, (16, 5))
+    text[5], text[9], text[14] = text[2], text[7], text[11]
+
+    def clip_loss(logits, labels):
+        return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
+
+    r = doctor.overfit_one_batch(TwoTowers(), ((image, text), torch.arange(16)), clip_loss, steps=60, lr=1.0)
+    assert r.reason == "floor" and r.accuracy < 13 / 16, r.summary
+    (f,) = [f for f in r.findings() if f.kind == "overfit_floor"]
+    assert "no model can tell them apart, so the loss cannot go below" not in f.suggestion, f.suggestion
+    assert "samples 2 and 5" in f.suggestion and "13 of 16" in f.suggestion, f.suggestion
+    assert f.severity == "error"
