@@ -266,7 +266,17 @@ class OverfitResult(CheckResult):
                       "target format, probabilities passed where logits are expected)."),
         }
         title, suggestion = texts[self.reason or "floor"]
-        if self.reason == "floor" and self.identical:
+        if self.reason == "floor" and self.identical and self.accuracy_ceiling is not None and not self._at_ceiling():
+            # the duplicates cost only part of this floor: the model is short of what they allow
+            *head, last = self.identical["samples"]
+            suggestion += (f" The batch also has samples {', '.join(map(str, head))} and {last} with the same input "
+                           f"{self.identical['input']} but different targets, which no model can tell apart; they "
+                           f"explain only part of this floor: accuracy {self.accuracy:.0%} is below the "
+                           f"{self.accuracy_ceiling:.0%} they allow ({round(self.accuracy_ceiling * self.samples)} "
+                           f"of {self.samples}).")
+            ev["identical"] = self.identical
+            ev["accuracy_ceiling"] = self.accuracy_ceiling
+        elif self.reason == "floor" and self.identical:
             *head, last = self.identical["samples"]
             more = (f" ({self.identical_groups} groups of such samples in all)" if self.identical_groups > 1 else "")
             ceiling = ""
