@@ -85,12 +85,13 @@ def test_results_join_a_recorded_run(mlp, batches, tmp_path):
 
 
 def test_renders_a_verdict_table(mlp, batches):
-    r = doctor.run_checklist(mlp, batches, nn.CrossEntropyLoss(), checks=["init", "overfit"], overfit_steps=20)
+    r = doctor.run_checklist(mlp, batches, nn.CrossEntropyLoss(), checks=["init", "overfit"], overfit_steps=5)
     buf = io.StringIO()
     Console(file=buf, width=120).print(r)
     text = buf.getvalue()
     assert "trainguard doctor" in text and "init_checks" in text and "overfit_one_batch" in text
-    assert "FAIL" in text  # 20 steps are not enough to memorise the batch
+    # 5 steps are not enough to memorise the batch (at 20 every sample is right, 2.33 -> 0.206: a pass)
+    assert "FAIL" in text
 
 
 def test_setup_from_a_tuple_or_dict(mlp, batches):

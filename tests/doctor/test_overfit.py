@@ -519,3 +519,195 @@ def test_a_qat_model_whose_fused_bn_and_observers_move_is_told_to_freeze_them():
     [f] = result.findings()
     assert "disable_observer" in f.suggestion and "freeze_bn_stats" in f.suggestion, f.suggestion
     assert "DINO" not in f.suggestion and "codebook" not in f.suggestion
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+
+class TinyMambaLM(nn.Module):
+    """alxndrTL/mamba.py's LM in small (mambapy/lm.py, mamba.py): an embedding (std 0.02, as its
+    _init_weights), residual blocks of RMSNorm, in_proj to x and z, a causal depthwise conv1d and a
+    SiLU gate, out_proj; a final RMSNorm and an lm_head tied to the embedding. The logits are
+    returned [B, vocab, L], the classes in dim 1, so the targets are the next tokens [B, L]."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            block = nn.Module()
+            block.norm, block.in_proj = _RMSNorm(d), nn.Linear(d, 4 * d)
+            block.conv1d, block.out_proj = nn.Conv1d(2 * d, 2 * d, 4, groups=2 * d, padding=3), nn.Linear(2 * d, d)
+            self.layers.append(block)
+        self.norm_f = _RMSNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.embedding.weight
+        nn.init.normal_(self.embedding.weight, std=0.02)
+
+    def forward(self, tokens):
+        x, n = self.embedding(tokens), tokens.shape[1]
+        for b in self.layers:
+            h, z = b.in_proj(b.norm(x)).chunk(2, -1)
+            h = b.conv1d(h.transpose(1, 2))[..., :n].transpose(1, 2)
+            x = x + b.out_proj(nn.functional.silu(h) * nn.functional.silu(z))
+        return self.lm_head(self.norm_f(x)).transpose(1, 2)
+
+
+def test_a_language_model_that_gets_every_token_right_while_its_loss_still_falls_passes():
+    # trainguard doctor on mamba.py's LM: "loss 4.15 -> 0.045 ... accuracy 100%: slow", an error
+    # saying the learning rate is too low, because cross entropy under Adam falls geometrically
+    # toward 0 and never settles; every token was already right. Here: 4.16 -> 0.148, 100%.
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (8, 17))
+    r = doctor.overfit_one_batch(TinyMambaLM(), (tokens[:, :-1], tokens[:, 1:]), nn.CrossEntropyLoss(), lr=1e-3)
+    assert r.accuracy == 1.0 and r.final_loss > r.target_loss, r.summary
+    assert r.passed and r.reason is None, r.summary
+    (f,) = [f for f in r.findings() if f.kind.startswith("overfit_")]
+    assert f.kind == "overfit_ok" and "every sample" in f.title, f.title
+
+
+class _Policy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mix, self.head = nn.Embedding(50, 32), nn.Linear(32, 32), nn.Linear(32, 50)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.emb(tokens))))
+
+
+class _PreferencePair(nn.Module):
+    """trl's DPOTrainer in small (trl/trainer/dpo_trainer.py: concatenated_forward's summed log-probs
+    of the chosen and rejected completions, less a frozen reference model's): the output is the
+    [B, 2] log-ratios; the loss is dpo_loss's sigmoid: -logsigmoid(beta * (chosen - rejected))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = _Policy()
+        self.ref = _Policy()
+        self.ref.load_state_dict(self.policy.state_dict())
+        self.ref.requires_grad_(False)
+
+    def forward(self, pair):
+        def logps(model, t):
+            return model(t[:, :-1]).log_softmax(-1).gather(-1, t[:, 1:, None]).squeeze(-1).sum(-1)
+
+        chosen, rejected = pair
+        with torch.no_grad():
+            ref_c, ref_r = logps(self.ref, chosen), logps(self.ref, rejected)
+        return torch.stack([logps(self.policy, chosen) - ref_c, logps(self.policy, rejected) - ref_r], 1)
+
+
+def test_a_preference_loss_still_falling_geometrically_passes():
+    # trainguard doctor on trl's DPO: "0.693 -> 0.0343 in 200 steps: slow: learning rate too low",
+    # an error, though the loss fell 20-fold and kept falling at a steady rate in log space. Here
+    # 0.693 -> 0.0195 in 200 steps; at its last quarter's pace it is under 0.00693 in about 90 more.
+    torch.manual_seed(0)
+    chosen, rejected = torch.randint(0, 50, (8, 12)), torch.randint(0, 50, (8, 12))
+
+    def dpo_loss(out, _labels):
+        return -nn.functional.logsigmoid(0.1 * (out[:, 0] - out[:, 1])).mean()
+
+    r = doctor.overfit_one_batch(_PreferencePair(), ((chosen, rejected), torch.zeros(8)), dpo_loss, lr=1e-3)
+    assert r.final_loss > r.target_loss and r.final_loss < 0.1 * r.initial_loss, r.summary
+    assert r.passed and r.reason is None, r.summary
+    assert r.projected_steps is not None and 0 < r.projected_steps <= 200, r.projected_steps
+    assert f"{r.projected_steps} more steps" in r.summary, r.summary
+
+
+def test_a_slow_loss_says_the_rate_is_the_tests_adam_not_the_programs():
+    # cleanrl's DQN under the checklist: overfit_one_batch said "try 0.03" (ten times the test's
+    # Adam at 3e-3) while lr_range_test suggested 9.1e-4 for the program's optimizer: 30x apart,
+    # with nothing saying the two rates answer different questions.
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 20), torch.randint(0, 10, (32,))
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 10))
+    r = doctor.overfit_one_batch(model, (x, y), nn.CrossEntropyLoss(), lr=1e-6)
+    (f,) = [f for f in r.findings() if f.kind == "overfit_slow"]
+    assert "lr=1e-05" in f.suggestion and "steps=400" in f.suggestion, f.suggestion
+    assert "not your optimizer" in f.suggestion and "lr_range_test" in f.suggestion, f.suggestion
+
+
+class _TinyCRNN(nn.Module):
+    """Holmeyoung/crnn-pytorch's CRNN in small (models/crnn.py): a conv stack over a 1x8xW text
+    image, a bidirectional LSTM over its columns and log_softmax over 11 classes (blank 0), the
+    output [T, B, C] as nn.CTCLoss takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cnn = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                 nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d((4, 1)))
+        self.rnn = nn.LSTM(32, 32, bidirectional=True)
+        self.embedding = nn.Linear(64, 11)
+
+    def forward(self, x):
+        columns = self.cnn(x).squeeze(2).permute(2, 0, 1)
+        return nn.functional.log_softmax(self.embedding(self.rnn(columns)[0]), dim=2)
+
+
+def test_ctcs_blank_plateau_is_not_called_a_floor_of_capacity():
+    # trainguard doctor on Holmeyoung/crnn-pytorch's CRNN: "stuck at a floor of 0.173 ... too little
+    # capacity", while the model sat on CTC's blank plateau (every frame blank), which it leaves after
+    # a few hundred steps. Here: 1.63 -> 0.174 in 200 steps, every frame blank; 0.0197 at 600.
+    torch.manual_seed(0)
+    n = 16
+    lengths, labels = torch.randint(1, 5, (n,)), torch.randint(1, 11, (n, 4))
+    images = torch.randn(n, 1, 8, 52) * 0.1
+    for i in range(n):
+        for j in range(int(lengths[i])):
+            images[i, 0, :, 6 + j * 10: 12 + j * 10] += labels[i, j] / 10.0
+    ctc = nn.CTCLoss()
+
+    def loss_fn(out, y):
+        labels, lengths = y
+        return ctc(out, labels, torch.full((out.shape[1],), out.shape[0], dtype=torch.long), lengths) / out.shape[1]
+
+    r = doctor.overfit_one_batch(_TinyCRNN(), (images, (labels, lengths)), loss_fn)
+    assert r.reason == "slow" and r.ctc_blank, (r.reason, r.summary)
+    assert f"blank plateau: {r.ctc_blank} of 16" in r.summary, r.summary
+    (f,) = [f for f in r.findings() if f.kind == "overfit_slow"]
+    assert "blank" in f.title and "capacity" not in f.suggestion and "steps=" in f.suggestion, (f.title, f.suggestion)
+
+
+def test_accuracy_at_the_ceiling_identical_samples_allow_is_their_floor_not_a_slow_rate():
+    # open_clip's CLIP under `trainguard doctor` on 16 pairs with 3 captions twice: accuracy 81%,
+    # 13 of 16, the most those pairs allow, and the loss near ln(2)*6/16; the verdict was "slow"
+    # (and on another run "unstable: try 0.0003"), blaming the learning rate.
+    torch.manual_seed(0)
+    image, text = torch.randn(16, 12), torch.randint(0, 20, (16, 5))
+    text[5], text[9], text[14] = text[2], text[7], text[11]
+
+    def clip_loss(logits, labels):
+        return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
+
+    r = doctor.overfit_one_batch(TwoTowers(), ((image, text), torch.arange(16)), clip_loss, steps=30)
+    assert r.accuracy == pytest.approx(13 / 16) and r.reason == "floor", r.summary
+    assert r.accuracy_ceiling == pytest.approx(13 / 16), r.accuracy_ceiling
+    (f,) = [f for f in r.findings() if f.kind == "overfit_floor"]
+    assert "13 of 16" in f.suggestion and "3 groups" in f.suggestion, f.suggestion
+    assert "learning rate" not in f.title + f.suggestion, (f.title, f.suggestion)
+    assert f.severity == "warning" and r.verdict == "warn"  # the model did all the duplicates allow
+
+
+def test_a_floor_far_above_what_identical_samples_cost_is_not_blamed_on_them():
+    # The small CLIP of the test above with 3 captions twice in 16, at Adam lr 1.0: its features
+    # collapse and the loss sits at ln(16) = 2.77 with 31% right, far above the 0.26 and below the
+    # 13 of 16 the duplicates allow; the finding said the duplicates are why the loss cannot go lower.
+    torch.manual_seed(0)
+    image, text = torch.randn(16, 12), torch.randint(0, 20, (16, 5))
+    text[5], text[9], text[14] = text[2], text[7], text[11]
+
+    def clip_loss(logits, labels):
+        return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
+
+    r = doctor.overfit_one_batch(TwoTowers(), ((image, text), torch.arange(16)), clip_loss, steps=60, lr=1.0)
+    assert r.reason == "floor" and r.accuracy < 13 / 16, r.summary
+    (f,) = [f for f in r.findings() if f.kind == "overfit_floor"]
+    assert "no model can tell them apart, so the loss cannot go below" not in f.suggestion, f.suggestion
+    assert "samples 2 and 5" in f.suggestion and "13 of 16" in f.suggestion, f.suggestion
+    assert f.severity == "error"

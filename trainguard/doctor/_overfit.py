@@ -7,12 +7,17 @@ each way has a different fix:
 - ``nan``: the loss became NaN/Inf (learning rate too high, log of 0, division by zero, overflow);
 - ``flat``: gradients do not reach (some) parameters, so nothing learns there;
 - ``unstable``: the loss jumps around or rises: the learning rate is too high;
-- ``slow``: the loss was still falling when the steps ran out: the learning rate is too low;
-- ``floor``: the loss settled above zero: too little capacity or a loss that cannot reach zero;
+- ``slow``: the loss was still falling when the steps ran out: the learning rate is too low (or a
+  CTC model still on its blank plateau);
+- ``floor``: the loss settled above zero: too little capacity or a loss that cannot reach zero (or
+  samples with the same input but other targets, at the accuracy they allow);
 - ``random``: the loss of the same batch with the same weights differs from call to call (the model
   or loss draws random numbers: a diffusion model's timesteps and noise, a VAE's sample; or, when it
   differs with the generators seeded alike, ``stateful``, it moves state it keeps: DINO's center), so
   its jumps say nothing about the learning rate and it cannot settle near zero.
+
+A loss short of near zero that is only its own slow tail passes: every sample classified right, or
+(no accuracy to judge) still falling geometrically, nine tenths of its way down.
 
 "Near zero" is measured from the loss's own floor: the least ``loss_fn`` can be on these targets
 with any output at all, found by fitting a free tensor of the output's shape (label smoothing's
@@ -76,6 +81,14 @@ SPIKE = 0.5
 ZIGZAG = 0.5
 ZIGZAG_AMPLITUDE = 0.05
 
+# Memorised short of the target: a "slow" loss that has closed all but this share of its way to the
+# floor passes when every sample is classified right (mamba.py's LM's cross entropy, 4.15 -> 0.045,
+# 100%) or, with no accuracy to judge, when at its last quarter's pace in log space it reaches the
+# target within as many steps again (trl's DPO, 0.693 -> 0.0343: falling geometrically).
+GEOMETRIC_DONE = 0.1
+# CTC's blank plateau: at least this share of the samples get the blank at every frame.
+BLANK_SHARE = 0.5
+
 REASONS = ("nan", "flat", "unstable", "slow", "floor", "random")
 # Random: evaluations of the same batch with the same weights differ by more than this share
 # (a deterministic forward repeats exactly on CPU, and within about 1e-7 where an accelerator's
@@ -120,13 +133,25 @@ class OverfitResult(CheckResult):
     stateful: bool = False  # the redrawn loss differs with the random numbers seeded alike: state it keeps moves
     fake_quant: int = 0  # stateful: the fake-quant modules prepare_qat put in (their observers and fused BN move)
     identical: dict | None = None  # at a floor: samples with the same input but other targets (see _identical_samples)
+    identical_groups: int = 0  # how many groups of such samples that input holds
+    accuracy_ceiling: float | None = None  # the most accuracy those groups allow (1-D class targets)
+    memorised: str | None = None  # passed short of the target: "accuracy" (every sample right) or "falling" (geometrically)
+    projected_steps: int | None = None  # "falling": steps more to the target at the last quarter's pace
+    ctc_blank: int = 0  # slow: the samples a CTC model gives blank at every frame (CTC's blank plateau)
 
     @property
     def summary(self) -> str:
         acc = "" if self.accuracy is None else f", accuracy {self.accuracy:.0%}"
         head = f"loss {fmt(self.initial_loss)} -> {fmt(self.final_loss)} in {self.steps} steps on {self.samples} samples{acc}"
+        if self.passed and self.memorised == "accuracy":
+            return f"{head}: every sample right, the loss still falling"
+        if self.passed and self.memorised == "falling":
+            return (f"{head}: still falling geometrically, under {fmt(self.target_loss)} in about "
+                    f"{self.projected_steps} more steps at its last quarter's pace")
         if self.passed:
             return head
+        if self.reason == "slow" and self.ctc_blank:
+            return f"{head}: slow (CTC's blank plateau: {self.ctc_blank} of {self.samples} samples all blank)"
         if self.reason == "flat" and self.unreached:
             return f"{head}: flat ({len(self.unreached)} parameters never receive a gradient)"
         return f"{head}: {self.reason}"
@@ -139,7 +164,21 @@ class OverfitResult(CheckResult):
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "reason", "losses", "initial_loss", "final_loss", "target_loss", "accuracy", "steps", "samples", "lr",
-            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn", "train_only", "stateful", "fake_quant", "identical")}
+            "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn", "train_only", "stateful", "fake_quant", "identical",
+            "identical_groups", "accuracy_ceiling", "memorised", "projected_steps", "ctc_blank")}
+
+    def _at_ceiling(self) -> bool:
+        return (self.identical is not None and self.accuracy_ceiling is not None and self.accuracy is not None
+                and self.accuracy >= self.accuracy_ceiling - 1e-9)
+
+    def _ctc_text(self) -> str:
+        lr = self.lr
+        return ("CTC training first predicts blank at every frame and sits on that plateau before it learns to "
+                "align frames to labels (Holmeyoung/crnn-pytorch's CRNN: past 300 steps at lr 1e-3); free outputs "
+                f"reach a loss of {fmt(self.loss_floor)} on these labels, so this is no floor of the model's. Give the "
+                f"test more steps (steps={3 * self.steps})" + (f" or a higher rate (lr={fmt(lr * 3)})" if lr else "")
+                + ". If it still emits only blanks then, check that every input length is at least its label's "
+                "length (plus one per repeated letter) and that the blank index is the one the loss is given.")
 
     def _detail(self) -> Table:
         t = Table(show_header=False, box=None, padding=(0, 2))
@@ -183,9 +222,15 @@ class OverfitResult(CheckResult):
             "unstable": ("Overfit one batch: the loss jumps around instead of falling: learning rate too high",
                          "Lower the learning rate" + (f" (try {fmt(lr / 10)})" if lr else "")
                          + ", or run lr_range_test to pick one."),
-            "slow": (f"Overfit one batch: the loss was still falling after {self.steps} steps: learning rate too low",
-                     "Raise the learning rate" + (f" (try {fmt(lr * 10)})" if lr else "")
-                     + " or give the test more steps; lr_range_test suggests a rate."),
+            "slow": ((f"Overfit one batch: the model still emits only blanks for {self.ctc_blank} of {self.samples} "
+                      f"samples after {self.steps} steps (CTC's blank plateau, loss {fmt(self.final_loss)})",
+                      self._ctc_text())
+                     if self.ctc_blank else
+                     (f"Overfit one batch: the loss was still falling after {self.steps} steps: learning rate too low",
+                      "Raise the test's learning rate" + (f" (try lr={fmt(lr * 10)})" if lr else "")
+                      + f" or give it more steps (steps={2 * self.steps}). That is the rate of this test's "
+                      f"{self.optimizer} on one batch, not your optimizer's rate for training the data set: "
+                      "lr_range_test suggests that one, from your optimizer and data.")),
             "random": ("Overfit one batch: the loss is random for a fixed batch and weights ("
                        + (f"from {self.redrawn[0]:.6g} to {self.redrawn[1]:.6g}" if self.redrawn else "it varies")
                        + " over 3 calls on the same inputs): its jumps are its own draws, and it cannot settle near zero",
@@ -221,15 +266,32 @@ class OverfitResult(CheckResult):
                       "target format, probabilities passed where logits are expected)."),
         }
         title, suggestion = texts[self.reason or "floor"]
-        if self.reason == "floor" and self.identical:
+        if self.reason == "floor" and self.identical and self.accuracy_ceiling is not None and not self._at_ceiling():
+            # the duplicates cost only part of this floor: the model is short of what they allow
             *head, last = self.identical["samples"]
+            suggestion += (f" The batch also has samples {', '.join(map(str, head))} and {last} with the same input "
+                           f"{self.identical['input']} but different targets, which no model can tell apart; they "
+                           f"explain only part of this floor: accuracy {self.accuracy:.0%} is below the "
+                           f"{self.accuracy_ceiling:.0%} they allow ({round(self.accuracy_ceiling * self.samples)} "
+                           f"of {self.samples}).")
+            ev["identical"] = self.identical
+            ev["accuracy_ceiling"] = self.accuracy_ceiling
+        elif self.reason == "floor" and self.identical:
+            *head, last = self.identical["samples"]
+            more = (f" ({self.identical_groups} groups of such samples in all)" if self.identical_groups > 1 else "")
+            ceiling = ""
+            if self._at_ceiling():
+                ceiling = (f" Accuracy {self.accuracy:.0%} is the most they allow ({round(self.accuracy_ceiling * self.samples)} "
+                           f"of {self.samples}): the model memorised what it can.")
             suggestion = (f"The batch's samples {', '.join(map(str, head))} and {last} have the same input "
-                          f"{self.identical['input']} but different targets: no model can tell them apart, so the "
-                          "loss cannot go below what that costs. In contrastive training (CLIP's in-batch targets, "
+                          f"{self.identical['input']} but different targets{more}: no model can tell them apart, so the "
+                          f"loss cannot go below what that costs.{ceiling} In contrastive training (CLIP's in-batch targets, "
                           "each sample its own class) a caption or image that appears twice in a batch is a false "
                           "negative: deduplicate the data set, or overfit a batch without repeats.")
             ev["identical"] = self.identical
-        severity = "warning" if self.reason == "random" else "error"
+            ev["accuracy_ceiling"] = self.accuracy_ceiling
+        # the model memorised all the duplicates let it: the data's problem, not the model's
+        severity = "warning" if self.reason == "random" or (self.reason == "floor" and self._at_ceiling()) else "error"
         out.append(finding(f"overfit_{self.reason}", severity, title, suggestion, layers=self.unreached,
                            reason=self.reason, nan_step=self.nan_step, unreached=self.unreached,
                            grad_norm_first=self.grad_norm_first, grad_norm_last=self.grad_norm_last, **ev))
@@ -357,6 +419,7 @@ def overfit_one_batch(
         nan_step = None
         no_path = False
         norms: list[torch.Tensor] = []
+        loss = None
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
             loss = as_float(loss_fn(model(inputs), targets))
@@ -403,23 +466,44 @@ def overfit_one_batch(
             reason = "random"
         else:
             reason = _classify(losses + [final], floor)
-    identical = _identical_samples(inputs, targets) if reason == "floor" else None
+    identical, groups, ceiling = (_identical_samples(inputs, targets) if reason in ("slow", "floor")
+                                  else (None, 0, None))
+    memorised, projected, ctc_blank = None, None, 0
+    if reason in ("slow", "floor") and identical is not None and ceiling is not None and accuracy is not None \
+            and accuracy >= ceiling - 1e-9:
+        reason = "floor"  # the floor the duplicates impose: every sample the data lets it tell apart is right
+    elif (reason == "slow" and accuracy is not None and accuracy >= 1.0
+          and final - floor <= GEOMETRIC_DONE * (initial - floor)):
+        passed, reason, memorised = True, None, "accuracy"  # every sample right; cross entropy never settles
+    elif reason == "slow" and accuracy is None:
+        projected = _projected_steps(losses + [final], floor, target)
+        if projected is not None and projected <= len(losses):
+            passed, reason, memorised = True, None, "falling"
+    if reason in ("slow", "floor"):
+        ctc_blank = _blank_plateau(outputs, loss, loss_fn)
+        reason = "slow" if ctc_blank else reason
+    if reason != "floor":
+        identical, groups, ceiling = None, 0, None
     return OverfitResult(
         passed=passed, reason=reason, losses=losses, initial_loss=initial, final_loss=final, target_loss=target,
         accuracy=accuracy, steps=len(losses), samples=samples, lr=used_lr, optimizer=type(opt).__name__,
         unreached=[n for n, _ in named] if no_path else unreached, nan_step=nan_step,
         grad_norm_first=first_norm, grad_norm_last=last_norm, loss_floor=floor, redrawn=redrawn,
         train_only=train_only and reason == "random", stateful=stateful and reason == "random", identical=identical,
+        identical_groups=groups, accuracy_ceiling=ceiling, memorised=memorised,
+        projected_steps=projected if memorised else None, ctc_blank=ctc_blank,
         fake_quant=_fake_quant_modules(model) if stateful and reason == "random" else 0,
     )
 
 
-def _identical_samples(inputs: Any, targets: Any) -> dict | None:
+def _identical_samples(inputs: Any, targets: Any) -> tuple[dict | None, int, float | None]:
     """The first input tensor (its index among the inputs, or its key) in which samples are
-    identical while their targets differ, and those samples: ``{"input": "1", "samples": [2, 5]}``;
-    None when there are none (or the targets are no tensor)."""
+    identical while their targets differ, and the first such group: ``{"input": "1", "samples": [2, 5]}``;
+    how many such groups it holds; and, for 1-D targets (class indices: CLIP's in-batch ones), the
+    most accuracy they allow: one prediction per group, right for its commonest target (13/16 for
+    three captions twice in 16 pairs). (None, 0, None) when there are none (or the targets are no tensor)."""
     if not isinstance(targets, torch.Tensor) or targets.dim() == 0:
-        return None
+        return None, 0, None
     n = targets.shape[0]
     named = (inputs.items() if isinstance(inputs, dict) else enumerate(inputs) if isinstance(inputs, (tuple, list))
              else [(0, inputs)])
@@ -428,11 +512,54 @@ def _identical_samples(inputs: Any, targets: Any) -> dict | None:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
             continue
         _, inverse = torch.unique(t.detach().reshape(n, -1), dim=0, return_inverse=True)
+        groups, wrong = [], 0
         for group in inverse.unique():
             same = (inverse == group).nonzero().flatten()
             if len(same) > 1 and not bool((rows_t[same] == rows_t[same[0]]).all()):
-                return {"input": str(name), "samples": [int(i) for i in same]}
-    return None
+                groups.append([int(i) for i in same])
+                _, counts = torch.unique(rows_t[same], dim=0, return_counts=True)
+                wrong += len(same) - int(counts.max())
+        if groups:
+            ceiling = (n - wrong) / n if targets.dim() == 1 else None
+            return {"input": str(name), "samples": groups[0]}, len(groups), ceiling
+    return None, 0, None
+
+
+def _projected_steps(curve: list[float], floor: float, target: float) -> int | None:
+    """Steps more the loss needs to reach ``target`` at the pace its distance to the floor shrank
+    by, in log space, over the last quarter of ``curve``; None unless it already closed nine tenths
+    of its way to the floor and is still shrinking (a loss falling geometrically toward its floor:
+    cross entropy's and DPO's under Adam, whose margins grow about linearly)."""
+    n = len(curve)
+    q, first, last = curve[int(0.75 * (n - 1))], curve[0], curve[-1]
+    if not (last - floor > 0 and q - floor > last - floor and first - floor > 0 and target - floor > 0):
+        return None
+    if last - floor > GEOMETRIC_DONE * (first - floor):
+        return None
+    rate = (math.log(q - floor) - math.log(last - floor)) / (n - 1 - int(0.75 * (n - 1)))
+    return max(1, math.ceil((math.log(last - floor) - math.log(target - floor)) / rate))
+
+
+def _blank_plateau(outputs: Any, loss: Any, loss_fn: Any) -> int:
+    """How many samples get the blank (``loss_fn.blank``, else 0) as the best class of every frame
+    from a CTC loss's (``nn.CTCLoss``, or a ``ctc_loss`` in the last step's graph) ``[T, N, C]``
+    outputs, when that is at least half of them: they decode to nothing, which no label is; 0 otherwise.
+    (crnn-pytorch's CRNN at 200 steps: 10 of 16, the others leaving the plateau with a letter or two.)"""
+    if not (isinstance(outputs, torch.Tensor) and outputs.dim() == 3 and outputs.is_floating_point()):
+        return 0
+    ctc = isinstance(loss_fn, nn.CTCLoss)
+    if not ctc and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+        seen, todo = 0, [loss.grad_fn]
+        while todo and seen < 64 and not ctc:  # the loss's own few nodes, not the model's graph
+            node = todo.pop(0)
+            seen += 1
+            ctc = "ctcloss" in type(node).__name__.lower()
+            todo.extend(f for f, _ in node.next_functions if f is not None)
+    if not ctc:
+        return 0
+    blank = getattr(loss_fn, "blank", 0)
+    silent = int((outputs.argmax(-1) == blank).all(0).sum())
+    return silent if silent >= BLANK_SHARE * outputs.shape[1] else 0
 
 
 def _seeded_evals(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> list[float]:
