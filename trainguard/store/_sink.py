@@ -341,8 +341,14 @@ class Sink:
         text, inputs_text = self._text, self._inputs_text
         if len(self._texts) > _TEXT_CACHE_MAX:
             self._texts.clear()
+        # Keep-all forgets which seqs are rows at each commit (a set of every seq would grow with
+        # the run): one at or below the newest written may be a row already, sent again with the
+        # taint it took later; it updates that row, else its edges would be inserted twice.
+        written = self.max_seq if keep <= 0 else -1
         for seq, rec in ring.items():
             if seq in in_db or (seq < cutoff and seq not in pinned):
+                continue
+            if seq <= written and self._update_row(rec, seq in pinned):
                 continue
             _, step, phase, op, module_id, stack_id, fwd_seq, health, inputs, outputs, summary, taint, origin = rec
             blob = None
@@ -392,6 +398,18 @@ class Sink:
             cut = self._evict(keep, None if final or not ring else next(iter(ring)), final)
             if cut is not None:
                 self.in_db = {s for s in in_db if s >= cut or s in pinned}
+
+    def _update_row(self, rec: tuple, pinned: bool) -> bool:
+        """Apply a record sent again to its row if there is one (True): a harmful taint and a pin
+        are added, never taken back."""
+        row = self.con.execute("SELECT taint FROM executions WHERE seq = ?", (rec[0],)).fetchone()
+        if row is None:
+            return False
+        if rec[11] == T_HARMFUL and row[0] != T_HARMFUL:
+            self.taint_updates.append((T_HARMFUL, rec[12], rec[0]))
+        if pinned:
+            self.pin_updates.append((rec[0],))
+        return True
 
     def _text(self, value, dumps=marshal.dumps) -> str:
         """``value`` as compact JSON, from the cache when it repeats (an output's dtype, shape and
