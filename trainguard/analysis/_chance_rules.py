@@ -15,6 +15,7 @@ import math
 
 from trainguard.analysis._context import Context, fmt
 from trainguard.analysis._loss_rules import finite_loss, progress
+from trainguard.analysis._origin import _python_ref
 from trainguard.analysis._rules import register_rule
 from trainguard.store import Finding
 
@@ -123,11 +124,10 @@ def loss_above_chance(ctx: Context) -> list[Finding]:
         rms = f" (its values have RMS {fmt(ev['tied_weight_rms'])})" if "tied_weight_rms" in ev else ""
         suggestion = (f"the output layer `{layer}` shares its weight with `{tied}`{rms}, so its logits are as large as "
                       f"the embedding's rows (nn.Embedding starts them N(0, 1)); initialise the shared weight small, "
-                      f"`nn.init.normal_(model.{tied}, std=0.02)` as GPT-2 does, or scale the logits down by "
-                      f"1/sqrt(d_model) (`logits = self.{layer}(x) * x.shape[-1] ** -0.5`); the loss then starts near "
-                      "ln C")
+                      f"`nn.init.normal_(model{_python_ref(tied)}, std=0.02)` as GPT-2 does, or scale the logits down by "
+                      "1/sqrt(d_model) (`logits = logits * d_model ** -0.5`); the loss then starts near ln C")
     elif layer is not None:
-        suggestion = (f"initialise the output layer `{layer}` small (`nn.init.normal_(model.{layer}.weight, std=0.02)` "
+        suggestion = (f"initialise the output layer `{layer}` small (`nn.init.normal_(model{_python_ref(layer)}.weight, std=0.02)` "
                       "as GPT-2 does, or `nn.init.zeros_`), and check that no missing 1/sqrt(d) scale or temperature "
                       "multiplies the logits; the loss then starts near ln C")
     else:  # no layer has C outputs: the logits are a product (a contrastive loss's similarities)
