@@ -2141,3 +2141,28 @@ def test_a_healthy_verdict_says_what_it_could_not_judge_on_a_model_with_no_torch
     [f] = [f for f in diagnose(write_run(tmp_path / "t", layer_rows=activation_rows(lambda s: 1.0)))
            if f.kind == "healthy"]
     assert "not_judged" not in f.evidence and f.title.endswith("no rule found a problem"), f.title
+
+
+def test_a_bare_decay_parameter_is_no_end_of_the_gradient_flow(tmp_path):
+    # johnma2006/mamba-minimal, healthy (loss 4.19 -> 3.86): its last 2-D parameter in forward order is
+    # layers.1.mixer.A_log, a log decay rate the block exponentiates (A = -exp(A_log)), not a layer
+    # the signal passes through; its relative gradient, 1.6e-5, against in_proj's 0.026 made an ERROR
+    # "the first layer's relative gradient is 1.64e+03x the last layer's".
+    layers = [{"name": "in_proj", "type": "Linear"}, {"name": "mixer.out_proj", "type": "Linear"},
+              {"name": "mixer", "type": "MambaBlock"}]
+    params = {"in_proj.weight": {"layer": "in_proj", "module_type": "Linear", "shape": [64, 16], "requires_grad": True},
+              "mixer.out_proj.weight": {"layer": "mixer.out_proj", "module_type": "Linear", "shape": [16, 32],
+                                        "requires_grad": True},
+              "mixer.A_log": {"layer": "mixer", "module_type": "MambaBlock", "shape": [32, 8], "requires_grad": True}}
+    rows = []
+    for s in range(0, 100, 5):
+        for p, rel in (("in_proj.weight", 0.026), ("mixer.out_proj.weight", 0.041), ("mixer.A_log", 1.6e-5)):
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", 5.0 * rel), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", 2e-3)]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers, params=params))
+    assert not [f for f in fs if f.kind in ("exploding_gradient", "vanishing_gradient")], [f.title for f in fs]
+    # a weight matrix at the end is still judged: the same run with out_proj's gradient 1e-5 of in_proj's
+    rows = [r if not (r[1] == "mixer.out_proj.weight" and r[2:4] == ("gradient", "norm")) else (*r[:4], 5.0 * 1e-8)
+            for r in rows]
+    fs = diagnose(write_run(tmp_path / "s", layer_rows=rows, layers=layers, params=params))
+    assert [f for f in fs if f.kind == "exploding_gradient"], [f.title for f in fs]
