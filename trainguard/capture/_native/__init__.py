@@ -113,7 +113,8 @@ def build(verbose: bool = False):
         if done.exists() and so.exists():  # built by the process that held the lock
             return _import_built(so, name)
         log.warning("trainguard: building the native recorder core in %s (once per torch version and "
-                    "trainguard release; a minute or two)", out)
+                    "trainguard release; about 1.5 min of CPU, several minutes on a busy machine; "
+                    "`python -m trainguard.capture._native` builds it ahead of a run)", out)
         return _compile(out, key, name, verbose)
 
 
