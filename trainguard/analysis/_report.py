@@ -64,30 +64,22 @@ def _op_short(name: str | None) -> str:
     return base.lstrip("_") or base
 
 
-# Ops that write a +-inf the program chose (a mask, a sentinel, a constant): what "intended" means. An
-# inf that arithmetic made (an overflow of pow or exp, a division by 0) and a later op absorbed is
-# counted as absorbed only: rsqrt(inf) = 0 in mamba.py's RMSNorm zeroed a whole block's outputs.
-_WRITERS = frozenset({"masked_fill", "fill", "full", "full_like", "new_full", "where", "index_put", "index_fill",
-                      "scatter", "masked_scatter", "scalar_tensor", "lift_fresh", "lift_fresh_copy", "copy",
-                      "to_copy", "clone", "tensor", "zeros_like", "ones_like"})
-
-
 def intended_lines(groups: list[dict]) -> list[str]:
     """One quiet line per group of infinities that were never harmful: ``3,840 intended -inf
-    from masked_fill, absorbed by softmax`` (``intended`` only for an inf the program wrote, see
-    ``_WRITERS``); never alerts, origins or findings. Groups that read
+    from masked_fill, absorbed by softmax`` (``intended`` only for an inf the program wrote: the
+    group's ``chosen``, from the reader); never alerts, origins or findings. Groups that read
     the same are one line: a softmax is ``aten._softmax`` under autograd and ``aten.softmax.int``
     under ``inference_mode`` (makemore evaluates so), the same softmax to a user."""
     merged: dict[tuple, list[int]] = {}
     for g in groups:
         absorbed = _op_short(g["absorbed_by"]) if g.get("absorbed_by") else None
-        n = merged.setdefault((g.get("kind"), _op_short(g.get("made_by")), absorbed), [0, 0])
+        n = merged.setdefault((g.get("kind"), _op_short(g.get("made_by")), absorbed, bool(g.get("chosen"))), [0, 0])
         n[0] += g.get("values") or 0
         n[1] += g.get("executions") or 0
     out = []
-    for (kind, made, absorbed), (values, executions) in merged.items():
+    for (kind, made, absorbed, chosen), (values, executions) in merged.items():
         n = f"{values:,}" if values else f"{executions:,} tensors of"
-        if absorbed and made.rstrip("_") in _WRITERS:  # masked_fill_ too
+        if absorbed and chosen:
             out.append(f"{n} intended {kind} from {made}, absorbed by {absorbed}")
         elif absorbed:
             out.append(f"{n} {kind} from {made}, absorbed by {absorbed} (no NaN or Inf came of it; "

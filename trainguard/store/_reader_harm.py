@@ -172,7 +172,26 @@ class RunHarm:
 
     def intended(self) -> list[dict]:
         """Infinities that were never harmful, counted by kind, the op that made them and the op
-        that absorbed them (``absorbed_by`` None: never absorbed nor harmful, e.g. unused)."""
+        that absorbed them (``absorbed_by`` None: never absorbed nor harmful, e.g. unused), and
+        whether the op that made them writes values the program chose (``chosen``, see
+        :func:`chosen_by_program`)."""
         groups = self.meta.get("intended")
-        return groups if isinstance(groups, list) else []
+        if not isinstance(groups, list):
+            return []
+        return [dict(g, chosen=chosen_by_program(g.get("made_by"))) for g in groups if isinstance(g, dict)]
+
+
+# Ops that write a +-inf the program chose (a mask, a sentinel, a constant): what "intended" means in
+# report and the UI. An inf that arithmetic made (an overflow of pow or exp, a division by 0) and a
+# later op absorbed is not: rsqrt(inf) = 0 in mamba.py's RMSNorm zeroed a whole block's outputs.
+_WRITERS = frozenset({"masked_fill", "fill", "full", "full_like", "new_full", "where", "index_put", "index_fill",
+                      "scatter", "masked_scatter", "scalar_tensor", "lift_fresh", "lift_fresh_copy", "copy",
+                      "to_copy", "clone", "tensor", "zeros_like", "ones_like"})
+
+
+def chosen_by_program(op: str | None) -> bool:
+    """Whether ``op`` (``aten.masked_fill_.Scalar``) writes values the program chose (see _WRITERS)."""
+    parts = (op or "").split(".")
+    base = parts[1] if parts[0] in ("aten", "prims", "torch") and len(parts) > 1 else parts[0]
+    return base.strip("_") in _WRITERS
 

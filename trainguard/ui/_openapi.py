@@ -90,7 +90,7 @@ _SCHEMAS: dict[str, Any] = {
             "intended": _arr(
                 _obj(
                     {"kind": {"type": "string"}, "made_by": _STR_OR_NULL, "absorbed_by": _STR_OR_NULL,
-                     "values": {"type": "integer"}, "executions": {"type": "integer"}}
+                     "values": {"type": "integer"}, "executions": {"type": "integer"}, "chosen": {"type": "boolean"}}
                 )
             ),
             # The gradients of steps a GradScaler skipped (fp16 overflow): counted apart, never alerts.

@@ -11,11 +11,6 @@ function shortPaths(report) {
   return text;
 }
 
-// Ops that write a ±inf the program chose (a mask, a sentinel): "intended" (analysis/_report.py's _WRITERS).
-const WRITERS = new Set(["masked_fill", "fill", "full", "full_like", "new_full", "where", "index_put", "index_fill",
-  "scatter", "masked_scatter", "scalar_tensor", "lift_fresh", "lift_fresh_copy", "copy", "to_copy", "clone",
-  "tensor", "zeros_like", "ones_like"]);
-
 /** "3,840 intended -inf from masked_fill, absorbed by softmax" (the report says the same). */
 function intendedText(g) {
   const n = g.values ? fmt(g.values) : `${fmt(g.executions)} tensors of`;
@@ -25,8 +20,7 @@ function intendedText(g) {
     return `${n} ${g.kind} from ${made} never reached the loss, a gradient, a parameter or a read value (not harmful)`;
   }
   const absorbed = short(g.absorbed_by);
-  const base = made.split(".")[0].replace(/^_+|_+$/g, "");  // _to_copy, masked_fill_
-  return WRITERS.has(base)
+  return g.chosen  // the op wrote a value the program chose (store/_reader_harm.py's chosen_by_program)
     ? `${n} intended ${g.kind} from ${made}, absorbed by ${absorbed}`
     : `${n} ${g.kind} from ${made}, absorbed by ${absorbed} (no NaN or Inf came of it; check what ${absorbed} made of it)`;
 }
