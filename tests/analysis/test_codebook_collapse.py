@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from qat_models import prepared
 from torch import nn
 
 import trainguard
@@ -265,17 +266,9 @@ def test_a_fake_quantized_layer_whose_outputs_differ_by_less_than_a_step_is_told
     # every image from step 3 on (true: its outputs differ between images by less than the
     # activation fake-quantizer's step), and told the user to initialise a codebook by k-means,
     # reset dead codes and lower a commitment cost: a VQ-VAE's fixes, for a model with none.
-    import warnings
-
-    import torch.ao.quantization as tq
-
     torch.manual_seed(0)
     model = _QatNet().train()
-    model.qconfig = tq.get_default_qat_qconfig("x86")
-    tq.fuse_modules_qat(model, [["conv", "bn", "relu"]], inplace=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao's eager quantization is deprecated in favour of torchao
-        tq.prepare_qat(model, inplace=True)
+    prepared(model, [["conv", "bn", "relu"]])
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 3, 16, 16, generator=g)

@@ -73,6 +73,14 @@ def copies_during_updates(model: TinyDLRM, logdir) -> dict[int, int]:
     return held
 
 
+def _assert_update_norms(path, ref: dict[int, float]) -> None:
+    """The run's update norms of emb_l.0.weight are the ones measured by hand at each step."""
+    with open_run(path) as run:
+        for step, norm in ref.items():
+            got = {r["stat"]: r["value"] for r in run.layer_stats(layer="emb_l.0.weight", kind="update")
+                   if r["step"] == step}
+            assert got["norm"] == pytest.approx(norm, rel=1e-5), step
+
 def test_an_update_copies_no_embedding_table_whose_gradient_is_sparse(tmp_path):
     """A step changes the rows of a sparse-gradient table its batch looked up: the monitor copies
     those rows to measure the update, not the table (a recommender's tables are gigabytes)."""
@@ -132,11 +140,7 @@ def test_update_statistics_of_sparse_tables_under_sparse_adam(tmp_path):
             for o in opts:
                 o.step()
             ref[step] = torch.linalg.vector_norm(model.emb_l[0].weight.detach() - before).item()
-    with open_run(tmp_path / "run") as run:
-        for step, norm in ref.items():
-            got = {r["stat"]: r["value"] for r in run.layer_stats(layer="emb_l.0.weight", kind="update")
-                   if r["step"] == step}
-            assert got["norm"] == pytest.approx(norm, rel=1e-5), step
+    _assert_update_norms(tmp_path / "run", ref)
 
 
 def test_update_statistics_of_a_sparse_table_updated_by_hand(tmp_path):
@@ -153,11 +157,7 @@ def test_update_statistics_of_a_sparse_table_updated_by_hand(tmp_path):
                 for p in model.parameters():
                     p.add_(p.grad, alpha=-0.5)
             ref[step] = torch.linalg.vector_norm(model.emb_l[0].weight.detach() - before).item()
-    with open_run(tmp_path / "run") as run:
-        for step, norm in ref.items():
-            got = {r["stat"]: r["value"] for r in run.layer_stats(layer="emb_l.0.weight", kind="update")
-                   if r["step"] == step}
-            assert got["norm"] == pytest.approx(norm, rel=1e-5), step
+    _assert_update_norms(tmp_path / "run", ref)
 
 
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from qat_models import prepared
 from rich.console import Console
 from torch import nn
 
@@ -435,11 +436,7 @@ def test_a_floor_from_samples_with_identical_inputs_names_them():
     torch.manual_seed(0)
     image, text = torch.randn(8, 12), torch.randint(0, 20, (8, 5))
     text[5] = text[2]  # the same caption for two different images
-
-    def clip_loss(logits, labels):
-        return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
-
-    r = doctor.overfit_one_batch(TwoTowers(), ((image, text), torch.arange(8)), clip_loss, steps=300, lr=1e-2)
+    r = doctor.overfit_one_batch(TwoTowers(), ((image, text), torch.arange(8)), _clip_loss, steps=300, lr=1e-2)
     assert r.reason == "floor" and r.final_loss == pytest.approx(math.log(2) / 4, rel=0.1), r.summary
     assert r.identical == {"input": "1", "samples": [2, 5]}, r.identical
     (f,) = [f for f in r.findings() if f.kind == "overfit_floor"]
@@ -492,8 +489,6 @@ def test_a_qat_model_whose_fused_bn_and_observers_move_is_told_to_freeze_them():
     # so three calls on one batch give three losses (the tutorial's MobileNetV2: 2.28812 ->
     # 2.28825). The doctor said "DINO's center buffer, an EMA such as a VQ codebook's"; the QAT
     # model's own switches keep them still.
-    import warnings
-
     import torch.ao.quantization as tq
 
     class Net(nn.Module):
@@ -508,11 +503,7 @@ def test_a_qat_model_whose_fused_bn_and_observers_move_is_told_to_freeze_them():
 
     torch.manual_seed(0)
     model = Net().train()
-    model.qconfig = tq.get_default_qat_qconfig("x86")
-    tq.fuse_modules_qat(model, [["conv", "bn", "relu"]], inplace=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao's eager quantization is deprecated in favour of torchao
-        tq.prepare_qat(model, inplace=True)
+    prepared(model, [["conv", "bn", "relu"]])
     result = doctor.overfit_one_batch(model, (torch.randn(16, 1, 8, 8), torch.randint(0, 3, (16,))),
                                       nn.CrossEntropyLoss(), steps=20)
     assert result.reason == "random" and result.stateful
@@ -674,18 +665,24 @@ def test_ctcs_blank_plateau_is_not_called_a_floor_of_capacity():
     assert "blank" in f.title and "capacity" not in f.suggestion and "steps=" in f.suggestion, (f.title, f.suggestion)
 
 
+def _duplicate_captions() -> tuple[torch.Tensor, torch.Tensor]:
+    """16 image-text pairs whose texts 5, 9 and 14 repeat texts 2, 7 and 11 (CLIP data with 3 captions twice)."""
+    torch.manual_seed(0)
+    image, text = torch.randn(16, 12), torch.randint(0, 20, (16, 5))
+    text[5], text[9], text[14] = text[2], text[7], text[11]
+    return image, text
+
+
+def _clip_loss(logits, labels):
+    return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
+
+
 def test_accuracy_at_the_ceiling_identical_samples_allow_is_their_floor_not_a_slow_rate():
     # open_clip's CLIP under `trainguard doctor` on 16 pairs with 3 captions twice: accuracy 81%,
     # 13 of 16, the most those pairs allow, and the loss near ln(2)*6/16; the verdict was "slow"
     # (and on another run "unstable: try 0.0003"), blaming the learning rate.
-    torch.manual_seed(0)
-    image, text = torch.randn(16, 12), torch.randint(0, 20, (16, 5))
-    text[5], text[9], text[14] = text[2], text[7], text[11]
-
-    def clip_loss(logits, labels):
-        return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
-
-    r = doctor.overfit_one_batch(TwoTowers(), ((image, text), torch.arange(16)), clip_loss, steps=30)
+    image, text = _duplicate_captions()
+    r = doctor.overfit_one_batch(TwoTowers(), ((image, text), torch.arange(16)), _clip_loss, steps=30)
     assert r.accuracy == pytest.approx(13 / 16) and r.reason == "floor", r.summary
     assert r.accuracy_ceiling == pytest.approx(13 / 16), r.accuracy_ceiling
     (f,) = [f for f in r.findings() if f.kind == "overfit_floor"]
@@ -698,14 +695,8 @@ def test_a_floor_far_above_what_identical_samples_cost_is_not_blamed_on_them():
     # The small CLIP of the test above with 3 captions twice in 16, at Adam lr 1.0: its features
     # collapse and the loss sits at ln(16) = 2.77 with 31% right, far above the 0.26 and below the
     # 13 of 16 the duplicates allow; the finding said the duplicates are why the loss cannot go lower.
-    torch.manual_seed(0)
-    image, text = torch.randn(16, 12), torch.randint(0, 20, (16, 5))
-    text[5], text[9], text[14] = text[2], text[7], text[11]
-
-    def clip_loss(logits, labels):
-        return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
-
-    r = doctor.overfit_one_batch(TwoTowers(), ((image, text), torch.arange(16)), clip_loss, steps=60, lr=1.0)
+    image, text = _duplicate_captions()
+    r = doctor.overfit_one_batch(TwoTowers(), ((image, text), torch.arange(16)), _clip_loss, steps=60, lr=1.0)
     assert r.reason == "floor" and r.accuracy < 13 / 16, r.summary
     (f,) = [f for f in r.findings() if f.kind == "overfit_floor"]
     assert "no model can tell them apart, so the loss cannot go below" not in f.suggestion, f.suggestion

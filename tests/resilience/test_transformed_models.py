@@ -10,11 +10,10 @@ back when loading, so a fresh prepared model takes a trained model's state.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.ao.quantization as tq
+from qat_models import prepared
 from torch import nn
 
 from trainguard import CheckpointError
@@ -39,11 +38,7 @@ class QatNet(nn.Module):
 def qat_state() -> TrainState:
     torch.manual_seed(0)
     model = QatNet().train()
-    model.qconfig = tq.get_default_qat_qconfig("x86")
-    tq.fuse_modules_qat(model, [["conv", "bn", "relu"]], inplace=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao's eager quantization is deprecated in favour of torchao
-        tq.prepare_qat(model, inplace=True)
+    prepared(model, [["conv", "bn", "relu"]])
     return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
 
