@@ -99,7 +99,7 @@ class RunHarm:
             "by_op": by_op,
             "first_seq": harm["origin"] if harm else None,
             "harm_seq": harm["seq"] if harm else None,
-            "intended": self.intended(),
+            "intended": [dict(g, chosen=chosen_by_program(g.get("made_by"))) for g in self.intended()],
         }
         ranges = self.scaler_skipped()
         if ranges:
@@ -172,13 +172,11 @@ class RunHarm:
 
     def intended(self) -> list[dict]:
         """Infinities that were never harmful, counted by kind, the op that made them and the op
-        that absorbed them (``absorbed_by`` None: never absorbed nor harmful, e.g. unused), and
-        whether the op that made them writes values the program chose (``chosen``, see
-        :func:`chosen_by_program`)."""
+        that absorbed them (``absorbed_by`` None: never absorbed nor harmful, e.g. unused), as the
+        recorder stored them; :meth:`alerts` adds whether the op that made them writes values the
+        program chose (``chosen``, see :func:`chosen_by_program`)."""
         groups = self.meta.get("intended")
-        if not isinstance(groups, list):
-            return []
-        return [dict(g, chosen=chosen_by_program(g.get("made_by"))) for g in groups if isinstance(g, dict)]
+        return groups if isinstance(groups, list) else []
 
 
 # Ops that write a +-inf the program chose (a mask, a sentinel, a constant): what "intended" means in
