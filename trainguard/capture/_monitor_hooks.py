@@ -50,6 +50,7 @@ from trainguard.capture._modules import (
     owner_attribute,
     probing_owner,
 )
+from trainguard.capture._monitor_leak import samples_first
 from trainguard.capture._monitor_model import Layer, Root, build_root, entries, stand_ins, structure
 from trainguard.resilience import _state as _resilience_state
 from trainguard.resilience._wrappers import unwrapped, wrapped
@@ -560,7 +561,8 @@ class HookMixin:
             # the initial model (nanoGPT and llm.c measure the loss at iteration 0).
             if root.trained or not self._trained_any:
                 self._eval.on_forward(grad_on, module.training)
-                x = next((x for x in map(first_tensor, args) if x is not None), None)
+                inputs = [x for x in map(first_tensor, args) if x is not None]
+                x = samples_first(inputs[0], inputs[1:]) if inputs else None
                 if grad_on and isinstance(x, torch.Tensor) and x.grad_fn is not None:
                     # fed another model's output (PyG's link_pred: encode runs conv1, then conv2)
                     self._leak.forget(id(root))

@@ -34,6 +34,12 @@ signature equals an earlier validation row's is that sample again (``seen_before
 copy of a training row is counted once, so that one duplicate in a validation set evaluated
 four times is not four copies (the diagnosis lets one or two pass as chance).
 
+A recurrent model's batches are often time-major (``[src len, batch]``, torch's RNN default and
+torchtext's): their first dimension's rows are time steps, the first all <sos> and the last
+mostly <pad> in every batch, which read as copies. :func:`samples_first` puts the samples first
+when another integer input of the forward says the second dimension is the batch's: a 1-D tensor
+of that size (the lengths ``pack_padded_sequence`` takes), or a ``[trg len, batch]`` target.
+
 Only a model fed with data is hashed. A watched model whose training input was computed with
 autograd (another watched model's output) is fed activations, which are no samples: PyG's
 link-prediction example calls ``model.encode`` (``conv2(conv1(x).relu())``), never ``forward``,
@@ -179,6 +185,24 @@ class LeakWatch:
                     out["batches"].append({"pass": p, "step": step, "rows": rows, "close": close, "validation": last,
                                            "exact_only": sk.exact_only, "seen_before": sum(again[i] for i in span)})
         return out if out["eval_rows"] else None
+
+
+def samples_first(x: Any, others) -> Any:
+    """``x`` with its samples in the first dimension: transposed when an integer tensor among
+    ``others`` (the forward's other inputs) is 1-D with ``x``'s second size (sequence lengths), or
+    2-D with ``x``'s second size second and another first (a time-major target); as it is
+    otherwise. bentrevett/pytorch-seq2seq calls ``model(src, src_len, trg)``."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] == x.shape[1]:
+        return x
+    n = x.shape[1]
+    for y in others:
+        if y is x or not isinstance(y, torch.Tensor) or y.is_floating_point() or y.is_complex():
+            continue
+        if y.dtype == torch.bool:
+            continue  # a mask ([len, len] causal, or [batch, len] padding) says nothing about the order
+        if y.dim() == 1 and y.shape[0] == n or y.dim() == 2 and y.shape[1] == n and y.shape[0] != x.shape[0]:
+            return x.transpose(0, 1)
+    return x
 
 
 def _repeated(ev: torch.Tensor, in_val: torch.Tensor) -> torch.Tensor:
