@@ -823,3 +823,13 @@ def test_time_major_token_batches_are_hashed_by_sample(tmp_path):
     assert _seq2seq_leakage(tmp_path / "fresh", copies=0) == []
     (f,) = _seq2seq_leakage(tmp_path / "copied", copies=6)
     assert f.evidence["exact_copies"] == 6 and f.evidence["eval_rows_sampled"] == 32
+
+
+def test_position_ids_beside_batch_first_tokens_leave_the_batch_as_it_is():
+    """A 1-D integer input says the batch is time-major only when it reads as the sequences'
+    lengths (the longest is the padded length): ``position_ids`` of ``[seq len]`` beside
+    ``input_ids`` of ``[batch, seq len]`` are no lengths, and the rows stay the samples."""
+    ids = torch.randint(0, 50, (4, 6))
+    assert _monitor_leak.samples_first(ids, [torch.arange(6)]) is ids
+    time_major = torch.randint(0, 50, (6, 4))  # [src len, batch]
+    assert torch.equal(_monitor_leak.samples_first(time_major, [torch.tensor([6, 5, 3, 2])]), time_major.T)
