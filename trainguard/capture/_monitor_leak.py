@@ -38,7 +38,8 @@ A recurrent model's batches are often time-major (``[src len, batch]``, torch's 
 torchtext's): their first dimension's rows are time steps, the first all <sos> and the last
 mostly <pad> in every batch, which read as copies. :func:`samples_first` puts the samples first
 when another integer input of the forward says the second dimension is the batch's: a 1-D tensor
-of that size (the lengths ``pack_padded_sequence`` takes), or a ``[trg len, batch]`` target.
+of that size whose largest value is the padded length (the lengths ``pack_padded_sequence`` takes,
+on the CPU), or a ``[trg len, batch]`` target.
 
 Only a model fed with data is hashed. A watched model whose training input was computed with
 autograd (another watched model's output) is fed activations, which are no samples: PyG's
@@ -189,9 +190,9 @@ class LeakWatch:
 
 def samples_first(x: Any, others) -> Any:
     """``x`` with its samples in the first dimension: transposed when an integer tensor among
-    ``others`` (the forward's other inputs) is 1-D with ``x``'s second size (sequence lengths), or
-    2-D with ``x``'s second size second and another first (a time-major target); as it is
-    otherwise. bentrevett/pytorch-seq2seq calls ``model(src, src_len, trg)``."""
+    ``others`` (the forward's other inputs) is 1-D with ``x``'s second size and reads as the
+    sequences' lengths (:func:`_lengths`), or 2-D with ``x``'s second size second and another first
+    (a time-major target); as it is otherwise. bentrevett/pytorch-seq2seq calls ``model(src, src_len, trg)``."""
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] == x.shape[1]:
         return x
     n = x.shape[1]
@@ -200,9 +201,16 @@ def samples_first(x: Any, others) -> Any:
             continue
         if y.dtype == torch.bool:
             continue  # a mask ([len, len] causal, or [batch, len] padding) says nothing about the order
-        if y.dim() == 1 and y.shape[0] == n or y.dim() == 2 and y.shape[1] == n and y.shape[0] != x.shape[0]:
+        if y.dim() == 2 and y.shape[1] == n and y.shape[0] != x.shape[0] or y.dim() == 1 and y.shape[0] == n and _lengths(y, x):
             return x.transpose(0, 1)
     return x
+
+
+def _lengths(y: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``y`` reads as the lengths of ``x``'s sequences padded to the longest (its largest
+    value is ``x``'s first size), not ``position_ids`` beside batch-first tokens. Read only on the
+    CPU, where ``pack_padded_sequence`` wants its lengths: elsewhere it would be a sync."""
+    return y.device.type == "cpu" and y.numel() > 0 and int(y.max()) == x.shape[0]
 
 
 def _repeated(ev: torch.Tensor, in_val: torch.Tensor) -> torch.Tensor:
