@@ -833,3 +833,55 @@ def test_position_ids_beside_batch_first_tokens_leave_the_batch_as_it_is():
     assert _monitor_leak.samples_first(ids, [torch.arange(6)]) is ids
     time_major = torch.randint(0, 50, (6, 4))  # [src len, batch]
     assert torch.equal(_monitor_leak.samples_first(time_major, [torch.tensor([6, 5, 3, 2])]), time_major.T)
+
+
+class _TimeMajorLSTMSeq2Seq(nn.Module):
+    """bentrevett/pytorch-seq2seq notebook 1's Seq2Seq (@ b3cd54c), cut down: ``model(src, trg)``
+    with ``[src len, batch]`` and ``[trg len, batch]`` tokens and no lengths, LSTM encoder and
+    decoder, teacher forcing throughout."""
+
+    def __init__(self, vocab: int = 50):
+        super().__init__()
+        self.src_emb, self.trg_emb = nn.Embedding(vocab, 8), nn.Embedding(vocab, 8)
+        self.encoder, self.decoder = nn.LSTM(8, 16), nn.LSTM(8, 16)
+        self.out = nn.Linear(16, vocab)
+
+    def forward(self, src, trg):
+        _, state = self.encoder(self.src_emb(src))
+        out, _ = self.decoder(self.trg_emb(trg[:-1]), state)
+        return self.out(out)
+
+
+def test_a_time_major_model_stays_time_major_in_batches_that_do_not_say_so(tmp_path):
+    """Where the source and target are as long (a batch's longest sentences of equal length),
+    ``[src len, batch]`` beside ``[trg len, batch]`` does not say which dimension is the batch's;
+    the batches before said it of this model, whose layout does not change from batch to batch.
+    Here every validation batch is such one: its 11 time steps were hashed as its rows, not its 16
+    samples (the <sos> row and the padded last rows are the same in many batches)."""
+    torch.manual_seed(0)
+    model = _TimeMajorLSTMSeq2Seq()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+
+    def batch(extra: int):  # target = source reversed, ``extra`` tokens longer
+        seqs = _reverse_pairs(16, g)
+        src = nn.utils.rnn.pad_sequence([torch.tensor([1, *s, 2]) for s in seqs])
+        trg = nn.utils.rnn.pad_sequence([torch.tensor([1, *s[::-1], *[3] * extra, 2]) for s in seqs])
+        return src, trg
+
+    val = [batch(0) for _ in range(2)]
+    with Monitor(model, tmp_path / "run", every=10) as mon:
+        for step in range(20):
+            src, trg = batch(step % 2)  # every other batch's source and target are as long
+            loss = F.cross_entropy(model(src, trg).flatten(0, 1), trg[1:].flatten(), ignore_index=0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 10 == 9:
+                with torch.no_grad():
+                    for src, trg in val:
+                        F.cross_entropy(model(src, trg).flatten(0, 1), trg[1:].flatten(), ignore_index=0)
+    assert [f for f in mon.findings if f.kind == "train_val_leakage"] == []
+    with open_run(tmp_path / "run") as run:
+        leak = run.meta["monitor"]["validation"]["leak"]
+    assert [b["rows"] for b in leak["batches"]] == [16] * 4
