@@ -50,7 +50,6 @@ from trainguard.capture._modules import (
     owner_attribute,
     probing_owner,
 )
-from trainguard.capture._monitor_leak import samples_first
 from trainguard.capture._monitor_model import Layer, Root, build_root, entries, stand_ins, structure
 from trainguard.resilience import _state as _resilience_state
 from trainguard.resilience._wrappers import unwrapped, wrapped
@@ -562,11 +561,11 @@ class HookMixin:
             if root.trained or not self._trained_any:
                 self._eval.on_forward(grad_on, module.training)
                 inputs = [x for x in map(first_tensor, args) if x is not None]
-                x = samples_first(inputs[0], inputs[1:]) if inputs else None
+                x = inputs[0] if inputs else None
                 if grad_on and isinstance(x, torch.Tensor) and x.grad_fn is not None:
                     # fed another model's output (PyG's link_pred: encode runs conv1, then conv2)
                     self._leak.forget(id(root))
-                self._leak.on_forward(x, not grad_on, self._cur, id(root))
+                self._leak.on_forward(x, not grad_on, self._cur, id(root), inputs[1:])
         if root.mode_modules:
             mods = [m() for m in root.mode_modules]
             n_train = sum(1 for m in mods if m is not None and m.training)

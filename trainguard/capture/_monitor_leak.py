@@ -37,6 +37,7 @@ four times is not four copies (the diagnosis lets one or two pass as chance).
 A recurrent model's batches are often time-major (``[src len, batch]``, torch's RNN default and
 torchtext's): their first dimension's rows are time steps, the first all <sos> and the last
 mostly <pad> in every batch, which read as copies. :func:`samples_first` puts the samples first
+(for that batch and, the model's layout being fixed, every later one of the same model)
 when another integer input of the forward says the second dimension is the batch's: a 1-D tensor
 of that size whose largest value is the padded length (the lengths ``pack_padded_sequence`` takes,
 on the CPU), or a ``[trg len, batch]`` target.
@@ -99,6 +100,7 @@ class LeakWatch:
         self._splits: dict[int, str | None] = {}  # the split each pass's frames name, if any
         self._train_since_eval = True
         self._fed: set[int] = set()  # models fed with another model's output (see the module doc)
+        self._time_major: set[int] = set()  # models whose inputs were seen time-major (samples_first)
 
     def forget(self, source: int) -> None:
         """``source`` is fed activations, not data: its rows, hashed or to come, are no samples."""
@@ -106,11 +108,20 @@ class LeakWatch:
             self._fed.add(source)
             self._sketches = {k: sk for k, sk in self._sketches.items() if k[0] != source}
 
-    def on_forward(self, x: Any, evaluating: bool, step: int, source: int = 0) -> None:
+    def on_forward(self, x: Any, evaluating: bool, step: int, source: int = 0, others=()) -> None:
         """Hash sampled rows of ``x`` (the input of a watched model's forward; ``source`` names
-        the model)."""
+        the model, ``others`` are the forward's other inputs)."""
         if source in self._fed:
             return
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            # A model's layout does not change between batches: one whose source and target are
+            # as long (or square) says nothing, the batches before did.
+            t = samples_first(x, others)
+            if t is not x:
+                self._time_major.add(source)
+            elif source in self._time_major:
+                t = x.transpose(0, 1)
+            x = t
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] == 0 or x.is_complex():
             return
         if x.layout != torch.strided or x.is_meta:
