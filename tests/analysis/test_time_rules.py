@@ -13,7 +13,7 @@ PARAMS = {
 }
 
 
-def write_run(path, growth: float, calls: int = 40):
+def write_run(path, growth: float, calls: int = 40, rnn: str | None = None):
     w = acquire_writer(path)
     rng = np.random.default_rng(0)
     for s in range(100):
@@ -25,8 +25,10 @@ def write_run(path, growth: float, calls: int = 40):
                  (s, "cell", "through_time", "grad_first", last * growth ** (calls - 1)),
                  (s, "cell", "through_time", "growth_per_call", growth)]
     w.add_layer_stats(rows)
-    w.set_meta(monitor={"every": 10, "layers": [{"name": "cell", "type": "Linear"}, {"name": "head", "type": "Linear"}],
-                        "params": PARAMS, "order": ["cell", "head"]})
+    layers = [{"name": "cell", "type": "Linear"}, {"name": "head", "type": "Linear"}]
+    if rnn is not None:
+        layers.insert(0, {"name": "decoder.rnn", "type": rnn})
+    w.set_meta(monitor={"every": 10, "layers": layers, "params": PARAMS, "order": [d["name"] for d in layers]})
     release_writer(w)
     return open_run(path)
 
@@ -38,6 +40,19 @@ def test_gradients_growing_through_the_loop(tmp_path):
     assert f.evidence["calls_per_forward"] == 40 and f.evidence["growth_per_call"] == 1.3
     assert f.evidence["grad_first_over_last"] > 1e4
     assert "clip_grad_norm_" in f.suggestion and "orthogonal_" in f.suggestion
+
+
+def test_a_model_that_uses_a_gru_already_is_not_told_to_use_one(tmp_path):
+    # bentrevett/pytorch-seq2seq legacy/4's decoder (nn.GRU, its attention's Linear layers called
+    # once per target token) trained with SGD at lr 5 and no clipping: the fix ended "or use nn.GRU
+    # / nn.LSTM", the layer its loop already runs
+    plain = next(f for f in diagnose(write_run(tmp_path / "plain", growth=1.3)) if f.kind == "gradient_explodes_through_time")
+    assert "use nn.GRU / nn.LSTM" in plain.suggestion
+    for rnn in ("GRU", "LSTMCell"):
+        fs = diagnose(write_run(tmp_path / rnn, growth=1.3, rnn=rnn))
+        f = next(f for f in fs if f.kind == "gradient_explodes_through_time")
+        assert "use nn.GRU" not in f.suggestion and f"decoder.rnn is an nn.{rnn} already" in f.suggestion, f.suggestion
+        assert "weight_hh" in f.suggestion
 
 
 def test_a_stable_or_fading_loop_is_not_exploding(tmp_path):

@@ -754,3 +754,134 @@ def test_two_evaluator_runs_inside_an_installed_engine_are_two_passes(tmp_path, 
     with open_run(tmp_path / "run") as run:
         leak = run.meta["monitor"]["validation"]["leak"]
     assert [b["validation"] for b in leak["batches"] if b["step"] == 3] == [False] * 3 + [True] * 2
+
+
+class _TimeMajorSeq2Seq(nn.Module):
+    """bentrevett/pytorch-seq2seq, legacy/4 (packed padded sequences) @ b3cd54c, cut down: the
+    batches are time-major, ``src`` ``[src len, batch]`` with its lengths and ``trg``
+    ``[trg len, batch]``, every column starting with <sos> and padded with <pad>."""
+
+    def __init__(self, vocab: int = 50):
+        super().__init__()
+        self.src_emb, self.trg_emb = nn.Embedding(vocab, 8), nn.Embedding(vocab, 8)
+        self.encoder = nn.GRU(8, 16, bidirectional=True)
+        self.bridge = nn.Linear(32, 16)
+        self.decoder = nn.GRU(8, 16)
+        self.out = nn.Linear(16, vocab)
+
+    def forward(self, src, src_len, trg):
+        packed = nn.utils.rnn.pack_padded_sequence(self.src_emb(src), src_len)
+        _, hidden = self.encoder(packed)
+        hidden = torch.tanh(self.bridge(torch.cat((hidden[-2], hidden[-1]), dim=1))).unsqueeze(0)
+        out, _ = self.decoder(self.trg_emb(trg[:-1]), hidden)  # teacher forcing
+        return self.out(out)
+
+
+def _reverse_pairs(n: int, g: torch.Generator) -> list[list[int]]:
+    # token sequences of 4 to 9 ids in 3..49 (0 <pad>, 1 <sos>, 2 <eos>), the first of the longest length
+    lengths = [9] + torch.randint(4, 10, (n - 1,), generator=g).tolist()
+    return [torch.randint(3, 50, (k,), generator=g).tolist() for k in lengths]
+
+
+def _time_major(seqs: list[list[int]]):
+    """A batch as torchtext's BucketIterator made it: sorted by length, [len, batch], with lengths."""
+    seqs = sorted(seqs, key=len, reverse=True)
+    src = nn.utils.rnn.pad_sequence([torch.tensor([1, *s, 2]) for s in seqs])
+    trg = nn.utils.rnn.pad_sequence([torch.tensor([1, *s[::-1], 2]) for s in seqs])
+    return src, torch.tensor([len(s) + 2 for s in seqs]), trg
+
+
+def _seq2seq_leakage(tmp_path, copies: int):
+    torch.manual_seed(0)
+    model = _TimeMajorSeq2Seq()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    train_seqs = [_reverse_pairs(16, g) for _ in range(20)]
+    val = _reverse_pairs(32, g)
+    val[1 : 1 + copies] = [s for batch in train_seqs for s in batch[1:]][:copies]
+    with Monitor(model, tmp_path / "run", every=10) as mon:
+        for step, seqs in enumerate(train_seqs):
+            src, src_len, trg = _time_major(seqs)
+            loss = F.cross_entropy(model(src, src_len, trg).flatten(0, 1), trg[1:].flatten(), ignore_index=0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 10 == 9:
+                with torch.no_grad():
+                    for i in (0, 16):
+                        src, src_len, trg = _time_major(val[i : i + 16])
+                        F.cross_entropy(model(src, src_len, trg).flatten(0, 1), trg[1:].flatten(), ignore_index=0)
+    return [f for f in mon.findings if f.kind == "train_val_leakage"]
+
+
+def test_time_major_token_batches_are_hashed_by_sample(tmp_path):
+    """An RNN encoder-decoder's batches are time-major (``[src len, batch]``, torch's RNN default
+    and torchtext's): the rows of the first dimension are time steps, the first all <sos> and the
+    last mostly <pad> in every batch, which read as validation rows copied from training (a
+    ``train_val_leakage`` warning on a healthy run of bentrevett/pytorch-seq2seq). The lengths and
+    the target, whose second dimension is the batch's, say which dimension the samples are in."""
+    assert _seq2seq_leakage(tmp_path / "fresh", copies=0) == []
+    (f,) = _seq2seq_leakage(tmp_path / "copied", copies=6)
+    assert f.evidence["exact_copies"] == 6 and f.evidence["eval_rows_sampled"] == 32
+
+
+def test_position_ids_beside_batch_first_tokens_leave_the_batch_as_it_is():
+    """A 1-D integer input says the batch is time-major only when it reads as the sequences'
+    lengths (the longest is the padded length): ``position_ids`` of ``[seq len]`` beside
+    ``input_ids`` of ``[batch, seq len]`` are no lengths, and the rows stay the samples."""
+    ids = torch.randint(0, 50, (4, 6))
+    assert _monitor_leak.samples_first(ids, [torch.arange(6)]) is ids
+    time_major = torch.randint(0, 50, (6, 4))  # [src len, batch]
+    assert torch.equal(_monitor_leak.samples_first(time_major, [torch.tensor([6, 5, 3, 2])]), time_major.T)
+
+
+class _TimeMajorLSTMSeq2Seq(nn.Module):
+    """bentrevett/pytorch-seq2seq notebook 1's Seq2Seq (@ b3cd54c), cut down: ``model(src, trg)``
+    with ``[src len, batch]`` and ``[trg len, batch]`` tokens and no lengths, LSTM encoder and
+    decoder, teacher forcing throughout."""
+
+    def __init__(self, vocab: int = 50):
+        super().__init__()
+        self.src_emb, self.trg_emb = nn.Embedding(vocab, 8), nn.Embedding(vocab, 8)
+        self.encoder, self.decoder = nn.LSTM(8, 16), nn.LSTM(8, 16)
+        self.out = nn.Linear(16, vocab)
+
+    def forward(self, src, trg):
+        _, state = self.encoder(self.src_emb(src))
+        out, _ = self.decoder(self.trg_emb(trg[:-1]), state)
+        return self.out(out)
+
+
+def test_a_time_major_model_stays_time_major_in_batches_that_do_not_say_so(tmp_path):
+    """Where the source and target are as long (a batch's longest sentences of equal length),
+    ``[src len, batch]`` beside ``[trg len, batch]`` does not say which dimension is the batch's;
+    the batches before said it of this model, whose layout does not change from batch to batch.
+    Here every validation batch is such one: its 11 time steps were hashed as its rows, not its 16
+    samples (the <sos> row and the padded last rows are the same in many batches)."""
+    torch.manual_seed(0)
+    model = _TimeMajorLSTMSeq2Seq()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+
+    def batch(extra: int):  # target = source reversed, ``extra`` tokens longer
+        seqs = _reverse_pairs(16, g)
+        src = nn.utils.rnn.pad_sequence([torch.tensor([1, *s, 2]) for s in seqs])
+        trg = nn.utils.rnn.pad_sequence([torch.tensor([1, *s[::-1], *[3] * extra, 2]) for s in seqs])
+        return src, trg
+
+    val = [batch(0) for _ in range(2)]
+    with Monitor(model, tmp_path / "run", every=10) as mon:
+        for step in range(20):
+            src, trg = batch(step % 2)  # every other batch's source and target are as long
+            loss = F.cross_entropy(model(src, trg).flatten(0, 1), trg[1:].flatten(), ignore_index=0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 10 == 9:
+                with torch.no_grad():
+                    for src, trg in val:
+                        F.cross_entropy(model(src, trg).flatten(0, 1), trg[1:].flatten(), ignore_index=0)
+    assert [f for f in mon.findings if f.kind == "train_val_leakage"] == []
+    with open_run(tmp_path / "run") as run:
+        leak = run.meta["monitor"]["validation"]["leak"]
+    assert [b["rows"] for b in leak["batches"]] == [16] * 4

@@ -747,3 +747,34 @@ def test_a_nan_observation_written_into_the_storage_is_traced_to_where_it_was_re
     run = record(tmp_path, lambda: _replay_buffer_steps(nan_obs_at=2), backend=backend)
     o = origin(run)
     assert o is not None and o.origin.op == "aten.lift_fresh" and o.origin.step == 2
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_mask_that_made_a_fully_masked_row_nan_is_not_intended(tmp_path, backend):
+    """bentrevett/pytorch-seq2seq legacy/4 (@ b3cd54c) masks its additive attention with
+    ``attention.masked_fill(mask == 0, -1e10)``; with ``-inf`` instead and a source of length 0
+    in the batch, that row is all ``-inf`` and softmax makes it NaN. The origin is the softmax,
+    and the mask's ``-inf`` are no longer "intended, absorbed by softmax" in that step (the report
+    said "84 intended -inf from masked_fill, absorbed by softmax" beside the NaN they made); the
+    healthy step's mask before it stays intended."""
+    torch.manual_seed(0)
+    attn, v = nn.Linear(8, 4), nn.Linear(4, 1, bias=False)
+    enc = torch.randn(3, 5, 8)  # [batch, src len, hid]
+
+    def f(lengths):
+        mask = torch.arange(5) < torch.tensor(lengths)[:, None]
+        scores = v(torch.tanh(attn(enc))).squeeze(2)
+        scores = scores.masked_fill(mask == 0, -INF)
+        a = torch.softmax(scores, dim=1)
+        torch.bmm(a.unsqueeze(1), enc).sum().backward()
+
+    with tg.record(tmp_path / "r", buffer=-1, backend=backend):
+        tg.step(0)
+        f([5, 3, 2])  # healthy: 5 masked positions
+        tg.step(1)
+        f([5, 3, 0])  # the third source is empty: its row is all -inf
+    run = open_run(tmp_path / "r")
+    first = run.first_harm()
+    assert first["op"] == "aten._softmax.default" and first["reason"] == "nan" and first["step"] == 1
+    assert [(g["made_by"], g["absorbed_by"], g["values"], g["executions"]) for g in run.intended()] == [
+        ("aten.masked_fill.Scalar", "aten._softmax.default", 5, 1)]

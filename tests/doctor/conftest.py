@@ -198,3 +198,35 @@ def qat_model():
         return tq.prepare_qat(model, inplace=True)
 
     return make
+
+
+class TeacherForcedDecoder(nn.Module):
+    """bentrevett/pytorch-seq2seq legacy/4's Seq2Seq.forward (@ b3cd54c) cut down to a GRU decoder:
+    at each target step ``random.random() < teacher_forcing_ratio`` (Python's generator) decides
+    whether the next input is the true token or the model's own argmax."""
+
+    def __init__(self, vocab: int = 12, teacher_forcing_ratio: float = 0.5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, 8)
+        self.rnn = nn.GRUCell(8, 16)
+        self.out = nn.Linear(16, vocab)
+        self.teacher_forcing_ratio = teacher_forcing_ratio
+
+    def forward(self, trg):  # [batch, trg len]
+        hidden = torch.zeros(trg.shape[0], 16, dtype=self.out.weight.dtype)
+        inp, outputs = trg[:, 0], []
+        for t in range(1, trg.shape[1]):
+            hidden = self.rnn(self.emb(inp), hidden)
+            outputs.append(self.out(hidden))
+            teacher_force = random.random() < self.teacher_forcing_ratio
+            inp = trg[:, t] if teacher_force else outputs[-1].argmax(1)
+        return torch.stack(outputs, 1)  # [batch, trg len - 1, vocab]
+
+
+@pytest.fixture
+def teacher_forcing():
+    """The decoder, a batch of token sequences (the targets are the sequences shifted) and its loss."""
+    trg = torch.randint(1, 12, (6, 7), generator=torch.Generator().manual_seed(0))
+    return (TeacherForcedDecoder(), (trg, trg[:, 1:]),
+            lambda out, y: nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)))

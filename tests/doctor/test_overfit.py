@@ -702,3 +702,14 @@ def test_a_floor_far_above_what_identical_samples_cost_is_not_blamed_on_them():
     assert "no model can tell them apart, so the loss cannot go below" not in f.suggestion, f.suggestion
     assert "samples 2 and 5" in f.suggestion and "13 of 16" in f.suggestion, f.suggestion
     assert f.severity == "error"
+
+
+def test_teacher_forcing_drawn_from_pythons_random_is_a_draw_not_state(teacher_forcing):
+    # `trainguard doctor` on bentrevett/pytorch-seq2seq: "the model or loss updates state it keeps
+    # between calls (DINO's center buffer, an EMA ...)": it keeps none; teacher forcing draws from
+    # Python's `random`, which the seeded evaluations did not seed.
+    model, batch, loss_fn = teacher_forcing
+    r = doctor.overfit_one_batch(model, batch, loss_fn, steps=4)
+    assert r.reason == "random" and not r.stateful, (r.reason, r.stateful, r.summary)
+    f = next(f for f in r.findings() if f.kind == "overfit_random")
+    assert "teacher forcing" in f.suggestion and "state it keeps" not in f.suggestion, f.suggestion

@@ -543,3 +543,59 @@ def test_a_corrupt_sample_of_one_rollout_is_not_skipped_in_the_next_rollouts(tmp
     later = [i["step"] for i in guard.skipped_known if i["step"] >= per_iter]
     assert later == [], (later, [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()])
     assert all(p.isfinite().all() for p in agent.parameters())
+
+
+class _PackedAttention(nn.Module):
+    """bentrevett/pytorch-seq2seq legacy/4's Encoder and Attention (@ b3cd54c), cut down to one
+    query: time-major ``[src len, batch]`` tokens, packed by their lengths (sorted, as
+    ``pack_padded_sequence`` wants them), attention masked with ``-inf`` over the padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.rnn = nn.GRU(8, 8)
+        self.query = nn.Parameter(torch.randn(8))
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, src, src_len):
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(src), src_len.clamp(min=1))
+        outputs, _ = nn.utils.rnn.pad_packed_sequence(packed, total_length=src.shape[0])
+        outputs = outputs.permute(1, 0, 2)  # [batch, src len, hid]
+        scores = (outputs @ self.query).masked_fill((src == 0).T, float("-inf"))
+        return self.out((torch.softmax(scores, dim=1).unsqueeze(2) * outputs).sum(1))
+
+
+def _sort_by_length(batch):
+    """A collate_fn that sorts the batch by length, longest first, for pack_padded_sequence."""
+    batch = sorted(batch, key=lambda p: len(p[0]), reverse=True)
+    src = torch.zeros(max(len(s) for s, _ in batch), len(batch), dtype=torch.long)
+    for i, (s, _) in enumerate(batch):
+        src[: len(s), i] = torch.tensor(s, dtype=torch.long)
+    return src, torch.tensor([len(s) for s, _ in batch]), torch.tensor([[y] for _, y in batch])
+
+
+def test_a_collate_fn_that_sorts_the_batch_names_no_wrong_sample(tmp_path):
+    """The rows of a batch a collate_fn sorted by length are not the loader's samples in order:
+    with one empty source (sample 45, a fully masked attention row), the guard named whichever
+    sample the sampler drew at the empty row's sorted position (a different one each epoch), so
+    it never learned the bad sample and spent a rewind every epoch. It names no row's sample then,
+    and the batches' samples make the bad one known after two events, as for a loss spike."""
+    g = torch.Generator().manual_seed(0)
+    pairs = [(torch.randint(1, 20, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist(),
+              float(i % 3)) for i in range(96)]
+    pairs[45] = ([], 0.0)  # every token of this source was filtered out
+    torch.manual_seed(0)
+    model = _PackedAttention()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loader = DataLoader(pairs, batch_size=8, shuffle=True, collate_fn=_sort_by_length,
+                        generator=torch.Generator().manual_seed(0))
+    state = tg.TrainState(model=model, optimizer=opt, loader=loader)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=4)
+    for _, (src, src_len, y) in guard.batches(state, total_steps=12 * 5):
+        loss = nn.functional.mse_loss(model(src, src_len), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(e["culprits"]["samples"] == [45] for e in guard.events if "culprits" in e), \
+        [e["message"] for e in guard.events]
+    assert guard.rewinds <= 3 and guard.skipped_known and all(45 in s["samples"] for s in guard.skipped_known)

@@ -11,6 +11,7 @@ from trainguard.analysis._suggest import clip_text
 from trainguard.store import Finding
 
 SOURCE = "monitor"
+_GATED = frozenset({"GRU", "LSTM", "GRUCell", "LSTMCell"})  # torch's gated recurrent layers
 
 
 @register_rule("gradient_explodes_through_time")
@@ -51,10 +52,19 @@ def gradient_explodes_through_time(ctx: Context) -> list[Finding]:
         fixes.append(clip)
     else:
         fixes.append("clip gradients with `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)`")
-    fixes.append(
-        "initialise the recurrent weights with gain <= 1 (`nn.init.orthogonal_(cell.weight)`), back-propagate "
-        "through fewer time steps (truncated BPTT: `h = h.detach()` every k steps), or use nn.GRU / nn.LSTM"
-    )
+    gated = sorted((name, t) for name, t in ctx.layer_type.items() if t in _GATED)
+    if gated:  # the loop runs a gated cell already: its gates did not stop the growth
+        name, t = gated[0]
+        fixes.append(
+            f"initialise the recurrent weights with gain <= 1 (`nn.init.orthogonal_({name}.weight_hh"
+            f"{'' if t.endswith('Cell') else '_l0'})`; {name} is an nn.{t} already), or back-propagate through "
+            "fewer time steps (truncated BPTT: `h = h.detach()` every k steps)"
+        )
+    else:
+        fixes.append(
+            "initialise the recurrent weights with gain <= 1 (`nn.init.orthogonal_(cell.weight)`), back-propagate "
+            "through fewer time steps (truncated BPTT: `h = h.detach()` every k steps), or use nn.GRU / nn.LSTM"
+        )
     return [
         Finding(
             kind="gradient_explodes_through_time",

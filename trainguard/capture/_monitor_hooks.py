@@ -560,11 +560,12 @@ class HookMixin:
             # the initial model (nanoGPT and llm.c measure the loss at iteration 0).
             if root.trained or not self._trained_any:
                 self._eval.on_forward(grad_on, module.training)
-                x = next((x for x in map(first_tensor, args) if x is not None), None)
+                inputs = [x for x in map(first_tensor, args) if x is not None]
+                x = inputs[0] if inputs else None
                 if grad_on and isinstance(x, torch.Tensor) and x.grad_fn is not None:
                     # fed another model's output (PyG's link_pred: encode runs conv1, then conv2)
                     self._leak.forget(id(root))
-                self._leak.on_forward(x, not grad_on, self._cur, id(root))
+                self._leak.on_forward(x, not grad_on, self._cur, id(root), inputs[1:])
         if root.mode_modules:
             mods = [m() for m in root.mode_modules]
             n_train = sum(1 for m in mods if m is not None and m.training)

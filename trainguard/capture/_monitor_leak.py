@@ -34,6 +34,14 @@ signature equals an earlier validation row's is that sample again (``seen_before
 copy of a training row is counted once, so that one duplicate in a validation set evaluated
 four times is not four copies (the diagnosis lets one or two pass as chance).
 
+A recurrent model's batches are often time-major (``[src len, batch]``, torch's RNN default and
+torchtext's): their first dimension's rows are time steps, the first all <sos> and the last
+mostly <pad> in every batch, which read as copies. :func:`samples_first` puts the samples first
+(for that batch and, the model's layout being fixed, every later one of the same model)
+when another integer input of the forward says the second dimension is the batch's: a 1-D tensor
+of that size whose largest value is the padded length (the lengths ``pack_padded_sequence`` takes,
+on the CPU), or a ``[trg len, batch]`` target.
+
 Only a model fed with data is hashed. A watched model whose training input was computed with
 autograd (another watched model's output) is fed activations, which are no samples: PyG's
 link-prediction example calls ``model.encode`` (``conv2(conv1(x).relu())``), never ``forward``,
@@ -92,6 +100,7 @@ class LeakWatch:
         self._splits: dict[int, str | None] = {}  # the split each pass's frames name, if any
         self._train_since_eval = True
         self._fed: set[int] = set()  # models fed with another model's output (see the module doc)
+        self._time_major: set[int] = set()  # models whose inputs were seen time-major (samples_first)
 
     def forget(self, source: int) -> None:
         """``source`` is fed activations, not data: its rows, hashed or to come, are no samples."""
@@ -99,11 +108,20 @@ class LeakWatch:
             self._fed.add(source)
             self._sketches = {k: sk for k, sk in self._sketches.items() if k[0] != source}
 
-    def on_forward(self, x: Any, evaluating: bool, step: int, source: int = 0) -> None:
+    def on_forward(self, x: Any, evaluating: bool, step: int, source: int = 0, others=()) -> None:
         """Hash sampled rows of ``x`` (the input of a watched model's forward; ``source`` names
-        the model)."""
+        the model, ``others`` are the forward's other inputs)."""
         if source in self._fed:
             return
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            # A model's layout does not change between batches: one whose source and target are
+            # as long (or square) says nothing, the batches before did.
+            t = samples_first(x, others)
+            if t is not x:
+                self._time_major.add(source)
+            elif source in self._time_major:
+                t = x.transpose(0, 1)
+            x = t
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] == 0 or x.is_complex():
             return
         if x.layout != torch.strided or x.is_meta:
@@ -179,6 +197,31 @@ class LeakWatch:
                     out["batches"].append({"pass": p, "step": step, "rows": rows, "close": close, "validation": last,
                                            "exact_only": sk.exact_only, "seen_before": sum(again[i] for i in span)})
         return out if out["eval_rows"] else None
+
+
+def samples_first(x: Any, others) -> Any:
+    """``x`` with its samples in the first dimension: transposed when an integer tensor among
+    ``others`` (the forward's other inputs) is 1-D with ``x``'s second size and reads as the
+    sequences' lengths (:func:`_lengths`), or 2-D with ``x``'s second size second and another first
+    (a time-major target); as it is otherwise. bentrevett/pytorch-seq2seq calls ``model(src, src_len, trg)``."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] == x.shape[1]:
+        return x
+    n = x.shape[1]
+    for y in others:
+        if y is x or not isinstance(y, torch.Tensor) or y.is_floating_point() or y.is_complex():
+            continue
+        if y.dtype == torch.bool:
+            continue  # a mask ([len, len] causal, or [batch, len] padding) says nothing about the order
+        if y.dim() == 2 and y.shape[1] == n and y.shape[0] != x.shape[0] or y.dim() == 1 and y.shape[0] == n and _lengths(y, x):
+            return x.transpose(0, 1)
+    return x
+
+
+def _lengths(y: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``y`` reads as the lengths of ``x``'s sequences padded to the longest (its largest
+    value is ``x``'s first size), not ``position_ids`` beside batch-first tokens. Read only on the
+    CPU, where ``pack_padded_sequence`` wants its lengths: elsewhere it would be a sync."""
+    return y.device.type == "cpu" and y.numel() > 0 and int(y.max()) == x.shape[0]
 
 
 def _repeated(ev: torch.Tensor, in_val: torch.Tensor) -> torch.Tensor:

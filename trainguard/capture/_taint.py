@@ -334,7 +334,11 @@ class Tracker:
                 # A mask is -inf; a +inf is no mask, and softmax makes NaN of it (exp(inf - inf)):
                 # what it outputs is the +inf's (MoCo's logits /= T with T = 0), not softmax's own.
                 origin = in_origin
-            else:  # softmax took the mask's -inf, whatever it made
+            elif health & NAN:
+                # A fully masked row (a sequence of length 0): softmax's NaN is its own (the origin),
+                # and the mask's -inf that made it are not intended
+                self._harmed(in_origin)
+            else:  # softmax took the mask's -inf
                 self._absorbed(in_origin, name)
         reason = None
         # A view in the backward pass holds a forward value, not a gradient: the dispatch mode's

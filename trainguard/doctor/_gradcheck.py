@@ -67,6 +67,7 @@ from trainguard.doctor._state import (
     map_tensors,
     model_device,
     preserved,
+    seed_host_generators,
     split_batch,
     take,
 )
@@ -410,6 +411,7 @@ def _seed(seed: int, device: torch.device) -> None:
     """Seed only the generators the model draws from: ``torch.manual_seed`` would also queue a
     seed for every CUDA device, applied when CUDA starts later, outside the restored state."""
     torch.default_generator.manual_seed(seed)
+    seed_host_generators(seed)  # teacher forcing drawn with random.random() takes the same path each time
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.manual_seed(seed)

@@ -47,6 +47,7 @@ from trainguard.doctor._state import (
     model_device,
     optimizer_step,
     preserved,
+    seeded,
     split_batch,
     take,
     to_device,
@@ -255,9 +256,11 @@ class OverfitResult(CheckResult):
                         "for the test."
                         if self.stateful else
                         "The model or loss draws random numbers on each call (a diffusion model's timesteps and "
-                        "noise, a VAE's sample, random masking), so one batch has no fixed loss to drive to zero. "
+                        "noise, a VAE's sample, random masking, teacher forcing decided by random.random()), so one "
+                        "batch has no fixed loss to drive to zero. "
                         "To run this test, fix the draws: seed a torch.Generator inside the call, or pass the "
-                        "timesteps and noise in; then a loss that still jumps is the learning rate's.")),
+                        "timesteps and noise in (a teacher_forcing_ratio of 1); then a loss that still jumps is the "
+                        "learning rate's.")),
             "floor": (f"Overfit one batch: the loss is stuck at a floor of {fmt(self.final_loss)}"
                       + (f" (the least this loss can be on these targets is {fmt(self.loss_floor)})"
                          if self.loss_floor else ""),
@@ -568,8 +571,7 @@ def _seeded_evals(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> 
     out = []
     with torch.no_grad():
         for _ in range(RANDOM_EVALS):
-            with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
-                torch.manual_seed(0)
+            with seeded(0):  # Python's random too: teacher forcing draws from it
                 out.append(float(as_float(loss_fn(model(inputs), targets))))
     return out
 

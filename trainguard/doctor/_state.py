@@ -103,6 +103,26 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+def seed_host_generators(seed: int) -> None:
+    """Seed Python's and NumPy's global generators: a model may draw from them in its forward
+    (bentrevett/pytorch-seq2seq decides teacher forcing with ``random.random()``), and evaluations
+    meant to draw alike must seed them as they seed torch's. The checks' ``preserved`` puts them back."""
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Every global generator seeded with ``seed`` (torch's, NumPy's, Python's), and put back after."""
+    saved = _rng_state()
+    try:
+        torch.manual_seed(seed)
+        seed_host_generators(seed)
+        yield
+    finally:
+        _set_rng_state(saved)
+
+
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.random.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])

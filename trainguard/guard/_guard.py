@@ -53,6 +53,7 @@ from trainguard.guard._replay import (
     origin_from_dict,
     origin_key,
     rank_dir,
+    rows_in_order,
     short_path,
 )
 from trainguard.guard._sentry import Sentry, StepValues
@@ -123,6 +124,7 @@ class _Plan:
     mismatch: dict | None = None
     batch: dict | None = None  # the failing step's batch, as the loader tells it
     batch_nonfinite: dict | None = None  # the rows of that batch that held NaN/Inf already (batch_nonfinite)
+    rows_named: bool = True  # whether the batch's rows are its samples in the loader's order (rows_in_order)
 
 
 @dataclass
@@ -337,7 +339,9 @@ class Guard:
         plan = self._plan
         if plan is not None and step == plan.fail and plan.recording is None:
             plan.batch = self._batch_info()
-            plan.batch_nonfinite = batch_nonfinite(batch, plan.batch.get("samples"))  # before recording starts
+            # before recording starts (the probe reads the dataset)
+            plan.rows_named = rows_in_order(self._loop.state.loader, plan.batch.get("samples"))
+            plan.batch_nonfinite = batch_nonfinite(batch, plan.batch.get("samples") if plan.rows_named else None)
             plan.recording = StepRecording(self.logdir, step)  # type: ignore[arg-type]
             plan.recording.start()
 
@@ -675,7 +679,7 @@ class Guard:
             "rewinds": self.rewinds,
         }
         if event["origin_rank"] == _collective.rank_world()[0]:
-            culprits = rec.culprits(origin, plan.batch)
+            culprits = rec.culprits(origin, plan.batch if plan.rows_named else None)
             if culprits is not None:
                 event["culprits"] = culprits
         if bad_batch is not None:

@@ -23,6 +23,7 @@ import torch
 from trainguard.analysis import Link, Origin, origin
 from trainguard.capture import Recorder
 from trainguard.guard import _collective
+from trainguard.resilience import _rng
 from trainguard.store import REPLAYS_DIR, open_run
 
 log = logging.getLogger("trainguard.guard")
@@ -155,6 +156,43 @@ def _graph_rows(graph: Any, t: torch.Tensor, rows: torch.Tensor) -> tuple[int, t
     if isinstance(edges, torch.Tensor) and edges.dim() == 2 and int(t.shape[0]) == edges.shape[1]:
         return n_graphs, owner[edges[0, rows]].unique()
     return int(t.shape[0]), rows
+
+
+_ORDER_PROBE = 8  # samples collated twice to tell whether a collate_fn keeps their order
+
+
+def rows_in_order(loader: Any, samples: list | None) -> bool:
+    """Whether row ``r`` of a batch the loader hands out is its sample ``samples[r]``. A
+    ``collate_fn`` that sorts the batch by length, longest first, for ``pack_padded_sequence``
+    (as torchtext's ``BucketIterator(sort_within_batch=True)`` did for bentrevett/pytorch-seq2seq)
+    does not keep them in order: some of the batch's samples, collated as drawn and reversed, give
+    outputs that are not each other's flip along a dimension of the samples' count. Torch's own
+    collate, a loader that names no samples, or a probe that fails, keep them in order."""
+    collate = getattr(loader, "collate_fn", None)
+    dataset = getattr(loader, "dataset", None)
+    if (collate is None or dataset is None or not samples or getattr(loader, "batch_size", None) is None
+            or collate in (torch.utils.data.default_collate, torch.utils.data.default_convert)):
+        return True
+    idx = list(dict.fromkeys(samples))[:_ORDER_PROBE]
+    if len(idx) < 2:
+        return True
+    saved = _rng.capture_global()  # a dataset may draw random numbers (augmentation): the replay's are not touched
+    try:
+        with torch.no_grad():
+            items = [dataset[i] for i in idx]
+            drawn, reversed_ = list(_tensors(collate(items))), list(_tensors(collate(items[::-1])))
+    except Exception:  # the probe is a guess; the guard goes on as before without it
+        return True
+    finally:
+        _rng.restore_global(saved)
+    if len(drawn) != len(reversed_):
+        return False
+    k = len(idx)
+    for (_, a, _), (_, b, _) in zip(drawn, reversed_):
+        dims = [d for d in range(a.dim()) if a.shape[d] == k]
+        if dims and (a.shape != b.shape or not any(torch.equal(a.flip(d), b) for d in dims)):
+            return False
+    return True
 
 
 def batch_nonfinite(batch: Any, samples: list | None) -> dict | None:
