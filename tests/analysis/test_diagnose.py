@@ -2043,6 +2043,33 @@ def test_a_first_batch_unlike_the_rest_under_a_calm_update_is_no_divergence(tmp_
     assert "lr_too_high" in kinds(fs), [(f.kind, f.title) for f in fs]
 
 
+def test_a_first_update_at_the_peak_rate_that_rewrote_the_weights_names_the_missing_warmup(tmp_path):
+    # facebookresearch/mae (main_pretrain.py, util/lr_sched.py @ efb2a80; tiny: img 32, patch 8, embed
+    # 32, AdamW betas (0.9, 0.95), norm_pix_loss) at lr 0.03 with --warmup_epochs 0: AdamW's first
+    # update moves each weight by about the rate, whatever its gradient, and moved the weight matrices
+    # by 27% at step 0, then 0.28% (median) under the cosine decay. The fix said only "lower the
+    # learning rate from 0.03 to about 0.0001"; the same rate after 2 warmup epochs trained healthy.
+    n = 64
+    rng = np.random.default_rng(0)
+    loss = list(1.04 - 0.045 * np.arange(n) / n + 0.01 * rng.standard_normal(n))
+    lr = [0.03 * 0.5 * (1 + math.cos(math.pi * s / n)) for s in range(n)]
+    params = {k: v | {"optimizer": "AdamW"} for k, v in PARAMS.items()}
+
+    def rows(big_at):
+        return [(s, p, k, st, v) for s in range(0, n, 10) for p in PARAMS
+                for k, st, v in (("weight", "norm", 5.0), ("gradient", "norm", 0.05), ("gradient", "present", 1),
+                                 ("gradient", "in_optimizer", 1), ("update", "ratio", 0.27 if s == big_at else 2.8e-3))]
+
+    fs = diagnose(write_run(tmp_path / "r", loss, layer_rows=rows(0), lr=lr, params=params))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert "warm" in f.suggestion and "step 0" in f.suggestion, f.suggestion
+    assert "lower the learning rate" in f.suggestion  # still offered
+    # the weights rewritten at a later step, under the same schedule: a rate too high, no warmup to name
+    fs = diagnose(write_run(tmp_path / "r2", loss, layer_rows=rows(30), lr=lr, params=params))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert "warm" not in f.suggestion, f.suggestion
+
+
 def test_divergence_step_is_where_the_loss_rose_not_the_window_before_it(tmp_path):
     # normflows' Real NVP on TwoMoons (real_nvp_colab.ipynb; 8 coupling blocks, 60 steps), whose
     # scale net's bias was set to 100 at step 30: the loss went 3.28 -> 103 at step 30 and stayed.
