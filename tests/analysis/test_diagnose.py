@@ -354,6 +354,55 @@ def test_activations_a_later_model_grew_in_training_are_judged_against_its_own_i
     assert "learning rate" in f.suggestion, f.suggestion
 
 
+def test_init_advice_leaves_out_the_tokens_and_positions_a_vit_holds_beside_its_layers(tmp_path):
+    # facebookresearch/mae models_mae.py @ efb2a80 (img 32, patch 8, embed 32, depth 2) with its patch
+    # embedding's Conv2d drawn at std 10: the fix said "(patch_embed.proj.weight started with RMS 9.97
+    # vs 0.102; cls_token started with RMS 0.0224 vs 0.25; pos_embed started with RMS 0.686 vs
+    # 0.0606)". The model holds cls_token (std 0.02 on purpose) and pos_embed (a fixed sin-cos table,
+    # requires_grad=False) beside its layers and adds them to the patch embeddings: no fan-in to
+    # initialise by. A model with no layers inside, whose own matrix is its layer, keeps the advice.
+    layers = [{"name": "patch_embed.proj", "type": "Conv2d"}, {"name": "blocks.0.mlp.0", "type": "Linear"},
+              {"name": "blocks.0.mlp.1", "type": "GELU"}, {"name": "decoder_pred", "type": "Linear"}]
+    root = {"layer": "maskedautoencodervit", "module_type": "MaskedAutoencoderViT"}
+    params = {"cls_token": root | {"shape": [1, 1, 32], "requires_grad": True},
+              "pos_embed": root | {"shape": [1, 17, 32], "requires_grad": False},
+              "patch_embed.proj.weight": {"layer": "patch_embed.proj", "module_type": "Conv2d",
+                                          "shape": [32, 3, 8, 8], "requires_grad": True},
+              "blocks.0.mlp.0.weight": {"layer": "blocks.0.mlp.0", "module_type": "Linear", "shape": [128, 32],
+                                        "requires_grad": True},
+              "decoder_pred.weight": {"layer": "decoder_pred", "module_type": "Linear", "shape": [192, 128],
+                                      "requires_grad": True}}
+    rms0 = {"cls_token": 0.0224, "pos_embed": 0.686, "patch_embed.proj.weight": 9.97,
+            "blocks.0.mlp.0.weight": 0.11, "decoder_pred.weight": 0.1}
+    rows = []
+    for s in range(0, 100, 5):
+        for p, rms in rms0.items():
+            rows += [(s, p, "weight", "norm", rms * math.sqrt(math.prod(params[p]["shape"]))),
+                     (s, p, "gradient", "norm", 0.05), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", 1e-3)]
+        for la in ("patch_embed.proj", "blocks.0.mlp.0", "decoder_pred"):
+            rows += [(s, la, "activation", "mean", 0.0),
+                     (s, la, "activation", "std", 117.0 if la == "patch_embed.proj" else 1.0)]
+    f = [f for f in diagnose(write_run(tmp_path / "r", layer_rows=rows, layers=layers, params=params))
+         if f.kind == "exploding_activations"][0]
+    assert "patch_embed.proj.weight started with RMS 9.97" in f.suggestion, f.suggestion
+    assert "cls_token" not in f.suggestion and "pos_embed" not in f.suggestion, f.suggestion
+    assert "patch_embed.proj.weight" in f.evidence["init"]
+    assert not {"cls_token", "pos_embed"} & set(f.evidence["init"]), f.evidence["init"]
+    # pytorch/tutorials' Mnist_Logistic: the model is its own layer, its weights a matrix it applies
+    layers = [{"name": "mnist_logistic", "type": "Mnist_Logistic"}]
+    params = {"weights": {"layer": "mnist_logistic", "module_type": "Mnist_Logistic", "shape": [784, 10],
+                          "requires_grad": True}}
+    rows = [(s, "weights", k, st, v) for s in range(0, 100, 5)
+            for k, st, v in (("weight", "norm", 30.0 * math.sqrt(7840)), ("gradient", "norm", 0.05),
+                             ("gradient", "present", 1), ("update", "ratio", 1e-3))]
+    rows += [(s, "mnist_logistic", "activation", k, v) for s in range(0, 100, 5) for k, v in (("mean", 0.0),
+                                                                                              ("std", 500.0))]
+    f = [f for f in diagnose(write_run(tmp_path / "l", layer_rows=rows, layers=layers, params=params))
+         if f.kind == "exploding_activations"][0]
+    assert "weights started with RMS 30" in f.suggestion, f.suggestion
+
+
 def test_gradients_that_collapsed_and_flicker_far_below_their_start_are_not_exploding(tmp_path):
     # pytorch/examples' dcgan at lr=0.2 (1000x): the discriminator saturates at step 2 and the
     # gradient norm falls from 12-88 to 1e-8, with recurring flickers to 1e-5..0.03. They are
@@ -1992,6 +2041,33 @@ def test_a_first_batch_unlike_the_rest_under_a_calm_update_is_no_divergence(tmp_
                              ("gradient", "in_optimizer", 1), ("update", "ratio", 0.3 if s == 0 else 2e-3))]
     fs = diagnose(write_run(tmp_path / "r2", VQ_ZERO_FIRST_BATCH_LOSS, layer_rows=rows, lr=3e-4))
     assert "lr_too_high" in kinds(fs), [(f.kind, f.title) for f in fs]
+
+
+def test_a_first_update_at_the_peak_rate_that_rewrote_the_weights_names_the_missing_warmup(tmp_path):
+    # facebookresearch/mae (main_pretrain.py, util/lr_sched.py @ efb2a80; tiny: img 32, patch 8, embed
+    # 32, AdamW betas (0.9, 0.95), norm_pix_loss) at lr 0.03 with --warmup_epochs 0: AdamW's first
+    # update moves each weight by about the rate, whatever its gradient, and moved the weight matrices
+    # by 27% at step 0, then 0.28% (median) under the cosine decay. The fix said only "lower the
+    # learning rate from 0.03 to about 0.0001"; the same rate after 2 warmup epochs trained healthy.
+    n = 64
+    rng = np.random.default_rng(0)
+    loss = list(1.04 - 0.045 * np.arange(n) / n + 0.01 * rng.standard_normal(n))
+    lr = [0.03 * 0.5 * (1 + math.cos(math.pi * s / n)) for s in range(n)]
+    params = {k: v | {"optimizer": "AdamW"} for k, v in PARAMS.items()}
+
+    def rows(big_at):
+        return [(s, p, k, st, v) for s in range(0, n, 10) for p in PARAMS
+                for k, st, v in (("weight", "norm", 5.0), ("gradient", "norm", 0.05), ("gradient", "present", 1),
+                                 ("gradient", "in_optimizer", 1), ("update", "ratio", 0.27 if s == big_at else 2.8e-3))]
+
+    fs = diagnose(write_run(tmp_path / "r", loss, layer_rows=rows(0), lr=lr, params=params))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert "warm" in f.suggestion and "step 0" in f.suggestion, f.suggestion
+    assert "lower the learning rate" in f.suggestion  # still offered
+    # the weights rewritten at a later step, under the same schedule: a rate too high, no warmup to name
+    fs = diagnose(write_run(tmp_path / "r2", loss, layer_rows=rows(30), lr=lr, params=params))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert "warm" not in f.suggestion, f.suggestion
 
 
 def test_divergence_step_is_where_the_loss_rose_not_the_window_before_it(tmp_path):

@@ -203,3 +203,26 @@ def test_a_nan_validation_loss_is_a_finding_not_a_healthy_verdict(tmp_path):
     f = next((f for f in fs if f.kind == "nonfinite_val_loss"), None)
     assert f is not None and f.is_problem, [(f.kind, f.title) for f in fs]
     assert f.evidence["first_step"] == 8 and f.evidence["nonfinite_evaluations"] == f.evidence["evaluations"] == 4
+
+
+def test_validation_labels_all_of_one_class_are_a_finding_not_a_healthy_verdict(tmp_path):
+    # lucidrains/vit-pytorch's ViT (vit_pytorch/vit.py @ 69d24fe; image 32, patch 8, dim 32, depth 2,
+    # 4 classes, Adam at 2e-3, 80 steps) on labels that are all 0: the loss fell from 0.111 to 0.0045,
+    # validation accuracy 100%, and the verdict was "Training looks healthy". The monitor had counted
+    # the validation labels: [512, 0, 0, 0].
+    loss = train_curve(80, end=0.004)
+    val = [(s, 0.02 / (1 + s / 20)) for s in range(20, 100, 20)]
+    acc = [(s, 1.0) for s in range(20, 100, 20)]
+    one = {"loss_fn": "cross_entropy", "classes": 4, "batches": 4, "passes": 4, "label_counts": [512, 0, 0, 0]}
+    fs = diagnose(write_run(tmp_path / "r", loss, val=val, acc=acc, validation=one))
+    assert problems(fs) == ["labels_one_class"], [(f.kind, f.title) for f in fs]
+    f = fs[0]
+    assert f.severity == "warning" and "class 0" in f.title and "512" in f.title, f.title
+    assert "healthy" not in [f.kind for f in fs]
+    # labels of every class, however imbalanced, and too few labels to say: no finding
+    some = one | {"label_counts": [500, 4, 4, 4]}
+    assert "labels_one_class" not in problems(diagnose(write_run(tmp_path / "s", loss, val=val, acc=acc,
+                                                                 validation=some)))
+    few = one | {"label_counts": [8, 0, 0, 0]}
+    assert "labels_one_class" not in problems(diagnose(write_run(tmp_path / "f", loss, val=val, acc=acc,
+                                                                 validation=few)))

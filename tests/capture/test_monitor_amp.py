@@ -98,6 +98,32 @@ def test_persistent_overflow_is_an_error_with_its_origin(tmp_path):
     assert not any(f.kind == "nonfinite_gradient" for f in mon.findings)  # the scaler's rule judges these
 
 
+def test_skips_of_steps_whose_loss_was_already_nan_are_not_called_a_float16_overflow(tmp_path):
+    # facebookresearch/mae's loop (engine_pretrain.py, util/misc.py NativeScalerWithGradNormCount @
+    # efb2a80) in float32 with its GradScaler, norm_pix_loss without its 1e-6 and one image with a
+    # constant patch: the loss is NaN in the forward pass of each batch holding it, and the scaler skips
+    # those steps. grad_scaler_skips said "Mixed precision keeps overflowing ... compute it in float32
+    # ... or keep its values in float16's range; train in bfloat16": no autocast ran, and no scale or
+    # precision makes a NaN loss finite.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with Monitor(model, tmp_path / "r", every=10) as mon:
+        for step in range(40):
+            x, y = batch(step)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if step % 8 == 6:
+                loss = loss * 0 / torch.zeros(())  # 0/0 in the forward pass
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    f = next(f for f in mon.findings if f.kind == "grad_scaler_skips")
+    assert "float16" not in f.title + f.suggestion and "bfloat16" not in f.suggestion, (f.title, f.suggestion)
+    assert "loss" in f.title and "nonfinite_loss" in f.suggestion, (f.title, f.suggestion)
+    assert any(f.kind == "nonfinite_loss" for f in mon.findings)
+
+
 POISON_LINE = next(i for i, line in enumerate(open(__file__), 1) if line.rstrip().endswith("# POISON"))
 
 

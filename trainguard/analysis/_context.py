@@ -15,6 +15,9 @@ from trainguard.analysis._thresholds import Thresholds
 
 # Module types whose weights are lookup tables, not transforms: gradient-flow ratios skip them.
 _TABLE_TYPES = ("Embedding", "EmbeddingBag")
+# Layers that apply matrices of their own beside a child layer (nn.MultiheadAttention's in_proj_weight
+# beside its out_proj): their matrices are checked for initialisation like any layer's.
+_MATRICES_BESIDE_LAYERS = ("MultiheadAttention",)
 # Pass-through modules whose statistics repeat their input's.
 POOL_TYPES = ("MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
               "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d", "Flatten", "Dropout")
@@ -357,10 +360,20 @@ class Context:
         return self.unit_count(self.params[mats[-1]]["layer"]) if mats else None
 
     def weight_init_check(self, param: str) -> dict | None:
-        """Weight RMS at the first recording against Kaiming (ReLU) and Xavier/Glorot (tanh) scales."""
+        """Weight RMS at the first recording against Kaiming (ReLU) and Xavier/Glorot (tanh) scales.
+
+        None for a parameter a module holds beside layers of its own (the model's, when it is no
+        layer itself): a ViT's ``cls_token`` and ``pos_embed`` (``[1, N, D]``, a fixed sin-cos table
+        in MAE) are added to the activations, with no fan-in to initialise by. A model with no layers
+        inside is its own layer, and its matrices are checked (pytorch/tutorials' ``Mnist_Logistic``)."""
         info = self.params.get(param)
         w = self.stat(param, "weight", "norm")
         if not info or not len(w) or len(info.get("shape", [])) < 2:
+            return None
+        owner = info.get("layer")
+        if self.layer_type and (owner not in self.layer_type or (
+                info.get("module_type") not in _MATRICES_BESIDE_LAYERS
+                and any(la.startswith(f"{owner}.") for la in self.layer_type))):
             return None
         shape = info["shape"]
         numel = math.prod(shape)

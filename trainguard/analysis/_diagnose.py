@@ -86,6 +86,7 @@ MONITOR_RULES = (
     "nonfinite_val_loss",
     "overfitting",
     "labels_unrelated",
+    "labels_one_class",
     "train_val_leakage",
     "gradient_explodes_through_time",
 )

@@ -11,6 +11,7 @@ from trainguard.analysis._layer_rules import gradient_blocked
 from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import (
     LR_RANGE_TEST,
+    SCHEDULE_PEAK_GAP,
     clip_text,
     lr_higher,
     lr_lower,
@@ -795,6 +796,10 @@ def lr_too_high(ctx: Context) -> list[Finding]:
         peak = ctx.lr_peak()
         if peak is not None and peak != ev["lr"]:
             ev["lr_peak"] = peak
+    warm = _no_warmup(ctx, ratios, moved) if bad_step is None else None
+    if warm:
+        ev["no_warmup"] = True
+        text = f"{warm}; or {text}"
     steps = (int(ctx.loss.steps[0]), int(ctx.loss.steps[-1])) if len(ctx.loss) else None
     return [
         Finding(
@@ -807,6 +812,26 @@ def lr_too_high(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _no_warmup(ctx: Context, ratios: Series, moved: int | None) -> str | None:
+    """The advice to warm the rate up when the update that rewrote the weights was the run's first,
+    made at the schedule's peak rate, and every later recording moved them calmly: Adam's first
+    update moves each weight by about the rate whatever its gradient (MAE at lr 0.03 with
+    ``warmup_epochs=0`` moved them by 27% at step 0, 0.28% after; with a warmup it trained). None otherwise."""
+    if moved is None or not ctx.weights_initial or not len(ratios) or moved != int(ratios.steps[0]):
+        return None
+    lr, peak = ctx.lr(moved), ctx.lr_peak()
+    later = ratios.values[1:]
+    if not lr or peak is None or lr * SCHEDULE_PEAK_GAP < peak or not len(later):
+        return None
+    rest = median(later)
+    if not (math.isfinite(rest) and rest < ctx.th.update_ratio_calm):
+        return None
+    return (f"the update that moved the weights most was the first (step {moved}), at the full rate {fmt(lr)}, and "
+            f"later ones moved them by {rest:.2%} (median): warm the rate up from near 0 over the first steps (a "
+            "linear warmup: MAE's and DeiT's warmup_epochs, `LinearLR(optimizer, start_factor=0.01, total_iters=...)`); "
+            "an adaptive optimizer's (Adam's) first update moves every weight by about the rate, whatever its gradient")
 
 
 def _lower_where_it_went_wrong(ctx: Context, div: dict | None, bad_step: int | None,

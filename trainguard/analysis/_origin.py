@@ -123,6 +123,10 @@ class Origin:
     # program checked the loss and called no backward(), capture/_skips): {step, loss, file, line,
     # check}; None when no skipped iteration follows the origin.
     skipped: dict | None = None
+    # Where the program read this value (``.item()``, ``float()``: aten._local_scalar_dense) when it
+    # reached no training: {seq, step, file, line, exit_code}, exit_code when the script then exited
+    # with an error (MAE's `if not math.isfinite(loss.item()): sys.exit(1)`); None otherwise.
+    read: dict | None = None
 
     @property
     def origin(self) -> Link:
@@ -131,7 +135,8 @@ class Origin:
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary, "suggestion": self.suggestion, "reason": self.reason, "harm": self.harm,
                 "origin": asdict(self.origin), "chain": [asdict(link) for link in self.chain],
-                "earlier": self.earlier, "reached_training": self.reached_training, "skipped": self.skipped}
+                "earlier": self.earlier, "reached_training": self.reached_training, "skipped": self.skipped,
+                "read": self.read}
 
 
 def _count(summary: dict | None, key: str) -> int:
@@ -1466,8 +1471,28 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     if skipped is not None:
         summary += (f". It made the loss {_num(skipped.get('loss'))} in step {skipped['step']}, which the program "
                     f"checked{_at(skipped)} and skipped: no backward(), no update")
+    read = _read_by_program(run, o.seq) if reached is False and skipped is None else None
+    if read is not None:
+        summary += f". The program read it{_at(read)} in step {read['step']}" + (
+            f" and exited with code {read['exit_code']}" if read.get("exit_code") else "")
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm, earlier=earlier,
-                  reached_training=reached, skipped=skipped)
+                  reached_training=reached, skipped=skipped, read=read)
+
+
+def _read_by_program(run: Run, origin_seq: int) -> dict | None:
+    """The first read of a value made non-finite by ``origin_seq`` (``.item()``: a harmful
+    aten._local_scalar_dense), with the script's exit code when it then exited with an error."""
+    try:
+        ops = (run.alerts() or {}).get("by_op") or []
+        seq = next((a["first_seq"] for a in ops if str(a.get("op", "")).endswith("_local_scalar_dense")), None)
+        if seq is None or run.execution(seq).get("origin") != origin_seq:
+            return None
+        link = _link(run, seq)
+    except (KeyError, TypeError, AttributeError):
+        return None
+    code = run.meta.get("exit_code")
+    return {"seq": seq, "step": link.step, "file": link.file, "line": link.line, "check": ".item()",
+            "exit_code": code if isinstance(code, int) and code != 0 else None}
 
 
 def _num(v: Any) -> str:

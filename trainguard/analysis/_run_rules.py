@@ -56,6 +56,22 @@ def grad_scaler_skips(ctx: Context) -> list[Finding]:
     if not skipped.any():
         return []
     steps = sk.steps
+    # A step whose loss was NaN/Inf before any scaling (a 0/0 in a float32 forward pass, MAE's
+    # norm_pix_loss without its eps) is skipped at every scale: nonfinite_loss names its origin, and
+    # no float16 range or bfloat16 is the fix.
+    loss_at = dict(zip(ctx.loss.steps.tolist(), ctx.loss.values.tolist()))
+    lost = np.array([not math.isfinite(loss_at.get(int(s), 0.0)) for s in steps], dtype=bool)
+    if (skipped & lost).any():
+        n = int((skipped & lost).sum())
+        skipped = skipped & ~lost
+        if not skipped.any():
+            ev = {"skipped_steps": n, "steps": len(steps), "nonfinite_loss_skips": n}
+            return [Finding(kind="grad_scaler_skips", severity="info",
+                            title=f"The GradScaler skipped {n} step(s) whose loss was already NaN/Inf",
+                            evidence=ev,
+                            suggestion="the loss was not finite before any scaling, so no scale or precision makes it "
+                                       "finite: nonfinite_loss names the op and line that made it",
+                            steps=(int(steps[0]), int(steps[-1])), source=SOURCE)]
     scale_at = dict(zip(ctx.amp_scale.steps.tolist(), ctx.amp_scale.values.tolist()))
     ok = np.nonzero(~skipped)[0]
     settle = int(ok[0]) if len(ok) else len(skipped)  # the scale halves at each skip until a step succeeds

@@ -176,6 +176,9 @@ class Thresholds:
     memorise_fraction: float = _t(
         0.7, "a training loss under 70% of the chance loss while validation stays at chance is memorised"
     )
+    one_class_min_labels: float = _t(
+        32, "a few dozen validation labels all of one class among several is no accident of a small split"
+    )
     leak_near: float = _t(
         0.05, "a validation row within 5% of the typical row-to-row distance of a training row is a (near) copy"
     )

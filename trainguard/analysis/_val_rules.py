@@ -1,5 +1,5 @@
 """Rules over the validation pass: a non-finite validation loss, overfitting, labels unrelated to
-the inputs, train/val leakage.
+the inputs, labels all of one class, train/val leakage.
 
 They read the per-step scalars ``val_loss`` / ``val_accuracy`` and the ``validation`` summary the
 monitor stores (:mod:`trainguard.capture._monitor_eval`, :mod:`trainguard.capture._monitor_leak`);
@@ -187,6 +187,36 @@ def labels_unrelated(ctx: Context) -> list[Finding]:
             "`__getitem__` returns the label of the same sample and that the label encoding is the same in both "
             "splits; `trainguard.doctor.validate_data((x_train, y_train), (x_val, y_val))` checks the data",
             steps=(int(val.steps[0]), int(val.steps[-1])),
+            source=SOURCE,
+        )
+    ]
+
+
+@register_rule("labels_one_class")
+def labels_one_class(ctx: Context) -> list[Finding]:
+    """Every validation label is the same class of several: a model that always answers it scores
+    100% and a loss near 0 whatever the inputs (vit-pytorch's ViT on labels that were all 0 looked
+    healthy: loss 0.111 -> 0.0045, accuracy 1.0)."""
+    val = ctx.meta.get("validation") or {}
+    c, counts = val.get("classes"), val.get("label_counts")
+    if not (isinstance(c, int) and c >= 2 and isinstance(counts, list) and len(counts) == c):
+        return []
+    total = sum(counts)
+    held = [k for k, n in enumerate(counts) if n > 0]
+    if len(held) != 1 or total < ctx.th.one_class_min_labels:
+        return []
+    k = held[0]
+    return [
+        Finding(
+            kind="labels_one_class",
+            severity="warning",
+            title=f"Every validation label is class {k} ({total} labels counted, {c} classes): always answering {k} scores "
+            "100%, so the loss and accuracy say nothing about the inputs",
+            evidence={"classes": c, "label_counts": counts, "class": k},
+            suggestion="check the labels: a Dataset that returns the same target for every sample (a placeholder 0, "
+            "the wrong column, targets made before the data was filled), or a split cut from data sorted by label "
+            "(shuffle before splitting); `trainguard.doctor.validate_data((x_train, y_train), (x_val, y_val))` "
+            "checks both splits",
             source=SOURCE,
         )
     ]

@@ -247,6 +247,13 @@ def _origin(report: dict) -> Any:
         parts.append(Text(f"  then: it made the loss {value} in step {sk['step']}; the program checked it{at} and "
                           "skipped that iteration: no backward(), no update (the monitor counts such iterations: "
                           "iterations_skipped)", style="yellow"))
+    elif o.get("read"):  # read by the program and no further: MAE's `if not math.isfinite(loss.item()): sys.exit(1)`
+        rd = o["read"]
+        at = f" ({_short(rd['file'])}:{rd['line']})" if rd.get("file") else ""
+        parts.append(Text(f"  then: the program read it{at} in step {rd['step']}"
+                          + (f" and exited with code {rd['exit_code']}: no backward(), no update" if rd.get("exit_code")
+                             else "; it reached no loss, gradient or parameter by the end of the recording"),
+                          style="yellow"))
     elif o.get("reached_training") is False:  # nerf's disparity of an empty ray: made, then unused
         parts.append(Text("  it reached no loss, gradient or parameter by the end of the recording: training "
                           "never used it (the value itself holds it where the program reads it)", style="yellow"))
