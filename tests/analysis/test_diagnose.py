@@ -2204,6 +2204,29 @@ def test_a_language_model_is_told_to_check_the_shift_of_its_targets(tmp_path):
     assert "shuffle them together" not in f.suggestion and "shifted by one" in f.suggestion, f.suggestion
 
 
+def test_a_bert_binary_classifier_is_not_told_to_check_the_shift_of_its_targets(tmp_path):
+    # huggingface/accelerate examples/nlp_example.py (MRPC, a BertForSequenceClassification with 2 labels)
+    # under `trainguard run --nproc-per-node 2 --monitor`: loss_not_decreasing said "check that the targets
+    # are the inputs shifted by one token (the cross-entropy's 2 classes are the token embedding's rows: a
+    # language model ...)". The 2 rows were BERT's token_type_embeddings (segment A/B), not its vocabulary.
+    def emb(name, rows):
+        return {f"bert.embeddings.{name}.weight": {"layer": f"bert.embeddings.{name}", "module_type": "Embedding",
+                                                   "shape": [rows, 32], "requires_grad": True}}
+    params = dict(PARAMS, **emb("word_embeddings", 94), **emb("position_embeddings", 64),
+                  **emb("token_type_embeddings", 2))
+    heads = {"loss_graph": [{"heads": [{"loss": "nll_loss", "chain": ["log_softmax"], "classes": 2}],
+                             "loss_functions": ["nll_loss"]}] * 3}
+    f = next(f for f in diagnose(_flat_run(tmp_path / "c", run_meta=heads, params=params))
+             if f.kind == "loss_not_decreasing")
+    assert "shifted by one" not in f.suggestion and "targets match inputs" in f.suggestion, f.suggestion
+    # a language-model head over the same embeddings: its classes are the word embedding's rows
+    lm = {"loss_graph": [{"heads": [{"loss": "nll_loss", "chain": ["log_softmax"], "classes": 94}],
+                          "loss_functions": ["nll_loss"]}] * 3}
+    f = next(f for f in diagnose(_flat_run(tmp_path / "m", run_meta=lm, params=params))
+             if f.kind == "loss_not_decreasing")
+    assert "shifted by one" in f.suggestion, f.suggestion
+
+
 def test_a_healthy_verdict_says_what_it_could_not_judge_on_a_model_with_no_torch_layers(tmp_path):
     # Keras 3 on torch (keras/src/backend/torch/layer.py): a Keras model's layers are no torch children,
     # its variables sit in one ParameterDict and its optimizer keeps the rate in a Keras Variable. `model.fit`

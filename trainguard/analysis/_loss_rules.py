@@ -446,13 +446,25 @@ def _targets_check(ctx: Context) -> str:
                 "cross-entropy, MSE, L1 or BCE: a likelihood of the data, as a flow's or a Gaussian process's, or an "
                 "ELBO), so check its sign (-log_prob(x).mean() falls as the fit improves)")
     classes = ctx.loss_classes()
-    vocab = {int(info["shape"][0]) for info in ctx.params.values()
-             if info.get("module_type") == "Embedding" and len(info.get("shape", [])) == 2}
-    if classes is not None and classes in vocab:
+    if classes is not None and classes in _token_embedding_rows(ctx):
         return (f"that the targets are the inputs shifted by one token (the cross-entropy's {classes} classes are "
                 "the token embedding's rows: a language model; logits[:, :-1] against input_ids[:, 1:], or the "
                 "labels a Hugging Face model shifts itself)")
     return "that targets match inputs (shuffle them together)"
+
+
+def _token_embedding_rows(ctx: Context) -> set[int]:
+    """Rows of the model's token embeddings: the first embedding in forward order under each module
+    that holds embeddings (BERT's word_embeddings before its position and token_type ones, nanoGPT's
+    wte before wpe; a translation model's source and target embeddings each). A binary classifier's
+    2 classes are no vocabulary because BERT's token_type_embeddings has 2 rows."""
+    embeddings = [p for p, info in ctx.params.items()
+                  if info.get("module_type") == "Embedding" and len(info.get("shape", [])) == 2]
+    first: dict[str, int] = {}
+    for p in ctx.ordered(embeddings):
+        parent = ctx.params[p].get("layer", p).rpartition(".")[0]
+        first.setdefault(parent, int(ctx.params[p]["shape"][0]))
+    return set(first.values())
 
 
 def saturated(ctx: Context) -> dict | None:
