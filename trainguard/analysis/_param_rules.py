@@ -404,12 +404,22 @@ def params_frozen(ctx: Context) -> list[Finding]:
     ]
 
 
+def _one_model(ctx: Context, params: list[str]) -> tuple[str, str, list[str]] | None:
+    """When ``params`` all belong to one of several watched models: its name, type and the
+    parameters in forward order; otherwise None."""
+    roots = {r.get("prefix") or "": r.get("type") for r in ctx.meta.get("roots") or []}
+    if len(roots) < 2 or not params:
+        return None
+    prefixes = sorted(roots, key=len, reverse=True)
+    owners = {next((x for x in prefixes if p.startswith(x)), "") for p in params}
+    if len(owners) != 1:
+        return None
+    pre = owners.pop()
+    return pre.rstrip(".") or "(the first model)", str(roots.get(pre)), ctx.ordered(params)
+
+
 @register_rule("gradients_accumulating")
 def gradients_accumulating(ctx: Context) -> list[Finding]:
-    if ctx.losses_summed:
-        # A GAN's generator loss reaches the discriminator, whose gradient its own optimizer
-        # clears only later (before the discriminator's backward): stale there, and harmless.
-        return []
     # Per optimizer too: a loop with two (SparseAdam for a recommender's embedding tables, Adam for
     # the rest) that zeroes one of them leaves a minority of the parameters stale at every step.
     groups: dict[str, dict[int, list[float]]] = {"": {}}
@@ -424,6 +434,8 @@ def gradients_accumulating(ctx: Context) -> list[Finding]:
         s = ctx.stat(p, "gradient", "stale")
         for step, v in zip(s.steps.tolist(), s.values.tolist()):
             groups[""].setdefault(step, []).append(v)
+            if v >= 1:
+                names.setdefault("", set()).add(p)
             if opt:
                 groups.setdefault(opt, {}).setdefault(step, []).append(v)
                 if v >= 1:
@@ -456,6 +468,15 @@ def gradients_accumulating(ctx: Context) -> list[Finding]:
                      f"of {len(steps)} recordings the new gradient was added to the previous step's")
             fix = (f"call `zero_grad()` on the {opt} optimizer too, once per step before `backward()` (the loop zeroes "
                    "the other optimizer's gradients only); for deliberate accumulation, zero after its `step()`")
+        elif (model := _one_model(ctx, sorted(names.get("", ())))) is not None:
+            # Several models trained by optimizers of one class (a GAN's two Adams): name the model
+            # whose gradients pile up (PyTorch-GAN's dcgan.py without optimizer_D.zero_grad()).
+            name, kind, params = model
+            ev |= {"model": name, "parameters": params}
+            title = (f"Gradients of model {name} ({kind}) accumulate across steps ({_names(params, 3)}): at {len(stale)} "
+                     f"of {len(steps)} recordings the new gradient was added to the previous step's")
+            fix = (f"call `zero_grad()` on the optimizer of {name} too, once per step before its `backward()` (the loop "
+                   "zeroes the other model's gradients only); for deliberate accumulation, zero after its `step()`")
         return [
             Finding(
                 kind="gradients_accumulating",
