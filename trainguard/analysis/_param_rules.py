@@ -404,26 +404,28 @@ def params_frozen(ctx: Context) -> list[Finding]:
     ]
 
 
-def _one_model(ctx: Context, params: list[str]) -> tuple[str, str, list[str]] | None:
-    """When ``params`` all belong to one of several watched models: its name, type and the
-    parameters in forward order; otherwise None."""
+def _model_of(ctx: Context) -> dict[str, tuple[str, str]]:
+    """Parameter -> (name, type) of the watched model holding it, when there are several models."""
     roots = {r.get("prefix") or "": r.get("type") for r in ctx.meta.get("roots") or []}
-    if len(roots) < 2 or not params:
-        return None
+    if len(roots) < 2:
+        return {}
     prefixes = sorted(roots, key=len, reverse=True)
-    owners = {next((x for x in prefixes if p.startswith(x)), "") for p in params}
-    if len(owners) != 1:
-        return None
-    pre = owners.pop()
-    return pre.rstrip(".") or "(the first model)", str(roots.get(pre)), ctx.ordered(params)
+    out = {}
+    for p in ctx.params:
+        pre = next((x for x in prefixes if p.startswith(x)), "")
+        out[p] = (pre.rstrip(".") or "(the first model)", str(roots.get(pre)))
+    return out
 
 
 @register_rule("gradients_accumulating")
 def gradients_accumulating(ctx: Context) -> list[Finding]:
     # Per optimizer too: a loop with two (SparseAdam for a recommender's embedding tables, Adam for
     # the rest) that zeroes one of them leaves a minority of the parameters stale at every step.
-    groups: dict[str, dict[int, list[float]]] = {"": {}}
-    names: dict[str, set[str]] = {}
+    # Per model too: a GAN's two optimizers are both Adams, and the discriminator whose zero_grad()
+    # is missing holds a third of the parameters (PyTorch-GAN's dcgan.py: 8 of 22).
+    models = _model_of(ctx)
+    groups: dict[tuple[str, str], dict[int, list[float]]] = {("", ""): {}}
+    names: dict[tuple[str, str], set[str]] = {}
     for p in ctx.params:
         flag = ctx.stat(p, "gradient", "in_optimizer")
         if len(flag) and np.all(flag.values == 0):
@@ -431,18 +433,17 @@ def gradients_accumulating(ctx: Context) -> list[Finding]:
             # however often the loop zeroes (param_not_in_optimizer names it).
             continue
         opt = ctx.params[p].get("optimizer")
+        keys = [("", "")] + ([("optimizer", opt)] if opt else []) + ([("model", models[p][0])] if p in models else [])
         s = ctx.stat(p, "gradient", "stale")
         for step, v in zip(s.steps.tolist(), s.values.tolist()):
-            groups[""].setdefault(step, []).append(v)
-            if v >= 1:
-                names.setdefault("", set()).add(p)
-            if opt:
-                groups.setdefault(opt, {}).setdefault(step, []).append(v)
+            for key in keys:
+                groups.setdefault(key, {}).setdefault(step, []).append(v)
                 if v >= 1:
-                    names.setdefault(opt, set()).add(p)
-    if len(groups) == 2:
-        del groups[next(k for k in groups if k)]  # one optimizer: its parameters are all of them
-    for opt, per_step in groups.items():
+                    names.setdefault(key, set()).add(p)
+    for by in ("optimizer", "model"):
+        if sum(k[0] == by for k in groups) == 1:
+            del groups[next(k for k in groups if k[0] == by)]  # one of them: its parameters are all of them
+    for key, per_step in groups.items():
         steps = sorted(per_step)[1:]  # the first recording has nothing before it
         if len(steps) < 2:
             continue
@@ -460,18 +461,18 @@ def gradients_accumulating(ctx: Context) -> list[Finding]:
                  "gradient was added to the previous step's")
         fix = ("call `optimizer.zero_grad()` (or `model.zero_grad()`) once per step, before `backward()`; "
                "for deliberate accumulation over k micro-batches, zero after each `optimizer.step()`")
-        if opt:
-            params = ctx.ordered(sorted(names.get(opt, ())))
+        params = ctx.ordered(sorted(names.get(key, ())))
+        owners = {models[p] for p in params if p in models}
+        if key[0] == "optimizer":
+            opt = key[1]
             ev |= {"optimizer": opt, "parameters": params}
-            shown = ", ".join(params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
-            title = (f"Gradients of the {opt} optimizer's parameters ({shown}) accumulate across steps: at {len(stale)} "
-                     f"of {len(steps)} recordings the new gradient was added to the previous step's")
+            title = (f"Gradients of the {opt} optimizer's parameters ({_names(params, 3)}) accumulate across steps: at "
+                     f"{len(stale)} of {len(steps)} recordings the new gradient was added to the previous step's")
             fix = (f"call `zero_grad()` on the {opt} optimizer too, once per step before `backward()` (the loop zeroes "
                    "the other optimizer's gradients only); for deliberate accumulation, zero after its `step()`")
-        elif (model := _one_model(ctx, sorted(names.get("", ())))) is not None:
-            # Several models trained by optimizers of one class (a GAN's two Adams): name the model
-            # whose gradients pile up (PyTorch-GAN's dcgan.py without optimizer_D.zero_grad()).
-            name, kind, params = model
+        elif len(owners) == 1 and len(set(models.values())) > 1:
+            # one model of several: name it
+            name, kind = owners.pop()
             ev |= {"model": name, "parameters": params}
             title = (f"Gradients of model {name} ({kind}) accumulate across steps ({_names(params, 3)}): at {len(stale)} "
                      f"of {len(steps)} recordings the new gradient was added to the previous step's")
