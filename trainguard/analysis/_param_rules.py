@@ -219,8 +219,14 @@ def param_zero_gradient(ctx: Context) -> list[Finding]:
         if ctx.params[p].get("layer") in blocked:
             continue  # a dead layer blocks it: reported as dead units
         zero.append(p)
+    # A bias whose own layer's weight learns: the loss depends on differences between that layer's
+    # outputs only, and a constant added to all of them cancels (a WGAN critic's output bias in
+    # -D(real).mean() + D(fake).mean(); a ranking loss on score differences). Nothing is cut off.
+    shift = [p for p in zero if _bias_beside_learning_weight(ctx, p)]
+    zero = [p for p in zero if p not in shift]
+    out = [_shift_invariant(ctx, ctx.ordered(shift))] if shift else []
     if not zero:
-        return []
+        return out
     zero = ctx.ordered(zero)
     evidence: dict = {"params": zero}
     advice = []
@@ -253,7 +259,32 @@ def param_zero_gradient(ctx: Context) -> list[Finding]:
             layers=_layers(ctx, zero),
             source=SOURCE,
         )
-    ]
+    ] + out
+
+
+def _bias_beside_learning_weight(ctx: Context, p: str) -> bool:
+    layer = ctx.params[p].get("layer")
+    if not p.endswith(".bias") or not layer or p != f"{layer}.bias":
+        return False
+    w = ctx.stat(f"{layer}.weight", "gradient", "norm").finite()
+    return len(w) >= 2 and bool(np.all(w.values > 0))
+
+
+def _shift_invariant(ctx: Context, biases: list[str]) -> Finding:
+    layers = _layers(ctx, biases)
+    return Finding(
+        kind="param_zero_gradient",
+        severity="info",
+        title=f"{len(biases)} bias(es) always get an all-zero gradient while their layer's weights learn: "
+        f"{_names(biases)}; the loss depends only on differences between {_names(layers, 3)}'s outputs",
+        evidence={"params": biases, "shift_invariant": True},
+        suggestion="nothing is cut off: a constant added to every output cancels in the loss (a WGAN critic's "
+        "-D(real).mean() + D(fake).mean(), a ranking loss on score differences), so the bias can never learn; "
+        "`bias=False` on that layer says so",
+        steps=_steps(ctx),
+        layers=layers,
+        source=SOURCE,
+    )
 
 
 def _behind_dead_layers(ctx: Context) -> set[str]:
