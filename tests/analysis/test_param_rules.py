@@ -112,3 +112,34 @@ def test_a_wgan_critics_output_bias_is_no_broken_path(tmp_path):
     (note,) = [f for f in findings if f.kind == "param_zero_gradient"]
     assert note.severity == "info" and note.evidence["params"] == ["discriminator.2.bias"], note.title
     assert "bias=False" in note.suggestion, note.suggestion
+
+
+def test_a_generator_trained_on_detached_fakes_is_named(tmp_path):
+    # PyTorch-GAN's dcgan.py (@36d3c77) with `discriminator(gen_imgs.detach())` in the generator's loss:
+    # "14 trainable parameter(s) never received a gradient: l1.0.weight, ..." named the layers but not
+    # that they are the whole generator (the first model found has no prefix), nor the GAN's usual cause.
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.LeakyReLU(0.2), nn.Linear(16, 8), nn.Tanh())
+    discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1), nn.Sigmoid())
+    adversarial_loss = nn.BCELoss()
+    optimizer_G = torch.optim.Adam(generator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    optimizer_D = torch.optim.Adam(discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    real = torch.randn(256, 8).tanh()
+    with tg.Monitor(None, tmp_path / "r", every=5) as mon:
+        for i in range(30):
+            imgs = real[(i * 16) % 256:(i * 16) % 256 + 16]
+            valid, fake = torch.ones(16, 1), torch.zeros(16, 1)
+            optimizer_G.zero_grad()
+            gen_imgs = generator(torch.randn(16, 4))
+            g_loss = adversarial_loss(discriminator(gen_imgs.detach()), valid)
+            g_loss.backward()
+            optimizer_G.step()
+            optimizer_D.zero_grad()
+            d_loss = (adversarial_loss(discriminator(imgs), valid)
+                      + adversarial_loss(discriminator(gen_imgs.detach()), fake)) / 2
+            d_loss.backward()
+            optimizer_D.step()
+    (f,) = [f for f in mon.findings if f.kind == "param_no_gradient"]
+    assert f.evidence["params"] == ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"], f.evidence
+    assert f.evidence.get("model") == "(the first model)" and "Sequential" in f.title, f.title
+    assert "fake.detach()" in f.suggestion, f.suggestion
