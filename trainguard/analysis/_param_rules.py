@@ -190,15 +190,25 @@ def param_no_gradient(ctx: Context) -> list[Finding]:
     if routed:
         evidence["never_routed"] = routed
         advice.append(_routing_advice(routed))
+    whole = _whole_model(ctx, missing)
+    if whole is not None:
+        # every trainable parameter of one model among several, while an optimizer holds them: its
+        # loss is cut off from it (a GAN's generator scored on detached fakes)
+        evidence["model"] = whole[0]
+        advice.append(f"every parameter of {_model_text(*whole)} is cut off from the loss while its optimizer "
+                      "steps: in a GAN, the generator's loss must run the discriminator on the generated batch "
+                      "itself, `discriminator(gen_imgs)`, not on `fake.detach()` (detach only in the "
+                      "discriminator's step)")
     if len(checkpointed) + len(no_grad) + len(idle) < len(missing):
         advice.append("no gradient reaches them: look for `.detach()`, `torch.no_grad()`, `.data` or `.item()` "
                       "between them and the loss, or a layer defined but not used in `forward`; if they are "
                       "frozen on purpose, set `requires_grad=False`")
+    of = f" (all of {_model_text(*whole)})" if whole is not None else ""
     return [
         Finding(
             kind="param_no_gradient",
             severity="warning",
-            title=f"{len(missing)} trainable parameter(s) never received a gradient: {_names(missing)}",
+            title=f"{len(missing)} trainable parameter(s){of} never received a gradient: {_names(missing)}",
             evidence=evidence,
             suggestion="; ".join(advice),
             steps=_steps(ctx),
@@ -206,6 +216,26 @@ def param_no_gradient(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _model_text(name: str, kind: str) -> str:
+    """``model discriminator (Discriminator)``; the first model found, which has no prefix:
+    ``the first model (Generator)``."""
+    return f"the first model ({kind})" if name == "(the first model)" else f"model {name} ({kind})"
+
+
+def _whole_model(ctx: Context, params: list[str]) -> tuple[str, str] | None:
+    """(name, type) of the one watched model among several whose trainable parameters ``params`` are
+    exactly, all held by an optimizer; otherwise None."""
+    models = _model_of(ctx)
+    owners = {models[p] for p in params if p in models}
+    if len(owners) != 1 or len(params) != sum(1 for p in params if p in models):
+        return None
+    owner = owners.pop()
+    own = [p for p in _trainable(ctx) if models.get(p) == owner]
+    if sorted(own) != sorted(params) or not all(ctx.params[p].get("optimizer") for p in params):
+        return None
+    return owner
 
 
 @register_rule("param_zero_gradient")
