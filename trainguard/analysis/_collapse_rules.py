@@ -288,7 +288,8 @@ def _gaussian_heads(ctx: Context) -> list[tuple[str, str, int]]:
 
 
 def _kl_per_dim(ctx: Context, mu: str, logvar: str) -> tuple[list[int], np.ndarray]:
-    """Per recording, the mean KL(N(mu, exp(logvar)) || N(0, 1)) per latent dimension, from the two
+    """Per recording, the mean KL(N(mu, exp(logvar)) || N(0, 1)) per latent dimension (the average over
+    dimensions: times their number, the latent's KL per input), from the two
     heads' output mean and std: 0.5 E[mu^2] + 0.5 E[exp(lv) - 1 - lv], with E[exp(lv)] taken as a
     normal lv's, exp(mean + std^2 / 2)."""
     stats = [ctx.stat(la, "activation", s) for la in (mu, logvar) for s in ("mean", "std")]
@@ -309,20 +310,24 @@ def posterior_collapse(ctx: Context) -> list[Finding]:
         steps, kl = _kl_per_dim(ctx, mu, logvar)
         if len(steps) < 4 or not np.all(np.isfinite(kl)):
             continue
-        later = kl[len(kl) // 2:]
-        if median(later) >= ctx.th.posterior_kl_per_dim:
+        # the whole latent's KL: a wide latent keeps most dimensions at the prior, by design
+        total = kl * width
+        later = total[len(total) // 2:]
+        limit = ctx.th.posterior_kl_nats
+        if median(later) >= limit:
             continue
-        since = next(s for s, v in zip(steps, kl) if v < ctx.th.posterior_kl_per_dim)
-        ev = {"mean_head": mu, "logvar_head": logvar, "latent_dims": width, "kl_per_dim": float(median(later)),
-              "kl_per_dim_first": float(kl[0]), "first_step": steps[0], "since_step": since,
+        since = next(s for s, v in zip(steps, total) if v < limit)
+        ev = {"mean_head": mu, "logvar_head": logvar, "latent_dims": width, "kl_nats": float(median(later)),
+              "kl_nats_first": float(total[0]), "kl_per_dim": float(median(later)) / width,
+              "first_step": steps[0], "since_step": since,
               "mean_head_std": float(median(ctx.window(ctx.stat(mu, "activation", "std")).values)),
               "logvar_head_mean": float(median(ctx.window(ctx.stat(logvar, "activation", "mean")).values)),
-              "limit": ctx.th.posterior_kl_per_dim}
+              "limit": limit}
         out.append(Finding(
             kind="posterior_collapse",
             severity="warning",
             title=f"Posterior collapse: {mu} and {logvar} give every input the prior N(0, 1) (KL about "
-            f"{fmt(ev['kl_per_dim'])} nats per latent dimension since step {since}): the decoder gets noise and "
+            f"{fmt(ev['kl_nats'])} nats over {width} latent dimensions since step {since}): the decoder gets noise and "
             "learns to ignore z",
             evidence=ev,
             suggestion="the KL term outweighs the reconstruction: weigh it by batch size / dataset size (PyTorch-VAE's "
