@@ -107,3 +107,53 @@ def test_the_same_loop_without_the_critics_zero_grad_is_still_told(tmp_path):
     findings = _sac(tmp_path, zero_q=False)
     found = [f for f in findings if f.kind == "gradients_accumulating"]
     assert found, [(f.kind, f.title) for f in findings]
+
+
+def _gan(tmp_path, *, zero_d: bool = True):
+    """eriklindernoren/PyTorch-GAN implementations/dcgan/dcgan.py (@36d3c77)'s loop in small: the
+    generator's step first (its loss runs through the discriminator, adding to the discriminator's
+    .grad after optimizer_D stepped), then the discriminator's on real images and detached fakes."""
+    torch.manual_seed(0)
+    # the generator holds most of the parameters (10 of 14 here, 14 of 22 in dcgan.py at 16x16)
+    generator = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.LeakyReLU(0.2), nn.Linear(16, 16),
+                              nn.BatchNorm1d(16), nn.LeakyReLU(0.2), nn.Linear(16, 8), nn.Tanh())
+    discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1), nn.Sigmoid())
+    adversarial_loss = nn.BCELoss()
+    optimizer_G = torch.optim.Adam(generator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    optimizer_D = torch.optim.Adam(discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    real = torch.randn(256, 8).tanh()
+    with Monitor(None, tmp_path / "r", every=5) as mon:
+        for i in range(30):
+            imgs = real[(i * 16) % 256:(i * 16) % 256 + 16]
+            valid, fake = torch.ones(16, 1), torch.zeros(16, 1)
+            optimizer_G.zero_grad()
+            gen_imgs = generator(torch.randn(16, 4))
+            g_loss = adversarial_loss(discriminator(gen_imgs), valid)
+            g_loss.backward()
+            optimizer_G.step()
+            if zero_d:
+                optimizer_D.zero_grad()
+            d_loss = (adversarial_loss(discriminator(imgs), valid)
+                      + adversarial_loss(discriminator(gen_imgs.detach()), fake)) / 2
+            d_loss.backward()
+            optimizer_D.step()
+    return mon.findings
+
+
+def test_a_gans_discriminator_gradient_the_generators_loss_adds_to_is_not_stale(tmp_path):
+    findings = _gan(tmp_path)
+    assert "gradients_accumulating" not in {f.kind for f in findings}, [(f.kind, f.title) for f in findings]
+
+
+def test_a_gan_without_the_discriminators_zero_grad_is_told(tmp_path):
+    # PyTorch-GAN's dcgan.py with `optimizer_D.zero_grad()` left out (the monitor measured all 8 of the
+    # discriminator's parameters stale at every recording after the first, the gradient norm 300x
+    # the healthy loop's) was "Training looks healthy": the rule did not judge a loop whose steps
+    # sum a GAN's two losses at all, and 8 stale parameters of 22 are under its stale_fraction.
+    findings = _gan(tmp_path, zero_d=False)
+    found = [f for f in findings if f.kind == "gradients_accumulating"]
+    assert found, [(f.kind, f.title) for f in findings]
+    # both optimizers are Adams: the finding names the model whose gradients pile up
+    assert found[0].evidence["model"] == "discriminator", found[0].title
+    assert found[0].evidence["parameters"] == [f"discriminator.{i}.{w}" for i in (0, 2) for w in ("weight", "bias")]
+    assert "optimizer of discriminator" in found[0].suggestion, found[0].suggestion

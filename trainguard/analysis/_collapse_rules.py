@@ -266,3 +266,76 @@ def _collapse(ctx: Context, c: dict, ev: dict, layers: list, what: str, first: s
         layers=layers,
         source=SOURCE,
     )
+
+
+def _gaussian_heads(ctx: Context) -> list[tuple[str, str, int]]:
+    """(mean head, log-variance head, latent width) of a Gaussian encoder, as VAEs write it: two
+    Linear layers side by side (run one after the other, one parent) of one shape, read by a later
+    Linear layer whose input is that width (the decoder's first layer, fed z = mu + eps * std)."""
+    order = ctx.layer_order
+    shape = {la: (ctx.params.get(la + ".weight") or {}).get("shape") for la in order}
+    out = []
+    for i, (a, b) in enumerate(zip(order, order[1:])):
+        if not (ctx.layer_type.get(a) == ctx.layer_type.get(b) == "Linear") or a.rpartition(".")[0] != b.rpartition(".")[0]:
+            continue
+        if not shape[a] or shape[a] != shape[b] or len(shape[a]) != 2:
+            continue
+        width = int(shape[a][0])
+        if any(ctx.layer_type.get(c) == "Linear" and shape[c] and len(shape[c]) == 2 and int(shape[c][1]) == width
+               for c in order[i + 2:]):
+            out.append((a, b, width))
+    return out
+
+
+def _kl_per_dim(ctx: Context, mu: str, logvar: str) -> tuple[list[int], np.ndarray]:
+    """Per recording, the mean KL(N(mu, exp(logvar)) || N(0, 1)) per latent dimension (the average over
+    dimensions: times their number, the latent's KL per input), from the two
+    heads' output mean and std: 0.5 E[mu^2] + 0.5 E[exp(lv) - 1 - lv], with E[exp(lv)] taken as a
+    normal lv's, exp(mean + std^2 / 2)."""
+    stats = [ctx.stat(la, "activation", s) for la in (mu, logvar) for s in ("mean", "std")]
+    steps = sorted(set.intersection(*(set(s.steps.tolist()) for s in stats)))
+    vals = []
+    for step in steps:
+        m_mean, m_std, v_mean, v_std = (s.at(step) for s in stats)
+        var_term = math.exp(min(v_mean + v_std ** 2 / 2, 80.0)) - 1 - v_mean
+        vals.append(0.5 * (m_mean ** 2 + m_std ** 2) + 0.5 * var_term)
+    return steps, np.array(vals, dtype=float)
+
+
+@register_rule("posterior_collapse")
+def posterior_collapse(ctx: Context) -> list[Finding]:
+    """A Gaussian VAE whose encoder gives every input the prior: KL -> 0, the decoder ignores z."""
+    out = []
+    for mu, logvar, width in _gaussian_heads(ctx):
+        steps, kl = _kl_per_dim(ctx, mu, logvar)
+        if len(steps) < 4 or not np.all(np.isfinite(kl)):
+            continue
+        # the whole latent's KL: a wide latent keeps most dimensions at the prior, by design
+        total = kl * width
+        later = total[len(total) // 2:]
+        limit = ctx.th.posterior_kl_nats
+        if median(later) >= limit:
+            continue
+        since = next(s for s, v in zip(steps, total) if v < limit)
+        ev = {"mean_head": mu, "logvar_head": logvar, "latent_dims": width, "kl_nats": float(median(later)),
+              "kl_nats_first": float(total[0]), "kl_per_dim": float(median(later)) / width,
+              "first_step": steps[0], "since_step": since,
+              "mean_head_std": float(median(ctx.window(ctx.stat(mu, "activation", "std")).values)),
+              "logvar_head_mean": float(median(ctx.window(ctx.stat(logvar, "activation", "mean")).values)),
+              "limit": limit}
+        out.append(Finding(
+            kind="posterior_collapse",
+            severity="warning",
+            title=f"Posterior collapse: {mu} and {logvar} give every input the prior N(0, 1) (KL about "
+            f"{fmt(ev['kl_nats'])} nats over {width} latent dimensions since step {since}): the decoder gets noise and "
+            "learns to ignore z",
+            evidence=ev,
+            suggestion="the KL term outweighs the reconstruction: weigh it by batch size / dataset size (PyTorch-VAE's "
+            "kld_weight M_N, 0.00025 in its configs, not 1) or lower beta, anneal its weight from 0 (a KL warm-up "
+            "over the first thousands of steps), or keep a floor of KL per dimension (free bits); with a "
+            "powerful decoder, weaken it",
+            steps=(steps[0], steps[-1]),
+            layers=[mu, logvar],
+            source=SOURCE,
+        ))
+    return out

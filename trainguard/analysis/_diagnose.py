@@ -52,6 +52,7 @@ MONITOR_RULES = (
     "collapsed_activations",
     "representation_collapse",
     "codebook_collapse",
+    "posterior_collapse",
     "saturated_activations",
     "vanishing_gradient",
     "exploding_gradient",

@@ -190,15 +190,25 @@ def param_no_gradient(ctx: Context) -> list[Finding]:
     if routed:
         evidence["never_routed"] = routed
         advice.append(_routing_advice(routed))
+    whole = _whole_model(ctx, missing)
+    if whole is not None:
+        # every trainable parameter of one model among several, while an optimizer holds them: its
+        # loss is cut off from it (a GAN's generator scored on detached fakes)
+        evidence["model"] = whole[0]
+        advice.append(f"every parameter of {_model_text(*whole)} is cut off from the loss while its optimizer "
+                      "steps: in a GAN, the generator's loss must run the discriminator on the generated batch "
+                      "itself, `discriminator(gen_imgs)`, not on `fake.detach()` (detach only in the "
+                      "discriminator's step)")
     if len(checkpointed) + len(no_grad) + len(idle) < len(missing):
         advice.append("no gradient reaches them: look for `.detach()`, `torch.no_grad()`, `.data` or `.item()` "
                       "between them and the loss, or a layer defined but not used in `forward`; if they are "
                       "frozen on purpose, set `requires_grad=False`")
+    of = f" (all of {_model_text(*whole)})" if whole is not None else ""
     return [
         Finding(
             kind="param_no_gradient",
             severity="warning",
-            title=f"{len(missing)} trainable parameter(s) never received a gradient: {_names(missing)}",
+            title=f"{len(missing)} trainable parameter(s){of} never received a gradient: {_names(missing)}",
             evidence=evidence,
             suggestion="; ".join(advice),
             steps=_steps(ctx),
@@ -206,6 +216,26 @@ def param_no_gradient(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _model_text(name: str, kind: str) -> str:
+    """``model discriminator (Discriminator)``; the first model found, which has no prefix:
+    ``the first model (Generator)``."""
+    return f"the first model ({kind})" if name == "(the first model)" else f"model {name} ({kind})"
+
+
+def _whole_model(ctx: Context, params: list[str]) -> tuple[str, str] | None:
+    """(name, type) of the one watched model among several whose trainable parameters ``params`` are
+    exactly, all held by an optimizer; otherwise None."""
+    models = _model_of(ctx)
+    owners = {models[p] for p in params if p in models}
+    if len(owners) != 1 or len(params) != sum(1 for p in params if p in models):
+        return None
+    owner = owners.pop()
+    own = [p for p in _trainable(ctx) if models.get(p) == owner]
+    if sorted(own) != sorted(params) or not all(ctx.params[p].get("optimizer") for p in params):
+        return None
+    return owner
 
 
 @register_rule("param_zero_gradient")
@@ -219,8 +249,14 @@ def param_zero_gradient(ctx: Context) -> list[Finding]:
         if ctx.params[p].get("layer") in blocked:
             continue  # a dead layer blocks it: reported as dead units
         zero.append(p)
+    # A bias whose own layer's weight learns: the loss depends on differences between that layer's
+    # outputs only, and a constant added to all of them cancels (a WGAN critic's output bias in
+    # -D(real).mean() + D(fake).mean(); a ranking loss on score differences). Nothing is cut off.
+    shift = [p for p in zero if _bias_beside_learning_weight(ctx, p)]
+    zero = [p for p in zero if p not in shift]
+    out = [_shift_invariant(ctx, ctx.ordered(shift))] if shift else []
     if not zero:
-        return []
+        return out
     zero = ctx.ordered(zero)
     evidence: dict = {"params": zero}
     advice = []
@@ -253,7 +289,32 @@ def param_zero_gradient(ctx: Context) -> list[Finding]:
             layers=_layers(ctx, zero),
             source=SOURCE,
         )
-    ]
+    ] + out
+
+
+def _bias_beside_learning_weight(ctx: Context, p: str) -> bool:
+    layer = ctx.params[p].get("layer")
+    if not p.endswith(".bias") or not layer or p != f"{layer}.bias":
+        return False
+    w = ctx.stat(f"{layer}.weight", "gradient", "norm").finite()
+    return len(w) >= 2 and bool(np.all(w.values > 0))
+
+
+def _shift_invariant(ctx: Context, biases: list[str]) -> Finding:
+    layers = _layers(ctx, biases)
+    return Finding(
+        kind="param_zero_gradient",
+        severity="info",
+        title=f"{len(biases)} bias(es) always get an all-zero gradient while their layer's weights learn: "
+        f"{_names(biases)}; the loss depends only on differences between {_names(layers, 3)}'s outputs",
+        evidence={"params": biases, "shift_invariant": True},
+        suggestion="nothing is cut off: a constant added to every output cancels in the loss (a WGAN critic's "
+        "-D(real).mean() + D(fake).mean(), a ranking loss on score differences), so the bias can never learn; "
+        "`bias=False` on that layer says so",
+        steps=_steps(ctx),
+        layers=layers,
+        source=SOURCE,
+    )
 
 
 def _behind_dead_layers(ctx: Context) -> set[str]:
@@ -404,16 +465,28 @@ def params_frozen(ctx: Context) -> list[Finding]:
     ]
 
 
+def _model_of(ctx: Context) -> dict[str, tuple[str, str]]:
+    """Parameter -> (name, type) of the watched model holding it, when there are several models."""
+    roots = {r.get("prefix") or "": r.get("type") for r in ctx.meta.get("roots") or []}
+    if len(roots) < 2:
+        return {}
+    prefixes = sorted(roots, key=len, reverse=True)
+    out = {}
+    for p in ctx.params:
+        pre = next((x for x in prefixes if p.startswith(x)), "")
+        out[p] = (pre.rstrip(".") or "(the first model)", str(roots.get(pre)))
+    return out
+
+
 @register_rule("gradients_accumulating")
 def gradients_accumulating(ctx: Context) -> list[Finding]:
-    if ctx.losses_summed:
-        # A GAN's generator loss reaches the discriminator, whose gradient its own optimizer
-        # clears only later (before the discriminator's backward): stale there, and harmless.
-        return []
     # Per optimizer too: a loop with two (SparseAdam for a recommender's embedding tables, Adam for
     # the rest) that zeroes one of them leaves a minority of the parameters stale at every step.
-    groups: dict[str, dict[int, list[float]]] = {"": {}}
-    names: dict[str, set[str]] = {}
+    # Per model too: a GAN's two optimizers are both Adams, and the discriminator whose zero_grad()
+    # is missing holds a third of the parameters (PyTorch-GAN's dcgan.py: 8 of 22).
+    models = _model_of(ctx)
+    groups: dict[tuple[str, str], dict[int, list[float]]] = {("", ""): {}}
+    names: dict[tuple[str, str], set[str]] = {}
     for p in ctx.params:
         flag = ctx.stat(p, "gradient", "in_optimizer")
         if len(flag) and np.all(flag.values == 0):
@@ -421,16 +494,17 @@ def gradients_accumulating(ctx: Context) -> list[Finding]:
             # however often the loop zeroes (param_not_in_optimizer names it).
             continue
         opt = ctx.params[p].get("optimizer")
+        keys = [("", "")] + ([("optimizer", opt)] if opt else []) + ([("model", models[p][0])] if p in models else [])
         s = ctx.stat(p, "gradient", "stale")
         for step, v in zip(s.steps.tolist(), s.values.tolist()):
-            groups[""].setdefault(step, []).append(v)
-            if opt:
-                groups.setdefault(opt, {}).setdefault(step, []).append(v)
+            for key in keys:
+                groups.setdefault(key, {}).setdefault(step, []).append(v)
                 if v >= 1:
-                    names.setdefault(opt, set()).add(p)
-    if len(groups) == 2:
-        del groups[next(k for k in groups if k)]  # one optimizer: its parameters are all of them
-    for opt, per_step in groups.items():
+                    names.setdefault(key, set()).add(p)
+    for by in ("optimizer", "model"):
+        if sum(k[0] == by for k in groups) == 1:
+            del groups[next(k for k in groups if k[0] == by)]  # one of them: its parameters are all of them
+    for key, per_step in groups.items():
         steps = sorted(per_step)[1:]  # the first recording has nothing before it
         if len(steps) < 2:
             continue
@@ -448,14 +522,23 @@ def gradients_accumulating(ctx: Context) -> list[Finding]:
                  "gradient was added to the previous step's")
         fix = ("call `optimizer.zero_grad()` (or `model.zero_grad()`) once per step, before `backward()`; "
                "for deliberate accumulation over k micro-batches, zero after each `optimizer.step()`")
-        if opt:
-            params = ctx.ordered(sorted(names.get(opt, ())))
+        params = ctx.ordered(sorted(names.get(key, ())))
+        owners = {models[p] for p in params if p in models}
+        if key[0] == "optimizer":
+            opt = key[1]
             ev |= {"optimizer": opt, "parameters": params}
-            shown = ", ".join(params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
-            title = (f"Gradients of the {opt} optimizer's parameters ({shown}) accumulate across steps: at {len(stale)} "
-                     f"of {len(steps)} recordings the new gradient was added to the previous step's")
+            title = (f"Gradients of the {opt} optimizer's parameters ({_names(params, 3)}) accumulate across steps: at "
+                     f"{len(stale)} of {len(steps)} recordings the new gradient was added to the previous step's")
             fix = (f"call `zero_grad()` on the {opt} optimizer too, once per step before `backward()` (the loop zeroes "
                    "the other optimizer's gradients only); for deliberate accumulation, zero after its `step()`")
+        elif len(owners) == 1 and len(set(models.values())) > 1:
+            # one model of several: name it
+            name, kind = owners.pop()
+            ev |= {"model": name, "parameters": params}
+            title = (f"Gradients of model {name} ({kind}) accumulate across steps ({_names(params, 3)}): at {len(stale)} "
+                     f"of {len(steps)} recordings the new gradient was added to the previous step's")
+            fix = (f"call `zero_grad()` on the optimizer of {name} too, once per step before its `backward()` (the loop "
+                   "zeroes the other model's gradients only); for deliberate accumulation, zero after its `step()`")
         return [
             Finding(
                 kind="gradients_accumulating",

@@ -113,6 +113,11 @@ class Thresholds:
     codebook_input_factor: float = _t(
         8.0, "while its inputs take 8x as many: the layer maps inputs that differ onto one or two outputs"
     )
+    posterior_kl_nats: float = _t(
+        0.1, "a latent whose posterior lies within 0.1 nats (0.14 bits) of the prior N(0, 1), all dimensions "
+        "together, tells the decoder almost nothing about its input (a healthy VAE's holds nats, in the few "
+        "dimensions it uses)"
+    )
     saturation_warn: float = _t(0.4, "40% of tanh/sigmoid outputs within 1% of a bound, where the gradient is < 2%")
     # ---- gradients
     vanish_ratio: float = _t(

@@ -187,7 +187,9 @@ def outcome(event: dict) -> str:
         return text + (f"; {event['policy_note']}" if event.get("policy_note") else "")
     if action == "lower_lr":
         lrs = ", ".join(f"{v:.3g}" for v in event.get("lr") or [])
-        return f"lowered the learning rate x{event.get('lr_factor', 0.5)} (now {lrs})"
+        text = f"lowered the learning rate x{event.get('lr_factor', 0.5)} (now {lrs})"
+        start = event.get("retried_from")
+        return text + (f" and retried from step {start:,}" if start is not None and start < event["step"] else "")
     if action == "continue":
         return "it did not reproduce in the replay (a transient fault?); training goes on"
     if action == "code_bug":

@@ -8,11 +8,13 @@ How a step goes (see docs/guard.md):
    copied into host memory (one snapshot at a time).
 2. A bad step ``f`` rewinds the state to the newest of that snapshot and the manager's newest
    checkpoint. The loop hands out the same batches again with the same RNG; each replayed loss
-   is compared bitwise with the original. Before step ``f`` the snapshot moves there.
+   is compared bitwise with the original. Before step ``f`` the snapshot moves there (not under
+   ``lower_lr``).
 3. Step ``f`` runs eagerly under full recording into ``<logdir>/replays/step-<f>``; its origin
    comes from :func:`trainguard.analysis.origin`.
 4. The policy: ``skip`` rewinds to ``f`` and discards the batch (``skip_batches`` of them for a
-   spike); ``lower_lr`` rewinds to ``f`` with every learning rate halved; ``stop`` rewinds to
+   spike); ``lower_lr`` rewinds to the snapshot before the replay with every learning rate
+   halved (the updates before ``f`` made its fault); ``stop`` rewinds to
    ``f`` and raises :class:`~trainguard.Diverged`. When the batch after a skipped one fails the
    same way (same op and line), the fault follows the code: :class:`~trainguard.Diverged`.
 
@@ -541,8 +543,11 @@ class Guard:
         if plan is not None:
             if plan.recording is not None and plan.recording.done:
                 self._conclude(plan, reproduced=False)
-            elif step == plan.fail and self.snapshot.step != step:
-                self._take_snapshot()  # the replay reached the failing step: rewind here from now on
+            elif step == plan.fail and self.snapshot.step != step and self.config.policy != "lower_lr":
+                # the replay reached the failing step: rewind here from now on (lower_lr keeps the
+                # snapshot before it: the failing step's loss comes from the updates before it, which
+                # only a retry from there at a lower rate can change)
+                self._take_snapshot()
             return False
         if (step % self.config.snapshot_every == 0 and self.snapshot.step != step and not self._sentry.unread
                 and step < self._loop.total_steps):
@@ -711,7 +716,7 @@ class Guard:
             self._finish_event(event, "code_bug")
             self._raise(event)
         policy = self.config.policy
-        self._restore("memory")  # the snapshot sits right before the failing step
+        self._restore("memory")  # the snapshot sits right before the failing step (lower_lr: before the replay)
         if policy == "stop":
             self._finish_event(event, "stop")
             self._raise(event)
@@ -721,6 +726,7 @@ class Guard:
         elif policy == "lower_lr":
             event["lr_factor"] = LR_FACTOR
             event["lr"] = self._lower_lr(LR_FACTOR)
+            event["retried_from"] = self._loop.state.step
             self._take_snapshot()  # a later rewind must keep the lowered rate
             self._finish_event(event, "lower_lr")
             return
