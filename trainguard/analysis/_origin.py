@@ -1313,9 +1313,21 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         # a clipped gradient still makes a step as large as the learning rate allows
         text = ("values are overflowing: lower the learning rate; " + clipping_words(clipping, norms=False)
                 + ": a clipped step is still as large as the learning rate makes it")
+    if any(str(o.get("dtype", "")).replace("torch.", "") == "float16" for o in link.outputs):
+        # float16's range is the fault first (autocast's --amp); the learning rate only if the values should be smaller
+        return (FLOAT16_OVERFLOW + "; if the values should not be this large, "
+                + text.removeprefix("values are overflowing: "))
     if narrow:
         return text + ", or compute this op in float32"  # whose range holds what overflowed here
     return text
+
+
+FLOAT16_OVERFLOW = (
+    "values overflow float16's range (largest 65504), which float32 and bfloat16 hold: compute this op in float32 "
+    "(its inputs `.float()` inside `torch.autocast(device, enabled=False)`) or train in bfloat16 "
+    "(`torch.autocast(device, dtype=torch.bfloat16)`, no GradScaler needed); check the inputs' scale too "
+    "(normalise them)"
+)
 
 
 def _fed_to_model(run: Run, chain: list[Link]) -> bool:
