@@ -123,6 +123,9 @@ class Origin:
     # program checked the loss and called no backward(), capture/_skips): {step, loss, file, line,
     # check}; None when no skipped iteration follows the origin.
     skipped: dict | None = None
+    # An LR scheduler that read the value (ReduceLROnPlateau.step on a NaN validation metric), when
+    # it reached no training otherwise: {steps, first_step, file, line} of the user's call.
+    scheduler: dict | None = None
 
     @property
     def origin(self) -> Link:
@@ -131,7 +134,8 @@ class Origin:
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary, "suggestion": self.suggestion, "reason": self.reason, "harm": self.harm,
                 "origin": asdict(self.origin), "chain": [asdict(link) for link in self.chain],
-                "earlier": self.earlier, "reached_training": self.reached_training, "skipped": self.skipped}
+                "earlier": self.earlier, "reached_training": self.reached_training, "skipped": self.skipped,
+                "scheduler": self.scheduler}
 
 
 def _count(summary: dict | None, key: str) -> int:
@@ -1478,8 +1482,38 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     if skipped is not None:
         summary += (f". It made the loss {_num(skipped.get('loss'))} in step {skipped['step']}, which the program "
                     f"checked{_at(skipped)} and skipped: no backward(), no update")
+    scheduler = _scheduler_reads(run, o.seq) if reached is False and skipped is None else None
+    if scheduler is not None:
+        summary += (f". ReduceLROnPlateau.step read it in {scheduler['steps']} step(s) from step {scheduler['first_step']}"
+                    f"{_at(dict(scheduler, check='scheduler.step'))}: it counts a NaN metric as no improvement and "
+                    "lowers the learning rate after `patience` of them")
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm, earlier=earlier,
-                  reached_training=reached, skipped=skipped)
+                  reached_training=reached, skipped=skipped, scheduler=scheduler)
+
+
+# Harmful reads of a value looked at for an LR scheduler among them (the first ones: enough to tell).
+SCHEDULER_READS = 2000
+
+
+def _scheduler_reads(run: Run, origin_seq: int) -> dict | None:
+    """The harmful reads (``.item()``, ``float()``) of values made by ``origin_seq`` that ran inside an LR
+    scheduler's ``step``: ReduceLROnPlateau reading a NaN validation metric (UNet's dice score)."""
+    steps: list[int] = []
+    where, ours = None, False
+    for d in run.executions(0, SCHEDULER_READS, op="_local_scalar_dense"):
+        if d.get("taint") != "harmful" or d.get("stack_id") is None:
+            continue
+        frames = run.stack(d["stack_id"])
+        if not any(f["name"] == "step" and f["filename"].replace("\\", "/").endswith("torch/optim/lr_scheduler.py")
+                   for f in frames):
+            continue
+        steps.append(d["step"])  # each step's metric is a NaN of its own (its own origin): all are counted
+        ours = ours or d.get("origin") == origin_seq
+        where = where or run.user_frame(d["stack_id"])
+    if not steps or not ours:
+        return None
+    return {"steps": len(set(steps)), "first_step": min(steps), "file": where["filename"] if where else None,
+            "line": where["lineno"] if where else None}
 
 
 def _num(v: Any) -> str:
