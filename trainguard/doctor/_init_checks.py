@@ -36,6 +36,8 @@ from trainguard.capture._numerics import short_path, source_line
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
     DoctorInputError,
+    _rng_state,
+    _set_rng_state,
     check_loss_fn,
     check_model,
     model_device,
@@ -286,7 +288,7 @@ def init_checks(model: nn.Module, batch: Any, loss_fn: Any, *, num_classes: int 
                     "torch.no_grad(), a NumPy round trip) or every parameter has requires_grad=False."))
     expected, rule = _expected(task, classes)
     if expected is not None and value is not None and math.isfinite(value):
-        uniform = None if num_classes is not None else _uniform_loss(model, outputs, targets, loss_fn)
+        uniform = None if num_classes is not None else _uniform_loss(outputs, targets, loss_fn)
         if uniform is not None and abs(uniform - expected) > UNIFORM_REL * expected:
             # a loss with more than the cross entropy in it (UNet's + dice): chance is its value at uniform predictions
             expected, rule = uniform, "the loss at all-zero logits"
@@ -363,16 +365,19 @@ def _unfit_classes(outputs: torch.Tensor, targets: torch.Tensor) -> Finding:
     return finding("output_target_shape", "error", title, fix + ".", output_shape=out, target_shape=tgt)
 
 
-def _uniform_loss(model: nn.Module, outputs: Any, targets: Any, loss_fn: Any) -> float | None:
+def _uniform_loss(outputs: Any, targets: Any, loss_fn: Any) -> float | None:
     """``loss_fn`` at all-zero logits (uniform predictions): the chance level of any loss over them;
     None for an output that is not one float tensor, or a loss that fails on it."""
     if not (isinstance(outputs, torch.Tensor) and outputs.is_floating_point()):
         return None
+    rng = _rng_state()  # the loss alone runs: no copy of the model's parameters, only the RNGs it may draw from
     try:
-        with preserved(model), torch.no_grad():
+        with torch.no_grad():
             value = float(loss_fn(torch.zeros_like(outputs), targets))
     except Exception:  # a loss that needs more than outputs and targets: ln C stays the level
         return None
+    finally:
+        _set_rng_state(rng)
     return value if math.isfinite(value) else None
 
 
