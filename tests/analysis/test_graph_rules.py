@@ -402,3 +402,27 @@ def test_the_loss_watch_stores_which_loss_functions_the_loss_holds(tmp_path, los
     with open_run(tmp_path / "mon") as run:
         recs = run.meta["loss_graph"]
     assert recs and all(r["loss_functions"] == functions for r in recs), recs
+
+
+def _bce_mask_255(logits, y):
+    # milesial/Pytorch-UNet train.py (@21d7850) with n_classes=1 on masks stored as 0/255 PNGs:
+    # criterion(masks_pred.squeeze(1), true_masks.float()) with true_masks in {0, 255}
+    return F.binary_cross_entropy_with_logits(logits, F.one_hot(y, C).float() * 255)
+
+
+def _healthy_bce_soft_labels(logits, y):
+    return F.binary_cross_entropy_with_logits(logits, F.one_hot(y, C).float() * 0.8 + 0.1)
+
+
+def test_bce_targets_outside_0_1_are_named_by_the_monitor_and_the_recording(tmp_path):
+    # The loss went 4.9 -> -267 on the UNet and the verdict was "healthy": BCE has no minimum there.
+    f = next(f for f in _monitored(tmp_path, _bce_mask_255) if f.kind == "bce_targets_not_probabilities")
+    assert f.severity == "warning" and f.evidence["target_max"] == 255
+    assert "255" in f.title and "/ 255" in f.suggestion
+    assert "healthy" not in [g.kind for g in _monitored(tmp_path / "again", _bce_mask_255)]
+    findings, _ = _recorded(tmp_path, _bce_mask_255)
+    f = next(f for f in findings if f.kind == "bce_targets_not_probabilities")
+    assert f.evidence["source"] == "recorded op graph"
+    assert f.evidence["chain"][-1]["file"].endswith("test_graph_rules.py")
+    for healthy in (_healthy_bce_logits, _healthy_bce_sigmoid, _healthy_bce_soft_labels):
+        assert "bce_targets_not_probabilities" not in [g.kind for g in _monitored(tmp_path / healthy.__name__, healthy)]

@@ -1474,3 +1474,24 @@ def test_a_power_that_overflowed_after_updates_is_not_told_to_normalise_the_data
     assert not o.suggestion.startswith("an input holds values too large to raise to this power in its dtype: "
                                        "normalise the input"), o.suggestion
     assert "learning rate" in o.suggestion, o.suggestion
+
+
+def test_a_float16_overflow_under_autocast_leads_with_the_dtype_not_the_learning_rate(tmp_path):
+    # milesial/Pytorch-UNet train.py (@21d7850) with --amp in float16 on raw 16-bit images (0..65535):
+    # the first conv overflowed float16 at step 8 and the fix began "lower the learning rate", where
+    # float32 or bfloat16 hold the value (the GradScaler finding of the same run said bf16)
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1, bias=False)
+    with torch.no_grad():
+        conv.weight.abs_()  # weights grown by the first updates: 27 inputs near 30,000 sum past 65504
+    x = torch.rand(1, 3, 8, 8) * 65535
+
+    def step():
+        tg.step()  # after an update: step 0's forward would say no update made the overflow
+        with torch.autocast("cpu", dtype=torch.float16):
+            conv(x).float().sum().item()
+
+    o = origin(record(tmp_path, step))
+    assert o.origin.op == "aten.convolution", o.origin
+    s = o.suggestion
+    assert s.startswith("values overflow float16") and "bfloat16" in s and "compute this op in float32" in s, s

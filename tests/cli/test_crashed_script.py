@@ -557,3 +557,35 @@ def test_a_crash_inside_one_of_several_alike_tables_names_the_table_by_its_path(
     f = outcome_finding(meta)
     assert "inside emb_l.1 (EmbeddingBag(10, 4, mode='sum'))" in f.title, f.title
     assert f.evidence["module_path"] == "emb_l.1", f.evidence
+
+
+@pytest.mark.parametrize("classes, target_value, loss, monitored",
+                         [(3, 255, "ce", False), (2, 255, "nll", False), (2, 255, "ce", True)])
+def test_a_class_target_out_of_range_names_the_values_and_the_mask_fix(tmp_path, classes, target_value, loss,
+                                                                       monitored):
+    # milesial/Pytorch-UNet train.py (@21d7850) on masks stored as 0/255 PNGs: criterion(masks_pred,
+    # true_masks) raises "Target 255 is out of bounds." and the finding said only "fix the error it raised"
+    import torch
+
+    from trainguard.analysis._outcome import outcome_finding
+    from trainguard.capture._ending import crash_site
+
+    criterion = torch.nn.CrossEntropyLoss() if loss == "ce" else torch.nn.NLLLoss()
+    masks_pred = torch.randn(2, classes, 8, 8)
+    true_masks = torch.zeros(2, 8, 8, dtype=torch.long)
+    true_masks[:, 2:5, 2:5] = target_value
+    import contextlib
+
+    import trainguard as tg
+
+    # under `trainguard run --monitor` the monitor wraps F.cross_entropy while it watches
+    with tg.Monitor(None, tmp_path / "mon") if monitored else contextlib.nullcontext():
+        with pytest.raises(IndexError) as info:
+            criterion(masks_pred, true_masks)
+        at = crash_site(info.value)
+    assert at is not None and "detail" in at, at
+    assert f"{target_value}" in at["detail"] and f"{classes} classes" in at["detail"], at
+    assert "/ 255" in at["detail"], at
+    f = outcome_finding({"status": "crashed", "error": str(info.value), "crash_step": 0, "crash_at": at,
+                         "exit_code": 1})
+    assert at["detail"] in f.suggestion

@@ -404,3 +404,33 @@ def test_a_time_first_ctc_output_is_no_merged_batch_dimension():
     flat = nn.Sequential(_TimeFirstCTC(), nn.Flatten(0, 1))
     r = doctor.init_checks(flat, (x, torch.zeros(5)), lambda out, y: out.mean())
     assert "output_batch_mismatch" in {f.kind for f in r.findings()}
+
+
+def _ce_plus_dice(logits, masks):
+    # milesial/Pytorch-UNet train.py + utils/dice_score.py (@21d7850): cross entropy plus the multiclass
+    # dice loss of the softmax, reduced over the whole batch (dice_loss(..., multiclass=True))
+    probs = torch.softmax(logits, dim=1).float()
+    onehot = nn.functional.one_hot(masks, logits.shape[1]).permute(0, 3, 1, 2).float()
+    inter = 2 * (probs * onehot).sum()
+    dice = (inter + 1e-6) / (probs.sum() + onehot.sum() + 1e-6)
+    return nn.functional.cross_entropy(logits, masks) + (1 - dice)
+
+
+def test_the_chance_level_of_a_composite_loss_is_its_loss_at_uniform_predictions():
+    # CE + dice starts at ln 3 + (1 - 1/3) for a 3-class segmentation net: "1.6x chance (ln 3)" and
+    # "scale down the last layer's initial weights" was a false warning with a wrong fix.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 1))
+    with torch.no_grad():
+        net[2].weight.mul_(0.01)
+    batch = (torch.rand(2, 3, 16, 16), torch.randint(0, 3, (2, 16, 16)))
+    r = doctor.init_checks(net, batch, _ce_plus_dice)
+    assert "initial_loss_high" not in kinds(r), r.summary
+    assert r.expected_loss == pytest.approx(math.log(3) + 2 / 3, rel=1e-3)
+    with torch.no_grad():
+        net[2].weight.mul_(5000)  # over-confident at init: still flagged against the same level
+    r = doctor.init_checks(net, batch, _ce_plus_dice)
+    assert "initial_loss_high" in kinds(r)
+    # a plain cross entropy keeps ln C and its rule
+    r = doctor.init_checks(net, batch, nn.CrossEntropyLoss())
+    assert r.expected_rule == "ln 3"

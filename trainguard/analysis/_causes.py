@@ -75,6 +75,7 @@ _GRAPH_SYMPTOMS = ("loss_not_decreasing", "loss_spike", "loss_oscillating", "lr_
                    "exploding_activations", "exploding_gradient", "vanishing_gradient", "saturated_activations")
 for _cause in ("custom_gradient_wrong", "softmax_before_cross_entropy", "sigmoid_before_bce_with_logits",
                "nll_loss_on_probabilities", "nll_loss_on_logits", "cross_entropy_targets_not_probabilities",
+               "bce_targets_not_probabilities",
                "loss_broadcast", "ctc_loss_on_probabilities", "ctc_loss_on_logits", "ctc_log_softmax_wrong_dim"):
     EXPLAINS[_cause] = _GRAPH_SYMPTOMS
 # A loss over one class is 0 whatever the weights: no gradient reaches them.

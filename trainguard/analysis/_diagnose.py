@@ -77,6 +77,7 @@ MONITOR_RULES = (
     "nll_loss_on_probabilities",
     "nll_loss_on_logits",
     "cross_entropy_targets_not_probabilities",
+    "bce_targets_not_probabilities",
     "cross_entropy_one_class",
     "ctc_loss_on_probabilities",
     "ctc_loss_on_logits",

@@ -84,6 +84,12 @@ KINDS = {
         "`F.log_softmax(x, dim=2)` (or `dim=-1`); over dim 0 or 1 it normalises across time steps or samples, "
         "and the loss pushes the scores of other frames or samples down instead of learning the alignment",
     ),
+    "bce_targets_not_probabilities": (
+        "binary_cross_entropy's targets are not in [0, 1]",
+        "give BCE targets in [0, 1]: a mask stored as 0/255 (an 8-bit PNG) becomes `mask / 255` or "
+        "`(mask > 0).float()`; outside [0, 1] the loss has no minimum (it falls below 0 and keeps falling as "
+        "the logits grow), so a falling loss says nothing about the fit",
+    ),
     "cross_entropy_one_class": (
         "cross_entropy over 1 class: log_softmax of a single score is 0, so the loss is 0 and every gradient "
         "is 0 whatever the model outputs",
@@ -250,6 +256,9 @@ def judge(head: dict, tol: float) -> tuple[str, list[dict]] | None:
         return "softmax_before_cross_entropy", [chain[1], chain[0], end]
     if loss == "binary_cross_entropy_with_logits" and ops[:1] == ["sigmoid"]:
         return "sigmoid_before_bce_with_logits", [chain[0], end]
+    if loss in ("binary_cross_entropy_with_logits", "binary_cross_entropy") and (
+            facts.get("target_min", 0) < -tol or facts.get("target_max", 0) > 1 + tol):
+        return "bce_targets_not_probabilities", [*chain[:1], end]
     if loss == "nll_loss" and ops and ops[0] not in _LOG_PROB_OPS:
         lo, hi = facts.get("input_min"), facts.get("input_max")
         rows = facts.get("row_sum_dev")
@@ -310,6 +319,8 @@ def _detail(kind: str, facts: dict) -> str:
         return f"target rows sum to {sums}, values in [{fmt(facts['target_min'])}, {fmt(facts['target_max'])}]"
     if kind == "cross_entropy_targets_not_probabilities" and facts.get("target_min", 0) < 0:
         return "targets hold negative values"
+    if kind == "bce_targets_not_probabilities" and "target_max" in facts:
+        return f"targets in [{fmt(facts['target_min'])}, {fmt(facts['target_max'])}]"
     if kind == "ctc_log_softmax_wrong_dim" and "logsumexp_dev" in facts:
         return f"logsumexp over the last dimension is {fmt(facts['logsumexp_dev'])} away from 0"
     if kind in ("nll_loss_on_logits", "ctc_loss_on_logits") and "input_max" in facts and not facts.get("signs_only"):

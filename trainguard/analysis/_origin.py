@@ -127,6 +127,9 @@ class Origin:
     # reached no training: {seq, step, file, line, exit_code}, exit_code when the script then exited
     # with an error (MAE's `if not math.isfinite(loss.item()): sys.exit(1)`); None otherwise.
     read: dict | None = None
+    # An LR scheduler that read the value (ReduceLROnPlateau.step on a NaN validation metric), when
+    # it reached no training otherwise: {steps, first_step, file, line} of the user's call.
+    scheduler: dict | None = None
 
     @property
     def origin(self) -> Link:
@@ -136,7 +139,7 @@ class Origin:
         return {"summary": self.summary, "suggestion": self.suggestion, "reason": self.reason, "harm": self.harm,
                 "origin": asdict(self.origin), "chain": [asdict(link) for link in self.chain],
                 "earlier": self.earlier, "reached_training": self.reached_training, "skipped": self.skipped,
-                "read": self.read}
+                "read": self.read, "scheduler": self.scheduler}
 
 
 def _count(summary: dict | None, key: str) -> int:
@@ -1318,9 +1321,21 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         # a clipped gradient still makes a step as large as the learning rate allows
         text = ("values are overflowing: lower the learning rate; " + clipping_words(clipping, norms=False)
                 + ": a clipped step is still as large as the learning rate makes it")
+    if any(str(o.get("dtype", "")).replace("torch.", "") == "float16" for o in link.outputs):
+        # float16's range is the fault first (autocast's --amp); the learning rate only if the values should be smaller
+        return (FLOAT16_OVERFLOW + "; if the values should not be this large, "
+                + text.removeprefix("values are overflowing: "))
     if narrow:
         return text + ", or compute this op in float32"  # whose range holds what overflowed here
     return text
+
+
+FLOAT16_OVERFLOW = (
+    "values overflow float16's range (largest 65504), which float32 and bfloat16 hold: compute this op in float32 "
+    "(its inputs `.float()` inside `torch.autocast(device, enabled=False)`) or train in bfloat16 "
+    "(`torch.autocast(device, dtype=torch.bfloat16)`, no GradScaler needed); check the inputs' scale too "
+    "(normalise them)"
+)
 
 
 def _fed_to_model(run: Run, chain: list[Link]) -> bool:
@@ -1471,12 +1486,18 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     if skipped is not None:
         summary += (f". It made the loss {_num(skipped.get('loss'))} in step {skipped['step']}, which the program "
                     f"checked{_at(skipped)} and skipped: no backward(), no update")
-    read = _read_by_program(run, o.seq) if reached is False and skipped is None else None
+    scheduler = _scheduler_reads(run, o.seq) if reached is False and skipped is None else None
+    if scheduler is not None:
+        summary += (f". ReduceLROnPlateau.step read it in {scheduler['steps']} step(s) from step {scheduler['first_step']}"
+                    f"{_at(dict(scheduler, check='scheduler.step'))}: it counts a NaN metric as no improvement and "
+                    "lowers the learning rate after `patience` of them")
+    read = (_read_by_program(run, o.seq) if reached is False and skipped is None and scheduler is None
+            else None)
     if read is not None:
         summary += f". The program read it{_at(read)} in step {read['step']}" + (
             f" and exited with code {read['exit_code']}" if read.get("exit_code") else "")
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm, earlier=earlier,
-                  reached_training=reached, skipped=skipped, read=read)
+                  reached_training=reached, skipped=skipped, read=read, scheduler=scheduler)
 
 
 def _read_by_program(run: Run, origin_seq: int) -> dict | None:
@@ -1493,6 +1514,31 @@ def _read_by_program(run: Run, origin_seq: int) -> dict | None:
     code = run.meta.get("exit_code")
     return {"seq": seq, "step": link.step, "file": link.file, "line": link.line, "check": ".item()",
             "exit_code": code if isinstance(code, int) and code != 0 else None}
+
+
+# Harmful reads of a value looked at for an LR scheduler among them (the first ones: enough to tell).
+SCHEDULER_READS = 2000
+
+
+def _scheduler_reads(run: Run, origin_seq: int) -> dict | None:
+    """The harmful reads (``.item()``, ``float()``) of values made by ``origin_seq`` that ran inside an LR
+    scheduler's ``step``: ReduceLROnPlateau reading a NaN validation metric (UNet's dice score)."""
+    steps: list[int] = []
+    where, ours = None, False
+    for d in run.executions(0, SCHEDULER_READS, op="_local_scalar_dense"):
+        if d.get("taint") != "harmful" or d.get("stack_id") is None:
+            continue
+        frames = run.stack(d["stack_id"])
+        if not any(f["name"] == "step" and f["filename"].replace("\\", "/").endswith("torch/optim/lr_scheduler.py")
+                   for f in frames):
+            continue
+        steps.append(d["step"])  # each step's metric is a NaN of its own (its own origin): all are counted
+        ours = ours or d.get("origin") == origin_seq
+        where = where or run.user_frame(d["stack_id"])
+    if not steps or not ours:
+        return None
+    return {"steps": len(set(steps)), "first_step": min(steps), "file": where["filename"] if where else None,
+            "line": where["lineno"] if where else None}
 
 
 def _num(v: Any) -> str:

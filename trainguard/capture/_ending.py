@@ -95,7 +95,7 @@ def crash_site(error: BaseException) -> dict[str, Any] | None:
         path = next((n for n, m in modules[0].named_modules(remove_duplicate=False) if m is module), "")
         if path:
             at["module_path"] = path
-    detail = _embedding_index(frames) if isinstance(error, IndexError) else (
+    detail = (_embedding_index(frames) or _class_target(frames)) if isinstance(error, IndexError) else (
         _distribution_argument(frames) if isinstance(error, ValueError) else
         _observer_range(module) if isinstance(error, RuntimeError) else None)
     if detail:
@@ -145,6 +145,38 @@ def _observer_range(module: Any) -> str | None:
             f"{hi.max().item():g}): a NaN/Inf reached this fake-quant in an earlier step (an input, or the weights "
             "an update made NaN) and stays in its min_val/max_val buffers, so every later forward through it raises; "
             "the observer's state must go back to before that step (a checkpoint) once the NaN/Inf is fixed")
+
+
+def _class_target(frames: list) -> str | None:
+    """For cross_entropy's or nll_loss's "Target 255 is out of bounds." (torch names neither the class
+    count nor the other values): the targets out of range, the classes, and for 255 what makes it."""
+    import torch
+    import torch.nn.functional as F
+
+    # by name and file: while a monitor watches, F.cross_entropy is its wrapper around torch's function
+    home = F.__file__
+    for f, _ in reversed(frames):
+        if f.f_code.co_name not in ("cross_entropy", "nll_loss") or f.f_code.co_filename != home:
+            continue
+        x, t = f.f_locals.get("input"), f.f_locals.get("target")
+        if not (isinstance(x, torch.Tensor) and isinstance(t, torch.Tensor)) or t.is_floating_point() or not t.numel():
+            return None
+        if t.device.type != "cpu" or x.dim() == 0:  # after a device-side assert the device can no longer be read
+            return None
+        classes = int(x.shape[1] if x.dim() >= 2 else x.shape[0])
+        ignore = f.f_locals.get("ignore_index", -100)
+        values = t.unique()
+        bad = [int(v) for v in values if (v < 0 or v >= classes) and v != ignore]
+        if not bad:
+            return None
+        shown = ", ".join(str(int(v)) for v in values[:8]) + (", ..." if values.numel() > 8 else "")
+        text = (f"the targets hold {', '.join(map(str, bad[:4]))}, out of range for {classes} classes (0 to "
+                f"{classes - 1}); their values are {shown}")
+        if any(v % 255 == 0 for v in bad):
+            text += ("; a mask stored as 0/255 (an 8-bit PNG) holds 255 where class 1 is meant: map its values to "
+                     "class indices (`mask // 255`, or a lookup of its distinct values)")
+        return text
+    return None
 
 
 def _embedding_index(frames: list) -> str | None:

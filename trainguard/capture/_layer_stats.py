@@ -247,7 +247,8 @@ def count_codes(hashes: list[torch.Tensor]) -> torch.Tensor:
     h = torch.nn.utils.rnn.pad_sequence([t.to(torch.float32) for t in hashes], batch_first=True)  # zero rows pad
     n = h.shape[1]
     live = (h != 0).any(2) & torch.isfinite(h).all(2)  # a NaN output is the NaN's symptom, not a code
-    tol = h.abs().amax(1, keepdim=True) * CODE_TOLERANCE
+    # from the live rows alone: one +inf row (a float16 overflow) made the tolerance inf and every row one code
+    tol = torch.where(live.unsqueeze(2), h.abs(), 0).amax(1, keepdim=True) * CODE_TOLERANCE
     h = torch.where(live.unsqueeze(2), h, math.inf)  # all-zero rows sort last, as one group
     order = h[..., 0].argsort(1)
     h = h.gather(1, order.unsqueeze(2).expand(-1, -1, 2))

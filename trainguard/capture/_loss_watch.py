@@ -297,6 +297,11 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None) -> list[dict]:
             x = _saved(fn, "_saved_self")
             if x is not None and x.numel():
                 head["facts"] = _facts_range(x)
+                t = _saved(fn, "_saved_target")
+                if t is not None and t.is_floating_point() and t.numel():
+                    # probabilities in [0, 1]: a mask stored as 0/255 gives a loss with no minimum
+                    t = _rows(t)
+                    head["facts"] = _join(head["facts"], (("target_max", "target_min"), torch.stack([t.max(), t.min()])))
         elif op == "gather" and _log_softmax_below(fn) is not None:
             # -log_softmax(x).gather(dim, target): a cross entropy written by hand (smp's
             # SoftCrossEntropyLoss, fairseq's label_smoothed_nll_loss); no class count: a policy

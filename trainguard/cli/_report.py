@@ -247,6 +247,13 @@ def _origin(report: dict) -> Any:
         parts.append(Text(f"  then: it made the loss {value} in step {sk['step']}; the program checked it{at} and "
                           "skipped that iteration: no backward(), no update (the monitor counts such iterations: "
                           "iterations_skipped)", style="yellow"))
+    elif o.get("scheduler"):  # a NaN validation metric that ReduceLROnPlateau read
+        sc = o["scheduler"]
+        at = f" at {_short(sc['file'])}:{sc['line']}" if sc.get("file") else ""
+        parts.append(Text(f"  then: ReduceLROnPlateau.step read it{at} in {sc['steps']} step(s) from step "
+                          f"{sc['first_step']}; it reached no loss, gradient or parameter, but the scheduler counts a "
+                          "NaN metric as no improvement and lowers the learning rate after `patience` of them",
+                          style="yellow"))
     elif o.get("read"):  # read by the program and no further: MAE's `if not math.isfinite(loss.item()): sys.exit(1)`
         rd = o["read"]
         at = f" ({_short(rd['file'])}:{rd['line']})" if rd.get("file") else ""

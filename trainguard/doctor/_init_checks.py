@@ -11,7 +11,8 @@
   (the ``logits`` entry, else the first tensor); the class axis is dim 1, or the last one for
   ``[B, T, V]`` logits against ``[B, T]`` targets;
 - the initial loss matches chance: ``ln C`` for a C-class cross-entropy (``ln 2`` for a binary
-  one), since freshly initialised logits are near zero and the softmax near uniform. Far above
+  one), since freshly initialised logits are near zero and the softmax near uniform; a loss with
+  more in it (UNet's cross entropy + dice) is judged against its own value at all-zero logits. Far above
   means over-confident logits (an initialisation scale too large); far below means the model
   already "knows" the labels, which points at a leak;
 - parameter count, trainable and frozen counts, per top-level module.
@@ -35,6 +36,8 @@ from trainguard.capture._numerics import short_path, source_line
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
     DoctorInputError,
+    _rng_state,
+    _set_rng_state,
     check_loss_fn,
     check_model,
     model_device,
@@ -49,6 +52,9 @@ from trainguard.store import Finding
 INIT_HIGH = 1.5
 # Below half of chance at init, the model predicts labels it has never been trained on.
 INIT_LOW = 0.5
+# A loss at all-zero logits this far from ln C holds more than the cross entropy (a dice term):
+# its own value there is the chance level (float32 rounding of ln C stays far below).
+UNIFORM_REL = 0.01
 # CrossEntropyLoss's default ignore_index: targets equal to it are not class labels.
 IGNORE_INDEX = -100
 
@@ -282,6 +288,11 @@ def init_checks(model: nn.Module, batch: Any, loss_fn: Any, *, num_classes: int 
                     "torch.no_grad(), a NumPy round trip) or every parameter has requires_grad=False."))
     expected, rule = _expected(task, classes)
     if expected is not None and value is not None and math.isfinite(value):
+        uniform = None if num_classes is not None else _uniform_loss(outputs, targets, loss_fn)
+        if uniform is not None and abs(uniform - expected) > UNIFORM_REL * expected:
+            # a loss with more than the cross entropy in it (UNet's + dice): chance is its value at uniform predictions
+            expected, rule = uniform, "the loss at all-zero logits"
+
         ratio = value / expected
         if ratio > INIT_HIGH:
             issues.append(finding(
@@ -352,6 +363,22 @@ def _unfit_classes(outputs: torch.Tensor, targets: torch.Tensor) -> Finding:
                "inference shortcut, as llama2.c's and nanoGPT's forward(idx, targets=None)) needs them: wrap it "
                "so that it is called as model(x, y), or give the doctor a forward that returns all positions")
     return finding("output_target_shape", "error", title, fix + ".", output_shape=out, target_shape=tgt)
+
+
+def _uniform_loss(outputs: Any, targets: Any, loss_fn: Any) -> float | None:
+    """``loss_fn`` at all-zero logits (uniform predictions): the chance level of any loss over them;
+    None for an output that is not one float tensor, or a loss that fails on it."""
+    if not (isinstance(outputs, torch.Tensor) and outputs.is_floating_point()):
+        return None
+    rng = _rng_state()  # the loss alone runs: no copy of the model's parameters, only the RNGs it may draw from
+    try:
+        with torch.no_grad():
+            value = float(loss_fn(torch.zeros_like(outputs), targets))
+    except Exception:  # a loss that needs more than outputs and targets: ln C stays the level
+        return None
+    finally:
+        _set_rng_state(rng)
+    return value if math.isfinite(value) else None
 
 
 def _expected(task: str, classes: int | None) -> tuple[float | None, str]:
