@@ -27,7 +27,7 @@ test: $(VENV)/.test
 	@sh .ci/ensure-chromium
 	$(VENV)/bin/ruff check trainguard tests benchmarks examples
 	$(PY) -m trainguard.capture._native   # builds the native recorder core (cached), or says why not
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30   # two workers, a test file each; the 30 slowest tests listed: see DEVELOPERS.md
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30   # two workers, a test file each, slowest files first (tests/conftest.py); the 30 slowest tests listed: see DEVELOPERS.md
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check trainguard tests benchmarks examples

@@ -34,6 +34,49 @@ def pytest_configure(config) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# The files that take longest (Inductor compiles, spawned ranks, subprocess runs), longest first.
+# `make test` hands whole files to two workers in collection order (`--dist loadfile
+# --no-loadscope-reorder`): these go first and the many short files fill in at the end. By default
+# xdist orders files by their number of tests, which put these few-test, slow files last, where
+# one worker ran the last of them while the other sat idle.
+SLOW_FILES = (
+    "examples/test_gallery.py",
+    "capture/test_compile.py",
+    "test_benchmarks.py",
+    "integrations/test_build_nanogpt_real.py",
+    "distributed/test_fsdp2_real.py",
+    "integrations/test_build_nanogpt_real_masked.py",
+    "capture/test_compile_origin.py",
+    "integrations/test_lightning.py",
+    "capture/test_recorder.py",
+    "resilience/test_crash_campaign.py",
+    "capture/test_compile_ddp.py",
+    "capture/test_compile_cost.py",
+    "guard/test_guard.py",
+    "distributed/test_launch.py",
+    "integrations/test_docs_examples.py",
+    "integrations/test_transformers.py",
+    "resilience/test_exactness.py",
+    "distributed/test_resume.py",
+    "cli/test_crashed_script.py",
+    "cli/test_guard_cli.py",
+    "cli/test_spawned.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The slow files first, then the others by their number of tests (xdist's own order): each
+    file's tests stay together and in order."""
+    def file_of(item) -> str:
+        return item.nodeid.split("::", 1)[0].removeprefix("tests/")
+
+    rank = {name: k for k, name in enumerate(SLOW_FILES)}
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[file_of(item)] = counts.get(file_of(item), 0) + 1
+    items.sort(key=lambda item: (rank.get(file_of(item), len(rank)), -counts[file_of(item)], file_of(item)))
+
+
 @dataclass
 class TwoRanks:
     root: Path  # the logdir: root/rank-0, root/rank-1
