@@ -84,6 +84,7 @@ def test_nan_reaching_bceloss_is_a_bad_step_not_a_crash(tmp_path):
     assert event["replay"]["reproduced"] is True
     assert "binary_cross_entropy" in event["raised"]["op"], event.get("raised")
     assert "between 0 and 1" in event["raised"]["error"]
+    assert "aten.binary_cross_entropy raised on NaN/Inf" in event["message"], event["message"]
     for m in state.discriminator.parameters():
         assert torch.isfinite(m).all()
 
