@@ -53,3 +53,24 @@ def test_lower_lr_retries_from_before_the_updates_that_made_the_fault(tmp_path):
     assert all(e["retried_from"] < e["step"] for e in events), [e["message"] for e in events]
     assert "retried from step" in events[0]["message"], events[0]["message"]
     assert state.step == 30 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_lower_lr_goes_back_when_the_fault_lands_on_a_snapshot_step(tmp_path):
+    # The same VAE with a snapshot at every step: step 1's fault landed on the snapshot taken at
+    # step 1, after the update that made it; lower_lr retried step 1 from there ("retried from
+    # step 1") until max_rewinds and Diverged. It must go back to the snapshot before (step 0).
+    torch.manual_seed(0)
+    model = _VAE()
+    x = (torch.rand(256, 16) * 2 - 1) * 4
+    state = tg.TrainState(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=3.0),
+                          loader=DataLoader(TensorDataset(x), batch_size=32, shuffle=True))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=1, policy="lower_lr", max_rewinds=5)
+    for _, (batch,) in guard.batches(state, total_steps=10):
+        loss = model(batch)
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+    events = guard.events
+    assert events and all(e["action"] == "lower_lr" for e in events), [e["message"] for e in events]
+    assert all(e["retried_from"] < e["step"] for e in events), [e["message"] for e in events]
+    assert state.step == 10 and all(torch.isfinite(p).all() for p in model.parameters())

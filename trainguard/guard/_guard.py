@@ -44,7 +44,7 @@ import torch
 from trainguard._errors import Diverged
 from trainguard.capture import _skips, align_step
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
-from trainguard.guard import _collective, _events
+from trainguard.guard import _collective, _events, _raising
 from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
 from trainguard.guard._events import STOPPED
 from trainguard.guard._outside import OutsideOptimizers
@@ -190,7 +190,12 @@ class Guard:
         self._earlier_known = 0  # of an earlier process, in the run this one continues
         self._earlier_repeat = 0  # of those, skipped for a sample two events named (see _remember_repeat)
         self.snapshot = MemorySnapshot()
+        # lower_lr keeps the snapshot before the newest too: a fault on the newest one's step came
+        # from the updates before it, and only a retry from further back can change it
+        self._older: tuple[MemorySnapshot, OutsideOptimizers] | None = None
         self._sentry = Sentry()
+        self._raising = _raising.Raised()  # what an op of the running step raised on NaN/Inf
+        self._raised_at: dict[int, dict] = {}  # step -> that error, for the step's event
         self._outside = OutsideOptimizers()  # pyro.optim's per-parameter Adams, which no TrainState holds
         self._loop: Any = None
         self._run: _events.GuardRun | None = None
@@ -274,6 +279,7 @@ class Guard:
         self._overwrite = False  # a later loop of this guard adds to the run this one began
         watch_uncaught()  # a loop closed at exit by the exception that ends the script stores it as the run's ending
         self._sentry.start()
+        _raising.install()
         _skips.acquire(self._on_loop_skip)
         self._take_snapshot()
 
@@ -291,6 +297,8 @@ class Guard:
         except Exception:  # a device the error left unusable: nothing more to learn
             unread = []
         self._sentry.stop()
+        _raising.end()
+        _raising.remove()
         _skips.release(self._on_loop_skip)
         self._loop = None
         sk = self.loop_skipped
@@ -319,6 +327,9 @@ class Guard:
             self._run.close(status, final)
             self._run = None
         self.snapshot.release()
+        if self._older is not None:
+            self._older[0].release()
+            self._older = None
 
     def _store_ending(self, end: dict[str, Any]) -> None:
         """How the script ended (``trainguard.capture._ending.ending``), stored in the guard's run
@@ -338,6 +349,8 @@ class Guard:
     def _begin_step(self, step: int, batch: Any = None) -> None:
         _skips.watch.begin()
         align_step(step)
+        self._raising.take()
+        _raising.begin(self._raising)
         plan = self._plan
         if plan is not None and step == plan.fail and plan.recording is None:
             plan.batch = self._batch_info()
@@ -351,6 +364,11 @@ class Guard:
         plan = self._plan
         if plan is not None and plan.recording is not None and step == plan.fail:
             plan.recording.stop()
+        _raising.end()
+        raised = self._raising.take()
+        if raised is not None:
+            self._raised_at[step] = raised
+            self._sentry.raised()
         self._sentry.end_step(step)
         _skips.watch.boundary()  # the loop checked this step's loss, found NaN/Inf and called no backward()
 
@@ -598,6 +616,9 @@ class Guard:
     def _take_snapshot(self) -> None:
         state = self._loop.state
         first = not self.snapshot.taken
+        if self.config.policy == "lower_lr" and self.snapshot.taken and self.snapshot.step != state.step:
+            older = self._older or (MemorySnapshot(), OutsideOptimizers())
+            self._older, (self.snapshot, self._outside) = (self.snapshot, self._outside), older
         # inside an accumulation window the gradients so far are part of the step's state
         self.snapshot.take(state, wait=False, grads=self._loop.grads_pending)
         self._outside.take(state, self._sentry.optimizers())
@@ -626,7 +647,9 @@ class Guard:
             latest = m.latest()
             # a checkpoint holds no state of optimizers outside the TrainState: rewind to the snapshot, which does
             outside = OutsideOptimizers.find(self._loop.state, self._sentry.optimizers())
-            if latest is not None and (self.snapshot.step or 0) < latest.step <= fail and not outside:
+            # (lower_lr: a checkpoint at the failing step holds the updates that made the fault)
+            last = fail - 1 if self.config.policy == "lower_lr" else fail
+            if latest is not None and (self.snapshot.step or 0) < latest.step <= last and not outside:
                 return "checkpoint"
         return "memory"
 
@@ -642,6 +665,12 @@ class Guard:
             plan.recording.stop()
         median = self._median() if "spike" in kinds else None  # what it was judged by: the rewind trims the window
         target = self._rewind_target(fail)
+        older = self._older
+        if (self.config.policy == "lower_lr" and target == "memory" and self.snapshot.step == fail
+                and older is not None and older[0].taken and (older[0].step or 0) < fail):
+            # the fault is on the snapshot's step: no lower rate changes that step's loss, so go back
+            # to the one before (the newest, taken after the updates that made the fault, is dropped)
+            self._older, (self.snapshot, self._outside) = (self.snapshot, self._outside), older
         self._restore(target)
         start = self._loop.state.step
         self._plan = _Plan(fail=fail, start=start, source=target, kinds=kinds, ranks=ranks,
@@ -683,6 +712,9 @@ class Guard:
             "skipped": [],
             "rewinds": self.rewinds,
         }
+        if (raised := self._raised_at.pop(plan.fail, None)) is not None:
+            event["raised"] = raised  # the op raised on the NaN/Inf; the guard made it NaN and rewound
+            event["reason"] += f" ({raised['op']} raised on NaN/Inf: {raised['error']})"
         if event["origin_rank"] == _collective.rank_world()[0]:
             culprits = rec.culprits(origin, plan.batch if plan.rows_named else None)
             if culprits is not None:

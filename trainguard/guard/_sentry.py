@@ -69,6 +69,7 @@ class Sentry:
         self._later: list[torch.Tensor] = []
         self._watch = StepWatch(self._on_loss, self._before_optimizer, self._later.append)
         self._reported: Any = None
+        self._raised = False  # an op of this step raised on NaN/Inf and gave NaN instead (_raising)
         self._norms: list[torch.Tensor] = []
         self._pending: deque[_Pending] = deque()
         self._params: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -89,6 +90,7 @@ class Sentry:
     def clear(self) -> None:
         """Forget everything not read yet (after a rewind, those steps did not happen)."""
         self._losses, self._norms, self._reported = [], [], None
+        self._raised = False
         self._later.clear()
         self._pending.clear()
 
@@ -100,6 +102,11 @@ class Sentry:
         else:
             loss = float(loss)
         self._reported = loss
+
+    def raised(self) -> None:
+        """An op of this step raised on NaN/Inf (``_raising``): the step's loss is NaN, whatever
+        reached ``backward()`` (an index 0 in place of a multinomial draw may leave it finite)."""
+        self._raised = True
 
     def _on_loss(self, loss: torch.Tensor) -> None:
         self._losses.append(loss)
@@ -154,6 +161,8 @@ class Sentry:
         self._later.clear()
         if reported is not None:
             losses = [reported]
+        if self._raised:
+            self._raised, losses = False, [float("nan")]
         p = _Pending(step, losses, norms, later if losses else [], has_loss=bool(losses), has_grad=bool(norms))
         if not (_on_cpu(losses) and _on_cpu(norms) and _on_cpu(later)):
             self._to_device_vector(p)
