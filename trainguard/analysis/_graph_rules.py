@@ -479,6 +479,39 @@ def _padding_findings(ctx: Context) -> list[Finding]:
     return []
 
 
+# Ops whose outputs are unbounded scores (a layer's own output): a soft dice over them is over logits.
+_SCORE_OPS = frozenset({"convolution", "addmm", "mm", "bmm", "baddbmm", "linear", "matmul", "upsample_bilinear2d",
+                        "upsample_nearest2d"})
+
+
+def _dice_findings(ctx: Context) -> list[Finding]:
+    """A soft dice ratio computed over a layer's raw outputs (capture/_loss_watch.soft_dice)."""
+    for rec in ctx.run.meta.get("loss_graph") or []:
+        for d in rec.get("dice") or []:
+            chain = d.get("chain") or []
+            if not chain or chain[0] not in _SCORE_OPS:
+                continue
+            b = rec.get("backward_at")
+            where = f" (the loss backpropagated at {b['file']}:{b['line']})" if b else ""
+            ev = {"source": "autograd graph", "made_by": chain[0], "chain": [{"op": op} for op in chain],
+                  "backward_at": b}
+            fix = ("pass probabilities to the dice loss: F.softmax(logits, dim=1) over the classes (multi-class, "
+                   "as milesial/Pytorch-UNet's train.py does) or torch.sigmoid(logits) (one class); a dice over "
+                   "unbounded scores is no overlap of masks: negative scores shrink its denominator, so the loss "
+                   "rewards values that are no prediction")
+            return [Finding(kind="dice_not_probabilities", severity="warning",
+                            title=f"A soft dice loss (sum(x * target) / (sum(x) + ...)) is computed over {chain[0]}'s "
+                                  f"raw outputs: scores, not probabilities in [0, 1]{where}",
+                            evidence=ev, suggestion=fix, source=SOURCE)]
+    return []
+
+
+@register_rule("dice_not_probabilities")
+def dice_not_probabilities(ctx: Context) -> list[Finding]:
+    """A soft dice loss computed over values outside [0, 1] (logits, not probabilities)."""
+    return [f for f in graph_findings(ctx) if f.kind == "dice_not_probabilities"]
+
+
 @register_rule("padding_in_loss")
 def padding_in_loss(ctx: Context) -> list[Finding]:
     """A token-level cross entropy whose frequent target is the inputs' padding value, not ignored."""
@@ -522,6 +555,7 @@ def graph_findings(ctx: Context) -> list[Finding]:
     found += _broadcast_findings(ctx)
     found += _zeroed_findings(ctx)
     found += _padding_findings(ctx)
+    found += _dice_findings(ctx)
     by_kind: dict[str, Finding] = {}
     for f in found:
         by_kind.setdefault(f.kind, f)
@@ -541,4 +575,4 @@ def _rule(kind: str):
 for _kind in KINDS:
     _rule(_kind)
 
-__all__ = ["KINDS", "ctc_targets_zeroed", "graph_findings", "judge", "loss_broadcast", "padding_in_loss", "recorded_heads", "recording_findings"]
+__all__ = ["KINDS", "ctc_targets_zeroed", "graph_findings", "judge", "dice_not_probabilities", "loss_broadcast", "padding_in_loss", "recorded_heads", "recording_findings"]

@@ -277,7 +277,39 @@ def _broadcast(fn: Any, op: str) -> dict | None:
             "broadcast_shape": after, "chain": _chain(pair[0])}
 
 
-def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None) -> list[dict]:
+def _within(fn: Any, depth: int) -> list[Any]:
+    """The nodes at most ``depth`` below ``fn`` (``fn`` first)."""
+    out, todo = [], [(fn, 0)]
+    while todo and len(out) < 32:
+        f, d = todo.pop(0)
+        out.append(f)
+        if d < depth:
+            todo += [(nf, d + 1) for nf in _next(f)]
+    return out
+
+
+def soft_dice(fn: Any) -> dict | None:
+    """A ``div`` node that is a soft dice (or IoU) ratio: its numerator made of ``sum(x * target)``
+    (a target without gradient), its denominator of ``sum(x)``, for the same ``x`` (milesial/Pytorch-UNet's
+    ``dice_coeff``), as the ops that made ``x`` (``mul`` saves no ``x`` when the target needs no gradient:
+    what made it says whether it is bounded, a softmax or a convolution)."""
+    nxt = [nf for nf, _ in getattr(fn, "next_functions", ())]
+    if len(nxt) != 2 or nxt[0] is None or nxt[1] is None:
+        return None
+    for mul in _within(nxt[0], 4):
+        pair = [nf for nf, _ in getattr(mul, "next_functions", ())]
+        if node_op(mul) != "mul" or len(pair) != 2 or (pair[0] is None) == (pair[1] is None):
+            continue
+        i = 0 if pair[0] is not None else 1
+        t = _saved(mul, ("_saved_other", "_saved_self")[i])
+        if t is None or not t.is_floating_point() or t.requires_grad:
+            continue
+        if any(node_op(n) == "sum" and pair[i] in _next(n) for n in _within(nxt[1], 4)):
+            return {"chain": _chain(pair[i])}
+    return None
+
+
+def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None, dice: list[dict] | None = None) -> list[dict]:
     """The loss heads below ``loss``: which loss function, the ops that made its input, facts.
     ``ops``: filled with the ops of the nodes looked at."""
     heads: list[dict] = []
@@ -365,6 +397,10 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None) -> list[dict]:
                         head["facts"] = _join(head["facts"], _facts_value(value, loss, logp, dim))
         elif op in _REGRESSION_LOSSES or op == "abs":
             head = _broadcast(fn, op)
+        elif op == "div" and dice is not None and not dice:
+            found = soft_dice(fn)
+            if found is not None:
+                dice.append(found)
         if head is not None:
             heads.append(head)
             continue
@@ -425,7 +461,8 @@ class LossWatch:
         try:
             with _monitor_tap.quiet(), torch.no_grad():
                 ops: set[str] = set()
-                heads = inspect_loss(loss, ops)
+                dice: list[dict] = []
+                heads = inspect_loss(loss, ops, dice)
             # the loss functions comparing predictions with targets within the walk (HEAD_DEPTH, MAX_NODES)
             functions = sorted({h["loss"] for h in heads} | (ops & COMPARISONS))
             rec: dict[str, Any] = {"heads": heads, "loss_functions": functions, "backward_at": user_frame()}
@@ -436,6 +473,8 @@ class LossWatch:
             if self.tables is not None:
                 rec["padding_idx"] = self.tables()
             rec["inputs"], self.inputs = self.inputs, []
+            if dice:
+                rec["dice"] = dice
             self.records.append(rec)
         except Exception:  # observing training never kills training
             log.exception("trainguard: reading the loss graph failed")
