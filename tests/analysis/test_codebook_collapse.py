@@ -310,3 +310,37 @@ def test_outputs_a_rate_far_too_high_collapsed_in_training_are_its_symptom():
                     evidence={"from_start": True, "downstream": []})
     explain([lr2, early])
     assert early.severity == "warning", early
+
+
+def _collapsed_run(path, layer_type, params):
+    """A synthetic run whose layer ``mid`` gives ~2 distinct outputs for ~40 distinct inputs from step 10."""
+    from trainguard.store import acquire_writer, open_run, release_writer
+
+    layers = [{"name": "enc", "type": "Conv2d"}, {"name": "mid", "type": layer_type}, {"name": "outc", "type": "Conv2d"}]
+    w = acquire_writer(path)
+    for s in range(30):
+        w.add_scalars(s, {"loss": 1.0 / (1 + s), "lr/0": 0.01})
+    rows = []
+    for s in range(0, 30, 5):
+        for la in ("enc", "mid", "outc"):
+            codes = 2.0 if la == "mid" and s >= 10 else 200.0
+            rows += [(s, la, "activation", "codes", codes), (s, la, "activation", "in_codes", 40.0),
+                     (s, la, "activation", "code_rows", 256), (s, la, "activation", "code_sample", 256),
+                     (s, la, "activation", "mean", 0.1), (s, la, "activation", "std", 1.0)]
+    w.add_layer_stats(rows)
+    w.set_meta(monitor={"every": 5, "layers": layers, "params": params, "order": [la["name"] for la in layers],
+                        "modes": {}})
+    release_writer(w)
+    return open_run(path)
+
+
+def test_a_transposed_convolution_with_few_distinct_outputs_is_no_codebook(tmp_path):
+    # milesial/Pytorch-UNet with its dice loss on logits: up4.up (a ConvTranspose2d) gave ~3 distinct
+    # outputs and was called a collapsed codebook, with a fix in vector-quantizer terms. Only a layer
+    # that looks rows of a table up (a quantizer holding an nn.Embedding or a 2-D table) is a codebook.
+    conv = {"mid.weight": {"layer": "mid", "module_type": "ConvTranspose2d", "shape": [8, 4, 2, 2]}}
+    run = _collapsed_run(tmp_path / "conv", "ConvTranspose2d", conv)
+    assert "codebook_collapse" not in [f.kind for f in diagnose(run)]
+    vq = {"mid._embedding.weight": {"layer": "mid._embedding", "module_type": "Embedding", "shape": [32, 4]}}
+    run = _collapsed_run(tmp_path / "vq", "VectorQuantizer", vq)
+    assert "codebook_collapse" in [f.kind for f in diagnose(run)]

@@ -4,6 +4,7 @@ failure of self-supervised training: DINO, BYOL, SimSiam)."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -150,14 +151,33 @@ def _output_fake_quant(ctx: Context, layer: str) -> str | None:
     return None
 
 
+# torch.nn's own layers with parameters: none of them looks a code up by nearest neighbour.
+_TORCH_LAYER = re.compile(r"^(Lazy)?(Linear|Bilinear|Conv(Transpose)?[123]d|(Batch|Layer|Group|Instance|RMS)Norm\w*"
+                          r"|RNN|LSTM|GRU|\w*Cell|MultiheadAttention|PReLU|Embedding|EmbeddingBag|Transformer\w*)$")
+
+
+def _is_codebook(ctx: Context, layer: str) -> bool:
+    """Whether ``layer`` can be a vector quantizer: a module of the user's own (no torch.nn layer: a
+    ConvTranspose2d with few distinct outputs is no codebook) holding a 2-D table, its own or an
+    ``nn.Embedding``'s, whose rows it looks up."""
+    if _TORCH_LAYER.match(ctx.layer_type.get(layer, "")):
+        return False
+    return any((info.get("layer") == layer or info.get("layer", "").startswith(layer + "."))
+               and len(info.get("shape") or []) == 2
+               and (info.get("layer") == layer or info.get("module_type") == "Embedding")
+               for info in ctx.params.values())
+
+
 @register_rule("codebook_collapse")
 def codebook_collapse(ctx: Context) -> list[Finding]:
-    """A layer whose outputs take one or two values (in effect) while its inputs take many: a vector
-    quantizer using 1-2 of its codes (zalandoresearch/pytorch-vq-vae on the wrong scale), or any
-    layer that maps inputs that differ onto the same output."""
+    """A codebook (see :func:`_is_codebook`; or a fake-quantized layer) whose outputs take one or two
+    values (in effect) while its inputs take many: a vector quantizer using 1-2 of its codes
+    (zalandoresearch/pytorch-vq-vae on the wrong scale)."""
     limit, factor = ctx.th.codebook_collapse_codes, ctx.th.codebook_input_factor
     found: dict[str, dict] = {}
     for la in ctx.layers_with("activation", "in_codes"):
+        if not (_output_fake_quant(ctx, la) or _is_codebook(ctx, la)):
+            continue
         recs = _codes(ctx, la)
         if len(recs) < 2:
             continue

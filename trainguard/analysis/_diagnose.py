@@ -83,6 +83,8 @@ MONITOR_RULES = (
     "ctc_loss_on_logits",
     "ctc_log_softmax_wrong_dim",
     "ctc_targets_zeroed",
+    "padding_in_loss",
+    "dice_not_probabilities",
     # custom autograd Functions checked live (analysis/_function_rules.py)
     "custom_gradient_wrong",
     "nonfinite_val_loss",

@@ -434,6 +434,90 @@ def _broadcast_findings(ctx: Context) -> list[Finding]:
     return []
 
 
+def _pad_values(rec: dict, targets: float, th: Thresholds) -> dict[int, str]:
+    """The padding values of the model's integer inputs in one loss-graph record, each with what shows
+    it: the value a quarter of the input sequences end in a run of, or an embedding's padding_idx.
+    Only for a token-level loss (more targets than the padded input's longest dimension)."""
+    shown = [x for x in rec.get("inputs") or [] if targets > max(x.get("shape") or [math.inf])]
+    if not shown:
+        return {}
+    out: dict[int, str] = {}
+    for x in shown:
+        f = x.get("facts") or {}
+        if f.get("run_share", 0) >= th.pad_run_share and math.isfinite(f.get("value", math.nan)):
+            out.setdefault(int(f["value"]), f"{fmt(100 * f['run_share'])}% of input {x['input']}'s sequences "
+                                             f"(dimension {x['dim']} of {x['shape']}) end in a run of it")
+    for e in rec.get("padding_idx") or []:
+        out.setdefault(int(e["padding_idx"]), f"{e['name']}'s padding_idx")
+    return out
+
+
+def _padding_findings(ctx: Context) -> list[Finding]:
+    """A token-level cross entropy scoring the inputs' padding value as a target (no ignore_index for it)."""
+    for rec in ctx.run.meta.get("loss_graph") or []:
+        for head in rec.get("heads") or []:
+            f = head.get("facts") or {}
+            if head.get("loss") != "nll_loss" or "target_mode" not in f or f.get("target_ignored_share"):
+                continue
+            cls, share = int(f["target_mode"]), f["target_mode_share"]
+            pads = _pad_values(rec, f["targets"], ctx.th)
+            if share < ctx.th.pad_target_share or cls == head.get("ignore_index") or cls not in pads:
+                continue
+            b = rec.get("backward_at")
+            where = f" (the loss backpropagated at {b['file']}:{b['line']})" if b else ""
+            ev = {"source": "autograd graph", "class": cls, "share": share, "targets": int(f["targets"]),
+                  "ignore_index": head.get("ignore_index"), "padding": pads[cls], "backward_at": b}
+            fix = (f"pass ignore_index={cls} to the loss (nn.CrossEntropyLoss(ignore_index={cls}), "
+                   f"F.cross_entropy(..., ignore_index={cls}); bentrevett/pytorch-seq2seq's TRG_PAD_IDX), or label "
+                   "the padded positions -100: as it is, the model is trained to predict padding after each "
+                   "sequence's end, and the loss (and any accuracy) counts those easy positions beside the real ones")
+            return [Finding(kind="padding_in_loss", severity="warning",
+                            title=f"cross entropy scores padding: {fmt(100 * share)}% of the targets are class {cls}, "
+                                  f"the padding of the model's inputs ({pads[cls]}), and the loss does not ignore "
+                                  f"it{where}",
+                            evidence=ev, suggestion=fix, source=SOURCE)]
+    return []
+
+
+# Ops whose outputs are unbounded scores (a layer's own output): a soft dice over them is over logits.
+_SCORE_OPS = frozenset({"convolution", "addmm", "mm", "bmm", "baddbmm", "linear", "matmul", "upsample_bilinear2d",
+                        "upsample_nearest2d"})
+
+
+def _dice_findings(ctx: Context) -> list[Finding]:
+    """A soft dice ratio computed over a layer's raw outputs (capture/_loss_watch.soft_dice)."""
+    for rec in ctx.run.meta.get("loss_graph") or []:
+        for d in rec.get("dice") or []:
+            chain = d.get("chain") or []
+            if not chain or chain[0] not in _SCORE_OPS:
+                continue
+            b = rec.get("backward_at")
+            where = f" (the loss backpropagated at {b['file']}:{b['line']})" if b else ""
+            ev = {"source": "autograd graph", "made_by": chain[0], "chain": [{"op": op} for op in chain],
+                  "backward_at": b}
+            fix = ("pass probabilities to the dice loss: F.softmax(logits, dim=1) over the classes (multi-class, "
+                   "as milesial/Pytorch-UNet's train.py does) or torch.sigmoid(logits) (one class); a dice over "
+                   "unbounded scores is no overlap of masks: negative scores shrink its denominator, so the loss "
+                   "rewards values that are no prediction")
+            return [Finding(kind="dice_not_probabilities", severity="warning",
+                            title=f"A soft dice loss (sum(x * target) / (sum(x) + ...)) is computed over {chain[0]}'s "
+                                  f"raw outputs: scores, not probabilities in [0, 1]{where}",
+                            evidence=ev, suggestion=fix, source=SOURCE)]
+    return []
+
+
+@register_rule("dice_not_probabilities")
+def dice_not_probabilities(ctx: Context) -> list[Finding]:
+    """A soft dice loss computed over values outside [0, 1] (logits, not probabilities)."""
+    return [f for f in graph_findings(ctx) if f.kind == "dice_not_probabilities"]
+
+
+@register_rule("padding_in_loss")
+def padding_in_loss(ctx: Context) -> list[Finding]:
+    """A token-level cross entropy whose frequent target is the inputs' padding value, not ignored."""
+    return [f for f in graph_findings(ctx) if f.kind == "padding_in_loss"]
+
+
 @register_rule("loss_broadcast")
 def loss_broadcast(ctx: Context) -> list[Finding]:
     """A regression loss broadcast its prediction against the targets (read off the loss's autograd graph)."""
@@ -470,6 +554,8 @@ def graph_findings(ctx: Context) -> list[Finding]:
     found += _monitor_findings(ctx, tol)
     found += _broadcast_findings(ctx)
     found += _zeroed_findings(ctx)
+    found += _padding_findings(ctx)
+    found += _dice_findings(ctx)
     by_kind: dict[str, Finding] = {}
     for f in found:
         by_kind.setdefault(f.kind, f)
@@ -489,4 +575,4 @@ def _rule(kind: str):
 for _kind in KINDS:
     _rule(_kind)
 
-__all__ = ["KINDS", "ctc_targets_zeroed", "graph_findings", "judge", "loss_broadcast", "recorded_heads", "recording_findings"]
+__all__ = ["KINDS", "ctc_targets_zeroed", "graph_findings", "judge", "dice_not_probabilities", "loss_broadcast", "padding_in_loss", "recorded_heads", "recording_findings"]

@@ -167,6 +167,12 @@ class Thresholds:
     prob_tolerance: float = _t(
         1e-3, "probability rows sum to 1 and log-probabilities stay <= 0 within float32 round-off, far inside 1e-3"
     )
+    pad_target_share: float = _t(
+        0.1, "a tenth of a cross entropy's targets being padding: the loss and its gradient lean on predicting padding"
+    )
+    pad_run_share: float = _t(
+        0.25, "a quarter of the input sequences ending in a run of one value: padding to the longest of the batch"
+    )
     # ---- the validation pass
     overfit_min_points: float = _t(4, "four evaluations: a best point and a sustained rise after it, not one noisy pass")
     overfit_val_rise: float = _t(

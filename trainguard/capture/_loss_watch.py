@@ -151,13 +151,47 @@ def _join(a: Facts, b: Facts) -> Facts:
     return a[0] + b[0], torch.cat([a[1], b[1]])
 
 
+def _ignore_index(fn: Any) -> int:
+    ignore = getattr(fn, "_saved_ignore_index", -100)
+    return int(ignore) - 2**64 if int(ignore) >= 2**63 else int(ignore)  # a saved negative int reads unsigned
+
+
+def _facts_class_targets(target: torch.Tensor, ignore: int) -> Facts:
+    """Class targets: the most frequent one, its share of all targets, the share ignored, how many."""
+    n = target.numel()
+    t = target.detach().reshape(-1)[:FACT_ROWS * 128]  # a language model's millions of tokens: a sample
+    mode = t.mode().values
+    return (("target_mode", "target_mode_share", "target_ignored_share", "targets"),
+            torch.stack([mode.double(), (t == mode).double().mean(), (t == ignore).double().mean(),
+                         torch.tensor(float(n), dtype=torch.float64, device=t.device)]))
+
+
+def _facts_padding(x: torch.Tensor, dim: int) -> Facts:
+    """A 2-D integer input read along ``dim`` as sequences: the value most sequences end with, and the
+    share of sequences ending in a run of it (their last two positions), as padding to the longest."""
+    last, prev = x.detach().select(dim, -1).reshape(-1), x.detach().select(dim, -2).reshape(-1)
+    v = last.mode().values
+    return (("value", "run_share"), torch.stack([v.double(), ((last == v) & (prev == v)).double().mean()]))
+
+
+def padding_facts(args: Any) -> list[dict]:
+    """Padding evidence of a model's integer inputs (``[B, T]`` or ``[T, B]``: both dimensions read)."""
+    out: list[dict] = []
+    for i, x in enumerate(args if isinstance(args, (tuple, list)) else (args,)):
+        if (not isinstance(x, torch.Tensor) or x.dim() != 2 or x.is_floating_point() or x.is_complex()
+                or x.dtype == torch.bool or min(x.shape) < 3):
+            continue
+        out += [{"input": i, "dim": d, "shape": [int(n) for n in x.shape], "facts": _facts_padding(x, d)}
+                for d in (0, 1)]
+    return out
+
+
 def _nll_value(fn: Any, x: torch.Tensor) -> torch.Tensor | None:
     """``nll_loss``'s own value, recomputed from what its node saved (one gather: O(rows))."""
     target = _saved(fn, "_saved_target")
     if target is None:
         return None
-    ignore = getattr(fn, "_saved_ignore_index", -100)
-    ignore = int(ignore) - 2**64 if int(ignore) >= 2**63 else int(ignore)  # a saved negative int reads unsigned
+    ignore = _ignore_index(fn)
     reduction = {0: "none", 1: "mean", 2: "sum"}.get(int(getattr(fn, "_saved_reduction", 1)), "mean")
     try:
         value = torch.nn.functional.nll_loss(x.detach(), target, weight=_saved(fn, "_saved_weight"),
@@ -244,7 +278,39 @@ def _broadcast(fn: Any, op: str) -> dict | None:
             "broadcast_shape": after, "chain": _chain(pair[0])}
 
 
-def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None) -> list[dict]:
+def _within(fn: Any, depth: int) -> list[Any]:
+    """The nodes at most ``depth`` below ``fn`` (``fn`` first)."""
+    out, todo = [], [(fn, 0)]
+    while todo and len(out) < 32:
+        f, d = todo.pop(0)
+        out.append(f)
+        if d < depth:
+            todo += [(nf, d + 1) for nf in _next(f)]
+    return out
+
+
+def soft_dice(fn: Any) -> dict | None:
+    """A ``div`` node that is a soft dice (or IoU) ratio: its numerator made of ``sum(x * target)``
+    (a target without gradient), its denominator of ``sum(x)``, for the same ``x`` (milesial/Pytorch-UNet's
+    ``dice_coeff``), as the ops that made ``x`` (``mul`` saves no ``x`` when the target needs no gradient:
+    what made it says whether it is bounded, a softmax or a convolution)."""
+    nxt = [nf for nf, _ in getattr(fn, "next_functions", ())]
+    if len(nxt) != 2 or nxt[0] is None or nxt[1] is None:
+        return None
+    for mul in _within(nxt[0], 4):
+        pair = [nf for nf, _ in getattr(mul, "next_functions", ())]
+        if node_op(mul) != "mul" or len(pair) != 2 or (pair[0] is None) == (pair[1] is None):
+            continue
+        i = 0 if pair[0] is not None else 1
+        t = _saved(mul, ("_saved_other", "_saved_self")[i])
+        if t is None or not t.is_floating_point() or t.requires_grad:
+            continue
+        if any(node_op(n) == "sum" and pair[i] in _next(n) for n in _within(nxt[1], 4)):
+            return {"chain": _chain(pair[i])}
+    return None
+
+
+def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None, dice: list[dict] | None = None) -> list[dict]:
     """The loss heads below ``loss``: which loss function, the ops that made its input, facts.
     ``ops``: filled with the ops of the nodes looked at."""
     heads: list[dict] = []
@@ -276,6 +342,11 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None) -> list[dict]:
                 value = _nll_value(fn, x)
                 if value is not None:
                     head["facts"] = _join(head["facts"], _facts_value(value, loss, x, _class_dim(x)))
+                target = _saved(fn, "_saved_target")
+                if target is not None and target.numel() and not target.is_floating_point():
+                    ignore = _ignore_index(fn)
+                    head["ignore_index"] = ignore
+                    head["facts"] = _join(head["facts"], _facts_class_targets(target, ignore))
         elif op == "ctc_loss":
             # log_probs [T, N, C] (or [T, C]): log_softmax over the classes, the last dimension
             nxt = _next(fn)
@@ -327,6 +398,10 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None) -> list[dict]:
                         head["facts"] = _join(head["facts"], _facts_value(value, loss, logp, dim))
         elif op in _REGRESSION_LOSSES or op == "abs":
             head = _broadcast(fn, op)
+        elif op == "div" and dice is not None and not dice:
+            found = soft_dice(fn)
+            if found is not None:
+                dice.append(found)
         if head is not None:
             heads.append(head)
             continue
@@ -366,6 +441,19 @@ class LossWatch:
         self.records: list[dict] = []
         self.written = 0
         self.modules: Callable[[], list[dict]] | None = None
+        # the padding_idx of the watched model's embeddings ({"name", "padding_idx"})
+        self.tables: Callable[[], list[dict]] | None = None
+        self.inputs: list[dict] = []  # padding evidence of the training forwards' integer inputs
+
+    def see_inputs(self, args: Any) -> None:
+        """A training forward's positional inputs, before the loss graphs are read (no host sync)."""
+        if self.seen >= INSPECTIONS or len(self.inputs) >= 8:
+            return
+        try:
+            with _monitor_tap.quiet(), torch.no_grad():
+                self.inputs += padding_facts(args)[:8]
+        except Exception:  # observing training never kills training
+            log.exception("trainguard: reading the inputs' padding failed")
 
     def __call__(self, loss: torch.Tensor) -> None:
         if self.seen >= INSPECTIONS:
@@ -374,7 +462,8 @@ class LossWatch:
         try:
             with _monitor_tap.quiet(), torch.no_grad():
                 ops: set[str] = set()
-                heads = inspect_loss(loss, ops)
+                dice: list[dict] = []
+                heads = inspect_loss(loss, ops, dice)
             # the loss functions comparing predictions with targets within the walk (HEAD_DEPTH, MAX_NODES)
             functions = sorted({h["loss"] for h in heads} | (ops & COMPARISONS))
             rec: dict[str, Any] = {"heads": heads, "loss_functions": functions, "backward_at": user_frame()}
@@ -382,6 +471,11 @@ class LossWatch:
                 rec["log_sigmoid"] = True
             if self.modules is not None:
                 rec["modules"] = self.modules()
+            if self.tables is not None:
+                rec["padding_idx"] = self.tables()
+            rec["inputs"], self.inputs = self.inputs, []
+            if dice:
+                rec["dice"] = dice
             self.records.append(rec)
         except Exception:  # observing training never kills training
             log.exception("trainguard: reading the loss graph failed")
@@ -394,7 +488,7 @@ class LossWatch:
             return
         try:
             with _monitor_tap.quiet(), torch.no_grad():
-                resolve_facts([h for rec in self.records for h in rec["heads"]])
+                resolve_facts([h for rec in self.records for h in rec["heads"] + rec.get("inputs", [])])
             self.writer.set_meta(loss_graph=list(self.records))
             self.written = len(self.records)
         except Exception:

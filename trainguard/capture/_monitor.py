@@ -287,6 +287,7 @@ class Monitor(EventsMixin, HookMixin):
         self._write_meta(status="running")
         self._loss_watch = _loss_watch.acquire(self._writer)
         self._loss_watch.modules = self._probability_layers
+        self._loss_watch.tables = self._padding_indices
         # The live gradient check of custom autograd Functions (capture/_gradcheck.py).
         self._gradcheck = LiveGradcheck(self._writer) if gradcheck else None
         if self._gradcheck is not None:
@@ -487,6 +488,16 @@ class Monitor(EventsMixin, HookMixin):
         """Layers that turn scores into probabilities (the loss-graph evidence names them)."""
         return [{"name": la.name, "type": la.type} for r in self._roots for la in r.layers
                 if la.type in _loss_watch.PROBABILITY_MODULES]
+
+    def _padding_indices(self) -> list[dict]:
+        """Embeddings with a padding_idx (the loss-graph evidence of padding)."""
+        out = []
+        for r in self._roots:
+            for la in r.layers:
+                m = la.ref() if la.type in ("Embedding", "EmbeddingBag") else None
+                if m is not None and getattr(m, "padding_idx", None) is not None:
+                    out.append({"name": la.name, "padding_idx": int(m.padding_idx)})
+        return out
 
     # ------------------------------------------------------------------ metadata
     def _write_meta(self, **values: Any) -> None:

@@ -553,6 +553,9 @@ class HookMixin:
             _skips.watch.forward(module.training)
             self._maybe_end_manual_step()  # a training forward starts the next step
             root.trained = self._trained_any = True
+            watch = getattr(self, "_loss_watch", None)
+            if watch is not None:
+                watch.see_inputs(args)
         if self._eval is not None:
             # A no-grad forward evaluates only a model that is being trained: a target, teacher
             # or EMA network run under no_grad is part of the training step. Before the first
