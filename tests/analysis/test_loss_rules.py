@@ -315,3 +315,77 @@ def test_a_rate_that_blows_up_the_loss_is_named_when_zero_initialised_branches_g
     kinds = {f.kind: f for f in mon.findings}
     assert "lr_too_high" in kinds, [(f.kind, f.title) for f in mon.findings]
     assert "5" in kinds["lr_too_high"].suggestion, kinds["lr_too_high"].suggestion
+
+
+class _DoubleConv(nn.Sequential):
+    # milesial/Pytorch-UNet's unet/unet_parts.py DoubleConv: (conv 3x3 => BN => ReLU) * 2
+    def __init__(self, cin: int, cout: int):
+        super().__init__(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                         nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+
+
+class _TinyUNet(nn.Module):
+    # milesial/Pytorch-UNet's unet/unet_model.py at width 4 with two levels (Down: maxpool + DoubleConv,
+    # Up: ConvTranspose2d + concat + DoubleConv, OutConv: 1x1)
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        self.inc, self.down = _DoubleConv(3, 4), nn.Sequential(nn.MaxPool2d(2), _DoubleConv(4, 8))
+        self.up, self.conv = nn.ConvTranspose2d(8, 4, 2, stride=2), _DoubleConv(8, 4)
+        self.outc = nn.Conv2d(4, classes, 1)
+
+    def forward(self, x):
+        x1 = self.inc(x)
+        return self.outc(self.conv(torch.cat([x1, self.up(self.down(x1))], dim=1)))
+
+
+def test_rmsprops_first_update_sets_no_rate_far_below_one_that_trains(tmp_path):
+    # milesial/Pytorch-UNet's train.py (RMSprop, momentum 0.999, weight_decay 1e-8, clip 1.0) at -l 0.1
+    # under `trainguard run --monitor`: RMSprop's first update moves every weight by about 10x the rate
+    # (the root of a square average that holds a hundredth of one squared gradient), 1479% of the weight
+    # matrices' norm at step 0, 0.1 after. The rate was read off that first step: "lower the learning
+    # rate from 0.1 to about 7e-06", while 1e-3 trains the UNet well.
+    torch.manual_seed(0)
+    model = _TinyUNet()
+    opt = torch.optim.RMSprop(model.parameters(), lr=0.1, weight_decay=1e-8, momentum=0.999, foreach=True)
+    g = torch.Generator().manual_seed(1)
+    images = torch.rand(8, 3, 16, 16, generator=g)
+    masks = (images.mean(1) > 0.5).long()
+    with tg.Monitor(model, tmp_path / "r", every=10) as mon:
+        for i in range(30):
+            b = slice((i * 2) % 8, (i * 2) % 8 + 2)
+            loss = nn.functional.cross_entropy(model(images[b]), masks[b])
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    high = next(f for f in mon.findings if f.kind == "lr_too_high")
+    assert high.evidence["update_ratio_max"] > 1, high.evidence
+    assert 1e-4 <= high.evidence["suggested_lr"] <= 1e-2, high.suggestion
+    assert "first update" in high.suggestion, high.suggestion
+
+
+def test_weights_initialised_tiny_set_no_rate_far_below_one_that_trains(tmp_path):
+    # bentrevett/pytorch-seq2seq's legacy 4 (GRU encoder, attention, GRU decoder; init_weights draws
+    # every weight from N(0, 0.01)), Adam at lr 1e-2 on a synthetic copy task, under `trainguard run
+    # --monitor`: Adam's first update moves each weight by about the rate, 50% of weights that small;
+    # the fix said "from 0.01 to about 2e-05", which learns nothing in 200 steps, while 1e-2 trained best
+    # of 1e-2, 3e-3, 1e-3, 1e-4. Here: an embedding, a GRU and a linear head, initialised the same way.
+    torch.manual_seed(0)
+    emb, rnn, head = nn.Embedding(20, 16), nn.GRU(16, 32), nn.Linear(32, 20)
+    model = nn.ModuleDict({"emb": emb, "rnn": rnn, "head": head})
+    for name, p in model.named_parameters():
+        nn.init.normal_(p, 0, 0.01) if "weight" in name else nn.init.zeros_(p)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    seqs = torch.randint(0, 20, (64, 6), generator=g)
+    with tg.Monitor(model, tmp_path / "r", every=20) as mon:
+        for i in range(120):
+            b = seqs[(i * 8) % 64:(i * 8) % 64 + 8].t()
+            out, _ = rnn(emb(b))
+            loss = nn.functional.cross_entropy(head(out).reshape(-1, 20), b.flip(0).reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    high = next((f for f in mon.findings if f.kind == "lr_too_high"), None)
+    assert high is None or high.evidence["suggested_lr"] >= 1e-3, high.suggestion

@@ -305,8 +305,13 @@ class Context:
         pairs = [(s, v / wmap[s]) for s, v in zip(g.steps.tolist(), g.values.tolist()) if wmap.get(s)]
         return Series.of(pairs)
 
-    def update_ratio_by_step(self) -> Series:
+    def update_ratio_by_step(self, floor: bool = False) -> Series:
         """Per recording step, the median update-to-weight ratio over weight matrices.
+
+        ``floor``: each matrix's update measured against at least a third of the norm Kaiming
+        initialisation gives it (PyTorch's default init, at 0.41 of it, stays above), not its own when
+        smaller: weights initialised far below that scale (seq2seq's ``nn.init.normal_(std=0.01)``,
+        a tenth of it) make any rate that trains move them by a large part of their norm at first.
 
         Matrices that started at zero (a zero-initialised residual branch) are left out: their
         first update is their whole value. So are frozen ones (``requires_grad=False``): a LoRA
@@ -327,8 +332,14 @@ class Context:
             g = self.stat(p, "gradient", "norm")
             no_grad = {s for s, v in zip(g.steps.tolist(), g.values.tolist()) if v == 0}
             r = self.stat(p, "update", "ratio")
+            scale = dict(zip(w.steps.tolist(), w.values.tolist()))
+            check = self.weight_init_check(p) if floor else None
+            least = check["kaiming"] * math.sqrt(math.prod(self.params[p]["shape"])) / 3 if check else None
             for s, v in zip(r.steps.tolist(), r.values.tolist()):
                 if math.isfinite(v) and s not in no_grad:
+                    norm = scale.get(s)
+                    if least and norm and math.isfinite(norm) and norm < least:
+                        v *= norm / least
                     per_step.setdefault(s, []).append(v)
         return Series.of([(s, float(np.median(v))) for s, v in sorted(per_step.items())])
 

@@ -12,6 +12,7 @@ from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import (
     LR_RANGE_TEST,
     SCHEDULE_PEAK_GAP,
+    TARGET_UPDATE_RATIO,
     clip_text,
     lr_higher,
     lr_lower,
@@ -784,6 +785,11 @@ def lr_too_high(ctx: Context) -> list[Finding]:
                "rest)" if "first_loss_apart" in div else "at initialisation")
         )
     high = math.isfinite(r_max) and r_max >= ctx.th.update_ratio_high
+    if high and _first_update_sized_by_rate(ctx, ratios, int(ratios.steps[int(np.argmax(ratios.values))])):
+        # Adam's first update moves each weight by about the rate: on weights initialised far below their
+        # Kaiming scale (seq2seq's std 0.01) that is most of their norm at any rate that trains, so that
+        # update is judged against a third of the Kaiming norm at least (the later ones as they are)
+        high = max(ctx.update_ratio_by_step(floor=True).values[0], *ratios.values[1:]) >= ctx.th.update_ratio_high
     # a reinforcement learning loss's targets move with the policy: its progress says nothing
     stuck = ctx.environment is not None or (prog is not None and prog["progress"] < 0.5)
     moved = None  # the step whose update moved the weights most, when that is the reason
@@ -856,9 +862,60 @@ def _lower_where_it_went_wrong(ctx: Context, div: dict | None, bad_step: int | N
     nonfinite_loss give the same fix."""
     at = div["update_step"] if div else bad_step if bad_step is not None else moved
     r_max = _ratio_max(ctx)
-    r_at = _ratio_before(ctx, ctx.update_ratio_by_step(), at)
+    ratios = ctx.update_ratio_by_step()
+    if _first_update_sized_by_rate(ctx, ratios, at):
+        ratios = ctx.update_ratio_by_step(floor=True)  # as lr_too_high judged it
+    r_at = _ratio_before(ctx, ratios, at)
+    later = _after_the_first_update(ctx, ratios, at) if div is None and bad_step is None else None
+    if later is not None:
+        r_at, how = later
+        new, text = lr_lower(ctx, r_at, step=at)
+        return new, f"{text}; {how}", clip_text(ctx, before_step=at)
     new, text = lr_lower(ctx, r_at if r_at is not None else r_max if math.isfinite(r_max) else None, step=at)
     return new, text, clip_text(ctx, before_step=at)
+
+
+def _adaptive(name: object) -> bool:
+    """An optimizer whose first update is sized by the rate, whatever the gradient: Adam's (and
+    AdamW's, NAdam's...) and Adagrad's move each weight by about the rate, RMSprop's by about 10x it
+    (the root of a square average that holds a hundredth of one squared gradient)."""
+    return isinstance(name, str) and ("Adam" in name or name in ("RMSprop", "Adagrad"))
+
+
+def _first_update_sized_by_rate(ctx: Context, ratios: Series, step: int | None) -> bool:
+    """``step`` is the run's first recorded update, from initial weights, made at the full rate (no
+    warm-up) by adaptive optimizers only (every trainable weight matrix's)."""
+    if step is None or not ctx.weights_initial or not len(ratios) or step != int(ratios.steps[0]):
+        return False
+    names = {ctx.params[p].get("optimizer") for p in ctx.weight_matrices() if ctx.params[p].get("requires_grad", True)}
+    lr, peak = ctx.lr(step), ctx.lr_peak()
+    return (bool(names) and all(_adaptive(n) for n in names) and bool(lr)
+            and not (peak and lr * SCHEDULE_PEAK_GAP < peak))
+
+
+def _after_the_first_update(ctx: Context, ratios: Series, at: int | None) -> tuple[float, str] | None:
+    """(the update ratio to lower the rate by, how it was found) when the ratio the rate would be read
+    off is RMSprop's first update, at the full rate (no warm-up), in a run that did not diverge (the
+    step moved the weights most and the rest went on): the median of the recordings after it.
+    Read off the first update, the rate came out 100x below one that trains (Pytorch-UNet's RMSprop
+    at 0.1: 7e-06 where 1e-3 trains). None otherwise."""
+    if len(ratios) < 2 or not _first_update_sized_by_rate(ctx, ratios, at):
+        return None
+    names = {ctx.params[p].get("optimizer") for p in ctx.weight_matrices()}
+    if names != {"RMSprop"}:
+        return None  # Adam's first update is the rate's own size: a rate too high for it is too high
+    first = int(ratios.steps[0])
+    lr_at = ctx.lr(first)
+    floored = ctx.update_ratio_by_step(floor=True)
+    later = [r * lr_at / lr_s for s, r in zip(floored.steps.tolist(), floored.values.tolist())
+             if s > first and math.isfinite(r) and r > 0
+             and (lr_s := ctx.lr(s))]
+    if not later:
+        return None
+    r = median(np.array(later))
+    return r, (f"the rate aims the update-to-weight ratio at {TARGET_UPDATE_RATIO:g} from {fmt(r)}, the median of the "
+               f"{len(later)} recording(s) after the first update, not from the first update itself (RMSprop's "
+               "first update moves each weight by about 10x the rate, whatever the gradient)")
 
 
 def _ratio_max(ctx: Context) -> float:
