@@ -2265,3 +2265,47 @@ def test_a_bare_decay_parameter_is_no_end_of_the_gradient_flow(tmp_path):
             for r in rows]
     fs = diagnose(write_run(tmp_path / "s", layer_rows=rows, layers=layers, params=params))
     assert [f for f in fs if f.kind == "exploding_gradient"], [f.title for f in fs]
+
+
+def _sincos_2d(grid: int, dim: int) -> torch.Tensor:
+    # facebookresearch/mae util/pos_embed.py @ efb2a80 (get_2d_sincos_pos_embed, cls_token=True):
+    # per axis, sin of half its columns and cos of the other half; the cls row is zeros.
+    def one(pos, d):
+        omega = 1.0 / 10000 ** (torch.arange(d // 2, dtype=torch.float64) / (d / 2.0))
+        out = pos.reshape(-1, 1).double() * omega
+        return torch.cat([out.sin(), out.cos()], dim=1)
+    h, w = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")
+    emb = torch.cat([one(h, dim // 2), one(w, dim // 2)], dim=1)
+    return torch.cat([torch.zeros(1, dim, dtype=torch.float64), emb]).float().unsqueeze(0)
+
+
+def test_a_frozen_sincos_position_table_is_described_not_told_to_train(tmp_path):
+    # MAE's MaskedAutoencoderViT (models_mae.py @ efb2a80) keeps its fixed sin-cos pos_embed as an
+    # nn.Parameter with requires_grad=False on purpose. params_frozen said "expected when fine-tuning
+    # part of a model; otherwise set `requires_grad=True`". A frozen random table (a part kept frozen)
+    # still gets that advice.
+    torch.manual_seed(0)
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos_embed = nn.Parameter(_sincos_2d(4, 16), requires_grad=False)
+            self.frozen_head = nn.Parameter(torch.randn(16, 16) * 0.1, requires_grad=False)
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.proj(x + self.pos_embed) @ self.frozen_head
+
+    model = Tiny()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(10):
+            x = torch.randn(8, 17, 16)
+            loss = (model(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in mon.findings if f.kind == "params_frozen")
+    assert f.evidence.get("fixed_tables") == ["pos_embed"], f.evidence
+    assert "sin-cos" in f.title, f.title
+    assert "frozen_head" in f.suggestion and "pos_embed" not in f.suggestion, f.suggestion

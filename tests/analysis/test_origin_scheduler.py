@@ -49,3 +49,29 @@ def test_a_nan_metric_read_by_reduce_lr_on_plateau_is_named(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "training never used it" not in out, out
     assert "ReduceLROnPlateau" in out and "learning rate" in out, out
+
+
+def _monitored(tmp_path, nan_metric: bool):
+    d = tmp_path / ("nan" if nan_metric else "ok")
+    with tg.record(d, buffer=-1), tg.Monitor(None, d, every=5) as mon:
+        _loop(30, nan_metric=nan_metric)
+    return d, mon.findings
+
+
+def test_a_run_with_a_harmful_nan_metric_is_not_called_healthy(tmp_path, capsys):
+    # The UNet run (dice without eps on an empty validation mask, read by ReduceLROnPlateau) got the
+    # verdict "Training looks healthy" beside the report's harmful-NaN origin panel.
+    from trainguard.analysis import diagnose
+    from trainguard.cli import main
+
+    _, ok = _monitored(tmp_path, nan_metric=False)
+    assert [f.kind for f in ok] == ["healthy"], [(f.kind, f.title) for f in ok]
+    d, findings = _monitored(tmp_path, nan_metric=True)
+    for fs in (findings, diagnose(open_run(d))):
+        kinds = [f.kind for f in fs]
+        assert "healthy" not in kinds, [(f.kind, f.title) for f in fs]
+        f = next(f for f in fs if f.kind == "harmful_nonfinite")
+        assert f.severity == "warning" and "ReduceLROnPlateau" in f.title and "learning rate" in f.title, f.title
+    main(["diagnose", str(d)])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "looks healthy" not in out and "harmful_nonfinite" in out, out

@@ -122,3 +122,35 @@ def test_bad_checklist_arguments(mlp, batches):
         doctor.run_checklist(mlp, batches, nn.CrossEntropyLoss(), checks=["nope"])
     with pytest.raises(ValueError, match="no batches"):
         doctor.run_checklist(mlp, [], nn.CrossEntropyLoss())
+
+
+class _TinyMAE(nn.Module):
+    """A masked autoencoder's shape of call, derived from facebookresearch/mae (models_mae.py,
+    main_pretrain.py @ efb2a80): the model returns its own reconstruction loss, the loader is an
+    ImageFolder of one folder, so every (img, target) has target 0, and the loop is
+    `for samples, _ in loader`: the loss never reads the target."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(16, 4)
+        self.dec = nn.Linear(4, 16)
+
+    def forward(self, x):
+        keep = torch.ones_like(x).index_fill(1, torch.arange(0, 16, 4), 0.0)
+        return ((self.dec(self.enc(x * keep)) - x) ** 2).mean()
+
+
+def test_placeholder_labels_the_loss_never_reads_do_not_fail_the_data_check():
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(64, dtype=torch.long)),
+                                       batch_size=16)
+    report = doctor.run_checklist(_TinyMAE(), data, lambda out, y: out, checks=("data",))
+    data_result = report.result("validate_data")
+    assert data_result.verdict == "pass", data_result.summary
+    unused = [f for f in data_result.findings() if f.kind == "targets_unused"]
+    assert unused and unused[0].severity == "info", [f.kind for f in data_result.findings()]
+    # the same labels under a loss that reads them are still one class, an error
+    clf = nn.Linear(16, 3)
+    report = doctor.run_checklist(clf, data, nn.CrossEntropyLoss(), checks=("data",))
+    assert "single_class" in [f.kind for f in report.result("validate_data").findings()]

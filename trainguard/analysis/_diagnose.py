@@ -24,7 +24,7 @@ from trainguard.analysis import (  # noqa: F401
 from trainguard.analysis._causes import explain
 from trainguard.analysis._context import Context, fmt, median
 from trainguard.analysis._layer_rules import dead_series
-from trainguard.analysis._outcome import interruption_finding, outcome_finding
+from trainguard.analysis._outcome import NONFINITE_KINDS, harm_finding, interruption_finding, outcome_finding
 from trainguard.analysis._rules import RULES
 from trainguard.analysis._thresholds import Thresholds
 from trainguard.store import Finding, sort_findings
@@ -130,6 +130,10 @@ def diagnose(
     crash = outcome_finding(getattr(run, "meta", None) or {})
     if crash is not None:  # a script that raised is never healthy
         findings.append(crash)
+    if not any(f.kind in NONFINITE_KINDS for f in findings):
+        harm = harm_finding(run)  # a NaN only the validation metric and the scheduler read is no health either
+        if harm is not None:
+            findings.append(harm)
     stopped = interruption_finding(getattr(run, "meta", None) or {})
     if stopped is not None:
         findings.append(stopped)

@@ -140,6 +140,48 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
                    evidence=evidence, suggestion=fix, source="run")
 
 
+# Rules that already say a NaN/Inf reached the loss or a gradient (with their own cause and fix).
+NONFINITE_KINDS = ("nonfinite_loss", "nonfinite_gradient", "nonfinite_val_loss", "script_crashed")
+
+
+def harm_finding(run: Any) -> Finding | None:
+    """The recorder's first harmful NaN/Inf as a finding, so that no verdict calls the run healthy
+    beside it: a warning when it reached no loss, gradient or parameter (a NaN validation metric that
+    ReduceLROnPlateau read, a value the program read), an error when it did. None without one."""
+    from trainguard.analysis._origin import origin
+
+    if not callable(getattr(run, "first_harm", None)) or run.first_harm() is None:
+        return None
+    o = origin(run)
+    if o is None:
+        return None
+    link = o.origin
+    where = f"{link.op}" + (f" at {link.file}:{link.line}" if link.file else "") + (
+        f" in step {link.step}" if link.step is not None else "")
+    evidence: dict[str, Any] = {"op": link.op, "file": link.file, "line": link.line,
+                                "reached_training": o.reached_training}
+    if o.scheduler is not None:
+        s = o.scheduler
+        at = f" ({s['file']}:{s['line']})" if s.get("file") else ""
+        title = (f"A NaN validation metric: {where} made it, and ReduceLROnPlateau.step{at} read it in "
+                 f"{s['steps']} step(s) from step {s['first_step']}: the scheduler counts a NaN metric as no "
+                 "improvement and lowers the learning rate after `patience` of them (no loss, gradient or "
+                 "parameter was reached)")
+        evidence["scheduler"] = s
+    elif o.reached_training is False:
+        title = f"A harmful NaN/Inf was made by {where}; it reached no loss, gradient or parameter"
+        if o.read is not None:
+            title += f", but the program read it in step {o.read['step']}" + (
+                f" at {o.read['file']}:{o.read['line']}" if o.read.get("file") else "")
+            evidence["read"] = o.read
+    else:
+        title = f"A harmful NaN/Inf was made by {where} and reached training"
+    return Finding(kind="harmful_nonfinite", severity="warning" if o.reached_training is False else "error",
+                   title=title, evidence=evidence, steps=(link.step, link.step) if link.step is not None else None,
+                   suggestion=o.suggestion + "; `trainguard report` on this run shows the chain back to it",
+                   source="run")
+
+
 def interruption_finding(meta: dict[str, Any]) -> Finding | None:
     """A stop by a signal (a preemption, ``timeout``, ``kill``, Ctrl-C) as an info finding: the
     steps before it are judged as they are, and the verdict may still call them healthy."""

@@ -441,17 +441,26 @@ def params_frozen(ctx: Context) -> list[Finding]:
     if not frozen:
         return []
     by_hand = [p for p in frozen if _moved_without_update(ctx, p)]
+    tables = [p for p in frozen if ctx.params[p].get("fixed") and p not in by_hand]
     ev: dict = {"params": frozen}
     title = f"{len(frozen)} of {len(ctx.params)} parameters are frozen (requires_grad=False)"
-    suggestion = "expected when fine-tuning part of a model; otherwise set `requires_grad=True`"
+    rest = [p for p in frozen if p not in by_hand and p not in tables]
+    advice = "expected when fine-tuning part of a model, otherwise set `requires_grad=True`"
+    notes = []
     if by_hand:
         ev["updated_by_hand"] = by_hand
-        rest = [p for p in frozen if p not in by_hand]
         title += (f"; {_who(by_hand, frozen)} change between recordings with no optimizer update: a momentum or EMA "
                   "copy updated by hand (MoCo's key encoder, a target network, a teacher)")
-        suggestion = "nothing to do for a momentum, EMA or teacher copy" + (
-            f"; the others ({_names(rest, 3)}): expected when fine-tuning part of a model, otherwise set "
-            "`requires_grad=True`" if rest else "")
+        notes.append("nothing to do for a momentum, EMA or teacher copy")
+    if tables:
+        ev["fixed_tables"] = tables
+        title += (f"; {_names(tables, 3)} {'is a' if len(tables) == 1 else 'are'} fixed sin-cos position "
+                  f"table{'' if len(tables) == 1 else 's'}, computed rather than learned (MAE's pos_embed)")
+        notes.append("nothing to do for a fixed position table")
+    if not notes:
+        suggestion = advice.replace(", otherwise", "; otherwise")
+    else:
+        suggestion = "; ".join(notes) + (f"; the others ({_names(rest, 3)}): {advice}" if rest else "")
     return [
         Finding(
             kind="params_frozen",

@@ -264,6 +264,29 @@ def named_models(model: nn.Module | Iterable[nn.Module] | dict[str, nn.Module] |
     return [(f"{name}.", m) for name, m in items]
 
 
+# Frozen tables up to this size are read once per metadata write to tell a fixed sin-cos one.
+_TABLE_MAX_NUMEL = 1 << 18
+
+
+def sincos_table(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fixed sin-cos position table (its rows, zero rows aside, hold sin/cos pairs
+    whose squares add to 1): interleaved (the Transformer's), halves, or per-axis halves (MAE's 2-D)."""
+    if (type(t) not in (torch.Tensor, nn.Parameter) or not t.is_floating_point() or t.is_sparse or t.dim() < 2 or t.numel() > _TABLE_MAX_NUMEL
+            or t.shape[-1] < 4 or t.shape[-1] % 4 or getattr(t, "is_meta", False)):
+        return False
+    d = t.shape[-1]
+    with torch.no_grad():
+        x = torch.as_tensor(t.detach()).reshape(-1, d).double().cpu()
+        x = x[x.abs().sum(1) > 0]  # a cls token's row of zeros
+        if x.shape[0] < 2 or not bool(torch.isfinite(x).all()) or x.abs().max() > 1 + 1e-5:
+            return False
+        for block in (2, d, d // 2):
+            pairs = x.reshape(x.shape[0], d // block, 2, block // 2).pow(2).sum(2)
+            if bool(torch.allclose(pairs, torch.ones_like(pairs), atol=1e-4)):
+                return True
+    return False
+
+
 def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
               updaters: dict[int, tuple[str, bool, float | None]] | None = None,
               gradient_steps: dict[int, int] | None = None) -> dict:
@@ -283,6 +306,9 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
     def param(p: Param) -> dict:
         info = {"layer": p.layer, "module_type": p.module_type, "shape": shape_of(p), "dtype": p.dtype,
                 "requires_grad": bool(p.ref() is not None and p.ref().requires_grad) or id(p) in trainable}
+        t = p.ref()
+        if not info["requires_grad"] and t is not None and sincos_table(t):
+            info["fixed"] = "sin-cos"
         if id(p) in updaters:
             info["optimizer"], info["orthogonalised"], decay = updaters[id(p)]
             if decay is not None:

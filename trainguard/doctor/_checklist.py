@@ -28,7 +28,7 @@ from trainguard.doctor._init_checks import init_checks
 from trainguard.doctor._lr_range import LRRangeResult, lr_range_test
 from trainguard.doctor._overfit import overfit_one_batch
 from trainguard.doctor._results import VERDICT_STYLE, CheckResult, finding, findings_table
-from trainguard.doctor._state import DoctorInputError, sparse_embeddings, split_batch
+from trainguard.doctor._state import DoctorInputError, loss_reads_targets, sparse_embeddings, split_batch
 from trainguard.store import Finding, acquire_writer, dumps, rank_dir, release_writer, sort_findings
 
 CHECKS = ("data", "init", "overfit", "gradcheck", "lr")
@@ -262,8 +262,9 @@ def run_checklist(
     batch = _first_batch(setup.data)
     split_batch(batch)
     plan: list[tuple[str, str, Callable[[], CheckResult]]] = [
-        ("data", "validate_data", lambda: validate_data(_for_validation(setup.data),
-                                                        None if test is None else _for_validation(test))),
+        ("data", "validate_data", lambda: validate_data(
+            _for_validation(setup.data), None if test is None else _for_validation(test),
+            targets_read=loss_reads_targets(model, batch, loss_fn))),
         ("init", "init_checks", lambda: init_checks(model, batch, loss_fn, num_classes=num_classes)),
         ("overfit", "overfit_one_batch", lambda: overfit_one_batch(
             model, batch, loss_fn, steps=overfit_steps,

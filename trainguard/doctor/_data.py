@@ -11,7 +11,7 @@ constant features, and a single feature that predicts the label almost perfectly
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -98,12 +98,15 @@ def validate_data(
     task: str = "auto",
     near_duplicates: bool = True,
     leak_check: bool = True,
+    targets_read: bool = True,
 ) -> DataReport:
     """Check a training split (and a test split) for the problems that silently spoil training.
 
     ``train`` and ``test`` are each a tensor or array of inputs, an ``(inputs, targets)`` pair of
     them, a ``Dataset`` (items ``(x, y)`` or ``x``) or a ``DataLoader``. ``task`` is "auto"
-    (integer 1-D targets are class labels), "classification" or "regression".
+    (integer 1-D targets are class labels), "classification" or "regression". ``targets_read=False``
+    says the loss never reads the targets (a self-supervised loader's placeholder labels, as
+    ImageFolder's for MAE): they are not judged, and an info finding says so.
 
     >>> report = validate_data((x_train, y_train), (x_test, y_test))
     >>> [f.title for f in report.findings()]
@@ -127,8 +130,18 @@ def validate_data(
                 f"train targets have shape {list(tr.y.shape[1:])} but test targets {list(te.y.shape[1:])}"
             )
         splits.append(te)
-    classification = is_classification(splits, task)
     issues: list[Finding] = []
+    if not targets_read and tr.y is not None:
+        values = np.unique(tr.y)
+        issues.append(finding(
+            "targets_unused", "info",
+            f"the loss never reads the targets ({'the constant ' + str(values[0].item()) if values.size == 1 else f'{values.size:,} distinct values'}): "
+            "placeholder labels of a self-supervised loader; the inputs were checked, the targets not",
+            "Nothing to do for a self-supervised loss; if the targets should train the model, pass them to the loss.",
+            distinct=int(values.size)))
+        splits = [replace(s, y=None) for s in splits]
+        tr = splits[0]
+    classification = is_classification(splits, task)
     stats: dict[str, Any] = {}
     for s in splits:
         if s.unread_targets:

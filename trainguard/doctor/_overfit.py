@@ -87,6 +87,11 @@ ZIGZAG_AMPLITUDE = 0.05
 # 100%) or, with no accuracy to judge, when at its last quarter's pace in log space it reaches the
 # target within as many steps again (trl's DPO, 0.693 -> 0.0343: falling geometrically).
 GEOMETRIC_DONE = 0.1
+# ... or, for dense class targets (a label per pixel or token, at least DENSE_PREDICTIONS of them:
+# all right is no luck), all but this share: cross entropy plus a dice on the softmax (Pytorch-UNet's
+# loss) keeps falling slowly long after every pixel is right (1.72 -> 0.297 at 100%, 83% of the way).
+DENSE_DONE = 0.5
+DENSE_PREDICTIONS = 256
 # CTC's blank plateau: at least this share of the samples get the blank at every frame.
 BLANK_SHARE = 0.5
 
@@ -323,6 +328,13 @@ def _accuracy(outputs: torch.Tensor, targets: torch.Tensor, task: str, loss_fn: 
     return None
 
 
+def _done_share(targets: Any) -> float:
+    """How much of its way to the floor a slow loss may have left when every prediction is right."""
+    dense = (isinstance(targets, torch.Tensor) and targets.dim() >= 2 and not targets.is_floating_point()
+             and targets.numel() >= DENSE_PREDICTIONS)
+    return DENSE_DONE if dense else GEOMETRIC_DONE
+
+
 def _classify(losses: list[float], floor: float = 0.0) -> str:
     """Which way a finite run whose gradients reach every parameter failed: unstable, slow or floor."""
     n = len(losses)
@@ -476,7 +488,7 @@ def overfit_one_batch(
             and accuracy >= ceiling - 1e-9:
         reason = "floor"  # the floor the duplicates impose: every sample the data lets it tell apart is right
     elif (reason == "slow" and accuracy is not None and accuracy >= 1.0
-          and final - floor <= GEOMETRIC_DONE * (initial - floor)):
+          and final - floor <= _done_share(targets) * (initial - floor)):
         passed, reason, memorised = True, None, "accuracy"  # every sample right; cross entropy never settles
     elif reason == "slow" and accuracy is None:
         projected = _projected_steps(losses + [final], floor, target)

@@ -153,6 +153,42 @@ def preserved(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = Non
         snap.restore()
 
 
+class _Touches(torch.overrides.TorchFunctionMode):
+    """Whether any torch call inside the block is given one of ``tensors`` (or a view made of them)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        super().__init__()
+        self.ids = {id(t) for t in tensors}
+        self.hit = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.hit:
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            self.hit = any(id(a) in self.ids for a in leaves)
+        return func(*args, **(kwargs or {}))
+
+
+def loss_reads_targets(model: nn.Module, batch: Any, loss_fn: Callable) -> bool:
+    """Whether ``loss_fn(model(inputs), targets)`` touches the targets at all: a self-supervised
+    loss (MAE's: ``for samples, _ in loader``) never does. True when it cannot be told (the forward
+    or the loss raises, targets that hold no tensor): the targets are then judged as labels."""
+    inputs, targets = split_batch(batch)
+    leaves = [t for t in torch.utils._pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        return True
+    device = model_device(model)
+    try:
+        with preserved(model), torch.no_grad():
+            inputs, targets = to_device(inputs, device), to_device(targets, device)
+            outputs = model(inputs)
+            leaves = [t for t in torch.utils._pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
+            with _Touches(leaves) as probe:
+                loss_fn(outputs, targets)
+    except Exception:
+        return True
+    return probe.hit
+
+
 # ---------------------------------------------------------------------- argument checks
 def check_model(model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
