@@ -159,8 +159,10 @@ def test_guard_options_need_guard_and_exclude_check_numerics(tmp_path, monkeypat
 
 
 # From pytorch/examples' dcgan/main.py run under `trainguard run --guard` (its loop moved onto
-# ckpt.resume()): nn.BCELoss raises on a NaN input, so a NaN there ends the script inside the
+# ckpt.resume()): nn.BCELoss raises on an input outside [0, 1], which ends the script inside the
 # guarded loop; the guard's run then said "status finished" like a run that had trained to the end.
+# The input here is finite (above 1): a guard lets that error through as the bug it is (a NaN input
+# it takes as a bad step instead: tests/guard/test_guard_raising.py).
 BCE_SCRIPT = textwrap.dedent('''
     import sys
     import torch
@@ -173,9 +175,10 @@ BCE_SCRIPT = textwrap.dedent('''
     state = tg.TrainState(netD=netD, optimizerD=opt, loader=DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4))
     loop = tg.CheckpointManager(sys.argv[1], every_steps=100).resume(state, total_steps=12)
     for step, (x,) in loop.batches():
+        p = netD(x).squeeze(1)
         if step == 5 and "--crash" in sys.argv:
-            x = torch.log(x * 0) * 0  # NaN
-        loss = torch.nn.BCELoss()(netD(x).squeeze(1), torch.ones(4))
+            p = p + 1  # finite, above 1
+        loss = torch.nn.BCELoss()(p, torch.ones(4))
         opt.zero_grad()
         loss.backward()
         opt.step()
