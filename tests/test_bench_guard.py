@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import bench_guard  # noqa: E402
 def test_bench_guard_prints_paired_ratios(tmp_path, capsys):
     out = bench_guard.main(["--models", "mlp", "--rounds", "2", "--steps", "4", "--fault-at", "2",
                             "--json", str(tmp_path / "g.json")])
+    assert logging.getLogger("trainguard").level == logging.NOTSET  # left alone for the tests after it
     mlp = out["models"]["mlp"]["cpu"]
     assert set(mlp["ratio"]) == set(bench_guard.CONFIGS) and mlp["ratio"]["plain"] == 1.0
     for c in bench_guard.CONFIGS:
