@@ -220,7 +220,6 @@ def main(argv: list[str] | None = None) -> dict:
     if not 1 <= args.fault_at < args.steps:
         p.error(f"--fault-at must be in 1..{args.steps - 1}")
     torch.set_num_threads(args.threads)
-    logging.getLogger("trainguard").setLevel(logging.ERROR)
     results: dict = {"threads": args.threads, "rounds": args.rounds, "steps": args.steps, "fault_at": args.fault_at,
                      "load_before": os.getloadavg(), "models": {}}
     for name in [m for m in args.models.split(",") if m]:
@@ -272,4 +271,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    logging.getLogger("trainguard").setLevel(logging.ERROR)  # here, not in main(): tests call main()
     main()
