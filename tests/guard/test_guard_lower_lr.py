@@ -31,22 +31,28 @@ class _VAE(nn.Module):
         return F.mse_loss(recons, x) + 0.00025 * kld_loss
 
 
-def test_lower_lr_retries_from_before_the_updates_that_made_the_fault(tmp_path):
-    # At Adam's lr 3.0 the first update grows fc_var until step 1's exp(0.5 * log_var) overflows
-    # in the forward pass. lower_lr halved the rate and retried step 1 from a snapshot taken at
-    # step 1, with the weights that update made: "loss is inf; rewound to step 1", five times, then
-    # Diverged (max_rewinds). Retried from the snapshot before it (step 0), a lower rate trains.
+def _train_at_lr_3(tmp_path, snapshot_every: int, steps: int):
+    """The VAE under Adam at lr 3.0, guarded with lower_lr: (guard, state, model) after ``steps``."""
     torch.manual_seed(0)
     model = _VAE()
     x = (torch.rand(256, 16) * 2 - 1) * 4
     state = tg.TrainState(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=3.0),
                           loader=DataLoader(TensorDataset(x), batch_size=32, shuffle=True))
-    guard = tg.Guard(tmp_path / "run", snapshot_every=50, policy="lower_lr", max_rewinds=5)
-    for _, (batch,) in guard.batches(state, total_steps=30):
+    guard = tg.Guard(tmp_path / "run", snapshot_every=snapshot_every, policy="lower_lr", max_rewinds=5)
+    for _, (batch,) in guard.batches(state, total_steps=steps):
         loss = model(batch)
         state.optimizer.zero_grad()
         loss.backward()
         state.optimizer.step()
+    return guard, state, model
+
+
+def test_lower_lr_retries_from_before_the_updates_that_made_the_fault(tmp_path):
+    # At Adam's lr 3.0 the first update grows fc_var until step 1's exp(0.5 * log_var) overflows
+    # in the forward pass. lower_lr halved the rate and retried step 1 from a snapshot taken at
+    # step 1, with the weights that update made: "loss is inf; rewound to step 1", five times, then
+    # Diverged (max_rewinds). Retried from the snapshot before it (step 0), a lower rate trains.
+    guard, state, model = _train_at_lr_3(tmp_path, snapshot_every=50, steps=30)
     events = guard.events
     assert events and all(e["action"] == "lower_lr" for e in events), [e["message"] for e in events]
     assert events[0]["origin"]["origin"]["op"] == "aten.exp", events[0]["origin"]["origin"]
@@ -59,17 +65,7 @@ def test_lower_lr_goes_back_when_the_fault_lands_on_a_snapshot_step(tmp_path):
     # The same VAE with a snapshot at every step: step 1's fault landed on the snapshot taken at
     # step 1, after the update that made it; lower_lr retried step 1 from there ("retried from
     # step 1") until max_rewinds and Diverged. It must go back to the snapshot before (step 0).
-    torch.manual_seed(0)
-    model = _VAE()
-    x = (torch.rand(256, 16) * 2 - 1) * 4
-    state = tg.TrainState(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=3.0),
-                          loader=DataLoader(TensorDataset(x), batch_size=32, shuffle=True))
-    guard = tg.Guard(tmp_path / "run", snapshot_every=1, policy="lower_lr", max_rewinds=5)
-    for _, (batch,) in guard.batches(state, total_steps=10):
-        loss = model(batch)
-        state.optimizer.zero_grad()
-        loss.backward()
-        state.optimizer.step()
+    guard, state, model = _train_at_lr_3(tmp_path, snapshot_every=1, steps=10)
     events = guard.events
     assert events and all(e["action"] == "lower_lr" for e in events), [e["message"] for e in events]
     assert all(e["retried_from"] < e["step"] for e in events), [e["message"] for e in events]
