@@ -1486,13 +1486,11 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     if skipped is not None:
         summary += (f". It made the loss {_num(skipped.get('loss'))} in step {skipped['step']}, which the program "
                     f"checked{_at(skipped)} and skipped: no backward(), no update")
-    scheduler = _scheduler_reads(run, o.seq) if reached is False and skipped is None else None
+    scheduler, read = _program_reads(run, o.seq) if reached is False and skipped is None else (None, None)
     if scheduler is not None:
         summary += (f". ReduceLROnPlateau.step read it in {scheduler['steps']} step(s) from step {scheduler['first_step']}"
                     f"{_at(dict(scheduler, check='scheduler.step'))}: it counts a NaN metric as no improvement and "
                     "lowers the learning rate after `patience` of them")
-    read = (_read_by_program(run, o.seq) if reached is False and skipped is None and scheduler is None
-            else None)
     if read is not None:
         summary += f". The program read it{_at(read)} in step {read['step']}" + (
             f" and exited with code {read['exit_code']}" if read.get("exit_code") else "")
@@ -1500,45 +1498,42 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
                   reached_training=reached, skipped=skipped, read=read, scheduler=scheduler)
 
 
-def _read_by_program(run: Run, origin_seq: int) -> dict | None:
-    """The first read of a value made non-finite by ``origin_seq`` (``.item()``: a harmful
-    aten._local_scalar_dense), with the script's exit code when it then exited with an error."""
-    try:
-        ops = (run.alerts() or {}).get("by_op") or []
-        seq = next((a["first_seq"] for a in ops if str(a.get("op", "")).endswith("_local_scalar_dense")), None)
-        if seq is None or run.execution(seq).get("origin") != origin_seq:
-            return None
-        link = _link(run, seq)
-    except (KeyError, TypeError, AttributeError):
-        return None
-    code = run.meta.get("exit_code")
-    return {"seq": seq, "step": link.step, "file": link.file, "line": link.line, "check": ".item()",
-            "exit_code": code if isinstance(code, int) and code != 0 else None}
+# Harmful reads of values the program looked at (``.item()``, ``float()``) among which to tell who read
+# a value and how (the first ones: enough to tell).
+PROGRAM_READS = 2000
 
 
-# Harmful reads of a value looked at for an LR scheduler among them (the first ones: enough to tell).
-SCHEDULER_READS = 2000
-
-
-def _scheduler_reads(run: Run, origin_seq: int) -> dict | None:
-    """The harmful reads (``.item()``, ``float()``) of values made by ``origin_seq`` that ran inside an LR
-    scheduler's ``step``: ReduceLROnPlateau reading a NaN validation metric (UNet's dice score)."""
+def _program_reads(run: Run, origin_seq: int) -> tuple[dict | None, dict | None]:
+    """How the program read the values made non-finite by ``origin_seq`` (harmful
+    aten._local_scalar_dense executions), as ``(scheduler, read)``. ``scheduler``: the reads inside an
+    LR scheduler's ``step`` (ReduceLROnPlateau reading a NaN validation metric, UNet's dice score),
+    counted over all steps, each step's metric a NaN of its own. Else ``read``: the program's first
+    read, with the script's exit code when it then exited with an error."""
     steps: list[int] = []
-    where, ours = None, False
-    for d in run.executions(0, SCHEDULER_READS, op="_local_scalar_dense"):
-        if d.get("taint") != "harmful" or d.get("stack_id") is None:
-            continue
-        frames = run.stack(d["stack_id"])
-        if not any(f["name"] == "step" and f["filename"].replace("\\", "/").endswith("torch/optim/lr_scheduler.py")
+    where, ours, first = None, False, None
+    try:
+        for d in run.executions(0, PROGRAM_READS, op="_local_scalar_dense"):
+            if d.get("taint") != "harmful":
+                continue
+            frames = run.stack(d["stack_id"]) if d.get("stack_id") is not None else []
+            if any(f["name"] == "step" and f["filename"].replace("\\", "/").endswith("torch/optim/lr_scheduler.py")
                    for f in frames):
-            continue
-        steps.append(d["step"])  # each step's metric is a NaN of its own (its own origin): all are counted
-        ours = ours or d.get("origin") == origin_seq
-        where = where or run.user_frame(d["stack_id"])
-    if not steps or not ours:
-        return None
-    return {"steps": len(set(steps)), "first_step": min(steps), "file": where["filename"] if where else None,
-            "line": where["lineno"] if where else None}
+                steps.append(d["step"])
+                ours = ours or d.get("origin") == origin_seq
+                where = where or run.user_frame(d["stack_id"])
+            elif first is None:
+                first = d
+        if steps and ours:
+            return {"steps": len(set(steps)), "first_step": min(steps), "file": where["filename"] if where else None,
+                    "line": where["lineno"] if where else None}, None
+        if first is None or first.get("origin") != origin_seq:
+            return None, None
+        link = _link(run, first["seq"])
+    except (KeyError, TypeError, AttributeError):
+        return None, None
+    code = run.meta.get("exit_code")
+    return None, {"seq": first["seq"], "step": link.step, "file": link.file, "line": link.line, "check": ".item()",
+                  "exit_code": code if isinstance(code, int) and code != 0 else None}
 
 
 def _num(v: Any) -> str:
