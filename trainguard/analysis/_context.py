@@ -104,6 +104,34 @@ def undone_before(meta: dict, loss: list[tuple[int, float]], th: Thresholds) -> 
     return 0
 
 
+def whole_windows(loss: Series, windows: Any) -> Series:
+    """``loss`` with each step that summed fewer micro-batch losses than the run's usual window
+    scaled up to it (``windows``: the monitor's ``loss_windows``, [[first step, count], ...]; 0:
+    leave as is). Gradient accumulation written by hand (``loss / k`` each, an update on
+    ``step % k == 0``) sums one micro-batch in its first window and maybe fewer than k at an
+    epoch's end: a half loss at step 0 read as a loss that rose from initialisation."""
+    if not isinstance(windows, list) or not len(loss):
+        return loss
+    runs = sorted((int(w[0]), int(w[1])) for w in windows
+                  if isinstance(w, (list, tuple)) and len(w) == 2 and all(isinstance(v, int) for v in w))
+    if len(runs) < 2:
+        return loss
+    starts = np.array([r[0] for r in runs])
+    idx = np.searchsorted(starts, loss.steps, side="right") - 1
+    counts = np.where(idx >= 0, np.array([r[1] for r in runs])[np.maximum(idx, 0)], 0)
+    known = counts[counts > 0]
+    if not len(known):
+        return loss
+    values, freq = np.unique(known, return_counts=True)
+    usual = int(values[np.argmax(freq)])
+    short = (counts > 0) & (counts < usual)
+    if not short.any():
+        return loss
+    scaled = loss.values.copy()
+    scaled[short] *= usual / counts[short]
+    return Series(loss.steps, scaled)
+
+
 class Context:
     """A run's monitoring data, indexed for the rules."""
 
@@ -118,7 +146,7 @@ class Context:
         self.undone_before = undone_before(self.meta, scalars.get("loss") or [], thresholds)
         if self.undone_before:
             scalars = {k: [sv for sv in v if sv[0] >= self.undone_before] for k, v in scalars.items()}
-        self.loss = Series.of(scalars.get("loss"))
+        self.loss = whole_windows(Series.of(scalars.get("loss")), self.meta.get("loss_windows"))
         # The loss of a step sums separate objectives, each before its own optimizer's update (a
         # GAN's discriminator and generator losses): no trend of it means anything.
         self.losses_summed = bool(self.meta.get("separate_losses"))

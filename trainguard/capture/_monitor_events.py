@@ -27,6 +27,8 @@ log = logging.getLogger("trainguard.monitor")
 # one more batched, non-blocking copy, never one per step.
 MAX_BUFFERED_STEPS = 50
 SHIP_SECONDS = 2.0
+# Runs of equal micro-batch counts per step kept in the run's metadata (see _note_window).
+LOSS_WINDOW_RUNS = 64
 
 
 class EventsMixin:
@@ -265,16 +267,21 @@ class EventsMixin:
         values: dict[str, Any] = {}
         if s in self._manual_loss:
             values["loss"] = self._manual_loss.pop(s)
+            self._note_window(s, 0)  # the user's own loss: no window to rescale
         elif self._auto_losses:
             # Micro-batches of gradient accumulation each backward loss / k: the step's loss is their sum.
             ls = self._auto_losses
             dtype = torch.float64 if any(v.dtype == torch.float64 for v in ls) else torch.float32
             values["loss"] = ls[0] if len(ls) == 1 else torch.stack([v.to(dtype) for v in ls]).sum()
             k = self._auto_divisors[0] if self._auto_divisors else 1
-            if k > 1 and len(ls) != k and all(d == k for d in self._auto_divisors):
-                # accelerate divided each by k, also in a step of fewer micro-batches: their mean
-                values["loss"] = values["loss"] * (k / len(ls))
+            window = len(ls)
+            if k > 1 and all(d == k for d in self._auto_divisors):
+                window = k
+                if len(ls) != k:
+                    # accelerate divided each by k, also in a step of fewer micro-batches: their mean
+                    values["loss"] = values["loss"] * (k / len(ls))
             elif len(ls) > 1 and self._fwd_cached == len(ls) == self._fwd_grad:
+                window = 0  # each backward's loss was the step's: their mean is, whatever their number
                 # Contrastive accumulation with cached features (open_clip's --accum-freq, GradCache):
                 # k no-grad forwards cache every micro-batch's features, then per micro-batch a
                 # forward with gradients and a backward of the loss over all k micro-batches (its
@@ -287,6 +294,7 @@ class EventsMixin:
                     self.modes["first_eval_forward_in_train"] = None
                 if not self._meta.get("cached_features"):
                     self._write_meta(cached_features=s)
+            self._note_window(s, window)
         if recording:
             self._rebind()  # a forward may have assigned new Parameters (an EMA codebook's)
             self._add_stand_ins()
@@ -337,3 +345,17 @@ class EventsMixin:
         if self.no_grad_layers != self._no_grad_written:
             self._no_grad_written = dict(self.no_grad_layers)
             self._write_meta(no_grad_layers=dict(self.no_grad_layers))
+
+    def _note_window(self, s: int, n: int) -> None:
+        """Keep how many micro-batch losses step ``s`` summed, as runs of equal counts in the run's
+        metadata (``loss_windows``: [[first step, count], ...]; 0: a count not to rescale). Gradient
+        accumulation written by hand with a short window (accelerate's nlp_example.py steps on
+        ``step % k == 0``: its first window holds one micro-batch, each loss divided by k) sums part
+        of a step's loss: the analysis scales such steps to the usual window."""
+        windows = self._meta.get("loss_windows")
+        windows = list(windows) if isinstance(windows, list) else []
+        if windows and (windows[-1][1] == n or len(windows) >= LOSS_WINDOW_RUNS):
+            return
+        if len(windows) == LOSS_WINDOW_RUNS - 1:
+            n = 0  # counts changing every few steps: no usual window to scale to, from here on
+        self._write_meta(loss_windows=windows + [[s, n]])
