@@ -69,13 +69,20 @@ DOWNSTREAM: dict[str, tuple[str, ...]] = {
     "codebook_collapse": ("dead_units", "collapsed_activations", "representation_collapse",
                           "saturated_activations"),
 }
+# Inputs beyond float16's comfort explain mixed precision's overflows, while a GradScaler skips steps
+# (float16 autocast): milesial/Pytorch-UNet's --amp on raw 16-bit images (up to 65535; float16's
+# largest is 65504) made the loss NaN at step 3 and skipped most steps, and those findings led the
+# report with generic advice. Inputs off the units' scale but far inside float16's (a mean of 40)
+# are no cause of an overflow.
+FP16_INPUT_SYMPTOMS: tuple[str, ...] = ("grad_scaler_skips", "nonfinite_loss", "nonfinite_gradient")
+FP16_INPUT_MAX = 1024.0  # a first layer summing a few dozen such values leaves float16's range
 # A wrong custom gradient and a misused loss function explain what the curves and layers show
 # (analysis/_function_rules.py, _graph_rules.py): they are read off the graph, not the numbers.
 _GRAPH_SYMPTOMS = ("loss_not_decreasing", "loss_spike", "loss_oscillating", "lr_too_high", "lr_too_low",
                    "exploding_activations", "exploding_gradient", "vanishing_gradient", "saturated_activations")
 for _cause in ("custom_gradient_wrong", "softmax_before_cross_entropy", "sigmoid_before_bce_with_logits",
                "nll_loss_on_probabilities", "nll_loss_on_logits", "cross_entropy_targets_not_probabilities",
-               "bce_targets_not_probabilities",
+               "bce_targets_not_probabilities", "dice_not_probabilities",
                "loss_broadcast", "ctc_loss_on_probabilities", "ctc_loss_on_logits", "ctc_log_softmax_wrong_dim"):
     EXPLAINS[_cause] = _GRAPH_SYMPTOMS
 # A loss over one class is 0 whatever the weights: no gradient reaches them.
@@ -110,7 +117,17 @@ def _causes_of(f: Finding, problems: dict[str, Finding]) -> list[str]:
             if kind in explained and c in problems and c not in out and _arose_after(problems[c], f)]
     out += [c for c, explained in DOWNSTREAM.items()
             if kind in explained and c in problems and c not in out and _downstream(problems[c], f)]
+    if kind in FP16_INPUT_SYMPTOMS and "inputs_not_normalized" in problems and "inputs_not_normalized" not in out \
+            and "grad_scaler_skips" in problems and fp16_inputs(problems["inputs_not_normalized"].evidence):
+        out.append("inputs_not_normalized")
     return out
+
+
+def fp16_inputs(evidence: dict) -> bool:
+    """Whether inputs_not_normalized's statistics reach values a float16 first layer overflows on."""
+    top = max((abs(v) for v in (evidence.get("min"), evidence.get("max")) if isinstance(v, (int, float))),
+              default=0.0)
+    return top >= FP16_INPUT_MAX
 
 
 def _downstream(cause: Finding, f: Finding) -> bool:

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from trainguard.analysis._causes import fp16_inputs
 from trainguard.analysis._context import POOL_TYPES, Context, Series, fmt, median
 from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import activation_family, clip_text, init_advice, slow_updates
@@ -645,6 +646,9 @@ def inputs_not_normalized(ctx: Context) -> list[Finding]:
             reasons.append(f"feature scales differ {fmt(spread)}x (std {fmt(m['feat_std_min'])}..{fmt(m['feat_std_max'])})")
         if not reasons:
             continue
+        fp16 = bool(len(ctx.amp_skipped)) and fp16_inputs(m)  # float16 autocast with a GradScaler
+        if fp16:
+            reasons[0] += " in float16, whose largest value is 65504"
         mean, std = m["mean"], m["std"] if m["std"] > 0 else 1.0
         if math.isfinite(spread) and spread > ctx.th.input_scale_spread:
             # One global scale would be set by the largest feature and leave the others ~0 (a raw
@@ -658,6 +662,9 @@ def inputs_not_normalized(ctx: Context) -> list[Finding]:
             fix = (f"normalise the inputs with the observed statistics: `x = (x {shift}) / {fmt(std)}` "
                    "(better: per feature or channel, with mean and std computed on the training set, e.g. "
                    "`torchvision.transforms.Normalize`)")
+        if fp16:
+            fix += ("; under float16 autocast the first layer's sums of such values leave float16's range "
+                    "(max 65504): the Inf/NaN losses and the GradScaler's skipped steps follow from them")
         out.append(
             Finding(
                 kind="inputs_not_normalized",
