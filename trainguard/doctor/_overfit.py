@@ -461,7 +461,8 @@ def overfit_one_batch(
             final = float(as_float(loss_fn(outputs, targets)))
             kind = _task(outputs, targets, loss_fn, task)
             accuracy = _accuracy(outputs, targets, kind, loss_fn)
-        floor = _loss_floor(outputs, targets, loss_fn)
+        floor = max(_loss_floor(outputs, targets, loss_fn),
+                    _loss_floor(outputs, targets, loss_fn, groups=_prefix_groups(inputs, outputs, targets)))
 
     unreached = [] if nan_step is not None else [n for (n, _), r in zip(named, reached) if not bool(r)]
     first_norm = float(norms[0]) if norms else None
@@ -622,26 +623,65 @@ def _spread(values: list[float]) -> tuple[float, float] | None:
     return None
 
 
-def _loss_floor(outputs: Any, targets: Any, loss_fn: Any) -> float:
+def _loss_floor(outputs: Any, targets: Any, loss_fn: Any, groups: torch.Tensor | None = None) -> float:
     """The least ``loss_fn(o, targets)`` reaches over free outputs ``o`` of the outputs' shape, when
-    above 0 (label smoothing, soft targets); 0 otherwise, or when the outputs are no float tensor."""
-    if not (isinstance(outputs, torch.Tensor) and outputs.is_floating_point() and outputs.numel()):
+    above 0 (label smoothing, soft targets); 0 otherwise, or when the outputs are no float tensor.
+    ``groups`` ([samples, positions] ids, see :func:`_prefix_groups`): positions of one id share one
+    output, as a causal model's do where the inputs so far are the same."""
+    if groups is None and not (isinstance(outputs, torch.Tensor) and outputs.is_floating_point() and outputs.numel()):
         return 0.0
     try:
         with torch.enable_grad():
-            o = outputs.detach().clone().requires_grad_(True)
-            opt = torch.optim.Adam([o], lr=FLOOR_LR)
+            if groups is None:
+                free = outputs.detach().clone().requires_grad_(True)
+                shaped = lambda: free  # noqa: E731
+            else:
+                free = torch.zeros((int(groups.max()) + 1, *outputs.shape[2:]), dtype=outputs.dtype,
+                                   device=outputs.device, requires_grad=True)
+                shaped = lambda: free[groups]  # noqa: E731
+            opt = torch.optim.Adam([free], lr=FLOOR_LR)
             best = math.inf
             for i in range(FLOOR_STEPS):
                 opt.param_groups[0]["lr"] = FLOOR_LR * (1 - i / FLOOR_STEPS)
                 opt.zero_grad(set_to_none=True)
-                loss = as_float(loss_fn(o, targets))
+                loss = as_float(loss_fn(shaped(), targets))
                 if not loss.requires_grad:
                     return 0.0
                 best = min(best, float(loss.detach()))
                 loss.backward()
                 opt.step()
-            best = min(best, float(as_float(loss_fn(o.detach(), targets))))
+            with torch.no_grad():
+                best = min(best, float(as_float(loss_fn(shaped(), targets))))
     except Exception:  # a loss that needs more than outputs and targets: no floor to tell
         return 0.0
     return best if math.isfinite(best) and best > NEAR_ZERO_ABS else 0.0
+
+
+def _prefix_groups(inputs: Any, outputs: Any, targets: Any) -> torch.Tensor | None:
+    """For a language model's batch, ids [samples, positions] equal where the tokens so far are equal:
+    a causal model's output at position t sees ``inputs[:, :t + 1]`` alone, so where two samples begin
+    alike it is one prediction for both, and their next tokens differ (every name of karpathy/makemore's
+    batch begins with the start token: no model learns their first letters, and its overfit test failed at
+    a "floor" of 0.50 that was the batch's own). A batch is a language model's when the targets are
+    the token inputs (the loss shifts them: Hugging Face's) or the inputs shifted by one (nanoGPT's,
+    makemore's, whose ignored targets, negative, are skipped) and the outputs are [samples, positions,
+    vocabulary]. None otherwise."""
+    x = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
+    if not (isinstance(x, torch.Tensor) and isinstance(targets, torch.Tensor) and isinstance(outputs, torch.Tensor)
+            and x.dim() == 2 and x.shape == targets.shape and x.shape[1] > 1 and outputs.dim() == 3
+            and outputs.shape[:2] == x.shape and outputs.is_floating_point()
+            and not x.is_floating_point() and not targets.is_floating_point()):
+        return None
+    counted = targets >= 0
+    same = bool(((targets == x) | ~counted).all())
+    shifted = bool(((targets[:, :-1] == x[:, 1:]) | ~counted[:, :-1]).all())
+    if not (same or shifted) or not bool(counted.any()):
+        return None
+    ids = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+    out = torch.empty_like(x, dtype=torch.long)
+    for t in range(x.shape[1]):  # the id of (the prefix before t, the token at t)
+        _, ids = torch.unique(torch.stack([ids, x[:, t].long()], dim=1), dim=0, return_inverse=True)
+        out[:, t] = ids + (int(out[:, t - 1].max()) + 1 if t else 0)
+    if int(out.max()) + 1 == out.numel():
+        return None  # no two prefixes alike: the free outputs' floor already says it
+    return out
