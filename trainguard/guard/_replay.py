@@ -128,8 +128,9 @@ class StepRecording:
 
 
 def _tensors(obj: Any, where: str = "", depth: int = 0, graph: Any = None):
-    """``(where, tensor, graph)`` for each tensor in a batch (nested tuples, lists and mappings, and
-    PyTorch Geometric's ``Data``/``Batch``, read through ``to_dict()``: ``graph`` is that object)."""
+    """``(where, tensor, graph)`` for each tensor in a batch (nested tuples, lists and mappings,
+    PyTorch Geometric's ``Data``/``Batch``, read through ``to_dict()``: ``graph`` is that object, and
+    the attributes of other objects, as detr's ``NestedTensor``)."""
     if isinstance(obj, torch.Tensor):
         yield where, obj, graph
     elif depth < 4 and isinstance(obj, Mapping):
@@ -142,6 +143,10 @@ def _tensors(obj: Any, where: str = "", depth: int = 0, graph: Any = None):
         attrs = obj.to_dict()
         for k, v in (attrs.items() if isinstance(attrs, Mapping) else ()):
             yield from _tensors(v, f"{where}.{k}", depth + 1, obj)
+    elif depth < 4 and isinstance(getattr(obj, "__dict__", None), dict) and not callable(obj):
+        # an object holding the batch's tensors as attributes (detr's NestedTensor: images and mask)
+        for k, v in vars(obj).items():
+            yield from _tensors(v, f"{where}.{k}", depth + 1, graph)
 
 
 def _graph_rows(graph: Any, t: torch.Tensor, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
