@@ -623,3 +623,21 @@ def test_a_detr_batch_names_the_image_that_holds_nan():
     samples = _NestedTensor(images, torch.zeros(4, 8, 8, dtype=torch.bool))
     assert batch_nonfinite((samples, targets), [35, 36, 37, 38]) == {
         "size": 4, "rows": [2], "samples": [37], "kinds": ["nan"], "where": "[0].tensors"}
+
+
+def test_a_collate_fn_keeps_the_order_of_a_batch_that_holds_nan():
+    # facebookresearch/detr's collate_fn (util/misc.py) over a data set with one NaN image: the probe
+    # that tells a reordering collate_fn compared the batch collated as drawn and reversed with
+    # torch.equal, NaN != NaN, so the failing batch's rows were said to be out of order, and the guard
+    # named "row 1" instead of sample 17.
+    from trainguard.guard._replay import rows_in_order
+
+    def collate_fn(batch):
+        batch = list(zip(*batch))
+        batch[0] = _NestedTensor(torch.stack(batch[0]), torch.zeros(len(batch[0]), 4, 4, dtype=torch.bool))
+        return tuple(batch)
+
+    data = [(torch.randn(3, 4, 4), {"boxes": torch.rand(1, 4)}) for _ in range(20)]
+    data[17][0][0, 1, 2] = float("nan")
+    loader = DataLoader(data, batch_size=4, collate_fn=collate_fn)
+    assert rows_in_order(loader, [16, 17, 18, 19])
