@@ -157,7 +157,7 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
         inside = f" inside {at['module']}" if at.get("module") else ""
         if at.get("module") and at.get("module_path"):
             inside = f" inside {at['module_path']} ({at['module']})"
-        text = f"{text} (raised{inside}, called from {where})"
+        text = f"{text} (raised{inside}, {'at' if at.get('raised_here') else 'called from'} {where})"
         if at.get("detail"):
             fix = f"{at['detail']}; " + fix
     return Finding(kind="script_crashed", severity="error", title=text[0].upper() + text[1:],
