@@ -198,6 +198,9 @@ def harm_finding(run: Any) -> Finding | None:
             title += f", but the program read it in step {o.read['step']}" + (
                 f" at {o.read['file']}:{o.read['line']}" if o.read.get("file") else "")
             evidence["read"] = o.read
+        elif o.crashed is not None:
+            title += f", but the script crashed in step {o.crashed['step']} ({o.crashed['error']}), most likely on it"
+            evidence["crashed"] = o.crashed
     else:
         title = f"A harmful NaN/Inf was made by {where} and reached training"
     return Finding(kind="harmful_nonfinite", severity="warning" if o.reached_training is False else "error",
