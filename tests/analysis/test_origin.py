@@ -1495,3 +1495,47 @@ def test_a_float16_overflow_under_autocast_leads_with_the_dtype_not_the_learning
     assert o.origin.op == "aten.convolution", o.origin
     s = o.suggestion
     assert s.startswith("values overflow float16") and "bfloat16" in s and "compute this op in float32" in s, s
+
+
+def test_a_nan_image_the_script_crashed_on_is_not_called_unused(tmp_path):
+    """facebookresearch/detr @ 29901c5 (engine.py's train_one_epoch, models/matcher.py) with a
+    corrupt image: its NaN went through the model's forward and into generalized_box_iou's
+    ``assert (boxes1[:, 2:] >= boxes1[:, :2]).all()`` (util/box_ops.py), which a comparison
+    absorbs, so no loss, gradient or parameter was reached, and the script crashed there. The
+    report said "training never used it", of the value the script had just crashed on."""
+    import subprocess
+
+    class Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, idx):
+            img = torch.randn(3, 4, 4)
+            if idx == 5:
+                img[0, 1, 1] = float("nan")
+            return img
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(48, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def f():
+        for x in torch.utils.data.DataLoader(Images(), batch_size=2):
+            boxes = model(x).sigmoid()
+            xyxy = torch.cat([boxes[:, :2] - boxes[:, 2:] / 2, boxes[:, :2] + boxes[:, 2:] / 2], dim=1)
+            if not (xyxy[:, 2:] >= xyxy[:, :2]).all():  # generalized_box_iou's assert
+                raise AssertionError
+            opt.zero_grad()
+            nn.functional.l1_loss(boxes, torch.full_like(boxes, 0.5)).backward()
+            opt.step()
+
+    with pytest.raises(AssertionError):
+        record(tmp_path, f)
+    run = open_run(tmp_path / "r")
+    o = origin(run)
+    assert o.reached_training is False and o.crashed is not None, o.summary
+    assert o.crashed["step"] == 2 and o.crashed["error"] == "AssertionError", o.crashed
+    assert "crashed in step 2" in o.summary, o.summary
+    out = subprocess.run([sys.executable, "-m", "trainguard", "report", str(tmp_path / "r")], capture_output=True,
+                         text=True, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "training never used it" not in out, out
+    assert "the script crashed in step 2 (AssertionError)" in out, out

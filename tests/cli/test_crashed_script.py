@@ -589,3 +589,51 @@ def test_a_class_target_out_of_range_names_the_values_and_the_mask_fix(tmp_path,
     f = outcome_finding({"status": "crashed", "error": str(info.value), "crash_step": 0, "crash_at": at,
                          "exit_code": 1})
     assert at["detail"] in f.suggestion
+
+
+def test_a_bare_assert_in_the_users_code_says_its_line_and_module(tmp_path):
+    # facebookresearch/detr @ 29901c5 util/box_ops.py's generalized_box_iou, called by the matcher
+    # (models/matcher.py) inside SetCriterion (models/detr.py), on a target box whose x1 < x0 (a
+    # crop gone wrong): `assert (boxes2[:, 2:] >= boxes2[:, :2]).all()` raises an AssertionError
+    # with no message. The user's own line raised it, so crash_site kept nothing, and the report and
+    # the UI said only "The script crashed at step 60: AssertionError", naming no line.
+    import importlib.util
+
+    import torch
+    from torch import nn
+
+    from trainguard.analysis._outcome import outcome_finding
+    from trainguard.capture._ending import crash_site
+
+    # a module of its own: pytest rewrites the asserts of test files and gives them a message
+    (tmp_path / "box_ops.py").write_text(textwrap.dedent('''
+        def generalized_box_iou(boxes1, boxes2):
+            assert (boxes1[:, 2:] >= boxes1[:, :2]).all()
+            assert (boxes2[:, 2:] >= boxes2[:, :2]).all()
+            return boxes1.new_zeros(len(boxes1), len(boxes2))
+    '''))
+    spec = importlib.util.spec_from_file_location("box_ops", tmp_path / "box_ops.py")
+    box_ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(box_ops)
+
+    class HungarianMatcher(nn.Module):
+        def forward(self, out_bbox, tgt_bbox):
+            return -box_ops.generalized_box_iou(out_bbox, tgt_bbox)
+
+    class SetCriterion(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.matcher = HungarianMatcher()
+
+        def forward(self, out_bbox, tgt_bbox):
+            return self.matcher(out_bbox, tgt_bbox).sum()
+
+    with pytest.raises(AssertionError) as info:
+        SetCriterion()(torch.tensor([[0.1, 0.1, 0.5, 0.5]]), torch.tensor([[0.4, 0.2, 0.3, 0.6]]))
+    at = crash_site(info.value)
+    assert at is not None and at["line"] == 4 and at["module_path"] == "matcher", at
+    meta = {"status": "crashed", "error": "AssertionError", "crash_step": 60, "crash_at": at, "exit_code": 1}
+    f = outcome_finding(meta)
+    assert "box_ops.py:4)" in f.title and "inside matcher" in f.title, f.title
+    assert "called from" not in f.title, f.title
+    assert f.evidence["at"].endswith(":4: assert (boxes2[:, 2:] >= boxes2[:, :2]).all()"), f.evidence

@@ -345,3 +345,68 @@ def test_a_script_whose_guarded_loop_body_raises_is_stored_as_crashed_not_finish
     data = json.loads(trainguard("report", "runs/d", "--json", cwd=tmp_path).stdout)
     assert data["status"] == "crashed" and data["guard"]["meta"]["status"] == "interrupted", data["status"]
     assert data["crash"]["text"] == "the script crashed at step 5: AssertionError: degenerate boxes"
+
+
+# facebookresearch/detr @ 29901c5 (util/misc.py's NestedTensor and collate_fn, util/box_ops.py's
+# generalized_box_iou with its assert, models/matcher.py calling it on the predicted boxes) under
+# `trainguard run --guard`, with one corrupt image (sample 17): its NaN made NaN boxes, and the
+# assert raised AssertionError inside the step, before any loss, where the guard cannot rewind.
+# The report said only "The script crashed at step 4: AssertionError ... fix the error it raised",
+# nothing of the NaN the failing batch held.
+DETR_SCRIPT = textwrap.dedent('''
+    import sys
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+    import trainguard as tg
+
+    class NestedTensor:
+        def __init__(self, tensors, mask):
+            self.tensors = tensors
+            self.mask = mask
+
+    def collate_fn(batch):
+        batch = list(zip(*batch))
+        batch[0] = NestedTensor(torch.stack(batch[0]), torch.zeros(len(batch[0]), 4, 4, dtype=torch.bool))
+        return tuple(batch)
+
+    def box_cxcywh_to_xyxy(x):
+        x_c, y_c, w, h = x.unbind(-1)
+        return torch.stack([(x_c - 0.5 * w), (y_c - 0.5 * h), (x_c + 0.5 * w), (y_c + 0.5 * h)], dim=-1)
+
+    def generalized_box_iou(boxes1, boxes2):
+        assert (boxes1[:, 2:] >= boxes1[:, :2]).all()
+        assert (boxes2[:, 2:] >= boxes2[:, :2]).all()
+        lt = torch.max(boxes1[:, None, :2], boxes2[:, :2])
+        rb = torch.min(boxes1[:, None, 2:], boxes2[:, 2:])
+        return (rb - lt).clamp(min=0).prod(-1)
+
+    torch.manual_seed(0)
+    data = [(torch.randn(3, 4, 4), {"boxes": torch.tensor([[0.5, 0.5, 0.2, 0.3]])}) for _ in range(40)]
+    data[17][0][0, 1, 2] = float("nan")  # a corrupt image
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(data, batch_size=4, collate_fn=collate_fn))
+    loop = tg.CheckpointManager(sys.argv[1], every_steps=100).resume(state, total_steps=8)
+    for step, (samples, targets) in loop.batches():
+        boxes = model(samples.tensors).sigmoid()
+        tgt = torch.cat([t["boxes"] for t in targets])
+        giou = generalized_box_iou(box_cxcywh_to_xyxy(boxes), box_cxcywh_to_xyxy(tgt))
+        loss = F.l1_loss(boxes, tgt) + (1 - torch.diag(giou)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+''')
+
+
+@pytest.mark.timeout(300)
+def test_run_guard_on_an_assert_raised_by_a_nan_the_batch_held_names_that_sample(tmp_path):
+    (tmp_path / "train.py").write_text(DETR_SCRIPT)
+    r = trainguard("run", "--guard", "--logdir", "runs/d", "train.py", "ckpt", cwd=tmp_path)
+    assert r.returncode == 1 and "AssertionError" in r.stderr, r.stderr
+    data = json.loads(trainguard("report", "runs/d", "--json", cwd=tmp_path).stdout)
+    [f] = [f for f in data["findings"] if f["kind"] == "script_crashed"]
+    assert "step 4" in f["title"], f["title"]
+    assert "sample 17 holds nan in the batch itself" in f["suggestion"], f["suggestion"]
+    assert "--check-numerics" in f["suggestion"] and "doctor" in f["suggestion"], f["suggestion"]
+    assert data["guard"]["meta"]["batch_nonfinite_at_crash"]["samples"] == [17], data["guard"]["meta"]

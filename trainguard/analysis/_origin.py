@@ -130,6 +130,10 @@ class Origin:
     # An LR scheduler that read the value (ReduceLROnPlateau.step on a NaN validation metric), when
     # it reached no training otherwise: {steps, first_step, file, line} of the user's call.
     scheduler: dict | None = None
+    # The step the script crashed in, when this value reached no training but went on into that
+    # step's ops (detr's NaN image into generalized_box_iou's assert, which a comparison absorbs):
+    # {step, error, nonfinite (that step's harmful executions), file, line (crash_at)}; None otherwise.
+    crashed: dict | None = None
 
     @property
     def origin(self) -> Link:
@@ -139,7 +143,7 @@ class Origin:
         return {"summary": self.summary, "suggestion": self.suggestion, "reason": self.reason, "harm": self.harm,
                 "origin": asdict(self.origin), "chain": [asdict(link) for link in self.chain],
                 "earlier": self.earlier, "reached_training": self.reached_training, "skipped": self.skipped,
-                "read": self.read, "scheduler": self.scheduler}
+                "read": self.read, "scheduler": self.scheduler, "crashed": self.crashed}
 
 
 def _count(summary: dict | None, key: str) -> int:
@@ -1494,8 +1498,32 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
     if read is not None:
         summary += f". The program read it{_at(read)} in step {read['step']}" + (
             f" and exited with code {read['exit_code']}" if read.get("exit_code") else "")
+    crashed = (_crashed_on(run, o.step) if reached is False and skipped is None and scheduler is None
+               and read is None else None)
+    if crashed is not None:
+        at = f" at {crashed['file']}:{crashed['line']}" if crashed.get("file") else ""
+        summary += (f". It went on into the ops of step {crashed['step']} ({crashed['nonfinite']} harmful), where the "
+                    f"script crashed in step {crashed['step']} ({crashed['error']}{at}), most likely on it")
     return Origin(chain=chain, summary=summary, suggestion=suggestion, reason=reason, harm=harm, earlier=earlier,
-                  reached_training=reached, skipped=skipped, read=read, scheduler=scheduler)
+                  reached_training=reached, skipped=skipped, read=read, scheduler=scheduler, crashed=crashed)
+
+
+def _crashed_on(run: Run, since: int | None) -> dict | None:
+    """The step the script crashed in, when harmful values ran in it (from ``since`` on): a value that
+    reached no loss, gradient or parameter but went into a check that raised (an ``assert`` on a
+    comparison, which absorbs the NaN)."""
+    meta = getattr(run, "meta", None) or {}
+    step, error = meta.get("crash_step"), meta.get("error")
+    if not error or not isinstance(step, int) or (since is not None and step < since):
+        return None
+    try:
+        bad = next((d["nonfinite"] for d in run.steps() if d["step"] == step), 0)
+    except (AttributeError, KeyError, TypeError):
+        return None
+    if not bad:
+        return None
+    at = meta.get("crash_at") if isinstance(meta.get("crash_at"), dict) else {}
+    return {"step": step, "error": str(error), "nonfinite": int(bad), "file": at.get("file"), "line": at.get("line")}
 
 
 # Harmful reads of values the program looked at (``.item()``, ``float()``) among which to tell who read

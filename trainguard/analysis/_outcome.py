@@ -73,6 +73,22 @@ def _fault_before(meta: dict[str, Any], step: int | None) -> str | None:
     return f"step {fault['step']} ended with {what}" if what else None
 
 
+def _batch_held(meta: dict[str, Any], step: int | None) -> str | None:
+    """What the guard found, as the loop closed, of NaN/Inf in the batch of the step the script
+    crashed in: ``"its sample 17 holds nan in the batch itself"``; None when it found none."""
+    guard = meta.get("guard")
+    bad = guard.get("batch_nonfinite_at_crash") if isinstance(guard, dict) else None
+    if not isinstance(bad, dict) or (step is not None and bad.get("step") != step):
+        return None
+    items = bad.get("samples") or bad.get("rows") or []
+    kinds = " and ".join(bad.get("kinds") or ["non-finite values"])
+    word = "sample" if bad.get("samples") else "row"
+    shown = ", ".join(str(i) for i in items[:8]) + (f" ... ({len(items)} in all)" if len(items) > 8 else "")
+    if not items:
+        return f"its batch holds {kinds} itself"
+    return f"its {word}{'s' if len(items) > 1 else ''} {shown} hold{'' if len(items) > 1 else 's'} {kinds} in the batch itself"
+
+
 def outcome_finding(meta: dict[str, Any]) -> Finding | None:
     """The crash as a finding (severity error), so that no verdict calls the run healthy."""
     outcome = script_outcome(meta)
@@ -109,6 +125,14 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
         fix = (_cause(meta, outcome["error"]) + f"{fault} (on an accelerator the guard reads each step when the next one ends, and "
                f"this error came first, most likely from the NaN weights or state that step left). {keep}; or run "
                "`trainguard run --check-numerics` to stop at the op that made the first NaN/Inf")
+    elif harm is None and (held := _batch_held(meta, outcome["step"])) is not None:
+        # Under the guard: the step's batch held NaN/Inf, and a check raised on what it made before any loss
+        # (detr's generalized_box_iou asserts on the NaN boxes of a corrupt image, in its matcher).
+        fix = (f"the step it crashed in read a corrupt batch: {held}. The error most likely came from that value "
+               "reaching a check inside the step (an `assert` or validation on what it made, as detr's "
+               "generalized_box_iou asserts on NaN boxes), before any loss the guard could rewind. Drop or repair "
+               "that sample before training (`trainguard doctor` validates a data set); `trainguard run "
+               "--check-numerics` stops at the first op it made non-finite")
     elif harm is not None:
         # An error raised on the NaN (a distribution's argument check on NaN logits, multinomial on
         # NaN probabilities: cleanrl's PPO): where it showed, not what to fix.
@@ -133,7 +157,7 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
         inside = f" inside {at['module']}" if at.get("module") else ""
         if at.get("module") and at.get("module_path"):
             inside = f" inside {at['module_path']} ({at['module']})"
-        text = f"{text} (raised{inside}, called from {where})"
+        text = f"{text} (raised{inside}, {'at' if at.get('raised_here') else 'called from'} {where})"
         if at.get("detail"):
             fix = f"{at['detail']}; " + fix
     return Finding(kind="script_crashed", severity="error", title=text[0].upper() + text[1:],
@@ -174,6 +198,9 @@ def harm_finding(run: Any) -> Finding | None:
             title += f", but the program read it in step {o.read['step']}" + (
                 f" at {o.read['file']}:{o.read['line']}" if o.read.get("file") else "")
             evidence["read"] = o.read
+        elif o.crashed is not None:
+            title += f", but the script crashed in step {o.crashed['step']} ({o.crashed['error']}), most likely on it"
+            evidence["crashed"] = o.crashed
     else:
         title = f"A harmful NaN/Inf was made by {where} and reached training"
     return Finding(kind="harmful_nonfinite", severity="warning" if o.reached_training is False else "error",

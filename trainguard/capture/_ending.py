@@ -64,7 +64,7 @@ def ending(error: BaseException | str | None, step: int | None = None) -> dict[s
 
 def crash_site(error: BaseException) -> dict[str, Any] | None:
     """Where an exception raised inside a library came from, for a run's ``crash_at`` (None when the
-    user's own line raised it): the innermost line of the user's own code (outside torch,
+    user's own line raised it with a message; a bare ``assert`` there is kept, ``raised_here``): the innermost line of the user's own code (outside torch,
     trainguard, the standard library and installed packages), the innermost ``nn.Module`` that was
     running, and for an embedding's "index out of range in self" (torch names neither the index
     nor the table) the index and the table's size."""
@@ -80,11 +80,14 @@ def crash_site(error: BaseException) -> dict[str, Any] | None:
     if not frames:
         return None
     mine = [(f, n) for f, n in frames if is_user_file(f.f_code.co_filename)]
-    if mine and mine[-1][0] is frames[-1][0]:
+    own = bool(mine) and mine[-1][0] is frames[-1][0]
+    if own and str(error):
         return None  # raised by the user's own line: its message and traceback already say where
     frame, line = (mine or frames)[-1]
     at: dict[str, Any] = {"file": frame.f_code.co_filename, "line": line, "function": frame.f_code.co_name,
                           "code": linecache.getline(frame.f_code.co_filename, line).strip()}
+    if own:  # a bare `assert` (detr's generalized_box_iou on degenerate boxes): nothing but the line says what failed
+        at["raised_here"] = True
     modules = [m for f, _ in frames if isinstance(m := f.f_locals.get("self"), nn.Module)]
     module = modules[-1] if modules else None
     if module is not None:

@@ -261,6 +261,12 @@ def _origin(report: dict) -> Any:
                           + (f" and exited with code {rd['exit_code']}: no backward(), no update" if rd.get("exit_code")
                              else "; it reached no loss, gradient or parameter by the end of the recording"),
                           style="yellow"))
+    elif o.get("crashed"):  # into a check that raised on it: detr's NaN image into generalized_box_iou's assert
+        cr = o["crashed"]
+        at = f" at {_short(cr['file'])}:{cr['line']}" if cr.get("file") else ""
+        parts.append(Text(f"  then: it went on into step {cr['step']}'s ops ({cr['nonfinite']} harmful) and reached no "
+                          f"loss, gradient or parameter: the script crashed in step {cr['step']} ({cr['error']}){at}, "
+                          "most likely on it", style="yellow"))
     elif o.get("reached_training") is False:  # nerf's disparity of an empty ray: made, then unused
         parts.append(Text("  it reached no loss, gradient or parameter by the end of the recording: training "
                           "never used it (the value itself holds it where the program reads it)", style="yellow"))

@@ -106,6 +106,21 @@ def _first_fault(values: list[StepValues]) -> dict[str, Any] | None:
     return None
 
 
+def _crash_batch(loop: Any, batch: Any) -> dict | None:
+    """Where the batch of the step the loop body left holds NaN/Inf itself: an error raised on it
+    inside the step (detr's ``assert`` on the boxes a NaN image made, in its matcher) came before
+    any loss the guard could judge, so nothing was rewound; the report names the sample."""
+    if batch is None:
+        return None
+    try:
+        samples = getattr(loop.state.loader, "last_indices", None)
+        samples = [int(i) if hasattr(i, "__index__") else i for i in samples] if samples is not None else None
+        bad = batch_nonfinite(batch, samples if rows_in_order(loop.state.loader, samples) else None)
+    except Exception:  # a device the error left unusable: nothing more to learn
+        return None
+    return None if bad is None else {"step": loop.state.step, **bad}
+
+
 def _bits(x: float | None) -> bytes | None:
     return None if x is None else struct.pack("<d", x)
 
@@ -222,6 +237,7 @@ class Guard:
         self._probation: _Probation | None = None
         self._bad_local: dict[int, StepValues] = {}
         self._last_event: dict | None = None
+        self._batch: Any = None  # the running step's batch, read only when the loop body raises
 
     # ------------------------------------------------------------------ public
     @property
@@ -301,6 +317,7 @@ class Guard:
         _raising.remove()
         _skips.release(self._on_loop_skip)
         self._loop = None
+        batch, self._batch = self._batch, None
         sk = self.loop_skipped
         if sk is not None and sk["count"] > 1:
             log.warning("trainguard: the loop skipped %d steps itself (its loss non-finite, no backward()), the "
@@ -322,6 +339,8 @@ class Guard:
                 fault = _first_fault(unread)
                 if fault is not None:
                     self._run.update(fault_before_crash=fault)
+                elif (bad := _crash_batch(loop, batch)) is not None:
+                    self._run.update(batch_nonfinite_at_crash=bad)
             for event in self.events:
                 self._store(event)  # a skip whose batches the loop never drew (it stopped first)
             self._run.close(status, final)
@@ -349,6 +368,7 @@ class Guard:
     def _begin_step(self, step: int, batch: Any = None) -> None:
         _skips.watch.begin()
         align_step(step)
+        self._batch = batch
         self._raising.take()
         _raising.begin(self._raising)
         plan = self._plan

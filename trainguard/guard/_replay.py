@@ -128,8 +128,9 @@ class StepRecording:
 
 
 def _tensors(obj: Any, where: str = "", depth: int = 0, graph: Any = None):
-    """``(where, tensor, graph)`` for each tensor in a batch (nested tuples, lists and mappings, and
-    PyTorch Geometric's ``Data``/``Batch``, read through ``to_dict()``: ``graph`` is that object)."""
+    """``(where, tensor, graph)`` for each tensor in a batch (nested tuples, lists and mappings,
+    PyTorch Geometric's ``Data``/``Batch``, read through ``to_dict()``: ``graph`` is that object, and
+    the attributes of other objects, as detr's ``NestedTensor``)."""
     if isinstance(obj, torch.Tensor):
         yield where, obj, graph
     elif depth < 4 and isinstance(obj, Mapping):
@@ -142,6 +143,10 @@ def _tensors(obj: Any, where: str = "", depth: int = 0, graph: Any = None):
         attrs = obj.to_dict()
         for k, v in (attrs.items() if isinstance(attrs, Mapping) else ()):
             yield from _tensors(v, f"{where}.{k}", depth + 1, obj)
+    elif depth < 4 and isinstance(getattr(obj, "__dict__", None), dict) and not callable(obj):
+        # an object holding the batch's tensors as attributes (detr's NestedTensor: images and mask)
+        for k, v in vars(obj).items():
+            yield from _tensors(v, f"{where}.{k}", depth + 1, graph)
 
 
 def _graph_rows(graph: Any, t: torch.Tensor, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -180,19 +185,46 @@ def rows_in_order(loader: Any, samples: list | None) -> bool:
     try:
         with torch.no_grad():
             items = [dataset[i] for i in idx]
-            drawn, reversed_ = list(_tensors(collate(items))), list(_tensors(collate(items[::-1])))
+            drawn, reversed_ = collate(items), collate(items[::-1])
     except Exception:  # the probe is a guess; the guard goes on as before without it
         return True
     finally:
         _rng.restore_global(saved)
+    return _flipped(drawn, reversed_, len(idx))
+
+
+def _flipped(a: Any, b: Any, k: int) -> bool:
+    """Whether ``b``, the ``k`` samples collated in reverse, is ``a`` flipped along the samples: a
+    tensor along a dimension of size ``k``, a sequence of ``k`` per-sample items (detr's list of
+    target dicts) in reverse order."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        if len(a) != len(b):
+            return False
+        if len(a) == k and all(_same(x, y) for x, y in zip(a, reversed(b))):
+            return True
+        return all(_flipped(x, y, k) for x, y in zip(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_flipped(a[key], b[key], k) for key in a)
+    drawn, reversed_ = list(_tensors(a)), list(_tensors(b))
     if len(drawn) != len(reversed_):
         return False
-    k = len(idx)
-    for (_, a, _), (_, b, _) in zip(drawn, reversed_):
-        dims = [d for d in range(a.dim()) if a.shape[d] == k]
-        if dims and (a.shape != b.shape or not any(torch.equal(a.flip(d), b) for d in dims)):
+    for (_, x, _), (_, y, _) in zip(drawn, reversed_):
+        dims = [d for d in range(x.dim()) if x.shape[d] == k]
+        if dims and (x.shape != y.shape or not any(_equal(x.flip(d), y) for d in dims)):
             return False
     return True
+
+
+def _same(a: Any, b: Any) -> bool:
+    drawn, other = list(_tensors(a)), list(_tensors(b))
+    return len(drawn) == len(other) and all(x.shape == y.shape and _equal(x, y) for (_, x, _), (_, y, _) in zip(drawn, other))
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` with NaN equal to NaN: the probe collates the failing batch, corrupt samples included."""
+    if a.dtype != b.dtype or not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    return bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
 
 
 def batch_nonfinite(batch: Any, samples: list | None) -> dict | None:
