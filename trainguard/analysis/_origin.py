@@ -1371,11 +1371,15 @@ def _damage_elsewhere(run: Run, first: dict, since_step: int | None, handled: bo
     if first.get("reason") != "nan" or (since_step is not None and damage.get("step", -1) < since_step):
         return None
     if not isinstance(damage.get("step"), int) or not isinstance(first.get("step"), int) \
-            or damage["step"] <= first["step"]:
+            or damage["step"] < first["step"]:
+        return None
+    if damage["step"] == first["step"] and not _made_from_finite(run, damage["origin"]):
         # The same step: the NaN that reached the loss may be the first one, passed on through
         # values with no record (a compiled graph's, evicted from a circular buffer), whose link
         # the tracker lost: build-nanogpt's fully masked row under bf16, its softmax's NaN
-        # reached the loss seen as the cross entropy's own. Only a later step is another fault.
+        # reached the loss seen as the cross entropy's own. Only an origin whose inputs are known
+        # finite made a NaN of its own there (nerf's sample_pdf 0/0 after the disparity's, in the
+        # guard's replay of that one step).
         return None
     if not handled and run.scaler_skipped():
         return None  # the first harm may lie in a skipped step's gradients: first_harm decides there
@@ -1386,6 +1390,18 @@ def _damage_elsewhere(run: Run, first: dict, since_step: int | None, handled: bo
             continue
         return s, (damage.get("reason") if s == damage["seq"] else None)
     return None
+
+
+def _made_from_finite(run: Run, seq: int) -> bool:
+    """Whether execution ``seq`` is stored and every input it took from a recorded op holds a
+    known, finite value: it made its harmful value itself, no lost link passed one on to it."""
+    try:
+        e = run.execution(seq)
+    except KeyError:
+        return False
+    ops = [i for i in e["inputs"] if i["kind"] == "op"]
+    outs = [o.get("summary") for i in ops for o in (i.get("producer_digest") or {}).get("outputs") or [None]]
+    return bool(ops) and all(s and not _unknown(s) and not _is_bad(s) for s in outs)
 
 
 def _earlier(run: Run, first: dict) -> dict:
