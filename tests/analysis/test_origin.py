@@ -1495,3 +1495,29 @@ def test_a_float16_overflow_under_autocast_leads_with_the_dtype_not_the_learning
     assert o.origin.op == "aten.convolution", o.origin
     s = o.suggestion
     assert s.startswith("values overflow float16") and "bfloat16" in s and "compute this op in float32" in s, s
+
+
+def _raw2alpha_without_relu():
+    # yenchenlin/nerf-pytorch@63a5a63 run_nerf.py raw2outputs with raw2alpha's act_fn=F.relu dropped
+    # (raw2alpha = lambda raw, dists: 1. - torch.exp(-raw * dists)): a negative raw density at the last
+    # sample, whose distance is 1e10, makes exp(+huge) = inf.
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1)
+    pts = torch.randn(4, 8, 3)
+    z_vals = torch.linspace(2.0, 6.0, 8).expand(4, 8)
+    dists = z_vals[..., 1:] - z_vals[..., :-1]
+    dists = torch.cat([dists, torch.Tensor([1e10]).expand(dists[..., :1].shape)], -1)
+    raw = net(pts)[..., 0]
+    alpha = 1. - torch.exp(-raw * dists)
+    weights = alpha * torch.cumprod(torch.cat([torch.ones((4, 1)), 1. - alpha + 1e-10], -1), -1)[:, :-1]
+    loss = ((weights.sum(-1) - 1.0) ** 2).mean()
+    loss.backward()
+
+
+def test_exp_of_a_negated_density_is_told_to_keep_the_density_non_negative(tmp_path):
+    # The fix said "subtract the maximum first (logsumexp / softmax do) or clamp the input, e.g.
+    # x.clamp(max=80)": a clamped exponent leaves alpha = 1 - e^80 and trains on negative densities.
+    o = origin(record(tmp_path, _raw2alpha_without_relu))
+    assert o.origin.op == "aten.exp"
+    assert "F.relu" in o.suggestion and "softplus" in o.suggestion, o.suggestion
+    assert "logsumexp" not in o.suggestion, o.suggestion
