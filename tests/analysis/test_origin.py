@@ -1521,3 +1521,31 @@ def test_exp_of_a_negated_density_is_told_to_keep_the_density_non_negative(tmp_p
     assert o.origin.op == "aten.exp"
     assert "F.relu" in o.suggestion and "softplus" in o.suggestion, o.suggestion
     assert "logsumexp" not in o.suggestion, o.suggestion
+
+
+class _Evicted:
+    """A run as a long recording under `trainguard run --monitor` leaves it (nerf's raw2alpha at step 0
+    of 60): only the executions in ``keep`` are stored, the negation before the exp's input is gone."""
+
+    def __init__(self, run, keep):
+        self._run, self._keep = run, set(keep)
+
+    def __getattr__(self, name):
+        return getattr(self._run, name)
+
+    def execution(self, seq):
+        if seq not in self._keep:
+            raise KeyError(seq)
+        e = dict(self._run.execution(seq))
+        e["inputs"] = [i if i.get("producer") in self._keep else dict(i, producer_digest=None) for i in e["inputs"]]
+        return e
+
+
+def test_exp_of_a_negated_density_is_told_so_when_the_negation_was_evicted(tmp_path):
+    from trainguard.analysis._origin import negated_exponent
+
+    run = record(tmp_path, _raw2alpha_without_relu)
+    exp = origin(run).origin
+    product = run.execution(exp.seq)["inputs"][0]["producer"]
+    assert negated_exponent(run, exp)
+    assert negated_exponent(_Evicted(run, {exp.seq, product}), exp)  # read off the stored line
