@@ -389,3 +389,60 @@ def test_weights_initialised_tiny_set_no_rate_far_below_one_that_trains(tmp_path
             opt.step()
     high = next((f for f in mon.findings if f.kind == "lr_too_high"), None)
     assert high is None or high.evidence["suggested_lr"] >= 1e-3, high.suggestion
+
+
+class _TinyNeRF(nn.Module):
+    """yenchenlin/nerf-pytorch@63a5a63 run_nerf_helpers.py's NeRF (use_viewdirs) at D=4, W=32, skip at 2,
+    on 3-D points without the positional embedding."""
+
+    def __init__(self, W=32):
+        super().__init__()
+        self.pts_linears = nn.ModuleList([nn.Linear(3, W), nn.Linear(W, W), nn.Linear(W, W), nn.Linear(W + 3, W)])
+        self.views_linears = nn.ModuleList([nn.Linear(W + 3, W // 2)])
+        self.feature_linear, self.alpha_linear, self.rgb_linear = nn.Linear(W, W), nn.Linear(W, 1), nn.Linear(W // 2, 3)
+
+    def forward(self, pts, views):
+        h = pts
+        for i, lin in enumerate(self.pts_linears):
+            h = torch.relu(lin(h))
+            if i == 2:
+                h = torch.cat([pts, h], -1)
+        alpha = self.alpha_linear(h)
+        h = torch.relu(self.views_linears[0](torch.cat([self.feature_linear(h), views], -1)))
+        return torch.cat([self.rgb_linear(h), alpha], -1)
+
+
+def _render(model, rays_o, rays_d, n_samples=8):
+    """run_nerf.py's render_rays (near 2, far 6, no perturbation) and raw2outputs."""
+    z_vals = torch.linspace(2.0, 6.0, n_samples).expand(rays_o.shape[0], n_samples)
+    pts = rays_o[:, None, :] + rays_d[:, None, :] * z_vals[..., None]
+    raw = model(pts, rays_d[:, None, :].expand(pts.shape))
+    dists = z_vals[..., 1:] - z_vals[..., :-1]
+    dists = torch.cat([dists, torch.Tensor([1e10]).expand(dists[..., :1].shape)], -1)
+    dists = dists * torch.norm(rays_d[..., None, :], dim=-1)
+    alpha = 1. - torch.exp(-torch.relu(raw[..., 3]) * dists)
+    weights = alpha * torch.cumprod(torch.cat([torch.ones((alpha.shape[0], 1)), 1. - alpha + 1e-10], -1), -1)[:, :-1]
+    return torch.sum(weights[..., None] * torch.sigmoid(raw[..., :3]), -2)
+
+
+def test_a_rate_that_kills_every_unit_in_one_step_is_named_without_the_rule_failing(tmp_path):
+    # nerf-pytorch's training loop at --lrate 0.5 (tiny NeRF, synthetic rays): Adam's first update moved
+    # every weight matrix by about 500% of its norm and left every ReLU dead, so no gradient reached any
+    # matrix after step 0 and the update ratio was known at step 0 alone. lr_too_high then failed with
+    # "TypeError: 'numpy.float64' object is not iterable" (max() of one number) and said nothing.
+    torch.manual_seed(0)
+    model = _TinyNeRF()
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(0)
+    rays_o = torch.randn(64, 3, generator=g) * 0.1 + torch.tensor([0.0, 0.0, 4.0])
+    rays_d = torch.nn.functional.normalize(torch.randn(64, 3, generator=g) * 0.2 + torch.tensor([0.0, 0.0, -1.0]), dim=-1)
+    target = torch.rand(64, 3, generator=g)
+    with tg.Monitor(model, tmp_path / "r", every=10) as mon:
+        for _ in range(25):
+            loss = torch.mean((_render(model, rays_o, rays_d) - target) ** 2)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    kinds = {f.kind: f for f in mon.findings}
+    assert "rule_error" not in kinds, kinds["rule_error"].title
+    assert "lr_too_high" in kinds, [(f.kind, f.title) for f in mon.findings]

@@ -1539,3 +1539,57 @@ def test_a_nan_image_the_script_crashed_on_is_not_called_unused(tmp_path):
                          text=True, env={**os.environ, "COLUMNS": "200"}).stdout
     assert "training never used it" not in out, out
     assert "the script crashed in step 2 (AssertionError)" in out, out
+
+
+def _raw2alpha_without_relu():
+    # yenchenlin/nerf-pytorch@63a5a63 run_nerf.py raw2outputs with raw2alpha's act_fn=F.relu dropped
+    # (raw2alpha = lambda raw, dists: 1. - torch.exp(-raw * dists)): a negative raw density at the last
+    # sample, whose distance is 1e10, makes exp(+huge) = inf.
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1)
+    pts = torch.randn(4, 8, 3)
+    z_vals = torch.linspace(2.0, 6.0, 8).expand(4, 8)
+    dists = z_vals[..., 1:] - z_vals[..., :-1]
+    dists = torch.cat([dists, torch.Tensor([1e10]).expand(dists[..., :1].shape)], -1)
+    raw = net(pts)[..., 0]
+    alpha = 1. - torch.exp(-raw * dists)
+    weights = alpha * torch.cumprod(torch.cat([torch.ones((4, 1)), 1. - alpha + 1e-10], -1), -1)[:, :-1]
+    loss = ((weights.sum(-1) - 1.0) ** 2).mean()
+    loss.backward()
+
+
+def test_exp_of_a_negated_density_is_told_to_keep_the_density_non_negative(tmp_path):
+    # The fix said "subtract the maximum first (logsumexp / softmax do) or clamp the input, e.g.
+    # x.clamp(max=80)": a clamped exponent leaves alpha = 1 - e^80 and trains on negative densities.
+    o = origin(record(tmp_path, _raw2alpha_without_relu))
+    assert o.origin.op == "aten.exp"
+    assert "F.relu" in o.suggestion and "softplus" in o.suggestion, o.suggestion
+    assert "logsumexp" not in o.suggestion, o.suggestion
+
+
+class _Evicted:
+    """A run as a long recording under `trainguard run --monitor` leaves it (nerf's raw2alpha at step 0
+    of 60): only the executions in ``keep`` are stored, the negation before the exp's input is gone."""
+
+    def __init__(self, run, keep):
+        self._run, self._keep = run, set(keep)
+
+    def __getattr__(self, name):
+        return getattr(self._run, name)
+
+    def execution(self, seq):
+        if seq not in self._keep:
+            raise KeyError(seq)
+        e = dict(self._run.execution(seq))
+        e["inputs"] = [i if i.get("producer") in self._keep else dict(i, producer_digest=None) for i in e["inputs"]]
+        return e
+
+
+def test_exp_of_a_negated_density_is_told_so_when_the_negation_was_evicted(tmp_path):
+    from trainguard.analysis._origin import negated_exponent
+
+    run = record(tmp_path, _raw2alpha_without_relu)
+    exp = origin(run).origin
+    product = run.execution(exp.seq)["inputs"][0]["producer"]
+    assert negated_exponent(run, exp)
+    assert negated_exponent(_Evicted(run, {exp.seq, product}), exp)  # read off the stored line

@@ -137,3 +137,64 @@ def test_a_first_nan_that_reached_nothing_says_so(tmp_path, capsys):
     with tg.record(d2, buffer=-1):
         _train(fault_step=3)
     assert origin(open_run(d2)).reached_training is True
+
+
+def _sample_pdf(bins, weights, n):
+    # yenchenlin/nerf-pytorch@63a5a63 run_nerf_helpers.py sample_pdf (det=True) without its
+    # `weights = weights + 1e-5  # prevent nans`: a ray with no density makes pdf 0/0 = NaN.
+    pdf = weights / torch.sum(weights, -1, keepdim=True)
+    cdf = torch.cumsum(pdf, -1)
+    cdf = torch.cat([torch.zeros_like(cdf[..., :1]), cdf], -1)
+    u = torch.linspace(0., 1., steps=n).expand(list(cdf.shape[:-1]) + [n]).contiguous()
+    inds = torch.searchsorted(cdf, u, right=True)
+    inds_g = torch.stack([torch.clamp(inds - 1, min=0), torch.clamp(inds, max=cdf.shape[-1] - 1)], -1)
+    matched = [inds_g.shape[0], inds_g.shape[1], cdf.shape[-1]]
+    cdf_g = torch.gather(cdf.unsqueeze(1).expand(matched), 2, inds_g)
+    bins_g = torch.gather(bins.unsqueeze(1).expand(matched), 2, inds_g)
+    denom = cdf_g[..., 1] - cdf_g[..., 0]
+    denom = torch.where(denom < 1e-5, torch.ones_like(denom), denom)
+    t = (u - cdf_g[..., 0]) / denom
+    return bins_g[..., 0] + t * (bins_g[..., 1] - bins_g[..., 0])
+
+
+PDF_LINE = inspect.getsource(_sample_pdf).splitlines().index(
+    "    pdf = weights / torch.sum(weights, -1, keepdim=True)") + _sample_pdf.__code__.co_firstlineno
+
+
+def _coarse_and_fine_step():
+    # nerf-pytorch's render_rays: the coarse pass (its disparity is 0/0 = NaN for the ray with no
+    # density, unused), then the fine samples drawn from the coarse weights, whose NaN reaches the
+    # loss through the fine pass, all in one step, as in a guard's replay of the failing step.
+    torch.manual_seed(0)
+    net, fine = nn.Linear(3, 8), nn.Linear(1, 1)
+    with torch.no_grad():
+        net.weight.fill_(0.5)
+        net.bias.fill_(-1.0)
+    colors = nn.Parameter(torch.rand(8, 3))
+    z = torch.linspace(2.0, 6.0, 8)
+    rays = torch.tensor([[-5.0, -5.0, -5.0], [1.0, 2.0, 3.0], [2.0, 1.0, 0.5], [0.5, 0.5, 2.0]])
+    rgb, _disp = _render(net, colors, rays, z)
+    weights = 1.0 - torch.exp(-torch.relu(net(rays)) * 0.5)
+    z_mid = (0.5 * (z[1:] + z[:-1])).expand(4, 7)
+    z_samples = _sample_pdf(z_mid, weights[..., 1:-1], 8).detach()
+    z_fine, _ = torch.sort(torch.cat([z.expand(4, 8), z_samples], -1), -1)
+    depth_fine = (torch.sigmoid(fine(z_fine[..., None]))[..., 0] * z_fine).mean(-1)
+    loss = ((rgb - 0.5) ** 2).mean() + ((depth_fine - 4.0) ** 2).mean()
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_nan_loss_is_traced_to_its_own_origin_when_the_unused_nan_came_first_in_the_same_step(tmp_path, backend):
+    # A guard's replay of nerf-pytorch's failing step (sample_pdf without its 1e-5) records that step
+    # alone: the disparity's unused NaN comes first in it, and the guard said "origin: aten.div.Tensor
+    # at run_nerf.py:299 (the disparity)" with the fix for that line, not the sample_pdf division
+    # that made the loss NaN.
+    d = tmp_path / "r"
+    with tg.record(d, buffer=-1, backend=backend):
+        assert _coarse_and_fine_step().isnan()
+    run = open_run(d)
+    o = origin(run)
+    assert (o.origin.op, o.origin.line) == ("aten.div.Tensor", PDF_LINE), (o.origin.op, o.origin.line)
+    assert o.reached_training is True
+    assert o.earlier is not None and o.earlier["line"] == DISP_LINE, o.earlier

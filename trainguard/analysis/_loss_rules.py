@@ -789,7 +789,7 @@ def lr_too_high(ctx: Context) -> list[Finding]:
         # Adam's first update moves each weight by about the rate: on weights initialised far below their
         # Kaiming scale (seq2seq's std 0.01) that is most of their norm at any rate that trains, so that
         # update is judged against a third of the Kaiming norm at least (the later ones as they are)
-        high = max(ctx.update_ratio_by_step(floor=True).values[0], *ratios.values[1:]) >= ctx.th.update_ratio_high
+        high = max([ctx.update_ratio_by_step(floor=True).values[0], *ratios.values[1:]]) >= ctx.th.update_ratio_high
     # a reinforcement learning loss's targets move with the policy: its progress says nothing
     stuck = ctx.environment is not None or (prog is not None and prog["progress"] < 0.5)
     moved = None  # the step whose update moved the weights most, when that is the reason

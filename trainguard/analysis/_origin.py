@@ -824,6 +824,10 @@ _SUGGESTIONS = {
     "this large: lower the learning rate, and keep such a divisor away from 0 (a positive constraint with a floor, "
     "e.g. F.softplus(raw) + 1e-4, gpytorch's GreaterThan(1e-4)); or clamp the input before the power, or compute "
     "it in float64",
+    "exp_negated": "the exponent is minus a product (exp(-x * d)) and overflowed because x is negative: x is a rate or "
+    "a density (NeRF's sigma in alpha = 1 - exp(-sigma * delta), an attenuation, a decay), which must not be negative: "
+    "pass it through F.relu or F.softplus before the exp (nerf-pytorch's raw2alpha applies F.relu to the raw density); "
+    "clamping the exponent would leave alpha = 1 - e^80 and train on negative densities",
     "softplus": "log(1 + exp(x)) is torch.nn.functional.softplus(x), which computes it without overflow (x itself "
     "where x is large)",
     "empty": "the batch is empty: check the mask or index that selects it (a split at fixed indices past the "
@@ -1010,6 +1014,57 @@ def parameter_behind_view(run: Run, link: Link) -> str | None:
     except (KeyError, TrainguardError):
         return None
     return None
+
+
+def negated_exponent(run: Run, link: Link) -> bool:
+    """Whether an exp's input is minus something, negated on the exp's own line and reached through
+    products and views (nerf's ``1. - torch.exp(-act_fn(raw) * dists)``): ``exp(-x * d)``, whose
+    overflow means a negative rate, not a large logit."""
+    if op_base(link.op) not in ("exp", "exp_") or link.phase != "forward" or link.file is None:
+        return False
+    try:
+        inputs = run.execution(link.seq)["inputs"]
+        for _ in range(6):
+            digest = inputs[0].get("producer_digest") if inputs else None
+            if not digest:  # evicted from the circular buffer: the line says
+                return _source_negates_exp(run, link.file, link.line)
+            fr = run.user_frame(digest["stack_id"])
+            if fr is None or (fr["filename"], fr["lineno"]) != (link.file, link.line):
+                return False
+            base = op_base(digest["op"]).rstrip("_")
+            if base == "neg":
+                return True
+            if base not in _PASS_THROUGH | {"mul", "div"}:
+                return False
+            ins = run.execution(digest["seq"])["inputs"]
+            # a product: follow the factor made on this line by a negation, else the first
+            inputs = sorted(ins, key=lambda i: op_base((i.get("producer_digest") or {}).get("op", "")) != "neg")
+    except (KeyError, TrainguardError):
+        return False
+    return False
+
+
+def _source_negates_exp(run: Run, file: str, line: int | None) -> bool:
+    """Whether the stored source's ``line`` calls ``exp`` on minus a value or minus a product
+    (``torch.exp(-x * d)``, ``(-x * d).exp()``)."""
+    try:
+        tree = ast.parse(run.source(file).splitlines()[line - 1].strip())
+    except (KeyError, IndexError, TypeError, SyntaxError):
+        return False
+
+    def negated(e: ast.expr) -> bool:
+        while isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Mult, ast.Div)):
+            e = e.left
+        return isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+            if name in ("exp", "exp_"):
+                arg = node.args[0] if node.args else getattr(node.func, "value", None)
+                if arg is not None and negated(arg):
+                    return True
+    return False
 
 
 def inner_update(run: Run, link: Link) -> dict | None:
@@ -1207,7 +1262,7 @@ def _integer_denominator(link: Link) -> bool:
 def suggest(link: Link, first_forward: bool = False, fed: int | None = None, consumers: list[str] | None = None,
             log_of: str | None = None, held: bool = False, exp_param: str | None = None,
             loader: bool = False, clipping: dict | None = None, inner: dict | None = None,
-            negated: bool = False) -> str:
+            negated: bool = False, neg_exponent: bool = False) -> str:
     """A concrete fix for the origin op, naming a value where one applies. ``first_forward``:
     a recording whose step 0 had no update before it (a guard's replay of step N records from
     step 0 too, with trained weights: not that); ``fed``: the input a loop fed back (:func:`fed_back`);
@@ -1218,7 +1273,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
     through reshapes (:func:`parameter_behind_view`); ``loader``: made in a DataLoader's fetch
     (:func:`made_in_loader`); ``clipping``: how the loop clips its gradients (the run's ``clipping``), if it does;
     ``inner``: the input the step adapted itself by a gradient step (:func:`inner_update`); ``negated``:
-    the value is negated next on the line that made it (``A = -torch.exp(A_log)``: a decay rate)."""
+    the value is negated next on the line that made it (``A = -torch.exp(A_log)``: a decay rate);
+    ``neg_exponent``: an exp's input is minus a product made on its line (:func:`negated_exponent`)."""
     consumers = consumers or []
     if received_input(link) is not None:
         return _SUGGESTIONS["received"]
@@ -1296,6 +1352,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
             return _SUGGESTIONS["softplus"]
         if base in ("exp", "exp_") and _as_scale(consumers):
             return _SUGGESTIONS["exp_scale"]
+        if neg_exponent:
+            return _SUGGESTIONS["exp_negated"]
         return _SUGGESTIONS["exp"]
     if base in _STDS and _reduced_count(link) == 1:
         return _SUGGESTIONS["std"]
@@ -1375,11 +1433,15 @@ def _damage_elsewhere(run: Run, first: dict, since_step: int | None, handled: bo
     if first.get("reason") != "nan" or (since_step is not None and damage.get("step", -1) < since_step):
         return None
     if not isinstance(damage.get("step"), int) or not isinstance(first.get("step"), int) \
-            or damage["step"] <= first["step"]:
+            or damage["step"] < first["step"]:
+        return None
+    if damage["step"] == first["step"] and not _made_from_finite(run, damage["origin"]):
         # The same step: the NaN that reached the loss may be the first one, passed on through
         # values with no record (a compiled graph's, evicted from a circular buffer), whose link
         # the tracker lost: build-nanogpt's fully masked row under bf16, its softmax's NaN
-        # reached the loss seen as the cross entropy's own. Only a later step is another fault.
+        # reached the loss seen as the cross entropy's own. Only an origin whose inputs are known
+        # finite made a NaN of its own there (nerf's sample_pdf 0/0 after the disparity's, in the
+        # guard's replay of that one step).
         return None
     if not handled and run.scaler_skipped():
         return None  # the first harm may lie in a skipped step's gradients: first_harm decides there
@@ -1390,6 +1452,18 @@ def _damage_elsewhere(run: Run, first: dict, since_step: int | None, handled: bo
             continue
         return s, (damage.get("reason") if s == damage["seq"] else None)
     return None
+
+
+def _made_from_finite(run: Run, seq: int) -> bool:
+    """Whether execution ``seq`` is stored and every input it took from a recorded op holds a
+    known, finite value: it made its harmful value itself, no lost link passed one on to it."""
+    try:
+        e = run.execution(seq)
+    except KeyError:
+        return False
+    ops = [i for i in e["inputs"] if i["kind"] == "op"]
+    outs = [o.get("summary") for i in ops for o in (i.get("producer_digest") or {}).get("outputs") or [None]]
+    return bool(ops) and all(s and not _unknown(s) and not _is_bad(s) for s in outs)
 
 
 def _earlier(run: Run, first: dict) -> dict:
@@ -1485,7 +1559,7 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
                and (chain[-2].file, chain[-2].line) == (o.file, o.line))
     suggestion = suggest(o, first_forward, fed, consumers, log_of=log_of_sigmoid(run, o), held=held, negated=negated,
                          exp_param=parameter_behind_view(run, o), loader=loader, clipping=clipping,
-                         inner=inner_update(run, o))
+                         inner=inner_update(run, o), neg_exponent=negated_exponent(run, o))
     skipped = _skipped_after(run, o.step) if reached is False else None
     if skipped is not None:
         summary += (f". It made the loss {_num(skipped.get('loss'))} in step {skipped['step']}, which the program "
