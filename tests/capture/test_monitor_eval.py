@@ -885,3 +885,69 @@ def test_a_time_major_model_stays_time_major_in_batches_that_do_not_say_so(tmp_p
     with open_run(tmp_path / "run") as run:
         leak = run.meta["monitor"]["validation"]["leak"]
     assert [b["rows"] for b in leak["batches"]] == [16] * 4
+
+
+class _DLinear(nn.Module):
+    """thuml/Time-Series-Library models/DLinear.py @4e938a1, smaller: a moving-average trend
+    (Autoformer's series_decomp) and one linear map over time each for the trend and the rest,
+    shared by the channels. ``x``: [batch, seq_len, channels] -> [batch, pred_len, channels]."""
+
+    def __init__(self, seq_len: int = 24, pred_len: int = 8, kernel: int = 5):
+        super().__init__()
+        self.avg = nn.AvgPool1d(kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+        self.seasonal, self.trend = nn.Linear(seq_len, pred_len), nn.Linear(seq_len, pred_len)
+
+    def forward(self, x):
+        x = x.permute(0, 2, 1)
+        trend = self.avg(x)
+        return (self.seasonal(x - trend) + self.trend(trend)).permute(0, 2, 1)
+
+
+def _windows(series, seq_len=24, pred_len=8):
+    n = len(series) - seq_len - pred_len + 1
+    x = torch.stack([series[i : i + seq_len] for i in range(n)])
+    return x, torch.stack([series[i + seq_len : i + seq_len + pred_len] for i in range(n)])
+
+
+def test_the_vali_split_is_the_validation_not_the_test_split_evaluated_after_it(tmp_path):
+    """thuml/Time-Series-Library exp/exp_long_term_forecasting.py (and Informer2020, LTSF-Linear,
+    Autoformer) ends every epoch with ``vali_loss = self.vali(vali_data, vali_loader, criterion)``
+    then ``test_loss = self.vali(test_data, test_loader, criterion)``: one function, two lines, no
+    split named in a string. ``val_loss`` was the test split's (the last pass to start); on a
+    healthy DLinear whose test split drifts away, its rise read as ``overfitting`` while the
+    validation loss that early stopping watches kept falling. The loaders the lines pass name
+    the splits."""
+    torch.manual_seed(0)
+    t = torch.arange(600.0)
+    series = torch.stack([torch.sin(t / 4 + k) for k in range(3)], 1) + 0.1 * torch.randn(600, 3)
+    series[500:] += torch.linspace(0, 3, 100)[:, None]  # the test split drifts
+    xs, ys = _windows(series[:400])
+    vali_loader = [(x[i : i + 25], y[i : i + 25]) for x, y in [_windows(series[376:500])] for i in range(0, 100, 25)]
+    test_loader = [(x[i : i + 25], y[i : i + 25]) for x, y in [_windows(series[476:])] for i in range(0, 100, 25)]
+    model = _DLinear()
+    criterion = nn.MSELoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def vali(vali_data, vali_loader, criterion):  # Exp_Long_Term_Forecast.vali: the mean of batch losses
+        total_loss = []
+        model.eval()
+        with torch.no_grad():
+            for batch_x, batch_y in vali_loader:
+                total_loss.append(criterion(model(batch_x), batch_y).item())
+        model.train()
+        return sum(total_loss) / len(total_loss)
+
+    vali_data, test_data = vali_loader, test_loader  # the Dataset_Custom objects there
+    vali_losses, test_losses = [], []
+    with Monitor(model, tmp_path / "run", every=10, diagnose=False):
+        for _epoch in range(4):
+            for i in range(0, 368, 46):
+                opt.zero_grad()
+                criterion(model(xs[i : i + 46]), ys[i : i + 46]).backward()
+                opt.step()
+            vali_loss = vali(vali_data, vali_loader, criterion)
+            test_loss = vali(test_data, test_loader, criterion)
+            vali_losses.append(vali_loss)
+            test_losses.append(test_loss)
+    got = [v for _, v in scalars(tmp_path / "run", "val_loss")]
+    assert got == pytest.approx(vali_losses, rel=1e-5), (got, vali_losses, test_losses)
