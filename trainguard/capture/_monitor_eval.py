@@ -34,6 +34,9 @@ recompile whenever an evaluation flips it).
 
 from __future__ import annotations
 
+import ast
+import functools
+import linecache
 import os
 import site
 import sys
@@ -203,6 +206,7 @@ def pass_key() -> tuple:
     ran them differ."""
     key: list = []
     splits: list = []
+    words: list = []
     own = 0
     f = sys._getframe(1)
     while f is not None and (len(key) < _PASS_FRAMES or own < _OWN_FRAMES):
@@ -212,8 +216,11 @@ def pass_key() -> tuple:
             if len(key) < _PASS_FRAMES or mine:
                 key.append((name, f.f_lineno))
                 splits.extend(_split_names(f))
+                words.append(_line_split(name, f.f_lineno))
                 own += mine
         f = f.f_back
+    if any(words):
+        key.append(("args", tuple(words)))
     if splits:
         key.append(("split", tuple(splits)))
     return tuple(key)
@@ -223,7 +230,7 @@ def pass_key() -> tuple:
 # line, in ``for split in ['train', 'val']``: the line alone makes them one pass; the loop
 # variable tells them apart.
 TRAIN_SPLITS = frozenset({"train", "training"})
-VAL_SPLITS = frozenset({"val", "valid", "validation", "dev", "eval", "evaluation", "holdout"})
+VAL_SPLITS = frozenset({"val", "vali", "valid", "validation", "dev", "eval", "evaluation", "holdout"})
 _SPLITS = TRAIN_SPLITS | VAL_SPLITS | {"test", "testing"}
 
 
@@ -237,11 +244,54 @@ def _split_names(frame: Any) -> list[tuple[str, str]]:
     return [(k, v.lower()) for k, v in list(names.items()) if type(v) is str and len(v) <= 10 and v.lower() in _SPLITS]
 
 
-def split_of(key: tuple | None) -> str | None:
-    """The split a pass's key names: the innermost frame's split variable, if any."""
-    if not key or key[-1][0] != "split":
+@functools.lru_cache(maxsize=4096)
+def _line_split(filename: str, lineno: int) -> str | None:
+    """The split that the arguments of the calls on a script's line name, as one word of their
+    variables' names: Time-Series-Library evaluates ``self.vali(vali_data, vali_loader, criterion)``
+    and then ``self.vali(test_data, test_loader, criterion)``, one function called from two lines
+    with no split in a string. None when the line names none, or several (``evaluate(model,
+    train_loader, val_loader)``), or does not parse on its own."""
+    text = linecache.getline(filename, lineno).strip()
+    tree = None
+    for src in (text, text + " pass"):  # a ``for ... in vali_loader:`` header needs a body
+        try:
+            tree = ast.parse(src)
+            break
+        except (SyntaxError, ValueError):
+            continue
+    if tree is None:
         return None
-    return key[-1][1][0][1]
+    found = set()
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call):
+            for arg in [*call.args, *(k.value for k in call.keywords)]:
+                for node in ast.walk(arg):
+                    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+                    found.update(w for w in name.lower().split("_") if w in _SPLITS)
+    return found.pop() if len(found) == 1 else None
+
+
+def split_of(key: tuple | None, among: Any = ()) -> str | None:
+    """The split a pass's key names: the innermost frame's split variable, if any; else the split
+    named by the arguments at the innermost of its frames where it parted from another pass of
+    ``among`` (the keys of the passes evaluated with it): a line that called both passes, as
+    ``findings = run(model, train_words, test_words)`` around them, names neither."""
+    if not key:
+        return None
+    if key[-1][0] == "split":
+        return key[-1][1][0][1]
+    if key[-1][0] != "args":
+        return None
+    words = key[-1][1]
+    for other in among:
+        if other == key:
+            continue
+        for i, word in enumerate(words):
+            if i >= len(other) or other[i] != key[i]:
+                if word is not None:
+                    return word
+                break
+    return None
 
 
 def _count_labels(counts: torch.Tensor | None, classes: int, target: torch.Tensor,
@@ -356,7 +406,7 @@ class EvalWatch:
         # evaluated once after training (gcn's last step) is not the last validation point.
         key = self._val_key if self._val_key in self._passes else None
         if key is None:  # the last pass named a validation split, else the last pass
-            named = [k for k in self._passes if split_of(k) in VAL_SPLITS]
+            named = [k for k in self._passes if split_of(k, self._passes) in VAL_SPLITS]
             key = named[-1] if named else next(reversed(self._passes), None)
         p = self._passes.get(key) if key is not None else None
         if p is not None and p.loss_sum is not None and p.loss_n:

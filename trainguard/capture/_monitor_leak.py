@@ -97,7 +97,8 @@ class LeakWatch:
         self._pass = 0  # the newest pass's number
         self._passes: dict[tuple, int] = {}  # this evaluation's passes, by where the script ran them
         self._first_passes: set[int] = set()  # the passes that began an evaluation
-        self._splits: dict[int, str | None] = {}  # the split each pass's frames name, if any
+        self._keys: dict[int, tuple] = {}  # each pass's key (see ``pass_key``)
+        self._groups: dict[int, dict] = {}  # each pass's evaluation: the keys of the passes in it
         self._train_since_eval = True
         self._fed: set[int] = set()  # models fed with another model's output (see the module doc)
         self._time_major: set[int] = set()  # models whose inputs were seen time-major (samples_first)
@@ -147,7 +148,7 @@ class LeakWatch:
             if p is None:
                 self._pass += 1
                 p = self._passes[key] = self._pass
-                self._splits[p] = split_of(key)
+                self._keys[p], self._groups[p] = key, self._passes
             room = EVAL_ROWS - sk.n_eval
         else:
             self._train_since_eval = True
@@ -168,7 +169,7 @@ class LeakWatch:
     def _validation(self, p: int) -> bool:
         """Whether pass ``p`` is a validation: one whose frames name a validation split, else the
         last of its evaluation, unless they name the training split."""
-        split = self._splits.get(p)
+        split = split_of(self._keys.get(p), self._groups.get(p, ()))
         if split in TRAIN_SPLITS:
             return False
         return split in VAL_SPLITS or p == self._pass or p + 1 in self._first_passes
