@@ -69,7 +69,7 @@ MIN_FEATURES = 4  # rows of fewer values (a scalar regression input) repeat by c
 MAX_SHAPES = 4  # distinct row lengths hashed (variable-length inputs: the first few)
 KEEP_BELOW = 0.2  # relative distances stored for the diagnosis (unrelated rows are near 1)
 _CHUNK = 512
-_PAIRS = 16  # training rows each evaluation row is compared with for its typical distance
+_PAIRS = 64  # training rows each evaluation row is compared with for its typical distance
 
 
 class _Sketch:
