@@ -19,7 +19,7 @@ from rich.table import Table
 
 from trainguard.doctor import _dedup
 from trainguard.doctor._data_inputs import Split, is_classification, read_split
-from trainguard.doctor._data_leak import feature_leak
+from trainguard.doctor._data_leak import feature_leak, target_in_input
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import DoctorInputError
 from trainguard.store import Finding
@@ -164,6 +164,7 @@ def validate_data(
     issues += _constant(tr)
     if leak_check and tr.y is not None:
         issues += feature_leak(tr, classification)
+        issues += target_in_input(tr)
     split_info = {
         s.name: {"samples": s.n, "shape": list(s.x.shape[1:]), "dtype": str(s.x.dtype),
                  "targets": None if s.y is None else {"shape": list(s.y.shape[1:]), "dtype": str(s.y.dtype)},
