@@ -985,3 +985,27 @@ def test_windows_of_a_series_with_rare_outliers_are_not_near_copies(tmp_path):
                     criterion(model(xv[j : j + 32]), yv[j : j + 32])
             model.train()
     assert "train_val_leakage" not in [f.kind for f in mon.findings]
+
+
+def test_an_mse_validation_pass_keeps_its_targets_moments(tmp_path):
+    """The chance level of a regression: the MSE of always predicting the validation targets'
+    mean, their variance. The monitor sums their count, sum and sum of squares on the device, for
+    the validation pass only (the last to start here, not the pass over other rows before it)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    xv, yv = torch.randn(50, 8, generator=g), 3 + 2 * torch.randn(50, 4, generator=g)
+    xt, yt = torch.randn(50, 8, generator=g), torch.randn(50, 4, generator=g)
+    with Monitor(model, tmp_path / "run", every=1, diagnose=False):
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 4)).backward()
+            opt.step()
+            with torch.no_grad():
+                F.mse_loss(model(xt), yt)
+                F.mse_loss(model(xv), yv)
+    with open_run(tmp_path / "run") as run:
+        n, s, ss = run.meta["monitor"]["validation"]["target_moments"]
+    assert n == 2 * yv.numel()
+    assert (s, ss) == pytest.approx((2 * float(yv.sum()), 2 * float((yv**2).sum())), rel=1e-5)
