@@ -308,7 +308,7 @@ def _count_labels(counts: torch.Tensor | None, classes: int, target: torch.Tenso
 class _Pass:
     """One evaluation pass's sums, on the device."""
 
-    __slots__ = ("loss_sum", "loss_n", "correct", "acc_n", "labels")
+    __slots__ = ("loss_sum", "loss_n", "correct", "acc_n", "labels", "moments")
 
     def __init__(self) -> None:
         self.loss_sum: torch.Tensor | None = None
@@ -316,6 +316,7 @@ class _Pass:
         self.correct: torch.Tensor | None = None
         self.acc_n: torch.Tensor | None = None
         self.labels: torch.Tensor | None = None  # valid targets per class
+        self.moments: torch.Tensor | None = None  # an MSE's targets: count, sum, sum of squares
 
 
 class EvalWatch:
@@ -330,6 +331,9 @@ class EvalWatch:
         # Validation labels per class, for the chance level (the loss and accuracy of always
         # guessing the class priors); summed on the device over the whole run.
         self._label_counts: torch.Tensor | None = None
+        # An MSE's validation targets: count, sum, sum of squares (float64, on the device); their
+        # variance is the loss of always predicting their mean, a regression's chance level.
+        self._moments: torch.Tensor | None = None
         self.passes = 0  # the most evaluation passes one step had
         self._val_key: tuple | None = None  # where the validation pass of earlier steps was computed
         self._reset()
@@ -384,6 +388,10 @@ class EvalWatch:
             p.loss_sum = total if p.loss_sum is None else p.loss_sum + total.to(p.loss_sum.device)
             p.loss_n += n
             self.batches += 1
+            if name == "mse_loss" and target.is_floating_point():
+                t = target.detach().double()
+                m = torch.stack([torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device), t.sum(), (t * t).sum()])
+                p.moments = m if p.moments is None else p.moments + m.to(p.moments.device)
             if name in _CLASS_LOSSES and pred.dim() >= 2 and not target.is_floating_point():
                 if target.shape == pred.shape[:1] + pred.shape[2:]:
                     self.classes = int(pred.shape[1])
@@ -419,6 +427,9 @@ class EvalWatch:
                     c = self._label_counts
                     same = c is not None and c.numel() == p.labels.numel()
                     self._label_counts = c + p.labels.to(c.device) if same else p.labels
+                if p.moments is not None:
+                    m = self._moments
+                    self._moments = p.moments if m is None else m + p.moments.to(m.device)
         self._reset()
         return out
 
@@ -428,5 +439,9 @@ class EvalWatch:
         if self._label_counts is not None:
             with quiet():
                 counts = [int(v) for v in self._label_counts.cpu().tolist()]  # once, when the monitor closes
+        moments = None
+        if self._moments is not None:
+            with quiet():
+                moments = [float(v) for v in self._moments.cpu().tolist()]  # once, when the monitor closes
         return {"loss_fn": self.loss_fn, "classes": self.classes, "batches": self.batches, "passes": self.passes,
-                "label_counts": counts}
+                "label_counts": counts, "target_moments": moments}
