@@ -481,3 +481,18 @@ def test_a_dataset_of_numpy_windows_with_several_inputs_is_read():
     tensor is (it raised "train inputs must be a tensor or a NumPy array, got tuple")."""
     report = doctor.validate_data(_Windows(_series()))
     assert report.splits["train"]["shape"] == [48, 3] and report.splits["train"]["targets"]["shape"] == [24, 3]
+
+
+def test_windows_of_a_series_with_rare_spikes_are_not_near_duplicates():
+    """A forecasting series with rare 40-sigma spikes (1% of the time steps), standardised as
+    Time-Series-Library's StandardScaler does: the spikes inflate every column's std, against
+    which the spike-free windows of a periodic series differ by a few hundredths, and test
+    windows read as near copies of training windows (a leaked_near_duplicates warning). A column's
+    scale is the spread of its bulk (the median absolute deviation), not its std."""
+    rng = np.random.default_rng(1)
+    data = _series(1400)
+    spikes = rng.random(1400) < 0.01
+    data[spikes] += 40 * rng.standard_normal((int(spikes.sum()), 3)).astype(np.float32)
+    data = (data - data[:980].mean(0)) / data[:980].std(0)
+    report = doctor.validate_data(_Windows(data[:980]), _Windows(data[980 - 48 :]))
+    assert report.by_kind("leaked_near_duplicates") == []
