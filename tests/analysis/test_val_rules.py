@@ -226,3 +226,26 @@ def test_validation_labels_all_of_one_class_are_a_finding_not_a_healthy_verdict(
     few = one | {"label_counts": [8, 0, 0, 0]}
     assert "labels_one_class" not in problems(diagnose(write_run(tmp_path / "f", loss, val=val, acc=acc,
                                                                  validation=few)))
+
+
+def _regression(var=1.0, n=3000, mean=0.2):
+    """What the monitor stores for an MSE validation pass: the count, sum and sum of squares of
+    its targets (``target_moments``), whose variance is the MSE of always predicting their mean."""
+    return {"loss_fn": "mse_loss", "classes": None, "target_moments": [n, n * mean, n * (var + mean**2)]}
+
+
+def test_an_mse_validation_loss_that_never_beats_the_targets_mean_is_labels_unrelated(tmp_path):
+    """thuml/Time-Series-Library's forecasting loop with the validation split's time steps shuffled
+    before windowing: each window's horizon is unrelated to its inputs. DLinear's training MSE fell
+    1.19 -> 0.675 while the validation MSE rose 1.33 -> 1.74, above 0.99, the MSE of predicting the
+    validation targets' mean; the run got ``overfitting`` and its advice to regularise."""
+    val = [(s, 1.33 + 0.002 * s) for s in range(28, 200, 28)]
+    curve = [0.67 + 0.55 * math.exp(-s / 40) for s in range(200)]
+    fs = diagnose(write_run(tmp_path / "r", curve, val=val, validation=_regression(0.99)))
+    f = next(f for f in fs if f.kind == "labels_unrelated")
+    assert f.is_problem and f.evidence["classes"] is None and f.evidence["chance_loss"].endswith("0.9900")
+    assert "mean" in f.title and "time" in f.suggestion
+    # a forecaster that beats the mean on its validation split is no such thing
+    good = [(s, 0.72 - 0.0003 * s) for s in range(28, 200, 28)]
+    fs = diagnose(write_run(tmp_path / "r2", curve, val=good, validation=_regression(0.99)))
+    assert "labels_unrelated" not in problems(fs)

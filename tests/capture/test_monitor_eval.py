@@ -885,3 +885,127 @@ def test_a_time_major_model_stays_time_major_in_batches_that_do_not_say_so(tmp_p
     with open_run(tmp_path / "run") as run:
         leak = run.meta["monitor"]["validation"]["leak"]
     assert [b["rows"] for b in leak["batches"]] == [16] * 4
+
+
+class _DLinear(nn.Module):
+    """thuml/Time-Series-Library models/DLinear.py @4e938a1, smaller: a moving-average trend
+    (Autoformer's series_decomp) and one linear map over time each for the trend and the rest,
+    shared by the channels. ``x``: [batch, seq_len, channels] -> [batch, pred_len, channels]."""
+
+    def __init__(self, seq_len: int = 24, pred_len: int = 8, kernel: int = 5):
+        super().__init__()
+        self.avg = nn.AvgPool1d(kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+        self.seasonal, self.trend = nn.Linear(seq_len, pred_len), nn.Linear(seq_len, pred_len)
+
+    def forward(self, x):
+        x = x.permute(0, 2, 1)
+        trend = self.avg(x)
+        return (self.seasonal(x - trend) + self.trend(trend)).permute(0, 2, 1)
+
+
+def _windows(series, seq_len=24, pred_len=8):
+    n = len(series) - seq_len - pred_len + 1
+    x = torch.stack([series[i : i + seq_len] for i in range(n)])
+    return x, torch.stack([series[i + seq_len : i + seq_len + pred_len] for i in range(n)])
+
+
+def test_the_vali_split_is_the_validation_not_the_test_split_evaluated_after_it(tmp_path):
+    """thuml/Time-Series-Library exp/exp_long_term_forecasting.py (and Informer2020, LTSF-Linear,
+    Autoformer) ends every epoch with ``vali_loss = self.vali(vali_data, vali_loader, criterion)``
+    then ``test_loss = self.vali(test_data, test_loader, criterion)``: one function, two lines, no
+    split named in a string. ``val_loss`` was the test split's (the last pass to start); on a
+    healthy DLinear whose test split drifts away, its rise read as ``overfitting`` while the
+    validation loss that early stopping watches kept falling. The loaders the lines pass name
+    the splits."""
+    torch.manual_seed(0)
+    t = torch.arange(600.0)
+    series = torch.stack([torch.sin(t / 4 + k) for k in range(3)], 1) + 0.1 * torch.randn(600, 3)
+    series[500:] += torch.linspace(0, 3, 100)[:, None]  # the test split drifts
+    xs, ys = _windows(series[:400])
+    # batches of 25 windows (93 in each split; the last 18 left out): the monitor weighs batches by rows
+    vali_loader = [(x[i : i + 25], y[i : i + 25]) for x, y in [_windows(series[376:500])] for i in range(0, 75, 25)]
+    test_loader = [(x[i : i + 25], y[i : i + 25]) for x, y in [_windows(series[476:])] for i in range(0, 75, 25)]
+    model = _DLinear()
+    criterion = nn.MSELoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def vali(vali_data, vali_loader, criterion):  # Exp_Long_Term_Forecast.vali: the mean of batch losses
+        total_loss = []
+        model.eval()
+        with torch.no_grad():
+            for batch_x, batch_y in vali_loader:
+                total_loss.append(criterion(model(batch_x), batch_y).item())
+        model.train()
+        return sum(total_loss) / len(total_loss)
+
+    vali_data, test_data = vali_loader, test_loader  # the Dataset_Custom objects there
+    vali_losses, test_losses = [], []
+    with Monitor(model, tmp_path / "run", every=10, diagnose=False):
+        for _epoch in range(4):
+            for i in range(0, 368, 46):
+                opt.zero_grad()
+                criterion(model(xs[i : i + 46]), ys[i : i + 46]).backward()
+                opt.step()
+            vali_loss = vali(vali_data, vali_loader, criterion)
+            test_loss = vali(test_data, test_loader, criterion)
+            vali_losses.append(vali_loss)
+            test_losses.append(test_loss)
+    got = [v for _, v in scalars(tmp_path / "run", "val_loss")]
+    assert got == pytest.approx(vali_losses, rel=1e-5), (got, vali_losses, test_losses)
+
+
+def test_windows_of_a_series_with_rare_outliers_are_not_near_copies(tmp_path):
+    """A multichannel series with rare spikes of 40 sigma (a meter's glitches: 2% of the time
+    steps, in 38% of the windows), standardised with the training split's mean and std as
+    Time-Series-Library's StandardScaler does, windowed for DLinear: the spikes inflate the std, so
+    the spike-free windows are small, and every pair of windows holding a spike is far apart. The
+    typical distance, the median over pairs of rows, was a spike's: a fifth of the validation
+    windows read as near copies of training windows (a ``train_val_leakage`` warning)."""
+    torch.manual_seed(0)
+    t = torch.arange(1200.0)
+    series = torch.stack([torch.sin(2 * math.pi * t / (24 * (k + 1)) + k) for k in range(4)], 1)
+    series += 0.1 * torch.randn(1200, 4)
+    spikes = torch.rand(1200) < 0.02
+    series[spikes] += 40 * torch.randn(int(spikes.sum()), 4)
+    series = (series - series[:840].mean(0)) / series[:840].std(0)
+    xs, ys = _windows(series[:840])
+    xv, yv = _windows(series[840 - 24 : 1000])
+    model = _DLinear()
+    criterion = nn.L1Loss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with Monitor(model, tmp_path / "run", every=10) as mon:
+        for _epoch in range(3):
+            for i in torch.randperm(len(xs)).split(32):
+                opt.zero_grad()
+                criterion(model(xs[i]), ys[i]).backward()
+                opt.step()
+            model.eval()
+            with torch.no_grad():
+                for j in range(0, len(xv), 32):
+                    criterion(model(xv[j : j + 32]), yv[j : j + 32])
+            model.train()
+    assert "train_val_leakage" not in [f.kind for f in mon.findings]
+
+
+def test_an_mse_validation_pass_keeps_its_targets_moments(tmp_path):
+    """The chance level of a regression: the MSE of always predicting the validation targets'
+    mean, their variance. The monitor sums their count, sum and sum of squares on the device, for
+    the validation pass only (the last to start here, not the pass over other rows before it)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    xv, yv = torch.randn(50, 8, generator=g), 3 + 2 * torch.randn(50, 4, generator=g)
+    xt, yt = torch.randn(50, 8, generator=g), torch.randn(50, 4, generator=g)
+    with Monitor(model, tmp_path / "run", every=1, diagnose=False):
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 4)).backward()
+            opt.step()
+            with torch.no_grad():
+                F.mse_loss(model(xt), yt)
+                F.mse_loss(model(xv), yv)
+    with open_run(tmp_path / "run") as run:
+        n, s, ss = run.meta["monitor"]["validation"]["target_moments"]
+    assert n == 2 * yv.numel()
+    assert (s, ss) == pytest.approx((2 * float(yv.sum()), 2 * float((yv**2).sum())), rel=1e-5)

@@ -437,3 +437,62 @@ def test_ctc_batches_with_targets_and_lengths_check_the_inputs():
     assert r.splits["train"]["samples"] == 24 and r.splits["train"]["targets"] is None
     f = kinds["targets_not_read"]
     assert f.severity == "info" and "tuple" in f.title, f.title
+
+
+class _Windows(Dataset):
+    """thuml/Time-Series-Library data_provider/data_loader.py's Dataset_Custom.__getitem__
+    @4e938a1: ``seq_x = data[s_begin:s_end]``, ``seq_y = data[r_begin:r_end]`` with
+    ``r_begin = s_end - label_len``; the target is the horizon, ``seq_y[-pred_len:]``. ``shift``
+    moves the target window back into the input (an off-by-``pred_len`` ``r_begin``)."""
+
+    def __init__(self, data, shift=0, seq_len=48, label_len=24, pred_len=24):
+        self.data, self.shift, self.s, self.l, self.p = data, shift, seq_len, label_len, pred_len
+
+    def __len__(self):
+        return len(self.data) - self.s - self.p + 1
+
+    def __getitem__(self, i):
+        s_end = i + self.s
+        r_begin = s_end - self.l - self.shift
+        seq_x, seq_y = self.data[i:s_end], self.data[r_begin : r_begin + self.l + self.p]
+        return (seq_x, seq_y[: self.l]), seq_y[-self.p :]
+
+
+def _series(n=600):
+    rng = np.random.default_rng(0)
+    t = np.arange(n)[:, None]
+    return (np.sin(2 * np.pi * t / np.array([24, 48, 72])) + 0.1 * rng.standard_normal((n, 3))).astype(np.float32)
+
+
+def test_a_forecasting_target_inside_its_input_window_is_a_leak():
+    """A target window that lies inside the input window (r_begin off by pred_len): the model
+    reads the answer, the validation loss sits near 0 (0.028 against a training loss of 0.14 on
+    PatchTST) and nothing else looks wrong. The check names the input steps it copies."""
+    report = doctor.validate_data(_Windows(_series(), shift=24), _Windows(_series(), shift=24))
+    (f,) = report.by_kind("target_in_input")
+    assert f.severity == "error" and (f.evidence["first_step"], f.evidence["steps"]) == (24, 24)
+    # the honest windows: the decoder's label_len part overlaps the input by design, the horizon not
+    assert doctor.validate_data(_Windows(_series()), _Windows(_series())).by_kind("target_in_input") == []
+
+
+def test_a_dataset_of_numpy_windows_with_several_inputs_is_read():
+    """Time-Series-Library's datasets hand out NumPy arrays, and a forecaster's inputs are several
+    (the series and the decoder's start): the first array of the inputs is judged, as the first
+    tensor is (it raised "train inputs must be a tensor or a NumPy array, got tuple")."""
+    report = doctor.validate_data(_Windows(_series()))
+    assert report.splits["train"]["shape"] == [48, 3] and report.splits["train"]["targets"]["shape"] == [24, 3]
+
+
+def test_windows_of_a_series_with_rare_spikes_are_not_near_duplicates():
+    """A forecasting series with rare 40-sigma spikes (1% of the time steps), standardised as
+    Time-Series-Library's StandardScaler does: the spikes inflate every column's std, against
+    which the spike-free windows of a periodic series differ by a few hundredths, and test
+    windows read as near copies of training windows (a leaked_near_duplicates warning). A column's
+    scale is the spread of its bulk (the median absolute deviation), not its std."""
+    rng = np.random.default_rng(1)
+    data = _series(1400)
+    spikes = rng.random(1400) < 0.01
+    data[spikes] += 40 * rng.standard_normal((int(spikes.sum()), 3)).astype(np.float32)
+    data = (data - data[:980].mean(0)) / data[:980].std(0)
+    report = doctor.validate_data(_Windows(data[:980]), _Windows(data[980 - 48 :]))
+    assert report.by_kind("leaked_near_duplicates") == []

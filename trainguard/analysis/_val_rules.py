@@ -131,12 +131,20 @@ def overfitting(ctx: Context) -> list[Finding]:
     ]
 
 
-def _chance(ctx: Context) -> tuple[int, float, float, str] | None:
+def _chance(ctx: Context) -> tuple[int | None, float, float | None, str] | None:
     """(classes, chance loss, chance accuracy, how): what always guessing the validation labels'
     class priors scores (their entropy, the majority share); ln(C) and 1/C when the counts are
-    unknown."""
+    unknown. For an MSE (no classes, no accuracy): the variance of the validation targets, the
+    loss of always predicting their mean."""
     val = ctx.meta.get("validation") or {}
     c = val.get("classes")
+    moments = val.get("target_moments")
+    if c is None and val.get("loss_fn") == "mse_loss" and isinstance(moments, list) and len(moments) == 3:
+        n, s, ss = (float(v) for v in moments)
+        var = ss / n - (s / n) ** 2 if n > 0 else 0.0
+        if var > 0 and math.isfinite(var):
+            return None, var, None, "the variance of the validation targets (the MSE of predicting their mean)"
+        return None
     if not isinstance(c, int) or c < 2:
         return None
     counts = val.get("label_counts")
@@ -161,7 +169,8 @@ def labels_unrelated(ctx: Context) -> list[Finding]:
     never_learned = float(val.values.min()) >= (1 - th.chance_tolerance) * chance
     memorised = end <= th.memorise_fraction * chance and start - end >= (1 - th.memorise_fraction) * chance / 2
     acc = _val(ctx, "val_accuracy")
-    at_chance_acc = not len(acc) or float(acc.values.max()) <= (1 + th.chance_tolerance) * chance_acc + th.chance_acc_margin
+    at_chance_acc = (not len(acc) or chance_acc is None
+                     or float(acc.values.max()) <= (1 + th.chance_tolerance) * chance_acc + th.chance_acc_margin)
     if not (never_learned and memorised and at_chance_acc):
         return []
     ev: dict = {
@@ -172,20 +181,23 @@ def labels_unrelated(ctx: Context) -> list[Finding]:
         "train_loss_start": start,
         "train_loss_end": end,
     }
-    if len(acc):
+    if len(acc) and chance_acc is not None:
         ev["val_accuracy_max"] = float(acc.values.max())
         ev["chance_accuracy"] = chance_acc
+    guess = f"guessing among {classes} classes" if classes else "predicting the validation targets' mean"
+    series = ("" if classes else "; for a time series, keep each split in time order: windows cut from shuffled "
+              "time steps (a split shuffled before windowing) have horizons unrelated to their inputs")
     return [
         Finding(
             kind="labels_unrelated",
             severity="warning",
             title=f"Labels look unrelated to the inputs: the training loss fell to {fmt(end)} (memorisation) while the "
-            f"validation loss never went below chance ({chance:.3g}, guessing among {classes} classes)",
+            f"validation loss never went below chance ({chance:.3g}, {guess})",
             evidence=ev,
             suggestion="check that inputs and labels stay paired: shuffle them with one permutation "
             "(`idx = torch.randperm(n); x, y = x[idx], y[idx]`), not each on its own; check that the Dataset's "
             "`__getitem__` returns the label of the same sample and that the label encoding is the same in both "
-            "splits; `trainguard.doctor.validate_data((x_train, y_train), (x_val, y_val))` checks the data",
+            "splits" + series + "; `trainguard.doctor.validate_data((x_train, y_train), (x_val, y_val))` checks the data",
             steps=(int(val.steps[0]), int(val.steps[-1])),
             source=SOURCE,
         )

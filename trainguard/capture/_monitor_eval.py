@@ -34,6 +34,9 @@ recompile whenever an evaluation flips it).
 
 from __future__ import annotations
 
+import ast
+import functools
+import linecache
 import os
 import site
 import sys
@@ -203,6 +206,7 @@ def pass_key() -> tuple:
     ran them differ."""
     key: list = []
     splits: list = []
+    words: list = []
     own = 0
     f = sys._getframe(1)
     while f is not None and (len(key) < _PASS_FRAMES or own < _OWN_FRAMES):
@@ -212,8 +216,11 @@ def pass_key() -> tuple:
             if len(key) < _PASS_FRAMES or mine:
                 key.append((name, f.f_lineno))
                 splits.extend(_split_names(f))
+                words.append(_line_split(name, f.f_lineno))
                 own += mine
         f = f.f_back
+    if any(words):
+        key.append(("args", tuple(words)))
     if splits:
         key.append(("split", tuple(splits)))
     return tuple(key)
@@ -223,7 +230,7 @@ def pass_key() -> tuple:
 # line, in ``for split in ['train', 'val']``: the line alone makes them one pass; the loop
 # variable tells them apart.
 TRAIN_SPLITS = frozenset({"train", "training"})
-VAL_SPLITS = frozenset({"val", "valid", "validation", "dev", "eval", "evaluation", "holdout"})
+VAL_SPLITS = frozenset({"val", "vali", "valid", "validation", "dev", "eval", "evaluation", "holdout"})
 _SPLITS = TRAIN_SPLITS | VAL_SPLITS | {"test", "testing"}
 
 
@@ -237,11 +244,54 @@ def _split_names(frame: Any) -> list[tuple[str, str]]:
     return [(k, v.lower()) for k, v in list(names.items()) if type(v) is str and len(v) <= 10 and v.lower() in _SPLITS]
 
 
-def split_of(key: tuple | None) -> str | None:
-    """The split a pass's key names: the innermost frame's split variable, if any."""
-    if not key or key[-1][0] != "split":
+@functools.lru_cache(maxsize=4096)
+def _line_split(filename: str, lineno: int) -> str | None:
+    """The split that the arguments of the calls on a script's line name, as one word of their
+    variables' names: Time-Series-Library evaluates ``self.vali(vali_data, vali_loader, criterion)``
+    and then ``self.vali(test_data, test_loader, criterion)``, one function called from two lines
+    with no split in a string. None when the line names none, or several (``evaluate(model,
+    train_loader, val_loader)``), or does not parse on its own."""
+    text = linecache.getline(filename, lineno).strip()
+    tree = None
+    for src in (text, text + " pass"):  # a ``for ... in vali_loader:`` header needs a body
+        try:
+            tree = ast.parse(src)
+            break
+        except (SyntaxError, ValueError):
+            continue
+    if tree is None:
         return None
-    return key[-1][1][0][1]
+    found = set()
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call):
+            for arg in [*call.args, *(k.value for k in call.keywords)]:
+                for node in ast.walk(arg):
+                    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+                    found.update(w for w in name.lower().split("_") if w in _SPLITS)
+    return found.pop() if len(found) == 1 else None
+
+
+def split_of(key: tuple | None, among: Any = ()) -> str | None:
+    """The split a pass's key names: the innermost frame's split variable, if any; else the split
+    named by the arguments at the innermost of its frames where it parted from another pass of
+    ``among`` (the keys of the passes evaluated with it): a line that called both passes, as
+    ``findings = run(model, train_words, test_words)`` around them, names neither."""
+    if not key:
+        return None
+    if key[-1][0] == "split":
+        return key[-1][1][0][1]
+    if key[-1][0] != "args":
+        return None
+    words = key[-1][1]
+    for other in among:
+        if other == key:
+            continue
+        for i, word in enumerate(words):
+            if i >= len(other) or other[i] != key[i]:
+                if word is not None:
+                    return word
+                break
+    return None
 
 
 def _count_labels(counts: torch.Tensor | None, classes: int, target: torch.Tensor,
@@ -258,7 +308,7 @@ def _count_labels(counts: torch.Tensor | None, classes: int, target: torch.Tenso
 class _Pass:
     """One evaluation pass's sums, on the device."""
 
-    __slots__ = ("loss_sum", "loss_n", "correct", "acc_n", "labels")
+    __slots__ = ("loss_sum", "loss_n", "correct", "acc_n", "labels", "moments")
 
     def __init__(self) -> None:
         self.loss_sum: torch.Tensor | None = None
@@ -266,6 +316,7 @@ class _Pass:
         self.correct: torch.Tensor | None = None
         self.acc_n: torch.Tensor | None = None
         self.labels: torch.Tensor | None = None  # valid targets per class
+        self.moments: torch.Tensor | None = None  # an MSE's targets: count, sum, sum of squares
 
 
 class EvalWatch:
@@ -280,6 +331,9 @@ class EvalWatch:
         # Validation labels per class, for the chance level (the loss and accuracy of always
         # guessing the class priors); summed on the device over the whole run.
         self._label_counts: torch.Tensor | None = None
+        # An MSE's validation targets: count, sum, sum of squares (float64, on the device); their
+        # variance is the loss of always predicting their mean, a regression's chance level.
+        self._moments: torch.Tensor | None = None
         self.passes = 0  # the most evaluation passes one step had
         self._val_key: tuple | None = None  # where the validation pass of earlier steps was computed
         self._reset()
@@ -334,6 +388,10 @@ class EvalWatch:
             p.loss_sum = total if p.loss_sum is None else p.loss_sum + total.to(p.loss_sum.device)
             p.loss_n += n
             self.batches += 1
+            if name == "mse_loss" and target.is_floating_point():
+                t = target.detach().double()
+                m = torch.stack([torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device), t.sum(), (t * t).sum()])
+                p.moments = m if p.moments is None else p.moments + m.to(p.moments.device)
             if name in _CLASS_LOSSES and pred.dim() >= 2 and not target.is_floating_point():
                 if target.shape == pred.shape[:1] + pred.shape[2:]:
                     self.classes = int(pred.shape[1])
@@ -356,7 +414,7 @@ class EvalWatch:
         # evaluated once after training (gcn's last step) is not the last validation point.
         key = self._val_key if self._val_key in self._passes else None
         if key is None:  # the last pass named a validation split, else the last pass
-            named = [k for k in self._passes if split_of(k) in VAL_SPLITS]
+            named = [k for k in self._passes if split_of(k, self._passes) in VAL_SPLITS]
             key = named[-1] if named else next(reversed(self._passes), None)
         p = self._passes.get(key) if key is not None else None
         if p is not None and p.loss_sum is not None and p.loss_n:
@@ -369,6 +427,9 @@ class EvalWatch:
                     c = self._label_counts
                     same = c is not None and c.numel() == p.labels.numel()
                     self._label_counts = c + p.labels.to(c.device) if same else p.labels
+                if p.moments is not None:
+                    m = self._moments
+                    self._moments = p.moments if m is None else m + p.moments.to(m.device)
         self._reset()
         return out
 
@@ -378,5 +439,9 @@ class EvalWatch:
         if self._label_counts is not None:
             with quiet():
                 counts = [int(v) for v in self._label_counts.cpu().tolist()]  # once, when the monitor closes
+        moments = None
+        if self._moments is not None:
+            with quiet():
+                moments = [float(v) for v in self._moments.cpu().tolist()]  # once, when the monitor closes
         return {"loss_fn": self.loss_fn, "classes": self.classes, "batches": self.batches, "passes": self.passes,
-                "label_counts": counts}
+                "label_counts": counts, "target_moments": moments}

@@ -69,6 +69,7 @@ MIN_FEATURES = 4  # rows of fewer values (a scalar regression input) repeat by c
 MAX_SHAPES = 4  # distinct row lengths hashed (variable-length inputs: the first few)
 KEEP_BELOW = 0.2  # relative distances stored for the diagnosis (unrelated rows are near 1)
 _CHUNK = 512
+_PAIRS = 64  # training rows each evaluation row is compared with for its typical distance
 
 
 class _Sketch:
@@ -97,7 +98,8 @@ class LeakWatch:
         self._pass = 0  # the newest pass's number
         self._passes: dict[tuple, int] = {}  # this evaluation's passes, by where the script ran them
         self._first_passes: set[int] = set()  # the passes that began an evaluation
-        self._splits: dict[int, str | None] = {}  # the split each pass's frames name, if any
+        self._keys: dict[int, tuple] = {}  # each pass's key (see ``pass_key``)
+        self._groups: dict[int, dict] = {}  # each pass's evaluation: the keys of the passes in it
         self._train_since_eval = True
         self._fed: set[int] = set()  # models fed with another model's output (see the module doc)
         self._time_major: set[int] = set()  # models whose inputs were seen time-major (samples_first)
@@ -147,7 +149,7 @@ class LeakWatch:
             if p is None:
                 self._pass += 1
                 p = self._passes[key] = self._pass
-                self._splits[p] = split_of(key)
+                self._keys[p], self._groups[p] = key, self._passes
             room = EVAL_ROWS - sk.n_eval
         else:
             self._train_since_eval = True
@@ -168,7 +170,7 @@ class LeakWatch:
     def _validation(self, p: int) -> bool:
         """Whether pass ``p`` is a validation: one whose frames name a validation split, else the
         last of its evaluation, unless they name the training split."""
-        split = self._splits.get(p)
+        split = split_of(self._keys.get(p), self._groups.get(p, ()))
         if split in TRAIN_SPLITS:
             return False
         return split in VAL_SPLITS or p == self._pass or p + 1 in self._first_passes
@@ -240,7 +242,10 @@ def _repeated(ev: torch.Tensor, in_val: torch.Tensor) -> torch.Tensor:
 
 def _relative_nearest(train: torch.Tensor, ev: torch.Tensor) -> torch.Tensor:
     """Distance of each evaluation row to its nearest training row, over the typical distance
-    between an evaluation row and a training row (the median over pseudo-random pairs)."""
+    between that row and a training row (the lower quartile over ``_PAIRS`` pseudo-random training
+    rows). Per row and a quartile, not one median over all pairs: in a series with rare large
+    spikes most pairs of windows hold a spike, and against a spike's distance the spike-free
+    windows all read as copies."""
     nearest = torch.empty(len(ev), device=ev.device)
     for i in range(0, len(ev), _CHUNK):
         chunk = ev[i : i + _CHUNK]
@@ -248,9 +253,12 @@ def _relative_nearest(train: torch.Tensor, ev: torch.Tensor) -> torch.Tensor:
         # matmul form loses the digits that tell a copy, distance 0, from a near copy).
         j = torch.cdist(chunk, train).argmin(1)
         nearest[i : i + _CHUNK] = (chunk - train[j]).norm(dim=1)
-    pair = torch.arange(len(ev), device=ev.device) * 7919 % len(train)
-    typical = (ev - train[pair]).norm(dim=1)
-    typical = typical[torch.isfinite(typical)]
-    scale = typical.median() if typical.numel() else torch.tensor(float("nan"), device=ev.device)
+    rows = torch.arange(len(ev), device=ev.device)
+    scale = torch.empty(len(ev), device=ev.device)
+    for i in range(0, len(ev), _CHUNK):
+        r = rows[i : i + _CHUNK, None]
+        pair = (r * 7919 + torch.arange(_PAIRS, device=ev.device) * 104729) % len(train)
+        typical = (ev[i : i + _CHUNK, None] - train[pair]).norm(dim=2)
+        scale[i : i + _CHUNK] = typical.masked_fill(~torch.isfinite(typical), float("nan")).nanquantile(0.25, dim=1)
     rel = nearest / scale.clamp(min=1e-30)
     return torch.nan_to_num(rel, nan=float("inf"))

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from trainguard.doctor import _dedup
 from trainguard.doctor._data_inputs import Split, is_classification, read_split
-from trainguard.doctor._data_leak import feature_leak
+from trainguard.doctor._data_leak import feature_leak, target_in_input
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import DoctorInputError
 from trainguard.store import Finding
@@ -164,6 +164,7 @@ def validate_data(
     issues += _constant(tr)
     if leak_check and tr.y is not None:
         issues += feature_leak(tr, classification)
+        issues += target_in_input(tr)
     split_info = {
         s.name: {"samples": s.n, "shape": list(s.x.shape[1:]), "dtype": str(s.x.dtype),
                  "targets": None if s.y is None else {"shape": list(s.y.shape[1:]), "dtype": str(s.y.dtype)},
@@ -302,6 +303,26 @@ def _standardise(flat: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndar
     return np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+# Rows a column's bulk spread is read on: enough for a median, cheap on any dataset.
+BULK_ROWS = 20_000
+
+
+def _bulk_scale(flat: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Per column, the spread of its bulk: 1.4826 x the median absolute deviation (the std of a
+    normal column), where it is below the std; the std where the MAD is 0 (a column mostly of one
+    value, as one-hot features) or not finite. Rare huge values (a series' 40-sigma spikes)
+    inflate the std, and against it every ordinary row looks like a near copy of every other."""
+    if flat.dtype.kind not in "biuf":
+        return std
+    rows = flat[:: max(1, flat.shape[0] // BULK_ROWS)].astype(np.float64)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
+        med = np.nanmedian(rows, axis=0)
+        mad = 1.4826 * np.nanmedian(np.abs(rows - med), axis=0)
+    ok = np.isfinite(mad) & (mad > 0)
+    return np.where(ok, np.minimum(std, np.where(ok, mad, np.inf)), std)
+
+
 def _near_duplicates(splits: list[Split]) -> list[Finding]:
     tr = splits[0]
     if tr.flat.shape[1] < NEAR_MIN_FEATURES or tr.flat.dtype.kind not in "biuf":
@@ -309,6 +330,7 @@ def _near_duplicates(splits: list[Split]) -> list[Finding]:
     mean, std = column_stats(tr.flat)
     mean = np.nan_to_num(mean)
     std = np.where(np.isfinite(std) & (std > 0), std, 1.0)
+    std = _bulk_scale(tr.flat, std)
     zs = [_standardise(s.flat, mean, std) for s in splits]
     z = np.concatenate(zs) if len(zs) > 1 else zs[0]
     owner = np.concatenate([np.full(s.n, i) for i, s in enumerate(splits)])

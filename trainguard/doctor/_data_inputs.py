@@ -71,8 +71,12 @@ def main_input(inputs: Any) -> Any:
     several (a forecaster's series beside its time features, a tokenizer's input_ids beside its
     mask) the first tensor, the one the doctor counts samples on (``_state.first_tensor``). A list
     stays what it is: one tensor per sample (torchvision's detection images) is refused where it
-    is read."""
-    t = first_tensor(inputs) if isinstance(inputs, (tuple, dict)) else None
+    is read. NumPy arrays count as tensors here (Time-Series-Library's datasets hand out arrays)."""
+    if not isinstance(inputs, (tuple, dict)):
+        return inputs
+    t = first_tensor(inputs)
+    if t is None:
+        t = next((v for v in (inputs.values() if isinstance(inputs, dict) else inputs) if isinstance(v, np.ndarray)), None)
     return inputs if t is None else t
 
 

@@ -97,3 +97,41 @@ def _neighbour_accuracy(xs: np.ndarray, ys: np.ndarray, rng: np.random.Generator
     held_labels = yi[~is_ref]
     baseline = float(np.bincount(held_labels).max() / held_labels.size)
     return acc, baseline
+
+
+# A target window is "inside the input" when it equals the input's steps there in this share of
+# the samples checked (a few samples of a constant stretch match anywhere by chance).
+WINDOW_MATCH = 0.99
+# Samples compared per offset: enough to see a systematic copy, cheap for long windows.
+WINDOW_SAMPLES = 256
+
+
+def target_in_input(tr: Split) -> list[Finding]:
+    """A finding when every target is a shorter stretch of its own input along one axis (a forecasting
+    target window that overlaps the input window: ``r_begin`` off by ``pred_len``). The decoder's
+    start tokens, the input's last ``label_len`` steps at the head of ``seq_y``, are no leak: only
+    a whole target inside the input is."""
+    x, y = tr.x, tr.y
+    if y is None or x.ndim < 2 or x.ndim != y.ndim or x.dtype.kind != "f" or y.dtype.kind != "f":
+        return []
+    n = min(tr.n, WINDOW_SAMPLES)
+    xs, ys = x[:n], y[:n]
+    for axis in range(1, x.ndim):
+        other = [d for d in range(1, x.ndim) if d != axis]
+        # a target as long as the input along the axis is a reconstruction (an autoencoder's), not a window of it
+        if any(x.shape[d] != y.shape[d] for d in other) or not 0 < y.shape[axis] < x.shape[axis]:
+            continue
+        steps = y.shape[axis]
+        for start in range(x.shape[axis] - steps + 1):
+            part = np.take(xs, np.arange(start, start + steps), axis=axis)
+            same = np.isclose(part, ys, rtol=1e-6, atol=0).reshape(n, -1).all(axis=1).mean()
+            if same >= WINDOW_MATCH and np.ptp(ys) > 0:
+                return [finding(
+                    "target_in_input", "error",
+                    f"{tr.name}: the targets are the inputs' steps {start}..{start + steps - 1} along axis {axis} "
+                    f"({same:.0%} of {n} samples): the model reads the answer",
+                    "The target window must start where the input window ends: in a forecasting dataset "
+                    "seq_x = data[s_begin:s_end] and the horizon data[s_end:s_end + pred_len] (Time-Series-Library's "
+                    "r_begin = s_end - label_len puts only the decoder's label_len start steps inside the input).",
+                    axis=axis, first_step=start, steps=steps, share=float(same), samples_used=n)]
+    return []

@@ -35,6 +35,7 @@ from rich.table import Table
 from torch import nn
 
 from trainguard.doctor._gradcheck import _fake_quant_modules
+from trainguard.doctor._linear_floor import least_squares_loss
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
     DoctorInputError,
@@ -144,6 +145,7 @@ class OverfitResult(CheckResult):
     memorised: str | None = None  # passed short of the target: "accuracy" (every sample right) or "falling" (geometrically)
     projected_steps: int | None = None  # "falling": steps more to the target at the last quarter's pace
     ctc_blank: int = 0  # slow: the samples a CTC model gives blank at every frame (CTC's blank plateau)
+    least_squares: float | None = None  # floor: the least loss of a model linear in its parameters (its MSE fit)
 
     @property
     def summary(self) -> str:
@@ -172,6 +174,11 @@ class OverfitResult(CheckResult):
             "reason", "losses", "initial_loss", "final_loss", "target_loss", "accuracy", "steps", "samples", "lr",
             "optimizer", "unreached", "nan_step", "grad_norm_first", "grad_norm_last", "loss_floor", "redrawn", "train_only", "stateful", "fake_quant", "identical",
             "identical_groups", "accuracy_ceiling", "memorised", "projected_steps", "ctc_blank")}
+
+    def _at_least_squares(self) -> bool:
+        """At a floor, and a model linear in its parameters whose least-squares fit on the batch is
+        itself above the target: no parameters memorise it."""
+        return self.reason == "floor" and self.least_squares is not None and self.least_squares > self.target_loss
 
     def _at_ceiling(self) -> bool:
         return (self.identical is not None and self.accuracy_ceiling is not None and self.accuracy is not None
@@ -274,6 +281,14 @@ class OverfitResult(CheckResult):
                       "target format, probabilities passed where logits are expected)."),
         }
         title, suggestion = texts[self.reason or "floor"]
+        if self._at_least_squares():
+            title = (f"Overfit one batch: the loss stopped at {fmt(self.final_loss)}; a model linear in its parameters "
+                     f"can reach no less than {fmt(self.least_squares)} here (its least-squares fit)")
+            suggestion = ("The model's output is linear in its parameters (DLinear, NLinear, a linear regression): it "
+                          "cannot memorise a batch, and the least any of its parameters reach on these samples is the "
+                          f"least-squares fit, {fmt(self.least_squares)} (the test's optimizer approaches it slowly on "
+                          "correlated inputs). This test shows no bug in it; judge it by its validation loss.")
+            ev["least_squares_loss"] = self.least_squares
         if self.reason == "floor" and self.identical and self.accuracy_ceiling is not None and not self._at_ceiling():
             # the duplicates cost only part of this floor: the model is short of what they allow
             *head, last = self.identical["samples"]
@@ -299,7 +314,8 @@ class OverfitResult(CheckResult):
             ev["identical"] = self.identical
             ev["accuracy_ceiling"] = self.accuracy_ceiling
         # the model memorised all the duplicates let it: the data's problem, not the model's
-        severity = "warning" if self.reason == "random" or (self.reason == "floor" and self._at_ceiling()) else "error"
+        severity = ("warning" if self.reason == "random" or (self.reason == "floor" and self._at_ceiling())
+                    or self._at_least_squares() else "error")
         out.append(finding(f"overfit_{self.reason}", severity, title, suggestion, layers=self.unreached,
                            reason=self.reason, nan_step=self.nan_step, unreached=self.unreached,
                            grad_norm_first=self.grad_norm_first, grad_norm_last=self.grad_norm_last, **ev))
@@ -500,6 +516,7 @@ def overfit_one_batch(
         reason = "slow" if ctc_blank else reason
     if reason != "floor":
         identical, groups, ceiling = None, 0, None
+    least_squares = least_squares_loss(model, inputs, targets, loss_fn) if reason == "floor" else None
     return OverfitResult(
         passed=passed, reason=reason, losses=losses, initial_loss=initial, final_loss=final, target_loss=target,
         accuracy=accuracy, steps=len(losses), samples=samples, lr=used_lr, optimizer=type(opt).__name__,
@@ -508,7 +525,7 @@ def overfit_one_batch(
         train_only=train_only and reason == "random", stateful=stateful and reason == "random", identical=identical,
         identical_groups=groups, accuracy_ceiling=ceiling, memorised=memorised,
         projected_steps=projected if memorised else None, ctc_blank=ctc_blank,
-        fake_quant=_fake_quant_modules(model) if stateful and reason == "random" else 0,
+        fake_quant=_fake_quant_modules(model) if stateful and reason == "random" else 0, least_squares=least_squares,
     )
 
 
