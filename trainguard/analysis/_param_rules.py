@@ -77,6 +77,16 @@ def hand_copies(ctx: Context) -> list[str]:
             and _all_zero(ctx, p, "present") and _all_zero(ctx, p, "in_optimizer") and _moved_without_update(ctx, p)]
 
 
+def moving_targets(ctx: Context) -> list[str]:
+    """Parameters in no optimizer, reached by no gradient, whose weights change between recordings
+    all the same, in layers that run in the recorded steps: an EMA teacher or momentum encoder whose
+    output is the loss's target (DINO's teacher, BYOL's target, MoCo's key encoder). An EMA copy run
+    only to sample has no activation statistics and is not one."""
+    return [p for p, info in ctx.params.items()
+            if not info.get("optimizer") and (not info.get("requires_grad", True) or _all_zero(ctx, p, "present"))
+            and ctx.has(info.get("layer", p), "activation", "mean") and _moved_without_update(ctx, p)]
+
+
 def _trainable(ctx: Context) -> list[str]:
     """Parameters that require grad, outside the models nothing trains and the copies moved by hand."""
     aside = {p for ps in untrained_models(ctx).values() for p in ps} | set(hand_copies(ctx))
