@@ -17,6 +17,7 @@ import warnings
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainguard.resilience._state import TrainState, _stateful
@@ -164,13 +165,16 @@ class Still:
             if not moved:
                 still.append((name, ref, before))
                 continue
+            bad = [k for k in moved if now[k][2] is not None and now[k][2].dtype.kind in "fc"
+                   and not np.isfinite(now[k][2]).all()]
             filename, lineno, module_globals = self._where
             warnings.warn_explicit(
                 f"{name} ({type(obj).__name__}) has no trainable parameters but its state changed since the loop "
                 f"started ({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): moved by hand, as an EMA "
                 f"teacher, a momentum encoder or a running center is, and not in the TrainState: checkpoints do "
-                f"not save it and a resumed run starts it over; pass it by name, TrainState(..., {name}={name}) "
-                f"or state.{name} = {name}",
+                f"not save it, a resumed run starts it over, and a guard's rewind leaves it as the rewound steps "
+                f"left it{f'; it holds NaN/Inf now ({bad[0]})' if bad else ''}; pass it by name, "
+                f"TrainState(..., {name}={name}) or state.{name} = {name}",
                 UserWarning, filename, lineno, module=module_globals.get("__name__"),
                 registry=module_globals.setdefault("__warningregistry__", {}), module_globals=module_globals)
         self._watched = still
