@@ -1210,7 +1210,8 @@ DINO_TEACHER_HEAD = [(0.193, 0.0348), (0.195, 0.0341), (0.194, 0.0206), (0.182, 
 DINO_LOSS = [2.81 + 1.36 * min(1.0, s / 50) for s in range(120)]
 
 
-def dino_run(path, loss=DINO_LOSS, head=DINO_HEAD, teacher=DINO_TEACHER_HEAD, teacher_norm=lambda s: 5.0):
+def dino_run(path, loss=DINO_LOSS, head=DINO_HEAD, teacher=DINO_TEACHER_HEAD, teacher_norm=lambda s: 5.0,
+             student_norm=lambda s: 5.0):
     layers = [{"name": "head.last_layer", "type": "Linear"}, {"name": "student.head.last_layer", "type": "Linear"}]
     params = {"head.last_layer.weight_v": {"layer": "head.last_layer", "module_type": "Linear", "shape": [64, 32],
                                            "requires_grad": False},
@@ -1225,7 +1226,7 @@ def dino_run(path, loss=DINO_LOSS, head=DINO_HEAD, teacher=DINO_TEACHER_HEAD, te
         rows += [(s, "head.last_layer.weight_v", "weight", "norm", teacher_norm(s)),
                  (s, "head.last_layer.weight_v", "gradient", "present", 0),
                  (s, "head.last_layer.weight_v", "gradient", "in_optimizer", 0)]
-        rows += [(s, "student.head.last_layer.weight_v", "weight", "norm", 5.0),
+        rows += [(s, "student.head.last_layer.weight_v", "weight", "norm", student_norm(s)),
                  (s, "student.head.last_layer.weight_v", "gradient", "norm", 0.05),
                  (s, "student.head.last_layer.weight_v", "gradient", "present", 1),
                  (s, "student.head.last_layer.weight_v", "gradient", "in_optimizer", 1),
@@ -1291,6 +1292,24 @@ def test_a_dino_loss_that_rises_against_its_moving_teacher_is_no_warning(tmp_pat
     # a teacher that never moves (a fixed teacher, or EMA momentum 1): the loss is a fixed objective again
     fs = diagnose(dino_run(tmp_path / "fixed", loss=loss, head=apart, teacher=apart))
     assert [f.severity for f in fs if f.kind == "loss_not_decreasing"] == ["warning"]
+
+
+def test_a_teacher_that_never_leaves_the_students_initial_weights_is_named(tmp_path):
+    # the tiny main_dino.py (facebookresearch/dino @ 7c446df5) with momentum_teacher 1: the teacher kept
+    # the student's initial weights (its norm 5.57706451 at every recording, the student's at step 0) and
+    # the loss rose 3.28 -> 3.63; the fix said to check that targets match inputs
+    loss = [3.28 + 0.35 * min(1.0, s / 40) for s in range(120)]
+    apart = [(std, std * 0.4) for std, _ in DINO_HEAD]
+    run = dino_run(tmp_path / "m1", loss=loss, head=apart, teacher=apart, teacher_norm=lambda s: 5.57706451,
+                   student_norm=lambda s: 5.57706451 - 1.2e-4 * s)
+    [f] = [f for f in diagnose(run) if f.kind == "loss_not_decreasing"]
+    assert f.severity == "warning" and f.evidence["frozen_copy"] == {"model": "(the first model)", "of": "student"}
+    assert "momentum of 1" in f.suggestion and "targets match inputs" not in f.suggestion, f.suggestion
+    # a fixed teacher of its own (distillation from a pretrained model): no such hint
+    run = dino_run(tmp_path / "kd", loss=loss, head=apart, teacher=apart, teacher_norm=lambda s: 9.0,
+                   student_norm=lambda s: 5.57706451 - 1.2e-4 * s)
+    [f] = [f for f in diagnose(run) if f.kind == "loss_not_decreasing"]
+    assert "frozen_copy" not in f.evidence and "momentum of 1" not in f.suggestion, f.suggestion
 
 
 def test_gradients_that_vanished_during_training_blame_the_updates_not_the_tanh_stack(tmp_path):
