@@ -8,7 +8,7 @@ import numpy as np
 
 from trainguard.analysis._context import Context, Series, fmt, median, rolling_median
 from trainguard.analysis._layer_rules import gradient_blocked
-from trainguard.analysis._param_rules import _names, moving_targets
+from trainguard.analysis._param_rules import _names, frozen_copies, moving_targets
 from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import (
     LR_RANGE_TEST,
@@ -561,6 +561,16 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
             f"the script steps a reinforcement learning environment ({ctx.environment}): the loss's targets (returns, "
             "advantages) come from what the policy collects and move as it learns (PPO's value loss grows with the "
             "returns), so a loss that does not fall says little: judge the run by the episode return"
+        )
+    elif copies := frozen_copies(ctx):
+        pre, of = next(iter(copies.items()))
+        ev["frozen_copy"] = {"model": pre.rstrip(".") or "(the first model)", "of": of.rstrip(".") or "(the first model)"}
+        hints.append(
+            f"{ev['frozen_copy']['model']} is a copy of {ev['frozen_copy']['of']}'s weights at the first recording "
+            "and never moved while those trained: a teacher or momentum encoder whose EMA update does nothing (a "
+            "momentum of 1: DINO's momentum_teacher, MoCo's m; or the update is never called) gives targets from "
+            "a random network; a momentum of 0.99-0.9995 (DINO's 0.996 -> 1 cosine schedule) lets it follow. If "
+            "it is a reference frozen on purpose (DPO's), check the loss compares the right tensors"
         )
     elif teachers and not at_chance:
         ev["moving_target"] = teachers[:6]
