@@ -1210,7 +1210,8 @@ DINO_TEACHER_HEAD = [(0.193, 0.0348), (0.195, 0.0341), (0.194, 0.0206), (0.182, 
 DINO_LOSS = [2.81 + 1.36 * min(1.0, s / 50) for s in range(120)]
 
 
-def dino_run(path, loss=DINO_LOSS, head=DINO_HEAD, teacher=DINO_TEACHER_HEAD):
+def dino_run(path, loss=DINO_LOSS, head=DINO_HEAD, teacher=DINO_TEACHER_HEAD, teacher_norm=lambda s: 5.0,
+             student_norm=lambda s: 5.0):
     layers = [{"name": "head.last_layer", "type": "Linear"}, {"name": "student.head.last_layer", "type": "Linear"}]
     params = {"head.last_layer.weight_v": {"layer": "head.last_layer", "module_type": "Linear", "shape": [64, 32],
                                            "requires_grad": False},
@@ -1222,10 +1223,10 @@ def dino_run(path, loss=DINO_LOSS, head=DINO_HEAD, teacher=DINO_TEACHER_HEAD):
             std, row_std = stats[min(i, len(stats) - 1)]
             rows += [(s, la, "activation", "mean", 0.0), (s, la, "activation", "std", std),
                      (s, la, "activation", "row_std", row_std)]
-        rows += [(s, "head.last_layer.weight_v", "weight", "norm", 5.0),
+        rows += [(s, "head.last_layer.weight_v", "weight", "norm", teacher_norm(s)),
                  (s, "head.last_layer.weight_v", "gradient", "present", 0),
                  (s, "head.last_layer.weight_v", "gradient", "in_optimizer", 0)]
-        rows += [(s, "student.head.last_layer.weight_v", "weight", "norm", 5.0),
+        rows += [(s, "student.head.last_layer.weight_v", "weight", "norm", student_norm(s)),
                  (s, "student.head.last_layer.weight_v", "gradient", "norm", 0.05),
                  (s, "student.head.last_layer.weight_v", "gradient", "present", 1),
                  (s, "student.head.last_layer.weight_v", "gradient", "in_optimizer", 1),
@@ -1269,6 +1270,46 @@ def test_rows_alike_from_the_start_or_a_loss_that_falls_are_no_representation_co
     apart = [(std, std * 0.5) for std, _ in DINO_HEAD]
     fs = diagnose(dino_run(tmp_path / "apart", head=apart, teacher=apart))
     assert "representation_collapse" not in kinds(fs) and "loss_not_decreasing" in kinds(fs)
+
+
+def test_a_dino_loss_that_rises_against_its_moving_teacher_is_no_warning(tmp_path):
+    # a tiny main_dino.py (facebookresearch/dino @ 7c446df5: DINOLoss with centering 0.9, teacher temperature
+    # 0.04, the EMA teacher updated under no_grad at momentum 0.996 -> 1) under `trainguard monitor`: healthy,
+    # its loss rose from 2.2 to 4.1 while centering spread the teacher's outputs, then fell slowly to 3.6.
+    # The monitor warned "Loss rose instead of decreasing" and told the user to check the targets.
+    loss = [2.2 + 1.9 * min(1.0, s / 20) - 0.5 * max(0.0, (s - 20) / 100) for s in range(120)]
+    ema = lambda s: 5.577 - 1e-4 * s  # noqa: E731  the teacher's weights move: no optimizer steps them
+    apart = [(std, std * 0.4) for std, _ in DINO_HEAD]
+    fs = diagnose(dino_run(tmp_path / "healthy", loss=loss, head=apart, teacher=apart, teacher_norm=ema))
+    assert not [f for f in fs if f.severity != "info"], [(f.kind, f.title) for f in fs]
+    [f] = [f for f in fs if f.kind == "loss_not_decreasing"]
+    assert f.evidence["moving_target"] == ["head.last_layer.weight_v"] and "probe" in f.suggestion, f.suggestion
+    # the same teacher at temperature 1.0: its softmax went uniform and the loss sits at ln(64)
+    fs = diagnose(dino_run(tmp_path / "hot", head=apart, teacher=apart, teacher_norm=ema))
+    [f] = [f for f in fs if f.kind == "loss_not_decreasing"]
+    assert f.severity == "warning" and "temperature is too high" in f.suggestion, f.suggestion
+    assert "reinforcement" not in f.suggestion, f.suggestion
+    # a teacher that never moves (a fixed teacher, or EMA momentum 1): the loss is a fixed objective again
+    fs = diagnose(dino_run(tmp_path / "fixed", loss=loss, head=apart, teacher=apart))
+    assert [f.severity for f in fs if f.kind == "loss_not_decreasing"] == ["warning"]
+
+
+def test_a_teacher_that_never_leaves_the_students_initial_weights_is_named(tmp_path):
+    # the tiny main_dino.py (facebookresearch/dino @ 7c446df5) with momentum_teacher 1: the teacher kept
+    # the student's initial weights (its norm 5.57706451 at every recording, the student's at step 0) and
+    # the loss rose 3.28 -> 3.63; the fix said to check that targets match inputs
+    loss = [3.28 + 0.35 * min(1.0, s / 40) for s in range(120)]
+    apart = [(std, std * 0.4) for std, _ in DINO_HEAD]
+    run = dino_run(tmp_path / "m1", loss=loss, head=apart, teacher=apart, teacher_norm=lambda s: 5.57706451,
+                   student_norm=lambda s: 5.57706451 - 1.2e-4 * s)
+    [f] = [f for f in diagnose(run) if f.kind == "loss_not_decreasing"]
+    assert f.severity == "warning" and f.evidence["frozen_copy"] == {"model": "(the first model)", "of": "student"}
+    assert "momentum of 1" in f.suggestion and "targets match inputs" not in f.suggestion, f.suggestion
+    # a fixed teacher of its own (distillation from a pretrained model): no such hint
+    run = dino_run(tmp_path / "kd", loss=loss, head=apart, teacher=apart, teacher_norm=lambda s: 9.0,
+                   student_norm=lambda s: 5.57706451 - 1.2e-4 * s)
+    [f] = [f for f in diagnose(run) if f.kind == "loss_not_decreasing"]
+    assert "frozen_copy" not in f.evidence and "momentum of 1" not in f.suggestion, f.suggestion
 
 
 def test_gradients_that_vanished_during_training_blame_the_updates_not_the_tanh_stack(tmp_path):

@@ -668,6 +668,33 @@ def test_an_ema_left_out_of_the_state_is_named_and_one_in_it_is_rewound(tmp_path
         assert caught[0].filename == __file__
 
 
+def test_a_teacher_left_out_of_the_state_is_named_when_the_rewind_leaves_it_nan(tmp_path):
+    # main_dino.py's teacher (facebookresearch/dino @ 7c446df5: requires_grad=False, the EMA of the
+    # student under no_grad) outside the TrainState, under the guard: the rewind put the student back
+    # and left the teacher with the NaN of the failed step, every later step was NaN, and the guard
+    # stopped with "overflow in convolution" at the teacher's first layer; nothing named the teacher
+    state = make_state(make_data(20, poison_batch=12))
+    teacher = PolyNet()
+    teacher.load_state_dict(state.model.state_dict())
+    teacher.requires_grad_(False)
+    guard = tg.Guard(tmp_path / "run", snapshot_every=5, max_rewinds=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(tg.Diverged):
+            for _step, (x, y) in guard.batches(state, total_steps=20):
+                loss = nn.functional.mse_loss(state.model(x), teacher(x).detach() + y)
+                state.optimizer.zero_grad()
+                loss.backward()
+                state.optimizer.step()
+                with torch.no_grad():
+                    for ps, pt in zip(state.model.parameters(), teacher.parameters()):
+                        pt.data.mul_(0.9).add_(0.1 * ps.detach().data)
+    [message] = [str(w.message) for w in caught if "TrainState" in str(w.message)]
+    assert message.startswith("teacher (PolyNet)") and "TrainState(..., teacher=teacher)" in message, message
+    assert "rewind" in message and "holds NaN/Inf now" in message, message
+    assert [w.filename for w in caught if "TrainState" in str(w.message)] == [__file__]
+
+
 class CholeskyGP(nn.Module):
     """cornellius-gp/gpytorch's SVGP (examples/04_Variational_and_Approximate_GPs), reduced: every
     forward factors a covariance built from the parameters, and linear_operator's

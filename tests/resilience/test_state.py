@@ -375,6 +375,56 @@ def test_resume_does_not_warn_about_objects_it_holds_or_that_hold_no_training_st
     del same_model, loss_fn, frozen, scaler, model_class
 
 
+class _DINOLoss(torch.nn.Module):
+    """facebookresearch/dino @ 7c446df5, main_dino.py DINOLoss: no parameters, a ``center`` buffer
+    moved every step (reassigned, as update_center does)."""
+
+    def __init__(self, out_dim):
+        super().__init__()
+        self.register_buffer("center", torch.zeros(1, out_dim))
+
+    def forward(self, student_output, teacher_output):
+        q = torch.softmax((teacher_output - self.center) / 0.04, dim=-1).detach()
+        loss = torch.sum(-q * torch.log_softmax(student_output / 0.1, dim=-1), dim=-1).mean()
+        with torch.no_grad():
+            self.center = self.center * 0.9 + teacher_output.mean(0, keepdim=True) * 0.1
+        return loss
+
+
+def test_resume_warns_when_a_module_without_trainable_parameters_left_out_moves(tmp_path):
+    # main_dino.py's teacher (requires_grad=False, the EMA of the student under no_grad) and its
+    # DINOLoss' center left out of TrainState(model=student, ...): the resumed run restarted the
+    # teacher from the student's initial weights and the center from 0, and nothing said so, as
+    # modules without trainable parameters (a frozen VAE) are never named.
+    torch.manual_seed(0)
+    student = torch.nn.Linear(4, 8)
+    teacher = torch.nn.Linear(4, 8)
+    teacher.load_state_dict(student.state_dict())
+    teacher.requires_grad_(False)
+    dino_loss = _DINOLoss(8)
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)  # a frozen encoder nothing moves: no warning
+    opt = torch.optim.AdamW(student.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop = CheckpointManager(tmp_path / "ckpt", every_steps=2).resume(
+            TrainState(model=student, optimizer=opt), total_steps=4)
+        assert _messages(caught) == []  # nothing moved yet: a frozen teacher would be no state
+        for _ in loop:
+            x = frozen(torch.randn(16, 4))
+            loss = dino_loss(student(x), teacher(x))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for ps, pt in zip(student.parameters(), teacher.parameters()):
+                    pt.data.mul_(0.99).add_(0.01 * ps.detach().data)
+    messages = _messages(caught)
+    assert len(messages) == 2, messages  # once each, at the first save after they moved
+    assert "teacher (Linear)" in messages[0] and "TrainState(..., teacher=teacher)" in messages[0], messages
+    assert "dino_loss (_DINOLoss)" in messages[1] and "center" in messages[1], messages
+    assert all(w.filename == __file__ for w in caught if "TrainState" in str(w.message))
+
+
 def test_resume_does_not_warn_about_the_object_a_held_wrapper_holds(tmp_path):
     class Wrapped:  # accelerate's AcceleratedOptimizer holds the optimizer it wraps
         def __init__(self, optimizer):

@@ -8,6 +8,7 @@ import numpy as np
 
 from trainguard.analysis._context import Context, Series, fmt, median, rolling_median
 from trainguard.analysis._layer_rules import gradient_blocked
+from trainguard.analysis._param_rules import _names, frozen_copies, moving_targets
 from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import (
     LR_RANGE_TEST,
@@ -536,12 +537,18 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
     hints = []
     classes = ctx.loss_classes()  # a contrastive loss's candidates per row, not the embedding's units
     units = classes or ctx.output_units()
-    if units and units > 1 and abs(p["end"] - math.log(units)) < 0.05 * math.log(units):
+    teachers = moving_targets(ctx)  # an EMA teacher or momentum encoder: the loss's target moves
+    at_chance = bool(units and units > 1 and abs(p["end"] - math.log(units)) < 0.05 * math.log(units))
+    if at_chance:
         ev["chance_loss"] = f"ln({units}) = {math.log(units):.4f}"
         hints.append(f"the loss sits at ln({units}), the cross-entropy of a uniform guess over {units} classes"
                      + ("; in a contrastive loss every candidate scores alike: the embeddings collapsed to one "
                         "vector, or the logit scale (exp of a learned logit_scale, 1 / temperature) fell to 0"
-                        if classes and classes != ctx.output_units() else ""))
+                        if classes and classes != ctx.output_units() else "")
+                     + ("; with a teacher moved by hand (DINO) the teacher's softmax went uniform: its temperature "
+                        "is too high for its logits (DINO's 0.04, warmed up to at most 0.07: the cosine logits of a "
+                        "weight-normed last layer span only [-1, 1]), or its centering outweighs its sharpening"
+                        if teachers else ""))
     ratio = median(ctx.update_ratio_by_step().values)
     if math.isfinite(ratio):
         ev["update_ratio_median"] = ratio
@@ -554,6 +561,25 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
             f"the script steps a reinforcement learning environment ({ctx.environment}): the loss's targets (returns, "
             "advantages) come from what the policy collects and move as it learns (PPO's value loss grows with the "
             "returns), so a loss that does not fall says little: judge the run by the episode return"
+        )
+    elif copies := frozen_copies(ctx):
+        pre, of = next(iter(copies.items()))
+        ev["frozen_copy"] = {"model": pre.rstrip(".") or "(the first model)", "of": of.rstrip(".") or "(the first model)"}
+        hints.append(
+            f"{ev['frozen_copy']['model']} is a copy of {ev['frozen_copy']['of']}'s weights at the first recording "
+            "and never moved while those trained: a teacher or momentum encoder whose EMA update does nothing (a "
+            "momentum of 1: DINO's momentum_teacher, MoCo's m; or the update is never called) gives targets from "
+            "a random network; a momentum of 0.99-0.9995 (DINO's 0.996 -> 1 cosine schedule) lets it follow. If "
+            "it is a reference frozen on purpose (DPO's), check the loss compares the right tensors"
+        )
+    elif teachers and not at_chance:
+        ev["moving_target"] = teachers[:6]
+        hints.append(
+            f"the loss's target comes from weights no optimizer steps that move all the same ({_names(teachers)}): "
+            "an EMA teacher or momentum encoder (DINO, BYOL, MoCo's key encoder), so the loss is no fixed objective "
+            "(DINO's cross-entropy rises while centering spreads the teacher's outputs): judge the run by a k-NN or "
+            "linear probe on the features; it has collapsed when the teacher's softmax is one-hot for every input "
+            "or uniform (the loss then sits at 0 or ln of its output size)"
         )
     elif rising and (div := diverged(ctx)) and _slow_under_calm_updates(ctx, div, _ratio_max(ctx)):
         hints.append(
@@ -591,7 +617,8 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
         Finding(
             kind="loss_not_decreasing",
             # an agent's loss trend says little (its targets move with the policy): the episode return judges it
-            severity="info" if ctx.environment and not blocked else "warning",
+            # so does a loss against a teacher that moves, unless it sits at a uniform guess (collapse)
+            severity="info" if (ctx.environment or (teachers and not at_chance)) and not blocked else "warning",
             title=f"{title}: {fmt(p['start'])} -> {fmt(p['end'])} (best {fmt(p['best'])}) over {p['steps'][1] - p['steps'][0] + 1} steps",
             evidence=ev,
             suggestion="; ".join(hints),

@@ -77,6 +77,48 @@ def hand_copies(ctx: Context) -> list[str]:
             and _all_zero(ctx, p, "present") and _all_zero(ctx, p, "in_optimizer") and _moved_without_update(ctx, p)]
 
 
+def moving_targets(ctx: Context) -> list[str]:
+    """Parameters in no optimizer, reached by no gradient, whose weights change between recordings
+    all the same, in layers that run in the recorded steps: an EMA teacher or momentum encoder whose
+    output is the loss's target (DINO's teacher, BYOL's target, MoCo's key encoder). An EMA copy run
+    only to sample has no activation statistics and is not one."""
+    return [p for p, info in ctx.params.items()
+            if not info.get("optimizer") and (not info.get("requires_grad", True) or _all_zero(ctx, p, "present"))
+            and ctx.has(info.get("layer", p), "activation", "mean") and _moved_without_update(ctx, p)]
+
+
+def frozen_copies(ctx: Context) -> dict[str, str]:
+    """Models nothing trains whose weights never changed and were, at the first recording, the
+    weights of a trained model of the same shape (DINO's teacher loaded from the student, MoCo's key
+    encoder copied from the query encoder) while those moved since: an EMA or momentum update that
+    does nothing (a momentum of 1, or never called). Untrained prefix -> trained prefix."""
+    prefixes = sorted({r.get("prefix") or "" for r in ctx.meta.get("roots") or []}, key=len, reverse=True)
+    out: dict[str, str] = {}
+    for pre, ps in untrained_models(ctx).items():
+        for other in prefixes:
+            if other == pre or other in out.values():
+                continue
+            pairs = [(p, other + p[len(pre):]) for p in ps]
+            if pairs and all(q in ctx.params and _copy_kept(ctx, p, q) for p, q in pairs) and any(
+                    _moved(ctx, q) for _, q in pairs):
+                out[pre] = other
+                break
+    return out
+
+
+def _moved(ctx: Context, p: str) -> bool:
+    w = ctx.stat(p, "weight", "norm").finite()
+    return len(w) >= 2 and bool(np.max(np.abs(w.values - w.values[0])) > 1e-6 * max(abs(w.values[0]), 1e-12))
+
+
+def _copy_kept(ctx: Context, p: str, q: str) -> bool:
+    """``p`` never moved and started where ``q`` started."""
+    w, v = ctx.stat(p, "weight", "norm").finite(), ctx.stat(q, "weight", "norm").finite()
+    if len(w) < 2 or not len(v) or _moved(ctx, p):
+        return False
+    return abs(w.values[0] - v.values[0]) <= 1e-6 * max(abs(v.values[0]), 1e-12)
+
+
 def _trainable(ctx: Context) -> list[str]:
     """Parameters that require grad, outside the models nothing trains and the copies moved by hand."""
     aside = {p for ps in untrained_models(ctx).values() for p in ps} | set(hand_copies(ctx))

@@ -249,9 +249,10 @@ class Guard:
         """The guard without a CheckpointManager: yield ``(step, batch)`` from ``state.loader``
         from ``state.step`` to ``total_steps``, with in-memory snapshots only. Nothing is saved
         to disk but the guard's run; signals are left to the program."""
-        warn_unheld(state, sys._getframe(1).f_locals, stacklevel=2)
+        still = warn_unheld(state, sys._getframe(1).f_locals, stacklevel=2)
         loop = ResumeLoop(None, state, total_steps=total_steps, epochs=None, delete_on_success=False,
                           handle_signals=False, guard=self)
+        loop._still = still  # checked at each rewind: a module left out that moved is named then
         return loop.batches()
 
     def install(self) -> Guard:
@@ -656,6 +657,7 @@ class Guard:
             self.snapshot.restore(state)
             self._outside.restore(state, self._sentry.optimizers(), self._sentry.fresh)
         self._restores += 1
+        self._loop._check_still()  # what the state does not hold stays as the failed steps left it
         self._sentry.clear()
         while self._window and self._window[-1][0] >= state.step:
             self._window.pop()

@@ -126,6 +126,7 @@ class ResumeLoop:
             self.guard = None
         self._groups = _dist.Groups() if manager is None else manager._groups
         self._active_guard: Any = None  # the guard while batches() runs
+        self._still: Any = None  # modules left out of the state that should not move (_unheld.Still)
 
     def __iter__(self) -> Iterator[int]:
         self._start()
@@ -276,6 +277,7 @@ class ResumeLoop:
         self._save_waiting = False
         if signum:
             if force or due or m.last_saved_step != self.state.step:
+                self._check_still()
                 m.save(self.state, blocking=True)
             else:
                 m.wait()  # this step is already being saved in the background
@@ -288,7 +290,12 @@ class ResumeLoop:
             return
         self._deferred = False
         if due:
+            self._check_still()
             m.save(self.state)
+
+    def _check_still(self) -> None:
+        if self._still is not None:
+            self._still.check()
 
     def _finish(self) -> None:
         m = self.manager
@@ -298,6 +305,7 @@ class ResumeLoop:
         if self.delete_on_success:
             m.delete_all()
         elif m.last_saved_step != self.state.step:
+            self._check_still()
             m.save(self.state, blocking=True)
 
     @contextmanager

@@ -493,10 +493,12 @@ class CheckpointManager:
         from trainguard.resilience._loop import ResumeLoop
         from trainguard.resilience._unheld import warn_unheld
 
-        warn_unheld(state, sys._getframe(1).f_locals, stacklevel=2)
-        return ResumeLoop(self, state, total_steps=total_steps, epochs=epochs,
+        still = warn_unheld(state, sys._getframe(1).f_locals, stacklevel=2)
+        loop = ResumeLoop(self, state, total_steps=total_steps, epochs=epochs,
                           delete_on_success=delete_on_success, handle_signals=handle_signals, guard=guard,
                           strict=strict)
+        loop._still = still  # checked at each save: a module left out that moves is named then
+        return loop
 
 
 class CheckpointFallbackWarning(UserWarning):

@@ -11,10 +11,13 @@ when the loop starts, reading the locals of the frame that starts it.
 
 from __future__ import annotations
 
+import sys
 import types
 import warnings
+import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainguard.resilience._state import TrainState, _stateful
@@ -79,8 +82,10 @@ def unheld(state: TrainState, namespace: dict[str, Any]) -> list[tuple[str, Any]
     return found
 
 
-def warn_unheld(state: TrainState, namespace: dict[str, Any], *, stacklevel: int) -> None:
-    """One warning per object of :func:`unheld`, pointing at the caller ``stacklevel`` frames up."""
+def warn_unheld(state: TrainState, namespace: dict[str, Any], *, stacklevel: int) -> Still:
+    """One warning per object of :func:`unheld`, pointing at the caller ``stacklevel`` frames up.
+    Returns the modules without trainable parameters the state does not reach, to check later
+    whether they moved (:class:`Still`)."""
     for name, obj in unheld(state, namespace):
         warnings.warn(
             f"{name} ({type(obj).__name__}) has state_dict() and load_state_dict() but is not in the "
@@ -88,3 +93,88 @@ def warn_unheld(state: TrainState, namespace: dict[str, Any], *, stacklevel: int
             f"leaves it as the rewound steps left it (an EMA keeps the weights of a failed step); pass it "
             f"by name, TrainState(..., {name}={name}) or state.{name} = {name}",
             stacklevel=stacklevel + 1)
+    frame = sys._getframe(stacklevel)
+    return Still(state, namespace, (frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
+
+
+_SAMPLE = 4096  # elements compared per tensor: an EMA or a running center moves every one of them
+
+
+def _sample(t: torch.Tensor) -> Any:
+    """A copy of the first elements of ``t``, taken through NumPy (no aten op that a recording
+    would see) when ``t`` lives on the CPU."""
+    flat = t.reshape(-1)[:_SAMPLE] if t.device.type != "cpu" else t
+    with torch.no_grad():
+        if t.device.type != "cpu":
+            flat = flat.detach().cpu()
+        if flat.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2) or flat.is_quantized:
+            return None  # NumPy has no such dtype: compared by identity alone
+        return flat.numpy(force=flat.requires_grad).reshape(-1)[:_SAMPLE].copy()
+
+
+def _fingerprint(module: torch.nn.Module) -> dict[str, tuple]:
+    out = {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.Tensor) and t.numel() and not t.is_sparse:
+            out[key] = (t.untyped_storage().data_ptr(), tuple(t.shape), _sample(t))
+    return out
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether a tensor's fingerprint is unchanged: its sampled values when both have them, else its storage."""
+    if a[1] != b[1]:
+        return False
+    if a[2] is None or b[2] is None:
+        return a[0] == b[0]
+    return a[2].tobytes() == b[2].tobytes()
+
+
+class Still:
+    """Modules without trainable parameters among the locals of the line that started the loop,
+    that the state neither holds nor reaches: a frozen VAE or a loss stays as it is, but an EMA
+    teacher (DINO's, under ``no_grad`` with ``requires_grad=False``), a momentum encoder or a
+    loss's running center (DINOLoss' ``center``) moves, and a resumed run would start it over.
+    :meth:`check` warns once about each that changed since the loop started."""
+
+    def __init__(self, state: TrainState, namespace: dict[str, Any], where: tuple[str, int, dict]):
+        reached, _ = _reached(state)
+        self._where = where
+        self._watched: list[tuple[str, weakref.ref, dict[str, tuple]]] = []
+        ids: set[int] = set()
+        for name, obj in namespace.items():
+            if (name.startswith("_") or not isinstance(obj, torch.nn.Module) or id(obj) in reached
+                    or id(obj) in ids or any(p.requires_grad for p in obj.parameters())):
+                continue
+            ids.add(id(obj))
+            try:
+                self._watched.append((name, weakref.ref(obj), _fingerprint(obj)))
+            except Exception:  # noqa: BLE001 - an odd module's state is no reason to stop training
+                continue
+
+    def check(self) -> None:
+        still = []
+        for name, ref, before in self._watched:
+            obj = ref()
+            if obj is None:
+                continue
+            try:
+                now = _fingerprint(obj)
+            except Exception:  # noqa: BLE001
+                continue
+            moved = [k for k in before if k in now and not _same(before[k], now[k])]
+            if not moved:
+                still.append((name, ref, before))
+                continue
+            bad = [k for k in moved if now[k][2] is not None and now[k][2].dtype.kind in "fc"
+                   and not np.isfinite(now[k][2]).all()]
+            filename, lineno, module_globals = self._where
+            warnings.warn_explicit(
+                f"{name} ({type(obj).__name__}) has no trainable parameters but its state changed since the loop "
+                f"started ({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): moved by hand, as an EMA "
+                f"teacher, a momentum encoder or a running center is, and not in the TrainState: checkpoints do "
+                f"not save it, a resumed run starts it over, and a guard's rewind leaves it as the rewound steps "
+                f"left it{f'; it holds NaN/Inf now ({bad[0]})' if bad else ''}; pass it by name, "
+                f"TrainState(..., {name}={name}) or state.{name} = {name}",
+                UserWarning, filename, lineno, module=module_globals.get("__name__"),
+                registry=module_globals.setdefault("__warningregistry__", {}), module_globals=module_globals)
+        self._watched = still
