@@ -167,3 +167,12 @@ def test_a_token_id_past_the_embedding_is_a_skipped_batch(tmp_path):
     assert "input 16 is out of range for 16 embedding rows (0 to 15)" in event["message"], event["message"]
     assert event["skipped"][0]["batch"] == 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_lower_lr_skips_a_label_out_of_range_keeping_the_rate(tmp_path):
+    # no learning rate repairs a bad label: halving it would retry the same batch until max_rewinds
+    guard, state = _train_classifier(tmp_path, _classifier_data(), steps=8, ckpt=False, policy="lower_lr")
+    assert state.step == 8
+    assert [e["action"] for e in guard.events] == ["skip"], [e["message"] for e in guard.events]
+    assert "no rate repairs an index out of range" in guard.events[0]["policy_note"]
+    assert state.optimizer.param_groups[0]["lr"] == 0.1
