@@ -142,6 +142,88 @@ def data_fix(b: dict) -> str:
             "or filter non-finite samples out in the dataset or collate_fn; the guard skips such a batch each time")
 
 
+# What an index out of range indexes, by the op that raised on it (see guard/_raising.py).
+_INDEXES = {"F.cross_entropy": "classes", "F.nll_loss": "classes", "F.embedding": "embedding rows",
+            "F.one_hot": "classes (num_classes)"}
+
+
+def _index_values(ix: dict) -> str:
+    values = ", ".join(str(v) for v in ix["values"]) + (" ..." if ix.get("distinct", 0) > len(ix["values"]) else "")
+    return f"{ix.get('argument', 'index')} {values}"
+
+
+def _index_range(op: str, ix: dict) -> str:
+    """``out of range for 4 classes (0 to 3)``."""
+    high = ix["range"][1]
+    what = _INDEXES.get(op, "entries in that dimension")
+    return f"out of range for {high} {what} (0 to {high - 1})"
+
+
+def _index_samples(ix: dict) -> str:
+    """``its sample 70`` / ``row 9 of batch[1]`` / ``row 9 of the index``: where the bad entries are."""
+    b = ix.get("in_batch") or {}
+    if b.get("samples"):
+        return f"its {_listed('sample', b['samples'])}"
+    if b.get("rows"):
+        return f"{_listed('row', b['rows'])} of batch{b['where']}"
+    return f"{_listed('row', ix['rows'])} of the {ix.get('argument', 'index')}" if ix.get("rows") else ""
+
+
+def index_reason(raised: dict) -> str:
+    """The reason of an event whose step raised on an index out of range: the error as torch said it."""
+    where = f" at {_short(raised['file'])}:{raised['line']}" if raised.get("file") else ""
+    return f"{raised['op']}{where} raised {raised['error'].rstrip('.')}"
+
+
+def index_held(raised: dict) -> str:
+    """``its sample 70 holds target 4``: which samples (or rows) hold the index out of range."""
+    ix = raised["index"]
+    which = _index_samples(ix)
+    many = len((ix.get("in_batch") or {}).get("samples") or (ix.get("in_batch") or {}).get("rows") or ix.get("rows") or []) > 1
+    return f"{which} hold{'' if many else 's'} {_index_values(ix)}" if which else _index_values(ix)
+
+
+def index_batch_text(event: dict) -> str:
+    """`` (its sample 70 holds target 4)``, or nothing."""
+    raised = event.get("raised") or {}
+    return f" ({index_held(raised)})" if raised.get("index") else ""
+
+
+def index_origin(raised: dict, step: int) -> dict:
+    """The origin of an event whose step raised on an index out of range: the op that raised, at
+    the user's line, as ``Origin.to_dict()`` holds it. The replay's recording has nothing to trace:
+    no op made a NaN (the guard's stand-in for the result is not recorded), the index came in
+    with the batch or was computed out of range."""
+    from trainguard.analysis import Link, Origin
+
+    ix, op = raised["index"], raised["op"]
+    explanation = f"{_index_values(ix)} is {_index_range(op, ix)}"
+    b = ix.get("in_batch") or {}
+    if b:
+        fix = (f"the batch itself holds the {ix.get('argument', 'index')} out of range (batch{b['where']}"
+               f"{', ' + _listed('sample', b['samples']) if b.get('samples') else ''}): repair or drop "
+               f"{'that sample' if len(b.get('samples') or b['rows']) == 1 else 'those samples'}, or make the model's "
+               f"{_INDEXES.get(op, 'size')} cover every value the data set holds (`trainguard doctor` checks "
+               "the range of a dataset's labels)")
+    else:
+        fix = (f"the step computed an {ix.get('argument', 'index')} out of range from its batch: check how it is made "
+               f"and that the model's {_INDEXES.get(op, 'size')} cover it")
+    if op in ("F.cross_entropy", "F.nll_loss") and any(v % 255 == 0 and v for v in ix["values"]):
+        fix += ("; a mask stored as 0/255 (an 8-bit PNG) holds 255 where class 1 is meant: map its values to class "
+                "indices (`mask // 255`)")
+    link = Link(seq=-1, op=op, step=step, phase="forward", module=None, health=[], file=raised.get("file"),
+                line=raised.get("line"), function=None, explanation=explanation, taint="raised")
+    summary = (f"{op} at {_short(raised.get('file'))}:{raised.get('line')} raised {raised['error']}: "
+               f"{index_held(raised)}, {_index_range(op, ix)}")
+    return Origin(chain=[link], summary=summary, suggestion=fix).to_dict()
+
+
+def _short(path: str | None) -> str:
+    from trainguard.guard._replay import short_path
+
+    return short_path(path)
+
+
 def culprits_text(event: dict) -> str:
     """`` (the first inf is in its sample 77)``: the samples whose rows of the origin's output
     the replay found its non-finite values in (``Guard`` events' ``culprits``), or nothing. Where,
@@ -183,7 +265,7 @@ def outcome(event: dict) -> str:
                     else f"skipped {n} batches from the batch of step {event['step']:,}")
         else:
             text = f"skipped batch {first}" if n == 1 else f"skipped {n} batches from batch {first}"
-            text += batch_text(event) or culprits_text(event) or suspects_text(event)
+            text += batch_text(event) or index_batch_text(event) or culprits_text(event) or suspects_text(event)
         return text + (f"; {event['policy_note']}" if event.get("policy_note") else "")
     if action == "lower_lr":
         lrs = ", ".join(f"{v:.3g}" for v in event.get("lr") or [])
@@ -193,6 +275,10 @@ def outcome(event: dict) -> str:
     if action == "continue":
         return "it did not reproduce in the replay (a transient fault?); training goes on"
     if action == "code_bug":
+        if (event.get("raised") or {}).get("index"):
+            return (f"stopped: the next batch raised the same way{index_batch_text(event)}, so the fault is the code's "
+                    "or the whole data set's, not one sample's: check that the model's outputs cover the labels' "
+                    "range (`trainguard doctor` checks a dataset's labels) (trainguard.Diverged)")
         return ("stopped: the next batch fails the same way, so the fault follows the code, not the data "
                 "(trainguard.Diverged)")
     if action == "max_rewinds":
@@ -227,7 +313,7 @@ def stored_counts(path: Path) -> tuple[int, int]:
 
 def stored_bad_samples(path: Path) -> dict[Any, int]:
     """The samples earlier events of the guard's run in ``path`` found holding NaN/Inf in the batch
-    itself, each with the number of the event that found it (see ``Guard._known_bad``)."""
+    itself, or an index out of range, each with the number of the event that found it (see ``Guard._known_bad``)."""
     if not (path / "run.sqlite").exists():
         return {}
     try:
@@ -239,8 +325,9 @@ def stored_bad_samples(path: Path) -> dict[Any, int]:
     for f in found:
         e = f.get("event") or {}
         bad = e.get("batch_nonfinite") or {}
+        index = (((e.get("raised") or {}).get("index") or {}).get("in_batch") or {}).get("samples") or []
         if e.get("action") == "skip" and "rank" not in bad:
-            for sample in bad.get("samples") or ():
+            for sample in [*(bad.get("samples") or ()), *index]:
                 out.setdefault(sample, e.get("n"))
     return out
 
