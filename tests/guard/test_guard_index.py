@@ -129,7 +129,7 @@ def test_an_index_error_outside_the_guarded_step_is_raised_unchanged(tmp_path):
 
 
 class _TinyLM(nn.Module):
-    """karpathy/nanoGPT model.py (@93a43d9a) in small: token and position embeddings, one MLP
+    """karpathy/nanoGPT model.py (@3adf61e1) in small: token and position embeddings, one MLP
     block, a head over the vocabulary, cross-entropy over the flattened next tokens."""
 
     def __init__(self, vocab=16, block=8, dim=8):
@@ -164,7 +164,8 @@ def test_a_token_id_past_the_embedding_is_a_skipped_batch(tmp_path):
     assert event["raised"]["op"] == "F.embedding"
     assert event["raised"]["error"] == "IndexError: index out of range in self"
     assert event["raised"]["index"]["in_batch"]["samples"] == [21], event["raised"]["index"]
-    assert "input 16 is out of range for 16 embedding rows (0 to 15)" in event["message"], event["message"]
+    assert "index 16 is out of range for 16 embedding rows (0 to 15)" in event["message"], event["message"]
+    assert "vocabulary size" in event["origin"]["suggestion"]
     assert event["skipped"][0]["batch"] == 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

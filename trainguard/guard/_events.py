@@ -199,15 +199,21 @@ def index_origin(raised: dict, step: int) -> dict:
     ix, op = raised["index"], raised["op"]
     explanation = f"{_index_values(ix)} is {_index_range(op, ix)}"
     b = ix.get("in_batch") or {}
-    if b:
-        fix = (f"the batch itself holds the {ix.get('argument', 'index')} out of range (batch{b['where']}"
-               f"{', ' + _listed('sample', b['samples']) if b.get('samples') else ''}): repair or drop "
-               f"{'that sample' if len(b.get('samples') or b['rows']) == 1 else 'those samples'}, or make the model's "
-               f"{_INDEXES.get(op, 'size')} cover every value the data set holds (`trainguard doctor` checks "
-               "the range of a dataset's labels)")
+    what = ix.get("argument", "index")
+    if op == "F.embedding":
+        cover = "give the embedding as many rows as the data's ids need (the tokenizer's vocabulary size)"
+    elif op in ("F.cross_entropy", "F.nll_loss", "F.one_hot"):
+        cover = ("give the model as many classes as the labels need (`trainguard doctor`'s init checks report "
+                 "labels_out_of_range)")
     else:
-        fix = (f"the step computed an {ix.get('argument', 'index')} out of range from its batch: check how it is made "
-               f"and that the model's {_INDEXES.get(op, 'size')} cover it")
+        cover = "make the indexed dimension cover every value"
+    if b:
+        which = f", {_listed('sample', b['samples'])}" if b.get("samples") else ""
+        one = len(b.get("samples") or b["rows"]) == 1
+        fix = (f"the batch itself holds the {what} out of range (batch{b['where']}{which}): repair or drop "
+               f"{'that sample' if one else 'those samples'}, or {cover}")
+    else:
+        fix = f"the step computed the {what} out of range from its batch: check how it is made, or {cover}"
     if op in ("F.cross_entropy", "F.nll_loss") and any(v % 255 == 0 and v for v in ix["values"]):
         fix += ("; a mask stored as 0/255 (an 8-bit PNG) holds 255 where class 1 is meant: map its values to class "
                 "indices (`mask // 255`)")

@@ -182,7 +182,7 @@ def _index_guarded(op: str, matches: tuple[str, ...], where, nan: bool = True):
                 if bad is None:
                     raise
                 index, high, _, i, name = found
-                bad["argument"] = name
+                bad["argument"] = {"input": "index", "tensor": "class"}.get(name, name)  # embedding's, one_hot's
                 raised.note(op, error, bad)
                 a, k = _with_arg(args, kwargs, i, name, index.clamp(0, high - 1))
                 with unrecorded():
