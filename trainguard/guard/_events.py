@@ -159,14 +159,16 @@ def _index_range(op: str, ix: dict) -> str:
     return f"out of range for {high} {what} (0 to {high - 1})"
 
 
-def _index_samples(ix: dict) -> str:
-    """``its sample 70`` / ``row 9 of batch[1]`` / ``row 9 of the index``: where the bad entries are."""
+def _index_samples(ix: dict, rank: int | None = None) -> str:
+    """``its sample 70`` / ``row 9 of batch[1]`` / ``row 9 of the index``: where the bad entries are
+    (``rank 1's sample 70``: another rank's batch)."""
     b = ix.get("in_batch") or {}
+    whose = f"rank {rank}'s " if rank is not None else ""
     if b.get("samples"):
-        return f"its {_listed('sample', b['samples'])}"
+        return f"{whose or 'its '}{_listed('sample', b['samples'])}"
     if b.get("rows"):
-        return f"{_listed('row', b['rows'])} of batch{b['where']}"
-    return f"{_listed('row', ix['rows'])} of the {ix.get('argument', 'index')}" if ix.get("rows") else ""
+        return f"{whose}{_listed('row', b['rows'])} of batch{b['where']}"
+    return f"{whose}{_listed('row', ix['rows'])} of the {ix.get('argument', 'index')}" if ix.get("rows") else ""
 
 
 def index_reason(raised: dict) -> str:
@@ -178,7 +180,7 @@ def index_reason(raised: dict) -> str:
 def index_held(raised: dict) -> str:
     """``its sample 70 holds target 4``: which samples (or rows) hold the index out of range."""
     ix = raised["index"]
-    which = _index_samples(ix)
+    which = _index_samples(ix, raised.get("rank"))
     many = len((ix.get("in_batch") or {}).get("samples") or (ix.get("in_batch") or {}).get("rows") or ix.get("rows") or []) > 1
     return f"{which} hold{'' if many else 's'} {_index_values(ix)}" if which else _index_values(ix)
 
@@ -209,6 +211,7 @@ def index_origin(raised: dict, step: int) -> dict:
         cover = "make the indexed dimension cover every value"
     if b:
         which = f", {_listed('sample', b['samples'])}" if b.get("samples") else ""
+        which += f" on rank {raised['rank']}" if raised.get("rank") is not None else ""
         one = len(b.get("samples") or b["rows"]) == 1
         fix = (f"the batch itself holds the {what} out of range (batch{b['where']}{which}): repair or drop "
                f"{'that sample' if one else 'those samples'}, or {cover}")

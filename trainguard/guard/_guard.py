@@ -815,15 +815,23 @@ class Guard:
     def _shared_origin(self, rec: StepRecording, plan: _Plan, ranks: list[int]) -> tuple[dict | None, dict | None]:
         """The origin found by the first rank that saw the fault, and the rows of that rank's
         batch that held NaN/Inf already (``batch_nonfinite``; with its ``rank`` when it is another
-        rank's: a corrupt sample on rank 1 is the data's fault on rank 0 too), on every rank."""
+        rank's: a corrupt sample on rank 1 is the data's fault on rank 0 too), on every rank. What
+        an op of that rank raised (``_raised_at``: a label out of range) becomes every rank's, with
+        its ``rank``: the event, its origin and the policy's decision must be the same on each."""
         o = rec.origin()
-        data = {"origin": o.to_dict() if o is not None else None, "batch_nonfinite": plan.batch_nonfinite}
+        data = {"origin": o.to_dict() if o is not None else None, "batch_nonfinite": plan.batch_nonfinite,
+                "raised": self._raised_at.get(plan.fail)}
         me, world = _collective.rank_world()
         if world > 1:
             src = ranks[0] if ranks else 0
             data = _collective.broadcast_json(data, src, self._loop._groups.ctl())
             if src != me and data["batch_nonfinite"] is not None:
                 data["batch_nonfinite"] = dict(data["batch_nonfinite"], rank=src)
+            if src != me:
+                if data["raised"] is not None:
+                    self._raised_at[plan.fail] = dict(data["raised"], rank=src)
+                else:
+                    self._raised_at.pop(plan.fail, None)
         return data["origin"], data["batch_nonfinite"]
 
     def _lower_lr(self, factor: float) -> list[float]:
