@@ -177,3 +177,24 @@ def test_lower_lr_skips_a_label_out_of_range_keeping_the_rate(tmp_path):
     assert [e["action"] for e in guard.events] == ["skip"], [e["message"] for e in guard.events]
     assert "no rate repairs an index out of range" in guard.events[0]["policy_note"]
     assert state.optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_max_rewinds_spent_on_bad_labels_says_the_data_holds_many(tmp_path):
+    # three samples labelled 4, in batches 0, 2 and 4 (no shuffling): max_rewinds=2 is spent on the
+    # first two, and the third ends the run; the message must say why, and which samples
+    data = _classifier_data(bad=None)
+    data.tensors[1][[5, 37, 69]] = C
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, C))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(data, batch_size=16))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=4, max_rewinds=2)
+    with pytest.raises(tg.Diverged) as info:
+        for _, (x, y) in guard.batches(state, total_steps=8):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    event = info.value.event
+    assert event["action"] == "max_rewinds" and event["index_samples"] == [5, 37], event
+    assert "every rewind went to a batch holding an index out of range (samples 5, 37)" in str(info.value), str(info.value)
