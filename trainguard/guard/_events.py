@@ -297,6 +297,11 @@ def outcome(event: dict) -> str:
             spent += (f", and every rewind went to a batch holding NaN/Inf itself{which}: the data set holds "
                       "non-finite values in many samples, not one; find and repair them (`trainguard doctor` "
                       "validates a dataset's values) or filter them out in the dataset or collate_fn")
+        elif event.get("index_samples") is not None:
+            which = f" ({_listed('sample', event['index_samples'])})" if event["index_samples"] else ""
+            spent += (f", and every rewind went to a batch holding an index out of range{which}: the data set holds "
+                      "such labels (or ids) in many samples, not one; check their range against the model's classes "
+                      "(or embedding rows) and repair or filter them in the dataset")
         return spent + " (trainguard.Diverged)"
     return "stopped (policy 'stop', trainguard.Diverged)"
 

@@ -861,9 +861,13 @@ class Guard:
             "max_rewinds": self.config.max_rewinds, "rewinds": self.rewinds,
         }
         found = [e["batch_nonfinite"] for e in self.events if e.get("batch_nonfinite")]
+        index = [b for e in self.events if (b := ((e.get("raised") or {}).get("index") or {}).get("in_batch"))]
         if self.events and len(found) == len(self.events):
             # every rewind went to a batch that held NaN/Inf itself: the data set holds them widely
             event["data_samples"] = list(dict.fromkeys(s for b in found for s in b.get("samples") or []))
+        elif self.events and len(index) == len(self.events):
+            # every rewind went to a batch holding a label (an index) out of range: so does the data set, widely
+            event["index_samples"] = list(dict.fromkeys(s for b in index for s in b.get("samples") or []))
         self._finish_event(event, "max_rewinds")
         self._raise(event)
 
