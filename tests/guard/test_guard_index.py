@@ -198,3 +198,11 @@ def test_max_rewinds_spent_on_bad_labels_says_the_data_holds_many(tmp_path):
     event = info.value.event
     assert event["action"] == "max_rewinds" and event["index_samples"] == [5, 37], event
     assert "every rewind went to a batch holding an index out of range (samples 5, 37)" in str(info.value), str(info.value)
+
+
+def test_a_rerun_into_the_same_run_skips_the_bad_label_unread(tmp_path):
+    # the stored event names the sample: a rerun (after a preemption) skips it from the start
+    _train_classifier(tmp_path, _classifier_data(), steps=6, ckpt=False)
+    guard, state = _train_classifier(tmp_path, _classifier_data(), steps=6, ckpt=False)
+    assert state.step == 6 and guard.events == [], [e["message"] for e in guard.events]
+    assert [k["known_from_event"] for k in guard.skipped_known] == [1] and BAD in guard.skipped_known[0]["samples"]
