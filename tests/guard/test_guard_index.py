@@ -206,3 +206,22 @@ def test_a_rerun_into_the_same_run_skips_the_bad_label_unread(tmp_path):
     guard, state = _train_classifier(tmp_path, _classifier_data(), steps=6, ckpt=False)
     assert state.step == 6 and guard.events == [], [e["message"] for e in guard.events]
     assert [k["known_from_event"] for k in guard.skipped_known] == [1] and BAD in guard.skipped_known[0]["samples"]
+
+
+def test_a_negative_index_to_index_select_is_a_bad_step_too():
+    # index_select says "INDICES element is out of DATA bounds, id=-1 axis_dim=4" for a negative
+    # index (and "index out of range in self" past the end): both are an index out of range
+    from trainguard.guard import _raising
+
+    _raising.install()
+    raised = _raising.Raised()
+    _raising.begin(raised)
+    try:
+        out = torch.randn(3, 4).index_select(1, torch.tensor([2, -1]))
+        note = raised.take()
+    finally:
+        _raising.end()
+        _raising.remove()
+    assert out.shape == (3, 2) and torch.isnan(out).all()
+    assert note["op"] == "Tensor.index_select" and note["index"]["values"] == [-1], note
+    assert note["index"]["range"] == [0, 4] and note["index"]["rows"] == [1]
