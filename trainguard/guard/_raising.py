@@ -272,8 +272,8 @@ def _targets() -> list[tuple[Any, str, Any]]:
          _index_guarded("F.one_hot", ("smaller than num_classes", "non-negative"), _one_hot_index)),
         (torch, "gather", _index_guarded("torch.gather", ("out of bounds",), _dim_index)),
         (torch.Tensor, "gather", _index_guarded("Tensor.gather", ("out of bounds",), _dim_index)),
-        (torch, "index_select", _index_guarded("torch.index_select", ("out of range",), _dim_index)),
-        (torch.Tensor, "index_select", _index_guarded("Tensor.index_select", ("out of range",), _dim_index)),
+        (torch, "index_select", _index_guarded("torch.index_select", ("out of range", "out of DATA bounds"), _dim_index)),
+        (torch.Tensor, "index_select", _index_guarded("Tensor.index_select", ("out of range", "out of DATA bounds"), _dim_index)),
     ]
 
 
