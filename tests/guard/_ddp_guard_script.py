@@ -3,8 +3,9 @@
 
 usage: _ddp_guard_script.py ROOT PORT [POISON]
 
-POISON: ``overflow`` (default: 1e20 in a whole batch, which ``x.pow(2)`` overflows) or ``nan`` (one
-NaN sample in that batch: a corrupt record, as in pytorch/examples' ddp-tutorial-series data set).
+POISON: ``overflow`` (default: 1e20 in a whole batch, which ``x.pow(2)`` overflows), ``nan`` (one
+NaN sample in that batch: a corrupt record, as in pytorch/examples' ddp-tutorial-series data set)
+or ``index`` (a two-class cross-entropy, one sample of that batch labelled 2).
 
 Each rank writes ROOT/out-rank<r>.json: the steps handed out, the guard's events, whether the
 parameters are finite, and a digest of them.
@@ -40,17 +41,23 @@ def main(rank: int, root: Path, port: int, poison: str) -> None:
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(10 + rank)  # each rank its own data
         x, y = torch.randn(60 * BS, 4, generator=g), torch.randn(60 * BS, 1, generator=g)
+        label = (y[:, 0] > 0).long()  # index: a two-class label per sample, for cross_entropy
         if rank == 1 and poison == "nan":
             x[POISON_STEP * BS + 2, 1] = float("nan")
+        elif rank == 1 and poison == "index":
+            label[POISON_STEP * BS + 2] = 2  # a label out of range for two classes
         elif rank == 1:
             x[POISON_STEP * BS:(POISON_STEP + 1) * BS] = 1e20
-        state = tg.TrainState(model=ddp, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=BS))
+        data = TensorDataset(x, y, label) if poison == "index" else TensorDataset(x, y)
+        state = tg.TrainState(model=ddp, optimizer=opt, loader=DataLoader(data, batch_size=BS))
         guard = tg.Guard(root / "run", snapshot_every=10)
         loop = tg.CheckpointManager(root / "ckpt", every_steps=10).resume(state, total_steps=40, guard=guard)
         seen = []
-        for step, (xb, yb) in loop.batches():
+        for step, (xb, yb, *lb) in loop.batches():
             seen.append(step)
-            loss = torch.nn.functional.mse_loss(ddp(xb), yb)
+            out = ddp(xb)
+            loss = (torch.nn.functional.cross_entropy(torch.cat([-out, out], 1), lb[0]) if lb
+                    else torch.nn.functional.mse_loss(out, yb))
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -84,3 +84,18 @@ def test_a_corrupt_sample_on_one_rank_gets_the_data_fix_on_every_rank(tmp_path):
         assert event["origin"]["suggestion"].startswith("the batch itself held nan before any op ran"), rank
     assert events[1][0]["message"].endswith("skipped batch 25 (its sample 102 holds nan in the batch itself)")
     assert events[0][0]["message"].endswith("skipped batch 25 (rank 1's sample 102 holds nan in the batch itself)")
+
+
+def test_a_label_out_of_range_on_one_rank_is_the_same_event_on_every_rank(tmp_path):
+    # cross_entropy raised on rank 1's label 2 (two classes): rank 0's event named the replay's
+    # stand-in NaN instead ("aten.mul.Tensor ... lower the learning rate"), and its decisions could
+    # part from rank 1's.
+    run_job(tmp_path, "index")
+    events = [json.loads((tmp_path / f"out-rank{r}.json").read_text())["events"] for r in (0, 1)]
+    for rank, [event] in enumerate(events):
+        assert event["step"] == 25 and event["action"] == "skip", event["message"]
+        assert event["raised"]["op"] == "F.cross_entropy", (rank, event["message"])
+        assert event["raised"]["index"]["in_batch"]["samples"] == [102], rank
+        assert event["origin"]["origin"]["op"] == "F.cross_entropy", rank
+    assert events[1][0]["message"].endswith("skipped batch 25 (its sample 102 holds target 2)")
+    assert events[0][0]["message"].endswith("skipped batch 25 (rank 1's sample 102 holds target 2)"), events[0][0]["message"]

@@ -142,6 +142,97 @@ def data_fix(b: dict) -> str:
             "or filter non-finite samples out in the dataset or collate_fn; the guard skips such a batch each time")
 
 
+# What an index out of range indexes, by the op that raised on it (see guard/_raising.py).
+_INDEXES = {"F.cross_entropy": "classes", "F.nll_loss": "classes", "F.embedding": "embedding rows",
+            "F.one_hot": "classes (num_classes)"}
+
+
+def _index_values(ix: dict) -> str:
+    values = ", ".join(str(v) for v in ix["values"]) + (" ..." if ix.get("distinct", 0) > len(ix["values"]) else "")
+    return f"{ix.get('argument', 'index')} {values}"
+
+
+def _index_range(op: str, ix: dict) -> str:
+    """``out of range for 4 classes (0 to 3)``."""
+    high = ix["range"][1]
+    what = _INDEXES.get(op, "entries in that dimension")
+    return f"out of range for {high} {what} (0 to {high - 1})"
+
+
+def _index_samples(ix: dict, rank: int | None = None) -> str:
+    """``its sample 70`` / ``row 9 of batch[1]`` / ``row 9 of the index``: where the bad entries are
+    (``rank 1's sample 70``: another rank's batch)."""
+    b = ix.get("in_batch") or {}
+    whose = f"rank {rank}'s " if rank is not None else ""
+    if b.get("samples"):
+        return f"{whose or 'its '}{_listed('sample', b['samples'])}"
+    if b.get("rows"):
+        return f"{whose}{_listed('row', b['rows'])} of batch{b['where']}"
+    return f"{whose}{_listed('row', ix['rows'])} of the {ix.get('argument', 'index')}" if ix.get("rows") else ""
+
+
+def index_reason(raised: dict) -> str:
+    """The reason of an event whose step raised on an index out of range: the error as torch said it."""
+    where = f" at {_short(raised['file'])}:{raised['line']}" if raised.get("file") else ""
+    return f"{raised['op']}{where} raised {raised['error'].rstrip('.')}"
+
+
+def index_held(raised: dict) -> str:
+    """``its sample 70 holds target 4``: which samples (or rows) hold the index out of range."""
+    ix = raised["index"]
+    which = _index_samples(ix, raised.get("rank"))
+    many = len((ix.get("in_batch") or {}).get("samples") or (ix.get("in_batch") or {}).get("rows") or ix.get("rows") or []) > 1
+    return f"{which} hold{'' if many else 's'} {_index_values(ix)}" if which else _index_values(ix)
+
+
+def index_batch_text(event: dict) -> str:
+    """`` (its sample 70 holds target 4)``, or nothing."""
+    raised = event.get("raised") or {}
+    return f" ({index_held(raised)})" if raised.get("index") else ""
+
+
+def index_origin(raised: dict, step: int) -> dict:
+    """The origin of an event whose step raised on an index out of range: the op that raised, at
+    the user's line, as ``Origin.to_dict()`` holds it. The replay's recording has nothing to trace:
+    no op made a NaN (the guard's stand-in for the result is not recorded), the index came in
+    with the batch or was computed out of range."""
+    from trainguard.analysis import Link, Origin
+
+    ix, op = raised["index"], raised["op"]
+    explanation = f"{_index_values(ix)} is {_index_range(op, ix)}"
+    b = ix.get("in_batch") or {}
+    what = ix.get("argument", "index")
+    if op == "F.embedding":
+        cover = "give the embedding as many rows as the data's ids need (the tokenizer's vocabulary size)"
+    elif op in ("F.cross_entropy", "F.nll_loss", "F.one_hot"):
+        cover = ("give the model as many classes as the labels need (`trainguard doctor`'s init checks report "
+                 "labels_out_of_range)")
+    else:
+        cover = "make the indexed dimension cover every value"
+    if b:
+        which = f", {_listed('sample', b['samples'])}" if b.get("samples") else ""
+        which += f" on rank {raised['rank']}" if raised.get("rank") is not None else ""
+        one = len(b.get("samples") or b["rows"]) == 1
+        fix = (f"the batch itself holds the {what} out of range (batch{b['where']}{which}): repair or drop "
+               f"{'that sample' if one else 'those samples'}, or {cover}")
+    else:
+        fix = f"the step computed the {what} out of range from its batch: check how it is made, or {cover}"
+    if op in ("F.cross_entropy", "F.nll_loss") and any(v % 255 == 0 and v for v in ix["values"]):
+        fix += ("; a mask stored as 0/255 (an 8-bit PNG) holds 255 where class 1 is meant: map its values to class "
+                "indices (`mask // 255`)")
+    link = Link(seq=-1, op=op, step=step, phase="forward", module=None, health=[], file=raised.get("file"),
+                line=raised.get("line"), function=None, explanation=explanation, taint="raised")
+    summary = (f"{op} at {_short(raised.get('file'))}:{raised.get('line')} raised {raised['error']}: "
+               f"{index_held(raised)}, {_index_range(op, ix)}")
+    return Origin(chain=[link], summary=summary, suggestion=fix).to_dict()
+
+
+def _short(path: str | None) -> str:
+    from trainguard.guard._replay import short_path
+
+    return short_path(path)
+
+
 def culprits_text(event: dict) -> str:
     """`` (the first inf is in its sample 77)``: the samples whose rows of the origin's output
     the replay found its non-finite values in (``Guard`` events' ``culprits``), or nothing. Where,
@@ -183,7 +274,7 @@ def outcome(event: dict) -> str:
                     else f"skipped {n} batches from the batch of step {event['step']:,}")
         else:
             text = f"skipped batch {first}" if n == 1 else f"skipped {n} batches from batch {first}"
-            text += batch_text(event) or culprits_text(event) or suspects_text(event)
+            text += batch_text(event) or index_batch_text(event) or culprits_text(event) or suspects_text(event)
         return text + (f"; {event['policy_note']}" if event.get("policy_note") else "")
     if action == "lower_lr":
         lrs = ", ".join(f"{v:.3g}" for v in event.get("lr") or [])
@@ -193,6 +284,10 @@ def outcome(event: dict) -> str:
     if action == "continue":
         return "it did not reproduce in the replay (a transient fault?); training goes on"
     if action == "code_bug":
+        if (event.get("raised") or {}).get("index"):
+            return (f"stopped: the next batch raised the same way{index_batch_text(event)}, so the fault is the code's "
+                    "or the whole data set's, not one sample's: check that the model's outputs cover the labels' "
+                    "range (`trainguard doctor` checks a dataset's labels) (trainguard.Diverged)")
         return ("stopped: the next batch fails the same way, so the fault follows the code, not the data "
                 "(trainguard.Diverged)")
     if action == "max_rewinds":
@@ -202,6 +297,11 @@ def outcome(event: dict) -> str:
             spent += (f", and every rewind went to a batch holding NaN/Inf itself{which}: the data set holds "
                       "non-finite values in many samples, not one; find and repair them (`trainguard doctor` "
                       "validates a dataset's values) or filter them out in the dataset or collate_fn")
+        elif event.get("index_samples") is not None:
+            which = f" ({_listed('sample', event['index_samples'])})" if event["index_samples"] else ""
+            spent += (f", and every rewind went to a batch holding an index out of range{which}: the data set holds "
+                      "such labels (or ids) in many samples, not one; check their range against the model's classes "
+                      "(or embedding rows) and repair or filter them in the dataset")
         return spent + " (trainguard.Diverged)"
     return "stopped (policy 'stop', trainguard.Diverged)"
 
@@ -227,7 +327,7 @@ def stored_counts(path: Path) -> tuple[int, int]:
 
 def stored_bad_samples(path: Path) -> dict[Any, int]:
     """The samples earlier events of the guard's run in ``path`` found holding NaN/Inf in the batch
-    itself, each with the number of the event that found it (see ``Guard._known_bad``)."""
+    itself, or an index out of range, each with the number of the event that found it (see ``Guard._known_bad``)."""
     if not (path / "run.sqlite").exists():
         return {}
     try:
@@ -239,8 +339,9 @@ def stored_bad_samples(path: Path) -> dict[Any, int]:
     for f in found:
         e = f.get("event") or {}
         bad = e.get("batch_nonfinite") or {}
+        index = (((e.get("raised") or {}).get("index") or {}).get("in_batch") or {}).get("samples") or []
         if e.get("action") == "skip" and "rank" not in bad:
-            for sample in bad.get("samples") or ():
+            for sample in [*(bad.get("samples") or ()), *index]:
                 out.setdefault(sample, e.get("n"))
     return out
 

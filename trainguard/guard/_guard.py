@@ -52,6 +52,7 @@ from trainguard.guard._replay import (
     StepRecording,
     batch_nonfinite,
     held_before,
+    index_in_batch,
     origin_from_dict,
     origin_key,
     rank_dir,
@@ -195,6 +196,7 @@ class Guard:
         # batches skipped unread because they hold a sample an event found corrupt (see _known_bad)
         self.skipped_known: list[dict] = []
         self._bad_samples: dict[Any, int] = {}  # sample index -> the event that found it
+        self._bad_index: dict[Any, str] = {}  # of those, the samples holding an index out of range -> what
         # samples two events blamed for the same fault: sample -> its fault key (_events.fault_key)
         self._repeats: dict[Any, tuple] = {}
         self._culprit_events: dict[tuple, list[int]] = {}  # (fault key, sample) -> events blaming it
@@ -211,6 +213,7 @@ class Guard:
         self._sentry = Sentry()
         self._raising = _raising.Raised()  # what an op of the running step raised on NaN/Inf
         self._raised_at: dict[int, dict] = {}  # step -> that error, for the step's event
+        self._step_batch: Any = None  # the running step's batch
         self._outside = OutsideOptimizers()  # pyro.optim's per-parameter Adams, which no TrainState holds
         self._loop: Any = None
         self._run: _events.GuardRun | None = None
@@ -371,6 +374,7 @@ class Guard:
         align_step(step)
         self._batch = batch
         self._raising.take()
+        self._step_batch = batch  # where an index an op raised on came from (_index_samples)
         _raising.begin(self._raising)
         plan = self._plan
         if plan is not None and step == plan.fail and plan.recording is None:
@@ -387,11 +391,28 @@ class Guard:
             plan.recording.stop()
         _raising.end()
         raised = self._raising.take()
+        batch, self._step_batch = self._step_batch, None
         if raised is not None:
+            if "index" in raised:
+                self._index_samples(raised["index"], batch)
             self._raised_at[step] = raised
             self._sentry.raised()
         self._sentry.end_step(step)
         _skips.watch.boundary()  # the loop checked this step's loss, found NaN/Inf and called no backward()
+
+    def _index_samples(self, bad: dict, batch: Any) -> None:
+        """An op raised on an index out of range (``_raising``): which rows of the step's batch, and
+        which samples, hold those entries (``in_batch``), when the index is a batch tensor or a view
+        or copy of one. The tensors the note held are dropped (the event is stored as JSON)."""
+        t, mask = bad.pop("tensor", None), bad.pop("mask", None)
+        if t is None or batch is None:
+            return
+        samples = self._batch_info().get("samples")
+        if samples is not None and not rows_in_order(self._loop.state.loader, samples):
+            samples = None
+        found = index_in_batch(batch, {"tensor": t, "mask": mask}, samples)
+        if found is not None:
+            bad["in_batch"] = found
 
     def _on_loop_skip(self, skip: _skips.Skip) -> None:
         """The loop skipped a step itself: nothing was updated, so there is nothing to rewind or
@@ -457,6 +478,9 @@ class Guard:
             fault = "" if repeat == _events.SPIKE_KEY else f" ({op}{where})"
             log.warning("trainguard: skipped %s at step %d: its %s %s events %s and %s%s", which, info["step"],
                         samples, did, ", ".join(map(str, earlier)), last, fault)
+        elif hit[0] in self._bad_index:
+            log.warning("trainguard: skipped %s at step %d: %s (event %s)", which, info["step"], self._bad_index[hit[0]],
+                        info["known_from_event"])
         else:
             log.warning("trainguard: skipped %s at step %d: its %s held NaN/Inf in the batch itself (event %s)",
                         which, info["step"], samples, info["known_from_event"])
@@ -479,6 +503,7 @@ class Guard:
             return
         if self._samples_of is not None:
             self._bad_samples.clear()
+            self._bad_index.clear()
             self._repeats.clear()
             self._culprit_events.clear()
             self._by_rows.clear()
@@ -734,7 +759,19 @@ class Guard:
             "skipped": [],
             "rewinds": self.rewinds,
         }
-        if (raised := self._raised_at.pop(plan.fail, None)) is not None:
+        index_samples: list = []
+        if (raised := self._raised_at.pop(plan.fail, None)) is not None and "index" in raised:
+            # an index out of range: the op that raised is the origin (no op made a NaN to trace)
+            event["raised"] = raised
+            event["reason"] = _events.index_reason(raised)
+            origin = event["origin"] = _events.index_origin(raised, plan.fail)
+            index_samples = (raised["index"].get("in_batch") or {}).get("samples") or []
+            if self.config.policy != "stop" and _collective.rank_world()[1] == 1:
+                for sample in index_samples:
+                    if isinstance(sample, (int, str)):
+                        self._bad_samples.setdefault(sample, event["n"])  # skipped unread when it comes back
+                        self._bad_index[sample] = f"{_events.index_held(raised)} ({raised['op']})"
+        elif raised is not None:
             event["raised"] = raised  # the op raised on the NaN/Inf; the guard made it NaN and rewound
             event["reason"] += f" ({raised['op']} raised on NaN/Inf: {raised['error']})"
         if event["origin_rank"] == _collective.rank_world()[0]:
@@ -777,6 +814,8 @@ class Guard:
         if policy == "lower_lr" and bad_batch is not None:
             # no learning rate repairs a NaN in the data: the batch comes back the same
             event["policy_note"] = "the learning rate is kept (policy lower_lr): no rate repairs NaN/Inf in the data"
+        elif policy == "lower_lr" and "index" in (event.get("raised") or {}):
+            event["policy_note"] = "the learning rate is kept (policy lower_lr): no rate repairs an index out of range"
         elif policy == "lower_lr":
             event["lr_factor"] = LR_FACTOR
             event["lr"] = self._lower_lr(LR_FACTOR)
@@ -789,7 +828,8 @@ class Guard:
         event["skip_count"] = n
         if plan.batch is not None:
             event["skipped"] = [plan.batch]
-        self._note_suspects(event, origin, kinds, plan)
+        if not index_samples:  # (an index out of range named its samples already)
+            self._note_suspects(event, origin, kinds, plan)
         if "spike" not in kinds:
             self._probation = _Probation(step=plan.fail, kinds=kinds, key=origin_key(origin), event=event)
         self._finish_event(event, "skip")
@@ -797,15 +837,23 @@ class Guard:
     def _shared_origin(self, rec: StepRecording, plan: _Plan, ranks: list[int]) -> tuple[dict | None, dict | None]:
         """The origin found by the first rank that saw the fault, and the rows of that rank's
         batch that held NaN/Inf already (``batch_nonfinite``; with its ``rank`` when it is another
-        rank's: a corrupt sample on rank 1 is the data's fault on rank 0 too), on every rank."""
+        rank's: a corrupt sample on rank 1 is the data's fault on rank 0 too), on every rank. What
+        an op of that rank raised (``_raised_at``: a label out of range) becomes every rank's, with
+        its ``rank``: the event, its origin and the policy's decision must be the same on each."""
         o = rec.origin()
-        data = {"origin": o.to_dict() if o is not None else None, "batch_nonfinite": plan.batch_nonfinite}
+        data = {"origin": o.to_dict() if o is not None else None, "batch_nonfinite": plan.batch_nonfinite,
+                "raised": self._raised_at.get(plan.fail)}
         me, world = _collective.rank_world()
         if world > 1:
             src = ranks[0] if ranks else 0
             data = _collective.broadcast_json(data, src, self._loop._groups.ctl())
             if src != me and data["batch_nonfinite"] is not None:
                 data["batch_nonfinite"] = dict(data["batch_nonfinite"], rank=src)
+            if src != me:
+                if data["raised"] is not None:
+                    self._raised_at[plan.fail] = dict(data["raised"], rank=src)
+                else:
+                    self._raised_at.pop(plan.fail, None)
         return data["origin"], data["batch_nonfinite"]
 
     def _lower_lr(self, factor: float) -> list[float]:
@@ -835,9 +883,13 @@ class Guard:
             "max_rewinds": self.config.max_rewinds, "rewinds": self.rewinds,
         }
         found = [e["batch_nonfinite"] for e in self.events if e.get("batch_nonfinite")]
+        index = [b for e in self.events if (b := ((e.get("raised") or {}).get("index") or {}).get("in_batch"))]
         if self.events and len(found) == len(self.events):
             # every rewind went to a batch that held NaN/Inf itself: the data set holds them widely
             event["data_samples"] = list(dict.fromkeys(s for b in found for s in b.get("samples") or []))
+        elif self.events and len(index) == len(self.events):
+            # every rewind went to a batch holding a label (an index) out of range: so does the data set, widely
+            event["index_samples"] = list(dict.fromkeys(s for b in index for s in b.get("samples") or []))
         self._finish_event(event, "max_rewinds")
         self._raise(event)
 

@@ -11,15 +11,28 @@ is built unvalidated), and the step is marked bad (:meth:`Raised.take`): the gua
 replays it under recording (the origin names the op that made the NaN) and applies its policy.
 On finite inputs the error is a bug in the code and is raised unchanged.
 
+An index out of range is a bad step too: ``F.cross_entropy``/``F.nll_loss`` with a target past the
+classes (``Target 4 is out of bounds.``), ``F.embedding`` with a token id past its rows,
+``F.one_hot`` past ``num_classes``, ``gather``/``index_select`` past the dimension. When one of them
+raises and its index does hold values out of range, the op runs again on the index clamped into
+range, its result times NaN is returned, and the note holds the bad values, their rows and the
+index itself (the guard finds it in the batch: ``_replay.index_in_batch``). One bad label in a
+million is the data's, not the code's; the guard skips its batch, and stops when the next batch
+raises the same way (a head with fewer classes than the data). Nothing is read on a healthy step.
+
 Only the eager entry points are wrapped (``torch.nn.functional.binary_cross_entropy``,
 ``torch.multinomial``, ``Tensor.multinomial``, ``torch.linalg.cholesky``,
-``Distribution.__init__``), while at least one guard watches a loop. On CUDA, BCELoss and
-multinomial check on the device (a device-side assert ends the process): nothing to catch there.
+``Distribution.__init__``, and for indices ``F.cross_entropy``, ``F.nll_loss``, ``F.embedding``,
+``F.one_hot``, ``torch.gather``, ``torch.index_select`` and their ``Tensor`` methods), while at least
+one guard watches a loop. On CUDA, BCELoss and
+multinomial check on the device (a device-side assert ends the process): nothing to catch there;
+so do the index checks of every op above.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from typing import Any
 
@@ -30,19 +43,25 @@ from trainguard.capture import unrecorded
 _MISSING = object()
 _lock = threading.Lock()
 _users = 0
-_saved: list[tuple[Any, str, Any]] = []
+_saved: list[tuple[Any, str, Any, Any]] = []
 _state = threading.local()  # .step: the Raised of the guarded step running on this thread, or None
 
 
 class Raised:
-    """What a guarded step's ops raised on NaN/Inf (the first), as the guard's event keeps it."""
+    """What a guarded step's ops raised on NaN/Inf or on an index out of range (the first), as the
+    guard's event keeps it."""
 
     def __init__(self) -> None:
         self.first: dict | None = None
 
-    def note(self, op: str, error: BaseException) -> None:
+    def note(self, op: str, error: BaseException, index: dict | None = None) -> None:
         if self.first is None:
             self.first = {"op": op, "error": f"{type(error).__name__}: {error}".splitlines()[0][:300].rstrip(":")}
+            if index is not None:
+                self.first["index"] = index
+                where = _user_line()
+                if where is not None:
+                    self.first.update(where)
 
     def take(self) -> dict | None:
         first, self.first = self.first, None
@@ -64,6 +83,116 @@ def _nonfinite(*values: Any) -> bool:
                 if not bool(torch.isfinite(v).all()):
                     return True
     return False
+
+
+def _user_line() -> dict | None:
+    """The user's line that called the op (the innermost frame outside torch and trainguard)."""
+    from trainguard.store import is_user_file
+
+    f = sys._getframe(2)
+    while f is not None:
+        if is_user_file(f.f_code.co_filename):
+            return {"file": f.f_code.co_filename, "line": f.f_lineno}
+        f = f.f_back
+    return None
+
+
+def _out_of_range(index: Any, high: int, ignore: int | None = None) -> dict | None:
+    """The entries of an integer tensor ``index`` outside ``[0, high)`` (``ignore`` excepted):
+    ``{"values", "distinct", "count", "range", "shape", "rows"}`` (the first 8 distinct values) (``rows``: along its first dimension), with the
+    tensor and its mask under ``tensor`` and ``mask`` for the guard to find them in the batch; None
+    when every entry is in range (the error was something else). Cold: the op raised already."""
+    if (not isinstance(index, torch.Tensor) or index.is_floating_point() or index.is_complex()
+            or index.dtype == torch.bool or index.device.type not in ("cpu",) or not index.numel()):
+        return None
+    with torch.no_grad(), unrecorded():
+        i = index.detach()
+        mask = (i < 0) | (i >= high)
+        if ignore is not None:
+            mask &= i != ignore
+        if not bool(mask.any()):
+            return None
+        values = i[mask].unique()
+        rows = mask.reshape(mask.shape[0], -1).any(1).nonzero().flatten() if mask.dim() else None
+        return {"values": [int(v) for v in values[:8]], "distinct": int(values.numel()), "count": int(mask.sum()),
+                "range": [0, int(high)],
+                "shape": list(i.shape), "rows": rows[:_MAX_ROWS].tolist() if rows is not None else [],
+                "tensor": i, "mask": mask}
+
+
+_MAX_ROWS = 256  # rows of an index kept in an event (every row of a batch can be bad)
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _with_arg(args: tuple, kwargs: dict, i: int, name: str, value: Any) -> tuple[tuple, dict]:
+    if len(args) > i:
+        return (*args[:i], value, *args[i + 1:]), kwargs
+    return args, {**kwargs, name: value}
+
+
+def _class_index(args: tuple, kwargs: dict) -> tuple[Any, int, int | None, int, str] | None:
+    """cross_entropy's and nll_loss's class target: (target, classes, ignore_index, position, name)."""
+    x, t = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "target")
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
+    return t, int(x.shape[1] if x.dim() >= 2 else x.shape[0]), _arg(args, kwargs, 4, "ignore_index", -100), 1, "target"
+
+
+def _embedding_index(args: tuple, kwargs: dict):
+    w = _arg(args, kwargs, 1, "weight")
+    return (_arg(args, kwargs, 0, "input"), int(w.shape[0]), None, 0, "input") if isinstance(w, torch.Tensor) else None
+
+
+def _one_hot_index(args: tuple, kwargs: dict):
+    t, n = _arg(args, kwargs, 0, "tensor"), _arg(args, kwargs, 1, "num_classes", -1)
+    if not isinstance(t, torch.Tensor) or not t.numel():
+        return None
+    return t, int(n) if n >= 0 else int(t.max()) + 1, None, 0, "tensor"
+
+
+def _dim_index(args: tuple, kwargs: dict):
+    """gather's and index_select's (input, dim, index): the index into ``input``'s dimension ``dim``."""
+    x, dim = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "dim")
+    if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or x.dim() == 0 or kwargs.get("out") is not None:
+        return None
+    return _arg(args, kwargs, 2, "index"), int(x.shape[dim]), None, 2, "index"
+
+
+def _index_guarded(op: str, matches: tuple[str, ...], where, nan: bool = True):
+    """Wrap ``fn``: inside a guarded step, an error whose message holds one of ``matches`` on an
+    index out of range (``where(args, kwargs)``: the index, its bound, the value ignored, its
+    position and name) is noted for the guard with the bad entries, and ``fn`` runs again on the
+    index clamped into range; its result times NaN (``nan``, a floating result: in the graph, so
+    backward() runs and gives NaN gradients) is returned. Nothing is checked unless ``fn`` raised."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except (IndexError, RuntimeError) as error:
+                raised = getattr(_state, "step", None)
+                if raised is None or not any(m in str(error) for m in matches):
+                    raise
+                found = where(args, kwargs)
+                bad = _out_of_range(found[0], found[1], found[2]) if found is not None and found[1] > 0 else None
+                if bad is None:
+                    raise
+                index, high, _, i, name = found
+                bad["argument"] = {"input": "index", "tensor": "class"}.get(name, name)  # embedding's, one_hot's
+                raised.note(op, error, bad)
+                a, k = _with_arg(args, kwargs, i, name, index.clamp(0, high - 1))
+                with unrecorded():
+                    out = fn(*a, **k)
+                    return out * float("nan") if nan and out.is_floating_point() else out
+
+        wrapper.__trainguard_wrapped__ = fn
+        return wrapper
+
+    return wrap
 
 
 def _guarded(op: str, matches: tuple[str, ...], substitute, inputs=lambda *a, **k: a):
@@ -135,6 +264,16 @@ def _targets() -> list[tuple[Any, str, Any]]:
          _guarded("aten.multinomial", ("or element < 0",), _multinomial_zeros)),
         (torch.linalg, "cholesky", _guarded("aten.linalg_cholesky", ("positive-definite",), _cholesky_nan)),
         (dist, "__init__", _wrap_distribution_init),
+        (torch.nn.functional, "cross_entropy",
+         _index_guarded("F.cross_entropy", ("out of bounds",), _class_index)),
+        (torch.nn.functional, "nll_loss", _index_guarded("F.nll_loss", ("out of bounds",), _class_index)),
+        (torch.nn.functional, "embedding", _index_guarded("F.embedding", ("out of range",), _embedding_index)),
+        (torch.nn.functional, "one_hot",
+         _index_guarded("F.one_hot", ("smaller than num_classes", "non-negative"), _one_hot_index)),
+        (torch, "gather", _index_guarded("torch.gather", ("out of bounds",), _dim_index)),
+        (torch.Tensor, "gather", _index_guarded("Tensor.gather", ("out of bounds",), _dim_index)),
+        (torch, "index_select", _index_guarded("torch.index_select", ("out of range", "out of DATA bounds"), _dim_index)),
+        (torch.Tensor, "index_select", _index_guarded("Tensor.index_select", ("out of range", "out of DATA bounds"), _dim_index)),
     ]
 
 
@@ -146,8 +285,9 @@ def install() -> None:
         if _users > 1:
             return
         for owner, name, wrap in _targets():
-            _saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
-            setattr(owner, name, wrap(getattr(owner, name)))
+            wrapper = wrap(getattr(owner, name))
+            _saved.append((owner, name, owner.__dict__.get(name, _MISSING), wrapper))
+            setattr(owner, name, wrapper)
 
 
 def remove() -> None:
@@ -157,7 +297,11 @@ def remove() -> None:
         if _users:
             return
         while _saved:
-            owner, name, original = _saved.pop()
+            owner, name, original, wrapper = _saved.pop()
+            if owner.__dict__.get(name) is not wrapper:
+                # wrapped again since (a monitor's loss listener on F.cross_entropy): that wrapper
+                # stays, and with it this one, which does nothing outside a guarded step
+                continue
             if original is _MISSING:  # Tensor.multinomial: inherited from torch._C.TensorBase
                 delattr(owner, name)
             else:

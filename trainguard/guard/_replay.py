@@ -266,6 +266,37 @@ def batch_nonfinite(batch: Any, samples: list | None) -> dict | None:
             "kinds": sorted(found["kinds"], key=["nan", "inf"].index), "where": " and batch".join(found["where"])}
 
 
+def index_in_batch(batch: Any, bad: dict, samples: list | None) -> dict | None:
+    """Where in the batch an op's index out of range came from (``_raising._out_of_range``: the
+    index tensor and the mask of its bad entries): ``{"where", "size", "rows", "samples"}`` of the
+    batch's integer tensor it is a view of (``y``, ``y.view(-1)``, ``tokens[:, :-1]``) or an equal
+    copy of (``y.long()``), the rows being along that tensor's first dimension; None when it is
+    neither (an index the step computed). Cold: only after an op raised on it."""
+    t, mask = bad["tensor"], bad["mask"]
+    flat = mask.reshape(-1).nonzero().flatten()
+    for where, b, _ in _tensors(batch):
+        if (b.is_floating_point() or b.is_complex() or b.dtype == torch.bool or b.dim() == 0 or not b.numel()
+                or b.device != t.device or b.layout != torch.strided):
+            continue
+        per = b.numel() // b.shape[0]
+        rows = None
+        if (b.dtype == t.dtype and b.is_contiguous()
+                and b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()):
+            at = torch.unravel_index(flat, t.shape) if t.dim() else ()
+            offset = sum((a * stride for a, stride in zip(at, t.stride())), torch.zeros_like(flat))
+            offset = offset + t.storage_offset() - b.storage_offset()
+            if bool(((offset >= 0) & (offset < b.numel())).all()):
+                rows = offset // per
+        elif b.numel() == t.numel() and torch.equal(b.reshape(-1).to(t.dtype), t.reshape(-1)):
+            rows = flat // per
+        if rows is not None:
+            rows = sorted(set(rows.tolist()))
+            named = samples is not None and len(samples) == b.shape[0]
+            return {"where": where, "size": int(b.shape[0]), "rows": rows,
+                    "samples": [samples[r] for r in rows] if named else []}
+    return None
+
+
 def origin_from_dict(d: dict | None) -> Origin | None:
     """An :class:`Origin` rebuilt from ``Origin.to_dict()`` (as ranks exchange it)."""
     if not d:
