@@ -1593,3 +1593,28 @@ def test_exp_of_a_negated_density_is_told_so_when_the_negation_was_evicted(tmp_p
     product = run.execution(exp.seq)["inputs"][0]["producer"]
     assert negated_exponent(run, exp)
     assert negated_exponent(_Evicted(run, {exp.seq, product}), exp)  # read off the stored line
+
+
+def test_a_parameter_that_held_nan_before_the_recording_is_not_said_to_be_made_of_finite_inputs(tmp_path):
+    # facebookresearch/dino @ 7c446df5: a guard rewind that left the EMA teacher (outside the TrainState)
+    # NaN; the replay's recording began with it. The origin read "t turned finite inputs into nan": the
+    # transpose of the teacher's weight, which never makes a NaN, of an input no recording summarised.
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(4, 4), nn.Linear(4, 4)
+    with torch.no_grad():
+        teacher.weight[1, 2] = float("nan")
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+
+    def step():
+        x = torch.randn(8, 4)
+        with torch.no_grad():
+            t = teacher(x).softmax(-1)
+        loss = -(t * student(x).log_softmax(-1)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    o = origin(record(tmp_path, step))
+    why = o.origin.explanation
+    assert "finite inputs" not in why, why
+    assert "parameter" in why and "held" in why and "before the recording" in why, why
