@@ -562,6 +562,15 @@ def explain(link: Link, ignore_index: str | None = None) -> str:
         return (f"{base} made {made} from input {unseen[0]['slot']}, which came from outside the recording "
                 "(the data, or a tensor made before recording started): its values were never summarised and "
                 f"may have held {made} already")
+    held = [i for i in ins if i["kind"] in ("param", "buffer") and i.get("summary") is None]
+    if held and link.origin_seq in (None, link.seq):
+        # no recorded op wrote it: its values are those it had when the recording began
+        i = held[0]
+        verb = "held" if base in _PASS_THROUGH else "may have held"
+        kind = "parameter" if i["kind"] == "param" else i["kind"]
+        return (f"{base} made {made} from input {i['slot']} ({kind} {i['name']}), which no recorded op wrote: it "
+                f"{verb} {made} before the recording began (an update made before it: an EMA teacher's, the weights "
+                "a guard's replay starts from)")
     return f"{base} turned finite inputs into {made}"
 
 
@@ -723,7 +732,6 @@ def _nan_from_unseen(link: Link) -> bool:
     the input held it."""
     return (all("inf" not in h for h in link.health)
             and any(i["kind"] not in ("op", "param", "buffer") for i in link.inputs))
-
 
 
 # Elementwise ops that take a Python number as an operand (``x * 0.5``, ``x + eps``, ``1 - x``).
