@@ -1211,6 +1211,29 @@ def test_a_target_network_of_the_policys_own_type_is_named_by_the_scripts_variab
     assert "target_network" in untrained.title, untrained.title
 
 
+def test_the_first_model_found_is_named_by_the_scripts_variable_in_findings(tmp_path):
+    # facebookresearch/dino @ 7c446df5 main_dino.py calls `teacher(images[:2])` before `student(images)`:
+    # the teacher is the first model found, whose layers have no prefix, and the findings called it
+    # "(the first model)" ("Model (the first model) (...) is not trained").
+    torch.manual_seed(0)
+    teacher, student = _QNetwork(), _QNetwork()
+    teacher.requires_grad_(False)
+    optimizer = torch.optim.Adam(student.parameters(), lr=1e-3)
+    with Monitor(None, tmp_path / "r", every=1) as mon:
+        for _ in range(8):
+            x = torch.randn(16, 4)
+            with torch.no_grad():
+                target = teacher(x).softmax(-1)
+            loss = -(target * student(x).log_softmax(-1)).sum(-1).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        layers = sorted(mon.layers)
+    assert "network.0" in layers and "student.network.0" in layers, layers  # the teacher's names: unprefixed
+    [untrained] = [f for f in mon.findings if f.kind == "model_not_trained"]
+    assert untrained.evidence["model"] == "teacher" and "Model teacher (" in untrained.title, untrained.title
+
+
 class _TrainingTask(nn.Module):
     """mlfoundations/open_clip's open_clip_train TrainingTask: holds the CLIP model as
     ``trainable_module`` and computes the loss in its forward; with ``--accum-freq 2`` the training
