@@ -141,5 +141,5 @@ def test_a_generator_trained_on_detached_fakes_is_named(tmp_path):
             optimizer_D.step()
     (f,) = [f for f in mon.findings if f.kind == "param_no_gradient"]
     assert f.evidence["params"] == ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"], f.evidence
-    assert f.evidence.get("model") == "(the first model)" and "Sequential" in f.title, f.title
+    assert f.evidence.get("model") == "generator" and "model generator (Sequential)" in f.title, f.title
     assert "fake.detach()" in f.suggestion, f.suggestion

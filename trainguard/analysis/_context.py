@@ -322,6 +322,16 @@ class Context:
                 return max(math.hypot(mean, std), 1e-12)
         return 1.0
 
+    def model_name(self, prefix: str) -> str:
+        """How findings name the watched model whose layers start with ``prefix``: the prefix; for the
+        first model found (no prefix) the script's variable that held it when known, else
+        "(the first model)"."""
+        if prefix:
+            return prefix.rstrip(".")
+        first = next((r for r in self.meta.get("roots") or [] if isinstance(r, dict) and not r.get("prefix")), {})
+        variable = first.get("variable")
+        return variable if isinstance(variable, str) and variable else "(the first model)"
+
     def input_layers(self) -> list[str]:
         return sorted({la for (la, k, _) in self._stats if k == "input"})
 

@@ -564,7 +564,7 @@ def loss_not_decreasing(ctx: Context) -> list[Finding]:
         )
     elif copies := frozen_copies(ctx):
         pre, of = next(iter(copies.items()))
-        ev["frozen_copy"] = {"model": pre.rstrip(".") or "(the first model)", "of": of.rstrip(".") or "(the first model)"}
+        ev["frozen_copy"] = {"model": ctx.model_name(pre), "of": ctx.model_name(of)}
         hints.append(
             f"{ev['frozen_copy']['model']} is a copy of {ev['frozen_copy']['of']}'s weights at the first recording "
             "and never moved while those trained: a teacher or momentum encoder whose EMA update does nothing (a "

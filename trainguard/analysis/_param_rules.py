@@ -130,7 +130,7 @@ def model_not_trained(ctx: Context) -> list[Finding]:
     out = []
     types = {r.get("prefix") or "": r.get("type") for r in ctx.meta.get("roots") or []}
     for pre, ps in untrained_models(ctx).items():
-        name = pre.rstrip(".") or "(the first model)"
+        name = ctx.model_name(pre)
         out.append(Finding(
             kind="model_not_trained",
             severity="info",
@@ -525,7 +525,7 @@ def _model_of(ctx: Context) -> dict[str, tuple[str, str]]:
     out = {}
     for p in ctx.params:
         pre = next((x for x in prefixes if p.startswith(x)), "")
-        out[p] = (pre.rstrip(".") or "(the first model)", str(roots.get(pre)))
+        out[p] = (ctx.model_name(pre), str(roots.get(pre)))
     return out
 
 

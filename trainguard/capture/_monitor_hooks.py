@@ -418,6 +418,8 @@ class HookMixin:
         earlier = [r for r in self._roots if r.trained]
         successor = bool(earlier) and all(r.ref() is None for r in self._roots)
         root = self._attach(module, *self._naming(module))
+        if not root.prefix:
+            root.variable = caller_variable(module) or None  # DINO's `teacher`, called before the student
         if successor:
             starts = self._meta.get("models_in_sequence") or [{"prefix": earlier[0].prefix,
                                                                "first_step": earlier[0].first_step}]

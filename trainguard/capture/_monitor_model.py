@@ -86,7 +86,7 @@ class Root:
     """A top-level model: its layers, parameters and the modules whose output depends on train/eval mode."""
 
     __slots__ = ("ref", "prefix", "type", "mode_modules", "handle", "load_handle", "layers", "params", "trained",
-                 "first_step", "stand_ins_done", "entry_handles", "depth")
+                 "first_step", "stand_ins_done", "entry_handles", "depth", "variable")
 
     def __init__(self, module: nn.Module, prefix: str):
         self.ref = weakref.ref(module)
@@ -102,6 +102,8 @@ class Root:
         self.stand_ins_done = False  # see stand_ins
         self.entry_handles: list = []  # hooks on the root and its entries (see entries)
         self.depth = 0  # forwards of the root or an entry now running
+        # the script's variable holding a model found at run time with no prefix (the first), for the findings
+        self.variable: str | None = None
 
 
 # Only the attributes no user names a module by: a "module" inside a model may be the user's own.
@@ -329,5 +331,6 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
     return {
         "layers": [layer(la) for r in roots for la in r.layers],
         "params": {p.name: param(p) for r in roots for p in r.params},
-        "roots": [{"prefix": r.prefix, "type": r.type, "mode_modules": len(r.mode_modules)} for r in roots],
+        "roots": [{"prefix": r.prefix, "type": r.type, "mode_modules": len(r.mode_modules)}
+                  | ({"variable": r.variable} if r.variable else {}) for r in roots],
     }
