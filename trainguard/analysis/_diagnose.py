@@ -42,6 +42,7 @@ MONITOR_RULES = (
     "loss_not_decreasing",
     "loss_saturated",
     "loss_above_chance",
+    "accumulation_not_averaged",
     "loss_oscillating",
     "loss_spike",
     "lr_too_high",
