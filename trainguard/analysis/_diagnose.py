@@ -43,6 +43,7 @@ MONITOR_RULES = (
     "loss_saturated",
     "loss_above_chance",
     "accumulation_not_averaged",
+    "muon_on_embedding",
     "loss_oscillating",
     "loss_spike",
     "lr_too_high",
