@@ -547,6 +547,36 @@ def test_vanishing_gradient_ratio(tmp_path):
     assert f.layers == ["0", "2"]
 
 
+def test_a_closed_gate_first_does_not_make_muon_trained_layers_vanish(tmp_path):
+    # karpathy/nanochat@92d63d4 (nanochat/gpt.py, nanochat/optim.py), 2 layers of width 64, trained
+    # healthy for 100 steps with its MuonAdamW: the first matrix in forward order is smear_gate, a
+    # [1, 24] gate whose output is scaled by smear_lambda, initialised to 0, so its gradient stays
+    # at Adam's epsilon (relative 1.9e-9, updates 3e-5 of its norm). Behind it the attention and MLP
+    # matrices get relative gradients of 1e-8..1e-7, which Muon's orthogonalised steps ignore: they
+    # move by 0.8-1.9% per step, more than lm_head's 0.18%. "Vanishing gradients, use Kaiming init"
+    # was the only finding of that healthy run.
+    params = {"smear_gate.weight": {"layer": "smear_gate", "module_type": "Linear", "shape": [1, 24]},
+              "h.0.c_q.weight": {"layer": "h.0.c_q", "module_type": "Linear", "shape": [64, 64]},
+              "h.0.c_fc.weight": {"layer": "h.0.c_fc", "module_type": "Linear", "shape": [256, 64]},
+              "lm_head.weight": {"layer": "lm_head", "module_type": "Linear", "shape": [256, 64]}}
+    layers = [{"name": p["layer"], "type": "Linear"} for p in params.values()]
+
+    def run(path, trunk_update):
+        grads = {"smear_gate.weight": 1e-8, "h.0.c_q.weight": 8.5e-8, "h.0.c_fc.weight": 8e-7, "lm_head.weight": 1e-3}
+        updates = {"smear_gate.weight": 3e-5, "h.0.c_q.weight": trunk_update, "h.0.c_fc.weight": 2.3 * trunk_update,
+                   "lm_head.weight": 1.8e-3}
+        rows = []
+        for s in range(0, 100, 5):
+            for p in params:
+                rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", grads[p]),
+                         (s, p, "gradient", "present", 1), (s, p, "update", "ratio", updates[p])]
+        return diagnose(write_run(path, layer_rows=rows, layers=layers, params=params))
+
+    assert "vanishing_gradient" not in kinds(run(tmp_path / "muon", 8e-3))
+    # the same gradients under SGD, whose updates follow them: the trunk barely moves, and that is found
+    assert "vanishing_gradient" in kinds(run(tmp_path / "sgd", 1e-8))
+
+
 def test_a_gelu_model_of_its_own_class_is_not_told_its_tanh_stack_vanishes(tmp_path):
     # transformers' BERT (accelerate's nlp_example model) at 100x its learning rate: two
     # GELUActivation layers (transformers' own class) and one Tanh (the pooler) read as a tanh

@@ -446,3 +446,31 @@ def test_a_rate_that_kills_every_unit_in_one_step_is_named_without_the_rule_fail
     kinds = {f.kind: f for f in mon.findings}
     assert "rule_error" not in kinds, kinds["rule_error"].title
     assert "lr_too_high" in kinds, [(f.kind, f.title) for f in mon.findings]
+
+
+def test_a_tiny_output_layer_under_warmup_sets_no_rate_far_below_one_that_trains(tmp_path):
+    # karpathy/nanochat@92d63d4 (nanochat/gpt.py init_weights: lm_head from N(0, 0.001); scripts/
+    # base_train.py: a linear warmup written into each group's lr), 150 steps of a pattern with 30%
+    # random tokens, loss 5.55 -> 3.04: AdamW's first update, at a tenth of the peak rate, moved
+    # lm_head by 139% of its tiny norm, and the fix said "lower the learning rate from 0.00139 to about
+    # 1e-06". The Kaiming floor that judges such a first update was applied only without a warmup.
+    torch.manual_seed(0)
+    V, D = 64, 32
+    model = nn.Sequential(nn.Embedding(V, D), nn.Linear(D, D), nn.ReLU(), nn.Linear(D, V, bias=False))
+    nn.init.normal_(model[3].weight, std=0.001)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0139, betas=(0.8, 0.96), eps=1e-10)
+    for group in opt.param_groups:
+        group["initial_lr"] = group["lr"]
+    g = torch.Generator().manual_seed(1)
+    with tg.Monitor(model, tmp_path / "r", every=10) as mon:
+        for i in range(60):
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * min((i + 1) / 10, 1.0)
+            x = torch.randint(0, V, (32,), generator=g)
+            y = torch.where(torch.rand(32, generator=g) < 0.3, torch.randint(0, V, (32,), generator=g), (x * 7) % V)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    high = next((f for f in mon.findings if f.kind == "lr_too_high"), None)
+    assert high is None or high.evidence["suggested_lr"] >= 1e-3, high.suggestion

@@ -347,6 +347,42 @@ def test_casts_to_float32_inside_the_forward_are_kept_in_float64():
     assert model.D.dtype == torch.float32 and model(u).dtype == torch.float32  # the model is as it was
 
 
+class _RotaryLM(nn.Module):
+    """Cut from karpathy/nanochat@92d63d4 nanochat/gpt.py: rotary tables kept as non-persistent
+    buffers in the compute dtype, which forward() asserts (``self.cos.dtype == COMPUTE_DTYPE``),
+    activations cast back to it (``x.to(COMPUTE_DTYPE)``), QK norm and a softcapped lm_head."""
+
+    def __init__(self, vocab=32, dim=16, seq=8):
+        super().__init__()
+        self.wte, self.c_q, self.lm_head = nn.Embedding(vocab, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, vocab, bias=False)
+        freqs = torch.outer(torch.arange(seq, dtype=torch.float32), 1.0 / 100000 ** (torch.arange(0, dim, 2) / dim))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, idx):
+        assert self.cos.dtype == torch.float32, f"Rotary embeddings must be in torch.float32, got {self.cos.dtype}"
+        x = self.wte(idx).to(torch.float32)
+        q = self.c_q(nn.functional.rms_norm(x, (x.size(-1),)))
+        d = q.size(-1) // 2
+        cos, sin = self.cos[: idx.size(1)], self.sin[: idx.size(1)]
+        q = torch.cat([q[..., :d] * cos + q[..., d:] * sin, q[..., :d] * -sin + q[..., d:] * cos], -1)
+        logits = self.lm_head(nn.functional.rms_norm(x + q, (x.size(-1),))).float()
+        return 15 * torch.tanh(logits / 15)
+
+
+def test_a_model_that_asserts_its_constant_tables_dtype_is_checked():
+    """nanochat's GPT: `trainguard doctor` reported gradient_check as ERROR, "AssertionError: Rotary
+    embeddings must be in torch.float32, got torch.float64" (the check had converted the rotary
+    buffers), and told the user to fix the forward pass of a healthy model."""
+    torch.manual_seed(0)
+    model = _RotaryLM()
+    idx = torch.randint(0, 32, (4, 8))
+    loss = lambda logits, y: nn.functional.cross_entropy(logits.reshape(-1, 32), y.reshape(-1))  # noqa: E731
+    result = doctor.gradient_check(model, (idx, torch.randint(0, 32, (4, 8))), loss)
+    assert result.passed and result.bad_params == [] and result.suspicious_params == [], result.summary
+    assert model.cos.dtype == torch.float32 and model.c_q.weight.dtype == torch.float32
+
+
 class _ZeroInitBlock(nn.Module):
     """timm/models/resnet.py BasicBlock with zero_init_last (bn2.weight = 0), after a ReLU: at w=0 the
     residual sum equals the ReLU'd shortcut, exact zeros meet the ReLU after the sum at its kink."""

@@ -186,3 +186,33 @@ def test_a_batch_holding_inf_is_named_not_called_a_divergence():
     assert "batch 4" in r.stop_reason and "targets" in r.stop_reason, r.stop_reason
     (f,) = r.findings()
     assert "validate_data" in f.suggestion and "widen the sweep" not in f.suggestion, f.suggestion
+
+
+class _RecordingSGD(torch.optim.SGD):
+    def __init__(self, groups):
+        super().__init__(groups, lr=0.0)
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append([g["lr"] for g in self.param_groups])
+        return super().step(closure)
+
+
+def test_parameter_groups_keep_the_ratios_of_their_rates():
+    """karpathy/nanochat@92d63d4 nanochat/gpt.py setup_optimizer: one optimizer, groups at their own
+    rates (embedding 0.69, lm_head 0.014, matrices 0.02, scalars 0.005 for width 64). The sweep set
+    every group to the same rate, a setup nanochat never trains with, and suggested one rate (0.0148)
+    without saying for which group."""
+    model, data = linear_problem(0)
+    made = []
+
+    def factory(params):
+        made.append(_RecordingSGD([{"params": [model.weight], "lr": 0.02}, {"params": [model.bias], "lr": 0.5}]))
+        return made[0]
+
+    r = doctor.lr_range_test(model, data, nn.MSELoss(), factory)
+    assert all(abs(b / a - 25) < 1e-9 for a, b in made[0].seen), made[0].seen[:3]
+    assert [a for a, _ in made[0].seen] == pytest.approx(r.lrs[:len(made[0].seen)])
+    assert r.group_scales == [1.0, 25.0]
+    assert r.suggestion is not None, r.summary
+    assert f"group 1 at lr={r.suggestion * 25:.3g}" in r.findings()[0].suggestion, r.findings()[0].suggestion

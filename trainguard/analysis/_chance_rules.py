@@ -137,3 +137,57 @@ def loss_above_chance(ctx: Context) -> list[Finding]:
                       "does); the loss then starts near ln C")
     return [Finding(kind="loss_above_chance", severity="warning", title=title, evidence=ev, suggestion=suggestion,
                     steps=prog["steps"], layers=[layer] if layer else [], source=SOURCE)]
+
+
+# The first step's loss over one backward's loss lies this close to a whole number of backward passes.
+_WHOLE = 0.05
+
+
+@register_rule("accumulation_not_averaged")
+def accumulation_not_averaged(ctx: Context) -> list[Finding]:
+    """Several ``backward()`` calls accumulate into one step, each on a mean cross entropy divided by
+    d, while the step holds k of them, d != k: the gradients are k/d times the batch's mean (the
+    step's loss, the sum of what backward ran on, is k/d times the cross entropy). Read off the
+    loss watch's first backward passes (one mean cross-entropy head each, the same divisor) and the
+    first step's loss (the sum of its backward passes' losses)."""
+    if ctx.losses_summed or ctx.objectives_in_sequence is not None or ctx.models_in_sequence:
+        return []
+    recs = ctx.run.meta.get("loss_graph") or []
+    if len(recs) < 2 or not len(ctx.loss):
+        return []
+    divisors, losses = [], []
+    for rec in recs:
+        hs = rec.get("heads") or []
+        if len(hs) != 1 or not isinstance(hs[0], dict) or not _valid_head(hs[0]):
+            return []
+        facts = hs[0]["facts"]
+        if not (facts["loss"] > 0 and facts["value"] > 0):
+            return []
+        divisors.append(facts["value"] / facts["loss"])
+        losses.append(facts["loss"])
+    d = sorted(divisors)[len(divisors) // 2]
+    if any(abs(x - d) > _SAME * 10 * d for x in divisors):
+        return []
+    first = float(ctx.loss.values[0])
+    per_backward = sorted(losses)[len(losses) // 2]
+    if not math.isfinite(first):
+        return []
+    k_est = first / per_backward
+    k = round(k_est)
+    if k < 2 or abs(k_est - k) > _WHOLE * k or abs(d - k) <= _WHOLE * k:
+        return []
+    at = recs[0].get("backward_at") or {}
+    where = f" before `backward()` at {at['file']}:{at['line']}" if at.get("file") and at.get("line") else ""
+    scale = k / d
+    ev = {"backward_per_step": k, "divisor": d, "gradient_scale": scale, "first_loss": first,
+          "backward_loss": per_backward, "cross_entropy": per_backward * d}
+    how = "the full mean loss" if abs(d - 1) <= _WHOLE else f"the loss divided by {fmt(d)}"
+    title = (f"Gradient accumulation: each of the {k} backward() calls of a step runs on {how}, not on the loss "
+             f"divided by {k}: the gradients are {fmt(scale)}x the accumulated batch's mean, and the step's loss "
+             f"({fmt(first)} at step {ctx.loss.steps[0]}) is {fmt(scale)}x its cross-entropy")
+    suggestion = (f"divide each micro-batch's loss by the number of backward() calls per step{where}: "
+                  f"`loss = loss / {k}` (nanochat's `loss / grad_accum_steps`); under SGD the step is {fmt(scale)}x "
+                  "what the rate says, and with Adam or Muon, which normalise its size, a clip norm, epsilon and the "
+                  "logged loss still see the scaled values")
+    return [Finding(kind="accumulation_not_averaged", severity="warning", title=title, evidence=ev,
+                    suggestion=suggestion, steps=(int(ctx.loss.steps[0]), int(ctx.loss.steps[0])), source=SOURCE)]

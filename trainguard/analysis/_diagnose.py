@@ -42,6 +42,8 @@ MONITOR_RULES = (
     "loss_not_decreasing",
     "loss_saturated",
     "loss_above_chance",
+    "accumulation_not_averaged",
+    "muon_on_embedding",
     "loss_oscillating",
     "loss_spike",
     "lr_too_high",

@@ -507,6 +507,13 @@ def _vanishing_in(ctx: Context, flow: dict[str, float]) -> list[Finding]:
             # key projections at initialisation).
             return []
     weak = [p for p in names if flow[p] / flow[names[-1]] < ctx.th.vanish_ratio]
+    moved = _update_flow(ctx, weak + [names[-1]])
+    if len(weak) >= 2 and names[-1] in moved and all(p in moved for p in weak) \
+            and median(np.array([moved[p] for p in weak])) >= ctx.th.vanish_update_balance * moved[names[-1]]:
+        # Most layers the gradient hardly reaches still move (Muon's orthogonalised steps have the
+        # rate's size, whatever the gradient's): only the first matrix is stuck, a gate scaled by a
+        # zero-initialised scalar (nanochat's smear_gate), not a gradient shrinking with depth.
+        return []
     initial = _initial_flow_ratio(ctx, names[0], names[-1])
     if initial is not None and initial >= ctx.th.vanish_ratio:
         # The gradients reached the first layer at initialisation: the updates saturated or killed

@@ -812,7 +812,8 @@ def lr_too_high(ctx: Context) -> list[Finding]:
                "rest)" if "first_loss_apart" in div else "at initialisation")
         )
     high = math.isfinite(r_max) and r_max >= ctx.th.update_ratio_high
-    if high and _first_update_sized_by_rate(ctx, ratios, int(ratios.steps[int(np.argmax(ratios.values))])):
+    if high and _first_update_sized_by_rate(ctx, ratios, int(ratios.steps[int(np.argmax(ratios.values))]),
+                                            warmed=True):
         # Adam's first update moves each weight by about the rate: on weights initialised far below their
         # Kaiming scale (seq2seq's std 0.01) that is most of their norm at any rate that trains, so that
         # update is judged against a third of the Kaiming norm at least (the later ones as they are)
@@ -890,7 +891,7 @@ def _lower_where_it_went_wrong(ctx: Context, div: dict | None, bad_step: int | N
     at = div["update_step"] if div else bad_step if bad_step is not None else moved
     r_max = _ratio_max(ctx)
     ratios = ctx.update_ratio_by_step()
-    if _first_update_sized_by_rate(ctx, ratios, at):
+    if _first_update_sized_by_rate(ctx, ratios, at, warmed=True):
         ratios = ctx.update_ratio_by_step(floor=True)  # as lr_too_high judged it
     r_at = _ratio_before(ctx, ratios, at)
     later = _after_the_first_update(ctx, ratios, at) if div is None and bad_step is None else None
@@ -909,15 +910,18 @@ def _adaptive(name: object) -> bool:
     return isinstance(name, str) and ("Adam" in name or name in ("RMSprop", "Adagrad"))
 
 
-def _first_update_sized_by_rate(ctx: Context, ratios: Series, step: int | None) -> bool:
+def _first_update_sized_by_rate(ctx: Context, ratios: Series, step: int | None, warmed: bool = False) -> bool:
     """``step`` is the run's first recorded update, from initial weights, made at the full rate (no
-    warm-up) by adaptive optimizers only (every trainable weight matrix's)."""
+    warm-up; with ``warmed``, at any rate of the schedule) by adaptive optimizers only (every
+    trainable weight matrix's). A warm-up's first rate moves weights initialised far below their
+    Kaiming scale by most of their norm too (nanochat's lm_head, N(0, 0.001), by 139% at a tenth of
+    the peak rate): the Kaiming floor judges that update whatever the schedule."""
     if step is None or not ctx.weights_initial or not len(ratios) or step != int(ratios.steps[0]):
         return False
     names = {ctx.params[p].get("optimizer") for p in ctx.weight_matrices() if ctx.params[p].get("requires_grad", True)}
     lr, peak = ctx.lr(step), ctx.lr_peak()
     return (bool(names) and all(_adaptive(n) for n in names) and bool(lr)
-            and not (peak and lr * SCHEDULE_PEAK_GAP < peak))
+            and (warmed or not (peak and lr * SCHEDULE_PEAK_GAP < peak)))
 
 
 def _after_the_first_update(ctx: Context, ratios: Series, at: int | None) -> tuple[float, str] | None:

@@ -317,7 +317,7 @@ def gradient_check(
     with preserved(model), preserved(loss_module):
         try:
             torch.set_default_dtype(torch.float64)
-            _to_float64(model)
+            tables = _to_float64(model)
             _to_float64(loss_module)
 
             keep = _KeepFloat64()
@@ -327,8 +327,19 @@ def gradient_check(
             # not re-initialised over each perturbation (finite differences 0). `preserved` puts
             # the parameters and buffers back afterwards.
             _seed(seed, device)
-            with torch.no_grad():
-                loss_fn(model(inputs), targets)
+            with torch.no_grad(), keep:  # casts kept here too: nanochat's x.to(float32) meets float64 weights
+                try:
+                    loss_fn(model(inputs), targets)
+                except Exception:
+                    if not tables:
+                        raise
+                    # A forward that insists on its constant tables' dtype (nanochat asserts its
+                    # rotary cos/sin are float32): they go back to theirs, and the float64
+                    # activations that meet them stay float64 (type promotion).
+                    for m, k, b in tables:
+                        m._buffers[k] = b
+                    _seed(seed, device)
+                    loss_fn(model(inputs), targets)
             # A forward that updates buffers in place (vector-quantize-pytorch's EMA codebook, in
             # every training forward) would give each evaluation another function of the weights;
             # so would a loss that moves its own (DINO's center).
@@ -448,16 +459,21 @@ def _loss_modules(loss_fn: Any, model: nn.Module) -> nn.Module:
     return nn.ModuleList(found)
 
 
-def _to_float64(module: nn.Module) -> None:
+def _to_float64(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """Convert floating parameters (in place, keeping the objects) and buffers to float64, complex
-    ones to complex128."""
+    ones to complex128. Returns the non-persistent buffers converted, as (module, name, the buffer
+    as it was): constant tables a forward may insist on in their own dtype."""
     for p in nn.Module.parameters(module):  # all of them: MAML-Pytorch's Learner.parameters() lists its vars only
         if p.is_floating_point() or p.is_complex():
             p.data = p.data.to(torch.complex128 if p.is_complex() else torch.float64)
+    tables = []
     for m in module.modules():
         for k, b in m._buffers.items():
             if b is not None and (b.is_floating_point() or b.is_complex()):
                 m._buffers[k] = b.to(torch.complex128 if b.is_complex() else torch.float64)
+                if k in m._non_persistent_buffers_set:
+                    tables.append((m, k, b))
+    return tables
 
 
 def _check_param(name: str, p: nn.Parameter, grad: torch.Tensor | None, indices: list[int], loss_at: Any,

@@ -22,7 +22,7 @@ import io
 import math
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -81,6 +81,7 @@ class LRRangeResult(CheckResult):
     optimizer: str
     why_none: str = ""
     bad_batch: int | None = None  # the step whose batch held NaN/Inf (the data stopped the sweep, not the rate)
+    group_scales: list[float] = field(default_factory=list)  # each group's rate over the first's, kept in the sweep
     passed: bool | None = None
 
     def __post_init__(self) -> None:
@@ -102,7 +103,7 @@ class LRRangeResult(CheckResult):
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "suggestion", "min_loss_lr", "diverged", "stop_reason", "start", "end", "optimizer", "lrs", "losses",
-            "smoothed", "why_none", "bad_batch")}
+            "smoothed", "why_none", "bad_batch", "group_scales")}
 
     def _detail(self) -> Table:
         t = Table(show_header=False, box=None, padding=(0, 2))
@@ -123,8 +124,14 @@ class LRRangeResult(CheckResult):
             return [finding("lr_range_no_suggestion", "warning", f"LR range test: {self.summary}",
                             "Check that the model learns at all (overfit_one_batch) and widen the sweep "
                             "(start lower, end higher, more steps).", **ev)]
+        groups = ""
+        if any(s != 1 for s in self.group_scales):
+            ev["group_scales"] = self.group_scales
+            groups = (" for its first parameter group, " + ", ".join(
+                f"group {i} at lr={self.suggestion * s:.3g}" for i, s in enumerate(self.group_scales) if i)
+                + " (the sweep kept the ratios of the groups' rates)")
         return [finding("lr_suggestion", "info", f"LR range test suggests lr={fmt(self.suggestion)}",
-                        f"Train with {self.optimizer} at lr={fmt(self.suggestion)}; rates above "
+                        f"Train with {self.optimizer} at lr={fmt(self.suggestion)}{groups}; rates above "
                         f"{fmt(self.min_loss_lr)} are at the edge of divergence.", **ev)]
 
     # ------------------------------------------------------------------ outputs
@@ -315,9 +322,10 @@ def lr_range_test(
         task = bar.add_task("LR range test", total=steps) if bar is not None else None
         batches = _cycle(data)
         avg, best = 0.0, math.inf
+        scales = group_scales(opt)
         for i, lr in enumerate(schedule):
-            for group in opt.param_groups:
-                group["lr"] = float(lr)
+            for group, scale in zip(opt.param_groups, scales):
+                group["lr"] = float(lr) * scale
             inputs, targets = split_batch(next(batches))
             inputs, targets = to_device(inputs, device), to_device(targets, device)
             opt.zero_grad(set_to_none=True)
@@ -360,8 +368,18 @@ def lr_range_test(
         suggestion=lrs[i_s] if i_s is not None else None,
         min_loss_lr=lrs[i_min] if i_min is not None else None,
         diverged=diverged, stop_reason=stop_reason, why_none=why, start=float(start), end=float(end),
-        optimizer=type(opt).__name__, bad_batch=bad_batch,
+        optimizer=type(opt).__name__, bad_batch=bad_batch, group_scales=scales,
     )
+
+
+def group_scales(opt: torch.optim.Optimizer) -> list[float]:
+    """Each parameter group's rate over the first group's, as the optimizer was built: groups at
+    rates of their own (nanochat's embedding, lm_head, matrices and scalars) keep their ratios
+    during the sweep. All 1 when every group has the same rate, or any has none above 0."""
+    rates = [g.get("lr") for g in opt.param_groups]
+    if len(rates) < 2 or not all(isinstance(r, (int, float)) and r > 0 for r in rates) or len(set(rates)) == 1:
+        return [1.0] * len(rates)
+    return [float(r) / float(rates[0]) for r in rates]
 
 
 def _nonfinite_parts(inputs: Any, targets: Any) -> str:
