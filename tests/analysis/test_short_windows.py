@@ -46,3 +46,5 @@ def test_a_short_first_window_of_micro_batches_is_no_rise_of_the_loss(tmp_path):
         assert losses[0] < 0.75 * losses[1]  # step 0 summed one micro-batch, the others two
         kinds = {f.kind for f in findings if f.severity in ("warning", "error")}
         assert "lr_too_high" not in kinds, [f.title for f in findings]
+        if divide:  # averaged as it should be: nothing to say (an undivided sum is accumulation_not_averaged's)
+            assert not kinds, [f.title for f in findings]

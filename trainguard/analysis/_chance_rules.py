@@ -65,21 +65,6 @@ def _cross_entropy_heads(ctx: Context) -> list[dict] | None:
     return heads or None
 
 
-def _output_layer(ctx: Context, classes: int) -> tuple[str | None, str | None]:
-    """The layer that makes the logits (the last transforming layer with ``classes`` units) and,
-    when it owns no weight of its own, the embedding weight it shares ([classes, d])."""
-    layer = next((la for la in reversed(ctx.layer_order)
-                  if ctx.layer_type.get(la) not in ("Embedding", "EmbeddingBag") and ctx.unit_count(la) == classes),
-                 None)
-    if layer is None:
-        return None, None
-    if any(info.get("layer") == layer for info in ctx.params.values()):
-        return layer, None
-    tied = [name for name, info in ctx.params.items() if info.get("module_type") == "Embedding"
-            and len(info.get("shape", [])) == 2 and int(info["shape"][0]) == classes]
-    return layer, tied[0] if len(tied) == 1 else None
-
-
 @register_rule("loss_above_chance")
 def loss_above_chance(ctx: Context) -> list[Finding]:
     classes = ctx.loss_classes()
@@ -108,7 +93,7 @@ def loss_above_chance(ctx: Context) -> list[Finding]:
     std = heads[0]["facts"].get("logit_std")
     if isinstance(std, (int, float)) and math.isfinite(std):
         ev["logit_std"] = float(std)
-    layer, tied = _output_layer(ctx, classes)
+    layer, tied = ctx.output_layer(classes)
     if layer is not None:
         ev["output_layer"] = layer
     if tied is not None:

@@ -322,6 +322,20 @@ class Context:
                 return max(math.hypot(mean, std), 1e-12)
         return 1.0
 
+    def output_layer(self, classes: int) -> tuple[str | None, str | None]:
+        """The layer that makes the logits (the last transforming layer with ``classes`` units) and,
+        when it owns no weight of its own, the embedding weight it shares ([classes, d])."""
+        layer = next((la for la in reversed(self.layer_order)
+                      if self.layer_type.get(la) not in ("Embedding", "EmbeddingBag") and self.unit_count(la) == classes),
+                     None)
+        if layer is None:
+            return None, None
+        if any(info.get("layer") == layer for info in self.params.values()):
+            return layer, None
+        tied = [name for name, info in self.params.items() if info.get("module_type") == "Embedding"
+                and len(info.get("shape", [])) == 2 and int(info["shape"][0]) == classes]
+        return layer, tied[0] if len(tied) == 1 else None
+
     def model_name(self, prefix: str) -> str:
         """How findings name the watched model whose layers start with ``prefix``: the prefix; for the
         first model found (no prefix) the script's variable that held it when known, else

@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 
-from trainguard.analysis._chance_rules import _output_layer as output_layer
 from trainguard.analysis._context import Context, fmt
 from trainguard.analysis._layer_rules import fully_dead_layers, negative_layers
 from trainguard.analysis._rules import register_rule
@@ -662,7 +661,7 @@ def muon_on_embedding(ctx: Context) -> list[Finding]:
               if info.get("orthogonalised") and info.get("module_type") in _EMBEDDING_TYPES]
     classes = ctx.loss_classes()
     if classes is not None:
-        layer, _ = output_layer(ctx, classes)
+        layer, _ = ctx.output_layer(classes)
         chosen += [name for name, info in ctx.params.items() if info.get("layer") == layer
                    and info.get("orthogonalised") and len(info.get("shape", [])) == 2 and name not in chosen]
     if not chosen:
