@@ -43,6 +43,8 @@ def test_micro_batch_losses_not_divided_by_the_accumulation_count_are_found(tmp_
     assert ev["backward_per_step"] == 4 and abs(ev["divisor"] - 1) < 0.01, ev
     assert "loss / 4" in f.suggestion and "test_accumulation_divisor.py" in f.suggestion, f.suggestion
     assert "healthy" not in found
+    # the loss four times the cross entropy sits "above chance" for that reason alone: a symptom of it
+    assert found["loss_above_chance"].evidence.get("explained_by") == ["accumulation_not_averaged"]
 
 
 def test_micro_batch_losses_divided_by_the_accumulation_count_are_healthy(tmp_path):
