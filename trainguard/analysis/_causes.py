@@ -42,6 +42,8 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "gradients_accumulating": ("loss_not_decreasing",),
     "exploding_gradient": ("loss_not_decreasing", "loss_spike"),
     "codebook_collapse": ("loss_not_decreasing",),
+    # the step's loss sums k undivided mean losses: k times the cross entropy, "above chance" by k
+    "accumulation_not_averaged": ("loss_above_chance",),
 }
 # cause -> the layer findings it explains only when they arose in training (evidence
 # "arose_in_training": in range at step 0, then the updates did it). Units dead or activations
