@@ -3,9 +3,10 @@
 
 usage: _ddp_guard_script.py ROOT PORT [POISON]
 
-POISON: ``overflow`` (default: 1e20 in a whole batch, which ``x.pow(2)`` overflows), ``nan`` (one
-NaN sample in that batch: a corrupt record, as in pytorch/examples' ddp-tutorial-series data set)
-or ``index`` (a two-class cross-entropy, one sample of that batch labelled 2).
+POISON: ``overflow`` (default: 1e20 in a whole batch, which ``x.pow(2)`` overflows), or ``data``: a
+two-class cross-entropy with one NaN sample in that batch (a corrupt record, as in pytorch/examples'
+ddp-tutorial-series data set) and one sample labelled 2 in the batch ten steps later (an index out of
+range). One job for both: each spawns two ranks.
 
 Each rank writes ROOT/out-rank<r>.json: the steps handed out, the guard's events, whether the
 parameters are finite, and a digest of them.
@@ -30,6 +31,7 @@ from tests.guard.conftest import BS, PolyNet  # noqa: E402
 
 WORLD = 2
 POISON_STEP = 25
+INDEX_STEP = 35
 
 
 def main(rank: int, root: Path, port: int, poison: str) -> None:
@@ -41,14 +43,13 @@ def main(rank: int, root: Path, port: int, poison: str) -> None:
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(10 + rank)  # each rank its own data
         x, y = torch.randn(60 * BS, 4, generator=g), torch.randn(60 * BS, 1, generator=g)
-        label = (y[:, 0] > 0).long()  # index: a two-class label per sample, for cross_entropy
-        if rank == 1 and poison == "nan":
+        label = (y[:, 0] > 0).long()  # data: a two-class label per sample, for cross_entropy
+        if rank == 1 and poison == "data":
             x[POISON_STEP * BS + 2, 1] = float("nan")
-        elif rank == 1 and poison == "index":
-            label[POISON_STEP * BS + 2] = 2  # a label out of range for two classes
+            label[INDEX_STEP * BS + 2] = 2  # a label out of range for two classes
         elif rank == 1:
             x[POISON_STEP * BS:(POISON_STEP + 1) * BS] = 1e20
-        data = TensorDataset(x, y, label) if poison == "index" else TensorDataset(x, y)
+        data = TensorDataset(x, y, label) if poison == "data" else TensorDataset(x, y)
         state = tg.TrainState(model=ddp, optimizer=opt, loader=DataLoader(data, batch_size=BS))
         guard = tg.Guard(root / "run", snapshot_every=10)
         loop = tg.CheckpointManager(root / "ckpt", every_steps=10).resume(state, total_steps=40, guard=guard)

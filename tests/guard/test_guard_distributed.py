@@ -72,12 +72,18 @@ def test_the_report_of_a_guarded_job_leads_with_the_rank_whose_loss_went_bad(ove
     assert "(rank 1 of 2)" in " ".join(out.replace("│", " ").split())
 
 
+@pytest.fixture(scope="module")
+def data_job(tmp_path_factory) -> list[list[dict]]:
+    """Rank 1's data holds a NaN sample at step 25 and a label out of range at step 35: each rank's events."""
+    root = run_job(tmp_path_factory.mktemp("data"), "data")
+    return [json.loads((root / f"out-rank{r}.json").read_text())["events"] for r in (0, 1)]
+
+
 @pytest.mark.timeout(300)
-def test_a_corrupt_sample_on_one_rank_gets_the_data_fix_on_every_rank(tmp_path):
+def test_a_corrupt_sample_on_one_rank_gets_the_data_fix_on_every_rank(data_job):
     # A NaN sample in rank 1's batch (a corrupt record): rank 0's event, whose own batch was clean,
     # must still say the data is at fault, and where, not "check the inputs".
-    run_job(tmp_path, "nan")
-    events = [json.loads((tmp_path / f"out-rank{r}.json").read_text())["events"] for r in (0, 1)]
+    events = [rank_events[:1] for rank_events in data_job]
     for rank, [event] in enumerate(events):
         assert event["step"] == 25 and event["origin_rank"] == 1
         assert event["batch_nonfinite"]["samples"] == [102] and event["batch_nonfinite"]["kinds"] == ["nan"]
@@ -86,16 +92,18 @@ def test_a_corrupt_sample_on_one_rank_gets_the_data_fix_on_every_rank(tmp_path):
     assert events[0][0]["message"].endswith("skipped batch 25 (rank 1's sample 102 holds nan in the batch itself)")
 
 
-def test_a_label_out_of_range_on_one_rank_is_the_same_event_on_every_rank(tmp_path):
+@pytest.mark.timeout(300)
+def test_a_label_out_of_range_on_one_rank_is_the_same_event_on_every_rank(data_job):
     # cross_entropy raised on rank 1's label 2 (two classes): rank 0's event named the replay's
     # stand-in NaN instead ("aten.mul.Tensor ... lower the learning rate"), and its decisions could
     # part from rank 1's.
-    run_job(tmp_path, "index")
-    events = [json.loads((tmp_path / f"out-rank{r}.json").read_text())["events"] for r in (0, 1)]
+    assert [len(e) for e in data_job] == [2, 2], data_job
+    events = [rank_events[1:] for rank_events in data_job]
     for rank, [event] in enumerate(events):
-        assert event["step"] == 25 and event["action"] == "skip", event["message"]
+        # step 34: batch 25 was skipped, so the steps run one behind the batches from there
+        assert event["step"] == 34 and event["action"] == "skip", event["message"]
         assert event["raised"]["op"] == "F.cross_entropy", (rank, event["message"])
-        assert event["raised"]["index"]["in_batch"]["samples"] == [102], rank
+        assert event["raised"]["index"]["in_batch"]["samples"] == [142], rank
         assert event["origin"]["origin"]["op"] == "F.cross_entropy", rank
-    assert events[1][0]["message"].endswith("skipped batch 25 (its sample 102 holds target 2)")
-    assert events[0][0]["message"].endswith("skipped batch 25 (rank 1's sample 102 holds target 2)"), events[0][0]["message"]
+    assert events[1][0]["message"].endswith("skipped batch 35 (its sample 142 holds target 2)")
+    assert events[0][0]["message"].endswith("skipped batch 35 (rank 1's sample 142 holds target 2)"), events[0][0]["message"]
