@@ -71,6 +71,7 @@ def test_a_language_models_batch_is_overfit_to_the_floor_its_shared_prefixes_lea
     r = doctor.overfit_one_batch(_GRULM(vocab), (x, y), _loss)
     assert abs(r.loss_floor - floor) < 0.02, (r.loss_floor, floor)
     assert r.passed, (r.reason, r.final_loss, r.loss_floor)
+    assert f"the least this loss can be on these targets is {r.loss_floor:.3g}" in r.summary, r.summary
 
 
 def test_a_model_that_does_not_learn_still_fails_above_that_floor():
