@@ -156,6 +156,9 @@ class OverfitResult(CheckResult):
         if self.passed and self.memorised == "falling":
             return (f"{head}: still falling geometrically, under {fmt(self.target_loss)} in about "
                     f"{self.projected_steps} more steps at its last quarter's pace")
+        if self.passed and self.loss_floor:
+            # a loss that passed far from 0: label smoothing's, or a language model's first tokens
+            return f"{head}: the least this loss can be on these targets is {fmt(self.loss_floor)}"
         if self.passed:
             return head
         if self.reason == "slow" and self.ctc_blank:
