@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from ts_models import DLinear
 
 from trainguard import Monitor
 from trainguard.capture import _monitor_eval, _monitor_leak
@@ -887,20 +888,6 @@ def test_a_time_major_model_stays_time_major_in_batches_that_do_not_say_so(tmp_p
     assert [b["rows"] for b in leak["batches"]] == [16] * 4
 
 
-class _DLinear(nn.Module):
-    """thuml/Time-Series-Library models/DLinear.py @4e938a1, smaller: a moving-average trend
-    (Autoformer's series_decomp) and one linear map over time each for the trend and the rest,
-    shared by the channels. ``x``: [batch, seq_len, channels] -> [batch, pred_len, channels]."""
-
-    def __init__(self, seq_len: int = 24, pred_len: int = 8, kernel: int = 5):
-        super().__init__()
-        self.avg = nn.AvgPool1d(kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-        self.seasonal, self.trend = nn.Linear(seq_len, pred_len), nn.Linear(seq_len, pred_len)
-
-    def forward(self, x):
-        x = x.permute(0, 2, 1)
-        trend = self.avg(x)
-        return (self.seasonal(x - trend) + self.trend(trend)).permute(0, 2, 1)
 
 
 def _windows(series, seq_len=24, pred_len=8):
@@ -925,7 +912,7 @@ def test_the_vali_split_is_the_validation_not_the_test_split_evaluated_after_it(
     # batches of 25 windows (93 in each split; the last 18 left out): the monitor weighs batches by rows
     vali_loader = [(x[i : i + 25], y[i : i + 25]) for x, y in [_windows(series[376:500])] for i in range(0, 75, 25)]
     test_loader = [(x[i : i + 25], y[i : i + 25]) for x, y in [_windows(series[476:])] for i in range(0, 75, 25)]
-    model = _DLinear()
+    model = DLinear()
     criterion = nn.MSELoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 
@@ -970,7 +957,7 @@ def test_windows_of_a_series_with_rare_outliers_are_not_near_copies(tmp_path):
     series = (series - series[:840].mean(0)) / series[:840].std(0)
     xs, ys = _windows(series[:840])
     xv, yv = _windows(series[840 - 24 : 1000])
-    model = _DLinear()
+    model = DLinear()
     criterion = nn.L1Loss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with Monitor(model, tmp_path / "run", every=10) as mon:

@@ -10,6 +10,7 @@ import torch
 from qat_models import prepared
 from rich.console import Console
 from torch import nn
+from ts_models import DLinear
 
 from trainguard import doctor
 from trainguard.store import dumps
@@ -763,20 +764,6 @@ def test_a_segmenter_with_every_pixel_right_passes_under_a_composite_loss():
     assert not r.passed, r.summary
 
 
-class _DLinear(nn.Module):
-    """cure-lab/LTSF-Linear's DLinear as thuml/Time-Series-Library models/DLinear.py @4e938a1 has
-    it, smaller: a moving-average trend and one linear map over time each for the trend and the
-    rest, shared by the channels; the output is linear in the parameters, by design."""
-
-    def __init__(self, seq_len=48, pred_len=24, kernel=25):
-        super().__init__()
-        self.avg = nn.AvgPool1d(kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-        self.seasonal, self.trend = nn.Linear(seq_len, pred_len), nn.Linear(seq_len, pred_len)
-
-    def forward(self, x):
-        x = x.permute(0, 2, 1)
-        trend = self.avg(x)
-        return (self.seasonal(x - trend) + self.trend(trend)).permute(0, 2, 1)
 
 
 def test_a_model_linear_in_its_parameters_at_its_least_squares_fit_is_no_error():
@@ -791,7 +778,7 @@ def test_a_model_linear_in_its_parameters_at_its_least_squares_fit_is_no_error()
     series = torch.stack([torch.sin(2 * math.pi * t / (24 * (k + 1))) for k in range(4)], 1) + 0.3 * torch.randn(67, 4)
     x = torch.stack([series[i : i + 24] for i in range(32)])
     y = torch.stack([series[i + 24 : i + 36] for i in range(32)])
-    r = doctor.overfit_one_batch(_DLinear(24, 12, kernel=23), (x, y), nn.MSELoss(), steps=400, lr=1e-2)
+    r = doctor.overfit_one_batch(DLinear(24, 12, kernel=23), (x, y), nn.MSELoss(), steps=400, lr=1e-2)
     assert r.reason == "floor"
     (f,) = r.findings()
     assert f.severity == "warning", f.title
