@@ -213,7 +213,6 @@ class Guard:
         self._sentry = Sentry()
         self._raising = _raising.Raised()  # what an op of the running step raised on NaN/Inf
         self._raised_at: dict[int, dict] = {}  # step -> that error, for the step's event
-        self._step_batch: Any = None  # the running step's batch
         self._outside = OutsideOptimizers()  # pyro.optim's per-parameter Adams, which no TrainState holds
         self._loop: Any = None
         self._run: _events.GuardRun | None = None
@@ -240,7 +239,9 @@ class Guard:
         self._probation: _Probation | None = None
         self._bad_local: dict[int, StepValues] = {}
         self._last_event: dict | None = None
-        self._batch: Any = None  # the running step's batch, read only when the loop body raises
+        # the running step's batch: where an index an op raised on came from (_index_samples), and
+        # the batch of a step the loop body left by raising (_crash_batch)
+        self._batch: Any = None
 
     # ------------------------------------------------------------------ public
     @property
@@ -374,7 +375,6 @@ class Guard:
         align_step(step)
         self._batch = batch
         self._raising.take()
-        self._step_batch = batch  # where an index an op raised on came from (_index_samples)
         _raising.begin(self._raising)
         plan = self._plan
         if plan is not None and step == plan.fail and plan.recording is None:
@@ -391,7 +391,7 @@ class Guard:
             plan.recording.stop()
         _raising.end()
         raised = self._raising.take()
-        batch, self._step_batch = self._step_batch, None
+        batch, self._batch = self._batch, None
         if raised is not None:
             if "index" in raised:
                 self._index_samples(raised["index"], batch)
