@@ -538,7 +538,7 @@ def test_a_qat_model_is_not_a_crash_but_says_fake_quant_has_no_finite_difference
 class _CoarseFine(nn.Module):
     """yenchenlin/nerf-pytorch's render_rays, reduced: the coarse network's weights place the
     fine network's samples, which are detached (``z_samples = z_samples.detach()``), so the
-    coarse network learns only from its own loss term."""
+    coarse network learns only from its own loss term (``+ z * ...``, its rendering's)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -549,16 +549,46 @@ class _CoarseFine(nn.Module):
     def forward(self, x):
         w = torch.softmax(self.coarse(x), -1)
         z = (w * torch.arange(4.0)).sum(-1, keepdim=True)
-        z = z.detach()  # the fine samples carry no gradient
-        return self.fine(z) + w.sum(-1, keepdim=True)
+        zd = z.detach()  # the fine samples carry no gradient
+        return self.fine(zd) + z * torch.linspace(-1.0, 1.0, 10)
+
+
+class _CoarseFineWrongBackward(_CoarseFine):
+    """_CoarseFine whose coarse layer also has a wrong hand-written backward (LinearFn, scale 1.5)."""
+
+    def forward(self, x):
+        w = torch.softmax(LinearFn.apply(x, self.coarse.weight, self.coarse.bias, 1.5), -1)
+        z = (w * torch.arange(4.0)).sum(-1, keepdim=True)
+        zd = z.detach()  # the fine samples carry no gradient
+        return self.fine(zd) + z * torch.linspace(-1.0, 1.0, 10)
+
+
+def test_a_gradient_a_detach_cuts_is_exact_for_the_graph_the_code_builds(batch):
+    # `trainguard doctor` on yenchenlin/nerf-pytorch's unmodified run_nerf.py gave an ERROR, "wrong
+    # gradient", for the coarse network, whose gradient is what the code means: held fixed at the
+    # values the forward detached, finite differences agree with autograd, so the detach is the whole
+    # difference. The finding is a warning naming the line, for the user to tell intended from not.
+    r = doctor.gradient_check(_CoarseFine(), batch, nn.CrossEntropyLoss())
+    assert r.bad_params == [] and r.verdict == "warn", r.summary
+    coarse = next(p for p in r.params if p.name == "coarse.weight")
+    assert coarse.status == "detached" and coarse.max_rel > BUG_BAND, coarse
+    assert coarse.held_rel is not None and coarse.held_rel < PASS_BAND, coarse
+    [f] = [f for f in r.findings() if "coarse.weight" in f.title]
+    assert f.kind == "gradient_cut_by_detach" and f.severity == "warning", f
+    line = _CoarseFine.forward.__code__.co_firstlineno + 3
+    assert f"test_gradcheck.py:{line}" in f.suggestion and "zd = z.detach()" in f.suggestion, f.suggestion
+    assert f.evidence["held_rel"] == coarse.held_rel and f.evidence["detached_at"][0]["line"] == line
+    assert all(p.status == "ok" for p in r.params if p.name.startswith("fine."))
 
 
 def test_a_wrong_gradient_through_a_detach_names_the_detach_line(batch):
-    r = doctor.gradient_check(_CoarseFine(), batch, nn.CrossEntropyLoss())
+    # a wrong backward on the same parameter: holding the detached values does not make it agree
+    r = doctor.gradient_check(_CoarseFineWrongBackward(), batch, nn.CrossEntropyLoss())
     assert set(r.bad_params) >= {"coarse.weight"}, r.summary
     f = next(f for f in r.findings() if f.kind == "wrong_gradient" and "coarse.weight" in f.title)
-    line = _CoarseFine.forward.__code__.co_firstlineno + 3
-    assert f"test_gradcheck.py:{line}" in f.suggestion and "z = z.detach()" in f.suggestion, f.suggestion
+    assert f.severity == "error"
+    line = _CoarseFineWrongBackward.forward.__code__.co_firstlineno + 3
+    assert f"test_gradcheck.py:{line}" in f.suggestion and "zd = z.detach()" in f.suggestion, f.suggestion
     assert f.evidence["detached_at"][0]["line"] == line
     fine = [f for f in r.findings() if "fine." in f.title and f.kind == "wrong_gradient"]
     assert not fine  # the fine network's gradient is exact
