@@ -3,7 +3,10 @@
 A parameter whose gradient disagrees with finite differences because a ``.detach()`` lies on one
 of its paths to the loss (nerf-pytorch's ``z_samples.detach()``: the coarse network places the
 fine network's samples, which carry no gradient; a straight-through estimator) is wrong by
-design or by mistake; only the line tells which, so the finding names it.
+design or by mistake; only the line tells which, so the finding names it. The check also measures
+the finite differences again with each detached value held at what the first forward detached
+(``HeldDetaches``): where they then agree, autograd's gradient is exact for the graph the code
+builds, and the cut is the whole difference.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from torch.overrides import TorchFunctionMode
 MAX_NODES = 20_000
 # Detach sites kept per forward: a loop detaching per step repeats one line.
 MAX_SITES = 32
+# Detached values kept from the first forward to hold in later ones (more: none is held).
+MAX_HELD = 256
 
 _SKIP = (os.sep + "torch" + os.sep, os.sep + "trainguard" + os.sep)
 
@@ -60,11 +65,17 @@ class DetachWatch(TorchFunctionMode):
         super().__init__()
         self.ids = {id(p): n for n, p in named.items()}
         self.sites: list[dict[str, Any]] = []
+        # every detach's output in call order (None where its input needed no gradient), for HeldDetaches
+        self.outputs: list[torch.Tensor | None] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func is torch.Tensor.detach or func is torch.detach) and args and isinstance(args[0], torch.Tensor) \
-                and args[0].requires_grad and len(self.sites) < MAX_SITES:
+        if not ((func is torch.Tensor.detach or func is torch.detach) and args and isinstance(args[0], torch.Tensor)):
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if len(self.outputs) <= MAX_HELD:
+            self.outputs.append(out.clone() if args[0].requires_grad else None)
+        if args[0].requires_grad and len(self.sites) < MAX_SITES:
             params = _leaves(args[0], self.ids)
             where = _user_frame() if params else None
             if where is not None:
@@ -73,7 +84,38 @@ class DetachWatch(TorchFunctionMode):
                     self.sites.append({"file": where[0], "line": where[1], "code": where[2], "params": sorted(params)})
                 else:
                     site["params"] = sorted(set(site["params"]) | params)
-        return func(*args, **kwargs)
+        return out
+
+
+class HeldDetaches(TorchFunctionMode):
+    """Replays a forward with each ``.detach()`` returning what the same call (by order) returned in
+    the forward ``DetachWatch`` watched, so that finite differences see the detached values as the
+    constants autograd takes them for. ``failed`` is set when the forward's detaches no longer line
+    up with the watched ones (another count, another shape): nothing is held then."""
+
+    def __init__(self, outputs: list[torch.Tensor | None]) -> None:
+        super().__init__()
+        self.outputs = outputs
+        self.calls = 0
+        self.failed = len(outputs) > MAX_HELD
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not ((func is torch.Tensor.detach or func is torch.detach) and args and isinstance(args[0], torch.Tensor)):
+            return func(*args, **kwargs)
+        i, self.calls = self.calls, self.calls + 1
+        held = self.outputs[i] if i < len(self.outputs) else None
+        if i >= len(self.outputs) or (held is not None and held.shape != args[0].shape):
+            self.failed = True
+        if held is None or self.failed:
+            return func(*args, **kwargs)
+        return held.clone()
+
+
+def site_text(site: dict[str, Any]) -> str:
+    """``file.py:LINE (`code`)``."""
+    where = f"{os.path.basename(site['file'])}:{site['line']}"
+    return f"{where} (`{site['code']}`)" if site["code"] else where
 
 
 def detach_note(sites: list[dict[str, Any]], name: str) -> tuple[str, list[dict[str, Any]]]:
@@ -81,8 +123,7 @@ def detach_note(sites: list[dict[str, Any]], name: str) -> tuple[str, list[dict[
     mine = [s for s in sites if name in s["params"]]
     if not mine:
         return "", []
-    at = "; ".join(f"{os.path.basename(s['file'])}:{s['line']} (`{s['code']}`)" if s["code"] else
-                   f"{os.path.basename(s['file'])}:{s['line']}" for s in mine[:3])
+    at = "; ".join(site_text(s) for s in mine[:3])
     return (f"The loss also depends on it through a .detach() at {at}: finite differences follow that path, "
             "autograd does not. If the cut is intended (the samples of NeRF's fine pass, a straight-through "
             "estimator, a target network), this gradient is what the code means; if not, remove the .detach(). "), mine

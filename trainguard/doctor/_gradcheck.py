@@ -54,7 +54,7 @@ from trainguard.capture._gradcheck import (  # noqa: F401 - the bands are the do
     relative,
     resolution,
 )
-from trainguard.doctor._detaches import DetachWatch, detach_note
+from trainguard.doctor._detaches import DetachWatch, HeldDetaches, detach_note, site_text
 from trainguard.doctor._results import CheckResult, finding, fmt
 from trainguard.doctor._state import (
     Buffers,
@@ -91,7 +91,7 @@ class ParamCheck:
     shape: list[int]
     checked: int  # entries the check covered (every entry, with a direction)
     max_rel: float
-    status: str  # "ok", "suspicious", "wrong"
+    status: str  # "ok", "suspicious", "wrong", "detached" (wrong, but exact with the detached values held)
     worst_index: list[int]
     analytic: float
     numeric: float
@@ -100,6 +100,9 @@ class ParamCheck:
     # The loss is not differentiable there: its one-sided slopes differ (ReLU at exactly 0, max-pool
     # ties), so a difference above the bug band is no evidence of a bug.
     kink: bool = False
+    # The largest relative difference again with every .detach() of the forward returning what it
+    # returned in the first forward (None: not measured)
+    held_rel: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -146,6 +149,10 @@ class GradCheckResult(CheckResult):
         return [p.name for p in self.params if p.status == "suspicious"]
 
     @property
+    def detached_params(self) -> list[str]:
+        return [p.name for p in self.params if p.status == "detached"]
+
+    @property
     def max_rel(self) -> float:
         return max((p.max_rel for p in self.params), default=math.nan)
 
@@ -158,6 +165,9 @@ class GradCheckResult(CheckResult):
             return f"wrong gradient in {', '.join(self.bad_params)} (largest relative difference {fmt(self.max_rel)})"
         if self.suspicious_params:
             return f"{len(self.suspicious_params)} of {n} parameters suspicious (largest relative difference {fmt(self.max_rel)})"
+        if self.detached_params:
+            return (f"{len(self.detached_params)} of {n} parameters differ only through a .detach(): "
+                    f"{', '.join(self.detached_params)} agree with finite differences once the detached values are held")
         kept = (f"; {self.kept_float64} cast(s) to a narrower float inside the forward (.float(), .half()) ran in "
                 "float64 for the check") if self.kept_float64 else ""
         return f"{n} parameters agree with finite differences (largest relative difference {fmt(self.max_rel)}){kept}"
@@ -166,13 +176,13 @@ class GradCheckResult(CheckResult):
         return {"eps": self.eps, "loss": self.loss, "samples": self.samples, "notes": self.notes, "cannot": self.cannot,
                 "kept_float64": self.kept_float64, "detached": self.detached,
                 "max_rel": self.max_rel, "bad_params": self.bad_params,
-                "suspicious_params": self.suspicious_params, "params": [p.to_dict() for p in self.params]}
+                "suspicious_params": self.suspicious_params, "detached_params": self.detached_params, "params": [p.to_dict() for p in self.params]}
 
     def _detail(self) -> Table:
         t = Table(box=None, padding=(0, 2))
         for col in ("parameter", "entries", "max rel diff", "analytic", "numeric", "status"):
             t.add_column(col)
-        style = {"ok": "green", "suspicious": "yellow", "wrong": "red"}
+        style = {"ok": "green", "suspicious": "yellow", "wrong": "red", "detached": "yellow"}
         for p in self.params:
             t.add_row(p.name, str(p.checked), fmt(p.max_rel), fmt(p.analytic, 6), fmt(p.numeric, 6),
                       f"[{style[p.status]}]{p.status}[/]" + (" (no gradient)" if p.no_grad else ""))
@@ -187,7 +197,20 @@ class GradCheckResult(CheckResult):
             if p.status == "ok":
                 continue
             where = f"{p.name}{p.worst_index}" if p.worst_index else f"{p.name} (along a random direction)"
-            if p.status == "wrong":
+            if p.status == "detached":
+                _, sites = detach_note(self.detached, p.name)
+                at = "; ".join(site_text(s) for s in sites[:3])
+                out.append(finding(
+                    "gradient_cut_by_detach", "warning",
+                    f"Gradient check: {p.name} differs from finite differences by {fmt(p.max_rel)} only through "
+                    f"the .detach() at {at}",
+                    f"Held at the values the forward detached, finite differences agree with autograd (relative "
+                    f"difference {fmt(p.held_rel)}): the gradient is exact for the graph the code builds, and the "
+                    f"loss also depends on this parameter through the cut at {at}. If the cut is intended (the "
+                    "samples of NeRF's fine pass, a straight-through estimator, a target network), nothing is "
+                    "wrong; if not, remove the .detach().",
+                    layers=[p.name], **p.to_dict(), eps=self.eps, detached_at=sites))
+            elif p.status == "wrong":
                 why = ("autograd gives no gradient but the loss depends on it"
                        if p.no_grad else f"autograd says {fmt(p.analytic, 6)}, finite differences {fmt(p.numeric, 6)}")
                 note, sites = detach_note(self.detached, p.name)
@@ -386,10 +409,42 @@ def gradient_check(
                     entries = _sample(p.numel(), samples_per_param, gen) if samples_per_param else []
                     results.append(_check_param(name, p, analytic[name], entries, loss_at, eps, directions, gen,
                                                 tolerance))
+                _hold_detached(results, dict(chosen), analytic, watch, loss_at, base, eps, directions, gen,
+                               tolerance)
         finally:
             torch.set_default_dtype(default_dtype)
     return GradCheckResult(params=results, eps=eps, loss=base, samples=samples, kept_float64=kept,
                            detached=watch.sites)
+
+
+def _hold_detached(results: list[ParamCheck], params: dict[str, nn.Parameter], analytic: dict, watch: DetachWatch,
+                   loss_at: Any, base: float, eps: float, directions: int, gen: torch.Generator,
+                   tolerance: float) -> None:
+    """A wrong gradient of a parameter that reaches the loss through a ``.detach()`` as well, checked
+    again with the forward's detached values held at the first forward's: agreement then makes it
+    "detached" (exact for the graph the code builds). A gradient that is zero everywhere stays
+    wrong: every path of the parameter is cut, and it never learns (held, its slope is nil)."""
+    cut = {n for s in watch.sites for n in s["params"]}
+    todo = [r for r in results if r.status == "wrong" and r.name in cut and analytic[r.name] is not None
+            and bool(analytic[r.name].ne(0).any())]
+    if not todo:
+        return
+    holders: list[HeldDetaches] = []
+
+    def held_loss_at() -> torch.Tensor:
+        with HeldDetaches(watch.outputs) as held:
+            holders.append(held)
+            return loss_at()
+
+    if abs(float(held_loss_at()) - base) > 1e-10 * max(1.0, abs(base)) or holders[-1].failed:
+        return  # the detaches do not replay (another count or shape): nothing to hold
+    for r in todo:
+        holders.clear()
+        again = _check_param(r.name, params[r.name], analytic[r.name], [], held_loss_at, eps, directions, gen,
+                             tolerance)
+        learns = abs(again.numeric) > max(tolerance, 1e-6 * abs(r.numeric))  # through a path not cut
+        if not any(h.failed for h in holders) and again.status == "ok" and learns:
+            r.status, r.held_rel = "detached", again.max_rel
 
 
 _NARROW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
