@@ -573,11 +573,13 @@ def test_a_gradient_a_detach_cuts_is_exact_for_the_graph_the_code_builds(batch):
     coarse = next(p for p in r.params if p.name == "coarse.weight")
     assert coarse.status == "detached" and coarse.max_rel > BUG_BAND, coarse
     assert coarse.held_rel is not None and coarse.held_rel < PASS_BAND, coarse
-    [f] = [f for f in r.findings() if "coarse.weight" in f.title]
+    [f] = [f for f in r.findings() if "coarse.weight" in f.title]  # one finding for the detach's parameters
     assert f.kind == "gradient_cut_by_detach" and f.severity == "warning", f
+    assert "2 parameters (coarse.weight, coarse.bias)" in f.title and f.layers == ["coarse.weight", "coarse.bias"]
     line = _CoarseFine.forward.__code__.co_firstlineno + 3
     assert f"test_gradcheck.py:{line}" in f.suggestion and "zd = z.detach()" in f.suggestion, f.suggestion
-    assert f.evidence["held_rel"] == coarse.held_rel and f.evidence["detached_at"][0]["line"] == line
+    assert {"name": "coarse.weight", "max_rel": coarse.max_rel, "held_rel": coarse.held_rel} in f.evidence["params"]
+    assert f.evidence["detached_at"][0]["line"] == line
     assert all(p.status == "ok" for p in r.params if p.name.startswith("fine."))
 
 

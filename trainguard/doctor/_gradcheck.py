@@ -178,6 +178,35 @@ class GradCheckResult(CheckResult):
                 "max_rel": self.max_rel, "bad_params": self.bad_params,
                 "suspicious_params": self.suspicious_params, "detached_params": self.detached_params, "params": [p.to_dict() for p in self.params]}
 
+    def _cut_findings(self) -> list[Finding]:
+        """One warning per set of .detach() lines for the parameters that differ only through them."""
+        groups: dict[tuple, list[ParamCheck]] = {}
+        for p in self.params:
+            if p.status == "detached":
+                _, sites = detach_note(self.detached, p.name)
+                groups.setdefault(tuple((s["file"], s["line"]) for s in sites), []).append(p)
+        out = []
+        for group in groups.values():
+            _, sites = detach_note(self.detached, group[0].name)
+            at = "; ".join(site_text(s) for s in sites[:3])
+            names = [p.name for p in group]
+            named = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            what = f"{len(names)} parameters ({named})" if len(names) > 1 else names[0]
+            worst = max(p.max_rel for p in group)
+            held = max(p.held_rel or 0.0 for p in group)
+            out.append(finding(
+                "gradient_cut_by_detach", "warning",
+                f"Gradient check: {what} differ{'' if len(names) > 1 else 's'} from finite differences by up to "
+                f"{fmt(worst)} only through the .detach() at {at}",
+                f"Held at the values the forward detached, finite differences agree with autograd (relative "
+                f"difference {fmt(held)} at most): the gradient is exact for the graph the code builds, and the "
+                f"loss also depends on {'these parameters' if len(names) > 1 else 'this parameter'} through the "
+                f"cut at {at}. If the cut is intended (the samples of NeRF's fine pass, a straight-through "
+                "estimator, a target network), nothing is wrong; if not, remove the .detach().",
+                layers=names, params=[{"name": p.name, "max_rel": p.max_rel, "held_rel": p.held_rel} for p in group],
+                eps=self.eps, detached_at=sites))
+        return out
+
     def _detail(self) -> Table:
         t = Table(box=None, padding=(0, 2))
         for col in ("parameter", "entries", "max rel diff", "analytic", "numeric", "status"):
@@ -198,19 +227,8 @@ class GradCheckResult(CheckResult):
                 continue
             where = f"{p.name}{p.worst_index}" if p.worst_index else f"{p.name} (along a random direction)"
             if p.status == "detached":
-                _, sites = detach_note(self.detached, p.name)
-                at = "; ".join(site_text(s) for s in sites[:3])
-                out.append(finding(
-                    "gradient_cut_by_detach", "warning",
-                    f"Gradient check: {p.name} differs from finite differences by {fmt(p.max_rel)} only through "
-                    f"the .detach() at {at}",
-                    f"Held at the values the forward detached, finite differences agree with autograd (relative "
-                    f"difference {fmt(p.held_rel)}): the gradient is exact for the graph the code builds, and the "
-                    f"loss also depends on this parameter through the cut at {at}. If the cut is intended (the "
-                    "samples of NeRF's fine pass, a straight-through estimator, a target network), nothing is "
-                    "wrong; if not, remove the .detach().",
-                    layers=[p.name], **p.to_dict(), eps=self.eps, detached_at=sites))
-            elif p.status == "wrong":
+                continue  # one finding per .detach(), below
+            if p.status == "wrong":
                 why = ("autograd gives no gradient but the loss depends on it"
                        if p.no_grad else f"autograd says {fmt(p.analytic, 6)}, finite differences {fmt(p.numeric, 6)}")
                 note, sites = detach_note(self.detached, p.name)
@@ -237,6 +255,7 @@ class GradCheckResult(CheckResult):
                     "Between 1e-5 and 1e-3: often a kink (ReLU at 0, max-pool ties) or round-off on a tiny "
                     "gradient; re-run with another eps or on other samples before suspecting the backward.",
                     layers=[p.name], **p.to_dict(), eps=self.eps))
+        out += self._cut_findings()
         if not out:
             out.append(finding("gradient_check_ok", "info", f"Gradient check: {self.summary}",
                                max_rel=self.max_rel, eps=self.eps))
