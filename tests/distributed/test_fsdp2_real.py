@@ -21,18 +21,19 @@ from .conftest import HERE, run, torchrun, trainguard
 SCRIPT = HERE / "_fsdp2_example.py"
 
 
-def _job(tmp_path, init: str) -> tuple[int, str]:
+def _job(tmp_path, init: str, *options: str) -> tuple[int, str]:
     os.environ["NAN_EMPTY"] = "1"
     os.environ["INIT"] = init
     try:
-        return run(trainguard("run", "--check-numerics", "--nproc-per-node", "2", "--logdir", tmp_path / "run",
-                              SCRIPT), tmp_path / "log")
+        return run(trainguard("run", "--check-numerics", *options, "--nproc-per-node", "2", "--logdir",
+                              tmp_path / "run", SCRIPT), tmp_path / "log")
     finally:
         del os.environ["NAN_EMPTY"], os.environ["INIT"]
 
 
-def test_healthy_fsdp2_job_passes_check_numerics(tmp_path):
-    code, out = _job(tmp_path, "all")
+def test_healthy_fsdp2_job_passes_check_numerics_and_its_merged_gradient_norm_is_clip_grad_norms(tmp_path):
+    # one job of two ranks (~15 s of the suite each) for both: --check-numerics with --monitor
+    code, out = _job(tmp_path, "all", "--monitor")
     assert code == 0, out[-4000:]
     assert out.count("loss ") == 3 and "nan" not in out.split("loss ", 1)[1].lower(), out[-2000:]
     with tg.open(tmp_path / "run") as job:
@@ -41,6 +42,15 @@ def test_healthy_fsdp2_job_passes_check_numerics(tmp_path):
             assert r.alerts()["total"] == 0, (rank, r.alerts())
             ops = {e["op"] for e in r.executions()}
             assert {"fsdp.all_gather_copy_in", "c10d._allgather_base_"} <= ops
+        # Found on pytorch/examples distributed/FSDP2: each rank's monitor summed the squares of its own
+        # gradient shards, so the job's grad_norm was the norm of half the gradient (0.37 where
+        # clip_grad_norm_ returned 0.53 on two ranks), and a clip norm read off it would be sqrt(ranks) too small.
+        printed = [float(line.split()[3]) for line in out.splitlines() if line.startswith("loss ")]
+        merged = [v for _, v in job.scalars()["grad_norm"]]
+        assert merged == [v for _, v in job.scalars("grad_norm")["grad_norm"]]
+        assert merged == pytest.approx(printed, rel=1e-5)
+        own = [v for _, v in job.rank_run(1).scalars()["grad_norm"]]  # a rank's own run: its shards
+        assert all(o < m for o, m in zip(own, merged))
 
 
 def test_fsdp2_blocks_never_initialised_are_stopped(tmp_path):
@@ -68,23 +78,6 @@ def test_a_nan_made_on_one_rank_is_received_by_the_other_through_fsdps_reduce_sc
     assert (made["op"], made["step"], made["phase"]) == ("aten.div.Tensor", 1, "forward"), made
     via = ranks["per_rank"][0]["first"]["received_via"]
     assert (via["op"], via["phase"], via["step"]) == ("c10d._reduce_scatter_base_", "backward", 1), via
-
-
-def test_the_merged_gradient_norm_of_a_sharded_model_is_the_norm_clip_grad_norm_returns(tmp_path):
-    # Found on pytorch/examples distributed/FSDP2: each rank's monitor summed the squares of its own
-    # gradient shards, so the job's grad_norm was the norm of half the gradient (0.37 where
-    # clip_grad_norm_ returned 0.53 on two ranks), and a clip norm read off it would be sqrt(ranks) too small.
-    code, out = run(trainguard("run", "--monitor", "--nproc-per-node", "2", "--logdir", tmp_path / "run", SCRIPT),
-                    tmp_path / "log")
-    assert code == 0, out[-4000:]
-    printed = [float(line.split()[3]) for line in out.splitlines() if line.startswith("loss ")]
-    assert len(printed) == 3
-    with tg.open(tmp_path / "run") as job:
-        merged = [v for _, v in job.scalars()["grad_norm"]]
-        assert merged == [v for _, v in job.scalars("grad_norm")["grad_norm"]]
-        assert merged == pytest.approx(printed, rel=1e-5)
-        own = [v for _, v in job.rank_run(1).scalars()["grad_norm"]]  # a rank's own run: its shards
-        assert all(o < m for o, m in zip(own, merged))
 
 
 def test_the_merged_gradient_norm_of_a_tensor_parallel_model_counts_a_replicated_bias_once(tmp_path):
