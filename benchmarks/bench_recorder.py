@@ -171,17 +171,22 @@ def use_device(device: str) -> None:
         _sync = torch.cuda.synchronize
 
 
-def peak_memory(name: str, config: str, steps: int, device: str = "cpu") -> float:
+def peak_memory(name: str, config: str, steps: int, device: str = "cpu") -> tuple[float, float]:
     """Peak RSS (MiB) while training ``steps`` steps under ``config``, in a fresh process that
     imports the same modules (the native core included, which a recording loads once);
     the peak is reset after the imports (Linux ``clear_refs``), so import-time spikes do not
-    hide the training's own peak."""
+    hide the training's own peak. Also the RSS (MiB) that loading the native core added to the
+    process, which had imported torch and trainguard.capture."""
     code = f"""
 import re, sys, tempfile
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import bench_recorder as b, torch, trainguard.capture
 from trainguard.capture import _native
-_native.load()
+def rss():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
+before = rss()
+assert _native.load() is not None
+loaded = rss() - before
 b.use_device({device!r})
 torch.manual_seed(0)
 model, opt, loss_fn = b.MODELS[{name!r}]()
@@ -195,25 +200,11 @@ with tempfile.TemporaryDirectory() as tmp:
         b.run_steps(opt, loss_fn, {steps})
     status = open("/proc/self/status").read()
 kib = torch.cuda.max_memory_allocated() // 1024 if cuda else int(re.search(r"VmHWM:\\s+(\\d+)", status).group(1))
-print(kib)
+print(kib, loaded)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1]) / 1024
-
-
-def kernel_rss() -> float:
-    """RSS (MiB) that loading the native core adds to a process that imported torch."""
-    code = """
-import torch, trainguard.capture
-def rss():
-    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
-before = rss()
-from trainguard.capture import _native
-assert _native.load() is not None
-print(rss() - before)
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1]) / 1024
+    kib, loaded = out.stdout.strip().splitlines()[-1].split()
+    return int(kib) / 1024, int(loaded) / 1024
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -260,10 +251,10 @@ def main(argv: list[str] | None = None) -> dict:
             t.update({c: t2[c] for c in heavy})
             t["plain (full_tensor rounds)"] = t2["plain"]
         ratio = {c: statistics.median(v) for c, v in rounds.items()}
-        mem_plain = peak_memory(name, "plain", args.memory_steps, args.device)
+        mem_plain, results["kernel_rss_mib"] = peak_memory(name, "plain", args.memory_steps, args.device)
         peak = {"plain": mem_plain}
         for b in backends:
-            peak[b] = peak_memory(name, f"{b}:full_health", args.memory_steps, args.device)
+            peak[b] = peak_memory(name, f"{b}:full_health", args.memory_steps, args.device)[0]
             peak[f"{b}_ratio"] = peak[b] / mem_plain
         results["models"][name] = {"step_ms": {c: v * 1e3 for c, v in t.items()},
                                    "ratio": ratio,
@@ -292,7 +283,6 @@ def main(argv: list[str] | None = None) -> dict:
             f"{results['models'][m]['peak_mib'][b]:.0f} MiB ({results['models'][m]['peak_mib'][b + '_ratio']:.2f}x)"
             for m in models])
     Console().print(table)
-    results["kernel_rss_mib"] = kernel_rss()
     Console().print(f"Every peak-RSS process loads the native core first; loading it adds "
                     f"{results['kernel_rss_mib']:.1f} MiB once per process.")
     if args.json:

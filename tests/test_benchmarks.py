@@ -14,16 +14,6 @@ import bench_recorder  # noqa: E402
 import device_check  # noqa: E402
 
 
-def test_paired_ratios_per_round(monkeypatch):
-    monkeypatch.setattr(bench_recorder, "WARMUP_SECONDS", 0.0)
-    configs = ["plain", bench_recorder.FLOOR, "native:no_tensor", "python:no_tensor"]
-    medians, ratios = bench_recorder.time_model("mlp", configs, rounds=3, steps=2)
-    assert set(medians) == set(configs)
-    assert all(len(v) == 3 for v in ratios.values())
-    assert ratios["plain"] == [1.0, 1.0, 1.0]  # each round is paired with its own plain
-    assert all(r > 0 for r in ratios["native:no_tensor"] + ratios["python:no_tensor"])
-
-
 @pytest.mark.parametrize("name", ["nanogpt", "vae", "ppo"])
 def test_real_programs_train(name):
     import torch
@@ -60,8 +50,10 @@ def test_main_prints_the_table(tmp_path, capsys, monkeypatch):
     assert set(mlp["ratio"]) == {"plain", bench_recorder.FLOOR, "native:no_tensor", "python:no_tensor",
                                  "detect_anomaly"}
     lo, hi = mlp["ratio_range"]["native:no_tensor"]
-    assert lo <= mlp["ratio"]["native:no_tensor"] <= hi
+    assert 0 < lo <= mlp["ratio"]["native:no_tensor"] <= hi
+    assert mlp["ratio_range"]["plain"] == [1.0, 1.0]  # each round is paired with its own plain
     assert mlp["peak_mib"]["plain"] > 0 and mlp["peak_mib"]["native"] > 0 and mlp["peak_mib"]["python"] > 0
+    assert out["kernel_rss_mib"] > 0  # measured in the plain peak's process, as it loads the native core
     printed = capsys.readouterr().out
     assert "dispatch_floor" in printed and "[range]" in printed and "peak RSS plain" in printed
     assert (tmp_path / "r.json").exists()
