@@ -203,7 +203,11 @@ def test_frozen_base_weights_do_not_hide_a_lora_rate_far_too_high(tmp_path):
     assert "lr_too_high" in kinds, sorted(kinds)
     high = kinds["lr_too_high"]
     assert high.evidence["update_ratio_max"] > 1, high.evidence
-    assert "from 1 to about 0.0001" in high.suggestion, high.suggestion
+    # A sweep of this model under AdamW (loss of the last 8 of 30 steps; of 100): 1e-4 3.63 (3.61), 1e-3
+    # 3.58 (3.07), 3e-3 3.37 (2.06), 1e-2 2.37 (1.70), 3e-2 1.96 (1.65), 0.1 2.15 (1.84); it starts at 3.59.
+    # Read off AdamW's first update at a ratio of 1e-3, the rate was 1e-4, which learns nothing.
+    new = high.evidence["suggested_lr"]
+    assert 3e-3 <= new <= 3e-2 and f"from 1 to about {new:g}" in high.suggestion, high.suggestion
 
 
 def test_a_healthy_lora_run_reports_the_adapters_update_ratio(tmp_path):
