@@ -2380,3 +2380,37 @@ def test_a_frozen_sincos_position_table_is_described_not_told_to_train(tmp_path)
     assert f.evidence.get("fixed_tables") == ["pos_embed"], f.evidence
     assert "sin-cos" in f.title, f.title
     assert "frozen_head" in f.suggestion and "pos_embed" not in f.suggestion, f.suggestion
+
+
+# An MLP (Linear(20, 64), ReLU, Linear(64, 64), ReLU, Linear(64, 10): PARAMS' shapes but a 10-class head)
+# on 10 Gaussian blobs, batch 32, under `trainguard monitor`: Muon (KellerJordan/Muon's SingleDeviceMuon,
+# momentum 0.95, Newton-Schulz, over the weight matrices) at lr 1.0, and Lion (lucidrains/lion-pytorch,
+# betas (0.9, 0.99)) at lr 0.1. Their first update moves every weight by about the rate whatever the
+# gradient (an orthogonalised matrix, a sign): 156% and 138% of the weight matrices' norm. Read off it at
+# a ratio of 1e-3 the fix said "lower the learning rate from 1 to about 0.0006" and "from 0.1 to about
+# 7e-05"; 200-step sweeps (validation loss) trained best at 1e-2 for Muon (3e-3 0.56, 1e-2 0.39, 3e-2
+# 0.53, 0.1 1.87) and 1e-3 for Lion (1e-4 1.91, 3e-4 0.80, 1e-3 0.50, 3e-3 0.59).
+MLP_MUON_LR1_LOSS = [
+    2.34, 3.1, 4.44, 8.15, 3.9, 10.7, 9.67, 15.2, 13.8, 16.6, 11.9, 24.6, 27.4, 17.8, 59.2, 21.0, 38.6, 35.0, 63.7,
+    54.9, 43.4, 42.4, 106.0, 38.3, 85.7, 130.0, 90.7, 57.2, 77.3, 139.0, 101.0, 81.0, 132.0, 19.5, 123.0, 132.0,
+    194.0, 174.0, 175.0, 111.0]
+MLP_LION_LR01_LOSS = [
+    2.34, 5.55, 3.96, 2.61, 2.44, 1.51, 1.88, 2.47, 2.7, 1.78, 1.52, 3.91, 2.55, 2.07, 1.94, 2.04, 2.04, 2.0, 2.3,
+    2.26, 2.15, 4.11, 3.7, 1.96, 2.75, 2.2, 1.91, 7.64, 2.25, 5.43, 2.29, 2.9, 2.34, 2.37, 2.37, 2.32, 2.35, 2.33,
+    2.32, 2.3]
+
+
+@pytest.mark.parametrize("optimizer, loss, lr, ratios, best", [
+    ("Muon", MLP_MUON_LR1_LOSS, 1.0, [1.56, 0.213, 0.117, 0.0866], 1e-2),
+    ("Lion", MLP_LION_LR01_LOSS, 0.1, [1.38, 0.126, 0.0578, 0.0373], 1e-3),
+])
+def test_a_rate_read_off_a_first_update_sized_by_the_rate_lands_near_the_best(tmp_path, optimizer, loss, lr, ratios,
+                                                                               best):
+    params = {k: v | {"optimizer": optimizer} for k, v in PARAMS.items()}
+    norms = {"0.weight": 4.65, "2.weight": 4.60, "4.weight": 1.83}
+    rows = [(s * 10, p, k, st, v) for s, r in enumerate(ratios) for p in PARAMS
+            for k, st, v in (("weight", "norm", norms[p]), ("gradient", "norm", 0.5), ("gradient", "present", 1),
+                             ("gradient", "in_optimizer", 1), ("update", "ratio", r))]
+    fs = diagnose(write_run(tmp_path / "r", loss, layer_rows=rows, lr=lr, params=params, every=10))
+    f = next(f for f in fs if f.kind == "lr_too_high")
+    assert best / 3 <= f.evidence["suggested_lr"] <= best * 3, f.suggestion

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import trainguard as tg
 
@@ -200,7 +203,11 @@ def test_frozen_base_weights_do_not_hide_a_lora_rate_far_too_high(tmp_path):
     assert "lr_too_high" in kinds, sorted(kinds)
     high = kinds["lr_too_high"]
     assert high.evidence["update_ratio_max"] > 1, high.evidence
-    assert "from 1 to about 0.0001" in high.suggestion, high.suggestion
+    # A sweep of this model under AdamW (loss of the last 8 of 30 steps; of 100): 1e-4 3.63 (3.61), 1e-3
+    # 3.58 (3.07), 3e-3 3.37 (2.06), 1e-2 2.37 (1.70), 3e-2 1.96 (1.65), 0.1 2.15 (1.84); it starts at 3.59.
+    # Read off AdamW's first update at a ratio of 1e-3, the rate was 1e-4, which learns nothing.
+    new = high.evidence["suggested_lr"]
+    assert 3e-3 <= new <= 3e-2 and f"from 1 to about {new:g}" in high.suggestion, high.suggestion
 
 
 def test_a_healthy_lora_run_reports_the_adapters_update_ratio(tmp_path):
@@ -474,3 +481,85 @@ def test_a_tiny_output_layer_under_warmup_sets_no_rate_far_below_one_that_trains
             opt.step()
     high = next((f for f in mon.findings if f.kind == "lr_too_high"), None)
     assert high is None or high.evidence["suggested_lr"] >= 1e-3, high.suggestion
+
+
+# the first 32 lines of makemore's names.txt
+_WORDS = ("emma olivia ava isabella sophia charlotte mia amelia harper evelyn abigail emily elizabeth mila ella avery "
+         "sofia camila aria scarlett victoria madison luna grace chloe penelope layla riley zoey nora lily eleanor").split()
+
+
+class _MakemoreBlock(nn.Module):
+    # makemore.py's Block: pre-LayerNorm causal self-attention and a NewGELU MLP
+    def __init__(self, d: int, heads: int, block: int):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.attn_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.c_fc, self.c_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, 1, block, block))
+        self.heads = heads
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = F.softmax(att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")), dim=-1)
+        x = x + self.attn_proj((att @ v).transpose(1, 2).contiguous().view(B, T, C))
+        h = self.c_fc(self.ln_2(x))
+        h = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+        return x + self.c_proj(h)
+
+
+class _Makemore(nn.Module):
+    # makemore.py's Transformer (wte + wpe, Blocks, ln_f, lm_head without bias), PyTorch's default init
+    def __init__(self, vocab: int, block: int, d: int = 32, layers: int = 2, heads: int = 4):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.h = nn.ModuleList([_MakemoreBlock(d, heads, block) for _ in range(layers)])
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def _makemore_batches():
+    # makemore.py's CharDataset: x = [0, word..., 0...], y = [word..., 0, -1...]
+    chars = sorted(set("".join(_WORDS)))
+    block = max(len(w) for w in _WORDS) + 1
+    xs, ys = [], []
+    for w in _WORDS:
+        ix = [chars.index(c) + 1 for c in w]
+        x, y = torch.zeros(block, dtype=torch.long), torch.zeros(block, dtype=torch.long)
+        x[1:1 + len(ix)], y[:len(ix)] = torch.tensor(ix), torch.tensor(ix)
+        y[len(ix) + 1:] = -1
+        xs.append(x)
+        ys.append(y)
+    return torch.stack(xs), torch.stack(ys), len(chars) + 1, block
+
+
+def test_adamws_first_update_sets_no_rate_far_below_one_that_trains_a_makemore_transformer(tmp_path):
+    # karpathy/makemore@988aa59 makemore.py (Transformer, AdamW with weight_decay 0.01, betas (0.9, 0.99))
+    # at -l 0.05 under `trainguard monitor`: lr_too_high read the rate off AdamW's first update, which moves
+    # each weight by about the rate whatever the gradient (69% of the weight matrices' norm), and said "lower
+    # the learning rate from 0.05 to about 7e-05", 7x below makemore's default 5e-4. In a 200-step sweep of
+    # this tiny copy (32 names), 1e-4 ends at a loss of 2.55, 1e-3 at 0.84, 3e-3 to 3e-2 at 0.57-0.60 and
+    # 0.05 at 1.15 (its floor: 0.523).
+    torch.manual_seed(3407)
+    x, y, vocab, block = _makemore_batches()
+    model = _Makemore(vocab, block)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-8)
+    g = torch.Generator().manual_seed(0)
+    with tg.Monitor(model, tmp_path / "r", every=10) as mon:
+        for _ in range(30):
+            i = torch.randint(0, len(x), (16,), generator=g)
+            loss = model(x[i], y[i])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    high = next(f for f in mon.findings if f.kind == "lr_too_high")
+    assert high.evidence["update_ratio_max"] > 0.3, high.evidence  # the first update, sized by the rate
+    assert 1e-3 <= high.evidence["suggested_lr"] <= 1.5e-2, high.suggestion

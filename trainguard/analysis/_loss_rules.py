@@ -11,6 +11,7 @@ from trainguard.analysis._layer_rules import gradient_blocked
 from trainguard.analysis._param_rules import _names, frozen_copies, moving_targets
 from trainguard.analysis._rules import register_rule
 from trainguard.analysis._suggest import (
+    ADAPTIVE_FIRST_UPDATE_RATIO,
     LR_RANGE_TEST,
     SCHEDULE_PEAK_GAP,
     TARGET_UPDATE_RATIO,
@@ -889,25 +890,54 @@ def _lower_where_it_went_wrong(ctx: Context, div: dict | None, bad_step: int | N
     gradient norms before it (after it they are exploding, or collapsed). lr_too_high and
     nonfinite_loss give the same fix."""
     at = div["update_step"] if div else bad_step if bad_step is not None else moved
-    r_max = _ratio_max(ctx)
     ratios = ctx.update_ratio_by_step()
-    if _first_update_sized_by_rate(ctx, ratios, at, warmed=True):
+    r_at, read_at = _ratio_before(ctx, ratios, at)
+    if r_at is None and len(ratios):  # nothing recorded before it: the update that moved the weights most
+        read_at = int(ratios.steps[int(np.argmax(ratios.values))])
+        r_at = float(ratios.values.max())
+    if _first_update_sized_by_rate(ctx, ratios, read_at, warmed=True):
         ratios = ctx.update_ratio_by_step(floor=True)  # as lr_too_high judged it
-    r_at = _ratio_before(ctx, ratios, at)
+        r_at = _ratio_before(ctx, ratios, max(at, read_at) if at is not None else read_at)[0]
     later = _after_the_first_update(ctx, ratios, at) if div is None and bad_step is None else None
     if later is not None:
         r_at, how = later
         new, text = lr_lower(ctx, r_at, step=at)
         return new, f"{text}; {how}", clip_text(ctx, before_step=at)
-    new, text = lr_lower(ctx, r_at if r_at is not None else r_max if math.isfinite(r_max) else None, step=at)
+    r_at = r_at if r_at is not None and math.isfinite(r_at) else None
+    if r_at is not None and _sign_sized_first_update(ctx, ratios, read_at):
+        new, text = lr_lower(ctx, r_at, step=at, target=ADAPTIVE_FIRST_UPDATE_RATIO, why=(
+            f" (read off the first update and aimed at {ADAPTIVE_FIRST_UPDATE_RATIO:.0%} of the weights' norm: Adam's, "
+            "Lion's and Muon's first update moves every weight by about the rate, whatever the gradient)"))
+        return new, text, clip_text(ctx, before_step=at)
+    new, text = lr_lower(ctx, r_at, step=at)
     return new, text, clip_text(ctx, before_step=at)
 
 
 def _adaptive(name: object) -> bool:
     """An optimizer whose first update is sized by the rate, whatever the gradient: Adam's (and
-    AdamW's, NAdam's...) and Adagrad's move each weight by about the rate, RMSprop's by about 10x it
-    (the root of a square average that holds a hundredth of one squared gradient)."""
-    return isinstance(name, str) and ("Adam" in name or name in ("RMSprop", "Adagrad"))
+    AdamW's, NAdam's...), Adagrad's, Adafactor's (its rate is relative to the weights' RMS), Lion's (a
+    sign) and Muon's (an orthogonalised matrix) move each weight by about the rate, RMSprop's by about
+    10x it (the root of a square average that holds a hundredth of one squared gradient)."""
+    return isinstance(name, str) and (_sign_sized(name) or name == "RMSprop")
+
+
+def _sign_sized(name: object) -> bool:
+    """An optimizer whose first update moves each weight by about the rate itself, whatever the
+    gradient's scale: Adam's family (AdamW, NAdam, RAdam, Adamax: m/sqrt(v) is sign(g) at the first
+    step), Adagrad's (g / |g|), Adafactor's (relative to the weights' RMS), Lion's (a sign at every step),
+    Muon's (an orthogonalised momentum: KellerJordan's Muon, SingleDeviceMuon, MuonWithAuxAdam). Not
+    RMSprop's: about 10x the rate at first."""
+    return isinstance(name, str) and ("Adam" in name or "Muon" in name or name in ("Adagrad", "Adafactor", "Lion"))
+
+
+def _sign_sized_first_update(ctx: Context, ratios: Series, step: int | None) -> bool:
+    """``step`` is the run's first recorded update, from initial weights, made by optimizers that size it
+    by the rate alone (every trainable weight matrix's: Adam's family, Lion, Muon), at any rate of the
+    schedule: the update ratio it makes is the rate over the weights' RMS, whatever the gradient."""
+    if not _first_update_sized_by_rate(ctx, ratios, step, warmed=True):
+        return False
+    names = {ctx.params[p].get("optimizer") for p in ctx.weight_matrices() if ctx.params[p].get("requires_grad", True)}
+    return all(_sign_sized(n) for n in names)
 
 
 def _first_update_sized_by_rate(ctx: Context, ratios: Series, step: int | None, warmed: bool = False) -> bool:
@@ -972,19 +1002,19 @@ def _slow_under_calm_updates(ctx: Context, div: dict, r_max: float) -> bool:
     return div["step"] >= steps[0] + 0.1 * (steps[-1] - steps[0])
 
 
-def _ratio_before(ctx: Context, ratios: Series, step: int | None) -> float | None:
-    """The update ratio the rate in force at ``step`` (where the run diverged) made before it: the last
-    recording at or before ``step``, scaled from the rate then to the rate at ``step`` (a warm-up's).
-    A ratio read after the divergence measures weights that had already blown up."""
+def _ratio_before(ctx: Context, ratios: Series, step: int | None) -> tuple[float | None, int | None]:
+    """(the update ratio the rate in force at ``step`` (where the run diverged) made before it, the step
+    it was recorded at): the last recording at or before ``step``, scaled from the rate then to the rate
+    at ``step`` (a warm-up's). A ratio read after the divergence measures weights that had already blown up."""
     if step is None:
-        return None
+        return None, None
     lr_at = ctx.lr(step)
     for s, r in zip(ratios.steps[::-1].tolist(), ratios.values[::-1].tolist()):
         if s > step or not (math.isfinite(r) and r > 0):
             continue
         lr_s = ctx.lr(s)
-        return r * lr_at / lr_s if lr_at and lr_s else None
-    return None
+        return (r * lr_at / lr_s, s) if lr_at and lr_s else (None, None)
+    return None, None
 
 
 @register_rule("rewards_too_large")
