@@ -2380,3 +2380,36 @@ def test_a_frozen_sincos_position_table_is_described_not_told_to_train(tmp_path)
     assert f.evidence.get("fixed_tables") == ["pos_embed"], f.evidence
     assert "sin-cos" in f.title, f.title
     assert "frozen_head" in f.suggestion and "pos_embed" not in f.suggestion, f.suggestion
+
+
+def test_a_sincos_table_of_a_model_gone_before_the_monitor_closes_is_still_described(tmp_path):
+    # facebookresearch/DiT train.py @ ed81ce2 builds the model (its pos_embed a frozen 2-D sin-cos
+    # table, models.py) as a local of main(): under `trainguard run --monitor` the model is freed when
+    # main() returns, before the monitor's last metadata write, which then dropped the table's mark
+    # and told DiT to set `requires_grad=True` on pos_embed.
+    torch.manual_seed(0)
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos_embed = nn.Parameter(_sincos_2d(4, 16)[:, 1:], requires_grad=False)
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.proj(x + self.pos_embed)
+
+    def main():
+        model = Tiny()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        for _ in range(10):
+            x = torch.randn(8, 16, 16)
+            loss = (model(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with tg.Monitor(None, tmp_path / "r", every=5) as mon:
+        main()
+    f = next(f for f in mon.findings if f.kind == "params_frozen")
+    assert f.evidence.get("fixed_tables") == ["pos_embed"], f.evidence
+    assert "requires_grad=True" not in f.suggestion, f.suggestion
