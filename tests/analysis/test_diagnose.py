@@ -1867,6 +1867,25 @@ def test_one_feature_on_a_huge_scale_is_told_to_normalise_per_feature(tmp_path):
     assert "x_train.mean(0)" in f.suggestion and "x_train.std(0)" in f.suggestion, f.suggestion
 
 
+def test_images_left_at_0_255_are_told_to_divide_by_255_not_to_standardise(tmp_path):
+    # lucidrains/denoising-diffusion-pytorch @ faed4db: GaussianDiffusion takes images in [0, 1] and maps
+    # them to [-1, 1] itself (auto_normalize); images handed in at 0..255 (no ToTensor) were told
+    # `x = (x - 8.69) / 25.9`, statistics of pixels, where the fix is x / 255. A conv net's input only:
+    # a tabular column of ages 0..100 into a Linear is no image.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 3, padding=1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(25):
+            x = torch.randint(0, 256, (8, 3, 8, 8), generator=g).float()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x / 255).backward()
+            opt.step()
+    (f,) = [f for f in mon.findings if f.kind == "inputs_not_normalized"]
+    assert "255" in f.suggestion and "[-1, 1]" in f.suggestion, f.suggestion
+
+
 def test_parameters_in_no_optimizer_are_not_called_a_missing_zero_grad(tmp_path):
     # pytorch/ignite's examples/mnist/mnist.py with the optimizer built over the head only
     # (``SGD(model.fc2.parameters(), ...)``): create_supervised_trainer calls
