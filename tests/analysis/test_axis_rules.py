@@ -54,3 +54,12 @@ def test_a_schedule_vector_broadcast_along_the_width_is_found_with_its_line_and_
 def test_a_schedule_vector_reshaped_to_the_batch_axis_is_not_a_finding(tmp_path):
     fs = diagnose(_run(tmp_path / "good", reshape=True))
     assert not [f for f in fs if f.kind == "per_sample_broadcast"], [f.title for f in fs]
+
+
+def test_the_report_of_a_recording_without_the_monitor_names_the_broadcast(tmp_path):
+    # `trainguard run train.py` (no --monitor) stores no findings; the report reads loss misuse off the
+    # recording itself, and said nothing of this one.
+    from trainguard.analysis import build_report
+
+    report = build_report(_run(tmp_path / "bad", reshape=False))
+    assert [f for f in report["findings"] if f["kind"] == "per_sample_broadcast"], [f["kind"] for f in report["findings"]]
