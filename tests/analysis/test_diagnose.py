@@ -1867,6 +1867,25 @@ def test_one_feature_on_a_huge_scale_is_told_to_normalise_per_feature(tmp_path):
     assert "x_train.mean(0)" in f.suggestion and "x_train.std(0)" in f.suggestion, f.suggestion
 
 
+def test_images_left_at_0_255_are_told_to_divide_by_255_not_to_standardise(tmp_path):
+    # lucidrains/denoising-diffusion-pytorch @ faed4db: GaussianDiffusion takes images in [0, 1] and maps
+    # them to [-1, 1] itself (auto_normalize); images handed in at 0..255 (no ToTensor) were told
+    # `x = (x - 8.69) / 25.9`, statistics of pixels, where the fix is x / 255. A conv net's input only:
+    # a tabular column of ages 0..100 into a Linear is no image.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 3, padding=1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with tg.Monitor(model, tmp_path / "r", every=5) as mon:
+        for _ in range(25):
+            x = torch.randint(0, 256, (8, 3, 8, 8), generator=g).float()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x / 255).backward()
+            opt.step()
+    (f,) = [f for f in mon.findings if f.kind == "inputs_not_normalized"]
+    assert "255" in f.suggestion and "[-1, 1]" in f.suggestion, f.suggestion
+
+
 def test_parameters_in_no_optimizer_are_not_called_a_missing_zero_grad(tmp_path):
     # pytorch/ignite's examples/mnist/mnist.py with the optimizer built over the head only
     # (``SGD(model.fc2.parameters(), ...)``): create_supervised_trainer calls
@@ -2414,3 +2433,36 @@ def test_a_rate_read_off_a_first_update_sized_by_the_rate_lands_near_the_best(tm
     fs = diagnose(write_run(tmp_path / "r", loss, layer_rows=rows, lr=lr, params=params, every=10))
     f = next(f for f in fs if f.kind == "lr_too_high")
     assert best / 3 <= f.evidence["suggested_lr"] <= best * 3, f.suggestion
+
+
+def test_a_sincos_table_of_a_model_gone_before_the_monitor_closes_is_still_described(tmp_path):
+    # facebookresearch/DiT train.py @ ed81ce2 builds the model (its pos_embed a frozen 2-D sin-cos
+    # table, models.py) as a local of main(): under `trainguard run --monitor` the model is freed when
+    # main() returns, before the monitor's last metadata write, which then dropped the table's mark
+    # and told DiT to set `requires_grad=True` on pos_embed.
+    torch.manual_seed(0)
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos_embed = nn.Parameter(_sincos_2d(4, 16)[:, 1:], requires_grad=False)
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.proj(x + self.pos_embed)
+
+    def main():
+        model = Tiny()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        for _ in range(10):
+            x = torch.randn(8, 16, 16)
+            loss = (model(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with tg.Monitor(None, tmp_path / "r", every=5) as mon:
+        main()
+    f = next(f for f in mon.findings if f.kind == "params_frozen")
+    assert f.evidence.get("fixed_tables") == ["pos_embed"], f.evidence
+    assert "requires_grad=True" not in f.suggestion, f.suggestion

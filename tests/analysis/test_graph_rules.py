@@ -393,8 +393,12 @@ def _flow_nll(out, y):
 
 @pytest.mark.parametrize("loss_fn, functions", [(_flow_nll, []), (_healthy_log_softmax_nll, ["nll_loss"]),
                                                 (lambda out, y: F.mse_loss(out, torch.randn_like(out)), ["mse_loss"]),
-                                                (_healthy_bce_logits, ["binary_cross_entropy_with_logits"])],
-                         ids=["flow", "nll", "mse", "bce"])
+                                                (_healthy_bce_logits, ["binary_cross_entropy_with_logits"]),
+                                                # facebookresearch/DiT gaussian_diffusion.py @ ed81ce2:
+                                                # mean_flat((target - model_output) ** 2), an MSE by hand
+                                                (lambda out, y: ((torch.randn_like(out) - out) ** 2).mean(),
+                                                 ["squared_error"])],
+                         ids=["flow", "nll", "mse", "bce", "mse_by_hand"])
 def test_the_loss_watch_stores_which_loss_functions_the_loss_holds(tmp_path, loss_fn, functions):
     # loss_not_decreasing tells a loss that compares targets to check them, and a likelihood of the
     # data (a flow, a GP's -mll) to check its sign: the loss watch says which one it is.

@@ -1618,3 +1618,41 @@ def test_a_parameter_that_held_nan_before_the_recording_is_not_said_to_be_made_o
     why = o.origin.explanation
     assert "finite inputs" not in why, why
     assert "parameter" in why and "held" in why and "before the recording" in why, why
+
+
+def test_a_schedule_table_from_numpy_with_an_inf_entry_is_told_of_the_table_not_of_the_data(tmp_path):
+    """facebookresearch/DiT's diffusion/gaussian_diffusion.py @ ed81ce2 keeps its schedule as NumPy
+    arrays and reads them per batch with `_extract_into_tensor` (`th.from_numpy(arr)...[timesteps]`).
+    With betas_for_alpha_bar's max_beta at 1.0 alphas_cumprod is 0 at the last step, and
+    sqrt(1 / alphas_cumprod) holds +inf there: only a batch that draws t = T-1 goes NaN. The origin
+    called the table "the data" and the fix pointed at a data set, an environment, a gymnasium wrapper."""
+    import numpy as np
+
+    betas = np.linspace(1e-4, 0.02, 10)
+    betas[-1] = 1.0  # max_beta=1.0: alphas_cumprod[-1] == 0
+    alphas_cumprod = np.cumprod(1.0 - betas)
+    with np.errstate(divide="ignore"):
+        sqrt_recip_alphas_cumprod = np.sqrt(1.0 / alphas_cumprod)
+        sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / alphas_cumprod - 1)
+    torch.manual_seed(0)
+    model = nn.Conv2d(4, 4, 3, padding=1)
+
+    def extract(arr, timesteps, shape):  # _extract_into_tensor
+        res = torch.from_numpy(arr).to(device=timesteps.device)[timesteps].float()
+        while len(res.shape) < len(shape):
+            res = res[..., None]
+        return res + torch.zeros(shape)
+
+    def f():
+        for t in (torch.tensor([1, 3]), torch.tensor([9, 2])):  # the second batch draws the last step
+            x_t = torch.randn(2, 4, 8, 8)
+            eps = model(x_t)
+            pred_xstart = (extract(sqrt_recip_alphas_cumprod, t, x_t.shape) * x_t
+                           - extract(sqrt_recipm1_alphas_cumprod, t, x_t.shape) * eps)
+            pred_xstart.pow(2).mean().backward()
+
+    o = origin(record(tmp_path, f))
+    assert o.origin.op == "aten.lift_fresh" and o.origin.function == "extract", o.summary
+    assert "lookup table" in o.origin.explanation and "the data" not in o.origin.explanation, o.origin.explanation
+    assert "data set" not in o.suggestion and "environment" not in o.suggestion, o.suggestion
+    assert "alphas_cumprod" in o.suggestion and "max_beta" in o.suggestion, o.suggestion

@@ -10,6 +10,7 @@ import numpy as np
 
 # Importing the rule modules registers their rules.
 from trainguard.analysis import (  # noqa: F401
+    _axis_rules,
     _chance_rules,
     _collapse_rules,
     _function_rules,
@@ -74,6 +75,7 @@ MONITOR_RULES = (
     "checkpoint_misses_loss_params",
     # loss misuse read off the op graph (analysis/_graph_rules.py)
     "loss_broadcast",
+    "per_sample_broadcast",  # analysis/_axis_rules.py
     "softmax_before_cross_entropy",
     "sigmoid_before_bce_with_logits",
     "nll_loss_on_probabilities",

@@ -638,6 +638,21 @@ def exploding_gradient(ctx: Context) -> list[Finding]:
     ]
 
 
+def _pixels(ctx: Context, input_layer: str, m: dict) -> bool:
+    """Whether a model's input statistics are those of 8-bit images: values in 0..255 (well above 1)
+    into a model whose first layer is channel-first (a convolution), not a tabular column of ages."""
+    if not (m["min"] >= 0 and PIXELS_MAX_LOW < m["max"] <= 255):
+        return False
+    prefix = input_layer.removesuffix("<input>")
+    layers = (ctx.run.meta.get("monitor") or {}).get("layers") or []
+    first = next((la for la in layers if la.get("name", "").startswith(prefix)), None)
+    return bool(first and first.get("channel_first") and "Conv" in str(first.get("type")))
+
+
+# A maximum above this, with no negative value, reads as 0..255 pixels rather than data scaled to [0, 1].
+PIXELS_MAX_LOW = 16
+
+
 @register_rule("inputs_not_normalized")
 def inputs_not_normalized(ctx: Context) -> list[Finding]:
     out = []
@@ -664,6 +679,11 @@ def inputs_not_normalized(ctx: Context) -> list[Finding]:
                    f"{fmt(m['feat_std_max'])}: one global mean and std would leave the small ones near 0), "
                    "with statistics from the training set: `x = (x - x_train.mean(0)) / x_train.std(0)` "
                    "(`sklearn.preprocessing.StandardScaler`; a quantile transform for heavy-tailed columns)")
+        elif _pixels(ctx, la, m):
+            fix = (f"the inputs look like 8-bit pixels ({fmt(m['min'])}..{fmt(m['max'])}) fed to a convolution: divide "
+                   "by 255 first (`transforms.ToTensor()` does), then normalise as the model expects: "
+                   "`transforms.Normalize(mean, std)` for a classifier, `x * 2 - 1` into [-1, 1] for a diffusion "
+                   "model (lucidrains' GaussianDiffusion takes [0, 1] and does that itself)")
         else:
             shift = f"- {fmt(mean)}" if mean >= 0 else f"+ {fmt(-mean)}"
             fix = (f"normalise the inputs with the observed statistics: `x = (x {shift}) / {fmt(std)}` "

@@ -876,6 +876,12 @@ _SUGGESTIONS = {
     "environment's observation or reward, a file): check it where it is made, e.g. "
     "`assert np.isfinite(a).all()`, and repair or drop those values there (np.nan_to_num, a gymnasium "
     "observation wrapper); `trainguard doctor` validates a data set",
+    "table": "the array held {made} before torch saw it, in every step; only the steps whose indices pick those "
+    "entries go wrong: check it where it is computed, e.g. `assert np.isfinite(table).all()` (NumPy warns \"divide by "
+    "zero encountered\" at the line that made an inf). A diffusion schedule whose alphas_cumprod reaches 0 at the last "
+    "timestep makes sqrt(1 / alphas_cumprod) inf there: cap each beta below 1 (max_beta=0.999 in "
+    "betas_for_alpha_bar, or np.clip(betas, 0, 0.999)); for samples indexed by their positions, repair or drop "
+    "those samples where they are read",
     "loader_array": "a sample the DataLoader fetched already held NaN/Inf before torch saw it: the data set holds it "
     "(a missing value in the file it reads: an empty CSV cell that pandas reads as NaN, which a StandardScaler "
     "keeps; or a value its __getitem__ computes): find those samples, e.g. "
@@ -1234,6 +1240,19 @@ def _made_by_an_op(link: Link) -> bool:
     return bool(p) and op_base(p) not in ("lift_fresh", "lift_fresh_copy")
 
 
+# Ops that read entries of their first input by index: a table looked up per batch.
+_LOOKUPS = frozenset({"index", "index_select", "gather", "take", "embedding"})
+
+
+def table_lookup(link: Link, consumers: list[str]) -> bool:
+    """Whether ``link`` converted a 1-D array from outside torch that an indexing op read next (its
+    first consumer): a table of constants looked up per batch (DiT's diffusion schedule,
+    ``th.from_numpy(arr)[timesteps]``), whose non-finite entry only some batches pick."""
+    return (op_base(link.op) in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward"
+            and bool(consumers) and op_base(consumers[0]) in _LOOKUPS
+            and any(len(o.get("shape") or ()) == 1 and _count(o.get("summary"), "size") > 1 for o in link.outputs))
+
+
 def _into_log_one_plus(consumers: list[str]) -> bool:
     """Whether the ops after the origin (nearest first) take ``log1p`` of it, or ``log`` of it plus
     something (``log(1 + exp(x))``)."""
@@ -1374,6 +1393,8 @@ def suggest(link: Link, first_forward: bool = False, fed: int | None = None, con
         return _SUGGESTIONS["written" if held or nan else "constant"]
     if base in ("lift_fresh", "lift_fresh_copy") and link.phase != "backward":
         # a row or batch from NumPy or a list: nothing recorded made it; a DataLoader fetched a sample of the data set
+        if not loader and table_lookup(link, consumers):
+            return _SUGGESTIONS["table"].format(made="/".join(link.health) or "non-finite values")
         return _SUGGESTIONS["loader_array" if loader else "array"]
     if _nan_from_number(link) is not None:
         return _SUGGESTIONS["number"]
@@ -1530,6 +1551,13 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
         except KeyError:
             break
     o = chain[-1]
+    consumers = [link.op for link in reversed(chain[:-1])]
+    loader = made_in_loader(run, o)
+    if not loader and table_lookup(o, consumers):
+        size = next((_count(x.get("summary"), "size") for x in o.outputs), 0)
+        o.explanation = (f"a 1-D array of {size} values from outside torch (NumPy: a lookup table such as a schedule, "
+                         f"or samples read by position) became a tensor here holding {'/'.join(o.health)}, and "
+                         f"{consumers[0]} then read it by index: this step's indices picked a non-finite entry")
     where = f" at {o.file}:{o.line}" if o.file else ""
     what = "/".join(o.health) or "a non-finite value"
     out = next((x for x in o.outputs if _is_bad(x["summary"])), o.outputs[0] if o.outputs else None)
@@ -1559,8 +1587,6 @@ def origin(run: Run, seq: int | None = None, max_links: int = 64, since_step: in
         summary += f". Its input {p['slot']} was produced by {p['producer_op']}{pwhere} and holds {p['description']}"
     first_forward = not run.meta.get("guard_replay")  # a replay's step 0 is a trained step N
     fed = fed_back(run, o) if first_forward and o.step == 0 else None
-    consumers = [link.op for link in reversed(chain[:-1])]
-    loader = made_in_loader(run, o)
     held = (h.step is not None and o.step is not None and h.step > o.step) or loader or _fed_to_model(run, chain)
     clipping = run.meta.get("clipping") or (run.meta.get("monitor") or {}).get("clipping")
     negated = (len(chain) > 1 and op_base(chain[-2].op) == "neg" and o.file is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainguard.analysis._axis_rules import per_sample_broadcast
 from trainguard.analysis._causes import fold
 from trainguard.analysis._context import Context
 from trainguard.analysis._graph_rules import recording_findings
@@ -178,6 +179,8 @@ def _with_graph(run: Run, findings: list[dict]) -> list[dict]:
     only the job's ranks read together show (each rank's own diagnosis sees one rank)."""
     try:
         findings = findings + recording_findings(run, findings)
+        if not any(f.get("kind") == "per_sample_broadcast" for f in findings):
+            findings = findings + [f.to_dict() for f in per_sample_broadcast(Context(run, Thresholds()))]
     except Exception:  # a damaged recording must not hide the report
         pass
     if isinstance(run, RankedRun):

@@ -251,6 +251,7 @@ COMPARISONS = frozenset({
     "nll_loss", "soft_cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits", "mse_loss",
     "smooth_l1_loss", "huber_loss", "l1_loss", "kl_div", "ctc_loss", "soft_margin_loss", "multilabel_margin_loss",
     "multi_margin_loss", "nll_loss2_d", "poisson_nll_loss", "cosine_embedding_loss", "margin_ranking_loss",
+    "squared_error",
 })
 
 
@@ -329,6 +330,8 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None, dice: list[dic
         op = node_op(fn)
         if ops is not None:
             ops.add(op)
+            if op == "pow" and getattr(fn, "_saved_exponent", None) == 2 and any(node_op(n) == "sub" for n in _next(fn)):
+                ops.add("squared_error")  # (target - output) ** 2 by hand: DiT's mean_flat((target - model_output) ** 2)
         head: dict | None = None
         if op == "nll_loss":
             nxt = _next(fn)

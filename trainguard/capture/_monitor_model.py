@@ -47,7 +47,7 @@ class Layer:
 
 
 class Param:
-    __slots__ = ("name", "ref", "layer", "module_type", "shape", "dtype", "held", "owner", "attr")
+    __slots__ = ("name", "ref", "layer", "module_type", "shape", "dtype", "held", "owner", "attr", "fixed")
 
     def __init__(self, name: str, param: nn.Parameter, layer: str, module_type: str, held: bool = False,
                  owner: nn.Module | None = None):
@@ -66,6 +66,9 @@ class Param:
         # owned by a module that cannot run (no forward of its own): a holder of another model's
         # parameters, such as the TensorDictParams of TorchRL's loss modules
         self.held = held
+        # whether it is a frozen sin-cos table, kept from the last write the tensor was alive for:
+        # a model that is a local of the script's main() is gone by the monitor's last write
+        self.fixed = False
 
 
 def is_lazy(param: torch.Tensor) -> bool:
@@ -309,7 +312,9 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
         info = {"layer": p.layer, "module_type": p.module_type, "shape": shape_of(p), "dtype": p.dtype,
                 "requires_grad": bool(p.ref() is not None and p.ref().requires_grad) or id(p) in trainable}
         t = p.ref()
-        if not info["requires_grad"] and t is not None and sincos_table(t):
+        if t is not None:
+            p.fixed = not info["requires_grad"] and sincos_table(t)
+        if p.fixed:
             info["fixed"] = "sin-cos"
         if id(p) in updaters:
             info["optimizer"], info["orthogonalised"], decay = updaters[id(p)]
