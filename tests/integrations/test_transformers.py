@@ -253,3 +253,55 @@ def test_a_loss_module_holding_the_model_keeps_the_models_own_names(tmp_path, ho
     (f,) = [f for f in run.findings() if f["kind"] == "checkpoint_misses_loss_params"]
     assert f["evidence"]["params"] == ["loss.classifier.weight", "loss.classifier.bias"], f
     assert "resume_from_checkpoint" in f["title"] and "trainer.loss" in f["suggestion"], f
+
+
+def _mean_loss_classifier(accepts_loss_kwargs=None):
+    """A classifier shaped after transformers 5.25's ``BertForSequenceClassification.forward``
+    (src/transformers/models/bert/modeling_bert.py): it takes ``**kwargs``, so the Trainer passes it
+    ``num_items_in_batch`` and leaves the loss undivided by ``gradient_accumulation_steps``, but its
+    loss is a plain mean ``CrossEntropyLoss`` that ignores that count."""
+    import torch
+
+    class MeanLossClassifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 2)
+
+        def forward(self, input_ids, labels=None, **kwargs):
+            logits = self.head(self.emb(input_ids).mean(1))
+            return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    torch.manual_seed(0)
+    model = MeanLossClassifier()
+    if accepts_loss_kwargs is not None:
+        model.accepts_loss_kwargs = accepts_loss_kwargs
+    return model
+
+
+@pytest.mark.parametrize("accepts_loss_kwargs", [None, False])
+def test_a_trainer_that_does_not_divide_the_accumulated_loss_gets_the_trainers_fix(tmp_path, accepts_loss_kwargs):
+    # transformers' run_glue.py (examples/pytorch/text-classification, 3034a13b) with
+    # --gradient_accumulation_steps 4 on a BERT: the Trainer logged loss 2.78 for a cross entropy of
+    # 0.696, and trainguard's fix said "divide each micro-batch's loss ... before backward() at
+    # run_glue.py:552: `loss = loss / 4`", a line that is `trainer.train(...)`. The Trainer skips its
+    # own division for a model whose forward takes **kwargs (model_accepts_loss_kwargs); the fix
+    # that a Trainer user has is `model.accepts_loss_kwargs = False`, after which nothing is found.
+    from transformers import Trainer, TrainingArguments
+
+    from trainguard.integrations.transformers import TrainguardCallback
+
+    mod = script_module()
+    logdir = tmp_path / "run"
+    targs = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=8,
+                              gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[],
+                              use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no")
+    Trainer(model=_mean_loss_classifier(accepts_loss_kwargs), args=targs, train_dataset=mod.Phrases(64, "cls"),
+            callbacks=[TrainguardCallback(logdir, every=2)]).train()
+    found = [f for f in trainguard.open(logdir).findings() if f["kind"] == "accumulation_not_averaged"]
+    if accepts_loss_kwargs is False:
+        assert found == []
+        return
+    (f,) = found
+    assert f["evidence"]["backward_per_step"] == 2 and f["evidence"]["divisor"] == pytest.approx(1)
+    assert "model.accepts_loss_kwargs = False" in f["suggestion"] and "num_items_in_batch" in f["suggestion"], f
+    assert "loss = loss / 2" not in f["suggestion"], f
