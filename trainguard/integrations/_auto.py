@@ -90,13 +90,14 @@ def _attach(monitor: Any, module: Any) -> None:
         trainer.callbacks.append(TrainguardCallback._driving(monitor))
         step = trainer.global_step
     else:
-        from trainguard.integrations.transformers import TrainguardCallback
+        from trainguard.integrations.transformers import TrainguardCallback, note_trainer
 
         if module is not None:
             name_after_trainers_model(monitor, module, trainer)
         if _has_ours(trainer.callback_handler.callbacks):
             return
         trainer.add_callback(TrainguardCallback._driving(monitor))
+        note_trainer(monitor, trainer)
         step = trainer.state.global_step
     from trainguard.capture import drive_step
 
