@@ -305,3 +305,51 @@ def test_a_trainer_that_does_not_divide_the_accumulated_loss_gets_the_trainers_f
     assert f["evidence"]["backward_per_step"] == 2 and f["evidence"]["divisor"] == pytest.approx(1)
     assert "model.accepts_loss_kwargs = False" in f["suggestion"] and "num_items_in_batch" in f["suggestion"], f
     assert "loss = loss / 2" not in f["suggestion"], f
+
+
+KILLED_AT = '''
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import hf_train
+from transformers import TrainerCallback
+from transformers import Trainer as _Trainer
+
+
+class KillAfterSave(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == {kill_at}:  # checkpoint-{kill_at} is on disk, and the run flushed
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+hf_train.Trainer = lambda *a, callbacks=(), **k: _Trainer(*a, callbacks=[*callbacks, KillAfterSave()], **k)
+hf_train.main([{out!r}, "--model", "bert", "--steps", "12", "--save-steps", "3", *{how!r}])
+'''
+
+
+@pytest.mark.parametrize("how", ["callback", "unmodified"])
+def test_a_trainer_resumed_from_an_earlier_checkpoint_replaces_the_steps_it_runs_again(tmp_path, how):
+    # transformers' run_clm.py (examples/pytorch/language-modeling, 3034a13b) under
+    # `trainguard run --monitor`, killed with SIGKILL after checkpoint-20 had run on to step 29,
+    # then run again with --resume_from_checkpoint checkpoint-20 (and `trainguard run --resume`):
+    # the run held steps 20-29 twice, the killed process's and the resumed one's.
+    logdir, out = tmp_path / "run", tmp_path / "out"
+    script = tmp_path / "killed.py"
+    tail = ["--callback", str(logdir)] if how == "callback" else []
+    script.write_text(KILLED_AT.format(here=str(SCRIPT.parent), out=str(out), kill_at=9, how=tail))
+    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
+    cmd = [str(script)] if how == "callback" else ["-m", "trainguard", "run", "--monitor", "--logdir", str(logdir),
+                                                   str(script)]
+    proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"PYTHONPATH": path})
+    assert proc.returncode in (-9, 137), proc.stderr[-2000:]
+    assert [st for st, _ in trainguard.open(logdir).scalars("loss")["loss"]] == list(range(9))
+    args = [str(out), "--model", "bert", "--steps", "12", "--resume", str(out / "checkpoint-6"),
+            "--history", str(tmp_path / "h.json")]
+    if how == "callback":
+        script_module().main([*args, "--callback", str(logdir)])
+    else:
+        assert cli(["run", "--monitor", "--resume", "--logdir", str(logdir), str(SCRIPT), *args]) == 0
+    run = trainguard.open(logdir)
+    assert [st for st, _ in run.scalars("loss")["loss"]] == list(range(12))
+    logs, got = hf_logs(tmp_path / "h.json"), dict(run.scalars("loss")["loss"])
+    assert [got[k] for k in range(6, 12)] == pytest.approx([logs[k]["loss"] for k in range(6, 12)], rel=1e-6)
