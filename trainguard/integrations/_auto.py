@@ -102,6 +102,10 @@ def _attach(monitor: Any, module: Any) -> None:
     from trainguard.capture import drive_step
 
     drive_step(int(step))
+    if name == "transformers" and step > 0:  # train(resume_from_checkpoint=...)
+        from trainguard.integrations._session import resumed_at
+
+        resumed_at(int(step))
     log.info("trainguard: steps follow the %s trainer's global_step (now %d)", name, step)
 
 

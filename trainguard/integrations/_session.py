@@ -69,6 +69,15 @@ def continue_counts(rec, run_dir: Path) -> None:
         return
 
 
+def resumed_at(step: int) -> None:
+    """The framework resumed its checkpoint of ``step``: what the run holds of steps ``step`` and
+    later (a killed process that ran past that checkpoint, or a resume from an earlier one) belongs
+    to training the resume undid; the steps that run again replace it."""
+    from trainguard.capture import restored_step
+
+    restored_step(step)
+
+
 class Session:
     """One run's trainguard objects. ``owner=False``: drive ``monitor`` only, open and close nothing."""
 
@@ -132,6 +141,8 @@ class Session:
 
         watch_uncaught()  # the HF Trainer has no exception callback: closed at exit with the error
         drive_step(int(step))
+        if resumed:
+            resumed_at(int(step))
 
     def step(self, step: int) -> None:
         """The framework's ``global_step`` now (a no-op while it has not moved)."""
