@@ -353,3 +353,55 @@ def test_a_trainer_resumed_from_an_earlier_checkpoint_replaces_the_steps_it_runs
     assert [st for st, _ in run.scalars("loss")["loss"]] == list(range(12))
     logs, got = hf_logs(tmp_path / "h.json"), dict(run.scalars("loss")["loss"])
     assert [got[k] for k in range(6, 12)] == pytest.approx([logs[k]["loss"] for k in range(6, 12)], rel=1e-6)
+
+
+class _Tagged:
+    """Token-tagging rows padded to 16 with input id 0, their padded labels ``pad_label``: a collator
+    that pads labels with the pad token id instead of -100 (what transformers'
+    DataCollatorForTokenClassification, used by examples/pytorch/token-classification/run_ner.py, avoids)."""
+
+    def __init__(self, pad_label, n=128, seq=16):
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        self.rows = []
+        for _ in range(n):
+            length = int(torch.randint(4, 9, (1,), generator=g))
+            ids = torch.randint(5, 64, (length,), generator=g)
+            pad = torch.zeros(seq - length, dtype=torch.long)
+            self.rows.append({"input_ids": torch.cat([ids, pad]),
+                              "attention_mask": torch.cat([torch.ones_like(ids), pad]),
+                              "labels": torch.cat([(ids < 25).long() + (ids < 45).long(), pad + pad_label])})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+@pytest.mark.parametrize("pad_label", [0, -100])
+def test_a_trainer_scoring_padded_labels_is_told_padding_in_loss(tmp_path, pad_label):
+    # A BERT token classifier (run_ner.py's model) whose padded labels are 0, the pad token id, not
+    # -100: the Trainer calls model(**inputs), the monitor read padding only off positional inputs,
+    # and the run was called healthy with 69% of the targets padding.
+    import torch
+    from transformers import BertConfig, BertForTokenClassification, Trainer, TrainingArguments
+
+    from trainguard.integrations.transformers import TrainguardCallback
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, num_labels=3, pad_token_id=0)
+    targs = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=16,
+                              learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                              disable_tqdm=True, save_strategy="no")
+    Trainer(model=BertForTokenClassification(config), args=targs, train_dataset=_Tagged(pad_label),
+            callbacks=[TrainguardCallback(tmp_path / "run", every=2)]).train()
+    found = [f for f in trainguard.open(tmp_path / "run").findings() if f["kind"] == "padding_in_loss"]
+    if pad_label == -100:
+        assert found == []
+        return
+    (f,) = found
+    assert f["evidence"]["class"] == 0 and f["evidence"]["share"] > 0.5, f
+    assert "ignore_index=0" in f["suggestion"] and "-100" in f["suggestion"], f
