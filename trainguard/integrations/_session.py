@@ -141,8 +141,6 @@ class Session:
 
         watch_uncaught()  # the HF Trainer has no exception callback: closed at exit with the error
         drive_step(int(step))
-        if resumed:
-            resumed_at(int(step))
 
     def step(self, step: int) -> None:
         """The framework's ``global_step`` now (a no-op while it has not moved)."""

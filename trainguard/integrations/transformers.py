@@ -30,7 +30,7 @@ except ImportError:
     ) from None
 
 from trainguard.integrations._auto import find_trainer, loss_holding_model
-from trainguard.integrations._session import Session
+from trainguard.integrations._session import Session, resumed_at
 
 __all__ = ["TrainguardCallback"]
 
@@ -89,6 +89,8 @@ class TrainguardCallback(TrainerCallback):
                             resumed=state.global_step > 0, holder=holder)
         if found is not None and found[0] == "transformers":
             note_trainer(self._session.monitor, found[1])
+        if state.global_step > 0:  # train(resume_from_checkpoint=...)
+            resumed_at(int(state.global_step))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._session.step(state.global_step)
