@@ -2466,3 +2466,20 @@ def test_a_sincos_table_of_a_model_gone_before_the_monitor_closes_is_still_descr
     f = next(f for f in mon.findings if f.kind == "params_frozen")
     assert f.evidence.get("fixed_tables") == ["pos_embed"], f.evidence
     assert "requires_grad=True" not in f.suggestion, f.suggestion
+
+
+def test_gradients_that_vanish_only_after_the_first_updates_arose_in_training(tmp_path):
+    # transformers' run_glue.py (examples/pytorch/text-classification, 3034a13b) with
+    # --learning_rate 1 on a 2-layer BERT: at initialisation the first/last relative gradient was
+    # 9.2e-4 (just under vanish_ratio) while AdamW moved both alike (update balance 0.95); after the
+    # divergence it was 6.3e-9. The finding stood beside lr_too_high, telling BERT to use Kaiming init.
+    rows = []
+    for s in range(0, 100, 5):
+        first_g, mid_g, upd = (4.5e-4, 5e-3, (0.05, 0.05, 0.05)) if s == 0 else (1e-9, 1e-6, (1e-7, 1e-5, 1e-3))
+        for (p, g), u in zip((("0.weight", first_g), ("2.weight", mid_g), ("4.weight", 0.5)), upd):
+            rows += [(s, p, "weight", "norm", 5.0), (s, p, "gradient", "norm", g), (s, p, "gradient", "present", 1),
+                     (s, p, "update", "ratio", u)]
+    fs = diagnose(write_run(tmp_path / "r", layer_rows=rows))
+    f = next(f for f in fs if f.kind == "vanishing_gradient")
+    assert f.evidence.get("arose_in_training") is True, f.evidence
+    assert "Kaiming" not in f.suggestion and "did not vanish at initialisation" not in f.suggestion, f.suggestion

@@ -253,3 +253,155 @@ def test_a_loss_module_holding_the_model_keeps_the_models_own_names(tmp_path, ho
     (f,) = [f for f in run.findings() if f["kind"] == "checkpoint_misses_loss_params"]
     assert f["evidence"]["params"] == ["loss.classifier.weight", "loss.classifier.bias"], f
     assert "resume_from_checkpoint" in f["title"] and "trainer.loss" in f["suggestion"], f
+
+
+def _mean_loss_classifier(accepts_loss_kwargs=None):
+    """A classifier shaped after transformers 5.25's ``BertForSequenceClassification.forward``
+    (src/transformers/models/bert/modeling_bert.py): it takes ``**kwargs``, so the Trainer passes it
+    ``num_items_in_batch`` and leaves the loss undivided by ``gradient_accumulation_steps``, but its
+    loss is a plain mean ``CrossEntropyLoss`` that ignores that count."""
+    import torch
+
+    class MeanLossClassifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 2)
+
+        def forward(self, input_ids, labels=None, **kwargs):
+            logits = self.head(self.emb(input_ids).mean(1))
+            return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    torch.manual_seed(0)
+    model = MeanLossClassifier()
+    if accepts_loss_kwargs is not None:
+        model.accepts_loss_kwargs = accepts_loss_kwargs
+    return model
+
+
+@pytest.mark.parametrize("accepts_loss_kwargs", [None, False])
+def test_a_trainer_that_does_not_divide_the_accumulated_loss_gets_the_trainers_fix(tmp_path, accepts_loss_kwargs):
+    # transformers' run_glue.py (examples/pytorch/text-classification, 3034a13b) with
+    # --gradient_accumulation_steps 4 on a BERT: the Trainer logged loss 2.78 for a cross entropy of
+    # 0.696, and trainguard's fix said "divide each micro-batch's loss ... before backward() at
+    # run_glue.py:552: `loss = loss / 4`", a line that is `trainer.train(...)`. The Trainer skips its
+    # own division for a model whose forward takes **kwargs (model_accepts_loss_kwargs); the fix
+    # that a Trainer user has is `model.accepts_loss_kwargs = False`, after which nothing is found.
+    from transformers import Trainer, TrainingArguments
+
+    from trainguard.integrations.transformers import TrainguardCallback
+
+    mod = script_module()
+    logdir = tmp_path / "run"
+    targs = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=8,
+                              gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[],
+                              use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no")
+    Trainer(model=_mean_loss_classifier(accepts_loss_kwargs), args=targs, train_dataset=mod.Phrases(64, "cls"),
+            callbacks=[TrainguardCallback(logdir, every=2)]).train()
+    found = [f for f in trainguard.open(logdir).findings() if f["kind"] == "accumulation_not_averaged"]
+    if accepts_loss_kwargs is False:
+        assert found == []
+        return
+    (f,) = found
+    assert f["evidence"]["backward_per_step"] == 2 and f["evidence"]["divisor"] == pytest.approx(1)
+    assert "model.accepts_loss_kwargs = False" in f["suggestion"] and "num_items_in_batch" in f["suggestion"], f
+    assert "loss = loss / 2" not in f["suggestion"], f
+
+
+KILLED_AT = '''
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import hf_train
+from transformers import TrainerCallback
+from transformers import Trainer as _Trainer
+
+
+class KillAfterSave(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == {kill_at}:  # checkpoint-{kill_at} is on disk, and the run flushed
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+hf_train.Trainer = lambda *a, callbacks=(), **k: _Trainer(*a, callbacks=[*callbacks, KillAfterSave()], **k)
+hf_train.main([{out!r}, "--model", "bert", "--steps", "12", "--save-steps", "3", *{how!r}])
+'''
+
+
+@pytest.mark.parametrize("how", ["callback", "unmodified"])
+def test_a_trainer_resumed_from_an_earlier_checkpoint_replaces_the_steps_it_runs_again(tmp_path, how):
+    # transformers' run_clm.py (examples/pytorch/language-modeling, 3034a13b) under
+    # `trainguard run --monitor`, killed with SIGKILL after checkpoint-20 had run on to step 29,
+    # then run again with --resume_from_checkpoint checkpoint-20 (and `trainguard run --resume`):
+    # the run held steps 20-29 twice, the killed process's and the resumed one's.
+    logdir, out = tmp_path / "run", tmp_path / "out"
+    script = tmp_path / "killed.py"
+    tail = ["--callback", str(logdir)] if how == "callback" else []
+    script.write_text(KILLED_AT.format(here=str(SCRIPT.parent), out=str(out), kill_at=9, how=tail))
+    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
+    cmd = [str(script)] if how == "callback" else ["-m", "trainguard", "run", "--monitor", "--logdir", str(logdir),
+                                                   str(script)]
+    proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"PYTHONPATH": path})
+    assert proc.returncode in (-9, 137), proc.stderr[-2000:]
+    assert [st for st, _ in trainguard.open(logdir).scalars("loss")["loss"]] == list(range(9))
+    args = [str(out), "--model", "bert", "--steps", "12", "--resume", str(out / "checkpoint-6"),
+            "--history", str(tmp_path / "h.json")]
+    if how == "callback":
+        script_module().main([*args, "--callback", str(logdir)])
+    else:
+        assert cli(["run", "--monitor", "--resume", "--logdir", str(logdir), str(SCRIPT), *args]) == 0
+    run = trainguard.open(logdir)
+    assert [st for st, _ in run.scalars("loss")["loss"]] == list(range(12))
+    logs, got = hf_logs(tmp_path / "h.json"), dict(run.scalars("loss")["loss"])
+    assert [got[k] for k in range(6, 12)] == pytest.approx([logs[k]["loss"] for k in range(6, 12)], rel=1e-6)
+
+
+class _Tagged:
+    """Token-tagging rows padded to 16 with input id 0, their padded labels ``pad_label``: a collator
+    that pads labels with the pad token id instead of -100 (what transformers'
+    DataCollatorForTokenClassification, used by examples/pytorch/token-classification/run_ner.py, avoids)."""
+
+    def __init__(self, pad_label, n=128, seq=16):
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        self.rows = []
+        for _ in range(n):
+            length = int(torch.randint(4, 9, (1,), generator=g))
+            ids = torch.randint(5, 64, (length,), generator=g)
+            pad = torch.zeros(seq - length, dtype=torch.long)
+            self.rows.append({"input_ids": torch.cat([ids, pad]),
+                              "attention_mask": torch.cat([torch.ones_like(ids), pad]),
+                              "labels": torch.cat([(ids < 25).long() + (ids < 45).long(), pad + pad_label])})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+@pytest.mark.parametrize("pad_label", [0, -100])
+def test_a_trainer_scoring_padded_labels_is_told_padding_in_loss(tmp_path, pad_label):
+    # A BERT token classifier (run_ner.py's model) whose padded labels are 0, the pad token id, not
+    # -100: the Trainer calls model(**inputs), the monitor read padding only off positional inputs,
+    # and the run was called healthy with 69% of the targets padding.
+    import torch
+    from transformers import BertConfig, BertForTokenClassification, Trainer, TrainingArguments
+
+    from trainguard.integrations.transformers import TrainguardCallback
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, num_labels=3, pad_token_id=0)
+    targs = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=16,
+                              learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                              disable_tqdm=True, save_strategy="no")
+    Trainer(model=BertForTokenClassification(config), args=targs, train_dataset=_Tagged(pad_label),
+            callbacks=[TrainguardCallback(tmp_path / "run", every=2)]).train()
+    found = [f for f in trainguard.open(tmp_path / "run").findings() if f["kind"] == "padding_in_loss"]
+    if pad_label == -100:
+        assert found == []
+        return
+    (f,) = found
+    assert f["evidence"]["class"] == 0 and f["evidence"]["share"] > 0.5, f
+    assert "ignore_index=0" in f["suggestion"] and "-100" in f["suggestion"], f

@@ -119,6 +119,9 @@ def _causes_of(f: Finding, problems: dict[str, Finding]) -> list[str]:
             if kind in explained and c in problems and c not in out and _arose_after(problems[c], f)]
     out += [c for c, explained in DOWNSTREAM.items()
             if kind in explained and c in problems and c not in out and _downstream(problems[c], f)]
+    if kind == "param_zero_gradient" and "nonfinite_loss" in problems and "nonfinite_loss" not in out \
+            and _never_finite(problems["nonfinite_loss"]):
+        out.append("nonfinite_loss")
     if kind in FP16_INPUT_SYMPTOMS and "inputs_not_normalized" in problems and "inputs_not_normalized" not in out \
             and "grad_scaler_skips" in problems and fp16_inputs(problems["inputs_not_normalized"].evidence):
         out.append("inputs_not_normalized")
@@ -142,6 +145,13 @@ def _arose_after(cause: Finding, f: Finding) -> bool:
         return True
     began, div = f.evidence.get("began"), cause.evidence.get("divergence")
     return began is not None and isinstance(div, dict) and div.get("step") is not None and div["step"] <= began
+
+
+def _never_finite(f: Finding) -> bool:
+    """A loss non-finite at every step: no gradient it made says anything of the model (a mean over no
+    counted target, 0/0, backpropagates zeros: run_mlm.py with mlm_probability 0)."""
+    n, steps = f.evidence.get("nonfinite_steps"), f.evidence.get("steps")
+    return isinstance(n, int) and n > 0 and n == steps
 
 
 def _root(kind: str, causes: dict[str, list[str]]) -> str:

@@ -170,9 +170,20 @@ def accumulation_not_averaged(ctx: Context) -> list[Finding]:
     title = (f"Gradient accumulation: each of the {k} backward() calls of a step runs on {how}, not on the loss "
              f"divided by {k}: the gradients are {fmt(scale)}x the accumulated batch's mean, and the step's loss "
              f"({fmt(first)} at step {ctx.loss.steps[0]}) is {fmt(scale)}x its cross-entropy")
-    suggestion = (f"divide each micro-batch's loss by the number of backward() calls per step{where}: "
-                  f"`loss = loss / {k}` (nanochat's `loss / grad_accum_steps`); under SGD the step is {fmt(scale)}x "
-                  "what the rate says, and with Adam or Muon, which normalise its size, a clip norm, epsilon and the "
-                  "logged loss still see the scaled values")
+    effect = (f"under SGD the step is {fmt(scale)}x what the rate says, and with Adam or Muon, which normalise its "
+              "size, a clip norm, epsilon and the logged loss still see the scaled values")
+    trainer = ctx.meta.get("trainer") or {}
+    if trainer.get("framework") == "transformers" and trainer.get("accepts_loss_kwargs"):
+        # The HF Trainer's own backward: it passed num_items_in_batch and left the division to a
+        # model whose forward takes **kwargs, and this model's loss is a plain mean.
+        model = trainer.get("model") or "the model"
+        suggestion = (f"the Trainer passes `num_items_in_batch` to {model}, whose forward takes **kwargs, and so "
+                      f"does not divide the loss by gradient_accumulation_steps ({k}); its loss is a plain mean "
+                      "that ignores that count. Set `model.accepts_loss_kwargs = False` before building the "
+                      "Trainer (it then divides), or give the Trainer a `compute_loss_func` that sums the loss "
+                      f"and divides by num_items_in_batch; {effect}")
+    else:
+        suggestion = (f"divide each micro-batch's loss by the number of backward() calls per step{where}: "
+                      f"`loss = loss / {k}` (nanochat's `loss / grad_accum_steps`); {effect}")
     return [Finding(kind="accumulation_not_averaged", severity="warning", title=title, evidence=ev,
                     suggestion=suggestion, steps=(int(ctx.loss.steps[0]), int(ctx.loss.steps[0])), source=SOURCE)]

@@ -445,7 +445,8 @@ def _pad_values(rec: dict, targets: float, th: Thresholds) -> dict[int, str]:
     for x in shown:
         f = x.get("facts") or {}
         if f.get("run_share", 0) >= th.pad_run_share and math.isfinite(f.get("value", math.nan)):
-            out.setdefault(int(f["value"]), f"{fmt(100 * f['run_share'])}% of input {x['input']}'s sequences "
+            name = f"input {x['input']}" if isinstance(x["input"], int) else f"`{x['input']}`"
+            out.setdefault(int(f["value"]), f"{fmt(100 * f['run_share'])}% of {name}'s sequences "
                                              f"(dimension {x['dim']} of {x['shape']}) end in a run of it")
     for e in rec.get("padding_idx") or []:
         out.setdefault(int(e["padding_idx"]), f"{e['name']}'s padding_idx")

@@ -472,6 +472,14 @@ def _initial_flow_ratio(ctx: Context, first: str, last: str) -> float | None:
     return a / b if a and b and a > 0 and b > 0 else None
 
 
+def _initial_update_balance(ctx: Context, first: str, last: str) -> float | None:
+    """The first weight matrix's update ratio over the last one's at the first recorded step, from the
+    initial weights (see :func:`_at_init`)."""
+    a = _at_init(ctx, ctx.stat(first, "update", "ratio"), first)
+    b = _at_init(ctx, ctx.stat(last, "update", "ratio"), last)
+    return a / b if a and b and a > 0 and b > 0 else None
+
+
 @register_rule("vanishing_gradient")
 def vanishing_gradient(ctx: Context) -> list[Finding]:
     # The gradient flows back through one model: with several watched (an actor and a critic
@@ -515,7 +523,18 @@ def _vanishing_in(ctx: Context, flow: dict[str, float]) -> list[Finding]:
         # zero-initialised scalar (nanochat's smear_gate), not a gradient shrinking with depth.
         return []
     initial = _initial_flow_ratio(ctx, names[0], names[-1])
-    if initial is not None and initial >= ctx.th.vanish_ratio:
+    moved_at_init = _initial_update_balance(ctx, names[0], names[-1])
+    if (initial is None or initial < ctx.th.vanish_ratio) and moved_at_init is not None \
+            and moved_at_init >= ctx.th.vanish_update_balance:
+        # Small at initialisation, but the optimizer moved the first layer as it moved the last
+        # (Adam, BERT's first projections): the updates since then stopped it (transformers'
+        # run_glue.py at learning rate 1: balance 0.95 at step 0, relative gradients 9.2e-4 -> 6.3e-9).
+        ev["initial_first_last_update_ratio"] = moved_at_init
+        ev["arose_in_training"] = True
+        fix = (f"at initialisation the first layer moved as the last did (update balance {fmt(moved_at_init)} at "
+               f"step {ctx.recorded_steps[0]}): the updates saturated or killed the units between; "
+               + slow_updates(ctx, [ctx.params[p]["layer"] for p in names if p in ctx.params]))
+    elif initial is not None and initial >= ctx.th.vanish_ratio:
         # The gradients reached the first layer at initialisation: the updates saturated or killed
         # the units between (cleanrl's PPO at 2000x its rate), and another activation would not help.
         ev["initial_first_last_ratio"] = initial

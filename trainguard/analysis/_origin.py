@@ -842,7 +842,9 @@ _SUGGESTIONS = {
     "dataset's size, a filter that keeps nothing, a last batch of 0 rows), and skip an empty batch before the "
     "loss, e.g. `if target.numel() == 0: continue`",
     "ignored": "no target of the batch counts: each is ignore_index (padding, or labels masked to -100) or has "
-    "weight 0; check the label masking (a sequence shorter than its prompt masks every label), skip such a batch "
+    "weight 0; check the label masking (a sequence shorter than its prompt masks every label; a masked-LM collator "
+    "with mlm_probability 0, as transformers' DataCollatorForLanguageModeling under run_mlm.py --mlm_probability 0, "
+    "masks no token), skip such a batch "
     "(`if (labels != -100).any():`), or sum the loss and divide by max(count, 1)",
     "std": "a std or var over one value is NaN with the default correction: pass correction=0 (unbiased=False), "
     "or skip the normalisation when there is a single value, e.g. `if x.numel() > 1:`",

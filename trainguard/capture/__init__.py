@@ -6,6 +6,7 @@ from trainguard.capture._steps import align as align_step
 from trainguard.capture._steps import before_next_optimizer_step, current_step, step
 from trainguard.capture._steps import drive as drive_step
 from trainguard.capture._steps import release_drive as release_step
+from trainguard.capture._steps import restored as restored_step
 from trainguard.capture._watch import StepWatch, unrecorded
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "enable",
     "record",
     "release_step",
+    "restored_step",
     "step",
     "unrecorded",
 ]

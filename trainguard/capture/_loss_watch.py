@@ -175,9 +175,11 @@ def _facts_padding(x: torch.Tensor, dim: int) -> Facts:
 
 
 def padding_facts(args: Any) -> list[dict]:
-    """Padding evidence of a model's integer inputs (``[B, T]`` or ``[T, B]``: both dimensions read)."""
+    """Padding evidence of a model's integer inputs (``[B, T]`` or ``[T, B]``: both dimensions read);
+    ``args`` positional (each named by its index) or a dict of keyword inputs (named by key)."""
     out: list[dict] = []
-    for i, x in enumerate(args if isinstance(args, (tuple, list)) else (args,)):
+    items = args.items() if isinstance(args, dict) else enumerate(args if isinstance(args, (tuple, list)) else (args,))
+    for i, x in items:
         if (not isinstance(x, torch.Tensor) or x.dim() != 2 or x.is_floating_point() or x.is_complex()
                 or x.dtype == torch.bool or min(x.shape) < 3):
             continue
@@ -449,7 +451,8 @@ class LossWatch:
         self.inputs: list[dict] = []  # padding evidence of the training forwards' integer inputs
 
     def see_inputs(self, args: Any) -> None:
-        """A training forward's positional inputs, before the loss graphs are read (no host sync)."""
+        """A training forward's positional inputs (or keyword ones, a dict), before the loss graphs are
+        read (no host sync)."""
         if self.seen >= INSPECTIONS or len(self.inputs) >= 8:
             return
         try:

@@ -386,6 +386,14 @@ class Monitor(EventsMixin, HookMixin):
         if not self._closed and "framework_checkpoint" not in self._meta:
             self._write_meta(framework_checkpoint={"first_step": self._cur})
 
+    def trained_by(self, framework: str, **facts: Any) -> None:
+        """The framework trainer running the training step (``"transformers"``) and what the
+        diagnosis needs of it (``accepts_loss_kwargs``: the HF Trainer leaves the loss undivided by
+        ``gradient_accumulation_steps`` for the model to normalise), so that a fix names the
+        trainer's setting rather than the script's ``train()`` line."""
+        if not self._closed:
+            self._write_meta(trainer={"framework": framework, **facts})
+
     def flush(self) -> None:
         """Send what is buffered to the run (one transfer) and wait until it is written."""
         if self._closed:

@@ -225,6 +225,8 @@ class HookMixin:
             self._known.add(m)
         root.handle = module.register_forward_pre_hook(ModuleHook(self._root_pre, root, _compile_monitor.token(module)))
         root.load_handle = module.register_load_state_dict_post_hook(ModuleHook(self._weights_loaded, root))
+        # model(**batch), as the HF Trainer calls it: the keyword inputs' padding, for the loss watch
+        root.kwargs_handle = module.register_forward_pre_hook(ModuleHook(self._root_kwargs, root), with_kwargs=True)
         held_by = entries(module)  # the modules a loop may call in its place (open_clip's trainable_module)
         for m in [module, *held_by] if held_by else []:
             root.entry_handles += [m.register_forward_pre_hook(ModuleHook(self._entry_pre, root)),
@@ -349,6 +351,9 @@ class HookMixin:
         if root.load_handle is not None:
             root.load_handle.remove()
             root.load_handle = None
+        if root.kwargs_handle is not None:
+            root.kwargs_handle.remove()
+            root.kwargs_handle = None
         for h in root.entry_handles:
             h.remove()
         root.entry_handles = []
@@ -538,6 +543,16 @@ class HookMixin:
                 self._root_pre_quiet(root, module, args, grad)
             except Exception:  # observing training never kills training
                 log.exception("trainguard monitor: root hook failed")
+
+    def _root_kwargs(self, root: Root, module, args, kwargs) -> None:
+        """A forward's keyword tensors (``model(input_ids=..., labels=...)``): their padding, as
+        :meth:`_root_pre_quiet` reads the positional ones."""
+        watch = getattr(self, "_loss_watch", None)
+        if (watch is None or not kwargs or module is None or root.ref() is not module or not module.training
+                or not torch.is_grad_enabled()):
+            return
+        with _monitor_tap.quiet():
+            watch.see_inputs({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
 
     def _root_pre_quiet(self, root: Root, module, args, grad: bool | None = None) -> None:
         grad_on = torch.is_grad_enabled() if grad is None else grad

@@ -88,8 +88,8 @@ def shape_of(p: Param) -> list[int] | None:
 class Root:
     """A top-level model: its layers, parameters and the modules whose output depends on train/eval mode."""
 
-    __slots__ = ("ref", "prefix", "type", "mode_modules", "handle", "load_handle", "layers", "params", "trained",
-                 "first_step", "stand_ins_done", "entry_handles", "depth", "variable")
+    __slots__ = ("ref", "prefix", "type", "mode_modules", "handle", "load_handle", "kwargs_handle", "layers",
+                 "params", "trained", "first_step", "stand_ins_done", "entry_handles", "depth", "variable")
 
     def __init__(self, module: nn.Module, prefix: str):
         self.ref = weakref.ref(module)
@@ -98,6 +98,7 @@ class Root:
         self.mode_modules = [weakref.ref(m) for m in module.modules() if is_mode_module(m)]
         self.handle = None
         self.load_handle = None  # on load_state_dict: weights loaded back (see HookMixin._weights_loaded)
+        self.kwargs_handle = None  # the keyword inputs of a training forward (see HookMixin._root_kwargs)
         self.layers: list[Layer] = []
         self.params: list[Param] = []
         self.trained = False  # a forward with gradients enabled has run (see the validation pass)

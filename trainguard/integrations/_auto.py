@@ -90,17 +90,22 @@ def _attach(monitor: Any, module: Any) -> None:
         trainer.callbacks.append(TrainguardCallback._driving(monitor))
         step = trainer.global_step
     else:
-        from trainguard.integrations.transformers import TrainguardCallback
+        from trainguard.integrations.transformers import TrainguardCallback, note_trainer
 
         if module is not None:
             name_after_trainers_model(monitor, module, trainer)
         if _has_ours(trainer.callback_handler.callbacks):
             return
         trainer.add_callback(TrainguardCallback._driving(monitor))
+        note_trainer(monitor, trainer)
         step = trainer.state.global_step
     from trainguard.capture import drive_step
 
     drive_step(int(step))
+    if name == "transformers" and step > 0:  # train(resume_from_checkpoint=...)
+        from trainguard.integrations._session import resumed_at
+
+        resumed_at(int(step))
     log.info("trainguard: steps follow the %s trainer's global_step (now %d)", name, step)
 
 

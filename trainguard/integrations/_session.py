@@ -69,6 +69,15 @@ def continue_counts(rec, run_dir: Path) -> None:
         return
 
 
+def resumed_at(step: int) -> None:
+    """The framework resumed its checkpoint of ``step``: what the run holds of steps ``step`` and
+    later (a killed process that ran past that checkpoint, or a resume from an earlier one) belongs
+    to training the resume undid; the steps that run again replace it."""
+    from trainguard.capture import restored_step
+
+    restored_step(step)
+
+
 class Session:
     """One run's trainguard objects. ``owner=False``: drive ``monitor`` only, open and close nothing."""
 

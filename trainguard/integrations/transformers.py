@@ -30,9 +30,22 @@ except ImportError:
     ) from None
 
 from trainguard.integrations._auto import find_trainer, loss_holding_model
-from trainguard.integrations._session import Session
+from trainguard.integrations._session import Session, resumed_at
 
 __all__ = ["TrainguardCallback"]
+
+
+def note_trainer(monitor: Any, trainer: Any) -> None:
+    """Tell ``monitor`` how ``trainer`` scales the loss under gradient accumulation: with
+    ``model_accepts_loss_kwargs`` it passes ``num_items_in_batch`` to the model and leaves the loss
+    undivided by ``gradient_accumulation_steps``, which is right only for a model whose loss uses that count."""
+    if monitor is None:
+        return
+    model = getattr(trainer, "model", None)
+    monitor.trained_by("transformers", model=type(model).__name__,
+                       accepts_loss_kwargs=bool(getattr(trainer, "model_accepts_loss_kwargs", False)),
+                       compute_loss_func=getattr(trainer, "compute_loss_func", None) is not None,
+                       gradient_accumulation_steps=int(getattr(trainer.args, "gradient_accumulation_steps", 1) or 1))
 
 
 class TrainguardCallback(TrainerCallback):
@@ -74,6 +87,10 @@ class TrainguardCallback(TrainerCallback):
         holder = loss_holding_model(found[1]) if found is not None and found[1].model is model else None
         self._session.start(model, step=state.global_step, rank=args.process_index, world_size=args.world_size,
                             resumed=state.global_step > 0, holder=holder)
+        if found is not None and found[0] == "transformers":
+            note_trainer(self._session.monitor, found[1])
+        if state.global_step > 0:  # train(resume_from_checkpoint=...)
+            resumed_at(int(state.global_step))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._session.step(state.global_step)
