@@ -37,6 +37,7 @@ def test_vanishing_gradients_behind_a_huge_value_loss_are_explained_by_the_rewar
                             clipping={"function": "clip_grad_norm_", "value": 0.5, "first_step": 0}))
     by_kind = {f.kind: f for f in fs}
     assert by_kind["rewards_too_large"].is_problem
+    assert "clip_grad_norm_(max_norm=0.5)" in by_kind["rewards_too_large"].suggestion
     vanish = by_kind["vanishing_gradient"]
     assert vanish.evidence.get("explained_by") == ["rewards_too_large"], (vanish.severity, vanish.title)
     assert [f.kind for f in fs if f.is_problem] == ["rewards_too_large"], [(f.kind, f.severity) for f in fs]
