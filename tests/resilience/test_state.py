@@ -464,3 +464,42 @@ def test_a_keras_optimizer_is_refused_with_what_to_do():
     msg = str(err.value)
     assert "Keras optimizer" in msg and "torch.optim" in msg and "BackupAndRestore" in msg, msg
     assert "integrations.md#keras" in msg, msg
+
+
+def test_an_algorithm_object_without_state_dict_is_refused_naming_the_torch_state_inside_it():
+    # stable-baselines3 @ e05d2dbe (stable_baselines3/dqn/dqn.py, sac/sac.py): the algorithm a user
+    # holds (`model = DQN(...)`) has no state_dict(); its torch state is model.policy (which holds the
+    # target network too) and model.policy.optimizer, SAC's model.policy.actor.optimizer,
+    # model.policy.critic.optimizer, log_ent_coef and ent_coef_optimizer; its replay buffer is NumPy
+    # arrays. TrainState(model=model) said only "needs an object with state_dict() ..., got DQN".
+    import numpy as np
+
+    nn = torch.nn
+
+    class Policy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.actor, self.critic, self.critic_target = nn.Linear(3, 1), nn.Linear(4, 1), nn.Linear(4, 1)
+            self.actor.optimizer = torch.optim.Adam(self.actor.parameters())
+            self.critic.optimizer = torch.optim.Adam(self.critic.parameters())
+
+    class ReplayBuffer:
+        def __init__(self):
+            self.observations, self.pos, self.full = np.zeros((8, 3), np.float32), 0, False
+
+    class SAC:
+        def __init__(self):
+            self.policy = Policy()
+            self.critic, self.critic_target = self.policy.critic, self.policy.critic_target  # aliases
+            self.log_ent_coef = torch.zeros(1, requires_grad=True)
+            self.ent_coef_optimizer = torch.optim.Adam([self.log_ent_coef])
+            self.replay_buffer = ReplayBuffer()
+            self.num_timesteps, self.learning_rate = 0, 3e-4
+
+    with pytest.raises(TypeError) as e:
+        TrainState(model=SAC())
+    msg = str(e.value)
+    assert ("TrainState(policy=model.policy, policy_actor_optimizer=model.policy.actor.optimizer, "
+            "policy_critic_optimizer=model.policy.critic.optimizer, ent_coef_optimizer=model.ent_coef_optimizer, "
+            "log_ent_coef=torch.nn.ParameterList([model.log_ent_coef]))") in msg, msg
+    assert "replay_buffer (ReplayBuffer)" in msg and "not saved" in msg, msg

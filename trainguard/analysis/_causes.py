@@ -33,7 +33,9 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "saturated_activations": ("loss_not_decreasing",),
     "exploding_activations": ("loss_not_decreasing",),
     "lr_too_low": ("loss_not_decreasing",),
-    "rewards_too_large": ("loss_not_decreasing", "exploding_gradient", "loss_spike"),
+    # the critic's gradient dwarfs the actor's (and a clip over all parameters scales the actor's to
+    # nothing: SB3's PPO at rewards 1e6x, first/last relative gradient 1e-11): "vanishing" by comparison
+    "rewards_too_large": ("loss_not_decreasing", "exploding_gradient", "loss_spike", "vanishing_gradient"),
     "lr_too_high": ("loss_not_decreasing", "loss_oscillating"),
     "param_not_updating": ("loss_not_decreasing",),
     "param_no_gradient": ("loss_not_decreasing",),

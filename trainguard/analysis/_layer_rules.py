@@ -397,7 +397,24 @@ def saturated_activations(ctx: Context) -> list[Finding]:
     first = next(iter(sat))
     ev: dict = {"saturated_fraction": sat, "types": {la: ctx.layer_type.get(la) for la in sat}}
     initial = _initial(ctx, list(sat), "sat_frac")
-    if initial is not None and all(v < ctx.th.saturation_warn for v in initial.values()):
+    arose = initial is not None and all(v < ctx.th.saturation_warn for v in initial.values())
+    head = _grown_value_head(ctx, list(sat)) if arose else None
+    severity = "warning"
+    if head is not None:
+        # A critic learning returns far above its starting range: its Tanh inputs saturate to reach
+        # them. Healthy agents do this (SB3's A2C on CartPole reached a return of 294 with its critic
+        # 100% saturated); the reward scale is the cause, not the rate.
+        ev["initial_saturated_fraction"] = initial
+        ev["arose_in_training"] = True
+        ev["value_head"] = head
+        severity = "info"
+        suggestion = (f"the script steps a reinforcement learning environment ({ctx.environment}): the value head "
+                      f"{head['layer']} predicts {fmt(head['last'])} (from {fmt(head['initial'])} at the first "
+                      f"recording), the scale of the returns, and layer {first} saturated to reach it, so the critic "
+                      "gives nearly one value for every state; judge the run by its episode return, and normalise "
+                      "the rewards or returns to keep the critic in range (stable-baselines3's "
+                      "VecNormalize(norm_reward=True), gymnasium's NormalizeReward)")
+    elif arose:
         # Not saturated at initialisation: the updates grew the pre-activations, a new init would not help.
         ev["initial_saturated_fraction"] = initial
         ev["arose_in_training"] = True
@@ -413,7 +430,7 @@ def saturated_activations(ctx: Context) -> list[Finding]:
     return [
         Finding(
             kind="saturated_activations",
-            severity="warning",
+            severity=severity,
             title=f"Saturated activations: {sat[first]:.0%} of layer {first}'s outputs sit at the "
             f"{ctx.layer_type.get(first, 'activation')} bounds, where the gradient is < 2% of its maximum",
             evidence=ev,
@@ -423,6 +440,30 @@ def saturated_activations(ctx: Context) -> list[Finding]:
             source=SOURCE,
         )
     ]
+
+
+def _grown_value_head(ctx: Context, layers: list[str]) -> dict | None:
+    """In a reinforcement learning run, a one-unit head fed by ``layers``' width (a critic's value
+    head: a ``[1, units]`` weight) whose mean output grew ``rl_value_growth``x past its initial mean
+    plus spread: {"layer", "initial", "last"}, else None."""
+    if not ctx.environment:
+        return None
+    widths = {ctx.layer_units.get(la) for la in layers}
+    if len(widths) != 1 or None in widths:
+        return None
+    width = widths.pop()
+    for d in ctx.params.values():
+        la = d.get("layer")
+        if d.get("shape") != [1, width] or ctx.layer_units.get(la) != 1:
+            continue
+        mean, std = ctx.stat(la, "activation", "mean"), ctx.stat(la, "activation", "std")
+        if len(mean) < 2:
+            continue
+        initial, last = float(mean.values[0]), float(mean.values[-1])
+        spread = float(std.values[0]) if len(std) else 0.0
+        if math.isfinite(last) and abs(last) >= max(1.0, ctx.th.rl_value_growth * (abs(initial) + spread)):
+            return {"layer": la, "initial": initial, "last": last}
+    return None
 
 
 def _started_at_zero(ctx: Context, param: str) -> bool:
@@ -486,6 +527,12 @@ def vanishing_gradient(ctx: Context) -> list[Finding]:
     # trained in one step, initialised at gains 1 and 0.01 by TorchRL's PPO), each is judged alone.
     flow = _gradient_flow(ctx)
     for names in ctx.by_model(list(flow)):
+        if ctx.environment:
+            # A one-unit head in a reinforcement learning run is a critic's value head: its gradient
+            # has the scale of the returns it regresses, and an actor-critic held in one module (SB3's
+            # ActorCriticPolicy) would compare the policy's first layer with it (healthy PPO on
+            # Pendulum: 4.4e-5). The rest of the flow is judged without it.
+            names = [n for n in names if ctx.params.get(n, {}).get("shape", [0])[0] != 1]
         found = _vanishing_in(ctx, {n: flow[n] for n in names})
         if found:
             return found

@@ -1027,6 +1027,10 @@ def rewards_too_large(ctx: Context) -> list[Finding]:
     start = float(np.median(np.abs(loss.values[:5])))
     if not start > ctx.th.rl_loss_large:
         return []
+    clip = ctx.clipping or {}
+    starved = (f"; the loop's {clip['function']}(max_norm={fmt(clip.get('value'))}) over all parameters scales "
+               "every gradient by the value loss's, so the rest of the agent (its policy) barely moves"
+               if clip.get("function") == "clip_grad_norm_" else "")
     return [
         Finding(
             kind="rewards_too_large",
@@ -1037,7 +1041,7 @@ def rewards_too_large(ctx: Context) -> list[Finding]:
             suggestion=f"the script steps a reinforcement learning environment ({ctx.environment}) and its value loss "
             "is the squared error of the returns: scale or normalise the rewards before the loss sees them (torchrl's "
             "RewardScaling or VecNorm on the reward, gymnasium's NormalizeReward, stable-baselines3's VecNormalize), "
-            "or normalise the value targets; a lower learning rate would only hide it",
+            "or normalise the value targets; a lower learning rate would only hide it" + starved,
             steps=(int(loss.steps[0]), int(loss.steps[-1])),
             source=SOURCE,
         )

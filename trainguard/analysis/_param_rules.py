@@ -129,8 +129,30 @@ def _trainable(ctx: Context) -> list[str]:
 def model_not_trained(ctx: Context) -> list[Finding]:
     out = []
     types = {r.get("prefix") or "": r.get("type") for r in ctx.meta.get("roots") or []}
+    # In a reinforcement learning run a model kept at a trained model's initial weights is a target
+    # network never synced: its targets come from the random initial network (a frozen reference
+    # outside RL, DPO's, is frozen on purpose).
+    copies = frozen_copies(ctx) if ctx.environment else {}
     for pre, ps in untrained_models(ctx).items():
         name = ctx.model_name(pre)
+        if pre in copies:
+            of = ctx.model_name(copies[pre])
+            out.append(Finding(
+                kind="model_not_trained",
+                severity="warning",
+                title=f"Target network {name} ({types.get(pre)}) never synced: it kept {of}'s weights from the first "
+                f"recording while {of} trained",
+                evidence={"model": name, "type": types.get(pre), "params": len(ps),
+                          "frozen_copy": {"model": name, "of": of}, "environment": ctx.environment},
+                suggestion=f"the script steps a reinforcement learning environment ({ctx.environment}): targets "
+                f"computed by {name} come from the initial network, and the loss falls onto them whatever the "
+                f"agent learns; copy {of}'s weights into it every N updates (target.load_state_dict("
+                "online.state_dict())) or soft-update it each step (tau 0.005, as the PyTorch DQN tutorial); in "
+                "stable-baselines3 keep target_update_interval well below learn()'s total_timesteps",
+                layers=_layers(ctx, ps),
+                source=SOURCE,
+            ))
+            continue
         out.append(Finding(
             kind="model_not_trained",
             severity="info",

@@ -119,6 +119,10 @@ class Thresholds:
         "dimensions it uses)"
     )
     saturation_warn: float = _t(0.4, "40% of tanh/sigmoid outputs within 1% of a bound, where the gradient is < 2%")
+    rl_value_growth: float = _t(
+        10.0, "a value head whose mean output grew 10x past its initial size (mean plus spread) follows returns far "
+        "above its starting range: stable-baselines3's A2C on CartPole, -0.064 -> 49.3, saturated its critic's Tanh"
+    )
     # ---- gradients
     vanish_ratio: float = _t(
         1e-3, "first-layer gradient (relative to its weights) 1000x below the last: one LR cannot suit both"

@@ -32,6 +32,48 @@ def state_holder(obj: Any) -> Any:
     return unwrapped(obj)
 
 
+def _torch_state_inside(name: str, obj: Any) -> str | None:
+    """What to hold instead of an object that has no state_dict() but keeps modules, optimizers or
+    trained tensors as attributes (a stable-baselines3 algorithm: ``model.policy``,
+    ``model.policy.optimizer``, SAC's ``log_ent_coef``), and what else it keeps that no
+    checkpoint would save (a replay buffer's NumPy arrays); None when it keeps no torch state."""
+    try:
+        attrs = [(k, v) for k, v in vars(obj).items() if not k.startswith("_")]
+    except TypeError:
+        return None
+    seen: set[int] = set()
+    held, tensors, other = [], [], []
+    for attr, value in attrs:
+        if isinstance(value, torch.nn.Module):
+            if id(value) in seen:
+                continue  # an alias of a part of a module already held (SB3's model.critic)
+            held.append((attr, f"{name}.{attr}"))
+            for path, sub in value.named_modules():
+                seen.add(id(sub))
+                for k, v in vars(sub).items():
+                    if isinstance(v, torch.optim.Optimizer) and id(v) not in seen:
+                        seen.add(id(v))
+                        full = ".".join(x for x in (attr, path, k) if x)
+                        held.append((full.replace(".", "_"), f"{name}.{full}"))
+        elif isinstance(value, torch.optim.Optimizer) and id(value) not in seen:
+            seen.add(id(value))
+            held.append((attr, f"{name}.{attr}"))
+        elif isinstance(value, torch.Tensor) and value.requires_grad:
+            tensors.append((attr, f"torch.nn.ParameterList([{name}.{attr}])"))
+        elif any(len(getattr(v, "shape", ())) >= 2 and type(v).__module__ == "numpy"
+                 for v in getattr(value, "__dict__", {}).values()):  # a buffer of transitions, not a space's bounds
+            other.append(f"{attr} ({type(value).__name__})")
+    if not held:
+        return None
+    args = ", ".join(f"{k}={v}" for k, v in held + tensors)
+    text = f"which keeps its torch state in attributes: hold those, TrainState({args})"
+    if other:
+        text += (f"; {', '.join(other)}, of NumPy arrays, and its counters and environments have no state_dict() "
+                 "and are not saved unless an object of yours holds them (docs/checkpointing.md, reinforcement "
+                 "learning)")
+    return text
+
+
 def _is_stateful_dataloader(obj: Any) -> bool:
     return isinstance(obj, DataLoader) and _stateful(obj)
 
@@ -108,6 +150,8 @@ class TrainState:
                 got = (f"{got}, which has get_state()/set_state(): pass an object whose state_dict() returns "
                        f"{name}.get_state() and whose load_state_dict(s) calls {name}.set_state(s) (pyro: see "
                        "docs/integrations.md#pyro)")
+            elif (inside := _torch_state_inside(name, obj)) is not None:
+                got = f"{got}, {inside}"
             elif type(obj).__module__.startswith("keras.") and callable(getattr(obj, "apply", None)):
                 got = (f"{got}, a Keras optimizer: its state is Keras Variables, with no state_dict(); "
                        "to checkpoint model.fit use Keras' keras.callbacks.BackupAndRestore, or train the "
