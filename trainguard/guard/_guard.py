@@ -69,6 +69,7 @@ log = logging.getLogger("trainguard.guard")
 # Batches in a row the guard skips for holding a known corrupt sample before it lets one through
 # (to fail and be replayed): a dataset corrupt throughout must not spin the loop forever.
 _MAX_KNOWN_SKIPS = 64
+_MAX_EVAL_STEPS = 100  # steps of eval faults kept in the run (an eval every few steps faults each time)
 
 
 # Guards whose loop stopped early with no ending stored (an exception in the loop body closes the
@@ -225,6 +226,9 @@ class Guard:
         # Steps the loop skipped itself (its loss checked non-finite, no backward(): capture/_skips):
         # the run's ``loop_skipped`` account. Nothing was updated, so the guard does not rewind.
         self.loop_skipped: dict | None = None
+        # Ops that raised under torch.no_grad() inside the loop body (an evaluation): the run's
+        # ``eval_faults`` account. They changed no parameter, so the guard does not rewind for them.
+        self.eval_faults: dict | None = None
         self._reset()
 
     def __repr__(self) -> str:
@@ -397,6 +401,8 @@ class Guard:
                 self._index_samples(raised["index"], batch)
             self._raised_at[step] = raised
             self._sentry.raised()
+        if (no_grad := self._raising.take_no_grad()) is not None:
+            self._on_no_grad_fault(step, no_grad)
         self._sentry.end_step(step)
         _skips.watch.boundary()  # the loop checked this step's loss, found NaN/Inf and called no backward()
 
@@ -435,6 +441,34 @@ class Guard:
             log.info("trainguard: %s", text)
         if self._run is not None:
             self._run.update(loop_skipped=sk)
+
+    def _on_no_grad_fault(self, step: int, fault: dict) -> None:
+        """An op raised under ``torch.no_grad()`` in the loop body (an evaluation over a validation
+        set holding a bad label or a NaN) and was made to give NaN: no parameter changed, so nothing
+        is rewound (a NaN that reaches the step's loss or gradients is caught there as any other).
+        Logged (the first at WARNING) and counted in the run; not while a replay runs it again."""
+        if self._plan is not None:
+            return
+        loader = fault.get("loader")
+        what = (_events.index_reason(fault) if fault.get("file")
+                else f"{fault['op']} raised {fault['error'].rstrip('.')}")
+        where = f" in batch {loader['batch']} of `{loader['name']}`" if loader else ""
+        held = f" ({_events.index_held(fault)})" if fault.get("index") else ""
+        text = (f"step {step:,}: {what} under torch.no_grad(){where}{held}: it changed no parameter, so the "
+                "guard made its result NaN, did not rewind, and training goes on")
+        ef = self.eval_faults
+        if ef is None:
+            ef = self.eval_faults = {"count": 0, "steps": [], "first": dict(fault, step=step, message=text)}
+        ef["count"] += 1
+        if len(ef["steps"]) < _MAX_EVAL_STEPS:
+            ef["steps"].append(step)
+        ef["last"] = dict(fault, step=step, message=text)
+        if ef["count"] == 1:
+            log.warning("trainguard: %s; repair or drop that sample of the evaluation's data", text)
+        else:
+            log.info("trainguard: %s", text)
+        if self._run is not None:
+            self._run.update(eval_faults=ef)
 
     def _discard_before(self, step: int) -> int:
         return self._skips.get(step, 0) if self._skips else 0

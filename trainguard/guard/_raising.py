@@ -49,22 +49,39 @@ _state = threading.local()  # .step: the Raised of the guarded step running on t
 
 class Raised:
     """What a guarded step's ops raised on NaN/Inf or on an index out of range (the first), as the
-    guard's event keeps it."""
+    guard's event keeps it; apart from that, the first that raised under ``torch.no_grad()`` (an
+    evaluation inside the loop body: it changes no parameter, so it is no bad step)."""
 
     def __init__(self) -> None:
         self.first: dict | None = None
+        self.no_grad: dict | None = None
 
     def note(self, op: str, error: BaseException, index: dict | None = None) -> None:
-        if self.first is None:
-            self.first = {"op": op, "error": f"{type(error).__name__}: {error}".splitlines()[0][:300].rstrip(":")}
+        no_grad = not torch.is_grad_enabled()
+        if (self.no_grad if no_grad else self.first) is not None:
+            return
+        note = {"op": op, "error": f"{type(error).__name__}: {error}".splitlines()[0][:300].rstrip(":")}
+        frame = _user_frame()
+        if index is not None or no_grad:
             if index is not None:
-                self.first["index"] = index
-                where = _user_line()
-                if where is not None:
-                    self.first.update(where)
+                note["index"] = index
+            if frame is not None:
+                note.update(file=frame.f_code.co_filename, line=frame.f_lineno)
+        if no_grad:
+            if frame is not None and (loader := _loader_batch(frame, index)) is not None:
+                note["loader"] = loader
+            if index is not None:
+                index.pop("tensor", None), index.pop("mask", None)
+            self.no_grad = note
+        else:
+            self.first = note
 
     def take(self) -> dict | None:
         first, self.first = self.first, None
+        return first
+
+    def take_no_grad(self) -> dict | None:
+        first, self.no_grad = self.no_grad, None
         return first
 
 
@@ -85,15 +102,58 @@ def _nonfinite(*values: Any) -> bool:
     return False
 
 
-def _user_line() -> dict | None:
-    """The user's line that called the op (the innermost frame outside torch and trainguard)."""
+def _user_frame() -> Any:
+    """The user's frame that called the op (the innermost outside torch and trainguard)."""
     from trainguard.store import is_user_file
 
     f = sys._getframe(2)
     while f is not None:
         if is_user_file(f.f_code.co_filename):
-            return {"file": f.f_code.co_filename, "line": f.f_lineno}
+            return f
         f = f.f_back
+    return None
+
+
+_LOADER_FRAMES = 4  # user frames searched for the loader an evaluation iterates (its function, its caller, ...)
+
+
+def _loader_batch(frame: Any, index: dict | None) -> dict | None:
+    """The ``DataLoader`` a local of the user's frame (or of its callers) names that is being iterated
+    there: ``{"name", "batch", "samples"}``, the batch being the one its iterator handed out last, and
+    the samples those of the index's bad rows, when the index is (a view or a copy of) a tensor local of
+    that frame (``target``) and the loader draws in order. Cold: an op under ``no_grad`` raised."""
+    import gc
+
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    from trainguard.guard._replay import index_in_batch
+
+    for _ in range(_LOADER_FRAMES):
+        if frame is None:
+            return None
+        for name, loader in list(frame.f_locals.items()):
+            if not isinstance(loader, DataLoader):
+                continue
+            its = [r for r in gc.get_referrers(loader._index_sampler)
+                   if isinstance(r, _BaseDataLoaderIter) and r._num_yielded > 0]
+            if len(its) != 1:
+                continue
+            found = {"name": name, "batch": its[0]._num_yielded - 1, "samples": []}
+            if index is None:
+                return found
+            bs, samples = loader.batch_sampler, None
+            if isinstance(bs, BatchSampler) and type(bs.sampler) is SequentialSampler:
+                first = found["batch"] * bs.batch_size
+                samples = list(range(first, min(first + bs.batch_size, len(bs.sampler))))
+            tensors = {k: v for k, v in frame.f_locals.items() if isinstance(v, torch.Tensor)}
+            at = index_in_batch(tensors, index, samples)
+            if at is None:  # the index is none of this loop's batch tensors: another loader's, further out
+                continue
+            index["in_batch"] = at
+            found["samples"] = at["samples"]
+            return found
+        frame = frame.f_back
     return None
 
 
