@@ -35,6 +35,8 @@ import sys
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 
 from trainguard._errors import Diverged
-from trainguard.capture import _skips, align_step
+from trainguard.capture import _skips, align_step, unrecorded
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.guard import _collective, _events, _raising
 from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
@@ -262,6 +264,34 @@ class Guard:
                           handle_signals=False, guard=self)
         loop._still = still  # checked at each rewind: a module left out that moved is named then
         return loop.batches()
+
+    @contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Wrap the loop body (``with loop.guarded():``, or this guard's own for ``guard.batches()``):
+        an exception it raises while the step's batch holds NaN/Inf itself, or after the step's
+        loss or gradient norm turned NaN/Inf (detr's ``generalized_box_iou`` asserts on the NaN boxes
+        of a corrupt image, before any loss), makes the step a bad step: the error ends the body
+        there, and the guard rewinds, replays the step under recording and applies its policy, as for
+        a NaN loss. Any other exception, and any outside a guarded step, is raised unchanged."""
+        try:
+            yield
+        except Exception as error:
+            if not self._body_fault(error):
+                raise
+
+    def _body_fault(self, error: BaseException) -> bool:
+        """Whether the loop body's ``error`` came from the step's NaN/Inf (see :meth:`guarded`); noted then."""
+        if self._loop is None or self._batch is None:
+            return False
+        try:
+            with torch.no_grad(), unrecorded():
+                held = (self._raising.first is not None or self._sentry.step_nonfinite()
+                        or batch_nonfinite(self._batch, None) is not None)
+        except Exception:  # noqa: BLE001 - a device the error left unusable: the error is the user's
+            return False
+        if held:
+            self._raising.note_body(error)
+        return held
 
     def install(self) -> Guard:
         """Guard every ``CheckpointManager.resume()`` of this process that gets no ``guard=``
@@ -807,7 +837,10 @@ class Guard:
                         self._bad_index[sample] = f"{_events.index_held(raised)} ({raised['op']})"
         elif raised is not None:
             event["raised"] = raised  # the op raised on the NaN/Inf; the guard made it NaN and rewound
-            event["reason"] += f" ({raised['op']} raised on NaN/Inf: {raised['error']})"
+            if raised["op"] == "the loop body":  # Guard.guarded: no loss came, the body ended there
+                event["reason"] = f"the loop body raised {raised['error']} on NaN/Inf"
+            else:
+                event["reason"] += f" ({raised['op']} raised on NaN/Inf: {raised['error']})"
         if event["origin_rank"] == _collective.rank_world()[0]:
             culprits = rec.culprits(origin, plan.batch if plan.rows_named else None)
             if culprits is not None:

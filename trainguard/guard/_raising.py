@@ -76,6 +76,21 @@ class Raised:
         else:
             self.first = note
 
+    def note_body(self, error: BaseException) -> None:
+        """The loop body raised ``error`` on the step's NaN/Inf (``Guard.guarded``): the step is bad,
+        the error named with the innermost line of the user's code it came from."""
+        if self.first is not None:
+            return
+        from trainguard.store import is_user_file
+
+        where, tb = "", error.__traceback__
+        while tb is not None:
+            if is_user_file(tb.tb_frame.f_code.co_filename):
+                where = f" at {_short(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
+            tb = tb.tb_next
+        text = f"{type(error).__name__}{where}" + (f": {error}" if str(error) else "")
+        self.first = {"op": "the loop body", "error": text.splitlines()[0][:300].rstrip(":")}
+
     def take(self) -> dict | None:
         first, self.first = self.first, None
         return first
@@ -83,6 +98,12 @@ class Raised:
     def take_no_grad(self) -> dict | None:
         first, self.no_grad = self.no_grad, None
         return first
+
+
+def _short(path: str) -> str:
+    from trainguard.guard._replay import short_path
+
+    return short_path(path)
 
 
 def begin(raised: Raised) -> None:
