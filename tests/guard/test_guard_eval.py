@@ -77,3 +77,28 @@ def test_a_bad_label_in_a_no_grad_eval_is_reported_and_training_goes_on(tmp_path
     assert first["loader"] == {"name": "val_loader", "batch": BAD // 16, "samples": [BAD]}, first
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("under torch.no_grad()" in w and "val_loader" in w and f"sample {BAD}" in w for w in warnings), warnings
+
+
+def test_a_label_out_of_range_in_targets_built_under_no_grad_is_still_a_bad_step(tmp_path):
+    # Soft targets built under no_grad for the training loss (label smoothing, mixup): one_hot's
+    # result is an integer tensor, clamped into range in place of the error, which holds no NaN to
+    # show in the loss; training on it would be training on a wrong label, so the step stays bad.
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 12, generator=g), torch.randint(0, 10, (64,), generator=g)
+    y[BAD] = 10
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=16))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=4)
+    for _, (data, target) in guard.batches(state, total_steps=4):
+        with torch.no_grad():
+            soft = F.one_hot(target, 10).float() * 0.9 + 0.01
+        loss = -(soft * model(data).log_softmax(-1)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    [event] = guard.events
+    assert event["action"] == "skip" and event["raised"]["op"] == "F.one_hot", event["message"]
+    assert event["raised"]["index"]["in_batch"]["samples"] == [BAD]
+    assert "eval_faults" not in stored_meta(tmp_path / "run")
