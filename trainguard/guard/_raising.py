@@ -56,8 +56,11 @@ class Raised:
         self.first: dict | None = None
         self.no_grad: dict | None = None
 
-    def note(self, op: str, error: BaseException, index: dict | None = None) -> None:
-        no_grad = not torch.is_grad_enabled()
+    def note(self, op: str, error: BaseException, index: dict | None = None, *, carries_nan: bool = True) -> None:
+        """``carries_nan``: the result given in place of the error holds NaN, so a use of it in
+        training shows in the loss; an integer result (``one_hot``, a ``multinomial`` draw of 0,
+        an index clamped into range) does not, and is a bad step under ``no_grad`` too."""
+        no_grad = carries_nan and not torch.is_grad_enabled()
         if (self.no_grad if no_grad else self.first) is not None:
             return
         note = {"op": op, "error": f"{type(error).__name__}: {error}".splitlines()[0][:300].rstrip(":")}
@@ -68,7 +71,11 @@ class Raised:
             if frame is not None:
                 note.update(file=frame.f_code.co_filename, line=frame.f_lineno)
         if no_grad:
-            if frame is not None and (loader := _loader_batch(frame, index)) is not None:
+            try:
+                loader = _loader_batch(frame, index) if frame is not None else None
+            except Exception:  # noqa: BLE001 - a guess at where the eval's data came from; the note goes on without
+                loader = None
+            if loader is not None:
                 note["loader"] = loader
             if index is not None:
                 index.pop("tensor", None), index.pop("mask", None)
@@ -264,11 +271,13 @@ def _index_guarded(op: str, matches: tuple[str, ...], where, nan: bool = True):
                     raise
                 index, high, _, i, name = found
                 bad["argument"] = {"input": "index", "tensor": "class"}.get(name, name)  # embedding's, one_hot's
-                raised.note(op, error, bad)
                 a, k = _with_arg(args, kwargs, i, name, index.clamp(0, high - 1))
                 with unrecorded():
                     out = fn(*a, **k)
-                    return out * float("nan") if nan and out.is_floating_point() else out
+                    carries = nan and out.is_floating_point()
+                    out = out * float("nan") if carries else out
+                raised.note(op, error, bad, carries_nan=carries)
+                return out
 
         wrapper.__trainguard_wrapped__ = fn
         return wrapper
@@ -276,9 +285,10 @@ def _index_guarded(op: str, matches: tuple[str, ...], where, nan: bool = True):
     return wrap
 
 
-def _guarded(op: str, matches: tuple[str, ...], substitute, inputs=lambda *a, **k: a):
+def _guarded(op: str, matches: tuple[str, ...], substitute, inputs=lambda *a, **k: a, carries_nan: bool = True):
     """Wrap ``fn``: inside a guarded step, an error whose message holds one of ``matches`` on
-    inputs with NaN/Inf returns ``substitute(*args, **kwargs)`` and is noted for the guard."""
+    inputs with NaN/Inf returns ``substitute(*args, **kwargs)`` and is noted for the guard
+    (``carries_nan``: that result holds NaN, see :meth:`Raised.note`)."""
 
     def wrap(fn):
         @functools.wraps(fn)
@@ -290,7 +300,7 @@ def _guarded(op: str, matches: tuple[str, ...], substitute, inputs=lambda *a, **
                 if (raised is None or not any(m in str(error) for m in matches)
                         or not _nonfinite(*inputs(*args, **kwargs))):
                     raise
-                raised.note(op, error)
+                raised.note(op, error, carries_nan=carries_nan)
                 return substitute(*args, **kwargs)
 
         wrapper.__trainguard_wrapped__ = fn
@@ -340,9 +350,10 @@ def _targets() -> list[tuple[Any, str, Any]]:
     return [
         (torch.nn.functional, "binary_cross_entropy",
          _guarded("aten.binary_cross_entropy", ("between 0 and 1",), _bce_nan)),
-        (torch, "multinomial", _guarded("aten.multinomial", ("or element < 0",), _multinomial_zeros)),
+        (torch, "multinomial",
+         _guarded("aten.multinomial", ("or element < 0",), _multinomial_zeros, carries_nan=False)),
         (torch.Tensor, "multinomial",
-         _guarded("aten.multinomial", ("or element < 0",), _multinomial_zeros)),
+         _guarded("aten.multinomial", ("or element < 0",), _multinomial_zeros, carries_nan=False)),
         (torch.linalg, "cholesky", _guarded("aten.linalg_cholesky", ("positive-definite",), _cholesky_nan)),
         (dist, "__init__", _wrap_distribution_init),
         (torch.nn.functional, "cross_entropy",
