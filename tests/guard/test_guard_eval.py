@@ -102,3 +102,32 @@ def test_a_label_out_of_range_in_targets_built_under_no_grad_is_still_a_bad_step
     assert event["action"] == "skip" and event["raised"]["op"] == "F.one_hot", event["message"]
     assert event["raised"]["index"]["in_batch"]["samples"] == [BAD]
     assert "eval_faults" not in stored_meta(tmp_path / "run")
+
+
+def test_a_nan_from_a_no_grad_op_that_reaches_the_loss_is_the_steps_fault(tmp_path, caplog):
+    # A regression target looked up under no_grad by the label (a per-class embedding): the bad
+    # label's NaN stand-in reaches the training loss. That is no eval: the event names the op that
+    # raised, as for a label out of range, and no eval fault is logged ("training goes on").
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 12, generator=g), torch.randint(0, 10, (64,), generator=g)
+    y[BAD] = 10
+    table = torch.randn(10, 4, generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(12, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=16))
+    guard = tg.Guard(tmp_path / "run", snapshot_every=4)
+    with caplog.at_level(logging.INFO, logger="trainguard.guard"):
+        for _, (data, target) in guard.batches(state, total_steps=4):
+            with torch.no_grad():
+                goal = table.index_select(0, target)
+            loss = F.mse_loss(model(data), goal)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [event] = guard.events
+    assert event["action"] == "skip" and event["raised"]["op"] == "Tensor.index_select", event["message"]
+    assert event["raised"]["index"]["in_batch"]["samples"] == [BAD], event["raised"]
+    assert event["origin"]["origin"]["op"] == "Tensor.index_select", event["origin"]["origin"]
+    assert "eval_faults" not in stored_meta(tmp_path / "run")
+    assert not [r for r in caplog.records if "under torch.no_grad()" in r.getMessage()]
