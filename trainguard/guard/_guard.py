@@ -425,13 +425,16 @@ class Guard:
             plan.recording.stop()
         _raising.end()
         raised = self._raising.take()
+        no_grad = self._raising.take_no_grad()
+        if no_grad is not None and raised is None and self._sentry.step_nonfinite():
+            raised, no_grad = no_grad, None  # its NaN reached the step's loss or gradients: no eval's, the step's
         batch, self._batch = self._batch, None
         if raised is not None:
             if "index" in raised:
                 self._index_samples(raised["index"], batch)
             self._raised_at[step] = raised
             self._sentry.raised()
-        if (no_grad := self._raising.take_no_grad()) is not None:
+        if no_grad is not None:
             self._on_no_grad_fault(step, no_grad)
         self._sentry.end_step(step)
         _skips.watch.boundary()  # the loop checked this step's loss, found NaN/Inf and called no backward()
@@ -477,6 +480,8 @@ class Guard:
         set holding a bad label or a NaN) and was made to give NaN: no parameter changed, so nothing
         is rewound (a NaN that reaches the step's loss or gradients is caught there as any other).
         Logged (the first at WARNING) and counted in the run; not while a replay runs it again."""
+        index = fault.get("index") or {}
+        index.pop("tensor", None), index.pop("mask", None)  # the event is stored as JSON
         if self._plan is not None:
             return
         loader = fault.get("loader")

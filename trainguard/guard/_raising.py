@@ -77,8 +77,6 @@ class Raised:
                 loader = None
             if loader is not None:
                 note["loader"] = loader
-            if index is not None:
-                index.pop("tensor", None), index.pop("mask", None)
             self.no_grad = note
         else:
             self.first = note
