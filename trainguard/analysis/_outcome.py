@@ -132,7 +132,8 @@ def outcome_finding(meta: dict[str, Any]) -> Finding | None:
                "reaching a check inside the step (an `assert` or validation on what it made, as detr's "
                "generalized_box_iou asserts on NaN boxes), before any loss the guard could rewind. Drop or repair "
                "that sample before training (`trainguard doctor` validates a data set); `trainguard run "
-               "--check-numerics` stops at the first op it made non-finite")
+               "--check-numerics` stops at the first op it made non-finite; or wrap the loop body in `with "
+               "loop.guarded():`, and the guard rewinds and skips such a batch instead of ending the run")
     elif harm is not None:
         # An error raised on the NaN (a distribution's argument check on NaN logits, multinomial on
         # NaN probabilities: cleanrl's PPO): where it showed, not what to fix.

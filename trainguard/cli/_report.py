@@ -352,6 +352,11 @@ def _guard(report: dict) -> Any:
                           f"its loss was {value}{at} and it called no backward(), so nothing was updated and the guard "
                           "did not rewind; find where the NaN/Inf comes from with `trainguard run --check-numerics`",
                           style="yellow"))
+    faults = meta.get("eval_faults")
+    if isinstance(faults, dict) and faults.get("count"):
+        n = faults["count"]
+        parts.append(Text(f"{n} op{'s' if n != 1 else ''} raised under torch.no_grad() in the loop body (an evaluation), "
+                          f"not rewound; the first: {(faults.get('first') or {}).get('message', '?')}", style="yellow"))
     for e in events:
         style = "bold red" if e.get("action") in ("stop", "code_bug", "max_rewinds") else "bold yellow"
         b = e.get("batch") or {}

@@ -35,6 +35,8 @@ import sys
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 
 from trainguard._errors import Diverged
-from trainguard.capture import _skips, align_step
+from trainguard.capture import _skips, align_step, unrecorded
 from trainguard.capture._ending import ending, uncaught, watch_uncaught
 from trainguard.guard import _collective, _events, _raising
 from trainguard.guard._config import LR_FACTOR, SPIKE_MIN_HISTORY, SPIKE_WINDOW, GuardConfig
@@ -69,6 +71,7 @@ log = logging.getLogger("trainguard.guard")
 # Batches in a row the guard skips for holding a known corrupt sample before it lets one through
 # (to fail and be replayed): a dataset corrupt throughout must not spin the loop forever.
 _MAX_KNOWN_SKIPS = 64
+_MAX_EVAL_STEPS = 100  # steps of eval faults kept in the run (an eval every few steps faults each time)
 
 
 # Guards whose loop stopped early with no ending stored (an exception in the loop body closes the
@@ -225,6 +228,9 @@ class Guard:
         # Steps the loop skipped itself (its loss checked non-finite, no backward(): capture/_skips):
         # the run's ``loop_skipped`` account. Nothing was updated, so the guard does not rewind.
         self.loop_skipped: dict | None = None
+        # Ops that raised under torch.no_grad() inside the loop body (an evaluation): the run's
+        # ``eval_faults`` account. They changed no parameter, so the guard does not rewind for them.
+        self.eval_faults: dict | None = None
         self._reset()
 
     def __repr__(self) -> str:
@@ -258,6 +264,34 @@ class Guard:
                           handle_signals=False, guard=self)
         loop._still = still  # checked at each rewind: a module left out that moved is named then
         return loop.batches()
+
+    @contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Wrap the loop body (``with loop.guarded():``, or this guard's own for ``guard.batches()``):
+        an exception it raises while the step's batch holds NaN/Inf itself, or after the step's
+        loss or gradient norm turned NaN/Inf (detr's ``generalized_box_iou`` asserts on the NaN boxes
+        of a corrupt image, before any loss), makes the step a bad step: the error ends the body
+        there, and the guard rewinds, replays the step under recording and applies its policy, as for
+        a NaN loss. Any other exception, and any outside a guarded step, is raised unchanged."""
+        try:
+            yield
+        except Exception as error:
+            if not self._body_fault(error):
+                raise
+
+    def _body_fault(self, error: BaseException) -> bool:
+        """Whether the loop body's ``error`` came from the step's NaN/Inf (see :meth:`guarded`); noted then."""
+        if self._loop is None or self._batch is None:
+            return False
+        try:
+            with torch.no_grad(), unrecorded():
+                held = (self._raising.first is not None or self._sentry.step_nonfinite()
+                        or batch_nonfinite(self._batch, None) is not None)
+        except Exception:  # noqa: BLE001 - a device the error left unusable: the error is the user's
+            return False
+        if held:
+            self._raising.note_body(error)
+        return held
 
     def install(self) -> Guard:
         """Guard every ``CheckpointManager.resume()`` of this process that gets no ``guard=``
@@ -391,12 +425,17 @@ class Guard:
             plan.recording.stop()
         _raising.end()
         raised = self._raising.take()
+        no_grad = self._raising.take_no_grad()
+        if no_grad is not None and raised is None and self._sentry.step_nonfinite():
+            raised, no_grad = no_grad, None  # its NaN reached the step's loss or gradients: no eval's, the step's
         batch, self._batch = self._batch, None
         if raised is not None:
             if "index" in raised:
                 self._index_samples(raised["index"], batch)
             self._raised_at[step] = raised
             self._sentry.raised()
+        if no_grad is not None:
+            self._on_no_grad_fault(step, no_grad)
         self._sentry.end_step(step)
         _skips.watch.boundary()  # the loop checked this step's loss, found NaN/Inf and called no backward()
 
@@ -435,6 +474,36 @@ class Guard:
             log.info("trainguard: %s", text)
         if self._run is not None:
             self._run.update(loop_skipped=sk)
+
+    def _on_no_grad_fault(self, step: int, fault: dict) -> None:
+        """An op raised under ``torch.no_grad()`` in the loop body (an evaluation over a validation
+        set holding a bad label or a NaN) and was made to give NaN: no parameter changed, so nothing
+        is rewound (a NaN that reaches the step's loss or gradients is caught there as any other).
+        Logged (the first at WARNING) and counted in the run; not while a replay runs it again."""
+        index = fault.get("index") or {}
+        index.pop("tensor", None), index.pop("mask", None)  # the event is stored as JSON
+        if self._plan is not None:
+            return
+        loader = fault.get("loader")
+        what = (_events.index_reason(fault) if fault.get("file")
+                else f"{fault['op']} raised {fault['error'].rstrip('.')}")
+        where = f" in batch {loader['batch']} of `{loader['name']}`" if loader else ""
+        held = f" ({_events.index_held(fault)})" if fault.get("index") else ""
+        text = (f"step {step:,}: {what} under torch.no_grad(){where}{held}: it changed no parameter, so the "
+                "guard made its result NaN, did not rewind, and training goes on")
+        ef = self.eval_faults
+        if ef is None:
+            ef = self.eval_faults = {"count": 0, "steps": [], "first": dict(fault, step=step, message=text)}
+        ef["count"] += 1
+        if len(ef["steps"]) < _MAX_EVAL_STEPS:
+            ef["steps"].append(step)
+        ef["last"] = dict(fault, step=step, message=text)
+        if ef["count"] == 1:
+            log.warning("trainguard: %s; repair or drop that sample of the evaluation's data", text)
+        else:
+            log.info("trainguard: %s", text)
+        if self._run is not None:
+            self._run.update(eval_faults=ef)
 
     def _discard_before(self, step: int) -> int:
         return self._skips.get(step, 0) if self._skips else 0
@@ -773,7 +842,10 @@ class Guard:
                         self._bad_index[sample] = f"{_events.index_held(raised)} ({raised['op']})"
         elif raised is not None:
             event["raised"] = raised  # the op raised on the NaN/Inf; the guard made it NaN and rewound
-            event["reason"] += f" ({raised['op']} raised on NaN/Inf: {raised['error']})"
+            if raised["op"] == "the loop body":  # Guard.guarded: no loss came, the body ended there
+                event["reason"] = f"the loop body raised {raised['error']} on NaN/Inf"
+            else:
+                event["reason"] += f" ({raised['op']} raised on NaN/Inf: {raised['error']})"
         if event["origin_rank"] == _collective.rank_world()[0]:
             culprits = rec.culprits(origin, plan.batch if plan.rows_named else None)
             if culprits is not None:

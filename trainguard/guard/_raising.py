@@ -49,23 +49,66 @@ _state = threading.local()  # .step: the Raised of the guarded step running on t
 
 class Raised:
     """What a guarded step's ops raised on NaN/Inf or on an index out of range (the first), as the
-    guard's event keeps it."""
+    guard's event keeps it; apart from that, the first that raised under ``torch.no_grad()`` (an
+    evaluation inside the loop body: it changes no parameter, so it is no bad step)."""
 
     def __init__(self) -> None:
         self.first: dict | None = None
+        self.no_grad: dict | None = None
 
-    def note(self, op: str, error: BaseException, index: dict | None = None) -> None:
-        if self.first is None:
-            self.first = {"op": op, "error": f"{type(error).__name__}: {error}".splitlines()[0][:300].rstrip(":")}
+    def note(self, op: str, error: BaseException, index: dict | None = None, *, carries_nan: bool = True) -> None:
+        """``carries_nan``: the result given in place of the error holds NaN, so a use of it in
+        training shows in the loss; an integer result (``one_hot``, a ``multinomial`` draw of 0,
+        an index clamped into range) does not, and is a bad step under ``no_grad`` too."""
+        no_grad = carries_nan and not torch.is_grad_enabled()
+        if (self.no_grad if no_grad else self.first) is not None:
+            return
+        note = {"op": op, "error": f"{type(error).__name__}: {error}".splitlines()[0][:300].rstrip(":")}
+        frame = _user_frame()
+        if index is not None or no_grad:
             if index is not None:
-                self.first["index"] = index
-                where = _user_line()
-                if where is not None:
-                    self.first.update(where)
+                note["index"] = index
+            if frame is not None:
+                note.update(file=frame.f_code.co_filename, line=frame.f_lineno)
+        if no_grad:
+            try:
+                loader = _loader_batch(frame, index) if frame is not None else None
+            except Exception:  # noqa: BLE001 - a guess at where the eval's data came from; the note goes on without
+                loader = None
+            if loader is not None:
+                note["loader"] = loader
+            self.no_grad = note
+        else:
+            self.first = note
+
+    def note_body(self, error: BaseException) -> None:
+        """The loop body raised ``error`` on the step's NaN/Inf (``Guard.guarded``): the step is bad,
+        the error named with the innermost line of the user's code it came from."""
+        if self.first is not None:
+            return
+        from trainguard.store import is_user_file
+
+        where, tb = "", error.__traceback__
+        while tb is not None:
+            if is_user_file(tb.tb_frame.f_code.co_filename):
+                where = f" at {_short(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
+            tb = tb.tb_next
+        text = f"{type(error).__name__}{where}" + (f": {error}" if str(error) else "")
+        self.first = {"op": "the loop body", "error": text.splitlines()[0][:300].rstrip(":")}
 
     def take(self) -> dict | None:
         first, self.first = self.first, None
         return first
+
+    def take_no_grad(self) -> dict | None:
+        first, self.no_grad = self.no_grad, None
+        return first
+
+
+def _short(path: str) -> str:
+    from trainguard.guard._replay import short_path
+
+    return short_path(path)
 
 
 def begin(raised: Raised) -> None:
@@ -85,15 +128,58 @@ def _nonfinite(*values: Any) -> bool:
     return False
 
 
-def _user_line() -> dict | None:
-    """The user's line that called the op (the innermost frame outside torch and trainguard)."""
+def _user_frame() -> Any:
+    """The user's frame that called the op (the innermost outside torch and trainguard)."""
     from trainguard.store import is_user_file
 
     f = sys._getframe(2)
     while f is not None:
         if is_user_file(f.f_code.co_filename):
-            return {"file": f.f_code.co_filename, "line": f.f_lineno}
+            return f
         f = f.f_back
+    return None
+
+
+_LOADER_FRAMES = 4  # user frames searched for the loader an evaluation iterates (its function, its caller, ...)
+
+
+def _loader_batch(frame: Any, index: dict | None) -> dict | None:
+    """The ``DataLoader`` a local of the user's frame (or of its callers) names that is being iterated
+    there: ``{"name", "batch", "samples"}``, the batch being the one its iterator handed out last, and
+    the samples those of the index's bad rows, when the index is (a view or a copy of) a tensor local of
+    that frame (``target``) and the loader draws in order. Cold: an op under ``no_grad`` raised."""
+    import gc
+
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    from trainguard.guard._replay import index_in_batch
+
+    for _ in range(_LOADER_FRAMES):
+        if frame is None:
+            return None
+        for name, loader in list(frame.f_locals.items()):
+            if not isinstance(loader, DataLoader):
+                continue
+            its = [r for r in gc.get_referrers(loader._index_sampler)
+                   if isinstance(r, _BaseDataLoaderIter) and r._num_yielded > 0]
+            if len(its) != 1:
+                continue
+            found = {"name": name, "batch": its[0]._num_yielded - 1, "samples": []}
+            if index is None:
+                return found
+            bs, samples = loader.batch_sampler, None
+            if isinstance(bs, BatchSampler) and type(bs.sampler) is SequentialSampler:
+                first = found["batch"] * bs.batch_size
+                samples = list(range(first, min(first + bs.batch_size, len(bs.sampler))))
+            tensors = {k: v for k, v in frame.f_locals.items() if isinstance(v, torch.Tensor)}
+            at = index_in_batch(tensors, index, samples)
+            if at is None:  # the index is none of this loop's batch tensors: another loader's, further out
+                continue
+            index["in_batch"] = at
+            found["samples"] = at["samples"]
+            return found
+        frame = frame.f_back
     return None
 
 
@@ -183,11 +269,13 @@ def _index_guarded(op: str, matches: tuple[str, ...], where, nan: bool = True):
                     raise
                 index, high, _, i, name = found
                 bad["argument"] = {"input": "index", "tensor": "class"}.get(name, name)  # embedding's, one_hot's
-                raised.note(op, error, bad)
                 a, k = _with_arg(args, kwargs, i, name, index.clamp(0, high - 1))
                 with unrecorded():
                     out = fn(*a, **k)
-                    return out * float("nan") if nan and out.is_floating_point() else out
+                    carries = nan and out.is_floating_point()
+                    out = out * float("nan") if carries else out
+                raised.note(op, error, bad, carries_nan=carries)
+                return out
 
         wrapper.__trainguard_wrapped__ = fn
         return wrapper
@@ -195,9 +283,10 @@ def _index_guarded(op: str, matches: tuple[str, ...], where, nan: bool = True):
     return wrap
 
 
-def _guarded(op: str, matches: tuple[str, ...], substitute, inputs=lambda *a, **k: a):
+def _guarded(op: str, matches: tuple[str, ...], substitute, inputs=lambda *a, **k: a, carries_nan: bool = True):
     """Wrap ``fn``: inside a guarded step, an error whose message holds one of ``matches`` on
-    inputs with NaN/Inf returns ``substitute(*args, **kwargs)`` and is noted for the guard."""
+    inputs with NaN/Inf returns ``substitute(*args, **kwargs)`` and is noted for the guard
+    (``carries_nan``: that result holds NaN, see :meth:`Raised.note`)."""
 
     def wrap(fn):
         @functools.wraps(fn)
@@ -209,7 +298,7 @@ def _guarded(op: str, matches: tuple[str, ...], substitute, inputs=lambda *a, **
                 if (raised is None or not any(m in str(error) for m in matches)
                         or not _nonfinite(*inputs(*args, **kwargs))):
                     raise
-                raised.note(op, error)
+                raised.note(op, error, carries_nan=carries_nan)
                 return substitute(*args, **kwargs)
 
         wrapper.__trainguard_wrapped__ = fn
@@ -259,9 +348,10 @@ def _targets() -> list[tuple[Any, str, Any]]:
     return [
         (torch.nn.functional, "binary_cross_entropy",
          _guarded("aten.binary_cross_entropy", ("between 0 and 1",), _bce_nan)),
-        (torch, "multinomial", _guarded("aten.multinomial", ("or element < 0",), _multinomial_zeros)),
+        (torch, "multinomial",
+         _guarded("aten.multinomial", ("or element < 0",), _multinomial_zeros, carries_nan=False)),
         (torch.Tensor, "multinomial",
-         _guarded("aten.multinomial", ("or element < 0",), _multinomial_zeros)),
+         _guarded("aten.multinomial", ("or element < 0",), _multinomial_zeros, carries_nan=False)),
         (torch.linalg, "cholesky", _guarded("aten.linalg_cholesky", ("positive-definite",), _cholesky_nan)),
         (dist, "__init__", _wrap_distribution_init),
         (torch.nn.functional, "cross_entropy",

@@ -108,6 +108,17 @@ class Sentry:
         reached ``backward()`` (an index 0 in place of a multinomial draw may leave it finite)."""
         self._raised = True
 
+    def step_nonfinite(self) -> bool:
+        """Whether a loss or a gradient norm the running step showed so far is NaN/Inf (a sync:
+        only after the loop body raised, see ``Guard.guarded``)."""
+        seen = [self._reported] if self._reported is not None else self._losses
+        for v in [*seen, *self._norms]:
+            if isinstance(v, torch.Tensor) and not bool(torch.isfinite(v).all()):
+                return True
+            if isinstance(v, float) and not math.isfinite(v):
+                return True
+        return False
+
     def _on_loss(self, loss: torch.Tensor) -> None:
         self._losses.append(loss)
 

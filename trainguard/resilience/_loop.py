@@ -8,7 +8,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -165,6 +165,13 @@ class ResumeLoop:
         replaces the one seen through ``backward()``. Without a guard it does nothing."""
         if self._active_guard is not None:
             self._active_guard._report(loss)
+
+    def guarded(self) -> AbstractContextManager[None]:
+        """Wrap the loop body of ``batches()`` in ``with loop.guarded():`` to hand the guard an
+        exception the body raises on the step's NaN/Inf (``Guard.guarded``): the step is then
+        rewound and its batch skipped instead of ending the script. Without a guard it does nothing."""
+        g = self._active_guard
+        return g.guarded() if g is not None else nullcontext()
 
     def step(self) -> None:
         """Epoch form only: one training step finished."""

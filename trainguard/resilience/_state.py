@@ -14,6 +14,7 @@ from trainguard.resilience import _rng
 from trainguard.resilience._epochs import SamplerEpoch, has_epoch
 from trainguard.resilience._grads import AcceleratorCount, is_accelerator
 from trainguard.resilience._loader import ResumableLoader, framework_inner
+from trainguard.resilience._plain import PlainAttrs, plain_attrs
 from trainguard.resilience._wrappers import unwrapped
 
 RNG = "rng"  # the per-rank entry holding the process-wide generators
@@ -103,7 +104,9 @@ class TrainState:
     """The whole training state, saved and restored by :class:`CheckpointManager`.
 
     Pass every object with ``state_dict()`` / ``load_state_dict()`` by name: model, optimizer,
-    LR scheduler, ``GradScaler``, data loaders and samplers, your own objects; also any
+    LR scheduler, ``GradScaler``, data loaders and samplers, your own objects (one without
+    ``state_dict()`` whose attributes are all plain numbers, strings and bools, such as an early
+    stopping's counter and best score, is saved by those attributes); also any
     ``torch.Generator`` you draw from, and samplers whose order follows ``set_epoch()``
     (``DistributedSampler``; their epoch is saved and set again on restore). trainguard adds its
     own ``step`` and ``epoch`` counters and every process-wide RNG: Python ``random``, NumPy's
@@ -138,6 +141,8 @@ class TrainState:
             obj = SamplerEpoch(obj)
         elif is_accelerator(obj):
             obj = AcceleratorCount(obj)
+        elif plain_attrs(obj) is not None:
+            obj = PlainAttrs(obj)  # Time-Series-Library's EarlyStopping: counters, no state_dict()
         if not (_stateful(obj) or isinstance(obj, torch.Generator)):
             got = type(obj).__name__
             if isinstance(obj, (list, tuple)) and obj and all(_stateful(o) for o in obj):
@@ -159,7 +164,8 @@ class TrainState:
                        "optimizer over model.parameters() and hold that (docs/integrations.md#keras-3-torch-backend)")
             raise TypeError(
                 f"TrainState({name}=...) needs an object with state_dict() and load_state_dict(), "
-                f"or a sampler with set_epoch() and an epoch, got {got}"
+                f"a sampler with set_epoch() and an epoch, or an object whose attributes are all plain "
+                f"numbers, strings and bools, got {got}"
             )
         local = isinstance(obj, (DataLoader, ResumableLoader, Sampler, SamplerEpoch, torch.Generator,
                                  AcceleratorCount))
@@ -180,6 +186,8 @@ class TrainState:
             obj = objects[name]
             if isinstance(obj, AcceleratorCount):
                 return obj.accelerator
+            if isinstance(obj, PlainAttrs):
+                return obj.obj
             return obj.sampler if isinstance(obj, SamplerEpoch) else obj
         raise AttributeError(f"TrainState has no {name!r}; it holds {', '.join(objects) or 'nothing'}")
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainguard.resilience._plain import plain_attrs, same_value
 from trainguard.resilience._state import TrainState, _stateful
 
 _REACH_LIMIT = 20_000  # objects walked from the state's own: wrappers nest a few levels, never thousands
@@ -140,8 +141,20 @@ class Still:
         reached, _ = _reached(state)
         self._where = where
         self._watched: list[tuple[str, weakref.ref, dict[str, tuple]]] = []
+        # objects without state_dict() whose attributes are all plain values (Time-Series-Library's
+        # EarlyStopping): most never move (a config); one that does is training state, lost on resume
+        self._plain: list[tuple[str, weakref.ref, dict[str, Any]]] = []
         ids: set[int] = set()
         for name, obj in namespace.items():
+            if not name.startswith("_") and id(obj) not in reached and id(obj) not in ids:
+                attrs = plain_attrs(obj)
+                if attrs is not None:
+                    ids.add(id(obj))
+                    try:
+                        self._plain.append((name, weakref.ref(obj), dict(attrs)))
+                    except TypeError:  # no weak references to it
+                        pass
+                    continue
             if (name.startswith("_") or not isinstance(obj, torch.nn.Module) or id(obj) in reached
                     or id(obj) in ids or any(p.requires_grad for p in obj.parameters())):
                 continue
@@ -152,6 +165,7 @@ class Still:
                 continue
 
     def check(self) -> None:
+        self._check_plain()
         still = []
         for name, ref, before in self._watched:
             obj = ref()
@@ -178,3 +192,29 @@ class Still:
                 UserWarning, filename, lineno, module=module_globals.get("__name__"),
                 registry=module_globals.setdefault("__warningregistry__", {}), module_globals=module_globals)
         self._watched = still
+
+    def _check_plain(self) -> None:
+        still = []
+        for name, ref, before in self._plain:
+            obj = ref()
+            if obj is None:
+                continue
+            now = vars(obj)
+            moved = [k for k in {**before, **now} if k not in before or k not in now
+                     or not same_value(before[k], now[k])]
+            if not moved:
+                still.append((name, ref, before))
+                continue
+            plain = plain_attrs(obj) is not None
+            filename, lineno, module_globals = self._where
+            warnings.warn_explicit(
+                f"{name} ({type(obj).__name__}) has no state_dict() but its attributes changed since the loop "
+                f"started ({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}) and it is not in the "
+                f"TrainState: checkpoints do not save it, a resumed run starts it over (an early stopping's "
+                f"counter and best score), and a guard's rewind leaves it as the rewound steps left it; "
+                + (f"its attributes are plain values, so the TrainState can hold it: pass it by name, "
+                   f"TrainState(..., {name}={name}) or state.{name} = {name}" if plain else
+                   "give it state_dict() and load_state_dict() and pass it to the TrainState by name"),
+                UserWarning, filename, lineno, module=module_globals.get("__name__"),
+                registry=module_globals.setdefault("__warningregistry__", {}), module_globals=module_globals)
+        self._plain = still
