@@ -28,7 +28,8 @@ class _MoCo(nn.Module):
         self.queue = nn.functional.normalize(self.queue, dim=0)
         self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
         # constant by design: a position table and a mask
-        self.register_buffer("pe", torch.sin(torch.arange(64.0)).reshape(8, 8))
+        angle = torch.arange(8.0)[:, None] / 10000 ** (torch.arange(0, 8, 2) / 8)
+        self.register_buffer("pe", torch.stack([angle.sin(), angle.cos()], -1).reshape(8, 8))
         self.register_buffer("mask", torch.ones(8, dtype=torch.bool))
 
     @torch.no_grad()

@@ -10,6 +10,7 @@ import numpy as np
 
 # Importing the rule modules registers their rules.
 from trainguard.analysis import (  # noqa: F401
+    _buffer_rules,
     _chance_rules,
     _collapse_rules,
     _function_rules,
@@ -65,6 +66,7 @@ MONITOR_RULES = (
     "param_not_in_optimizer",
     "param_not_updating",
     "params_frozen",
+    "buffer_not_updated",
     "gradients_accumulating",
     "eval_mode_in_training",
     "train_mode_in_eval",

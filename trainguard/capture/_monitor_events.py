@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainguard.capture import _amp_tap, _compile_monitor, _monitor_tap, _skips, _steps
+from trainguard.capture import _amp_tap, _compile_monitor, _monitor_buffers, _monitor_tap, _skips, _steps
 from trainguard.capture._monitor_grads import pending_refs, replaced, used
 from trainguard.capture._monitor_model import rebind
 
@@ -298,6 +298,7 @@ class EventsMixin:
         if recording:
             self._rebind()  # a forward may have assigned new Parameters (an EMA codebook's)
             self._add_stand_ins()
+            _monitor_buffers.read([b for r in self._roots for b in r.buffers], s, self._out.consts)
         values.update(self._grads.finish(self._params, s, recording))
         values.update(self._amp)
         values.update(self._skipped)
