@@ -54,6 +54,7 @@ MONITOR_RULES = (
     "exploding_activations",
     "collapsed_activations",
     "representation_collapse",
+    "target_collapse",
     "codebook_collapse",
     "posterior_collapse",
     "saturated_activations",

@@ -411,6 +411,50 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None, dice: list[dic
     return heads
 
 
+def soft_targets(loss: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """The targets of the soft-target cross entropies below ``loss`` (a teacher's probabilities:
+    DINO's ``sum(-q * log_softmax(s))``), with their class dimension; only the ``mul`` nodes are
+    looked at, within :data:`HEAD_DEPTH` and :data:`MAX_NODES`."""
+    out: list[tuple[torch.Tensor, int]] = []
+    seen: set[int] = set()
+    todo = [(loss.grad_fn, 0, 0)]
+    while todo and len(seen) < MAX_NODES and len(out) < 4:
+        fn, depth, negs = todo.pop(0)
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        op = node_op(fn)
+        soft = _soft_ce(fn) if op == "mul" else None
+        if soft is not None:
+            _, target, dim = soft
+            if target.dim() and target.shape[dim] > 1:
+                out.append((target if negs % 2 else -target, dim))
+            continue
+        if depth < HEAD_DEPTH:
+            todo.extend((nf, depth + 1, negs + _negates(op, i))
+                        for i, (nf, _) in enumerate(getattr(fn, "next_functions", ())) if nf is not None)
+    return out
+
+
+TARGET_STATS = ("row_entropy", "mean_entropy", "classes")
+
+
+def target_entropies(targets: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """On the targets' device, over all of them: the mean entropy of a row's target distribution, the
+    entropy of the rows' mean distribution (nats; 0 when every row puts its mass on the same class),
+    and the classes (see :data:`TARGET_STATS`)."""
+    rows, means = [], []
+    for t, dim in targets:
+        p = t.detach().movedim(dim, -1).reshape(-1, t.shape[dim])[:FACT_ROWS * 8].double()
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+        rows.append(-(p * p.clamp_min(1e-30).log()).sum(-1).mean())
+        m = p.mean(0)
+        means.append(-(m * m.clamp_min(1e-30).log()).sum())
+    classes = float(targets[0][0].shape[targets[0][1]])
+    return torch.stack([torch.stack(rows).mean(), torch.stack(means).mean(),
+                        torch.tensor(classes, dtype=torch.float64, device=rows[0].device)])
+
+
 def _negates(op: str, operand: int) -> bool:
     """Whether node ``op`` negates its ``operand``-th input: ``neg``, ``a - b`` for b (F.kl_div is
     ``xlogy(t, t) - t * log_softmax``), ``rsub`` for its first."""
