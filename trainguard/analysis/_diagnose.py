@@ -19,6 +19,7 @@ from trainguard.analysis import (  # noqa: F401
     _loss_rules,
     _param_rules,
     _run_rules,
+    _target_rules,
     _time_rules,
     _val_rules,
 )
@@ -77,6 +78,7 @@ MONITOR_RULES = (
     "checkpoint_misses_loss_params",
     # loss misuse read off the op graph (analysis/_graph_rules.py)
     "loss_broadcast",
+    "targets_out_of_range",
     "softmax_before_cross_entropy",
     "sigmoid_before_bce_with_logits",
     "nll_loss_on_probabilities",
