@@ -44,6 +44,8 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "gradients_accumulating": ("loss_not_decreasing",),
     "exploding_gradient": ("loss_not_decreasing", "loss_spike"),
     "codebook_collapse": ("loss_not_decreasing",),
+    # a prediction pinned at its sigmoid's bound against targets in other units: the loss cannot fall
+    "targets_out_of_range": ("loss_not_decreasing", "lr_too_low", "loss_spike"),
     # the step's loss sums k undivided mean losses: k times the cross entropy, "above chance" by k
     "accumulation_not_averaged": ("loss_above_chance",),
 }

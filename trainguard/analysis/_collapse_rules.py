@@ -359,3 +359,79 @@ def posterior_collapse(ctx: Context) -> list[Finding]:
             source=SOURCE,
         ))
     return out
+
+
+SOFT_TARGET = "<loss>"
+
+
+@register_rule("target_collapse")
+def target_collapse(ctx: Context) -> list[Finding]:
+    """The soft targets of a cross entropy (a teacher's probabilities: DINO's, a distillation's) that
+    collapsed during training: onto one class for every input (DINO without centering, whose student
+    then copies a constant target and whose loss falls to 0, so no loss rule sees it), or to uniform
+    rows (too hot a teacher). From the monitor's ``soft_target`` entropies at each recording."""
+    rows = ctx.stat(SOFT_TARGET, "soft_target", "row_entropy").finite()
+    means = ctx.stat(SOFT_TARGET, "soft_target", "mean_entropy").finite()
+    classes = ctx.stat(SOFT_TARGET, "soft_target", "classes").finite()
+    if len(rows) < 4 or len(means) != len(rows) or not len(classes) or classes.values[-1] < 2:
+        return []
+    k = int(classes.values[-1])
+    chance = math.log(k)
+    steps = [int(s) for s in rows.steps.tolist()]
+    half = len(steps) // 2
+    perplexity = np.exp(means.values)
+    limit, uniform = ctx.th.target_collapse_perplexity, ctx.th.target_uniform_entropy * chance
+    ev: dict = {"classes": k, "chance": chance, "first_step": steps[0]}
+    if median(perplexity[half:]) < limit and perplexity[0] >= 2 * limit:
+        kind = "one_class"
+        since = next(s for s, v in zip(steps, perplexity) if v < limit)
+        ev |= {"kind": kind, "mean_target_perplexity": float(median(perplexity[half:])),
+               "initial_mean_target_perplexity": float(perplexity[0]), "limit": limit}
+        what = (f"every input's target is the same class: the rows' mean target takes "
+                f"{fmt(ev['mean_target_perplexity'])} of {k} classes in effect since step {since} "
+                f"({fmt(perplexity[0])} at step {steps[0]})")
+    elif median(rows.values[half:]) >= uniform and rows.values[0] < uniform:
+        kind = "uniform"
+        since = next(s for s, v in zip(steps, rows.values) if v >= uniform)
+        ev |= {"kind": kind, "row_target_entropy": float(median(rows.values[half:])),
+               "initial_row_target_entropy": float(rows.values[0]), "limit": uniform}
+        what = (f"every target row is uniform: {fmt(ev['row_target_entropy'])} nats of entropy against "
+                f"ln {k} = {fmt(chance)} since step {since} ({fmt(rows.values[0])} at step {steps[0]})")
+    else:
+        return []
+    ev["since_step"] = since
+    graph = ctx.run.meta.get("loss_graph") or []
+    at = next((r.get("backward_at") for r in graph if r.get("backward_at")), None)
+    if at:
+        ev["backward_at"] = at
+    where = f" (the loss backward() ran on at {at['file']}:{at['line']})" if at else ""
+    p = progress(ctx)
+    if p is not None:
+        ev["start_loss"], ev["end_loss"] = p["start"], p["end"]
+    teachers = sorted({ctx.model_name(pre) for pre in untrained_models(ctx)})
+    if teachers:
+        ev["teacher"] = teachers
+    if kind == "one_class":
+        fix = (f"The soft targets of the cross entropy{where} collapsed onto one class: a teacher that sends every "
+               "input to the same output, which the student copies (its loss falls toward 0 and it learns nothing). "
+               "DINO: subtract the running center from the teacher's output before its softmax "
+               "(F.softmax((teacher_output - self.center) / temp, dim=-1)) and update the center at every step "
+               "(center_momentum 0.9, update_center(teacher_output) in DINOLoss.forward); keep the teacher's EMA "
+               "momentum between 0.99 and 1 (0 makes the teacher the student); a teacher temperature at or above "
+               "0.04 (0.07 at most)")
+    else:
+        fix = (f"The soft targets of the cross entropy{where} turned uniform: they carry nothing, so the loss sits at "
+               f"ln {k}. DINO: lower the teacher temperature (0.04, warmed up to at most 0.07), keep the center's "
+               "momentum below 1 but not far below 0.9 (centering alone flattens the targets), and check that the "
+               "teacher's output still depends on its input")
+    title_loss = f"; loss {fmt(p['start'])} -> {fmt(p['end'])}" if p is not None else ""
+    return [Finding(
+        kind="target_collapse",
+        severity="warning",
+        title=f"Soft targets collapsed: {what}{title_loss}",
+        evidence=ev,
+        suggestion=fix,
+        steps=(since, steps[-1]),
+        layers=[],
+        source=SOURCE,
+    )]

@@ -11,6 +11,7 @@ import numpy as np
 # Importing the rule modules registers their rules.
 from trainguard.analysis import (  # noqa: F401
     _axis_rules,
+    _buffer_rules,
     _chance_rules,
     _collapse_rules,
     _function_rules,
@@ -19,6 +20,7 @@ from trainguard.analysis import (  # noqa: F401
     _loss_rules,
     _param_rules,
     _run_rules,
+    _target_rules,
     _time_rules,
     _val_rules,
 )
@@ -54,6 +56,7 @@ MONITOR_RULES = (
     "exploding_activations",
     "collapsed_activations",
     "representation_collapse",
+    "target_collapse",
     "codebook_collapse",
     "posterior_collapse",
     "saturated_activations",
@@ -66,6 +69,7 @@ MONITOR_RULES = (
     "param_not_in_optimizer",
     "param_not_updating",
     "params_frozen",
+    "buffer_not_updated",
     "gradients_accumulating",
     "eval_mode_in_training",
     "train_mode_in_eval",
@@ -76,6 +80,7 @@ MONITOR_RULES = (
     # loss misuse read off the op graph (analysis/_graph_rules.py)
     "loss_broadcast",
     "per_sample_broadcast",  # analysis/_axis_rules.py
+    "targets_out_of_range",
     "softmax_before_cross_entropy",
     "sigmoid_before_bce_with_logits",
     "nll_loss_on_probabilities",

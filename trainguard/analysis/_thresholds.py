@@ -110,6 +110,18 @@ class Thresholds:
     codebook_collapse_codes: float = _t(
         3.0, "a layer whose outputs take under 3 distinct values in effect (perplexity): a quantizer using 1-2 codes"
     )
+    target_range_excess: float = _t(
+        1.0, "a regression target beyond its bounded prediction's range by the range's own width (a sigmoid's 0..1 "
+        "against 2 or more) is in other units, not a label a little off"
+    )
+    target_collapse_perplexity: float = _t(
+        3.0, "soft targets (a teacher's probabilities) whose mean over the batch's rows takes under 3 classes in effect "
+        "(perplexity): every input is sent to the same one or two classes"
+    )
+    target_uniform_entropy: float = _t(
+        0.97, "soft targets whose rows hold 97% of ln C of entropy are uniform: a healthy DINO teacher's rows stayed "
+        "under 92% at temperature 0.04"
+    )
     codebook_input_factor: float = _t(
         8.0, "while its inputs take 8x as many: the layer maps inputs that differ onto one or two outputs"
     )

@@ -281,6 +281,70 @@ def _broadcast(fn: Any, op: str) -> dict | None:
             "broadcast_shape": after, "chain": _chain(pair[0])}
 
 
+# Ops whose output lies within fixed bounds: a prediction made by one cannot reach a target beyond them.
+_BOUNDED = {"sigmoid": (0.0, 1.0), "hardsigmoid": (0.0, 1.0), "softmax": (0.0, 1.0), "tanh": (-1.0, 1.0),
+            "hardtanh": (-1.0, 1.0)}
+# Ops that pick elements out of a tensor without changing them (DETR's ``pred_boxes[idx]``).
+_SELECT = frozenset({"index", "gather", "index_select", "masked_select", "narrow", "split", "split_with_sizes",
+                     "unbind", "chunk"})
+
+
+def _bound_of(fn: Any) -> tuple[str, float, float] | None:
+    """The bounded op that made a prediction (through views and selections), with its bounds; None when
+    the prediction is not bounded."""
+    fn = _through(fn)
+    for _ in range(4):
+        if fn is None:
+            return None
+        op = node_op(fn)
+        if op in _BOUNDED:
+            return (op, *_BOUNDED[op])
+        nxt = _next(fn)
+        if op not in _SELECT or len(nxt) != 1:
+            return None
+        fn = _through(nxt[0])
+    return None
+
+
+def _regression(fn: Any, op: str) -> dict | None:
+    """A regression loss (``mse_loss``, ``smooth_l1_loss``, ``huber_loss``; ``l1_loss`` as
+    ``abs(pred - target)``) whose prediction comes out of a bounded op (a sigmoid box head), with facts
+    that bound its targets: ``target_max_at_least`` and ``target_min_at_most`` (the targets' own max
+    and min where the node saved them; for ``abs``, read off the saved difference and the bounds)."""
+    if op == "abs":
+        nxt = _next(fn)
+        sub = nxt[0] if len(nxt) == 1 else None
+        pair = [nf for nf, _ in getattr(sub, "next_functions", ())] if sub is not None else []
+        diff = _saved(fn, "_saved_self")
+        if sub is None or node_op(sub) != "sub" or len(pair) != 2 or (pair[0] is None) == (pair[1] is None) \
+                or diff is None or not diff.numel() or not diff.is_floating_point():
+            return None
+        pred_fn, first = (pair[0], True) if pair[0] is not None else (pair[1], False)
+        bound = _bound_of(pred_fn)
+        if bound is None:
+            return None
+        d = diff.detach().reshape(-1)[:FACT_ROWS * 64].double()
+        lo, hi = bound[1], bound[2]
+        # pred - target = d: target = pred - d lies in [lo - d, hi - d]; target - pred = d: in [lo + d, hi + d]
+        facts = (torch.stack([lo - d.min(), hi - d.max()]) if first else torch.stack([d.max() + lo, d.min() + hi]))
+        name = "l1_loss"
+    else:
+        nxt = [nf for nf, _ in getattr(fn, "next_functions", ())]
+        target = _saved(fn, "_saved_target")
+        if not nxt or nxt[0] is None or target is None or not target.numel() or not target.is_floating_point() \
+                or target.requires_grad:
+            return None
+        pred_fn = nxt[0]
+        bound = _bound_of(pred_fn)
+        if bound is None:
+            return None
+        t = target.detach().reshape(-1)[:FACT_ROWS * 64].double()
+        facts = torch.stack([t.max(), t.min()])
+        name = op
+    return {"loss": name, "bounded_by": bound[0], "reach": [bound[1], bound[2]], "chain": _chain(pred_fn),
+            "facts": (("target_max_at_least", "target_min_at_most"), facts)}
+
+
 def _within(fn: Any, depth: int) -> list[Any]:
     """The nodes at most ``depth`` below ``fn`` (``fn`` first)."""
     out, todo = [], [(fn, 0)]
@@ -313,9 +377,11 @@ def soft_dice(fn: Any) -> dict | None:
     return None
 
 
-def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None, dice: list[dict] | None = None) -> list[dict]:
+def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None, dice: list[dict] | None = None,
+                 regression: list[dict] | None = None) -> list[dict]:
     """The loss heads below ``loss``: which loss function, the ops that made its input, facts.
-    ``ops``: filled with the ops of the nodes looked at."""
+    ``ops``: filled with the ops of the nodes looked at; ``regression``: with the regression losses
+    whose prediction is bounded (see :func:`_regression`)."""
     heads: list[dict] = []
     seen: set[int] = set()
     # negs: the negations between the loss and the node; cross entropy is -sum(target * log_softmax),
@@ -403,6 +469,10 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None, dice: list[dic
                         head["facts"] = _join(head["facts"], _facts_value(value, loss, logp, dim))
         elif op in _REGRESSION_LOSSES or op == "abs":
             head = _broadcast(fn, op)
+            if head is None and regression is not None and len(regression) < 4:
+                found = _regression(fn, op)
+                if found is not None:
+                    regression.append(found)
         elif op == "div" and dice is not None and not dice:
             found = soft_dice(fn)
             if found is not None:
@@ -414,6 +484,50 @@ def inspect_loss(loss: torch.Tensor, ops: set[str] | None = None, dice: list[dic
             todo.extend((nf, depth + 1, negs + _negates(op, i))
                         for i, (nf, _) in enumerate(getattr(fn, "next_functions", ())) if nf is not None)
     return heads
+
+
+def soft_targets(loss: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """The targets of the soft-target cross entropies below ``loss`` (a teacher's probabilities:
+    DINO's ``sum(-q * log_softmax(s))``), with their class dimension; only the ``mul`` nodes are
+    looked at, within :data:`HEAD_DEPTH` and :data:`MAX_NODES`."""
+    out: list[tuple[torch.Tensor, int]] = []
+    seen: set[int] = set()
+    todo = [(loss.grad_fn, 0, 0)]
+    while todo and len(seen) < MAX_NODES and len(out) < 4:
+        fn, depth, negs = todo.pop(0)
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        op = node_op(fn)
+        soft = _soft_ce(fn) if op == "mul" else None
+        if soft is not None:
+            _, target, dim = soft
+            if target.dim() and target.shape[dim] > 1:
+                out.append((target if negs % 2 else -target, dim))
+            continue
+        if depth < HEAD_DEPTH:
+            todo.extend((nf, depth + 1, negs + _negates(op, i))
+                        for i, (nf, _) in enumerate(getattr(fn, "next_functions", ())) if nf is not None)
+    return out
+
+
+TARGET_STATS = ("row_entropy", "mean_entropy", "classes")
+
+
+def target_entropies(targets: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """On the targets' device, over all of them: the mean entropy of a row's target distribution, the
+    entropy of the rows' mean distribution (nats; 0 when every row puts its mass on the same class),
+    and the classes (see :data:`TARGET_STATS`)."""
+    rows, means = [], []
+    for t, dim in targets:
+        p = t.detach().movedim(dim, -1).reshape(-1, t.shape[dim])[:FACT_ROWS * 8].double()
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+        rows.append(-(p * p.clamp_min(1e-30).log()).sum(-1).mean())
+        m = p.mean(0)
+        means.append(-(m * m.clamp_min(1e-30).log()).sum())
+    classes = float(targets[0][0].shape[targets[0][1]])
+    return torch.stack([torch.stack(rows).mean(), torch.stack(means).mean(),
+                        torch.tensor(classes, dtype=torch.float64, device=rows[0].device)])
 
 
 def _negates(op: str, operand: int) -> bool:
@@ -469,7 +583,8 @@ class LossWatch:
             with _monitor_tap.quiet(), torch.no_grad():
                 ops: set[str] = set()
                 dice: list[dict] = []
-                heads = inspect_loss(loss, ops, dice)
+                regression: list[dict] = []
+                heads = inspect_loss(loss, ops, dice, regression)
             # the loss functions comparing predictions with targets within the walk (HEAD_DEPTH, MAX_NODES)
             functions = sorted({h["loss"] for h in heads} | (ops & COMPARISONS))
             rec: dict[str, Any] = {"heads": heads, "loss_functions": functions, "backward_at": user_frame()}
@@ -482,6 +597,8 @@ class LossWatch:
             rec["inputs"], self.inputs = self.inputs, []
             if dice:
                 rec["dice"] = dice
+            if regression:
+                rec["regression"] = regression
             self.records.append(rec)
         except Exception:  # observing training never kills training
             log.exception("trainguard: reading the loss graph failed")
@@ -494,7 +611,8 @@ class LossWatch:
             return
         try:
             with _monitor_tap.quiet(), torch.no_grad():
-                resolve_facts([h for rec in self.records for h in rec["heads"] + rec.get("inputs", [])])
+                resolve_facts([h for rec in self.records
+                               for h in rec["heads"] + rec.get("inputs", []) + rec.get("regression", [])])
             self.writer.set_meta(loss_graph=list(self.records))
             self.written = len(self.records)
         except Exception:

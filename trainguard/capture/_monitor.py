@@ -204,6 +204,7 @@ class Monitor(EventsMixin, HookMixin):
         self._fwd_cached = 0
         self._cached_modes = [0, 0]
         self._losses_at_update = 0  # the step's losses before the last update of a watched model
+        self._targets_read = -1  # the last step whose soft targets were read (see _read_soft_targets)
         self._update_opt: Any = None  # weak reference to the optimizer of that update
         # A backward came after an update in this step: separate objectives (a GAN's) unless the
         # same optimizer updates next (a layer's optimizer taking over ending steps, see _steps._count).

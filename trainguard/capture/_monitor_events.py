@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from trainguard.capture import _amp_tap, _compile_monitor, _monitor_tap, _skips, _steps
+from trainguard.capture import (
+    _amp_tap,
+    _compile_monitor,
+    _loss_watch,
+    _monitor_buffers,
+    _monitor_tap,
+    _skips,
+    _steps,
+)
 from trainguard.capture._monitor_grads import pending_refs, replaced, used
 from trainguard.capture._monitor_model import rebind
 
@@ -45,6 +53,22 @@ class EventsMixin:
         if (self._auto and not self._adopt_tried and not self._closed
                 and isinstance(tensors, torch.Tensor) and tensors.grad_fn is not None):
             self._adopt_from_loss(tensors)
+        if (self._recording and self._roots and not self._closed and self._targets_read != self._cur
+                and isinstance(tensors, torch.Tensor) and tensors.grad_fn is not None):
+            self._read_soft_targets(tensors)
+
+    def _read_soft_targets(self, loss: torch.Tensor) -> None:
+        """At a recording step's first backward, the entropies of the loss's soft targets (a teacher's
+        probabilities), reduced on their device and shipped with the step's statistics."""
+        self._targets_read = self._cur
+        try:
+            with self._no_record(), torch.no_grad():
+                targets = _loss_watch.soft_targets(loss)
+                if targets:
+                    self._out.stats.append((("l", "<loss>", "soft_target", _loss_watch.TARGET_STATS, self._cur),
+                                            _loss_watch.target_entropies(targets)))
+        except Exception:  # observing training never kills training
+            log.exception("trainguard: reading the loss's soft targets failed")
 
     def _on_backward(self, loss: torch.Tensor | None) -> None:
         # The training forward is over: a layer run with gradients off from now on belongs to an
@@ -298,6 +322,7 @@ class EventsMixin:
         if recording:
             self._rebind()  # a forward may have assigned new Parameters (an EMA codebook's)
             self._add_stand_ins()
+            _monitor_buffers.read([b for r in self._roots for b in r.buffers], s, self._out.consts)
         values.update(self._grads.finish(self._params, s, recording))
         values.update(self._amp)
         values.update(self._skipped)

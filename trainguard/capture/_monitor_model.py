@@ -12,6 +12,7 @@ from torch import nn
 
 from trainguard.capture import _monitor_tap
 from trainguard.capture._layer_stats import is_channel_first, is_mode_module, saturation_kind
+from trainguard.capture._monitor_buffers import Buffer, buffers_of
 from trainguard.resilience._wrappers import WRAPPERS
 
 # Lookup tables: an index in, a row out (see stand_ins).
@@ -89,7 +90,7 @@ class Root:
     """A top-level model: its layers, parameters and the modules whose output depends on train/eval mode."""
 
     __slots__ = ("ref", "prefix", "type", "mode_modules", "handle", "load_handle", "kwargs_handle", "layers",
-                 "params", "trained", "first_step", "stand_ins_done", "entry_handles", "depth", "variable")
+                 "params", "trained", "first_step", "stand_ins_done", "entry_handles", "depth", "variable", "buffers")
 
     def __init__(self, module: nn.Module, prefix: str):
         self.ref = weakref.ref(module)
@@ -101,6 +102,7 @@ class Root:
         self.kwargs_handle = None  # the keyword inputs of a training forward (see HookMixin._root_kwargs)
         self.layers: list[Layer] = []
         self.params: list[Param] = []
+        self.buffers: list[Buffer] = []
         self.trained = False  # a forward with gradients enabled has run (see the validation pass)
         self.first_step = 0  # the step it was attached in
         self.stand_ins_done = False  # see stand_ins
@@ -166,6 +168,7 @@ def build_root(module: nn.Module, prefix: str, label: str | None = None) -> Root
         pname = _plain(pname)
         layer, mtype, held, m = owner.get(pname, (prefix + pname.rsplit(".", 1)[0], "", False, None))
         root.params.append(Param(prefix + pname, p, layer, mtype, held, m))
+    root.buffers = buffers_of(module, prefix, _plain, sincos_table)
     return root
 
 
@@ -337,6 +340,7 @@ def structure(roots: list[Root], trainable: set[int] | frozenset = frozenset(),
     return {
         "layers": [layer(la) for r in roots for la in r.layers],
         "params": {p.name: param(p) for r in roots for p in r.params},
+        "buffers": {b.name: b.info() for r in roots for b in r.buffers},
         "roots": [{"prefix": r.prefix, "type": r.type, "mode_modules": len(r.mode_modules)}
                   | ({"variable": r.variable} if r.variable else {}) for r in roots],
     }
