@@ -134,3 +134,44 @@ def test_training_view_says_what_the_guard_handled_without_a_rewind(page, live_s
         text = page.inner_text(".c-guard .skipped-known")
         assert text.startswith("1 later batch held a sample an event found corrupt in the batch itself, and was skipped unread")
         assert "the last at step 16 (epoch 1)" in text
+
+
+def eval_fault_run(path):
+    """pytorch/examples mnist/main.py's pattern (its test() called inside the training loop), reduced:
+    every 5 steps an evaluation under torch.no_grad() over a validation set one of whose labels
+    (sample 6) is out of range. The guard logs it as an eval fault and rewinds nothing."""
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 4), torch.randint(0, 3, (40,))
+    vx, vy = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    vy[6] = 3
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    val_loader = DataLoader(TensorDataset(vx, vy), batch_size=4)
+    state = tg.TrainState(model=model, optimizer=opt, loader=DataLoader(TensorDataset(x, y), batch_size=4))
+    guard = tg.Guard(path, snapshot_every=5)
+    for step, (xb, yb) in guard.batches(state, total_steps=10):
+        loss = torch.nn.functional.cross_entropy(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 5 == 4:
+            with torch.no_grad():
+                for vxb, vyb in val_loader:
+                    torch.nn.functional.cross_entropy(model(vxb), vyb)
+    return guard
+
+
+def test_training_view_shows_the_faults_of_an_evaluation_inside_the_guarded_loop(page, live_server, tmp_path):
+    # The guard logged and stored `eval_faults` (an op that raised under no_grad: no rewind, training
+    # went on), yet the card said "The guard saw no NaN, Inf or spike: nothing was rewound."
+    guard = eval_fault_run(tmp_path / "e")
+    assert guard.eval_faults["count"] == 2 and not guard.events, guard.eval_faults
+    with live_server(tmp_path) as srv:
+        page.goto(f"{srv.url}/#/run/e/training")
+        page.wait_for_selector("body[data-ready=training]")
+        page.wait_for_function("() => document.querySelector('.c-guard .eval-faults')")
+        assert "saw no NaN" not in page.inner_text(".c-guard")
+        text = page.inner_text(".c-guard .eval-faults")
+        assert text.startswith("2 evaluation faults (no rewind), the first: step 4:"), text
+        assert "under torch.no_grad()" in text and "ui/test_guard_view.py:" in text and "val_loader" in text, text
+        assert "the last at step 9" in text, text
