@@ -45,7 +45,8 @@ function samplesCell(e, samples) {
 }
 
 /** What the guard handled without a rewind: batches skipped unread because an event found their
- *  samples corrupt, and steps the loop skipped itself (a non-finite loss it never backpropagated). */
+ *  samples corrupt, steps the loop skipped itself (a non-finite loss it never backpropagated), and
+ *  ops that raised in an evaluation under no_grad inside the loop (eval_faults). */
 function guardNotes(m) {
   const notes = [];
   const known = Number.isInteger(m.skipped_known) ? m.skipped_known : 0;
@@ -66,6 +67,13 @@ function guardNotes(m) {
     notes.push(h("div.guard-note.loop-skipped", `the loop skipped ${loop.count} step${loop.count === 1 ? "" : "s"} itself, `
       + `the first at step ${fmt(first.step)}: its loss was ${value}${at} and it called no backward(), so nothing was `
       + "updated and the guard did not rewind; find where the NaN/Inf comes from with `trainguard run --check-numerics`"));
+  }
+  const ev = m.eval_faults;
+  if (ev && ev.count > 0) {
+    const first = (ev.first || {}).message || "";
+    const last = ev.count > 1 && ev.last && Number.isInteger(ev.last.step) ? `; the last at step ${fmt(ev.last.step)}` : "";
+    notes.push(h("div.guard-note.eval-faults", `${ev.count} evaluation fault${ev.count === 1 ? "" : "s"} (no rewind), `
+      + `the first: ${first}${last}; repair or drop that sample of the evaluation's data`));
   }
   return notes;
 }
