@@ -564,10 +564,15 @@ class LossWatch:
         self.tables: Callable[[], list[dict]] | None = None
         self.inputs: list[dict] = []  # padding evidence of the training forwards' integer inputs
 
+    @property
+    def wants_inputs(self) -> bool:
+        """Whether a forward's inputs are still read: within the first INSPECTIONS losses, 8 at most."""
+        return self.seen < INSPECTIONS and len(self.inputs) < 8
+
     def see_inputs(self, args: Any) -> None:
         """A training forward's positional inputs (or keyword ones, a dict), before the loss graphs are
         read (no host sync)."""
-        if self.seen >= INSPECTIONS or len(self.inputs) >= 8:
+        if not self.wants_inputs:
             return
         try:
             with _monitor_tap.quiet(), torch.no_grad():

@@ -548,9 +548,9 @@ class HookMixin:
         """A forward's keyword tensors (``model(input_ids=..., labels=...)``): their padding, as
         :meth:`_root_pre_quiet` reads the positional ones."""
         watch = getattr(self, "_loss_watch", None)
-        if (watch is None or not kwargs or module is None or root.ref() is not module or not module.training
-                or not torch.is_grad_enabled()):
-            return
+        if (watch is None or not kwargs or not watch.wants_inputs or module is None or root.ref() is not module
+                or not module.training or not torch.is_grad_enabled()):
+            return  # past the watch's first losses: no dict built per forward
         with _monitor_tap.quiet():
             watch.see_inputs({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
 
