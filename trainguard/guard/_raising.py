@@ -86,12 +86,13 @@ class Raised:
         the error named with the innermost line of the user's code it came from."""
         if self.first is not None:
             return
+        from trainguard.guard._replay import short_path
         from trainguard.store import is_user_file
 
         where, tb = "", error.__traceback__
         while tb is not None:
             if is_user_file(tb.tb_frame.f_code.co_filename):
-                where = f" at {_short(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
+                where = f" at {short_path(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
             tb = tb.tb_next
         text = f"{type(error).__name__}{where}" + (f": {error}" if str(error) else "")
         self.first = {"op": "the loop body", "error": text.splitlines()[0][:300].rstrip(":")}
@@ -103,12 +104,6 @@ class Raised:
     def take_no_grad(self) -> dict | None:
         first, self.no_grad = self.no_grad, None
         return first
-
-
-def _short(path: str) -> str:
-    from trainguard.guard._replay import short_path
-
-    return short_path(path)
 
 
 def begin(raised: Raised) -> None:
