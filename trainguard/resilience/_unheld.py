@@ -181,17 +181,21 @@ class Still:
                 continue
             bad = [k for k in moved if now[k][2] is not None and now[k][2].dtype.kind in "fc"
                    and not np.isfinite(now[k][2]).all()]
-            filename, lineno, module_globals = self._where
-            warnings.warn_explicit(
+            self._warn(
                 f"{name} ({type(obj).__name__}) has no trainable parameters but its state changed since the loop "
                 f"started ({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): moved by hand, as an EMA "
                 f"teacher, a momentum encoder or a running center is, and not in the TrainState: checkpoints do "
                 f"not save it, a resumed run starts it over, and a guard's rewind leaves it as the rewound steps "
                 f"left it{f'; it holds NaN/Inf now ({bad[0]})' if bad else ''}; pass it by name, "
-                f"TrainState(..., {name}={name}) or state.{name} = {name}",
-                UserWarning, filename, lineno, module=module_globals.get("__name__"),
-                registry=module_globals.setdefault("__warningregistry__", {}), module_globals=module_globals)
+                f"TrainState(..., {name}={name}) or state.{name} = {name}")
         self._watched = still
+
+    def _warn(self, text: str) -> None:
+        """A warning pointing at the line that started the loop."""
+        filename, lineno, module_globals = self._where
+        warnings.warn_explicit(text, UserWarning, filename, lineno, module=module_globals.get("__name__"),
+                               registry=module_globals.setdefault("__warningregistry__", {}),
+                               module_globals=module_globals)
 
     def _check_plain(self) -> None:
         still = []
@@ -206,15 +210,12 @@ class Still:
                 still.append((name, ref, before))
                 continue
             plain = plain_attrs(obj) is not None
-            filename, lineno, module_globals = self._where
-            warnings.warn_explicit(
+            self._warn(
                 f"{name} ({type(obj).__name__}) has no state_dict() but its attributes changed since the loop "
                 f"started ({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}) and it is not in the "
                 f"TrainState: checkpoints do not save it, a resumed run starts it over (an early stopping's "
                 f"counter and best score), and a guard's rewind leaves it as the rewound steps left it; "
                 + (f"its attributes are plain values, so the TrainState can hold it: pass it by name, "
                    f"TrainState(..., {name}={name}) or state.{name} = {name}" if plain else
-                   "give it state_dict() and load_state_dict() and pass it to the TrainState by name"),
-                UserWarning, filename, lineno, module=module_globals.get("__name__"),
-                registry=module_globals.setdefault("__warningregistry__", {}), module_globals=module_globals)
+                   "give it state_dict() and load_state_dict() and pass it to the TrainState by name"))
         self._plain = still
